@@ -1,0 +1,62 @@
+# Detection of the optional parts, and the summary printed at the end of the
+# configure. Each part records ON/OFF and, when OFF, how to turn it on.
+
+set(CUDAGEN_PARTS "")
+
+function(cudagen_part NAME FOUND HOW)
+  if(FOUND)
+    set(CUDAGEN_HAVE_${NAME} ON PARENT_SCOPE)
+    set(CUDAGEN_PART_STATUS_${NAME} "on" PARENT_SCOPE)
+  else()
+    set(CUDAGEN_HAVE_${NAME} OFF PARENT_SCOPE)
+    set(CUDAGEN_PART_STATUS_${NAME} "OFF: ${HOW}" PARENT_SCOPE)
+    if(CUDAGEN_REQUIRE_ALL)
+      message(FATAL_ERROR "cudagen: part '${NAME}' cannot be built and CUDAGEN_REQUIRE_ALL is set: ${HOW}")
+    endif()
+  endif()
+  set(CUDAGEN_PARTS ${CUDAGEN_PARTS} ${NAME} PARENT_SCOPE)
+endfunction()
+
+# libFuzzer: the graph reader's fuzz target is built with clang and its sanitizers.
+find_program(CUDAGEN_CLANGXX NAMES clang++-19 clang++)
+set(_fuzz_ok OFF)
+if(CUDAGEN_CLANGXX)
+  execute_process(COMMAND ${CUDAGEN_CLANGXX} -print-file-name=libclang_rt.fuzzer-x86_64.a
+                  OUTPUT_VARIABLE _fuzzer_rt OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(EXISTS "${_fuzzer_rt}")
+    set(_fuzz_ok ON)
+  endif()
+endif()
+cudagen_part(FUZZ ${_fuzz_ok} "install clang-19 and libclang-rt-19-dev (apt-get install clang-19 libclang-rt-19-dev)")
+
+# Clang LibTooling (the template indexer).
+# (No version in the call: Clang's version file accepts only an exact 19.x.y.)
+find_package(Clang CONFIG QUIET PATHS /usr/lib/llvm-19/lib/cmake/clang NO_DEFAULT_PATH)
+set(_libtooling_ok OFF)
+if(Clang_FOUND AND LLVM_VERSION_MAJOR EQUAL 19)
+  set(_libtooling_ok ON)
+endif()
+cudagen_part(LIBTOOLING ${_libtooling_ok}
+             "install libclang-19-dev libclang-cpp19-dev llvm-19-dev (apt-get install ...)")
+
+# NVRTC and the CUDA toolkit (JIT compile; no driver needed to compile).
+if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+  set(CUDAToolkit_ROOT /usr/local/cuda)
+endif()
+find_package(CUDAToolkit QUIET)
+set(_nvrtc_ok OFF)
+if(CUDAToolkit_FOUND AND TARGET CUDA::nvrtc)
+  set(_nvrtc_ok ON)
+endif()
+cudagen_part(NVRTC ${_nvrtc_ok} "install the CUDA toolkit at /usr/local/cuda, or pass -DCUDAToolkit_ROOT=DIR")
+
+# The host emulator's fibers (Boost.Context fcontext).
+find_package(Boost QUIET COMPONENTS context)
+cudagen_part(EMULATOR "${Boost_CONTEXT_FOUND}" "install libboost-context-dev (apt-get install libboost-context-dev)")
+
+function(cudagen_report_parts)
+  message(STATUS "cudagen parts:")
+  foreach(part ${CUDAGEN_PARTS})
+    message(STATUS "  ${part}: ${CUDAGEN_PART_STATUS_${part}}")
+  endforeach()
+endfunction()

@@ -1,0 +1,94 @@
+// The TaskGraph as the user wrote it (DESIGN.md §2): tasks, their tensor
+// slots and argument slots, and slot dependencies. Plain value types: the
+// reader, the builder and the writer all produce or consume exactly this.
+//
+// Nothing here is checked against the op registry; `validate` does that and
+// turns a TaskGraph into a typed Program.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "json.h"
+
+namespace cudagen {
+
+enum class DType { f32, f16, bf16, f64, i32, i64 };
+enum class Phase { init, forward, backward, update };
+enum class Storage { external, persistent, saved, transient };
+
+const char* to_string(DType d);
+const char* to_string(Phase p);
+const char* to_string(Storage s);
+std::optional<DType> parse_dtype(std::string_view s);
+std::optional<Phase> parse_phase(std::string_view s);
+std::optional<Storage> parse_storage(std::string_view s);
+int64_t dtype_bytes(DType d);
+
+using Shape = std::vector<int64_t>;
+std::string shape_to_string(const Shape& shape);  // "[32, 64]"
+
+// `task.slot`: the slot of another task that a slot depends on.
+struct SlotRef {
+  std::string task;
+  std::string slot;
+  std::string str() const { return task + "." + slot; }
+  friend bool operator==(const SlotRef&, const SlotRef&) = default;
+};
+// Parses "task.slot"; nullopt when the text is not of that form.
+std::optional<SlotRef> parse_slot_ref(std::string_view text);
+
+// A tensor slot either owns storage (dtype, shape, storage class) or depends on
+// another task's slot (`from`) and shares its storage. A dependent slot may
+// still state dtype and shape: validation then checks them against the producer.
+struct TensorSlot {
+  std::string name;
+  std::optional<DType> dtype;
+  std::optional<Shape> shape;
+  std::optional<Storage> storage;  // absent: the default for the slot's role
+  std::optional<SlotRef> from;
+  SourceLoc loc;  // where the slot was written, when it was read from a file
+};
+
+// A typed scalar or small array given by value.
+using ArgValue = std::variant<bool, int64_t, double, std::string, std::vector<int64_t>, std::vector<double>>;
+std::string arg_value_to_string(const ArgValue& v);
+
+// An argument slot is a constant, or depends on another task's argument.
+// `runtime` arguments live in the arena's scalars region and may change
+// between calls without recompiling (Adam's step count, a learning rate).
+struct ArgSlot {
+  std::string name;
+  std::optional<ArgValue> value;
+  std::optional<SlotRef> from;
+  bool runtime = false;
+  SourceLoc loc;
+};
+
+struct Task {
+  std::string id;
+  std::string op;
+  Phase phase = Phase::forward;
+  std::vector<TensorSlot> tensors;
+  std::vector<ArgSlot> args;
+  SourceLoc loc;
+
+  const TensorSlot* find_tensor(std::string_view name) const;
+  const ArgSlot* find_arg(std::string_view name) const;
+};
+
+struct TaskGraph {
+  std::string name;
+  std::vector<Task> tasks;
+
+  const Task* find_task(std::string_view id) const;
+};
+
+// Ids of tasks and slots become C identifiers in generated code.
+bool is_identifier(std::string_view s);
+
+}  // namespace cudagen

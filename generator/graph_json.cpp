@@ -1,0 +1,329 @@
+#include "graph_json.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "file_util.h"
+
+namespace cudagen {
+
+namespace {
+
+// Reads one JSON document into a TaskGraph, reporting every structural
+// problem it meets rather than stopping at the first.
+class GraphReader {
+ public:
+  explicit GraphReader(Diagnostics& diags) : diags_(diags) {}
+
+  TaskGraph read(const JsonValue& root) {
+    TaskGraph graph;
+    if (!expect_kind(root, JsonValue::Kind::Object, "", "the document")) return graph;
+    check_fields(root, "", {"format", "name", "tasks"});
+    const JsonValue* format = root.find("format");
+    if (format == nullptr) {
+      error(root.loc, "", fmt::format("missing \"format\"; a task graph starts with \"format\": \"{}\"", kTaskGraphFormat));
+    } else if (!format->is_string() || format->as_string() != kTaskGraphFormat) {
+      error(format->loc, "/format",
+            fmt::format("unsupported format {}; this cudagen reads \"{}\"",
+                        format->is_string() ? json_quote(format->as_string()) : json_kind_name(format->kind()),
+                        kTaskGraphFormat));
+    }
+    if (const JsonValue* name = root.find("name")) {
+      if (expect_kind(*name, JsonValue::Kind::String, "/name", "\"name\"")) graph.name = name->as_string();
+    }
+    const JsonValue* tasks = root.find("tasks");
+    if (tasks == nullptr) {
+      error(root.loc, "", "missing \"tasks\": a task graph needs an array of tasks");
+      return graph;
+    }
+    if (!expect_kind(*tasks, JsonValue::Kind::Array, "/tasks", "\"tasks\"")) return graph;
+    graph.tasks.reserve(tasks->items().size());
+    for (size_t i = 0; i < tasks->items().size(); ++i) {
+      if (diags_.full()) break;
+      graph.tasks.push_back(read_task(tasks->items()[i], fmt::format("/tasks/{}", i)));
+    }
+    return graph;
+  }
+
+ private:
+  void error(SourceLoc loc, std::string path, std::string message, std::string hint = {}, std::string task = {},
+             std::string slot = {}) {
+    diags_.add(Diagnostic{{}, loc, std::move(path), std::move(task), std::move(slot), std::move(message), std::move(hint)});
+  }
+
+  bool expect_kind(const JsonValue& v, JsonValue::Kind kind, const std::string& path, std::string_view what,
+                   const std::string& task = {}, const std::string& slot = {}) {
+    if (v.kind() == kind) return true;
+    error(v.loc, path, fmt::format("{} must be {}, not {}", what, json_kind_name(kind), json_kind_name(v.kind())), {},
+          task, slot);
+    return false;
+  }
+
+  void check_fields(const JsonValue& obj, const std::string& path, const std::vector<std::string>& known,
+                    const std::string& task = {}, const std::string& slot = {}) {
+    for (const auto& [key, value] : obj.members()) {
+      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+      error(value.loc, path + "/" + key, fmt::format("unknown field \"{}\"{}", key, did_you_mean(key, known)),
+            fmt::format("the fields allowed here are: {}", fmt::join(known, ", ")), task, slot);
+    }
+  }
+
+  Task read_task(const JsonValue& v, const std::string& path) {
+    Task task;
+    task.loc = v.loc;
+    if (!expect_kind(v, JsonValue::Kind::Object, path, "a task")) return task;
+    const JsonValue* id = v.find("id");
+    if (id == nullptr) {
+      error(v.loc, path, "task has no \"id\"", "give every task a unique \"id\" (a C identifier)");
+    } else if (expect_kind(*id, JsonValue::Kind::String, path + "/id", "\"id\"")) {
+      task.id = id->as_string();
+      if (!is_identifier(task.id))
+        error(id->loc, path + "/id", fmt::format("task id {} is not an identifier", json_quote(task.id)),
+              "ids become names in the generated CUDA: use letters, digits and '_', not starting with a digit");
+    }
+    check_fields(v, path, {"id", "op", "phase", "tensors", "args"}, task.id);
+    const JsonValue* op = v.find("op");
+    if (op == nullptr) {
+      error(v.loc, path, "task has no \"op\"", "name the registry op this task runs, e.g. \"op\": \"matmul\"", task.id);
+    } else if (expect_kind(*op, JsonValue::Kind::String, path + "/op", "\"op\"", task.id)) {
+      task.op = op->as_string();
+    }
+    if (const JsonValue* phase = v.find("phase")) {
+      if (expect_kind(*phase, JsonValue::Kind::String, path + "/phase", "\"phase\"", task.id)) {
+        if (auto p = parse_phase(phase->as_string())) {
+          task.phase = *p;
+        } else {
+          error(phase->loc, path + "/phase", fmt::format("unknown phase {}", json_quote(phase->as_string())),
+                "a phase is one of: init, forward, backward, update", task.id);
+        }
+      }
+    }
+    if (const JsonValue* tensors = v.find("tensors")) {
+      if (expect_kind(*tensors, JsonValue::Kind::Object, path + "/tensors", "\"tensors\"", task.id)) {
+        for (const auto& [name, slot] : tensors->members())
+          task.tensors.push_back(read_tensor_slot(name, slot, path + "/tensors/" + name, task.id));
+      }
+    }
+    if (const JsonValue* args = v.find("args")) {
+      if (expect_kind(*args, JsonValue::Kind::Object, path + "/args", "\"args\"", task.id)) {
+        for (const auto& [name, arg] : args->members())
+          task.args.push_back(read_arg_slot(name, arg, path + "/args/" + name, task.id));
+      }
+    }
+    return task;
+  }
+
+  std::optional<SlotRef> read_ref(const JsonValue& v, const std::string& path, const std::string& task,
+                                  const std::string& slot) {
+    if (!expect_kind(v, JsonValue::Kind::String, path, "\"from\"", task, slot)) return std::nullopt;
+    auto ref = parse_slot_ref(v.as_string());
+    if (!ref)
+      error(v.loc, path, fmt::format("{} is not a slot reference", json_quote(v.as_string())),
+            "write a dependency as \"task_id.slot_name\"", task, slot);
+    return ref;
+  }
+
+  void check_slot_name(const std::string& name, const JsonValue& v, const std::string& path, const std::string& task) {
+    if (!is_identifier(name))
+      error(v.loc, path, fmt::format("slot name {} is not an identifier", json_quote(name)),
+            "use letters, digits and '_', not starting with a digit", task, name);
+  }
+
+  TensorSlot read_tensor_slot(const std::string& name, const JsonValue& v, const std::string& path,
+                              const std::string& task) {
+    TensorSlot slot;
+    slot.name = name;
+    slot.loc = v.loc;
+    check_slot_name(name, v, path, task);
+    if (!expect_kind(v, JsonValue::Kind::Object, path, "a tensor slot", task, name)) return slot;
+    check_fields(v, path, {"dtype", "shape", "storage", "from"}, task, name);
+    if (const JsonValue* dtype = v.find("dtype")) {
+      if (expect_kind(*dtype, JsonValue::Kind::String, path + "/dtype", "\"dtype\"", task, name)) {
+        slot.dtype = parse_dtype(dtype->as_string());
+        if (!slot.dtype)
+          error(dtype->loc, path + "/dtype", fmt::format("unknown dtype {}", json_quote(dtype->as_string())),
+                "a dtype is one of: f32, f16, bf16, f64, i32, i64", task, name);
+      }
+    }
+    if (const JsonValue* shape = v.find("shape")) {
+      if (expect_kind(*shape, JsonValue::Kind::Array, path + "/shape", "\"shape\"", task, name)) {
+        Shape dims;
+        bool good = true;
+        for (size_t i = 0; i < shape->items().size(); ++i) {
+          const JsonValue& d = shape->items()[i];
+          if (!d.is_int() || d.as_int() < 1) {
+            error(d.loc, fmt::format("{}/shape/{}", path, i),
+                  "a dimension must be a positive integer (shapes are static)", {}, task, name);
+            good = false;
+            continue;
+          }
+          dims.push_back(d.as_int());
+        }
+        if (good) slot.shape = std::move(dims);
+      }
+    }
+    if (const JsonValue* storage = v.find("storage")) {
+      if (expect_kind(*storage, JsonValue::Kind::String, path + "/storage", "\"storage\"", task, name)) {
+        slot.storage = parse_storage(storage->as_string());
+        if (!slot.storage)
+          error(storage->loc, path + "/storage", fmt::format("unknown storage class {}", json_quote(storage->as_string())),
+                "a storage class is one of: external, persistent, saved, transient", task, name);
+      }
+    }
+    if (const JsonValue* from = v.find("from")) slot.from = read_ref(*from, path + "/from", task, name);
+    return slot;
+  }
+
+  std::optional<ArgValue> read_arg_value(const JsonValue& v, const std::string& path, const std::string& task,
+                                         const std::string& slot) {
+    switch (v.kind()) {
+      case JsonValue::Kind::Bool: return ArgValue(v.as_bool());
+      case JsonValue::Kind::Int: return ArgValue(v.as_int());
+      case JsonValue::Kind::Float: return ArgValue(v.as_double());
+      case JsonValue::Kind::String: return ArgValue(v.as_string());
+      case JsonValue::Kind::Array: {
+        bool all_int = true;
+        for (const auto& item : v.items()) {
+          if (!item.is_number()) {
+            error(item.loc, path, "an array argument holds numbers only", {}, task, slot);
+            return std::nullopt;
+          }
+          all_int = all_int && item.is_int();
+        }
+        if (all_int && !v.items().empty()) {
+          std::vector<int64_t> ints;
+          for (const auto& item : v.items()) ints.push_back(item.as_int());
+          return ArgValue(std::move(ints));
+        }
+        std::vector<double> doubles;
+        for (const auto& item : v.items()) doubles.push_back(item.as_double());
+        return ArgValue(std::move(doubles));
+      }
+      default:
+        error(v.loc, path, fmt::format("an argument value cannot be {}", json_kind_name(v.kind())),
+              "give a number, boolean, string, array of numbers, or {\"from\": \"task.arg\"}", task, slot);
+        return std::nullopt;
+    }
+  }
+
+  ArgSlot read_arg_slot(const std::string& name, const JsonValue& v, const std::string& path, const std::string& task) {
+    ArgSlot arg;
+    arg.name = name;
+    arg.loc = v.loc;
+    check_slot_name(name, v, path, task);
+    if (!v.is_object()) {
+      arg.value = read_arg_value(v, path, task, name);
+      return arg;
+    }
+    check_fields(v, path, {"value", "from", "runtime"}, task, name);
+    if (const JsonValue* from = v.find("from")) arg.from = read_ref(*from, path + "/from", task, name);
+    if (const JsonValue* value = v.find("value")) arg.value = read_arg_value(*value, path + "/value", task, name);
+    if (const JsonValue* runtime = v.find("runtime")) {
+      if (expect_kind(*runtime, JsonValue::Kind::Bool, path + "/runtime", "\"runtime\"", task, name))
+        arg.runtime = runtime->as_bool();
+    }
+    if (arg.from && v.find("value") != nullptr)
+      error(v.loc, path, "an argument has either \"value\" or \"from\", not both", {}, task, name);
+    if (!arg.from && v.find("value") == nullptr)
+      error(v.loc, path, "an argument object needs \"value\" or \"from\"",
+            "write {\"value\": 0.001, \"runtime\": true} or {\"from\": \"task.arg\"}", task, name);
+    return arg;
+  }
+
+  Diagnostics& diags_;
+};
+
+void write_indent(std::string& out, int n) { out.append(size_t(n) * 2, ' '); }
+
+std::string tensor_slot_json(const TensorSlot& s) {
+  std::vector<std::string> fields;
+  if (s.from) fields.push_back("\"from\": " + json_quote(s.from->str()));
+  if (s.dtype) fields.push_back(fmt::format("\"dtype\": \"{}\"", to_string(*s.dtype)));
+  if (s.shape) fields.push_back(fmt::format("\"shape\": [{}]", fmt::join(*s.shape, ", ")));
+  if (s.storage) fields.push_back(fmt::format("\"storage\": \"{}\"", to_string(*s.storage)));
+  return fmt::format("{{{}}}", fmt::join(fields, ", "));
+}
+
+std::string arg_slot_json(const ArgSlot& a) {
+  if (a.from) return fmt::format("{{\"from\": {}}}", json_quote(a.from->str()));
+  std::string value = a.value ? arg_value_to_string(*a.value) : "null";
+  if (a.runtime) return fmt::format("{{\"value\": {}, \"runtime\": true}}", value);
+  return value;
+}
+
+}  // namespace
+
+TaskGraph read_graph(std::string_view text, const std::string& file) {
+  Diagnostics diags(file);
+  JsonValue root;
+  try {
+    root = parse_json(text);
+  } catch (const JsonSyntaxError& e) {
+    diags.add(Diagnostic{{}, e.loc, {}, {}, {}, "malformed JSON: " + e.message, {}});
+    throw CompileError(std::move(diags));
+  }
+  TaskGraph graph = GraphReader(diags).read(root);
+  if (!diags.ok()) throw CompileError(std::move(diags));
+  return graph;
+}
+
+TaskGraph read_graph_file(const std::string& path) { return read_graph(read_text_file(path), path); }
+
+std::string write_graph(const TaskGraph& graph) {
+  std::string out = "{\n";
+  write_indent(out, 1);
+  out += fmt::format("\"format\": \"{}\",\n", kTaskGraphFormat);
+  if (!graph.name.empty()) {
+    write_indent(out, 1);
+    out += fmt::format("\"name\": {},\n", json_quote(graph.name));
+  }
+  write_indent(out, 1);
+  out += "\"tasks\": [";
+  for (size_t i = 0; i < graph.tasks.size(); ++i) {
+    const Task& t = graph.tasks[i];
+    out += i == 0 ? "\n" : ",\n";
+    write_indent(out, 2);
+    out += "{\n";
+    write_indent(out, 3);
+    out += fmt::format("\"id\": {},\n", json_quote(t.id));
+    write_indent(out, 3);
+    out += fmt::format("\"op\": {},\n", json_quote(t.op));
+    write_indent(out, 3);
+    out += fmt::format("\"phase\": \"{}\"", to_string(t.phase));
+    if (!t.tensors.empty()) {
+      out += ",\n";
+      write_indent(out, 3);
+      out += "\"tensors\": {";
+      for (size_t j = 0; j < t.tensors.size(); ++j) {
+        out += j == 0 ? "\n" : ",\n";
+        write_indent(out, 4);
+        out += json_quote(t.tensors[j].name) + ": " + tensor_slot_json(t.tensors[j]);
+      }
+      out += "\n";
+      write_indent(out, 3);
+      out += "}";
+    }
+    if (!t.args.empty()) {
+      out += ",\n";
+      write_indent(out, 3);
+      out += "\"args\": {";
+      for (size_t j = 0; j < t.args.size(); ++j) {
+        out += j == 0 ? "\n" : ",\n";
+        write_indent(out, 4);
+        out += json_quote(t.args[j].name) + ": " + arg_slot_json(t.args[j]);
+      }
+      out += "\n";
+      write_indent(out, 3);
+      out += "}";
+    }
+    out += "\n";
+    write_indent(out, 2);
+    out += "}";
+  }
+  out += graph.tasks.empty() ? "]\n" : "\n  ]\n";
+  out += "}\n";
+  return out;
+}
+
+}  // namespace cudagen

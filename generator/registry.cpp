@@ -1,0 +1,286 @@
+#include "registry.h"
+
+#include <set>
+
+#include <fmt/format.h>
+
+#include "diagnostics.h"
+#include "json.h"
+
+namespace cudagen {
+
+const char* to_string(PatternKind p) {
+  switch (p) {
+    case PatternKind::elementwise: return "elementwise";
+    case PatternKind::broadcast: return "broadcast";
+    case PatternKind::reduction: return "reduction";
+    case PatternKind::matmul: return "matmul";
+    case PatternKind::gather: return "gather";
+    case PatternKind::opaque: return "opaque";
+  }
+  return "?";
+}
+
+const char* to_string(SlotRole r) {
+  switch (r) {
+    case SlotRole::input: return "input";
+    case SlotRole::weight: return "weight";
+    case SlotRole::output: return "output";
+    case SlotRole::scratch: return "scratch";
+  }
+  return "?";
+}
+
+const char* to_string(ArgType t) {
+  switch (t) {
+    case ArgType::float_: return "float";
+    case ArgType::int_: return "int";
+    case ArgType::bool_: return "bool";
+    case ArgType::string_: return "string";
+    case ArgType::ints: return "int[]";
+    case ArgType::floats: return "float[]";
+  }
+  return "?";
+}
+
+const SlotSignature* OpSignature::find_tensor(std::string_view n) const {
+  for (const auto& s : tensors)
+    if (s.name == n) return &s;
+  return nullptr;
+}
+
+const ArgSignature* OpSignature::find_arg(std::string_view n) const {
+  for (const auto& a : args)
+    if (a.name == n) return &a;
+  return nullptr;
+}
+
+const OpSignature* OpRegistry::find(std::string_view name) const {
+  auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &ops_[it->second];
+}
+
+std::vector<std::string> OpRegistry::names() const {
+  std::vector<std::string> out;
+  out.reserve(ops_.size());
+  for (const auto& op : ops_) out.push_back(op.name);
+  return out;
+}
+
+namespace {
+
+template <typename Enum, size_t N>
+std::optional<Enum> parse_enum(std::string_view s, const Enum (&values)[N]) {
+  for (Enum v : values)
+    if (s == to_string(v)) return v;
+  return std::nullopt;
+}
+
+constexpr PatternKind kPatterns[] = {PatternKind::elementwise, PatternKind::broadcast, PatternKind::reduction,
+                                     PatternKind::matmul,      PatternKind::gather,    PatternKind::opaque};
+constexpr SlotRole kRoles[] = {SlotRole::input, SlotRole::weight, SlotRole::output, SlotRole::scratch};
+constexpr ArgType kArgTypes[] = {ArgType::float_, ArgType::int_, ArgType::bool_,
+                                 ArgType::string_, ArgType::ints, ArgType::floats};
+
+// Reads the registry format; a registry is written by developers and by the
+// indexer, so errors name the file, line and op, and reading stops at none.
+class RegistryReader {
+ public:
+  RegistryReader(Diagnostics& diags) : diags_(diags) {}
+
+  std::vector<OpSignature> read(const JsonValue& root) {
+    std::vector<OpSignature> ops;
+    if (!root.is_object()) {
+      fail(root, "", "a registry is a JSON object");
+      return ops;
+    }
+    const JsonValue* format = root.find("format");
+    if (format == nullptr || !format->is_string() || format->as_string() != "cudagen.registry/1")
+      fail(root, "/format", "expected \"format\": \"cudagen.registry/1\"");
+    const JsonValue* list = root.find("ops");
+    if (list == nullptr || !list->is_array()) {
+      fail(root, "/ops", "expected \"ops\": [...]");
+      return ops;
+    }
+    for (size_t i = 0; i < list->items().size(); ++i) ops.push_back(read_op(list->items()[i], fmt::format("/ops/{}", i)));
+    return ops;
+  }
+
+ private:
+  void fail(const JsonValue& at, const std::string& path, std::string message, const std::string& op = {}) {
+    diags_.add(Diagnostic{{}, at.loc, path, {}, {}, op.empty() ? message : fmt::format("op '{}': {}", op, message), {}});
+  }
+
+  std::string string_field(const JsonValue& obj, const char* key, const std::string& path, const std::string& op,
+                           bool required) {
+    const JsonValue* v = obj.find(key);
+    if (v == nullptr) {
+      if (required) fail(obj, path, fmt::format("missing \"{}\"", key), op);
+      return {};
+    }
+    if (!v->is_string()) {
+      fail(*v, path + "/" + key, fmt::format("\"{}\" must be a string", key), op);
+      return {};
+    }
+    return v->as_string();
+  }
+
+  OpSignature read_op(const JsonValue& v, const std::string& path) {
+    OpSignature op;
+    if (!v.is_object()) {
+      fail(v, path, "an op is a JSON object");
+      return op;
+    }
+    op.name = string_field(v, "name", path, "", true);
+    if (!op.name.empty() && !is_identifier(op.name)) fail(v, path + "/name", "op names are identifiers", op.name);
+    std::string pattern = string_field(v, "pattern", path, op.name, true);
+    if (auto p = parse_enum(pattern, kPatterns)) {
+      op.pattern = *p;
+    } else if (!pattern.empty()) {
+      fail(v, path + "/pattern", fmt::format("unknown pattern kind \"{}\"", pattern), op.name);
+    }
+    op.doc = string_field(v, "doc", path, op.name, false);
+    op.backward = string_field(v, "backward", path, op.name, false);
+    if (const JsonValue* types = v.find("types")) read_types(*types, path + "/types", op);
+    if (const JsonValue* tensors = v.find("tensors"); tensors && tensors->is_array()) {
+      for (size_t i = 0; i < tensors->items().size(); ++i)
+        read_slot(tensors->items()[i], fmt::format("{}/tensors/{}", path, i), op);
+    } else {
+      fail(v, path + "/tensors", "missing \"tensors\": [...]", op.name);
+    }
+    if (const JsonValue* args = v.find("args"); args && args->is_array()) {
+      for (size_t i = 0; i < args->items().size(); ++i) read_arg(args->items()[i], fmt::format("{}/args/{}", path, i), op);
+    }
+    std::string shape = string_field(v, "shape", path, op.name, true);
+    if (!shape.empty()) {
+      try {
+        op.shape = parse_shape_rule(shape);
+        check_rule_slots(v, path, op);
+      } catch (const ShapeRuleSyntaxError& e) {
+        fail(v, path + "/shape", e.what(), op.name);
+      }
+    }
+    if (const JsonValue* alias = v.find("may_alias"); alias && alias->is_array()) {
+      for (const auto& pair : alias->items()) {
+        if (!pair.is_array() || pair.items().size() != 2 || !pair.items()[0].is_string() || !pair.items()[1].is_string()) {
+          fail(pair, path + "/may_alias", "may_alias holds [output, input] pairs of slot names", op.name);
+          continue;
+        }
+        op.may_alias.emplace_back(pair.items()[0].as_string(), pair.items()[1].as_string());
+        for (const auto& s : {op.may_alias.back().first, op.may_alias.back().second})
+          if (op.find_tensor(s) == nullptr) fail(pair, path + "/may_alias", fmt::format("no slot '{}'", s), op.name);
+      }
+    }
+    return op;
+  }
+
+  void read_types(const JsonValue& v, const std::string& path, OpSignature& op) {
+    if (!v.is_object()) {
+      fail(v, path, "\"types\" maps a type variable to its dtypes", op.name);
+      return;
+    }
+    for (const auto& [var, list] : v.members()) {
+      std::vector<DType> dtypes;
+      for (const auto& item : list.items()) {
+        auto d = item.is_string() ? parse_dtype(item.as_string()) : std::nullopt;
+        if (!d) {
+          fail(item, path + "/" + var, "not a dtype", op.name);
+          continue;
+        }
+        dtypes.push_back(*d);
+      }
+      if (dtypes.empty()) fail(list, path + "/" + var, "a type variable needs at least one dtype", op.name);
+      op.type_vars[var] = std::move(dtypes);
+    }
+  }
+
+  void read_slot(const JsonValue& v, const std::string& path, OpSignature& op) {
+    SlotSignature slot;
+    slot.name = string_field(v, "name", path, op.name, true);
+    std::string role = string_field(v, "role", path, op.name, true);
+    if (auto r = parse_enum(role, kRoles)) {
+      slot.role = *r;
+    } else {
+      fail(v, path + "/role", fmt::format("unknown slot role \"{}\"", role), op.name);
+    }
+    slot.dtype = string_field(v, "dtype", path, op.name, true);
+    if (!slot.dtype.empty() && !parse_dtype(slot.dtype) && !op.type_vars.count(slot.dtype))
+      fail(v, path + "/dtype", fmt::format("\"{}\" is neither a dtype nor a type variable of the op", slot.dtype), op.name);
+    if (const JsonValue* o = v.find("optional")) slot.optional = o->is_bool() && o->as_bool();
+    if (const JsonValue* w = v.find("writes")) slot.writes = w->is_bool() && w->as_bool();
+    if (op.find_tensor(slot.name) != nullptr) fail(v, path, fmt::format("duplicate slot '{}'", slot.name), op.name);
+    op.tensors.push_back(std::move(slot));
+  }
+
+  void read_arg(const JsonValue& v, const std::string& path, OpSignature& op) {
+    ArgSignature arg;
+    arg.name = string_field(v, "name", path, op.name, true);
+    std::string type = string_field(v, "type", path, op.name, true);
+    if (auto t = parse_enum(type, kArgTypes)) {
+      arg.type = *t;
+    } else {
+      fail(v, path + "/type", fmt::format("unknown argument type \"{}\"", type), op.name);
+    }
+    if (const JsonValue* choices = v.find("choices")) {
+      for (const auto& c : choices->items())
+        if (c.is_string()) arg.choices.push_back(c.as_string());
+    }
+    if (const JsonValue* d = v.find("default")) {
+      switch (d->kind()) {
+        case JsonValue::Kind::Bool: arg.default_value = d->as_bool(); break;
+        case JsonValue::Kind::Int:
+          arg.default_value = arg.type == ArgType::float_ ? ArgValue(d->as_double()) : ArgValue(d->as_int());
+          break;
+        case JsonValue::Kind::Float: arg.default_value = d->as_double(); break;
+        case JsonValue::Kind::String: arg.default_value = d->as_string(); break;
+        default: fail(*d, path + "/default", "unsupported default value", op.name);
+      }
+    }
+    op.args.push_back(std::move(arg));
+  }
+
+  void check_rule_slots(const JsonValue& v, const std::string& path, const OpSignature& op) {
+    for (const auto* list : {&op.shape.inputs, &op.shape.outputs})
+      for (const auto& p : *list)
+        if (op.find_tensor(p.slot) == nullptr)
+          fail(v, path + "/shape", fmt::format("the shape rule names slot '{}', which the op does not have", p.slot),
+               op.name);
+    for (const auto& s : op.tensors) {
+      bool named = false;
+      for (const auto* list : {&op.shape.inputs, &op.shape.outputs})
+        for (const auto& p : *list) named = named || p.slot == s.name;
+      if (!named) fail(v, path + "/shape", fmt::format("the shape rule says nothing of slot '{}'", s.name), op.name);
+    }
+  }
+
+  Diagnostics& diags_;
+};
+
+}  // namespace
+
+OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origin) {
+  Diagnostics diags(origin);
+  JsonValue root;
+  try {
+    root = parse_json(text);
+  } catch (const JsonSyntaxError& e) {
+    diags.add(Diagnostic{{}, e.loc, {}, {}, {}, "malformed JSON: " + e.message, {}});
+    throw CompileError(std::move(diags));
+  }
+  OpRegistry reg;
+  reg.ops_ = RegistryReader(diags).read(root);
+  for (size_t i = 0; i < reg.ops_.size(); ++i) {
+    if (!reg.index_.emplace(reg.ops_[i].name, i).second)
+      diags.add(Diagnostic{{}, {}, fmt::format("/ops/{}", i), {}, {}, fmt::format("duplicate op '{}'", reg.ops_[i].name), {}});
+  }
+  for (const auto& op : reg.ops_) {
+    if (!op.backward.empty() && reg.find(op.backward) == nullptr)
+      diags.add(Diagnostic{{}, {}, {}, {}, {}, fmt::format("op '{}': backward op '{}' is not in the registry", op.name, op.backward), {}});
+  }
+  if (!diags.ok()) throw CompileError(std::move(diags));
+  return reg;
+}
+
+OpRegistry builtin_registry() { return OpRegistry::from_json(builtin_registry_json(), "<builtin registry>"); }
+
+}  // namespace cudagen

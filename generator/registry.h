@@ -1,0 +1,77 @@
+// The op registry: what the compiler knows of each op (DESIGN.md §3), read
+// from the registry JSON format (docs/registry-format.md). The bundled ops
+// come from builtin_registry(); the template indexer later writes the same
+// format from templates/.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "graph.h"
+#include "shape_rule.h"
+
+namespace cudagen {
+
+enum class PatternKind { elementwise, broadcast, reduction, matmul, gather, opaque };
+enum class SlotRole { input, weight, output, scratch };
+enum class ArgType { float_, int_, bool_, string_, ints, floats };
+
+const char* to_string(PatternKind p);
+const char* to_string(SlotRole r);
+const char* to_string(ArgType t);
+
+struct SlotSignature {
+  std::string name;
+  SlotRole role = SlotRole::input;
+  std::string dtype;     // a concrete dtype ("i32") or a type variable of the op ("T")
+  bool optional = false;
+  bool writes = false;   // an input or weight the op updates in place (an optimizer's parameter)
+};
+
+struct ArgSignature {
+  std::string name;
+  ArgType type = ArgType::float_;
+  std::optional<ArgValue> default_value;  // absent: the task must give it
+  std::vector<std::string> choices;       // string arguments: the allowed values
+};
+
+struct OpSignature {
+  std::string name;
+  PatternKind pattern = PatternKind::opaque;
+  std::map<std::string, std::vector<DType>> type_vars;  // "T" -> {f32, f16, bf16}
+  std::vector<SlotSignature> tensors;
+  std::vector<ArgSignature> args;
+  ShapeRule shape;
+  std::vector<std::pair<std::string, std::string>> may_alias;  // {output, input}
+  std::string backward;  // op name of its backward, if differentiable
+  std::string doc;
+
+  const SlotSignature* find_tensor(std::string_view name) const;
+  const ArgSignature* find_arg(std::string_view name) const;
+};
+
+class OpRegistry {
+ public:
+  // Parses the registry format; throws CompileError naming file, line and op.
+  static OpRegistry from_json(std::string_view text, const std::string& origin);
+
+  const OpSignature* find(std::string_view name) const;
+  const std::vector<OpSignature>& ops() const { return ops_; }
+  std::vector<std::string> names() const;
+
+ private:
+  std::vector<OpSignature> ops_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+// The registry text of the ops bundled with cudagen.
+std::string_view builtin_registry_json();
+
+// The bundled ops, parsed.
+OpRegistry builtin_registry();
+
+}  // namespace cudagen

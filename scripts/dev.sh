@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# cudagen's two set-up commands (see README.md):
+#   scripts/dev.sh example   install what is missing, build, run the main job on the bundled example
+#   scripts/dev.sh test      install what is missing, build every part, run the whole test suite
+# Environment: BUILD_DIR (default: build), CUDAToolkit_ROOT (default: /usr/local/cuda).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+CUDA_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
+PACKAGES=(cmake ninja-build g++ python3
+          clang-19 libclang-rt-19-dev libclang-19-dev libclang-cpp19-dev llvm-19-dev
+          libfmt-dev libcli11-dev libgtest-dev libbenchmark-dev libboost-context-dev)
+
+install_missing() {
+  local missing=()
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "== installing: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    # libclang-rt-19-dev is named explicitly: it is only a recommended package of clang-19.
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
+    echo "error: no CUDA toolkit at $CUDA_ROOT (nvcc, NVRTC); install it there or set CUDAToolkit_ROOT" >&2
+    exit 1
+  fi
+}
+
+configure_and_build() {
+  echo "== configuring ($BUILD_DIR)"
+  # CUDAGEN_REQUIRE_ALL: a part that cannot be built fails the configure instead of being skipped.
+  mkdir -p "$BUILD_DIR"
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCUDAGEN_REQUIRE_ALL=ON -DCUDAToolkit_ROOT="$CUDA_ROOT" >"$BUILD_DIR/configure.log" 2>&1 ||
+    { cat "$BUILD_DIR/configure.log"; exit 1; }
+  grep -A8 "cudagen parts:" "$BUILD_DIR/configure.log" | sed 's/^-- //'
+  echo "== building"
+  cmake --build "$BUILD_DIR"
+}
+
+case "${1:-}" in
+  example)
+    install_missing
+    configure_and_build
+    cudagen="$BUILD_DIR/generator/cudagen"
+    echo "== cudagen validate examples/*.json"
+    for g in examples/*.json; do "$cudagen" validate "$g"; done
+    echo "== cudagen describe examples/mlp_train.json"
+    "$cudagen" describe examples/mlp_train.json
+    ;;
+  test)
+    install_missing
+    configure_and_build
+    echo "== running the test suite"
+    ctest --test-dir "$BUILD_DIR" --output-on-failure -j2
+    ;;
+  *)
+    echo "usage: scripts/dev.sh example|test" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,109 @@
+// The `cudagen` executable: exit codes, where messages go, and that nothing
+// is written on failure.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+using namespace cudagen::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct CliResult {
+  int status;
+  std::string out;
+  std::string err;
+};
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("cudagen_cli_test_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  CliResult run(const std::string& args) {
+    std::string out = (dir_ / "stdout").string(), err = (dir_ / "stderr").string();
+    std::string cmd = std::string(CUDAGEN_EXE) + " " + args + " >" + out + " 2>" + err;
+    int raw = std::system(cmd.c_str());
+    return CliResult{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, cudagen::read_text_file(out), cudagen::read_text_file(err)};
+  }
+
+  std::string write(const std::string& name, const std::string& text) {
+    std::string path = (dir_ / name).string();
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  fs::path dir_;
+};
+
+}  // namespace
+
+TEST_F(Cli, ValidateOk) {
+  CliResult r = run("validate " + source_path("examples/mlp_train.json"));
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("ok: 21 tasks"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err, "");
+}
+
+TEST_F(Cli, BadInputExitsOneWithErrorsOnStderr) {
+  std::string path = write("bad.json", graph_of(R"({"id": "a", "op": "matmull"})"));
+  CliResult r = run("validate " + path);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find(path + ":1:58: error: task 'a' (/tasks/0/op): unknown op 'matmull'"), std::string::npos) << r.err;
+}
+
+TEST_F(Cli, UsageErrorsExitTwo) {
+  EXPECT_EQ(run("").status, 2);
+  EXPECT_EQ(run("frobnicate").status, 2);
+  EXPECT_EQ(run("validate").status, 2);
+  EXPECT_EQ(run("validate /no/such/file.json").status, 2);
+  EXPECT_EQ(run("describe --error-limit notanumber x.json").status, 2);
+}
+
+TEST_F(Cli, HelpAndVersion) {
+  CliResult r = run("--help");
+  EXPECT_EQ(r.status, 0);
+  for (const char* word : {"validate", "describe", "format", "ops", "Exit status"})
+    EXPECT_NE(r.out.find(word), std::string::npos) << word;
+  r = run("describe --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("--max-tensor-bytes"), std::string::npos);
+  r = run("--version");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("cudagen 0."), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, DescribeShowsPhasesAndStorage) {
+  CliResult r = run("describe " + source_path("examples/mlp_train.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* want : {"graph mlp_train: 21 tasks, 19 buffers", "backward        7", "update          4  sgd x4",
+                           "persistent          4          38440", "act1.out"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
+}
+
+TEST_F(Cli, FormatWritesAtomicallyAndNothingOnFailure) {
+  std::string out = (dir_ / "out.json").string();
+  CliResult r = run("format " + source_path("examples/transformer_block.json") + " -o " + out);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(cudagen::read_text_file(out), cudagen::read_text_file(source_path("examples/transformer_block.json")));
+
+  std::string missing = (dir_ / "never.json").string();
+  r = run("format " + write("broken.json", "{\"format\": ") + " -o " + missing);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("malformed JSON"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(missing));
+  for (const auto& entry : fs::directory_iterator(dir_))
+    EXPECT_EQ(entry.path().string().find(".tmp."), std::string::npos) << "temporary file left: " << entry.path();
+}

@@ -1,0 +1,168 @@
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "test_util.h"
+
+using namespace cudagen;
+using namespace cudagen::testing;
+
+namespace {
+
+const char* kAllFeatures = R"({
+  "format": "cudagen.taskgraph/1",
+  "name": "features",
+  "tasks": [
+    {
+      "id": "w",
+      "op": "uniform",
+      "phase": "init",
+      "tensors": {
+        "out": {"dtype": "bf16", "shape": [4, 8], "storage": "persistent"}
+      },
+      "args": {
+        "low": -0.5,
+        "high": 0.5,
+        "seed": 7
+      }
+    },
+    {
+      "id": "opt",
+      "op": "adam",
+      "phase": "update",
+      "tensors": {
+        "param": {"from": "w.out"},
+        "grad": {"from": "w.out", "dtype": "bf16", "shape": [4, 8]}
+      },
+      "args": {
+        "lr": {"value": 0.001, "runtime": true},
+        "step": {"from": "other.step"},
+        "sizes": [1, 2, 3],
+        "ratios": [0.5, 1.0],
+        "name": "x\"y",
+        "flag": false
+      }
+    }
+  ]
+}
+)";
+
+}  // namespace
+
+TEST(GraphJson, ReadsEveryField) {
+  TaskGraph g = read_graph(kAllFeatures);
+  EXPECT_EQ(g.name, "features");
+  ASSERT_EQ(g.tasks.size(), 2u);
+  const Task& w = g.tasks[0];
+  EXPECT_EQ(w.phase, Phase::init);
+  ASSERT_EQ(w.tensors.size(), 1u);
+  EXPECT_EQ(w.tensors[0].dtype, DType::bf16);
+  EXPECT_EQ(*w.tensors[0].shape, (Shape{4, 8}));
+  EXPECT_EQ(w.tensors[0].storage, Storage::persistent);
+  EXPECT_EQ(std::get<int64_t>(*w.find_arg("seed")->value), 7);
+  EXPECT_EQ(std::get<double>(*w.find_arg("low")->value), -0.5);
+  const Task& opt = g.tasks[1];
+  EXPECT_EQ(opt.find_tensor("param")->from, (SlotRef{"w", "out"}));
+  EXPECT_EQ(opt.find_tensor("grad")->dtype, DType::bf16);
+  EXPECT_TRUE(opt.find_arg("lr")->runtime);
+  EXPECT_EQ(opt.find_arg("step")->from, (SlotRef{"other", "step"}));
+  EXPECT_EQ(std::get<std::vector<int64_t>>(*opt.find_arg("sizes")->value), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(std::get<std::vector<double>>(*opt.find_arg("ratios")->value), (std::vector<double>{0.5, 1.0}));
+  EXPECT_EQ(std::get<std::string>(*opt.find_arg("name")->value), "x\"y");
+  EXPECT_EQ(std::get<bool>(*opt.find_arg("flag")->value), false);
+  EXPECT_EQ(opt.tensors[0].loc.line, 23);
+}
+
+TEST(GraphJson, CanonicalTextRoundTripsByteForByte) {
+  EXPECT_EQ(write_graph(read_graph(kAllFeatures)), kAllFeatures);
+}
+
+TEST(GraphJson, ExamplesAreInCanonicalForm) {
+  for (const char* name : {"examples/mlp_train.json", "examples/transformer_block.json"}) {
+    std::string text = read_text_file(source_path(name));
+    EXPECT_EQ(write_graph(read_graph(text, name)), text) << name << " is not canonical: run `cudagen format`";
+  }
+}
+
+TEST(GraphJson, NonCanonicalInputBecomesCanonicalAndStaysSo) {
+  std::string messy = R"({"tasks":[{"args":{"value":1},"phase":"init","op":"fill","id":"z",
+      "tensors":{"out":{"storage":"persistent","shape":[3],"dtype":"f32"}}}],"format":"cudagen.taskgraph/1"})";
+  std::string once = write_graph(read_graph(messy));
+  EXPECT_EQ(write_graph(read_graph(once)), once);
+  EXPECT_NE(once.find(R"("out": {"dtype": "f32", "shape": [3], "storage": "persistent"})"), std::string::npos) << once;
+  EXPECT_NE(once.find(R"("value": 1)"), std::string::npos) << "an integer stays an integer";
+}
+
+TEST(GraphJson, MalformedJsonNamesLineAndColumn) {
+  std::string text = "{\n  \"format\": \"cudagen.taskgraph/1\",\n  \"tasks\": [\n    {\"id\": \"a\",}\n  ]\n}\n";
+  try {
+    read_graph(text, "bad.json");
+    FAIL();
+  } catch (const CompileError& e) {
+    EXPECT_EQ(e.diagnostics().format(), "bad.json:4:16: error: malformed JSON: expected a quoted key\n");
+  }
+}
+
+TEST(GraphJson, UnknownFieldSuggestsTheNearestOne) {
+  std::string msg = errors_of(graph_of(R"({"id": "a", "op": "relu", "phse": "forward"})"));
+  EXPECT_NE(msg.find("t.json:1:92: error: task 'a' (/tasks/0/phse): unknown field \"phse\"; did you mean 'phase'?"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("the fields allowed here are: id, op, phase, tensors, args"), std::string::npos) << msg;
+}
+
+TEST(GraphJson, StructuralErrorsAreAllReported) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "1bad", "op": "relu", "phase": "sideways",
+     "tensors": {"x": {"dtype": "f33", "shape": [0, 2]}, "out": {"from": "nodot"}},
+     "args": {"k": {"value": 1, "from": "a.b"}}})"));
+  for (const char* want : {"task id \"1bad\" is not an identifier", "unknown phase \"sideways\"", "unknown dtype \"f33\"",
+                           "/tasks/0/tensors/x/shape/0", "a dimension must be a positive integer",
+                           "\"nodot\" is not a slot reference", "either \"value\" or \"from\", not both", "6 errors"})
+    EXPECT_NE(msg.find(want), std::string::npos) << "missing: " << want << "\nin:\n" << msg;
+}
+
+TEST(GraphJson, MissingFormatAndTasks) {
+  std::string msg = errors_of("{}");
+  EXPECT_NE(msg.find("missing \"format\""), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing \"tasks\""), std::string::npos) << msg;
+  msg = errors_of(R"({"format": "cudagen.taskgraph/2", "tasks": []})");
+  EXPECT_NE(msg.find("unsupported format \"cudagen.taskgraph/2\""), std::string::npos) << msg;
+}
+
+TEST(Builder, MakesTheSameGraphAsJson) {
+  GraphBuilder b("features");
+  auto w = b.task("w", "uniform", Phase::init)
+               .tensor("out", DType::bf16, {4, 8}, Storage::persistent)
+               .arg("low", -0.5)
+               .arg("high", 0.5)
+               .arg("seed", 7);
+  b.task("opt", "adam", Phase::update)
+      .tensor("param", w["out"])
+      .tensor("grad", w["out"])
+      .runtime_arg("lr", 0.001)
+      .arg("step", SlotRef{"other", "step"})
+      .arg("sizes", ArgValue(std::vector<int64_t>{1, 2, 3}))
+      .arg("ratios", ArgValue(std::vector<double>{0.5, 1.0}))
+      .arg("name", "x\"y")
+      .arg("flag", false);
+  TaskGraph built = std::move(b).graph();
+  // The JSON version states the dependent slot's dtype and shape; drop them to compare.
+  TaskGraph read = read_graph(kAllFeatures);
+  read.tasks[1].tensors[1].dtype.reset();
+  read.tasks[1].tensors[1].shape.reset();
+  EXPECT_EQ(write_graph(built), write_graph(read));
+}
+
+TEST(Builder, BuildsAValidMlpLayer) {
+  GraphBuilder b("layer");
+  auto w = b.task("w", "uniform", Phase::init).tensor("out", DType::f32, {64, 32});
+  auto mm = b.task("mm", "matmul")
+                .tensor("a", DType::f32, {8, 64}, Storage::external)
+                .tensor("b", w["out"])
+                .tensor("out", DType::f32, {8, 32});
+  b.task("act", "relu").tensor("x", mm["out"]).tensor("out", DType::f32, {8, 32}, Storage::external);
+  Program p = validate(std::move(b).graph(), builtin_registry());
+  ASSERT_EQ(p.tasks.size(), 3u);
+  EXPECT_EQ(p.tasks[2].deps, (std::vector<int>{1}));
+  EXPECT_EQ(p.buffers[size_t(p.tasks[1].find_tensor("b")->buffer)].storage, Storage::persistent);
+}

@@ -1,0 +1,237 @@
+// Every validation error: its message, where it points, and its hint.
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "test_util.h"
+
+using namespace cudagen;
+using namespace cudagen::testing;
+
+namespace {
+
+// A small valid forward graph: x -> matmul(w) -> relu -> out.
+std::string layer(const std::string& matmul_b = R"({"from": "w.out"})", const std::string& relu_x = R"({"from": "mm.out"})",
+                  const std::string& extra_task = "") {
+  return graph_of(R"(
+    {"id": "w", "op": "uniform", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": [64, 32]}}},
+    {"id": "mm", "op": "matmul", "tensors": {"a": {"dtype": "f32", "shape": [8, 64], "storage": "external"},
+                                             "b": )" + matmul_b + R"(, "out": {"dtype": "f32", "shape": [8, 32]}}},
+    {"id": "act", "op": "relu", "tensors": {"x": )" + relu_x + R"(, "out": {"dtype": "f32", "shape": [8, 32]}}})" +
+                  extra_task);
+}
+
+void expect_contains(const std::string& haystack, const std::string& needle) {
+  EXPECT_NE(haystack.find(needle), std::string::npos) << "missing: " << needle << "\nin:\n" << haystack;
+}
+
+}  // namespace
+
+TEST(Validate, AcceptsTheExamples) {
+  for (const char* name : {"examples/mlp_train.json", "examples/transformer_block.json"})
+    EXPECT_EQ(errors_of(read_text_file(source_path(name))), "") << name;
+  EXPECT_EQ(errors_of(layer()), "");
+}
+
+TEST(Validate, UnknownOpSuggestsTheNearest) {
+  std::string msg = errors_of(graph_of(R"({"id": "a", "op": "matmull"})"));
+  expect_contains(msg, "t.json:1:58: error: task 'a' (/tasks/0/op): unknown op 'matmull'; did you mean 'matmul'?");
+  expect_contains(msg, "hint: `cudagen ops` lists the ops of the registry");
+}
+
+TEST(Validate, MissingAndExtraSlots) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "a", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "external"},
+                                          "y": {"dtype": "f32", "shape": [4]}}})"));
+  expect_contains(msg, "task 'a', slot 'y' (/tasks/0/tensors/y): op 'relu' has no tensor slot 'y'");
+  expect_contains(msg, "hint: the tensor slots of relu are: x, out");
+  expect_contains(msg, "task 'a', slot 'out' (/tasks/0/tensors): missing tensor slot 'out' (output of op 'relu')");
+}
+
+TEST(Validate, MissingAndExtraArguments) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "w", "op": "uniform", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "s", "op": "sgd", "phase": "update", "tensors": {"param": {"from": "w.out"}, "grad": {"from": "w.out"}},
+     "args": {"learning_rate": 0.1, "grad": 1}})"));
+  expect_contains(msg, "task 's', slot 'lr' (/tasks/1/args): missing argument 'lr' (float) of op 'sgd'; it has no default");
+  expect_contains(msg, "op 'sgd' has no argument 'learning_rate'");
+  expect_contains(msg, "hint: 'grad' is a tensor slot of sgd: move it to \"tensors\"");
+}
+
+TEST(Validate, DependencyOnAMissingTaskOrSlot) {
+  std::string msg = errors_of(layer(R"({"from": "ww.out"})", R"({"from": "mm.output"})"));
+  expect_contains(msg, "task 'mm', slot 'b' (/tasks/1/tensors/b/from): depends on 'ww.out', but there is no task 'ww'; did you mean 'w'?");
+  expect_contains(msg, "task 'act', slot 'x' (/tasks/2/tensors/x/from): depends on 'mm.output', but task 'mm' has no tensor slot 'output'; did you mean 'out'?");
+  expect_contains(msg, "hint: the tensor slots of 'mm' are: a, b, out");
+}
+
+TEST(Validate, ProducerConsumerDtypeAndShapeMismatch) {
+  std::string msg = errors_of(layer(R"({"from": "w.out", "dtype": "f16"})", R"({"from": "mm.out", "shape": [8, 33]})"));
+  expect_contains(msg, "task 'mm', slot 'b' (/tasks/1/tensors/b/dtype): dtype mismatch: this slot says f16, but its producer w.out is f32");
+  expect_contains(msg, "task 'act', slot 'x' (/tasks/2/tensors/x/shape): shape mismatch: this slot says [8, 33], but its producer mm.out is [8, 32]");
+}
+
+TEST(Validate, ShapeRuleViolation) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "mm", "op": "matmul", "tensors": {"a": {"dtype": "f32", "shape": [8, 64], "storage": "external"},
+       "b": {"dtype": "f32", "shape": [65, 32], "storage": "external"}, "out": {"dtype": "f32", "shape": [8, 32]}}})"));
+  expect_contains(msg, "task 'mm', slot 'b' (/tasks/0/tensors/b): shape mismatch: b[0] is 65, but it must equal K = 64 (from a[1])");
+}
+
+TEST(Validate, ShapeRuleFollowsTransposeArguments) {
+  std::string ok = graph_of(R"(
+    {"id": "mm", "op": "matmul", "args": {"trans_a": true},
+     "tensors": {"a": {"dtype": "f32", "shape": [64, 8], "storage": "external"},
+       "b": {"dtype": "f32", "shape": [64, 32], "storage": "external"}, "out": {"dtype": "f32", "shape": [8, 32]}}})");
+  EXPECT_EQ(errors_of(ok), "");
+  std::string bad = ok;
+  bad.replace(bad.find("true"), 4, "false");
+  expect_contains(errors_of(bad), "b[0] is 64, but it must equal K = 8 (from a[1])");
+}
+
+TEST(Validate, BroadcastRule) {
+  auto add = [](const std::string& b_shape, const std::string& out_shape) {
+    return graph_of(R"({"id": "s", "op": "add", "tensors": {"a": {"dtype": "f32", "shape": [4, 3], "storage": "external"},
+       "b": {"dtype": "f32", "shape": )" + b_shape + R"(, "storage": "external"}, "out": {"dtype": "f32", "shape": )" +
+                    out_shape + "}}}");
+  };
+  EXPECT_EQ(errors_of(add("[3]", "[4, 3]")), "");
+  EXPECT_EQ(errors_of(add("[2, 1, 3]", "[2, 4, 3]")), "");
+  expect_contains(errors_of(add("[2]", "[4, 3]")), "a[0:2] ([4, 3]) and b[0:1] ([2]) do not broadcast");
+  expect_contains(errors_of(add("[3]", "[4, 4]")), "out is [4, 4], but broadcasting [4, 3] with [3] gives [4, 3]");
+}
+
+TEST(Validate, CycleIsPrinted) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "a", "op": "relu", "tensors": {"x": {"from": "c.out"}, "out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "b", "op": "relu", "tensors": {"x": {"from": "a.out"}, "out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "c", "op": "relu", "tensors": {"x": {"from": "b.out"}, "out": {"dtype": "f32", "shape": [4]}}})"));
+  expect_contains(msg, "tasks depend on each other in a cycle: a -> b -> c -> a");
+}
+
+TEST(Validate, SelfDependencyIsACycle) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "a", "op": "add", "tensors": {"a": {"dtype": "f32", "shape": [4], "storage": "external"},
+      "b": {"from": "a.out"}, "out": {"dtype": "f32", "shape": [4]}}})"));
+  expect_contains(msg, "tasks depend on each other in a cycle: a -> a");
+}
+
+TEST(Validate, SlotDependencyCycleWithNoProducer) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "a", "op": "relu", "tensors": {"x": {"from": "b.x"}, "out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "b", "op": "relu", "tensors": {"x": {"from": "a.x"}, "out": {"dtype": "f32", "shape": [4]}}})"));
+  expect_contains(msg, "slot dependencies form a cycle with no producer: a.x <- b.x <- a.x");
+  EXPECT_EQ(msg.find("cycle with no producer", msg.find("cycle with no producer") + 1), std::string::npos)
+      << "reported once, not once per slot:\n" << msg;
+}
+
+TEST(Validate, DuplicateTaskIds) {
+  std::string msg = errors_of(layer(R"({"from": "w.out"})", R"({"from": "mm.out"})",
+                                    R"(, {"id": "mm", "op": "fill", "tensors": {"out": {"dtype": "f32", "shape": [1]}}})"));
+  expect_contains(msg, "task 'mm' (/tasks/3/id): duplicate task id 'mm'; it is first used at /tasks/1");
+}
+
+TEST(Validate, ElementCountOverflowAndSizeLimit) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "big", "op": "fill", "tensors": {"out": {"dtype": "f32", "shape": [4294967296, 4294967296]}}},
+    {"id": "huge", "op": "fill", "tensors": {"out": {"dtype": "f64", "shape": [1099511627776, 2]}}})"));
+  expect_contains(msg, "task 'big', slot 'out' (/tasks/0/tensors/out/shape): shape [4294967296, 4294967296] has more elements than a 64-bit count can hold");
+  expect_contains(msg, "task 'huge', slot 'out' (/tasks/1/tensors/out/shape): f64 [1099511627776, 2] takes 17592186044416 bytes, over the limit of 1099511627776 bytes for one tensor");
+  ValidateOptions tight;
+  tight.max_tensor_bytes = 1000;
+  expect_contains(errors_of(layer(), tight), "f32 [64, 32] takes 8192 bytes, over the limit of 1000 bytes");
+}
+
+TEST(Validate, ForwardTaskCannotDependOnBackward) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "g", "op": "fill", "phase": "backward", "tensors": {"out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "f", "op": "relu", "phase": "forward", "tensors": {"x": {"from": "g.out"}, "out": {"dtype": "f32", "shape": [4]}}})"));
+  expect_contains(msg, "task 'f', slot 'x' (/tasks/1/tensors/x/from): a forward task cannot depend on backward task 'g': phases run in the order init, forward, backward, update");
+}
+
+TEST(Validate, DtypeRules) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "s", "op": "add", "tensors": {"a": {"dtype": "f32", "shape": [4], "storage": "external"},
+      "b": {"dtype": "f16", "shape": [4], "storage": "external"}, "out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "r", "op": "relu", "tensors": {"x": {"dtype": "i32", "shape": [4], "storage": "external"},
+      "out": {"dtype": "i32", "shape": [4]}}},
+    {"id": "e", "op": "embedding", "tensors": {"table": {"dtype": "f32", "shape": [10, 4], "storage": "persistent"},
+      "ids": {"dtype": "f32", "shape": [3], "storage": "external"}, "out": {"dtype": "f32", "shape": [3, 4]}}})"));
+  expect_contains(msg, "'b' is f16, but 'a' is f32; op 'add' needs them to have the same dtype");
+  expect_contains(msg, "op 'relu' does not support dtype i32 for 'x'; it takes f32, f16, bf16, f64");
+  expect_contains(msg, "op 'embedding' does not support dtype f32 for 'ids'; it takes i32, i64");
+}
+
+TEST(Validate, ArgumentTypesAndChoices) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "g", "op": "gelu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "external"},
+      "out": {"dtype": "f32", "shape": [4]}}, "args": {"approximate": "tan"}},
+    {"id": "m", "op": "matmul", "args": {"trans_a": 1},
+     "tensors": {"a": {"dtype": "f32", "shape": [2, 2], "storage": "external"},
+       "b": {"dtype": "f32", "shape": [2, 2], "storage": "external"}, "out": {"dtype": "f32", "shape": [2, 2]}}})"));
+  expect_contains(msg, "argument 'approximate' cannot be \"tan\"; did you mean 'tanh'?");
+  expect_contains(msg, "hint: it is one of: tanh, erf");
+  expect_contains(msg, "argument 'trans_a' must be bool, not 1");
+}
+
+TEST(Validate, StorageRules) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "a", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4]}, "out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "b", "op": "relu", "tensors": {"x": {"from": "a.out", "storage": "saved"}, "out": {"from": "a.out"}}},
+    {"id": "c", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "transient"}, "out": {"dtype": "f32"}}})"));
+  expect_contains(msg, "task 'b', slot 'x' (/tasks/1/tensors/x/storage): a slot with \"from\" shares its producer's storage, so it cannot set \"storage\"");
+  expect_contains(msg, "task 'b', slot 'out' (/tasks/1/tensors/out/from): 'out' is an output of op 'relu'; an output owns its storage");
+  expect_contains(msg, "task 'c', slot 'x' (/tasks/2/tensors/x/storage): 'x' is read by the op but owns transient storage that no task writes");
+  expect_contains(msg, "task 'c', slot 'out' (/tasks/2/tensors/out): slot owns storage but has no shape");
+  EXPECT_EQ(errors_of(layer()), "") << "an input slot with no storage class defaults to external";
+}
+
+TEST(Validate, OnlyScalarArgumentsChangeAtRunTime) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "g", "op": "gelu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "external"},
+      "out": {"dtype": "f32", "shape": [4]}}, "args": {"approximate": {"value": "erf", "runtime": true}}})"));
+  expect_contains(msg, "argument 'approximate' is string; only scalar (float, int, bool) arguments can change at run time");
+}
+
+TEST(Validate, ShapeDecidingArgumentsMustBeConstant) {
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "m", "op": "matmul", "args": {"trans_a": {"value": false, "runtime": true}},
+     "tensors": {"a": {"dtype": "f32", "shape": [2, 2], "storage": "external"},
+       "b": {"dtype": "f32", "shape": [2, 2], "storage": "external"}, "out": {"dtype": "f32", "shape": [2, 2]}}})"));
+  expect_contains(msg, "argument 'trans_a' decides shapes, so it must be a constant");
+}
+
+TEST(Validate, TransientReadInALaterPhaseBecomesSaved) {
+  Program p = validate(read_graph(read_text_file(source_path("examples/mlp_train.json"))), builtin_registry());
+  for (const auto& b : p.buffers) {
+    std::string name = p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+    if (name == "act1.out" || name == "dw1.out") {
+      EXPECT_EQ(b.storage, Storage::saved) << name;
+      EXPECT_TRUE(b.promoted) << name;
+    }
+    if (name == "fc1.out") EXPECT_EQ(b.storage, Storage::transient) << name;
+    if (name == "w1_init.out") EXPECT_EQ(b.storage, Storage::persistent) << "init outputs persist";
+  }
+}
+
+TEST(Validate, ReportsAllErrorsUpToTheLimit) {
+  std::string tasks;
+  for (int i = 0; i < 60; ++i) tasks += (i ? "," : "") + std::string(R"({"id": "t)") + std::to_string(i) + R"(", "op": "nope"})";
+  ValidateOptions options;
+  options.error_limit = 10;
+  std::string msg = errors_of(graph_of(tasks), options);
+  EXPECT_NE(msg.find("t9"), std::string::npos);
+  EXPECT_EQ(msg.find("'t10'"), std::string::npos);
+  expect_contains(msg, "... and 50 more errors not shown");
+  expect_contains(msg, "60 errors");
+}
+
+TEST(Validate, EmptyGraph) { expect_contains(errors_of(graph_of("")), "the graph has no tasks"); }
+
+TEST(Validate, ResolvesBuffersThroughChains) {
+  // act.x -> mm.out; a consumer of act.x shares mm.out's buffer.
+  Program p = validate(read_graph(layer(R"({"from": "w.out"})", R"({"from": "mm.out"})",
+                                        R"(, {"id": "z", "op": "relu", "tensors": {"x": {"from": "act.x"}, "out": {"dtype": "f32", "shape": [8, 32]}}})")),
+                       builtin_registry());
+  EXPECT_EQ(p.tasks[3].find_tensor("x")->buffer, p.tasks[1].find_tensor("out")->buffer);
+  EXPECT_EQ(p.tasks[3].deps, (std::vector<int>{2}));
+}
