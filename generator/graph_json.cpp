@@ -60,12 +60,13 @@ class GraphReader {
     return false;
   }
 
-  void check_fields(const JsonValue& obj, const std::string& path, const std::vector<std::string>& known,
+  void check_fields(const JsonValue& obj, const std::string& path, std::initializer_list<std::string_view> known,
                     const std::string& task = {}, const std::string& slot = {}) {
     for (const auto& [key, value] : obj.members()) {
       if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-      error(value.loc, path + "/" + key, fmt::format("unknown field \"{}\"{}", key, did_you_mean(key, known)),
-            fmt::format("the fields allowed here are: {}", fmt::join(known, ", ")), task, slot);
+      std::vector<std::string> names(known.begin(), known.end());
+      error(value.loc, path + "/" + key, fmt::format("unknown field \"{}\"{}", key, did_you_mean(key, names)),
+            fmt::format("the fields allowed here are: {}", fmt::join(names, ", ")), task, slot);
     }
   }
 

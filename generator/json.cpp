@@ -10,53 +10,76 @@ namespace cudagen {
 
 JsonValue JsonValue::boolean(bool b) {
   JsonValue v;
-  v.kind_ = Kind::Bool;
-  v.bool_ = b;
+  v.data_ = b;
   return v;
 }
 JsonValue JsonValue::integer(int64_t i) {
   JsonValue v;
-  v.kind_ = Kind::Int;
-  v.int_ = i;
+  v.data_ = i;
   return v;
 }
 JsonValue JsonValue::number(double d) {
   JsonValue v;
-  v.kind_ = Kind::Float;
-  v.double_ = d;
+  v.data_ = d;
   return v;
 }
 JsonValue JsonValue::string(std::string s) {
   JsonValue v;
-  v.kind_ = Kind::String;
-  v.string_ = std::move(s);
+  v.data_ = std::move(s);
   return v;
 }
 JsonValue JsonValue::array() {
   JsonValue v;
-  v.kind_ = Kind::Array;
+  v.data_ = std::vector<JsonValue>();
   return v;
 }
 JsonValue JsonValue::object() {
   JsonValue v;
-  v.kind_ = Kind::Object;
+  v.data_ = std::vector<Member>();
   return v;
 }
 
+double JsonValue::as_double() const {
+  if (is_int()) return double(std::get<int64_t>(data_));
+  return kind() == Kind::Float ? std::get<double>(data_) : 0.0;
+}
+
+const std::string& JsonValue::as_string() const {
+  static const std::string empty;
+  return is_string() ? std::get<std::string>(data_) : empty;
+}
+
+const std::vector<JsonValue>& JsonValue::items() const {
+  static const std::vector<JsonValue> empty;
+  return is_array() ? std::get<std::vector<JsonValue>>(data_) : empty;
+}
+
+const std::vector<JsonValue::Member>& JsonValue::members() const {
+  static const std::vector<Member> empty;
+  return is_object() ? std::get<std::vector<Member>>(data_) : empty;
+}
+
 const JsonValue* JsonValue::find(std::string_view key) const {
-  for (const auto& [k, v] : members_)
+  for (const auto& [k, v] : members())
     if (k == key) return &v;
   return nullptr;
 }
 
+void JsonValue::push_back(JsonValue v) {
+  if (!is_array()) data_ = std::vector<JsonValue>();
+  std::get<std::vector<JsonValue>>(data_).push_back(std::move(v));
+}
+
 void JsonValue::set(std::string key, JsonValue v) {
-  for (auto& [k, old] : members_) {
+  if (!is_object()) data_ = std::vector<Member>();
+  auto& members = std::get<std::vector<Member>>(data_);
+  for (auto& [k, old] : members) {
     if (k == key) {
       old = std::move(v);
       return;
     }
   }
-  members_.emplace_back(std::move(key), std::move(v));
+  members.emplace_back(std::move(key), std::move(v));
 }
 
 const char* json_kind_name(JsonValue::Kind kind) {
@@ -247,8 +270,12 @@ class Parser {
       }
       if (static_cast<unsigned char>(c) < 0x20) fail("control character in string; escape it");
       if (c != '\\') {
-        out += c;
-        ++pos_;
+        size_t run = pos_ + 1;  // append a run of plain characters at once
+        while (run < text_.size() && text_[run] != '"' && text_[run] != '\\' &&
+               static_cast<unsigned char>(text_[run]) >= 0x20)
+          ++run;
+        out.append(text_.data() + pos_, run - pos_);
+        pos_ = run;
         continue;
       }
       ++pos_;

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace cudagen {
@@ -34,39 +35,36 @@ class JsonValue {
   static JsonValue array();
   static JsonValue object();
 
-  Kind kind() const { return kind_; }
-  bool is_null() const { return kind_ == Kind::Null; }
-  bool is_bool() const { return kind_ == Kind::Bool; }
-  bool is_int() const { return kind_ == Kind::Int; }
-  bool is_number() const { return kind_ == Kind::Int || kind_ == Kind::Float; }
-  bool is_string() const { return kind_ == Kind::String; }
-  bool is_array() const { return kind_ == Kind::Array; }
-  bool is_object() const { return kind_ == Kind::Object; }
+  Kind kind() const { return static_cast<Kind>(data_.index()); }
+  bool is_null() const { return kind() == Kind::Null; }
+  bool is_bool() const { return kind() == Kind::Bool; }
+  bool is_int() const { return kind() == Kind::Int; }
+  bool is_number() const { return kind() == Kind::Int || kind() == Kind::Float; }
+  bool is_string() const { return kind() == Kind::String; }
+  bool is_array() const { return kind() == Kind::Array; }
+  bool is_object() const { return kind() == Kind::Object; }
 
-  bool as_bool() const { return bool_; }
-  int64_t as_int() const { return int_; }
+  // Accessors of the wrong kind return false, 0, "" or an empty list.
+  bool as_bool() const { return is_bool() && std::get<bool>(data_); }
+  int64_t as_int() const { return is_int() ? std::get<int64_t>(data_) : 0; }
   // Ints convert to double: a float-typed field accepts `1` as well as `1.0`.
-  double as_double() const { return kind_ == Kind::Int ? double(int_) : double_; }
-  const std::string& as_string() const { return string_; }
-  const std::vector<JsonValue>& items() const { return items_; }
-  const std::vector<Member>& members() const { return members_; }
+  double as_double() const;
+  const std::string& as_string() const;
+  const std::vector<JsonValue>& items() const;
+  const std::vector<Member>& members() const;
 
   // Object lookup; nullptr when absent.
   const JsonValue* find(std::string_view key) const;
 
-  void push_back(JsonValue v) { items_.push_back(std::move(v)); }
-  void set(std::string key, JsonValue v);  // appends; replaces an existing key
+  void push_back(JsonValue v);            // arrays
+  void set(std::string key, JsonValue v);  // objects: appends; replaces an existing key
 
   SourceLoc loc;
 
  private:
-  Kind kind_ = Kind::Null;
-  bool bool_ = false;
-  int64_t int_ = 0;
-  double double_ = 0;
-  std::string string_;
-  std::vector<JsonValue> items_;
-  std::vector<Member> members_;
+  // One alternative per Kind, in the same order: a compact node (48 bytes)
+  // keeps parsing a 20 MB graph cheap.
+  std::variant<std::monostate, bool, int64_t, double, std::string, std::vector<JsonValue>, std::vector<Member>> data_;
 };
 
 const char* json_kind_name(JsonValue::Kind kind);

@@ -1,6 +1,7 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -41,6 +42,10 @@ Storage default_storage(SlotRole role, Phase phase) {
   }
   return Storage::transient;
 }
+
+// Builds a JSON path on demand: paths are only needed for errors, and
+// formatting one per slot would dominate validating a large graph.
+using PathFn = std::function<std::string()>;
 
 class Validator {
  public:
@@ -150,21 +155,21 @@ class Validator {
     for (const auto& slot : tk.tensors) {
       const SlotSignature* sig = bt.op ? bt.op->find_tensor(slot.name) : nullptr;
       BoundTensor bound{slot.name, sig, -1, -1};
-      std::string path = tensor_path(t, slot.name);
+      auto path = [&] { return tensor_path(t, slot.name); };  // built only for errors
       if (slot.from) {
         if (slot.storage)
-          error(slot.loc, path + "/storage", tk.id, slot.name,
+          error(slot.loc, path() + "/storage", tk.id, slot.name,
                 "a slot with \"from\" shares its producer's storage, so it cannot set \"storage\"",
                 "remove \"storage\" here, or set it on the producing slot");
         if (sig && sig->role == SlotRole::output)
-          error(slot.loc, path + "/from", tk.id, slot.name,
+          error(slot.loc, path() + "/from", tk.id, slot.name,
                 fmt::format("'{}' is an output of op '{}'; an output owns its storage", slot.name, bt.op->name),
                 "remove \"from\" and give \"dtype\" and \"shape\"; consumers depend on this slot instead");
         bt.tensors.push_back(bound);
         continue;
       }
       if (!slot.dtype || !slot.shape) {
-        error(slot.loc, path, tk.id, slot.name,
+        error(slot.loc, path(), tk.id, slot.name,
               fmt::format("slot owns storage but has no {}", !slot.dtype && !slot.shape ? "dtype or shape"
                                                                : !slot.dtype           ? "dtype"
                                                                                        : "shape"),
@@ -178,21 +183,21 @@ class Validator {
       int64_t bytes = 0;
       overflow = overflow || __builtin_mul_overflow(elements, dtype_bytes(*slot.dtype), &bytes);
       if (overflow) {
-        error(slot.loc, path + "/shape", tk.id, slot.name,
+        error(slot.loc, path() + "/shape", tk.id, slot.name,
               fmt::format("shape {} has more elements than a 64-bit count can hold", shape_to_string(*slot.shape)),
               "check the dimensions for a typo");
         bt.tensors.push_back(bound);
         continue;
       }
       if (bytes > options_.max_tensor_bytes) {
-        error(slot.loc, path + "/shape", tk.id, slot.name,
+        error(slot.loc, path() + "/shape", tk.id, slot.name,
               fmt::format("{} {} takes {} bytes, over the limit of {} bytes for one tensor", to_string(*slot.dtype),
                           shape_to_string(*slot.shape), bytes, options_.max_tensor_bytes),
               "check the dimensions for a typo, or raise the limit (--max-tensor-bytes)");
       }
       Storage storage = slot.storage.value_or(sig ? default_storage(sig->role, tk.phase) : Storage::transient);
       if (sig && (sig->role == SlotRole::input || sig->role == SlotRole::weight) && storage == Storage::transient)
-        error(slot.loc, path + "/storage", tk.id, slot.name,
+        error(slot.loc, path() + "/storage", tk.id, slot.name,
               fmt::format("'{}' is read by the op but owns transient storage that no task writes", slot.name),
               "depend on the task that produces it (\"from\": \"task.slot\"), or make it \"external\" (bound by the "
               "caller) or \"persistent\"");
@@ -209,7 +214,7 @@ class Validator {
     for (size_t i = 0; i < tk.tensors.size(); ++i) {
       const TensorSlot& slot = tk.tensors[i];
       if (!slot.from) continue;
-      std::string path = tensor_path(t, slot.name) + "/from";
+      auto path = [&] { return tensor_path(t, slot.name) + "/from"; };
       int src = check_ref(*slot.from, t, slot.loc, path, slot.name, /*is_arg=*/false);
       if (src < 0) continue;
       bt.tensors[i].source_task = src;
@@ -236,11 +241,11 @@ class Validator {
 
   // Checks that `ref` names an existing task and slot and respects phase order;
   // returns the referenced task's index, or -1 after reporting.
-  int check_ref(const SlotRef& ref, int t, SourceLoc loc, const std::string& path, const std::string& slot, bool is_arg) {
+  int check_ref(const SlotRef& ref, int t, SourceLoc loc, const PathFn& path, const std::string& slot, bool is_arg) {
     const Task& tk = task(t);
     int src = find_task(ref.task);
     if (src < 0) {
-      error(loc, path, tk.id, slot,
+      error(loc, path(), tk.id, slot,
             fmt::format("depends on '{}', but there is no task '{}'{}", ref.str(), ref.task,
                         did_you_mean(ref.task, all_task_ids())));
       return -1;
@@ -254,14 +259,14 @@ class Validator {
       } else {
         for (const auto& s : source.tensors) names.push_back(s.name);
       }
-      error(loc, path, tk.id, slot,
+      error(loc, path(), tk.id, slot,
             fmt::format("depends on '{}', but task '{}' has no {} slot '{}'{}", ref.str(), ref.task,
                         is_arg ? "argument" : "tensor", ref.slot, did_you_mean(ref.slot, names)),
             fmt::format("the {} slots of '{}' are: {}", is_arg ? "argument" : "tensor", ref.task, list_or_none(names)));
       return -1;
     }
     if (source.phase > tk.phase) {
-      error(loc, path, tk.id, slot,
+      error(loc, path(), tk.id, slot,
             fmt::format("a {} task cannot depend on {} task '{}': phases run in the order init, forward, backward, "
                         "update",
                         to_string(tk.phase), to_string(source.phase), source.id),
@@ -272,38 +277,49 @@ class Validator {
   }
 
   // The buffer behind slot (t, name): the owning slot at the end of its `from` chain.
-  int resolve_buffer(int t, const std::string& name, SourceLoc loc, const std::string& path) {
-    std::vector<std::string> chain;
+  int resolve_buffer(int t, const std::string& name, SourceLoc loc, const PathFn& path) {
+    struct Step {
+      int task;
+      const TensorSlot* slot;
+    };
+    std::vector<Step> chain;  // usually one or two steps; names are only formatted for a cycle
     int cur_task = t;
-    std::string cur_slot = name;
-    for (size_t steps = 0; steps <= p_.graph.tasks.size() + 1; ++steps) {
-      chain.push_back(task(cur_task).id + "." + cur_slot);
-      const TensorSlot* slot = task(cur_task).find_tensor(cur_slot);
-      if (slot == nullptr) return -1;  // reported by check_ref
+    const TensorSlot* slot = task(t).find_tensor(name);
+    while (slot != nullptr) {
       if (!slot->from) {
         for (const auto& bt : p_.tasks[size_t(cur_task)].tensors)
-          if (bt.name == cur_slot) return bt.buffer;
+          if (bt.name == slot->name) return bt.buffer;
         return -1;
       }
+      chain.push_back({cur_task, slot});
       int next = find_task(slot->from->task);
-      if (next < 0) return -1;
-      std::string next_slot = slot->from->slot;
-      auto seen = std::find(chain.begin(), chain.end(), slot->from->str());
-      if (seen != chain.end()) {
-        // Every slot of the cycle reaches it; the one whose name sorts first reports it, once.
-        if (seen == chain.begin() && *std::min_element(chain.begin(), chain.end()) == chain.front()) {
-          chain.push_back(slot->from->str());
-          error(loc, path, task(t).id, name,
-                fmt::format("slot dependencies form a cycle with no producer: {}", fmt::join(chain, " <- ")),
-                "one slot of the cycle must own its storage (give it dtype and shape instead of \"from\")");
-        }
+      if (next < 0) return -1;  // reported by check_ref
+      const TensorSlot* next_slot = task(next).find_tensor(slot->from->slot);
+      for (size_t i = 0; i < chain.size(); ++i) {
+        if (chain[i].slot != next_slot) continue;
+        report_slot_cycle(chain, i, t, name, loc, path);
         return -1;
       }
       cur_task = next;
-      cur_slot = next_slot;
+      slot = next_slot;
     }
     return -1;
   }
+
+  // Every slot of a cycle reaches it; the one whose name sorts first reports it, once.
+  template <typename Chain>
+  void report_slot_cycle(const Chain& chain, size_t start, int t, const std::string& name, SourceLoc loc,
+                         const PathFn& path) {
+    if (start != 0) return;
+    std::vector<std::string> names;
+    for (const auto& step : chain) names.push_back(task(step.task).id + "." + step.slot->name);
+    if (*std::min_element(names.begin(), names.end()) != names.front()) return;
+    names.push_back(names.front());
+    error(loc, path(), task(t).id, name,
+          fmt::format("slot dependencies form a cycle with no producer: {}", fmt::join(names, " <- ")),
+          "one slot of the cycle must own its storage (give it dtype and shape instead of \"from\")");
+  }
+
 
   // Argument values: constants of the right type, or a dependency on another task's argument.
   void bind_args(int t) {
@@ -319,10 +335,10 @@ class Validator {
         bt.args.push_back(std::move(bound));
         continue;
       }
-      std::string path = arg_path(t, sig.name);
+      auto path = [&] { return arg_path(t, sig.name); };
       bound.runtime = arg->runtime;
       if (arg->from) {
-        int src = check_ref(*arg->from, t, arg->loc, path + "/from", sig.name, /*is_arg=*/true);
+        int src = check_ref(*arg->from, t, arg->loc, [&] { return path() + "/from"; }, sig.name, /*is_arg=*/true);
         if (src < 0) continue;
         bound.source_task = src;
         bound.source_arg = arg->from->slot;
@@ -337,7 +353,7 @@ class Validator {
         bound.value = std::move(*converted);
       }
       if (bound.runtime && (sig.type == ArgType::string_ || sig.type == ArgType::ints || sig.type == ArgType::floats))
-        error(arg->loc, path, tk.id, sig.name,
+        error(arg->loc, path(), tk.id, sig.name,
               fmt::format("argument '{}' is {}; only scalar (float, int, bool) arguments can change at run time",
                           sig.name, to_string(sig.type)));
       bt.args.push_back(std::move(bound));
@@ -345,9 +361,9 @@ class Validator {
   }
 
   std::optional<ArgValue> convert_arg(const ArgValue& v, const ArgSignature& sig, const Task& tk,
-                                      const std::string& path, SourceLoc loc) {
+                                      const PathFn& path, SourceLoc loc) {
     auto mismatch = [&]() -> std::optional<ArgValue> {
-      error(loc, path, tk.id, sig.name,
+      error(loc, path(), tk.id, sig.name,
             fmt::format("argument '{}' must be {}, not {}", sig.name, to_string(sig.type), arg_value_to_string(v)));
       return std::nullopt;
     };
@@ -365,7 +381,7 @@ class Validator {
       case ArgType::string_:
         if (auto* s = std::get_if<std::string>(&v)) {
           if (!sig.choices.empty() && std::find(sig.choices.begin(), sig.choices.end(), *s) == sig.choices.end()) {
-            error(loc, path, tk.id, sig.name,
+            error(loc, path(), tk.id, sig.name,
                   fmt::format("argument '{}' cannot be \"{}\"{}", sig.name, *s, did_you_mean(*s, sig.choices)),
                   fmt::format("it is one of: {}", fmt::join(sig.choices, ", ")));
             return std::nullopt;
@@ -397,11 +413,11 @@ class Validator {
       }
       const BufferInfo& b = p_.buffers[size_t(bound.buffer)];
       const std::string& want = bound.sig->dtype;
-      std::string path = tensor_path(t, bound.name);
+      auto path = [&] { return tensor_path(t, bound.name); };
       const TensorSlot* slot = tk.find_tensor(bound.name);
       if (auto concrete = parse_dtype(want)) {
         if (*concrete != b.dtype)
-          error(slot->loc, path, tk.id, bound.name,
+          error(slot->loc, path(), tk.id, bound.name,
                 fmt::format("op '{}' wants {} for '{}', but it is {}", bt.op->name, want, bound.name, to_string(b.dtype)),
                 slot->from ? "insert a cast task before this one" : fmt::format("set \"dtype\": \"{}\"", want));
         continue;
@@ -410,7 +426,7 @@ class Validator {
       if (std::find(allowed.begin(), allowed.end(), b.dtype) == allowed.end()) {
         std::vector<std::string> names;
         for (DType d : allowed) names.push_back(to_string(d));
-        error(slot->loc, path, tk.id, bound.name,
+        error(slot->loc, path(), tk.id, bound.name,
               fmt::format("op '{}' does not support dtype {} for '{}'; it takes {}", bt.op->name, to_string(b.dtype),
                           bound.name, fmt::join(names, ", ")));
         all_resolved = false;
@@ -425,7 +441,7 @@ class Validator {
             first = other.name;
             break;
           }
-        error(slot->loc, path, tk.id, bound.name,
+        error(slot->loc, path(), tk.id, bound.name,
               fmt::format("'{}' is {}, but '{}' is {}; op '{}' needs them to have the same dtype", bound.name,
                           to_string(b.dtype), first, to_string(it->second), bt.op->name),
               "insert a cast task");

@@ -166,3 +166,13 @@ TEST(Builder, BuildsAValidMlpLayer) {
   EXPECT_EQ(p.tasks[2].deps, (std::vector<int>{1}));
   EXPECT_EQ(p.buffers[size_t(p.tasks[1].find_tensor("b")->buffer)].storage, Storage::persistent);
 }
+
+TEST(GraphJson, DocumentedExampleIsValidAndCanonical) {
+  std::string doc = read_text_file(source_path("docs/taskgraph-format.md"));
+  size_t begin = doc.find("```json\n");
+  ASSERT_NE(begin, std::string::npos);
+  begin += 8;
+  std::string example = doc.substr(begin, doc.find("```", begin) - begin);
+  EXPECT_EQ(errors_of(example), "");
+  EXPECT_EQ(write_graph(read_graph(example)), example);
+}
