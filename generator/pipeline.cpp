@@ -1,5 +1,8 @@
 #include "pipeline.h"
 
+#include <fmt/format.h>
+
+#include "describe.h"
 #include "file_util.h"
 #include "graph_json.h"
 
@@ -19,6 +22,71 @@ Program load_program(const std::string& graph_path, const FrontendOptions& optio
 
 Program load_program(TaskGraph graph, const FrontendOptions& options) {
   return validate(std::move(graph), load_registry(options), options.validate);
+}
+
+std::string describe_options(const CompileOptions& options) {
+  return fmt::format("arch={} reuse={} alignment={} budget={}", options.emit.arch,
+                     options.plan.placement.reuse ? "on" : "off", options.plan.placement.alignment,
+                     options.plan.budget_bytes);
+}
+
+namespace {
+
+std::string dump_schedule(const Program& p, const Schedule& s) {
+  std::string out;
+  for (size_t i = 0; i < s.order.size(); ++i) {
+    const Task& t = *p.tasks[size_t(s.order[i])].task;
+    out += fmt::format("{:>5}  {:<9} {:<24} {}\n", i, to_string(t.phase), t.id, t.op);
+  }
+  return out;
+}
+
+std::string dump_kernels(const Program& p, const std::vector<KernelGroup>& kernels) {
+  std::string out;
+  for (const auto& k : kernels) {
+    std::vector<std::string> ids;
+    for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);
+    out += fmt::format("{:<28} {:<9} {}\n", k.name, to_string(k.phase), fmt::join(ids, ", "));
+  }
+  return out;
+}
+
+std::string dump_plan(const Program& p, const Plan& plan) {
+  std::string out = fmt::format("arena {} bytes, lower bound {}, without reuse {}, alignment {}\n", plan.arena_bytes,
+                                plan.lower_bound, plan.no_reuse_bytes, plan.alignment);
+  out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", "buffer", "offset", "bytes", "first", "last", "storage");
+  for (const auto& pb : plan.buffers) {
+    const BufferInfo& b = p.buffers[size_t(pb.buffer)];
+    out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot,
+                       pb.offset, pb.bytes, pb.first, pb.last, to_string(b.storage));
+  }
+  return out;
+}
+
+}  // namespace
+
+Compiled compile(Program program, const CompileOptions& options) {
+  Compiled c;
+  c.program = std::move(program);
+  auto dump = [&](const char* pass, auto&& text) {
+    if (options.dump_after == pass) c.dump = text();
+  };
+  dump("validate", [&] { return describe(c.program); });
+
+  c.schedule = schedule(c.program);
+  dump("schedule", [&] { return dump_schedule(c.program, c.schedule); });
+
+  c.kernels = one_kernel_per_task(c.program, c.schedule);
+  dump("kernels", [&] { return dump_kernels(c.program, c.kernels); });
+
+  c.plan = plan_memory(c.program, kernel_buffers(c.program, c.kernels), options.plan);
+  dump("plan", [&] { return dump_plan(c.program, c.plan); });
+
+  EmitOptions emit_options = options.emit;
+  emit_options.options_text = describe_options(options);
+  c.emitted = emit(c.program, c.kernels, c.plan, emit_options);
+  dump("emit", [&] { return c.emitted.cuda_source; });
+  return c;
 }
 
 }  // namespace cudagen

@@ -1,11 +1,16 @@
-// The compiler's driver: one function per entry point, each a visible
-// sequence of passes (DESIGN.md §1). Today the pipeline ends at validation;
-// each later pass is added here as one call.
+// The compiler's driver (DESIGN.md §1): each entry point is a visible
+// sequence of passes, one call per pass, and the state after any pass can be
+// printed (`cudagen compile --dump-after=PASS`).
 #pragma once
 
 #include <string>
+#include <vector>
 
+#include "emit.h"
+#include "kernels.h"
+#include "plan.h"
 #include "program.h"
+#include "schedule.h"
 #include "validate.h"
 
 namespace cudagen {
@@ -15,6 +20,15 @@ struct FrontendOptions {
   ValidateOptions validate;
 };
 
+struct CompileOptions {
+  FrontendOptions frontend;
+  PlanOptions plan;
+  EmitOptions emit;
+  std::string dump_after;  // a pass name from kPassNames, or empty
+};
+
+inline const std::vector<std::string> kPassNames = {"validate", "schedule", "kernels", "plan", "emit"};
+
 OpRegistry load_registry(const FrontendOptions& options);
 
 // read (JSON) -> validate
@@ -22,5 +36,20 @@ Program load_program(const std::string& graph_path, const FrontendOptions& optio
 
 // validate, for a graph made in code (the builder API)
 Program load_program(TaskGraph graph, const FrontendOptions& options);
+
+struct Compiled {
+  Program program;
+  Schedule schedule;
+  std::vector<KernelGroup> kernels;
+  Plan plan;
+  EmittedProgram emitted;
+  std::string dump;  // the state after options.dump_after, as text
+};
+
+// schedule -> kernels -> plan -> emit, on a validated program.
+Compiled compile(Program program, const CompileOptions& options);
+
+// The options as one line, for the provenance header and the manifest.
+std::string describe_options(const CompileOptions& options);
 
 }  // namespace cudagen

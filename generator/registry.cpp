@@ -141,6 +141,11 @@ class RegistryReader {
     }
     op.doc = string_field(v, "doc", path, op.name, false);
     op.backward = string_field(v, "backward", path, op.name, false);
+    op.smem = string_field(v, "smem", path, op.name, false);
+    if (const JsonValue* source = v.find("source")) {
+      op.source_file = string_field(*source, "file", path + "/source", op.name, true);
+      op.source_function = string_field(*source, "function", path + "/source", op.name, true);
+    }
     if (const JsonValue* types = v.find("types")) read_types(*types, path + "/types", op);
     if (const JsonValue* tensors = v.find("tensors"); tensors && tensors->is_array()) {
       for (size_t i = 0; i < tensors->items().size(); ++i)

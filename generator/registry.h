@@ -49,6 +49,11 @@ struct OpSignature {
   std::vector<std::pair<std::string, std::string>> may_alias;  // {output, input}
   std::string backward;  // op name of its backward, if differentiable
   std::string doc;
+  // Where the template lives: a file of templates/ and its entry function.
+  // Empty for ops that have no template yet (the emitter then says so).
+  std::string source_file;
+  std::string source_function;
+  std::string smem;  // shared memory the template needs, as a formula of its tile sizes
 
   const SlotSignature* find_tensor(std::string_view name) const;
   const ArgSignature* find_arg(std::string_view name) const;

@@ -1,4 +1,6 @@
 // The `cudagen` command line.
+#include <unistd.h>
+
 #include <cstdio>
 #include <iostream>
 
@@ -10,6 +12,8 @@
 #include "file_util.h"
 #include "graph_json.h"
 #include "pipeline.h"
+#include "nvrtc.h"
+#include "runner.h"
 #include "version.h"
 
 namespace cudagen {
@@ -23,6 +27,14 @@ struct Cli {
   FrontendOptions frontend;
   std::string graph_path;
   std::string output_path;
+  std::string manifest_path;
+  CompileOptions compile;
+  bool no_reuse = false;
+  bool emulate = false;
+  uint64_t seed = 1;
+  std::string work_dir;
+  std::string cu_path;
+  bool ptx = false;
 };
 
 void add_frontend_options(CLI::App* cmd, Cli& cli) {
@@ -61,6 +73,63 @@ int run_format(const Cli& cli) {
   return kExitOk;
 }
 
+void add_compile_options(CLI::App* cmd, Cli& cli) {
+  cmd->add_option("--arch", cli.compile.emit.arch, "target architecture recorded in the file (sm_80, sm_90, ...)")
+      ->capture_default_str();
+  cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
+  cmd->add_option("--alignment", cli.compile.plan.placement.alignment, "byte alignment of every buffer in the arena")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--budget", cli.compile.plan.budget_bytes, "fail when the arena needs more bytes than this (0: none)")
+      ->capture_default_str();
+}
+
+int run_compile(Cli& cli) {
+  cli.compile.frontend = cli.frontend;
+  cli.compile.plan.placement.reuse = !cli.no_reuse;
+  Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
+  if (!cli.compile.dump_after.empty()) fmt::print("{}", c.dump);
+  // Both files or neither: write to temporaries first, then rename.
+  if (!cli.output_path.empty()) write_file_atomic(cli.output_path, c.emitted.cuda_source);
+  if (!cli.manifest_path.empty()) write_file_atomic(cli.manifest_path, c.emitted.manifest_json);
+  if (!cli.output_path.empty())
+    fmt::print(stderr, "{}: {} kernels, arena {} bytes (lower bound {}) -> {}\n", cli.graph_path, c.kernels.size(),
+               c.plan.arena_bytes, c.plan.lower_bound, cli.output_path);
+  return kExitOk;
+}
+
+int run_run(Cli& cli) {
+  if (!cli.emulate) {
+    fmt::print(stderr,
+               "error: running on a GPU comes with the runtime (issue #5); this cudagen runs graphs in the host "
+               "emulation: add --emulate\n");
+    return kExitBadInput;
+  }
+  cli.compile.frontend = cli.frontend;
+  cli.compile.plan.placement.reuse = !cli.no_reuse;
+  Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
+  fmt::print("compiled {}: {} kernels, arena {} bytes (lower bound {})\n", cli.graph_path, c.kernels.size(),
+             c.plan.arena_bytes, c.plan.lower_bound);
+  RunOptions options;
+  options.seed = cli.seed;
+  options.work_dir = cli.work_dir.empty() ? fmt::format("/tmp/cudagen-run-{}", ::getpid()) : cli.work_dir;
+  EmulatedRun run = run_emulated_and_check(c, options);
+  fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
+             run.run_seconds, run.seed);
+  fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs; rtol f32 1e-5, f64 1e-12):\n{}",
+             format_run(run));
+  return run.ok() ? kExitOk : kExitBadInput;
+}
+
+int run_nvrtc(const Cli& cli) {
+  NvrtcOutput out = nvrtc_compile(read_text_file(cli.cu_path), cli.cu_path, cli.compile.emit.arch, cli.ptx);
+  if (!out.log.empty()) fmt::print(stderr, "{}\n", out.log);
+  fmt::print("{}: NVRTC {}.{} compiled it for {} in {:.2f} s: {} bytes of {}\n", cli.cu_path, out.version_major,
+             out.version_minor, cli.compile.emit.arch, out.seconds, out.binary.size(), cli.ptx ? "PTX" : "CUBIN");
+  if (!cli.output_path.empty()) write_file_atomic(cli.output_path, std::string(out.binary.begin(), out.binary.end()));
+  return kExitOk;
+}
+
 int run_ops(const Cli& cli) {
   OpRegistry reg = load_registry(cli.frontend);
   fmt::print("{:<24} {:<12} {}\n", "op", "pattern", "shape rule");
@@ -85,6 +154,25 @@ int main_impl(int argc, char** argv) {
   auto* format_cmd = app.add_subcommand("format", "print a graph in canonical form (the writer's output)");
   format_cmd->add_option("GRAPH", cli.graph_path, "task graph file")->required()->check(CLI::ExistingFile);
   format_cmd->add_option("-o,--output", cli.output_path, "write here (atomically) instead of standard output");
+  auto* compile_cmd = app.add_subcommand("compile", "compile a graph into one standalone .cu file and its manifest");
+  add_frontend_options(compile_cmd, cli);
+  add_compile_options(compile_cmd, cli);
+  compile_cmd->add_option("-o,--output", cli.output_path, "the .cu file to write");
+  compile_cmd->add_option("--manifest", cli.manifest_path, "the JSON manifest to write beside it");
+  compile_cmd->add_option("--dump-after", cli.compile.dump_after, "print the program after this pass")
+      ->check(CLI::IsMember(kPassNames));
+  auto* run_cmd = app.add_subcommand("run", "compile a graph, run it, and check its outputs against a float64 reference");
+  add_frontend_options(run_cmd, cli);
+  add_compile_options(run_cmd, cli);
+  run_cmd->add_flag("--emulate", cli.emulate, "run on the CPU in the host emulation of the CUDA execution model");
+  run_cmd->add_option("--seed", cli.seed, "seed of the random inputs and of the emulator's block order")
+      ->capture_default_str();
+  run_cmd->add_option("--work-dir", cli.work_dir, "where to build the emulated module (default: a folder in /tmp)");
+  auto* nvrtc_cmd = app.add_subcommand("nvrtc", "compile a generated .cu in-process with NVRTC (no GPU needed)");
+  nvrtc_cmd->add_option("CU", cli.cu_path, "the .cu file")->required()->check(CLI::ExistingFile);
+  nvrtc_cmd->add_option("--arch", cli.compile.emit.arch, "GPU architecture")->capture_default_str();
+  nvrtc_cmd->add_flag("--ptx", cli.ptx, "emit PTX instead of a CUBIN");
+  nvrtc_cmd->add_option("-o,--output", cli.output_path, "write the CUBIN (or PTX) here");
   auto* ops_cmd = app.add_subcommand("ops", "list the ops of the registry");
   ops_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
@@ -107,10 +195,16 @@ int main_impl(int argc, char** argv) {
     if (*describe_cmd) return run_describe(cli);
     if (*format_cmd) return run_format(cli);
     if (*ops_cmd) return run_ops(cli);
+    if (*compile_cmd) return run_compile(cli);
+    if (*run_cmd) return run_run(cli);
+    if (*nvrtc_cmd) return run_nvrtc(cli);
   } catch (const CompileError& e) {
     std::fputs(e.diagnostics().format().c_str(), stderr);
     return kExitBadInput;
   } catch (const FileError& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const std::exception& e) {  // build, NVRTC and emulation failures carry their own context
     fmt::print(stderr, "error: {}\n", e.what());
     return kExitBadInput;
   }

@@ -1,0 +1,458 @@
+#include "emit.h"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "diagnostics.h"
+#include "graph_json.h"
+#include "templates_embedded.h"
+#include "version.h"
+
+namespace cudagen {
+
+std::string phase_function(Phase phase) { return std::string("cudagen_") + to_string(phase); }
+
+namespace {
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
+
+// The flat index into `in` (right-aligned, numpy broadcasting) of element
+// `var` of a tensor shaped `out`, as a C expression.
+std::string broadcast_index(const Shape& out, const Shape& in, const std::string& var) {
+  if (in == out) return var;
+  if (numel(in) == 1) return "0";
+  size_t offset = out.size() - in.size();
+  bool suffix = true;
+  for (size_t d = 0; d < in.size(); ++d) suffix = suffix && in[d] == out[offset + d];
+  if (suffix) return fmt::format("({} % {})", var, numel(in));
+  std::vector<std::string> terms;
+  int64_t out_stride = 1, in_stride = 1;
+  for (size_t d = out.size(); d-- > 0;) {
+    int64_t in_dim = d >= offset ? in[d - offset] : 1;
+    if (in_dim != 1) terms.push_back(fmt::format("({} / {} % {}) * {}", var, out_stride, out[d], in_stride));
+    out_stride *= out[d];
+    in_stride *= in_dim;
+  }
+  return terms.empty() ? "0" : "(" + fmt::format("{}", fmt::join(terms, " + ")) + ")";
+}
+
+struct Param {
+  const BoundTensor* bound;
+  const BufferInfo* buffer;
+  bool written;
+};
+
+class Emitter {
+ public:
+  Emitter(const Program& p, const Plan& plan, const EmitOptions& options) : p_(p), plan_(plan), options_(options) {}
+
+  EmittedProgram run(const std::vector<KernelGroup>& kernels) {
+    EmittedProgram out;
+    std::string kernel_code;
+    for (const auto& k : kernels) {
+      if (k.tasks.size() != 1) fail(k.tasks.front(), "", "kernels of several tasks need the fusion pass (issue #6)");
+      kernel_code += emit_kernel(k, out.kernels);
+    }
+    if (!diags_.ok()) throw CompileError(std::move(diags_));
+    out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out.kernels);
+    out.manifest_json = manifest(out.kernels);
+    return out;
+  }
+
+ private:
+  void fail(int task, const std::string& slot, const std::string& message, const std::string& hint = {}) {
+    diags_.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
+  }
+
+  std::string buffer_name(int buffer) const {
+    const BufferInfo& b = p_.buffers[size_t(buffer)];
+    return p_.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+  }
+
+  static std::string c_type(DType d) {
+    switch (d) {
+      case DType::f32: return "float";
+      case DType::f64: return "double";
+      case DType::i32: return "int";
+      case DType::i64: return "long long";
+      default: return "";
+    }
+  }
+
+  // The task's tensors in signature order, each a kernel parameter.
+  std::vector<Param> params(int t) {
+    std::vector<Param> out;
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    for (const auto& sig : bt.op->tensors) {
+      const BoundTensor* b = bt.find_tensor(sig.name);
+      if (b == nullptr) continue;
+      const BufferInfo& buf = p_.buffers[size_t(b->buffer)];
+      if (c_type(buf.dtype).empty())
+        fail(t, sig.name, fmt::format("dtype {} is not supported by the emitter yet (f32, f64, i32, i64 are)", to_string(buf.dtype)));
+      bool written = sig.role == SlotRole::output || sig.role == SlotRole::scratch || sig.writes;
+      out.push_back(Param{b, &buf, written});
+    }
+    return out;
+  }
+
+  const Param& param(const std::vector<Param>& ps, const std::string& name) {
+    for (const auto& x : ps)
+      if (x.bound->name == name) return x;
+    throw std::logic_error("emitter: no slot " + name);
+  }
+
+  const BoundArg* arg(int t, const std::string& name) {
+    for (const auto& a : p_.tasks[size_t(t)].args)
+      if (a.name == name) {
+        if (a.runtime) fail(t, name, "run-time arguments are not supported by the emitter yet");
+        return &a;
+      }
+    return nullptr;
+  }
+  double arg_double(int t, const std::string& name, double fallback) {
+    const BoundArg* a = arg(t, name);
+    if (a == nullptr) return fallback;
+    if (auto* d = std::get_if<double>(&a->value)) return *d;
+    if (auto* i = std::get_if<int64_t>(&a->value)) return double(*i);
+    return fallback;
+  }
+  bool arg_bool(int t, const std::string& name) {
+    const BoundArg* a = arg(t, name);
+    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
+  }
+
+  std::string signature(const std::string& name, int block, const std::vector<Param>& ps) {
+    std::vector<std::string> list;
+    for (const auto& x : ps)
+      list.push_back(fmt::format("{}{}* __restrict__ {}", x.written ? "" : "const ", c_type(x.buffer->dtype), x.bound->name));
+    return fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
+  }
+
+  std::string comment(const KernelGroup& k, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
+    std::string reads, writes;
+    for (const auto& x : ps) {
+      std::string desc = fmt::format("{} {} {}", bt.task->id + "." + x.bound->name, to_string(x.buffer->dtype),
+                                     shape_to_string(x.buffer->shape));
+      if (x.bound->source_task >= 0) desc += " <- " + buffer_name(x.bound->buffer);
+      std::string& list = x.written ? writes : reads;
+      if (!list.empty()) list += ", ";
+      list += desc;
+      (x.written ? ek.bytes_written : ek.bytes_read) += x.buffer->bytes;
+    }
+    return fmt::format(
+        "// Kernel {} ({} phase): task {} ({}, {}).\n//   reads  {}\n//   writes {}\n//   {} bytes read, {} bytes "
+        "written; grid [{}, {}, {}], block {}, {} bytes of shared memory.\n",
+        k.name, to_string(k.phase), bt.task->id, bt.op->name, to_string(bt.op->pattern), reads.empty() ? "-" : reads,
+        writes, ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes);
+  }
+
+  static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
+
+  std::string emit_kernel(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const int t = k.tasks[0];
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const OpSignature& op = *bt.op;
+    if (op.source_file.empty()) {
+      fail(t, "", fmt::format("op '{}' has no template yet, so no kernel can be generated for it", op.name),
+           "the ops with templates are: add, relu, softmax, matmul, embedding, transpose");
+      return {};
+    }
+    std::vector<Param> ps = params(t);
+    if (!diags_.ok()) return {};
+    template_files_.insert(op.source_file);
+    EmittedKernel ek;
+    ek.name = k.name;
+    ek.phase = k.phase;
+    ek.tasks = k.tasks;
+    std::string body;
+    switch (op.pattern) {
+      case PatternKind::elementwise:
+      case PatternKind::broadcast: body = elementwise(t, ps, ek); break;
+      case PatternKind::reduction: body = softmax(t, ps, ek); break;
+      case PatternKind::matmul: body = matmul(t, ps, ek); break;
+      case PatternKind::gather: body = embedding(t, ps, ek); break;
+      case PatternKind::opaque: body = transpose(t, ps, ek); break;
+    }
+    if (!diags_.ok()) return {};
+    std::string code = comment(k, ps, ek) + signature(k.name, ek.block, ps) + " {\n" + body + "}\n\n";
+    emitted.push_back(ek);
+    return code;
+  }
+
+  std::string elementwise(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    const Param* out = nullptr;
+    std::vector<std::string> operands;
+    for (const auto& x : ps)
+      if (x.written) out = &x;
+    if (out == nullptr) {
+      fail(t, "", "an elementwise kernel needs one output");
+      return {};
+    }
+    for (const auto& x : ps)
+      if (!x.written)
+        operands.push_back(fmt::format("cg_load({}, {})", x.bound->name, broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
+    for (const auto& sig : op.args) operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
+    int64_t n = numel(out->buffer->shape);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    cg_store({}, i, {}<{}>({}));\n",
+        n, out->bound->name, op.source_function, c_type(out->buffer->dtype), fmt::join(operands, ", "));
+  }
+
+  std::string softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    if (p_.tasks[size_t(t)].op->name != "softmax") {
+      fail(t, "", "the only row reduction with a template yet is softmax");
+      return {};
+    }
+    const Param& x = param(ps, "x");
+    const Shape& shape = x.buffer->shape;
+    const int64_t n = shape.back();
+    const int64_t rows = numel(shape) / n;
+    const bool causal = arg_bool(t, "causal");
+    const int64_t rows_per_matrix = shape.size() >= 2 ? shape[shape.size() - 2] : 1;
+    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(rows);
+    ek.smem_bytes = 32 * 4;
+    std::string valid = causal ? fmt::format("(int)(row % {} + 1 < {} ? row % {} + 1 : {})", rows_per_matrix, n,
+                                             rows_per_matrix, n)
+                               : std::to_string(n);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  cg_softmax_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
+        "                 [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
+        "                 {0}, {1}, {2}, (float*)cg_smem);\n",
+        n, float_literal(arg_double(t, "scale", 1.0)), valid);
+  }
+
+  std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& a = param(ps, "a");
+    const Param& b = param(ps, "b");
+    const Param& out = param(ps, "out");
+    if (a.buffer->dtype != DType::f32) {
+      fail(t, "a", "the portable matmul template is f32 only for now");
+      return {};
+    }
+    const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
+    const double alpha = arg_double(t, "alpha", 1.0);
+    const Shape& so = out.buffer->shape;
+    const int64_t M = so[so.size() - 2], N = so.back();
+    const Shape& sa = a.buffer->shape;
+    const int64_t K = ta ? sa[sa.size() - 2] : sa.back();
+    Shape batch_out(so.begin(), so.end() - 2), batch_a(sa.begin(), sa.end() - 2),
+        batch_b(b.buffer->shape.begin(), b.buffer->shape.end() - 2);
+    const int64_t batches = numel(batch_out);
+    ek.block = 256;
+    ek.grid[0] = int((N + 31) / 32);
+    ek.grid[1] = int((M + 31) / 32);
+    ek.grid[2] = int(batches);
+    ek.smem_bytes = 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
+    std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
+    std::string scaled = alpha == 1.0 ? "acc" : float_literal(alpha) + " * acc";
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 z = blockIdx.z;\n"
+        "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
+        "  cg_matmul_tile<32, 32, 16>(\n"
+        "      [&](int m, int k) {{ return cg_load(a, a_base + {5}); }},\n"
+        "      [&](int k, int n) {{ return cg_load(b, b_base + {6}); }},\n"
+        "      [&](int m, int n, float acc) {{ cg_store(out, out_base + (cg_i64)m * {7} + n, {8}); }},\n"
+        "      {9}, {7}, {10}, blockIdx.y, blockIdx.x, (float*)cg_smem);\n",
+        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N, load_a,
+        load_b, N, scaled, M, K);
+  }
+
+  std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& table = param(ps, "table");
+    const Param& ids = param(ps, "ids");
+    const Param& out = param(ps, "out");
+    const int64_t n = numel(out.buffer->shape), dim = table.buffer->shape.back();
+    (void)t;
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    cg_store(out, i, cg_embedding<{}, {}>(table, ids, i, {}));\n",
+        n, c_type(table.buffer->dtype), c_type(ids.buffer->dtype), dim);
+  }
+
+  std::string transpose(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    if (p_.tasks[size_t(t)].op->name != "transpose") {
+      fail(t, "", "the only opaque op with a template yet is transpose");
+      return {};
+    }
+    const Param& x = param(ps, "x");
+    const Shape& s = x.buffer->shape;
+    const int64_t M = s[s.size() - 2], N = s.back();
+    const std::string type = c_type(x.buffer->dtype);
+    ek.block = 256;
+    ek.grid[0] = int((N + 31) / 32);
+    ek.grid[1] = int((M + 31) / 32);
+    ek.grid[2] = int(numel(s) / (M * N));
+    ek.smem_bytes = 32 * 33 * dtype_bytes(x.buffer->dtype);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  cg_transpose_tile<{0}>(x, out, {1}, {2}, blockIdx.y, blockIdx.x, (cg_i64)blockIdx.z * {3}, ({0}*)cg_smem);\n",
+        type, M, N, M * N);
+  }
+
+  std::string header() const {
+    return fmt::format(
+        "// Generated by cudagen {} from graph '{}' (hash {:016x}); do not edit.\n"
+        "// Options: {}\n"
+        "// One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host\n"
+        "// emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.\n"
+        "// Arena: {} bytes (lower bound {}, without reuse {}).\n\n",
+        CUDAGEN_VERSION, p_.graph.name, fnv1a(write_graph(p_.graph) + options_.options_text), options_.options_text,
+        plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes);
+  }
+
+  std::string prelude_and_templates() const {
+    std::string out = "// ---- device prelude (templates/prelude.cuh) ----\n";
+    out += embedded_template("prelude.cuh");
+    for (const auto& file : template_files_) {
+      out += fmt::format("\n// ---- templates/{} ----\n", file);
+      out += embedded_template(file);
+    }
+    return out + "\n// ---- kernels ----\n\n";
+  }
+
+  std::string host_side(const std::vector<KernelGroup>& kernels, const std::vector<EmittedKernel>& emitted) const {
+    std::string out =
+        "#ifndef __CUDACC_RTC__\n"
+        "// ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----\n"
+        "#ifndef CUDAGEN_TENSOR_INFO_DEFINED  // the host emulation defines it too\n"
+        "struct cudagen_tensor_info {\n"
+        "  const char* slot;\n"
+        "  const char* buffer;\n"
+        "  unsigned long long offset;\n"
+        "  unsigned long long bytes;\n"
+        "};\n"
+        "#endif\n"
+        "#ifndef CUDAGEN_LAUNCH  // nvcc; the host emulation defines its own\n"
+        "#define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \\\n"
+        "  do {                                                               \\\n"
+        "    (void)tensors; /* for the emulator's bounds checks */            \\\n"
+        "    kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \\\n"
+        "    if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \\\n"
+        "  } while (0)\n"
+        "#endif\n\n";
+    out += fmt::format("extern \"C\" const unsigned long long cudagen_arena_bytes = {}ull;\n\n", plan_.arena_bytes);
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      const BoundTask& bt = p_.tasks[size_t(kernels[i].tasks[0])];
+      out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", kernels[i].name);
+      for (const auto& sig : bt.op->tensors) {
+        const BoundTensor* b = bt.find_tensor(sig.name);
+        if (b == nullptr) continue;
+        const PlannedBuffer& pb = plan_.buffers[size_t(b->buffer)];
+        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", sig.name, buffer_name(b->buffer), pb.offset, pb.bytes);
+      }
+      out += "};\n";
+    }
+    for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
+      bool any = false;
+      for (const auto& k : kernels) any = any || k.phase == phase;
+      if (!any) continue;
+      out += fmt::format("\nextern \"C\" int {}(unsigned char* arena, cudaStream_t stream) {{\n", phase_function(phase));
+      for (size_t i = 0; i < kernels.size(); ++i) {
+        if (kernels[i].phase != phase) continue;
+        const EmittedKernel& ek = emitted[i];
+        const BoundTask& bt = p_.tasks[size_t(kernels[i].tasks[0])];
+        std::vector<std::string> args;
+        for (const auto& sig : bt.op->tensors) {
+          const BoundTensor* b = bt.find_tensor(sig.name);
+          if (b == nullptr) continue;
+          const BufferInfo& buf = p_.buffers[size_t(b->buffer)];
+          bool written = sig.role == SlotRole::output || sig.role == SlotRole::scratch || sig.writes;
+          args.push_back(fmt::format("({}{}*)(arena + {})", written ? "" : "const ", c_type(buf.dtype),
+                                     plan_.buffers[size_t(b->buffer)].offset));
+        }
+        out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
+                           ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
+      }
+      out += "  return 0;\n}\n";
+    }
+    return out + "#endif  // __CUDACC_RTC__\n";
+  }
+
+  std::string manifest(const std::vector<EmittedKernel>& kernels) const {
+    std::string out = "{\n  \"format\": \"cudagen.manifest/1\",\n";
+    out += fmt::format("  \"graph\": {},\n", json_quote(p_.graph.name));
+    out += fmt::format("  \"graph_hash\": \"{:016x}\",\n", fnv1a(write_graph(p_.graph) + options_.options_text));
+    out += fmt::format("  \"cudagen_version\": \"{}\",\n", CUDAGEN_VERSION);
+    out += fmt::format("  \"arch\": {},\n", json_quote(options_.arch));
+    out += fmt::format("  \"options\": {},\n", json_quote(options_.options_text));
+    out += fmt::format("  \"arena_bytes\": {},\n  \"lower_bound_bytes\": {},\n", plan_.arena_bytes, plan_.lower_bound);
+    out += "  \"phases\": [";
+    bool first_phase = true;
+    for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
+      std::vector<std::string> names;
+      for (const auto& k : kernels)
+        if (k.phase == phase) names.push_back(json_quote(k.name));
+      if (names.empty()) continue;
+      out += fmt::format("{}\n    {{\"phase\": \"{}\", \"function\": \"{}\", \"kernels\": [{}]}}", first_phase ? "" : ",",
+                         to_string(phase), phase_function(phase), fmt::join(names, ", "));
+      first_phase = false;
+    }
+    out += "\n  ],\n  \"kernels\": [";
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      const EmittedKernel& k = kernels[i];
+      std::vector<std::string> tasks;
+      for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
+      out += fmt::format(
+          "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
+          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}}}",
+          i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
+          k.smem_bytes, k.bytes_read, k.bytes_written);
+    }
+    out += "\n  ],\n  \"buffers\": [";
+    for (size_t b = 0; b < p_.buffers.size(); ++b) {
+      const BufferInfo& bi = p_.buffers[b];
+      const PlannedBuffer& pb = plan_.buffers[b];
+      out += fmt::format(
+          "{}\n    {{\"name\": \"{}\", \"dtype\": \"{}\", \"shape\": [{}], \"storage\": \"{}\", \"offset\": {}, \"bytes\": "
+          "{}}}",
+          b ? "," : "", buffer_name(int(b)), to_string(bi.dtype), fmt::join(bi.shape, ", "), to_string(bi.storage),
+          pb.offset, pb.bytes);
+    }
+    out += "\n  ]\n}\n";
+    return out;
+  }
+
+  const Program& p_;
+  const Plan& plan_;
+  const EmitOptions& options_;
+  Diagnostics diags_;
+  std::set<std::string> template_files_;
+};
+
+}  // namespace
+
+EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,
+                    const EmitOptions& options) {
+  return Emitter(program, plan, options).run(kernels);
+}
+
+}  // namespace cudagen

@@ -1,0 +1,50 @@
+// Pass `emit`: one standalone .cu file and its JSON manifest (DESIGN.md §4).
+//
+// The file has no #include. It holds a provenance header, the device prelude,
+// the template files its kernels use, one extern "C" __global__ per kernel
+// taking one __restrict__ pointer per tensor, and, under
+// #ifndef __CUDACC_RTC__, a host launcher per phase that computes each pointer
+// as arena + OFFSET from the plan. NVRTC compiles the device part; nvcc and
+// the host emulation compile the whole file.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "plan.h"
+#include "program.h"
+
+namespace cudagen {
+
+struct EmitOptions {
+  std::string arch = "sm_90";
+  std::string options_text;  // the compile options, recorded in the provenance header and manifest
+};
+
+struct EmittedKernel {
+  std::string name;
+  Phase phase;
+  std::vector<int> tasks;
+  int grid[3] = {1, 1, 1};
+  int block = 256;
+  int64_t smem_bytes = 0;
+  int64_t bytes_read = 0;     // modelled: each tensor read once
+  int64_t bytes_written = 0;
+};
+
+struct EmittedProgram {
+  std::string cuda_source;
+  std::string manifest_json;
+  std::vector<EmittedKernel> kernels;
+};
+
+// Throws CompileError naming the task when an op has no template or a dtype
+// is not supported yet.
+EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,
+                    const EmitOptions& options);
+
+// The name of a phase's host launcher: `cudagen_forward`, ...
+std::string phase_function(Phase phase);
+
+}  // namespace cudagen

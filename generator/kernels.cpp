@@ -1,0 +1,30 @@
+#include "kernels.h"
+
+#include <algorithm>
+
+namespace cudagen {
+
+std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
+  std::vector<KernelGroup> kernels;
+  for (int t : schedule.order) {
+    const Task& task = *program.tasks[size_t(t)].task;
+    kernels.push_back(KernelGroup{"k" + std::to_string(kernels.size()) + "_" + task.id, task.phase, {t}});
+  }
+  return kernels;
+}
+
+std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::vector<KernelGroup>& kernels) {
+  std::vector<std::vector<int>> out;
+  for (const auto& k : kernels) {
+    std::vector<int> buffers;
+    for (int t : k.tasks)
+      for (const auto& bound : program.tasks[size_t(t)].tensors)
+        if (bound.buffer >= 0) buffers.push_back(bound.buffer);
+    std::sort(buffers.begin(), buffers.end());
+    buffers.erase(std::unique(buffers.begin(), buffers.end()), buffers.end());
+    out.push_back(std::move(buffers));
+  }
+  return out;
+}
+
+}  // namespace cudagen

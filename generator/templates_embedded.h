@@ -1,0 +1,12 @@
+// The text of templates/*.cuh, embedded at build time so that an installed
+// cudagen needs no template folder to find its ops.
+#pragma once
+
+#include <string_view>
+
+namespace cudagen {
+
+// The content of templates/<name>, or an empty view when there is none.
+std::string_view embedded_template(std::string_view name);
+
+}  // namespace cudagen

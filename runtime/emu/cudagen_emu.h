@@ -1,0 +1,172 @@
+// Host emulation of the CUDA execution model (DESIGN.md §8).
+//
+// A generated .cu is compiled by the host C++ compiler with this header
+// force-included (-include cudagen_emu.h): it defines what nvcc and NVRTC
+// provide (the qualifiers, dim3, threadIdx, __syncthreads, shuffles,
+// atomics) and the CUDAGEN_LAUNCH macro the host launchers use. Blocks run
+// one after another in a seeded shuffled order; the threads of a block run as
+// fibers in one OS thread and switch only at barriers, so shared memory,
+// __syncthreads and warp shuffles behave as on a GPU. Every global access goes
+// through cg_load/cg_store and is checked against its tensor's bounds.
+#pragma once
+
+#define CUDAGEN_EMULATION 1
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__ static
+#define __align__(n) alignas(n)
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 {
+  unsigned x, y, z;
+};
+typedef struct CUstream_st* cudaStream_t;
+
+// What a kernel's launch knows of each pointer argument, for bounds checks.
+struct cudagen_tensor_info {
+  const char* slot;
+  const char* buffer;
+  unsigned long long offset;
+  unsigned long long bytes;
+};
+#define CUDAGEN_TENSOR_INFO_DEFINED 1
+
+namespace cudagen_emu {
+
+struct ThreadContext {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+
+// The running fiber's indices.
+const ThreadContext& context();
+
+void syncthreads();
+
+// All lanes of the warp call it; each gets the value deposited by `src_lane`
+// (its own when src_lane is outside the warp or segment).
+uint64_t warp_exchange(uint64_t value, int src_lane);
+
+unsigned char* dynamic_smem();
+
+// False (and the first error recorded) when element `index` of the tensor
+// that `base` points into is out of bounds; counts the bytes otherwise.
+bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write);
+
+template <typename T>
+T load(const T* base, long long index) {
+  return check_access(base, index, sizeof(T), false) ? base[index] : T();
+}
+
+template <typename T>
+void store(T* base, long long index, T value) {
+  if (check_access(base, index, sizeof(T), true)) base[index] = value;
+}
+
+// Runs `body(closure)` for every thread of the grid. Returns 0, or 1 after
+// an error (see cudagen_emu_last_error).
+int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
+           dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure);
+
+template <typename T>
+T shuffle(T value, int src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  bits = warp_exchange(bits, src_lane);
+  std::memcpy(&value, &bits, sizeof(T));
+  return value;
+}
+
+inline int lane_id() {
+  const ThreadContext& c = context();
+  unsigned linear = c.thread_idx.x + c.block_dim.x * (c.thread_idx.y + c.block_dim.y * c.thread_idx.z);
+  return int(linear % 32);
+}
+
+}  // namespace cudagen_emu
+
+#define threadIdx (cudagen_emu::context().thread_idx)
+#define blockIdx (cudagen_emu::context().block_idx)
+#define blockDim (cudagen_emu::context().block_dim)
+#define gridDim (cudagen_emu::context().grid_dim)
+
+inline void __syncthreads() { cudagen_emu::syncthreads(); }
+
+// Shuffles within segments of `width` lanes, as on the GPU.
+template <typename T>
+T __shfl_sync(unsigned, T value, int src, int width = 32) {
+  int lane = cudagen_emu::lane_id(), base = lane - lane % width;
+  return cudagen_emu::shuffle(value, base + ((src % width) + width) % width);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned, T value, int lane_mask, int width = 32) {
+  int lane = cudagen_emu::lane_id(), src = lane ^ lane_mask;
+  return cudagen_emu::shuffle(value, src / width == lane / width ? src : lane);
+}
+template <typename T>
+T __shfl_down_sync(unsigned, T value, unsigned delta, int width = 32) {
+  int lane = cudagen_emu::lane_id(), src = lane + int(delta);
+  return cudagen_emu::shuffle(value, src / width == lane / width ? src : lane);
+}
+template <typename T>
+T __shfl_up_sync(unsigned, T value, unsigned delta, int width = 32) {
+  int lane = cudagen_emu::lane_id(), src = lane - int(delta);
+  return cudagen_emu::shuffle(value, src >= 0 && src / width == lane / width ? src : lane);
+}
+
+// Fibers switch only at barriers, so a read-modify-write is atomic here.
+template <typename T>
+T atomicAdd(T* address, T value) {
+  T old = *address;
+  *address = old + value;
+  return old;
+}
+template <typename T>
+T atomicMax(T* address, T value) {
+  T old = *address;
+  *address = old < value ? value : old;
+  return old;
+}
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  T old = *address;
+  if (old == compare) *address = value;
+  return old;
+}
+
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, sizeof i);
+  return i;
+}
+
+// The host launchers' launch: the kernel's arguments are captured by a
+// lambda that every emulated thread calls.
+#define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)                                                  \
+  do {                                                                                                           \
+    (void)stream;                                                                                                \
+    auto cudagen_body = [&]() { kernel(__VA_ARGS__); };                                                          \
+    if (cudagen_emu::launch(#kernel, tensors, int(sizeof(tensors) / sizeof(tensors[0])), arena, grid, block, smem, \
+                            [](void* c) { (*static_cast<decltype(cudagen_body)*>(c))(); }, &cudagen_body))        \
+      return 1;                                                                                                  \
+  } while (0)

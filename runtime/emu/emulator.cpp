@@ -1,0 +1,276 @@
+// The emulator's scheduler: blocks in a seeded shuffled order, the threads of
+// a block as Boost.Context fibers that switch only at barriers.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <boost/context/detail/fcontext.hpp>
+
+#include "cudagen_emu.h"
+
+namespace fctx = boost::context::detail;
+
+namespace cudagen_emu {
+namespace {
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kGuardBytes = 4096;
+
+struct Fiber {
+  enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
+  fctx::fcontext_t ctx = nullptr;
+  ThreadContext thread{};
+  State state = State::Ready;
+  uint64_t exchange = 0;
+};
+
+struct KernelStats {
+  std::string kernel;
+  unsigned long long bytes_read = 0;
+  unsigned long long bytes_written = 0;
+};
+
+// One emulator per OS thread: it owns the fiber stacks (reused by every
+// block), the shared memory, and the state of the launch in progress.
+class Emulator {
+ public:
+  ~Emulator() {
+    for (void* s : stacks_) munmap(s, kStackBytes);
+  }
+
+  void configure(uint64_t seed) { seed_ = seed; }
+  const std::string& last_error() const { return error_; }
+  const std::vector<KernelStats>& stats() const { return stats_; }
+  void clear_stats() { stats_.clear(); }
+
+  int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
+             dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
+    kernel_ = kernel;
+    tensors_ = tensors;
+    tensor_count_ = tensor_count;
+    arena_ = arena;
+    body_ = body;
+    closure_ = closure;
+    error_.clear();
+    stats_.push_back(KernelStats{kernel});
+    const unsigned threads = block.x * block.y * block.z;
+    if (threads == 0 || threads > 1024) return fail("block of %u threads (1 to 1024 allowed)", threads);
+    ensure_stacks(threads);
+    smem_.assign(smem_bytes + 16, 0);
+    std::vector<uint3> blocks;
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) blocks.push_back(uint3{x, y, z});
+    // A seeded shuffle: code that depends on block order fails here as it would on a GPU.
+    std::mt19937_64 rng(seed_ ^ std::hash<std::string>()(kernel));
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    for (const uint3& b : blocks) {
+      run_block(b, grid, block, threads);
+      if (!error_.empty()) return 1;
+    }
+    return 0;
+  }
+
+  const ThreadContext& context() const { return current_->thread; }
+
+  void syncthreads() { wait(Fiber::State::AtBlockBarrier); }
+
+  uint64_t warp_exchange(uint64_t value, int src_lane) {
+    Fiber* self = current_;
+    self->exchange = value;
+    wait(Fiber::State::AtWarpBarrier);  // every lane has deposited
+    size_t index = size_t(self - fibers_.data());
+    size_t warp_base = index - index % 32;
+    size_t src = warp_base + size_t(src_lane);
+    uint64_t result = (src_lane >= 0 && src_lane < 32 && src < live_threads_) ? fibers_[src].exchange : value;
+    wait(Fiber::State::AtWarpBarrier);  // every lane has read before anyone deposits again
+    return result;
+  }
+
+  unsigned char* dynamic_smem() { return smem_.data(); }
+
+  bool check_access(const void* base, long long index, unsigned long long elem, bool write) {
+    const unsigned char* p = static_cast<const unsigned char*>(base);
+    for (int i = 0; i < tensor_count_; ++i) {
+      const cudagen_tensor_info& t = tensors_[i];
+      const unsigned char* start = arena_ + t.offset;
+      if (p < start || p >= start + t.bytes) continue;
+      long long byte = (long long)(p - start) + index * (long long)elem;
+      if (index < 0 || byte < 0 || (unsigned long long)byte + elem > t.bytes) {
+        const ThreadContext& c = current_->thread;
+        fail("kernel %s: out-of-bounds %s of tensor '%s' (buffer %s): element %lld of %llu, by thread (%u, %u, %u) of "
+             "block (%u, %u, %u)",
+             kernel_, write ? "store" : "load", t.slot, t.buffer, (long long)(byte / (long long)elem), t.bytes / elem,
+             c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y, c.block_idx.z);
+        return false;
+      }
+      (write ? stats_.back().bytes_written : stats_.back().bytes_read) += elem;
+      return true;
+    }
+    fail("kernel %s: %s through a pointer that lies in none of the kernel's tensors", kernel_, write ? "store" : "load");
+    return false;
+  }
+
+ private:
+  template <typename... Args>
+  int fail(const char* format, Args... args) {
+    if (!error_.empty()) return 1;  // keep the first
+    char buf[1024];
+    std::snprintf(buf, sizeof buf, format, args...);
+    error_ = buf;
+    return 1;
+  }
+
+  void ensure_stacks(unsigned threads) {
+    while (stacks_.size() < threads) {
+      void* s = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (s == MAP_FAILED) throw std::bad_alloc();
+      mprotect(s, kGuardBytes, PROT_NONE);  // a stack overflow faults instead of corrupting a neighbour
+      stacks_.push_back(s);
+    }
+    if (fibers_.size() < threads) fibers_.resize(threads);
+  }
+
+  static void fiber_entry(fctx::transfer_t t) {
+    Emulator* self = static_cast<Emulator*>(t.data);
+    self->scheduler_ = t.fctx;
+    self->body_(self->closure_);
+    self->current_->state = Fiber::State::Done;
+    fctx::jump_fcontext(self->scheduler_, nullptr);  // never resumed
+  }
+
+  // Suspends the running fiber until the scheduler releases `barrier`.
+  void wait(Fiber::State barrier) {
+    current_->state = barrier;
+    fctx::transfer_t t = fctx::jump_fcontext(scheduler_, nullptr);
+    scheduler_ = t.fctx;
+  }
+
+  void run_block(uint3 block_idx, dim3 grid, dim3 block, unsigned threads) {
+    std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
+    live_threads_ = threads;
+    for (unsigned i = 0; i < threads; ++i) {
+      Fiber& f = fibers_[i];
+      f.state = Fiber::State::Ready;
+      f.thread.thread_idx = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+      f.thread.block_idx = block_idx;
+      f.thread.block_dim = block;
+      f.thread.grid_dim = grid;
+      f.ctx = fctx::make_fcontext(static_cast<char*>(stacks_[i]) + kStackBytes, kStackBytes - kGuardBytes, fiber_entry);
+    }
+    for (;;) {
+      for (unsigned i = 0; i < threads; ++i) {
+        if (fibers_[i].state != Fiber::State::Ready) continue;
+        current_ = &fibers_[i];
+        fctx::transfer_t t = fctx::jump_fcontext(fibers_[i].ctx, this);
+        fibers_[i].ctx = t.fctx;
+      }
+      if (!release_barriers(threads)) return;
+    }
+  }
+
+  // After every ready fiber has run until it blocked or finished: release the
+  // barriers whose participants have all arrived. Returns false when the
+  // block is finished or stuck.
+  bool release_barriers(unsigned threads) {
+    bool all_done = true, released = false;
+    for (unsigned w = 0; w < threads; w += 32) {
+      unsigned end = std::min(threads, w + 32);
+      bool any_waiting = false, all_waiting = true;
+      for (unsigned i = w; i < end; ++i) {
+        Fiber::State s = fibers_[i].state;
+        if (s == Fiber::State::AtWarpBarrier) any_waiting = true;
+        else if (s != Fiber::State::Done) all_waiting = false;
+      }
+      if (any_waiting && all_waiting) {
+        for (unsigned i = w; i < end; ++i)
+          if (fibers_[i].state == Fiber::State::AtWarpBarrier) fibers_[i].state = Fiber::State::Ready;
+        released = true;
+      }
+    }
+    if (released) return true;
+    bool all_at_block = true;
+    unsigned done = 0;
+    for (unsigned i = 0; i < threads; ++i) {
+      Fiber::State s = fibers_[i].state;
+      if (s == Fiber::State::Done) ++done;
+      if (s != Fiber::State::AtBlockBarrier) all_at_block = false;
+      if (s != Fiber::State::Done) all_done = false;
+    }
+    if (all_done) return false;
+    if (all_at_block) {
+      for (unsigned i = 0; i < threads; ++i) fibers_[i].state = Fiber::State::Ready;
+      return true;
+    }
+    const uint3 b = fibers_[0].thread.block_idx;
+    fail("kernel %s: block (%u, %u, %u) is stuck: %u of %u threads finished while the others wait at a barrier "
+         "(__syncthreads or a warp shuffle) that the finished ones never reached",
+         kernel_, b.x, b.y, b.z, done, threads);
+    abandon_block(threads);
+    return false;
+  }
+
+  // Fibers stuck at a barrier are never resumed; their stacks are reused by
+  // the next block. Nothing on them needs destruction (kernels hold PODs).
+  void abandon_block(unsigned threads) {
+    for (unsigned i = 0; i < threads; ++i) fibers_[i].state = Fiber::State::Done;
+  }
+
+  uint64_t seed_ = 1;
+  std::vector<void*> stacks_;
+  std::vector<Fiber> fibers_;
+  std::vector<unsigned char> smem_;
+  unsigned live_threads_ = 0;
+  Fiber* current_ = nullptr;
+  fctx::fcontext_t scheduler_ = nullptr;
+  const char* kernel_ = "";
+  const cudagen_tensor_info* tensors_ = nullptr;
+  int tensor_count_ = 0;
+  unsigned char* arena_ = nullptr;
+  void (*body_)(void*) = nullptr;
+  void* closure_ = nullptr;
+  std::string error_;
+  std::vector<KernelStats> stats_;
+};
+
+// The emulator of this OS thread: emulated CUDA built-ins such as threadIdx
+// are free functions, so they reach the running fiber through it.
+Emulator& emulator() {
+  thread_local std::unique_ptr<Emulator> instance = std::make_unique<Emulator>();
+  return *instance;
+}
+
+}  // namespace
+
+const ThreadContext& context() { return emulator().context(); }
+void syncthreads() { emulator().syncthreads(); }
+uint64_t warp_exchange(uint64_t value, int src_lane) { return emulator().warp_exchange(value, src_lane); }
+unsigned char* dynamic_smem() { return emulator().dynamic_smem(); }
+bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write) {
+  return emulator().check_access(base, index, elem_bytes, write);
+}
+int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
+           dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
+  return emulator().launch(kernel, tensors, tensor_count, arena, grid, block, smem_bytes, body, closure);
+}
+
+}  // namespace cudagen_emu
+
+// The C interface the runtime uses after dlopen()ing an emulated module.
+extern "C" {
+void cudagen_emu_configure(unsigned long long seed) { cudagen_emu::emulator().configure(seed); }
+const char* cudagen_emu_last_error() { return cudagen_emu::emulator().last_error().c_str(); }
+int cudagen_emu_kernel_count() { return int(cudagen_emu::emulator().stats().size()); }
+const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsigned long long* bytes_written) {
+  const auto& s = cudagen_emu::emulator().stats()[size_t(i)];
+  *bytes_read = s.bytes_read;
+  *bytes_written = s.bytes_written;
+  return s.kernel.c_str();
+}
+void cudagen_emu_clear_stats() { cudagen_emu::emulator().clear_stats(); }
+}

@@ -1,0 +1,106 @@
+#include "host_module.h"
+
+#include <dlfcn.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "emit.h"
+#include "file_util.h"
+
+namespace cudagen {
+
+namespace {
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// Runs a command, returning its exit status and its output (stdout and stderr).
+int run_command(const std::string& command, std::string* output) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) output->append(buf, n);
+  return pclose(pipe);
+}
+
+template <typename Fn>
+Fn symbol(void* handle, const char* name) {
+  void* p = dlsym(handle, name);
+  if (p == nullptr) throw BuildError(fmt::format("emulated module has no symbol {}", name));
+  return reinterpret_cast<Fn>(p);
+}
+
+}  // namespace
+
+HostModule HostModule::build(const std::string& cuda_source, const std::string& work_dir, double* seconds) {
+  if (std::string(CUDAGEN_EMU_LIBRARY).empty())
+    throw BuildError("this cudagen was built without the emulator (install libboost-context-dev and reconfigure)");
+  std::filesystem::create_directories(work_dir);
+  const std::string cu = work_dir + "/module.cu", so = work_dir + "/module.so";
+  write_file_atomic(cu, cuda_source);
+  // -x c++: the .cu is plain C++ once the emulation header defines the CUDA built-ins.
+  std::string command = fmt::format(
+      "{} -std=c++17 -O1 -g0 -fPIC -shared -fno-strict-aliasing -Wno-unused-parameter -I{} -include cudagen_emu.h "
+      "-x c++ {} -x none {} {} -o {}",
+      CUDAGEN_HOST_CXX, shell_quote(CUDAGEN_EMU_INCLUDE_DIR), shell_quote(cu), shell_quote(CUDAGEN_EMU_LIBRARY),
+      shell_quote(CUDAGEN_BOOST_CONTEXT_LIBRARY), shell_quote(so + ".tmp"));
+  auto start = std::chrono::steady_clock::now();
+  std::string output;
+  int status = run_command(command, &output);
+  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (status != 0) throw BuildError(fmt::format("the host compiler failed on {}:\n{}\ncommand: {}", cu, output, command));
+  std::filesystem::rename(so + ".tmp", so);
+  HostModule m;
+  m.handle_ = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (m.handle_ == nullptr) throw BuildError(fmt::format("cannot load {}: {}", so, dlerror()));
+  return m;
+}
+
+HostModule::HostModule(HostModule&& other) noexcept : handle_(other.handle_) { other.handle_ = nullptr; }
+HostModule& HostModule::operator=(HostModule&& other) noexcept {
+  std::swap(handle_, other.handle_);
+  return *this;
+}
+HostModule::~HostModule() {
+  if (handle_ != nullptr) dlclose(handle_);
+}
+
+bool HostModule::has_phase(Phase phase) const { return dlsym(handle_, phase_function(phase).c_str()) != nullptr; }
+
+void HostModule::run_phase(Phase phase, unsigned char* arena) const {
+  using PhaseFn = int (*)(unsigned char*, void*);
+  auto fn = symbol<PhaseFn>(handle_, phase_function(phase).c_str());
+  if (fn(arena, nullptr) != 0) {
+    auto last_error = symbol<const char* (*)()>(handle_, "cudagen_emu_last_error");
+    throw std::runtime_error(fmt::format("{} phase failed in emulation: {}", to_string(phase), last_error()));
+  }
+}
+
+void HostModule::set_seed(unsigned long long seed) const {
+  symbol<void (*)(unsigned long long)>(handle_, "cudagen_emu_configure")(seed);
+}
+
+std::vector<KernelBytes> HostModule::kernel_bytes() const {
+  auto count = symbol<int (*)()>(handle_, "cudagen_emu_kernel_count");
+  auto stats = symbol<const char* (*)(int, unsigned long long*, unsigned long long*)>(handle_, "cudagen_emu_kernel_stats");
+  std::vector<KernelBytes> out;
+  for (int i = 0; i < count(); ++i) {
+    KernelBytes k;
+    k.kernel = stats(i, &k.bytes_read, &k.bytes_written);
+    out.push_back(k);
+  }
+  return out;
+}
+
+void HostModule::clear_kernel_bytes() const { symbol<void (*)()>(handle_, "cudagen_emu_clear_stats")(); }
+
+}  // namespace cudagen

@@ -1,0 +1,49 @@
+// A generated .cu built for the host emulation: compiled by the host C++
+// compiler with the emulation header, linked with the emulator into a shared
+// library, and loaded with dlopen.
+#pragma once
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "graph.h"
+
+namespace cudagen {
+
+class BuildError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct KernelBytes {
+  std::string kernel;
+  unsigned long long bytes_read = 0;
+  unsigned long long bytes_written = 0;
+};
+
+class HostModule {
+ public:
+  // Compiles `cuda_source` in `work_dir` (created if needed). Throws BuildError
+  // with the compiler's output on failure. `seconds` receives the compile time.
+  static HostModule build(const std::string& cuda_source, const std::string& work_dir, double* seconds = nullptr);
+
+  HostModule(HostModule&&) noexcept;
+  HostModule& operator=(HostModule&&) noexcept;
+  ~HostModule();
+
+  bool has_phase(Phase phase) const;
+  // Runs a phase on `arena`; throws std::runtime_error with the emulator's
+  // message (kernel, tensor, thread) when a kernel fails.
+  void run_phase(Phase phase, unsigned char* arena) const;
+  void set_seed(unsigned long long seed) const;
+  std::vector<KernelBytes> kernel_bytes() const;  // since the last clear
+  void clear_kernel_bytes() const;
+
+ private:
+  HostModule() = default;
+  void* handle_ = nullptr;
+};
+
+}  // namespace cudagen

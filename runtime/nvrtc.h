@@ -1,0 +1,28 @@
+// In-process compilation with NVRTC, loaded lazily with dlopen so that
+// nothing links libnvrtc and everything else works without it (DESIGN.md §7).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cudagen {
+
+class NvrtcError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct NvrtcOutput {
+  std::vector<char> binary;  // CUBIN, or PTX text when asked for PTX
+  std::string log;
+  double seconds = 0;
+  int version_major = 0, version_minor = 0;
+};
+
+// Compiles the device part of `source` for `arch` ("sm_90"). Throws
+// NvrtcError with NVRTC's log when compilation fails, or when NVRTC cannot
+// be loaded (naming the library it looked for).
+NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch, bool ptx = false);
+
+}  // namespace cudagen

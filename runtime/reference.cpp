@@ -1,0 +1,198 @@
+#include "reference.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace cudagen {
+
+namespace {
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+// Index into `in` of element `i` of `out` under numpy broadcasting.
+int64_t broadcast_source(const Shape& out, const Shape& in, int64_t i) {
+  int64_t index = 0, in_stride = 1;
+  size_t offset = out.size() - in.size();
+  for (size_t d = out.size(); d-- > 0;) {
+    int64_t coord = i % out[d];
+    i /= out[d];
+    if (d >= offset) {
+      int64_t in_dim = in[d - offset];
+      if (in_dim != 1) index += coord * in_stride;
+      in_stride *= in_dim;
+    }
+  }
+  return index;
+}
+
+class Evaluator {
+ public:
+  Evaluator(const Program& p, ReferenceBuffers& r) : p_(p), r_(r) {}
+
+  void run(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const std::string& op = bt.op->name;
+    if (op == "relu") return unary(bt, [](double x) { return x > 0 ? x : 0.0; });
+    if (op == "add") return add(bt);
+    if (op == "matmul") return matmul(bt);
+    if (op == "softmax") return softmax(bt);
+    if (op == "embedding") return embedding(bt);
+    if (op == "transpose") return transpose(bt);
+    throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
+  }
+
+ private:
+  int buf(const BoundTask& bt, const char* slot) const { return bt.find_tensor(slot)->buffer; }
+  const Shape& shape(int b) const { return p_.buffers[size_t(b)].shape; }
+  const std::vector<double>& val(int b) const {
+    if (r_.value[size_t(b)].empty() && numel(shape(b)) > 0)
+      throw std::runtime_error(fmt::format("reference: buffer {} read before it is written", b));
+    return r_.value[size_t(b)];
+  }
+  void out(int b, std::vector<double> v, std::vector<double> a) {
+    r_.value[size_t(b)] = std::move(v);
+    r_.abs[size_t(b)] = std::move(a);
+  }
+  double arg_double(const BoundTask& bt, const char* name, double fallback) const {
+    for (const auto& a : bt.args)
+      if (a.name == name) {
+        if (auto* d = std::get_if<double>(&a.value)) return *d;
+        if (auto* i = std::get_if<int64_t>(&a.value)) return double(*i);
+      }
+    return fallback;
+  }
+  bool arg_bool(const BoundTask& bt, const char* name) const {
+    for (const auto& a : bt.args)
+      if (a.name == name && std::holds_alternative<bool>(a.value)) return std::get<bool>(a.value);
+    return false;
+  }
+
+  template <typename F>
+  void unary(const BoundTask& bt, F f) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    const auto& xv = val(x);
+    const auto& xa = r_.abs[size_t(x)];
+    std::vector<double> v(xv.size()), a(xv.size());
+    for (size_t i = 0; i < xv.size(); ++i) {
+      v[i] = f(xv[i]);
+      a[i] = std::abs(f(xa[i]));
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void add(const BoundTask& bt) {
+    int x = buf(bt, "a"), y = buf(bt, "b"), o = buf(bt, "out");
+    int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t ia = broadcast_source(shape(o), shape(x), i), ib = broadcast_source(shape(o), shape(y), i);
+      v[size_t(i)] = val(x)[size_t(ia)] + val(y)[size_t(ib)];
+      a[size_t(i)] = r_.abs[size_t(x)][size_t(ia)] + r_.abs[size_t(y)][size_t(ib)];
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void matmul(const BoundTask& bt) {
+    int ba = buf(bt, "a"), bb = buf(bt, "b"), bo = buf(bt, "out");
+    bool ta = arg_bool(bt, "trans_a"), tb = arg_bool(bt, "trans_b");
+    double alpha = arg_double(bt, "alpha", 1.0);
+    const Shape &sa = shape(ba), &sb = shape(bb), &so = shape(bo);
+    int64_t M = so[so.size() - 2], N = so.back(), K = ta ? sa[sa.size() - 2] : sa.back();
+    Shape batch_o(so.begin(), so.end() - 2), batch_a(sa.begin(), sa.end() - 2), batch_b(sb.begin(), sb.end() - 2);
+    int64_t batches = numel(batch_o);
+    std::vector<double> v(size_t(numel(so))), a(v.size());
+    for (int64_t z = 0; z < batches; ++z) {
+      int64_t za = broadcast_source(batch_o, batch_a, z) * M * K, zb = broadcast_source(batch_o, batch_b, z) * K * N;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double s = 0, sabs = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            size_t ia = size_t(za + (ta ? k * M + m : m * K + k)), ib = size_t(zb + (tb ? n * K + k : k * N + n));
+            s += val(ba)[ia] * val(bb)[ib];
+            sabs += r_.abs[size_t(ba)][ia] * r_.abs[size_t(bb)][ib];
+          }
+          v[size_t(z * M * N + m * N + n)] = alpha * s;
+          a[size_t(z * M * N + m * N + n)] = std::abs(alpha) * sabs;
+        }
+    }
+    out(bo, std::move(v), std::move(a));
+  }
+
+  void softmax(const BoundTask& bt) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape& s = shape(x);
+    int64_t n = s.back(), rows = numel(s) / n, rows_per_matrix = s.size() >= 2 ? s[s.size() - 2] : 1;
+    double scale = arg_double(bt, "scale", 1.0);
+    bool causal = arg_bool(bt, "causal");
+    std::vector<double> v(size_t(numel(s))), a(v.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t valid = causal ? std::min(n, r % rows_per_matrix + 1) : n;
+      double m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < valid; ++j) m = std::max(m, scale * val(x)[size_t(r * n + j)]);
+      for (int64_t j = 0; j < valid; ++j) sum += std::exp(scale * val(x)[size_t(r * n + j)] - m);
+      // First-order propagation: an error e_j in each input moves p_i by at most
+      // p_i * |scale| * 2 max_j e_j, and each e_j is bounded by rtol * abs_j.
+      double max_abs_in = 0;
+      for (int64_t j = 0; j < valid; ++j) max_abs_in = std::max(max_abs_in, r_.abs[size_t(x)][size_t(r * n + j)]);
+      for (int64_t j = 0; j < n; ++j) {
+        size_t i = size_t(r * n + j);
+        v[i] = j < valid ? std::exp(scale * val(x)[i] - m) / sum : 0.0;
+        a[i] = v[i] * (1.0 + 2.0 * std::abs(scale) * max_abs_in);
+      }
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void embedding(const BoundTask& bt) {
+    int table = buf(bt, "table"), ids = buf(bt, "ids"), o = buf(bt, "out");
+    int64_t dim = shape(table).back(), rows = shape(table)[0], n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t row = int64_t(val(ids)[size_t(i / dim)]);
+      if (row < 0 || row >= rows) throw std::runtime_error(fmt::format("reference: embedding id {} out of range", row));
+      v[size_t(i)] = val(table)[size_t(row * dim + i % dim)];
+      a[size_t(i)] = r_.abs[size_t(table)][size_t(row * dim + i % dim)];
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void transpose(const BoundTask& bt) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape& s = shape(x);
+    int64_t M = s[s.size() - 2], N = s.back(), batches = numel(s) / (M * N);
+    std::vector<double> v(size_t(numel(s))), a(v.size());
+    for (int64_t z = 0; z < batches; ++z)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          v[size_t(z * M * N + n * M + m)] = val(x)[size_t(z * M * N + m * N + n)];
+          a[size_t(z * M * N + n * M + m)] = r_.abs[size_t(x)][size_t(z * M * N + m * N + n)];
+        }
+    out(o, std::move(v), std::move(a));
+  }
+
+  const Program& p_;
+  ReferenceBuffers& r_;
+};
+
+}  // namespace
+
+ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
+                                    const std::vector<std::vector<double>>& inputs) {
+  ReferenceBuffers r;
+  r.value = inputs;
+  r.value.resize(program.buffers.size());
+  r.abs.resize(program.buffers.size());
+  for (size_t b = 0; b < r.value.size(); ++b)
+    for (double x : r.value[b]) r.abs[b].push_back(std::abs(x));
+  Evaluator eval(program, r);
+  for (int t : schedule.order) eval.run(t);
+  return r;
+}
+
+}  // namespace cudagen

@@ -1,0 +1,27 @@
+// An independent float64 CPU implementation of the ops that have templates,
+// used to check generated code (DESIGN.md §9). It shares nothing with the
+// templates but the op semantics. Alongside each value it computes the same
+// operation on absolute values (`abs`), the scale against which an error is
+// judged: |y - ref| <= rtol * ref_abs + atol. For sums and products that is
+// the op on absolute values; for softmax, whose output is not a sum of its
+// inputs, it is the first-order propagation of its inputs' bounds.
+#pragma once
+
+#include <vector>
+
+#include "program.h"
+#include "schedule.h"
+
+namespace cudagen {
+
+struct ReferenceBuffers {
+  std::vector<std::vector<double>> value;  // per buffer of the program; empty when never computed
+  std::vector<std::vector<double>> abs;
+};
+
+// Runs every task of `schedule` on `inputs` (per buffer; the graph inputs set).
+// Throws std::runtime_error for an op it has no reference for.
+ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
+                                    const std::vector<std::vector<double>>& inputs);
+
+}  // namespace cudagen

@@ -1,0 +1,145 @@
+#include "runner.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "reference.h"
+
+namespace cudagen {
+
+bool EmulatedRun::ok() const {
+  for (const auto& c : checks)
+    if (!c.ok()) return false;
+  return !checks.empty();
+}
+
+double relative_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::f64: return 1e-12;
+    case DType::f32: return 1e-5;
+    case DType::f16: return 5e-3;
+    case DType::bf16: return 1e-2;
+    case DType::i32:
+    case DType::i64: return 0;
+  }
+  return 0;
+}
+
+namespace {
+
+bool written_by_a_task(const Program& p, int buffer) {
+  for (const auto& t : p.tasks)
+    for (const auto& b : t.tensors)
+      if (b.buffer == buffer && b.sig &&
+          (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch || b.sig->writes))
+        return true;
+  return false;
+}
+
+// Integer inputs used as embedding ids take values inside the table.
+int64_t integer_input_range(const Program& p, int buffer) {
+  for (const auto& t : p.tasks) {
+    const BoundTensor* ids = t.op->name == "embedding" ? t.find_tensor("ids") : nullptr;
+    if (ids && ids->buffer == buffer) return p.buffers[size_t(t.find_tensor("table")->buffer)].shape[0];
+  }
+  return 8;
+}
+
+void store_element(unsigned char* at, DType dtype, double v) {
+  switch (dtype) {
+    case DType::f32: { float f = float(v); std::memcpy(at, &f, 4); break; }
+    case DType::f64: std::memcpy(at, &v, 8); break;
+    case DType::i32: { int32_t i = int32_t(v); std::memcpy(at, &i, 4); break; }
+    case DType::i64: { int64_t i = int64_t(v); std::memcpy(at, &i, 8); break; }
+    default: throw std::runtime_error(fmt::format("emulated runs do not support {} tensors yet", to_string(dtype)));
+  }
+}
+
+double load_element(const unsigned char* at, DType dtype) {
+  switch (dtype) {
+    case DType::f32: { float f; std::memcpy(&f, at, 4); return f; }
+    case DType::f64: { double d; std::memcpy(&d, at, 8); return d; }
+    case DType::i32: { int32_t i; std::memcpy(&i, at, 4); return i; }
+    case DType::i64: { int64_t i; std::memcpy(&i, at, 8); return double(i); }
+    default: return NAN;
+  }
+}
+
+}  // namespace
+
+EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options) {
+  const Program& p = c.program;
+  EmulatedRun run;
+  run.seed = options.seed;
+  HostModule module = HostModule::build(c.emitted.cuda_source, options.work_dir, &run.compile_seconds);
+  module.set_seed(options.seed);
+
+  // Fresh random inputs, rounded to their dtype so that the reference sees what the kernels see.
+  std::mt19937_64 rng(options.seed);
+  std::vector<std::vector<double>> inputs(p.buffers.size());
+  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    if (written_by_a_task(p, int(b))) continue;
+    const BufferInfo& info = p.buffers[b];
+    int64_t n = info.bytes / dtype_bytes(info.dtype);
+    bool integer = info.dtype == DType::i32 || info.dtype == DType::i64;
+    std::uniform_real_distribution<double> real(-1.0, 1.0);
+    std::uniform_int_distribution<int64_t> ints(0, integer ? integer_input_range(p, int(b)) - 1 : 0);
+    inputs[b].resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double v = integer ? double(ints(rng)) : real(rng);
+      if (info.dtype == DType::f32) v = double(float(v));
+      inputs[b][size_t(i)] = v;
+      store_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype, v);
+    }
+  }
+
+  auto start = std::chrono::steady_clock::now();
+  for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
+    if (module.has_phase(phase)) module.run_phase(phase, arena.data());
+  run.run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  run.kernels = module.kernel_bytes();
+
+  ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs);
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    const BufferInfo& info = p.buffers[b];
+    if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
+    OutputCheck check;
+    check.buffer = p.tasks[size_t(info.owner_task)].task->id + "." + info.owner_slot;
+    check.elements = info.bytes / dtype_bytes(info.dtype);
+    const double rtol = relative_tolerance(info.dtype);
+    for (int64_t i = 0; i < check.elements; ++i) {
+      double y = load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype);
+      double want = ref.value[b][size_t(i)], bound = rtol * ref.abs[b][size_t(i)];
+      double err = std::abs(y - want);
+      bool ok = !std::isnan(y) && err <= bound;
+      if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
+      check.worst_ratio = std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
+      if (!ok && check.failures++ == 0) {
+        check.first_failure = i;
+        check.got = y;
+        check.want = want;
+      }
+    }
+    run.checks.push_back(check);
+  }
+  return run;
+}
+
+std::string format_run(const EmulatedRun& run) {
+  std::string out = fmt::format("{:<24} {:>9} {:>12} {:>14}  {}\n", "output", "elements", "max |err|", "err / bound", "result");
+  for (const auto& c : run.checks) {
+    std::string result = c.ok() ? "ok"
+                                : fmt::format("FAIL: {} elements out of bounds; first at {}: got {}, want {}", c.failures,
+                                              c.first_failure, c.got, c.want);
+    out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
+  }
+  if (!run.ok()) out += fmt::format("(seed {}; rerun with --seed {} to reproduce)\n", run.seed, run.seed);
+  return out;
+}
+
+}  // namespace cudagen

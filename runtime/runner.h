@@ -1,0 +1,49 @@
+// Runs a compiled program in the host emulation on seeded random inputs and
+// checks every graph output against the float64 reference (DESIGN.md §9):
+// |y - ref| <= rtol * ref_abs, NaN never passes, the arena poisoned first so
+// an element no kernel wrote fails.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "host_module.h"
+#include "pipeline.h"
+
+namespace cudagen {
+
+struct RunOptions {
+  uint64_t seed = 1;
+  std::string work_dir;  // where the emulated module is built
+};
+
+struct OutputCheck {
+  std::string buffer;  // task.slot
+  int64_t elements = 0;
+  double max_abs_error = 0;
+  double worst_ratio = 0;   // max over elements of |y - ref| / (rtol * ref_abs); <= 1 passes
+  int64_t failures = 0;
+  int64_t first_failure = -1;
+  double got = 0, want = 0;  // at the first failure
+  bool ok() const { return failures == 0; }
+};
+
+struct EmulatedRun {
+  double compile_seconds = 0;
+  double run_seconds = 0;
+  uint64_t seed = 0;
+  std::vector<OutputCheck> checks;
+  std::vector<KernelBytes> kernels;
+  bool ok() const;
+};
+
+// The relative bound of DESIGN.md §9 for a dtype.
+double relative_tolerance(DType dtype);
+
+EmulatedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& options);
+
+// A table for the terminal.
+std::string format_run(const EmulatedRun& run);
+
+}  // namespace cudagen

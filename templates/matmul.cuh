@@ -1,0 +1,41 @@
+// Shared-memory tiled matmul (f32, portable): the block computes one BM x BN
+// tile of the output with 256 threads, each accumulating a 2 x 2 patch.
+// Operands are read through load_a(m, k) and load_b(k, n) (where fusion puts
+// a prologue, and where transposes are expressed), results leave through
+// epilogue(m, n, acc). Shared memory: 4 * (BM * (BK + 1) + BK * (BN + 1))
+// bytes; the +1 columns keep the inner loop free of bank conflicts.
+template <int BM, int BN, int BK, typename LoadA, typename LoadB, typename Epilogue>
+CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
+                              int tile_n, float* smem) {
+  static_assert(BM == 32 && BN == 32, "the thread layout below assumes 32 x 32 tiles and 256 threads");
+  float* a_tile = smem;                   // [BM][BK + 1]
+  float* b_tile = smem + BM * (BK + 1);   // [BK][BN + 1]
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int m0 = tile_m * BM, n0 = tile_n * BN;
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  for (int k0 = 0; k0 < K; k0 += BK) {
+    for (int e = threadIdx.x; e < BM * BK; e += blockDim.x) {
+      const int r = e / BK, c = e % BK;
+      a_tile[r * (BK + 1) + c] = (m0 + r < M && k0 + c < K) ? load_a(m0 + r, k0 + c) : 0.0f;
+    }
+    for (int e = threadIdx.x; e < BK * BN; e += blockDim.x) {
+      const int r = e / BN, c = e % BN;
+      b_tile[r * (BN + 1) + c] = (k0 + r < K && n0 + c < N) ? load_b(k0 + r, n0 + c) : 0.0f;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < BK; ++kk) {
+      const float a0 = a_tile[ty * (BK + 1) + kk], a1 = a_tile[(ty + 16) * (BK + 1) + kk];
+      const float b0 = b_tile[kk * (BN + 1) + tx], b1 = b_tile[kk * (BN + 1) + tx + 16];
+      acc[0][0] += a0 * b0;
+      acc[0][1] += a0 * b1;
+      acc[1][0] += a1 * b0;
+      acc[1][1] += a1 * b1;
+    }
+    __syncthreads();  // the next iteration overwrites the tiles
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const int m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
+      if (m < M && n < N) epilogue(m, n, acc[i][j]);
+    }
+}
