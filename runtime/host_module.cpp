@@ -45,7 +45,13 @@ HostModule HostModule::build(const std::string& cuda_source, const std::string& 
   if (std::string(CUDAGEN_EMU_LIBRARY).empty())
     throw BuildError("this cudagen was built without the emulator (install libboost-context-dev and reconfigure)");
   std::filesystem::create_directories(work_dir);
-  const std::string cu = work_dir + "/module.cu", so = work_dir + "/module.so";
+  // Named by a hash of the source: the loader identifies a library by its path,
+  // and a module is never unloaded (its thread_local emulator pins it), so a
+  // new source must never reuse an old path.
+  uint64_t hash = 1469598103934665603ull;
+  for (unsigned char ch : cuda_source) hash = (hash ^ ch) * 1099511628211ull;
+  const std::string stem = fmt::format("{}/module-{:016x}", work_dir, hash);
+  const std::string cu = stem + ".cu", so = stem + ".so";
   write_file_atomic(cu, cuda_source);
   // -x c++: the .cu is plain C++ once the emulation header defines the CUDA built-ins.
   std::string command = fmt::format(

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BUILD_DIR=${BUILD_DIR:-build}
 CUDA_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
-PACKAGES=(cmake ninja-build g++ python3 nlohmann-json3-dev
+PACKAGES=(cmake ninja-build g++ python3 bc nlohmann-json3-dev
           clang-19 libclang-rt-19-dev libclang-19-dev libclang-cpp19-dev llvm-19-dev
           libfmt-dev libcli11-dev libgtest-dev libbenchmark-dev libboost-context-dev)
 
@@ -46,11 +46,7 @@ case "${1:-}" in
   example)
     install_missing
     configure_and_build
-    cudagen="$BUILD_DIR/generator/cudagen"
-    echo "== cudagen validate examples/*.json"
-    for g in examples/*.json; do "$cudagen" validate "$g"; done
-    echo "== cudagen describe examples/mlp_train.json"
-    "$cudagen" describe examples/mlp_train.json
+    scripts/main_job.sh "$BUILD_DIR/generator/cudagen" "$CUDA_ROOT/bin/nvcc" examples/mlp_forward.json "$BUILD_DIR/example"
     ;;
   test)
     install_missing

@@ -1,0 +1,142 @@
+// The ops with templates, generated, compiled by the host compiler with the
+// emulation header, run on the emulated GPU, and compared with the float64
+// reference, at sizes that are not multiples of a block.
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "file_util.h"
+#include "graph_json.h"
+#include "host_module.h"
+#include "pipeline.h"
+#include "runner.h"
+
+using namespace cudagen;
+
+namespace {
+
+constexpr DType f32 = DType::f32;
+constexpr Storage ext = Storage::external;
+
+std::string work_dir(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("cudagen_emu_test_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+// Fresh inputs per run; the seed is printed on failure.
+uint64_t fresh_seed() { return std::random_device()(); }
+
+// Every op that has a template, each task with its own inputs, at size n.
+TaskGraph all_ops(int64_t n) {
+  GraphBuilder b("ops_" + std::to_string(n));
+  b.task("relu", "relu").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);
+  b.task("add", "add").tensor("a", f32, {n, 3}, ext).tensor("b", f32, {3}, ext).tensor("out", f32, {n, 3}, ext);
+  b.task("add_bcast", "add").tensor("a", f32, {2, 1, n}, ext).tensor("b", f32, {3, 1}, ext).tensor("out", f32, {2, 3, n}, ext);
+  b.task("softmax", "softmax").tensor("x", f32, {3, n}, ext).tensor("out", f32, {3, n}, ext).arg("scale", 0.7);
+  b.task("softmax_causal", "softmax")
+      .tensor("x", f32, {2, n, n}, ext)
+      .tensor("out", f32, {2, n, n}, ext)
+      .arg("causal", true);
+  b.task("matmul", "matmul").tensor("a", f32, {n, n + 1}, ext).tensor("b", f32, {n + 1, 7}, ext).tensor("out", f32, {n, 7}, ext);
+  b.task("matmul_t", "matmul")
+      .tensor("a", f32, {2, 5, n}, ext)
+      .tensor("b", f32, {33, 5}, ext)
+      .tensor("out", f32, {2, n, 33}, ext)
+      .arg("trans_a", true)
+      .arg("trans_b", true)
+      .arg("alpha", 0.5);
+  b.task("embedding", "embedding")
+      .tensor("table", f32, {n, 5}, Storage::persistent)
+      .tensor("ids", DType::i32, {n + 2}, ext)
+      .tensor("out", f32, {n + 2, 5}, ext);
+  b.task("transpose", "transpose").tensor("x", f32, {2, n, 33}, ext).tensor("out", f32, {2, 33, n}, ext);
+  return std::move(b).graph();
+}
+
+Compiled compile_graph(TaskGraph g) { return compile(load_program(std::move(g), {}), {}); }
+
+}  // namespace
+
+class EmulatedOps : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(EmulatedOps, MatchTheFloat64Reference) {
+  Compiled c = compile_graph(all_ops(GetParam()));
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
+  ASSERT_EQ(run.checks.size(), 9u);
+  for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, EmulatedOps, ::testing::Values(1, 7, 33, 257));
+
+TEST(Emulation, UnfusedAndUnreusedPlansGiveTheSameResults) {
+  CompileOptions no_reuse;
+  no_reuse.plan.placement.reuse = false;
+  TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/mlp_forward.json"));
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const CompileOptions& options : {CompileOptions{}, no_reuse}) {
+    Compiled c = compile(load_program(g, {}), options);
+    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp")});
+    EXPECT_TRUE(run.ok()) << format_run(run);
+  }
+}
+
+TEST(Emulation, CatchesAnOutOfBoundsStoreNamingKernelAndTensor) {
+  GraphBuilder b("oob");
+  b.task("act", "relu").tensor("x", f32, {7}, ext).tensor("out", f32, {7}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  std::string source = c.emitted.cuda_source;
+  size_t loop = source.find("i < 7;");
+  ASSERT_NE(loop, std::string::npos);
+  source.replace(loop, 6, "i < 8;");  // the planted bug: one element too many
+  HostModule module = HostModule::build(source, work_dir("oob"));
+  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
+  try {
+    module.run_phase(Phase::forward, arena.data());
+    FAIL() << "the out-of-bounds access went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("kernel k0_act: out-of-bounds load of tensor 'x' (buffer act.x): element 7 of 7"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Emulation, ExposesAMissingSyncthreads) {
+  GraphBuilder b("race");
+  b.task("t", "transpose").tensor("x", f32, {3, 40, 70}, ext).tensor("out", f32, {3, 70, 40}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  EmulatedRun good = run_emulated_and_check(c, RunOptions{7, work_dir("race_ok")});
+  ASSERT_TRUE(good.ok()) << format_run(good);
+  // The planted bug: the transpose tile is read back before every thread wrote its part.
+  std::string& source = c.emitted.cuda_source;
+  size_t sync = source.find("__syncthreads();", source.find("cg_transpose_tile"));
+  ASSERT_NE(sync, std::string::npos);
+  source.erase(sync, std::string("__syncthreads();").size());
+  EmulatedRun bad = run_emulated_and_check(c, RunOptions{7, work_dir("race_bad")});
+  ASSERT_EQ(bad.checks.size(), 1u);
+  EXPECT_FALSE(bad.checks[0].ok()) << "a missing barrier must give a wrong result in emulation";
+  EXPECT_GT(bad.checks[0].failures, 40 * 70) << format_run(bad);
+}
+
+TEST(Emulation, ReportsADivergentBarrier) {
+  GraphBuilder b("divergent");
+  b.task("s", "softmax").tensor("x", f32, {2, 64}, ext).tensor("out", f32, {2, 64}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  std::string source = c.emitted.cuda_source;
+  size_t body = source.find("  const cg_i64 row = blockIdx.x;");
+  ASSERT_NE(body, std::string::npos);
+  source.insert(body, "  if (threadIdx.x == 5) return;\n");  // one thread skips the block reductions
+  HostModule module = HostModule::build(source, work_dir("divergent"));
+  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
+  try {
+    module.run_phase(Phase::forward, arena.data());
+    FAIL() << "a barrier that one thread never reaches went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is stuck: 1 of 64 threads finished"), std::string::npos) << e.what();
+  }
+}

@@ -1,0 +1,70 @@
+// One generated file, three compilers: NVRTC in-process (sm_80, sm_90),
+// nvcc -c ahead of time, and the host compiler (the emulation tests). No GPU.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "file_util.h"
+#include "nvrtc.h"
+#include "pipeline.h"
+
+using namespace cudagen;
+
+namespace {
+std::string example(const char* name) { return std::string(CUDAGEN_SOURCE_DIR) + "/examples/" + name; }
+}  // namespace
+
+TEST(Toolchains, NvrtcCompilesTheMlpForSm80AndSm90) {
+  Compiled c = compile(load_program(example("mlp_forward.json"), {}), {});
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    NvrtcOutput out = nvrtc_compile(c.emitted.cuda_source, "mlp_forward.cu", arch);
+    EXPECT_GT(out.binary.size(), 1000u) << arch;
+    EXPECT_EQ(std::string(out.binary.data(), 4), "\x7f" "ELF") << "a CUBIN is an ELF file";
+  }
+  NvrtcOutput ptx = nvrtc_compile(c.emitted.cuda_source, "mlp_forward.cu", "sm_90", /*ptx=*/true);
+  std::string text(ptx.binary.begin(), ptx.binary.end());
+  EXPECT_NE(text.find(".entry k0_fc1"), std::string::npos) << "extern \"C\" kernels keep their names";
+}
+
+TEST(Toolchains, NvrtcLogNamesTheLine) {
+  try {
+    nvrtc_compile("extern \"C\" __global__ void k() { undefined_thing(); }\n", "bad.cu", "sm_90");
+    FAIL();
+  } catch (const NvrtcError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.cu(1)"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Toolchains, NvccCompilesTheMlpAheadOfTime) {
+  const char* nvcc = CUDAGEN_NVCC;
+  ASSERT_TRUE(std::filesystem::exists(nvcc)) << "nvcc not found at " << nvcc;
+  Compiled c = compile(load_program(example("mlp_forward.json"), {}), {});
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_nvcc_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir + "/mlp.cu", c.emitted.cuda_source);
+  std::string cmd = std::string(nvcc) + " -c -arch=sm_90 -Werror all-warnings " + dir + "/mlp.cu -o " + dir +
+                    "/mlp.o > " + dir + "/log 2>&1";
+  int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text_file(dir + "/log");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/mlp.o"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Toolchains, GeneratedCodeIsDeterministicAndStandalone) {
+  Compiled a = compile(load_program(example("mlp_forward.json"), {}), {});
+  Compiled b = compile(load_program(example("mlp_forward.json"), {}), {});
+  EXPECT_EQ(a.emitted.cuda_source, b.emitted.cuda_source);
+  EXPECT_EQ(a.emitted.manifest_json, b.emitted.manifest_json);
+  EXPECT_EQ(a.emitted.cuda_source.find("#include"), std::string::npos);
+  for (const char* kernel : {"k0_fc1", "k1_bias1", "k2_act1", "k3_fc2", "k4_bias2", "k5_probs"})
+    EXPECT_NE(a.emitted.cuda_source.find(std::string("extern \"C\" __global__ void __launch_bounds__")), std::string::npos)
+        << kernel;
+  EXPECT_NE(a.emitted.cuda_source.find("// Kernel k2_act1 (forward phase): task act1 (relu, elementwise)."),
+            std::string::npos);
+  EXPECT_NE(a.emitted.manifest_json.find("\"arena_bytes\": " + std::to_string(a.plan.arena_bytes)), std::string::npos);
+}
