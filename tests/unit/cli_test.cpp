@@ -107,3 +107,42 @@ TEST_F(Cli, FormatWritesAtomicallyAndNothingOnFailure) {
   for (const auto& entry : fs::directory_iterator(dir_))
     EXPECT_EQ(entry.path().string().find(".tmp."), std::string::npos) << "temporary file left: " << entry.path();
 }
+
+TEST_F(Cli, CompileWritesTheCudaFileAndManifest) {
+  std::string cu = (dir_ / "mlp.cu").string(), manifest = (dir_ / "mlp.json").string();
+  CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " -o " + cu + " --manifest " + manifest);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(cudagen::read_text_file(cu).find("extern \"C\" int cudagen_forward(unsigned char* arena"), std::string::npos);
+  EXPECT_NE(cudagen::read_text_file(manifest).find("\"format\": \"cudagen.manifest/1\""), std::string::npos);
+}
+
+TEST_F(Cli, CompileWritesNothingWhenAnOpHasNoTemplate) {
+  std::string cu = (dir_ / "t.cu").string(), manifest = (dir_ / "t.json").string();
+  CliResult r = run("compile " + source_path("examples/transformer_block.json") + " -o " + cu + " --manifest " + manifest);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("task 'ln1' (/tasks/8): op 'rmsnorm' has no template yet"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(cu));
+  EXPECT_FALSE(fs::exists(manifest));
+}
+
+TEST_F(Cli, DumpAfterEachPass) {
+  std::string graph = source_path("examples/mlp_forward.json");
+  EXPECT_NE(run("compile " + graph + " --dump-after validate").out.find("graph mlp_forward: 6 tasks"), std::string::npos);
+  EXPECT_NE(run("compile " + graph + " --dump-after schedule").out.find("forward   act1"), std::string::npos);
+  EXPECT_NE(run("compile " + graph + " --dump-after kernels").out.find("k2_act1"), std::string::npos);
+  EXPECT_NE(run("compile " + graph + " --dump-after plan").out.find("lower bound"), std::string::npos);
+  EXPECT_NE(run("compile " + graph + " --dump-after emit").out.find("// ---- kernels ----"), std::string::npos);
+  EXPECT_EQ(run("compile " + graph + " --dump-after nonsense").status, 2);
+}
+
+TEST_F(Cli, RunWithoutAGpuSaysToEmulate) {
+  CliResult r = run("run " + source_path("examples/mlp_forward.json"));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("add --emulate"), std::string::npos) << r.err;
+}
+
+TEST_F(Cli, BudgetErrorNamesThePeak) {
+  CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " --budget 10000");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("over the budget of 10000 bytes; the peak is at kernel"), std::string::npos) << r.err;
+}
