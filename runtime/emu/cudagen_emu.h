@@ -100,6 +100,15 @@ inline int lane_id() {
 
 }  // namespace cudagen_emu
 
+// The C interface of an emulated module (what the runtime finds with dlsym).
+extern "C" {
+void cudagen_emu_configure(unsigned long long seed);  // the block-order seed
+const char* cudagen_emu_last_error();                // "" after a launch that succeeded
+int cudagen_emu_kernel_count();                       // launches recorded since the last clear
+const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsigned long long* bytes_written);
+void cudagen_emu_clear_stats();
+}
+
 #define threadIdx (cudagen_emu::context().thread_idx)
 #define blockIdx (cudagen_emu::context().block_idx)
 #define blockDim (cudagen_emu::context().block_dim)
