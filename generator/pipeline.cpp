@@ -52,8 +52,8 @@ std::string dump_kernels(const Program& p, const std::vector<KernelGroup>& kerne
 }
 
 std::string dump_plan(const Program& p, const Plan& plan) {
-  std::string out = fmt::format("arena {} bytes, lower bound {}, without reuse {}, alignment {}\n", plan.arena_bytes,
-                                plan.lower_bound, plan.no_reuse_bytes, plan.alignment);
+  std::string out = fmt::format("arena {} bytes, lower bound {}, without reuse {}, alignment {}, method {}\n",
+                                plan.arena_bytes, plan.lower_bound, plan.no_reuse_bytes, plan.alignment, plan.method);
   out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", "buffer", "offset", "bytes", "first", "last", "storage");
   for (const auto& pb : plan.buffers) {
     const BufferInfo& b = p.buffers[size_t(pb.buffer)];
@@ -66,6 +66,15 @@ std::string dump_plan(const Program& p, const Plan& plan) {
 }  // namespace
 
 Compiled compile(Program program, const CompileOptions& options) {
+  Compiled c = plan_program(std::move(program), options);
+  EmitOptions emit_options = options.emit;
+  emit_options.options_text = describe_options(options);
+  c.emitted = emit(c.program, c.kernels, c.plan, emit_options);
+  if (options.dump_after == "emit") c.dump = c.emitted.cuda_source;
+  return c;
+}
+
+Compiled plan_program(Program program, const CompileOptions& options) {
   Compiled c;
   c.program = std::move(program);
   auto dump = [&](const char* pass, auto&& text) {
@@ -81,12 +90,9 @@ Compiled compile(Program program, const CompileOptions& options) {
 
   c.plan = plan_memory(c.program, kernel_buffers(c.program, c.kernels), options.plan);
   dump("plan", [&] { return dump_plan(c.program, c.plan); });
-
-  EmitOptions emit_options = options.emit;
-  emit_options.options_text = describe_options(options);
-  c.emitted = emit(c.program, c.kernels, c.plan, emit_options);
-  dump("emit", [&] { return c.emitted.cuda_source; });
   return c;
 }
+
+std::string plan_table(const Program& program, const Plan& plan) { return dump_plan(program, plan); }
 
 }  // namespace cudagen

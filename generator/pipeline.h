@@ -49,6 +49,13 @@ struct Compiled {
 // schedule -> kernels -> plan -> emit, on a validated program.
 Compiled compile(Program program, const CompileOptions& options);
 
+// schedule -> kernels -> plan: every pass but emit (`cudagen plan` works for
+// graphs whose ops have no template yet).
+Compiled plan_program(Program program, const CompileOptions& options);
+
+// The plan as a table: buffer, offset, bytes, first and last kernel, storage.
+std::string plan_table(const Program& program, const Plan& plan);
+
 // The options as one line, for the provenance header and the manifest.
 std::string describe_options(const CompileOptions& options);
 

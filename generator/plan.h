@@ -3,40 +3,18 @@
 // Lifetimes are intervals over the kernel order, inclusive: a buffer lives
 // from the first kernel that touches it to the last. Persistent and external
 // buffers live for the whole program (the caller binds and reads them between
-// phases). Offsets come from greedy-by-size best-fit (TFLite's GPU delegate,
-// XLA's heap simulator); the verifier checks the result independently.
+// phases). Offsets come from placement.h; the verifier checks the result
+// independently of the placement.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "placement.h"
 #include "program.h"
 
 namespace cudagen {
-
-// A buffer to place: its size and the inclusive range of steps it lives in.
-struct LiveInterval {
-  int64_t bytes = 0;
-  int first = 0;
-  int last = 0;
-};
-
-struct PlacementOptions {
-  int64_t alignment = 256;
-  bool reuse = true;  // false: every buffer its own storage (for debugging numerics)
-};
-
-// Offsets for `intervals`, in the same order. Deterministic.
-std::vector<int64_t> place_greedy_by_size(const std::vector<LiveInterval>& intervals, const PlacementOptions& options);
-
-// Largest sum of (aligned) live bytes at any step: no placement can do better.
-int64_t lower_bound_bytes(const std::vector<LiveInterval>& intervals, int64_t alignment);
-
-// Why a placement is wrong, or "" when it is right: alignment, inside the
-// arena, and no two buffers that live at the same step overlap in memory.
-std::string verify_placement(const std::vector<LiveInterval>& intervals, const std::vector<int64_t>& offsets,
-                             int64_t arena_bytes, int64_t alignment);
 
 struct PlannedBuffer {
   int buffer = -1;  // index into Program::buffers
@@ -53,6 +31,7 @@ struct Plan {
   int64_t no_reuse_bytes = 0;
   int64_t alignment = 256;
   int64_t budget = 0;  // 0: none
+  std::string method;  // the placement method that produced the offsets
 
   struct Location {
     int buffer;

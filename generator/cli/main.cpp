@@ -1,6 +1,7 @@
 // The `cudagen` command line.
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 
@@ -12,6 +13,7 @@
 #include "file_util.h"
 #include "graph_json.h"
 #include "pipeline.h"
+#include "placement.h"
 #include "nvrtc.h"
 #include "runner.h"
 #include "version.h"
@@ -35,6 +37,9 @@ struct Cli {
   std::string work_dir;
   std::string cu_path;
   bool ptx = false;
+  std::string buffers_csv;
+  std::string svg_path;
+  std::string method = "search";
 };
 
 void add_frontend_options(CLI::App* cmd, Cli& cli) {
@@ -130,6 +135,51 @@ int run_nvrtc(const Cli& cli) {
   return kExitOk;
 }
 
+std::string ratio(int64_t a, int64_t b) { return b > 0 ? fmt::format("{:.3f}", double(a) / double(b)) : "-"; }
+
+int run_plan(Cli& cli) {
+  cli.compile.plan.placement.reuse = !cli.no_reuse;
+  cli.compile.plan.placement.method = cli.method == "greedy" ? PlacementMethod::greedy : PlacementMethod::search;
+  if (!cli.buffers_csv.empty()) {
+    if (!cli.graph_path.empty()) throw std::runtime_error("give a graph or --buffers, not both");
+    BufferList list = read_buffer_csv(read_text_file(cli.buffers_csv), cli.buffers_csv);
+    auto start = std::chrono::steady_clock::now();
+    Placement p = place_buffers(list.intervals, cli.compile.plan.placement);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int64_t alignment = cli.compile.plan.placement.alignment;
+    std::string problem = verify_placement(list.intervals, p.offsets, p.arena_bytes, alignment);
+    if (!problem.empty()) throw std::logic_error("the planner produced an invalid placement: " + problem);
+    int64_t bound = lower_bound_bytes(list.intervals, alignment), no_reuse = 0;
+    for (const auto& iv : list.intervals) no_reuse += (iv.bytes + alignment - 1) / alignment * alignment;
+    fmt::print("{}: {} buffers\n", cli.buffers_csv, list.ids.size());
+    fmt::print("  arena        {:>14} bytes ({}x the lower bound{})\n", p.arena_bytes, ratio(p.arena_bytes, bound),
+               p.proven_optimal ? ", optimal" : "");
+    fmt::print("  lower bound  {:>14} bytes\n  without reuse{:>14} bytes\n", bound, no_reuse);
+    fmt::print("  method       {} ({} search steps), {:.3f} s, alignment {}\n", p.method, p.search_steps, seconds, alignment);
+    if (!cli.output_path.empty()) write_file_atomic(cli.output_path, write_offsets_csv(list, p.offsets));
+    if (!cli.svg_path.empty()) write_file_atomic(cli.svg_path, placement_svg(list.ids, list.intervals, p.offsets, bound));
+    return kExitOk;
+  }
+  if (cli.graph_path.empty()) throw std::runtime_error("give a graph, or --buffers FILE.csv");
+  Compiled c = plan_program(load_program(cli.graph_path, cli.frontend), cli.compile);
+  fmt::print("{}", plan_table(c.program, c.plan));
+  fmt::print("arena / lower bound: {}; arena / without reuse: {}\n", ratio(c.plan.arena_bytes, c.plan.lower_bound),
+             ratio(c.plan.arena_bytes, c.plan.no_reuse_bytes));
+  if (!cli.svg_path.empty()) {
+    std::vector<std::string> names;
+    std::vector<LiveInterval> intervals;
+    std::vector<int64_t> offsets;
+    for (const auto& pb : c.plan.buffers) {
+      const BufferInfo& b = c.program.buffers[size_t(pb.buffer)];
+      names.push_back(c.program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot);
+      intervals.push_back(LiveInterval{pb.bytes, pb.first, pb.last});
+      offsets.push_back(pb.offset);
+    }
+    write_file_atomic(cli.svg_path, placement_svg(names, intervals, offsets, c.plan.lower_bound));
+  }
+  return kExitOk;
+}
+
 int run_ops(const Cli& cli) {
   OpRegistry reg = load_registry(cli.frontend);
   fmt::print("{:<24} {:<12} {}\n", "op", "pattern", "shape rule");
@@ -173,6 +223,22 @@ int main_impl(int argc, char** argv) {
   nvrtc_cmd->add_option("--arch", cli.compile.emit.arch, "GPU architecture")->capture_default_str();
   nvrtc_cmd->add_flag("--ptx", cli.ptx, "emit PTX instead of a CUBIN");
   nvrtc_cmd->add_option("-o,--output", cli.output_path, "write the CUBIN (or PTX) here");
+  auto* plan_cmd = app.add_subcommand(
+      "plan", "plan the memory of a graph, or of a buffer list (--buffers), and report it against the lower bound");
+  plan_cmd->add_option("GRAPH", cli.graph_path, "task graph file")->check(CLI::ExistingFile);
+  plan_cmd->add_option("--buffers", cli.buffers_csv, "a buffer list in MiniMalloc's CSV format: id,lower,upper,size")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
+      ->check(CLI::ExistingFile);
+  add_compile_options(plan_cmd, cli);
+  plan_cmd->add_option("--method", cli.method, "greedy (several best-fit orderings), or search (greedy, then "
+                                               "branch-and-bound when greedy leaves a gap to the lower bound)")
+      ->check(CLI::IsMember({"greedy", "search"}))
+      ->capture_default_str();
+  plan_cmd->add_option("--search-steps", cli.compile.plan.placement.search_steps, "the search's budget (deterministic)")
+      ->capture_default_str();
+  plan_cmd->add_option("-o,--output", cli.output_path, "with --buffers: write the offsets as CSV (an offset column)");
+  plan_cmd->add_option("--svg", cli.svg_path, "draw the plan: time across, address up, the lower bound as a line");
   auto* ops_cmd = app.add_subcommand("ops", "list the ops of the registry");
   ops_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
@@ -198,6 +264,7 @@ int main_impl(int argc, char** argv) {
     if (*compile_cmd) return run_compile(cli);
     if (*run_cmd) return run_run(cli);
     if (*nvrtc_cmd) return run_nvrtc(cli);
+    if (*plan_cmd) return run_plan(cli);
   } catch (const CompileError& e) {
     std::fputs(e.diagnostics().format().c_str(), stderr);
     return kExitBadInput;

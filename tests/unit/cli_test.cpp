@@ -146,3 +146,22 @@ TEST_F(Cli, BudgetErrorNamesThePeak) {
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("over the budget of 10000 bytes; the peak is at kernel"), std::string::npos) << r.err;
 }
+
+TEST_F(Cli, PlanABufferListWritesOffsetsAndSvg) {
+  std::string csv = write("b.csv", "id,lower,upper,size\na,0,2,300\nb,1,3,200\nc,2,4,300\n");
+  std::string offsets = (dir_ / "offsets.csv").string(), svg = (dir_ / "plan.svg").string();
+  CliResult r = run("plan --buffers " + csv + " --alignment 1 -o " + offsets + " --svg " + svg);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find(" 500 bytes (1.000x the lower bound, optimal)"), std::string::npos) << r.out;
+  std::string text = cudagen::read_text_file(offsets);
+  EXPECT_EQ(text.rfind("id,lower,upper,size,offset\n", 0), 0u) << text;
+  EXPECT_NE(cudagen::read_text_file(svg).find("<title>b: steps [1, 2]"), std::string::npos);
+  EXPECT_EQ(run("plan --buffers " + write("bad.csv", "id,lower,upper,size\nx,5,1,3\n")).status, 1);
+}
+
+TEST_F(Cli, PlanAGraphReportsTheBound) {
+  CliResult r = run("plan " + source_path("examples/transformer_block.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("arena / lower bound: 1.000"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("scores.out"), std::string::npos);
+}

@@ -1,0 +1,116 @@
+// The placement search and the buffer-list format.
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "placement.h"
+
+using namespace cudagen;
+
+namespace {
+
+// A perfect packing by construction: a [0, steps) x [0, capacity) rectangle
+// cut at random into buffers, so the optimum is exactly `capacity`, the lower
+// bound, and no byte is wasted.
+std::vector<LiveInterval> sliced_instance(std::mt19937& rng, int pieces, int steps, int64_t capacity) {
+  struct Box {
+    int t0, t1;
+    int64_t a0, a1;
+  };
+  std::vector<Box> boxes = {{0, steps, 0, capacity}};
+  while (int(boxes.size()) < pieces) {
+    size_t k = rng() % boxes.size();
+    Box b = boxes[k];
+    bool cut_time = rng() % 2 == 0;
+    if (cut_time && b.t1 - b.t0 >= 2) {
+      int t = b.t0 + 1 + int(rng() % unsigned(b.t1 - b.t0 - 1));
+      boxes[k] = {b.t0, t, b.a0, b.a1};
+      boxes.push_back({t, b.t1, b.a0, b.a1});
+    } else if (!cut_time && b.a1 - b.a0 >= 2) {
+      int64_t a = b.a0 + 1 + int64_t(rng() % uint64_t(b.a1 - b.a0 - 1));
+      boxes[k] = {b.t0, b.t1, b.a0, a};
+      boxes.push_back({b.t0, b.t1, a, b.a1});
+    }
+  }
+  std::vector<LiveInterval> out;
+  for (const Box& b : boxes) out.push_back({b.a1 - b.a0, b.t0, b.t1 - 1});
+  return out;
+}
+
+}  // namespace
+
+TEST(Placement, SearchReachesTheOptimumWhereGreedyDoesNot) {
+  std::mt19937 rng(2024);
+  PlacementOptions options;
+  options.alignment = 1;
+  int greedy_short = 0;
+  for (int round = 0; round < 40; ++round) {
+    auto intervals = sliced_instance(rng, 24, 12, 1000);
+    ASSERT_EQ(lower_bound_bytes(intervals, 1), 1000);
+    Placement p = place_buffers(intervals, options);
+    ASSERT_EQ(verify_placement(intervals, p.offsets, p.arena_bytes, 1), "") << "round " << round;
+    EXPECT_EQ(p.arena_bytes, 1000) << "round " << round << ": " << p.method << ", " << p.search_steps << " steps";
+    EXPECT_TRUE(p.proven_optimal);
+    auto greedy = place_greedy_by_size(intervals, options);
+    int64_t arena = 0;
+    for (size_t i = 0; i < intervals.size(); ++i) arena = std::max(arena, greedy[i] + intervals[i].bytes);
+    greedy_short += arena > 1000;
+  }
+  EXPECT_GE(greedy_short, 10) << "these instances should be hard for greedy, or the test proves nothing";
+}
+
+TEST(Placement, IsDeterministic) {
+  std::mt19937 rng(7);
+  auto intervals = sliced_instance(rng, 60, 20, 4096);
+  PlacementOptions options;
+  options.alignment = 1;
+  options.search_steps = 20000;
+  Placement a = place_buffers(intervals, options), b = place_buffers(intervals, options);
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.search_steps, b.search_steps);
+}
+
+TEST(Placement, GreedyMethodDoesNotSearch) {
+  std::mt19937 rng(3);
+  auto intervals = sliced_instance(rng, 40, 16, 2048);
+  PlacementOptions options;
+  options.alignment = 1;
+  options.method = PlacementMethod::greedy;
+  Placement p = place_buffers(intervals, options);
+  EXPECT_EQ(p.search_steps, 0);
+  EXPECT_NE(p.method, "search");
+}
+
+TEST(BufferCsv, ReadsMiniMallocFormatAndWritesOffsets) {
+  BufferList list = read_buffer_csv("id,lower,upper,size\na,0,3,100\nb,3,5,50\n", "t.csv");
+  ASSERT_EQ(list.ids, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(list.intervals[0].first, 0);
+  EXPECT_EQ(list.intervals[0].last, 2) << "[lower, upper) is half-open";
+  EXPECT_EQ(list.intervals[1].bytes, 50);
+  EXPECT_EQ(write_offsets_csv(list, {0, 0}), "id,lower,upper,size,offset\na,0,3,100,0\nb,3,5,50,0\n");
+}
+
+TEST(BufferCsv, ErrorsNameFileAndLine) {
+  auto error_of = [](const std::string& text) {
+    try {
+      read_buffer_csv(text, "t.csv");
+      return std::string();
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_EQ(error_of("id,size\n"), "t.csv:1: expected the header 'id,lower,upper,size' (MiniMalloc's CSV format)");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,3\n"), "t.csv:2: expected 4 comma-separated fields, found 3");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,x,5\n"), "t.csv:2: field 3 ('x') is not an integer");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,4,4,5\n"), "t.csv:2: lifetime [4, 4) is empty or out of range");
+  EXPECT_EQ(error_of(""), "t.csv:0: empty file");
+}
+
+TEST(PlacementSvg, DrawsEveryBufferAndTheBound) {
+  std::string svg = placement_svg({"x.out", "y.out"}, {{256, 0, 1}, {512, 1, 2}}, {0, 256}, 768);
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("<title>x.out: steps [0, 1], offset 0, 256 bytes</title>"), std::string::npos);
+  EXPECT_NE(svg.find("<title>y.out: steps [1, 2], offset 256, 512 bytes</title>"), std::string::npos);
+  EXPECT_NE(svg.find("stroke=\"red\""), std::string::npos) << "the lower bound line";
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+}
