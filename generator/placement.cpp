@@ -1,6 +1,8 @@
 #include "placement.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -24,18 +26,29 @@ int64_t arena_of(const std::vector<LiveInterval>& intervals, const std::vector<i
 }
 
 // Best fit in the given order: each buffer goes into the smallest gap between
-// the buffers already placed that live at the same time, else on top.
+// the buffers already placed that live at the same time, else on top. Placed
+// buffers are indexed by time buckets, so that finding the ones that overlap
+// costs what they are, not what the whole program is.
 std::vector<int64_t> best_fit(const std::vector<LiveInterval>& intervals, const std::vector<size_t>& order,
                               int64_t alignment) {
   std::vector<int64_t> offsets(intervals.size(), 0);
-  std::vector<size_t> placed;
+  int last_step = 0;
+  for (const auto& iv : intervals) last_step = std::max(last_step, iv.last);
+  const int bucket_width = std::max(1, (last_step + 1) / 1024 + 1);
+  std::vector<std::vector<size_t>> buckets(size_t(last_step / bucket_width + 1));
+  std::vector<size_t> seen_at(intervals.size(), SIZE_MAX);
   std::vector<std::pair<int64_t, int64_t>> busy;
   for (size_t i : order) {
-    const int64_t size = align_up(intervals[i].bytes, alignment);
+    const LiveInterval& iv = intervals[i];
+    const int64_t size = align_up(iv.bytes, alignment);
     busy.clear();
-    for (size_t p : placed)
-      if (overlap_in_time(intervals[i], intervals[p]))
+    for (int b = iv.first / bucket_width; b <= iv.last / bucket_width; ++b) {
+      for (size_t p : buckets[size_t(b)]) {
+        if (seen_at[p] == i || !overlap_in_time(iv, intervals[p])) continue;
+        seen_at[p] = i;
         busy.emplace_back(offsets[p], offsets[p] + align_up(intervals[p].bytes, alignment));
+      }
+    }
     std::sort(busy.begin(), busy.end());
     int64_t best = -1, best_gap = INT64_MAX, cursor = 0;
     for (const auto& [start, end] : busy) {
@@ -46,7 +59,7 @@ std::vector<int64_t> best_fit(const std::vector<LiveInterval>& intervals, const 
       cursor = std::max(cursor, end);
     }
     offsets[i] = best >= 0 ? best : cursor;
-    placed.push_back(i);
+    for (int b = iv.first / bucket_width; b <= iv.last / bucket_width; ++b) buckets[size_t(b)].push_back(i);
   }
   return offsets;
 }
@@ -308,7 +321,10 @@ Placement place_buffers(const std::vector<LiveInterval>& intervals, const Placem
       best.method = name;
     }
   }
-  if (options.method == PlacementMethod::greedy || best.arena_bytes <= bound) {
+  // The search's nodes cost time in proportion to the buffers; past a few
+  // thousand buffers it would not finish in its budget's worth of seconds.
+  constexpr size_t kMaxSearchBuffers = 2000;
+  if (options.method == PlacementMethod::greedy || best.arena_bytes <= bound || n > kMaxSearchBuffers) {
     best.proven_optimal = best.arena_bytes <= bound;
     return best;
   }
