@@ -138,10 +138,24 @@ class Emitter {
     return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
   }
 
+  // __restrict__ promises that no other pointer of the kernel reaches this
+  // memory while it is written; an output planned in place of its input
+  // breaks that promise, so neither of the pair gets the qualifier.
+  bool aliased(const Param& x, const std::vector<Param>& ps) const {
+    const PlannedBuffer& a = plan_.buffers[size_t(x.bound->buffer)];
+    for (const auto& y : ps) {
+      if (&y == &x || !(x.written || y.written)) continue;
+      const PlannedBuffer& b = plan_.buffers[size_t(y.bound->buffer)];
+      if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) return true;
+    }
+    return false;
+  }
+
   std::string signature(const std::string& name, int block, const std::vector<Param>& ps) {
     std::vector<std::string> list;
     for (const auto& x : ps)
-      list.push_back(fmt::format("{}{}* __restrict__ {}", x.written ? "" : "const ", c_type(x.buffer->dtype), x.bound->name));
+      list.push_back(fmt::format("{}{}*{} {}", x.written ? "" : "const ", c_type(x.buffer->dtype),
+                                 aliased(x, ps) ? "" : " __restrict__", x.bound->name));
     return fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
   }
 

@@ -55,10 +55,15 @@ std::string dump_plan(const Program& p, const Plan& plan) {
   std::string out = fmt::format("arena {} bytes, lower bound {}, without reuse {}, alignment {}, method {}\n",
                                 plan.arena_bytes, plan.lower_bound, plan.no_reuse_bytes, plan.alignment, plan.method);
   out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", "buffer", "offset", "bytes", "first", "last", "storage");
+  auto name = [&](int buffer) {
+    const BufferInfo& b = p.buffers[size_t(buffer)];
+    return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+  };
   for (const auto& pb : plan.buffers) {
     const BufferInfo& b = p.buffers[size_t(pb.buffer)];
-    out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot,
-                       pb.offset, pb.bytes, pb.first, pb.last, to_string(b.storage));
+    std::string note = pb.in_place_of >= 0 ? ", in place of " + name(pb.in_place_of) : "";
+    out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}{}\n", name(pb.buffer), pb.offset, pb.bytes, pb.first, pb.last,
+                       to_string(b.storage), note);
   }
   return out;
 }
@@ -88,7 +93,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   c.kernels = one_kernel_per_task(c.program, c.schedule);
   dump("kernels", [&] { return dump_kernels(c.program, c.kernels); });
 
-  c.plan = plan_memory(c.program, kernel_buffers(c.program, c.kernels), options.plan);
+  c.plan = plan_memory(c.program, c.kernels, options.plan);
   dump("plan", [&] { return dump_plan(c.program, c.plan); });
   return c;
 }

@@ -28,8 +28,40 @@ Plan::Location Plan::lookup(const Program& program, const std::string& task, con
   throw std::out_of_range(fmt::format("no tensor slot {}.{} in the plan", task, slot));
 }
 
-Plan plan_memory(const Program& program, const std::vector<std::vector<int>>& kernel_buffers,
-                 const PlanOptions& options) {
+namespace {
+
+bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved; }
+
+// in_place_of[b]: the buffer whose storage b takes over (may_alias), or -1.
+std::vector<int> find_in_place(const Program& program, const std::vector<KernelGroup>& kernels,
+                               const std::vector<LiveInterval>& intervals) {
+  std::vector<int> in_place_of(program.buffers.size(), -1);
+  std::vector<bool> taken(program.buffers.size(), false);
+  for (int k = 0; k < int(kernels.size()); ++k) {
+    for (int t : kernels[size_t(k)].tasks) {
+      const BoundTask& task = program.tasks[size_t(t)];
+      // Only loops where each thread reads an element and then writes the same one.
+      if (task.op->pattern != PatternKind::elementwise && task.op->pattern != PatternKind::broadcast) continue;
+      for (const auto& [out_slot, in_slot] : task.op->may_alias) {
+        const BoundTensor* out = task.find_tensor(out_slot);
+        const BoundTensor* in = task.find_tensor(in_slot);
+        if (out == nullptr || in == nullptr || out->buffer == in->buffer) continue;
+        int bo = out->buffer, bi = in->buffer;
+        const BufferInfo &o = program.buffers[size_t(bo)], &i = program.buffers[size_t(bi)];
+        if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)]) continue;
+        if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
+        taken[size_t(bi)] = true;
+        in_place_of[size_t(bo)] = bi;
+      }
+    }
+  }
+  return in_place_of;
+}
+
+}  // namespace
+
+Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels, const PlanOptions& options) {
+  const std::vector<std::vector<int>> kernel_buffers = cudagen::kernel_buffers(program, kernels);
   const int last_kernel = std::max(0, int(kernel_buffers.size()) - 1);
   std::vector<LiveInterval> intervals(program.buffers.size(), LiveInterval{0, -1, -1});
   for (int k = 0; k < int(kernel_buffers.size()); ++k) {
@@ -52,16 +84,37 @@ Plan plan_memory(const Program& program, const std::vector<std::vector<int>>& ke
   Plan plan;
   plan.alignment = options.placement.alignment;
   plan.budget = options.budget_bytes;
-  Placement placement = place_buffers(intervals, options.placement);
-  const std::vector<int64_t>& offsets = placement.offsets;
+
+  // Placement units: a buffer and those that take over its storage in place
+  // share one unit, live from the first one's birth to the last one's death.
+  std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals)
+                                                         : std::vector<int>(intervals.size(), -1);
+  std::vector<int> unit_of(intervals.size(), -1);
+  std::vector<LiveInterval> units;
+  for (size_t b = 0; b < intervals.size(); ++b) {  // owners come before the buffers that reuse them
+    int root = int(b);
+    while (in_place_of[size_t(root)] >= 0) root = in_place_of[size_t(root)];
+    if (unit_of[size_t(root)] < 0) {
+      unit_of[size_t(root)] = int(units.size());
+      units.push_back(intervals[size_t(root)]);
+    }
+    LiveInterval& unit = units[size_t(unit_of[size_t(root)])];
+    unit_of[b] = unit_of[size_t(root)];
+    unit.first = std::min(unit.first, intervals[b].first);
+    unit.last = std::max(unit.last, intervals[b].last);
+    unit.bytes = std::max(unit.bytes, intervals[b].bytes);
+  }
+  Placement placement = place_buffers(units, options.placement);
   plan.method = placement.method;
   for (size_t b = 0; b < intervals.size(); ++b) {
-    plan.buffers.push_back(PlannedBuffer{int(b), offsets[b], intervals[b].bytes, intervals[b].first, intervals[b].last});
-    plan.arena_bytes = std::max(plan.arena_bytes, align_up(offsets[b] + intervals[b].bytes, plan.alignment));
+    int64_t offset = placement.offsets[size_t(unit_of[b])];
+    plan.buffers.push_back(
+        PlannedBuffer{int(b), offset, intervals[b].bytes, intervals[b].first, intervals[b].last, in_place_of[b]});
+    plan.arena_bytes = std::max(plan.arena_bytes, align_up(offset + intervals[b].bytes, plan.alignment));
     plan.no_reuse_bytes += align_up(intervals[b].bytes, plan.alignment);
   }
-  plan.lower_bound = lower_bound_bytes(intervals, plan.alignment);
-  std::string problem = verify_placement(intervals, offsets, plan.arena_bytes, plan.alignment);
+  plan.lower_bound = lower_bound_bytes(units, plan.alignment);
+  std::string problem = verify_placement(units, placement.offsets, plan.arena_bytes, plan.alignment);
   if (!problem.empty()) throw std::logic_error("memory planner produced an invalid plan: " + problem);
 
   if (options.budget_bytes > 0 && plan.arena_bytes > options.budget_bytes) {

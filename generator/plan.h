@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.h"
 #include "placement.h"
 #include "program.h"
 
@@ -22,6 +23,7 @@ struct PlannedBuffer {
   int64_t bytes = 0;
   int first = 0;    // kernel indices, inclusive
   int last = 0;
+  int in_place_of = -1;  // the buffer whose storage it reuses in place (may_alias), or -1
 };
 
 struct Plan {
@@ -48,9 +50,10 @@ struct PlanOptions {
   int64_t budget_bytes = 0;  // 0: no budget
 };
 
-// `kernel_buffers[k]` lists the buffers kernel k touches, kernels in launch order.
-// Throws CompileError when the plan exceeds the budget.
-Plan plan_memory(const Program& program, const std::vector<std::vector<int>>& kernel_buffers,
-                 const PlanOptions& options);
+// Plans the buffers of `kernels` (in launch order). Where an elementwise op
+// declares that an output may alias an input (may_alias) and the input dies
+// in that kernel, the output reuses the input's storage in place. Throws
+// CompileError when the plan exceeds the budget.
+Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels, const PlanOptions& options);
 
 }  // namespace cudagen

@@ -140,3 +140,18 @@ TEST(Emulation, ReportsADivergentBarrier) {
     EXPECT_NE(std::string(e.what()).find("is stuck: 1 of 64 threads finished"), std::string::npos) << e.what();
   }
 }
+
+TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
+  GraphBuilder b("in_place");
+  auto r1 = b.task("r1", "relu").tensor("x", f32, {33, 7}, ext).tensor("out", f32, {33, 7});
+  auto r2 = b.task("r2", "add").tensor("a", r1["out"]).tensor("b", f32, {7}, ext).tensor("out", f32, {33, 7});
+  b.task("r3", "relu").tensor("x", r2["out"]).tensor("out", f32, {33, 7}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  EXPECT_EQ(c.plan.lookup(c.program, "r1", "out").offset, c.plan.lookup(c.program, "r2", "out").offset);
+  EXPECT_NE(c.emitted.cuda_source.find("k1_r2(const float* a, const float* __restrict__ b, float* out)"), std::string::npos)
+      << "the aliased pair loses __restrict__, the other pointer keeps it";
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("in_place")});
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}

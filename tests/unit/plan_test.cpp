@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include "builder.h"
 #include "plan.h"
 #include "test_util.h"
 
@@ -87,12 +88,7 @@ TEST(Plan, RandomLifetimesAlwaysVerify) {
 TEST(Plan, ProgramPlanLooksUpSlotsAndHonoursTheBudget) {
   using cudagen::testing::source_path;
   Program p = validate(read_graph(read_text_file(source_path("examples/mlp_forward.json"))), builtin_registry());
-  std::vector<std::vector<int>> kernels;
-  for (const auto& t : p.tasks) {
-    std::vector<int> bs;
-    for (const auto& b : t.tensors) bs.push_back(b.buffer);
-    kernels.push_back(bs);
-  }
+  std::vector<KernelGroup> kernels = one_kernel_per_task(p, schedule(p));
   Plan plan = plan_memory(p, kernels, {});
   auto where = plan.lookup(p, "bias1", "a");
   EXPECT_EQ(where.buffer, p.tasks[0].find_tensor("out")->buffer) << "a dependent slot lives in its producer's buffer";
@@ -111,4 +107,23 @@ TEST(Plan, ProgramPlanLooksUpSlotsAndHonoursTheBudget) {
     EXPECT_NE(msg.find("over the budget of 4096 bytes"), std::string::npos) << msg;
     EXPECT_NE(msg.find("fc1.b (25.0 KiB, external)"), std::string::npos) << "largest live tensor first:\n" << msg;
   }
+}
+
+TEST(Plan, ElementwiseOutputTakesOverADyingInputInPlace) {
+  GraphBuilder b("chain");
+  auto r1 = b.task("r1", "relu").tensor("x", DType::f32, {8, 32}, Storage::external).tensor("out", DType::f32, {8, 32});
+  auto r2 = b.task("r2", "relu").tensor("x", r1["out"]).tensor("out", DType::f32, {8, 32});
+  auto r3 = b.task("r3", "relu").tensor("x", r2["out"]).tensor("out", DType::f32, {8, 32}, Storage::external);
+  b.task("s", "softmax").tensor("x", r2["out"]).tensor("out", DType::f32, {8, 32}, Storage::external);
+  Program p = validate(std::move(b).graph(), builtin_registry());
+  Plan plan = plan_memory(p, one_kernel_per_task(p, schedule(p)), {});
+  auto t1 = plan.lookup(p, "r1", "out"), t2 = plan.lookup(p, "r2", "out");
+  EXPECT_EQ(plan.buffers[size_t(t2.buffer)].in_place_of, t1.buffer);
+  EXPECT_EQ(t1.offset, t2.offset) << "r2 writes its output over its input, which dies there";
+  EXPECT_EQ(plan.buffers[size_t(plan.lookup(p, "r3", "out").buffer)].in_place_of, -1)
+      << "r2.out is still read by the softmax after r3, and r3.out is external";
+  PlanOptions no_reuse;
+  no_reuse.placement.reuse = false;
+  Plan separate = plan_memory(p, one_kernel_per_task(p, schedule(p)), no_reuse);
+  EXPECT_NE(separate.lookup(p, "r1", "out").offset, separate.lookup(p, "r2", "out").offset);
 }
