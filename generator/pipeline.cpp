@@ -52,8 +52,9 @@ std::string dump_kernels(const Program& p, const std::vector<KernelGroup>& kerne
 }
 
 std::string dump_plan(const Program& p, const Plan& plan) {
-  std::string out = fmt::format("arena {} bytes, lower bound {}, without reuse {}, alignment {}, method {}\n",
-                                plan.arena_bytes, plan.lower_bound, plan.no_reuse_bytes, plan.alignment, plan.method);
+  std::string out = fmt::format(
+      "arena {} bytes (persistent region {}), lower bound {}, without reuse {}, alignment {}, method {}\n",
+      plan.arena_bytes, plan.persistent_bytes, plan.lower_bound, plan.no_reuse_bytes, plan.alignment, plan.method);
   out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", "buffer", "offset", "bytes", "first", "last", "storage");
   auto name = [&](int buffer) {
     const BufferInfo& b = p.buffers[size_t(buffer)];

@@ -104,17 +104,38 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
     unit.last = std::max(unit.last, intervals[b].last);
     unit.bytes = std::max(unit.bytes, intervals[b].bytes);
   }
-  Placement placement = place_buffers(units, options.placement);
+  // Persistent buffers (weights, optimizer state) get their own region at the
+  // start of the arena, in graph order: they live throughout anyway, and one
+  // contiguous block is what a checkpoint saves and loads.
+  std::vector<bool> unit_persistent(units.size(), false);
+  for (size_t b = 0; b < intervals.size(); ++b)
+    if (program.buffers[b].storage == Storage::persistent) unit_persistent[size_t(unit_of[b])] = true;
+  std::vector<int64_t> unit_offset(units.size(), 0);
+  std::vector<LiveInterval> others;
+  std::vector<size_t> other_units;
+  int64_t persistent_end = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (unit_persistent[u]) {
+      unit_offset[u] = persistent_end;
+      persistent_end += align_up(units[u].bytes, plan.alignment);
+    } else {
+      others.push_back(units[u]);
+      other_units.push_back(u);
+    }
+  }
+  Placement placement = place_buffers(others, options.placement);
+  for (size_t i = 0; i < other_units.size(); ++i) unit_offset[other_units[i]] = persistent_end + placement.offsets[i];
   plan.method = placement.method;
+  plan.persistent_bytes = persistent_end;
   for (size_t b = 0; b < intervals.size(); ++b) {
-    int64_t offset = placement.offsets[size_t(unit_of[b])];
+    int64_t offset = unit_offset[size_t(unit_of[b])];
     plan.buffers.push_back(
         PlannedBuffer{int(b), offset, intervals[b].bytes, intervals[b].first, intervals[b].last, in_place_of[b]});
     plan.arena_bytes = std::max(plan.arena_bytes, align_up(offset + intervals[b].bytes, plan.alignment));
     plan.no_reuse_bytes += align_up(intervals[b].bytes, plan.alignment);
   }
   plan.lower_bound = lower_bound_bytes(units, plan.alignment);
-  std::string problem = verify_placement(units, placement.offsets, plan.arena_bytes, plan.alignment);
+  std::string problem = verify_placement(units, unit_offset, plan.arena_bytes, plan.alignment);
   if (!problem.empty()) throw std::logic_error("memory planner produced an invalid plan: " + problem);
 
   if (options.budget_bytes > 0 && plan.arena_bytes > options.budget_bytes) {

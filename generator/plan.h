@@ -29,6 +29,7 @@ struct PlannedBuffer {
 struct Plan {
   std::vector<PlannedBuffer> buffers;  // same order as Program::buffers
   int64_t arena_bytes = 0;
+  int64_t persistent_bytes = 0;  // the persistent region, at the start of the arena
   int64_t lower_bound = 0;
   int64_t no_reuse_bytes = 0;
   int64_t alignment = 256;

@@ -127,3 +127,14 @@ TEST(Plan, ElementwiseOutputTakesOverADyingInputInPlace) {
   Plan separate = plan_memory(p, one_kernel_per_task(p, schedule(p)), no_reuse);
   EXPECT_NE(separate.lookup(p, "r1", "out").offset, separate.lookup(p, "r2", "out").offset);
 }
+
+TEST(Plan, PersistentBuffersHaveTheirOwnRegionFirst) {
+  Program p = validate(read_graph(read_text_file(cudagen::testing::source_path("examples/mlp_train.json"))),
+                       builtin_registry());
+  Plan plan = plan_memory(p, one_kernel_per_task(p, schedule(p)), {});
+  EXPECT_EQ(plan.persistent_bytes, 32768 + 512 + 5120 + 256) << "four weights, each aligned to 256";
+  for (const auto& pb : plan.buffers) {
+    bool persistent = p.buffers[size_t(pb.buffer)].storage == Storage::persistent;
+    EXPECT_EQ(pb.offset < plan.persistent_bytes, persistent) << p.buffers[size_t(pb.buffer)].owner_slot;
+  }
+}
