@@ -68,3 +68,22 @@ TEST(Toolchains, GeneratedCodeIsDeterministicAndStandalone) {
             std::string::npos);
   EXPECT_NE(a.emitted.manifest_json.find("\"arena_bytes\": " + std::to_string(a.plan.arena_bytes)), std::string::npos);
 }
+
+// Every snapshot is a complete translation unit for NVRTC (sm_90) and for nvcc (AOT).
+TEST(Toolchains, EverySnapshotCompilesWithNvrtcAndNvcc) {
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_snap_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(CUDAGEN_SOURCE_DIR) + "/tests/snapshots")) {
+    if (entry.path().extension() != ".cu") continue;
+    ++count;
+    std::string source = read_text_file(entry.path().string());
+    EXPECT_NO_THROW(nvrtc_compile(source, entry.path().filename().string(), "sm_90")) << entry.path();
+    std::string object = dir + "/" + entry.path().stem().string() + ".o";
+    std::string cmd = std::string(CUDAGEN_NVCC) + " -c -arch=sm_90 -Werror all-warnings " + entry.path().string() +
+                      " -o " + object + " > " + dir + "/log 2>&1";
+    EXPECT_EQ(WEXITSTATUS(std::system(cmd.c_str())), 0) << entry.path() << "\n" << read_text_file(dir + "/log");
+  }
+  EXPECT_GE(count, 2);
+  std::filesystem::remove_all(dir);
+}
