@@ -186,7 +186,7 @@ class Emitter {
     const OpSignature& op = *bt.op;
     if (op.source_file.empty()) {
       fail(t, "", fmt::format("op '{}' has no template yet, so no kernel can be generated for it", op.name),
-           "the ops with templates are: add, relu, softmax, matmul, embedding, transpose");
+           "`cudagen ops` marks the ops that have templates");
       return {};
     }
     std::vector<Param> ps = params(t);
@@ -224,14 +224,23 @@ class Emitter {
     for (const auto& x : ps)
       if (!x.written)
         operands.push_back(fmt::format("cg_load({}, {})", x.bound->name, broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
-    for (const auto& sig : op.args) operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
+    // Numeric arguments follow the operands; a string argument selects the variant (cg_gelu_tanh).
+    std::string function = op.source_function;
+    for (const auto& sig : op.args) {
+      if (sig.type == ArgType::string_) {
+        const BoundArg* a = arg(t, sig.name);
+        if (a != nullptr) function += "_" + std::get<std::string>(a->value);
+        continue;
+      }
+      operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
+    }
     int64_t n = numel(out->buffer->shape);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
     return fmt::format(
         "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
         "    cg_store({}, i, {}<{}>({}));\n",
-        n, out->bound->name, op.source_function, c_type(out->buffer->dtype), fmt::join(operands, ", "));
+        n, out->bound->name, function, c_type(out->buffer->dtype), fmt::join(operands, ", "));
   }
 
   std::string softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

@@ -39,7 +39,35 @@ class Evaluator {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const std::string& op = bt.op->name;
     if (op == "relu") return unary(bt, [](double x) { return x > 0 ? x : 0.0; });
-    if (op == "add") return add(bt);
+    if (op == "sigmoid") return unary(bt, [](double x) { return 1 / (1 + std::exp(-x)); });
+    if (op == "silu") return unary(bt, [](double x) { return x / (1 + std::exp(-x)); });
+    if (op == "tanh") return unary(bt, [](double x) { return std::tanh(x); });
+    if (op == "exp") return unary(bt, [](double x) { return std::exp(x); });
+    if (op == "log") return unary(bt, [](double x) { return std::log(x); });
+    if (op == "neg") return unary(bt, [](double x) { return -x; });
+    if (op == "gelu") {
+      if (arg_string(bt, "approximate") == "erf")
+        return unary(bt, [](double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); });
+      return unary(bt, [](double x) {
+        return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+      });
+    }
+    if (op == "affine") {
+      double scale = arg_double(bt, "scale", 1.0), shift = arg_double(bt, "shift", 0.0);
+      return unary(bt, [=](double x) { return scale * x + shift; });
+    }
+    if (op == "add") return binary(bt, [](double a, double b) { return a + b; });
+    if (op == "sub") return binary(bt, [](double a, double b) { return a - b; });
+    if (op == "mul") return binary(bt, [](double a, double b) { return a * b; });
+    if (op == "div") return binary(bt, [](double a, double b) { return a / b; });
+    if (op == "maximum") return binary(bt, [](double a, double b) { return std::max(a, b); });
+    if (op == "relu_backward") return gradient(bt, [](double x, double d) { return x > 0 ? d : 0.0; });
+    if (op == "sigmoid_backward")
+      return gradient(bt, [](double x, double d) { double s = 1 / (1 + std::exp(-x)); return d * s * (1 - s); });
+    if (op == "silu_backward")
+      return gradient(bt, [](double x, double d) { double s = 1 / (1 + std::exp(-x)); return d * s * (1 + x * (1 - s)); });
+    if (op == "tanh_backward")
+      return gradient(bt, [](double x, double d) { double t = std::tanh(x); return d * (1 - t * t); });
     if (op == "matmul") return matmul(bt);
     if (op == "softmax") return softmax(bt);
     if (op == "embedding") return embedding(bt);
@@ -67,10 +95,24 @@ class Evaluator {
       }
     return fallback;
   }
+  std::string arg_string(const BoundTask& bt, const char* name) const {
+    for (const auto& a : bt.args)
+      if (a.name == name && std::holds_alternative<std::string>(a.value)) return std::get<std::string>(a.value);
+    return {};
+  }
   bool arg_bool(const BoundTask& bt, const char* name) const {
     for (const auto& a : bt.args)
       if (a.name == name && std::holds_alternative<bool>(a.value)) return std::get<bool>(a.value);
     return false;
+  }
+
+  // Error scales by first-order propagation: |f'(x)| times the input's scale
+  // (what an error already in x becomes), plus |f(x)| (the op's own rounding,
+  // relative to its result). Derivatives by central differences in float64.
+  template <typename F>
+  static double derivative(F f, double x) {
+    double h = 1e-6 * std::max(1.0, std::abs(x));
+    return (f(x + h) - f(x - h)) / (2 * h);
   }
 
   template <typename F>
@@ -81,19 +123,46 @@ class Evaluator {
     std::vector<double> v(xv.size()), a(xv.size());
     for (size_t i = 0; i < xv.size(); ++i) {
       v[i] = f(xv[i]);
-      a[i] = std::abs(f(xa[i]));
+      a[i] = std::abs(derivative(f, xv[i])) * xa[i] + std::abs(v[i]);
     }
     out(o, std::move(v), std::move(a));
   }
 
-  void add(const BoundTask& bt) {
+  // Error scales: the op applied to absolute values, where that bounds the
+  // result's sensitivity (sums, products, monotone activations); otherwise the
+  // scale of the inputs themselves (see each caller).
+  template <typename F>
+  void binary(const BoundTask& bt, F f) {
     int x = buf(bt, "a"), y = buf(bt, "b"), o = buf(bt, "out");
+    const std::string& op = bt.op->name;
     int64_t n = numel(shape(o));
     std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       int64_t ia = broadcast_source(shape(o), shape(x), i), ib = broadcast_source(shape(o), shape(y), i);
-      v[size_t(i)] = val(x)[size_t(ia)] + val(y)[size_t(ib)];
-      a[size_t(i)] = r_.abs[size_t(x)][size_t(ia)] + r_.abs[size_t(y)][size_t(ib)];
+      double xv = val(x)[size_t(ia)], yv = val(y)[size_t(ib)];
+      double xa = r_.abs[size_t(x)][size_t(ia)], ya = r_.abs[size_t(y)][size_t(ib)];
+      v[size_t(i)] = f(xv, yv);
+      if (op == "mul") a[size_t(i)] = xa * ya;
+      else if (op == "div") a[size_t(i)] = (xa + std::abs(xv / yv) * ya) / std::abs(yv);  // first order
+      else if (op == "maximum") a[size_t(i)] = std::max(xa, ya);
+      else a[size_t(i)] = xa + ya;
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  // dx = f(x, dout), scaled as unary ops are, through both partial derivatives.
+  template <typename F>
+  void gradient(const BoundTask& bt, F f) {
+    int x = buf(bt, "x"), d = buf(bt, "dout"), o = buf(bt, "dx");
+    int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double xv = val(x)[size_t(i)], dv = val(d)[size_t(i)];
+      double dfdx = derivative([&](double t) { return f(t, dv); }, xv);
+      double dfdd = derivative([&](double t) { return f(xv, t); }, dv);
+      v[size_t(i)] = f(xv, dv);
+      a[size_t(i)] = std::abs(dfdx) * r_.abs[size_t(x)][size_t(i)] + std::abs(dfdd) * r_.abs[size_t(d)][size_t(i)] +
+                     std::abs(v[size_t(i)]);
     }
     out(o, std::move(v), std::move(a));
   }

@@ -16,6 +16,15 @@
 #include <cstdint>
 #include <cstring>
 
+// Unqualified math calls resolve as in CUDA: exp(float) is the float overload.
+using std::erf;
+using std::exp;
+using std::fabs;
+using std::fmax;
+using std::log;
+using std::sqrt;
+using std::tanh;
+
 #define __global__
 #define __device__
 #define __host__

@@ -53,6 +53,17 @@ TaskGraph all_ops(int64_t n) {
       .tensor("ids", DType::i32, {n + 2}, ext)
       .tensor("out", f32, {n + 2, 5}, ext);
   b.task("transpose", "transpose").tensor("x", f32, {2, n, 33}, ext).tensor("out", f32, {2, 33, n}, ext);
+  for (const char* op : {"sigmoid", "silu", "tanh", "neg"})
+    b.task(op, op).tensor("x", f32, {n, 2}, ext).tensor("out", f32, {n, 2}, ext);
+  for (const char* form : {"tanh", "erf"})
+    b.task(std::string("gelu_") + form, "gelu").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext).arg("approximate", form);
+  b.task("affine", "affine").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext).arg("scale", 2.0).arg("shift", 0.5);
+  for (const char* op : {"sub", "mul", "div", "maximum"})
+    b.task(op, op).tensor("a", f32, {3, n}, ext).tensor("b", f32, {n}, ext).tensor("out", f32, {3, n}, ext);
+  auto e = b.task("exp", "exp").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);
+  b.task("log", "log").tensor("x", e["out"]).tensor("out", f32, {n}, ext);  // positive inputs
+  for (const char* op : {"relu_backward", "sigmoid_backward", "silu_backward", "tanh_backward"})
+    b.task(op, op).tensor("x", f32, {n}, ext).tensor("dout", f32, {n}, ext).tensor("dx", f32, {n}, ext);
   return std::move(b).graph();
 }
 
@@ -67,7 +78,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 9u);
+  ASSERT_EQ(run.checks.size(), 26u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
