@@ -200,9 +200,11 @@ class Emitter {
     switch (op.pattern) {
       case PatternKind::elementwise:
       case PatternKind::broadcast: body = elementwise(t, ps, ek); break;
-      case PatternKind::reduction: body = softmax(t, ps, ek); break;
+      case PatternKind::reduction:
+        body = op.name == "rmsnorm" ? rmsnorm(t, ps, ek) : softmax(t, ps, ek);
+        break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
-      case PatternKind::gather: body = embedding(t, ps, ek); break;
+      case PatternKind::gather: body = op.name == "embedding" ? embedding(t, ps, ek) : heads(t, ps, ek); break;
       case PatternKind::opaque: body = transpose(t, ps, ek); break;
     }
     if (!diags_.ok()) return {};
@@ -224,15 +226,21 @@ class Emitter {
     for (const auto& x : ps)
       if (!x.written)
         operands.push_back(fmt::format("cg_load({}, {})", x.bound->name, broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
+    // An op with no input (fill, uniform) takes the element index first.
+    if (operands.empty()) operands.push_back("i");
     // Numeric arguments follow the operands; a string argument selects the variant (cg_gelu_tanh).
     std::string function = op.source_function;
     for (const auto& sig : op.args) {
+      const BoundArg* a = arg(t, sig.name);
       if (sig.type == ArgType::string_) {
-        const BoundArg* a = arg(t, sig.name);
         if (a != nullptr) function += "_" + std::get<std::string>(a->value);
-        continue;
+      } else if (sig.type == ArgType::int_) {
+        operands.push_back(fmt::format("{}ll", a ? std::get<int64_t>(a->value) : 0));
+      } else if (sig.type == ArgType::bool_) {
+        operands.push_back(arg_bool(t, sig.name) ? "true" : "false");
+      } else {
+        operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
       }
-      operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
     }
     int64_t n = numel(out->buffer->shape);
     ek.block = 256;
@@ -267,6 +275,46 @@ class Emitter {
         "                 [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
         "                 {0}, {1}, {2}, (float*)cg_smem);\n",
         n, float_literal(arg_double(t, "scale", 1.0)), valid);
+  }
+
+  std::string rmsnorm(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (x.buffer->dtype != DType::f32) {
+      fail(t, "x", "the rmsnorm template is f32 only for now");
+      return {};
+    }
+    const Shape& shape = x.buffer->shape;
+    const int64_t n = shape.back(), rows = numel(shape) / n;
+    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(rows);
+    ek.smem_bytes = 32 * 4;
+    const bool exports_rstd = p_.tasks[size_t(t)].find_tensor("rstd") != nullptr;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  const float row_rstd = cg_rmsnorm_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
+        "                                        [&](int j) {{ return cg_load(weight, j); }},\n"
+        "                                        [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
+        "                                        {0}, {1}, (float*)cg_smem);\n"
+        "{2}",
+        n, float_literal(arg_double(t, "eps", 1e-6)),
+        exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n");
+  }
+
+  // split_heads / merge_heads: out[i] = x[source(i)].
+  std::string heads(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const Param& x = param(ps, "x");
+    const Param& out = param(ps, "out");
+    const bool split = bt.op->name == "split_heads";
+    const Shape& s = split ? out.buffer->shape : x.buffer->shape;  // [..., H, T, D]
+    const int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back(), n = numel(out.buffer->shape);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    cg_store(out, i, cg_load(x, {}(i, {}, {}, {})));\n",
+        n, bt.op->source_function, T, H, D);
   }
 
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -308,11 +356,11 @@ class Emitter {
   }
 
   std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    (void)t;
     const Param& table = param(ps, "table");
     const Param& ids = param(ps, "ids");
     const Param& out = param(ps, "out");
     const int64_t n = numel(out.buffer->shape), dim = table.buffer->shape.back();
-    (void)t;
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
     return fmt::format(

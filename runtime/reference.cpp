@@ -72,6 +72,9 @@ class Evaluator {
     if (op == "softmax") return softmax(bt);
     if (op == "embedding") return embedding(bt);
     if (op == "transpose") return transpose(bt);
+    if (op == "rmsnorm") return rmsnorm(bt);
+    if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
+    if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
     throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
   }
 
@@ -231,6 +234,96 @@ class Evaluator {
     out(o, std::move(v), std::move(a));
   }
 
+  // out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). An error e in x
+  // moves out[j] by |w_j| rstd (e_j + |x_j| rstd max_k e_k) at first order.
+  void rmsnorm(const BoundTask& bt) {
+    int x = buf(bt, "x"), w = buf(bt, "weight"), o = buf(bt, "out");
+    const BoundTensor* rstd_slot = bt.find_tensor("rstd");
+    double eps = arg_double(bt, "eps", 1e-6);
+    const Shape& s = shape(x);
+    int64_t n = s.back(), rows = numel(s) / n;
+    std::vector<double> v(static_cast<size_t>(numel(s))), a(v.size()), r(static_cast<size_t>(rows)), ra(r.size());
+    for (int64_t row = 0; row < rows; ++row) {
+      double sum_sq = 0, max_err = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        double xv = val(x)[size_t(row * n + j)];
+        sum_sq += xv * xv;
+        max_err = std::max(max_err, r_.abs[size_t(x)][size_t(row * n + j)]);
+      }
+      double rstd = 1 / std::sqrt(sum_sq / double(n) + eps);
+      r[size_t(row)] = rstd;
+      ra[size_t(row)] = rstd + rstd * rstd * max_err;
+      for (int64_t j = 0; j < n; ++j) {
+        size_t i = size_t(row * n + j);
+        double xv = val(x)[i], wv = val(w)[size_t(j)];
+        v[i] = xv * rstd * wv;
+        a[i] = std::abs(wv) * rstd * (r_.abs[size_t(x)][i] + std::abs(xv) * rstd * max_err) +
+               std::abs(xv) * rstd * r_.abs[size_t(w)][size_t(j)] + std::abs(v[i]);
+      }
+    }
+    out(o, std::move(v), std::move(a));
+    if (rstd_slot != nullptr) out(rstd_slot->buffer, std::move(r), std::move(ra));
+  }
+
+  void heads(const BoundTask& bt, bool split) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape& s = split ? shape(o) : shape(x);  // [..., H, T, D]
+    int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back(), n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t d = i % D, src;
+      if (split) {
+        int64_t t = (i / D) % T, h = (i / (D * T)) % H, rest = i / (D * T * H);
+        src = ((rest * T + t) * H + h) * D + d;
+      } else {
+        int64_t h = (i / D) % H, t = (i / (D * H)) % T, rest = i / (D * H * T);
+        src = ((rest * H + h) * T + t) * D + d;
+      }
+      v[size_t(i)] = val(x)[size_t(src)];
+      a[size_t(i)] = r_.abs[size_t(x)][size_t(src)];
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  // The init ops' generator, written again from its definition (templates/init.cuh):
+  // uniform must match bit for bit, normal within the transcendentals' ulps.
+  static uint64_t hash64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  }
+  static float unit_float(int64_t seed, int64_t i, int stream) {
+    return float(hash64(hash64(uint64_t(seed)) ^ uint64_t(2 * i + stream)) >> 40) * 0x1p-24f;
+  }
+
+  void init(const BoundTask& bt) {
+    int o = buf(bt, "out");
+    const std::string& op = bt.op->name;
+    const bool f32 = p_.buffers[size_t(o)].dtype == DType::f32;
+    int64_t seed = 0;
+    for (const auto& a : bt.args)
+      if (a.name == "seed") seed = std::get<int64_t>(a.value);
+    int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      double x = 0;
+      if (op == "fill") {
+        x = f32 ? double(float(arg_double(bt, "value", 0))) : arg_double(bt, "value", 0);
+      } else if (op == "uniform") {
+        double low = arg_double(bt, "low", 0), high = arg_double(bt, "high", 1);
+        x = f32 ? double(std::fma(float(high) - float(low), unit_float(seed, i, 0), float(low)))
+                : std::fma(high - low, double(unit_float(seed, i, 0)), low);
+      } else {
+        double u1 = 1.0 - unit_float(seed, i, 0), u2 = unit_float(seed, i, 1);
+        x = arg_double(bt, "mean", 0) + arg_double(bt, "std", 1) * std::sqrt(-2 * std::log(u1)) * std::cos(2 * M_PI * u2);
+      }
+      v[size_t(i)] = x;
+      a[size_t(i)] = std::abs(x) + (op == "normal" ? std::abs(arg_double(bt, "std", 1)) : 0.0);
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
   void transpose(const BoundTask& bt) {
     int x = buf(bt, "x"), o = buf(bt, "out");
     const Shape& s = shape(x);
@@ -250,6 +343,16 @@ class Evaluator {
 };
 
 }  // namespace
+
+ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers) {
+  ReferenceBuffers r;
+  r.value = buffers;
+  r.abs.resize(buffers.size());
+  for (size_t b = 0; b < buffers.size(); ++b)
+    for (double x : buffers[b]) r.abs[b].push_back(std::abs(x));
+  Evaluator(program, r).run(task);
+  return r;
+}
 
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
                                     const std::vector<std::vector<double>>& inputs) {

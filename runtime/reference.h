@@ -24,4 +24,8 @@ struct ReferenceBuffers {
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
                                     const std::vector<std::vector<double>>& inputs);
 
+// Runs one task on `buffers` (every buffer's current values; its inputs taken
+// as exact), returning the buffers with that task's outputs recomputed.
+ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers);
+
 }  // namespace cudagen

@@ -104,28 +104,52 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   run.run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   run.kernels = module.kernel_bytes();
 
+  // Every buffer as the kernels left it.
+  std::vector<std::vector<double>> actual(p.buffers.size());
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    const BufferInfo& info = p.buffers[b];
+    int64_t n = info.bytes / dtype_bytes(info.dtype);
+    for (int64_t i = 0; i < n; ++i)
+      actual[b].push_back(load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype));
+  }
+  auto compare = [&](const std::string& name, size_t b, const std::vector<double>& want, const std::vector<double>& scale) {
+    const BufferInfo& info = p.buffers[b];
+    OutputCheck check;
+    check.buffer = name;
+    check.elements = int64_t(actual[b].size());
+    const double rtol = relative_tolerance(info.dtype);
+    for (int64_t i = 0; i < check.elements; ++i) {
+      double y = actual[b][size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)];
+      bool ok = !std::isnan(y) && err <= bound;
+      if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
+      check.worst_ratio =
+          std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
+      if (!ok && check.failures++ == 0) {
+        check.first_failure = i;
+        check.got = y;
+        check.want = want[size_t(i)];
+      }
+    }
+    run.checks.push_back(check);
+  };
+  if (options.check_each_task) {
+    if (c.plan.arena_bytes < c.plan.no_reuse_bytes)
+      throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
+    for (int t : c.schedule.order) {
+      ReferenceBuffers one = evaluate_task(p, t, actual);
+      for (const auto& bound : p.tasks[size_t(t)].tensors) {
+        if (bound.sig == nullptr || bound.sig->role != SlotRole::output) continue;
+        size_t b = size_t(bound.buffer);
+        compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, one.value[b], one.abs[b]);
+      }
+    }
+  }
+
   ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs);
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     const BufferInfo& info = p.buffers[b];
     if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
-    OutputCheck check;
-    check.buffer = p.tasks[size_t(info.owner_task)].task->id + "." + info.owner_slot;
-    check.elements = info.bytes / dtype_bytes(info.dtype);
-    const double rtol = relative_tolerance(info.dtype);
-    for (int64_t i = 0; i < check.elements; ++i) {
-      double y = load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype);
-      double want = ref.value[b][size_t(i)], bound = rtol * ref.abs[b][size_t(i)];
-      double err = std::abs(y - want);
-      bool ok = !std::isnan(y) && err <= bound;
-      if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
-      check.worst_ratio = std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
-      if (!ok && check.failures++ == 0) {
-        check.first_failure = i;
-        check.got = y;
-        check.want = want;
-      }
-    }
-    run.checks.push_back(check);
+    compare(p.tasks[size_t(info.owner_task)].task->id + "." + info.owner_slot, b, ref.value[b], ref.abs[b]);
   }
   return run;
 }

@@ -16,6 +16,10 @@ namespace cudagen {
 struct RunOptions {
   uint64_t seed = 1;
   std::string work_dir;  // where the emulated module is built
+  // Also check every task on its own: its outputs against the reference
+  // computed from the inputs the kernels actually produced, so errors do not
+  // compound through the chain. Needs a plan without reuse (every buffer kept).
+  bool check_each_task = false;
 };
 
 struct OutputCheck {

@@ -21,3 +21,5 @@ start=$(date +%s.%N)
 echo "$out/$name.o: nvcc took $(echo "$(date +%s.%N) - $start" | bc) s"
 echo "== cudagen run --emulate"
 "$cudagen" run "$graph" --emulate --work-dir "$out/emulated"
+echo "== cudagen run --emulate --check-each-task examples/transformer_block.json"
+"$cudagen" run "$(dirname "$graph")/transformer_block.json" --emulate --check-each-task --work-dir "$out/emulated"

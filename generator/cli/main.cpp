@@ -37,6 +37,7 @@ struct Cli {
   std::string work_dir;
   std::string cu_path;
   bool ptx = false;
+  bool check_each_task = false;
   std::string buffers_csv;
   std::string svg_path;
   std::string method = "search";
@@ -111,13 +112,14 @@ int run_run(Cli& cli) {
     return kExitBadInput;
   }
   cli.compile.frontend = cli.frontend;
-  cli.compile.plan.placement.reuse = !cli.no_reuse;
+  cli.compile.plan.placement.reuse = !cli.no_reuse && !cli.check_each_task;
   Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
   fmt::print("compiled {}: {} kernels, arena {} bytes (lower bound {})\n", cli.graph_path, c.kernels.size(),
              c.plan.arena_bytes, c.plan.lower_bound);
   RunOptions options;
   options.seed = cli.seed;
   options.work_dir = cli.work_dir.empty() ? fmt::format("/tmp/cudagen-run-{}", ::getpid()) : cli.work_dir;
+  options.check_each_task = cli.check_each_task;
   EmulatedRun run = run_emulated_and_check(c, options);
   fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
              run.run_seconds, run.seed);
@@ -182,8 +184,10 @@ int run_plan(Cli& cli) {
 
 int run_ops(const Cli& cli) {
   OpRegistry reg = load_registry(cli.frontend);
-  fmt::print("{:<24} {:<12} {}\n", "op", "pattern", "shape rule");
-  for (const auto& op : reg.ops()) fmt::print("{:<24} {:<12} {}\n", op.name, to_string(op.pattern), op.shape.text);
+  fmt::print("{:<24} {:<12} {:<16} {}\n", "op", "pattern", "template", "shape rule");
+  for (const auto& op : reg.ops())
+    fmt::print("{:<24} {:<12} {:<16} {}\n", op.name, to_string(op.pattern), op.source_file.empty() ? "-" : op.source_file,
+               op.shape.text);
   return kExitOk;
 }
 
@@ -218,6 +222,8 @@ int main_impl(int argc, char** argv) {
   run_cmd->add_option("--seed", cli.seed, "seed of the random inputs and of the emulator's block order")
       ->capture_default_str();
   run_cmd->add_option("--work-dir", cli.work_dir, "where to build the emulated module (default: a folder in /tmp)");
+  run_cmd->add_flag("--check-each-task", cli.check_each_task,
+                    "also check every task against the reference computed from its actual inputs (implies --no-reuse)");
   auto* nvrtc_cmd = app.add_subcommand("nvrtc", "compile a generated .cu in-process with NVRTC (no GPU needed)");
   nvrtc_cmd->add_option("CU", cli.cu_path, "the .cu file")->required()->check(CLI::ExistingFile);
   nvrtc_cmd->add_option("--arch", cli.compile.emit.arch, "GPU architecture")->capture_default_str();

@@ -17,7 +17,9 @@
 #include <cstring>
 
 // Unqualified math calls resolve as in CUDA: exp(float) is the float overload.
+using std::cos;
 using std::erf;
+using std::fma;
 using std::exp;
 using std::fabs;
 using std::fmax;
@@ -166,6 +168,8 @@ T atomicCAS(T* address, T compare, T value) {
   if (old == compare) *address = value;
   return old;
 }
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline float __int_as_float(int i) {
   float f;

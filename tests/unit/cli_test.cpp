@@ -118,9 +118,9 @@ TEST_F(Cli, CompileWritesTheCudaFileAndManifest) {
 
 TEST_F(Cli, CompileWritesNothingWhenAnOpHasNoTemplate) {
   std::string cu = (dir_ / "t.cu").string(), manifest = (dir_ / "t.json").string();
-  CliResult r = run("compile " + source_path("examples/transformer_block.json") + " -o " + cu + " --manifest " + manifest);
+  CliResult r = run("compile " + source_path("examples/mlp_train.json") + " -o " + cu + " --manifest " + manifest);
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("task 'ln1' (/tasks/8): op 'rmsnorm' has no template yet"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("task 'loss' (/tasks/9): op 'cross_entropy' has no template yet"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(cu));
   EXPECT_FALSE(fs::exists(manifest));
 }
@@ -164,4 +164,11 @@ TEST_F(Cli, PlanAGraphReportsTheBound) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("arena / lower bound: 1.000"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("scores.out"), std::string::npos);
+}
+
+TEST_F(Cli, OpsListMarksTheOpsWithTemplates) {
+  CliResult r = run("ops");
+  ASSERT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("matmul                   matmul       matmul.cuh"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cross_entropy            reduction    -"), std::string::npos) << r.out;
 }

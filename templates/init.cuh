@@ -1,0 +1,38 @@
+// Init ops: elementwise functions of the element index, which the emitter
+// passes first when an op has no input. Random numbers come from a counter-
+// based generator (a hash of seed and index, no state), so every device and
+// the host emulation produce the same numbers.
+
+CG_DEVICE unsigned long long cg_hash64(unsigned long long x) {  // splitmix64's finalizer
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A float in [0, 1) with 24 random bits: exact, so bit-identical everywhere.
+CG_DEVICE float cg_unit_float(long long seed, cg_i64 i, int stream) {
+  const unsigned long long bits = cg_hash64(cg_hash64((unsigned long long)seed) ^ (unsigned long long)(2 * i + stream));
+  return (float)(bits >> 40) * 5.9604644775390625e-8f;  // 2^-24
+}
+
+template <typename T>
+CG_DEVICE T cg_fill(cg_i64, T value) {
+  return value;
+}
+
+// low + (high - low) * u with one explicit fused multiply-add: the same rounding
+// on every device, whatever the compiler would contract.
+template <typename T>
+CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
+  return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
+}
+
+// Box-Muller on two uniforms; within a few ulps across devices (transcendentals).
+template <typename T>
+CG_DEVICE T cg_normal(cg_i64 i, T mean, T stddev, long long seed) {
+  const float u1 = 1.0f - cg_unit_float(seed, i, 0);  // (0, 1]
+  const float u2 = cg_unit_float(seed, i, 1);
+  const float z = sqrt(-2.0f * log(u1)) * cos(6.283185307179586f * u2);
+  return mean + stddev * (T)z;
+}
