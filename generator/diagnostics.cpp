@@ -39,6 +39,16 @@ std::string Diagnostics::format() const {
   return out;
 }
 
+JsonValue parse_json_document(std::string_view text, const std::string& file) {
+  try {
+    return parse_json(text);
+  } catch (const JsonSyntaxError& e) {
+    Diagnostics diags(file);
+    diags.add(Diagnostic{{}, e.loc, {}, {}, {}, "malformed JSON: " + e.message, {}});
+    throw CompileError(std::move(diags));
+  }
+}
+
 namespace {
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);

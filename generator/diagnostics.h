@@ -55,6 +55,10 @@ class CompileError : public std::runtime_error {
   Diagnostics diags_;
 };
 
+// Parses a JSON document; malformed text throws a CompileError whose one
+// diagnostic names the file, line and column.
+JsonValue parse_json_document(std::string_view text, const std::string& file);
+
 // The candidate closest to `word` by edit distance, or "" when none is close
 // enough to be a plausible typo. Used for "did you mean" hints.
 std::string closest_match(std::string_view word, const std::vector<std::string>& candidates);

@@ -7,6 +7,7 @@
 
 #include "diagnostics.h"
 #include "graph_json.h"
+#include "hash.h"
 #include "templates_embedded.h"
 #include "version.h"
 
@@ -20,15 +21,6 @@ int64_t numel(const Shape& s) {
   int64_t n = 1;
   for (int64_t d : s) n *= d;
   return n;
-}
-
-uint64_t fnv1a(std::string_view text) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
@@ -106,7 +98,7 @@ class Emitter {
       const BufferInfo& buf = p_.buffers[size_t(b->buffer)];
       if (c_type(buf.dtype).empty())
         fail(t, sig.name, fmt::format("dtype {} is not supported by the emitter yet (f32, f64, i32, i64 are)", to_string(buf.dtype)));
-      bool written = sig.role == SlotRole::output || sig.role == SlotRole::scratch || sig.writes;
+      bool written = sig.written();
       out.push_back(Param{b, &buf, written});
     }
     return out;
@@ -396,7 +388,7 @@ class Emitter {
         "// One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host\n"
         "// emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.\n"
         "// Arena: {} bytes (lower bound {}, without reuse {}).\n\n",
-        CUDAGEN_VERSION, p_.graph.name, fnv1a(write_graph(p_.graph) + options_.options_text), options_.options_text,
+        CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), options_.options_text,
         plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes);
   }
 
@@ -456,7 +448,7 @@ class Emitter {
           const BoundTensor* b = bt.find_tensor(sig.name);
           if (b == nullptr) continue;
           const BufferInfo& buf = p_.buffers[size_t(b->buffer)];
-          bool written = sig.role == SlotRole::output || sig.role == SlotRole::scratch || sig.writes;
+          bool written = sig.written();
           args.push_back(fmt::format("({}{}*)(arena + {})", written ? "" : "const ", c_type(buf.dtype),
                                      plan_.buffers[size_t(b->buffer)].offset));
         }
@@ -471,7 +463,7 @@ class Emitter {
   std::string manifest(const std::vector<EmittedKernel>& kernels) const {
     std::string out = "{\n  \"format\": \"cudagen.manifest/1\",\n";
     out += fmt::format("  \"graph\": {},\n", json_quote(p_.graph.name));
-    out += fmt::format("  \"graph_hash\": \"{:016x}\",\n", fnv1a(write_graph(p_.graph) + options_.options_text));
+    out += fmt::format("  \"graph_hash\": \"{:016x}\",\n", fnv1a64(write_graph(p_.graph) + options_.options_text));
     out += fmt::format("  \"cudagen_version\": \"{}\",\n", CUDAGEN_VERSION);
     out += fmt::format("  \"arch\": {},\n", json_quote(options_.arch));
     out += fmt::format("  \"options\": {},\n", json_quote(options_.options_text));

@@ -256,14 +256,8 @@ std::string arg_slot_json(const ArgSlot& a) {
 }  // namespace
 
 TaskGraph read_graph(std::string_view text, const std::string& file) {
+  JsonValue root = parse_json_document(text, file);
   Diagnostics diags(file);
-  JsonValue root;
-  try {
-    root = parse_json(text);
-  } catch (const JsonSyntaxError& e) {
-    diags.add(Diagnostic{{}, e.loc, {}, {}, {}, "malformed JSON: " + e.message, {}});
-    throw CompileError(std::move(diags));
-  }
   TaskGraph graph = GraphReader(diags).read(root);
   if (!diags.ok()) throw CompileError(std::move(diags));
   return graph;

@@ -264,14 +264,8 @@ class RegistryReader {
 }  // namespace
 
 OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origin) {
+  JsonValue root = parse_json_document(text, origin);
   Diagnostics diags(origin);
-  JsonValue root;
-  try {
-    root = parse_json(text);
-  } catch (const JsonSyntaxError& e) {
-    diags.add(Diagnostic{{}, e.loc, {}, {}, {}, "malformed JSON: " + e.message, {}});
-    throw CompileError(std::move(diags));
-  }
   OpRegistry reg;
   reg.ops_ = RegistryReader(diags).read(root);
   for (size_t i = 0; i < reg.ops_.size(); ++i) {

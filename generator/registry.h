@@ -30,6 +30,9 @@ struct SlotSignature {
   std::string dtype;     // a concrete dtype ("i32") or a type variable of the op ("T")
   bool optional = false;
   bool writes = false;   // an input or weight the op updates in place (an optimizer's parameter)
+
+  // Whether the op writes this slot's memory (outputs, scratch, updated weights).
+  bool written() const { return role == SlotRole::output || role == SlotRole::scratch || writes; }
 };
 
 struct ArgSignature {

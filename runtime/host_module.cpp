@@ -11,6 +11,7 @@
 
 #include "emit.h"
 #include "file_util.h"
+#include "hash.h"
 
 namespace cudagen {
 
@@ -48,9 +49,7 @@ HostModule HostModule::build(const std::string& cuda_source, const std::string& 
   // Named by a hash of the source: the loader identifies a library by its path,
   // and a module is never unloaded (its thread_local emulator pins it), so a
   // new source must never reuse an old path.
-  uint64_t hash = 1469598103934665603ull;
-  for (unsigned char ch : cuda_source) hash = (hash ^ ch) * 1099511628211ull;
-  const std::string stem = fmt::format("{}/module-{:016x}", work_dir, hash);
+  const std::string stem = fmt::format("{}/module-{:016x}", work_dir, fnv1a64(cuda_source));
   const std::string cu = stem + ".cu", so = stem + ".so";
   write_file_atomic(cu, cuda_source);
   // -x c++: the .cu is plain C++ once the emulation header defines the CUDA built-ins.

@@ -34,8 +34,7 @@ namespace {
 bool written_by_a_task(const Program& p, int buffer) {
   for (const auto& t : p.tasks)
     for (const auto& b : t.tensors)
-      if (b.buffer == buffer && b.sig &&
-          (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch || b.sig->writes))
+      if (b.buffer == buffer && b.sig && b.sig->written())
         return true;
   return false;
 }
