@@ -10,6 +10,10 @@ namespace cudagen {
 
 std::string describe(const Program& program);
 
+// docs/ops.md: a table of every op of the registry (pattern kind, dtypes,
+// template, backward), so the document is generated, never edited by hand.
+std::string ops_markdown(const OpRegistry& registry);
+
 // 1536 -> "1.5 KiB"
 std::string human_bytes(int64_t bytes);
 

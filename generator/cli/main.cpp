@@ -38,6 +38,7 @@ struct Cli {
   std::string cu_path;
   bool ptx = false;
   bool check_each_task = false;
+  bool markdown = false;
   std::string buffers_csv;
   std::string svg_path;
   std::string method = "search";
@@ -184,6 +185,10 @@ int run_plan(Cli& cli) {
 
 int run_ops(const Cli& cli) {
   OpRegistry reg = load_registry(cli.frontend);
+  if (cli.markdown) {
+    fmt::print("{}", ops_markdown(reg));
+    return kExitOk;
+  }
   fmt::print("{:<24} {:<12} {:<16} {}\n", "op", "pattern", "template", "shape rule");
   for (const auto& op : reg.ops())
     fmt::print("{:<24} {:<12} {:<16} {}\n", op.name, to_string(op.pattern), op.source_file.empty() ? "-" : op.source_file,
@@ -248,6 +253,7 @@ int main_impl(int argc, char** argv) {
   auto* ops_cmd = app.add_subcommand("ops", "list the ops of the registry");
   ops_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
+  ops_cmd->add_flag("--markdown", cli.markdown, "print the table of docs/ops.md");
 
   try {
     app.parse(argc, argv);

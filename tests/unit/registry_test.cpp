@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include "diagnostics.h"
+#include "describe.h"
+#include "file_util.h"
 #include "registry.h"
 
 using namespace cudagen;
@@ -54,4 +56,10 @@ TEST(Registry, RejectsRulesThatDoNotMatchTheSlots) {
   bad.replace(bad.find("\"T\"}, {\"name\": \"out\""), 3, "\"U\"");
   msg = registry_errors(bad);
   EXPECT_NE(msg.find("\"U\" is neither a dtype nor a type variable of the op"), std::string::npos) << msg;
+}
+
+TEST(Registry, DocsOpsIsGeneratedFromTheRegistry) {
+  std::string doc = read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/docs/ops.md");
+  EXPECT_EQ(doc, ops_markdown(builtin_registry())) << "regenerate it: cudagen ops --markdown > docs/ops.md";
+  EXPECT_NE(doc.find("| matmul | matmul | T: f32, f16, bf16, f64 | matmul.cuh | - |"), std::string::npos);
 }
