@@ -3,10 +3,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include <fmt/format.h>
 
+#include "npy.h"
 #include "reference.h"
 
 namespace cudagen {
@@ -30,6 +32,11 @@ double relative_tolerance(DType dtype) {
 }
 
 namespace {
+
+std::string buffer_name(const Program& p, int buffer) {
+  const BufferInfo& b = p.buffers[size_t(buffer)];
+  return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+}
 
 bool written_by_a_task(const Program& p, int buffer) {
   for (const auto& t : p.tasks)
@@ -77,31 +84,66 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   HostModule module = HostModule::build(c.emitted.cuda_source, options.work_dir, &run.compile_seconds);
   module.set_seed(options.seed);
 
-  // Fresh random inputs, rounded to their dtype so that the reference sees what the kernels see.
+  // Inputs from .npy files, or fresh random ones rounded to their dtype so that
+  // the reference sees what the kernels see.
   std::mt19937_64 rng(options.seed);
   std::vector<std::vector<double>> inputs(p.buffers.size());
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
+  std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     if (written_by_a_task(p, int(b))) continue;
     const BufferInfo& info = p.buffers[b];
+    const std::string name = buffer_name(p, int(b));
     int64_t n = info.bytes / dtype_bytes(info.dtype);
+    unsigned char* at = arena.data() + c.plan.buffers[b].offset;
+    inputs[b].resize(size_t(n));
+    if (!options.inputs_dir.empty()) {
+      std::string path = options.inputs_dir + "/" + name + ".npy";
+      if (!std::filesystem::exists(path)) {
+        problems.push_back(fmt::format("{}: missing; the graph input {} is {} {}", path, name, to_string(info.dtype),
+                                       shape_to_string(info.shape)));
+        continue;
+      }
+      NpyArray array = read_npy(path);
+      if (array.dtype != info.dtype || array.shape != info.shape) {
+        problems.push_back(fmt::format("{}: {} {}, but the graph input {} is {} {}", path, to_string(array.dtype),
+                                       shape_to_string(array.shape), name, to_string(info.dtype),
+                                       shape_to_string(info.shape)));
+        continue;
+      }
+      std::memcpy(at, array.data.data(), array.data.size());
+      for (int64_t i = 0; i < n; ++i) inputs[b][size_t(i)] = load_element(at + i * dtype_bytes(info.dtype), info.dtype);
+      continue;
+    }
     bool integer = info.dtype == DType::i32 || info.dtype == DType::i64;
     std::uniform_real_distribution<double> real(-1.0, 1.0);
     std::uniform_int_distribution<int64_t> ints(0, integer ? integer_input_range(p, int(b)) - 1 : 0);
-    inputs[b].resize(size_t(n));
     for (int64_t i = 0; i < n; ++i) {
       double v = integer ? double(ints(rng)) : real(rng);
       if (info.dtype == DType::f32) v = double(float(v));
       inputs[b][size_t(i)] = v;
-      store_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype, v);
+      store_element(at + i * dtype_bytes(info.dtype), info.dtype, v);
     }
   }
+  if (!problems.empty())
+    throw std::runtime_error(fmt::format("bad inputs in {}:\n  {}", options.inputs_dir, fmt::join(problems, "\n  ")));
 
   auto start = std::chrono::steady_clock::now();
   for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
     if (module.has_phase(phase)) module.run_phase(phase, arena.data());
   run.run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   run.kernels = module.kernel_bytes();
+
+  if (!options.outputs_dir.empty()) {
+    std::filesystem::create_directories(options.outputs_dir);
+    for (size_t b = 0; b < p.buffers.size(); ++b) {
+      const BufferInfo& info = p.buffers[b];
+      if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
+      const unsigned char* at = arena.data() + c.plan.buffers[b].offset;
+      NpyArray array{info.dtype, info.shape, std::vector<unsigned char>(at, at + info.bytes)};
+      write_npy(options.outputs_dir + "/" + buffer_name(p, int(b)) + ".npy", array);
+    }
+  }
 
   // Every buffer as the kernels left it.
   std::vector<std::vector<double>> actual(p.buffers.size());
@@ -148,7 +190,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     const BufferInfo& info = p.buffers[b];
     if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
-    compare(p.tasks[size_t(info.owner_task)].task->id + "." + info.owner_slot, b, ref.value[b], ref.abs[b]);
+    compare(buffer_name(p, int(b)), b, ref.value[b], ref.abs[b]);
   }
   return run;
 }

@@ -20,6 +20,11 @@ struct RunOptions {
   // computed from the inputs the kernels actually produced, so errors do not
   // compound through the chain. Needs a plan without reuse (every buffer kept).
   bool check_each_task = false;
+  // Graph inputs from <inputs_dir>/<task>.<slot>.npy instead of random values
+  // (every input must be there, with its dtype and shape); graph outputs
+  // written to <outputs_dir>/<task>.<slot>.npy.
+  std::string inputs_dir;
+  std::string outputs_dir;
 };
 
 struct OutputCheck {

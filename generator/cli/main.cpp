@@ -39,6 +39,8 @@ struct Cli {
   bool ptx = false;
   bool check_each_task = false;
   bool markdown = false;
+  std::string inputs_dir;
+  std::string outputs_dir;
   std::string buffers_csv;
   std::string svg_path;
   std::string method = "search";
@@ -121,6 +123,8 @@ int run_run(Cli& cli) {
   options.seed = cli.seed;
   options.work_dir = cli.work_dir.empty() ? fmt::format("/tmp/cudagen-run-{}", ::getpid()) : cli.work_dir;
   options.check_each_task = cli.check_each_task;
+  options.inputs_dir = cli.inputs_dir;
+  options.outputs_dir = cli.outputs_dir;
   EmulatedRun run = run_emulated_and_check(c, options);
   fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
              run.run_seconds, run.seed);
@@ -227,6 +231,10 @@ int main_impl(int argc, char** argv) {
   run_cmd->add_option("--seed", cli.seed, "seed of the random inputs and of the emulator's block order")
       ->capture_default_str();
   run_cmd->add_option("--work-dir", cli.work_dir, "where to build the emulated module (default: a folder in /tmp)");
+  run_cmd->add_option("--inputs", cli.inputs_dir,
+                      "read each graph input from DIR/<task>.<slot>.npy instead of random values")
+      ->check(CLI::ExistingDirectory);
+  run_cmd->add_option("--outputs", cli.outputs_dir, "write each graph output to DIR/<task>.<slot>.npy");
   run_cmd->add_flag("--check-each-task", cli.check_each_task,
                     "also check every task against the reference computed from its actual inputs (implies --no-reuse)");
   auto* nvrtc_cmd = app.add_subcommand("nvrtc", "compile a generated .cu in-process with NVRTC (no GPU needed)");

@@ -1,0 +1,107 @@
+#include "npy.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "file_util.h"
+
+namespace cudagen {
+
+namespace {
+
+const char* descr(DType d) {
+  switch (d) {
+    case DType::f32: return "<f4";
+    case DType::f64: return "<f8";
+    case DType::i32: return "<i4";
+    case DType::i64: return "<i8";
+    case DType::f16: return "<f2";
+    case DType::bf16: return "";  // numpy has no bfloat16
+  }
+  return "";
+}
+
+// The value of `key` in the header's Python dict literal, as raw text.
+std::string header_field(const std::string& header, const std::string& key, const std::string& path) {
+  size_t at = header.find("'" + key + "'");
+  if (at == std::string::npos) throw std::runtime_error(fmt::format("{}: .npy header has no '{}'", path, key));
+  at = header.find(':', at);
+  size_t start = header.find_first_not_of(' ', at + 1);
+  char open = header[start];
+  size_t end = open == '(' ? header.find(')', start) + 1
+             : open == '\'' ? header.find('\'', start + 1) + 1
+                            : header.find_first_of(",}", start);
+  return header.substr(start, end - start);
+}
+
+}  // namespace
+
+NpyArray read_npy(const std::string& path) {
+  std::string bytes = read_text_file(path);
+  if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0)
+    throw std::runtime_error(fmt::format("{}: not a .npy file (no \\x93NUMPY magic)", path));
+  const int major = static_cast<unsigned char>(bytes[6]);
+  size_t header_len = 0, offset = 0;
+  if (major == 1) {
+    header_len = static_cast<unsigned char>(bytes[8]) | size_t(static_cast<unsigned char>(bytes[9])) << 8;
+    offset = 10;
+  } else if (major == 2 || major == 3) {
+    if (bytes.size() < 12) throw std::runtime_error(fmt::format("{}: truncated .npy header", path));
+    for (int k = 0; k < 4; ++k) header_len |= size_t(static_cast<unsigned char>(bytes[8 + size_t(k)])) << (8 * k);
+    offset = 12;
+  } else {
+    throw std::runtime_error(fmt::format("{}: unsupported .npy version {}", path, major));
+  }
+  if (offset + header_len > bytes.size()) throw std::runtime_error(fmt::format("{}: truncated .npy header", path));
+  std::string header = bytes.substr(offset, header_len);
+  std::string type = header_field(header, "descr", path);
+  std::string order = header_field(header, "fortran_order", path);
+  std::string shape_text = header_field(header, "shape", path);
+  if (order != "False") throw std::runtime_error(fmt::format("{}: Fortran-order arrays are not supported; save a C-contiguous array", path));
+  NpyArray a;
+  bool known = false;
+  for (DType d : {DType::f32, DType::f64, DType::i32, DType::i64, DType::f16})
+    if (type == std::string("'") + descr(d) + "'") {
+      a.dtype = d;
+      known = true;
+    }
+  if (!known) throw std::runtime_error(fmt::format("{}: unsupported dtype {} (cudagen reads <f4, <f8, <i4, <i8, <f2)", path, type));
+  for (size_t i = 1; i < shape_text.size();) {
+    size_t j = shape_text.find_first_of(",)", i);
+    std::string dim = shape_text.substr(i, j - i);
+    if (dim.find_first_not_of(' ') != std::string::npos) a.shape.push_back(std::stoll(dim));
+    i = j + 1;
+  }
+  int64_t n = 1;
+  for (int64_t d : a.shape) n *= d;
+  size_t expected = size_t(n * dtype_bytes(a.dtype)), data_at = offset + header_len;
+  if (bytes.size() - data_at != expected)
+    throw std::runtime_error(fmt::format("{}: {} bytes of data, but shape {} of {} needs {}", path, bytes.size() - data_at,
+                                         shape_to_string(a.shape), to_string(a.dtype), expected));
+  a.data.assign(bytes.begin() + long(data_at), bytes.end());
+  return a;
+}
+
+void write_npy(const std::string& path, const NpyArray& a) {
+  if (std::string(descr(a.dtype)).empty())
+    throw std::runtime_error(fmt::format("{}: numpy has no {} dtype", path, to_string(a.dtype)));
+  std::string shape = "(";
+  for (size_t i = 0; i < a.shape.size(); ++i) shape += std::to_string(a.shape[i]) + (a.shape.size() == 1 ? "," : i + 1 < a.shape.size() ? ", " : "");
+  shape += ")";
+  std::string header = fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}", descr(a.dtype), shape);
+  // The header is padded with spaces to a multiple of 64 bytes and ends with a newline.
+  size_t total = 10 + header.size() + 1;
+  header.append((64 - total % 64) % 64, ' ');
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += char(header.size() & 0xff);
+  out += char(header.size() >> 8);
+  out += header;
+  out.append(reinterpret_cast<const char*>(a.data.data()), a.data.size());
+  write_file_atomic(path, out);
+}
+
+}  // namespace cudagen

@@ -1,0 +1,106 @@
+// .npy files in and out of emulated runs.
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "file_util.h"
+#include "npy.h"
+#include "pipeline.h"
+#include "runner.h"
+
+using namespace cudagen;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path temp_dir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() / ("cudagen_npy_" + std::to_string(::getpid()) + "_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+template <typename T>
+NpyArray array_of(DType dtype, Shape shape, const std::vector<T>& values) {
+  NpyArray a{dtype, std::move(shape), std::vector<unsigned char>(values.size() * sizeof(T))};
+  std::memcpy(a.data.data(), values.data(), a.data.size());
+  return a;
+}
+
+}  // namespace
+
+TEST(Npy, RoundTripsEveryDtypeAndShape) {
+  fs::path dir = temp_dir("roundtrip");
+  NpyArray f = array_of<float>(DType::f32, {2, 3}, {1, 2, 3, 4, 5, 6.5f});
+  NpyArray d = array_of<double>(DType::f64, {1}, {0.1});
+  NpyArray i = array_of<int64_t>(DType::i64, {}, {42});
+  for (const NpyArray* a : {&f, &d, &i}) {
+    std::string path = (dir / "a.npy").string();
+    write_npy(path, *a);
+    std::string bytes = read_text_file(path);
+    EXPECT_EQ(bytes.compare(0, 8, std::string("\x93NUMPY\x01\x00", 8)), 0);
+    EXPECT_EQ((bytes.size() - a->data.size()) % 64, 0u) << "the header is padded to 64 bytes";
+    NpyArray back = read_npy(path);
+    EXPECT_EQ(back.dtype, a->dtype);
+    EXPECT_EQ(back.shape, a->shape);
+    EXPECT_EQ(back.data, a->data);
+  }
+  EXPECT_NE(read_text_file((dir / "a.npy").string()).find("'shape': (), "), std::string::npos);
+  write_npy((dir / "v.npy").string(), array_of<float>(DType::f32, {3}, {1, 2, 3}));
+  EXPECT_NE(read_text_file((dir / "v.npy").string()).find("'shape': (3,), "), std::string::npos) << "a 1-tuple";
+}
+
+TEST(Npy, RejectsWhatItCannotRead) {
+  fs::path dir = temp_dir("bad");
+  std::string path = (dir / "x.npy").string();
+  write_file_atomic(path, "not numpy");
+  EXPECT_THROW(read_npy(path), std::runtime_error);
+  NpyArray f = array_of<float>(DType::f32, {4}, {1, 2, 3, 4});
+  write_npy(path, f);
+  std::string bytes = read_text_file(path);
+  write_file_atomic(path, bytes.substr(0, bytes.size() - 4));  // one element short
+  try {
+    read_npy(path);
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("12 bytes of data, but shape [4] of f32 needs 16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Npy, RunReadsInputsAndWritesOutputs) {
+  GraphBuilder b("io");
+  b.task("act", "relu").tensor("x", DType::f32, {4}, Storage::external).tensor("out", DType::f32, {4}, Storage::external);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  fs::path in = temp_dir("in"), out = temp_dir("out");
+  write_npy((in / "act.x.npy").string(), array_of<float>(DType::f32, {4}, {-1, 2, -3, 4}));
+  RunOptions options{1, (temp_dir("work")).string()};
+  options.inputs_dir = in.string();
+  options.outputs_dir = out.string();
+  EmulatedRun run = run_emulated_and_check(c, options);
+  ASSERT_TRUE(run.ok()) << format_run(run);
+  NpyArray result = read_npy((out / "act.out.npy").string());
+  std::vector<float> values(4);
+  std::memcpy(values.data(), result.data.data(), 16);
+  EXPECT_EQ(values, (std::vector<float>{0, 2, 0, 4}));
+
+  write_npy((in / "act.x.npy").string(), array_of<double>(DType::f64, {4}, {1, 2, 3, 4}));
+  try {
+    run_emulated_and_check(c, options);
+    FAIL() << "a wrong dtype went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("act.x.npy: f64 [4], but the graph input act.x is f32 [4]"), std::string::npos)
+        << e.what();
+  }
+  fs::remove(in / "act.x.npy");
+  try {
+    run_emulated_and_check(c, options);
+    FAIL() << "a missing input went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("act.x.npy: missing; the graph input act.x is f32 [4]"), std::string::npos)
+        << e.what();
+  }
+}
