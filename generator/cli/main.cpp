@@ -39,6 +39,7 @@ struct Cli {
   bool ptx = false;
   bool check_each_task = false;
   bool markdown = false;
+  bool json = false;
   std::string inputs_dir;
   std::string outputs_dir;
   std::string buffers_csv;
@@ -193,6 +194,11 @@ int run_ops(const Cli& cli) {
     fmt::print("{}", ops_markdown(reg));
     return kExitOk;
   }
+  if (cli.json) {
+    fmt::print("{}", cli.frontend.registry_file.empty() ? std::string(builtin_registry_json())
+                                                         : read_text_file(cli.frontend.registry_file));
+    return kExitOk;
+  }
   fmt::print("{:<24} {:<12} {:<16} {}\n", "op", "pattern", "template", "shape rule");
   for (const auto& op : reg.ops())
     fmt::print("{:<24} {:<12} {:<16} {}\n", op.name, to_string(op.pattern), op.source_file.empty() ? "-" : op.source_file,
@@ -262,6 +268,7 @@ int main_impl(int argc, char** argv) {
   ops_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
   ops_cmd->add_flag("--markdown", cli.markdown, "print the table of docs/ops.md");
+  ops_cmd->add_flag("--json", cli.json, "print the registry itself (format cudagen.registry/1)");
 
   try {
     app.parse(argc, argv);
