@@ -253,6 +253,24 @@ std::string arg_slot_json(const ArgSlot& a) {
   return value;
 }
 
+// `,\n      "key": {\n        "name": value, ...\n      }` for a task's slots, one per line; nothing when empty.
+template <typename Slot>
+void write_slot_object(std::string& out, const char* key, const std::vector<Slot>& slots,
+                       std::string (*value)(const Slot&)) {
+  if (slots.empty()) return;
+  out += ",\n";
+  write_indent(out, 3);
+  out += fmt::format("\"{}\": {{", key);
+  for (size_t j = 0; j < slots.size(); ++j) {
+    out += j == 0 ? "\n" : ",\n";
+    write_indent(out, 4);
+    out += json_quote(slots[j].name) + ": " + value(slots[j]);
+  }
+  out += "\n";
+  write_indent(out, 3);
+  out += "}";
+}
+
 }  // namespace
 
 TaskGraph read_graph(std::string_view text, const std::string& file) {
@@ -286,32 +304,8 @@ std::string write_graph(const TaskGraph& graph) {
     out += fmt::format("\"op\": {},\n", json_quote(t.op));
     write_indent(out, 3);
     out += fmt::format("\"phase\": \"{}\"", to_string(t.phase));
-    if (!t.tensors.empty()) {
-      out += ",\n";
-      write_indent(out, 3);
-      out += "\"tensors\": {";
-      for (size_t j = 0; j < t.tensors.size(); ++j) {
-        out += j == 0 ? "\n" : ",\n";
-        write_indent(out, 4);
-        out += json_quote(t.tensors[j].name) + ": " + tensor_slot_json(t.tensors[j]);
-      }
-      out += "\n";
-      write_indent(out, 3);
-      out += "}";
-    }
-    if (!t.args.empty()) {
-      out += ",\n";
-      write_indent(out, 3);
-      out += "\"args\": {";
-      for (size_t j = 0; j < t.args.size(); ++j) {
-        out += j == 0 ? "\n" : ",\n";
-        write_indent(out, 4);
-        out += json_quote(t.args[j].name) + ": " + arg_slot_json(t.args[j]);
-      }
-      out += "\n";
-      write_indent(out, 3);
-      out += "}";
-    }
+    write_slot_object(out, "tensors", t.tensors, tensor_slot_json);
+    write_slot_object(out, "args", t.args, arg_slot_json);
     out += "\n";
     write_indent(out, 2);
     out += "}";
