@@ -141,6 +141,8 @@ class RegistryReader {
     }
     op.doc = string_field(v, "doc", path, op.name, false);
     op.backward = string_field(v, "backward", path, op.name, false);
+    op.forward = string_field(v, "forward", path, op.name, false);
+    op.init = string_field(v, "init", path, op.name, false);
     op.smem = string_field(v, "smem", path, op.name, false);
     if (const JsonValue* source = v.find("source")) {
       op.source_file = string_field(*source, "file", path + "/source", op.name, true);
@@ -273,8 +275,13 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
       diags.add(Diagnostic{{}, {}, fmt::format("/ops/{}", i), {}, {}, fmt::format("duplicate op '{}'", reg.ops_[i].name), {}});
   }
   for (const auto& op : reg.ops_) {
-    if (!op.backward.empty() && reg.find(op.backward) == nullptr)
-      diags.add(Diagnostic{{}, {}, {}, {}, {}, fmt::format("op '{}': backward op '{}' is not in the registry", op.name, op.backward), {}});
+    for (const auto& [kind, link] : {std::pair<const char*, const std::string*>{"backward", &op.backward},
+                                     {"forward", &op.forward},
+                                     {"init", &op.init}}) {
+      if (!link->empty() && reg.find(*link) == nullptr)
+        diags.add(Diagnostic{{}, {}, {}, {}, {},
+                             fmt::format("op '{}': {} op '{}' is not in the registry", op.name, kind, *link), {}});
+    }
   }
   if (!diags.ok()) throw CompileError(std::move(diags));
   return reg;

@@ -51,6 +51,8 @@ struct OpSignature {
   ShapeRule shape;
   std::vector<std::pair<std::string, std::string>> may_alias;  // {output, input}
   std::string backward;  // op name of its backward, if differentiable
+  std::string forward;   // for a backward op: the op whose gradients it computes
+  std::string init;      // an op that initialises this op's persistent state, if it has any
   std::string doc;
   // Where the template lives: a file of templates/ and its entry function.
   // Empty for ops that have no template yet (the emitter then says so).

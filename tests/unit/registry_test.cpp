@@ -33,6 +33,7 @@ TEST(Registry, BuiltinLoadsWithTheOpsTheExamplesNeed) {
   EXPECT_EQ(std::get<bool>(*mm->find_arg("trans_a")->default_value), false);
   EXPECT_TRUE(reg.find("sgd")->find_tensor("param")->writes);
   EXPECT_EQ(reg.find("relu")->backward, "relu_backward");
+  EXPECT_EQ(reg.find("relu_backward")->forward, "relu");
 }
 
 TEST(Registry, AcceptsAWellFormedOp) { EXPECT_EQ(registry_errors(kRelu), ""); }
@@ -44,6 +45,10 @@ TEST(Registry, RejectsDuplicatesAndBrokenLinks) {
   with_link.insert(with_link.size() - 1, R"(, "backward": "relu_grad")");
   msg = registry_errors(with_link);
   EXPECT_NE(msg.find("op 'relu': backward op 'relu_grad' is not in the registry"), std::string::npos) << msg;
+  std::string with_init = kRelu;
+  with_init.insert(with_init.size() - 1, R"(, "init": "relu_state")");
+  msg = registry_errors(with_init);
+  EXPECT_NE(msg.find("op 'relu': init op 'relu_state' is not in the registry"), std::string::npos) << msg;
 }
 
 TEST(Registry, RejectsRulesThatDoNotMatchTheSlots) {
