@@ -193,7 +193,10 @@ class Emitter {
       case PatternKind::elementwise:
       case PatternKind::broadcast: body = elementwise(t, ps, ek); break;
       case PatternKind::reduction:
-        body = op.name == "rmsnorm" ? rmsnorm(t, ps, ek) : softmax(t, ps, ek);
+        body = op.name == "rmsnorm"                                           ? rmsnorm(t, ps, ek)
+               : op.name == "sum" || op.name == "mean" || op.name == "max" ? row_reduce(t, ps, ek)
+               : op.name == "log_softmax"                                  ? log_softmax(t, ps, ek)
+                                                                           : softmax(t, ps, ek);
         break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
       case PatternKind::gather: body = op.name == "embedding" ? embedding(t, ps, ek) : heads(t, ps, ek); break;
@@ -267,6 +270,43 @@ class Emitter {
         "                 [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
         "                 {0}, {1}, {2}, (float*)cg_smem);\n",
         n, float_literal(arg_double(t, "scale", 1.0)), valid);
+  }
+
+  // One block per row; the reduced value is stored by thread 0.
+  std::string row_reduce(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (x.buffer->dtype != DType::f32) {
+      fail(t, "x", "the row reduction templates are f32 only for now");
+      return {};
+    }
+    const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
+    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(rows);
+    ek.smem_bytes = 32 * 4;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  const float value = {}([&](int j) {{ return cg_load(x, row * {} + j); }}, {}, (float*)cg_smem);\n"
+        "  if (threadIdx.x == 0) cg_store(out, row, value);\n",
+        p_.tasks[size_t(t)].op->source_function, n, n);
+  }
+
+  std::string log_softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (x.buffer->dtype != DType::f32) {
+      fail(t, "x", "the log_softmax template is f32 only for now");
+      return {};
+    }
+    const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
+    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(rows);
+    ek.smem_bytes = 32 * 4;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  cg_log_softmax_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
+        "                     [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }}, {0}, (float*)cg_smem);\n",
+        n);
   }
 
   std::string rmsnorm(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

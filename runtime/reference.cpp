@@ -73,6 +73,7 @@ class Evaluator {
     if (op == "embedding") return embedding(bt);
     if (op == "transpose") return transpose(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
+    if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
     if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
     throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
@@ -263,6 +264,44 @@ class Evaluator {
     }
     out(o, std::move(v), std::move(a));
     if (rstd_slot != nullptr) out(rstd_slot->buffer, std::move(r), std::move(ra));
+  }
+
+  // sum and mean scale as sums of absolute values; max by the largest input
+  // scale; log_softmax moves by at most twice the largest input error.
+  void row_op(const BoundTask& bt, const std::string& op) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape& s = shape(x);
+    int64_t n = s.back(), rows = numel(s) / n;
+    const bool per_element = op == "log_softmax";
+    std::vector<double> v(static_cast<size_t>(per_element ? numel(s) : rows)), a(v.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      double sum = 0, sum_abs = 0, mx = -INFINITY, max_abs = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        double xv = val(x)[size_t(r * n + j)], xa = r_.abs[size_t(x)][size_t(r * n + j)];
+        sum += xv;
+        sum_abs += xa;
+        mx = std::max(mx, xv);
+        max_abs = std::max(max_abs, xa);
+      }
+      if (op == "sum" || op == "mean") {
+        double k = op == "mean" ? 1.0 / double(n) : 1.0;
+        v[size_t(r)] = sum * k;
+        a[size_t(r)] = sum_abs * k;
+      } else if (op == "max") {
+        v[size_t(r)] = mx;
+        a[size_t(r)] = max_abs;
+      } else {
+        double log_sum = 0;
+        for (int64_t j = 0; j < n; ++j) log_sum += std::exp(val(x)[size_t(r * n + j)] - mx);
+        log_sum = std::log(log_sum);
+        for (int64_t j = 0; j < n; ++j) {
+          size_t i = size_t(r * n + j);
+          v[i] = val(x)[i] - mx - log_sum;
+          a[i] = r_.abs[size_t(x)][i] + 2 * max_abs + std::abs(v[i]);
+        }
+      }
+    }
+    out(o, std::move(v), std::move(a));
   }
 
   void heads(const BoundTask& bt, bool split) {

@@ -130,6 +130,12 @@ def run_torch(g, values):
                 mask = torch.ones(rows, cols, dtype=torch.bool).tril()
                 x = x.masked_fill(~mask, float("-inf"))
             put(t, "out", torch.softmax(x, dim=-1))
+        elif op in ("sum", "mean"):
+            put(t, "out", getattr(torch, op)(get(t, "x"), dim=-1))
+        elif op == "max":
+            put(t, "out", get(t, "x").max(dim=-1).values)
+        elif op == "log_softmax":
+            put(t, "out", torch.log_softmax(get(t, "x"), dim=-1))
         elif op == "rmsnorm":
             x = get(t, "x")
             rstd = torch.rsqrt(x.pow(2).mean(-1) + args.get("eps", 1e-6))

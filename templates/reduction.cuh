@@ -1,0 +1,32 @@
+// Row reductions over the last axis: the emitter runs one block per row and
+// reads x[row, j] through load(j); every thread gets the result, and the
+// kernel stores it once. Shared memory: 32 floats of reduction scratch.
+
+template <typename Load>
+CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
+  float s = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) s += load(j);
+  return cg_block_sum(s, scratch);
+}
+
+template <typename Load>
+CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
+  return cg_sum_row(load, n, scratch) / (float)n;
+}
+
+template <typename Load>
+CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
+  float m = cg_neg_inf();
+  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, load(j));
+  return cg_block_max(m, scratch);
+}
+
+// log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
+template <typename Load, typename Store>
+CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
+  const float row_max = cg_max_row(load, n, scratch);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
+  const float log_sum = logf(cg_block_sum(sum, scratch));
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - row_max - log_sum);
+}
