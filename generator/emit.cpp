@@ -196,6 +196,7 @@ class Emitter {
         body = op.name == "rmsnorm"                                           ? rmsnorm(t, ps, ek)
                : op.name == "sum" || op.name == "mean" || op.name == "max" ? row_reduce(t, ps, ek)
                : op.name == "log_softmax"                                  ? log_softmax(t, ps, ek)
+               : op.name == "sum_leading"                                  ? sum_leading(t, ps, ek)
                                                                            : softmax(t, ps, ek);
         break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
@@ -289,6 +290,21 @@ class Emitter {
         "  const float value = {}([&](int j) {{ return cg_load(x, row * {} + j); }}, {}, (float*)cg_smem);\n"
         "  if (threadIdx.x == 0) cg_store(out, row, value);\n",
         p_.tasks[size_t(t)].op->source_function, n, n);
+  }
+
+  std::string sum_leading(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (x.buffer->dtype != DType::f32) {
+      fail(t, "x", "the sum_leading template is f32 only for now");
+      return {};
+    }
+    const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 j = cg_global_thread(); j < {0}; j += cg_grid_threads())\n"
+        "    cg_store(out, j, cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return cg_load(x, r * {0} + c); }}, j, {1}));\n",
+        n, rows);
   }
 
   std::string log_softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

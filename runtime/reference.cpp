@@ -74,6 +74,7 @@ class Evaluator {
     if (op == "transpose") return transpose(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
+    if (op == "sum_leading") return sum_leading(bt);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
     if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
     throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
@@ -301,6 +302,18 @@ class Evaluator {
         }
       }
     }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void sum_leading(const BoundTask& bt) {
+    int x = buf(bt, "x"), o = buf(bt, "out");
+    int64_t n = shape(x).back(), rows = numel(shape(x)) / n;
+    std::vector<double> v(static_cast<size_t>(n), 0.0), a(v.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        v[size_t(j)] += val(x)[size_t(r * n + j)];
+        a[size_t(j)] += r_.abs[size_t(x)][size_t(r * n + j)];
+      }
     out(o, std::move(v), std::move(a));
   }
 

@@ -30,3 +30,13 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   const float log_sum = logf(cg_block_sum(sum, scratch));
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - row_max - log_sum);
 }
+
+// Sum over every axis but the last (the gradient of a broadcast bias): the
+// emitter's grid-stride loop gives each thread whole columns, so the reads
+// of a warp are coalesced along the row.
+template <typename Load>
+CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
+  float s = 0.0f;
+  for (cg_i64 r = 0; r < rows; ++r) s += load(r, column);
+  return s;
+}

@@ -134,6 +134,9 @@ def run_torch(g, values):
             put(t, "out", getattr(torch, op)(get(t, "x"), dim=-1))
         elif op == "max":
             put(t, "out", get(t, "x").max(dim=-1).values)
+        elif op == "sum_leading":
+            x = get(t, "x")
+            put(t, "out", x.reshape(-1, x.shape[-1]).sum(0))
         elif op == "log_softmax":
             put(t, "out", torch.log_softmax(get(t, "x"), dim=-1))
         elif op == "rmsnorm":

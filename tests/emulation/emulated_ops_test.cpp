@@ -76,6 +76,7 @@ TaskGraph all_ops(int64_t n) {
   b.task("normal", "normal").tensor("out", f32, {n, 3}, ext).arg("mean", 1.0).arg("std", 0.5).arg("seed", 3);
   for (const char* op : {"sum", "mean", "max"})
     b.task(op, op).tensor("x", f32, {3, n}, ext).tensor("out", f32, {3}, ext);
+  b.task("sum_leading", "sum_leading").tensor("x", f32, {2, n, 5}, ext).tensor("out", f32, {5}, ext);
   b.task("log_softmax", "log_softmax").tensor("x", f32, {2, n}, ext).tensor("out", f32, {2, n}, ext);
   b.task("split_heads", "split_heads").tensor("x", f32, {2, n, 12}, ext).tensor("out", f32, {2, 3, n, 4}, ext).arg("heads", 3);
   b.task("merge_heads", "merge_heads").tensor("x", f32, {2, 3, n, 4}, ext).tensor("out", f32, {2, n, 12}, ext).arg("heads", 3);
@@ -93,7 +94,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 38u);
+  ASSERT_EQ(run.checks.size(), 39u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
