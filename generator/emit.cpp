@@ -193,11 +193,12 @@ class Emitter {
       case PatternKind::elementwise:
       case PatternKind::broadcast: body = elementwise(t, ps, ek); break;
       case PatternKind::reduction:
-        body = op.name == "rmsnorm"                                           ? rmsnorm(t, ps, ek)
-               : op.name == "sum" || op.name == "mean" || op.name == "max" ? row_reduce(t, ps, ek)
-               : op.name == "log_softmax"                                  ? log_softmax(t, ps, ek)
-               : op.name == "sum_leading"                                  ? sum_leading(t, ps, ek)
-                                                                           : softmax(t, ps, ek);
+        if (op.name == "softmax") body = softmax(t, ps, ek);
+        else if (op.name == "rmsnorm") body = rmsnorm(t, ps, ek);
+        else if (op.name == "sum" || op.name == "mean" || op.name == "max") body = row_reduce(t, ps, ek);
+        else if (op.name == "log_softmax") body = log_softmax(t, ps, ek);
+        else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
+        else fail(t, "", fmt::format("the emitter has no reduction skeleton for op '{}' yet", op.name));
         break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
       case PatternKind::gather: body = op.name == "embedding" ? embedding(t, ps, ek) : heads(t, ps, ek); break;
@@ -247,20 +248,31 @@ class Emitter {
         n, out->bound->name, function, c_type(out->buffer->dtype), fmt::join(operands, ", "));
   }
 
-  std::string softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
-    if (p_.tasks[size_t(t)].op->name != "softmax") {
-      fail(t, "", "the only row reduction with a template yet is softmax");
-      return {};
-    }
-    const Param& x = param(ps, "x");
-    const Shape& shape = x.buffer->shape;
+  // The reduction templates accumulate in float: f32 tensors only for now.
+  bool check_f32(int t, const Param& x) {
+    if (x.buffer->dtype == DType::f32) return true;
+    fail(t, x.bound->name, fmt::format("the {} template is f32 only for now", p_.tasks[size_t(t)].op->name));
+    return false;
+  }
+
+  // The launch of the block-per-row kernels: one block per row of the last
+  // axis, whole warps up to 256 threads, 32 floats of reduction scratch.
+  // Returns the row length.
+  static int64_t one_block_per_row(const Shape& shape, EmittedKernel& ek) {
     const int64_t n = shape.back();
-    const int64_t rows = numel(shape) / n;
+    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(numel(shape) / n);
+    ek.smem_bytes = 32 * 4;
+    return n;
+  }
+
+  std::string softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (!check_f32(t, x)) return {};
+    const Shape& shape = x.buffer->shape;
+    const int64_t n = one_block_per_row(shape, ek);
     const bool causal = arg_bool(t, "causal");
     const int64_t rows_per_matrix = shape.size() >= 2 ? shape[shape.size() - 2] : 1;
-    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
-    ek.grid[0] = int(rows);
-    ek.smem_bytes = 32 * 4;
     std::string valid = causal ? fmt::format("(int)(row % {} + 1 < {} ? row % {} + 1 : {})", rows_per_matrix, n,
                                              rows_per_matrix, n)
                                : std::to_string(n);
@@ -276,14 +288,8 @@ class Emitter {
   // One block per row; the reduced value is stored by thread 0.
   std::string row_reduce(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (x.buffer->dtype != DType::f32) {
-      fail(t, "x", "the row reduction templates are f32 only for now");
-      return {};
-    }
-    const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
-    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
-    ek.grid[0] = int(rows);
-    ek.smem_bytes = 32 * 4;
+    if (!check_f32(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
@@ -294,10 +300,7 @@ class Emitter {
 
   std::string sum_leading(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (x.buffer->dtype != DType::f32) {
-      fail(t, "x", "the sum_leading template is f32 only for now");
-      return {};
-    }
+    if (!check_f32(t, x)) return {};
     const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
@@ -309,14 +312,8 @@ class Emitter {
 
   std::string log_softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (x.buffer->dtype != DType::f32) {
-      fail(t, "x", "the log_softmax template is f32 only for now");
-      return {};
-    }
-    const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
-    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
-    ek.grid[0] = int(rows);
-    ek.smem_bytes = 32 * 4;
+    if (!check_f32(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
@@ -327,15 +324,8 @@ class Emitter {
 
   std::string rmsnorm(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (x.buffer->dtype != DType::f32) {
-      fail(t, "x", "the rmsnorm template is f32 only for now");
-      return {};
-    }
-    const Shape& shape = x.buffer->shape;
-    const int64_t n = shape.back(), rows = numel(shape) / n;
-    ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
-    ek.grid[0] = int(rows);
-    ek.smem_bytes = 32 * 4;
+    if (!check_f32(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek);
     const bool exports_rstd = p_.tasks[size_t(t)].find_tensor("rstd") != nullptr;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -369,10 +359,7 @@ class Emitter {
     const Param& a = param(ps, "a");
     const Param& b = param(ps, "b");
     const Param& out = param(ps, "out");
-    if (a.buffer->dtype != DType::f32) {
-      fail(t, "a", "the portable matmul template is f32 only for now");
-      return {};
-    }
+    if (!check_f32(t, a)) return {};
     const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
     const double alpha = arg_double(t, "alpha", 1.0);
     const Shape& so = out.buffer->shape;

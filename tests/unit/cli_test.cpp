@@ -172,3 +172,12 @@ TEST_F(Cli, OpsListMarksTheOpsWithTemplates) {
   EXPECT_NE(r.out.find("matmul                   matmul       matmul.cuh"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("cross_entropy            reduction    -"), std::string::npos) << r.out;
 }
+
+TEST_F(Cli, FloatTemplatesRefuseF64InsteadOfLosingPrecision) {
+  std::string graph = write("f64.json", graph_of(R"({"id": "s", "op": "softmax",
+      "tensors": {"x": {"dtype": "f64", "shape": [2, 8], "storage": "external"},
+                  "out": {"dtype": "f64", "shape": [2, 8], "storage": "external"}}})"));
+  CliResult r = run("compile " + graph);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("task 's', slot 'x' (/tasks/0): the softmax template is f32 only for now"), std::string::npos) << r.err;
+}
