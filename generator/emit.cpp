@@ -15,6 +15,37 @@ namespace cudagen {
 
 std::string phase_function(Phase phase) { return std::string("cudagen_") + to_string(phase); }
 
+std::string emitter_gap(const OpSignature& op) {
+  auto one_of = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names)
+      if (op.name == n) return true;
+    return false;
+  };
+  switch (op.pattern) {
+    case PatternKind::elementwise:
+    case PatternKind::broadcast:
+      for (const auto& sig : op.tensors)
+        if (sig.writes && sig.role != SlotRole::output)
+          return fmt::format("op '{}' updates '{}' in place, and the elementwise skeleton does not write inputs back "
+                             "yet (the optimizer update of issue #7)",
+                             op.name, sig.name);
+      return {};
+    case PatternKind::reduction:
+      if (one_of({"softmax", "rmsnorm", "sum", "mean", "max", "log_softmax", "sum_leading"})) return {};
+      return fmt::format("the emitter has no reduction skeleton for op '{}' yet (its template is {})", op.name,
+                         op.source_function);
+    case PatternKind::matmul: return {};
+    case PatternKind::gather:
+      if (one_of({"embedding", "split_heads", "merge_heads"})) return {};
+      return fmt::format("the emitter has no gather skeleton for op '{}' yet (its template is {})", op.name,
+                         op.source_function);
+    case PatternKind::opaque:
+      if (op.name == "transpose") return {};
+      return fmt::format("the emitter has no skeleton for opaque op '{}' yet", op.name);
+  }
+  return "unknown pattern";
+}
+
 namespace {
 
 int64_t numel(const Shape& s) {
@@ -181,9 +212,14 @@ class Emitter {
            "`cudagen ops` marks the ops that have templates");
       return {};
     }
+    if (std::string gap = emitter_gap(op); !gap.empty()) {
+      fail(t, "", gap, "`cudagen ops` lists the ops the emitter generates today");
+      return {};
+    }
     std::vector<Param> ps = params(t);
     if (!diags_.ok()) return {};
     template_files_.insert(op.source_file);
+    used_ops_.insert(&op);
     EmittedKernel ek;
     ek.name = k.name;
     ek.phase = k.phase;
@@ -198,7 +234,6 @@ class Emitter {
         else if (op.name == "sum" || op.name == "mean" || op.name == "max") body = row_reduce(t, ps, ek);
         else if (op.name == "log_softmax") body = log_softmax(t, ps, ek);
         else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
-        else fail(t, "", fmt::format("the emitter has no reduction skeleton for op '{}' yet", op.name));
         break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
       case PatternKind::gather: body = op.name == "embedding" ? embedding(t, ps, ek) : heads(t, ps, ek); break;
@@ -225,12 +260,16 @@ class Emitter {
         operands.push_back(fmt::format("cg_load({}, {})", x.bound->name, broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
     // An op with no input (fill, uniform) takes the element index first.
     if (operands.empty()) operands.push_back("i");
-    // Numeric arguments follow the operands; a string argument selects the variant (cg_gelu_tanh).
-    std::string function = op.source_function;
+    // Arguments follow the operands; a string argument is the index of its choice.
+    const std::string& function = op.source_function;
     for (const auto& sig : op.args) {
       const BoundArg* a = arg(t, sig.name);
       if (sig.type == ArgType::string_) {
-        if (a != nullptr) function += "_" + std::get<std::string>(a->value);
+        std::string value = a != nullptr ? std::get<std::string>(a->value)
+                            : sig.default_value ? std::get<std::string>(*sig.default_value)
+                                                : std::string();
+        auto choice = std::find(sig.choices.begin(), sig.choices.end(), value);
+        operands.push_back(fmt::format("/*{}={}*/ {}", sig.name, value, choice - sig.choices.begin()));
       } else if (sig.type == ArgType::int_) {
         operands.push_back(fmt::format("{}ll", a ? std::get<int64_t>(a->value) : 0));
       } else if (sig.type == ArgType::bool_) {
@@ -435,9 +474,22 @@ class Emitter {
         plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes);
   }
 
+  // The prelude, then exactly the template definitions the kernels' ops
+  // need (their closures, as the indexer found them), in the registry's
+  // order, where what a definition uses comes first.
   std::string prelude_and_templates() const {
     std::string out = "// ---- device prelude (templates/prelude.cuh) ----\n";
     out += embedded_template("prelude.cuh");
+    const auto& definitions = p_.registry.definitions();
+    if (!definitions.empty()) {
+      std::set<std::string> needed;
+      for (const OpSignature* op : used_ops_) needed.insert(op->closure.begin(), op->closure.end());
+      out += "\n// ---- templates: what the kernels below use ----\n";
+      for (const auto& d : definitions)
+        if (needed.count(d.id)) out += fmt::format("\n// templates/{}:{}\n{}", d.file, d.line, d.text);
+      return out + "\n// ---- kernels ----\n\n";
+    }
+    // A hand-written registry (--registry) names files only: copy them whole.
     for (const auto& file : template_files_) {
       out += fmt::format("\n// ---- templates/{} ----\n", file);
       out += embedded_template(file);
@@ -552,6 +604,7 @@ class Emitter {
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;
+  std::set<const OpSignature*> used_ops_;
 };
 
 }  // namespace

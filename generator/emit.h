@@ -47,4 +47,8 @@ EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kern
 // The name of a phase's host launcher: `cudagen_forward`, ...
 std::string phase_function(Phase phase);
 
+// Why the emitter cannot generate a kernel for `op` yet (no skeleton for
+// its pattern, or in-place updates), or empty when it can.
+std::string emitter_gap(const OpSignature& op);
+
 }  // namespace cudagen

@@ -396,4 +396,56 @@ std::string json_format_double(double d) {
   return s;
 }
 
+namespace {
+
+void write_json_to(std::string& out, const JsonValue& v, int indent, int depth) {
+  const std::string pad(size_t(indent * (depth + 1)), ' '), close_pad(size_t(indent * depth), ' ');
+  switch (v.kind()) {
+    case JsonValue::Kind::Null: out += "null"; return;
+    case JsonValue::Kind::Bool: out += v.as_bool() ? "true" : "false"; return;
+    case JsonValue::Kind::Int: out += std::to_string(v.as_int()); return;
+    case JsonValue::Kind::Float: out += json_format_double(v.as_double()); return;
+    case JsonValue::Kind::String: out += json_quote(v.as_string()); return;
+    case JsonValue::Kind::Array: {
+      if (v.items().empty()) {
+        out += "[]";
+        return;
+      }
+      // Arrays of scalars stay on one line: ["f32", "f64"], [["out", "x"]].
+      bool flat = true;
+      for (const auto& item : v.items())
+        flat = flat && (item.kind() != JsonValue::Kind::Object) &&
+               (item.kind() != JsonValue::Kind::Array || item.items().size() <= 4);
+      out += '[';
+      for (size_t i = 0; i < v.items().size(); ++i) {
+        out += i ? (flat ? ", " : ",\n" + pad) : (flat ? "" : "\n" + pad);
+        write_json_to(out, v.items()[i], indent, depth + 1);
+      }
+      out += flat ? "]" : "\n" + close_pad + "]";
+      return;
+    }
+    case JsonValue::Kind::Object: {
+      if (v.members().empty()) {
+        out += "{}";
+        return;
+      }
+      out += '{';
+      for (size_t i = 0; i < v.members().size(); ++i) {
+        out += (i ? ",\n" : "\n") + pad + json_quote(v.members()[i].first) + ": ";
+        write_json_to(out, v.members()[i].second, indent, depth + 1);
+      }
+      out += "\n" + close_pad + "}";
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+std::string write_json(const JsonValue& value, int indent) {
+  std::string out;
+  write_json_to(out, value, indent, 0);
+  return out + "\n";
+}
+
 }  // namespace cudagen

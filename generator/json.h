@@ -89,4 +89,8 @@ std::string json_quote(std::string_view s);
 // exponent so that a float stays a float when it is read again.
 std::string json_format_double(double d);
 
+// A value as indented JSON text (objects keep their member order), ending
+// in a newline: the writer of generated JSON files such as the registry.
+std::string write_json(const JsonValue& value, int indent = 2);
+
 }  // namespace cudagen

@@ -106,6 +106,27 @@ class RegistryReader {
     return ops;
   }
 
+  std::vector<TemplateDefinition> read_definitions(const JsonValue& root) {
+    std::vector<TemplateDefinition> out;
+    const JsonValue* list = root.find("definitions");
+    if (list == nullptr) return out;
+    for (size_t i = 0; i < list->items().size(); ++i) {
+      const JsonValue& v = list->items()[i];
+      const std::string path = fmt::format("/definitions/{}", i);
+      if (!v.is_object()) {
+        fail(v, path, "a definition is a JSON object");
+        continue;
+      }
+      TemplateDefinition d;
+      d.id = string_field(v, "id", path, "", true);
+      d.file = string_field(v, "file", path, "", true);
+      d.text = string_field(v, "text", path, "", true);
+      if (const JsonValue* line = v.find("line")) d.line = int(line->as_int());
+      out.push_back(std::move(d));
+    }
+    return out;
+  }
+
  private:
   void fail(const JsonValue& at, const std::string& path, std::string message, const std::string& op = {}) {
     diags_.add(Diagnostic{{}, at.loc, path, {}, {}, op.empty() ? message : fmt::format("op '{}': {}", op, message), {}});
@@ -147,6 +168,12 @@ class RegistryReader {
     if (const JsonValue* source = v.find("source")) {
       op.source_file = string_field(*source, "file", path + "/source", op.name, true);
       op.source_function = string_field(*source, "function", path + "/source", op.name, true);
+    }
+    if (const JsonValue* closure = v.find("closure")) {
+      for (const auto& id : closure->items()) {
+        if (id.is_string()) op.closure.push_back(id.as_string());
+        else fail(id, path + "/closure", "a closure lists definition ids (strings)", op.name);
+      }
     }
     if (const JsonValue* types = v.find("types")) read_types(*types, path + "/types", op);
     if (const JsonValue* tensors = v.find("tensors"); tensors && tensors->is_array()) {
@@ -269,7 +296,20 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   JsonValue root = parse_json_document(text, origin);
   Diagnostics diags(origin);
   OpRegistry reg;
-  reg.ops_ = RegistryReader(diags).read(root);
+  RegistryReader reader(diags);
+  reg.ops_ = reader.read(root);
+  reg.definitions_ = reader.read_definitions(root);
+  std::set<std::string> ids;
+  for (const auto& d : reg.definitions_)
+    if (!ids.insert(d.id).second)
+      diags.add(Diagnostic{{}, {}, "/definitions", {}, {}, fmt::format("duplicate definition id '{}'", d.id), {}});
+  for (const auto& op : reg.ops_)
+    for (const auto& id : op.closure)
+      if (!ids.count(id))
+        diags.add(Diagnostic{{}, {}, {}, {}, {},
+                             fmt::format("op '{}': its closure names definition '{}', which the registry does not hold",
+                                         op.name, id),
+                             {}});
   for (size_t i = 0; i < reg.ops_.size(); ++i) {
     if (!reg.index_.emplace(reg.ops_[i].name, i).second)
       diags.add(Diagnostic{{}, {}, fmt::format("/ops/{}", i), {}, {}, fmt::format("duplicate op '{}'", reg.ops_[i].name), {}});
@@ -287,6 +327,6 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   return reg;
 }
 
-OpRegistry builtin_registry() { return OpRegistry::from_json(builtin_registry_json(), "<builtin registry>"); }
+
 
 }  // namespace cudagen

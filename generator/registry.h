@@ -1,7 +1,7 @@
 // The op registry: what the compiler knows of each op (DESIGN.md §3), read
 // from the registry JSON format (docs/registry-format.md). The bundled ops
-// come from builtin_registry(); the template indexer later writes the same
-// format from templates/.
+// come from builtin_registry(): cudagen-index (generator/indexer) writes it
+// from templates/ at build time.
 #pragma once
 
 #include <map>
@@ -59,9 +59,22 @@ struct OpSignature {
   std::string source_file;
   std::string source_function;
   std::string smem;  // shared memory the template needs, as a formula of its tile sizes
+  // The template definitions the op's function needs, itself included, by
+  // id, in file order (made by the indexer; empty in a hand-written registry).
+  std::vector<std::string> closure;
 
   const SlotSignature* find_tensor(std::string_view name) const;
   const ArgSignature* find_arg(std::string_view name) const;
+};
+
+// One top-level definition of a template file (a function, a type, a
+// constant or a macro), as the indexer copied it: what the emitter writes
+// into a generated file when an op's closure names it.
+struct TemplateDefinition {
+  std::string id;    // its name; "name/2" for a later overload; "#NAME" for a macro
+  std::string file;  // "elementwise.cuh"
+  int line = 0;
+  std::string text;  // the exact source, with the comment above it and without its CG_OP annotation
 };
 
 class OpRegistry {
@@ -73,8 +86,12 @@ class OpRegistry {
   const std::vector<OpSignature>& ops() const { return ops_; }
   std::vector<std::string> names() const;
 
+  // In file order, the prelude excluded (every generated file holds it whole).
+  const std::vector<TemplateDefinition>& definitions() const { return definitions_; }
+
  private:
   std::vector<OpSignature> ops_;
+  std::vector<TemplateDefinition> definitions_;
   std::unordered_map<std::string, size_t> index_;
 };
 

@@ -1,42 +1,103 @@
 // Elementwise and broadcast ops: one scalar function each. The emitter owns
 // the loop (a grid-stride loop over the output, with broadcast index maps)
 // and calls the function with the inputs in slot order, then the op's
-// numeric arguments. A string argument selects a variant: gelu with
-// approximate="tanh" calls cg_gelu_tanh.
+// arguments in order; a string argument arrives as the index of its choice
+// (gelu's approximate: 0 for "tanh", 1 for "erf"), a constant the compiler
+// folds. The indexer checks the parameters against the annotation.
 //
 // Math runs in the element type; f32 uses the single-precision functions.
 
 template <typename T>
+CG_OP("relu",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: relu_backward",
+      "doc: max(x, 0)")
 CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
 template <typename T>
+CG_OP("sigmoid",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: sigmoid_backward",
+      "doc: 1 / (1 + exp(-x))")
 CG_DEVICE T cg_sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));
 }
 
 template <typename T>
+CG_OP("silu",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: silu_backward",
+      "doc: x * sigmoid(x)")
 CG_DEVICE T cg_silu(T x) {
   return x / (T(1) + exp(-x));
 }
 
 template <typename T>
+CG_OP("tanh",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: tanh_backward",
+      "doc: tanh(x)")
 CG_DEVICE T cg_tanh(T x) {
   return tanh(x);
 }
 
 template <typename T>
+CG_OP("exp",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "doc: exp(x)")
 CG_DEVICE T cg_exp(T x) {
   return exp(x);
 }
 
 template <typename T>
+CG_OP("log",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "doc: natural logarithm")
 CG_DEVICE T cg_log(T x) {
   return log(x);
 }
 
 template <typename T>
+CG_OP("neg",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "doc: -x")
 CG_DEVICE T cg_neg(T x) {
   return -x;
 }
@@ -54,55 +115,234 @@ CG_DEVICE T cg_gelu_erf(T x) {
 }
 
 template <typename T>
+CG_OP("gelu",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: approximate string = tanh in tanh|erf",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: gelu_backward",
+      "doc: x * Phi(x), tanh or erf form")
+CG_DEVICE T cg_gelu(T x, int approximate) {
+  return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
+}
+
+template <typename T>
+CG_OP("affine",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: scale float = 1.0",
+      "arg: shift float = 0.0",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "doc: scale * x + shift")
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
 template <typename T>
+CG_OP("add",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "doc: a + b, numpy broadcasting")
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
 template <typename T>
+CG_OP("sub",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "doc: a - b, numpy broadcasting")
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
 template <typename T>
+CG_OP("mul",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "doc: a * b, numpy broadcasting")
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
 template <typename T>
+CG_OP("div",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "doc: a / b, numpy broadcasting")
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
 template <typename T>
+CG_OP("maximum",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "doc: max(a, b), numpy broadcasting")
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
+CG_OP("relu_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: relu",
+      "doc: gradient of relu: dx = dout * relu'(x)")
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
 template <typename T>
+CG_OP("sigmoid_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: sigmoid",
+      "doc: gradient of sigmoid: dx = dout * sigmoid'(x)")
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) - s);
 }
 
 template <typename T>
+CG_OP("silu_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: silu",
+      "doc: gradient of silu: dx = dout * silu'(x)")
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) + x * (T(1) - s));
 }
 
 template <typename T>
+CG_OP("tanh_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: tanh",
+      "doc: gradient of tanh: dx = dout * tanh'(x)")
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
+}
+
+// d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
+template <typename T>
+CG_OP("gelu_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: approximate string = tanh in tanh|erf",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: gelu",
+      "doc: gradient of gelu: dx = dout * gelu'(x)")
+CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
+  if (approximate == 0) {
+    const T k = T(0.7978845608028654), c = T(0.044715);
+    const T t = tanh(k * (x + c * x * x * x));
+    return dout * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
+  }
+  const T cdf = T(0.5) * (T(1) + erf(x * T(0.7071067811865476)));
+  const T pdf = T(0.3989422804014327) * exp(T(-0.5) * x * x);
+  return dout * (cdf + x * pdf);
+}
+
+// Conversion between floating dtypes; the emitter names the output type.
+template <typename U, typename T>
+CG_OP("cast",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "types: U = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output U",
+      "shape: x:[...S] -> out:[...S]",
+      "doc: convert between floating dtypes")
+CG_DEVICE U cg_cast(T x) {
+  return U(x);
+}
+
+// A copy with another shape (the planner does not yet make it a view).
+template <typename T>
+CG_OP("reshape",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...R]; numel(x) == numel(out)",
+      "may_alias: out x",
+      "doc: another shape, the same elements (copied: the planner does not make it a view yet)")
+CG_DEVICE T cg_reshape(T x) {
+  return x;
+}
+
+// The gradient of (pred - target)^2, times scale; the caller folds the
+// mean's 1 / numel and the upstream gradient into scale.
+template <typename T>
+CG_OP("mse_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: pred input T",
+      "tensor: target input T",
+      "tensor: dpred output T",
+      "arg: scale float = 1.0",
+      "shape: pred:[...S] target:[...S] -> dpred:[...S]",
+      "forward: mse",
+      "doc: 2 * (pred - target) * scale; the caller folds the mean's 1 / numel into scale")
+CG_DEVICE T cg_mse_backward(T pred, T target, float scale) {
+  return T(2) * (pred - target) * T(scale);
 }

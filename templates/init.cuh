@@ -17,6 +17,13 @@ CG_DEVICE float cg_unit_float(long long seed, cg_i64 i, int stream) {
 }
 
 template <typename T>
+CG_OP("fill",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out output T",
+      "arg: value float = 0.0",
+      "shape: -> out:[...S]",
+      "doc: every element = value")
 CG_DEVICE T cg_fill(cg_i64, T value) {
   return value;
 }
@@ -24,15 +31,33 @@ CG_DEVICE T cg_fill(cg_i64, T value) {
 // low + (high - low) * u with one explicit fused multiply-add: the same rounding
 // on every device, whatever the compiler would contract.
 template <typename T>
+CG_OP("uniform",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out output T",
+      "arg: low float = 0.0",
+      "arg: high float = 1.0",
+      "arg: seed int = 0",
+      "shape: -> out:[...S]",
+      "doc: uniform in [low, high) from a counter-based generator: the same numbers on every device")
 CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
 // Box-Muller on two uniforms; within a few ulps across devices (transcendentals).
 template <typename T>
-CG_DEVICE T cg_normal(cg_i64 i, T mean, T stddev, long long seed) {
+CG_OP("normal",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out output T",
+      "arg: mean float = 0.0",
+      "arg: std float = 1.0",
+      "arg: seed int = 0",
+      "shape: -> out:[...S]",
+      "doc: normal(mean, std) from a counter-based generator")
+CG_DEVICE T cg_normal(cg_i64 i, T mean, T std, long long seed) {
   const float u1 = 1.0f - cg_unit_float(seed, i, 0);  // (0, 1]
   const float u2 = cg_unit_float(seed, i, 1);
   const float z = sqrt(-2.0f * log(u1)) * cos(6.283185307179586f * u2);
-  return mean + stddev * (T)z;
+  return mean + std * (T)z;
 }

@@ -5,6 +5,18 @@
 // epilogue(m, n, acc). Shared memory: 4 * (BM * (BK + 1) + BK * (BN + 1))
 // bytes; the +1 columns keep the inner loop free of bank conflicts.
 template <int BM, int BN, int BK, typename LoadA, typename LoadB, typename Epilogue>
+CG_OP("matmul",
+      "pattern: matmul",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "arg: trans_a bool = false",
+      "arg: trans_b bool = false",
+      "arg: alpha float = 1.0",
+      "shape: a:[...A, trans_a ? K : M, trans_a ? M : K] b:[...C, trans_b ? N : K, trans_b ? K : N] -> out:[...broadcast(A, C), M, N]",
+      "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
+      "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")
 CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
                               int tile_n, float* smem) {
   static_assert(BM == 32 && BN == 32, "the thread layout below assumes 32 x 32 tiles and 256 threads");

@@ -10,6 +10,18 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// Op annotations. CG_OP("name", "key: value", ...) sits between a template
+// function's template header and its declaration and describes the op to
+// the indexer (generator/indexer; the keys are in docs/templates.md), which
+// reads it from Clang's AST. Every other compiler sees nothing, and the
+// emitter copies the function without it.
+#ifdef CUDAGEN_INDEXER
+#define CG_OP(...) __attribute__((annotate("cudagen.op", __VA_ARGS__)))
+#else
+#define CG_OP(...)
+#endif
+#define CG_FLOAT_TYPES "f32 f16 bf16 f64"
+
 // The kernel's dynamic shared memory, planned by the compiler. Templates
 // declare no __shared__ of their own: the skeleton hands them a pointer.
 #ifdef CUDAGEN_EMULATION
@@ -35,6 +47,16 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
   cudagen_emu::store(base, i, value);
 #else
   base[i] = value;
+#endif
+}
+
+// base[i] += value, atomically (a scatter-add); checked like a store.
+template <typename T>
+CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
+#ifdef CUDAGEN_EMULATION
+  if (cudagen_emu::check_access(base, i, sizeof(T), true)) atomicAdd(base + i, value);
+#else
+  atomicAdd(base + i, value);
 #endif
 }
 

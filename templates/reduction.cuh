@@ -3,6 +3,14 @@
 // kernel stores it once. Shared memory: 32 floats of reduction scratch.
 
 template <typename Load>
+CG_OP("sum",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, N] -> out:[...S]",
+      "smem: 128",
+      "doc: sum over the last axis")
 CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   float s = 0.0f;
   for (int j = threadIdx.x; j < n; j += blockDim.x) s += load(j);
@@ -10,11 +18,27 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
 }
 
 template <typename Load>
+CG_OP("mean",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, N] -> out:[...S]",
+      "smem: 128",
+      "doc: mean over the last axis")
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
 template <typename Load>
+CG_OP("max",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, N] -> out:[...S]",
+      "smem: 128",
+      "doc: max over the last axis")
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
   for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, load(j));
@@ -23,6 +47,14 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
 
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
+CG_OP("log_softmax",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, N] -> out:[...S, N]",
+      "smem: 128",
+      "doc: log of softmax over the last axis")
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
   const float row_max = cg_max_row(load, n, scratch);
   float sum = 0.0f;
@@ -35,6 +67,13 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
 // emitter's grid-stride loop gives each thread whole columns, so the reads
 // of a warp are coalesced along the row.
 template <typename Load>
+CG_OP("sum_leading",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, N] -> out:[N]",
+      "doc: sum over every axis but the last (the gradient of a broadcast bias)")
 CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
   float s = 0.0f;
   for (cg_i64 r = 0; r < rows; ++r) s += load(r, column);

@@ -3,6 +3,14 @@
 // so that both the read and the write are coalesced. 256 threads; shared
 // memory: 32 * 33 elements (the extra column avoids bank conflicts).
 template <typename T>
+CG_OP("transpose",
+      "pattern: opaque",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, M, N] -> out:[...S, N, M]",
+      "smem: 32 * 33 * sizeof(T)",
+      "doc: swap the last two axes (a block-level tiled transpose through shared memory)")
 CG_DEVICE void cg_transpose_tile(const T* x, T* out, int M, int N, int tile_m, int tile_n, cg_i64 batch_offset,
                                  T* tile) {
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;

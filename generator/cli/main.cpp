@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "describe.h"
+#include "emit.h"
 #include "diagnostics.h"
 #include "file_util.h"
 #include "graph_json.h"
@@ -199,9 +200,10 @@ int run_ops(const Cli& cli) {
                                                          : read_text_file(cli.frontend.registry_file));
     return kExitOk;
   }
-  fmt::print("{:<24} {:<12} {:<16} {}\n", "op", "pattern", "template", "shape rule");
+  fmt::print("{:<24} {:<12} {:<16} {:<8} {}\n", "op", "pattern", "template", "emits", "shape rule");
   for (const auto& op : reg.ops())
-    fmt::print("{:<24} {:<12} {:<16} {}\n", op.name, to_string(op.pattern), op.source_file.empty() ? "-" : op.source_file,
+    fmt::print("{:<24} {:<12} {:<16} {:<8} {}\n", op.name, to_string(op.pattern),
+               op.source_file.empty() ? "-" : op.source_file, emitter_gap(op).empty() ? "yes" : "not yet",
                op.shape.text);
   return kExitOk;
 }

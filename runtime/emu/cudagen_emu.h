@@ -23,6 +23,8 @@ using std::fma;
 using std::exp;
 using std::fabs;
 using std::fmax;
+using std::fmin;
+using std::pow;
 using std::log;
 using std::sqrt;
 using std::tanh;

@@ -17,6 +17,18 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// Op annotations. CG_OP("name", "key: value", ...) sits between a template
+// function's template header and its declaration and describes the op to
+// the indexer (generator/indexer; the keys are in docs/templates.md), which
+// reads it from Clang's AST. Every other compiler sees nothing, and the
+// emitter copies the function without it.
+#ifdef CUDAGEN_INDEXER
+#define CG_OP(...) __attribute__((annotate("cudagen.op", __VA_ARGS__)))
+#else
+#define CG_OP(...)
+#endif
+#define CG_FLOAT_TYPES "f32 f16 bf16 f64"
+
 // The kernel's dynamic shared memory, planned by the compiler. Templates
 // declare no __shared__ of their own: the skeleton hands them a pointer.
 #ifdef CUDAGEN_EMULATION
@@ -42,6 +54,16 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
   cudagen_emu::store(base, i, value);
 #else
   base[i] = value;
+#endif
+}
+
+// base[i] += value, atomically (a scatter-add); checked like a store.
+template <typename T>
+CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
+#ifdef CUDAGEN_EMULATION
+  if (cudagen_emu::check_access(base, i, sizeof(T), true)) atomicAdd(base + i, value);
+#else
+  atomicAdd(base + i, value);
 #endif
 }
 
@@ -82,50 +104,51 @@ CG_DEVICE float cg_block_max(float v, float* scratch) {
   return cg_warp_max(lane < warps ? scratch[lane] : cg_neg_inf());
 }
 
-// ---- templates/elementwise.cuh ----
-// Elementwise and broadcast ops: one scalar function each. The emitter owns
-// the loop (a grid-stride loop over the output, with broadcast index maps)
-// and calls the function with the inputs in slot order, then the op's
-// numeric arguments. A string argument selects a variant: gelu with
-// approximate="tanh" calls cg_gelu_tanh.
-//
-// Math runs in the element type; f32 uses the single-precision functions.
+// ---- templates: what the kernels below use ----
 
+// templates/elementwise.cuh:10
 template <typename T>
 CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
+// templates/elementwise.cuh:24
 template <typename T>
 CG_DEVICE T cg_sigmoid(T x) {
   return T(1) / (T(1) + exp(-x));
 }
 
+// templates/elementwise.cuh:38
 template <typename T>
 CG_DEVICE T cg_silu(T x) {
   return x / (T(1) + exp(-x));
 }
 
+// templates/elementwise.cuh:52
 template <typename T>
 CG_DEVICE T cg_tanh(T x) {
   return tanh(x);
 }
 
+// templates/elementwise.cuh:66
 template <typename T>
 CG_DEVICE T cg_exp(T x) {
   return exp(x);
 }
 
+// templates/elementwise.cuh:79
 template <typename T>
 CG_DEVICE T cg_log(T x) {
   return log(x);
 }
 
+// templates/elementwise.cuh:92
 template <typename T>
 CG_DEVICE T cg_neg(T x) {
   return -x;
 }
 
+// templates/elementwise.cuh:106
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
@@ -133,66 +156,83 @@ CG_DEVICE T cg_gelu_tanh(T x) {
   return T(0.5) * x * (T(1) + tanh(k * (x + T(0.044715) * x * x * x)));
 }
 
+// templates/elementwise.cuh:112
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * (T(1) + erf(x * T(0.7071067811865476)));
 }
 
+// templates/elementwise.cuh:117
+template <typename T>
+CG_DEVICE T cg_gelu(T x, int approximate) {
+  return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
+}
+
+// templates/elementwise.cuh:132
 template <typename T>
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
+// templates/elementwise.cuh:147
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
+// templates/elementwise.cuh:161
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
+// templates/elementwise.cuh:175
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
+// templates/elementwise.cuh:189
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
+// templates/elementwise.cuh:203
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
+// templates/elementwise.cuh:218
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
+// templates/elementwise.cuh:233
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) - s);
 }
 
+// templates/elementwise.cuh:249
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) + x * (T(1) - s));
 }
 
+// templates/elementwise.cuh:265
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
 }
 
-// ---- templates/gather.cuh ----
+// templates/gather.cuh:3
 // Embedding lookup: element i of out[S, D] is table[ids[i / D], i % D]. The
 // emitter owns the grid-stride loop over the output.
 template <typename T, typename I>
@@ -201,28 +241,21 @@ CG_DEVICE T cg_embedding(const T* table, const I* ids, cg_i64 i, cg_i64 dim) {
   return cg_load(table, row * dim + i % dim);
 }
 
-// ---- templates/heads.cuh ----
-// Attention head layout changes, as index maps: the emitter's gather loop
-// writes out[i] = x[source(i)].
-
+// templates/heads.cuh:5
 // out[..., h, t, d] = x[..., t, h * D + d]   (x: [..., T, H * D])
 CG_DEVICE cg_i64 cg_split_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   const cg_i64 d = i % D, t = (i / D) % T, h = (i / (D * T)) % H, s = i / (D * T * H);
   return ((s * T + t) * H + h) * D + d;
 }
 
+// templates/heads.cuh:19
 // out[..., t, h * D + d] = x[..., h, t, d]   (x: [..., H, T, D])
 CG_DEVICE cg_i64 cg_merge_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   const cg_i64 d = i % D, h = (i / D) % H, t = (i / (D * H)) % T, s = i / (D * H * T);
   return ((s * H + h) * T + t) * D + d;
 }
 
-// ---- templates/init.cuh ----
-// Init ops: elementwise functions of the element index, which the emitter
-// passes first when an op has no input. Random numbers come from a counter-
-// based generator (a hash of seed and index, no state), so every device and
-// the host emulation produce the same numbers.
-
+// templates/init.cuh:6
 CG_DEVICE unsigned long long cg_hash64(unsigned long long x) {  // splitmix64's finalizer
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -230,17 +263,20 @@ CG_DEVICE unsigned long long cg_hash64(unsigned long long x) {  // splitmix64's 
   return x ^ (x >> 31);
 }
 
+// templates/init.cuh:14
 // A float in [0, 1) with 24 random bits: exact, so bit-identical everywhere.
 CG_DEVICE float cg_unit_float(long long seed, cg_i64 i, int stream) {
   const unsigned long long bits = cg_hash64(cg_hash64((unsigned long long)seed) ^ (unsigned long long)(2 * i + stream));
   return (float)(bits >> 40) * 5.9604644775390625e-8f;  // 2^-24
 }
 
+// templates/init.cuh:19
 template <typename T>
 CG_DEVICE T cg_fill(cg_i64, T value) {
   return value;
 }
 
+// templates/init.cuh:33
 // low + (high - low) * u with one explicit fused multiply-add: the same rounding
 // on every device, whatever the compiler would contract.
 template <typename T>
@@ -248,16 +284,25 @@ CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
+// templates/init.cuh:48
 // Box-Muller on two uniforms; within a few ulps across devices (transcendentals).
 template <typename T>
-CG_DEVICE T cg_normal(cg_i64 i, T mean, T stddev, long long seed) {
+CG_DEVICE T cg_normal(cg_i64 i, T mean, T std, long long seed) {
   const float u1 = 1.0f - cg_unit_float(seed, i, 0);  // (0, 1]
   const float u2 = cg_unit_float(seed, i, 1);
   const float z = sqrt(-2.0f * log(u1)) * cos(6.283185307179586f * u2);
-  return mean + stddev * (T)z;
+  return mean + std * (T)z;
 }
 
-// ---- templates/matmul.cuh ----
+// templates/reduction.cuh:33
+template <typename Load>
+CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
+  float m = cg_neg_inf();
+  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, load(j));
+  return cg_block_max(m, scratch);
+}
+
+// templates/matmul.cuh:7
 // Shared-memory tiled matmul (f32, portable): the block computes one BM x BN
 // tile of the output with 256 threads, each accumulating a 2 x 2 patch.
 // Operands are read through load_a(m, k) and load_b(k, n) (where fusion puts
@@ -300,11 +345,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// ---- templates/reduction.cuh ----
-// Row reductions over the last axis: the emitter runs one block per row and
-// reads x[row, j] through load(j); every thread gets the result, and the
-// kernel stores it once. Shared memory: 32 floats of reduction scratch.
-
+// templates/reduction.cuh:5
 template <typename Load>
 CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   float s = 0.0f;
@@ -312,18 +353,13 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   return cg_block_sum(s, scratch);
 }
 
+// templates/reduction.cuh:20
 template <typename Load>
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
-template <typename Load>
-CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
-  float m = cg_neg_inf();
-  for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, load(j));
-  return cg_block_max(m, scratch);
-}
-
+// templates/reduction.cuh:49
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
@@ -334,6 +370,7 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - row_max - log_sum);
 }
 
+// templates/reduction.cuh:69
 // Sum over every axis but the last (the gradient of a broadcast bias): the
 // emitter's grid-stride loop gives each thread whole columns, so the reads
 // of a warp are coalesced along the row.
@@ -344,7 +381,7 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
   return s;
 }
 
-// ---- templates/rmsnorm.cuh ----
+// templates/rmsnorm.cuh:6
 // RMS norm of one row, the emitter running one block per row:
 //   out[j] = x[j] * rstd * weight[j],  rstd = 1 / sqrt(mean(x^2) + eps).
 // Reads x through load(j) and weight through weight(j), writes through
@@ -362,7 +399,7 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// ---- templates/softmax.cuh ----
+// templates/softmax.cuh:5
 // Row softmax: the emitter runs one block per row and passes hooks that read
 // x[row, j] and write out[row, j], where fusion can put a prologue or an
 // epilogue. Columns j >= valid are masked (causal attention) and written as 0.
@@ -379,7 +416,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
     store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
 }
 
-// ---- templates/transpose.cuh ----
+// templates/transpose.cuh:5
 // Transpose of the last two axes, an opaque block-level op: the block moves
 // one 32 x 32 tile of x[batch][M][N] to out[batch][N][M] through shared memory,
 // so that both the read and the write are coalesced. 256 threads; shared
@@ -551,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(256) k14_neg(const float* __restric
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) k15_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
-    cg_store(out, i, cg_gelu_erf<double>(cg_load(x, i)));
+    cg_store(out, i, cg_gelu<double>(cg_load(x, i), /*approximate=erf*/ 1));
 }
 
 // Kernel k16_gelu_tanh (forward phase): task gelu_tanh (gelu, elementwise).
@@ -560,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(256) k15_gelu_erf(const double* __r
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) k16_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
-    cg_store(out, i, cg_gelu_tanh<float>(cg_load(x, i)));
+    cg_store(out, i, cg_gelu<float>(cg_load(x, i), /*approximate=tanh*/ 0));
 }
 
 // Kernel k17_affine (forward phase): task affine (affine, elementwise).

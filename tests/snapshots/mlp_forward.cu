@@ -17,6 +17,18 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// Op annotations. CG_OP("name", "key: value", ...) sits between a template
+// function's template header and its declaration and describes the op to
+// the indexer (generator/indexer; the keys are in docs/templates.md), which
+// reads it from Clang's AST. Every other compiler sees nothing, and the
+// emitter copies the function without it.
+#ifdef CUDAGEN_INDEXER
+#define CG_OP(...) __attribute__((annotate("cudagen.op", __VA_ARGS__)))
+#else
+#define CG_OP(...)
+#endif
+#define CG_FLOAT_TYPES "f32 f16 bf16 f64"
+
 // The kernel's dynamic shared memory, planned by the compiler. Templates
 // declare no __shared__ of their own: the skeleton hands them a pointer.
 #ifdef CUDAGEN_EMULATION
@@ -42,6 +54,16 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
   cudagen_emu::store(base, i, value);
 #else
   base[i] = value;
+#endif
+}
+
+// base[i] += value, atomically (a scatter-add); checked like a store.
+template <typename T>
+CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
+#ifdef CUDAGEN_EMULATION
+  if (cudagen_emu::check_access(base, i, sizeof(T), true)) atomicAdd(base + i, value);
+#else
+  atomicAdd(base + i, value);
 #endif
 }
 
@@ -82,117 +104,21 @@ CG_DEVICE float cg_block_max(float v, float* scratch) {
   return cg_warp_max(lane < warps ? scratch[lane] : cg_neg_inf());
 }
 
-// ---- templates/elementwise.cuh ----
-// Elementwise and broadcast ops: one scalar function each. The emitter owns
-// the loop (a grid-stride loop over the output, with broadcast index maps)
-// and calls the function with the inputs in slot order, then the op's
-// numeric arguments. A string argument selects a variant: gelu with
-// approximate="tanh" calls cg_gelu_tanh.
-//
-// Math runs in the element type; f32 uses the single-precision functions.
+// ---- templates: what the kernels below use ----
 
+// templates/elementwise.cuh:10
 template <typename T>
 CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-template <typename T>
-CG_DEVICE T cg_sigmoid(T x) {
-  return T(1) / (T(1) + exp(-x));
-}
-
-template <typename T>
-CG_DEVICE T cg_silu(T x) {
-  return x / (T(1) + exp(-x));
-}
-
-template <typename T>
-CG_DEVICE T cg_tanh(T x) {
-  return tanh(x);
-}
-
-template <typename T>
-CG_DEVICE T cg_exp(T x) {
-  return exp(x);
-}
-
-template <typename T>
-CG_DEVICE T cg_log(T x) {
-  return log(x);
-}
-
-template <typename T>
-CG_DEVICE T cg_neg(T x) {
-  return -x;
-}
-
-// gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
-template <typename T>
-CG_DEVICE T cg_gelu_tanh(T x) {
-  const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return T(0.5) * x * (T(1) + tanh(k * (x + T(0.044715) * x * x * x)));
-}
-
-template <typename T>
-CG_DEVICE T cg_gelu_erf(T x) {
-  return T(0.5) * x * (T(1) + erf(x * T(0.7071067811865476)));
-}
-
-template <typename T>
-CG_DEVICE T cg_affine(T x, T scale, T shift) {
-  return scale * x + shift;
-}
-
+// templates/elementwise.cuh:147
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-template <typename T>
-CG_DEVICE T cg_sub(T a, T b) {
-  return a - b;
-}
-
-template <typename T>
-CG_DEVICE T cg_mul(T a, T b) {
-  return a * b;
-}
-
-template <typename T>
-CG_DEVICE T cg_div(T a, T b) {
-  return a / b;
-}
-
-template <typename T>
-CG_DEVICE T cg_maximum(T a, T b) {
-  return a > b ? a : b;
-}
-
-// Gradients of the activations: dx = dout * f'(x).
-template <typename T>
-CG_DEVICE T cg_relu_backward(T x, T dout) {
-  return x > T(0) ? dout : T(0);
-}
-
-template <typename T>
-CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) - s);
-}
-
-template <typename T>
-CG_DEVICE T cg_silu_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) + x * (T(1) - s));
-}
-
-template <typename T>
-CG_DEVICE T cg_tanh_backward(T x, T dout) {
-  const T t = tanh(x);
-  return dout * (T(1) - t * t);
-}
-
-// ---- templates/matmul.cuh ----
+// templates/matmul.cuh:7
 // Shared-memory tiled matmul (f32, portable): the block computes one BM x BN
 // tile of the output with 256 threads, each accumulating a 2 x 2 patch.
 // Operands are read through load_a(m, k) and load_b(k, n) (where fusion puts
@@ -235,7 +161,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// ---- templates/softmax.cuh ----
+// templates/softmax.cuh:5
 // Row softmax: the emitter runs one block per row and passes hooks that read
 // x[row, j] and write out[row, j], where fusion can put a prologue or an
 // epilogue. Columns j >= valid are masked (causal attention) and written as 0.

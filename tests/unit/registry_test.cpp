@@ -1,3 +1,5 @@
+#include <set>
+
 #include <gtest/gtest.h>
 
 #include "diagnostics.h"
@@ -66,5 +68,63 @@ TEST(Registry, RejectsRulesThatDoNotMatchTheSlots) {
 TEST(Registry, DocsOpsIsGeneratedFromTheRegistry) {
   std::string doc = read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/docs/ops.md");
   EXPECT_EQ(doc, ops_markdown(builtin_registry())) << "regenerate it: cudagen ops --markdown > docs/ops.md";
-  EXPECT_NE(doc.find("| matmul | matmul | T: f32, f16, bf16, f64 | matmul.cuh | - |"), std::string::npos);
+  EXPECT_NE(doc.find("| matmul | matmul | T: f32, f16, bf16, f64 | matmul.cuh `cg_matmul_tile` | yes | - |"),
+            std::string::npos);
+  EXPECT_NE(doc.find("| layernorm | reduction | T: f32, f16, bf16, f64 | layernorm.cuh `cg_layernorm_row` | not yet |"),
+            std::string::npos);
+}
+
+// The registry the indexer makes from templates/ against the first, hand-written
+// version (tests/registry/first_version.json): every signature carries over, and
+// the only differences are the ones listed here, each made on purpose.
+TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
+  OpRegistry first = OpRegistry::from_json(
+      read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/tests/registry/first_version.json"), "first_version.json");
+  OpRegistry indexed = builtin_registry();
+  // Ops that had no template in the first version and have one now.
+  const std::set<std::string> newly_templated = {
+      "adam", "adamw", "cast", "cross_entropy", "cross_entropy_backward", "embedding_backward", "gelu_backward",
+      "layernorm", "mse", "mse_backward", "reshape", "rmsnorm_backward", "sgd", "softmax_backward"};
+  // Docs that changed with the op's template: the caller now folds the mean into
+  // `scale`, and reshape still copies.
+  const std::set<std::string> doc_changed = {"cross_entropy_backward", "mse_backward", "reshape"};
+  ASSERT_EQ(indexed.names(), first.names());
+  for (const auto& a : first.ops()) {
+    SCOPED_TRACE("op " + a.name);
+    const OpSignature& b = *indexed.find(a.name);
+    EXPECT_EQ(to_string(b.pattern), std::string(to_string(a.pattern)));
+    EXPECT_EQ(b.type_vars, a.type_vars);
+    ASSERT_EQ(b.tensors.size(), a.tensors.size());
+    for (size_t i = 0; i < a.tensors.size(); ++i) {
+      EXPECT_EQ(b.tensors[i].name, a.tensors[i].name);
+      EXPECT_EQ(b.tensors[i].role, a.tensors[i].role);
+      EXPECT_EQ(b.tensors[i].dtype, a.tensors[i].dtype);
+      EXPECT_EQ(b.tensors[i].optional, a.tensors[i].optional);
+      EXPECT_EQ(b.tensors[i].writes, a.tensors[i].writes);
+    }
+    ASSERT_EQ(b.args.size(), a.args.size());
+    for (size_t i = 0; i < a.args.size(); ++i) {
+      EXPECT_EQ(b.args[i].name, a.args[i].name);
+      EXPECT_EQ(b.args[i].type, a.args[i].type);
+      EXPECT_EQ(b.args[i].default_value, a.args[i].default_value);
+      EXPECT_EQ(b.args[i].choices, a.args[i].choices);
+    }
+    EXPECT_EQ(b.shape.text, a.shape.text);
+    EXPECT_EQ(b.may_alias, a.may_alias);
+    EXPECT_EQ(b.backward, a.backward);
+    EXPECT_EQ(b.forward, a.forward);
+    EXPECT_EQ(b.init, a.init);
+    if (!doc_changed.count(a.name)) EXPECT_EQ(b.doc, a.doc);
+    if (newly_templated.count(a.name)) {
+      EXPECT_TRUE(a.source_file.empty());
+    } else {
+      EXPECT_EQ(b.source_file, a.source_file);
+      EXPECT_EQ(b.source_function, a.source_function);
+      EXPECT_EQ(b.smem, a.smem);
+    }
+    // Every op of the indexed registry has its template and its closure.
+    EXPECT_FALSE(b.source_file.empty());
+    ASSERT_FALSE(b.closure.empty());
+    EXPECT_EQ(b.closure.back(), b.source_function) << "the op's own function comes last, after what it uses";
+  }
 }

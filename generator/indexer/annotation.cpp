@@ -1,0 +1,200 @@
+#include "annotation.h"
+
+#include <charconv>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "graph.h"
+
+namespace cudagen {
+
+namespace {
+
+std::vector<std::string> words(std::string_view s) {
+  std::vector<std::string> out;
+  std::istringstream in{std::string(s)};
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+std::string trim(std::string_view s) {
+  size_t b = s.find_first_not_of(" \t\n"), e = s.find_last_not_of(" \t\n");
+  return b == std::string_view::npos ? std::string() : std::string(s.substr(b, e - b + 1));
+}
+
+class AnnotationParser {
+ public:
+  explicit AnnotationParser(const std::vector<std::string>& strings) : strings_(strings) {}
+
+  JsonValue parse() {
+    if (strings_.empty() || !is_identifier(strings_[0]))
+      throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
+    JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
+              may_alias = JsonValue::array();
+    std::string pattern, shape, doc, smem;
+    std::string links[3];  // backward, forward, init
+    for (index_ = 1; index_ < strings_.size(); ++index_) {
+      const std::string& s = strings_[index_];
+      size_t colon = s.find(':');
+      if (colon == std::string::npos)
+        fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
+                         "backward, forward, init, smem, doc)",
+                         s));
+      const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
+      if (key == "pattern") set_once(pattern, value, key);
+      else if (key == "types") type_var(types, value);
+      else if (key == "tensor") tensors.push_back(tensor(value));
+      else if (key == "arg") args.push_back(arg(value));
+      else if (key == "shape") set_once(shape, value, key);
+      else if (key == "may_alias") may_alias.push_back(alias(value));
+      else if (key == "backward") set_once(links[0], link(value), key);
+      else if (key == "forward") set_once(links[1], link(value), key);
+      else if (key == "init") set_once(links[2], link(value), key);
+      else if (key == "smem") set_once(smem, value, key);
+      else if (key == "doc") set_once(doc, value, key);
+      else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
+                            "init, smem, doc)",
+                            key));
+    }
+    index_ = 0;
+    if (pattern.empty()) fail("no \"pattern: ...\" (elementwise, broadcast, reduction, matmul, gather or opaque)");
+    if (shape.empty()) fail("no \"shape: ...\" (the shape rule, e.g. \"x:[...S] -> out:[...S]\")");
+    if (tensors.items().empty()) fail("no \"tensor: NAME ROLE DTYPE\" entries");
+
+    // The field order of the hand-written registry, so the two diff cleanly.
+    JsonValue op = JsonValue::object();
+    op.set("name", JsonValue::string(strings_[0]));
+    op.set("pattern", JsonValue::string(pattern));
+    if (!types.members().empty()) op.set("types", std::move(types));
+    op.set("tensors", std::move(tensors));
+    if (!args.items().empty()) op.set("args", std::move(args));
+    op.set("shape", JsonValue::string(shape));
+    if (!may_alias.items().empty()) op.set("may_alias", std::move(may_alias));
+    const char* link_keys[3] = {"backward", "forward", "init"};
+    for (int i = 0; i < 3; ++i)
+      if (!links[i].empty()) op.set(link_keys[i], JsonValue::string(links[i]));
+    if (!doc.empty()) op.set("doc", JsonValue::string(doc));
+    if (!smem.empty()) op.set("smem", JsonValue::string(smem));
+    return op;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& message) const { throw AnnotationError(index_, message); }
+
+  void set_once(std::string& field, const std::string& value, const std::string& key) {
+    if (!field.empty()) fail(fmt::format("'{}' is given twice", key));
+    if (value.empty()) fail(fmt::format("'{}' has no value", key));
+    field = value;
+  }
+
+  // "T = f32 f16 bf16 f64"
+  void type_var(JsonValue& types, const std::string& value) {
+    size_t eq = value.find('=');
+    if (eq == std::string::npos) fail("types are \"types: T = f32 f64 ...\"");
+    std::string name = trim(value.substr(0, eq));
+    if (!is_identifier(name)) fail(fmt::format("type variable '{}' is not an identifier", name));
+    if (types.find(name) != nullptr) fail(fmt::format("type variable '{}' is declared twice", name));
+    JsonValue list = JsonValue::array();
+    for (const auto& d : words(value.substr(eq + 1))) {
+      if (!parse_dtype(d)) fail(fmt::format("'{}' is not a dtype (f32, f16, bf16, f64, i32, i64)", d));
+      list.push_back(JsonValue::string(d));
+    }
+    if (list.items().empty()) fail(fmt::format("type variable '{}' has no dtypes", name));
+    types.set(name, std::move(list));
+  }
+
+  // "x input T", "param weight T writes", "rstd output f32 optional"
+  JsonValue tensor(const std::string& value) {
+    std::vector<std::string> w = words(value);
+    if (w.size() < 3) fail(fmt::format("a tensor is \"tensor: NAME ROLE DTYPE [optional] [writes]\", not \"{}\"", value));
+    JsonValue t = JsonValue::object();
+    t.set("name", JsonValue::string(w[0]));
+    t.set("role", JsonValue::string(w[1]));
+    t.set("dtype", JsonValue::string(w[2]));
+    for (size_t i = 3; i < w.size(); ++i) {
+      if (w[i] != "optional" && w[i] != "writes")
+        fail(fmt::format("tensor '{}': unknown flag '{}' (optional, writes)", w[0], w[i]));
+      t.set(w[i], JsonValue::boolean(true));
+    }
+    return t;
+  }
+
+  // "scale float = 1.0", "step int", "approximate string = tanh in tanh|erf"
+  JsonValue arg(const std::string& value) {
+    std::string spec = value, choices;
+    if (size_t in = spec.find(" in "); in != std::string::npos) {
+      choices = trim(spec.substr(in + 4));
+      spec = spec.substr(0, in);
+    }
+    std::string default_text;
+    if (size_t eq = spec.find('='); eq != std::string::npos) {
+      default_text = trim(spec.substr(eq + 1));
+      spec = spec.substr(0, eq);
+    }
+    std::vector<std::string> w = words(spec);
+    if (w.size() != 2) fail(fmt::format("an argument is \"arg: NAME TYPE [= DEFAULT] [in A|B]\", not \"{}\"", value));
+    JsonValue a = JsonValue::object();
+    a.set("name", JsonValue::string(w[0]));
+    a.set("type", JsonValue::string(w[1]));
+    if (!default_text.empty()) a.set("default", default_value(w[0], w[1], default_text));
+    if (!choices.empty()) {
+      if (w[1] != "string") fail(fmt::format("argument '{}': only string arguments have choices", w[0]));
+      JsonValue list = JsonValue::array();
+      std::string rest = choices;
+      for (size_t bar; !rest.empty(); rest = bar == std::string::npos ? "" : rest.substr(bar + 1)) {
+        bar = rest.find('|');
+        list.push_back(JsonValue::string(trim(rest.substr(0, bar))));
+      }
+      a.set("choices", std::move(list));
+    }
+    return a;
+  }
+
+  JsonValue default_value(const std::string& name, const std::string& type, const std::string& text) {
+    if (type == "bool") {
+      if (text != "true" && text != "false") fail(fmt::format("argument '{}': a bool default is true or false", name));
+      return JsonValue::boolean(text == "true");
+    }
+    if (type == "string") return JsonValue::string(text);
+    if (type == "int") {
+      int64_t v = 0;
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec != std::errc() || end != text.data() + text.size())
+        fail(fmt::format("argument '{}': default '{}' is not an integer", name, text));
+      return JsonValue::integer(v);
+    }
+    if (type == "float") {
+      double v = 0;
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec != std::errc() || end != text.data() + text.size())
+        fail(fmt::format("argument '{}': default '{}' is not a number", name, text));
+      return JsonValue::number(v);
+    }
+    fail(fmt::format("argument '{}': type '{}' takes no default here (float, int, bool, string do)", name, type));
+  }
+
+  // "out x": out may reuse x's storage.
+  JsonValue alias(const std::string& value) {
+    std::vector<std::string> w = words(value);
+    if (w.size() != 2) fail(fmt::format("may_alias is \"may_alias: OUTPUT INPUT\", not \"{}\"", value));
+    JsonValue pair = JsonValue::array();
+    pair.push_back(JsonValue::string(w[0]));
+    pair.push_back(JsonValue::string(w[1]));
+    return pair;
+  }
+
+  std::string link(const std::string& value) {
+    if (!is_identifier(value)) fail(fmt::format("'{}' is not an op name", value));
+    return value;
+  }
+
+  const std::vector<std::string>& strings_;
+  size_t index_ = 0;
+};
+
+}  // namespace
+
+JsonValue parse_op_annotation(const std::vector<std::string>& strings) { return AnnotationParser(strings).parse(); }
+
+}  // namespace cudagen

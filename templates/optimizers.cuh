@@ -1,0 +1,85 @@
+// Optimizer updates: elementwise functions that update the parameter and
+// their state in place (reference parameters); they return nothing.
+// Optimizer state is f32 whatever the parameter's dtype, as mixed-precision
+// training keeps it. `step` counts from 1.
+
+// SGD as PyTorch defines it: g = grad + weight_decay * param;
+// buf = momentum * buf + g (buf = g at the first step is the caller's zero
+// init); param -= lr * (momentum ? buf : g).
+template <typename T>
+CG_OP("sgd",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: param weight T writes",
+      "tensor: grad input T",
+      "tensor: momentum_buf weight T optional writes",
+      "arg: lr float",
+      "arg: momentum float = 0.0",
+      "arg: weight_decay float = 0.0",
+      "shape: param:[...S] grad:[...S] momentum_buf:[...S] -> param:[...S]",
+      "doc: SGD with optional momentum, updating param (and momentum_buf) in place")
+CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentum, float weight_decay) {
+  float g = float(grad) + weight_decay * float(param);
+  if (momentum != 0.0f) {
+    const float buf = momentum * float(momentum_buf) + g;
+    momentum_buf = T(buf);
+    g = buf;
+  }
+  param = T(float(param) - lr * g);
+}
+
+// One Adam step, L2 weight decay added to the gradient (torch.optim.Adam).
+template <typename T>
+CG_OP("adam",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: param weight T writes",
+      "tensor: grad input T",
+      "tensor: m weight f32 writes",
+      "tensor: v weight f32 writes",
+      "arg: lr float",
+      "arg: beta1 float = 0.9",
+      "arg: beta2 float = 0.999",
+      "arg: eps float = 1e-08",
+      "arg: weight_decay float = 0.0",
+      "arg: step int",
+      "shape: param:[...S] grad:[...S] m:[...S] v:[...S] -> param:[...S]",
+      "doc: Adam update of param, m and v in place; step counts from 1 and is usually a runtime argument")
+CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
+                       float weight_decay, long long step) {
+  const float g = float(grad) + weight_decay * float(param);
+  m = beta1 * m + (1.0f - beta1) * g;
+  v = beta2 * v + (1.0f - beta2) * g * g;
+  const float m_hat = m / (1.0f - pow(beta1, (float)step));
+  const float v_hat = v / (1.0f - pow(beta2, (float)step));
+  param = T(float(param) - lr * m_hat / (sqrt(v_hat) + eps));
+}
+
+// AdamW: the weight decay is decoupled, applied to the parameter directly
+// (torch.optim.AdamW).
+template <typename T>
+CG_OP("adamw",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: param weight T writes",
+      "tensor: grad input T",
+      "tensor: m weight f32 writes",
+      "tensor: v weight f32 writes",
+      "arg: lr float",
+      "arg: beta1 float = 0.9",
+      "arg: beta2 float = 0.999",
+      "arg: eps float = 1e-08",
+      "arg: weight_decay float = 0.0",
+      "arg: step int",
+      "shape: param:[...S] grad:[...S] m:[...S] v:[...S] -> param:[...S]",
+      "doc: AdamW (decoupled weight decay) update of param, m and v in place; step counts from 1 and is usually a runtime argument")
+CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
+                        float weight_decay, long long step) {
+  const float g = float(grad);
+  const float decayed = float(param) * (1.0f - lr * weight_decay);
+  m = beta1 * m + (1.0f - beta1) * g;
+  v = beta2 * v + (1.0f - beta2) * g * g;
+  const float m_hat = m / (1.0f - pow(beta1, (float)step));
+  const float v_hat = v / (1.0f - pow(beta2, (float)step));
+  param = T(decayed - lr * m_hat / (sqrt(v_hat) + eps));
+}
