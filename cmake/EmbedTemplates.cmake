@@ -3,9 +3,11 @@
 file(GLOB files RELATIVE ${TEMPLATE_DIR} ${TEMPLATE_DIR}/*.cuh)
 list(SORT files)
 set(body "")
+set(names "")
 foreach(f ${files})
   file(READ ${TEMPLATE_DIR}/${f} text)
   string(APPEND body "  if (name == \"${f}\") return R\"CUDAGEN_TEMPLATE(${text})CUDAGEN_TEMPLATE\";\n")
+  string(APPEND names "\"${f}\", ")
 endforeach()
 file(WRITE ${OUT}.new "// Generated from templates/ by cmake/EmbedTemplates.cmake: do not edit.
 #include \"templates_embedded.h\"
@@ -15,6 +17,8 @@ namespace cudagen {
 std::string_view embedded_template(std::string_view name) {
 ${body}  return {};
 }
+
+std::vector<std::string> embedded_template_names() { return {${names}}; }
 
 }  // namespace cudagen
 ")

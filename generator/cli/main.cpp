@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -17,6 +18,7 @@
 #include "placement.h"
 #include "nvrtc.h"
 #include "runner.h"
+#include "user_templates.h"
 #include "version.h"
 
 namespace cudagen {
@@ -46,7 +48,15 @@ struct Cli {
   std::string buffers_csv;
   std::string svg_path;
   std::string method = "search";
+  std::vector<std::string> template_dirs;
 };
+
+void add_templates_option(CLI::App* cmd, Cli& cli) {
+  cmd->add_option("--templates", cli.template_dirs,
+                  "a folder of your own op templates (*.cuh with CG_OP annotations; see docs/templates.md), indexed "
+                  "with the bundled ones; may be given more than once")
+      ->check(CLI::ExistingDirectory);
+}
 
 void add_frontend_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("GRAPH", cli.graph_path, "task graph file (JSON, format cudagen.taskgraph/1)")
@@ -55,6 +65,7 @@ void add_frontend_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--registry", cli.frontend.registry_file,
                   "op registry file to use instead of the bundled one (format cudagen.registry/1)")
       ->check(CLI::ExistingFile);
+  add_templates_option(cmd, cli);
   cmd->add_option("--max-tensor-bytes", cli.frontend.validate.max_tensor_bytes,
                   "largest tensor allowed, in bytes (larger is taken for a typo)")
       ->capture_default_str();
@@ -257,6 +268,7 @@ int main_impl(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   plan_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
+  add_templates_option(plan_cmd, cli);
   add_compile_options(plan_cmd, cli);
   plan_cmd->add_option("--method", cli.method, "greedy (several best-fit orderings), or search (greedy, then "
                                                "branch-and-bound when greedy leaves a gap to the lower bound)")
@@ -269,6 +281,7 @@ int main_impl(int argc, char** argv) {
   auto* ops_cmd = app.add_subcommand("ops", "list the ops of the registry");
   ops_cmd->add_option("--registry", cli.frontend.registry_file, "op registry file instead of the bundled one")
       ->check(CLI::ExistingFile);
+  add_templates_option(ops_cmd, cli);
   ops_cmd->add_flag("--markdown", cli.markdown, "print the table of docs/ops.md");
   ops_cmd->add_flag("--json", cli.json, "print the registry itself (format cudagen.registry/1)");
 
@@ -286,6 +299,15 @@ int main_impl(int argc, char** argv) {
   }
 
   try {
+    std::unique_ptr<UserTemplateRegistry> user_templates;
+    if (!cli.template_dirs.empty()) {
+      if (!cli.frontend.registry_file.empty()) {
+        fmt::print(stderr, "error: --templates and --registry exclude each other: --templates makes the registry\n");
+        return kExitUsage;
+      }
+      user_templates = std::make_unique<UserTemplateRegistry>(cli.template_dirs);
+      cli.frontend.registry_file = user_templates->registry_file();
+    }
     if (*validate_cmd) return run_validate(cli);
     if (*describe_cmd) return run_describe(cli);
     if (*format_cmd) return run_format(cli);

@@ -184,3 +184,43 @@ TEST_F(Cli, FloatTemplatesRefuseF64InsteadOfLosingPrecision) {
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("task 's', slot 'x' (/tasks/0): the softmax template is f32 only for now"), std::string::npos) << r.err;
 }
+
+// A user adds an op by writing a template: --templates indexes it with the bundled ones.
+TEST_F(Cli, UserTemplatesAddAnOpThatCompiles) {
+  fs::create_directories(dir_ / "mine");
+  write("mine/square.cuh", R"(// out = gain * x * x, a user's op that calls a bundled template's function.
+template <typename T>
+CG_OP("square", "pattern: elementwise", "types: T = f32 f64", "tensor: x input T", "tensor: out output T",
+      "arg: gain float = 1.0", "shape: x:[...S] -> out:[...S]", "doc: gain * x * x")
+CG_DEVICE T cg_square(T x, float gain) {
+  return cg_mul(T(gain) * x, x);
+}
+)");
+  std::string graph = write("g.json", graph_of(R"({"id": "sq", "op": "square", "args": {"gain": 3.0},
+      "tensors": {"x": {"dtype": "f32", "shape": [40], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [40], "storage": "external"}}})"));
+  std::string templates = " --templates " + (dir_ / "mine").string();
+  EXPECT_EQ(run("validate " + graph).status, 1) << "without --templates there is no op 'square'";
+  CliResult ops = run("ops" + templates);
+  EXPECT_NE(ops.out.find("square                   elementwise  square.cuh       yes"), std::string::npos) << ops.out;
+  std::string cu = (dir_ / "sq.cu").string();
+  CliResult r = run("compile " + graph + templates + " -o " + cu);
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::string text = cudagen::read_text_file(cu);
+  EXPECT_NE(text.find("cg_store(out, i, cg_square<float>(cg_load(x, i), 3.0f));"), std::string::npos) << text;
+  EXPECT_NE(text.find("// templates/square.cuh:"), std::string::npos);
+  EXPECT_NE(text.find("CG_DEVICE T cg_mul(T a, T b) {"), std::string::npos) << "the bundled callee comes along";
+  EXPECT_LT(text.find("CG_DEVICE T cg_mul(T a, T b) {"), text.find("CG_DEVICE T cg_square(T x, float gain) {"));
+  CliResult nvrtc = run("nvrtc " + cu + " --arch sm_90");
+  EXPECT_EQ(nvrtc.status, 0) << nvrtc.err;
+}
+
+TEST_F(Cli, UserTemplatesWithAnErrorNameTheUsersFileAndLine) {
+  fs::create_directories(dir_ / "broken");
+  std::string file = write("broken/bad.cuh", "template <typename T>\nCG_DEVICE T cg_bad(T x) { return x +; }\n");
+  CliResult r = run("ops --templates " + (dir_ / "broken").string());
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(file + ":2:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("could not be indexed"), std::string::npos) << r.err;
+  EXPECT_EQ(run("ops --templates " + (dir_ / "broken").string() + " --registry " + file).status, 2);
+}
