@@ -115,9 +115,16 @@ class Emitter {
       case DType::f64: return "double";
       case DType::i32: return "int";
       case DType::i64: return "long long";
-      default: return "";
+      case DType::f16: return "cg_f16";
+      case DType::bf16: return "cg_bf16";
     }
+    return "";
   }
+
+  static bool is_16bit(DType d) { return d == DType::f16 || d == DType::bf16; }
+
+  // The type arithmetic runs in: f32 for the 16-bit storage types.
+  static std::string compute_type(DType d) { return is_16bit(d) ? "float" : c_type(d); }
 
   // The task's tensors in signature order, each a kernel parameter.
   std::vector<Param> params(int t) {
@@ -255,9 +262,16 @@ class Emitter {
       fail(t, "", "an elementwise kernel needs one output");
       return {};
     }
+    // 16-bit tensors are widened to f32 as they are loaded and narrowed as they are stored.
     for (const auto& x : ps)
-      if (!x.written)
-        operands.push_back(fmt::format("cg_load({}, {})", x.bound->name, broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
+      if (!x.written) {
+        // An elementwise op (not a broadcast one) reads element i of an input of
+        // the output's size whatever its shape (reshape).
+        const bool flat = op.pattern == PatternKind::elementwise && numel(x.buffer->shape) == numel(out->buffer->shape);
+        std::string load = fmt::format("cg_load({}, {})", x.bound->name,
+                                       flat ? "i" : broadcast_index(out->buffer->shape, x.buffer->shape, "i"));
+        operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + load + ")" : load);
+      }
     // An op with no input (fill, uniform) takes the element index first.
     if (operands.empty()) operands.push_back("i");
     // Arguments follow the operands; a string argument is the index of its choice.
@@ -281,10 +295,13 @@ class Emitter {
     int64_t n = numel(out->buffer->shape);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
+    std::string value =
+        fmt::format("{}<{}>({})", function, compute_type(out->buffer->dtype), fmt::join(operands, ", "));
+    if (is_16bit(out->buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out->buffer->dtype), value);
     return fmt::format(
         "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    cg_store({}, i, {}<{}>({}));\n",
-        n, out->bound->name, function, c_type(out->buffer->dtype), fmt::join(operands, ", "));
+        "    cg_store({}, i, {});\n",
+        n, out->bound->name, value);
   }
 
   // The reduction templates accumulate in float: f32 tensors only for now.

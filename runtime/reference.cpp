@@ -68,6 +68,21 @@ class Evaluator {
       return gradient(bt, [](double x, double d) { double s = 1 / (1 + std::exp(-x)); return d * s * (1 + x * (1 - s)); });
     if (op == "tanh_backward")
       return gradient(bt, [](double x, double d) { double t = std::tanh(x); return d * (1 - t * t); });
+    if (op == "gelu_backward") {
+      // The derivative of gelu by central differences of the forward formula,
+      // independent of the template's analytic one.
+      const bool erf_form = arg_string(bt, "approximate") == "erf";
+      auto gelu = [erf_form](double x) {
+        return erf_form ? 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)))
+                        : 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+      };
+      return gradient(bt, [gelu](double x, double d) {
+        const double h = 1e-5;
+        return d * (gelu(x + h) - gelu(x - h)) / (2 * h);
+      });
+    }
+    if (op == "cast" || op == "reshape") return unary(bt, [](double x) { return x; });
+    if (op == "mse_backward") return mse_backward(bt);
     if (op == "matmul") return matmul(bt);
     if (op == "softmax") return softmax(bt);
     if (op == "embedding") return embedding(bt);
@@ -168,6 +183,19 @@ class Evaluator {
       v[size_t(i)] = f(xv, dv);
       a[size_t(i)] = std::abs(dfdx) * r_.abs[size_t(x)][size_t(i)] + std::abs(dfdd) * r_.abs[size_t(d)][size_t(i)] +
                      std::abs(v[size_t(i)]);
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  // dpred = 2 * (pred - target) * scale.
+  void mse_backward(const BoundTask& bt) {
+    int p = buf(bt, "pred"), t = buf(bt, "target"), o = buf(bt, "dpred");
+    const double scale = arg_double(bt, "scale", 1.0);
+    int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      v[size_t(i)] = 2 * (val(p)[size_t(i)] - val(t)[size_t(i)]) * scale;
+      a[size_t(i)] = 2 * (r_.abs[size_t(p)][size_t(i)] + r_.abs[size_t(t)][size_t(i)]) * std::abs(scale);
     }
     out(o, std::move(v), std::move(a));
   }

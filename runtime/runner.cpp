@@ -1,5 +1,7 @@
 #include "runner.h"
 
+#include "half.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -29,6 +31,13 @@ double relative_tolerance(DType dtype) {
     case DType::i64: return 0;
   }
   return 0;
+}
+
+double absolute_tolerance(DType dtype) {
+  // f16's subnormals are 2^-24 apart: below 2^-14 its rounding error is
+  // absolute, up to 2^-25, not relative. (bf16 and f32 subnormals start
+  // below 1e-38, where no test's values go.)
+  return dtype == DType::f16 ? 0x1p-24 : 0.0;
 }
 
 namespace {
@@ -61,6 +70,8 @@ void store_element(unsigned char* at, DType dtype, double v) {
     case DType::f64: std::memcpy(at, &v, 8); break;
     case DType::i32: { int32_t i = int32_t(v); std::memcpy(at, &i, 4); break; }
     case DType::i64: { int64_t i = int64_t(v); std::memcpy(at, &i, 8); break; }
+    case DType::f16: { uint16_t h = float_to_f16(float(v)); std::memcpy(at, &h, 2); break; }
+    case DType::bf16: { uint16_t b = float_to_bf16(float(v)); std::memcpy(at, &b, 2); break; }
     default: throw std::runtime_error(fmt::format("emulated runs do not support {} tensors yet", to_string(dtype)));
   }
 }
@@ -71,6 +82,8 @@ double load_element(const unsigned char* at, DType dtype) {
     case DType::f64: { double d; std::memcpy(&d, at, 8); return d; }
     case DType::i32: { int32_t i; std::memcpy(&i, at, 4); return i; }
     case DType::i64: { int64_t i; std::memcpy(&i, at, 8); return double(i); }
+    case DType::f16: { uint16_t h; std::memcpy(&h, at, 2); return f16_to_float(h); }
+    case DType::bf16: { uint16_t b; std::memcpy(&b, at, 2); return bf16_to_float(b); }
     default: return NAN;
   }
 }
@@ -120,9 +133,9 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     std::uniform_int_distribution<int64_t> ints(0, integer ? integer_input_range(p, int(b)) - 1 : 0);
     for (int64_t i = 0; i < n; ++i) {
       double v = integer ? double(ints(rng)) : real(rng);
-      if (info.dtype == DType::f32) v = double(float(v));
-      inputs[b][size_t(i)] = v;
+      // The reference reads what the kernels read: the value rounded to the dtype.
       store_element(at + i * dtype_bytes(info.dtype), info.dtype, v);
+      inputs[b][size_t(i)] = load_element(at + i * dtype_bytes(info.dtype), info.dtype);
     }
   }
   if (!problems.empty())
@@ -158,9 +171,9 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     OutputCheck check;
     check.buffer = name;
     check.elements = int64_t(actual[b].size());
-    const double rtol = relative_tolerance(info.dtype);
+    const double rtol = relative_tolerance(info.dtype), atol = absolute_tolerance(info.dtype);
     for (int64_t i = 0; i < check.elements; ++i) {
-      double y = actual[b][size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)];
+      double y = actual[b][size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       bool ok = !std::isnan(y) && err <= bound;
       if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
       check.worst_ratio =

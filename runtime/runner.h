@@ -1,6 +1,6 @@
 // Runs a compiled program in the host emulation on seeded random inputs and
 // checks every graph output against the float64 reference (DESIGN.md §9):
-// |y - ref| <= rtol * ref_abs, NaN never passes, the arena poisoned first so
+// |y - ref| <= rtol * ref_abs + atol, NaN never passes, the arena poisoned first so
 // an element no kernel wrote fails.
 #pragma once
 
@@ -31,7 +31,7 @@ struct OutputCheck {
   std::string buffer;  // task.slot
   int64_t elements = 0;
   double max_abs_error = 0;
-  double worst_ratio = 0;   // max over elements of |y - ref| / (rtol * ref_abs); <= 1 passes
+  double worst_ratio = 0;   // max over elements of |y - ref| / (rtol * ref_abs + atol); <= 1 passes
   int64_t failures = 0;
   int64_t first_failure = -1;
   double got = 0, want = 0;  // at the first failure
@@ -49,6 +49,8 @@ struct EmulatedRun {
 
 // The relative bound of DESIGN.md §9 for a dtype.
 double relative_tolerance(DType dtype);
+// The atol of |y - ref| <= rtol * ref_abs + atol (DESIGN.md §9): nonzero for f16 only.
+double absolute_tolerance(DType dtype);
 
 EmulatedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& options);
 

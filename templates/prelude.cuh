@@ -30,6 +30,101 @@ typedef long long cg_i64;
 #define CG_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// f16 and bf16 as storage types: 16 bits in memory, f32 in arithmetic (the
+// emitter widens what it loads and narrows what it stores, as PyTorch's
+// opmath does). No cuda_fp16.h: NVRTC, nvcc and the host emulation all
+// compile these. Conversions round to nearest even; on the device f16 uses
+// the PTX conversions, elsewhere (and for bf16 everywhere) the same rounding
+// done on the bits.
+struct cg_f16 {
+  unsigned short bits;
+};
+struct cg_bf16 {
+  unsigned short bits;
+};
+
+CG_DEVICE float cg_f16_bits_to_float(unsigned short h) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+  unsigned int exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: shift the leading one up to the hidden bit
+    exponent = 113;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  return __int_as_float((int)bits);
+#endif
+}
+
+CG_DEVICE unsigned short cg_float_to_f16_bits(float f) {
+#ifdef __CUDA_ARCH__
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  const unsigned int u = (unsigned int)__float_as_int(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);   // NaN
+  if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // from 65520 up: inf
+  if (a < 0x38800000u) {                                           // below 2^-14: subnormal or zero
+    const unsigned int e = a >> 23;
+    if (e < 102) return (unsigned short)sign;  // below 2^-25: rounds to zero
+    const unsigned int m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    unsigned int q = m >> shift;
+    const unsigned int rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (q & 1u))) ++q;
+    return (unsigned short)(sign | q);
+  }
+  const unsigned int rebiased = a - 0x38000000u;  // exponent bias 127 -> 15
+  unsigned int q = rebiased >> 13;
+  const unsigned int rest = rebiased & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (q & 1u))) ++q;  // a carry moves into the exponent, as it should
+  return (unsigned short)(sign | q);
+#endif
+}
+
+CG_DEVICE float cg_bf16_bits_to_float(unsigned short b) { return __int_as_float((int)((unsigned int)b << 16)); }
+
+CG_DEVICE unsigned short cg_float_to_bf16_bits(float f) {
+  unsigned int u = (unsigned int)__float_as_int(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+// What the emitter wraps around loads and stores of 16-bit tensors.
+CG_DEVICE float cg_widen(cg_f16 x) { return cg_f16_bits_to_float(x.bits); }
+CG_DEVICE float cg_widen(cg_bf16 x) { return cg_bf16_bits_to_float(x.bits); }
+CG_DEVICE float cg_widen(float x) { return x; }
+CG_DEVICE double cg_widen(double x) { return x; }
+
+template <typename T>
+CG_DEVICE T cg_narrow(float x);  // for cg_f16 and cg_bf16 only
+template <>
+CG_DEVICE cg_f16 cg_narrow<cg_f16>(float x) {
+  cg_f16 h;
+  h.bits = cg_float_to_f16_bits(x);
+  return h;
+}
+template <>
+CG_DEVICE cg_bf16 cg_narrow<cg_bf16>(float x) {
+  cg_bf16 b;
+  b.bits = cg_float_to_bf16_bits(x);
+  return b;
+}
+
 // Global memory. In emulation each access is checked against the bounds of
 // the tensor the pointer belongs to, and counted.
 template <typename T>

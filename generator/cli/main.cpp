@@ -141,7 +141,8 @@ int run_run(Cli& cli) {
   EmulatedRun run = run_emulated_and_check(c, options);
   fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
              run.run_seconds, run.seed);
-  fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs; rtol f32 1e-5, f64 1e-12):\n{}",
+  fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
+             "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, else 0):\n{}",
              format_run(run));
   return run.ok() ? kExitOk : kExitBadInput;
 }

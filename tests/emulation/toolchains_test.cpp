@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "builder.h"
 #include "file_util.h"
 #include "nvrtc.h"
 #include "pipeline.h"
@@ -29,6 +30,33 @@ TEST(Toolchains, NvrtcCompilesTheMlpForSm80AndSm90) {
   NvrtcOutput ptx = nvrtc_compile(c.emitted.cuda_source, "mlp_forward.cu", "sm_90", /*ptx=*/true);
   std::string text(ptx.binary.begin(), ptx.binary.end());
   EXPECT_NE(text.find(".entry k0_fc1"), std::string::npos) << "extern \"C\" kernels keep their names";
+}
+
+// 16-bit tensors: the prelude's PTX conversions (cvt.f32.f16, cvt.rn.f16.f32)
+// assemble for both architectures, and nvcc builds the host side too.
+TEST(Toolchains, SixteenBitKernelsCompileWithNvrtcAndNvcc) {
+  GraphBuilder b("sixteen");
+  for (DType d : {DType::f16, DType::bf16}) {
+    const std::string t = to_string(d);
+    b.task("gelu_" + t, "gelu").tensor("x", d, {100}, Storage::external).tensor("out", d, {100}, Storage::external);
+    b.task("to_f32_" + t, "cast").tensor("x", d, {100}, Storage::external).tensor("out", DType::f32, {100}, Storage::external);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    NvrtcOutput out = nvrtc_compile(c.emitted.cuda_source, "sixteen.cu", arch);
+    EXPECT_EQ(std::string(out.binary.data(), 4), "\x7f" "ELF") << arch;
+  }
+  NvrtcOutput ptx = nvrtc_compile(c.emitted.cuda_source, "sixteen.cu", "sm_90", /*ptx=*/true);
+  std::string text(ptx.binary.begin(), ptx.binary.end());
+  EXPECT_NE(text.find("cvt.rn.f16.f32"), std::string::npos) << "f16 narrows with the hardware conversion";
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_nvcc16_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir + "/sixteen.cu", c.emitted.cuda_source);
+  std::string cmd = std::string(CUDAGEN_NVCC) + " -c -arch=sm_90 " + dir + "/sixteen.cu -o " + dir + "/sixteen.o > " +
+                    dir + "/log.txt 2>&1";
+  int status = std::system(cmd.c_str());
+  EXPECT_EQ(status, 0) << read_text_file(dir + "/log.txt");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Toolchains, NvrtcLogNamesTheLine) {
