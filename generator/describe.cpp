@@ -26,9 +26,9 @@ std::string ops_markdown(const OpRegistry& registry) {
       "Every op is a template in templates/ (\"template\": its file and function), indexed by "
       "cudagen-index. \"emits\" says whether the emitter generates its kernel today (\"not yet\": it "
       "validates, and its template compiles, but the emitter lacks the skeleton). The emitter compiles "
-      "f32 and f64 (and i32/i64 ids); f16 and bf16 for the elementwise, broadcast and init ops (computed in "
-      "f32, stored rounded to nearest even), embedding, transpose and the head layouts, not yet for "
-      "reductions and matmul.\n\n"
+      "f32, f16 and bf16 (16-bit tensors are computed and accumulated in f32 and stored rounded to "
+      "nearest even), f64 for all but the reductions and matmul (their templates accumulate in f32), and "
+      "i32/i64 ids.\n\n"
       "| op | pattern | dtypes | template | emits | backward | shape rule |\n|---|---|---|---|---|---|---|\n";
   for (const auto& op : registry.ops()) {
     std::vector<std::string> dtypes;

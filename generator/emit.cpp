@@ -304,11 +304,26 @@ class Emitter {
         n, out->bound->name, value);
   }
 
-  // The reduction templates accumulate in float: f32 tensors only for now.
-  bool check_f32(int t, const Param& x) {
-    if (x.buffer->dtype == DType::f32) return true;
-    fail(t, x.bound->name, fmt::format("the {} template is f32 only for now", p_.tasks[size_t(t)].op->name));
+  // The reduction and matmul templates accumulate in f32: f32, f16 and bf16
+  // tensors (f64 would silently lose precision).
+  bool check_f32_accumulation(int t, const Param& x) {
+    if (x.buffer->dtype == DType::f32 || is_16bit(x.buffer->dtype)) return true;
+    fail(t, x.bound->name,
+         fmt::format("the {} template accumulates in f32, so a {} tensor would lose precision (f32, f16 and bf16 are "
+                     "supported)",
+                     p_.tasks[size_t(t)].op->name, to_string(x.buffer->dtype)));
     return false;
+  }
+
+  // What a hook reads (16-bit widened to f32) and how it stores an f32 value.
+  static std::string load(const Param& x, const std::string& index) {
+    std::string l = fmt::format("cg_load({}, {})", x.bound->name, index);
+    return is_16bit(x.buffer->dtype) ? "cg_widen(" + l + ")" : l;
+  }
+  static std::string store(const Param& x, const std::string& index, const std::string& value) {
+    return fmt::format("cg_store({}, {}, {})", x.bound->name, index,
+                       is_16bit(x.buffer->dtype) ? fmt::format("cg_narrow<{}>({})", c_type(x.buffer->dtype), value)
+                                                 : value);
   }
 
   // The launch of the block-per-row kernels: one block per row of the last
@@ -324,7 +339,7 @@ class Emitter {
 
   std::string softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (!check_f32(t, x)) return {};
+    if (!check_f32_accumulation(t, x)) return {};
     const Shape& shape = x.buffer->shape;
     const int64_t n = one_block_per_row(shape, ek);
     const bool causal = arg_bool(t, "causal");
@@ -332,67 +347,75 @@ class Emitter {
     std::string valid = causal ? fmt::format("(int)(row % {} + 1 < {} ? row % {} + 1 : {})", rows_per_matrix, n,
                                              rows_per_matrix, n)
                                : std::to_string(n);
+    const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
-        "  cg_softmax_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
-        "                 [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
-        "                 {0}, {1}, {2}, (float*)cg_smem);\n",
-        n, float_literal(arg_double(t, "scale", 1.0)), valid);
+        "  cg_softmax_row([&](int j) {{ return {}; }},\n"
+        "                 [&](int j, float v) {{ {}; }},\n"
+        "                 {}, {}, {}, (float*)cg_smem);\n",
+        load(x, at), store(param(ps, "out"), at, "v"), n, float_literal(arg_double(t, "scale", 1.0)), valid);
   }
 
   // One block per row; the reduced value is stored by thread 0.
   std::string row_reduce(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (!check_f32(t, x)) return {};
+    if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = one_block_per_row(x.buffer->shape, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
-        "  const float value = {}([&](int j) {{ return cg_load(x, row * {} + j); }}, {}, (float*)cg_smem);\n"
-        "  if (threadIdx.x == 0) cg_store(out, row, value);\n",
-        p_.tasks[size_t(t)].op->source_function, n, n);
+        "  const float value = {}([&](int j) {{ return {}; }}, {}, (float*)cg_smem);\n"
+        "  if (threadIdx.x == 0) {};\n",
+        p_.tasks[size_t(t)].op->source_function, load(x, fmt::format("row * {} + j", n)), n,
+        store(param(ps, "out"), "row", "value"));
   }
 
   std::string sum_leading(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (!check_f32(t, x)) return {};
+    if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
     return fmt::format(
-        "  for (cg_i64 j = cg_global_thread(); j < {0}; j += cg_grid_threads())\n"
-        "    cg_store(out, j, cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return cg_load(x, r * {0} + c); }}, j, {1}));\n",
-        n, rows);
+        "  for (cg_i64 j = cg_global_thread(); j < {}; j += cg_grid_threads())\n"
+        "    {};\n",
+        n,
+        store(param(ps, "out"), "j",
+              fmt::format("cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return {}; }}, j, {})",
+                          load(x, fmt::format("r * {} + c", n)), rows)));
   }
 
   std::string log_softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (!check_f32(t, x)) return {};
+    if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = one_block_per_row(x.buffer->shape, ek);
+    const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
-        "  cg_log_softmax_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
-        "                     [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }}, {0}, (float*)cg_smem);\n",
-        n);
+        "  cg_log_softmax_row([&](int j) {{ return {}; }},\n"
+        "                     [&](int j, float v) {{ {}; }}, {}, (float*)cg_smem);\n",
+        load(x, at), store(param(ps, "out"), at, "v"), n);
   }
 
   std::string rmsnorm(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
-    if (!check_f32(t, x)) return {};
+    if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = one_block_per_row(x.buffer->shape, ek);
     const bool exports_rstd = p_.tasks[size_t(t)].find_tensor("rstd") != nullptr;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = blockIdx.x;\n"
-        "  const float row_rstd = cg_rmsnorm_row([&](int j) {{ return cg_load(x, row * {0} + j); }},\n"
-        "                                        [&](int j) {{ return cg_load(weight, j); }},\n"
-        "                                        [&](int j, float v) {{ cg_store(out, row * {0} + j, v); }},\n"
+        "  const float row_rstd = cg_rmsnorm_row([&](int j) {{ return {3}; }},\n"
+        "                                        [&](int j) {{ return {4}; }},\n"
+        "                                        [&](int j, float v) {{ {5}; }},\n"
         "                                        {0}, {1}, (float*)cg_smem);\n"
         "{2}",
         n, float_literal(arg_double(t, "eps", 1e-6)),
-        exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n");
+        exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n",
+        load(x, fmt::format("row * {} + j", n)), load(param(ps, "weight"), "j"),
+        store(param(ps, "out"), fmt::format("row * {} + j", n), "v"));
   }
 
   // split_heads / merge_heads: out[i] = x[source(i)].
@@ -415,7 +438,7 @@ class Emitter {
     const Param& a = param(ps, "a");
     const Param& b = param(ps, "b");
     const Param& out = param(ps, "out");
-    if (!check_f32(t, a)) return {};
+    if (!check_f32_accumulation(t, a)) return {};
     const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
     const double alpha = arg_double(t, "alpha", 1.0);
     const Shape& so = out.buffer->shape;
@@ -438,12 +461,13 @@ class Emitter {
         "  const cg_i64 z = blockIdx.z;\n"
         "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
         "  cg_matmul_tile<32, 32, 16>(\n"
-        "      [&](int m, int k) {{ return cg_load(a, a_base + {5}); }},\n"
-        "      [&](int k, int n) {{ return cg_load(b, b_base + {6}); }},\n"
-        "      [&](int m, int n, float acc) {{ cg_store(out, out_base + (cg_i64)m * {7} + n, {8}); }},\n"
+        "      [&](int m, int k) {{ return {5}; }},\n"
+        "      [&](int k, int n) {{ return {6}; }},\n"
+        "      [&](int m, int n, float acc) {{ {8}; }},\n"
         "      {9}, {7}, {10}, blockIdx.y, blockIdx.x, (float*)cg_smem);\n",
-        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N, load_a,
-        load_b, N, scaled, M, K);
+        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
+        load(a, "a_base + " + load_a), load(b, "b_base + " + load_b), N,
+        store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K);
   }
 
   std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

@@ -145,6 +145,23 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("ids", DType::i64, {n + 2}, ext)
       .tensor("out", h, {n + 2, 5}, ext);
   b.task("transpose_" + t, "transpose").tensor("x", h, {2, n, 33}, ext).tensor("out", h, {2, 33, n}, ext);
+  // Reductions and matmul read 16-bit, accumulate in f32, store 16-bit.
+  b.task("softmax_" + t, "softmax").tensor("x", h, {3, n}, ext).tensor("out", h, {3, n}, ext).arg("scale", 0.5);
+  b.task("log_softmax_" + t, "log_softmax").tensor("x", h, {2, n}, ext).tensor("out", h, {2, n}, ext);
+  for (const char* op : {"sum", "max"}) b.task(std::string(op) + "_" + t, op).tensor("x", h, {3, n}, ext).tensor("out", h, {3}, ext);
+  b.task("sum_leading_" + t, "sum_leading").tensor("x", h, {2, n, 5}, ext).tensor("out", h, {5}, ext);
+  b.task("rmsnorm_" + t, "rmsnorm")
+      .tensor("x", h, {3, n}, ext)
+      .tensor("weight", h, {n}, Storage::persistent)
+      .tensor("out", h, {3, n}, ext)
+      .tensor("rstd", f32, {3}, ext);
+  b.task("matmul_" + t, "matmul").tensor("a", h, {n, 9}, ext).tensor("b", h, {9, 7}, ext).tensor("out", h, {n, 7}, ext);
+  b.task("matmul_t_" + t, "matmul")
+      .tensor("a", h, {2, 9, n}, ext)
+      .tensor("b", h, {33, 9}, ext)
+      .tensor("out", h, {2, n, 33}, ext)
+      .arg("trans_a", true)
+      .arg("trans_b", true);
   return std::move(b).graph();
 }
 
@@ -161,7 +178,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 19u);
+  ASSERT_EQ(run.checks.size(), 28u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -40,6 +40,11 @@ TEST(Toolchains, SixteenBitKernelsCompileWithNvrtcAndNvcc) {
     const std::string t = to_string(d);
     b.task("gelu_" + t, "gelu").tensor("x", d, {100}, Storage::external).tensor("out", d, {100}, Storage::external);
     b.task("to_f32_" + t, "cast").tensor("x", d, {100}, Storage::external).tensor("out", DType::f32, {100}, Storage::external);
+    b.task("softmax_" + t, "softmax").tensor("x", d, {4, 100}, Storage::external).tensor("out", d, {4, 100}, Storage::external);
+    b.task("matmul_" + t, "matmul")
+        .tensor("a", d, {64, 32}, Storage::external)
+        .tensor("b", d, {32, 48}, Storage::external)
+        .tensor("out", d, {64, 48}, Storage::external);
   }
   Compiled c = compile(load_program(std::move(b).graph(), {}), {});
   for (const char* arch : {"sm_80", "sm_90"}) {
