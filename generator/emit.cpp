@@ -226,7 +226,7 @@ class Emitter {
     std::vector<Param> ps = params(t);
     if (!diags_.ok()) return {};
     template_files_.insert(op.source_file);
-    used_ops_.insert(&op);
+    entry_function_ = op.source_function;  // a skeleton may pick one of the op's variants instead
     EmittedKernel ek;
     ek.name = k.name;
     ek.phase = k.phase;
@@ -247,6 +247,7 @@ class Emitter {
       case PatternKind::opaque: body = transpose(t, ps, ek); break;
     }
     if (!diags_.ok()) return {};
+    if (const auto* closure = op.closure_of(entry_function_)) needed_.insert(closure->begin(), closure->end());
     std::string code = comment(k, ps, ek) + signature(k.name, ek.block, ps) + " {\n" + body + "}\n\n";
     emitted.push_back(ek);
     return code;
@@ -448,11 +449,17 @@ class Emitter {
     Shape batch_out(so.begin(), so.end() - 2), batch_a(sa.begin(), sa.end() - 2),
         batch_b(b.buffer->shape.begin(), b.buffer->shape.end() - 2);
     const int64_t batches = numel(batch_out);
-    ek.block = 256;
-    ek.grid[0] = int((N + 31) / 32);
-    ek.grid[1] = int((M + 31) / 32);
+    // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
+    // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
+    // whose TF32 would break the f32 bound (DESIGN.md §9).
+    const bool tensor_cores = is_16bit(a.buffer->dtype);
+    const int tile = tensor_cores ? 64 : 32;
+    ek.block = tensor_cores ? 128 : 256;
+    ek.grid[0] = int((N + tile - 1) / tile);
+    ek.grid[1] = int((M + tile - 1) / tile);
     ek.grid[2] = int(batches);
-    ek.smem_bytes = 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    ek.smem_bytes = tensor_cores ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
     std::string scaled = alpha == 1.0 ? "acc" : float_literal(alpha) + " * acc";
@@ -460,14 +467,16 @@ class Emitter {
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 z = blockIdx.z;\n"
         "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
-        "  cg_matmul_tile<32, 32, 16>(\n"
+        "  {11}(\n"
         "      [&](int m, int k) {{ return {5}; }},\n"
         "      [&](int k, int n) {{ return {6}; }},\n"
         "      [&](int m, int n, float acc) {{ {8}; }},\n"
-        "      {9}, {7}, {10}, blockIdx.y, blockIdx.x, (float*)cg_smem);\n",
+        "      {9}, {7}, {10}, blockIdx.y, blockIdx.x, ({12}*)cg_smem);\n",
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
         load(a, "a_base + " + load_a), load(b, "b_base + " + load_b), N,
-        store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K);
+        store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
+        tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
+        tensor_cores ? c_type(a.buffer->dtype) : "float");
   }
 
   std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -523,11 +532,9 @@ class Emitter {
     out += embedded_template("prelude.cuh");
     const auto& definitions = p_.registry.definitions();
     if (!definitions.empty()) {
-      std::set<std::string> needed;
-      for (const OpSignature* op : used_ops_) needed.insert(op->closure.begin(), op->closure.end());
       out += "\n// ---- templates: what the kernels below use ----\n";
       for (const auto& d : definitions)
-        if (needed.count(d.id)) out += fmt::format("\n// templates/{}:{}\n{}", d.file, d.line, d.text);
+        if (needed_.count(d.id)) out += fmt::format("\n// templates/{}:{}\n{}", d.file, d.line, d.text);
       return out + "\n// ---- kernels ----\n\n";
     }
     // A hand-written registry (--registry) names files only: copy them whole.
@@ -645,7 +652,8 @@ class Emitter {
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;
-  std::set<const OpSignature*> used_ops_;
+  std::string entry_function_;     // the template function the kernel being emitted calls
+  std::set<std::string> needed_;  // definition ids: the closures of every kernel's entry function
 };
 
 }  // namespace

@@ -49,6 +49,13 @@ const SlotSignature* OpSignature::find_tensor(std::string_view n) const {
   return nullptr;
 }
 
+const std::vector<std::string>* OpSignature::closure_of(std::string_view function) const {
+  if (function == source_function) return &closure;
+  for (const auto& v : variants)
+    if (v.function == function) return &v.closure;
+  return nullptr;
+}
+
 const ArgSignature* OpSignature::find_arg(std::string_view n) const {
   for (const auto& a : args)
     if (a.name == n) return &a;
@@ -173,6 +180,15 @@ class RegistryReader {
       for (const auto& id : closure->items()) {
         if (id.is_string()) op.closure.push_back(id.as_string());
         else fail(id, path + "/closure", "a closure lists definition ids (strings)", op.name);
+      }
+    }
+    if (const JsonValue* variants = v.find("variants")) {
+      for (const auto& item : variants->items()) {
+        OpSignature::Variant variant;
+        variant.function = string_field(item, "function", path + "/variants", op.name, true);
+        if (const JsonValue* closure = item.find("closure"))
+          for (const auto& id : closure->items()) variant.closure.push_back(id.as_string());
+        op.variants.push_back(std::move(variant));
       }
     }
     if (const JsonValue* types = v.find("types")) read_types(*types, path + "/types", op);
@@ -306,6 +322,14 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   for (const auto& op : reg.ops_)
     for (const auto& id : op.closure)
       if (!ids.count(id))
+        diags.add(Diagnostic{{}, {}, {}, {}, {},
+                             fmt::format("op '{}': its closure names definition '{}', which the registry does not hold",
+                                         op.name, id),
+                             {}});
+  for (const auto& op : reg.ops_)
+    for (const auto& variant : op.variants)
+      for (const auto& id : variant.closure)
+        if (!ids.count(id))
         diags.add(Diagnostic{{}, {}, {}, {}, {},
                              fmt::format("op '{}': its closure names definition '{}', which the registry does not hold",
                                          op.name, id),

@@ -62,6 +62,15 @@ struct OpSignature {
   // The template definitions the op's function needs, itself included, by
   // id, in file order (made by the indexer; empty in a hand-written registry).
   std::vector<std::string> closure;
+  // Other entry functions of the op that the emitter may call instead (a
+  // tensor-core tile), each with its own closure.
+  struct Variant {
+    std::string function;
+    std::vector<std::string> closure;
+  };
+  std::vector<Variant> variants;
+  // The closure of `function`: the op's own, or a variant's; nullptr if neither.
+  const std::vector<std::string>* closure_of(std::string_view function) const;
 
   const SlotSignature* find_tensor(std::string_view name) const;
   const ArgSignature* find_arg(std::string_view name) const;

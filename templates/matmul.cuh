@@ -16,6 +16,7 @@ CG_OP("matmul",
       "arg: alpha float = 1.0",
       "shape: a:[...A, trans_a ? K : M, trans_a ? M : K] b:[...C, trans_b ? N : K, trans_b ? K : N] -> out:[...broadcast(A, C), M, N]",
       "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
+      "variant: cg_matmul_tile_mma",
       "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")
 CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
                               int tile_n, float* smem) {
@@ -50,4 +51,54 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
       const int m = m0 + ty + 16 * i, n = n0 + tx + 16 * j;
       if (m < M && n < N) epilogue(m, n, acc[i][j]);
     }
+}
+
+// The tensor-core tile for f16 and bf16 operands (T), f32 accumulation: the
+// block computes a 64 x 64 tile of the output with 4 warps in 2 x 2, each
+// warp a 32 x 32 patch of 2 x 4 mma tiles of 16 x 8. Operands are read
+// through load_a(m, k) and load_b(k, n) as floats (exactly representable in
+// T: they came from T) and kept in shared memory as T; results leave through
+// epilogue(m, n, acc). Shared memory: 2 * (BM * (BK + 8) + BK * (BN + 8))
+// bytes; the padding staggers the rows across banks.
+template <int BM, int BN, int BK, typename T, typename LoadA, typename LoadB, typename Epilogue>
+CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
+                                  int tile_n, T* smem) {
+  static_assert(BM == 64 && BN == 64 && BK == 16, "the warp layout below assumes 64 x 64 x 16 tiles and 128 threads");
+  T* a_tile = smem;                  // [BM][BK + 8]
+  T* b_tile = smem + BM * (BK + 8);  // [BK][BN + 8]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int warp_m = (warp >> 1) * 32, warp_n = (warp & 1) * 32;
+  const int m0 = tile_m * BM, n0 = tile_n * BN;
+  float acc[2][4][4];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += BK) {
+    for (int e = threadIdx.x; e < BM * BK; e += blockDim.x) {
+      const int r = e / BK, c = e % BK;
+      a_tile[r * (BK + 8) + c] = cg_narrow<T>((m0 + r < M && k0 + c < K) ? load_a(m0 + r, k0 + c) : 0.0f);
+    }
+    for (int e = threadIdx.x; e < BK * BN; e += blockDim.x) {
+      const int r = e / BN, c = e % BN;
+      b_tile[r * (BN + 8) + c] = cg_narrow<T>((k0 + r < K && n0 + c < N) ? load_b(k0 + r, n0 + c) : 0.0f);
+    }
+    __syncthreads();
+    for (int i = 0; i < 2; ++i) {
+      T a[8];
+      for (int e = 0; e < 8; ++e)
+        a[e] = a_tile[(warp_m + 16 * i + g + 8 * (e / 2 % 2)) * (BK + 8) + 2 * t + e % 2 + 8 * (e / 4)];
+      for (int j = 0; j < 4; ++j) {
+        T b[4];
+        for (int e = 0; e < 4; ++e) b[e] = b_tile[(2 * t + e % 2 + 8 * (e / 2)) * (BN + 8) + warp_n + 8 * j + g];
+        cg_mma_16x8x16(acc[i][j], a, b);
+      }
+    }
+    __syncthreads();  // the next iteration overwrites the tiles
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 4; ++e) {
+        const int m = m0 + warp_m + 16 * i + g + 8 * (e / 2), n = n0 + warp_n + 8 * j + 2 * t + e % 2;
+        if (m < M && n < N) epilogue(m, n, acc[i][j][e]);
+      }
 }

@@ -31,7 +31,7 @@ class AnnotationParser {
     if (strings_.empty() || !is_identifier(strings_[0]))
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
-              may_alias = JsonValue::array();
+              may_alias = JsonValue::array(), variants = JsonValue::array();
     std::string pattern, shape, doc, smem;
     std::string links[3];  // backward, forward, init
     for (index_ = 1; index_ < strings_.size(); ++index_) {
@@ -53,8 +53,9 @@ class AnnotationParser {
       else if (key == "init") set_once(links[2], link(value), key);
       else if (key == "smem") set_once(smem, value, key);
       else if (key == "doc") set_once(doc, value, key);
+      else if (key == "variant") variants.push_back(JsonValue::string(link(value)));
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
-                            "init, smem, doc)",
+                            "init, smem, doc, variant)",
                             key));
     }
     index_ = 0;
@@ -76,6 +77,7 @@ class AnnotationParser {
       if (!links[i].empty()) op.set(link_keys[i], JsonValue::string(links[i]));
     if (!doc.empty()) op.set("doc", JsonValue::string(doc));
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
+    if (!variants.items().empty()) op.set("variants", std::move(variants));
     return op;
   }
 
@@ -185,7 +187,7 @@ class AnnotationParser {
   }
 
   std::string link(const std::string& value) {
-    if (!is_identifier(value)) fail(fmt::format("'{}' is not an op name", value));
+    if (!is_identifier(value)) fail(fmt::format("'{}' is not an identifier", value));
     return value;
   }
 

@@ -18,7 +18,9 @@ struct AnnotationError : std::runtime_error {
 };
 
 // The op's registry object: name, pattern, types, tensors, args, shape,
-// may_alias, links, smem, doc; the caller adds where its source lives.
+// may_alias, links, smem, doc, and "variants": the names of other entry
+// functions of the op (a tensor-core tile beside the portable one), which the
+// caller resolves to closures; the caller adds where its source lives.
 // Throws AnnotationError.
 JsonValue parse_op_annotation(const std::vector<std::string>& strings);
 

@@ -467,10 +467,10 @@ class IndexConsumer : public clang::ASTConsumer {
     source.set("line", JsonValue::integer(op.place.line));
     op.entry.set("source", std::move(source));
     // The entry must read as a registry entry: the same checks as any
-    // registry. Links to other ops are checked once every op is known.
+    // registry. Links to other ops and variants are checked once all are known.
     JsonValue alone = JsonValue::object();
     for (const auto& [key, value] : op.entry.members())
-      if (key != "backward" && key != "forward" && key != "init") alone.set(key, value);
+      if (key != "backward" && key != "forward" && key != "init" && key != "variants") alone.set(key, value);
     JsonValue one = JsonValue::object();
     one.set("format", JsonValue::string("cudagen.registry/1"));
     JsonValue ops = JsonValue::array();
@@ -708,16 +708,10 @@ IndexResult index_templates(const IndexOptions& options, std::ostream& diagnosti
                               target->as_string()));
   if (errors.count()) return result;
 
-  std::map<int, std::string> texts;
-  JsonValue ops = JsonValue::array();
-  for (const auto& [name, op] : by_name) {
-    JsonValue entry = op->entry;
-    // The closure: the function's definition and everything it reaches.
-    Place root{op->place.file, op->definition_offset, 0, 0};
-    int start = definition_at(defs, root);
+  // The closure of a definition: itself and everything it reaches, ids in emission order.
+  auto closure_of = [&](int start) {
     std::set<int> closure;
-    std::vector<int> work;
-    if (start >= 0) work.push_back(start);
+    std::vector<int> work{start};
     while (!work.empty()) {
       int d = work.back();
       work.pop_back();
@@ -728,9 +722,38 @@ IndexResult index_templates(const IndexOptions& options, std::ostream& diagnosti
     std::sort(sorted.begin(), sorted.end(), [&](int a, int b) { return rank[size_t(a)] < rank[size_t(b)]; });
     JsonValue list = JsonValue::array();
     for (int d : sorted) list.push_back(JsonValue::string(ids[size_t(d)]));
-    entry.set("closure", std::move(list));
+    return list;
+  };
+  JsonValue ops = JsonValue::array();
+  for (const auto& [name, op] : by_name) {
+    JsonValue entry = JsonValue::object();
+    for (const auto& [key, value] : op->entry.members())
+      if (key != "variants") entry.set(key, value);
+    int start = definition_at(defs, Place{op->place.file, op->definition_offset, 0, 0});
+    if (start >= 0) entry.set("closure", closure_of(start));
+    // Other entry functions of the op, each with its own closure.
+    if (const JsonValue* variants = op->entry.find("variants")) {
+      JsonValue list = JsonValue::array();
+      for (const auto& v : variants->items()) {
+        int found = -1;
+        for (size_t d = 0; d < defs.size() && found < 0; ++d)
+          if (!defs[d].macro && defs[d].name == v.as_string()) found = int(d);
+        if (found < 0) {
+          errors.at(files, op->place,
+                    fmt::format("op '{}' names variant '{}', but no template defines a function of that name", name,
+                                v.as_string()));
+          continue;
+        }
+        JsonValue variant = JsonValue::object();
+        variant.set("function", v);
+        variant.set("closure", closure_of(found));
+        list.push_back(std::move(variant));
+      }
+      entry.set("variants", std::move(list));
+    }
     ops.push_back(std::move(entry));
   }
+  if (errors.count()) return result;
 
   std::vector<std::string> file_texts;
   for (const auto& f : files) file_texts.push_back(read_file(f.path));

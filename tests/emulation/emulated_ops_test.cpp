@@ -182,6 +182,36 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
+// The tensor-core tile across several 64 x 64 output tiles and K steps with
+// tails, batched with broadcasting: the fragment layout of mma.m16n8k16,
+// computed with warp shuffles in emulation, against the float64 reference.
+TEST(Emulation, TensorCoreMatmulMatchesTheReference) {
+  for (DType d : {DType::f16, DType::bf16}) {
+    GraphBuilder b(std::string("mma_") + to_string(d));
+    b.task("mm", "matmul").tensor("a", d, {130, 70}, ext).tensor("b", d, {70, 100}, ext).tensor("out", d, {130, 100}, ext);
+    b.task("mm_batched", "matmul")
+        .tensor("a", d, {2, 40, 33}, ext)
+        .tensor("b", d, {33, 65}, ext)
+        .tensor("out", d, {2, 40, 65}, ext)
+        .arg("alpha", 0.5);
+    b.task("mm_t", "matmul")
+        .tensor("a", d, {17, 65}, ext)
+        .tensor("b", d, {9, 17}, ext)
+        .tensor("out", d, {65, 9}, ext)
+        .arg("trans_a", true)
+        .arg("trans_b", true);
+    Compiled c = compile_graph(std::move(b).graph());
+    EXPECT_NE(c.emitted.cuda_source.find(fmt::format("cg_matmul_tile_mma<64, 64, 16>(")), std::string::npos);
+    EXPECT_EQ(c.emitted.cuda_source.find("CG_DEVICE void cg_matmul_tile("), std::string::npos)
+        << "the f32 tile is not in a file whose matmuls are all 16-bit";
+    uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
+    ASSERT_EQ(run.checks.size(), 3u);
+    for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, EmulatedHalfOps,
                          ::testing::Combine(::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values(1, 7, 33, 1000, 4097)));

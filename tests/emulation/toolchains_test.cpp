@@ -12,6 +12,7 @@
 #include "builder.h"
 #include "file_util.h"
 #include "nvrtc.h"
+#include "ptxas_report.h"
 #include "pipeline.h"
 
 using namespace cudagen;
@@ -54,6 +55,13 @@ TEST(Toolchains, SixteenBitKernelsCompileWithNvrtcAndNvcc) {
   NvrtcOutput ptx = nvrtc_compile(c.emitted.cuda_source, "sixteen.cu", "sm_90", /*ptx=*/true);
   std::string text(ptx.binary.begin(), ptx.binary.end());
   EXPECT_NE(text.find("cvt.rn.f16.f32"), std::string::npos) << "f16 narrows with the hardware conversion";
+  EXPECT_NE(text.find("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"), std::string::npos) << "f16 tensor cores";
+  EXPECT_NE(text.find("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), std::string::npos) << "bf16 tensor cores";
+  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90")) {
+    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
+    if (name.find("matmul") != std::string::npos)
+      std::printf("  ptxas sm_90: %-24s %3d registers, no spills\n", name.c_str(), r.registers);
+  }
   std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_nvcc16_" + std::to_string(::getpid()))).string();
   std::filesystem::create_directories(dir);
   write_file_atomic(dir + "/sixteen.cu", c.emitted.cuda_source);

@@ -132,6 +132,67 @@ CG_DEVICE cg_bf16 cg_narrow<cg_bf16>(float x) {
   return b;
 }
 
+// Tensor cores: one warp computes D = A * B + D for a 16 x 8 x 16 tile (A
+// 16 x 16 row-major, B 16 x 8 column-major, f16 or bf16, f32 accumulators),
+// with the fragment layout of PTX's mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   a[i] = A[g + 8 * (i / 2 % 2)][2 * t + i % 2 + 8 * (i / 4)]   i < 8
+//   b[i] = B[2 * t + i % 2 + 8 * (i / 2)][g]                       i < 4
+//   d[i] = D[g + 8 * (i / 2)][2 * t + i % 2]                       i < 4
+// On sm_80 and later it is the mma.sync instruction; elsewhere (older GPUs,
+// the host emulation) the same layout is computed with warp shuffles, so the
+// fragment code that feeds the instruction is what CI checks.
+template <typename T>
+CG_DEVICE void cg_mma_16x8x16_shuffle(float d[4], const T a[8], const T b[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float av[8], bv[4];
+  for (int i = 0; i < 8; ++i) av[i] = cg_widen(a[i]);
+  for (int i = 0; i < 4; ++i) bv[i] = cg_widen(b[i]);
+  for (int k = 0; k < 16; ++k) {
+    // A[row][k] of both my rows, and B[k][col] of both my columns, from the lanes that hold them.
+    const int a_lane = g * 4 + (k % 8) / 2, a_reg = (k >= 8 ? 4 : 0) + (k & 1), b_reg = (k >= 8 ? 2 : 0) + (k & 1);
+    const float a_top = __shfl_sync(0xffffffffu, av[a_reg], a_lane);
+    const float a_bottom = __shfl_sync(0xffffffffu, av[a_reg + 2], a_lane);
+    const float b_left = __shfl_sync(0xffffffffu, bv[b_reg], (2 * t) * 4 + (k % 8) / 2);
+    const float b_right = __shfl_sync(0xffffffffu, bv[b_reg], (2 * t + 1) * 4 + (k % 8) / 2);
+    d[0] += a_top * b_left;
+    d[1] += a_top * b_right;
+    d[2] += a_bottom * b_left;
+    d[3] += a_bottom * b_right;
+  }
+}
+
+CG_DEVICE unsigned int cg_pack_pair(unsigned short low, unsigned short high) {
+  return (unsigned int)low | ((unsigned int)high << 16);
+}
+
+CG_DEVICE void cg_mma_16x8x16(float d[4], const cg_f16 a[8], const cg_f16 b[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(cg_pack_pair(a[0].bits, a[1].bits)), "r"(cg_pack_pair(a[2].bits, a[3].bits)),
+        "r"(cg_pack_pair(a[4].bits, a[5].bits)), "r"(cg_pack_pair(a[6].bits, a[7].bits)),
+        "r"(cg_pack_pair(b[0].bits, b[1].bits)), "r"(cg_pack_pair(b[2].bits, b[3].bits)));
+#else
+  cg_mma_16x8x16_shuffle(d, a, b);
+#endif
+}
+
+CG_DEVICE void cg_mma_16x8x16(float d[4], const cg_bf16 a[8], const cg_bf16 b[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(cg_pack_pair(a[0].bits, a[1].bits)), "r"(cg_pack_pair(a[2].bits, a[3].bits)),
+        "r"(cg_pack_pair(a[4].bits, a[5].bits)), "r"(cg_pack_pair(a[6].bits, a[7].bits)),
+        "r"(cg_pack_pair(b[0].bits, b[1].bits)), "r"(cg_pack_pair(b[2].bits, b[3].bits)));
+#else
+  cg_mma_16x8x16_shuffle(d, a, b);
+#endif
+}
+
 // Global memory. In emulation each access is checked against the bounds of
 // the tensor the pointer belongs to, and counted.
 template <typename T>

@@ -1,0 +1,55 @@
+// ptxas -v over NVRTC's PTX: registers and spills per kernel (no GPU needed).
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "file_util.h"
+#include "nvrtc.h"
+
+namespace cudagen::testing {
+
+struct KernelResources {
+  int registers = 0;
+  int spill_bytes = 0;  // stores plus loads
+};
+
+// Compiles `source` to PTX for `arch` and assembles it with ptxas -v.
+inline std::map<std::string, KernelResources> ptxas_resources(const std::string& source, const std::string& arch) {
+  NvrtcOutput ptx = nvrtc_compile(source, "ptxas_input.cu", arch, /*ptx=*/true);
+  std::string text(ptx.binary.begin(), ptx.binary.end());
+  text.resize(std::strlen(text.c_str()));  // NVRTC's PTX ends in a NUL, which ptxas refuses
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_ptxas_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir + "/k.ptx", text);
+  std::string cmd = std::string(CUDAGEN_PTXAS) + " -arch=" + arch + " -v " + dir + "/k.ptx -o " + dir + "/k.cubin > " +
+                    dir + "/ptxas.txt 2>&1";
+  int status = std::system(cmd.c_str());
+  std::string report = read_text_file(dir + "/ptxas.txt");
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(status, 0) << report;
+  // "Compiling entry function 'k0' for 'sm_90'", "N bytes spill stores, N bytes spill loads", "Used N registers".
+  std::regex entry(R"(Compiling entry function '(\w+)')"), spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)"),
+      used(R"(Used (\d+) registers)");
+  std::map<std::string, KernelResources> out;
+  std::string kernel;
+  std::istringstream lines(report);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, entry)) kernel = m[1];
+    if (std::regex_search(line, m, spill)) out[kernel].spill_bytes = std::stoi(m[1]) + std::stoi(m[2]);
+    if (std::regex_search(line, m, used)) out[kernel].registers = std::stoi(m[1]);
+  }
+  return out;
+}
+
+}  // namespace cudagen::testing
