@@ -36,7 +36,7 @@ std::string emitter_gap(const OpSignature& op) {
                          op.source_function);
     case PatternKind::matmul: return {};
     case PatternKind::gather:
-      if (one_of({"embedding", "split_heads", "merge_heads"})) return {};
+      if (one_of({"embedding", "split_heads", "merge_heads", "concat", "split"})) return {};
       return fmt::format("the emitter has no gather skeleton for op '{}' yet (its template is {})", op.name,
                          op.source_function);
     case PatternKind::opaque:
@@ -243,7 +243,11 @@ class Emitter {
         else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
         break;
       case PatternKind::matmul: body = matmul(t, ps, ek); break;
-      case PatternKind::gather: body = op.name == "embedding" ? embedding(t, ps, ek) : heads(t, ps, ek); break;
+      case PatternKind::gather:
+        if (op.name == "embedding") body = embedding(t, ps, ek);
+        else if (op.name == "concat" || op.name == "split") body = concat_split(t, ps, ek);
+        else body = heads(t, ps, ek);
+        break;
       case PatternKind::opaque: body = transpose(t, ps, ek); break;
     }
     if (!diags_.ok()) return {};
@@ -477,6 +481,21 @@ class Emitter {
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
         tensor_cores ? c_type(a.buffer->dtype) : "float");
+  }
+
+  // concat: a grid-stride loop over the output; split: over the input.
+  std::string concat_split(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const bool concat = p_.tasks[size_t(t)].op->name == "concat";
+    const int64_t A = param(ps, "a").buffer->shape.back(), B = param(ps, "b").buffer->shape.back();
+    const int64_t n = numel(param(ps, concat ? "out" : "x").buffer->shape);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    {};\n",
+        n,
+        concat ? fmt::format("cg_store(out, i, cg_concat(a, b, i, {}, {}))", A, B)
+               : fmt::format("cg_split(x, a, b, i, {}, {})", A, B));
   }
 
   std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

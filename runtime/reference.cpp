@@ -83,6 +83,7 @@ class Evaluator {
     }
     if (op == "cast" || op == "reshape") return unary(bt, [](double x) { return x; });
     if (op == "mse_backward") return mse_backward(bt);
+    if (op == "concat" || op == "split") return concat_split(bt, op == "concat");
     if (op == "matmul") return matmul(bt);
     if (op == "softmax") return softmax(bt);
     if (op == "embedding") return embedding(bt);
@@ -185,6 +186,39 @@ class Evaluator {
                      std::abs(v[size_t(i)]);
     }
     out(o, std::move(v), std::move(a));
+  }
+
+  // Along the last axis: out[r, j] = j < A ? a[r, j] : b[r, j - A], and its inverse.
+  void concat_split(const BoundTask& bt, bool concat) {
+    int a = buf(bt, "a"), b = buf(bt, "b"), whole = buf(bt, concat ? "out" : "x");
+    const int64_t A = shape(a).back(), B = shape(b).back(), rows = numel(shape(whole)) / (A + B);
+    std::vector<double> wv(size_t(rows * (A + B))), wa(wv.size()), av(size_t(rows * A)), aa(av.size()),
+        bv(size_t(rows * B)), ba(bv.size());
+    if (!concat) {
+      wv = val(whole);
+      wa = r_.abs[size_t(whole)];
+    } else {
+      av = val(a), aa = r_.abs[size_t(a)], bv = val(b), ba = r_.abs[size_t(b)];
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < A + B; ++j) {
+        const size_t w = size_t(r * (A + B) + j), part = size_t(j < A ? r * A + j : r * B + j - A);
+        double& pv = j < A ? av[part] : bv[part];
+        double& pa = j < A ? aa[part] : ba[part];
+        if (concat) {
+          wv[w] = pv;
+          wa[w] = pa;
+        } else {
+          pv = wv[w];
+          pa = wa[w];
+        }
+      }
+    if (concat) {
+      out(whole, std::move(wv), std::move(wa));
+    } else {
+      out(a, std::move(av), std::move(aa));
+      out(b, std::move(bv), std::move(ba));
+    }
   }
 
   // dpred = 2 * (pred - target) * scale.

@@ -34,3 +34,37 @@ CG_DEVICE void cg_embedding_backward(const I* ids, const T* dout, T* dtable, cg_
   const cg_i64 row = (cg_i64)cg_load(ids, i / dim);
   cg_atomic_add(dtable, row * dim + i % dim, cg_load(dout, i));
 }
+
+// Concatenation along the last axis, as the value of element i of
+// out[..., A + B] (the emitter's grid-stride loop over the output).
+template <typename T>
+CG_OP("concat",
+      "pattern: gather",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...S, A] b:[...S, B] -> out:[...S, A + B]",
+      "doc: a and b side by side along the last axis")
+CG_DEVICE T cg_concat(const T* a, const T* b, cg_i64 i, cg_i64 A, cg_i64 B) {
+  const cg_i64 row = i / (A + B), j = i % (A + B);
+  return j < A ? cg_load(a, row * A + j) : cg_load(b, row * B + j - A);
+}
+
+// Its inverse: element i of x[..., A + B] goes to a or b; the outputs'
+// declared shapes say where x is cut.
+template <typename T>
+CG_OP("split",
+      "pattern: gather",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: a output T",
+      "tensor: b output T",
+      "shape: x:[...S, A + B] -> a:[...S, A] b:[...S, B]",
+      "doc: x cut in two along the last axis, at the size of a")
+CG_DEVICE void cg_split(const T* x, T* a, T* b, cg_i64 i, cg_i64 A, cg_i64 B) {
+  const cg_i64 row = i / (A + B), j = i % (A + B);
+  const T v = cg_load(x, i);
+  if (j < A) cg_store(a, row * A + j, v);
+  else cg_store(b, row * B + j - A, v);
+}

@@ -94,6 +94,11 @@ TaskGraph all_ops(int64_t n) {
       .arg("scale", 0.5);
   b.task("cast_f64", "cast").tensor("x", f32, {n}, ext).tensor("out", DType::f64, {n}, ext);
   b.task("reshape", "reshape").tensor("x", f32, {n, 2}, ext).tensor("out", f32, {2, n}, ext);
+  b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
+  b.task("split", "split")
+      .tensor("x", f32, {2, n + 3}, ext)
+      .tensor("a", f32, {2, n}, ext)
+      .tensor("b", f32, {2, 3}, ext);
   return std::move(b).graph();
 }
 
@@ -108,7 +113,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 44u);
+  ASSERT_EQ(run.checks.size(), 47u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -145,6 +150,7 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("ids", DType::i64, {n + 2}, ext)
       .tensor("out", h, {n + 2, 5}, ext);
   b.task("transpose_" + t, "transpose").tensor("x", h, {2, n, 33}, ext).tensor("out", h, {2, 33, n}, ext);
+  b.task("concat_" + t, "concat").tensor("a", h, {2, n}, ext).tensor("b", h, {2, 4}, ext).tensor("out", h, {2, n + 4}, ext);
   // Reductions and matmul read 16-bit, accumulate in f32, store 16-bit.
   b.task("softmax_" + t, "softmax").tensor("x", h, {3, n}, ext).tensor("out", h, {3, n}, ext).arg("scale", 0.5);
   b.task("log_softmax_" + t, "log_softmax").tensor("x", h, {2, n}, ext).tensor("out", h, {2, n}, ext);
@@ -178,7 +184,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 28u);
+  ASSERT_EQ(run.checks.size(), 29u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -235,3 +235,13 @@ TEST(Validate, ResolvesBuffersThroughChains) {
   EXPECT_EQ(p.tasks[3].find_tensor("x")->buffer, p.tasks[1].find_tensor("out")->buffer);
   EXPECT_EQ(p.tasks[3].deps, (std::vector<int>{2}));
 }
+
+TEST(Validate, SplitTakesItsCutFromTheOutputs) {
+  std::string msg = errors_of(graph_of(R"({"id": "s", "op": "split",
+      "tensors": {"x": {"dtype": "f32", "shape": [2, 10], "storage": "external"},
+                  "a": {"dtype": "f32", "shape": [2, 4], "storage": "external"},
+                  "b": {"dtype": "f32", "shape": [2, 5], "storage": "external"}}})"));
+  EXPECT_NE(msg.find("task 's', slot 'x' (/tasks/0/tensors/x): shape mismatch: x[1] is 10, but it must equal A + B = 9"),
+            std::string::npos)
+      << msg;
+}
