@@ -267,6 +267,8 @@ class Emitter {
       fail(t, "", "an elementwise kernel needs one output");
       return {};
     }
+    int64_t n = numel(out->buffer->shape);
+    if (int width = vector_width(op, ps, *out, n); width > 1) return elementwise_vectorised(t, ps, *out, n, width, ek);
     // 16-bit tensors are widened to f32 as they are loaded and narrowed as they are stored.
     for (const auto& x : ps)
       if (!x.written) {
@@ -279,8 +281,66 @@ class Emitter {
       }
     // An op with no input (fill, uniform) takes the element index first.
     if (operands.empty()) operands.push_back("i");
-    // Arguments follow the operands; a string argument is the index of its choice.
-    const std::string& function = op.source_function;
+    append_arguments(t, operands);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    std::string value =
+        fmt::format("{}<{}>({})", op.source_function, compute_type(out->buffer->dtype), fmt::join(operands, ", "));
+    if (is_16bit(out->buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out->buffer->dtype), value);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    cg_store({}, i, {});\n",
+        n, out->bound->name, value);
+  }
+
+  // Elements per vectorised access (16 bytes of the widest tensor), or 1
+  // when the kernel must stay scalar: an input read through a broadcast
+  // index map, or an element count the width does not divide.
+  static int vector_width(const OpSignature& op, const std::vector<Param>& ps, const Param& out, int64_t n) {
+    int64_t widest = 1;
+    for (const auto& x : ps) {
+      if (!x.written && numel(x.buffer->shape) != n) return 1;
+      if (!x.written && op.pattern == PatternKind::broadcast && x.buffer->shape != out.buffer->shape) return 1;
+      widest = std::max<int64_t>(widest, dtype_bytes(x.buffer->dtype));
+    }
+    const int width = int(16 / widest);
+    return n % width == 0 ? width : 1;
+  }
+
+  // Each thread loads `width` consecutive elements of every input with one
+  // access per tensor, applies the op to each, and stores them with one.
+  std::string elementwise_vectorised(int t, const std::vector<Param>& ps, const Param& out, int64_t n, int width,
+                                     EmittedKernel& ek) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    std::string loads;
+    std::vector<std::string> operands;
+    for (const auto& x : ps)
+      if (!x.written) {
+        loads += fmt::format("    const cg_vector<{0}, {1}> {2}_v = cg_load_vector<{0}>({2}, i);\n", width,
+                             c_type(x.buffer->dtype), x.bound->name);
+        const std::string element = x.bound->name + "_v.v[k]";
+        operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element);
+      }
+    if (operands.empty()) operands.push_back("i + k");
+    append_arguments(t, operands);
+    std::string value =
+        fmt::format("{}<{}>({})", op.source_function, compute_type(out.buffer->dtype), fmt::join(operands, ", "));
+    if (is_16bit(out.buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out.buffer->dtype), value);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n / width, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread() * {0}; i < {1}; i += cg_grid_threads() * {0}) {{  // {0} elements at a time\n"
+        "{2}"
+        "    cg_vector<{0}, {3}> {4}_v;\n"
+        "    for (int k = 0; k < {0}; ++k) {4}_v.v[k] = {5};\n"
+        "    cg_store_vector<{0}>({4}, i, {4}_v);\n"
+        "  }}\n",
+        width, n, loads, c_type(out.buffer->dtype), out.bound->name, value);
+  }
+
+  // The op's arguments after its operands; a string argument as the index of its choice.
+  void append_arguments(int t, std::vector<std::string>& operands) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
     for (const auto& sig : op.args) {
       const BoundArg* a = arg(t, sig.name);
       if (sig.type == ArgType::string_) {
@@ -297,16 +357,6 @@ class Emitter {
         operands.push_back(float_literal(arg_double(t, sig.name, 0.0)));
       }
     }
-    int64_t n = numel(out->buffer->shape);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    std::string value =
-        fmt::format("{}<{}>({})", function, compute_type(out->buffer->dtype), fmt::join(operands, ", "));
-    if (is_16bit(out->buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out->buffer->dtype), value);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    cg_store({}, i, {});\n",
-        n, out->bound->name, value);
   }
 
   // The reduction and matmul templates accumulate in f32: f32, f16 and bf16

@@ -21,6 +21,7 @@ CG_OP("layernorm",
       "arg: eps float = 1e-05",
       "shape: x:[...S, N] weight:[N] bias:[N] -> out:[...S, N] mean:[...S] rstd:[...S]",
       "smem: 128",
+      "backward: layernorm_backward",
       "doc: (x - mean) * rstd * weight + bias; exports mean and rstd for backward")
 CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Store store, int n, float eps,
                                         float* scratch) {
@@ -38,4 +39,42 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   stats.mean = mean;
   stats.rstd = rstd;
   return stats;
+}
+
+// The gradients of one row of layernorm, given the mean and rstd forward
+// exported; with xhat = (x - mean) * rstd and g = dout * weight:
+//   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)),
+//   dweight[j] += dout[j] * xhat[j],  dbias[j] += dout[j]   (summed over rows through add_dweight, add_dbias).
+template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx, typename AddDweight, typename AddDbias>
+CG_OP("layernorm_backward",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: mean input f32",
+      "tensor: rstd input f32",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "tensor: dweight output f32",
+      "tensor: dbias output f32",
+      "shape: x:[...S, N] weight:[N] mean:[...S] rstd:[...S] dout:[...S, N] -> dx:[...S, N] dweight:[N] dbias:[N]",
+      "forward: layernorm",
+      "smem: 128",
+      "doc: gradients of layernorm with respect to x, weight and bias")
+CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, AddDweight add_dweight,
+                                         AddDbias add_dbias, int n, float mean, float rstd, float* scratch) {
+  float sum_g = 0.0f, sum_g_xhat = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float g = dout(j) * weight(j), xhat = (x(j) - mean) * rstd;
+    sum_g += g;
+    sum_g_xhat += g * xhat;
+  }
+  const float mean_g = cg_block_sum(sum_g, scratch) / (float)n;
+  const float mean_g_xhat = cg_block_sum(sum_g_xhat, scratch) / (float)n;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float xhat = (x(j) - mean) * rstd;
+    store_dx(j, rstd * (dout(j) * weight(j) - mean_g - xhat * mean_g_xhat));
+    add_dweight(j, dout(j) * xhat);
+    add_dbias(j, dout(j));
+  }
 }

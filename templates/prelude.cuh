@@ -206,6 +206,43 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
 #endif
 }
 
+// Vectorised global access: N consecutive elements from element i, one
+// access of N * sizeof(T) bytes (16 at most) on the GPU. i is a multiple of
+// N and every arena buffer starts on a 256-byte boundary, so the access is
+// aligned. In emulation each element is checked and counted like any other.
+template <int N, typename T>
+struct cg_vector {
+  T v[N];
+};
+
+template <int N, typename T>
+struct __align__(N * sizeof(T)) cg_aligned_chunk {
+  T v[N];
+};
+
+template <int N, typename T>
+CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
+  cg_vector<N, T> r;
+#ifdef CUDAGEN_EMULATION
+  for (int k = 0; k < N; ++k) r.v[k] = cudagen_emu::load(base, i + k);
+#else
+  const cg_aligned_chunk<N, T> chunk = *reinterpret_cast<const cg_aligned_chunk<N, T>*>(base + i);
+  for (int k = 0; k < N; ++k) r.v[k] = chunk.v[k];
+#endif
+  return r;
+}
+
+template <int N, typename T>
+CG_DEVICE void cg_store_vector(T* base, cg_i64 i, const cg_vector<N, T>& value) {
+#ifdef CUDAGEN_EMULATION
+  for (int k = 0; k < N; ++k) cudagen_emu::store(base, i + k, value.v[k]);
+#else
+  cg_aligned_chunk<N, T> chunk;
+  for (int k = 0; k < N; ++k) chunk.v[k] = value.v[k];
+  *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = chunk;
+#endif
+}
+
 // base[i] += value, atomically (a scatter-add); checked like a store.
 template <typename T>
 CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {

@@ -53,6 +53,7 @@ CG_OP("log_softmax",
       "tensor: x input T",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[...S, N]",
+      "backward: log_softmax_backward",
       "smem: 128",
       "doc: log of softmax over the last axis")
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
@@ -78,4 +79,24 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
   float s = 0.0f;
   for (cg_i64 r = 0; r < rows; ++r) s += load(r, column);
   return s;
+}
+
+// The gradient of a row of log_softmax, from its output:
+//   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
+template <typename LoadOut, typename LoadDout, typename Store>
+CG_OP("log_softmax_backward",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: out:[...S, N] dout:[...S, N] -> dx:[...S, N]",
+      "forward: log_softmax",
+      "smem: 128",
+      "doc: dx = dout - exp(out) * sum(dout)")
+CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float* scratch) {
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += dout(j);
+  sum = cg_block_sum(sum, scratch);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }

@@ -31,6 +31,7 @@ TEST(Toolchains, NvrtcCompilesTheMlpForSm80AndSm90) {
   NvrtcOutput ptx = nvrtc_compile(c.emitted.cuda_source, "mlp_forward.cu", "sm_90", /*ptx=*/true);
   std::string text(ptx.binary.begin(), ptx.binary.end());
   EXPECT_NE(text.find(".entry k0_fc1"), std::string::npos) << "extern \"C\" kernels keep their names";
+  EXPECT_NE(text.find(".v4.f32"), std::string::npos) << "the vectorised relu moves 16 bytes per access";
 }
 
 // 16-bit tensors: the prelude's PTX conversions (cvt.f32.f16, cvt.rn.f16.f32)

@@ -213,6 +213,43 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
 #endif
 }
 
+// Vectorised global access: N consecutive elements from element i, one
+// access of N * sizeof(T) bytes (16 at most) on the GPU. i is a multiple of
+// N and every arena buffer starts on a 256-byte boundary, so the access is
+// aligned. In emulation each element is checked and counted like any other.
+template <int N, typename T>
+struct cg_vector {
+  T v[N];
+};
+
+template <int N, typename T>
+struct __align__(N * sizeof(T)) cg_aligned_chunk {
+  T v[N];
+};
+
+template <int N, typename T>
+CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
+  cg_vector<N, T> r;
+#ifdef CUDAGEN_EMULATION
+  for (int k = 0; k < N; ++k) r.v[k] = cudagen_emu::load(base, i + k);
+#else
+  const cg_aligned_chunk<N, T> chunk = *reinterpret_cast<const cg_aligned_chunk<N, T>*>(base + i);
+  for (int k = 0; k < N; ++k) r.v[k] = chunk.v[k];
+#endif
+  return r;
+}
+
+template <int N, typename T>
+CG_DEVICE void cg_store_vector(T* base, cg_i64 i, const cg_vector<N, T>& value) {
+#ifdef CUDAGEN_EMULATION
+  for (int k = 0; k < N; ++k) cudagen_emu::store(base, i + k, value.v[k]);
+#else
+  cg_aligned_chunk<N, T> chunk;
+  for (int k = 0; k < N; ++k) chunk.v[k] = value.v[k];
+  *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = chunk;
+#endif
+}
+
 // base[i] += value, atomically (a scatter-add); checked like a store.
 template <typename T>
 CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
@@ -363,10 +400,14 @@ extern "C" __global__ void __launch_bounds__(256) k1_bias1(const float* a, const
 // Kernel k2_act1 (forward phase): task act1 (relu, elementwise).
 //   reads  act1.x f32 [33, 100] <- bias1.out
 //   writes act1.out f32 [33, 100]
-//   13200 bytes read, 13200 bytes written; grid [13, 1, 1], block 256, 0 bytes of shared memory.
+//   13200 bytes read, 13200 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
 extern "C" __global__ void __launch_bounds__(256) k2_act1(const float* x, float* out) {
-  for (cg_i64 i = cg_global_thread(); i < 3300; i += cg_grid_threads())
-    cg_store(out, i, cg_relu<float>(cg_load(x, i)));
+  for (cg_i64 i = cg_global_thread() * 4; i < 3300; i += cg_grid_threads() * 4) {  // 4 elements at a time
+    const cg_vector<4, float> x_v = cg_load_vector<4>(x, i);
+    cg_vector<4, float> out_v;
+    for (int k = 0; k < 4; ++k) out_v.v[k] = cg_relu<float>(x_v.v[k]);
+    cg_store_vector<4>(out, i, out_v);
+  }
 }
 
 // Kernel k3_fc2 (forward phase): task fc2 (matmul, matmul).
@@ -460,7 +501,7 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 38912), (const float*)(arena + 0), (float*)(arena + 25600));
   CUDAGEN_LAUNCH(k1_bias1, dim3(13, 1, 1), dim3(256), 0, k1_bias1_tensors,
                  (const float*)(arena + 25600), (const float*)(arena + 54528), (float*)(arena + 25600));
-  CUDAGEN_LAUNCH(k2_act1, dim3(13, 1, 1), dim3(256), 0, k2_act1_tensors,
+  CUDAGEN_LAUNCH(k2_act1, dim3(4, 1, 1), dim3(256), 0, k2_act1_tensors,
                  (const float*)(arena + 25600), (float*)(arena + 25600));
   CUDAGEN_LAUNCH(k3_fc2, dim3(1, 2, 1), dim3(256), 4288, k3_fc2_tensors,
                  (const float*)(arena + 25600), (const float*)(arena + 47360), (float*)(arena + 52992));

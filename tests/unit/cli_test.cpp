@@ -200,8 +200,8 @@ CG_DEVICE T cg_square(T x, float gain) {
 }
 )");
   std::string graph = write("g.json", graph_of(R"({"id": "sq", "op": "square", "args": {"gain": 3.0},
-      "tensors": {"x": {"dtype": "f32", "shape": [40], "storage": "external"},
-                  "out": {"dtype": "f32", "shape": [40], "storage": "external"}}})"));
+      "tensors": {"x": {"dtype": "f32", "shape": [41], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [41], "storage": "external"}}})"));
   std::string templates = " --templates " + (dir_ / "mine").string();
   EXPECT_EQ(run("validate " + graph).status, 1) << "without --templates there is no op 'square'";
   CliResult ops = run("ops" + templates);

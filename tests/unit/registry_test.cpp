@@ -90,7 +90,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
   // `scale`, and reshape still copies.
   const std::set<std::string> doc_changed = {"cross_entropy_backward", "mse_backward", "reshape"};
   // Ops added since the first version: the indexed registry holds the first's and these.
-  const std::set<std::string> added = {"concat", "split"};
+  const std::set<std::string> added = {"concat", "layernorm_backward", "log_softmax_backward", "split"};
+  // Ops whose backward came with its template.
+  const std::set<std::string> backward_added = {"layernorm", "log_softmax"};
   std::vector<std::string> expected = first.names();
   expected.insert(expected.end(), added.begin(), added.end());
   std::sort(expected.begin(), expected.end());
@@ -118,7 +120,7 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
     }
     EXPECT_EQ(b.shape.text, a.shape.text);
     EXPECT_EQ(b.may_alias, a.may_alias);
-    EXPECT_EQ(b.backward, a.backward);
+    if (!backward_added.count(a.name)) EXPECT_EQ(b.backward, a.backward);
     EXPECT_EQ(b.forward, a.forward);
     EXPECT_EQ(b.init, a.init);
     if (!doc_changed.count(a.name)) EXPECT_EQ(b.doc, a.doc);
