@@ -31,7 +31,7 @@ std::string emitter_gap(const OpSignature& op) {
                              op.name, sig.name);
       return {};
     case PatternKind::reduction:
-      if (one_of({"softmax", "rmsnorm", "sum", "mean", "max", "log_softmax", "sum_leading"})) return {};
+      if (one_of({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "log_softmax", "sum_leading"})) return {};
       return fmt::format("the emitter has no reduction skeleton for op '{}' yet (its template is {})", op.name,
                          op.source_function);
     case PatternKind::matmul: return {};
@@ -238,6 +238,7 @@ class Emitter {
       case PatternKind::reduction:
         if (op.name == "softmax") body = softmax(t, ps, ek);
         else if (op.name == "rmsnorm") body = rmsnorm(t, ps, ek);
+        else if (op.name == "layernorm") body = layernorm(t, ps, ek);
         else if (op.name == "sum" || op.name == "mean" || op.name == "max") body = row_reduce(t, ps, ek);
         else if (op.name == "log_softmax") body = log_softmax(t, ps, ek);
         else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
@@ -471,6 +472,30 @@ class Emitter {
         exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n",
         load(x, fmt::format("row * {} + j", n)), load(param(ps, "weight"), "j"),
         store(param(ps, "out"), fmt::format("row * {} + j", n), "v"));
+  }
+
+  // One block per row; mean and rstd, where the task binds them, for backward.
+  std::string layernorm(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (!check_f32_accumulation(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek);
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    std::string exports;
+    for (const char* stat : {"mean", "rstd"})
+      if (bt.find_tensor(stat) != nullptr) exports += fmt::format(" cg_store({0}, row, stats.{0});", stat);
+    const std::string at = fmt::format("row * {} + j", n);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_row_stats stats = cg_layernorm_row([&](int j) {{ return {}; }},\n"
+        "                                              [&](int j) {{ return {}; }},\n"
+        "                                              [&](int j) {{ return {}; }},\n"
+        "                                              [&](int j, float v) {{ {}; }},\n"
+        "                                              {}, {}, (float*)cg_smem);\n"
+        "{}",
+        load(x, at), load(param(ps, "weight"), "j"), load(param(ps, "bias"), "j"), store(param(ps, "out"), at, "v"), n,
+        float_literal(arg_double(t, "eps", 1e-5)),
+        exports.empty() ? "  (void)stats;\n" : "  if (threadIdx.x == 0) {" + exports + " }\n");
   }
 
   // split_heads / merge_heads: out[i] = x[source(i)].

@@ -89,6 +89,7 @@ class Evaluator {
     if (op == "embedding") return embedding(bt);
     if (op == "transpose") return transpose(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
+    if (op == "layernorm") return layernorm(bt);
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "sum_leading") return sum_leading(bt);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
@@ -300,6 +301,52 @@ class Evaluator {
 
   // out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). An error e in x
   // moves out[j] by |w_j| rstd (e_j + |x_j| rstd max_k e_k) at first order.
+  // out = (x - mean) * rstd * weight + bias. Error scales by first order: an
+  // error e in x moves x - mean by up to 2e and rstd by rstd^3 * 2 * mean|x - mean| * e.
+  void layernorm(const BoundTask& bt) {
+    int x = buf(bt, "x"), w = buf(bt, "weight"), b = buf(bt, "bias"), o = buf(bt, "out");
+    const BoundTensor* mean_slot = bt.find_tensor("mean");
+    const BoundTensor* rstd_slot = bt.find_tensor("rstd");
+    const double eps = arg_double(bt, "eps", 1e-5);
+    const Shape& s = shape(x);
+    const int64_t n = s.back(), rows = numel(s) / n;
+    std::vector<double> v(static_cast<size_t>(numel(s))), a(v.size()), m(static_cast<size_t>(rows)), ma(m.size()),
+        r(m.size()), ra(m.size());
+    for (int64_t row = 0; row < rows; ++row) {
+      double sum = 0, abs_sum = 0, max_err = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(row * n + j);
+        sum += val(x)[i];
+        abs_sum += std::abs(val(x)[i]);
+        max_err = std::max(max_err, r_.abs[size_t(x)][i]);
+      }
+      const double mean = sum / double(n);
+      double var = 0, mad = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double d = val(x)[size_t(row * n + j)] - mean;
+        var += d * d;
+        mad += std::abs(d);
+      }
+      var /= double(n);
+      mad /= double(n);
+      const double rstd = 1 / std::sqrt(var + eps), drstd = rstd * rstd * rstd * 2 * mad * max_err;
+      m[size_t(row)] = mean;
+      ma[size_t(row)] = abs_sum / double(n) + max_err;
+      r[size_t(row)] = rstd;
+      ra[size_t(row)] = rstd + drstd;
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(row * n + j);
+        const double d = val(x)[i] - mean, wv = val(w)[size_t(j)];
+        v[i] = d * rstd * wv + val(b)[size_t(j)];
+        a[i] = std::abs(wv) * (rstd * (r_.abs[size_t(x)][i] + max_err) + std::abs(d) * drstd) +
+               std::abs(d) * rstd * r_.abs[size_t(w)][size_t(j)] + r_.abs[size_t(b)][size_t(j)] + std::abs(v[i]);
+      }
+    }
+    out(o, std::move(v), std::move(a));
+    if (mean_slot != nullptr) out(mean_slot->buffer, std::move(m), std::move(ma));
+    if (rstd_slot != nullptr) out(rstd_slot->buffer, std::move(r), std::move(ra));
+  }
+
   void rmsnorm(const BoundTask& bt) {
     int x = buf(bt, "x"), w = buf(bt, "weight"), o = buf(bt, "out");
     const BoundTensor* rstd_slot = bt.find_tensor("rstd");

@@ -94,6 +94,14 @@ TaskGraph all_ops(int64_t n) {
       .arg("scale", 0.5);
   b.task("cast_f64", "cast").tensor("x", f32, {n}, ext).tensor("out", DType::f64, {n}, ext);
   b.task("reshape", "reshape").tensor("x", f32, {n, 2}, ext).tensor("out", f32, {2, n}, ext);
+  b.task("layernorm", "layernorm")
+      .tensor("x", f32, {3, n}, ext)
+      .tensor("weight", f32, {n}, Storage::persistent)
+      .tensor("bias", f32, {n}, Storage::persistent)
+      .tensor("out", f32, {3, n}, ext)
+      .tensor("mean", f32, {3}, ext)
+      .tensor("rstd", f32, {3}, ext)
+      .arg("eps", 1e-5);
   b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
   b.task("split", "split")
       .tensor("x", f32, {2, n + 3}, ext)
@@ -113,7 +121,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 47u);
+  ASSERT_EQ(run.checks.size(), 50u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -161,6 +169,11 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("weight", h, {n}, Storage::persistent)
       .tensor("out", h, {3, n}, ext)
       .tensor("rstd", f32, {3}, ext);
+  b.task("layernorm_" + t, "layernorm")
+      .tensor("x", h, {3, n}, ext)
+      .tensor("weight", h, {n}, Storage::persistent)
+      .tensor("bias", h, {n}, Storage::persistent)
+      .tensor("out", h, {3, n}, ext);
   b.task("matmul_" + t, "matmul").tensor("a", h, {n, 9}, ext).tensor("b", h, {9, 7}, ext).tensor("out", h, {n, 7}, ext);
   b.task("matmul_t_" + t, "matmul")
       .tensor("a", h, {2, 9, n}, ext)
@@ -186,7 +199,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 29u);
+  ASSERT_EQ(run.checks.size(), 30u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
