@@ -71,7 +71,10 @@ TEST(Registry, DocsOpsIsGeneratedFromTheRegistry) {
   EXPECT_EQ(doc, ops_markdown(builtin_registry())) << "regenerate it: cudagen ops --markdown > docs/ops.md";
   EXPECT_NE(doc.find("| matmul | matmul | T: f32, f16, bf16, f64 | matmul.cuh `cg_matmul_tile` | yes | - |"),
             std::string::npos);
-  EXPECT_NE(doc.find("| layernorm | reduction | T: f32, f16, bf16, f64 | layernorm.cuh `cg_layernorm_row` | not yet |"),
+  EXPECT_NE(doc.find("| layernorm | reduction | T: f32, f16, bf16, f64 | layernorm.cuh `cg_layernorm_row` | yes |"),
+            std::string::npos);
+  EXPECT_NE(doc.find("| cross_entropy | reduction | I: i32, i64; T: f32, f16, bf16, f64 | losses.cuh "
+                     "`cg_cross_entropy_row` | not yet |"),
             std::string::npos);
 }
 
