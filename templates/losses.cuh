@@ -4,7 +4,7 @@
 // errors of a grid-stride loop into the loss the same way. Shared memory:
 // 32 floats of reduction scratch.
 
-// -log softmax(x)[label] of one row: max + log(sum(exp(x - max))) - x[label].
+// -log softmax(x)[label] of one row: log(sum(exp(x))) - x[label].
 template <typename Load>
 CG_OP("cross_entropy",
       "pattern: reduction",
@@ -18,10 +18,7 @@ CG_OP("cross_entropy",
       "smem: 128",
       "doc: mean over rows of -log softmax(logits)[label]")
 CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scratch) {
-  const float row_max = cg_max_row(load, n, scratch);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
-  return row_max + logf(cg_block_sum(sum, scratch)) - load((int)label);
+  return cg_log_sum_exp_row(load, n, scratch) - load((int)label);
 }
 
 // Its gradient for one row: (softmax(x) - onehot(label)) * scale, where the
@@ -41,12 +38,9 @@ CG_OP("cross_entropy_backward",
       "doc: (softmax(logits) - onehot(labels)) * scale; the caller folds 1 / rows into scale")
 CG_DEVICE void cg_cross_entropy_backward_row(Load load, Store store, int n, cg_i64 label, float scale,
                                              float* scratch) {
-  const float row_max = cg_max_row(load, n, scratch);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
-  const float inv_sum = 1.0f / cg_block_sum(sum, scratch);
+  const float lse = cg_log_sum_exp_row(load, n, scratch);
   for (int j = threadIdx.x; j < n; j += blockDim.x)
-    store(j, (expf(load(j) - row_max) * inv_sum - (j == label ? 1.0f : 0.0f)) * scale);
+    store(j, (expf(load(j) - lse) - (j == label ? 1.0f : 0.0f)) * scale);
 }
 
 // One element's squared error, accumulated in f32.

@@ -28,6 +28,16 @@ CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentu
   param = T(float(param) - lr * g);
 }
 
+// Adam's moment update for gradient g, and the bias-corrected step
+// m_hat / (sqrt(v_hat) + eps) that adam and adamw scale by lr.
+CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, float beta2, float eps, long long step) {
+  m = beta1 * m + (1.0f - beta1) * g;
+  v = beta2 * v + (1.0f - beta2) * g * g;
+  const float m_hat = m / (1.0f - pow(beta1, (float)step));
+  const float v_hat = v / (1.0f - pow(beta2, (float)step));
+  return m_hat / (sqrt(v_hat) + eps);
+}
+
 // One Adam step, L2 weight decay added to the gradient (torch.optim.Adam).
 template <typename T>
 CG_OP("adam",
@@ -48,11 +58,7 @@ CG_OP("adam",
 CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
                        float weight_decay, long long step) {
   const float g = float(grad) + weight_decay * float(param);
-  m = beta1 * m + (1.0f - beta1) * g;
-  v = beta2 * v + (1.0f - beta2) * g * g;
-  const float m_hat = m / (1.0f - pow(beta1, (float)step));
-  const float v_hat = v / (1.0f - pow(beta2, (float)step));
-  param = T(float(param) - lr * m_hat / (sqrt(v_hat) + eps));
+  param = T(float(param) - lr * cg_adam_direction(g, m, v, beta1, beta2, eps, step));
 }
 
 // AdamW: the weight decay is decoupled, applied to the parameter directly
@@ -75,11 +81,6 @@ CG_OP("adamw",
       "doc: AdamW (decoupled weight decay) update of param, m and v in place; step counts from 1 and is usually a runtime argument")
 CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
                         float weight_decay, long long step) {
-  const float g = float(grad);
   const float decayed = float(param) * (1.0f - lr * weight_decay);
-  m = beta1 * m + (1.0f - beta1) * g;
-  v = beta2 * v + (1.0f - beta2) * g * g;
-  const float m_hat = m / (1.0f - pow(beta1, (float)step));
-  const float v_hat = v / (1.0f - pow(beta2, (float)step));
-  param = T(decayed - lr * m_hat / (sqrt(v_hat) + eps));
+  param = T(decayed - lr * cg_adam_direction(float(grad), m, v, beta1, beta2, eps, step));
 }

@@ -45,6 +45,16 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
+// log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
+// exp overflows; every thread gets it.
+template <typename Load>
+CG_DEVICE float cg_log_sum_exp_row(Load load, int n, float* scratch) {
+  const float row_max = cg_max_row(load, n, scratch);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
+  return row_max + logf(cg_block_sum(sum, scratch));
+}
+
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_OP("log_softmax",
@@ -57,11 +67,8 @@ CG_OP("log_softmax",
       "smem: 128",
       "doc: log of softmax over the last axis")
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
-  const float row_max = cg_max_row(load, n, scratch);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
-  const float log_sum = logf(cg_block_sum(sum, scratch));
-  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - row_max - log_sum);
+  const float lse = cg_log_sum_exp_row(load, n, scratch);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
 // Sum over every axis but the last (the gradient of a broadcast bias): the

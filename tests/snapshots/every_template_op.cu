@@ -495,6 +495,17 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
+// templates/reduction.cuh:50
+// log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
+// exp overflows; every thread gets it.
+template <typename Load>
+CG_DEVICE float cg_log_sum_exp_row(Load load, int n, float* scratch) {
+  const float row_max = cg_max_row(load, n, scratch);
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
+  return row_max + logf(cg_block_sum(sum, scratch));
+}
+
 // templates/matmul.cuh:7
 // Shared-memory tiled matmul (f32, portable): the block computes one BM x BN
 // tile of the output with 256 threads, each accumulating a 2 x 2 patch.
@@ -552,18 +563,15 @@ CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
-// templates/reduction.cuh:49
+// templates/reduction.cuh:59
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
-  const float row_max = cg_max_row(load, n, scratch);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) sum += expf(load(j) - row_max);
-  const float log_sum = logf(cg_block_sum(sum, scratch));
-  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - row_max - log_sum);
+  const float lse = cg_log_sum_exp_row(load, n, scratch);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:70
+// templates/reduction.cuh:77
 // Sum over every axis but the last (the gradient of a broadcast bias): the
 // emitter's grid-stride loop gives each thread whole columns, so the reads
 // of a warp are coalesced along the row.
