@@ -31,7 +31,9 @@ std::string emitter_gap(const OpSignature& op) {
                              op.name, sig.name);
       return {};
     case PatternKind::reduction:
-      if (one_of({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "log_softmax", "sum_leading"})) return {};
+      if (one_of({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "log_softmax", "sum_leading",
+                  "cross_entropy", "cross_entropy_backward"}))
+        return {};
       return fmt::format("the emitter has no reduction skeleton for op '{}' yet (its template is {})", op.name,
                          op.source_function);
     case PatternKind::matmul: return {};
@@ -239,6 +241,8 @@ class Emitter {
         if (op.name == "softmax") body = softmax(t, ps, ek);
         else if (op.name == "rmsnorm") body = rmsnorm(t, ps, ek);
         else if (op.name == "layernorm") body = layernorm(t, ps, ek);
+        else if (op.name == "cross_entropy") body = cross_entropy(t, ps, ek);
+        else if (op.name == "cross_entropy_backward") body = cross_entropy_backward(t, ps, ek);
         else if (op.name == "sum" || op.name == "mean" || op.name == "max") body = row_reduce(t, ps, ek);
         else if (op.name == "log_softmax") body = log_softmax(t, ps, ek);
         else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
@@ -496,6 +500,41 @@ class Emitter {
         load(x, at), load(param(ps, "weight"), "j"), load(param(ps, "bias"), "j"), store(param(ps, "out"), at, "v"), n,
         float_literal(arg_double(t, "eps", 1e-5)),
         exports.empty() ? "  (void)stats;\n" : "  if (threadIdx.x == 0) {" + exports + " }\n");
+  }
+
+  // The mean over rows of each row's loss, by one block that walks the rows in
+  // order: deterministic, and the scalar needs no zeroing before an atomic sum.
+  // (A grid of blocks with a second reduction pass is the faster form for
+  // large batches.)
+  std::string cross_entropy(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& logits = param(ps, "logits");
+    if (!check_f32_accumulation(t, logits)) return {};
+    const Shape& s = logits.buffer->shape;
+    const int64_t classes = one_block_per_row(s, ek), rows = numel(s) / classes;
+    ek.grid[0] = 1;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  float total = 0.0f;\n"
+        "  for (cg_i64 row = 0; row < {0}; ++row)\n"
+        "    total += cg_cross_entropy_row([&](int j) {{ return {1}; }}, {2}, (cg_i64)cg_load(labels, row),\n"
+        "                                  (float*)cg_smem);\n"
+        "  if (threadIdx.x == 0) cg_store(loss, 0, total / {3});\n",
+        rows, load(logits, fmt::format("row * {} + j", classes)), classes, float_literal(double(rows)));
+  }
+
+  // One block per row: dlogits = (softmax(logits) - onehot(label)) * scale.
+  std::string cross_entropy_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& logits = param(ps, "logits");
+    if (!check_f32_accumulation(t, logits)) return {};
+    const int64_t classes = one_block_per_row(logits.buffer->shape, ek);
+    const std::string at = fmt::format("row * {} + j", classes);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  cg_cross_entropy_backward_row([&](int j) {{ return {}; }},\n"
+        "                                [&](int j, float v) {{ {}; }},\n"
+        "                                {}, (cg_i64)cg_load(labels, row), {}, (float*)cg_smem);\n",
+        load(logits, at), store(param(ps, "dlogits"), at, "v"), classes, float_literal(arg_double(t, "scale", 1.0)));
   }
 
   // split_heads / merge_heads: out[i] = x[source(i)].

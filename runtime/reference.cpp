@@ -90,6 +90,7 @@ class Evaluator {
     if (op == "transpose") return transpose(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "layernorm") return layernorm(bt);
+    if (op == "cross_entropy" || op == "cross_entropy_backward") return cross_entropy(bt, op == "cross_entropy");
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "sum_leading") return sum_leading(bt);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
@@ -301,6 +302,41 @@ class Evaluator {
 
   // out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). An error e in x
   // moves out[j] by |w_j| rstd (e_j + |x_j| rstd max_k e_k) at first order.
+  // loss = mean over rows of log(sum(exp(x))) - x[label]; its gradient
+  // (softmax(x) - onehot(label)) * scale. An error e in x moves a row's loss
+  // by at most 2e, and softmax_j by softmax_j * 2e.
+  void cross_entropy(const BoundTask& bt, bool forward) {
+    int x = buf(bt, "logits"), l = buf(bt, "labels");
+    const int64_t classes = shape(x).back(), rows = numel(shape(x)) / classes;
+    const double scale = arg_double(bt, "scale", 1.0);
+    std::vector<double> grad(size_t(rows * classes)), grad_abs(grad.size());
+    double loss = 0, loss_abs = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      double row_max = -INFINITY, max_err = 0;
+      for (int64_t j = 0; j < classes; ++j) {
+        row_max = std::max(row_max, val(x)[size_t(r * classes + j)]);
+        max_err = std::max(max_err, r_.abs[size_t(x)][size_t(r * classes + j)]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < classes; ++j) sum += std::exp(val(x)[size_t(r * classes + j)] - row_max);
+      const double lse = row_max + std::log(sum);
+      const int64_t label = int64_t(val(l)[size_t(r)]);
+      if (label < 0 || label >= classes)
+        throw std::runtime_error(fmt::format("reference: label {} of row {} is not a class of {}", label, r, classes));
+      const double picked = val(x)[size_t(r * classes + label)];
+      loss += (lse - picked) / double(rows);
+      loss_abs += (std::abs(lse) + std::abs(picked) + 2 * max_err) / double(rows);
+      for (int64_t j = 0; j < classes; ++j) {
+        const size_t i = size_t(r * classes + j);
+        const double p = std::exp(val(x)[i] - lse), onehot = j == label ? 1.0 : 0.0;
+        grad[i] = (p - onehot) * scale;
+        grad_abs[i] = (p * (1 + 2 * max_err) + onehot) * std::abs(scale);
+      }
+    }
+    if (forward) out(buf(bt, "loss"), {loss}, {loss_abs});
+    else out(buf(bt, "dlogits"), std::move(grad), std::move(grad_abs));
+  }
+
   // out = (x - mean) * rstd * weight + bias. Error scales by first order: an
   // error e in x moves x - mean by up to 2e and rstd by rstd^3 * 2 * mean|x - mean| * e.
   void layernorm(const BoundTask& bt) {

@@ -56,10 +56,15 @@ bool written_by_a_task(const Program& p, int buffer) {
 }
 
 // Integer inputs used as embedding ids take values inside the table.
+// Random integer inputs index something: embedding ids a table's rows,
+// labels a loss's classes (the last axis of its logits).
 int64_t integer_input_range(const Program& p, int buffer) {
   for (const auto& t : p.tasks) {
     const BoundTensor* ids = t.op->name == "embedding" ? t.find_tensor("ids") : nullptr;
     if (ids && ids->buffer == buffer) return p.buffers[size_t(t.find_tensor("table")->buffer)].shape[0];
+    const BoundTensor* labels = t.find_tensor("labels");
+    if (labels && labels->buffer == buffer && t.find_tensor("logits"))
+      return p.buffers[size_t(t.find_tensor("logits")->buffer)].shape.back();
   }
   return 8;
 }

@@ -102,6 +102,15 @@ TaskGraph all_ops(int64_t n) {
       .tensor("mean", f32, {3}, ext)
       .tensor("rstd", f32, {3}, ext)
       .arg("eps", 1e-5);
+  b.task("cross_entropy", "cross_entropy")
+      .tensor("logits", f32, {n, 7}, ext)
+      .tensor("labels", DType::i32, {n}, ext)
+      .tensor("loss", f32, {}, ext);
+  b.task("cross_entropy_backward", "cross_entropy_backward")
+      .tensor("logits", f32, {3, n}, ext)
+      .tensor("labels", DType::i64, {3}, ext)
+      .tensor("dlogits", f32, {3, n}, ext)
+      .arg("scale", 1.0 / 3);
   b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
   b.task("split", "split")
       .tensor("x", f32, {2, n + 3}, ext)
@@ -121,7 +130,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 50u);
+  ASSERT_EQ(run.checks.size(), 52u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -174,6 +183,15 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("weight", h, {n}, Storage::persistent)
       .tensor("bias", h, {n}, Storage::persistent)
       .tensor("out", h, {3, n}, ext);
+  b.task("cross_entropy_" + t, "cross_entropy")
+      .tensor("logits", h, {n, 10}, ext)
+      .tensor("labels", DType::i64, {n}, ext)
+      .tensor("loss", f32, {}, ext);
+  b.task("cross_entropy_backward_" + t, "cross_entropy_backward")
+      .tensor("logits", h, {2, n}, ext)
+      .tensor("labels", DType::i32, {2}, ext)
+      .tensor("dlogits", h, {2, n}, ext)
+      .arg("scale", 0.5);
   b.task("matmul_" + t, "matmul").tensor("a", h, {n, 9}, ext).tensor("b", h, {9, 7}, ext).tensor("out", h, {n, 7}, ext);
   b.task("matmul_t_" + t, "matmul")
       .tensor("a", h, {2, 9, n}, ext)
@@ -199,7 +217,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 30u);
+  ASSERT_EQ(run.checks.size(), 32u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -120,8 +120,8 @@ TEST_F(Cli, CompileWritesNothingWhenTheEmitterLacksAnOpsSkeleton) {
   std::string cu = (dir_ / "t.cu").string(), manifest = (dir_ / "t.json").string();
   CliResult r = run("compile " + source_path("examples/mlp_train.json") + " -o " + cu + " --manifest " + manifest);
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("task 'loss' (/tasks/9): the emitter has no reduction skeleton for op 'cross_entropy' yet "
-                       "(its template is cg_cross_entropy_row)"),
+  EXPECT_NE(r.err.find("task 'sgd_w1' (/tasks/17): op 'sgd' updates 'param' in place, and the elementwise skeleton "
+                       "does not write inputs back yet"),
             std::string::npos)
       << r.err;
   EXPECT_FALSE(fs::exists(cu));
@@ -173,7 +173,8 @@ TEST_F(Cli, OpsListSaysWhichOpsTheEmitterGenerates) {
   CliResult r = run("ops");
   ASSERT_EQ(r.status, 0);
   EXPECT_NE(r.out.find("matmul                   matmul       matmul.cuh       yes"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("cross_entropy            reduction    losses.cuh       not yet"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cross_entropy            reduction    losses.cuh       yes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sgd                      elementwise  optimizers.cuh   not yet"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, FloatTemplatesRefuseF64InsteadOfLosingPrecision) {
