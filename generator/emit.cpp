@@ -23,13 +23,7 @@ std::string emitter_gap(const OpSignature& op) {
   };
   switch (op.pattern) {
     case PatternKind::elementwise:
-    case PatternKind::broadcast:
-      for (const auto& sig : op.tensors)
-        if (sig.writes && sig.role != SlotRole::output)
-          return fmt::format("op '{}' updates '{}' in place, and the elementwise skeleton does not write inputs back "
-                             "yet (the optimizer update of issue #7)",
-                             op.name, sig.name);
-      return {};
+    case PatternKind::broadcast: return {};
     case PatternKind::reduction:
       if (one_of({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "log_softmax", "sum_leading",
                   "cross_entropy", "cross_entropy_backward"}))
@@ -262,8 +256,52 @@ class Emitter {
     return code;
   }
 
+  // An op that updates slots in place (an optimizer): each element of every
+  // updated slot is loaded into a local, the function updates the locals
+  // through its reference parameters, and they are stored back. An optional
+  // updated slot the task leaves out gets a local that is dropped.
+  std::string elementwise_in_place(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const OpSignature& op = *bt.op;
+    std::string before, after, element_type;
+    std::vector<std::string> operands;
+    int64_t n = 0;
+    for (const auto& sig : op.tensors) {
+      const Param* x = nullptr;
+      for (const auto& candidate : ps)
+        if (candidate.bound->name == sig.name) x = &candidate;
+      if (x == nullptr) {  // an absent optional slot: the parameter's dtype decides the local's
+        const Param& param = ps.front();
+        before += fmt::format("    {} {}_local = 0;\n", compute_type(param.buffer->dtype), sig.name);
+        operands.push_back(sig.name + "_local");
+        continue;
+      }
+      n = std::max(n, numel(x->buffer->shape));
+      if (element_type.empty()) element_type = compute_type(x->buffer->dtype);
+      if (!sig.writes) {
+        operands.push_back(load(*x, "i"));
+        continue;
+      }
+      before += fmt::format("    {} {}_local = {};\n", compute_type(x->buffer->dtype), sig.name, load(*x, "i"));
+      after += fmt::format("    {};\n", store(*x, "i", sig.name + "_local"));
+      operands.push_back(sig.name + "_local");
+    }
+    append_arguments(t, operands);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads()) {{\n"
+        "{}"
+        "    {}<{}>({});\n"
+        "{}"
+        "  }}\n",
+        n, before, op.source_function, element_type, fmt::join(operands, ", "), after);
+  }
+
   std::string elementwise(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
+    for (const auto& sig : op.tensors)
+      if (sig.writes && sig.role != SlotRole::output) return elementwise_in_place(t, ps, ek);
     const Param* out = nullptr;
     std::vector<std::string> operands;
     for (const auto& x : ps)

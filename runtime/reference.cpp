@@ -90,6 +90,8 @@ class Evaluator {
     if (op == "transpose") return transpose(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "layernorm") return layernorm(bt);
+    if (op == "sgd") return sgd(bt);
+    if (op == "adam" || op == "adamw") return adam(bt, op == "adamw");
     if (op == "cross_entropy" || op == "cross_entropy_backward") return cross_entropy(bt, op == "cross_entropy");
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "sum_leading") return sum_leading(bt);
@@ -335,6 +337,62 @@ class Evaluator {
     }
     if (forward) out(buf(bt, "loss"), {loss}, {loss_abs});
     else out(buf(bt, "dlogits"), std::move(grad), std::move(grad_abs));
+  }
+
+  // torch.optim.SGD: g = grad + weight_decay * param; buf = momentum * buf + g;
+  // param -= lr * (momentum ? buf : g). Updated in place.
+  void sgd(const BoundTask& bt) {
+    int p = buf(bt, "param"), g = buf(bt, "grad");
+    const BoundTensor* buf_slot = bt.find_tensor("momentum_buf");
+    const double lr = arg_double(bt, "lr", 0), momentum = arg_double(bt, "momentum", 0),
+                 wd = arg_double(bt, "weight_decay", 0);
+    std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], bv, ba;
+    if (buf_slot != nullptr) bv = val(buf_slot->buffer), ba = r_.abs[size_t(buf_slot->buffer)];
+    for (size_t i = 0; i < pv.size(); ++i) {
+      double step = val(g)[i] + wd * pv[i], step_abs = r_.abs[size_t(g)][i] + std::abs(wd) * pa[i];
+      if (momentum != 0 && buf_slot != nullptr) {
+        bv[i] = momentum * bv[i] + step;
+        ba[i] = std::abs(momentum) * ba[i] + step_abs;
+        step = bv[i];
+        step_abs = ba[i];
+      }
+      pv[i] -= lr * step;
+      pa[i] += std::abs(lr) * step_abs + std::abs(pv[i]);
+    }
+    out(p, std::move(pv), std::move(pa));
+    if (buf_slot != nullptr && momentum != 0) out(buf_slot->buffer, std::move(bv), std::move(ba));
+  }
+
+  // torch.optim.Adam (L2 decay added to the gradient) and AdamW (decoupled
+  // decay). Error scales: each moment's terms by absolute value; the step's
+  // direction m_hat / (sqrt(v_hat) + eps) moves, to first order, by its own
+  // size times the relative scales of m and v.
+  void adam(const BoundTask& bt, bool decoupled) {
+    int p = buf(bt, "param"), g = buf(bt, "grad"), m = buf(bt, "m"), v = buf(bt, "v");
+    const double lr = arg_double(bt, "lr", 0), b1 = arg_double(bt, "beta1", 0.9), b2 = arg_double(bt, "beta2", 0.999),
+                 eps = arg_double(bt, "eps", 1e-8), wd = arg_double(bt, "weight_decay", 0),
+                 step = arg_double(bt, "step", 1);
+    std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], mv = val(m), ma = r_.abs[size_t(m)], vv = val(v),
+                        va = r_.abs[size_t(v)];
+    for (size_t i = 0; i < pv.size(); ++i) {
+      const double grad = val(g)[i] + (decoupled ? 0.0 : wd * pv[i]);
+      const double grad_abs = r_.abs[size_t(g)][i] + (decoupled ? 0.0 : std::abs(wd) * pa[i]);
+      mv[i] = b1 * mv[i] + (1 - b1) * grad;
+      ma[i] = b1 * ma[i] + (1 - b1) * grad_abs;
+      vv[i] = b2 * vv[i] + (1 - b2) * grad * grad;
+      va[i] = b2 * va[i] + (1 - b2) * grad_abs * grad_abs;
+      const double m_hat = mv[i] / (1 - std::pow(b1, step)), v_hat = vv[i] / (1 - std::pow(b2, step));
+      const double direction = m_hat / (std::sqrt(v_hat) + eps);
+      const double direction_abs = std::abs(direction) * (1 + ma[i] / std::max(std::abs(mv[i]), 1e-30) +
+                                                          va[i] / std::max(vv[i], 1e-30));
+      const double base = decoupled ? pv[i] * (1 - lr * wd) : pv[i];
+      pa[i] = pa[i] * (decoupled ? std::abs(1 - lr * wd) : 1.0) + std::abs(lr) * direction_abs;
+      pv[i] = base - lr * direction;
+      pa[i] += std::abs(pv[i]);
+    }
+    out(p, std::move(pv), std::move(pa));
+    out(m, std::move(mv), std::move(ma));
+    out(v, std::move(vv), std::move(va));
   }
 
   // out = (x - mean) * rstd * weight + bias. Error scales by first order: an

@@ -55,6 +55,16 @@ bool written_by_a_task(const Program& p, int buffer) {
   return false;
 }
 
+// Whether a task computes the buffer from nothing (an output), as opposed to
+// updating it in place (an optimizer's parameter, which needs a value first).
+bool produced_by_a_task(const Program& p, int buffer) {
+  for (const auto& t : p.tasks)
+    for (const auto& b : t.tensors)
+      if (b.buffer == buffer && b.sig && (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch))
+        return true;
+  return false;
+}
+
 // Integer inputs used as embedding ids take values inside the table.
 // Random integer inputs index something: embedding ids a table's rows,
 // labels a loss's classes (the last axis of its logits).
@@ -109,7 +119,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
   std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
-    if (written_by_a_task(p, int(b))) continue;
+    if (produced_by_a_task(p, int(b))) continue;
     const BufferInfo& info = p.buffers[b];
     const std::string name = buffer_name(p, int(b));
     int64_t n = info.bytes / dtype_bytes(info.dtype);
@@ -194,6 +204,16 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   if (options.check_each_task) {
     if (c.plan.arena_bytes < c.plan.no_reuse_bytes)
       throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
+    // Each task is recomputed from the buffers as the run left them, which
+    // an in-place update (an optimizer step) has overwritten by then.
+    for (const auto& t : p.tasks)
+      for (const auto& bound : t.tensors)
+        if (bound.sig != nullptr && bound.sig->writes && bound.sig->role != SlotRole::output)
+          throw std::runtime_error(fmt::format(
+              "checking each task is not possible here: task '{}' updates '{}' in place, which overwrites what the "
+              "tasks before it read; run without --check-each-task (the outputs and the updated weights are still "
+              "checked against the reference)",
+              t.task->id, bound.name));
     for (int t : c.schedule.order) {
       ReferenceBuffers one = evaluate_task(p, t, actual);
       for (const auto& bound : p.tasks[size_t(t)].tensors) {
@@ -204,10 +224,13 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     }
   }
 
+  // Graph outputs, and the persistent tensors tasks write (a training step's
+  // updated weights and optimizer state).
   ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs);
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     const BufferInfo& info = p.buffers[b];
-    if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
+    const bool checked = info.storage == Storage::external || info.storage == Storage::persistent;
+    if (!checked || !written_by_a_task(p, int(b))) continue;
     compare(buffer_name(p, int(b)), b, ref.value[b], ref.abs[b]);
   }
   return run;

@@ -111,6 +111,27 @@ TaskGraph all_ops(int64_t n) {
       .tensor("labels", DType::i64, {3}, ext)
       .tensor("dlogits", f32, {3, n}, ext)
       .arg("scale", 1.0 / 3);
+  // Optimizers update param (and their state) in place: external here, so the run checks them.
+  b.task("sgd", "sgd").tensor("param", f32, {n, 3}, ext).tensor("grad", f32, {n, 3}, ext).arg("lr", 0.1);
+  b.task("sgd_momentum", "sgd")
+      .tensor("param", f32, {n}, ext)
+      .tensor("grad", f32, {n}, ext)
+      .tensor("momentum_buf", f32, {n}, ext)
+      .arg("lr", 0.05)
+      .arg("momentum", 0.9)
+      .arg("weight_decay", 0.01);
+  for (const char* op : {"adam", "adamw"}) {
+    // A second moment is positive: v comes from exp, and the optimizer updates that buffer.
+    auto v = b.task(std::string(op) + "_v", "exp").tensor("x", f32, {n, 2}, ext).tensor("out", f32, {n, 2}, ext);
+    b.task(op, op)
+        .tensor("param", f32, {n, 2}, ext)
+        .tensor("grad", f32, {n, 2}, ext)
+        .tensor("m", f32, {n, 2}, ext)
+        .tensor("v", v["out"])
+        .arg("lr", 0.01)
+        .arg("weight_decay", 0.1)
+        .arg("step", int64_t(3));
+  }
   b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
   b.task("split", "split")
       .tensor("x", f32, {2, n + 3}, ext)
@@ -130,7 +151,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 52u);
+  ASSERT_EQ(run.checks.size(), 61u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -338,6 +359,37 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
   EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
+// The bundled training step (init, forward, cross-entropy, backward, SGD) end
+// to end: the loss, the logits and the four weights after one update, against
+// the float64 reference of the whole graph.
+TEST(Emulation, MlpTrainingStepMatchesTheReference) {
+  TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/mlp_train.json"));
+  Compiled c = compile(load_program(std::move(g), {}), {});
+  uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp_train")});
+  std::vector<std::string> checked;
+  for (const auto& check : run.checks) checked.push_back(check.buffer);
+  EXPECT_EQ(checked, (std::vector<std::string>{"w1_init.out", "b1_init.out", "w2_init.out", "b2_init.out", "bias2.out",
+                                               "loss.loss"}));
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  // Per-task checks would recompute from weights the update has overwritten: refused, with a reason.
+  CompileOptions keep_all;
+  keep_all.plan.placement.reuse = false;
+  Compiled unreused = compile(load_program(read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) +
+                                                                     "/examples/mlp_train.json")),
+                                           {}),
+                              keep_all);
+  RunOptions each{seed, work_dir("mlp_train_each")};
+  each.check_each_task = true;
+  try {
+    run_emulated_and_check(unreused, each);
+    FAIL() << "per-task checks of an in-place update must be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("task 'sgd_w1' updates 'param' in place"), std::string::npos) << e.what();
+  }
+}
+
 // End to end, and each of its 26 tasks on the inputs the previous kernels
 // produced: the end-to-end bound compounds through two norms and a softmax,
 // the per-task bounds do not.
@@ -351,7 +403,7 @@ TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   RunOptions options{seed, work_dir("transformer")};
   options.check_each_task = true;
   EmulatedRun run = run_emulated_and_check(c, options);
-  ASSERT_EQ(run.checks.size(), 27u);
+  ASSERT_EQ(run.checks.size(), 35u);  // 26 tasks, the output, and the 8 weights the init tasks write
   EXPECT_TRUE(run.ok()) << format_run(run);
   for (const auto& check : run.checks)
     if (check.buffer.rfind("task ", 0) == 0) EXPECT_LT(check.worst_ratio, 0.5) << format_run(run);

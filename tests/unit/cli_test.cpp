@@ -118,10 +118,14 @@ TEST_F(Cli, CompileWritesTheCudaFileAndManifest) {
 
 TEST_F(Cli, CompileWritesNothingWhenTheEmitterLacksAnOpsSkeleton) {
   std::string cu = (dir_ / "t.cu").string(), manifest = (dir_ / "t.json").string();
-  CliResult r = run("compile " + source_path("examples/mlp_train.json") + " -o " + cu + " --manifest " + manifest);
+  std::string graph = write("mse.json", graph_of(R"({"id": "l", "op": "mse",
+      "tensors": {"pred": {"dtype": "f32", "shape": [8], "storage": "external"},
+                  "target": {"dtype": "f32", "shape": [8], "storage": "external"},
+                  "loss": {"dtype": "f32", "shape": [], "storage": "external"}}})"));
+  CliResult r = run("compile " + graph + " -o " + cu + " --manifest " + manifest);
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("task 'sgd_w1' (/tasks/17): op 'sgd' updates 'param' in place, and the elementwise skeleton "
-                       "does not write inputs back yet"),
+  EXPECT_NE(r.err.find("task 'l' (/tasks/0): the emitter has no reduction skeleton for op 'mse' yet (its template is "
+                       "cg_squared_error)"),
             std::string::npos)
       << r.err;
   EXPECT_FALSE(fs::exists(cu));
@@ -174,7 +178,8 @@ TEST_F(Cli, OpsListSaysWhichOpsTheEmitterGenerates) {
   ASSERT_EQ(r.status, 0);
   EXPECT_NE(r.out.find("matmul                   matmul       matmul.cuh       yes"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("cross_entropy            reduction    losses.cuh       yes"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("sgd                      elementwise  optimizers.cuh   not yet"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sgd                      elementwise  optimizers.cuh   yes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("mse                      reduction    losses.cuh       not yet"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, FloatTemplatesRefuseF64InsteadOfLosingPrecision) {
