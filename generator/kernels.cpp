@@ -7,6 +7,7 @@ namespace cudagen {
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
   std::vector<KernelGroup> kernels;
   for (int t : schedule.order) {
+    if (!program.tasks[size_t(t)].op->view.first.empty()) continue;  // a view: storage only, no kernel
     const Task& task = *program.tasks[size_t(t)].task;
     kernels.push_back(KernelGroup{"k" + std::to_string(kernels.size()) + "_" + task.id, task.phase, {t}});
   }

@@ -37,6 +37,15 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
                                const std::vector<LiveInterval>& intervals) {
   std::vector<int> in_place_of(program.buffers.size(), -1);
   std::vector<bool> taken(program.buffers.size(), false);
+  // A view and its source share storage while both live: neither may hand it
+  // to an in-place output.
+  for (const auto& task : program.tasks)
+    if (!task.op->view.first.empty()) {
+      const BoundTensor* out = task.find_tensor(task.op->view.first);
+      const BoundTensor* in = task.find_tensor(task.op->view.second);
+      if (out != nullptr) taken[size_t(out->buffer)] = true;
+      if (in != nullptr) taken[size_t(in->buffer)] = true;
+    }
   for (int k = 0; k < int(kernels.size()); ++k) {
     for (int t : kernels[size_t(k)].tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
@@ -89,6 +98,13 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   // share one unit, live from the first one's birth to the last one's death.
   std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals)
                                                          : std::vector<int>(intervals.size(), -1);
+  // A view takes its source's storage, reuse or not: no kernel copies it.
+  for (const auto& task : program.tasks)
+    if (!task.op->view.first.empty()) {
+      const BoundTensor* out = task.find_tensor(task.op->view.first);
+      const BoundTensor* in = task.find_tensor(task.op->view.second);
+      if (out != nullptr && in != nullptr && out->buffer != in->buffer) in_place_of[size_t(out->buffer)] = in->buffer;
+    }
   std::vector<int> unit_of(intervals.size(), -1);
   std::vector<LiveInterval> units;
   for (size_t b = 0; b < intervals.size(); ++b) {  // owners come before the buffers that reuse them

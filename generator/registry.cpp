@@ -210,6 +210,16 @@ class RegistryReader {
         fail(v, path + "/shape", e.what(), op.name);
       }
     }
+    if (const JsonValue* view = v.find("view")) {
+      if (!view->is_array() || view->items().size() != 2 || !view->items()[0].is_string() ||
+          !view->items()[1].is_string()) {
+        fail(*view, path + "/view", "view is an [output, input] pair of slot names", op.name);
+      } else {
+        op.view = {view->items()[0].as_string(), view->items()[1].as_string()};
+        for (const auto& s : {op.view.first, op.view.second})
+          if (op.find_tensor(s) == nullptr) fail(*view, path + "/view", fmt::format("no slot '{}'", s), op.name);
+      }
+    }
     if (const JsonValue* alias = v.find("may_alias"); alias && alias->is_array()) {
       for (const auto& pair : alias->items()) {
         if (!pair.is_array() || pair.items().size() != 2 || !pair.items()[0].is_string() || !pair.items()[1].is_string()) {

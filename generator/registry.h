@@ -50,6 +50,9 @@ struct OpSignature {
   std::vector<ArgSignature> args;
   ShapeRule shape;
   std::vector<std::pair<std::string, std::string>> may_alias;  // {output, input}
+  // {output, input}: the output is the input's storage under another shape;
+  // the op needs no kernel. Empty for every other op.
+  std::pair<std::string, std::string> view;
   std::string backward;  // op name of its backward, if differentiable
   std::string forward;   // for a backward op: the op whose gradients it computes
   std::string init;      // an op that initialises this op's persistent state, if it has any

@@ -316,7 +316,8 @@ CG_DEVICE U cg_cast(T x) {
   return U(x);
 }
 
-// A copy with another shape (the planner does not yet make it a view).
+// A view with another shape: the planner gives out x's storage and no kernel
+// runs (the function is the copy a fused loop would inline).
 template <typename T>
 CG_OP("reshape",
       "pattern: elementwise",
@@ -325,7 +326,8 @@ CG_OP("reshape",
       "tensor: out output T",
       "shape: x:[...S] -> out:[...R]; numel(x) == numel(out)",
       "may_alias: out x",
-      "doc: another shape, the same elements (copied: the planner does not make it a view yet)")
+      "view: out x",
+      "doc: a view with another shape; no copy")
 CG_DEVICE T cg_reshape(T x) {
   return x;
 }

@@ -31,7 +31,7 @@ class AnnotationParser {
     if (strings_.empty() || !is_identifier(strings_[0]))
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
-              may_alias = JsonValue::array(), variants = JsonValue::array();
+              may_alias = JsonValue::array(), variants = JsonValue::array(), view;
     std::string pattern, shape, doc, smem;
     std::string links[3];  // backward, forward, init
     for (index_ = 1; index_ < strings_.size(); ++index_) {
@@ -48,6 +48,10 @@ class AnnotationParser {
       else if (key == "arg") args.push_back(arg(value));
       else if (key == "shape") set_once(shape, value, key);
       else if (key == "may_alias") may_alias.push_back(alias(value));
+      else if (key == "view") {
+        if (!view.is_null()) fail("'view' is given twice");
+        view = alias(value);
+      }
       else if (key == "backward") set_once(links[0], link(value), key);
       else if (key == "forward") set_once(links[1], link(value), key);
       else if (key == "init") set_once(links[2], link(value), key);
@@ -55,7 +59,7 @@ class AnnotationParser {
       else if (key == "doc") set_once(doc, value, key);
       else if (key == "variant") variants.push_back(JsonValue::string(link(value)));
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
-                            "init, smem, doc, variant)",
+                            "init, smem, doc, variant, view)",
                             key));
     }
     index_ = 0;
@@ -72,6 +76,7 @@ class AnnotationParser {
     if (!args.items().empty()) op.set("args", std::move(args));
     op.set("shape", JsonValue::string(shape));
     if (!may_alias.items().empty()) op.set("may_alias", std::move(may_alias));
+    if (!view.is_null()) op.set("view", std::move(view));
     const char* link_keys[3] = {"backward", "forward", "init"};
     for (int i = 0; i < 3; ++i)
       if (!links[i].empty()) op.set(link_keys[i], JsonValue::string(links[i]));

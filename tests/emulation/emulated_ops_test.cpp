@@ -344,6 +344,27 @@ TEST(Emulation, ReportsADivergentBarrier) {
   }
 }
 
+// reshape is a view: no kernel, its output at its input's offset (with or
+// without reuse), and what reads it sees the producer's values.
+TEST(Emulation, ReshapeIsAViewWithoutAKernel) {
+  for (bool reuse : {true, false}) {
+    GraphBuilder b("view");
+    auto r = b.task("act", "relu").tensor("x", f32, {6, 10}, ext).tensor("out", f32, {6, 10});
+    auto v = b.task("flat", "reshape").tensor("x", r["out"]).tensor("out", f32, {60});
+    b.task("shift", "add").tensor("a", v["out"]).tensor("b", f32, {60}, ext).tensor("out", f32, {60}, ext);
+    CompileOptions options;
+    options.plan.placement.reuse = reuse;
+    Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+    ASSERT_EQ(c.kernels.size(), 2u) << "relu and add; the reshape runs no kernel";
+    EXPECT_EQ(c.plan.lookup(c.program, "flat", "out").offset, c.plan.lookup(c.program, "act", "out").offset);
+    EXPECT_EQ(c.emitted.cuda_source.find("flat"), c.emitted.cuda_source.find("flat.out")) << "named only as a buffer";
+    uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
+    EXPECT_TRUE(run.ok()) << format_run(run);
+  }
+}
+
 TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
   GraphBuilder b("in_place");
   auto r1 = b.task("r1", "relu").tensor("x", f32, {33, 7}, ext).tensor("out", f32, {33, 7});
