@@ -411,19 +411,19 @@ class IndexConsumer : public clang::ASTConsumer {
   void find_annotations(const Locator& at, clang::Decl* d) {
     // Annotations anywhere in the declaration: a method or a variable is an error.
     struct Finder : clang::RecursiveASTVisitor<Finder> {
-      std::vector<clang::Decl*> annotated;
+      std::vector<std::pair<clang::Decl*, const clang::AnnotateAttr*>> annotated;
       bool VisitDecl(clang::Decl* d) {
         for (const auto* a : d->specific_attrs<clang::AnnotateAttr>())
-          if (a->getAnnotation() == "cudagen.op") annotated.push_back(d);
+          if (a->getAnnotation() == "cudagen.op") annotated.push_back({d, a});
         return true;
       }
     } finder;
     finder.TraverseDecl(d);
-    for (clang::Decl* annotated : finder.annotated) annotation(at, annotated, d);
+    for (const auto& [annotated, attr] : finder.annotated) annotation(at, annotated, attr, d);
   }
 
-  void annotation(const Locator& at, clang::Decl* d, clang::Decl* top) {
-    const auto* attr = *d->specific_attrs<clang::AnnotateAttr>().begin();
+  // One CG_OP annotation `attr` on `d` (a declaration may carry other annotate attributes too).
+  void annotation(const Locator& at, clang::Decl* d, const clang::AnnotateAttr* attr, clang::Decl* top) {
     auto where = at.place(attr->getLocation());
     if (!where) return;
     auto* fd = llvm::dyn_cast<clang::FunctionDecl>(d);

@@ -117,6 +117,16 @@ CG_DEVICE float cg_unused(float x) { return x; }
   EXPECT_LT(std::find(order.begin(), order.end(), "cg_times_self"), std::find(order.begin(), order.end(), "cg_square"));
 }
 
+// CG_OP is found among other annotate attributes, whichever comes first.
+TEST_F(Indexer, AnOpBesideAnotherAnnotation) {
+  std::string op = kSquareOp;
+  op.replace(op.find("CG_OP(\"square\""), 5, "__attribute__((annotate(\"mine\"))) CG_OP");
+  file("op.cuh", op + "template <typename T> CG_DEVICE T cg_times_self(T x) { return x * x; }\n");
+  IndexRun r = index();
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(OpRegistry::from_json(r.out, "out.json").find("square"), nullptr);
+}
+
 TEST_F(Indexer, ATemplateThatDoesNotParseShowsClangsDiagnostics) {
   expect_error("template <typename T>\nCG_DEVICE T cg_broken(T x) {\n  return x + ;\n}\n", 3, "expected expression");
 }
