@@ -1,6 +1,7 @@
 #include "emit.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include <fmt/format.h>
@@ -14,33 +15,6 @@
 namespace cudagen {
 
 std::string phase_function(Phase phase) { return std::string("cudagen_") + to_string(phase); }
-
-std::string emitter_gap(const OpSignature& op) {
-  auto one_of = [&](std::initializer_list<const char*> names) {
-    for (const char* n : names)
-      if (op.name == n) return true;
-    return false;
-  };
-  switch (op.pattern) {
-    case PatternKind::elementwise:
-    case PatternKind::broadcast: return {};
-    case PatternKind::reduction:
-      if (one_of({"softmax", "rmsnorm", "layernorm", "sum", "mean", "max", "log_softmax", "sum_leading",
-                  "cross_entropy", "cross_entropy_backward"}))
-        return {};
-      return fmt::format("the emitter has no reduction skeleton for op '{}' yet (its template is {})", op.name,
-                         op.source_function);
-    case PatternKind::matmul: return {};
-    case PatternKind::gather:
-      if (one_of({"embedding", "split_heads", "merge_heads", "concat", "split"})) return {};
-      return fmt::format("the emitter has no gather skeleton for op '{}' yet (its template is {})", op.name,
-                         op.source_function);
-    case PatternKind::opaque:
-      if (op.name == "transpose") return {};
-      return fmt::format("the emitter has no skeleton for opaque op '{}' yet", op.name);
-  }
-  return "unknown pattern";
-}
 
 namespace {
 
@@ -81,6 +55,33 @@ struct Param {
 class Emitter {
  public:
   Emitter(const Program& p, const Plan& plan, const EmitOptions& options) : p_(p), plan_(plan), options_(options) {}
+
+  using Skeleton = std::string (Emitter::*)(int, const std::vector<Param>&, EmittedKernel&);
+
+  // The skeletons of reduction, gather and opaque ops, by op name (nullptr:
+  // none yet). Elementwise, broadcast and matmul ops share their pattern's.
+  static Skeleton named_skeleton(std::string_view op) {
+    static const std::map<std::string_view, Skeleton> skeletons = {
+        {"softmax", &Emitter::softmax},
+        {"log_softmax", &Emitter::log_softmax},
+        {"sum", &Emitter::row_reduce},
+        {"mean", &Emitter::row_reduce},
+        {"max", &Emitter::row_reduce},
+        {"sum_leading", &Emitter::sum_leading},
+        {"rmsnorm", &Emitter::rmsnorm},
+        {"layernorm", &Emitter::layernorm},
+        {"cross_entropy", &Emitter::cross_entropy},
+        {"cross_entropy_backward", &Emitter::cross_entropy_backward},
+        {"embedding", &Emitter::embedding},
+        {"split_heads", &Emitter::heads},
+        {"merge_heads", &Emitter::heads},
+        {"concat", &Emitter::concat_split},
+        {"split", &Emitter::concat_split},
+        {"transpose", &Emitter::transpose},
+    };
+    auto it = skeletons.find(op);
+    return it == skeletons.end() ? nullptr : it->second;
+  }
 
   EmittedProgram run(const std::vector<KernelGroup>& kernels) {
     EmittedProgram out;
@@ -227,28 +228,11 @@ class Emitter {
     ek.name = k.name;
     ek.phase = k.phase;
     ek.tasks = k.tasks;
-    std::string body;
-    switch (op.pattern) {
-      case PatternKind::elementwise:
-      case PatternKind::broadcast: body = elementwise(t, ps, ek); break;
-      case PatternKind::reduction:
-        if (op.name == "softmax") body = softmax(t, ps, ek);
-        else if (op.name == "rmsnorm") body = rmsnorm(t, ps, ek);
-        else if (op.name == "layernorm") body = layernorm(t, ps, ek);
-        else if (op.name == "cross_entropy") body = cross_entropy(t, ps, ek);
-        else if (op.name == "cross_entropy_backward") body = cross_entropy_backward(t, ps, ek);
-        else if (op.name == "sum" || op.name == "mean" || op.name == "max") body = row_reduce(t, ps, ek);
-        else if (op.name == "log_softmax") body = log_softmax(t, ps, ek);
-        else if (op.name == "sum_leading") body = sum_leading(t, ps, ek);
-        break;
-      case PatternKind::matmul: body = matmul(t, ps, ek); break;
-      case PatternKind::gather:
-        if (op.name == "embedding") body = embedding(t, ps, ek);
-        else if (op.name == "concat" || op.name == "split") body = concat_split(t, ps, ek);
-        else body = heads(t, ps, ek);
-        break;
-      case PatternKind::opaque: body = transpose(t, ps, ek); break;
-    }
+    // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
+    std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
+                           ? elementwise(t, ps, ek)
+                       : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
+                                                           : (this->*named_skeleton(op.name))(t, ps, ek);
     if (!diags_.ok()) return {};
     if (const auto* closure = op.closure_of(entry_function_)) needed_.insert(closure->begin(), closure->end());
     std::string code = comment(k, ps, ek) + signature(k.name, ek.block, ps) + " {\n" + body + "}\n\n";
@@ -312,28 +296,31 @@ class Emitter {
     }
     int64_t n = numel(out->buffer->shape);
     if (int width = vector_width(op, ps, *out, n); width > 1) return elementwise_vectorised(t, ps, *out, n, width, ek);
-    // 16-bit tensors are widened to f32 as they are loaded and narrowed as they are stored.
+    // 16-bit tensors are widened to f32 as they are loaded (load()) and narrowed as they are stored (apply()).
     for (const auto& x : ps)
       if (!x.written) {
         // An elementwise op (not a broadcast one) reads element i of an input of
         // the output's size whatever its shape (reshape).
         const bool flat = op.pattern == PatternKind::elementwise && numel(x.buffer->shape) == numel(out->buffer->shape);
-        std::string load = fmt::format("cg_load({}, {})", x.bound->name,
-                                       flat ? "i" : broadcast_index(out->buffer->shape, x.buffer->shape, "i"));
-        operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + load + ")" : load);
+        operands.push_back(load(x, flat ? "i" : broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
       }
     // An op with no input (fill, uniform) takes the element index first.
     if (operands.empty()) operands.push_back("i");
     append_arguments(t, operands);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
-    std::string value =
-        fmt::format("{}<{}>({})", op.source_function, compute_type(out->buffer->dtype), fmt::join(operands, ", "));
-    if (is_16bit(out->buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out->buffer->dtype), value);
     return fmt::format(
         "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
         "    cg_store({}, i, {});\n",
-        n, out->bound->name, value);
+        n, out->bound->name, apply(op, *out, operands));
+  }
+
+  // The op's function on its operands, in the output's compute type, narrowed
+  // to a 16-bit output's storage type.
+  static std::string apply(const OpSignature& op, const Param& out, const std::vector<std::string>& operands) {
+    std::string value =
+        fmt::format("{}<{}>({})", op.source_function, compute_type(out.buffer->dtype), fmt::join(operands, ", "));
+    return is_16bit(out.buffer->dtype) ? fmt::format("cg_narrow<{}>({})", c_type(out.buffer->dtype), value) : value;
   }
 
   // Elements per vectorised access (16 bytes of the widest tensor), or 1
@@ -366,9 +353,6 @@ class Emitter {
       }
     if (operands.empty()) operands.push_back("i + k");
     append_arguments(t, operands);
-    std::string value =
-        fmt::format("{}<{}>({})", op.source_function, compute_type(out.buffer->dtype), fmt::join(operands, ", "));
-    if (is_16bit(out.buffer->dtype)) value = fmt::format("cg_narrow<{}>({})", c_type(out.buffer->dtype), value);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n / width, ek.block);
     return fmt::format(
@@ -378,7 +362,7 @@ class Emitter {
         "    for (int k = 0; k < {0}; ++k) {4}_v.v[k] = {5};\n"
         "    cg_store_vector<{0}>({4}, i, {4}_v);\n"
         "  }}\n",
-        width, n, loads, c_type(out.buffer->dtype), out.bound->name, value);
+        width, n, loads, c_type(out.buffer->dtype), out.bound->name, apply(op, out, operands));
   }
 
   // The op's arguments after its operands; a string argument as the index of its choice.
@@ -650,8 +634,7 @@ class Emitter {
                : fmt::format("cg_split(x, a, b, i, {}, {})", A, B));
   }
 
-  std::string embedding(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
-    (void)t;
+  std::string embedding(int, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& table = param(ps, "table");
     const Param& ids = param(ps, "ids");
     const Param& out = param(ps, "out");
@@ -664,11 +647,7 @@ class Emitter {
         n, c_type(table.buffer->dtype), c_type(ids.buffer->dtype), dim);
   }
 
-  std::string transpose(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
-    if (p_.tasks[size_t(t)].op->name != "transpose") {
-      fail(t, "", "the only opaque op with a template yet is transpose");
-      return {};
-    }
+  std::string transpose(int, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
     const Shape& s = x.buffer->shape;
     const int64_t M = s[s.size() - 2], N = s.back();
@@ -828,6 +807,15 @@ class Emitter {
 };
 
 }  // namespace
+
+std::string emitter_gap(const OpSignature& op) {
+  if (op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast ||
+      op.pattern == PatternKind::matmul || Emitter::named_skeleton(op.name) != nullptr)
+    return {};
+  if (op.pattern == PatternKind::opaque) return fmt::format("the emitter has no skeleton for opaque op '{}' yet", op.name);
+  return fmt::format("the emitter has no {} skeleton for op '{}' yet (its template is {})", to_string(op.pattern),
+                     op.name, op.source_function);
+}
 
 EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,
                     const EmitOptions& options) {
