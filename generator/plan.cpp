@@ -32,6 +32,19 @@ namespace {
 
 bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved; }
 
+// {view buffer, source buffer} of every view task (reshape): one storage.
+std::vector<std::pair<int, int>> view_pairs(const Program& program) {
+  std::vector<std::pair<int, int>> out;
+  for (const auto& task : program.tasks) {
+    if (task.op->view.first.empty()) continue;
+    const BoundTensor* view = task.find_tensor(task.op->view.first);
+    const BoundTensor* source = task.find_tensor(task.op->view.second);
+    if (view != nullptr && source != nullptr && view->buffer != source->buffer)
+      out.emplace_back(view->buffer, source->buffer);
+  }
+  return out;
+}
+
 // in_place_of[b]: the buffer whose storage b takes over (may_alias), or -1.
 std::vector<int> find_in_place(const Program& program, const std::vector<KernelGroup>& kernels,
                                const std::vector<LiveInterval>& intervals) {
@@ -39,13 +52,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
   std::vector<bool> taken(program.buffers.size(), false);
   // A view and its source share storage while both live: neither may hand it
   // to an in-place output.
-  for (const auto& task : program.tasks)
-    if (!task.op->view.first.empty()) {
-      const BoundTensor* out = task.find_tensor(task.op->view.first);
-      const BoundTensor* in = task.find_tensor(task.op->view.second);
-      if (out != nullptr) taken[size_t(out->buffer)] = true;
-      if (in != nullptr) taken[size_t(in->buffer)] = true;
-    }
+  for (auto [view, source] : view_pairs(program)) taken[size_t(view)] = taken[size_t(source)] = true;
   for (int k = 0; k < int(kernels.size()); ++k) {
     for (int t : kernels[size_t(k)].tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
@@ -99,12 +106,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals)
                                                          : std::vector<int>(intervals.size(), -1);
   // A view takes its source's storage, reuse or not: no kernel copies it.
-  for (const auto& task : program.tasks)
-    if (!task.op->view.first.empty()) {
-      const BoundTensor* out = task.find_tensor(task.op->view.first);
-      const BoundTensor* in = task.find_tensor(task.op->view.second);
-      if (out != nullptr && in != nullptr && out->buffer != in->buffer) in_place_of[size_t(out->buffer)] = in->buffer;
-    }
+  for (auto [view, source] : view_pairs(program)) in_place_of[size_t(view)] = source;
   std::vector<int> unit_of(intervals.size(), -1);
   std::vector<LiveInterval> units;
   for (size_t b = 0; b < intervals.size(); ++b) {  // owners come before the buffers that reuse them

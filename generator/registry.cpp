@@ -329,21 +329,18 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   for (const auto& d : reg.definitions_)
     if (!ids.insert(d.id).second)
       diags.add(Diagnostic{{}, {}, "/definitions", {}, {}, fmt::format("duplicate definition id '{}'", d.id), {}});
-  for (const auto& op : reg.ops_)
-    for (const auto& id : op.closure)
+  auto check_closure = [&](const OpSignature& op, const std::vector<std::string>& closure) {
+    for (const auto& id : closure)
       if (!ids.count(id))
         diags.add(Diagnostic{{}, {}, {}, {}, {},
                              fmt::format("op '{}': its closure names definition '{}', which the registry does not hold",
                                          op.name, id),
                              {}});
-  for (const auto& op : reg.ops_)
-    for (const auto& variant : op.variants)
-      for (const auto& id : variant.closure)
-        if (!ids.count(id))
-        diags.add(Diagnostic{{}, {}, {}, {}, {},
-                             fmt::format("op '{}': its closure names definition '{}', which the registry does not hold",
-                                         op.name, id),
-                             {}});
+  };
+  for (const auto& op : reg.ops_) {
+    check_closure(op, op.closure);
+    for (const auto& variant : op.variants) check_closure(op, variant.closure);
+  }
   for (size_t i = 0; i < reg.ops_.size(); ++i) {
     if (!reg.index_.emplace(reg.ops_[i].name, i).second)
       diags.add(Diagnostic{{}, {}, fmt::format("/ops/{}", i), {}, {}, fmt::format("duplicate op '{}'", reg.ops_[i].name), {}});
