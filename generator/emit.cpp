@@ -72,6 +72,12 @@ class Emitter {
         {"layernorm", &Emitter::layernorm},
         {"cross_entropy", &Emitter::cross_entropy},
         {"cross_entropy_backward", &Emitter::cross_entropy_backward},
+        {"softmax_backward", &Emitter::softmax_backward},
+        {"log_softmax_backward", &Emitter::softmax_backward},
+        {"rmsnorm_backward", &Emitter::norm_backward},
+        {"layernorm_backward", &Emitter::norm_backward},
+        {"embedding_backward", &Emitter::embedding_backward},
+        {"mse", &Emitter::mse},
         {"embedding", &Emitter::embedding},
         {"split_heads", &Emitter::heads},
         {"merge_heads", &Emitter::heads},
@@ -234,10 +240,16 @@ class Emitter {
                        : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     if (!diags_.ok()) return {};
-    if (const auto* closure = op.closure_of(entry_function_)) needed_.insert(closure->begin(), closure->end());
+    use_function(op, entry_function_);
     std::string code = comment(k, ps, ek) + signature(k.name, ek.block, ps) + " {\n" + body + "}\n\n";
     emitted.push_back(ek);
     return code;
+  }
+
+  // Puts a function of the op (its entry function or a variant) and what it
+  // calls into the generated file.
+  void use_function(const OpSignature& op, const std::string& function) {
+    if (const auto* closure = op.closure_of(function)) needed_.insert(closure->begin(), closure->end());
   }
 
   // An op that updates slots in place (an optimizer): each element of every
@@ -557,6 +569,116 @@ class Emitter {
         "                                [&](int j, float v) {{ {}; }},\n"
         "                                {}, (cg_i64)cg_load(labels, row), {}, (float*)cg_smem);\n",
         load(logits, at), store(param(ps, "dlogits"), at, "v"), classes, float_literal(arg_double(t, "scale", 1.0)));
+  }
+
+  // softmax_backward and log_softmax_backward: one block per row, from the
+  // forward output and the output's gradient.
+  std::string softmax_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& out = param(ps, "out");
+    if (!check_f32_accumulation(t, out)) return {};
+    const bool log = p_.tasks[size_t(t)].op->name == "log_softmax_backward";
+    const int64_t n = one_block_per_row(out.buffer->shape, ek);
+    const std::string at = fmt::format("row * {} + j", n);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  {}([&](int j) {{ return {}; }},\n"
+        "      [&](int j) {{ return {}; }},\n"
+        "      [&](int j, float v) {{ {}; }},\n"
+        "      {}{}, (float*)cg_smem);\n",
+        log ? "cg_log_softmax_backward_row" : "cg_softmax_backward_row", load(out, at), load(param(ps, "dout"), at),
+        store(param(ps, "dx"), at, "v"), n, log ? "" : ", " + float_literal(arg_double(t, "scale", 1.0)));
+  }
+
+  // rmsnorm_backward and layernorm_backward in one kernel: blocks [0, rows)
+  // compute dx a row each; the blocks after them sum the parameters'
+  // gradients over rows, a column per thread, in row order.
+  std::string norm_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    const bool layer = op.name == "layernorm_backward";
+    const Param& x = param(ps, "x");
+    const Param& dout = param(ps, "dout");
+    if (!check_f32_accumulation(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek), rows = numel(x.buffer->shape) / n;
+    const int64_t column_blocks = (n + ek.block - 1) / ek.block;
+    ek.grid[0] = int(rows + column_blocks);
+    const std::string at = fmt::format("row * {} + j", n), column = fmt::format("r * {} + j", n);
+    const std::string stats = layer ? "cg_load(mean, row), cg_load(rstd, row)" : "cg_load(rstd, row)";
+    std::string columns;
+    if (layer) {
+      use_function(op, "cg_layernorm_backward_params_column");
+      columns = fmt::format(
+          "    float dw, db;\n"
+          "    cg_layernorm_backward_params_column([&](cg_i64 r) {{ return {}; }}, [&](cg_i64 r) {{ return {}; }},\n"
+          "                                        [&](cg_i64 r) {{ return cg_load(mean, r); }},\n"
+          "                                        [&](cg_i64 r) {{ return cg_load(rstd, r); }}, {}, dw, db);\n"
+          "    {};\n"
+          "    {};\n",
+          load(x, column), load(dout, column), rows, store(param(ps, "dweight"), "j", "dw"),
+          store(param(ps, "dbias"), "j", "db"));
+    } else {
+      use_function(op, "cg_rmsnorm_backward_weight_column");
+      columns = fmt::format(
+          "    {};\n",
+          store(param(ps, "dweight"), "j",
+                fmt::format("cg_rmsnorm_backward_weight_column([&](cg_i64 r) {{ return {}; }},\n"
+                            "                                            [&](cg_i64 r) {{ return {}; }},\n"
+                            "                                            [&](cg_i64 r) {{ return cg_load(rstd, r); }}, {})",
+                            load(x, column), load(dout, column), rows)));
+    }
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  if (blockIdx.x < {0}) {{  // dx, a row per block\n"
+        "    const cg_i64 row = blockIdx.x;\n"
+        "    {1}([&](int j) {{ return {2}; }},\n"
+        "        [&](int j) {{ return {3}; }},\n"
+        "        [&](int j) {{ return {4}; }},\n"
+        "        [&](int j, float v) {{ {5}; }},\n"
+        "        {6}, {7}, (float*)cg_smem);\n"
+        "  }} else {{  // the parameters' gradients, a column per thread\n"
+        "    const cg_i64 j = (cg_i64)(blockIdx.x - {0}) * blockDim.x + threadIdx.x;\n"
+        "    if (j >= {6}) return;\n"
+        "{8}"
+        "  }}\n",
+        rows, op.source_function, load(x, at), load(param(ps, "weight"), "j"), load(dout, at),
+        store(param(ps, "dx"), at, "v"), n, stats, columns);
+  }
+
+  // A block per table row, its threads over the row's columns.
+  std::string embedding_backward(int, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& ids = param(ps, "ids");
+    const Param& dout = param(ps, "dout");
+    const Param& dtable = param(ps, "dtable");
+    const int64_t dim = dtable.buffer->shape.back(), rows = dtable.buffer->shape.front();
+    ek.block = int(std::clamp<int64_t>((dim + 31) / 32 * 32, 32, 256));
+    ek.grid[0] = int(rows);
+    return fmt::format(
+        "  const cg_i64 v = blockIdx.x;\n"
+        "  for (cg_i64 d = threadIdx.x; d < {}; d += blockDim.x)\n"
+        "    {};\n",
+        dim,
+        store(dtable, fmt::format("v * {} + d", dim),
+              fmt::format("cg_embedding_backward<{}, {}>(ids, dout, v, d, {}, {})", c_type(dout.buffer->dtype),
+                          c_type(ids.buffer->dtype), numel(ids.buffer->shape), dim)));
+  }
+
+  // The mean squared error by one block: deterministic, and the scalar needs
+  // no zeroing before an atomic sum.
+  std::string mse(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& pred = param(ps, "pred");
+    if (!check_f32_accumulation(t, pred)) return {};
+    const int64_t n = numel(pred.buffer->shape);
+    ek.block = 256;
+    ek.grid[0] = 1;
+    ek.smem_bytes = 32 * 4;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  float partial = 0.0f;\n"
+        "  for (cg_i64 i = threadIdx.x; i < {0}; i += blockDim.x)\n"
+        "    partial += cg_squared_error<float>({1}, {2});\n"
+        "  const float total = cg_block_sum(partial, (float*)cg_smem);\n"
+        "  if (threadIdx.x == 0) cg_store(loss, 0, total / {3});\n",
+        n, load(pred, "i"), load(param(ps, "target"), "i"), float_literal(double(n)));
   }
 
   // split_heads / merge_heads: out[i] = x[source(i)].

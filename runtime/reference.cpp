@@ -95,6 +95,10 @@ class Evaluator {
     if (op == "cross_entropy" || op == "cross_entropy_backward") return cross_entropy(bt, op == "cross_entropy");
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "sum_leading") return sum_leading(bt);
+    if (op == "softmax_backward" || op == "log_softmax_backward") return softmax_backward(bt, op == "log_softmax_backward");
+    if (op == "rmsnorm_backward" || op == "layernorm_backward") return norm_backward(bt, op == "layernorm_backward");
+    if (op == "embedding_backward") return embedding_backward(bt);
+    if (op == "mse") return mse(bt);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
     if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
     throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
@@ -518,6 +522,117 @@ class Evaluator {
         a[size_t(j)] += r_.abs[size_t(x)][size_t(r * n + j)];
       }
     out(o, std::move(v), std::move(a));
+  }
+
+  // softmax: dx = scale * out * (dout - sum(dout * out)); log_softmax:
+  // dx = dout - exp(out) * sum(dout). Error scales: the same computation on
+  // the inputs' scales, exp's first-order term included.
+  void softmax_backward(const BoundTask& bt, bool log) {
+    int o = buf(bt, "out"), d = buf(bt, "dout"), x = buf(bt, "dx");
+    const double scale = log ? 1.0 : arg_double(bt, "scale", 1.0);
+    const int64_t n = shape(o).back(), rows = numel(shape(o)) / n;
+    const auto &ov = val(o), &dv = val(d), &oa = r_.abs[size_t(o)], &da = r_.abs[size_t(d)];
+    std::vector<double> v(ov.size()), a(ov.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      double dot = 0, dot_abs = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(r * n + j);
+        dot += log ? dv[i] : dv[i] * ov[i];
+        dot_abs += log ? da[i] : da[i] * oa[i];
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(r * n + j);
+        if (log) {
+          v[i] = dv[i] - std::exp(ov[i]) * dot;
+          a[i] = da[i] + std::exp(ov[i]) * (1 + oa[i]) * dot_abs;
+        } else {
+          v[i] = scale * ov[i] * (dv[i] - dot);
+          a[i] = std::abs(scale) * oa[i] * (da[i] + dot_abs);
+        }
+      }
+    }
+    out(x, std::move(v), std::move(a));
+  }
+
+  // rmsnorm: dx = rstd * (w * dout - x * rstd^2 * mean(w * dout * x)),
+  // dweight = sum over rows of dout * x * rstd. layernorm, with
+  // xhat = (x - mean) * rstd and g = dout * w:
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), dweight = sum of
+  // dout * xhat, dbias = sum of dout. Error scales: the same computation on
+  // the inputs' scales, rstd's up to three appearances counted thrice.
+  void norm_backward(const BoundTask& bt, bool layer) {
+    int x = buf(bt, "x"), w = buf(bt, "weight"), d = buf(bt, "dout"), rs = buf(bt, "rstd");
+    int mu = layer ? buf(bt, "mean") : -1;
+    const int64_t n = shape(x).back(), rows = numel(shape(x)) / n;
+    const auto &xv = val(x), &wv = val(w), &dv = val(d), &rv = val(rs);
+    const auto &xa = r_.abs[size_t(x)], &wa = r_.abs[size_t(w)], &da = r_.abs[size_t(d)], &ra = r_.abs[size_t(rs)];
+    std::vector<double> dx(xv.size()), dxa(xv.size()), dw(size_t(n), 0.0), dwa(dw.size(), 0.0), db(dw.size(), 0.0),
+        dba(dw.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double rstd = rv[size_t(r)], rstd_abs = ra[size_t(r)];
+      const double mean = layer ? val(mu)[size_t(r)] : 0.0, mean_abs = layer ? r_.abs[size_t(mu)][size_t(r)] : 0.0;
+      auto xhat = [&](int64_t j) { return (xv[size_t(r * n + j)] - mean) * (layer ? rstd : 1.0); };
+      auto xhat_abs = [&](int64_t j) { return (xa[size_t(r * n + j)] + mean_abs) * (layer ? rstd_abs : 1.0); };
+      double sum_g = 0, sum_g_abs = 0, sum_gx = 0, sum_gx_abs = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(r * n + j);
+        sum_g += dv[i] * wv[size_t(j)];
+        sum_g_abs += da[i] * wa[size_t(j)];
+        sum_gx += dv[i] * wv[size_t(j)] * xhat(j);
+        sum_gx_abs += da[i] * wa[size_t(j)] * xhat_abs(j);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t i = size_t(r * n + j);
+        const double g = dv[i] * wv[size_t(j)], g_abs = da[i] * wa[size_t(j)];
+        if (layer) {
+          dx[i] = rstd * (g - sum_g / double(n) - xhat(j) * sum_gx / double(n));
+          dxa[i] = 3 * rstd_abs * (g_abs + sum_g_abs / double(n) + xhat_abs(j) * sum_gx_abs / double(n));
+          dw[size_t(j)] += dv[i] * xhat(j);
+          dwa[size_t(j)] += da[i] * xhat_abs(j);
+          db[size_t(j)] += dv[i];
+          dba[size_t(j)] += da[i];
+        } else {
+          const double c = rstd * rstd * sum_gx / double(n), c_abs = rstd_abs * rstd_abs * sum_gx_abs / double(n);
+          dx[i] = rstd * (g - xv[i] * c);
+          dxa[i] = 3 * rstd_abs * (g_abs + xa[i] * c_abs);
+          dw[size_t(j)] += dv[i] * xv[i] * rstd;
+          dwa[size_t(j)] += da[i] * xa[i] * rstd_abs;
+        }
+      }
+    }
+    out(buf(bt, "dx"), std::move(dx), std::move(dxa));
+    out(buf(bt, "dweight"), std::move(dw), std::move(dwa));
+    if (layer) out(buf(bt, "dbias"), std::move(db), std::move(dba));
+  }
+
+  // dtable[v, :] = the sum of the dout rows whose id is v.
+  void embedding_backward(const BoundTask& bt) {
+    int ids = buf(bt, "ids"), d = buf(bt, "dout"), t = buf(bt, "dtable");
+    const int64_t rows = shape(t).front(), dim = shape(t).back(), count = numel(shape(ids));
+    std::vector<double> v(size_t(rows * dim), 0.0), a(v.size(), 0.0);
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t row = int64_t(val(ids)[size_t(s)]);
+      if (row < 0 || row >= rows)
+        throw std::runtime_error(fmt::format("reference: embedding id {} out of range", row));
+      for (int64_t j = 0; j < dim; ++j) {
+        v[size_t(row * dim + j)] += val(d)[size_t(s * dim + j)];
+        a[size_t(row * dim + j)] += r_.abs[size_t(d)][size_t(s * dim + j)];
+      }
+    }
+    out(t, std::move(v), std::move(a));
+  }
+
+  // loss = mean((pred - target)^2); its scale, the same on the inputs' scales.
+  void mse(const BoundTask& bt) {
+    int p = buf(bt, "pred"), t = buf(bt, "target");
+    const auto &pv = val(p), &tv = val(t), &pa = r_.abs[size_t(p)], &ta = r_.abs[size_t(t)];
+    double loss = 0, loss_abs = 0;
+    for (size_t i = 0; i < pv.size(); ++i) {
+      loss += (pv[i] - tv[i]) * (pv[i] - tv[i]);
+      loss_abs += (pa[i] + ta[i]) * (pa[i] + ta[i]);
+    }
+    const double n = double(std::max<size_t>(pv.size(), 1));
+    out(buf(bt, "loss"), {loss / n}, {loss_abs / n});
   }
 
   void heads(const BoundTask& bt, bool split) {

@@ -65,13 +65,14 @@ bool produced_by_a_task(const Program& p, int buffer) {
   return false;
 }
 
-// Integer inputs used as embedding ids take values inside the table.
-// Random integer inputs index something: embedding ids a table's rows,
-// labels a loss's classes (the last axis of its logits).
+// Random integer inputs index something: embedding ids a table's rows (of
+// the table, or of its gradient), labels a loss's classes (the last axis of
+// its logits).
 int64_t integer_input_range(const Program& p, int buffer) {
   for (const auto& t : p.tasks) {
-    const BoundTensor* ids = t.op->name == "embedding" ? t.find_tensor("ids") : nullptr;
-    if (ids && ids->buffer == buffer) return p.buffers[size_t(t.find_tensor("table")->buffer)].shape[0];
+    const BoundTensor* ids = t.find_tensor("ids");
+    const BoundTensor* table = t.find_tensor(t.op->name == "embedding_backward" ? "dtable" : "table");
+    if (ids && table && ids->buffer == buffer) return p.buffers[size_t(table->buffer)].shape[0];
     const BoundTensor* labels = t.find_tensor("labels");
     if (labels && labels->buffer == buffer && t.find_tensor("logits"))
       return p.buffers[size_t(t.find_tensor("logits")->buffer)].shape.back();

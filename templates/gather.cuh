@@ -16,9 +16,11 @@ CG_DEVICE T cg_embedding(const T* table, const I* ids, cg_i64 i, cg_i64 dim) {
   return cg_load(table, row * dim + i % dim);
 }
 
-// Its gradient, a scatter-add: element i of dout[S, D] goes to
-// dtable[ids[i / D], i % D]. Rows repeat, so the add is atomic; the kernel
-// zeroes dtable first.
+// Its gradient: dtable[v, d] = sum of dout[s, d] over the positions s whose
+// id is v. The emitter gives each table row a block, whose threads walk the
+// ids in order: deterministic, and no atomics or zeroing (a scatter-add with
+// atomics would be faster for large vocabularies, but its sums would vary
+// from run to run).
 template <typename T, typename I>
 CG_OP("embedding_backward",
       "pattern: gather",
@@ -29,10 +31,12 @@ CG_OP("embedding_backward",
       "tensor: dtable output T",
       "shape: ids:[...S] dout:[...S, D] -> dtable:[V, D]",
       "forward: embedding",
-      "doc: scatter-add of dout rows into dtable")
-CG_DEVICE void cg_embedding_backward(const I* ids, const T* dout, T* dtable, cg_i64 i, cg_i64 dim) {
-  const cg_i64 row = (cg_i64)cg_load(ids, i / dim);
-  cg_atomic_add(dtable, row * dim + i % dim, cg_load(dout, i));
+      "doc: dtable[v, :] = sum of the dout rows whose id is v")
+CG_DEVICE float cg_embedding_backward(const I* ids, const T* dout, cg_i64 v, cg_i64 d, cg_i64 count, cg_i64 dim) {
+  float sum = 0.0f;
+  for (cg_i64 s = 0; s < count; ++s)
+    if ((cg_i64)cg_load(ids, s) == v) sum += cg_widen(cg_load(dout, s * dim + d));
+  return sum;
 }
 
 // Concatenation along the last axis, as the value of element i of

@@ -41,11 +41,13 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// The gradients of one row of layernorm, given the mean and rstd forward
-// exported; with xhat = (x - mean) * rstd and g = dout * weight:
-//   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)),
-//   dweight[j] += dout[j] * xhat[j],  dbias[j] += dout[j]   (summed over rows through add_dweight, add_dbias).
-template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx, typename AddDweight, typename AddDbias>
+// The gradient of one row of layernorm with respect to x, given the mean and
+// rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
+//   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
+// The emitter runs one block per row; the weight's and the bias's gradients
+// are sums over rows, computed column by column by the variant below in the
+// same kernel, in row order (no atomics, no zeroing, the same bits every run).
+template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("layernorm_backward",
       "pattern: reduction",
       "types: T = " CG_FLOAT_TYPES,
@@ -59,10 +61,11 @@ CG_OP("layernorm_backward",
       "tensor: dbias output f32",
       "shape: x:[...S, N] weight:[N] mean:[...S] rstd:[...S] dout:[...S, N] -> dx:[...S, N] dweight:[N] dbias:[N]",
       "forward: layernorm",
+      "variant: cg_layernorm_backward_params_column",
       "smem: 128",
       "doc: gradients of layernorm with respect to x, weight and bias")
-CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, AddDweight add_dweight,
-                                         AddDbias add_dbias, int n, float mean, float rstd, float* scratch) {
+CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, int n, float mean,
+                                         float rstd, float* scratch) {
   float sum_g = 0.0f, sum_g_xhat = 0.0f;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const float g = dout(j) * weight(j), xhat = (x(j) - mean) * rstd;
@@ -74,7 +77,20 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const float xhat = (x(j) - mean) * rstd;
     store_dx(j, rstd * (dout(j) * weight(j) - mean_g - xhat * mean_g_xhat));
-    add_dweight(j, dout(j) * xhat);
-    add_dbias(j, dout(j));
   }
+}
+
+// For one column j: dweight[j] = sum over rows of dout * xhat and
+// dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
+// dout(r) read that column.
+template <typename LoadX, typename LoadDout, typename Mean, typename Rstd>
+CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean mean, Rstd rstd, cg_i64 rows,
+                                                   float& dweight, float& dbias) {
+  float sum_dw = 0.0f, sum_db = 0.0f;
+  for (cg_i64 r = 0; r < rows; ++r) {
+    sum_dw += dout(r) * (x(r) - mean(r)) * rstd(r);
+    sum_db += dout(r);
+  }
+  dweight = sum_dw;
+  dbias = sum_db;
 }

@@ -27,10 +27,13 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// The gradients of one row of rmsnorm, given the rstd that forward exported:
-//   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)),
-//   dweight[j] += dout[j] * x[j] * rstd   (summed over rows through add_dweight).
-template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx, typename AddDweight>
+// The gradient of one row of rmsnorm with respect to x, given the rstd that
+// forward exported:
+//   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
+// The emitter runs one block per row. The weight's gradient is a sum over
+// rows, which the variant below computes column by column in the same
+// kernel: in row order, so without atomics, zeroing or run-to-run variation.
+template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("rmsnorm_backward",
       "pattern: reduction",
       "types: T = " CG_FLOAT_TYPES,
@@ -42,15 +45,22 @@ CG_OP("rmsnorm_backward",
       "tensor: dweight output f32",
       "shape: x:[...S, N] weight:[N] rstd:[...S] dout:[...S, N] -> dx:[...S, N] dweight:[N]",
       "forward: rmsnorm",
+      "variant: cg_rmsnorm_backward_weight_column",
       "smem: 128",
       "doc: gradients of rmsnorm with respect to x and weight")
-CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, AddDweight add_dweight,
-                                       int n, float rstd, float* scratch) {
+CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, int n, float rstd,
+                                       float* scratch) {
   float dot = 0.0f;
   for (int j = threadIdx.x; j < n; j += blockDim.x) dot += weight(j) * dout(j) * x(j);
   const float c = cg_block_sum(dot, scratch) / (float)n * rstd * rstd;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
-    add_dweight(j, dout(j) * x(j) * rstd);
-  }
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
+}
+
+// dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r], for one
+// column j; x(r) and dout(r) read that column.
+template <typename LoadX, typename LoadDout, typename Rstd>
+CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd rstd, cg_i64 rows) {
+  float sum = 0.0f;
+  for (cg_i64 r = 0; r < rows; ++r) sum += dout(r) * x(r) * rstd(r);
+  return sum;
 }

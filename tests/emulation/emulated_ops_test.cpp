@@ -132,6 +132,37 @@ TaskGraph all_ops(int64_t n) {
         .arg("weight_decay", 0.1)
         .arg("step", int64_t(3));
   }
+  // The gradients of the reductions and the gather.
+  b.task("softmax_backward", "softmax_backward")
+      .tensor("out", f32, {3, n}, ext)
+      .tensor("dout", f32, {3, n}, ext)
+      .tensor("dx", f32, {3, n}, ext)
+      .arg("scale", 0.7);
+  b.task("log_softmax_backward", "log_softmax_backward")
+      .tensor("out", f32, {2, n}, ext)
+      .tensor("dout", f32, {2, n}, ext)
+      .tensor("dx", f32, {2, n}, ext);
+  b.task("rmsnorm_backward", "rmsnorm_backward")
+      .tensor("x", f32, {3, n}, ext)
+      .tensor("weight", f32, {n}, Storage::persistent)
+      .tensor("rstd", f32, {3}, ext)
+      .tensor("dout", f32, {3, n}, ext)
+      .tensor("dx", f32, {3, n}, ext)
+      .tensor("dweight", f32, {n}, ext);
+  b.task("layernorm_backward", "layernorm_backward")
+      .tensor("x", f32, {5, n}, ext)
+      .tensor("weight", f32, {n}, Storage::persistent)
+      .tensor("mean", f32, {5}, ext)
+      .tensor("rstd", f32, {5}, ext)
+      .tensor("dout", f32, {5, n}, ext)
+      .tensor("dx", f32, {5, n}, ext)
+      .tensor("dweight", f32, {n}, ext)
+      .tensor("dbias", f32, {n}, ext);
+  b.task("embedding_backward", "embedding_backward")
+      .tensor("ids", DType::i64, {n + 2}, ext)
+      .tensor("dout", f32, {n + 2, 5}, ext)
+      .tensor("dtable", f32, {4, 5}, ext);
+  b.task("mse", "mse").tensor("pred", f32, {n, 3}, ext).tensor("target", f32, {n, 3}, ext).tensor("loss", f32, {}, ext);
   b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
   b.task("split", "split")
       .tensor("x", f32, {2, n + 3}, ext)
@@ -151,7 +182,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 61u);
+  ASSERT_EQ(run.checks.size(), 70u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -213,6 +244,22 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("labels", DType::i32, {2}, ext)
       .tensor("dlogits", h, {2, n}, ext)
       .arg("scale", 0.5);
+  b.task("softmax_backward_" + t, "softmax_backward")
+      .tensor("out", h, {2, n}, ext)
+      .tensor("dout", h, {2, n}, ext)
+      .tensor("dx", h, {2, n}, ext);
+  b.task("rmsnorm_backward_" + t, "rmsnorm_backward")
+      .tensor("x", h, {3, n}, ext)
+      .tensor("weight", h, {n}, Storage::persistent)
+      .tensor("rstd", f32, {3}, ext)
+      .tensor("dout", h, {3, n}, ext)
+      .tensor("dx", h, {3, n}, ext)
+      .tensor("dweight", f32, {n}, ext);
+  b.task("embedding_backward_" + t, "embedding_backward")
+      .tensor("ids", DType::i32, {n}, ext)
+      .tensor("dout", h, {n, 3}, ext)
+      .tensor("dtable", h, {6, 3}, ext);
+  b.task("mse_" + t, "mse").tensor("pred", h, {n}, ext).tensor("target", h, {n}, ext).tensor("loss", f32, {}, ext);
   b.task("matmul_" + t, "matmul").tensor("a", h, {n, 9}, ext).tensor("b", h, {9, 7}, ext).tensor("out", h, {n, 7}, ext);
   b.task("matmul_t_" + t, "matmul")
       .tensor("a", h, {2, 9, n}, ext)
@@ -238,7 +285,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 32u);
+  ASSERT_EQ(run.checks.size(), 37u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
