@@ -65,8 +65,9 @@ struct OpSignature {
   // The template definitions the op's function needs, itself included, by
   // id, in file order (made by the indexer; empty in a hand-written registry).
   std::vector<std::string> closure;
-  // Other entry functions of the op that the emitter may call instead (a
-  // tensor-core tile), each with its own closure.
+  // Other entry functions of the op that the emitter calls instead of the
+  // main one (a tensor-core tile) or beside it (a norm backward's column
+  // sums), each with its own closure.
   struct Variant {
     std::string function;
     std::vector<std::string> closure;

@@ -82,6 +82,14 @@ class Evaluator {
       });
     }
     if (op == "cast" || op == "reshape") return unary(bt, [](double x) { return x; });
+    if (op == "cast_backward") return unary(bt, [](double x) { return x; }, "dout", "dx");
+    if (op == "neg_backward") return unary(bt, [](double x) { return -x; }, "dout", "dx");
+    if (op == "affine_backward") {
+      const double scale = arg_double(bt, "scale", 1.0);
+      return unary(bt, [scale](double d) { return scale * d; }, "dout", "dx");
+    }
+    if (op == "log_backward") return gradient(bt, [](double x, double d) { return d / x; });
+    if (op == "exp_backward") return gradient(bt, [](double out, double d) { return d * out; }, "out");
     if (op == "mse_backward") return mse_backward(bt);
     if (op == "concat" || op == "split") return concat_split(bt, op == "concat");
     if (op == "matmul") return matmul(bt);
@@ -145,8 +153,8 @@ class Evaluator {
   }
 
   template <typename F>
-  void unary(const BoundTask& bt, F f) {
-    int x = buf(bt, "x"), o = buf(bt, "out");
+  void unary(const BoundTask& bt, F f, const char* in = "x", const char* result = "out") {
+    int x = buf(bt, in), o = buf(bt, result);
     const auto& xv = val(x);
     const auto& xa = r_.abs[size_t(x)];
     std::vector<double> v(xv.size()), a(xv.size());
@@ -181,8 +189,8 @@ class Evaluator {
 
   // dx = f(x, dout), scaled as unary ops are, through both partial derivatives.
   template <typename F>
-  void gradient(const BoundTask& bt, F f) {
-    int x = buf(bt, "x"), d = buf(bt, "dout"), o = buf(bt, "dx");
+  void gradient(const BoundTask& bt, F f, const char* forward_slot = "x") {
+    int x = buf(bt, forward_slot), d = buf(bt, "dout"), o = buf(bt, "dx");
     int64_t n = numel(shape(o));
     std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {

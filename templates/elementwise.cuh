@@ -71,6 +71,7 @@ CG_OP("exp",
       "tensor: out output T",
       "shape: x:[...S] -> out:[...S]",
       "may_alias: out x",
+      "backward: exp_backward",
       "doc: exp(x)")
 CG_DEVICE T cg_exp(T x) {
   return exp(x);
@@ -84,6 +85,7 @@ CG_OP("log",
       "tensor: out output T",
       "shape: x:[...S] -> out:[...S]",
       "may_alias: out x",
+      "backward: log_backward",
       "doc: natural logarithm")
 CG_DEVICE T cg_log(T x) {
   return log(x);
@@ -97,6 +99,7 @@ CG_OP("neg",
       "tensor: out output T",
       "shape: x:[...S] -> out:[...S]",
       "may_alias: out x",
+      "backward: neg_backward",
       "doc: -x")
 CG_DEVICE T cg_neg(T x) {
   return -x;
@@ -139,6 +142,7 @@ CG_OP("affine",
       "arg: shift float = 0.0",
       "shape: x:[...S] -> out:[...S]",
       "may_alias: out x",
+      "backward: affine_backward",
       "doc: scale * x + shift")
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
@@ -311,6 +315,7 @@ CG_OP("cast",
       "tensor: x input T",
       "tensor: out output U",
       "shape: x:[...S] -> out:[...S]",
+      "backward: cast_backward",
       "doc: convert between floating dtypes")
 CG_DEVICE U cg_cast(T x) {
   return U(x);
@@ -330,6 +335,81 @@ CG_OP("reshape",
       "doc: a view with another shape; no copy")
 CG_DEVICE T cg_reshape(T x) {
   return x;
+}
+
+// Gradients of exp, log, neg, affine and cast.
+template <typename T>
+CG_OP("exp_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: out:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: exp",
+      "doc: gradient of exp from its output: dx = dout * out")
+CG_DEVICE T cg_exp_backward(T out, T dout) {
+  return dout * out;
+}
+
+template <typename T>
+CG_OP("log_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: log",
+      "doc: gradient of log: dx = dout / x")
+CG_DEVICE T cg_log_backward(T x, T dout) {
+  return dout / x;
+}
+
+template <typename T>
+CG_OP("neg_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: neg",
+      "doc: gradient of neg: dx = -dout")
+CG_DEVICE T cg_neg_backward(T dout) {
+  return -dout;
+}
+
+template <typename T>
+CG_OP("affine_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: scale float = 1.0",
+      "shape: dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: affine",
+      "doc: gradient of affine: dx = scale * dout")
+CG_DEVICE T cg_affine_backward(T dout, T scale) {
+  return T(scale) * dout;
+}
+
+// The gradient of a cast is the cast back, to the input's dtype.
+template <typename T, typename U>
+CG_OP("cast_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "types: U = " CG_FLOAT_TYPES,
+      "tensor: dout input U",
+      "tensor: dx output T",
+      "shape: dout:[...S] -> dx:[...S]",
+      "forward: cast",
+      "doc: gradient of cast: dout converted back to the input's dtype")
+CG_DEVICE T cg_cast_backward(U dout) {
+  return T(dout);
 }
 
 // The gradient of (pred - target)^2, times scale; the caller folds the

@@ -132,6 +132,15 @@ TaskGraph all_ops(int64_t n) {
         .arg("weight_decay", 0.1)
         .arg("step", int64_t(3));
   }
+  b.task("exp_backward", "exp_backward").tensor("out", f32, {n}, ext).tensor("dout", f32, {n}, ext).tensor("dx", f32, {n}, ext);
+  auto positive = b.task("log_backward_x", "exp").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);
+  b.task("log_backward", "log_backward").tensor("x", positive["out"]).tensor("dout", f32, {n}, ext).tensor("dx", f32, {n}, ext);
+  b.task("neg_backward", "neg_backward").tensor("dout", f32, {n, 2}, ext).tensor("dx", f32, {n, 2}, ext);
+  b.task("affine_backward", "affine_backward")
+      .tensor("dout", f32, {n}, ext)
+      .tensor("dx", f32, {n}, ext)
+      .arg("scale", -1.5);
+  b.task("cast_backward", "cast_backward").tensor("dout", DType::f64, {n}, ext).tensor("dx", f32, {n}, ext);
   // The gradients of the reductions and the gather.
   b.task("softmax_backward", "softmax_backward")
       .tensor("out", f32, {3, n}, ext)
@@ -182,7 +191,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 70u);
+  ASSERT_EQ(run.checks.size(), 76u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -244,6 +253,8 @@ TaskGraph half_ops(int64_t n, DType h) {
       .tensor("labels", DType::i32, {2}, ext)
       .tensor("dlogits", h, {2, n}, ext)
       .arg("scale", 0.5);
+  b.task("cast_backward_" + t, "cast_backward").tensor("dout", f32, {n}, ext).tensor("dx", h, {n}, ext);
+  b.task("exp_backward_" + t, "exp_backward").tensor("out", h, {n}, ext).tensor("dout", h, {n}, ext).tensor("dx", h, {n}, ext);
   b.task("softmax_backward_" + t, "softmax_backward")
       .tensor("out", h, {2, n}, ext)
       .tensor("dout", h, {2, n}, ext)
@@ -285,7 +296,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   EmulatedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 37u);
+  ASSERT_EQ(run.checks.size(), 39u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

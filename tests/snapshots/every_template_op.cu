@@ -329,19 +329,19 @@ CG_DEVICE T cg_exp(T x) {
   return exp(x);
 }
 
-// templates/elementwise.cuh:79
+// templates/elementwise.cuh:80
 template <typename T>
 CG_DEVICE T cg_log(T x) {
   return log(x);
 }
 
-// templates/elementwise.cuh:92
+// templates/elementwise.cuh:94
 template <typename T>
 CG_DEVICE T cg_neg(T x) {
   return -x;
 }
 
-// templates/elementwise.cuh:106
+// templates/elementwise.cuh:109
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
@@ -349,76 +349,76 @@ CG_DEVICE T cg_gelu_tanh(T x) {
   return T(0.5) * x * (T(1) + tanh(k * (x + T(0.044715) * x * x * x)));
 }
 
-// templates/elementwise.cuh:112
+// templates/elementwise.cuh:115
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * (T(1) + erf(x * T(0.7071067811865476)));
 }
 
-// templates/elementwise.cuh:117
+// templates/elementwise.cuh:120
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:132
+// templates/elementwise.cuh:135
 template <typename T>
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
-// templates/elementwise.cuh:147
+// templates/elementwise.cuh:151
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:161
+// templates/elementwise.cuh:165
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
-// templates/elementwise.cuh:175
+// templates/elementwise.cuh:179
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
-// templates/elementwise.cuh:189
+// templates/elementwise.cuh:193
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
-// templates/elementwise.cuh:203
+// templates/elementwise.cuh:207
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
-// templates/elementwise.cuh:218
+// templates/elementwise.cuh:222
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:233
+// templates/elementwise.cuh:237
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) - s);
 }
 
-// templates/elementwise.cuh:249
+// templates/elementwise.cuh:253
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) + x * (T(1) - s));
 }
 
-// templates/elementwise.cuh:265
+// templates/elementwise.cuh:269
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);

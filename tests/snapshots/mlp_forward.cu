@@ -305,7 +305,7 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:147
+// templates/elementwise.cuh:151
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
