@@ -81,9 +81,19 @@ struct Task {
   const ArgSlot* find_arg(std::string_view name) const;
 };
 
+// What to train (JSON "training"; DESIGN.md §1 derive): the derive pass
+// adds the backward tasks of `loss` and an optimizer task per weight.
+struct TrainingSpec {
+  SlotRef loss;                         // a scalar output of a forward task
+  std::string optimizer;                // "sgd", "adam", "adamw"; empty: backward tasks only
+  std::vector<ArgSlot> optimizer_args;  // lr, momentum, beta1, beta2, eps, weight_decay
+  SourceLoc loc;
+};
+
 struct TaskGraph {
   std::string name;
   std::vector<Task> tasks;
+  std::optional<TrainingSpec> training;
 
   const Task* find_task(std::string_view id) const;
 };

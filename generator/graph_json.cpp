@@ -19,7 +19,7 @@ class GraphReader {
   TaskGraph read(const JsonValue& root) {
     TaskGraph graph;
     if (!expect_kind(root, JsonValue::Kind::Object, "", "the document")) return graph;
-    check_fields(root, "", {"format", "name", "tasks"});
+    check_fields(root, "", {"format", "name", "tasks", "training"});
     const JsonValue* format = root.find("format");
     if (format == nullptr) {
       error(root.loc, "", fmt::format("missing \"format\"; a task graph starts with \"format\": \"{}\"", kTaskGraphFormat));
@@ -38,6 +38,7 @@ class GraphReader {
       return graph;
     }
     if (!expect_kind(*tasks, JsonValue::Kind::Array, "/tasks", "\"tasks\"")) return graph;
+    if (const JsonValue* training = root.find("training")) graph.training = read_training(*training);
     graph.tasks.reserve(tasks->items().size());
     for (size_t i = 0; i < tasks->items().size(); ++i) {
       if (diags_.full()) break;
@@ -68,6 +69,31 @@ class GraphReader {
       error(value.loc, path + "/" + key, fmt::format("unknown field \"{}\"{}", key, did_you_mean(key, names)),
             fmt::format("the fields allowed here are: {}", fmt::join(names, ", ")), task, slot);
     }
+  }
+
+  // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}}
+  std::optional<TrainingSpec> read_training(const JsonValue& v) {
+    if (!expect_kind(v, JsonValue::Kind::Object, "/training", "\"training\"")) return std::nullopt;
+    check_fields(v, "/training", {"loss", "optimizer", "args"});
+    TrainingSpec spec;
+    spec.loc = v.loc;
+    const JsonValue* loss = v.find("loss");
+    if (loss == nullptr) {
+      error(v.loc, "/training", "\"training\" needs \"loss\": the scalar to minimise",
+            "write \"loss\": \"task.slot\", a forward task's scalar output");
+    } else if (auto r = read_ref(*loss, "/training/loss", {}, {})) {
+      spec.loss = *r;
+    }
+    if (const JsonValue* optimizer = v.find("optimizer")) {
+      if (expect_kind(*optimizer, JsonValue::Kind::String, "/training/optimizer", "\"optimizer\""))
+        spec.optimizer = optimizer->as_string();
+    }
+    if (const JsonValue* args = v.find("args")) {
+      if (expect_kind(*args, JsonValue::Kind::Object, "/training/args", "\"args\""))
+        for (const auto& [name, value] : args->members())
+          spec.optimizer_args.push_back(read_arg_slot(name, value, "/training/args/" + name, {}));
+    }
+    return spec;
   }
 
   Task read_task(const JsonValue& v, const std::string& path) {
@@ -310,8 +336,17 @@ std::string write_graph(const TaskGraph& graph) {
     write_indent(out, 2);
     out += "}";
   }
-  out += graph.tasks.empty() ? "]\n" : "\n  ]\n";
-  out += "}\n";
+  out += graph.tasks.empty() ? "]" : "\n  ]";
+  if (graph.training) {
+    const TrainingSpec& t = *graph.training;
+    std::vector<std::string> fields = {"\"loss\": " + json_quote(t.loss.str())};
+    if (!t.optimizer.empty()) fields.push_back("\"optimizer\": " + json_quote(t.optimizer));
+    std::vector<std::string> args;
+    for (const auto& a : t.optimizer_args) args.push_back(json_quote(a.name) + ": " + arg_slot_json(a));
+    if (!args.empty()) fields.push_back(fmt::format("\"args\": {{{}}}", fmt::join(args, ", ")));
+    out += fmt::format(",\n  \"training\": {{{}}}", fmt::join(fields, ", "));
+  }
+  out += "\n}\n";
   return out;
 }
 

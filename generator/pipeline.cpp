@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "derive.h"
 #include "describe.h"
 #include "file_util.h"
 #include "graph_json.h"
@@ -13,15 +14,28 @@ OpRegistry load_registry(const FrontendOptions& options) {
   return OpRegistry::from_json(read_text_file(options.registry_file), options.registry_file);
 }
 
+namespace {
+
+// validate, then, for a graph that asks for training, derive and validate the result.
+Program validate_and_derive(TaskGraph graph, const FrontendOptions& options, const ValidateOptions& validate_options) {
+  OpRegistry registry = load_registry(options);
+  Program program = validate(std::move(graph), registry, validate_options);
+  if (!program.graph.training) return program;
+  DerivedGraph derived = derive_training(program, *program.graph.training);
+  return validate(std::move(derived.graph), std::move(registry), validate_options);
+}
+
+}  // namespace
+
 Program load_program(const std::string& graph_path, const FrontendOptions& options) {
   TaskGraph graph = read_graph_file(graph_path);
   ValidateOptions validate_options = options.validate;
   validate_options.file = graph_path;
-  return validate(std::move(graph), load_registry(options), validate_options);
+  return validate_and_derive(std::move(graph), options, validate_options);
 }
 
 Program load_program(TaskGraph graph, const FrontendOptions& options) {
-  return validate(std::move(graph), load_registry(options), options.validate);
+  return validate_and_derive(std::move(graph), options, options.validate);
 }
 
 std::string describe_options(const CompileOptions& options) {

@@ -31,7 +31,7 @@ inline const std::vector<std::string> kPassNames = {"validate", "schedule", "ker
 
 OpRegistry load_registry(const FrontendOptions& options);
 
-// read (JSON) -> validate
+// read (JSON) -> validate, and where the graph asks for training: derive -> validate
 Program load_program(const std::string& graph_path, const FrontendOptions& options);
 
 // validate, for a graph made in code (the builder API)

@@ -77,7 +77,7 @@ TEST(GraphJson, CanonicalTextRoundTripsByteForByte) {
 }
 
 TEST(GraphJson, ExamplesAreInCanonicalForm) {
-  for (const char* name : {"examples/mlp_train.json", "examples/transformer_block.json"}) {
+  for (const char* name : {"examples/mlp_train.json", "examples/transformer_block.json", "examples/mlp_derived.json"}) {
     std::string text = read_text_file(source_path(name));
     EXPECT_EQ(write_graph(read_graph(text, name)), text) << name << " is not canonical: run `cudagen format`";
   }
@@ -119,6 +119,25 @@ TEST(GraphJson, StructuralErrorsAreAllReported) {
                            "/tasks/0/tensors/x/shape/0", "a dimension must be a positive integer",
                            "\"nodot\" is not a slot reference", "either \"value\" or \"from\", not both", "6 errors"})
     EXPECT_NE(msg.find(want), std::string::npos) << "missing: " << want << "\nin:\n" << msg;
+}
+
+// "training" asks the derive pass for backward and update tasks.
+TEST(GraphJson, ReadsTheTrainingSection) {
+  TaskGraph g = read_graph(read_text_file(source_path("examples/mlp_derived.json")));
+  ASSERT_TRUE(g.training.has_value());
+  EXPECT_EQ(g.training->loss.str(), "loss.loss");
+  EXPECT_EQ(g.training->optimizer, "sgd");
+  ASSERT_EQ(g.training->optimizer_args.size(), 2u);
+  EXPECT_EQ(g.training->optimizer_args[1].name, "momentum");
+  std::string text = R"({"format": "cudagen.taskgraph/1", "tasks": [], "training": {"optimiser": "sgd", "loss": "nodot"}})";
+  std::string msg;
+  try {
+    read_graph(text, "t.json");
+  } catch (const CompileError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("t.json:1:74: error: /training/optimiser: unknown field \"optimiser\"; did you mean 'optimizer'?"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("t.json:1:89: error: /training/loss: \"nodot\" is not a slot reference"), std::string::npos) << msg;
 }
 
 TEST(GraphJson, MissingFormatAndTasks) {

@@ -1,0 +1,432 @@
+#include "derive.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "diagnostics.h"
+#include "schedule.h"
+
+namespace cudagen {
+
+namespace {
+
+int64_t numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+bool is_float(DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16 || d == DType::f64; }
+
+// The loss's gradient before any task has made it a tensor: d loss / d loss = 1.
+const SlotRef kSeed{"", ""};
+
+class Deriver {
+ public:
+  Deriver(const Program& p, const TrainingSpec& spec) : p_(p), spec_(spec) {
+    out_.graph = p.graph;
+    out_.graph.training.reset();
+    for (const auto& t : p.graph.tasks) ids_.insert(t.id);
+  }
+
+  DerivedGraph run() {
+    for (const auto& t : p_.graph.tasks)
+      if (t.phase == Phase::backward) return std::move(out_);  // written by hand: taken as it is
+    const int loss = loss_buffer();
+    find_weights();
+    const Schedule order = schedule(p_);
+    std::vector<int> forward;
+    for (int t : order.order)
+      if (p_.tasks[size_t(t)].task->phase == Phase::forward) forward.push_back(t);
+    mark_requires_grad(forward);
+    contributions_[loss].push_back(kSeed);
+    for (auto it = forward.rbegin(); it != forward.rend(); ++it) differentiate(*it);
+    for (int w : weights_) {
+      const BufferInfo& b = p_.buffers[size_t(w)];
+      if (contributions_[w].empty())
+        fail(b.owner_task, b.owner_slot,
+             fmt::format("weight '{}' receives no gradient: no path leads from it to the loss '{}'", ref(w).str(),
+                         spec_.loss.str()),
+             "remove it, or make it persistent only if it is not trained");
+      out_.gradients.emplace_back(ref(w), gradient_of(w));
+    }
+    if (!spec_.optimizer.empty())
+      for (const auto& [weight, grad] : out_.gradients) add_update(weight, grad);
+    return std::move(out_);
+  }
+
+ private:
+  [[noreturn]] void fail(int task, const std::string& slot, const std::string& message, const std::string& hint = {}) {
+    Diagnostics d;
+    d.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
+    throw CompileError(std::move(d));
+  }
+
+  int task_index(const std::string& id) const {
+    for (size_t i = 0; i < p_.tasks.size(); ++i)
+      if (p_.tasks[i].task->id == id) return int(i);
+    return -1;
+  }
+
+  int loss_buffer() {
+    const int t = task_index(spec_.loss.task);
+    if (t < 0) {
+      Diagnostics d;
+      d.add(Diagnostic{{}, {}, "/training/loss", {}, {}, fmt::format("the loss '{}' names no task", spec_.loss.str()),
+                       "name a forward task's scalar output, as \"loss.loss\""});
+      throw CompileError(std::move(d));
+    }
+    const BoundTensor* slot = p_.tasks[size_t(t)].find_tensor(spec_.loss.slot);
+    if (slot == nullptr || !slot->sig->written())
+      fail(t, spec_.loss.slot, fmt::format("the loss '{}' is not an output of task '{}'", spec_.loss.str(), spec_.loss.task));
+    const BufferInfo& b = p_.buffers[size_t(slot->buffer)];
+    if (numel(b.shape) != 1 || !is_float(b.dtype))
+      fail(t, spec_.loss.slot,
+           fmt::format("the loss must be a floating scalar, but '{}' is {} {}", spec_.loss.str(), to_string(b.dtype),
+                       shape_to_string(b.shape)),
+           "reduce it first (mean, sum, or a loss op such as cross_entropy)");
+    if (p_.tasks[size_t(t)].task->phase != Phase::forward)
+      fail(t, spec_.loss.slot, "the loss must be computed in the forward phase");
+    return slot->buffer;
+  }
+
+  // Persistent floating buffers read by forward tasks and written by none.
+  void find_weights() {
+    std::set<int> read, written;
+    for (const auto& bt : p_.tasks) {
+      if (bt.task->phase != Phase::forward) continue;
+      for (const auto& b : bt.tensors) (b.sig->written() ? written : read).insert(b.buffer);
+    }
+    for (int b : read) {
+      const BufferInfo& info = p_.buffers[size_t(b)];
+      if (info.storage == Storage::persistent && is_float(info.dtype) && !written.count(b)) weights_.push_back(b);
+    }
+  }
+
+  void mark_requires_grad(const std::vector<int>& forward) {
+    requires_grad_.insert(weights_.begin(), weights_.end());
+    for (int t : forward) {
+      const BoundTask& bt = p_.tasks[size_t(t)];
+      bool any = false;
+      for (const auto& b : bt.tensors)
+        if (!b.sig->written() && requires_grad_.count(b.buffer)) any = true;
+      if (!any) continue;
+      for (const auto& b : bt.tensors)
+        if (b.sig->written() && is_float(p_.buffers[size_t(b.buffer)].dtype)) requires_grad_.insert(b.buffer);
+    }
+  }
+
+  SlotRef ref(int buffer) const {
+    const BufferInfo& b = p_.buffers[size_t(buffer)];
+    return SlotRef{p_.tasks[size_t(b.owner_task)].task->id, b.owner_slot};
+  }
+
+  std::string unique_id(const std::string& base) {
+    std::string id = base;
+    for (int k = 2; ids_.count(id); ++k) id = fmt::format("{}_{}", base, k);
+    ids_.insert(id);
+    return id;
+  }
+
+  // A derived task: `inputs` bound by `from`, `outputs` owning new storage.
+  struct Output {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    std::optional<Storage> storage = std::nullopt;
+  };
+  std::string add_task(const std::string& base, const std::string& op, Phase phase,
+                       const std::vector<std::pair<std::string, SlotRef>>& inputs, const std::vector<Output>& outputs,
+                       const std::vector<std::pair<std::string, ArgValue>>& args = {}) {
+    Task t;
+    t.id = unique_id(base);
+    t.op = op;
+    t.phase = phase;
+    for (const auto& [name, from] : inputs) t.tensors.push_back(TensorSlot{name, {}, {}, {}, from, {}});
+    for (const auto& o : outputs) t.tensors.push_back(TensorSlot{o.name, o.dtype, o.shape, o.storage, {}, {}});
+    for (const auto& [name, value] : args) t.args.push_back(ArgSlot{name, value, {}, false, {}});
+    out_.graph.tasks.push_back(std::move(t));
+    return out_.graph.tasks.back().id;
+  }
+
+  // The gradient of a buffer as one slot: its contributions summed, the seed
+  // made a tensor of ones where a task must read it.
+  SlotRef gradient_of(int buffer) {
+    auto it = finished_.find(buffer);
+    if (it != finished_.end()) return it->second;
+    const BufferInfo& b = p_.buffers[size_t(buffer)];
+    const std::string name = ref(buffer).task + "_" + ref(buffer).slot;
+    std::vector<SlotRef> parts = contributions_[buffer];
+    for (auto& part : parts)
+      if (part == kSeed)
+        part = SlotRef{add_task("grad_" + name + "_seed", "fill", Phase::backward, {}, {{"out", b.dtype, b.shape}},
+                                {{"value", ArgValue(1.0)}}),
+                       "out"};
+    SlotRef sum = parts.front();
+    for (size_t i = 1; i < parts.size(); ++i)
+      sum = SlotRef{add_task("grad_" + name + "_sum", "add", Phase::backward, {{"a", sum}, {"b", parts[i]}},
+                             {{"out", b.dtype, b.shape}}),
+                    "out"};
+    finished_[buffer] = sum;
+    return sum;
+  }
+
+  // `grad` (shaped `from`) summed over the axes along which `to` was
+  // broadcast: leading axes only, through views and sum_leading.
+  SlotRef unbroadcast(int task, const std::string& slot, SlotRef grad, const Shape& from, const Shape& to, DType dtype) {
+    if (from == to) return grad;
+    Shape core = to;
+    while (!core.empty() && core.front() == 1) core.erase(core.begin());
+    const bool suffix = core.size() <= from.size() && std::equal(core.begin(), core.end(), from.end() - long(core.size()));
+    if (!suffix)
+      fail(task, slot,
+           fmt::format("the gradient of an operand broadcast from {} to {} along inner axes is not supported yet",
+                       shape_to_string(to), shape_to_string(from)),
+           "broadcast along leading axes only (a bias [N] added to [..., N])");
+    const std::string base = p_.tasks[size_t(task)].task->id + "_grad_" + slot;
+    const int64_t cols = numel(core), rows = numel(from) / std::max<int64_t>(cols, 1);
+    const Shape matrix = {rows, cols};
+    if (from != matrix)
+      grad = SlotRef{add_task(base + "_rows", "reshape", Phase::backward, {{"x", grad}}, {{"out", dtype, matrix}}), "out"};
+    grad = SlotRef{add_task(base + "_sum", "sum_leading", Phase::backward, {{"x", grad}}, {{"out", dtype, {cols}}}), "out"};
+    if (to != Shape{cols})
+      grad = SlotRef{add_task(base + "_shape", "reshape", Phase::backward, {{"x", grad}}, {{"out", dtype, to}}), "out"};
+    return grad;
+  }
+
+  void contribute(int buffer, SlotRef grad) { contributions_[buffer].push_back(std::move(grad)); }
+
+  void differentiate(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    bool reaches_loss = false, needs = false;
+    for (const auto& b : bt.tensors) {
+      if (b.sig->written() && !contributions_[b.buffer].empty()) reaches_loss = true;
+      if (!b.sig->written() && requires_grad_.count(b.buffer)) needs = true;
+    }
+    if (!reaches_loss || !needs) return;
+    for (const auto& b : bt.tensors)
+      if (b.sig->writes)
+        fail(t, b.name, fmt::format("op '{}' updates '{}' in place, so its input is gone when backward runs",
+                                    bt.op->name, b.name));
+    if (!bt.op->backward.empty()) return linked_backward(t);
+    const std::string& op = bt.op->name;
+    if (op == "matmul") return matmul(t);
+    if (op == "add" || op == "sub" || op == "mul") return arithmetic(t);
+    if (op == "reshape" || op == "transpose" || op == "split_heads" || op == "merge_heads") return rearrangement(t);
+    fail(t, "",
+         fmt::format("op '{}' has no backward, and task '{}' lies on the path from a weight to the loss", op,
+                     bt.task->id),
+         "give its template a `backward:` op, or keep weights off this path");
+  }
+
+  const BoundTensor& slot(int t, const char* name) const {
+    const BoundTensor* b = p_.tasks[size_t(t)].find_tensor(name);
+    if (b == nullptr) throw std::logic_error(std::string("derive: no slot ") + name);
+    return *b;
+  }
+  const BufferInfo& info(const BoundTensor& b) const { return p_.buffers[size_t(b.buffer)]; }
+  bool needs(const BoundTensor& b) const { return requires_grad_.count(b.buffer) > 0; }
+
+  // The op its template links, slots bound by name (see derive.h).
+  void linked_backward(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const OpSignature* bw = p_.registry.find(bt.op->backward);
+    if (bw == nullptr) fail(t, "", fmt::format("op '{}' links backward op '{}', which the registry lacks", bt.op->name, bt.op->backward));
+    std::vector<std::pair<std::string, SlotRef>> inputs;
+    std::vector<Output> outputs;
+    std::vector<std::pair<int, std::string>> produced;  // forward buffer, backward slot
+    bool reads_output_gradient = false;
+    for (const auto& sig : bw->tensors) {
+      const bool gradient = sig.name.size() > 1 && sig.name[0] == 'd';
+      const BoundTensor* forward = bt.find_tensor(sig.name);
+      const BoundTensor* of = gradient ? bt.find_tensor(sig.name.substr(1)) : nullptr;
+      if (sig.written()) {
+        if (of == nullptr) {
+          if (sig.optional) continue;
+          fail(t, sig.name, fmt::format("backward op '{}' writes '{}', which names no slot of '{}' (d + a slot's name)",
+                                        bw->name, sig.name, bt.op->name));
+        }
+        const BufferInfo& target = info(*of);
+        if (!needs(*of) && sig.optional) continue;
+        const auto concrete = parse_dtype(sig.dtype);
+        outputs.push_back(Output{sig.name, concrete ? *concrete : target.dtype, target.shape});
+        if (needs(*of)) produced.emplace_back(of->buffer, sig.name);
+      } else if (forward != nullptr) {
+        inputs.emplace_back(sig.name, ref(forward->buffer));
+      } else if (of != nullptr && of->sig->written()) {
+        if (contributions_[of->buffer].empty()) {
+          if (sig.optional) continue;
+          fail(t, sig.name, fmt::format("'{}' needs the gradient of '{}', which does not reach the loss", bw->name, of->name));
+        }
+        inputs.emplace_back(sig.name, gradient_of(of->buffer));
+        reads_output_gradient = true;
+      } else if (!sig.optional) {
+        fail(t, sig.name, fmt::format("backward op '{}' reads '{}', which is neither a slot of '{}' nor d + one",
+                                      bw->name, sig.name, bt.op->name));
+      }
+    }
+    std::vector<std::pair<std::string, ArgValue>> args;
+    for (const auto& a : bw->args)
+      for (const auto& fa : bt.args)
+        if (fa.name == a.name) args.emplace_back(a.name, fa.value);
+    // A loss's backward takes no upstream gradient: its output must be the
+    // loss itself, and the mean over the loss's elements folds into `scale`.
+    if (!reads_output_gradient) {
+      for (const auto& b : bt.tensors)
+        if (b.sig->written() && !contributions_[b.buffer].empty() &&
+            (contributions_[b.buffer].size() != 1 || !(contributions_[b.buffer].front() == kSeed)))
+          fail(t, b.name, fmt::format("'{}' assumes its output '{}' is the loss, but the loss is '{}'", bw->name, b.name,
+                                      spec_.loss.str()));
+      if (bw->find_arg("scale") != nullptr) {
+        const BoundTensor* per_element = bt.find_tensor(bt.op->name == "cross_entropy" ? "labels" : "pred");
+        if (per_element != nullptr) args.emplace_back("scale", ArgValue(1.0 / double(numel(info(*per_element).shape))));
+      }
+    }
+    const std::string id = add_task(bt.task->id + "_backward", bw->name, Phase::backward, inputs, outputs, args);
+    for (const auto& [buffer, name] : produced) contribute(buffer, SlotRef{id, name});
+  }
+
+  // out = alpha * op(a) @ op(b): da = alpha * dout @ op(b)^T, db = alpha * op(a)^T @ dout,
+  // as matmuls with the transposes folded into their flags, summed over
+  // broadcast batch axes.
+  void matmul(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    auto flag = [&](const char* name) {
+      for (const auto& a : bt.args)
+        if (a.name == name && std::holds_alternative<bool>(a.value)) return std::get<bool>(a.value);
+      return false;
+    };
+    double alpha = 1.0;
+    for (const auto& a : bt.args)
+      if (a.name == "alpha") alpha = std::holds_alternative<double>(a.value) ? std::get<double>(a.value) : double(std::get<int64_t>(a.value));
+    const bool ta = flag("trans_a"), tb = flag("trans_b");
+    const BoundTensor &a = slot(t, "a"), &b = slot(t, "b"), &out = slot(t, "out");
+    const SlotRef dout = gradient_of(out.buffer);
+    const Shape& so = info(out).shape;
+    const Shape batch(so.begin(), so.end() - 2);
+    auto grad_matmul = [&](const BoundTensor& target, const char* which, SlotRef x, SlotRef y, bool tx, bool ty) {
+      const Shape& st = info(target).shape;
+      Shape shape = batch;
+      shape.push_back(st[st.size() - 2]);
+      shape.push_back(st.back());
+      const std::string id =
+          add_task(bt.task->id + "_grad_" + which, "matmul", Phase::backward, {{"a", x}, {"b", y}},
+                   {{"out", info(target).dtype, shape}},
+                   {{"trans_a", ArgValue(tx)}, {"trans_b", ArgValue(ty)}, {"alpha", ArgValue(alpha)}});
+      contribute(target.buffer, unbroadcast(t, which, SlotRef{id, "out"}, shape, st, info(target).dtype));
+    };
+    if (needs(a)) {
+      if (!ta) grad_matmul(a, "a", dout, ref(b.buffer), false, !tb);
+      else grad_matmul(a, "a", ref(b.buffer), dout, tb, true);
+    }
+    if (needs(b)) {
+      if (!tb) grad_matmul(b, "b", ref(a.buffer), dout, !ta, false);
+      else grad_matmul(b, "b", dout, ref(a.buffer), true, ta);
+    }
+  }
+
+  // add, sub, mul with numpy broadcasting.
+  void arithmetic(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const std::string& op = bt.op->name;
+    const BoundTensor &a = slot(t, "a"), &b = slot(t, "b"), &out = slot(t, "out");
+    const SlotRef dout = gradient_of(out.buffer);
+    const Shape& so = info(out).shape;
+    for (const BoundTensor* operand : {&a, &b}) {
+      if (!needs(*operand)) continue;
+      const std::string which = operand->name;
+      const DType dtype = info(*operand).dtype;
+      SlotRef grad = dout;
+      if (op == "mul") {
+        const BoundTensor& other = operand == &a ? b : a;
+        grad = SlotRef{add_task(bt.task->id + "_grad_" + which, "mul", Phase::backward, {{"a", dout}, {"b", ref(other.buffer)}},
+                                {{"out", dtype, so}}),
+                       "out"};
+      }
+      grad = unbroadcast(t, which, grad, so, info(*operand).shape, dtype);
+      if (op == "sub" && operand == &b)
+        grad = SlotRef{add_task(bt.task->id + "_grad_b_neg", "neg", Phase::backward, {{"x", grad}},
+                                {{"out", dtype, info(b).shape}}),
+                       "out"};
+      contribute(operand->buffer, grad);
+    }
+  }
+
+  // Ops that move elements: the gradient moves them back.
+  void rearrangement(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const std::string& op = bt.op->name;
+    const BoundTensor &x = slot(t, "x"), &out = slot(t, "out");
+    const std::string inverse = op == "split_heads" ? "merge_heads" : op == "merge_heads" ? "split_heads" : op;
+    std::vector<std::pair<std::string, ArgValue>> args;
+    for (const auto& a : bt.args) args.emplace_back(a.name, a.value);
+    const std::string id = add_task(bt.task->id + "_grad_x", inverse, Phase::backward, {{"x", gradient_of(out.buffer)}},
+                                    {{"out", info(x).dtype, info(x).shape}}, args);
+    contribute(x.buffer, SlotRef{id, "out"});
+  }
+
+  // The optimizer's task for one weight, with its state zero-filled at init.
+  void add_update(const SlotRef& weight, const SlotRef& grad) {
+    const int w = [&] {
+      for (size_t i = 0; i < p_.buffers.size(); ++i)
+        if (ref(int(i)) == weight) return int(i);
+      return -1;
+    }();
+    const BufferInfo& b = p_.buffers[size_t(w)];
+    const std::string name = weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot;
+    const OpSignature* op = p_.registry.find(spec_.optimizer);
+    if (op == nullptr || (spec_.optimizer != "sgd" && spec_.optimizer != "adam" && spec_.optimizer != "adamw")) {
+      Diagnostics d;
+      d.add(Diagnostic{{}, {}, "/training/optimizer", {}, {}, fmt::format("unknown optimizer '{}'", spec_.optimizer),
+                       "use sgd, adam or adamw"});
+      throw CompileError(std::move(d));
+    }
+    auto state = [&](const std::string& slot_name, DType dtype) {
+      return SlotRef{add_task(name + "_" + slot_name + "_init", "fill", Phase::init, {},
+                              {{"out", dtype, b.shape, Storage::persistent}}, {{"value", ArgValue(0.0)}}),
+                     "out"};
+    };
+    Task t;
+    t.id = unique_id(name + "_" + spec_.optimizer);
+    t.op = spec_.optimizer;
+    t.phase = Phase::update;
+    t.tensors.push_back(TensorSlot{"param", {}, {}, {}, weight, {}});
+    t.tensors.push_back(TensorSlot{"grad", {}, {}, {}, grad, {}});
+    t.args = spec_.optimizer_args;
+    if (spec_.optimizer == "sgd") {
+      bool momentum = false;
+      for (const auto& a : spec_.optimizer_args)
+        if (a.name == "momentum" && a.value) {
+          if (auto* d = std::get_if<double>(&*a.value)) momentum = *d != 0.0;
+          if (auto* i = std::get_if<int64_t>(&*a.value)) momentum = *i != 0;
+        }
+      if (momentum) t.tensors.push_back(TensorSlot{"momentum_buf", {}, {}, {}, state("momentum", b.dtype), {}});
+    } else {
+      t.tensors.push_back(TensorSlot{"m", {}, {}, {}, state("m", DType::f32), {}});
+      t.tensors.push_back(TensorSlot{"v", {}, {}, {}, state("v", DType::f32), {}});
+      bool has_step = false;
+      for (const auto& a : t.args) has_step = has_step || a.name == "step";
+      // Adam's bias correction counts steps: a run-time scalar the caller advances.
+      if (!has_step) t.args.push_back(ArgSlot{"step", ArgValue(int64_t(1)), {}, true, {}});
+    }
+    out_.graph.tasks.push_back(std::move(t));
+  }
+
+  const Program& p_;
+  const TrainingSpec& spec_;
+  DerivedGraph out_;
+  std::set<std::string> ids_;
+  std::vector<int> weights_;
+  std::set<int> requires_grad_;
+  std::map<int, std::vector<SlotRef>> contributions_;
+  std::map<int, SlotRef> finished_;
+};
+
+}  // namespace
+
+DerivedGraph derive_training(const Program& forward, const TrainingSpec& spec) { return Deriver(forward, spec).run(); }
+
+}  // namespace cudagen

@@ -1,0 +1,220 @@
+// The derive pass: gradients it builds from a forward graph, checked in
+// float64 against central differences of the loss (DESIGN.md §9), its errors,
+// and a derived training step generated and run in emulation.
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "derive.h"
+#include "diagnostics.h"
+#include "pipeline.h"
+#include "reference.h"
+#include "runner.h"
+
+using namespace cudagen;
+
+namespace {
+
+constexpr DType f64 = DType::f64;
+constexpr Storage ext = Storage::external;
+constexpr Storage weight = Storage::persistent;
+
+int buffer_of(const Program& p, const SlotRef& r) {
+  for (const auto& t : p.tasks)
+    if (t.task->id == r.task) return t.find_tensor(r.slot)->buffer;
+  throw std::logic_error("no task " + r.task);
+}
+
+bool produced(const Program& p, int buffer) {
+  for (const auto& t : p.tasks)
+    for (const auto& b : t.tensors)
+      if (b.buffer == buffer && b.sig->written()) return true;
+  return false;
+}
+
+// Random values for every buffer no task writes: integers index the class
+// axis of the loss (labels), floats in [-1, 1).
+std::vector<std::vector<double>> random_inputs(const Program& p, std::mt19937_64& rng, int64_t classes) {
+  std::vector<std::vector<double>> inputs(p.buffers.size());
+  std::uniform_real_distribution<double> real(-1.0, 1.0);
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    if (produced(p, int(b))) continue;
+    int64_t n = 1;
+    for (int64_t d : p.buffers[b].shape) n *= d;
+    const bool integer = p.buffers[b].dtype == DType::i32 || p.buffers[b].dtype == DType::i64;
+    for (int64_t i = 0; i < n; ++i) inputs[b].push_back(integer ? double(rng() % uint64_t(classes)) : real(rng));
+  }
+  return inputs;
+}
+
+// A forward graph that exercises every gradient rule: matmuls with each
+// transpose flag and a broadcast batch, broadcast add and sub, mul, a tensor
+// used twice (its gradients summed), views, norms, attention-style softmax,
+// unary ops, and the cross-entropy loss.
+TaskGraph forward_graph() {
+  GraphBuilder b("grad_check");
+  auto fc1 = b.task("fc1", "matmul")
+                 .tensor("a", f64, {2, 3, 4}, ext)
+                 .tensor("b", f64, {4, 6}, weight)
+                 .tensor("out", f64, {2, 3, 6});
+  auto bias = b.task("bias", "add").tensor("a", fc1["out"]).tensor("b", f64, {6}, weight).tensor("out", f64, {2, 3, 6});
+  auto norm = b.task("norm", "rmsnorm")
+                  .tensor("x", bias["out"])
+                  .tensor("weight", f64, {6}, weight)
+                  .tensor("out", f64, {2, 3, 6})
+                  .tensor("rstd", DType::f32, {2, 3});
+  auto act = b.task("act", "gelu").tensor("x", norm["out"]).tensor("out", f64, {2, 3, 6}).arg("approximate", "tanh");
+  auto gate = b.task("gate", "mul").tensor("a", act["out"]).tensor("b", bias["out"]).tensor("out", f64, {2, 3, 6});
+  auto heads = b.task("heads", "split_heads").tensor("x", gate["out"]).tensor("out", f64, {2, 2, 3, 3}).arg("heads", 2);
+  auto scores = b.task("scores", "matmul")
+                    .tensor("a", heads["out"])
+                    .tensor("b", heads["out"])
+                    .tensor("out", f64, {2, 2, 3, 3})
+                    .arg("trans_b", true)
+                    .arg("alpha", 0.5);
+  auto probs = b.task("probs", "softmax").tensor("x", scores["out"]).tensor("out", f64, {2, 2, 3, 3}).arg("causal", true);
+  auto mixed = b.task("mixed", "matmul").tensor("a", probs["out"]).tensor("b", heads["out"]).tensor("out", f64, {2, 2, 3, 3});
+  auto merged = b.task("merged", "merge_heads").tensor("x", mixed["out"]).tensor("out", f64, {2, 3, 6}).arg("heads", 2);
+  auto resid = b.task("resid", "sub").tensor("a", merged["out"]).tensor("b", bias["out"]).tensor("out", f64, {2, 3, 6});
+  auto ln = b.task("ln", "layernorm")
+                .tensor("x", resid["out"])
+                .tensor("weight", f64, {6}, weight)
+                .tensor("bias", f64, {6}, weight)
+                .tensor("out", f64, {2, 3, 6})
+                .tensor("mean", DType::f32, {2, 3})
+                .tensor("rstd", DType::f32, {2, 3});
+  auto squash = b.task("squash", "tanh").tensor("x", ln["out"]).tensor("out", f64, {2, 3, 6});
+  auto flat = b.task("flat", "reshape").tensor("x", squash["out"]).tensor("out", f64, {6, 6});
+  auto logits = b.task("logits", "matmul")
+                    .tensor("a", flat["out"])
+                    .tensor("b", f64, {5, 6}, weight)
+                    .tensor("out", f64, {6, 5})
+                    .arg("trans_b", true);
+  auto scaled = b.task("scaled", "affine").tensor("x", logits["out"]).tensor("out", f64, {6, 5}).arg("scale", 1.5).arg("shift", 0.1);
+  b.task("loss", "cross_entropy")
+      .tensor("logits", scaled["out"])
+      .tensor("labels", DType::i32, {6}, ext)
+      .tensor("loss", DType::f32, {}, ext);  // the reference computes in float64 whatever the dtype
+  return std::move(b).graph();
+}
+
+}  // namespace
+
+TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
+  Program forward = load_program(forward_graph(), {});
+  DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "", {}});
+  ASSERT_EQ(derived.gradients.size(), 6u) << "fc1.b, bias.b, norm.weight, ln.weight, ln.bias, logits.b";
+  Program training = load_program(derived.graph, {});
+  const Schedule order = schedule(training);
+
+  uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<double>> inputs = random_inputs(training, rng, 5);
+  const ReferenceBuffers result = evaluate_reference(training, order, inputs);
+
+  // The forward program's buffers are the first of the training program's.
+  const Schedule forward_order = schedule(forward);
+  const int loss = buffer_of(forward, SlotRef{"loss", "loss"});
+  auto loss_at = [&](std::vector<std::vector<double>> in) {
+    in.resize(forward.buffers.size());
+    return evaluate_reference(forward, forward_order, in).value[size_t(loss)][0];
+  };
+  int checked = 0;
+  for (const auto& [weight_ref, grad_ref] : derived.gradients) {
+    const int w = buffer_of(training, weight_ref), g = buffer_of(training, grad_ref);
+    ASSERT_EQ(result.value[size_t(g)].size(), inputs[size_t(w)].size()) << grad_ref.str();
+    for (size_t i = 0; i < inputs[size_t(w)].size(); ++i) {
+      const double h = 1e-6;
+      auto plus = inputs, minus = inputs;
+      plus[size_t(w)][i] += h;
+      minus[size_t(w)][i] -= h;
+      const double numeric = (loss_at(plus) - loss_at(minus)) / (2 * h);
+      const double derived_value = result.value[size_t(g)][i];
+      EXPECT_NEAR(derived_value, numeric, 1e-6 * std::max(1.0, std::abs(numeric)))
+          << weight_ref.str() << "[" << i << "], gradient in " << grad_ref.str();
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 24 + 6 + 6 + 6 + 6 + 30);
+}
+
+namespace {
+
+std::string derive_error(TaskGraph g, SlotRef loss) {
+  try {
+    Program p = load_program(std::move(g), {});
+    derive_training(p, TrainingSpec{std::move(loss), "sgd", {}});
+  } catch (const CompileError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST(Derive, BadTrainingInputsNameTheTask) {
+  {
+    GraphBuilder b("vector_loss");
+    b.task("act", "relu").tensor("x", f64, {4}, weight).tensor("out", f64, {4}, ext);
+    std::string msg = derive_error(std::move(b).graph(), {"act", "out"});
+    EXPECT_NE(msg.find("task 'act', slot 'out'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("the loss must be a floating scalar, but 'act.out' is f64 [4]"), std::string::npos) << msg;
+  }
+  {
+    GraphBuilder b("no_backward");
+    auto m = b.task("peak", "max").tensor("x", f64, {3, 4}, weight).tensor("out", f64, {3});
+    b.task("total", "sum").tensor("x", m["out"]).tensor("out", f64, {}, ext);
+    std::string msg = derive_error(std::move(b).graph(), {"total", "out"});
+    EXPECT_NE(msg.find("op 'sum' has no backward, and task 'total' lies on the path from a weight to the loss"),
+              std::string::npos)
+        << msg;
+  }
+  {
+    GraphBuilder b("unused_weight");
+    b.task("loss", "mse").tensor("pred", f64, {4}, weight).tensor("target", f64, {4}, ext).tensor("loss", DType::f32, {}, ext);
+    b.task("side", "relu").tensor("x", f64, {4}, weight).tensor("out", f64, {4}, ext);
+    std::string msg = derive_error(std::move(b).graph(), {"loss", "loss"});
+    EXPECT_NE(msg.find("weight 'side.x' receives no gradient"), std::string::npos) << msg;
+  }
+}
+
+// An MLP's training step derived from its forward graph (SGD with momentum),
+// generated, run on the emulated GPU, and every output checked against the
+// float64 reference: the updated weights and momentum included.
+TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
+  GraphBuilder b("mlp_derived");
+  constexpr DType f32 = DType::f32;
+  auto w1 = b.task("w1", "uniform", Phase::init).tensor("out", f32, {16, 32}).arg("low", -0.25).arg("high", 0.25).arg("seed", 1);
+  auto b1 = b.task("b1", "fill", Phase::init).tensor("out", f32, {32}).arg("value", 0.0);
+  auto w2 = b.task("w2", "uniform", Phase::init).tensor("out", f32, {32, 10}).arg("low", -0.17).arg("high", 0.17).arg("seed", 2);
+  auto fc1 = b.task("fc1", "matmul").tensor("a", f32, {8, 16}, ext).tensor("b", w1["out"]).tensor("out", f32, {8, 32});
+  auto bias1 = b.task("bias1", "add").tensor("a", fc1["out"]).tensor("b", b1["out"]).tensor("out", f32, {8, 32});
+  auto act = b.task("act1", "relu").tensor("x", bias1["out"]).tensor("out", f32, {8, 32});
+  auto fc2 = b.task("fc2", "matmul").tensor("a", act["out"]).tensor("b", w2["out"]).tensor("out", f32, {8, 10}, ext);
+  b.task("loss", "cross_entropy")
+      .tensor("logits", fc2["out"])
+      .tensor("labels", DType::i32, {8}, ext)
+      .tensor("loss", f32, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.1), {}, false, {}}, ArgSlot{"momentum", ArgValue(0.9), {}, false, {}}};
+  DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args});
+  ASSERT_EQ(derived.gradients.size(), 3u);
+  Compiled c = compile(load_program(derived.graph, {}), {});
+  for (const char* kernel : {"fc2_grad_a", "fc1_grad_b", "bias1_grad_b_sum", "act1_backward", "loss_backward", "w1_sgd"})
+    EXPECT_NE(c.emitted.cuda_source.find(kernel), std::string::npos) << kernel;
+  uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("cudagen_derive_test_" + std::to_string(::getpid()))).string();
+  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, dir});
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  int weights_checked = 0;
+  for (const auto& check : run.checks) weights_checked += check.buffer == "w1.out" || check.buffer == "w2.out" || check.buffer == "b1.out";
+  EXPECT_EQ(weights_checked, 3) << format_run(run);
+}
