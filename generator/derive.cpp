@@ -263,7 +263,14 @@ class Deriver {
         }
         inputs.emplace_back(sig.name, gradient_of(of->buffer));
         reads_output_gradient = true;
-      } else if (!sig.optional) {
+      } else if (sig.optional) {
+        continue;
+      } else if (bt.op->find_tensor(sig.name) != nullptr) {
+        fail(t, sig.name,
+             fmt::format("backward op '{}' reads '{}', which task '{}' leaves out", bw->name, sig.name, bt.task->id),
+             fmt::format("bind the optional slot '{}' of the forward task, so that forward saves it for backward",
+                         sig.name));
+      } else {
         fail(t, sig.name, fmt::format("backward op '{}' reads '{}', which is neither a slot of '{}' nor d + one",
                                       bw->name, sig.name, bt.op->name));
       }

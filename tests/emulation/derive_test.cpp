@@ -210,6 +210,18 @@ TEST(Derive, BadTrainingInputsNameTheTask) {
         << msg;
   }
   {
+    GraphBuilder b("unsaved_statistic");
+    auto norm = b.task("norm", "rmsnorm")
+                    .tensor("x", f64, {2, 4}, ext)
+                    .tensor("weight", f64, {4}, weight)
+                    .tensor("out", f64, {2, 4});
+    b.task("loss", "mse").tensor("pred", norm["out"]).tensor("target", f64, {2, 4}, ext).tensor("loss", DType::f32, {}, ext);
+    std::string msg = derive_error(std::move(b).graph(), {"loss", "loss"});
+    EXPECT_NE(msg.find("task 'norm', slot 'rstd'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("backward op 'rmsnorm_backward' reads 'rstd', which task 'norm' leaves out"), std::string::npos)
+        << msg;
+  }
+  {
     GraphBuilder b("unused_weight");
     b.task("loss", "mse").tensor("pred", f64, {4}, weight).tensor("target", f64, {4}, ext).tensor("loss", DType::f32, {}, ext);
     b.task("side", "relu").tensor("x", f64, {4}, weight).tensor("out", f64, {4}, ext);
