@@ -419,6 +419,15 @@ class Deriver {
       // Adam's bias correction counts steps: a run-time scalar the caller advances.
       if (!has_step) t.args.push_back(ArgSlot{"step", ArgValue(int64_t(1)), {}, true, {}});
     }
+    // One value per run-time argument for the whole optimizer: the first
+    // optimizer task holds it and the others follow it, so a caller sets the
+    // learning rate or the step once.
+    if (first_optimizer_.empty()) {
+      first_optimizer_ = t.id;
+    } else {
+      for (auto& a : t.args)
+        if (a.runtime) a = ArgSlot{a.name, std::nullopt, SlotRef{first_optimizer_, a.name}, false, a.loc};
+    }
     out_.graph.tasks.push_back(std::move(t));
   }
 
@@ -426,6 +435,7 @@ class Deriver {
   const TrainingSpec& spec_;
   DerivedGraph out_;
   std::set<std::string> ids_;
+  std::string first_optimizer_;  // the task that holds the optimizer's run-time arguments
   std::vector<int> weights_;
   std::set<int> requires_grad_;
   std::map<int, std::vector<SlotRef>> contributions_;

@@ -151,24 +151,60 @@ class Emitter {
     throw std::logic_error("emitter: no slot " + name);
   }
 
-  const BoundArg* arg(int t, const std::string& name) {
-    for (const auto& a : p_.tasks[size_t(t)].args)
-      if (a.name == name) {
-        if (a.runtime) fail(t, name, "run-time arguments are not supported by the emitter yet");
-        return &a;
-      }
-    return nullptr;
+  // The argument as bound, following `from` links to the argument that holds the value.
+  const BoundArg* arg(int t, const std::string& name) { return root_arg(p_, t, name).second; }
+
+  // A constant argument's value. One that lives in the scalars region would
+  // change the kernel's code, not a value in it (a transpose flag, causal).
+  const BoundArg* constant_arg(int t, const std::string& name) {
+    if (plan_.scalar_of(p_, t, name) != nullptr)
+      fail(t, name, fmt::format("argument '{}' of op '{}' decides the kernel's code, so it cannot change at run time",
+                                name, p_.tasks[size_t(t)].op->name),
+           "give it a constant value (drop \"runtime\" and any \"from\")");
+    return arg(t, name);
   }
   double arg_double(int t, const std::string& name, double fallback) {
-    const BoundArg* a = arg(t, name);
+    const BoundArg* a = constant_arg(t, name);
     if (a == nullptr) return fallback;
     if (auto* d = std::get_if<double>(&a->value)) return *d;
     if (auto* i = std::get_if<int64_t>(&a->value)) return double(*i);
     return fallback;
   }
   bool arg_bool(int t, const std::string& name) {
-    const BoundArg* a = arg(t, name);
+    const BoundArg* a = constant_arg(t, name);
     return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
+  }
+  // A float argument as an expression: a literal, or the kernel's local copy
+  // of the scalar it reads at run time.
+  std::string float_arg(int t, const std::string& name, double fallback) {
+    if (plan_.scalar_of(p_, t, name) != nullptr) return name;
+    return float_literal(arg_double(t, name, fallback));
+  }
+
+  // The run-time arguments of task `t`: one pointer parameter each (NAME_arg,
+  // into the scalars region), read once into a local named like the argument.
+  struct ScalarParam {
+    std::string name;
+    const PlannedScalar* scalar;
+  };
+  std::vector<ScalarParam> scalar_params(int t) const {
+    std::vector<ScalarParam> out;
+    for (const auto& sig : p_.tasks[size_t(t)].op->args)
+      if (const PlannedScalar* s = plan_.scalar_of(p_, t, sig.name)) out.push_back({sig.name, s});
+    return out;
+  }
+  static std::string scalar_type(ArgType type) {
+    return type == ArgType::float_ ? "float" : type == ArgType::int_ ? "long long" : "int";
+  }
+  std::string scalar_locals(int t) const {
+    std::string out;
+    for (const auto& sp : scalar_params(t)) {
+      const std::string value = fmt::format("cg_load({}_arg, 0)", sp.name);
+      out += fmt::format("  const {} {} = {};  // run-time argument {}\n",
+                         sp.scalar->type == ArgType::bool_ ? "bool" : scalar_type(sp.scalar->type), sp.name,
+                         sp.scalar->type == ArgType::bool_ ? value + " != 0" : value, sp.scalar->name(p_));
+    }
+    return out;
   }
 
   // __restrict__ promises that no other pointer of the kernel reaches this
@@ -184,11 +220,13 @@ class Emitter {
     return false;
   }
 
-  std::string signature(const std::string& name, int block, const std::vector<Param>& ps) {
+  std::string signature(const std::string& name, int t, int block, const std::vector<Param>& ps) {
     std::vector<std::string> list;
     for (const auto& x : ps)
       list.push_back(fmt::format("{}{}*{} {}", x.written ? "" : "const ", c_type(x.buffer->dtype),
                                  aliased(x, ps) ? "" : " __restrict__", x.bound->name));
+    for (const auto& sp : scalar_params(t))
+      list.push_back(fmt::format("const {}* __restrict__ {}_arg", scalar_type(sp.scalar->type), sp.name));
     return fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
   }
 
@@ -241,7 +279,7 @@ class Emitter {
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
-    std::string code = comment(k, ps, ek) + signature(k.name, ek.block, ps) + " {\n" + body + "}\n\n";
+    std::string code = comment(k, ps, ek) + signature(k.name, t, ek.block, ps) + " {\n" + scalar_locals(t) + body + "}\n\n";
     emitted.push_back(ek);
     return code;
   }
@@ -381,6 +419,10 @@ class Emitter {
   void append_arguments(int t, std::vector<std::string>& operands) {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     for (const auto& sig : op.args) {
+      if (plan_.scalar_of(p_, t, sig.name) != nullptr) {  // read at run time (validation allows scalars only)
+        operands.push_back(sig.name);
+        continue;
+      }
       const BoundArg* a = arg(t, sig.name);
       if (sig.type == ArgType::string_) {
         std::string value = a != nullptr ? std::get<std::string>(a->value)
@@ -448,7 +490,7 @@ class Emitter {
         "  cg_softmax_row([&](int j) {{ return {}; }},\n"
         "                 [&](int j, float v) {{ {}; }},\n"
         "                 {}, {}, {}, (float*)cg_smem);\n",
-        load(x, at), store(param(ps, "out"), at, "v"), n, float_literal(arg_double(t, "scale", 1.0)), valid);
+        load(x, at), store(param(ps, "out"), at, "v"), n, float_arg(t, "scale", 1.0), valid);
   }
 
   // One block per row; the reduced value is stored by thread 0.
@@ -506,7 +548,7 @@ class Emitter {
         "                                        [&](int j, float v) {{ {5}; }},\n"
         "                                        {0}, {1}, (float*)cg_smem);\n"
         "{2}",
-        n, float_literal(arg_double(t, "eps", 1e-6)),
+        n, float_arg(t, "eps", 1e-6),
         exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n",
         load(x, fmt::format("row * {} + j", n)), load(param(ps, "weight"), "j"),
         store(param(ps, "out"), fmt::format("row * {} + j", n), "v"));
@@ -532,7 +574,7 @@ class Emitter {
         "                                              {}, {}, (float*)cg_smem);\n"
         "{}",
         load(x, at), load(param(ps, "weight"), "j"), load(param(ps, "bias"), "j"), store(param(ps, "out"), at, "v"), n,
-        float_literal(arg_double(t, "eps", 1e-5)),
+        float_arg(t, "eps", 1e-5),
         exports.empty() ? "  (void)stats;\n" : "  if (threadIdx.x == 0) {" + exports + " }\n");
   }
 
@@ -568,7 +610,7 @@ class Emitter {
         "  cg_cross_entropy_backward_row([&](int j) {{ return {}; }},\n"
         "                                [&](int j, float v) {{ {}; }},\n"
         "                                {}, (cg_i64)cg_load(labels, row), {}, (float*)cg_smem);\n",
-        load(logits, at), store(param(ps, "dlogits"), at, "v"), classes, float_literal(arg_double(t, "scale", 1.0)));
+        load(logits, at), store(param(ps, "dlogits"), at, "v"), classes, float_arg(t, "scale", 1.0));
   }
 
   // softmax_backward and log_softmax_backward: one block per row, from the
@@ -587,7 +629,7 @@ class Emitter {
         "      [&](int j, float v) {{ {}; }},\n"
         "      {}{}, (float*)cg_smem);\n",
         log ? "cg_log_softmax_backward_row" : "cg_softmax_backward_row", load(out, at), load(param(ps, "dout"), at),
-        store(param(ps, "dx"), at, "v"), n, log ? "" : ", " + float_literal(arg_double(t, "scale", 1.0)));
+        store(param(ps, "dx"), at, "v"), n, log ? "" : ", " + float_arg(t, "scale", 1.0));
   }
 
   // rmsnorm_backward and layernorm_backward in one kernel: blocks [0, rows)
@@ -703,7 +745,7 @@ class Emitter {
     const Param& out = param(ps, "out");
     if (!check_f32_accumulation(t, a)) return {};
     const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
-    const double alpha = arg_double(t, "alpha", 1.0);
+    const std::string alpha = float_arg(t, "alpha", 1.0);
     const Shape& so = out.buffer->shape;
     const int64_t M = so[so.size() - 2], N = so.back();
     const Shape& sa = a.buffer->shape;
@@ -724,7 +766,7 @@ class Emitter {
     if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
-    std::string scaled = alpha == 1.0 ? "acc" : float_literal(alpha) + " * acc";
+    std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 z = blockIdx.z;\n"
@@ -791,9 +833,12 @@ class Emitter {
         "// Options: {}\n"
         "// One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host\n"
         "// emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.\n"
-        "// Arena: {} bytes (lower bound {}, without reuse {}).\n\n",
+        "// Arena: {} bytes (lower bound {}, without reuse {}){}.\n\n",
         CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), options_.options_text,
-        plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes);
+        plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes,
+        plan_.scalars.empty() ? ""
+                              : fmt::format("; the last {} bytes hold {} run-time argument(s), the runtime writes them",
+                                            plan_.scalars_bytes, plan_.scalars.size()));
   }
 
   // The prelude, then exactly the template definitions the kernels' ops
@@ -847,6 +892,9 @@ class Emitter {
         const PlannedBuffer& pb = plan_.buffers[size_t(b->buffer)];
         out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", sig.name, buffer_name(b->buffer), pb.offset, pb.bytes);
       }
+      for (const auto& sp : scalar_params(kernels[i].tasks[0]))
+        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", sp.name,
+                           sp.scalar->name(p_), sp.scalar->offset, kScalarBytes);
       out += "};\n";
     }
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
@@ -867,6 +915,8 @@ class Emitter {
           args.push_back(fmt::format("({}{}*)(arena + {})", written ? "" : "const ", c_type(buf.dtype),
                                      plan_.buffers[size_t(b->buffer)].offset));
         }
+        for (const auto& sp : scalar_params(kernels[i].tasks[0]))
+          args.push_back(fmt::format("(const {}*)(arena + {})", scalar_type(sp.scalar->type), sp.scalar->offset));
         out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
                            ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
       }
@@ -905,7 +955,14 @@ class Emitter {
           i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
           k.smem_bytes, k.bytes_read, k.bytes_written);
     }
-    out += "\n  ],\n  \"buffers\": [";
+    out += "\n  ],\n  \"scalars\": [";
+    for (size_t i = 0; i < plan_.scalars.size(); ++i) {
+      const PlannedScalar& sc = plan_.scalars[i];
+      out += fmt::format("{}\n    {{\"name\": \"{}\", \"type\": \"{}\", \"offset\": {}, \"bytes\": {}, \"initial\": {}}}",
+                         i ? "," : "", sc.name(p_), to_string(sc.type), sc.offset, kScalarBytes,
+                         arg_value_to_string(sc.initial));
+    }
+    out += plan_.scalars.empty() ? "],\n  \"buffers\": [" : "\n  ],\n  \"buffers\": [";
     for (size_t b = 0; b < p_.buffers.size(); ++b) {
       const BufferInfo& bi = p_.buffers[b];
       const PlannedBuffer& pb = plan_.buffers[b];

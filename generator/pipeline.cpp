@@ -80,6 +80,9 @@ std::string dump_plan(const Program& p, const Plan& plan) {
     out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}{}\n", name(pb.buffer), pb.offset, pb.bytes, pb.first, pb.last,
                        to_string(b.storage), note);
   }
+  for (const auto& sc : plan.scalars)
+    out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  scalar ({}, initially {})\n", sc.name(p), sc.offset, kScalarBytes,
+                       "-", "-", to_string(sc.type), arg_value_to_string(sc.initial));
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <stdexcept>
 
@@ -26,6 +27,42 @@ Plan::Location Plan::lookup(const Program& program, const std::string& task, con
     return Location{b->buffer, pb.offset, pb.bytes};
   }
   throw std::out_of_range(fmt::format("no tensor slot {}.{} in the plan", task, slot));
+}
+
+std::string PlannedScalar::name(const Program& program) const {
+  return program.tasks[size_t(task)].task->id + "." + arg;
+}
+
+void encode_scalar(ArgType type, const ArgValue& value, unsigned char* out) {
+  std::memset(out, 0, kScalarBytes);
+  double number = 0;
+  if (auto* d = std::get_if<double>(&value)) number = *d;
+  if (auto* i = std::get_if<int64_t>(&value)) number = double(*i);
+  if (auto* b = std::get_if<bool>(&value)) number = *b ? 1 : 0;
+  if (type == ArgType::float_) {
+    float f = float(number);
+    std::memcpy(out, &f, sizeof f);
+  } else if (type == ArgType::int_) {
+    int64_t i = std::holds_alternative<int64_t>(value) ? std::get<int64_t>(value) : int64_t(number);
+    std::memcpy(out, &i, sizeof i);
+  } else {
+    int32_t b = number != 0;
+    std::memcpy(out, &b, sizeof b);
+  }
+}
+
+const PlannedScalar* Plan::scalar_of(const Program& program, int task, const std::string& arg) const {
+  auto [root_task, root] = root_arg(program, task, arg);
+  if (root == nullptr) return nullptr;
+  for (const auto& s : scalars)
+    if (s.task == root_task && s.arg == root->name) return &s;
+  return nullptr;
+}
+
+const PlannedScalar* Plan::find_scalar(const Program& program, const std::string& name) const {
+  for (const auto& s : scalars)
+    if (s.name(program) == name) return &s;
+  return nullptr;
 }
 
 namespace {
@@ -155,6 +192,17 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   plan.lower_bound = lower_bound_bytes(units, plan.alignment);
   std::string problem = verify_placement(units, unit_offset, plan.arena_bytes, plan.alignment);
   if (!problem.empty()) throw std::logic_error("memory planner produced an invalid plan: " + problem);
+
+  // The scalars region: after every buffer, so that a graph without run-time
+  // arguments keeps the same offsets, and outside every buffer's bounds.
+  for (size_t t = 0; t < program.tasks.size(); ++t)
+    for (const auto& a : program.tasks[t].args)
+      if (a.runtime && a.source_task < 0 && a.sig != nullptr) {
+        const int64_t offset = plan.arena_bytes + int64_t(plan.scalars.size()) * kScalarBytes;
+        plan.scalars.push_back(PlannedScalar{int(t), a.name, a.sig->type, offset, a.value});
+      }
+  plan.scalars_bytes = align_up(int64_t(plan.scalars.size()) * kScalarBytes, plan.alignment);
+  plan.arena_bytes += plan.scalars_bytes;
 
   if (options.budget_bytes > 0 && plan.arena_bytes > options.budget_bytes) {
     // Name the busiest step and what lives there, largest first.

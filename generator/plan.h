@@ -26,10 +26,30 @@ struct PlannedBuffer {
   int in_place_of = -1;  // the buffer whose storage it reuses in place (may_alias), or -1
 };
 
+// A run-time argument (DESIGN.md §2): 8 bytes of the scalars region, after
+// the buffers at the end of the arena. A float is stored as f32, an int as
+// i64, a bool as i32 (0 or 1). Kernels read it where a constant argument
+// would be a literal; the runtime writes `initial` before the first phase and
+// any new value between calls, with no recompilation.
+struct PlannedScalar {
+  int task = -1;       // index into Program::tasks: the task whose argument owns the slot
+  std::string arg;
+  ArgType type = ArgType::float_;
+  int64_t offset = 0;  // from the arena's start
+  ArgValue initial;
+  std::string name(const Program& program) const;  // "task.arg"
+};
+constexpr int64_t kScalarBytes = 8;
+
+// The bytes a scalar's value takes in the arena (kScalarBytes; the unused tail zero).
+void encode_scalar(ArgType type, const ArgValue& value, unsigned char* out);
+
 struct Plan {
   std::vector<PlannedBuffer> buffers;  // same order as Program::buffers
+  std::vector<PlannedScalar> scalars;  // in task order, one per run-time argument that no other follows
   int64_t arena_bytes = 0;
   int64_t persistent_bytes = 0;  // the persistent region, at the start of the arena
+  int64_t scalars_bytes = 0;     // the scalars region, at its end
   int64_t lower_bound = 0;
   int64_t no_reuse_bytes = 0;
   int64_t alignment = 256;
@@ -44,7 +64,15 @@ struct Plan {
   // Where a task's slot lives (the design notes' "retriever"), answered at
   // generation time. Throws std::out_of_range for an unknown task or slot.
   Location lookup(const Program& program, const std::string& task, const std::string& slot) const;
+
+  // The scalar that argument `arg` of task `task` reads at run time (an
+  // argument that follows another's reads that one's), or nullptr where it is
+  // a constant.
+  const PlannedScalar* scalar_of(const Program& program, int task, const std::string& arg) const;
+  // By name ("task.arg"); nullptr where there is none.
+  const PlannedScalar* find_scalar(const Program& program, const std::string& name) const;
 };
+
 
 struct PlanOptions {
   PlacementOptions placement;

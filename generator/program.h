@@ -66,4 +66,9 @@ struct Program {
   std::vector<BufferInfo> buffers;    // in order of their owning slots
 };
 
+// The argument that `arg` of task `task` follows through `from` links (itself
+// when it follows none), as {task, argument}: where its value is held.
+// {-1, nullptr} when the task has no such argument bound.
+std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg);
+
 }  // namespace cudagen

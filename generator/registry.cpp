@@ -296,6 +296,9 @@ class RegistryReader {
         default: fail(*d, path + "/default", "unsupported default value", op.name);
       }
     }
+    // Generated kernels name tensors and arguments alike by their slot name.
+    if (op.find_tensor(arg.name) != nullptr || op.find_arg(arg.name) != nullptr)
+      fail(v, path, fmt::format("duplicate slot '{}' (tensor slots and arguments share one namespace)", arg.name), op.name);
     op.args.push_back(std::move(arg));
   }
 

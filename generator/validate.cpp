@@ -9,6 +9,21 @@
 
 namespace cudagen {
 
+std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg) {
+  std::string name = arg;
+  // A longer chain than the task list is a cycle, which the scheduler reports.
+  for (size_t hops = 0; hops <= program.tasks.size(); ++hops) {
+    const BoundArg* found = nullptr;
+    for (const auto& a : program.tasks[size_t(task)].args)
+      if (a.name == name) found = &a;
+    if (found == nullptr) return {-1, nullptr};
+    if (found->source_task < 0) return {task, found};
+    task = found->source_task;
+    name = found->source_arg;
+  }
+  return {-1, nullptr};
+}
+
 const BoundTensor* BoundTask::find_tensor(std::string_view name) const {
   for (const auto& t : tensors)
     if (t.name == name) return &t;

@@ -33,7 +33,7 @@ int64_t broadcast_source(const Shape& out, const Shape& in, int64_t i) {
 
 class Evaluator {
  public:
-  Evaluator(const Program& p, ReferenceBuffers& r) : p_(p), r_(r) {}
+  Evaluator(const Program& p, ReferenceBuffers& r, const RunTimeArgs& args) : p_(p), r_(r), args_(args) {}
 
   void run(int t) {
     const BoundTask& bt = p_.tasks[size_t(t)];
@@ -124,24 +124,30 @@ class Evaluator {
     r_.value[size_t(b)] = std::move(v);
     r_.abs[size_t(b)] = std::move(a);
   }
+  // An argument's value: where it follows another task's, that one's; where
+  // that is a run-time argument given a value for this run, the value.
+  const ArgValue* arg(const BoundTask& bt, const char* name) const {
+    auto [task, root] = root_arg(p_, int(&bt - p_.tasks.data()), name);
+    if (root == nullptr) return nullptr;
+    if (root->runtime) {
+      auto it = args_.find(p_.tasks[size_t(task)].task->id + "." + root->name);
+      if (it != args_.end()) return &it->second;
+    }
+    return &root->value;
+  }
   double arg_double(const BoundTask& bt, const char* name, double fallback) const {
-    for (const auto& a : bt.args)
-      if (a.name == name) {
-        if (auto* d = std::get_if<double>(&a.value)) return *d;
-        if (auto* i = std::get_if<int64_t>(&a.value)) return double(*i);
-      }
+    const ArgValue* a = arg(bt, name);
+    if (a == nullptr) return fallback;
+    if (auto* d = std::get_if<double>(a)) return *d;
+    if (auto* i = std::get_if<int64_t>(a)) return double(*i);
+    if (auto* b = std::get_if<bool>(a)) return *b ? 1 : 0;
     return fallback;
   }
   std::string arg_string(const BoundTask& bt, const char* name) const {
-    for (const auto& a : bt.args)
-      if (a.name == name && std::holds_alternative<std::string>(a.value)) return std::get<std::string>(a.value);
-    return {};
+    const ArgValue* a = arg(bt, name);
+    return a != nullptr && std::holds_alternative<std::string>(*a) ? std::get<std::string>(*a) : std::string();
   }
-  bool arg_bool(const BoundTask& bt, const char* name) const {
-    for (const auto& a : bt.args)
-      if (a.name == name && std::holds_alternative<bool>(a.value)) return std::get<bool>(a.value);
-    return false;
-  }
+  bool arg_bool(const BoundTask& bt, const char* name) const { return arg_double(bt, name, 0) != 0; }
 
   // Error scales by first-order propagation: |f'(x)| times the input's scale
   // (what an error already in x becomes), plus |f(x)| (the op's own rounding,
@@ -680,8 +686,7 @@ class Evaluator {
     const std::string& op = bt.op->name;
     const bool f32 = p_.buffers[size_t(o)].dtype == DType::f32;
     int64_t seed = 0;
-    for (const auto& a : bt.args)
-      if (a.name == "seed") seed = std::get<int64_t>(a.value);
+    if (const ArgValue* a = arg(bt, "seed"); a != nullptr && std::holds_alternative<int64_t>(*a)) seed = std::get<int64_t>(*a);
     int64_t n = numel(shape(o));
     std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
@@ -718,29 +723,31 @@ class Evaluator {
 
   const Program& p_;
   ReferenceBuffers& r_;
+  const RunTimeArgs& args_;
 };
 
 }  // namespace
 
-ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers) {
+ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers,
+                               const RunTimeArgs& args) {
   ReferenceBuffers r;
   r.value = buffers;
   r.abs.resize(buffers.size());
   for (size_t b = 0; b < buffers.size(); ++b)
     for (double x : buffers[b]) r.abs[b].push_back(std::abs(x));
-  Evaluator(program, r).run(task);
+  Evaluator(program, r, args).run(task);
   return r;
 }
 
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
-                                    const std::vector<std::vector<double>>& inputs) {
+                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args) {
   ReferenceBuffers r;
   r.value = inputs;
   r.value.resize(program.buffers.size());
   r.abs.resize(program.buffers.size());
   for (size_t b = 0; b < r.value.size(); ++b)
     for (double x : r.value[b]) r.abs[b].push_back(std::abs(x));
-  Evaluator eval(program, r);
+  Evaluator eval(program, r, args);
   for (int t : schedule.order) eval.run(t);
   return r;
 }

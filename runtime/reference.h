@@ -7,6 +7,8 @@
 // inputs, it is the first-order propagation of its inputs' bounds.
 #pragma once
 
+#include <map>
+#include <string>
 #include <vector>
 
 #include "program.h"
@@ -19,13 +21,18 @@ struct ReferenceBuffers {
   std::vector<std::vector<double>> abs;
 };
 
+// Values of run-time arguments for one run, by "task.arg" of the argument
+// that holds the value; an argument not here keeps its initial value.
+using RunTimeArgs = std::map<std::string, ArgValue>;
+
 // Runs every task of `schedule` on `inputs` (per buffer; the graph inputs set).
 // Throws std::runtime_error for an op it has no reference for.
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
-                                    const std::vector<std::vector<double>>& inputs);
+                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args = {});
 
 // Runs one task on `buffers` (every buffer's current values; its inputs taken
 // as exact), returning the buffers with that task's outputs recomputed.
-ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers);
+ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers,
+                               const RunTimeArgs& args = {});
 
 }  // namespace cudagen

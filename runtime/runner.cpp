@@ -106,6 +106,30 @@ double load_element(const unsigned char* at, DType dtype) {
 
 }  // namespace
 
+void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* arena) {
+  std::vector<std::string> names;
+  for (const auto& s : c.plan.scalars) names.push_back(s.name(c.program));
+  for (const auto& [name, value] : args) {
+    const PlannedScalar* s = c.plan.find_scalar(c.program, name);
+    if (s == nullptr)
+      throw std::runtime_error(fmt::format("no run-time argument '{}' in this graph; {}", name,
+                                           names.empty() ? std::string("it has none (an argument is one when its JSON says "
+                                                                       "\"runtime\": true)")
+                                                         : fmt::format("it has: {}", fmt::join(names, ", "))));
+    const bool number = std::holds_alternative<double>(value) || std::holds_alternative<int64_t>(value);
+    const bool fits = s->type == ArgType::float_ ? number
+                      : s->type == ArgType::int_ ? std::holds_alternative<int64_t>(value)
+                                                 : std::holds_alternative<bool>(value);
+    if (!fits)
+      throw std::runtime_error(fmt::format("run-time argument '{}' is {}, so {} does not fit it", name,
+                                           to_string(s->type), arg_value_to_string(value)));
+  }
+  for (const auto& s : c.plan.scalars) {
+    auto it = args.find(s.name(c.program));
+    encode_scalar(s.type, it != args.end() ? it->second : s.initial, arena + s.offset);
+  }
+}
+
 EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options) {
   const Program& p = c.program;
   EmulatedRun run;
@@ -156,6 +180,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   }
   if (!problems.empty())
     throw std::runtime_error(fmt::format("bad inputs in {}:\n  {}", options.inputs_dir, fmt::join(problems, "\n  ")));
+  write_scalars(c, options.args, arena.data());
 
   auto start = std::chrono::steady_clock::now();
   for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
@@ -203,7 +228,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     run.checks.push_back(check);
   };
   if (options.check_each_task) {
-    if (c.plan.arena_bytes < c.plan.no_reuse_bytes)
+    if (c.plan.arena_bytes - c.plan.scalars_bytes < c.plan.no_reuse_bytes)
       throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
     // Each task is recomputed from the buffers as the run left them, which
     // an in-place update (an optimizer step) has overwritten by then.
@@ -216,7 +241,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
               "checked against the reference)",
               t.task->id, bound.name));
     for (int t : c.schedule.order) {
-      ReferenceBuffers one = evaluate_task(p, t, actual);
+      ReferenceBuffers one = evaluate_task(p, t, actual, options.args);
       for (const auto& bound : p.tasks[size_t(t)].tensors) {
         if (bound.sig == nullptr || bound.sig->role != SlotRole::output) continue;
         size_t b = size_t(bound.buffer);
@@ -227,7 +252,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
 
   // Graph outputs, and the persistent tensors tasks write (a training step's
   // updated weights and optimizer state).
-  ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs);
+  ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs, options.args);
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     const BufferInfo& info = p.buffers[b];
     const bool checked = info.storage == Storage::external || info.storage == Storage::persistent;

@@ -10,6 +10,7 @@
 
 #include "host_module.h"
 #include "pipeline.h"
+#include "reference.h"
 
 namespace cudagen {
 
@@ -25,6 +26,10 @@ struct RunOptions {
   // written to <outputs_dir>/<task>.<slot>.npy.
   std::string inputs_dir;
   std::string outputs_dir;
+  // Values for run-time arguments ("task.arg" -> value), written to the
+  // arena's scalars region before the first phase; the others start at the
+  // value the graph gives them.
+  RunTimeArgs args;
 };
 
 struct OutputCheck {
@@ -53,6 +58,12 @@ double relative_tolerance(DType dtype);
 double absolute_tolerance(DType dtype);
 
 EmulatedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& options);
+
+// Writes every run-time argument into `arena`'s scalars region: its value in
+// `args`, or its initial one. Throws std::runtime_error naming the scalars
+// that exist when `args` names one that does not, or gives a value of the
+// wrong kind (a float for an int).
+void write_scalars(const Compiled& compiled, const RunTimeArgs& args, unsigned char* arena);
 
 // A table for the terminal.
 std::string format_run(const EmulatedRun& run);

@@ -96,7 +96,9 @@ def run_torch(g, values):
         values[f"{t['id']}.{slot}"] = v
 
     for t in g.order():
-        op, args = t["op"], t.get("args", {})
+        op = t["op"]
+        # A run-time argument ({"value": v, "runtime": true}) runs with its initial value.
+        args = {k: (a["value"] if isinstance(a, dict) and "value" in a else a) for k, a in t.get("args", {}).items()}
         shape = lambda slot: t["tensors"][slot]["shape"]
         if op in ("relu", "sigmoid", "silu", "tanh", "exp", "log", "neg"):
             f = {"relu": torch.relu, "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,

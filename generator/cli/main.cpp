@@ -49,7 +49,26 @@ struct Cli {
   std::string svg_path;
   std::string method = "search";
   std::vector<std::string> template_dirs;
+  std::vector<std::string> run_time_args;  // TASK.ARG=VALUE
 };
+
+// "task.arg=value": true/false a bool, an integer an int, else a float.
+std::pair<std::string, ArgValue> parse_run_time_arg(const std::string& text) {
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size())
+    throw std::runtime_error(fmt::format("--arg {}: write TASK.ARG=VALUE, for example --arg opt.lr=0.01", text));
+  std::string name = text.substr(0, eq), value = text.substr(eq + 1);
+  if (value == "true" || value == "false") return {name, ArgValue(value == "true")};
+  size_t used = 0;
+  try {
+    long long i = std::stoll(value, &used);
+    if (used == value.size()) return {name, ArgValue(int64_t(i))};
+    double d = std::stod(value, &used);
+    if (used == value.size()) return {name, ArgValue(d)};
+  } catch (const std::exception&) {
+  }
+  throw std::runtime_error(fmt::format("--arg {}: '{}' is not a number, true or false", text, value));
+}
 
 void add_templates_option(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--templates", cli.template_dirs,
@@ -138,6 +157,7 @@ int run_run(Cli& cli) {
   options.check_each_task = cli.check_each_task;
   options.inputs_dir = cli.inputs_dir;
   options.outputs_dir = cli.outputs_dir;
+  for (const auto& text : cli.run_time_args) options.args.insert(parse_run_time_arg(text));
   EmulatedRun run = run_emulated_and_check(c, options);
   fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
              run.run_seconds, run.seed);
@@ -255,6 +275,9 @@ int main_impl(int argc, char** argv) {
                       "read each graph input from DIR/<task>.<slot>.npy instead of random values")
       ->check(CLI::ExistingDirectory);
   run_cmd->add_option("--outputs", cli.outputs_dir, "write each graph output to DIR/<task>.<slot>.npy");
+  run_cmd->add_option("--arg", cli.run_time_args,
+                      "TASK.ARG=VALUE: the value of a run-time argument (one whose JSON says \"runtime\": true) for "
+                      "this run, with no recompilation; may be given more than once");
   run_cmd->add_flag("--check-each-task", cli.check_each_task,
                     "also check every task against the reference computed from its actual inputs (implies --no-reuse)");
   auto* nvrtc_cmd = app.add_subcommand("nvrtc", "compile a generated .cu in-process with NVRTC (no GPU needed)");

@@ -160,6 +160,23 @@ TEST_F(Cli, RunWithoutAGpuSaysToEmulate) {
   EXPECT_NE(r.err.find("add --emulate"), std::string::npos) << r.err;
 }
 
+TEST_F(Cli, RunTimeArgumentsTakeAValueForTheRun) {
+  std::string graph = write("scaled.json", graph_of(R"({"id": "s", "op": "affine",
+      "tensors": {"x": {"dtype": "f32", "shape": [8], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [8], "storage": "external"}},
+      "args": {"scale": {"value": 2.0, "runtime": true}, "shift": 1.0}})"));
+  EXPECT_NE(run("compile " + graph + " --dump-after plan").out.find("s.scale"), std::string::npos);
+  CliResult ok = run("run --emulate " + graph + " --arg s.scale=-3.5 --work-dir " + (dir_ / "work").string());
+  EXPECT_EQ(ok.status, 0) << ok.out << ok.err;
+  CliResult unknown = run("run --emulate " + graph + " --arg s.shift=2 --work-dir " + (dir_ / "work").string());
+  EXPECT_EQ(unknown.status, 1);
+  EXPECT_NE(unknown.err.find("no run-time argument 's.shift' in this graph; it has: s.scale"), std::string::npos)
+      << unknown.err;
+  CliResult malformed = run("run --emulate " + graph + " --arg s.scale");
+  EXPECT_EQ(malformed.status, 1);
+  EXPECT_NE(malformed.err.find("write TASK.ARG=VALUE"), std::string::npos) << malformed.err;
+}
+
 TEST_F(Cli, BudgetErrorNamesThePeak) {
   CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " --budget 10000");
   EXPECT_EQ(r.status, 1);
