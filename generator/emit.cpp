@@ -922,6 +922,16 @@ class Emitter {
       }
       out += "  return 0;\n}\n";
     }
+    if (options_.step_function) {
+      out += fmt::format("\n// One training step: forward, backward, update.\nextern \"C\" int {}(unsigned char* arena, cudaStream_t stream) {{\n",
+                         kStepFunction);
+      for (Phase phase : {Phase::forward, Phase::backward, Phase::update}) {
+        bool any = false;
+        for (const auto& k : kernels) any = any || k.phase == phase;
+        if (any) out += fmt::format("  if (int error = {}(arena, stream)) return error;\n", phase_function(phase));
+      }
+      out += "  return 0;\n}\n";
+    }
     return out + "#endif  // __CUDACC_RTC__\n";
   }
 
@@ -944,6 +954,9 @@ class Emitter {
                          to_string(phase), phase_function(phase), fmt::join(names, ", "));
       first_phase = false;
     }
+    if (options_.step_function)
+      out += fmt::format(",\n    {{\"phase\": \"step\", \"function\": \"{}\", \"runs\": [\"forward\", \"backward\", \"update\"]}}",
+                         kStepFunction);
     out += "\n  ],\n  \"kernels\": [";
     for (size_t i = 0; i < kernels.size(); ++i) {
       const EmittedKernel& k = kernels[i];

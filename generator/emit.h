@@ -19,6 +19,9 @@ namespace cudagen {
 
 struct EmitOptions {
   std::string arch = "sm_90";
+  // Also a `cudagen_step` launcher that runs forward, backward and update:
+  // one training step in one call.
+  bool step_function = false;
   std::string options_text;  // the compile options, recorded in the provenance header and manifest
 };
 
@@ -46,6 +49,8 @@ EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kern
 
 // The name of a phase's host launcher: `cudagen_forward`, ...
 std::string phase_function(Phase phase);
+// The launcher of EmitOptions::step_function.
+inline constexpr const char* kStepFunction = "cudagen_step";
 
 // Why the emitter cannot generate a kernel for `op` yet (no skeleton for
 // its pattern, or in-place updates), or empty when it can.

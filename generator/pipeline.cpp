@@ -39,9 +39,9 @@ Program load_program(TaskGraph graph, const FrontendOptions& options) {
 }
 
 std::string describe_options(const CompileOptions& options) {
-  return fmt::format("arch={} reuse={} alignment={} budget={}", options.emit.arch,
+  return fmt::format("arch={} reuse={} alignment={} budget={}{}", options.emit.arch,
                      options.plan.placement.reuse ? "on" : "off", options.plan.placement.alignment,
-                     options.plan.budget_bytes);
+                     options.plan.budget_bytes, options.emit.step_function ? " step" : "");
 }
 
 namespace {

@@ -79,14 +79,18 @@ HostModule::~HostModule() {
   if (handle_ != nullptr) dlclose(handle_);
 }
 
-bool HostModule::has_phase(Phase phase) const { return dlsym(handle_, phase_function(phase).c_str()) != nullptr; }
+bool HostModule::has_phase(Phase phase) const { return has_function(phase_function(phase)); }
 
-void HostModule::run_phase(Phase phase, unsigned char* arena) const {
-  using PhaseFn = int (*)(unsigned char*, void*);
-  auto fn = symbol<PhaseFn>(handle_, phase_function(phase).c_str());
+void HostModule::run_phase(Phase phase, unsigned char* arena) const { run_function(phase_function(phase), arena); }
+
+bool HostModule::has_function(const std::string& name) const { return dlsym(handle_, name.c_str()) != nullptr; }
+
+void HostModule::run_function(const std::string& name, unsigned char* arena) const {
+  using LauncherFn = int (*)(unsigned char*, void*);
+  auto fn = symbol<LauncherFn>(handle_, name.c_str());
   if (fn(arena, nullptr) != 0) {
     auto last_error = symbol<const char* (*)()>(handle_, "cudagen_emu_last_error");
-    throw std::runtime_error(fmt::format("{} phase failed in emulation: {}", to_string(phase), last_error()));
+    throw std::runtime_error(fmt::format("{} failed in emulation: {}", name, last_error()));
   }
 }
 

@@ -37,6 +37,9 @@ class HostModule {
   // Runs a phase on `arena`; throws std::runtime_error with the emulator's
   // message (kernel, tensor, thread) when a kernel fails.
   void run_phase(Phase phase, unsigned char* arena) const;
+  // The same for any host launcher of the file (`cudagen_step`).
+  bool has_function(const std::string& name) const;
+  void run_function(const std::string& name, unsigned char* arena) const;
   void set_seed(unsigned long long seed) const;
   std::vector<KernelBytes> kernel_bytes() const;  // since the last clear
   void clear_kernel_bytes() const;

@@ -2,8 +2,10 @@
 
 #include "half.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -47,24 +49,6 @@ std::string buffer_name(const Program& p, int buffer) {
   return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
 }
 
-bool written_by_a_task(const Program& p, int buffer) {
-  for (const auto& t : p.tasks)
-    for (const auto& b : t.tensors)
-      if (b.buffer == buffer && b.sig && b.sig->written())
-        return true;
-  return false;
-}
-
-// Whether a task computes the buffer from nothing (an output), as opposed to
-// updating it in place (an optimizer's parameter, which needs a value first).
-bool produced_by_a_task(const Program& p, int buffer) {
-  for (const auto& t : p.tasks)
-    for (const auto& b : t.tensors)
-      if (b.buffer == buffer && b.sig && (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch))
-        return true;
-  return false;
-}
-
 // Random integer inputs index something: embedding ids a table's rows (of
 // the table, or of its gradient), labels a loss's classes (the last axis of
 // its logits).
@@ -106,6 +90,69 @@ double load_element(const unsigned char* at, DType dtype) {
 
 }  // namespace
 
+namespace {
+
+// One call of the launchers between checks: the phases of a single run, init
+// before training, or one training step (forward, backward, update).
+struct Round {
+  std::vector<Phase> phases;
+  int step = 0;  // 1, 2, ... for training steps; 0 otherwise
+};
+
+std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
+  std::vector<Phase> present;
+  for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
+    for (const auto& k : c.kernels)
+      if (k.phase == phase) {
+        present.push_back(phase);
+        break;
+      }
+  auto has = [&](Phase phase) { return std::find(present.begin(), present.end(), phase) != present.end(); };
+  if (options.steps < 0) throw std::runtime_error("--steps must be 0 or more");
+  if (options.steps > 0) {
+    if (!options.phases.empty())
+      throw std::runtime_error("give --steps or --phases, not both: a training step runs forward, backward and update");
+    if (options.check_each_task)
+      throw std::runtime_error("--check-each-task checks a single run; with --steps every step is checked already");
+    if (!has(Phase::update))
+      throw std::runtime_error(
+          "--steps trains, but this graph has no update phase (add a \"training\" section, or update tasks)");
+    std::vector<Round> rounds;
+    if (has(Phase::init)) rounds.push_back(Round{{Phase::init}, 0});
+    std::vector<Phase> step;
+    for (Phase phase : {Phase::forward, Phase::backward, Phase::update})
+      if (has(phase)) step.push_back(phase);
+    for (int i = 1; i <= options.steps; ++i) rounds.push_back(Round{step, i});
+    return rounds;
+  }
+  if (options.phases.empty()) return {Round{present, 0}};
+  for (Phase phase : options.phases)
+    if (!has(phase)) throw std::runtime_error(fmt::format("this graph has no {} phase", to_string(phase)));
+  std::vector<Phase> chosen;  // in phase order, whatever the order asked
+  for (Phase phase : present)
+    if (std::find(options.phases.begin(), options.phases.end(), phase) != options.phases.end()) chosen.push_back(phase);
+  return {Round{chosen, 0}};
+}
+
+bool in(const std::vector<Phase>& phases, Phase phase) {
+  return std::find(phases.begin(), phases.end(), phase) != phases.end();
+}
+
+// Whether a task of `phases` writes the buffer; `computed` only counts
+// outputs (an optimizer's in-place update needs a value first).
+bool written_in(const Program& p, int buffer, const std::vector<Phase>& phases, bool computed) {
+  for (const auto& t : p.tasks) {
+    if (!in(phases, t.task->phase)) continue;
+    for (const auto& b : t.tensors) {
+      if (b.buffer != buffer || b.sig == nullptr) continue;
+      if (computed ? (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch) : b.sig->written()) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* arena) {
   std::vector<std::string> names;
   for (const auto& s : c.plan.scalars) names.push_back(s.name(c.program));
@@ -134,17 +181,24 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   const Program& p = c.program;
   EmulatedRun run;
   run.seed = options.seed;
+  run.steps = options.steps;
+  const std::vector<Round> rounds = plan_rounds(c, options);
+  std::vector<Phase> all_phases;
+  for (const auto& r : rounds)
+    for (Phase phase : r.phases)
+      if (!in(all_phases, phase)) all_phases.push_back(phase);
   HostModule module = HostModule::build(c.emitted.cuda_source, options.work_dir, &run.compile_seconds);
   module.set_seed(options.seed);
 
-  // Inputs from .npy files, or fresh random ones rounded to their dtype so that
-  // the reference sees what the kernels see.
+  // Inputs (what no task of the phases run computes) from .npy files, or fresh
+  // random ones rounded to their dtype so that the reference sees what the
+  // kernels see.
   std::mt19937_64 rng(options.seed);
   std::vector<std::vector<double>> inputs(p.buffers.size());
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
   std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
-    if (produced_by_a_task(p, int(b))) continue;
+    if (written_in(p, int(b), all_phases, /*computed=*/true)) continue;
     const BufferInfo& info = p.buffers[b];
     const std::string name = buffer_name(p, int(b));
     int64_t n = info.bytes / dtype_bytes(info.dtype);
@@ -180,53 +234,122 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   }
   if (!problems.empty())
     throw std::runtime_error(fmt::format("bad inputs in {}:\n  {}", options.inputs_dir, fmt::join(problems, "\n  ")));
-  write_scalars(c, options.args, arena.data());
-
-  auto start = std::chrono::steady_clock::now();
-  for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
-    if (module.has_phase(phase)) module.run_phase(phase, arena.data());
-  run.run_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  run.kernels = module.kernel_bytes();
-
-  if (!options.outputs_dir.empty()) {
-    std::filesystem::create_directories(options.outputs_dir);
-    for (size_t b = 0; b < p.buffers.size(); ++b) {
-      const BufferInfo& info = p.buffers[b];
-      if (info.storage != Storage::external || !written_by_a_task(p, int(b))) continue;
-      const unsigned char* at = arena.data() + c.plan.buffers[b].offset;
-      NpyArray array{info.dtype, info.shape, std::vector<unsigned char>(at, at + info.bytes)};
-      write_npy(options.outputs_dir + "/" + buffer_name(p, int(b)) + ".npy", array);
-    }
-  }
 
   // Every buffer as the kernels left it.
-  std::vector<std::vector<double>> actual(p.buffers.size());
-  for (size_t b = 0; b < p.buffers.size(); ++b) {
+  auto read_back = [&] {
+    std::vector<std::vector<double>> out(p.buffers.size());
+    for (size_t b = 0; b < p.buffers.size(); ++b) {
+      const BufferInfo& info = p.buffers[b];
+      int64_t n = info.bytes / dtype_bytes(info.dtype);
+      for (int64_t i = 0; i < n; ++i)
+        out[b].push_back(load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype));
+    }
+    return out;
+  };
+  // One check per buffer, the worst over the rounds.
+  std::map<std::string, size_t> check_of;
+  auto compare = [&](const std::string& name, size_t b, const std::vector<double>& got, const std::vector<double>& want,
+                     const std::vector<double>& scale, int step) {
     const BufferInfo& info = p.buffers[b];
-    int64_t n = info.bytes / dtype_bytes(info.dtype);
-    for (int64_t i = 0; i < n; ++i)
-      actual[b].push_back(load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype));
-  }
-  auto compare = [&](const std::string& name, size_t b, const std::vector<double>& want, const std::vector<double>& scale) {
-    const BufferInfo& info = p.buffers[b];
-    OutputCheck check;
-    check.buffer = name;
-    check.elements = int64_t(actual[b].size());
+    auto [it, added] = check_of.emplace(name, run.checks.size());
+    if (added) {
+      run.checks.emplace_back();
+      run.checks.back().buffer = name;
+      run.checks.back().elements = int64_t(got.size());
+    }
+    OutputCheck& check = run.checks[it->second];
     const double rtol = relative_tolerance(info.dtype), atol = absolute_tolerance(info.dtype);
-    for (int64_t i = 0; i < check.elements; ++i) {
-      double y = actual[b][size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
+    for (int64_t i = 0; i < int64_t(got.size()); ++i) {
+      double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       bool ok = !std::isnan(y) && err <= bound;
       if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
       check.worst_ratio =
           std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
       if (!ok && check.failures++ == 0) {
         check.first_failure = i;
+        check.failure_step = step;
         check.got = y;
         check.want = want[size_t(i)];
       }
     }
-    run.checks.push_back(check);
   };
+
+  // The floating scalars forward tasks write to external slots: the loss.
+  std::vector<size_t> tracked;
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    const BufferInfo& info = p.buffers[b];
+    if (options.steps > 0 && info.storage == Storage::external && info.bytes == dtype_bytes(info.dtype) &&
+        info.dtype != DType::i32 && info.dtype != DType::i64 && written_in(p, int(b), {Phase::forward}, true)) {
+      tracked.push_back(b);
+      run.step_scalars.emplace_back(buffer_name(p, int(b)), std::vector<double>());
+    }
+  }
+
+  std::vector<std::vector<double>> actual;
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const Round& round = rounds[r];
+    // The reference starts from what this round's kernels start from: the
+    // inputs first, then the state the previous rounds left.
+    std::vector<std::vector<double>> before = r == 0 ? inputs : actual;
+    if (r > 0) {
+      // Re-poison what a step computes afresh, so that an element it fails
+      // to write shows up in every step, not only the first.
+      for (size_t b = 0; b < p.buffers.size(); ++b) {
+        Storage s = p.buffers[b].storage;
+        if (s == Storage::transient || s == Storage::saved)
+          std::memset(arena.data() + c.plan.buffers[b].offset, 0xFF, size_t(c.plan.buffers[b].bytes));
+      }
+    }
+    // An int run-time argument named `step` counts the training steps,
+    // unless the caller set it.
+    RunTimeArgs args = options.args;
+    if (round.step > 0)
+      for (const auto& sc : c.plan.scalars)
+        if (sc.arg == "step" && sc.type == ArgType::int_) args.emplace(sc.name(p), ArgValue(int64_t(round.step)));
+    write_scalars(c, args, arena.data());
+
+    auto start = std::chrono::steady_clock::now();
+    if (round.step > 0 && module.has_function(kStepFunction)) {
+      module.run_function(kStepFunction, arena.data());
+    } else {
+      for (Phase phase : round.phases) module.run_phase(phase, arena.data());
+    }
+    run.run_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    actual = read_back();
+
+    // Graph outputs, and the persistent tensors tasks write (a training step's
+    // updated weights and optimizer state).
+    Schedule part;
+    for (int t : c.schedule.order)
+      if (in(round.phases, p.tasks[size_t(t)].task->phase)) part.order.push_back(t);
+    ReferenceBuffers ref = evaluate_reference(p, part, before, args);
+    for (size_t b = 0; b < p.buffers.size(); ++b) {
+      const Storage s = p.buffers[b].storage;
+      if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;
+      compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step);
+    }
+    for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
+  }
+  run.kernels = module.kernel_bytes();
+
+  if (!options.outputs_dir.empty()) {
+    std::filesystem::create_directories(options.outputs_dir);
+    for (size_t b = 0; b < p.buffers.size(); ++b) {
+      const BufferInfo& info = p.buffers[b];
+      // External outputs; after training, the weights and optimizer state too.
+      const bool wanted = info.storage == Storage::external || (options.steps > 0 && info.storage == Storage::persistent);
+      if (!wanted || !written_in(p, int(b), all_phases, false)) continue;
+      const unsigned char* at = arena.data() + c.plan.buffers[b].offset;
+      NpyArray array{info.dtype, info.shape, std::vector<unsigned char>(at, at + info.bytes)};
+      write_npy(options.outputs_dir + "/" + buffer_name(p, int(b)) + ".npy", array);
+    }
+    for (const auto& [name, values] : run.step_scalars) {
+      NpyArray array{DType::f64, {int64_t(values.size())}, std::vector<unsigned char>(values.size() * 8)};
+      std::memcpy(array.data.data(), values.data(), array.data.size());
+      write_npy(options.outputs_dir + "/" + name + ".per_step.npy", array);
+    }
+  }
+
   if (options.check_each_task) {
     if (c.plan.arena_bytes - c.plan.scalars_bytes < c.plan.no_reuse_bytes)
       throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
@@ -241,35 +364,40 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
               "checked against the reference)",
               t.task->id, bound.name));
     for (int t : c.schedule.order) {
+      if (!in(rounds[0].phases, p.tasks[size_t(t)].task->phase)) continue;
       ReferenceBuffers one = evaluate_task(p, t, actual, options.args);
       for (const auto& bound : p.tasks[size_t(t)].tensors) {
         if (bound.sig == nullptr || bound.sig->role != SlotRole::output) continue;
         size_t b = size_t(bound.buffer);
-        compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, one.value[b], one.abs[b]);
+        compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, actual[b], one.value[b], one.abs[b], 0);
       }
     }
-  }
-
-  // Graph outputs, and the persistent tensors tasks write (a training step's
-  // updated weights and optimizer state).
-  ReferenceBuffers ref = evaluate_reference(p, c.schedule, inputs, options.args);
-  for (size_t b = 0; b < p.buffers.size(); ++b) {
-    const BufferInfo& info = p.buffers[b];
-    const bool checked = info.storage == Storage::external || info.storage == Storage::persistent;
-    if (!checked || !written_by_a_task(p, int(b))) continue;
-    compare(buffer_name(p, int(b)), b, ref.value[b], ref.abs[b]);
   }
   return run;
 }
 
 std::string format_run(const EmulatedRun& run) {
-  std::string out = fmt::format("{:<24} {:>9} {:>12} {:>14}  {}\n", "output", "elements", "max |err|", "err / bound", "result");
+  std::string out;
+  if (!run.step_scalars.empty()) {
+    out += fmt::format("{:>5}", "step");
+    for (const auto& [name, values] : run.step_scalars) out += fmt::format(" {:>16}", name);
+    out += "\n";
+    for (size_t i = 0; i < run.step_scalars[0].second.size(); ++i) {
+      out += fmt::format("{:>5}", i + 1);
+      for (const auto& [name, values] : run.step_scalars) out += fmt::format(" {:>16.8g}", values[i]);
+      out += "\n";
+    }
+  }
+  out += fmt::format("{:<24} {:>9} {:>12} {:>14}  {}\n", "output", "elements", "max |err|", "err / bound", "result");
   for (const auto& c : run.checks) {
     std::string result = c.ok() ? "ok"
-                                : fmt::format("FAIL: {} elements out of bounds; first at {}: got {}, want {}", c.failures,
-                                              c.first_failure, c.got, c.want);
+                                : fmt::format("FAIL: {} elements out of bounds; first at {}{}: got {}, want {}", c.failures,
+                                              c.first_failure,
+                                              c.failure_step > 0 ? fmt::format(" after step {}", c.failure_step) : "",
+                                              c.got, c.want);
     out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
   }
+  if (run.steps > 0) out += fmt::format("(every step checked against the float64 reference run from the state before it)\n");
   if (!run.ok()) out += fmt::format("(seed {}; rerun with --seed {} to reproduce)\n", run.seed, run.seed);
   return out;
 }

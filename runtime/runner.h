@@ -1,5 +1,6 @@
-// Runs a compiled program in the host emulation on seeded random inputs and
-// checks every graph output against the float64 reference (DESIGN.md §9):
+// Runs a compiled program in the host emulation on seeded random inputs (or
+// given ones), once or for several training steps, and checks every graph
+// output and updated weight against the float64 reference (DESIGN.md §9):
 // |y - ref| <= rtol * ref_abs + atol, NaN never passes, the arena poisoned first so
 // an element no kernel wrote fails.
 #pragma once
@@ -30,6 +31,16 @@ struct RunOptions {
   // arena's scalars region before the first phase; the others start at the
   // value the graph gives them.
   RunTimeArgs args;
+  // The phases to run (empty: every phase the file has). A buffer that only
+  // tasks of other phases write is an input then, random or from inputs_dir.
+  std::vector<Phase> phases;
+  // Training: init once, then `steps` training steps (forward, backward,
+  // update; through `cudagen_step` when the file has it), each checked against
+  // the reference run from the state the step started from. An int run-time
+  // argument named `step` (Adam's) counts them, 1, 2, ..., unless `args` sets
+  // it. outputs_dir then also receives the weights and optimizer state, and
+  // each tracked scalar's values per step (<task>.<slot>.per_step.npy, f64).
+  int steps = 0;
 };
 
 struct OutputCheck {
@@ -40,6 +51,7 @@ struct OutputCheck {
   int64_t failures = 0;
   int64_t first_failure = -1;
   double got = 0, want = 0;  // at the first failure
+  int failure_step = 0;      // the training step of the first failure (0: init, or a single run)
   bool ok() const { return failures == 0; }
 };
 
@@ -49,6 +61,10 @@ struct EmulatedRun {
   uint64_t seed = 0;
   std::vector<OutputCheck> checks;
   std::vector<KernelBytes> kernels;
+  int steps = 0;
+  // Per training step, each floating scalar a forward task writes to an
+  // external slot (the loss): {task.slot, value after step 1, 2, ...}.
+  std::vector<std::pair<std::string, std::vector<double>>> step_scalars;
   bool ok() const;
 };
 

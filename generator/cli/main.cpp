@@ -50,6 +50,8 @@ struct Cli {
   std::string method = "search";
   std::vector<std::string> template_dirs;
   std::vector<std::string> run_time_args;  // TASK.ARG=VALUE
+  int steps = 0;
+  std::vector<std::string> phases;
 };
 
 // "task.arg=value": true/false a bool, an integer an int, else a float.
@@ -123,6 +125,8 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--budget", cli.compile.plan.budget_bytes, "fail when the arena needs more bytes than this (0: none)")
       ->capture_default_str();
+  cmd->add_flag("--step-function", cli.compile.emit.step_function,
+                "also generate cudagen_step, one launcher that runs forward, backward and update (a training step)");
 }
 
 int run_compile(Cli& cli) {
@@ -158,6 +162,9 @@ int run_run(Cli& cli) {
   options.inputs_dir = cli.inputs_dir;
   options.outputs_dir = cli.outputs_dir;
   for (const auto& text : cli.run_time_args) options.args.insert(parse_run_time_arg(text));
+  for (const auto& name : cli.phases) options.phases.push_back(*parse_phase(name));  // checked by CLI11
+  options.steps = cli.steps;
+  if (cli.steps > 0) fmt::print("training for {} steps in emulation, each checked against the float64 reference\n", cli.steps);
   EmulatedRun run = run_emulated_and_check(c, options);
   fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
              run.run_seconds, run.seed);
@@ -274,7 +281,19 @@ int main_impl(int argc, char** argv) {
   run_cmd->add_option("--inputs", cli.inputs_dir,
                       "read each graph input from DIR/<task>.<slot>.npy instead of random values")
       ->check(CLI::ExistingDirectory);
-  run_cmd->add_option("--outputs", cli.outputs_dir, "write each graph output to DIR/<task>.<slot>.npy");
+  run_cmd->add_option("--outputs", cli.outputs_dir,
+                      "write each graph output to DIR/<task>.<slot>.npy (after --steps, also the weights, the optimizer "
+                      "state and each scalar output per step, as <task>.<slot>.per_step.npy)");
+  run_cmd->add_option("--steps", cli.steps,
+                      "train: run init once, then N steps of forward, backward and update, each checked against the "
+                      "reference from the state it started from; prints the loss per step. An int run-time argument "
+                      "named 'step' (Adam's) counts the steps")
+      ->check(CLI::NonNegativeNumber);
+  run_cmd->add_option("--phases", cli.phases,
+                      "run only these phases (init, forward, backward, update; comma-separated); what only the other "
+                      "phases would write is then an input")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"init", "forward", "backward", "update"}));
   run_cmd->add_option("--arg", cli.run_time_args,
                       "TASK.ARG=VALUE: the value of a run-time argument (one whose JSON says \"runtime\": true) for "
                       "this run, with no recompilation; may be given more than once");

@@ -1,0 +1,122 @@
+// Running phases one at a time and training for several steps in the host
+// emulation (issue #7 item 2): each step checked against the float64
+// reference run from the state it started from, the loss tracked per step.
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "derive.h"
+#include "npy.h"
+#include "pipeline.h"
+#include "runner.h"
+
+using namespace cudagen;
+
+namespace {
+
+constexpr DType f32 = DType::f32;
+constexpr Storage ext = Storage::external;
+
+std::string work_dir(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("cudagen_training_run_" + name + "_" + std::to_string(::getpid())))
+      .string();
+}
+
+// A two-layer classifier with its SGD training step derived.
+Program classifier() {
+  GraphBuilder b("classifier");
+  auto w1 = b.task("w1", "uniform", Phase::init).tensor("out", f32, {6, 16}).arg("low", -0.4).arg("high", 0.4).arg("seed", 5);
+  auto w2 = b.task("w2", "uniform", Phase::init).tensor("out", f32, {16, 3}).arg("low", -0.4).arg("high", 0.4).arg("seed", 6);
+  auto fc1 = b.task("fc1", "matmul").tensor("a", f32, {20, 6}, ext).tensor("b", w1["out"]).tensor("out", f32, {20, 16});
+  auto act = b.task("act", "silu").tensor("x", fc1["out"]).tensor("out", f32, {20, 16});
+  auto fc2 = b.task("fc2", "matmul").tensor("a", act["out"]).tensor("b", w2["out"]).tensor("out", f32, {20, 3});
+  b.task("loss", "cross_entropy").tensor("logits", fc2["out"]).tensor("labels", DType::i32, {20}, ext).tensor("loss", f32, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}, ArgSlot{"momentum", ArgValue(0.5), {}, false, {}}};
+  return load_program(derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph, {});
+}
+
+}  // namespace
+
+TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
+  CompileOptions options;
+  options.emit.step_function = true;
+  Compiled c = compile(classifier(), options);
+  EXPECT_NE(c.emitted.cuda_source.find("extern \"C\" int cudagen_step(unsigned char* arena, cudaStream_t stream) {"),
+            std::string::npos);
+  EXPECT_NE(c.emitted.manifest_json.find("\"phase\": \"step\", \"function\": \"cudagen_step\""), std::string::npos);
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions run_options{seed, work_dir("steps")};
+  run_options.steps = 6;
+  run_options.outputs_dir = work_dir("steps_out");
+  EmulatedRun run = run_emulated_and_check(c, run_options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  ASSERT_EQ(run.step_scalars.size(), 1u);
+  EXPECT_EQ(run.step_scalars[0].first, "loss.loss");
+  const std::vector<double>& loss = run.step_scalars[0].second;
+  ASSERT_EQ(loss.size(), 6u);
+  // Small steps of gradient descent on a fixed batch: the loss falls.
+  EXPECT_LT(loss.back(), loss.front()) << format_run(run);
+  NpyArray per_step = read_npy(run_options.outputs_dir + "/loss.loss.per_step.npy");
+  EXPECT_EQ(per_step.shape, Shape{6});
+  NpyArray weight = read_npy(run_options.outputs_dir + "/w2.out.npy");  // the trained weights are written too
+  EXPECT_EQ(weight.shape, (Shape{16, 3}));
+  std::filesystem::remove_all(run_options.outputs_dir);
+}
+
+TEST(TrainingRun, OnePhaseTakesWhatOtherPhasesWouldWriteAsInputs) {
+  Compiled c = compile(classifier(), {});
+  RunOptions options{7, work_dir("phases")};
+  options.phases = {Phase::forward};
+  EmulatedRun run = run_emulated_and_check(c, options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  // Forward only: the loss and nothing the update writes.
+  bool loss_checked = false;
+  for (const auto& check : run.checks) {
+    loss_checked = loss_checked || check.buffer == "loss.loss";
+    EXPECT_NE(check.buffer, "w1.out") << "the update phase did not run";
+  }
+  EXPECT_TRUE(loss_checked) << format_run(run);
+}
+
+TEST(TrainingRun, BadRunOptionsSayWhatToDo) {
+  Compiled c = compile(classifier(), {});
+  RunOptions both{1, work_dir("bad")};
+  both.steps = 2;
+  both.phases = {Phase::forward};
+  EXPECT_THROW(
+      {
+        try {
+          run_emulated_and_check(c, both);
+        } catch (const std::runtime_error& e) {
+          EXPECT_NE(std::string(e.what()).find("give --steps or --phases, not both"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      std::runtime_error);
+
+  GraphBuilder b("no_update");
+  b.task("r", "relu").tensor("x", f32, {4}, ext).tensor("out", f32, {4}, ext);
+  Compiled forward_only = compile(load_program(std::move(b).graph(), {}), {});
+  RunOptions steps{1, work_dir("bad")};
+  steps.steps = 3;
+  try {
+    run_emulated_and_check(forward_only, steps);
+    FAIL() << "expected an error: nothing to train";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no update phase"), std::string::npos) << e.what();
+  }
+  RunOptions phase{1, work_dir("bad")};
+  phase.phases = {Phase::backward};
+  try {
+    run_emulated_and_check(forward_only, phase);
+    FAIL() << "expected an error: no backward phase";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("this graph has no backward phase"), std::string::npos) << e.what();
+  }
+}
