@@ -214,8 +214,9 @@ class Deriver {
     if (!bt.op->backward.empty()) return linked_backward(t);
     const std::string& op = bt.op->name;
     if (op == "matmul") return matmul(t);
-    if (op == "add" || op == "sub" || op == "mul") return arithmetic(t);
+    if (op == "add" || op == "sub" || op == "mul" || op == "div") return arithmetic(t);
     if (op == "reshape" || op == "transpose" || op == "split_heads" || op == "merge_heads") return rearrangement(t);
+    if (op == "concat" || op == "split") return concat_split(t);
     fail(t, "",
          fmt::format("op '{}' has no backward, and task '{}' lies on the path from a weight to the loss", op,
                      bt.task->id),
@@ -335,7 +336,8 @@ class Deriver {
     }
   }
 
-  // add, sub, mul with numpy broadcasting.
+  // add, sub, mul, div with numpy broadcasting. For out = a / b:
+  // da = dout / b, db = -(dout * out) / b.
   void arithmetic(int t) {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const std::string& op = bt.op->name;
@@ -347,19 +349,47 @@ class Deriver {
       const std::string which = operand->name;
       const DType dtype = info(*operand).dtype;
       SlotRef grad = dout;
-      if (op == "mul") {
-        const BoundTensor& other = operand == &a ? b : a;
-        grad = SlotRef{add_task(bt.task->id + "_grad_" + which, "mul", Phase::backward, {{"a", dout}, {"b", ref(other.buffer)}},
-                                {{"out", dtype, so}}),
-                       "out"};
-      }
+      const std::string base = bt.task->id + "_grad_" + which;
+      auto binary = [&](const std::string& id, const char* name, SlotRef x, SlotRef y) {
+        return SlotRef{add_task(id, name, Phase::backward, {{"a", x}, {"b", y}}, {{"out", dtype, so}}), "out"};
+      };
+      if (op == "mul") grad = binary(base, "mul", dout, ref((operand == &a ? b : a).buffer));
+      if (op == "div" && operand == &a) grad = binary(base, "div", dout, ref(b.buffer));
+      if (op == "div" && operand == &b)
+        grad = binary(base, "div", binary(base + "_times_out", "mul", dout, ref(out.buffer)), ref(b.buffer));
       grad = unbroadcast(t, which, grad, so, info(*operand).shape, dtype);
-      if (op == "sub" && operand == &b)
+      if ((op == "sub" || op == "div") && operand == &b)
         grad = SlotRef{add_task(bt.task->id + "_grad_b_neg", "neg", Phase::backward, {{"x", grad}},
                                 {{"out", dtype, info(b).shape}}),
                        "out"};
       contribute(operand->buffer, grad);
     }
+  }
+
+  // concat's gradient is split along the same axis, split's is concat; a
+  // split half that does not reach the loss contributes zeros.
+  void concat_split(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const BoundTensor &a = slot(t, "a"), &b = slot(t, "b");
+    const std::string base = bt.task->id + "_grad_";
+    if (bt.op->name == "concat") {
+      const BoundTensor& out = slot(t, "out");
+      const std::string id = add_task(base + "ab", "split", Phase::backward, {{"x", gradient_of(out.buffer)}},
+                                      {{"a", info(a).dtype, info(a).shape}, {"b", info(b).dtype, info(b).shape}});
+      if (needs(a)) contribute(a.buffer, SlotRef{id, "a"});
+      if (needs(b)) contribute(b.buffer, SlotRef{id, "b"});
+      return;
+    }
+    const BoundTensor& x = slot(t, "x");
+    auto half = [&](const BoundTensor& h) {
+      if (!contributions_[h.buffer].empty()) return gradient_of(h.buffer);
+      return SlotRef{add_task(base + h.name + "_zero", "fill", Phase::backward, {}, {{"out", info(h).dtype, info(h).shape}},
+                              {{"value", ArgValue(0.0)}}),
+                     "out"};
+    };
+    const std::string id = add_task(base + "x", "concat", Phase::backward, {{"a", half(a)}, {"b", half(b)}},
+                                    {{"out", info(x).dtype, info(x).shape}});
+    contribute(x.buffer, SlotRef{id, "out"});
   }
 
   // Ops that move elements: the gradient moves them back.

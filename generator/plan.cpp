@@ -137,6 +137,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   Plan plan;
   plan.alignment = options.placement.alignment;
   plan.budget = options.budget_bytes;
+  plan.reuse = options.placement.reuse;
 
   // Placement units: a buffer and those that take over its storage in place
   // share one unit, live from the first one's birth to the last one's death.

@@ -54,6 +54,7 @@ struct Plan {
   int64_t no_reuse_bytes = 0;
   int64_t alignment = 256;
   int64_t budget = 0;  // 0: none
+  bool reuse = true;   // buffers share storage when their lifetimes do not overlap (views always do)
   std::string method;  // the placement method that produced the offsets
 
   struct Location {

@@ -99,6 +99,14 @@ struct Round {
   int step = 0;  // 1, 2, ... for training steps; 0 otherwise
 };
 
+// Init on its own, then the other phases: what init writes is then read back
+// before an update overwrites it in place, so each task can be checked from
+// what it read.
+std::vector<Round> split_init(const std::vector<Phase>& phases) {
+  if (phases.size() < 2 || phases.front() != Phase::init) return {Round{phases, 0}};
+  return {Round{{Phase::init}, 0}, Round{std::vector<Phase>(phases.begin() + 1, phases.end()), 0}};
+}
+
 std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
   std::vector<Phase> present;
   for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update})
@@ -109,11 +117,11 @@ std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
       }
   auto has = [&](Phase phase) { return std::find(present.begin(), present.end(), phase) != present.end(); };
   if (options.steps < 0) throw std::runtime_error("--steps must be 0 or more");
+  if (options.check_each_task && c.plan.reuse)
+    throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
   if (options.steps > 0) {
     if (!options.phases.empty())
       throw std::runtime_error("give --steps or --phases, not both: a training step runs forward, backward and update");
-    if (options.check_each_task)
-      throw std::runtime_error("--check-each-task checks a single run; with --steps every step is checked already");
     if (!has(Phase::update))
       throw std::runtime_error(
           "--steps trains, but this graph has no update phase (add a \"training\" section, or update tasks)");
@@ -125,13 +133,13 @@ std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
     for (int i = 1; i <= options.steps; ++i) rounds.push_back(Round{step, i});
     return rounds;
   }
-  if (options.phases.empty()) return {Round{present, 0}};
+  if (options.phases.empty()) return split_init(present);
   for (Phase phase : options.phases)
     if (!has(phase)) throw std::runtime_error(fmt::format("this graph has no {} phase", to_string(phase)));
   std::vector<Phase> chosen;  // in phase order, whatever the order asked
   for (Phase phase : present)
     if (std::find(options.phases.begin(), options.phases.end(), phase) != options.phases.end()) chosen.push_back(phase);
-  return {Round{chosen, 0}};
+  return split_init(chosen);
 }
 
 bool in(const std::vector<Phase>& phases, Phase phase) {
@@ -149,6 +157,38 @@ bool written_in(const Program& p, int buffer, const std::vector<Phase>& phases, 
     }
   }
   return false;
+}
+
+// Each task of a round against the reference computed from the inputs the
+// kernels actually gave it, so that errors do not compound through the chain
+// (an end-to-end bound grows with depth). A task reads what the round left,
+// except a buffer some task of the round updates in place (a weight, an
+// optimizer's state), which every task of the round read before the update.
+template <typename Compare>
+void check_each_task(const Compiled& c, const Schedule& round, const std::vector<std::vector<double>>& before,
+                     const std::vector<std::vector<double>>& after, const RunTimeArgs& args, int step, Compare compare) {
+  const Program& p = c.program;
+  std::vector<int> updaters(p.buffers.size(), 0);
+  for (int t : round.order)
+    for (const auto& b : p.tasks[size_t(t)].tensors)
+      if (b.sig != nullptr && b.sig->writes && b.sig->role != SlotRole::output) ++updaters[size_t(b.buffer)];
+  std::vector<std::vector<double>> seen = after;
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    if (updaters[b] > 1)
+      throw std::runtime_error(fmt::format(
+          "checking each task is not possible here: {} tasks update '{}' in place in one phase, so what each read "
+          "is gone; run without --check-each-task (the outputs and the updated weights are still checked)",
+          updaters[b], buffer_name(p, int(b))));
+    if (updaters[b] == 1) seen[b] = before[b];
+  }
+  for (int t : round.order) {
+    ReferenceBuffers one = evaluate_task(p, t, seen, args);
+    for (const auto& bound : p.tasks[size_t(t)].tensors) {
+      if (bound.sig == nullptr || !bound.sig->written()) continue;
+      size_t b = size_t(bound.buffer);
+      compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, after[b], one.value[b], one.abs[b], step);
+    }
+  }
 }
 
 }  // namespace
@@ -263,6 +303,8 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       bool ok = !std::isnan(y) && err <= bound;
       if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
+      if (!std::isnan(bound)) check.max_bound = std::max(check.max_bound, bound);
+      if (!std::isnan(want[size_t(i)])) check.max_reference = std::max(check.max_reference, std::abs(want[size_t(i)]));
       check.worst_ratio =
           std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
       if (!ok && check.failures++ == 0) {
@@ -329,6 +371,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
       compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step);
     }
     for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
+    if (options.check_each_task) check_each_task(c, part, before, actual, args, round.step, compare);
   }
   run.kernels = module.kernel_bytes();
 
@@ -350,29 +393,6 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     }
   }
 
-  if (options.check_each_task) {
-    if (c.plan.arena_bytes - c.plan.scalars_bytes < c.plan.no_reuse_bytes)
-      throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
-    // Each task is recomputed from the buffers as the run left them, which
-    // an in-place update (an optimizer step) has overwritten by then.
-    for (const auto& t : p.tasks)
-      for (const auto& bound : t.tensors)
-        if (bound.sig != nullptr && bound.sig->writes && bound.sig->role != SlotRole::output)
-          throw std::runtime_error(fmt::format(
-              "checking each task is not possible here: task '{}' updates '{}' in place, which overwrites what the "
-              "tasks before it read; run without --check-each-task (the outputs and the updated weights are still "
-              "checked against the reference)",
-              t.task->id, bound.name));
-    for (int t : c.schedule.order) {
-      if (!in(rounds[0].phases, p.tasks[size_t(t)].task->phase)) continue;
-      ReferenceBuffers one = evaluate_task(p, t, actual, options.args);
-      for (const auto& bound : p.tasks[size_t(t)].tensors) {
-        if (bound.sig == nullptr || bound.sig->role != SlotRole::output) continue;
-        size_t b = size_t(bound.buffer);
-        compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, actual[b], one.value[b], one.abs[b], 0);
-      }
-    }
-  }
   return run;
 }
 
@@ -389,8 +409,10 @@ std::string format_run(const EmulatedRun& run) {
     }
   }
   out += fmt::format("{:<24} {:>9} {:>12} {:>14}  {}\n", "output", "elements", "max |err|", "err / bound", "result");
+  bool any_loose = false;
   for (const auto& c : run.checks) {
-    std::string result = c.ok() ? "ok"
+    any_loose = any_loose || (c.ok() && c.loose());
+    std::string result = c.ok() ? (c.loose() ? "ok, loose bound*" : "ok")
                                 : fmt::format("FAIL: {} elements out of bounds; first at {}{}: got {}, want {}", c.failures,
                                               c.first_failure,
                                               c.failure_step > 0 ? fmt::format(" after step {}", c.failure_step) : "",
@@ -398,6 +420,9 @@ std::string format_run(const EmulatedRun& run) {
     out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
   }
   if (run.steps > 0) out += fmt::format("(every step checked against the float64 reference run from the state before it)\n");
+  if (any_loose)
+    out += "* the bound exceeds every reference value: first-order error bounds compound along a deep chain, so this\n"
+           "  end-to-end check only catches gross errors; --check-each-task checks every kernel from its actual inputs\n";
   if (!run.ok()) out += fmt::format("(seed {}; rerun with --seed {} to reproduce)\n", run.seed, run.seed);
   return out;
 }

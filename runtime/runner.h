@@ -52,6 +52,11 @@ struct OutputCheck {
   int64_t first_failure = -1;
   double got = 0, want = 0;  // at the first failure
   int failure_step = 0;      // the training step of the first failure (0: init, or a single run)
+  // The largest bound and reference value: a bound above every value could
+  // not catch a 100% error, as happens at the end of a deep chain, where
+  // first-order bounds compound (check each task then).
+  double max_bound = 0, max_reference = 0;
+  bool loose() const { return max_bound > max_reference && max_reference > 0; }
   bool ok() const { return failures == 0; }
 };
 

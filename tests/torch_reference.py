@@ -87,8 +87,9 @@ class Graph:
         return order
 
 
-def run_torch(g, values):
-    """Evaluates every task in float64; `values` maps buffer names to tensors."""
+def run_torch(g, values, phases=None):
+    """Evaluates every task (of `phases`, when given) in float64; `values`
+    maps buffer names to tensors."""
     def get(t, slot):
         return values["%s.%s" % g.owner(t["id"], slot)]
 
@@ -96,6 +97,8 @@ def run_torch(g, values):
         values[f"{t['id']}.{slot}"] = v
 
     for t in g.order():
+        if phases is not None and t.get("phase", "forward") not in phases:
+            continue
         op = t["op"]
         # A run-time argument ({"value": v, "runtime": true}) runs with its initial value.
         args = {k: (a["value"] if isinstance(a, dict) and "value" in a else a) for k, a in t.get("args", {}).items()}
@@ -158,6 +161,12 @@ def run_torch(g, values):
             put(t, "out", get(t, "table")[get(t, "ids").long()])
         elif op == "transpose":
             put(t, "out", get(t, "x").transpose(-1, -2))
+        elif op == "cross_entropy":
+            logits = get(t, "logits")
+            put(t, "loss", torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                             get(t, "labels").reshape(-1).long()))
+        elif op == "mse":
+            put(t, "loss", torch.nn.functional.mse_loss(get(t, "pred"), get(t, "target")))
         elif op in ("fill", "uniform", "normal"):
             n = math.prod(shape("out"))
             f32 = t["tensors"]["out"]["dtype"] == "f32"
@@ -176,6 +185,26 @@ def run_torch(g, values):
     return values
 
 
+def random_inputs(g, rng):
+    """Values for every buffer no task writes: uniform in [-1, 1), integers as
+    indices of what they index (an embedding table's rows, a loss's classes)."""
+    out = {}
+    for name, (dtype, shape, storage, written) in g.buffers().items():
+        if written:
+            continue
+        if dtype in ("i32", "i64"):
+            limit = 8
+            for t in g.tasks:
+                if t["op"] == "embedding" and "%s.%s" % g.owner(t["id"], "ids") == name:
+                    limit = g.buffers()["%s.%s" % g.owner(t["id"], "table")][1][0]
+                if t["op"] == "cross_entropy" and "%s.%s" % g.owner(t["id"], "labels") == name:
+                    limit = g.buffers()["%s.%s" % g.owner(t["id"], "logits")][1][-1]
+            out[name] = rng.integers(0, limit, size=shape).astype(DTYPES[dtype])
+        else:
+            out[name] = rng.uniform(-1, 1, size=shape).astype(DTYPES[dtype])
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cudagen")
@@ -190,20 +219,9 @@ def main():
         inputs, outputs = os.path.join(work, "in"), os.path.join(work, "out")
         os.makedirs(inputs)
         values = {}
-        for name, (dtype, shape, storage, written) in g.buffers().items():
-            if written:
-                continue
-            if dtype in ("i32", "i64"):
-                users = [t for t in graph["tasks"] if t["op"] == "embedding"
-                         and "%s.%s" % g.owner(t["id"], "ids") == name]
-                high = g.by_id[users[0]["id"]]["tensors"]["table"] if users else None
-                rows = ("%s.%s" % g.owner(users[0]["id"], "table")) if users else None
-                limit = g.buffers()[rows][1][0] if rows else 8
-                array = rng.integers(0, limit, size=shape).astype(DTYPES[dtype])
-            else:
-                array = rng.uniform(-1, 1, size=shape).astype(DTYPES[dtype])
+        for name, array in random_inputs(g, rng).items():
             np.save(os.path.join(inputs, name + ".npy"), array)
-            values[name] = torch.from_numpy(array.astype(np.float64) if dtype in ("f32", "f64") else array)
+            values[name] = torch.from_numpy(array.astype(np.float64) if array.dtype.kind == "f" else array)
         run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--inputs", inputs, "--outputs", outputs,
                               "--seed", str(opts.seed), "--work-dir", os.path.join(work, "build")],
                              capture_output=True, text=True)

@@ -81,7 +81,7 @@ def main():
         os.makedirs(inputs)
         np.save(os.path.join(inputs, "fc1.a.npy"), x)
         np.save(os.path.join(inputs, "loss.labels.npy"), labels)
-        run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--steps", str(opts.steps), "--inputs", inputs,
+        run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--steps", str(opts.steps), "--check-each-task", "--inputs", inputs,
                               "--outputs", outputs, "--work-dir", os.path.join(work, "build")],
                              capture_output=True, text=True)
         print(run.stdout, end="")

@@ -169,6 +169,22 @@ TaskGraph unary_graph() {
   return std::move(b).graph();
 }
 
+// div with a broadcast divisor, concat, and split with one half unused (its
+// gradient zeros).
+TaskGraph rearranging_graph() {
+  GraphBuilder b("grad_check_div_concat_split");
+  auto num = b.task("num", "add").tensor("a", f64, {3, 4}, ext).tensor("b", f64, {3, 4}, weight).tensor("out", f64, {3, 4});
+  auto den = b.task("den", "exp").tensor("x", f64, {4}, weight).tensor("out", f64, {4});  // positive, away from 0
+  auto q = b.task("q", "div").tensor("a", num["out"]).tensor("b", den["out"]).tensor("out", f64, {3, 4});
+  auto cat = b.task("cat", "concat").tensor("a", q["out"]).tensor("b", f64, {3, 2}, weight).tensor("out", f64, {3, 6});
+  auto halves = b.task("halves", "split").tensor("x", cat["out"]).tensor("a", f64, {3, 1}).tensor("b", f64, {3, 5});
+  b.task("loss", "cross_entropy")
+      .tensor("logits", halves["b"])
+      .tensor("labels", DType::i32, {3}, ext)
+      .tensor("loss", DType::f32, {}, ext);
+  return std::move(b).graph();
+}
+
 }  // namespace
 
 TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
@@ -176,6 +192,8 @@ TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
   EXPECT_EQ(check_gradients(forward_graph(), {"loss", "loss"}, 5, 6), 24 + 6 + 6 + 6 + 6 + 30);
   // embed.table, shifted.b
   EXPECT_EQ(check_gradients(unary_graph(), {"loss", "loss"}, 5, 2), 20 + 12);
+  // num.b, den.x, cat.b
+  EXPECT_EQ(check_gradients(rearranging_graph(), {"loss", "loss"}, 5, 3), 12 + 4 + 6);
 }
 
 namespace {

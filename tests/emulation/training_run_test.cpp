@@ -69,6 +69,31 @@ TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
   std::filesystem::remove_all(run_options.outputs_dir);
 }
 
+TEST(TrainingRun, EachTaskOfEveryStepIsCheckedFromItsActualInputs) {
+  CompileOptions options;
+  options.plan.placement.reuse = false;  // every buffer kept, so each task's inputs can be read back
+  Compiled c = compile(classifier(), options);
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions run_options{seed, work_dir("each")};
+  run_options.steps = 2;
+  run_options.check_each_task = true;
+  EmulatedRun run = run_emulated_and_check(c, run_options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  // Backward kernels and the in-place update too, not only the outputs.
+  int checked = 0;
+  for (const auto& check : run.checks)
+    for (const char* name : {"task fc1_grad_b.out", "task act_backward.dx", "task w1_sgd.param", "task w1_sgd.momentum_buf"})
+      if (check.buffer == name) {
+        ++checked;
+        EXPECT_FALSE(check.loose()) << name << ": a per-task bound must be tight\n" << format_run(run);
+      }
+  EXPECT_EQ(checked, 4) << format_run(run);
+  RunOptions reused{seed, work_dir("each")};
+  reused.check_each_task = true;
+  EXPECT_THROW(run_emulated_and_check(compile(classifier(), {}), reused), std::runtime_error);
+}
+
 TEST(TrainingRun, OnePhaseTakesWhatOtherPhasesWouldWriteAsInputs) {
   Compiled c = compile(classifier(), {});
   RunOptions options{7, work_dir("phases")};
