@@ -13,12 +13,6 @@ namespace cudagen {
 
 namespace {
 
-int64_t numel(const Shape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 bool is_float(DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16 || d == DType::f64; }
 
 // The loss's gradient before any task has made it a tensor: d loss / d loss = 1.

@@ -18,12 +18,6 @@ std::string phase_function(Phase phase) { return std::string("cudagen_") + to_st
 
 namespace {
 
-int64_t numel(const Shape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
 
 // The flat index into `in` (right-aligned, numpy broadcasting) of element

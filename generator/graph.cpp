@@ -66,6 +66,12 @@ int64_t dtype_bytes(DType d) {
   return 0;
 }
 
+int64_t numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 std::string shape_to_string(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 std::optional<SlotRef> parse_slot_ref(std::string_view text) {

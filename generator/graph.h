@@ -31,6 +31,7 @@ int64_t dtype_bytes(DType d);
 
 using Shape = std::vector<int64_t>;
 std::string shape_to_string(const Shape& shape);  // "[32, 64]"
+int64_t numel(const Shape& shape);                // elements; 1 for a scalar []
 
 // `task.slot`: the slot of another task that a slot depends on.
 struct SlotRef {

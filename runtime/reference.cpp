@@ -9,12 +9,6 @@ namespace cudagen {
 
 namespace {
 
-int64_t numel(const Shape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
 // Index into `in` of element `i` of `out` under numpy broadcasting.
 int64_t broadcast_source(const Shape& out, const Shape& in, int64_t i) {
   int64_t index = 0, in_stride = 1;

@@ -185,6 +185,21 @@ def run_torch(g, values, phases=None):
     return values
 
 
+def compare(title, rows):
+    """Prints one line per (name, got, want, rtol, atol): it agrees when
+    max |got - want| <= rtol * max |want| + atol and got is finite. Returns
+    whether every row agrees."""
+    print("%-24s %9s %12s %12s  %s" % (title, "elements", "max |diff|", "max |ref|", "result"))
+    all_ok = True
+    for name, got, want, rtol, atol in rows:
+        got = np.asarray(got, dtype=np.float64)
+        diff, scale = float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
+        ok = bool(np.all(np.isfinite(got))) and diff <= rtol * scale + atol
+        all_ok &= ok
+        print("%-24s %9d %12.3g %12.3g  %s" % (name, got.size, diff, scale, "ok" if ok else "FAIL"))
+    return all_ok
+
+
 def random_inputs(g, rng):
     """Values for every buffer no task writes: uniform in [-1, 1), integers as
     indices of what they index (an embedding table's rows, a loss's classes)."""
@@ -229,18 +244,10 @@ def main():
             print(run.stdout, run.stderr)
             raise SystemExit(f"cudagen run failed (seed {opts.seed})")
         values = run_torch(g, values)
-        failed = False
-        print("%-24s %9s %12s %12s  %s" % ("output (vs PyTorch)", "elements", "max |err|", "max |ref|", "result"))
-        for name, (dtype, shape, storage, written) in g.buffers().items():
-            if not written or storage != "external":
-                continue
-            got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
-            ref = values[name].numpy()
-            err, scale = float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref)))
-            tolerance = (1e-4 if dtype == "f32" else 1e-10) * scale + 1e-6
-            ok = bool(np.all(np.isfinite(got))) and err <= tolerance
-            failed |= not ok
-            print("%-24s %9d %12.3g %12.3g  %s" % (name, got.size, err, scale, "ok" if ok else "FAIL"))
+        rows = [(name, np.load(os.path.join(outputs, name + ".npy")), values[name].numpy(),
+                 1e-4 if dtype == "f32" else 1e-10, 1e-6)
+                for name, (dtype, shape, storage, written) in g.buffers().items() if written and storage == "external"]
+        failed = not compare("output (vs PyTorch)", rows)
         if failed:
             raise SystemExit(f"outputs differ from PyTorch (seed {opts.seed})")
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import unit_float  # noqa: E402  (the init generator, shared with the other reference)
+from torch_reference import compare, unit_float  # noqa: E402  (shared with the other reference)
 
 
 def task(graph, task_id):
@@ -115,13 +115,8 @@ def main():
     else:
         print(f"FAIL: the loss did not fall below {opts.loss_below} within {opts.steps} steps")
         failed = True
-    print("%-8s %9s %12s %12s  %s" % ("weight", "elements", "max |diff|", "max |torch|", "result"))
-    for w, got in ours.items():
-        want = params[w].detach().numpy()
-        diff, scale = float(np.max(np.abs(got.astype(np.float64) - want))), float(np.max(np.abs(want)))
-        ok = bool(np.all(np.isfinite(got))) and diff <= opts.rtol * scale
-        failed |= not ok
-        print("%-8s %9d %12.3g %12.3g  %s" % (w, got.size, diff, scale, "ok" if ok else "FAIL"))
+    rows = [(w, got, params[w].detach().numpy(), opts.rtol, 0.0) for w, got in ours.items()]
+    failed |= not compare("weight (vs PyTorch)", rows)
     if failed:
         raise SystemExit("training differs from PyTorch or did not learn")
     print(f"weights after {opts.steps} steps match PyTorch (rtol {opts.rtol})")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import Graph, random_inputs, run_torch  # noqa: E402
+from torch_reference import Graph, compare, random_inputs, run_torch  # noqa: E402
 
 
 def optimizer_for(training, params):
@@ -86,17 +86,11 @@ def main():
         optimizer.step()
         torch_losses.append(loss.item())
 
-    failed = False
     print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
     for i in range(opts.steps):
         print("%-6d %14.8f %14.8f" % (i + 1, losses[i], torch_losses[i]))
-    print("%-16s %9s %12s %12s  %s" % ("weight", "elements", "max |diff|", "max |torch|", "result"))
-    for name, got in ours.items():
-        want = params[name].detach().numpy()
-        diff, scale = float(np.max(np.abs(got.astype(np.float64) - want))), float(np.max(np.abs(want)))
-        ok = bool(np.all(np.isfinite(got))) and diff <= opts.rtol * scale + 1e-7
-        failed |= not ok
-        print("%-16s %9d %12.3g %12.3g  %s" % (name, got.size, diff, scale, "ok" if ok else "FAIL"))
+    rows = [(name, got, params[name].detach().numpy(), opts.rtol, 1e-7) for name, got in ours.items()]
+    failed = not compare("weight (vs PyTorch)", rows)
     if failed:
         raise SystemExit(f"weights after {opts.steps} steps differ from PyTorch (seed {opts.seed})")
     print(f"weights after {opts.steps} steps match PyTorch's (rtol {opts.rtol}, seed {opts.seed})")
