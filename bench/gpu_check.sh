@@ -1,31 +1,55 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark the project has, in one command, for a session
 # that is lent a GPU (the device tool): under 10 minutes, a short table at the end.
+# Build here, then `run` with carry: ["build"] and command `bash bench/gpu_check.sh`.
 #
-# Today the project has no code that launches on a GPU: the runtime that loads
-# a CUBIN with the driver API and launches a phase is issue #5. What this
-# script checks on the GPU machine so far: the device, and that the generated
-# example compiles there with that machine's nvcc for its own architecture.
-# Carry the build folder (`run` with carry: ["build"]).
+# What it runs on the GPU:
+#  - every example graph and the graph of every templated op, with `cudagen run --gpu`:
+#    NVRTC for the device's architecture, launched through the driver API, each output
+#    (and each training step's weights) checked against the float64 reference;
+#  - the same with --cuda-graph, and the training examples for several steps;
+#  - examples/jit (the C++ API), and the disk cache's second run (a hit);
+#  - per-kernel times of each forward phase (--profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
+cudagen="$build/generator/cudagen"
 rows=()
 device=$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader 2>/dev/null | head -1)
 rows+=("device|${device:-no GPU visible}")
-arch=sm_$(echo "${device##*, }" | tr -d '.')
-nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-if [ -x "$build/generator/cudagen" ] && [ -x "$nvcc" ]; then
-  tmp=$(mktemp -d)
-  "$build/generator/cudagen" compile examples/mlp_forward.json -o "$tmp/mlp.cu" 2>/dev/null
-  if "$nvcc" -c -arch="$arch" "$tmp/mlp.cu" -o "$tmp/mlp.o" 2>"$tmp/log"; then
-    rows+=("nvcc -c examples/mlp_forward.json for $arch|ok")
+export CUDAGEN_CACHE_DIR=$(mktemp -d)
+log=$(mktemp -d)
+
+check() {  # NAME COMMAND...: one row, ok or FAILED with the last lines of the output
+  local name=$1; shift
+  if "$@" >"$log/out" 2>&1; then
+    rows+=("$name|ok $(grep -Eo 'cache [a-z ()]+' "$log/out" | head -1)")
   else
-    rows+=("nvcc -c examples/mlp_forward.json for $arch|FAILED: $(head -c 300 "$tmp/log")")
+    rows+=("$name|FAILED: $(tail -c 400 "$log/out" | tr '\n' ' ')")
   fi
-else
-  rows+=("nvcc -c of the example|skipped: no $build/generator/cudagen or nvcc")
-fi
-rows+=("GPU tests and benchmarks|none yet: launching on a GPU comes with issue #5")
-printf '%-45s %s\n' "check" "result"
-for r in "${rows[@]}"; do printf '%-45s %s\n' "${r%%|*}" "${r#*|}"; done
+  cp "$log/out" "$log/$(echo "$name" | tr -c 'a-zA-Z0-9_.-' '_').log"
+}
+
+for graph in examples/mlp_forward.json examples/transformer_block.json tests/snapshots/every_template_op.json \
+             examples/mlp_derived.json; do
+  check "run --gpu $(basename "$graph")" "$cudagen" run --gpu "$graph"
+  check "run --gpu --cuda-graph $(basename "$graph")" "$cudagen" run --gpu --cuda-graph "$graph"
+done
+check "run --gpu --check-each-task train_transformer" "$cudagen" run --gpu --check-each-task examples/train_transformer.json
+check "train_mlp --steps 20 --step-function" "$cudagen" run --gpu --steps 20 --step-function examples/train_mlp.json
+check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/train_transformer.json
+check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
+check "examples/jit (C++ API)" "$build/examples/jit/jit_mlp"
+
+printf '%-50s %s\n' "check" "result"
+for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done
+
+echo
+echo "per-kernel times (cudagen run --gpu --profile; microseconds, one run after the checked ones):"
+for graph in examples/mlp_forward.json examples/transformer_block.json; do
+  echo "== $graph"
+  "$cudagen" run --gpu --profile "$graph" 2>&1 | sed -n '/kernel times/,/total/p'
+done
+failed=0
+for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done
+exit $failed

@@ -856,7 +856,7 @@ class Emitter {
     return out + "\n// ---- kernels ----\n\n";
   }
 
-  std::string host_side(const std::vector<KernelGroup>& kernels, const std::vector<EmittedKernel>& emitted) const {
+  std::string host_side(const std::vector<KernelGroup>& kernels, std::vector<EmittedKernel>& emitted) const {
     std::string out =
         "#ifndef __CUDACC_RTC__\n"
         "// ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----\n"
@@ -898,7 +898,7 @@ class Emitter {
       out += fmt::format("\nextern \"C\" int {}(unsigned char* arena, cudaStream_t stream) {{\n", phase_function(phase));
       for (size_t i = 0; i < kernels.size(); ++i) {
         if (kernels[i].phase != phase) continue;
-        const EmittedKernel& ek = emitted[i];
+        EmittedKernel& ek = emitted[i];
         const BoundTask& bt = p_.tasks[size_t(kernels[i].tasks[0])];
         std::vector<std::string> args;
         for (const auto& sig : bt.op->tensors) {
@@ -908,9 +908,12 @@ class Emitter {
           bool written = sig.written();
           args.push_back(fmt::format("({}{}*)(arena + {})", written ? "" : "const ", c_type(buf.dtype),
                                      plan_.buffers[size_t(b->buffer)].offset));
+          ek.arg_offsets.push_back(plan_.buffers[size_t(b->buffer)].offset);
         }
-        for (const auto& sp : scalar_params(kernels[i].tasks[0]))
+        for (const auto& sp : scalar_params(kernels[i].tasks[0])) {
           args.push_back(fmt::format("(const {}*)(arena + {})", scalar_type(sp.scalar->type), sp.scalar->offset));
+          ek.arg_offsets.push_back(sp.scalar->offset);
+        }
         out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
                            ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
       }
@@ -958,9 +961,9 @@ class Emitter {
       for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}}}",
+          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"arg_offsets\": [{}]}}",
           i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
-          k.smem_bytes, k.bytes_read, k.bytes_written);
+          k.smem_bytes, k.bytes_read, k.bytes_written, fmt::join(k.arg_offsets, ", "));
     }
     out += "\n  ],\n  \"scalars\": [";
     for (size_t i = 0; i < plan_.scalars.size(); ++i) {

@@ -37,7 +37,7 @@ std::string header_field(const std::string& header, const std::string& key, cons
 
 }  // namespace
 
-NpyArray read_npy(const std::string& path) {
+HostTensor read_npy(const std::string& path) {
   std::string bytes = read_text_file(path);
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0)
     throw std::runtime_error(fmt::format("{}: not a .npy file (no \\x93NUMPY magic)", path));
@@ -59,7 +59,7 @@ NpyArray read_npy(const std::string& path) {
   std::string order = header_field(header, "fortran_order", path);
   std::string shape_text = header_field(header, "shape", path);
   if (order != "False") throw std::runtime_error(fmt::format("{}: Fortran-order arrays are not supported; save a C-contiguous array", path));
-  NpyArray a;
+  HostTensor a;
   bool known = false;
   for (DType d : {DType::f32, DType::f64, DType::i32, DType::i64, DType::f16})
     if (type == std::string("'") + descr(d) + "'") {
@@ -83,7 +83,7 @@ NpyArray read_npy(const std::string& path) {
   return a;
 }
 
-void write_npy(const std::string& path, const NpyArray& a) {
+void write_npy(const std::string& path, const HostTensor& a) {
   if (std::string(descr(a.dtype)).empty())
     throw std::runtime_error(fmt::format("{}: numpy has no {} dtype", path, to_string(a.dtype)));
   std::string shape = "(";

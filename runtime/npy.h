@@ -6,20 +6,14 @@
 #include <string>
 #include <vector>
 
-#include "graph.h"
+#include "host_tensor.h"
 
 namespace cudagen {
 
-struct NpyArray {
-  DType dtype = DType::f32;
-  Shape shape;
-  std::vector<unsigned char> data;  // numel * dtype_bytes, little-endian
-};
-
 // Throws std::runtime_error naming the file and what is wrong with it.
-NpyArray read_npy(const std::string& path);
+HostTensor read_npy(const std::string& path);
 
 // Writes atomically (temporary file, then rename).
-void write_npy(const std::string& path, const NpyArray& array);
+void write_npy(const std::string& path, const HostTensor& array);
 
 }  // namespace cudagen

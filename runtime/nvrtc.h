@@ -25,4 +25,17 @@ struct NvrtcOutput {
 // be loaded (naming the library it looked for).
 NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch, bool ptx = false);
 
+// NVRTC's version, "13.0" (a part of the disk cache's key). Throws NvrtcError
+// when NVRTC cannot be loaded.
+std::string nvrtc_version();
+
+// The options nvrtc_compile passes for `arch`, as one line (a part of the
+// disk cache's key).
+std::string nvrtc_options_text(const std::string& arch, bool ptx);
+
+// NVRTC's log with each "file(LINE): ..." line followed by where LINE is in a
+// generated file: the kernel and its tasks (from the "// Kernel" comment
+// above it), or the template part every kernel shares.
+std::string annotate_nvrtc_log(const std::string& log, const std::string& source);
+
 }  // namespace cudagen

@@ -1,5 +1,7 @@
 #include "reference.h"
 
+#include "counter_rng.h"
+
 #include <cmath>
 #include <stdexcept>
 
@@ -668,17 +670,7 @@ class Evaluator {
     out(o, std::move(v), std::move(a));
   }
 
-  // The init ops' generator, written again from its definition (templates/init.cuh):
-  // uniform must match bit for bit, normal within the transcendentals' ulps.
-  static uint64_t hash64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-  }
-  static float unit_float(int64_t seed, int64_t i, int stream) {
-    return float(hash64(hash64(uint64_t(seed)) ^ uint64_t(2 * i + stream)) >> 40) * 0x1p-24f;
-  }
+  static float unit_float(int64_t seed, int64_t i, int stream) { return counter_unit_float(seed, i, stream); }
 
   void init(const BoundTask& bt) {
     int o = buf(bt, "out");

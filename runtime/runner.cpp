@@ -17,7 +17,7 @@
 
 namespace cudagen {
 
-bool EmulatedRun::ok() const {
+bool CheckedRun::ok() const {
   for (const auto& c : checks)
     if (!c.ok()) return false;
   return !checks.empty();
@@ -62,30 +62,6 @@ int64_t integer_input_range(const Program& p, int buffer) {
       return p.buffers[size_t(t.find_tensor("logits")->buffer)].shape.back();
   }
   return 8;
-}
-
-void store_element(unsigned char* at, DType dtype, double v) {
-  switch (dtype) {
-    case DType::f32: { float f = float(v); std::memcpy(at, &f, 4); break; }
-    case DType::f64: std::memcpy(at, &v, 8); break;
-    case DType::i32: { int32_t i = int32_t(v); std::memcpy(at, &i, 4); break; }
-    case DType::i64: { int64_t i = int64_t(v); std::memcpy(at, &i, 8); break; }
-    case DType::f16: { uint16_t h = float_to_f16(float(v)); std::memcpy(at, &h, 2); break; }
-    case DType::bf16: { uint16_t b = float_to_bf16(float(v)); std::memcpy(at, &b, 2); break; }
-    default: throw std::runtime_error(fmt::format("emulated runs do not support {} tensors yet", to_string(dtype)));
-  }
-}
-
-double load_element(const unsigned char* at, DType dtype) {
-  switch (dtype) {
-    case DType::f32: { float f; std::memcpy(&f, at, 4); return f; }
-    case DType::f64: { double d; std::memcpy(&d, at, 8); return d; }
-    case DType::i32: { int32_t i; std::memcpy(&i, at, 4); return i; }
-    case DType::i64: { int64_t i; std::memcpy(&i, at, 8); return double(i); }
-    case DType::f16: { uint16_t h; std::memcpy(&h, at, 2); return f16_to_float(h); }
-    case DType::bf16: { uint16_t b; std::memcpy(&b, at, 2); return bf16_to_float(b); }
-    default: return NAN;
-  }
 }
 
 }  // namespace
@@ -217,9 +193,10 @@ void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* ar
   }
 }
 
-EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options) {
+CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions& options) {
   const Program& p = c.program;
-  EmulatedRun run;
+  CheckedRun run;
+  run.where = executor.where();
   run.seed = options.seed;
   run.steps = options.steps;
   const std::vector<Round> rounds = plan_rounds(c, options);
@@ -227,8 +204,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   for (const auto& r : rounds)
     for (Phase phase : r.phases)
       if (!in(all_phases, phase)) all_phases.push_back(phase);
-  HostModule module = HostModule::build(c.emitted.cuda_source, options.work_dir, &run.compile_seconds);
-  module.set_seed(options.seed);
+  executor.set_seed(options.seed);
 
   // Inputs (what no task of the phases run computes) from .npy files, or fresh
   // random ones rounded to their dtype so that the reference sees what the
@@ -251,7 +227,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
                                        shape_to_string(info.shape)));
         continue;
       }
-      NpyArray array = read_npy(path);
+      HostTensor array = read_npy(path);
       if (array.dtype != info.dtype || array.shape != info.shape) {
         problems.push_back(fmt::format("{}: {} {}, but the graph input {} is {} {}", path, to_string(array.dtype),
                                        shape_to_string(array.shape), name, to_string(info.dtype),
@@ -350,13 +326,15 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
         if (sc.arg == "step" && sc.type == ArgType::int_) args.emplace(sc.name(p), ArgValue(int64_t(round.step)));
     write_scalars(c, args, arena.data());
 
+    executor.write(0, arena.data(), arena.size());
     auto start = std::chrono::steady_clock::now();
-    if (round.step > 0 && module.has_function(kStepFunction)) {
-      module.run_function(kStepFunction, arena.data());
+    if (round.step > 0 && executor.has_function(kStepFunction)) {
+      executor.run(kStepFunction);
     } else {
-      for (Phase phase : round.phases) module.run_phase(phase, arena.data());
+      for (Phase phase : round.phases) executor.run(phase_function(phase));
     }
     run.run_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    executor.read(0, arena.data(), arena.size());
     actual = read_back();
 
     // Graph outputs, and the persistent tensors tasks write (a training step's
@@ -373,7 +351,7 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
     for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
     if (options.check_each_task) check_each_task(c, part, before, actual, args, round.step, compare);
   }
-  run.kernels = module.kernel_bytes();
+  run.kernels = executor.kernel_bytes();
 
   if (!options.outputs_dir.empty()) {
     std::filesystem::create_directories(options.outputs_dir);
@@ -383,11 +361,11 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
       const bool wanted = info.storage == Storage::external || (options.steps > 0 && info.storage == Storage::persistent);
       if (!wanted || !written_in(p, int(b), all_phases, false)) continue;
       const unsigned char* at = arena.data() + c.plan.buffers[b].offset;
-      NpyArray array{info.dtype, info.shape, std::vector<unsigned char>(at, at + info.bytes)};
+      HostTensor array{info.dtype, info.shape, std::vector<unsigned char>(at, at + info.bytes)};
       write_npy(options.outputs_dir + "/" + buffer_name(p, int(b)) + ".npy", array);
     }
     for (const auto& [name, values] : run.step_scalars) {
-      NpyArray array{DType::f64, {int64_t(values.size())}, std::vector<unsigned char>(values.size() * 8)};
+      HostTensor array{DType::f64, {int64_t(values.size())}, std::vector<unsigned char>(values.size() * 8)};
       std::memcpy(array.data.data(), values.data(), array.data.size());
       write_npy(options.outputs_dir + "/" + name + ".per_step.npy", array);
     }
@@ -396,7 +374,15 @@ EmulatedRun run_emulated_and_check(const Compiled& c, const RunOptions& options)
   return run;
 }
 
-std::string format_run(const EmulatedRun& run) {
+CheckedRun run_emulated_and_check(const Compiled& c, const RunOptions& options) {
+  double compile_seconds = 0;
+  std::unique_ptr<Executor> executor = make_emulated_executor(c, options.work_dir, &compile_seconds);
+  CheckedRun run = run_and_check(c, *executor, options);
+  run.compile_seconds = compile_seconds;
+  return run;
+}
+
+std::string format_run(const CheckedRun& run) {
   std::string out;
   if (!run.step_scalars.empty()) {
     out += fmt::format("{:>5}", "step");

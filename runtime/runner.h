@@ -1,5 +1,5 @@
-// Runs a compiled program in the host emulation on seeded random inputs (or
-// given ones), once or for several training steps, and checks every graph
+// Runs a compiled program, on a GPU or in the host emulation (an Executor),
+// on seeded random inputs (or given ones), once or for several training steps, and checks every graph
 // output and updated weight against the float64 reference (DESIGN.md §9):
 // |y - ref| <= rtol * ref_abs + atol, NaN never passes, the arena poisoned first so
 // an element no kernel wrote fails.
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "host_module.h"
+#include "executor.h"
 #include "pipeline.h"
 #include "reference.h"
 
@@ -60,7 +60,8 @@ struct OutputCheck {
   bool ok() const { return failures == 0; }
 };
 
-struct EmulatedRun {
+struct CheckedRun {
+  std::string where;  // the executor's: "host emulation", "GPU 0: ..."
   double compile_seconds = 0;
   double run_seconds = 0;
   uint64_t seed = 0;
@@ -78,7 +79,12 @@ double relative_tolerance(DType dtype);
 // The atol of |y - ref| <= rtol * ref_abs + atol (DESIGN.md §9): nonzero for f16 only.
 double absolute_tolerance(DType dtype);
 
-EmulatedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& options);
+// Runs and checks on `executor`, which holds the program's arena: the whole
+// arena is written before each round and read back after it.
+CheckedRun run_and_check(const Compiled& compiled, Executor& executor, const RunOptions& options);
+
+// The same in the host emulation, built in options.work_dir.
+CheckedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& options);
 
 // Writes every run-time argument into `arena`'s scalars region: its value in
 // `args`, or its initial one. Throws std::runtime_error naming the scalars
@@ -87,6 +93,6 @@ EmulatedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& o
 void write_scalars(const Compiled& compiled, const RunTimeArgs& args, unsigned char* arena);
 
 // A table for the terminal.
-std::string format_run(const EmulatedRun& run);
+std::string format_run(const CheckedRun& run);
 
 }  // namespace cudagen

@@ -16,6 +16,7 @@
 #include "graph_json.h"
 #include "pipeline.h"
 #include "placement.h"
+#include "jit.h"
 #include "nvrtc.h"
 #include "runner.h"
 #include "user_templates.h"
@@ -36,6 +37,8 @@ struct Cli {
   CompileOptions compile;
   bool no_reuse = false;
   bool emulate = false;
+  bool gpu = false;
+  GpuOptions gpu_options;
   uint64_t seed = 1;
   std::string work_dir;
   std::string cu_path;
@@ -144,12 +147,12 @@ int run_compile(Cli& cli) {
 }
 
 int run_run(Cli& cli) {
-  if (!cli.emulate) {
-    fmt::print(stderr,
-               "error: running on a GPU comes with the runtime (issue #5); this cudagen runs graphs in the host "
-               "emulation: add --emulate\n");
-    return kExitBadInput;
-  }
+  if (cli.emulate && cli.gpu) throw std::runtime_error("give --emulate or --gpu, not both");
+  std::string why;
+  const Backend backend =
+      choose_backend(cli.emulate ? Backend::emulation : cli.gpu ? Backend::gpu : Backend::automatic,
+                     cli.gpu_options.device, &why);
+  fmt::print("{}\n", why);
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse && !cli.check_each_task;
   Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
@@ -165,9 +168,34 @@ int run_run(Cli& cli) {
   for (const auto& name : cli.phases) options.phases.push_back(*parse_phase(name));  // checked by CLI11
   options.steps = cli.steps;
   if (cli.steps > 0) fmt::print("training for {} steps in emulation, each checked against the float64 reference\n", cli.steps);
-  EmulatedRun run = run_emulated_and_check(c, options);
-  fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
-             run.run_seconds, run.seed);
+  CheckedRun run;
+  if (backend == Backend::gpu) {
+    GpuCode code = compile_for_gpu(c, cli.gpu_options);
+    const GpuCompileReport& r = code.report;
+    fmt::print("NVRTC for {}: {}\n", r.arch,
+               !r.cached ? fmt::format("{:.2f} s (cache off)", r.compile_seconds)
+               : r.cache == CacheOutcome::miss || r.cache == CacheOutcome::rebuilt_corrupt
+                   ? fmt::format("{:.2f} s (cache {}{}; stored in {})", r.compile_seconds, to_string(r.cache),
+                                 r.cache_problem.empty() ? "" : ": " + r.cache_problem, r.cache_path)
+                   : fmt::format("cache {} ({})", to_string(r.cache), r.cache_path));
+    if (!r.log.empty()) fmt::print(stderr, "{}\n", r.log);
+    std::unique_ptr<Executor> executor = make_gpu_executor(c, code, cli.gpu_options);
+    run = run_and_check(c, *executor, options);
+    fmt::print("GPU run: {:.3f} s with copies (seed {})\n", run.run_seconds, run.seed);
+    if (cli.gpu_options.profile) {
+      fmt::print("kernel times of the last launcher run:\n");
+      double total = 0;
+      for (const KernelTime& t : executor->kernel_times()) {
+        fmt::print("  {:<28} {:>10.3f} us\n", t.kernel, t.milliseconds * 1000);
+        total += t.milliseconds;
+      }
+      fmt::print("  {:<28} {:>10.3f} us\n", "total", total * 1000);
+    }
+  } else {
+    run = run_emulated_and_check(c, options);
+    fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
+               run.run_seconds, run.seed);
+  }
   fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
              "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, else 0):\n{}",
              format_run(run));
@@ -271,10 +299,24 @@ int main_impl(int argc, char** argv) {
   compile_cmd->add_option("--manifest", cli.manifest_path, "the JSON manifest to write beside it");
   compile_cmd->add_option("--dump-after", cli.compile.dump_after, "print the program after this pass")
       ->check(CLI::IsMember(kPassNames));
-  auto* run_cmd = app.add_subcommand("run", "compile a graph, run it, and check its outputs against a float64 reference");
+  auto* run_cmd = app.add_subcommand(
+      "run", "compile a graph, run it on the GPU (or in the host emulation where there is none), and check its outputs "
+             "against a float64 reference");
   add_frontend_options(run_cmd, cli);
   add_compile_options(run_cmd, cli);
-  run_cmd->add_flag("--emulate", cli.emulate, "run on the CPU in the host emulation of the CUDA execution model");
+  run_cmd->add_flag("--emulate", cli.emulate,
+                    "run on the CPU in the host emulation of the CUDA execution model (the default where no GPU is "
+                    "found)");
+  run_cmd->add_flag("--gpu", cli.gpu, "run on the GPU, and fail rather than fall back to the emulation");
+  run_cmd->add_option("--device", cli.gpu_options.device, "the GPU to run on")->capture_default_str();
+  run_cmd->add_flag("--cuda-graph", cli.gpu_options.cuda_graph,
+                    "GPU: capture each phase into a CUDA Graph on its first run and replay it (fewer launch costs)");
+  run_cmd->add_flag("--profile", cli.gpu_options.profile, "GPU: time each kernel with events and print the times");
+  run_cmd->add_flag("--no-cache", [&cli](int64_t) { cli.gpu_options.use_cache = false; },
+                    "GPU: compile with NVRTC even when the disk cache has the binary (and do not store it)");
+  run_cmd->add_option("--cache-dir", cli.gpu_options.cache_dir,
+                      "GPU: the disk cache of compiled code (default: $CUDAGEN_CACHE_DIR, else $XDG_CACHE_HOME/cudagen, "
+                      "else ~/.cache/cudagen)");
   run_cmd->add_option("--seed", cli.seed, "seed of the random inputs and of the emulator's block order")
       ->capture_default_str();
   run_cmd->add_option("--work-dir", cli.work_dir, "where to build the emulated module (default: a folder in /tmp)");

@@ -190,7 +190,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   Compiled c = compile_graph(all_ops(GetParam()));
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
+  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
   ASSERT_EQ(run.checks.size(), 76u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
@@ -294,7 +294,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
       << "16-bit tensors are computed in f32";
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  EmulatedRun run =
+  CheckedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
   ASSERT_EQ(run.checks.size(), 39u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
@@ -324,7 +324,7 @@ TEST(Emulation, TensorCoreMatmulMatchesTheReference) {
         << "the f32 tile is not in a file whose matmuls are all 16-bit";
     uint64_t seed = fresh_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
-    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
+    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 3u);
     for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
   }
@@ -342,7 +342,7 @@ TEST(Emulation, UnfusedAndUnreusedPlansGiveTheSameResults) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (const CompileOptions& options : {CompileOptions{}, no_reuse}) {
     Compiled c = compile(load_program(g, {}), options);
-    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp")});
+    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp")});
     EXPECT_TRUE(run.ok()) << format_run(run);
   }
 }
@@ -371,14 +371,14 @@ TEST(Emulation, ExposesAMissingSyncthreads) {
   GraphBuilder b("race");
   b.task("t", "transpose").tensor("x", f32, {3, 40, 70}, ext).tensor("out", f32, {3, 70, 40}, ext);
   Compiled c = compile_graph(std::move(b).graph());
-  EmulatedRun good = run_emulated_and_check(c, RunOptions{7, work_dir("race_ok")});
+  CheckedRun good = run_emulated_and_check(c, RunOptions{7, work_dir("race_ok")});
   ASSERT_TRUE(good.ok()) << format_run(good);
   // The planted bug: the transpose tile is read back before every thread wrote its part.
   std::string& source = c.emitted.cuda_source;
   size_t sync = source.find("__syncthreads();", source.find("cg_transpose_tile"));
   ASSERT_NE(sync, std::string::npos);
   source.erase(sync, std::string("__syncthreads();").size());
-  EmulatedRun bad = run_emulated_and_check(c, RunOptions{7, work_dir("race_bad")});
+  CheckedRun bad = run_emulated_and_check(c, RunOptions{7, work_dir("race_bad")});
   ASSERT_EQ(bad.checks.size(), 1u);
   EXPECT_FALSE(bad.checks[0].ok()) << "a missing barrier must give a wrong result in emulation";
   EXPECT_GT(bad.checks[0].failures, 40 * 70) << format_run(bad);
@@ -418,7 +418,7 @@ TEST(Emulation, ReshapeIsAViewWithoutAKernel) {
     EXPECT_EQ(c.emitted.cuda_source.find("flat"), c.emitted.cuda_source.find("flat.out")) << "named only as a buffer";
     uint64_t seed = fresh_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
-    EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
+    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
     EXPECT_TRUE(run.ok()) << format_run(run);
   }
 }
@@ -434,7 +434,7 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
       << "the aliased pair loses __restrict__, the other pointer keeps it";
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("in_place")});
+  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("in_place")});
   EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
@@ -446,7 +446,7 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
   Compiled c = compile(load_program(std::move(g), {}), {});
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  EmulatedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp_train")});
+  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp_train")});
   std::vector<std::string> checked;
   for (const auto& check : run.checks) checked.push_back(check.buffer);
   EXPECT_EQ(checked, (std::vector<std::string>{"w1_init.out", "b1_init.out", "w2_init.out", "b2_init.out", "bias2.out",
@@ -462,7 +462,7 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
                               keep_all);
   RunOptions each{seed, work_dir("mlp_train_each")};
   each.check_each_task = true;
-  EmulatedRun per_task = run_emulated_and_check(unreused, each);
+  CheckedRun per_task = run_emulated_and_check(unreused, each);
   EXPECT_TRUE(per_task.ok()) << format_run(per_task);
   bool update_checked = false;
   for (const auto& check : per_task.checks) update_checked = update_checked || check.buffer == "task sgd_w1.param";
@@ -481,7 +481,7 @@ TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   RunOptions options{seed, work_dir("transformer")};
   options.check_each_task = true;
-  EmulatedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_emulated_and_check(c, options);
   ASSERT_EQ(run.checks.size(), 35u);  // 26 tasks, the output, and the 8 weights the init tasks write
   EXPECT_TRUE(run.ok()) << format_run(run);
   for (const auto& check : run.checks)

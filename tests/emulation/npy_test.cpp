@@ -25,8 +25,8 @@ fs::path temp_dir(const std::string& name) {
 }
 
 template <typename T>
-NpyArray array_of(DType dtype, Shape shape, const std::vector<T>& values) {
-  NpyArray a{dtype, std::move(shape), std::vector<unsigned char>(values.size() * sizeof(T))};
+HostTensor array_of(DType dtype, Shape shape, const std::vector<T>& values) {
+  HostTensor a{dtype, std::move(shape), std::vector<unsigned char>(values.size() * sizeof(T))};
   std::memcpy(a.data.data(), values.data(), a.data.size());
   return a;
 }
@@ -35,16 +35,16 @@ NpyArray array_of(DType dtype, Shape shape, const std::vector<T>& values) {
 
 TEST(Npy, RoundTripsEveryDtypeAndShape) {
   fs::path dir = temp_dir("roundtrip");
-  NpyArray f = array_of<float>(DType::f32, {2, 3}, {1, 2, 3, 4, 5, 6.5f});
-  NpyArray d = array_of<double>(DType::f64, {1}, {0.1});
-  NpyArray i = array_of<int64_t>(DType::i64, {}, {42});
-  for (const NpyArray* a : {&f, &d, &i}) {
+  HostTensor f = array_of<float>(DType::f32, {2, 3}, {1, 2, 3, 4, 5, 6.5f});
+  HostTensor d = array_of<double>(DType::f64, {1}, {0.1});
+  HostTensor i = array_of<int64_t>(DType::i64, {}, {42});
+  for (const HostTensor* a : {&f, &d, &i}) {
     std::string path = (dir / "a.npy").string();
     write_npy(path, *a);
     std::string bytes = read_text_file(path);
     EXPECT_EQ(bytes.compare(0, 8, std::string("\x93NUMPY\x01\x00", 8)), 0);
     EXPECT_EQ((bytes.size() - a->data.size()) % 64, 0u) << "the header is padded to 64 bytes";
-    NpyArray back = read_npy(path);
+    HostTensor back = read_npy(path);
     EXPECT_EQ(back.dtype, a->dtype);
     EXPECT_EQ(back.shape, a->shape);
     EXPECT_EQ(back.data, a->data);
@@ -59,7 +59,7 @@ TEST(Npy, RejectsWhatItCannotRead) {
   std::string path = (dir / "x.npy").string();
   write_file_atomic(path, "not numpy");
   EXPECT_THROW(read_npy(path), std::runtime_error);
-  NpyArray f = array_of<float>(DType::f32, {4}, {1, 2, 3, 4});
+  HostTensor f = array_of<float>(DType::f32, {4}, {1, 2, 3, 4});
   write_npy(path, f);
   std::string bytes = read_text_file(path);
   write_file_atomic(path, bytes.substr(0, bytes.size() - 4));  // one element short
@@ -80,9 +80,9 @@ TEST(Npy, RunReadsInputsAndWritesOutputs) {
   RunOptions options{1, (temp_dir("work")).string()};
   options.inputs_dir = in.string();
   options.outputs_dir = out.string();
-  EmulatedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_emulated_and_check(c, options);
   ASSERT_TRUE(run.ok()) << format_run(run);
-  NpyArray result = read_npy((out / "act.out.npy").string());
+  HostTensor result = read_npy((out / "act.out.npy").string());
   std::vector<float> values(4);
   std::memcpy(values.data(), result.data.data(), 16);
   EXPECT_EQ(values, (std::vector<float>{0, 2, 0, 4}));

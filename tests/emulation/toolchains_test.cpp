@@ -82,6 +82,22 @@ TEST(Toolchains, NvrtcLogNamesTheLine) {
   }
 }
 
+// An error in a generated file is mapped back to the kernel and its tasks.
+TEST(Toolchains, NvrtcLogNamesTheKernelAndTasksOfAnError) {
+  Compiled c = compile(load_program(example("mlp_forward.json"), {}), {});
+  std::string source = c.emitted.cuda_source;
+  const size_t kernel = source.find("k3_fc2(");
+  ASSERT_NE(kernel, std::string::npos);
+  source.insert(source.find("{\n", kernel) + 2, "  undefined_thing();\n");
+  try {
+    nvrtc_compile(source, "mlp.cu", "sm_90");
+    FAIL();
+  } catch (const NvrtcError& e) {
+    EXPECT_NE(std::string(e.what()).find("... in Kernel k3_fc2 (forward phase): task fc2 (matmul"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Toolchains, NvccCompilesTheMlpAheadOfTime) {
   const char* nvcc = CUDAGEN_NVCC;
   ASSERT_TRUE(std::filesystem::exists(nvcc)) << "nvcc not found at " << nvcc;

@@ -54,7 +54,7 @@ TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
   RunOptions run_options{seed, work_dir("steps")};
   run_options.steps = 6;
   run_options.outputs_dir = work_dir("steps_out");
-  EmulatedRun run = run_emulated_and_check(c, run_options);
+  CheckedRun run = run_emulated_and_check(c, run_options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   ASSERT_EQ(run.step_scalars.size(), 1u);
   EXPECT_EQ(run.step_scalars[0].first, "loss.loss");
@@ -62,9 +62,9 @@ TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
   ASSERT_EQ(loss.size(), 6u);
   // Small steps of gradient descent on a fixed batch: the loss falls.
   EXPECT_LT(loss.back(), loss.front()) << format_run(run);
-  NpyArray per_step = read_npy(run_options.outputs_dir + "/loss.loss.per_step.npy");
+  HostTensor per_step = read_npy(run_options.outputs_dir + "/loss.loss.per_step.npy");
   EXPECT_EQ(per_step.shape, Shape{6});
-  NpyArray weight = read_npy(run_options.outputs_dir + "/w2.out.npy");  // the trained weights are written too
+  HostTensor weight = read_npy(run_options.outputs_dir + "/w2.out.npy");  // the trained weights are written too
   EXPECT_EQ(weight.shape, (Shape{16, 3}));
   std::filesystem::remove_all(run_options.outputs_dir);
 }
@@ -78,7 +78,7 @@ TEST(TrainingRun, EachTaskOfEveryStepIsCheckedFromItsActualInputs) {
   RunOptions run_options{seed, work_dir("each")};
   run_options.steps = 2;
   run_options.check_each_task = true;
-  EmulatedRun run = run_emulated_and_check(c, run_options);
+  CheckedRun run = run_emulated_and_check(c, run_options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   // Backward kernels and the in-place update too, not only the outputs.
   int checked = 0;
@@ -98,7 +98,7 @@ TEST(TrainingRun, OnePhaseTakesWhatOtherPhasesWouldWriteAsInputs) {
   Compiled c = compile(classifier(), {});
   RunOptions options{7, work_dir("phases")};
   options.phases = {Phase::forward};
-  EmulatedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_emulated_and_check(c, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   // Forward only: the loss and nothing the update writes.
   bool loss_checked = false;

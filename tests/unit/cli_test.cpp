@@ -31,9 +31,10 @@ class Cli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  CliResult run(const std::string& args) {
+  // `env`: assignments for the command's environment ("A=1 B=2").
+  CliResult run(const std::string& args, const std::string& env = "") {
     std::string out = (dir_ / "stdout").string(), err = (dir_ / "stderr").string();
-    std::string cmd = std::string(CUDAGEN_EXE) + " " + args + " >" + out + " 2>" + err;
+    std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(CUDAGEN_EXE) + " " + args + " >" + out + " 2>" + err;
     int raw = std::system(cmd.c_str());
     return CliResult{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, cudagen::read_text_file(out), cudagen::read_text_file(err)};
   }
@@ -154,10 +155,21 @@ TEST_F(Cli, DumpAfterEachPass) {
   EXPECT_EQ(run("compile " + graph + " --dump-after nonsense").status, 2);
 }
 
-TEST_F(Cli, RunWithoutAGpuSaysToEmulate) {
-  CliResult r = run("run " + source_path("examples/mlp_forward.json"));
-  EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("add --emulate"), std::string::npos) << r.err;
+// Without a driver (here made certain by pointing the loader at a library
+// that does not exist), `run` says so and runs in the emulation; `run --gpu`
+// fails with a message that offers --emulate.
+TEST_F(Cli, RunWithoutADriverFallsBackToTheEmulationAndSaysSo) {
+  const std::string no_driver = "CUDAGEN_CUDA_DRIVER=" + (dir_ / "no-libcuda.so.1").string();
+  const std::string graph = source_path("examples/mlp_forward.json");
+  CliResult r = run("run " + graph + " --work-dir " + (dir_ / "work").string(), no_driver);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("running in the host emulation: no CUDA driver found: cannot load"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("probs.out"), std::string::npos) << r.out;
+  CliResult gpu = run("run --gpu " + graph, no_driver);
+  EXPECT_EQ(gpu.status, 1);
+  EXPECT_NE(gpu.err.find("no CUDA driver found"), std::string::npos) << gpu.err;
+  EXPECT_NE(gpu.err.find("--emulate"), std::string::npos) << gpu.err;
+  EXPECT_EQ(run("run --gpu --emulate " + graph).status, 1);
 }
 
 TEST_F(Cli, RunTimeArgumentsTakeAValueForTheRun) {

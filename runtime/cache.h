@@ -1,0 +1,51 @@
+// The disk cache of compiled device code (DESIGN.md §7): an NVRTC compile
+// of a large graph takes seconds, a cache hit a millisecond.
+//
+// An entry is named by a hash of everything that decides the binary (source,
+// options, NVRTC version, architecture) and carries a checksum of its bytes,
+// so a truncated or damaged entry is detected and rebuilt rather than loaded.
+// Entries are written to a temporary file and renamed, and a process that
+// misses takes a lock on the key while it builds, so several processes
+// compiling the same graph at once build it once and never read half a file.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace cudagen {
+
+// What a lookup did, for the "cache: hit" lines users see.
+enum class CacheOutcome { hit, miss, rebuilt_corrupt, built_by_another_process };
+const char* to_string(CacheOutcome outcome);
+
+struct CacheResult {
+  std::vector<char> binary;
+  CacheOutcome outcome = CacheOutcome::miss;
+  std::string path;     // the entry's file
+  std::string problem;  // why an entry was rebuilt (rebuilt_corrupt)
+};
+
+// The key of a compiled binary: 32 hex digits.
+std::string cache_key(const std::string& source, const std::string& options, const std::string& compiler_version,
+                      const std::string& arch);
+
+// CUDAGEN_CACHE_DIR; else $XDG_CACHE_HOME/cudagen; else $HOME/.cache/cudagen;
+// else a folder in /tmp.
+std::string default_cache_dir();
+
+class BinaryCache {
+ public:
+  explicit BinaryCache(std::string dir) : dir_(std::move(dir)) {}
+  const std::string& dir() const { return dir_; }
+  std::string entry_path(const std::string& key) const;
+
+  // The entry of `key`, or `build()`'s result, stored before it is returned.
+  // Throws FileError when the folder cannot be created or written.
+  CacheResult get_or_build(const std::string& key, const std::function<std::vector<char>()>& build) const;
+
+ private:
+  std::string dir_;
+};
+
+}  // namespace cudagen

@@ -1,0 +1,51 @@
+// Where a compiled program runs (DESIGN.md §7): on a GPU, its device code
+// compiled by NVRTC and launched through the driver API, or on the CPU, the
+// whole file built by the host compiler under the emulation header. Both hold
+// one arena of the plan's size; the host sees it only through write and read.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "host_module.h"
+#include "pipeline.h"
+
+namespace cudagen {
+
+struct KernelTime {
+  std::string kernel;
+  double milliseconds = 0;
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // "GPU 0: NVIDIA H100 80GB HBM3 (sm_90)", or "host emulation".
+  virtual std::string where() const = 0;
+  virtual bool on_gpu() const = 0;
+  virtual void write(int64_t offset, const void* data, size_t bytes) = 0;
+  virtual void read(int64_t offset, void* data, size_t bytes) const = 0;
+  virtual void fill(int64_t offset, unsigned char byte, size_t bytes) = 0;
+  // A host launcher of the file: a phase's (`cudagen_forward`) or
+  // `cudagen_step`. Returns when its kernels have finished; throws
+  // std::runtime_error naming the kernel and its tasks when one fails.
+  virtual bool has_function(const std::string& name) const = 0;
+  virtual void run(const std::string& function) = 0;
+  // The emulator's seed (block order); ignored on a GPU.
+  virtual void set_seed(uint64_t) {}
+  // Bytes each kernel read and wrote since the last clear (emulation), or
+  // its time in the last run (GPU, with profiling on).
+  virtual std::vector<KernelBytes> kernel_bytes() const { return {}; }
+  virtual void clear_kernel_bytes() {}
+  virtual std::vector<KernelTime> kernel_times() const { return {}; }
+};
+
+// The host emulation: builds the .cu with the host compiler in `work_dir`.
+std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, const std::string& work_dir,
+                                                 double* compile_seconds = nullptr);
+// A module already built: instances of one program share it, each with its own arena.
+std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, std::shared_ptr<const HostModule> module);
+
+}  // namespace cudagen

@@ -1,0 +1,263 @@
+#include "jit.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "counter_rng.h"
+#include "runner.h"
+
+namespace cudagen {
+
+const char* to_string(Backend backend) {
+  switch (backend) {
+    case Backend::automatic: return "automatic";
+    case Backend::gpu: return "gpu";
+    case Backend::emulation: return "emulation";
+  }
+  return "?";
+}
+
+Backend choose_backend(Backend requested, int device, std::string* why) {
+  if (requested == Backend::emulation) {
+    *why = "running in the host emulation (asked for)";
+    return requested;
+  }
+  try {
+    GpuInfo gpu = find_gpu(device);
+    *why = fmt::format("running on GPU {}: {} ({}, driver {}.{})", gpu.ordinal, gpu.name, gpu.arch,
+                       gpu.driver_version / 1000, gpu.driver_version % 1000 / 10);
+    return Backend::gpu;
+  } catch (const DriverError& e) {
+    if (requested == Backend::gpu) throw;
+    *why = fmt::format("running in the host emulation: {}", e.what());
+    return Backend::emulation;
+  }
+}
+
+struct JitProgram::State {
+  JitOptions options;
+  Backend backend = Backend::emulation;
+  Compiled compiled;
+  std::string build_report;
+  GpuCode gpu_code;                            // Backend::gpu
+  std::shared_ptr<const HostModule> host_module;  // Backend::emulation
+};
+
+namespace {
+
+std::string buffer_name(const Program& p, int buffer) {
+  const BufferInfo& b = p.buffers[size_t(buffer)];
+  return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+}
+
+void say(const JitOptions& options, const std::string& line) {
+  if (options.progress) options.progress(line);
+}
+
+JitProgram::State build(Program program, JitOptions options) {
+  JitProgram::State s;
+  std::string why;
+  s.backend = choose_backend(options.backend, options.gpu.device, &why);
+  say(options, why);
+  s.compiled = compile(std::move(program), options.compile);
+  if (s.backend == Backend::gpu) {
+    s.gpu_code = compile_for_gpu(s.compiled, options.gpu);
+    const GpuCompileReport& r = s.gpu_code.report;
+    std::string cache = !r.cached ? "cache off"
+                        : r.cache == CacheOutcome::hit || r.cache == CacheOutcome::built_by_another_process
+                            ? fmt::format("cache {}: {}", to_string(r.cache), r.cache_path)
+                            : fmt::format("cache {}{}, stored in {}", to_string(r.cache),
+                                          r.cache_problem.empty() ? "" : " (" + r.cache_problem + ")", r.cache_path);
+    s.build_report = fmt::format("NVRTC for {}: {:.2f} s ({})", r.arch, r.compile_seconds, cache);
+    if (!r.log.empty()) s.build_report += "\n" + r.log;
+  } else {
+    const std::string work_dir =
+        options.work_dir.empty() ? fmt::format("/tmp/cudagen-jit-{}", ::getpid()) : options.work_dir;
+    double seconds = 0;
+    s.host_module = std::make_shared<const HostModule>(HostModule::build(s.compiled.emitted.cuda_source, work_dir, &seconds));
+    s.build_report = fmt::format("host compiler (emulation build in {}): {:.2f} s", work_dir, seconds);
+  }
+  say(options, s.build_report);
+  s.options = std::move(options);
+  return s;
+}
+
+}  // namespace
+
+JitProgram JitProgram::from_file(const std::string& graph_path, JitOptions options) {
+  Program program = load_program(graph_path, options.compile.frontend);
+  return JitProgram(std::make_shared<const State>(build(std::move(program), std::move(options))));
+}
+
+JitProgram JitProgram::from_graph(TaskGraph graph, JitOptions options) {
+  Program program = load_program(std::move(graph), options.compile.frontend);
+  return JitProgram(std::make_shared<const State>(build(std::move(program), std::move(options))));
+}
+
+Backend JitProgram::backend() const { return state_->backend; }
+const Compiled& JitProgram::compiled() const { return state_->compiled; }
+const std::string& JitProgram::cuda_source() const { return state_->compiled.emitted.cuda_source; }
+const std::string& JitProgram::manifest() const { return state_->compiled.emitted.manifest_json; }
+const std::string& JitProgram::build_report() const { return state_->build_report; }
+
+Instance JitProgram::instantiate() const {
+  const State& s = *state_;
+  std::unique_ptr<Executor> executor = s.backend == Backend::gpu ? make_gpu_executor(s.compiled, s.gpu_code, s.options.gpu)
+                                                                 : make_emulated_executor(s.compiled, s.host_module);
+  Instance instance(state_, std::move(executor));
+  return instance;
+}
+
+Instance::Instance(std::shared_ptr<const JitProgram::State> program, std::unique_ptr<Executor> executor)
+    : program_(std::move(program)), executor_(std::move(executor)) {
+  // Zero rather than the emulator's poison: what a user never sets reads as 0
+  // on either backend; the scalars region starts at the graph's values.
+  executor_->fill(0, 0, size_t(program_->compiled.plan.arena_bytes));
+  write_scalars_region();
+}
+
+Instance::Instance(Instance&&) noexcept = default;
+Instance& Instance::operator=(Instance&&) noexcept = default;
+Instance::~Instance() = default;
+
+std::string Instance::where() const { return executor_->where(); }
+
+std::vector<std::string> Instance::tensor_names() const {
+  const Program& p = program_->compiled.program;
+  std::vector<std::string> names;
+  for (size_t b = 0; b < p.buffers.size(); ++b) names.push_back(buffer_name(p, int(b)));
+  return names;
+}
+
+int Instance::buffer_index(const std::string& tensor) const {
+  const Program& p = program_->compiled.program;
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    if (buffer_name(p, int(b)) == tensor) return int(b);
+  // A slot bound to another task's slot names that one's buffer.
+  const size_t dot = tensor.find('.');
+  if (dot != std::string::npos)
+    for (const auto& t : p.tasks)
+      if (t.task->id == tensor.substr(0, dot))
+        if (const BoundTensor* bound = t.find_tensor(tensor.substr(dot + 1))) return bound->buffer;
+  throw std::runtime_error(fmt::format("no tensor '{}' in graph '{}'; it has: {}", tensor, p.graph.name,
+                                       fmt::join(tensor_names(), ", ")));
+}
+
+void Instance::set(const std::string& tensor, const HostTensor& value) {
+  const int b = buffer_index(tensor);
+  const BufferInfo& info = program_->compiled.program.buffers[size_t(b)];
+  if (value.dtype != info.dtype || value.shape != info.shape)
+    throw std::runtime_error(fmt::format("{} is {} {}, but the value given is {} {}", tensor, to_string(info.dtype),
+                                         shape_to_string(info.shape), to_string(value.dtype),
+                                         shape_to_string(value.shape)));
+  executor_->write(program_->compiled.plan.buffers[size_t(b)].offset, value.data.data(), value.data.size());
+}
+
+void Instance::set(const std::string& tensor, const std::vector<double>& values) {
+  const BufferInfo& info = program_->compiled.program.buffers[size_t(buffer_index(tensor))];
+  if (int64_t(values.size()) != numel(info.shape))
+    throw std::runtime_error(fmt::format("{} is {} {} ({} elements), but {} values were given", tensor,
+                                         to_string(info.dtype), shape_to_string(info.shape), numel(info.shape),
+                                         values.size()));
+  set(tensor, HostTensor::from_values(info.dtype, info.shape, values));
+}
+
+void Instance::fill(const std::string& tensor, double value) {
+  const BufferInfo& info = program_->compiled.program.buffers[size_t(buffer_index(tensor))];
+  set(tensor, std::vector<double>(size_t(numel(info.shape)), value));
+}
+
+void Instance::randomize(const std::string& tensor, int64_t seed, double low, double high) {
+  const BufferInfo& info = program_->compiled.program.buffers[size_t(buffer_index(tensor))];
+  std::vector<double> values(size_t(numel(info.shape)));
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = double(std::fma(float(high) - float(low), counter_unit_float(seed, int64_t(i), 0), float(low)));
+  set(tensor, values);
+}
+
+void Instance::set_arg(const std::string& name, ArgValue value) {
+  RunTimeArgs args = args_;
+  args[name] = value;
+  std::vector<unsigned char> scratch(size_t(program_->compiled.plan.arena_bytes));
+  write_scalars(program_->compiled, args, scratch.data());  // checks the name and the value's kind
+  args_ = std::move(args);
+  user_args_.insert(name);
+  write_scalars_region();
+}
+
+void Instance::write_scalars_region() {
+  const Plan& plan = program_->compiled.plan;
+  if (plan.scalars.empty()) return;
+  std::vector<unsigned char> arena(size_t(plan.arena_bytes));
+  write_scalars(program_->compiled, args_, arena.data());
+  const int64_t start = plan.scalars.front().offset;
+  executor_->write(start, arena.data() + start, size_t(plan.arena_bytes - start));
+}
+
+void Instance::run(Phase phase) {
+  const std::string function = phase_function(phase);
+  if (!executor_->has_function(function))
+    throw std::runtime_error(fmt::format("graph '{}' has no {} phase", program_->compiled.program.graph.name, to_string(phase)));
+  executor_->run(function);
+}
+
+void Instance::step() {
+  // An int run-time argument named `step` (Adam's bias correction) counts
+  // the steps, 1, 2, ..., unless the caller set it.
+  ++steps_;
+  bool counted = false;
+  for (const auto& sc : program_->compiled.plan.scalars) {
+    if (sc.arg != "step" || sc.type != ArgType::int_ || user_args_.count(sc.name(program_->compiled.program))) continue;
+    args_[sc.name(program_->compiled.program)] = ArgValue(int64_t(steps_));
+    counted = true;
+  }
+  if (counted) write_scalars_region();
+  bool any = false;
+  for (Phase phase : {Phase::forward, Phase::backward, Phase::update}) {
+    if (!executor_->has_function(phase_function(phase))) continue;
+    executor_->run(phase_function(phase));
+    any = true;
+  }
+  if (!any) throw std::runtime_error("this graph has no forward, backward or update phase to step");
+}
+
+HostTensor Instance::read(const std::string& tensor) const {
+  const Compiled& c = program_->compiled;
+  const int b = buffer_index(tensor);
+  const PlannedBuffer& pb = c.plan.buffers[size_t(b)];
+  // Another buffer in the same bytes, produced after this one (or written in
+  // place over it), has replaced its value.
+  // A view (reshape) shares its source's bytes and value: not a replacement.
+  std::set<int> same_value = {b};
+  for (const auto& t : c.program.tasks) {
+    if (t.op->view.first.empty()) continue;
+    const BoundTensor* view = t.find_tensor(t.op->view.first);
+    const BoundTensor* source = t.find_tensor(t.op->view.second);
+    if (view == nullptr || source == nullptr) continue;
+    if (view->buffer == b) same_value.insert(source->buffer);
+    if (source->buffer == b) same_value.insert(view->buffer);
+  }
+  for (const PlannedBuffer& other : c.plan.buffers) {
+    if (same_value.count(other.buffer) || other.bytes == 0 || pb.bytes == 0) continue;
+    const bool overlap = other.offset < pb.offset + pb.bytes && pb.offset < other.offset + other.bytes;
+    if (overlap && (other.first > pb.first || other.in_place_of == b))
+      throw std::runtime_error(fmt::format(
+          "{} no longer exists: the memory plan gave its bytes to {}{} once it was last read; compile with reuse off "
+          "(JitOptions::compile.plan.placement.reuse = false, or --no-reuse) to keep every tensor readable",
+          buffer_name(c.program, b), buffer_name(c.program, other.buffer), other.in_place_of == b ? " (in place)" : ""));
+  }
+  const BufferInfo& info = c.program.buffers[size_t(b)];
+  HostTensor out{info.dtype, info.shape, std::vector<unsigned char>(size_t(pb.bytes))};
+  executor_->read(pb.offset, out.data.data(), out.data.size());
+  out.data.resize(size_t(info.bytes));
+  return out;
+}
+
+std::vector<KernelTime> Instance::kernel_times() const { return executor_->kernel_times(); }
+
+}  // namespace cudagen

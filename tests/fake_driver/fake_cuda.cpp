@@ -1,0 +1,293 @@
+// A stand-in for libcuda.so.1, for testing the runtime's GPU path on machines
+// without a GPU (CI): loaded through CUDAGEN_CUDA_DRIVER, it answers
+// cuGetProcAddress like the real driver, keeps "device memory" in host memory,
+// and records every launch (kernel, grid, block, shared memory, and each
+// pointer argument as an offset into the allocation it points into) instead of
+// running it. It checks what it can: that each kernel exists in the CUBIN it
+// was given, and that each pointer lies inside an allocation.
+//
+// Environment, read at each call:
+//   FAKE_CUDA_MISSING=NAME      cuGetProcAddress does not find NAME
+//   FAKE_CUDA_FAIL=CALL[:KERNEL] CALL fails (for cuLaunchKernel, only on KERNEL)
+//   FAKE_CUDA_DEVICES=N         the number of GPUs (default 1)
+//   FAKE_CUDA_FREE_BYTES=N      what cuMemGetInfo reports free (default 1 GiB)
+#include <cuda.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Launch {
+  std::string kernel;
+  std::string text;
+};
+
+struct State {
+  std::string log;
+  std::map<CUdeviceptr, size_t> allocations;
+  std::vector<std::string> module_images;  // the bytes each loaded module was given
+  std::vector<std::string> function_names;
+  bool capturing = false;
+  std::vector<std::string> captured;  // launches recorded into the graph being captured
+  std::vector<std::vector<std::string>> graphs;
+  int events = 0;
+};
+
+State& state() {
+  static State s;  // test scaffolding: one fake device per process
+  return s;
+}
+
+bool env_is(const char* name, const std::string& value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && value == v;
+}
+
+bool fails(const std::string& call, const std::string& kernel = "") {
+  const char* v = std::getenv("FAKE_CUDA_FAIL");
+  if (v == nullptr) return false;
+  std::string spec = v;
+  if (spec == call) return true;
+  return !kernel.empty() && spec == call + ":" + kernel;
+}
+
+std::string offset_text(CUdeviceptr p) {
+  for (const auto& [base, size] : state().allocations)
+    if (p >= base && p < base + size) return "+" + std::to_string(p - base);
+  return "OUTSIDE";
+}
+
+// The size of an ELF image: its section headers come last.
+size_t elf_size(const unsigned char* image) {
+  uint64_t shoff = 0;
+  uint16_t shentsize = 0, shnum = 0;
+  std::memcpy(&shoff, image + 0x28, 8);
+  std::memcpy(&shentsize, image + 0x3A, 2);
+  std::memcpy(&shnum, image + 0x3C, 2);
+  return size_t(shoff) + size_t(shentsize) * shnum;
+}
+
+CUresult fake_cuInit(unsigned int) { return fails("cuInit") ? CUDA_ERROR_NO_DEVICE : CUDA_SUCCESS; }
+CUresult fake_cuDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDeviceGetCount(int* n) {
+  const char* v = std::getenv("FAKE_CUDA_DEVICES");
+  *n = v ? std::atoi(v) : 1;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDeviceGet(CUdevice* d, int ordinal) {
+  *d = ordinal;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice) {
+  if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = 9;
+  else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = 0;
+  else return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDeviceGetName(char* name, int len, CUdevice) {
+  std::strncpy(name, "Fake GPU", size_t(len));
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice) {
+  *c = reinterpret_cast<CUcontext>(0x1);
+  state().log += "context retained\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuDevicePrimaryCtxRelease(CUdevice) {
+  state().log += "context released\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuCtxSetCurrent(CUcontext) { return CUDA_SUCCESS; }
+CUresult fake_cuMemGetInfo(size_t* free_bytes, size_t* total) {
+  const char* v = std::getenv("FAKE_CUDA_FREE_BYTES");
+  *free_bytes = v ? size_t(std::atoll(v)) : (size_t(1) << 30);
+  *total = size_t(2) << 30;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuModuleLoadData(CUmodule* m, const void* image) {
+  const auto* bytes = static_cast<const unsigned char*>(image);
+  std::string copy;
+  if (std::memcmp(bytes, "\x7f" "ELF", 4) == 0) copy.assign(reinterpret_cast<const char*>(bytes), elf_size(bytes));
+  else copy = reinterpret_cast<const char*>(bytes);  // PTX: NUL-terminated text
+  if (fails("cuModuleLoadData")) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+  state().module_images.push_back(copy);
+  *m = reinterpret_cast<CUmodule>(state().module_images.size());
+  state().log += "module loaded (" + std::string(copy.rfind("\x7f" "ELF", 0) == 0 ? "CUBIN" : "PTX") + ")\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuModuleUnload(CUmodule) {
+  state().log += "module unloaded\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  const std::string& image = state().module_images.at(size_t(reinterpret_cast<uintptr_t>(m)) - 1);
+  // In a CUBIN the name is a NUL-terminated symbol; in PTX an .entry.
+  const bool found = image.find(std::string("\0", 1) + name + std::string("\0", 1)) != std::string::npos ||
+                     image.find(std::string(".entry ") + name + "(") != std::string::npos;
+  if (!found) return CUDA_ERROR_NOT_FOUND;
+  state().function_names.push_back(name);
+  *f = reinterpret_cast<CUfunction>(state().function_names.size());
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuFuncSetAttribute(CUfunction, CUfunction_attribute, int) { return CUDA_SUCCESS; }
+CUresult fake_cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+  if (fails("cuMemAlloc")) return CUDA_ERROR_OUT_OF_MEMORY;
+  *p = CUdeviceptr(reinterpret_cast<uintptr_t>(std::malloc(bytes)));
+  state().allocations[*p] = bytes;
+  state().log += "alloc " + std::to_string(bytes) + "\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuMemFree(CUdeviceptr p) {
+  state().allocations.erase(p);
+  std::free(reinterpret_cast<void*>(uintptr_t(p)));
+  state().log += "free\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
+  if (offset_text(dst) == "OUTSIDE" || (bytes && offset_text(dst + bytes - 1) == "OUTSIDE")) return CUDA_ERROR_INVALID_VALUE;
+  std::memcpy(reinterpret_cast<void*>(uintptr_t(dst)), src, bytes);
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
+  if (offset_text(src) == "OUTSIDE" || (bytes && offset_text(src + bytes - 1) == "OUTSIDE")) return CUDA_ERROR_INVALID_VALUE;
+  std::memcpy(dst, reinterpret_cast<const void*>(uintptr_t(src)), bytes);
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t bytes) {
+  if (offset_text(dst) == "OUTSIDE") return CUDA_ERROR_INVALID_VALUE;
+  std::memset(reinterpret_cast<void*>(uintptr_t(dst)), value, bytes);
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned smem, CUstream, void** params, void** extra) {
+  const std::string& name = state().function_names.at(size_t(reinterpret_cast<uintptr_t>(f)) - 1);
+  if (fails("cuLaunchKernel", name)) return CUDA_ERROR_LAUNCH_FAILED;
+  if (extra != nullptr) return CUDA_ERROR_INVALID_VALUE;
+  // Every parameter of a cudagen kernel is a pointer into the arena. The
+  // driver learns their count from the CUBIN; this fake relies on the
+  // runtime's null terminator after the last one.
+  std::string text = name + " grid=" + std::to_string(gx) + "," + std::to_string(gy) + "," + std::to_string(gz) +
+                     " block=" + std::to_string(bx) + "," + std::to_string(by) + "," + std::to_string(bz) +
+                     " smem=" + std::to_string(smem) + " args=";
+  for (int i = 0; params[i] != nullptr && i < 64; ++i) {
+    CUdeviceptr p = 0;
+    std::memcpy(&p, params[i], sizeof p);
+    text += (i ? "," : "") + offset_text(p);
+  }
+  if (state().capturing) {
+    state().captured.push_back(text);
+    state().log += "capture " + text + "\n";
+  } else {
+    state().log += "launch " + text + "\n";
+  }
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuStreamCreate(CUstream* s, unsigned int) {
+  *s = reinterpret_cast<CUstream>(0x2);
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
+CUresult fake_cuStreamSynchronize(CUstream) {
+  if (fails("cuStreamSynchronize")) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  state().log += "synchronize\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuStreamBeginCapture(CUstream, CUstreamCaptureMode) {
+  state().capturing = true;
+  state().captured.clear();
+  state().log += "begin capture\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuStreamEndCapture(CUstream, CUgraph* g) {
+  state().capturing = false;
+  state().graphs.push_back(state().captured);
+  *g = reinterpret_cast<CUgraph>(state().graphs.size());
+  state().log += "end capture\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuGraphInstantiateWithFlags(CUgraphExec* e, CUgraph g, unsigned long long) {
+  *e = reinterpret_cast<CUgraphExec>(g);
+  state().log += "instantiate graph\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuGraphLaunch(CUgraphExec e, CUstream) {
+  state().log += "graph launch (" + std::to_string(state().graphs.at(size_t(reinterpret_cast<uintptr_t>(e)) - 1).size()) +
+                 " kernels)\n";
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuGraphDestroy(CUgraph) { return CUDA_SUCCESS; }
+CUresult fake_cuGraphExecDestroy(CUgraphExec) { return CUDA_SUCCESS; }
+CUresult fake_cuEventCreate(CUevent* e, unsigned int) {
+  *e = reinterpret_cast<CUevent>(uintptr_t(++state().events));
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuEventDestroy(CUevent) { return CUDA_SUCCESS; }
+CUresult fake_cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult fake_cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult fake_cuEventElapsedTime(float* ms, CUevent, CUevent) {
+  *ms = 0.5f;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuGetErrorName(CUresult rc, const char** name) {
+  switch (rc) {
+    case CUDA_ERROR_LAUNCH_FAILED: *name = "CUDA_ERROR_LAUNCH_FAILED"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+    case CUDA_ERROR_NO_BINARY_FOR_GPU: *name = "CUDA_ERROR_NO_BINARY_FOR_GPU"; break;
+    default: *name = "CUDA_ERROR_UNKNOWN"; break;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuGetErrorString(CUresult, const char** text) {
+  *text = "fake driver error";
+  return CUDA_SUCCESS;
+}
+
+const std::map<std::string, void*>& table() {
+  static const std::map<std::string, void*> t = {
+#define FAKE(name) {#name, reinterpret_cast<void*>(&fake_##name)},
+      FAKE(cuInit) FAKE(cuDriverGetVersion) FAKE(cuDeviceGetCount) FAKE(cuDeviceGet) FAKE(cuDeviceGetAttribute)
+      FAKE(cuDeviceGetName) FAKE(cuDevicePrimaryCtxRetain) FAKE(cuDevicePrimaryCtxRelease) FAKE(cuCtxSetCurrent)
+      FAKE(cuMemGetInfo) FAKE(cuModuleLoadData) FAKE(cuModuleUnload) FAKE(cuModuleGetFunction)
+      FAKE(cuFuncSetAttribute) FAKE(cuMemAlloc) FAKE(cuMemFree) FAKE(cuMemcpyHtoD) FAKE(cuMemcpyDtoH)
+      FAKE(cuMemsetD8) FAKE(cuLaunchKernel) FAKE(cuStreamCreate) FAKE(cuStreamDestroy) FAKE(cuStreamSynchronize)
+      FAKE(cuStreamBeginCapture) FAKE(cuStreamEndCapture) FAKE(cuGraphInstantiateWithFlags) FAKE(cuGraphLaunch)
+      FAKE(cuGraphDestroy) FAKE(cuGraphExecDestroy) FAKE(cuEventCreate) FAKE(cuEventDestroy) FAKE(cuEventRecord)
+      FAKE(cuEventSynchronize) FAKE(cuEventElapsedTime) FAKE(cuGetErrorName) FAKE(cuGetErrorString)
+#undef FAKE
+  };
+  return t;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The real driver's entry point (CUDA 12+), by its versioned name.
+__attribute__((visibility("default"))) CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int, cuuint64_t,
+                                                                    CUdriverProcAddressQueryResult* status) {
+  auto it = table().find(symbol);
+  if (it == table().end() || env_is("FAKE_CUDA_MISSING", symbol)) {
+    *pfn = nullptr;
+    if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return CUDA_ERROR_NOT_FOUND;
+  }
+  *pfn = it->second;
+  if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+  return CUDA_SUCCESS;
+}
+
+// For the tests: everything the fake was asked to do, one line per event.
+__attribute__((visibility("default"))) const char* fake_cuda_log() { return state().log.c_str(); }
+__attribute__((visibility("default"))) void fake_cuda_clear_log() { state().log.clear(); }
+
+}  // extern "C"

@@ -1,0 +1,274 @@
+// The runtime's GPU path, run against a fake driver (tests/fake_driver): the
+// code is real NVRTC output, the launches are recorded instead of run. What
+// this proves without a GPU: the driver is loaded through cuGetProcAddress,
+// each kernel is found in the CUBIN, launched in phase order with the plan's
+// grid, block, shared memory and arena offsets, a CUDA Graph is captured once
+// and replayed, and every failure names the call, the kernel and its tasks.
+// bench/gpu_check.sh runs the same programs on a real GPU.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "driver.h"
+#include "jit.h"
+#include "pipeline.h"
+
+using namespace cudagen;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string source_path(const std::string& relative) { return std::string(CUDAGEN_SOURCE_DIR) + "/" + relative; }
+
+std::string fake_log() {
+  void* handle = dlopen(CUDAGEN_FAKE_DRIVER, RTLD_NOW | RTLD_NOLOAD);
+  if (handle == nullptr) return "(fake driver not loaded)";
+  auto log = reinterpret_cast<const char* (*)()>(dlsym(handle, "fake_cuda_log"));
+  std::string out = log();
+  reinterpret_cast<void (*)()>(dlsym(handle, "fake_cuda_clear_log"))();
+  dlclose(handle);
+  return out;
+}
+
+std::vector<std::string> lines_starting(const std::string& log, const std::string& prefix) {
+  std::vector<std::string> out;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(prefix, 0) == 0) out.push_back(line);
+  return out;
+}
+
+class GpuPath : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ::setenv("CUDAGEN_CUDA_DRIVER", CUDAGEN_FAKE_DRIVER, 1);
+    ::unsetenv("FAKE_CUDA_FAIL");
+    ::unsetenv("FAKE_CUDA_MISSING");
+    ::unsetenv("FAKE_CUDA_DEVICES");
+    ::unsetenv("FAKE_CUDA_FREE_BYTES");
+    cache_ = fs::temp_directory_path() / ("cudagen_gpu_path_test_" + std::to_string(::getpid()));
+    options_.cache_dir = cache_.string();
+    fake_log();
+  }
+  void TearDown() override {
+    ::unsetenv("FAKE_CUDA_FAIL");
+    fs::remove_all(cache_);
+  }
+
+  static Compiled compiled(const std::string& example, bool step_function = false) {
+    CompileOptions options;
+    options.emit.step_function = step_function;
+    return compile(load_program(source_path(example), {}), options);
+  }
+
+  // What the fake recorded for one launch of kernel `k`.
+  static std::string expected_launch(const EmittedKernel& k) {
+    std::vector<std::string> args;
+    for (int64_t offset : k.arg_offsets) args.push_back(fmt::format("+{}", offset));
+    return fmt::format("{} grid={},{},{} block={},1,1 smem={} args={}", k.name, k.grid[0], k.grid[1], k.grid[2], k.block,
+                       k.smem_bytes, fmt::join(args, ","));
+  }
+
+  fs::path cache_;
+  GpuOptions options_;
+};
+
+}  // namespace
+
+TEST_F(GpuPath, FindsTheDeviceThroughTheDriver) {
+  GpuInfo gpu = find_gpu(0);
+  EXPECT_EQ(gpu.name, "Fake GPU");
+  EXPECT_EQ(gpu.arch, "sm_90");
+  EXPECT_EQ(gpu.driver_version, 13000);
+  ::setenv("FAKE_CUDA_DEVICES", "0", 1);
+  try {
+    find_gpu(0);
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    EXPECT_NE(std::string(e.what()).find("found no GPU"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--emulate"), std::string::npos) << e.what();
+  }
+  ::setenv("FAKE_CUDA_DEVICES", "1", 1);
+  EXPECT_THROW(find_gpu(3), DriverError);
+}
+
+TEST_F(GpuPath, LaunchesEveryKernelOfAPhaseWithThePlansGeometryAndOffsets) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  GpuCode code = compile_for_gpu(c, options_);
+  EXPECT_EQ(code.report.arch, "sm_90");  // the device's
+  EXPECT_EQ(code.report.cache, CacheOutcome::miss);
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, code, options_);
+  EXPECT_EQ(gpu->where(), "GPU 0: Fake GPU (sm_90)");
+  fake_log();
+  gpu->run("cudagen_forward");
+  const std::string log = fake_log();
+  std::vector<std::string> launches = lines_starting(log, "launch ");
+  ASSERT_EQ(launches.size(), c.emitted.kernels.size()) << log;
+  for (size_t i = 0; i < launches.size(); ++i) EXPECT_EQ(launches[i], "launch " + expected_launch(c.emitted.kernels[i]));
+  EXPECT_NE(log.find("synchronize"), std::string::npos);
+
+  // Host data goes in and out at the arena's offsets.
+  std::vector<unsigned char> in(64), out(64);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<unsigned char>(i * 3);
+  gpu->write(256, in.data(), in.size());
+  gpu->read(256, out.data(), out.size());
+  EXPECT_EQ(in, out);
+  EXPECT_THROW(gpu->write(c.plan.arena_bytes - 8, in.data(), in.size()), DriverError);
+
+  // A second compile of the same program is a cache hit.
+  EXPECT_EQ(compile_for_gpu(c, options_).report.cache, CacheOutcome::hit);
+  gpu.reset();
+  const std::string teardown = fake_log();
+  EXPECT_NE(teardown.find("free"), std::string::npos);
+  EXPECT_NE(teardown.find("module unloaded"), std::string::npos);
+  EXPECT_NE(teardown.find("context released"), std::string::npos);
+}
+
+TEST_F(GpuPath, TrainingStepRunsForwardBackwardUpdateAndPassesRunTimeArguments) {
+  Compiled c = compiled("examples/train_mlp.json");
+  GpuCode code = compile_for_gpu(c, options_);
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, code, options_);
+  ASSERT_TRUE(gpu->has_function("cudagen_step"));
+  fake_log();
+  gpu->run("cudagen_step");
+  std::vector<std::string> launches = lines_starting(fake_log(), "launch ");
+  std::vector<std::string> expected;
+  for (Phase phase : {Phase::forward, Phase::backward, Phase::update})
+    for (const auto& k : c.emitted.kernels)
+      if (k.phase == phase) expected.push_back("launch " + expected_launch(k));
+  EXPECT_EQ(launches, expected);
+  // The optimizer reads its learning rate from the scalars region.
+  bool reads_scalar = false;
+  for (const auto& k : c.emitted.kernels)
+    for (int64_t offset : k.arg_offsets) reads_scalar = reads_scalar || offset >= c.plan.scalars.front().offset;
+  EXPECT_TRUE(reads_scalar);
+}
+
+TEST_F(GpuPath, CudaGraphIsCapturedOnceAndReplayed) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  options_.cuda_graph = true;
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
+  fake_log();
+  gpu->run("cudagen_forward");
+  gpu->run("cudagen_forward");
+  gpu->run("cudagen_forward");
+  const std::string log = fake_log();
+  EXPECT_EQ(lines_starting(log, "begin capture").size(), 1u) << log;
+  EXPECT_EQ(lines_starting(log, "capture ").size(), c.emitted.kernels.size()) << log;
+  EXPECT_EQ(lines_starting(log, "instantiate graph").size(), 1u) << log;
+  EXPECT_EQ(lines_starting(log, fmt::format("graph launch ({} kernels)", c.emitted.kernels.size())).size(), 3u) << log;
+  EXPECT_EQ(lines_starting(log, "launch ").size(), 0u) << "kernels launched outside the graph:\n" << log;
+}
+
+TEST_F(GpuPath, ProfilingTimesEachKernel) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  options_.profile = true;
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
+  gpu->run("cudagen_forward");
+  std::vector<KernelTime> times = gpu->kernel_times();
+  ASSERT_EQ(times.size(), c.emitted.kernels.size());
+  EXPECT_EQ(times[2].kernel, c.emitted.kernels[2].name);
+  EXPECT_GT(times[2].milliseconds, 0);
+}
+
+TEST_F(GpuPath, AFailedLaunchNamesTheCallTheKernelAndItsTasks) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
+  ::setenv("FAKE_CUDA_FAIL", "cuLaunchKernel:k2_act1", 1);
+  try {
+    gpu->run("cudagen_forward");
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cuLaunchKernel failed while launching kernel k2_act1 (task act1)"), std::string::npos) << what;
+    EXPECT_NE(what.find("CUDA_ERROR_LAUNCH_FAILED"), std::string::npos) << what;
+  }
+  // An error that surfaces at the synchronisation names the whole launcher.
+  ::setenv("FAKE_CUDA_FAIL", "cuStreamSynchronize", 1);
+  try {
+    gpu->run("cudagen_forward");
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("running cudagen_forward (kernels k0_fc1: task fc1;"), std::string::npos) << what;
+    EXPECT_NE(what.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << what;
+  }
+}
+
+TEST_F(GpuPath, TheArenaIsRefusedOverTheBudgetAndAFailedAllocationSaysWhatToDo) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  GpuCode code = compile_for_gpu(c, options_);
+  options_.budget_bytes = c.plan.arena_bytes - 1;
+  try {
+    make_gpu_executor(c, code, options_);
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    EXPECT_NE(std::string(e.what()).find(fmt::format("the arena needs {} bytes but the budget", c.plan.arena_bytes)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_NE(fake_log().find("context released"), std::string::npos) << "a failed start leaks the context";
+  options_.budget_bytes = 0;
+  ::setenv("FAKE_CUDA_FAIL", "cuMemAlloc", 1);
+  try {
+    make_gpu_executor(c, code, options_);
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    EXPECT_NE(std::string(e.what()).find("cuMemAlloc failed while allocating the arena"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(GpuPath, PtxIsLoadedWhenAskedFor) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  options_.ptx = true;
+  GpuCode code = compile_for_gpu(c, options_);
+  EXPECT_TRUE(code.ptx);
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, code, options_);
+  EXPECT_NE(fake_log().find("module loaded (PTX)"), std::string::npos);
+}
+
+// A driver without an entry point cudagen needs is a clear error. (Loaded
+// from a copy: the process keeps the driver it loaded first.)
+TEST_F(GpuPath, AMissingEntryPointIsNamed) {
+  const std::string copy = (cache_ / "libcuda-old.so").string();
+  fs::create_directories(cache_);
+  fs::copy_file(CUDAGEN_FAKE_DRIVER, copy);
+  ::setenv("CUDAGEN_CUDA_DRIVER", copy.c_str(), 1);
+  ::setenv("FAKE_CUDA_MISSING", "cuGraphLaunch", 1);
+  try {
+    find_gpu(0);
+    ADD_FAILURE() << "expected an error";
+  } catch (const DriverError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no entry point cuGraphLaunch"), std::string::npos) << e.what();
+  }
+  ::unsetenv("FAKE_CUDA_MISSING");
+}
+
+TEST_F(GpuPath, NoDriverSaysSoAndOffersTheEmulation) {
+  ::setenv("CUDAGEN_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+  try {
+    find_gpu(0);
+    FAIL() << "expected an error";
+  } catch (const DriverError& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA driver found: cannot load /nonexistent/libcuda.so.1"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("--emulate"), std::string::npos) << e.what();
+  }
+  std::string why;
+  EXPECT_EQ(choose_backend(Backend::automatic, 0, &why), Backend::emulation);
+  EXPECT_NE(why.find("running in the host emulation: no CUDA driver found"), std::string::npos) << why;
+  EXPECT_THROW(choose_backend(Backend::gpu, 0, &why), DriverError);
+  // Compiling for a named architecture needs no driver at all.
+  Compiled c = compiled("examples/mlp_forward.json");
+  options_.arch = "sm_80";
+  GpuCode code = compile_for_gpu(c, options_);
+  EXPECT_EQ(code.report.arch, "sm_80");
+  EXPECT_FALSE(code.binary.empty());
+}

@@ -1,0 +1,199 @@
+// The C++ API (runtime/jit.h) in the host emulation: a graph in, values in,
+// a phase run, values out; the errors a user meets on the way.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "jit.h"
+#include "reference.h"
+
+using namespace cudagen;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string source_path(const std::string& relative) { return std::string(CUDAGEN_SOURCE_DIR) + "/" + relative; }
+
+class Jit : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.backend = Backend::emulation;
+    options_.work_dir = (fs::temp_directory_path() / ("cudagen_jit_test_" + std::to_string(::getpid()))).string();
+    options_.progress = [this](const std::string& line) { progress_ += line + "\n"; };
+  }
+  void TearDown() override { fs::remove_all(options_.work_dir); }
+
+  JitOptions options_;
+  std::string progress_;
+};
+
+std::vector<double> ramp(size_t n, double scale) {
+  std::vector<double> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = scale * std::sin(double(i) * 0.37 + 0.1);
+  return v;
+}
+
+}  // namespace
+
+TEST_F(Jit, RunsAGraphOnHostValuesAndMatchesTheReference) {
+  JitProgram program = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_);
+  EXPECT_EQ(program.backend(), Backend::emulation);
+  EXPECT_NE(progress_.find("running in the host emulation (asked for)"), std::string::npos) << progress_;
+  EXPECT_NE(progress_.find("host compiler"), std::string::npos) << progress_;
+  Instance mlp = program.instantiate();
+  EXPECT_EQ(mlp.where(), "host emulation");
+  const std::vector<std::string> inputs = {"fc1.a", "fc1.b", "bias1.b", "fc2.b", "bias2.b"};
+  const Program& p = program.compiled().program;
+  std::vector<std::vector<double>> buffers(p.buffers.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    HostTensor shape_of = mlp.read(inputs[i]);  // zeros: an instance starts cleared
+    for (double v : shape_of.values()) ASSERT_EQ(v, 0.0);
+    std::vector<double> values = ramp(size_t(shape_of.numel()), 0.5 + double(i) * 0.1);
+    mlp.set(inputs[i], values);
+    HostTensor rounded = mlp.read(inputs[i]);
+    for (size_t b = 0; b < p.buffers.size(); ++b)
+      if (p.tasks[size_t(p.buffers[b].owner_task)].task->id + "." + p.buffers[b].owner_slot == inputs[i])
+        buffers[b] = rounded.values();
+  }
+  mlp.run(Phase::forward);
+  HostTensor probs = mlp.read("probs.out");
+  EXPECT_EQ(probs.shape, (Shape{33, 10}));
+  ReferenceBuffers ref = evaluate_reference(p, program.compiled().schedule, buffers);
+  size_t probs_buffer = 0;
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    if (p.tasks[size_t(p.buffers[b].owner_task)].task->id == "probs") probs_buffer = b;
+  std::vector<double> got = probs.values();
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE(std::abs(got[i] - ref.value[probs_buffer][i]), 1e-5 * ref.abs[probs_buffer][i]) << i;
+  EXPECT_EQ(mlp.get_tensor("probs", "out").data, probs.data);
+}
+
+TEST_F(Jit, AnIntermediateReusedByThePlanIsRefusedAndKeptWithReuseOff) {
+  {
+    Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();
+    mlp.run(Phase::forward);
+    try {
+      mlp.get_tensor("fc1", "out");
+      FAIL() << "expected an error";
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("fc1.out no longer exists: the memory plan gave its bytes to bias1.out (in place)"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("--no-reuse"), std::string::npos) << what;
+    }
+  }
+  options_.compile.plan.placement.reuse = false;
+  Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();
+  mlp.set("fc1.a", ramp(33 * 64, 1.0));
+  mlp.set("fc1.b", ramp(64 * 100, 0.3));
+  mlp.set("bias1.b", ramp(100, 0.2));
+  mlp.run(Phase::forward);
+  std::vector<double> pre = mlp.get_tensor("bias1", "out").values(), post = mlp.get_tensor("act1", "out").values();
+  ASSERT_EQ(pre.size(), post.size());
+  int negative = 0;
+  for (size_t i = 0; i < pre.size(); ++i) {
+    EXPECT_EQ(post[i], std::max(pre[i], 0.0)) << i;
+    negative += pre[i] < 0;
+  }
+  EXPECT_GT(negative, 0);  // relu had something to do
+}
+
+TEST_F(Jit, BadNamesShapesAndArgumentsAreClearErrors) {
+  Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();
+  try {
+    mlp.set("fc1.x", std::vector<double>(4));
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("no tensor 'fc1.x' in graph 'mlp_forward'; it has: fc1.a, fc1.b"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    mlp.set("fc1.a", std::vector<double>(4));
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("fc1.a is f32 [33, 64] (2112 elements), but 4 values were given"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    mlp.set("fc1.a", HostTensor::from_values(DType::f32, {64, 33}, std::vector<double>(2112)));
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("but the value given is f32 [64, 33]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(mlp.set_arg("fc1.alpha", ArgValue(1.0)), std::runtime_error);
+  EXPECT_THROW(mlp.run(Phase::backward), std::runtime_error);
+  // A slot bound to another task's names that task's tensor.
+  mlp.fill("fc2.a", 2.5);
+  for (double v : mlp.read("act1.out").values()) ASSERT_EQ(v, 2.5);
+}
+
+TEST_F(Jit, InstancesOfOneProgramHaveTheirOwnArenas) {
+  JitProgram program = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_);
+  Instance a = program.instantiate(), b = program.instantiate();
+  a.fill("bias2.b", 1.0);
+  b.fill("bias2.b", -1.0);
+  a.run(Phase::forward);
+  b.run(Phase::forward);
+  EXPECT_EQ(a.read("bias2.b").values()[3], 1.0);
+  EXPECT_EQ(b.read("bias2.b").values()[3], -1.0);
+}
+
+// examples/train_mlp.json through the API: init on the device's generator,
+// data from the host, Adam with its learning rate set at run time; the loss
+// falls, and `step` counts the steps for Adam.
+TEST_F(Jit, TrainsWithRunTimeLearningRate) {
+  JitProgram program = JitProgram::from_file(source_path("examples/train_mlp.json"), options_);
+  Instance mlp = program.instantiate();
+  mlp.run(Phase::init);
+  std::vector<double> x = ramp(256 * 8, 1.0), labels(256);
+  for (size_t r = 0; r < 256; ++r) labels[r] = (x[r * 8] + x[r * 8 + 1] > 0 ? 1 : 0) + (x[r * 8 + 2] > 0 ? 2 : 0);
+  mlp.set("fc1.a", x);
+  mlp.set("loss.labels", labels);
+  std::string lr_name;
+  for (const auto& sc : program.compiled().plan.scalars)
+    if (sc.arg == "lr") lr_name = sc.name(program.compiled().program);
+  ASSERT_FALSE(lr_name.empty());
+  mlp.set_arg(lr_name, ArgValue(0.05));
+  std::vector<double> losses;
+  for (int s = 0; s < 25; ++s) {
+    mlp.step();
+    losses.push_back(mlp.read("loss.loss").values()[0]);
+  }
+  EXPECT_LT(losses.back(), 0.6 * losses.front()) << losses.front() << " -> " << losses.back();
+  // A learning rate of zero freezes the weights.
+  HostTensor before = mlp.read("w1.out");
+  mlp.set_arg(lr_name, ArgValue(0.0));
+  mlp.step();
+  EXPECT_EQ(mlp.read("w1.out").data, before.data);
+}
+
+TEST_F(Jit, RandomizeDrawsWhatAUniformInitTaskDraws) {
+  JitProgram program = JitProgram::from_file(source_path("examples/train_mlp.json"), options_);
+  Instance mlp = program.instantiate();
+  mlp.run(Phase::init);
+  HostTensor drawn_by_the_kernel = mlp.read("w1.out");
+  const Program& p = program.compiled().program;
+  const Task* w1 = nullptr;
+  for (const auto& t : p.graph.tasks)
+    if (t.id == "w1") w1 = &t;
+  ASSERT_NE(w1, nullptr);
+  ASSERT_EQ(w1->op, "uniform");
+  auto number = [&](const char* name) {
+    for (const ArgSlot& a : w1->args)
+      if (a.name == name && a.value) {
+        const ArgValue& v = *a.value;
+        return std::holds_alternative<double>(v) ? std::get<double>(v) : double(std::get<int64_t>(v));
+      }
+    ADD_FAILURE() << "w1 has no argument " << name;
+    return 0.0;
+  };
+  mlp.randomize("w1.out", int64_t(number("seed")), number("low"), number("high"));
+  EXPECT_EQ(mlp.read("w1.out").data, drawn_by_the_kernel.data);
+}
