@@ -88,7 +88,7 @@ std::string describe(const Program& p) {
       if (bound.buffer >= 0) users[size_t(bound.buffer)].push_back(t.task->id);
   for (size_t i = 0; i < p.buffers.size(); ++i) {
     const BufferInfo& b = p.buffers[i];
-    std::string name = p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+    std::string name = buffer_name(p, int(i));
     std::string storage = std::string(to_string(b.storage)) + (b.promoted ? "*" : "");
     std::string used_by = fmt::format("{}", fmt::join(users[i], ", "));
     out += fmt::format("  {:<28} {:<5} {:<18} {:<11} {:>12}  {}\n", name, to_string(b.dtype), shape_to_string(b.shape),

@@ -101,10 +101,7 @@ class Emitter {
     diags_.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
   }
 
-  std::string buffer_name(int buffer) const {
-    const BufferInfo& b = p_.buffers[size_t(buffer)];
-    return p_.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
-  }
+  std::string buffer_name(int buffer) const { return cudagen::buffer_name(p_, buffer); }
 
   static std::string c_type(DType d) {
     switch (d) {

@@ -70,10 +70,7 @@ std::string dump_plan(const Program& p, const Plan& plan) {
       "arena {} bytes (persistent region {}), lower bound {}, without reuse {}, alignment {}, method {}\n",
       plan.arena_bytes, plan.persistent_bytes, plan.lower_bound, plan.no_reuse_bytes, plan.alignment, plan.method);
   out += fmt::format("{:<28} {:>10} {:>10} {:>6} {:>6}  {}\n", "buffer", "offset", "bytes", "first", "last", "storage");
-  auto name = [&](int buffer) {
-    const BufferInfo& b = p.buffers[size_t(buffer)];
-    return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
-  };
+  auto name = [&](int buffer) { return buffer_name(p, buffer); };
   for (const auto& pb : plan.buffers) {
     const BufferInfo& b = p.buffers[size_t(pb.buffer)];
     std::string note = pb.in_place_of >= 0 ? ", in place of " + name(pb.in_place_of) : "";

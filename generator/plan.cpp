@@ -65,11 +65,6 @@ const PlannedScalar* Plan::find_scalar(const Program& program, const std::string
   return nullptr;
 }
 
-namespace {
-
-bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved; }
-
-// {view buffer, source buffer} of every view task (reshape): one storage.
 std::vector<std::pair<int, int>> view_pairs(const Program& program) {
   std::vector<std::pair<int, int>> out;
   for (const auto& task : program.tasks) {
@@ -81,6 +76,10 @@ std::vector<std::pair<int, int>> view_pairs(const Program& program) {
   }
   return out;
 }
+
+namespace {
+
+bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved; }
 
 // in_place_of[b]: the buffer whose storage b takes over (may_alias), or -1.
 std::vector<int> find_in_place(const Program& program, const std::vector<KernelGroup>& kernels,

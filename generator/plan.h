@@ -86,4 +86,8 @@ struct PlanOptions {
 // CompileError when the plan exceeds the budget.
 Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels, const PlanOptions& options);
 
+// {view buffer, source buffer} of every view task (reshape): two names for
+// one storage and one value.
+std::vector<std::pair<int, int>> view_pairs(const Program& program);
+
 }  // namespace cudagen

@@ -71,4 +71,8 @@ struct Program {
 // {-1, nullptr} when the task has no such argument bound.
 std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg);
 
+// A buffer's name, "task.slot" of the slot that owns it: how the manifest,
+// the runtime and every message name it.
+std::string buffer_name(const Program& program, int buffer);
+
 }  // namespace cudagen

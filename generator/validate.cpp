@@ -9,6 +9,11 @@
 
 namespace cudagen {
 
+std::string buffer_name(const Program& program, int buffer) {
+  const BufferInfo& b = program.buffers[size_t(buffer)];
+  return program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+}
+
 std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg) {
   std::string name = arg;
   // A longer chain than the task list is a cycle, which the scheduler reports.

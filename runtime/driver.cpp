@@ -405,6 +405,14 @@ GpuInfo find_gpu(int ordinal) {
   return info;
 }
 
+std::string describe(const GpuCompileReport& r) {
+  if (!r.cached) return fmt::format("NVRTC for {}: {:.2f} s (cache off)", r.arch, r.compile_seconds);
+  if (r.cache == CacheOutcome::miss || r.cache == CacheOutcome::rebuilt_corrupt)
+    return fmt::format("NVRTC for {}: {:.2f} s (cache {}{}; stored in {})", r.arch, r.compile_seconds, to_string(r.cache),
+                       r.cache_problem.empty() ? "" : ": " + r.cache_problem, r.cache_path);
+  return fmt::format("NVRTC for {}: cache {} ({})", r.arch, to_string(r.cache), r.cache_path);
+}
+
 GpuCode compile_for_gpu(const Compiled& compiled, const GpuOptions& options) {
   GpuCode code;
   code.ptx = options.ptx;

@@ -29,7 +29,6 @@ struct GpuInfo {
   std::string name;
   std::string arch;  // "sm_90", from the device's compute capability
   int driver_version = 0;  // 13000 for CUDA 13.0
-  int64_t total_bytes = 0, free_bytes = 0;
 };
 
 // The device, or DriverError when there is no driver or no device (the
@@ -57,6 +56,10 @@ struct GpuCompileReport {
   double compile_seconds = 0;  // NVRTC (0 on a cache hit)
   std::string log;             // NVRTC's warnings, with kernels and tasks named
 };
+
+// One line for the user: "NVRTC for sm_90: 1.20 s (cache miss; stored in
+// PATH)", "NVRTC for sm_90: cache hit (PATH)".
+std::string describe(const GpuCompileReport& report);
 
 // The device code of a program, compiled by NVRTC (through the disk cache).
 struct GpuCode {

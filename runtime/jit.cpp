@@ -50,11 +50,6 @@ struct JitProgram::State {
 
 namespace {
 
-std::string buffer_name(const Program& p, int buffer) {
-  const BufferInfo& b = p.buffers[size_t(buffer)];
-  return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
-}
-
 void say(const JitOptions& options, const std::string& line) {
   if (options.progress) options.progress(line);
 }
@@ -67,14 +62,8 @@ JitProgram::State build(Program program, JitOptions options) {
   s.compiled = compile(std::move(program), options.compile);
   if (s.backend == Backend::gpu) {
     s.gpu_code = compile_for_gpu(s.compiled, options.gpu);
-    const GpuCompileReport& r = s.gpu_code.report;
-    std::string cache = !r.cached ? "cache off"
-                        : r.cache == CacheOutcome::hit || r.cache == CacheOutcome::built_by_another_process
-                            ? fmt::format("cache {}: {}", to_string(r.cache), r.cache_path)
-                            : fmt::format("cache {}{}, stored in {}", to_string(r.cache),
-                                          r.cache_problem.empty() ? "" : " (" + r.cache_problem + ")", r.cache_path);
-    s.build_report = fmt::format("NVRTC for {}: {:.2f} s ({})", r.arch, r.compile_seconds, cache);
-    if (!r.log.empty()) s.build_report += "\n" + r.log;
+    s.build_report = describe(s.gpu_code.report);
+    if (!s.gpu_code.report.log.empty()) s.build_report += "\n" + s.gpu_code.report.log;
   } else {
     const std::string work_dir =
         options.work_dir.empty() ? fmt::format("/tmp/cudagen-jit-{}", ::getpid()) : options.work_dir;
@@ -118,7 +107,7 @@ Instance::Instance(std::shared_ptr<const JitProgram::State> program, std::unique
   // Zero rather than the emulator's poison: what a user never sets reads as 0
   // on either backend; the scalars region starts at the graph's values.
   executor_->fill(0, 0, size_t(program_->compiled.plan.arena_bytes));
-  write_scalars_region();
+  write_scalars_region(args_);
 }
 
 Instance::Instance(Instance&&) noexcept = default;
@@ -183,20 +172,14 @@ void Instance::randomize(const std::string& tensor, int64_t seed, double low, do
 void Instance::set_arg(const std::string& name, ArgValue value) {
   RunTimeArgs args = args_;
   args[name] = value;
-  std::vector<unsigned char> scratch(size_t(program_->compiled.plan.arena_bytes));
-  write_scalars(program_->compiled, args, scratch.data());  // checks the name and the value's kind
+  write_scalars_region(args);  // checks the name and the value's kind before keeping them
   args_ = std::move(args);
-  user_args_.insert(name);
-  write_scalars_region();
 }
 
-void Instance::write_scalars_region() {
+void Instance::write_scalars_region(const RunTimeArgs& args) {
   const Plan& plan = program_->compiled.plan;
-  if (plan.scalars.empty()) return;
-  std::vector<unsigned char> arena(size_t(plan.arena_bytes));
-  write_scalars(program_->compiled, args_, arena.data());
-  const int64_t start = plan.scalars.front().offset;
-  executor_->write(start, arena.data() + start, size_t(plan.arena_bytes - start));
+  const std::vector<unsigned char> region = scalars_region(program_->compiled, with_step_count(program_->compiled, args, steps_));
+  if (!region.empty()) executor_->write(plan.arena_bytes - plan.scalars_bytes, region.data(), region.size());
 }
 
 void Instance::run(Phase phase) {
@@ -207,16 +190,8 @@ void Instance::run(Phase phase) {
 }
 
 void Instance::step() {
-  // An int run-time argument named `step` (Adam's bias correction) counts
-  // the steps, 1, 2, ..., unless the caller set it.
   ++steps_;
-  bool counted = false;
-  for (const auto& sc : program_->compiled.plan.scalars) {
-    if (sc.arg != "step" || sc.type != ArgType::int_ || user_args_.count(sc.name(program_->compiled.program))) continue;
-    args_[sc.name(program_->compiled.program)] = ArgValue(int64_t(steps_));
-    counted = true;
-  }
-  if (counted) write_scalars_region();
+  write_scalars_region(args_);  // Adam's `step` counts the steps
   bool any = false;
   for (Phase phase : {Phase::forward, Phase::backward, Phase::update}) {
     if (!executor_->has_function(phase_function(phase))) continue;
@@ -234,13 +209,9 @@ HostTensor Instance::read(const std::string& tensor) const {
   // place over it), has replaced its value.
   // A view (reshape) shares its source's bytes and value: not a replacement.
   std::set<int> same_value = {b};
-  for (const auto& t : c.program.tasks) {
-    if (t.op->view.first.empty()) continue;
-    const BoundTensor* view = t.find_tensor(t.op->view.first);
-    const BoundTensor* source = t.find_tensor(t.op->view.second);
-    if (view == nullptr || source == nullptr) continue;
-    if (view->buffer == b) same_value.insert(source->buffer);
-    if (source->buffer == b) same_value.insert(view->buffer);
+  for (auto [view, source] : view_pairs(c.program)) {
+    if (view == b) same_value.insert(source);
+    if (source == b) same_value.insert(view);
   }
   for (const PlannedBuffer& other : c.plan.buffers) {
     if (same_value.count(other.buffer) || other.bytes == 0 || pb.bytes == 0) continue;

@@ -16,7 +16,6 @@
 
 #include <functional>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -62,8 +61,9 @@ class JitProgram {
   const Compiled& compiled() const;
   const std::string& cuda_source() const;
   const std::string& manifest() const;
-  // One line saying how the device code was built: "NVRTC 13.0 for sm_90 in
-  // 1.20 s (cache miss)", "host compiler (emulation) in 2.1 s".
+  // How the device code was built: "NVRTC for sm_90: 1.20 s (cache miss;
+  // stored in PATH)", "host compiler (emulation build in DIR): 2.10 s", and
+  // NVRTC's warnings if it had any.
   const std::string& build_report() const;
 
   // Allocates one arena (under JitOptions::gpu.budget_bytes on a GPU).
@@ -122,12 +122,12 @@ class Instance {
   friend class JitProgram;
   Instance(std::shared_ptr<const JitProgram::State> program, std::unique_ptr<Executor> executor);
   int buffer_index(const std::string& tensor) const;
-  void write_scalars_region();
+  // The arguments set so far, and `step` counting the steps, into the arena.
+  void write_scalars_region(const RunTimeArgs& args);
 
   std::shared_ptr<const JitProgram::State> program_;
   std::unique_ptr<Executor> executor_;
-  RunTimeArgs args_;
-  std::set<std::string> user_args_;  // the arguments set_arg gave a value
+  RunTimeArgs args_;  // what set_arg gave
   int64_t steps_ = 0;
 };
 

@@ -44,11 +44,6 @@ double absolute_tolerance(DType dtype) {
 
 namespace {
 
-std::string buffer_name(const Program& p, int buffer) {
-  const BufferInfo& b = p.buffers[size_t(buffer)];
-  return p.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
-}
-
 // Random integer inputs index something: embedding ids a table's rows (of
 // the table, or of its gradient), labels a loss's classes (the last axis of
 // its logits).
@@ -169,7 +164,7 @@ void check_each_task(const Compiled& c, const Schedule& round, const std::vector
 
 }  // namespace
 
-void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* arena) {
+std::vector<unsigned char> scalars_region(const Compiled& c, const RunTimeArgs& args) {
   std::vector<std::string> names;
   for (const auto& s : c.plan.scalars) names.push_back(s.name(c.program));
   for (const auto& [name, value] : args) {
@@ -187,10 +182,25 @@ void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* ar
       throw std::runtime_error(fmt::format("run-time argument '{}' is {}, so {} does not fit it", name,
                                            to_string(s->type), arg_value_to_string(value)));
   }
+  const int64_t start = c.plan.arena_bytes - c.plan.scalars_bytes;
+  std::vector<unsigned char> region(size_t(c.plan.scalars_bytes), 0);
   for (const auto& s : c.plan.scalars) {
     auto it = args.find(s.name(c.program));
-    encode_scalar(s.type, it != args.end() ? it->second : s.initial, arena + s.offset);
+    encode_scalar(s.type, it != args.end() ? it->second : s.initial, region.data() + (s.offset - start));
   }
+  return region;
+}
+
+void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* arena) {
+  const std::vector<unsigned char> region = scalars_region(c, args);
+  if (!region.empty()) std::memcpy(arena + (c.plan.arena_bytes - c.plan.scalars_bytes), region.data(), region.size());
+}
+
+RunTimeArgs with_step_count(const Compiled& c, RunTimeArgs args, int64_t step) {
+  if (step > 0)
+    for (const auto& sc : c.plan.scalars)
+      if (sc.arg == "step" && sc.type == ArgType::int_) args.emplace(sc.name(c.program), ArgValue(step));
+  return args;
 }
 
 CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions& options) {
@@ -318,12 +328,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
           std::memset(arena.data() + c.plan.buffers[b].offset, 0xFF, size_t(c.plan.buffers[b].bytes));
       }
     }
-    // An int run-time argument named `step` counts the training steps,
-    // unless the caller set it.
-    RunTimeArgs args = options.args;
-    if (round.step > 0)
-      for (const auto& sc : c.plan.scalars)
-        if (sc.arg == "step" && sc.type == ArgType::int_) args.emplace(sc.name(p), ArgValue(int64_t(round.step)));
+    const RunTimeArgs args = with_step_count(c, options.args, round.step);
     write_scalars(c, args, arena.data());
 
     executor.write(0, arena.data(), arena.size());

@@ -91,6 +91,14 @@ CheckedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& op
 // that exist when `args` names one that does not, or gives a value of the
 // wrong kind (a float for an int).
 void write_scalars(const Compiled& compiled, const RunTimeArgs& args, unsigned char* arena);
+// The same bytes on their own: the arena's scalars region, its last
+// plan.scalars_bytes bytes.
+std::vector<unsigned char> scalars_region(const Compiled& compiled, const RunTimeArgs& args);
+
+// `args` with each int run-time argument named `step` (Adam's bias
+// correction) set to `step`, the training step's number, unless `args`
+// already sets it; `args` unchanged for step 0 (not a training step).
+RunTimeArgs with_step_count(const Compiled& compiled, RunTimeArgs args, int64_t step);
 
 // A table for the terminal.
 std::string format_run(const CheckedRun& run);

@@ -171,14 +171,8 @@ int run_run(Cli& cli) {
   CheckedRun run;
   if (backend == Backend::gpu) {
     GpuCode code = compile_for_gpu(c, cli.gpu_options);
-    const GpuCompileReport& r = code.report;
-    fmt::print("NVRTC for {}: {}\n", r.arch,
-               !r.cached ? fmt::format("{:.2f} s (cache off)", r.compile_seconds)
-               : r.cache == CacheOutcome::miss || r.cache == CacheOutcome::rebuilt_corrupt
-                   ? fmt::format("{:.2f} s (cache {}{}; stored in {})", r.compile_seconds, to_string(r.cache),
-                                 r.cache_problem.empty() ? "" : ": " + r.cache_problem, r.cache_path)
-                   : fmt::format("cache {} ({})", to_string(r.cache), r.cache_path));
-    if (!r.log.empty()) fmt::print(stderr, "{}\n", r.log);
+    fmt::print("{}\n", describe(code.report));
+    if (!code.report.log.empty()) fmt::print(stderr, "{}\n", code.report.log);
     std::unique_ptr<Executor> executor = make_gpu_executor(c, code, cli.gpu_options);
     run = run_and_check(c, *executor, options);
     fmt::print("GPU run: {:.3f} s with copies (seed {})\n", run.run_seconds, run.seed);
@@ -246,8 +240,7 @@ int run_plan(Cli& cli) {
     std::vector<LiveInterval> intervals;
     std::vector<int64_t> offsets;
     for (const auto& pb : c.plan.buffers) {
-      const BufferInfo& b = c.program.buffers[size_t(pb.buffer)];
-      names.push_back(c.program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot);
+      names.push_back(buffer_name(c.program, pb.buffer));
       intervals.push_back(LiveInterval{pb.bytes, pb.first, pb.last});
       offsets.push_back(pb.offset);
     }

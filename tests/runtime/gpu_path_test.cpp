@@ -18,13 +18,13 @@
 #include "driver.h"
 #include "jit.h"
 #include "pipeline.h"
+#include "runtime_test_util.h"
 
 using namespace cudagen;
+using namespace cudagen::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string source_path(const std::string& relative) { return std::string(CUDAGEN_SOURCE_DIR) + "/" + relative; }
 
 std::string fake_log() {
   void* handle = dlopen(CUDAGEN_FAKE_DRIVER, RTLD_NOW | RTLD_NOLOAD);
@@ -87,12 +87,10 @@ TEST_F(GpuPath, FindsTheDeviceThroughTheDriver) {
   EXPECT_EQ(gpu.arch, "sm_90");
   EXPECT_EQ(gpu.driver_version, 13000);
   ::setenv("FAKE_CUDA_DEVICES", "0", 1);
-  try {
-    find_gpu(0);
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    EXPECT_NE(std::string(e.what()).find("found no GPU"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("--emulate"), std::string::npos) << e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { find_gpu(0); });
+    EXPECT_NE(what.find("found no GPU"), std::string::npos) << what;
+    EXPECT_NE(what.find("--emulate"), std::string::npos) << what;
   }
   ::setenv("FAKE_CUDA_DEVICES", "1", 1);
   EXPECT_THROW(find_gpu(3), DriverError);
@@ -181,21 +179,15 @@ TEST_F(GpuPath, AFailedLaunchNamesTheCallTheKernelAndItsTasks) {
   Compiled c = compiled("examples/mlp_forward.json");
   std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
   ::setenv("FAKE_CUDA_FAIL", "cuLaunchKernel:k2_act1", 1);
-  try {
-    gpu->run("cudagen_forward");
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    const std::string what = e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { gpu->run("cudagen_forward"); });
     EXPECT_NE(what.find("cuLaunchKernel failed while launching kernel k2_act1 (task act1)"), std::string::npos) << what;
     EXPECT_NE(what.find("CUDA_ERROR_LAUNCH_FAILED"), std::string::npos) << what;
   }
   // An error that surfaces at the synchronisation names the whole launcher.
   ::setenv("FAKE_CUDA_FAIL", "cuStreamSynchronize", 1);
-  try {
-    gpu->run("cudagen_forward");
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    const std::string what = e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { gpu->run("cudagen_forward"); });
     EXPECT_NE(what.find("running cudagen_forward (kernels k0_fc1: task fc1;"), std::string::npos) << what;
     EXPECT_NE(what.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << what;
   }
@@ -205,23 +197,19 @@ TEST_F(GpuPath, TheArenaIsRefusedOverTheBudgetAndAFailedAllocationSaysWhatToDo) 
   Compiled c = compiled("examples/mlp_forward.json");
   GpuCode code = compile_for_gpu(c, options_);
   options_.budget_bytes = c.plan.arena_bytes - 1;
-  try {
-    make_gpu_executor(c, code, options_);
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    EXPECT_NE(std::string(e.what()).find(fmt::format("the arena needs {} bytes but the budget", c.plan.arena_bytes)),
+  {
+    const std::string what = message_of<DriverError>([&] { make_gpu_executor(c, code, options_); });
+    EXPECT_NE(what.find(fmt::format("the arena needs {} bytes but the budget", c.plan.arena_bytes)),
               std::string::npos)
-        << e.what();
+        << what;
   }
   EXPECT_NE(fake_log().find("context released"), std::string::npos) << "a failed start leaks the context";
   options_.budget_bytes = 0;
   ::setenv("FAKE_CUDA_FAIL", "cuMemAlloc", 1);
-  try {
-    make_gpu_executor(c, code, options_);
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    EXPECT_NE(std::string(e.what()).find("cuMemAlloc failed while allocating the arena"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { make_gpu_executor(c, code, options_); });
+    EXPECT_NE(what.find("cuMemAlloc failed while allocating the arena"), std::string::npos) << what;
+    EXPECT_NE(what.find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << what;
   }
 }
 
@@ -242,24 +230,20 @@ TEST_F(GpuPath, AMissingEntryPointIsNamed) {
   fs::copy_file(CUDAGEN_FAKE_DRIVER, copy);
   ::setenv("CUDAGEN_CUDA_DRIVER", copy.c_str(), 1);
   ::setenv("FAKE_CUDA_MISSING", "cuGraphLaunch", 1);
-  try {
-    find_gpu(0);
-    ADD_FAILURE() << "expected an error";
-  } catch (const DriverError& e) {
-    EXPECT_NE(std::string(e.what()).find("has no entry point cuGraphLaunch"), std::string::npos) << e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { find_gpu(0); });
+    EXPECT_NE(what.find("has no entry point cuGraphLaunch"), std::string::npos) << what;
   }
   ::unsetenv("FAKE_CUDA_MISSING");
 }
 
 TEST_F(GpuPath, NoDriverSaysSoAndOffersTheEmulation) {
   ::setenv("CUDAGEN_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
-  try {
-    find_gpu(0);
-    FAIL() << "expected an error";
-  } catch (const DriverError& e) {
-    EXPECT_NE(std::string(e.what()).find("no CUDA driver found: cannot load /nonexistent/libcuda.so.1"), std::string::npos)
-        << e.what();
-    EXPECT_NE(std::string(e.what()).find("--emulate"), std::string::npos) << e.what();
+  {
+    const std::string what = message_of<DriverError>([&] { find_gpu(0); });
+    EXPECT_NE(what.find("no CUDA driver found: cannot load /nonexistent/libcuda.so.1"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("--emulate"), std::string::npos) << what;
   }
   std::string why;
   EXPECT_EQ(choose_backend(Backend::automatic, 0, &why), Backend::emulation);
