@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark the project has, in one command, for a session
 # that is lent a GPU (the device tool): under 10 minutes, a short table at the end.
-# Build here, then `run` with carry: ["build"] and command `bash bench/gpu_check.sh`.
+# Here: `bench/pack_gpu_kit.sh` (the build tree is too large to carry); then `run` with
+# carry: ["gpu-kit"] and command `bash bench/gpu_check.sh gpu-kit`.
 #
 # What it runs on the GPU:
 #  - every example graph and the graph of every templated op, with `cudagen run --gpu`:
@@ -9,11 +10,14 @@
 #    (and each training step's weights) checked against the float64 reference;
 #  - the same with --cuda-graph, and the training examples for several steps;
 #  - examples/jit (the C++ API), and the disk cache's second run (a hit);
+#  - examples/aot, built ahead of time with nvcc by pack_gpu_kit.sh;
 #  - per-kernel times of each forward phase (--profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build}
-cudagen="$build/generator/cudagen"
+kit=${1:-gpu-kit}
+[[ -x "$kit/bin/cudagen" ]] || { echo "no $kit/bin/cudagen: run bench/pack_gpu_kit.sh first, and carry $kit"; exit 2; }
+export LD_LIBRARY_PATH="$PWD/$kit/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+cudagen="$kit/bin/cudagen"
 rows=()
 device=$(nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader 2>/dev/null | head -1)
 rows+=("device|${device:-no GPU visible}")
@@ -39,7 +43,8 @@ check "run --gpu --check-each-task train_transformer" "$cudagen" run --gpu --che
 check "train_mlp --steps 20 --step-function" "$cudagen" run --gpu --steps 20 --step-function examples/train_mlp.json
 check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/train_transformer.json
 check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
-check "examples/jit (C++ API)" "$build/examples/jit/jit_mlp"
+check "examples/jit (C++ API)" "$kit/bin/jit_mlp" examples/mlp_forward.json
+check "examples/aot (nvcc, ahead of time)" "$kit/bin/aot_mlp"
 
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done

@@ -23,6 +23,9 @@ struct EmitOptions {
   // one training step in one call.
   bool step_function = false;
   std::string options_text;  // the compile options, recorded in the provenance header and manifest
+  // The host symbols' prefix: `<prefix>_forward`, `<prefix>_arena_bytes`.
+  // Ahead of time, each graph linked into one program needs its own.
+  std::string symbol_prefix = "cudagen";
 };
 
 struct EmittedKernel {
@@ -43,6 +46,10 @@ struct EmittedKernel {
 struct EmittedProgram {
   std::string cuda_source;
   std::string manifest_json;
+  // A C++ header declaring the host launchers, the arena size and where each
+  // input, output, parameter and run-time argument lies in the arena: what a
+  // program that compiles the .cu ahead of time includes.
+  std::string host_header;
   std::vector<EmittedKernel> kernels;
 };
 
@@ -51,10 +58,14 @@ struct EmittedProgram {
 EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,
                     const EmitOptions& options);
 
-// The name of a phase's host launcher: `cudagen_forward`, ...
-std::string phase_function(Phase phase);
+// The name of a phase's host launcher: `cudagen_forward`, ... (the runtime,
+// which compiles with the default prefix, names phases by it too).
+std::string phase_function(Phase phase, const std::string& prefix = "cudagen");
 // The launcher of EmitOptions::step_function.
 inline constexpr const char* kStepFunction = "cudagen_step";
+
+// Why `prefix` cannot prefix C symbols (empty when it can).
+std::string symbol_prefix_problem(const std::string& prefix);
 
 // Why the emitter cannot generate a kernel for `op` yet (no skeleton for
 // its pattern, or in-place updates), or empty when it can.

@@ -40,6 +40,29 @@ Fn symbol(void* handle, const char* name) {
   return reinterpret_cast<Fn>(p);
 }
 
+// What the emulated build compiles and links with.
+struct EmulationToolchain {
+  std::string include_dir;  // holds cudagen_emu.h
+  std::string emu_library;
+};
+
+// An installed cudagen finds them beside its executable (PREFIX/bin ->
+// PREFIX/include/cudagen, PREFIX/lib), wherever the prefix was moved; a
+// program run from the build tree uses the build tree's. The installed layout
+// is looked for first only beside the executable, so that a build tree never
+// picks up an older install.
+EmulationToolchain emulation_toolchain() {
+  std::error_code ec;
+  const std::filesystem::path exe_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
+  if (!ec) {
+    const std::filesystem::path include_dir = exe_dir / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR;
+    const std::filesystem::path library = exe_dir / CUDAGEN_EMU_INSTALLED_LIBRARY;
+    if (std::filesystem::exists(include_dir / "cudagen_emu.h") && std::filesystem::exists(library))
+      return {include_dir.lexically_normal().string(), library.lexically_normal().string()};
+  }
+  return {CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY};
+}
+
 }  // namespace
 
 HostModule HostModule::build(const std::string& cuda_source, const std::string& work_dir, double* seconds) {
@@ -52,11 +75,12 @@ HostModule HostModule::build(const std::string& cuda_source, const std::string& 
   const std::string stem = fmt::format("{}/module-{:016x}", work_dir, fnv1a64(cuda_source));
   const std::string cu = stem + ".cu", so = stem + ".so";
   write_file_atomic(cu, cuda_source);
+  const EmulationToolchain toolchain = emulation_toolchain();
   // -x c++: the .cu is plain C++ once the emulation header defines the CUDA built-ins.
   std::string command = fmt::format(
       "{} -std=c++17 -O1 -g0 -fPIC -shared -fno-strict-aliasing -Wno-unused-parameter -I{} -include cudagen_emu.h "
       "-x c++ {} -x none {} {} -o {}",
-      CUDAGEN_HOST_CXX, shell_quote(CUDAGEN_EMU_INCLUDE_DIR), shell_quote(cu), shell_quote(CUDAGEN_EMU_LIBRARY),
+      CUDAGEN_HOST_CXX, shell_quote(toolchain.include_dir), shell_quote(cu), shell_quote(toolchain.emu_library),
       shell_quote(CUDAGEN_BOOST_CONTEXT_LIBRARY), shell_quote(so + ".tmp"));
   auto start = std::chrono::steady_clock::now();
   std::string output;

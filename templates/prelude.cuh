@@ -10,6 +10,17 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// A generated kernel. Under NVRTC it has C linkage, so that the runtime finds
+// it by its plain name in the module; where the file is compiled into a
+// program (nvcc ahead of time, the host emulation) it is internal to the file
+// and only its launcher is visible, so that several graphs link into one
+// program without their kernel names clashing.
+#ifdef __CUDACC_RTC__
+#define CG_KERNEL extern "C" __global__
+#else
+#define CG_KERNEL static __global__
+#endif
+
 // Op annotations. CG_OP("name", "key: value", ...) sits between a template
 // function's template header and its declaration and describes the op to
 // the indexer (generator/indexer; the keys are in docs/templates.md), which

@@ -34,6 +34,7 @@ struct Cli {
   std::string graph_path;
   std::string output_path;
   std::string manifest_path;
+  std::string header_path;
   CompileOptions compile;
   bool no_reuse = false;
   bool emulate = false;
@@ -140,6 +141,7 @@ int run_compile(Cli& cli) {
   // Both files or neither: write to temporaries first, then rename.
   if (!cli.output_path.empty()) write_file_atomic(cli.output_path, c.emitted.cuda_source);
   if (!cli.manifest_path.empty()) write_file_atomic(cli.manifest_path, c.emitted.manifest_json);
+  if (!cli.header_path.empty()) write_file_atomic(cli.header_path, c.emitted.host_header);
   if (!cli.output_path.empty())
     fmt::print(stderr, "{}: {} kernels, arena {} bytes (lower bound {}) -> {}\n", cli.graph_path, c.kernels.size(),
                c.plan.arena_bytes, c.plan.lower_bound, cli.output_path);
@@ -290,6 +292,18 @@ int main_impl(int argc, char** argv) {
   add_compile_options(compile_cmd, cli);
   compile_cmd->add_option("-o,--output", cli.output_path, "the .cu file to write");
   compile_cmd->add_option("--manifest", cli.manifest_path, "the JSON manifest to write beside it");
+  compile_cmd->add_option("--header", cli.header_path,
+                          "a C++ header for building the .cu ahead of time: the launchers, the arena size, and the "
+                          "offset of every input, output, parameter and run-time argument");
+  compile_cmd
+      ->add_option("--prefix", cli.compile.emit.symbol_prefix,
+                   "prefix of the host symbols (PREFIX_forward, PREFIX_arena_bytes); give each graph linked into "
+                   "one program its own")
+      ->capture_default_str()
+      ->check([](const std::string& prefix) {
+        std::string problem = symbol_prefix_problem(prefix);
+        return problem.empty() ? problem : "not a C identifier: " + problem;
+      });
   compile_cmd->add_option("--dump-after", cli.compile.dump_after, "print the program after this pass")
       ->check(CLI::IsMember(kPassNames));
   auto* run_cmd = app.add_subcommand(

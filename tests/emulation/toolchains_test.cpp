@@ -119,9 +119,14 @@ TEST(Toolchains, GeneratedCodeIsDeterministicAndStandalone) {
   EXPECT_EQ(a.emitted.cuda_source, b.emitted.cuda_source);
   EXPECT_EQ(a.emitted.manifest_json, b.emitted.manifest_json);
   EXPECT_EQ(a.emitted.cuda_source.find("#include"), std::string::npos);
-  for (const char* kernel : {"k0_fc1", "k1_bias1", "k2_act1", "k3_fc2", "k4_bias2", "k5_probs"})
-    EXPECT_NE(a.emitted.cuda_source.find(std::string("extern \"C\" __global__ void __launch_bounds__")), std::string::npos)
-        << kernel;
+  EXPECT_EQ(a.emitted.host_header, b.emitted.host_header);
+  // Each kernel is declared CG_KERNEL: C linkage under NVRTC, internal to the file elsewhere.
+  for (const std::string kernel : {"k0_fc1", "k1_bias1", "k2_act1", "k3_fc2", "k4_bias2", "k5_probs"}) {
+    const size_t at = a.emitted.cuda_source.find(") " + kernel + "(");
+    ASSERT_NE(at, std::string::npos) << kernel;
+    const size_t line = a.emitted.cuda_source.rfind('\n', at) + 1;
+    EXPECT_EQ(a.emitted.cuda_source.compare(line, 33, "CG_KERNEL void __launch_bounds__("), 0) << kernel;
+  }
   EXPECT_NE(a.emitted.cuda_source.find("// Kernel k2_act1 (forward phase): task act1 (relu, elementwise)."),
             std::string::npos);
   EXPECT_NE(a.emitted.manifest_json.find("\"arena_bytes\": " + std::to_string(a.plan.arena_bytes)), std::string::npos);

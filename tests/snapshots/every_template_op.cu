@@ -17,6 +17,17 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// A generated kernel. Under NVRTC it has C linkage, so that the runtime finds
+// it by its plain name in the module; where the file is compiled into a
+// program (nvcc ahead of time, the host emulation) it is internal to the file
+// and only its launcher is visible, so that several graphs link into one
+// program without their kernel names clashing.
+#ifdef __CUDACC_RTC__
+#define CG_KERNEL extern "C" __global__
+#else
+#define CG_KERNEL static __global__
+#endif
+
 // Op annotations. CG_OP("name", "key: value", ...) sits between a template
 // function's template header and its declaration and describes the op to
 // the indexer (generator/indexer; the keys are in docs/templates.md), which
@@ -643,7 +654,7 @@ CG_DEVICE void cg_transpose_tile(const T* x, T* out, int M, int N, int tile_m, i
 //   reads  -
 //   writes fill.out f32 [33]
 //   0 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_fill<float>(i, 0.25f));
 }
@@ -652,7 +663,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_fill(float* __restrict__ ou
 //   reads  -
 //   writes uniform.out f64 [33]
 //   0 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k1_uniform(double* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k1_uniform(double* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_uniform<double>(i, -0.5f, 2.0f, 42ll));
 }
@@ -661,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_uniform(double* __restrict_
 //   reads  -
 //   writes normal.out f32 [33]
 //   0 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k2_normal(float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k2_normal(float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_normal<float>(i, 0.0f, 0.019999999552965164f, 3ll));
 }
@@ -670,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(256) k2_normal(float* __restrict__ 
 //   reads  relu.x f32 [33]
 //   writes relu.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_relu<float>(cg_load(x, i)));
 }
@@ -679,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_relu(const float* __restric
 //   reads  add_bcast.a f32 [2, 1, 33], add_bcast.b f32 [3, 1]
 //   writes add_bcast.out f32 [2, 3, 33]
 //   276 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k4_add_bcast(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k4_add_bcast(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 198; i += cg_grid_threads())
     cg_store(out, i, cg_add<float>(cg_load(a, ((i / 1 % 33) * 1 + (i / 99 % 2) * 33)), cg_load(b, ((i / 33 % 3) * 1))));
 }
@@ -688,7 +699,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_add_bcast(const float* __re
 //   reads  softmax_causal.x f32 [2, 33, 33]
 //   writes softmax_causal.out f32 [2, 33, 33]
 //   8712 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
@@ -700,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(64) k5_softmax_causal(const float* 
 //   reads  matmul_t.a f32 [2, 5, 33], matmul_t.b f32 [7, 5]
 //   writes matmul_t.out f32 [2, 33, 7]
 //   1460 bytes read, 1848 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k6_matmul_t(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k6_matmul_t(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = blockIdx.z;
   const cg_i64 a_base = z * 165, b_base = 0 * 35, out_base = z * 231;
@@ -715,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(256) k6_matmul_t(const float* __res
 //   reads  embedding.table f32 [33, 5], embedding.ids i32 [35]
 //   writes embedding.out f32 [35, 5]
 //   800 bytes read, 700 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k7_embedding(const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k7_embedding(const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 175; i += cg_grid_threads())
     cg_store(out, i, cg_embedding<float, int>(table, ids, i, 5));
 }
@@ -724,7 +735,7 @@ extern "C" __global__ void __launch_bounds__(256) k7_embedding(const float* __re
 //   reads  transpose.x f64 [2, 33, 9]
 //   writes transpose.out f64 [2, 9, 33]
 //   4752 bytes read, 4752 bytes written; grid [1, 2, 2], block 256, 8448 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k8_transpose(const double* __restrict__ x, double* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k8_transpose(const double* __restrict__ x, double* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   cg_transpose_tile<double>(x, out, 33, 9, blockIdx.y, blockIdx.x, (cg_i64)blockIdx.z * 297, (double*)cg_smem);
 }
@@ -733,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(256) k8_transpose(const double* __r
 //   reads  sigmoid.x f32 [33]
 //   writes sigmoid.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k9_sigmoid(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k9_sigmoid(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_sigmoid<float>(cg_load(x, i)));
 }
@@ -742,7 +753,7 @@ extern "C" __global__ void __launch_bounds__(256) k9_sigmoid(const float* __rest
 //   reads  silu.x f32 [33]
 //   writes silu.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k10_silu(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k10_silu(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_silu<float>(cg_load(x, i)));
 }
@@ -751,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(256) k10_silu(const float* __restri
 //   reads  tanh.x f32 [33]
 //   writes tanh.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k11_tanh(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k11_tanh(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_tanh<float>(cg_load(x, i)));
 }
@@ -760,7 +771,7 @@ extern "C" __global__ void __launch_bounds__(256) k11_tanh(const float* __restri
 //   reads  exp.x f32 [33]
 //   writes exp.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k12_exp(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k12_exp(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
 }
@@ -769,7 +780,7 @@ extern "C" __global__ void __launch_bounds__(256) k12_exp(const float* __restric
 //   reads  log.x f32 [33] <- exp.out
 //   writes log.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k13_log(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k13_log(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_log<float>(cg_load(x, i)));
 }
@@ -778,7 +789,7 @@ extern "C" __global__ void __launch_bounds__(256) k13_log(const float* __restric
 //   reads  neg.x f32 [33]
 //   writes neg.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k14_neg(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k14_neg(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_neg<float>(cg_load(x, i)));
 }
@@ -787,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(256) k14_neg(const float* __restric
 //   reads  gelu_erf.x f64 [33]
 //   writes gelu_erf.out f64 [33]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k15_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k15_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_gelu<double>(cg_load(x, i), /*approximate=erf*/ 1));
 }
@@ -796,7 +807,7 @@ extern "C" __global__ void __launch_bounds__(256) k15_gelu_erf(const double* __r
 //   reads  gelu_tanh.x f32 [33]
 //   writes gelu_tanh.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k16_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k16_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_gelu<float>(cg_load(x, i), /*approximate=tanh*/ 0));
 }
@@ -805,7 +816,7 @@ extern "C" __global__ void __launch_bounds__(256) k16_gelu_tanh(const float* __r
 //   reads  affine.x f32 [33]
 //   writes affine.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k17_affine(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ scale_arg) {
+CG_KERNEL void __launch_bounds__(256) k17_affine(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ scale_arg) {
   const float scale = cg_load(scale_arg, 0);  // run-time argument affine.scale
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(out, i, cg_affine<float>(cg_load(x, i), scale, 0.5f));
@@ -815,7 +826,7 @@ extern "C" __global__ void __launch_bounds__(256) k17_affine(const float* __rest
 //   reads  sub.a f32 [4, 33], sub.b f32 [33]
 //   writes sub.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k18_sub(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k18_sub(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
     cg_store(out, i, cg_sub<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
@@ -824,7 +835,7 @@ extern "C" __global__ void __launch_bounds__(256) k18_sub(const float* __restric
 //   reads  mul.a f32 [4, 33], mul.b f32 [33]
 //   writes mul.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k19_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k19_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
     cg_store(out, i, cg_mul<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
@@ -833,7 +844,7 @@ extern "C" __global__ void __launch_bounds__(256) k19_mul(const float* __restric
 //   reads  div.a f32 [4, 33], div.b f32 [33]
 //   writes div.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k20_div(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k20_div(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
     cg_store(out, i, cg_div<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
@@ -842,7 +853,7 @@ extern "C" __global__ void __launch_bounds__(256) k20_div(const float* __restric
 //   reads  maximum.a f32 [4, 33], maximum.b f32 [33]
 //   writes maximum.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k21_maximum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k21_maximum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
     cg_store(out, i, cg_maximum<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
@@ -851,7 +862,7 @@ extern "C" __global__ void __launch_bounds__(256) k21_maximum(const float* __res
 //   reads  relu_backward.x f32 [33], relu_backward.dout f32 [33]
 //   writes relu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k22_relu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k22_relu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(dx, i, cg_relu_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
@@ -860,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(256) k22_relu_backward(const float*
 //   reads  sigmoid_backward.x f32 [33], sigmoid_backward.dout f32 [33]
 //   writes sigmoid_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k23_sigmoid_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k23_sigmoid_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(dx, i, cg_sigmoid_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
@@ -869,7 +880,7 @@ extern "C" __global__ void __launch_bounds__(256) k23_sigmoid_backward(const flo
 //   reads  silu_backward.x f32 [33], silu_backward.dout f32 [33]
 //   writes silu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k24_silu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k24_silu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(dx, i, cg_silu_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
@@ -878,7 +889,7 @@ extern "C" __global__ void __launch_bounds__(256) k24_silu_backward(const float*
 //   reads  tanh_backward.x f32 [33], tanh_backward.dout f32 [33]
 //   writes tanh_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k25_tanh_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k25_tanh_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(dx, i, cg_tanh_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
@@ -887,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(256) k25_tanh_backward(const float*
 //   reads  rmsnorm.x f32 [3, 33], rmsnorm.weight f32 [33] <- fill.out
 //   writes rmsnorm.out f32 [3, 33], rmsnorm.rstd f32 [3]
 //   528 bytes read, 408 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k26_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+CG_KERNEL void __launch_bounds__(64) k26_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 33 + j); },
@@ -901,7 +912,7 @@ extern "C" __global__ void __launch_bounds__(64) k26_rmsnorm(const float* __rest
 //   reads  split_heads.x f32 [2, 5, 12]
 //   writes split_heads.out f32 [2, 3, 5, 4]
 //   480 bytes read, 480 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k27_split_heads(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k27_split_heads(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 120; i += cg_grid_threads())
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 5, 3, 4)));
 }
@@ -910,7 +921,7 @@ extern "C" __global__ void __launch_bounds__(256) k27_split_heads(const float* _
 //   reads  merge_heads.x f32 [2, 3, 5, 4] <- split_heads.out
 //   writes merge_heads.out f32 [2, 5, 12]
 //   480 bytes read, 480 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k28_merge_heads(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k28_merge_heads(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 120; i += cg_grid_threads())
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 5, 3, 4)));
 }
@@ -919,7 +930,7 @@ extern "C" __global__ void __launch_bounds__(256) k28_merge_heads(const float* _
 //   reads  sum.x f32 [3, 33]
 //   writes sum.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k29_sum(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(64) k29_sum(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   const float value = cg_sum_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
@@ -930,7 +941,7 @@ extern "C" __global__ void __launch_bounds__(64) k29_sum(const float* __restrict
 //   reads  mean.x f32 [3, 33]
 //   writes mean.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k30_mean(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(64) k30_mean(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   const float value = cg_mean_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
@@ -941,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(64) k30_mean(const float* __restric
 //   reads  max.x f32 [3, 33]
 //   writes max.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k31_max(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(64) k31_max(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   const float value = cg_max_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
@@ -952,7 +963,7 @@ extern "C" __global__ void __launch_bounds__(64) k31_max(const float* __restrict
 //   reads  log_softmax.x f32 [2, 33]
 //   writes log_softmax.out f32 [2, 33]
 //   264 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(64) k32_log_softmax(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(64) k32_log_softmax(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_log_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
@@ -963,7 +974,7 @@ extern "C" __global__ void __launch_bounds__(64) k32_log_softmax(const float* __
 //   reads  sum_leading.x f32 [2, 33, 5]
 //   writes sum_leading.out f32 [5]
 //   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k33_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k33_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 j = cg_global_thread(); j < 5; j += cg_grid_threads())
     cg_store(out, j, cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 5 + c); }, j, 66));
 }

@@ -17,6 +17,17 @@ typedef long long cg_i64;
 
 #define CG_DEVICE __device__ __forceinline__
 
+// A generated kernel. Under NVRTC it has C linkage, so that the runtime finds
+// it by its plain name in the module; where the file is compiled into a
+// program (nvcc ahead of time, the host emulation) it is internal to the file
+// and only its launcher is visible, so that several graphs link into one
+// program without their kernel names clashing.
+#ifdef __CUDACC_RTC__
+#define CG_KERNEL extern "C" __global__
+#else
+#define CG_KERNEL static __global__
+#endif
+
 // Op annotations. CG_OP("name", "key: value", ...) sits between a template
 // function's template header and its declaration and describes the op to
 // the indexer (generator/indexer; the keys are in docs/templates.md), which
@@ -377,7 +388,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 //   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100]
 //   writes fc1.out f32 [33, 100]
 //   34048 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = blockIdx.z;
   const cg_i64 a_base = z * 2112, b_base = z * 6400, out_base = z * 3300;
@@ -392,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(256) k0_fc1(const float* __restrict
 //   reads  bias1.a f32 [33, 100] <- fc1.out, bias1.b f32 [100]
 //   writes bias1.out f32 [33, 100]
 //   13600 bytes read, 13200 bytes written; grid [13, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k1_bias1(const float* a, const float* __restrict__ b, float* out) {
+CG_KERNEL void __launch_bounds__(256) k1_bias1(const float* a, const float* __restrict__ b, float* out) {
   for (cg_i64 i = cg_global_thread(); i < 3300; i += cg_grid_threads())
     cg_store(out, i, cg_add<float>(cg_load(a, i), cg_load(b, (i % 100))));
 }
@@ -401,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(256) k1_bias1(const float* a, const
 //   reads  act1.x f32 [33, 100] <- bias1.out
 //   writes act1.out f32 [33, 100]
 //   13200 bytes read, 13200 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k2_act1(const float* x, float* out) {
+CG_KERNEL void __launch_bounds__(256) k2_act1(const float* x, float* out) {
   for (cg_i64 i = cg_global_thread() * 4; i < 3300; i += cg_grid_threads() * 4) {  // 4 elements at a time
     const cg_vector<4, float> x_v = cg_load_vector<4>(x, i);
     cg_vector<4, float> out_v;
@@ -414,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(256) k2_act1(const float* x, float*
 //   reads  fc2.a f32 [33, 100] <- act1.out, fc2.b f32 [100, 10]
 //   writes fc2.out f32 [33, 10]
 //   17200 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k3_fc2(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k3_fc2(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = blockIdx.z;
   const cg_i64 a_base = z * 3300, b_base = z * 1000, out_base = z * 330;
@@ -429,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(256) k3_fc2(const float* __restrict
 //   reads  bias2.a f32 [33, 10] <- fc2.out, bias2.b f32 [10]
 //   writes bias2.out f32 [33, 10]
 //   1360 bytes read, 1320 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) k4_bias2(const float* a, const float* __restrict__ b, float* out) {
+CG_KERNEL void __launch_bounds__(256) k4_bias2(const float* a, const float* __restrict__ b, float* out) {
   for (cg_i64 i = cg_global_thread(); i < 330; i += cg_grid_threads())
     cg_store(out, i, cg_add<float>(cg_load(a, i), cg_load(b, (i % 10))));
 }
@@ -438,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(256) k4_bias2(const float* a, const
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
 //   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(32) k5_probs(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(32) k5_probs(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 10 + j); },

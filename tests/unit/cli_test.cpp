@@ -117,6 +117,23 @@ TEST_F(Cli, CompileWritesTheCudaFileAndManifest) {
   EXPECT_NE(cudagen::read_text_file(manifest).find("\"format\": \"cudagen.manifest/1\""), std::string::npos);
 }
 
+TEST_F(Cli, CompileWritesTheAheadOfTimeHeaderUnderAPrefix) {
+  std::string cu = (dir_ / "mlp.cu").string(), header = (dir_ / "mlp.h").string();
+  CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " -o " + cu + " --header " + header +
+                    " --prefix mlp");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(cudagen::read_text_file(header).find("int mlp_forward(unsigned char* arena, CUstream_st* stream);"),
+            std::string::npos);
+  EXPECT_NE(cudagen::read_text_file(cu).find("extern \"C\" int mlp_forward(unsigned char* arena"), std::string::npos);
+
+  CliResult bad = run("compile " + source_path("examples/mlp_forward.json") + " -o " + (dir_ / "x.cu").string() +
+                      " --prefix my-mlp");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("--prefix: not a C identifier: '-' cannot be part of a C identifier"), std::string::npos)
+      << bad.err;
+  EXPECT_FALSE(fs::exists(dir_ / "x.cu"));
+}
+
 // A user's reduction template indexes, but the emitter's reduction skeletons
 // are per op (the generic one comes with fusion, issue #6): compile says so
 // and writes nothing.

@@ -101,8 +101,54 @@ TEST_P(Snapshot, GeneratedCodeMatches) {
   Compiled c = compile(load_program(source_path(s.graph), {}), {});
   compare_with_snapshot(std::string(s.name) + ".cu", c.emitted.cuda_source);
   compare_with_snapshot(std::string(s.name) + ".manifest.json", c.emitted.manifest_json);
+  compare_with_snapshot(std::string(s.name) + ".h", c.emitted.host_header);
   run_checks(std::string(s.name) + ".checks", c.emitted.cuda_source);
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, Snapshot, ::testing::ValuesIn(kSnapshots),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// The ahead-of-time header: the launchers under the chosen prefix, and every
+// tensor a program reads or writes (and no transient one) at its planned offset.
+TEST(HostHeader, DeclaresTheLaunchersAndWhereEachTensorLies) {
+  CompileOptions options;
+  options.emit.symbol_prefix = "train";
+  options.emit.step_function = true;
+  Compiled c = compile(load_program(source_path("examples/train_mlp.json"), {}), options);
+  const std::string& h = c.emitted.host_header;
+  for (const char* phase : {"init", "forward", "backward", "update", "step"})
+    EXPECT_NE(h.find(std::string("int train_") + phase + "(unsigned char* arena, CUstream_st* stream);"),
+              std::string::npos)
+        << phase;
+  EXPECT_NE(h.find("extern const unsigned long long train_arena_bytes;"), std::string::npos);
+  // The .cu defines what the header declares.
+  EXPECT_NE(c.emitted.cuda_source.find("extern \"C\" int train_forward(unsigned char* arena, cudaStream_t stream)"),
+            std::string::npos);
+  EXPECT_NE(c.emitted.cuda_source.find("extern \"C\" const unsigned long long train_arena_bytes = " +
+                                       std::to_string(c.plan.arena_bytes) + "ull;"),
+            std::string::npos);
+  EXPECT_EQ(c.emitted.cuda_source.find("cudagen_forward"), std::string::npos);
+  for (size_t b = 0; b < c.program.buffers.size(); ++b) {
+    const std::string name = buffer_name(c.program, int(b));
+    const Storage storage = c.program.buffers[b].storage;
+    const std::string row = "{\"" + name + "\", ";
+    if (storage == Storage::external || storage == Storage::persistent) {
+      const size_t at = h.find(row);
+      ASSERT_NE(at, std::string::npos) << name;
+      const std::string offset = std::to_string(c.plan.buffers[b].offset) + "ull, " +
+                                 std::to_string(c.plan.buffers[b].bytes) + "ull}";
+      EXPECT_NE(h.substr(at, h.find('\n', at) - at).find(offset), std::string::npos) << name << " not at " << offset;
+    } else {
+      EXPECT_EQ(h.find(row), std::string::npos) << name << " is " << to_string(storage);
+    }
+  }
+  EXPECT_NE(h.find("train_w1_adam_step,"), std::string::npos);
+  EXPECT_NE(h.find("{\"w1_adam.lr\", \"float\", "), std::string::npos);
+}
+
+TEST(HostHeader, SymbolPrefixMustBeACIdentifier) {
+  EXPECT_EQ(symbol_prefix_problem("mlp_2"), "");
+  EXPECT_EQ(symbol_prefix_problem(""), "it is empty");
+  EXPECT_EQ(symbol_prefix_problem("2mlp"), "it starts with a digit");
+  EXPECT_EQ(symbol_prefix_problem("m-lp"), "'-' cannot be part of a C identifier");
+}
