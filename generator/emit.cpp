@@ -56,6 +56,15 @@ struct Param {
   bool written;
 };
 
+// One parameter of a generated kernel, as its host launcher passes it:
+// arena + the offset of a buffer or of a run-time argument.
+struct LaunchParam {
+  std::string name;
+  std::string pointee;  // "const float", "float", ...
+  int buffer = -1;      // or -1 for a run-time argument
+  const PlannedScalar* scalar = nullptr;
+};
+
 class Emitter {
  public:
   Emitter(const Program& p, const Plan& plan, const EmitOptions& options) : p_(p), plan_(plan), options_(options) {}
@@ -96,10 +105,7 @@ class Emitter {
   EmittedProgram run(const std::vector<KernelGroup>& kernels) {
     EmittedProgram out;
     std::string kernel_code;
-    for (const auto& k : kernels) {
-      if (k.tasks.size() != 1) fail(k.tasks.front(), "", "kernels of several tasks need the fusion pass (issue #6)");
-      kernel_code += emit_kernel(k, out.kernels);
-    }
+    for (const auto& k : kernels) kernel_code += k.tasks.size() == 1 ? emit_kernel(k, out.kernels) : fused_elementwise(k, out.kernels);
     if (!diags_.ok()) throw CompileError(std::move(diags_));
     out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out.kernels);
     out.manifest_json = manifest(out.kernels);
@@ -389,9 +395,184 @@ class Emitter {
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
+    std::vector<LaunchParam> launch;
+    for (const auto& x : ps)
+      launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                   x.bound->buffer, nullptr});
+    for (const auto& sp : scalar_params(t))
+      launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
+    record_launch(ek, std::move(launch));
     std::string code = comment(k, ps, ek) + signature(k.name, t, ek.block, ps) + " {\n" + scalar_locals(t) + body + "}\n\n";
     emitted.push_back(ek);
     return code;
+  }
+
+  void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {
+    for (const auto& lp : launch)
+      ek.arg_offsets.push_back(lp.scalar != nullptr ? lp.scalar->offset : plan_.buffers[size_t(lp.buffer)].offset);
+    launch_params_.push_back(std::move(launch));
+  }
+
+  // Rule elementwise_chain (fuse.h): one grid-stride loop over the elements;
+  // each task's value is a local that the next tasks read, and only values
+  // read outside the kernel are stored. Vectorised like a single elementwise
+  // task where every tensor is read at the element's own index.
+  std::string fused_elementwise(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    EmittedKernel ek;
+    ek.name = k.name;
+    ek.phase = k.phase;
+    ek.tasks = k.tasks;
+    auto internal = [&](int b) {
+      return std::find(k.internal_buffers.begin(), k.internal_buffers.end(), b) != k.internal_buffers.end();
+    };
+    struct Step {
+      int task;
+      std::vector<Param> ps;
+      const Param* out = nullptr;
+    };
+    std::vector<Step> steps;
+    steps.reserve(k.tasks.size());  // `out` points into each step's `ps`
+    for (int t : k.tasks) {
+      const OpSignature& op = *p_.tasks[size_t(t)].op;
+      steps.push_back(Step{t, params(t)});
+      for (const auto& x : steps.back().ps)
+        if (x.written) steps.back().out = &x;
+      template_files_.insert(op.source_file);
+      use_function(op, op.source_function);
+    }
+    if (!diags_.ok()) return {};
+    const Shape& domain = steps.front().out->buffer->shape;
+    const int64_t n = numel(domain);
+
+    // Parameters: each buffer read from memory once (its first reader's
+    // task_slot name), then each stored value.
+    std::vector<LaunchParam> inputs, outputs;
+    std::map<int, std::string> param_of, value_of;  // buffer -> parameter; buffer -> local
+    std::vector<std::pair<const Param*, std::string>> loads;  // reads from memory, with their index
+    bool flat = true;
+    int64_t widest = 1;
+    for (const auto& step : steps) {
+      const OpSignature& op = *p_.tasks[size_t(step.task)].op;
+      for (const auto& x : step.ps) {
+        widest = std::max<int64_t>(widest, dtype_bytes(x.buffer->dtype));
+        if (x.written || value_of.count(x.bound->buffer) || param_of.count(x.bound->buffer)) continue;
+        const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + x.bound->name;
+        param_of[x.bound->buffer] = name;
+        inputs.push_back(LaunchParam{name, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr});
+        const bool same = op.pattern == PatternKind::elementwise ? numel(x.buffer->shape) == n : x.buffer->shape == domain;
+        flat = flat && same;
+        loads.push_back({&x, same ? "i" : broadcast_index(domain, x.buffer->shape, "i")});
+      }
+      value_of[step.out->bound->buffer] = fmt::format("v{}", &step - steps.data());
+      if (!internal(step.out->bound->buffer)) {
+        const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + step.out->bound->name;
+        param_of[step.out->bound->buffer] = name;
+        outputs.push_back(LaunchParam{name, c_type(step.out->buffer->dtype), step.out->bound->buffer, nullptr});
+      }
+    }
+    const int width = flat && n % (16 / widest) == 0 ? int(16 / widest) : 1;
+    const std::string index = width > 1 ? "i + k" : "i";
+
+    // One statement per task: its value, from loaded elements and earlier values.
+    std::string statements;
+    std::map<int, std::string> loaded;  // buffer -> the expression of its element
+    for (const auto& [x, at] : loads) {
+      const std::string& name = param_of[x->bound->buffer];
+      const std::string element =
+          width > 1 ? name + "_v.v[k]" : fmt::format("cg_load({}, {})", name, at);
+      loaded[x->bound->buffer] = is_16bit(x->buffer->dtype) ? "cg_widen(" + element + ")" : element;
+    }
+    const std::string indent = width > 1 ? "      " : "    ";
+    for (size_t j = 0; j < steps.size(); ++j) {
+      const int t = steps[j].task;
+      std::vector<std::string> operands;
+      for (const auto& x : steps[j].ps)
+        if (!x.written) {
+          // An earlier task's value (the schedule puts producers first), else the element from memory.
+          auto v = value_of.find(x.bound->buffer);
+          operands.push_back(v != value_of.end() ? v->second : loaded[x.bound->buffer]);
+        }
+      if (operands.empty()) operands.push_back(index);
+      append_arguments(t, operands);
+      const DType out_dtype = steps[j].out->buffer->dtype;
+      statements += fmt::format("{}const {} v{} = {}<{}>({});  // {}\n", indent, compute_type(out_dtype), j,
+                                p_.tasks[size_t(t)].op->source_function, compute_type(out_dtype),
+                                fmt::join(operands, ", "), buffer_name(steps[j].out->bound->buffer));
+    }
+    auto narrowed = [&](const Step& step, size_t j) {
+      const DType d = step.out->buffer->dtype;
+      return is_16bit(d) ? fmt::format("cg_narrow<{}>(v{})", c_type(d), j) : fmt::format("v{}", j);
+    };
+
+    std::string body;
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n / width, ek.block);
+    if (width == 1) {
+      body = fmt::format("  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads()) {{\n{}", n, statements);
+      for (size_t j = 0; j < steps.size(); ++j)
+        if (!internal(steps[j].out->bound->buffer))
+          body += fmt::format("    cg_store({}, i, {});\n", param_of[steps[j].out->bound->buffer], narrowed(steps[j], j));
+      body += "  }\n";
+    } else {
+      body = fmt::format(
+          "  for (cg_i64 i = cg_global_thread() * {0}; i < {1}; i += cg_grid_threads() * {0}) {{  // {0} elements at a "
+          "time\n",
+          width, n);
+      for (const auto& [x, at] : loads)
+        body += fmt::format("    const cg_vector<{0}, {1}> {2}_v = cg_load_vector<{0}>({2}, i);\n", width,
+                            c_type(x->buffer->dtype), param_of[x->bound->buffer]);
+      for (const auto& lp : outputs)
+        body += fmt::format("    cg_vector<{}, {}> {}_v;\n", width, lp.pointee, lp.name);
+      body += fmt::format("    for (int k = 0; k < {}; ++k) {{\n{}", width, statements);
+      for (size_t j = 0; j < steps.size(); ++j)
+        if (!internal(steps[j].out->bound->buffer))
+          body += fmt::format("      {}_v.v[k] = {};\n", param_of[steps[j].out->bound->buffer], narrowed(steps[j], j));
+      body += "    }\n";
+      for (const auto& lp : outputs) body += fmt::format("    cg_store_vector<{0}>({1}, i, {1}_v);\n", width, lp.name);
+      body += "  }\n";
+    }
+
+    std::vector<LaunchParam> launch = inputs;
+    launch.insert(launch.end(), outputs.begin(), outputs.end());
+    // __restrict__ unless the plan put two of the kernel's tensors, one of them written, in one place.
+    std::vector<std::string> list;
+    for (const auto& a : launch) {
+      const PlannedBuffer& pa = plan_.buffers[size_t(a.buffer)];
+      bool overlaps = false;
+      for (const auto& b : launch) {
+        const PlannedBuffer& pb = plan_.buffers[size_t(b.buffer)];
+        overlaps = overlaps || (&a != &b && (a.pointee[0] != 'c' || b.pointee[0] != 'c') &&
+                                pa.offset < pb.offset + pb.bytes && pb.offset < pa.offset + pa.bytes);
+      }
+      list.push_back(fmt::format("{}*{} {}", a.pointee, overlaps ? "" : " __restrict__", a.name));
+    }
+
+    std::vector<std::string> tasks, reads, writes, in_registers;
+    for (const auto& step : steps) {
+      const BoundTask& bt = p_.tasks[size_t(step.task)];
+      tasks.push_back(fmt::format("{} ({})", bt.task->id, bt.op->name));
+    }
+    for (const auto& lp : inputs) {
+      const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
+      reads.push_back(fmt::format("{} {} {}", buffer_name(lp.buffer), to_string(b.dtype), shape_to_string(b.shape)));
+      ek.bytes_read += b.bytes;
+    }
+    for (const auto& lp : outputs) {
+      const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
+      writes.push_back(fmt::format("{} {} {}", buffer_name(lp.buffer), to_string(b.dtype), shape_to_string(b.shape)));
+      ek.bytes_written += b.bytes;
+    }
+    for (int b : k.internal_buffers) in_registers.push_back(buffer_name(b));
+    const std::string comment_text = fmt::format(
+        "// Kernel {} ({} phase): tasks {}, fused ({}).\n//   reads  {}\n//   writes {}\n//   in registers {}\n"
+        "//   {} bytes read, {} bytes written; grid [{}, {}, {}], block {}.\n",
+        k.name, to_string(k.phase), fmt::join(tasks, ", "), k.rule, fmt::join(reads, ", "), fmt::join(writes, ", "),
+        in_registers.empty() ? "-" : fmt::format("{}", fmt::join(in_registers, ", ")), ek.bytes_read, ek.bytes_written,
+        ek.grid[0], ek.grid[1], ek.grid[2], ek.block);
+    record_launch(ek, std::move(launch));
+    emitted.push_back(ek);
+    return fmt::format("{}CG_KERNEL void __launch_bounds__({}) {}({}) {{\n{}}}\n\n", comment_text, ek.block, k.name,
+                       fmt::join(list, ", "), body);
   }
 
   // Puts a function of the op (its entry function or a variant) and what it
@@ -972,7 +1153,7 @@ class Emitter {
     return out + "\n// ---- kernels ----\n\n";
   }
 
-  std::string host_side(const std::vector<KernelGroup>& kernels, std::vector<EmittedKernel>& emitted) const {
+  std::string host_side(const std::vector<KernelGroup>& kernels, const std::vector<EmittedKernel>& emitted) const {
     std::string out =
         "#ifndef __CUDACC_RTC__\n"
         "// ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----\n"
@@ -995,17 +1176,16 @@ class Emitter {
     out += fmt::format("extern \"C\" const unsigned long long {}_arena_bytes = {}ull;\n\n", options_.symbol_prefix,
                        plan_.arena_bytes);
     for (size_t i = 0; i < kernels.size(); ++i) {
-      const BoundTask& bt = p_.tasks[size_t(kernels[i].tasks[0])];
       out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", kernels[i].name);
-      for (const auto& sig : bt.op->tensors) {
-        const BoundTensor* b = bt.find_tensor(sig.name);
-        if (b == nullptr) continue;
-        const PlannedBuffer& pb = plan_.buffers[size_t(b->buffer)];
-        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", sig.name, buffer_name(b->buffer), pb.offset, pb.bytes);
+      for (const auto& lp : launch_params_[i]) {
+        if (lp.scalar != nullptr) {
+          out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", lp.name,
+                             lp.scalar->name(p_), lp.scalar->offset, kScalarBytes);
+          continue;
+        }
+        const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
+        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", lp.name, buffer_name(lp.buffer), pb.offset, pb.bytes);
       }
-      for (const auto& sp : scalar_params(kernels[i].tasks[0]))
-        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", sp.name,
-                           sp.scalar->name(p_), sp.scalar->offset, kScalarBytes);
       out += "};\n";
     }
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
@@ -1016,22 +1196,10 @@ class Emitter {
                          phase_function(phase, options_.symbol_prefix));
       for (size_t i = 0; i < kernels.size(); ++i) {
         if (kernels[i].phase != phase) continue;
-        EmittedKernel& ek = emitted[i];
-        const BoundTask& bt = p_.tasks[size_t(kernels[i].tasks[0])];
+        const EmittedKernel& ek = emitted[i];
         std::vector<std::string> args;
-        for (const auto& sig : bt.op->tensors) {
-          const BoundTensor* b = bt.find_tensor(sig.name);
-          if (b == nullptr) continue;
-          const BufferInfo& buf = p_.buffers[size_t(b->buffer)];
-          bool written = sig.written();
-          args.push_back(fmt::format("({}{}*)(arena + {})", written ? "" : "const ", c_type(buf.dtype),
-                                     plan_.buffers[size_t(b->buffer)].offset));
-          ek.arg_offsets.push_back(plan_.buffers[size_t(b->buffer)].offset);
-        }
-        for (const auto& sp : scalar_params(kernels[i].tasks[0])) {
-          args.push_back(fmt::format("(const {}*)(arena + {})", scalar_type(sp.scalar->type), sp.scalar->offset));
-          ek.arg_offsets.push_back(sp.scalar->offset);
-        }
+        for (size_t a = 0; a < launch_params_[i].size(); ++a)
+          args.push_back(fmt::format("({}*)(arena + {})", launch_params_[i][a].pointee, ek.arg_offsets[a]));
         out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
                            ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
       }
@@ -1098,9 +1266,10 @@ class Emitter {
       const PlannedBuffer& pb = plan_.buffers[b];
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"dtype\": \"{}\", \"shape\": [{}], \"storage\": \"{}\", \"offset\": {}, \"bytes\": "
-          "{}}}",
+          "{}{}}}",
           b ? "," : "", buffer_name(int(b)), to_string(bi.dtype), fmt::join(bi.shape, ", "), to_string(bi.storage),
-          pb.offset, pb.bytes);
+          pb.offset, pb.bytes,
+          pb.internal ? fmt::format(", \"in_registers_of\": \"{}\"", kernels[size_t(pb.first)].name) : "");
     }
     out += "\n  ]\n}\n";
     return out;
@@ -1113,6 +1282,7 @@ class Emitter {
   std::set<std::string> template_files_;
   std::string entry_function_;     // the template function the kernel being emitted calls
   std::set<std::string> needed_;  // definition ids: the closures of every kernel's entry function
+  std::vector<std::vector<LaunchParam>> launch_params_;  // per kernel emitted, in order
 };
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Kernel groups: which tasks each kernel runs. Until the fusion pass exists
-// (issue #6) every task is its own kernel, in schedule order.
+// Kernel groups: which tasks each kernel runs (the fusion pass, fuse.h,
+// makes them; without it every task is its own kernel, in schedule order).
 #pragma once
 
 #include <string>
@@ -14,11 +14,16 @@ struct KernelGroup {
   std::string name;        // k<index>_<first task id>: a C identifier
   Phase phase = Phase::forward;
   std::vector<int> tasks;  // task indices, in execution order
+  std::string rule;        // the fusion rule that grouped them (docs/fusion.md); empty for one task
+  // Buffers written and read only inside this kernel: they stay in registers
+  // and get no storage in the arena.
+  std::vector<int> internal_buffers;
 };
 
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule);
 
-// The buffers each kernel touches (input for the memory planner).
+// The buffers each kernel touches in the arena (input for the memory planner;
+// a kernel's internal buffers are not among them).
 std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::vector<KernelGroup>& kernels);
 
 }  // namespace cudagen

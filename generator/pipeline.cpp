@@ -39,7 +39,9 @@ Program load_program(TaskGraph graph, const FrontendOptions& options) {
 }
 
 std::string describe_options(const CompileOptions& options) {
-  return fmt::format("arch={} reuse={} alignment={} budget={}{}", options.emit.arch,
+  std::string fusion = options.fuse.enabled ? "on" : "off";
+  for (const auto& rule : options.fuse.disabled_rules) fusion += ",-" + rule;
+  return fmt::format("arch={} fuse={} reuse={} alignment={} budget={}{}", options.emit.arch, fusion,
                      options.plan.placement.reuse ? "on" : "off", options.plan.placement.alignment,
                      options.plan.budget_bytes, options.emit.step_function ? " step" : "");
 }
@@ -55,13 +57,21 @@ std::string dump_schedule(const Program& p, const Schedule& s) {
   return out;
 }
 
-std::string dump_kernels(const Program& p, const std::vector<KernelGroup>& kernels) {
+std::string dump_fusion(const Program& p, const Fusion& fusion) {
   std::string out;
-  for (const auto& k : kernels) {
-    std::vector<std::string> ids;
+  for (const auto& k : fusion.kernels) {
+    std::vector<std::string> ids, internal;
     for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);
-    out += fmt::format("{:<28} {:<9} {}\n", k.name, to_string(k.phase), fmt::join(ids, ", "));
+    for (int b : k.internal_buffers) internal.push_back(buffer_name(p, b));
+    out += fmt::format("{:<28} {:<9} {}", k.name, to_string(k.phase), fmt::join(ids, ", "));
+    if (!k.rule.empty()) out += fmt::format("  [{}]", k.rule);
+    if (!internal.empty()) out += fmt::format("  in registers: {}", fmt::join(internal, ", "));
+    out += "\n";
   }
+  if (!fusion.notes.empty()) out += "\nnot fused with the task before:\n";
+  for (const auto& n : fusion.notes)
+    out += fmt::format("  {:<24} after {:<24} {}\n", p.tasks[size_t(n.task)].task->id,
+                       p.tasks[size_t(n.previous)].task->id, n.reason);
   return out;
 }
 
@@ -105,8 +115,10 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   c.schedule = schedule(c.program);
   dump("schedule", [&] { return dump_schedule(c.program, c.schedule); });
 
-  c.kernels = one_kernel_per_task(c.program, c.schedule);
-  dump("kernels", [&] { return dump_kernels(c.program, c.kernels); });
+  Fusion fusion = fuse(c.program, c.schedule, options.fuse);
+  dump("fuse", [&] { return dump_fusion(c.program, fusion); });
+  c.kernels = std::move(fusion.kernels);
+  c.fusion_notes = std::move(fusion.notes);
 
   c.plan = plan_memory(c.program, c.kernels, options.plan);
   dump("plan", [&] { return dump_plan(c.program, c.plan); });

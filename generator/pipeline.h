@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "emit.h"
+#include "fuse.h"
 #include "kernels.h"
 #include "plan.h"
 #include "program.h"
@@ -22,12 +23,13 @@ struct FrontendOptions {
 
 struct CompileOptions {
   FrontendOptions frontend;
+  FuseOptions fuse;
   PlanOptions plan;
   EmitOptions emit;
   std::string dump_after;  // a pass name from kPassNames, or empty
 };
 
-inline const std::vector<std::string> kPassNames = {"validate", "schedule", "kernels", "plan", "emit"};
+inline const std::vector<std::string> kPassNames = {"validate", "schedule", "fuse", "plan", "emit"};
 
 OpRegistry load_registry(const FrontendOptions& options);
 
@@ -41,6 +43,7 @@ struct Compiled {
   Program program;
   Schedule schedule;
   std::vector<KernelGroup> kernels;
+  std::vector<FusionNote> fusion_notes;  // why adjacent tasks were left in separate kernels
   Plan plan;
   EmittedProgram emitted;
   std::string dump;  // the state after options.dump_after, as text

@@ -89,6 +89,10 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
   // A view and its source share storage while both live: neither may hand it
   // to an in-place output.
   for (auto [view, source] : view_pairs(program)) taken[size_t(view)] = taken[size_t(source)] = true;
+  // A value in a fused kernel's registers has no storage to give or take.
+  std::vector<bool> internal(program.buffers.size(), false);
+  for (const auto& k : kernels)
+    for (int b : k.internal_buffers) internal[size_t(b)] = true;
   for (int k = 0; k < int(kernels.size()); ++k) {
     for (int t : kernels[size_t(k)].tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
@@ -100,10 +104,40 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         if (out == nullptr || in == nullptr || out->buffer == in->buffer) continue;
         int bo = out->buffer, bi = in->buffer;
         const BufferInfo &o = program.buffers[size_t(bo)], &i = program.buffers[size_t(bi)];
-        if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)]) continue;
+        if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)] ||
+            internal[size_t(bi)] || internal[size_t(bo)])
+          continue;
         if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
         taken[size_t(bi)] = true;
         in_place_of[size_t(bo)] = bi;
+      }
+    }
+    // A fused elementwise chain reads every input of the kernel's shape at the
+    // element's own index, before it stores that element: a stored output may
+    // take the storage of any such input of its dtype that dies here.
+    const KernelGroup& group = kernels[size_t(k)];
+    if (group.rule != "elementwise_chain") continue;
+    for (int t : group.tasks) {
+      const BoundTask& task = program.tasks[size_t(t)];
+      for (const auto& out : task.tensors) {
+        if (out.sig == nullptr || out.sig->role != SlotRole::output) continue;
+        const int bo = out.buffer;
+        const BufferInfo& o = program.buffers[size_t(bo)];
+        if (internal[size_t(bo)] || in_place_of[size_t(bo)] >= 0 || !reusable(o.storage) ||
+            intervals[size_t(bo)].first != k)
+          continue;
+        for (int reader : group.tasks)
+          for (const auto& in : program.tasks[size_t(reader)].tensors) {
+            const int bi = in.buffer;
+            if (in_place_of[size_t(bo)] >= 0 || bi < 0 || in.source_task < 0 || bi == bo || taken[size_t(bi)] ||
+                internal[size_t(bi)])
+              continue;
+            const BufferInfo& i = program.buffers[size_t(bi)];
+            if (!reusable(i.storage) || i.shape != o.shape || i.dtype != o.dtype || intervals[size_t(bi)].last != k)
+              continue;
+            taken[size_t(bi)] = true;
+            in_place_of[size_t(bo)] = bi;
+          }
       }
     }
   }
@@ -123,9 +157,16 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
       iv.last = std::max(iv.last, k);
     }
   }
+  std::vector<int> internal_to(program.buffers.size(), -1);  // the kernel a buffer lives inside, or -1
+  for (int k = 0; k < int(kernels.size()); ++k)
+    for (int b : kernels[size_t(k)].internal_buffers) internal_to[size_t(b)] = k;
   for (size_t b = 0; b < program.buffers.size(); ++b) {
     LiveInterval& iv = intervals[b];
     iv.bytes = program.buffers[b].bytes;
+    if (internal_to[b] >= 0) {  // in registers: a placeholder interval, placed nowhere
+      iv = LiveInterval{0, internal_to[b], internal_to[b]};
+      continue;
+    }
     Storage s = program.buffers[b].storage;
     // Bound or read by the caller between phases, or kept across calls: alive throughout.
     if (s == Storage::persistent || s == Storage::external || iv.first < 0) {
@@ -147,6 +188,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   std::vector<int> unit_of(intervals.size(), -1);
   std::vector<LiveInterval> units;
   for (size_t b = 0; b < intervals.size(); ++b) {  // owners come before the buffers that reuse them
+    if (internal_to[b] >= 0) continue;
     int root = int(b);
     while (in_place_of[size_t(root)] >= 0) root = in_place_of[size_t(root)];
     if (unit_of[size_t(root)] < 0) {
@@ -164,7 +206,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   // contiguous block is what a checkpoint saves and loads.
   std::vector<bool> unit_persistent(units.size(), false);
   for (size_t b = 0; b < intervals.size(); ++b)
-    if (program.buffers[b].storage == Storage::persistent) unit_persistent[size_t(unit_of[b])] = true;
+    if (program.buffers[b].storage == Storage::persistent && unit_of[b] >= 0) unit_persistent[size_t(unit_of[b])] = true;
   std::vector<int64_t> unit_offset(units.size(), 0);
   std::vector<LiveInterval> others;
   std::vector<size_t> other_units;
@@ -183,6 +225,12 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
   plan.method = placement.method;
   plan.persistent_bytes = persistent_end;
   for (size_t b = 0; b < intervals.size(); ++b) {
+    if (internal_to[b] >= 0) {
+      PlannedBuffer pb{int(b), 0, 0, internal_to[b], internal_to[b], -1};
+      pb.internal = true;
+      plan.buffers.push_back(pb);
+      continue;
+    }
     int64_t offset = unit_offset[size_t(unit_of[b])];
     plan.buffers.push_back(
         PlannedBuffer{int(b), offset, intervals[b].bytes, intervals[b].first, intervals[b].last, in_place_of[b]});

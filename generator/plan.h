@@ -24,6 +24,9 @@ struct PlannedBuffer {
   int first = 0;    // kernel indices, inclusive
   int last = 0;
   int in_place_of = -1;  // the buffer whose storage it reuses in place (may_alias), or -1
+  // Lives only in the registers of one fused kernel (KernelGroup::internal_buffers):
+  // no storage, `bytes` 0; `first` and `last` are that kernel.
+  bool internal = false;
 };
 
 // A run-time argument (DESIGN.md §2): 8 bytes of the scalars region, after

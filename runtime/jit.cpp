@@ -205,6 +205,11 @@ HostTensor Instance::read(const std::string& tensor) const {
   const Compiled& c = program_->compiled;
   const int b = buffer_index(tensor);
   const PlannedBuffer& pb = c.plan.buffers[size_t(b)];
+  if (pb.internal)
+    throw std::runtime_error(fmt::format(
+        "{} never reaches memory: kernel {} computes it in registers and uses it there; compile with fusion off "
+        "(JitOptions::compile.fuse.enabled = false, or --no-fuse) to keep every tensor readable",
+        buffer_name(c.program, b), c.kernels[size_t(pb.first)].name));
   // Another buffer in the same bytes, produced after this one (or written in
   // place over it), has replaced its value.
   // A view (reshape) shares its source's bytes and value: not a replacement.

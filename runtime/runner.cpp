@@ -90,6 +90,13 @@ std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
   if (options.steps < 0) throw std::runtime_error("--steps must be 0 or more");
   if (options.check_each_task && c.plan.reuse)
     throw std::runtime_error("checking each task needs a plan without reuse (compile with reuse off)");
+  if (options.check_each_task)
+    for (const auto& k : c.kernels)
+      if (!k.internal_buffers.empty())
+        throw std::runtime_error(fmt::format(
+            "checking each task needs every task's output in memory, and kernel {} keeps {} in registers (compile "
+            "with fusion off)",
+            k.name, buffer_name(c.program, k.internal_buffers.front())));
   if (options.steps > 0) {
     if (!options.phases.empty())
       throw std::runtime_error("give --steps or --phases, not both: a training step runs forward, backward and update");
@@ -266,6 +273,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     std::vector<std::vector<double>> out(p.buffers.size());
     for (size_t b = 0; b < p.buffers.size(); ++b) {
       const BufferInfo& info = p.buffers[b];
+      if (c.plan.buffers[b].internal) continue;  // in a fused kernel's registers only
       int64_t n = info.bytes / dtype_bytes(info.dtype);
       for (int64_t i = 0; i < n; ++i)
         out[b].push_back(load_element(arena.data() + c.plan.buffers[b].offset + i * dtype_bytes(info.dtype), info.dtype));

@@ -37,6 +37,7 @@ struct Cli {
   std::string header_path;
   CompileOptions compile;
   bool no_reuse = false;
+  bool no_fuse = false;
   bool emulate = false;
   bool gpu = false;
   GpuOptions gpu_options;
@@ -124,6 +125,9 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--arch", cli.compile.emit.arch, "target architecture recorded in the file (sm_80, sm_90, ...)")
       ->capture_default_str();
   cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
+  cmd->add_flag("--no-fuse", cli.no_fuse, "one kernel per task, every intermediate in memory (docs/fusion.md)");
+  cmd->add_option("--no-fuse-rule", cli.compile.fuse.disabled_rules, "turn one fusion rule off (repeatable)")
+      ->check(CLI::IsMember(kFusionRules));
   cmd->add_option("--alignment", cli.compile.plan.placement.alignment, "byte alignment of every buffer in the arena")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -136,6 +140,7 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
 int run_compile(Cli& cli) {
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse;
+  cli.compile.fuse.enabled = !cli.no_fuse;
   Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
   if (!cli.compile.dump_after.empty()) fmt::print("{}", c.dump);
   // Both files or neither: write to temporaries first, then rename.
@@ -157,6 +162,7 @@ int run_run(Cli& cli) {
   fmt::print("{}\n", why);
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse && !cli.check_each_task;
+  cli.compile.fuse.enabled = !cli.no_fuse && !cli.check_each_task;
   Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
   fmt::print("compiled {}: {} kernels, arena {} bytes (lower bound {})\n", cli.graph_path, c.kernels.size(),
              c.plan.arena_bytes, c.plan.lower_bound);
@@ -211,6 +217,7 @@ std::string ratio(int64_t a, int64_t b) { return b > 0 ? fmt::format("{:.3f}", d
 
 int run_plan(Cli& cli) {
   cli.compile.plan.placement.reuse = !cli.no_reuse;
+  cli.compile.fuse.enabled = !cli.no_fuse;
   cli.compile.plan.placement.method = cli.method == "greedy" ? PlacementMethod::greedy : PlacementMethod::search;
   if (!cli.buffers_csv.empty()) {
     if (!cli.graph_path.empty()) throw std::runtime_error("give a graph or --buffers, not both");

@@ -178,10 +178,11 @@ TEST_F(GpuPath, ProfilingTimesEachKernel) {
 TEST_F(GpuPath, AFailedLaunchNamesTheCallTheKernelAndItsTasks) {
   Compiled c = compiled("examples/mlp_forward.json");
   std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
-  ::setenv("FAKE_CUDA_FAIL", "cuLaunchKernel:k2_act1", 1);
+  ::setenv("FAKE_CUDA_FAIL", "cuLaunchKernel:k1_bias1", 1);
   {
     const std::string what = message_of<DriverError>([&] { gpu->run("cudagen_forward"); });
-    EXPECT_NE(what.find("cuLaunchKernel failed while launching kernel k2_act1 (task act1)"), std::string::npos) << what;
+    EXPECT_NE(what.find("cuLaunchKernel failed while launching kernel k1_bias1 (tasks bias1, act1)"), std::string::npos)
+        << what;
     EXPECT_NE(what.find("CUDA_ERROR_LAUNCH_FAILED"), std::string::npos) << what;
   }
   // An error that surfaces at the synchronisation names the whole launcher.

@@ -1,0 +1,133 @@
+#include "fuse.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace cudagen {
+
+namespace {
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+bool is_view(const BoundTask& bt) { return !bt.op->view.first.empty(); }
+
+// The one output slot of a task, or nullptr.
+const BoundTensor* only_output(const BoundTask& bt) {
+  const BoundTensor* out = nullptr;
+  for (const auto& b : bt.tensors)
+    if (b.sig != nullptr && b.sig->role == SlotRole::output) {
+      if (out != nullptr) return nullptr;
+      out = &b;
+    }
+  return out;
+}
+
+// Why task `t` cannot be part of an elementwise chain (empty when it can).
+std::string chain_gap(const Program& p, int t) {
+  const BoundTask& bt = p.tasks[size_t(t)];
+  const OpSignature& op = *bt.op;
+  if (op.pattern != PatternKind::elementwise && op.pattern != PatternKind::broadcast)
+    return fmt::format("'{}' is a {} op", bt.task->id, to_string(op.pattern));
+  if (op.source_file.empty()) return fmt::format("'{}' ({}) has no template", bt.task->id, op.name);
+  for (const auto& sig : op.tensors)
+    if (sig.writes || sig.role == SlotRole::scratch)
+      return fmt::format("'{}' ({}) updates slot '{}' in place", bt.task->id, op.name, sig.name);
+  if (only_output(bt) == nullptr) return fmt::format("'{}' ({}) has more than one output", bt.task->id, op.name);
+  // A run-time argument is a kernel parameter of its own, named after the
+  // argument: one task's per kernel for now.
+  for (const auto& a : bt.args)
+    if (const BoundArg* root = root_arg(p, t, a.name).second; root != nullptr && root->runtime)
+      return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a.name);
+  return {};
+}
+
+class Fuser {
+ public:
+  Fuser(const Program& p, const FuseOptions& options) : p_(p), options_(options), readers_(p.buffers.size()) {
+    for (size_t t = 0; t < p.tasks.size(); ++t)
+      for (const auto& b : p.tasks[t].tensors)
+        if (b.buffer >= 0 && p.buffers[size_t(b.buffer)].owner_task != int(t)) readers_[size_t(b.buffer)].push_back(int(t));
+  }
+
+  Fusion run(const Schedule& schedule) {
+    for (int t : schedule.order) {
+      if (is_view(p_.tasks[size_t(t)])) continue;  // storage only, no kernel
+      if (!out_.kernels.empty() && out_.kernels.back().phase == p_.tasks[size_t(t)].task->phase && options_.enabled) {
+        const std::string reason = why_not_join(out_.kernels.back(), t);
+        if (reason.empty()) {
+          out_.kernels.back().tasks.push_back(t);
+          out_.kernels.back().rule = "elementwise_chain";
+          continue;
+        }
+        out_.notes.push_back(FusionNote{t, out_.kernels.back().tasks.back(), reason});
+      }
+      close_group();
+      const Task& task = *p_.tasks[size_t(t)].task;
+      out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
+    }
+    close_group();
+    return std::move(out_);
+  }
+
+ private:
+  bool rule_on(const std::string& rule) const {
+    return std::find(options_.disabled_rules.begin(), options_.disabled_rules.end(), rule) ==
+           options_.disabled_rules.end();
+  }
+
+  const BufferInfo& output_of(int t) const { return p_.buffers[size_t(only_output(p_.tasks[size_t(t)])->buffer)]; }
+
+  std::string why_not_join(const KernelGroup& group, int t) const {
+    if (std::string gap = chain_gap(p_, group.tasks.front()); !gap.empty())
+      return "the kernel before takes no more tasks: " + gap;
+    if (std::string gap = chain_gap(p_, t); !gap.empty()) return gap;
+    if (!rule_on("elementwise_chain")) return "rule elementwise_chain is off (--no-fuse-rule)";
+    const Shape& domain = output_of(group.tasks.front()).shape;
+    const Shape& shape = output_of(t).shape;
+    if (shape != domain)
+      return fmt::format("its output is {}, the kernel's elements are {}", shape_to_string(shape), shape_to_string(domain));
+    bool reads_group = false;
+    for (const auto& b : p_.tasks[size_t(t)].tensors) {
+      if (b.buffer < 0 || b.source_task < 0) continue;
+      const int producer = p_.buffers[size_t(b.buffer)].owner_task;
+      if (contains(group.tasks, producer)) reads_group = true;
+      // A view of a value the kernel computes would be a second pointer to memory it writes.
+      if (is_view(p_.tasks[size_t(producer)]))
+        for (const auto& source : p_.tasks[size_t(producer)].tensors)
+          if (source.buffer >= 0 && contains(group.tasks, p_.buffers[size_t(source.buffer)].owner_task) &&
+              source.buffer != b.buffer)
+            return fmt::format("it reads '{}', a view of what the kernel computes", b.name);
+    }
+    if (!reads_group) return "it reads nothing the kernel computes (independent tasks are not fused yet)";
+    return {};
+  }
+
+  // A value the group computes and only the group reads needs no storage.
+  void close_group() {
+    if (out_.kernels.empty()) return;
+    KernelGroup& group = out_.kernels.back();
+    if (group.tasks.size() < 2 || !group.internal_buffers.empty()) return;
+    for (int t : group.tasks) {
+      const int b = only_output(p_.tasks[size_t(t)])->buffer;
+      if (p_.buffers[size_t(b)].storage != Storage::transient) continue;
+      const auto& readers = readers_[size_t(b)];
+      if (!readers.empty() &&
+          std::all_of(readers.begin(), readers.end(), [&](int r) { return contains(group.tasks, r); }))
+        group.internal_buffers.push_back(b);
+    }
+  }
+
+  const Program& p_;
+  const FuseOptions& options_;
+  std::vector<std::vector<int>> readers_;  // per buffer: the tasks that read it (through `from`)
+  Fusion out_;
+};
+
+}  // namespace
+
+Fusion fuse(const Program& program, const Schedule& schedule, const FuseOptions& options) {
+  return Fuser(program, options).run(schedule);
+}
+
+}  // namespace cudagen

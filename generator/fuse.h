@@ -1,0 +1,46 @@
+// Pass `fuse`: groups the scheduled tasks into kernels, so that a value one
+// task computes and the next consumes stays in registers instead of making a
+// round trip through device memory (DESIGN.md §2; the rules, with what each
+// fuses and refuses, are in docs/fusion.md).
+//
+// Rules so far:
+//   elementwise_chain  adjacent elementwise and broadcast tasks of one phase
+//                      whose outputs have one shape, each after the first
+//                      reading an earlier one's output: one loop over the
+//                      elements, any length, any number of inputs.
+// A value produced in a group and read only there is internal: no buffer in
+// the arena. One read outside the group (a later kernel, a later phase, the
+// caller) is still stored, once.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "program.h"
+#include "schedule.h"
+
+namespace cudagen {
+
+inline const std::vector<std::string> kFusionRules = {"elementwise_chain"};
+
+struct FuseOptions {
+  bool enabled = true;                       // --no-fuse: one kernel per task
+  std::vector<std::string> disabled_rules;   // --no-fuse-rule NAME: names from kFusionRules
+};
+
+// Why a task did not join the kernel of the task scheduled before it.
+struct FusionNote {
+  int task = -1;
+  int previous = -1;
+  std::string reason;
+};
+
+struct Fusion {
+  std::vector<KernelGroup> kernels;
+  std::vector<FusionNote> notes;  // one per pair of adjacent tasks of one phase left apart
+};
+
+Fusion fuse(const Program& program, const Schedule& schedule, const FuseOptions& options);
+
+}  // namespace cudagen

@@ -1,0 +1,150 @@
+// The fusion pass: for each rule, graphs that must fuse and graphs that must
+// not, with the reason checked; what a fused value costs the memory plan.
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "pipeline.h"
+#include "test_util.h"
+
+using namespace cudagen;
+using cudagen::testing::source_path;
+
+namespace {
+
+constexpr DType f32 = DType::f32;
+constexpr Storage ext = Storage::external;
+
+Compiled plan_graph(TaskGraph g, FuseOptions fuse = {}) {
+  CompileOptions options;
+  options.fuse = fuse;
+  return plan_program(load_program(std::move(g), {}), options);
+}
+
+std::vector<std::string> task_ids(const Compiled& c, const KernelGroup& k) {
+  std::vector<std::string> ids;
+  for (int t : k.tasks) ids.push_back(c.program.tasks[size_t(t)].task->id);
+  return ids;
+}
+
+std::vector<std::string> internal_names(const Compiled& c, const KernelGroup& k) {
+  std::vector<std::string> names;
+  for (int b : k.internal_buffers) names.push_back(buffer_name(c.program, b));
+  return names;
+}
+
+// The reason recorded for `task` not joining the kernel before it ("" when none).
+std::string reason_for(const Compiled& c, const std::string& task) {
+  for (const auto& n : c.fusion_notes)
+    if (c.program.tasks[size_t(n.task)].task->id == task) return n.reason;
+  return "";
+}
+
+// x -> add(bias) -> gelu -> mul(y) -> affine -> sigmoid -> sub(t1) -> exp; t3 also read by the caller.
+TaskGraph long_chain() {
+  GraphBuilder b("chain");
+  auto t1 = b.task("t1", "add").tensor("a", f32, {64, 48}, ext).tensor("b", f32, {48}, ext).tensor("out", f32, {64, 48});
+  auto t2 = b.task("t2", "gelu").tensor("x", t1["out"]).tensor("out", f32, {64, 48});
+  auto t3 = b.task("t3", "mul").tensor("a", t2["out"]).tensor("b", f32, {64, 48}, ext).tensor("out", f32, {64, 48}, ext);
+  auto t4 = b.task("t4", "affine").tensor("x", t3["out"]).tensor("out", f32, {64, 48}).arg("scale", 0.5).arg("shift", 0.25);
+  auto t5 = b.task("t5", "sigmoid").tensor("x", t4["out"]).tensor("out", f32, {64, 48});
+  auto t6 = b.task("t6", "sub").tensor("a", t5["out"]).tensor("b", t1["out"]).tensor("out", f32, {64, 48});
+  b.task("t7", "exp").tensor("x", t6["out"]).tensor("out", f32, {64, 48}, ext);
+  return std::move(b).graph();
+}
+
+}  // namespace
+
+TEST(Fusion, ALongChainWithSeveralInputsIsOneKernel) {
+  Compiled c = plan_graph(long_chain());
+  ASSERT_EQ(c.kernels.size(), 1u);
+  EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"t1", "t2", "t3", "t4", "t5", "t6", "t7"}));
+  EXPECT_EQ(c.kernels[0].rule, "elementwise_chain");
+  // t3.out is external (the caller reads it): stored once; the rest stay in registers.
+  EXPECT_EQ(internal_names(c, c.kernels[0]),
+            (std::vector<std::string>{"t1.out", "t2.out", "t4.out", "t5.out", "t6.out"}));
+  EXPECT_TRUE(c.fusion_notes.empty());
+}
+
+TEST(Fusion, AFusedValueGetsNoStorage) {
+  Compiled fused = plan_graph(long_chain());
+  Compiled unfused = plan_graph(long_chain(), FuseOptions{false, {}});
+  EXPECT_EQ(unfused.kernels.size(), 7u);
+  for (const auto& pb : fused.plan.buffers) {
+    const std::string name = buffer_name(fused.program, pb.buffer);
+    const bool in_registers = name != "t1.a" && name != "t1.b" && name != "t3.b" && name != "t3.out" && name != "t7.out";
+    EXPECT_EQ(pb.internal, in_registers) << name;
+    if (pb.internal) EXPECT_EQ(pb.bytes, 0) << name;
+  }
+  EXPECT_LT(fused.plan.arena_bytes, unfused.plan.arena_bytes);
+  // Inputs and outputs only: 5 tensors of at most 64x48 floats.
+  EXPECT_LE(fused.plan.arena_bytes, 5 * 64 * 48 * 4);
+}
+
+TEST(Fusion, MlpBiasAndActivationFuseButNotAcrossTheMatmul) {
+  Compiled c = plan_program(load_program(source_path("examples/mlp_forward.json"), {}), {});
+  std::vector<std::vector<std::string>> groups;
+  for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
+  EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1"}, {"bias1", "act1"}, {"fc2"}, {"bias2"}, {"probs"}}));
+  EXPECT_EQ(internal_names(c, c.kernels[1]), (std::vector<std::string>{"bias1.out"}));
+  EXPECT_EQ(reason_for(c, "bias1"), "the kernel before takes no more tasks: 'fc1' is a matmul op");
+  EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op");
+  EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op");
+}
+
+TEST(Fusion, NotAcrossAPhase) {
+  GraphBuilder b("phases");
+  auto fill = b.task("zeros", "fill", Phase::init).tensor("out", f32, {8}, Storage::persistent).arg("value", 1.0);
+  b.task("act", "relu").tensor("x", fill["out"]).tensor("out", f32, {8}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(c, "act"), "") << "tasks of two phases are never compared";
+}
+
+TEST(Fusion, NotWhenTheOutputShapeDiffers) {
+  GraphBuilder b("shapes");
+  auto row = b.task("row", "relu").tensor("x", f32, {8}, ext).tensor("out", f32, {8});
+  b.task("grid", "add").tensor("a", row["out"]).tensor("b", f32, {4, 8}, ext).tensor("out", f32, {4, 8}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(c, "grid"), "its output is [4, 8], the kernel's elements are [8]");
+}
+
+TEST(Fusion, NotIndependentTasks) {
+  GraphBuilder b("independent");
+  b.task("one", "relu").tensor("x", f32, {8}, ext).tensor("out", f32, {8}, ext);
+  b.task("two", "neg").tensor("x", f32, {8}, ext).tensor("out", f32, {8}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes (independent tasks are not fused yet)");
+}
+
+TEST(Fusion, NotAnInPlaceUpdate) {
+  Compiled c = plan_program(load_program(source_path("examples/train_mlp.json"), {}), {});
+  for (const auto& k : c.kernels)
+    if (k.phase == Phase::update) EXPECT_EQ(k.tasks.size(), 1u) << k.name;
+  EXPECT_NE(reason_for(c, "b1_adam").find("updates slot"), std::string::npos) << reason_for(c, "b1_adam");
+}
+
+TEST(Fusion, ARuleOrAllOfFusionTurnsOff) {
+  Compiled rule_off = plan_graph(long_chain(), FuseOptions{true, {"elementwise_chain"}});
+  EXPECT_EQ(rule_off.kernels.size(), 7u);
+  EXPECT_EQ(reason_for(rule_off, "t2"), "rule elementwise_chain is off (--no-fuse-rule)");
+  Compiled off = plan_graph(long_chain(), FuseOptions{false, {}});
+  EXPECT_EQ(off.kernels.size(), 7u);
+  EXPECT_TRUE(off.fusion_notes.empty());
+  for (const auto& k : off.kernels) EXPECT_TRUE(k.internal_buffers.empty());
+}
+
+TEST(Fusion, AValueReadInALaterKernelIsStored) {
+  GraphBuilder b("later");
+  auto a = b.task("a", "relu").tensor("x", f32, {2, 8}, ext).tensor("out", f32, {2, 8});
+  auto n = b.task("n", "neg").tensor("x", a["out"]).tensor("out", f32, {2, 8});
+  auto m = b.task("m", "sigmoid").tensor("x", n["out"]).tensor("out", f32, {2, 8});
+  b.task("s", "sum").tensor("x", m["out"]).tensor("out", f32, {2}, ext);
+  b.task("late", "relu").tensor("x", a["out"]).tensor("out", f32, {2, 8}, ext);  // scheduled after s
+  Compiled c = plan_graph(std::move(b).graph());
+  ASSERT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"a", "n", "m"}));
+  // n.out is read only in the kernel; m.out by the sum, a.out by `late`: both stored.
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"n.out"}));
+  EXPECT_FALSE(c.plan.buffers[size_t(c.kernels[0].tasks[0])].internal);
+}
