@@ -63,6 +63,7 @@ struct LaunchParam {
   std::string pointee;  // "const float", "float", ...
   int buffer = -1;      // or -1 for a run-time argument
   const PlannedScalar* scalar = nullptr;
+  bool written = false;
 };
 
 class Emitter {
@@ -207,12 +208,8 @@ class Emitter {
     rows.clear();
     for (const auto& sc : plan_.scalars) {
       names.push_back(identifier(sc.name(p_)));
-      double initial = 0;
-      if (auto* d = std::get_if<double>(&sc.initial)) initial = *d;
-      if (auto* i = std::get_if<int64_t>(&sc.initial)) initial = double(*i);
-      if (auto* b = std::get_if<bool>(&sc.initial)) initial = *b ? 1 : 0;
       rows.push_back(fmt::format("    {{\"{}\", \"{}\", {}ull, {}}},", sc.name(p_), to_string(sc.type), sc.offset,
-                                 json_format_double(initial)));
+                                 json_format_double(arg_number(sc.initial))));
     }
     out += fmt::format("\nenum {P}_scalar_index {{\n", fmt::arg("P", P));
     for (const auto& n : names) out += fmt::format("  {},\n", n);
@@ -326,21 +323,27 @@ class Emitter {
   // __restrict__ promises that no other pointer of the kernel reaches this
   // memory while it is written; an output planned in place of its input
   // breaks that promise, so neither of the pair gets the qualifier.
-  bool aliased(const Param& x, const std::vector<Param>& ps) const {
-    const PlannedBuffer& a = plan_.buffers[size_t(x.bound->buffer)];
-    for (const auto& y : ps) {
-      if (&y == &x || !(x.written || y.written)) continue;
-      const PlannedBuffer& b = plan_.buffers[size_t(y.bound->buffer)];
+  struct Pointer {
+    int buffer;
+    bool written;
+  };
+  bool aliased(size_t i, const std::vector<Pointer>& pointers) const {
+    const PlannedBuffer& a = plan_.buffers[size_t(pointers[i].buffer)];
+    for (size_t j = 0; j < pointers.size(); ++j) {
+      if (j == i || !(pointers[i].written || pointers[j].written)) continue;
+      const PlannedBuffer& b = plan_.buffers[size_t(pointers[j].buffer)];
       if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) return true;
     }
     return false;
   }
 
   std::string signature(const std::string& name, int t, int block, const std::vector<Param>& ps) {
+    std::vector<Pointer> pointers;
+    for (const auto& x : ps) pointers.push_back({x.bound->buffer, x.written});
     std::vector<std::string> list;
-    for (const auto& x : ps)
-      list.push_back(fmt::format("{}{}*{} {}", x.written ? "" : "const ", c_type(x.buffer->dtype),
-                                 aliased(x, ps) ? "" : " __restrict__", x.bound->name));
+    for (size_t i = 0; i < ps.size(); ++i)
+      list.push_back(fmt::format("{}{}*{} {}", ps[i].written ? "" : "const ", c_type(ps[i].buffer->dtype),
+                                 aliased(i, pointers) ? "" : " __restrict__", ps[i].bound->name));
     for (const auto& sp : scalar_params(t))
       list.push_back(fmt::format("const {}* __restrict__ {}_arg", scalar_type(sp.scalar->type), sp.name));
     return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
@@ -398,7 +401,7 @@ class Emitter {
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
       launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr});
+                                   x.bound->buffer, nullptr, x.written});
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
     record_launch(ek, std::move(launch));
@@ -467,7 +470,7 @@ class Emitter {
       if (!internal(step.out->bound->buffer)) {
         const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + step.out->bound->name;
         param_of[step.out->bound->buffer] = name;
-        outputs.push_back(LaunchParam{name, c_type(step.out->buffer->dtype), step.out->bound->buffer, nullptr});
+        outputs.push_back(LaunchParam{name, c_type(step.out->buffer->dtype), step.out->bound->buffer, nullptr, true});
       }
     }
     const int width = flat && n % (16 / widest) == 0 ? int(16 / widest) : 1;
@@ -534,18 +537,12 @@ class Emitter {
 
     std::vector<LaunchParam> launch = inputs;
     launch.insert(launch.end(), outputs.begin(), outputs.end());
-    // __restrict__ unless the plan put two of the kernel's tensors, one of them written, in one place.
+    std::vector<Pointer> pointers;
+    for (const auto& lp : launch) pointers.push_back({lp.buffer, lp.written});
     std::vector<std::string> list;
-    for (const auto& a : launch) {
-      const PlannedBuffer& pa = plan_.buffers[size_t(a.buffer)];
-      bool overlaps = false;
-      for (const auto& b : launch) {
-        const PlannedBuffer& pb = plan_.buffers[size_t(b.buffer)];
-        overlaps = overlaps || (&a != &b && (a.pointee[0] != 'c' || b.pointee[0] != 'c') &&
-                                pa.offset < pb.offset + pb.bytes && pb.offset < pa.offset + pa.bytes);
-      }
-      list.push_back(fmt::format("{}*{} {}", a.pointee, overlaps ? "" : " __restrict__", a.name));
-    }
+    for (size_t i = 0; i < launch.size(); ++i)
+      list.push_back(fmt::format("{}*{} {}", launch[i].pointee, aliased(i, pointers) ? "" : " __restrict__",
+                                 launch[i].name));
 
     std::vector<std::string> tasks, reads, writes, in_registers;
     for (const auto& step : steps) {

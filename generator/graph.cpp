@@ -116,6 +116,13 @@ const Task* TaskGraph::find_task(std::string_view id) const {
   return nullptr;
 }
 
+double arg_number(const ArgValue& v) {
+  if (auto* d = std::get_if<double>(&v)) return *d;
+  if (auto* i = std::get_if<int64_t>(&v)) return double(*i);
+  if (auto* b = std::get_if<bool>(&v)) return *b ? 1 : 0;
+  return 0;
+}
+
 bool is_identifier(std::string_view s) {
   if (s.empty() || s.size() > 128) return false;
   auto alpha = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; };

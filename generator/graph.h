@@ -58,6 +58,8 @@ struct TensorSlot {
 // A typed scalar or small array given by value.
 using ArgValue = std::variant<bool, int64_t, double, std::string, std::vector<int64_t>, std::vector<double>>;
 std::string arg_value_to_string(const ArgValue& v);
+// A bool, int or float value as a double (a bool as 0 or 1); 0 for the others.
+double arg_number(const ArgValue& v);
 
 // An argument slot is a constant, or depends on another task's argument.
 // `runtime` arguments live in the arena's scalars region and may change

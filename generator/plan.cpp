@@ -35,10 +35,7 @@ std::string PlannedScalar::name(const Program& program) const {
 
 void encode_scalar(ArgType type, const ArgValue& value, unsigned char* out) {
   std::memset(out, 0, kScalarBytes);
-  double number = 0;
-  if (auto* d = std::get_if<double>(&value)) number = *d;
-  if (auto* i = std::get_if<int64_t>(&value)) number = double(*i);
-  if (auto* b = std::get_if<bool>(&value)) number = *b ? 1 : 0;
+  const double number = arg_number(value);
   if (type == ArgType::float_) {
     float f = float(number);
     std::memcpy(out, &f, sizeof f);
@@ -83,16 +80,14 @@ bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved
 
 // in_place_of[b]: the buffer whose storage b takes over (may_alias), or -1.
 std::vector<int> find_in_place(const Program& program, const std::vector<KernelGroup>& kernels,
-                               const std::vector<LiveInterval>& intervals) {
+                               const std::vector<LiveInterval>& intervals, const std::vector<int>& internal_to) {
   std::vector<int> in_place_of(program.buffers.size(), -1);
   std::vector<bool> taken(program.buffers.size(), false);
   // A view and its source share storage while both live: neither may hand it
   // to an in-place output.
   for (auto [view, source] : view_pairs(program)) taken[size_t(view)] = taken[size_t(source)] = true;
   // A value in a fused kernel's registers has no storage to give or take.
-  std::vector<bool> internal(program.buffers.size(), false);
-  for (const auto& k : kernels)
-    for (int b : k.internal_buffers) internal[size_t(b)] = true;
+  auto internal = [&](int b) { return internal_to[size_t(b)] >= 0; };
   for (int k = 0; k < int(kernels.size()); ++k) {
     for (int t : kernels[size_t(k)].tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
@@ -105,7 +100,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         int bo = out->buffer, bi = in->buffer;
         const BufferInfo &o = program.buffers[size_t(bo)], &i = program.buffers[size_t(bi)];
         if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)] ||
-            internal[size_t(bi)] || internal[size_t(bo)])
+            internal(bi) || internal(bo))
           continue;
         if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
         taken[size_t(bi)] = true;
@@ -123,14 +118,14 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         if (out.sig == nullptr || out.sig->role != SlotRole::output) continue;
         const int bo = out.buffer;
         const BufferInfo& o = program.buffers[size_t(bo)];
-        if (internal[size_t(bo)] || in_place_of[size_t(bo)] >= 0 || !reusable(o.storage) ||
+        if (internal(bo) || in_place_of[size_t(bo)] >= 0 || !reusable(o.storage) ||
             intervals[size_t(bo)].first != k)
           continue;
         for (int reader : group.tasks)
           for (const auto& in : program.tasks[size_t(reader)].tensors) {
             const int bi = in.buffer;
             if (in_place_of[size_t(bo)] >= 0 || bi < 0 || in.source_task < 0 || bi == bo || taken[size_t(bi)] ||
-                internal[size_t(bi)])
+                internal(bi))
               continue;
             const BufferInfo& i = program.buffers[size_t(bi)];
             if (!reusable(i.storage) || i.shape != o.shape || i.dtype != o.dtype || intervals[size_t(bi)].last != k)
@@ -181,7 +176,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
 
   // Placement units: a buffer and those that take over its storage in place
   // share one unit, live from the first one's birth to the last one's death.
-  std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals)
+  std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals, internal_to)
                                                          : std::vector<int>(intervals.size(), -1);
   // A view takes its source's storage, reuse or not: no kernel copies it.
   for (auto [view, source] : view_pairs(program)) in_place_of[size_t(view)] = source;
