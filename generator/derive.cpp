@@ -209,6 +209,7 @@ class Deriver {
     const std::string& op = bt.op->name;
     if (op == "matmul") return matmul(t);
     if (op == "add" || op == "sub" || op == "mul" || op == "div") return arithmetic(t);
+    if (op == "maximum") return maximum(t);
     if (op == "reshape" || op == "transpose" || op == "split_heads" || op == "merge_heads") return rearrangement(t);
     if (op == "concat" || op == "split") return concat_split(t);
     fail(t, "",
@@ -357,6 +358,24 @@ class Deriver {
                                 {{"out", dtype, info(b).shape}}),
                        "out"};
       contribute(operand->buffer, grad);
+    }
+  }
+
+  // maximum: a maximum_backward task per operand that needs a gradient, at
+  // the output's shape, then summed over the axes that operand was broadcast along.
+  void maximum(int t) {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const BoundTensor &a = slot(t, "a"), &b = slot(t, "b"), &out = slot(t, "out");
+    const Shape& so = info(out).shape;
+    for (const BoundTensor* operand : {&a, &b}) {
+      if (!needs(*operand)) continue;
+      const std::string which = operand->name;
+      const DType dtype = info(*operand).dtype;
+      const std::string id =
+          add_task(bt.task->id + "_grad_" + which, "maximum_backward", Phase::backward,
+                   {{"a", ref(a.buffer)}, {"b", ref(b.buffer)}, {"dout", gradient_of(out.buffer)}},
+                   {{"dx", dtype, so}}, {{"wrt", ArgValue(which)}});
+      contribute(operand->buffer, unbroadcast(t, which, SlotRef{id, "dx"}, so, info(*operand).shape, dtype));
     }
   }
 

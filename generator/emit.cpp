@@ -82,6 +82,9 @@ class Emitter {
         {"mean", &Emitter::row_reduce},
         {"max", &Emitter::row_reduce},
         {"sum_leading", &Emitter::sum_leading},
+        {"sum_backward", &Emitter::row_gradient},
+        {"mean_backward", &Emitter::row_gradient},
+        {"max_backward", &Emitter::max_backward},
         {"rmsnorm", &Emitter::rmsnorm},
         {"layernorm", &Emitter::layernorm},
         {"cross_entropy", &Emitter::cross_entropy},
@@ -793,6 +796,39 @@ class Emitter {
         "  if (threadIdx.x == 0) {};\n",
         p_.tasks[size_t(t)].op->source_function, load(x, fmt::format("row * {} + j", n)), n,
         store(param(ps, "out"), "row", "value"));
+  }
+
+  // sum_backward and mean_backward: a grid-stride loop over dx, each element
+  // from its row's gradient. No accumulation, so f64 works too.
+  std::string row_gradient(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& dout = param(ps, "dout");
+    const Param& dx = param(ps, "dx");
+    const int64_t n = dx.buffer->shape.back(), total = numel(dx.buffer->shape);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(total, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    {};\n",
+        total,
+        store(dx, "i",
+              fmt::format("{}<{}>({}, {})", p_.tasks[size_t(t)].op->source_function, compute_type(dx.buffer->dtype),
+                          load(dout, fmt::format("i / {}", n)), n)));
+  }
+
+  // One block per row: the row's max and gradient are read once, by every thread.
+  std::string max_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    if (!check_f32_accumulation(t, x)) return {};
+    const int64_t n = one_block_per_row(x.buffer->shape, ek);
+    const std::string at = fmt::format("row * {} + j", n);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 row = blockIdx.x;\n"
+        "  cg_max_backward_row([&](int j) {{ return {}; }},\n"
+        "                      [&](int j, float v) {{ {}; }},\n"
+        "                      {}, {}, {}, (float*)cg_smem);\n",
+        load(x, at), store(param(ps, "dx"), at, "v"), n, load(param(ps, "out"), "row"),
+        load(param(ps, "dout"), "row"));
   }
 
   std::string sum_leading(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

@@ -99,6 +99,10 @@ class Evaluator {
     if (op == "cross_entropy" || op == "cross_entropy_backward") return cross_entropy(bt, op == "cross_entropy");
     if (op == "sum" || op == "mean" || op == "max" || op == "log_softmax") return row_op(bt, op);
     if (op == "sum_leading") return sum_leading(bt);
+    if (op == "sum_backward" || op == "mean_backward") return row_gradient(bt, op == "mean_backward");
+    if (op == "max_backward") return max_backward(bt);
+    if (op == "sum_leading_backward") return sum_leading_backward(bt);
+    if (op == "maximum_backward") return maximum_backward(bt);
     if (op == "softmax_backward" || op == "log_softmax_backward") return softmax_backward(bt, op == "log_softmax_backward");
     if (op == "rmsnorm_backward" || op == "layernorm_backward") return norm_backward(bt, op == "layernorm_backward");
     if (op == "embedding_backward") return embedding_backward(bt);
@@ -537,6 +541,65 @@ class Evaluator {
         a[size_t(j)] += r_.abs[size_t(x)][size_t(r * n + j)];
       }
     out(o, std::move(v), std::move(a));
+  }
+
+  // dx[r, j] = dout[r] (sum) or dout[r] / n (mean).
+  void row_gradient(const BoundTask& bt, bool mean) {
+    const int d = buf(bt, "dout"), x = buf(bt, "dx");
+    const int64_t n = shape(x).back(), total = numel(shape(x));
+    const double k = mean ? 1.0 / double(n) : 1.0;
+    std::vector<double> v(static_cast<size_t>(total)), a(v.size());
+    for (int64_t i = 0; i < total; ++i) {
+      v[size_t(i)] = val(d)[size_t(i / n)] * k;
+      a[size_t(i)] = r_.abs[size_t(d)][size_t(i / n)] * k;
+    }
+    out(x, std::move(v), std::move(a));
+  }
+
+  // The row's gradient split evenly between the elements equal to its max.
+  void max_backward(const BoundTask& bt) {
+    const int x = buf(bt, "x"), m = buf(bt, "out"), d = buf(bt, "dout"), dx = buf(bt, "dx");
+    const int64_t n = shape(x).back(), rows = numel(shape(x)) / n;
+    std::vector<double> v(static_cast<size_t>(rows * n), 0.0), a(v.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double mx = val(m)[size_t(r)];
+      int64_t ties = 0;
+      for (int64_t j = 0; j < n; ++j) ties += val(x)[size_t(r * n + j)] == mx ? 1 : 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (val(x)[size_t(r * n + j)] == mx) {
+          v[size_t(r * n + j)] = val(d)[size_t(r)] / double(ties);
+          a[size_t(r * n + j)] = r_.abs[size_t(d)][size_t(r)] / double(ties);
+        }
+    }
+    out(dx, std::move(v), std::move(a));
+  }
+
+  void sum_leading_backward(const BoundTask& bt) {
+    const int d = buf(bt, "dout"), x = buf(bt, "dx");
+    const int64_t n = shape(d).back(), total = numel(shape(x));
+    std::vector<double> v(static_cast<size_t>(total)), a(v.size());
+    for (int64_t i = 0; i < total; ++i) {
+      v[size_t(i)] = val(d)[size_t(i % n)];
+      a[size_t(i)] = r_.abs[size_t(d)][size_t(i % n)];
+    }
+    out(x, std::move(v), std::move(a));
+  }
+
+  // dout where the operand `wrt` is the larger, half of it on a tie, else 0.
+  void maximum_backward(const BoundTask& bt) {
+    const int ia = buf(bt, "a"), ib = buf(bt, "b"), d = buf(bt, "dout"), x = buf(bt, "dx");
+    const bool wrt_a = arg_string(bt, "wrt") != "b";
+    const int64_t total = numel(shape(x));
+    std::vector<double> v(static_cast<size_t>(total)), a(v.size());
+    for (int64_t i = 0; i < total; ++i) {
+      const double av = val(ia)[size_t(broadcast_source(shape(x), shape(ia), i))];
+      const double bv = val(ib)[size_t(broadcast_source(shape(x), shape(ib), i))];
+      const double mine = wrt_a ? av : bv, other = wrt_a ? bv : av;
+      const double share = mine > other ? 1.0 : mine == other ? 0.5 : 0.0;
+      v[size_t(i)] = val(d)[size_t(i)] * share;
+      a[size_t(i)] = r_.abs[size_t(d)][size_t(i)] * share;
+    }
+    out(x, std::move(v), std::move(a));
   }
 
   // softmax: dx = scale * out * (dout - sum(dout * out)); log_softmax:

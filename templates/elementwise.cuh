@@ -218,6 +218,26 @@ CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
+// The gradient of maximum for one operand, at the output's shape (the
+// compiler sums it over broadcast axes): the larger operand takes dout, and
+// ties split it in half, as PyTorch's rule does.
+template <typename T>
+CG_OP("maximum_backward",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: wrt string = a in a|b",
+      "shape: a:[...A] b:[...B] dout:[...broadcast(A, B)] -> dx:[...broadcast(A, B)]",
+      "forward: maximum",
+      "doc: dout where the operand `wrt` is the larger, dout / 2 on ties, else 0")
+CG_DEVICE T cg_maximum_backward(T a, T b, T dout, int wrt) {
+  const T mine = wrt == 0 ? a : b, other = wrt == 0 ? b : a;
+  return mine > other ? dout : mine == other ? dout * T(0.5) : T(0);
+}
+
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_OP("relu_backward",

@@ -9,6 +9,7 @@ CG_OP("sum",
       "tensor: x input T",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[...S]",
+      "backward: sum_backward",
       "smem: 128",
       "doc: sum over the last axis")
 CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
@@ -24,6 +25,7 @@ CG_OP("mean",
       "tensor: x input T",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[...S]",
+      "backward: mean_backward",
       "smem: 128",
       "doc: mean over the last axis")
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
@@ -37,6 +39,7 @@ CG_OP("max",
       "tensor: x input T",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[...S]",
+      "backward: max_backward",
       "smem: 128",
       "doc: max over the last axis")
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
@@ -81,6 +84,7 @@ CG_OP("sum_leading",
       "tensor: x input T",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[N]",
+      "backward: sum_leading_backward",
       "doc: sum over every axis but the last (the gradient of a broadcast bias)")
 CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
   float s = 0.0f;
@@ -106,4 +110,70 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) sum += dout(j);
   sum = cg_block_sum(sum, scratch);
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
+}
+
+// The gradients of the row reductions. A sum hands each element of the row
+// the row's gradient, a mean the same divided by the row's length: the
+// emitter runs a grid-stride loop over dx and passes dout[row] and n.
+template <typename T>
+CG_OP("sum_backward",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[...S] -> dx:[...S, N]",
+      "forward: sum",
+      "doc: dx[..., j] = dout[...]")
+CG_DEVICE T cg_sum_backward(T dout, int n) {
+  (void)n;
+  return dout;
+}
+
+template <typename T>
+CG_OP("mean_backward",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[...S] -> dx:[...S, N]",
+      "forward: mean",
+      "doc: dx[..., j] = dout[...] / N")
+CG_DEVICE T cg_mean_backward(T dout, int n) {
+  return dout / T(n);
+}
+
+// The gradient of a row max goes to the elements equal to the max, split
+// evenly between ties (as torch.amax's). One block per row; out is the
+// forward's max, which is one of the row's values, so == is exact.
+template <typename LoadX, typename Store>
+CG_OP("max_backward",
+      "pattern: reduction",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S, N] out:[...S] dout:[...S] -> dx:[...S, N]",
+      "forward: max",
+      "smem: 128",
+      "doc: dx = dout / ties where x equals the row max, else 0")
+CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, float dout, float* scratch) {
+  float ties = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) ties += x(j) == row_max ? 1.0f : 0.0f;
+  const float share = dout / cg_block_sum(ties, scratch);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
+}
+
+// The gradient of sum_leading: dout, broadcast back over the leading axes.
+template <typename T>
+CG_OP("sum_leading_backward",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[N] -> dx:[...S, N]",
+      "forward: sum_leading",
+      "doc: dx[..., j] = dout[j]")
+CG_DEVICE T cg_sum_leading_backward(T dout) {
+  return dout;
 }

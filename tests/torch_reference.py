@@ -19,7 +19,9 @@ import tempfile
 import numpy as np
 import torch
 
-DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32, "i64": np.int64}
+DTYPES = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "i32": np.int32, "i64": np.int64}
+# max |y - ref| <= RTOL * max |ref| + 1e-6, by the output's dtype (the storage rounding of 16-bit dominates).
+RTOL = {"f32": 1e-4, "f64": 1e-10, "f16": 5e-3}
 
 
 def splitmix64(x):
@@ -56,15 +58,21 @@ class Graph:
         return next(s for s in op["tensors"] if s["name"] == slot)
 
     def buffers(self):
-        """Every owning slot: name -> (dtype, shape, storage, written)."""
+        """Every owning slot: name -> (dtype, shape, storage, written, produced);
+        a produced buffer is an op's output, a written one may also be a
+        buffer an optimizer updates in place (an input too)."""
         out = {}
         for t in self.tasks:
             for slot, spec in t.get("tensors", {}).items():
                 if "from" not in spec:
                     sig = self.role(t["id"], slot)
-                    written = sig["role"] in ("output", "scratch") or sig.get("writes", False)
-                    out[f"{t['id']}.{slot}"] = (spec["dtype"], spec["shape"], spec.get("storage"), written)
-        return out
+                    produced = sig["role"] in ("output", "scratch")
+                    out[f"{t['id']}.{slot}"] = [spec["dtype"], spec["shape"], spec.get("storage"), produced, produced]
+        for t in self.tasks:  # in-place updates through a slot of another task's buffer
+            for slot in t.get("tensors", {}):
+                if self.role(t["id"], slot).get("writes", False):
+                    out["%s.%s" % self.owner(t["id"], slot)][3] = True
+        return {name: tuple(v) for name, v in out.items()}
 
     def order(self):
         phases = ["init", "forward", "backward", "update"]
@@ -94,7 +102,25 @@ def run_torch(g, values, phases=None):
         return values["%s.%s" % g.owner(t["id"], slot)]
 
     def put(t, slot, v):
-        values[f"{t['id']}.{slot}"] = v
+        values["%s.%s" % g.owner(t["id"], slot)] = v
+
+    def grad(f, wrt, dout):
+        """PyTorch's autograd of f at `wrt` (a list of tensors), for output gradient dout."""
+        leaves = [w.detach().clone().requires_grad_() for w in wrt]
+        return [d.detach() for d in torch.autograd.grad(f(*leaves), leaves, grad_outputs=dout)]
+
+    def producer(t, slot):
+        """The task that wrote the buffer behind a slot, and its argument values."""
+        owner = g.by_id[g.owner(t["id"], slot)[0]]
+        return owner, {k: (a["value"] if isinstance(a, dict) and "value" in a else a)
+                       for k, a in owner.get("args", {}).items()}
+
+    def softmax(x, scale, causal):
+        x = scale * x
+        if causal:
+            mask = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool).tril()
+            x = x.masked_fill(~mask, float("-inf"))
+        return torch.softmax(x, dim=-1)
 
     for t in g.order():
         if phases is not None and t.get("phase", "forward") not in phases:
@@ -114,13 +140,110 @@ def run_torch(g, values, phases=None):
         elif op in ("add", "sub", "mul", "div", "maximum"):
             f = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum}[op]
             put(t, "out", f(get(t, "a"), get(t, "b")))
-        elif op.endswith("_backward") and op[:-9] in ("relu", "sigmoid", "silu", "tanh"):
+        elif op.endswith("_backward") and op[:-9] in ("relu", "sigmoid", "silu", "tanh", "log", "gelu"):
             # PyTorch's own autograd of the forward op gives the reference gradient.
+            approximate = {"tanh": "tanh", "erf": "none"}[args.get("approximate", "tanh")]
             f = {"relu": torch.relu, "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
-                 "tanh": torch.tanh}[op[:-9]]
-            x = get(t, "x").clone().requires_grad_()
-            (dx,) = torch.autograd.grad(f(x), x, grad_outputs=get(t, "dout"))
-            put(t, "dx", dx.detach())
+                 "tanh": torch.tanh, "log": torch.log,
+                 "gelu": lambda x: torch.nn.functional.gelu(x, approximate=approximate)}[op[:-9]]
+            put(t, "dx", grad(f, [get(t, "x")], get(t, "dout"))[0])
+        elif op == "exp_backward":
+            put(t, "dx", get(t, "dout") * get(t, "out"))  # exp' = exp, which is out
+        elif op in ("neg_backward", "affine_backward", "cast_backward"):
+            scale = {"neg_backward": -1.0, "cast_backward": 1.0}.get(op, args.get("scale", 1.0))
+            put(t, "dx", scale * get(t, "dout"))
+        elif op in ("sum_backward", "mean_backward"):
+            f = (lambda x: x.sum(-1)) if op == "sum_backward" else (lambda x: x.mean(-1))
+            put(t, "dx", grad(f, [torch.zeros(shape("dx"), dtype=torch.float64)], get(t, "dout"))[0])
+        elif op == "max_backward":  # torch.amax splits the gradient evenly between ties
+            put(t, "dx", grad(lambda x: torch.amax(x, dim=-1), [get(t, "x")], get(t, "dout"))[0])
+        elif op == "sum_leading_backward":
+            f = lambda x: x.reshape(-1, x.shape[-1]).sum(0)
+            put(t, "dx", grad(f, [torch.zeros(shape("dx"), dtype=torch.float64)], get(t, "dout"))[0])
+        elif op == "maximum_backward":
+            # The operand expanded to the output's shape: its gradient before summing over broadcast axes.
+            a, b = get(t, "a"), get(t, "b")
+            out_shape = shape("dx")
+            if args.get("wrt", "a") == "a":
+                d = grad(lambda a: torch.maximum(a, b), [a.expand(out_shape)], get(t, "dout"))[0]
+            else:
+                d = grad(lambda b: torch.maximum(a, b), [b.expand(out_shape)], get(t, "dout"))[0]
+            put(t, "dx", d)
+        elif op in ("softmax_backward", "log_softmax_backward"):
+            # The gradient of the task that produced `out`, recomputed from its input.
+            forward, fargs = producer(t, "out")
+            x = get(forward, "x")
+            if op == "softmax_backward":
+                f = lambda x: softmax(x, fargs.get("scale", 1.0), fargs.get("causal", False))
+            else:
+                f = lambda x: torch.log_softmax(x, dim=-1)
+            put(t, "dx", grad(f, [x], get(t, "dout"))[0])
+        elif op in ("rmsnorm_backward", "layernorm_backward"):
+            forward, fargs = producer(t, "rstd")
+            x, w = get(forward, "x"), get(forward, "weight")
+            if op == "rmsnorm_backward":
+                eps = fargs.get("eps", 1e-6)
+                dx, dw = grad(lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w, [x, w],
+                              get(t, "dout"))
+            else:
+                eps, bias = fargs.get("eps", 1e-5), get(forward, "bias")
+                dx, dw, db = grad(lambda x, w, b: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps),
+                                  [x, w, bias], get(t, "dout"))
+                put(t, "dbias", db)
+            put(t, "dx", dx)
+            put(t, "dweight", dw)
+        elif op == "cross_entropy_backward":
+            logits, labels = get(t, "logits"), get(t, "labels").reshape(-1).long()
+            f = lambda z: args.get("scale", 1.0) * torch.nn.functional.cross_entropy(
+                z.reshape(-1, z.shape[-1]), labels, reduction="sum")
+            put(t, "dlogits", grad(f, [logits], torch.tensor(1.0, dtype=torch.float64))[0])
+        elif op == "embedding_backward":
+            ids = get(t, "ids").long()
+            put(t, "dtable", grad(lambda table: table[ids], [torch.zeros(shape("dtable"), dtype=torch.float64)],
+                                  get(t, "dout"))[0])
+        elif op == "mse_backward":
+            target = get(t, "target")
+            f = lambda p: args.get("scale", 1.0) * ((p - target) ** 2).sum()
+            put(t, "dpred", grad(f, [get(t, "pred")], torch.tensor(1.0, dtype=torch.float64))[0])
+        elif op in ("sgd", "adam", "adamw"):
+            # One step of torch.optim, its state set to the task's buffers.
+            param = get(t, "param").clone().requires_grad_()
+            param.grad = get(t, "grad").clone()
+            wd = args.get("weight_decay", 0.0)
+            if op == "sgd":
+                momentum = args.get("momentum", 0.0)
+                opt = torch.optim.SGD([param], lr=args["lr"], momentum=momentum, weight_decay=wd)
+                if momentum:
+                    opt.state[param]["momentum_buffer"] = get(t, "momentum_buf").clone()
+            else:
+                cls = torch.optim.Adam if op == "adam" else torch.optim.AdamW
+                opt = cls([param], lr=args["lr"], betas=(args.get("beta1", 0.9), args.get("beta2", 0.999)),
+                          eps=args.get("eps", 1e-8), weight_decay=wd)
+                opt.state[param].update(step=torch.tensor(float(args["step"] - 1)), exp_avg=get(t, "m").clone(),
+                                        exp_avg_sq=get(t, "v").clone())
+            opt.step()
+            put(t, "param", param.detach())
+            state = opt.state[param]
+            if op == "sgd" and "momentum_buf" in t["tensors"]:
+                put(t, "momentum_buf", state["momentum_buffer"])
+            if op != "sgd":
+                put(t, "m", state["exp_avg"])
+                put(t, "v", state["exp_avg_sq"])
+        elif op in ("cast", "reshape"):
+            put(t, "out", get(t, "x").reshape(shape("out")))
+        elif op == "concat":
+            put(t, "out", torch.cat([get(t, "a"), get(t, "b")], dim=-1))
+        elif op == "split":
+            x, width = get(t, "x"), shape("a")[-1]
+            put(t, "a", x[..., :width])
+            put(t, "b", x[..., width:])
+        elif op == "layernorm":
+            x, eps = get(t, "x"), args.get("eps", 1e-5)
+            put(t, "out", torch.nn.functional.layer_norm(x, (x.shape[-1],), get(t, "weight"), get(t, "bias"), eps))
+            if "mean" in t["tensors"]:
+                put(t, "mean", x.mean(-1))
+            if "rstd" in t["tensors"]:
+                put(t, "rstd", torch.rsqrt(x.var(-1, unbiased=False) + eps))
         elif op == "matmul":
             a, b = get(t, "a"), get(t, "b")
             if args.get("trans_a"):
@@ -129,12 +252,7 @@ def run_torch(g, values, phases=None):
                 b = b.transpose(-1, -2)
             put(t, "out", args.get("alpha", 1.0) * torch.matmul(a, b))
         elif op == "softmax":
-            x = args.get("scale", 1.0) * get(t, "x")
-            if args.get("causal"):
-                rows, cols = x.shape[-2], x.shape[-1]
-                mask = torch.ones(rows, cols, dtype=torch.bool).tril()
-                x = x.masked_fill(~mask, float("-inf"))
-            put(t, "out", torch.softmax(x, dim=-1))
+            put(t, "out", softmax(get(t, "x"), args.get("scale", 1.0), args.get("causal", False)))
         elif op in ("sum", "mean"):
             put(t, "out", getattr(torch, op)(get(t, "x"), dim=-1))
         elif op == "max":
@@ -189,14 +307,14 @@ def compare(title, rows):
     """Prints one line per (name, got, want, rtol, atol): it agrees when
     max |got - want| <= rtol * max |want| + atol and got is finite. Returns
     whether every row agrees."""
-    print("%-24s %9s %12s %12s  %s" % (title, "elements", "max |diff|", "max |ref|", "result"))
+    print("%-30s %9s %12s %12s  %s" % (title, "elements", "max |diff|", "max |ref|", "result"))
     all_ok = True
     for name, got, want, rtol, atol in rows:
         got = np.asarray(got, dtype=np.float64)
         diff, scale = float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
         ok = bool(np.all(np.isfinite(got))) and diff <= rtol * scale + atol
         all_ok &= ok
-        print("%-24s %9d %12.3g %12.3g  %s" % (name, got.size, diff, scale, "ok" if ok else "FAIL"))
+        print("%-30s %9d %12.3g %12.3g  %s" % (name, got.size, diff, scale, "ok" if ok else "FAIL"))
     return all_ok
 
 
@@ -204,15 +322,18 @@ def random_inputs(g, rng):
     """Values for every buffer no task writes: uniform in [-1, 1), integers as
     indices of what they index (an embedding table's rows, a loss's classes)."""
     out = {}
-    for name, (dtype, shape, storage, written) in g.buffers().items():
-        if written:
+    for name, (dtype, shape, storage, written, produced) in g.buffers().items():
+        if produced:
             continue
         if dtype in ("i32", "i64"):
             limit = 8
             for t in g.tasks:
                 if t["op"] == "embedding" and "%s.%s" % g.owner(t["id"], "ids") == name:
                     limit = g.buffers()["%s.%s" % g.owner(t["id"], "table")][1][0]
-                if t["op"] == "cross_entropy" and "%s.%s" % g.owner(t["id"], "labels") == name:
+                if t["op"] == "embedding_backward" and "%s.%s" % g.owner(t["id"], "ids") == name:
+                    limit = g.buffers()["%s.%s" % g.owner(t["id"], "dtable")][1][0]
+                if t["op"] in ("cross_entropy", "cross_entropy_backward") and \
+                        "%s.%s" % g.owner(t["id"], "labels") == name:
                     limit = g.buffers()["%s.%s" % g.owner(t["id"], "logits")][1][-1]
             out[name] = rng.integers(0, limit, size=shape).astype(DTYPES[dtype])
         else:
@@ -244,9 +365,9 @@ def main():
             print(run.stdout, run.stderr)
             raise SystemExit(f"cudagen run failed (seed {opts.seed})")
         values = run_torch(g, values)
-        rows = [(name, np.load(os.path.join(outputs, name + ".npy")), values[name].numpy(),
-                 1e-4 if dtype == "f32" else 1e-10, 1e-6)
-                for name, (dtype, shape, storage, written) in g.buffers().items() if written and storage == "external"]
+        rows = [(name, np.load(os.path.join(outputs, name + ".npy")), values[name].numpy(), RTOL[dtype], 1e-6)
+                for name, (dtype, shape, storage, written, produced) in g.buffers().items()
+                if written and storage == "external"]
         failed = not compare("output (vs PyTorch)", rows)
         if failed:
             raise SystemExit(f"outputs differ from PyTorch (seed {opts.seed})")

@@ -185,6 +185,23 @@ TaskGraph rearranging_graph() {
   return std::move(b).graph();
 }
 
+// The reductions' gradients: maximum against a broadcast weight, then the
+// row sum, mean and max and the sum over leading axes, all reaching the loss.
+TaskGraph reductions_graph() {
+  GraphBuilder b("grad_check_reductions");
+  auto x = b.task("x", "matmul").tensor("a", f64, {3, 4}, ext).tensor("b", f64, {4, 5}, weight).tensor("out", f64, {3, 5});
+  auto m = b.task("m", "maximum").tensor("a", x["out"]).tensor("b", f64, {5}, weight).tensor("out", f64, {3, 5});
+  auto s = b.task("s", "sum").tensor("x", m["out"]).tensor("out", f64, {3});
+  auto mn = b.task("mn", "mean").tensor("x", m["out"]).tensor("out", f64, {3});
+  auto mx = b.task("mx", "max").tensor("x", m["out"]).tensor("out", f64, {3});
+  auto sl = b.task("sl", "sum_leading").tensor("x", m["out"]).tensor("out", f64, {5});
+  auto both = b.task("both", "mul").tensor("a", s["out"]).tensor("b", mn["out"]).tensor("out", f64, {3});
+  auto rows = b.task("rows", "add").tensor("a", both["out"]).tensor("b", mx["out"]).tensor("out", f64, {3});
+  auto cat = b.task("cat", "concat").tensor("a", rows["out"]).tensor("b", sl["out"]).tensor("out", f64, {8});
+  b.task("loss", "mse").tensor("pred", cat["out"]).tensor("target", f64, {8}, ext).tensor("loss", DType::f32, {}, ext);
+  return std::move(b).graph();
+}
+
 }  // namespace
 
 TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
@@ -194,6 +211,8 @@ TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
   EXPECT_EQ(check_gradients(unary_graph(), {"loss", "loss"}, 5, 2), 20 + 12);
   // num.b, den.x, cat.b
   EXPECT_EQ(check_gradients(rearranging_graph(), {"loss", "loss"}, 5, 3), 12 + 4 + 6);
+  // x.b, m.b
+  EXPECT_EQ(check_gradients(reductions_graph(), {"loss", "loss"}, 5, 2), 20 + 5);
 }
 
 namespace {
@@ -219,11 +238,16 @@ TEST(Derive, BadTrainingInputsNameTheTask) {
     EXPECT_NE(msg.find("the loss must be a floating scalar, but 'act.out' is f64 [4]"), std::string::npos) << msg;
   }
   {
+    // A gradient op in a forward graph: there is no second derivative.
     GraphBuilder b("no_backward");
-    auto m = b.task("peak", "max").tensor("x", f64, {3, 4}, weight).tensor("out", f64, {3});
+    auto g = b.task("slope", "relu_backward")
+                 .tensor("x", f64, {3, 4}, ext)
+                 .tensor("dout", f64, {3, 4}, weight)
+                 .tensor("dx", f64, {3, 4});
+    auto m = b.task("peak", "max").tensor("x", g["dx"]).tensor("out", f64, {3});
     b.task("total", "sum").tensor("x", m["out"]).tensor("out", f64, {}, ext);
     std::string msg = derive_error(std::move(b).graph(), {"total", "out"});
-    EXPECT_NE(msg.find("op 'sum' has no backward, and task 'total' lies on the path from a weight to the loss"),
+    EXPECT_NE(msg.find("op 'relu_backward' has no backward, and task 'slope' lies on the path from a weight to the loss"),
               std::string::npos)
         << msg;
   }

@@ -171,6 +171,37 @@ TaskGraph all_ops(int64_t n) {
       .tensor("ids", DType::i64, {n + 2}, ext)
       .tensor("dout", f32, {n + 2, 5}, ext)
       .tensor("dtable", f32, {4, 5}, ext);
+  b.task("sum_backward", "sum_backward").tensor("dout", f32, {3}, ext).tensor("dx", f32, {3, n}, ext);
+  b.task("mean_backward", "mean_backward").tensor("dout", f32, {2, 3}, ext).tensor("dx", f32, {2, 3, n}, ext);
+  b.task("sum_leading_backward", "sum_leading_backward").tensor("dout", f32, {5}, ext).tensor("dx", f32, {2, n, 5}, ext);
+  // max_backward from the max of its own x; then rows of equal values, where
+  // every element ties and takes an equal share.
+  auto row_max = b.task("max_of_x", "max").tensor("x", f32, {3, n}, ext).tensor("out", f32, {3}, ext);
+  b.task("max_backward", "max_backward")
+      .tensor("x", row_max["x"])
+      .tensor("out", row_max["out"])
+      .tensor("dout", f32, {3}, ext)
+      .tensor("dx", f32, {3, n}, ext);
+  auto flat = b.task("flat_rows", "fill").tensor("out", f32, {2, n}, ext).arg("value", 0.5);
+  auto flat_max = b.task("flat_max", "max").tensor("x", flat["out"]).tensor("out", f32, {2}, ext);
+  b.task("max_backward_ties", "max_backward")
+      .tensor("x", flat["out"])
+      .tensor("out", flat_max["out"])
+      .tensor("dout", f32, {2}, ext)
+      .tensor("dx", f32, {2, n}, ext);
+  for (const char* wrt : {"a", "b"})
+    b.task(std::string("maximum_backward_") + wrt, "maximum_backward")
+        .tensor("a", f32, {3, n}, ext)
+        .tensor("b", f32, {n}, ext)
+        .tensor("dout", f32, {3, n}, ext)
+        .tensor("dx", f32, {3, n}, ext)
+        .arg("wrt", wrt);
+  b.task("maximum_backward_ties", "maximum_backward")
+      .tensor("a", flat["out"])
+      .tensor("b", flat["out"])
+      .tensor("dout", f32, {2, n}, ext)
+      .tensor("dx", f32, {2, n}, ext)
+      .arg("wrt", "b");
   b.task("mse", "mse").tensor("pred", f32, {n, 3}, ext).tensor("target", f32, {n, 3}, ext).tensor("loss", f32, {}, ext);
   b.task("concat", "concat").tensor("a", f32, {3, n}, ext).tensor("b", f32, {3, 5}, ext).tensor("out", f32, {3, n + 5}, ext);
   b.task("split", "split")
@@ -191,7 +222,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 76u);
+  ASSERT_EQ(run.checks.size(), 87u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -232,7 +263,22 @@ TaskGraph half_ops(int64_t n, DType h) {
   // Reductions and matmul read 16-bit, accumulate in f32, store 16-bit.
   b.task("softmax_" + t, "softmax").tensor("x", h, {3, n}, ext).tensor("out", h, {3, n}, ext).arg("scale", 0.5);
   b.task("log_softmax_" + t, "log_softmax").tensor("x", h, {2, n}, ext).tensor("out", h, {2, n}, ext);
-  for (const char* op : {"sum", "max"}) b.task(std::string(op) + "_" + t, op).tensor("x", h, {3, n}, ext).tensor("out", h, {3}, ext);
+  for (const char* op : {"sum", "mean"}) b.task(std::string(op) + "_" + t, op).tensor("x", h, {3, n}, ext).tensor("out", h, {3}, ext);
+  auto row_max = b.task("max_" + t, "max").tensor("x", h, {3, n}, ext).tensor("out", h, {3}, ext);
+  b.task("max_backward_" + t, "max_backward")
+      .tensor("x", row_max["x"])
+      .tensor("out", row_max["out"])
+      .tensor("dout", h, {3}, ext)
+      .tensor("dx", h, {3, n}, ext);
+  for (const char* op : {"sum_backward", "mean_backward"})
+    b.task(std::string(op) + "_" + t, op).tensor("dout", h, {2}, ext).tensor("dx", h, {2, n}, ext);
+  b.task("sum_leading_backward_" + t, "sum_leading_backward").tensor("dout", h, {5}, ext).tensor("dx", h, {n, 5}, ext);
+  b.task("maximum_backward_" + t, "maximum_backward")
+      .tensor("a", h, {3, n}, ext)
+      .tensor("b", h, {n}, ext)
+      .tensor("dout", h, {3, n}, ext)
+      .tensor("dx", h, {3, n}, ext)
+      .arg("wrt", "b");
   b.task("sum_leading_" + t, "sum_leading").tensor("x", h, {2, n, 5}, ext).tensor("out", h, {5}, ext);
   b.task("rmsnorm_" + t, "rmsnorm")
       .tensor("x", h, {3, n}, ext)
@@ -296,7 +342,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run =
       run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 39u);
+  ASSERT_EQ(run.checks.size(), 45u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -107,6 +108,16 @@ TEST_P(Snapshot, GeneratedCodeMatches) {
 
 INSTANTIATE_TEST_SUITE_P(Graphs, Snapshot, ::testing::ValuesIn(kSnapshots),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// every_template_op is what the closure test, NVRTC and nvcc compile to
+// prove each op's generated kernel builds: it must hold every op.
+TEST(Snapshot, EveryTemplateOpHoldsEveryOpOfTheRegistry) {
+  Program p = load_program(source_path("tests/snapshots/every_template_op.json"), {});
+  std::set<std::string> used;
+  for (const auto& t : p.tasks) used.insert(t.op->name);
+  for (const auto& name : p.registry.names())
+    EXPECT_TRUE(used.count(name)) << "add a task of op '" << name << "' to tests/snapshots/every_template_op.json";
+}
 
 // The ahead-of-time header: the launchers under the chosen prefix, and every
 // tensor a program reads or writes (and no transient one) at its planned offset.
