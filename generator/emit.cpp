@@ -30,6 +30,8 @@ namespace {
 
 std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
 
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
 // The flat index into `in` (right-aligned, numpy broadcasting) of element
 // `var` of a tensor shaped `out`, as a C expression.
 std::string broadcast_index(const Shape& out, const Shape& in, const std::string& var) {
@@ -109,7 +111,8 @@ class Emitter {
   EmittedProgram run(const std::vector<KernelGroup>& kernels) {
     EmittedProgram out;
     std::string kernel_code;
-    for (const auto& k : kernels) kernel_code += k.tasks.size() == 1 ? emit_kernel(k, out.kernels) : fused_elementwise(k, out.kernels);
+    for (const auto& k : kernels)
+      kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.kernels) : emit_kernel(k, out.kernels);
     if (!diags_.ok()) throw CompileError(std::move(diags_));
     out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out.kernels);
     out.manifest_json = manifest(out.kernels);
@@ -340,35 +343,52 @@ class Emitter {
     return false;
   }
 
-  std::string signature(const std::string& name, int t, int block, const std::vector<Param>& ps) {
-    std::vector<Pointer> pointers;
-    for (const auto& x : ps) pointers.push_back({x.bound->buffer, x.written});
+  // Buffers as `T* __restrict__ name` (without __restrict__ where two may
+  // overlap), run-time arguments as `const T* __restrict__ name_arg`.
+  std::string signature(const std::string& name, int block, const std::vector<LaunchParam>& launch) {
+    std::vector<Pointer> pointers;  // the buffers, in launch order
+    for (const auto& lp : launch)
+      if (lp.scalar == nullptr) pointers.push_back({lp.buffer, lp.written});
     std::vector<std::string> list;
-    for (size_t i = 0; i < ps.size(); ++i)
-      list.push_back(fmt::format("{}{}*{} {}", ps[i].written ? "" : "const ", c_type(ps[i].buffer->dtype),
-                                 aliased(i, pointers) ? "" : " __restrict__", ps[i].bound->name));
-    for (const auto& sp : scalar_params(t))
-      list.push_back(fmt::format("const {}* __restrict__ {}_arg", scalar_type(sp.scalar->type), sp.name));
+    for (size_t i = 0; i < launch.size(); ++i) {
+      const LaunchParam& lp = launch[i];
+      if (lp.scalar != nullptr)
+        list.push_back(fmt::format("{}* __restrict__ {}_arg", lp.pointee, lp.name));
+      else
+        list.push_back(fmt::format("{}*{} {}", lp.pointee, aliased(i, pointers) ? "" : " __restrict__", lp.name));
+    }
     return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
   }
 
-  std::string comment(const KernelGroup& k, const std::vector<Param>& ps, EmittedKernel& ek) {
+  // The comment above a kernel: its tasks (and the rule that fused them),
+  // each buffer it reads and writes with its bytes, its launch shape.
+  std::string comment(const KernelGroup& k, const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
     const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
-    std::string reads, writes;
-    for (const auto& x : ps) {
-      std::string desc = fmt::format("{} {} {}", bt.task->id + "." + x.bound->name, to_string(x.buffer->dtype),
-                                     shape_to_string(x.buffer->shape));
-      if (x.bound->source_task >= 0) desc += " <- " + buffer_name(x.bound->buffer);
-      std::string& list = x.written ? writes : reads;
-      if (!list.empty()) list += ", ";
-      list += desc;
-      (x.written ? ek.bytes_written : ek.bytes_read) += x.buffer->bytes;
+    std::vector<std::string> reads, writes, in_registers;
+    for (const auto& lp : launch) {
+      if (lp.scalar != nullptr) continue;
+      const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
+      // One task's kernel: its slot, then the buffer behind it when another task's. A fused one: the buffer.
+      std::string desc = k.tasks.size() > 1 ? buffer_name(lp.buffer) : bt.task->id + "." + lp.name;
+      desc += fmt::format(" {} {}", to_string(b.dtype), shape_to_string(b.shape));
+      if (k.tasks.size() == 1 && b.owner_task != k.tasks[0]) desc += " <- " + buffer_name(lp.buffer);
+      (lp.written ? writes : reads).push_back(desc);
+      (lp.written ? ek.bytes_written : ek.bytes_read) += b.bytes;
+    }
+    for (int b : k.internal_buffers) in_registers.push_back(buffer_name(b));
+    std::string tasks = fmt::format("task {} ({}, {})", bt.task->id, bt.op->name, to_string(bt.op->pattern));
+    if (k.tasks.size() > 1) {
+      std::vector<std::string> all;
+      for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
+      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), k.rule);
     }
     return fmt::format(
-        "// Kernel {} ({} phase): task {} ({}, {}).\n//   reads  {}\n//   writes {}\n//   {} bytes read, {} bytes "
+        "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
         "written; grid [{}, {}, {}], block {}, {} bytes of shared memory.\n",
-        k.name, to_string(k.phase), bt.task->id, bt.op->name, to_string(bt.op->pattern), reads.empty() ? "-" : reads,
-        writes, ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes);
+        k.name, to_string(k.phase), tasks, reads.empty() ? "-" : fmt::format("{}", fmt::join(reads, ", ")),
+        writes.empty() ? "-" : fmt::format("{}", fmt::join(writes, ", ")),
+        in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", ")),
+        ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes);
   }
 
   static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
@@ -394,23 +414,100 @@ class Emitter {
     ek.name = k.name;
     ek.phase = k.phase;
     ek.tasks = k.tasks;
+    Epilogue tail;
+    if (k.tasks.size() > 1) {
+      tail = epilogue(k, param(ps, "out"));
+      if (!diags_.ok()) return {};
+      epilogue_buffer_ = param(ps, "out").bound->buffer;
+    }
     // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
     std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                            ? elementwise(t, ps, ek)
                        : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
+    epilogue_buffer_ = -1;
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
-      launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr, x.written});
+      if (!contains(k.internal_buffers, x.bound->buffer))  // a value the epilogue keeps in registers
+        launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                     x.bound->buffer, nullptr, x.written});
+    launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
+    std::string code = comment(k, launch, ek) + signature(k.name, ek.block, launch) + " {\n" + scalar_locals(t) +
+                       tail.code + body + "}\n\n";
     record_launch(ek, std::move(launch));
-    std::string code = comment(k, ps, ek) + signature(k.name, t, ek.block, ps) + " {\n" + scalar_locals(t) + body + "}\n\n";
     emitted.push_back(ek);
     return code;
+  }
+
+  // The chain after a matmul or a row op (fuse.h: matmul_epilogue,
+  // reduction_epilogue): a lambda the first task's skeleton calls where it
+  // would store element i of "out", with the value in f32. The chain runs on
+  // that element in registers and stores what is read outside the kernel.
+  struct Epilogue {
+    std::string code;                 // the lambda's definition
+    std::vector<LaunchParam> params;  // what the chain reads from and stores to memory
+  };
+
+  Epilogue epilogue(const KernelGroup& k, const Param& out) {
+    Epilogue e;
+    const Shape& domain = out.buffer->shape;
+    const int64_t n = numel(domain);
+    std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
+    std::string statements, stores;
+    auto stored = [&](int t, const Param& x, const std::string& value) {
+      if (contains(k.internal_buffers, x.bound->buffer)) return;
+      const std::string name = p_.tasks[size_t(t)].task->id + "_" + x.bound->name;
+      e.params.push_back(LaunchParam{name, c_type(x.buffer->dtype), x.bound->buffer, nullptr, true});
+      stores += fmt::format("    {};\n", store_element(name, x.buffer->dtype, "i", value));
+    };
+    std::vector<std::string> tasks;
+    for (size_t j = 1; j < k.tasks.size(); ++j) {
+      const int t = k.tasks[j];
+      const OpSignature& op = *p_.tasks[size_t(t)].op;
+      template_files_.insert(op.source_file);
+      use_function(op, op.source_function);
+      tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
+      std::vector<std::string> operands;
+      const Param* result = nullptr;
+      const std::vector<Param> ps = params(t);
+      for (const auto& x : ps) {
+        if (x.written) {
+          result = &x;
+          continue;
+        }
+        if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
+          operands.push_back(v->second);
+          continue;
+        }
+        auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
+        if (added)
+          e.params.push_back(
+              LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
+        // An elementwise op reads element i of an input of the domain's size whatever its shape (reshape).
+        const bool same = op.pattern == PatternKind::elementwise ? numel(x.buffer->shape) == n : x.buffer->shape == domain;
+        const std::string element = fmt::format("cg_load({}, {})", it->second, same ? "i" : broadcast_index(domain, x.buffer->shape, "i"));
+        operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element);
+      }
+      append_arguments(t, operands);
+      const DType dtype = result->buffer->dtype;
+      const std::string v = fmt::format("v{}", j);
+      statements += fmt::format("    const {} {} = {}<{}>({});  // {}\n", compute_type(dtype), v, op.source_function,
+                                compute_type(dtype), fmt::join(operands, ", "), buffer_name(result->bound->buffer));
+      value_of[result->bound->buffer] = v;
+      stored(t, *result, v);
+    }
+    std::string anchor_store;
+    if (!contains(k.internal_buffers, out.bound->buffer))
+      anchor_store = fmt::format("    {};\n", store_element(out.bound->name, out.buffer->dtype, "i", "v0"));
+    e.code = fmt::format(
+        "  // Epilogue ({}): {}, on element i of {} as it is computed.\n"
+        "  auto cg_epilogue = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
+        k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), anchor_store, statements, stores);
+    return e;
   }
 
   void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {
@@ -747,10 +844,15 @@ class Emitter {
     std::string l = fmt::format("cg_load({}, {})", x.bound->name, index);
     return is_16bit(x.buffer->dtype) ? "cg_widen(" + l + ")" : l;
   }
-  static std::string store(const Param& x, const std::string& index, const std::string& value) {
-    return fmt::format("cg_store({}, {}, {})", x.bound->name, index,
-                       is_16bit(x.buffer->dtype) ? fmt::format("cg_narrow<{}>({})", c_type(x.buffer->dtype), value)
-                                                 : value);
+  // A store of the buffer an epilogue follows becomes a call of the epilogue.
+  std::string store(const Param& x, const std::string& index, const std::string& value) const {
+    if (x.bound->buffer == epilogue_buffer_) return fmt::format("cg_epilogue({}, {})", index, value);
+    return store_element(x.bound->name, x.buffer->dtype, index, value);
+  }
+  static std::string store_element(const std::string& name, DType dtype, const std::string& index,
+                                   const std::string& value) {
+    return fmt::format("cg_store({}, {}, {})", name, index,
+                       is_16bit(dtype) ? fmt::format("cg_narrow<{}>({})", c_type(dtype), value) : value);
   }
 
   // The launch of the block-per-row kernels: one block per row of the last
@@ -1310,6 +1412,7 @@ class Emitter {
 
   const Program& p_;
   const Plan& plan_;
+  int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

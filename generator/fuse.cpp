@@ -23,6 +23,25 @@ const BoundTensor* only_output(const BoundTask& bt) {
   return out;
 }
 
+// The rule under which a chain of elementwise tasks may follow task `t` in
+// its kernel, as an epilogue on the elements of its "out" slot: ops whose
+// skeleton stores "out" one element at a time, from the thread that computed
+// it (emit.cpp), so the chain can run right there. Empty for other ops.
+std::string epilogue_rule(const BoundTask& bt) {
+  const std::string& op = bt.op->name;
+  if (bt.find_tensor("out") == nullptr) return {};
+  if (op == "matmul") return "matmul_epilogue";
+  if (op == "softmax" || op == "log_softmax" || op == "rmsnorm" || op == "layernorm") return "reduction_epilogue";
+  return {};
+}
+
+// The value of a task that the next task of its kernel may read: an
+// elementwise task's one output, an epilogue anchor's "out".
+const BoundTensor* group_value(const BoundTask& bt) {
+  if (!epilogue_rule(bt).empty()) return bt.find_tensor("out");
+  return only_output(bt);
+}
+
 // Why task `t` cannot be part of an elementwise chain (empty when it can).
 std::string chain_gap(const Program& p, int t) {
   const BoundTask& bt = p.tasks[size_t(t)];
@@ -56,8 +75,9 @@ class Fuser {
       if (!out_.kernels.empty() && out_.kernels.back().phase == p_.tasks[size_t(t)].task->phase && options_.enabled) {
         const std::string reason = why_not_join(out_.kernels.back(), t);
         if (reason.empty()) {
-          out_.kernels.back().tasks.push_back(t);
-          out_.kernels.back().rule = "elementwise_chain";
+          KernelGroup& group = out_.kernels.back();
+          group.rule = group_rule(group.tasks.front());
+          group.tasks.push_back(t);
           continue;
         }
         out_.notes.push_back(FusionNote{t, out_.kernels.back().tasks.back(), reason});
@@ -76,22 +96,36 @@ class Fuser {
            options_.disabled_rules.end();
   }
 
-  const BufferInfo& output_of(int t) const { return p_.buffers[size_t(only_output(p_.tasks[size_t(t)])->buffer)]; }
+  const BufferInfo& value_of(int t) const { return p_.buffers[size_t(group_value(p_.tasks[size_t(t)])->buffer)]; }
+
+  // The rule of a kernel that starts with task `t`: an elementwise chain, or
+  // an epilogue after a matmul or a row op; empty when nothing may follow it.
+  std::string group_rule(int t) const {
+    if (chain_gap(p_, t).empty()) return "elementwise_chain";
+    return epilogue_rule(p_.tasks[size_t(t)]);
+  }
 
   std::string why_not_join(const KernelGroup& group, int t) const {
-    if (std::string gap = chain_gap(p_, group.tasks.front()); !gap.empty())
-      return "the kernel before takes no more tasks: " + gap;
+    const int front = group.tasks.front();
+    const std::string rule = group_rule(front);
+    if (rule.empty()) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
     if (std::string gap = chain_gap(p_, t); !gap.empty()) return gap;
-    if (!rule_on("elementwise_chain")) return "rule elementwise_chain is off (--no-fuse-rule)";
-    const Shape& domain = output_of(group.tasks.front()).shape;
-    const Shape& shape = output_of(t).shape;
+    if (!rule_on(rule)) return fmt::format("rule {} is off (--no-fuse-rule)", rule);
+    const Shape& domain = value_of(front).shape;
+    const Shape& shape = value_of(t).shape;
     if (shape != domain)
       return fmt::format("its output is {}, the kernel's elements are {}", shape_to_string(shape), shape_to_string(domain));
     bool reads_group = false;
     for (const auto& b : p_.tasks[size_t(t)].tensors) {
       if (b.buffer < 0 || b.source_task < 0) continue;
       const int producer = p_.buffers[size_t(b.buffer)].owner_task;
-      if (contains(group.tasks, producer)) reads_group = true;
+      if (contains(group.tasks, producer)) {
+        // Another output of a row op (rmsnorm's rstd) is stored by one thread
+        // of the row's block: not a value the element's thread holds.
+        if (group_value(p_.tasks[size_t(producer)])->buffer != b.buffer)
+          return fmt::format("it reads '{}', which the kernel stores from another thread", buffer_name(p_, b.buffer));
+        reads_group = true;
+      }
       // A view of a value the kernel computes would be a second pointer to memory it writes.
       if (is_view(p_.tasks[size_t(producer)]))
         for (const auto& source : p_.tasks[size_t(producer)].tensors)
@@ -109,7 +143,7 @@ class Fuser {
     KernelGroup& group = out_.kernels.back();
     if (group.tasks.size() < 2 || !group.internal_buffers.empty()) return;
     for (int t : group.tasks) {
-      const int b = only_output(p_.tasks[size_t(t)])->buffer;
+      const int b = group_value(p_.tasks[size_t(t)])->buffer;
       if (p_.buffers[size_t(b)].storage != Storage::transient) continue;
       const auto& readers = readers_[size_t(b)];
       if (!readers.empty() &&

@@ -8,6 +8,12 @@
 //                      whose outputs have one shape, each after the first
 //                      reading an earlier one's output: one loop over the
 //                      elements, any length, any number of inputs.
+//   matmul_epilogue    such a chain after a matmul, on its output's elements,
+//                      run by the thread that holds each accumulator (bias,
+//                      activation, residual add, cast).
+//   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
+//                      layernorm, on each element of "out" as the row's
+//                      block stores it.
 // A value produced in a group and read only there is internal: no buffer in
 // the arena. One read outside the group (a later kernel, a later phase, the
 // caller) is still stored, once.
@@ -22,7 +28,7 @@
 
 namespace cudagen {
 
-inline const std::vector<std::string> kFusionRules = {"elementwise_chain"};
+inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

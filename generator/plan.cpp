@@ -89,7 +89,15 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
   // A value in a fused kernel's registers has no storage to give or take.
   auto internal = [&](int b) { return internal_to[size_t(b)] >= 0; };
   for (int k = 0; k < int(kernels.size()); ++k) {
-    for (int t : kernels[size_t(k)].tasks) {
+    // An epilogue runs while the kernel's matmul or row op still reads its
+    // inputs at other elements (other blocks, other threads): nothing the
+    // epilogue stores may take their storage.
+    std::vector<int> read_elsewhere;
+    const KernelGroup& kernel = kernels[size_t(k)];
+    if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
+      for (const auto& in : program.tasks[size_t(kernel.tasks.front())].tensors)
+        if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
+    for (int t : kernel.tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
       // Only loops where each thread reads an element and then writes the same one.
       if (task.op->pattern != PatternKind::elementwise && task.op->pattern != PatternKind::broadcast) continue;
@@ -100,7 +108,8 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         int bo = out->buffer, bi = in->buffer;
         const BufferInfo &o = program.buffers[size_t(bo)], &i = program.buffers[size_t(bi)];
         if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)] ||
-            internal(bi) || internal(bo))
+            internal(bi) || internal(bo) ||
+            std::find(read_elsewhere.begin(), read_elsewhere.end(), bi) != read_elsewhere.end())
           continue;
         if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
         taken[size_t(bi)] = true;

@@ -106,15 +106,18 @@ CG_DEVICE T cg_neg(T x) {
 }
 
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
+// Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
+// negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
+// digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return T(0.5) * x * (T(1) + tanh(k * (x + T(0.044715) * x * x * x)));
+  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
 }
 
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
-  return T(0.5) * x * (T(1) + erf(x * T(0.7071067811865476)));
+  return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
 template <typename T>
@@ -317,11 +320,14 @@ CG_OP("gelu_backward",
       "doc: gradient of gelu: dx = dout * gelu'(x)")
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
   if (approximate == 0) {
+    // gelu = x * s with s = sigmoid(2u): gelu' = s + 2 x s (1 - s) u', each
+    // factor from its own exp so that neither s nor 1 - s cancels.
     const T k = T(0.7978845608028654), c = T(0.044715);
-    const T t = tanh(k * (x + c * x * x * x));
-    return dout * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
+    const T u = k * (x + c * x * x * x);
+    const T s = T(1) / (T(1) + exp(T(-2) * u)), one_minus_s = T(1) / (T(1) + exp(T(2) * u));
+    return dout * (s + T(2) * x * s * one_minus_s * k * (T(1) + T(3) * c * x * x));
   }
-  const T cdf = T(0.5) * (T(1) + erf(x * T(0.7071067811865476)));
+  const T cdf = T(0.5) * erfc(x * T(-0.7071067811865476));
   const T pdf = T(0.3989422804014327) * exp(T(-0.5) * x * x);
   return dout * (cdf + x * pdf);
 }

@@ -199,7 +199,7 @@ int run_run(Cli& cli) {
                run.run_seconds, run.seed);
   }
   fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
-             "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, else 0):\n{}",
+             "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, the smallest normal number for the others):\n{}",
              format_run(run));
   return run.ok() ? kExitOk : kExitBadInput;
 }

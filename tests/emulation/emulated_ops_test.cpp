@@ -502,8 +502,9 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
   EXPECT_TRUE(run.ok()) << format_run(run);
   // Per-task checks: the update reads the weights init wrote, which are read
   // back before the update overwrites them, so it is checked too.
-  CompileOptions keep_all;
+  CompileOptions keep_all;  // every task's output in memory: no reuse, no fusion
   keep_all.plan.placement.reuse = false;
+  keep_all.fuse.enabled = false;
   Compiled unreused = compile(load_program(read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) +
                                                                      "/examples/mlp_train.json")),
                                            {}),
@@ -522,8 +523,9 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
 // the per-task bounds do not.
 TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/transformer_block.json"));
-  CompileOptions keep_all;
+  CompileOptions keep_all;  // every task's output in memory: no reuse, no fusion
   keep_all.plan.placement.reuse = false;
+  keep_all.fuse.enabled = false;
   Compiled c = compile(load_program(std::move(g), {}), keep_all);
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -47,6 +47,40 @@ TaskGraph flat_chain(DType d) {
   return std::move(b).graph();
 }
 
+// A matmul (batched, b broadcast) with the epilogue of a transformer's MLP:
+// bias, gelu, a residual add of the matmul's own input (its storage must not
+// be reused under the matmul's feet), a cast; the pre-activation is read later
+// too, so it is stored from the epilogue as well.
+TaskGraph matmul_epilogue(DType d) {
+  GraphBuilder b(std::string("matmul_epilogue_") + to_string(d));
+  auto x = b.task("x", "relu").tensor("x", d, {2, 33, 40}, ext).tensor("out", d, {2, 33, 40});
+  auto mm = b.task("mm", "matmul").tensor("a", x["out"]).tensor("b", d, {40, 40}, ext).tensor("out", d, {2, 33, 40});
+  auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {40}, ext).tensor("out", d, {2, 33, 40});
+  auto act = b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {2, 33, 40});
+  auto res = b.task("res", "add").tensor("a", x["out"]).tensor("b", act["out"]).tensor("out", d, {2, 33, 40});
+  // To bf16, whose bound covers every input type's rounding (the reference
+  // does not round the unfused kernels' 16-bit intermediates).
+  b.task("narrow", "cast").tensor("x", res["out"]).tensor("out", DType::bf16, {2, 33, 40}, ext);
+  b.task("later", "sum").tensor("x", bias["out"]).tensor("out", d, {2, 33}, ext);
+  return std::move(b).graph();
+}
+
+// rmsnorm, then a gate and silu on each element as the row's block stores it;
+// softmax, then a scale. rstd is exported and not fused over.
+TaskGraph reduction_epilogue(DType d) {
+  GraphBuilder b(std::string("reduction_epilogue_") + to_string(d));
+  auto norm = b.task("norm", "rmsnorm")
+                  .tensor("x", d, {7, 300}, ext)
+                  .tensor("weight", d, {300}, Storage::persistent)
+                  .tensor("out", d, {7, 300})
+                  .tensor("rstd", DType::f32, {7}, ext);
+  auto gate = b.task("gate", "mul").tensor("a", norm["out"]).tensor("b", d, {7, 300}, ext).tensor("out", d, {7, 300});
+  auto act = b.task("act", "silu").tensor("x", gate["out"]).tensor("out", d, {7, 300});
+  auto probs = b.task("probs", "softmax").tensor("x", act["out"]).tensor("out", d, {7, 300});
+  b.task("scaled", "affine").tensor("x", probs["out"]).tensor("out", d, {7, 300}, ext).arg("scale", 300.0);
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -77,21 +111,27 @@ TEST_P(FusedChains, MatchTheReferenceFusedAndUnfused) {
                                  GetParam() == DType::f32 ? "// 4 elements at a time" : "// 8 elements at a time");
 }
 
+TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {
+  // relu | matmul + bias, gelu, res, cast | sum
+  expect_fused_and_unfused_right(matmul_epilogue(GetParam()), 3, "const float v2 = cg_gelu<float>(v1, /*approximate=tanh*/ 0);");
+  // rmsnorm + gate, silu | softmax + affine
+  expect_fused_and_unfused_right(reduction_epilogue(GetParam()), 2, "[&](int j, float v) { cg_epilogue(row * 300 + j, v); }");
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedChains, ::testing::Values(DType::f32, DType::f16, DType::bf16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-// The examples, a training step among them: fused where the rules allow (the
-// transformer block's chains follow matmuls: epilogue fusion, not yet), the
+// The examples, training steps among them: fused where the rules allow, the
 // same outputs and updated weights as the reference.
 TEST(Fusion, ExamplesMatchTheReferenceFused) {
-  for (const char* example : {"mlp_forward.json", "train_mlp.json", "transformer_block.json"}) {
+  for (const char* example : {"mlp_forward.json", "train_mlp.json", "transformer_block.json", "train_transformer.json"}) {
     Compiled c = compile(load_program(std::string(CUDAGEN_SOURCE_DIR) + "/examples/" + example, {}), fusion(true));
     size_t fused = 0;
     for (const auto& k : c.kernels) fused += k.tasks.size() > 1;
-    if (std::string(example) != "transformer_block.json") EXPECT_GT(fused, 0u) << example << ": no kernel fused";
+    EXPECT_GT(fused, 0u) << example << ": no kernel fused";
     const uint64_t seed = std::random_device()();
     RunOptions options{seed, work_dir(example)};
-    options.steps = std::string(example) == "train_mlp.json" ? 2 : 0;
+    options.steps = std::string(example).rfind("train_", 0) == 0 ? 2 : 0;
     CheckedRun run = run_emulated_and_check(c, options);
     EXPECT_TRUE(run.ok()) << example << " seed " << seed << "\n" << format_run(run);
   }

@@ -77,13 +77,9 @@ TEST_F(Jit, AnIntermediateFusedOrReusedIsRefusedAndKeptWithFusionAndReuseOff) {
     Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();
     mlp.run(Phase::forward);
     const std::string fused = message_of<std::runtime_error>([&] { mlp.get_tensor("bias1", "out"); });
-    EXPECT_NE(fused.find("bias1.out never reaches memory: kernel k1_bias1 computes it in registers"), std::string::npos)
+    EXPECT_NE(fused.find("bias1.out never reaches memory: kernel k0_fc1 computes it in registers"), std::string::npos)
         << fused;
     EXPECT_NE(fused.find("--no-fuse"), std::string::npos) << fused;
-    const std::string reused = message_of<std::runtime_error>([&] { mlp.get_tensor("fc1", "out"); });
-    EXPECT_NE(reused.find("fc1.out no longer exists: the memory plan gave its bytes to act1.out (in place)"), std::string::npos)
-        << reused;
-    EXPECT_NE(reused.find("--no-reuse"), std::string::npos) << reused;
   }
   options_.compile.fuse.enabled = false;
   {
@@ -93,6 +89,7 @@ TEST_F(Jit, AnIntermediateFusedOrReusedIsRefusedAndKeptWithFusionAndReuseOff) {
     EXPECT_NE(what.find("fc1.out no longer exists: the memory plan gave its bytes to bias1.out (in place)"),
               std::string::npos)
         << what;
+    EXPECT_NE(what.find("--no-reuse"), std::string::npos) << what;
   }
   options_.compile.plan.placement.reuse = false;
   Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();

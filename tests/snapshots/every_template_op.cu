@@ -352,63 +352,66 @@ CG_DEVICE T cg_neg(T x) {
   return -x;
 }
 
-// templates/elementwise.cuh:109
+// templates/elementwise.cuh:112
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
+// Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
+// negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
+// digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return T(0.5) * x * (T(1) + tanh(k * (x + T(0.044715) * x * x * x)));
+  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
 }
 
-// templates/elementwise.cuh:115
+// templates/elementwise.cuh:118
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
-  return T(0.5) * x * (T(1) + erf(x * T(0.7071067811865476)));
+  return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:120
+// templates/elementwise.cuh:123
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:135
+// templates/elementwise.cuh:138
 template <typename T>
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
-// templates/elementwise.cuh:151
+// templates/elementwise.cuh:154
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:165
+// templates/elementwise.cuh:168
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
-// templates/elementwise.cuh:179
+// templates/elementwise.cuh:182
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
-// templates/elementwise.cuh:193
+// templates/elementwise.cuh:196
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
-// templates/elementwise.cuh:207
+// templates/elementwise.cuh:210
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
-// templates/elementwise.cuh:224
+// templates/elementwise.cuh:227
 // The gradient of maximum for one operand, at the output's shape (the
 // compiler sums it over broadcast axes): the larger operand takes dout, and
 // ties split it in half, as PyTorch's rule does.
@@ -418,88 +421,91 @@ CG_DEVICE T cg_maximum_backward(T a, T b, T dout, int wrt) {
   return mine > other ? dout : mine == other ? dout * T(0.5) : T(0);
 }
 
-// templates/elementwise.cuh:242
+// templates/elementwise.cuh:245
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:257
+// templates/elementwise.cuh:260
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) - s);
 }
 
-// templates/elementwise.cuh:273
+// templates/elementwise.cuh:276
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) + x * (T(1) - s));
 }
 
-// templates/elementwise.cuh:289
+// templates/elementwise.cuh:292
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
 }
 
-// templates/elementwise.cuh:306
+// templates/elementwise.cuh:309
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
   if (approximate == 0) {
+    // gelu = x * s with s = sigmoid(2u): gelu' = s + 2 x s (1 - s) u', each
+    // factor from its own exp so that neither s nor 1 - s cancels.
     const T k = T(0.7978845608028654), c = T(0.044715);
-    const T t = tanh(k * (x + c * x * x * x));
-    return dout * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * k * (T(1) + T(3) * c * x * x));
+    const T u = k * (x + c * x * x * x);
+    const T s = T(1) / (T(1) + exp(T(-2) * u)), one_minus_s = T(1) / (T(1) + exp(T(2) * u));
+    return dout * (s + T(2) * x * s * one_minus_s * k * (T(1) + T(3) * c * x * x));
   }
-  const T cdf = T(0.5) * (T(1) + erf(x * T(0.7071067811865476)));
+  const T cdf = T(0.5) * erfc(x * T(-0.7071067811865476));
   const T pdf = T(0.3989422804014327) * exp(T(-0.5) * x * x);
   return dout * (cdf + x * pdf);
 }
 
-// templates/elementwise.cuh:330
+// templates/elementwise.cuh:336
 // Conversion between floating dtypes; the emitter names the output type.
 template <typename U, typename T>
 CG_DEVICE U cg_cast(T x) {
   return U(x);
 }
 
-// templates/elementwise.cuh:361
+// templates/elementwise.cuh:367
 // Gradients of exp, log, neg, affine and cast.
 template <typename T>
 CG_DEVICE T cg_exp_backward(T out, T dout) {
   return dout * out;
 }
 
-// templates/elementwise.cuh:376
+// templates/elementwise.cuh:382
 template <typename T>
 CG_DEVICE T cg_log_backward(T x, T dout) {
   return dout / x;
 }
 
-// templates/elementwise.cuh:391
+// templates/elementwise.cuh:397
 template <typename T>
 CG_DEVICE T cg_neg_backward(T dout) {
   return -dout;
 }
 
-// templates/elementwise.cuh:405
+// templates/elementwise.cuh:411
 template <typename T>
 CG_DEVICE T cg_affine_backward(T dout, T scale) {
   return T(scale) * dout;
 }
 
-// templates/elementwise.cuh:421
+// templates/elementwise.cuh:427
 // The gradient of a cast is the cast back, to the input's dtype.
 template <typename T, typename U>
 CG_DEVICE T cg_cast_backward(U dout) {
   return T(dout);
 }
 
-// templates/elementwise.cuh:437
+// templates/elementwise.cuh:443
 // The gradient of (pred - target)^2, times scale; the caller folds the
 // mean's 1 / numel and the upstream gradient into scale.
 template <typename T>

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 55296 bytes (lower bound 55296, without reuse 70144).
+// Arena: 55296 bytes (lower bound 55296, without reuse 55296).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -316,7 +316,7 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:151
+// templates/elementwise.cuh:154
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
@@ -384,63 +384,54 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 
 // ---- kernels ----
 
-// Kernel k0_fc1 (forward phase): task fc1 (matmul, matmul).
-//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100]
-//   writes fc1.out f32 [33, 100]
-//   34048 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+// Kernel k0_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
+//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], bias1.b f32 [100]
+//   writes act1.out f32 [33, 100]
+//   in registers fc1.out, bias1.out
+//   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ act1_out) {
+  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 100)));  // bias1.out
+    const float v2 = cg_relu<float>(v1);  // act1.out
+    cg_store(act1_out, i, v2);
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = blockIdx.z;
   const cg_i64 a_base = z * 2112, b_base = z * 6400, out_base = z * 3300;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 100 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 100 + n, acc); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 100 + n, acc); },
       33, 100, 64, blockIdx.y, blockIdx.x, (float*)cg_smem);
 }
 
-// Kernel k1_bias1 (forward phase): tasks bias1 (add), act1 (relu), fused (elementwise_chain).
-//   reads  fc1.out f32 [33, 100], bias1.b f32 [100]
-//   writes act1.out f32 [33, 100]
-//   in registers bias1.out
-//   13600 bytes read, 13200 bytes written; grid [13, 1, 1], block 256.
-CG_KERNEL void __launch_bounds__(256) k1_bias1(const float* bias1_a, const float* __restrict__ bias1_b, float* act1_out) {
-  for (cg_i64 i = cg_global_thread(); i < 3300; i += cg_grid_threads()) {
-    const float v0 = cg_add<float>(cg_load(bias1_a, i), cg_load(bias1_b, (i % 100)));  // bias1.out
-    const float v1 = cg_relu<float>(v0);  // act1.out
-    cg_store(act1_out, i, v1);
-  }
-}
-
-// Kernel k2_fc2 (forward phase): task fc2 (matmul, matmul).
-//   reads  fc2.a f32 [33, 100] <- act1.out, fc2.b f32 [100, 10]
-//   writes fc2.out f32 [33, 10]
-//   17200 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k2_fc2(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+// Kernel k1_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
+//   reads  act1.out f32 [33, 100], fc2.b f32 [100, 10], bias2.b f32 [10]
+//   writes bias2.out f32 [33, 10]
+//   in registers fc2.out
+//   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(256) k1_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+  // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
+    cg_store(bias2_out, i, v1);
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = blockIdx.z;
   const cg_i64 a_base = z * 3300, b_base = z * 1000, out_base = z * 330;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 100 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 10 + n, acc); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
       33, 10, 100, blockIdx.y, blockIdx.x, (float*)cg_smem);
 }
 
-// Kernel k3_bias2 (forward phase): task bias2 (add, broadcast).
-//   reads  bias2.a f32 [33, 10] <- fc2.out, bias2.b f32 [10]
-//   writes bias2.out f32 [33, 10]
-//   1360 bytes read, 1320 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k3_bias2(const float* a, const float* __restrict__ b, float* out) {
-  for (cg_i64 i = cg_global_thread(); i < 330; i += cg_grid_threads())
-    cg_store(out, i, cg_add<float>(cg_load(a, i), cg_load(b, (i % 10))));
-}
-
-// Kernel k4_probs (forward phase): task probs (softmax, reduction).
+// Kernel k2_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
 //   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k4_probs(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(32) k2_probs(const float* __restrict__ x, float* __restrict__ out) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 10 + j); },
@@ -472,38 +463,26 @@ extern "C" const unsigned long long cudagen_arena_bytes = 55296ull;
 static const cudagen_tensor_info k0_fc1_tensors[] = {
     {"a", "fc1.a", 38912ull, 8448ull},
     {"b", "fc1.b", 0ull, 25600ull},
-    {"out", "fc1.out", 25600ull, 13200ull},
-};
-static const cudagen_tensor_info k1_bias1_tensors[] = {
-    {"bias1_a", "fc1.out", 25600ull, 13200ull},
     {"bias1_b", "bias1.b", 54528ull, 400ull},
     {"act1_out", "act1.out", 25600ull, 13200ull},
 };
-static const cudagen_tensor_info k2_fc2_tensors[] = {
+static const cudagen_tensor_info k1_fc2_tensors[] = {
     {"a", "act1.out", 25600ull, 13200ull},
     {"b", "fc2.b", 47360ull, 4000ull},
-    {"out", "fc2.out", 52992ull, 1320ull},
+    {"bias2_b", "bias2.b", 55040ull, 40ull},
+    {"bias2_out", "bias2.out", 52992ull, 1320ull},
 };
-static const cudagen_tensor_info k3_bias2_tensors[] = {
-    {"a", "fc2.out", 52992ull, 1320ull},
-    {"b", "bias2.b", 55040ull, 40ull},
-    {"out", "bias2.out", 52992ull, 1320ull},
-};
-static const cudagen_tensor_info k4_probs_tensors[] = {
+static const cudagen_tensor_info k2_probs_tensors[] = {
     {"x", "bias2.out", 52992ull, 1320ull},
     {"out", "probs.out", 51456ull, 1320ull},
 };
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k0_fc1, dim3(4, 2, 1), dim3(256), 4288, k0_fc1_tensors,
-                 (const float*)(arena + 38912), (const float*)(arena + 0), (float*)(arena + 25600));
-  CUDAGEN_LAUNCH(k1_bias1, dim3(13, 1, 1), dim3(256), 0, k1_bias1_tensors,
-                 (const float*)(arena + 25600), (const float*)(arena + 54528), (float*)(arena + 25600));
-  CUDAGEN_LAUNCH(k2_fc2, dim3(1, 2, 1), dim3(256), 4288, k2_fc2_tensors,
-                 (const float*)(arena + 25600), (const float*)(arena + 47360), (float*)(arena + 52992));
-  CUDAGEN_LAUNCH(k3_bias2, dim3(2, 1, 1), dim3(256), 0, k3_bias2_tensors,
-                 (const float*)(arena + 52992), (const float*)(arena + 55040), (float*)(arena + 52992));
-  CUDAGEN_LAUNCH(k4_probs, dim3(33, 1, 1), dim3(32), 128, k4_probs_tensors,
+                 (const float*)(arena + 38912), (const float*)(arena + 0), (const float*)(arena + 54528), (float*)(arena + 25600));
+  CUDAGEN_LAUNCH(k1_fc2, dim3(1, 2, 1), dim3(256), 4288, k1_fc2_tensors,
+                 (const float*)(arena + 25600), (const float*)(arena + 47360), (const float*)(arena + 55040), (float*)(arena + 52992));
+  CUDAGEN_LAUNCH(k2_probs, dim3(33, 1, 1), dim3(32), 128, k2_probs_tensors,
                  (const float*)(arena + 52992), (float*)(arena + 51456));
   return 0;
 }

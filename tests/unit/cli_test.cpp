@@ -166,7 +166,7 @@ TEST_F(Cli, DumpAfterEachPass) {
   std::string graph = source_path("examples/mlp_forward.json");
   EXPECT_NE(run("compile " + graph + " --dump-after validate").out.find("graph mlp_forward: 6 tasks"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after schedule").out.find("forward   act1"), std::string::npos);
-  EXPECT_NE(run("compile " + graph + " --dump-after fuse").out.find("bias1, act1  [elementwise_chain]"), std::string::npos);
+  EXPECT_NE(run("compile " + graph + " --dump-after fuse").out.find("fc1, bias1, act1  [matmul_epilogue]"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after plan").out.find("lower bound"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after emit").out.find("// ---- kernels ----"), std::string::npos);
   EXPECT_EQ(run("compile " + graph + " --dump-after nonsense").status, 2);

@@ -80,15 +80,63 @@ TEST(Fusion, AFusedValueGetsNoStorage) {
   EXPECT_LE(fused.plan.arena_bytes, 5 * 64 * 48 * 4);
 }
 
-TEST(Fusion, MlpBiasAndActivationFuseButNotAcrossTheMatmul) {
+TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
   Compiled c = plan_program(load_program(source_path("examples/mlp_forward.json"), {}), {});
   std::vector<std::vector<std::string>> groups;
   for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
-  EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1"}, {"bias1", "act1"}, {"fc2"}, {"bias2"}, {"probs"}}));
-  EXPECT_EQ(internal_names(c, c.kernels[1]), (std::vector<std::string>{"bias1.out"}));
-  EXPECT_EQ(reason_for(c, "bias1"), "the kernel before takes no more tasks: 'fc1' is a matmul op");
+  EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1", "bias1", "act1"}, {"fc2", "bias2"}, {"probs"}}));
+  EXPECT_EQ(c.kernels[0].rule, "matmul_epilogue");
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out"}));
   EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op");
   EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op");
+}
+
+// transformer_block: the residual adds follow their matmuls, gelu its up
+// projection; nothing follows a reduction that stores per row.
+TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  std::vector<std::vector<std::string>> fused;
+  for (const auto& k : c.kernels)
+    if (k.tasks.size() > 1) fused.push_back(task_ids(c, k));
+  EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{{"attn_out", "res1"}, {"up", "act"}, {"down", "res2"}}));
+}
+
+TEST(Fusion, ARowOpTakesAnEpilogueButNotOnItsOtherOutputs) {
+  GraphBuilder b("row_epilogue");
+  auto norm = b.task("norm", "rmsnorm")
+                  .tensor("x", f32, {64, 64}, ext)
+                  .tensor("weight", f32, {64}, Storage::persistent)
+                  .tensor("out", f32, {64, 64})
+                  .tensor("rstd", f32, {64});
+  auto act = b.task("act", "silu").tensor("x", norm["out"]).tensor("out", f32, {64, 64});
+  b.task("scaled", "mul").tensor("a", act["out"]).tensor("b", norm["rstd"]).tensor("out", f32, {64, 64}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  ASSERT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"norm", "act"}));
+  EXPECT_EQ(c.kernels[0].rule, "reduction_epilogue");
+  EXPECT_EQ(reason_for(c, "scaled"), "it reads 'norm.rstd', which the kernel stores from another thread");
+}
+
+TEST(Fusion, NoEpilogueAfterAWholeRowReduction) {
+  GraphBuilder b("sum_then");
+  auto s = b.task("s", "sum").tensor("x", f32, {4, 64}, ext).tensor("out", f32, {4});
+  b.task("act", "relu").tensor("x", s["out"]).tensor("out", f32, {4}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(c, "act"), "the kernel before takes no more tasks: 's' is a reduction op");
+}
+
+// The epilogue runs while the matmul still reads x at other elements: its
+// output must not take x's storage, though add may alias out to a.
+TEST(Fusion, AnEpilogueNeverStoresOverTheMatmulsInputs) {
+  GraphBuilder b("residual");
+  auto x = b.task("x", "relu").tensor("x", f32, {32, 32}, ext).tensor("out", f32, {32, 32});
+  auto mm = b.task("mm", "matmul").tensor("a", x["out"]).tensor("b", f32, {32, 32}, ext).tensor("out", f32, {32, 32});
+  auto res = b.task("res", "add").tensor("a", x["out"]).tensor("b", mm["out"]).tensor("out", f32, {32, 32});
+  b.task("later", "sum").tensor("x", res["out"]).tensor("out", f32, {32}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  ASSERT_EQ(task_ids(c, c.kernels[1]), (std::vector<std::string>{"mm", "res"}));
+  EXPECT_NE(c.plan.lookup(c.program, "res", "out").offset, c.plan.lookup(c.program, "x", "out").offset);
 }
 
 TEST(Fusion, NotAcrossAPhase) {
@@ -123,6 +171,17 @@ TEST(Fusion, NotAnInPlaceUpdate) {
   for (const auto& k : c.kernels)
     if (k.phase == Phase::update) EXPECT_EQ(k.tasks.size(), 1u) << k.name;
   EXPECT_NE(reason_for(c, "b1_adam").find("updates slot"), std::string::npos) << reason_for(c, "b1_adam");
+}
+
+TEST(Fusion, EachEpilogueRuleTurnsOff) {
+  Compiled c = plan_program(load_program(source_path("examples/mlp_forward.json"), {}),
+                            [] {
+                              CompileOptions o;
+                              o.fuse.disabled_rules = {"matmul_epilogue"};
+                              return o;
+                            }());
+  EXPECT_EQ(c.kernels.size(), 5u);
+  EXPECT_EQ(reason_for(c, "bias1"), "rule matmul_epilogue is off (--no-fuse-rule)");
 }
 
 TEST(Fusion, ARuleOrAllOfFusionTurnsOff) {
