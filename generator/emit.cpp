@@ -374,6 +374,12 @@ class Emitter {
       if (k.tasks.size() == 1 && b.owner_task != k.tasks[0]) desc += " <- " + buffer_name(lp.buffer);
       (lp.written ? writes : reads).push_back(desc);
       (lp.written ? ek.bytes_written : ek.bytes_read) += b.bytes;
+      // A slot updated in place (an optimizer's weight and state) is read first.
+      const BoundTensor* slot = k.tasks.size() == 1 ? bt.find_tensor(lp.name) : nullptr;
+      if (lp.written && slot != nullptr && slot->sig->writes && slot->sig->role != SlotRole::output) {
+        reads.push_back(desc);
+        ek.bytes_read += b.bytes;
+      }
     }
     for (int b : k.internal_buffers) in_registers.push_back(buffer_name(b));
     std::string tasks = fmt::format("task {} ({}, {})", bt.task->id, bt.op->name, to_string(bt.op->pattern));

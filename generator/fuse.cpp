@@ -72,25 +72,24 @@ class Fuser {
   Fusion run(const Schedule& schedule) {
     for (int t : schedule.order) {
       if (is_view(p_.tasks[size_t(t)])) continue;  // storage only, no kernel
-      if (!out_.kernels.empty() && out_.kernels.back().phase == p_.tasks[size_t(t)].task->phase && options_.enabled) {
-        const std::string reason = why_not_join(out_.kernels.back(), t);
+      if (const int into = host_kernel(t); into >= 0 && options_.enabled) {
+        KernelGroup& group = out_.kernels[size_t(into)];
+        const std::string reason = why_not_join(group, t);
         if (reason.empty()) {
-          KernelGroup& group = out_.kernels.back();
           group.rule = group_rule(group.tasks.front());
           group.tasks.push_back(t);
           continue;
         }
-        out_.notes.push_back(FusionNote{t, out_.kernels.back().tasks.back(), reason});
+        out_.notes.push_back(FusionNote{t, group.tasks.back(), reason});
       }
-      close_group();
       const Task& task = *p_.tasks[size_t(t)].task;
       out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
     }
-    close_group();
+    for (auto& group : out_.kernels) find_internal(group);
     return std::move(out_);
   }
 
- private:
+  private:
   bool rule_on(const std::string& rule) const {
     return std::find(options_.disabled_rules.begin(), options_.disabled_rules.end(), rule) ==
            options_.disabled_rules.end();
@@ -137,11 +136,49 @@ class Fuser {
     return {};
   }
 
+  // The kernel task `t` may join: the latest kernel of its phase that
+  // computes something it reads, even with kernels after it (the schedule
+  // interleaves independent work: a gradient's matmul, then another matmul,
+  // then the activation gradient that reads the first). Moving `t` ahead of
+  // those kernels is safe when it reads nothing they write, in place
+  // included; they cannot read what `t` writes, coming before it. Without
+  // such a producer, the last kernel of the phase (whose note then says why
+  // not). -1 for the first kernel of a phase.
+  int host_kernel(int t) const {
+    const Phase phase = p_.tasks[size_t(t)].task->phase;
+    std::vector<int> reads;  // with the storage behind each view it reads
+    std::vector<int> pending;
+    for (const auto& b : p_.tasks[size_t(t)].tensors)
+      if (b.buffer >= 0 && b.sig != nullptr && !b.sig->written()) pending.push_back(b.buffer);
+    while (!pending.empty()) {
+      const int b = pending.back();
+      pending.pop_back();
+      if (contains(reads, b)) continue;
+      reads.push_back(b);
+      const int owner = p_.buffers[size_t(b)].owner_task;
+      if (owner >= 0 && is_view(p_.tasks[size_t(owner)]))
+        for (const auto& source : p_.tasks[size_t(owner)].tensors)
+          if (source.buffer >= 0 && source.sig != nullptr && !source.sig->written()) pending.push_back(source.buffer);
+    }
+    int last = -1;
+    for (int k = int(out_.kernels.size()) - 1; k >= 0 && out_.kernels[size_t(k)].phase == phase; --k) {
+      if (last < 0) last = k;
+      bool produces = false, writes = false;
+      for (int task : out_.kernels[size_t(k)].tasks)
+        for (const auto& b : p_.tasks[size_t(task)].tensors)
+          if (b.sig != nullptr && b.sig->written() && contains(reads, b.buffer)) {
+            produces = produces || b.sig->role == SlotRole::output;
+            writes = true;
+          }
+      if (produces) return k;
+      if (writes) return last;  // updated in place there: `t` must stay after it
+    }
+    return last;
+  }
+
   // A value the group computes and only the group reads needs no storage.
-  void close_group() {
-    if (out_.kernels.empty()) return;
-    KernelGroup& group = out_.kernels.back();
-    if (group.tasks.size() < 2 || !group.internal_buffers.empty()) return;
+  void find_internal(KernelGroup& group) {
+    if (group.tasks.size() < 2) return;
     for (int t : group.tasks) {
       const int b = group_value(p_.tasks[size_t(t)])->buffer;
       if (p_.buffers[size_t(b)].storage != Storage::transient) continue;

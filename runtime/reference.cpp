@@ -1,6 +1,7 @@
 #include "reference.h"
 
 #include "counter_rng.h"
+#include "runner.h"
 
 #include <cmath>
 #include <stdexcept>
@@ -120,7 +121,16 @@ class Evaluator {
       throw std::runtime_error(fmt::format("reference: buffer {} read before it is written", b));
     return r_.value[size_t(b)];
   }
+  // A stored value carries its dtype's absolute error near zero (f16's
+  // subnormal spacing, a flushed f32): as a floor of the error scale,
+  // atol / rtol, it reaches what later tasks compute from it (a cast of an
+  // f16 value that stored as 0 to bf16, whose own floor is far smaller).
   void out(int b, std::vector<double> v, std::vector<double> a) {
+    const DType dtype = p_.buffers[size_t(b)].dtype;
+    if (dtype != DType::i32 && dtype != DType::i64) {
+      const double floor = absolute_tolerance(dtype) / relative_tolerance(dtype);
+      for (double& x : a) x = std::max(x, floor);
+    }
     r_.value[size_t(b)] = std::move(v);
     r_.abs[size_t(b)] = std::move(a);
   }

@@ -144,7 +144,8 @@ int check_gradients(TaskGraph graph, const SlotRef& loss_ref, int64_t classes, s
   return checked;
 }
 
-// The unary ops, log_softmax, the embedding gather, transpose, cast and mse.
+// The unary ops (gelu's erf form here, its tanh form above), log_softmax, the
+// embedding gather, transpose, cast and mse.
 TaskGraph unary_graph() {
   GraphBuilder b("grad_check_unary");
   auto e = b.task("embed", "embedding")
@@ -159,7 +160,8 @@ TaskGraph unary_graph() {
   auto ex = b.task("ex", "exp").tensor("x", sl["out"]).tensor("out", f64, {3, 4});
   auto lg = b.task("lg", "log").tensor("x", ex["out"]).tensor("out", f64, {3, 4});
   auto ng = b.task("ng", "neg").tensor("x", lg["out"]).tensor("out", f64, {3, 4});
-  auto tr = b.task("tr", "transpose").tensor("x", ng["out"]).tensor("out", f64, {4, 3});
+  auto ge = b.task("ge", "gelu").tensor("x", ng["out"]).tensor("out", f64, {3, 4}).arg("approximate", "erf");
+  auto tr = b.task("tr", "transpose").tensor("x", ge["out"]).tensor("out", f64, {4, 3});
   auto ls = b.task("ls", "log_softmax").tensor("x", tr["out"]).tensor("out", f64, {4, 3});
   auto narrow = b.task("narrow", "cast").tensor("x", ls["out"]).tensor("out", DType::f32, {4, 3});
   b.task("loss", "mse")

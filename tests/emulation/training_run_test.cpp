@@ -70,8 +70,9 @@ TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
 }
 
 TEST(TrainingRun, EachTaskOfEveryStepIsCheckedFromItsActualInputs) {
-  CompileOptions options;
-  options.plan.placement.reuse = false;  // every buffer kept, so each task's inputs can be read back
+  CompileOptions options;  // every buffer kept, so each task's inputs can be read back
+  options.plan.placement.reuse = false;
+  options.fuse.enabled = false;
   Compiled c = compile(classifier(), options);
   const uint64_t seed = std::random_device()();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -1103,17 +1103,21 @@ CG_KERNEL void __launch_bounds__(256) k11_tanh(const float* __restrict__ x, floa
     cg_store(out, i, cg_tanh<float>(cg_load(x, i)));
 }
 
-// Kernel k12_exp (forward phase): tasks exp (exp), log (log), fused (elementwise_chain).
-//   reads  exp.x f32 [33]
-//   writes exp.out f32 [33], log.out f32 [33]
+// Kernel k12_exp (forward phase): tasks exp (exp), log (log), log_backward (log_backward), exp_backward (exp_backward), fused (elementwise_chain).
+//   reads  exp.x f32 [33], log_backward.dout f32 [33], exp_backward.dout f32 [33]
+//   writes exp.out f32 [33], log.out f32 [33], log_backward.dx f32 [33], exp_backward.dx f32 [33]
 //   in registers -
-//   132 bytes read, 264 bytes written; grid [1, 1, 1], block 256.
-CG_KERNEL void __launch_bounds__(256) k12_exp(const float* __restrict__ exp_x, float* __restrict__ exp_out, float* __restrict__ log_out) {
+//   396 bytes read, 528 bytes written; grid [1, 1, 1], block 256.
+CG_KERNEL void __launch_bounds__(256) k12_exp(const float* __restrict__ exp_x, const float* __restrict__ log_backward_dout, const float* __restrict__ exp_backward_dout, float* __restrict__ exp_out, float* __restrict__ log_out, float* __restrict__ log_backward_dx, float* __restrict__ exp_backward_dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads()) {
     const float v0 = cg_exp<float>(cg_load(exp_x, i));  // exp.out
     const float v1 = cg_log<float>(v0);  // log.out
+    const float v2 = cg_log_backward<float>(v0, cg_load(log_backward_dout, i));  // log_backward.dx
+    const float v3 = cg_exp_backward<float>(v0, cg_load(exp_backward_dout, i));  // exp_backward.dx
     cg_store(exp_out, i, v0);
     cg_store(log_out, i, v1);
+    cg_store(log_backward_dx, i, v2);
+    cg_store(exp_backward_dx, i, v3);
   }
 }
 
@@ -1365,38 +1369,20 @@ CG_KERNEL void __launch_bounds__(256) k38_neg_backward(const float* __restrict__
     cg_store(dx, i, cg_neg_backward<float>(cg_load(dout, i)));
 }
 
-// Kernel k39_log_backward (forward phase): task log_backward (log_backward, elementwise).
-//   reads  log_backward.x f32 [33] <- exp.out, log_backward.dout f32 [33]
-//   writes log_backward.dx f32 [33]
-//   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k39_log_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
-    cg_store(dx, i, cg_log_backward<float>(cg_load(x, i), cg_load(dout, i)));
-}
-
-// Kernel k40_gelu_backward (forward phase): task gelu_backward (gelu_backward, elementwise).
+// Kernel k39_gelu_backward (forward phase): task gelu_backward (gelu_backward, elementwise).
 //   reads  gelu_backward.x f32 [33], gelu_backward.dout f32 [33]
 //   writes gelu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k40_gelu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k39_gelu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
     cg_store(dx, i, cg_gelu_backward<float>(cg_load(x, i), cg_load(dout, i), /*approximate=tanh*/ 0));
 }
 
-// Kernel k41_exp_backward (forward phase): task exp_backward (exp_backward, elementwise).
-//   reads  exp_backward.out f32 [33] <- exp.out, exp_backward.dout f32 [33]
-//   writes exp_backward.dx f32 [33]
-//   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k41_exp_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
-    cg_store(dx, i, cg_exp_backward<float>(cg_load(out, i), cg_load(dout, i)));
-}
-
-// Kernel k42_layernorm (forward phase): task layernorm (layernorm, reduction).
+// Kernel k40_layernorm (forward phase): task layernorm (layernorm, reduction).
 //   reads  layernorm.x f32 [3, 33], layernorm.weight f32 [33], layernorm.bias f32 [33]
 //   writes layernorm.out f32 [3, 33], layernorm.mean f32 [3], layernorm.rstd f32 [3]
 //   660 bytes read, 420 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k42_layernorm(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {
+CG_KERNEL void __launch_bounds__(64) k40_layernorm(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   const cg_row_stats stats = cg_layernorm_row([&](int j) { return cg_load(x, row * 33 + j); },
@@ -1407,11 +1393,11 @@ CG_KERNEL void __launch_bounds__(64) k42_layernorm(const float* __restrict__ x, 
   if (threadIdx.x == 0) { cg_store(mean, row, stats.mean); cg_store(rstd, row, stats.rstd); }
 }
 
-// Kernel k43_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
+// Kernel k41_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
 //   reads  layernorm_backward.x f32 [3, 33] <- layernorm.x, layernorm_backward.weight f32 [33] <- layernorm.weight, layernorm_backward.mean f32 [3] <- layernorm.mean, layernorm_backward.rstd f32 [3] <- layernorm.rstd, layernorm_backward.dout f32 [3, 33]
 //   writes layernorm_backward.dx f32 [3, 33], layernorm_backward.dweight f32 [33], layernorm_backward.dbias f32 [33]
 //   948 bytes read, 660 bytes written; grid [4, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k43_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
+CG_KERNEL void __launch_bounds__(64) k41_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (blockIdx.x < 3) {  // dx, a row per block
     const cg_i64 row = blockIdx.x;
@@ -1432,11 +1418,11 @@ CG_KERNEL void __launch_bounds__(64) k43_layernorm_backward(const float* __restr
   }
 }
 
-// Kernel k44_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
+// Kernel k42_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
 //   reads  rmsnorm_backward.x f32 [3, 33] <- rmsnorm.x, rmsnorm_backward.weight f32 [33] <- fill.out, rmsnorm_backward.rstd f32 [3] <- rmsnorm.rstd, rmsnorm_backward.dout f32 [3, 33]
 //   writes rmsnorm_backward.dx f32 [3, 33], rmsnorm_backward.dweight f32 [33]
 //   936 bytes read, 528 bytes written; grid [4, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k44_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+CG_KERNEL void __launch_bounds__(64) k42_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (blockIdx.x < 3) {  // dx, a row per block
     const cg_i64 row = blockIdx.x;
@@ -1454,11 +1440,11 @@ CG_KERNEL void __launch_bounds__(64) k44_rmsnorm_backward(const float* __restric
   }
 }
 
-// Kernel k45_softmax_backward (forward phase): task softmax_backward (softmax_backward, reduction).
+// Kernel k43_softmax_backward (forward phase): task softmax_backward (softmax_backward, reduction).
 //   reads  softmax_backward.out f32 [2, 33, 33] <- softmax_causal.out, softmax_backward.dout f32 [2, 33, 33]
 //   writes softmax_backward.dx f32 [2, 33, 33]
 //   17424 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k45_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(64) k43_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 33 + j); },
@@ -1467,11 +1453,11 @@ CG_KERNEL void __launch_bounds__(64) k45_softmax_backward(const float* __restric
       33, 0.5f, (float*)cg_smem);
 }
 
-// Kernel k46_log_softmax_backward (forward phase): task log_softmax_backward (log_softmax_backward, reduction).
+// Kernel k44_log_softmax_backward (forward phase): task log_softmax_backward (log_softmax_backward, reduction).
 //   reads  log_softmax_backward.out f32 [2, 33] <- log_softmax.out, log_softmax_backward.dout f32 [2, 33]
 //   writes log_softmax_backward.dx f32 [2, 33]
 //   528 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k46_log_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(64) k44_log_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_log_softmax_backward_row([&](int j) { return cg_load(out, row * 33 + j); },
@@ -1480,11 +1466,11 @@ CG_KERNEL void __launch_bounds__(64) k46_log_softmax_backward(const float* __res
       33, (float*)cg_smem);
 }
 
-// Kernel k47_cross_entropy (forward phase): task cross_entropy (cross_entropy, reduction).
+// Kernel k45_cross_entropy (forward phase): task cross_entropy (cross_entropy, reduction).
 //   reads  cross_entropy.logits f32 [33, 7], cross_entropy.labels i32 [33]
 //   writes cross_entropy.loss f32 []
 //   1056 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k47_cross_entropy(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+CG_KERNEL void __launch_bounds__(32) k45_cross_entropy(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 33; ++row)
@@ -1493,11 +1479,11 @@ CG_KERNEL void __launch_bounds__(32) k47_cross_entropy(const float* __restrict__
   if (threadIdx.x == 0) cg_store(loss, 0, total / 33.0f);
 }
 
-// Kernel k48_cross_entropy_backward (forward phase): task cross_entropy_backward (cross_entropy_backward, reduction).
+// Kernel k46_cross_entropy_backward (forward phase): task cross_entropy_backward (cross_entropy_backward, reduction).
 //   reads  cross_entropy_backward.logits f32 [3, 33], cross_entropy_backward.labels i64 [3]
 //   writes cross_entropy_backward.dlogits f32 [3, 33]
 //   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k48_cross_entropy_backward(const float* __restrict__ logits, const long long* __restrict__ labels, float* __restrict__ dlogits) {
+CG_KERNEL void __launch_bounds__(64) k46_cross_entropy_backward(const float* __restrict__ logits, const long long* __restrict__ labels, float* __restrict__ dlogits) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 33 + j); },
@@ -1505,21 +1491,21 @@ CG_KERNEL void __launch_bounds__(64) k48_cross_entropy_backward(const float* __r
                                 33, (cg_i64)cg_load(labels, row), 0.3333333432674408f, (float*)cg_smem);
 }
 
-// Kernel k49_embedding_backward (forward phase): task embedding_backward (embedding_backward, gather).
+// Kernel k47_embedding_backward (forward phase): task embedding_backward (embedding_backward, gather).
 //   reads  embedding_backward.ids i64 [33], embedding_backward.dout f32 [33, 5]
 //   writes embedding_backward.dtable f32 [4, 5]
 //   924 bytes read, 80 bytes written; grid [4, 1, 1], block 32, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k49_embedding_backward(const long long* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+CG_KERNEL void __launch_bounds__(32) k47_embedding_backward(const long long* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
   const cg_i64 v = blockIdx.x;
   for (cg_i64 d = threadIdx.x; d < 5; d += blockDim.x)
     cg_store(dtable, v * 5 + d, cg_embedding_backward<float, long long>(ids, dout, v, d, 33, 5));
 }
 
-// Kernel k50_mse (forward phase): task mse (mse, reduction).
+// Kernel k48_mse (forward phase): task mse (mse, reduction).
 //   reads  mse.pred f32 [33, 3], mse.target f32 [33, 3]
 //   writes mse.loss f32 []
 //   792 bytes read, 4 bytes written; grid [1, 1, 1], block 256, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k50_mse(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ loss) {
+CG_KERNEL void __launch_bounds__(256) k48_mse(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ loss) {
   CG_DYNAMIC_SMEM(cg_smem);
   float partial = 0.0f;
   for (cg_i64 i = threadIdx.x; i < 99; i += blockDim.x)
@@ -1528,38 +1514,38 @@ CG_KERNEL void __launch_bounds__(256) k50_mse(const float* __restrict__ pred, co
   if (threadIdx.x == 0) cg_store(loss, 0, total / 99.0f);
 }
 
-// Kernel k51_mse_backward (forward phase): task mse_backward (mse_backward, elementwise).
+// Kernel k49_mse_backward (forward phase): task mse_backward (mse_backward, elementwise).
 //   reads  mse_backward.pred f32 [33, 3], mse_backward.target f32 [33, 3]
 //   writes mse_backward.dpred f32 [33, 3]
 //   792 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k51_mse_backward(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ dpred) {
+CG_KERNEL void __launch_bounds__(256) k49_mse_backward(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ dpred) {
   for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
     cg_store(dpred, i, cg_mse_backward<float>(cg_load(pred, i), cg_load(target, i), 0.5f));
 }
 
-// Kernel k52_sum_backward (forward phase): task sum_backward (sum_backward, reduction).
+// Kernel k50_sum_backward (forward phase): task sum_backward (sum_backward, reduction).
 //   reads  sum_backward.dout f32 [3]
 //   writes sum_backward.dx f32 [3, 33]
 //   12 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k52_sum_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k50_sum_backward(const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
     cg_store(dx, i, cg_sum_backward<float>(cg_load(dout, i / 33), 33));
 }
 
-// Kernel k53_mean_backward (forward phase): task mean_backward (mean_backward, reduction).
+// Kernel k51_mean_backward (forward phase): task mean_backward (mean_backward, reduction).
 //   reads  mean_backward.dout f32 [3]
 //   writes mean_backward.dx f32 [3, 33]
 //   12 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k53_mean_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k51_mean_backward(const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
     cg_store(dx, i, cg_mean_backward<float>(cg_load(dout, i / 33), 33));
 }
 
-// Kernel k54_max_backward (forward phase): task max_backward (max_backward, reduction).
+// Kernel k52_max_backward (forward phase): task max_backward (max_backward, reduction).
 //   reads  max_backward.x f32 [3, 33] <- max.x, max_backward.out f32 [3] <- max.out, max_backward.dout f32 [3]
 //   writes max_backward.dx f32 [3, 33]
 //   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k54_max_backward(const float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(64) k52_max_backward(const float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = blockIdx.x;
   cg_max_backward_row([&](int j) { return cg_load(x, row * 33 + j); },
@@ -1567,29 +1553,29 @@ CG_KERNEL void __launch_bounds__(64) k54_max_backward(const float* __restrict__ 
                       33, cg_load(out, row), cg_load(dout, row), (float*)cg_smem);
 }
 
-// Kernel k55_sum_leading_backward (forward phase): task sum_leading_backward (sum_leading_backward, broadcast).
+// Kernel k53_sum_leading_backward (forward phase): task sum_leading_backward (sum_leading_backward, broadcast).
 //   reads  sum_leading_backward.dout f32 [5]
 //   writes sum_leading_backward.dx f32 [2, 33, 5]
 //   20 bytes read, 1320 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k55_sum_leading_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k53_sum_leading_backward(const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 330; i += cg_grid_threads())
     cg_store(dx, i, cg_sum_leading_backward<float>(cg_load(dout, (i % 5))));
 }
 
-// Kernel k56_maximum_backward (forward phase): task maximum_backward (maximum_backward, broadcast).
+// Kernel k54_maximum_backward (forward phase): task maximum_backward (maximum_backward, broadcast).
 //   reads  maximum_backward.a f32 [3, 33], maximum_backward.b f32 [33], maximum_backward.dout f32 [3, 33]
 //   writes maximum_backward.dx f32 [3, 33]
 //   924 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k56_maximum_backward(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_KERNEL void __launch_bounds__(256) k54_maximum_backward(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dout, float* __restrict__ dx) {
   for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
     cg_store(dx, i, cg_maximum_backward<float>(cg_load(a, i), cg_load(b, (i % 33)), cg_load(dout, i), /*wrt=b*/ 1));
 }
 
-// Kernel k57_sgd (update phase): task sgd (sgd, elementwise).
-//   reads  sgd.grad f32 [33, 3]
+// Kernel k55_sgd (update phase): task sgd (sgd, elementwise).
+//   reads  sgd.param f32 [33, 3], sgd.grad f32 [33, 3], sgd.momentum_buf f32 [33, 3]
 //   writes sgd.param f32 [33, 3], sgd.momentum_buf f32 [33, 3]
-//   396 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k57_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
+//   1188 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(256) k55_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
   for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads()) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -1599,20 +1585,20 @@ CG_KERNEL void __launch_bounds__(256) k57_sgd(float* __restrict__ param, const f
   }
 }
 
-// Kernel k58_adam_v (update phase): task adam_v (exp, elementwise).
+// Kernel k56_adam_v (update phase): task adam_v (exp, elementwise).
 //   reads  adam_v.x f32 [33, 2]
 //   writes adam_v.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k58_adam_v(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k56_adam_v(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
 }
 
-// Kernel k59_adam (update phase): task adam (adam, elementwise).
-//   reads  adam.grad f32 [33, 2]
+// Kernel k57_adam (update phase): task adam (adam, elementwise).
+//   reads  adam.param f32 [33, 2], adam.grad f32 [33, 2], adam.m f32 [33, 2], adam.v f32 [33, 2] <- adam_v.out
 //   writes adam.param f32 [33, 2], adam.m f32 [33, 2], adam.v f32 [33, 2] <- adam_v.out
-//   264 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k59_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
+//   1056 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(256) k57_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
   for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads()) {
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
@@ -1624,20 +1610,20 @@ CG_KERNEL void __launch_bounds__(256) k59_adam(float* __restrict__ param, const 
   }
 }
 
-// Kernel k60_adamw_v (update phase): task adamw_v (exp, elementwise).
+// Kernel k58_adamw_v (update phase): task adamw_v (exp, elementwise).
 //   reads  adamw_v.x f32 [33, 2]
 //   writes adamw_v.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k60_adamw_v(const float* __restrict__ x, float* __restrict__ out) {
+CG_KERNEL void __launch_bounds__(256) k58_adamw_v(const float* __restrict__ x, float* __restrict__ out) {
   for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
 }
 
-// Kernel k61_adamw (update phase): task adamw (adamw, elementwise).
-//   reads  adamw.grad f32 [33, 2]
+// Kernel k59_adamw (update phase): task adamw (adamw, elementwise).
+//   reads  adamw.param f32 [33, 2], adamw.grad f32 [33, 2], adamw.m f32 [33, 2], adamw.v f32 [33, 2] <- adamw_v.out
 //   writes adamw.param f32 [33, 2], adamw.m f32 [33, 2], adamw.v f32 [33, 2] <- adamw_v.out
-//   264 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k61_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
+//   1056 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(256) k59_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
   for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads()) {
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
@@ -1720,8 +1706,12 @@ static const cudagen_tensor_info k11_tanh_tensors[] = {
 };
 static const cudagen_tensor_info k12_exp_tensors[] = {
     {"exp_x", "exp.x", 93952ull, 132ull},
+    {"log_backward_dout", "log_backward.dout", 101888ull, 132ull},
+    {"exp_backward_dout", "exp_backward.dout", 103168ull, 132ull},
     {"exp_out", "exp.out", 94208ull, 132ull},
     {"log_out", "log.out", 94464ull, 132ull},
+    {"log_backward_dx", "log_backward.dx", 102144ull, 132ull},
+    {"exp_backward_dx", "exp_backward.dx", 103424ull, 132ull},
 };
 static const cudagen_tensor_info k13_neg_tensors[] = {
     {"x", "neg.x", 94720ull, 132ull},
@@ -1840,22 +1830,12 @@ static const cudagen_tensor_info k38_neg_backward_tensors[] = {
     {"dout", "neg_backward.dout", 101376ull, 132ull},
     {"dx", "neg_backward.dx", 101632ull, 132ull},
 };
-static const cudagen_tensor_info k39_log_backward_tensors[] = {
-    {"x", "exp.out", 94208ull, 132ull},
-    {"dout", "log_backward.dout", 101888ull, 132ull},
-    {"dx", "log_backward.dx", 102144ull, 132ull},
-};
-static const cudagen_tensor_info k40_gelu_backward_tensors[] = {
+static const cudagen_tensor_info k39_gelu_backward_tensors[] = {
     {"x", "gelu_backward.x", 102400ull, 132ull},
     {"dout", "gelu_backward.dout", 102656ull, 132ull},
     {"dx", "gelu_backward.dx", 102912ull, 132ull},
 };
-static const cudagen_tensor_info k41_exp_backward_tensors[] = {
-    {"out", "exp.out", 94208ull, 132ull},
-    {"dout", "exp_backward.dout", 103168ull, 132ull},
-    {"dx", "exp_backward.dx", 103424ull, 132ull},
-};
-static const cudagen_tensor_info k42_layernorm_tensors[] = {
+static const cudagen_tensor_info k40_layernorm_tensors[] = {
     {"x", "layernorm.x", 69376ull, 396ull},
     {"weight", "layernorm.weight", 1792ull, 132ull},
     {"bias", "layernorm.bias", 2048ull, 132ull},
@@ -1863,7 +1843,7 @@ static const cudagen_tensor_info k42_layernorm_tensors[] = {
     {"mean", "layernorm.mean", 108288ull, 12ull},
     {"rstd", "layernorm.rstd", 108544ull, 12ull},
 };
-static const cudagen_tensor_info k43_layernorm_backward_tensors[] = {
+static const cudagen_tensor_info k41_layernorm_backward_tensors[] = {
     {"x", "layernorm.x", 69376ull, 396ull},
     {"weight", "layernorm.weight", 1792ull, 132ull},
     {"mean", "layernorm.mean", 108288ull, 12ull},
@@ -1873,7 +1853,7 @@ static const cudagen_tensor_info k43_layernorm_backward_tensors[] = {
     {"dweight", "layernorm_backward.dweight", 103680ull, 132ull},
     {"dbias", "layernorm_backward.dbias", 103936ull, 132ull},
 };
-static const cudagen_tensor_info k44_rmsnorm_backward_tensors[] = {
+static const cudagen_tensor_info k42_rmsnorm_backward_tensors[] = {
     {"x", "rmsnorm.x", 66304ull, 396ull},
     {"weight", "fill.out", 768ull, 132ull},
     {"rstd", "rmsnorm.rstd", 107264ull, 12ull},
@@ -1881,85 +1861,85 @@ static const cudagen_tensor_info k44_rmsnorm_backward_tensors[] = {
     {"dx", "rmsnorm_backward.dx", 71936ull, 396ull},
     {"dweight", "rmsnorm_backward.dweight", 104192ull, 132ull},
 };
-static const cudagen_tensor_info k45_softmax_backward_tensors[] = {
+static const cudagen_tensor_info k43_softmax_backward_tensors[] = {
     {"out", "softmax_causal.out", 11264ull, 8712ull},
     {"dout", "softmax_backward.dout", 20224ull, 8712ull},
     {"dx", "softmax_backward.dx", 29184ull, 8712ull},
 };
-static const cudagen_tensor_info k46_log_softmax_backward_tensors[] = {
+static const cudagen_tensor_info k44_log_softmax_backward_tensors[] = {
     {"out", "log_softmax.out", 83200ull, 264ull},
     {"dout", "log_softmax_backward.dout", 84736ull, 264ull},
     {"dx", "log_softmax_backward.dx", 85248ull, 264ull},
 };
-static const cudagen_tensor_info k47_cross_entropy_tensors[] = {
+static const cudagen_tensor_info k45_cross_entropy_tensors[] = {
     {"logits", "cross_entropy.logits", 54528ull, 924ull},
     {"labels", "cross_entropy.labels", 104448ull, 132ull},
     {"loss", "cross_entropy.loss", 109568ull, 4ull},
 };
-static const cudagen_tensor_info k48_cross_entropy_backward_tensors[] = {
+static const cudagen_tensor_info k46_cross_entropy_backward_tensors[] = {
     {"logits", "cross_entropy_backward.logits", 72448ull, 396ull},
     {"labels", "cross_entropy_backward.labels", 106240ull, 24ull},
     {"dlogits", "cross_entropy_backward.dlogits", 72960ull, 396ull},
 };
-static const cudagen_tensor_info k49_embedding_backward_tensors[] = {
+static const cudagen_tensor_info k47_embedding_backward_tensors[] = {
     {"ids", "embedding_backward.ids", 85760ull, 264ull},
     {"dout", "embedding_backward.dout", 57344ull, 660ull},
     {"dtable", "embedding_backward.dtable", 104960ull, 80ull},
 };
-static const cudagen_tensor_info k50_mse_tensors[] = {
+static const cudagen_tensor_info k48_mse_tensors[] = {
     {"pred", "mse.pred", 73472ull, 396ull},
     {"target", "mse.target", 73984ull, 396ull},
     {"loss", "mse.loss", 109824ull, 4ull},
 };
-static const cudagen_tensor_info k51_mse_backward_tensors[] = {
+static const cudagen_tensor_info k49_mse_backward_tensors[] = {
     {"pred", "mse_backward.pred", 74496ull, 396ull},
     {"target", "mse_backward.target", 75008ull, 396ull},
     {"dpred", "mse_backward.dpred", 75520ull, 396ull},
 };
-static const cudagen_tensor_info k52_sum_backward_tensors[] = {
+static const cudagen_tensor_info k50_sum_backward_tensors[] = {
     {"dout", "sum_backward.dout", 108800ull, 12ull},
     {"dx", "sum_backward.dx", 76032ull, 396ull},
 };
-static const cudagen_tensor_info k53_mean_backward_tensors[] = {
+static const cudagen_tensor_info k51_mean_backward_tensors[] = {
     {"dout", "mean_backward.dout", 109056ull, 12ull},
     {"dx", "mean_backward.dx", 76544ull, 396ull},
 };
-static const cudagen_tensor_info k54_max_backward_tensors[] = {
+static const cudagen_tensor_info k52_max_backward_tensors[] = {
     {"x", "max.x", 68352ull, 396ull},
     {"out", "max.out", 108032ull, 12ull},
     {"dout", "max_backward.dout", 109312ull, 12ull},
     {"dx", "max_backward.dx", 77056ull, 396ull},
 };
-static const cudagen_tensor_info k55_sum_leading_backward_tensors[] = {
+static const cudagen_tensor_info k53_sum_leading_backward_tensors[] = {
     {"dout", "sum_leading_backward.dout", 106752ull, 20ull},
     {"dx", "sum_leading_backward.dx", 52992ull, 1320ull},
 };
-static const cudagen_tensor_info k56_maximum_backward_tensors[] = {
+static const cudagen_tensor_info k54_maximum_backward_tensors[] = {
     {"a", "maximum_backward.a", 77568ull, 396ull},
     {"b", "maximum_backward.b", 104704ull, 132ull},
     {"dout", "maximum_backward.dout", 78080ull, 396ull},
     {"dx", "maximum_backward.dx", 78592ull, 396ull},
 };
-static const cudagen_tensor_info k57_sgd_tensors[] = {
+static const cudagen_tensor_info k55_sgd_tensors[] = {
     {"param", "sgd.param", 79104ull, 396ull},
     {"grad", "sgd.grad", 79616ull, 396ull},
     {"momentum_buf", "sgd.momentum_buf", 80128ull, 396ull},
 };
-static const cudagen_tensor_info k58_adam_v_tensors[] = {
+static const cudagen_tensor_info k56_adam_v_tensors[] = {
     {"x", "adam_v.x", 86272ull, 264ull},
     {"out", "adam_v.out", 86784ull, 264ull},
 };
-static const cudagen_tensor_info k59_adam_tensors[] = {
+static const cudagen_tensor_info k57_adam_tensors[] = {
     {"param", "adam.param", 87296ull, 264ull},
     {"grad", "adam.grad", 87808ull, 264ull},
     {"m", "adam.m", 88320ull, 264ull},
     {"v", "adam_v.out", 86784ull, 264ull},
 };
-static const cudagen_tensor_info k60_adamw_v_tensors[] = {
+static const cudagen_tensor_info k58_adamw_v_tensors[] = {
     {"x", "adamw_v.x", 88832ull, 264ull},
     {"out", "adamw_v.out", 89344ull, 264ull},
 };
-static const cudagen_tensor_info k61_adamw_tensors[] = {
+static const cudagen_tensor_info k59_adamw_tensors[] = {
     {"param", "adamw.param", 89856ull, 264ull},
     {"grad", "adamw.grad", 90368ull, 264ull},
     {"m", "adamw.m", 90880ull, 264ull},
@@ -1996,7 +1976,7 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k11_tanh, dim3(1, 1, 1), dim3(256), 0, k11_tanh_tensors,
                  (const float*)(arena + 93440), (float*)(arena + 93696));
   CUDAGEN_LAUNCH(k12_exp, dim3(1, 1, 1), dim3(256), 0, k12_exp_tensors,
-                 (const float*)(arena + 93952), (float*)(arena + 94208), (float*)(arena + 94464));
+                 (const float*)(arena + 93952), (const float*)(arena + 101888), (const float*)(arena + 103168), (float*)(arena + 94208), (float*)(arena + 94464), (float*)(arena + 102144), (float*)(arena + 103424));
   CUDAGEN_LAUNCH(k13_neg, dim3(1, 1, 1), dim3(256), 0, k13_neg_tensors,
                  (const float*)(arena + 94720), (float*)(arena + 94976));
   CUDAGEN_LAUNCH(k14_gelu_erf, dim3(1, 1, 1), dim3(256), 0, k14_gelu_erf_tensors,
@@ -2049,55 +2029,51 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 100864), (float*)(arena + 101120));
   CUDAGEN_LAUNCH(k38_neg_backward, dim3(1, 1, 1), dim3(256), 0, k38_neg_backward_tensors,
                  (const float*)(arena + 101376), (float*)(arena + 101632));
-  CUDAGEN_LAUNCH(k39_log_backward, dim3(1, 1, 1), dim3(256), 0, k39_log_backward_tensors,
-                 (const float*)(arena + 94208), (const float*)(arena + 101888), (float*)(arena + 102144));
-  CUDAGEN_LAUNCH(k40_gelu_backward, dim3(1, 1, 1), dim3(256), 0, k40_gelu_backward_tensors,
+  CUDAGEN_LAUNCH(k39_gelu_backward, dim3(1, 1, 1), dim3(256), 0, k39_gelu_backward_tensors,
                  (const float*)(arena + 102400), (const float*)(arena + 102656), (float*)(arena + 102912));
-  CUDAGEN_LAUNCH(k41_exp_backward, dim3(1, 1, 1), dim3(256), 0, k41_exp_backward_tensors,
-                 (const float*)(arena + 94208), (const float*)(arena + 103168), (float*)(arena + 103424));
-  CUDAGEN_LAUNCH(k42_layernorm, dim3(3, 1, 1), dim3(64), 128, k42_layernorm_tensors,
+  CUDAGEN_LAUNCH(k40_layernorm, dim3(3, 1, 1), dim3(64), 128, k40_layernorm_tensors,
                  (const float*)(arena + 69376), (const float*)(arena + 1792), (const float*)(arena + 2048), (float*)(arena + 69888), (float*)(arena + 108288), (float*)(arena + 108544));
-  CUDAGEN_LAUNCH(k43_layernorm_backward, dim3(4, 1, 1), dim3(64), 128, k43_layernorm_backward_tensors,
+  CUDAGEN_LAUNCH(k41_layernorm_backward, dim3(4, 1, 1), dim3(64), 128, k41_layernorm_backward_tensors,
                  (const float*)(arena + 69376), (const float*)(arena + 1792), (const float*)(arena + 108288), (const float*)(arena + 108544), (const float*)(arena + 70400), (float*)(arena + 70912), (float*)(arena + 103680), (float*)(arena + 103936));
-  CUDAGEN_LAUNCH(k44_rmsnorm_backward, dim3(4, 1, 1), dim3(64), 128, k44_rmsnorm_backward_tensors,
+  CUDAGEN_LAUNCH(k42_rmsnorm_backward, dim3(4, 1, 1), dim3(64), 128, k42_rmsnorm_backward_tensors,
                  (const float*)(arena + 66304), (const float*)(arena + 768), (const float*)(arena + 107264), (const float*)(arena + 71424), (float*)(arena + 71936), (float*)(arena + 104192));
-  CUDAGEN_LAUNCH(k45_softmax_backward, dim3(66, 1, 1), dim3(64), 128, k45_softmax_backward_tensors,
+  CUDAGEN_LAUNCH(k43_softmax_backward, dim3(66, 1, 1), dim3(64), 128, k43_softmax_backward_tensors,
                  (const float*)(arena + 11264), (const float*)(arena + 20224), (float*)(arena + 29184));
-  CUDAGEN_LAUNCH(k46_log_softmax_backward, dim3(2, 1, 1), dim3(64), 128, k46_log_softmax_backward_tensors,
+  CUDAGEN_LAUNCH(k44_log_softmax_backward, dim3(2, 1, 1), dim3(64), 128, k44_log_softmax_backward_tensors,
                  (const float*)(arena + 83200), (const float*)(arena + 84736), (float*)(arena + 85248));
-  CUDAGEN_LAUNCH(k47_cross_entropy, dim3(1, 1, 1), dim3(32), 128, k47_cross_entropy_tensors,
+  CUDAGEN_LAUNCH(k45_cross_entropy, dim3(1, 1, 1), dim3(32), 128, k45_cross_entropy_tensors,
                  (const float*)(arena + 54528), (const int*)(arena + 104448), (float*)(arena + 109568));
-  CUDAGEN_LAUNCH(k48_cross_entropy_backward, dim3(3, 1, 1), dim3(64), 128, k48_cross_entropy_backward_tensors,
+  CUDAGEN_LAUNCH(k46_cross_entropy_backward, dim3(3, 1, 1), dim3(64), 128, k46_cross_entropy_backward_tensors,
                  (const float*)(arena + 72448), (const long long*)(arena + 106240), (float*)(arena + 72960));
-  CUDAGEN_LAUNCH(k49_embedding_backward, dim3(4, 1, 1), dim3(32), 0, k49_embedding_backward_tensors,
+  CUDAGEN_LAUNCH(k47_embedding_backward, dim3(4, 1, 1), dim3(32), 0, k47_embedding_backward_tensors,
                  (const long long*)(arena + 85760), (const float*)(arena + 57344), (float*)(arena + 104960));
-  CUDAGEN_LAUNCH(k50_mse, dim3(1, 1, 1), dim3(256), 128, k50_mse_tensors,
+  CUDAGEN_LAUNCH(k48_mse, dim3(1, 1, 1), dim3(256), 128, k48_mse_tensors,
                  (const float*)(arena + 73472), (const float*)(arena + 73984), (float*)(arena + 109824));
-  CUDAGEN_LAUNCH(k51_mse_backward, dim3(1, 1, 1), dim3(256), 0, k51_mse_backward_tensors,
+  CUDAGEN_LAUNCH(k49_mse_backward, dim3(1, 1, 1), dim3(256), 0, k49_mse_backward_tensors,
                  (const float*)(arena + 74496), (const float*)(arena + 75008), (float*)(arena + 75520));
-  CUDAGEN_LAUNCH(k52_sum_backward, dim3(1, 1, 1), dim3(256), 0, k52_sum_backward_tensors,
+  CUDAGEN_LAUNCH(k50_sum_backward, dim3(1, 1, 1), dim3(256), 0, k50_sum_backward_tensors,
                  (const float*)(arena + 108800), (float*)(arena + 76032));
-  CUDAGEN_LAUNCH(k53_mean_backward, dim3(1, 1, 1), dim3(256), 0, k53_mean_backward_tensors,
+  CUDAGEN_LAUNCH(k51_mean_backward, dim3(1, 1, 1), dim3(256), 0, k51_mean_backward_tensors,
                  (const float*)(arena + 109056), (float*)(arena + 76544));
-  CUDAGEN_LAUNCH(k54_max_backward, dim3(3, 1, 1), dim3(64), 128, k54_max_backward_tensors,
+  CUDAGEN_LAUNCH(k52_max_backward, dim3(3, 1, 1), dim3(64), 128, k52_max_backward_tensors,
                  (const float*)(arena + 68352), (const float*)(arena + 108032), (const float*)(arena + 109312), (float*)(arena + 77056));
-  CUDAGEN_LAUNCH(k55_sum_leading_backward, dim3(2, 1, 1), dim3(256), 0, k55_sum_leading_backward_tensors,
+  CUDAGEN_LAUNCH(k53_sum_leading_backward, dim3(2, 1, 1), dim3(256), 0, k53_sum_leading_backward_tensors,
                  (const float*)(arena + 106752), (float*)(arena + 52992));
-  CUDAGEN_LAUNCH(k56_maximum_backward, dim3(1, 1, 1), dim3(256), 0, k56_maximum_backward_tensors,
+  CUDAGEN_LAUNCH(k54_maximum_backward, dim3(1, 1, 1), dim3(256), 0, k54_maximum_backward_tensors,
                  (const float*)(arena + 77568), (const float*)(arena + 104704), (const float*)(arena + 78080), (float*)(arena + 78592));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k57_sgd, dim3(1, 1, 1), dim3(256), 0, k57_sgd_tensors,
+  CUDAGEN_LAUNCH(k55_sgd, dim3(1, 1, 1), dim3(256), 0, k55_sgd_tensors,
                  (float*)(arena + 79104), (const float*)(arena + 79616), (float*)(arena + 80128));
-  CUDAGEN_LAUNCH(k58_adam_v, dim3(1, 1, 1), dim3(256), 0, k58_adam_v_tensors,
+  CUDAGEN_LAUNCH(k56_adam_v, dim3(1, 1, 1), dim3(256), 0, k56_adam_v_tensors,
                  (const float*)(arena + 86272), (float*)(arena + 86784));
-  CUDAGEN_LAUNCH(k59_adam, dim3(1, 1, 1), dim3(256), 0, k59_adam_tensors,
+  CUDAGEN_LAUNCH(k57_adam, dim3(1, 1, 1), dim3(256), 0, k57_adam_tensors,
                  (float*)(arena + 87296), (const float*)(arena + 87808), (float*)(arena + 88320), (float*)(arena + 86784));
-  CUDAGEN_LAUNCH(k60_adamw_v, dim3(1, 1, 1), dim3(256), 0, k60_adamw_v_tensors,
+  CUDAGEN_LAUNCH(k58_adamw_v, dim3(1, 1, 1), dim3(256), 0, k58_adamw_v_tensors,
                  (const float*)(arena + 88832), (float*)(arena + 89344));
-  CUDAGEN_LAUNCH(k61_adamw, dim3(1, 1, 1), dim3(256), 0, k61_adamw_tensors,
+  CUDAGEN_LAUNCH(k59_adamw, dim3(1, 1, 1), dim3(256), 0, k59_adamw_tensors,
                  (float*)(arena + 89856), (const float*)(arena + 90368), (float*)(arena + 90880), (float*)(arena + 89344));
   return 0;
 }

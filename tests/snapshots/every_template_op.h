@@ -15,7 +15,7 @@ struct CUstream_st;  // cudaStream_t is a CUstream_st*
 extern "C" {
 extern const unsigned long long cudagen_arena_bytes;  // 110336 on this plan
 int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 3 kernel(s)
-int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 54 kernel(s)
+int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 52 kernel(s)
 int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 5 kernel(s)
 }
 

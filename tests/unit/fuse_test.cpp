@@ -202,6 +202,38 @@ TEST(Fusion, AValueReadInALaterKernelIsStored) {
   b.task("s", "sum").tensor("x", m["out"]).tensor("out", f32, {2}, ext);
   b.task("late", "relu").tensor("x", a["out"]).tensor("out", f32, {2, 8}, ext);  // scheduled after s
   Compiled c = plan_graph(std::move(b).graph());
+  // `late` reads a.out only, so it joins a's kernel, ahead of the sum: a.out stays in registers.
+  ASSERT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"a", "n", "m", "late"}));
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"a.out", "n.out"}));
+}
+
+// A task joins the kernel that computes what it reads even when other kernels
+// ran in between (here a matmul's gradients): never past a kernel that writes
+// what it reads in place.
+TEST(Fusion, ATaskJoinsItsProducersKernelPastIndependentOnes) {
+  Compiled c = plan_program(load_program(source_path("examples/train_mlp.json"), {}), {});
+  bool joined = false;
+  for (const auto& k : c.kernels)
+    joined = joined || task_ids(c, k) == std::vector<std::string>{"fc2_grad_a", "act1_backward"};
+  EXPECT_TRUE(joined);
+  GraphBuilder b("in_place_between");
+  auto w = b.task("w", "fill", Phase::init).tensor("out", f32, {8}, Storage::persistent).arg("value", 1.0);
+  auto g = b.task("g", "relu", Phase::update).tensor("x", f32, {8}, ext).tensor("out", f32, {8});
+  b.task("step", "sgd", Phase::update).tensor("param", w["out"]).tensor("grad", g["out"]).arg("lr", 0.1);
+  b.task("after", "add", Phase::update).tensor("a", g["out"]).tensor("b", w["out"]).tensor("out", f32, {8}, ext);
+  Compiled u = plan_graph(std::move(b).graph());
+  ASSERT_EQ(u.kernels.size(), 4u) << "after reads w, which step updates: it stays after step";
+  EXPECT_EQ(task_ids(u, u.kernels.back()), (std::vector<std::string>{"after"}));
+}
+
+TEST(Fusion, AValueStoredForALaterKernelIsStoredOnce) {
+  GraphBuilder b("later_sum");
+  auto a = b.task("a", "relu").tensor("x", f32, {2, 8}, ext).tensor("out", f32, {2, 8});
+  auto n = b.task("n", "neg").tensor("x", a["out"]).tensor("out", f32, {2, 8});
+  auto m = b.task("m", "sigmoid").tensor("x", n["out"]).tensor("out", f32, {2, 8});
+  b.task("s", "sum").tensor("x", m["out"]).tensor("out", f32, {2}, ext);
+  b.task("late", "max").tensor("x", a["out"]).tensor("out", f32, {2}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
   ASSERT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"a", "n", "m"}));
   // n.out is read only in the kernel; m.out by the sum, a.out by `late`: both stored.
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"n.out"}));

@@ -1,0 +1,110 @@
+// What fusion saves, per graph and phase, without a GPU (issue #6): kernels
+// launched and modelled device-memory bytes (each kernel reads each tensor it
+// takes once and writes each it stores once: EmittedKernel::bytes_read and
+// bytes_written) unfused, fused, and the minimum any schedule needs: every
+// tensor the phase reads from outside it read once, every tensor that leaves
+// the phase written once, nothing else. The unfused figures are the baseline
+// of the same run.
+//   bench_fusion GRAPH.json...
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "pipeline.h"
+#include "plan.h"
+
+using namespace cudagen;
+
+namespace {
+
+struct PhaseFigures {
+  int tasks = 0;
+  int kernels = 0;
+  int64_t bytes = 0;
+};
+
+std::map<Phase, PhaseFigures> measure(const Compiled& c) {
+  std::map<Phase, PhaseFigures> out;
+  for (const auto& t : c.program.tasks)
+    if (t.op->view.first.empty()) ++out[t.task->phase].tasks;  // a view runs no kernel, fused or not
+  for (const auto& k : c.emitted.kernels) {
+    PhaseFigures& f = out[k.phase];
+    ++f.kernels;
+    f.bytes += k.bytes_read + k.bytes_written;
+  }
+  return out;
+}
+
+// The bytes a phase cannot avoid moving: each buffer it reads whose value
+// comes from outside it (an input, a weight, a value saved for backward, a
+// weight an optimizer updates in place) once, and each buffer it writes that
+// is read outside it (a later phase, the caller) once. A view is its source.
+std::map<Phase, int64_t> minimum_bytes(const Program& p) {
+  std::vector<int> root(p.buffers.size());
+  for (size_t b = 0; b < p.buffers.size(); ++b) root[b] = int(b);
+  for (auto [view, source] : view_pairs(p)) root[size_t(view)] = source;
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    while (root[size_t(root[b])] != root[b]) root[b] = root[size_t(root[b])];
+  // Per root buffer: the phases that produce it (an output slot), that write
+  // it (output or in place) and that read it, views aside.
+  std::vector<std::set<Phase>> produces(p.buffers.size()), writes(p.buffers.size()), reads(p.buffers.size());
+  for (const auto& t : p.tasks) {
+    if (!t.op->view.first.empty()) continue;
+    for (const auto& b : t.tensors) {
+      if (b.buffer < 0 || b.sig == nullptr) continue;
+      const size_t r = size_t(root[size_t(b.buffer)]);
+      if (b.sig->role == SlotRole::output || b.sig->role == SlotRole::scratch) produces[r].insert(t.task->phase);
+      if (b.sig->written()) writes[r].insert(t.task->phase);
+      if (b.sig->role == SlotRole::input || b.sig->role == SlotRole::weight) reads[r].insert(t.task->phase);
+    }
+  }
+  std::map<Phase, int64_t> out;
+  for (size_t r = 0; r < p.buffers.size(); ++r) {
+    if (root[r] != int(r)) continue;
+    const BufferInfo& info = p.buffers[r];
+    for (Phase phase : reads[r])
+      if (!produces[r].count(phase)) out[phase] += info.bytes;
+    for (Phase phase : writes[r]) {
+      bool leaves = info.storage != Storage::transient || info.promoted;
+      for (Phase reader : reads[r]) leaves = leaves || reader != phase;
+      if (leaves) out[phase] += info.bytes;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: %s GRAPH.json...\n", argv[0]);
+    return 2;
+  }
+  fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9}\n", "graph", "phase", "tasks",
+             "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min");
+  int64_t tasks_all = 0, kernels_all = 0;
+  for (int i = 1; i < argc; ++i) {
+    CompileOptions unfused_options;
+    unfused_options.fuse.enabled = false;
+    const Compiled unfused = compile(load_program(argv[i], {}), unfused_options);
+    const Compiled fused = compile(load_program(argv[i], {}), {});
+    const auto u = measure(unfused), f = measure(fused);
+    const auto minimum = minimum_bytes(fused.program);
+    for (const auto& [phase, figures] : f) {
+      const int64_t lower = minimum.count(phase) ? minimum.at(phase) : 0;
+      fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9.2f} {:>9.2f}\n", fused.program.graph.name,
+                 to_string(phase), figures.tasks, u.at(phase).kernels, figures.kernels, u.at(phase).bytes,
+                 figures.bytes, lower, lower > 0 ? double(figures.bytes) / double(lower) : 0.0,
+                 lower > 0 ? double(u.at(phase).bytes) / double(lower) : 0.0);
+      tasks_all += figures.tasks;
+      kernels_all += figures.kernels;
+    }
+  }
+  fmt::print("all graphs: {} tasks in {} fused kernels ({:.2f} tasks per kernel)\n", tasks_all, kernels_all,
+             double(tasks_all) / double(kernels_all));
+  return 0;
+}
