@@ -30,8 +30,6 @@ namespace {
 
 std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
 
-bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
-
 // The flat index into `in` (right-aligned, numpy broadcasting) of element
 // `var` of a tensor shaped `out`, as a C expression.
 std::string broadcast_index(const Shape& out, const Shape& in, const std::string& var) {
@@ -461,7 +459,6 @@ class Emitter {
   Epilogue epilogue(const KernelGroup& k, const Param& out) {
     Epilogue e;
     const Shape& domain = out.buffer->shape;
-    const int64_t n = numel(domain);
     std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
     std::string statements, stores;
     auto stored = [&](int t, const Param& x, const std::string& value) {
@@ -493,16 +490,13 @@ class Emitter {
         if (added)
           e.params.push_back(
               LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
-        // An elementwise op reads element i of an input of the domain's size whatever its shape (reshape).
-        const bool same = op.pattern == PatternKind::elementwise ? numel(x.buffer->shape) == n : x.buffer->shape == domain;
-        const std::string element = fmt::format("cg_load({}, {})", it->second, same ? "i" : broadcast_index(domain, x.buffer->shape, "i"));
+        const std::string element =
+            fmt::format("cg_load({}, {})", it->second,
+                        reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i"));
         operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element);
       }
-      append_arguments(t, operands);
-      const DType dtype = result->buffer->dtype;
       const std::string v = fmt::format("v{}", j);
-      statements += fmt::format("    const {} {} = {}<{}>({});  // {}\n", compute_type(dtype), v, op.source_function,
-                                compute_type(dtype), fmt::join(operands, ", "), buffer_name(result->bound->buffer));
+      statements += chain_statement(t, *result, std::move(operands), v, "    ");
       value_of[result->bound->buffer] = v;
       stored(t, *result, v);
     }
@@ -531,9 +525,7 @@ class Emitter {
     ek.name = k.name;
     ek.phase = k.phase;
     ek.tasks = k.tasks;
-    auto internal = [&](int b) {
-      return std::find(k.internal_buffers.begin(), k.internal_buffers.end(), b) != k.internal_buffers.end();
-    };
+    auto internal = [&](int b) { return contains(k.internal_buffers, b); };
     struct Step {
       int task;
       std::vector<Param> ps;
@@ -568,7 +560,7 @@ class Emitter {
         const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + x.bound->name;
         param_of[x.bound->buffer] = name;
         inputs.push_back(LaunchParam{name, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr});
-        const bool same = op.pattern == PatternKind::elementwise ? numel(x.buffer->shape) == n : x.buffer->shape == domain;
+        const bool same = reads_own_element(op, x, domain);
         flat = flat && same;
         loads.push_back({&x, same ? "i" : broadcast_index(domain, x.buffer->shape, "i")});
       }
@@ -602,11 +594,7 @@ class Emitter {
           operands.push_back(v != value_of.end() ? v->second : loaded[x.bound->buffer]);
         }
       if (operands.empty()) operands.push_back(index);
-      append_arguments(t, operands);
-      const DType out_dtype = steps[j].out->buffer->dtype;
-      statements += fmt::format("{}const {} v{} = {}<{}>({});  // {}\n", indent, compute_type(out_dtype), j,
-                                p_.tasks[size_t(t)].op->source_function, compute_type(out_dtype),
-                                fmt::join(operands, ", "), buffer_name(steps[j].out->bound->buffer));
+      statements += chain_statement(t, *steps[j].out, std::move(operands), fmt::format("v{}", j), indent);
     }
     auto narrowed = [&](const Step& step, size_t j) {
       const DType d = step.out->buffer->dtype;
@@ -765,6 +753,25 @@ class Emitter {
     std::string value =
         fmt::format("{}<{}>({})", op.source_function, compute_type(out.buffer->dtype), fmt::join(operands, ", "));
     return is_16bit(out.buffer->dtype) ? fmt::format("cg_narrow<{}>({})", c_type(out.buffer->dtype), value) : value;
+  }
+
+  // Whether a fused task reads input x at the element's own index i of the
+  // kernel's domain: an elementwise op reads element i of an input of the
+  // domain's size whatever its shape (reshape); a broadcast op only an input
+  // of the domain's shape.
+  static bool reads_own_element(const OpSignature& op, const Param& x, const Shape& domain) {
+    return op.pattern == PatternKind::elementwise ? numel(x.buffer->shape) == numel(domain) : x.buffer->shape == domain;
+  }
+
+  // One fused task as a statement: its value, a local `value` in the compute
+  // type, from its operands (earlier values, loaded elements) and arguments.
+  std::string chain_statement(int t, const Param& out, std::vector<std::string> operands, const std::string& value,
+                              const std::string& indent) {
+    append_arguments(t, operands);
+    const std::string type = compute_type(out.buffer->dtype);
+    return fmt::format("{}const {} {} = {}<{}>({});  // {}\n", indent, type, value,
+                       p_.tasks[size_t(t)].op->source_function, type, fmt::join(operands, ", "),
+                       buffer_name(out.bound->buffer));
   }
 
   // Elements per vectorised access (16 bytes of the widest tensor), or 1

@@ -8,8 +8,6 @@ namespace cudagen {
 
 namespace {
 
-bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
-
 bool is_view(const BoundTask& bt) { return !bt.op->view.first.empty(); }
 
 // The one output slot of a task, or nullptr.

@@ -20,9 +20,7 @@ std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::
     std::vector<int> buffers;
     for (int t : k.tasks)
       for (const auto& bound : program.tasks[size_t(t)].tensors)
-        if (bound.buffer >= 0 && std::find(k.internal_buffers.begin(), k.internal_buffers.end(), bound.buffer) ==
-                                     k.internal_buffers.end())
-          buffers.push_back(bound.buffer);
+        if (bound.buffer >= 0 && !contains(k.internal_buffers, bound.buffer)) buffers.push_back(bound.buffer);
     std::sort(buffers.begin(), buffers.end());
     buffers.erase(std::unique(buffers.begin(), buffers.end()), buffers.end());
     out.push_back(std::move(buffers));

@@ -2,6 +2,7 @@
 // makes them; without it every task is its own kernel, in schedule order).
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,9 @@ struct KernelGroup {
   // and get no storage in the arena.
   std::vector<int> internal_buffers;
 };
+
+// Whether a list of task or buffer indices holds `x`.
+inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule);
 

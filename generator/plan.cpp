@@ -108,8 +108,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         int bo = out->buffer, bi = in->buffer;
         const BufferInfo &o = program.buffers[size_t(bo)], &i = program.buffers[size_t(bi)];
         if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)] ||
-            internal(bi) || internal(bo) ||
-            std::find(read_elsewhere.begin(), read_elsewhere.end(), bi) != read_elsewhere.end())
+            internal(bi) || internal(bo) || contains(read_elsewhere, bi))
           continue;
         if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
         taken[size_t(bi)] = true;
