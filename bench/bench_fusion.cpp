@@ -1,11 +1,16 @@
-// What fusion saves, per graph and phase, without a GPU (issue #6): kernels
-// launched and modelled device-memory bytes (each kernel reads each tensor it
-// takes once and writes each it stores once: EmittedKernel::bytes_read and
-// bytes_written) unfused, fused, and the minimum any schedule needs: every
-// tensor the phase reads from outside it read once, every tensor that leaves
-// the phase written once, nothing else. The unfused figures are the baseline
+// What fusion saves, per graph and phase, without a GPU (issues #6, #12):
+// kernels launched, and device-memory bytes unfused, fused, and the minimum
+// any schedule needs (every tensor the phase reads from outside it read once,
+// every tensor that leaves the phase written once, nothing else). The bytes
+// are measured: each program runs in the host emulation on random inputs and
+// the profiler counts every load and store of every kernel (a matmul reads its
+// operands once per tile, a softmax its row three times). The emitter's model
+// (each kernel reads each tensor it takes once: EmittedKernel::bytes_read and
+// bytes_written) is printed beside them. The unfused figures are the baseline
 // of the same run.
 //   bench_fusion GRAPH.json...
+#include <unistd.h>
+
 #include <cstdio>
 #include <map>
 #include <set>
@@ -16,6 +21,8 @@
 
 #include "pipeline.h"
 #include "plan.h"
+#include "profile.h"
+#include "runner.h"
 
 using namespace cudagen;
 
@@ -24,18 +31,25 @@ namespace {
 struct PhaseFigures {
   int tasks = 0;
   int kernels = 0;
-  int64_t bytes = 0;
+  int64_t modelled_bytes = 0;
+  int64_t bytes = 0;  // measured
 };
 
-std::map<Phase, PhaseFigures> measure(const Compiled& c) {
+// Runs `c` in the emulation (checked against the reference, so the counts
+// come from a correct run) and profiles every phase.
+std::map<Phase, PhaseFigures> measure(const Compiled& c, const std::string& work_dir) {
   std::map<Phase, PhaseFigures> out;
   for (const auto& t : c.program.tasks)
     if (t.op->view.first.empty()) ++out[t.task->phase].tasks;  // a view runs no kernel, fused or not
   for (const auto& k : c.emitted.kernels) {
     PhaseFigures& f = out[k.phase];
     ++f.kernels;
-    f.bytes += k.bytes_read + k.bytes_written;
+    f.modelled_bytes += k.bytes_read + k.bytes_written;
   }
+  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir);
+  CheckedRun run = run_and_check(c, *executor, RunOptions{1, work_dir});
+  if (!run.ok()) throw std::runtime_error(c.program.graph.name + " failed its check:\n" + format_run(run));
+  for (const PhaseProfile& p : profile_program(c, *executor).phases) out[p.phase].bytes = p.bytes;
   return out;
 }
 
@@ -84,22 +98,23 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s GRAPH.json...\n", argv[0]);
     return 2;
   }
-  fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9}\n", "graph", "phase", "tasks",
-             "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min");
+  const std::string work_dir = fmt::format("/tmp/bench_fusion_{}", ::getpid());
+  fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11}\n", "graph", "phase", "tasks",
+             "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min", "fused model");
   int64_t tasks_all = 0, kernels_all = 0;
   for (int i = 1; i < argc; ++i) {
     CompileOptions unfused_options;
     unfused_options.fuse.enabled = false;
     const Compiled unfused = compile(load_program(argv[i], {}), unfused_options);
     const Compiled fused = compile(load_program(argv[i], {}), {});
-    const auto u = measure(unfused), f = measure(fused);
+    const auto u = measure(unfused, work_dir), f = measure(fused, work_dir);
     const auto minimum = minimum_bytes(fused.program);
     for (const auto& [phase, figures] : f) {
       const int64_t lower = minimum.count(phase) ? minimum.at(phase) : 0;
-      fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9.2f} {:>9.2f}\n", fused.program.graph.name,
-                 to_string(phase), figures.tasks, u.at(phase).kernels, figures.kernels, u.at(phase).bytes,
-                 figures.bytes, lower, lower > 0 ? double(figures.bytes) / double(lower) : 0.0,
-                 lower > 0 ? double(u.at(phase).bytes) / double(lower) : 0.0);
+      fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9.2f} {:>9.2f} {:>11}\n",
+                 fused.program.graph.name, to_string(phase), figures.tasks, u.at(phase).kernels, figures.kernels,
+                 u.at(phase).bytes, figures.bytes, lower, lower > 0 ? double(figures.bytes) / double(lower) : 0.0,
+                 lower > 0 ? double(u.at(phase).bytes) / double(lower) : 0.0, figures.modelled_bytes);
       tasks_all += figures.tasks;
       kernels_all += figures.kernels;
     }

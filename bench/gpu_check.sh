@@ -11,7 +11,8 @@
 #  - the same with --cuda-graph, and the training examples for several steps;
 #  - examples/jit (the C++ API), and the disk cache's second run (a hit);
 #  - examples/aot, built ahead of time with nvcc by pack_gpu_kit.sh;
-#  - per-kernel times of each forward phase (--profile).
+#  - the profile of the forward and training examples (--profile): kernel and phase times, bandwidth
+#    against the device copy, FLOP rates; the profile tables at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=${1:-gpu-kit}
@@ -50,10 +51,11 @@ printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done
 
 echo
-echo "per-kernel times (cudagen run --gpu --profile; microseconds, one run after the checked ones):"
-for graph in examples/mlp_forward.json examples/transformer_block.json; do
+echo "profiles (cudagen run --gpu --profile: median of 10 runs after warm-up; the kernel times must add up to"
+echo "within 10% of the phase's):"
+for graph in examples/mlp_forward.json examples/transformer_block.json examples/train_transformer.json; do
   echo "== $graph"
-  "$cudagen" run --gpu --profile "$graph" 2>&1 | sed -n '/kernel times/,/total/p'
+  "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done

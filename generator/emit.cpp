@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "cost.h"
 #include "diagnostics.h"
 #include "graph_json.h"
 #include "hash.h"
@@ -112,6 +113,9 @@ class Emitter {
     for (const auto& k : kernels)
       kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.kernels) : emit_kernel(k, out.kernels);
     if (!diags_.ok()) throw CompileError(std::move(diags_));
+    for (EmittedKernel& ek : out.kernels)
+      for (int t : ek.tasks)
+        if (std::optional<int64_t> flops = task_flops(p_, t)) ek.flops = std::max<int64_t>(ek.flops, 0) + *flops;
     out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out.kernels);
     out.manifest_json = manifest(out.kernels);
     out.host_header = host_header(kernels);
@@ -1397,9 +1401,10 @@ class Emitter {
       for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"arg_offsets\": [{}]}}",
+          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]}}",
           i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
-          k.smem_bytes, k.bytes_read, k.bytes_written, fmt::join(k.arg_offsets, ", "));
+          k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
+          fmt::join(k.arg_offsets, ", "));
     }
     out += "\n  ],\n  \"scalars\": [";
     for (size_t i = 0; i < plan_.scalars.size(); ++i) {

@@ -37,6 +37,9 @@ struct EmittedKernel {
   int64_t smem_bytes = 0;
   int64_t bytes_read = 0;     // modelled: each tensor read once
   int64_t bytes_written = 0;
+  // The floating-point operations its tasks declare (the registry's `flops`);
+  // -1 when none of them declares any.
+  int64_t flops = -1;
   // Each parameter's byte offset in the arena, in the kernel's parameter
   // order (tensors, then run-time arguments): the JIT runtime launches with
   // arena + offset, as the host launcher does.

@@ -71,6 +71,11 @@ struct Program {
 // {-1, nullptr} when the task has no such argument bound.
 std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg);
 
+// How a shape rule (or an op's FLOPs formula) sees task `task`: its slots'
+// buffer shapes, its constant arguments (bool as 0/1; a run-time one has no
+// value).
+ShapeEnv task_shape_env(const Program& program, int task);
+
 // A buffer's name, "task.slot" of the slot that owns it: how the manifest,
 // the runtime and every message name it.
 std::string buffer_name(const Program& program, int buffer);

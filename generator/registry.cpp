@@ -172,6 +172,7 @@ class RegistryReader {
     op.forward = string_field(v, "forward", path, op.name, false);
     op.init = string_field(v, "init", path, op.name, false);
     op.smem = string_field(v, "smem", path, op.name, false);
+    op.flops_text = string_field(v, "flops", path, op.name, false);
     if (const JsonValue* source = v.find("source")) {
       op.source_file = string_field(*source, "file", path + "/source", op.name, true);
       op.source_function = string_field(*source, "function", path + "/source", op.name, true);
@@ -208,6 +209,14 @@ class RegistryReader {
         check_rule_slots(v, path, op);
       } catch (const ShapeRuleSyntaxError& e) {
         fail(v, path + "/shape", e.what(), op.name);
+      }
+    }
+    if (!op.flops_text.empty()) {  // after the rule and the arguments, whose names it uses
+      try {
+        op.flops = parse_rule_formula(op.flops_text);
+        check_formula_names(v, path + "/flops", op, op.flops);
+      } catch (const ShapeRuleSyntaxError& e) {
+        fail(v, path + "/flops", fmt::format("flops formula: {}", e.what()), op.name);
       }
     }
     if (const JsonValue* view = v.find("view")) {
@@ -314,6 +323,33 @@ class RegistryReader {
         for (const auto& p : *list) named = named || p.slot == s.name;
       if (!named) fail(v, path + "/shape", fmt::format("the shape rule says nothing of slot '{}'", s.name), op.name);
     }
+  }
+
+  // Every name of a formula is a dimension or a run of the shape rule, or an
+  // argument; every numel() names a slot.
+  void check_formula_names(const JsonValue& v, const std::string& path, const OpSignature& op, const DimExpr& e) {
+    for (const DimExpr& part : e.parts) check_formula_names(v, path, op, part);
+    if (e.kind == DimExpr::Kind::Numel && op.find_tensor(e.name) == nullptr)
+      fail(v, path, fmt::format("numel({}): the op has no slot '{}'", e.name, e.name), op.name);
+    if (e.kind == DimExpr::Kind::Choose && op.find_arg(e.name) == nullptr)
+      fail(v, path, fmt::format("'{} ? ...' chooses by '{}', which is not an argument of the op", e.name, e.name),
+           op.name);
+    if (e.kind != DimExpr::Kind::Symbol || op.find_arg(e.name) != nullptr) return;
+    for (const auto* list : {&op.shape.inputs, &op.shape.outputs})
+      for (const auto& pattern : *list)
+        for (const auto& item : pattern.dims)
+          if (item.pack == e.name || item.pack_b == e.name || rule_names(item.expr, e.name)) return;
+    fail(v, path,
+         fmt::format("'{}' is neither a dimension of the shape rule ({}) nor an argument of the op", e.name,
+                     op.shape.text),
+         op.name);
+  }
+
+  static bool rule_names(const DimExpr& e, const std::string& name) {
+    if (e.kind == DimExpr::Kind::Symbol && e.name == name) return true;
+    for (const DimExpr& part : e.parts)
+      if (rule_names(part, name)) return true;
+    return false;
   }
 
   Diagnostics& diags_;

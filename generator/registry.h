@@ -62,6 +62,11 @@ struct OpSignature {
   std::string source_file;
   std::string source_function;
   std::string smem;  // shared memory the template needs, as a formula of its tile sizes
+  // The floating-point operations one task performs, as a formula of the
+  // shape rule's names (`2 * numel(out) * K` for a matmul); empty when the op
+  // declares none. The profiler turns it into a FLOP rate.
+  std::string flops_text;
+  DimExpr flops;
   // The template definitions the op's function needs, itself included, by
   // id, in file order (made by the indexer; empty in a hand-written registry).
   std::vector<std::string> closure;

@@ -16,6 +16,7 @@ std::string DimExpr::str() const {
       return fmt::format("{}*{}", wrap(parts[0]), wrap(parts[1]));
     }
     case Kind::Choose: return fmt::format("{} ? {} : {}", name, parts[0].str(), parts[1].str());
+    case Kind::Numel: return fmt::format("numel({})", name);
   }
   return "?";
 }
@@ -25,6 +26,13 @@ namespace {
 class RuleParser {
  public:
   explicit RuleParser(std::string_view text) : text_(text) {}
+
+  DimExpr parse_formula() {
+    DimExpr e = parse_expr();
+    skip_ws();
+    if (!at_end()) fail("unexpected text after the formula");
+    return e;
+  }
 
   ShapeRule parse() {
     ShapeRule rule;
@@ -169,6 +177,12 @@ class RuleParser {
       return e;
     }
     std::string name = parse_name();
+    if (name == "numel" && consume("(")) {
+      e.kind = DimExpr::Kind::Numel;
+      e.name = parse_name();
+      if (!consume(")")) fail("expected ')' after numel(slot");
+      return e;
+    }
     if (consume("?")) {
       e.kind = DimExpr::Kind::Choose;
       e.name = name;
@@ -207,6 +221,15 @@ class RuleChecker {
     for (const auto& d : deferred_) check_deferred(d);
     for (const auto& [a, b] : rule_.same_numel) check_numel(a, b);
     return std::move(errors_);
+  }
+
+  // A formula's value once the rule has bound its symbols.
+  std::optional<int64_t> evaluate(const DimExpr& formula) {
+    for (const auto* list : {&rule_.inputs, &rule_.outputs})
+      for (const auto& pattern : *list) match(pattern);
+    if (!errors_.empty()) return std::nullopt;
+    std::optional<int64_t> value = eval("", formula);
+    return errors_.empty() ? value : std::nullopt;
   }
 
  private:
@@ -306,6 +329,7 @@ class RuleChecker {
       case DimExpr::Kind::Symbol: {
         if (env_.is_arg(e.name)) return arg_value(slot, e.name);
         auto it = symbols_.find(e.name);
+        if (auto pack = packs_.find(e.name); it == symbols_.end() && pack != packs_.end()) return product(pack->second.dims);
         if (it == symbols_.end()) {
           error(slot, fmt::format("dimension {} is not bound by any slot (a bug in the op's rule)", e.name));
           return std::nullopt;
@@ -329,8 +353,22 @@ class RuleChecker {
         const DimExpr* chosen = select(slot, e);
         return chosen ? eval(slot, *chosen) : std::nullopt;
       }
+      case DimExpr::Kind::Numel: {
+        const Shape* shape = env_.shape_of(e.name);
+        if (shape == nullptr) {
+          error(slot, fmt::format("numel({}): the task has no slot {}", e.name, e.name));
+          return std::nullopt;
+        }
+        return product(*shape);
+      }
     }
     return std::nullopt;
+  }
+
+  static int64_t product(const Shape& dims) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;  // shapes were checked for overflow before rules run
+    return n;
   }
 
   const PackBinding* find_pack(const std::string& slot, const std::string& name) {
@@ -400,6 +438,12 @@ ShapeRule parse_shape_rule(std::string_view text) { return RuleParser(text).pars
 
 std::vector<ShapeMismatch> check_shape_rule(const ShapeRule& rule, const ShapeEnv& env) {
   return RuleChecker(rule, env).run();
+}
+
+DimExpr parse_rule_formula(std::string_view text) { return RuleParser(text).parse_formula(); }
+
+std::optional<int64_t> evaluate_rule_formula(const DimExpr& formula, const ShapeRule& rule, const ShapeEnv& env) {
+  return RuleChecker(rule, env).evaluate(formula);
 }
 
 }  // namespace cudagen

@@ -27,10 +27,10 @@
 namespace cudagen {
 
 struct DimExpr {
-  enum class Kind { Const, Symbol, Add, Mul, Choose };
+  enum class Kind { Const, Symbol, Add, Mul, Choose, Numel };
   Kind kind = Kind::Const;
   int64_t value = 0;
-  std::string name;            // Symbol; Choose: the boolean argument
+  std::string name;            // Symbol; Choose: the boolean argument; Numel: the slot
   std::vector<DimExpr> parts;  // Add/Mul operands; Choose: {then, else}
   std::string str() const;
 };
@@ -80,5 +80,15 @@ struct ShapeEnv {
 
 // Every way the shapes break the rule; empty when they satisfy it.
 std::vector<ShapeMismatch> check_shape_rule(const ShapeRule& rule, const ShapeEnv& env);
+
+// A formula over a rule's names (an op's declared FLOPs): the expression
+// grammar above, where a NAME is a dimension symbol of the rule, a run of
+// dimensions (`...B`: the product of its dimensions) or a constant argument,
+// and `numel(slot)` is a slot's element count. Throws ShapeRuleSyntaxError.
+DimExpr parse_rule_formula(std::string_view text);
+
+// Its value for one task whose shapes satisfy `rule`; nullopt when a name is
+// unbound or an argument is not constant.
+std::optional<int64_t> evaluate_rule_formula(const DimExpr& formula, const ShapeRule& rule, const ShapeEnv& env);
 
 }  // namespace cudagen

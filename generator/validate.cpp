@@ -9,6 +9,25 @@
 
 namespace cudagen {
 
+ShapeEnv task_shape_env(const Program& program, int task) {
+  const BoundTask* bt = &program.tasks[size_t(task)];
+  ShapeEnv env;
+  env.shape_of = [&program, bt](std::string_view name) -> const Shape* {
+    const BoundTensor* b = bt->find_tensor(name);
+    return b && b->buffer >= 0 ? &program.buffers[size_t(b->buffer)].shape : nullptr;
+  };
+  env.is_arg = [bt](std::string_view name) { return bt->op->find_arg(name) != nullptr; };
+  env.arg_of = [bt](std::string_view name) -> std::optional<int64_t> {
+    for (const auto& a : bt->args) {
+      if (a.name != name || a.runtime) continue;
+      if (auto* b = std::get_if<bool>(&a.value)) return *b ? 1 : 0;
+      if (auto* i = std::get_if<int64_t>(&a.value)) return *i;
+    }
+    return std::nullopt;
+  };
+  return env;
+}
+
 std::string buffer_name(const Program& program, int buffer) {
   const BufferInfo& b = program.buffers[size_t(buffer)];
   return program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
@@ -468,21 +487,7 @@ class Validator {
       }
     }
     if (!all_resolved) return;
-    ShapeEnv env;
-    env.shape_of = [&](std::string_view name) -> const Shape* {
-      const BoundTensor* b = bt.find_tensor(name);
-      return b ? &p_.buffers[size_t(b->buffer)].shape : nullptr;
-    };
-    env.is_arg = [&](std::string_view name) { return bt.op->find_arg(name) != nullptr; };
-    env.arg_of = [&](std::string_view name) -> std::optional<int64_t> {
-      for (const auto& a : bt.args) {
-        if (a.name != name || a.runtime) continue;
-        if (auto* b = std::get_if<bool>(&a.value)) return *b ? 1 : 0;
-        if (auto* i = std::get_if<int64_t>(&a.value)) return *i;
-      }
-      return std::nullopt;
-    };
-    for (const auto& m : check_shape_rule(bt.op->shape, env)) {
+    for (const auto& m : check_shape_rule(bt.op->shape, task_shape_env(p_, t))) {
       const TensorSlot* slot = tk.find_tensor(m.slot);
       error(slot ? slot->loc : tk.loc, tensor_path(t, m.slot), tk.id, m.slot, "shape mismatch: " + m.message);
     }

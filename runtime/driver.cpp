@@ -27,7 +27,7 @@ namespace {
   X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuDeviceGetName)      \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuMemGetInfo) X(cuModuleLoadData)    \
   X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)          \
-  X(cuMemcpyDtoH) X(cuMemsetD8) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)        \
+  X(cuMemcpyDtoH) X(cuMemcpyDtoDAsync) X(cuMemsetD8) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)        \
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphDestroy)    \
   X(cuGraphExecDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                    \
   X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString)
@@ -238,6 +238,7 @@ class GpuExecutor final : public Executor {
     if (it == launchers_.end()) throw DriverError(fmt::format("the program has no launcher {}", function));
     const DriverApi& api = *api_;
     CUDAGEN_CHECK(api, cuCtxSetCurrent(context_), "making the GPU's context current");
+    run_ms_ = -1;
     if (options_.cuda_graph && !options_.profile) {
       run_graph(function, it->second);
     } else {
@@ -248,6 +249,42 @@ class GpuExecutor final : public Executor {
   }
 
   std::vector<KernelTime> kernel_times() const override { return times_; }
+  void set_profiling(bool on) override { options_.profile = on; }
+  double last_run_milliseconds() const override { return run_ms_; }
+
+  double copy_bandwidth() override {
+    const DriverApi& api = *api_;
+    CUDAGEN_CHECK(api, cuCtxSetCurrent(context_), "making the GPU's context current");
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDAGEN_CHECK(api, cuMemGetInfo(&free_bytes, &total_bytes), "reading the GPU's free memory");
+    // Large enough that the copy runs at the memory's rate, not the launch's
+    // (256 MiB each way), but never more than a quarter of what is free.
+    const size_t bytes = std::min<size_t>(size_t(256) << 20, free_bytes / 4) & ~size_t(255);
+    if (bytes == 0) throw DriverError("measuring the copy bandwidth: the GPU has no free memory");
+    CUdeviceptr from = 0, to = 0;
+    CUDAGEN_CHECK(api, cuMemAlloc(&from, bytes), fmt::format("allocating {} bytes to measure the copy bandwidth", bytes));
+    double best_ms = 0;
+    try {
+      CUDAGEN_CHECK(api, cuMemAlloc(&to, bytes), fmt::format("allocating {} bytes to measure the copy bandwidth", bytes));
+      auto& [start, end] = event_pair(kCopyEvents);
+      for (int i = 0; i < 6; ++i) {  // the first is a warm-up; the best of the rest
+        CUDAGEN_CHECK(api, cuEventRecord(start, stream_), "timing a copy");
+        CUDAGEN_CHECK(api, cuMemcpyDtoDAsync(to, from, bytes, stream_), "copying to measure the bandwidth");
+        CUDAGEN_CHECK(api, cuEventRecord(end, stream_), "timing a copy");
+        CUDAGEN_CHECK(api, cuEventSynchronize(end), "timing a copy");
+        float ms = 0;
+        CUDAGEN_CHECK(api, cuEventElapsedTime(&ms, start, end), "reading a copy's time");
+        if (i > 0 && (best_ms == 0 || ms < best_ms)) best_ms = ms;
+      }
+    } catch (...) {
+      if (to) api.cuMemFree(to);
+      api.cuMemFree(from);
+      throw;
+    }
+    api.cuMemFree(to);
+    api.cuMemFree(from);
+    return best_ms > 0 ? 2.0 * double(bytes) / (best_ms * 1e-3) : 0;
+  }
 
  private:
   struct Kernel {
@@ -359,14 +396,22 @@ class GpuExecutor final : public Executor {
     return events_[index] = pair;
   }
 
+  // Each kernel's time, and its start from the launcher's first kernel's.
   void collect_times(const std::vector<int>& kernels) {
     times_.clear();
+    run_ms_ = -1;
+    if (kernels.empty()) return;
+    const CUevent first = event_pair(kernels.front()).first;
     for (int index : kernels) {
       auto& [start, end] = event_pair(index);
-      float ms = 0;
+      float ms = 0, start_ms = 0;
       CUDAGEN_CHECK(*api_, cuEventElapsedTime(&ms, start, end), "reading a kernel's time");
-      times_.push_back(KernelTime{kernels_[size_t(index)].name, ms});
+      CUDAGEN_CHECK(*api_, cuEventElapsedTime(&start_ms, first, start), "reading a kernel's start");
+      times_.push_back(KernelTime{kernels_[size_t(index)].name, ms, start_ms});
     }
+    float total = 0;
+    CUDAGEN_CHECK(*api_, cuEventElapsedTime(&total, first, event_pair(kernels.back()).second), "reading a run's time");
+    run_ms_ = total;
   }
 
   std::string describe_kernels(const std::vector<int>& kernels) const {
@@ -392,8 +437,10 @@ class GpuExecutor final : public Executor {
   std::vector<Kernel> kernels_;
   std::map<std::string, std::vector<int>> launchers_;  // function -> kernels, in launch order
   std::map<std::string, Graph> graphs_;
-  std::map<int, std::pair<CUevent, CUevent>> events_;
+  std::map<int, std::pair<CUevent, CUevent>> events_;  // per kernel index, and kCopyEvents
   std::vector<KernelTime> times_;
+  double run_ms_ = -1;
+  static constexpr int kCopyEvents = -1;
 };
 
 }  // namespace

@@ -17,6 +17,7 @@ namespace cudagen {
 struct KernelTime {
   std::string kernel;
   double milliseconds = 0;
+  double start_ms = 0;  // from the start of its launcher's run
 };
 
 class Executor {
@@ -40,6 +41,16 @@ class Executor {
   virtual std::vector<KernelBytes> kernel_bytes() const { return {}; }
   virtual void clear_kernel_bytes() {}
   virtual std::vector<KernelTime> kernel_times() const { return {}; }
+  // GPU: time every kernel, and each launcher's run as a whole, with events
+  // (a little launch overhead; no CUDA Graph replay while on).
+  virtual void set_profiling(bool) {}
+  // The last launcher run's time from its first kernel's start to its last
+  // kernel's end (GPU, profiling on), or a negative value.
+  virtual double last_run_milliseconds() const { return -1; }
+  // GPU: the device-to-device copy bandwidth in bytes per second (bytes read
+  // plus bytes written, per second), measured now with a large cuMemcpy; the
+  // roof a memory-bound kernel is compared with. 0 in emulation.
+  virtual double copy_bandwidth() { return 0; }
 };
 
 // The host emulation: builds the .cu with the host compiler in `work_dir`.

@@ -125,10 +125,12 @@ void HostModule::set_seed(unsigned long long seed) const {
 std::vector<KernelBytes> HostModule::kernel_bytes() const {
   auto count = symbol<int (*)()>(handle_, "cudagen_emu_kernel_count");
   auto stats = symbol<const char* (*)(int, unsigned long long*, unsigned long long*)>(handle_, "cudagen_emu_kernel_stats");
+  auto seconds = symbol<double (*)(int)>(handle_, "cudagen_emu_kernel_seconds");
   std::vector<KernelBytes> out;
   for (int i = 0; i < count(); ++i) {
     KernelBytes k;
     k.kernel = stats(i, &k.bytes_read, &k.bytes_written);
+    k.host_seconds = seconds(i);
     out.push_back(k);
   }
   return out;

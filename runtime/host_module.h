@@ -21,6 +21,7 @@ struct KernelBytes {
   std::string kernel;
   unsigned long long bytes_read = 0;
   unsigned long long bytes_written = 0;
+  double host_seconds = 0;  // how long the emulator took (the host CPU's time, nothing like a GPU's)
 };
 
 class HostModule {

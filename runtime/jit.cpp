@@ -236,4 +236,9 @@ HostTensor Instance::read(const std::string& tensor) const {
 
 std::vector<KernelTime> Instance::kernel_times() const { return executor_->kernel_times(); }
 
+Profile Instance::profile(const ProfileOptions& options) {
+  write_scalars_region(args_);
+  return profile_program(program_->compiled, *executor_, options);
+}
+
 }  // namespace cudagen

@@ -22,6 +22,7 @@
 #include "driver.h"
 #include "host_tensor.h"
 #include "pipeline.h"
+#include "profile.h"
 #include "reference.h"
 
 namespace cudagen {
@@ -117,6 +118,14 @@ class Instance {
 
   // Per-kernel times of the last run (GPU, with gpu.profile set).
   std::vector<KernelTime> kernel_times() const;
+
+  // Runs each phase (options.phases, or all) and measures where its time and
+  // bytes go (docs/profiling.md): on a GPU each kernel's median time over
+  // options.runs runs after warm-up, in emulation the bytes each kernel read
+  // and wrote. The phases compute from the tensors set so far; afterwards
+  // every tensor holds what it held before. format_profile, profile_json and
+  // profile_trace present the result.
+  Profile profile(const ProfileOptions& options = {});
 
  private:
   friend class JitProgram;

@@ -160,6 +160,7 @@ CG_OP("add",
       "tensor: out output T",
       "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
       "may_alias: out a",
+      "flops: numel(out)",
       "doc: a + b, numpy broadcasting")
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
@@ -174,6 +175,7 @@ CG_OP("sub",
       "tensor: out output T",
       "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
       "may_alias: out a",
+      "flops: numel(out)",
       "doc: a - b, numpy broadcasting")
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
@@ -188,6 +190,7 @@ CG_OP("mul",
       "tensor: out output T",
       "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
       "may_alias: out a",
+      "flops: numel(out)",
       "doc: a * b, numpy broadcasting")
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
@@ -202,6 +205,7 @@ CG_OP("div",
       "tensor: out output T",
       "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
       "may_alias: out a",
+      "flops: numel(out)",
       "doc: a / b, numpy broadcasting")
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
@@ -216,6 +220,7 @@ CG_OP("maximum",
       "tensor: out output T",
       "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
       "may_alias: out a",
+      "flops: numel(out)",
       "doc: max(a, b), numpy broadcasting")
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;

@@ -22,6 +22,7 @@ CG_OP("layernorm",
       "shape: x:[...S, N] weight:[N] bias:[N] -> out:[...S, N] mean:[...S] rstd:[...S]",
       "smem: 128",
       "backward: layernorm_backward",
+      "flops: 7 * numel(out)",
       "doc: (x - mean) * rstd * weight + bias; exports mean and rstd for backward")
 CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Store store, int n, float eps,
                                         float* scratch) {

@@ -16,6 +16,7 @@ CG_OP("cross_entropy",
       "shape: logits:[...S, C] labels:[...S] -> loss:[]",
       "backward: cross_entropy_backward",
       "smem: 128",
+      "flops: 5 * numel(logits)",
       "doc: mean over rows of -log softmax(logits)[label]")
 CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scratch) {
   return cg_log_sum_exp_row(load, n, scratch) - load((int)label);

@@ -17,6 +17,7 @@ CG_OP("matmul",
       "shape: a:[...A, trans_a ? K : M, trans_a ? M : K] b:[...C, trans_b ? N : K, trans_b ? K : N] -> out:[...broadcast(A, C), M, N]",
       "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
       "variant: cg_matmul_tile_mma",
+      "flops: 2 * numel(out) * K",
       "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")
 CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
                               int tile_n, float* smem) {

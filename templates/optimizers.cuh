@@ -17,6 +17,7 @@ CG_OP("sgd",
       "arg: momentum float = 0.0",
       "arg: weight_decay float = 0.0",
       "shape: param:[...S] grad:[...S] momentum_buf:[...S] -> param:[...S]",
+      "flops: 3 * numel(param)",
       "doc: SGD with optional momentum, updating param (and momentum_buf) in place")
 CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentum, float weight_decay) {
   float g = float(grad) + weight_decay * float(param);
@@ -54,6 +55,7 @@ CG_OP("adam",
       "arg: weight_decay float = 0.0",
       "arg: step int",
       "shape: param:[...S] grad:[...S] m:[...S] v:[...S] -> param:[...S]",
+      "flops: 12 * numel(param)",
       "doc: Adam update of param, m and v in place; step counts from 1 and is usually a runtime argument")
 CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
                        float weight_decay, long long step) {
@@ -78,6 +80,7 @@ CG_OP("adamw",
       "arg: weight_decay float = 0.0",
       "arg: step int",
       "shape: param:[...S] grad:[...S] m:[...S] v:[...S] -> param:[...S]",
+      "flops: 14 * numel(param)",
       "doc: AdamW (decoupled weight decay) update of param, m and v in place; step counts from 1 and is usually a runtime argument")
 CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
                         float weight_decay, long long step) {

@@ -11,6 +11,7 @@ CG_OP("sum",
       "shape: x:[...S, N] -> out:[...S]",
       "backward: sum_backward",
       "smem: 128",
+      "flops: numel(x)",
       "doc: sum over the last axis")
 CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   float s = 0.0f;
@@ -27,6 +28,7 @@ CG_OP("mean",
       "shape: x:[...S, N] -> out:[...S]",
       "backward: mean_backward",
       "smem: 128",
+      "flops: numel(x)",
       "doc: mean over the last axis")
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
@@ -68,6 +70,7 @@ CG_OP("log_softmax",
       "shape: x:[...S, N] -> out:[...S, N]",
       "backward: log_softmax_backward",
       "smem: 128",
+      "flops: 5 * numel(out)",
       "doc: log of softmax over the last axis")
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
   const float lse = cg_log_sum_exp_row(load, n, scratch);

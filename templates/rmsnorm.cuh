@@ -15,6 +15,7 @@ CG_OP("rmsnorm",
       "shape: x:[...S, N] weight:[N] -> out:[...S, N] rstd:[...S]",
       "backward: rmsnorm_backward",
       "smem: 128",
+      "flops: 4 * numel(out)",
       "doc: x * rsqrt(mean(x^2) + eps) * weight; exports rstd for backward")
 CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, float eps, float* scratch) {
   float sum_sq = 0.0f;

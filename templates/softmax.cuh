@@ -13,6 +13,7 @@ CG_OP("softmax",
       "shape: x:[...S, N] -> out:[...S, N]",
       "backward: softmax_backward",
       "smem: 128",
+      "flops: 5 * numel(out)",
       "doc: softmax(scale * x) over the last axis; causal masks column j > row i of the last two axes")
 CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
   float row_max = cg_neg_inf();

@@ -18,6 +18,7 @@
 #include "placement.h"
 #include "jit.h"
 #include "nvrtc.h"
+#include "profile.h"
 #include "runner.h"
 #include "user_templates.h"
 #include "version.h"
@@ -57,6 +58,9 @@ struct Cli {
   std::vector<std::string> run_time_args;  // TASK.ARG=VALUE
   int steps = 0;
   std::vector<std::string> phases;
+  std::string profile_path;
+  std::string profile_sort;  // empty: time on a GPU, bytes in emulation
+  ProfileOptions profile;
 };
 
 // "task.arg=value": true/false a bool, an integer an int, else a float.
@@ -153,6 +157,48 @@ int run_compile(Cli& cli) {
   return kExitOk;
 }
 
+// "prof.json" -> "prof.trace.json"; any other name gets ".trace.json" appended.
+std::string trace_path_for(const std::string& profile_path) {
+  const std::string suffix = ".json";
+  if (profile_path.size() > suffix.size() && profile_path.compare(profile_path.size() - suffix.size(), suffix.size(), suffix) == 0)
+    return profile_path.substr(0, profile_path.size() - suffix.size()) + ".trace.json";
+  return profile_path + ".trace.json";
+}
+
+// After a checked run (so the arena holds real values): profile each phase,
+// in emulation also the unfused program for fusion's saving, and write the
+// table, the JSON and the trace.
+void write_profile(const Cli& cli, const RunOptions& run_options, const Compiled& c, Executor& executor) {
+  fmt::print("profiling on {} ...\n", executor.where());
+  ProfileOptions options = cli.profile;
+  options.phases = run_options.phases;
+  Profile profile = profile_program(c, executor, options);
+  if (!executor.on_gpu() && cli.compile.fuse.enabled) {
+    CompileOptions unfused_options = cli.compile;
+    unfused_options.fuse.enabled = false;
+    Compiled unfused = compile(load_program(cli.graph_path, cli.frontend), unfused_options);
+    fmt::print("measuring the unfused program ({} kernels) for comparison ...\n", unfused.kernels.size());
+    RunOptions unfused_run = run_options;
+    unfused_run.outputs_dir.clear();
+    unfused_run.check_each_task = false;
+    std::unique_ptr<Executor> baseline = make_emulated_executor(unfused, run_options.work_dir);
+    CheckedRun checked = run_and_check(unfused, *baseline, unfused_run);
+    if (!checked.ok())
+      throw std::runtime_error(fmt::format("the unfused program failed its check, so it is no baseline:\n{}",
+                                           format_run(checked)));
+    add_unfused_baseline(profile, profile_program(unfused, *baseline, options));
+  }
+  const ProfileSort sort = cli.profile_sort == "time"    ? ProfileSort::time
+                           : cli.profile_sort == "bytes" ? ProfileSort::bytes
+                           : executor.on_gpu()           ? ProfileSort::time
+                                                         : ProfileSort::bytes;
+  fmt::print("\n{}", format_profile(profile, sort));
+  const std::string trace_path = trace_path_for(cli.profile_path);
+  write_file_atomic(cli.profile_path, profile_json(profile));
+  write_file_atomic(trace_path, profile_trace(profile));
+  fmt::print("profile written to {}; trace to {} (open it in ui.perfetto.dev)\n", cli.profile_path, trace_path);
+}
+
 int run_run(Cli& cli) {
   if (cli.emulate && cli.gpu) throw std::runtime_error("give --emulate or --gpu, not both");
   std::string why;
@@ -177,31 +223,28 @@ int run_run(Cli& cli) {
   options.steps = cli.steps;
   if (cli.steps > 0) fmt::print("training for {} steps in emulation, each checked against the float64 reference\n", cli.steps);
   CheckedRun run;
+  std::unique_ptr<Executor> executor;
   if (backend == Backend::gpu) {
     GpuCode code = compile_for_gpu(c, cli.gpu_options);
     fmt::print("{}\n", describe(code.report));
     if (!code.report.log.empty()) fmt::print(stderr, "{}\n", code.report.log);
-    std::unique_ptr<Executor> executor = make_gpu_executor(c, code, cli.gpu_options);
+    executor = make_gpu_executor(c, code, cli.gpu_options);
     run = run_and_check(c, *executor, options);
     fmt::print("GPU run: {:.3f} s with copies (seed {})\n", run.run_seconds, run.seed);
-    if (cli.gpu_options.profile) {
-      fmt::print("kernel times of the last launcher run:\n");
-      double total = 0;
-      for (const KernelTime& t : executor->kernel_times()) {
-        fmt::print("  {:<28} {:>10.3f} us\n", t.kernel, t.milliseconds * 1000);
-        total += t.milliseconds;
-      }
-      fmt::print("  {:<28} {:>10.3f} us\n", "total", total * 1000);
-    }
   } else {
-    run = run_emulated_and_check(c, options);
+    double compile_seconds = 0;
+    executor = make_emulated_executor(c, options.work_dir, &compile_seconds);
+    run = run_and_check(c, *executor, options);
+    run.compile_seconds = compile_seconds;
     fmt::print("host compiler (emulation build): {:.2f} s; emulated run: {:.3f} s (seed {})\n", run.compile_seconds,
                run.run_seconds, run.seed);
   }
   fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
              "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, the smallest normal number for the others):\n{}",
              format_run(run));
-  return run.ok() ? kExitOk : kExitBadInput;
+  if (!run.ok()) return kExitBadInput;
+  if (!cli.profile_path.empty()) write_profile(cli, options, c, *executor);
+  return kExitOk;
 }
 
 int run_nvrtc(const Cli& cli) {
@@ -325,7 +368,21 @@ int main_impl(int argc, char** argv) {
   run_cmd->add_option("--device", cli.gpu_options.device, "the GPU to run on")->capture_default_str();
   run_cmd->add_flag("--cuda-graph", cli.gpu_options.cuda_graph,
                     "GPU: capture each phase into a CUDA Graph on its first run and replay it (fewer launch costs)");
-  run_cmd->add_flag("--profile", cli.gpu_options.profile, "GPU: time each kernel with events and print the times");
+  run_cmd->add_option("--profile", cli.profile_path,
+                      "after the checked run, profile each phase and write FILE (JSON) and FILE's stem + .trace.json "
+                      "(a Perfetto trace); prints a table. GPU: kernel and phase times (median after warm-up), "
+                      "bandwidth against a device copy, FLOP rates. Emulation: bytes each kernel read and wrote, "
+                      "counted, against the unfused program's")
+      ->check([](const std::string& path) {
+        const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/') + 1);
+        return ::access(dir.c_str(), W_OK) == 0 ? std::string() : "no writable folder " + dir + " for the profile";
+      });
+  run_cmd->add_option("--profile-runs", cli.profile.runs, "GPU: timed runs per phase for --profile (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  run_cmd->add_option("--profile-sort", cli.profile_sort,
+                      "order of the kernel table: time or bytes (default: time on a GPU, bytes in emulation)")
+      ->check(CLI::IsMember({"time", "bytes"}));
   run_cmd->add_flag("--no-cache", [&cli](int64_t) { cli.gpu_options.use_cache = false; },
                     "GPU: compile with NVRTC even when the disk cache has the binary (and do not store it)");
   run_cmd->add_option("--cache-dir", cli.gpu_options.cache_dir,

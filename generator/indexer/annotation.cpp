@@ -32,14 +32,14 @@ class AnnotationParser {
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
               may_alias = JsonValue::array(), variants = JsonValue::array(), view;
-    std::string pattern, shape, doc, smem;
+    std::string pattern, shape, doc, smem, flops;
     std::string links[3];  // backward, forward, init
     for (index_ = 1; index_ < strings_.size(); ++index_) {
       const std::string& s = strings_[index_];
       size_t colon = s.find(':');
       if (colon == std::string::npos)
         fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
-                         "backward, forward, init, smem, doc)",
+                         "backward, forward, init, smem, flops, doc)",
                          s));
       const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
       if (key == "pattern") set_once(pattern, value, key);
@@ -56,10 +56,11 @@ class AnnotationParser {
       else if (key == "forward") set_once(links[1], link(value), key);
       else if (key == "init") set_once(links[2], link(value), key);
       else if (key == "smem") set_once(smem, value, key);
+      else if (key == "flops") set_once(flops, value, key);
       else if (key == "doc") set_once(doc, value, key);
       else if (key == "variant") variants.push_back(JsonValue::string(link(value)));
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
-                            "init, smem, doc, variant, view)",
+                            "init, smem, flops, doc, variant, view)",
                             key));
     }
     index_ = 0;
@@ -82,6 +83,7 @@ class AnnotationParser {
       if (!links[i].empty()) op.set(link_keys[i], JsonValue::string(links[i]));
     if (!doc.empty()) op.set("doc", JsonValue::string(doc));
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
+    if (!flops.empty()) op.set("flops", JsonValue::string(flops));
     if (!variants.items().empty()) op.set("variants", std::move(variants));
     return op;
   }

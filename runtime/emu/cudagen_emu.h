@@ -119,6 +119,7 @@ void cudagen_emu_configure(unsigned long long seed);  // the block-order seed
 const char* cudagen_emu_last_error();                // "" after a launch that succeeded
 int cudagen_emu_kernel_count();                       // launches recorded since the last clear
 const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsigned long long* bytes_written);
+double cudagen_emu_kernel_seconds(int i);  // host CPU time of the emulated launch
 void cudagen_emu_clear_stats();
 }
 

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -33,6 +34,7 @@ struct KernelStats {
   std::string kernel;
   unsigned long long bytes_read = 0;
   unsigned long long bytes_written = 0;
+  double seconds = 0;  // the emulation's own time on the host CPU, not a GPU's
 };
 
 // One emulator per OS thread: it owns the fiber stacks (reused by every
@@ -69,10 +71,12 @@ class Emulator {
     // A seeded shuffle: code that depends on block order fails here as it would on a GPU.
     std::mt19937_64 rng(seed_ ^ std::hash<std::string>()(kernel));
     std::shuffle(blocks.begin(), blocks.end(), rng);
+    const auto start = std::chrono::steady_clock::now();
     for (const uint3& b : blocks) {
       run_block(b, grid, block, threads);
       if (!error_.empty()) return 1;
     }
+    stats_.back().seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return 0;
   }
 
@@ -272,5 +276,6 @@ const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsi
   *bytes_written = s.bytes_written;
   return s.kernel.c_str();
 }
+double cudagen_emu_kernel_seconds(int i) { return cudagen_emu::emulator().stats()[size_t(i)].seconds; }
 void cudagen_emu_clear_stats() { cudagen_emu::emulator().clear_stats(); }
 }

@@ -36,6 +36,10 @@ struct State {
   std::vector<std::string> captured;  // launches recorded into the graph being captured
   std::vector<std::vector<std::string>> graphs;
   int events = 0;
+  // A pretend device clock: each launch takes 0.5 ms, each copy 1 ms; an
+  // event holds the clock when it was recorded.
+  double clock_ms = 0;
+  std::map<CUevent, double> event_times;
 };
 
 State& state() {
@@ -161,6 +165,14 @@ CUresult fake_cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
   std::memcpy(dst, reinterpret_cast<const void*>(uintptr_t(src)), bytes);
   return CUDA_SUCCESS;
 }
+CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
+  if (offset_text(dst) == "OUTSIDE" || offset_text(src) == "OUTSIDE") return CUDA_ERROR_INVALID_VALUE;
+  // Not copied: the runtime only times it (the bytes are never touched, so
+  // the large buffers it allocates cost nothing).
+  state().clock_ms += 1.0;
+  state().log += "copy " + std::to_string(bytes) + "\n";
+  return CUDA_SUCCESS;
+}
 CUresult fake_cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t bytes) {
   if (offset_text(dst) == "OUTSIDE") return CUDA_ERROR_INVALID_VALUE;
   std::memset(reinterpret_cast<void*>(uintptr_t(dst)), value, bytes);
@@ -182,6 +194,7 @@ CUresult fake_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz
     std::memcpy(&p, params[i], sizeof p);
     text += (i ? "," : "") + offset_text(p);
   }
+  state().clock_ms += 0.5;
   if (state().capturing) {
     state().captured.push_back(text);
     state().log += "capture " + text + "\n";
@@ -230,10 +243,15 @@ CUresult fake_cuEventCreate(CUevent* e, unsigned int) {
   return CUDA_SUCCESS;
 }
 CUresult fake_cuEventDestroy(CUevent) { return CUDA_SUCCESS; }
-CUresult fake_cuEventRecord(CUevent, CUstream) { return CUDA_SUCCESS; }
+CUresult fake_cuEventRecord(CUevent e, CUstream) {
+  state().event_times[e] = state().clock_ms;
+  return CUDA_SUCCESS;
+}
 CUresult fake_cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
-CUresult fake_cuEventElapsedTime(float* ms, CUevent, CUevent) {
-  *ms = 0.5f;
+CUresult fake_cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+  auto a = state().event_times.find(start), b = state().event_times.find(end);
+  if (a == state().event_times.end() || b == state().event_times.end()) return CUDA_ERROR_INVALID_HANDLE;
+  *ms = float(b->second - a->second);
   return CUDA_SUCCESS;
 }
 CUresult fake_cuGetErrorName(CUresult rc, const char** name) {
@@ -258,7 +276,7 @@ const std::map<std::string, void*>& table() {
       FAKE(cuInit) FAKE(cuDriverGetVersion) FAKE(cuDeviceGetCount) FAKE(cuDeviceGet) FAKE(cuDeviceGetAttribute)
       FAKE(cuDeviceGetName) FAKE(cuDevicePrimaryCtxRetain) FAKE(cuDevicePrimaryCtxRelease) FAKE(cuCtxSetCurrent)
       FAKE(cuMemGetInfo) FAKE(cuModuleLoadData) FAKE(cuModuleUnload) FAKE(cuModuleGetFunction)
-      FAKE(cuFuncSetAttribute) FAKE(cuMemAlloc) FAKE(cuMemFree) FAKE(cuMemcpyHtoD) FAKE(cuMemcpyDtoH)
+      FAKE(cuFuncSetAttribute) FAKE(cuMemAlloc) FAKE(cuMemFree) FAKE(cuMemcpyHtoD) FAKE(cuMemcpyDtoH) FAKE(cuMemcpyDtoDAsync)
       FAKE(cuMemsetD8) FAKE(cuLaunchKernel) FAKE(cuStreamCreate) FAKE(cuStreamDestroy) FAKE(cuStreamSynchronize)
       FAKE(cuStreamBeginCapture) FAKE(cuStreamEndCapture) FAKE(cuGraphInstantiateWithFlags) FAKE(cuGraphLaunch)
       FAKE(cuGraphDestroy) FAKE(cuGraphExecDestroy) FAKE(cuEventCreate) FAKE(cuEventDestroy) FAKE(cuEventRecord)

@@ -18,6 +18,7 @@
 #include "driver.h"
 #include "jit.h"
 #include "pipeline.h"
+#include "profile.h"
 #include "runtime_test_util.h"
 
 using namespace cudagen;
@@ -173,6 +174,46 @@ TEST_F(GpuPath, ProfilingTimesEachKernel) {
   ASSERT_EQ(times.size(), c.emitted.kernels.size());
   EXPECT_EQ(times[2].kernel, c.emitted.kernels[2].name);
   EXPECT_GT(times[2].milliseconds, 0);
+}
+
+// The fake driver's clock advances 0.5 ms per launch and 1 ms per copy, so
+// every figure of the profile is known: each kernel 0.5 ms, starting 0.5 ms
+// after the one before, the phase 0.5 ms per kernel, the copy 2 x 256 MiB in
+// 1 ms.
+TEST_F(GpuPath, ProfilingTakesMediansAfterWarmUpAndMeasuresTheCopyBandwidth) {
+  Compiled c = compiled("examples/mlp_forward.json");
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, compile_for_gpu(c, options_), options_);
+  fake_log();
+  ProfileOptions profiling;
+  profiling.warmup = 1;
+  profiling.runs = 3;
+  Profile profile = profile_program(c, *gpu, profiling);
+  const std::string log = fake_log();
+  const size_t kernels = c.emitted.kernels.size();
+  EXPECT_EQ(lines_starting(log, "launch ").size(), (1 + 3) * kernels) << log;
+  EXPECT_EQ(lines_starting(log, "copy 268435456").size(), 6u) << log;  // a warm-up and five timed copies
+
+  EXPECT_TRUE(profile.on_gpu);
+  EXPECT_EQ(profile.runs, 3);
+  EXPECT_DOUBLE_EQ(profile.copy_bandwidth, 2.0 * 268435456 / 1e-3);
+  ASSERT_EQ(profile.kernels.size(), kernels);
+  for (size_t i = 0; i < kernels; ++i) {
+    EXPECT_EQ(profile.kernels[i].kernel, c.emitted.kernels[i].name);
+    EXPECT_DOUBLE_EQ(profile.kernels[i].milliseconds, 0.5);
+    EXPECT_DOUBLE_EQ(profile.kernels[i].start_ms, 0.5 * double(i));
+    EXPECT_EQ(profile.kernels[i].bytes_read, -1);  // a GPU counts nothing; the model stands in
+    EXPECT_EQ(profile.kernels[i].bytes(), c.emitted.kernels[i].bytes_read + c.emitted.kernels[i].bytes_written);
+  }
+  ASSERT_EQ(profile.phases.size(), 1u);
+  EXPECT_DOUBLE_EQ(profile.phases[0].milliseconds, 0.5 * double(kernels));
+  const std::string table = format_profile(profile, ProfileSort::time);
+  EXPECT_NE(table.find("median of 3 timed runs"), std::string::npos) << table;
+  EXPECT_NE(table.find("GFLOP/s"), std::string::npos) << table;
+
+  // Profiling is switched off again: the next run times nothing.
+  fake_log();
+  gpu->run("cudagen_forward");
+  EXPECT_EQ(gpu->last_run_milliseconds(), -1);
 }
 
 TEST_F(GpuPath, AFailedLaunchNamesTheCallTheKernelAndItsTasks) {

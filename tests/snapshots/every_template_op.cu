@@ -387,31 +387,31 @@ CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:168
+// templates/elementwise.cuh:169
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
-// templates/elementwise.cuh:182
+// templates/elementwise.cuh:184
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
-// templates/elementwise.cuh:196
+// templates/elementwise.cuh:199
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
-// templates/elementwise.cuh:210
+// templates/elementwise.cuh:214
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
-// templates/elementwise.cuh:227
+// templates/elementwise.cuh:232
 // The gradient of maximum for one operand, at the output's shape (the
 // compiler sums it over broadcast axes): the larger operand takes dout, and
 // ties split it in half, as PyTorch's rule does.
@@ -421,35 +421,35 @@ CG_DEVICE T cg_maximum_backward(T a, T b, T dout, int wrt) {
   return mine > other ? dout : mine == other ? dout * T(0.5) : T(0);
 }
 
-// templates/elementwise.cuh:245
+// templates/elementwise.cuh:250
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:260
+// templates/elementwise.cuh:265
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) - s);
 }
 
-// templates/elementwise.cuh:276
+// templates/elementwise.cuh:281
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   const T s = T(1) / (T(1) + exp(-x));
   return dout * s * (T(1) + x * (T(1) - s));
 }
 
-// templates/elementwise.cuh:292
+// templates/elementwise.cuh:297
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
 }
 
-// templates/elementwise.cuh:309
+// templates/elementwise.cuh:314
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
@@ -466,46 +466,46 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
   return dout * (cdf + x * pdf);
 }
 
-// templates/elementwise.cuh:336
+// templates/elementwise.cuh:341
 // Conversion between floating dtypes; the emitter names the output type.
 template <typename U, typename T>
 CG_DEVICE U cg_cast(T x) {
   return U(x);
 }
 
-// templates/elementwise.cuh:367
+// templates/elementwise.cuh:372
 // Gradients of exp, log, neg, affine and cast.
 template <typename T>
 CG_DEVICE T cg_exp_backward(T out, T dout) {
   return dout * out;
 }
 
-// templates/elementwise.cuh:382
+// templates/elementwise.cuh:387
 template <typename T>
 CG_DEVICE T cg_log_backward(T x, T dout) {
   return dout / x;
 }
 
-// templates/elementwise.cuh:397
+// templates/elementwise.cuh:402
 template <typename T>
 CG_DEVICE T cg_neg_backward(T dout) {
   return -dout;
 }
 
-// templates/elementwise.cuh:411
+// templates/elementwise.cuh:416
 template <typename T>
 CG_DEVICE T cg_affine_backward(T dout, T scale) {
   return T(scale) * dout;
 }
 
-// templates/elementwise.cuh:427
+// templates/elementwise.cuh:432
 // The gradient of a cast is the cast back, to the input's dtype.
 template <typename T, typename U>
 CG_DEVICE T cg_cast_backward(U dout) {
   return T(dout);
 }
 
-// templates/elementwise.cuh:443
+// templates/elementwise.cuh:448
 // The gradient of (pred - target)^2, times scale; the caller folds the
 // mean's 1 / numel and the upstream gradient into scale.
 template <typename T>
@@ -640,7 +640,7 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// templates/layernorm.cuh:50
+// templates/layernorm.cuh:51
 // The gradient of one row of layernorm with respect to x, given the mean and
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
@@ -664,7 +664,7 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// templates/layernorm.cuh:86
+// templates/layernorm.cuh:87
 // For one column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
 // dout(r) read that column.
@@ -680,7 +680,7 @@ CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean 
   dbias = sum_db;
 }
 
-// templates/reduction.cuh:35
+// templates/reduction.cuh:37
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -688,7 +688,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:53
+// templates/reduction.cuh:55
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -706,7 +706,7 @@ CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scra
   return cg_log_sum_exp_row(load, n, scratch) - load((int)label);
 }
 
-// templates/losses.cuh:26
+// templates/losses.cuh:27
 // Its gradient for one row: (softmax(x) - onehot(label)) * scale, where the
 // caller folds 1 / rows and the upstream gradient into scale.
 template <typename Load, typename Store>
@@ -717,7 +717,7 @@ CG_DEVICE void cg_cross_entropy_backward_row(Load load, Store store, int n, cg_i
     store(j, (expf(load(j) - lse) - (j == label ? 1.0f : 0.0f)) * scale);
 }
 
-// templates/losses.cuh:47
+// templates/losses.cuh:48
 // One element's squared error, accumulated in f32.
 template <typename T>
 CG_DEVICE float cg_squared_error(T pred, T target) {
@@ -783,7 +783,7 @@ CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentu
   param = T(float(param) - lr * g);
 }
 
-// templates/optimizers.cuh:33
+// templates/optimizers.cuh:34
 // Adam's moment update for gradient g, and the bias-corrected step
 // m_hat / (sqrt(v_hat) + eps) that adam and adamw scale by lr.
 CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, float beta2, float eps, long long step) {
@@ -794,7 +794,7 @@ CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, floa
   return m_hat / (sqrt(v_hat) + eps);
 }
 
-// templates/optimizers.cuh:42
+// templates/optimizers.cuh:43
 // One Adam step, L2 weight decay added to the gradient (torch.optim.Adam).
 template <typename T>
 CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
@@ -803,7 +803,7 @@ CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float bet
   param = T(float(param) - lr * cg_adam_direction(g, m, v, beta1, beta2, eps, step));
 }
 
-// templates/optimizers.cuh:66
+// templates/optimizers.cuh:68
 // AdamW: the weight decay is decoupled, applied to the parameter directly
 // (torch.optim.AdamW).
 template <typename T>
@@ -821,13 +821,13 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   return cg_block_sum(s, scratch);
 }
 
-// templates/reduction.cuh:21
+// templates/reduction.cuh:22
 template <typename Load>
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
-// templates/reduction.cuh:62
+// templates/reduction.cuh:64
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
@@ -835,7 +835,7 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:80
+// templates/reduction.cuh:83
 // Sum over every axis but the last (the gradient of a broadcast bias): the
 // emitter's grid-stride loop gives each thread whole columns, so the reads
 // of a warp are coalesced along the row.
@@ -846,7 +846,7 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
   return s;
 }
 
-// templates/reduction.cuh:97
+// templates/reduction.cuh:100
 // The gradient of a row of log_softmax, from its output:
 //   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -857,7 +857,7 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }
 
-// templates/reduction.cuh:118
+// templates/reduction.cuh:121
 // The gradients of the row reductions. A sum hands each element of the row
 // the row's gradient, a mean the same divided by the row's length: the
 // emitter runs a grid-stride loop over dx and passes dout[row] and n.
@@ -867,13 +867,13 @@ CG_DEVICE T cg_sum_backward(T dout, int n) {
   return dout;
 }
 
-// templates/reduction.cuh:132
+// templates/reduction.cuh:135
 template <typename T>
 CG_DEVICE T cg_mean_backward(T dout, int n) {
   return dout / T(n);
 }
 
-// templates/reduction.cuh:148
+// templates/reduction.cuh:151
 // The gradient of a row max goes to the elements equal to the max, split
 // evenly between ties (as torch.amax's). One block per row; out is the
 // forward's max, which is one of the row's values, so == is exact.
@@ -885,7 +885,7 @@ CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, f
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
 }
 
-// templates/reduction.cuh:168
+// templates/reduction.cuh:171
 // The gradient of sum_leading: dout, broadcast back over the leading axes.
 template <typename T>
 CG_DEVICE T cg_sum_leading_backward(T dout) {
@@ -910,7 +910,7 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/rmsnorm.cuh:36
+// templates/rmsnorm.cuh:37
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -926,7 +926,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:61
+// templates/rmsnorm.cuh:62
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r], for one
 // column j; x(r) and dout(r) read that column.
 template <typename LoadX, typename LoadDout, typename Rstd>
@@ -953,7 +953,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
     store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
 }
 
-// templates/softmax.cuh:30
+// templates/softmax.cuh:31
 // The gradient of a row of softmax(scale * x), from its output:
 //   dx[j] = scale * out[j] * (dout[j] - sum_k dout[k] * out[k]).
 template <typename LoadOut, typename LoadDout, typename Store>

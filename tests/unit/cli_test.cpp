@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "json.h"
 #include "test_util.h"
 
 using namespace cudagen::testing;
@@ -187,6 +188,29 @@ TEST_F(Cli, RunWithoutADriverFallsBackToTheEmulationAndSaysSo) {
   EXPECT_NE(gpu.err.find("no CUDA driver found"), std::string::npos) << gpu.err;
   EXPECT_NE(gpu.err.find("--emulate"), std::string::npos) << gpu.err;
   EXPECT_EQ(run("run --gpu --emulate " + graph).status, 1);
+}
+
+TEST_F(Cli, RunWithProfileWritesTheTableTheJsonAndTheTrace) {
+  const std::string no_driver = "CUDAGEN_CUDA_DRIVER=" + (dir_ / "no-libcuda.so.1").string();
+  const std::string graph = source_path("examples/mlp_forward.json");
+  const std::string profile = (dir_ / "mlp.json").string();
+  CliResult r = run("run " + graph + " --emulate --work-dir " + (dir_ / "work").string() + " --profile " + profile, no_driver);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("bytes counted by the emulator"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("unfused:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("k0_fc1 (fc1, bias1, act1)"), std::string::npos) << r.out;
+  const cudagen::JsonValue json = cudagen::parse_json(cudagen::read_text_file(profile));
+  EXPECT_EQ(json.find("format")->as_string(), "cudagen.profile/1");
+  EXPECT_EQ(json.find("backend")->as_string(), "emulation");
+  EXPECT_GT(json.find("phases")->items().at(0).find("unfused_bytes")->as_int(),
+            json.find("phases")->items().at(0).find("bytes")->as_int());
+  const cudagen::JsonValue trace = cudagen::parse_json(cudagen::read_text_file((dir_ / "mlp.trace.json").string()));
+  EXPECT_NE(trace.find("traceEvents"), nullptr);
+
+  // A folder that does not exist is a usage error before anything runs.
+  CliResult bad = run("run " + graph + " --emulate --profile " + (dir_ / "missing" / "p.json").string(), no_driver);
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("no writable folder"), std::string::npos) << bad.err;
 }
 
 TEST_F(Cli, RunTimeArgumentsTakeAValueForTheRun) {

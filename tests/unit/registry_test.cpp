@@ -66,6 +66,24 @@ TEST(Registry, RejectsRulesThatDoNotMatchTheSlots) {
   EXPECT_NE(msg.find("\"U\" is neither a dtype nor a type variable of the op"), std::string::npos) << msg;
 }
 
+TEST(Registry, AFlopsFormulaNamesOnlyTheRulesDimensionsArgumentsAndSlots) {
+  auto with_flops = [](const std::string& formula) {
+    std::string op = kRelu;
+    op.insert(op.size() - 1, R"(, "flops": ")" + formula + "\"");
+    return registry_errors(op);
+  };
+  EXPECT_EQ(with_flops("3 * numel(out)"), "");
+  EXPECT_EQ(with_flops("S + 1"), "");  // a run of dimensions: their product
+  std::string msg = with_flops("2 * (numel(out)");
+  EXPECT_NE(msg.find("reg.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("/flops"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected ')'"), std::string::npos) << msg;
+  msg = with_flops("numel(y)");
+  EXPECT_NE(msg.find("numel(y): the op has no slot 'y'"), std::string::npos) << msg;
+  msg = with_flops("K * numel(out)");
+  EXPECT_NE(msg.find("'K' is neither a dimension of the shape rule"), std::string::npos) << msg;
+}
+
 TEST(Registry, DocsOpsIsGeneratedFromTheRegistry) {
   std::string doc = read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/docs/ops.md");
   EXPECT_EQ(doc, ops_markdown(builtin_registry())) << "regenerate it: cudagen ops --markdown > docs/ops.md";

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cost.h"
 #include "pipeline.h"
 #include "test_util.h"
 
@@ -117,6 +118,33 @@ TEST(Snapshot, EveryTemplateOpHoldsEveryOpOfTheRegistry) {
   for (const auto& t : p.tasks) used.insert(t.op->name);
   for (const auto& name : p.registry.names())
     EXPECT_TRUE(used.count(name)) << "add a task of op '" << name << "' to tests/snapshots/every_template_op.json";
+}
+
+// Every op that declares FLOPs gets a count for each of its tasks there; a
+// matmul's is 2 * M * N * K whichever operand is transposed.
+TEST(Snapshot, EveryDeclaredFlopsFormulaEvaluates) {
+  Program p = load_program(source_path("tests/snapshots/every_template_op.json"), {});
+  int declared = 0, matmuls = 0;
+  for (size_t t = 0; t < p.tasks.size(); ++t) {
+    const BoundTask& bt = p.tasks[t];
+    if (bt.op->flops_text.empty()) continue;
+    ++declared;
+    std::optional<int64_t> flops = task_flops(p, int(t));
+    ASSERT_TRUE(flops.has_value()) << bt.task->id << ": " << bt.op->flops_text;
+    EXPECT_GT(*flops, 0) << bt.task->id;
+    if (bt.op->name != "matmul") continue;
+    ++matmuls;
+    const Shape& a = p.buffers[size_t(bt.find_tensor("a")->buffer)].shape;
+    const Shape& out = p.buffers[size_t(bt.find_tensor("out")->buffer)].shape;
+    bool trans_a = false;
+    for (const auto& arg : bt.args)
+      if (arg.name == "trans_a") trans_a = std::get<bool>(arg.value);
+    int64_t numel = 1;
+    for (int64_t d : out) numel *= d;
+    EXPECT_EQ(*flops, 2 * numel * (trans_a ? a[a.size() - 2] : a.back())) << bt.task->id;
+  }
+  EXPECT_GE(declared, 16);
+  EXPECT_GE(matmuls, 1);
 }
 
 // The ahead-of-time header: the launchers under the chosen prefix, and every

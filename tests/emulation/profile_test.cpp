@@ -1,0 +1,189 @@
+// The profiler in the emulation: the bytes it reports for a few kernels equal
+// the counts worked out by hand from their templates, the unfused program is
+// measured the same way, the trace is trace-event JSON with one slice per
+// kernel, and profiling leaves every tensor as it found it.
+#include <unistd.h>
+
+#include <filesystem>
+
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "json.h"
+#include "pipeline.h"
+#include "profile.h"
+#include "runner.h"
+
+using namespace cudagen;
+
+namespace {
+
+constexpr Storage ext = Storage::external;
+constexpr int64_t f32 = 4;
+
+std::string work_dir(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("cudagen_profile_test_" + std::to_string(::getpid()) + "_" + name))
+      .string();
+}
+
+CompileOptions fusion(bool on) {
+  CompileOptions o;
+  o.fuse.enabled = on;
+  return o;
+}
+
+// Compiles `graph`, runs it once on checked random inputs (so the arena holds
+// real values), then profiles it.
+struct Profiled {
+  Compiled compiled;
+  std::unique_ptr<Executor> executor;
+  Profile profile;
+};
+
+Profiled profile_graph(TaskGraph graph, bool fuse) {
+  const std::string name = graph.name + (fuse ? "_fused" : "_unfused");
+  Profiled p{compile(load_program(std::move(graph), {}), fusion(fuse)), nullptr, {}};
+  p.executor = make_emulated_executor(p.compiled, work_dir(name));
+  CheckedRun run = run_and_check(p.compiled, *p.executor, RunOptions{7, work_dir(name)});
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  p.profile = profile_program(p.compiled, *p.executor);
+  return p;
+}
+
+}  // namespace
+
+// relu then neg over 1000 floats: fused, one kernel reads x once and writes
+// out once; unfused, the intermediate goes to memory and back.
+TEST(Profile, AnElementwiseChainReadsAndWritesEachElementOnce) {
+  auto chain = [] {
+    GraphBuilder b("chain");
+    auto r = b.task("r", "relu").tensor("x", DType::f32, {1000}, ext).tensor("out", DType::f32, {1000});
+    b.task("n", "neg").tensor("x", r["out"]).tensor("out", DType::f32, {1000}, ext);
+    return std::move(b).graph();
+  };
+  Profiled fused = profile_graph(chain(), true);
+  ASSERT_EQ(fused.profile.kernels.size(), 1u);
+  const KernelProfile& k = fused.profile.kernels[0];
+  EXPECT_EQ(k.bytes_read, 1000 * f32);
+  EXPECT_EQ(k.bytes_written, 1000 * f32);
+  EXPECT_EQ(k.bytes(), k.modelled_bytes);  // the model is exact for an elementwise chain
+  EXPECT_EQ(k.tasks, (std::vector<std::string>{"r", "n"}));
+
+  Profiled unfused = profile_graph(chain(), false);
+  ASSERT_EQ(unfused.profile.kernels.size(), 2u);
+  for (const KernelProfile& u : unfused.profile.kernels) {
+    EXPECT_EQ(u.bytes_read, 1000 * f32) << u.name();
+    EXPECT_EQ(u.bytes_written, 1000 * f32) << u.name();
+  }
+  add_unfused_baseline(fused.profile, unfused.profile);
+  const PhaseProfile* forward = fused.profile.find_phase(Phase::forward);
+  ASSERT_NE(forward, nullptr);
+  EXPECT_EQ(forward->bytes, 2000 * f32);
+  EXPECT_EQ(forward->unfused_kernels, 2);
+  EXPECT_EQ(forward->unfused_bytes, 4000 * f32);
+  EXPECT_NE(format_profile(fused.profile, ProfileSort::bytes).find("50.0%"), std::string::npos)
+      << format_profile(fused.profile, ProfileSort::bytes);
+}
+
+// out[33, 70] = a[33, 20] @ b[20, 70] in f32: 32 x 32 output tiles (2 x 3 of
+// them), each loading its rows of a and its columns of b once, guarded at the
+// edges. So a is read once per column of tiles, b once per row of tiles.
+TEST(Profile, AMatmulReadsEachOperandOncePerTileAcross) {
+  GraphBuilder b("matmul");
+  b.task("mm", "matmul")
+      .tensor("a", DType::f32, {33, 20}, ext)
+      .tensor("b", DType::f32, {20, 70}, ext)
+      .tensor("out", DType::f32, {33, 70}, ext);
+  Profiled p = profile_graph(std::move(b).graph(), true);
+  ASSERT_EQ(p.profile.kernels.size(), 1u);
+  const KernelProfile& k = p.profile.kernels[0];
+  const int64_t tile_rows = 2, tile_cols = 3;
+  EXPECT_EQ(k.grid[0] * k.grid[1], tile_rows * tile_cols);
+  EXPECT_EQ(k.bytes_read, (33 * 20 * tile_cols + 20 * 70 * tile_rows) * f32);
+  EXPECT_EQ(k.bytes_written, 33 * 70 * f32);
+  EXPECT_EQ(k.modelled_bytes, (33 * 20 + 20 * 70 + 33 * 70) * f32);
+  EXPECT_EQ(k.flops, 2 * 33 * 70 * 20);  // matmul's declared 2 * numel(out) * K
+}
+
+// A block per row: the row's maximum, the sum of exponentials, then the
+// output, each pass reading the row again.
+TEST(Profile, ASoftmaxReadsItsRowThreeTimes) {
+  GraphBuilder b("softmax");
+  b.task("sm", "softmax").tensor("x", DType::f32, {7, 1000}, ext).tensor("out", DType::f32, {7, 1000}, ext);
+  Profiled p = profile_graph(std::move(b).graph(), true);
+  ASSERT_EQ(p.profile.kernels.size(), 1u);
+  const KernelProfile& k = p.profile.kernels[0];
+  EXPECT_EQ(k.grid[0], 7);
+  EXPECT_EQ(k.bytes_read, 3 * 7 * 1000 * f32);
+  EXPECT_EQ(k.bytes_written, 7 * 1000 * f32);
+  EXPECT_EQ(k.flops, 5 * 7 * 1000);
+}
+
+// A training step repeats update (which changes the weights) while profiling;
+// afterwards the arena is exactly as before, and runs compute as before.
+TEST(Profile, ProfilingChangesNoResult) {
+  Compiled c = compile(load_program(std::string(CUDAGEN_SOURCE_DIR) + "/examples/train_mlp.json", {}), fusion(true));
+  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir("train_mlp"));
+  RunOptions options{3, work_dir("train_mlp")};
+  options.steps = 1;
+  CheckedRun run = run_and_check(c, *executor, options);
+  ASSERT_TRUE(run.ok()) << format_run(run);
+
+  const size_t bytes = size_t(c.plan.arena_bytes);
+  std::vector<unsigned char> before(bytes), after(bytes), plain(bytes), profiled(bytes);
+  executor->read(0, before.data(), bytes);
+  Profile profile = profile_program(c, *executor);
+  executor->read(0, after.data(), bytes);
+  EXPECT_TRUE(before == after) << "profiling left the arena changed";
+  EXPECT_EQ(profile.phases.size(), 4u);  // init, forward, backward, update
+
+  // The same forward and backward, from the same state, with and without a
+  // profile in between.
+  executor->run("cudagen_forward");
+  executor->run("cudagen_backward");
+  executor->read(0, plain.data(), bytes);
+  executor->write(0, before.data(), bytes);
+  profile_program(c, *executor, ProfileOptions{{Phase::forward}});
+  executor->run("cudagen_forward");
+  executor->run("cudagen_backward");
+  executor->read(0, profiled.data(), bytes);
+  EXPECT_TRUE(plain == profiled) << "a run after profiling computed something else";
+}
+
+TEST(Profile, TheTraceHasATrackPerPhaseAndASlicePerKernel) {
+  Compiled c = compile(load_program(std::string(CUDAGEN_SOURCE_DIR) + "/examples/transformer_block.json", {}), fusion(true));
+  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir("transformer_block"));
+  ASSERT_TRUE(run_and_check(c, *executor, RunOptions{1, work_dir("transformer_block")}).ok());
+  Profile profile = profile_program(c, *executor);
+  ASSERT_EQ(profile.kernels.size(), c.emitted.kernels.size());
+
+  const JsonValue trace = parse_json(profile_trace(profile));
+  const JsonValue* events = trace.find("traceEvents");
+  ASSERT_NE(events, nullptr);
+  std::map<int64_t, std::string> tracks;  // tid -> phase
+  std::vector<const JsonValue*> slices;
+  for (const JsonValue& e : events->items()) {
+    const std::string ph = e.find("ph")->as_string();
+    if (ph == "M" && e.find("name")->as_string() == "thread_name")
+      tracks[e.find("tid")->as_int()] = e.find("args")->find("name")->as_string();
+    if (ph == "X") slices.push_back(&e);
+  }
+  EXPECT_EQ(tracks.size(), profile.phases.size());
+  ASSERT_EQ(slices.size(), c.emitted.kernels.size());
+  double previous_end = -1;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const JsonValue& s = *slices[i];
+    const KernelProfile& k = profile.kernels[i];
+    EXPECT_EQ(s.find("name")->as_string(), k.name());
+    EXPECT_EQ(tracks.at(s.find("tid")->as_int()), to_string(k.phase));
+    const double ts = s.find("ts")->as_double(), dur = s.find("dur")->as_double();
+    EXPECT_GE(dur, 0);
+    EXPECT_GE(ts, previous_end - 1e-6) << "slices overlap on the timeline at " << k.name();
+    previous_end = ts + dur;
+    EXPECT_EQ(s.find("args")->find("bytes_read")->as_int(), k.bytes_read);
+  }
+
+  const JsonValue json = parse_json(profile_json(profile));
+  EXPECT_EQ(json.find("format")->as_string(), "cudagen.profile/1");
+  EXPECT_EQ(json.find("kernels")->items().size(), c.emitted.kernels.size());
+}
