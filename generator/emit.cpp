@@ -954,15 +954,16 @@ class Emitter {
     const Param& x = param(ps, "x");
     if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = x.buffer->shape.back(), rows = numel(x.buffer->shape) / n;
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    // 32 columns per block; 8 warps split the rows (fewer where there are few).
+    ek.block = int(32 * std::clamp<int64_t>(rows, 1, 8));
+    ek.grid[0] = int((n + 31) / 32);
+    ek.smem_bytes = 4 * ek.block;
     return fmt::format(
-        "  for (cg_i64 j = cg_global_thread(); j < {}; j += cg_grid_threads())\n"
-        "    {};\n",
-        n,
-        store(param(ps, "out"), "j",
-              fmt::format("cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return {}; }}, j, {})",
-                          load(x, fmt::format("r * {} + c", n)), rows)));
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 j = cg_i64(blockIdx.x) * 32 + threadIdx.x % 32;\n"
+        "  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return {}; }}, j, {}, {}, (float*)cg_smem);\n"
+        "  if (threadIdx.x < 32 && j < {}) {};\n",
+        load(x, fmt::format("r * {} + c", n)), n, rows, n, store(param(ps, "out"), "j", "total"));
   }
 
   std::string log_softmax(int t, const std::vector<Param>& ps, EmittedKernel& ek) {

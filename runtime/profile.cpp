@@ -184,14 +184,14 @@ std::string format_profile(const Profile& profile, ProfileSort sort, int top) {
   out += fmt::format("{:<9} {:>7} {:>11}", "phase", "kernels", gpu ? "time us" : "host ms");
   if (gpu) out += fmt::format(" {:>11}", "kernels us");
   out += fmt::format(" {:>11}", gpu ? "bytes*" : "bytes");
-  if (baseline) out += fmt::format("  {:>8} {:>11} {:>6}", "unfused:", "kernels", "bytes") + fmt::format(" {:>7}", "saved");
+  if (baseline) out += fmt::format("  {:<8} {:>7} {:>11} {:>7}", "unfused:", "kernels", "bytes", "saved");
   out += "\n";
   for (const PhaseProfile& p : profile.phases) {
     out += fmt::format("{:<9} {:>7} {:>11.3f}", to_string(p.phase), p.kernels, gpu ? p.milliseconds * 1e3 : p.milliseconds);
     if (gpu) out += fmt::format(" {:>11.3f}", p.kernel_milliseconds * 1e3);
     out += fmt::format(" {:>11}", bytes_text(p.bytes));
     if (p.unfused_bytes >= 0)
-      out += fmt::format("  {:>8} {:>11} {:>6} {:>7}", "", p.unfused_kernels, bytes_text(p.unfused_bytes),
+      out += fmt::format("  {:<8} {:>7} {:>11} {:>7}", "", p.unfused_kernels, bytes_text(p.unfused_bytes),
                          percent(double(p.unfused_bytes - p.bytes), double(p.unfused_bytes)));
     out += "\n";
   }

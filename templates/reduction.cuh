@@ -77,9 +77,15 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// Sum over every axis but the last (the gradient of a broadcast bias): the
-// emitter's grid-stride loop gives each thread whole columns, so the reads
-// of a warp are coalesced along the row.
+// Sum over every axis but the last (the gradient of a broadcast bias). A
+// block takes 32 adjacent columns: lane l of every warp reads column
+// (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
+// and warp w sums rows w, w + W, w + 2W, ... (W warps). The W partial sums of
+// a column meet in shared memory and warp 0 adds them in warp order: a fixed
+// order, so the result is the same every run, and a tall input (a bias
+// gradient over batch x tokens rows) keeps W times more threads busy than one
+// thread per column would. Every thread must call it (it synchronises the
+// block); the sum is valid in warp 0. Shared memory: blockDim.x floats.
 template <typename Load>
 CG_OP("sum_leading",
       "pattern: reduction",
@@ -88,10 +94,18 @@ CG_OP("sum_leading",
       "tensor: out output T",
       "shape: x:[...S, N] -> out:[N]",
       "backward: sum_leading_backward",
+      "smem: 4 * 256",
+      "flops: numel(x)",
       "doc: sum over every axis but the last (the gradient of a broadcast bias)")
-CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
+CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, cg_i64 rows, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float s = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) s += load(r, column);
+  if (column < columns)
+    for (cg_i64 r = warp; r < rows; r += warps) s += load(r, column);
+  scratch[warp * 32 + lane] = s;
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < warps; ++w) s += scratch[w * 32 + lane];
   return s;
 }
 

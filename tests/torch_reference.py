@@ -305,14 +305,15 @@ def run_torch(g, values, phases=None):
 
 def compare(title, rows):
     """Prints one line per (name, got, want, rtol, atol): it agrees when
-    max |got - want| <= rtol * max |want| + atol and got is finite. Returns
-    whether every row agrees."""
+    |got - want| <= rtol * max |want| + atol for every element (atol a number
+    or an array of want's shape) and got is finite. Returns whether every row
+    agrees."""
     print("%-30s %9s %12s %12s  %s" % (title, "elements", "max |diff|", "max |ref|", "result"))
     all_ok = True
     for name, got, want, rtol, atol in rows:
         got = np.asarray(got, dtype=np.float64)
         diff, scale = float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
-        ok = bool(np.all(np.isfinite(got))) and diff <= rtol * scale + atol
+        ok = bool(np.all(np.isfinite(got))) and bool(np.all(np.abs(got - want) <= rtol * scale + np.asarray(atol)))
         all_ok &= ok
         print("%-30s %9d %12.3g %12.3g  %s" % (name, got.size, diff, scale, "ok" if ok else "FAIL"))
     return all_ok

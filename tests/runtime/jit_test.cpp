@@ -72,6 +72,29 @@ TEST_F(Jit, RunsAGraphOnHostValuesAndMatchesTheReference) {
   EXPECT_EQ(mlp.get_tensor("probs", "out").data, probs.data);
 }
 
+// Instance::profile measures the phases from the values set so far, and the
+// instance's tensors are as before afterwards.
+TEST_F(Jit, ProfileMeasuresEachKernelAndLeavesTheTensorsAlone) {
+  JitProgram program = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_);
+  Instance mlp = program.instantiate();
+  for (const char* input : {"fc1.a", "fc1.b", "bias1.b", "fc2.b", "bias2.b"}) mlp.randomize(input, 5);
+  mlp.run(Phase::forward);
+  const HostTensor before = mlp.read("probs.out");
+  Profile profile = mlp.profile();
+  ASSERT_EQ(profile.kernels.size(), program.compiled().emitted.kernels.size());
+  ASSERT_EQ(profile.phases.size(), 1u);
+  EXPECT_EQ(profile.phases[0].phase, Phase::forward);
+  int64_t bytes = 0;
+  for (const KernelProfile& k : profile.kernels) {
+    EXPECT_GT(k.bytes_read, 0) << k.name();
+    EXPECT_GT(k.bytes_written, 0) << k.name();
+    bytes += k.bytes();
+  }
+  EXPECT_EQ(profile.phases[0].bytes, bytes);
+  EXPECT_EQ(mlp.read("probs.out").data, before.data);
+  EXPECT_NE(format_profile(profile, ProfileSort::bytes).find("k0_fc1 (fc1, bias1, act1)"), std::string::npos);
+}
+
 TEST_F(Jit, AnIntermediateFusedOrReusedIsRefusedAndKeptWithFusionAndReuseOff) {
   {
     Instance mlp = JitProgram::from_file(source_path("examples/mlp_forward.json"), options_).instantiate();

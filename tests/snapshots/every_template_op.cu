@@ -835,18 +835,30 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:83
-// Sum over every axis but the last (the gradient of a broadcast bias): the
-// emitter's grid-stride loop gives each thread whole columns, so the reads
-// of a warp are coalesced along the row.
+// templates/reduction.cuh:89
+// Sum over every axis but the last (the gradient of a broadcast bias). A
+// block takes 32 adjacent columns: lane l of every warp reads column
+// (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
+// and warp w sums rows w, w + W, w + 2W, ... (W warps). The W partial sums of
+// a column meet in shared memory and warp 0 adds them in warp order: a fixed
+// order, so the result is the same every run, and a tall input (a bias
+// gradient over batch x tokens rows) keeps W times more threads busy than one
+// thread per column would. Every thread must call it (it synchronises the
+// block); the sum is valid in warp 0. Shared memory: blockDim.x floats.
 template <typename Load>
-CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 rows) {
+CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, cg_i64 rows, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float s = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) s += load(r, column);
+  if (column < columns)
+    for (cg_i64 r = warp; r < rows; r += warps) s += load(r, column);
+  scratch[warp * 32 + lane] = s;
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < warps; ++w) s += scratch[w * 32 + lane];
   return s;
 }
 
-// templates/reduction.cuh:100
+// templates/reduction.cuh:114
 // The gradient of a row of log_softmax, from its output:
 //   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -857,7 +869,7 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }
 
-// templates/reduction.cuh:121
+// templates/reduction.cuh:135
 // The gradients of the row reductions. A sum hands each element of the row
 // the row's gradient, a mean the same divided by the row's length: the
 // emitter runs a grid-stride loop over dx and passes dout[row] and n.
@@ -867,13 +879,13 @@ CG_DEVICE T cg_sum_backward(T dout, int n) {
   return dout;
 }
 
-// templates/reduction.cuh:135
+// templates/reduction.cuh:149
 template <typename T>
 CG_DEVICE T cg_mean_backward(T dout, int n) {
   return dout / T(n);
 }
 
-// templates/reduction.cuh:151
+// templates/reduction.cuh:165
 // The gradient of a row max goes to the elements equal to the max, split
 // evenly between ties (as torch.amax's). One block per row; out is the
 // forward's max, which is one of the row's values, so == is exact.
@@ -885,7 +897,7 @@ CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, f
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
 }
 
-// templates/reduction.cuh:171
+// templates/reduction.cuh:185
 // The gradient of sum_leading: dout, broadcast back over the leading axes.
 template <typename T>
 CG_DEVICE T cg_sum_leading_backward(T dout) {
@@ -1309,10 +1321,12 @@ CG_KERNEL void __launch_bounds__(64) k31_log_softmax(const float* __restrict__ x
 // Kernel k32_sum_leading (forward phase): task sum_leading (sum_leading, reduction).
 //   reads  sum_leading.x f32 [2, 33, 5]
 //   writes sum_leading.out f32 [5]
-//   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
+//   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
 CG_KERNEL void __launch_bounds__(256) k32_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 j = cg_global_thread(); j < 5; j += cg_grid_threads())
-    cg_store(out, j, cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 5 + c); }, j, 66));
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 j = cg_i64(blockIdx.x) * 32 + threadIdx.x % 32;
+  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 5 + c); }, j, 5, 66, (float*)cg_smem);
+  if (threadIdx.x < 32 && j < 5) cg_store(out, j, total);
 }
 
 // Kernel k33_cast (forward phase): task cast (cast, elementwise).
@@ -2015,7 +2029,7 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 68352), (float*)(arena + 108032));
   CUDAGEN_LAUNCH(k31_log_softmax, dim3(2, 1, 1), dim3(64), 128, k31_log_softmax_tensors,
                  (const float*)(arena + 82688), (float*)(arena + 83200));
-  CUDAGEN_LAUNCH(k32_sum_leading, dim3(1, 1, 1), dim3(256), 0, k32_sum_leading_tensors,
+  CUDAGEN_LAUNCH(k32_sum_leading, dim3(1, 1, 1), dim3(256), 1024, k32_sum_leading_tensors,
                  (const float*)(arena + 51456), (float*)(arena + 106496));
   CUDAGEN_LAUNCH(k33_cast, dim3(1, 1, 1), dim3(256), 0, k33_cast_tensors,
                  (const float*)(arena + 100352), (cg_f16*)(arena + 105216));

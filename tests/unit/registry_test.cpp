@@ -117,6 +117,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",
                                                 "log_softmax", "max", "mean", "neg", "sum", "sum_leading"};
+  // Ops whose template now plans shared memory: sum_leading's column sums
+  // split the rows across a block's warps.
+  const std::set<std::string> smem_changed = {"sum_leading"};
   std::vector<std::string> expected = first.names();
   expected.insert(expected.end(), added.begin(), added.end());
   std::sort(expected.begin(), expected.end());
@@ -153,7 +156,7 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
     } else {
       EXPECT_EQ(b.source_file, a.source_file);
       EXPECT_EQ(b.source_function, a.source_function);
-      EXPECT_EQ(b.smem, a.smem);
+      if (!smem_changed.count(a.name)) EXPECT_EQ(b.smem, a.smem);
     }
     // Every op of the indexed registry has its template and its closure.
     EXPECT_FALSE(b.source_file.empty());
