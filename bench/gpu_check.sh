@@ -11,6 +11,8 @@
 #  - the same with --cuda-graph, and the training examples for several steps;
 #  - examples/jit (the C++ API), and the disk cache's second run (a hit);
 #  - examples/aot, built ahead of time with nvcc by pack_gpu_kit.sh;
+#  - the numerical tests of the emitter (every op forward and backward, f32/f16/bf16, sizes that
+#    are not multiples of a block, fused chains, training steps) with CUDAGEN_TEST_BACKEND=gpu;
 #  - the profile of the forward and training examples (--profile): kernel and phase times, bandwidth
 #    against the device copy, FLOP rates; the profile tables at the end.
 set -uo pipefail
@@ -46,6 +48,11 @@ check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/trai
 check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
 check "examples/jit (C++ API)" "$kit/bin/jit_mlp" examples/mlp_forward.json
 check "examples/aot (nvcc, ahead of time)" "$kit/bin/aot_mlp"
+gpu_tests='*EmulatedOps.*:*EmulatedHalfOps.*:*FusedChains.*:Fusion.*:TrainingRun.*:RunTimeArgs.ADerivedAdam*'
+gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emulation.Unfused*:Emulation.ReshapeIsAView*'
+gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
+check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
+  env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
 
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done

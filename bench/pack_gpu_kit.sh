@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packs what bench/gpu_check.sh runs on the device machine into gpu-kit/ (a
 # few MB; the build tree is far over the device tool's 64 MiB carry limit):
-# the installed cudagen, stripped; jit_mlp; examples/aot built with nvcc
+# the installed cudagen, stripped; jit_mlp; the numerical tests
+# (cudagen_emulation_tests, run there with CUDAGEN_TEST_BACKEND=gpu); examples/aot built with nvcc
 # against that install; and libfmt, which the device image lacks.
 #
 #   bench/pack_gpu_kit.sh [BUILD_DIR]      then: run(carry=["gpu-kit"], "bash bench/gpu_check.sh gpu-kit")
@@ -13,13 +14,16 @@ export PATH=/usr/local/cuda/bin:$PATH
 generator=(-G Ninja)
 command -v ninja > /dev/null || generator=()
 
-cmake --build "$build" --target cudagen cudagen-index jit_mlp > /dev/null
+cmake --build "$build" --target cudagen cudagen-index jit_mlp cudagen_emulation_tests > /dev/null
 rm -rf "$kit" "$build/gpu-kit-aot"
 cmake --install "$build" --prefix "$kit" --strip > /dev/null
 strip -o "$kit/bin/jit_mlp" "$build/examples/jit/jit_mlp"
+strip -o "$kit/bin/cudagen_emulation_tests" "$build/tests/cudagen_emulation_tests"
 cmake "${generator[@]}" -S examples/aot -B "$build/gpu-kit-aot" -DCMAKE_PREFIX_PATH="$PWD/$kit" \
       -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build "$build/gpu-kit-aot" > /dev/null
 cp "$build/gpu-kit-aot/aot_mlp" "$kit/bin/aot_mlp"
-for lib in $(ldd "$kit/bin/cudagen" | awk '/libfmt/ {print $3}'); do cp -L "$lib" "$kit/lib/"; done
+for lib in $(ldd "$kit/bin/cudagen" "$kit/bin/cudagen_emulation_tests" | awk '/libfmt|libgtest|libboost_context/ {print $3}' | sort -u); do
+  cp -L "$lib" "$kit/lib/"
+done
 echo "gpu-kit/: $(du -sh "$kit" | cut -f1) ($(ls "$kit/bin" | tr '\n' ' '))"

@@ -15,8 +15,11 @@
 #include "pipeline.h"
 #include "reference.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
+using cudagen::testing::run_checked;
+using cudagen::testing::test_source_dir;
 
 namespace {
 
@@ -302,7 +305,7 @@ TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("cudagen_derive_test_" + std::to_string(::getpid()))).string();
-  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, dir});
+  CheckedRun run = run_checked(c, RunOptions{seed, dir});
   EXPECT_TRUE(run.ok()) << format_run(run);
   int weights_checked = 0;
   for (const auto& check : run.checks) weights_checked += check.buffer == "w1.out" || check.buffer == "w2.out" || check.buffer == "b1.out";

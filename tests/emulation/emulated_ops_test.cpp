@@ -15,8 +15,11 @@
 #include "host_module.h"
 #include "pipeline.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
+using cudagen::testing::run_checked;
+using cudagen::testing::test_source_dir;
 
 namespace {
 
@@ -221,7 +224,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   Compiled c = compile_graph(all_ops(GetParam()));
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
   ASSERT_EQ(run.checks.size(), 87u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
@@ -341,7 +344,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run =
-      run_emulated_and_check(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
+      run_checked(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
   ASSERT_EQ(run.checks.size(), 45u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
@@ -370,7 +373,7 @@ TEST(Emulation, TensorCoreMatmulMatchesTheReference) {
         << "the f32 tile is not in a file whose matmuls are all 16-bit";
     uint64_t seed = fresh_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
-    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 3u);
     for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
   }
@@ -383,12 +386,12 @@ INSTANTIATE_TEST_SUITE_P(Sizes, EmulatedHalfOps,
 TEST(Emulation, UnfusedAndUnreusedPlansGiveTheSameResults) {
   CompileOptions no_reuse;
   no_reuse.plan.placement.reuse = false;
-  TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/mlp_forward.json"));
+  TaskGraph g = read_graph(read_text_file(test_source_dir() + "/examples/mlp_forward.json"));
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (const CompileOptions& options : {CompileOptions{}, no_reuse}) {
     Compiled c = compile(load_program(g, {}), options);
-    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp")});
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir("mlp")});
     EXPECT_TRUE(run.ok()) << format_run(run);
   }
 }
@@ -464,7 +467,7 @@ TEST(Emulation, ReshapeIsAViewWithoutAKernel) {
     EXPECT_EQ(c.emitted.cuda_source.find("flat"), c.emitted.cuda_source.find("flat.out")) << "named only as a buffer";
     uint64_t seed = fresh_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
-    CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
     EXPECT_TRUE(run.ok()) << format_run(run);
   }
 }
@@ -482,7 +485,7 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
       << "the aliased pair loses __restrict__, the other pointer keeps it";
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("in_place")});
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("in_place")});
   EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
@@ -490,11 +493,11 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
 // to end: the loss, the logits and the four weights after one update, against
 // the float64 reference of the whole graph.
 TEST(Emulation, MlpTrainingStepMatchesTheReference) {
-  TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/mlp_train.json"));
+  TaskGraph g = read_graph(read_text_file(test_source_dir() + "/examples/mlp_train.json"));
   Compiled c = compile(load_program(std::move(g), {}), {});
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir("mlp_train")});
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("mlp_train")});
   std::vector<std::string> checked;
   for (const auto& check : run.checks) checked.push_back(check.buffer);
   EXPECT_EQ(checked, (std::vector<std::string>{"w1_init.out", "b1_init.out", "w2_init.out", "b2_init.out", "bias2.out",
@@ -505,13 +508,13 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
   CompileOptions keep_all;  // every task's output in memory: no reuse, no fusion
   keep_all.plan.placement.reuse = false;
   keep_all.fuse.enabled = false;
-  Compiled unreused = compile(load_program(read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) +
+  Compiled unreused = compile(load_program(read_graph(read_text_file(test_source_dir() +
                                                                      "/examples/mlp_train.json")),
                                            {}),
                               keep_all);
   RunOptions each{seed, work_dir("mlp_train_each")};
   each.check_each_task = true;
-  CheckedRun per_task = run_emulated_and_check(unreused, each);
+  CheckedRun per_task = run_checked(unreused, each);
   EXPECT_TRUE(per_task.ok()) << format_run(per_task);
   bool update_checked = false;
   for (const auto& check : per_task.checks) update_checked = update_checked || check.buffer == "task sgd_w1.param";
@@ -522,7 +525,7 @@ TEST(Emulation, MlpTrainingStepMatchesTheReference) {
 // produced: the end-to-end bound compounds through two norms and a softmax,
 // the per-task bounds do not.
 TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
-  TaskGraph g = read_graph(read_text_file(std::string(CUDAGEN_SOURCE_DIR) + "/examples/transformer_block.json"));
+  TaskGraph g = read_graph(read_text_file(test_source_dir() + "/examples/transformer_block.json"));
   CompileOptions keep_all;  // every task's output in memory: no reuse, no fusion
   keep_all.plan.placement.reuse = false;
   keep_all.fuse.enabled = false;
@@ -531,7 +534,7 @@ TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   RunOptions options{seed, work_dir("transformer")};
   options.check_each_task = true;
-  CheckedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_checked(c, options);
   ASSERT_EQ(run.checks.size(), 35u);  // 26 tasks, the output, and the 8 weights the init tasks write
   EXPECT_TRUE(run.ok()) << format_run(run);
   for (const auto& check : run.checks)

@@ -12,8 +12,11 @@
 #include "builder.h"
 #include "pipeline.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
+using cudagen::testing::run_checked;
+using cudagen::testing::test_source_dir;
 
 namespace {
 
@@ -96,7 +99,7 @@ void expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels, co
   EXPECT_EQ(unfused.kernels.size(), g.tasks.size());
   EXPECT_NE(fused.emitted.cuda_source.find(expect_in_source), std::string::npos) << fused.emitted.cuda_source;
   for (const Compiled* c : {&fused, &unfused}) {
-    CheckedRun run = run_emulated_and_check(*c, RunOptions{seed, work_dir(g.name)});
+    CheckedRun run = run_checked(*c, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << (c == &fused ? "fused: " : "unfused: ") << format_run(run);
   }
 }
@@ -125,14 +128,14 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, FusedChains, ::testing::Values(DType::f32, DTyp
 // same outputs and updated weights as the reference.
 TEST(Fusion, ExamplesMatchTheReferenceFused) {
   for (const char* example : {"mlp_forward.json", "train_mlp.json", "transformer_block.json", "train_transformer.json"}) {
-    Compiled c = compile(load_program(std::string(CUDAGEN_SOURCE_DIR) + "/examples/" + example, {}), fusion(true));
+    Compiled c = compile(load_program(test_source_dir() + "/examples/" + example, {}), fusion(true));
     size_t fused = 0;
     for (const auto& k : c.kernels) fused += k.tasks.size() > 1;
     EXPECT_GT(fused, 0u) << example << ": no kernel fused";
     const uint64_t seed = std::random_device()();
     RunOptions options{seed, work_dir(example)};
     options.steps = std::string(example).rfind("train_", 0) == 0 ? 2 : 0;
-    CheckedRun run = run_emulated_and_check(c, options);
+    CheckedRun run = run_checked(c, options);
     EXPECT_TRUE(run.ok()) << example << " seed " << seed << "\n" << format_run(run);
   }
 }

@@ -15,8 +15,11 @@
 #include "host_module.h"
 #include "pipeline.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
+using cudagen::testing::run_checked;
+using cudagen::testing::test_source_dir;
 
 namespace {
 
@@ -107,7 +110,7 @@ TEST(RunTimeArgs, ADerivedAdamStepReadsItsStepAndLearningRate) {
   // with these values, so a kernel that ignored them would fail the check.
   RunOptions options{seed, work_dir("adam")};
   options.args = {{"w1_adam.step", ArgValue(int64_t(7))}, {"w1_adam.lr", ArgValue(0.05)}};
-  CheckedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_checked(c, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   int updated = 0;
   for (const auto& check : run.checks) updated += check.buffer == "w1.out" || check.buffer == "w2.out";
@@ -165,6 +168,6 @@ TEST(RunTimeArgs, ReductionAndMatmulKernelsReadThemToo) {
   RunOptions options{seed, work_dir("skeletons")};
   // Values far from the initial ones, so that a kernel reading a literal fails.
   options.args = {{"mm.alpha", ArgValue(-2.5)}, {"sm.scale", ArgValue(0.3)}, {"norm.eps", ArgValue(0.5)}};
-  CheckedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_checked(c, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
 }

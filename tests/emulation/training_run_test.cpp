@@ -13,8 +13,11 @@
 #include "npy.h"
 #include "pipeline.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
+using cudagen::testing::run_checked;
+using cudagen::testing::test_source_dir;
 
 namespace {
 
@@ -54,7 +57,7 @@ TEST(TrainingRun, EveryStepIsCheckedAndTheLossIsTracked) {
   RunOptions run_options{seed, work_dir("steps")};
   run_options.steps = 6;
   run_options.outputs_dir = work_dir("steps_out");
-  CheckedRun run = run_emulated_and_check(c, run_options);
+  CheckedRun run = run_checked(c, run_options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   ASSERT_EQ(run.step_scalars.size(), 1u);
   EXPECT_EQ(run.step_scalars[0].first, "loss.loss");
@@ -79,7 +82,7 @@ TEST(TrainingRun, EachTaskOfEveryStepIsCheckedFromItsActualInputs) {
   RunOptions run_options{seed, work_dir("each")};
   run_options.steps = 2;
   run_options.check_each_task = true;
-  CheckedRun run = run_emulated_and_check(c, run_options);
+  CheckedRun run = run_checked(c, run_options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   // Backward kernels and the in-place update too, not only the outputs.
   int checked = 0;
@@ -92,14 +95,14 @@ TEST(TrainingRun, EachTaskOfEveryStepIsCheckedFromItsActualInputs) {
   EXPECT_EQ(checked, 4) << format_run(run);
   RunOptions reused{seed, work_dir("each")};
   reused.check_each_task = true;
-  EXPECT_THROW(run_emulated_and_check(compile(classifier(), {}), reused), std::runtime_error);
+  EXPECT_THROW(run_checked(compile(classifier(), {}), reused), std::runtime_error);
 }
 
 TEST(TrainingRun, OnePhaseTakesWhatOtherPhasesWouldWriteAsInputs) {
   Compiled c = compile(classifier(), {});
   RunOptions options{7, work_dir("phases")};
   options.phases = {Phase::forward};
-  CheckedRun run = run_emulated_and_check(c, options);
+  CheckedRun run = run_checked(c, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   // Forward only: the loss and nothing the update writes.
   bool loss_checked = false;
@@ -118,7 +121,7 @@ TEST(TrainingRun, BadRunOptionsSayWhatToDo) {
   EXPECT_THROW(
       {
         try {
-          run_emulated_and_check(c, both);
+          run_checked(c, both);
         } catch (const std::runtime_error& e) {
           EXPECT_NE(std::string(e.what()).find("give --steps or --phases, not both"), std::string::npos) << e.what();
           throw;
@@ -132,7 +135,7 @@ TEST(TrainingRun, BadRunOptionsSayWhatToDo) {
   RunOptions steps{1, work_dir("bad")};
   steps.steps = 3;
   try {
-    run_emulated_and_check(forward_only, steps);
+    run_checked(forward_only, steps);
     FAIL() << "expected an error: nothing to train";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("has no update phase"), std::string::npos) << e.what();
@@ -140,7 +143,7 @@ TEST(TrainingRun, BadRunOptionsSayWhatToDo) {
   RunOptions phase{1, work_dir("bad")};
   phase.phases = {Phase::backward};
   try {
-    run_emulated_and_check(forward_only, phase);
+    run_checked(forward_only, phase);
     FAIL() << "expected an error: no backward phase";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("this graph has no backward phase"), std::string::npos) << e.what();

@@ -1,0 +1,43 @@
+// Where the numerical tests run: in the host emulation (the default, and in
+// CI), or on a GPU when CUDAGEN_TEST_BACKEND=gpu (bench/gpu_check.sh runs this
+// binary so on the device machine: the same graphs, inputs, poisoning and
+// bounds, launched through NVRTC and the driver API). CUDAGEN_SOURCE_DIR in
+// the environment replaces the build's source folder, for a binary carried to
+// another machine.
+#pragma once
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "driver.h"
+#include "runner.h"
+
+namespace cudagen::testing {
+
+inline bool test_on_gpu() {
+  const char* backend = std::getenv("CUDAGEN_TEST_BACKEND");
+  if (backend == nullptr || *backend == '\0' || std::string(backend) == "emulation") return false;
+  if (std::string(backend) == "gpu") return true;
+  throw std::invalid_argument("CUDAGEN_TEST_BACKEND=" + std::string(backend) + ": write emulation or gpu");
+}
+
+// The repository's folder: $CUDAGEN_SOURCE_DIR, else the one this was built from.
+inline std::string test_source_dir() {
+  const char* dir = std::getenv("CUDAGEN_SOURCE_DIR");
+  return dir && *dir ? dir : CUDAGEN_SOURCE_DIR;
+}
+
+// run_and_check on the chosen backend. On a GPU there is no fallback: a
+// machine without a driver fails here, saying so.
+inline CheckedRun run_checked(const Compiled& compiled, const RunOptions& options) {
+  if (!test_on_gpu()) return run_emulated_and_check(compiled, options);
+  GpuOptions gpu;
+  GpuCode code = compile_for_gpu(compiled, gpu);
+  std::unique_ptr<Executor> executor = make_gpu_executor(compiled, code, gpu);
+  CheckedRun run = run_and_check(compiled, *executor, options);
+  run.compile_seconds = code.report.compile_seconds;
+  return run;
+}
+
+}  // namespace cudagen::testing
