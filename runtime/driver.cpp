@@ -89,7 +89,7 @@ std::shared_ptr<const DriverApi> load_driver_library(const std::string& library)
 }
 
 std::shared_ptr<const DriverApi> load_driver() {
-  // The one process-wide cache in the runtime: a loaded driver per library
+  // One of the runtime's two process-wide caches (the other is NVRTC's handle): a loaded driver per library
   // path (the driver keeps its own state per process, so a second handle
   // would gain nothing). A failed load is not kept: the next call tries again.
   static std::mutex mutex;
@@ -421,8 +421,7 @@ class GpuExecutor final : public Executor {
   }
 
   void check_range(int64_t offset, size_t bytes, const char* what) const {
-    if (offset < 0 || offset + int64_t(bytes) > arena_bytes_)
-      throw DriverError(fmt::format("{} of {} bytes at {} is outside the arena of {} bytes", what, bytes, offset, arena_bytes_));
+    check_arena_range(offset, bytes, arena_bytes_, what);
   }
 
   std::shared_ptr<const DriverApi> api_;

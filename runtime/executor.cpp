@@ -1,6 +1,7 @@
 #include "executor.h"
 
 #include <cstring>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -37,9 +38,7 @@ class EmulatedExecutor final : public Executor {
 
  private:
   void check_range(int64_t offset, size_t bytes, const char* what) const {
-    if (offset < 0 || size_t(offset) + bytes > arena_.size())
-      throw std::runtime_error(
-          fmt::format("{} of {} bytes at {} is outside the arena of {} bytes", what, bytes, offset, arena_.size()));
+    check_arena_range(offset, bytes, int64_t(arena_.size()), what);
   }
 
   std::shared_ptr<const HostModule> module_;
@@ -47,6 +46,12 @@ class EmulatedExecutor final : public Executor {
 };
 
 }  // namespace
+
+void check_arena_range(int64_t offset, size_t bytes, int64_t arena_bytes, const char* what) {
+  if (offset < 0 || offset > arena_bytes || int64_t(bytes) > arena_bytes - offset)
+    throw std::out_of_range(
+        fmt::format("{} of {} bytes at {} is outside the arena of {} bytes", what, bytes, offset, arena_bytes));
+}
 
 std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, const std::string& work_dir,
                                                  double* compile_seconds) {

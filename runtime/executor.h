@@ -53,6 +53,11 @@ class Executor {
   virtual double copy_bandwidth() { return 0; }
 };
 
+// Throws std::out_of_range unless bytes [offset, offset + bytes) lie in an
+// arena of `arena_bytes`: every executor checks host reads and writes so, the
+// GPU's before a copy could corrupt device memory.
+void check_arena_range(int64_t offset, size_t bytes, int64_t arena_bytes, const char* what);
+
 // The host emulation: builds the .cu with the host compiler in `work_dir`.
 std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, const std::string& work_dir,
                                                  double* compile_seconds = nullptr);

@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -35,7 +37,7 @@ void bind(NvrtcApi& api, Fn& fn, const char* name) {
   if (fn == nullptr) throw NvrtcError(fmt::format("the NVRTC library has no symbol {}", name));
 }
 
-NvrtcApi load_nvrtc() {
+NvrtcApi load_nvrtc_library() {
   std::vector<std::string> candidates = {"libnvrtc.so.13", "libnvrtc.so.12"};
   std::string configured = CUDAGEN_NVRTC_LIBRARY;
   if (!configured.empty()) {
@@ -66,6 +68,17 @@ NvrtcApi load_nvrtc() {
   return api;
 }
 
+// The library, loaded once per process (as the driver is): NVRTC keeps no
+// state between programs, so one handle serves every compile. A failed load
+// is not kept: the next call tries again.
+const NvrtcApi& load_nvrtc() {
+  static std::mutex mutex;
+  static std::unique_ptr<const NvrtcApi> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!loaded) loaded = std::make_unique<const NvrtcApi>(load_nvrtc_library());
+  return *loaded;
+}
+
 std::vector<std::string> compile_options(const std::string& arch, bool ptx) {
   // compute_XX emits PTX, sm_XX a CUBIN for that architecture.
   return {"--gpu-architecture=" + (ptx ? "compute_" + arch.substr(arch.find('_') + 1) : arch), "-std=c++17",
@@ -87,7 +100,7 @@ std::vector<std::string> split_lines(const std::string& text) {
 }  // namespace
 
 std::string nvrtc_version() {
-  NvrtcApi api = load_nvrtc();
+  const NvrtcApi& api = load_nvrtc();
   int major = 0, minor = 0;
   api.version(&major, &minor);
   return fmt::format("{}.{}", major, minor);
@@ -127,7 +140,7 @@ std::string annotate_nvrtc_log(const std::string& log, const std::string& source
 }
 
 NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch, bool ptx) {
-  NvrtcApi api = load_nvrtc();
+  const NvrtcApi& api = load_nvrtc();
   NvrtcOutput out;
   api.version(&out.version_major, &out.version_minor);
   nvrtcProgram prog = nullptr;

@@ -118,7 +118,13 @@ TEST_F(GpuPath, LaunchesEveryKernelOfAPhaseWithThePlansGeometryAndOffsets) {
   gpu->write(256, in.data(), in.size());
   gpu->read(256, out.data(), out.size());
   EXPECT_EQ(in, out);
-  EXPECT_THROW(gpu->write(c.plan.arena_bytes - 8, in.data(), in.size()), DriverError);
+  // Outside the arena, on the GPU as in the emulation: refused before any copy.
+  EXPECT_THROW(gpu->write(c.plan.arena_bytes - 8, in.data(), in.size()), std::out_of_range);
+  EXPECT_THROW(gpu->read(-1, out.data(), out.size()), std::out_of_range);
+  EXPECT_THROW(make_emulated_executor(c, std::make_shared<const HostModule>(HostModule::build(
+                                             c.emitted.cuda_source, cache_.string() + "/emu")))
+                   ->fill(c.plan.arena_bytes, 0, 1),
+               std::out_of_range);
 
   // A second compile of the same program is a cache hit.
   EXPECT_EQ(compile_for_gpu(c, options_).report.cache, CacheOutcome::hit);
