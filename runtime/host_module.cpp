@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 
@@ -46,21 +47,34 @@ struct EmulationToolchain {
   std::string emu_library;
 };
 
-// An installed cudagen finds them beside its executable (PREFIX/bin ->
-// PREFIX/include/cudagen, PREFIX/lib), wherever the prefix was moved; a
-// program run from the build tree uses the build tree's. The installed layout
-// is looked for first only beside the executable, so that a build tree never
-// picks up an older install.
+// Where to look, in order: $CUDAGEN_ROOT (an install prefix, for a program
+// that links the installed runtime and lives elsewhere); beside the running
+// executable (PREFIX/bin -> PREFIX/include/cudagen, PREFIX/lib), so an
+// installed cudagen works wherever the prefix was moved; the build tree this
+// library was built in; the prefix it was configured to install to. A build
+// tree's programs thus never pick up an older install.
 EmulationToolchain emulation_toolchain() {
+  namespace fs = std::filesystem;
+  auto complete = [](const fs::path& include_dir, const fs::path& library) {
+    return fs::exists(include_dir / "cudagen_emu.h") && fs::exists(library);
+  };
+  std::vector<fs::path> prefixes;
+  if (const char* root = std::getenv("CUDAGEN_ROOT"); root && *root) prefixes.push_back(root);
   std::error_code ec;
-  const std::filesystem::path exe_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
-  if (!ec) {
-    const std::filesystem::path include_dir = exe_dir / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR;
-    const std::filesystem::path library = exe_dir / CUDAGEN_EMU_INSTALLED_LIBRARY;
-    if (std::filesystem::exists(include_dir / "cudagen_emu.h") && std::filesystem::exists(library))
-      return {include_dir.lexically_normal().string(), library.lexically_normal().string()};
+  const fs::path exe_dir = fs::read_symlink("/proc/self/exe", ec).parent_path();
+  if (!ec) prefixes.push_back(exe_dir / CUDAGEN_BIN_TO_PREFIX);
+  for (const fs::path& prefix : prefixes) {
+    const fs::path include_dir = prefix / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR, library = prefix / CUDAGEN_EMU_INSTALLED_LIBRARY;
+    if (complete(include_dir, library)) return {include_dir.lexically_normal().string(), library.lexically_normal().string()};
   }
-  return {CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY};
+  if (complete(CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY)) return {CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY};
+  const fs::path configured = CUDAGEN_INSTALL_PREFIX;
+  const fs::path include_dir = configured / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR, library = configured / CUDAGEN_EMU_INSTALLED_LIBRARY;
+  if (complete(include_dir, library)) return {include_dir.string(), library.string()};
+  throw BuildError(fmt::format(
+      "cannot find the emulator (cudagen_emu.h and {}) beside this program, in the build tree {} or under the "
+      "install prefix {}; set CUDAGEN_ROOT to the prefix cudagen is installed in",
+      fs::path(CUDAGEN_EMU_INSTALLED_LIBRARY).filename().string(), CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_INSTALL_PREFIX));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ step() { echo "== $*"; }
 step "install to a prefix"
 cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
 for f in bin/cudagen bin/cudagen-index lib/libcudagen_emu.a include/cudagen/cudagen_emu.h \
+         lib/libcudagen_runtime.a include/cudagen/jit.h \
          lib/cmake/cudagen/cudagenConfig.cmake lib/cmake/cudagen/cudagenFunctions.cmake; do
   [[ -e "$work/prefix/$f" ]] || { echo "FAIL: the install has no $f"; exit 1; }
 done
@@ -45,6 +46,14 @@ if [[ $status == 3 ]]; then
 elif [[ $status != 0 || $(grep -c ': ok$' "$work/aot-nvcc.out") != 2 ]]; then
   echo "FAIL: the nvcc build exited $status"; exit 1
 fi
+
+step "examples/jit (the JIT API) against the installed runtime, run in the emulation"
+cmake "${generator[@]}" -S "$source_dir/examples/jit" -B "$work/jit" -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/jit.log"
+cmake --build "$work/jit" >> "$work/jit.log"
+CUDAGEN_ROOT="$work/prefix" CUDAGEN_CUDA_DRIVER="$work/no-libcuda.so.1" "$work/jit/jit_mlp" > "$work/jit.out" 2>&1 \
+  || { cat "$work/jit.out"; echo "FAIL: the JIT example built against the install did not run"; exit 1; }
+cat "$work/jit.out"
+grep -q "ran on host emulation" "$work/jit.out" || { echo "FAIL: the JIT example did not run in the emulation"; exit 1; }
 
 step "the prefix moved: the CLI finds its emulator beside itself"
 mv "$work/prefix" "$work/moved"
