@@ -1086,7 +1086,11 @@ class Emitter {
     const Param& dout = param(ps, "dout");
     if (!check_f32_accumulation(t, x)) return {};
     const int64_t n = one_block_per_row(x.buffer->shape, ek), rows = numel(x.buffer->shape) / n;
-    const int64_t column_blocks = (n + ek.block - 1) / ek.block;
+    // The column blocks split the rows across their warps: give them at
+    // least four, and shared memory for a float per thread.
+    ek.block = std::max(ek.block, 128);
+    ek.smem_bytes = std::max<int64_t>(ek.smem_bytes, 4 * ek.block);
+    const int64_t column_blocks = (n + 31) / 32;
     ek.grid[0] = int(rows + column_blocks);
     const std::string at = fmt::format("row * {} + j", n), column = fmt::format("r * {} + j", n);
     const std::string stats = layer ? "cg_load(mean, row), cg_load(rstd, row)" : "cg_load(rstd, row)";
@@ -1097,20 +1101,23 @@ class Emitter {
           "    float dw, db;\n"
           "    cg_layernorm_backward_params_column([&](cg_i64 r) {{ return {}; }}, [&](cg_i64 r) {{ return {}; }},\n"
           "                                        [&](cg_i64 r) {{ return cg_load(mean, r); }},\n"
-          "                                        [&](cg_i64 r) {{ return cg_load(rstd, r); }}, {}, dw, db);\n"
-          "    {};\n"
-          "    {};\n",
-          load(x, column), load(dout, column), rows, store(param(ps, "dweight"), "j", "dw"),
+          "                                        [&](cg_i64 r) {{ return cg_load(rstd, r); }}, j < {}, {},\n"
+          "                                        (float*)cg_smem, dw, db);\n"
+          "    if (threadIdx.x < 32 && j < {}) {{\n"
+          "      {};\n"
+          "      {};\n"
+          "    }}\n",
+          load(x, column), load(dout, column), n, rows, n, store(param(ps, "dweight"), "j", "dw"),
           store(param(ps, "dbias"), "j", "db"));
     } else {
       use_function(op, "cg_rmsnorm_backward_weight_column");
       columns = fmt::format(
-          "    {};\n",
-          store(param(ps, "dweight"), "j",
-                fmt::format("cg_rmsnorm_backward_weight_column([&](cg_i64 r) {{ return {}; }},\n"
-                            "                                            [&](cg_i64 r) {{ return {}; }},\n"
-                            "                                            [&](cg_i64 r) {{ return cg_load(rstd, r); }}, {})",
-                            load(x, column), load(dout, column), rows)));
+          "    const float dw = cg_rmsnorm_backward_weight_column([&](cg_i64 r) {{ return {}; }},\n"
+          "                                                       [&](cg_i64 r) {{ return {}; }},\n"
+          "                                                       [&](cg_i64 r) {{ return cg_load(rstd, r); }}, j < {}, {},\n"
+          "                                                       (float*)cg_smem);\n"
+          "    if (threadIdx.x < 32 && j < {}) {};\n",
+          load(x, column), load(dout, column), n, rows, n, store(param(ps, "dweight"), "j", "dw"));
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -1121,9 +1128,8 @@ class Emitter {
         "        [&](int j) {{ return {4}; }},\n"
         "        [&](int j, float v) {{ {5}; }},\n"
         "        {6}, {7}, (float*)cg_smem);\n"
-        "  }} else {{  // the parameters' gradients, a column per thread\n"
-        "    const cg_i64 j = (cg_i64)(blockIdx.x - {0}) * blockDim.x + threadIdx.x;\n"
-        "    if (j >= {6}) return;\n"
+        "  }} else {{  // the parameters' gradients, 32 columns per block, its warps splitting the rows\n"
+        "    const cg_i64 j = (cg_i64)(blockIdx.x - {0}) * 32 + threadIdx.x % 32;\n"
         "{8}"
         "  }}\n",
         rows, op.source_function, load(x, at), load(param(ps, "weight"), "j"), load(dout, at),

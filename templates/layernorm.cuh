@@ -46,8 +46,9 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
 // The emitter runs one block per row; the weight's and the bias's gradients
-// are sums over rows, computed column by column by the variant below in the
-// same kernel, in row order (no atomics, no zeroing, the same bits every run).
+// are sums over rows, computed by the variant below in the same kernel's
+// other blocks, 32 columns each, in a fixed order (no atomics, no zeroing,
+// the same bits every run).
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("layernorm_backward",
       "pattern: reduction",
@@ -81,17 +82,22 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// For one column j: dweight[j] = sum over rows of dout * xhat and
+// For the lane's column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
-// dout(r) read that column.
+// dout(r) read that column, one of 32 adjacent ones per block (false `active`
+// past the last). The block's warps split the rows and cg_sum_over_warps adds
+// their partials in a fixed order; every thread calls it, and the sums are
+// valid in warp 0. Shared memory: blockDim.x floats.
 template <typename LoadX, typename LoadDout, typename Mean, typename Rstd>
-CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean mean, Rstd rstd, cg_i64 rows,
-                                                   float& dweight, float& dbias) {
+CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean mean, Rstd rstd, bool active,
+                                                   cg_i64 rows, float* scratch, float& dweight, float& dbias) {
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float sum_dw = 0.0f, sum_db = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) {
-    sum_dw += dout(r) * (x(r) - mean(r)) * rstd(r);
-    sum_db += dout(r);
-  }
-  dweight = sum_dw;
-  dbias = sum_db;
+  if (active)
+    for (cg_i64 r = warp; r < rows; r += warps) {
+      sum_dw += dout(r) * (x(r) - mean(r)) * rstd(r);
+      sum_db += dout(r);
+    }
+  dweight = cg_sum_over_warps(sum_dw, scratch);
+  dbias = cg_sum_over_warps(sum_db, scratch);
 }

@@ -80,12 +80,11 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
-// and warp w sums rows w, w + W, w + 2W, ... (W warps). The W partial sums of
-// a column meet in shared memory and warp 0 adds them in warp order: a fixed
-// order, so the result is the same every run, and a tall input (a bias
-// gradient over batch x tokens rows) keeps W times more threads busy than one
-// thread per column would. Every thread must call it (it synchronises the
-// block); the sum is valid in warp 0. Shared memory: blockDim.x floats.
+// and warp w sums rows w, w + W, w + 2W, ... (W warps); cg_sum_over_warps
+// adds the partials in a fixed order. A tall input (a bias gradient over
+// batch x tokens rows) so keeps W times more threads busy than one thread
+// per column would. Every thread calls it; the sum is valid in warp 0.
+// Shared memory: blockDim.x floats.
 template <typename Load>
 CG_OP("sum_leading",
       "pattern: reduction",
@@ -98,15 +97,11 @@ CG_OP("sum_leading",
       "flops: numel(x)",
       "doc: sum over every axis but the last (the gradient of a broadcast bias)")
 CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, cg_i64 rows, float* scratch) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float s = 0.0f;
   if (column < columns)
     for (cg_i64 r = warp; r < rows; r += warps) s += load(r, column);
-  scratch[warp * 32 + lane] = s;
-  __syncthreads();
-  if (warp == 0)
-    for (int w = 1; w < warps; ++w) s += scratch[w * 32 + lane];
-  return s;
+  return cg_sum_over_warps(s, scratch);
 }
 
 // The gradient of a row of log_softmax, from its output:

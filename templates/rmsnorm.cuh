@@ -32,8 +32,9 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
 // The emitter runs one block per row. The weight's gradient is a sum over
-// rows, which the variant below computes column by column in the same
-// kernel: in row order, so without atomics, zeroing or run-to-run variation.
+// rows, which the variant below computes in the same kernel's other blocks,
+// 32 columns each, in a fixed order: without atomics, zeroing or run-to-run
+// variation.
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("rmsnorm_backward",
       "pattern: reduction",
@@ -57,11 +58,17 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r], for one
-// column j; x(r) and dout(r) read that column.
+// dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
+// dout(r) read the lane's column j, a column of 32 adjacent ones per block
+// (false `active` past the last). The block's warps split the rows and
+// cg_sum_over_warps adds their partials in a fixed order; every thread calls
+// it, and the sum is valid in warp 0. Shared memory: blockDim.x floats.
 template <typename LoadX, typename LoadDout, typename Rstd>
-CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd rstd, cg_i64 rows) {
+CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd rstd, bool active, cg_i64 rows,
+                                                  float* scratch) {
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float sum = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) sum += dout(r) * x(r) * rstd(r);
-  return sum;
+  if (active)
+    for (cg_i64 r = warp; r < rows; r += warps) sum += dout(r) * x(r) * rstd(r);
+  return cg_sum_over_warps(sum, scratch);
 }

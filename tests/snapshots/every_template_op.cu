@@ -299,6 +299,22 @@ CG_DEVICE float cg_block_sum(float v, float* scratch) {
   return cg_warp_sum(lane < warps ? scratch[lane] : 0.0f);
 }
 
+// Column sums split across warps: a block covers 32 adjacent columns, lane l
+// of every warp holding its partial sum of column l over the rows that warp
+// took. Lane l of warp 0 gets the column's total, the warps' partials added
+// in warp order: a fixed order, so the same bits every run. Every thread of
+// the block calls it (blockDim.x a multiple of 32); `scratch` holds
+// blockDim.x floats of shared memory.
+CG_DEVICE float cg_sum_over_warps(float partial, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();  // the previous reduction may still be reading scratch
+  scratch[warp * 32 + lane] = partial;
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < warps; ++w) partial += scratch[w * 32 + lane];
+  return partial;
+}
+
 CG_DEVICE float cg_block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = cg_warp_max(v);
@@ -640,13 +656,14 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// templates/layernorm.cuh:51
+// templates/layernorm.cuh:52
 // The gradient of one row of layernorm with respect to x, given the mean and
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
 // The emitter runs one block per row; the weight's and the bias's gradients
-// are sums over rows, computed column by column by the variant below in the
-// same kernel, in row order (no atomics, no zeroing, the same bits every run).
+// are sums over rows, computed by the variant below in the same kernel's
+// other blocks, 32 columns each, in a fixed order (no atomics, no zeroing,
+// the same bits every run).
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, int n, float mean,
                                          float rstd, float* scratch) {
@@ -664,20 +681,25 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// templates/layernorm.cuh:87
-// For one column j: dweight[j] = sum over rows of dout * xhat and
+// templates/layernorm.cuh:91
+// For the lane's column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
-// dout(r) read that column.
+// dout(r) read that column, one of 32 adjacent ones per block (false `active`
+// past the last). The block's warps split the rows and cg_sum_over_warps adds
+// their partials in a fixed order; every thread calls it, and the sums are
+// valid in warp 0. Shared memory: blockDim.x floats.
 template <typename LoadX, typename LoadDout, typename Mean, typename Rstd>
-CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean mean, Rstd rstd, cg_i64 rows,
-                                                   float& dweight, float& dbias) {
+CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean mean, Rstd rstd, bool active,
+                                                   cg_i64 rows, float* scratch, float& dweight, float& dbias) {
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float sum_dw = 0.0f, sum_db = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) {
-    sum_dw += dout(r) * (x(r) - mean(r)) * rstd(r);
-    sum_db += dout(r);
-  }
-  dweight = sum_dw;
-  dbias = sum_db;
+  if (active)
+    for (cg_i64 r = warp; r < rows; r += warps) {
+      sum_dw += dout(r) * (x(r) - mean(r)) * rstd(r);
+      sum_db += dout(r);
+    }
+  dweight = cg_sum_over_warps(sum_dw, scratch);
+  dbias = cg_sum_over_warps(sum_db, scratch);
 }
 
 // templates/reduction.cuh:37
@@ -835,30 +857,25 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:89
+// templates/reduction.cuh:88
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
-// and warp w sums rows w, w + W, w + 2W, ... (W warps). The W partial sums of
-// a column meet in shared memory and warp 0 adds them in warp order: a fixed
-// order, so the result is the same every run, and a tall input (a bias
-// gradient over batch x tokens rows) keeps W times more threads busy than one
-// thread per column would. Every thread must call it (it synchronises the
-// block); the sum is valid in warp 0. Shared memory: blockDim.x floats.
+// and warp w sums rows w, w + W, w + 2W, ... (W warps); cg_sum_over_warps
+// adds the partials in a fixed order. A tall input (a bias gradient over
+// batch x tokens rows) so keeps W times more threads busy than one thread
+// per column would. Every thread calls it; the sum is valid in warp 0.
+// Shared memory: blockDim.x floats.
 template <typename Load>
 CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, cg_i64 rows, float* scratch) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float s = 0.0f;
   if (column < columns)
     for (cg_i64 r = warp; r < rows; r += warps) s += load(r, column);
-  scratch[warp * 32 + lane] = s;
-  __syncthreads();
-  if (warp == 0)
-    for (int w = 1; w < warps; ++w) s += scratch[w * 32 + lane];
-  return s;
+  return cg_sum_over_warps(s, scratch);
 }
 
-// templates/reduction.cuh:114
+// templates/reduction.cuh:109
 // The gradient of a row of log_softmax, from its output:
 //   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -869,7 +886,7 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }
 
-// templates/reduction.cuh:135
+// templates/reduction.cuh:130
 // The gradients of the row reductions. A sum hands each element of the row
 // the row's gradient, a mean the same divided by the row's length: the
 // emitter runs a grid-stride loop over dx and passes dout[row] and n.
@@ -879,13 +896,13 @@ CG_DEVICE T cg_sum_backward(T dout, int n) {
   return dout;
 }
 
-// templates/reduction.cuh:149
+// templates/reduction.cuh:144
 template <typename T>
 CG_DEVICE T cg_mean_backward(T dout, int n) {
   return dout / T(n);
 }
 
-// templates/reduction.cuh:165
+// templates/reduction.cuh:160
 // The gradient of a row max goes to the elements equal to the max, split
 // evenly between ties (as torch.amax's). One block per row; out is the
 // forward's max, which is one of the row's values, so == is exact.
@@ -897,7 +914,7 @@ CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, f
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
 }
 
-// templates/reduction.cuh:185
+// templates/reduction.cuh:180
 // The gradient of sum_leading: dout, broadcast back over the leading axes.
 template <typename T>
 CG_DEVICE T cg_sum_leading_backward(T dout) {
@@ -922,13 +939,14 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/rmsnorm.cuh:37
+// templates/rmsnorm.cuh:38
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
 // The emitter runs one block per row. The weight's gradient is a sum over
-// rows, which the variant below computes column by column in the same
-// kernel: in row order, so without atomics, zeroing or run-to-run variation.
+// rows, which the variant below computes in the same kernel's other blocks,
+// 32 columns each, in a fixed order: without atomics, zeroing or run-to-run
+// variation.
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, StoreDx store_dx, int n, float rstd,
                                        float* scratch) {
@@ -938,14 +956,20 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:62
-// dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r], for one
-// column j; x(r) and dout(r) read that column.
+// templates/rmsnorm.cuh:66
+// dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
+// dout(r) read the lane's column j, a column of 32 adjacent ones per block
+// (false `active` past the last). The block's warps split the rows and
+// cg_sum_over_warps adds their partials in a fixed order; every thread calls
+// it, and the sum is valid in warp 0. Shared memory: blockDim.x floats.
 template <typename LoadX, typename LoadDout, typename Rstd>
-CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd rstd, cg_i64 rows) {
+CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd rstd, bool active, cg_i64 rows,
+                                                  float* scratch) {
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
   float sum = 0.0f;
-  for (cg_i64 r = 0; r < rows; ++r) sum += dout(r) * x(r) * rstd(r);
-  return sum;
+  if (active)
+    for (cg_i64 r = warp; r < rows; r += warps) sum += dout(r) * x(r) * rstd(r);
+  return cg_sum_over_warps(sum, scratch);
 }
 
 // templates/softmax.cuh:5
@@ -1410,8 +1434,8 @@ CG_KERNEL void __launch_bounds__(64) k40_layernorm(const float* __restrict__ x, 
 // Kernel k41_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
 //   reads  layernorm_backward.x f32 [3, 33] <- layernorm.x, layernorm_backward.weight f32 [33] <- layernorm.weight, layernorm_backward.mean f32 [3] <- layernorm.mean, layernorm_backward.rstd f32 [3] <- layernorm.rstd, layernorm_backward.dout f32 [3, 33]
 //   writes layernorm_backward.dx f32 [3, 33], layernorm_backward.dweight f32 [33], layernorm_backward.dbias f32 [33]
-//   948 bytes read, 660 bytes written; grid [4, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k41_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
+//   948 bytes read, 660 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(128) k41_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (blockIdx.x < 3) {  // dx, a row per block
     const cg_i64 row = blockIdx.x;
@@ -1420,23 +1444,25 @@ CG_KERNEL void __launch_bounds__(64) k41_layernorm_backward(const float* __restr
         [&](int j) { return cg_load(dout, row * 33 + j); },
         [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
         33, cg_load(mean, row), cg_load(rstd, row), (float*)cg_smem);
-  } else {  // the parameters' gradients, a column per thread
-    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * blockDim.x + threadIdx.x;
-    if (j >= 33) return;
+  } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
+    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * 32 + threadIdx.x % 32;
     float dw, db;
     cg_layernorm_backward_params_column([&](cg_i64 r) { return cg_load(x, r * 33 + j); }, [&](cg_i64 r) { return cg_load(dout, r * 33 + j); },
                                         [&](cg_i64 r) { return cg_load(mean, r); },
-                                        [&](cg_i64 r) { return cg_load(rstd, r); }, 3, dw, db);
-    cg_store(dweight, j, dw);
-    cg_store(dbias, j, db);
+                                        [&](cg_i64 r) { return cg_load(rstd, r); }, j < 33, 3,
+                                        (float*)cg_smem, dw, db);
+    if (threadIdx.x < 32 && j < 33) {
+      cg_store(dweight, j, dw);
+      cg_store(dbias, j, db);
+    }
   }
 }
 
 // Kernel k42_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
 //   reads  rmsnorm_backward.x f32 [3, 33] <- rmsnorm.x, rmsnorm_backward.weight f32 [33] <- fill.out, rmsnorm_backward.rstd f32 [3] <- rmsnorm.rstd, rmsnorm_backward.dout f32 [3, 33]
 //   writes rmsnorm_backward.dx f32 [3, 33], rmsnorm_backward.dweight f32 [33]
-//   936 bytes read, 528 bytes written; grid [4, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k42_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+//   936 bytes read, 528 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
+CG_KERNEL void __launch_bounds__(128) k42_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (blockIdx.x < 3) {  // dx, a row per block
     const cg_i64 row = blockIdx.x;
@@ -1445,12 +1471,13 @@ CG_KERNEL void __launch_bounds__(64) k42_rmsnorm_backward(const float* __restric
         [&](int j) { return cg_load(dout, row * 33 + j); },
         [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
         33, cg_load(rstd, row), (float*)cg_smem);
-  } else {  // the parameters' gradients, a column per thread
-    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * blockDim.x + threadIdx.x;
-    if (j >= 33) return;
-    cg_store(dweight, j, cg_rmsnorm_backward_weight_column([&](cg_i64 r) { return cg_load(x, r * 33 + j); },
-                                            [&](cg_i64 r) { return cg_load(dout, r * 33 + j); },
-                                            [&](cg_i64 r) { return cg_load(rstd, r); }, 3));
+  } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
+    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * 32 + threadIdx.x % 32;
+    const float dw = cg_rmsnorm_backward_weight_column([&](cg_i64 r) { return cg_load(x, r * 33 + j); },
+                                                       [&](cg_i64 r) { return cg_load(dout, r * 33 + j); },
+                                                       [&](cg_i64 r) { return cg_load(rstd, r); }, j < 33, 3,
+                                                       (float*)cg_smem);
+    if (threadIdx.x < 32 && j < 33) cg_store(dweight, j, dw);
   }
 }
 
@@ -2047,9 +2074,9 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 102400), (const float*)(arena + 102656), (float*)(arena + 102912));
   CUDAGEN_LAUNCH(k40_layernorm, dim3(3, 1, 1), dim3(64), 128, k40_layernorm_tensors,
                  (const float*)(arena + 69376), (const float*)(arena + 1792), (const float*)(arena + 2048), (float*)(arena + 69888), (float*)(arena + 108288), (float*)(arena + 108544));
-  CUDAGEN_LAUNCH(k41_layernorm_backward, dim3(4, 1, 1), dim3(64), 128, k41_layernorm_backward_tensors,
+  CUDAGEN_LAUNCH(k41_layernorm_backward, dim3(5, 1, 1), dim3(128), 512, k41_layernorm_backward_tensors,
                  (const float*)(arena + 69376), (const float*)(arena + 1792), (const float*)(arena + 108288), (const float*)(arena + 108544), (const float*)(arena + 70400), (float*)(arena + 70912), (float*)(arena + 103680), (float*)(arena + 103936));
-  CUDAGEN_LAUNCH(k42_rmsnorm_backward, dim3(4, 1, 1), dim3(64), 128, k42_rmsnorm_backward_tensors,
+  CUDAGEN_LAUNCH(k42_rmsnorm_backward, dim3(5, 1, 1), dim3(128), 512, k42_rmsnorm_backward_tensors,
                  (const float*)(arena + 66304), (const float*)(arena + 768), (const float*)(arena + 107264), (const float*)(arena + 71424), (float*)(arena + 71936), (float*)(arena + 104192));
   CUDAGEN_LAUNCH(k43_softmax_backward, dim3(66, 1, 1), dim3(64), 128, k43_softmax_backward_tensors,
                  (const float*)(arena + 11264), (const float*)(arena + 20224), (float*)(arena + 29184));

@@ -299,6 +299,22 @@ CG_DEVICE float cg_block_sum(float v, float* scratch) {
   return cg_warp_sum(lane < warps ? scratch[lane] : 0.0f);
 }
 
+// Column sums split across warps: a block covers 32 adjacent columns, lane l
+// of every warp holding its partial sum of column l over the rows that warp
+// took. Lane l of warp 0 gets the column's total, the warps' partials added
+// in warp order: a fixed order, so the same bits every run. Every thread of
+// the block calls it (blockDim.x a multiple of 32); `scratch` holds
+// blockDim.x floats of shared memory.
+CG_DEVICE float cg_sum_over_warps(float partial, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __syncthreads();  // the previous reduction may still be reading scratch
+  scratch[warp * 32 + lane] = partial;
+  __syncthreads();
+  if (warp == 0)
+    for (int w = 1; w < warps; ++w) partial += scratch[w * 32 + lane];
+  return partial;
+}
+
 CG_DEVICE float cg_block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = cg_warp_max(v);
