@@ -23,6 +23,9 @@ cmake "${generator[@]}" -S examples/aot -B "$build/gpu-kit-aot" -DCMAKE_PREFIX_P
       -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build "$build/gpu-kit-aot" > /dev/null
 cp "$build/gpu-kit-aot/aot_mlp" "$kit/bin/aot_mlp"
+# The JIT runtime's static libraries (80 MB with debug information) were for
+# building aot_mlp against the package here; nothing is built on the device.
+rm -f "$kit"/lib/libcudagen_{runtime,generator,model}.a
 for lib in $(ldd "$kit/bin/cudagen" "$kit/bin/cudagen_emulation_tests" | awk '/libfmt|libgtest|libboost_context/ {print $3}' | sort -u); do
   cp -L "$lib" "$kit/lib/"
 done
