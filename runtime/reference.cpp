@@ -43,11 +43,8 @@ class Evaluator {
     if (op == "log") return unary(bt, [](double x) { return std::log(x); });
     if (op == "neg") return unary(bt, [](double x) { return -x; });
     if (op == "gelu") {
-      if (arg_string(bt, "approximate") == "erf")
-        return unary(bt, [](double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); });
-      return unary(bt, [](double x) {
-        return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
-      });
+      const bool erf_form = arg_string(bt, "approximate") == "erf";
+      return unary(bt, [erf_form](double x) { return gelu(x, erf_form); });
     }
     if (op == "affine") {
       double scale = arg_double(bt, "scale", 1.0), shift = arg_double(bt, "shift", 0.0);
@@ -69,13 +66,9 @@ class Evaluator {
       // The derivative of gelu by central differences of the forward formula,
       // independent of the template's analytic one.
       const bool erf_form = arg_string(bt, "approximate") == "erf";
-      auto gelu = [erf_form](double x) {
-        return erf_form ? 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)))
-                        : 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
-      };
-      return gradient(bt, [gelu](double x, double d) {
+      return gradient(bt, [erf_form](double x, double d) {
         const double h = 1e-5;
-        return d * (gelu(x + h) - gelu(x - h)) / (2 * h);
+        return d * (gelu(x + h, erf_form) - gelu(x - h, erf_form)) / (2 * h);
       });
     }
     if (op == "cast" || op == "reshape") return unary(bt, [](double x) { return x; });
@@ -167,6 +160,16 @@ class Evaluator {
   // Error scales by first-order propagation: |f'(x)| times the input's scale
   // (what an error already in x becomes), plus |f(x)| (the op's own rounding,
   // relative to its result). Derivatives by central differences in float64.
+  // gelu without cancellation: 0.5 * (1 + tanh(u)) is 1 / (1 + exp(-2u)),
+  // and 1 + erf(z) is erfc(-z). The textbook forms lose every digit for
+  // negative x even in float64 (gelu(-6.5) is 6e-13 and 1 + tanh(u) rounds at
+  // 1e-16), and the error bounds take central differences of this function,
+  // so those rounding steps made a bound as wrong as the value.
+  static double gelu(double x, bool erf_form) {
+    if (erf_form) return 0.5 * x * std::erfc(-x / std::sqrt(2.0));
+    return x / (1 + std::exp(-2 * std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+  }
+
   template <typename F>
   static double derivative(F f, double x) {
     double h = 1e-6 * std::max(1.0, std::abs(x));
