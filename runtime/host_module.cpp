@@ -55,22 +55,19 @@ struct EmulationToolchain {
 // tree's programs thus never pick up an older install.
 EmulationToolchain emulation_toolchain() {
   namespace fs = std::filesystem;
-  auto complete = [](const fs::path& include_dir, const fs::path& library) {
-    return fs::exists(include_dir / "cudagen_emu.h") && fs::exists(library);
+  auto in_prefix = [](const fs::path& prefix) {
+    return EmulationToolchain{(prefix / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR).lexically_normal().string(),
+                              (prefix / CUDAGEN_EMU_INSTALLED_LIBRARY).lexically_normal().string()};
   };
-  std::vector<fs::path> prefixes;
-  if (const char* root = std::getenv("CUDAGEN_ROOT"); root && *root) prefixes.push_back(root);
+  std::vector<EmulationToolchain> candidates;
+  if (const char* root = std::getenv("CUDAGEN_ROOT"); root && *root) candidates.push_back(in_prefix(root));
   std::error_code ec;
   const fs::path exe_dir = fs::read_symlink("/proc/self/exe", ec).parent_path();
-  if (!ec) prefixes.push_back(exe_dir / CUDAGEN_BIN_TO_PREFIX);
-  for (const fs::path& prefix : prefixes) {
-    const fs::path include_dir = prefix / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR, library = prefix / CUDAGEN_EMU_INSTALLED_LIBRARY;
-    if (complete(include_dir, library)) return {include_dir.lexically_normal().string(), library.lexically_normal().string()};
-  }
-  if (complete(CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY)) return {CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY};
-  const fs::path configured = CUDAGEN_INSTALL_PREFIX;
-  const fs::path include_dir = configured / CUDAGEN_EMU_INSTALLED_INCLUDE_DIR, library = configured / CUDAGEN_EMU_INSTALLED_LIBRARY;
-  if (complete(include_dir, library)) return {include_dir.string(), library.string()};
+  if (!ec) candidates.push_back(in_prefix(exe_dir / CUDAGEN_BIN_TO_PREFIX));
+  candidates.push_back({CUDAGEN_EMU_INCLUDE_DIR, CUDAGEN_EMU_LIBRARY});
+  candidates.push_back(in_prefix(CUDAGEN_INSTALL_PREFIX));
+  for (const EmulationToolchain& c : candidates)
+    if (fs::exists(fs::path(c.include_dir) / "cudagen_emu.h") && fs::exists(c.emu_library)) return c;
   throw BuildError(fmt::format(
       "cannot find the emulator (cudagen_emu.h and {}) beside this program, in the build tree {} or under the "
       "install prefix {}; set CUDAGEN_ROOT to the prefix cudagen is installed in",

@@ -161,6 +161,16 @@ Profile profile_program(const Compiled& compiled, Executor& executor, const Prof
   return profile;
 }
 
+Profile profile_emulated(const Compiled& compiled, const RunOptions& run, const ProfileOptions& options) {
+  std::unique_ptr<Executor> executor = make_emulated_executor(compiled, run.work_dir);
+  CheckedRun checked = run_and_check(compiled, *executor, run);
+  if (!checked.ok())
+    throw std::runtime_error(fmt::format("{} failed its check against the reference, so its profile would mean "
+                                         "nothing:\n{}",
+                                         compiled.program.graph.name, format_run(checked)));
+  return profile_program(compiled, *executor, options);
+}
+
 void add_unfused_baseline(Profile& fused, const Profile& unfused) {
   for (PhaseProfile& p : fused.phases) {
     if (const PhaseProfile* u = unfused.find_phase(p.phase)) {

@@ -17,6 +17,7 @@
 
 #include "executor.h"
 #include "pipeline.h"
+#include "runner.h"
 
 namespace cudagen {
 
@@ -78,6 +79,12 @@ struct Profile {
 // compute starts from whatever the arena holds, so give it real inputs first
 // (run_and_check does). Throws std::runtime_error as Executor::run does.
 Profile profile_program(const Compiled& compiled, Executor& executor, const ProfileOptions& options = {});
+
+// Builds `compiled` for the host emulation in run.work_dir, runs it on run's
+// inputs checked against the reference (so the arena holds real values), and
+// profiles it. Throws std::runtime_error with the check's table when the run
+// fails: a wrong program's byte counts mean nothing.
+Profile profile_emulated(const Compiled& compiled, const RunOptions& run, const ProfileOptions& options = {});
 
 // Records `unfused`'s per-phase kernel counts and bytes in `fused`'s phases:
 // both measured in the same way, so the difference is what fusion saved.

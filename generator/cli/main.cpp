@@ -181,12 +181,7 @@ void write_profile(const Cli& cli, const RunOptions& run_options, const Compiled
     RunOptions unfused_run = run_options;
     unfused_run.outputs_dir.clear();
     unfused_run.check_each_task = false;
-    std::unique_ptr<Executor> baseline = make_emulated_executor(unfused, run_options.work_dir);
-    CheckedRun checked = run_and_check(unfused, *baseline, unfused_run);
-    if (!checked.ok())
-      throw std::runtime_error(fmt::format("the unfused program failed its check, so it is no baseline:\n{}",
-                                           format_run(checked)));
-    add_unfused_baseline(profile, profile_program(unfused, *baseline, options));
+    add_unfused_baseline(profile, profile_emulated(unfused, unfused_run, options));
   }
   const ProfileSort sort = cli.profile_sort == "time"    ? ProfileSort::time
                            : cli.profile_sort == "bytes" ? ProfileSort::bytes

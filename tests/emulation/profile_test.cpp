@@ -32,22 +32,10 @@ CompileOptions fusion(bool on) {
   return o;
 }
 
-// Compiles `graph`, runs it once on checked random inputs (so the arena holds
-// real values), then profiles it.
-struct Profiled {
-  Compiled compiled;
-  std::unique_ptr<Executor> executor;
-  Profile profile;
-};
-
-Profiled profile_graph(TaskGraph graph, bool fuse) {
+// Compiles `graph` and profiles it after a checked run on random inputs.
+Profile profile_graph(TaskGraph graph, bool fuse) {
   const std::string name = graph.name + (fuse ? "_fused" : "_unfused");
-  Profiled p{compile(load_program(std::move(graph), {}), fusion(fuse)), nullptr, {}};
-  p.executor = make_emulated_executor(p.compiled, work_dir(name));
-  CheckedRun run = run_and_check(p.compiled, *p.executor, RunOptions{7, work_dir(name)});
-  EXPECT_TRUE(run.ok()) << format_run(run);
-  p.profile = profile_program(p.compiled, *p.executor);
-  return p;
+  return profile_emulated(compile(load_program(std::move(graph), {}), fusion(fuse)), RunOptions{7, work_dir(name)});
 }
 
 }  // namespace
@@ -61,28 +49,28 @@ TEST(Profile, AnElementwiseChainReadsAndWritesEachElementOnce) {
     b.task("n", "neg").tensor("x", r["out"]).tensor("out", DType::f32, {1000}, ext);
     return std::move(b).graph();
   };
-  Profiled fused = profile_graph(chain(), true);
-  ASSERT_EQ(fused.profile.kernels.size(), 1u);
-  const KernelProfile& k = fused.profile.kernels[0];
+  Profile fused = profile_graph(chain(), true);
+  ASSERT_EQ(fused.kernels.size(), 1u);
+  const KernelProfile& k = fused.kernels[0];
   EXPECT_EQ(k.bytes_read, 1000 * f32);
   EXPECT_EQ(k.bytes_written, 1000 * f32);
   EXPECT_EQ(k.bytes(), k.modelled_bytes);  // the model is exact for an elementwise chain
   EXPECT_EQ(k.tasks, (std::vector<std::string>{"r", "n"}));
 
-  Profiled unfused = profile_graph(chain(), false);
-  ASSERT_EQ(unfused.profile.kernels.size(), 2u);
-  for (const KernelProfile& u : unfused.profile.kernels) {
+  Profile unfused = profile_graph(chain(), false);
+  ASSERT_EQ(unfused.kernels.size(), 2u);
+  for (const KernelProfile& u : unfused.kernels) {
     EXPECT_EQ(u.bytes_read, 1000 * f32) << u.name();
     EXPECT_EQ(u.bytes_written, 1000 * f32) << u.name();
   }
-  add_unfused_baseline(fused.profile, unfused.profile);
-  const PhaseProfile* forward = fused.profile.find_phase(Phase::forward);
+  add_unfused_baseline(fused, unfused);
+  const PhaseProfile* forward = fused.find_phase(Phase::forward);
   ASSERT_NE(forward, nullptr);
   EXPECT_EQ(forward->bytes, 2000 * f32);
   EXPECT_EQ(forward->unfused_kernels, 2);
   EXPECT_EQ(forward->unfused_bytes, 4000 * f32);
-  EXPECT_NE(format_profile(fused.profile, ProfileSort::bytes).find("50.0%"), std::string::npos)
-      << format_profile(fused.profile, ProfileSort::bytes);
+  EXPECT_NE(format_profile(fused, ProfileSort::bytes).find("50.0%"), std::string::npos)
+      << format_profile(fused, ProfileSort::bytes);
 }
 
 // out[33, 70] = a[33, 20] @ b[20, 70] in f32: 32 x 32 output tiles (2 x 3 of
@@ -94,9 +82,9 @@ TEST(Profile, AMatmulReadsEachOperandOncePerTileAcross) {
       .tensor("a", DType::f32, {33, 20}, ext)
       .tensor("b", DType::f32, {20, 70}, ext)
       .tensor("out", DType::f32, {33, 70}, ext);
-  Profiled p = profile_graph(std::move(b).graph(), true);
-  ASSERT_EQ(p.profile.kernels.size(), 1u);
-  const KernelProfile& k = p.profile.kernels[0];
+  Profile p = profile_graph(std::move(b).graph(), true);
+  ASSERT_EQ(p.kernels.size(), 1u);
+  const KernelProfile& k = p.kernels[0];
   const int64_t tile_rows = 2, tile_cols = 3;
   EXPECT_EQ(k.grid[0] * k.grid[1], tile_rows * tile_cols);
   EXPECT_EQ(k.bytes_read, (33 * 20 * tile_cols + 20 * 70 * tile_rows) * f32);
@@ -110,9 +98,9 @@ TEST(Profile, AMatmulReadsEachOperandOncePerTileAcross) {
 TEST(Profile, ASoftmaxReadsItsRowThreeTimes) {
   GraphBuilder b("softmax");
   b.task("sm", "softmax").tensor("x", DType::f32, {7, 1000}, ext).tensor("out", DType::f32, {7, 1000}, ext);
-  Profiled p = profile_graph(std::move(b).graph(), true);
-  ASSERT_EQ(p.profile.kernels.size(), 1u);
-  const KernelProfile& k = p.profile.kernels[0];
+  Profile p = profile_graph(std::move(b).graph(), true);
+  ASSERT_EQ(p.kernels.size(), 1u);
+  const KernelProfile& k = p.kernels[0];
   EXPECT_EQ(k.grid[0], 7);
   EXPECT_EQ(k.bytes_read, 3 * 7 * 1000 * f32);
   EXPECT_EQ(k.bytes_written, 7 * 1000 * f32);
@@ -152,9 +140,7 @@ TEST(Profile, ProfilingChangesNoResult) {
 
 TEST(Profile, TheTraceHasATrackPerPhaseAndASlicePerKernel) {
   Compiled c = compile(load_program(std::string(CUDAGEN_SOURCE_DIR) + "/examples/transformer_block.json", {}), fusion(true));
-  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir("transformer_block"));
-  ASSERT_TRUE(run_and_check(c, *executor, RunOptions{1, work_dir("transformer_block")}).ok());
-  Profile profile = profile_program(c, *executor);
+  Profile profile = profile_emulated(c, RunOptions{1, work_dir("transformer_block")});
   ASSERT_EQ(profile.kernels.size(), c.emitted.kernels.size());
 
   const JsonValue trace = parse_json(profile_trace(profile));
