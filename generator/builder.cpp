@@ -26,6 +26,25 @@ TaskBuilder& TaskBuilder::tensor(const std::string& name, SlotRef from) {
   return *this;
 }
 
+TaskSlotNotFound::TaskSlotNotFound(const std::string& task, const std::string& slot)
+    : std::invalid_argument("task '" + task + "' has no tensor slot '" + slot + "' yet; add it with tensor() first") {}
+
+TensorSlot& TaskBuilder::slot(const std::string& name) const {
+  for (TensorSlot& s : task().tensors)
+    if (s.name == name) return s;
+  throw TaskSlotNotFound(task().id, name);
+}
+
+TaskBuilder& TaskBuilder::named(const std::string& slot_name, const std::string& tensor_name) {
+  slot(slot_name).tensor_name = tensor_name;
+  return *this;
+}
+
+TaskBuilder& TaskBuilder::data(const std::string& slot_name, const std::string& npy_path) {
+  slot(slot_name).data = npy_path;
+  return *this;
+}
+
 TaskBuilder& TaskBuilder::arg(const std::string& name, ArgValue value) {
   ArgSlot a;
   a.name = name;

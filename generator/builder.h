@@ -13,6 +13,7 @@
 // The builder only assembles; `validate` checks the result against the registry.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -22,6 +23,11 @@ namespace cudagen {
 
 class GraphBuilder;
 
+// named() or data() on a slot the task does not have.
+struct TaskSlotNotFound : std::invalid_argument {
+  TaskSlotNotFound(const std::string& task, const std::string& slot);
+};
+
 // A handle to one task being built. Stays valid while its builder lives.
 class TaskBuilder {
  public:
@@ -29,6 +35,10 @@ class TaskBuilder {
   TaskBuilder& tensor(const std::string& name, DType dtype, Shape shape, std::optional<Storage> storage = std::nullopt);
   // A slot that shares the storage of another task's slot.
   TaskBuilder& tensor(const std::string& name, SlotRef from);
+  // The tensor's own name ("layers.0.fc.weight") and its value's .npy file,
+  // on a slot added before (JSON "name" and "data").
+  TaskBuilder& named(const std::string& slot, const std::string& tensor_name);
+  TaskBuilder& data(const std::string& slot, const std::string& npy_path);
   TaskBuilder& arg(const std::string& name, ArgValue value);
   TaskBuilder& arg(const std::string& name, double value) { return arg(name, ArgValue(value)); }
   TaskBuilder& arg(const std::string& name, int value) { return arg(name, ArgValue(int64_t(value))); }
@@ -47,6 +57,7 @@ class TaskBuilder {
   friend class GraphBuilder;
   TaskBuilder(GraphBuilder* owner, size_t index) : owner_(owner), index_(index) {}
   Task& task() const;
+  TensorSlot& slot(const std::string& name) const;
 
   GraphBuilder* owner_;
   size_t index_;

@@ -210,7 +210,8 @@ class Deriver {
     if (op == "matmul") return matmul(t);
     if (op == "add" || op == "sub" || op == "mul" || op == "div") return arithmetic(t);
     if (op == "maximum") return maximum(t);
-    if (op == "reshape" || op == "transpose" || op == "split_heads" || op == "merge_heads") return rearrangement(t);
+    if (op == "reshape" || op == "transpose" || op == "split_heads" || op == "merge_heads" || op == "permute")
+      return rearrangement(t);
     if (op == "concat" || op == "split") return concat_split(t);
     fail(t, "",
          fmt::format("op '{}' has no backward, and task '{}' lies on the path from a weight to the loss", op,
@@ -412,7 +413,18 @@ class Deriver {
     const BoundTensor &x = slot(t, "x"), &out = slot(t, "out");
     const std::string inverse = op == "split_heads" ? "merge_heads" : op == "merge_heads" ? "split_heads" : op;
     std::vector<std::pair<std::string, ArgValue>> args;
-    for (const auto& a : bt.args) args.emplace_back(a.name, a.value);
+    for (const auto& a : bt.args) {
+      // permute's gradient permutes back: by the inverse permutation.
+      const auto* dims = op == "permute" ? std::get_if<std::vector<int64_t>>(&a.value) : nullptr;
+      if (dims == nullptr) {
+        args.emplace_back(a.name, a.value);
+        continue;
+      }
+      std::vector<int64_t> inverse_dims(dims->size());
+      for (size_t j = 0; j < dims->size(); ++j)
+        if ((*dims)[j] >= 0 && size_t((*dims)[j]) < dims->size()) inverse_dims[size_t((*dims)[j])] = int64_t(j);
+      args.emplace_back(a.name, ArgValue(inverse_dims));
+    }
     const std::string id = add_task(bt.task->id + "_grad_x", inverse, Phase::backward, {{"x", gradient_of(out.buffer)}},
                                     {{"out", info(x).dtype, info(x).shape}}, args);
     contribute(x.buffer, SlotRef{id, "out"});

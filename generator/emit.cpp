@@ -102,6 +102,11 @@ class Emitter {
         {"concat", &Emitter::concat_split},
         {"split", &Emitter::concat_split},
         {"transpose", &Emitter::transpose},
+        {"conv2d", &Emitter::conv2d},
+        {"max_pool2d", &Emitter::pool2d},
+        {"avg_pool2d", &Emitter::pool2d},
+        {"adaptive_avg_pool2d", &Emitter::adaptive_avg_pool2d},
+        {"permute", &Emitter::permute},
     };
     auto it = skeletons.find(op);
     return it == skeletons.end() ? nullptr : it->second;
@@ -289,6 +294,12 @@ class Emitter {
     if (a == nullptr) return fallback;
     if (auto* d = std::get_if<double>(&a->value)) return *d;
     if (auto* i = std::get_if<int64_t>(&a->value)) return double(*i);
+    return fallback;
+  }
+  int64_t arg_int(int t, const std::string& name, int64_t fallback) {
+    const BoundArg* a = constant_arg(t, name);
+    if (a == nullptr) return fallback;
+    if (auto* i = std::get_if<int64_t>(&a->value)) return *i;
     return fallback;
   }
   bool arg_bool(int t, const std::string& name) {
@@ -1275,6 +1286,175 @@ class Emitter {
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  cg_transpose_tile<{0}>(x, out, {1}, {2}, blockIdx.y, blockIdx.x, (cg_i64)blockIdx.z * {3}, ({0}*)cg_smem);\n",
         type, M, N, M * N);
+  }
+
+  // conv2d (templates/vision.cuh): blockIdx.z walks images and groups; the
+  // tile form runs the implicit GEMM on the matmul tile, the direct form
+  // (a GEMM too thin for a tile: depthwise) one output element per thread.
+  // Stores go through store(), so an epilogue chain (bias, activation,
+  // residual add) fuses as after a matmul.
+  std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    const Param& weight = param(ps, "weight");
+    const Param& out = param(ps, "out");
+    const Param* bias = nullptr;
+    for (const auto& q : ps)
+      if (q.bound->name == "bias") bias = &q;
+    const Shape& sx = x.buffer->shape;
+    const Shape& sw = weight.buffer->shape;
+    const Shape& so = out.buffer->shape;
+    const int64_t groups = arg_int(t, "groups", 1);
+    const int64_t B = sx[0], C = sx[1], H = sx[2], W = sx[3], O = sw[0], KH = sw[2], KW = sw[3], OH = so[2], OW = so[3];
+    if (groups < 1 || O % groups != 0) {
+      fail(t, "weight",
+           fmt::format("{} output channels do not split into {} groups", O, groups),
+           "the output channels (weight's first dimension) must be a multiple of groups, as in PyTorch");
+      return {};
+    }
+    for (const char* a : {"stride_h", "stride_w", "dilation_h", "dilation_w"})
+      if (arg_int(t, a, 1) < 1) {
+        fail(t, a, fmt::format("{} is {}; it must be at least 1", a, arg_int(t, a, 1)));
+        return {};
+      }
+    const int64_t OG = O / groups, CG = C / groups, K = CG * KH * KW, positions = OH * OW;
+    const std::string geometry = fmt::format(
+        "  const cg_conv2d_geometry g = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", C, H, W, O,
+        OH, OW, KH, KW, arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0),
+        arg_int(t, "padding_w", 0), arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1), groups);
+    const std::string bias_term = bias ? " + " + load(*bias, "group * " + std::to_string(OG) + " + m") : "";
+    const std::string hooks = fmt::format(
+        "      [&](int m, int k) {{ return {}; }},\n"
+        "      [&](int c, int h, int w) {{ return {}; }},\n",
+        load(weight, fmt::format("w_base + (cg_i64)m * {} + k", K)),
+        load(x, fmt::format("x_base + ((cg_i64)c * {} + h) * {} + w", H, W)));
+    const std::string bases = fmt::format(
+        "  const cg_i64 x_base = (image * {} + group * {}) * {}, w_base = group * {};\n", C, CG, H * W, OG * K);
+    // A GEMM thinner than a tile in M, or shorter in K than one of its steps:
+    // the direct form.
+    if (OG < 8 || K < 16) {
+      entry_function_ = "cg_conv2d_direct";
+      const int64_t n = numel(so);
+      ek.block = 256;
+      ek.grid[0] = grid_stride_blocks(n, ek.block);
+      return geometry + fmt::format(
+                            "  for (cg_i64 i = cg_global_thread(); i < {0}; i += cg_grid_threads()) {{\n"
+                            "    const int ow = (int)(i % {1}), oh = (int)(i / {1} % {2});\n"
+                            "    const cg_i64 channel = i / {3} % {4}, image = i / ({3} * {4});\n"
+                            "    const cg_i64 group = channel / {5};\n"
+                            "    const int m = (int)(channel % {5});\n"
+                            "  {6}"
+                            "    const float acc = cg_conv2d_direct(\n{7}"
+                            "        g, m, oh, ow);\n"
+                            "    {8};\n"
+                            "  }}\n",
+                            n, OW, OH, positions, O, OG, bases, hooks, store(out, "i", "acc" + bias_term));
+    }
+    ek.block = 256;
+    ek.grid[0] = int((positions + 31) / 32);
+    ek.grid[1] = int((OG + 31) / 32);
+    ek.grid[2] = int(B * groups);
+    ek.smem_bytes = 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    return "  CG_DYNAMIC_SMEM(cg_smem);\n" + geometry +
+           fmt::format("  const cg_i64 image = blockIdx.z / {0}, group = blockIdx.z % {0};\n", groups) + bases +
+           fmt::format("  const cg_i64 out_base = (image * {} + group * {}) * {};\n", O, OG, positions) +
+           fmt::format(
+               "  cg_conv2d_tile<32, 32, 16>(\n{}"
+               "      [&](int m, int p, float acc) {{ {}; }},\n"
+               "      g, blockIdx.y, blockIdx.x, (float*)cg_smem);\n",
+               hooks, store(out, fmt::format("out_base + (cg_i64)m * {} + p", positions), "acc" + bias_term));
+  }
+
+  // max_pool2d, avg_pool2d: a grid-stride loop over the output; the template
+  // gives each element's value.
+  std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    const Param& out = param(ps, "out");
+    const bool max = p_.tasks[size_t(t)].op->name == "max_pool2d";
+    const Shape& sx = x.buffer->shape;
+    const Shape& so = out.buffer->shape;
+    for (const char* a : {"stride_h", "stride_w", "kernel_h", "kernel_w"})
+      if (arg_int(t, a, 1) < 1) {
+        fail(t, a, fmt::format("{} is {}; it must be at least 1", a, arg_int(t, a, 1)));
+        return {};
+      }
+    const int64_t n = numel(so);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    const std::string window = fmt::format(
+        "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
+        sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
+        arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
+        arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1));
+    const std::string value = max ? fmt::format("cg_max_pool2d(x, i, p)")
+                                  : fmt::format("cg_avg_pool2d(x, i, p, {})",
+                                                arg_bool(t, "count_include_pad") ? "true" : "false");
+    return window + fmt::format(
+                        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+                        "    {};\n",
+                        n, store(out, "i", value));
+  }
+
+  std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    const Param& out = param(ps, "out");
+    const Shape& sx = x.buffer->shape;
+    const Shape& so = out.buffer->shape;
+    const int64_t n = numel(so);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    {};\n",
+        n,
+        store(out, "i",
+              fmt::format("cg_adaptive_avg_pool2d(x, i, {}, {}, {}, {})", sx[sx.size() - 2], sx.back(),
+                          so[so.size() - 2], so.back())));
+  }
+
+  // permute: checks `dims` against the shapes (the shape rule cannot say
+  // "out is x permuted"), then a grid-stride loop over the output.
+  std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const Param& x = param(ps, "x");
+    const Param& out = param(ps, "out");
+    const Shape& sx = x.buffer->shape;
+    const Shape& so = out.buffer->shape;
+    const BoundArg* a = constant_arg(t, "dims");
+    const auto* dims = a ? std::get_if<std::vector<int64_t>>(&a->value) : nullptr;
+    std::vector<int64_t> sorted = dims ? *dims : std::vector<int64_t>{};
+    std::sort(sorted.begin(), sorted.end());
+    bool permutation = dims != nullptr && dims->size() == sx.size();
+    for (size_t j = 0; permutation && j < sorted.size(); ++j) permutation = sorted[j] == int64_t(j);
+    if (!permutation) {
+      fail(t, "dims",
+           fmt::format("dims {} is not a permutation of x's {} axes", a ? arg_value_to_string(a->value) : "(none)",
+                       sx.size()),
+           fmt::format("give each axis 0..{} once, as torch.permute", int64_t(sx.size()) - 1));
+      return {};
+    }
+    Shape want(sx.size());
+    for (size_t j = 0; j < sx.size(); ++j) want[j] = sx[size_t((*dims)[j])];
+    if (want != so) {
+      fail(t, "out",
+           fmt::format("out is {}, but x {} permuted by {} is {}", shape_to_string(so), shape_to_string(sx),
+                       arg_value_to_string(a->value), shape_to_string(want)),
+           "declare out with the permuted shape");
+      return {};
+    }
+    std::vector<int64_t> strides(sx.size(), 1), source_strides;
+    for (size_t j = sx.size(); j-- > 1;) strides[j - 1] = strides[j] * sx[j];
+    for (int64_t d : *dims) source_strides.push_back(strides[size_t(d)]);
+    const int64_t n = numel(so);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  const cg_i64 out_dims[{0}] = {{{1}}}, source_strides[{0}] = {{{2}}};\n"
+        "  for (cg_i64 i = cg_global_thread(); i < {3}; i += cg_grid_threads())\n"
+        "    {4};\n",
+        so.size(), fmt::join(so, ", "), fmt::join(source_strides, ", "), n,
+        store_element("out", out.buffer->dtype, "i",
+                      fmt::format("{}cg_permute(x, i, {}, out_dims, source_strides){}",
+                                  is_16bit(out.buffer->dtype) ? "cg_widen(" : "", so.size(),
+                                  is_16bit(out.buffer->dtype) ? ")" : "")));
   }
 
   std::string header() const {

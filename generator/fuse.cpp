@@ -28,7 +28,8 @@ const BoundTensor* only_output(const BoundTask& bt) {
 std::string epilogue_rule(const BoundTask& bt) {
   const std::string& op = bt.op->name;
   if (bt.find_tensor("out") == nullptr) return {};
-  if (op == "matmul") return "matmul_epilogue";
+  // A convolution is a matmul (an implicit GEMM) with the same epilogue hook.
+  if (op == "matmul" || op == "conv2d") return "matmul_epilogue";
   if (op == "softmax" || op == "log_softmax" || op == "rmsnorm" || op == "layernorm") return "reduction_epilogue";
   return {};
 }

@@ -132,4 +132,13 @@ bool is_identifier(std::string_view s) {
   return true;
 }
 
+bool is_tensor_name(std::string_view s) {
+  if (s.empty() || s.size() > 200 || s[0] == '.' || s[0] == '-') return false;
+  for (char c : s)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+          c == '-'))
+      return false;
+  return true;
+}
+
 }  // namespace cudagen

@@ -52,6 +52,13 @@ struct TensorSlot {
   std::optional<Shape> shape;
   std::optional<Storage> storage;  // absent: the default for the slot's role
   std::optional<SlotRef> from;
+  // An owning slot may name its tensor ("layers.0.fc.weight", as a PyTorch
+  // module names its parameters): reports, the manifest, .npy files and the
+  // runtime's Instance::set then use that name instead of `task.slot`.
+  std::optional<std::string> tensor_name;
+  // An owning slot's value, an .npy file (relative to the graph file's
+  // folder): the runtime binds it before the first phase (imported weights).
+  std::optional<std::string> data;
   SourceLoc loc;  // where the slot was written, when it was read from a file
 };
 
@@ -97,11 +104,18 @@ struct TaskGraph {
   std::string name;
   std::vector<Task> tasks;
   std::optional<TrainingSpec> training;
+  // The folder of the file the graph was read from ("" for the working
+  // directory): relative `data` paths resolve against it. Not part of the
+  // graph's text.
+  std::string base_dir;
 
   const Task* find_task(std::string_view id) const;
 };
 
 // Ids of tasks and slots become C identifiers in generated code.
 bool is_identifier(std::string_view s);
+// A tensor's own name (`"name"` of a slot) becomes a file name: letters,
+// digits, '_', '.', '-', not starting with '.' or '-'.
+bool is_tensor_name(std::string_view s);
 
 }  // namespace cudagen

@@ -1,6 +1,7 @@
 #include "graph_json.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -164,7 +165,7 @@ class GraphReader {
     slot.loc = v.loc;
     check_slot_name(name, v, path, task);
     if (!expect_kind(v, JsonValue::Kind::Object, path, "a tensor slot", task, name)) return slot;
-    check_fields(v, path, {"dtype", "shape", "storage", "from"}, task, name);
+    check_fields(v, path, {"dtype", "shape", "storage", "from", "name", "data"}, task, name);
     if (const JsonValue* dtype = v.find("dtype")) {
       if (expect_kind(*dtype, JsonValue::Kind::String, path + "/dtype", "\"dtype\"", task, name)) {
         slot.dtype = parse_dtype(dtype->as_string());
@@ -199,6 +200,27 @@ class GraphReader {
       }
     }
     if (const JsonValue* from = v.find("from")) slot.from = read_ref(*from, path + "/from", task, name);
+    if (const JsonValue* tensor_name = v.find("name")) {
+      if (expect_kind(*tensor_name, JsonValue::Kind::String, path + "/name", "\"name\"", task, name)) {
+        if (is_tensor_name(tensor_name->as_string()))
+          slot.tensor_name = tensor_name->as_string();
+        else
+          error(tensor_name->loc, path + "/name",
+                fmt::format("tensor name {} is not a file name", json_quote(tensor_name->as_string())),
+                "a tensor name uses letters, digits, '_', '.' and '-' (as \"layers.0.fc.weight\"), not starting with "
+                "'.' or '-'",
+                task, name);
+      }
+    }
+    if (const JsonValue* data = v.find("data")) {
+      if (expect_kind(*data, JsonValue::Kind::String, path + "/data", "\"data\"", task, name)) {
+        if (data->as_string().empty())
+          error(data->loc, path + "/data", "\"data\" is empty",
+                "give the path of an .npy file, relative to the graph file's folder", task, name);
+        else
+          slot.data = data->as_string();
+      }
+    }
     return slot;
   }
 
@@ -269,6 +291,8 @@ std::string tensor_slot_json(const TensorSlot& s) {
   if (s.dtype) fields.push_back(fmt::format("\"dtype\": \"{}\"", to_string(*s.dtype)));
   if (s.shape) fields.push_back(fmt::format("\"shape\": [{}]", fmt::join(*s.shape, ", ")));
   if (s.storage) fields.push_back(fmt::format("\"storage\": \"{}\"", to_string(*s.storage)));
+  if (s.tensor_name) fields.push_back("\"name\": " + json_quote(*s.tensor_name));
+  if (s.data) fields.push_back("\"data\": " + json_quote(*s.data));
   return fmt::format("{{{}}}", fmt::join(fields, ", "));
 }
 
@@ -307,7 +331,11 @@ TaskGraph read_graph(std::string_view text, const std::string& file) {
   return graph;
 }
 
-TaskGraph read_graph_file(const std::string& path) { return read_graph(read_text_file(path), path); }
+TaskGraph read_graph_file(const std::string& path) {
+  TaskGraph graph = read_graph(read_text_file(path), path);
+  graph.base_dir = std::filesystem::path(path).parent_path().string();
+  return graph;
+}
 
 std::string write_graph(const TaskGraph& graph) {
   std::string out = "{\n";

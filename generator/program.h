@@ -22,6 +22,8 @@ struct BufferInfo {
   int64_t bytes = 0;
   Storage storage = Storage::transient;
   bool promoted = false;    // transient that validation made saved: read in a later phase
+  std::string name;         // the slot's "name", or empty: buffer_name() is then task.slot
+  std::string data;         // the slot's "data" resolved against the graph's folder, or empty
 };
 
 struct BoundTensor {

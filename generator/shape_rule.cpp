@@ -11,9 +11,18 @@ std::string DimExpr::str() const {
     case Kind::Const: return std::to_string(value);
     case Kind::Symbol: return name;
     case Kind::Add: return fmt::format("{} + {}", parts[0].str(), parts[1].str());
-    case Kind::Mul: {
-      auto wrap = [](const DimExpr& e) { return e.kind == Kind::Add ? "(" + e.str() + ")" : e.str(); };
-      return fmt::format("{}*{}", wrap(parts[0]), wrap(parts[1]));
+    case Kind::Sub: {
+      auto wrap = [](const DimExpr& e) { return e.kind == Kind::Add || e.kind == Kind::Sub ? "(" + e.str() + ")" : e.str(); };
+      return fmt::format("{} - {}", parts[0].str(), wrap(parts[1]));
+    }
+    case Kind::Mul:
+    case Kind::Div: {
+      auto sum = [](const DimExpr& e) { return e.kind == Kind::Add || e.kind == Kind::Sub; };
+      std::string lhs = sum(parts[0]) ? "(" + parts[0].str() + ")" : parts[0].str();
+      // The right operand of '/' needs parentheses for a product too: a/(b*c).
+      bool wrap_rhs = sum(parts[1]) || (kind == Kind::Div && (parts[1].kind == Kind::Mul || parts[1].kind == Kind::Div));
+      std::string rhs = wrap_rhs ? "(" + parts[1].str() + ")" : parts[1].str();
+      return fmt::format("{}{}{}", lhs, kind == Kind::Mul ? "*" : " / ", rhs);
     }
     case Kind::Choose: return fmt::format("{} ? {} : {}", name, parts[0].str(), parts[1].str());
     case Kind::Numel: return fmt::format("numel({})", name);
@@ -137,24 +146,35 @@ class RuleParser {
 
   DimExpr parse_expr() {
     DimExpr lhs = parse_term();
-    while (consume("+")) {
+    for (;;) {
+      skip_ws();
       DimExpr sum;
-      sum.kind = DimExpr::Kind::Add;
+      if (consume("+")) {
+        sum.kind = DimExpr::Kind::Add;
+      } else if (looking_at("-") && !looking_at("->")) {
+        ++pos_;
+        sum.kind = DimExpr::Kind::Sub;
+      } else {
+        return lhs;
+      }
       sum.parts = {std::move(lhs), parse_term()};
       lhs = std::move(sum);
     }
-    return lhs;
   }
 
   DimExpr parse_term() {
     DimExpr lhs = parse_atom();
-    while (consume("*")) {
+    for (;;) {
       DimExpr product;
-      product.kind = DimExpr::Kind::Mul;
+      if (consume("*"))
+        product.kind = DimExpr::Kind::Mul;
+      else if (consume("/"))
+        product.kind = DimExpr::Kind::Div;
+      else
+        return lhs;
       product.parts = {std::move(lhs), parse_atom()};
       lhs = std::move(product);
     }
-    return lhs;
   }
 
   DimExpr parse_atom() {
@@ -337,12 +357,24 @@ class RuleChecker {
         return it->second.value;
       }
       case DimExpr::Kind::Add:
-      case DimExpr::Kind::Mul: {
+      case DimExpr::Kind::Sub:
+      case DimExpr::Kind::Mul:
+      case DimExpr::Kind::Div: {
         auto a = eval(slot, e.parts[0]);
         auto b = eval(slot, e.parts[1]);
         if (!a || !b) return std::nullopt;
+        if (e.kind == DimExpr::Kind::Div) {
+          if (*b == 0) {
+            error(slot, fmt::format("{} divides by zero ({} is 0)", e.str(), e.parts[1].str()));
+            return std::nullopt;
+          }
+          // Rounds down (a convolution's output size), also for a negative numerator.
+          return *a / *b - ((*a % *b != 0) && ((*a < 0) != (*b < 0)) ? 1 : 0);
+        }
         int64_t r = 0;
-        bool overflow = e.kind == DimExpr::Kind::Add ? __builtin_add_overflow(*a, *b, &r) : __builtin_mul_overflow(*a, *b, &r);
+        bool overflow = e.kind == DimExpr::Kind::Add   ? __builtin_add_overflow(*a, *b, &r)
+                        : e.kind == DimExpr::Kind::Sub ? __builtin_sub_overflow(*a, *b, &r)
+                                                       : __builtin_mul_overflow(*a, *b, &r);
         if (overflow) {
           error(slot, fmt::format("{} overflows 64 bits", e.str()));
           return std::nullopt;

@@ -7,7 +7,8 @@
 //   item     := '...' NAME              a run of dimensions (at most one per pattern)
 //             | '...broadcast(' NAME ',' NAME ')'   numpy broadcast of two runs
 //             | expr
-//   expr     := term {'+' term};  term := atom {'*' atom}
+//   expr     := term {('+' | '-') term};  term := atom {('*' | '/') atom}
+// ('/' divides rounding down, as a convolution's output size does)
 //   atom     := INT | NAME | '(' expr ')' | NAME '?' expr ':' expr
 // A NAME that is an argument of the op takes the argument's (constant) value;
 // `arg ? x : y` chooses by a boolean argument. Other NAMEs are dimension
@@ -27,11 +28,11 @@
 namespace cudagen {
 
 struct DimExpr {
-  enum class Kind { Const, Symbol, Add, Mul, Choose, Numel };
+  enum class Kind { Const, Symbol, Add, Sub, Mul, Div, Choose, Numel };
   Kind kind = Kind::Const;
   int64_t value = 0;
   std::string name;            // Symbol; Choose: the boolean argument; Numel: the slot
-  std::vector<DimExpr> parts;  // Add/Mul operands; Choose: {then, else}
+  std::vector<DimExpr> parts;  // Add/Sub/Mul/Div operands; Choose: {then, else}
   std::string str() const;
 };
 

@@ -1,7 +1,9 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <functional>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -30,6 +32,7 @@ ShapeEnv task_shape_env(const Program& program, int task) {
 
 std::string buffer_name(const Program& program, int buffer) {
   const BufferInfo& b = program.buffers[size_t(buffer)];
+  if (!b.name.empty()) return b.name;
   return program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
 }
 
@@ -204,6 +207,11 @@ class Validator {
           error(slot.loc, path() + "/from", tk.id, slot.name,
                 fmt::format("'{}' is an output of op '{}'; an output owns its storage", slot.name, bt.op->name),
                 "remove \"from\" and give \"dtype\" and \"shape\"; consumers depend on this slot instead");
+        if (slot.tensor_name || slot.data)
+          error(slot.loc, path() + (slot.tensor_name ? "/name" : "/data"), tk.id, slot.name,
+                fmt::format("a slot with \"from\" shares {}'s tensor, so it cannot give it {}", slot.from->str(),
+                            slot.tensor_name ? "a name" : "data"),
+                fmt::format("set \"{}\" on the owning slot", slot.tensor_name ? "name" : "data"));
         bt.tensors.push_back(bound);
         continue;
       }
@@ -240,8 +248,33 @@ class Validator {
               fmt::format("'{}' is read by the op but owns transient storage that no task writes", slot.name),
               "depend on the task that produces it (\"from\": \"task.slot\"), or make it \"external\" (bound by the "
               "caller) or \"persistent\"");
+      if (slot.data && sig && sig->role == SlotRole::output)
+        error(slot.loc, path() + "/data", tk.id, slot.name,
+              fmt::format("'{}' is an output of op '{}': the task computes it, so it cannot load \"data\"", slot.name,
+                          bt.op->name),
+              "give \"data\" to the inputs and weights the graph reads, not to what it computes");
+      if (slot.tensor_name) {
+        // Names and task.slot share one namespace (Instance::set takes either).
+        if (std::optional<SlotRef> ref = parse_slot_ref(*slot.tensor_name);
+            ref && find_task(ref->task) >= 0 && task(find_task(ref->task)).find_tensor(ref->slot) != nullptr &&
+            !(ref->task == tk.id && ref->slot == slot.name))
+          error(slot.loc, path() + "/name", tk.id, slot.name,
+                fmt::format("tensor name '{}' is another slot's task.slot", *slot.tensor_name),
+                "choose a name that is not some task's id, a dot and its slot");
+        auto [it, added] = tensor_names_.emplace(*slot.tensor_name, tk.id + "." + slot.name);
+        if (!added)
+          error(slot.loc, path() + "/name", tk.id, slot.name,
+                fmt::format("tensor name '{}' is already the name of {}", *slot.tensor_name, it->second),
+                "give each tensor its own name");
+      }
       bound.buffer = int(p_.buffers.size());
-      p_.buffers.push_back(BufferInfo{t, slot.name, *slot.dtype, *slot.shape, bytes, storage, false});
+      std::string data;
+      if (slot.data)
+        data = std::filesystem::path(*slot.data).is_absolute() || p_.graph.base_dir.empty()
+                   ? *slot.data
+                   : (std::filesystem::path(p_.graph.base_dir) / *slot.data).string();
+      p_.buffers.push_back(BufferInfo{t, slot.name, *slot.dtype, *slot.shape, bytes, storage, false,
+                                      slot.tensor_name.value_or(""), data});
       bt.tensors.push_back(bound);
     }
   }
@@ -558,6 +591,7 @@ class Validator {
   const ValidateOptions& options_;
   Diagnostics diags_;
   std::unordered_map<std::string, int> index_;
+  std::map<std::string, std::string> tensor_names_;  // a slot's "name" -> task.slot that has it
 };
 
 }  // namespace

@@ -3,12 +3,14 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <filesystem>
 #include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "counter_rng.h"
+#include "npy.h"
 #include "runner.h"
 
 namespace cudagen {
@@ -108,6 +110,24 @@ Instance::Instance(std::shared_ptr<const JitProgram::State> program, std::unique
   // on either backend; the scalars region starts at the graph's values.
   executor_->fill(0, 0, size_t(program_->compiled.plan.arena_bytes));
   write_scalars_region(args_);
+  load_data();
+}
+
+void Instance::load_data() {
+  const Program& p = program_->compiled.program;
+  for (size_t b = 0; b < p.buffers.size(); ++b) {
+    const BufferInfo& info = p.buffers[b];
+    if (info.data.empty()) continue;
+    const std::string name = buffer_name(p, int(b));
+    if (!std::filesystem::exists(info.data))
+      throw std::runtime_error(fmt::format("{}: missing; it holds the value of {} ({} {}), the graph's \"data\"",
+                                           info.data, name, to_string(info.dtype), shape_to_string(info.shape)));
+    try {
+      set(name, read_npy(info.data));
+    } catch (const std::exception& e) {
+      throw std::runtime_error(fmt::format("{}: {}", info.data, e.what()));
+    }
+  }
 }
 
 Instance::Instance(Instance&&) noexcept = default;

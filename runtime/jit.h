@@ -78,8 +78,10 @@ class JitProgram {
 };
 
 // One arena of a program: its inputs, weights, optimizer state and outputs.
-// Tensors are named "task.slot" as in the graph; a name that does not exist
-// gets an error listing the ones that do.
+// Tensors are named "task.slot" as in the graph, or by the slot's "name"
+// (either works); a name that does not exist gets an error listing the ones
+// that do. Tensors whose slot gives "data" (an imported model's weights) are
+// loaded from their .npy files when the instance is made.
 class Instance {
  public:
   Instance(Instance&&) noexcept;
@@ -100,6 +102,11 @@ class Instance {
   // A run-time argument ("task.arg", one whose JSON says "runtime": true),
   // for the following runs; no recompilation.
   void set_arg(const std::string& name, ArgValue value);
+
+  // (Re)loads every tensor whose slot gives "data" from its .npy file.
+  // Throws naming the file and the tensor when one is missing or does not
+  // match the tensor's dtype and shape.
+  void load_data();
 
   // Runs a phase (its kernels in order) and waits for it.
   void run(Phase phase);

@@ -86,6 +86,15 @@ class Evaluator {
     if (op == "softmax") return softmax(bt);
     if (op == "embedding") return embedding(bt);
     if (op == "transpose") return transpose(bt);
+    if (op == "relu6") return unary(bt, [](double x) { return std::min(std::max(x, 0.0), 6.0); });
+    if (op == "hardswish") return unary(bt, [](double x) { return x * std::min(std::max(x + 3, 0.0), 6.0) / 6; });
+    if (op == "relu6_backward") return gradient(bt, [](double x, double d) { return x > 0 && x < 6 ? d : 0.0; });
+    if (op == "hardswish_backward")
+      return gradient(bt, [](double x, double d) { return x < -3 ? 0.0 : x <= 3 ? d * (2 * x + 3) / 6 : d; });
+    if (op == "conv2d") return conv2d(bt);
+    if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
+    if (op == "adaptive_avg_pool2d") return adaptive_avg_pool2d(bt);
+    if (op == "permute") return permute(bt);
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "layernorm") return layernorm(bt);
     if (op == "sgd") return sgd(bt);
@@ -785,6 +794,135 @@ class Evaluator {
           v[size_t(z * M * N + n * M + m)] = val(x)[size_t(z * M * N + m * N + n)];
           a[size_t(z * M * N + n * M + m)] = r_.abs[size_t(x)][size_t(z * M * N + m * N + n)];
         }
+    out(o, std::move(v), std::move(a));
+  }
+
+  int64_t arg_int(const BoundTask& bt, const char* name, int64_t fallback) const {
+    return int64_t(arg_double(bt, name, double(fallback)));
+  }
+
+  // Direct convolution, the definition (torch.nn.functional.conv2d); the
+  // error scale is the same sum over absolute values.
+  void conv2d(const BoundTask& bt) {
+    const int x = buf(bt, "x"), w = buf(bt, "weight"), o = buf(bt, "out");
+    const BoundTensor* bias = bt.find_tensor("bias");
+    const Shape &sx = shape(x), &sw = shape(w), &so = shape(o);
+    const int64_t B = sx[0], C = sx[1], H = sx[2], W = sx[3], O = sw[0], KH = sw[2], KW = sw[3], OH = so[2], OW = so[3];
+    const int64_t groups = arg_int(bt, "groups", 1), OG = O / groups, CG = C / groups;
+    const int64_t sh = arg_int(bt, "stride_h", 1), sw_ = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0),
+                  pw = arg_int(bt, "padding_w", 0), dh = arg_int(bt, "dilation_h", 1), dw = arg_int(bt, "dilation_w", 1);
+    std::vector<double> v(size_t(numel(so))), a(v.size());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t oc = 0; oc < O; ++oc)
+        for (int64_t oh = 0; oh < OH; ++oh)
+          for (int64_t ow = 0; ow < OW; ++ow) {
+            double sum = 0, sabs = 0;
+            if (bias != nullptr) {
+              sum = val(bias->buffer)[size_t(oc)];
+              sabs = r_.abs[size_t(bias->buffer)][size_t(oc)];
+            }
+            const int64_t g = oc / OG;
+            for (int64_t c = 0; c < CG; ++c)
+              for (int64_t i = 0; i < KH; ++i)
+                for (int64_t j = 0; j < KW; ++j) {
+                  const int64_t h = oh * sh - ph + i * dh, ww = ow * sw_ - pw + j * dw;
+                  if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                  const size_t ix = size_t(((b * C + g * CG + c) * H + h) * W + ww);
+                  const size_t iw = size_t(((oc * CG + c) * KH + i) * KW + j);
+                  sum += val(x)[ix] * val(w)[iw];
+                  sabs += r_.abs[size_t(x)][ix] * r_.abs[size_t(w)][iw];
+                }
+            const size_t io = size_t(((b * O + oc) * OH + oh) * OW + ow);
+            v[io] = sum;
+            a[io] = sabs;
+          }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void pool2d(const BoundTask& bt, bool max) {
+    const int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape &sx = shape(x), &so = shape(o);
+    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const int64_t KH = arg_int(bt, "kernel_h", 1), KW = arg_int(bt, "kernel_w", 1), sh = arg_int(bt, "stride_h", 1),
+                  sw = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0), pw = arg_int(bt, "padding_w", 0),
+                  dh = max ? arg_int(bt, "dilation_h", 1) : 1, dw = max ? arg_int(bt, "dilation_w", 1) : 1;
+    const bool include_pad = !max && arg_bool(bt, "count_include_pad");
+    std::vector<double> v(size_t(numel(so))), a(v.size());
+    for (int64_t q = 0; q < planes; ++q)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          double best = -INFINITY, best_abs = 0, sum = 0, sum_abs = 0;
+          int64_t count = 0;
+          for (int64_t i = 0; i < KH; ++i)
+            for (int64_t j = 0; j < KW; ++j) {
+              const int64_t h = oh * sh - ph + i * dh, w = ow * sw - pw + j * dw;
+              if (h < 0 || h >= H || w < 0 || w >= W) continue;
+              const size_t ix = size_t((q * H + h) * W + w);
+              if (val(x)[ix] > best) {
+                best = val(x)[ix];
+                best_abs = r_.abs[size_t(x)][ix];
+              }
+              sum += val(x)[ix];
+              sum_abs += r_.abs[size_t(x)][ix];
+              ++count;
+            }
+          if (include_pad) {
+            const int64_t h0 = oh * sh - ph, w0 = ow * sw - pw;
+            count = (std::min(h0 + KH, H + ph) - h0) * (std::min(w0 + KW, W + pw) - w0);
+          }
+          const size_t io = size_t((q * OH + oh) * OW + ow);
+          v[io] = max ? best : sum / double(count);
+          a[io] = max ? best_abs : sum_abs / double(count);
+        }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void adaptive_avg_pool2d(const BoundTask& bt) {
+    const int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape &sx = shape(x), &so = shape(o);
+    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    std::vector<double> v(size_t(numel(so))), a(v.size());
+    for (int64_t q = 0; q < planes; ++q)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          // floor(oh * H / OH) to ceil((oh + 1) * H / OH), as PyTorch.
+          const int64_t h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+          const int64_t w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+          double sum = 0, sum_abs = 0;
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) {
+              sum += val(x)[size_t((q * H + h) * W + w)];
+              sum_abs += r_.abs[size_t(x)][size_t((q * H + h) * W + w)];
+            }
+          const double count = double((h1 - h0) * (w1 - w0));
+          v[size_t((q * OH + oh) * OW + ow)] = sum / count;
+          a[size_t((q * OH + oh) * OW + ow)] = sum_abs / count;
+        }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void permute(const BoundTask& bt) {
+    const int x = buf(bt, "x"), o = buf(bt, "out");
+    const Shape& sx = shape(x);
+    const ArgValue* dims_arg = arg(bt, "dims");
+    const auto* dims = dims_arg ? std::get_if<std::vector<int64_t>>(dims_arg) : nullptr;
+    if (dims == nullptr || dims->size() != sx.size())
+      throw std::runtime_error(fmt::format("reference: task '{}' has no permutation", bt.task->id));
+    std::vector<int64_t> strides(sx.size(), 1);
+    for (size_t j = sx.size(); j-- > 1;) strides[j - 1] = strides[j] * sx[j];
+    const int64_t n = numel(sx);
+    std::vector<double> v(static_cast<size_t>(n)), a(v.size());
+    for (int64_t i = 0; i < n; ++i) {
+      // i is an output index: its coordinates along out's axes, out axis j being x's axis dims[j].
+      int64_t rest = i, source = 0;
+      for (size_t j = sx.size(); j-- > 0;) {
+        const int64_t extent = sx[size_t((*dims)[j])];
+        source += rest % extent * strides[size_t((*dims)[j])];
+        rest /= extent;
+      }
+      v[size_t(i)] = val(x)[size_t(source)];
+      a[size_t(i)] = r_.abs[size_t(x)][size_t(source)];
+    }
     out(o, std::move(v), std::move(a));
   }
 

@@ -247,11 +247,13 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     int64_t n = info.bytes / dtype_bytes(info.dtype);
     unsigned char* at = arena.data() + c.plan.buffers[b].offset;
     inputs[b].resize(size_t(n));
-    if (!options.inputs_dir.empty()) {
-      std::string path = options.inputs_dir + "/" + name + ".npy";
+    // A file in inputs_dir, else the tensor's own "data" (imported weights).
+    std::string path = options.inputs_dir.empty() ? "" : options.inputs_dir + "/" + name + ".npy";
+    if (!info.data.empty() && (path.empty() || !std::filesystem::exists(path))) path = info.data;
+    if (!path.empty()) {
       if (!std::filesystem::exists(path)) {
-        problems.push_back(fmt::format("{}: missing; the graph input {} is {} {}", path, name, to_string(info.dtype),
-                                       shape_to_string(info.shape)));
+        problems.push_back(fmt::format("{}: missing; the graph input {} is {} {}{}", path, name, to_string(info.dtype),
+                                       shape_to_string(info.shape), path == info.data ? " (its \"data\")" : ""));
         continue;
       }
       HostTensor array = read_npy(path);
@@ -276,7 +278,8 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     }
   }
   if (!problems.empty())
-    throw std::runtime_error(fmt::format("bad inputs in {}:\n  {}", options.inputs_dir, fmt::join(problems, "\n  ")));
+    throw std::runtime_error(fmt::format("bad inputs{}:\n  {}", options.inputs_dir.empty() ? "" : " in " + options.inputs_dir,
+                                         fmt::join(problems, "\n  ")));
 
   // Every buffer as the kernels left it.
   auto read_back = [&] {

@@ -459,3 +459,63 @@ CG_OP("mse_backward",
 CG_DEVICE T cg_mse_backward(T pred, T target, float scale) {
   return T(2) * (pred - target) * T(scale);
 }
+
+template <typename T>
+CG_OP("relu6",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: relu6_backward",
+      "doc: min(max(x, 0), 6) (torch.nn.ReLU6)")
+CG_DEVICE T cg_relu6(T x) {
+  return x > T(0) ? (x < T(6) ? x : T(6)) : T(0);
+}
+
+template <typename T>
+CG_OP("relu6_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: relu6",
+      "doc: gradient of relu6: dout where 0 < x < 6, else 0 (as PyTorch)")
+CG_DEVICE T cg_relu6_backward(T x, T dout) {
+  return x > T(0) && x < T(6) ? dout : T(0);
+}
+
+// x * relu6(x + 3) / 6, MobileNetV3's activation.
+template <typename T>
+CG_OP("hardswish",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: hardswish_backward",
+      "doc: x * min(max(x + 3, 0), 6) / 6 (torch.nn.Hardswish)")
+CG_DEVICE T cg_hardswish(T x) {
+  const T r = x + T(3) > T(0) ? (x + T(3) < T(6) ? x + T(3) : T(6)) : T(0);
+  return x * r / T(6);
+}
+
+template <typename T>
+CG_OP("hardswish_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: hardswish",
+      "doc: gradient of hardswish: 0 below -3, dout above 3, dout * (2x + 3) / 6 between (as PyTorch)")
+CG_DEVICE T cg_hardswish_backward(T x, T dout) {
+  return x < T(-3) ? T(0) : (x <= T(3) ? dout * (T(2) * x + T(3)) / T(6) : dout);
+}

@@ -279,6 +279,28 @@ def run_torch(g, values, phases=None):
             put(t, "out", get(t, "table")[get(t, "ids").long()])
         elif op == "transpose":
             put(t, "out", get(t, "x").transpose(-1, -2))
+        elif op == "permute":
+            put(t, "out", get(t, "x").permute(*args["dims"]))
+        elif op in ("relu6", "hardswish"):
+            put(t, "out", getattr(torch.nn.functional, op)(get(t, "x")))
+        elif op in ("relu6_backward", "hardswish_backward"):
+            put(t, "dx", grad(getattr(torch.nn.functional, op[:-9]), [get(t, "x")], get(t, "dout"))[0])
+        elif op == "conv2d":
+            bias = get(t, "bias") if "bias" in t["tensors"] else None
+            put(t, "out", torch.nn.functional.conv2d(
+                get(t, "x"), get(t, "weight"), bias, stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
+                padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)), groups=args.get("groups", 1)))
+        elif op == "max_pool2d":
+            put(t, "out", torch.nn.functional.max_pool2d(
+                get(t, "x"), (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
+                (args.get("padding_h", 0), args.get("padding_w", 0)), (args.get("dilation_h", 1), args.get("dilation_w", 1))))
+        elif op == "avg_pool2d":
+            put(t, "out", torch.nn.functional.avg_pool2d(
+                get(t, "x"), (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
+                (args.get("padding_h", 0), args.get("padding_w", 0)), count_include_pad=args.get("count_include_pad", True)))
+        elif op == "adaptive_avg_pool2d":
+            put(t, "out", torch.nn.functional.adaptive_avg_pool2d(get(t, "x"), tuple(shape("out")[-2:])))
         elif op == "cross_entropy":
             logits = get(t, "logits")
             put(t, "loss", torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),

@@ -112,7 +112,10 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
   const std::set<std::string> added = {
       "affine_backward", "cast_backward",   "concat",       "exp_backward",  "layernorm_backward",
       "log_backward",    "log_softmax_backward", "max_backward", "maximum_backward", "mean_backward",
-      "neg_backward",    "split",           "sum_backward", "sum_leading_backward"};
+      "neg_backward",    "split",           "sum_backward", "sum_leading_backward",
+      // The PyTorch frontend's (#11): convolutional networks and MobileNet's activations.
+      "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "permute", "relu6", "relu6_backward",
+      "hardswish", "hardswish_backward"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",

@@ -90,3 +90,28 @@ TEST(ShapeRule, ScalarsAndNumel) {
 TEST(ShapeRule, AbsentOptionalSlotIsSkipped) {
   EXPECT_TRUE(check("x:[...S, N] -> out:[...S, N] rstd:[...S]", {{"x", {3, 4}}, {"out", {3, 4}}}).empty());
 }
+
+// '-' and '/' (rounding down): a convolution's output size.
+TEST(ShapeRule, SubtractionAndFloorDivisionGiveAConvolutionsOutputSize) {
+  const char* rule = "x:[H] w:[K] -> out:[(H + 2 * p - d * (K - 1) - 1) / s + 1]";
+  ShapeRule r = parse_shape_rule(rule);
+  EXPECT_EQ(r.outputs[0].dims[0].expr.str(), "(H + 2*p - d*(K - 1) - 1) / s + 1");
+  const std::map<std::string, int64_t> args = {{"p", 1}, {"d", 1}, {"s", 2}};
+  EXPECT_TRUE(check(rule, {{"x", {10}}, {"w", {3}}, {"out", {5}}}, args).empty());   // (10 + 2 - 2 - 1) / 2 + 1
+  EXPECT_TRUE(check(rule, {{"x", {9}}, {"w", {3}}, {"out", {5}}}, args).empty());    // 8 / 2 + 1
+  auto errors = check(rule, {{"x", {10}}, {"w", {3}}, {"out", {6}}}, args);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].message.find("out[0] is 6, but it must equal (H + 2*p - d*(K - 1) - 1) / s + 1 = 5"),
+            std::string::npos)
+      << errors[0].message;
+  // A kernel wider than the padded input: (2 - 4 - 1) / 2 rounds down to -2, so no shape fits.
+  errors = check(rule, {{"x", {2}}, {"w", {5}}, {"out", {1}}}, {{"p", 0}, {"d", 1}, {"s", 2}});
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].message.find("= -1"), std::string::npos) << errors[0].message;
+  errors = check(rule, {{"x", {10}}, {"w", {3}}, {"out", {5}}}, {{"p", 1}, {"d", 1}, {"s", 0}});
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].message.find("divides by zero (s is 0)"), std::string::npos) << errors[0].message;
+  // '-' next to '->' is still the arrow.
+  EXPECT_EQ(parse_shape_rule("a:[N-1]->b:[N]").inputs[0].dims[0].expr.str(), "N - 1");
+  EXPECT_EQ(parse_shape_rule("a:[N] -> b:[N / (2*M)] c:[M]").outputs[0].dims[0].expr.str(), "N / (2*M)");
+}

@@ -245,3 +245,39 @@ TEST(Validate, SplitTakesItsCutFromTheOutputs) {
             std::string::npos)
       << msg;
 }
+
+// A slot's own tensor name ("name") and value file ("data"): where they may
+// stand, and that names are unique.
+TEST(Validate, TensorNamesAndDataFiles) {
+  const std::string named = R"({"dtype": "f32", "shape": [64, 32], "storage": "persistent", "name": "fc.weight", "data": "fc.weight.npy"})";
+  EXPECT_EQ(errors_of(layer(named)), "");
+  std::string msg = errors_of(layer(R"({"from": "w.out", "name": "fc.weight"})"));
+  expect_contains(msg, "a slot with \"from\" shares w.out's tensor, so it cannot give it a name");
+  expect_contains(msg, "/tasks/1/tensors/b/name");
+  msg = errors_of(layer(R"({"from": "w.out"})", R"({"from": "mm.out"})",
+                        R"(, {"id": "act2", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "external", "name": "in"}, "out": {"dtype": "f32", "shape": [4], "name": "in"}}})"));
+  expect_contains(msg, "tensor name 'in' is already the name of act2.x");
+  msg = errors_of(layer(R"({"from": "w.out"})", R"({"from": "mm.out"})",
+                        R"(, {"id": "act2", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4], "storage": "external", "name": "mm.out"}, "out": {"dtype": "f32", "shape": [4], "data": "o.npy"}}})"));
+  expect_contains(msg, "tensor name 'mm.out' is another slot's task.slot");
+  expect_contains(msg, "'out' is an output of op 'relu': the task computes it, so it cannot load \"data\"");
+  msg = errors_of(layer(R"({"dtype": "f32", "shape": [64, 32], "storage": "persistent", "name": "bad name"})"));
+  expect_contains(msg, "tensor name \"bad name\" is not a file name");
+}
+
+// A named tensor is called by its name in reports and the manifest, and its
+// data path resolves against the graph file's folder.
+TEST(Validate, NamedTensorsKeepTheirNamesAndResolveDataAgainstTheGraphsFolder) {
+  TaskGraph g = read_graph(layer(R"({"dtype": "f32", "shape": [64, 32], "storage": "persistent", "name": "fc.weight", "data": "w/fc.weight.npy"})"));
+  g.base_dir = "/models/mlp";
+  Program p = validate(std::move(g), builtin_registry(), {});
+  bool found = false;
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    if (buffer_name(p, int(b)) == "fc.weight") {
+      found = true;
+      EXPECT_EQ(p.buffers[b].data, "/models/mlp/w/fc.weight.npy");
+    }
+  EXPECT_TRUE(found);
+  EXPECT_EQ(write_graph(read_graph(write_graph(p.graph))), write_graph(p.graph));  // name and data round-trip
+  EXPECT_NE(write_graph(p.graph).find(R"("name": "fc.weight", "data": "w/fc.weight.npy")"), std::string::npos);
+}

@@ -1,0 +1,197 @@
+// Convolution, pooling and a general permute: the ops a convolutional network
+// (torchvision's ResNet, MobileNet) needs, NCHW throughout.
+
+// The sizes of one 2-D convolution, as the emitter writes them into the kernel.
+struct cg_conv2d_geometry {
+  int C, H, W;    // input channels (all groups), height, width
+  int O, OH, OW;  // output channels (all groups), height, width
+  int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w, groups;
+};
+
+// 2-D convolution as an implicit GEMM: for one image and one group, with
+// OG = O / groups output channels and CG = C / groups input channels,
+//   out[m, p] = sum over k of weight[m, k] * patch(k, p),
+// M = OG, N = OH * OW, K = CG * KH * KW, k = (c, i, j), p = (oh, ow), and
+//   patch(k, p) = x[c, oh * stride_h - padding_h + i * dilation_h, ow * stride_w - padding_w + j * dilation_w]
+// (0 outside the image). No im2col buffer: the matmul tile's operand load
+// computes patch() on the fly. The skeleton's hooks say where the image and
+// the group are: load_w(m, k), load_x(c, h, w) within them, and
+// epilogue(m, p, acc), where fusion puts the bias, activation and residual.
+template <int BM, int BN, int BK, typename LoadW, typename LoadX, typename Epilogue>
+CG_OP("conv2d",
+      "pattern: opaque",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: bias weight T optional",
+      "tensor: out output T",
+      "arg: stride_h int = 1",
+      "arg: stride_w int = 1",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: groups int = 1",
+      "shape: x:[B, groups * CG, H, W] weight:[O, CG, KH, KW] bias:[O] -> out:[B, O, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1]",
+      "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
+      "variant: cg_conv2d_direct",
+      "flops: 2 * numel(out) * CG * KH * KW",
+      "doc: torch.nn.functional.conv2d (NCHW; stride, padding, dilation, groups, depthwise included) as an implicit GEMM on the matmul tile; f16/bf16 accumulate in f32")
+CG_DEVICE void cg_conv2d_tile(LoadW load_w, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g, int tile_m,
+                              int tile_n, float* smem) {
+  const int kernel_area = g.KH * g.KW;
+  cg_matmul_tile<BM, BN, BK>(
+      load_w,
+      [&](int k, int n) {
+        const int c = k / kernel_area, r = k % kernel_area, oh = n / g.OW, ow = n % g.OW;
+        const int h = oh * g.stride_h - g.padding_h + (r / g.KW) * g.dilation_h;
+        const int w = ow * g.stride_w - g.padding_w + (r % g.KW) * g.dilation_w;
+        return h >= 0 && h < g.H && w >= 0 && w < g.W ? load_x(c, h, w) : 0.0f;
+      },
+      epilogue, g.O / g.groups, g.OH * g.OW, g.C / g.groups * kernel_area, tile_m, tile_n, smem);
+}
+
+// The direct form, one output element per call: for GEMMs too thin for a
+// tile (a depthwise convolution has M = 1 and K = KH * KW), where the tile
+// would compute 32 rows to keep one.
+template <typename LoadW, typename LoadX>
+CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry g, int m, int oh, int ow) {
+  float acc = 0.0f;
+  const int channels = g.C / g.groups;
+  for (int c = 0; c < channels; ++c)
+    for (int i = 0; i < g.KH; ++i) {
+      const int h = oh * g.stride_h - g.padding_h + i * g.dilation_h;
+      if (h < 0 || h >= g.H) continue;
+      for (int j = 0; j < g.KW; ++j) {
+        const int w = ow * g.stride_w - g.padding_w + j * g.dilation_w;
+        if (w >= 0 && w < g.W) acc += load_w(m, (c * g.KH + i) * g.KW + j) * load_x(c, h, w);
+      }
+    }
+  return acc;
+}
+
+// The window of one 2-D pooling, as the emitter writes it into the kernel.
+struct cg_pool2d_window {
+  int H, W, OH, OW;
+  int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
+};
+
+// Max pooling: element i of out[..., OH, OW] is the largest x in its window;
+// padding never wins (as PyTorch pads with -inf).
+template <typename T>
+CG_OP("max_pool2d",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1) / stride_w + 1]",
+      "flops: numel(out) * kernel_h * kernel_w",
+      "doc: torch.nn.functional.max_pool2d (ceil_mode false)")
+CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
+  const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
+  const cg_i64 plane = i / ((cg_i64)p.OW * p.OH) * p.H * p.W;
+  float best = cg_neg_inf();
+  for (int a = 0; a < p.KH; ++a) {
+    const int h = oh * p.stride_h - p.padding_h + a * p.dilation_h;
+    if (h < 0 || h >= p.H) continue;
+    for (int b = 0; b < p.KW; ++b) {
+      const int w = ow * p.stride_w - p.padding_w + b * p.dilation_w;
+      if (w < 0 || w >= p.W) continue;
+      const float v = cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
+      best = v > best || v != v ? v : best;  // a NaN wins and stays, as in PyTorch
+    }
+  }
+  return best;
+}
+
+// Average pooling over the window; count_include_pad counts the padding's
+// zeros in the divisor (PyTorch's default).
+template <typename T>
+CG_OP("avg_pool2d",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: count_include_pad bool = true",
+      "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - kernel_h) / stride_h + 1, (W + 2 * padding_w - kernel_w) / stride_w + 1]",
+      "flops: numel(out) * kernel_h * kernel_w",
+      "doc: torch.nn.functional.avg_pool2d (ceil_mode false, no divisor_override)")
+CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool count_include_pad) {
+  const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
+  const cg_i64 plane = i / ((cg_i64)p.OW * p.OH) * p.H * p.W;
+  const int h0 = oh * p.stride_h - p.padding_h, w0 = ow * p.stride_w - p.padding_w;
+  float sum = 0.0f;
+  int count = 0;
+  for (int h = h0 > 0 ? h0 : 0; h < h0 + p.KH && h < p.H; ++h)
+    for (int w = w0 > 0 ? w0 : 0; w < w0 + p.KW && w < p.W; ++w) {
+      sum += cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
+      ++count;
+    }
+  if (count_include_pad) {
+    // The window clipped to the padded image, as PyTorch counts it.
+    const int h1 = h0 + p.KH < p.H + p.padding_h ? h0 + p.KH : p.H + p.padding_h;
+    const int w1 = w0 + p.KW < p.W + p.padding_w ? w0 + p.KW : p.W + p.padding_w;
+    count = (h1 - h0) * (w1 - w0);
+  }
+  return count > 0 ? sum / (float)count : 0.0f;
+}
+
+// Adaptive average pooling to the output's size: output row oh averages
+// input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
+// columns (as PyTorch's adaptive_avg_pool2d).
+template <typename T>
+CG_OP("adaptive_avg_pool2d",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S, H, W] -> out:[...S, OH, OW]",
+      "flops: numel(x)",
+      "doc: torch.nn.functional.adaptive_avg_pool2d to the output's declared size")
+CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int OH, int OW) {
+  const int ow = (int)(i % OW), oh = (int)(i / OW % OH);
+  const cg_i64 plane = i / ((cg_i64)OW * OH) * H * W;
+  const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+  const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+  float sum = 0.0f;
+  for (int h = h0; h < h1; ++h)
+    for (int w = w0; w < w1; ++w) sum += cg_widen(cg_load(x, plane + (cg_i64)h * W + w));
+  return sum / (float)((h1 - h0) * (w1 - w0));
+}
+
+// A general permutation of axes: out's axis j is x's axis dims[j]
+// (torch.permute; a transpose of any two axes is one). Element i of out
+// reads x at sum_j coordinate_j(i) * source_strides[j], where
+// source_strides[j] is the stride of x's axis dims[j]. The emitter checks
+// that dims is a permutation and that out's shape is x's, permuted.
+template <typename T>
+CG_OP("permute",
+      "pattern: gather",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: dims int[]",
+      "shape: x:[...S] -> out:[...R]; numel(x) == numel(out)",
+      "doc: out = x.permute(dims): out's axis j is x's axis dims[j]")
+CG_DEVICE T cg_permute(const T* x, cg_i64 i, int rank, const cg_i64* out_dims, const cg_i64* source_strides) {
+  cg_i64 source = 0;
+  for (int j = rank - 1; j >= 0; --j) {
+    source += i % out_dims[j] * source_strides[j];
+    i /= out_dims[j];
+  }
+  return cg_load(x, source);
+}

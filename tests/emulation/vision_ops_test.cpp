@@ -1,0 +1,237 @@
+// The ops a convolutional network needs (templates/vision.cuh, relu6 and
+// hardswish): generated, run on the emulated GPU (or the GPU, with
+// CUDAGEN_TEST_BACKEND=gpu), compared with the float64 reference, fused and
+// unfused, at sizes that are not multiples of a tile; and the errors of a
+// convolution or permutation that cannot be.
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "builder.h"
+#include "diagnostics.h"
+#include "pipeline.h"
+#include "runner.h"
+#include "test_backend.h"
+
+using namespace cudagen;
+using cudagen::testing::run_checked;
+
+namespace {
+
+constexpr Storage ext = Storage::external;
+constexpr Storage persistent = Storage::persistent;
+
+std::string work_dir(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("cudagen_vision_test_" + std::to_string(::getpid()) + "_" + name))
+      .string();
+}
+
+// Output size of a convolution or pooling along one axis (PyTorch's formula).
+int64_t out_size(int64_t in, int64_t kernel, int64_t stride, int64_t padding, int64_t dilation = 1) {
+  return (in + 2 * padding - dilation * (kernel - 1) - 1) / stride + 1;
+}
+
+struct Conv {
+  std::string id;
+  int64_t batch, channels, size, out_channels, kernel, stride, padding, dilation, groups;
+  bool bias;
+};
+
+void add_conv(GraphBuilder& b, DType d, const Conv& c) {
+  const int64_t o = out_size(c.size, c.kernel, c.stride, c.padding, c.dilation);
+  TaskBuilder t = b.task(c.id, "conv2d");
+  t.tensor("x", d, {c.batch, c.channels, c.size, c.size + 1}, ext)
+      .tensor("weight", d, {c.out_channels, c.channels / c.groups, c.kernel, c.kernel}, persistent);
+  if (c.bias) t.tensor("bias", d, {c.out_channels}, persistent);
+  t.tensor("out", d, {c.batch, c.out_channels, o, out_size(c.size + 1, c.kernel, c.stride, c.padding, c.dilation)}, ext)
+      .arg("stride_h", c.stride)
+      .arg("stride_w", c.stride)
+      .arg("padding_h", c.padding)
+      .arg("padding_w", c.padding)
+      .arg("dilation_h", c.dilation)
+      .arg("dilation_w", c.dilation)
+      .arg("groups", c.groups);
+}
+
+// Spatial size n (the width is n + 1): every convolution form, the pools,
+// permute and the two activations with their gradients.
+TaskGraph vision_ops(int64_t n, DType d) {
+  const std::string t = to_string(d);
+  GraphBuilder b(fmt::format("vision_{}_{}", t, n));
+  add_conv(b, d, {"conv3x3", 2, 5, n, 33, 3, 1, 1, 1, 1, false});          // tile form, padding
+  add_conv(b, d, {"stem7x7", 1, 3, n + 6, 40, 7, 2, 3, 1, 1, true});       // ResNet's stem: stride 2, bias
+  add_conv(b, d, {"dilated", 1, 8, n + 4, 18, 3, 1, 2, 2, 2, true});       // dilation, two groups (tile)
+  add_conv(b, d, {"depthwise", 2, 12, n, 12, 3, 2, 1, 1, 12, false});      // depthwise: the direct form
+  add_conv(b, d, {"pointwise", 1, 20, n, 24, 1, 1, 0, 1, 1, true});        // 1x1
+  add_conv(b, d, {"grouped_thin", 1, 6, n, 6, 3, 1, 1, 1, 3, true});       // 2 channels per group: direct
+  const int64_t pooled = out_size(n + 2, 3, 2, 1);
+  b.task("max_pool", "max_pool2d")
+      .tensor("x", d, {2, 3, n + 2, n + 3}, ext)
+      .tensor("out", d, {2, 3, pooled, out_size(n + 3, 3, 2, 1)}, ext)
+      .arg("kernel_h", 3)
+      .arg("kernel_w", 3)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2)
+      .arg("padding_h", 1)
+      .arg("padding_w", 1);
+  b.task("avg_pool", "avg_pool2d")
+      .tensor("x", d, {3, n + 1, n + 2}, ext)
+      .tensor("out", d, {3, (n + 1 - 2) / 2 + 1, (n + 2 - 2) / 2 + 1}, ext)
+      .arg("kernel_h", 2)
+      .arg("kernel_w", 2)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2);
+  for (bool include : {true, false})
+    b.task(include ? "avg_pool_pad" : "avg_pool_pad_excluded", "avg_pool2d")
+        .tensor("x", d, {2, 2, n, n + 1}, ext)
+        .tensor("out", d, {2, 2, n, n + 1}, ext)
+        .arg("kernel_h", 3)
+        .arg("kernel_w", 3)
+        .arg("stride_h", 1)
+        .arg("stride_w", 1)
+        .arg("padding_h", 1)
+        .arg("padding_w", 1)
+        .arg("count_include_pad", include);
+  b.task("global_pool", "adaptive_avg_pool2d").tensor("x", d, {2, 7, n, n + 2}, ext).tensor("out", d, {2, 7, 1, 1}, ext);
+  b.task("adaptive_pool", "adaptive_avg_pool2d")
+      .tensor("x", d, {3, n + 4, n + 2}, ext)
+      .tensor("out", d, {3, 3, 2}, ext);
+  b.task("permute", "permute")
+      .tensor("x", d, {2, n, 3, 5}, ext)
+      .tensor("out", d, {5, 2, 3, n}, ext)
+      .arg("dims", ArgValue(std::vector<int64_t>{3, 0, 2, 1}));
+  // Inputs in [-1, 1] would never reach relu6's and hardswish's upper kinks: scale them first.
+  auto wide = b.task("wide", "affine").tensor("x", d, {n, 5}, ext).tensor("out", d, {n, 5}, ext).arg("scale", 8.0);
+  for (const char* op : {"relu6", "hardswish"}) b.task(op, op).tensor("x", wide["out"]).tensor("out", d, {n, 5}, ext);
+  for (const char* op : {"relu6_backward", "hardswish_backward"})
+    b.task(op, op).tensor("x", wide["out"]).tensor("dout", d, {n, 5}, ext).tensor("dx", d, {n, 5}, ext);
+  return std::move(b).graph();
+}
+
+struct Case {
+  int64_t n;
+  DType dtype;
+};
+
+class VisionOps : public ::testing::TestWithParam<Case> {};
+
+TEST_P(VisionOps, MatchTheFloat64ReferenceFusedAndUnfused) {
+  const auto [n, dtype] = GetParam();
+  for (bool fuse : {true, false}) {
+    CompileOptions options;
+    options.fuse.enabled = fuse;
+    Compiled c = compile(load_program(vision_ops(n, dtype), {}), options);
+    const uint64_t seed = std::random_device()();
+    SCOPED_TRACE(fmt::format("seed {}, {}", seed, fuse ? "fused" : "unfused"));
+    CheckedRun run =
+        run_checked(c, RunOptions{seed, work_dir(fmt::format("{}_{}_{}", to_string(dtype), n, fuse ? "f" : "u"))});
+    EXPECT_EQ(run.checks.size(), 18u);
+    for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, VisionOps,
+                         ::testing::Values(Case{1, DType::f32}, Case{7, DType::f32}, Case{13, DType::f32},
+                                           Case{7, DType::f16}, Case{9, DType::bf16}),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}", to_string(info.param.dtype), info.param.n);
+                         });
+
+// The convolution forms the emitter picks: the tile (an implicit GEMM on the
+// matmul tile) where the GEMM is wide, the direct loop for depthwise.
+TEST(VisionOps, ConvolutionPicksTheTileOrTheDirectForm) {
+  Compiled c = compile(load_program(vision_ops(7, DType::f32), {}), {});
+  const std::string& cu = c.emitted.cuda_source;
+  // A kernel's text, from its comment ("// Kernel k3_depthwise (forward phase): ...") to its end.
+  auto kernel_text = [&](const std::string& task) {
+    for (size_t k = cu.find("// Kernel k"); k != std::string::npos; k = cu.find("// Kernel k", k + 1))
+      if (cu.substr(k, cu.find(' ', k + 10) - k).ends_with("_" + task)) return cu.substr(k, cu.find("\n}\n", k) - k);
+    return std::string();
+  };
+  ASSERT_FALSE(kernel_text("depthwise").empty()) << cu;
+  EXPECT_NE(kernel_text("conv3x3").find("cg_conv2d_tile<32, 32, 16>"), std::string::npos) << cu;
+  EXPECT_NE(kernel_text("depthwise").find("cg_conv2d_direct("), std::string::npos);
+  EXPECT_NE(kernel_text("grouped_thin").find("cg_conv2d_direct("), std::string::npos);
+}
+
+// Bias, activation and residual add after a convolution run in its epilogue:
+// one kernel, and the intermediate tensors get no memory.
+TEST(VisionOps, ConvolutionTakesAnEpilogue) {
+  GraphBuilder b("conv_epilogue");
+  auto conv = b.task("conv", "conv2d")
+                  .tensor("x", DType::f32, {2, 16, 9, 9}, ext)
+                  .tensor("weight", DType::f32, {32, 16, 3, 3}, persistent)
+                  .tensor("out", DType::f32, {2, 32, 9, 9})
+                  .arg("padding_h", 1)
+                  .arg("padding_w", 1);
+  auto bias = b.task("bias", "add")
+                  .tensor("a", conv["out"])
+                  .tensor("b", DType::f32, {32, 1, 1}, persistent)
+                  .tensor("out", DType::f32, {2, 32, 9, 9});
+  auto act = b.task("act", "relu").tensor("x", bias["out"]).tensor("out", DType::f32, {2, 32, 9, 9});
+  b.task("residual", "add")
+      .tensor("a", act["out"])
+      .tensor("b", DType::f32, {2, 32, 9, 9}, ext)
+      .tensor("out", DType::f32, {2, 32, 9, 9}, ext);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  EXPECT_EQ(c.emitted.kernels[0].tasks.size(), 4u);
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("epilogue")});
+  ASSERT_EQ(run.checks.size(), 1u);
+  EXPECT_TRUE(run.checks[0].ok()) << format_run(run);
+}
+
+std::string compile_error(TaskGraph g) {
+  try {
+    compile(load_program(std::move(g), {}), {});
+  } catch (const CompileError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(VisionOps, ShapeRuleChecksTheConvolutionsOutputSize) {
+  GraphBuilder b("conv_bad_out");
+  b.task("conv", "conv2d")
+      .tensor("x", DType::f32, {1, 4, 10, 10}, ext)
+      .tensor("weight", DType::f32, {8, 4, 3, 3}, persistent)
+      .tensor("out", DType::f32, {1, 8, 10, 10}, ext)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2);
+  const std::string error = compile_error(std::move(b).graph());
+  EXPECT_NE(error.find("out[2] is 10, but it must equal (H + 2*padding_h - dilation_h*(KH - 1) - 1) / stride_h + 1 = 4"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("task 'conv'"), std::string::npos) << error;
+}
+
+TEST(VisionOps, ChannelsThatDoNotSplitIntoGroupsAreAnError) {
+  GraphBuilder b("conv_bad_groups");
+  b.task("conv", "conv2d")
+      .tensor("x", DType::f32, {1, 4, 6, 6}, ext)
+      .tensor("weight", DType::f32, {6, 1, 3, 3}, persistent)
+      .tensor("out", DType::f32, {1, 6, 4, 4}, ext)
+      .arg("groups", 4);
+  const std::string error = compile_error(std::move(b).graph());
+  EXPECT_NE(error.find("6 output channels do not split into 4 groups"), std::string::npos) << error;
+}
+
+TEST(VisionOps, PermuteChecksItsAxes) {
+  for (auto [dims, out, message] :
+       {std::tuple{std::vector<int64_t>{0, 0, 1}, Shape{3, 2, 4}, "dims [0, 0, 1] is not a permutation of x's 3 axes"},
+        std::tuple{std::vector<int64_t>{2, 0, 1}, Shape{4, 3, 2},
+                   "out is [4, 3, 2], but x [2, 3, 4] permuted by [2, 0, 1] is [4, 2, 3]"}}) {
+    GraphBuilder b("permute_bad");
+    b.task("p", "permute").tensor("x", DType::f32, {2, 3, 4}, ext).tensor("out", DType::f32, out, ext).arg("dims", ArgValue(dims));
+    const std::string error = compile_error(std::move(b).graph());
+    EXPECT_NE(error.find(message), std::string::npos) << error;
+  }
+}
+
+}  // namespace
