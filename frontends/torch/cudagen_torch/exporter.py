@@ -1,0 +1,1055 @@
+"""torch.fx GraphModule -> cudagen TaskGraph (JSON) and weights (.npy).
+
+The module is traced with torch.fx (a Tracer that records each node's source
+line), then run once on the example inputs by an fx Interpreter that keeps
+every node's value: shapes, dtypes and the integers a model computes from
+shapes (x.size(0)) come from there, not from guessing. Then each node maps
+to registry ops (MAPPING below; docs/torch-frontend.md has the table):
+
+- a node whose value does not depend on the inputs (a parameter, a buffer,
+  a mask made from one) is a constant: it becomes a persistent tensor, its
+  value an .npy file, only when a mapped op reads it as a tensor;
+- every other node must map, or the export fails naming the node, its
+  target, the model's source line and the nearest supported targets.
+
+Nothing is written until the whole graph has mapped; files are written to a
+temporary name and renamed into place.
+"""
+
+import difflib
+import json
+import math
+import operator
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+FORMAT = "cudagen.taskgraph/1"
+
+DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
+
+
+class ExportError(Exception):
+    """An input the frontend cannot export; the message names the fx node,
+    its target and the model's source line, and suggests what is supported."""
+
+
+@dataclass
+class ExportResult:
+    graph_path: str
+    tracer: str  # "torch.fx.symbolic_trace"
+    tasks: int
+    weights: list  # names of the .npy files written for parameters and buffers
+    inputs: list  # graph input tensor names, in the forward()'s order
+    outputs: list  # graph output tensor names
+
+
+@dataclass
+class Value:
+    """A tensor of the graph being written: owned by a task's slot (ref), or
+    not yet (an input or a constant, which the first task that reads it owns)."""
+    shape: tuple
+    dtype: str
+    ref: str = None  # "task.slot"
+    owner: dict = field(default=None, repr=False)  # the owning slot's JSON object
+    pending: dict = None  # for an unowned value: "storage", "name" and the array to save
+    name: str = None
+
+
+def _source_line(node):
+    """The model's source line of an fx node, from its recorded stack trace
+    (innermost frame first): 'File "model.py", line 7, in forward: return ...'."""
+    lines = (getattr(node, "stack_trace", None) or "").splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("File ") and os.sep + "torch" + os.sep not in line:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
+            return line.strip() + (f": {code}" if code else "")
+    return "(no stack trace recorded)"
+
+
+def _target_name(node):
+    t = node.target
+    if node.op == "call_module":
+        return node.target
+    if isinstance(t, str):
+        return f"Tensor.{t}" if node.op == "call_method" else t
+    module = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", repr(t))
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    if module.startswith("torch") or module == "":
+        return f"torch.{name}"
+    return f"{module}.{name}"
+
+
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer with shapes specialised to the example inputs, as
+    cudagen's shapes are static: every node is also run on real values as it
+    is traced, and a node whose value is not a tensor (x.size(), x.shape[1],
+    arithmetic on them) is that value, not a Proxy. So `B, T, C = x.size()`
+    and a buffer sliced by T (`self.mask[:, :, :T, :T]`) trace; a branch on a
+    tensor's value still fails, as it must. Source lines are recorded."""
+
+    def __init__(self, example_inputs):
+        super().__init__()
+        self.record_stack_traces = True
+        self.example_inputs = list(example_inputs)
+        self.placeholders = 0
+        self.shadow = {}  # fx node -> its value on the example inputs
+
+    def iter(self, obj):
+        """`q, k, v = x.split(n, dim=2)`: a Proxy whose value is a tuple
+        unpacks into that many items."""
+        value = self.shadow.get(obj.node)
+        if isinstance(value, (tuple, list)):
+            return (obj[i] for i in range(len(value)))
+        return super().iter(obj)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **more):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **more)
+        if kind == "output":
+            return proxy
+        real = lambda a: self.shadow[a.node] if isinstance(a, torch.fx.Proxy) else a  # noqa: E731
+        concrete_args = torch.fx.node.map_aggregate(args, real)
+        concrete_kwargs = torch.fx.node.map_aggregate(kwargs, real)
+        with torch.no_grad():
+            if kind == "placeholder":
+                value = self.example_inputs[self.placeholders] if self.placeholders < len(self.example_inputs) else None
+                self.placeholders += 1
+            elif kind == "get_attr":
+                value = self.root
+                for part in target.split("."):
+                    value = getattr(value, part)
+            elif kind == "call_function":
+                value = target(*concrete_args, **concrete_kwargs)
+            elif kind == "call_method":
+                value = getattr(concrete_args[0], target)(*concrete_args[1:], **concrete_kwargs)
+            else:  # call_module: run the leaf as eager PyTorch would, outside the tracer's patches
+                value = _untraced_call(self.root.get_submodule(target), concrete_args, concrete_kwargs)
+        self.shadow[proxy.node] = value
+        if kind != "placeholder" and not _holds_tensor(value):
+            return value  # a shape, an int computed from one: a constant from here on
+        return proxy
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the GraphModule once and keeps every node's value."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        self.values[n] = result
+        return result
+
+
+def _untraced_call(module, args, kwargs):
+    """Calls a module with torch.nn.Module's own __call__ and __getattr__,
+    which torch.fx replaces while it traces (its parameters would be
+    Proxies, and the call a traced node)."""
+    import torch.fx._symbolic_trace as symbolic_trace
+    call = getattr(symbolic_trace, "_orig_module_call", None)
+    getattr_ = getattr(symbolic_trace, "_orig_module_getattr", None)
+    if call is None or getattr_ is None:
+        raise ExportError(f"this PyTorch ({torch.__version__}) lacks torch.fx's saved Module.__call__; "
+                          "cudagen_torch supports 1.13 and 2.x")
+    saved = torch.nn.Module.__call__, torch.nn.Module.__getattr__
+    torch.nn.Module.__call__, torch.nn.Module.__getattr__ = call, getattr_
+    try:
+        return module(*args, **kwargs)
+    finally:
+        torch.nn.Module.__call__, torch.nn.Module.__getattr__ = saved
+
+
+def _holds_tensor(v):
+    if isinstance(v, torch.Tensor):
+        return True
+    return isinstance(v, (tuple, list)) and any(_holds_tensor(x) for x in v)
+
+
+def _ints(v, n=2):
+    if isinstance(v, int):
+        return (v,) * n
+    return tuple(int(x) for x in v)
+
+
+class _Exporter:
+    def __init__(self, gm, values, name, training):
+        self.gm = gm
+        self.training = training  # norms then also write the statistics their backward reads
+        self.values = values  # node -> recorded value
+        self.name = name
+        self.tasks = []
+        self.ids = set()
+        self.env = {}  # node -> Value, tuple of Values, or a Python constant
+        self.arrays = {}  # tensor name -> numpy array to save
+        self.constants = {}  # (storage address, shape, strides, dtype) -> Value: a weight read twice is one tensor
+        self.kept = []  # the tensors behind those keys, alive so that no address is reused
+        self.depends = set()  # nodes whose value depends on the graph inputs
+        self.inputs, self.outputs = [], []
+        self.folded_bn = {}  # BatchNorm node -> the conv node it folds into
+
+    # ---- errors --------------------------------------------------------
+    def fail(self, node, message, hint=None):
+        near = difflib.get_close_matches(_target_name(node), supported_targets(), n=4, cutoff=0.4)
+        text = f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): {message}"
+        if hint:
+            text += f"\n  {hint}"
+        if near:
+            text += f"\n  nearest supported: {', '.join(near)}"
+        raise ExportError(text)
+
+    # ---- graph building ------------------------------------------------
+    def task_id(self, base):
+        base = "".join(c if c.isalnum() or c == "_" else "_" for c in base) or "t"
+        if base[0].isdigit():
+            base = "t_" + base
+        tid, n = base, 2
+        while tid in self.ids:
+            tid, n = f"{base}_{n}", n + 1
+        self.ids.add(tid)
+        return tid
+
+    def add(self, node, base, op, inputs, outputs, args=None):
+        """One task: `inputs` slot -> Value, `outputs` slot -> (dtype, shape).
+        Returns the output Values by slot."""
+        tid = self.task_id(base)
+        tensors = {}
+        for slot, v in inputs.items():
+            if not isinstance(v, Value):
+                self.fail(node, f"slot '{slot}' of op '{op}' needs a tensor, got {type(v).__name__} {v!r}")
+            if v.ref is not None:
+                tensors[slot] = {"from": v.ref}
+                continue
+            obj = {"dtype": v.dtype, "shape": list(v.shape), "storage": v.pending["storage"]}
+            if v.name:
+                obj["name"] = v.name
+            if v.pending.get("array") is not None:
+                obj["data"] = v.name + ".npy"
+                self.arrays[v.name] = v.pending["array"]
+            tensors[slot] = obj
+            v.ref, v.owner, v.pending = f"{tid}.{slot}", obj, None
+        result = {}
+        for slot, (dtype, shape) in outputs.items():
+            obj = {"dtype": dtype, "shape": list(shape)}
+            tensors[slot] = obj
+            result[slot] = Value(tuple(shape), dtype, f"{tid}.{slot}", obj)
+        task = {"id": tid, "op": op, "phase": "forward", "tensors": tensors}
+        if args:
+            task["args"] = args
+        self.tasks.append(task)
+        return result
+
+    def constant(self, node, tensor, name):
+        """A tensor the inputs do not change (a weight, a buffer, a mask): a
+        persistent tensor whose value is saved under `name`."""
+        if not isinstance(tensor, torch.Tensor):
+            self.fail(node, f"expected a tensor, got {type(tensor).__name__}")
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)) if tensor.numel() else name
+        if key in self.constants:
+            return self.constants[key]
+        dtype = self.dtype_of(node, tensor)
+        array = tensor.detach().cpu().contiguous().numpy()
+        if array.ndim == 0:
+            array = array.reshape(())
+        name = self.unique_name(name)
+        v = Value(tuple(tensor.shape), dtype, pending={"storage": "persistent", "array": array}, name=name)
+        self.constants[key] = v
+        self.kept.append(tensor)
+        return v
+
+    def unique_name(self, name):
+        name = "".join(c if c.isalnum() or c in "_.-" else "_" for c in name).lstrip(".-") or "tensor"
+        taken = {v.name for v in self.constants.values()} | set(self.inputs) | set(self.arrays)
+        unique, n = name, 2
+        while unique in taken:
+            unique, n = f"{name}_{n}", n + 1
+        return unique
+
+    def dtype_of(self, node, tensor):
+        d = DTYPES.get(tensor.dtype)
+        if d is None:
+            self.fail(node, f"dtype {tensor.dtype} is not in the registry",
+                      "cudagen tensors are float32, float16, float64, int32 or int64; cast the model (model.float())")
+        return d
+
+    def tensor(self, node, arg):
+        """The Value of an fx argument that must be a tensor."""
+        if isinstance(arg, torch.fx.Node):
+            v = self.env.get(arg)
+            if isinstance(v, Value):
+                return v
+            if arg not in self.depends and isinstance(self.values.get(arg), torch.Tensor):
+                v = self.constant(arg, self.values[arg], arg.target if arg.op == "get_attr" else arg.name)
+                self.env[arg] = v
+                return v
+            self.fail(node, f"argument {arg.name} is not a tensor the graph computes")
+        if isinstance(arg, torch.Tensor):
+            return self.constant(node, arg, f"{node.name}.constant")
+        self.fail(node, f"expected a tensor argument, got {type(arg).__name__} {arg!r}")
+
+    def const(self, arg):
+        """A Python value of an fx argument (ints a model computes from shapes)."""
+        if isinstance(arg, torch.fx.Node):
+            return self.values[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self.const(a) for a in arg)
+        return arg
+
+    def result_meta(self, node):
+        v = self.values[node]
+        return self.dtype_of(node, v), tuple(v.shape)
+
+    # ---- the walk ------------------------------------------------------
+    def run(self):
+        graph = self.gm.graph
+        for node in graph.nodes:
+            if node.op == "placeholder" or any(a in self.depends for a in node.all_input_nodes):
+                self.depends.add(node)
+        self.find_batchnorm_folds()
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                value = self.values[node]
+                if not isinstance(value, torch.Tensor):
+                    self.fail(node, "a graph input must be a tensor")
+                self.inputs.append(node.name)
+                self.env[node] = Value(tuple(value.shape), self.dtype_of(node, value),
+                                       pending={"storage": "external"}, name=node.name)
+            elif node.op == "output":
+                self.mark_outputs(node)
+            elif node not in self.depends or not _holds_tensor(self.values[node]):
+                # A constant (shapes are static, so x.size(0) is one too): kept as a
+                # Python value, made a tensor only where read as one.
+                self.env[node] = self.values[node]
+            elif node.op == "call_module":
+                self.env[node] = self.call_module(node)
+            else:
+                self.env[node] = self.call(node)
+
+    def mark_outputs(self, node):
+        results = node.args[0]
+        flat = list(results) if isinstance(results, (tuple, list)) else [results]
+        for i, r in enumerate(flat):
+            v = self.env.get(r) if isinstance(r, torch.fx.Node) else None
+            if not isinstance(v, Value):
+                self.fail(node, f"output {i} is not a tensor the graph computes")
+            if v.owner is None or v.ref is None or "from" in v.owner:
+                self.fail(node, f"output {i} is a graph input or a constant, which cudagen does not copy out")
+            name = "output" if len(flat) == 1 else f"output.{i}"
+            if v.owner.get("storage") == "external":
+                continue  # the same tensor returned twice
+            v.owner["storage"] = "external"
+            v.owner["name"] = name
+            self.outputs.append(name)
+
+    def find_batchnorm_folds(self):
+        for node in self.gm.graph.nodes:
+            if node.op != "call_module" or not isinstance(self.gm.get_submodule(node.target), nn.BatchNorm2d):
+                continue
+            source = node.args[0]
+            if (isinstance(source, torch.fx.Node) and source.op == "call_module"
+                    and isinstance(self.gm.get_submodule(source.target), nn.Conv2d) and len(source.users) == 1
+                    and not self.gm.get_submodule(node.target).training):
+                self.folded_bn[node] = source
+
+    # ---- modules -------------------------------------------------------
+    def call_module(self, node):
+        m = self.gm.get_submodule(node.target)
+        kind = type(m)
+        handler = MODULES.get(kind)
+        if handler is None:
+            for base, h in MODULES.items():
+                if isinstance(m, base):
+                    handler = h
+                    break
+        if handler is None:
+            self.fail(node, f"module type {kind.__module__}.{kind.__name__} has no mapping")
+        return handler(self, node, m)
+
+    def call(self, node):
+        target = node.target
+        if node.op == "call_method":
+            handler = METHODS.get(target)
+        else:
+            handler = FUNCTIONS.get(target)
+        if handler is None:
+            self.fail(node, "no mapping to a cudagen op")
+        return handler(self, node)
+
+    # ---- helpers the mappings share -----------------------------------
+    def unary(self, node, op, x, args=None):
+        dtype, shape = self.result_meta(node)
+        return self.add(node, node.name, op, {"x": self.tensor(node, x)}, {"out": (dtype, shape)}, args)["out"]
+
+    def binary(self, node, op, a, b):
+        dtype, shape = self.result_meta(node)
+        return self.add(node, node.name, op, {"a": self.tensor(node, a), "b": self.tensor(node, b)},
+                        {"out": (dtype, shape)})["out"]
+
+    def reshape_to(self, node, x, shape, base=None):
+        v = self.tensor(node, x)
+        if tuple(shape) == v.shape:
+            return v
+        return self.add(node, base or node.name, "reshape", {"x": v}, {"out": (v.dtype, tuple(shape))})["out"]
+
+    def norm_outputs(self, node, statistics):
+        """A norm's outputs: `out`, and when training the per-row statistics
+        (f32) its backward reads."""
+        dtype, shape = self.result_meta(node)
+        outputs = {"out": (dtype, shape)}
+        if self.training:
+            outputs.update({s: ("f32", shape[:-1]) for s in statistics})
+        return outputs
+
+    def last_axis(self, node, dim, rank, what):
+        d = self.const(dim)
+        if d is None or d not in (-1, rank - 1):
+            self.fail(node, f"{what} over axis {d} of a rank-{rank} tensor; cudagen's op works on the last axis",
+                      "permute the axis last first, or reduce over dim=-1")
+
+    def linear(self, node, x, weight, bias, base):
+        xv = self.tensor(node, x)
+        dtype, shape = self.result_meta(node)
+        out = self.add(node, base, "matmul", {"a": xv, "b": weight}, {"out": (dtype, shape)}, {"trans_b": True})["out"]
+        if bias is not None:
+            out = self.add(node, base + "_bias", "add", {"a": out, "b": bias}, {"out": (dtype, shape)})["out"]
+        return out
+
+    def conv(self, node, x, weight, bias, stride, padding, dilation, groups, base):
+        dtype, shape = self.result_meta(node)
+        if len(shape) != 4:
+            self.fail(node, f"conv2d of a rank-{len(shape)} tensor; cudagen's conv2d is NCHW with a batch axis")
+        if isinstance(padding, str):
+            if padding == "valid":
+                padding = 0
+            else:
+                self.fail(node, f"padding='{padding}' has no mapping", "give the padding as integers")
+        sh, sw = _ints(stride)
+        ph, pw = _ints(padding)
+        dh, dw = _ints(dilation)
+        inputs = {"x": self.tensor(node, x), "weight": weight}
+        if bias is not None:
+            inputs["bias"] = bias
+        args = {"stride_h": sh, "stride_w": sw, "padding_h": ph, "padding_w": pw, "dilation_h": dh,
+                "dilation_w": dw, "groups": int(groups)}
+        return self.add(node, base, "conv2d", inputs, {"out": (dtype, shape)}, args)["out"]
+
+    def attention(self, node, q, k, v, causal, scale):
+        qv, kv, vv = (self.tensor(node, t) for t in (q, k, v))
+        d = qv.shape[-1]
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        scores_shape = qv.shape[:-1] + (kv.shape[-2],)
+        scores = self.add(node, node.name + "_scores", "matmul", {"a": qv, "b": kv},
+                          {"out": (qv.dtype, scores_shape)}, {"trans_b": True, "alpha": scale})["out"]
+        probs = self.add(node, node.name + "_probs", "softmax", {"x": scores}, {"out": (qv.dtype, scores_shape)},
+                         {"causal": True} if causal else None)["out"]
+        dtype, shape = self.result_meta(node)
+        return self.add(node, node.name, "matmul", {"a": probs, "b": vv}, {"out": (dtype, shape)})["out"]
+
+
+# ---- module mappings ---------------------------------------------------------
+
+def _m_linear(ex, node, m):
+    w = ex.constant(node, m.weight, f"{node.target}.weight")
+    b = ex.constant(node, m.bias, f"{node.target}.bias") if m.bias is not None else None
+    return ex.linear(node, node.args[0], w, b, node.name)
+
+
+def _m_conv2d(ex, node, m):
+    if m.padding_mode != "zeros":
+        ex.fail(node, f"padding_mode='{m.padding_mode}' has no mapping", "cudagen's conv2d pads with zeros")
+    weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
+    w_name, b_name = f"{node.target}.weight", f"{node.target}.bias"
+    bn_node = next((b for b, c in ex.folded_bn.items() if c is node), None)
+    if bn_node is not None:
+        # BatchNorm in eval mode folded into the convolution: w' = w * s, b' = (b - mean) * s + beta,
+        # s = gamma / sqrt(var + eps), per output channel.
+        bn = ex.gm.get_submodule(bn_node.target)
+        s = (bn.weight.detach() if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
+        beta = bn.bias.detach() if bn.affine else torch.zeros_like(bn.running_mean)
+        weight = weight * s.reshape(-1, 1, 1, 1)
+        bias = ((bias if bias is not None else torch.zeros_like(bn.running_mean)) - bn.running_mean) * s + beta
+        w_name, b_name = f"{node.target}.weight.folded", f"{node.target}.bias.folded"
+    w = ex.constant(node, weight, w_name)
+    b = ex.constant(node, bias, b_name) if bias is not None else None
+    return ex.conv(node, node.args[0], w, b, m.stride, m.padding, m.dilation, m.groups, node.name)
+
+
+def _m_batchnorm2d(ex, node, m):
+    if node in ex.folded_bn:
+        return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
+    if m.training:
+        ex.fail(node, "BatchNorm2d in training mode has no mapping", "call model.eval() before exporting")
+    s = (m.weight.detach() if m.affine else torch.ones_like(m.running_var)) / torch.sqrt(m.running_var + m.eps)
+    shift = (m.bias.detach() if m.affine else torch.zeros_like(m.running_mean)) - m.running_mean * s
+    scale_v = ex.constant(node, s.reshape(-1, 1, 1), f"{node.target}.scale.folded")
+    shift_v = ex.constant(node, shift.reshape(-1, 1, 1), f"{node.target}.shift.folded")
+    dtype, shape = ex.result_meta(node)
+    scaled = ex.add(node, node.name + "_scale", "mul", {"a": ex.tensor(node, node.args[0]), "b": scale_v},
+                    {"out": (dtype, shape)})["out"]
+    return ex.add(node, node.name, "add", {"a": scaled, "b": shift_v}, {"out": (dtype, shape)})["out"]
+
+
+def _m_layernorm(ex, node, m):
+    if len(m.normalized_shape) != 1:
+        ex.fail(node, f"LayerNorm over {tuple(m.normalized_shape)}; cudagen's layernorm normalises the last axis")
+    n = m.normalized_shape[0]
+    w = ex.constant(node, m.weight if m.elementwise_affine else torch.ones(n), f"{node.target}.weight")
+    b_tensor = m.bias if (m.elementwise_affine and getattr(m, "bias", None) is not None) else torch.zeros(n)
+    b = ex.constant(node, b_tensor, f"{node.target}.bias")
+    return ex.add(node, node.name, "layernorm", {"x": ex.tensor(node, node.args[0]), "weight": w, "bias": b},
+                  ex.norm_outputs(node, ("mean", "rstd")), {"eps": float(m.eps)})["out"]
+
+
+def _m_rmsnorm(ex, node, m):
+    shape_n = tuple(m.normalized_shape)
+    if len(shape_n) != 1:
+        ex.fail(node, f"RMSNorm over {shape_n}; cudagen's rmsnorm normalises the last axis")
+    w = ex.constant(node, m.weight if m.weight is not None else torch.ones(shape_n[0]), f"{node.target}.weight")
+    eps = m.eps if m.eps is not None else torch.finfo(torch.float32).eps
+    return ex.add(node, node.name, "rmsnorm", {"x": ex.tensor(node, node.args[0]), "weight": w},
+                  ex.norm_outputs(node, ("rstd",)), {"eps": float(eps)})["out"]
+
+
+def _m_embedding(ex, node, m):
+    table = ex.constant(node, m.weight, f"{node.target}.weight")
+    dtype, shape = ex.result_meta(node)
+    return ex.add(node, node.name, "embedding", {"table": table, "ids": ex.tensor(node, node.args[0])},
+                  {"out": (dtype, shape)})["out"]
+
+
+def _m_activation(op, args=None):
+    return lambda ex, node, m: ex.unary(node, op, node.args[0], args(m) if callable(args) else args)
+
+
+def _m_identity(ex, node, m):
+    if isinstance(m, nn.Dropout) and m.training:
+        ex.fail(node, "Dropout in training mode has no mapping", "call model.eval() before exporting")
+    return ex.tensor(node, node.args[0])
+
+
+def _m_flatten(ex, node, m):
+    return ex.reshape_to(node, node.args[0], ex.result_meta(node)[1])
+
+
+def _pool_args(node, kernel, stride, padding, dilation=None):
+    kh, kw = _ints(kernel)
+    sh, sw = _ints(stride if stride not in (None, []) else kernel)
+    ph, pw = _ints(padding)
+    args = {"kernel_h": kh, "kernel_w": kw, "stride_h": sh, "stride_w": sw, "padding_h": ph, "padding_w": pw}
+    if dilation is not None:
+        dh, dw = _ints(dilation)
+        args.update({"dilation_h": dh, "dilation_w": dw})
+    return args
+
+
+def _max_pool(ex, node, x, kernel, stride, padding, dilation, ceil_mode, return_indices=False):
+    if ceil_mode or return_indices:
+        ex.fail(node, "max_pool2d with ceil_mode or return_indices has no mapping")
+    return ex.unary(node, "max_pool2d", x, _pool_args(node, kernel, stride, padding, dilation))
+
+
+def _avg_pool(ex, node, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    if ceil_mode or divisor_override:
+        ex.fail(node, "avg_pool2d with ceil_mode or divisor_override has no mapping")
+    args = _pool_args(node, kernel, stride, padding)
+    args["count_include_pad"] = bool(count_include_pad)
+    return ex.unary(node, "avg_pool2d", x, args)
+
+
+def _m_softmax(op):
+    def handler(ex, node, m):
+        x = ex.tensor(node, node.args[0])
+        ex.last_axis(node, m.dim, len(x.shape), op)
+        return ex.unary(node, op, node.args[0])
+    return handler
+
+
+def _m_gelu(ex, node, m):
+    return ex.unary(node, "gelu", node.args[0], {"approximate": "tanh" if m.approximate == "tanh" else "erf"})
+
+
+MODULES = {
+    nn.Linear: _m_linear,
+    nn.Conv2d: _m_conv2d,
+    nn.BatchNorm2d: _m_batchnorm2d,
+    nn.LayerNorm: _m_layernorm,
+    nn.Embedding: _m_embedding,
+    nn.ReLU: _m_activation("relu"),
+    nn.ReLU6: _m_activation("relu6"),
+    nn.GELU: _m_gelu,
+    nn.SiLU: _m_activation("silu"),
+    nn.Sigmoid: _m_activation("sigmoid"),
+    nn.Tanh: _m_activation("tanh"),
+    nn.Hardswish: _m_activation("hardswish"),
+    nn.Dropout: _m_identity,
+    nn.Identity: _m_identity,
+    nn.Flatten: _m_flatten,
+    nn.MaxPool2d: lambda ex, node, m: _max_pool(ex, node, node.args[0], m.kernel_size, m.stride, m.padding,
+                                                m.dilation, m.ceil_mode, m.return_indices),
+    nn.AvgPool2d: lambda ex, node, m: _avg_pool(ex, node, node.args[0], m.kernel_size, m.stride, m.padding,
+                                                m.ceil_mode, m.count_include_pad, m.divisor_override),
+    nn.AdaptiveAvgPool2d: lambda ex, node, m: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
+    nn.Softmax: _m_softmax("softmax"),
+    nn.LogSoftmax: _m_softmax("log_softmax"),
+}
+if hasattr(nn, "RMSNorm"):
+    MODULES[nn.RMSNorm] = _m_rmsnorm
+
+
+# ---- function and method mappings ----------------------------------------------
+
+def _arg(node, i, name, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _is_tensor_arg(ex, a):
+    return isinstance(a, torch.fx.Node) and isinstance(ex.values.get(a), torch.Tensor)
+
+
+def _arith(kind):
+    def handler(ex, node):
+        a, b = _arg(node, 0, "input"), _arg(node, 1, "other")
+        if node.kwargs.get("alpha", 1) != 1:
+            ex.fail(node, "add/sub with alpha has no mapping")
+        ta, tb = _is_tensor_arg(ex, a), _is_tensor_arg(ex, b)
+        if ta and tb:
+            return ex.binary(node, kind, a, b)
+        if not (ta or tb):
+            ex.fail(node, "neither operand is a tensor")
+        x, c = (a, ex.const(b)) if ta else (b, ex.const(a))
+        if not isinstance(c, (int, float)):
+            ex.fail(node, f"operand {c!r} is neither a tensor nor a number")
+        c = float(c)
+        # A number operand: affine(x) = scale * x + shift.
+        if kind == "add":
+            scale, shift = 1.0, c
+        elif kind == "sub":
+            scale, shift = (1.0, -c) if ta else (-1.0, c)
+        elif kind == "mul":
+            scale, shift = c, 0.0
+        else:
+            if not ta:
+                ex.fail(node, "a number divided by a tensor has no mapping")
+            scale, shift = 1.0 / c, 0.0
+        return ex.unary(node, "affine", x, {"scale": scale, "shift": shift})
+    return handler
+
+
+def _f_unary(op, args=None):
+    return lambda ex, node: ex.unary(node, op, node.args[0], args)
+
+
+def _f_softmax(op):
+    def handler(ex, node):
+        x = ex.tensor(node, node.args[0])
+        ex.last_axis(node, _arg(node, 1, "dim"), len(x.shape), op)
+        # A causal mask filled with -inf just before folds into the softmax.
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and getattr(source, "_cudagen_causal", False):
+            return ex.unary(node, op, source.args[0], {"causal": True})
+        return ex.unary(node, op, node.args[0])
+    return handler
+
+
+def _f_masked_fill(ex, node):
+    """x.masked_fill(mask, -inf) with a constant causal mask, read only by a
+    softmax: the softmax's causal flag. Anything else has no mapping."""
+    x, mask, value = node.args[0], node.args[1], ex.const(node.args[2])
+    if mask in ex.depends or not (isinstance(value, float) and value == -math.inf):
+        ex.fail(node, "masked_fill has no mapping except a constant causal mask filled with -inf before softmax")
+    shape = ex.values[x].shape
+    n, m = shape[-2], shape[-1]
+    causal = torch.ones(n, m, dtype=torch.bool).triu(1).expand(shape)
+    users_ok = all(u.op in ("call_function", "call_method") and u.target in (F.softmax, torch.softmax, "softmax")
+                   for u in node.users)
+    if not users_ok or not torch.equal(ex.values[mask].to(torch.bool).expand(shape), causal):
+        ex.fail(node, "masked_fill has no mapping except a constant causal mask filled with -inf before softmax",
+                "mask[i, j] must be true exactly where j > i (a lower-triangular 'keep' mask compared with 0)")
+    node._cudagen_causal = True
+    return ex.tensor(node, x)  # the softmax reads the unmasked scores itself
+
+
+def _f_matmul(ex, node):
+    return ex.binary(node, "matmul", node.args[0], node.args[1])
+
+
+def _f_linear(ex, node):
+    x, w, b = node.args[0], _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    return ex.linear(node, x, ex.tensor(node, w), ex.tensor(node, b) if b is not None else None, node.name)
+
+
+def _f_conv2d(ex, node):
+    x, w = node.args[0], _arg(node, 1, "weight")
+    b = _arg(node, 2, "bias")
+    return ex.conv(node, x, ex.tensor(node, w), ex.tensor(node, b) if b is not None else None,
+                   ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
+                   ex.const(_arg(node, 5, "dilation", 1)), ex.const(_arg(node, 6, "groups", 1)), node.name)
+
+
+def _f_reshape(ex, node):
+    return ex.reshape_to(node, node.args[0], ex.result_meta(node)[1])
+
+
+def _f_identity(ex, node):
+    return ex.tensor(node, node.args[0])
+
+
+def _f_dropout(ex, node):
+    if _arg(node, 2, "training", True) and node.target is F.dropout:
+        ex.fail(node, "F.dropout with training=True has no mapping", "pass training=self.training and call eval()")
+    return ex.tensor(node, node.args[0])
+
+
+def _permute(ex, node, dims):
+    x = ex.tensor(node, node.args[0])
+    rank = len(x.shape)
+    dims = [d % rank for d in dims]
+    if dims == list(range(rank)):
+        return x
+    dtype, shape = ex.result_meta(node)
+    if dims == list(range(rank - 2)) + [rank - 1, rank - 2]:
+        return ex.add(node, node.name, "transpose", {"x": x}, {"out": (dtype, shape)})["out"]
+    return ex.add(node, node.name, "permute", {"x": x}, {"out": (dtype, shape)}, {"dims": dims})["out"]
+
+
+def _f_transpose(ex, node):
+    rank = len(ex.values[node.args[0]].shape)
+    a, b = ex.const(_arg(node, 1, "dim0")) % rank, ex.const(_arg(node, 2, "dim1")) % rank
+    dims = list(range(rank))
+    dims[a], dims[b] = dims[b], dims[a]
+    return _permute(ex, node, dims)
+
+
+def _f_permute(ex, node):
+    dims = ex.const(node.args[1:]) if len(node.args) > 2 else ex.const(_arg(node, 1, "dims"))
+    return _permute(ex, node, list(dims))
+
+
+def _f_t(ex, node):
+    return _permute(ex, node, [1, 0]) if len(ex.values[node.args[0]].shape) == 2 else ex.tensor(node, node.args[0])
+
+
+def _f_cat(ex, node):
+    parts = list(_arg(node, 0, "tensors"))
+    values = [ex.tensor(node, p) for p in parts]
+    ex.last_axis(node, _arg(node, 1, "dim", 0), len(values[0].shape), "cat")
+    acc = values[0]
+    for i, v in enumerate(values[1:], 1):
+        shape = acc.shape[:-1] + (acc.shape[-1] + v.shape[-1],)
+        acc = ex.add(node, node.name if i == len(values) - 1 else f"{node.name}_{i}", "concat", {"a": acc, "b": v},
+                     {"out": (acc.dtype, shape)})["out"]
+    return acc
+
+
+def _f_split(ex, node, chunk=False):
+    x = ex.tensor(node, node.args[0])
+    results = ex.values[node]
+    ex.last_axis(node, _arg(node, 2, "dim", 0), len(x.shape), "split")
+    sizes = [r.shape[-1] for r in results]
+    outs, rest = [], x
+    for i, size in enumerate(sizes[:-1]):
+        remaining = rest.shape[-1] - size
+        pieces = ex.add(node, f"{node.name}_{i}", "split", {"x": rest},
+                        {"a": (x.dtype, x.shape[:-1] + (size,)), "b": (x.dtype, x.shape[:-1] + (remaining,))})
+        outs.append(pieces["a"])
+        rest = pieces["b"]
+    outs.append(rest)
+    return tuple(outs)
+
+
+def _f_getitem(ex, node):
+    container, index = ex.env.get(node.args[0]), ex.const(node.args[1])
+    if isinstance(container, tuple) and isinstance(index, int):
+        return container[index]
+    ex.fail(node, "indexing a tensor has no mapping (only picking a part of split/chunk)",
+            "reshape, split or permute instead of slicing")
+
+
+def _f_reduce(op):
+    def handler(ex, node):
+        x = ex.tensor(node, node.args[0])
+        dim = ex.const(_arg(node, 1, "dim"))
+        if isinstance(dim, (list, tuple)) and len(dim) == 1:
+            dim = dim[0]
+        if dim is None:
+            ex.fail(node, f"{op} over every axis has no mapping", "reshape to one row and reduce over dim=-1")
+        ex.last_axis(node, dim, len(x.shape), op)
+        dtype, shape = ex.result_meta(node)
+        reduced = x.shape[:-1]
+        out = ex.add(node, node.name if reduced == shape else node.name + "_rows", op, {"x": x},
+                     {"out": (dtype, reduced)})["out"]
+        return out if reduced == shape else ex.reshape_to(node, out, shape)
+    return handler
+
+
+def _f_layer_norm(ex, node):
+    x = ex.tensor(node, node.args[0])
+    normalized = ex.const(_arg(node, 1, "normalized_shape"))
+    if len(normalized) != 1:
+        ex.fail(node, f"layer_norm over {tuple(normalized)}; cudagen's layernorm normalises the last axis")
+    w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
+    n = normalized[0]
+    wv = ex.tensor(node, w) if w is not None else ex.constant(node, torch.ones(n), f"{node.name}.weight")
+    bv = ex.tensor(node, b) if b is not None else ex.constant(node, torch.zeros(n), f"{node.name}.bias")
+    return ex.add(node, node.name, "layernorm", {"x": x, "weight": wv, "bias": bv},
+                  ex.norm_outputs(node, ("mean", "rstd")), {"eps": float(ex.const(_arg(node, 4, "eps", 1e-5)))})["out"]
+
+
+def _f_embedding(ex, node):
+    ids, table = node.args[0], _arg(node, 1, "weight")
+    dtype, shape = ex.result_meta(node)
+    return ex.add(node, node.name, "embedding", {"table": ex.tensor(node, table), "ids": ex.tensor(node, ids)},
+                  {"out": (dtype, shape)})["out"]
+
+
+def _f_sdpa(ex, node):
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    if _arg(node, 3, "attn_mask") is not None or float(ex.const(_arg(node, 4, "dropout_p", 0.0))) != 0.0:
+        ex.fail(node, "scaled_dot_product_attention with attn_mask or dropout has no mapping",
+                "use is_causal=True for a causal mask")
+    return ex.attention(node, q, k, v, bool(ex.const(_arg(node, 5, "is_causal", False))),
+                        ex.const(node.kwargs.get("scale")))
+
+
+def _f_max_pool(ex, node):
+    return _max_pool(ex, node, node.args[0], ex.const(_arg(node, 1, "kernel_size")),
+                     ex.const(_arg(node, 2, "stride")), ex.const(_arg(node, 3, "padding", 0)),
+                     ex.const(_arg(node, 4, "dilation", 1)), ex.const(_arg(node, 5, "ceil_mode", False)),
+                     ex.const(_arg(node, 6, "return_indices", False)))
+
+
+def _f_avg_pool(ex, node):
+    return _avg_pool(ex, node, node.args[0], ex.const(_arg(node, 1, "kernel_size")),
+                     ex.const(_arg(node, 2, "stride")), ex.const(_arg(node, 3, "padding", 0)),
+                     ex.const(_arg(node, 4, "ceil_mode", False)), ex.const(_arg(node, 5, "count_include_pad", True)),
+                     ex.const(_arg(node, 6, "divisor_override")))
+
+
+def _f_gelu(ex, node):
+    approximate = node.kwargs.get("approximate", "none")
+    return ex.unary(node, "gelu", node.args[0], {"approximate": "tanh" if approximate == "tanh" else "erf"})
+
+
+def _f_float(ex, node):
+    v = ex.tensor(node, node.args[0])
+    if v.dtype != "f32":
+        dtype, shape = ex.result_meta(node)
+        return ex.add(node, node.name, "cast", {"x": v}, {"out": (dtype, shape)})["out"]
+    return v
+
+
+FUNCTIONS = {
+    operator.add: _arith("add"), torch.add: _arith("add"), operator.iadd: _arith("add"),
+    operator.sub: _arith("sub"), torch.sub: _arith("sub"),
+    operator.mul: _arith("mul"), torch.mul: _arith("mul"), operator.imul: _arith("mul"),
+    operator.truediv: _arith("div"), torch.div: _arith("div"),
+    operator.neg: _f_unary("neg"), torch.neg: _f_unary("neg"),
+    operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
+    operator.getitem: _f_getitem,
+    torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
+    F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
+    torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
+    torch.exp: _f_unary("exp"), torch.log: _f_unary("log"),
+    F.softmax: _f_softmax("softmax"), torch.softmax: _f_softmax("softmax"),
+    F.log_softmax: _f_softmax("log_softmax"), torch.log_softmax: _f_softmax("log_softmax"),
+    F.linear: _f_linear, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
+    torch.flatten: _f_reshape, torch.reshape: _f_reshape,
+    torch.transpose: _f_transpose, torch.permute: _f_permute, torch.t: _f_t,
+    torch.cat: _f_cat, torch.concat: _f_cat, torch.split: lambda ex, node: _f_split(ex, node),
+    torch.chunk: lambda ex, node: _f_split(ex, node, True),
+    torch.mean: _f_reduce("mean"), torch.sum: _f_reduce("sum"),
+    F.dropout: _f_dropout, F.max_pool2d: _f_max_pool, F.avg_pool2d: _f_avg_pool,
+    F.adaptive_avg_pool2d: lambda ex, node: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
+}
+if hasattr(F, "scaled_dot_product_attention"):
+    FUNCTIONS[F.scaled_dot_product_attention] = _f_sdpa
+
+METHODS = {
+    "add": _arith("add"), "sub": _arith("sub"), "mul": _arith("mul"), "div": _arith("div"),
+    "add_": _arith("add"), "mul_": _arith("mul"),
+    "neg": _f_unary("neg"), "relu": _f_unary("relu"), "sigmoid": _f_unary("sigmoid"), "tanh": _f_unary("tanh"),
+    "exp": _f_unary("exp"), "log": _f_unary("log"),
+    "matmul": _f_matmul, "bmm": _f_matmul,
+    "softmax": _f_softmax("softmax"), "log_softmax": _f_softmax("log_softmax"),
+    "view": _f_reshape, "reshape": _f_reshape, "flatten": _f_reshape, "view_as": _f_reshape,
+    "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
+    "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
+    "contiguous": _f_identity, "float": _f_float,
+    "split": lambda ex, node: _f_split(ex, node), "chunk": lambda ex, node: _f_split(ex, node, True),
+    "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
+    "masked_fill": _f_masked_fill,
+}
+FUNCTIONS[torch.Tensor.masked_fill] = _f_masked_fill
+
+
+def supported_targets():
+    """Every module type, function and tensor method the frontend maps, as
+    fx names them in messages."""
+    names = {f"torch.nn.{m.__name__}" for m in MODULES}
+    for f in FUNCTIONS:
+        module = getattr(f, "__module__", "") or ""
+        name = getattr(f, "__name__", repr(f))
+        names.add(f"operator.{name}" if module in ("_operator", "operator")
+                  else f"F.{name}" if module.startswith("torch.nn.functional") else f"torch.{name}")
+    names |= {f"Tensor.{m}" for m in METHODS}
+    return sorted(names)
+
+
+# ---- the entry point -------------------------------------------------------------
+
+def _trace(module, example_inputs):
+    tracer = _Tracer(example_inputs)
+    try:
+        graph = tracer.trace(module)
+    except Exception as e:  # noqa: BLE001: tracing failures come as many types
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "torch" + os.sep not in f.filename
+                  and os.path.basename(os.path.dirname(f.filename)) != "cudagen_torch"]
+        where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown place"
+        raise ExportError(
+            f"torch.fx could not trace the model at {where}: {type(e).__name__}: {e}\n"
+            "  a data-dependent shape or control flow on tensor values cannot be captured; "
+            "make it depend on constants, or wrap it in a leaf module") from None
+    gm = torch.fx.GraphModule(tracer.root, graph, module.__class__.__name__)
+    gm.graph.eliminate_dead_code()  # the shape queries that became constants
+    gm.recompile()
+    return gm
+
+
+def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
+           write_example=True):
+    """Traces `module` with torch.fx on `example_inputs` (a tuple of tensors)
+    and writes `path`/graph.json with one .npy per parameter and buffer.
+
+    loss: None, or "cross_entropy" (adds integer `labels`, one per row of
+      the output) or "mse" (adds a `target` like the output): the graph then
+      has a `training` section, and cudagen derives backward and update.
+    optimizer: "sgd", "adam" or "adamw" (with loss), optimizer_args its
+      hyper-parameters ({"lr": 0.01}).
+    write_example: also write the example inputs to `path`/example/ and
+      PyTorch's outputs on them to `path`/expected/ (<name>.npy).
+    Raises ExportError naming the node for anything it cannot map; nothing is
+    written then."""
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    module = module.eval()
+    gm = _trace(module, example_inputs)
+    recorder = _Recorder(gm)
+    with torch.no_grad():
+        outputs = recorder.run(*example_inputs)
+    ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None)
+    ex.run()
+    graph = {"format": FORMAT, "name": "".join(c if c.isalnum() or c == "_" else "_" for c in ex.name), "tasks": ex.tasks}
+    extra_inputs = {}
+    if loss is not None:
+        graph["training"], extra_inputs = _training(ex, loss, optimizer, optimizer_args, outputs)
+    flat_outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+    # Everything mapped: now write, each file under a temporary name first.
+    os.makedirs(path, exist_ok=True)
+    files = {"graph.json": _canonical_json(graph)}
+    for tensor_name, array in ex.arrays.items():
+        files[tensor_name + ".npy"] = array
+    if write_example:
+        for node_name, tensor in zip(ex.inputs, example_inputs):
+            files[os.path.join("example", node_name + ".npy")] = tensor.detach().cpu().numpy()
+        for tensor_name, array in extra_inputs.items():
+            files[os.path.join("example", tensor_name + ".npy")] = array
+        for out_name, tensor in zip(ex.outputs, flat_outputs):
+            files[os.path.join("expected", out_name + ".npy")] = tensor.detach().cpu().numpy()
+    for relative, content in files.items():
+        target = os.path.join(path, relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".cudagen-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if isinstance(content, str):
+                    f.write(content.encode())
+                else:
+                    np.save(f, np.ascontiguousarray(content))
+            os.replace(temporary, target)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+            raise
+    return ExportResult(os.path.join(path, "graph.json"), "torch.fx.symbolic_trace", len(ex.tasks),
+                        sorted(ex.arrays), list(ex.inputs) + sorted(extra_inputs), list(ex.outputs))
+
+
+def _canonical_json(graph):
+    """The graph in cudagen's canonical form (docs/taskgraph-format.md): two
+    spaces, one slot per line, fields in their order, floats round-tripping."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float):
+            text = repr(v)
+            return text if any(c in text for c in ".en") else text + ".0"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)}: {value(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v)
+
+    order = ["from", "dtype", "shape", "storage", "name", "data"]
+    tasks = []
+    for t in graph["tasks"]:
+        lines = [f'      "id": {json.dumps(t["id"])}', f'      "op": {json.dumps(t["op"])}',
+                 f'      "phase": {json.dumps(t["phase"])}']
+        slots = [f'        {json.dumps(k)}: {value({f: s[f] for f in order if f in s})}' for k, s in t["tensors"].items()]
+        lines.append('      "tensors": {\n' + ",\n".join(slots) + "\n      }")
+        if t.get("args"):
+            args = [f"        {json.dumps(k)}: {value(v)}" for k, v in t["args"].items()]
+            lines.append('      "args": {\n' + ",\n".join(args) + "\n      }")
+        tasks.append("    {\n" + ",\n".join(lines) + "\n    }")
+    head = f'{{\n  "format": {json.dumps(graph["format"])},\n  "name": {json.dumps(graph["name"])},\n'
+    tail = ""
+    if "training" in graph:
+        tail = f',\n  "training": {value(graph["training"])}'
+    return head + '  "tasks": [\n' + ",\n".join(tasks) + "\n  ]" + tail + "\n}\n"
+
+
+def _training(ex, loss, optimizer, optimizer_args, outputs):
+    """A loss task after the (single) output, and the graph's `training` section."""
+    if len(ex.outputs) != 1:
+        raise ExportError(f"loss= needs a model with one output, this one has {len(ex.outputs)}")
+    out_task = next(t for t in ex.tasks for s in t["tensors"].values() if s.get("name") == ex.outputs[0])
+    out_slot = next(k for k, s in out_task["tensors"].items() if s.get("name") == ex.outputs[0])
+    ref, shape = f"{out_task['id']}.{out_slot}", tuple(out_task["tensors"][out_slot]["shape"])
+    example = {}
+    if loss == "cross_entropy":
+        labels_shape = shape[:-1]
+        tensors = {"logits": {"from": ref},
+                   "labels": {"dtype": "i64", "shape": list(labels_shape), "storage": "external", "name": "labels"},
+                   "loss": {"dtype": "f32", "shape": [], "storage": "external", "name": "loss"}}
+        example["labels"] = torch.randint(0, shape[-1], labels_shape, generator=torch.Generator().manual_seed(0)).numpy()
+    elif loss == "mse":
+        tensors = {"pred": {"from": ref},
+                   "target": {"dtype": "f32", "shape": list(shape), "storage": "external", "name": "target"},
+                   "loss": {"dtype": "f32", "shape": [], "storage": "external", "name": "loss"}}
+        example["target"] = torch.randn(shape, generator=torch.Generator().manual_seed(0)).numpy()
+    else:
+        raise ExportError(f"loss={loss!r} has no mapping; use 'cross_entropy' or 'mse'")
+    tid = ex.task_id("loss")
+    ex.tasks.append({"id": tid, "op": loss, "phase": "forward", "tensors": tensors})
+    training = {"loss": f"{tid}.loss"}
+    if optimizer is not None:
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ExportError(f"optimizer={optimizer!r} has no mapping; use 'sgd', 'adam' or 'adamw'")
+        training["optimizer"] = optimizer
+        training["args"] = dict(optimizer_args or {})
+    ex.outputs.append("loss")
+    return training, example

@@ -1,0 +1,108 @@
+"""The models the frontend tests export (and the CLI test imports by name)."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=20, hidden=64, classes=10):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.ReLU()
+        self.dropout = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+
+class CausalSelfAttention(nn.Module):
+    """GPT-2's attention, written out: a causal mask buffer, masked_fill, softmax."""
+
+    def __init__(self, n_embd, n_head, block_size, use_sdpa=False):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.use_sdpa = n_head, n_embd, use_sdpa
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.use_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class Block(nn.Module):
+    """A GPT-2 decoder block: pre-norm attention and MLP with residuals."""
+
+    def __init__(self, n_embd=48, n_head=4, block_size=16, use_sdpa=False):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size, use_sdpa)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh"),
+                                 nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class BlockClassifier(nn.Module):
+    """The decoder block with a head, for training: logits per token."""
+
+    def __init__(self, classes=7):
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(48, classes)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return MLP()
+
+
+def block():
+    torch.manual_seed(0)
+    return Block()
+
+
+def randomized(model):
+    """Random BatchNorm statistics, so that folding them is tested on more than the identity."""
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def resnet18():
+    import torchvision
+    torch.manual_seed(0)
+    return randomized(torchvision.models.resnet18())
+
+
+def mobilenet_v2():
+    import torchvision
+    torch.manual_seed(0)
+    return randomized(torchvision.models.mobilenet_v2())

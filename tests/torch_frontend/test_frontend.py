@@ -1,0 +1,186 @@
+"""The PyTorch frontend, end to end: each model exported with cudagen_torch,
+compiled and run by `cudagen run --emulate` (weights from the exported .npy
+files, inputs from example/), and its outputs compared with PyTorch's own on
+the same fresh random inputs (f32: max |error| <= 1e-4 * max |PyTorch's output|);
+the seed is printed on failure. Then the error cases, with their messages.
+
+Run with Debian's PyTorch: /usr/bin/python3 tests/torch_frontend/test_frontend.py CUDAGEN [TEST...]
+"""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "frontends", "torch"))
+sys.path.insert(0, HERE)
+
+import cudagen_torch  # noqa: E402
+import models  # noqa: E402
+
+CUDAGEN = None  # set from argv
+
+
+def fresh_seed():
+    return random.SystemRandom().randrange(1 << 31)
+
+
+class Exported(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="cudagen_torch_test_")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run_cudagen(self, *args):
+        started = time.time()
+        r = subprocess.run([CUDAGEN, *args], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"cudagen {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+        return r.stdout, time.time() - started
+
+    def check_model(self, model, inputs, seed, **kwargs):
+        """Exports, runs in emulation, compares every output with PyTorch's."""
+        model_dir = os.path.join(self.dir, "model")
+        result = cudagen_torch.export(model, inputs, model_dir, **kwargs)
+        self.assertEqual(result.tracer, "torch.fx.symbolic_trace")
+        outputs = os.path.join(self.dir, "outputs")
+        stdout, seconds = self.run_cudagen("run", result.graph_path, "--emulate", "--inputs",
+                                           os.path.join(model_dir, "example"), "--outputs", outputs)
+        for name in result.outputs:
+            got = np.load(os.path.join(outputs, name + ".npy"))
+            want = np.load(os.path.join(model_dir, "expected", name + ".npy"))
+            self.assertEqual(got.shape, want.shape, name)
+            self.assertFalse(np.isnan(got).any(), f"{name}: NaN (seed {seed})")
+            error = float(np.abs(got.astype(np.float64) - want).max())
+            scale = float(np.abs(want).max())
+            self.assertLessEqual(error, 1e-4 * scale,
+                                 f"{name}: max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
+        return result, stdout, seconds
+
+
+class Models(Exported):
+    def test_mlp(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(models.mlp(), (torch.randn(9, 20),), seed)
+        self.assertEqual(sorted(result.weights), ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"])
+        # Parameters keep the module's names, and the .npy files hold their values.
+        w = np.load(os.path.join(self.dir, "model", "fc1.weight.npy"))
+        np.testing.assert_array_equal(w, models.mlp().fc1.weight.detach().numpy())
+
+    def test_decoder_block_with_attention_written_out(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(models.block(), (torch.randn(2, 16, 48),), seed)
+        graph = open(result.graph_path).read()
+        self.assertIn('"causal": true', graph)  # the mask and masked_fill folded into the softmax
+        self.assertIn('"op": "layernorm"', graph)
+
+    @unittest.skipUnless(hasattr(torch.nn.functional, "scaled_dot_product_attention"),
+                         f"torch {torch.__version__} has no F.scaled_dot_product_attention (2.0 and later do)")
+    def test_decoder_block_with_sdpa(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model = models.Block(use_sdpa=True)
+        self.check_model(model.eval(), (torch.randn(2, 16, 48),), seed)
+
+    def test_resnet18(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, stdout, seconds = self.check_model(models.resnet18(), (torch.randn(1, 3, 64, 64),), seed)
+        graph = open(result.graph_path).read()
+        self.assertNotIn("batchnorm", graph.lower().replace("folded", ""))  # every BatchNorm folded into its conv
+        print(f"\nresnet18 1x3x64x64: export + compile + emulated run {seconds:.1f} s", file=sys.stderr)
+
+    def test_mobilenet_v2(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, stdout, seconds = self.check_model(models.mobilenet_v2(), (torch.randn(1, 3, 64, 64),), seed)
+        self.assertIn('"op": "relu6"', open(result.graph_path).read())
+        print(f"\nmobilenet_v2 1x3x64x64: compile + emulated run {seconds:.1f} s", file=sys.stderr)
+
+    def test_cli_export(self):
+        out = os.path.join(self.dir, "cli")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "frontends", "torch"), HERE]))
+        r = subprocess.run([sys.executable, "-m", "cudagen_torch", "export", "models:mlp", "--input", "4x20", "-o", out],
+                           capture_output=True, text=True, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("traced with torch.fx.symbolic_trace", r.stdout)
+        self.run_cudagen("run", os.path.join(out, "graph.json"), "--emulate")  # weights from the .npy files
+
+
+class Training(Exported):
+    def check_training(self, model, inputs, loss):
+        model_dir = os.path.join(self.dir, "model")
+        result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer="sgd",
+                                      optimizer_args={"lr": 0.05})
+        self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
+        # Two training steps, each checked against the float64 reference by `cudagen run`.
+        stdout, _ = self.run_cudagen("run", result.graph_path, "--emulate", "--steps", "2", "--inputs",
+                                     os.path.join(model_dir, "example"))
+        self.assertIn("loss", stdout)
+
+    def test_mlp_trains(self):
+        self.check_training(models.mlp(), (torch.randn(8, 20),), "cross_entropy")
+
+    def test_decoder_block_trains(self):
+        torch.manual_seed(0)
+        self.check_training(models.BlockClassifier().eval(), (torch.randn(1, 16, 48),), "cross_entropy")
+
+
+class Errors(unittest.TestCase):
+    def export_error(self, model, inputs):
+        out = tempfile.mkdtemp(prefix="cudagen_torch_err_")
+        shutil.rmtree(out)
+        with self.assertRaises(cudagen_torch.ExportError) as caught:
+            cudagen_torch.export(model, inputs, out)
+        self.assertFalse(os.path.exists(out), "nothing may be written on failure")
+        return str(caught.exception)
+
+    def test_an_op_without_a_mapping_names_node_target_line_and_neighbours(self):
+        class Cumulative(torch.nn.Module):
+            def forward(self, x):
+                return torch.cumsum(x, dim=-1)
+
+        message = self.export_error(Cumulative(), (torch.randn(3, 4),))
+        self.assertIn("fx node 'cumsum'", message)
+        self.assertIn("target torch.cumsum", message)
+        self.assertIn("test_frontend.py", message)  # the model's source line
+        self.assertIn("return torch.cumsum(x, dim=-1)", message)
+        self.assertIn("nearest supported:", message)
+
+    def test_data_dependent_control_flow(self):
+        class Branchy(torch.nn.Module):
+            def forward(self, x):
+                if x.sum() > 0:
+                    return x * 2
+                return x
+
+        message = self.export_error(Branchy(), (torch.randn(3),))
+        self.assertIn("torch.fx could not trace the model at", message)
+        self.assertIn("if x.sum() > 0:", message)
+        self.assertIn("control flow", message)
+
+    def test_a_dtype_the_registry_lacks(self):
+        class Complexish(torch.nn.Module):
+            def forward(self, x):
+                return torch.relu(x)
+
+        message = self.export_error(Complexish(), (torch.randn(3, dtype=torch.bfloat16),))
+        self.assertIn("dtype torch.bfloat16 is not in the registry", message)
+        self.assertIn("fx node 'x'", message)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    CUDAGEN = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)
