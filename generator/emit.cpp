@@ -271,9 +271,14 @@ class Emitter {
     return out;
   }
 
-  const Param& param(const std::vector<Param>& ps, const std::string& name) {
+  // A slot's parameter; nullptr for an optional slot the task leaves out.
+  static const Param* find_param(const std::vector<Param>& ps, const std::string& name) {
     for (const auto& x : ps)
-      if (x.bound->name == name) return x;
+      if (x.bound->name == name) return &x;
+    return nullptr;
+  }
+  const Param& param(const std::vector<Param>& ps, const std::string& name) {
+    if (const Param* x = find_param(ps, name)) return *x;
     throw std::logic_error("emitter: no slot " + name);
   }
 
@@ -411,6 +416,28 @@ class Emitter {
   }
 
   static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
+
+  // The skeleton of the ops that compute each element on its own: a
+  // grid-stride loop of 256-thread blocks over n elements, `statement` on
+  // element i.
+  static std::string grid_stride_loop(int64_t n, const std::string& statement, EmittedKernel& ek) {
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    return fmt::format(
+        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "    {};\n",
+        n, statement);
+  }
+
+  // Fails naming the first of `args` below 1 (a stride, a kernel size).
+  bool args_at_least_one(int t, std::initializer_list<const char*> args) {
+    for (const char* a : args)
+      if (const int64_t v = arg_int(t, a, 1); v < 1) {
+        fail(t, a, fmt::format("{} is {}; it must be at least 1", a, v));
+        return false;
+      }
+    return true;
+  }
 
   std::string emit_kernel(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
     const int t = k.tasks[0];
@@ -754,12 +781,7 @@ class Emitter {
     // An op with no input (fill, uniform) takes the element index first.
     if (operands.empty()) operands.push_back("i");
     append_arguments(t, operands);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    cg_store({}, i, {});\n",
-        n, out->bound->name, apply(op, *out, operands));
+    return grid_stride_loop(n, fmt::format("cg_store({}, i, {})", out->bound->name, apply(op, *out, operands)), ek);
   }
 
   // The op's function on its operands, in the output's compute type, narrowed
@@ -934,15 +956,12 @@ class Emitter {
     const Param& dout = param(ps, "dout");
     const Param& dx = param(ps, "dx");
     const int64_t n = dx.buffer->shape.back(), total = numel(dx.buffer->shape);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(total, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    {};\n",
+    return grid_stride_loop(
         total,
         store(dx, "i",
               fmt::format("{}<{}>({}, {})", p_.tasks[size_t(t)].op->source_function, compute_type(dx.buffer->dtype),
-                          load(dout, fmt::format("i / {}", n)), n)));
+                          load(dout, fmt::format("i / {}", n)), n)),
+        ek);
   }
 
   // One block per row: the row's max and gradient are read once, by every thread.
@@ -1192,12 +1211,8 @@ class Emitter {
     const bool split = bt.op->name == "split_heads";
     const Shape& s = split ? out.buffer->shape : x.buffer->shape;  // [..., H, T, D]
     const int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back(), n = numel(out.buffer->shape);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    cg_store(out, i, cg_load(x, {}(i, {}, {}, {})));\n",
-        n, bt.op->source_function, T, H, D);
+    return grid_stride_loop(n, fmt::format("cg_store(out, i, cg_load(x, {}(i, {}, {}, {})))", bt.op->source_function, T, H, D),
+                            ek);
   }
 
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -1249,14 +1264,10 @@ class Emitter {
     const bool concat = p_.tasks[size_t(t)].op->name == "concat";
     const int64_t A = param(ps, "a").buffer->shape.back(), B = param(ps, "b").buffer->shape.back();
     const int64_t n = numel(param(ps, concat ? "out" : "x").buffer->shape);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    {};\n",
-        n,
-        concat ? fmt::format("cg_store(out, i, cg_concat(a, b, i, {}, {}))", A, B)
-               : fmt::format("cg_split(x, a, b, i, {}, {})", A, B));
+    return grid_stride_loop(n,
+                            concat ? fmt::format("cg_store(out, i, cg_concat(a, b, i, {}, {}))", A, B)
+                                   : fmt::format("cg_split(x, a, b, i, {}, {})", A, B),
+                            ek);
   }
 
   std::string embedding(int, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -1264,12 +1275,10 @@ class Emitter {
     const Param& ids = param(ps, "ids");
     const Param& out = param(ps, "out");
     const int64_t n = numel(out.buffer->shape), dim = table.buffer->shape.back();
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    cg_store(out, i, cg_embedding<{}, {}>(table, ids, i, {}));\n",
-        n, c_type(table.buffer->dtype), c_type(ids.buffer->dtype), dim);
+    return grid_stride_loop(n,
+                            fmt::format("cg_store(out, i, cg_embedding<{}, {}>(table, ids, i, {}))",
+                                        c_type(table.buffer->dtype), c_type(ids.buffer->dtype), dim),
+                            ek);
   }
 
   std::string transpose(int, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -1297,9 +1306,7 @@ class Emitter {
     const Param& x = param(ps, "x");
     const Param& weight = param(ps, "weight");
     const Param& out = param(ps, "out");
-    const Param* bias = nullptr;
-    for (const auto& q : ps)
-      if (q.bound->name == "bias") bias = &q;
+    const Param* bias = find_param(ps, "bias");
     const Shape& sx = x.buffer->shape;
     const Shape& sw = weight.buffer->shape;
     const Shape& so = out.buffer->shape;
@@ -1311,11 +1318,7 @@ class Emitter {
            "the output channels (weight's first dimension) must be a multiple of groups, as in PyTorch");
       return {};
     }
-    for (const char* a : {"stride_h", "stride_w", "dilation_h", "dilation_w"})
-      if (arg_int(t, a, 1) < 1) {
-        fail(t, a, fmt::format("{} is {}; it must be at least 1", a, arg_int(t, a, 1)));
-        return {};
-      }
+    if (!args_at_least_one(t, {"stride_h", "stride_w", "dilation_h", "dilation_w"})) return {};
     const int64_t OG = O / groups, CG = C / groups, K = CG * KH * KW, positions = OH * OW;
     const std::string geometry = fmt::format(
         "  const cg_conv2d_geometry g = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", C, H, W, O,
@@ -1372,26 +1375,16 @@ class Emitter {
     const bool max = p_.tasks[size_t(t)].op->name == "max_pool2d";
     const Shape& sx = x.buffer->shape;
     const Shape& so = out.buffer->shape;
-    for (const char* a : {"stride_h", "stride_w", "kernel_h", "kernel_w"})
-      if (arg_int(t, a, 1) < 1) {
-        fail(t, a, fmt::format("{} is {}; it must be at least 1", a, arg_int(t, a, 1)));
-        return {};
-      }
-    const int64_t n = numel(so);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
     const std::string window = fmt::format(
         "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
         sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
         arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
         arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1));
-    const std::string value = max ? fmt::format("cg_max_pool2d(x, i, p)")
+    const std::string value = max ? std::string("cg_max_pool2d(x, i, p)")
                                   : fmt::format("cg_avg_pool2d(x, i, p, {})",
                                                 arg_bool(t, "count_include_pad") ? "true" : "false");
-    return window + fmt::format(
-                        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-                        "    {};\n",
-                        n, store(out, "i", value));
+    return window + grid_stride_loop(numel(so), store(out, "i", value), ek);
   }
 
   std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -1399,16 +1392,11 @@ class Emitter {
     const Param& out = param(ps, "out");
     const Shape& sx = x.buffer->shape;
     const Shape& so = out.buffer->shape;
-    const int64_t n = numel(so);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
-        "    {};\n",
-        n,
-        store(out, "i",
-              fmt::format("cg_adaptive_avg_pool2d(x, i, {}, {}, {}, {})", sx[sx.size() - 2], sx.back(),
-                          so[so.size() - 2], so.back())));
+    return grid_stride_loop(numel(so),
+                            store(out, "i",
+                                  fmt::format("cg_adaptive_avg_pool2d(x, i, {}, {}, {}, {})", sx[sx.size() - 2],
+                                              sx.back(), so[so.size() - 2], so.back())),
+                            ek);
   }
 
   // permute: checks `dims` against the shapes (the shape rule cannot say
@@ -1443,18 +1431,14 @@ class Emitter {
     std::vector<int64_t> strides(sx.size(), 1), source_strides;
     for (size_t j = sx.size(); j-- > 1;) strides[j - 1] = strides[j] * sx[j];
     for (int64_t d : *dims) source_strides.push_back(strides[size_t(d)]);
-    const int64_t n = numel(so);
-    ek.block = 256;
-    ek.grid[0] = grid_stride_blocks(n, ek.block);
-    return fmt::format(
-        "  const cg_i64 out_dims[{0}] = {{{1}}}, source_strides[{0}] = {{{2}}};\n"
-        "  for (cg_i64 i = cg_global_thread(); i < {3}; i += cg_grid_threads())\n"
-        "    {4};\n",
-        so.size(), fmt::join(so, ", "), fmt::join(source_strides, ", "), n,
-        store_element("out", out.buffer->dtype, "i",
-                      fmt::format("{}cg_permute(x, i, {}, out_dims, source_strides){}",
-                                  is_16bit(out.buffer->dtype) ? "cg_widen(" : "", so.size(),
-                                  is_16bit(out.buffer->dtype) ? ")" : "")));
+    return fmt::format("  const cg_i64 out_dims[{0}] = {{{1}}}, source_strides[{0}] = {{{2}}};\n", so.size(),
+                       fmt::join(so, ", "), fmt::join(source_strides, ", ")) +
+           grid_stride_loop(numel(so),
+                            store_element("out", out.buffer->dtype, "i",
+                                          fmt::format("{}cg_permute(x, i, {}, out_dims, source_strides){}",
+                                                      is_16bit(out.buffer->dtype) ? "cg_widen(" : "", so.size(),
+                                                      is_16bit(out.buffer->dtype) ? ")" : "")),
+                            ek);
   }
 
   std::string header() const {

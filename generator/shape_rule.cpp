@@ -7,23 +7,19 @@
 namespace cudagen {
 
 std::string DimExpr::str() const {
+  // Parentheses where the grammar's precedence needs them: a sum under '-', '*'
+  // or '/', and a product on the right of '/' (a / (b*c)).
+  auto sum = [](const DimExpr& e) { return e.kind == Kind::Add || e.kind == Kind::Sub; };
+  auto wrapped = [](const DimExpr& e, bool wrap) { return wrap ? "(" + e.str() + ")" : e.str(); };
   switch (kind) {
     case Kind::Const: return std::to_string(value);
     case Kind::Symbol: return name;
     case Kind::Add: return fmt::format("{} + {}", parts[0].str(), parts[1].str());
-    case Kind::Sub: {
-      auto wrap = [](const DimExpr& e) { return e.kind == Kind::Add || e.kind == Kind::Sub ? "(" + e.str() + ")" : e.str(); };
-      return fmt::format("{} - {}", parts[0].str(), wrap(parts[1]));
-    }
-    case Kind::Mul:
-    case Kind::Div: {
-      auto sum = [](const DimExpr& e) { return e.kind == Kind::Add || e.kind == Kind::Sub; };
-      std::string lhs = sum(parts[0]) ? "(" + parts[0].str() + ")" : parts[0].str();
-      // The right operand of '/' needs parentheses for a product too: a/(b*c).
-      bool wrap_rhs = sum(parts[1]) || (kind == Kind::Div && (parts[1].kind == Kind::Mul || parts[1].kind == Kind::Div));
-      std::string rhs = wrap_rhs ? "(" + parts[1].str() + ")" : parts[1].str();
-      return fmt::format("{}{}{}", lhs, kind == Kind::Mul ? "*" : " / ", rhs);
-    }
+    case Kind::Sub: return fmt::format("{} - {}", parts[0].str(), wrapped(parts[1], sum(parts[1])));
+    case Kind::Mul: return fmt::format("{}*{}", wrapped(parts[0], sum(parts[0])), wrapped(parts[1], sum(parts[1])));
+    case Kind::Div:
+      return fmt::format("{} / {}", wrapped(parts[0], sum(parts[0])),
+                         wrapped(parts[1], sum(parts[1]) || parts[1].kind == Kind::Mul || parts[1].kind == Kind::Div));
     case Kind::Choose: return fmt::format("{} ? {} : {}", name, parts[0].str(), parts[1].str());
     case Kind::Numel: return fmt::format("numel({})", name);
   }

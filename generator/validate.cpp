@@ -255,9 +255,9 @@ class Validator {
               "give \"data\" to the inputs and weights the graph reads, not to what it computes");
       if (slot.tensor_name) {
         // Names and task.slot share one namespace (Instance::set takes either).
-        if (std::optional<SlotRef> ref = parse_slot_ref(*slot.tensor_name);
-            ref && find_task(ref->task) >= 0 && task(find_task(ref->task)).find_tensor(ref->slot) != nullptr &&
-            !(ref->task == tk.id && ref->slot == slot.name))
+        const std::optional<SlotRef> ref = parse_slot_ref(*slot.tensor_name);
+        const int other = ref ? find_task(ref->task) : -1;
+        if (other >= 0 && task(other).find_tensor(ref->slot) != nullptr && !(other == t && ref->slot == slot.name))
           error(slot.loc, path() + "/name", tk.id, slot.name,
                 fmt::format("tensor name '{}' is another slot's task.slot", *slot.tensor_name),
                 "choose a name that is not some task's id, a dot and its slot");

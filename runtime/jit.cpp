@@ -3,14 +3,12 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <filesystem>
 #include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "counter_rng.h"
-#include "npy.h"
 #include "runner.h"
 
 namespace cudagen {
@@ -118,15 +116,7 @@ void Instance::load_data() {
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     const BufferInfo& info = p.buffers[b];
     if (info.data.empty()) continue;
-    const std::string name = buffer_name(p, int(b));
-    if (!std::filesystem::exists(info.data))
-      throw std::runtime_error(fmt::format("{}: missing; it holds the value of {} ({} {}), the graph's \"data\"",
-                                           info.data, name, to_string(info.dtype), shape_to_string(info.shape)));
-    try {
-      set(name, read_npy(info.data));
-    } catch (const std::exception& e) {
-      throw std::runtime_error(fmt::format("{}: {}", info.data, e.what()));
-    }
+    set(buffer_name(p, int(b)), read_tensor_file(p, int(b), info.data));
   }
 }
 

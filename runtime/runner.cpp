@@ -218,6 +218,20 @@ RunTimeArgs with_step_count(const Compiled& c, RunTimeArgs args, int64_t step) {
   return args;
 }
 
+HostTensor read_tensor_file(const Program& p, int buffer, const std::string& path) {
+  const BufferInfo& info = p.buffers[size_t(buffer)];
+  const std::string name = buffer_name(p, buffer);
+  if (!std::filesystem::exists(path))
+    throw TensorFileProblem(fmt::format("{}: missing; the graph input {} is {} {}{}", path, name, to_string(info.dtype),
+                                        shape_to_string(info.shape), path == info.data ? " (its \"data\")" : ""));
+  HostTensor array = read_npy(path);
+  if (array.dtype != info.dtype || array.shape != info.shape)
+    throw TensorFileProblem(fmt::format("{}: {} {}, but the graph input {} is {} {}", path, to_string(array.dtype),
+                                        shape_to_string(array.shape), name, to_string(info.dtype),
+                                        shape_to_string(info.shape)));
+  return array;
+}
+
 CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions& options) {
   const Program& p = c.program;
   CheckedRun run;
@@ -251,16 +265,11 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     std::string path = options.inputs_dir.empty() ? "" : options.inputs_dir + "/" + name + ".npy";
     if (!info.data.empty() && (path.empty() || !std::filesystem::exists(path))) path = info.data;
     if (!path.empty()) {
-      if (!std::filesystem::exists(path)) {
-        problems.push_back(fmt::format("{}: missing; the graph input {} is {} {}{}", path, name, to_string(info.dtype),
-                                       shape_to_string(info.shape), path == info.data ? " (its \"data\")" : ""));
-        continue;
-      }
-      HostTensor array = read_npy(path);
-      if (array.dtype != info.dtype || array.shape != info.shape) {
-        problems.push_back(fmt::format("{}: {} {}, but the graph input {} is {} {}", path, to_string(array.dtype),
-                                       shape_to_string(array.shape), name, to_string(info.dtype),
-                                       shape_to_string(info.shape)));
+      HostTensor array;
+      try {
+        array = read_tensor_file(p, int(b), path);
+      } catch (const TensorFileProblem& e) {
+        problems.push_back(e.what());
         continue;
       }
       std::memcpy(at, array.data.data(), array.data.size());

@@ -6,10 +6,12 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "executor.h"
+#include "host_tensor.h"
 #include "pipeline.h"
 #include "reference.h"
 
@@ -73,6 +75,17 @@ struct CheckedRun {
   std::vector<std::pair<std::string, std::vector<double>>> step_scalars;
   bool ok() const;
 };
+
+// A tensor's value that an .npy file cannot give: the file is missing, or
+// its dtype or shape is not the tensor's. The message names both.
+struct TensorFileProblem : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The value of `buffer` from the .npy file at `path` (an input from
+// --inputs, or the tensor's "data"). Throws TensorFileProblem as above, and
+// read_npy's errors (naming the file) for a malformed one.
+HostTensor read_tensor_file(const Program& program, int buffer, const std::string& path);
 
 // The relative bound of DESIGN.md §9 for a dtype.
 double relative_tolerance(DType dtype);

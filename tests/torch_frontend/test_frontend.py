@@ -29,6 +29,11 @@ import models  # noqa: E402
 CUDAGEN = None  # set from argv
 
 
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def fresh_seed():
     return random.SystemRandom().randrange(1 << 31)
 
@@ -80,7 +85,7 @@ class Models(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         result, _, _ = self.check_model(models.block(), (torch.randn(2, 16, 48),), seed)
-        graph = open(result.graph_path).read()
+        graph = read(result.graph_path)
         self.assertIn('"causal": true', graph)  # the mask and masked_fill folded into the softmax
         self.assertIn('"op": "layernorm"', graph)
 
@@ -96,7 +101,7 @@ class Models(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         result, stdout, seconds = self.check_model(models.resnet18(), (torch.randn(1, 3, 64, 64),), seed)
-        graph = open(result.graph_path).read()
+        graph = read(result.graph_path)
         self.assertNotIn("batchnorm", graph.lower().replace("folded", ""))  # every BatchNorm folded into its conv
         print(f"\nresnet18 1x3x64x64: export + compile + emulated run {seconds:.1f} s", file=sys.stderr)
 
@@ -104,7 +109,7 @@ class Models(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         result, stdout, seconds = self.check_model(models.mobilenet_v2(), (torch.randn(1, 3, 64, 64),), seed)
-        self.assertIn('"op": "relu6"', open(result.graph_path).read())
+        self.assertIn('"op": "relu6"', read(result.graph_path))
         print(f"\nmobilenet_v2 1x3x64x64: compile + emulated run {seconds:.1f} s", file=sys.stderr)
 
     def test_cli_export(self):

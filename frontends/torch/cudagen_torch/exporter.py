@@ -709,7 +709,7 @@ def _f_identity(ex, node):
 
 
 def _f_dropout(ex, node):
-    if _arg(node, 2, "training", True) and node.target is F.dropout:
+    if _arg(node, 2, "training", True):
         ex.fail(node, "F.dropout with training=True has no mapping", "pass training=self.training and call eval()")
     return ex.tensor(node, node.args[0])
 
@@ -755,7 +755,8 @@ def _f_cat(ex, node):
     return acc
 
 
-def _f_split(ex, node, chunk=False):
+def _f_split(ex, node):
+    """split and chunk alike: the parts' sizes come from the recorded result."""
     x = ex.tensor(node, node.args[0])
     results = ex.values[node]
     ex.last_axis(node, _arg(node, 2, "dim", 0), len(x.shape), "split")
@@ -869,8 +870,8 @@ FUNCTIONS = {
     F.linear: _f_linear, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
     torch.flatten: _f_reshape, torch.reshape: _f_reshape,
     torch.transpose: _f_transpose, torch.permute: _f_permute, torch.t: _f_t,
-    torch.cat: _f_cat, torch.concat: _f_cat, torch.split: lambda ex, node: _f_split(ex, node),
-    torch.chunk: lambda ex, node: _f_split(ex, node, True),
+    torch.cat: _f_cat, torch.concat: _f_cat, torch.split: _f_split,
+    torch.chunk: _f_split,
     torch.mean: _f_reduce("mean"), torch.sum: _f_reduce("sum"),
     F.dropout: _f_dropout, F.max_pool2d: _f_max_pool, F.avg_pool2d: _f_avg_pool,
     F.adaptive_avg_pool2d: lambda ex, node: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
@@ -889,7 +890,7 @@ METHODS = {
     "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
     "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
     "contiguous": _f_identity, "float": _f_float,
-    "split": lambda ex, node: _f_split(ex, node), "chunk": lambda ex, node: _f_split(ex, node, True),
+    "split": _f_split, "chunk": _f_split,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
     "masked_fill": _f_masked_fill,
 }
