@@ -14,7 +14,10 @@
 #  - the numerical tests of the emitter (every op forward and backward, f32/f16/bf16, sizes that
 #    are not multiples of a block, fused chains, training steps) with CUDAGEN_TEST_BACKEND=gpu;
 #  - the profile of the forward and training examples (--profile): kernel and phase times, bandwidth
-#    against the device copy, FLOP rates; the profile tables at the end.
+#    against the device copy, FLOP rates; the profile tables at the end;
+#  - the megakernel mode (--megakernel, docs/megakernel.md): the examples checked, training for
+#    several steps on counters never reset, the numerical tests compiled as megakernels, and each
+#    forward phase's time as kernels against as one megakernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=${1:-gpu-kit}
@@ -48,11 +51,19 @@ check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/trai
 check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
 check "examples/jit (C++ API)" "$kit/bin/jit_mlp" examples/mlp_forward.json
 check "examples/aot (nvcc, ahead of time)" "$kit/bin/aot_mlp"
+for graph in examples/mlp_forward.json examples/transformer_block.json tests/snapshots/every_template_op.json; do
+  check "run --gpu --megakernel $(basename "$graph")" "$cudagen" run --gpu --megakernel "$graph"
+done
+check "train_transformer --steps 5 --megakernel" "$cudagen" run --gpu --megakernel --steps 5 examples/train_transformer.json
 gpu_tests='*EmulatedOps.*:*EmulatedHalfOps.*:*FusedChains.*:Fusion.*:TrainingRun.*:RunTimeArgs.ADerivedAdam*'
 gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emulation.Unfused*:Emulation.ReshapeIsAView*'
 gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
 check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
   env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
+
+check "numerical tests as megakernels on the GPU" \
+  env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_TEST_MEGAKERNEL=132 CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" \
+  --gtest_filter="$gpu_tests" --gtest_brief=1
 
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done
@@ -63,6 +74,15 @@ echo "within 10% of the phase's):"
 for graph in examples/mlp_forward.json examples/transformer_block.json examples/train_transformer.json; do
   echo "== $graph"
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
+done
+echo
+echo "megakernel against kernels (--profile, median of 10 runs; the forward phase's time, first kernel start to last end):"
+for graph in examples/mlp_forward.json examples/transformer_block.json examples/train_transformer.json; do
+  for mode in "" "--megakernel"; do
+    printf '%-40s %-14s ' "$(basename "$graph")" "${mode:-kernels}"
+    "$cudagen" run --gpu $mode --profile "$log/$(basename "$graph" .json)${mode}.profile.json" "$graph" 2>&1 |
+      grep -E '^(phase )?forward' | head -1
+  done
 done
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done

@@ -121,8 +121,10 @@ class Emitter {
     for (EmittedKernel& ek : out.kernels)
       for (int t : ek.tasks)
         if (std::optional<int64_t> flops = task_flops(p_, t)) ek.flops = std::max<int64_t>(ek.flops, 0) + *flops;
-    out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out.kernels);
-    out.manifest_json = manifest(out.kernels);
+    arena_bytes_ = out.arena_bytes = plan_.arena_bytes;
+    if (options_.megakernel) kernel_code += megakernels(out);
+    out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(kernels, out);
+    out.manifest_json = manifest(out);
     out.host_header = host_header(kernels);
     return out;
   }
@@ -150,7 +152,7 @@ class Emitter {
         "struct CUstream_st;  // cudaStream_t is a CUstream_st*\n\n"
         "extern \"C\" {{\n"
         "extern const unsigned long long {P}_arena_bytes;  // {} on this plan\n",
-        CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), plan_.arena_bytes,
+        CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), arena_bytes_,
         fmt::arg("P", P));
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
       int count = 0;
@@ -361,21 +363,37 @@ class Emitter {
     return false;
   }
 
-  // Buffers as `T* __restrict__ name` (without __restrict__ where two may
-  // overlap), run-time arguments as `const T* __restrict__ name_arg`.
-  std::string signature(const std::string& name, int block, const std::vector<LaunchParam>& launch) {
+  // A kernel as two functions: `NAME_tile`, the body over one block of the
+  // grid (`tile`: which block, and how many there are along x), and the
+  // __global__ NAME that calls it with blockIdx and gridDim. The megakernel's
+  // dispatcher calls the same tile functions (DESIGN.md §10), so it runs
+  // exactly the code the kernels do. The __global__ takes buffers as
+  // `T* __restrict__` (without it where two may overlap) and run-time
+  // arguments as `const T* __restrict__ name_arg`; the tile function's
+  // pointers carry no __restrict__, so that inside a megakernel, where other
+  // blocks write what a task reads, no load goes through the read-only cache.
+  std::string kernel_functions(const std::string& comment_text, const EmittedKernel& ek,
+                               const std::vector<LaunchParam>& launch, const std::string& body) const {
     std::vector<Pointer> pointers;  // the buffers, in launch order
     for (const auto& lp : launch)
       if (lp.scalar == nullptr) pointers.push_back({lp.buffer, lp.written});
-    std::vector<std::string> list;
+    std::vector<std::string> tile_params, kernel_params, args;
     for (size_t i = 0; i < launch.size(); ++i) {
       const LaunchParam& lp = launch[i];
-      if (lp.scalar != nullptr)
-        list.push_back(fmt::format("{}* __restrict__ {}_arg", lp.pointee, lp.name));
-      else
-        list.push_back(fmt::format("{}*{} {}", lp.pointee, aliased(i, pointers) ? "" : " __restrict__", lp.name));
+      const std::string name = lp.scalar != nullptr ? lp.name + "_arg" : lp.name;
+      const bool restrict = lp.scalar != nullptr || !aliased(i, pointers);
+      tile_params.push_back(fmt::format("{}* {}", lp.pointee, name));
+      kernel_params.push_back(fmt::format("{}*{} {}", lp.pointee, restrict ? " __restrict__" : "", name));
+      args.push_back(name);
     }
-    return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({})", block, name, fmt::join(list, ", "));
+    tile_params.push_back("cg_tile tile");
+    std::string code = fmt::format("{}CG_DEVICE void {}_tile({}) {{\n{}}}\n", comment_text, ek.name,
+                                   fmt::join(tile_params, ", "), body);
+    if (!options_.megakernel)
+      code += fmt::format("CG_KERNEL void __launch_bounds__({}) {}({}) {{\n  {}_tile({}{}cg_launch_tile());\n}}\n",
+                          ek.block, ek.name, fmt::join(kernel_params, ", "), ek.name, fmt::join(args, ", "),
+                          args.empty() ? "" : ", ");
+    return code + "\n";
   }
 
   // The comment above a kernel: its tasks (and the rule that fused them),
@@ -423,8 +441,9 @@ class Emitter {
   static std::string grid_stride_loop(int64_t n, const std::string& statement, EmittedKernel& ek) {
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
+    ek.grid_stride = true;
     return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads())\n"
+        "  for (cg_i64 i = cg_global_thread(tile); i < {}; i += cg_grid_threads(tile))\n"
         "    {};\n",
         n, statement);
   }
@@ -482,8 +501,7 @@ class Emitter {
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
-    std::string code = comment(k, launch, ek) + signature(k.name, ek.block, launch) + " {\n" + scalar_locals(t) +
-                       tail.code + body + "}\n\n";
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
@@ -553,8 +571,12 @@ class Emitter {
   }
 
   void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {
-    for (const auto& lp : launch)
+    for (const auto& lp : launch) {
       ek.arg_offsets.push_back(lp.scalar != nullptr ? lp.scalar->offset : plan_.buffers[size_t(lp.buffer)].offset);
+      ek.ranges.push_back(ArenaRange{ek.arg_offsets.back(),
+                                     lp.scalar != nullptr ? kScalarBytes : plan_.buffers[size_t(lp.buffer)].bytes,
+                                     lp.written});
+    }
     launch_params_.push_back(std::move(launch));
   }
 
@@ -646,15 +668,16 @@ class Emitter {
     std::string body;
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n / width, ek.block);
+    ek.grid_stride = true;
     if (width == 1) {
-      body = fmt::format("  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads()) {{\n{}", n, statements);
+      body = fmt::format("  for (cg_i64 i = cg_global_thread(tile); i < {}; i += cg_grid_threads(tile)) {{\n{}", n, statements);
       for (size_t j = 0; j < steps.size(); ++j)
         if (!internal(steps[j].out->bound->buffer))
           body += fmt::format("    cg_store({}, i, {});\n", param_of[steps[j].out->bound->buffer], narrowed(steps[j], j));
       body += "  }\n";
     } else {
       body = fmt::format(
-          "  for (cg_i64 i = cg_global_thread() * {0}; i < {1}; i += cg_grid_threads() * {0}) {{  // {0} elements at a "
+          "  for (cg_i64 i = cg_global_thread(tile) * {0}; i < {1}; i += cg_grid_threads(tile) * {0}) {{  // {0} elements at a "
           "time\n",
           width, n);
       for (const auto& [x, at] : loads)
@@ -673,12 +696,6 @@ class Emitter {
 
     std::vector<LaunchParam> launch = inputs;
     launch.insert(launch.end(), outputs.begin(), outputs.end());
-    std::vector<Pointer> pointers;
-    for (const auto& lp : launch) pointers.push_back({lp.buffer, lp.written});
-    std::vector<std::string> list;
-    for (size_t i = 0; i < launch.size(); ++i)
-      list.push_back(fmt::format("{}*{} {}", launch[i].pointee, aliased(i, pointers) ? "" : " __restrict__",
-                                 launch[i].name));
 
     std::vector<std::string> tasks, reads, writes, in_registers;
     for (const auto& step : steps) {
@@ -702,10 +719,10 @@ class Emitter {
         k.name, to_string(k.phase), fmt::join(tasks, ", "), k.rule, fmt::join(reads, ", "), fmt::join(writes, ", "),
         in_registers.empty() ? "-" : fmt::format("{}", fmt::join(in_registers, ", ")), ek.bytes_read, ek.bytes_written,
         ek.grid[0], ek.grid[1], ek.grid[2], ek.block);
+    std::string code = kernel_functions(comment_text, ek, launch, body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);
-    return fmt::format("{}CG_KERNEL void __launch_bounds__({}) {}({}) {{\n{}}}\n\n", comment_text, ek.block, k.name,
-                       fmt::join(list, ", "), body);
+    return code;
   }
 
   // Puts a function of the op (its entry function or a variant) and what it
@@ -747,8 +764,9 @@ class Emitter {
     append_arguments(t, operands);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n, ek.block);
+    ek.grid_stride = true;
     return fmt::format(
-        "  for (cg_i64 i = cg_global_thread(); i < {}; i += cg_grid_threads()) {{\n"
+        "  for (cg_i64 i = cg_global_thread(tile); i < {}; i += cg_grid_threads(tile)) {{\n"
         "{}"
         "    {}<{}>({});\n"
         "{}"
@@ -843,8 +861,9 @@ class Emitter {
     append_arguments(t, operands);
     ek.block = 256;
     ek.grid[0] = grid_stride_blocks(n / width, ek.block);
+    ek.grid_stride = true;
     return fmt::format(
-        "  for (cg_i64 i = cg_global_thread() * {0}; i < {1}; i += cg_grid_threads() * {0}) {{  // {0} elements at a time\n"
+        "  for (cg_i64 i = cg_global_thread(tile) * {0}; i < {1}; i += cg_grid_threads(tile) * {0}) {{  // {0} elements at a time\n"
         "{2}"
         "    cg_vector<{0}, {3}> {4}_v;\n"
         "    for (int k = 0; k < {0}; ++k) {4}_v.v[k] = {5};\n"
@@ -929,7 +948,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  cg_softmax_row([&](int j) {{ return {}; }},\n"
         "                 [&](int j, float v) {{ {}; }},\n"
         "                 {}, {}, {}, (float*)cg_smem);\n",
@@ -943,7 +962,7 @@ class Emitter {
     const int64_t n = one_block_per_row(x.buffer->shape, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  const float value = {}([&](int j) {{ return {}; }}, {}, (float*)cg_smem);\n"
         "  if (threadIdx.x == 0) {};\n",
         p_.tasks[size_t(t)].op->source_function, load(x, fmt::format("row * {} + j", n)), n,
@@ -972,7 +991,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  cg_max_backward_row([&](int j) {{ return {}; }},\n"
         "                      [&](int j, float v) {{ {}; }},\n"
         "                      {}, {}, {}, (float*)cg_smem);\n",
@@ -988,9 +1007,10 @@ class Emitter {
     ek.block = int(32 * std::clamp<int64_t>(rows, 1, 8));
     ek.grid[0] = int((n + 31) / 32);
     ek.smem_bytes = 4 * ek.block;
+    ek.smem_bytes_per_thread = 4;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 j = cg_i64(blockIdx.x) * 32 + threadIdx.x % 32;\n"
+        "  const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;\n"
         "  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) {{ return {}; }}, j, {}, {}, (float*)cg_smem);\n"
         "  if (threadIdx.x < 32 && j < {}) {};\n",
         load(x, fmt::format("r * {} + c", n)), n, rows, n, store(param(ps, "out"), "j", "total"));
@@ -1003,7 +1023,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  cg_log_softmax_row([&](int j) {{ return {}; }},\n"
         "                     [&](int j, float v) {{ {}; }}, {}, (float*)cg_smem);\n",
         load(x, at), store(param(ps, "out"), at, "v"), n);
@@ -1016,7 +1036,7 @@ class Emitter {
     const bool exports_rstd = p_.tasks[size_t(t)].find_tensor("rstd") != nullptr;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  const float row_rstd = cg_rmsnorm_row([&](int j) {{ return {3}; }},\n"
         "                                        [&](int j) {{ return {4}; }},\n"
         "                                        [&](int j, float v) {{ {5}; }},\n"
@@ -1040,7 +1060,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  const cg_row_stats stats = cg_layernorm_row([&](int j) {{ return {}; }},\n"
         "                                              [&](int j) {{ return {}; }},\n"
         "                                              [&](int j) {{ return {}; }},\n"
@@ -1080,7 +1100,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", classes);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  cg_cross_entropy_backward_row([&](int j) {{ return {}; }},\n"
         "                                [&](int j, float v) {{ {}; }},\n"
         "                                {}, (cg_i64)cg_load(labels, row), {}, (float*)cg_smem);\n",
@@ -1097,7 +1117,7 @@ class Emitter {
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 row = blockIdx.x;\n"
+        "  const cg_i64 row = tile.x;\n"
         "  {}([&](int j) {{ return {}; }},\n"
         "      [&](int j) {{ return {}; }},\n"
         "      [&](int j, float v) {{ {}; }},\n"
@@ -1120,6 +1140,7 @@ class Emitter {
     // least four, and shared memory for a float per thread.
     ek.block = std::max(ek.block, 128);
     ek.smem_bytes = std::max<int64_t>(ek.smem_bytes, 4 * ek.block);
+    ek.smem_bytes_per_thread = 4;
     const int64_t column_blocks = (n + 31) / 32;
     ek.grid[0] = int(rows + column_blocks);
     const std::string at = fmt::format("row * {} + j", n), column = fmt::format("r * {} + j", n);
@@ -1151,15 +1172,15 @@ class Emitter {
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  if (blockIdx.x < {0}) {{  // dx, a row per block\n"
-        "    const cg_i64 row = blockIdx.x;\n"
+        "  if (tile.x < {0}) {{  // dx, a row per block\n"
+        "    const cg_i64 row = tile.x;\n"
         "    {1}([&](int j) {{ return {2}; }},\n"
         "        [&](int j) {{ return {3}; }},\n"
         "        [&](int j) {{ return {4}; }},\n"
         "        [&](int j, float v) {{ {5}; }},\n"
         "        {6}, {7}, (float*)cg_smem);\n"
         "  }} else {{  // the parameters' gradients, 32 columns per block, its warps splitting the rows\n"
-        "    const cg_i64 j = (cg_i64)(blockIdx.x - {0}) * 32 + threadIdx.x % 32;\n"
+        "    const cg_i64 j = (cg_i64)(tile.x - {0}) * 32 + threadIdx.x % 32;\n"
         "{8}"
         "  }}\n",
         rows, op.source_function, load(x, at), load(param(ps, "weight"), "j"), load(dout, at),
@@ -1175,7 +1196,7 @@ class Emitter {
     ek.block = int(std::clamp<int64_t>((dim + 31) / 32 * 32, 32, 256));
     ek.grid[0] = int(rows);
     return fmt::format(
-        "  const cg_i64 v = blockIdx.x;\n"
+        "  const cg_i64 v = tile.x;\n"
         "  for (cg_i64 d = threadIdx.x; d < {}; d += blockDim.x)\n"
         "    {};\n",
         dim,
@@ -1245,13 +1266,13 @@ class Emitter {
     std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 z = blockIdx.z;\n"
+        "  const cg_i64 z = tile.z;\n"
         "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
         "  {11}(\n"
         "      [&](int m, int k) {{ return {5}; }},\n"
         "      [&](int k, int n) {{ return {6}; }},\n"
         "      [&](int m, int n, float acc) {{ {8}; }},\n"
-        "      {9}, {7}, {10}, blockIdx.y, blockIdx.x, ({12}*)cg_smem);\n",
+        "      {9}, {7}, {10}, tile.y, tile.x, ({12}*)cg_smem);\n",
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
         load(a, "a_base + " + load_a), load(b, "b_base + " + load_b), N,
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
@@ -1293,11 +1314,11 @@ class Emitter {
     ek.smem_bytes = 32 * 33 * dtype_bytes(x.buffer->dtype);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  cg_transpose_tile<{0}>(x, out, {1}, {2}, blockIdx.y, blockIdx.x, (cg_i64)blockIdx.z * {3}, ({0}*)cg_smem);\n",
+        "  cg_transpose_tile<{0}>(x, out, {1}, {2}, tile.y, tile.x, (cg_i64)tile.z * {3}, ({0}*)cg_smem);\n",
         type, M, N, M * N);
   }
 
-  // conv2d (templates/vision.cuh): blockIdx.z walks images and groups; the
+  // conv2d (templates/vision.cuh): tile.z walks images and groups; the
   // tile form runs the implicit GEMM on the matmul tile, the direct form
   // (a GEMM too thin for a tile: depthwise) one output element per thread.
   // Stores go through store(), so an epilogue chain (bias, activation,
@@ -1339,8 +1360,9 @@ class Emitter {
       const int64_t n = numel(so);
       ek.block = 256;
       ek.grid[0] = grid_stride_blocks(n, ek.block);
+      ek.grid_stride = true;
       return geometry + fmt::format(
-                            "  for (cg_i64 i = cg_global_thread(); i < {0}; i += cg_grid_threads()) {{\n"
+                            "  for (cg_i64 i = cg_global_thread(tile); i < {0}; i += cg_grid_threads(tile)) {{\n"
                             "    const int ow = (int)(i % {1}), oh = (int)(i / {1} % {2});\n"
                             "    const cg_i64 channel = i / {3} % {4}, image = i / ({3} * {4});\n"
                             "    const cg_i64 group = channel / {5};\n"
@@ -1358,12 +1380,12 @@ class Emitter {
     ek.grid[2] = int(B * groups);
     ek.smem_bytes = 4 * (32 * (16 + 1) + 16 * (32 + 1));
     return "  CG_DYNAMIC_SMEM(cg_smem);\n" + geometry +
-           fmt::format("  const cg_i64 image = blockIdx.z / {0}, group = blockIdx.z % {0};\n", groups) + bases +
+           fmt::format("  const cg_i64 image = tile.z / {0}, group = tile.z % {0};\n", groups) + bases +
            fmt::format("  const cg_i64 out_base = (image * {} + group * {}) * {};\n", O, OG, positions) +
            fmt::format(
                "  cg_conv2d_tile<32, 32, 16>(\n{}"
                "      [&](int m, int p, float acc) {{ {}; }},\n"
-               "      g, blockIdx.y, blockIdx.x, (float*)cg_smem);\n",
+               "      g, tile.y, tile.x, (float*)cg_smem);\n",
                hooks, store(out, fmt::format("out_base + (cg_i64)m * {} + p", positions), "acc" + bias_term));
   }
 
@@ -1441,6 +1463,112 @@ class Emitter {
                             ek);
   }
 
+  static int default_megakernel_blocks(const std::string& arch) {
+    if (arch == "sm_90" || arch == "sm_90a") return 132;  // H100 SXM, H200
+    if (arch == "sm_80") return 108;                       // A100
+    return 80;
+  }
+
+  // With --megakernel (DESIGN.md §10): the kernels emitted so far become the
+  // tile functions of one persistent kernel per phase, which runs the
+  // schedule of megakernel.h from constant tables. Their event counters and
+  // watchdog reports take a region after the plan's arena.
+  std::string megakernels(EmittedProgram& out) {
+    MegakernelOptions mo;
+    mo.blocks = options_.megakernel_blocks > 0 ? options_.megakernel_blocks : default_megakernel_blocks(options_.arch);
+    mo.break_schedule = options_.megakernel_break_schedule;
+    out.megakernel_watchdog_ms = options_.megakernel_watchdog_ms;
+    out.tile_kernels = std::move(out.kernels);
+    out.kernels.clear();
+    out.megakernel = schedule_megakernel(out.tile_kernels, mo);
+    out.sync_offset = plan_.arena_bytes;
+    int64_t cursor = out.sync_offset;
+    std::string code;
+    for (const MegakernelPhase& mp : out.megakernel) {
+      const int64_t state = cursor, events = cursor + kMegakernelStateBytes;
+      cursor = align_up(events + 8 * int64_t(mp.events.size()), kMegakernelStateBytes);
+      out.megakernel_state_offsets.push_back(state);
+      code += megakernel(mp, out.tile_kernels, state, events, out.kernels);
+    }
+    out.sync_bytes = align_up(cursor - out.sync_offset, plan_.alignment);
+    arena_bytes_ = out.arena_bytes = plan_.arena_bytes + out.sync_bytes;
+    return code;
+  }
+
+  static int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+  std::string megakernel(const MegakernelPhase& mp, const std::vector<EmittedKernel>& tile_kernels, int64_t state,
+                         int64_t events, std::vector<EmittedKernel>& emitted) {
+    EmittedKernel mk;
+    mk.name = "megakernel_" + std::string(to_string(mp.phase));
+    mk.phase = mp.phase;
+    mk.grid[0] = mp.blocks;
+    mk.block = mp.threads;
+    mk.smem_bytes = mp.smem_bytes;
+    mk.arg_offsets = {0};
+    mk.cooperative = true;
+    for (int k : mp.kernels) {
+      const EmittedKernel& tk = tile_kernels[size_t(k)];
+      mk.tasks.insert(mk.tasks.end(), tk.tasks.begin(), tk.tasks.end());
+      mk.bytes_read += tk.bytes_read;
+      mk.bytes_written += tk.bytes_written;
+      if (tk.flops >= 0) mk.flops = std::max<int64_t>(mk.flops, 0) + tk.flops;
+      mk.ranges.insert(mk.ranges.end(), tk.ranges.begin(), tk.ranges.end());
+    }
+    int joins = 0;
+    for (const auto& t : mp.tasks) joins += t.kernel < 0;
+    const std::string P = mk.name;
+    std::string code = fmt::format(
+        "// ---- {} phase as one persistent kernel (DESIGN.md §10) ----\n"
+        "// {} kernels as {} tile tasks and {} join tasks on {} blocks of {} threads; {} events.\n"
+        "// Critical path {} tasks; blocks idle an estimated {:.0f}% of the phase. Block b runs tasks\n"
+        "// [{P}_queue[b], {P}_queue[b + 1]) in order; `cudagen describe --megakernel` prints them.\n"
+        "// Events count in the arena at {}, this phase's watchdog report at {}.\n",
+        to_string(mp.phase), mp.kernels.size(), mp.tasks.size() - size_t(joins), joins, mp.blocks, mp.threads,
+        mp.events.size(), mp.critical_path_tasks, 100.0 * mp.idle_fraction, events, state, fmt::arg("P", P));
+    code += fmt::format("static __device__ const int {}_queue[{}] = {{{}}};\n", P, mp.queue_begin.size(),
+                        fmt::join(mp.queue_begin, ", "));
+    code += fmt::format("// {{kernel (the switch's case; -1: join), tile, wait event, its triggers per launch, trigger event}}\n"
+                        "static __device__ const cg_megakernel_task {}_tasks[{}] = {{\n",
+                        P, std::max<size_t>(mp.tasks.size(), 1));
+    for (int b = 0; b < mp.blocks; ++b) {
+      const int begin = mp.queue_begin[size_t(b)], end = mp.queue_begin[size_t(b) + 1];
+      if (begin == end) continue;
+      std::vector<std::string> row;
+      for (int q = begin; q < end; ++q) {
+        const MegakernelTask& t = mp.tasks[size_t(q)];
+        row.push_back(fmt::format("{{{}, {}, {}, {}, {}}}", t.kernel, t.tile, t.wait, t.wait_count, t.trigger));
+      }
+      code += fmt::format("    // block {}\n", b);
+      for (size_t i = 0; i < row.size(); i += 6)
+        code += fmt::format("    {},\n", fmt::join(row.begin() + long(i), row.begin() + long(std::min(row.size(), i + 6)), ", "));
+    }
+    if (mp.tasks.empty()) code += "    {-1, 0, -1, 0, -1},\n";
+    code += "};\n";
+    code += fmt::format(
+        "CG_KERNEL void __launch_bounds__({0}) {1}(unsigned char* arena) {{\n"
+        "  cg_megakernel_state* state = (cg_megakernel_state*)(arena + {2});\n"
+        "  unsigned long long* events = (unsigned long long*)(arena + {3});\n"
+        "  const unsigned long long launch = cg_megakernel_launch(state);\n"
+        "  for (int q = {1}_queue[blockIdx.x]; q < {1}_queue[blockIdx.x + 1]; ++q) {{\n"
+        "    const cg_megakernel_task task = {1}_tasks[q];\n"
+        "    if (!cg_megakernel_wait(state, events, task, q, launch, {4}ull)) break;  // the watchdog stopped the phase\n"
+        "    switch (task.kernel) {{\n",
+        mp.threads, P, state, events, uint64_t(options_.megakernel_watchdog_ms) * 1000000ull);
+    for (int k : mp.kernels) {
+      const EmittedKernel& tk = tile_kernels[size_t(k)];
+      std::vector<std::string> args;
+      for (size_t a = 0; a < launch_params_[size_t(k)].size(); ++a)
+        args.push_back(fmt::format("({}*)(arena + {})", launch_params_[size_t(k)][a].pointee, tk.arg_offsets[a]));
+      const int64_t tiles = megakernel_tiles(tk, mp.blocks);
+      args.push_back(fmt::format("cg_tile_of(task.tile, {}, {})", tk.grid_stride ? tiles : tk.grid[0], tk.grid[1]));
+      code += fmt::format("      case {}:\n        {}_tile({});\n        break;\n", k, tk.name, fmt::join(args, ", "));
+    }
+    code += "    }\n    cg_megakernel_trigger(events, task);\n  }\n  cg_megakernel_exit(state);\n}\n\n";
+    emitted.push_back(std::move(mk));
+    return code;
+  }
+
   std::string header() const {
     return fmt::format(
         "// Generated by cudagen {} from graph '{}' (hash {:016x}); do not edit.\n"
@@ -1449,10 +1577,10 @@ class Emitter {
         "// emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.\n"
         "// Arena: {} bytes (lower bound {}, without reuse {}){}.\n\n",
         CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), options_.options_text,
-        plan_.arena_bytes, plan_.lower_bound, plan_.no_reuse_bytes,
+        arena_bytes_, plan_.lower_bound, plan_.no_reuse_bytes,
         plan_.scalars.empty() ? ""
-                              : fmt::format("; the last {} bytes hold {} run-time argument(s), the runtime writes them",
-                                            plan_.scalars_bytes, plan_.scalars.size()));
+                              : fmt::format("; the {} bytes at {} hold {} run-time argument(s), the runtime writes them",
+                                            plan_.scalars_bytes, plan_.scalars_offset, plan_.scalars.size()));
   }
 
   // The prelude, then exactly the template definitions the kernels' ops
@@ -1476,7 +1604,33 @@ class Emitter {
     return out + "\n// ---- kernels ----\n\n";
   }
 
-  std::string host_side(const std::vector<KernelGroup>& kernels, const std::vector<EmittedKernel>& emitted) const {
+  // Per megakernel, every tensor its tile functions touch (once), for the
+  // emulator's bounds checks.
+  std::string megakernel_tensors(const EmittedProgram& program) const {
+    std::string out;
+    for (size_t m = 0; m < program.megakernel.size(); ++m) {
+      const MegakernelPhase& mp = program.megakernel[m];
+      out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", program.kernels[m].name);
+      std::set<std::pair<int64_t, int64_t>> seen;
+      for (int k : mp.kernels)
+        for (const auto& lp : launch_params_[size_t(k)]) {
+          if (lp.scalar != nullptr) {
+            if (seen.insert({lp.scalar->offset, kScalarBytes}).second)
+              out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", lp.scalar->name(p_),
+                                 lp.scalar->name(p_), lp.scalar->offset, kScalarBytes);
+            continue;
+          }
+          const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
+          if (seen.insert({pb.offset, pb.bytes}).second)
+            out += fmt::format("    {{\"{0}\", \"{0}\", {1}ull, {2}ull}},\n", buffer_name(lp.buffer), pb.offset, pb.bytes);
+        }
+      out += "};\n";
+    }
+    return out;
+  }
+
+  std::string host_side(const std::vector<KernelGroup>& kernels, const EmittedProgram& program) const {
+    const std::vector<EmittedKernel>& emitted = options_.megakernel ? program.tile_kernels : program.kernels;
     std::string out =
         "#ifndef __CUDACC_RTC__\n"
         "// ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----\n"
@@ -1495,10 +1649,26 @@ class Emitter {
         "    kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \\\n"
         "    if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \\\n"
         "  } while (0)\n"
-        "#endif\n\n";
+        "#endif\n";
+    if (options_.megakernel)
+      out +=
+          "#ifndef CUDAGEN_LAUNCH_COOPERATIVE  // nvcc: all blocks resident at once\n"
+          "#define CUDAGEN_LAUNCH_COOPERATIVE(kernel, grid, block, smem, tensors, arena_pointer)                 \\\n"
+          "  do {                                                                                       \\\n"
+          "    (void)tensors;                                                                           \\\n"
+          "    unsigned char* cudagen_arena = arena_pointer;                                            \\\n"
+          "    void* cudagen_args[] = {&cudagen_arena};                                                 \\\n"
+          "    if ((smem) > 48 * 1024)                                                                  \\\n"
+          "      cudaFuncSetAttribute((const void*)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(smem)); \\\n"
+          "    if (cudaError_t cudagen_error = cudaLaunchCooperativeKernel((const void*)kernel, grid, block, cudagen_args, \\\n"
+          "                                                                (smem), stream))             \\\n"
+          "      return (int)cudagen_error;                                                             \\\n"
+          "  } while (0)\n"
+          "#endif\n";
+    out += "\n";
     out += fmt::format("extern \"C\" const unsigned long long {}_arena_bytes = {}ull;\n\n", options_.symbol_prefix,
-                       plan_.arena_bytes);
-    for (size_t i = 0; i < kernels.size(); ++i) {
+                       arena_bytes_);
+    for (size_t i = 0; i < kernels.size() && !options_.megakernel; ++i) {
       out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", kernels[i].name);
       for (const auto& lp : launch_params_[i]) {
         if (lp.scalar != nullptr) {
@@ -1511,12 +1681,21 @@ class Emitter {
       }
       out += "};\n";
     }
+    if (options_.megakernel) out += megakernel_tensors(program);
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
       bool any = false;
       for (const auto& k : kernels) any = any || k.phase == phase;
       if (!any) continue;
       out += fmt::format("\nextern \"C\" int {}(unsigned char* arena, cudaStream_t stream) {{\n",
                          phase_function(phase, options_.symbol_prefix));
+      if (options_.megakernel) {
+        for (const EmittedKernel& mk : program.kernels)
+          if (mk.phase == phase)
+            out += fmt::format("  CUDAGEN_LAUNCH_COOPERATIVE({0}, dim3({1}), dim3({2}), {3}, {0}_tensors, arena);\n",
+                               mk.name, mk.grid[0], mk.block, mk.smem_bytes);
+        out += "  return 0;\n}\n";
+        continue;
+      }
       for (size_t i = 0; i < kernels.size(); ++i) {
         if (kernels[i].phase != phase) continue;
         const EmittedKernel& ek = emitted[i];
@@ -1543,14 +1722,15 @@ class Emitter {
     return out + "#endif  // __CUDACC_RTC__\n";
   }
 
-  std::string manifest(const std::vector<EmittedKernel>& kernels) const {
+  std::string manifest(const EmittedProgram& program) const {
+    const std::vector<EmittedKernel>& kernels = program.kernels;
     std::string out = "{\n  \"format\": \"cudagen.manifest/1\",\n";
     out += fmt::format("  \"graph\": {},\n", json_quote(p_.graph.name));
     out += fmt::format("  \"graph_hash\": \"{:016x}\",\n", fnv1a64(write_graph(p_.graph) + options_.options_text));
     out += fmt::format("  \"cudagen_version\": \"{}\",\n", CUDAGEN_VERSION);
     out += fmt::format("  \"arch\": {},\n", json_quote(options_.arch));
     out += fmt::format("  \"options\": {},\n", json_quote(options_.options_text));
-    out += fmt::format("  \"arena_bytes\": {},\n  \"lower_bound_bytes\": {},\n", plan_.arena_bytes, plan_.lower_bound);
+    out += fmt::format("  \"arena_bytes\": {},\n  \"lower_bound_bytes\": {},\n", arena_bytes_, plan_.lower_bound);
     out += "  \"phases\": [";
     bool first_phase = true;
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
@@ -1572,12 +1752,30 @@ class Emitter {
       for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]}}",
+          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}}}",
           i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
           k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
-          fmt::join(k.arg_offsets, ", "));
+          fmt::join(k.arg_offsets, ", "), k.cooperative ? ", \"cooperative\": true" : "");
     }
-    out += "\n  ],\n  \"scalars\": [";
+    if (options_.megakernel) {
+      out += fmt::format("\n  ],\n  \"megakernel\": {{\"sync_offset\": {}, \"sync_bytes\": {}, \"phases\": [",
+                         program.sync_offset, program.sync_bytes);
+      for (size_t m = 0; m < program.megakernel.size(); ++m) {
+        const MegakernelPhase& mp = program.megakernel[m];
+        std::vector<std::string> names, events;
+        for (int k : mp.kernels) names.push_back(json_quote(program.tile_kernels[size_t(k)].name));
+        for (const auto& e : mp.events) events.push_back(fmt::format("{{\"what\": {}, \"triggers\": {}}}", json_quote(e.what), e.triggers));
+        out += fmt::format(
+            "{}\n    {{\"kernel\": \"{}\", \"phase\": \"{}\", \"blocks\": {}, \"tasks\": {}, \"state_offset\": {}, "
+            "\"critical_path_tasks\": {}, \"tile_kernels\": [{}], \"events\": [{}]}}",
+            m ? "," : "", program.kernels[m].name, to_string(mp.phase), mp.blocks, mp.tasks.size(),
+            program.megakernel_state_offsets[m], mp.critical_path_tasks, fmt::join(names, ", "), fmt::join(events, ", "));
+      }
+      out += "]}";
+      out += ",\n  \"scalars\": [";
+    } else {
+      out += "\n  ],\n  \"scalars\": [";
+    }
     for (size_t i = 0; i < plan_.scalars.size(); ++i) {
       const PlannedScalar& sc = plan_.scalars[i];
       out += fmt::format("{}\n    {{\"name\": \"{}\", \"type\": \"{}\", \"offset\": {}, \"bytes\": {}, \"initial\": {}}}",
@@ -1593,7 +1791,9 @@ class Emitter {
           "{}{}}}",
           b ? "," : "", buffer_name(int(b)), to_string(bi.dtype), fmt::join(bi.shape, ", "), to_string(bi.storage),
           pb.offset, pb.bytes,
-          pb.internal ? fmt::format(", \"in_registers_of\": \"{}\"", kernels[size_t(pb.first)].name) : "");
+          pb.internal ? fmt::format(", \"in_registers_of\": \"{}\"",
+                                    (options_.megakernel ? program.tile_kernels : kernels)[size_t(pb.first)].name)
+                      : "");
     }
     out += "\n  ]\n}\n";
     return out;
@@ -1608,6 +1808,7 @@ class Emitter {
   std::string entry_function_;     // the template function the kernel being emitted calls
   std::set<std::string> needed_;  // definition ids: the closures of every kernel's entry function
   std::vector<std::vector<LaunchParam>> launch_params_;  // per kernel emitted, in order
+  int64_t arena_bytes_ = 0;  // the plan's, and the megakernel's event counters after it
 };
 
 }  // namespace

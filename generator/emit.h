@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "megakernel.h"
 #include "plan.h"
 #include "program.h"
 
@@ -26,6 +27,21 @@ struct EmitOptions {
   // The host symbols' prefix: `<prefix>_forward`, `<prefix>_arena_bytes`.
   // Ahead of time, each graph linked into one program needs its own.
   std::string symbol_prefix = "cudagen";
+  // One persistent kernel per phase instead of a kernel per fusion group
+  // (DESIGN.md §10, megakernel.h).
+  bool megakernel = false;
+  int megakernel_blocks = 0;  // 0: one per SM of `arch` (sm_90: 132, sm_80: 108)
+  // A block that waits longer than this for an event stops the megakernel
+  // and reports what it waited for.
+  int64_t megakernel_watchdog_ms = 2000;
+  bool megakernel_break_schedule = false;  // test only: see MegakernelOptions
+};
+
+// A byte range of the arena that a kernel reads or writes.
+struct ArenaRange {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  bool written = false;
 };
 
 struct EmittedKernel {
@@ -44,6 +60,15 @@ struct EmittedKernel {
   // order (tensors, then run-time arguments): the JIT runtime launches with
   // arena + offset, as the host launcher does.
   std::vector<int64_t> arg_offsets;
+  // What it touches in the arena (the megakernel's dependences come from these).
+  std::vector<ArenaRange> ranges;
+  // Shared memory that grows with the block (a float per thread of scratch):
+  // a megakernel's larger block needs this much more per extra thread.
+  int64_t smem_bytes_per_thread = 0;
+  // Its body is a grid-stride loop, correct for any grid size.
+  bool grid_stride = false;
+  // A megakernel: launched cooperatively, all its blocks resident at once.
+  bool cooperative = false;
 };
 
 struct EmittedProgram {
@@ -54,7 +79,27 @@ struct EmittedProgram {
   // program that compiles the .cu ahead of time includes.
   std::string host_header;
   std::vector<EmittedKernel> kernels;
+  // With EmitOptions::megakernel: `kernels` holds one megakernel per phase,
+  // `tile_kernels` the fused kernels its tasks run, `megakernel` the schedule.
+  std::vector<EmittedKernel> tile_kernels;
+  std::vector<MegakernelPhase> megakernel;
+  // The megakernel's event counters and watchdog reports, after the plan's
+  // arena (zero before the first launch; never reset between launches).
+  int64_t sync_offset = 0;
+  int64_t sync_bytes = 0;
+  std::vector<int64_t> megakernel_state_offsets;  // per entry of `megakernel`
+  int64_t megakernel_watchdog_ms = 0;
+  int64_t arena_bytes = 0;  // the plan's, plus sync_bytes
 };
+
+// The watchdog's report in the arena, one per megakernel phase (the layout
+// of cg_megakernel_state in templates/prelude.cuh).
+struct MegakernelState {
+  uint64_t exits = 0;  // blocks that finished, over all launches
+  uint32_t stopped = 0, block = 0, task = 0, event = 0;
+  uint64_t value = 0, target = 0;
+};
+inline constexpr int64_t kMegakernelStateBytes = 64;
 
 // Throws CompileError naming the task when an op has no template or a dtype
 // is not supported yet.

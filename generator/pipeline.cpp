@@ -41,9 +41,14 @@ Program load_program(TaskGraph graph, const FrontendOptions& options) {
 std::string describe_options(const CompileOptions& options) {
   std::string fusion = options.fuse.enabled ? "on" : "off";
   for (const auto& rule : options.fuse.disabled_rules) fusion += ",-" + rule;
-  return fmt::format("arch={} fuse={} reuse={} alignment={} budget={}{}", options.emit.arch, fusion,
+  std::string megakernel;
+  if (options.emit.megakernel)
+    megakernel = fmt::format(" megakernel blocks={} watchdog={}ms{}", options.emit.megakernel_blocks,
+                             options.emit.megakernel_watchdog_ms,
+                             options.emit.megakernel_break_schedule ? " break-schedule" : "");
+  return fmt::format("arch={} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch, fusion,
                      options.plan.placement.reuse ? "on" : "off", options.plan.placement.alignment,
-                     options.plan.budget_bytes, options.emit.step_function ? " step" : "");
+                     options.plan.budget_bytes, options.emit.step_function ? " step" : "", megakernel);
 }
 
 namespace {
@@ -100,12 +105,16 @@ Compiled compile(Program program, const CompileOptions& options) {
   EmitOptions emit_options = options.emit;
   emit_options.options_text = describe_options(options);
   c.emitted = emit(c.program, c.kernels, c.plan, emit_options);
+  // A megakernel's event counters follow the plan's buffers; the runtime
+  // allocates the whole.
+  c.plan.arena_bytes = c.emitted.arena_bytes;
   if (options.dump_after == "emit") c.dump = c.emitted.cuda_source;
   return c;
 }
 
 Compiled plan_program(Program program, const CompileOptions& options) {
   Compiled c;
+  c.options = options;
   c.program = std::move(program);
   auto dump = [&](const char* pass, auto&& text) {
     if (options.dump_after == pass) c.dump = text();

@@ -40,6 +40,7 @@ Program load_program(const std::string& graph_path, const FrontendOptions& optio
 Program load_program(TaskGraph graph, const FrontendOptions& options);
 
 struct Compiled {
+  CompileOptions options;  // what it was compiled with
   Program program;
   Schedule schedule;
   std::vector<KernelGroup> kernels;

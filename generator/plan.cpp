@@ -252,6 +252,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
         const int64_t offset = plan.arena_bytes + int64_t(plan.scalars.size()) * kScalarBytes;
         plan.scalars.push_back(PlannedScalar{int(t), a.name, a.sig->type, offset, a.value});
       }
+  plan.scalars_offset = plan.arena_bytes;
   plan.scalars_bytes = align_up(int64_t(plan.scalars.size()) * kScalarBytes, plan.alignment);
   plan.arena_bytes += plan.scalars_bytes;
 

@@ -50,9 +50,12 @@ void encode_scalar(ArgType type, const ArgValue& value, unsigned char* out);
 struct Plan {
   std::vector<PlannedBuffer> buffers;  // same order as Program::buffers
   std::vector<PlannedScalar> scalars;  // in task order, one per run-time argument that no other follows
+  // Every byte the runtime allocates: buffers, then the scalars region, then
+  // (with --megakernel, added by the pipeline after emit) the event counters.
   int64_t arena_bytes = 0;
   int64_t persistent_bytes = 0;  // the persistent region, at the start of the arena
-  int64_t scalars_bytes = 0;     // the scalars region, at its end
+  int64_t scalars_offset = 0;    // the scalars region, after every buffer
+  int64_t scalars_bytes = 0;
   int64_t lower_bound = 0;
   int64_t no_reuse_bytes = 0;
   int64_t alignment = 256;

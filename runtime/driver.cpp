@@ -30,7 +30,8 @@ namespace {
   X(cuMemcpyDtoH) X(cuMemcpyDtoDAsync) X(cuMemsetD8) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)        \
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphDestroy)    \
   X(cuGraphExecDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                    \
-  X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString)
+  X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString) X(cuLaunchCooperativeKernel)                        \
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor)
 
 // The functions above keep their signatures from CUDA 12.0 to this header's
 // version, so asking for 12.0's lets a CUDA 12 driver run what this builds.
@@ -150,9 +151,10 @@ GpuInfo describe_device(const DriverApi& api, int ordinal, CUdevice* device) {
 class GpuExecutor final : public Executor {
  public:
   GpuExecutor(const Compiled& compiled, const GpuCode& code, const GpuOptions& options)
-      : api_(load_driver()), options_(options) {
+      : api_(load_driver()), options_(options), watch_(compiled) {
     try {
       open(compiled, code);
+      watch_.reset(*this);
     } catch (...) {
       release();  // the destructor does not run when the constructor throws
       throw;
@@ -239,13 +241,18 @@ class GpuExecutor final : public Executor {
     const DriverApi& api = *api_;
     CUDAGEN_CHECK(api, cuCtxSetCurrent(context_), "making the GPU's context current");
     run_ms_ = -1;
-    if (options_.cuda_graph && !options_.profile) {
+    // A megakernel is one launch already (and a cooperative one, which
+    // stream capture need not take).
+    const bool cooperative = std::any_of(it->second.begin(), it->second.end(),
+                                         [&](int k) { return kernels_[size_t(k)].cooperative; });
+    if (options_.cuda_graph && !options_.profile && !cooperative) {
       run_graph(function, it->second);
     } else {
       for (int k : it->second) launch(k);
     }
     CUDAGEN_CHECK(api, cuStreamSynchronize(stream_), fmt::format("running {} ({})", function, describe_kernels(it->second)));
     if (options_.profile) collect_times(it->second);
+    watch_.check(*this);
   }
 
   std::vector<KernelTime> kernel_times() const override { return times_; }
@@ -294,6 +301,7 @@ class GpuExecutor final : public Executor {
     unsigned block = 1;
     unsigned smem = 0;
     std::vector<int64_t> arg_offsets;
+    bool cooperative = false;  // a megakernel: every block resident at once
   };
   struct Graph {
     CUgraph graph = nullptr;
@@ -324,6 +332,8 @@ class GpuExecutor final : public Executor {
         CUDAGEN_CHECK(api, cuFuncSetAttribute(k.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(k.smem)),
                       fmt::format("giving kernel {} ({}) {} bytes of shared memory", k.name, k.tasks, k.smem));
       k.arg_offsets = ek.arg_offsets;
+      k.cooperative = ek.cooperative;
+      if (k.cooperative) check_residency(k, gpu);
       launchers_[phase_function(ek.phase)].push_back(int(kernels_.size()));
       kernels_.push_back(std::move(k));
     }
@@ -354,7 +364,32 @@ class GpuExecutor final : public Executor {
     }
   }
 
+  // A megakernel's blocks wait for one another, so all of them must be on
+  // the GPU at once: check before the first launch rather than hang.
+  void check_residency(const Kernel& k, const GpuInfo& gpu) {
+    const DriverApi& api = *api_;
+    int per_sm = 0, sms = 0;
+    CUDAGEN_CHECK(api, cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.function, int(k.block), k.smem),
+                  fmt::format("reading the occupancy of megakernel {}", k.name));
+    CUDAGEN_CHECK(api, cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
+                  "reading the GPU's multiprocessor count");
+    if (int64_t(per_sm) * sms < int64_t(k.grid[0]))
+      throw DriverError(fmt::format(
+          "megakernel {} needs {} blocks of {} threads ({} bytes of shared memory) resident at once, but {} holds {} "
+          "({} per SM x {} SMs); compile with --megakernel-blocks {} or fewer",
+          k.name, k.grid[0], k.block, k.smem, gpu.name, per_sm * sms, per_sm, sms, per_sm * sms));
+  }
+
   void launch_checked(const Kernel& k, std::vector<void*>& params) {
+    if (k.cooperative) {
+      CUDAGEN_CHECK(*api_,
+                    cuLaunchCooperativeKernel(k.function, k.grid[0], k.grid[1], k.grid[2], k.block, 1, 1, k.smem,
+                                              stream_, params.data()),
+                    fmt::format("launching megakernel {} cooperatively on {} blocks x {} threads, {} bytes of shared "
+                                "memory",
+                                k.name, k.grid[0], k.block, k.smem));
+      return;
+    }
     CUDAGEN_CHECK(*api_,
                   cuLaunchKernel(k.function, k.grid[0], k.grid[1], k.grid[2], k.block, 1, 1, k.smem, stream_,
                                  params.data(), nullptr),
@@ -428,6 +463,7 @@ class GpuExecutor final : public Executor {
   GpuOptions options_;
   std::string where_;
   CUdevice device_ = 0;
+  MegakernelWatch watch_;
   CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   CUdeviceptr arena_ = 0;

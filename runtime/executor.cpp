@@ -13,8 +13,12 @@ namespace {
 // module the host compiler built.
 class EmulatedExecutor final : public Executor {
  public:
-  EmulatedExecutor(std::shared_ptr<const HostModule> module, int64_t arena_bytes)
-      : module_(std::move(module)), arena_(size_t(arena_bytes), 0xFF) {}  // poison: unwritten floats are NaN
+  EmulatedExecutor(std::shared_ptr<const HostModule> module, const Compiled& compiled)
+      : module_(std::move(module)),
+        arena_(size_t(compiled.plan.arena_bytes), 0xFF),  // poison: unwritten floats are NaN
+        watch_(compiled) {
+    watch_.reset(*this);
+  }
 
   std::string where() const override { return "host emulation"; }
   bool on_gpu() const override { return false; }
@@ -31,7 +35,10 @@ class EmulatedExecutor final : public Executor {
     std::memset(arena_.data() + offset, byte, bytes);
   }
   bool has_function(const std::string& name) const override { return module_->has_function(name); }
-  void run(const std::string& function) override { module_->run_function(function, arena_.data()); }
+  void run(const std::string& function) override {
+    module_->run_function(function, arena_.data());
+    watch_.check(*this);
+  }
   void set_seed(uint64_t seed) override { module_->set_seed(seed); }
   std::vector<KernelBytes> kernel_bytes() const override { return module_->kernel_bytes(); }
   void clear_kernel_bytes() override { module_->clear_kernel_bytes(); }
@@ -43,9 +50,61 @@ class EmulatedExecutor final : public Executor {
 
   std::shared_ptr<const HostModule> module_;
   std::vector<unsigned char> arena_;
+  MegakernelWatch watch_;
 };
 
 }  // namespace
+
+MegakernelWatch::MegakernelWatch(const Compiled& compiled) {
+  const EmittedProgram& e = compiled.emitted;
+  const Program& p = compiled.program;
+  sync_offset_ = e.sync_offset;
+  sync_bytes_ = e.sync_bytes;
+  watchdog_ms_ = e.megakernel_watchdog_ms;
+  for (size_t m = 0; m < e.megakernel.size(); ++m) {
+    const MegakernelPhase& mp = e.megakernel[m];
+    PhaseWatch w;
+    w.kernel = e.kernels[m].name;
+    w.state_offset = e.megakernel_state_offsets[m];
+    for (const MegakernelTask& t : mp.tasks) {
+      if (t.kernel < 0) {
+        w.tasks.push_back(fmt::format("a join task (it forwards event e{} to e{})", t.wait, t.trigger));
+        continue;
+      }
+      const EmittedKernel& k = e.tile_kernels[size_t(t.kernel)];
+      std::vector<std::string> ids;
+      for (int task : k.tasks) ids.push_back(p.tasks[size_t(task)].task->id);
+      w.tasks.push_back(fmt::format("{} tile {} (task{} {})", k.name, t.tile, ids.size() == 1 ? "" : "s",
+                                    fmt::join(ids, ", ")));
+    }
+    for (size_t ev = 0; ev < mp.events.size(); ++ev)
+      w.events.push_back(fmt::format("e{} ({}, {} trigger{} per launch)", ev, mp.events[ev].what,
+                                     mp.events[ev].triggers, mp.events[ev].triggers == 1 ? "" : "s"));
+    phases_.push_back(std::move(w));
+  }
+}
+
+void MegakernelWatch::reset(Executor& executor) const {
+  if (sync_bytes_ > 0) executor.fill(sync_offset_, 0, size_t(sync_bytes_));
+}
+
+void MegakernelWatch::check(Executor& executor) const {
+  for (const PhaseWatch& w : phases_) {
+    MegakernelState state;
+    executor.read(w.state_offset, &state, sizeof state);
+    if (state.stopped == 0) continue;
+    reset(executor);
+    const std::string task = state.task < w.tasks.size() ? w.tasks[state.task] : fmt::format("task {}", state.task);
+    const std::string event = state.event < w.events.size() ? w.events[state.event] : fmt::format("e{}", state.event);
+    throw std::runtime_error(fmt::format(
+        "megakernel {} was stopped by its watchdog: block {} waited {} before its task {}, {}, for event {}, which "
+        "had counted {} of the {} it needed; the schedule cannot finish (a producer that never triggers, or blocks "
+        "that are not all resident). The counters are reset; `cudagen describe --megakernel` prints the schedule",
+        w.kernel, state.block,
+        executor.on_gpu() ? fmt::format("more than {} ms", watchdog_ms_) : "while every other block waited too",
+        state.task, task, event, state.value, state.target));
+  }
+}
 
 void check_arena_range(int64_t offset, size_t bytes, int64_t arena_bytes, const char* what) {
   if (offset < 0 || offset > arena_bytes || int64_t(bytes) > arena_bytes - offset)
@@ -60,7 +119,7 @@ std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, const
 }
 
 std::unique_ptr<Executor> make_emulated_executor(const Compiled& compiled, std::shared_ptr<const HostModule> module) {
-  return std::make_unique<EmulatedExecutor>(std::move(module), compiled.plan.arena_bytes);
+  return std::make_unique<EmulatedExecutor>(std::move(module), compiled);
 }
 
 }  // namespace cudagen

@@ -53,6 +53,31 @@ class Executor {
   virtual double copy_bandwidth() { return 0; }
 };
 
+// The host's side of a megakernel's watchdog (DESIGN.md §10): each phase's
+// report in the arena, and the names to put in the error.
+class MegakernelWatch {
+ public:
+  MegakernelWatch() = default;
+  explicit MegakernelWatch(const Compiled& compiled);
+  bool empty() const { return phases_.empty(); }
+  // Zeroes the event counters and reports: before the first launch, and after
+  // a stop, so that the instance can run again.
+  void reset(Executor& executor) const;
+  // After a launcher ran: throws std::runtime_error naming the block, the
+  // task and the event when a watchdog stopped a megakernel.
+  void check(Executor& executor) const;
+
+ private:
+  struct PhaseWatch {
+    std::string kernel;
+    int64_t state_offset = 0;
+    std::vector<std::string> tasks;   // "k4_softmax tile 5 (task sm)", "a join for k5_add"
+    std::vector<std::string> events;  // "e2 (k3_matmul done, 8 triggers per launch)"
+  };
+  int64_t sync_offset_ = 0, sync_bytes_ = 0, watchdog_ms_ = 0;
+  std::vector<PhaseWatch> phases_;
+};
+
 // Throws std::out_of_range unless bytes [offset, offset + bytes) lie in an
 // arena of `arena_bytes`: every executor checks host reads and writes so, the
 // GPU's before a copy could corrupt device memory.

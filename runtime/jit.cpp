@@ -189,7 +189,7 @@ void Instance::set_arg(const std::string& name, ArgValue value) {
 void Instance::write_scalars_region(const RunTimeArgs& args) {
   const Plan& plan = program_->compiled.plan;
   const std::vector<unsigned char> region = scalars_region(program_->compiled, with_step_count(program_->compiled, args, steps_));
-  if (!region.empty()) executor_->write(plan.arena_bytes - plan.scalars_bytes, region.data(), region.size());
+  if (!region.empty()) executor_->write(plan.scalars_offset, region.data(), region.size());
 }
 
 void Instance::run(Phase phase) {

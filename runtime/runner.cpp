@@ -197,7 +197,7 @@ std::vector<unsigned char> scalars_region(const Compiled& c, const RunTimeArgs& 
       throw std::runtime_error(fmt::format("run-time argument '{}' is {}, so {} does not fit it", name,
                                            to_string(s->type), arg_value_to_string(value)));
   }
-  const int64_t start = c.plan.arena_bytes - c.plan.scalars_bytes;
+  const int64_t start = c.plan.scalars_offset;
   std::vector<unsigned char> region(size_t(c.plan.scalars_bytes), 0);
   for (const auto& s : c.plan.scalars) {
     auto it = args.find(s.name(c.program));
@@ -208,7 +208,7 @@ std::vector<unsigned char> scalars_region(const Compiled& c, const RunTimeArgs& 
 
 void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* arena) {
   const std::vector<unsigned char> region = scalars_region(c, args);
-  if (!region.empty()) std::memcpy(arena + (c.plan.arena_bytes - c.plan.scalars_bytes), region.data(), region.size());
+  if (!region.empty()) std::memcpy(arena + c.plan.scalars_offset, region.data(), region.size());
 }
 
 RunTimeArgs with_step_count(const Compiled& c, RunTimeArgs args, int64_t step) {
@@ -251,6 +251,8 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   std::mt19937_64 rng(options.seed);
   std::vector<std::vector<double>> inputs(p.buffers.size());
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
+  // A megakernel's event counters start from zero (each round is a fresh start).
+  std::memset(arena.data() + c.emitted.sync_offset, 0, size_t(c.emitted.sync_bytes));
   std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     if (written_in(p, int(b), all_phases, /*computed=*/true)) continue;

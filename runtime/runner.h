@@ -104,8 +104,8 @@ CheckedRun run_emulated_and_check(const Compiled& compiled, const RunOptions& op
 // that exist when `args` names one that does not, or gives a value of the
 // wrong kind (a float for an int).
 void write_scalars(const Compiled& compiled, const RunTimeArgs& args, unsigned char* arena);
-// The same bytes on their own: the arena's scalars region, its last
-// plan.scalars_bytes bytes.
+// The same bytes on their own: the arena's scalars region, plan.scalars_bytes
+// bytes at plan.scalars_offset.
 std::vector<unsigned char> scalars_region(const Compiled& compiled, const RunTimeArgs& args);
 
 // `args` with each int run-time argument named `step` (Adam's bias

@@ -64,7 +64,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
 template <int BM, int BN, int BK, typename T, typename LoadA, typename LoadB, typename Epilogue>
 CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
                                   int tile_n, T* smem) {
-  static_assert(BM == 64 && BN == 64 && BK == 16, "the warp layout below assumes 64 x 64 x 16 tiles and 128 threads");
+  static_assert(BM == 64 && BN == 64 && BK == 16, "the warp layout below assumes 64 x 64 x 16 tiles and 4 warps");
   T* a_tile = smem;                  // [BM][BK + 8]
   T* b_tile = smem + BM * (BK + 8);  // [BK][BN + 8]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -84,7 +84,8 @@ CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue,
       b_tile[r * (BN + 8) + c] = cg_narrow<T>((k0 + r < K && n0 + c < N) ? load_b(k0 + r, n0 + c) : 0.0f);
     }
     __syncthreads();
-    for (int i = 0; i < 2; ++i) {
+    // Four warps compute; a larger block (a megakernel's) only helps load.
+    for (int i = 0; i < 2 && warp < 4; ++i) {
       T a[8];
       for (int e = 0; e < 8; ++e)
         a[e] = a_tile[(warp_m + 16 * i + g + 8 * (e / 2 % 2)) * (BK + 8) + 2 * t + e % 2 + 8 * (e / 4)];
@@ -96,7 +97,7 @@ CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue,
     }
     __syncthreads();  // the next iteration overwrites the tiles
   }
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < 2 && warp < 4; ++i)
     for (int j = 0; j < 4; ++j)
       for (int e = 0; e < 4; ++e) {
         const int m = m0 + warp_m + 16 * i + g + 8 * (e / 2), n = n0 + warp_n + 8 * j + 2 * t + e % 2;

@@ -264,9 +264,146 @@ CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
 #endif
 }
 
+// Which block of its kernel's grid a kernel body computes, and how many
+// blocks the grid has along x. Every kernel is a device function over one
+// tile that its __global__ wrapper calls with blockIdx and gridDim, and that
+// the megakernel's dispatcher calls for each of its tile tasks (DESIGN.md §10).
+struct cg_tile {
+  unsigned int x, y, z;
+  unsigned int count_x;
+};
+CG_DEVICE cg_tile cg_launch_tile() {
+  cg_tile t;
+  t.x = blockIdx.x;
+  t.y = blockIdx.y;
+  t.z = blockIdx.z;
+  t.count_x = gridDim.x;
+  return t;
+}
+// Tile `index` of a grid of count_x x count_y x any, x fastest.
+CG_DEVICE cg_tile cg_tile_of(unsigned int index, unsigned int count_x, unsigned int count_y) {
+  cg_tile t;
+  t.x = index % count_x;
+  t.y = (index / count_x) % count_y;
+  t.z = index / (count_x * count_y);
+  t.count_x = count_x;
+  return t;
+}
+
 // 1-D grid-stride loop bounds.
-CG_DEVICE cg_i64 cg_global_thread() { return (cg_i64)blockIdx.x * blockDim.x + threadIdx.x; }
-CG_DEVICE cg_i64 cg_grid_threads() { return (cg_i64)gridDim.x * blockDim.x; }
+CG_DEVICE cg_i64 cg_global_thread(cg_tile tile) { return (cg_i64)tile.x * blockDim.x + threadIdx.x; }
+CG_DEVICE cg_i64 cg_grid_threads(cg_tile tile) { return (cg_i64)tile.count_x * blockDim.x; }
+
+// ---- the megakernel (DESIGN.md §10; generator/megakernel.h) ----
+// One tile task of a megakernel's constant schedule: the kernel body it runs
+// (the case of the dispatcher's switch; -1: a join task, which only waits and
+// triggers), the tile, the event it waits for and the one it triggers.
+struct cg_megakernel_task {
+  int kernel;
+  unsigned int tile;
+  int wait;                 // an event, or -1
+  unsigned int wait_count;  // the triggers of `wait` per launch
+  int trigger;              // an event, or -1
+};
+// Per phase, in the arena beside its event counters; zero before the first
+// launch and never reset. The host reads the watchdog's report from it.
+struct cg_megakernel_state {
+  unsigned long long exits;  // blocks that finished, over all launches
+  unsigned int stopped;      // 1 once a wait ran out of time: every block leaves
+  unsigned int block, task, event;
+  unsigned long long value, target;
+};
+
+CG_DEVICE unsigned long long cg_load_acquire(const unsigned long long* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const unsigned long long v = *(const volatile unsigned long long*)p;
+  __threadfence();
+  return v;
+#endif
+}
+CG_DEVICE void cg_add_release(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, v);
+#endif
+}
+CG_DEVICE unsigned long long cg_nanoseconds() {
+#ifdef __CUDA_ARCH__
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Which launch of its megakernel this is, from 1. Every block of the earlier
+// launches has added itself to `exits`, and at most gridDim.x - 1 blocks of
+// this one can have, so the quotient is exact without any reset.
+CG_DEVICE unsigned long long cg_megakernel_launch(cg_megakernel_state* state) {
+  return cg_load_acquire(&state->exits) / gridDim.x + 1;
+}
+
+// Thread 0 waits until the task's event has counted wait_count x launch
+// triggers; then the block goes on together. False when the megakernel has
+// stopped: this wait outlasted `timeout_ns` (and is reported in `state`), or
+// another block's did. In the host emulation a wait that can never end (every
+// block waiting) runs out at once, so a broken schedule fails the same way
+// every time instead of hanging.
+CG_DEVICE bool cg_megakernel_wait(cg_megakernel_state* state, unsigned long long* events, cg_megakernel_task task,
+                                  int task_index, unsigned long long launch, unsigned long long timeout_ns) {
+  if (task.wait >= 0 && threadIdx.x == 0) {
+    const unsigned long long target = (unsigned long long)task.wait_count * launch;
+    unsigned long long* counter = events + task.wait;
+    unsigned long long value = cg_load_acquire(counter);
+#ifdef CUDAGEN_EMULATION
+    const bool arrived = value >= target || cudagen_emu::wait_at_least(counter, target, &state->stopped);
+    value = *counter;
+#else
+    const unsigned long long start = cg_nanoseconds();
+    bool arrived = true;
+    for (unsigned int sleep = 32; value < target; value = cg_load_acquire(counter)) {
+      if (*(volatile unsigned int*)&state->stopped || cg_nanoseconds() - start > timeout_ns) {
+        arrived = false;
+        break;
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+      __nanosleep(sleep);
+      if (sleep < 1024) sleep *= 2;
+#endif
+    }
+#endif
+    if (!arrived && atomicCAS(&state->stopped, 0u, 1u) == 0u) {  // the first to give up reports
+      state->block = blockIdx.x;
+      state->task = (unsigned int)task_index;
+      state->event = (unsigned int)task.wait;
+      state->value = value;
+      state->target = target;
+      __threadfence();
+    }
+  }
+  // A barrier after thread 0's acquire, before the block reads the task's
+  // inputs; thread 0's view of `stopped` decides for the whole block.
+  return !__syncthreads_or(threadIdx.x == 0 && *(volatile unsigned int*)&state->stopped != 0u);
+}
+
+// After a task: once every thread of the block has written its part, one
+// release-add publishes them all.
+CG_DEVICE void cg_megakernel_trigger(unsigned long long* events, cg_megakernel_task task) {
+  __syncthreads();
+  if (task.trigger >= 0 && threadIdx.x == 0) cg_add_release(events + task.trigger, 1ull);
+}
+
+CG_DEVICE void cg_megakernel_exit(cg_megakernel_state* state) {
+  __syncthreads();
+  if (threadIdx.x == 0) cg_add_release(&state->exits, 1ull);
+}
 
 CG_DEVICE float cg_neg_inf() { return -__int_as_float(0x7f800000); }
 

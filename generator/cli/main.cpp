@@ -109,9 +109,15 @@ int run_validate(const Cli& cli) {
   return kExitOk;
 }
 
-int run_describe(const Cli& cli) {
+int run_describe(Cli& cli) {
   Program p = load_program(cli.graph_path, cli.frontend);
   fmt::print("{}", describe(p));
+  if (!cli.compile.emit.megakernel) return kExitOk;
+  cli.compile.frontend = cli.frontend;
+  cli.compile.plan.placement.reuse = !cli.no_reuse;
+  cli.compile.fuse.enabled = !cli.no_fuse;
+  Compiled c = compile(std::move(p), cli.compile);
+  fmt::print("\nmegakernel schedule:\n{}", describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels));
   return kExitOk;
 }
 
@@ -139,6 +145,17 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
       ->capture_default_str();
   cmd->add_flag("--step-function", cli.compile.emit.step_function,
                 "also generate cudagen_step, one launcher that runs forward, backward and update (a training step)");
+  cmd->add_flag("--megakernel", cli.compile.emit.megakernel,
+                "one persistent kernel per phase, running the fused kernels as tile tasks in a fixed schedule "
+                "synchronised by event counters (docs/megakernel.md)");
+  cmd->add_option("--megakernel-blocks", cli.compile.emit.megakernel_blocks,
+                  "blocks of the megakernel, all resident at once (0: one per SM of --arch; sm_90: 132)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--megakernel-watchdog-ms", cli.compile.emit.megakernel_watchdog_ms,
+                  "a block that waits longer than this for an event stops the megakernel and reports it")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t(1), int64_t(3600000)));
 }
 
 int run_compile(Cli& cli) {
@@ -327,8 +344,10 @@ int main_impl(int argc, char** argv) {
   auto* validate_cmd = app.add_subcommand("validate", "check a graph against the op registry; print nothing else");
   add_frontend_options(validate_cmd, cli);
   auto* describe_cmd =
-      app.add_subcommand("describe", "validate a graph, then print its tasks per phase and its buffers");
+      app.add_subcommand("describe", "validate a graph, then print its tasks per phase and its buffers "
+                                     "(with --megakernel, also the megakernel's schedule)");
   add_frontend_options(describe_cmd, cli);
+  add_compile_options(describe_cmd, cli);  // with --megakernel: the schedule of the compiled graph
   auto* format_cmd = app.add_subcommand("format", "print a graph in canonical form (the writer's output)");
   format_cmd->add_option("GRAPH", cli.graph_path, "task graph file")->required()->check(CLI::ExistingFile);
   format_cmd->add_option("-o,--output", cli.output_path, "write here (atomically) instead of standard output");

@@ -26,6 +26,9 @@ extern const __device__ dim3 blockDim;
 extern const __device__ dim3 gridDim;
 
 __device__ void __syncthreads();
+__device__ int __syncthreads_or(int predicate);
+__device__ void __threadfence();
+__device__ void __nanosleep(unsigned ns);
 
 template <typename T> __device__ T __shfl_sync(unsigned mask, T value, int src, int width = 32);
 template <typename T> __device__ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32);

@@ -69,6 +69,14 @@ struct ThreadContext {
 const ThreadContext& context();
 
 void syncthreads();
+// __syncthreads_or: every thread of the block gets whether any passed non-zero.
+int syncthreads_or(int predicate);
+
+// A megakernel's spin-wait (cg_megakernel_wait): suspends the thread until
+// *counter >= target (true) or *stopped is set (false). When no thread of the
+// launch can go on, the first waiting one gets false at once: the watchdog's
+// time bound, reached deterministically.
+bool wait_at_least(const unsigned long long* counter, unsigned long long target, const unsigned int* stopped);
 
 // All lanes of the warp call it; each gets the value deposited by `src_lane`
 // (its own when src_lane is outside the warp or segment).
@@ -94,6 +102,10 @@ void store(T* base, long long index, T value) {
 // an error (see cudagen_emu_last_error).
 int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
            dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure);
+// A persistent (cooperative) launch: every block runs at once, as fibers
+// that also switch where a thread waits for an event.
+int launch_persistent(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena,
+                      dim3 grid, dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure);
 
 template <typename T>
 T shuffle(T value, int src_lane) {
@@ -129,6 +141,9 @@ void cudagen_emu_clear_stats();
 #define gridDim (cudagen_emu::context().grid_dim)
 
 inline void __syncthreads() { cudagen_emu::syncthreads(); }
+inline int __syncthreads_or(int predicate) { return cudagen_emu::syncthreads_or(predicate); }
+// Fibers of one OS thread see each other's writes in program order.
+inline void __threadfence() {}
 
 // Shuffles within segments of `width` lanes, as on the GPU.
 template <typename T>
@@ -193,5 +208,14 @@ inline int __float_as_int(float f) {
     auto cudagen_body = [&]() { kernel(__VA_ARGS__); };                                                          \
     if (cudagen_emu::launch(#kernel, tensors, int(sizeof(tensors) / sizeof(tensors[0])), arena, grid, block, smem, \
                             [](void* c) { (*static_cast<decltype(cudagen_body)*>(c))(); }, &cudagen_body))        \
+      return 1;                                                                                                  \
+  } while (0)
+#define CUDAGEN_LAUNCH_COOPERATIVE(kernel, grid, block, smem, tensors, ...)                                       \
+  do {                                                                                                           \
+    (void)stream;                                                                                                \
+    auto cudagen_body = [&]() { kernel(__VA_ARGS__); };                                                          \
+    if (cudagen_emu::launch_persistent(#kernel, tensors, int(sizeof(tensors) / sizeof(tensors[0])), arena, grid,  \
+                                       block, smem, [](void* c) { (*static_cast<decltype(cudagen_body)*>(c))(); }, \
+                                       &cudagen_body))                                                           \
       return 1;                                                                                                  \
   } while (0)

@@ -23,12 +23,23 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr size_t kGuardBytes = 4096;
 
 struct Fiber {
-  enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
+  enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Spinning, Done };
   fctx::fcontext_t ctx = nullptr;
   ThreadContext thread{};
   State state = State::Ready;
+  unsigned block = 0;  // which block of the blocks running together
   uint64_t exchange = 0;
+  int predicate = 0;       // its __syncthreads_or operand, then the block's result
+  // While Spinning: what it waits for (wait_at_least), then whether it came.
+  const volatile unsigned long long* counter = nullptr;
+  unsigned long long target = 0;
+  const volatile unsigned int* stopped = nullptr;
+  bool arrived = false;
 };
+
+// More fibers than this at once (a persistent launch runs every block's
+// threads together) would exhaust the process's memory maps.
+constexpr unsigned kMaxFibers = 16384;
 
 struct KernelStats {
   std::string kernel;
@@ -51,7 +62,7 @@ class Emulator {
   void clear_stats() { stats_.clear(); }
 
   int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
-             dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
+             dim3 block, unsigned long long smem_bytes, bool persistent, void (*body)(void*), void* closure) {
     kernel_ = kernel;
     tensors_ = tensors;
     tensor_count_ = tensor_count;
@@ -62,8 +73,14 @@ class Emulator {
     stats_.push_back(KernelStats{kernel});
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024) return fail("block of %u threads (1 to 1024 allowed)", threads);
-    ensure_stacks(threads);
-    smem_.assign(smem_bytes + 16, 0);
+    const unsigned long long together = persistent ? (unsigned long long)grid.x * grid.y * grid.z : 1;
+    if (together * threads > kMaxFibers)
+      return fail("kernel %s: a persistent launch of %llu blocks x %u threads is more than the emulator runs at once "
+                  "(%u threads); emulate it with fewer blocks (cudagen compile --megakernel-blocks)",
+                  kernel, together, threads, kMaxFibers);
+    ensure_stacks(unsigned(together) * threads);
+    smem_stride_ = (smem_bytes + 16 + 15) / 16 * 16;
+    smem_.assign(smem_stride_ * together, 0);
     std::vector<uint3> blocks;
     for (unsigned z = 0; z < grid.z; ++z)
       for (unsigned y = 0; y < grid.y; ++y)
@@ -72,9 +89,18 @@ class Emulator {
     std::mt19937_64 rng(seed_ ^ std::hash<std::string>()(kernel));
     std::shuffle(blocks.begin(), blocks.end(), rng);
     const auto start = std::chrono::steady_clock::now();
-    for (const uint3& b : blocks) {
-      run_block(b, grid, block, threads);
+    if (persistent) {  // every block at once: blocks wait for one another's events
+      run_blocks(blocks, grid, block, threads);
+      // Each stack is two memory maps (the guard page splits it), and the
+      // process has a limited number; modules are never unloaded, so keep
+      // no more than a launch of 256-thread blocks needs.
+      trim_stacks(256);
       if (!error_.empty()) return 1;
+    } else {
+      for (const uint3& b : blocks) {
+        run_blocks({b}, grid, block, threads);
+        if (!error_.empty()) return 1;
+      }
     }
     stats_.back().seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return 0;
@@ -84,28 +110,60 @@ class Emulator {
 
   void syncthreads() { wait(Fiber::State::AtBlockBarrier); }
 
+  int syncthreads_or(int predicate) {
+    current_->predicate = predicate;
+    wait(Fiber::State::AtBlockBarrier);
+    return current_->predicate;  // the block's result, set when the barrier released
+  }
+
+  bool wait_at_least(const unsigned long long* counter, unsigned long long target, const unsigned int* stopped) {
+    Fiber* self = current_;
+    self->counter = counter;
+    self->target = target;
+    self->stopped = stopped;
+    wait(Fiber::State::Spinning);
+    return self->arrived;
+  }
+
   uint64_t warp_exchange(uint64_t value, int src_lane) {
     Fiber* self = current_;
     self->exchange = value;
     wait(Fiber::State::AtWarpBarrier);  // every lane has deposited
-    size_t index = size_t(self - fibers_.data());
-    size_t warp_base = index - index % 32;
-    size_t src = warp_base + size_t(src_lane);
-    uint64_t result = (src_lane >= 0 && src_lane < 32 && src < live_threads_) ? fibers_[src].exchange : value;
+    const size_t block_base = size_t(self->block) * threads_;
+    const size_t local = size_t(self - fibers_.data()) - block_base;
+    const size_t src = local - local % 32 + size_t(src_lane);
+    uint64_t result = (src_lane >= 0 && src_lane < 32 && src < threads_) ? fibers_[block_base + src].exchange : value;
     wait(Fiber::State::AtWarpBarrier);  // every lane has read before anyone deposits again
     return result;
   }
 
-  unsigned char* dynamic_smem() { return smem_.data(); }
+  unsigned char* dynamic_smem() { return smem_.data() + current_->block * smem_stride_; }
 
   bool check_access(const void* base, long long index, unsigned long long elem, bool write) {
     const unsigned char* p = static_cast<const unsigned char*>(base);
+    // Where buffers share storage (memory reuse), the pointer may lie in
+    // several tensors: the access is fine if it lies in one of them.
+    const cudagen_tensor_info* first = nullptr;
+    long long first_byte = 0;
     for (int i = 0; i < tensor_count_; ++i) {
       const cudagen_tensor_info& t = tensors_[i];
       const unsigned char* start = arena_ + t.offset;
       if (p < start || p >= start + t.bytes) continue;
       long long byte = (long long)(p - start) + index * (long long)elem;
       if (index < 0 || byte < 0 || (unsigned long long)byte + elem > t.bytes) {
+        if (first == nullptr) {
+          first = &t;
+          first_byte = byte;
+        }
+        continue;
+      }
+      (write ? stats_.back().bytes_written : stats_.back().bytes_read) += elem;
+      return true;
+    }
+    if (first != nullptr) {
+      const cudagen_tensor_info& t = *first;
+      const long long byte = first_byte;
+      {
         const ThreadContext& c = current_->thread;
         fail("kernel %s: out-of-bounds %s of tensor '%s' (buffer %s): element %lld of %llu, by thread (%u, %u, %u) of "
              "block (%u, %u, %u)",
@@ -113,8 +171,6 @@ class Emulator {
              c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y, c.block_idx.z);
         return false;
       }
-      (write ? stats_.back().bytes_written : stats_.back().bytes_read) += elem;
-      return true;
     }
     fail("kernel %s: %s through a pointer that lies in none of the kernel's tensors", kernel_, write ? "store" : "load");
     return false;
@@ -140,6 +196,13 @@ class Emulator {
     if (fibers_.size() < threads) fibers_.resize(threads);
   }
 
+  void trim_stacks(size_t keep) {
+    while (stacks_.size() > keep) {
+      munmap(stacks_.back(), kStackBytes);
+      stacks_.pop_back();
+    }
+  }
+
   static void fiber_entry(fctx::transfer_t t) {
     Emulator* self = static_cast<Emulator*>(t.data);
     self->scheduler_ = t.fctx;
@@ -155,81 +218,131 @@ class Emulator {
     scheduler_ = t.fctx;
   }
 
-  void run_block(uint3 block_idx, dim3 grid, dim3 block, unsigned threads) {
+  // Runs `batch` blocks together: one at a time for a normal launch, all of
+  // them for a persistent one.
+  void run_blocks(const std::vector<uint3>& batch, dim3 grid, dim3 block, unsigned threads) {
     std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
-    live_threads_ = threads;
-    for (unsigned i = 0; i < threads; ++i) {
+    threads_ = threads;
+    blocks_ = unsigned(batch.size());
+    const unsigned total = blocks_ * threads;
+    for (unsigned i = 0; i < total; ++i) {
       Fiber& f = fibers_[i];
-      f.state = Fiber::State::Ready;
-      f.thread.thread_idx = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
-      f.thread.block_idx = block_idx;
+      const unsigned local = i % threads;
+      f = Fiber{};
+      f.block = i / threads;
+      f.thread.thread_idx = uint3{local % block.x, (local / block.x) % block.y, local / (block.x * block.y)};
+      f.thread.block_idx = batch[f.block];
       f.thread.block_dim = block;
       f.thread.grid_dim = grid;
       f.ctx = fctx::make_fcontext(static_cast<char*>(stacks_[i]) + kStackBytes, kStackBytes - kGuardBytes, fiber_entry);
     }
     for (;;) {
-      for (unsigned i = 0; i < threads; ++i) {
+      for (unsigned i = 0; i < total; ++i) {
         if (fibers_[i].state != Fiber::State::Ready) continue;
         current_ = &fibers_[i];
         fctx::transfer_t t = fctx::jump_fcontext(fibers_[i].ctx, this);
         fibers_[i].ctx = t.fctx;
       }
-      if (!release_barriers(threads)) return;
+      bool done = false;
+      const bool progress = release(done);
+      if (done || !error_.empty()) return;
+      if (!progress && !time_out_one_wait()) {
+        fail("kernel %s: no thread can go on: every block waits at a barrier or for an event that nothing will "
+             "trigger",
+             kernel_);
+        return abandon();
+      }
     }
   }
 
-  // After every ready fiber has run until it blocked or finished: release the
-  // barriers whose participants have all arrived. Returns false when the
-  // block is finished or stuck.
-  bool release_barriers(unsigned threads) {
-    bool all_done = true, released = false;
-    for (unsigned w = 0; w < threads; w += 32) {
-      unsigned end = std::min(threads, w + 32);
-      bool any_waiting = false, all_waiting = true;
-      for (unsigned i = w; i < end; ++i) {
-        Fiber::State s = fibers_[i].state;
-        if (s == Fiber::State::AtWarpBarrier) any_waiting = true;
-        else if (s != Fiber::State::Done) all_waiting = false;
+  // After every ready fiber has run until it blocked or finished: release
+  // the barriers whose participants have all arrived, and the waits whose
+  // event has come. Returns whether any fiber can run again; `done` when
+  // every fiber has finished.
+  bool release(bool& done) {
+    bool progress = false;
+    done = true;
+    for (unsigned b = 0; b < blocks_; ++b) {
+      Fiber* f = fibers_.data() + size_t(b) * threads_;
+      bool warp_released = false;
+      for (unsigned w = 0; w < threads_; w += 32) {
+        const unsigned end = std::min(threads_, w + 32);
+        bool any_waiting = false, all_waiting = true;
+        for (unsigned i = w; i < end; ++i) {
+          Fiber::State s = f[i].state;
+          if (s == Fiber::State::AtWarpBarrier) any_waiting = true;
+          else if (s != Fiber::State::Done) all_waiting = false;
+        }
+        if (any_waiting && all_waiting) {
+          for (unsigned i = w; i < end; ++i)
+            if (f[i].state == Fiber::State::AtWarpBarrier) f[i].state = Fiber::State::Ready;
+          warp_released = true;
+        }
       }
-      if (any_waiting && all_waiting) {
-        for (unsigned i = w; i < end; ++i)
-          if (fibers_[i].state == Fiber::State::AtWarpBarrier) fibers_[i].state = Fiber::State::Ready;
-        released = true;
+      unsigned finished = 0, at_block = 0;
+      int any_predicate = 0;
+      for (unsigned i = 0; i < threads_; ++i) {
+        finished += f[i].state == Fiber::State::Done;
+        if (f[i].state == Fiber::State::AtBlockBarrier) {
+          ++at_block;
+          any_predicate |= f[i].predicate != 0;
+        }
+      }
+      if (finished < threads_) done = false;
+      if (warp_released) {
+        progress = true;
+      } else if (at_block == threads_) {
+        for (unsigned i = 0; i < threads_; ++i) {
+          f[i].state = Fiber::State::Ready;
+          f[i].predicate = any_predicate;
+        }
+        progress = true;
+      } else if (finished > 0 && at_block > 0 && at_block + finished == threads_) {
+        const uint3 idx = f[0].thread.block_idx;
+        fail("kernel %s: block (%u, %u, %u) is stuck: %u of %u threads finished while the others wait at a barrier "
+             "(__syncthreads or a warp shuffle) that the finished ones never reached",
+             kernel_, idx.x, idx.y, idx.z, finished, threads_);
+        abandon();
+        return false;
       }
     }
-    if (released) return true;
-    bool all_at_block = true;
-    unsigned done = 0;
-    for (unsigned i = 0; i < threads; ++i) {
-      Fiber::State s = fibers_[i].state;
-      if (s == Fiber::State::Done) ++done;
-      if (s != Fiber::State::AtBlockBarrier) all_at_block = false;
-      if (s != Fiber::State::Done) all_done = false;
+    for (unsigned i = 0; i < blocks_ * threads_; ++i) {
+      Fiber& f = fibers_[i];
+      if (f.state != Fiber::State::Spinning) continue;
+      if (*f.counter >= f.target || *f.stopped != 0) {
+        f.arrived = *f.counter >= f.target;
+        f.state = Fiber::State::Ready;
+        progress = true;
+      }
     }
-    if (all_done) return false;
-    if (all_at_block) {
-      for (unsigned i = 0; i < threads; ++i) fibers_[i].state = Fiber::State::Ready;
-      return true;
-    }
-    const uint3 b = fibers_[0].thread.block_idx;
-    fail("kernel %s: block (%u, %u, %u) is stuck: %u of %u threads finished while the others wait at a barrier "
-         "(__syncthreads or a warp shuffle) that the finished ones never reached",
-         kernel_, b.x, b.y, b.z, done, threads);
-    abandon_block(threads);
+    return progress;
+  }
+
+  // Nothing can move: the first waiting fiber's wait ends without its event,
+  // as a GPU's watchdog would end it after its time bound, and reports.
+  bool time_out_one_wait() {
+    for (unsigned i = 0; i < blocks_ * threads_; ++i)
+      if (fibers_[i].state == Fiber::State::Spinning) {
+        fibers_[i].arrived = false;
+        fibers_[i].state = Fiber::State::Ready;
+        return true;
+      }
     return false;
   }
 
   // Fibers stuck at a barrier are never resumed; their stacks are reused by
   // the next block. Nothing on them needs destruction (kernels hold PODs).
-  void abandon_block(unsigned threads) {
-    for (unsigned i = 0; i < threads; ++i) fibers_[i].state = Fiber::State::Done;
+  void abandon() {
+    for (unsigned i = 0; i < blocks_ * threads_; ++i) fibers_[i].state = Fiber::State::Done;
   }
 
   uint64_t seed_ = 1;
   std::vector<void*> stacks_;
   std::vector<Fiber> fibers_;
   std::vector<unsigned char> smem_;
-  unsigned live_threads_ = 0;
+  size_t smem_stride_ = 0;  // bytes of shared memory per block
+  unsigned threads_ = 0;    // per block
+  unsigned blocks_ = 0;     // running together
   Fiber* current_ = nullptr;
   fctx::fcontext_t scheduler_ = nullptr;
   const char* kernel_ = "";
@@ -258,9 +371,17 @@ unsigned char* dynamic_smem() { return emulator().dynamic_smem(); }
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write) {
   return emulator().check_access(base, index, elem_bytes, write);
 }
+int syncthreads_or(int predicate) { return emulator().syncthreads_or(predicate); }
+bool wait_at_least(const unsigned long long* counter, unsigned long long target, const unsigned int* stopped) {
+  return emulator().wait_at_least(counter, target, stopped);
+}
 int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
            dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
-  return emulator().launch(kernel, tensors, tensor_count, arena, grid, block, smem_bytes, body, closure);
+  return emulator().launch(kernel, tensors, tensor_count, arena, grid, block, smem_bytes, false, body, closure);
+}
+int launch_persistent(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena,
+                      dim3 grid, dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
+  return emulator().launch(kernel, tensors, tensor_count, arena, grid, block, smem_bytes, true, body, closure);
 }
 
 }  // namespace cudagen_emu

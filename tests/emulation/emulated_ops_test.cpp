@@ -438,7 +438,7 @@ TEST(Emulation, ReportsADivergentBarrier) {
   b.task("s", "softmax").tensor("x", f32, {2, 64}, ext).tensor("out", f32, {2, 64}, ext);
   Compiled c = compile_graph(std::move(b).graph());
   std::string source = c.emitted.cuda_source;
-  size_t body = source.find("  const cg_i64 row = blockIdx.x;");
+  size_t body = source.find("  const cg_i64 row = tile.x;");
   ASSERT_NE(body, std::string::npos);
   source.insert(body, "  if (threadIdx.x == 5) return;\n");  // one thread skips the block reductions
   HostModule module = HostModule::build(source, work_dir("divergent"));

@@ -11,7 +11,9 @@
 #include <string>
 
 #include "driver.h"
+#include "pipeline.h"
 #include "runner.h"
+#include "validate.h"
 
 namespace cudagen::testing {
 
@@ -28,9 +30,26 @@ inline std::string test_source_dir() {
   return dir && *dir ? dir : CUDAGEN_SOURCE_DIR;
 }
 
+// CUDAGEN_TEST_MEGAKERNEL=N (ctest's megakernel_numerics): every graph
+// run_checked runs is compiled again as a megakernel of N blocks, so that the
+// numerical tests check that mode too.
+inline int test_megakernel_blocks() {
+  const char* blocks = std::getenv("CUDAGEN_TEST_MEGAKERNEL");
+  return blocks && *blocks ? std::atoi(blocks) : 0;
+}
+
 // run_and_check on the chosen backend. On a GPU there is no fallback: a
 // machine without a driver fails here, saying so.
-inline CheckedRun run_checked(const Compiled& compiled, const RunOptions& options) {
+inline CheckedRun run_checked(const Compiled& given, const RunOptions& options) {
+  Compiled recompiled;
+  if (const int blocks = test_megakernel_blocks(); blocks > 0 && !given.options.emit.megakernel) {
+    CompileOptions megakernel = given.options;
+    megakernel.emit.megakernel = true;
+    megakernel.emit.megakernel_blocks = blocks;
+    // The same program (tasks, registry) validated again: a Program is move-only.
+    recompiled = compile(validate(given.program.graph, given.program.registry), megakernel);
+  }
+  const Compiled& compiled = recompiled.emitted.megakernel.empty() ? given : recompiled;
   if (!test_on_gpu()) return run_emulated_and_check(compiled, options);
   GpuOptions gpu;
   GpuCode code = compile_for_gpu(compiled, gpu);

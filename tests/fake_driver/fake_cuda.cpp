@@ -11,6 +11,7 @@
 //   FAKE_CUDA_FAIL=CALL[:KERNEL] CALL fails (for cuLaunchKernel, only on KERNEL)
 //   FAKE_CUDA_DEVICES=N         the number of GPUs (default 1)
 //   FAKE_CUDA_FREE_BYTES=N      what cuMemGetInfo reports free (default 1 GiB)
+//   FAKE_CUDA_SMS=N             multiprocessors (default 132); each holds 2 blocks of any kernel
 #include <cuda.h>
 
 #include <cstdint>
@@ -93,6 +94,8 @@ CUresult fake_cuDeviceGet(CUdevice* d, int ordinal) {
 CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice) {
   if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = 9;
   else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = 0;
+  else if (attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    *value = std::getenv("FAKE_CUDA_SMS") ? std::atoi(std::getenv("FAKE_CUDA_SMS")) : 132;
   else return CUDA_ERROR_INVALID_VALUE;
   return CUDA_SUCCESS;
 }
@@ -203,6 +206,17 @@ CUresult fake_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz
   }
   return CUDA_SUCCESS;
 }
+CUresult fake_cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction, int, size_t) {
+  *blocks = 2;
+  return CUDA_SUCCESS;
+}
+CUresult fake_cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                        unsigned bz, unsigned smem, CUstream stream, void** params) {
+  const std::string& name = state().function_names.at(size_t(reinterpret_cast<uintptr_t>(f)) - 1);
+  if (fails("cuLaunchCooperativeKernel", name)) return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+  state().log += "cooperative ";
+  return fake_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, nullptr);
+}
 CUresult fake_cuStreamCreate(CUstream* s, unsigned int) {
   *s = reinterpret_cast<CUstream>(0x2);
   return CUDA_SUCCESS;
@@ -281,6 +295,7 @@ const std::map<std::string, void*>& table() {
       FAKE(cuStreamBeginCapture) FAKE(cuStreamEndCapture) FAKE(cuGraphInstantiateWithFlags) FAKE(cuGraphLaunch)
       FAKE(cuGraphDestroy) FAKE(cuGraphExecDestroy) FAKE(cuEventCreate) FAKE(cuEventDestroy) FAKE(cuEventRecord)
       FAKE(cuEventSynchronize) FAKE(cuEventElapsedTime) FAKE(cuGetErrorName) FAKE(cuGetErrorString)
+      FAKE(cuLaunchCooperativeKernel) FAKE(cuOccupancyMaxActiveBlocksPerMultiprocessor)
 #undef FAKE
   };
   return t;

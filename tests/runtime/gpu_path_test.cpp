@@ -304,3 +304,40 @@ TEST_F(GpuPath, NoDriverSaysSoAndOffersTheEmulation) {
   EXPECT_EQ(code.report.arch, "sm_80");
   EXPECT_FALSE(code.binary.empty());
 }
+
+// --megakernel: one cooperative launch per phase, of the arena pointer only,
+// after a residency check that names the fix when the GPU is too small; the
+// NVRTC-compiled module holds the megakernel and no per-fusion-group kernel.
+TEST_F(GpuPath, AMegakernelIsOneCooperativeLaunchPerPhaseAfterAResidencyCheck) {
+  CompileOptions options;
+  options.emit.megakernel = true;
+  options.emit.megakernel_blocks = 132;
+  options.emit.step_function = true;
+  Compiled c = compile(load_program(source_path("examples/train_mlp.json"), {}), options);
+  GpuCode code = compile_for_gpu(c, options_);
+  std::unique_ptr<Executor> gpu = make_gpu_executor(c, code, options_);
+  fake_log();
+  gpu->run("cudagen_forward");
+  std::string log = fake_log();
+  std::vector<std::string> launches = lines_starting(log, "cooperative launch ");
+  ASSERT_EQ(launches.size(), 1u) << log;
+  EXPECT_EQ(launches[0], fmt::format("cooperative launch megakernel_forward grid=132,1,1 block=256,1,1 smem={} args=+0",
+                                     c.emitted.kernels[1].smem_bytes));
+  // The step: forward, backward and update, one launch each, never a CUDA Graph capture.
+  GpuOptions graphs = options_;
+  graphs.cuda_graph = true;
+  std::unique_ptr<Executor> replayed = make_gpu_executor(c, code, graphs);
+  fake_log();
+  replayed->run("cudagen_step");
+  log = fake_log();
+  EXPECT_EQ(lines_starting(log, "cooperative launch ").size(), 3u) << log;
+  EXPECT_EQ(log.find("capture"), std::string::npos) << log;
+
+  // 40 SMs x 2 blocks cannot hold 132 blocks that wait for one another.
+  ::setenv("FAKE_CUDA_SMS", "40", 1);
+  const std::string what = message_of<DriverError>([&] { make_gpu_executor(c, code, options_); });
+  ::unsetenv("FAKE_CUDA_SMS");
+  EXPECT_NE(what.find("megakernel megakernel_init needs 132 blocks of 256 threads"), std::string::npos) << what;
+  EXPECT_NE(what.find("holds 80 (2 per SM x 40 SMs); compile with --megakernel-blocks 80 or fewer"), std::string::npos)
+      << what;
+}

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 145664 bytes (lower bound 145408, without reuse 145920); the last 256 bytes hold 1 run-time argument(s), the runtime writes them.
+// Arena: 145664 bytes (lower bound 145408, without reuse 145920); the 256 bytes at 145408 hold 1 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -271,9 +271,146 @@ CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
 #endif
 }
 
+// Which block of its kernel's grid a kernel body computes, and how many
+// blocks the grid has along x. Every kernel is a device function over one
+// tile that its __global__ wrapper calls with blockIdx and gridDim, and that
+// the megakernel's dispatcher calls for each of its tile tasks (DESIGN.md §10).
+struct cg_tile {
+  unsigned int x, y, z;
+  unsigned int count_x;
+};
+CG_DEVICE cg_tile cg_launch_tile() {
+  cg_tile t;
+  t.x = blockIdx.x;
+  t.y = blockIdx.y;
+  t.z = blockIdx.z;
+  t.count_x = gridDim.x;
+  return t;
+}
+// Tile `index` of a grid of count_x x count_y x any, x fastest.
+CG_DEVICE cg_tile cg_tile_of(unsigned int index, unsigned int count_x, unsigned int count_y) {
+  cg_tile t;
+  t.x = index % count_x;
+  t.y = (index / count_x) % count_y;
+  t.z = index / (count_x * count_y);
+  t.count_x = count_x;
+  return t;
+}
+
 // 1-D grid-stride loop bounds.
-CG_DEVICE cg_i64 cg_global_thread() { return (cg_i64)blockIdx.x * blockDim.x + threadIdx.x; }
-CG_DEVICE cg_i64 cg_grid_threads() { return (cg_i64)gridDim.x * blockDim.x; }
+CG_DEVICE cg_i64 cg_global_thread(cg_tile tile) { return (cg_i64)tile.x * blockDim.x + threadIdx.x; }
+CG_DEVICE cg_i64 cg_grid_threads(cg_tile tile) { return (cg_i64)tile.count_x * blockDim.x; }
+
+// ---- the megakernel (DESIGN.md §10; generator/megakernel.h) ----
+// One tile task of a megakernel's constant schedule: the kernel body it runs
+// (the case of the dispatcher's switch; -1: a join task, which only waits and
+// triggers), the tile, the event it waits for and the one it triggers.
+struct cg_megakernel_task {
+  int kernel;
+  unsigned int tile;
+  int wait;                 // an event, or -1
+  unsigned int wait_count;  // the triggers of `wait` per launch
+  int trigger;              // an event, or -1
+};
+// Per phase, in the arena beside its event counters; zero before the first
+// launch and never reset. The host reads the watchdog's report from it.
+struct cg_megakernel_state {
+  unsigned long long exits;  // blocks that finished, over all launches
+  unsigned int stopped;      // 1 once a wait ran out of time: every block leaves
+  unsigned int block, task, event;
+  unsigned long long value, target;
+};
+
+CG_DEVICE unsigned long long cg_load_acquire(const unsigned long long* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const unsigned long long v = *(const volatile unsigned long long*)p;
+  __threadfence();
+  return v;
+#endif
+}
+CG_DEVICE void cg_add_release(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, v);
+#endif
+}
+CG_DEVICE unsigned long long cg_nanoseconds() {
+#ifdef __CUDA_ARCH__
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Which launch of its megakernel this is, from 1. Every block of the earlier
+// launches has added itself to `exits`, and at most gridDim.x - 1 blocks of
+// this one can have, so the quotient is exact without any reset.
+CG_DEVICE unsigned long long cg_megakernel_launch(cg_megakernel_state* state) {
+  return cg_load_acquire(&state->exits) / gridDim.x + 1;
+}
+
+// Thread 0 waits until the task's event has counted wait_count x launch
+// triggers; then the block goes on together. False when the megakernel has
+// stopped: this wait outlasted `timeout_ns` (and is reported in `state`), or
+// another block's did. In the host emulation a wait that can never end (every
+// block waiting) runs out at once, so a broken schedule fails the same way
+// every time instead of hanging.
+CG_DEVICE bool cg_megakernel_wait(cg_megakernel_state* state, unsigned long long* events, cg_megakernel_task task,
+                                  int task_index, unsigned long long launch, unsigned long long timeout_ns) {
+  if (task.wait >= 0 && threadIdx.x == 0) {
+    const unsigned long long target = (unsigned long long)task.wait_count * launch;
+    unsigned long long* counter = events + task.wait;
+    unsigned long long value = cg_load_acquire(counter);
+#ifdef CUDAGEN_EMULATION
+    const bool arrived = value >= target || cudagen_emu::wait_at_least(counter, target, &state->stopped);
+    value = *counter;
+#else
+    const unsigned long long start = cg_nanoseconds();
+    bool arrived = true;
+    for (unsigned int sleep = 32; value < target; value = cg_load_acquire(counter)) {
+      if (*(volatile unsigned int*)&state->stopped || cg_nanoseconds() - start > timeout_ns) {
+        arrived = false;
+        break;
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+      __nanosleep(sleep);
+      if (sleep < 1024) sleep *= 2;
+#endif
+    }
+#endif
+    if (!arrived && atomicCAS(&state->stopped, 0u, 1u) == 0u) {  // the first to give up reports
+      state->block = blockIdx.x;
+      state->task = (unsigned int)task_index;
+      state->event = (unsigned int)task.wait;
+      state->value = value;
+      state->target = target;
+      __threadfence();
+    }
+  }
+  // A barrier after thread 0's acquire, before the block reads the task's
+  // inputs; thread 0's view of `stopped` decides for the whole block.
+  return !__syncthreads_or(threadIdx.x == 0 && *(volatile unsigned int*)&state->stopped != 0u);
+}
+
+// After a task: once every thread of the block has written its part, one
+// release-add publishes them all.
+CG_DEVICE void cg_megakernel_trigger(unsigned long long* events, cg_megakernel_task task) {
+  __syncthreads();
+  if (task.trigger >= 0 && threadIdx.x == 0) cg_add_release(events + task.trigger, 1ull);
+}
+
+CG_DEVICE void cg_megakernel_exit(cg_megakernel_state* state) {
+  __syncthreads();
+  if (threadIdx.x == 0) cg_add_release(&state->exits, 1ull);
+}
 
 CG_DEVICE float cg_neg_inf() { return -__int_as_float(0x7f800000); }
 
@@ -1189,116 +1326,146 @@ CG_DEVICE T cg_permute(const T* x, cg_i64 i, int rank, const cg_i64* out_dims, c
 //   reads  -
 //   writes fill.out f32 [33]
 //   0 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k0_fill_tile(float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_fill<float>(i, 0.25f));
+}
+CG_KERNEL void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
+  k0_fill_tile(out, cg_launch_tile());
 }
 
 // Kernel k1_uniform (init phase): task uniform (uniform, elementwise).
 //   reads  -
 //   writes uniform.out f64 [33]
 //   0 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k1_uniform(double* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k1_uniform_tile(double* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_uniform<double>(i, -0.5f, 2.0f, 42ll));
+}
+CG_KERNEL void __launch_bounds__(256) k1_uniform(double* __restrict__ out) {
+  k1_uniform_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_normal (init phase): task normal (normal, elementwise).
 //   reads  -
 //   writes normal.out f32 [33]
 //   0 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k2_normal(float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k2_normal_tile(float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_normal<float>(i, 0.0f, 0.019999999552965164f, 3ll));
+}
+CG_KERNEL void __launch_bounds__(256) k2_normal(float* __restrict__ out) {
+  k2_normal_tile(out, cg_launch_tile());
 }
 
 // Kernel k3_relu (forward phase): task relu (relu, elementwise).
 //   reads  relu.x f32 [33]
 //   writes relu.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k3_relu_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_relu<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float* __restrict__ out) {
+  k3_relu_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k4_add_bcast (forward phase): task add_bcast (add, broadcast).
 //   reads  add_bcast.a f32 [2, 1, 33], add_bcast.b f32 [3, 1]
 //   writes add_bcast.out f32 [2, 3, 33]
 //   276 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k4_add_bcast(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 198; i += cg_grid_threads())
+CG_DEVICE void k4_add_bcast_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 198; i += cg_grid_threads(tile))
     cg_store(out, i, cg_add<float>(cg_load(a, ((i / 1 % 33) * 1 + (i / 99 % 2) * 33)), cg_load(b, ((i / 33 % 3) * 1))));
+}
+CG_KERNEL void __launch_bounds__(256) k4_add_bcast(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k4_add_bcast_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k5_softmax_causal (forward phase): task softmax_causal (softmax, reduction).
 //   reads  softmax_causal.x f32 [2, 33, 33]
 //   writes softmax_causal.out f32 [2, 33, 33]
 //   8712 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k5_softmax_causal_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
                  [&](int j, float v) { cg_store(out, row * 33 + j, v); },
                  33, 0.5f, (int)(row % 33 + 1 < 33 ? row % 33 + 1 : 33), (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
+  k5_softmax_causal_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k6_matmul_t (forward phase): task matmul_t (matmul, matmul).
 //   reads  matmul_t.a f32 [2, 5, 33], matmul_t.b f32 [7, 5]
 //   writes matmul_t.out f32 [2, 33, 7]
 //   1460 bytes read, 1848 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k6_matmul_t(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+CG_DEVICE void k6_matmul_t_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = blockIdx.z;
+  const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 165, b_base = 0 * 35, out_base = z * 231;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 33 + m); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 5 + k); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 7 + n, 0.5f * acc); },
-      33, 7, 5, blockIdx.y, blockIdx.x, (float*)cg_smem);
+      33, 7, 5, tile.y, tile.x, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(256) k6_matmul_t(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k6_matmul_t_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k7_embedding (forward phase): task embedding (embedding, gather).
 //   reads  embedding.table f32 [33, 5], embedding.ids i32 [35]
 //   writes embedding.out f32 [35, 5]
 //   800 bytes read, 700 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k7_embedding(const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 175; i += cg_grid_threads())
+CG_DEVICE void k7_embedding_tile(const float* table, const int* ids, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 175; i += cg_grid_threads(tile))
     cg_store(out, i, cg_embedding<float, int>(table, ids, i, 5));
+}
+CG_KERNEL void __launch_bounds__(256) k7_embedding(const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out) {
+  k7_embedding_tile(table, ids, out, cg_launch_tile());
 }
 
 // Kernel k8_transpose (forward phase): task transpose (transpose, opaque).
 //   reads  transpose.x f64 [2, 33, 9]
 //   writes transpose.out f64 [2, 9, 33]
 //   4752 bytes read, 4752 bytes written; grid [1, 2, 2], block 256, 8448 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k8_transpose(const double* __restrict__ x, double* __restrict__ out) {
+CG_DEVICE void k8_transpose_tile(const double* x, double* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  cg_transpose_tile<double>(x, out, 33, 9, blockIdx.y, blockIdx.x, (cg_i64)blockIdx.z * 297, (double*)cg_smem);
+  cg_transpose_tile<double>(x, out, 33, 9, tile.y, tile.x, (cg_i64)tile.z * 297, (double*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(256) k8_transpose(const double* __restrict__ x, double* __restrict__ out) {
+  k8_transpose_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k9_conv2d (forward phase): task conv2d (conv2d, opaque).
 //   reads  conv2d.x f32 [2, 5, 9, 10], conv2d.weight f32 [33, 5, 3, 3], conv2d.bias f32 [33]
 //   writes conv2d.out f32 [2, 33, 5, 5]
 //   9672 bytes read, 6600 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k9_conv2d(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out) {
+CG_DEVICE void k9_conv2d_tile(const float* x, const float* weight, const float* bias, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_conv2d_geometry g = {5, 9, 10, 33, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 1};
-  const cg_i64 image = blockIdx.z / 1, group = blockIdx.z % 1;
+  const cg_i64 image = tile.z / 1, group = tile.z % 1;
   const cg_i64 x_base = (image * 5 + group * 5) * 90, w_base = group * 1485;
   const cg_i64 out_base = (image * 33 + group * 33) * 25;
   cg_conv2d_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(weight, w_base + (cg_i64)m * 45 + k); },
       [&](int c, int h, int w) { return cg_load(x, x_base + ((cg_i64)c * 9 + h) * 10 + w); },
       [&](int m, int p, float acc) { cg_store(out, out_base + (cg_i64)m * 25 + p, acc + cg_load(bias, group * 33 + m)); },
-      g, blockIdx.y, blockIdx.x, (float*)cg_smem);
+      g, tile.y, tile.x, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(256) k9_conv2d(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out) {
+  k9_conv2d_tile(x, weight, bias, out, cg_launch_tile());
 }
 
 // Kernel k10_conv2d_depthwise (forward phase): task conv2d_depthwise (conv2d, opaque).
 //   reads  conv2d_depthwise.x f32 [1, 12, 7, 7], conv2d_depthwise.weight f32 [12, 1, 3, 3]
 //   writes conv2d_depthwise.out f32 [1, 12, 7, 7]
 //   2784 bytes read, 2352 bytes written; grid [3, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k10_conv2d_depthwise(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
+CG_DEVICE void k10_conv2d_depthwise_tile(const float* x, const float* weight, float* out, cg_tile tile) {
   const cg_conv2d_geometry g = {12, 7, 7, 12, 7, 7, 3, 3, 1, 1, 1, 1, 1, 1, 12};
-  for (cg_i64 i = cg_global_thread(); i < 588; i += cg_grid_threads()) {
+  for (cg_i64 i = cg_global_thread(tile); i < 588; i += cg_grid_threads(tile)) {
     const int ow = (int)(i % 7), oh = (int)(i / 7 % 7);
     const cg_i64 channel = i / 49 % 12, image = i / (49 * 12);
     const cg_i64 group = channel / 1;
@@ -1311,107 +1478,143 @@ CG_KERNEL void __launch_bounds__(256) k10_conv2d_depthwise(const float* __restri
     cg_store(out, i, acc);
   }
 }
+CG_KERNEL void __launch_bounds__(256) k10_conv2d_depthwise(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
+  k10_conv2d_depthwise_tile(x, weight, out, cg_launch_tile());
+}
 
 // Kernel k11_max_pool2d (forward phase): task max_pool2d (max_pool2d, gather).
 //   reads  max_pool2d.x f32 [2, 3, 9, 9]
 //   writes max_pool2d.out f32 [2, 3, 5, 5]
 //   1944 bytes read, 600 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k11_max_pool2d(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k11_max_pool2d_tile(const float* x, float* out, cg_tile tile) {
   const cg_pool2d_window p = {9, 9, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1};
-  for (cg_i64 i = cg_global_thread(); i < 150; i += cg_grid_threads())
+  for (cg_i64 i = cg_global_thread(tile); i < 150; i += cg_grid_threads(tile))
     cg_store(out, i, cg_max_pool2d(x, i, p));
+}
+CG_KERNEL void __launch_bounds__(256) k11_max_pool2d(const float* __restrict__ x, float* __restrict__ out) {
+  k11_max_pool2d_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k12_avg_pool2d (forward phase): task avg_pool2d (avg_pool2d, gather).
 //   reads  avg_pool2d.x f32 [2, 3, 9, 9]
 //   writes avg_pool2d.out f32 [2, 3, 4, 4]
 //   1944 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k12_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k12_avg_pool2d_tile(const float* x, float* out, cg_tile tile) {
   const cg_pool2d_window p = {9, 9, 4, 4, 2, 2, 2, 2, 0, 0, 1, 1};
-  for (cg_i64 i = cg_global_thread(); i < 96; i += cg_grid_threads())
+  for (cg_i64 i = cg_global_thread(tile); i < 96; i += cg_grid_threads(tile))
     cg_store(out, i, cg_avg_pool2d(x, i, p, false));
+}
+CG_KERNEL void __launch_bounds__(256) k12_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
+  k12_avg_pool2d_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k13_adaptive_avg_pool2d (forward phase): task adaptive_avg_pool2d (adaptive_avg_pool2d, gather).
 //   reads  adaptive_avg_pool2d.x f32 [2, 3, 9, 7]
 //   writes adaptive_avg_pool2d.out f32 [2, 3, 1, 1]
 //   1512 bytes read, 24 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k13_adaptive_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 6; i += cg_grid_threads())
+CG_DEVICE void k13_adaptive_avg_pool2d_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 6; i += cg_grid_threads(tile))
     cg_store(out, i, cg_adaptive_avg_pool2d(x, i, 9, 7, 1, 1));
+}
+CG_KERNEL void __launch_bounds__(256) k13_adaptive_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
+  k13_adaptive_avg_pool2d_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k14_permute (forward phase): task permute (permute, gather).
 //   reads  permute.x f64 [2, 3, 4]
 //   writes permute.out f64 [4, 2, 3]
 //   192 bytes read, 192 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k14_permute(const double* __restrict__ x, double* __restrict__ out) {
+CG_DEVICE void k14_permute_tile(const double* x, double* out, cg_tile tile) {
   const cg_i64 out_dims[3] = {4, 2, 3}, source_strides[3] = {1, 12, 4};
-  for (cg_i64 i = cg_global_thread(); i < 24; i += cg_grid_threads())
+  for (cg_i64 i = cg_global_thread(tile); i < 24; i += cg_grid_threads(tile))
     cg_store(out, i, cg_permute(x, i, 3, out_dims, source_strides));
+}
+CG_KERNEL void __launch_bounds__(256) k14_permute(const double* __restrict__ x, double* __restrict__ out) {
+  k14_permute_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k15_relu6 (forward phase): task relu6 (relu6, elementwise).
 //   reads  relu6.x f32 [33, 2]
 //   writes relu6.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k15_relu6(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k15_relu6_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_relu6<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k15_relu6(const float* __restrict__ x, float* __restrict__ out) {
+  k15_relu6_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k16_hardswish (forward phase): task hardswish (hardswish, elementwise).
 //   reads  hardswish.x f32 [33, 2]
 //   writes hardswish.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k16_hardswish(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k16_hardswish_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_hardswish<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k16_hardswish(const float* __restrict__ x, float* __restrict__ out) {
+  k16_hardswish_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k17_relu6_backward (forward phase): task relu6_backward (relu6_backward, elementwise).
 //   reads  relu6_backward.x f32 [33, 2], relu6_backward.dout f32 [33, 2]
 //   writes relu6_backward.dx f32 [33, 2]
 //   528 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k17_relu6_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k17_relu6_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_relu6_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k17_relu6_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k17_relu6_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k18_hardswish_backward (forward phase): task hardswish_backward (hardswish_backward, elementwise).
 //   reads  hardswish_backward.x f32 [33, 2], hardswish_backward.dout f32 [33, 2]
 //   writes hardswish_backward.dx f32 [33, 2]
 //   528 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k18_hardswish_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k18_hardswish_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_hardswish_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k18_hardswish_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k18_hardswish_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k19_sigmoid (forward phase): task sigmoid (sigmoid, elementwise).
 //   reads  sigmoid.x f32 [33]
 //   writes sigmoid.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k19_sigmoid(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k19_sigmoid_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_sigmoid<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k19_sigmoid(const float* __restrict__ x, float* __restrict__ out) {
+  k19_sigmoid_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k20_silu (forward phase): task silu (silu, elementwise).
 //   reads  silu.x f32 [33]
 //   writes silu.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k20_silu(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k20_silu_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_silu<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k20_silu(const float* __restrict__ x, float* __restrict__ out) {
+  k20_silu_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k21_tanh (forward phase): task tanh (tanh, elementwise).
 //   reads  tanh.x f32 [33]
 //   writes tanh.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k21_tanh(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k21_tanh_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_tanh<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k21_tanh(const float* __restrict__ x, float* __restrict__ out) {
+  k21_tanh_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k22_exp (forward phase): tasks exp (exp), log (log), log_backward (log_backward), exp_backward (exp_backward), fused (elementwise_chain).
@@ -1419,8 +1622,8 @@ CG_KERNEL void __launch_bounds__(256) k21_tanh(const float* __restrict__ x, floa
 //   writes exp.out f32 [33], log.out f32 [33], log_backward.dx f32 [33], exp_backward.dx f32 [33]
 //   in registers -
 //   396 bytes read, 528 bytes written; grid [1, 1, 1], block 256.
-CG_KERNEL void __launch_bounds__(256) k22_exp(const float* __restrict__ exp_x, const float* __restrict__ log_backward_dout, const float* __restrict__ exp_backward_dout, float* __restrict__ exp_out, float* __restrict__ log_out, float* __restrict__ log_backward_dx, float* __restrict__ exp_backward_dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads()) {
+CG_DEVICE void k22_exp_tile(const float* exp_x, const float* log_backward_dout, const float* exp_backward_dout, float* exp_out, float* log_out, float* log_backward_dx, float* exp_backward_dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile)) {
     const float v0 = cg_exp<float>(cg_load(exp_x, i));  // exp.out
     const float v1 = cg_log<float>(v0);  // log.out
     const float v2 = cg_log_backward<float>(v0, cg_load(log_backward_dout, i));  // log_backward.dx
@@ -1431,273 +1634,357 @@ CG_KERNEL void __launch_bounds__(256) k22_exp(const float* __restrict__ exp_x, c
     cg_store(exp_backward_dx, i, v3);
   }
 }
+CG_KERNEL void __launch_bounds__(256) k22_exp(const float* __restrict__ exp_x, const float* __restrict__ log_backward_dout, const float* __restrict__ exp_backward_dout, float* __restrict__ exp_out, float* __restrict__ log_out, float* __restrict__ log_backward_dx, float* __restrict__ exp_backward_dx) {
+  k22_exp_tile(exp_x, log_backward_dout, exp_backward_dout, exp_out, log_out, log_backward_dx, exp_backward_dx, cg_launch_tile());
+}
 
 // Kernel k23_neg (forward phase): task neg (neg, elementwise).
 //   reads  neg.x f32 [33]
 //   writes neg.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k23_neg(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k23_neg_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_neg<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k23_neg(const float* __restrict__ x, float* __restrict__ out) {
+  k23_neg_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k24_gelu_erf (forward phase): task gelu_erf (gelu, elementwise).
 //   reads  gelu_erf.x f64 [33]
 //   writes gelu_erf.out f64 [33]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k24_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k24_gelu_erf_tile(const double* x, double* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_gelu<double>(cg_load(x, i), /*approximate=erf*/ 1));
+}
+CG_KERNEL void __launch_bounds__(256) k24_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
+  k24_gelu_erf_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k25_gelu_tanh (forward phase): task gelu_tanh (gelu, elementwise).
 //   reads  gelu_tanh.x f32 [33]
 //   writes gelu_tanh.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k25_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k25_gelu_tanh_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_gelu<float>(cg_load(x, i), /*approximate=tanh*/ 0));
+}
+CG_KERNEL void __launch_bounds__(256) k25_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
+  k25_gelu_tanh_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k26_affine (forward phase): task affine (affine, elementwise).
 //   reads  affine.x f32 [33]
 //   writes affine.out f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k26_affine(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ scale_arg) {
+CG_DEVICE void k26_affine_tile(const float* x, float* out, const float* scale_arg, cg_tile tile) {
   const float scale = cg_load(scale_arg, 0);  // run-time argument affine.scale
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_affine<float>(cg_load(x, i), scale, 0.5f));
+}
+CG_KERNEL void __launch_bounds__(256) k26_affine(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ scale_arg) {
+  k26_affine_tile(x, out, scale_arg, cg_launch_tile());
 }
 
 // Kernel k27_sub (forward phase): task sub (sub, broadcast).
 //   reads  sub.a f32 [4, 33], sub.b f32 [33]
 //   writes sub.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k27_sub(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
+CG_DEVICE void k27_sub_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_sub<float>(cg_load(a, i), cg_load(b, (i % 33))));
+}
+CG_KERNEL void __launch_bounds__(256) k27_sub(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k27_sub_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k28_mul (forward phase): task mul (mul, broadcast).
 //   reads  mul.a f32 [4, 33], mul.b f32 [33]
 //   writes mul.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k28_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
+CG_DEVICE void k28_mul_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_mul<float>(cg_load(a, i), cg_load(b, (i % 33))));
+}
+CG_KERNEL void __launch_bounds__(256) k28_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k28_mul_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k29_div (forward phase): task div (div, broadcast).
 //   reads  div.a f32 [4, 33], div.b f32 [33]
 //   writes div.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k29_div(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
+CG_DEVICE void k29_div_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_div<float>(cg_load(a, i), cg_load(b, (i % 33))));
+}
+CG_KERNEL void __launch_bounds__(256) k29_div(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k29_div_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k30_maximum (forward phase): task maximum (maximum, broadcast).
 //   reads  maximum.a f32 [4, 33], maximum.b f32 [33]
 //   writes maximum.out f32 [4, 33]
 //   660 bytes read, 528 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k30_maximum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 132; i += cg_grid_threads())
+CG_DEVICE void k30_maximum_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_maximum<float>(cg_load(a, i), cg_load(b, (i % 33))));
+}
+CG_KERNEL void __launch_bounds__(256) k30_maximum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k30_maximum_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k31_relu_backward (forward phase): task relu_backward (relu_backward, elementwise).
 //   reads  relu_backward.x f32 [33], relu_backward.dout f32 [33]
 //   writes relu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k31_relu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k31_relu_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_relu_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k31_relu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k31_relu_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k32_sigmoid_backward (forward phase): task sigmoid_backward (sigmoid_backward, elementwise).
 //   reads  sigmoid_backward.x f32 [33], sigmoid_backward.dout f32 [33]
 //   writes sigmoid_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k32_sigmoid_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k32_sigmoid_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sigmoid_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k32_sigmoid_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k32_sigmoid_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k33_silu_backward (forward phase): task silu_backward (silu_backward, elementwise).
 //   reads  silu_backward.x f32 [33], silu_backward.dout f32 [33]
 //   writes silu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k33_silu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k33_silu_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_silu_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k33_silu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k33_silu_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k34_tanh_backward (forward phase): task tanh_backward (tanh_backward, elementwise).
 //   reads  tanh_backward.x f32 [33], tanh_backward.dout f32 [33]
 //   writes tanh_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k34_tanh_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k34_tanh_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_tanh_backward<float>(cg_load(x, i), cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k34_tanh_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k34_tanh_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k35_rmsnorm (forward phase): task rmsnorm (rmsnorm, reduction).
 //   reads  rmsnorm.x f32 [3, 33], rmsnorm.weight f32 [33] <- fill.out
 //   writes rmsnorm.out f32 [3, 33], rmsnorm.rstd f32 [3]
 //   528 bytes read, 408 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k35_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+CG_DEVICE void k35_rmsnorm_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 33 + j); },
                                         [&](int j) { return cg_load(weight, j); },
                                         [&](int j, float v) { cg_store(out, row * 33 + j, v); },
                                         33, 9.999999974752427e-07f, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
 }
+CG_KERNEL void __launch_bounds__(64) k35_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+  k35_rmsnorm_tile(x, weight, out, rstd, cg_launch_tile());
+}
 
 // Kernel k36_split_heads (forward phase): task split_heads (split_heads, gather).
 //   reads  split_heads.x f32 [2, 5, 12]
 //   writes split_heads.out f32 [2, 3, 5, 4]
 //   480 bytes read, 480 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k36_split_heads(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 120; i += cg_grid_threads())
+CG_DEVICE void k36_split_heads_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 120; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 5, 3, 4)));
+}
+CG_KERNEL void __launch_bounds__(256) k36_split_heads(const float* __restrict__ x, float* __restrict__ out) {
+  k36_split_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k37_merge_heads (forward phase): task merge_heads (merge_heads, gather).
 //   reads  merge_heads.x f32 [2, 3, 5, 4] <- split_heads.out
 //   writes merge_heads.out f32 [2, 5, 12]
 //   480 bytes read, 480 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k37_merge_heads(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 120; i += cg_grid_threads())
+CG_DEVICE void k37_merge_heads_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 120; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 5, 3, 4)));
+}
+CG_KERNEL void __launch_bounds__(256) k37_merge_heads(const float* __restrict__ x, float* __restrict__ out) {
+  k37_merge_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k38_sum (forward phase): task sum (sum, reduction).
 //   reads  sum.x f32 [3, 33]
 //   writes sum.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k38_sum(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k38_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   const float value = cg_sum_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
+}
+CG_KERNEL void __launch_bounds__(64) k38_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k38_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k39_mean (forward phase): task mean (mean, reduction).
 //   reads  mean.x f32 [3, 33]
 //   writes mean.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k39_mean(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k39_mean_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   const float value = cg_mean_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
+}
+CG_KERNEL void __launch_bounds__(64) k39_mean(const float* __restrict__ x, float* __restrict__ out) {
+  k39_mean_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k40_max (forward phase): task max (max, reduction).
 //   reads  max.x f32 [3, 33]
 //   writes max.out f32 [3]
 //   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k40_max(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k40_max_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   const float value = cg_max_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
+}
+CG_KERNEL void __launch_bounds__(64) k40_max(const float* __restrict__ x, float* __restrict__ out) {
+  k40_max_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k41_log_softmax (forward phase): task log_softmax (log_softmax, reduction).
 //   reads  log_softmax.x f32 [2, 33]
 //   writes log_softmax.out f32 [2, 33]
 //   264 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k41_log_softmax(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k41_log_softmax_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_log_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
                      [&](int j, float v) { cg_store(out, row * 33 + j, v); }, 33, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k41_log_softmax(const float* __restrict__ x, float* __restrict__ out) {
+  k41_log_softmax_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k42_sum_leading (forward phase): task sum_leading (sum_leading, reduction).
 //   reads  sum_leading.x f32 [2, 33, 5]
 //   writes sum_leading.out f32 [5]
 //   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k42_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k42_sum_leading_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 j = cg_i64(blockIdx.x) * 32 + threadIdx.x % 32;
+  const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 5 + c); }, j, 5, 66, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 5) cg_store(out, j, total);
+}
+CG_KERNEL void __launch_bounds__(256) k42_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
+  k42_sum_leading_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k43_cast (forward phase): task cast (cast, elementwise).
 //   reads  cast.x f32 [33]
 //   writes cast.out f16 [33]
 //   132 bytes read, 66 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k43_cast(const float* __restrict__ x, cg_f16* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k43_cast_tile(const float* x, cg_f16* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_narrow<cg_f16>(cg_cast<float>(cg_load(x, i))));
+}
+CG_KERNEL void __launch_bounds__(256) k43_cast(const float* __restrict__ x, cg_f16* __restrict__ out) {
+  k43_cast_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k44_cast_backward (forward phase): task cast_backward (cast_backward, elementwise).
 //   reads  cast_backward.dout f16 [33]
 //   writes cast_backward.dx f32 [33]
 //   66 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k44_cast_backward(const cg_f16* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k44_cast_backward_tile(const cg_f16* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_cast_backward<float>(cg_widen(cg_load(dout, i))));
+}
+CG_KERNEL void __launch_bounds__(256) k44_cast_backward(const cg_f16* __restrict__ dout, float* __restrict__ dx) {
+  k44_cast_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k45_concat (forward phase): task concat (concat, gather).
 //   reads  concat.a f32 [3, 33], concat.b f32 [3, 5]
 //   writes concat.out f32 [3, 38]
 //   456 bytes read, 456 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k45_concat(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 114; i += cg_grid_threads())
+CG_DEVICE void k45_concat_tile(const float* a, const float* b, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 114; i += cg_grid_threads(tile))
     cg_store(out, i, cg_concat(a, b, i, 33, 5));
+}
+CG_KERNEL void __launch_bounds__(256) k45_concat(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k45_concat_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k46_split (forward phase): task split (split, gather).
 //   reads  split.x f32 [2, 36]
 //   writes split.a f32 [2, 33], split.b f32 [2, 3]
 //   288 bytes read, 288 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k46_split(const float* __restrict__ x, float* __restrict__ a, float* __restrict__ b) {
-  for (cg_i64 i = cg_global_thread(); i < 72; i += cg_grid_threads())
+CG_DEVICE void k46_split_tile(const float* x, float* a, float* b, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 72; i += cg_grid_threads(tile))
     cg_split(x, a, b, i, 33, 3);
+}
+CG_KERNEL void __launch_bounds__(256) k46_split(const float* __restrict__ x, float* __restrict__ a, float* __restrict__ b) {
+  k46_split_tile(x, a, b, cg_launch_tile());
 }
 
 // Kernel k47_affine_backward (forward phase): task affine_backward (affine_backward, elementwise).
 //   reads  affine_backward.dout f32 [33]
 //   writes affine_backward.dx f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k47_affine_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k47_affine_backward_tile(const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_affine_backward<float>(cg_load(dout, i), -1.5f));
+}
+CG_KERNEL void __launch_bounds__(256) k47_affine_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+  k47_affine_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k48_neg_backward (forward phase): task neg_backward (neg_backward, elementwise).
 //   reads  neg_backward.dout f32 [33]
 //   writes neg_backward.dx f32 [33]
 //   132 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k48_neg_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k48_neg_backward_tile(const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_neg_backward<float>(cg_load(dout, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k48_neg_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+  k48_neg_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k49_gelu_backward (forward phase): task gelu_backward (gelu_backward, elementwise).
 //   reads  gelu_backward.x f32 [33], gelu_backward.dout f32 [33]
 //   writes gelu_backward.dx f32 [33]
 //   264 bytes read, 132 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k49_gelu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 33; i += cg_grid_threads())
+CG_DEVICE void k49_gelu_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_gelu_backward<float>(cg_load(x, i), cg_load(dout, i), /*approximate=tanh*/ 0));
+}
+CG_KERNEL void __launch_bounds__(256) k49_gelu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
+  k49_gelu_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k50_layernorm (forward phase): task layernorm (layernorm, reduction).
 //   reads  layernorm.x f32 [3, 33], layernorm.weight f32 [33], layernorm.bias f32 [33]
 //   writes layernorm.out f32 [3, 33], layernorm.mean f32 [3], layernorm.rstd f32 [3]
 //   660 bytes read, 420 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k50_layernorm(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {
+CG_DEVICE void k50_layernorm_tile(const float* x, const float* weight, const float* bias, float* out, float* mean, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   const cg_row_stats stats = cg_layernorm_row([&](int j) { return cg_load(x, row * 33 + j); },
                                               [&](int j) { return cg_load(weight, j); },
                                               [&](int j) { return cg_load(bias, j); },
@@ -1705,22 +1992,25 @@ CG_KERNEL void __launch_bounds__(64) k50_layernorm(const float* __restrict__ x, 
                                               33, 9.999999747378752e-06f, (float*)cg_smem);
   if (threadIdx.x == 0) { cg_store(mean, row, stats.mean); cg_store(rstd, row, stats.rstd); }
 }
+CG_KERNEL void __launch_bounds__(64) k50_layernorm(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {
+  k50_layernorm_tile(x, weight, bias, out, mean, rstd, cg_launch_tile());
+}
 
 // Kernel k51_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
 //   reads  layernorm_backward.x f32 [3, 33] <- layernorm.x, layernorm_backward.weight f32 [33] <- layernorm.weight, layernorm_backward.mean f32 [3] <- layernorm.mean, layernorm_backward.rstd f32 [3] <- layernorm.rstd, layernorm_backward.dout f32 [3, 33]
 //   writes layernorm_backward.dx f32 [3, 33], layernorm_backward.dweight f32 [33], layernorm_backward.dbias f32 [33]
 //   948 bytes read, 660 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(128) k51_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
+CG_DEVICE void k51_layernorm_backward_tile(const float* x, const float* weight, const float* mean, const float* rstd, const float* dout, float* dx, float* dweight, float* dbias, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  if (blockIdx.x < 3) {  // dx, a row per block
-    const cg_i64 row = blockIdx.x;
+  if (tile.x < 3) {  // dx, a row per block
+    const cg_i64 row = tile.x;
     cg_layernorm_backward_row([&](int j) { return cg_load(x, row * 33 + j); },
         [&](int j) { return cg_load(weight, j); },
         [&](int j) { return cg_load(dout, row * 33 + j); },
         [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
         33, cg_load(mean, row), cg_load(rstd, row), (float*)cg_smem);
   } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
-    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * 32 + threadIdx.x % 32;
+    const cg_i64 j = (cg_i64)(tile.x - 3) * 32 + threadIdx.x % 32;
     float dw, db;
     cg_layernorm_backward_params_column([&](cg_i64 r) { return cg_load(x, r * 33 + j); }, [&](cg_i64 r) { return cg_load(dout, r * 33 + j); },
                                         [&](cg_i64 r) { return cg_load(mean, r); },
@@ -1732,22 +2022,25 @@ CG_KERNEL void __launch_bounds__(128) k51_layernorm_backward(const float* __rest
     }
   }
 }
+CG_KERNEL void __launch_bounds__(128) k51_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
+  k51_layernorm_backward_tile(x, weight, mean, rstd, dout, dx, dweight, dbias, cg_launch_tile());
+}
 
 // Kernel k52_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
 //   reads  rmsnorm_backward.x f32 [3, 33] <- rmsnorm.x, rmsnorm_backward.weight f32 [33] <- fill.out, rmsnorm_backward.rstd f32 [3] <- rmsnorm.rstd, rmsnorm_backward.dout f32 [3, 33]
 //   writes rmsnorm_backward.dx f32 [3, 33], rmsnorm_backward.dweight f32 [33]
 //   936 bytes read, 528 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(128) k52_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+CG_DEVICE void k52_rmsnorm_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  if (blockIdx.x < 3) {  // dx, a row per block
-    const cg_i64 row = blockIdx.x;
+  if (tile.x < 3) {  // dx, a row per block
+    const cg_i64 row = tile.x;
     cg_rmsnorm_backward_row([&](int j) { return cg_load(x, row * 33 + j); },
         [&](int j) { return cg_load(weight, j); },
         [&](int j) { return cg_load(dout, row * 33 + j); },
         [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
         33, cg_load(rstd, row), (float*)cg_smem);
   } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
-    const cg_i64 j = (cg_i64)(blockIdx.x - 3) * 32 + threadIdx.x % 32;
+    const cg_i64 j = (cg_i64)(tile.x - 3) * 32 + threadIdx.x % 32;
     const float dw = cg_rmsnorm_backward_weight_column([&](cg_i64 r) { return cg_load(x, r * 33 + j); },
                                                        [&](cg_i64 r) { return cg_load(dout, r * 33 + j); },
                                                        [&](cg_i64 r) { return cg_load(rstd, r); }, j < 33, 3,
@@ -1755,38 +2048,47 @@ CG_KERNEL void __launch_bounds__(128) k52_rmsnorm_backward(const float* __restri
     if (threadIdx.x < 32 && j < 33) cg_store(dweight, j, dw);
   }
 }
+CG_KERNEL void __launch_bounds__(128) k52_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k52_rmsnorm_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+}
 
 // Kernel k53_softmax_backward (forward phase): task softmax_backward (softmax_backward, reduction).
 //   reads  softmax_backward.out f32 [2, 33, 33] <- softmax_causal.out, softmax_backward.dout f32 [2, 33, 33]
 //   writes softmax_backward.dx f32 [2, 33, 33]
 //   17424 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k53_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_DEVICE void k53_softmax_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 33 + j); },
       [&](int j) { return cg_load(dout, row * 33 + j); },
       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
       33, 0.5f, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k53_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k53_softmax_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
 // Kernel k54_log_softmax_backward (forward phase): task log_softmax_backward (log_softmax_backward, reduction).
 //   reads  log_softmax_backward.out f32 [2, 33] <- log_softmax.out, log_softmax_backward.dout f32 [2, 33]
 //   writes log_softmax_backward.dx f32 [2, 33]
 //   528 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k54_log_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_DEVICE void k54_log_softmax_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_log_softmax_backward_row([&](int j) { return cg_load(out, row * 33 + j); },
       [&](int j) { return cg_load(dout, row * 33 + j); },
       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
       33, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k54_log_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k54_log_softmax_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
 // Kernel k55_cross_entropy (forward phase): task cross_entropy (cross_entropy, reduction).
 //   reads  cross_entropy.logits f32 [33, 7], cross_entropy.labels i32 [33]
 //   writes cross_entropy.loss f32 []
 //   1056 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k55_cross_entropy(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+CG_DEVICE void k55_cross_entropy_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 33; ++row)
@@ -1794,34 +2096,43 @@ CG_KERNEL void __launch_bounds__(32) k55_cross_entropy(const float* __restrict__
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 33.0f);
 }
+CG_KERNEL void __launch_bounds__(32) k55_cross_entropy(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k55_cross_entropy_tile(logits, labels, loss, cg_launch_tile());
+}
 
 // Kernel k56_cross_entropy_backward (forward phase): task cross_entropy_backward (cross_entropy_backward, reduction).
 //   reads  cross_entropy_backward.logits f32 [3, 33], cross_entropy_backward.labels i64 [3]
 //   writes cross_entropy_backward.dlogits f32 [3, 33]
 //   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k56_cross_entropy_backward(const float* __restrict__ logits, const long long* __restrict__ labels, float* __restrict__ dlogits) {
+CG_DEVICE void k56_cross_entropy_backward_tile(const float* logits, const long long* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 33 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 33 + j, v); },
                                 33, (cg_i64)cg_load(labels, row), 0.3333333432674408f, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k56_cross_entropy_backward(const float* __restrict__ logits, const long long* __restrict__ labels, float* __restrict__ dlogits) {
+  k56_cross_entropy_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
 // Kernel k57_embedding_backward (forward phase): task embedding_backward (embedding_backward, gather).
 //   reads  embedding_backward.ids i64 [33], embedding_backward.dout f32 [33, 5]
 //   writes embedding_backward.dtable f32 [4, 5]
 //   924 bytes read, 80 bytes written; grid [4, 1, 1], block 32, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k57_embedding_backward(const long long* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  const cg_i64 v = blockIdx.x;
+CG_DEVICE void k57_embedding_backward_tile(const long long* ids, const float* dout, float* dtable, cg_tile tile) {
+  const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 5; d += blockDim.x)
     cg_store(dtable, v * 5 + d, cg_embedding_backward<float, long long>(ids, dout, v, d, 33, 5));
+}
+CG_KERNEL void __launch_bounds__(32) k57_embedding_backward(const long long* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k57_embedding_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
 // Kernel k58_mse (forward phase): task mse (mse, reduction).
 //   reads  mse.pred f32 [33, 3], mse.target f32 [33, 3]
 //   writes mse.loss f32 []
 //   792 bytes read, 4 bytes written; grid [1, 1, 1], block 256, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k58_mse(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ loss) {
+CG_DEVICE void k58_mse_tile(const float* pred, const float* target, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float partial = 0.0f;
   for (cg_i64 i = threadIdx.x; i < 99; i += blockDim.x)
@@ -1829,70 +2140,91 @@ CG_KERNEL void __launch_bounds__(256) k58_mse(const float* __restrict__ pred, co
   const float total = cg_block_sum(partial, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 99.0f);
 }
+CG_KERNEL void __launch_bounds__(256) k58_mse(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ loss) {
+  k58_mse_tile(pred, target, loss, cg_launch_tile());
+}
 
 // Kernel k59_mse_backward (forward phase): task mse_backward (mse_backward, elementwise).
 //   reads  mse_backward.pred f32 [33, 3], mse_backward.target f32 [33, 3]
 //   writes mse_backward.dpred f32 [33, 3]
 //   792 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k59_mse_backward(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ dpred) {
-  for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
+CG_DEVICE void k59_mse_backward_tile(const float* pred, const float* target, float* dpred, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dpred, i, cg_mse_backward<float>(cg_load(pred, i), cg_load(target, i), 0.5f));
+}
+CG_KERNEL void __launch_bounds__(256) k59_mse_backward(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ dpred) {
+  k59_mse_backward_tile(pred, target, dpred, cg_launch_tile());
 }
 
 // Kernel k60_sum_backward (forward phase): task sum_backward (sum_backward, reduction).
 //   reads  sum_backward.dout f32 [3]
 //   writes sum_backward.dx f32 [3, 33]
 //   12 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k60_sum_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
+CG_DEVICE void k60_sum_backward_tile(const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sum_backward<float>(cg_load(dout, i / 33), 33));
+}
+CG_KERNEL void __launch_bounds__(256) k60_sum_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+  k60_sum_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k61_mean_backward (forward phase): task mean_backward (mean_backward, reduction).
 //   reads  mean_backward.dout f32 [3]
 //   writes mean_backward.dx f32 [3, 33]
 //   12 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k61_mean_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
+CG_DEVICE void k61_mean_backward_tile(const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_mean_backward<float>(cg_load(dout, i / 33), 33));
+}
+CG_KERNEL void __launch_bounds__(256) k61_mean_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+  k61_mean_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k62_max_backward (forward phase): task max_backward (max_backward, reduction).
 //   reads  max_backward.x f32 [3, 33] <- max.x, max_backward.out f32 [3] <- max.out, max_backward.dout f32 [3]
 //   writes max_backward.dx f32 [3, 33]
 //   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(64) k62_max_backward(const float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+CG_DEVICE void k62_max_backward_tile(const float* x, const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_max_backward_row([&](int j) { return cg_load(x, row * 33 + j); },
                       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
                       33, cg_load(out, row), cg_load(dout, row), (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(64) k62_max_backward(const float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k62_max_backward_tile(x, out, dout, dx, cg_launch_tile());
 }
 
 // Kernel k63_sum_leading_backward (forward phase): task sum_leading_backward (sum_leading_backward, broadcast).
 //   reads  sum_leading_backward.dout f32 [5]
 //   writes sum_leading_backward.dx f32 [2, 33, 5]
 //   20 bytes read, 1320 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k63_sum_leading_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 330; i += cg_grid_threads())
+CG_DEVICE void k63_sum_leading_backward_tile(const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 330; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sum_leading_backward<float>(cg_load(dout, (i % 5))));
+}
+CG_KERNEL void __launch_bounds__(256) k63_sum_leading_backward(const float* __restrict__ dout, float* __restrict__ dx) {
+  k63_sum_leading_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k64_maximum_backward (forward phase): task maximum_backward (maximum_backward, broadcast).
 //   reads  maximum_backward.a f32 [3, 33], maximum_backward.b f32 [33], maximum_backward.dout f32 [3, 33]
 //   writes maximum_backward.dx f32 [3, 33]
 //   924 bytes read, 396 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k64_maximum_backward(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dout, float* __restrict__ dx) {
-  for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads())
+CG_DEVICE void k64_maximum_backward_tile(const float* a, const float* b, const float* dout, float* dx, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_maximum_backward<float>(cg_load(a, i), cg_load(b, (i % 33)), cg_load(dout, i), /*wrt=b*/ 1));
+}
+CG_KERNEL void __launch_bounds__(256) k64_maximum_backward(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dout, float* __restrict__ dx) {
+  k64_maximum_backward_tile(a, b, dout, dx, cg_launch_tile());
 }
 
 // Kernel k65_sgd (update phase): task sgd (sgd, elementwise).
 //   reads  sgd.param f32 [33, 3], sgd.grad f32 [33, 3], sgd.momentum_buf f32 [33, 3]
 //   writes sgd.param f32 [33, 3], sgd.momentum_buf f32 [33, 3]
 //   1188 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k65_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  for (cg_i64 i = cg_global_thread(); i < 99; i += cg_grid_threads()) {
+CG_DEVICE void k65_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
     cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.05000000074505806f, 0.8999999761581421f, 0.0f);
@@ -1900,22 +2232,28 @@ CG_KERNEL void __launch_bounds__(256) k65_sgd(float* __restrict__ param, const f
     cg_store(momentum_buf, i, momentum_buf_local);
   }
 }
+CG_KERNEL void __launch_bounds__(256) k65_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
+  k65_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
+}
 
 // Kernel k66_adam_v (update phase): task adam_v (exp, elementwise).
 //   reads  adam_v.x f32 [33, 2]
 //   writes adam_v.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k66_adam_v(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k66_adam_v_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k66_adam_v(const float* __restrict__ x, float* __restrict__ out) {
+  k66_adam_v_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k67_adam (update phase): task adam (adam, elementwise).
 //   reads  adam.param f32 [33, 2], adam.grad f32 [33, 2], adam.m f32 [33, 2], adam.v f32 [33, 2] <- adam_v.out
 //   writes adam.param f32 [33, 2], adam.m f32 [33, 2], adam.v f32 [33, 2] <- adam_v.out
 //   1056 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k67_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads()) {
+CG_DEVICE void k67_adam_tile(float* param, const float* grad, float* m, float* v, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
@@ -1925,22 +2263,28 @@ CG_KERNEL void __launch_bounds__(256) k67_adam(float* __restrict__ param, const 
     cg_store(v, i, v_local);
   }
 }
+CG_KERNEL void __launch_bounds__(256) k67_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
+  k67_adam_tile(param, grad, m, v, cg_launch_tile());
+}
 
 // Kernel k68_adamw_v (update phase): task adamw_v (exp, elementwise).
 //   reads  adamw_v.x f32 [33, 2]
 //   writes adamw_v.out f32 [33, 2]
 //   264 bytes read, 264 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k68_adamw_v(const float* __restrict__ x, float* __restrict__ out) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads())
+CG_DEVICE void k68_adamw_v_tile(const float* x, float* out, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
+}
+CG_KERNEL void __launch_bounds__(256) k68_adamw_v(const float* __restrict__ x, float* __restrict__ out) {
+  k68_adamw_v_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k69_adamw (update phase): task adamw (adamw, elementwise).
 //   reads  adamw.param f32 [33, 2], adamw.grad f32 [33, 2], adamw.m f32 [33, 2], adamw.v f32 [33, 2] <- adamw_v.out
 //   writes adamw.param f32 [33, 2], adamw.m f32 [33, 2], adamw.v f32 [33, 2] <- adamw_v.out
 //   1056 bytes read, 792 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k69_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
-  for (cg_i64 i = cg_global_thread(); i < 66; i += cg_grid_threads()) {
+CG_DEVICE void k69_adamw_tile(float* param, const float* grad, float* m, float* v, cg_tile tile) {
+  for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
@@ -1949,6 +2293,9 @@ CG_KERNEL void __launch_bounds__(256) k69_adamw(float* __restrict__ param, const
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
+}
+CG_KERNEL void __launch_bounds__(256) k69_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
+  k69_adamw_tile(param, grad, m, v, cg_launch_tile());
 }
 
 #ifndef __CUDACC_RTC__

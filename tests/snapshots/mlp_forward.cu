@@ -271,9 +271,146 @@ CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
 #endif
 }
 
+// Which block of its kernel's grid a kernel body computes, and how many
+// blocks the grid has along x. Every kernel is a device function over one
+// tile that its __global__ wrapper calls with blockIdx and gridDim, and that
+// the megakernel's dispatcher calls for each of its tile tasks (DESIGN.md §10).
+struct cg_tile {
+  unsigned int x, y, z;
+  unsigned int count_x;
+};
+CG_DEVICE cg_tile cg_launch_tile() {
+  cg_tile t;
+  t.x = blockIdx.x;
+  t.y = blockIdx.y;
+  t.z = blockIdx.z;
+  t.count_x = gridDim.x;
+  return t;
+}
+// Tile `index` of a grid of count_x x count_y x any, x fastest.
+CG_DEVICE cg_tile cg_tile_of(unsigned int index, unsigned int count_x, unsigned int count_y) {
+  cg_tile t;
+  t.x = index % count_x;
+  t.y = (index / count_x) % count_y;
+  t.z = index / (count_x * count_y);
+  t.count_x = count_x;
+  return t;
+}
+
 // 1-D grid-stride loop bounds.
-CG_DEVICE cg_i64 cg_global_thread() { return (cg_i64)blockIdx.x * blockDim.x + threadIdx.x; }
-CG_DEVICE cg_i64 cg_grid_threads() { return (cg_i64)gridDim.x * blockDim.x; }
+CG_DEVICE cg_i64 cg_global_thread(cg_tile tile) { return (cg_i64)tile.x * blockDim.x + threadIdx.x; }
+CG_DEVICE cg_i64 cg_grid_threads(cg_tile tile) { return (cg_i64)tile.count_x * blockDim.x; }
+
+// ---- the megakernel (DESIGN.md §10; generator/megakernel.h) ----
+// One tile task of a megakernel's constant schedule: the kernel body it runs
+// (the case of the dispatcher's switch; -1: a join task, which only waits and
+// triggers), the tile, the event it waits for and the one it triggers.
+struct cg_megakernel_task {
+  int kernel;
+  unsigned int tile;
+  int wait;                 // an event, or -1
+  unsigned int wait_count;  // the triggers of `wait` per launch
+  int trigger;              // an event, or -1
+};
+// Per phase, in the arena beside its event counters; zero before the first
+// launch and never reset. The host reads the watchdog's report from it.
+struct cg_megakernel_state {
+  unsigned long long exits;  // blocks that finished, over all launches
+  unsigned int stopped;      // 1 once a wait ran out of time: every block leaves
+  unsigned int block, task, event;
+  unsigned long long value, target;
+};
+
+CG_DEVICE unsigned long long cg_load_acquire(const unsigned long long* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const unsigned long long v = *(const volatile unsigned long long*)p;
+  __threadfence();
+  return v;
+#endif
+}
+CG_DEVICE void cg_add_release(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, v);
+#endif
+}
+CG_DEVICE unsigned long long cg_nanoseconds() {
+#ifdef __CUDA_ARCH__
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
+
+// Which launch of its megakernel this is, from 1. Every block of the earlier
+// launches has added itself to `exits`, and at most gridDim.x - 1 blocks of
+// this one can have, so the quotient is exact without any reset.
+CG_DEVICE unsigned long long cg_megakernel_launch(cg_megakernel_state* state) {
+  return cg_load_acquire(&state->exits) / gridDim.x + 1;
+}
+
+// Thread 0 waits until the task's event has counted wait_count x launch
+// triggers; then the block goes on together. False when the megakernel has
+// stopped: this wait outlasted `timeout_ns` (and is reported in `state`), or
+// another block's did. In the host emulation a wait that can never end (every
+// block waiting) runs out at once, so a broken schedule fails the same way
+// every time instead of hanging.
+CG_DEVICE bool cg_megakernel_wait(cg_megakernel_state* state, unsigned long long* events, cg_megakernel_task task,
+                                  int task_index, unsigned long long launch, unsigned long long timeout_ns) {
+  if (task.wait >= 0 && threadIdx.x == 0) {
+    const unsigned long long target = (unsigned long long)task.wait_count * launch;
+    unsigned long long* counter = events + task.wait;
+    unsigned long long value = cg_load_acquire(counter);
+#ifdef CUDAGEN_EMULATION
+    const bool arrived = value >= target || cudagen_emu::wait_at_least(counter, target, &state->stopped);
+    value = *counter;
+#else
+    const unsigned long long start = cg_nanoseconds();
+    bool arrived = true;
+    for (unsigned int sleep = 32; value < target; value = cg_load_acquire(counter)) {
+      if (*(volatile unsigned int*)&state->stopped || cg_nanoseconds() - start > timeout_ns) {
+        arrived = false;
+        break;
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+      __nanosleep(sleep);
+      if (sleep < 1024) sleep *= 2;
+#endif
+    }
+#endif
+    if (!arrived && atomicCAS(&state->stopped, 0u, 1u) == 0u) {  // the first to give up reports
+      state->block = blockIdx.x;
+      state->task = (unsigned int)task_index;
+      state->event = (unsigned int)task.wait;
+      state->value = value;
+      state->target = target;
+      __threadfence();
+    }
+  }
+  // A barrier after thread 0's acquire, before the block reads the task's
+  // inputs; thread 0's view of `stopped` decides for the whole block.
+  return !__syncthreads_or(threadIdx.x == 0 && *(volatile unsigned int*)&state->stopped != 0u);
+}
+
+// After a task: once every thread of the block has written its part, one
+// release-add publishes them all.
+CG_DEVICE void cg_megakernel_trigger(unsigned long long* events, cg_megakernel_task task) {
+  __syncthreads();
+  if (task.trigger >= 0 && threadIdx.x == 0) cg_add_release(events + task.trigger, 1ull);
+}
+
+CG_DEVICE void cg_megakernel_exit(cg_megakernel_state* state) {
+  __syncthreads();
+  if (threadIdx.x == 0) cg_add_release(&state->exits, 1ull);
+}
 
 CG_DEVICE float cg_neg_inf() { return -__int_as_float(0x7f800000); }
 
@@ -405,7 +542,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 //   writes act1.out f32 [33, 100]
 //   in registers fc1.out, bias1.out
 //   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ act1_out) {
+CG_DEVICE void k0_fc1_tile(const float* a, const float* b, const float* bias1_b, float* act1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 100)));  // bias1.out
@@ -413,13 +550,16 @@ CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const 
     cg_store(act1_out, i, v2);
   };
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = blockIdx.z;
+  const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2112, b_base = z * 6400, out_base = z * 3300;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 100 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 100 + n, acc); },
-      33, 100, 64, blockIdx.y, blockIdx.x, (float*)cg_smem);
+      33, 100, 64, tile.y, tile.x, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ act1_out) {
+  k0_fc1_tile(a, b, bias1_b, act1_out, cg_launch_tile());
 }
 
 // Kernel k1_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
@@ -427,32 +567,38 @@ CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const 
 //   writes bias2.out f32 [33, 10]
 //   in registers fc2.out
 //   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(256) k1_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+CG_DEVICE void k1_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
     cg_store(bias2_out, i, v1);
   };
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = blockIdx.z;
+  const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 3300, b_base = z * 1000, out_base = z * 330;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 100 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
-      33, 10, 100, blockIdx.y, blockIdx.x, (float*)cg_smem);
+      33, 10, 100, tile.y, tile.x, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(256) k1_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+  k1_fc2_tile(a, b, bias2_b, bias2_out, cg_launch_tile());
 }
 
 // Kernel k2_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
 //   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory.
-CG_KERNEL void __launch_bounds__(32) k2_probs(const float* __restrict__ x, float* __restrict__ out) {
+CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = blockIdx.x;
+  const cg_i64 row = tile.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 10 + j); },
                  [&](int j, float v) { cg_store(out, row * 10 + j, v); },
                  10, 1.0f, 10, (float*)cg_smem);
+}
+CG_KERNEL void __launch_bounds__(32) k2_probs(const float* __restrict__ x, float* __restrict__ out) {
+  k2_probs_tile(x, out, cg_launch_tile());
 }
 
 #ifndef __CUDACC_RTC__

@@ -95,6 +95,28 @@ TEST_F(Cli, DescribeShowsPhasesAndStorage) {
     EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
 }
 
+TEST_F(Cli, DescribeMegakernelPrintsTheScheduleAndCompileTakesItsOptions) {
+  CliResult r = run("describe --megakernel --megakernel-blocks 3 " + source_path("examples/mlp_train.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* want : {"megakernel schedule:", "forward phase: one megakernel of 3 blocks x 256 threads",
+                           "critical path", "blocks idle", "events (triggers per launch):", "block   2 ("})
+    EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
+
+  std::string cu = (dir_ / "mk.cu").string(), manifest = (dir_ / "mk.json").string();
+  r = run("compile --megakernel --megakernel-blocks 7 --megakernel-watchdog-ms 500 " +
+          source_path("examples/mlp_forward.json") + " -o " + cu + " --manifest " + manifest);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string source = cudagen::read_text_file(cu);
+  EXPECT_NE(source.find("CG_KERNEL void __launch_bounds__(256) megakernel_forward(unsigned char* arena) {"),
+            std::string::npos);
+  EXPECT_NE(source.find("if (!cg_megakernel_wait(state, events, task, q, launch, 500000000ull)) break;"),
+            std::string::npos);
+  EXPECT_NE(cudagen::read_text_file(manifest).find("\"cooperative\": true"), std::string::npos);
+  r = run("compile --megakernel --megakernel-blocks 70000 " + source_path("examples/mlp_forward.json"));
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_NE(r.err.find("--megakernel-blocks"), std::string::npos) << r.err;
+}
+
 TEST_F(Cli, FormatWritesAtomicallyAndNothingOnFailure) {
   std::string out = (dir_ / "out.json").string();
   CliResult r = run("format " + source_path("examples/transformer_block.json") + " -o " + out);

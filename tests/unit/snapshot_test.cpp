@@ -24,6 +24,7 @@ namespace {
 struct SnapshotCase {
   const char* name;
   const char* graph;  // relative to the source tree
+  int megakernel_blocks = 0;  // > 0: compiled --megakernel on this many blocks
 };
 
 void PrintTo(const SnapshotCase& s, std::ostream* os) { *os << s.name; }
@@ -31,6 +32,7 @@ void PrintTo(const SnapshotCase& s, std::ostream* os) { *os << s.name; }
 const SnapshotCase kSnapshots[] = {
     {"mlp_forward", "examples/mlp_forward.json"},
     {"every_template_op", "tests/snapshots/every_template_op.json"},
+    {"mlp_forward_megakernel", "examples/mlp_forward.json", 4},
 };
 
 bool env_set(const char* name) {
@@ -100,7 +102,10 @@ class Snapshot : public ::testing::TestWithParam<SnapshotCase> {};
 
 TEST_P(Snapshot, GeneratedCodeMatches) {
   const SnapshotCase& s = GetParam();
-  Compiled c = compile(load_program(source_path(s.graph), {}), {});
+  CompileOptions options;
+  options.emit.megakernel = s.megakernel_blocks > 0;
+  options.emit.megakernel_blocks = s.megakernel_blocks;
+  Compiled c = compile(load_program(source_path(s.graph), {}), options);
   compare_with_snapshot(std::string(s.name) + ".cu", c.emitted.cuda_source);
   compare_with_snapshot(std::string(s.name) + ".manifest.json", c.emitted.manifest_json);
   compare_with_snapshot(std::string(s.name) + ".h", c.emitted.host_header);
