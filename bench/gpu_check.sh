@@ -16,8 +16,10 @@
 #  - the profile of the forward and training examples (--profile): kernel and phase times, bandwidth
 #    against the device copy, FLOP rates; the profile tables at the end;
 #  - the megakernel mode (--megakernel, docs/megakernel.md): the examples checked, training for
-#    several steps on counters never reset, the numerical tests compiled as megakernels, and each
-#    forward phase's time as kernels against as one megakernel.
+#    several steps on counters never reset, the numerical tests compiled as megakernels, and
+#    bench_megakernel's table (a GPT-2-sized decoder block and a 12-block stack at batch 1, 64
+#    tokens, and the MLP training step: kernels, CUDA Graph, megakernel) beside PyTorch eager and
+#    torch.compile(mode="reduce-overhead") on the same block (bench/decoder_torch.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=${1:-gpu-kit}
@@ -76,14 +78,11 @@ for graph in examples/mlp_forward.json examples/transformer_block.json examples/
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
 echo
-echo "megakernel against kernels (--profile, median of 10 runs; the forward phase's time, first kernel start to last end):"
-for graph in examples/mlp_forward.json examples/transformer_block.json examples/train_transformer.json; do
-  for mode in "" "--megakernel"; do
-    printf '%-40s %-14s ' "$(basename "$graph")" "${mode:-kernels}"
-    "$cudagen" run --gpu $mode --profile "$log/$(basename "$graph" .json)${mode}.profile.json" "$graph" 2>&1 |
-      grep -E '^(phase )?forward' | head -1
-  done
-done
+echo "megakernel (issue #13): time per step as kernels, CUDA Graph, megakernel; PyTorch on the same decoder block"
+python3 bench/decoder_graph.py --layers 1 --tokens 64 -o "$log/decoder1.json"
+python3 bench/decoder_graph.py --layers 12 --tokens 64 -o "$log/decoder12.json"
+"$kit/bin/bench_megakernel" --runs 200 "$log/decoder1.json" "$log/decoder12.json" --step examples/train_mlp.json 2>&1
+for layers in 1 12; do python3 bench/decoder_torch.py --layers $layers --tokens 64 2>&1 | tail -2; done
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done
 exit $failed

@@ -503,9 +503,62 @@ class Emitter {
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
     record_launch(ek, std::move(launch));
+    mark_rows(t, ps, tail.params, launch_params_.back(), ek);
     emitted.push_back(ek);
     return code;
   }
+
+  // EmittedKernel::rows for the skeletons whose tiles own whole rows: a
+  // matmul's row of output tiles (its `a` rows too, unless transposed or
+  // broadcast over the batch), and a block-per-row op's row. What an epilogue
+  // reads or stores at the anchor's own element is row by row as well; a
+  // weight, the matmul's `b`, anything broadcast is not.
+  void mark_rows(int t, const std::vector<Param>& ps, const std::vector<LaunchParam>& tail,
+                 const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    std::set<int> by_rows;
+    Shape row_shape;
+    if (op.pattern == PatternKind::matmul) {
+      const Param& a = param(ps, "a");
+      const Param& b = param(ps, "b");
+      const Shape& so = param(ps, "out").buffer->shape;
+      const Shape& sa = a.buffer->shape;
+      const int64_t M = so[so.size() - 2];
+      const int tile = ek.block == 128 ? 64 : 32;  // as matmul() chose
+      const bool a_per_batch = Shape(sa.begin(), sa.end() - 2) == Shape(so.begin(), so.end() - 2);
+      if (arg_bool(t, "trans_a") || !a_per_batch || (ek.grid[2] > 1 && M % tile != 0)) return;
+      ek.rows = numel(so) / so.back();  // batches x M, flattened or not
+      ek.rows_per_tile = tile;
+      ek.tiles_per_row_block = ek.grid[0];
+      if (a.bound->buffer != b.bound->buffer) by_rows.insert(a.bound->buffer);
+      by_rows.insert(param(ps, "out").bound->buffer);
+      row_shape = so;
+    } else if (kRowOps.count(op.name)) {
+      const Shape& sx = ps[0].buffer->shape;  // x, or softmax_backward's out
+      const int64_t rows = numel(sx) / sx.back();
+      if (ek.grid[0] != rows || ek.grid[1] != 1 || ek.grid[2] != 1) return;
+      ek.rows = rows;
+      ek.rows_per_tile = 1;
+      ek.tiles_per_row_block = 1;
+      const Shape per_row(sx.begin(), sx.end() - 1);
+      for (const Param& x : ps)
+        if (x.bound->sig->role != SlotRole::weight && (x.buffer->shape == sx || x.buffer->shape == per_row))
+          by_rows.insert(x.bound->buffer);
+      row_shape = sx;
+    } else {
+      return;
+    }
+    for (const LaunchParam& lp : tail)
+      if (p_.buffers[size_t(lp.buffer)].shape == row_shape && !(op.pattern == PatternKind::matmul &&
+                                                                 lp.buffer == param(ps, "b").bound->buffer))
+        by_rows.insert(lp.buffer);
+    for (size_t i = 0; i < launch.size(); ++i)
+      if (launch[i].scalar == nullptr && by_rows.count(launch[i].buffer)) ek.ranges[i].by_rows = true;
+  }
+  // The block-per-row skeletons whose every non-weight slot is the row tensor
+  // or a value per row.
+  static inline const std::set<std::string> kRowOps = {"softmax", "log_softmax", "rmsnorm", "layernorm",
+                                                       "softmax_backward", "log_softmax_backward"};
 
   // The chain after a matmul or a row op (fuse.h: matmul_epilogue,
   // reduction_epilogue): a lambda the first task's skeleton calls where it
@@ -1244,11 +1297,20 @@ class Emitter {
     const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
     const std::string alpha = float_arg(t, "alpha", 1.0);
     const Shape& so = out.buffer->shape;
-    const int64_t M = so[so.size() - 2], N = so.back();
+    int64_t M = so[so.size() - 2];
+    const int64_t N = so.back();
     const Shape& sa = a.buffer->shape;
     const int64_t K = ta ? sa[sa.size() - 2] : sa.back();
     Shape batch_out(so.begin(), so.end() - 2), batch_a(sa.begin(), sa.end() - 2),
         batch_b(b.buffer->shape.begin(), b.buffer->shape.end() - 2);
+    // [B, T, K] @ [K, N] (a projection of every token) is one [B * T, K] @ [K, N]:
+    // fewer, fuller tiles, and a row of output tiles owns whole rows.
+    if (!ta && numel(batch_b) == 1 && batch_a == batch_out) {
+      M *= numel(batch_out);
+      batch_out.clear();
+      batch_a.clear();
+      batch_b.clear();
+    }
     const int64_t batches = numel(batch_out);
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,

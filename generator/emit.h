@@ -42,6 +42,9 @@ struct ArenaRange {
   int64_t offset = 0;
   int64_t bytes = 0;
   bool written = false;
+  // Seen as EmittedKernel::rows equal rows, each tile touches only its own
+  // (see rows_per_tile).
+  bool by_rows = false;
 };
 
 struct EmittedKernel {
@@ -65,6 +68,15 @@ struct EmittedKernel {
   // Shared memory that grows with the block (a float per thread of scratch):
   // a megakernel's larger block needs this much more per extra thread.
   int64_t smem_bytes_per_thread = 0;
+  // Where the skeleton makes it plain (a matmul's output tiles, a row per
+  // block), which rows each tile touches: tile t (x fastest) reads and writes
+  // rows [(t / tiles_per_row_block) * rows_per_tile, + rows_per_tile) of every
+  // range marked by_rows, each seen as `rows` rows. The megakernel then lets a
+  // consumer's tile wait for the producer's tiles of its rows only.
+  // rows_per_tile 0: unknown.
+  int64_t rows = 0;
+  int64_t rows_per_tile = 0;
+  int64_t tiles_per_row_block = 1;
   // Its body is a grid-stride loop, correct for any grid size.
   bool grid_stride = false;
   // A megakernel: launched cooperatively, all its blocks resident at once.

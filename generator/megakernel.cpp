@@ -27,27 +27,98 @@ bool conflict(const EmittedKernel& a, const EmittedKernel& b) {
   return false;
 }
 
+struct Dependences {
+  std::vector<std::vector<int>> direct;           // every earlier kernel each conflicts with
+  std::vector<std::vector<int>> reduced;          // without those implied by another
+  std::vector<std::vector<bool>> reaches;         // reaches[j][i]: i is done once j is
+};
+
 // Per kernel, the earlier kernels it must wait for, without those implied by
 // another: if B waits for A and C waits for B, C need not wait for A.
-std::vector<std::vector<int>> reduced_dependences(const std::vector<const EmittedKernel*>& ks) {
+Dependences reduced_dependences(const std::vector<const EmittedKernel*>& ks) {
   const size_t n = ks.size();
-  std::vector<std::vector<bool>> reaches(n, std::vector<bool>(n, false));  // reaches[j][i]: j waits (transitively) for i
-  std::vector<std::vector<int>> deps(n);
+  Dependences d;
+  d.direct.resize(n);
+  d.reduced.resize(n);
+  d.reaches.assign(n, std::vector<bool>(n, false));
   for (size_t j = 0; j < n; ++j) {
-    std::vector<int> direct;
     for (size_t i = 0; i < j; ++i)
-      if (conflict(*ks[i], *ks[j])) direct.push_back(int(i));
+      if (conflict(*ks[i], *ks[j])) d.direct[j].push_back(int(i));
     // Latest first: a later dependence that already reaches an earlier one makes it redundant.
-    for (auto it = direct.rbegin(); it != direct.rend(); ++it) {
-      if (reaches[j][size_t(*it)]) continue;
-      deps[j].push_back(*it);
-      reaches[j][size_t(*it)] = true;
+    for (auto it = d.direct[j].rbegin(); it != d.direct[j].rend(); ++it) {
+      if (d.reaches[j][size_t(*it)]) continue;
+      d.reduced[j].push_back(*it);
+      d.reaches[j][size_t(*it)] = true;
       for (size_t i = 0; i < j; ++i)
-        if (reaches[size_t(*it)][i]) reaches[j][i] = true;
+        if (d.reaches[size_t(*it)][i]) d.reaches[j][i] = true;
     }
-    std::sort(deps[j].begin(), deps[j].end());
+    std::sort(d.reduced[j].begin(), d.reduced[j].end());
   }
-  return deps;
+  return d;
+}
+
+// Whether consumer c may wait for producer p row by row: every conflict
+// between them is c reading rows that p writes, both splitting them by tiles.
+bool by_rows_compatible(const EmittedKernel& p, const EmittedKernel& c) {
+  if (p.rows_per_tile <= 0 || c.rows_per_tile <= 0 || p.rows != c.rows) return false;
+  const int64_t big = std::max(p.rows_per_tile, c.rows_per_tile), small = std::min(p.rows_per_tile, c.rows_per_tile);
+  if (big % small != 0) return false;
+  for (const ArenaRange& x : p.ranges)
+    for (const ArenaRange& y : c.ranges) {
+      if (!(x.written || y.written) || x.offset >= y.offset + y.bytes || y.offset >= x.offset + x.bytes) continue;
+      if (!x.written || y.written || !x.by_rows || !y.by_rows || x.offset != y.offset || x.bytes != y.bytes) return false;
+    }
+  return true;
+}
+
+// Which kernels wait by rows, and the rows per event of each producer whose
+// consumers all do (0: whole kernels). A consumer waits by rows for its one
+// dependence p when they are compatible and every other kernel it conflicts
+// with is certainly finished before any tile of p starts (`started`).
+std::vector<int64_t> choose_by_rows(const std::vector<const EmittedKernel*>& ks, const Dependences& d,
+                                    std::vector<int64_t>& producer_chunk) {
+  const size_t n = ks.size();
+  std::vector<std::vector<bool>> started(n);  // started[j][i]: i is finished before any tile of j starts
+  std::vector<bool> candidate(n, false);
+  for (size_t j = 0; j < n; ++j) {
+    started[j] = d.reaches[j];  // waiting for whole kernels: all they wait for, transitively
+    if (d.reduced[j].size() != 1) continue;
+    const size_t p = size_t(d.reduced[j][0]);
+    if (!by_rows_compatible(*ks[p], *ks[j])) continue;
+    bool others_done = true;
+    for (int q : d.direct[j]) others_done = others_done && (size_t(q) == p || started[p][size_t(q)]);
+    if (!others_done) continue;
+    candidate[j] = true;
+    started[j] = started[p];  // a tile of j starts once some tiles of p are done, no sooner
+  }
+  // A producer's tiles trigger one event each: by rows for all its consumers, or for none.
+  producer_chunk.assign(n, 0);
+  for (size_t p = 0; p < n; ++p) {
+    bool all = true, any = false;
+    int64_t chunk = ks[p]->rows_per_tile;
+    for (size_t j = p + 1; j < n; ++j) {
+      if (std::find(d.reduced[j].begin(), d.reduced[j].end(), int(p)) == d.reduced[j].end()) continue;
+      any = true;
+      all = all && candidate[j];
+      chunk = std::max(chunk, ks[j]->rows_per_tile);
+    }
+    for (size_t j = p + 1; j < n && any && all; ++j)
+      if (std::find(d.reduced[j].begin(), d.reduced[j].end(), int(p)) != d.reduced[j].end())
+        all = chunk % ks[j]->rows_per_tile == 0;
+    if (any && all && chunk % ks[p]->rows_per_tile == 0) producer_chunk[p] = chunk;
+  }
+  // Falling back to whole kernels only makes `started` larger, so what was
+  // decided from it stays sound.
+  std::vector<int64_t> chunk_rows(n, 0);
+  for (size_t j = 0; j < n; ++j)
+    if (candidate[j] && producer_chunk[size_t(d.reduced[j][0])] > 0)
+      chunk_rows[j] = producer_chunk[size_t(d.reduced[j][0])];
+  return chunk_rows;
+}
+
+// The row block of a tile, and the chunk of `chunk` rows it lies in.
+int64_t chunk_of_tile(const EmittedKernel& k, int64_t tile, int64_t chunk) {
+  return tile / k.tiles_per_row_block * k.rows_per_tile / chunk;
 }
 
 MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& all, const std::vector<int>& indices,
@@ -65,17 +136,32 @@ MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& al
   }
   for (const EmittedKernel* k : ks)
     mp.smem_bytes = std::max(mp.smem_bytes, k->smem_bytes + k->smem_bytes_per_thread * (mp.threads - k->block));
-  mp.dependences = reduced_dependences(ks);
+  const Dependences deps = reduced_dependences(ks);
+  mp.dependences = deps.reduced;
+  std::vector<int64_t> producer_chunk;
+  mp.chunk_rows = choose_by_rows(ks, deps, producer_chunk);
 
-  // Events: a kernel's "done" where another waits for it, a join event where
-  // a kernel waits for several.
+  // Events: a kernel's "done" where another waits for it (or one per chunk of
+  // its rows), a join event where a kernel waits for several.
   std::vector<int> done_event(n, -1), join_event(n, -1);
+  std::vector<std::vector<int64_t>> chunk_triggers(n);  // per chunk of a producer by rows
   for (size_t j = 0; j < n; ++j)
-    for (int d : mp.dependences[j])
-      if (done_event[size_t(d)] < 0) {
-        done_event[size_t(d)] = int(mp.events.size());
-        mp.events.push_back({ks[size_t(d)]->name + " done", mp.tiles[size_t(d)]});
+    for (int d : mp.dependences[j]) {
+      const size_t p = size_t(d);
+      if (done_event[p] >= 0) continue;
+      done_event[p] = int(mp.events.size());
+      if (producer_chunk[p] == 0) {
+        mp.events.push_back({ks[p]->name + " done", mp.tiles[p]});
+        continue;
       }
+      const int64_t chunk = producer_chunk[p], chunks = (ks[p]->rows + chunk - 1) / chunk;
+      chunk_triggers[p].assign(size_t(chunks), 0);
+      for (int64_t t = 0; t < mp.tiles[p]; ++t) ++chunk_triggers[p][size_t(chunk_of_tile(*ks[p], t, chunk))];
+      for (int64_t c = 0; c < chunks; ++c)
+        mp.events.push_back({fmt::format("{} rows {}-{}", ks[p]->name, c * chunk,
+                                         std::min(ks[p]->rows, (c + 1) * chunk) - 1),
+                             chunk_triggers[p][size_t(c)]});
+    }
   for (size_t j = 0; j < n; ++j)
     if (mp.dependences[j].size() > 1) {
       join_event[j] = int(mp.events.size());
@@ -107,6 +193,7 @@ MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& al
   // List scheduling, a kernel at a time.
   std::vector<std::vector<MegakernelTask>> queues(size_t(mp.blocks));
   std::vector<int64_t> free_at(size_t(mp.blocks), 0), finish(n, 0);
+  std::vector<std::vector<int64_t>> chunk_finish(n);  // per chunk of a producer by rows
   std::vector<bool> placed(n, false);
   int64_t busy = 0;
   auto place = [&](MegakernelTask task, int64_t ready) {
@@ -148,6 +235,7 @@ MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& al
       wait = join_event[j];
       wait_count = int64_t(mp.dependences[j].size());
     }
+    if (producer_chunk[j] > 0) chunk_finish[j].assign(chunk_triggers[j].size(), 0);
     for (int64_t t = 0; t < mp.tiles[j]; ++t) {
       MegakernelTask task;
       task.kernel = indices[j];
@@ -156,7 +244,21 @@ MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& al
       task.wait_count = wait_count;
       task.trigger = done_event[j];
       task.cost = cost[j];
-      finish[j] = std::max(finish[j], place(task, ready));
+      int64_t tile_ready = ready;
+      if (mp.chunk_rows[j] > 0) {  // the chunk of its rows only
+        const size_t p = size_t(mp.dependences[j][0]);
+        const int64_t c = chunk_of_tile(*ks[j], t, mp.chunk_rows[j]);
+        task.wait = done_event[p] + int(c);
+        task.wait_count = chunk_triggers[p][size_t(c)];
+        tile_ready = chunk_finish[p][size_t(c)];
+      }
+      if (producer_chunk[j] > 0) task.trigger = done_event[j] + int(chunk_of_tile(*ks[j], t, producer_chunk[j]));
+      const int64_t end = place(task, tile_ready);
+      finish[j] = std::max(finish[j], end);
+      if (producer_chunk[j] > 0) {
+        int64_t& f = chunk_finish[j][size_t(task.trigger - done_event[j])];
+        f = std::max(f, end);
+      }
     }
   }
   for (const auto& q : queues) {
@@ -205,8 +307,9 @@ std::string describe_megakernel(const std::vector<MegakernelPhase>& phases, cons
     for (size_t j = 0; j < mp.kernels.size(); ++j) {
       std::vector<std::string> deps;
       for (int d : mp.dependences[j]) deps.push_back(kernels[size_t(mp.kernels[size_t(d)])].name);
-      out += fmt::format("    {:<32} {:>6}  {}\n", kernels[size_t(mp.kernels[j])].name, mp.tiles[j],
-                         deps.empty() ? "-" : fmt::format("{}", fmt::join(deps, ", ")));
+      out += fmt::format("    {:<32} {:>6}  {}{}\n", kernels[size_t(mp.kernels[j])].name, mp.tiles[j],
+                         deps.empty() ? "-" : fmt::format("{}", fmt::join(deps, ", ")),
+                         mp.chunk_rows[j] > 0 ? fmt::format(" (by rows: {} per event)", mp.chunk_rows[j]) : "");
     }
     out += "  events (triggers per launch):\n";
     for (size_t e = 0; e < mp.events.size(); ++e)

@@ -7,8 +7,15 @@
 // block of the megakernel). Kernel B depends on an earlier kernel A when
 // their arena ranges overlap and one of them writes (read after write, and
 // the write-after-read and write-after-write hazards that memory reuse
-// creates), kept after transitive reduction. Dependences are per kernel: a
-// tile of B waits until every tile of A is done.
+// creates), kept after transitive reduction. A tile of B waits until every
+// tile of A is done, except by rows: where B waits for A alone, only reads
+// rows that A writes, and both split those rows among their tiles
+// (EmittedKernel::rows: a matmul's rows of output tiles, a row per block),
+// A's event is one counter per chunk of rows (the larger of the two tiles'
+// rows, when one divides the other) and B's tile waits for its chunk only,
+// as Mirage's persistent kernel sets event granularity from the producer and
+// consumer partitions. That is sound when whatever else B conflicts with is
+// finished before any tile of A starts.
 //
 // Events are counters that only grow. Each task waits on at most one event
 // and triggers at most one, as in Mirage's persistent kernel: every tile of A
@@ -37,7 +44,7 @@ namespace cudagen {
 struct EmittedKernel;
 
 struct MegakernelTask {
-  int kernel = -1;       // an index into EmittedProgram::kernels, or -1: a join task
+  int kernel = -1;       // an index into EmittedProgram::tile_kernels, or -1: a join task
   int64_t tile = 0;      // which tile of the kernel's grid (x fastest)
   int wait = -1;         // the event it waits on, or -1
   int64_t wait_count = 0;  // that event's triggers per launch
@@ -56,6 +63,9 @@ struct MegakernelPhase {
   std::vector<int> kernels;     // indices into EmittedProgram::kernels, in phase order
   std::vector<int64_t> tiles;   // tile tasks of each kernel (parallel to `kernels`)
   std::vector<std::vector<int>> dependences;  // per kernel: positions in `kernels` it waits for
+  // Per kernel: 0 when it waits for whole kernels, else the rows per event
+  // of its one dependence, whose tiles of its rows it waits for.
+  std::vector<int64_t> chunk_rows;
   int blocks = 0;
   int threads = 0;              // per block: the largest block of its kernels
   int64_t smem_bytes = 0;       // the largest shared memory of its kernels

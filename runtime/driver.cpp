@@ -255,6 +255,34 @@ class GpuExecutor final : public Executor {
     watch_.check(*this);
   }
 
+  double time_runs(const std::string& function, int runs) override {
+    run(function);  // warm-up: module loaded, CUDA Graph captured
+    auto it = launchers_.find(function);
+    const DriverApi& api = *api_;
+    const bool cooperative = std::any_of(it->second.begin(), it->second.end(),
+                                         [&](int k) { return kernels_[size_t(k)].cooperative; });
+    const bool graph = options_.cuda_graph && !cooperative;
+    const bool profiling = options_.profile;
+    options_.profile = false;
+    auto& [start, end] = event_pair(kBatchEvents);
+    CUDAGEN_CHECK(api, cuEventRecord(start, stream_), "timing a batch of runs");
+    for (int r = 0; r < runs; ++r) {
+      if (graph) {
+        run_graph(function, it->second);
+      } else {
+        for (int k : it->second) launch(k);
+      }
+    }
+    CUDAGEN_CHECK(api, cuEventRecord(end, stream_), "timing a batch of runs");
+    options_.profile = profiling;
+    CUDAGEN_CHECK(api, cuEventSynchronize(end), fmt::format("running {} {} times ({})", function, runs,
+                                                             describe_kernels(it->second)));
+    watch_.check(*this);
+    float ms = 0;
+    CUDAGEN_CHECK(api, cuEventElapsedTime(&ms, start, end), "reading a batch's time");
+    return double(ms) / runs;
+  }
+
   std::vector<KernelTime> kernel_times() const override { return times_; }
   void set_profiling(bool on) override { options_.profile = on; }
   double last_run_milliseconds() const override { return run_ms_; }
@@ -476,6 +504,7 @@ class GpuExecutor final : public Executor {
   std::vector<KernelTime> times_;
   double run_ms_ = -1;
   static constexpr int kCopyEvents = -1;
+  static constexpr int kBatchEvents = -2;
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "executor.h"
 
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -38,6 +39,12 @@ class EmulatedExecutor final : public Executor {
   void run(const std::string& function) override {
     module_->run_function(function, arena_.data());
     watch_.check(*this);
+  }
+  double time_runs(const std::string& function, int runs) override {
+    run(function);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < runs; ++i) run(function);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / runs;
   }
   void set_seed(uint64_t seed) override { module_->set_seed(seed); }
   std::vector<KernelBytes> kernel_bytes() const override { return module_->kernel_bytes(); }

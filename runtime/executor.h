@@ -47,6 +47,12 @@ class Executor {
   // The last launcher run's time from its first kernel's start to its last
   // kernel's end (GPU, profiling on), or a negative value.
   virtual double last_run_milliseconds() const { return -1; }
+  // Runs `function` once to warm up (and capture its CUDA Graph), then `runs`
+  // times back to back, and returns the mean milliseconds per run: on a GPU
+  // from events around the batch (launch costs and gaps included, one
+  // synchronisation at the end, no per-kernel events); in emulation the host
+  // time. What benchmarks compare modes with.
+  virtual double time_runs(const std::string& function, int runs) = 0;
   // GPU: the device-to-device copy bandwidth in bytes per second (bytes read
   // plus bytes written, per second), measured now with a large cuMemcpy; the
   // roof a memory-bound kernel is compared with. 0 in emulation.

@@ -199,6 +199,21 @@ void Instance::run(Phase phase) {
   executor_->run(function);
 }
 
+double Instance::time_runs(Phase phase, int runs) {
+  const std::string function = phase_function(phase);
+  if (!executor_->has_function(function))
+    throw std::runtime_error(fmt::format("graph '{}' has no {} phase", program_->compiled.program.graph.name, to_string(phase)));
+  return executor_->time_runs(function, runs);
+}
+
+double Instance::time_step_runs(int runs) {
+  if (!executor_->has_function(kStepFunction))
+    throw std::runtime_error("timing training steps needs a step function: compile with emit.step_function");
+  return executor_->time_runs(kStepFunction, runs);
+}
+
+double Instance::copy_bandwidth() { return executor_->copy_bandwidth(); }
+
 void Instance::step() {
   ++steps_;
   write_scalars_region(args_);  // Adam's `step` counts the steps

@@ -110,6 +110,14 @@ class Instance {
 
   // Runs a phase (its kernels in order) and waits for it.
   void run(Phase phase);
+  // Mean milliseconds per run of a phase (or of a whole training step with
+  // `step`), `runs` runs back to back after one warm-up: Executor::time_runs.
+  // With `step`, the program must have been compiled with a step function.
+  double time_runs(Phase phase, int runs);
+  double time_step_runs(int runs);
+  // GPU: the device's copy bandwidth in bytes per second, measured now
+  // (Executor::copy_bandwidth); 0 in emulation.
+  double copy_bandwidth();
   // One training step: forward, backward, update. An int run-time argument
   // named `step` (Adam's) is set to the step's number, 1, 2, ..., unless
   // set_arg gave it a value.

@@ -375,7 +375,7 @@ CG_DEVICE bool cg_megakernel_wait(cg_megakernel_state* state, unsigned long long
       }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
       __nanosleep(sleep);
-      if (sleep < 1024) sleep *= 2;
+      if (sleep < 256) sleep *= 2;  // back off, but not past a quarter of a microsecond of latency
 #endif
     }
 #endif

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -185,7 +186,7 @@ TEST(Megakernel, TheWatchdogStopsABrokenScheduleAndSaysWhatWaited) {
     const std::string message = e.what();
     EXPECT_NE(message.find("megakernel megakernel_forward was stopped by its watchdog: block "), std::string::npos)
         << message;
-    EXPECT_NE(message.find("for event e0 (k0_fc1 done, 8 triggers per launch), which had counted 7 of the 8"),
+    EXPECT_NE(message.find("for event e0 (k0_fc1 rows 0-31, 4 triggers per launch), which had counted 3 of the 4"),
               std::string::npos)
         << message;
     EXPECT_NE(message.find("k1_fc2 tile"), std::string::npos) << message;
@@ -200,9 +201,12 @@ TEST(Megakernel, DescribePrintsTheSchedule) {
   EXPECT_NE(text.find("forward phase: one megakernel of 4 blocks x 256 threads, 4288 bytes of shared memory"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("3 kernels as 43 tile tasks and 0 join tasks; 2 events"), std::string::npos) << text;
+  // fc2's tiles wait for fc1's tiles of their 32 rows, the softmax's rows for fc2's: an event per chunk.
+  EXPECT_NE(text.find("3 kernels as 43 tile tasks and 0 join tasks; 4 events"), std::string::npos) << text;
   EXPECT_NE(text.find("critical path 3 tasks"), std::string::npos) << text;
-  EXPECT_NE(text.find("k1_fc2                                2  k0_fc1"), std::string::npos) << text;
+  EXPECT_NE(text.find("k1_fc2                                2  k0_fc1 (by rows: 32 per event)"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("e1         4  k0_fc1 rows 32-32"), std::string::npos) << text;
   EXPECT_NE(text.find("block   0"), std::string::npos) << text;
 }
 
@@ -213,4 +217,52 @@ TEST(Megakernel, GeneratedCodeIsDeterministic) {
   Compiled b = compile(load_program(path, {}), megakernel_options(9));
   EXPECT_EQ(a.emitted.cuda_source, b.emitted.cuda_source);
   EXPECT_EQ(a.emitted.manifest_json, b.emitted.manifest_json);
+}
+
+// Where a consumer's tiles own the rows they read (a row of matmul output
+// tiles, a row per block), they wait for the producer's tiles of those rows
+// only: one event per chunk of rows, not one per kernel.
+TEST(Megakernel, WaitsByRowsWhereTilesOwnTheirRows) {
+  GraphBuilder b("rows");
+  auto norm = b.task("norm", "rmsnorm").tensor("x", f32, {3, 32, 64}, ext).tensor("weight", f32, {64}, ext)
+                  .tensor("out", f32, {3, 32, 64});
+  auto proj = b.task("proj", "matmul").tensor("a", norm["out"]).tensor("b", f32, {64, 64}, ext)
+                  .tensor("out", f32, {3, 32, 64});
+  auto probs = b.task("probs", "softmax").tensor("x", proj["out"]).tensor("out", f32, {3, 32, 64});
+  b.task("mix", "matmul").tensor("a", probs["out"]).tensor("b", f32, {64, 48}, ext).tensor("out", f32, {3, 32, 48}, ext);
+  CompileOptions options = megakernel_options(5);
+  options.plan.placement.reuse = false;  // no write-after-read between the kernels
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  ASSERT_EQ(c.emitted.megakernel.size(), 1u);
+  const MegakernelPhase& mp = c.emitted.megakernel[0];
+  ASSERT_EQ(mp.kernels.size(), 4u);
+  // [3, 32, 64] @ [64, 64] is one [96, 64] @ [64, 64]: three rows of 32 x 32 output tiles.
+  const EmittedKernel& proj_kernel = c.emitted.tile_kernels[size_t(mp.kernels[1])];
+  EXPECT_EQ(proj_kernel.rows, 96);
+  EXPECT_EQ(proj_kernel.rows_per_tile, 32);
+  EXPECT_EQ(proj_kernel.tiles_per_row_block, 2);
+  EXPECT_EQ(mp.chunk_rows, (std::vector<int64_t>{0, 32, 32, 32}));
+  // The projection's tiles of rows 32-63 wait for the norm's 32 rows there, and trigger the softmax's.
+  std::set<int> waited;
+  for (const MegakernelTask& t : mp.tasks)
+    if (t.kernel == mp.kernels[1]) {
+      EXPECT_EQ(t.wait_count, 32);
+      waited.insert(t.wait);
+    }
+  EXPECT_EQ(waited.size(), 3u);
+  EXPECT_NE(describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels).find("(by rows: 32 per event)"),
+            std::string::npos);
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("rows")});
+  EXPECT_TRUE(run.ok()) << failures(run);
+
+  // A transposed operand is read down its columns: whole kernels again.
+  GraphBuilder t("transposed");
+  auto first = t.task("first", "matmul").tensor("a", f32, {64, 64}, ext).tensor("b", f32, {64, 64}, ext)
+                   .tensor("out", f32, {64, 64});
+  t.task("second", "matmul").tensor("a", first["out"]).tensor("b", f32, {64, 64}, ext).arg("trans_a", true)
+      .tensor("out", f32, {64, 64}, ext);
+  Compiled ct = compile(load_program(std::move(t).graph(), {}), options);
+  EXPECT_EQ(ct.emitted.megakernel[0].chunk_rows, (std::vector<int64_t>{0, 0}));
 }

@@ -382,7 +382,7 @@ CG_DEVICE bool cg_megakernel_wait(cg_megakernel_state* state, unsigned long long
       }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
       __nanosleep(sleep);
-      if (sleep < 1024) sleep *= 2;
+      if (sleep < 256) sleep *= 2;  // back off, but not past a quarter of a microsecond of latency
 #endif
     }
 #endif
@@ -593,7 +593,7 @@ CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
 }
 
 // ---- forward phase as one persistent kernel (DESIGN.md §10) ----
-// 3 kernels as 43 tile tasks and 0 join tasks on 4 blocks of 256 threads; 2 events.
+// 3 kernels as 43 tile tasks and 0 join tasks on 4 blocks of 256 threads; 4 events.
 // Critical path 3 tasks; blocks idle an estimated 17% of the phase. Block b runs tasks
 // [megakernel_forward_queue[b], megakernel_forward_queue[b + 1]) in order; `cudagen describe --megakernel` prints them.
 // Events count in the arena at 55360, this phase's watchdog report at 55296.
@@ -601,17 +601,17 @@ static __device__ const int megakernel_forward_queue[5] = {0, 12, 23, 33, 43};
 // {kernel (the switch's case; -1: join), tile, wait event, its triggers per launch, trigger event}
 static __device__ const cg_megakernel_task megakernel_forward_tasks[43] = {
     // block 0
-    {0, 0, -1, 0, 0}, {0, 4, -1, 0, 0}, {1, 0, 0, 8, 1}, {2, 0, 1, 2, -1}, {2, 4, 1, 2, -1}, {2, 8, 1, 2, -1},
-    {2, 12, 1, 2, -1}, {2, 16, 1, 2, -1}, {2, 20, 1, 2, -1}, {2, 24, 1, 2, -1}, {2, 28, 1, 2, -1}, {2, 32, 1, 2, -1},
+    {0, 0, -1, 0, 0}, {0, 4, -1, 0, 1}, {1, 0, 0, 4, 2}, {2, 0, 2, 1, -1}, {2, 4, 2, 1, -1}, {2, 8, 2, 1, -1},
+    {2, 12, 2, 1, -1}, {2, 16, 2, 1, -1}, {2, 20, 2, 1, -1}, {2, 24, 2, 1, -1}, {2, 28, 2, 1, -1}, {2, 32, 3, 1, -1},
     // block 1
-    {0, 1, -1, 0, 0}, {0, 5, -1, 0, 0}, {1, 1, 0, 8, 1}, {2, 1, 1, 2, -1}, {2, 5, 1, 2, -1}, {2, 9, 1, 2, -1},
-    {2, 13, 1, 2, -1}, {2, 17, 1, 2, -1}, {2, 21, 1, 2, -1}, {2, 25, 1, 2, -1}, {2, 29, 1, 2, -1},
+    {0, 1, -1, 0, 0}, {0, 5, -1, 0, 1}, {1, 1, 1, 4, 3}, {2, 1, 2, 1, -1}, {2, 5, 2, 1, -1}, {2, 9, 2, 1, -1},
+    {2, 13, 2, 1, -1}, {2, 17, 2, 1, -1}, {2, 21, 2, 1, -1}, {2, 25, 2, 1, -1}, {2, 29, 2, 1, -1},
     // block 2
-    {0, 2, -1, 0, 0}, {0, 6, -1, 0, 0}, {2, 2, 1, 2, -1}, {2, 6, 1, 2, -1}, {2, 10, 1, 2, -1}, {2, 14, 1, 2, -1},
-    {2, 18, 1, 2, -1}, {2, 22, 1, 2, -1}, {2, 26, 1, 2, -1}, {2, 30, 1, 2, -1},
+    {0, 2, -1, 0, 0}, {0, 6, -1, 0, 1}, {2, 2, 2, 1, -1}, {2, 6, 2, 1, -1}, {2, 10, 2, 1, -1}, {2, 14, 2, 1, -1},
+    {2, 18, 2, 1, -1}, {2, 22, 2, 1, -1}, {2, 26, 2, 1, -1}, {2, 30, 2, 1, -1},
     // block 3
-    {0, 3, -1, 0, 0}, {0, 7, -1, 0, 0}, {2, 3, 1, 2, -1}, {2, 7, 1, 2, -1}, {2, 11, 1, 2, -1}, {2, 15, 1, 2, -1},
-    {2, 19, 1, 2, -1}, {2, 23, 1, 2, -1}, {2, 27, 1, 2, -1}, {2, 31, 1, 2, -1},
+    {0, 3, -1, 0, 0}, {0, 7, -1, 0, 1}, {2, 3, 2, 1, -1}, {2, 7, 2, 1, -1}, {2, 11, 2, 1, -1}, {2, 15, 2, 1, -1},
+    {2, 19, 2, 1, -1}, {2, 23, 2, 1, -1}, {2, 27, 2, 1, -1}, {2, 31, 2, 1, -1},
 };
 CG_KERNEL void __launch_bounds__(256) megakernel_forward(unsigned char* arena) {
   cg_megakernel_state* state = (cg_megakernel_state*)(arena + 55296);

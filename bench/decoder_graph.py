@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Writes a stack of pre-norm decoder blocks as a cudagen task graph, for benchmarks.
+
+The block is examples/transformer_block.json's (RMSNorm, q/k/v projections, causal
+attention by heads, output projection, residual; RMSNorm, up projection, tanh GELU, down
+projection, residual) at any size; bench/decoder_torch.py builds the same module in
+PyTorch. Weights are initialised by the graph's init phase. GPT-2 small's sizes by default:
+
+    python3 bench/decoder_graph.py --layers 12 --tokens 64 -o /tmp/decoder12.json
+"""
+import argparse
+import json
+import os
+import tempfile
+
+
+def block(tasks, i, x_from, shape, dim, heads, mlp, dtype, seed):
+    p = f"l{i}_"
+    batch, tokens = shape[0], shape[1]
+    hd = dim // heads
+
+    def init(name, out_shape, op, **args):
+        tasks.append({"id": p + name, "op": op, "phase": "init", "tensors": {"out": {"dtype": dtype, "shape": out_shape}},
+                      "args": args})
+
+    def task(name, op, tensors, **args):
+        t = {"id": p + name, "op": op, "tensors": tensors}
+        if args:
+            t["args"] = args
+        tasks.append(t)
+
+    def own(s):
+        return {"dtype": dtype, "shape": s}
+
+    def ref(name, slot="out"):
+        return {"from": f"{p}{name}.{slot}"}
+
+    bound = dim ** -0.5
+    init("ln1_w", [dim], "fill", value=1.0)
+    for n, name in enumerate(["wq", "wk", "wv", "wo"]):
+        init(name, [dim, dim], "uniform", low=-bound, high=bound, seed=seed + n)
+    init("ln2_w", [dim], "fill", value=1.0)
+    init("w_up", [dim, mlp], "uniform", low=-bound, high=bound, seed=seed + 4)
+    init("w_down", [mlp, dim], "uniform", low=-mlp ** -0.5, high=mlp ** -0.5, seed=seed + 5)
+    row = [batch, tokens, dim]
+    task("ln1", "rmsnorm", {"x": x_from, "weight": ref("ln1_w"), "out": own(row)}, eps=1e-6)
+    for n in ["q", "k", "v"]:
+        task(n, "matmul", {"a": ref("ln1"), "b": ref("w" + n), "out": own(row)})
+        task(n + "_heads", "split_heads", {"x": ref(n), "out": own([batch, heads, tokens, hd])}, heads=heads)
+    task("scores", "matmul", {"a": ref("q_heads"), "b": ref("k_heads"), "out": own([batch, heads, tokens, tokens])},
+         trans_b=True)
+    task("probs", "softmax", {"x": ref("scores"), "out": own([batch, heads, tokens, tokens])}, scale=hd ** -0.5,
+         causal=True)
+    task("context", "matmul", {"a": ref("probs"), "b": ref("v_heads"), "out": own([batch, heads, tokens, hd])})
+    task("merged", "merge_heads", {"x": ref("context"), "out": own(row)}, heads=heads)
+    task("attn_out", "matmul", {"a": ref("merged"), "b": ref("wo"), "out": own(row)})
+    residual = x_from if "from" in x_from else ref("ln1", "x")  # the first block owns the input
+    task("res1", "add", {"a": residual, "b": ref("attn_out"), "out": own(row)})
+    task("ln2", "rmsnorm", {"x": ref("res1"), "weight": ref("ln2_w"), "out": own(row)}, eps=1e-6)
+    task("up", "matmul", {"a": ref("ln2"), "b": ref("w_up"), "out": own([batch, tokens, mlp])})
+    task("act", "gelu", {"x": ref("up"), "out": own([batch, tokens, mlp])}, approximate="tanh")
+    task("down", "matmul", {"a": ref("act"), "b": ref("w_down"), "out": own(row)})
+    task("res2", "add", {"a": ref("res1"), "b": ref("down"), "out": own(row)})
+    return {"from": f"{p}res2.out"}
+
+
+def add_model_arguments(ap):
+    """The decoder stack's sizes (bench/decoder_torch.py takes the same)."""
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--mlp", type=int, default=3072)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(ap)
+    ap.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
+    ap.add_argument("-o", "--output", required=True)
+    a = ap.parse_args()
+    if a.dim % a.heads:
+        ap.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
+    tasks = []
+    x = {"dtype": a.dtype, "shape": [a.batch, a.tokens, a.dim], "storage": "external"}
+    for i in range(a.layers):
+        x = block(tasks, i, x, [a.batch, a.tokens], a.dim, a.heads, a.mlp, a.dtype, 10 * i + 1)
+    tasks[-1]["tensors"]["out"]["storage"] = "external"  # the last residual is the output
+    graph = {"format": "cudagen.taskgraph/1", "name": f"decoder{a.layers}", "tasks": tasks}
+    folder = os.path.dirname(os.path.abspath(a.output))
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
+        json.dump(graph, f, indent=1)
+    os.replace(f.name, a.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""PyTorch's time for bench/decoder_graph.py's decoder stack: eager, and
+torch.compile(mode="reduce-overhead") (CUDA Graphs), forward only, on the GPU.
+
+    python3 bench/decoder_torch.py --layers 1 --tokens 64
+prints one line per mode: "torch eager  layers=1 tokens=64  0.381 ms/step", the mean of a
+batch of back-to-back steps after warm-up, timed with CUDA events (as bench_megakernel does).
+"""
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from decoder_graph import add_model_arguments  # the same sizes as the cudagen graph
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads, mlp):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.Parameter(torch.ones(dim))
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Parameter(torch.empty(dim, dim).uniform_(-dim ** -0.5, dim ** -0.5))
+                                              for _ in range(4))
+        self.ln2 = torch.nn.Parameter(torch.ones(dim))
+        self.w_up = torch.nn.Parameter(torch.empty(dim, mlp).uniform_(-dim ** -0.5, dim ** -0.5))
+        self.w_down = torch.nn.Parameter(torch.empty(mlp, dim).uniform_(-mlp ** -0.5, mlp ** -0.5))
+
+    @staticmethod
+    def rmsnorm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.rmsnorm(x, self.ln1)
+        q, k, v = ((h @ w).view(b, t, self.heads, c // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = (q @ k.transpose(-1, -2)) * (c // self.heads) ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + ((probs @ v).transpose(1, 2).reshape(b, t, c) @ self.wo)
+        h = self.rmsnorm(x, self.ln2)
+        return x + F.gelu(h @ self.w_up, approximate="tanh") @ self.w_down
+
+
+def time_ms(fn, x, runs):
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn(x)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / runs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(ap)
+    ap.add_argument("--runs", type=int, default=200)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decoder_torch.py: no CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False  # f32 as cudagen computes it (DESIGN.md §9)
+    model = torch.nn.Sequential(*[Block(a.dim, a.heads, a.mlp) for _ in range(a.layers)]).cuda().eval()
+    x = torch.randn(a.batch, a.tokens, a.dim, device="cuda")
+    with torch.no_grad():
+        eager = time_ms(model, x, a.runs)
+        compiled = torch.compile(model, mode="reduce-overhead")
+        graphs = time_ms(compiled, x, a.runs)
+    for mode, ms in (("torch eager", eager), ("torch.compile reduce-overhead", graphs)):
+        print(f"{mode:<30} layers={a.layers} tokens={a.tokens}  {ms:.4f} ms/step")
+
+
+if __name__ == "__main__":
+    main()
