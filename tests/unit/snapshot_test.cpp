@@ -31,6 +31,11 @@ void PrintTo(const SnapshotCase& s, std::ostream* os) { *os << s.name; }
 
 const SnapshotCase kSnapshots[] = {
     {"mlp_forward", "examples/mlp_forward.json"},
+    {"mlp_train", "examples/mlp_train.json"},
+    {"mlp_derived", "examples/mlp_derived.json"},
+    {"train_mlp", "examples/train_mlp.json"},
+    {"transformer_block", "examples/transformer_block.json"},
+    {"train_transformer", "examples/train_transformer.json"},
     {"every_template_op", "tests/snapshots/every_template_op.json"},
     {"mlp_forward_megakernel", "examples/mlp_forward.json", 4},
 };
