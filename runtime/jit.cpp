@@ -59,6 +59,11 @@ JitProgram::State build(Program program, JitOptions options) {
   std::string why;
   s.backend = choose_backend(options.backend, options.gpu.device, &why);
   say(options, why);
+  if (s.backend == Backend::emulation && options.compile.emit.megakernel && options.compile.emit.megakernel_blocks == 0) {
+    options.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;
+    say(options, fmt::format("megakernel: {} blocks in the host emulation (megakernel_blocks sets it)",
+                             kEmulatedMegakernelBlocks));
+  }
   s.compiled = compile(std::move(program), options.compile);
   if (s.backend == Backend::gpu) {
     s.gpu_code = compile_for_gpu(s.compiled, options.gpu);

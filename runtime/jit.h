@@ -34,6 +34,11 @@ const char* to_string(Backend backend);
 // `device`, else the emulation; `why` receives a line saying which and why.
 Backend choose_backend(Backend requested, int device, std::string* why);
 
+// A megakernel's blocks in the host emulation when the options leave the
+// count to the device (megakernel_blocks 0): every block's threads run at once
+// as fibers there, and a GPU's 132 would be 33,792 of them.
+inline constexpr int kEmulatedMegakernelBlocks = 8;
+
 struct JitOptions {
   Backend backend = Backend::automatic;
   // The generator's options: memory plan (reuse, budget), emit (step function).

@@ -218,6 +218,10 @@ int run_run(Cli& cli) {
       choose_backend(cli.emulate ? Backend::emulation : cli.gpu ? Backend::gpu : Backend::automatic,
                      cli.gpu_options.device, &why);
   fmt::print("{}\n", why);
+  if (backend == Backend::emulation && cli.compile.emit.megakernel && cli.compile.emit.megakernel_blocks == 0) {
+    cli.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;
+    fmt::print("megakernel: {} blocks in the host emulation (--megakernel-blocks sets it)\n", kEmulatedMegakernelBlocks);
+  }
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse && !cli.check_each_task;
   cli.compile.fuse.enabled = !cli.no_fuse && !cli.check_each_task;

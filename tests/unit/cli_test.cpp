@@ -115,6 +115,14 @@ TEST_F(Cli, DescribeMegakernelPrintsTheScheduleAndCompileTakesItsOptions) {
   r = run("compile --megakernel --megakernel-blocks 70000 " + source_path("examples/mlp_forward.json"));
   EXPECT_EQ(r.status, 2) << r.err;
   EXPECT_NE(r.err.find("--megakernel-blocks"), std::string::npos) << r.err;
+
+  // In the host emulation a device-sized count (132 blocks of fibers) gives way to a few blocks.
+  r = run("run --emulate --megakernel --work-dir " + (dir_ / "work").string() + " " +
+          source_path("examples/mlp_forward.json"));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("megakernel: 8 blocks in the host emulation (--megakernel-blocks sets it)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("probs.out"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, FormatWritesAtomicallyAndNothingOnFailure) {
