@@ -1671,24 +1671,32 @@ class Emitter {
   std::string megakernel_tensors(const EmittedProgram& program) const {
     std::string out;
     for (size_t m = 0; m < program.megakernel.size(); ++m) {
-      const MegakernelPhase& mp = program.megakernel[m];
       out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", program.kernels[m].name);
-      std::set<std::pair<int64_t, int64_t>> seen;
-      for (int k : mp.kernels)
-        for (const auto& lp : launch_params_[size_t(k)]) {
-          if (lp.scalar != nullptr) {
-            if (seen.insert({lp.scalar->offset, kScalarBytes}).second)
-              out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", lp.scalar->name(p_),
-                                 lp.scalar->name(p_), lp.scalar->offset, kScalarBytes);
-            continue;
-          }
-          const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
-          if (seen.insert({pb.offset, pb.bytes}).second)
-            out += fmt::format("    {{\"{0}\", \"{0}\", {1}ull, {2}ull}},\n", buffer_name(lp.buffer), pb.offset, pb.bytes);
-        }
+      std::set<std::pair<int64_t, int64_t>> seen;  // {offset, bytes}: each once
+      for (int k : program.megakernel[m].kernels) {
+        const std::vector<LaunchParam>& params = launch_params_[size_t(k)];
+        const std::vector<ArenaRange>& ranges = program.tile_kernels[size_t(k)].ranges;  // parallel to params
+        // Named by the buffer: the tile functions reach the same one through different slots.
+        for (size_t a = 0; a < params.size(); ++a)
+          if (seen.insert({ranges[a].offset, ranges[a].bytes}).second) out += tensor_info_row(launch_name(params[a]), params[a]);
+      }
       out += "};\n";
     }
     return out;
+  }
+
+  // A launch parameter's name outside its kernel: the buffer's, or the run-time argument's.
+  std::string launch_name(const LaunchParam& lp) const {
+    return lp.scalar != nullptr ? lp.scalar->name(p_) : buffer_name(lp.buffer);
+  }
+
+  // One entry of a cudagen_tensor_info table (the emulator's bounds checks).
+  std::string tensor_info_row(const std::string& slot, const LaunchParam& lp) const {
+    if (lp.scalar != nullptr)
+      return fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", slot, launch_name(lp),
+                         lp.scalar->offset, kScalarBytes);
+    const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
+    return fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", slot, launch_name(lp), pb.offset, pb.bytes);
   }
 
   std::string host_side(const std::vector<KernelGroup>& kernels, const EmittedProgram& program) const {
@@ -1732,15 +1740,7 @@ class Emitter {
                        arena_bytes_);
     for (size_t i = 0; i < kernels.size() && !options_.megakernel; ++i) {
       out += fmt::format("static const cudagen_tensor_info {}_tensors[] = {{\n", kernels[i].name);
-      for (const auto& lp : launch_params_[i]) {
-        if (lp.scalar != nullptr) {
-          out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", lp.name,
-                             lp.scalar->name(p_), lp.scalar->offset, kScalarBytes);
-          continue;
-        }
-        const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
-        out += fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", lp.name, buffer_name(lp.buffer), pb.offset, pb.bytes);
-      }
+      for (const auto& lp : launch_params_[i]) out += tensor_info_row(lp.name, lp);
       out += "};\n";
     }
     if (options_.megakernel) out += megakernel_tensors(program);

@@ -30,6 +30,7 @@ bool conflict(const EmittedKernel& a, const EmittedKernel& b) {
 struct Dependences {
   std::vector<std::vector<int>> direct;           // every earlier kernel each conflicts with
   std::vector<std::vector<int>> reduced;          // without those implied by another
+  std::vector<std::vector<int>> consumers;        // the kernels whose `reduced` names each
   std::vector<std::vector<bool>> reaches;         // reaches[j][i]: i is done once j is
 };
 
@@ -54,6 +55,9 @@ Dependences reduced_dependences(const std::vector<const EmittedKernel*>& ks) {
     }
     std::sort(d.reduced[j].begin(), d.reduced[j].end());
   }
+  d.consumers.resize(n);
+  for (size_t j = 0; j < n; ++j)
+    for (int p : d.reduced[j]) d.consumers[size_t(p)].push_back(int(j));
   return d;
 }
 
@@ -94,18 +98,16 @@ std::vector<int64_t> choose_by_rows(const std::vector<const EmittedKernel*>& ks,
   // A producer's tiles trigger one event each: by rows for all its consumers, or for none.
   producer_chunk.assign(n, 0);
   for (size_t p = 0; p < n; ++p) {
-    bool all = true, any = false;
+    const std::vector<int>& consumers = d.consumers[p];
+    if (consumers.empty()) continue;
     int64_t chunk = ks[p]->rows_per_tile;
-    for (size_t j = p + 1; j < n; ++j) {
-      if (std::find(d.reduced[j].begin(), d.reduced[j].end(), int(p)) == d.reduced[j].end()) continue;
-      any = true;
-      all = all && candidate[j];
-      chunk = std::max(chunk, ks[j]->rows_per_tile);
+    bool all = true;
+    for (int j : consumers) {
+      all = all && candidate[size_t(j)];
+      chunk = std::max(chunk, ks[size_t(j)]->rows_per_tile);
     }
-    for (size_t j = p + 1; j < n && any && all; ++j)
-      if (std::find(d.reduced[j].begin(), d.reduced[j].end(), int(p)) != d.reduced[j].end())
-        all = chunk % ks[j]->rows_per_tile == 0;
-    if (any && all && chunk % ks[p]->rows_per_tile == 0) producer_chunk[p] = chunk;
+    for (int j : consumers) all = all && chunk % ks[size_t(j)]->rows_per_tile == 0;
+    if (all && chunk % ks[p]->rows_per_tile == 0) producer_chunk[p] = chunk;
   }
   // Falling back to whole kernels only makes `started` larger, so what was
   // decided from it stays sound.
@@ -172,9 +174,7 @@ MegakernelPhase schedule_phase(Phase phase, const std::vector<EmittedKernel>& al
   for (size_t j = 0; j < n; ++j) cost[j] = megakernel_tile_cost(*ks[j], mp.tiles[j]);
   // Bottom levels: the estimated time from a kernel's start to the phase's end
   // (a join costs 1), and the critical path in tasks.
-  std::vector<std::vector<int>> consumers(n);
-  for (size_t j = 0; j < n; ++j)
-    for (int d : mp.dependences[j]) consumers[size_t(d)].push_back(int(j));
+  const std::vector<std::vector<int>>& consumers = deps.consumers;
   std::vector<int64_t> bottom(n, 0);
   std::vector<int> chain(n, 0);
   for (size_t j = n; j-- > 0;) {

@@ -241,43 +241,26 @@ class GpuExecutor final : public Executor {
     const DriverApi& api = *api_;
     CUDAGEN_CHECK(api, cuCtxSetCurrent(context_), "making the GPU's context current");
     run_ms_ = -1;
-    // A megakernel is one launch already (and a cooperative one, which
-    // stream capture need not take).
-    const bool cooperative = std::any_of(it->second.begin(), it->second.end(),
-                                         [&](int k) { return kernels_[size_t(k)].cooperative; });
-    if (options_.cuda_graph && !options_.profile && !cooperative) {
-      run_graph(function, it->second);
-    } else {
-      for (int k : it->second) launch(k);
-    }
+    enqueue(function, it->second);
     CUDAGEN_CHECK(api, cuStreamSynchronize(stream_), fmt::format("running {} ({})", function, describe_kernels(it->second)));
     if (options_.profile) collect_times(it->second);
-    watch_.check(*this);
+    watch_.check(*this, function);
   }
 
   double time_runs(const std::string& function, int runs) override {
-    run(function);  // warm-up: module loaded, CUDA Graph captured
-    auto it = launchers_.find(function);
-    const DriverApi& api = *api_;
-    const bool cooperative = std::any_of(it->second.begin(), it->second.end(),
-                                         [&](int k) { return kernels_[size_t(k)].cooperative; });
-    const bool graph = options_.cuda_graph && !cooperative;
     const bool profiling = options_.profile;
-    options_.profile = false;
+    options_.profile = false;  // no per-kernel events: the batch is timed as a whole
+    run(function);             // warm-up: module loaded, CUDA Graph captured
+    const std::vector<int>& kernels = launchers_.at(function);
+    const DriverApi& api = *api_;
     auto& [start, end] = event_pair(kBatchEvents);
     CUDAGEN_CHECK(api, cuEventRecord(start, stream_), "timing a batch of runs");
-    for (int r = 0; r < runs; ++r) {
-      if (graph) {
-        run_graph(function, it->second);
-      } else {
-        for (int k : it->second) launch(k);
-      }
-    }
+    for (int r = 0; r < runs; ++r) enqueue(function, kernels);
     CUDAGEN_CHECK(api, cuEventRecord(end, stream_), "timing a batch of runs");
     options_.profile = profiling;
     CUDAGEN_CHECK(api, cuEventSynchronize(end), fmt::format("running {} {} times ({})", function, runs,
-                                                             describe_kernels(it->second)));
-    watch_.check(*this);
+                                                             describe_kernels(kernels)));
+    watch_.check(*this, function);
     float ms = 0;
     CUDAGEN_CHECK(api, cuEventElapsedTime(&ms, start, end), "reading a batch's time");
     return double(ms) / runs;
@@ -389,6 +372,20 @@ class GpuExecutor final : public Executor {
       CUDAGEN_CHECK(api, cuEventRecord(end, stream_), "timing a kernel");
     } else {
       launch_checked(k, params);
+    }
+  }
+
+  // The launcher's kernels on the stream, without waiting: replayed from its
+  // CUDA Graph where one is asked for and no profiling needs per-kernel
+  // events. A megakernel is one launch already (and a cooperative one, which
+  // stream capture need not take).
+  void enqueue(const std::string& function, const std::vector<int>& kernels) {
+    const bool cooperative =
+        std::any_of(kernels.begin(), kernels.end(), [&](int k) { return kernels_[size_t(k)].cooperative; });
+    if (options_.cuda_graph && !options_.profile && !cooperative) {
+      run_graph(function, kernels);
+    } else {
+      for (int k : kernels) launch(k);
     }
   }
 

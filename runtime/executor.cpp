@@ -38,7 +38,7 @@ class EmulatedExecutor final : public Executor {
   bool has_function(const std::string& name) const override { return module_->has_function(name); }
   void run(const std::string& function) override {
     module_->run_function(function, arena_.data());
-    watch_.check(*this);
+    watch_.check(*this, function);
   }
   double time_runs(const std::string& function, int runs) override {
     run(function);
@@ -71,6 +71,7 @@ MegakernelWatch::MegakernelWatch(const Compiled& compiled) {
   for (size_t m = 0; m < e.megakernel.size(); ++m) {
     const MegakernelPhase& mp = e.megakernel[m];
     PhaseWatch w;
+    w.phase = mp.phase;
     w.kernel = e.kernels[m].name;
     w.state_offset = e.megakernel_state_offsets[m];
     for (const MegakernelTask& t : mp.tasks) {
@@ -95,8 +96,10 @@ void MegakernelWatch::reset(Executor& executor) const {
   if (sync_bytes_ > 0) executor.fill(sync_offset_, 0, size_t(sync_bytes_));
 }
 
-void MegakernelWatch::check(Executor& executor) const {
+void MegakernelWatch::check(Executor& executor, const std::string& function) const {
   for (const PhaseWatch& w : phases_) {
+    // Only the phases the launcher ran (a step runs all but init): one read each.
+    if (function != phase_function(w.phase) && !(function == kStepFunction && w.phase != Phase::init)) continue;
     MegakernelState state;
     executor.read(w.state_offset, &state, sizeof state);
     if (state.stopped == 0) continue;

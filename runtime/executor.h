@@ -69,12 +69,14 @@ class MegakernelWatch {
   // Zeroes the event counters and reports: before the first launch, and after
   // a stop, so that the instance can run again.
   void reset(Executor& executor) const;
-  // After a launcher ran: throws std::runtime_error naming the block, the
-  // task and the event when a watchdog stopped a megakernel.
-  void check(Executor& executor) const;
+  // After launcher `function` ran: throws std::runtime_error naming the
+  // block, the task and the event when a watchdog stopped one of its
+  // megakernels.
+  void check(Executor& executor, const std::string& function) const;
 
  private:
   struct PhaseWatch {
+    Phase phase = Phase::forward;
     std::string kernel;
     int64_t state_offset = 0;
     std::vector<std::string> tasks;   // "k4_softmax tile 5 (task sm)", "a join for k5_add"

@@ -161,16 +161,13 @@ class Emulator {
       return true;
     }
     if (first != nullptr) {
-      const cudagen_tensor_info& t = *first;
-      const long long byte = first_byte;
-      {
-        const ThreadContext& c = current_->thread;
-        fail("kernel %s: out-of-bounds %s of tensor '%s' (buffer %s): element %lld of %llu, by thread (%u, %u, %u) of "
-             "block (%u, %u, %u)",
-             kernel_, write ? "store" : "load", t.slot, t.buffer, (long long)(byte / (long long)elem), t.bytes / elem,
-             c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y, c.block_idx.z);
-        return false;
-      }
+      const ThreadContext& c = current_->thread;
+      fail("kernel %s: out-of-bounds %s of tensor '%s' (buffer %s): element %lld of %llu, by thread (%u, %u, %u) of "
+           "block (%u, %u, %u)",
+           kernel_, write ? "store" : "load", first->slot, first->buffer, first_byte / (long long)elem,
+           first->bytes / elem, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y,
+           c.block_idx.z);
+      return false;
     }
     fail("kernel %s: %s through a pointer that lies in none of the kernel's tensors", kernel_, write ? "store" : "load");
     return false;

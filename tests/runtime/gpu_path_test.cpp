@@ -323,6 +323,10 @@ TEST_F(GpuPath, AMegakernelIsOneCooperativeLaunchPerPhaseAfterAResidencyCheck) {
   ASSERT_EQ(launches.size(), 1u) << log;
   EXPECT_EQ(launches[0], fmt::format("cooperative launch megakernel_forward grid=132,1,1 block=256,1,1 smem={} args=+0",
                                      c.emitted.kernels[1].smem_bytes));
+  // A timed batch: one warm-up launch, then the runs back to back between two events.
+  EXPECT_GT(gpu->time_runs("cudagen_forward", 3), 0.0);
+  log = fake_log();
+  EXPECT_EQ(lines_starting(log, "cooperative launch ").size(), 4u) << log;
   // The step: forward, backward and update, one launch each, never a CUDA Graph capture.
   GpuOptions graphs = options_;
   graphs.cuda_graph = true;
