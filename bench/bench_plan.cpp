@@ -45,8 +45,10 @@ int main(int argc, char** argv) {
     int64_t greedy_arena = 0;
     for (size_t i = 0; i < greedy.size(); ++i) greedy_arena = std::max(greedy_arena, greedy[i] + list.intervals[i].bytes);
     greedy_arena = (greedy_arena + options.alignment - 1) / options.alignment * options.alignment;
+    PlacementOptions with_capacity = options;
+    with_capacity.capacity = capacity;
     auto start = std::chrono::steady_clock::now();
-    Placement best = place_buffers(list.intervals, options);
+    Placement best = place_buffers(list.intervals, with_capacity);
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::string problem = verify_placement(list.intervals, best.offsets, best.arena_bytes, options.alignment);
     if (!problem.empty()) {

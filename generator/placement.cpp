@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <functional>
 #include <numeric>
-#include <random>
 #include <sstream>
 #include <stdexcept>
 
@@ -64,15 +63,30 @@ std::vector<int64_t> best_fit(const std::vector<LiveInterval>& intervals, const 
   return offsets;
 }
 
-// Branch-and-bound over canonical placements. A placement can be pushed
-// down until every buffer rests on one below it (or on 0); listing those
-// buffers by (offset, first section) gives each such placement exactly once,
-// and each buffer's offset is then the highest end of the buffers placed
-// before it in the sections it spans. The search places buffers in that order,
-// bottom-left first, and prunes a node when some section cannot hold the
-// buffers still to come above max(its floor, the last offset).
+// Branch-and-bound over canonical placements, after MiniMalloc (Moffitt,
+// ASPLOS 2023). A placement can be pushed down until every buffer rests on
+// one below it (or on 0); each buffer's offset is then the highest top of the
+// buffers placed before it that it overlaps in time (its "min offset"), and
+// listing the buffers by (offset, rank) gives each such placement exactly
+// once. The search builds that list: at every node, any unplaced buffer whose
+// (min offset, rank) does not come before the last one placed may go next.
+//
+// What prunes (each argued where it is applied):
+//  - dominance: no buffer goes at or above the top another unplaced buffer
+//    would have at its own min offset (that one could always go below);
+//  - sections: between two consecutive lifetime ends, the unplaced buffers
+//    must stack above max(the highest placed top, the last offset) within
+//    the capacity, and so must they above the lowest of their min offsets;
+//  - interchangeable buffers (same size and lifetime) go in index order;
+//  - decomposition: where no unplaced buffer spans a step boundary the two
+//    sides are independent problems, solved one after the other.
+// Static orderings (the ranks) matter a great deal and no one ordering wins
+// everywhere: the search runs them round-robin with a step limit that doubles
+// until one finishes. Deterministic: bounded by steps, never by the clock.
 class CanonicalSearch {
  public:
+  enum class Outcome { found, infeasible, out_of_steps };
+
   CanonicalSearch(const std::vector<LiveInterval>& intervals, int64_t alignment) : n_(intervals.size()) {
     std::vector<int> points;
     for (const auto& iv : intervals) {
@@ -82,176 +96,264 @@ class CanonicalSearch {
     std::sort(points.begin(), points.end());
     points.erase(std::unique(points.begin(), points.end()), points.end());
     sections_ = points.empty() ? 0 : points.size() - 1;
-    for (const auto& iv : intervals) {
-      Item item;
-      item.size = align_up(iv.bytes, alignment);
-      item.lo = int(std::lower_bound(points.begin(), points.end(), iv.first) - points.begin());
-      item.hi = int(std::lower_bound(points.begin(), points.end(), iv.last + 1) - points.begin());
-      items_.push_back(item);
+    items_.resize(n_);
+    members_.resize(sections_);
+    for (size_t i = 0; i < n_; ++i) {
+      Item& item = items_[i];
+      item.size = align_up(intervals[i].bytes, alignment);
+      item.lo = int(std::lower_bound(points.begin(), points.end(), intervals[i].first) - points.begin());
+      item.hi = int(std::lower_bound(points.begin(), points.end(), intervals[i].last + 1) - points.begin());
+      item.width = intervals[i].last - intervals[i].first + 1;
+      if (item.size == 0) continue;  // takes no memory: offset 0, outside the search
+      searched_.push_back(i);
+      for (int s = item.lo; s < item.hi; ++s) members_[size_t(s)].push_back(i);
     }
-    // Interchangeable buffers (same size and sections) are tried once per node.
-    order_.resize(n_);
-    std::iota(order_.begin(), order_.end(), 0);
-    std::sort(order_.begin(), order_.end(), [&](size_t a, size_t b) {
+    overlaps_.resize(n_);
+    for (size_t a : searched_)
+      for (size_t b : searched_)
+        if (a != b && items_[a].lo < items_[b].hi && items_[b].lo < items_[a].hi) overlaps_[a].push_back(b);
+    // An identical buffer (size and lifetime) of lower index: it goes first.
+    std::vector<size_t> by_shape = searched_;
+    std::sort(by_shape.begin(), by_shape.end(), [&](size_t a, size_t b) {
       const Item &x = items_[a], &y = items_[b];
       return std::tie(x.lo, x.hi, x.size, a) < std::tie(y.lo, y.hi, y.size, b);
     });
-    for (size_t k = 1; k < n_; ++k) {
-      const Item &x = items_[order_[k - 1]], &y = items_[order_[k]];
-      if (x.lo == y.lo && x.hi == y.hi && x.size == y.size) items_[order_[k]].twin = int(order_[k - 1]);
+    for (size_t k = 1; k < by_shape.size(); ++k) {
+      const Item &x = items_[by_shape[k - 1]], &y = items_[by_shape[k]];
+      if (x.lo == y.lo && x.hi == y.hi && x.size == y.size) items_[by_shape[k]].twin = int(by_shape[k - 1]);
     }
   }
 
-  // Offsets within `capacity`, or empty when none was found within
-  // `max_steps`. A depth-first search that goes wrong early rarely recovers,
-  // so the budget is spent in restarts of growing length (1, 1, 2, 1, 1, 2, 4,
-  // ... in units of `max_steps` / 64: the Luby sequence), each ordering
-  // candidates with other seeded weights. Deterministic.
-  std::vector<int64_t> solve(int64_t capacity, int64_t max_steps, int64_t* steps_used) {
-    const int64_t unit = std::max<int64_t>(1000, max_steps / 64);
-    int64_t spent = 0;
-    std::mt19937_64 rng(capacity);
-    for (int restart = 1; spent < max_steps; ++restart) {
-      weight_.assign(n_, 1.0);
-      prefer_snug_ = restart % 2 == 1;  // two value orderings, alternating: a small portfolio
-      if (restart > 2)
-        for (double& w : weight_) w = 1.0 + std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-      int64_t budget = std::min(max_steps - spent, unit * luby(restart));
-      int64_t used = 0;
-      std::vector<int64_t> found = solve_once(capacity, budget, &used);
-      spent += used;
-      if (!found.empty()) {
-        *steps_used += spent;
-        return found;
+  // Offsets within `capacity` into `offsets`; `infeasible` is a proof that
+  // there are none. Spends at most `max_steps` nodes, adding them to `steps_used`.
+  Outcome solve(int64_t capacity, int64_t max_steps, int64_t* steps_used, std::vector<int64_t>* offsets) {
+    capacity_ = capacity;
+    offset_.assign(n_, kUnplaced);
+    solution_.assign(n_, 0);
+    min_offset_.assign(n_, 0);
+    floor_.assign(sections_, 0);
+    total_.assign(sections_, 0);
+    cuts_.assign(sections_ > 0 ? sections_ - 1 : 0, 0);
+    witness_.assign(sections_, SIZE_MAX);
+    for (size_t i : searched_) {
+      const Item& item = items_[i];
+      for (int s = item.lo; s < item.hi; ++s) total_[size_t(s)] += item.size;
+      for (int s = item.lo; s + 1 < item.hi; ++s) ++cuts_[size_t(s)];
+      if (item.size > capacity) return Outcome::infeasible;
+    }
+    for (size_t s = 0; s < sections_; ++s)
+      if (total_[s] > capacity) return Outcome::infeasible;
+    // Independent from the start: split wherever no buffer spans a boundary.
+    std::vector<Partition> parts = split(Partition{0, int(sections_), searched_}, [&](int boundary) {
+      return cuts_[size_t(boundary)] == 0;
+    });
+    int64_t limit = std::max<int64_t>(2, int64_t(n_));
+    int64_t left = max_steps;
+    Outcome outcome = Outcome::out_of_steps;
+    while (left > 0 && outcome == Outcome::out_of_steps) {
+      limit *= 2;
+      for (Heuristic h : {Heuristic::width_area_total, Heuristic::total_area_width, Heuristic::total_width_area}) {
+        heuristic_ = h;
+        steps_left_ = std::min(limit, left);
+        outcome = Outcome::found;
+        for (const Partition& p : parts) {
+          outcome = solve_partition(p);
+          if (outcome != Outcome::found) break;
+        }
+        left -= std::min(limit, left) - std::max<int64_t>(steps_left_, 0);
+        if (outcome != Outcome::out_of_steps || left <= 0) break;
       }
     }
-    *steps_used += spent;
-    return {};
+    *steps_used += max_steps - left;
+    if (outcome == Outcome::found) *offsets = solution_;
+    return outcome;
   }
 
  private:
-  static int64_t luby(int64_t i) {
-    for (int64_t k = 1;; ++k) {
-      if (i == (int64_t(1) << k) - 1) return int64_t(1) << (k - 1);
-      if (i < (int64_t(1) << k) - 1) return luby(i - (int64_t(1) << (k - 1)) + 1);
-    }
-  }
-
-  std::vector<int64_t> solve_once(int64_t capacity, int64_t max_steps, int64_t* steps_used) {
-    capacity_ = capacity;
-    steps_left_ = max_steps;
-    floor_.assign(sections_, 0);
-    remaining_.assign(sections_, 0);
-    for (const auto& item : items_)
-      for (int s = item.lo; s < item.hi; ++s) remaining_[size_t(s)] += item.size;
-    placed_.assign(n_, false);
-    offsets_.assign(n_, 0);
-    bool found = n_ == 0 || dfs(0, 0, -1);
-    *steps_used += std::min(max_steps, max_steps - steps_left_);
-    return found ? offsets_ : std::vector<int64_t>{};
-  }
+  static constexpr int64_t kUnplaced = -1;
+  enum class Heuristic { width_area_total, total_area_width, total_width_area };
 
   struct Item {
     int64_t size = 0;
     int lo = 0, hi = 0;  // sections [lo, hi)
-    int twin = -1;       // an identical buffer earlier in order_
+    int width = 0;       // steps
+    int twin = -1;       // an identical buffer of lower index
+  };
+  struct Partition {
+    int lo = 0, hi = 0;  // sections [lo, hi); every item lies inside
+    std::vector<size_t> items;
   };
   struct Candidate {
     int64_t offset;
-    int lo;
-    size_t item;
+    size_t rank;
+    bool operator<(const Candidate& o) const { return std::tie(offset, rank) < std::tie(o.offset, o.rank); }
+  };
+  // Undo records: a min offset or a floor before a change.
+  struct Change {
+    bool is_floor;
+    size_t index;
+    int64_t old_value;
   };
 
-  int64_t offset_of(const Item& item) const {
-    int64_t off = 0;
-    for (int s = item.lo; s < item.hi; ++s) off = std::max(off, floor_[size_t(s)]);
-    return off;
+  bool placed(size_t i) const { return offset_[i] != kUnplaced; }
+
+  // `p` cut at every inner boundary `cut(b)` accepts (between sections b and
+  // b+1), each part holding the unplaced items inside it; empty parts dropped.
+  template <typename Cut>
+  std::vector<Partition> split(const Partition& p, Cut cut) const {
+    std::vector<int> points = {p.lo};
+    for (int b = p.lo; b + 1 < p.hi; ++b)
+      if (cut(b)) points.push_back(b + 1);
+    points.push_back(p.hi);
+    std::vector<Partition> parts;
+    for (size_t k = 0; k + 1 < points.size(); ++k) {
+      Partition part{points[k], points[k + 1], {}};
+      for (size_t i : p.items)
+        if (!placed(i) && items_[i].lo >= part.lo && items_[i].hi <= part.hi) part.items.push_back(i);
+      if (!part.items.empty()) parts.push_back(std::move(part));
+    }
+    return parts;
   }
 
-  // Lowest-gap branching: the lowest section that still has buffers to hold
-  // is filled next -- by one of the buffers that can rest exactly at its
-  // floor, or by none, which lifts the section to the next level at which
-  // anything could rest there.
-  bool dfs(size_t depth, int64_t, int) {
-    if (depth == n_) return true;
-    if (--steps_left_ < 0) return false;
-    if (!bound_holds()) return false;
-    size_t gap = sections_;
-    for (size_t s = 0; s < sections_; ++s)
-      if (remaining_[s] > 0 && (gap == sections_ || floor_[s] < floor_[gap])) gap = s;
-    const int64_t level = floor_[gap];
-    std::vector<size_t> fits;
-    int64_t next_level = INT64_MAX;
-    for (size_t i : order_) {
-      if (placed_[i]) continue;
+  // Ranks the partition's items by the current heuristic, then searches it.
+  Outcome solve_partition(const Partition& p) {
+    auto key = [&](size_t i) {
       const Item& item = items_[i];
-      if (item.lo > int(gap) || item.hi <= int(gap)) continue;
-      int64_t off = offset_of(item);
-      if (off > level) {
-        next_level = std::min(next_level, off);
-        continue;
+      int64_t total = 0;
+      for (int s = item.lo; s < item.hi; ++s) total = std::max(total, total_[size_t(s)]);
+      int64_t area = item.size * item.width;
+      switch (heuristic_) {
+        case Heuristic::width_area_total: return std::make_tuple(int64_t(item.width), area, total);
+        case Heuristic::total_area_width: return std::make_tuple(total, area, int64_t(item.width));
+        case Heuristic::total_width_area: return std::make_tuple(total, int64_t(item.width), area);
       }
-      if (item.twin >= 0 && !placed_[size_t(item.twin)]) continue;  // its twin goes first
-      fits.push_back(i);
-    }
-    // Larger and longer-lived buffers first: they are the hard ones to fit later.
-    // Restarts after the first perturb that preference by a seeded weight.
-    // A buffer whose top meets a neighbouring floor leaves a flat skyline: prefer it.
-    auto snug = [&](const Item& x) {
-      if (!prefer_snug_) return 1.0;
-      int64_t top = level + x.size;
-      bool left = x.lo > 0 && floor_[size_t(x.lo - 1)] == top;
-      bool right = x.hi < int(sections_) && floor_[size_t(x.hi)] == top;
-      return 1.0 + double(left) + double(right);
+      return std::make_tuple(int64_t(0), int64_t(0), int64_t(0));
     };
-    std::sort(fits.begin(), fits.end(), [&](size_t a, size_t b) {
-      const Item &x = items_[a], &y = items_[b];
-      double wx = double(x.size) * (x.hi - x.lo) * weight_[a] * snug(x);
-      double wy = double(y.size) * (y.hi - y.lo) * weight_[b] * snug(y);
-      return std::make_tuple(wx, x.size, b) > std::make_tuple(wy, y.size, a);
+    std::vector<std::pair<std::tuple<int64_t, int64_t, int64_t>, size_t>> keyed;
+    for (size_t i : p.items) keyed.emplace_back(key(i), i);
+    std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;  // larger first, then index
     });
-    std::vector<int64_t> saved;
-    for (size_t i : fits) {
-      const Item& item = items_[i];
-      saved.assign(floor_.begin() + item.lo, floor_.begin() + item.hi);
-      for (int s = item.lo; s < item.hi; ++s) {
-        floor_[size_t(s)] = level + item.size;
-        remaining_[size_t(s)] -= item.size;
-      }
-      placed_[i] = true;
-      offsets_[i] = level;
-      if (dfs(depth + 1, 0, 0)) return true;
-      placed_[i] = false;
-      std::copy(saved.begin(), saved.end(), floor_.begin() + item.lo);
-      for (int s = item.lo; s < item.hi; ++s) remaining_[size_t(s)] += item.size;
-      if (steps_left_ < 0) return false;
-    }
-    // Nothing rests at `level` in this section: lift it to the next level where something could.
-    if (gap > 0 && floor_[gap - 1] > level) next_level = std::min(next_level, floor_[gap - 1]);
-    if (gap + 1 < sections_ && floor_[gap + 1] > level) next_level = std::min(next_level, floor_[gap + 1]);
-    if (next_level == INT64_MAX) return false;
-    floor_[gap] = next_level;
-    bool found = dfs(depth, 0, 0);
-    floor_[gap] = level;
-    return found;
+    std::vector<size_t> ranked;
+    for (const auto& [k, i] : keyed) ranked.push_back(i);
+    return dfs(p, ranked, Candidate{0, 0});
   }
 
-  // In each section the unplaced buffers stack above its floor, none below
-  // the highest floor of its own sections (floors only rise); stacked in that
-  // order they reach the lowest possible top (one machine with release dates).
-  bool bound_holds() {
-    releases_.clear();
-    for (size_t i = 0; i < n_; ++i)
-      if (!placed_[i]) releases_.emplace_back(offset_of(items_[i]), i);
-    std::sort(releases_.begin(), releases_.end());
-    top_.assign(floor_.begin(), floor_.end());
-    for (const auto& [release, i] : releases_) {
-      const Item& item = items_[i];
-      for (int s = item.lo; s < item.hi; ++s) {
-        int64_t& top = top_[size_t(s)];
-        top = std::max(top, release) + item.size;
-        if (top > capacity_) return false;
+  Outcome dfs(const Partition& p, const std::vector<size_t>& ranked, Candidate last) {
+    if (steps_left_ <= 0) return Outcome::out_of_steps;
+    --steps_left_;
+    std::vector<Candidate> candidates;
+    int64_t min_height = INT64_MAX;
+    for (size_t r = 0; r < ranked.size(); ++r) {
+      size_t i = ranked[r];
+      if (placed(i)) continue;
+      candidates.push_back({min_offset_[i], r});
+      min_height = std::min(min_height, min_offset_[i] + items_[i].size);
+    }
+    if (candidates.empty()) return Outcome::found;
+    std::sort(candidates.begin(), candidates.end());
+    for (const Candidate& c : candidates) {
+      const size_t i = ranked[c.rank];
+      // Canonical order: a placement listed by (offset, rank) is found once.
+      if (c < last) continue;
+      // Dominance: some unplaced buffer fits wholly below c.offset; placing
+      // this one first would leave that space to nobody (offsets only rise).
+      if (c.offset >= min_height) continue;
+      const int twin = items_[i].twin;
+      if (twin >= 0 && !placed(size_t(twin))) continue;
+      const size_t mark = changes_.size();
+      const std::pair<int, int> changed = place(i, c.offset);
+      Outcome outcome = Outcome::infeasible;
+      if (sections_hold(p, c.offset, changed)) outcome = descend(p, ranked, c, i);
+      unplace(i, mark);
+      if (outcome != Outcome::infeasible) return outcome;
+    }
+    return Outcome::infeasible;
+  }
+
+  // After placing `i`: the same partition, or its independent parts where `i`
+  // was the last buffer across a boundary.
+  Outcome descend(const Partition& p, const std::vector<size_t>& ranked, Candidate c, size_t i) {
+    const Item& item = items_[i];
+    // The last write on the path that succeeds is that path's: later failed
+    // branches below it place other buffers.
+    solution_[i] = c.offset;
+    bool separates = false;
+    for (int b = item.lo; b + 1 < item.hi; ++b) separates |= --cuts_[size_t(b)] == 0;
+    Outcome outcome;
+    if (!separates) {
+      outcome = dfs(p, ranked, c);
+    } else {
+      outcome = Outcome::found;
+      for (const Partition& part : split(p, [&](int b) { return cuts_[size_t(b)] == 0; })) {
+        outcome = solve_partition(part);
+        if (outcome != Outcome::found) break;
       }
+    }
+    for (int b = item.lo; b + 1 < item.hi; ++b) ++cuts_[size_t(b)];
+    return outcome;
+  }
+
+  void set(bool is_floor, size_t index, int64_t value) {
+    int64_t& slot = is_floor ? floor_[index] : min_offset_[index];
+    changes_.push_back({is_floor, index, slot});
+    slot = value;
+  }
+
+  // Places `i`; returns the sections where the buffers still to come changed.
+  std::pair<int, int> place(size_t i, int64_t offset) {
+    const Item& item = items_[i];
+    const int64_t top = offset + item.size;
+    offset_[i] = offset;
+    // The buffers whose min offset rises all overlap `i`: their sections and
+    // its own make one range.
+    int affected_lo = item.lo, affected_hi = item.hi;
+    for (size_t j : overlaps_[i]) {
+      if (placed(j) || min_offset_[j] >= top) continue;
+      set(false, j, top);
+      affected_lo = std::min(affected_lo, items_[j].lo);
+      affected_hi = std::max(affected_hi, items_[j].hi);
+    }
+    // Every buffer still to come in these sections overlaps `i`, so rests on or above its top.
+    for (int s = item.lo; s < item.hi; ++s) {
+      set(true, size_t(s), top);
+      total_[size_t(s)] -= item.size;
+    }
+    return {affected_lo, affected_hi};
+  }
+
+  void unplace(size_t i, size_t mark) {
+    const Item& item = items_[i];
+    for (int s = item.lo; s < item.hi; ++s) total_[size_t(s)] += item.size;
+    while (changes_.size() > mark) {
+      const Change& c = changes_.back();
+      (c.is_floor ? floor_[c.index] : min_offset_[c.index]) = c.old_value;
+      changes_.pop_back();
+    }
+    offset_[i] = kUnplaced;
+  }
+
+  // Later buffers go at or above `offset`, at or above each section's floor,
+  // and each at or above its own min offset: stacked, the ones left in a
+  // section must fit under the capacity. The last holds where some buffer
+  // still to come has a min offset that leaves room for the section's total;
+  // it can only have changed in the sections `place` reported, and the buffer
+  // found last time (a hint, right or wrong) is checked first.
+  bool sections_hold(const Partition& p, int64_t offset, std::pair<int, int> changed) {
+    for (int s = p.lo; s < p.hi; ++s) {
+      const int64_t total = total_[size_t(s)];
+      if (total > 0 && std::max(offset, floor_[size_t(s)]) + total > capacity_) return false;
+    }
+    for (size_t s = size_t(changed.first); s < size_t(changed.second); ++s) {
+      const int64_t total = total_[s];
+      if (total == 0) continue;
+      const int64_t room = capacity_ - total;
+      const size_t hint = witness_[s];
+      if (hint != SIZE_MAX && !placed(hint) && min_offset_[hint] <= room) continue;
+      auto low = std::find_if(members_[s].begin(), members_[s].end(),
+                              [&](size_t j) { return !placed(j) && min_offset_[j] <= room; });
+      if (low == members_[s].end()) return false;
+      witness_[s] = *low;
     }
     return true;
   }
@@ -259,14 +361,16 @@ class CanonicalSearch {
   size_t n_;
   size_t sections_ = 0;
   std::vector<Item> items_;
-  std::vector<size_t> order_;
+  std::vector<size_t> searched_;               // the items that take memory
+  std::vector<std::vector<size_t>> overlaps_;  // items alive in a common section
+  std::vector<std::vector<size_t>> members_;   // items alive in each section
+  Heuristic heuristic_ = Heuristic::width_area_total;
   int64_t capacity_ = 0;
   int64_t steps_left_ = 0;
-  std::vector<int64_t> floor_, remaining_, offsets_, top_;
-  std::vector<std::pair<int64_t, size_t>> releases_;
-  std::vector<double> weight_;
-  bool prefer_snug_ = true;
-  std::vector<bool> placed_;
+  std::vector<int64_t> offset_, solution_, min_offset_, floor_, total_;
+  std::vector<int> cuts_;  // per boundary between sections s and s+1: unplaced items across it
+  std::vector<Change> changes_;
+  std::vector<size_t> witness_;  // per section: a buffer still to come that left room, last time looked
 };
 
 }  // namespace
@@ -328,27 +432,47 @@ Placement place_buffers(const std::vector<LiveInterval>& intervals, const Placem
     best.proven_optimal = best.arena_bytes <= bound;
     return best;
   }
-  // The search: first at the lower bound itself (most instances are tight),
-  // then bisecting between the bound and the best so far.
+  // The search. With a capacity to meet (over the bound, under greedy), it
+  // takes a short look at the bound, then aims at the capacity and stops once
+  // it fits: a budget met is the answer.
+  // Otherwise (or when that fails) first at the lower bound itself (most
+  // instances are tight), then bisecting between the largest size known not
+  // to fit (proven, or given up on) and the best so far, each attempt with
+  // half the steps left.
   CanonicalSearch search(intervals, options.alignment);
-  int64_t low = bound, high = best.arena_bytes, steps_used = 0;
-  int64_t capacity = bound;
-  for (int attempt = 0; attempt < 6 && low < high; ++attempt) {
-    int64_t budget = attempt == 0 ? options.search_steps / 2 : options.search_steps / 10;
-    std::vector<int64_t> offsets = search.solve(capacity, budget, &steps_used);
-    if (!offsets.empty()) {
+  int64_t low = bound, steps_used = 0, proven_infeasible = 0;
+  auto attempt = [&](int64_t capacity, int64_t steps) {
+    std::vector<int64_t> offsets;
+    auto outcome = search.solve(capacity, steps, &steps_used, &offsets);
+    if (outcome == CanonicalSearch::Outcome::found) {
       best.offsets = std::move(offsets);
       best.arena_bytes = arena_of(intervals, best.offsets, options.alignment);
       best.method = "search";
-      high = best.arena_bytes;
-    } else {
-      low = capacity + options.alignment;
+      return true;
     }
-    capacity = align_up(low + (high - low) / 2, options.alignment);
-    if (capacity >= high) break;
+    if (outcome == CanonicalSearch::Outcome::infeasible) proven_infeasible = std::max(proven_infeasible, capacity);
+    return false;
+  };
+  auto steps_left = [&] { return options.search_steps - steps_used; };
+  const int64_t target = options.capacity / options.alignment * options.alignment;
+  bool done = false;
+  if (target >= bound && target < best.arena_bytes) {
+    // A short look at the bound first: when it is reachable it is often found quickly.
+    if (target > bound) {
+      done = attempt(bound, options.search_steps / 32);
+      if (!done) low = bound + options.alignment;
+    }
+    if (!done) done = attempt(target, steps_left() - steps_left() / 4);
+    if (!done && proven_infeasible == target) low = target + options.alignment;
+  }
+  for (int tries = 0; !done && tries < 8 && low < best.arena_bytes && steps_left() > 1; ++tries) {
+    // The bound first, then halfway.
+    int64_t capacity = tries == 0 ? low : align_up(low + (best.arena_bytes - low) / 2, options.alignment);
+    if (capacity >= best.arena_bytes) break;
+    if (!attempt(capacity, steps_left() / 2)) low = capacity + options.alignment;
   }
   best.search_steps = steps_used;
-  best.proven_optimal = best.arena_bytes <= bound;
+  best.proven_optimal = best.arena_bytes <= bound || best.arena_bytes == proven_infeasible + options.alignment;
   return best;
 }
 

@@ -31,7 +31,10 @@ struct PlacementOptions {
   int64_t alignment = 256;
   bool reuse = true;  // false: every buffer its own storage (for debugging numerics)
   PlacementMethod method = PlacementMethod::search;
-  int64_t search_steps = 200000;  // the search's budget, in placements tried
+  int64_t search_steps = 500000;  // the search's budget, in placements tried (about 1-20 us each)
+  // A size the placement must fit in (a memory budget), 0 if none: where
+  // greedy is over it, the search aims there before bisecting further down.
+  int64_t capacity = 0;
 };
 
 struct Placement {
@@ -39,7 +42,7 @@ struct Placement {
   int64_t arena_bytes = 0;
   std::string method;      // which method gave these offsets
   int64_t search_steps = 0;
-  bool proven_optimal = false;  // arena == lower bound
+  bool proven_optimal = false;  // arena == lower bound, or the search proved one alignment less cannot fit
 };
 
 // The best placement the options allow. Deterministic.

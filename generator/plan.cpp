@@ -223,7 +223,10 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
       other_units.push_back(u);
     }
   }
-  Placement placement = place_buffers(others, options.placement);
+  PlacementOptions placement_options = options.placement;
+  if (options.budget_bytes > 0 && placement_options.capacity == 0)
+    placement_options.capacity = std::max<int64_t>(0, options.budget_bytes - persistent_end);
+  Placement placement = place_buffers(others, placement_options);
   for (size_t i = 0; i < other_units.size(); ++i) unit_offset[other_units[i]] = persistent_end + placement.offsets[i];
   plan.method = placement.method;
   plan.persistent_bytes = persistent_end;

@@ -141,7 +141,7 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--alignment", cli.compile.plan.placement.alignment, "byte alignment of every buffer in the arena")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--budget", cli.compile.plan.budget_bytes, "fail when the arena needs more bytes than this (0: none)")
+  cmd->add_option("--budget", cli.compile.plan.budget_bytes, "fail when the arena needs more bytes than this; the placement search aims at it (0: none)")
       ->capture_default_str();
   cmd->add_flag("--step-function", cli.compile.emit.step_function,
                 "also generate cudagen_step, one launcher that runs forward, backward and update (a training step)");
@@ -281,6 +281,8 @@ int run_plan(Cli& cli) {
   if (!cli.buffers_csv.empty()) {
     if (!cli.graph_path.empty()) throw std::runtime_error("give a graph or --buffers, not both");
     BufferList list = read_buffer_csv(read_text_file(cli.buffers_csv), cli.buffers_csv);
+    const int64_t budget = cli.compile.plan.budget_bytes;
+    cli.compile.plan.placement.capacity = budget;
     auto start = std::chrono::steady_clock::now();
     Placement p = place_buffers(list.intervals, cli.compile.plan.placement);
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -294,6 +296,10 @@ int run_plan(Cli& cli) {
                p.proven_optimal ? ", optimal" : "");
     fmt::print("  lower bound  {:>14} bytes\n  without reuse{:>14} bytes\n", bound, no_reuse);
     fmt::print("  method       {} ({} search steps), {:.3f} s, alignment {}\n", p.method, p.search_steps, seconds, alignment);
+    if (budget > 0 && p.arena_bytes > budget)
+      throw std::runtime_error(fmt::format("{}: the placement needs {} bytes, {} over the budget of {} bytes (lower "
+                                           "bound {}); raise --budget or --search-steps",
+                                           cli.buffers_csv, p.arena_bytes, p.arena_bytes - budget, budget, bound));
     if (!cli.output_path.empty()) write_file_atomic(cli.output_path, write_offsets_csv(list, p.offsets));
     if (!cli.svg_path.empty()) write_file_atomic(cli.svg_path, placement_svg(list.ids, list.intervals, p.offsets, bound));
     return kExitOk;

@@ -1026,11 +1026,11 @@ static const cudagen_tensor_info k8_fc1_tensors[] = {
     {"a", "fc1.a", 77312ull, 8192ull},
     {"b", "w1_init.out", 0ull, 32768ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 87296ull, 16384ull},
-    {"act1_out", "act1.out", 103680ull, 16384ull},
+    {"bias1_out", "bias1.out", 105216ull, 16384ull},
+    {"act1_out", "act1.out", 87552ull, 16384ull},
 };
 static const cudagen_tensor_info k9_fc2_tensors[] = {
-    {"a", "act1.out", 103680ull, 16384ull},
+    {"a", "act1.out", 87552ull, 16384ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
     {"bias2_out", "bias2.out", 85504ull, 1280ull},
@@ -1043,50 +1043,50 @@ static const cudagen_tensor_info k10_loss_tensors[] = {
 static const cudagen_tensor_info k11_loss_backward_tensors[] = {
     {"logits", "bias2.out", 85504ull, 1280ull},
     {"labels", "loss.labels", 86784ull, 128ull},
-    {"dlogits", "loss_backward.dlogits", 120064ull, 1280ull},
+    {"dlogits", "loss_backward.dlogits", 103936ull, 1280ull},
 };
 static const cudagen_tensor_info k12_bias2_grad_b_sum_tensors[] = {
-    {"x", "loss_backward.dlogits", 120064ull, 1280ull},
-    {"out", "bias2_grad_b_sum.out", 125696ull, 40ull},
+    {"x", "loss_backward.dlogits", 103936ull, 1280ull},
+    {"out", "bias2_grad_b_sum.out", 87296ull, 40ull},
 };
 static const cudagen_tensor_info k13_fc2_grad_a_tensors[] = {
-    {"a", "loss_backward.dlogits", 120064ull, 1280ull},
+    {"a", "loss_backward.dlogits", 103936ull, 1280ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
-    {"act1_backward_x", "bias1.out", 87296ull, 16384ull},
+    {"act1_backward_x", "bias1.out", 105216ull, 16384ull},
     {"act1_backward_dx", "act1_backward.dx", 125952ull, 16384ull},
 };
 static const cudagen_tensor_info k14_fc2_grad_b_tensors[] = {
-    {"a", "act1.out", 103680ull, 16384ull},
-    {"b", "loss_backward.dlogits", 120064ull, 1280ull},
-    {"out", "fc2_grad_b.out", 87296ull, 5120ull},
+    {"a", "act1.out", 87552ull, 16384ull},
+    {"b", "loss_backward.dlogits", 103936ull, 1280ull},
+    {"out", "fc2_grad_b.out", 120832ull, 5120ull},
 };
 static const cudagen_tensor_info k15_bias1_grad_b_sum_tensors[] = {
     {"x", "act1_backward.dx", 125952ull, 16384ull},
-    {"out", "bias1_grad_b_sum.out", 92416ull, 512ull},
+    {"out", "bias1_grad_b_sum.out", 87552ull, 512ull},
 };
 static const cudagen_tensor_info k16_fc1_grad_b_tensors[] = {
     {"a", "fc1.a", 77312ull, 8192ull},
     {"b", "act1_backward.dx", 125952ull, 16384ull},
-    {"out", "fc1_grad_b.out", 92928ull, 32768ull},
+    {"out", "fc1_grad_b.out", 88064ull, 32768ull},
 };
 static const cudagen_tensor_info k17_w1_init_sgd_tensors[] = {
     {"param", "w1_init.out", 0ull, 32768ull},
-    {"grad", "fc1_grad_b.out", 92928ull, 32768ull},
+    {"grad", "fc1_grad_b.out", 88064ull, 32768ull},
     {"momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
 };
 static const cudagen_tensor_info k18_b1_init_sgd_tensors[] = {
     {"param", "b1_init.out", 32768ull, 512ull},
-    {"grad", "bias1_grad_b_sum.out", 92416ull, 512ull},
+    {"grad", "bias1_grad_b_sum.out", 87552ull, 512ull},
     {"momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
 };
 static const cudagen_tensor_info k19_w2_init_sgd_tensors[] = {
     {"param", "w2_init.out", 33280ull, 5120ull},
-    {"grad", "fc2_grad_b.out", 87296ull, 5120ull},
+    {"grad", "fc2_grad_b.out", 120832ull, 5120ull},
     {"momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
 };
 static const cudagen_tensor_info k20_b2_init_sgd_tensors[] = {
     {"param", "b2_init.out", 38400ull, 40ull},
-    {"grad", "bias2_grad_b_sum.out", 125696ull, 40ull},
+    {"grad", "bias2_grad_b_sum.out", 87296ull, 40ull},
     {"momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 
@@ -1112,9 +1112,9 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k8_fc1, dim3(4, 1, 1), dim3(256), 4288, k8_fc1_tensors,
-                 (const float*)(arena + 77312), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 87296), (float*)(arena + 103680));
+                 (const float*)(arena + 77312), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 105216), (float*)(arena + 87552));
   CUDAGEN_LAUNCH(k9_fc2, dim3(1, 1, 1), dim3(256), 4288, k9_fc2_tensors,
-                 (const float*)(arena + 103680), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 85504));
+                 (const float*)(arena + 87552), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 85504));
   CUDAGEN_LAUNCH(k10_loss, dim3(1, 1, 1), dim3(32), 128, k10_loss_tensors,
                  (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 87040));
   return 0;
@@ -1122,29 +1122,29 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k11_loss_backward, dim3(32, 1, 1), dim3(32), 128, k11_loss_backward_tensors,
-                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 120064));
+                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 103936));
   CUDAGEN_LAUNCH(k12_bias2_grad_b_sum, dim3(1, 1, 1), dim3(256), 1024, k12_bias2_grad_b_sum_tensors,
-                 (const float*)(arena + 120064), (float*)(arena + 125696));
+                 (const float*)(arena + 103936), (float*)(arena + 87296));
   CUDAGEN_LAUNCH(k13_fc2_grad_a, dim3(4, 1, 1), dim3(256), 4288, k13_fc2_grad_a_tensors,
-                 (const float*)(arena + 120064), (const float*)(arena + 33280), (const float*)(arena + 87296), (float*)(arena + 125952));
+                 (const float*)(arena + 103936), (const float*)(arena + 33280), (const float*)(arena + 105216), (float*)(arena + 125952));
   CUDAGEN_LAUNCH(k14_fc2_grad_b, dim3(1, 4, 1), dim3(256), 4288, k14_fc2_grad_b_tensors,
-                 (const float*)(arena + 103680), (const float*)(arena + 120064), (float*)(arena + 87296));
+                 (const float*)(arena + 87552), (const float*)(arena + 103936), (float*)(arena + 120832));
   CUDAGEN_LAUNCH(k15_bias1_grad_b_sum, dim3(4, 1, 1), dim3(256), 1024, k15_bias1_grad_b_sum_tensors,
-                 (const float*)(arena + 125952), (float*)(arena + 92416));
+                 (const float*)(arena + 125952), (float*)(arena + 87552));
   CUDAGEN_LAUNCH(k16_fc1_grad_b, dim3(4, 2, 1), dim3(256), 4288, k16_fc1_grad_b_tensors,
-                 (const float*)(arena + 77312), (const float*)(arena + 125952), (float*)(arena + 92928));
+                 (const float*)(arena + 77312), (const float*)(arena + 125952), (float*)(arena + 88064));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k17_w1_init_sgd, dim3(32, 1, 1), dim3(256), 0, k17_w1_init_sgd_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 92928), (float*)(arena + 38656));
+                 (float*)(arena + 0), (const float*)(arena + 88064), (float*)(arena + 38656));
   CUDAGEN_LAUNCH(k18_b1_init_sgd, dim3(1, 1, 1), dim3(256), 0, k18_b1_init_sgd_tensors,
-                 (float*)(arena + 32768), (const float*)(arena + 92416), (float*)(arena + 71424));
+                 (float*)(arena + 32768), (const float*)(arena + 87552), (float*)(arena + 71424));
   CUDAGEN_LAUNCH(k19_w2_init_sgd, dim3(5, 1, 1), dim3(256), 0, k19_w2_init_sgd_tensors,
-                 (float*)(arena + 33280), (const float*)(arena + 87296), (float*)(arena + 71936));
+                 (float*)(arena + 33280), (const float*)(arena + 120832), (float*)(arena + 71936));
   CUDAGEN_LAUNCH(k20_b2_init_sgd, dim3(1, 1, 1), dim3(256), 0, k20_b2_init_sgd_tensors,
-                 (float*)(arena + 38400), (const float*)(arena + 125696), (float*)(arena + 77056));
+                 (float*)(arena + 38400), (const float*)(arena + 87296), (float*)(arena + 77056));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -953,11 +953,11 @@ static const cudagen_tensor_info k4_fc1_tensors[] = {
     {"a", "fc1.a", 38656ull, 8192ull},
     {"b", "w1_init.out", 0ull, 32768ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 65280ull, 16384ull},
-    {"act1_out", "act1.out", 48640ull, 16384ull},
+    {"bias1_out", "bias1.out", 70400ull, 16384ull},
+    {"act1_out", "act1.out", 53760ull, 16384ull},
 };
 static const cudagen_tensor_info k5_fc2_tensors[] = {
-    {"a", "act1.out", 48640ull, 16384ull},
+    {"a", "act1.out", 53760ull, 16384ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
     {"bias2_out", "bias2.out", 46848ull, 1280ull},
@@ -970,35 +970,35 @@ static const cudagen_tensor_info k6_loss_tensors[] = {
 static const cudagen_tensor_info k7_dlogits_tensors[] = {
     {"logits", "bias2.out", 46848ull, 1280ull},
     {"labels", "loss.labels", 48128ull, 128ull},
-    {"dlogits", "dlogits.dlogits", 81664ull, 1280ull},
+    {"dlogits", "dlogits.dlogits", 86784ull, 1280ull},
 };
 static const cudagen_tensor_info k8_dw2_tensors[] = {
-    {"a", "act1.out", 48640ull, 16384ull},
-    {"b", "dlogits.dlogits", 81664ull, 1280ull},
-    {"out", "dw2.out", 98048ull, 5120ull},
+    {"a", "act1.out", 53760ull, 16384ull},
+    {"b", "dlogits.dlogits", 86784ull, 1280ull},
+    {"out", "dw2.out", 48640ull, 5120ull},
 };
 static const cudagen_tensor_info k9_db2_tensors[] = {
-    {"x", "dlogits.dlogits", 81664ull, 1280ull},
-    {"out", "db2.out", 48640ull, 40ull},
+    {"x", "dlogits.dlogits", 86784ull, 1280ull},
+    {"out", "db2.out", 53760ull, 40ull},
 };
 static const cudagen_tensor_info k10_dact1_tensors[] = {
-    {"a", "dlogits.dlogits", 81664ull, 1280ull},
+    {"a", "dlogits.dlogits", 86784ull, 1280ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
-    {"dbias1_x", "bias1.out", 65280ull, 16384ull},
-    {"dbias1_dx", "dbias1.dx", 48896ull, 16384ull},
+    {"dbias1_x", "bias1.out", 70400ull, 16384ull},
+    {"dbias1_dx", "dbias1.dx", 54016ull, 16384ull},
 };
 static const cudagen_tensor_info k11_dw1_tensors[] = {
     {"a", "fc1.a", 38656ull, 8192ull},
-    {"b", "dbias1.dx", 48896ull, 16384ull},
-    {"out", "dw1.out", 65280ull, 32768ull},
+    {"b", "dbias1.dx", 54016ull, 16384ull},
+    {"out", "dw1.out", 70400ull, 32768ull},
 };
 static const cudagen_tensor_info k12_db1_tensors[] = {
-    {"x", "dbias1.dx", 48896ull, 16384ull},
+    {"x", "dbias1.dx", 54016ull, 16384ull},
     {"out", "db1.out", 103168ull, 512ull},
 };
 static const cudagen_tensor_info k13_sgd_w1_tensors[] = {
     {"param", "w1_init.out", 0ull, 32768ull},
-    {"grad", "dw1.out", 65280ull, 32768ull},
+    {"grad", "dw1.out", 70400ull, 32768ull},
 };
 static const cudagen_tensor_info k14_sgd_b1_tensors[] = {
     {"param", "b1_init.out", 32768ull, 512ull},
@@ -1006,11 +1006,11 @@ static const cudagen_tensor_info k14_sgd_b1_tensors[] = {
 };
 static const cudagen_tensor_info k15_sgd_w2_tensors[] = {
     {"param", "w2_init.out", 33280ull, 5120ull},
-    {"grad", "dw2.out", 98048ull, 5120ull},
+    {"grad", "dw2.out", 48640ull, 5120ull},
 };
 static const cudagen_tensor_info k16_sgd_b2_tensors[] = {
     {"param", "b2_init.out", 38400ull, 40ull},
-    {"grad", "db2.out", 48640ull, 40ull},
+    {"grad", "db2.out", 53760ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1027,9 +1027,9 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k4_fc1, dim3(4, 1, 1), dim3(256), 4288, k4_fc1_tensors,
-                 (const float*)(arena + 38656), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 65280), (float*)(arena + 48640));
+                 (const float*)(arena + 38656), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 70400), (float*)(arena + 53760));
   CUDAGEN_LAUNCH(k5_fc2, dim3(1, 1, 1), dim3(256), 4288, k5_fc2_tensors,
-                 (const float*)(arena + 48640), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 46848));
+                 (const float*)(arena + 53760), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 46848));
   CUDAGEN_LAUNCH(k6_loss, dim3(1, 1, 1), dim3(32), 128, k6_loss_tensors,
                  (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 48384));
   return 0;
@@ -1037,29 +1037,29 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k7_dlogits, dim3(32, 1, 1), dim3(32), 128, k7_dlogits_tensors,
-                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 81664));
+                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 86784));
   CUDAGEN_LAUNCH(k8_dw2, dim3(1, 4, 1), dim3(256), 4288, k8_dw2_tensors,
-                 (const float*)(arena + 48640), (const float*)(arena + 81664), (float*)(arena + 98048));
+                 (const float*)(arena + 53760), (const float*)(arena + 86784), (float*)(arena + 48640));
   CUDAGEN_LAUNCH(k9_db2, dim3(1, 1, 1), dim3(256), 1024, k9_db2_tensors,
-                 (const float*)(arena + 81664), (float*)(arena + 48640));
+                 (const float*)(arena + 86784), (float*)(arena + 53760));
   CUDAGEN_LAUNCH(k10_dact1, dim3(4, 1, 1), dim3(256), 4288, k10_dact1_tensors,
-                 (const float*)(arena + 81664), (const float*)(arena + 33280), (const float*)(arena + 65280), (float*)(arena + 48896));
+                 (const float*)(arena + 86784), (const float*)(arena + 33280), (const float*)(arena + 70400), (float*)(arena + 54016));
   CUDAGEN_LAUNCH(k11_dw1, dim3(4, 2, 1), dim3(256), 4288, k11_dw1_tensors,
-                 (const float*)(arena + 38656), (const float*)(arena + 48896), (float*)(arena + 65280));
+                 (const float*)(arena + 38656), (const float*)(arena + 54016), (float*)(arena + 70400));
   CUDAGEN_LAUNCH(k12_db1, dim3(4, 1, 1), dim3(256), 1024, k12_db1_tensors,
-                 (const float*)(arena + 48896), (float*)(arena + 103168));
+                 (const float*)(arena + 54016), (float*)(arena + 103168));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k13_sgd_w1, dim3(32, 1, 1), dim3(256), 0, k13_sgd_w1_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 65280));
+                 (float*)(arena + 0), (const float*)(arena + 70400));
   CUDAGEN_LAUNCH(k14_sgd_b1, dim3(1, 1, 1), dim3(256), 0, k14_sgd_b1_tensors,
                  (float*)(arena + 32768), (const float*)(arena + 103168));
   CUDAGEN_LAUNCH(k15_sgd_w2, dim3(5, 1, 1), dim3(256), 0, k15_sgd_w2_tensors,
-                 (float*)(arena + 33280), (const float*)(arena + 98048));
+                 (float*)(arena + 33280), (const float*)(arena + 48640));
   CUDAGEN_LAUNCH(k16_sgd_b2, dim3(1, 1, 1), dim3(256), 0, k16_sgd_b2_tensors,
-                 (float*)(arena + 38400), (const float*)(arena + 48640));
+                 (float*)(arena + 38400), (const float*)(arena + 53760));
   return 0;
 }
 #endif  // __CUDACC_RTC__

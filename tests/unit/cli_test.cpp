@@ -276,6 +276,10 @@ TEST_F(Cli, PlanABufferListWritesOffsetsAndSvg) {
   EXPECT_EQ(text.rfind("id,lower,upper,size,offset\n", 0), 0u) << text;
   EXPECT_NE(cudagen::read_text_file(svg).find("<title>b: steps [1, 2]"), std::string::npos);
   EXPECT_EQ(run("plan --buffers " + write("bad.csv", "id,lower,upper,size\nx,5,1,3\n")).status, 1);
+  CliResult over = run("plan --buffers " + csv + " --alignment 1 --budget 450");
+  EXPECT_EQ(over.status, 1);
+  EXPECT_NE(over.err.find("needs 500 bytes, 50 over the budget of 450 bytes (lower bound 500)"), std::string::npos)
+      << over.err;
 }
 
 TEST_F(Cli, PlanAGraphReportsTheBound) {

@@ -59,6 +59,63 @@ TEST(Placement, SearchReachesTheOptimumWhereGreedyDoesNot) {
   EXPECT_GE(greedy_short, 10) << "these instances should be hard for greedy, or the test proves nothing";
 }
 
+// Larger perfect packings with the default step budget: the search must
+// close greedy's gap on every one. (Past about 80 pieces some of these
+// guillotine-cut instances run out of steps: bench/RESULTS.md.)
+TEST(Placement, SearchPacksLargerInstancesAtTheBound) {
+  std::mt19937 rng(11);
+  for (int round = 0; round < 10; ++round) {
+    auto intervals = sliced_instance(rng, 60, 48, 1 << 20);
+    PlacementOptions options;
+    options.alignment = 1;
+    Placement p = place_buffers(intervals, options);
+    ASSERT_EQ(verify_placement(intervals, p.offsets, p.arena_bytes, 1), "") << "round " << round;
+    EXPECT_EQ(p.arena_bytes, 1 << 20) << "round " << round << ": " << p.method << ", " << p.search_steps << " steps";
+    EXPECT_TRUE(p.proven_optimal);
+  }
+}
+
+// With a capacity to meet the search stops once the placement fits it, even
+// where it could go lower; without one it keeps going down to the bound.
+TEST(Placement, CapacityIsMetThenTheSearchStops) {
+  std::mt19937 rng(5);
+  std::vector<LiveInterval> intervals;
+  int64_t greedy_arena = 0;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    intervals = sliced_instance(rng, 40, 16, 1000);
+    PlacementOptions options;
+    options.alignment = 1;
+    auto greedy = place_greedy_by_size(intervals, options);
+    greedy_arena = 0;
+    for (size_t i = 0; i < intervals.size(); ++i) greedy_arena = std::max(greedy_arena, greedy[i] + intervals[i].bytes);
+    if (greedy_arena >= 1100) break;
+  }
+  ASSERT_GE(greedy_arena, 1100) << "need an instance greedy packs badly";
+  PlacementOptions options;
+  options.alignment = 1;
+  options.capacity = 1050;
+  options.search_steps = 100000;
+  Placement with_capacity = place_buffers(intervals, options);
+  EXPECT_EQ(verify_placement(intervals, with_capacity.offsets, with_capacity.arena_bytes, 1), "");
+  EXPECT_LE(with_capacity.arena_bytes, 1050);
+  options.capacity = 0;
+  Placement without = place_buffers(intervals, options);
+  EXPECT_EQ(without.arena_bytes, 1000);
+  EXPECT_TRUE(without.proven_optimal);
+}
+
+// Buffers of no bytes take no room and do not stop the search.
+TEST(Placement, EmptyBuffersAreIgnored) {
+  std::mt19937 rng(9);
+  auto intervals = sliced_instance(rng, 30, 12, 1000);
+  for (int t = 0; t < 12; t += 3) intervals.push_back({0, t, t + 1});
+  PlacementOptions options;
+  options.alignment = 1;
+  Placement p = place_buffers(intervals, options);
+  EXPECT_EQ(verify_placement(intervals, p.offsets, p.arena_bytes, 1), "");
+  EXPECT_EQ(p.arena_bytes, 1000);
+}
+
 TEST(Placement, IsDeterministic) {
   std::mt19937 rng(7);
   auto intervals = sliced_instance(rng, 60, 20, 4096);
