@@ -74,6 +74,24 @@ class BlockClassifier(nn.Module):
         return self.head(self.block(x))
 
 
+class CatSplit(nn.Module):
+    """cat, split and chunk along the first, inner and last axes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # [2, 6, 4, 8]
+        a, b = x.split([2, 4], dim=1)  # [2, 2, 4, 8], [2, 4, 4, 8]
+        c, d = torch.chunk(self.proj(x), 2, dim=2)  # [2, 6, 2, 8] each
+        y = torch.cat([b, a.relu(), a], dim=1)  # [2, 8, 4, 8]
+        z = torch.cat([d, c], dim=-2)  # [2, 6, 4, 8]
+        # Indexed, not unpacked: torch 1.13's fx reads the unpacking from the
+        # bytecode, which it misreads this far into a function on Python 3.11.
+        halves = torch.cat([y, z], dim=1).chunk(2, dim=-1)  # [2, 14, 4, 4] each
+        return torch.cat([halves[0] * 2.0, halves[1]], dim=0)  # [4, 14, 4, 4]
+
+
 def mlp():
     torch.manual_seed(0)
     return MLP()

@@ -97,6 +97,14 @@ class Models(Exported):
         model = models.Block(use_sdpa=True)
         self.check_model(model.eval(), (torch.randn(2, 16, 48),), seed)
 
+    def test_cat_and_split_along_any_axis(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(models.CatSplit().eval(), (torch.randn(2, 6, 4, 8),), seed)
+        graph = read(result.graph_path)
+        self.assertIn('"op": "concat"', graph)
+        self.assertIn('"op": "split"', graph)
+
     def test_resnet18(self):
         seed = fresh_seed()
         torch.manual_seed(seed)

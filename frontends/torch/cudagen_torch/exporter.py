@@ -743,33 +743,69 @@ def _f_t(ex, node):
     return _permute(ex, node, [1, 0]) if len(ex.values[node.args[0]].shape) == 2 else ex.tensor(node, node.args[0])
 
 
+def _axis(ex, node, dim, rank, what):
+    d = ex.const(dim)
+    if not isinstance(d, int) or not -rank <= d < rank:
+        ex.fail(node, f"{what} over axis {d} of a rank-{rank} tensor", f"give {what} a constant dim in [-{rank}, {rank})")
+    return d % rank
+
+
+def _rows(shape, axis):
+    """The product of the dims before `axis` and of those after it."""
+    return math.prod(shape[:axis]), math.prod(shape[axis + 1:])
+
+
+def _as_shape(ex, node, name, v, shape):
+    """`v` seen with another shape (a view where the planner can alias it)."""
+    shape = tuple(shape)
+    if shape == v.shape:
+        return v
+    return ex.add(node, name, "reshape", {"x": v}, {"out": (v.dtype, shape)})["out"]
+
+
 def _f_cat(ex, node):
+    """cat along any axis: the ops join along the last, so each part is seen as
+    [before, size * after] (row-major, a part's slab for one leading index is
+    contiguous), joined, and seen back with the result's shape."""
     parts = list(_arg(node, 0, "tensors"))
     values = [ex.tensor(node, p) for p in parts]
-    ex.last_axis(node, _arg(node, 1, "dim", 0), len(values[0].shape), "cat")
+    rank = len(values[0].shape)
+    axis = _axis(ex, node, _arg(node, 1, "dim", 0), rank, "cat")
+    before, after = _rows(values[0].shape, axis)
+    last = axis == rank - 1
+    if not last:
+        values = [_as_shape(ex, node, f"{node.name}_in{i}", v, (before, v.shape[axis] * after))
+                  for i, v in enumerate(values)]
     acc = values[0]
     for i, v in enumerate(values[1:], 1):
         shape = acc.shape[:-1] + (acc.shape[-1] + v.shape[-1],)
-        acc = ex.add(node, node.name if i == len(values) - 1 else f"{node.name}_{i}", "concat", {"a": acc, "b": v},
-                     {"out": (acc.dtype, shape)})["out"]
+        name = node.name if last and i == len(values) - 1 else f"{node.name}_{i}"
+        acc = ex.add(node, name, "concat", {"a": acc, "b": v}, {"out": (acc.dtype, shape)})["out"]
+    if not last:
+        acc = ex.add(node, node.name, "reshape", {"x": acc}, {"out": (acc.dtype, ex.result_meta(node)[1])})["out"]
     return acc
 
 
 def _f_split(ex, node):
-    """split and chunk alike: the parts' sizes come from the recorded result."""
+    """split and chunk alike, along any axis (seen as [before, size * after],
+    as for cat); the parts' sizes come from the recorded result."""
     x = ex.tensor(node, node.args[0])
     results = ex.values[node]
-    ex.last_axis(node, _arg(node, 2, "dim", 0), len(x.shape), "split")
-    sizes = [r.shape[-1] for r in results]
-    outs, rest = [], x
+    rank = len(x.shape)
+    axis = _axis(ex, node, _arg(node, 2, "dim", 0), rank, "split")
+    before, after = _rows(x.shape, axis)
+    lead = x.shape[:-1] if axis == rank - 1 else (before,)
+    rest = _as_shape(ex, node, f"{node.name}_in", x, lead + (x.shape[axis] * after,))
+    sizes = [r.shape[axis] * after for r in results]
+    outs = []
     for i, size in enumerate(sizes[:-1]):
         remaining = rest.shape[-1] - size
         pieces = ex.add(node, f"{node.name}_{i}", "split", {"x": rest},
-                        {"a": (x.dtype, x.shape[:-1] + (size,)), "b": (x.dtype, x.shape[:-1] + (remaining,))})
+                        {"a": (x.dtype, lead + (size,)), "b": (x.dtype, lead + (remaining,))})
         outs.append(pieces["a"])
         rest = pieces["b"]
     outs.append(rest)
-    return tuple(outs)
+    return tuple(_as_shape(ex, node, f"{node.name}_part{i}", v, r.shape) for i, (v, r) in enumerate(zip(outs, results)))
 
 
 def _f_getitem(ex, node):
