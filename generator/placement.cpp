@@ -144,9 +144,7 @@ class CanonicalSearch {
     for (size_t s = 0; s < sections_; ++s)
       if (total_[s] > capacity) return Outcome::infeasible;
     // Independent from the start: split wherever no buffer spans a boundary.
-    std::vector<Partition> parts = split(Partition{0, int(sections_), searched_}, [&](int boundary) {
-      return cuts_[size_t(boundary)] == 0;
-    });
+    std::vector<Partition> parts = split(Partition{0, int(sections_), searched_});
     int64_t limit = std::max<int64_t>(2, int64_t(n_));
     int64_t left = max_steps;
     Outcome outcome = Outcome::out_of_steps;
@@ -197,13 +195,13 @@ class CanonicalSearch {
 
   bool placed(size_t i) const { return offset_[i] != kUnplaced; }
 
-  // `p` cut at every inner boundary `cut(b)` accepts (between sections b and
-  // b+1), each part holding the unplaced items inside it; empty parts dropped.
-  template <typename Cut>
-  std::vector<Partition> split(const Partition& p, Cut cut) const {
+  // `p` cut at every inner boundary (between sections b and b+1) that no
+  // unplaced item spans, each part holding the unplaced items inside it;
+  // empty parts dropped.
+  std::vector<Partition> split(const Partition& p) const {
     std::vector<int> points = {p.lo};
     for (int b = p.lo; b + 1 < p.hi; ++b)
-      if (cut(b)) points.push_back(b + 1);
+      if (cuts_[size_t(b)] == 0) points.push_back(b + 1);
     points.push_back(p.hi);
     std::vector<Partition> parts;
     for (size_t k = 0; k + 1 < points.size(); ++k) {
@@ -285,7 +283,7 @@ class CanonicalSearch {
       outcome = dfs(p, ranked, c);
     } else {
       outcome = Outcome::found;
-      for (const Partition& part : split(p, [&](int b) { return cuts_[size_t(b)] == 0; })) {
+      for (const Partition& part : split(p)) {
         outcome = solve_partition(part);
         if (outcome != Outcome::found) break;
       }

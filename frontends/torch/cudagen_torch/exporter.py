@@ -398,10 +398,7 @@ class _Exporter:
                         {"out": (dtype, shape)})["out"]
 
     def reshape_to(self, node, x, shape, base=None):
-        v = self.tensor(node, x)
-        if tuple(shape) == v.shape:
-            return v
-        return self.add(node, base or node.name, "reshape", {"x": v}, {"out": (v.dtype, tuple(shape))})["out"]
+        return _as_shape(self, node, base or node.name, self.tensor(node, x), shape)
 
     def norm_outputs(self, node, statistics):
         """A norm's outputs: `out`, and when training the per-row statistics
@@ -782,7 +779,7 @@ def _f_cat(ex, node):
         name = node.name if last and i == len(values) - 1 else f"{node.name}_{i}"
         acc = ex.add(node, name, "concat", {"a": acc, "b": v}, {"out": (acc.dtype, shape)})["out"]
     if not last:
-        acc = ex.add(node, node.name, "reshape", {"x": acc}, {"out": (acc.dtype, ex.result_meta(node)[1])})["out"]
+        acc = _as_shape(ex, node, node.name, acc, ex.result_meta(node)[1])
     return acc
 
 
