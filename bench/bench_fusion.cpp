@@ -1,5 +1,5 @@
 // What fusion saves, per graph and phase, without a GPU (issues #6, #12):
-// kernels launched, and device-memory bytes unfused, fused, and the minimum
+// launches (a kernel, or kernels that share a launch under rule horizontal), and device-memory bytes unfused, fused, and the minimum
 // any schedule needs (every tensor the phase reads from outside it read once,
 // every tensor that leaves the phase written once, nothing else). The bytes
 // are measured: each program runs in the host emulation on random inputs and
@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
       kernels_all += figures.kernels;
     }
   }
-  fmt::print("all graphs: {} tasks in {} fused kernels ({:.2f} tasks per kernel)\n", tasks_all, kernels_all,
+  fmt::print("all graphs: {} tasks in {} launches fused ({:.2f} tasks per launch)\n", tasks_all, kernels_all,
              double(tasks_all) / double(kernels_all));
   return 0;
 }

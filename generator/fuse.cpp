@@ -1,8 +1,11 @@
 #include "fuse.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
+
+#include "plan.h"  // view_pairs
 
 namespace cudagen {
 
@@ -85,6 +88,7 @@ class Fuser {
       out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
     }
     for (auto& group : out_.kernels) find_internal(group);
+    batch_launches();
     return std::move(out_);
   }
 
@@ -131,7 +135,7 @@ class Fuser {
               source.buffer != b.buffer)
             return fmt::format("it reads '{}', a view of what the kernel computes", b.name);
     }
-    if (!reads_group) return "it reads nothing the kernel computes (independent tasks are not fused yet)";
+    if (!reads_group) return "it reads nothing the kernel computes";
     return {};
   }
 
@@ -175,6 +179,86 @@ class Fuser {
     return last;
   }
 
+  // The storage a buffer stands for: a view's is its source's.
+  int storage_of(int b) const {
+    for (auto it = view_source_.find(b); it != view_source_.end(); it = view_source_.find(b)) b = it->second;
+    return b;
+  }
+
+  // What a kernel reads and writes in the arena, as storage (not its
+  // internal values, which no other kernel sees).
+  struct Access {
+    std::vector<int> reads, writes;
+    int runtime_args = 0;
+  };
+  Access access_of(const KernelGroup& k) const {
+    Access a;
+    for (int t : k.tasks) {
+      for (const auto& b : p_.tasks[size_t(t)].tensors) {
+        if (b.buffer < 0 || b.sig == nullptr || contains(k.internal_buffers, b.buffer)) continue;
+        const int storage = storage_of(b.buffer);
+        if (b.sig->written()) a.writes.push_back(storage);
+        if (!b.sig->written() || b.sig->writes) a.reads.push_back(storage);
+      }
+      for (const auto& arg : p_.tasks[size_t(t)].args) a.runtime_args += arg.runtime;
+    }
+    return a;
+  }
+
+  // Why a kernel with access `a` cannot run at the same time as kernel
+  // `other` (empty when it can).
+  std::string conflict(const Access& a, const KernelGroup& other, const Access& o) const {
+    for (int b : a.reads)
+      if (contains(o.writes, b)) return fmt::format("it reads '{}', which {} writes", buffer_name(p_, b), other.name);
+    for (int b : a.writes) {
+      if (contains(o.writes, b)) return fmt::format("it writes '{}', which {} writes", buffer_name(p_, b), other.name);
+      if (contains(o.reads, b)) return fmt::format("it writes '{}', which {} reads", buffer_name(p_, b), other.name);
+    }
+    return {};
+  }
+
+  // Rule horizontal: each kernel joins the launch of the kernel before it
+  // when it is of the same phase and conflicts with no kernel of that launch.
+  // Only adjacent kernels: the schedule's order stays, and with it the
+  // buffers' lifetimes (the planner sees a launch as one step).
+  void batch_launches() {
+    for (const auto& [view, source] : view_pairs(p_)) view_source_[view] = source;
+    std::vector<Access> access;
+    for (const auto& k : out_.kernels) access.push_back(access_of(k));
+    int launch = -1;
+    size_t first = 0;    // the first kernel of the current launch
+    int parameters = 0;  // the current launch's, about as the emitter passes them
+    for (size_t k = 0; k < out_.kernels.size(); ++k) {
+      KernelGroup& kernel = out_.kernels[k];
+      const Access& a = access[k];
+      const int own = int(a.reads.size() + a.writes.size()) + a.runtime_args;
+      if (k > 0 && out_.kernels[k - 1].phase == kernel.phase && options_.enabled) {
+        std::string reason;
+        size_t against = k - 1;
+        if (!rule_on("horizontal"))
+          reason = "rule horizontal is off (--no-fuse-rule)";
+        else if (parameters + own > kMaxLaunchParameters)
+          reason = fmt::format("the launch would take more than {} parameters", kMaxLaunchParameters);
+        for (size_t j = first; j < k && reason.empty(); ++j) {
+          reason = conflict(a, out_.kernels[j], access[j]);
+          against = j;
+        }
+        if (reason.empty()) {
+          kernel.launch = launch;
+          parameters += own;
+          continue;
+        }
+        out_.launch_notes.push_back(FusionNote{kernel.tasks.front(), out_.kernels[against].tasks.front(), reason});
+      }
+      kernel.launch = ++launch;
+      first = k;
+      parameters = own;
+    }
+  }
+  // A kernel's parameters are limited (4 KiB on every device since Volta);
+  // far below that, a launch of this many pointers is no longer small.
+  static constexpr int kMaxLaunchParameters = 64;
+
   // A value the group computes and only the group reads needs no storage.
   void find_internal(KernelGroup& group) {
     if (group.tasks.size() < 2) return;
@@ -191,6 +275,7 @@ class Fuser {
   const Program& p_;
   const FuseOptions& options_;
   std::vector<std::vector<int>> readers_;  // per buffer: the tasks that read it (through `from`)
+  std::map<int, int> view_source_;         // a view's buffer -> its source's
   Fusion out_;
 };
 

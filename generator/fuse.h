@@ -14,6 +14,12 @@
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
 //                      block stores it.
+//   horizontal         adjacent kernels of one phase, none reading what
+//                      another writes (nor writing what another reads or
+//                      writes), in one launch: one grid, each kernel on its
+//                      own blocks (KernelGroup::launch). Fewer launches; small
+//                      kernels that leave most of the device idle run side
+//                      by side.
 // A value produced in a group and read only there is internal: no buffer in
 // the arena. One read outside the group (a later kernel, a later phase, the
 // caller) is still stored, once.
@@ -28,7 +34,8 @@
 
 namespace cudagen {
 
-inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue"};
+inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue",
+                                                      "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task
@@ -45,6 +52,10 @@ struct FusionNote {
 struct Fusion {
   std::vector<KernelGroup> kernels;
   std::vector<FusionNote> notes;  // one per pair of adjacent tasks of one phase left apart
+  // One per kernel that starts a launch after a kernel of its phase: its
+  // first task, and the first task of the kernel of the launch before that it
+  // conflicts with (or of the last kernel there).
+  std::vector<FusionNote> launch_notes;
 };
 
 Fusion fuse(const Program& program, const Schedule& schedule, const FuseOptions& options);

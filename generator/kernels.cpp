@@ -9,9 +9,16 @@ std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Sched
   for (int t : schedule.order) {
     if (!program.tasks[size_t(t)].op->view.first.empty()) continue;  // a view: storage only, no kernel
     const Task& task = *program.tasks[size_t(t)].task;
-    kernels.push_back(KernelGroup{"k" + std::to_string(kernels.size()) + "_" + task.id, task.phase, {t}});
+    const int index = int(kernels.size());
+    kernels.push_back(KernelGroup{"k" + std::to_string(index) + "_" + task.id, task.phase, {t}, {}, {}, index});
   }
   return kernels;
+}
+
+int launch_count(const std::vector<KernelGroup>& kernels) {
+  int n = 0;
+  for (const auto& k : kernels) n = std::max(n, k.launch + 1);
+  return n;
 }
 
 std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::vector<KernelGroup>& kernels) {

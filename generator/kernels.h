@@ -19,7 +19,14 @@ struct KernelGroup {
   // Buffers written and read only inside this kernel: they stay in registers
   // and get no storage in the arena.
   std::vector<int> internal_buffers;
+  // The launch it runs in: kernels of one launch are adjacent, of one phase
+  // and independent of each other (fuse.h, rule `horizontal`), so one grid
+  // runs them all, each on its own blocks. Without that rule, its own index.
+  int launch = 0;
 };
+
+// The number of launches: one past the largest KernelGroup::launch.
+int launch_count(const std::vector<KernelGroup>& kernels);
 
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }

@@ -63,18 +63,23 @@ std::string dump_schedule(const Program& p, const Schedule& s) {
 }
 
 std::string dump_fusion(const Program& p, const Fusion& fusion) {
-  std::string out;
+  std::string out = fmt::format("{} kernels in {} launches\n", fusion.kernels.size(), launch_count(fusion.kernels));
+  if (fusion.kernels.empty()) return out;
   for (const auto& k : fusion.kernels) {
     std::vector<std::string> ids, internal;
     for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);
     for (int b : k.internal_buffers) internal.push_back(buffer_name(p, b));
-    out += fmt::format("{:<28} {:<9} {}", k.name, to_string(k.phase), fmt::join(ids, ", "));
+    out += fmt::format("L{:<4} {:<28} {:<9} {}", k.launch, k.name, to_string(k.phase), fmt::join(ids, ", "));
     if (!k.rule.empty()) out += fmt::format("  [{}]", k.rule);
     if (!internal.empty()) out += fmt::format("  in registers: {}", fmt::join(internal, ", "));
     out += "\n";
   }
   if (!fusion.notes.empty()) out += "\nnot fused with the task before:\n";
   for (const auto& n : fusion.notes)
+    out += fmt::format("  {:<24} after {:<24} {}\n", p.tasks[size_t(n.task)].task->id,
+                       p.tasks[size_t(n.previous)].task->id, n.reason);
+  if (!fusion.launch_notes.empty()) out += "\nnot in the launch before (rule horizontal), by the kernel's first task:\n";
+  for (const auto& n : fusion.launch_notes)
     out += fmt::format("  {:<24} after {:<24} {}\n", p.tasks[size_t(n.task)].task->id,
                        p.tasks[size_t(n.previous)].task->id, n.reason);
   return out;
@@ -128,6 +133,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   dump("fuse", [&] { return dump_fusion(c.program, fusion); });
   c.kernels = std::move(fusion.kernels);
   c.fusion_notes = std::move(fusion.notes);
+  c.launch_notes = std::move(fusion.launch_notes);
 
   c.plan = plan_memory(c.program, c.kernels, options.plan);
   dump("plan", [&] { return dump_plan(c.program, c.plan); });
@@ -135,5 +141,9 @@ Compiled plan_program(Program program, const CompileOptions& options) {
 }
 
 std::string plan_table(const Program& program, const Plan& plan) { return dump_plan(program, plan); }
+
+std::string fusion_table(const Compiled& c) {
+  return dump_fusion(c.program, Fusion{c.kernels, c.fusion_notes, c.launch_notes});
+}
 
 }  // namespace cudagen

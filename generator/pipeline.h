@@ -45,6 +45,7 @@ struct Compiled {
   Schedule schedule;
   std::vector<KernelGroup> kernels;
   std::vector<FusionNote> fusion_notes;  // why adjacent tasks were left in separate kernels
+  std::vector<FusionNote> launch_notes;  // why adjacent kernels were left in separate launches
   Plan plan;
   EmittedProgram emitted;
   std::string dump;  // the state after options.dump_after, as text
@@ -59,6 +60,10 @@ Compiled plan_program(Program program, const CompileOptions& options);
 
 // The plan as a table: buffer, offset, bytes, first and last kernel, storage.
 std::string plan_table(const Program& program, const Plan& plan);
+
+// The kernels (fusion groups) with their launches, and why adjacent tasks and
+// kernels were left apart: what `--dump-after fuse` and `cudagen describe` print.
+std::string fusion_table(const Compiled& compiled);
 
 // The options as one line, for the provenance header and the manifest.
 std::string describe_options(const CompileOptions& options);

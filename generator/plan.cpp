@@ -79,9 +79,18 @@ namespace {
 bool reusable(Storage s) { return s == Storage::transient || s == Storage::saved; }
 
 // in_place_of[b]: the buffer whose storage b takes over (may_alias), or -1.
+// `intervals` over kernel indices: an input may give its storage to an output
+// of the kernel where it dies, when no other kernel of that launch reads it.
 std::vector<int> find_in_place(const Program& program, const std::vector<KernelGroup>& kernels,
+                               const std::vector<std::vector<int>>& kernel_buffers,
                                const std::vector<LiveInterval>& intervals, const std::vector<int>& internal_to) {
   std::vector<int> in_place_of(program.buffers.size(), -1);
+  auto dies_in = [&](int b, int k) {
+    if (intervals[size_t(b)].last != k) return false;
+    for (int j = k - 1; j >= 0 && kernels[size_t(j)].launch == kernels[size_t(k)].launch; --j)
+      if (contains(kernel_buffers[size_t(j)], b)) return false;
+    return true;
+  };
   std::vector<bool> taken(program.buffers.size(), false);
   // A view and its source share storage while both live: neither may hand it
   // to an in-place output.
@@ -110,7 +119,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
         if (!reusable(o.storage) || !reusable(i.storage) || o.bytes != i.bytes || taken[size_t(bi)] ||
             internal(bi) || internal(bo) || contains(read_elsewhere, bi))
           continue;
-        if (intervals[size_t(bi)].last != k || intervals[size_t(bo)].first != k) continue;  // the input must die here
+        if (!dies_in(bi, k) || intervals[size_t(bo)].first != k) continue;  // the input must die here
         taken[size_t(bi)] = true;
         in_place_of[size_t(bo)] = bi;
       }
@@ -136,7 +145,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
                 internal(bi))
               continue;
             const BufferInfo& i = program.buffers[size_t(bi)];
-            if (!reusable(i.storage) || i.shape != o.shape || i.dtype != o.dtype || intervals[size_t(bi)].last != k)
+            if (!reusable(i.storage) || i.shape != o.shape || i.dtype != o.dtype || !dies_in(bi, k))
               continue;
             taken[size_t(bi)] = true;
             in_place_of[size_t(bo)] = bi;
@@ -184,8 +193,16 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
 
   // Placement units: a buffer and those that take over its storage in place
   // share one unit, live from the first one's birth to the last one's death.
-  std::vector<int> in_place_of = options.placement.reuse ? find_in_place(program, kernels, intervals, internal_to)
-                                                         : std::vector<int>(intervals.size(), -1);
+  std::vector<int> in_place_of = options.placement.reuse
+                                     ? find_in_place(program, kernels, kernel_buffers, intervals, internal_to)
+                                     : std::vector<int>(intervals.size(), -1);
+  // From here on, lifetimes count launches: the kernels of one launch
+  // (rule horizontal) run at the same time, so what they touch lives at once.
+  for (size_t b = 0; b < intervals.size(); ++b)
+    if (internal_to[b] < 0 && intervals[b].first >= 0) {
+      intervals[b].first = kernels.empty() ? 0 : kernels[size_t(intervals[b].first)].launch;
+      intervals[b].last = kernels.empty() ? 0 : kernels[size_t(intervals[b].last)].launch;
+    }
   // A view takes its source's storage, reuse or not: no kernel copies it.
   for (auto [view, source] : view_pairs(program)) in_place_of[size_t(view)] = source;
   std::vector<int> unit_of(intervals.size(), -1);
@@ -263,7 +280,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
     // Name the busiest step and what lives there, largest first.
     int peak_step = 0;
     int64_t peak = -1;
-    for (int k = 0; k <= last_kernel; ++k) {
+    for (int k = 0; k < launch_count(kernels); ++k) {
       int64_t live = 0;
       for (const auto& iv : intervals)
         if (iv.first <= k && k <= iv.last) live += iv.bytes;
@@ -285,7 +302,7 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
     Diagnostics diags;
     diags.add(Diagnostic{{}, {}, {}, {}, {},
                          fmt::format("the memory plan needs {} bytes ({}), {} over the budget of {} bytes; the peak is at "
-                                     "kernel {}, where these buffers live, largest first:{}",
+                                     "launch {}, where these buffers live, largest first:{}",
                                      plan.arena_bytes, human_bytes(plan.arena_bytes), plan.arena_bytes - options.budget_bytes,
                                      options.budget_bytes, peak_step, list),
                          "raise the budget, or shrink the largest live tensors (smaller batch)"});

@@ -1,7 +1,8 @@
 // Pass `plan`: every buffer gets a fixed byte offset in one arena (DESIGN.md §6).
 //
-// Lifetimes are intervals over the kernel order, inclusive: a buffer lives
-// from the first kernel that touches it to the last. Persistent and external
+// Lifetimes are intervals over the launches, inclusive: a buffer lives from
+// the first launch that touches it to the last (KernelGroup::launch: one per
+// kernel, unless fuse's rule `horizontal` gave several kernels one). Persistent and external
 // buffers live for the whole program (the caller binds and reads them between
 // phases). Offsets come from placement.h; the verifier checks the result
 // independently of the placement.
@@ -21,7 +22,7 @@ struct PlannedBuffer {
   int buffer = -1;  // index into Program::buffers
   int64_t offset = 0;
   int64_t bytes = 0;
-  int first = 0;    // kernel indices, inclusive
+  int first = 0;    // launch indices (KernelGroup::launch), inclusive
   int last = 0;
   int in_place_of = -1;  // the buffer whose storage it reuses in place (may_alias), or -1
   // Lives only in the registers of one fused kernel (KernelGroup::internal_buffers):

@@ -112,11 +112,16 @@ int run_validate(const Cli& cli) {
 int run_describe(Cli& cli) {
   Program p = load_program(cli.graph_path, cli.frontend);
   fmt::print("{}", describe(p));
-  if (!cli.compile.emit.megakernel) return kExitOk;
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse;
   cli.compile.fuse.enabled = !cli.no_fuse;
+  if (!cli.compile.emit.megakernel) {
+    // The fusion pass needs no templates: a graph of ops without one still shows its kernels.
+    fmt::print("\nkernels: {}", fusion_table(plan_program(std::move(p), cli.compile)));
+    return kExitOk;
+  }
   Compiled c = compile(std::move(p), cli.compile);
+  fmt::print("\nkernels: {}", fusion_table(c));
   fmt::print("\nmegakernel schedule:\n{}", describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels));
   return kExitOk;
 }
@@ -354,7 +359,7 @@ int main_impl(int argc, char** argv) {
   auto* validate_cmd = app.add_subcommand("validate", "check a graph against the op registry; print nothing else");
   add_frontend_options(validate_cmd, cli);
   auto* describe_cmd =
-      app.add_subcommand("describe", "validate a graph, then print its tasks per phase and its buffers "
+      app.add_subcommand("describe", "validate a graph, then print its tasks per phase, its buffers and its kernels and launches "
                                      "(with --megakernel, also the megakernel's schedule)");
   add_frontend_options(describe_cmd, cli);
   add_compile_options(describe_cmd, cli);  // with --megakernel: the schedule of the compiled graph

@@ -84,6 +84,21 @@ TaskGraph reduction_epilogue(DType d) {
   return std::move(b).graph();
 }
 
+// Rule horizontal: independent kernels of several skeletons and grids (two
+// matmuls, an elementwise loop, a row op, a gather) in one phase, then a
+// consumer of the matmuls.
+TaskGraph independent_kernels(DType d) {
+  GraphBuilder b(std::string("independent_kernels_") + to_string(d));
+  auto x = b.task("x", "relu").tensor("x", d, {33, 40}, ext).tensor("out", d, {33, 40});
+  auto p = b.task("p", "matmul").tensor("a", x["out"]).tensor("b", d, {40, 24}, ext).tensor("out", d, {33, 24});
+  auto q = b.task("q", "matmul").tensor("a", x["out"]).tensor("b", d, {40, 40}, ext).tensor("out", d, {33, 40}, ext);
+  b.task("r", "exp").tensor("x", d, {1000}, ext).tensor("out", d, {1000}, ext);
+  b.task("sm", "softmax").tensor("x", d, {7, 300}, ext).tensor("out", d, {7, 300}, ext);
+  b.task("heads", "split_heads").tensor("x", d, {5, 12}, ext).tensor("out", d, {3, 5, 4}, ext).arg("heads", int64_t(3));
+  b.task("both", "concat").tensor("a", p["out"]).tensor("b", q["out"]).tensor("out", d, {33, 64}, ext);
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -119,6 +134,18 @@ TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {
   expect_fused_and_unfused_right(matmul_epilogue(GetParam()), 3, "const float v2 = cg_gelu<float>(v1, /*approximate=tanh*/ 0);");
   // rmsnorm + gate, silu | softmax + affine
   expect_fused_and_unfused_right(reduction_epilogue(GetParam()), 2, "[&](int j, float v) { cg_epilogue(row * 300 + j, v); }");
+}
+
+TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {
+  const TaskGraph g = independent_kernels(GetParam());
+  // x | p, q, r, sm, heads | both
+  expect_fused_and_unfused_right(g, g.tasks.size(), "(rule horizontal)");
+  Compiled c = compile(load_program(g, {}), fusion(true));
+  EXPECT_EQ(launch_count(c.kernels), 3);
+  // A launch runs kernels of one block size: fewer launches than kernels, more
+  // than the fusion pass's three where the row op's block differs.
+  EXPECT_LT(c.emitted.kernels.size(), c.kernels.size());
+  EXPECT_GE(c.emitted.kernels.size(), 3u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedChains, ::testing::Values(DType::f32, DType::f16, DType::bf16),

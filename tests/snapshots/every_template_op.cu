@@ -1330,9 +1330,6 @@ CG_DEVICE void k0_fill_tile(float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_fill<float>(i, 0.25f));
 }
-CG_KERNEL void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
-  k0_fill_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_uniform (init phase): task uniform (uniform, elementwise).
 //   reads  -
@@ -1341,9 +1338,6 @@ CG_KERNEL void __launch_bounds__(256) k0_fill(float* __restrict__ out) {
 CG_DEVICE void k1_uniform_tile(double* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_uniform<double>(i, -0.5f, 2.0f, 42ll));
-}
-CG_KERNEL void __launch_bounds__(256) k1_uniform(double* __restrict__ out) {
-  k1_uniform_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_normal (init phase): task normal (normal, elementwise).
@@ -1354,9 +1348,6 @@ CG_DEVICE void k2_normal_tile(float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_normal<float>(i, 0.0f, 0.019999999552965164f, 3ll));
 }
-CG_KERNEL void __launch_bounds__(256) k2_normal(float* __restrict__ out) {
-  k2_normal_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_relu (forward phase): task relu (relu, elementwise).
 //   reads  relu.x f32 [33]
@@ -1366,9 +1357,6 @@ CG_DEVICE void k3_relu_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_relu<float>(cg_load(x, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float* __restrict__ out) {
-  k3_relu_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k4_add_bcast (forward phase): task add_bcast (add, broadcast).
 //   reads  add_bcast.a f32 [2, 1, 33], add_bcast.b f32 [3, 1]
@@ -1377,9 +1365,6 @@ CG_KERNEL void __launch_bounds__(256) k3_relu(const float* __restrict__ x, float
 CG_DEVICE void k4_add_bcast_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 198; i += cg_grid_threads(tile))
     cg_store(out, i, cg_add<float>(cg_load(a, ((i / 1 % 33) * 1 + (i / 99 % 2) * 33)), cg_load(b, ((i / 33 % 3) * 1))));
-}
-CG_KERNEL void __launch_bounds__(256) k4_add_bcast(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k4_add_bcast_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k5_softmax_causal (forward phase): task softmax_causal (softmax, reduction).
@@ -1392,9 +1377,6 @@ CG_DEVICE void k5_softmax_causal_tile(const float* x, float* out, cg_tile tile) 
   cg_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
                  [&](int j, float v) { cg_store(out, row * 33 + j, v); },
                  33, 0.5f, (int)(row % 33 + 1 < 33 ? row % 33 + 1 : 33), (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
-  k5_softmax_causal_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k6_matmul_t (forward phase): task matmul_t (matmul, matmul).
@@ -1411,9 +1393,6 @@ CG_DEVICE void k6_matmul_t_tile(const float* a, const float* b, float* out, cg_t
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 7 + n, 0.5f * acc); },
       33, 7, 5, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k6_matmul_t(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k6_matmul_t_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k7_embedding (forward phase): task embedding (embedding, gather).
 //   reads  embedding.table f32 [33, 5], embedding.ids i32 [35]
@@ -1423,9 +1402,6 @@ CG_DEVICE void k7_embedding_tile(const float* table, const int* ids, float* out,
   for (cg_i64 i = cg_global_thread(tile); i < 175; i += cg_grid_threads(tile))
     cg_store(out, i, cg_embedding<float, int>(table, ids, i, 5));
 }
-CG_KERNEL void __launch_bounds__(256) k7_embedding(const float* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out) {
-  k7_embedding_tile(table, ids, out, cg_launch_tile());
-}
 
 // Kernel k8_transpose (forward phase): task transpose (transpose, opaque).
 //   reads  transpose.x f64 [2, 33, 9]
@@ -1434,9 +1410,6 @@ CG_KERNEL void __launch_bounds__(256) k7_embedding(const float* __restrict__ tab
 CG_DEVICE void k8_transpose_tile(const double* x, double* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   cg_transpose_tile<double>(x, out, 33, 9, tile.y, tile.x, (cg_i64)tile.z * 297, (double*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k8_transpose(const double* __restrict__ x, double* __restrict__ out) {
-  k8_transpose_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k9_conv2d (forward phase): task conv2d (conv2d, opaque).
@@ -1454,9 +1427,6 @@ CG_DEVICE void k9_conv2d_tile(const float* x, const float* weight, const float* 
       [&](int c, int h, int w) { return cg_load(x, x_base + ((cg_i64)c * 9 + h) * 10 + w); },
       [&](int m, int p, float acc) { cg_store(out, out_base + (cg_i64)m * 25 + p, acc + cg_load(bias, group * 33 + m)); },
       g, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k9_conv2d(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out) {
-  k9_conv2d_tile(x, weight, bias, out, cg_launch_tile());
 }
 
 // Kernel k10_conv2d_depthwise (forward phase): task conv2d_depthwise (conv2d, opaque).
@@ -1478,9 +1448,6 @@ CG_DEVICE void k10_conv2d_depthwise_tile(const float* x, const float* weight, fl
     cg_store(out, i, acc);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k10_conv2d_depthwise(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
-  k10_conv2d_depthwise_tile(x, weight, out, cg_launch_tile());
-}
 
 // Kernel k11_max_pool2d (forward phase): task max_pool2d (max_pool2d, gather).
 //   reads  max_pool2d.x f32 [2, 3, 9, 9]
@@ -1490,9 +1457,6 @@ CG_DEVICE void k11_max_pool2d_tile(const float* x, float* out, cg_tile tile) {
   const cg_pool2d_window p = {9, 9, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1};
   for (cg_i64 i = cg_global_thread(tile); i < 150; i += cg_grid_threads(tile))
     cg_store(out, i, cg_max_pool2d(x, i, p));
-}
-CG_KERNEL void __launch_bounds__(256) k11_max_pool2d(const float* __restrict__ x, float* __restrict__ out) {
-  k11_max_pool2d_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k12_avg_pool2d (forward phase): task avg_pool2d (avg_pool2d, gather).
@@ -1504,9 +1468,6 @@ CG_DEVICE void k12_avg_pool2d_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 96; i += cg_grid_threads(tile))
     cg_store(out, i, cg_avg_pool2d(x, i, p, false));
 }
-CG_KERNEL void __launch_bounds__(256) k12_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
-  k12_avg_pool2d_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k13_adaptive_avg_pool2d (forward phase): task adaptive_avg_pool2d (adaptive_avg_pool2d, gather).
 //   reads  adaptive_avg_pool2d.x f32 [2, 3, 9, 7]
@@ -1515,9 +1476,6 @@ CG_KERNEL void __launch_bounds__(256) k12_avg_pool2d(const float* __restrict__ x
 CG_DEVICE void k13_adaptive_avg_pool2d_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 6; i += cg_grid_threads(tile))
     cg_store(out, i, cg_adaptive_avg_pool2d(x, i, 9, 7, 1, 1));
-}
-CG_KERNEL void __launch_bounds__(256) k13_adaptive_avg_pool2d(const float* __restrict__ x, float* __restrict__ out) {
-  k13_adaptive_avg_pool2d_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k14_permute (forward phase): task permute (permute, gather).
@@ -1529,9 +1487,6 @@ CG_DEVICE void k14_permute_tile(const double* x, double* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 24; i += cg_grid_threads(tile))
     cg_store(out, i, cg_permute(x, i, 3, out_dims, source_strides));
 }
-CG_KERNEL void __launch_bounds__(256) k14_permute(const double* __restrict__ x, double* __restrict__ out) {
-  k14_permute_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k15_relu6 (forward phase): task relu6 (relu6, elementwise).
 //   reads  relu6.x f32 [33, 2]
@@ -1540,9 +1495,6 @@ CG_KERNEL void __launch_bounds__(256) k14_permute(const double* __restrict__ x, 
 CG_DEVICE void k15_relu6_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_relu6<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k15_relu6(const float* __restrict__ x, float* __restrict__ out) {
-  k15_relu6_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k16_hardswish (forward phase): task hardswish (hardswish, elementwise).
@@ -1553,9 +1505,6 @@ CG_DEVICE void k16_hardswish_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_hardswish<float>(cg_load(x, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k16_hardswish(const float* __restrict__ x, float* __restrict__ out) {
-  k16_hardswish_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k17_relu6_backward (forward phase): task relu6_backward (relu6_backward, elementwise).
 //   reads  relu6_backward.x f32 [33, 2], relu6_backward.dout f32 [33, 2]
@@ -1564,9 +1513,6 @@ CG_KERNEL void __launch_bounds__(256) k16_hardswish(const float* __restrict__ x,
 CG_DEVICE void k17_relu6_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_relu6_backward<float>(cg_load(x, i), cg_load(dout, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k17_relu6_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k17_relu6_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k18_hardswish_backward (forward phase): task hardswish_backward (hardswish_backward, elementwise).
@@ -1577,9 +1523,6 @@ CG_DEVICE void k18_hardswish_backward_tile(const float* x, const float* dout, fl
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_hardswish_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k18_hardswish_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k18_hardswish_backward_tile(x, dout, dx, cg_launch_tile());
-}
 
 // Kernel k19_sigmoid (forward phase): task sigmoid (sigmoid, elementwise).
 //   reads  sigmoid.x f32 [33]
@@ -1588,9 +1531,6 @@ CG_KERNEL void __launch_bounds__(256) k18_hardswish_backward(const float* __rest
 CG_DEVICE void k19_sigmoid_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_sigmoid<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k19_sigmoid(const float* __restrict__ x, float* __restrict__ out) {
-  k19_sigmoid_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k20_silu (forward phase): task silu (silu, elementwise).
@@ -1601,9 +1541,6 @@ CG_DEVICE void k20_silu_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_silu<float>(cg_load(x, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k20_silu(const float* __restrict__ x, float* __restrict__ out) {
-  k20_silu_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k21_tanh (forward phase): task tanh (tanh, elementwise).
 //   reads  tanh.x f32 [33]
@@ -1612,9 +1549,6 @@ CG_KERNEL void __launch_bounds__(256) k20_silu(const float* __restrict__ x, floa
 CG_DEVICE void k21_tanh_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_tanh<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k21_tanh(const float* __restrict__ x, float* __restrict__ out) {
-  k21_tanh_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k22_exp (forward phase): tasks exp (exp), log (log), log_backward (log_backward), exp_backward (exp_backward), fused (elementwise_chain).
@@ -1634,9 +1568,6 @@ CG_DEVICE void k22_exp_tile(const float* exp_x, const float* log_backward_dout, 
     cg_store(exp_backward_dx, i, v3);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k22_exp(const float* __restrict__ exp_x, const float* __restrict__ log_backward_dout, const float* __restrict__ exp_backward_dout, float* __restrict__ exp_out, float* __restrict__ log_out, float* __restrict__ log_backward_dx, float* __restrict__ exp_backward_dx) {
-  k22_exp_tile(exp_x, log_backward_dout, exp_backward_dout, exp_out, log_out, log_backward_dx, exp_backward_dx, cg_launch_tile());
-}
 
 // Kernel k23_neg (forward phase): task neg (neg, elementwise).
 //   reads  neg.x f32 [33]
@@ -1645,9 +1576,6 @@ CG_KERNEL void __launch_bounds__(256) k22_exp(const float* __restrict__ exp_x, c
 CG_DEVICE void k23_neg_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_neg<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k23_neg(const float* __restrict__ x, float* __restrict__ out) {
-  k23_neg_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k24_gelu_erf (forward phase): task gelu_erf (gelu, elementwise).
@@ -1658,9 +1586,6 @@ CG_DEVICE void k24_gelu_erf_tile(const double* x, double* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_gelu<double>(cg_load(x, i), /*approximate=erf*/ 1));
 }
-CG_KERNEL void __launch_bounds__(256) k24_gelu_erf(const double* __restrict__ x, double* __restrict__ out) {
-  k24_gelu_erf_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k25_gelu_tanh (forward phase): task gelu_tanh (gelu, elementwise).
 //   reads  gelu_tanh.x f32 [33]
@@ -1669,9 +1594,6 @@ CG_KERNEL void __launch_bounds__(256) k24_gelu_erf(const double* __restrict__ x,
 CG_DEVICE void k25_gelu_tanh_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_gelu<float>(cg_load(x, i), /*approximate=tanh*/ 0));
-}
-CG_KERNEL void __launch_bounds__(256) k25_gelu_tanh(const float* __restrict__ x, float* __restrict__ out) {
-  k25_gelu_tanh_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k26_affine (forward phase): task affine (affine, elementwise).
@@ -1683,9 +1605,6 @@ CG_DEVICE void k26_affine_tile(const float* x, float* out, const float* scale_ar
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_affine<float>(cg_load(x, i), scale, 0.5f));
 }
-CG_KERNEL void __launch_bounds__(256) k26_affine(const float* __restrict__ x, float* __restrict__ out, const float* __restrict__ scale_arg) {
-  k26_affine_tile(x, out, scale_arg, cg_launch_tile());
-}
 
 // Kernel k27_sub (forward phase): task sub (sub, broadcast).
 //   reads  sub.a f32 [4, 33], sub.b f32 [33]
@@ -1694,9 +1613,6 @@ CG_KERNEL void __launch_bounds__(256) k26_affine(const float* __restrict__ x, fl
 CG_DEVICE void k27_sub_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_sub<float>(cg_load(a, i), cg_load(b, (i % 33))));
-}
-CG_KERNEL void __launch_bounds__(256) k27_sub(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k27_sub_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k28_mul (forward phase): task mul (mul, broadcast).
@@ -1707,9 +1623,6 @@ CG_DEVICE void k28_mul_tile(const float* a, const float* b, float* out, cg_tile 
   for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_mul<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
-CG_KERNEL void __launch_bounds__(256) k28_mul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k28_mul_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k29_div (forward phase): task div (div, broadcast).
 //   reads  div.a f32 [4, 33], div.b f32 [33]
@@ -1718,9 +1631,6 @@ CG_KERNEL void __launch_bounds__(256) k28_mul(const float* __restrict__ a, const
 CG_DEVICE void k29_div_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_div<float>(cg_load(a, i), cg_load(b, (i % 33))));
-}
-CG_KERNEL void __launch_bounds__(256) k29_div(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k29_div_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k30_maximum (forward phase): task maximum (maximum, broadcast).
@@ -1731,9 +1641,6 @@ CG_DEVICE void k30_maximum_tile(const float* a, const float* b, float* out, cg_t
   for (cg_i64 i = cg_global_thread(tile); i < 132; i += cg_grid_threads(tile))
     cg_store(out, i, cg_maximum<float>(cg_load(a, i), cg_load(b, (i % 33))));
 }
-CG_KERNEL void __launch_bounds__(256) k30_maximum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k30_maximum_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k31_relu_backward (forward phase): task relu_backward (relu_backward, elementwise).
 //   reads  relu_backward.x f32 [33], relu_backward.dout f32 [33]
@@ -1742,9 +1649,6 @@ CG_KERNEL void __launch_bounds__(256) k30_maximum(const float* __restrict__ a, c
 CG_DEVICE void k31_relu_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_relu_backward<float>(cg_load(x, i), cg_load(dout, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k31_relu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k31_relu_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k32_sigmoid_backward (forward phase): task sigmoid_backward (sigmoid_backward, elementwise).
@@ -1755,9 +1659,6 @@ CG_DEVICE void k32_sigmoid_backward_tile(const float* x, const float* dout, floa
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sigmoid_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k32_sigmoid_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k32_sigmoid_backward_tile(x, dout, dx, cg_launch_tile());
-}
 
 // Kernel k33_silu_backward (forward phase): task silu_backward (silu_backward, elementwise).
 //   reads  silu_backward.x f32 [33], silu_backward.dout f32 [33]
@@ -1767,9 +1668,6 @@ CG_DEVICE void k33_silu_backward_tile(const float* x, const float* dout, float* 
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_silu_backward<float>(cg_load(x, i), cg_load(dout, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k33_silu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k33_silu_backward_tile(x, dout, dx, cg_launch_tile());
-}
 
 // Kernel k34_tanh_backward (forward phase): task tanh_backward (tanh_backward, elementwise).
 //   reads  tanh_backward.x f32 [33], tanh_backward.dout f32 [33]
@@ -1778,9 +1676,6 @@ CG_KERNEL void __launch_bounds__(256) k33_silu_backward(const float* __restrict_
 CG_DEVICE void k34_tanh_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_tanh_backward<float>(cg_load(x, i), cg_load(dout, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k34_tanh_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k34_tanh_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k35_rmsnorm (forward phase): task rmsnorm (rmsnorm, reduction).
@@ -1796,9 +1691,6 @@ CG_DEVICE void k35_rmsnorm_tile(const float* x, const float* weight, float* out,
                                         33, 9.999999974752427e-07f, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
 }
-CG_KERNEL void __launch_bounds__(64) k35_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k35_rmsnorm_tile(x, weight, out, rstd, cg_launch_tile());
-}
 
 // Kernel k36_split_heads (forward phase): task split_heads (split_heads, gather).
 //   reads  split_heads.x f32 [2, 5, 12]
@@ -1808,9 +1700,6 @@ CG_DEVICE void k36_split_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 120; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 5, 3, 4)));
 }
-CG_KERNEL void __launch_bounds__(256) k36_split_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k36_split_heads_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k37_merge_heads (forward phase): task merge_heads (merge_heads, gather).
 //   reads  merge_heads.x f32 [2, 3, 5, 4] <- split_heads.out
@@ -1819,9 +1708,6 @@ CG_KERNEL void __launch_bounds__(256) k36_split_heads(const float* __restrict__ 
 CG_DEVICE void k37_merge_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 120; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 5, 3, 4)));
-}
-CG_KERNEL void __launch_bounds__(256) k37_merge_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k37_merge_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k38_sum (forward phase): task sum (sum, reduction).
@@ -1834,9 +1720,6 @@ CG_DEVICE void k38_sum_tile(const float* x, float* out, cg_tile tile) {
   const float value = cg_sum_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
 }
-CG_KERNEL void __launch_bounds__(64) k38_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k38_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k39_mean (forward phase): task mean (mean, reduction).
 //   reads  mean.x f32 [3, 33]
@@ -1847,9 +1730,6 @@ CG_DEVICE void k39_mean_tile(const float* x, float* out, cg_tile tile) {
   const cg_i64 row = tile.x;
   const float value = cg_mean_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
-}
-CG_KERNEL void __launch_bounds__(64) k39_mean(const float* __restrict__ x, float* __restrict__ out) {
-  k39_mean_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k40_max (forward phase): task max (max, reduction).
@@ -1862,9 +1742,6 @@ CG_DEVICE void k40_max_tile(const float* x, float* out, cg_tile tile) {
   const float value = cg_max_row([&](int j) { return cg_load(x, row * 33 + j); }, 33, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(out, row, value);
 }
-CG_KERNEL void __launch_bounds__(64) k40_max(const float* __restrict__ x, float* __restrict__ out) {
-  k40_max_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k41_log_softmax (forward phase): task log_softmax (log_softmax, reduction).
 //   reads  log_softmax.x f32 [2, 33]
@@ -1875,9 +1752,6 @@ CG_DEVICE void k41_log_softmax_tile(const float* x, float* out, cg_tile tile) {
   const cg_i64 row = tile.x;
   cg_log_softmax_row([&](int j) { return cg_load(x, row * 33 + j); },
                      [&](int j, float v) { cg_store(out, row * 33 + j, v); }, 33, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(64) k41_log_softmax(const float* __restrict__ x, float* __restrict__ out) {
-  k41_log_softmax_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k42_sum_leading (forward phase): task sum_leading (sum_leading, reduction).
@@ -1890,9 +1764,6 @@ CG_DEVICE void k42_sum_leading_tile(const float* x, float* out, cg_tile tile) {
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 5 + c); }, j, 5, 66, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 5) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(256) k42_sum_leading(const float* __restrict__ x, float* __restrict__ out) {
-  k42_sum_leading_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k43_cast (forward phase): task cast (cast, elementwise).
 //   reads  cast.x f32 [33]
@@ -1901,9 +1772,6 @@ CG_KERNEL void __launch_bounds__(256) k42_sum_leading(const float* __restrict__ 
 CG_DEVICE void k43_cast_tile(const float* x, cg_f16* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(out, i, cg_narrow<cg_f16>(cg_cast<float>(cg_load(x, i))));
-}
-CG_KERNEL void __launch_bounds__(256) k43_cast(const float* __restrict__ x, cg_f16* __restrict__ out) {
-  k43_cast_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k44_cast_backward (forward phase): task cast_backward (cast_backward, elementwise).
@@ -1914,9 +1782,6 @@ CG_DEVICE void k44_cast_backward_tile(const cg_f16* dout, float* dx, cg_tile til
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_cast_backward<float>(cg_widen(cg_load(dout, i))));
 }
-CG_KERNEL void __launch_bounds__(256) k44_cast_backward(const cg_f16* __restrict__ dout, float* __restrict__ dx) {
-  k44_cast_backward_tile(dout, dx, cg_launch_tile());
-}
 
 // Kernel k45_concat (forward phase): task concat (concat, gather).
 //   reads  concat.a f32 [3, 33], concat.b f32 [3, 5]
@@ -1925,9 +1790,6 @@ CG_KERNEL void __launch_bounds__(256) k44_cast_backward(const cg_f16* __restrict
 CG_DEVICE void k45_concat_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 114; i += cg_grid_threads(tile))
     cg_store(out, i, cg_concat(a, b, i, 33, 5));
-}
-CG_KERNEL void __launch_bounds__(256) k45_concat(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k45_concat_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k46_split (forward phase): task split (split, gather).
@@ -1938,9 +1800,6 @@ CG_DEVICE void k46_split_tile(const float* x, float* a, float* b, cg_tile tile) 
   for (cg_i64 i = cg_global_thread(tile); i < 72; i += cg_grid_threads(tile))
     cg_split(x, a, b, i, 33, 3);
 }
-CG_KERNEL void __launch_bounds__(256) k46_split(const float* __restrict__ x, float* __restrict__ a, float* __restrict__ b) {
-  k46_split_tile(x, a, b, cg_launch_tile());
-}
 
 // Kernel k47_affine_backward (forward phase): task affine_backward (affine_backward, elementwise).
 //   reads  affine_backward.dout f32 [33]
@@ -1949,9 +1808,6 @@ CG_KERNEL void __launch_bounds__(256) k46_split(const float* __restrict__ x, flo
 CG_DEVICE void k47_affine_backward_tile(const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_affine_backward<float>(cg_load(dout, i), -1.5f));
-}
-CG_KERNEL void __launch_bounds__(256) k47_affine_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  k47_affine_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k48_neg_backward (forward phase): task neg_backward (neg_backward, elementwise).
@@ -1962,9 +1818,6 @@ CG_DEVICE void k48_neg_backward_tile(const float* dout, float* dx, cg_tile tile)
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_neg_backward<float>(cg_load(dout, i)));
 }
-CG_KERNEL void __launch_bounds__(256) k48_neg_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  k48_neg_backward_tile(dout, dx, cg_launch_tile());
-}
 
 // Kernel k49_gelu_backward (forward phase): task gelu_backward (gelu_backward, elementwise).
 //   reads  gelu_backward.x f32 [33], gelu_backward.dout f32 [33]
@@ -1973,9 +1826,6 @@ CG_KERNEL void __launch_bounds__(256) k48_neg_backward(const float* __restrict__
 CG_DEVICE void k49_gelu_backward_tile(const float* x, const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 33; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_gelu_backward<float>(cg_load(x, i), cg_load(dout, i), /*approximate=tanh*/ 0));
-}
-CG_KERNEL void __launch_bounds__(256) k49_gelu_backward(const float* __restrict__ x, const float* __restrict__ dout, float* __restrict__ dx) {
-  k49_gelu_backward_tile(x, dout, dx, cg_launch_tile());
 }
 
 // Kernel k50_layernorm (forward phase): task layernorm (layernorm, reduction).
@@ -1991,9 +1841,6 @@ CG_DEVICE void k50_layernorm_tile(const float* x, const float* weight, const flo
                                               [&](int j, float v) { cg_store(out, row * 33 + j, v); },
                                               33, 9.999999747378752e-06f, (float*)cg_smem);
   if (threadIdx.x == 0) { cg_store(mean, row, stats.mean); cg_store(rstd, row, stats.rstd); }
-}
-CG_KERNEL void __launch_bounds__(64) k50_layernorm(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd) {
-  k50_layernorm_tile(x, weight, bias, out, mean, rstd, cg_launch_tile());
 }
 
 // Kernel k51_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
@@ -2022,9 +1869,6 @@ CG_DEVICE void k51_layernorm_backward_tile(const float* x, const float* weight, 
     }
   }
 }
-CG_KERNEL void __launch_bounds__(128) k51_layernorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight, float* __restrict__ dbias) {
-  k51_layernorm_backward_tile(x, weight, mean, rstd, dout, dx, dweight, dbias, cg_launch_tile());
-}
 
 // Kernel k52_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
 //   reads  rmsnorm_backward.x f32 [3, 33] <- rmsnorm.x, rmsnorm_backward.weight f32 [33] <- fill.out, rmsnorm_backward.rstd f32 [3] <- rmsnorm.rstd, rmsnorm_backward.dout f32 [3, 33]
@@ -2048,9 +1892,6 @@ CG_DEVICE void k52_rmsnorm_backward_tile(const float* x, const float* weight, co
     if (threadIdx.x < 32 && j < 33) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k52_rmsnorm_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k52_rmsnorm_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
-}
 
 // Kernel k53_softmax_backward (forward phase): task softmax_backward (softmax_backward, reduction).
 //   reads  softmax_backward.out f32 [2, 33, 33] <- softmax_causal.out, softmax_backward.dout f32 [2, 33, 33]
@@ -2063,9 +1904,6 @@ CG_DEVICE void k53_softmax_backward_tile(const float* out, const float* dout, fl
       [&](int j) { return cg_load(dout, row * 33 + j); },
       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
       33, 0.5f, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(64) k53_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k53_softmax_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
 // Kernel k54_log_softmax_backward (forward phase): task log_softmax_backward (log_softmax_backward, reduction).
@@ -2080,9 +1918,6 @@ CG_DEVICE void k54_log_softmax_backward_tile(const float* out, const float* dout
       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
       33, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(64) k54_log_softmax_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k54_log_softmax_backward_tile(out, dout, dx, cg_launch_tile());
-}
 
 // Kernel k55_cross_entropy (forward phase): task cross_entropy (cross_entropy, reduction).
 //   reads  cross_entropy.logits f32 [33, 7], cross_entropy.labels i32 [33]
@@ -2096,9 +1931,6 @@ CG_DEVICE void k55_cross_entropy_tile(const float* logits, const int* labels, fl
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 33.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k55_cross_entropy(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k55_cross_entropy_tile(logits, labels, loss, cg_launch_tile());
-}
 
 // Kernel k56_cross_entropy_backward (forward phase): task cross_entropy_backward (cross_entropy_backward, reduction).
 //   reads  cross_entropy_backward.logits f32 [3, 33], cross_entropy_backward.labels i64 [3]
@@ -2111,9 +1943,6 @@ CG_DEVICE void k56_cross_entropy_backward_tile(const float* logits, const long l
                                 [&](int j, float v) { cg_store(dlogits, row * 33 + j, v); },
                                 33, (cg_i64)cg_load(labels, row), 0.3333333432674408f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(64) k56_cross_entropy_backward(const float* __restrict__ logits, const long long* __restrict__ labels, float* __restrict__ dlogits) {
-  k56_cross_entropy_backward_tile(logits, labels, dlogits, cg_launch_tile());
-}
 
 // Kernel k57_embedding_backward (forward phase): task embedding_backward (embedding_backward, gather).
 //   reads  embedding_backward.ids i64 [33], embedding_backward.dout f32 [33, 5]
@@ -2123,9 +1952,6 @@ CG_DEVICE void k57_embedding_backward_tile(const long long* ids, const float* do
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 5; d += blockDim.x)
     cg_store(dtable, v * 5 + d, cg_embedding_backward<float, long long>(ids, dout, v, d, 33, 5));
-}
-CG_KERNEL void __launch_bounds__(32) k57_embedding_backward(const long long* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k57_embedding_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
 // Kernel k58_mse (forward phase): task mse (mse, reduction).
@@ -2140,9 +1966,6 @@ CG_DEVICE void k58_mse_tile(const float* pred, const float* target, float* loss,
   const float total = cg_block_sum(partial, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 99.0f);
 }
-CG_KERNEL void __launch_bounds__(256) k58_mse(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ loss) {
-  k58_mse_tile(pred, target, loss, cg_launch_tile());
-}
 
 // Kernel k59_mse_backward (forward phase): task mse_backward (mse_backward, elementwise).
 //   reads  mse_backward.pred f32 [33, 3], mse_backward.target f32 [33, 3]
@@ -2151,9 +1974,6 @@ CG_KERNEL void __launch_bounds__(256) k58_mse(const float* __restrict__ pred, co
 CG_DEVICE void k59_mse_backward_tile(const float* pred, const float* target, float* dpred, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dpred, i, cg_mse_backward<float>(cg_load(pred, i), cg_load(target, i), 0.5f));
-}
-CG_KERNEL void __launch_bounds__(256) k59_mse_backward(const float* __restrict__ pred, const float* __restrict__ target, float* __restrict__ dpred) {
-  k59_mse_backward_tile(pred, target, dpred, cg_launch_tile());
 }
 
 // Kernel k60_sum_backward (forward phase): task sum_backward (sum_backward, reduction).
@@ -2164,9 +1984,6 @@ CG_DEVICE void k60_sum_backward_tile(const float* dout, float* dx, cg_tile tile)
   for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sum_backward<float>(cg_load(dout, i / 33), 33));
 }
-CG_KERNEL void __launch_bounds__(256) k60_sum_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  k60_sum_backward_tile(dout, dx, cg_launch_tile());
-}
 
 // Kernel k61_mean_backward (forward phase): task mean_backward (mean_backward, reduction).
 //   reads  mean_backward.dout f32 [3]
@@ -2175,9 +1992,6 @@ CG_KERNEL void __launch_bounds__(256) k60_sum_backward(const float* __restrict__
 CG_DEVICE void k61_mean_backward_tile(const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_mean_backward<float>(cg_load(dout, i / 33), 33));
-}
-CG_KERNEL void __launch_bounds__(256) k61_mean_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  k61_mean_backward_tile(dout, dx, cg_launch_tile());
 }
 
 // Kernel k62_max_backward (forward phase): task max_backward (max_backward, reduction).
@@ -2191,9 +2005,6 @@ CG_DEVICE void k62_max_backward_tile(const float* x, const float* out, const flo
                       [&](int j, float v) { cg_store(dx, row * 33 + j, v); },
                       33, cg_load(out, row), cg_load(dout, row), (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(64) k62_max_backward(const float* __restrict__ x, const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k62_max_backward_tile(x, out, dout, dx, cg_launch_tile());
-}
 
 // Kernel k63_sum_leading_backward (forward phase): task sum_leading_backward (sum_leading_backward, broadcast).
 //   reads  sum_leading_backward.dout f32 [5]
@@ -2203,9 +2014,6 @@ CG_DEVICE void k63_sum_leading_backward_tile(const float* dout, float* dx, cg_ti
   for (cg_i64 i = cg_global_thread(tile); i < 330; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_sum_leading_backward<float>(cg_load(dout, (i % 5))));
 }
-CG_KERNEL void __launch_bounds__(256) k63_sum_leading_backward(const float* __restrict__ dout, float* __restrict__ dx) {
-  k63_sum_leading_backward_tile(dout, dx, cg_launch_tile());
-}
 
 // Kernel k64_maximum_backward (forward phase): task maximum_backward (maximum_backward, broadcast).
 //   reads  maximum_backward.a f32 [3, 33], maximum_backward.b f32 [33], maximum_backward.dout f32 [3, 33]
@@ -2214,9 +2022,6 @@ CG_KERNEL void __launch_bounds__(256) k63_sum_leading_backward(const float* __re
 CG_DEVICE void k64_maximum_backward_tile(const float* a, const float* b, const float* dout, float* dx, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 99; i += cg_grid_threads(tile))
     cg_store(dx, i, cg_maximum_backward<float>(cg_load(a, i), cg_load(b, (i % 33)), cg_load(dout, i), /*wrt=b*/ 1));
-}
-CG_KERNEL void __launch_bounds__(256) k64_maximum_backward(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dout, float* __restrict__ dx) {
-  k64_maximum_backward_tile(a, b, dout, dx, cg_launch_tile());
 }
 
 // Kernel k65_sgd (update phase): task sgd (sgd, elementwise).
@@ -2232,9 +2037,6 @@ CG_DEVICE void k65_sgd_tile(float* param, const float* grad, float* momentum_buf
     cg_store(momentum_buf, i, momentum_buf_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k65_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  k65_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
-}
 
 // Kernel k66_adam_v (update phase): task adam_v (exp, elementwise).
 //   reads  adam_v.x f32 [33, 2]
@@ -2243,9 +2045,6 @@ CG_KERNEL void __launch_bounds__(256) k65_sgd(float* __restrict__ param, const f
 CG_DEVICE void k66_adam_v_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k66_adam_v(const float* __restrict__ x, float* __restrict__ out) {
-  k66_adam_v_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k67_adam (update phase): task adam (adam, elementwise).
@@ -2263,9 +2062,6 @@ CG_DEVICE void k67_adam_tile(float* param, const float* grad, float* m, float* v
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k67_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
-  k67_adam_tile(param, grad, m, v, cg_launch_tile());
-}
 
 // Kernel k68_adamw_v (update phase): task adamw_v (exp, elementwise).
 //   reads  adamw_v.x f32 [33, 2]
@@ -2274,9 +2070,6 @@ CG_KERNEL void __launch_bounds__(256) k67_adam(float* __restrict__ param, const 
 CG_DEVICE void k68_adamw_v_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 66; i += cg_grid_threads(tile))
     cg_store(out, i, cg_exp<float>(cg_load(x, i)));
-}
-CG_KERNEL void __launch_bounds__(256) k68_adamw_v(const float* __restrict__ x, float* __restrict__ out) {
-  k68_adamw_v_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k69_adamw (update phase): task adamw (adamw, elementwise).
@@ -2296,6 +2089,487 @@ CG_DEVICE void k69_adamw_tile(float* param, const float* grad, float* m, float* 
 }
 CG_KERNEL void __launch_bounds__(256) k69_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v) {
   k69_adamw_tile(param, grad, m, v, cg_launch_tile());
+}
+
+// Launch h0_fill_uniform_normal (init phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k0_fill
+//   blocks [1, 2): k1_uniform
+//   blocks [2, 3): k2_normal
+CG_KERNEL void __launch_bounds__(256) h0_fill_uniform_normal(
+    float* __restrict__ k0_fill_out,
+    double* __restrict__ k1_uniform_out,
+    float* __restrict__ k2_normal_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k0_fill_tile(k0_fill_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k1_uniform_tile(k1_uniform_out, cg_tile_of(block - 1u, 1, 1));
+  else
+    k2_normal_tile(k2_normal_out, cg_tile_of(block - 2u, 1, 1));
+}
+
+// Launch h1_relu_add_bcast_matmul_t_and_19_more_0 (forward phase):
+// 22 kernels that are independent of each other (rule horizontal) as one grid of 33 blocks
+// of 256 threads, 8448 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k3_relu
+//   blocks [1, 2): k4_add_bcast
+//   blocks [2, 6): k6_matmul_t
+//   blocks [6, 7): k7_embedding
+//   blocks [7, 11): k8_transpose
+//   blocks [11, 15): k9_conv2d
+//   blocks [15, 18): k10_conv2d_depthwise
+//   blocks [18, 19): k11_max_pool2d
+//   blocks [19, 20): k12_avg_pool2d
+//   blocks [20, 21): k13_adaptive_avg_pool2d
+//   blocks [21, 22): k14_permute
+//   blocks [22, 23): k15_relu6
+//   blocks [23, 24): k16_hardswish
+//   blocks [24, 25): k17_relu6_backward
+//   blocks [25, 26): k18_hardswish_backward
+//   blocks [26, 27): k19_sigmoid
+//   blocks [27, 28): k20_silu
+//   blocks [28, 29): k21_tanh
+//   blocks [29, 30): k22_exp
+//   blocks [30, 31): k23_neg
+//   blocks [31, 32): k24_gelu_erf
+//   blocks [32, 33): k25_gelu_tanh
+CG_KERNEL void __launch_bounds__(256) h1_relu_add_bcast_matmul_t_and_19_more_0(
+    const float* __restrict__ k3_relu_x,
+    float* __restrict__ k3_relu_out,
+    const float* __restrict__ k4_add_bcast_a,
+    const float* __restrict__ k4_add_bcast_b,
+    float* __restrict__ k4_add_bcast_out,
+    const float* __restrict__ k6_matmul_t_a,
+    const float* __restrict__ k6_matmul_t_b,
+    float* __restrict__ k6_matmul_t_out,
+    const float* __restrict__ k7_embedding_table,
+    const int* __restrict__ k7_embedding_ids,
+    float* __restrict__ k7_embedding_out,
+    const double* __restrict__ k8_transpose_x,
+    double* __restrict__ k8_transpose_out,
+    const float* __restrict__ k9_conv2d_x,
+    const float* __restrict__ k9_conv2d_weight,
+    const float* __restrict__ k9_conv2d_bias,
+    float* __restrict__ k9_conv2d_out,
+    const float* __restrict__ k10_conv2d_depthwise_x,
+    const float* __restrict__ k10_conv2d_depthwise_weight,
+    float* __restrict__ k10_conv2d_depthwise_out,
+    const float* __restrict__ k11_max_pool2d_x,
+    float* __restrict__ k11_max_pool2d_out,
+    const float* __restrict__ k12_avg_pool2d_x,
+    float* __restrict__ k12_avg_pool2d_out,
+    const float* __restrict__ k13_adaptive_avg_pool2d_x,
+    float* __restrict__ k13_adaptive_avg_pool2d_out,
+    const double* __restrict__ k14_permute_x,
+    double* __restrict__ k14_permute_out,
+    const float* __restrict__ k15_relu6_x,
+    float* __restrict__ k15_relu6_out,
+    const float* __restrict__ k16_hardswish_x,
+    float* __restrict__ k16_hardswish_out,
+    const float* __restrict__ k17_relu6_backward_x,
+    const float* __restrict__ k17_relu6_backward_dout,
+    float* __restrict__ k17_relu6_backward_dx,
+    const float* __restrict__ k18_hardswish_backward_x,
+    const float* __restrict__ k18_hardswish_backward_dout,
+    float* __restrict__ k18_hardswish_backward_dx,
+    const float* __restrict__ k19_sigmoid_x,
+    float* __restrict__ k19_sigmoid_out,
+    const float* __restrict__ k20_silu_x,
+    float* __restrict__ k20_silu_out,
+    const float* __restrict__ k21_tanh_x,
+    float* __restrict__ k21_tanh_out,
+    const float* __restrict__ k22_exp_exp_x,
+    const float* __restrict__ k22_exp_log_backward_dout,
+    const float* __restrict__ k22_exp_exp_backward_dout,
+    float* __restrict__ k22_exp_exp_out,
+    float* __restrict__ k22_exp_log_out,
+    float* __restrict__ k22_exp_log_backward_dx,
+    float* __restrict__ k22_exp_exp_backward_dx,
+    const float* __restrict__ k23_neg_x,
+    float* __restrict__ k23_neg_out,
+    const double* __restrict__ k24_gelu_erf_x,
+    double* __restrict__ k24_gelu_erf_out,
+    const float* __restrict__ k25_gelu_tanh_x,
+    float* __restrict__ k25_gelu_tanh_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k3_relu_tile(k3_relu_x, k3_relu_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k4_add_bcast_tile(k4_add_bcast_a, k4_add_bcast_b, k4_add_bcast_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 6u)
+    k6_matmul_t_tile(k6_matmul_t_a, k6_matmul_t_b, k6_matmul_t_out, cg_tile_of(block - 2u, 1, 2));
+  else if (block < 7u)
+    k7_embedding_tile(k7_embedding_table, k7_embedding_ids, k7_embedding_out, cg_tile_of(block - 6u, 1, 1));
+  else if (block < 11u)
+    k8_transpose_tile(k8_transpose_x, k8_transpose_out, cg_tile_of(block - 7u, 1, 2));
+  else if (block < 15u)
+    k9_conv2d_tile(k9_conv2d_x, k9_conv2d_weight, k9_conv2d_bias, k9_conv2d_out, cg_tile_of(block - 11u, 1, 2));
+  else if (block < 18u)
+    k10_conv2d_depthwise_tile(k10_conv2d_depthwise_x, k10_conv2d_depthwise_weight, k10_conv2d_depthwise_out, cg_tile_of(block - 15u, 3, 1));
+  else if (block < 19u)
+    k11_max_pool2d_tile(k11_max_pool2d_x, k11_max_pool2d_out, cg_tile_of(block - 18u, 1, 1));
+  else if (block < 20u)
+    k12_avg_pool2d_tile(k12_avg_pool2d_x, k12_avg_pool2d_out, cg_tile_of(block - 19u, 1, 1));
+  else if (block < 21u)
+    k13_adaptive_avg_pool2d_tile(k13_adaptive_avg_pool2d_x, k13_adaptive_avg_pool2d_out, cg_tile_of(block - 20u, 1, 1));
+  else if (block < 22u)
+    k14_permute_tile(k14_permute_x, k14_permute_out, cg_tile_of(block - 21u, 1, 1));
+  else if (block < 23u)
+    k15_relu6_tile(k15_relu6_x, k15_relu6_out, cg_tile_of(block - 22u, 1, 1));
+  else if (block < 24u)
+    k16_hardswish_tile(k16_hardswish_x, k16_hardswish_out, cg_tile_of(block - 23u, 1, 1));
+  else if (block < 25u)
+    k17_relu6_backward_tile(k17_relu6_backward_x, k17_relu6_backward_dout, k17_relu6_backward_dx, cg_tile_of(block - 24u, 1, 1));
+  else if (block < 26u)
+    k18_hardswish_backward_tile(k18_hardswish_backward_x, k18_hardswish_backward_dout, k18_hardswish_backward_dx, cg_tile_of(block - 25u, 1, 1));
+  else if (block < 27u)
+    k19_sigmoid_tile(k19_sigmoid_x, k19_sigmoid_out, cg_tile_of(block - 26u, 1, 1));
+  else if (block < 28u)
+    k20_silu_tile(k20_silu_x, k20_silu_out, cg_tile_of(block - 27u, 1, 1));
+  else if (block < 29u)
+    k21_tanh_tile(k21_tanh_x, k21_tanh_out, cg_tile_of(block - 28u, 1, 1));
+  else if (block < 30u)
+    k22_exp_tile(k22_exp_exp_x, k22_exp_log_backward_dout, k22_exp_exp_backward_dout, k22_exp_exp_out, k22_exp_log_out, k22_exp_log_backward_dx, k22_exp_exp_backward_dx, cg_tile_of(block - 29u, 1, 1));
+  else if (block < 31u)
+    k23_neg_tile(k23_neg_x, k23_neg_out, cg_tile_of(block - 30u, 1, 1));
+  else if (block < 32u)
+    k24_gelu_erf_tile(k24_gelu_erf_x, k24_gelu_erf_out, cg_tile_of(block - 31u, 1, 1));
+  else
+    k25_gelu_tanh_tile(k25_gelu_tanh_x, k25_gelu_tanh_out, cg_tile_of(block - 32u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k5_softmax_causal(const float* __restrict__ x, float* __restrict__ out) {
+  k5_softmax_causal_tile(x, out, cg_launch_tile());
+}
+
+// Launch h2_affine_sub_mul_and_7_more_0 (forward phase):
+// 10 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k26_affine
+//   blocks [1, 2): k27_sub
+//   blocks [2, 3): k28_mul
+//   blocks [3, 4): k29_div
+//   blocks [4, 5): k30_maximum
+//   blocks [5, 6): k31_relu_backward
+//   blocks [6, 7): k32_sigmoid_backward
+//   blocks [7, 8): k33_silu_backward
+//   blocks [8, 9): k34_tanh_backward
+//   blocks [9, 10): k36_split_heads
+CG_KERNEL void __launch_bounds__(256) h2_affine_sub_mul_and_7_more_0(
+    const float* __restrict__ k26_affine_x,
+    float* __restrict__ k26_affine_out,
+    const float* __restrict__ k26_affine_scale_arg,
+    const float* __restrict__ k27_sub_a,
+    const float* __restrict__ k27_sub_b,
+    float* __restrict__ k27_sub_out,
+    const float* __restrict__ k28_mul_a,
+    const float* __restrict__ k28_mul_b,
+    float* __restrict__ k28_mul_out,
+    const float* __restrict__ k29_div_a,
+    const float* __restrict__ k29_div_b,
+    float* __restrict__ k29_div_out,
+    const float* __restrict__ k30_maximum_a,
+    const float* __restrict__ k30_maximum_b,
+    float* __restrict__ k30_maximum_out,
+    const float* __restrict__ k31_relu_backward_x,
+    const float* __restrict__ k31_relu_backward_dout,
+    float* __restrict__ k31_relu_backward_dx,
+    const float* __restrict__ k32_sigmoid_backward_x,
+    const float* __restrict__ k32_sigmoid_backward_dout,
+    float* __restrict__ k32_sigmoid_backward_dx,
+    const float* __restrict__ k33_silu_backward_x,
+    const float* __restrict__ k33_silu_backward_dout,
+    float* __restrict__ k33_silu_backward_dx,
+    const float* __restrict__ k34_tanh_backward_x,
+    const float* __restrict__ k34_tanh_backward_dout,
+    float* __restrict__ k34_tanh_backward_dx,
+    const float* __restrict__ k36_split_heads_x,
+    float* __restrict__ k36_split_heads_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k26_affine_tile(k26_affine_x, k26_affine_out, k26_affine_scale_arg, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k27_sub_tile(k27_sub_a, k27_sub_b, k27_sub_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k28_mul_tile(k28_mul_a, k28_mul_b, k28_mul_out, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 4u)
+    k29_div_tile(k29_div_a, k29_div_b, k29_div_out, cg_tile_of(block - 3u, 1, 1));
+  else if (block < 5u)
+    k30_maximum_tile(k30_maximum_a, k30_maximum_b, k30_maximum_out, cg_tile_of(block - 4u, 1, 1));
+  else if (block < 6u)
+    k31_relu_backward_tile(k31_relu_backward_x, k31_relu_backward_dout, k31_relu_backward_dx, cg_tile_of(block - 5u, 1, 1));
+  else if (block < 7u)
+    k32_sigmoid_backward_tile(k32_sigmoid_backward_x, k32_sigmoid_backward_dout, k32_sigmoid_backward_dx, cg_tile_of(block - 6u, 1, 1));
+  else if (block < 8u)
+    k33_silu_backward_tile(k33_silu_backward_x, k33_silu_backward_dout, k33_silu_backward_dx, cg_tile_of(block - 7u, 1, 1));
+  else if (block < 9u)
+    k34_tanh_backward_tile(k34_tanh_backward_x, k34_tanh_backward_dout, k34_tanh_backward_dx, cg_tile_of(block - 8u, 1, 1));
+  else
+    k36_split_heads_tile(k36_split_heads_x, k36_split_heads_out, cg_tile_of(block - 9u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k35_rmsnorm(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+  k35_rmsnorm_tile(x, weight, out, rstd, cg_launch_tile());
+}
+
+// Launch h3_merge_heads_sum_leading_cast_and_6_more_0 (forward phase):
+// 9 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
+// of 256 threads, 1024 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k37_merge_heads
+//   blocks [1, 2): k42_sum_leading
+//   blocks [2, 3): k43_cast
+//   blocks [3, 4): k44_cast_backward
+//   blocks [4, 5): k45_concat
+//   blocks [5, 6): k46_split
+//   blocks [6, 7): k47_affine_backward
+//   blocks [7, 8): k48_neg_backward
+//   blocks [8, 9): k49_gelu_backward
+CG_KERNEL void __launch_bounds__(256) h3_merge_heads_sum_leading_cast_and_6_more_0(
+    const float* __restrict__ k37_merge_heads_x,
+    float* __restrict__ k37_merge_heads_out,
+    const float* __restrict__ k42_sum_leading_x,
+    float* __restrict__ k42_sum_leading_out,
+    const float* __restrict__ k43_cast_x,
+    cg_f16* __restrict__ k43_cast_out,
+    const cg_f16* __restrict__ k44_cast_backward_dout,
+    float* __restrict__ k44_cast_backward_dx,
+    const float* __restrict__ k45_concat_a,
+    const float* __restrict__ k45_concat_b,
+    float* __restrict__ k45_concat_out,
+    const float* __restrict__ k46_split_x,
+    float* __restrict__ k46_split_a,
+    float* __restrict__ k46_split_b,
+    const float* __restrict__ k47_affine_backward_dout,
+    float* __restrict__ k47_affine_backward_dx,
+    const float* __restrict__ k48_neg_backward_dout,
+    float* __restrict__ k48_neg_backward_dx,
+    const float* __restrict__ k49_gelu_backward_x,
+    const float* __restrict__ k49_gelu_backward_dout,
+    float* __restrict__ k49_gelu_backward_dx) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k37_merge_heads_tile(k37_merge_heads_x, k37_merge_heads_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k42_sum_leading_tile(k42_sum_leading_x, k42_sum_leading_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k43_cast_tile(k43_cast_x, k43_cast_out, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 4u)
+    k44_cast_backward_tile(k44_cast_backward_dout, k44_cast_backward_dx, cg_tile_of(block - 3u, 1, 1));
+  else if (block < 5u)
+    k45_concat_tile(k45_concat_a, k45_concat_b, k45_concat_out, cg_tile_of(block - 4u, 1, 1));
+  else if (block < 6u)
+    k46_split_tile(k46_split_x, k46_split_a, k46_split_b, cg_tile_of(block - 5u, 1, 1));
+  else if (block < 7u)
+    k47_affine_backward_tile(k47_affine_backward_dout, k47_affine_backward_dx, cg_tile_of(block - 6u, 1, 1));
+  else if (block < 8u)
+    k48_neg_backward_tile(k48_neg_backward_dout, k48_neg_backward_dx, cg_tile_of(block - 7u, 1, 1));
+  else
+    k49_gelu_backward_tile(k49_gelu_backward_x, k49_gelu_backward_dout, k49_gelu_backward_dx, cg_tile_of(block - 8u, 1, 1));
+}
+
+// Launch h3_sum_mean_max_and_2_more_1 (forward phase):
+// 5 kernels that are independent of each other (rule horizontal) as one grid of 14 blocks
+// of 64 threads, 128 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 3): k38_sum
+//   blocks [3, 6): k39_mean
+//   blocks [6, 9): k40_max
+//   blocks [9, 11): k41_log_softmax
+//   blocks [11, 14): k50_layernorm
+CG_KERNEL void __launch_bounds__(64) h3_sum_mean_max_and_2_more_1(
+    const float* __restrict__ k38_sum_x,
+    float* __restrict__ k38_sum_out,
+    const float* __restrict__ k39_mean_x,
+    float* __restrict__ k39_mean_out,
+    const float* __restrict__ k40_max_x,
+    float* __restrict__ k40_max_out,
+    const float* __restrict__ k41_log_softmax_x,
+    float* __restrict__ k41_log_softmax_out,
+    const float* __restrict__ k50_layernorm_x,
+    const float* __restrict__ k50_layernorm_weight,
+    const float* __restrict__ k50_layernorm_bias,
+    float* __restrict__ k50_layernorm_out,
+    float* __restrict__ k50_layernorm_mean,
+    float* __restrict__ k50_layernorm_rstd) {
+  const unsigned int block = blockIdx.x;
+  if (block < 3u)
+    k38_sum_tile(k38_sum_x, k38_sum_out, cg_tile_of(block, 3, 1));
+  else if (block < 6u)
+    k39_mean_tile(k39_mean_x, k39_mean_out, cg_tile_of(block - 3u, 3, 1));
+  else if (block < 9u)
+    k40_max_tile(k40_max_x, k40_max_out, cg_tile_of(block - 6u, 3, 1));
+  else if (block < 11u)
+    k41_log_softmax_tile(k41_log_softmax_x, k41_log_softmax_out, cg_tile_of(block - 9u, 2, 1));
+  else
+    k50_layernorm_tile(k50_layernorm_x, k50_layernorm_weight, k50_layernorm_bias, k50_layernorm_out, k50_layernorm_mean, k50_layernorm_rstd, cg_tile_of(block - 11u, 3, 1));
+}
+
+// Launch h4_layernorm_backward_rmsnorm_backward_0 (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 128 threads, 512 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 5): k51_layernorm_backward
+//   blocks [5, 10): k52_rmsnorm_backward
+CG_KERNEL void __launch_bounds__(128) h4_layernorm_backward_rmsnorm_backward_0(
+    const float* __restrict__ k51_layernorm_backward_x,
+    const float* __restrict__ k51_layernorm_backward_weight,
+    const float* __restrict__ k51_layernorm_backward_mean,
+    const float* __restrict__ k51_layernorm_backward_rstd,
+    const float* __restrict__ k51_layernorm_backward_dout,
+    float* __restrict__ k51_layernorm_backward_dx,
+    float* __restrict__ k51_layernorm_backward_dweight,
+    float* __restrict__ k51_layernorm_backward_dbias,
+    const float* __restrict__ k52_rmsnorm_backward_x,
+    const float* __restrict__ k52_rmsnorm_backward_weight,
+    const float* __restrict__ k52_rmsnorm_backward_rstd,
+    const float* __restrict__ k52_rmsnorm_backward_dout,
+    float* __restrict__ k52_rmsnorm_backward_dx,
+    float* __restrict__ k52_rmsnorm_backward_dweight) {
+  const unsigned int block = blockIdx.x;
+  if (block < 5u)
+    k51_layernorm_backward_tile(k51_layernorm_backward_x, k51_layernorm_backward_weight, k51_layernorm_backward_mean, k51_layernorm_backward_rstd, k51_layernorm_backward_dout, k51_layernorm_backward_dx, k51_layernorm_backward_dweight, k51_layernorm_backward_dbias, cg_tile_of(block, 5, 1));
+  else
+    k52_rmsnorm_backward_tile(k52_rmsnorm_backward_x, k52_rmsnorm_backward_weight, k52_rmsnorm_backward_rstd, k52_rmsnorm_backward_dout, k52_rmsnorm_backward_dx, k52_rmsnorm_backward_dweight, cg_tile_of(block - 5u, 5, 1));
+}
+
+// Launch h4_softmax_backward_log_softmax_backward_cross_entropy_backward_and_1_more_1 (forward phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 74 blocks
+// of 64 threads, 128 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 66): k53_softmax_backward
+//   blocks [66, 68): k54_log_softmax_backward
+//   blocks [68, 71): k56_cross_entropy_backward
+//   blocks [71, 74): k62_max_backward
+CG_KERNEL void __launch_bounds__(64) h4_softmax_backward_log_softmax_backward_cross_entropy_backward_and_1_more_1(
+    const float* __restrict__ k53_softmax_backward_out,
+    const float* __restrict__ k53_softmax_backward_dout,
+    float* __restrict__ k53_softmax_backward_dx,
+    const float* __restrict__ k54_log_softmax_backward_out,
+    const float* __restrict__ k54_log_softmax_backward_dout,
+    float* __restrict__ k54_log_softmax_backward_dx,
+    const float* __restrict__ k56_cross_entropy_backward_logits,
+    const long long* __restrict__ k56_cross_entropy_backward_labels,
+    float* __restrict__ k56_cross_entropy_backward_dlogits,
+    const float* __restrict__ k62_max_backward_x,
+    const float* __restrict__ k62_max_backward_out,
+    const float* __restrict__ k62_max_backward_dout,
+    float* __restrict__ k62_max_backward_dx) {
+  const unsigned int block = blockIdx.x;
+  if (block < 66u)
+    k53_softmax_backward_tile(k53_softmax_backward_out, k53_softmax_backward_dout, k53_softmax_backward_dx, cg_tile_of(block, 66, 1));
+  else if (block < 68u)
+    k54_log_softmax_backward_tile(k54_log_softmax_backward_out, k54_log_softmax_backward_dout, k54_log_softmax_backward_dx, cg_tile_of(block - 66u, 2, 1));
+  else if (block < 71u)
+    k56_cross_entropy_backward_tile(k56_cross_entropy_backward_logits, k56_cross_entropy_backward_labels, k56_cross_entropy_backward_dlogits, cg_tile_of(block - 68u, 3, 1));
+  else
+    k62_max_backward_tile(k62_max_backward_x, k62_max_backward_out, k62_max_backward_dout, k62_max_backward_dx, cg_tile_of(block - 71u, 3, 1));
+}
+
+// Launch h4_cross_entropy_embedding_backward_2 (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 5 blocks
+// of 32 threads, 128 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k55_cross_entropy
+//   blocks [1, 5): k57_embedding_backward
+CG_KERNEL void __launch_bounds__(32) h4_cross_entropy_embedding_backward_2(
+    const float* __restrict__ k55_cross_entropy_logits,
+    const int* __restrict__ k55_cross_entropy_labels,
+    float* __restrict__ k55_cross_entropy_loss,
+    const long long* __restrict__ k57_embedding_backward_ids,
+    const float* __restrict__ k57_embedding_backward_dout,
+    float* __restrict__ k57_embedding_backward_dtable) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k55_cross_entropy_tile(k55_cross_entropy_logits, k55_cross_entropy_labels, k55_cross_entropy_loss, cg_tile_of(block, 1, 1));
+  else
+    k57_embedding_backward_tile(k57_embedding_backward_ids, k57_embedding_backward_dout, k57_embedding_backward_dtable, cg_tile_of(block - 1u, 4, 1));
+}
+
+// Launch h4_mse_mse_backward_sum_backward_and_3_more_3 (forward phase):
+// 6 kernels that are independent of each other (rule horizontal) as one grid of 7 blocks
+// of 256 threads, 128 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k58_mse
+//   blocks [1, 2): k59_mse_backward
+//   blocks [2, 3): k60_sum_backward
+//   blocks [3, 4): k61_mean_backward
+//   blocks [4, 6): k63_sum_leading_backward
+//   blocks [6, 7): k64_maximum_backward
+CG_KERNEL void __launch_bounds__(256) h4_mse_mse_backward_sum_backward_and_3_more_3(
+    const float* __restrict__ k58_mse_pred,
+    const float* __restrict__ k58_mse_target,
+    float* __restrict__ k58_mse_loss,
+    const float* __restrict__ k59_mse_backward_pred,
+    const float* __restrict__ k59_mse_backward_target,
+    float* __restrict__ k59_mse_backward_dpred,
+    const float* __restrict__ k60_sum_backward_dout,
+    float* __restrict__ k60_sum_backward_dx,
+    const float* __restrict__ k61_mean_backward_dout,
+    float* __restrict__ k61_mean_backward_dx,
+    const float* __restrict__ k63_sum_leading_backward_dout,
+    float* __restrict__ k63_sum_leading_backward_dx,
+    const float* __restrict__ k64_maximum_backward_a,
+    const float* __restrict__ k64_maximum_backward_b,
+    const float* __restrict__ k64_maximum_backward_dout,
+    float* __restrict__ k64_maximum_backward_dx) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k58_mse_tile(k58_mse_pred, k58_mse_target, k58_mse_loss, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k59_mse_backward_tile(k59_mse_backward_pred, k59_mse_backward_target, k59_mse_backward_dpred, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k60_sum_backward_tile(k60_sum_backward_dout, k60_sum_backward_dx, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 4u)
+    k61_mean_backward_tile(k61_mean_backward_dout, k61_mean_backward_dx, cg_tile_of(block - 3u, 1, 1));
+  else if (block < 6u)
+    k63_sum_leading_backward_tile(k63_sum_leading_backward_dout, k63_sum_leading_backward_dx, cg_tile_of(block - 4u, 2, 1));
+  else
+    k64_maximum_backward_tile(k64_maximum_backward_a, k64_maximum_backward_b, k64_maximum_backward_dout, k64_maximum_backward_dx, cg_tile_of(block - 6u, 1, 1));
+}
+
+// Launch h5_sgd_adam_v (update phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k65_sgd
+//   blocks [1, 2): k66_adam_v
+CG_KERNEL void __launch_bounds__(256) h5_sgd_adam_v(
+    float* __restrict__ k65_sgd_param,
+    const float* __restrict__ k65_sgd_grad,
+    float* __restrict__ k65_sgd_momentum_buf,
+    const float* __restrict__ k66_adam_v_x,
+    float* __restrict__ k66_adam_v_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k65_sgd_tile(k65_sgd_param, k65_sgd_grad, k65_sgd_momentum_buf, cg_tile_of(block, 1, 1));
+  else
+    k66_adam_v_tile(k66_adam_v_x, k66_adam_v_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+// Launch h6_adam_adamw_v (update phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k67_adam
+//   blocks [1, 2): k68_adamw_v
+CG_KERNEL void __launch_bounds__(256) h6_adam_adamw_v(
+    float* __restrict__ k67_adam_param,
+    const float* __restrict__ k67_adam_grad,
+    float* __restrict__ k67_adam_m,
+    float* __restrict__ k67_adam_v,
+    const float* __restrict__ k68_adamw_v_x,
+    float* __restrict__ k68_adamw_v_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k67_adam_tile(k67_adam_param, k67_adam_grad, k67_adam_m, k67_adam_v, cg_tile_of(block, 1, 1));
+  else
+    k68_adamw_v_tile(k68_adamw_v_x, k68_adamw_v_out, cg_tile_of(block - 1u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2319,164 +2593,104 @@ struct cudagen_tensor_info {
 
 extern "C" const unsigned long long cudagen_arena_bytes = 145664ull;
 
-static const cudagen_tensor_info k0_fill_tensors[] = {
-    {"out", "fill.out", 7680ull, 132ull},
+static const cudagen_tensor_info h0_fill_uniform_normal_tensors[] = {
+    {"k0_fill_out", "fill.out", 7680ull, 132ull},
+    {"k1_uniform_out", "uniform.out", 7936ull, 264ull},
+    {"k2_normal_out", "normal.out", 8448ull, 132ull},
 };
-static const cudagen_tensor_info k1_uniform_tensors[] = {
-    {"out", "uniform.out", 7936ull, 264ull},
-};
-static const cudagen_tensor_info k2_normal_tensors[] = {
-    {"out", "normal.out", 8448ull, 132ull},
-};
-static const cudagen_tensor_info k3_relu_tensors[] = {
-    {"x", "relu.x", 126976ull, 132ull},
-    {"out", "relu.out", 127232ull, 132ull},
-};
-static const cudagen_tensor_info k4_add_bcast_tensors[] = {
-    {"a", "add_bcast.a", 110592ull, 264ull},
-    {"b", "add_bcast.b", 142336ull, 12ull},
-    {"out", "add_bcast.out", 83712ull, 792ull},
+static const cudagen_tensor_info h1_relu_add_bcast_matmul_t_and_19_more_0_tensors[] = {
+    {"k3_relu_x", "relu.x", 126976ull, 132ull},
+    {"k3_relu_out", "relu.out", 127232ull, 132ull},
+    {"k4_add_bcast_a", "add_bcast.a", 110592ull, 264ull},
+    {"k4_add_bcast_b", "add_bcast.b", 142336ull, 12ull},
+    {"k4_add_bcast_out", "add_bcast.out", 83712ull, 792ull},
+    {"k6_matmul_t_a", "matmul_t.a", 78080ull, 1320ull},
+    {"k6_matmul_t_b", "matmul_t.b", 126464ull, 140ull},
+    {"k6_matmul_t_out", "matmul_t.out", 74496ull, 1848ull},
+    {"k7_embedding_table", "embedding.table", 0ull, 660ull},
+    {"k7_embedding_ids", "embedding.ids", 126720ull, 140ull},
+    {"k7_embedding_out", "embedding.out", 84736ull, 700ull},
+    {"k8_transpose_x", "transpose.x", 51712ull, 4752ull},
+    {"k8_transpose_out", "transpose.out", 56576ull, 4752ull},
+    {"k9_conv2d_x", "conv2d.x", 61440ull, 3600ull},
+    {"k9_conv2d_weight", "conv2d.weight", 768ull, 5940ull},
+    {"k9_conv2d_bias", "conv2d.bias", 6912ull, 132ull},
+    {"k9_conv2d_out", "conv2d.out", 45056ull, 6600ull},
+    {"k10_conv2d_depthwise_x", "conv2d_depthwise.x", 65280ull, 2352ull},
+    {"k10_conv2d_depthwise_weight", "conv2d_depthwise.weight", 7168ull, 432ull},
+    {"k10_conv2d_depthwise_out", "conv2d_depthwise.out", 67840ull, 2352ull},
+    {"k11_max_pool2d_x", "max_pool2d.x", 70400ull, 1944ull},
+    {"k11_max_pool2d_out", "max_pool2d.out", 86272ull, 600ull},
+    {"k12_avg_pool2d_x", "avg_pool2d.x", 72448ull, 1944ull},
+    {"k12_avg_pool2d_out", "avg_pool2d.out", 109568ull, 384ull},
+    {"k13_adaptive_avg_pool2d_x", "adaptive_avg_pool2d.x", 76544ull, 1512ull},
+    {"k13_adaptive_avg_pool2d_out", "adaptive_avg_pool2d.out", 141056ull, 24ull},
+    {"k14_permute_x", "permute.x", 125952ull, 192ull},
+    {"k14_permute_out", "permute.out", 126208ull, 192ull},
+    {"k15_relu6_x", "relu6.x", 111104ull, 264ull},
+    {"k15_relu6_out", "relu6.out", 111616ull, 264ull},
+    {"k16_hardswish_x", "hardswish.x", 112128ull, 264ull},
+    {"k16_hardswish_out", "hardswish.out", 112640ull, 264ull},
+    {"k17_relu6_backward_x", "relu6_backward.x", 113152ull, 264ull},
+    {"k17_relu6_backward_dout", "relu6_backward.dout", 113664ull, 264ull},
+    {"k17_relu6_backward_dx", "relu6_backward.dx", 114176ull, 264ull},
+    {"k18_hardswish_backward_x", "hardswish_backward.x", 114688ull, 264ull},
+    {"k18_hardswish_backward_dout", "hardswish_backward.dout", 115200ull, 264ull},
+    {"k18_hardswish_backward_dx", "hardswish_backward.dx", 115712ull, 264ull},
+    {"k19_sigmoid_x", "sigmoid.x", 127488ull, 132ull},
+    {"k19_sigmoid_out", "sigmoid.out", 127744ull, 132ull},
+    {"k20_silu_x", "silu.x", 128000ull, 132ull},
+    {"k20_silu_out", "silu.out", 128256ull, 132ull},
+    {"k21_tanh_x", "tanh.x", 128512ull, 132ull},
+    {"k21_tanh_out", "tanh.out", 128768ull, 132ull},
+    {"k22_exp_exp_x", "exp.x", 129024ull, 132ull},
+    {"k22_exp_log_backward_dout", "log_backward.dout", 136960ull, 132ull},
+    {"k22_exp_exp_backward_dout", "exp_backward.dout", 138240ull, 132ull},
+    {"k22_exp_exp_out", "exp.out", 129280ull, 132ull},
+    {"k22_exp_log_out", "log.out", 129536ull, 132ull},
+    {"k22_exp_log_backward_dx", "log_backward.dx", 137216ull, 132ull},
+    {"k22_exp_exp_backward_dx", "exp_backward.dx", 138496ull, 132ull},
+    {"k23_neg_x", "neg.x", 129792ull, 132ull},
+    {"k23_neg_out", "neg.out", 130048ull, 132ull},
+    {"k24_gelu_erf_x", "gelu_erf.x", 116224ull, 264ull},
+    {"k24_gelu_erf_out", "gelu_erf.out", 116736ull, 264ull},
+    {"k25_gelu_tanh_x", "gelu_tanh.x", 130304ull, 132ull},
+    {"k25_gelu_tanh_out", "gelu_tanh.out", 130560ull, 132ull},
 };
 static const cudagen_tensor_info k5_softmax_causal_tensors[] = {
     {"x", "softmax_causal.x", 9216ull, 8712ull},
     {"out", "softmax_causal.out", 18176ull, 8712ull},
 };
-static const cudagen_tensor_info k6_matmul_t_tensors[] = {
-    {"a", "matmul_t.a", 78080ull, 1320ull},
-    {"b", "matmul_t.b", 126464ull, 140ull},
-    {"out", "matmul_t.out", 74496ull, 1848ull},
-};
-static const cudagen_tensor_info k7_embedding_tensors[] = {
-    {"table", "embedding.table", 0ull, 660ull},
-    {"ids", "embedding.ids", 126720ull, 140ull},
-    {"out", "embedding.out", 84736ull, 700ull},
-};
-static const cudagen_tensor_info k8_transpose_tensors[] = {
-    {"x", "transpose.x", 51712ull, 4752ull},
-    {"out", "transpose.out", 56576ull, 4752ull},
-};
-static const cudagen_tensor_info k9_conv2d_tensors[] = {
-    {"x", "conv2d.x", 61440ull, 3600ull},
-    {"weight", "conv2d.weight", 768ull, 5940ull},
-    {"bias", "conv2d.bias", 6912ull, 132ull},
-    {"out", "conv2d.out", 45056ull, 6600ull},
-};
-static const cudagen_tensor_info k10_conv2d_depthwise_tensors[] = {
-    {"x", "conv2d_depthwise.x", 65280ull, 2352ull},
-    {"weight", "conv2d_depthwise.weight", 7168ull, 432ull},
-    {"out", "conv2d_depthwise.out", 67840ull, 2352ull},
-};
-static const cudagen_tensor_info k11_max_pool2d_tensors[] = {
-    {"x", "max_pool2d.x", 70400ull, 1944ull},
-    {"out", "max_pool2d.out", 86272ull, 600ull},
-};
-static const cudagen_tensor_info k12_avg_pool2d_tensors[] = {
-    {"x", "avg_pool2d.x", 72448ull, 1944ull},
-    {"out", "avg_pool2d.out", 109568ull, 384ull},
-};
-static const cudagen_tensor_info k13_adaptive_avg_pool2d_tensors[] = {
-    {"x", "adaptive_avg_pool2d.x", 76544ull, 1512ull},
-    {"out", "adaptive_avg_pool2d.out", 141056ull, 24ull},
-};
-static const cudagen_tensor_info k14_permute_tensors[] = {
-    {"x", "permute.x", 125952ull, 192ull},
-    {"out", "permute.out", 126208ull, 192ull},
-};
-static const cudagen_tensor_info k15_relu6_tensors[] = {
-    {"x", "relu6.x", 111104ull, 264ull},
-    {"out", "relu6.out", 111616ull, 264ull},
-};
-static const cudagen_tensor_info k16_hardswish_tensors[] = {
-    {"x", "hardswish.x", 112128ull, 264ull},
-    {"out", "hardswish.out", 112640ull, 264ull},
-};
-static const cudagen_tensor_info k17_relu6_backward_tensors[] = {
-    {"x", "relu6_backward.x", 113152ull, 264ull},
-    {"dout", "relu6_backward.dout", 113664ull, 264ull},
-    {"dx", "relu6_backward.dx", 114176ull, 264ull},
-};
-static const cudagen_tensor_info k18_hardswish_backward_tensors[] = {
-    {"x", "hardswish_backward.x", 114688ull, 264ull},
-    {"dout", "hardswish_backward.dout", 115200ull, 264ull},
-    {"dx", "hardswish_backward.dx", 115712ull, 264ull},
-};
-static const cudagen_tensor_info k19_sigmoid_tensors[] = {
-    {"x", "sigmoid.x", 127488ull, 132ull},
-    {"out", "sigmoid.out", 127744ull, 132ull},
-};
-static const cudagen_tensor_info k20_silu_tensors[] = {
-    {"x", "silu.x", 128000ull, 132ull},
-    {"out", "silu.out", 128256ull, 132ull},
-};
-static const cudagen_tensor_info k21_tanh_tensors[] = {
-    {"x", "tanh.x", 128512ull, 132ull},
-    {"out", "tanh.out", 128768ull, 132ull},
-};
-static const cudagen_tensor_info k22_exp_tensors[] = {
-    {"exp_x", "exp.x", 129024ull, 132ull},
-    {"log_backward_dout", "log_backward.dout", 136960ull, 132ull},
-    {"exp_backward_dout", "exp_backward.dout", 138240ull, 132ull},
-    {"exp_out", "exp.out", 129280ull, 132ull},
-    {"log_out", "log.out", 129536ull, 132ull},
-    {"log_backward_dx", "log_backward.dx", 137216ull, 132ull},
-    {"exp_backward_dx", "exp_backward.dx", 138496ull, 132ull},
-};
-static const cudagen_tensor_info k23_neg_tensors[] = {
-    {"x", "neg.x", 129792ull, 132ull},
-    {"out", "neg.out", 130048ull, 132ull},
-};
-static const cudagen_tensor_info k24_gelu_erf_tensors[] = {
-    {"x", "gelu_erf.x", 116224ull, 264ull},
-    {"out", "gelu_erf.out", 116736ull, 264ull},
-};
-static const cudagen_tensor_info k25_gelu_tanh_tensors[] = {
-    {"x", "gelu_tanh.x", 130304ull, 132ull},
-    {"out", "gelu_tanh.out", 130560ull, 132ull},
-};
-static const cudagen_tensor_info k26_affine_tensors[] = {
-    {"x", "affine.x", 130816ull, 132ull},
-    {"out", "affine.out", 131072ull, 132ull},
-    {"scale", "affine.scale", 145408ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k27_sub_tensors[] = {
-    {"a", "sub.a", 87040ull, 528ull},
-    {"b", "sub.b", 131328ull, 132ull},
-    {"out", "sub.out", 87808ull, 528ull},
-};
-static const cudagen_tensor_info k28_mul_tensors[] = {
-    {"a", "mul.a", 88576ull, 528ull},
-    {"b", "mul.b", 131584ull, 132ull},
-    {"out", "mul.out", 89344ull, 528ull},
-};
-static const cudagen_tensor_info k29_div_tensors[] = {
-    {"a", "div.a", 90112ull, 528ull},
-    {"b", "div.b", 131840ull, 132ull},
-    {"out", "div.out", 90880ull, 528ull},
-};
-static const cudagen_tensor_info k30_maximum_tensors[] = {
-    {"a", "maximum.a", 91648ull, 528ull},
-    {"b", "maximum.b", 132096ull, 132ull},
-    {"out", "maximum.out", 92416ull, 528ull},
-};
-static const cudagen_tensor_info k31_relu_backward_tensors[] = {
-    {"x", "relu_backward.x", 132352ull, 132ull},
-    {"dout", "relu_backward.dout", 132608ull, 132ull},
-    {"dx", "relu_backward.dx", 132864ull, 132ull},
-};
-static const cudagen_tensor_info k32_sigmoid_backward_tensors[] = {
-    {"x", "sigmoid_backward.x", 133120ull, 132ull},
-    {"dout", "sigmoid_backward.dout", 133376ull, 132ull},
-    {"dx", "sigmoid_backward.dx", 133632ull, 132ull},
-};
-static const cudagen_tensor_info k33_silu_backward_tensors[] = {
-    {"x", "silu_backward.x", 133888ull, 132ull},
-    {"dout", "silu_backward.dout", 134144ull, 132ull},
-    {"dx", "silu_backward.dx", 134400ull, 132ull},
-};
-static const cudagen_tensor_info k34_tanh_backward_tensors[] = {
-    {"x", "tanh_backward.x", 134656ull, 132ull},
-    {"dout", "tanh_backward.dout", 134912ull, 132ull},
-    {"dx", "tanh_backward.dx", 135168ull, 132ull},
+static const cudagen_tensor_info h2_affine_sub_mul_and_7_more_0_tensors[] = {
+    {"k26_affine_x", "affine.x", 130816ull, 132ull},
+    {"k26_affine_out", "affine.out", 131072ull, 132ull},
+    {"k26_affine_scale", "affine.scale", 145408ull, 8ull},  // run-time argument
+    {"k27_sub_a", "sub.a", 87040ull, 528ull},
+    {"k27_sub_b", "sub.b", 131328ull, 132ull},
+    {"k27_sub_out", "sub.out", 87808ull, 528ull},
+    {"k28_mul_a", "mul.a", 88576ull, 528ull},
+    {"k28_mul_b", "mul.b", 131584ull, 132ull},
+    {"k28_mul_out", "mul.out", 89344ull, 528ull},
+    {"k29_div_a", "div.a", 90112ull, 528ull},
+    {"k29_div_b", "div.b", 131840ull, 132ull},
+    {"k29_div_out", "div.out", 90880ull, 528ull},
+    {"k30_maximum_a", "maximum.a", 91648ull, 528ull},
+    {"k30_maximum_b", "maximum.b", 132096ull, 132ull},
+    {"k30_maximum_out", "maximum.out", 92416ull, 528ull},
+    {"k31_relu_backward_x", "relu_backward.x", 132352ull, 132ull},
+    {"k31_relu_backward_dout", "relu_backward.dout", 132608ull, 132ull},
+    {"k31_relu_backward_dx", "relu_backward.dx", 132864ull, 132ull},
+    {"k32_sigmoid_backward_x", "sigmoid_backward.x", 133120ull, 132ull},
+    {"k32_sigmoid_backward_dout", "sigmoid_backward.dout", 133376ull, 132ull},
+    {"k32_sigmoid_backward_dx", "sigmoid_backward.dx", 133632ull, 132ull},
+    {"k33_silu_backward_x", "silu_backward.x", 133888ull, 132ull},
+    {"k33_silu_backward_dout", "silu_backward.dout", 134144ull, 132ull},
+    {"k33_silu_backward_dx", "silu_backward.dx", 134400ull, 132ull},
+    {"k34_tanh_backward_x", "tanh_backward.x", 134656ull, 132ull},
+    {"k34_tanh_backward_dout", "tanh_backward.dout", 134912ull, 132ull},
+    {"k34_tanh_backward_dx", "tanh_backward.dx", 135168ull, 132ull},
+    {"k36_split_heads_x", "split_heads.x", 93184ull, 480ull},
+    {"k36_split_heads_out", "split_heads.out", 93696ull, 480ull},
 };
 static const cudagen_tensor_info k35_rmsnorm_tensors[] = {
     {"x", "rmsnorm.x", 95232ull, 396ull},
@@ -2484,168 +2698,116 @@ static const cudagen_tensor_info k35_rmsnorm_tensors[] = {
     {"out", "rmsnorm.out", 95744ull, 396ull},
     {"rstd", "rmsnorm.rstd", 142592ull, 12ull},
 };
-static const cudagen_tensor_info k36_split_heads_tensors[] = {
-    {"x", "split_heads.x", 93184ull, 480ull},
-    {"out", "split_heads.out", 93696ull, 480ull},
+static const cudagen_tensor_info h3_merge_heads_sum_leading_cast_and_6_more_0_tensors[] = {
+    {"k37_merge_heads_x", "split_heads.out", 93696ull, 480ull},
+    {"k37_merge_heads_out", "merge_heads.out", 94208ull, 480ull},
+    {"k42_sum_leading_x", "sum_leading.x", 79616ull, 1320ull},
+    {"k42_sum_leading_out", "sum_leading.out", 141824ull, 20ull},
+    {"k43_cast_x", "cast.x", 135424ull, 132ull},
+    {"k43_cast_out", "cast.out", 140288ull, 66ull},
+    {"k44_cast_backward_dout", "cast_backward.dout", 140544ull, 66ull},
+    {"k44_cast_backward_dx", "cast_backward.dx", 135680ull, 132ull},
+    {"k45_concat_a", "concat.a", 97792ull, 396ull},
+    {"k45_concat_b", "concat.b", 140800ull, 60ull},
+    {"k45_concat_out", "concat.out", 94720ull, 456ull},
+    {"k46_split_x", "split.x", 110080ull, 288ull},
+    {"k46_split_a", "split.a", 118272ull, 264ull},
+    {"k46_split_b", "split.b", 141312ull, 24ull},
+    {"k47_affine_backward_dout", "affine_backward.dout", 135936ull, 132ull},
+    {"k47_affine_backward_dx", "affine_backward.dx", 136192ull, 132ull},
+    {"k48_neg_backward_dout", "neg_backward.dout", 136448ull, 132ull},
+    {"k48_neg_backward_dx", "neg_backward.dx", 136704ull, 132ull},
+    {"k49_gelu_backward_x", "gelu_backward.x", 137472ull, 132ull},
+    {"k49_gelu_backward_dout", "gelu_backward.dout", 137728ull, 132ull},
+    {"k49_gelu_backward_dx", "gelu_backward.dx", 137984ull, 132ull},
 };
-static const cudagen_tensor_info k37_merge_heads_tensors[] = {
-    {"x", "split_heads.out", 93696ull, 480ull},
-    {"out", "merge_heads.out", 94208ull, 480ull},
+static const cudagen_tensor_info h3_sum_mean_max_and_2_more_1_tensors[] = {
+    {"k38_sum_x", "sum.x", 96256ull, 396ull},
+    {"k38_sum_out", "sum.out", 142848ull, 12ull},
+    {"k39_mean_x", "mean.x", 96768ull, 396ull},
+    {"k39_mean_out", "mean.out", 143104ull, 12ull},
+    {"k40_max_x", "max.x", 97280ull, 396ull},
+    {"k40_max_out", "max.out", 143360ull, 12ull},
+    {"k41_log_softmax_x", "log_softmax.x", 117248ull, 264ull},
+    {"k41_log_softmax_out", "log_softmax.out", 117760ull, 264ull},
+    {"k50_layernorm_x", "layernorm.x", 98304ull, 396ull},
+    {"k50_layernorm_weight", "layernorm.weight", 8704ull, 132ull},
+    {"k50_layernorm_bias", "layernorm.bias", 8960ull, 132ull},
+    {"k50_layernorm_out", "layernorm.out", 98816ull, 396ull},
+    {"k50_layernorm_mean", "layernorm.mean", 143616ull, 12ull},
+    {"k50_layernorm_rstd", "layernorm.rstd", 143872ull, 12ull},
 };
-static const cudagen_tensor_info k38_sum_tensors[] = {
-    {"x", "sum.x", 96256ull, 396ull},
-    {"out", "sum.out", 142848ull, 12ull},
+static const cudagen_tensor_info h4_layernorm_backward_rmsnorm_backward_0_tensors[] = {
+    {"k51_layernorm_backward_x", "layernorm.x", 98304ull, 396ull},
+    {"k51_layernorm_backward_weight", "layernorm.weight", 8704ull, 132ull},
+    {"k51_layernorm_backward_mean", "layernorm.mean", 143616ull, 12ull},
+    {"k51_layernorm_backward_rstd", "layernorm.rstd", 143872ull, 12ull},
+    {"k51_layernorm_backward_dout", "layernorm_backward.dout", 99328ull, 396ull},
+    {"k51_layernorm_backward_dx", "layernorm_backward.dx", 99840ull, 396ull},
+    {"k51_layernorm_backward_dweight", "layernorm_backward.dweight", 138752ull, 132ull},
+    {"k51_layernorm_backward_dbias", "layernorm_backward.dbias", 139008ull, 132ull},
+    {"k52_rmsnorm_backward_x", "rmsnorm.x", 95232ull, 396ull},
+    {"k52_rmsnorm_backward_weight", "fill.out", 7680ull, 132ull},
+    {"k52_rmsnorm_backward_rstd", "rmsnorm.rstd", 142592ull, 12ull},
+    {"k52_rmsnorm_backward_dout", "rmsnorm_backward.dout", 100352ull, 396ull},
+    {"k52_rmsnorm_backward_dx", "rmsnorm_backward.dx", 100864ull, 396ull},
+    {"k52_rmsnorm_backward_dweight", "rmsnorm_backward.dweight", 139264ull, 132ull},
 };
-static const cudagen_tensor_info k39_mean_tensors[] = {
-    {"x", "mean.x", 96768ull, 396ull},
-    {"out", "mean.out", 143104ull, 12ull},
+static const cudagen_tensor_info h4_softmax_backward_log_softmax_backward_cross_entropy_backward_and_1_more_1_tensors[] = {
+    {"k53_softmax_backward_out", "softmax_causal.out", 18176ull, 8712ull},
+    {"k53_softmax_backward_dout", "softmax_backward.dout", 27136ull, 8712ull},
+    {"k53_softmax_backward_dx", "softmax_backward.dx", 36096ull, 8712ull},
+    {"k54_log_softmax_backward_out", "log_softmax.out", 117760ull, 264ull},
+    {"k54_log_softmax_backward_dout", "log_softmax_backward.dout", 119296ull, 264ull},
+    {"k54_log_softmax_backward_dx", "log_softmax_backward.dx", 119808ull, 264ull},
+    {"k56_cross_entropy_backward_logits", "cross_entropy_backward.logits", 101376ull, 396ull},
+    {"k56_cross_entropy_backward_labels", "cross_entropy_backward.labels", 141568ull, 24ull},
+    {"k56_cross_entropy_backward_dlogits", "cross_entropy_backward.dlogits", 101888ull, 396ull},
+    {"k62_max_backward_x", "max.x", 97280ull, 396ull},
+    {"k62_max_backward_out", "max.out", 143360ull, 12ull},
+    {"k62_max_backward_dout", "max_backward.dout", 144640ull, 12ull},
+    {"k62_max_backward_dx", "max_backward.dx", 105984ull, 396ull},
 };
-static const cudagen_tensor_info k40_max_tensors[] = {
-    {"x", "max.x", 97280ull, 396ull},
-    {"out", "max.out", 143360ull, 12ull},
+static const cudagen_tensor_info h4_cross_entropy_embedding_backward_2_tensors[] = {
+    {"k55_cross_entropy_logits", "cross_entropy.logits", 82688ull, 924ull},
+    {"k55_cross_entropy_labels", "cross_entropy.labels", 139520ull, 132ull},
+    {"k55_cross_entropy_loss", "cross_entropy.loss", 144896ull, 4ull},
+    {"k57_embedding_backward_ids", "embedding_backward.ids", 120320ull, 264ull},
+    {"k57_embedding_backward_dout", "embedding_backward.dout", 85504ull, 660ull},
+    {"k57_embedding_backward_dtable", "embedding_backward.dtable", 140032ull, 80ull},
 };
-static const cudagen_tensor_info k41_log_softmax_tensors[] = {
-    {"x", "log_softmax.x", 117248ull, 264ull},
-    {"out", "log_softmax.out", 117760ull, 264ull},
+static const cudagen_tensor_info h4_mse_mse_backward_sum_backward_and_3_more_3_tensors[] = {
+    {"k58_mse_pred", "mse.pred", 102400ull, 396ull},
+    {"k58_mse_target", "mse.target", 102912ull, 396ull},
+    {"k58_mse_loss", "mse.loss", 145152ull, 4ull},
+    {"k59_mse_backward_pred", "mse_backward.pred", 103424ull, 396ull},
+    {"k59_mse_backward_target", "mse_backward.target", 103936ull, 396ull},
+    {"k59_mse_backward_dpred", "mse_backward.dpred", 104448ull, 396ull},
+    {"k60_sum_backward_dout", "sum_backward.dout", 144128ull, 12ull},
+    {"k60_sum_backward_dx", "sum_backward.dx", 104960ull, 396ull},
+    {"k61_mean_backward_dout", "mean_backward.dout", 144384ull, 12ull},
+    {"k61_mean_backward_dx", "mean_backward.dx", 105472ull, 396ull},
+    {"k63_sum_leading_backward_dout", "sum_leading_backward.dout", 142080ull, 20ull},
+    {"k63_sum_leading_backward_dx", "sum_leading_backward.dx", 81152ull, 1320ull},
+    {"k64_maximum_backward_a", "maximum_backward.a", 106496ull, 396ull},
+    {"k64_maximum_backward_b", "maximum_backward.b", 139776ull, 132ull},
+    {"k64_maximum_backward_dout", "maximum_backward.dout", 107008ull, 396ull},
+    {"k64_maximum_backward_dx", "maximum_backward.dx", 107520ull, 396ull},
 };
-static const cudagen_tensor_info k42_sum_leading_tensors[] = {
-    {"x", "sum_leading.x", 79616ull, 1320ull},
-    {"out", "sum_leading.out", 141824ull, 20ull},
+static const cudagen_tensor_info h5_sgd_adam_v_tensors[] = {
+    {"k65_sgd_param", "sgd.param", 108032ull, 396ull},
+    {"k65_sgd_grad", "sgd.grad", 108544ull, 396ull},
+    {"k65_sgd_momentum_buf", "sgd.momentum_buf", 109056ull, 396ull},
+    {"k66_adam_v_x", "adam_v.x", 120832ull, 264ull},
+    {"k66_adam_v_out", "adam_v.out", 121344ull, 264ull},
 };
-static const cudagen_tensor_info k43_cast_tensors[] = {
-    {"x", "cast.x", 135424ull, 132ull},
-    {"out", "cast.out", 140288ull, 66ull},
-};
-static const cudagen_tensor_info k44_cast_backward_tensors[] = {
-    {"dout", "cast_backward.dout", 140544ull, 66ull},
-    {"dx", "cast_backward.dx", 135680ull, 132ull},
-};
-static const cudagen_tensor_info k45_concat_tensors[] = {
-    {"a", "concat.a", 97792ull, 396ull},
-    {"b", "concat.b", 140800ull, 60ull},
-    {"out", "concat.out", 94720ull, 456ull},
-};
-static const cudagen_tensor_info k46_split_tensors[] = {
-    {"x", "split.x", 110080ull, 288ull},
-    {"a", "split.a", 118272ull, 264ull},
-    {"b", "split.b", 141312ull, 24ull},
-};
-static const cudagen_tensor_info k47_affine_backward_tensors[] = {
-    {"dout", "affine_backward.dout", 135936ull, 132ull},
-    {"dx", "affine_backward.dx", 136192ull, 132ull},
-};
-static const cudagen_tensor_info k48_neg_backward_tensors[] = {
-    {"dout", "neg_backward.dout", 136448ull, 132ull},
-    {"dx", "neg_backward.dx", 136704ull, 132ull},
-};
-static const cudagen_tensor_info k49_gelu_backward_tensors[] = {
-    {"x", "gelu_backward.x", 137472ull, 132ull},
-    {"dout", "gelu_backward.dout", 137728ull, 132ull},
-    {"dx", "gelu_backward.dx", 137984ull, 132ull},
-};
-static const cudagen_tensor_info k50_layernorm_tensors[] = {
-    {"x", "layernorm.x", 98304ull, 396ull},
-    {"weight", "layernorm.weight", 8704ull, 132ull},
-    {"bias", "layernorm.bias", 8960ull, 132ull},
-    {"out", "layernorm.out", 98816ull, 396ull},
-    {"mean", "layernorm.mean", 143616ull, 12ull},
-    {"rstd", "layernorm.rstd", 143872ull, 12ull},
-};
-static const cudagen_tensor_info k51_layernorm_backward_tensors[] = {
-    {"x", "layernorm.x", 98304ull, 396ull},
-    {"weight", "layernorm.weight", 8704ull, 132ull},
-    {"mean", "layernorm.mean", 143616ull, 12ull},
-    {"rstd", "layernorm.rstd", 143872ull, 12ull},
-    {"dout", "layernorm_backward.dout", 99328ull, 396ull},
-    {"dx", "layernorm_backward.dx", 99840ull, 396ull},
-    {"dweight", "layernorm_backward.dweight", 138752ull, 132ull},
-    {"dbias", "layernorm_backward.dbias", 139008ull, 132ull},
-};
-static const cudagen_tensor_info k52_rmsnorm_backward_tensors[] = {
-    {"x", "rmsnorm.x", 95232ull, 396ull},
-    {"weight", "fill.out", 7680ull, 132ull},
-    {"rstd", "rmsnorm.rstd", 142592ull, 12ull},
-    {"dout", "rmsnorm_backward.dout", 100352ull, 396ull},
-    {"dx", "rmsnorm_backward.dx", 100864ull, 396ull},
-    {"dweight", "rmsnorm_backward.dweight", 139264ull, 132ull},
-};
-static const cudagen_tensor_info k53_softmax_backward_tensors[] = {
-    {"out", "softmax_causal.out", 18176ull, 8712ull},
-    {"dout", "softmax_backward.dout", 27136ull, 8712ull},
-    {"dx", "softmax_backward.dx", 36096ull, 8712ull},
-};
-static const cudagen_tensor_info k54_log_softmax_backward_tensors[] = {
-    {"out", "log_softmax.out", 117760ull, 264ull},
-    {"dout", "log_softmax_backward.dout", 119296ull, 264ull},
-    {"dx", "log_softmax_backward.dx", 119808ull, 264ull},
-};
-static const cudagen_tensor_info k55_cross_entropy_tensors[] = {
-    {"logits", "cross_entropy.logits", 82688ull, 924ull},
-    {"labels", "cross_entropy.labels", 139520ull, 132ull},
-    {"loss", "cross_entropy.loss", 144896ull, 4ull},
-};
-static const cudagen_tensor_info k56_cross_entropy_backward_tensors[] = {
-    {"logits", "cross_entropy_backward.logits", 101376ull, 396ull},
-    {"labels", "cross_entropy_backward.labels", 141568ull, 24ull},
-    {"dlogits", "cross_entropy_backward.dlogits", 101888ull, 396ull},
-};
-static const cudagen_tensor_info k57_embedding_backward_tensors[] = {
-    {"ids", "embedding_backward.ids", 120320ull, 264ull},
-    {"dout", "embedding_backward.dout", 85504ull, 660ull},
-    {"dtable", "embedding_backward.dtable", 140032ull, 80ull},
-};
-static const cudagen_tensor_info k58_mse_tensors[] = {
-    {"pred", "mse.pred", 102400ull, 396ull},
-    {"target", "mse.target", 102912ull, 396ull},
-    {"loss", "mse.loss", 145152ull, 4ull},
-};
-static const cudagen_tensor_info k59_mse_backward_tensors[] = {
-    {"pred", "mse_backward.pred", 103424ull, 396ull},
-    {"target", "mse_backward.target", 103936ull, 396ull},
-    {"dpred", "mse_backward.dpred", 104448ull, 396ull},
-};
-static const cudagen_tensor_info k60_sum_backward_tensors[] = {
-    {"dout", "sum_backward.dout", 144128ull, 12ull},
-    {"dx", "sum_backward.dx", 104960ull, 396ull},
-};
-static const cudagen_tensor_info k61_mean_backward_tensors[] = {
-    {"dout", "mean_backward.dout", 144384ull, 12ull},
-    {"dx", "mean_backward.dx", 105472ull, 396ull},
-};
-static const cudagen_tensor_info k62_max_backward_tensors[] = {
-    {"x", "max.x", 97280ull, 396ull},
-    {"out", "max.out", 143360ull, 12ull},
-    {"dout", "max_backward.dout", 144640ull, 12ull},
-    {"dx", "max_backward.dx", 105984ull, 396ull},
-};
-static const cudagen_tensor_info k63_sum_leading_backward_tensors[] = {
-    {"dout", "sum_leading_backward.dout", 142080ull, 20ull},
-    {"dx", "sum_leading_backward.dx", 81152ull, 1320ull},
-};
-static const cudagen_tensor_info k64_maximum_backward_tensors[] = {
-    {"a", "maximum_backward.a", 106496ull, 396ull},
-    {"b", "maximum_backward.b", 139776ull, 132ull},
-    {"dout", "maximum_backward.dout", 107008ull, 396ull},
-    {"dx", "maximum_backward.dx", 107520ull, 396ull},
-};
-static const cudagen_tensor_info k65_sgd_tensors[] = {
-    {"param", "sgd.param", 108032ull, 396ull},
-    {"grad", "sgd.grad", 108544ull, 396ull},
-    {"momentum_buf", "sgd.momentum_buf", 109056ull, 396ull},
-};
-static const cudagen_tensor_info k66_adam_v_tensors[] = {
-    {"x", "adam_v.x", 120832ull, 264ull},
-    {"out", "adam_v.out", 121344ull, 264ull},
-};
-static const cudagen_tensor_info k67_adam_tensors[] = {
-    {"param", "adam.param", 121856ull, 264ull},
-    {"grad", "adam.grad", 122368ull, 264ull},
-    {"m", "adam.m", 122880ull, 264ull},
-    {"v", "adam_v.out", 121344ull, 264ull},
-};
-static const cudagen_tensor_info k68_adamw_v_tensors[] = {
-    {"x", "adamw_v.x", 123392ull, 264ull},
-    {"out", "adamw_v.out", 123904ull, 264ull},
+static const cudagen_tensor_info h6_adam_adamw_v_tensors[] = {
+    {"k67_adam_param", "adam.param", 121856ull, 264ull},
+    {"k67_adam_grad", "adam.grad", 122368ull, 264ull},
+    {"k67_adam_m", "adam.m", 122880ull, 264ull},
+    {"k67_adam_v", "adam_v.out", 121344ull, 264ull},
+    {"k68_adamw_v_x", "adamw_v.x", 123392ull, 264ull},
+    {"k68_adamw_v_out", "adamw_v.out", 123904ull, 264ull},
 };
 static const cudagen_tensor_info k69_adamw_tensors[] = {
     {"param", "adamw.param", 124416ull, 264ull},
@@ -2655,152 +2817,40 @@ static const cudagen_tensor_info k69_adamw_tensors[] = {
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_fill, dim3(1, 1, 1), dim3(256), 0, k0_fill_tensors,
-                 (float*)(arena + 7680));
-  CUDAGEN_LAUNCH(k1_uniform, dim3(1, 1, 1), dim3(256), 0, k1_uniform_tensors,
-                 (double*)(arena + 7936));
-  CUDAGEN_LAUNCH(k2_normal, dim3(1, 1, 1), dim3(256), 0, k2_normal_tensors,
-                 (float*)(arena + 8448));
+  CUDAGEN_LAUNCH(h0_fill_uniform_normal, dim3(3, 1, 1), dim3(256), 0, h0_fill_uniform_normal_tensors,
+                 (float*)(arena + 7680), (double*)(arena + 7936), (float*)(arena + 8448));
   return 0;
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k3_relu, dim3(1, 1, 1), dim3(256), 0, k3_relu_tensors,
-                 (const float*)(arena + 126976), (float*)(arena + 127232));
-  CUDAGEN_LAUNCH(k4_add_bcast, dim3(1, 1, 1), dim3(256), 0, k4_add_bcast_tensors,
-                 (const float*)(arena + 110592), (const float*)(arena + 142336), (float*)(arena + 83712));
+  CUDAGEN_LAUNCH(h1_relu_add_bcast_matmul_t_and_19_more_0, dim3(33, 1, 1), dim3(256), 8448, h1_relu_add_bcast_matmul_t_and_19_more_0_tensors,
+                 (const float*)(arena + 126976), (float*)(arena + 127232), (const float*)(arena + 110592), (const float*)(arena + 142336), (float*)(arena + 83712), (const float*)(arena + 78080), (const float*)(arena + 126464), (float*)(arena + 74496), (const float*)(arena + 0), (const int*)(arena + 126720), (float*)(arena + 84736), (const double*)(arena + 51712), (double*)(arena + 56576), (const float*)(arena + 61440), (const float*)(arena + 768), (const float*)(arena + 6912), (float*)(arena + 45056), (const float*)(arena + 65280), (const float*)(arena + 7168), (float*)(arena + 67840), (const float*)(arena + 70400), (float*)(arena + 86272), (const float*)(arena + 72448), (float*)(arena + 109568), (const float*)(arena + 76544), (float*)(arena + 141056), (const double*)(arena + 125952), (double*)(arena + 126208), (const float*)(arena + 111104), (float*)(arena + 111616), (const float*)(arena + 112128), (float*)(arena + 112640), (const float*)(arena + 113152), (const float*)(arena + 113664), (float*)(arena + 114176), (const float*)(arena + 114688), (const float*)(arena + 115200), (float*)(arena + 115712), (const float*)(arena + 127488), (float*)(arena + 127744), (const float*)(arena + 128000), (float*)(arena + 128256), (const float*)(arena + 128512), (float*)(arena + 128768), (const float*)(arena + 129024), (const float*)(arena + 136960), (const float*)(arena + 138240), (float*)(arena + 129280), (float*)(arena + 129536), (float*)(arena + 137216), (float*)(arena + 138496), (const float*)(arena + 129792), (float*)(arena + 130048), (const double*)(arena + 116224), (double*)(arena + 116736), (const float*)(arena + 130304), (float*)(arena + 130560));
   CUDAGEN_LAUNCH(k5_softmax_causal, dim3(66, 1, 1), dim3(64), 128, k5_softmax_causal_tensors,
                  (const float*)(arena + 9216), (float*)(arena + 18176));
-  CUDAGEN_LAUNCH(k6_matmul_t, dim3(1, 2, 2), dim3(256), 4288, k6_matmul_t_tensors,
-                 (const float*)(arena + 78080), (const float*)(arena + 126464), (float*)(arena + 74496));
-  CUDAGEN_LAUNCH(k7_embedding, dim3(1, 1, 1), dim3(256), 0, k7_embedding_tensors,
-                 (const float*)(arena + 0), (const int*)(arena + 126720), (float*)(arena + 84736));
-  CUDAGEN_LAUNCH(k8_transpose, dim3(1, 2, 2), dim3(256), 8448, k8_transpose_tensors,
-                 (const double*)(arena + 51712), (double*)(arena + 56576));
-  CUDAGEN_LAUNCH(k9_conv2d, dim3(1, 2, 2), dim3(256), 4288, k9_conv2d_tensors,
-                 (const float*)(arena + 61440), (const float*)(arena + 768), (const float*)(arena + 6912), (float*)(arena + 45056));
-  CUDAGEN_LAUNCH(k10_conv2d_depthwise, dim3(3, 1, 1), dim3(256), 0, k10_conv2d_depthwise_tensors,
-                 (const float*)(arena + 65280), (const float*)(arena + 7168), (float*)(arena + 67840));
-  CUDAGEN_LAUNCH(k11_max_pool2d, dim3(1, 1, 1), dim3(256), 0, k11_max_pool2d_tensors,
-                 (const float*)(arena + 70400), (float*)(arena + 86272));
-  CUDAGEN_LAUNCH(k12_avg_pool2d, dim3(1, 1, 1), dim3(256), 0, k12_avg_pool2d_tensors,
-                 (const float*)(arena + 72448), (float*)(arena + 109568));
-  CUDAGEN_LAUNCH(k13_adaptive_avg_pool2d, dim3(1, 1, 1), dim3(256), 0, k13_adaptive_avg_pool2d_tensors,
-                 (const float*)(arena + 76544), (float*)(arena + 141056));
-  CUDAGEN_LAUNCH(k14_permute, dim3(1, 1, 1), dim3(256), 0, k14_permute_tensors,
-                 (const double*)(arena + 125952), (double*)(arena + 126208));
-  CUDAGEN_LAUNCH(k15_relu6, dim3(1, 1, 1), dim3(256), 0, k15_relu6_tensors,
-                 (const float*)(arena + 111104), (float*)(arena + 111616));
-  CUDAGEN_LAUNCH(k16_hardswish, dim3(1, 1, 1), dim3(256), 0, k16_hardswish_tensors,
-                 (const float*)(arena + 112128), (float*)(arena + 112640));
-  CUDAGEN_LAUNCH(k17_relu6_backward, dim3(1, 1, 1), dim3(256), 0, k17_relu6_backward_tensors,
-                 (const float*)(arena + 113152), (const float*)(arena + 113664), (float*)(arena + 114176));
-  CUDAGEN_LAUNCH(k18_hardswish_backward, dim3(1, 1, 1), dim3(256), 0, k18_hardswish_backward_tensors,
-                 (const float*)(arena + 114688), (const float*)(arena + 115200), (float*)(arena + 115712));
-  CUDAGEN_LAUNCH(k19_sigmoid, dim3(1, 1, 1), dim3(256), 0, k19_sigmoid_tensors,
-                 (const float*)(arena + 127488), (float*)(arena + 127744));
-  CUDAGEN_LAUNCH(k20_silu, dim3(1, 1, 1), dim3(256), 0, k20_silu_tensors,
-                 (const float*)(arena + 128000), (float*)(arena + 128256));
-  CUDAGEN_LAUNCH(k21_tanh, dim3(1, 1, 1), dim3(256), 0, k21_tanh_tensors,
-                 (const float*)(arena + 128512), (float*)(arena + 128768));
-  CUDAGEN_LAUNCH(k22_exp, dim3(1, 1, 1), dim3(256), 0, k22_exp_tensors,
-                 (const float*)(arena + 129024), (const float*)(arena + 136960), (const float*)(arena + 138240), (float*)(arena + 129280), (float*)(arena + 129536), (float*)(arena + 137216), (float*)(arena + 138496));
-  CUDAGEN_LAUNCH(k23_neg, dim3(1, 1, 1), dim3(256), 0, k23_neg_tensors,
-                 (const float*)(arena + 129792), (float*)(arena + 130048));
-  CUDAGEN_LAUNCH(k24_gelu_erf, dim3(1, 1, 1), dim3(256), 0, k24_gelu_erf_tensors,
-                 (const double*)(arena + 116224), (double*)(arena + 116736));
-  CUDAGEN_LAUNCH(k25_gelu_tanh, dim3(1, 1, 1), dim3(256), 0, k25_gelu_tanh_tensors,
-                 (const float*)(arena + 130304), (float*)(arena + 130560));
-  CUDAGEN_LAUNCH(k26_affine, dim3(1, 1, 1), dim3(256), 0, k26_affine_tensors,
-                 (const float*)(arena + 130816), (float*)(arena + 131072), (const float*)(arena + 145408));
-  CUDAGEN_LAUNCH(k27_sub, dim3(1, 1, 1), dim3(256), 0, k27_sub_tensors,
-                 (const float*)(arena + 87040), (const float*)(arena + 131328), (float*)(arena + 87808));
-  CUDAGEN_LAUNCH(k28_mul, dim3(1, 1, 1), dim3(256), 0, k28_mul_tensors,
-                 (const float*)(arena + 88576), (const float*)(arena + 131584), (float*)(arena + 89344));
-  CUDAGEN_LAUNCH(k29_div, dim3(1, 1, 1), dim3(256), 0, k29_div_tensors,
-                 (const float*)(arena + 90112), (const float*)(arena + 131840), (float*)(arena + 90880));
-  CUDAGEN_LAUNCH(k30_maximum, dim3(1, 1, 1), dim3(256), 0, k30_maximum_tensors,
-                 (const float*)(arena + 91648), (const float*)(arena + 132096), (float*)(arena + 92416));
-  CUDAGEN_LAUNCH(k31_relu_backward, dim3(1, 1, 1), dim3(256), 0, k31_relu_backward_tensors,
-                 (const float*)(arena + 132352), (const float*)(arena + 132608), (float*)(arena + 132864));
-  CUDAGEN_LAUNCH(k32_sigmoid_backward, dim3(1, 1, 1), dim3(256), 0, k32_sigmoid_backward_tensors,
-                 (const float*)(arena + 133120), (const float*)(arena + 133376), (float*)(arena + 133632));
-  CUDAGEN_LAUNCH(k33_silu_backward, dim3(1, 1, 1), dim3(256), 0, k33_silu_backward_tensors,
-                 (const float*)(arena + 133888), (const float*)(arena + 134144), (float*)(arena + 134400));
-  CUDAGEN_LAUNCH(k34_tanh_backward, dim3(1, 1, 1), dim3(256), 0, k34_tanh_backward_tensors,
-                 (const float*)(arena + 134656), (const float*)(arena + 134912), (float*)(arena + 135168));
+  CUDAGEN_LAUNCH(h2_affine_sub_mul_and_7_more_0, dim3(10, 1, 1), dim3(256), 0, h2_affine_sub_mul_and_7_more_0_tensors,
+                 (const float*)(arena + 130816), (float*)(arena + 131072), (const float*)(arena + 145408), (const float*)(arena + 87040), (const float*)(arena + 131328), (float*)(arena + 87808), (const float*)(arena + 88576), (const float*)(arena + 131584), (float*)(arena + 89344), (const float*)(arena + 90112), (const float*)(arena + 131840), (float*)(arena + 90880), (const float*)(arena + 91648), (const float*)(arena + 132096), (float*)(arena + 92416), (const float*)(arena + 132352), (const float*)(arena + 132608), (float*)(arena + 132864), (const float*)(arena + 133120), (const float*)(arena + 133376), (float*)(arena + 133632), (const float*)(arena + 133888), (const float*)(arena + 134144), (float*)(arena + 134400), (const float*)(arena + 134656), (const float*)(arena + 134912), (float*)(arena + 135168), (const float*)(arena + 93184), (float*)(arena + 93696));
   CUDAGEN_LAUNCH(k35_rmsnorm, dim3(3, 1, 1), dim3(64), 128, k35_rmsnorm_tensors,
                  (const float*)(arena + 95232), (const float*)(arena + 7680), (float*)(arena + 95744), (float*)(arena + 142592));
-  CUDAGEN_LAUNCH(k36_split_heads, dim3(1, 1, 1), dim3(256), 0, k36_split_heads_tensors,
-                 (const float*)(arena + 93184), (float*)(arena + 93696));
-  CUDAGEN_LAUNCH(k37_merge_heads, dim3(1, 1, 1), dim3(256), 0, k37_merge_heads_tensors,
-                 (const float*)(arena + 93696), (float*)(arena + 94208));
-  CUDAGEN_LAUNCH(k38_sum, dim3(3, 1, 1), dim3(64), 128, k38_sum_tensors,
-                 (const float*)(arena + 96256), (float*)(arena + 142848));
-  CUDAGEN_LAUNCH(k39_mean, dim3(3, 1, 1), dim3(64), 128, k39_mean_tensors,
-                 (const float*)(arena + 96768), (float*)(arena + 143104));
-  CUDAGEN_LAUNCH(k40_max, dim3(3, 1, 1), dim3(64), 128, k40_max_tensors,
-                 (const float*)(arena + 97280), (float*)(arena + 143360));
-  CUDAGEN_LAUNCH(k41_log_softmax, dim3(2, 1, 1), dim3(64), 128, k41_log_softmax_tensors,
-                 (const float*)(arena + 117248), (float*)(arena + 117760));
-  CUDAGEN_LAUNCH(k42_sum_leading, dim3(1, 1, 1), dim3(256), 1024, k42_sum_leading_tensors,
-                 (const float*)(arena + 79616), (float*)(arena + 141824));
-  CUDAGEN_LAUNCH(k43_cast, dim3(1, 1, 1), dim3(256), 0, k43_cast_tensors,
-                 (const float*)(arena + 135424), (cg_f16*)(arena + 140288));
-  CUDAGEN_LAUNCH(k44_cast_backward, dim3(1, 1, 1), dim3(256), 0, k44_cast_backward_tensors,
-                 (const cg_f16*)(arena + 140544), (float*)(arena + 135680));
-  CUDAGEN_LAUNCH(k45_concat, dim3(1, 1, 1), dim3(256), 0, k45_concat_tensors,
-                 (const float*)(arena + 97792), (const float*)(arena + 140800), (float*)(arena + 94720));
-  CUDAGEN_LAUNCH(k46_split, dim3(1, 1, 1), dim3(256), 0, k46_split_tensors,
-                 (const float*)(arena + 110080), (float*)(arena + 118272), (float*)(arena + 141312));
-  CUDAGEN_LAUNCH(k47_affine_backward, dim3(1, 1, 1), dim3(256), 0, k47_affine_backward_tensors,
-                 (const float*)(arena + 135936), (float*)(arena + 136192));
-  CUDAGEN_LAUNCH(k48_neg_backward, dim3(1, 1, 1), dim3(256), 0, k48_neg_backward_tensors,
-                 (const float*)(arena + 136448), (float*)(arena + 136704));
-  CUDAGEN_LAUNCH(k49_gelu_backward, dim3(1, 1, 1), dim3(256), 0, k49_gelu_backward_tensors,
-                 (const float*)(arena + 137472), (const float*)(arena + 137728), (float*)(arena + 137984));
-  CUDAGEN_LAUNCH(k50_layernorm, dim3(3, 1, 1), dim3(64), 128, k50_layernorm_tensors,
-                 (const float*)(arena + 98304), (const float*)(arena + 8704), (const float*)(arena + 8960), (float*)(arena + 98816), (float*)(arena + 143616), (float*)(arena + 143872));
-  CUDAGEN_LAUNCH(k51_layernorm_backward, dim3(5, 1, 1), dim3(128), 512, k51_layernorm_backward_tensors,
-                 (const float*)(arena + 98304), (const float*)(arena + 8704), (const float*)(arena + 143616), (const float*)(arena + 143872), (const float*)(arena + 99328), (float*)(arena + 99840), (float*)(arena + 138752), (float*)(arena + 139008));
-  CUDAGEN_LAUNCH(k52_rmsnorm_backward, dim3(5, 1, 1), dim3(128), 512, k52_rmsnorm_backward_tensors,
-                 (const float*)(arena + 95232), (const float*)(arena + 7680), (const float*)(arena + 142592), (const float*)(arena + 100352), (float*)(arena + 100864), (float*)(arena + 139264));
-  CUDAGEN_LAUNCH(k53_softmax_backward, dim3(66, 1, 1), dim3(64), 128, k53_softmax_backward_tensors,
-                 (const float*)(arena + 18176), (const float*)(arena + 27136), (float*)(arena + 36096));
-  CUDAGEN_LAUNCH(k54_log_softmax_backward, dim3(2, 1, 1), dim3(64), 128, k54_log_softmax_backward_tensors,
-                 (const float*)(arena + 117760), (const float*)(arena + 119296), (float*)(arena + 119808));
-  CUDAGEN_LAUNCH(k55_cross_entropy, dim3(1, 1, 1), dim3(32), 128, k55_cross_entropy_tensors,
-                 (const float*)(arena + 82688), (const int*)(arena + 139520), (float*)(arena + 144896));
-  CUDAGEN_LAUNCH(k56_cross_entropy_backward, dim3(3, 1, 1), dim3(64), 128, k56_cross_entropy_backward_tensors,
-                 (const float*)(arena + 101376), (const long long*)(arena + 141568), (float*)(arena + 101888));
-  CUDAGEN_LAUNCH(k57_embedding_backward, dim3(4, 1, 1), dim3(32), 0, k57_embedding_backward_tensors,
-                 (const long long*)(arena + 120320), (const float*)(arena + 85504), (float*)(arena + 140032));
-  CUDAGEN_LAUNCH(k58_mse, dim3(1, 1, 1), dim3(256), 128, k58_mse_tensors,
-                 (const float*)(arena + 102400), (const float*)(arena + 102912), (float*)(arena + 145152));
-  CUDAGEN_LAUNCH(k59_mse_backward, dim3(1, 1, 1), dim3(256), 0, k59_mse_backward_tensors,
-                 (const float*)(arena + 103424), (const float*)(arena + 103936), (float*)(arena + 104448));
-  CUDAGEN_LAUNCH(k60_sum_backward, dim3(1, 1, 1), dim3(256), 0, k60_sum_backward_tensors,
-                 (const float*)(arena + 144128), (float*)(arena + 104960));
-  CUDAGEN_LAUNCH(k61_mean_backward, dim3(1, 1, 1), dim3(256), 0, k61_mean_backward_tensors,
-                 (const float*)(arena + 144384), (float*)(arena + 105472));
-  CUDAGEN_LAUNCH(k62_max_backward, dim3(3, 1, 1), dim3(64), 128, k62_max_backward_tensors,
-                 (const float*)(arena + 97280), (const float*)(arena + 143360), (const float*)(arena + 144640), (float*)(arena + 105984));
-  CUDAGEN_LAUNCH(k63_sum_leading_backward, dim3(2, 1, 1), dim3(256), 0, k63_sum_leading_backward_tensors,
-                 (const float*)(arena + 142080), (float*)(arena + 81152));
-  CUDAGEN_LAUNCH(k64_maximum_backward, dim3(1, 1, 1), dim3(256), 0, k64_maximum_backward_tensors,
-                 (const float*)(arena + 106496), (const float*)(arena + 139776), (const float*)(arena + 107008), (float*)(arena + 107520));
+  CUDAGEN_LAUNCH(h3_merge_heads_sum_leading_cast_and_6_more_0, dim3(9, 1, 1), dim3(256), 1024, h3_merge_heads_sum_leading_cast_and_6_more_0_tensors,
+                 (const float*)(arena + 93696), (float*)(arena + 94208), (const float*)(arena + 79616), (float*)(arena + 141824), (const float*)(arena + 135424), (cg_f16*)(arena + 140288), (const cg_f16*)(arena + 140544), (float*)(arena + 135680), (const float*)(arena + 97792), (const float*)(arena + 140800), (float*)(arena + 94720), (const float*)(arena + 110080), (float*)(arena + 118272), (float*)(arena + 141312), (const float*)(arena + 135936), (float*)(arena + 136192), (const float*)(arena + 136448), (float*)(arena + 136704), (const float*)(arena + 137472), (const float*)(arena + 137728), (float*)(arena + 137984));
+  CUDAGEN_LAUNCH(h3_sum_mean_max_and_2_more_1, dim3(14, 1, 1), dim3(64), 128, h3_sum_mean_max_and_2_more_1_tensors,
+                 (const float*)(arena + 96256), (float*)(arena + 142848), (const float*)(arena + 96768), (float*)(arena + 143104), (const float*)(arena + 97280), (float*)(arena + 143360), (const float*)(arena + 117248), (float*)(arena + 117760), (const float*)(arena + 98304), (const float*)(arena + 8704), (const float*)(arena + 8960), (float*)(arena + 98816), (float*)(arena + 143616), (float*)(arena + 143872));
+  CUDAGEN_LAUNCH(h4_layernorm_backward_rmsnorm_backward_0, dim3(10, 1, 1), dim3(128), 512, h4_layernorm_backward_rmsnorm_backward_0_tensors,
+                 (const float*)(arena + 98304), (const float*)(arena + 8704), (const float*)(arena + 143616), (const float*)(arena + 143872), (const float*)(arena + 99328), (float*)(arena + 99840), (float*)(arena + 138752), (float*)(arena + 139008), (const float*)(arena + 95232), (const float*)(arena + 7680), (const float*)(arena + 142592), (const float*)(arena + 100352), (float*)(arena + 100864), (float*)(arena + 139264));
+  CUDAGEN_LAUNCH(h4_softmax_backward_log_softmax_backward_cross_entropy_backward_and_1_more_1, dim3(74, 1, 1), dim3(64), 128, h4_softmax_backward_log_softmax_backward_cross_entropy_backward_and_1_more_1_tensors,
+                 (const float*)(arena + 18176), (const float*)(arena + 27136), (float*)(arena + 36096), (const float*)(arena + 117760), (const float*)(arena + 119296), (float*)(arena + 119808), (const float*)(arena + 101376), (const long long*)(arena + 141568), (float*)(arena + 101888), (const float*)(arena + 97280), (const float*)(arena + 143360), (const float*)(arena + 144640), (float*)(arena + 105984));
+  CUDAGEN_LAUNCH(h4_cross_entropy_embedding_backward_2, dim3(5, 1, 1), dim3(32), 128, h4_cross_entropy_embedding_backward_2_tensors,
+                 (const float*)(arena + 82688), (const int*)(arena + 139520), (float*)(arena + 144896), (const long long*)(arena + 120320), (const float*)(arena + 85504), (float*)(arena + 140032));
+  CUDAGEN_LAUNCH(h4_mse_mse_backward_sum_backward_and_3_more_3, dim3(7, 1, 1), dim3(256), 128, h4_mse_mse_backward_sum_backward_and_3_more_3_tensors,
+                 (const float*)(arena + 102400), (const float*)(arena + 102912), (float*)(arena + 145152), (const float*)(arena + 103424), (const float*)(arena + 103936), (float*)(arena + 104448), (const float*)(arena + 144128), (float*)(arena + 104960), (const float*)(arena + 144384), (float*)(arena + 105472), (const float*)(arena + 142080), (float*)(arena + 81152), (const float*)(arena + 106496), (const float*)(arena + 139776), (const float*)(arena + 107008), (float*)(arena + 107520));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k65_sgd, dim3(1, 1, 1), dim3(256), 0, k65_sgd_tensors,
-                 (float*)(arena + 108032), (const float*)(arena + 108544), (float*)(arena + 109056));
-  CUDAGEN_LAUNCH(k66_adam_v, dim3(1, 1, 1), dim3(256), 0, k66_adam_v_tensors,
-                 (const float*)(arena + 120832), (float*)(arena + 121344));
-  CUDAGEN_LAUNCH(k67_adam, dim3(1, 1, 1), dim3(256), 0, k67_adam_tensors,
-                 (float*)(arena + 121856), (const float*)(arena + 122368), (float*)(arena + 122880), (float*)(arena + 121344));
-  CUDAGEN_LAUNCH(k68_adamw_v, dim3(1, 1, 1), dim3(256), 0, k68_adamw_v_tensors,
-                 (const float*)(arena + 123392), (float*)(arena + 123904));
+  CUDAGEN_LAUNCH(h5_sgd_adam_v, dim3(2, 1, 1), dim3(256), 0, h5_sgd_adam_v_tensors,
+                 (float*)(arena + 108032), (const float*)(arena + 108544), (float*)(arena + 109056), (const float*)(arena + 120832), (float*)(arena + 121344));
+  CUDAGEN_LAUNCH(h6_adam_adamw_v, dim3(2, 1, 1), dim3(256), 0, h6_adam_adamw_v_tensors,
+                 (float*)(arena + 121856), (const float*)(arena + 122368), (float*)(arena + 122880), (float*)(arena + 121344), (const float*)(arena + 123392), (float*)(arena + 123904));
   CUDAGEN_LAUNCH(k69_adamw, dim3(1, 1, 1), dim3(256), 0, k69_adamw_tensors,
                  (float*)(arena + 124416), (const float*)(arena + 124928), (float*)(arena + 125440), (float*)(arena + 123904));
   return 0;

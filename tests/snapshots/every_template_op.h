@@ -14,9 +14,9 @@ struct CUstream_st;  // cudaStream_t is a CUstream_st*
 
 extern "C" {
 extern const unsigned long long cudagen_arena_bytes;  // 145664 on this plan
-int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 3 kernel(s)
-int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 62 kernel(s)
-int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 5 kernel(s)
+int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 1 launch
+int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 10 launches
+int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 3 launches
 }
 
 #ifndef CUDAGEN_HOST_TABLES_DEFINED

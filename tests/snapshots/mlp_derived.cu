@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 142336 bytes (lower bound 142336, without reuse 176384).
+// Arena: 143104 bytes (lower bound 143104, without reuse 176384).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -637,9 +637,6 @@ CG_DEVICE void k0_w1_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k0_w1_init(float* __restrict__ out) {
-  k0_w1_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_b1_init (init phase): task b1_init (fill, elementwise).
 //   reads  -
@@ -651,9 +648,6 @@ CG_DEVICE void k1_b1_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k1_b1_init(float* __restrict__ out) {
-  k1_b1_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_w2_init (init phase): task w2_init (uniform, elementwise).
@@ -667,9 +661,6 @@ CG_DEVICE void k2_w2_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k2_w2_init(float* __restrict__ out) {
-  k2_w2_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_b2_init (init phase): task b2_init (fill, elementwise).
 //   reads  -
@@ -678,9 +669,6 @@ CG_KERNEL void __launch_bounds__(256) k2_w2_init(float* __restrict__ out) {
 CG_DEVICE void k3_b2_init_tile(float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile))
     cg_store(out, i, cg_fill<float>(i, 0.0f));
-}
-CG_KERNEL void __launch_bounds__(256) k3_b2_init(float* __restrict__ out) {
-  k3_b2_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k4_w1_init_momentum_init (init phase): task w1_init_momentum_init (fill, elementwise).
@@ -694,9 +682,6 @@ CG_DEVICE void k4_w1_init_momentum_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k4_w1_init_momentum_init(float* __restrict__ out) {
-  k4_w1_init_momentum_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k5_b1_init_momentum_init (init phase): task b1_init_momentum_init (fill, elementwise).
 //   reads  -
@@ -708,9 +693,6 @@ CG_DEVICE void k5_b1_init_momentum_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k5_b1_init_momentum_init(float* __restrict__ out) {
-  k5_b1_init_momentum_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k6_w2_init_momentum_init (init phase): task w2_init_momentum_init (fill, elementwise).
@@ -724,9 +706,6 @@ CG_DEVICE void k6_w2_init_momentum_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k6_w2_init_momentum_init(float* __restrict__ out) {
-  k6_w2_init_momentum_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k7_b2_init_momentum_init (init phase): task b2_init_momentum_init (fill, elementwise).
 //   reads  -
@@ -735,9 +714,6 @@ CG_KERNEL void __launch_bounds__(256) k6_w2_init_momentum_init(float* __restrict
 CG_DEVICE void k7_b2_init_momentum_init_tile(float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile))
     cg_store(out, i, cg_fill<float>(i, 0.0f));
-}
-CG_KERNEL void __launch_bounds__(256) k7_b2_init_momentum_init(float* __restrict__ out) {
-  k7_b2_init_momentum_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k8_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
@@ -831,9 +807,6 @@ CG_DEVICE void k12_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile til
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 10 + c); }, j, 10, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(256) k12_bias2_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k12_bias2_grad_b_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k13_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
 //   reads  loss_backward.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
@@ -855,9 +828,6 @@ CG_DEVICE void k13_fc2_grad_a_tile(const float* a, const float* b, const float* 
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
       32, 128, 10, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k13_fc2_grad_a(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ act1_backward_x, float* __restrict__ act1_backward_dx) {
-  k13_fc2_grad_a_tile(a, b, act1_backward_x, act1_backward_dx, cg_launch_tile());
-}
 
 // Kernel k14_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [32, 128] <- act1.out, fc2_grad_b.b f32 [32, 10] <- loss_backward.dlogits
@@ -873,9 +843,6 @@ CG_DEVICE void k14_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 10 + n, acc); },
       128, 10, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k14_fc2_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k14_fc2_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k15_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [32, 128] <- act1_backward.dx
@@ -886,9 +853,6 @@ CG_DEVICE void k15_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile til
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(256) k15_bias1_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k15_bias1_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k16_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
@@ -905,9 +869,6 @@ CG_DEVICE void k16_fc1_grad_b_tile(const float* a, const float* b, float* out, c
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 128 + n, acc); },
       64, 128, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k16_fc1_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k16_fc1_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k17_w1_init_sgd (update phase): task w1_init_sgd (sgd, elementwise).
 //   reads  w1_init_sgd.param f32 [64, 128] <- w1_init.out, w1_init_sgd.grad f32 [64, 128] <- fc1_grad_b.out, w1_init_sgd.momentum_buf f32 [64, 128] <- w1_init_momentum_init.out
@@ -921,9 +882,6 @@ CG_DEVICE void k17_w1_init_sgd_tile(float* param, const float* grad, float* mome
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k17_w1_init_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  k17_w1_init_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
 }
 
 // Kernel k18_b1_init_sgd (update phase): task b1_init_sgd (sgd, elementwise).
@@ -939,9 +897,6 @@ CG_DEVICE void k18_b1_init_sgd_tile(float* param, const float* grad, float* mome
     cg_store(momentum_buf, i, momentum_buf_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k18_b1_init_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  k18_b1_init_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
-}
 
 // Kernel k19_w2_init_sgd (update phase): task w2_init_sgd (sgd, elementwise).
 //   reads  w2_init_sgd.param f32 [128, 10] <- w2_init.out, w2_init_sgd.grad f32 [128, 10] <- fc2_grad_b.out, w2_init_sgd.momentum_buf f32 [128, 10] <- w2_init_momentum_init.out
@@ -955,9 +910,6 @@ CG_DEVICE void k19_w2_init_sgd_tile(float* param, const float* grad, float* mome
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k19_w2_init_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  k19_w2_init_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
 }
 
 // Kernel k20_b2_init_sgd (update phase): task b2_init_sgd (sgd, elementwise).
@@ -973,8 +925,122 @@ CG_DEVICE void k20_b2_init_sgd_tile(float* param, const float* grad, float* mome
     cg_store(momentum_buf, i, momentum_buf_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k20_b2_init_sgd(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ momentum_buf) {
-  k20_b2_init_sgd_tile(param, grad, momentum_buf, cg_launch_tile());
+
+// Launch h0_w1_init_b1_init_w2_init_and_5_more (init phase):
+// 8 kernels that are independent of each other (rule horizontal) as one grid of 24 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k0_w1_init
+//   blocks [8, 9): k1_b1_init
+//   blocks [9, 11): k2_w2_init
+//   blocks [11, 12): k3_b2_init
+//   blocks [12, 20): k4_w1_init_momentum_init
+//   blocks [20, 21): k5_b1_init_momentum_init
+//   blocks [21, 23): k6_w2_init_momentum_init
+//   blocks [23, 24): k7_b2_init_momentum_init
+CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_5_more(
+    float* __restrict__ k0_w1_init_out,
+    float* __restrict__ k1_b1_init_out,
+    float* __restrict__ k2_w2_init_out,
+    float* __restrict__ k3_b2_init_out,
+    float* __restrict__ k4_w1_init_momentum_init_out,
+    float* __restrict__ k5_b1_init_momentum_init_out,
+    float* __restrict__ k6_w2_init_momentum_init_out,
+    float* __restrict__ k7_b2_init_momentum_init_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k0_w1_init_tile(k0_w1_init_out, cg_tile_of(block, 8, 1));
+  else if (block < 9u)
+    k1_b1_init_tile(k1_b1_init_out, cg_tile_of(block - 8u, 1, 1));
+  else if (block < 11u)
+    k2_w2_init_tile(k2_w2_init_out, cg_tile_of(block - 9u, 2, 1));
+  else if (block < 12u)
+    k3_b2_init_tile(k3_b2_init_out, cg_tile_of(block - 11u, 1, 1));
+  else if (block < 20u)
+    k4_w1_init_momentum_init_tile(k4_w1_init_momentum_init_out, cg_tile_of(block - 12u, 8, 1));
+  else if (block < 21u)
+    k5_b1_init_momentum_init_tile(k5_b1_init_momentum_init_out, cg_tile_of(block - 20u, 1, 1));
+  else if (block < 23u)
+    k6_w2_init_momentum_init_tile(k6_w2_init_momentum_init_out, cg_tile_of(block - 21u, 2, 1));
+  else
+    k7_b2_init_momentum_init_tile(k7_b2_init_momentum_init_out, cg_tile_of(block - 23u, 1, 1));
+}
+
+// Launch h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k12_bias2_grad_b_sum
+//   blocks [1, 5): k13_fc2_grad_a
+//   blocks [5, 9): k14_fc2_grad_b
+CG_KERNEL void __launch_bounds__(256) h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
+    const float* __restrict__ k12_bias2_grad_b_sum_x,
+    float* __restrict__ k12_bias2_grad_b_sum_out,
+    const float* __restrict__ k13_fc2_grad_a_a,
+    const float* __restrict__ k13_fc2_grad_a_b,
+    const float* __restrict__ k13_fc2_grad_a_act1_backward_x,
+    float* __restrict__ k13_fc2_grad_a_act1_backward_dx,
+    const float* __restrict__ k14_fc2_grad_b_a,
+    const float* __restrict__ k14_fc2_grad_b_b,
+    float* __restrict__ k14_fc2_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k12_bias2_grad_b_sum_tile(k12_bias2_grad_b_sum_x, k12_bias2_grad_b_sum_out, cg_tile_of(block, 1, 1));
+  else if (block < 5u)
+    k13_fc2_grad_a_tile(k13_fc2_grad_a_a, k13_fc2_grad_a_b, k13_fc2_grad_a_act1_backward_x, k13_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 4, 1));
+  else
+    k14_fc2_grad_b_tile(k14_fc2_grad_b_a, k14_fc2_grad_b_b, k14_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
+}
+
+// Launch h6_bias1_grad_b_sum_fc1_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 4): k15_bias1_grad_b_sum
+//   blocks [4, 12): k16_fc1_grad_b
+CG_KERNEL void __launch_bounds__(256) h6_bias1_grad_b_sum_fc1_grad_b(
+    const float* __restrict__ k15_bias1_grad_b_sum_x,
+    float* __restrict__ k15_bias1_grad_b_sum_out,
+    const float* __restrict__ k16_fc1_grad_b_a,
+    const float* __restrict__ k16_fc1_grad_b_b,
+    float* __restrict__ k16_fc1_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 4u)
+    k15_bias1_grad_b_sum_tile(k15_bias1_grad_b_sum_x, k15_bias1_grad_b_sum_out, cg_tile_of(block, 4, 1));
+  else
+    k16_fc1_grad_b_tile(k16_fc1_grad_b_a, k16_fc1_grad_b_b, k16_fc1_grad_b_out, cg_tile_of(block - 4u, 4, 2));
+}
+
+// Launch h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 32): k17_w1_init_sgd
+//   blocks [32, 33): k18_b1_init_sgd
+//   blocks [33, 38): k19_w2_init_sgd
+//   blocks [38, 39): k20_b2_init_sgd
+CG_KERNEL void __launch_bounds__(256) h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more(
+    float* __restrict__ k17_w1_init_sgd_param,
+    const float* __restrict__ k17_w1_init_sgd_grad,
+    float* __restrict__ k17_w1_init_sgd_momentum_buf,
+    float* __restrict__ k18_b1_init_sgd_param,
+    const float* __restrict__ k18_b1_init_sgd_grad,
+    float* __restrict__ k18_b1_init_sgd_momentum_buf,
+    float* __restrict__ k19_w2_init_sgd_param,
+    const float* __restrict__ k19_w2_init_sgd_grad,
+    float* __restrict__ k19_w2_init_sgd_momentum_buf,
+    float* __restrict__ k20_b2_init_sgd_param,
+    const float* __restrict__ k20_b2_init_sgd_grad,
+    float* __restrict__ k20_b2_init_sgd_momentum_buf) {
+  const unsigned int block = blockIdx.x;
+  if (block < 32u)
+    k17_w1_init_sgd_tile(k17_w1_init_sgd_param, k17_w1_init_sgd_grad, k17_w1_init_sgd_momentum_buf, cg_tile_of(block, 32, 1));
+  else if (block < 33u)
+    k18_b1_init_sgd_tile(k18_b1_init_sgd_param, k18_b1_init_sgd_grad, k18_b1_init_sgd_momentum_buf, cg_tile_of(block - 32u, 1, 1));
+  else if (block < 38u)
+    k19_w2_init_sgd_tile(k19_w2_init_sgd_param, k19_w2_init_sgd_grad, k19_w2_init_sgd_momentum_buf, cg_tile_of(block - 33u, 5, 1));
+  else
+    k20_b2_init_sgd_tile(k20_b2_init_sgd_param, k20_b2_init_sgd_grad, k20_b2_init_sgd_momentum_buf, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -996,155 +1062,103 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 142336ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 143104ull;
 
-static const cudagen_tensor_info k0_w1_init_tensors[] = {
-    {"out", "w1_init.out", 0ull, 32768ull},
-};
-static const cudagen_tensor_info k1_b1_init_tensors[] = {
-    {"out", "b1_init.out", 32768ull, 512ull},
-};
-static const cudagen_tensor_info k2_w2_init_tensors[] = {
-    {"out", "w2_init.out", 33280ull, 5120ull},
-};
-static const cudagen_tensor_info k3_b2_init_tensors[] = {
-    {"out", "b2_init.out", 38400ull, 40ull},
-};
-static const cudagen_tensor_info k4_w1_init_momentum_init_tensors[] = {
-    {"out", "w1_init_momentum_init.out", 38656ull, 32768ull},
-};
-static const cudagen_tensor_info k5_b1_init_momentum_init_tensors[] = {
-    {"out", "b1_init_momentum_init.out", 71424ull, 512ull},
-};
-static const cudagen_tensor_info k6_w2_init_momentum_init_tensors[] = {
-    {"out", "w2_init_momentum_init.out", 71936ull, 5120ull},
-};
-static const cudagen_tensor_info k7_b2_init_momentum_init_tensors[] = {
-    {"out", "b2_init_momentum_init.out", 77056ull, 40ull},
+static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_5_more_tensors[] = {
+    {"k0_w1_init_out", "w1_init.out", 0ull, 32768ull},
+    {"k1_b1_init_out", "b1_init.out", 32768ull, 512ull},
+    {"k2_w2_init_out", "w2_init.out", 33280ull, 5120ull},
+    {"k3_b2_init_out", "b2_init.out", 38400ull, 40ull},
+    {"k4_w1_init_momentum_init_out", "w1_init_momentum_init.out", 38656ull, 32768ull},
+    {"k5_b1_init_momentum_init_out", "b1_init_momentum_init.out", 71424ull, 512ull},
+    {"k6_w2_init_momentum_init_out", "w2_init_momentum_init.out", 71936ull, 5120ull},
+    {"k7_b2_init_momentum_init_out", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 static const cudagen_tensor_info k8_fc1_tensors[] = {
-    {"a", "fc1.a", 77312ull, 8192ull},
+    {"a", "fc1.a", 126464ull, 8192ull},
     {"b", "w1_init.out", 0ull, 32768ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 105216ull, 16384ull},
-    {"act1_out", "act1.out", 87552ull, 16384ull},
+    {"bias1_out", "bias1.out", 77312ull, 16384ull},
+    {"act1_out", "act1.out", 93696ull, 16384ull},
 };
 static const cudagen_tensor_info k9_fc2_tensors[] = {
-    {"a", "act1.out", 87552ull, 16384ull},
+    {"a", "act1.out", 93696ull, 16384ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 85504ull, 1280ull},
+    {"bias2_out", "bias2.out", 139776ull, 1280ull},
 };
 static const cudagen_tensor_info k10_loss_tensors[] = {
-    {"logits", "bias2.out", 85504ull, 1280ull},
-    {"labels", "loss.labels", 86784ull, 128ull},
-    {"loss", "loss.loss", 87040ull, 4ull},
+    {"logits", "bias2.out", 139776ull, 1280ull},
+    {"labels", "loss.labels", 142336ull, 128ull},
+    {"loss", "loss.loss", 142848ull, 4ull},
 };
 static const cudagen_tensor_info k11_loss_backward_tensors[] = {
-    {"logits", "bias2.out", 85504ull, 1280ull},
-    {"labels", "loss.labels", 86784ull, 128ull},
-    {"dlogits", "loss_backward.dlogits", 103936ull, 1280ull},
+    {"logits", "bias2.out", 139776ull, 1280ull},
+    {"labels", "loss.labels", 142336ull, 128ull},
+    {"dlogits", "loss_backward.dlogits", 141056ull, 1280ull},
 };
-static const cudagen_tensor_info k12_bias2_grad_b_sum_tensors[] = {
-    {"x", "loss_backward.dlogits", 103936ull, 1280ull},
-    {"out", "bias2_grad_b_sum.out", 87296ull, 40ull},
+static const cudagen_tensor_info h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
+    {"k12_bias2_grad_b_sum_x", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k12_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 142592ull, 40ull},
+    {"k13_fc2_grad_a_a", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k13_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
+    {"k13_fc2_grad_a_act1_backward_x", "bias1.out", 77312ull, 16384ull},
+    {"k13_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 110080ull, 16384ull},
+    {"k14_fc2_grad_b_a", "act1.out", 93696ull, 16384ull},
+    {"k14_fc2_grad_b_b", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k14_fc2_grad_b_out", "fc2_grad_b.out", 134656ull, 5120ull},
 };
-static const cudagen_tensor_info k13_fc2_grad_a_tensors[] = {
-    {"a", "loss_backward.dlogits", 103936ull, 1280ull},
-    {"b", "w2_init.out", 33280ull, 5120ull},
-    {"act1_backward_x", "bias1.out", 105216ull, 16384ull},
-    {"act1_backward_dx", "act1_backward.dx", 125952ull, 16384ull},
+static const cudagen_tensor_info h6_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
+    {"k15_bias1_grad_b_sum_x", "act1_backward.dx", 110080ull, 16384ull},
+    {"k15_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 141056ull, 512ull},
+    {"k16_fc1_grad_b_a", "fc1.a", 126464ull, 8192ull},
+    {"k16_fc1_grad_b_b", "act1_backward.dx", 110080ull, 16384ull},
+    {"k16_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
 };
-static const cudagen_tensor_info k14_fc2_grad_b_tensors[] = {
-    {"a", "act1.out", 87552ull, 16384ull},
-    {"b", "loss_backward.dlogits", 103936ull, 1280ull},
-    {"out", "fc2_grad_b.out", 120832ull, 5120ull},
-};
-static const cudagen_tensor_info k15_bias1_grad_b_sum_tensors[] = {
-    {"x", "act1_backward.dx", 125952ull, 16384ull},
-    {"out", "bias1_grad_b_sum.out", 87552ull, 512ull},
-};
-static const cudagen_tensor_info k16_fc1_grad_b_tensors[] = {
-    {"a", "fc1.a", 77312ull, 8192ull},
-    {"b", "act1_backward.dx", 125952ull, 16384ull},
-    {"out", "fc1_grad_b.out", 88064ull, 32768ull},
-};
-static const cudagen_tensor_info k17_w1_init_sgd_tensors[] = {
-    {"param", "w1_init.out", 0ull, 32768ull},
-    {"grad", "fc1_grad_b.out", 88064ull, 32768ull},
-    {"momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
-};
-static const cudagen_tensor_info k18_b1_init_sgd_tensors[] = {
-    {"param", "b1_init.out", 32768ull, 512ull},
-    {"grad", "bias1_grad_b_sum.out", 87552ull, 512ull},
-    {"momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
-};
-static const cudagen_tensor_info k19_w2_init_sgd_tensors[] = {
-    {"param", "w2_init.out", 33280ull, 5120ull},
-    {"grad", "fc2_grad_b.out", 120832ull, 5120ull},
-    {"momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
-};
-static const cudagen_tensor_info k20_b2_init_sgd_tensors[] = {
-    {"param", "b2_init.out", 38400ull, 40ull},
-    {"grad", "bias2_grad_b_sum.out", 87296ull, 40ull},
-    {"momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
+static const cudagen_tensor_info h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
+    {"k17_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
+    {"k17_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
+    {"k17_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
+    {"k18_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
+    {"k18_b1_init_sgd_grad", "bias1_grad_b_sum.out", 141056ull, 512ull},
+    {"k18_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
+    {"k19_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
+    {"k19_w2_init_sgd_grad", "fc2_grad_b.out", 134656ull, 5120ull},
+    {"k19_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
+    {"k20_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
+    {"k20_b2_init_sgd_grad", "bias2_grad_b_sum.out", 142592ull, 40ull},
+    {"k20_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_w1_init, dim3(8, 1, 1), dim3(256), 0, k0_w1_init_tensors,
-                 (float*)(arena + 0));
-  CUDAGEN_LAUNCH(k1_b1_init, dim3(1, 1, 1), dim3(256), 0, k1_b1_init_tensors,
-                 (float*)(arena + 32768));
-  CUDAGEN_LAUNCH(k2_w2_init, dim3(2, 1, 1), dim3(256), 0, k2_w2_init_tensors,
-                 (float*)(arena + 33280));
-  CUDAGEN_LAUNCH(k3_b2_init, dim3(1, 1, 1), dim3(256), 0, k3_b2_init_tensors,
-                 (float*)(arena + 38400));
-  CUDAGEN_LAUNCH(k4_w1_init_momentum_init, dim3(8, 1, 1), dim3(256), 0, k4_w1_init_momentum_init_tensors,
-                 (float*)(arena + 38656));
-  CUDAGEN_LAUNCH(k5_b1_init_momentum_init, dim3(1, 1, 1), dim3(256), 0, k5_b1_init_momentum_init_tensors,
-                 (float*)(arena + 71424));
-  CUDAGEN_LAUNCH(k6_w2_init_momentum_init, dim3(2, 1, 1), dim3(256), 0, k6_w2_init_momentum_init_tensors,
-                 (float*)(arena + 71936));
-  CUDAGEN_LAUNCH(k7_b2_init_momentum_init, dim3(1, 1, 1), dim3(256), 0, k7_b2_init_momentum_init_tensors,
-                 (float*)(arena + 77056));
+  CUDAGEN_LAUNCH(h0_w1_init_b1_init_w2_init_and_5_more, dim3(24, 1, 1), dim3(256), 0, h0_w1_init_b1_init_w2_init_and_5_more_tensors,
+                 (float*)(arena + 0), (float*)(arena + 32768), (float*)(arena + 33280), (float*)(arena + 38400), (float*)(arena + 38656), (float*)(arena + 71424), (float*)(arena + 71936), (float*)(arena + 77056));
   return 0;
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k8_fc1, dim3(4, 1, 1), dim3(256), 4288, k8_fc1_tensors,
-                 (const float*)(arena + 77312), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 105216), (float*)(arena + 87552));
+                 (const float*)(arena + 126464), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 77312), (float*)(arena + 93696));
   CUDAGEN_LAUNCH(k9_fc2, dim3(1, 1, 1), dim3(256), 4288, k9_fc2_tensors,
-                 (const float*)(arena + 87552), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 85504));
+                 (const float*)(arena + 93696), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 139776));
   CUDAGEN_LAUNCH(k10_loss, dim3(1, 1, 1), dim3(32), 128, k10_loss_tensors,
-                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 87040));
+                 (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 142848));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k11_loss_backward, dim3(32, 1, 1), dim3(32), 128, k11_loss_backward_tensors,
-                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 103936));
-  CUDAGEN_LAUNCH(k12_bias2_grad_b_sum, dim3(1, 1, 1), dim3(256), 1024, k12_bias2_grad_b_sum_tensors,
-                 (const float*)(arena + 103936), (float*)(arena + 87296));
-  CUDAGEN_LAUNCH(k13_fc2_grad_a, dim3(4, 1, 1), dim3(256), 4288, k13_fc2_grad_a_tensors,
-                 (const float*)(arena + 103936), (const float*)(arena + 33280), (const float*)(arena + 105216), (float*)(arena + 125952));
-  CUDAGEN_LAUNCH(k14_fc2_grad_b, dim3(1, 4, 1), dim3(256), 4288, k14_fc2_grad_b_tensors,
-                 (const float*)(arena + 87552), (const float*)(arena + 103936), (float*)(arena + 120832));
-  CUDAGEN_LAUNCH(k15_bias1_grad_b_sum, dim3(4, 1, 1), dim3(256), 1024, k15_bias1_grad_b_sum_tensors,
-                 (const float*)(arena + 125952), (float*)(arena + 87552));
-  CUDAGEN_LAUNCH(k16_fc1_grad_b, dim3(4, 2, 1), dim3(256), 4288, k16_fc1_grad_b_tensors,
-                 (const float*)(arena + 77312), (const float*)(arena + 125952), (float*)(arena + 88064));
+                 (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 141056));
+  CUDAGEN_LAUNCH(h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 4288, h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+                 (const float*)(arena + 141056), (float*)(arena + 142592), (const float*)(arena + 141056), (const float*)(arena + 33280), (const float*)(arena + 77312), (float*)(arena + 110080), (const float*)(arena + 93696), (const float*)(arena + 141056), (float*)(arena + 134656));
+  CUDAGEN_LAUNCH(h6_bias1_grad_b_sum_fc1_grad_b, dim3(12, 1, 1), dim3(256), 4288, h6_bias1_grad_b_sum_fc1_grad_b_tensors,
+                 (const float*)(arena + 110080), (float*)(arena + 141056), (const float*)(arena + 126464), (const float*)(arena + 110080), (float*)(arena + 77312));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k17_w1_init_sgd, dim3(32, 1, 1), dim3(256), 0, k17_w1_init_sgd_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 88064), (float*)(arena + 38656));
-  CUDAGEN_LAUNCH(k18_b1_init_sgd, dim3(1, 1, 1), dim3(256), 0, k18_b1_init_sgd_tensors,
-                 (float*)(arena + 32768), (const float*)(arena + 87552), (float*)(arena + 71424));
-  CUDAGEN_LAUNCH(k19_w2_init_sgd, dim3(5, 1, 1), dim3(256), 0, k19_w2_init_sgd_tensors,
-                 (float*)(arena + 33280), (const float*)(arena + 120832), (float*)(arena + 71936));
-  CUDAGEN_LAUNCH(k20_b2_init_sgd, dim3(1, 1, 1), dim3(256), 0, k20_b2_init_sgd_tensors,
-                 (float*)(arena + 38400), (const float*)(arena + 87296), (float*)(arena + 77056));
+  CUDAGEN_LAUNCH(h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 77312), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 141056), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 134656), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 142592), (float*)(arena + 77056));
   return 0;
 }
 #endif  // __CUDACC_RTC__

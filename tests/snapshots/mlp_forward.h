@@ -14,7 +14,7 @@ struct CUstream_st;  // cudaStream_t is a CUstream_st*
 
 extern "C" {
 extern const unsigned long long cudagen_arena_bytes;  // 55296 on this plan
-int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 3 kernel(s)
+int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 3 launches
 }
 
 #ifndef CUDAGEN_HOST_TABLES_DEFINED

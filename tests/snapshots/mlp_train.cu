@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 103680 bytes (lower bound 103680, without reuse 137728).
+// Arena: 104448 bytes (lower bound 104448, without reuse 137728).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -637,9 +637,6 @@ CG_DEVICE void k0_w1_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k0_w1_init(float* __restrict__ out) {
-  k0_w1_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_b1_init (init phase): task b1_init (fill, elementwise).
 //   reads  -
@@ -651,9 +648,6 @@ CG_DEVICE void k1_b1_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k1_b1_init(float* __restrict__ out) {
-  k1_b1_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_w2_init (init phase): task w2_init (uniform, elementwise).
@@ -667,9 +661,6 @@ CG_DEVICE void k2_w2_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k2_w2_init(float* __restrict__ out) {
-  k2_w2_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_b2_init (init phase): task b2_init (fill, elementwise).
 //   reads  -
@@ -678,9 +669,6 @@ CG_KERNEL void __launch_bounds__(256) k2_w2_init(float* __restrict__ out) {
 CG_DEVICE void k3_b2_init_tile(float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile))
     cg_store(out, i, cg_fill<float>(i, 0.0f));
-}
-CG_KERNEL void __launch_bounds__(256) k3_b2_init(float* __restrict__ out) {
-  k3_b2_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k4_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
@@ -778,9 +766,6 @@ CG_DEVICE void k8_dw2_tile(const float* a, const float* b, float* out, cg_tile t
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 10 + n, acc); },
       128, 10, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k8_dw2(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k8_dw2_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k9_db2 (backward phase): task db2 (sum_leading, reduction).
 //   reads  db2.x f32 [32, 10] <- dlogits.dlogits
@@ -791,9 +776,6 @@ CG_DEVICE void k9_db2_tile(const float* x, float* out, cg_tile tile) {
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 10 + c); }, j, 10, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(256) k9_db2(const float* __restrict__ x, float* __restrict__ out) {
-  k9_db2_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k10_dact1 (backward phase): tasks dact1 (matmul), dbias1 (relu_backward), fused (matmul_epilogue).
@@ -816,9 +798,6 @@ CG_DEVICE void k10_dact1_tile(const float* a, const float* b, const float* dbias
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
       32, 128, 10, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k10_dact1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ dbias1_x, float* __restrict__ dbias1_dx) {
-  k10_dact1_tile(a, b, dbias1_x, dbias1_dx, cg_launch_tile());
-}
 
 // Kernel k11_dw1 (backward phase): task dw1 (matmul, matmul).
 //   reads  dw1.a f32 [32, 64] <- fc1.a, dw1.b f32 [32, 128] <- dbias1.dx
@@ -834,9 +813,6 @@ CG_DEVICE void k11_dw1_tile(const float* a, const float* b, float* out, cg_tile 
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 128 + n, acc); },
       64, 128, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k11_dw1(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k11_dw1_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k12_db1 (backward phase): task db1 (sum_leading, reduction).
 //   reads  db1.x f32 [32, 128] <- dbias1.dx
@@ -847,9 +823,6 @@ CG_DEVICE void k12_db1_tile(const float* x, float* out, cg_tile tile) {
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(256) k12_db1(const float* __restrict__ x, float* __restrict__ out) {
-  k12_db1_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k13_sgd_w1 (update phase): task sgd_w1 (sgd, elementwise).
@@ -864,9 +837,6 @@ CG_DEVICE void k13_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
     cg_store(param, i, param_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k13_sgd_w1(float* __restrict__ param, const float* __restrict__ grad) {
-  k13_sgd_w1_tile(param, grad, cg_launch_tile());
-}
 
 // Kernel k14_sgd_b1 (update phase): task sgd_b1 (sgd, elementwise).
 //   reads  sgd_b1.param f32 [128] <- b1_init.out, sgd_b1.grad f32 [128] <- db1.out
@@ -879,9 +849,6 @@ CG_DEVICE void k14_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
     cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.10000000149011612f, 0.0f, 0.0f);
     cg_store(param, i, param_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k14_sgd_b1(float* __restrict__ param, const float* __restrict__ grad) {
-  k14_sgd_b1_tile(param, grad, cg_launch_tile());
 }
 
 // Kernel k15_sgd_w2 (update phase): task sgd_w2 (sgd, elementwise).
@@ -896,9 +863,6 @@ CG_DEVICE void k15_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
     cg_store(param, i, param_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k15_sgd_w2(float* __restrict__ param, const float* __restrict__ grad) {
-  k15_sgd_w2_tile(param, grad, cg_launch_tile());
-}
 
 // Kernel k16_sgd_b2 (update phase): task sgd_b2 (sgd, elementwise).
 //   reads  sgd_b2.param f32 [10] <- b2_init.out, sgd_b2.grad f32 [10] <- db2.out
@@ -912,8 +876,102 @@ CG_DEVICE void k16_sgd_b2_tile(float* param, const float* grad, cg_tile tile) {
     cg_store(param, i, param_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k16_sgd_b2(float* __restrict__ param, const float* __restrict__ grad) {
-  k16_sgd_b2_tile(param, grad, cg_launch_tile());
+
+// Launch h0_w1_init_b1_init_w2_init_and_1_more (init phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k0_w1_init
+//   blocks [8, 9): k1_b1_init
+//   blocks [9, 11): k2_w2_init
+//   blocks [11, 12): k3_b2_init
+CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_1_more(
+    float* __restrict__ k0_w1_init_out,
+    float* __restrict__ k1_b1_init_out,
+    float* __restrict__ k2_w2_init_out,
+    float* __restrict__ k3_b2_init_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k0_w1_init_tile(k0_w1_init_out, cg_tile_of(block, 8, 1));
+  else if (block < 9u)
+    k1_b1_init_tile(k1_b1_init_out, cg_tile_of(block - 8u, 1, 1));
+  else if (block < 11u)
+    k2_w2_init_tile(k2_w2_init_out, cg_tile_of(block - 9u, 2, 1));
+  else
+    k3_b2_init_tile(k3_b2_init_out, cg_tile_of(block - 11u, 1, 1));
+}
+
+// Launch h5_dw2_db2_dact1 (backward phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 4): k8_dw2
+//   blocks [4, 5): k9_db2
+//   blocks [5, 9): k10_dact1
+CG_KERNEL void __launch_bounds__(256) h5_dw2_db2_dact1(
+    const float* __restrict__ k8_dw2_a,
+    const float* __restrict__ k8_dw2_b,
+    float* __restrict__ k8_dw2_out,
+    const float* __restrict__ k9_db2_x,
+    float* __restrict__ k9_db2_out,
+    const float* __restrict__ k10_dact1_a,
+    const float* __restrict__ k10_dact1_b,
+    const float* __restrict__ k10_dact1_dbias1_x,
+    float* __restrict__ k10_dact1_dbias1_dx) {
+  const unsigned int block = blockIdx.x;
+  if (block < 4u)
+    k8_dw2_tile(k8_dw2_a, k8_dw2_b, k8_dw2_out, cg_tile_of(block, 1, 4));
+  else if (block < 5u)
+    k9_db2_tile(k9_db2_x, k9_db2_out, cg_tile_of(block - 4u, 1, 1));
+  else
+    k10_dact1_tile(k10_dact1_a, k10_dact1_b, k10_dact1_dbias1_x, k10_dact1_dbias1_dx, cg_tile_of(block - 5u, 4, 1));
+}
+
+// Launch h6_dw1_db1 (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k11_dw1
+//   blocks [8, 12): k12_db1
+CG_KERNEL void __launch_bounds__(256) h6_dw1_db1(
+    const float* __restrict__ k11_dw1_a,
+    const float* __restrict__ k11_dw1_b,
+    float* __restrict__ k11_dw1_out,
+    const float* __restrict__ k12_db1_x,
+    float* __restrict__ k12_db1_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k11_dw1_tile(k11_dw1_a, k11_dw1_b, k11_dw1_out, cg_tile_of(block, 4, 2));
+  else
+    k12_db1_tile(k12_db1_x, k12_db1_out, cg_tile_of(block - 8u, 4, 1));
+}
+
+// Launch h7_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 32): k13_sgd_w1
+//   blocks [32, 33): k14_sgd_b1
+//   blocks [33, 38): k15_sgd_w2
+//   blocks [38, 39): k16_sgd_b2
+CG_KERNEL void __launch_bounds__(256) h7_sgd_w1_sgd_b1_sgd_w2_and_1_more(
+    float* __restrict__ k13_sgd_w1_param,
+    const float* __restrict__ k13_sgd_w1_grad,
+    float* __restrict__ k14_sgd_b1_param,
+    const float* __restrict__ k14_sgd_b1_grad,
+    float* __restrict__ k15_sgd_w2_param,
+    const float* __restrict__ k15_sgd_w2_grad,
+    float* __restrict__ k16_sgd_b2_param,
+    const float* __restrict__ k16_sgd_b2_grad) {
+  const unsigned int block = blockIdx.x;
+  if (block < 32u)
+    k13_sgd_w1_tile(k13_sgd_w1_param, k13_sgd_w1_grad, cg_tile_of(block, 32, 1));
+  else if (block < 33u)
+    k14_sgd_b1_tile(k14_sgd_b1_param, k14_sgd_b1_grad, cg_tile_of(block - 32u, 1, 1));
+  else if (block < 38u)
+    k15_sgd_w2_tile(k15_sgd_w2_param, k15_sgd_w2_grad, cg_tile_of(block - 33u, 5, 1));
+  else
+    k16_sgd_b2_tile(k16_sgd_b2_param, k16_sgd_b2_grad, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -935,131 +993,95 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 103680ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 104448ull;
 
-static const cudagen_tensor_info k0_w1_init_tensors[] = {
-    {"out", "w1_init.out", 0ull, 32768ull},
-};
-static const cudagen_tensor_info k1_b1_init_tensors[] = {
-    {"out", "b1_init.out", 32768ull, 512ull},
-};
-static const cudagen_tensor_info k2_w2_init_tensors[] = {
-    {"out", "w2_init.out", 33280ull, 5120ull},
-};
-static const cudagen_tensor_info k3_b2_init_tensors[] = {
-    {"out", "b2_init.out", 38400ull, 40ull},
+static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_1_more_tensors[] = {
+    {"k0_w1_init_out", "w1_init.out", 0ull, 32768ull},
+    {"k1_b1_init_out", "b1_init.out", 32768ull, 512ull},
+    {"k2_w2_init_out", "w2_init.out", 33280ull, 5120ull},
+    {"k3_b2_init_out", "b2_init.out", 38400ull, 40ull},
 };
 static const cudagen_tensor_info k4_fc1_tensors[] = {
-    {"a", "fc1.a", 38656ull, 8192ull},
+    {"a", "fc1.a", 87808ull, 8192ull},
     {"b", "w1_init.out", 0ull, 32768ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 70400ull, 16384ull},
-    {"act1_out", "act1.out", 53760ull, 16384ull},
+    {"bias1_out", "bias1.out", 38656ull, 16384ull},
+    {"act1_out", "act1.out", 55040ull, 16384ull},
 };
 static const cudagen_tensor_info k5_fc2_tensors[] = {
-    {"a", "act1.out", 53760ull, 16384ull},
+    {"a", "act1.out", 55040ull, 16384ull},
     {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 46848ull, 1280ull},
+    {"bias2_out", "bias2.out", 101120ull, 1280ull},
 };
 static const cudagen_tensor_info k6_loss_tensors[] = {
-    {"logits", "bias2.out", 46848ull, 1280ull},
-    {"labels", "loss.labels", 48128ull, 128ull},
-    {"loss", "loss.loss", 48384ull, 4ull},
+    {"logits", "bias2.out", 101120ull, 1280ull},
+    {"labels", "loss.labels", 103680ull, 128ull},
+    {"loss", "loss.loss", 104192ull, 4ull},
 };
 static const cudagen_tensor_info k7_dlogits_tensors[] = {
-    {"logits", "bias2.out", 46848ull, 1280ull},
-    {"labels", "loss.labels", 48128ull, 128ull},
-    {"dlogits", "dlogits.dlogits", 86784ull, 1280ull},
+    {"logits", "bias2.out", 101120ull, 1280ull},
+    {"labels", "loss.labels", 103680ull, 128ull},
+    {"dlogits", "dlogits.dlogits", 102400ull, 1280ull},
 };
-static const cudagen_tensor_info k8_dw2_tensors[] = {
-    {"a", "act1.out", 53760ull, 16384ull},
-    {"b", "dlogits.dlogits", 86784ull, 1280ull},
-    {"out", "dw2.out", 48640ull, 5120ull},
+static const cudagen_tensor_info h5_dw2_db2_dact1_tensors[] = {
+    {"k8_dw2_a", "act1.out", 55040ull, 16384ull},
+    {"k8_dw2_b", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k8_dw2_out", "dw2.out", 96000ull, 5120ull},
+    {"k9_db2_x", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k9_db2_out", "db2.out", 103936ull, 40ull},
+    {"k10_dact1_a", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k10_dact1_b", "w2_init.out", 33280ull, 5120ull},
+    {"k10_dact1_dbias1_x", "bias1.out", 38656ull, 16384ull},
+    {"k10_dact1_dbias1_dx", "dbias1.dx", 71424ull, 16384ull},
 };
-static const cudagen_tensor_info k9_db2_tensors[] = {
-    {"x", "dlogits.dlogits", 86784ull, 1280ull},
-    {"out", "db2.out", 53760ull, 40ull},
+static const cudagen_tensor_info h6_dw1_db1_tensors[] = {
+    {"k11_dw1_a", "fc1.a", 87808ull, 8192ull},
+    {"k11_dw1_b", "dbias1.dx", 71424ull, 16384ull},
+    {"k11_dw1_out", "dw1.out", 38656ull, 32768ull},
+    {"k12_db1_x", "dbias1.dx", 71424ull, 16384ull},
+    {"k12_db1_out", "db1.out", 102400ull, 512ull},
 };
-static const cudagen_tensor_info k10_dact1_tensors[] = {
-    {"a", "dlogits.dlogits", 86784ull, 1280ull},
-    {"b", "w2_init.out", 33280ull, 5120ull},
-    {"dbias1_x", "bias1.out", 70400ull, 16384ull},
-    {"dbias1_dx", "dbias1.dx", 54016ull, 16384ull},
-};
-static const cudagen_tensor_info k11_dw1_tensors[] = {
-    {"a", "fc1.a", 38656ull, 8192ull},
-    {"b", "dbias1.dx", 54016ull, 16384ull},
-    {"out", "dw1.out", 70400ull, 32768ull},
-};
-static const cudagen_tensor_info k12_db1_tensors[] = {
-    {"x", "dbias1.dx", 54016ull, 16384ull},
-    {"out", "db1.out", 103168ull, 512ull},
-};
-static const cudagen_tensor_info k13_sgd_w1_tensors[] = {
-    {"param", "w1_init.out", 0ull, 32768ull},
-    {"grad", "dw1.out", 70400ull, 32768ull},
-};
-static const cudagen_tensor_info k14_sgd_b1_tensors[] = {
-    {"param", "b1_init.out", 32768ull, 512ull},
-    {"grad", "db1.out", 103168ull, 512ull},
-};
-static const cudagen_tensor_info k15_sgd_w2_tensors[] = {
-    {"param", "w2_init.out", 33280ull, 5120ull},
-    {"grad", "dw2.out", 48640ull, 5120ull},
-};
-static const cudagen_tensor_info k16_sgd_b2_tensors[] = {
-    {"param", "b2_init.out", 38400ull, 40ull},
-    {"grad", "db2.out", 53760ull, 40ull},
+static const cudagen_tensor_info h7_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
+    {"k13_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
+    {"k13_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
+    {"k14_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
+    {"k14_sgd_b1_grad", "db1.out", 102400ull, 512ull},
+    {"k15_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
+    {"k15_sgd_w2_grad", "dw2.out", 96000ull, 5120ull},
+    {"k16_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
+    {"k16_sgd_b2_grad", "db2.out", 103936ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_w1_init, dim3(8, 1, 1), dim3(256), 0, k0_w1_init_tensors,
-                 (float*)(arena + 0));
-  CUDAGEN_LAUNCH(k1_b1_init, dim3(1, 1, 1), dim3(256), 0, k1_b1_init_tensors,
-                 (float*)(arena + 32768));
-  CUDAGEN_LAUNCH(k2_w2_init, dim3(2, 1, 1), dim3(256), 0, k2_w2_init_tensors,
-                 (float*)(arena + 33280));
-  CUDAGEN_LAUNCH(k3_b2_init, dim3(1, 1, 1), dim3(256), 0, k3_b2_init_tensors,
-                 (float*)(arena + 38400));
+  CUDAGEN_LAUNCH(h0_w1_init_b1_init_w2_init_and_1_more, dim3(12, 1, 1), dim3(256), 0, h0_w1_init_b1_init_w2_init_and_1_more_tensors,
+                 (float*)(arena + 0), (float*)(arena + 32768), (float*)(arena + 33280), (float*)(arena + 38400));
   return 0;
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k4_fc1, dim3(4, 1, 1), dim3(256), 4288, k4_fc1_tensors,
-                 (const float*)(arena + 38656), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 70400), (float*)(arena + 53760));
+                 (const float*)(arena + 87808), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 38656), (float*)(arena + 55040));
   CUDAGEN_LAUNCH(k5_fc2, dim3(1, 1, 1), dim3(256), 4288, k5_fc2_tensors,
-                 (const float*)(arena + 53760), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 46848));
+                 (const float*)(arena + 55040), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 101120));
   CUDAGEN_LAUNCH(k6_loss, dim3(1, 1, 1), dim3(32), 128, k6_loss_tensors,
-                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 48384));
+                 (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 104192));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k7_dlogits, dim3(32, 1, 1), dim3(32), 128, k7_dlogits_tensors,
-                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 86784));
-  CUDAGEN_LAUNCH(k8_dw2, dim3(1, 4, 1), dim3(256), 4288, k8_dw2_tensors,
-                 (const float*)(arena + 53760), (const float*)(arena + 86784), (float*)(arena + 48640));
-  CUDAGEN_LAUNCH(k9_db2, dim3(1, 1, 1), dim3(256), 1024, k9_db2_tensors,
-                 (const float*)(arena + 86784), (float*)(arena + 53760));
-  CUDAGEN_LAUNCH(k10_dact1, dim3(4, 1, 1), dim3(256), 4288, k10_dact1_tensors,
-                 (const float*)(arena + 86784), (const float*)(arena + 33280), (const float*)(arena + 70400), (float*)(arena + 54016));
-  CUDAGEN_LAUNCH(k11_dw1, dim3(4, 2, 1), dim3(256), 4288, k11_dw1_tensors,
-                 (const float*)(arena + 38656), (const float*)(arena + 54016), (float*)(arena + 70400));
-  CUDAGEN_LAUNCH(k12_db1, dim3(4, 1, 1), dim3(256), 1024, k12_db1_tensors,
-                 (const float*)(arena + 54016), (float*)(arena + 103168));
+                 (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 102400));
+  CUDAGEN_LAUNCH(h5_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 4288, h5_dw2_db2_dact1_tensors,
+                 (const float*)(arena + 55040), (const float*)(arena + 102400), (float*)(arena + 96000), (const float*)(arena + 102400), (float*)(arena + 103936), (const float*)(arena + 102400), (const float*)(arena + 33280), (const float*)(arena + 38656), (float*)(arena + 71424));
+  CUDAGEN_LAUNCH(h6_dw1_db1, dim3(12, 1, 1), dim3(256), 4288, h6_dw1_db1_tensors,
+                 (const float*)(arena + 87808), (const float*)(arena + 71424), (float*)(arena + 38656), (const float*)(arena + 71424), (float*)(arena + 102400));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k13_sgd_w1, dim3(32, 1, 1), dim3(256), 0, k13_sgd_w1_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 70400));
-  CUDAGEN_LAUNCH(k14_sgd_b1, dim3(1, 1, 1), dim3(256), 0, k14_sgd_b1_tensors,
-                 (float*)(arena + 32768), (const float*)(arena + 103168));
-  CUDAGEN_LAUNCH(k15_sgd_w2, dim3(5, 1, 1), dim3(256), 0, k15_sgd_w2_tensors,
-                 (float*)(arena + 33280), (const float*)(arena + 48640));
-  CUDAGEN_LAUNCH(k16_sgd_b2, dim3(1, 1, 1), dim3(256), 0, k16_sgd_b2_tensors,
-                 (float*)(arena + 38400), (const float*)(arena + 53760));
+  CUDAGEN_LAUNCH(h7_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h7_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 102400), (float*)(arena + 33280), (const float*)(arena + 96000), (float*)(arena + 38400), (const float*)(arena + 103936));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 122624 bytes (lower bound 122368, without reuse 124160); the 256 bytes at 122368 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 123136 bytes (lower bound 122880, without reuse 124160); the 256 bytes at 122880 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -642,9 +642,6 @@ CG_DEVICE void k0_w1_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k0_w1(float* __restrict__ out) {
-  k0_w1_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_b1 (init phase): task b1 (fill, elementwise).
 //   reads  -
@@ -656,9 +653,6 @@ CG_DEVICE void k1_b1_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k1_b1(float* __restrict__ out) {
-  k1_b1_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_w2 (init phase): task w2 (uniform, elementwise).
@@ -672,9 +666,6 @@ CG_DEVICE void k2_w2_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k2_w2(float* __restrict__ out) {
-  k2_w2_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_b2 (init phase): task b2 (fill, elementwise).
 //   reads  -
@@ -686,9 +677,6 @@ CG_DEVICE void k3_b2_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k3_b2(float* __restrict__ out) {
-  k3_b2_tile(out, cg_launch_tile());
 }
 
 // Kernel k4_w1_m_init (init phase): task w1_m_init (fill, elementwise).
@@ -702,9 +690,6 @@ CG_DEVICE void k4_w1_m_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k4_w1_m_init(float* __restrict__ out) {
-  k4_w1_m_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k5_w1_v_init (init phase): task w1_v_init (fill, elementwise).
 //   reads  -
@@ -716,9 +701,6 @@ CG_DEVICE void k5_w1_v_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k5_w1_v_init(float* __restrict__ out) {
-  k5_w1_v_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k6_b1_m_init (init phase): task b1_m_init (fill, elementwise).
@@ -732,9 +714,6 @@ CG_DEVICE void k6_b1_m_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k6_b1_m_init(float* __restrict__ out) {
-  k6_b1_m_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k7_b1_v_init (init phase): task b1_v_init (fill, elementwise).
 //   reads  -
@@ -746,9 +725,6 @@ CG_DEVICE void k7_b1_v_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k7_b1_v_init(float* __restrict__ out) {
-  k7_b1_v_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k8_w2_m_init (init phase): task w2_m_init (fill, elementwise).
@@ -762,9 +738,6 @@ CG_DEVICE void k8_w2_m_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k8_w2_m_init(float* __restrict__ out) {
-  k8_w2_m_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k9_w2_v_init (init phase): task w2_v_init (fill, elementwise).
 //   reads  -
@@ -776,9 +749,6 @@ CG_DEVICE void k9_w2_v_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k9_w2_v_init(float* __restrict__ out) {
-  k9_w2_v_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k10_b2_m_init (init phase): task b2_m_init (fill, elementwise).
@@ -792,9 +762,6 @@ CG_DEVICE void k10_b2_m_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k10_b2_m_init(float* __restrict__ out) {
-  k10_b2_m_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k11_b2_v_init (init phase): task b2_v_init (fill, elementwise).
 //   reads  -
@@ -806,9 +773,6 @@ CG_DEVICE void k11_b2_v_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k11_b2_v_init(float* __restrict__ out) {
-  k11_b2_v_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k12_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
@@ -902,9 +866,6 @@ CG_DEVICE void k16_logits_grad_b_sum_tile(const float* x, float* out, cg_tile ti
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 4 + c); }, j, 4, 256, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 4) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(256) k16_logits_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k16_logits_grad_b_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k17_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
 //   reads  loss_backward.dlogits f32 [256, 4], w2.out f32 [32, 4], bias1.out f32 [256, 32]
@@ -926,9 +887,6 @@ CG_DEVICE void k17_fc2_grad_a_tile(const float* a, const float* b, const float* 
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       256, 32, 4, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k17_fc2_grad_a(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ act1_backward_x, float* __restrict__ act1_backward_dx) {
-  k17_fc2_grad_a_tile(a, b, act1_backward_x, act1_backward_dx, cg_launch_tile());
-}
 
 // Kernel k18_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [256, 32] <- act1.out, fc2_grad_b.b f32 [256, 4] <- loss_backward.dlogits
@@ -944,9 +902,6 @@ CG_DEVICE void k18_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 4 + n, acc); },
       32, 4, 256, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k18_fc2_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k18_fc2_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k19_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [256, 32] <- act1_backward.dx
@@ -957,9 +912,6 @@ CG_DEVICE void k19_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile til
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 32 + c); }, j, 32, 256, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 32) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(256) k19_bias1_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k19_bias1_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k20_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
@@ -975,9 +927,6 @@ CG_DEVICE void k20_fc1_grad_b_tile(const float* a, const float* b, float* out, c
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       8, 32, 256, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k20_fc1_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k20_fc1_grad_b_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k21_w1_adam (update phase): task w1_adam (adam, elementwise).
@@ -997,9 +946,6 @@ CG_DEVICE void k21_w1_adam_tile(float* param, const float* grad, float* m, float
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k21_w1_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k21_w1_adam_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k22_b1_adam (update phase): task b1_adam (adam, elementwise).
 //   reads  b1_adam.param f32 [32] <- b1.out, b1_adam.grad f32 [32] <- bias1_grad_b_sum.out, b1_adam.m f32 [32] <- b1_m_init.out, b1_adam.v f32 [32] <- b1_v_init.out
@@ -1017,9 +963,6 @@ CG_DEVICE void k22_b1_adam_tile(float* param, const float* grad, float* m, float
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k22_b1_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k22_b1_adam_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k23_w2_adam (update phase): task w2_adam (adam, elementwise).
@@ -1039,9 +982,6 @@ CG_DEVICE void k23_w2_adam_tile(float* param, const float* grad, float* m, float
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k23_w2_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k23_w2_adam_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k24_b2_adam (update phase): task b2_adam (adam, elementwise).
 //   reads  b2_adam.param f32 [4] <- b2.out, b2_adam.grad f32 [4] <- logits_grad_b_sum.out, b2_adam.m f32 [4] <- b2_m_init.out, b2_adam.v f32 [4] <- b2_v_init.out
@@ -1060,8 +1000,150 @@ CG_DEVICE void k24_b2_adam_tile(float* param, const float* grad, float* m, float
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k24_b2_adam(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k24_b2_adam_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
+
+// Launch h0_w1_b1_w2_and_9_more (init phase):
+// 12 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k0_w1
+//   blocks [1, 2): k1_b1
+//   blocks [2, 3): k2_w2
+//   blocks [3, 4): k3_b2
+//   blocks [4, 5): k4_w1_m_init
+//   blocks [5, 6): k5_w1_v_init
+//   blocks [6, 7): k6_b1_m_init
+//   blocks [7, 8): k7_b1_v_init
+//   blocks [8, 9): k8_w2_m_init
+//   blocks [9, 10): k9_w2_v_init
+//   blocks [10, 11): k10_b2_m_init
+//   blocks [11, 12): k11_b2_v_init
+CG_KERNEL void __launch_bounds__(256) h0_w1_b1_w2_and_9_more(
+    float* __restrict__ k0_w1_out,
+    float* __restrict__ k1_b1_out,
+    float* __restrict__ k2_w2_out,
+    float* __restrict__ k3_b2_out,
+    float* __restrict__ k4_w1_m_init_out,
+    float* __restrict__ k5_w1_v_init_out,
+    float* __restrict__ k6_b1_m_init_out,
+    float* __restrict__ k7_b1_v_init_out,
+    float* __restrict__ k8_w2_m_init_out,
+    float* __restrict__ k9_w2_v_init_out,
+    float* __restrict__ k10_b2_m_init_out,
+    float* __restrict__ k11_b2_v_init_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k0_w1_tile(k0_w1_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k1_b1_tile(k1_b1_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k2_w2_tile(k2_w2_out, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 4u)
+    k3_b2_tile(k3_b2_out, cg_tile_of(block - 3u, 1, 1));
+  else if (block < 5u)
+    k4_w1_m_init_tile(k4_w1_m_init_out, cg_tile_of(block - 4u, 1, 1));
+  else if (block < 6u)
+    k5_w1_v_init_tile(k5_w1_v_init_out, cg_tile_of(block - 5u, 1, 1));
+  else if (block < 7u)
+    k6_b1_m_init_tile(k6_b1_m_init_out, cg_tile_of(block - 6u, 1, 1));
+  else if (block < 8u)
+    k7_b1_v_init_tile(k7_b1_v_init_out, cg_tile_of(block - 7u, 1, 1));
+  else if (block < 9u)
+    k8_w2_m_init_tile(k8_w2_m_init_out, cg_tile_of(block - 8u, 1, 1));
+  else if (block < 10u)
+    k9_w2_v_init_tile(k9_w2_v_init_out, cg_tile_of(block - 9u, 1, 1));
+  else if (block < 11u)
+    k10_b2_m_init_tile(k10_b2_m_init_out, cg_tile_of(block - 10u, 1, 1));
+  else
+    k11_b2_v_init_tile(k11_b2_v_init_out, cg_tile_of(block - 11u, 1, 1));
+}
+
+// Launch h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k16_logits_grad_b_sum
+//   blocks [1, 9): k17_fc2_grad_a
+//   blocks [9, 10): k18_fc2_grad_b
+CG_KERNEL void __launch_bounds__(256) h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
+    const float* __restrict__ k16_logits_grad_b_sum_x,
+    float* __restrict__ k16_logits_grad_b_sum_out,
+    const float* __restrict__ k17_fc2_grad_a_a,
+    const float* __restrict__ k17_fc2_grad_a_b,
+    const float* __restrict__ k17_fc2_grad_a_act1_backward_x,
+    float* __restrict__ k17_fc2_grad_a_act1_backward_dx,
+    const float* __restrict__ k18_fc2_grad_b_a,
+    const float* __restrict__ k18_fc2_grad_b_b,
+    float* __restrict__ k18_fc2_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k16_logits_grad_b_sum_tile(k16_logits_grad_b_sum_x, k16_logits_grad_b_sum_out, cg_tile_of(block, 1, 1));
+  else if (block < 9u)
+    k17_fc2_grad_a_tile(k17_fc2_grad_a_a, k17_fc2_grad_a_b, k17_fc2_grad_a_act1_backward_x, k17_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 1, 8));
+  else
+    k18_fc2_grad_b_tile(k18_fc2_grad_b_a, k18_fc2_grad_b_b, k18_fc2_grad_b_out, cg_tile_of(block - 9u, 1, 1));
+}
+
+// Launch h6_bias1_grad_b_sum_fc1_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k19_bias1_grad_b_sum
+//   blocks [1, 2): k20_fc1_grad_b
+CG_KERNEL void __launch_bounds__(256) h6_bias1_grad_b_sum_fc1_grad_b(
+    const float* __restrict__ k19_bias1_grad_b_sum_x,
+    float* __restrict__ k19_bias1_grad_b_sum_out,
+    const float* __restrict__ k20_fc1_grad_b_a,
+    const float* __restrict__ k20_fc1_grad_b_b,
+    float* __restrict__ k20_fc1_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k19_bias1_grad_b_sum_tile(k19_bias1_grad_b_sum_x, k19_bias1_grad_b_sum_out, cg_tile_of(block, 1, 1));
+  else
+    k20_fc1_grad_b_tile(k20_fc1_grad_b_a, k20_fc1_grad_b_b, k20_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+// Launch h7_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 4 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k21_w1_adam
+//   blocks [1, 2): k22_b1_adam
+//   blocks [2, 3): k23_w2_adam
+//   blocks [3, 4): k24_b2_adam
+CG_KERNEL void __launch_bounds__(256) h7_w1_adam_b1_adam_w2_adam_and_1_more(
+    float* __restrict__ k21_w1_adam_param,
+    const float* __restrict__ k21_w1_adam_grad,
+    float* __restrict__ k21_w1_adam_m,
+    float* __restrict__ k21_w1_adam_v,
+    const float* __restrict__ k21_w1_adam_lr_arg,
+    const long long* __restrict__ k21_w1_adam_step_arg,
+    float* __restrict__ k22_b1_adam_param,
+    const float* __restrict__ k22_b1_adam_grad,
+    float* __restrict__ k22_b1_adam_m,
+    float* __restrict__ k22_b1_adam_v,
+    const float* __restrict__ k22_b1_adam_lr_arg,
+    const long long* __restrict__ k22_b1_adam_step_arg,
+    float* __restrict__ k23_w2_adam_param,
+    const float* __restrict__ k23_w2_adam_grad,
+    float* __restrict__ k23_w2_adam_m,
+    float* __restrict__ k23_w2_adam_v,
+    const float* __restrict__ k23_w2_adam_lr_arg,
+    const long long* __restrict__ k23_w2_adam_step_arg,
+    float* __restrict__ k24_b2_adam_param,
+    const float* __restrict__ k24_b2_adam_grad,
+    float* __restrict__ k24_b2_adam_m,
+    float* __restrict__ k24_b2_adam_v,
+    const float* __restrict__ k24_b2_adam_lr_arg,
+    const long long* __restrict__ k24_b2_adam_step_arg) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k21_w1_adam_tile(k21_w1_adam_param, k21_w1_adam_grad, k21_w1_adam_m, k21_w1_adam_v, k21_w1_adam_lr_arg, k21_w1_adam_step_arg, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k22_b1_adam_tile(k22_b1_adam_param, k22_b1_adam_grad, k22_b1_adam_m, k22_b1_adam_v, k22_b1_adam_lr_arg, k22_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k23_w2_adam_tile(k23_w2_adam_param, k23_w2_adam_grad, k23_w2_adam_m, k23_w2_adam_v, k23_w2_adam_lr_arg, k23_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
+  else
+    k24_b2_adam_tile(k24_b2_adam_param, k24_b2_adam_grad, k24_b2_adam_m, k24_b2_adam_v, k24_b2_adam_lr_arg, k24_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1083,43 +1165,21 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 122624ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 123136ull;
 
-static const cudagen_tensor_info k0_w1_tensors[] = {
-    {"out", "w1.out", 0ull, 1024ull},
-};
-static const cudagen_tensor_info k1_b1_tensors[] = {
-    {"out", "b1.out", 1024ull, 128ull},
-};
-static const cudagen_tensor_info k2_w2_tensors[] = {
-    {"out", "w2.out", 1280ull, 512ull},
-};
-static const cudagen_tensor_info k3_b2_tensors[] = {
-    {"out", "b2.out", 1792ull, 16ull},
-};
-static const cudagen_tensor_info k4_w1_m_init_tensors[] = {
-    {"out", "w1_m_init.out", 2048ull, 1024ull},
-};
-static const cudagen_tensor_info k5_w1_v_init_tensors[] = {
-    {"out", "w1_v_init.out", 3072ull, 1024ull},
-};
-static const cudagen_tensor_info k6_b1_m_init_tensors[] = {
-    {"out", "b1_m_init.out", 4096ull, 128ull},
-};
-static const cudagen_tensor_info k7_b1_v_init_tensors[] = {
-    {"out", "b1_v_init.out", 4352ull, 128ull},
-};
-static const cudagen_tensor_info k8_w2_m_init_tensors[] = {
-    {"out", "w2_m_init.out", 4608ull, 512ull},
-};
-static const cudagen_tensor_info k9_w2_v_init_tensors[] = {
-    {"out", "w2_v_init.out", 5120ull, 512ull},
-};
-static const cudagen_tensor_info k10_b2_m_init_tensors[] = {
-    {"out", "b2_m_init.out", 5632ull, 16ull},
-};
-static const cudagen_tensor_info k11_b2_v_init_tensors[] = {
-    {"out", "b2_v_init.out", 5888ull, 16ull},
+static const cudagen_tensor_info h0_w1_b1_w2_and_9_more_tensors[] = {
+    {"k0_w1_out", "w1.out", 0ull, 1024ull},
+    {"k1_b1_out", "b1.out", 1024ull, 128ull},
+    {"k2_w2_out", "w2.out", 1280ull, 512ull},
+    {"k3_b2_out", "b2.out", 1792ull, 16ull},
+    {"k4_w1_m_init_out", "w1_m_init.out", 2048ull, 1024ull},
+    {"k5_w1_v_init_out", "w1_v_init.out", 3072ull, 1024ull},
+    {"k6_b1_m_init_out", "b1_m_init.out", 4096ull, 128ull},
+    {"k7_b1_v_init_out", "b1_v_init.out", 4352ull, 128ull},
+    {"k8_w2_m_init_out", "w2_m_init.out", 4608ull, 512ull},
+    {"k9_w2_v_init_out", "w2_v_init.out", 5120ull, 512ull},
+    {"k10_b2_m_init_out", "b2_m_init.out", 5632ull, 16ull},
+    {"k11_b2_v_init_out", "b2_v_init.out", 5888ull, 16ull},
 };
 static const cudagen_tensor_info k12_fc1_tensors[] = {
     {"a", "fc1.a", 104448ull, 8192ull},
@@ -1137,95 +1197,61 @@ static const cudagen_tensor_info k13_fc2_tensors[] = {
 static const cudagen_tensor_info k14_loss_tensors[] = {
     {"logits", "logits.out", 112640ull, 4096ull},
     {"labels", "loss.labels", 120832ull, 1024ull},
-    {"loss", "loss.loss", 122112ull, 4ull},
+    {"loss", "loss.loss", 122624ull, 4ull},
 };
 static const cudagen_tensor_info k15_loss_backward_tensors[] = {
     {"logits", "logits.out", 112640ull, 4096ull},
     {"labels", "loss.labels", 120832ull, 1024ull},
     {"dlogits", "loss_backward.dlogits", 116736ull, 4096ull},
 };
-static const cudagen_tensor_info k16_logits_grad_b_sum_tensors[] = {
-    {"x", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"out", "logits_grad_b_sum.out", 121856ull, 16ull},
+static const cudagen_tensor_info h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
+    {"k16_logits_grad_b_sum_x", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k16_logits_grad_b_sum_out", "logits_grad_b_sum.out", 122368ull, 16ull},
+    {"k17_fc2_grad_a_a", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k17_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
+    {"k17_fc2_grad_a_act1_backward_x", "bias1.out", 6144ull, 32768ull},
+    {"k17_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 71680ull, 32768ull},
+    {"k18_fc2_grad_b_a", "act1.out", 38912ull, 32768ull},
+    {"k18_fc2_grad_b_b", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k18_fc2_grad_b_out", "fc2_grad_b.out", 121856ull, 512ull},
 };
-static const cudagen_tensor_info k17_fc2_grad_a_tensors[] = {
-    {"a", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"b", "w2.out", 1280ull, 512ull},
-    {"act1_backward_x", "bias1.out", 6144ull, 32768ull},
-    {"act1_backward_dx", "act1_backward.dx", 71680ull, 32768ull},
+static const cudagen_tensor_info h6_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
+    {"k19_bias1_grad_b_sum_x", "act1_backward.dx", 71680ull, 32768ull},
+    {"k19_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 117760ull, 128ull},
+    {"k20_fc1_grad_b_a", "fc1.a", 104448ull, 8192ull},
+    {"k20_fc1_grad_b_b", "act1_backward.dx", 71680ull, 32768ull},
+    {"k20_fc1_grad_b_out", "fc1_grad_b.out", 116736ull, 1024ull},
 };
-static const cudagen_tensor_info k18_fc2_grad_b_tensors[] = {
-    {"a", "act1.out", 38912ull, 32768ull},
-    {"b", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"out", "fc2_grad_b.out", 6144ull, 512ull},
-};
-static const cudagen_tensor_info k19_bias1_grad_b_sum_tensors[] = {
-    {"x", "act1_backward.dx", 71680ull, 32768ull},
-    {"out", "bias1_grad_b_sum.out", 117760ull, 128ull},
-};
-static const cudagen_tensor_info k20_fc1_grad_b_tensors[] = {
-    {"a", "fc1.a", 104448ull, 8192ull},
-    {"b", "act1_backward.dx", 71680ull, 32768ull},
-    {"out", "fc1_grad_b.out", 116736ull, 1024ull},
-};
-static const cudagen_tensor_info k21_w1_adam_tensors[] = {
-    {"param", "w1.out", 0ull, 1024ull},
-    {"grad", "fc1_grad_b.out", 116736ull, 1024ull},
-    {"m", "w1_m_init.out", 2048ull, 1024ull},
-    {"v", "w1_v_init.out", 3072ull, 1024ull},
-    {"lr", "w1_adam.lr", 122368ull, 8ull},  // run-time argument
-    {"step", "w1_adam.step", 122376ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k22_b1_adam_tensors[] = {
-    {"param", "b1.out", 1024ull, 128ull},
-    {"grad", "bias1_grad_b_sum.out", 117760ull, 128ull},
-    {"m", "b1_m_init.out", 4096ull, 128ull},
-    {"v", "b1_v_init.out", 4352ull, 128ull},
-    {"lr", "w1_adam.lr", 122368ull, 8ull},  // run-time argument
-    {"step", "w1_adam.step", 122376ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k23_w2_adam_tensors[] = {
-    {"param", "w2.out", 1280ull, 512ull},
-    {"grad", "fc2_grad_b.out", 6144ull, 512ull},
-    {"m", "w2_m_init.out", 4608ull, 512ull},
-    {"v", "w2_v_init.out", 5120ull, 512ull},
-    {"lr", "w1_adam.lr", 122368ull, 8ull},  // run-time argument
-    {"step", "w1_adam.step", 122376ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k24_b2_adam_tensors[] = {
-    {"param", "b2.out", 1792ull, 16ull},
-    {"grad", "logits_grad_b_sum.out", 121856ull, 16ull},
-    {"m", "b2_m_init.out", 5632ull, 16ull},
-    {"v", "b2_v_init.out", 5888ull, 16ull},
-    {"lr", "w1_adam.lr", 122368ull, 8ull},  // run-time argument
-    {"step", "w1_adam.step", 122376ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h7_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
+    {"k21_w1_adam_param", "w1.out", 0ull, 1024ull},
+    {"k21_w1_adam_grad", "fc1_grad_b.out", 116736ull, 1024ull},
+    {"k21_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
+    {"k21_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
+    {"k21_w1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k21_w1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k22_b1_adam_param", "b1.out", 1024ull, 128ull},
+    {"k22_b1_adam_grad", "bias1_grad_b_sum.out", 117760ull, 128ull},
+    {"k22_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
+    {"k22_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
+    {"k22_b1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k22_b1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k23_w2_adam_param", "w2.out", 1280ull, 512ull},
+    {"k23_w2_adam_grad", "fc2_grad_b.out", 121856ull, 512ull},
+    {"k23_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
+    {"k23_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
+    {"k23_w2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k23_w2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k24_b2_adam_param", "b2.out", 1792ull, 16ull},
+    {"k24_b2_adam_grad", "logits_grad_b_sum.out", 122368ull, 16ull},
+    {"k24_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
+    {"k24_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
+    {"k24_b2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k24_b2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_w1, dim3(1, 1, 1), dim3(256), 0, k0_w1_tensors,
-                 (float*)(arena + 0));
-  CUDAGEN_LAUNCH(k1_b1, dim3(1, 1, 1), dim3(256), 0, k1_b1_tensors,
-                 (float*)(arena + 1024));
-  CUDAGEN_LAUNCH(k2_w2, dim3(1, 1, 1), dim3(256), 0, k2_w2_tensors,
-                 (float*)(arena + 1280));
-  CUDAGEN_LAUNCH(k3_b2, dim3(1, 1, 1), dim3(256), 0, k3_b2_tensors,
-                 (float*)(arena + 1792));
-  CUDAGEN_LAUNCH(k4_w1_m_init, dim3(1, 1, 1), dim3(256), 0, k4_w1_m_init_tensors,
-                 (float*)(arena + 2048));
-  CUDAGEN_LAUNCH(k5_w1_v_init, dim3(1, 1, 1), dim3(256), 0, k5_w1_v_init_tensors,
-                 (float*)(arena + 3072));
-  CUDAGEN_LAUNCH(k6_b1_m_init, dim3(1, 1, 1), dim3(256), 0, k6_b1_m_init_tensors,
-                 (float*)(arena + 4096));
-  CUDAGEN_LAUNCH(k7_b1_v_init, dim3(1, 1, 1), dim3(256), 0, k7_b1_v_init_tensors,
-                 (float*)(arena + 4352));
-  CUDAGEN_LAUNCH(k8_w2_m_init, dim3(1, 1, 1), dim3(256), 0, k8_w2_m_init_tensors,
-                 (float*)(arena + 4608));
-  CUDAGEN_LAUNCH(k9_w2_v_init, dim3(1, 1, 1), dim3(256), 0, k9_w2_v_init_tensors,
-                 (float*)(arena + 5120));
-  CUDAGEN_LAUNCH(k10_b2_m_init, dim3(1, 1, 1), dim3(256), 0, k10_b2_m_init_tensors,
-                 (float*)(arena + 5632));
-  CUDAGEN_LAUNCH(k11_b2_v_init, dim3(1, 1, 1), dim3(256), 0, k11_b2_v_init_tensors,
-                 (float*)(arena + 5888));
+  CUDAGEN_LAUNCH(h0_w1_b1_w2_and_9_more, dim3(12, 1, 1), dim3(256), 0, h0_w1_b1_w2_and_9_more_tensors,
+                 (float*)(arena + 0), (float*)(arena + 1024), (float*)(arena + 1280), (float*)(arena + 1792), (float*)(arena + 2048), (float*)(arena + 3072), (float*)(arena + 4096), (float*)(arena + 4352), (float*)(arena + 4608), (float*)(arena + 5120), (float*)(arena + 5632), (float*)(arena + 5888));
   return 0;
 }
 
@@ -1235,35 +1261,23 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k13_fc2, dim3(1, 8, 1), dim3(256), 4288, k13_fc2_tensors,
                  (const float*)(arena + 38912), (const float*)(arena + 1280), (const float*)(arena + 1792), (float*)(arena + 112640));
   CUDAGEN_LAUNCH(k14_loss, dim3(1, 1, 1), dim3(32), 128, k14_loss_tensors,
-                 (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 122112));
+                 (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 122624));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k15_loss_backward, dim3(256, 1, 1), dim3(32), 128, k15_loss_backward_tensors,
                  (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 116736));
-  CUDAGEN_LAUNCH(k16_logits_grad_b_sum, dim3(1, 1, 1), dim3(256), 1024, k16_logits_grad_b_sum_tensors,
-                 (const float*)(arena + 116736), (float*)(arena + 121856));
-  CUDAGEN_LAUNCH(k17_fc2_grad_a, dim3(1, 8, 1), dim3(256), 4288, k17_fc2_grad_a_tensors,
-                 (const float*)(arena + 116736), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 71680));
-  CUDAGEN_LAUNCH(k18_fc2_grad_b, dim3(1, 1, 1), dim3(256), 4288, k18_fc2_grad_b_tensors,
-                 (const float*)(arena + 38912), (const float*)(arena + 116736), (float*)(arena + 6144));
-  CUDAGEN_LAUNCH(k19_bias1_grad_b_sum, dim3(1, 1, 1), dim3(256), 1024, k19_bias1_grad_b_sum_tensors,
-                 (const float*)(arena + 71680), (float*)(arena + 117760));
-  CUDAGEN_LAUNCH(k20_fc1_grad_b, dim3(1, 1, 1), dim3(256), 4288, k20_fc1_grad_b_tensors,
-                 (const float*)(arena + 104448), (const float*)(arena + 71680), (float*)(arena + 116736));
+  CUDAGEN_LAUNCH(h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(10, 1, 1), dim3(256), 4288, h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+                 (const float*)(arena + 116736), (float*)(arena + 122368), (const float*)(arena + 116736), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 71680), (const float*)(arena + 38912), (const float*)(arena + 116736), (float*)(arena + 121856));
+  CUDAGEN_LAUNCH(h6_bias1_grad_b_sum_fc1_grad_b, dim3(2, 1, 1), dim3(256), 4288, h6_bias1_grad_b_sum_fc1_grad_b_tensors,
+                 (const float*)(arena + 71680), (float*)(arena + 117760), (const float*)(arena + 104448), (const float*)(arena + 71680), (float*)(arena + 116736));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k21_w1_adam, dim3(1, 1, 1), dim3(256), 0, k21_w1_adam_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 116736), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 122368), (const long long*)(arena + 122376));
-  CUDAGEN_LAUNCH(k22_b1_adam, dim3(1, 1, 1), dim3(256), 0, k22_b1_adam_tensors,
-                 (float*)(arena + 1024), (const float*)(arena + 117760), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 122368), (const long long*)(arena + 122376));
-  CUDAGEN_LAUNCH(k23_w2_adam, dim3(1, 1, 1), dim3(256), 0, k23_w2_adam_tensors,
-                 (float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 122368), (const long long*)(arena + 122376));
-  CUDAGEN_LAUNCH(k24_b2_adam, dim3(1, 1, 1), dim3(256), 0, k24_b2_adam_tensors,
-                 (float*)(arena + 1792), (const float*)(arena + 121856), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 122368), (const long long*)(arena + 122376));
+  CUDAGEN_LAUNCH(h7_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h7_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 116736), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1024), (const float*)(arena + 117760), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1280), (const float*)(arena + 121856), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1792), (const float*)(arena + 122368), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 122880), (const long long*)(arena + 122888));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 171008 bytes (lower bound 170752, without reuse 414208); the 256 bytes at 170752 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 185344 bytes (lower bound 185088, without reuse 414208); the 256 bytes at 185088 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -786,9 +786,6 @@ CG_DEVICE void k0_embed_w_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k0_embed_w(float* __restrict__ out) {
-  k0_embed_w_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_ln1_w (init phase): task ln1_w (fill, elementwise).
 //   reads  -
@@ -800,9 +797,6 @@ CG_DEVICE void k1_ln1_w_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 1.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k1_ln1_w(float* __restrict__ out) {
-  k1_ln1_w_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_wq (init phase): task wq (uniform, elementwise).
@@ -816,9 +810,6 @@ CG_DEVICE void k2_wq_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k2_wq(float* __restrict__ out) {
-  k2_wq_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_wk (init phase): task wk (uniform, elementwise).
 //   reads  -
@@ -830,9 +821,6 @@ CG_DEVICE void k3_wk_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.18000000715255737f, 0.18000000715255737f, 3ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k3_wk(float* __restrict__ out) {
-  k3_wk_tile(out, cg_launch_tile());
 }
 
 // Kernel k4_wv (init phase): task wv (uniform, elementwise).
@@ -846,9 +834,6 @@ CG_DEVICE void k4_wv_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k4_wv(float* __restrict__ out) {
-  k4_wv_tile(out, cg_launch_tile());
-}
 
 // Kernel k5_wo (init phase): task wo (uniform, elementwise).
 //   reads  -
@@ -860,9 +845,6 @@ CG_DEVICE void k5_wo_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.18000000715255737f, 0.18000000715255737f, 5ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k5_wo(float* __restrict__ out) {
-  k5_wo_tile(out, cg_launch_tile());
 }
 
 // Kernel k6_ln2_w (init phase): task ln2_w (fill, elementwise).
@@ -876,9 +858,6 @@ CG_DEVICE void k6_ln2_w_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k6_ln2_w(float* __restrict__ out) {
-  k6_ln2_w_tile(out, cg_launch_tile());
-}
 
 // Kernel k7_w_up (init phase): task w_up (uniform, elementwise).
 //   reads  -
@@ -890,9 +869,6 @@ CG_DEVICE void k7_w_up_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.18000000715255737f, 0.18000000715255737f, 6ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k7_w_up(float* __restrict__ out) {
-  k7_w_up_tile(out, cg_launch_tile());
 }
 
 // Kernel k8_w_down (init phase): task w_down (uniform, elementwise).
@@ -906,9 +882,6 @@ CG_DEVICE void k8_w_down_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k8_w_down(float* __restrict__ out) {
-  k8_w_down_tile(out, cg_launch_tile());
-}
 
 // Kernel k9_lnf_w (init phase): task lnf_w (fill, elementwise).
 //   reads  -
@@ -920,9 +893,6 @@ CG_DEVICE void k9_lnf_w_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 1.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k9_lnf_w(float* __restrict__ out) {
-  k9_lnf_w_tile(out, cg_launch_tile());
 }
 
 // Kernel k10_w_head (init phase): task w_head (uniform, elementwise).
@@ -936,9 +906,6 @@ CG_DEVICE void k10_w_head_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k10_w_head(float* __restrict__ out) {
-  k10_w_head_tile(out, cg_launch_tile());
-}
 
 // Kernel k11_embed_w_m_init (init phase): task embed_w_m_init (fill, elementwise).
 //   reads  -
@@ -950,9 +917,6 @@ CG_DEVICE void k11_embed_w_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k11_embed_w_m_init(float* __restrict__ out) {
-  k11_embed_w_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k12_embed_w_v_init (init phase): task embed_w_v_init (fill, elementwise).
@@ -966,9 +930,6 @@ CG_DEVICE void k12_embed_w_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k12_embed_w_v_init(float* __restrict__ out) {
-  k12_embed_w_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k13_ln1_w_m_init (init phase): task ln1_w_m_init (fill, elementwise).
 //   reads  -
@@ -980,9 +941,6 @@ CG_DEVICE void k13_ln1_w_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k13_ln1_w_m_init(float* __restrict__ out) {
-  k13_ln1_w_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k14_ln1_w_v_init (init phase): task ln1_w_v_init (fill, elementwise).
@@ -996,9 +954,6 @@ CG_DEVICE void k14_ln1_w_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k14_ln1_w_v_init(float* __restrict__ out) {
-  k14_ln1_w_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k15_wq_m_init (init phase): task wq_m_init (fill, elementwise).
 //   reads  -
@@ -1010,9 +965,6 @@ CG_DEVICE void k15_wq_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k15_wq_m_init(float* __restrict__ out) {
-  k15_wq_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k16_wq_v_init (init phase): task wq_v_init (fill, elementwise).
@@ -1026,9 +978,6 @@ CG_DEVICE void k16_wq_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k16_wq_v_init(float* __restrict__ out) {
-  k16_wq_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k17_wk_m_init (init phase): task wk_m_init (fill, elementwise).
 //   reads  -
@@ -1040,9 +989,6 @@ CG_DEVICE void k17_wk_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k17_wk_m_init(float* __restrict__ out) {
-  k17_wk_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k18_wk_v_init (init phase): task wk_v_init (fill, elementwise).
@@ -1056,9 +1002,6 @@ CG_DEVICE void k18_wk_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k18_wk_v_init(float* __restrict__ out) {
-  k18_wk_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k19_wv_m_init (init phase): task wv_m_init (fill, elementwise).
 //   reads  -
@@ -1070,9 +1013,6 @@ CG_DEVICE void k19_wv_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k19_wv_m_init(float* __restrict__ out) {
-  k19_wv_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k20_wv_v_init (init phase): task wv_v_init (fill, elementwise).
@@ -1086,9 +1026,6 @@ CG_DEVICE void k20_wv_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k20_wv_v_init(float* __restrict__ out) {
-  k20_wv_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k21_wo_m_init (init phase): task wo_m_init (fill, elementwise).
 //   reads  -
@@ -1100,9 +1037,6 @@ CG_DEVICE void k21_wo_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k21_wo_m_init(float* __restrict__ out) {
-  k21_wo_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k22_wo_v_init (init phase): task wo_v_init (fill, elementwise).
@@ -1116,9 +1050,6 @@ CG_DEVICE void k22_wo_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k22_wo_v_init(float* __restrict__ out) {
-  k22_wo_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k23_ln2_w_m_init (init phase): task ln2_w_m_init (fill, elementwise).
 //   reads  -
@@ -1130,9 +1061,6 @@ CG_DEVICE void k23_ln2_w_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k23_ln2_w_m_init(float* __restrict__ out) {
-  k23_ln2_w_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k24_ln2_w_v_init (init phase): task ln2_w_v_init (fill, elementwise).
@@ -1146,9 +1074,6 @@ CG_DEVICE void k24_ln2_w_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k24_ln2_w_v_init(float* __restrict__ out) {
-  k24_ln2_w_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k25_w_up_m_init (init phase): task w_up_m_init (fill, elementwise).
 //   reads  -
@@ -1160,9 +1085,6 @@ CG_DEVICE void k25_w_up_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k25_w_up_m_init(float* __restrict__ out) {
-  k25_w_up_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k26_w_up_v_init (init phase): task w_up_v_init (fill, elementwise).
@@ -1176,9 +1098,6 @@ CG_DEVICE void k26_w_up_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k26_w_up_v_init(float* __restrict__ out) {
-  k26_w_up_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k27_w_down_m_init (init phase): task w_down_m_init (fill, elementwise).
 //   reads  -
@@ -1190,9 +1109,6 @@ CG_DEVICE void k27_w_down_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k27_w_down_m_init(float* __restrict__ out) {
-  k27_w_down_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k28_w_down_v_init (init phase): task w_down_v_init (fill, elementwise).
@@ -1206,9 +1122,6 @@ CG_DEVICE void k28_w_down_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k28_w_down_v_init(float* __restrict__ out) {
-  k28_w_down_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k29_lnf_w_m_init (init phase): task lnf_w_m_init (fill, elementwise).
 //   reads  -
@@ -1220,9 +1133,6 @@ CG_DEVICE void k29_lnf_w_m_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k29_lnf_w_m_init(float* __restrict__ out) {
-  k29_lnf_w_m_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k30_lnf_w_v_init (init phase): task lnf_w_v_init (fill, elementwise).
@@ -1236,9 +1146,6 @@ CG_DEVICE void k30_lnf_w_v_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k30_lnf_w_v_init(float* __restrict__ out) {
-  k30_lnf_w_v_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k31_w_head_m_init (init phase): task w_head_m_init (fill, elementwise).
 //   reads  -
@@ -1251,9 +1158,6 @@ CG_DEVICE void k31_w_head_m_init_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k31_w_head_m_init(float* __restrict__ out) {
-  k31_w_head_m_init_tile(out, cg_launch_tile());
-}
 
 // Kernel k32_w_head_v_init (init phase): task w_head_v_init (fill, elementwise).
 //   reads  -
@@ -1265,9 +1169,6 @@ CG_DEVICE void k32_w_head_v_init_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 0.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k32_w_head_v_init(float* __restrict__ out) {
-  k32_w_head_v_init_tile(out, cg_launch_tile());
 }
 
 // Kernel k33_embed (forward phase): task embed (embedding, gather).
@@ -1325,9 +1226,6 @@ CG_DEVICE void k36_q_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 8, 4, 8)));
 }
-CG_KERNEL void __launch_bounds__(256) k36_q_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k36_q_heads_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k37_k (forward phase): task k (matmul, matmul).
 //   reads  k.a f32 [2, 8, 32] <- ln1.out, k.b f32 [32, 32] <- wk.out
@@ -1343,9 +1241,6 @@ CG_DEVICE void k37_k_tile(const float* a, const float* b, float* out, cg_tile ti
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k37_k(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k37_k_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k38_k_heads (forward phase): task k_heads (split_heads, gather).
 //   reads  k_heads.x f32 [2, 8, 32] <- k.out
@@ -1354,9 +1249,6 @@ CG_KERNEL void __launch_bounds__(256) k37_k(const float* __restrict__ a, const f
 CG_DEVICE void k38_k_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k38_k_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k38_k_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k39_v (forward phase): task v (matmul, matmul).
@@ -1373,9 +1265,6 @@ CG_DEVICE void k39_v_tile(const float* a, const float* b, float* out, cg_tile ti
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k39_v(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k39_v_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k40_v_heads (forward phase): task v_heads (split_heads, gather).
 //   reads  v_heads.x f32 [2, 8, 32] <- v.out
@@ -1384,9 +1273,6 @@ CG_KERNEL void __launch_bounds__(256) k39_v(const float* __restrict__ a, const f
 CG_DEVICE void k40_v_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k40_v_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k40_v_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k41_scores (forward phase): task scores (matmul, matmul).
@@ -1402,9 +1288,6 @@ CG_DEVICE void k41_scores_tile(const float* a, const float* b, float* out, cg_ti
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 8 + k); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k41_scores(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k41_scores_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k42_probs (forward phase): task probs (softmax, reduction).
@@ -1621,9 +1504,6 @@ CG_DEVICE void k53_head_grad_a_tile(const float* a, const float* b, float* out, 
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k53_head_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k53_head_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k54_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
 //   reads  head_grad_b.a f32 [2, 8, 32] <- lnf.out, head_grad_b.b f32 [2, 8, 16] <- loss_backward.dlogits
@@ -1639,9 +1519,6 @@ CG_DEVICE void k54_head_grad_b_tile(const float* a, const float* b, float* out, 
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       32, 16, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k54_head_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k54_head_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k55_head_grad_b_sum (backward phase): task head_grad_b_sum (sum_leading, reduction).
 //   reads  head_grad_b_sum.x f32 [2, 512] <- head_grad_b_rows.out
@@ -1652,9 +1529,6 @@ CG_DEVICE void k55_head_grad_b_sum_tile(const float* x, float* out, cg_tile tile
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 512 + c); }, j, 512, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 512) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(64) k55_head_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k55_head_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k56_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
@@ -1679,9 +1553,6 @@ CG_DEVICE void k56_lnf_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k56_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k56_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
-}
 
 // Kernel k57_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), fused (matmul_epilogue).
 //   reads  lnf_backward.dx f32 [2, 8, 32], w_down.out f32 [64, 32], up.out f32 [2, 8, 64]
@@ -1703,9 +1574,6 @@ CG_DEVICE void k57_down_grad_a_tile(const float* a, const float* b, const float*
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       16, 64, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k57_down_grad_a(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ act_backward_x, float* __restrict__ act_backward_dx) {
-  k57_down_grad_a_tile(a, b, act_backward_x, act_backward_dx, cg_launch_tile());
-}
 
 // Kernel k58_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
 //   reads  down_grad_b.a f32 [2, 8, 64] <- act.out, down_grad_b.b f32 [2, 8, 32] <- lnf_backward.dx
@@ -1721,9 +1589,6 @@ CG_DEVICE void k58_down_grad_b_tile(const float* a, const float* b, float* out, 
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       64, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k58_down_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k58_down_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k59_down_grad_b_sum (backward phase): task down_grad_b_sum (sum_leading, reduction).
 //   reads  down_grad_b_sum.x f32 [2, 2048] <- down_grad_b_rows.out
@@ -1734,9 +1599,6 @@ CG_DEVICE void k59_down_grad_b_sum_tile(const float* x, float* out, cg_tile tile
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 2048 + c); }, j, 2048, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 2048) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(64) k59_down_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k59_down_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k60_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
@@ -1753,9 +1615,6 @@ CG_DEVICE void k60_up_grad_a_tile(const float* a, const float* b, float* out, cg
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k60_up_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k60_up_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k61_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
 //   reads  up_grad_b.a f32 [2, 8, 32] <- ln2.out, up_grad_b.b f32 [2, 8, 64] <- act_backward.dx
@@ -1771,9 +1630,6 @@ CG_DEVICE void k61_up_grad_b_tile(const float* a, const float* b, float* out, cg
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k61_up_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k61_up_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k62_up_grad_b_sum (backward phase): task up_grad_b_sum (sum_leading, reduction).
 //   reads  up_grad_b_sum.x f32 [2, 2048] <- up_grad_b_rows.out
@@ -1784,9 +1640,6 @@ CG_DEVICE void k62_up_grad_b_sum_tile(const float* x, float* out, cg_tile tile) 
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 2048 + c); }, j, 2048, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 2048) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(64) k62_up_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k62_up_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k63_ln2_backward (backward phase): task ln2_backward (rmsnorm_backward, reduction).
@@ -1810,9 +1663,6 @@ CG_DEVICE void k63_ln2_backward_tile(const float* x, const float* weight, const 
                                                        (float*)cg_smem);
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
-}
-CG_KERNEL void __launch_bounds__(128) k63_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k63_ln2_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
 // Kernel k64_grad_res1_out_sum (backward phase): task grad_res1_out_sum (add, broadcast).
@@ -1846,9 +1696,6 @@ CG_DEVICE void k65_attn_out_grad_a_tile(const float* a, const float* b, float* o
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k65_attn_out_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k65_attn_out_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k66_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [2, 8, 32] <- merged.out, attn_out_grad_b.b f32 [2, 8, 32] <- grad_res1_out_sum.out
@@ -1864,9 +1711,6 @@ CG_DEVICE void k66_attn_out_grad_b_tile(const float* a, const float* b, float* o
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k66_attn_out_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k66_attn_out_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k67_attn_out_grad_b_sum (backward phase): task attn_out_grad_b_sum (sum_leading, reduction).
 //   reads  attn_out_grad_b_sum.x f32 [2, 1024] <- attn_out_grad_b_rows.out
@@ -1878,9 +1722,6 @@ CG_DEVICE void k67_attn_out_grad_b_sum_tile(const float* x, float* out, cg_tile 
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(64) k67_attn_out_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k67_attn_out_grad_b_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k68_merged_grad_x (backward phase): task merged_grad_x (split_heads, gather).
 //   reads  merged_grad_x.x f32 [2, 8, 32] <- attn_out_grad_a.out
@@ -1889,9 +1730,6 @@ CG_KERNEL void __launch_bounds__(64) k67_attn_out_grad_b_sum(const float* __rest
 CG_DEVICE void k68_merged_grad_x_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k68_merged_grad_x(const float* __restrict__ x, float* __restrict__ out) {
-  k68_merged_grad_x_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k69_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
@@ -1908,9 +1746,6 @@ CG_DEVICE void k69_context_grad_a_tile(const float* a, const float* b, float* ou
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k69_context_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k69_context_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k70_context_grad_b (backward phase): task context_grad_b (matmul, matmul).
 //   reads  context_grad_b.a f32 [2, 4, 8, 8] <- probs.out, context_grad_b.b f32 [2, 4, 8, 8] <- merged_grad_x.out
@@ -1925,9 +1760,6 @@ CG_DEVICE void k70_context_grad_b_tile(const float* a, const float* b, float* ou
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 8 + n); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k70_context_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k70_context_grad_b_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k71_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
@@ -1960,9 +1792,6 @@ CG_DEVICE void k72_scores_grad_a_tile(const float* a, const float* b, float* out
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k72_scores_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k72_scores_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k73_scores_grad_b (backward phase): task scores_grad_b (matmul, matmul).
 //   reads  scores_grad_b.a f32 [2, 4, 8, 8] <- probs_backward.dx, scores_grad_b.b f32 [2, 4, 8, 8] <- q_heads.out
@@ -1978,9 +1807,6 @@ CG_DEVICE void k73_scores_grad_b_tile(const float* a, const float* b, float* out
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k73_scores_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k73_scores_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k74_v_heads_grad_x (backward phase): task v_heads_grad_x (merge_heads, gather).
 //   reads  v_heads_grad_x.x f32 [2, 4, 8, 8] <- context_grad_b.out
@@ -1989,9 +1815,6 @@ CG_KERNEL void __launch_bounds__(256) k73_scores_grad_b(const float* __restrict_
 CG_DEVICE void k74_v_heads_grad_x_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k74_v_heads_grad_x(const float* __restrict__ x, float* __restrict__ out) {
-  k74_v_heads_grad_x_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k75_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
@@ -2008,9 +1831,6 @@ CG_DEVICE void k75_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k75_v_grad_a(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k75_v_grad_a_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k76_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [2, 8, 32] <- ln1.out, v_grad_b.b f32 [2, 8, 32] <- v_heads_grad_x.out
@@ -2026,9 +1846,6 @@ CG_DEVICE void k76_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k76_v_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k76_v_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k77_v_grad_b_sum (backward phase): task v_grad_b_sum (sum_leading, reduction).
 //   reads  v_grad_b_sum.x f32 [2, 1024] <- v_grad_b_rows.out
@@ -2040,9 +1857,6 @@ CG_DEVICE void k77_v_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(64) k77_v_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k77_v_grad_b_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k78_k_heads_grad_x (backward phase): task k_heads_grad_x (merge_heads, gather).
 //   reads  k_heads_grad_x.x f32 [2, 4, 8, 8] <- scores_grad_b.out
@@ -2051,9 +1865,6 @@ CG_KERNEL void __launch_bounds__(64) k77_v_grad_b_sum(const float* __restrict__ 
 CG_DEVICE void k78_k_heads_grad_x_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k78_k_heads_grad_x(const float* __restrict__ x, float* __restrict__ out) {
-  k78_k_heads_grad_x_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k79_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
@@ -2076,9 +1887,6 @@ CG_DEVICE void k79_k_grad_a_tile(const float* a, const float* b, const float* gr
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k79_k_grad_a(const float* __restrict__ a, const float* __restrict__ b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out) {
-  k79_k_grad_a_tile(a, b, grad_ln1_out_sum_a, grad_ln1_out_sum_out, cg_launch_tile());
-}
 
 // Kernel k80_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [2, 8, 32] <- ln1.out, k_grad_b.b f32 [2, 8, 32] <- k_heads_grad_x.out
@@ -2094,9 +1902,6 @@ CG_DEVICE void k80_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k80_k_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k80_k_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k81_k_grad_b_sum (backward phase): task k_grad_b_sum (sum_leading, reduction).
 //   reads  k_grad_b_sum.x f32 [2, 1024] <- k_grad_b_rows.out
@@ -2108,9 +1913,6 @@ CG_DEVICE void k81_k_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
-CG_KERNEL void __launch_bounds__(64) k81_k_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k81_k_grad_b_sum_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k82_q_heads_grad_x (backward phase): task q_heads_grad_x (merge_heads, gather).
 //   reads  q_heads_grad_x.x f32 [2, 4, 8, 8] <- scores_grad_a.out
@@ -2119,9 +1921,6 @@ CG_KERNEL void __launch_bounds__(64) k81_k_grad_b_sum(const float* __restrict__ 
 CG_DEVICE void k82_q_heads_grad_x_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 8, 4, 8)));
-}
-CG_KERNEL void __launch_bounds__(256) k82_q_heads_grad_x(const float* __restrict__ x, float* __restrict__ out) {
-  k82_q_heads_grad_x_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k83_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
@@ -2144,9 +1943,6 @@ CG_DEVICE void k83_q_grad_a_tile(const float* a, const float* b, const float* gr
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k83_q_grad_a(const float* __restrict__ a, const float* __restrict__ b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out) {
-  k83_q_grad_a_tile(a, b, grad_ln1_out_sum_2_a, grad_ln1_out_sum_2_out, cg_launch_tile());
-}
 
 // Kernel k84_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [2, 8, 32] <- ln1.out, q_grad_b.b f32 [2, 8, 32] <- q_heads_grad_x.out
@@ -2162,9 +1958,6 @@ CG_DEVICE void k84_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k84_q_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k84_q_grad_b_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k85_q_grad_b_sum (backward phase): task q_grad_b_sum (sum_leading, reduction).
 //   reads  q_grad_b_sum.x f32 [2, 1024] <- q_grad_b_rows.out
@@ -2175,9 +1968,6 @@ CG_DEVICE void k85_q_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
-}
-CG_KERNEL void __launch_bounds__(64) k85_q_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k85_q_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k86_ln1_backward (backward phase): task ln1_backward (rmsnorm_backward, reduction).
@@ -2201,9 +1991,6 @@ CG_DEVICE void k86_ln1_backward_tile(const float* x, const float* weight, const 
                                                        (float*)cg_smem);
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
-}
-CG_KERNEL void __launch_bounds__(128) k86_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k86_ln1_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
 // Kernel k87_grad_embed_out_sum (backward phase): task grad_embed_out_sum (add, broadcast).
@@ -2253,9 +2040,6 @@ CG_DEVICE void k89_embed_w_adamw_tile(float* param, const float* grad, float* m,
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k89_embed_w_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k89_embed_w_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k90_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
@@ -2273,9 +2057,6 @@ CG_DEVICE void k90_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k90_ln1_w_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k90_ln1_w_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k91_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
@@ -2295,9 +2076,6 @@ CG_DEVICE void k91_wq_adamw_tile(float* param, const float* grad, float* m, floa
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k91_wq_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k91_wq_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k92_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b_shape.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
@@ -2315,9 +2093,6 @@ CG_DEVICE void k92_wk_adamw_tile(float* param, const float* grad, float* m, floa
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k92_wk_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k92_wk_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k93_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
@@ -2337,9 +2112,6 @@ CG_DEVICE void k93_wv_adamw_tile(float* param, const float* grad, float* m, floa
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k93_wv_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k93_wv_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k94_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b_shape.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
@@ -2357,9 +2129,6 @@ CG_DEVICE void k94_wo_adamw_tile(float* param, const float* grad, float* m, floa
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k94_wo_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k94_wo_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k95_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
@@ -2379,9 +2148,6 @@ CG_DEVICE void k95_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k95_ln2_w_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k95_ln2_w_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k96_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b_shape.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
@@ -2399,9 +2165,6 @@ CG_DEVICE void k96_w_up_adamw_tile(float* param, const float* grad, float* m, fl
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k96_w_up_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k96_w_up_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k97_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
@@ -2421,9 +2184,6 @@ CG_DEVICE void k97_w_down_adamw_tile(float* param, const float* grad, float* m, 
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k97_w_down_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k97_w_down_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
-}
 
 // Kernel k98_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
@@ -2441,9 +2201,6 @@ CG_DEVICE void k98_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k98_lnf_w_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k98_lnf_w_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
 }
 
 // Kernel k99_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
@@ -2463,8 +2220,557 @@ CG_DEVICE void k99_w_head_adamw_tile(float* param, const float* grad, float* m, 
     cg_store(v, i, v_local);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k99_w_head_adamw(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v, const float* __restrict__ lr_arg, const long long* __restrict__ step_arg) {
-  k99_w_head_adamw_tile(param, grad, m, v, lr_arg, step_arg, cg_launch_tile());
+
+// Launch h0_embed_w_ln1_w_wq_and_30_more (init phase):
+// 33 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k0_embed_w
+//   blocks [1, 2): k1_ln1_w
+//   blocks [2, 3): k2_wq
+//   blocks [3, 4): k3_wk
+//   blocks [4, 5): k4_wv
+//   blocks [5, 6): k5_wo
+//   blocks [6, 7): k6_ln2_w
+//   blocks [7, 9): k7_w_up
+//   blocks [9, 11): k8_w_down
+//   blocks [11, 12): k9_lnf_w
+//   blocks [12, 13): k10_w_head
+//   blocks [13, 14): k11_embed_w_m_init
+//   blocks [14, 15): k12_embed_w_v_init
+//   blocks [15, 16): k13_ln1_w_m_init
+//   blocks [16, 17): k14_ln1_w_v_init
+//   blocks [17, 18): k15_wq_m_init
+//   blocks [18, 19): k16_wq_v_init
+//   blocks [19, 20): k17_wk_m_init
+//   blocks [20, 21): k18_wk_v_init
+//   blocks [21, 22): k19_wv_m_init
+//   blocks [22, 23): k20_wv_v_init
+//   blocks [23, 24): k21_wo_m_init
+//   blocks [24, 25): k22_wo_v_init
+//   blocks [25, 26): k23_ln2_w_m_init
+//   blocks [26, 27): k24_ln2_w_v_init
+//   blocks [27, 29): k25_w_up_m_init
+//   blocks [29, 31): k26_w_up_v_init
+//   blocks [31, 33): k27_w_down_m_init
+//   blocks [33, 35): k28_w_down_v_init
+//   blocks [35, 36): k29_lnf_w_m_init
+//   blocks [36, 37): k30_lnf_w_v_init
+//   blocks [37, 38): k31_w_head_m_init
+//   blocks [38, 39): k32_w_head_v_init
+CG_KERNEL void __launch_bounds__(256) h0_embed_w_ln1_w_wq_and_30_more(
+    float* __restrict__ k0_embed_w_out,
+    float* __restrict__ k1_ln1_w_out,
+    float* __restrict__ k2_wq_out,
+    float* __restrict__ k3_wk_out,
+    float* __restrict__ k4_wv_out,
+    float* __restrict__ k5_wo_out,
+    float* __restrict__ k6_ln2_w_out,
+    float* __restrict__ k7_w_up_out,
+    float* __restrict__ k8_w_down_out,
+    float* __restrict__ k9_lnf_w_out,
+    float* __restrict__ k10_w_head_out,
+    float* __restrict__ k11_embed_w_m_init_out,
+    float* __restrict__ k12_embed_w_v_init_out,
+    float* __restrict__ k13_ln1_w_m_init_out,
+    float* __restrict__ k14_ln1_w_v_init_out,
+    float* __restrict__ k15_wq_m_init_out,
+    float* __restrict__ k16_wq_v_init_out,
+    float* __restrict__ k17_wk_m_init_out,
+    float* __restrict__ k18_wk_v_init_out,
+    float* __restrict__ k19_wv_m_init_out,
+    float* __restrict__ k20_wv_v_init_out,
+    float* __restrict__ k21_wo_m_init_out,
+    float* __restrict__ k22_wo_v_init_out,
+    float* __restrict__ k23_ln2_w_m_init_out,
+    float* __restrict__ k24_ln2_w_v_init_out,
+    float* __restrict__ k25_w_up_m_init_out,
+    float* __restrict__ k26_w_up_v_init_out,
+    float* __restrict__ k27_w_down_m_init_out,
+    float* __restrict__ k28_w_down_v_init_out,
+    float* __restrict__ k29_lnf_w_m_init_out,
+    float* __restrict__ k30_lnf_w_v_init_out,
+    float* __restrict__ k31_w_head_m_init_out,
+    float* __restrict__ k32_w_head_v_init_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k0_embed_w_tile(k0_embed_w_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k1_ln1_w_tile(k1_ln1_w_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k2_wq_tile(k2_wq_out, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 4u)
+    k3_wk_tile(k3_wk_out, cg_tile_of(block - 3u, 1, 1));
+  else if (block < 5u)
+    k4_wv_tile(k4_wv_out, cg_tile_of(block - 4u, 1, 1));
+  else if (block < 6u)
+    k5_wo_tile(k5_wo_out, cg_tile_of(block - 5u, 1, 1));
+  else if (block < 7u)
+    k6_ln2_w_tile(k6_ln2_w_out, cg_tile_of(block - 6u, 1, 1));
+  else if (block < 9u)
+    k7_w_up_tile(k7_w_up_out, cg_tile_of(block - 7u, 2, 1));
+  else if (block < 11u)
+    k8_w_down_tile(k8_w_down_out, cg_tile_of(block - 9u, 2, 1));
+  else if (block < 12u)
+    k9_lnf_w_tile(k9_lnf_w_out, cg_tile_of(block - 11u, 1, 1));
+  else if (block < 13u)
+    k10_w_head_tile(k10_w_head_out, cg_tile_of(block - 12u, 1, 1));
+  else if (block < 14u)
+    k11_embed_w_m_init_tile(k11_embed_w_m_init_out, cg_tile_of(block - 13u, 1, 1));
+  else if (block < 15u)
+    k12_embed_w_v_init_tile(k12_embed_w_v_init_out, cg_tile_of(block - 14u, 1, 1));
+  else if (block < 16u)
+    k13_ln1_w_m_init_tile(k13_ln1_w_m_init_out, cg_tile_of(block - 15u, 1, 1));
+  else if (block < 17u)
+    k14_ln1_w_v_init_tile(k14_ln1_w_v_init_out, cg_tile_of(block - 16u, 1, 1));
+  else if (block < 18u)
+    k15_wq_m_init_tile(k15_wq_m_init_out, cg_tile_of(block - 17u, 1, 1));
+  else if (block < 19u)
+    k16_wq_v_init_tile(k16_wq_v_init_out, cg_tile_of(block - 18u, 1, 1));
+  else if (block < 20u)
+    k17_wk_m_init_tile(k17_wk_m_init_out, cg_tile_of(block - 19u, 1, 1));
+  else if (block < 21u)
+    k18_wk_v_init_tile(k18_wk_v_init_out, cg_tile_of(block - 20u, 1, 1));
+  else if (block < 22u)
+    k19_wv_m_init_tile(k19_wv_m_init_out, cg_tile_of(block - 21u, 1, 1));
+  else if (block < 23u)
+    k20_wv_v_init_tile(k20_wv_v_init_out, cg_tile_of(block - 22u, 1, 1));
+  else if (block < 24u)
+    k21_wo_m_init_tile(k21_wo_m_init_out, cg_tile_of(block - 23u, 1, 1));
+  else if (block < 25u)
+    k22_wo_v_init_tile(k22_wo_v_init_out, cg_tile_of(block - 24u, 1, 1));
+  else if (block < 26u)
+    k23_ln2_w_m_init_tile(k23_ln2_w_m_init_out, cg_tile_of(block - 25u, 1, 1));
+  else if (block < 27u)
+    k24_ln2_w_v_init_tile(k24_ln2_w_v_init_out, cg_tile_of(block - 26u, 1, 1));
+  else if (block < 29u)
+    k25_w_up_m_init_tile(k25_w_up_m_init_out, cg_tile_of(block - 27u, 2, 1));
+  else if (block < 31u)
+    k26_w_up_v_init_tile(k26_w_up_v_init_out, cg_tile_of(block - 29u, 2, 1));
+  else if (block < 33u)
+    k27_w_down_m_init_tile(k27_w_down_m_init_out, cg_tile_of(block - 31u, 2, 1));
+  else if (block < 35u)
+    k28_w_down_v_init_tile(k28_w_down_v_init_out, cg_tile_of(block - 33u, 2, 1));
+  else if (block < 36u)
+    k29_lnf_w_m_init_tile(k29_lnf_w_m_init_out, cg_tile_of(block - 35u, 1, 1));
+  else if (block < 37u)
+    k30_lnf_w_v_init_tile(k30_lnf_w_v_init_out, cg_tile_of(block - 36u, 1, 1));
+  else if (block < 38u)
+    k31_w_head_m_init_tile(k31_w_head_m_init_out, cg_tile_of(block - 37u, 1, 1));
+  else
+    k32_w_head_v_init_tile(k32_w_head_v_init_out, cg_tile_of(block - 38u, 1, 1));
+}
+
+// Launch h4_q_heads_k (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 2): k36_q_heads
+//   blocks [2, 3): k37_k
+CG_KERNEL void __launch_bounds__(256) h4_q_heads_k(
+    const float* __restrict__ k36_q_heads_x,
+    float* __restrict__ k36_q_heads_out,
+    const float* __restrict__ k37_k_a,
+    const float* __restrict__ k37_k_b,
+    float* __restrict__ k37_k_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 2u)
+    k36_q_heads_tile(k36_q_heads_x, k36_q_heads_out, cg_tile_of(block, 2, 1));
+  else
+    k37_k_tile(k37_k_a, k37_k_b, k37_k_out, cg_tile_of(block - 2u, 1, 1));
+}
+
+// Launch h5_k_heads_v (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 2): k38_k_heads
+//   blocks [2, 3): k39_v
+CG_KERNEL void __launch_bounds__(256) h5_k_heads_v(
+    const float* __restrict__ k38_k_heads_x,
+    float* __restrict__ k38_k_heads_out,
+    const float* __restrict__ k39_v_a,
+    const float* __restrict__ k39_v_b,
+    float* __restrict__ k39_v_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 2u)
+    k38_k_heads_tile(k38_k_heads_x, k38_k_heads_out, cg_tile_of(block, 2, 1));
+  else
+    k39_v_tile(k39_v_a, k39_v_b, k39_v_out, cg_tile_of(block - 2u, 1, 1));
+}
+
+// Launch h6_v_heads_scores (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 2): k40_v_heads
+//   blocks [2, 10): k41_scores
+CG_KERNEL void __launch_bounds__(256) h6_v_heads_scores(
+    const float* __restrict__ k40_v_heads_x,
+    float* __restrict__ k40_v_heads_out,
+    const float* __restrict__ k41_scores_a,
+    const float* __restrict__ k41_scores_b,
+    float* __restrict__ k41_scores_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 2u)
+    k40_v_heads_tile(k40_v_heads_x, k40_v_heads_out, cg_tile_of(block, 2, 1));
+  else
+    k41_scores_tile(k41_scores_a, k41_scores_b, k41_scores_out, cg_tile_of(block - 2u, 1, 1));
+}
+
+// Launch h18_head_grad_a_head_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k53_head_grad_a
+//   blocks [1, 3): k54_head_grad_b
+CG_KERNEL void __launch_bounds__(256) h18_head_grad_a_head_grad_b(
+    const float* __restrict__ k53_head_grad_a_a,
+    const float* __restrict__ k53_head_grad_a_b,
+    float* __restrict__ k53_head_grad_a_out,
+    const float* __restrict__ k54_head_grad_b_a,
+    const float* __restrict__ k54_head_grad_b_b,
+    float* __restrict__ k54_head_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k53_head_grad_a_tile(k53_head_grad_a_a, k53_head_grad_a_b, k53_head_grad_a_out, cg_tile_of(block, 1, 1));
+  else
+    k54_head_grad_b_tile(k54_head_grad_b_a, k54_head_grad_b_b, k54_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k55_head_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k55_head_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(128) k56_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k56_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+}
+
+// Launch h20_down_grad_a_down_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 6 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 2): k57_down_grad_a
+//   blocks [2, 6): k58_down_grad_b
+CG_KERNEL void __launch_bounds__(256) h20_down_grad_a_down_grad_b(
+    const float* __restrict__ k57_down_grad_a_a,
+    const float* __restrict__ k57_down_grad_a_b,
+    const float* __restrict__ k57_down_grad_a_act_backward_x,
+    float* __restrict__ k57_down_grad_a_act_backward_dx,
+    const float* __restrict__ k58_down_grad_b_a,
+    const float* __restrict__ k58_down_grad_b_b,
+    float* __restrict__ k58_down_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 2u)
+    k57_down_grad_a_tile(k57_down_grad_a_a, k57_down_grad_a_b, k57_down_grad_a_act_backward_x, k57_down_grad_a_act_backward_dx, cg_tile_of(block, 2, 1));
+  else
+    k58_down_grad_b_tile(k58_down_grad_b_a, k58_down_grad_b_b, k58_down_grad_b_out, cg_tile_of(block - 2u, 1, 2));
+}
+
+CG_KERNEL void __launch_bounds__(64) k59_down_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k59_down_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+// Launch h21_up_grad_a_up_grad_b_1 (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 5 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k60_up_grad_a
+//   blocks [1, 5): k61_up_grad_b
+CG_KERNEL void __launch_bounds__(256) h21_up_grad_a_up_grad_b_1(
+    const float* __restrict__ k60_up_grad_a_a,
+    const float* __restrict__ k60_up_grad_a_b,
+    float* __restrict__ k60_up_grad_a_out,
+    const float* __restrict__ k61_up_grad_b_a,
+    const float* __restrict__ k61_up_grad_b_b,
+    float* __restrict__ k61_up_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k60_up_grad_a_tile(k60_up_grad_a_a, k60_up_grad_a_b, k60_up_grad_a_out, cg_tile_of(block, 1, 1));
+  else
+    k61_up_grad_b_tile(k61_up_grad_b_a, k61_up_grad_b_b, k61_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k62_up_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k62_up_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(128) k63_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k63_ln2_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+}
+
+// Launch h24_attn_out_grad_a_attn_out_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k65_attn_out_grad_a
+//   blocks [1, 3): k66_attn_out_grad_b
+CG_KERNEL void __launch_bounds__(256) h24_attn_out_grad_a_attn_out_grad_b(
+    const float* __restrict__ k65_attn_out_grad_a_a,
+    const float* __restrict__ k65_attn_out_grad_a_b,
+    float* __restrict__ k65_attn_out_grad_a_out,
+    const float* __restrict__ k66_attn_out_grad_b_a,
+    const float* __restrict__ k66_attn_out_grad_b_b,
+    float* __restrict__ k66_attn_out_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k65_attn_out_grad_a_tile(k65_attn_out_grad_a_a, k65_attn_out_grad_a_b, k65_attn_out_grad_a_out, cg_tile_of(block, 1, 1));
+  else
+    k66_attn_out_grad_b_tile(k66_attn_out_grad_b_a, k66_attn_out_grad_b_b, k66_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k67_attn_out_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k67_attn_out_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(256) k68_merged_grad_x(const float* __restrict__ x, float* __restrict__ out) {
+  k68_merged_grad_x_tile(x, out, cg_launch_tile());
+}
+
+// Launch h26_context_grad_a_context_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k69_context_grad_a
+//   blocks [8, 16): k70_context_grad_b
+CG_KERNEL void __launch_bounds__(256) h26_context_grad_a_context_grad_b(
+    const float* __restrict__ k69_context_grad_a_a,
+    const float* __restrict__ k69_context_grad_a_b,
+    float* __restrict__ k69_context_grad_a_out,
+    const float* __restrict__ k70_context_grad_b_a,
+    const float* __restrict__ k70_context_grad_b_b,
+    float* __restrict__ k70_context_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k69_context_grad_a_tile(k69_context_grad_a_a, k69_context_grad_a_b, k69_context_grad_a_out, cg_tile_of(block, 1, 1));
+  else
+    k70_context_grad_b_tile(k70_context_grad_b_a, k70_context_grad_b_b, k70_context_grad_b_out, cg_tile_of(block - 8u, 1, 1));
+}
+
+// Launch h28_scores_grad_a_scores_grad_b_v_heads_grad_x (backward phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 18 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k72_scores_grad_a
+//   blocks [8, 16): k73_scores_grad_b
+//   blocks [16, 18): k74_v_heads_grad_x
+CG_KERNEL void __launch_bounds__(256) h28_scores_grad_a_scores_grad_b_v_heads_grad_x(
+    const float* __restrict__ k72_scores_grad_a_a,
+    const float* __restrict__ k72_scores_grad_a_b,
+    float* __restrict__ k72_scores_grad_a_out,
+    const float* __restrict__ k73_scores_grad_b_a,
+    const float* __restrict__ k73_scores_grad_b_b,
+    float* __restrict__ k73_scores_grad_b_out,
+    const float* __restrict__ k74_v_heads_grad_x_x,
+    float* __restrict__ k74_v_heads_grad_x_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k72_scores_grad_a_tile(k72_scores_grad_a_a, k72_scores_grad_a_b, k72_scores_grad_a_out, cg_tile_of(block, 1, 1));
+  else if (block < 16u)
+    k73_scores_grad_b_tile(k73_scores_grad_b_a, k73_scores_grad_b_b, k73_scores_grad_b_out, cg_tile_of(block - 8u, 1, 1));
+  else
+    k74_v_heads_grad_x_tile(k74_v_heads_grad_x_x, k74_v_heads_grad_x_out, cg_tile_of(block - 16u, 2, 1));
+}
+
+// Launch h29_v_grad_a_v_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k75_v_grad_a
+//   blocks [1, 3): k76_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h29_v_grad_a_v_grad_b(
+    const float* __restrict__ k75_v_grad_a_a,
+    const float* __restrict__ k75_v_grad_a_b,
+    float* __restrict__ k75_v_grad_a_out,
+    const float* __restrict__ k76_v_grad_b_a,
+    const float* __restrict__ k76_v_grad_b_b,
+    float* __restrict__ k76_v_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k75_v_grad_a_tile(k75_v_grad_a_a, k75_v_grad_a_b, k75_v_grad_a_out, cg_tile_of(block, 1, 1));
+  else
+    k76_v_grad_b_tile(k76_v_grad_b_a, k76_v_grad_b_b, k76_v_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k77_v_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k77_v_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(256) k78_k_heads_grad_x(const float* __restrict__ x, float* __restrict__ out) {
+  k78_k_heads_grad_x_tile(x, out, cg_launch_tile());
+}
+
+// Launch h31_k_grad_a_k_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k79_k_grad_a
+//   blocks [1, 3): k80_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h31_k_grad_a_k_grad_b(
+    const float* __restrict__ k79_k_grad_a_a,
+    const float* __restrict__ k79_k_grad_a_b,
+    const float* k79_k_grad_a_grad_ln1_out_sum_a,
+    float* k79_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k80_k_grad_b_a,
+    const float* __restrict__ k80_k_grad_b_b,
+    float* __restrict__ k80_k_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k79_k_grad_a_tile(k79_k_grad_a_a, k79_k_grad_a_b, k79_k_grad_a_grad_ln1_out_sum_a, k79_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+  else
+    k80_k_grad_b_tile(k80_k_grad_b_a, k80_k_grad_b_b, k80_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k81_k_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k81_k_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(256) k82_q_heads_grad_x(const float* __restrict__ x, float* __restrict__ out) {
+  k82_q_heads_grad_x_tile(x, out, cg_launch_tile());
+}
+
+// Launch h33_q_grad_a_q_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k83_q_grad_a
+//   blocks [1, 3): k84_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h33_q_grad_a_q_grad_b(
+    const float* __restrict__ k83_q_grad_a_a,
+    const float* __restrict__ k83_q_grad_a_b,
+    const float* k83_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k83_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k84_q_grad_b_a,
+    const float* __restrict__ k84_q_grad_b_b,
+    float* __restrict__ k84_q_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k83_q_grad_a_tile(k83_q_grad_a_a, k83_q_grad_a_b, k83_q_grad_a_grad_ln1_out_sum_2_a, k83_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+  else
+    k84_q_grad_b_tile(k84_q_grad_b_a, k84_q_grad_b_b, k84_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+CG_KERNEL void __launch_bounds__(64) k85_q_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k85_q_grad_b_sum_tile(x, out, cg_launch_tile());
+}
+
+CG_KERNEL void __launch_bounds__(128) k86_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k86_ln1_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+}
+
+// Launch h37_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 2): k89_embed_w_adamw
+//   blocks [2, 3): k90_ln1_w_adamw
+//   blocks [3, 7): k91_wq_adamw
+//   blocks [7, 11): k92_wk_adamw
+//   blocks [11, 15): k93_wv_adamw
+//   blocks [15, 19): k94_wo_adamw
+//   blocks [19, 20): k95_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h37_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k89_embed_w_adamw_param,
+    const float* __restrict__ k89_embed_w_adamw_grad,
+    float* __restrict__ k89_embed_w_adamw_m,
+    float* __restrict__ k89_embed_w_adamw_v,
+    const float* __restrict__ k89_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k89_embed_w_adamw_step_arg,
+    float* __restrict__ k90_ln1_w_adamw_param,
+    const float* __restrict__ k90_ln1_w_adamw_grad,
+    float* __restrict__ k90_ln1_w_adamw_m,
+    float* __restrict__ k90_ln1_w_adamw_v,
+    const float* __restrict__ k90_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k90_ln1_w_adamw_step_arg,
+    float* __restrict__ k91_wq_adamw_param,
+    const float* __restrict__ k91_wq_adamw_grad,
+    float* __restrict__ k91_wq_adamw_m,
+    float* __restrict__ k91_wq_adamw_v,
+    const float* __restrict__ k91_wq_adamw_lr_arg,
+    const long long* __restrict__ k91_wq_adamw_step_arg,
+    float* __restrict__ k92_wk_adamw_param,
+    const float* __restrict__ k92_wk_adamw_grad,
+    float* __restrict__ k92_wk_adamw_m,
+    float* __restrict__ k92_wk_adamw_v,
+    const float* __restrict__ k92_wk_adamw_lr_arg,
+    const long long* __restrict__ k92_wk_adamw_step_arg,
+    float* __restrict__ k93_wv_adamw_param,
+    const float* __restrict__ k93_wv_adamw_grad,
+    float* __restrict__ k93_wv_adamw_m,
+    float* __restrict__ k93_wv_adamw_v,
+    const float* __restrict__ k93_wv_adamw_lr_arg,
+    const long long* __restrict__ k93_wv_adamw_step_arg,
+    float* __restrict__ k94_wo_adamw_param,
+    const float* __restrict__ k94_wo_adamw_grad,
+    float* __restrict__ k94_wo_adamw_m,
+    float* __restrict__ k94_wo_adamw_v,
+    const float* __restrict__ k94_wo_adamw_lr_arg,
+    const long long* __restrict__ k94_wo_adamw_step_arg,
+    float* __restrict__ k95_ln2_w_adamw_param,
+    const float* __restrict__ k95_ln2_w_adamw_grad,
+    float* __restrict__ k95_ln2_w_adamw_m,
+    float* __restrict__ k95_ln2_w_adamw_v,
+    const float* __restrict__ k95_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k95_ln2_w_adamw_step_arg) {
+  const unsigned int block = blockIdx.x;
+  if (block < 2u)
+    k89_embed_w_adamw_tile(k89_embed_w_adamw_param, k89_embed_w_adamw_grad, k89_embed_w_adamw_m, k89_embed_w_adamw_v, k89_embed_w_adamw_lr_arg, k89_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+  else if (block < 3u)
+    k90_ln1_w_adamw_tile(k90_ln1_w_adamw_param, k90_ln1_w_adamw_grad, k90_ln1_w_adamw_m, k90_ln1_w_adamw_v, k90_ln1_w_adamw_lr_arg, k90_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 7u)
+    k91_wq_adamw_tile(k91_wq_adamw_param, k91_wq_adamw_grad, k91_wq_adamw_m, k91_wq_adamw_v, k91_wq_adamw_lr_arg, k91_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+  else if (block < 11u)
+    k92_wk_adamw_tile(k92_wk_adamw_param, k92_wk_adamw_grad, k92_wk_adamw_m, k92_wk_adamw_v, k92_wk_adamw_lr_arg, k92_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+  else if (block < 15u)
+    k93_wv_adamw_tile(k93_wv_adamw_param, k93_wv_adamw_grad, k93_wv_adamw_m, k93_wv_adamw_v, k93_wv_adamw_lr_arg, k93_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+  else if (block < 19u)
+    k94_wo_adamw_tile(k94_wo_adamw_param, k94_wo_adamw_grad, k94_wo_adamw_m, k94_wo_adamw_v, k94_wo_adamw_lr_arg, k94_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+  else
+    k95_ln2_w_adamw_tile(k95_ln2_w_adamw_param, k95_ln2_w_adamw_grad, k95_ln2_w_adamw_m, k95_ln2_w_adamw_v, k95_ln2_w_adamw_lr_arg, k95_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+}
+
+// Launch h38_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k96_w_up_adamw
+//   blocks [8, 16): k97_w_down_adamw
+//   blocks [16, 17): k98_lnf_w_adamw
+//   blocks [17, 19): k99_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h38_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k96_w_up_adamw_param,
+    const float* __restrict__ k96_w_up_adamw_grad,
+    float* __restrict__ k96_w_up_adamw_m,
+    float* __restrict__ k96_w_up_adamw_v,
+    const float* __restrict__ k96_w_up_adamw_lr_arg,
+    const long long* __restrict__ k96_w_up_adamw_step_arg,
+    float* __restrict__ k97_w_down_adamw_param,
+    const float* __restrict__ k97_w_down_adamw_grad,
+    float* __restrict__ k97_w_down_adamw_m,
+    float* __restrict__ k97_w_down_adamw_v,
+    const float* __restrict__ k97_w_down_adamw_lr_arg,
+    const long long* __restrict__ k97_w_down_adamw_step_arg,
+    float* __restrict__ k98_lnf_w_adamw_param,
+    const float* __restrict__ k98_lnf_w_adamw_grad,
+    float* __restrict__ k98_lnf_w_adamw_m,
+    float* __restrict__ k98_lnf_w_adamw_v,
+    const float* __restrict__ k98_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k98_lnf_w_adamw_step_arg,
+    float* __restrict__ k99_w_head_adamw_param,
+    const float* __restrict__ k99_w_head_adamw_grad,
+    float* __restrict__ k99_w_head_adamw_m,
+    float* __restrict__ k99_w_head_adamw_v,
+    const float* __restrict__ k99_w_head_adamw_lr_arg,
+    const long long* __restrict__ k99_w_head_adamw_step_arg) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k96_w_up_adamw_tile(k96_w_up_adamw_param, k96_w_up_adamw_grad, k96_w_up_adamw_m, k96_w_up_adamw_v, k96_w_up_adamw_lr_arg, k96_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+  else if (block < 16u)
+    k97_w_down_adamw_tile(k97_w_down_adamw_param, k97_w_down_adamw_grad, k97_w_down_adamw_m, k97_w_down_adamw_v, k97_w_down_adamw_lr_arg, k97_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+  else if (block < 17u)
+    k98_lnf_w_adamw_tile(k98_lnf_w_adamw_param, k98_lnf_w_adamw_grad, k98_lnf_w_adamw_m, k98_lnf_w_adamw_v, k98_lnf_w_adamw_lr_arg, k98_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+  else
+    k99_w_head_adamw_tile(k99_w_head_adamw_param, k99_w_head_adamw_grad, k99_w_head_adamw_m, k99_w_head_adamw_v, k99_w_head_adamw_lr_arg, k99_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2486,691 +2792,475 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 171008ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 185344ull;
 
-static const cudagen_tensor_info k0_embed_w_tensors[] = {
-    {"out", "embed_w.out", 0ull, 2048ull},
-};
-static const cudagen_tensor_info k1_ln1_w_tensors[] = {
-    {"out", "ln1_w.out", 2048ull, 128ull},
-};
-static const cudagen_tensor_info k2_wq_tensors[] = {
-    {"out", "wq.out", 2304ull, 4096ull},
-};
-static const cudagen_tensor_info k3_wk_tensors[] = {
-    {"out", "wk.out", 6400ull, 4096ull},
-};
-static const cudagen_tensor_info k4_wv_tensors[] = {
-    {"out", "wv.out", 10496ull, 4096ull},
-};
-static const cudagen_tensor_info k5_wo_tensors[] = {
-    {"out", "wo.out", 14592ull, 4096ull},
-};
-static const cudagen_tensor_info k6_ln2_w_tensors[] = {
-    {"out", "ln2_w.out", 18688ull, 128ull},
-};
-static const cudagen_tensor_info k7_w_up_tensors[] = {
-    {"out", "w_up.out", 18944ull, 8192ull},
-};
-static const cudagen_tensor_info k8_w_down_tensors[] = {
-    {"out", "w_down.out", 27136ull, 8192ull},
-};
-static const cudagen_tensor_info k9_lnf_w_tensors[] = {
-    {"out", "lnf_w.out", 35328ull, 128ull},
-};
-static const cudagen_tensor_info k10_w_head_tensors[] = {
-    {"out", "w_head.out", 35584ull, 2048ull},
-};
-static const cudagen_tensor_info k11_embed_w_m_init_tensors[] = {
-    {"out", "embed_w_m_init.out", 37632ull, 2048ull},
-};
-static const cudagen_tensor_info k12_embed_w_v_init_tensors[] = {
-    {"out", "embed_w_v_init.out", 39680ull, 2048ull},
-};
-static const cudagen_tensor_info k13_ln1_w_m_init_tensors[] = {
-    {"out", "ln1_w_m_init.out", 41728ull, 128ull},
-};
-static const cudagen_tensor_info k14_ln1_w_v_init_tensors[] = {
-    {"out", "ln1_w_v_init.out", 41984ull, 128ull},
-};
-static const cudagen_tensor_info k15_wq_m_init_tensors[] = {
-    {"out", "wq_m_init.out", 42240ull, 4096ull},
-};
-static const cudagen_tensor_info k16_wq_v_init_tensors[] = {
-    {"out", "wq_v_init.out", 46336ull, 4096ull},
-};
-static const cudagen_tensor_info k17_wk_m_init_tensors[] = {
-    {"out", "wk_m_init.out", 50432ull, 4096ull},
-};
-static const cudagen_tensor_info k18_wk_v_init_tensors[] = {
-    {"out", "wk_v_init.out", 54528ull, 4096ull},
-};
-static const cudagen_tensor_info k19_wv_m_init_tensors[] = {
-    {"out", "wv_m_init.out", 58624ull, 4096ull},
-};
-static const cudagen_tensor_info k20_wv_v_init_tensors[] = {
-    {"out", "wv_v_init.out", 62720ull, 4096ull},
-};
-static const cudagen_tensor_info k21_wo_m_init_tensors[] = {
-    {"out", "wo_m_init.out", 66816ull, 4096ull},
-};
-static const cudagen_tensor_info k22_wo_v_init_tensors[] = {
-    {"out", "wo_v_init.out", 70912ull, 4096ull},
-};
-static const cudagen_tensor_info k23_ln2_w_m_init_tensors[] = {
-    {"out", "ln2_w_m_init.out", 75008ull, 128ull},
-};
-static const cudagen_tensor_info k24_ln2_w_v_init_tensors[] = {
-    {"out", "ln2_w_v_init.out", 75264ull, 128ull},
-};
-static const cudagen_tensor_info k25_w_up_m_init_tensors[] = {
-    {"out", "w_up_m_init.out", 75520ull, 8192ull},
-};
-static const cudagen_tensor_info k26_w_up_v_init_tensors[] = {
-    {"out", "w_up_v_init.out", 83712ull, 8192ull},
-};
-static const cudagen_tensor_info k27_w_down_m_init_tensors[] = {
-    {"out", "w_down_m_init.out", 91904ull, 8192ull},
-};
-static const cudagen_tensor_info k28_w_down_v_init_tensors[] = {
-    {"out", "w_down_v_init.out", 100096ull, 8192ull},
-};
-static const cudagen_tensor_info k29_lnf_w_m_init_tensors[] = {
-    {"out", "lnf_w_m_init.out", 108288ull, 128ull},
-};
-static const cudagen_tensor_info k30_lnf_w_v_init_tensors[] = {
-    {"out", "lnf_w_v_init.out", 108544ull, 128ull},
-};
-static const cudagen_tensor_info k31_w_head_m_init_tensors[] = {
-    {"out", "w_head_m_init.out", 108800ull, 2048ull},
-};
-static const cudagen_tensor_info k32_w_head_v_init_tensors[] = {
-    {"out", "w_head_v_init.out", 110848ull, 2048ull},
+static const cudagen_tensor_info h0_embed_w_ln1_w_wq_and_30_more_tensors[] = {
+    {"k0_embed_w_out", "embed_w.out", 0ull, 2048ull},
+    {"k1_ln1_w_out", "ln1_w.out", 2048ull, 128ull},
+    {"k2_wq_out", "wq.out", 2304ull, 4096ull},
+    {"k3_wk_out", "wk.out", 6400ull, 4096ull},
+    {"k4_wv_out", "wv.out", 10496ull, 4096ull},
+    {"k5_wo_out", "wo.out", 14592ull, 4096ull},
+    {"k6_ln2_w_out", "ln2_w.out", 18688ull, 128ull},
+    {"k7_w_up_out", "w_up.out", 18944ull, 8192ull},
+    {"k8_w_down_out", "w_down.out", 27136ull, 8192ull},
+    {"k9_lnf_w_out", "lnf_w.out", 35328ull, 128ull},
+    {"k10_w_head_out", "w_head.out", 35584ull, 2048ull},
+    {"k11_embed_w_m_init_out", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k12_embed_w_v_init_out", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k13_ln1_w_m_init_out", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k14_ln1_w_v_init_out", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k15_wq_m_init_out", "wq_m_init.out", 42240ull, 4096ull},
+    {"k16_wq_v_init_out", "wq_v_init.out", 46336ull, 4096ull},
+    {"k17_wk_m_init_out", "wk_m_init.out", 50432ull, 4096ull},
+    {"k18_wk_v_init_out", "wk_v_init.out", 54528ull, 4096ull},
+    {"k19_wv_m_init_out", "wv_m_init.out", 58624ull, 4096ull},
+    {"k20_wv_v_init_out", "wv_v_init.out", 62720ull, 4096ull},
+    {"k21_wo_m_init_out", "wo_m_init.out", 66816ull, 4096ull},
+    {"k22_wo_v_init_out", "wo_v_init.out", 70912ull, 4096ull},
+    {"k23_ln2_w_m_init_out", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k24_ln2_w_v_init_out", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k25_w_up_m_init_out", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k26_w_up_v_init_out", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k27_w_down_m_init_out", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k28_w_down_v_init_out", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k29_lnf_w_m_init_out", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k30_lnf_w_v_init_out", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k31_w_head_m_init_out", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k32_w_head_v_init_out", "w_head_v_init.out", 110848ull, 2048ull},
 };
 static const cudagen_tensor_info k33_embed_tensors[] = {
     {"table", "embed_w.out", 0ull, 2048ull},
-    {"ids", "embed.ids", 169216ull, 64ull},
-    {"out", "embed.out", 133376ull, 2048ull},
+    {"ids", "embed.ids", 113920ull, 64ull},
+    {"out", "embed.out", 114688ull, 2048ull},
 };
 static const cudagen_tensor_info k34_ln1_tensors[] = {
-    {"x", "embed.out", 133376ull, 2048ull},
+    {"x", "embed.out", 114688ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
-    {"out", "ln1.out", 135424ull, 2048ull},
-    {"rstd", "ln1.rstd", 169984ull, 64ull},
+    {"out", "ln1.out", 116992ull, 2048ull},
+    {"rstd", "ln1.rstd", 116736ull, 64ull},
 };
 static const cudagen_tensor_info k35_q_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
+    {"a", "ln1.out", 116992ull, 2048ull},
     {"b", "wq.out", 2304ull, 4096ull},
-    {"out", "q.out", 138496ull, 2048ull},
+    {"out", "q.out", 121088ull, 2048ull},
 };
-static const cudagen_tensor_info k36_q_heads_tensors[] = {
-    {"x", "q.out", 138496ull, 2048ull},
-    {"out", "q_heads.out", 140544ull, 2048ull},
+static const cudagen_tensor_info h4_q_heads_k_tensors[] = {
+    {"k36_q_heads_x", "q.out", 121088ull, 2048ull},
+    {"k36_q_heads_out", "q_heads.out", 119040ull, 2048ull},
+    {"k37_k_a", "ln1.out", 116992ull, 2048ull},
+    {"k37_k_b", "wk.out", 6400ull, 4096ull},
+    {"k37_k_out", "k.out", 123136ull, 2048ull},
 };
-static const cudagen_tensor_info k37_k_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
-    {"b", "wk.out", 6400ull, 4096ull},
-    {"out", "k.out", 138496ull, 2048ull},
+static const cudagen_tensor_info h5_k_heads_v_tensors[] = {
+    {"k38_k_heads_x", "k.out", 123136ull, 2048ull},
+    {"k38_k_heads_out", "k_heads.out", 121088ull, 2048ull},
+    {"k39_v_a", "ln1.out", 116992ull, 2048ull},
+    {"k39_v_b", "wv.out", 10496ull, 4096ull},
+    {"k39_v_out", "v.out", 125184ull, 2048ull},
 };
-static const cudagen_tensor_info k38_k_heads_tensors[] = {
-    {"x", "k.out", 138496ull, 2048ull},
-    {"out", "k_heads.out", 142592ull, 2048ull},
-};
-static const cudagen_tensor_info k39_v_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
-    {"b", "wv.out", 10496ull, 4096ull},
-    {"out", "v.out", 138496ull, 2048ull},
-};
-static const cudagen_tensor_info k40_v_heads_tensors[] = {
-    {"x", "v.out", 138496ull, 2048ull},
-    {"out", "v_heads.out", 146688ull, 2048ull},
-};
-static const cudagen_tensor_info k41_scores_tensors[] = {
-    {"a", "q_heads.out", 140544ull, 2048ull},
-    {"b", "k_heads.out", 142592ull, 2048ull},
-    {"out", "scores.out", 138496ull, 2048ull},
+static const cudagen_tensor_info h6_v_heads_scores_tensors[] = {
+    {"k40_v_heads_x", "v.out", 125184ull, 2048ull},
+    {"k40_v_heads_out", "v_heads.out", 123136ull, 2048ull},
+    {"k41_scores_a", "q_heads.out", 119040ull, 2048ull},
+    {"k41_scores_b", "k_heads.out", 121088ull, 2048ull},
+    {"k41_scores_out", "scores.out", 127232ull, 2048ull},
 };
 static const cudagen_tensor_info k42_probs_tensors[] = {
-    {"x", "scores.out", 138496ull, 2048ull},
-    {"out", "probs.out", 148736ull, 2048ull},
+    {"x", "scores.out", 127232ull, 2048ull},
+    {"out", "probs.out", 125184ull, 2048ull},
 };
 static const cudagen_tensor_info k43_context_tensors[] = {
-    {"a", "probs.out", 148736ull, 2048ull},
-    {"b", "v_heads.out", 146688ull, 2048ull},
-    {"out", "context.out", 131328ull, 2048ull},
+    {"a", "probs.out", 125184ull, 2048ull},
+    {"b", "v_heads.out", 123136ull, 2048ull},
+    {"out", "context.out", 129280ull, 2048ull},
 };
 static const cudagen_tensor_info k44_merged_tensors[] = {
-    {"x", "context.out", 131328ull, 2048ull},
-    {"out", "merged.out", 129280ull, 2048ull},
+    {"x", "context.out", 129280ull, 2048ull},
+    {"out", "merged.out", 127232ull, 2048ull},
 };
 static const cudagen_tensor_info k45_attn_out_tensors[] = {
-    {"a", "merged.out", 129280ull, 2048ull},
+    {"a", "merged.out", 127232ull, 2048ull},
     {"b", "wo.out", 14592ull, 4096ull},
-    {"res1_a", "embed.out", 133376ull, 2048ull},
-    {"res1_out", "res1.out", 131328ull, 2048ull},
+    {"res1_a", "embed.out", 114688ull, 2048ull},
+    {"res1_out", "res1.out", 129280ull, 2048ull},
 };
 static const cudagen_tensor_info k46_ln2_tensors[] = {
-    {"x", "res1.out", 131328ull, 2048ull},
+    {"x", "res1.out", 129280ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
-    {"out", "ln2.out", 121088ull, 2048ull},
-    {"rstd", "ln2.rstd", 170240ull, 64ull},
+    {"out", "ln2.out", 131584ull, 2048ull},
+    {"rstd", "ln2.rstd", 131328ull, 64ull},
 };
 static const cudagen_tensor_info k47_up_tensors[] = {
-    {"a", "ln2.out", 121088ull, 2048ull},
+    {"a", "ln2.out", 131584ull, 2048ull},
     {"b", "w_up.out", 18944ull, 8192ull},
-    {"out", "up.out", 116992ull, 4096ull},
-    {"act_out", "act.out", 112896ull, 4096ull},
+    {"out", "up.out", 133632ull, 4096ull},
+    {"act_out", "act.out", 137728ull, 4096ull},
 };
 static const cudagen_tensor_info k48_down_tensors[] = {
-    {"a", "act.out", 112896ull, 4096ull},
+    {"a", "act.out", 137728ull, 4096ull},
     {"b", "w_down.out", 27136ull, 8192ull},
-    {"res2_a", "res1.out", 131328ull, 2048ull},
-    {"res2_out", "res2.out", 123136ull, 2048ull},
+    {"res2_a", "res1.out", 129280ull, 2048ull},
+    {"res2_out", "res2.out", 141824ull, 2048ull},
 };
 static const cudagen_tensor_info k49_lnf_tensors[] = {
-    {"x", "res2.out", 123136ull, 2048ull},
+    {"x", "res2.out", 141824ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
-    {"out", "lnf.out", 138496ull, 2048ull},
-    {"rstd", "lnf.rstd", 128256ull, 64ull},
+    {"out", "lnf.out", 144128ull, 2048ull},
+    {"rstd", "lnf.rstd", 143872ull, 64ull},
 };
 static const cudagen_tensor_info k50_head_tensors[] = {
-    {"a", "lnf.out", 138496ull, 2048ull},
+    {"a", "lnf.out", 144128ull, 2048ull},
     {"b", "w_head.out", 35584ull, 2048ull},
-    {"out", "head.out", 137472ull, 1024ull},
+    {"out", "head.out", 112896ull, 1024ull},
 };
 static const cudagen_tensor_info k51_loss_tensors[] = {
-    {"logits", "head.out", 137472ull, 1024ull},
-    {"labels", "loss.labels", 169472ull, 64ull},
-    {"loss", "loss.loss", 170496ull, 4ull},
+    {"logits", "head.out", 112896ull, 1024ull},
+    {"labels", "loss.labels", 114176ull, 64ull},
+    {"loss", "loss.loss", 114432ull, 4ull},
 };
 static const cudagen_tensor_info k52_loss_backward_tensors[] = {
-    {"logits", "head.out", 137472ull, 1024ull},
-    {"labels", "loss.labels", 169472ull, 64ull},
-    {"dlogits", "loss_backward.dlogits", 127232ull, 1024ull},
+    {"logits", "head.out", 112896ull, 1024ull},
+    {"labels", "loss.labels", 114176ull, 64ull},
+    {"dlogits", "loss_backward.dlogits", 152320ull, 1024ull},
 };
-static const cudagen_tensor_info k53_head_grad_a_tensors[] = {
-    {"a", "loss_backward.dlogits", 127232ull, 1024ull},
-    {"b", "w_head.out", 35584ull, 2048ull},
-    {"out", "head_grad_a.out", 125184ull, 2048ull},
-};
-static const cudagen_tensor_info k54_head_grad_b_tensors[] = {
-    {"a", "lnf.out", 138496ull, 2048ull},
-    {"b", "loss_backward.dlogits", 127232ull, 1024ull},
-    {"out", "head_grad_b.out", 150784ull, 4096ull},
+static const cudagen_tensor_info h18_head_grad_a_head_grad_b_tensors[] = {
+    {"k53_head_grad_a_a", "loss_backward.dlogits", 152320ull, 1024ull},
+    {"k53_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
+    {"k53_head_grad_a_out", "head_grad_a.out", 150272ull, 2048ull},
+    {"k54_head_grad_b_a", "lnf.out", 144128ull, 2048ull},
+    {"k54_head_grad_b_b", "loss_backward.dlogits", 152320ull, 1024ull},
+    {"k54_head_grad_b_out", "head_grad_b.out", 146176ull, 4096ull},
 };
 static const cudagen_tensor_info k55_head_grad_b_sum_tensors[] = {
-    {"x", "head_grad_b_rows.out", 150784ull, 4096ull},
-    {"out", "head_grad_b_sum.out", 138496ull, 2048ull},
+    {"x", "head_grad_b_rows.out", 146176ull, 4096ull},
+    {"out", "head_grad_b_sum.out", 158208ull, 2048ull},
 };
 static const cudagen_tensor_info k56_lnf_backward_tensors[] = {
-    {"x", "res2.out", 123136ull, 2048ull},
+    {"x", "res2.out", 141824ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
-    {"rstd", "lnf.rstd", 128256ull, 64ull},
-    {"dout", "head_grad_a.out", 125184ull, 2048ull},
-    {"dx", "lnf_backward.dx", 144640ull, 2048ull},
-    {"dweight", "lnf_backward.dweight", 169728ull, 128ull},
+    {"rstd", "lnf.rstd", 143872ull, 64ull},
+    {"dout", "head_grad_a.out", 150272ull, 2048ull},
+    {"dx", "lnf_backward.dx", 160512ull, 2048ull},
+    {"dweight", "lnf_backward.dweight", 160256ull, 128ull},
 };
-static const cudagen_tensor_info k57_down_grad_a_tensors[] = {
-    {"a", "lnf_backward.dx", 144640ull, 2048ull},
-    {"b", "w_down.out", 27136ull, 8192ull},
-    {"act_backward_x", "up.out", 116992ull, 4096ull},
-    {"act_backward_dx", "act_backward.dx", 123136ull, 4096ull},
-};
-static const cudagen_tensor_info k58_down_grad_b_tensors[] = {
-    {"a", "act.out", 112896ull, 4096ull},
-    {"b", "lnf_backward.dx", 144640ull, 2048ull},
-    {"out", "down_grad_b.out", 150784ull, 16384ull},
+static const cudagen_tensor_info h20_down_grad_a_down_grad_b_tensors[] = {
+    {"k57_down_grad_a_a", "lnf_backward.dx", 160512ull, 2048ull},
+    {"k57_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
+    {"k57_down_grad_a_act_backward_x", "up.out", 133632ull, 4096ull},
+    {"k57_down_grad_a_act_backward_dx", "act_backward.dx", 178944ull, 4096ull},
+    {"k58_down_grad_b_a", "act.out", 137728ull, 4096ull},
+    {"k58_down_grad_b_b", "lnf_backward.dx", 160512ull, 2048ull},
+    {"k58_down_grad_b_out", "down_grad_b.out", 162560ull, 16384ull},
 };
 static const cudagen_tensor_info k59_down_grad_b_sum_tensors[] = {
-    {"x", "down_grad_b_rows.out", 150784ull, 16384ull},
-    {"out", "down_grad_b_sum.out", 112896ull, 8192ull},
+    {"x", "down_grad_b_rows.out", 162560ull, 16384ull},
+    {"out", "down_grad_b_sum.out", 150016ull, 8192ull},
 };
-static const cudagen_tensor_info k60_up_grad_a_tensors[] = {
-    {"a", "act_backward.dx", 123136ull, 4096ull},
-    {"b", "w_up.out", 18944ull, 8192ull},
-    {"out", "up_grad_a.out", 167168ull, 2048ull},
-};
-static const cudagen_tensor_info k61_up_grad_b_tensors[] = {
-    {"a", "ln2.out", 121088ull, 2048ull},
-    {"b", "act_backward.dx", 123136ull, 4096ull},
-    {"out", "up_grad_b.out", 150784ull, 16384ull},
+static const cudagen_tensor_info h21_up_grad_a_up_grad_b_1_tensors[] = {
+    {"k60_up_grad_a_a", "act_backward.dx", 178944ull, 4096ull},
+    {"k60_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
+    {"k60_up_grad_a_out", "up_grad_a.out", 183040ull, 2048ull},
+    {"k61_up_grad_b_a", "ln2.out", 131584ull, 2048ull},
+    {"k61_up_grad_b_b", "act_backward.dx", 178944ull, 4096ull},
+    {"k61_up_grad_b_out", "up_grad_b.out", 133632ull, 16384ull},
 };
 static const cudagen_tensor_info k62_up_grad_b_sum_tensors[] = {
-    {"x", "up_grad_b_rows.out", 150784ull, 16384ull},
-    {"out", "up_grad_b_sum.out", 121088ull, 8192ull},
+    {"x", "up_grad_b_rows.out", 133632ull, 16384ull},
+    {"out", "up_grad_b_sum.out", 162560ull, 8192ull},
 };
 static const cudagen_tensor_info k63_ln2_backward_tensors[] = {
-    {"x", "res1.out", 131328ull, 2048ull},
+    {"x", "res1.out", 129280ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
-    {"rstd", "ln2.rstd", 170240ull, 64ull},
-    {"dout", "up_grad_a.out", 167168ull, 2048ull},
-    {"dx", "ln2_backward.dx", 150784ull, 2048ull},
-    {"dweight", "ln2_backward.dweight", 165120ull, 128ull},
+    {"rstd", "ln2.rstd", 131328ull, 64ull},
+    {"dout", "up_grad_a.out", 183040ull, 2048ull},
+    {"dx", "ln2_backward.dx", 131584ull, 2048ull},
+    {"dweight", "ln2_backward.dweight", 170752ull, 128ull},
 };
 static const cudagen_tensor_info k64_grad_res1_out_sum_tensors[] = {
-    {"a", "lnf_backward.dx", 144640ull, 2048ull},
-    {"b", "ln2_backward.dx", 150784ull, 2048ull},
-    {"out", "grad_res1_out_sum.out", 144640ull, 2048ull},
+    {"a", "lnf_backward.dx", 160512ull, 2048ull},
+    {"b", "ln2_backward.dx", 131584ull, 2048ull},
+    {"out", "grad_res1_out_sum.out", 160512ull, 2048ull},
 };
-static const cudagen_tensor_info k65_attn_out_grad_a_tensors[] = {
-    {"a", "grad_res1_out_sum.out", 144640ull, 2048ull},
-    {"b", "wo.out", 14592ull, 4096ull},
-    {"out", "attn_out_grad_a.out", 158976ull, 2048ull},
-};
-static const cudagen_tensor_info k66_attn_out_grad_b_tensors[] = {
-    {"a", "merged.out", 129280ull, 2048ull},
-    {"b", "grad_res1_out_sum.out", 144640ull, 2048ull},
-    {"out", "attn_out_grad_b.out", 150784ull, 8192ull},
+static const cudagen_tensor_info h24_attn_out_grad_a_attn_out_grad_b_tensors[] = {
+    {"k65_attn_out_grad_a_a", "grad_res1_out_sum.out", 160512ull, 2048ull},
+    {"k65_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
+    {"k65_attn_out_grad_a_out", "attn_out_grad_a.out", 137472ull, 2048ull},
+    {"k66_attn_out_grad_b_a", "merged.out", 127232ull, 2048ull},
+    {"k66_attn_out_grad_b_b", "grad_res1_out_sum.out", 160512ull, 2048ull},
+    {"k66_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 8192ull},
 };
 static const cudagen_tensor_info k67_attn_out_grad_b_sum_tensors[] = {
-    {"x", "attn_out_grad_b_rows.out", 150784ull, 8192ull},
-    {"out", "attn_out_grad_b_sum.out", 129280ull, 4096ull},
+    {"x", "attn_out_grad_b_rows.out", 129280ull, 8192ull},
+    {"out", "attn_out_grad_b_sum.out", 139776ull, 4096ull},
 };
 static const cudagen_tensor_info k68_merged_grad_x_tensors[] = {
-    {"x", "attn_out_grad_a.out", 158976ull, 2048ull},
-    {"out", "merged_grad_x.out", 150784ull, 2048ull},
+    {"x", "attn_out_grad_a.out", 137472ull, 2048ull},
+    {"out", "merged_grad_x.out", 127232ull, 2048ull},
 };
-static const cudagen_tensor_info k69_context_grad_a_tensors[] = {
-    {"a", "merged_grad_x.out", 150784ull, 2048ull},
-    {"b", "v_heads.out", 146688ull, 2048ull},
-    {"out", "context_grad_a.out", 152832ull, 2048ull},
-};
-static const cudagen_tensor_info k70_context_grad_b_tensors[] = {
-    {"a", "probs.out", 148736ull, 2048ull},
-    {"b", "merged_grad_x.out", 150784ull, 2048ull},
-    {"out", "context_grad_b.out", 146688ull, 2048ull},
+static const cudagen_tensor_info h26_context_grad_a_context_grad_b_tensors[] = {
+    {"k69_context_grad_a_a", "merged_grad_x.out", 127232ull, 2048ull},
+    {"k69_context_grad_a_b", "v_heads.out", 123136ull, 2048ull},
+    {"k69_context_grad_a_out", "context_grad_a.out", 129280ull, 2048ull},
+    {"k70_context_grad_b_a", "probs.out", 125184ull, 2048ull},
+    {"k70_context_grad_b_b", "merged_grad_x.out", 127232ull, 2048ull},
+    {"k70_context_grad_b_out", "context_grad_b.out", 131328ull, 2048ull},
 };
 static const cudagen_tensor_info k71_probs_backward_tensors[] = {
-    {"out", "probs.out", 148736ull, 2048ull},
-    {"dout", "context_grad_a.out", 152832ull, 2048ull},
-    {"dx", "probs_backward.dx", 154880ull, 2048ull},
+    {"out", "probs.out", 125184ull, 2048ull},
+    {"dout", "context_grad_a.out", 129280ull, 2048ull},
+    {"dx", "probs_backward.dx", 123136ull, 2048ull},
 };
-static const cudagen_tensor_info k72_scores_grad_a_tensors[] = {
-    {"a", "probs_backward.dx", 154880ull, 2048ull},
-    {"b", "k_heads.out", 142592ull, 2048ull},
-    {"out", "scores_grad_a.out", 150784ull, 2048ull},
+static const cudagen_tensor_info h28_scores_grad_a_scores_grad_b_v_heads_grad_x_tensors[] = {
+    {"k72_scores_grad_a_a", "probs_backward.dx", 123136ull, 2048ull},
+    {"k72_scores_grad_a_b", "k_heads.out", 121088ull, 2048ull},
+    {"k72_scores_grad_a_out", "scores_grad_a.out", 127232ull, 2048ull},
+    {"k73_scores_grad_b_a", "probs_backward.dx", 123136ull, 2048ull},
+    {"k73_scores_grad_b_b", "q_heads.out", 119040ull, 2048ull},
+    {"k73_scores_grad_b_out", "scores_grad_b.out", 129280ull, 2048ull},
+    {"k74_v_heads_grad_x_x", "context_grad_b.out", 131328ull, 2048ull},
+    {"k74_v_heads_grad_x_out", "v_heads_grad_x.out", 133376ull, 2048ull},
 };
-static const cudagen_tensor_info k73_scores_grad_b_tensors[] = {
-    {"a", "probs_backward.dx", 154880ull, 2048ull},
-    {"b", "q_heads.out", 140544ull, 2048ull},
-    {"out", "scores_grad_b.out", 152832ull, 2048ull},
-};
-static const cudagen_tensor_info k74_v_heads_grad_x_tensors[] = {
-    {"x", "context_grad_b.out", 146688ull, 2048ull},
-    {"out", "v_heads_grad_x.out", 148736ull, 2048ull},
-};
-static const cudagen_tensor_info k75_v_grad_a_tensors[] = {
-    {"a", "v_heads_grad_x.out", 148736ull, 2048ull},
-    {"b", "wv.out", 10496ull, 4096ull},
-    {"out", "v_grad_a.out", 154880ull, 2048ull},
-};
-static const cudagen_tensor_info k76_v_grad_b_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
-    {"b", "v_heads_grad_x.out", 148736ull, 2048ull},
-    {"out", "v_grad_b.out", 156928ull, 8192ull},
+static const cudagen_tensor_info h29_v_grad_a_v_grad_b_tensors[] = {
+    {"k75_v_grad_a_a", "v_heads_grad_x.out", 133376ull, 2048ull},
+    {"k75_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k75_v_grad_a_out", "v_grad_a.out", 137728ull, 2048ull},
+    {"k76_v_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k76_v_grad_b_b", "v_heads_grad_x.out", 133376ull, 2048ull},
+    {"k76_v_grad_b_out", "v_grad_b.out", 119040ull, 8192ull},
 };
 static const cudagen_tensor_info k77_v_grad_b_sum_tensors[] = {
-    {"x", "v_grad_b_rows.out", 156928ull, 8192ull},
-    {"out", "v_grad_b_sum.out", 140544ull, 4096ull},
+    {"x", "v_grad_b_rows.out", 119040ull, 8192ull},
+    {"out", "v_grad_b_sum.out", 133632ull, 4096ull},
 };
 static const cudagen_tensor_info k78_k_heads_grad_x_tensors[] = {
-    {"x", "scores_grad_b.out", 152832ull, 2048ull},
-    {"out", "k_heads_grad_x.out", 146688ull, 2048ull},
+    {"x", "scores_grad_b.out", 129280ull, 2048ull},
+    {"out", "k_heads_grad_x.out", 131328ull, 2048ull},
 };
-static const cudagen_tensor_info k79_k_grad_a_tensors[] = {
-    {"a", "k_heads_grad_x.out", 146688ull, 2048ull},
-    {"b", "wk.out", 6400ull, 4096ull},
-    {"grad_ln1_out_sum_a", "v_grad_a.out", 154880ull, 2048ull},
-    {"grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 154880ull, 2048ull},
-};
-static const cudagen_tensor_info k80_k_grad_b_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
-    {"b", "k_heads_grad_x.out", 146688ull, 2048ull},
-    {"out", "k_grad_b.out", 156928ull, 8192ull},
+static const cudagen_tensor_info h31_k_grad_a_k_grad_b_tensors[] = {
+    {"k79_k_grad_a_a", "k_heads_grad_x.out", 131328ull, 2048ull},
+    {"k79_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k79_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 137728ull, 2048ull},
+    {"k79_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 137728ull, 2048ull},
+    {"k80_k_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k80_k_grad_b_b", "k_heads_grad_x.out", 131328ull, 2048ull},
+    {"k80_k_grad_b_out", "k_grad_b.out", 119040ull, 8192ull},
 };
 static const cudagen_tensor_info k81_k_grad_b_sum_tensors[] = {
-    {"x", "k_grad_b_rows.out", 156928ull, 8192ull},
-    {"out", "k_grad_b_sum.out", 146688ull, 4096ull},
+    {"x", "k_grad_b_rows.out", 119040ull, 8192ull},
+    {"out", "k_grad_b_sum.out", 129536ull, 4096ull},
 };
 static const cudagen_tensor_info k82_q_heads_grad_x_tensors[] = {
-    {"x", "scores_grad_a.out", 150784ull, 2048ull},
-    {"out", "q_heads_grad_x.out", 152832ull, 2048ull},
+    {"x", "scores_grad_a.out", 127232ull, 2048ull},
+    {"out", "q_heads_grad_x.out", 143872ull, 2048ull},
 };
-static const cudagen_tensor_info k83_q_grad_a_tensors[] = {
-    {"a", "q_heads_grad_x.out", 152832ull, 2048ull},
-    {"b", "wq.out", 2304ull, 4096ull},
-    {"grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 154880ull, 2048ull},
-    {"grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 154880ull, 2048ull},
-};
-static const cudagen_tensor_info k84_q_grad_b_tensors[] = {
-    {"a", "ln1.out", 135424ull, 2048ull},
-    {"b", "q_heads_grad_x.out", 152832ull, 2048ull},
-    {"out", "q_grad_b.out", 156928ull, 8192ull},
+static const cudagen_tensor_info h33_q_grad_a_q_grad_b_tensors[] = {
+    {"k83_q_grad_a_a", "q_heads_grad_x.out", 143872ull, 2048ull},
+    {"k83_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k83_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 137728ull, 2048ull},
+    {"k83_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 137728ull, 2048ull},
+    {"k84_q_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k84_q_grad_b_b", "q_heads_grad_x.out", 143872ull, 2048ull},
+    {"k84_q_grad_b_out", "q_grad_b.out", 121344ull, 8192ull},
 };
 static const cudagen_tensor_info k85_q_grad_b_sum_tensors[] = {
-    {"x", "q_grad_b_rows.out", 156928ull, 8192ull},
-    {"out", "q_grad_b_sum.out", 150784ull, 4096ull},
+    {"x", "q_grad_b_rows.out", 121344ull, 8192ull},
+    {"out", "q_grad_b_sum.out", 116992ull, 4096ull},
 };
 static const cudagen_tensor_info k86_ln1_backward_tensors[] = {
-    {"x", "embed.out", 133376ull, 2048ull},
+    {"x", "embed.out", 114688ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
-    {"rstd", "ln1.rstd", 169984ull, 64ull},
-    {"dout", "grad_ln1_out_sum_2.out", 154880ull, 2048ull},
-    {"dx", "ln1_backward.dx", 135424ull, 2048ull},
-    {"dweight", "ln1_backward.dweight", 167424ull, 128ull},
+    {"rstd", "ln1.rstd", 116736ull, 64ull},
+    {"dout", "grad_ln1_out_sum_2.out", 137728ull, 2048ull},
+    {"dx", "ln1_backward.dx", 143872ull, 2048ull},
+    {"dweight", "ln1_backward.dweight", 121088ull, 128ull},
 };
 static const cudagen_tensor_info k87_grad_embed_out_sum_tensors[] = {
-    {"a", "grad_res1_out_sum.out", 144640ull, 2048ull},
-    {"b", "ln1_backward.dx", 135424ull, 2048ull},
-    {"out", "grad_embed_out_sum.out", 144640ull, 2048ull},
+    {"a", "grad_res1_out_sum.out", 160512ull, 2048ull},
+    {"b", "ln1_backward.dx", 143872ull, 2048ull},
+    {"out", "grad_embed_out_sum.out", 160512ull, 2048ull},
 };
 static const cudagen_tensor_info k88_embed_backward_tensors[] = {
-    {"ids", "embed.ids", 169216ull, 64ull},
-    {"dout", "grad_embed_out_sum.out", 144640ull, 2048ull},
-    {"dtable", "embed_backward.dtable", 165376ull, 2048ull},
+    {"ids", "embed.ids", 113920ull, 64ull},
+    {"dout", "grad_embed_out_sum.out", 160512ull, 2048ull},
+    {"dtable", "embed_backward.dtable", 114688ull, 2048ull},
 };
-static const cudagen_tensor_info k89_embed_w_adamw_tensors[] = {
-    {"param", "embed_w.out", 0ull, 2048ull},
-    {"grad", "embed_backward.dtable", 165376ull, 2048ull},
-    {"m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h37_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k89_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k89_embed_w_adamw_grad", "embed_backward.dtable", 114688ull, 2048ull},
+    {"k89_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k89_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k89_embed_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k89_embed_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k90_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k90_ln1_w_adamw_grad", "ln1_backward.dweight", 121088ull, 128ull},
+    {"k90_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k90_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k90_ln1_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k90_ln1_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k91_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k91_wq_adamw_grad", "q_grad_b_shape.out", 116992ull, 4096ull},
+    {"k91_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k91_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k91_wq_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k91_wq_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k92_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k92_wk_adamw_grad", "k_grad_b_shape.out", 129536ull, 4096ull},
+    {"k92_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k92_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k92_wk_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k92_wk_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k93_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k93_wv_adamw_grad", "v_grad_b_shape.out", 133632ull, 4096ull},
+    {"k93_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k93_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k93_wv_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k93_wv_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k94_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k94_wo_adamw_grad", "attn_out_grad_b_shape.out", 139776ull, 4096ull},
+    {"k94_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k94_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k94_wo_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k94_wo_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k95_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k95_ln2_w_adamw_grad", "ln2_backward.dweight", 170752ull, 128ull},
+    {"k95_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k95_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k95_ln2_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k95_ln2_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info k90_ln1_w_adamw_tensors[] = {
-    {"param", "ln1_w.out", 2048ull, 128ull},
-    {"grad", "ln1_backward.dweight", 167424ull, 128ull},
-    {"m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k91_wq_adamw_tensors[] = {
-    {"param", "wq.out", 2304ull, 4096ull},
-    {"grad", "q_grad_b_shape.out", 150784ull, 4096ull},
-    {"m", "wq_m_init.out", 42240ull, 4096ull},
-    {"v", "wq_v_init.out", 46336ull, 4096ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k92_wk_adamw_tensors[] = {
-    {"param", "wk.out", 6400ull, 4096ull},
-    {"grad", "k_grad_b_shape.out", 146688ull, 4096ull},
-    {"m", "wk_m_init.out", 50432ull, 4096ull},
-    {"v", "wk_v_init.out", 54528ull, 4096ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k93_wv_adamw_tensors[] = {
-    {"param", "wv.out", 10496ull, 4096ull},
-    {"grad", "v_grad_b_shape.out", 140544ull, 4096ull},
-    {"m", "wv_m_init.out", 58624ull, 4096ull},
-    {"v", "wv_v_init.out", 62720ull, 4096ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k94_wo_adamw_tensors[] = {
-    {"param", "wo.out", 14592ull, 4096ull},
-    {"grad", "attn_out_grad_b_shape.out", 129280ull, 4096ull},
-    {"m", "wo_m_init.out", 66816ull, 4096ull},
-    {"v", "wo_v_init.out", 70912ull, 4096ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k95_ln2_w_adamw_tensors[] = {
-    {"param", "ln2_w.out", 18688ull, 128ull},
-    {"grad", "ln2_backward.dweight", 165120ull, 128ull},
-    {"m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k96_w_up_adamw_tensors[] = {
-    {"param", "w_up.out", 18944ull, 8192ull},
-    {"grad", "up_grad_b_shape.out", 121088ull, 8192ull},
-    {"m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k97_w_down_adamw_tensors[] = {
-    {"param", "w_down.out", 27136ull, 8192ull},
-    {"grad", "down_grad_b_shape.out", 112896ull, 8192ull},
-    {"m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k98_lnf_w_adamw_tensors[] = {
-    {"param", "lnf_w.out", 35328ull, 128ull},
-    {"grad", "lnf_backward.dweight", 169728ull, 128ull},
-    {"m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
-};
-static const cudagen_tensor_info k99_w_head_adamw_tensors[] = {
-    {"param", "w_head.out", 35584ull, 2048ull},
-    {"grad", "head_grad_b_shape.out", 138496ull, 2048ull},
-    {"m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"lr", "embed_w_adamw.lr", 170752ull, 8ull},  // run-time argument
-    {"step", "embed_w_adamw.step", 170760ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h38_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k96_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k96_w_up_adamw_grad", "up_grad_b_shape.out", 162560ull, 8192ull},
+    {"k96_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k96_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k96_w_up_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k96_w_up_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k97_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k97_w_down_adamw_grad", "down_grad_b_shape.out", 150016ull, 8192ull},
+    {"k97_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k97_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k97_w_down_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k97_w_down_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k98_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k98_lnf_w_adamw_grad", "lnf_backward.dweight", 160256ull, 128ull},
+    {"k98_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k98_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k98_lnf_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k98_lnf_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k99_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k99_w_head_adamw_grad", "head_grad_b_shape.out", 158208ull, 2048ull},
+    {"k99_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k99_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k99_w_head_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k99_w_head_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_embed_w, dim3(1, 1, 1), dim3(256), 0, k0_embed_w_tensors,
-                 (float*)(arena + 0));
-  CUDAGEN_LAUNCH(k1_ln1_w, dim3(1, 1, 1), dim3(256), 0, k1_ln1_w_tensors,
-                 (float*)(arena + 2048));
-  CUDAGEN_LAUNCH(k2_wq, dim3(1, 1, 1), dim3(256), 0, k2_wq_tensors,
-                 (float*)(arena + 2304));
-  CUDAGEN_LAUNCH(k3_wk, dim3(1, 1, 1), dim3(256), 0, k3_wk_tensors,
-                 (float*)(arena + 6400));
-  CUDAGEN_LAUNCH(k4_wv, dim3(1, 1, 1), dim3(256), 0, k4_wv_tensors,
-                 (float*)(arena + 10496));
-  CUDAGEN_LAUNCH(k5_wo, dim3(1, 1, 1), dim3(256), 0, k5_wo_tensors,
-                 (float*)(arena + 14592));
-  CUDAGEN_LAUNCH(k6_ln2_w, dim3(1, 1, 1), dim3(256), 0, k6_ln2_w_tensors,
-                 (float*)(arena + 18688));
-  CUDAGEN_LAUNCH(k7_w_up, dim3(2, 1, 1), dim3(256), 0, k7_w_up_tensors,
-                 (float*)(arena + 18944));
-  CUDAGEN_LAUNCH(k8_w_down, dim3(2, 1, 1), dim3(256), 0, k8_w_down_tensors,
-                 (float*)(arena + 27136));
-  CUDAGEN_LAUNCH(k9_lnf_w, dim3(1, 1, 1), dim3(256), 0, k9_lnf_w_tensors,
-                 (float*)(arena + 35328));
-  CUDAGEN_LAUNCH(k10_w_head, dim3(1, 1, 1), dim3(256), 0, k10_w_head_tensors,
-                 (float*)(arena + 35584));
-  CUDAGEN_LAUNCH(k11_embed_w_m_init, dim3(1, 1, 1), dim3(256), 0, k11_embed_w_m_init_tensors,
-                 (float*)(arena + 37632));
-  CUDAGEN_LAUNCH(k12_embed_w_v_init, dim3(1, 1, 1), dim3(256), 0, k12_embed_w_v_init_tensors,
-                 (float*)(arena + 39680));
-  CUDAGEN_LAUNCH(k13_ln1_w_m_init, dim3(1, 1, 1), dim3(256), 0, k13_ln1_w_m_init_tensors,
-                 (float*)(arena + 41728));
-  CUDAGEN_LAUNCH(k14_ln1_w_v_init, dim3(1, 1, 1), dim3(256), 0, k14_ln1_w_v_init_tensors,
-                 (float*)(arena + 41984));
-  CUDAGEN_LAUNCH(k15_wq_m_init, dim3(1, 1, 1), dim3(256), 0, k15_wq_m_init_tensors,
-                 (float*)(arena + 42240));
-  CUDAGEN_LAUNCH(k16_wq_v_init, dim3(1, 1, 1), dim3(256), 0, k16_wq_v_init_tensors,
-                 (float*)(arena + 46336));
-  CUDAGEN_LAUNCH(k17_wk_m_init, dim3(1, 1, 1), dim3(256), 0, k17_wk_m_init_tensors,
-                 (float*)(arena + 50432));
-  CUDAGEN_LAUNCH(k18_wk_v_init, dim3(1, 1, 1), dim3(256), 0, k18_wk_v_init_tensors,
-                 (float*)(arena + 54528));
-  CUDAGEN_LAUNCH(k19_wv_m_init, dim3(1, 1, 1), dim3(256), 0, k19_wv_m_init_tensors,
-                 (float*)(arena + 58624));
-  CUDAGEN_LAUNCH(k20_wv_v_init, dim3(1, 1, 1), dim3(256), 0, k20_wv_v_init_tensors,
-                 (float*)(arena + 62720));
-  CUDAGEN_LAUNCH(k21_wo_m_init, dim3(1, 1, 1), dim3(256), 0, k21_wo_m_init_tensors,
-                 (float*)(arena + 66816));
-  CUDAGEN_LAUNCH(k22_wo_v_init, dim3(1, 1, 1), dim3(256), 0, k22_wo_v_init_tensors,
-                 (float*)(arena + 70912));
-  CUDAGEN_LAUNCH(k23_ln2_w_m_init, dim3(1, 1, 1), dim3(256), 0, k23_ln2_w_m_init_tensors,
-                 (float*)(arena + 75008));
-  CUDAGEN_LAUNCH(k24_ln2_w_v_init, dim3(1, 1, 1), dim3(256), 0, k24_ln2_w_v_init_tensors,
-                 (float*)(arena + 75264));
-  CUDAGEN_LAUNCH(k25_w_up_m_init, dim3(2, 1, 1), dim3(256), 0, k25_w_up_m_init_tensors,
-                 (float*)(arena + 75520));
-  CUDAGEN_LAUNCH(k26_w_up_v_init, dim3(2, 1, 1), dim3(256), 0, k26_w_up_v_init_tensors,
-                 (float*)(arena + 83712));
-  CUDAGEN_LAUNCH(k27_w_down_m_init, dim3(2, 1, 1), dim3(256), 0, k27_w_down_m_init_tensors,
-                 (float*)(arena + 91904));
-  CUDAGEN_LAUNCH(k28_w_down_v_init, dim3(2, 1, 1), dim3(256), 0, k28_w_down_v_init_tensors,
-                 (float*)(arena + 100096));
-  CUDAGEN_LAUNCH(k29_lnf_w_m_init, dim3(1, 1, 1), dim3(256), 0, k29_lnf_w_m_init_tensors,
-                 (float*)(arena + 108288));
-  CUDAGEN_LAUNCH(k30_lnf_w_v_init, dim3(1, 1, 1), dim3(256), 0, k30_lnf_w_v_init_tensors,
-                 (float*)(arena + 108544));
-  CUDAGEN_LAUNCH(k31_w_head_m_init, dim3(1, 1, 1), dim3(256), 0, k31_w_head_m_init_tensors,
-                 (float*)(arena + 108800));
-  CUDAGEN_LAUNCH(k32_w_head_v_init, dim3(1, 1, 1), dim3(256), 0, k32_w_head_v_init_tensors,
-                 (float*)(arena + 110848));
+  CUDAGEN_LAUNCH(h0_embed_w_ln1_w_wq_and_30_more, dim3(39, 1, 1), dim3(256), 0, h0_embed_w_ln1_w_wq_and_30_more_tensors,
+                 (float*)(arena + 0), (float*)(arena + 2048), (float*)(arena + 2304), (float*)(arena + 6400), (float*)(arena + 10496), (float*)(arena + 14592), (float*)(arena + 18688), (float*)(arena + 18944), (float*)(arena + 27136), (float*)(arena + 35328), (float*)(arena + 35584), (float*)(arena + 37632), (float*)(arena + 39680), (float*)(arena + 41728), (float*)(arena + 41984), (float*)(arena + 42240), (float*)(arena + 46336), (float*)(arena + 50432), (float*)(arena + 54528), (float*)(arena + 58624), (float*)(arena + 62720), (float*)(arena + 66816), (float*)(arena + 70912), (float*)(arena + 75008), (float*)(arena + 75264), (float*)(arena + 75520), (float*)(arena + 83712), (float*)(arena + 91904), (float*)(arena + 100096), (float*)(arena + 108288), (float*)(arena + 108544), (float*)(arena + 108800), (float*)(arena + 110848));
   return 0;
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
-                 (const float*)(arena + 0), (const int*)(arena + 169216), (float*)(arena + 133376));
+                 (const float*)(arena + 0), (const int*)(arena + 113920), (float*)(arena + 114688));
   CUDAGEN_LAUNCH(k34_ln1, dim3(16, 1, 1), dim3(32), 128, k34_ln1_tensors,
-                 (const float*)(arena + 133376), (const float*)(arena + 2048), (float*)(arena + 135424), (float*)(arena + 169984));
+                 (const float*)(arena + 114688), (const float*)(arena + 2048), (float*)(arena + 116992), (float*)(arena + 116736));
   CUDAGEN_LAUNCH(k35_q, dim3(1, 1, 1), dim3(256), 4288, k35_q_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 2304), (float*)(arena + 138496));
-  CUDAGEN_LAUNCH(k36_q_heads, dim3(2, 1, 1), dim3(256), 0, k36_q_heads_tensors,
-                 (const float*)(arena + 138496), (float*)(arena + 140544));
-  CUDAGEN_LAUNCH(k37_k, dim3(1, 1, 1), dim3(256), 4288, k37_k_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 6400), (float*)(arena + 138496));
-  CUDAGEN_LAUNCH(k38_k_heads, dim3(2, 1, 1), dim3(256), 0, k38_k_heads_tensors,
-                 (const float*)(arena + 138496), (float*)(arena + 142592));
-  CUDAGEN_LAUNCH(k39_v, dim3(1, 1, 1), dim3(256), 4288, k39_v_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 10496), (float*)(arena + 138496));
-  CUDAGEN_LAUNCH(k40_v_heads, dim3(2, 1, 1), dim3(256), 0, k40_v_heads_tensors,
-                 (const float*)(arena + 138496), (float*)(arena + 146688));
-  CUDAGEN_LAUNCH(k41_scores, dim3(1, 1, 8), dim3(256), 4288, k41_scores_tensors,
-                 (const float*)(arena + 140544), (const float*)(arena + 142592), (float*)(arena + 138496));
+                 (const float*)(arena + 116992), (const float*)(arena + 2304), (float*)(arena + 121088));
+  CUDAGEN_LAUNCH(h4_q_heads_k, dim3(3, 1, 1), dim3(256), 4288, h4_q_heads_k_tensors,
+                 (const float*)(arena + 121088), (float*)(arena + 119040), (const float*)(arena + 116992), (const float*)(arena + 6400), (float*)(arena + 123136));
+  CUDAGEN_LAUNCH(h5_k_heads_v, dim3(3, 1, 1), dim3(256), 4288, h5_k_heads_v_tensors,
+                 (const float*)(arena + 123136), (float*)(arena + 121088), (const float*)(arena + 116992), (const float*)(arena + 10496), (float*)(arena + 125184));
+  CUDAGEN_LAUNCH(h6_v_heads_scores, dim3(10, 1, 1), dim3(256), 4288, h6_v_heads_scores_tensors,
+                 (const float*)(arena + 125184), (float*)(arena + 123136), (const float*)(arena + 119040), (const float*)(arena + 121088), (float*)(arena + 127232));
   CUDAGEN_LAUNCH(k42_probs, dim3(64, 1, 1), dim3(32), 128, k42_probs_tensors,
-                 (const float*)(arena + 138496), (float*)(arena + 148736));
+                 (const float*)(arena + 127232), (float*)(arena + 125184));
   CUDAGEN_LAUNCH(k43_context, dim3(1, 1, 8), dim3(256), 4288, k43_context_tensors,
-                 (const float*)(arena + 148736), (const float*)(arena + 146688), (float*)(arena + 131328));
+                 (const float*)(arena + 125184), (const float*)(arena + 123136), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k44_merged, dim3(2, 1, 1), dim3(256), 0, k44_merged_tensors,
-                 (const float*)(arena + 131328), (float*)(arena + 129280));
+                 (const float*)(arena + 129280), (float*)(arena + 127232));
   CUDAGEN_LAUNCH(k45_attn_out, dim3(1, 1, 1), dim3(256), 4288, k45_attn_out_tensors,
-                 (const float*)(arena + 129280), (const float*)(arena + 14592), (const float*)(arena + 133376), (float*)(arena + 131328));
+                 (const float*)(arena + 127232), (const float*)(arena + 14592), (const float*)(arena + 114688), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k46_ln2, dim3(16, 1, 1), dim3(32), 128, k46_ln2_tensors,
-                 (const float*)(arena + 131328), (const float*)(arena + 18688), (float*)(arena + 121088), (float*)(arena + 170240));
+                 (const float*)(arena + 129280), (const float*)(arena + 18688), (float*)(arena + 131584), (float*)(arena + 131328));
   CUDAGEN_LAUNCH(k47_up, dim3(2, 1, 1), dim3(256), 4288, k47_up_tensors,
-                 (const float*)(arena + 121088), (const float*)(arena + 18944), (float*)(arena + 116992), (float*)(arena + 112896));
+                 (const float*)(arena + 131584), (const float*)(arena + 18944), (float*)(arena + 133632), (float*)(arena + 137728));
   CUDAGEN_LAUNCH(k48_down, dim3(1, 1, 1), dim3(256), 4288, k48_down_tensors,
-                 (const float*)(arena + 112896), (const float*)(arena + 27136), (const float*)(arena + 131328), (float*)(arena + 123136));
+                 (const float*)(arena + 137728), (const float*)(arena + 27136), (const float*)(arena + 129280), (float*)(arena + 141824));
   CUDAGEN_LAUNCH(k49_lnf, dim3(16, 1, 1), dim3(32), 128, k49_lnf_tensors,
-                 (const float*)(arena + 123136), (const float*)(arena + 35328), (float*)(arena + 138496), (float*)(arena + 128256));
+                 (const float*)(arena + 141824), (const float*)(arena + 35328), (float*)(arena + 144128), (float*)(arena + 143872));
   CUDAGEN_LAUNCH(k50_head, dim3(1, 1, 1), dim3(256), 4288, k50_head_tensors,
-                 (const float*)(arena + 138496), (const float*)(arena + 35584), (float*)(arena + 137472));
+                 (const float*)(arena + 144128), (const float*)(arena + 35584), (float*)(arena + 112896));
   CUDAGEN_LAUNCH(k51_loss, dim3(1, 1, 1), dim3(32), 128, k51_loss_tensors,
-                 (const float*)(arena + 137472), (const int*)(arena + 169472), (float*)(arena + 170496));
+                 (const float*)(arena + 112896), (const int*)(arena + 114176), (float*)(arena + 114432));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k52_loss_backward, dim3(16, 1, 1), dim3(32), 128, k52_loss_backward_tensors,
-                 (const float*)(arena + 137472), (const int*)(arena + 169472), (float*)(arena + 127232));
-  CUDAGEN_LAUNCH(k53_head_grad_a, dim3(1, 1, 1), dim3(256), 4288, k53_head_grad_a_tensors,
-                 (const float*)(arena + 127232), (const float*)(arena + 35584), (float*)(arena + 125184));
-  CUDAGEN_LAUNCH(k54_head_grad_b, dim3(1, 1, 2), dim3(256), 4288, k54_head_grad_b_tensors,
-                 (const float*)(arena + 138496), (const float*)(arena + 127232), (float*)(arena + 150784));
+                 (const float*)(arena + 112896), (const int*)(arena + 114176), (float*)(arena + 152320));
+  CUDAGEN_LAUNCH(h18_head_grad_a_head_grad_b, dim3(3, 1, 1), dim3(256), 4288, h18_head_grad_a_head_grad_b_tensors,
+                 (const float*)(arena + 152320), (const float*)(arena + 35584), (float*)(arena + 150272), (const float*)(arena + 144128), (const float*)(arena + 152320), (float*)(arena + 146176));
   CUDAGEN_LAUNCH(k55_head_grad_b_sum, dim3(16, 1, 1), dim3(64), 256, k55_head_grad_b_sum_tensors,
-                 (const float*)(arena + 150784), (float*)(arena + 138496));
+                 (const float*)(arena + 146176), (float*)(arena + 158208));
   CUDAGEN_LAUNCH(k56_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k56_lnf_backward_tensors,
-                 (const float*)(arena + 123136), (const float*)(arena + 35328), (const float*)(arena + 128256), (const float*)(arena + 125184), (float*)(arena + 144640), (float*)(arena + 169728));
-  CUDAGEN_LAUNCH(k57_down_grad_a, dim3(2, 1, 1), dim3(256), 4288, k57_down_grad_a_tensors,
-                 (const float*)(arena + 144640), (const float*)(arena + 27136), (const float*)(arena + 116992), (float*)(arena + 123136));
-  CUDAGEN_LAUNCH(k58_down_grad_b, dim3(1, 2, 2), dim3(256), 4288, k58_down_grad_b_tensors,
-                 (const float*)(arena + 112896), (const float*)(arena + 144640), (float*)(arena + 150784));
+                 (const float*)(arena + 141824), (const float*)(arena + 35328), (const float*)(arena + 143872), (const float*)(arena + 150272), (float*)(arena + 160512), (float*)(arena + 160256));
+  CUDAGEN_LAUNCH(h20_down_grad_a_down_grad_b, dim3(6, 1, 1), dim3(256), 4288, h20_down_grad_a_down_grad_b_tensors,
+                 (const float*)(arena + 160512), (const float*)(arena + 27136), (const float*)(arena + 133632), (float*)(arena + 178944), (const float*)(arena + 137728), (const float*)(arena + 160512), (float*)(arena + 162560));
   CUDAGEN_LAUNCH(k59_down_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k59_down_grad_b_sum_tensors,
-                 (const float*)(arena + 150784), (float*)(arena + 112896));
-  CUDAGEN_LAUNCH(k60_up_grad_a, dim3(1, 1, 1), dim3(256), 4288, k60_up_grad_a_tensors,
-                 (const float*)(arena + 123136), (const float*)(arena + 18944), (float*)(arena + 167168));
-  CUDAGEN_LAUNCH(k61_up_grad_b, dim3(2, 1, 2), dim3(256), 4288, k61_up_grad_b_tensors,
-                 (const float*)(arena + 121088), (const float*)(arena + 123136), (float*)(arena + 150784));
+                 (const float*)(arena + 162560), (float*)(arena + 150016));
+  CUDAGEN_LAUNCH(h21_up_grad_a_up_grad_b_1, dim3(5, 1, 1), dim3(256), 4288, h21_up_grad_a_up_grad_b_1_tensors,
+                 (const float*)(arena + 178944), (const float*)(arena + 18944), (float*)(arena + 183040), (const float*)(arena + 131584), (const float*)(arena + 178944), (float*)(arena + 133632));
   CUDAGEN_LAUNCH(k62_up_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k62_up_grad_b_sum_tensors,
-                 (const float*)(arena + 150784), (float*)(arena + 121088));
+                 (const float*)(arena + 133632), (float*)(arena + 162560));
   CUDAGEN_LAUNCH(k63_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k63_ln2_backward_tensors,
-                 (const float*)(arena + 131328), (const float*)(arena + 18688), (const float*)(arena + 170240), (const float*)(arena + 167168), (float*)(arena + 150784), (float*)(arena + 165120));
+                 (const float*)(arena + 129280), (const float*)(arena + 18688), (const float*)(arena + 131328), (const float*)(arena + 183040), (float*)(arena + 131584), (float*)(arena + 170752));
   CUDAGEN_LAUNCH(k64_grad_res1_out_sum, dim3(1, 1, 1), dim3(256), 0, k64_grad_res1_out_sum_tensors,
-                 (const float*)(arena + 144640), (const float*)(arena + 150784), (float*)(arena + 144640));
-  CUDAGEN_LAUNCH(k65_attn_out_grad_a, dim3(1, 1, 1), dim3(256), 4288, k65_attn_out_grad_a_tensors,
-                 (const float*)(arena + 144640), (const float*)(arena + 14592), (float*)(arena + 158976));
-  CUDAGEN_LAUNCH(k66_attn_out_grad_b, dim3(1, 1, 2), dim3(256), 4288, k66_attn_out_grad_b_tensors,
-                 (const float*)(arena + 129280), (const float*)(arena + 144640), (float*)(arena + 150784));
+                 (const float*)(arena + 160512), (const float*)(arena + 131584), (float*)(arena + 160512));
+  CUDAGEN_LAUNCH(h24_attn_out_grad_a_attn_out_grad_b, dim3(3, 1, 1), dim3(256), 4288, h24_attn_out_grad_a_attn_out_grad_b_tensors,
+                 (const float*)(arena + 160512), (const float*)(arena + 14592), (float*)(arena + 137472), (const float*)(arena + 127232), (const float*)(arena + 160512), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k67_attn_out_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k67_attn_out_grad_b_sum_tensors,
-                 (const float*)(arena + 150784), (float*)(arena + 129280));
+                 (const float*)(arena + 129280), (float*)(arena + 139776));
   CUDAGEN_LAUNCH(k68_merged_grad_x, dim3(2, 1, 1), dim3(256), 0, k68_merged_grad_x_tensors,
-                 (const float*)(arena + 158976), (float*)(arena + 150784));
-  CUDAGEN_LAUNCH(k69_context_grad_a, dim3(1, 1, 8), dim3(256), 4288, k69_context_grad_a_tensors,
-                 (const float*)(arena + 150784), (const float*)(arena + 146688), (float*)(arena + 152832));
-  CUDAGEN_LAUNCH(k70_context_grad_b, dim3(1, 1, 8), dim3(256), 4288, k70_context_grad_b_tensors,
-                 (const float*)(arena + 148736), (const float*)(arena + 150784), (float*)(arena + 146688));
+                 (const float*)(arena + 137472), (float*)(arena + 127232));
+  CUDAGEN_LAUNCH(h26_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h26_context_grad_a_context_grad_b_tensors,
+                 (const float*)(arena + 127232), (const float*)(arena + 123136), (float*)(arena + 129280), (const float*)(arena + 125184), (const float*)(arena + 127232), (float*)(arena + 131328));
   CUDAGEN_LAUNCH(k71_probs_backward, dim3(64, 1, 1), dim3(32), 128, k71_probs_backward_tensors,
-                 (const float*)(arena + 148736), (const float*)(arena + 152832), (float*)(arena + 154880));
-  CUDAGEN_LAUNCH(k72_scores_grad_a, dim3(1, 1, 8), dim3(256), 4288, k72_scores_grad_a_tensors,
-                 (const float*)(arena + 154880), (const float*)(arena + 142592), (float*)(arena + 150784));
-  CUDAGEN_LAUNCH(k73_scores_grad_b, dim3(1, 1, 8), dim3(256), 4288, k73_scores_grad_b_tensors,
-                 (const float*)(arena + 154880), (const float*)(arena + 140544), (float*)(arena + 152832));
-  CUDAGEN_LAUNCH(k74_v_heads_grad_x, dim3(2, 1, 1), dim3(256), 0, k74_v_heads_grad_x_tensors,
-                 (const float*)(arena + 146688), (float*)(arena + 148736));
-  CUDAGEN_LAUNCH(k75_v_grad_a, dim3(1, 1, 1), dim3(256), 4288, k75_v_grad_a_tensors,
-                 (const float*)(arena + 148736), (const float*)(arena + 10496), (float*)(arena + 154880));
-  CUDAGEN_LAUNCH(k76_v_grad_b, dim3(1, 1, 2), dim3(256), 4288, k76_v_grad_b_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 148736), (float*)(arena + 156928));
+                 (const float*)(arena + 125184), (const float*)(arena + 129280), (float*)(arena + 123136));
+  CUDAGEN_LAUNCH(h28_scores_grad_a_scores_grad_b_v_heads_grad_x, dim3(18, 1, 1), dim3(256), 4288, h28_scores_grad_a_scores_grad_b_v_heads_grad_x_tensors,
+                 (const float*)(arena + 123136), (const float*)(arena + 121088), (float*)(arena + 127232), (const float*)(arena + 123136), (const float*)(arena + 119040), (float*)(arena + 129280), (const float*)(arena + 131328), (float*)(arena + 133376));
+  CUDAGEN_LAUNCH(h29_v_grad_a_v_grad_b, dim3(3, 1, 1), dim3(256), 4288, h29_v_grad_a_v_grad_b_tensors,
+                 (const float*)(arena + 133376), (const float*)(arena + 10496), (float*)(arena + 137728), (const float*)(arena + 116992), (const float*)(arena + 133376), (float*)(arena + 119040));
   CUDAGEN_LAUNCH(k77_v_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k77_v_grad_b_sum_tensors,
-                 (const float*)(arena + 156928), (float*)(arena + 140544));
+                 (const float*)(arena + 119040), (float*)(arena + 133632));
   CUDAGEN_LAUNCH(k78_k_heads_grad_x, dim3(2, 1, 1), dim3(256), 0, k78_k_heads_grad_x_tensors,
-                 (const float*)(arena + 152832), (float*)(arena + 146688));
-  CUDAGEN_LAUNCH(k79_k_grad_a, dim3(1, 1, 1), dim3(256), 4288, k79_k_grad_a_tensors,
-                 (const float*)(arena + 146688), (const float*)(arena + 6400), (const float*)(arena + 154880), (float*)(arena + 154880));
-  CUDAGEN_LAUNCH(k80_k_grad_b, dim3(1, 1, 2), dim3(256), 4288, k80_k_grad_b_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 146688), (float*)(arena + 156928));
+                 (const float*)(arena + 129280), (float*)(arena + 131328));
+  CUDAGEN_LAUNCH(h31_k_grad_a_k_grad_b, dim3(3, 1, 1), dim3(256), 4288, h31_k_grad_a_k_grad_b_tensors,
+                 (const float*)(arena + 131328), (const float*)(arena + 6400), (const float*)(arena + 137728), (float*)(arena + 137728), (const float*)(arena + 116992), (const float*)(arena + 131328), (float*)(arena + 119040));
   CUDAGEN_LAUNCH(k81_k_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k81_k_grad_b_sum_tensors,
-                 (const float*)(arena + 156928), (float*)(arena + 146688));
+                 (const float*)(arena + 119040), (float*)(arena + 129536));
   CUDAGEN_LAUNCH(k82_q_heads_grad_x, dim3(2, 1, 1), dim3(256), 0, k82_q_heads_grad_x_tensors,
-                 (const float*)(arena + 150784), (float*)(arena + 152832));
-  CUDAGEN_LAUNCH(k83_q_grad_a, dim3(1, 1, 1), dim3(256), 4288, k83_q_grad_a_tensors,
-                 (const float*)(arena + 152832), (const float*)(arena + 2304), (const float*)(arena + 154880), (float*)(arena + 154880));
-  CUDAGEN_LAUNCH(k84_q_grad_b, dim3(1, 1, 2), dim3(256), 4288, k84_q_grad_b_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 152832), (float*)(arena + 156928));
+                 (const float*)(arena + 127232), (float*)(arena + 143872));
+  CUDAGEN_LAUNCH(h33_q_grad_a_q_grad_b, dim3(3, 1, 1), dim3(256), 4288, h33_q_grad_a_q_grad_b_tensors,
+                 (const float*)(arena + 143872), (const float*)(arena + 2304), (const float*)(arena + 137728), (float*)(arena + 137728), (const float*)(arena + 116992), (const float*)(arena + 143872), (float*)(arena + 121344));
   CUDAGEN_LAUNCH(k85_q_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k85_q_grad_b_sum_tensors,
-                 (const float*)(arena + 156928), (float*)(arena + 150784));
+                 (const float*)(arena + 121344), (float*)(arena + 116992));
   CUDAGEN_LAUNCH(k86_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k86_ln1_backward_tensors,
-                 (const float*)(arena + 133376), (const float*)(arena + 2048), (const float*)(arena + 169984), (const float*)(arena + 154880), (float*)(arena + 135424), (float*)(arena + 167424));
+                 (const float*)(arena + 114688), (const float*)(arena + 2048), (const float*)(arena + 116736), (const float*)(arena + 137728), (float*)(arena + 143872), (float*)(arena + 121088));
   CUDAGEN_LAUNCH(k87_grad_embed_out_sum, dim3(1, 1, 1), dim3(256), 0, k87_grad_embed_out_sum_tensors,
-                 (const float*)(arena + 144640), (const float*)(arena + 135424), (float*)(arena + 144640));
+                 (const float*)(arena + 160512), (const float*)(arena + 143872), (float*)(arena + 160512));
   CUDAGEN_LAUNCH(k88_embed_backward, dim3(16, 1, 1), dim3(32), 0, k88_embed_backward_tensors,
-                 (const int*)(arena + 169216), (const float*)(arena + 144640), (float*)(arena + 165376));
+                 (const int*)(arena + 113920), (const float*)(arena + 160512), (float*)(arena + 114688));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k89_embed_w_adamw, dim3(2, 1, 1), dim3(256), 0, k89_embed_w_adamw_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 165376), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k90_ln1_w_adamw, dim3(1, 1, 1), dim3(256), 0, k90_ln1_w_adamw_tensors,
-                 (float*)(arena + 2048), (const float*)(arena + 167424), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k91_wq_adamw, dim3(4, 1, 1), dim3(256), 0, k91_wq_adamw_tensors,
-                 (float*)(arena + 2304), (const float*)(arena + 150784), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k92_wk_adamw, dim3(4, 1, 1), dim3(256), 0, k92_wk_adamw_tensors,
-                 (float*)(arena + 6400), (const float*)(arena + 146688), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k93_wv_adamw, dim3(4, 1, 1), dim3(256), 0, k93_wv_adamw_tensors,
-                 (float*)(arena + 10496), (const float*)(arena + 140544), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k94_wo_adamw, dim3(4, 1, 1), dim3(256), 0, k94_wo_adamw_tensors,
-                 (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k95_ln2_w_adamw, dim3(1, 1, 1), dim3(256), 0, k95_ln2_w_adamw_tensors,
-                 (float*)(arena + 18688), (const float*)(arena + 165120), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k96_w_up_adamw, dim3(8, 1, 1), dim3(256), 0, k96_w_up_adamw_tensors,
-                 (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k97_w_down_adamw, dim3(8, 1, 1), dim3(256), 0, k97_w_down_adamw_tensors,
-                 (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k98_lnf_w_adamw, dim3(1, 1, 1), dim3(256), 0, k98_lnf_w_adamw_tensors,
-                 (float*)(arena + 35328), (const float*)(arena + 169728), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 170752), (const long long*)(arena + 170760));
-  CUDAGEN_LAUNCH(k99_w_head_adamw, dim3(2, 1, 1), dim3(256), 0, k99_w_head_adamw_tensors,
-                 (float*)(arena + 35584), (const float*)(arena + 138496), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 170752), (const long long*)(arena + 170760));
+  CUDAGEN_LAUNCH(h37_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h37_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 114688), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 2048), (const float*)(arena + 121088), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 2304), (const float*)(arena + 116992), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 6400), (const float*)(arena + 129536), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 10496), (const float*)(arena + 133632), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 14592), (const float*)(arena + 139776), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 18688), (const float*)(arena + 170752), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 185088), (const long long*)(arena + 185096));
+  CUDAGEN_LAUNCH(h38_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h38_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+                 (float*)(arena + 18944), (const float*)(arena + 162560), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 27136), (const float*)(arena + 150016), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 35328), (const float*)(arena + 160256), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 35584), (const float*)(arena + 158208), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 185088), (const long long*)(arena + 185096));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -626,9 +626,6 @@ CG_DEVICE void k0_ln1_w_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k0_ln1_w(float* __restrict__ out) {
-  k0_ln1_w_tile(out, cg_launch_tile());
-}
 
 // Kernel k1_wq (init phase): task wq (uniform, elementwise).
 //   reads  -
@@ -640,9 +637,6 @@ CG_DEVICE void k1_wq_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.125f, 0.125f, 1ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k1_wq(float* __restrict__ out) {
-  k1_wq_tile(out, cg_launch_tile());
 }
 
 // Kernel k2_wk (init phase): task wk (uniform, elementwise).
@@ -656,9 +650,6 @@ CG_DEVICE void k2_wk_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k2_wk(float* __restrict__ out) {
-  k2_wk_tile(out, cg_launch_tile());
-}
 
 // Kernel k3_wv (init phase): task wv (uniform, elementwise).
 //   reads  -
@@ -670,9 +661,6 @@ CG_DEVICE void k3_wv_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.125f, 0.125f, 3ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k3_wv(float* __restrict__ out) {
-  k3_wv_tile(out, cg_launch_tile());
 }
 
 // Kernel k4_wo (init phase): task wo (uniform, elementwise).
@@ -686,9 +674,6 @@ CG_DEVICE void k4_wo_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k4_wo(float* __restrict__ out) {
-  k4_wo_tile(out, cg_launch_tile());
-}
 
 // Kernel k5_ln2_w (init phase): task ln2_w (fill, elementwise).
 //   reads  -
@@ -700,9 +685,6 @@ CG_DEVICE void k5_ln2_w_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_fill<float>(i + k, 1.0f);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k5_ln2_w(float* __restrict__ out) {
-  k5_ln2_w_tile(out, cg_launch_tile());
 }
 
 // Kernel k6_w_up (init phase): task w_up (uniform, elementwise).
@@ -716,9 +698,6 @@ CG_DEVICE void k6_w_up_tile(float* out, cg_tile tile) {
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k6_w_up(float* __restrict__ out) {
-  k6_w_up_tile(out, cg_launch_tile());
-}
 
 // Kernel k7_w_down (init phase): task w_down (uniform, elementwise).
 //   reads  -
@@ -730,9 +709,6 @@ CG_DEVICE void k7_w_down_tile(float* out, cg_tile tile) {
     for (int k = 0; k < 4; ++k) out_v.v[k] = cg_uniform<float>(i + k, -0.0625f, 0.0625f, 6ll);
     cg_store_vector<4>(out, i, out_v);
   }
-}
-CG_KERNEL void __launch_bounds__(256) k7_w_down(float* __restrict__ out) {
-  k7_w_down_tile(out, cg_launch_tile());
 }
 
 // Kernel k8_ln1 (forward phase): task ln1 (rmsnorm, reduction).
@@ -778,9 +754,6 @@ CG_DEVICE void k10_q_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
 }
-CG_KERNEL void __launch_bounds__(256) k10_q_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k10_q_heads_tile(x, out, cg_launch_tile());
-}
 
 // Kernel k11_k (forward phase): task k (matmul, matmul).
 //   reads  k.a f32 [2, 16, 64] <- ln1.out, k.b f32 [64, 64] <- wk.out
@@ -796,9 +769,6 @@ CG_DEVICE void k11_k_tile(const float* a, const float* b, float* out, cg_tile ti
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k11_k(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k11_k_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k12_k_heads (forward phase): task k_heads (split_heads, gather).
 //   reads  k_heads.x f32 [2, 16, 64] <- k.out
@@ -807,9 +777,6 @@ CG_KERNEL void __launch_bounds__(256) k11_k(const float* __restrict__ a, const f
 CG_DEVICE void k12_k_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
-}
-CG_KERNEL void __launch_bounds__(256) k12_k_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k12_k_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k13_v (forward phase): task v (matmul, matmul).
@@ -826,9 +793,6 @@ CG_DEVICE void k13_v_tile(const float* a, const float* b, float* out, cg_tile ti
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k13_v(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k13_v_tile(a, b, out, cg_launch_tile());
-}
 
 // Kernel k14_v_heads (forward phase): task v_heads (split_heads, gather).
 //   reads  v_heads.x f32 [2, 16, 64] <- v.out
@@ -837,9 +801,6 @@ CG_KERNEL void __launch_bounds__(256) k13_v(const float* __restrict__ a, const f
 CG_DEVICE void k14_v_heads_tile(const float* x, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
     cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
-}
-CG_KERNEL void __launch_bounds__(256) k14_v_heads(const float* __restrict__ x, float* __restrict__ out) {
-  k14_v_heads_tile(x, out, cg_launch_tile());
 }
 
 // Kernel k15_scores (forward phase): task scores (matmul, matmul).
@@ -855,9 +816,6 @@ CG_DEVICE void k15_scores_tile(const float* a, const float* b, float* out, cg_ti
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 16 + k); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 16, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k15_scores(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k15_scores_tile(a, b, out, cg_launch_tile());
 }
 
 // Kernel k16_probs (forward phase): task probs (softmax, reduction).
@@ -994,6 +952,103 @@ CG_KERNEL void __launch_bounds__(256) k22_down(const float* __restrict__ a, cons
   k22_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
+// Launch h0_ln1_w_wq_wk_and_5_more (init phase):
+// 8 kernels that are independent of each other (rule horizontal) as one grid of 50 blocks
+// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k0_ln1_w
+//   blocks [1, 5): k1_wq
+//   blocks [5, 9): k2_wk
+//   blocks [9, 13): k3_wv
+//   blocks [13, 17): k4_wo
+//   blocks [17, 18): k5_ln2_w
+//   blocks [18, 34): k6_w_up
+//   blocks [34, 50): k7_w_down
+CG_KERNEL void __launch_bounds__(256) h0_ln1_w_wq_wk_and_5_more(
+    float* __restrict__ k0_ln1_w_out,
+    float* __restrict__ k1_wq_out,
+    float* __restrict__ k2_wk_out,
+    float* __restrict__ k3_wv_out,
+    float* __restrict__ k4_wo_out,
+    float* __restrict__ k5_ln2_w_out,
+    float* __restrict__ k6_w_up_out,
+    float* __restrict__ k7_w_down_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k0_ln1_w_tile(k0_ln1_w_out, cg_tile_of(block, 1, 1));
+  else if (block < 5u)
+    k1_wq_tile(k1_wq_out, cg_tile_of(block - 1u, 4, 1));
+  else if (block < 9u)
+    k2_wk_tile(k2_wk_out, cg_tile_of(block - 5u, 4, 1));
+  else if (block < 13u)
+    k3_wv_tile(k3_wv_out, cg_tile_of(block - 9u, 4, 1));
+  else if (block < 17u)
+    k4_wo_tile(k4_wo_out, cg_tile_of(block - 13u, 4, 1));
+  else if (block < 18u)
+    k5_ln2_w_tile(k5_ln2_w_out, cg_tile_of(block - 17u, 1, 1));
+  else if (block < 34u)
+    k6_w_up_tile(k6_w_up_out, cg_tile_of(block - 18u, 16, 1));
+  else
+    k7_w_down_tile(k7_w_down_out, cg_tile_of(block - 34u, 16, 1));
+}
+
+// Launch h3_q_heads_k (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k10_q_heads
+//   blocks [8, 10): k11_k
+CG_KERNEL void __launch_bounds__(256) h3_q_heads_k(
+    const float* __restrict__ k10_q_heads_x,
+    float* __restrict__ k10_q_heads_out,
+    const float* __restrict__ k11_k_a,
+    const float* __restrict__ k11_k_b,
+    float* __restrict__ k11_k_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k10_q_heads_tile(k10_q_heads_x, k10_q_heads_out, cg_tile_of(block, 8, 1));
+  else
+    k11_k_tile(k11_k_a, k11_k_b, k11_k_out, cg_tile_of(block - 8u, 2, 1));
+}
+
+// Launch h4_k_heads_v (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k12_k_heads
+//   blocks [8, 10): k13_v
+CG_KERNEL void __launch_bounds__(256) h4_k_heads_v(
+    const float* __restrict__ k12_k_heads_x,
+    float* __restrict__ k12_k_heads_out,
+    const float* __restrict__ k13_v_a,
+    const float* __restrict__ k13_v_b,
+    float* __restrict__ k13_v_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k12_k_heads_tile(k12_k_heads_x, k12_k_heads_out, cg_tile_of(block, 8, 1));
+  else
+    k13_v_tile(k13_v_a, k13_v_b, k13_v_out, cg_tile_of(block - 8u, 2, 1));
+}
+
+// Launch h5_v_heads_scores (forward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 8): k14_v_heads
+//   blocks [8, 16): k15_scores
+CG_KERNEL void __launch_bounds__(256) h5_v_heads_scores(
+    const float* __restrict__ k14_v_heads_x,
+    float* __restrict__ k14_v_heads_out,
+    const float* __restrict__ k15_scores_a,
+    const float* __restrict__ k15_scores_b,
+    float* __restrict__ k15_scores_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 8u)
+    k14_v_heads_tile(k14_v_heads_x, k14_v_heads_out, cg_tile_of(block, 8, 1));
+  else
+    k15_scores_tile(k15_scores_a, k15_scores_b, k15_scores_out, cg_tile_of(block - 8u, 1, 1));
+}
+
 #ifndef __CUDACC_RTC__
 // ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----
 #ifndef CUDAGEN_TENSOR_INFO_DEFINED  // the host emulation defines it too
@@ -1015,29 +1070,15 @@ struct cudagen_tensor_info {
 
 extern "C" const unsigned long long cudagen_arena_bytes = 262656ull;
 
-static const cudagen_tensor_info k0_ln1_w_tensors[] = {
-    {"out", "ln1_w.out", 0ull, 256ull},
-};
-static const cudagen_tensor_info k1_wq_tensors[] = {
-    {"out", "wq.out", 256ull, 16384ull},
-};
-static const cudagen_tensor_info k2_wk_tensors[] = {
-    {"out", "wk.out", 16640ull, 16384ull},
-};
-static const cudagen_tensor_info k3_wv_tensors[] = {
-    {"out", "wv.out", 33024ull, 16384ull},
-};
-static const cudagen_tensor_info k4_wo_tensors[] = {
-    {"out", "wo.out", 49408ull, 16384ull},
-};
-static const cudagen_tensor_info k5_ln2_w_tensors[] = {
-    {"out", "ln2_w.out", 65792ull, 256ull},
-};
-static const cudagen_tensor_info k6_w_up_tensors[] = {
-    {"out", "w_up.out", 66048ull, 65536ull},
-};
-static const cudagen_tensor_info k7_w_down_tensors[] = {
-    {"out", "w_down.out", 131584ull, 65536ull},
+static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
+    {"k0_ln1_w_out", "ln1_w.out", 0ull, 256ull},
+    {"k1_wq_out", "wq.out", 256ull, 16384ull},
+    {"k2_wk_out", "wk.out", 16640ull, 16384ull},
+    {"k3_wv_out", "wv.out", 33024ull, 16384ull},
+    {"k4_wo_out", "wo.out", 49408ull, 16384ull},
+    {"k5_ln2_w_out", "ln2_w.out", 65792ull, 256ull},
+    {"k6_w_up_out", "w_up.out", 66048ull, 65536ull},
+    {"k7_w_down_out", "w_down.out", 131584ull, 65536ull},
 };
 static const cudagen_tensor_info k8_ln1_tensors[] = {
     {"x", "ln1.x", 229888ull, 8192ull},
@@ -1049,48 +1090,42 @@ static const cudagen_tensor_info k9_q_tensors[] = {
     {"b", "wq.out", 256ull, 16384ull},
     {"out", "q.out", 205312ull, 8192ull},
 };
-static const cudagen_tensor_info k10_q_heads_tensors[] = {
-    {"x", "q.out", 205312ull, 8192ull},
-    {"out", "q_heads.out", 213504ull, 8192ull},
+static const cudagen_tensor_info h3_q_heads_k_tensors[] = {
+    {"k10_q_heads_x", "q.out", 205312ull, 8192ull},
+    {"k10_q_heads_out", "q_heads.out", 213504ull, 8192ull},
+    {"k11_k_a", "ln1.out", 197120ull, 8192ull},
+    {"k11_k_b", "wk.out", 16640ull, 16384ull},
+    {"k11_k_out", "k.out", 221696ull, 8192ull},
 };
-static const cudagen_tensor_info k11_k_tensors[] = {
-    {"a", "ln1.out", 197120ull, 8192ull},
-    {"b", "wk.out", 16640ull, 16384ull},
-    {"out", "k.out", 205312ull, 8192ull},
+static const cudagen_tensor_info h4_k_heads_v_tensors[] = {
+    {"k12_k_heads_x", "k.out", 221696ull, 8192ull},
+    {"k12_k_heads_out", "k_heads.out", 205312ull, 8192ull},
+    {"k13_v_a", "ln1.out", 197120ull, 8192ull},
+    {"k13_v_b", "wv.out", 33024ull, 16384ull},
+    {"k13_v_out", "v.out", 246272ull, 8192ull},
 };
-static const cudagen_tensor_info k12_k_heads_tensors[] = {
-    {"x", "k.out", 205312ull, 8192ull},
-    {"out", "k_heads.out", 221696ull, 8192ull},
-};
-static const cudagen_tensor_info k13_v_tensors[] = {
-    {"a", "ln1.out", 197120ull, 8192ull},
-    {"b", "wv.out", 33024ull, 16384ull},
-    {"out", "v.out", 205312ull, 8192ull},
-};
-static const cudagen_tensor_info k14_v_heads_tensors[] = {
-    {"x", "v.out", 205312ull, 8192ull},
-    {"out", "v_heads.out", 197120ull, 8192ull},
-};
-static const cudagen_tensor_info k15_scores_tensors[] = {
-    {"a", "q_heads.out", 213504ull, 8192ull},
-    {"b", "k_heads.out", 221696ull, 8192ull},
-    {"out", "scores.out", 205312ull, 8192ull},
+static const cudagen_tensor_info h5_v_heads_scores_tensors[] = {
+    {"k14_v_heads_x", "v.out", 246272ull, 8192ull},
+    {"k14_v_heads_out", "v_heads.out", 197120ull, 8192ull},
+    {"k15_scores_a", "q_heads.out", 213504ull, 8192ull},
+    {"k15_scores_b", "k_heads.out", 205312ull, 8192ull},
+    {"k15_scores_out", "scores.out", 221696ull, 8192ull},
 };
 static const cudagen_tensor_info k16_probs_tensors[] = {
-    {"x", "scores.out", 205312ull, 8192ull},
-    {"out", "probs.out", 213504ull, 8192ull},
+    {"x", "scores.out", 221696ull, 8192ull},
+    {"out", "probs.out", 205312ull, 8192ull},
 };
 static const cudagen_tensor_info k17_context_tensors[] = {
-    {"a", "probs.out", 213504ull, 8192ull},
+    {"a", "probs.out", 205312ull, 8192ull},
     {"b", "v_heads.out", 197120ull, 8192ull},
-    {"out", "context.out", 205312ull, 8192ull},
+    {"out", "context.out", 213504ull, 8192ull},
 };
 static const cudagen_tensor_info k18_merged_tensors[] = {
-    {"x", "context.out", 205312ull, 8192ull},
-    {"out", "merged.out", 197120ull, 8192ull},
+    {"x", "context.out", 213504ull, 8192ull},
+    {"out", "merged.out", 221696ull, 8192ull},
 };
 static const cudagen_tensor_info k19_attn_out_tensors[] = {
-    {"a", "merged.out", 197120ull, 8192ull},
+    {"a", "merged.out", 221696ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
     {"res1_a", "ln1.x", 229888ull, 8192ull},
     {"res1_out", "res1.out", 246272ull, 8192ull},
@@ -1113,22 +1148,8 @@ static const cudagen_tensor_info k22_down_tensors[] = {
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_ln1_w, dim3(1, 1, 1), dim3(256), 0, k0_ln1_w_tensors,
-                 (float*)(arena + 0));
-  CUDAGEN_LAUNCH(k1_wq, dim3(4, 1, 1), dim3(256), 0, k1_wq_tensors,
-                 (float*)(arena + 256));
-  CUDAGEN_LAUNCH(k2_wk, dim3(4, 1, 1), dim3(256), 0, k2_wk_tensors,
-                 (float*)(arena + 16640));
-  CUDAGEN_LAUNCH(k3_wv, dim3(4, 1, 1), dim3(256), 0, k3_wv_tensors,
-                 (float*)(arena + 33024));
-  CUDAGEN_LAUNCH(k4_wo, dim3(4, 1, 1), dim3(256), 0, k4_wo_tensors,
-                 (float*)(arena + 49408));
-  CUDAGEN_LAUNCH(k5_ln2_w, dim3(1, 1, 1), dim3(256), 0, k5_ln2_w_tensors,
-                 (float*)(arena + 65792));
-  CUDAGEN_LAUNCH(k6_w_up, dim3(16, 1, 1), dim3(256), 0, k6_w_up_tensors,
-                 (float*)(arena + 66048));
-  CUDAGEN_LAUNCH(k7_w_down, dim3(16, 1, 1), dim3(256), 0, k7_w_down_tensors,
-                 (float*)(arena + 131584));
+  CUDAGEN_LAUNCH(h0_ln1_w_wq_wk_and_5_more, dim3(50, 1, 1), dim3(256), 0, h0_ln1_w_wq_wk_and_5_more_tensors,
+                 (float*)(arena + 0), (float*)(arena + 256), (float*)(arena + 16640), (float*)(arena + 33024), (float*)(arena + 49408), (float*)(arena + 65792), (float*)(arena + 66048), (float*)(arena + 131584));
   return 0;
 }
 
@@ -1137,26 +1158,20 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120));
   CUDAGEN_LAUNCH(k9_q, dim3(2, 1, 1), dim3(256), 4288, k9_q_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 256), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(k10_q_heads, dim3(8, 1, 1), dim3(256), 0, k10_q_heads_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 213504));
-  CUDAGEN_LAUNCH(k11_k, dim3(2, 1, 1), dim3(256), 4288, k11_k_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(k12_k_heads, dim3(8, 1, 1), dim3(256), 0, k12_k_heads_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(k13_v, dim3(2, 1, 1), dim3(256), 4288, k13_v_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(k14_v_heads, dim3(8, 1, 1), dim3(256), 0, k14_v_heads_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k15_scores, dim3(1, 1, 8), dim3(256), 4288, k15_scores_tensors,
-                 (const float*)(arena + 213504), (const float*)(arena + 221696), (float*)(arena + 205312));
+  CUDAGEN_LAUNCH(h3_q_heads_k, dim3(10, 1, 1), dim3(256), 4288, h3_q_heads_k_tensors,
+                 (const float*)(arena + 205312), (float*)(arena + 213504), (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 221696));
+  CUDAGEN_LAUNCH(h4_k_heads_v, dim3(10, 1, 1), dim3(256), 4288, h4_k_heads_v_tensors,
+                 (const float*)(arena + 221696), (float*)(arena + 205312), (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 246272));
+  CUDAGEN_LAUNCH(h5_v_heads_scores, dim3(16, 1, 1), dim3(256), 4288, h5_v_heads_scores_tensors,
+                 (const float*)(arena + 246272), (float*)(arena + 197120), (const float*)(arena + 213504), (const float*)(arena + 205312), (float*)(arena + 221696));
   CUDAGEN_LAUNCH(k16_probs, dim3(128, 1, 1), dim3(32), 128, k16_probs_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 213504));
+                 (const float*)(arena + 221696), (float*)(arena + 205312));
   CUDAGEN_LAUNCH(k17_context, dim3(1, 1, 8), dim3(256), 4288, k17_context_tensors,
-                 (const float*)(arena + 213504), (const float*)(arena + 197120), (float*)(arena + 205312));
+                 (const float*)(arena + 205312), (const float*)(arena + 197120), (float*)(arena + 213504));
   CUDAGEN_LAUNCH(k18_merged, dim3(8, 1, 1), dim3(256), 0, k18_merged_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 197120));
+                 (const float*)(arena + 213504), (float*)(arena + 221696));
   CUDAGEN_LAUNCH(k19_attn_out, dim3(2, 1, 1), dim3(256), 4288, k19_attn_out_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
+                 (const float*)(arena + 221696), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
   CUDAGEN_LAUNCH(k20_ln2, dim3(32, 1, 1), dim3(64), 128, k20_ln2_tensors,
                  (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 254464));
   CUDAGEN_LAUNCH(k21_up, dim3(8, 1, 1), dim3(256), 4288, k21_up_tensors,

@@ -95,6 +95,18 @@ TEST_F(Cli, DescribeShowsPhasesAndStorage) {
     EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
 }
 
+TEST_F(Cli, DescribeShowsKernelsAndLaunches) {
+  CliResult r = run("describe " + source_path("examples/transformer_block.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* want : {"kernels: 23 kernels in 13 launches", "L0    k7_w_down", "[matmul_epilogue]",
+                           "not in the launch before (rule horizontal)", "it reads 'ln1.out', which k8_ln1 writes"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
+  r = run("describe --no-fuse-rule horizontal " + source_path("examples/transformer_block.json"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("kernels: 23 kernels in 23 launches"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rule horizontal is off (--no-fuse-rule)"), std::string::npos) << r.out;
+}
+
 TEST_F(Cli, DescribeMegakernelPrintsTheScheduleAndCompileTakesItsOptions) {
   CliResult r = run("describe --megakernel --megakernel-blocks 3 " + source_path("examples/mlp_train.json"));
   ASSERT_EQ(r.status, 0) << r.err;
@@ -263,7 +275,7 @@ TEST_F(Cli, RunTimeArgumentsTakeAValueForTheRun) {
 TEST_F(Cli, BudgetErrorNamesThePeak) {
   CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " --budget 10000");
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.err.find("over the budget of 10000 bytes; the peak is at kernel"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("over the budget of 10000 bytes; the peak is at launch"), std::string::npos) << r.err;
 }
 
 TEST_F(Cli, PlanABufferListWritesOffsetsAndSvg) {

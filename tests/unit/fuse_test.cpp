@@ -157,13 +157,76 @@ TEST(Fusion, NotWhenTheOutputShapeDiffers) {
   EXPECT_EQ(reason_for(c, "grid"), "its output is [4, 8], the kernel's elements are [8]");
 }
 
-TEST(Fusion, NotIndependentTasks) {
+TEST(Fusion, NotIndependentTasksIntoOneKernel) {
   GraphBuilder b("independent");
   b.task("one", "relu").tensor("x", f32, {8}, ext).tensor("out", f32, {8}, ext);
   b.task("two", "neg").tensor("x", f32, {8}, ext).tensor("out", f32, {8}, ext);
   Compiled c = plan_graph(std::move(b).graph());
   EXPECT_EQ(c.kernels.size(), 2u);
-  EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes (independent tasks are not fused yet)");
+  EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes");
+}
+
+// The reason recorded for the kernel that starts with `task` not joining the
+// launch before it ("" when none).
+std::string launch_reason_for(const Compiled& c, const std::string& task) {
+  for (const auto& n : c.launch_notes)
+    if (c.program.tasks[size_t(n.task)].task->id == task) return n.reason;
+  return "";
+}
+
+// Rule horizontal: two independent matmuls and an elementwise task of
+// another size, then a task that reads the matmuls.
+TaskGraph independent_matmuls() {
+  GraphBuilder b("horizontal");
+  auto x = b.task("x", "relu").tensor("x", f32, {16, 32}, ext).tensor("out", f32, {16, 32});
+  auto p = b.task("p", "matmul").tensor("a", x["out"]).tensor("b", f32, {32, 64}, ext).tensor("out", f32, {16, 64});
+  auto q = b.task("q", "matmul").tensor("a", x["out"]).tensor("b", f32, {32, 64}, ext).tensor("out", f32, {16, 64});
+  b.task("r", "exp").tensor("x", f32, {100}, ext).tensor("out", f32, {100}, ext);
+  b.task("s", "concat").tensor("a", p["out"]).tensor("b", q["out"]).tensor("out", f32, {16, 128}, ext);
+  return std::move(b).graph();
+}
+
+TEST(Horizontal, IndependentKernelsShareALaunch) {
+  Compiled c = plan_graph(independent_matmuls());
+  // x | p, q, r (one launch) | s
+  ASSERT_EQ(c.kernels.size(), 5u);
+  EXPECT_EQ(launch_count(c.kernels), 3);
+  EXPECT_EQ(c.kernels[1].launch, c.kernels[2].launch);
+  EXPECT_EQ(c.kernels[2].launch, c.kernels[3].launch);
+  EXPECT_EQ(launch_reason_for(c, "p"), "it reads 'x.out', which k0_x writes");
+  EXPECT_EQ(launch_reason_for(c, "q"), "") << "q reads what p reads, and writes nothing p touches";
+  EXPECT_EQ(launch_reason_for(c, "s"), "it reads 'p.out', which k1_p writes");
+  // One launch is one step of the plan: what its kernels touch lives at once.
+  const PlannedBuffer& p_out = c.plan.buffers[size_t(c.program.tasks[1].find_tensor("out")->buffer)];
+  const PlannedBuffer& q_out = c.plan.buffers[size_t(c.program.tasks[2].find_tensor("out")->buffer)];
+  EXPECT_EQ(p_out.first, q_out.first);
+  EXPECT_TRUE(p_out.offset + p_out.bytes <= q_out.offset || q_out.offset + q_out.bytes <= p_out.offset);
+}
+
+TEST(Horizontal, NotWhatOverwritesWhatAnotherReads) {
+  GraphBuilder b("war");
+  auto w = b.task("w", "fill", Phase::init).tensor("out", f32, {8}, Storage::persistent).arg("value", 1.0);
+  auto m = b.task("m", "fill", Phase::init).tensor("out", f32, {8}, Storage::persistent).arg("value", 0.0);
+  b.task("read", "relu", Phase::update).tensor("x", w["out"]).tensor("out", f32, {8}, ext);
+  b.task("step", "sgd", Phase::update)
+      .tensor("param", w["out"])
+      .tensor("grad", f32, {8}, ext)
+      .tensor("momentum_buf", m["out"])
+      .arg("lr", 0.1);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(launch_count(c.kernels), 3) << "init | read | step";
+  EXPECT_EQ(launch_reason_for(c, "step"), "it writes 'w.out', which k2_read reads");
+}
+
+TEST(Horizontal, TurnsOff) {
+  FuseOptions off;
+  off.disabled_rules = {"horizontal"};
+  Compiled c = plan_graph(independent_matmuls(), off);
+  EXPECT_EQ(launch_count(c.kernels), 5);
+  EXPECT_EQ(launch_reason_for(c, "q"), "rule horizontal is off (--no-fuse-rule)");
+  Compiled unfused = plan_graph(independent_matmuls(), FuseOptions{false, {}});
+  EXPECT_EQ(launch_count(unfused.kernels), int(unfused.kernels.size()));
+  EXPECT_TRUE(unfused.launch_notes.empty()) << "--no-fuse: nothing to explain";
 }
 
 TEST(Fusion, NotAnInPlaceUpdate) {
