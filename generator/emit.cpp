@@ -707,6 +707,17 @@ class Emitter {
       std::vector<std::string> operands;
       const Param* result = nullptr;
       const std::vector<Param> ps = params(t);
+      if (!inverse_permutation_op(op.name).empty()) {  // rule permuted_store: the last task
+        const Param& x = param(ps, "x");
+        const Param& out_param = param(ps, "out");
+        const std::string name = p_.tasks[size_t(t)].task->id + "_out";
+        e.params.push_back(LaunchParam{name, c_type(out_param.buffer->dtype), out_param.bound->buffer, nullptr, true});
+        stores += fmt::format("    {};  // {} ({}): where it moves element i\n",
+                              store_element(name, out_param.buffer->dtype, permuted_index(t, x, out_param),
+                                            value_of.at(x.bound->buffer)),
+                              p_.tasks[size_t(t)].task->id, op.name);
+        continue;
+      }
       for (const auto& x : ps) {
         if (x.written) {
           result = &x;
@@ -738,6 +749,18 @@ class Emitter {
         "  auto cg_epilogue = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
         k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), anchor_store, statements, stores);
     return e;
+  }
+
+  // Rule permuted_store: where element i of gather task `t`'s input lands in
+  // its output, by the index map of the inverse op (kernels.h).
+  std::string permuted_index(int t, const Param& x, const Param& out) {
+    const OpSignature& inverse = *p_.registry.find(inverse_permutation_op(p_.tasks[size_t(t)].op->name));
+    template_files_.insert(inverse.source_file);
+    use_function(inverse, inverse.source_function);
+    // split_heads and merge_heads: H, T, D from the [..., H, T, D] side.
+    const Shape& s = p_.tasks[size_t(t)].op->name == "split_heads" ? out.buffer->shape : x.buffer->shape;
+    const int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back();
+    return fmt::format("{}(i, {}, {}, {})", inverse.source_function, T, H, D);
   }
 
   void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {

@@ -107,10 +107,37 @@ class Fuser {
     return epilogue_rule(p_.tasks[size_t(t)]);
   }
 
+  // Whether task `t` is a gather whose inverse map the registry has a
+  // template for (rule permuted_store).
+  bool permutation(int t) const {
+    const std::string_view inverse = inverse_permutation_op(p_.tasks[size_t(t)].op->name);
+    if (inverse.empty()) return false;
+    const OpSignature* op = p_.registry.find(inverse);
+    return op != nullptr && !op->source_file.empty();
+  }
+
+  // Rule permuted_store: gather `t` after a matmul or row op's kernel, on a
+  // value it computes.
+  std::string why_not_store_permuted(const KernelGroup& group, const std::string& rule, int t) const {
+    if (rule == "elementwise_chain")
+      return fmt::format("'{}' is a gather op; only a matmul's or a row op's kernel stores permuted",
+                         p_.tasks[size_t(t)].task->id);
+    if (!rule_on("permuted_store")) return "rule permuted_store is off (--no-fuse-rule)";
+    const BoundTensor* x = nullptr;
+    for (const auto& b : p_.tasks[size_t(t)].tensors)
+      if (b.sig != nullptr && !b.sig->written()) x = &b;
+    for (int task : group.tasks)
+      if (x != nullptr && group_value(p_.tasks[size_t(task)])->buffer == x->buffer) return {};
+    return "it reads nothing the kernel computes";
+  }
+
   std::string why_not_join(const KernelGroup& group, int t) const {
     const int front = group.tasks.front();
     const std::string rule = group_rule(front);
     if (rule.empty()) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
+    if (group.tasks.size() > 1 && permutation(group.tasks.back()))
+      return "the kernel before ends with a permuted store: its elements are no longer the task's";
+    if (permutation(t)) return why_not_store_permuted(group, rule, t);
     if (std::string gap = chain_gap(p_, t); !gap.empty()) return gap;
     if (!rule_on(rule)) return fmt::format("rule {} is off (--no-fuse-rule)", rule);
     const Shape& domain = value_of(front).shape;

@@ -14,6 +14,11 @@
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
 //                      block stores it.
+//   permuted_store     a gather that only moves elements (split_heads,
+//                      merge_heads) after a matmul or a row op, or their
+//                      epilogue: each element is stored where the gather
+//                      would put it, and the gather runs no kernel. Last in
+//                      its kernel.
 //   horizontal         adjacent kernels of one phase, none reading what
 //                      another writes (nor writing what another reads or
 //                      writes), in one launch: one grid, each kernel on its
@@ -35,7 +40,7 @@
 namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue",
-                                                      "horizontal"};
+                                                      "permuted_store", "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

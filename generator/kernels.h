@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "program.h"
@@ -27,6 +28,17 @@ struct KernelGroup {
 
 // The number of launches: one past the largest KernelGroup::launch.
 int launch_count(const std::vector<KernelGroup>& kernels);
+
+// Gather ops that only move elements (a bijection between input and output
+// elements), each with the op whose index map is its inverse: the map from an
+// element of its input to its place in the output. A kernel that computes the
+// input can store each element straight there (fuse.h: permuted_store).
+// Empty for other ops.
+inline std::string_view inverse_permutation_op(std::string_view op) {
+  if (op == "split_heads") return "merge_heads";
+  if (op == "merge_heads") return "split_heads";
+  return {};
+}
 
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 262656 bytes (lower bound 262656, without reuse 352768).
+// Arena: 262656 bytes (lower bound 262656, without reuse 320000).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -728,86 +728,71 @@ CG_KERNEL void __launch_bounds__(64) k8_ln1(const float* __restrict__ x, const f
   k8_ln1_tile(x, weight, out, cg_launch_tile());
 }
 
-// Kernel k9_q (forward phase): task q (matmul, matmul).
-//   reads  q.a f32 [2, 16, 64] <- ln1.out, q.b f32 [64, 64] <- wq.out
-//   writes q.out f32 [2, 16, 64]
-//   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k9_q_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
-      32, 64, 64, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k9_q(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k9_q_tile(a, b, out, cg_launch_tile());
-}
-
-// Kernel k10_q_heads (forward phase): task q_heads (split_heads, gather).
-//   reads  q_heads.x f32 [2, 16, 64] <- q.out
+// Kernel k9_q (forward phase): tasks q (matmul), q_heads (split_heads), fused (matmul_epilogue).
+//   reads  ln1.out f32 [2, 16, 64], wq.out f32 [64, 64]
 //   writes q_heads.out f32 [2, 4, 16, 16]
-//   8192 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k10_q_heads_tile(const float* x, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
-    cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
-}
-
-// Kernel k11_k (forward phase): task k (matmul, matmul).
-//   reads  k.a f32 [2, 16, 64] <- ln1.out, k.b f32 [64, 64] <- wk.out
-//   writes k.out f32 [2, 16, 64]
+//   in registers q.out
 //   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k11_k_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k9_q_tile(const float* a, const float* b, float* q_heads_out, cg_tile tile) {
+  // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    cg_store(q_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // q_heads (split_heads): where it moves element i
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k12_k_heads (forward phase): task k_heads (split_heads, gather).
-//   reads  k_heads.x f32 [2, 16, 64] <- k.out
+// Kernel k10_k (forward phase): tasks k (matmul), k_heads (split_heads), fused (matmul_epilogue).
+//   reads  ln1.out f32 [2, 16, 64], wk.out f32 [64, 64]
 //   writes k_heads.out f32 [2, 4, 16, 16]
-//   8192 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k12_k_heads_tile(const float* x, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
-    cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
-}
-
-// Kernel k13_v (forward phase): task v (matmul, matmul).
-//   reads  v.a f32 [2, 16, 64] <- ln1.out, v.b f32 [64, 64] <- wv.out
-//   writes v.out f32 [2, 16, 64]
+//   in registers k.out
 //   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k13_v_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k10_k_tile(const float* a, const float* b, float* k_heads_out, cg_tile tile) {
+  // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    cg_store(k_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // k_heads (split_heads): where it moves element i
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 64 + n, acc); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k14_v_heads (forward phase): task v_heads (split_heads, gather).
-//   reads  v_heads.x f32 [2, 16, 64] <- v.out
+// Kernel k11_v (forward phase): tasks v (matmul), v_heads (split_heads), fused (matmul_epilogue).
+//   reads  ln1.out f32 [2, 16, 64], wv.out f32 [64, 64]
 //   writes v_heads.out f32 [2, 4, 16, 16]
-//   8192 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k14_v_heads_tile(const float* x, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
-    cg_store(out, i, cg_load(x, cg_split_heads_source(i, 16, 4, 16)));
+//   in registers v.out
+//   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
+CG_DEVICE void k11_v_tile(const float* a, const float* b, float* v_heads_out, cg_tile tile) {
+  // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    cg_store(v_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // v_heads (split_heads): where it moves element i
+  };
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 z = tile.z;
+  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
+  cg_matmul_tile<32, 32, 16>(
+      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
+      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
+      32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k15_scores (forward phase): task scores (matmul, matmul).
+// Kernel k12_scores (forward phase): task scores (matmul, matmul).
 //   reads  scores.a f32 [2, 4, 16, 16] <- q_heads.out, scores.b f32 [2, 4, 16, 16] <- k_heads.out
 //   writes scores.out f32 [2, 4, 16, 16]
 //   16384 bytes read, 8192 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k15_scores_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k12_scores_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 256;
@@ -817,58 +802,54 @@ CG_DEVICE void k15_scores_tile(const float* a, const float* b, float* out, cg_ti
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 16, tile.y, tile.x, (float*)cg_smem);
 }
+CG_KERNEL void __launch_bounds__(256) k12_scores(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k12_scores_tile(a, b, out, cg_launch_tile());
+}
 
-// Kernel k16_probs (forward phase): task probs (softmax, reduction).
+// Kernel k13_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [2, 4, 16, 16] <- scores.out
 //   writes probs.out f32 [2, 4, 16, 16]
 //   8192 bytes read, 8192 bytes written; grid [128, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k16_probs_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k13_probs_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 16 + j); },
                  [&](int j, float v) { cg_store(out, row * 16 + j, v); },
                  16, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k16_probs(const float* __restrict__ x, float* __restrict__ out) {
-  k16_probs_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k13_probs(const float* __restrict__ x, float* __restrict__ out) {
+  k13_probs_tile(x, out, cg_launch_tile());
 }
 
-// Kernel k17_context (forward phase): task context (matmul, matmul).
-//   reads  context.a f32 [2, 4, 16, 16] <- probs.out, context.b f32 [2, 4, 16, 16] <- v_heads.out
-//   writes context.out f32 [2, 4, 16, 16]
+// Kernel k14_context (forward phase): tasks context (matmul), merged (merge_heads), fused (matmul_epilogue).
+//   reads  probs.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
+//   writes merged.out f32 [2, 16, 64]
+//   in registers context.out
 //   16384 bytes read, 8192 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k17_context_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k14_context_tile(const float* a, const float* b, float* merged_out, cg_tile tile) {
+  // Epilogue (matmul_epilogue): merged (merge_heads), on element i of context.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    cg_store(merged_out, cg_split_heads_source(i, 16, 4, 16), v0);  // merged (merge_heads): where it moves element i
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 256;
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 16 + k); },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 16 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
+      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 16, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k17_context(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k17_context_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k14_context(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ merged_out) {
+  k14_context_tile(a, b, merged_out, cg_launch_tile());
 }
 
-// Kernel k18_merged (forward phase): task merged (merge_heads, gather).
-//   reads  merged.x f32 [2, 4, 16, 16] <- context.out
-//   writes merged.out f32 [2, 16, 64]
-//   8192 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k18_merged_tile(const float* x, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile))
-    cg_store(out, i, cg_load(x, cg_merge_heads_source(i, 16, 4, 16)));
-}
-CG_KERNEL void __launch_bounds__(256) k18_merged(const float* __restrict__ x, float* __restrict__ out) {
-  k18_merged_tile(x, out, cg_launch_tile());
-}
-
-// Kernel k19_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k15_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 16, 64], wo.out f32 [64, 64], ln1.x f32 [2, 16, 64]
 //   writes res1.out f32 [2, 16, 64]
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k19_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k15_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -883,15 +864,15 @@ CG_DEVICE void k19_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k19_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k19_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k15_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k15_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k20_ln2 (forward phase): task ln2 (rmsnorm, reduction).
+// Kernel k16_ln2 (forward phase): task ln2 (rmsnorm, reduction).
 //   reads  ln2.x f32 [2, 16, 64] <- res1.out, ln2.weight f32 [64] <- ln2_w.out
 //   writes ln2.out f32 [2, 16, 64]
 //   8448 bytes read, 8192 bytes written; grid [32, 1, 1], block 64, 128 bytes of shared memory.
-CG_DEVICE void k20_ln2_tile(const float* x, const float* weight, float* out, cg_tile tile) {
+CG_DEVICE void k16_ln2_tile(const float* x, const float* weight, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 64 + j); },
@@ -900,16 +881,16 @@ CG_DEVICE void k20_ln2_tile(const float* x, const float* weight, float* out, cg_
                                         64, 9.999999974752427e-07f, (float*)cg_smem);
   (void)row_rstd;
 }
-CG_KERNEL void __launch_bounds__(64) k20_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
-  k20_ln2_tile(x, weight, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k16_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
+  k16_ln2_tile(x, weight, out, cg_launch_tile());
 }
 
-// Kernel k21_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
+// Kernel k17_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
 //   reads  ln2.out f32 [2, 16, 64], w_up.out f32 [64, 256]
 //   writes act.out f32 [2, 16, 256]
 //   in registers up.out
 //   73728 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k21_up_tile(const float* a, const float* b, float* act_out, cg_tile tile) {
+CG_DEVICE void k17_up_tile(const float* a, const float* b, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_gelu<float>(v0, /*approximate=tanh*/ 0);  // act.out
@@ -924,16 +905,16 @@ CG_DEVICE void k21_up_tile(const float* a, const float* b, float* act_out, cg_ti
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 256 + n, acc); },
       32, 256, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k21_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ act_out) {
-  k21_up_tile(a, b, act_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k17_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ act_out) {
+  k17_up_tile(a, b, act_out, cg_launch_tile());
 }
 
-// Kernel k22_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
+// Kernel k18_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
 //   reads  act.out f32 [2, 16, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64]
 //   writes res2.out f32 [2, 16, 64]
 //   in registers down.out
 //   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k22_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k18_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
@@ -948,8 +929,8 @@ CG_DEVICE void k22_down_tile(const float* a, const float* b, const float* res2_a
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 256, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k22_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k22_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k18_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k18_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
 // Launch h0_ln1_w_wq_wk_and_5_more (init phase):
@@ -992,61 +973,30 @@ CG_KERNEL void __launch_bounds__(256) h0_ln1_w_wq_wk_and_5_more(
     k7_w_down_tile(k7_w_down_out, cg_tile_of(block - 34u, 16, 1));
 }
 
-// Launch h3_q_heads_k (forward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
+// Launch h2_q_k_v (forward phase):
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 6 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k10_q_heads
-//   blocks [8, 10): k11_k
-CG_KERNEL void __launch_bounds__(256) h3_q_heads_k(
-    const float* __restrict__ k10_q_heads_x,
-    float* __restrict__ k10_q_heads_out,
-    const float* __restrict__ k11_k_a,
-    const float* __restrict__ k11_k_b,
-    float* __restrict__ k11_k_out) {
+//   blocks [0, 2): k9_q
+//   blocks [2, 4): k10_k
+//   blocks [4, 6): k11_v
+CG_KERNEL void __launch_bounds__(256) h2_q_k_v(
+    const float* __restrict__ k9_q_a,
+    const float* __restrict__ k9_q_b,
+    float* __restrict__ k9_q_q_heads_out,
+    const float* __restrict__ k10_k_a,
+    const float* __restrict__ k10_k_b,
+    float* __restrict__ k10_k_k_heads_out,
+    const float* __restrict__ k11_v_a,
+    const float* __restrict__ k11_v_b,
+    float* __restrict__ k11_v_v_heads_out) {
   const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k10_q_heads_tile(k10_q_heads_x, k10_q_heads_out, cg_tile_of(block, 8, 1));
+  if (block < 2u)
+    k9_q_tile(k9_q_a, k9_q_b, k9_q_q_heads_out, cg_tile_of(block, 2, 1));
+  else if (block < 4u)
+    k10_k_tile(k10_k_a, k10_k_b, k10_k_k_heads_out, cg_tile_of(block - 2u, 2, 1));
   else
-    k11_k_tile(k11_k_a, k11_k_b, k11_k_out, cg_tile_of(block - 8u, 2, 1));
-}
-
-// Launch h4_k_heads_v (forward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k12_k_heads
-//   blocks [8, 10): k13_v
-CG_KERNEL void __launch_bounds__(256) h4_k_heads_v(
-    const float* __restrict__ k12_k_heads_x,
-    float* __restrict__ k12_k_heads_out,
-    const float* __restrict__ k13_v_a,
-    const float* __restrict__ k13_v_b,
-    float* __restrict__ k13_v_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k12_k_heads_tile(k12_k_heads_x, k12_k_heads_out, cg_tile_of(block, 8, 1));
-  else
-    k13_v_tile(k13_v_a, k13_v_b, k13_v_out, cg_tile_of(block - 8u, 2, 1));
-}
-
-// Launch h5_v_heads_scores (forward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k14_v_heads
-//   blocks [8, 16): k15_scores
-CG_KERNEL void __launch_bounds__(256) h5_v_heads_scores(
-    const float* __restrict__ k14_v_heads_x,
-    float* __restrict__ k14_v_heads_out,
-    const float* __restrict__ k15_scores_a,
-    const float* __restrict__ k15_scores_b,
-    float* __restrict__ k15_scores_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k14_v_heads_tile(k14_v_heads_x, k14_v_heads_out, cg_tile_of(block, 8, 1));
-  else
-    k15_scores_tile(k15_scores_a, k15_scores_b, k15_scores_out, cg_tile_of(block - 8u, 1, 1));
+    k11_v_tile(k11_v_a, k11_v_b, k11_v_v_heads_out, cg_tile_of(block - 4u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1085,62 +1035,48 @@ static const cudagen_tensor_info k8_ln1_tensors[] = {
     {"weight", "ln1_w.out", 0ull, 256ull},
     {"out", "ln1.out", 197120ull, 8192ull},
 };
-static const cudagen_tensor_info k9_q_tensors[] = {
-    {"a", "ln1.out", 197120ull, 8192ull},
-    {"b", "wq.out", 256ull, 16384ull},
-    {"out", "q.out", 205312ull, 8192ull},
+static const cudagen_tensor_info h2_q_k_v_tensors[] = {
+    {"k9_q_a", "ln1.out", 197120ull, 8192ull},
+    {"k9_q_b", "wq.out", 256ull, 16384ull},
+    {"k9_q_q_heads_out", "q_heads.out", 205312ull, 8192ull},
+    {"k10_k_a", "ln1.out", 197120ull, 8192ull},
+    {"k10_k_b", "wk.out", 16640ull, 16384ull},
+    {"k10_k_k_heads_out", "k_heads.out", 213504ull, 8192ull},
+    {"k11_v_a", "ln1.out", 197120ull, 8192ull},
+    {"k11_v_b", "wv.out", 33024ull, 16384ull},
+    {"k11_v_v_heads_out", "v_heads.out", 221696ull, 8192ull},
 };
-static const cudagen_tensor_info h3_q_heads_k_tensors[] = {
-    {"k10_q_heads_x", "q.out", 205312ull, 8192ull},
-    {"k10_q_heads_out", "q_heads.out", 213504ull, 8192ull},
-    {"k11_k_a", "ln1.out", 197120ull, 8192ull},
-    {"k11_k_b", "wk.out", 16640ull, 16384ull},
-    {"k11_k_out", "k.out", 221696ull, 8192ull},
+static const cudagen_tensor_info k12_scores_tensors[] = {
+    {"a", "q_heads.out", 205312ull, 8192ull},
+    {"b", "k_heads.out", 213504ull, 8192ull},
+    {"out", "scores.out", 197120ull, 8192ull},
 };
-static const cudagen_tensor_info h4_k_heads_v_tensors[] = {
-    {"k12_k_heads_x", "k.out", 221696ull, 8192ull},
-    {"k12_k_heads_out", "k_heads.out", 205312ull, 8192ull},
-    {"k13_v_a", "ln1.out", 197120ull, 8192ull},
-    {"k13_v_b", "wv.out", 33024ull, 16384ull},
-    {"k13_v_out", "v.out", 246272ull, 8192ull},
-};
-static const cudagen_tensor_info h5_v_heads_scores_tensors[] = {
-    {"k14_v_heads_x", "v.out", 246272ull, 8192ull},
-    {"k14_v_heads_out", "v_heads.out", 197120ull, 8192ull},
-    {"k15_scores_a", "q_heads.out", 213504ull, 8192ull},
-    {"k15_scores_b", "k_heads.out", 205312ull, 8192ull},
-    {"k15_scores_out", "scores.out", 221696ull, 8192ull},
-};
-static const cudagen_tensor_info k16_probs_tensors[] = {
-    {"x", "scores.out", 221696ull, 8192ull},
+static const cudagen_tensor_info k13_probs_tensors[] = {
+    {"x", "scores.out", 197120ull, 8192ull},
     {"out", "probs.out", 205312ull, 8192ull},
 };
-static const cudagen_tensor_info k17_context_tensors[] = {
+static const cudagen_tensor_info k14_context_tensors[] = {
     {"a", "probs.out", 205312ull, 8192ull},
-    {"b", "v_heads.out", 197120ull, 8192ull},
-    {"out", "context.out", 213504ull, 8192ull},
+    {"b", "v_heads.out", 221696ull, 8192ull},
+    {"merged_out", "merged.out", 197120ull, 8192ull},
 };
-static const cudagen_tensor_info k18_merged_tensors[] = {
-    {"x", "context.out", 213504ull, 8192ull},
-    {"out", "merged.out", 221696ull, 8192ull},
-};
-static const cudagen_tensor_info k19_attn_out_tensors[] = {
-    {"a", "merged.out", 221696ull, 8192ull},
+static const cudagen_tensor_info k15_attn_out_tensors[] = {
+    {"a", "merged.out", 197120ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
     {"res1_a", "ln1.x", 229888ull, 8192ull},
     {"res1_out", "res1.out", 246272ull, 8192ull},
 };
-static const cudagen_tensor_info k20_ln2_tensors[] = {
+static const cudagen_tensor_info k16_ln2_tensors[] = {
     {"x", "res1.out", 246272ull, 8192ull},
     {"weight", "ln2_w.out", 65792ull, 256ull},
     {"out", "ln2.out", 254464ull, 8192ull},
 };
-static const cudagen_tensor_info k21_up_tensors[] = {
+static const cudagen_tensor_info k17_up_tensors[] = {
     {"a", "ln2.out", 254464ull, 8192ull},
     {"b", "w_up.out", 66048ull, 65536ull},
     {"act_out", "act.out", 197120ull, 32768ull},
 };
-static const cudagen_tensor_info k22_down_tensors[] = {
+static const cudagen_tensor_info k18_down_tensors[] = {
     {"a", "act.out", 197120ull, 32768ull},
     {"b", "w_down.out", 131584ull, 65536ull},
     {"res2_a", "res1.out", 246272ull, 8192ull},
@@ -1156,27 +1092,21 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k8_ln1, dim3(32, 1, 1), dim3(64), 128, k8_ln1_tensors,
                  (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k9_q, dim3(2, 1, 1), dim3(256), 4288, k9_q_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 256), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(h3_q_heads_k, dim3(10, 1, 1), dim3(256), 4288, h3_q_heads_k_tensors,
-                 (const float*)(arena + 205312), (float*)(arena + 213504), (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(h4_k_heads_v, dim3(10, 1, 1), dim3(256), 4288, h4_k_heads_v_tensors,
-                 (const float*)(arena + 221696), (float*)(arena + 205312), (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 246272));
-  CUDAGEN_LAUNCH(h5_v_heads_scores, dim3(16, 1, 1), dim3(256), 4288, h5_v_heads_scores_tensors,
-                 (const float*)(arena + 246272), (float*)(arena + 197120), (const float*)(arena + 213504), (const float*)(arena + 205312), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(k16_probs, dim3(128, 1, 1), dim3(32), 128, k16_probs_tensors,
-                 (const float*)(arena + 221696), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(k17_context, dim3(1, 1, 8), dim3(256), 4288, k17_context_tensors,
-                 (const float*)(arena + 205312), (const float*)(arena + 197120), (float*)(arena + 213504));
-  CUDAGEN_LAUNCH(k18_merged, dim3(8, 1, 1), dim3(256), 0, k18_merged_tensors,
-                 (const float*)(arena + 213504), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(k19_attn_out, dim3(2, 1, 1), dim3(256), 4288, k19_attn_out_tensors,
-                 (const float*)(arena + 221696), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
-  CUDAGEN_LAUNCH(k20_ln2, dim3(32, 1, 1), dim3(64), 128, k20_ln2_tensors,
+  CUDAGEN_LAUNCH(h2_q_k_v, dim3(6, 1, 1), dim3(256), 4288, h2_q_k_v_tensors,
+                 (const float*)(arena + 197120), (const float*)(arena + 256), (float*)(arena + 205312), (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 213504), (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 221696));
+  CUDAGEN_LAUNCH(k12_scores, dim3(1, 1, 8), dim3(256), 4288, k12_scores_tensors,
+                 (const float*)(arena + 205312), (const float*)(arena + 213504), (float*)(arena + 197120));
+  CUDAGEN_LAUNCH(k13_probs, dim3(128, 1, 1), dim3(32), 128, k13_probs_tensors,
+                 (const float*)(arena + 197120), (float*)(arena + 205312));
+  CUDAGEN_LAUNCH(k14_context, dim3(1, 1, 8), dim3(256), 4288, k14_context_tensors,
+                 (const float*)(arena + 205312), (const float*)(arena + 221696), (float*)(arena + 197120));
+  CUDAGEN_LAUNCH(k15_attn_out, dim3(2, 1, 1), dim3(256), 4288, k15_attn_out_tensors,
+                 (const float*)(arena + 197120), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
+  CUDAGEN_LAUNCH(k16_ln2, dim3(32, 1, 1), dim3(64), 128, k16_ln2_tensors,
                  (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 254464));
-  CUDAGEN_LAUNCH(k21_up, dim3(8, 1, 1), dim3(256), 4288, k21_up_tensors,
+  CUDAGEN_LAUNCH(k17_up, dim3(8, 1, 1), dim3(256), 4288, k17_up_tensors,
                  (const float*)(arena + 254464), (const float*)(arena + 66048), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k22_down, dim3(2, 1, 1), dim3(256), 4288, k22_down_tensors,
+  CUDAGEN_LAUNCH(k18_down, dim3(2, 1, 1), dim3(256), 4288, k18_down_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 131584), (const float*)(arena + 246272), (float*)(arena + 238080));
   return 0;
 }

@@ -92,13 +92,20 @@ TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
 }
 
 // transformer_block: the residual adds follow their matmuls, gelu its up
-// projection; nothing follows a reduction that stores per row.
+// projection, the head splits the projections and the head merge the
+// attention's context; nothing follows a reduction that stores per row.
 TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
   Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
   std::vector<std::vector<std::string>> fused;
   for (const auto& k : c.kernels)
     if (k.tasks.size() > 1) fused.push_back(task_ids(c, k));
-  EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{{"attn_out", "res1"}, {"up", "act"}, {"down", "res2"}}));
+  EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{{"q", "q_heads"},
+                                                          {"k", "k_heads"},
+                                                          {"v", "v_heads"},
+                                                          {"context", "merged"},
+                                                          {"attn_out", "res1"},
+                                                          {"up", "act"},
+                                                          {"down", "res2"}}));
 }
 
 TEST(Fusion, ARowOpTakesAnEpilogueButNotOnItsOtherOutputs) {
@@ -164,6 +171,48 @@ TEST(Fusion, NotIndependentTasksIntoOneKernel) {
   Compiled c = plan_graph(std::move(b).graph());
   EXPECT_EQ(c.kernels.size(), 2u);
   EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes");
+}
+
+// Rule permuted_store: a projection split into heads, then attention-like
+// use of the heads; the other way round, heads merged after a batched matmul.
+TEST(Fusion, AHeadsSplitIsStoredByItsMatmul) {
+  GraphBuilder b("heads");
+  auto q = b.task("q", "matmul").tensor("a", f32, {8, 16}, ext).tensor("b", f32, {16, 16}, ext).tensor("out", f32, {8, 16});
+  auto h = b.task("h", "split_heads").tensor("x", q["out"]).tensor("out", f32, {4, 8, 4}).arg("heads", int64_t(4));
+  auto c = b.task("c", "matmul").tensor("a", h["out"]).tensor("b", f32, {4, 4, 4}, ext).tensor("out", f32, {4, 8, 4});
+  b.task("m", "merge_heads").tensor("x", c["out"]).tensor("out", f32, {8, 16}, ext).arg("heads", int64_t(4));
+  Compiled fused = plan_graph(std::move(b).graph());
+  ASSERT_EQ(fused.kernels.size(), 2u);
+  EXPECT_EQ(task_ids(fused, fused.kernels[0]), (std::vector<std::string>{"q", "h"}));
+  EXPECT_EQ(task_ids(fused, fused.kernels[1]), (std::vector<std::string>{"c", "m"}));
+  EXPECT_EQ(internal_names(fused, fused.kernels[0]), std::vector<std::string>{"q.out"}) << "q.out never reaches memory";
+  EXPECT_EQ(internal_names(fused, fused.kernels[1]), std::vector<std::string>{"c.out"});
+}
+
+TEST(Fusion, NoPermutedStoreAfterAChainNorAnythingAfterIt) {
+  GraphBuilder b("heads_not");
+  auto r = b.task("r", "relu").tensor("x", f32, {8, 16}, ext).tensor("out", f32, {8, 16});
+  b.task("h", "split_heads").tensor("x", r["out"]).tensor("out", f32, {4, 8, 4}, ext).arg("heads", int64_t(4));
+  auto q = b.task("q", "matmul").tensor("a", f32, {8, 16}, ext).tensor("b", f32, {16, 16}, ext).tensor("out", f32, {8, 16});
+  auto qh = b.task("qh", "split_heads").tensor("x", q["out"]).tensor("out", f32, {4, 8, 4}).arg("heads", int64_t(4));
+  b.task("after", "neg").tensor("x", qh["out"]).tensor("out", f32, {4, 8, 4}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  EXPECT_EQ(reason_for(c, "h"), "'h' is a gather op; only a matmul's or a row op's kernel stores permuted");
+  EXPECT_EQ(reason_for(c, "qh"), "");
+  EXPECT_EQ(reason_for(c, "after"), "the kernel before ends with a permuted store: its elements are no longer the task's");
+}
+
+TEST(Fusion, PermutedStoreTurnsOff) {
+  FuseOptions off;
+  off.disabled_rules = {"permuted_store"};
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), [&] {
+    CompileOptions o;
+    o.fuse = off;
+    return o;
+  }());
+  EXPECT_EQ(reason_for(c, "q_heads"), "rule permuted_store is off (--no-fuse-rule)");
+  for (const auto& k : c.kernels)
+    if (k.rule == "matmul_epilogue") EXPECT_NE(c.program.tasks[size_t(k.tasks.back())].op->pattern, PatternKind::gather);
 }
 
 // The reason recorded for the kernel that starts with `task` not joining the
