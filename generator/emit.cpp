@@ -120,6 +120,7 @@ class Emitter {
       // function; one that shares a launch is called from the launch's.
       global_wrapper_ = !options_.megakernel && kernels_in_launch(kernels, k.launch) == 1;
       kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.tile_kernels)
+                     : k.rule == "attention"       ? attention(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -575,6 +576,15 @@ class Emitter {
     return true;
   }
 
+  // A kernel group's entry, before its skeleton sets the launch shape.
+  static EmittedKernel emitted_kernel(const KernelGroup& k) {
+    EmittedKernel ek;
+    ek.name = k.name;
+    ek.phase = k.phase;
+    ek.tasks = k.tasks;
+    return ek;
+  }
+
   std::string emit_kernel(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
     const int t = k.tasks[0];
     const BoundTask& bt = p_.tasks[size_t(t)];
@@ -592,10 +602,7 @@ class Emitter {
     if (!diags_.ok()) return {};
     template_files_.insert(op.source_file);
     entry_function_ = op.source_function;  // a skeleton may pick one of the op's variants instead
-    EmittedKernel ek;
-    ek.name = k.name;
-    ek.phase = k.phase;
-    ek.tasks = k.tasks;
+    EmittedKernel ek = emitted_kernel(k);
     Epilogue tail;
     if (k.tasks.size() > 1) {
       tail = epilogue(k, param(ps, "out"));
@@ -621,6 +628,106 @@ class Emitter {
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
     record_launch(ek, std::move(launch));
     mark_rows(t, ps, tail.params, launch_params_.back(), ek);
+    emitted.push_back(ek);
+    return code;
+  }
+
+  // Rule attention (fuse.h): scores = alpha * q k^T, probs = softmax(scale *
+  // scores), out = alpha' * probs v, and any epilogue on out. One warp per
+  // query row (cg_attention_row), up to 8 rows per block; each warp's row of
+  // scores in shared memory. Probabilities read elsewhere (saved for the
+  // backward pass) are stored as they are computed.
+  std::string attention(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const int ts = k.tasks[0], tp = k.tasks[1], tc = k.tasks[2];
+    const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
+    if (!diags_.ok()) return {};
+    const Param& q = param(scores, "a");
+    const Param& kk = param(scores, "b");
+    const Param& probs = param(softmax, "out");
+    const Param& v = param(context, "b");
+    const Param& out = param(context, "out");
+    for (int t : {ts, tp, tc}) template_files_.insert(p_.tasks[size_t(t)].op->source_file);
+    if (!check_f32_accumulation(ts, q)) return {};
+    use_function(*p_.tasks[size_t(tp)].op, "cg_attention_row");
+    use_function(*p_.tasks[size_t(tp)].op, "cg_stage_rows");
+    EmittedKernel ek = emitted_kernel(k);
+    Epilogue tail;
+    if (k.tasks.size() > 3) {
+      tail = epilogue(k, out, 3);
+      if (!diags_.ok()) return {};
+      epilogue_buffer_ = out.bound->buffer;
+    }
+    const Shape& sq = q.buffer->shape;
+    const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
+    const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
+    // Up to 8 query rows per block, all of one head (a divisor of Tq), so
+    // that the block can share its head's keys and values.
+    int64_t per_block = 8;
+    while (Tq % per_block != 0) per_block /= 2;
+    ek.block = int(32 * per_block);
+    ek.grid[0] = int(rows / per_block);
+    const int64_t scratch = D + Tk;  // per warp: the query row, the scores
+    // The head's keys and values in shared memory where they fit beside the
+    // scratch (48 KiB, what every launch may take without opting in).
+    const int64_t staged = Tk * (D + Dv);
+    const bool stage = (per_block * scratch + staged) * 4 <= 48 * 1024 && per_block > 1;
+    ek.smem_bytes = (per_block * scratch + (stage ? staged : 0)) * 4;
+    const std::string valid = arg_bool(tp, "causal")
+                                  ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
+                                  : std::to_string(Tk);
+    const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
+    auto load_as = [](const std::string& name, const Param& x, const std::string& index) {
+      const std::string l = fmt::format("cg_load({}, {})", name, index);
+      return is_16bit(x.buffer->dtype) ? "cg_widen(" + l + ")" : l;
+    };
+    const std::string alpha_out = float_arg(tc, "alpha", 1.0);
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
+        "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
+        "  const cg_i64 keys = (cg_i64)tile.x * {0} / {1} * {2};  // the first key (and value) row of the block's head\n",
+        per_block, Tq, Tk);
+    std::string load_k = load_as("k", kk, fmt::format("(keys + j) * {} + c", D));
+    std::string load_v = load_as("v", v, fmt::format("(keys + j) * {} + c", Dv));
+    if (stage) {
+      body += fmt::format(
+          "  float* staged_k = (float*)cg_smem + {0};\n"
+          "  float* staged_v = staged_k + {1};\n"
+          "  cg_stage_rows([&](int j, int c) {{ return {2}; }}, staged_k, {3}, {4});\n"
+          "  cg_stage_rows([&](int j, int c) {{ return {5}; }}, staged_v, {3}, {6});\n",
+          per_block * scratch, Tk * D, load_k, Tk, D, load_v, Dv);
+      load_k = fmt::format("staged_k[j * {} + c]", D);
+      load_v = fmt::format("staged_v[j * {} + c]", Dv);
+    }
+    // A larger block (the megakernel's) has spare warps: they only help stage.
+    body += fmt::format(
+        "  if (warp < {0})\n"
+        "    cg_attention_row([&](int c) {{ return {1}; }},\n"
+        "                     [&](int j, int c) {{ return {2}; }},\n"
+        "                     [&](int j, int c) {{ return {3}; }},\n"
+        "                     [&](int j, float p) {{ {4}; }},\n"
+        "                     [&](int c, float o) {{ {5}; }},\n"
+        "                     {6}, {7}, {8}, {9}, {10}, {11}, (float*)cg_smem + warp * {12});\n",
+        per_block, load_as("q", q, fmt::format("row * {} + c", D)), load_k, load_v,
+        store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
+                    : std::string("(void)j, (void)p"),
+        store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), Tk, D,
+        Dv, float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, scratch);
+    if (stage) body += "  __syncthreads();  // the staged rows are read before the block's next tile overwrites them\n";
+    epilogue_buffer_ = -1;
+    std::vector<LaunchParam> launch;
+    auto add = [&](const std::string& name, const Param& x, bool written) {
+      launch.push_back(LaunchParam{name, std::string(written ? "" : "const ") + c_type(x.buffer->dtype), x.bound->buffer,
+                                   nullptr, written});
+    };
+    add("q", q, false);
+    add("k", kk, false);
+    add("v", v, false);
+    if (store_probs) add("probs", probs, true);
+    if (!contains(k.internal_buffers, out.bound->buffer)) add("out", out, true);
+    launch.insert(launch.end(), tail.params.begin(), tail.params.end());
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail.code + body);
+    record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
   }
@@ -686,7 +793,8 @@ class Emitter {
     std::vector<LaunchParam> params;  // what the chain reads from and stores to memory
   };
 
-  Epilogue epilogue(const KernelGroup& k, const Param& out) {
+  // `first`: the kernel's first task of the chain (after the anchor).
+  Epilogue epilogue(const KernelGroup& k, const Param& out, size_t first = 1) {
     Epilogue e;
     const Shape& domain = out.buffer->shape;
     std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
@@ -698,7 +806,7 @@ class Emitter {
       stores += fmt::format("    {};\n", store_element(name, x.buffer->dtype, "i", value));
     };
     std::vector<std::string> tasks;
-    for (size_t j = 1; j < k.tasks.size(); ++j) {
+    for (size_t j = first; j < k.tasks.size(); ++j) {
       const int t = k.tasks[j];
       const OpSignature& op = *p_.tasks[size_t(t)].op;
       template_files_.insert(op.source_file);
@@ -778,10 +886,7 @@ class Emitter {
   // read outside the kernel are stored. Vectorised like a single elementwise
   // task where every tensor is read at the element's own index.
   std::string fused_elementwise(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-    EmittedKernel ek;
-    ek.name = k.name;
-    ek.phase = k.phase;
-    ek.tasks = k.tasks;
+    EmittedKernel ek = emitted_kernel(k);
     auto internal = [&](int b) { return contains(k.internal_buffers, b); };
     struct Step {
       int task;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <variant>
 
 #include <fmt/format.h>
 
@@ -78,7 +79,8 @@ class Fuser {
         KernelGroup& group = out_.kernels[size_t(into)];
         const std::string reason = why_not_join(group, t);
         if (reason.empty()) {
-          group.rule = group_rule(group.tasks.front());
+          if (group.rule != "attention")
+            group.rule = p_.tasks[size_t(t)].op->name == "softmax" ? "attention" : group_rule(group.tasks.front());
           group.tasks.push_back(t);
           continue;
         }
@@ -131,8 +133,76 @@ class Fuser {
     return "it reads nothing the kernel computes";
   }
 
+  // The task whose value an epilogue chain runs on: the first, or in an
+  // attention kernel the matmul by the values.
+  static int anchor(const KernelGroup& group) {
+    return group.rule == "attention" ? group.tasks[std::min<size_t>(2, group.tasks.size() - 1)] : group.tasks.front();
+  }
+
+  // A constant argument of task `t` (a run-time one would be a kernel
+  // parameter of its own, and these decide the kernel's code anyway).
+  bool constant_args(int t) const {
+    for (const auto& a : p_.tasks[size_t(t)].args)
+      if (const BoundArg* root = root_arg(p_, t, a.name).second; root != nullptr && root->runtime) return false;
+    return true;
+  }
+  bool flag(int t, const char* arg) const {
+    const BoundArg* a = root_arg(p_, t, arg).second;
+    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
+  }
+  const BufferInfo& slot_buffer(int t, const char* slot) const {
+    return p_.buffers[size_t(p_.tasks[size_t(t)].find_tensor(slot)->buffer)];
+  }
+
+  // Rule attention, first step: softmax `t` after the scores matmul
+  // alpha * q k^T, each of [..., T, D] with the same leading axes.
+  std::string why_not_attention_softmax(const KernelGroup& group, int t) const {
+    const int scores = group.tasks.front();
+    const std::string& id = p_.tasks[size_t(t)].task->id;
+    if (p_.tasks[size_t(t)].find_tensor("x")->buffer != p_.tasks[size_t(scores)].find_tensor("out")->buffer)
+      return "it reads nothing the kernel computes";
+    if (!rule_on("attention")) return "rule attention is off (--no-fuse-rule)";
+    if (!flag(scores, "trans_b") || flag(scores, "trans_a"))
+      return fmt::format("'{}' is a reduction op; attention fuses a softmax after a * b^T only", id);
+    const Shape& q = slot_buffer(scores, "a").shape;
+    const Shape& k = slot_buffer(scores, "b").shape;
+    if (q.size() < 2 || k.size() != q.size() || !std::equal(q.begin(), q.end() - 2, k.begin()))
+      return fmt::format("'{}' is a reduction op; attention needs the scores' operands with the same leading axes", id);
+    if (slot_buffer(scores, "out").storage != Storage::transient || readers_[size_t(p_.tasks[size_t(t)].find_tensor("x")->buffer)].size() != 1)
+      return fmt::format("'{}' is a reduction op; attention keeps the scores, which are read elsewhere", id);
+    // One warp holds a row of scores in shared memory.
+    if (k[k.size() - 2] > kMaxAttentionKeys)
+      return fmt::format("'{}' is a reduction op; attention holds at most {} keys per row", id, kMaxAttentionKeys);
+    if (!constant_args(scores) || !constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
+    return {};
+  }
+  static constexpr int64_t kMaxAttentionKeys = 1024;
+
+  // Rule attention, second step: the matmul of the probabilities by the
+  // values, [..., T, Dv] with the same leading axes.
+  std::string why_not_attention_values(const KernelGroup& group, int t) const {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const int softmax = group.tasks[1];
+    if (bt.op->name != "matmul" || bt.find_tensor("a")->buffer != p_.tasks[size_t(softmax)].find_tensor("out")->buffer)
+      return fmt::format("an attention kernel takes the matmul of its probabilities next, not '{}'", bt.task->id);
+    if (flag(t, "trans_a") || flag(t, "trans_b"))
+      return fmt::format("'{}' transposes an operand; attention multiplies the probabilities by the values as they are",
+                         bt.task->id);
+    const Shape& v = slot_buffer(t, "b").shape;
+    const Shape& q = slot_buffer(group.tasks.front(), "a").shape;
+    const Shape& k = slot_buffer(group.tasks.front(), "b").shape;
+    if (v.size() != q.size() || !std::equal(q.begin(), q.end() - 2, v.begin()) || v[v.size() - 2] != k[k.size() - 2])
+      return fmt::format("'{}' reads values of another shape than the keys'", bt.task->id);
+    if (!constant_args(t)) return fmt::format("'{}' reads a run-time argument", bt.task->id);
+    return {};
+  }
+
   std::string why_not_join(const KernelGroup& group, int t) const {
-    const int front = group.tasks.front();
+    if (group.tasks.size() == 1 && p_.tasks[size_t(group.tasks.front())].op->name == "matmul" &&
+        p_.tasks[size_t(t)].op->name == "softmax")
+      return why_not_attention_softmax(group, t);
+    if (group.rule == "attention" && group.tasks.size() == 2) return why_not_attention_values(group, t);
+    const int front = anchor(group);
     const std::string rule = group_rule(front);
     if (rule.empty()) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
     if (group.tasks.size() > 1 && permutation(group.tasks.back()))
@@ -149,6 +219,9 @@ class Fuser {
       if (b.buffer < 0 || b.source_task < 0) continue;
       const int producer = p_.buffers[size_t(b.buffer)].owner_task;
       if (contains(group.tasks, producer)) {
+        // An attention kernel's scores and probabilities live per row, in one warp's shared memory.
+        if (group.rule == "attention" && (producer == group.tasks[0] || producer == group.tasks[1]))
+          return fmt::format("it reads '{}', which the attention kernel keeps per row", buffer_name(p_, b.buffer));
         // Another output of a row op (rmsnorm's rstd) is stored by one thread
         // of the row's block: not a value the element's thread holds.
         if (group_value(p_.tasks[size_t(producer)])->buffer != b.buffer)

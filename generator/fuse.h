@@ -14,6 +14,9 @@
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
 //                      block stores it.
+//   attention          softmax(scale * alpha * q k^T) then its matmul by the
+//                      values: one warp per query row, the scores in shared
+//                      memory (never in the arena); an epilogue may follow.
 //   permuted_store     a gather that only moves elements (split_heads,
 //                      merge_heads) after a matmul or a row op, or their
 //                      epilogue: each element is stored where the gather
@@ -40,7 +43,7 @@
 namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue",
-                                                      "permuted_store", "horizontal"};
+                                                      "attention", "permuted_store", "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

@@ -103,9 +103,11 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // epilogue stores may take their storage.
     std::vector<int> read_elsewhere;
     const KernelGroup& kernel = kernels[size_t(k)];
+    // (An attention kernel: its scores matmul and its matmul by the values.)
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
-      for (const auto& in : program.tasks[size_t(kernel.tasks.front())].tensors)
-        if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
+      for (size_t i = 0; i < (kernel.rule == "attention" ? std::min<size_t>(3, kernel.tasks.size()) : 1); ++i)
+        for (const auto& in : program.tasks[size_t(kernel.tasks[i])].tensors)
+          if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
     for (int t : kernel.tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
       // Only loops where each thread reads an element and then writes the same one.

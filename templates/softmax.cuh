@@ -14,6 +14,8 @@ CG_OP("softmax",
       "backward: softmax_backward",
       "smem: 128",
       "flops: 5 * numel(out)",
+      "variant: cg_attention_row",
+      "variant: cg_stage_rows",
       "doc: softmax(scale * x) over the last axis; causal masks column j > row i of the last two axes")
 CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
   float row_max = cg_neg_inf();
@@ -45,4 +47,57 @@ CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, 
   for (int j = threadIdx.x; j < n; j += blockDim.x) dot += out(j) * dout(j);
   dot = cg_block_sum(dot, scratch);
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, scale * out(j) * (dout(j) - dot));
+}
+
+// Attention for one query row, run by one warp (fusion rule attention: the
+// scores matmul, this softmax and the matmul by the values in one kernel).
+// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
+// matmul and the softmax compute it; p = softmax(s), each probability handed
+// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
+// store_out. `scratch` is d + n floats of shared memory that only this warp
+// uses: the query row, then the scores, which never leave it. Every lane of
+// the warp calls it.
+template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
+                                float alpha, float scale, int valid, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  float* q_row = scratch;
+  float* p = scratch + d;
+  for (int c = lane; c < d; c += 32) q_row[c] = q(c);
+  __syncwarp();  // the query row, before every lane reads all of it
+  float row_max = cg_neg_inf();
+  for (int j = lane; j < valid; j += 32) {
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
+    p[j] = scale * (alpha * dot);
+    row_max = fmaxf(row_max, p[j]);
+  }
+  row_max = cg_warp_max(row_max);
+  float sum = 0.0f;
+  for (int j = lane; j < valid; j += 32) {
+    p[j] = expf(p[j] - row_max);
+    sum += p[j];
+  }
+  const float inv_sum = 1.0f / cg_warp_sum(sum);
+  for (int j = lane; j < n; j += 32) {
+    const float pj = j < valid ? p[j] * inv_sum : 0.0f;
+    if (j < valid) p[j] = pj;
+    store_p(j, pj);
+  }
+  __syncwarp();  // every lane's probabilities, before any lane reads them all
+  for (int c = lane; c < dv; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < valid; ++j) acc += p[j] * v(j, c);
+    store_out(c, acc);
+  }
+  __syncwarp();  // `scratch` is read before the warp's next row overwrites it
+}
+
+// A rows x width block of a tensor copied into shared memory by every thread
+// of the block (`load(row, column)` reads it): the keys and values that all
+// the query rows of a block read. Every thread calls it.
+template <typename Load>
+CG_DEVICE void cg_stage_rows(Load load, float* staged, int rows, int width) {
+  for (int e = threadIdx.x; e < rows * width; e += blockDim.x) staged[e] = load(e / width, e % width);
+  __syncthreads();
 }

@@ -27,6 +27,7 @@ extern const __device__ dim3 gridDim;
 
 __device__ void __syncthreads();
 __device__ int __syncthreads_or(int predicate);
+__device__ void __syncwarp(unsigned mask = 0xffffffffu);
 __device__ void __threadfence();
 __device__ void __nanosleep(unsigned ns);
 

@@ -144,6 +144,9 @@ inline void __syncthreads() { cudagen_emu::syncthreads(); }
 inline int __syncthreads_or(int predicate) { return cudagen_emu::syncthreads_or(predicate); }
 // Fibers of one OS thread see each other's writes in program order.
 inline void __threadfence() {}
+// A warp barrier: no lane goes on before every lane of its warp has come (an
+// exchange is one).
+inline void __syncwarp(unsigned = 0xffffffffu) { (void)cudagen_emu::shuffle(0, cudagen_emu::lane_id()); }
 
 // Shuffles within segments of `width` lanes, as on the GPU.
 template <typename T>

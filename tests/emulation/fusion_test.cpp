@@ -99,6 +99,33 @@ TaskGraph independent_kernels(DType d) {
   return std::move(b).graph();
 }
 
+// Rule attention: q k^T scaled twice (the matmul's alpha, the softmax's
+// scale), causal or not, by values of another width; the heads merged as the
+// context is stored; the probabilities read later (stored from the kernel) or
+// not. T = 40 keys: more than a warp's 32 lanes, 8 query rows per block, the
+// keys and values staged in shared memory; T = 9: a row per block, read
+// from the arena.
+TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
+  GraphBuilder b(fmt::format("attention_{}_{}{}", to_string(d), causal ? "causal" : "full",
+                             probabilities_read_later ? "_probs" : ""));
+  const int64_t B = 2, H = 3, T = causal ? 40 : 9, D = 8, Dv = 12;
+  auto q = b.task("q", "relu").tensor("x", d, {B, H, T, D}, ext).tensor("out", d, {B, H, T, D});
+  auto s = b.task("scores", "matmul")
+               .tensor("a", q["out"])
+               .tensor("b", d, {B, H, T, D}, ext)
+               .tensor("out", d, {B, H, T, T})
+               .arg("trans_b", true)
+               .arg("alpha", 0.5);
+  auto p = b.task("probs", "softmax")
+               .tensor("x", s["out"])
+               .tensor("out", d, {B, H, T, T}, probabilities_read_later ? ext : Storage::transient)
+               .arg("scale", 0.7)
+               .arg("causal", causal);
+  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {B, H, T, Dv}, ext).tensor("out", d, {B, H, T, Dv});
+  b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, T, H * Dv}, ext).arg("heads", H);
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -146,6 +173,18 @@ TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {
   // than the fusion pass's three where the row op's block differs.
   EXPECT_LT(c.emitted.kernels.size(), c.kernels.size());
   EXPECT_GE(c.emitted.kernels.size(), 3u);
+}
+
+TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
+  // q | scores, probs, context, merged
+  for (bool causal : {false, true})
+    for (bool read_later : {false, true}) {
+      const TaskGraph g = attention(GetParam(), causal, read_later);
+      expect_fused_and_unfused_right(g, 2, "cg_attention_row(");
+      const std::string source = compile(load_program(g, {}), fusion(true)).emitted.cuda_source;
+      EXPECT_EQ(source.find("cg_stage_rows([&]") != std::string::npos, causal) << "staged only with 8 rows of a head";
+      EXPECT_EQ(source.find("cg_store(probs, ") != std::string::npos, read_later) << "stored only where read";
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedChains, ::testing::Values(DType::f32, DType::f16, DType::bf16),

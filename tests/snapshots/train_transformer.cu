@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 185344 bytes (lower bound 185088, without reuse 397824); the 256 bytes at 185088 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 185344 bytes (lower bound 185088, without reuse 395776); the 256 bytes at 185088 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -745,24 +745,7 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:5
-// Row softmax: the emitter runs one block per row and passes hooks that read
-// x[row, j] and write out[row, j], where fusion can put a prologue or an
-// epilogue. Columns j >= valid are masked (causal attention) and written as 0.
-// Shared memory: 32 floats of reduction scratch.
-template <typename Load, typename Store>
-CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
-  float row_max = cg_neg_inf();
-  for (int j = threadIdx.x; j < valid; j += blockDim.x) row_max = fmaxf(row_max, scale * load(j));
-  row_max = cg_block_max(row_max, scratch);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(scale * load(j) - row_max);
-  const float inv_sum = 1.0f / cg_block_sum(sum, scratch);
-  for (int j = threadIdx.x; j < n; j += blockDim.x)
-    store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
-}
-
-// templates/softmax.cuh:31
+// templates/softmax.cuh:33
 // The gradient of a row of softmax(scale * x), from its output:
 //   dx[j] = scale * out[j] * (dout[j] - sum_k dout[k] * out[k]).
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -771,6 +754,61 @@ CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, 
   for (int j = threadIdx.x; j < n; j += blockDim.x) dot += out(j) * dout(j);
   dot = cg_block_sum(dot, scratch);
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, scale * out(j) * (dout(j) - dot));
+}
+
+// templates/softmax.cuh:60
+// Attention for one query row, run by one warp (fusion rule attention: the
+// scores matmul, this softmax and the matmul by the values in one kernel).
+// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
+// matmul and the softmax compute it; p = softmax(s), each probability handed
+// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
+// store_out. `scratch` is d + n floats of shared memory that only this warp
+// uses: the query row, then the scores, which never leave it. Every lane of
+// the warp calls it.
+template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
+                                float alpha, float scale, int valid, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  float* q_row = scratch;
+  float* p = scratch + d;
+  for (int c = lane; c < d; c += 32) q_row[c] = q(c);
+  __syncwarp();  // the query row, before every lane reads all of it
+  float row_max = cg_neg_inf();
+  for (int j = lane; j < valid; j += 32) {
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
+    p[j] = scale * (alpha * dot);
+    row_max = fmaxf(row_max, p[j]);
+  }
+  row_max = cg_warp_max(row_max);
+  float sum = 0.0f;
+  for (int j = lane; j < valid; j += 32) {
+    p[j] = expf(p[j] - row_max);
+    sum += p[j];
+  }
+  const float inv_sum = 1.0f / cg_warp_sum(sum);
+  for (int j = lane; j < n; j += 32) {
+    const float pj = j < valid ? p[j] * inv_sum : 0.0f;
+    if (j < valid) p[j] = pj;
+    store_p(j, pj);
+  }
+  __syncwarp();  // every lane's probabilities, before any lane reads them all
+  for (int c = lane; c < dv; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < valid; ++j) acc += p[j] * v(j, c);
+    store_out(c, acc);
+  }
+  __syncwarp();  // `scratch` is read before the warp's next row overwrites it
+}
+
+// templates/softmax.cuh:99
+// A rows x width block of a tensor copied into shared memory by every thread
+// of the block (`load(row, column)` reads it): the keys and values that all
+// the query rows of a block read. Every thread calls it.
+template <typename Load>
+CG_DEVICE void cg_stage_rows(Load load, float* staged, int rows, int width) {
+  for (int e = threadIdx.x; e < rows * width; e += blockDim.x) staged[e] = load(e / width, e % width);
+  __syncthreads();
 }
 
 // ---- kernels ----
@@ -1260,68 +1298,43 @@ CG_DEVICE void k37_v_tile(const float* a, const float* b, float* v_heads_out, cg
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k38_scores (forward phase): task scores (matmul, matmul).
-//   reads  scores.a f32 [2, 4, 8, 8] <- q_heads.out, scores.b f32 [2, 4, 8, 8] <- k_heads.out
-//   writes scores.out f32 [2, 4, 8, 8]
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k38_scores_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 8 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 8 + k); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k38_scores(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k38_scores_tile(a, b, out, cg_launch_tile());
-}
-
-// Kernel k39_probs (forward phase): task probs (softmax, reduction).
-//   reads  probs.x f32 [2, 4, 8, 8] <- scores.out
-//   writes probs.out f32 [2, 4, 8, 8]
-//   2048 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k39_probs_tile(const float* x, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  cg_softmax_row([&](int j) { return cg_load(x, row * 8 + j); },
-                 [&](int j, float v) { cg_store(out, row * 8 + j, v); },
-                 8, 0.3535533845424652f, (int)(row % 8 + 1 < 8 ? row % 8 + 1 : 8), (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(32) k39_probs(const float* __restrict__ x, float* __restrict__ out) {
-  k39_probs_tile(x, out, cg_launch_tile());
-}
-
-// Kernel k40_context (forward phase): tasks context (matmul), merged (merge_heads), fused (matmul_epilogue).
-//   reads  probs.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8]
-//   writes merged.out f32 [2, 8, 32]
-//   in registers context.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k40_context_tile(const float* a, const float* b, float* merged_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): merged (merge_heads), on element i of context.out as it is computed.
+// Kernel k38_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
+//   reads  q_heads.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8]
+//   writes probs.out f32 [2, 4, 8, 8], merged.out f32 [2, 8, 32]
+//   in registers scores.out, context.out
+//   6144 bytes read, 4096 bytes written; grid [8, 1, 1], block 256, 1024 bytes of shared memory.
+CG_DEVICE void k38_scores_tile(const float* q, const float* k, const float* v, float* probs, float* merged_out, cg_tile tile) {
+  // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 8, 4, 8), v0);  // merged (merge_heads): where it moves element i
   };
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 8 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 8 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
+  const unsigned int warp = threadIdx.x / 32;  // one warp per query row
+  const cg_i64 row = (cg_i64)tile.x * 8 + warp;
+  const cg_i64 keys = (cg_i64)tile.x * 8 / 8 * 8;  // the first key (and value) row of the block's head
+  float* staged_k = (float*)cg_smem + 128;
+  float* staged_v = staged_k + 64;
+  cg_stage_rows([&](int j, int c) { return cg_load(k, (keys + j) * 8 + c); }, staged_k, 8, 8);
+  cg_stage_rows([&](int j, int c) { return cg_load(v, (keys + j) * 8 + c); }, staged_v, 8, 8);
+  if (warp < 8)
+    cg_attention_row([&](int c) { return cg_load(q, row * 8 + c); },
+                     [&](int j, int c) { return staged_k[j * 8 + c]; },
+                     [&](int j, int c) { return staged_v[j * 8 + c]; },
+                     [&](int j, float p) { cg_store(probs, row * 8 + j, p); },
+                     [&](int c, float o) { cg_epilogue(row * 8 + c, o); },
+                     8, 8, 8, 1.0f, 0.3535533845424652f, (int)(row % 8 + 1 < 8 ? row % 8 + 1 : 8), (float*)cg_smem + warp * 16);
+  __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k40_context(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ merged_out) {
-  k40_context_tile(a, b, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k38_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ probs, float* __restrict__ merged_out) {
+  k38_scores_tile(q, k, v, probs, merged_out, cg_launch_tile());
 }
 
-// Kernel k41_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k39_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 8, 32], wo.out f32 [32, 32], embed.out f32 [2, 8, 32]
 //   writes res1.out f32 [2, 8, 32]
 //   in registers attn_out.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k41_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k39_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -1336,15 +1349,15 @@ CG_DEVICE void k41_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k41_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k41_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k39_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k39_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k42_ln2 (forward phase): task ln2 (rmsnorm, reduction).
+// Kernel k40_ln2 (forward phase): task ln2 (rmsnorm, reduction).
 //   reads  ln2.x f32 [2, 8, 32] <- res1.out, ln2.weight f32 [32] <- ln2_w.out
 //   writes ln2.out f32 [2, 8, 32], ln2.rstd f32 [2, 8]
 //   2176 bytes read, 2112 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k42_ln2_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
+CG_DEVICE void k40_ln2_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 32 + j); },
@@ -1353,15 +1366,15 @@ CG_DEVICE void k42_ln2_tile(const float* x, const float* weight, float* out, flo
                                         32, 9.999999974752427e-07f, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
 }
-CG_KERNEL void __launch_bounds__(32) k42_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k42_ln2_tile(x, weight, out, rstd, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k40_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+  k40_ln2_tile(x, weight, out, rstd, cg_launch_tile());
 }
 
-// Kernel k43_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
+// Kernel k41_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
 //   reads  ln2.out f32 [2, 8, 32], w_up.out f32 [32, 64]
 //   writes up.out f32 [2, 8, 64], act.out f32 [2, 8, 64]
 //   10240 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k43_up_tile(const float* a, const float* b, float* out, float* act_out, cg_tile tile) {
+CG_DEVICE void k41_up_tile(const float* a, const float* b, float* out, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(out, i, v0);
@@ -1377,16 +1390,16 @@ CG_DEVICE void k43_up_tile(const float* a, const float* b, float* out, float* ac
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       16, 64, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k43_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out, float* __restrict__ act_out) {
-  k43_up_tile(a, b, out, act_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k41_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out, float* __restrict__ act_out) {
+  k41_up_tile(a, b, out, act_out, cg_launch_tile());
 }
 
-// Kernel k44_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
+// Kernel k42_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
 //   reads  act.out f32 [2, 8, 64], w_down.out f32 [64, 32], res1.out f32 [2, 8, 32]
 //   writes res2.out f32 [2, 8, 32]
 //   in registers down.out
 //   14336 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k44_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k42_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
@@ -1401,15 +1414,15 @@ CG_DEVICE void k44_down_tile(const float* a, const float* b, const float* res2_a
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k44_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k44_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k42_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k42_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
-// Kernel k45_lnf (forward phase): task lnf (rmsnorm, reduction).
+// Kernel k43_lnf (forward phase): task lnf (rmsnorm, reduction).
 //   reads  lnf.x f32 [2, 8, 32] <- res2.out, lnf.weight f32 [32] <- lnf_w.out
 //   writes lnf.out f32 [2, 8, 32], lnf.rstd f32 [2, 8]
 //   2176 bytes read, 2112 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k45_lnf_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
+CG_DEVICE void k43_lnf_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 32 + j); },
@@ -1418,15 +1431,15 @@ CG_DEVICE void k45_lnf_tile(const float* x, const float* weight, float* out, flo
                                         32, 9.999999974752427e-07f, (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
 }
-CG_KERNEL void __launch_bounds__(32) k45_lnf(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k45_lnf_tile(x, weight, out, rstd, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k43_lnf(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
+  k43_lnf_tile(x, weight, out, rstd, cg_launch_tile());
 }
 
-// Kernel k46_head (forward phase): task head (matmul, matmul).
+// Kernel k44_head (forward phase): task head (matmul, matmul).
 //   reads  head.a f32 [2, 8, 32] <- lnf.out, head.b f32 [32, 16] <- w_head.out
 //   writes head.out f32 [2, 8, 16]
 //   4096 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k46_head_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k44_head_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 256;
@@ -1436,15 +1449,15 @@ CG_DEVICE void k46_head_tile(const float* a, const float* b, float* out, cg_tile
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k46_head(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k46_head_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k44_head(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k44_head_tile(a, b, out, cg_launch_tile());
 }
 
-// Kernel k47_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k45_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [2, 8, 16] <- head.out, loss.labels i32 [2, 8]
 //   writes loss.loss f32 []
 //   1088 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k47_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k45_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 16; ++row)
@@ -1452,30 +1465,30 @@ CG_DEVICE void k47_loss_tile(const float* logits, const int* labels, float* loss
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 16.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k47_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k47_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k45_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k45_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k48_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
+// Kernel k46_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [2, 8, 16] <- head.out, loss_backward.labels i32 [2, 8] <- loss.labels
 //   writes loss_backward.dlogits f32 [2, 8, 16]
 //   1088 bytes read, 1024 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k48_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k46_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 16 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 16 + j, v); },
                                 16, (cg_i64)cg_load(labels, row), 0.0625f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k48_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k48_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k46_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k46_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k49_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
+// Kernel k47_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
 //   reads  head_grad_a.a f32 [2, 8, 16] <- loss_backward.dlogits, head_grad_a.b f32 [32, 16] <- w_head.out
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k49_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k47_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 512, out_base = z * 512;
@@ -1486,11 +1499,11 @@ CG_DEVICE void k49_head_grad_a_tile(const float* a, const float* b, float* out, 
       16, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k50_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
+// Kernel k48_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
 //   reads  head_grad_b.a f32 [2, 8, 32] <- lnf.out, head_grad_b.b f32 [2, 8, 16] <- loss_backward.dlogits
 //   writes head_grad_b.out f32 [2, 32, 16]
 //   3072 bytes read, 4096 bytes written; grid [1, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k50_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k48_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 128, out_base = z * 512;
@@ -1501,22 +1514,22 @@ CG_DEVICE void k50_head_grad_b_tile(const float* a, const float* b, float* out, 
       32, 16, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k51_head_grad_b_sum (backward phase): task head_grad_b_sum (sum_leading, reduction).
+// Kernel k49_head_grad_b_sum (backward phase): task head_grad_b_sum (sum_leading, reduction).
 //   reads  head_grad_b_sum.x f32 [2, 512] <- head_grad_b_rows.out
 //   writes head_grad_b_sum.out f32 [512]
 //   4096 bytes read, 2048 bytes written; grid [16, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k51_head_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k49_head_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 512 + c); }, j, 512, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 512) cg_store(out, j, total);
 }
 
-// Kernel k52_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
+// Kernel k50_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
 //   reads  lnf_backward.x f32 [2, 8, 32] <- res2.out, lnf_backward.weight f32 [32] <- lnf_w.out, lnf_backward.rstd f32 [2, 8] <- lnf.rstd, lnf_backward.dout f32 [2, 8, 32] <- head_grad_a.out
 //   writes lnf_backward.dx f32 [2, 8, 32], lnf_backward.dweight f32 [32]
 //   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k52_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+CG_DEVICE void k50_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
@@ -1535,12 +1548,12 @@ CG_DEVICE void k52_lnf_backward_tile(const float* x, const float* weight, const 
   }
 }
 
-// Kernel k53_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), fused (matmul_epilogue).
+// Kernel k51_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), fused (matmul_epilogue).
 //   reads  lnf_backward.dx f32 [2, 8, 32], w_down.out f32 [64, 32], up.out f32 [2, 8, 64]
 //   writes act_backward.dx f32 [2, 8, 64]
 //   in registers down_grad_a.out
 //   14336 bytes read, 4096 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k53_down_grad_a_tile(const float* a, const float* b, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
+CG_DEVICE void k51_down_grad_a_tile(const float* a, const float* b, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act_backward (gelu_backward), on element i of down_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_gelu_backward<float>(cg_load(act_backward_x, i), v0, /*approximate=tanh*/ 0);  // act_backward.dx
@@ -1556,11 +1569,11 @@ CG_DEVICE void k53_down_grad_a_tile(const float* a, const float* b, const float*
       16, 64, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k54_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
+// Kernel k52_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
 //   reads  down_grad_b.a f32 [2, 8, 64] <- act.out, down_grad_b.b f32 [2, 8, 32] <- lnf_backward.dx
 //   writes down_grad_b.out f32 [2, 64, 32]
 //   6144 bytes read, 16384 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k54_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k52_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 256, out_base = z * 2048;
@@ -1571,22 +1584,22 @@ CG_DEVICE void k54_down_grad_b_tile(const float* a, const float* b, float* out, 
       64, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k55_down_grad_b_sum (backward phase): task down_grad_b_sum (sum_leading, reduction).
+// Kernel k53_down_grad_b_sum (backward phase): task down_grad_b_sum (sum_leading, reduction).
 //   reads  down_grad_b_sum.x f32 [2, 2048] <- down_grad_b_rows.out
 //   writes down_grad_b_sum.out f32 [2048]
 //   16384 bytes read, 8192 bytes written; grid [64, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k55_down_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k53_down_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 2048 + c); }, j, 2048, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 2048) cg_store(out, j, total);
 }
 
-// Kernel k56_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
+// Kernel k54_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
 //   reads  up_grad_a.a f32 [2, 8, 64] <- act_backward.dx, up_grad_a.b f32 [32, 64] <- w_up.out
 //   writes up_grad_a.out f32 [2, 8, 32]
 //   12288 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k56_up_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k54_up_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 1024, b_base = z * 2048, out_base = z * 512;
@@ -1597,11 +1610,11 @@ CG_DEVICE void k56_up_grad_a_tile(const float* a, const float* b, float* out, cg
       16, 32, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k57_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
+// Kernel k55_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
 //   reads  up_grad_b.a f32 [2, 8, 32] <- ln2.out, up_grad_b.b f32 [2, 8, 64] <- act_backward.dx
 //   writes up_grad_b.out f32 [2, 32, 64]
 //   6144 bytes read, 16384 bytes written; grid [2, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k57_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k55_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 512, out_base = z * 2048;
@@ -1612,22 +1625,22 @@ CG_DEVICE void k57_up_grad_b_tile(const float* a, const float* b, float* out, cg
       32, 64, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k58_up_grad_b_sum (backward phase): task up_grad_b_sum (sum_leading, reduction).
+// Kernel k56_up_grad_b_sum (backward phase): task up_grad_b_sum (sum_leading, reduction).
 //   reads  up_grad_b_sum.x f32 [2, 2048] <- up_grad_b_rows.out
 //   writes up_grad_b_sum.out f32 [2048]
 //   16384 bytes read, 8192 bytes written; grid [64, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k58_up_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k56_up_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 2048 + c); }, j, 2048, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 2048) cg_store(out, j, total);
 }
 
-// Kernel k59_ln2_backward (backward phase): task ln2_backward (rmsnorm_backward, reduction).
+// Kernel k57_ln2_backward (backward phase): task ln2_backward (rmsnorm_backward, reduction).
 //   reads  ln2_backward.x f32 [2, 8, 32] <- res1.out, ln2_backward.weight f32 [32] <- ln2_w.out, ln2_backward.rstd f32 [2, 8] <- ln2.rstd, ln2_backward.dout f32 [2, 8, 32] <- up_grad_a.out
 //   writes ln2_backward.dx f32 [2, 8, 32], ln2_backward.dweight f32 [32]
 //   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k59_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+CG_DEVICE void k57_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
@@ -1646,11 +1659,11 @@ CG_DEVICE void k59_ln2_backward_tile(const float* x, const float* weight, const 
   }
 }
 
-// Kernel k60_grad_res1_out_sum (backward phase): task grad_res1_out_sum (add, broadcast).
+// Kernel k58_grad_res1_out_sum (backward phase): task grad_res1_out_sum (add, broadcast).
 //   reads  grad_res1_out_sum.a f32 [2, 8, 32] <- lnf_backward.dx, grad_res1_out_sum.b f32 [2, 8, 32] <- ln2_backward.dx
 //   writes grad_res1_out_sum.out f32 [2, 8, 32]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k60_grad_res1_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k58_grad_res1_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile) * 4; i < 512; i += cg_grid_threads(tile) * 4) {  // 4 elements at a time
     const cg_vector<4, float> a_v = cg_load_vector<4>(a, i);
     const cg_vector<4, float> b_v = cg_load_vector<4>(b, i);
@@ -1659,16 +1672,16 @@ CG_DEVICE void k60_grad_res1_out_sum_tile(const float* a, const float* b, float*
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k60_grad_res1_out_sum(const float* a, const float* __restrict__ b, float* out) {
-  k60_grad_res1_out_sum_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k58_grad_res1_out_sum(const float* a, const float* __restrict__ b, float* out) {
+  k58_grad_res1_out_sum_tile(a, b, out, cg_launch_tile());
 }
 
-// Kernel k61_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
+// Kernel k59_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
 //   reads  grad_res1_out_sum.out f32 [2, 8, 32], wo.out f32 [32, 32]
 //   writes merged_grad_x.out f32 [2, 4, 8, 8]
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k61_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
+CG_DEVICE void k59_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_grad_x_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // merged_grad_x (split_heads): where it moves element i
@@ -1683,11 +1696,11 @@ CG_DEVICE void k61_attn_out_grad_a_tile(const float* a, const float* b, float* m
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k62_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
+// Kernel k60_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [2, 8, 32] <- merged.out, attn_out_grad_b.b f32 [2, 8, 32] <- grad_res1_out_sum.out
 //   writes attn_out_grad_b.out f32 [2, 32, 32]
 //   4096 bytes read, 8192 bytes written; grid [1, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k62_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k60_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 1024;
@@ -1698,22 +1711,22 @@ CG_DEVICE void k62_attn_out_grad_b_tile(const float* a, const float* b, float* o
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k63_attn_out_grad_b_sum (backward phase): task attn_out_grad_b_sum (sum_leading, reduction).
+// Kernel k61_attn_out_grad_b_sum (backward phase): task attn_out_grad_b_sum (sum_leading, reduction).
 //   reads  attn_out_grad_b_sum.x f32 [2, 1024] <- attn_out_grad_b_rows.out
 //   writes attn_out_grad_b_sum.out f32 [1024]
 //   8192 bytes read, 4096 bytes written; grid [32, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k63_attn_out_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k61_attn_out_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
 
-// Kernel k64_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
+// Kernel k62_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
 //   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
 //   writes context_grad_a.out f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k64_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k62_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
@@ -1724,12 +1737,12 @@ CG_DEVICE void k64_context_grad_a_tile(const float* a, const float* b, float* ou
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k65_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k63_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
 //   writes v_heads_grad_x.out f32 [2, 8, 32]
 //   in registers context_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k65_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k63_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
@@ -1744,11 +1757,11 @@ CG_DEVICE void k65_context_grad_b_tile(const float* a, const float* b, float* v_
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k66_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
+// Kernel k64_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
 //   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
 //   writes probs_backward.dx f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k66_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
+CG_DEVICE void k64_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 8 + j); },
@@ -1756,16 +1769,16 @@ CG_DEVICE void k66_probs_backward_tile(const float* out, const float* dout, floa
       [&](int j, float v) { cg_store(dx, row * 8 + j, v); },
       8, 0.3535533845424652f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k66_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k66_probs_backward_tile(out, dout, dx, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k64_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k64_probs_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
-// Kernel k67_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k65_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
 //   writes q_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_a.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k67_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k65_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // q_heads_grad_x (merge_heads): where it moves element i
@@ -1780,12 +1793,12 @@ CG_DEVICE void k67_scores_grad_a_tile(const float* a, const float* b, float* q_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k68_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k66_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
 //   writes k_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k68_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k66_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // k_heads_grad_x (merge_heads): where it moves element i
@@ -1800,11 +1813,11 @@ CG_DEVICE void k68_scores_grad_b_tile(const float* a, const float* b, float* k_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k69_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
+// Kernel k67_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k69_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k67_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
@@ -1815,11 +1828,11 @@ CG_DEVICE void k69_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k70_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k68_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [2, 8, 32] <- ln1.out, v_grad_b.b f32 [2, 8, 32] <- v_heads_grad_x.out
 //   writes v_grad_b.out f32 [2, 32, 32]
 //   4096 bytes read, 8192 bytes written; grid [1, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k70_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k68_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 1024;
@@ -1830,23 +1843,23 @@ CG_DEVICE void k70_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k71_v_grad_b_sum (backward phase): task v_grad_b_sum (sum_leading, reduction).
+// Kernel k69_v_grad_b_sum (backward phase): task v_grad_b_sum (sum_leading, reduction).
 //   reads  v_grad_b_sum.x f32 [2, 1024] <- v_grad_b_rows.out
 //   writes v_grad_b_sum.out f32 [1024]
 //   8192 bytes read, 4096 bytes written; grid [32, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k71_v_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k69_v_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
 
-// Kernel k72_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
+// Kernel k70_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k72_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k70_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
@@ -1862,11 +1875,11 @@ CG_DEVICE void k72_k_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k73_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k71_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [2, 8, 32] <- ln1.out, k_grad_b.b f32 [2, 8, 32] <- k_heads_grad_x.out
 //   writes k_grad_b.out f32 [2, 32, 32]
 //   4096 bytes read, 8192 bytes written; grid [1, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k73_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k71_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 1024;
@@ -1877,23 +1890,23 @@ CG_DEVICE void k73_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k74_k_grad_b_sum (backward phase): task k_grad_b_sum (sum_leading, reduction).
+// Kernel k72_k_grad_b_sum (backward phase): task k_grad_b_sum (sum_leading, reduction).
 //   reads  k_grad_b_sum.x f32 [2, 1024] <- k_grad_b_rows.out
 //   writes k_grad_b_sum.out f32 [1024]
 //   8192 bytes read, 4096 bytes written; grid [32, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k74_k_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k72_k_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
 
-// Kernel k75_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
+// Kernel k73_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k75_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
+CG_DEVICE void k73_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
@@ -1909,11 +1922,11 @@ CG_DEVICE void k75_q_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k76_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k74_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [2, 8, 32] <- ln1.out, q_grad_b.b f32 [2, 8, 32] <- q_heads_grad_x.out
 //   writes q_grad_b.out f32 [2, 32, 32]
 //   4096 bytes read, 8192 bytes written; grid [1, 1, 2], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k76_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k74_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 1024;
@@ -1924,22 +1937,22 @@ CG_DEVICE void k76_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k77_q_grad_b_sum (backward phase): task q_grad_b_sum (sum_leading, reduction).
+// Kernel k75_q_grad_b_sum (backward phase): task q_grad_b_sum (sum_leading, reduction).
 //   reads  q_grad_b_sum.x f32 [2, 1024] <- q_grad_b_rows.out
 //   writes q_grad_b_sum.out f32 [1024]
 //   8192 bytes read, 4096 bytes written; grid [32, 1, 1], block 64, 256 bytes of shared memory.
-CG_DEVICE void k77_q_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k75_q_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 1024 + c); }, j, 1024, 2, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 1024) cg_store(out, j, total);
 }
 
-// Kernel k78_ln1_backward (backward phase): task ln1_backward (rmsnorm_backward, reduction).
+// Kernel k76_ln1_backward (backward phase): task ln1_backward (rmsnorm_backward, reduction).
 //   reads  ln1_backward.x f32 [2, 8, 32] <- embed.out, ln1_backward.weight f32 [32] <- ln1_w.out, ln1_backward.rstd f32 [2, 8] <- ln1.rstd, ln1_backward.dout f32 [2, 8, 32] <- grad_ln1_out_sum_2.out
 //   writes ln1_backward.dx f32 [2, 8, 32], ln1_backward.dweight f32 [32]
 //   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k78_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+CG_DEVICE void k76_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
@@ -1958,11 +1971,11 @@ CG_DEVICE void k78_ln1_backward_tile(const float* x, const float* weight, const 
   }
 }
 
-// Kernel k79_grad_embed_out_sum (backward phase): task grad_embed_out_sum (add, broadcast).
+// Kernel k77_grad_embed_out_sum (backward phase): task grad_embed_out_sum (add, broadcast).
 //   reads  grad_embed_out_sum.a f32 [2, 8, 32] <- grad_res1_out_sum.out, grad_embed_out_sum.b f32 [2, 8, 32] <- ln1_backward.dx
 //   writes grad_embed_out_sum.out f32 [2, 8, 32]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k79_grad_embed_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k77_grad_embed_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile) * 4; i < 512; i += cg_grid_threads(tile) * 4) {  // 4 elements at a time
     const cg_vector<4, float> a_v = cg_load_vector<4>(a, i);
     const cg_vector<4, float> b_v = cg_load_vector<4>(b, i);
@@ -1971,28 +1984,28 @@ CG_DEVICE void k79_grad_embed_out_sum_tile(const float* a, const float* b, float
     cg_store_vector<4>(out, i, out_v);
   }
 }
-CG_KERNEL void __launch_bounds__(256) k79_grad_embed_out_sum(const float* a, const float* __restrict__ b, float* out) {
-  k79_grad_embed_out_sum_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k77_grad_embed_out_sum(const float* a, const float* __restrict__ b, float* out) {
+  k77_grad_embed_out_sum_tile(a, b, out, cg_launch_tile());
 }
 
-// Kernel k80_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k78_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k80_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k78_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k80_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k80_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k78_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k78_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k81_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k79_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k81_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k79_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2006,11 +2019,11 @@ CG_DEVICE void k81_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k82_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k80_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k82_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k80_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2024,11 +2037,11 @@ CG_DEVICE void k82_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k83_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k81_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b_shape.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k83_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k81_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2042,11 +2055,11 @@ CG_DEVICE void k83_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k84_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k82_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b_shape.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k84_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k82_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2060,11 +2073,11 @@ CG_DEVICE void k84_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k85_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k83_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b_shape.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k85_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k83_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2078,11 +2091,11 @@ CG_DEVICE void k85_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k86_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k84_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b_shape.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k86_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k84_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2096,11 +2109,11 @@ CG_DEVICE void k86_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k87_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k85_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k87_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k85_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2114,11 +2127,11 @@ CG_DEVICE void k87_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k88_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k86_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b_shape.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k88_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k86_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2132,11 +2145,11 @@ CG_DEVICE void k88_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k89_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k87_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b_shape.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k89_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k87_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2150,11 +2163,11 @@ CG_DEVICE void k89_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k90_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k88_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k90_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k88_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2168,11 +2181,11 @@ CG_DEVICE void k90_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k91_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k89_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b_shape.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k91_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k89_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2352,334 +2365,334 @@ CG_KERNEL void __launch_bounds__(256) h3_q_k_v(
     k37_v_tile(k37_v_a, k37_v_b, k37_v_v_heads_out, cg_tile_of(block - 2u, 1, 1));
 }
 
-// Launch h15_head_grad_a_head_grad_b (backward phase):
+// Launch h13_head_grad_a_head_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k49_head_grad_a
-//   blocks [1, 3): k50_head_grad_b
-CG_KERNEL void __launch_bounds__(256) h15_head_grad_a_head_grad_b(
-    const float* __restrict__ k49_head_grad_a_a,
-    const float* __restrict__ k49_head_grad_a_b,
-    float* __restrict__ k49_head_grad_a_out,
-    const float* __restrict__ k50_head_grad_b_a,
-    const float* __restrict__ k50_head_grad_b_b,
-    float* __restrict__ k50_head_grad_b_out) {
+//   blocks [0, 1): k47_head_grad_a
+//   blocks [1, 3): k48_head_grad_b
+CG_KERNEL void __launch_bounds__(256) h13_head_grad_a_head_grad_b(
+    const float* __restrict__ k47_head_grad_a_a,
+    const float* __restrict__ k47_head_grad_a_b,
+    float* __restrict__ k47_head_grad_a_out,
+    const float* __restrict__ k48_head_grad_b_a,
+    const float* __restrict__ k48_head_grad_b_b,
+    float* __restrict__ k48_head_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k49_head_grad_a_tile(k49_head_grad_a_a, k49_head_grad_a_b, k49_head_grad_a_out, cg_tile_of(block, 1, 1));
+    k47_head_grad_a_tile(k47_head_grad_a_a, k47_head_grad_a_b, k47_head_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k50_head_grad_b_tile(k50_head_grad_b_a, k50_head_grad_b_b, k50_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k48_head_grad_b_tile(k48_head_grad_b_a, k48_head_grad_b_b, k48_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k51_head_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k51_head_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k49_head_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k49_head_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-CG_KERNEL void __launch_bounds__(128) k52_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k52_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k50_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k50_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
-// Launch h17_down_grad_a_down_grad_b (backward phase):
+// Launch h15_down_grad_a_down_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 6 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k53_down_grad_a
-//   blocks [2, 6): k54_down_grad_b
-CG_KERNEL void __launch_bounds__(256) h17_down_grad_a_down_grad_b(
-    const float* __restrict__ k53_down_grad_a_a,
-    const float* __restrict__ k53_down_grad_a_b,
-    const float* __restrict__ k53_down_grad_a_act_backward_x,
-    float* __restrict__ k53_down_grad_a_act_backward_dx,
-    const float* __restrict__ k54_down_grad_b_a,
-    const float* __restrict__ k54_down_grad_b_b,
-    float* __restrict__ k54_down_grad_b_out) {
+//   blocks [0, 2): k51_down_grad_a
+//   blocks [2, 6): k52_down_grad_b
+CG_KERNEL void __launch_bounds__(256) h15_down_grad_a_down_grad_b(
+    const float* __restrict__ k51_down_grad_a_a,
+    const float* __restrict__ k51_down_grad_a_b,
+    const float* __restrict__ k51_down_grad_a_act_backward_x,
+    float* __restrict__ k51_down_grad_a_act_backward_dx,
+    const float* __restrict__ k52_down_grad_b_a,
+    const float* __restrict__ k52_down_grad_b_b,
+    float* __restrict__ k52_down_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k53_down_grad_a_tile(k53_down_grad_a_a, k53_down_grad_a_b, k53_down_grad_a_act_backward_x, k53_down_grad_a_act_backward_dx, cg_tile_of(block, 2, 1));
+    k51_down_grad_a_tile(k51_down_grad_a_a, k51_down_grad_a_b, k51_down_grad_a_act_backward_x, k51_down_grad_a_act_backward_dx, cg_tile_of(block, 2, 1));
   else
-    k54_down_grad_b_tile(k54_down_grad_b_a, k54_down_grad_b_b, k54_down_grad_b_out, cg_tile_of(block - 2u, 1, 2));
+    k52_down_grad_b_tile(k52_down_grad_b_a, k52_down_grad_b_b, k52_down_grad_b_out, cg_tile_of(block - 2u, 1, 2));
 }
 
-CG_KERNEL void __launch_bounds__(64) k55_down_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k55_down_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k53_down_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k53_down_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-// Launch h18_up_grad_a_up_grad_b_1 (backward phase):
+// Launch h16_up_grad_a_up_grad_b_1 (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 5 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k56_up_grad_a
-//   blocks [1, 5): k57_up_grad_b
-CG_KERNEL void __launch_bounds__(256) h18_up_grad_a_up_grad_b_1(
-    const float* __restrict__ k56_up_grad_a_a,
-    const float* __restrict__ k56_up_grad_a_b,
-    float* __restrict__ k56_up_grad_a_out,
-    const float* __restrict__ k57_up_grad_b_a,
-    const float* __restrict__ k57_up_grad_b_b,
-    float* __restrict__ k57_up_grad_b_out) {
+//   blocks [0, 1): k54_up_grad_a
+//   blocks [1, 5): k55_up_grad_b
+CG_KERNEL void __launch_bounds__(256) h16_up_grad_a_up_grad_b_1(
+    const float* __restrict__ k54_up_grad_a_a,
+    const float* __restrict__ k54_up_grad_a_b,
+    float* __restrict__ k54_up_grad_a_out,
+    const float* __restrict__ k55_up_grad_b_a,
+    const float* __restrict__ k55_up_grad_b_b,
+    float* __restrict__ k55_up_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k56_up_grad_a_tile(k56_up_grad_a_a, k56_up_grad_a_b, k56_up_grad_a_out, cg_tile_of(block, 1, 1));
+    k54_up_grad_a_tile(k54_up_grad_a_a, k54_up_grad_a_b, k54_up_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k57_up_grad_b_tile(k57_up_grad_b_a, k57_up_grad_b_b, k57_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
+    k55_up_grad_b_tile(k55_up_grad_b_a, k55_up_grad_b_b, k55_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k58_up_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k58_up_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k56_up_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k56_up_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-CG_KERNEL void __launch_bounds__(128) k59_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k59_ln2_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k57_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k57_ln2_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
-// Launch h21_attn_out_grad_a_attn_out_grad_b (backward phase):
+// Launch h19_attn_out_grad_a_attn_out_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k61_attn_out_grad_a
-//   blocks [1, 3): k62_attn_out_grad_b
-CG_KERNEL void __launch_bounds__(256) h21_attn_out_grad_a_attn_out_grad_b(
-    const float* __restrict__ k61_attn_out_grad_a_a,
-    const float* __restrict__ k61_attn_out_grad_a_b,
-    float* __restrict__ k61_attn_out_grad_a_merged_grad_x_out,
-    const float* __restrict__ k62_attn_out_grad_b_a,
-    const float* __restrict__ k62_attn_out_grad_b_b,
-    float* __restrict__ k62_attn_out_grad_b_out) {
+//   blocks [0, 1): k59_attn_out_grad_a
+//   blocks [1, 3): k60_attn_out_grad_b
+CG_KERNEL void __launch_bounds__(256) h19_attn_out_grad_a_attn_out_grad_b(
+    const float* __restrict__ k59_attn_out_grad_a_a,
+    const float* __restrict__ k59_attn_out_grad_a_b,
+    float* __restrict__ k59_attn_out_grad_a_merged_grad_x_out,
+    const float* __restrict__ k60_attn_out_grad_b_a,
+    const float* __restrict__ k60_attn_out_grad_b_b,
+    float* __restrict__ k60_attn_out_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k61_attn_out_grad_a_tile(k61_attn_out_grad_a_a, k61_attn_out_grad_a_b, k61_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
+    k59_attn_out_grad_a_tile(k59_attn_out_grad_a_a, k59_attn_out_grad_a_b, k59_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
   else
-    k62_attn_out_grad_b_tile(k62_attn_out_grad_b_a, k62_attn_out_grad_b_b, k62_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k60_attn_out_grad_b_tile(k60_attn_out_grad_b_a, k60_attn_out_grad_b_b, k60_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k63_attn_out_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k63_attn_out_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k61_attn_out_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k61_attn_out_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-// Launch h22_context_grad_a_context_grad_b_1 (backward phase):
+// Launch h20_context_grad_a_context_grad_b_1 (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k64_context_grad_a
-//   blocks [8, 16): k65_context_grad_b
-CG_KERNEL void __launch_bounds__(256) h22_context_grad_a_context_grad_b_1(
-    const float* __restrict__ k64_context_grad_a_a,
-    const float* __restrict__ k64_context_grad_a_b,
-    float* __restrict__ k64_context_grad_a_out,
-    const float* __restrict__ k65_context_grad_b_a,
-    const float* __restrict__ k65_context_grad_b_b,
-    float* __restrict__ k65_context_grad_b_v_heads_grad_x_out) {
+//   blocks [0, 8): k62_context_grad_a
+//   blocks [8, 16): k63_context_grad_b
+CG_KERNEL void __launch_bounds__(256) h20_context_grad_a_context_grad_b_1(
+    const float* __restrict__ k62_context_grad_a_a,
+    const float* __restrict__ k62_context_grad_a_b,
+    float* __restrict__ k62_context_grad_a_out,
+    const float* __restrict__ k63_context_grad_b_a,
+    const float* __restrict__ k63_context_grad_b_b,
+    float* __restrict__ k63_context_grad_b_v_heads_grad_x_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k64_context_grad_a_tile(k64_context_grad_a_a, k64_context_grad_a_b, k64_context_grad_a_out, cg_tile_of(block, 1, 1));
+    k62_context_grad_a_tile(k62_context_grad_a_a, k62_context_grad_a_b, k62_context_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k65_context_grad_b_tile(k65_context_grad_b_a, k65_context_grad_b_b, k65_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k63_context_grad_b_tile(k63_context_grad_b_a, k63_context_grad_b_b, k63_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
 }
 
-// Launch h24_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
+// Launch h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k67_scores_grad_a
-//   blocks [8, 16): k68_scores_grad_b
-//   blocks [16, 17): k69_v_grad_a
-//   blocks [17, 19): k70_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h24_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
-    const float* __restrict__ k67_scores_grad_a_a,
-    const float* __restrict__ k67_scores_grad_a_b,
-    float* __restrict__ k67_scores_grad_a_q_heads_grad_x_out,
-    const float* __restrict__ k68_scores_grad_b_a,
-    const float* __restrict__ k68_scores_grad_b_b,
-    float* __restrict__ k68_scores_grad_b_k_heads_grad_x_out,
-    const float* __restrict__ k69_v_grad_a_a,
-    const float* __restrict__ k69_v_grad_a_b,
-    float* __restrict__ k69_v_grad_a_out,
-    const float* __restrict__ k70_v_grad_b_a,
-    const float* __restrict__ k70_v_grad_b_b,
-    float* __restrict__ k70_v_grad_b_out) {
+//   blocks [0, 8): k65_scores_grad_a
+//   blocks [8, 16): k66_scores_grad_b
+//   blocks [16, 17): k67_v_grad_a
+//   blocks [17, 19): k68_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
+    const float* __restrict__ k65_scores_grad_a_a,
+    const float* __restrict__ k65_scores_grad_a_b,
+    float* __restrict__ k65_scores_grad_a_q_heads_grad_x_out,
+    const float* __restrict__ k66_scores_grad_b_a,
+    const float* __restrict__ k66_scores_grad_b_b,
+    float* __restrict__ k66_scores_grad_b_k_heads_grad_x_out,
+    const float* __restrict__ k67_v_grad_a_a,
+    const float* __restrict__ k67_v_grad_a_b,
+    float* __restrict__ k67_v_grad_a_out,
+    const float* __restrict__ k68_v_grad_b_a,
+    const float* __restrict__ k68_v_grad_b_b,
+    float* __restrict__ k68_v_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k67_scores_grad_a_tile(k67_scores_grad_a_a, k67_scores_grad_a_b, k67_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
+    k65_scores_grad_a_tile(k65_scores_grad_a_a, k65_scores_grad_a_b, k65_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
   else if (block < 16u)
-    k68_scores_grad_b_tile(k68_scores_grad_b_a, k68_scores_grad_b_b, k68_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k66_scores_grad_b_tile(k66_scores_grad_b_a, k66_scores_grad_b_b, k66_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
   else if (block < 17u)
-    k69_v_grad_a_tile(k69_v_grad_a_a, k69_v_grad_a_b, k69_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
+    k67_v_grad_a_tile(k67_v_grad_a_a, k67_v_grad_a_b, k67_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
   else
-    k70_v_grad_b_tile(k70_v_grad_b_a, k70_v_grad_b_b, k70_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
+    k68_v_grad_b_tile(k68_v_grad_b_a, k68_v_grad_b_b, k68_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k71_v_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k71_v_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k69_v_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k69_v_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-// Launch h25_k_grad_a_k_grad_b_1 (backward phase):
+// Launch h23_k_grad_a_k_grad_b_1 (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k72_k_grad_a
-//   blocks [1, 3): k73_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h25_k_grad_a_k_grad_b_1(
-    const float* __restrict__ k72_k_grad_a_a,
-    const float* __restrict__ k72_k_grad_a_b,
-    const float* k72_k_grad_a_grad_ln1_out_sum_a,
-    float* k72_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k73_k_grad_b_a,
-    const float* __restrict__ k73_k_grad_b_b,
-    float* __restrict__ k73_k_grad_b_out) {
+//   blocks [0, 1): k70_k_grad_a
+//   blocks [1, 3): k71_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h23_k_grad_a_k_grad_b_1(
+    const float* __restrict__ k70_k_grad_a_a,
+    const float* __restrict__ k70_k_grad_a_b,
+    const float* k70_k_grad_a_grad_ln1_out_sum_a,
+    float* k70_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k71_k_grad_b_a,
+    const float* __restrict__ k71_k_grad_b_b,
+    float* __restrict__ k71_k_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k72_k_grad_a_tile(k72_k_grad_a_a, k72_k_grad_a_b, k72_k_grad_a_grad_ln1_out_sum_a, k72_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+    k70_k_grad_a_tile(k70_k_grad_a_a, k70_k_grad_a_b, k70_k_grad_a_grad_ln1_out_sum_a, k70_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
   else
-    k73_k_grad_b_tile(k73_k_grad_b_a, k73_k_grad_b_b, k73_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k71_k_grad_b_tile(k71_k_grad_b_a, k71_k_grad_b_b, k71_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k74_k_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k74_k_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k72_k_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k72_k_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-// Launch h26_q_grad_a_q_grad_b_1 (backward phase):
+// Launch h24_q_grad_a_q_grad_b_1 (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k75_q_grad_a
-//   blocks [1, 3): k76_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h26_q_grad_a_q_grad_b_1(
-    const float* __restrict__ k75_q_grad_a_a,
-    const float* __restrict__ k75_q_grad_a_b,
-    const float* k75_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k75_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k76_q_grad_b_a,
-    const float* __restrict__ k76_q_grad_b_b,
-    float* __restrict__ k76_q_grad_b_out) {
+//   blocks [0, 1): k73_q_grad_a
+//   blocks [1, 3): k74_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h24_q_grad_a_q_grad_b_1(
+    const float* __restrict__ k73_q_grad_a_a,
+    const float* __restrict__ k73_q_grad_a_b,
+    const float* k73_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k73_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k74_q_grad_b_a,
+    const float* __restrict__ k74_q_grad_b_b,
+    float* __restrict__ k74_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k75_q_grad_a_tile(k75_q_grad_a_a, k75_q_grad_a_b, k75_q_grad_a_grad_ln1_out_sum_2_a, k75_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+    k73_q_grad_a_tile(k73_q_grad_a_a, k73_q_grad_a_b, k73_q_grad_a_grad_ln1_out_sum_2_a, k73_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
   else
-    k76_q_grad_b_tile(k76_q_grad_b_a, k76_q_grad_b_b, k76_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k74_q_grad_b_tile(k74_q_grad_b_a, k74_q_grad_b_b, k74_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(64) k77_q_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
-  k77_q_grad_b_sum_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k75_q_grad_b_sum(const float* __restrict__ x, float* __restrict__ out) {
+  k75_q_grad_b_sum_tile(x, out, cg_launch_tile());
 }
 
-CG_KERNEL void __launch_bounds__(128) k78_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k78_ln1_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k76_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k76_ln1_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
-// Launch h30_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k81_embed_w_adamw
-//   blocks [2, 3): k82_ln1_w_adamw
-//   blocks [3, 7): k83_wq_adamw
-//   blocks [7, 11): k84_wk_adamw
-//   blocks [11, 15): k85_wv_adamw
-//   blocks [15, 19): k86_wo_adamw
-//   blocks [19, 20): k87_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h30_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k81_embed_w_adamw_param,
-    const float* __restrict__ k81_embed_w_adamw_grad,
-    float* __restrict__ k81_embed_w_adamw_m,
-    float* __restrict__ k81_embed_w_adamw_v,
-    const float* __restrict__ k81_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k81_embed_w_adamw_step_arg,
-    float* __restrict__ k82_ln1_w_adamw_param,
-    const float* __restrict__ k82_ln1_w_adamw_grad,
-    float* __restrict__ k82_ln1_w_adamw_m,
-    float* __restrict__ k82_ln1_w_adamw_v,
-    const float* __restrict__ k82_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k82_ln1_w_adamw_step_arg,
-    float* __restrict__ k83_wq_adamw_param,
-    const float* __restrict__ k83_wq_adamw_grad,
-    float* __restrict__ k83_wq_adamw_m,
-    float* __restrict__ k83_wq_adamw_v,
-    const float* __restrict__ k83_wq_adamw_lr_arg,
-    const long long* __restrict__ k83_wq_adamw_step_arg,
-    float* __restrict__ k84_wk_adamw_param,
-    const float* __restrict__ k84_wk_adamw_grad,
-    float* __restrict__ k84_wk_adamw_m,
-    float* __restrict__ k84_wk_adamw_v,
-    const float* __restrict__ k84_wk_adamw_lr_arg,
-    const long long* __restrict__ k84_wk_adamw_step_arg,
-    float* __restrict__ k85_wv_adamw_param,
-    const float* __restrict__ k85_wv_adamw_grad,
-    float* __restrict__ k85_wv_adamw_m,
-    float* __restrict__ k85_wv_adamw_v,
-    const float* __restrict__ k85_wv_adamw_lr_arg,
-    const long long* __restrict__ k85_wv_adamw_step_arg,
-    float* __restrict__ k86_wo_adamw_param,
-    const float* __restrict__ k86_wo_adamw_grad,
-    float* __restrict__ k86_wo_adamw_m,
-    float* __restrict__ k86_wo_adamw_v,
-    const float* __restrict__ k86_wo_adamw_lr_arg,
-    const long long* __restrict__ k86_wo_adamw_step_arg,
-    float* __restrict__ k87_ln2_w_adamw_param,
-    const float* __restrict__ k87_ln2_w_adamw_grad,
-    float* __restrict__ k87_ln2_w_adamw_m,
-    float* __restrict__ k87_ln2_w_adamw_v,
-    const float* __restrict__ k87_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k87_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k79_embed_w_adamw
+//   blocks [2, 3): k80_ln1_w_adamw
+//   blocks [3, 7): k81_wq_adamw
+//   blocks [7, 11): k82_wk_adamw
+//   blocks [11, 15): k83_wv_adamw
+//   blocks [15, 19): k84_wo_adamw
+//   blocks [19, 20): k85_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k79_embed_w_adamw_param,
+    const float* __restrict__ k79_embed_w_adamw_grad,
+    float* __restrict__ k79_embed_w_adamw_m,
+    float* __restrict__ k79_embed_w_adamw_v,
+    const float* __restrict__ k79_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k79_embed_w_adamw_step_arg,
+    float* __restrict__ k80_ln1_w_adamw_param,
+    const float* __restrict__ k80_ln1_w_adamw_grad,
+    float* __restrict__ k80_ln1_w_adamw_m,
+    float* __restrict__ k80_ln1_w_adamw_v,
+    const float* __restrict__ k80_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k80_ln1_w_adamw_step_arg,
+    float* __restrict__ k81_wq_adamw_param,
+    const float* __restrict__ k81_wq_adamw_grad,
+    float* __restrict__ k81_wq_adamw_m,
+    float* __restrict__ k81_wq_adamw_v,
+    const float* __restrict__ k81_wq_adamw_lr_arg,
+    const long long* __restrict__ k81_wq_adamw_step_arg,
+    float* __restrict__ k82_wk_adamw_param,
+    const float* __restrict__ k82_wk_adamw_grad,
+    float* __restrict__ k82_wk_adamw_m,
+    float* __restrict__ k82_wk_adamw_v,
+    const float* __restrict__ k82_wk_adamw_lr_arg,
+    const long long* __restrict__ k82_wk_adamw_step_arg,
+    float* __restrict__ k83_wv_adamw_param,
+    const float* __restrict__ k83_wv_adamw_grad,
+    float* __restrict__ k83_wv_adamw_m,
+    float* __restrict__ k83_wv_adamw_v,
+    const float* __restrict__ k83_wv_adamw_lr_arg,
+    const long long* __restrict__ k83_wv_adamw_step_arg,
+    float* __restrict__ k84_wo_adamw_param,
+    const float* __restrict__ k84_wo_adamw_grad,
+    float* __restrict__ k84_wo_adamw_m,
+    float* __restrict__ k84_wo_adamw_v,
+    const float* __restrict__ k84_wo_adamw_lr_arg,
+    const long long* __restrict__ k84_wo_adamw_step_arg,
+    float* __restrict__ k85_ln2_w_adamw_param,
+    const float* __restrict__ k85_ln2_w_adamw_grad,
+    float* __restrict__ k85_ln2_w_adamw_m,
+    float* __restrict__ k85_ln2_w_adamw_v,
+    const float* __restrict__ k85_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k85_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k81_embed_w_adamw_tile(k81_embed_w_adamw_param, k81_embed_w_adamw_grad, k81_embed_w_adamw_m, k81_embed_w_adamw_v, k81_embed_w_adamw_lr_arg, k81_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k79_embed_w_adamw_tile(k79_embed_w_adamw_param, k79_embed_w_adamw_grad, k79_embed_w_adamw_m, k79_embed_w_adamw_v, k79_embed_w_adamw_lr_arg, k79_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k82_ln1_w_adamw_tile(k82_ln1_w_adamw_param, k82_ln1_w_adamw_grad, k82_ln1_w_adamw_m, k82_ln1_w_adamw_v, k82_ln1_w_adamw_lr_arg, k82_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k80_ln1_w_adamw_tile(k80_ln1_w_adamw_param, k80_ln1_w_adamw_grad, k80_ln1_w_adamw_m, k80_ln1_w_adamw_v, k80_ln1_w_adamw_lr_arg, k80_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k83_wq_adamw_tile(k83_wq_adamw_param, k83_wq_adamw_grad, k83_wq_adamw_m, k83_wq_adamw_v, k83_wq_adamw_lr_arg, k83_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k81_wq_adamw_tile(k81_wq_adamw_param, k81_wq_adamw_grad, k81_wq_adamw_m, k81_wq_adamw_v, k81_wq_adamw_lr_arg, k81_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k84_wk_adamw_tile(k84_wk_adamw_param, k84_wk_adamw_grad, k84_wk_adamw_m, k84_wk_adamw_v, k84_wk_adamw_lr_arg, k84_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k82_wk_adamw_tile(k82_wk_adamw_param, k82_wk_adamw_grad, k82_wk_adamw_m, k82_wk_adamw_v, k82_wk_adamw_lr_arg, k82_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k85_wv_adamw_tile(k85_wv_adamw_param, k85_wv_adamw_grad, k85_wv_adamw_m, k85_wv_adamw_v, k85_wv_adamw_lr_arg, k85_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k83_wv_adamw_tile(k83_wv_adamw_param, k83_wv_adamw_grad, k83_wv_adamw_m, k83_wv_adamw_v, k83_wv_adamw_lr_arg, k83_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k86_wo_adamw_tile(k86_wo_adamw_param, k86_wo_adamw_grad, k86_wo_adamw_m, k86_wo_adamw_v, k86_wo_adamw_lr_arg, k86_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k84_wo_adamw_tile(k84_wo_adamw_param, k84_wo_adamw_grad, k84_wo_adamw_m, k84_wo_adamw_v, k84_wo_adamw_lr_arg, k84_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k87_ln2_w_adamw_tile(k87_ln2_w_adamw_param, k87_ln2_w_adamw_grad, k87_ln2_w_adamw_m, k87_ln2_w_adamw_v, k87_ln2_w_adamw_lr_arg, k87_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k85_ln2_w_adamw_tile(k85_ln2_w_adamw_param, k85_ln2_w_adamw_grad, k85_ln2_w_adamw_m, k85_ln2_w_adamw_v, k85_ln2_w_adamw_lr_arg, k85_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h31_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k88_w_up_adamw
-//   blocks [8, 16): k89_w_down_adamw
-//   blocks [16, 17): k90_lnf_w_adamw
-//   blocks [17, 19): k91_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h31_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k88_w_up_adamw_param,
-    const float* __restrict__ k88_w_up_adamw_grad,
-    float* __restrict__ k88_w_up_adamw_m,
-    float* __restrict__ k88_w_up_adamw_v,
-    const float* __restrict__ k88_w_up_adamw_lr_arg,
-    const long long* __restrict__ k88_w_up_adamw_step_arg,
-    float* __restrict__ k89_w_down_adamw_param,
-    const float* __restrict__ k89_w_down_adamw_grad,
-    float* __restrict__ k89_w_down_adamw_m,
-    float* __restrict__ k89_w_down_adamw_v,
-    const float* __restrict__ k89_w_down_adamw_lr_arg,
-    const long long* __restrict__ k89_w_down_adamw_step_arg,
-    float* __restrict__ k90_lnf_w_adamw_param,
-    const float* __restrict__ k90_lnf_w_adamw_grad,
-    float* __restrict__ k90_lnf_w_adamw_m,
-    float* __restrict__ k90_lnf_w_adamw_v,
-    const float* __restrict__ k90_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k90_lnf_w_adamw_step_arg,
-    float* __restrict__ k91_w_head_adamw_param,
-    const float* __restrict__ k91_w_head_adamw_grad,
-    float* __restrict__ k91_w_head_adamw_m,
-    float* __restrict__ k91_w_head_adamw_v,
-    const float* __restrict__ k91_w_head_adamw_lr_arg,
-    const long long* __restrict__ k91_w_head_adamw_step_arg) {
+//   blocks [0, 8): k86_w_up_adamw
+//   blocks [8, 16): k87_w_down_adamw
+//   blocks [16, 17): k88_lnf_w_adamw
+//   blocks [17, 19): k89_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k86_w_up_adamw_param,
+    const float* __restrict__ k86_w_up_adamw_grad,
+    float* __restrict__ k86_w_up_adamw_m,
+    float* __restrict__ k86_w_up_adamw_v,
+    const float* __restrict__ k86_w_up_adamw_lr_arg,
+    const long long* __restrict__ k86_w_up_adamw_step_arg,
+    float* __restrict__ k87_w_down_adamw_param,
+    const float* __restrict__ k87_w_down_adamw_grad,
+    float* __restrict__ k87_w_down_adamw_m,
+    float* __restrict__ k87_w_down_adamw_v,
+    const float* __restrict__ k87_w_down_adamw_lr_arg,
+    const long long* __restrict__ k87_w_down_adamw_step_arg,
+    float* __restrict__ k88_lnf_w_adamw_param,
+    const float* __restrict__ k88_lnf_w_adamw_grad,
+    float* __restrict__ k88_lnf_w_adamw_m,
+    float* __restrict__ k88_lnf_w_adamw_v,
+    const float* __restrict__ k88_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k88_lnf_w_adamw_step_arg,
+    float* __restrict__ k89_w_head_adamw_param,
+    const float* __restrict__ k89_w_head_adamw_grad,
+    float* __restrict__ k89_w_head_adamw_m,
+    float* __restrict__ k89_w_head_adamw_v,
+    const float* __restrict__ k89_w_head_adamw_lr_arg,
+    const long long* __restrict__ k89_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k88_w_up_adamw_tile(k88_w_up_adamw_param, k88_w_up_adamw_grad, k88_w_up_adamw_m, k88_w_up_adamw_v, k88_w_up_adamw_lr_arg, k88_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k86_w_up_adamw_tile(k86_w_up_adamw_param, k86_w_up_adamw_grad, k86_w_up_adamw_m, k86_w_up_adamw_v, k86_w_up_adamw_lr_arg, k86_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k89_w_down_adamw_tile(k89_w_down_adamw_param, k89_w_down_adamw_grad, k89_w_down_adamw_m, k89_w_down_adamw_v, k89_w_down_adamw_lr_arg, k89_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k87_w_down_adamw_tile(k87_w_down_adamw_param, k87_w_down_adamw_grad, k87_w_down_adamw_m, k87_w_down_adamw_v, k87_w_down_adamw_lr_arg, k87_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k90_lnf_w_adamw_tile(k90_lnf_w_adamw_param, k90_lnf_w_adamw_grad, k90_lnf_w_adamw_m, k90_lnf_w_adamw_v, k90_lnf_w_adamw_lr_arg, k90_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k88_lnf_w_adamw_tile(k88_lnf_w_adamw_param, k88_lnf_w_adamw_grad, k88_lnf_w_adamw_m, k88_lnf_w_adamw_v, k88_lnf_w_adamw_lr_arg, k88_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k91_w_head_adamw_tile(k91_w_head_adamw_param, k91_w_head_adamw_grad, k91_w_head_adamw_m, k91_w_head_adamw_v, k91_w_head_adamw_lr_arg, k91_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k89_w_head_adamw_tile(k89_w_head_adamw_param, k89_w_head_adamw_grad, k89_w_head_adamw_m, k89_w_head_adamw_v, k89_w_head_adamw_lr_arg, k89_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2761,77 +2774,70 @@ static const cudagen_tensor_info h3_q_k_v_tensors[] = {
     {"k37_v_v_heads_out", "v_heads.out", 123136ull, 2048ull},
 };
 static const cudagen_tensor_info k38_scores_tensors[] = {
-    {"a", "q_heads.out", 119040ull, 2048ull},
-    {"b", "k_heads.out", 121088ull, 2048ull},
-    {"out", "scores.out", 127232ull, 2048ull},
-};
-static const cudagen_tensor_info k39_probs_tensors[] = {
-    {"x", "scores.out", 127232ull, 2048ull},
-    {"out", "probs.out", 125184ull, 2048ull},
-};
-static const cudagen_tensor_info k40_context_tensors[] = {
-    {"a", "probs.out", 125184ull, 2048ull},
-    {"b", "v_heads.out", 123136ull, 2048ull},
+    {"q", "q_heads.out", 119040ull, 2048ull},
+    {"k", "k_heads.out", 121088ull, 2048ull},
+    {"v", "v_heads.out", 123136ull, 2048ull},
+    {"probs", "probs.out", 125184ull, 2048ull},
     {"merged_out", "merged.out", 127232ull, 2048ull},
 };
-static const cudagen_tensor_info k41_attn_out_tensors[] = {
+static const cudagen_tensor_info k39_attn_out_tensors[] = {
     {"a", "merged.out", 127232ull, 2048ull},
     {"b", "wo.out", 14592ull, 4096ull},
     {"res1_a", "embed.out", 114688ull, 2048ull},
     {"res1_out", "res1.out", 129280ull, 2048ull},
 };
-static const cudagen_tensor_info k42_ln2_tensors[] = {
+static const cudagen_tensor_info k40_ln2_tensors[] = {
     {"x", "res1.out", 129280ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
     {"out", "ln2.out", 160256ull, 2048ull},
     {"rstd", "ln2.rstd", 178688ull, 64ull},
 };
-static const cudagen_tensor_info k43_up_tensors[] = {
+static const cudagen_tensor_info k41_up_tensors[] = {
     {"a", "ln2.out", 160256ull, 2048ull},
     {"b", "w_up.out", 18944ull, 8192ull},
     {"out", "up.out", 134400ull, 4096ull},
     {"act_out", "act.out", 138496ull, 4096ull},
 };
-static const cudagen_tensor_info k44_down_tensors[] = {
+static const cudagen_tensor_info k42_down_tensors[] = {
     {"a", "act.out", 138496ull, 4096ull},
     {"b", "w_down.out", 27136ull, 8192ull},
     {"res2_a", "res1.out", 129280ull, 2048ull},
     {"res2_out", "res2.out", 142592ull, 2048ull},
 };
-static const cudagen_tensor_info k45_lnf_tensors[] = {
+static const cudagen_tensor_info k43_lnf_tensors[] = {
     {"x", "res2.out", 142592ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
     {"out", "lnf.out", 131328ull, 2048ull},
     {"rstd", "lnf.rstd", 144640ull, 64ull},
 };
-static const cudagen_tensor_info k46_head_tensors[] = {
+static const cudagen_tensor_info k44_head_tensors[] = {
     {"a", "lnf.out", 131328ull, 2048ull},
     {"b", "w_head.out", 35584ull, 2048ull},
     {"out", "head.out", 112896ull, 1024ull},
 };
-static const cudagen_tensor_info k47_loss_tensors[] = {
+static const cudagen_tensor_info k45_loss_tensors[] = {
     {"logits", "head.out", 112896ull, 1024ull},
     {"labels", "loss.labels", 114176ull, 64ull},
     {"loss", "loss.loss", 114432ull, 4ull},
 };
-static const cudagen_tensor_info k48_loss_backward_tensors[] = {
+static const cudagen_tensor_info k46_loss_backward_tensors[] = {
     {"logits", "head.out", 112896ull, 1024ull},
     {"labels", "loss.labels", 114176ull, 64ull},
     {"dlogits", "loss_backward.dlogits", 133376ull, 1024ull},
 };
-static const cudagen_tensor_info h15_head_grad_a_head_grad_b_tensors[] = {
-    {"k49_head_grad_a_a", "loss_backward.dlogits", 133376ull, 1024ull},
-    {"k49_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
-    {"k49_head_grad_a_out", "head_grad_a.out", 148992ull, 2048ull},
-    {"k50_head_grad_b_a", "lnf.out", 131328ull, 2048ull},
-    {"k50_head_grad_b_b", "loss_backward.dlogits", 133376ull, 1024ull},
-    {"k50_head_grad_b_out", "head_grad_b.out", 144896ull, 4096ull},
+static const cudagen_tensor_info h13_head_grad_a_head_grad_b_tensors[] = {
+    {"k47_head_grad_a_a", "loss_backward.dlogits", 133376ull, 1024ull},
+    {"k47_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
+    {"k47_head_grad_a_out", "head_grad_a.out", 148992ull, 2048ull},
+    {"k48_head_grad_b_a", "lnf.out", 131328ull, 2048ull},
+    {"k48_head_grad_b_b", "loss_backward.dlogits", 133376ull, 1024ull},
+    {"k48_head_grad_b_out", "head_grad_b.out", 144896ull, 4096ull},
 };
-static const cudagen_tensor_info k51_head_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k49_head_grad_b_sum_tensors[] = {
     {"x", "head_grad_b_rows.out", 144896ull, 4096ull},
     {"out", "head_grad_b_sum.out", 131328ull, 2048ull},
 };
-static const cudagen_tensor_info k52_lnf_backward_tensors[] = {
+static const cudagen_tensor_info k50_lnf_backward_tensors[] = {
     {"x", "res2.out", 142592ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
     {"rstd", "lnf.rstd", 144640ull, 64ull},
@@ -2839,32 +2845,32 @@ static const cudagen_tensor_info k52_lnf_backward_tensors[] = {
     {"dx", "lnf_backward.dx", 158208ull, 2048ull},
     {"dweight", "lnf_backward.dweight", 133376ull, 128ull},
 };
-static const cudagen_tensor_info h17_down_grad_a_down_grad_b_tensors[] = {
-    {"k53_down_grad_a_a", "lnf_backward.dx", 158208ull, 2048ull},
-    {"k53_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
-    {"k53_down_grad_a_act_backward_x", "up.out", 134400ull, 4096ull},
-    {"k53_down_grad_a_act_backward_dx", "act_backward.dx", 178944ull, 4096ull},
-    {"k54_down_grad_b_a", "act.out", 138496ull, 4096ull},
-    {"k54_down_grad_b_b", "lnf_backward.dx", 158208ull, 2048ull},
-    {"k54_down_grad_b_out", "down_grad_b.out", 162304ull, 16384ull},
+static const cudagen_tensor_info h15_down_grad_a_down_grad_b_tensors[] = {
+    {"k51_down_grad_a_a", "lnf_backward.dx", 158208ull, 2048ull},
+    {"k51_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
+    {"k51_down_grad_a_act_backward_x", "up.out", 134400ull, 4096ull},
+    {"k51_down_grad_a_act_backward_dx", "act_backward.dx", 178944ull, 4096ull},
+    {"k52_down_grad_b_a", "act.out", 138496ull, 4096ull},
+    {"k52_down_grad_b_b", "lnf_backward.dx", 158208ull, 2048ull},
+    {"k52_down_grad_b_out", "down_grad_b.out", 162304ull, 16384ull},
 };
-static const cudagen_tensor_info k55_down_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k53_down_grad_b_sum_tensors[] = {
     {"x", "down_grad_b_rows.out", 162304ull, 16384ull},
     {"out", "down_grad_b_sum.out", 133632ull, 8192ull},
 };
-static const cudagen_tensor_info h18_up_grad_a_up_grad_b_1_tensors[] = {
-    {"k56_up_grad_a_a", "act_backward.dx", 178944ull, 4096ull},
-    {"k56_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
-    {"k56_up_grad_a_out", "up_grad_a.out", 183040ull, 2048ull},
-    {"k57_up_grad_b_a", "ln2.out", 160256ull, 2048ull},
-    {"k57_up_grad_b_b", "act_backward.dx", 178944ull, 4096ull},
-    {"k57_up_grad_b_out", "up_grad_b.out", 141824ull, 16384ull},
+static const cudagen_tensor_info h16_up_grad_a_up_grad_b_1_tensors[] = {
+    {"k54_up_grad_a_a", "act_backward.dx", 178944ull, 4096ull},
+    {"k54_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
+    {"k54_up_grad_a_out", "up_grad_a.out", 183040ull, 2048ull},
+    {"k55_up_grad_b_a", "ln2.out", 160256ull, 2048ull},
+    {"k55_up_grad_b_b", "act_backward.dx", 178944ull, 4096ull},
+    {"k55_up_grad_b_out", "up_grad_b.out", 141824ull, 16384ull},
 };
-static const cudagen_tensor_info k58_up_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k56_up_grad_b_sum_tensors[] = {
     {"x", "up_grad_b_rows.out", 141824ull, 16384ull},
     {"out", "up_grad_b_sum.out", 160256ull, 8192ull},
 };
-static const cudagen_tensor_info k59_ln2_backward_tensors[] = {
+static const cudagen_tensor_info k57_ln2_backward_tensors[] = {
     {"x", "res1.out", 129280ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
     {"rstd", "ln2.rstd", 178688ull, 64ull},
@@ -2872,81 +2878,81 @@ static const cudagen_tensor_info k59_ln2_backward_tensors[] = {
     {"dx", "ln2_backward.dx", 168704ull, 2048ull},
     {"dweight", "ln2_backward.dweight", 168448ull, 128ull},
 };
-static const cudagen_tensor_info k60_grad_res1_out_sum_tensors[] = {
+static const cudagen_tensor_info k58_grad_res1_out_sum_tensors[] = {
     {"a", "lnf_backward.dx", 158208ull, 2048ull},
     {"b", "ln2_backward.dx", 168704ull, 2048ull},
     {"out", "grad_res1_out_sum.out", 158208ull, 2048ull},
 };
-static const cudagen_tensor_info h21_attn_out_grad_a_attn_out_grad_b_tensors[] = {
-    {"k61_attn_out_grad_a_a", "grad_res1_out_sum.out", 158208ull, 2048ull},
-    {"k61_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
-    {"k61_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 152064ull, 2048ull},
-    {"k62_attn_out_grad_b_a", "merged.out", 127232ull, 2048ull},
-    {"k62_attn_out_grad_b_b", "grad_res1_out_sum.out", 158208ull, 2048ull},
-    {"k62_attn_out_grad_b_out", "attn_out_grad_b.out", 143872ull, 8192ull},
+static const cudagen_tensor_info h19_attn_out_grad_a_attn_out_grad_b_tensors[] = {
+    {"k59_attn_out_grad_a_a", "grad_res1_out_sum.out", 158208ull, 2048ull},
+    {"k59_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
+    {"k59_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 152064ull, 2048ull},
+    {"k60_attn_out_grad_b_a", "merged.out", 127232ull, 2048ull},
+    {"k60_attn_out_grad_b_b", "grad_res1_out_sum.out", 158208ull, 2048ull},
+    {"k60_attn_out_grad_b_out", "attn_out_grad_b.out", 143872ull, 8192ull},
 };
-static const cudagen_tensor_info k63_attn_out_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k61_attn_out_grad_b_sum_tensors[] = {
     {"x", "attn_out_grad_b_rows.out", 143872ull, 8192ull},
     {"out", "attn_out_grad_b_sum.out", 127232ull, 4096ull},
 };
-static const cudagen_tensor_info h22_context_grad_a_context_grad_b_1_tensors[] = {
-    {"k64_context_grad_a_a", "merged_grad_x.out", 152064ull, 2048ull},
-    {"k64_context_grad_a_b", "v_heads.out", 123136ull, 2048ull},
-    {"k64_context_grad_a_out", "context_grad_a.out", 154112ull, 2048ull},
-    {"k65_context_grad_b_a", "probs.out", 125184ull, 2048ull},
-    {"k65_context_grad_b_b", "merged_grad_x.out", 152064ull, 2048ull},
-    {"k65_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 141824ull, 2048ull},
+static const cudagen_tensor_info h20_context_grad_a_context_grad_b_1_tensors[] = {
+    {"k62_context_grad_a_a", "merged_grad_x.out", 152064ull, 2048ull},
+    {"k62_context_grad_a_b", "v_heads.out", 123136ull, 2048ull},
+    {"k62_context_grad_a_out", "context_grad_a.out", 154112ull, 2048ull},
+    {"k63_context_grad_b_a", "probs.out", 125184ull, 2048ull},
+    {"k63_context_grad_b_b", "merged_grad_x.out", 152064ull, 2048ull},
+    {"k63_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 141824ull, 2048ull},
 };
-static const cudagen_tensor_info k66_probs_backward_tensors[] = {
+static const cudagen_tensor_info k64_probs_backward_tensors[] = {
     {"out", "probs.out", 125184ull, 2048ull},
     {"dout", "context_grad_a.out", 154112ull, 2048ull},
     {"dx", "probs_backward.dx", 123136ull, 2048ull},
 };
-static const cudagen_tensor_info h24_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k67_scores_grad_a_a", "probs_backward.dx", 123136ull, 2048ull},
-    {"k67_scores_grad_a_b", "k_heads.out", 121088ull, 2048ull},
-    {"k67_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 170752ull, 2048ull},
-    {"k68_scores_grad_b_a", "probs_backward.dx", 123136ull, 2048ull},
-    {"k68_scores_grad_b_b", "q_heads.out", 119040ull, 2048ull},
-    {"k68_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 154112ull, 2048ull},
-    {"k69_v_grad_a_a", "v_heads_grad_x.out", 141824ull, 2048ull},
-    {"k69_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k69_v_grad_a_out", "v_grad_a.out", 168704ull, 2048ull},
-    {"k70_v_grad_b_a", "ln1.out", 116992ull, 2048ull},
-    {"k70_v_grad_b_b", "v_heads_grad_x.out", 141824ull, 2048ull},
-    {"k70_v_grad_b_out", "v_grad_b.out", 145920ull, 8192ull},
+static const cudagen_tensor_info h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
+    {"k65_scores_grad_a_a", "probs_backward.dx", 123136ull, 2048ull},
+    {"k65_scores_grad_a_b", "k_heads.out", 121088ull, 2048ull},
+    {"k65_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 170752ull, 2048ull},
+    {"k66_scores_grad_b_a", "probs_backward.dx", 123136ull, 2048ull},
+    {"k66_scores_grad_b_b", "q_heads.out", 119040ull, 2048ull},
+    {"k66_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 154112ull, 2048ull},
+    {"k67_v_grad_a_a", "v_heads_grad_x.out", 141824ull, 2048ull},
+    {"k67_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k67_v_grad_a_out", "v_grad_a.out", 168704ull, 2048ull},
+    {"k68_v_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k68_v_grad_b_b", "v_heads_grad_x.out", 141824ull, 2048ull},
+    {"k68_v_grad_b_out", "v_grad_b.out", 145920ull, 8192ull},
 };
-static const cudagen_tensor_info k71_v_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k69_v_grad_b_sum_tensors[] = {
     {"x", "v_grad_b_rows.out", 145920ull, 8192ull},
     {"out", "v_grad_b_sum.out", 141824ull, 4096ull},
 };
-static const cudagen_tensor_info h25_k_grad_a_k_grad_b_1_tensors[] = {
-    {"k72_k_grad_a_a", "k_heads_grad_x.out", 154112ull, 2048ull},
-    {"k72_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k72_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 168704ull, 2048ull},
-    {"k72_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 168704ull, 2048ull},
-    {"k73_k_grad_b_a", "ln1.out", 116992ull, 2048ull},
-    {"k73_k_grad_b_b", "k_heads_grad_x.out", 154112ull, 2048ull},
-    {"k73_k_grad_b_out", "k_grad_b.out", 119040ull, 8192ull},
+static const cudagen_tensor_info h23_k_grad_a_k_grad_b_1_tensors[] = {
+    {"k70_k_grad_a_a", "k_heads_grad_x.out", 154112ull, 2048ull},
+    {"k70_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k70_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 168704ull, 2048ull},
+    {"k70_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 168704ull, 2048ull},
+    {"k71_k_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k71_k_grad_b_b", "k_heads_grad_x.out", 154112ull, 2048ull},
+    {"k71_k_grad_b_out", "k_grad_b.out", 119040ull, 8192ull},
 };
-static const cudagen_tensor_info k74_k_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k72_k_grad_b_sum_tensors[] = {
     {"x", "k_grad_b_rows.out", 119040ull, 8192ull},
     {"out", "k_grad_b_sum.out", 145920ull, 4096ull},
 };
-static const cudagen_tensor_info h26_q_grad_a_q_grad_b_1_tensors[] = {
-    {"k75_q_grad_a_a", "q_heads_grad_x.out", 170752ull, 2048ull},
-    {"k75_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k75_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 168704ull, 2048ull},
-    {"k75_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 168704ull, 2048ull},
-    {"k76_q_grad_b_a", "ln1.out", 116992ull, 2048ull},
-    {"k76_q_grad_b_b", "q_heads_grad_x.out", 170752ull, 2048ull},
-    {"k76_q_grad_b_out", "q_grad_b.out", 150016ull, 8192ull},
+static const cudagen_tensor_info h24_q_grad_a_q_grad_b_1_tensors[] = {
+    {"k73_q_grad_a_a", "q_heads_grad_x.out", 170752ull, 2048ull},
+    {"k73_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k73_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 168704ull, 2048ull},
+    {"k73_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 168704ull, 2048ull},
+    {"k74_q_grad_b_a", "ln1.out", 116992ull, 2048ull},
+    {"k74_q_grad_b_b", "q_heads_grad_x.out", 170752ull, 2048ull},
+    {"k74_q_grad_b_out", "q_grad_b.out", 150016ull, 8192ull},
 };
-static const cudagen_tensor_info k77_q_grad_b_sum_tensors[] = {
+static const cudagen_tensor_info k75_q_grad_b_sum_tensors[] = {
     {"x", "q_grad_b_rows.out", 150016ull, 8192ull},
     {"out", "q_grad_b_sum.out", 116992ull, 4096ull},
 };
-static const cudagen_tensor_info k78_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k76_ln1_backward_tensors[] = {
     {"x", "embed.out", 114688ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
     {"rstd", "ln1.rstd", 116736ull, 64ull},
@@ -2954,85 +2960,85 @@ static const cudagen_tensor_info k78_ln1_backward_tensors[] = {
     {"dx", "ln1_backward.dx", 121344ull, 2048ull},
     {"dweight", "ln1_backward.dweight", 121088ull, 128ull},
 };
-static const cudagen_tensor_info k79_grad_embed_out_sum_tensors[] = {
+static const cudagen_tensor_info k77_grad_embed_out_sum_tensors[] = {
     {"a", "grad_res1_out_sum.out", 158208ull, 2048ull},
     {"b", "ln1_backward.dx", 121344ull, 2048ull},
     {"out", "grad_embed_out_sum.out", 158208ull, 2048ull},
 };
-static const cudagen_tensor_info k80_embed_backward_tensors[] = {
+static const cudagen_tensor_info k78_embed_backward_tensors[] = {
     {"ids", "embed.ids", 113920ull, 64ull},
     {"dout", "grad_embed_out_sum.out", 158208ull, 2048ull},
     {"dtable", "embed_backward.dtable", 114688ull, 2048ull},
 };
-static const cudagen_tensor_info h30_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k81_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k81_embed_w_adamw_grad", "embed_backward.dtable", 114688ull, 2048ull},
-    {"k81_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k81_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k81_embed_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k81_embed_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k82_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k82_ln1_w_adamw_grad", "ln1_backward.dweight", 121088ull, 128ull},
-    {"k82_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k82_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k82_ln1_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k82_ln1_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k83_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k83_wq_adamw_grad", "q_grad_b_shape.out", 116992ull, 4096ull},
-    {"k83_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k83_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k83_wq_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k83_wq_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k84_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k84_wk_adamw_grad", "k_grad_b_shape.out", 145920ull, 4096ull},
-    {"k84_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k84_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k84_wk_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k84_wk_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k85_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k85_wv_adamw_grad", "v_grad_b_shape.out", 141824ull, 4096ull},
-    {"k85_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k85_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k85_wv_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k85_wv_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k86_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k86_wo_adamw_grad", "attn_out_grad_b_shape.out", 127232ull, 4096ull},
-    {"k86_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k86_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k86_wo_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k86_wo_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k87_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k87_ln2_w_adamw_grad", "ln2_backward.dweight", 168448ull, 128ull},
-    {"k87_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k87_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k87_ln2_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k87_ln2_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k79_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k79_embed_w_adamw_grad", "embed_backward.dtable", 114688ull, 2048ull},
+    {"k79_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k79_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k79_embed_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k79_embed_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k80_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k80_ln1_w_adamw_grad", "ln1_backward.dweight", 121088ull, 128ull},
+    {"k80_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k80_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k80_ln1_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k80_ln1_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k81_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k81_wq_adamw_grad", "q_grad_b_shape.out", 116992ull, 4096ull},
+    {"k81_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k81_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k81_wq_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k81_wq_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k82_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k82_wk_adamw_grad", "k_grad_b_shape.out", 145920ull, 4096ull},
+    {"k82_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k82_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k82_wk_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k82_wk_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k83_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k83_wv_adamw_grad", "v_grad_b_shape.out", 141824ull, 4096ull},
+    {"k83_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k83_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k83_wv_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k83_wv_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k84_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k84_wo_adamw_grad", "attn_out_grad_b_shape.out", 127232ull, 4096ull},
+    {"k84_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k84_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k84_wo_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k84_wo_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k85_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k85_ln2_w_adamw_grad", "ln2_backward.dweight", 168448ull, 128ull},
+    {"k85_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k85_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k85_ln2_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k85_ln2_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h31_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k88_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k88_w_up_adamw_grad", "up_grad_b_shape.out", 160256ull, 8192ull},
-    {"k88_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k88_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k88_w_up_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k88_w_up_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k89_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k89_w_down_adamw_grad", "down_grad_b_shape.out", 133632ull, 8192ull},
-    {"k89_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k89_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k89_w_down_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k89_w_down_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k90_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k90_lnf_w_adamw_grad", "lnf_backward.dweight", 133376ull, 128ull},
-    {"k90_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k90_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k90_lnf_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k90_lnf_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
-    {"k91_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k91_w_head_adamw_grad", "head_grad_b_shape.out", 131328ull, 2048ull},
-    {"k91_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k91_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k91_w_head_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
-    {"k91_w_head_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k86_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k86_w_up_adamw_grad", "up_grad_b_shape.out", 160256ull, 8192ull},
+    {"k86_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k86_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k86_w_up_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k86_w_up_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k87_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k87_w_down_adamw_grad", "down_grad_b_shape.out", 133632ull, 8192ull},
+    {"k87_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k87_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k87_w_down_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k87_w_down_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k88_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k88_lnf_w_adamw_grad", "lnf_backward.dweight", 133376ull, 128ull},
+    {"k88_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k88_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k88_lnf_w_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k88_lnf_w_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
+    {"k89_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k89_w_head_adamw_grad", "head_grad_b_shape.out", 131328ull, 2048ull},
+    {"k89_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k89_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k89_w_head_adamw_lr", "embed_w_adamw.lr", 185088ull, 8ull},  // run-time argument
+    {"k89_w_head_adamw_step", "embed_w_adamw.step", 185096ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -3048,83 +3054,79 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 114688), (const float*)(arena + 2048), (float*)(arena + 116992), (float*)(arena + 116736));
   CUDAGEN_LAUNCH(h3_q_k_v, dim3(3, 1, 1), dim3(256), 4288, h3_q_k_v_tensors,
                  (const float*)(arena + 116992), (const float*)(arena + 2304), (float*)(arena + 119040), (const float*)(arena + 116992), (const float*)(arena + 6400), (float*)(arena + 121088), (const float*)(arena + 116992), (const float*)(arena + 10496), (float*)(arena + 123136));
-  CUDAGEN_LAUNCH(k38_scores, dim3(1, 1, 8), dim3(256), 4288, k38_scores_tensors,
-                 (const float*)(arena + 119040), (const float*)(arena + 121088), (float*)(arena + 127232));
-  CUDAGEN_LAUNCH(k39_probs, dim3(64, 1, 1), dim3(32), 128, k39_probs_tensors,
-                 (const float*)(arena + 127232), (float*)(arena + 125184));
-  CUDAGEN_LAUNCH(k40_context, dim3(1, 1, 8), dim3(256), 4288, k40_context_tensors,
-                 (const float*)(arena + 125184), (const float*)(arena + 123136), (float*)(arena + 127232));
-  CUDAGEN_LAUNCH(k41_attn_out, dim3(1, 1, 1), dim3(256), 4288, k41_attn_out_tensors,
+  CUDAGEN_LAUNCH(k38_scores, dim3(8, 1, 1), dim3(256), 1024, k38_scores_tensors,
+                 (const float*)(arena + 119040), (const float*)(arena + 121088), (const float*)(arena + 123136), (float*)(arena + 125184), (float*)(arena + 127232));
+  CUDAGEN_LAUNCH(k39_attn_out, dim3(1, 1, 1), dim3(256), 4288, k39_attn_out_tensors,
                  (const float*)(arena + 127232), (const float*)(arena + 14592), (const float*)(arena + 114688), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(k42_ln2, dim3(16, 1, 1), dim3(32), 128, k42_ln2_tensors,
+  CUDAGEN_LAUNCH(k40_ln2, dim3(16, 1, 1), dim3(32), 128, k40_ln2_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 18688), (float*)(arena + 160256), (float*)(arena + 178688));
-  CUDAGEN_LAUNCH(k43_up, dim3(2, 1, 1), dim3(256), 4288, k43_up_tensors,
+  CUDAGEN_LAUNCH(k41_up, dim3(2, 1, 1), dim3(256), 4288, k41_up_tensors,
                  (const float*)(arena + 160256), (const float*)(arena + 18944), (float*)(arena + 134400), (float*)(arena + 138496));
-  CUDAGEN_LAUNCH(k44_down, dim3(1, 1, 1), dim3(256), 4288, k44_down_tensors,
+  CUDAGEN_LAUNCH(k42_down, dim3(1, 1, 1), dim3(256), 4288, k42_down_tensors,
                  (const float*)(arena + 138496), (const float*)(arena + 27136), (const float*)(arena + 129280), (float*)(arena + 142592));
-  CUDAGEN_LAUNCH(k45_lnf, dim3(16, 1, 1), dim3(32), 128, k45_lnf_tensors,
+  CUDAGEN_LAUNCH(k43_lnf, dim3(16, 1, 1), dim3(32), 128, k43_lnf_tensors,
                  (const float*)(arena + 142592), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 144640));
-  CUDAGEN_LAUNCH(k46_head, dim3(1, 1, 1), dim3(256), 4288, k46_head_tensors,
+  CUDAGEN_LAUNCH(k44_head, dim3(1, 1, 1), dim3(256), 4288, k44_head_tensors,
                  (const float*)(arena + 131328), (const float*)(arena + 35584), (float*)(arena + 112896));
-  CUDAGEN_LAUNCH(k47_loss, dim3(1, 1, 1), dim3(32), 128, k47_loss_tensors,
+  CUDAGEN_LAUNCH(k45_loss, dim3(1, 1, 1), dim3(32), 128, k45_loss_tensors,
                  (const float*)(arena + 112896), (const int*)(arena + 114176), (float*)(arena + 114432));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k48_loss_backward, dim3(16, 1, 1), dim3(32), 128, k48_loss_backward_tensors,
+  CUDAGEN_LAUNCH(k46_loss_backward, dim3(16, 1, 1), dim3(32), 128, k46_loss_backward_tensors,
                  (const float*)(arena + 112896), (const int*)(arena + 114176), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h15_head_grad_a_head_grad_b, dim3(3, 1, 1), dim3(256), 4288, h15_head_grad_a_head_grad_b_tensors,
+  CUDAGEN_LAUNCH(h13_head_grad_a_head_grad_b, dim3(3, 1, 1), dim3(256), 4288, h13_head_grad_a_head_grad_b_tensors,
                  (const float*)(arena + 133376), (const float*)(arena + 35584), (float*)(arena + 148992), (const float*)(arena + 131328), (const float*)(arena + 133376), (float*)(arena + 144896));
-  CUDAGEN_LAUNCH(k51_head_grad_b_sum, dim3(16, 1, 1), dim3(64), 256, k51_head_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k49_head_grad_b_sum, dim3(16, 1, 1), dim3(64), 256, k49_head_grad_b_sum_tensors,
                  (const float*)(arena + 144896), (float*)(arena + 131328));
-  CUDAGEN_LAUNCH(k52_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k52_lnf_backward_tensors,
+  CUDAGEN_LAUNCH(k50_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k50_lnf_backward_tensors,
                  (const float*)(arena + 142592), (const float*)(arena + 35328), (const float*)(arena + 144640), (const float*)(arena + 148992), (float*)(arena + 158208), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h17_down_grad_a_down_grad_b, dim3(6, 1, 1), dim3(256), 4288, h17_down_grad_a_down_grad_b_tensors,
+  CUDAGEN_LAUNCH(h15_down_grad_a_down_grad_b, dim3(6, 1, 1), dim3(256), 4288, h15_down_grad_a_down_grad_b_tensors,
                  (const float*)(arena + 158208), (const float*)(arena + 27136), (const float*)(arena + 134400), (float*)(arena + 178944), (const float*)(arena + 138496), (const float*)(arena + 158208), (float*)(arena + 162304));
-  CUDAGEN_LAUNCH(k55_down_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k55_down_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k53_down_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k53_down_grad_b_sum_tensors,
                  (const float*)(arena + 162304), (float*)(arena + 133632));
-  CUDAGEN_LAUNCH(h18_up_grad_a_up_grad_b_1, dim3(5, 1, 1), dim3(256), 4288, h18_up_grad_a_up_grad_b_1_tensors,
+  CUDAGEN_LAUNCH(h16_up_grad_a_up_grad_b_1, dim3(5, 1, 1), dim3(256), 4288, h16_up_grad_a_up_grad_b_1_tensors,
                  (const float*)(arena + 178944), (const float*)(arena + 18944), (float*)(arena + 183040), (const float*)(arena + 160256), (const float*)(arena + 178944), (float*)(arena + 141824));
-  CUDAGEN_LAUNCH(k58_up_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k58_up_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k56_up_grad_b_sum, dim3(64, 1, 1), dim3(64), 256, k56_up_grad_b_sum_tensors,
                  (const float*)(arena + 141824), (float*)(arena + 160256));
-  CUDAGEN_LAUNCH(k59_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k59_ln2_backward_tensors,
+  CUDAGEN_LAUNCH(k57_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k57_ln2_backward_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 18688), (const float*)(arena + 178688), (const float*)(arena + 183040), (float*)(arena + 168704), (float*)(arena + 168448));
-  CUDAGEN_LAUNCH(k60_grad_res1_out_sum, dim3(1, 1, 1), dim3(256), 0, k60_grad_res1_out_sum_tensors,
+  CUDAGEN_LAUNCH(k58_grad_res1_out_sum, dim3(1, 1, 1), dim3(256), 0, k58_grad_res1_out_sum_tensors,
                  (const float*)(arena + 158208), (const float*)(arena + 168704), (float*)(arena + 158208));
-  CUDAGEN_LAUNCH(h21_attn_out_grad_a_attn_out_grad_b, dim3(3, 1, 1), dim3(256), 4288, h21_attn_out_grad_a_attn_out_grad_b_tensors,
+  CUDAGEN_LAUNCH(h19_attn_out_grad_a_attn_out_grad_b, dim3(3, 1, 1), dim3(256), 4288, h19_attn_out_grad_a_attn_out_grad_b_tensors,
                  (const float*)(arena + 158208), (const float*)(arena + 14592), (float*)(arena + 152064), (const float*)(arena + 127232), (const float*)(arena + 158208), (float*)(arena + 143872));
-  CUDAGEN_LAUNCH(k63_attn_out_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k63_attn_out_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k61_attn_out_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k61_attn_out_grad_b_sum_tensors,
                  (const float*)(arena + 143872), (float*)(arena + 127232));
-  CUDAGEN_LAUNCH(h22_context_grad_a_context_grad_b_1, dim3(16, 1, 1), dim3(256), 4288, h22_context_grad_a_context_grad_b_1_tensors,
+  CUDAGEN_LAUNCH(h20_context_grad_a_context_grad_b_1, dim3(16, 1, 1), dim3(256), 4288, h20_context_grad_a_context_grad_b_1_tensors,
                  (const float*)(arena + 152064), (const float*)(arena + 123136), (float*)(arena + 154112), (const float*)(arena + 125184), (const float*)(arena + 152064), (float*)(arena + 141824));
-  CUDAGEN_LAUNCH(k66_probs_backward, dim3(64, 1, 1), dim3(32), 128, k66_probs_backward_tensors,
+  CUDAGEN_LAUNCH(k64_probs_backward, dim3(64, 1, 1), dim3(32), 128, k64_probs_backward_tensors,
                  (const float*)(arena + 125184), (const float*)(arena + 154112), (float*)(arena + 123136));
-  CUDAGEN_LAUNCH(h24_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(19, 1, 1), dim3(256), 4288, h24_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(19, 1, 1), dim3(256), 4288, h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
                  (const float*)(arena + 123136), (const float*)(arena + 121088), (float*)(arena + 170752), (const float*)(arena + 123136), (const float*)(arena + 119040), (float*)(arena + 154112), (const float*)(arena + 141824), (const float*)(arena + 10496), (float*)(arena + 168704), (const float*)(arena + 116992), (const float*)(arena + 141824), (float*)(arena + 145920));
-  CUDAGEN_LAUNCH(k71_v_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k71_v_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k69_v_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k69_v_grad_b_sum_tensors,
                  (const float*)(arena + 145920), (float*)(arena + 141824));
-  CUDAGEN_LAUNCH(h25_k_grad_a_k_grad_b_1, dim3(3, 1, 1), dim3(256), 4288, h25_k_grad_a_k_grad_b_1_tensors,
+  CUDAGEN_LAUNCH(h23_k_grad_a_k_grad_b_1, dim3(3, 1, 1), dim3(256), 4288, h23_k_grad_a_k_grad_b_1_tensors,
                  (const float*)(arena + 154112), (const float*)(arena + 6400), (const float*)(arena + 168704), (float*)(arena + 168704), (const float*)(arena + 116992), (const float*)(arena + 154112), (float*)(arena + 119040));
-  CUDAGEN_LAUNCH(k74_k_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k74_k_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k72_k_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k72_k_grad_b_sum_tensors,
                  (const float*)(arena + 119040), (float*)(arena + 145920));
-  CUDAGEN_LAUNCH(h26_q_grad_a_q_grad_b_1, dim3(3, 1, 1), dim3(256), 4288, h26_q_grad_a_q_grad_b_1_tensors,
+  CUDAGEN_LAUNCH(h24_q_grad_a_q_grad_b_1, dim3(3, 1, 1), dim3(256), 4288, h24_q_grad_a_q_grad_b_1_tensors,
                  (const float*)(arena + 170752), (const float*)(arena + 2304), (const float*)(arena + 168704), (float*)(arena + 168704), (const float*)(arena + 116992), (const float*)(arena + 170752), (float*)(arena + 150016));
-  CUDAGEN_LAUNCH(k77_q_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k77_q_grad_b_sum_tensors,
+  CUDAGEN_LAUNCH(k75_q_grad_b_sum, dim3(32, 1, 1), dim3(64), 256, k75_q_grad_b_sum_tensors,
                  (const float*)(arena + 150016), (float*)(arena + 116992));
-  CUDAGEN_LAUNCH(k78_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k78_ln1_backward_tensors,
+  CUDAGEN_LAUNCH(k76_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k76_ln1_backward_tensors,
                  (const float*)(arena + 114688), (const float*)(arena + 2048), (const float*)(arena + 116736), (const float*)(arena + 168704), (float*)(arena + 121344), (float*)(arena + 121088));
-  CUDAGEN_LAUNCH(k79_grad_embed_out_sum, dim3(1, 1, 1), dim3(256), 0, k79_grad_embed_out_sum_tensors,
+  CUDAGEN_LAUNCH(k77_grad_embed_out_sum, dim3(1, 1, 1), dim3(256), 0, k77_grad_embed_out_sum_tensors,
                  (const float*)(arena + 158208), (const float*)(arena + 121344), (float*)(arena + 158208));
-  CUDAGEN_LAUNCH(k80_embed_backward, dim3(16, 1, 1), dim3(32), 0, k80_embed_backward_tensors,
+  CUDAGEN_LAUNCH(k78_embed_backward, dim3(16, 1, 1), dim3(32), 0, k78_embed_backward_tensors,
                  (const int*)(arena + 113920), (const float*)(arena + 158208), (float*)(arena + 114688));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h30_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h30_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+  CUDAGEN_LAUNCH(h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 114688), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 2048), (const float*)(arena + 121088), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 2304), (const float*)(arena + 116992), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 6400), (const float*)(arena + 145920), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 10496), (const float*)(arena + 141824), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 14592), (const float*)(arena + 127232), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 18688), (const float*)(arena + 168448), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 185088), (const long long*)(arena + 185096));
-  CUDAGEN_LAUNCH(h31_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h31_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
                  (float*)(arena + 18944), (const float*)(arena + 160256), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 27136), (const float*)(arena + 133632), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 35328), (const float*)(arena + 133376), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 185088), (const long long*)(arena + 185096), (float*)(arena + 35584), (const float*)(arena + 131328), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 185088), (const long long*)(arena + 185096));
   return 0;
 }

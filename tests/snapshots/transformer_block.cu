@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 262656 bytes (lower bound 262656, without reuse 320000).
+// Arena: 262656 bytes (lower bound 262656, without reuse 303616).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -596,21 +596,59 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/softmax.cuh:5
-// Row softmax: the emitter runs one block per row and passes hooks that read
-// x[row, j] and write out[row, j], where fusion can put a prologue or an
-// epilogue. Columns j >= valid are masked (causal attention) and written as 0.
-// Shared memory: 32 floats of reduction scratch.
-template <typename Load, typename Store>
-CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
+// templates/softmax.cuh:60
+// Attention for one query row, run by one warp (fusion rule attention: the
+// scores matmul, this softmax and the matmul by the values in one kernel).
+// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
+// matmul and the softmax compute it; p = softmax(s), each probability handed
+// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
+// store_out. `scratch` is d + n floats of shared memory that only this warp
+// uses: the query row, then the scores, which never leave it. Every lane of
+// the warp calls it.
+template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
+                                float alpha, float scale, int valid, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  float* q_row = scratch;
+  float* p = scratch + d;
+  for (int c = lane; c < d; c += 32) q_row[c] = q(c);
+  __syncwarp();  // the query row, before every lane reads all of it
   float row_max = cg_neg_inf();
-  for (int j = threadIdx.x; j < valid; j += blockDim.x) row_max = fmaxf(row_max, scale * load(j));
-  row_max = cg_block_max(row_max, scratch);
+  for (int j = lane; j < valid; j += 32) {
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
+    p[j] = scale * (alpha * dot);
+    row_max = fmaxf(row_max, p[j]);
+  }
+  row_max = cg_warp_max(row_max);
   float sum = 0.0f;
-  for (int j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(scale * load(j) - row_max);
-  const float inv_sum = 1.0f / cg_block_sum(sum, scratch);
-  for (int j = threadIdx.x; j < n; j += blockDim.x)
-    store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
+  for (int j = lane; j < valid; j += 32) {
+    p[j] = expf(p[j] - row_max);
+    sum += p[j];
+  }
+  const float inv_sum = 1.0f / cg_warp_sum(sum);
+  for (int j = lane; j < n; j += 32) {
+    const float pj = j < valid ? p[j] * inv_sum : 0.0f;
+    if (j < valid) p[j] = pj;
+    store_p(j, pj);
+  }
+  __syncwarp();  // every lane's probabilities, before any lane reads them all
+  for (int c = lane; c < dv; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < valid; ++j) acc += p[j] * v(j, c);
+    store_out(c, acc);
+  }
+  __syncwarp();  // `scratch` is read before the warp's next row overwrites it
+}
+
+// templates/softmax.cuh:99
+// A rows x width block of a tensor copied into shared memory by every thread
+// of the block (`load(row, column)` reads it): the keys and values that all
+// the query rows of a block read. Every thread calls it.
+template <typename Load>
+CG_DEVICE void cg_stage_rows(Load load, float* staged, int rows, int width) {
+  for (int e = threadIdx.x; e < rows * width; e += blockDim.x) staged[e] = load(e / width, e % width);
+  __syncthreads();
 }
 
 // ---- kernels ----
@@ -788,68 +826,43 @@ CG_DEVICE void k11_v_tile(const float* a, const float* b, float* v_heads_out, cg
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k12_scores (forward phase): task scores (matmul, matmul).
-//   reads  scores.a f32 [2, 4, 16, 16] <- q_heads.out, scores.b f32 [2, 4, 16, 16] <- k_heads.out
-//   writes scores.out f32 [2, 4, 16, 16]
-//   16384 bytes read, 8192 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k12_scores_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 256;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 16 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 16 + k); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
-      16, 16, 16, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k12_scores(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k12_scores_tile(a, b, out, cg_launch_tile());
-}
-
-// Kernel k13_probs (forward phase): task probs (softmax, reduction).
-//   reads  probs.x f32 [2, 4, 16, 16] <- scores.out
-//   writes probs.out f32 [2, 4, 16, 16]
-//   8192 bytes read, 8192 bytes written; grid [128, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k13_probs_tile(const float* x, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  cg_softmax_row([&](int j) { return cg_load(x, row * 16 + j); },
-                 [&](int j, float v) { cg_store(out, row * 16 + j, v); },
-                 16, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(32) k13_probs(const float* __restrict__ x, float* __restrict__ out) {
-  k13_probs_tile(x, out, cg_launch_tile());
-}
-
-// Kernel k14_context (forward phase): tasks context (matmul), merged (merge_heads), fused (matmul_epilogue).
-//   reads  probs.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
+// Kernel k12_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
+//   reads  q_heads.out f32 [2, 4, 16, 16], k_heads.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
 //   writes merged.out f32 [2, 16, 64]
-//   in registers context.out
-//   16384 bytes read, 8192 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k14_context_tile(const float* a, const float* b, float* merged_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): merged (merge_heads), on element i of context.out as it is computed.
+//   in registers scores.out, probs.out, context.out
+//   24576 bytes read, 8192 bytes written; grid [16, 1, 1], block 256, 3072 bytes of shared memory.
+CG_DEVICE void k12_scores_tile(const float* q, const float* k, const float* v, float* merged_out, cg_tile tile) {
+  // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 16, 4, 16), v0);  // merged (merge_heads): where it moves element i
   };
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 256, b_base = z * 256, out_base = z * 256;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 16 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 16 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 16 + n, acc); },
-      16, 16, 16, tile.y, tile.x, (float*)cg_smem);
+  const unsigned int warp = threadIdx.x / 32;  // one warp per query row
+  const cg_i64 row = (cg_i64)tile.x * 8 + warp;
+  const cg_i64 keys = (cg_i64)tile.x * 8 / 16 * 16;  // the first key (and value) row of the block's head
+  float* staged_k = (float*)cg_smem + 256;
+  float* staged_v = staged_k + 256;
+  cg_stage_rows([&](int j, int c) { return cg_load(k, (keys + j) * 16 + c); }, staged_k, 16, 16);
+  cg_stage_rows([&](int j, int c) { return cg_load(v, (keys + j) * 16 + c); }, staged_v, 16, 16);
+  if (warp < 8)
+    cg_attention_row([&](int c) { return cg_load(q, row * 16 + c); },
+                     [&](int j, int c) { return staged_k[j * 16 + c]; },
+                     [&](int j, int c) { return staged_v[j * 16 + c]; },
+                     [&](int j, float p) { (void)j, (void)p; },
+                     [&](int c, float o) { cg_epilogue(row * 16 + c, o); },
+                     16, 16, 16, 1.0f, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem + warp * 32);
+  __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k14_context(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ merged_out) {
-  k14_context_tile(a, b, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k12_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ merged_out) {
+  k12_scores_tile(q, k, v, merged_out, cg_launch_tile());
 }
 
-// Kernel k15_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k13_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 16, 64], wo.out f32 [64, 64], ln1.x f32 [2, 16, 64]
 //   writes res1.out f32 [2, 16, 64]
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k15_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k13_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -864,15 +877,15 @@ CG_DEVICE void k15_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k15_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k15_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k13_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k13_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k16_ln2 (forward phase): task ln2 (rmsnorm, reduction).
+// Kernel k14_ln2 (forward phase): task ln2 (rmsnorm, reduction).
 //   reads  ln2.x f32 [2, 16, 64] <- res1.out, ln2.weight f32 [64] <- ln2_w.out
 //   writes ln2.out f32 [2, 16, 64]
 //   8448 bytes read, 8192 bytes written; grid [32, 1, 1], block 64, 128 bytes of shared memory.
-CG_DEVICE void k16_ln2_tile(const float* x, const float* weight, float* out, cg_tile tile) {
+CG_DEVICE void k14_ln2_tile(const float* x, const float* weight, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 64 + j); },
@@ -881,16 +894,16 @@ CG_DEVICE void k16_ln2_tile(const float* x, const float* weight, float* out, cg_
                                         64, 9.999999974752427e-07f, (float*)cg_smem);
   (void)row_rstd;
 }
-CG_KERNEL void __launch_bounds__(64) k16_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
-  k16_ln2_tile(x, weight, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(64) k14_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
+  k14_ln2_tile(x, weight, out, cg_launch_tile());
 }
 
-// Kernel k17_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
+// Kernel k15_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
 //   reads  ln2.out f32 [2, 16, 64], w_up.out f32 [64, 256]
 //   writes act.out f32 [2, 16, 256]
 //   in registers up.out
 //   73728 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k17_up_tile(const float* a, const float* b, float* act_out, cg_tile tile) {
+CG_DEVICE void k15_up_tile(const float* a, const float* b, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_gelu<float>(v0, /*approximate=tanh*/ 0);  // act.out
@@ -905,16 +918,16 @@ CG_DEVICE void k17_up_tile(const float* a, const float* b, float* act_out, cg_ti
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 256 + n, acc); },
       32, 256, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k17_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ act_out) {
-  k17_up_tile(a, b, act_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k15_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ act_out) {
+  k15_up_tile(a, b, act_out, cg_launch_tile());
 }
 
-// Kernel k18_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
+// Kernel k16_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
 //   reads  act.out f32 [2, 16, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64]
 //   writes res2.out f32 [2, 16, 64]
 //   in registers down.out
 //   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k18_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k16_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
@@ -929,8 +942,8 @@ CG_DEVICE void k18_down_tile(const float* a, const float* b, const float* res2_a
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 256, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k18_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k18_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k16_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k16_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
 // Launch h0_ln1_w_wq_wk_and_5_more (init phase):
@@ -1047,36 +1060,28 @@ static const cudagen_tensor_info h2_q_k_v_tensors[] = {
     {"k11_v_v_heads_out", "v_heads.out", 221696ull, 8192ull},
 };
 static const cudagen_tensor_info k12_scores_tensors[] = {
-    {"a", "q_heads.out", 205312ull, 8192ull},
-    {"b", "k_heads.out", 213504ull, 8192ull},
-    {"out", "scores.out", 197120ull, 8192ull},
-};
-static const cudagen_tensor_info k13_probs_tensors[] = {
-    {"x", "scores.out", 197120ull, 8192ull},
-    {"out", "probs.out", 205312ull, 8192ull},
-};
-static const cudagen_tensor_info k14_context_tensors[] = {
-    {"a", "probs.out", 205312ull, 8192ull},
-    {"b", "v_heads.out", 221696ull, 8192ull},
+    {"q", "q_heads.out", 205312ull, 8192ull},
+    {"k", "k_heads.out", 213504ull, 8192ull},
+    {"v", "v_heads.out", 221696ull, 8192ull},
     {"merged_out", "merged.out", 197120ull, 8192ull},
 };
-static const cudagen_tensor_info k15_attn_out_tensors[] = {
+static const cudagen_tensor_info k13_attn_out_tensors[] = {
     {"a", "merged.out", 197120ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
     {"res1_a", "ln1.x", 229888ull, 8192ull},
     {"res1_out", "res1.out", 246272ull, 8192ull},
 };
-static const cudagen_tensor_info k16_ln2_tensors[] = {
+static const cudagen_tensor_info k14_ln2_tensors[] = {
     {"x", "res1.out", 246272ull, 8192ull},
     {"weight", "ln2_w.out", 65792ull, 256ull},
     {"out", "ln2.out", 254464ull, 8192ull},
 };
-static const cudagen_tensor_info k17_up_tensors[] = {
+static const cudagen_tensor_info k15_up_tensors[] = {
     {"a", "ln2.out", 254464ull, 8192ull},
     {"b", "w_up.out", 66048ull, 65536ull},
     {"act_out", "act.out", 197120ull, 32768ull},
 };
-static const cudagen_tensor_info k18_down_tensors[] = {
+static const cudagen_tensor_info k16_down_tensors[] = {
     {"a", "act.out", 197120ull, 32768ull},
     {"b", "w_down.out", 131584ull, 65536ull},
     {"res2_a", "res1.out", 246272ull, 8192ull},
@@ -1094,19 +1099,15 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120));
   CUDAGEN_LAUNCH(h2_q_k_v, dim3(6, 1, 1), dim3(256), 4288, h2_q_k_v_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 256), (float*)(arena + 205312), (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 213504), (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(k12_scores, dim3(1, 1, 8), dim3(256), 4288, k12_scores_tensors,
-                 (const float*)(arena + 205312), (const float*)(arena + 213504), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k13_probs, dim3(128, 1, 1), dim3(32), 128, k13_probs_tensors,
-                 (const float*)(arena + 197120), (float*)(arena + 205312));
-  CUDAGEN_LAUNCH(k14_context, dim3(1, 1, 8), dim3(256), 4288, k14_context_tensors,
-                 (const float*)(arena + 205312), (const float*)(arena + 221696), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k15_attn_out, dim3(2, 1, 1), dim3(256), 4288, k15_attn_out_tensors,
+  CUDAGEN_LAUNCH(k12_scores, dim3(16, 1, 1), dim3(256), 3072, k12_scores_tensors,
+                 (const float*)(arena + 205312), (const float*)(arena + 213504), (const float*)(arena + 221696), (float*)(arena + 197120));
+  CUDAGEN_LAUNCH(k13_attn_out, dim3(2, 1, 1), dim3(256), 4288, k13_attn_out_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
-  CUDAGEN_LAUNCH(k16_ln2, dim3(32, 1, 1), dim3(64), 128, k16_ln2_tensors,
+  CUDAGEN_LAUNCH(k14_ln2, dim3(32, 1, 1), dim3(64), 128, k14_ln2_tensors,
                  (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 254464));
-  CUDAGEN_LAUNCH(k17_up, dim3(8, 1, 1), dim3(256), 4288, k17_up_tensors,
+  CUDAGEN_LAUNCH(k15_up, dim3(8, 1, 1), dim3(256), 4288, k15_up_tensors,
                  (const float*)(arena + 254464), (const float*)(arena + 66048), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k18_down, dim3(2, 1, 1), dim3(256), 4288, k18_down_tensors,
+  CUDAGEN_LAUNCH(k16_down, dim3(2, 1, 1), dim3(256), 4288, k16_down_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 131584), (const float*)(arena + 246272), (float*)(arena + 238080));
   return 0;
 }

@@ -92,8 +92,9 @@ TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
 }
 
 // transformer_block: the residual adds follow their matmuls, gelu its up
-// projection, the head splits the projections and the head merge the
-// attention's context; nothing follows a reduction that stores per row.
+// projection, the head splits the projections; scores, softmax and context
+// are one attention kernel, with the head merge; nothing follows a reduction
+// that stores per row.
 TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
   Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
   std::vector<std::vector<std::string>> fused;
@@ -102,7 +103,7 @@ TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
   EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{{"q", "q_heads"},
                                                           {"k", "k_heads"},
                                                           {"v", "v_heads"},
-                                                          {"context", "merged"},
+                                                          {"scores", "probs", "context", "merged"},
                                                           {"attn_out", "res1"},
                                                           {"up", "act"},
                                                           {"down", "res2"}}));
@@ -187,6 +188,61 @@ TEST(Fusion, AHeadsSplitIsStoredByItsMatmul) {
   EXPECT_EQ(task_ids(fused, fused.kernels[1]), (std::vector<std::string>{"c", "m"}));
   EXPECT_EQ(internal_names(fused, fused.kernels[0]), std::vector<std::string>{"q.out"}) << "q.out never reaches memory";
   EXPECT_EQ(internal_names(fused, fused.kernels[1]), std::vector<std::string>{"c.out"});
+}
+
+// Rule attention: scores, softmax and the matmul by the values in one
+// kernel, the head merge stored from its epilogue.
+TEST(Fusion, AttentionIsOneKernel) {
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  const KernelGroup* attention = nullptr;
+  for (const auto& k : c.kernels)
+    if (k.rule == "attention") attention = &k;
+  ASSERT_NE(attention, nullptr);
+  EXPECT_EQ(task_ids(c, *attention), (std::vector<std::string>{"scores", "probs", "context", "merged"}));
+  EXPECT_EQ(internal_names(c, *attention), (std::vector<std::string>{"scores.out", "probs.out", "context.out"}));
+}
+
+// In training the probabilities are saved for the backward pass: stored from
+// the kernel, once; the scores still never reach memory.
+TEST(Fusion, AttentionStoresProbabilitiesTheBackwardPassReads) {
+  Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  int attention = 0;
+  for (const auto& k : c.kernels) {
+    if (k.rule != "attention") continue;
+    ++attention;
+    const std::vector<std::string> internal = internal_names(c, k);
+    EXPECT_NE(std::find(internal.begin(), internal.end(), "scores.out"), internal.end());
+    EXPECT_EQ(std::find(internal.begin(), internal.end(), "probs.out"), internal.end());
+  }
+  EXPECT_EQ(attention, 1);
+}
+
+TaskGraph attention_like(bool trans_b, bool scores_read_later) {
+  GraphBuilder b("attention_like");
+  auto s = b.task("s", "matmul")
+               .tensor("a", f32, {2, 8, 4}, ext)
+               .tensor("b", f32, {2, trans_b ? 8 : 4, trans_b ? 4 : 8}, ext)
+               .tensor("out", f32, {2, 8, 8}, scores_read_later ? ext : Storage::transient)
+               .arg("trans_b", trans_b);
+  auto p = b.task("p", "softmax").tensor("x", s["out"]).tensor("out", f32, {2, 8, 8});
+  auto c = b.task("c", "matmul").tensor("a", p["out"]).tensor("b", f32, {2, 8, 8}, ext).tensor("out", f32, {2, 8, 8});
+  b.task("e", "add").tensor("a", c["out"]).tensor("b", p["out"]).tensor("out", f32, {2, 8, 8}, ext);
+  return std::move(b).graph();
+}
+
+TEST(Fusion, NotAttentionWithoutItsShape) {
+  Compiled plain = plan_graph(attention_like(false, false));
+  EXPECT_EQ(reason_for(plain, "p"), "'p' is a reduction op; attention fuses a softmax after a * b^T only");
+  Compiled read_later = plan_graph(attention_like(true, true));
+  EXPECT_EQ(reason_for(read_later, "p"), "'p' is a reduction op; attention keeps the scores, which are read elsewhere");
+  Compiled fused = plan_graph(attention_like(true, false));
+  EXPECT_EQ(reason_for(fused, "p"), "");
+  EXPECT_EQ(reason_for(fused, "c"), "");
+  // c.out has p.out's shape only by chance: a row's probabilities are not at c's elements.
+  EXPECT_EQ(reason_for(fused, "e"), "it reads 'p.out', which the attention kernel keeps per row");
+  FuseOptions off;
+  off.disabled_rules = {"attention"};
+  EXPECT_EQ(reason_for(plan_graph(attention_like(true, false), off), "p"), "rule attention is off (--no-fuse-rule)");
 }
 
 TEST(Fusion, NoPermutedStoreAfterAChainNorAnythingAfterIt) {
