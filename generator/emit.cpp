@@ -662,15 +662,15 @@ class Emitter {
     const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
     // Up to 8 query rows per block, all of one head (a divisor of Tq), so
     // that the block can share its head's keys and values.
+    const int64_t scratch = D + Tk;  // per warp: the query row, the scores
     int64_t per_block = 8;
-    while (Tq % per_block != 0) per_block /= 2;
+    while (Tq % per_block != 0 || per_block * scratch * 4 > kAttentionSharedBytes) per_block /= 2;
     ek.block = int(32 * per_block);
     ek.grid[0] = int(rows / per_block);
-    const int64_t scratch = D + Tk;  // per warp: the query row, the scores
     // The head's keys and values in shared memory where they fit beside the
-    // scratch (48 KiB, what every launch may take without opting in).
+    // scratch.
     const int64_t staged = Tk * (D + Dv);
-    const bool stage = (per_block * scratch + staged) * 4 <= 48 * 1024 && per_block > 1;
+    const bool stage = (per_block * scratch + staged) * 4 <= kAttentionSharedBytes && per_block > 1;
     ek.smem_bytes = (per_block * scratch + (stage ? staged : 0)) * 4;
     const std::string valid = arg_bool(tp, "causal")
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
@@ -731,6 +731,10 @@ class Emitter {
     emitted.push_back(ek);
     return code;
   }
+
+  // What an attention kernel takes at most: what every launch may use without
+  // opting in (fuse.cpp refuses a row that would not fit alone).
+  static constexpr int64_t kAttentionSharedBytes = 48 * 1024;
 
   // EmittedKernel::rows for the skeletons whose tiles own whole rows: a
   // matmul's row of output tiles (its `a` rows too, unless transposed or

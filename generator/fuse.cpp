@@ -170,9 +170,11 @@ class Fuser {
       return fmt::format("'{}' is a reduction op; attention needs the scores' operands with the same leading axes", id);
     if (slot_buffer(scores, "out").storage != Storage::transient || readers_[size_t(p_.tasks[size_t(t)].find_tensor("x")->buffer)].size() != 1)
       return fmt::format("'{}' is a reduction op; attention keeps the scores, which are read elsewhere", id);
-    // One warp holds a row of scores in shared memory.
-    if (k[k.size() - 2] > kMaxAttentionKeys)
-      return fmt::format("'{}' is a reduction op; attention holds at most {} keys per row", id, kMaxAttentionKeys);
+    // One warp holds a row of scores, and the query row, in shared memory.
+    if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys)
+      return fmt::format("'{}' is a reduction op; attention holds at most {} keys, and a query row of at most {}, "
+                         "per warp",
+                         id, kMaxAttentionKeys, kMaxAttentionKeys);
     if (!constant_args(scores) || !constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
     return {};
   }

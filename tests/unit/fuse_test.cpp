@@ -240,6 +240,15 @@ TEST(Fusion, NotAttentionWithoutItsShape) {
   EXPECT_EQ(reason_for(fused, "c"), "");
   // c.out has p.out's shape only by chance: a row's probabilities are not at c's elements.
   EXPECT_EQ(reason_for(fused, "e"), "it reads 'p.out', which the attention kernel keeps per row");
+  GraphBuilder b("long");
+  auto s = b.task("s", "matmul")
+               .tensor("a", f32, {8, 4}, ext)
+               .tensor("b", f32, {1025, 4}, ext)
+               .tensor("out", f32, {8, 1025})
+               .arg("trans_b", true);
+  b.task("p", "softmax").tensor("x", s["out"]).tensor("out", f32, {8, 1025}, ext);
+  EXPECT_EQ(reason_for(plan_graph(std::move(b).graph()), "p"),
+            "'p' is a reduction op; attention holds at most 1024 keys, and a query row of at most 1024, per warp");
   FuseOptions off;
   off.disabled_rules = {"attention"};
   EXPECT_EQ(reason_for(plan_graph(attention_like(true, false), off), "p"), "rule attention is off (--no-fuse-rule)");
