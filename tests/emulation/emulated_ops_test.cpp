@@ -27,7 +27,7 @@ constexpr DType f32 = DType::f32;
 constexpr Storage ext = Storage::external;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_emu_test_" + std::to_string(::getpid()) + "_" + name)).string();
+  return cudagen::testing::work_dir("emu_test", name);
 }
 
 // Fresh inputs per run; the seed is printed on failure.

@@ -23,8 +23,7 @@ namespace {
 constexpr Storage ext = Storage::external;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_fusion_test_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return cudagen::testing::work_dir("fusion_test", name);
 }
 
 // x + bias (broadcast) -> gelu -> * y -> affine -> sigmoid -> - t1 -> exp; t3 read by the caller too.

@@ -30,8 +30,7 @@ constexpr DType f32 = DType::f32;
 constexpr Storage ext = Storage::external;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_megakernel_" + name + "_" + std::to_string(::getpid())))
-      .string();
+  return cudagen::testing::work_dir("megakernel", name);
 }
 
 CompileOptions megakernel_options(int blocks) {

@@ -13,6 +13,7 @@
 #include "pipeline.h"
 #include "profile.h"
 #include "runner.h"
+#include "test_backend.h"
 
 using namespace cudagen;
 
@@ -22,8 +23,7 @@ constexpr Storage ext = Storage::external;
 constexpr int64_t f32 = 4;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_profile_test_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return cudagen::testing::work_dir("profile_test", name);
 }
 
 CompileOptions fusion(bool on) {

@@ -27,9 +27,7 @@ constexpr DType f32 = DType::f32;
 constexpr Storage ext = Storage::external;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() /
-          ("cudagen_runtime_args_" + name + "_" + std::to_string(::getpid())))
-      .string();
+  return cudagen::testing::work_dir("runtime_args", name);
 }
 
 // y1 = scale * x + 0.25 with a run-time scale; y2 = scale * y1 - 1 with the

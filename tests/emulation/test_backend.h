@@ -6,7 +6,10 @@
 // another machine.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <stdexcept>
 #include <string>
 
@@ -22,6 +25,13 @@ inline bool test_on_gpu() {
   if (backend == nullptr || *backend == '\0' || std::string(backend) == "emulation") return false;
   if (std::string(backend) == "gpu") return true;
   throw std::invalid_argument("CUDAGEN_TEST_BACKEND=" + std::string(backend) + ": write emulation or gpu");
+}
+
+// A folder of its own for one test's modules and cache, under the system's
+// temporary folder; the process id keeps concurrent test binaries apart.
+inline std::string work_dir(const std::string& suite, const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("cudagen_" + suite + "_" + name + "_" + std::to_string(::getpid())))
+      .string();
 }
 
 // The repository's folder: $CUDAGEN_SOURCE_DIR, else the one this was built from.

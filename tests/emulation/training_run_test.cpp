@@ -25,8 +25,7 @@ constexpr DType f32 = DType::f32;
 constexpr Storage ext = Storage::external;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_training_run_" + name + "_" + std::to_string(::getpid())))
-      .string();
+  return cudagen::testing::work_dir("training_run", name);
 }
 
 // A two-layer classifier with its SGD training step derived.

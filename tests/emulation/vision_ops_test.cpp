@@ -26,8 +26,7 @@ constexpr Storage ext = Storage::external;
 constexpr Storage persistent = Storage::persistent;
 
 std::string work_dir(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("cudagen_vision_test_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return cudagen::testing::work_dir("vision_test", name);
 }
 
 // Output size of a convolution or pooling along one axis (PyTorch's formula).
