@@ -118,7 +118,7 @@ class Emitter {
     for (const auto& k : kernels) {
       // A kernel launched alone gets its __global__ right after its tile
       // function; one that shares a launch is called from the launch's.
-      global_wrapper_ = !options_.megakernel && kernels_in_launch(kernels, k.launch) == 1;
+      global_wrapper_ = !options_.megakernel && alone_in_launch(kernels, size_t(&k - kernels.data()));
       kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.tile_kernels)
                      : k.rule == "attention"       ? attention(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
@@ -381,14 +381,17 @@ class Emitter {
   std::string kernel_functions(const std::string& comment_text, const EmittedKernel& ek,
                                const std::vector<LaunchParam>& launch, const std::string& body) const {
     std::vector<std::string> tile_params;
-    for (const LaunchParam& lp : launch)
-      tile_params.push_back(fmt::format("{}* {}", lp.pointee, lp.scalar != nullptr ? lp.name + "_arg" : lp.name));
+    for (const LaunchParam& lp : launch) tile_params.push_back(fmt::format("{}* {}", lp.pointee, param_name(lp)));
     tile_params.push_back("cg_tile tile");
     std::string code = fmt::format("{}CG_DEVICE void {}_tile({}) {{\n{}}}\n", comment_text, ek.name,
                                    fmt::join(tile_params, ", "), body);
     if (global_wrapper_) code += global_function(ek, launch);
     return code + "\n";
   }
+
+  // A parameter's name in the kernel's code: a run-time argument's pointer
+  // is NAME_arg, NAME being the local it is read into.
+  static std::string param_name(const LaunchParam& lp) { return lp.scalar != nullptr ? lp.name + "_arg" : lp.name; }
 
   // The parameters of a __global__: buffers as `T* __restrict__` (without it
   // where two may overlap), run-time arguments as `const T* __restrict__
@@ -401,7 +404,7 @@ class Emitter {
     std::vector<std::string> params, names;
     for (size_t i = 0, buffer = 0; i < launch.size(); ++i) {
       const LaunchParam& lp = launch[i];
-      const std::string name = lp.scalar != nullptr ? lp.name + "_arg" : lp.name;
+      const std::string name = param_name(lp);
       const bool restrict = lp.scalar != nullptr || !aliased(buffer++, pointers);
       params.push_back(fmt::format("{}*{} {}", lp.pointee, restrict ? " __restrict__" : "", name));
       names.push_back(name);
@@ -417,8 +420,10 @@ class Emitter {
                        names.empty() ? "" : ", ");
   }
 
-  static int kernels_in_launch(const std::vector<KernelGroup>& kernels, int launch) {
-    return int(std::count_if(kernels.begin(), kernels.end(), [&](const KernelGroup& k) { return k.launch == launch; }));
+  // The kernels of one launch are adjacent (KernelGroup::launch).
+  static bool alone_in_launch(const std::vector<KernelGroup>& kernels, size_t k) {
+    return (k == 0 || kernels[k - 1].launch != kernels[k].launch) &&
+           (k + 1 == kernels.size() || kernels[k + 1].launch != kernels[k].launch);
   }
 
   // Rule horizontal (fuse.h): the kernels of one launch as one grid, each on
@@ -478,7 +483,7 @@ class Emitter {
       for (const LaunchParam& lp : launch_params_[members[i]]) {
         LaunchParam renamed = lp;
         renamed.name = tk.name + "_" + lp.name;
-        args.push_back(lp.scalar != nullptr ? renamed.name + "_arg" : renamed.name);
+        args.push_back(param_name(renamed));
         params.push_back(std::move(renamed));
       }
       args.push_back(fmt::format("cg_tile_of(block{}, {}, {})", block_begin ? fmt::format(" - {}u", block_begin) : "",
@@ -676,10 +681,6 @@ class Emitter {
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
                                   : std::to_string(Tk);
     const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
-    auto load_as = [](const std::string& name, const Param& x, const std::string& index) {
-      const std::string l = fmt::format("cg_load({}, {})", name, index);
-      return is_16bit(x.buffer->dtype) ? "cg_widen(" + l + ")" : l;
-    };
     const std::string alpha_out = float_arg(tc, "alpha", 1.0);
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -687,8 +688,8 @@ class Emitter {
         "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
         "  const cg_i64 keys = (cg_i64)tile.x * {0} / {1} * {2};  // the first key (and value) row of the block's head\n",
         per_block, Tq, Tk);
-    std::string load_k = load_as("k", kk, fmt::format("(keys + j) * {} + c", D));
-    std::string load_v = load_as("v", v, fmt::format("(keys + j) * {} + c", Dv));
+    std::string load_k = load_element("k", kk.buffer->dtype, fmt::format("(keys + j) * {} + c", D));
+    std::string load_v = load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv));
     if (stage) {
       body += fmt::format(
           "  float* staged_k = (float*)cg_smem + {0};\n"
@@ -708,7 +709,7 @@ class Emitter {
         "                     [&](int j, float p) {{ {4}; }},\n"
         "                     [&](int c, float o) {{ {5}; }},\n"
         "                     {6}, {7}, {8}, {9}, {10}, {11}, (float*)cg_smem + warp * {12});\n",
-        per_block, load_as("q", q, fmt::format("row * {} + c", D)), load_k, load_v,
+        per_block, load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D)), load_k, load_v,
         store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                     : std::string("(void)j, (void)p"),
         store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), Tk, D,
@@ -1212,8 +1213,11 @@ class Emitter {
 
   // What a hook reads (16-bit widened to f32) and how it stores an f32 value.
   static std::string load(const Param& x, const std::string& index) {
-    std::string l = fmt::format("cg_load({}, {})", x.bound->name, index);
-    return is_16bit(x.buffer->dtype) ? "cg_widen(" + l + ")" : l;
+    return load_element(x.bound->name, x.buffer->dtype, index);
+  }
+  static std::string load_element(const std::string& name, DType dtype, const std::string& index) {
+    std::string l = fmt::format("cg_load({}, {})", name, index);
+    return is_16bit(dtype) ? "cg_widen(" + l + ")" : l;
   }
   // A store of the buffer an epilogue follows becomes a call of the epilogue.
   std::string store(const Param& x, const std::string& index, const std::string& value) const {

@@ -45,6 +45,14 @@ const BoundTensor* group_value(const BoundTask& bt) {
   return only_output(bt);
 }
 
+// The first argument of task `t` that lives in the scalars region (a kernel
+// parameter of its own, named after the argument), or empty.
+std::string runtime_arg(const Program& p, int t) {
+  for (const auto& a : p.tasks[size_t(t)].args)
+    if (const BoundArg* root = root_arg(p, t, a.name).second; root != nullptr && root->runtime) return a.name;
+  return {};
+}
+
 // Why task `t` cannot be part of an elementwise chain (empty when it can).
 std::string chain_gap(const Program& p, int t) {
   const BoundTask& bt = p.tasks[size_t(t)];
@@ -56,11 +64,9 @@ std::string chain_gap(const Program& p, int t) {
     if (sig.writes || sig.role == SlotRole::scratch)
       return fmt::format("'{}' ({}) updates slot '{}' in place", bt.task->id, op.name, sig.name);
   if (only_output(bt) == nullptr) return fmt::format("'{}' ({}) has more than one output", bt.task->id, op.name);
-  // A run-time argument is a kernel parameter of its own, named after the
-  // argument: one task's per kernel for now.
-  for (const auto& a : bt.args)
-    if (const BoundArg* root = root_arg(p, t, a.name).second; root != nullptr && root->runtime)
-      return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a.name);
+  // One task's run-time arguments per kernel for now.
+  if (const std::string a = runtime_arg(p, t); !a.empty())
+    return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a);
   return {};
 }
 
@@ -139,13 +145,9 @@ class Fuser {
     return group.rule == "attention" ? group.tasks[std::min<size_t>(2, group.tasks.size() - 1)] : group.tasks.front();
   }
 
-  // A constant argument of task `t` (a run-time one would be a kernel
-  // parameter of its own, and these decide the kernel's code anyway).
-  bool constant_args(int t) const {
-    for (const auto& a : p_.tasks[size_t(t)].args)
-      if (const BoundArg* root = root_arg(p_, t, a.name).second; root != nullptr && root->runtime) return false;
-    return true;
-  }
+  // Whether every argument of task `t` is a constant (the attention
+  // kernel's arguments decide its code).
+  bool constant_args(int t) const { return runtime_arg(p_, t).empty(); }
   bool flag(int t, const char* arg) const {
     const BoundArg* a = root_arg(p_, t, arg).second;
     return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);

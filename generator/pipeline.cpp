@@ -64,7 +64,6 @@ std::string dump_schedule(const Program& p, const Schedule& s) {
 
 std::string dump_fusion(const Program& p, const Fusion& fusion) {
   std::string out = fmt::format("{} kernels in {} launches\n", fusion.kernels.size(), launch_count(fusion.kernels));
-  if (fusion.kernels.empty()) return out;
   for (const auto& k : fusion.kernels) {
     std::vector<std::string> ids, internal;
     for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);

@@ -282,7 +282,8 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
     // Name the busiest step and what lives there, largest first.
     int peak_step = 0;
     int64_t peak = -1;
-    for (int k = 0; k < launch_count(kernels); ++k) {
+    const int launches = launch_count(kernels);
+    for (int k = 0; k < launches; ++k) {
       int64_t live = 0;
       for (const auto& iv : intervals)
         if (iv.first <= k && k <= iv.last) live += iv.bytes;

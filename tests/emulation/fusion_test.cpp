@@ -131,7 +131,8 @@ CompileOptions fusion(bool on) {
   return options;
 }
 
-void expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels, const std::string& expect_in_source) {
+// Returns the fused program, for the caller's own checks.
+Compiled expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels, const std::string& expect_in_source) {
   const uint64_t seed = std::random_device()();
   SCOPED_TRACE(fmt::format("graph {}, seed {}", g.name, seed));
   Compiled fused = compile(load_program(g, {}), fusion(true));
@@ -143,6 +144,7 @@ void expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels, co
     CheckedRun run = run_checked(*c, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << (c == &fused ? "fused: " : "unfused: ") << format_run(run);
   }
+  return fused;
 }
 
 }  // namespace
@@ -165,8 +167,7 @@ TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {
 TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {
   const TaskGraph g = independent_kernels(GetParam());
   // x | p, q, r, sm, heads | both
-  expect_fused_and_unfused_right(g, g.tasks.size(), "(rule horizontal)");
-  Compiled c = compile(load_program(g, {}), fusion(true));
+  const Compiled c = expect_fused_and_unfused_right(g, g.tasks.size(), "(rule horizontal)");
   EXPECT_EQ(launch_count(c.kernels), 3);
   // A launch runs kernels of one block size: fewer launches than kernels, more
   // than the fusion pass's three where the row op's block differs.
@@ -179,8 +180,7 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
   for (bool causal : {false, true})
     for (bool read_later : {false, true}) {
       const TaskGraph g = attention(GetParam(), causal, read_later);
-      expect_fused_and_unfused_right(g, 2, "cg_attention_row(");
-      const std::string source = compile(load_program(g, {}), fusion(true)).emitted.cuda_source;
+      const std::string source = expect_fused_and_unfused_right(g, 2, "cg_attention_row(").emitted.cuda_source;
       EXPECT_EQ(source.find("cg_stage_rows([&]") != std::string::npos, causal) << "staged only with 8 rows of a head";
       EXPECT_EQ(source.find("cg_store(probs, ") != std::string::npos, read_later) << "stored only where read";
     }
