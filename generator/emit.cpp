@@ -523,18 +523,19 @@ class Emitter {
   // each buffer it reads and writes with its bytes, its launch shape.
   std::string comment(const KernelGroup& k, const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
     const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
+    const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
     std::vector<std::string> reads, writes, in_registers;
     for (const auto& lp : launch) {
       if (lp.scalar != nullptr) continue;
       const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
       // One task's kernel: its slot, then the buffer behind it when another task's. A fused one: the buffer.
-      std::string desc = k.tasks.size() > 1 ? buffer_name(lp.buffer) : bt.task->id + "." + lp.name;
+      std::string desc = fused ? buffer_name(lp.buffer) : bt.task->id + "." + lp.name;
       desc += fmt::format(" {} {}", to_string(b.dtype), shape_to_string(b.shape));
-      if (k.tasks.size() == 1 && b.owner_task != k.tasks[0]) desc += " <- " + buffer_name(lp.buffer);
+      if (!fused && b.owner_task != k.tasks[0]) desc += " <- " + buffer_name(lp.buffer);
       (lp.written ? writes : reads).push_back(desc);
       (lp.written ? ek.bytes_written : ek.bytes_read) += b.bytes;
       // A slot updated in place (an optimizer's weight and state) is read first.
-      const BoundTensor* slot = k.tasks.size() == 1 ? bt.find_tensor(lp.name) : nullptr;
+      const BoundTensor* slot = fused ? nullptr : bt.find_tensor(lp.name);
       if (lp.written && slot != nullptr && slot->sig->writes && slot->sig->role != SlotRole::output) {
         reads.push_back(desc);
         ek.bytes_read += b.bytes;
@@ -542,10 +543,14 @@ class Emitter {
     }
     for (int b : k.internal_buffers) in_registers.push_back(buffer_name(b));
     std::string tasks = fmt::format("task {} ({}, {})", bt.task->id, bt.op->name, to_string(bt.op->pattern));
-    if (k.tasks.size() > 1) {
-      std::vector<std::string> all;
+    if (fused) {
+      std::vector<std::string> all, rules;
+      for (int t : k.prologue)
+        all.push_back(fmt::format("{} ({}, prologue)", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
-      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), k.rule);
+      if (!k.prologue.empty()) rules.push_back("norm_prologue");
+      if (!k.rule.empty()) rules.push_back(k.rule);
+      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(rules, ", "));
     }
     return fmt::format(
         "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
@@ -586,7 +591,7 @@ class Emitter {
     EmittedKernel ek;
     ek.name = k.name;
     ek.phase = k.phase;
-    ek.tasks = k.tasks;
+    ek.tasks = kernel_tasks(k);
     return ek;
   }
 
@@ -614,12 +619,15 @@ class Emitter {
       if (!diags_.ok()) return {};
       epilogue_buffer_ = param(ps, "out").bound->buffer;
     }
+    std::vector<LaunchParam> prologue_params;
+    if (!k.prologue.empty()) prologue_params = prologue(k);
     // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
     std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                            ? elementwise(t, ps, ek)
                        : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     epilogue_buffer_ = -1;
+    prologue_task_ = -1;
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
     std::vector<LaunchParam> launch;
@@ -627,12 +635,13 @@ class Emitter {
       if (!contains(k.internal_buffers, x.bound->buffer))  // a value the epilogue keeps in registers
         launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
                                      x.bound->buffer, nullptr, x.written});
+    launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
     record_launch(ek, std::move(launch));
-    mark_rows(t, ps, tail.params, launch_params_.back(), ek);
+    mark_rows(t, ps, prologue_params, tail.params, launch_params_.back(), ek);
     emitted.push_back(ek);
     return code;
   }
@@ -736,14 +745,17 @@ class Emitter {
   // What an attention kernel takes at most: what every launch may use without
   // opting in (fuse.cpp refuses a row that would not fit alone).
   static constexpr int64_t kAttentionSharedBytes = 48 * 1024;
+  // What a matmul with a norm prologue may take to stage its tile's rows:
+  // what every launch may use without opting in.
+  static constexpr int64_t kStagedPrologueBytes = 48 * 1024;
 
   // EmittedKernel::rows for the skeletons whose tiles own whole rows: a
   // matmul's row of output tiles (its `a` rows too, unless transposed or
   // broadcast over the batch), and a block-per-row op's row. What an epilogue
   // reads or stores at the anchor's own element is row by row as well; a
   // weight, the matmul's `b`, anything broadcast is not.
-  void mark_rows(int t, const std::vector<Param>& ps, const std::vector<LaunchParam>& tail,
-                 const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
+  void mark_rows(int t, const std::vector<Param>& ps, const std::vector<LaunchParam>& prologue,
+                 const std::vector<LaunchParam>& tail, const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     std::set<int> by_rows;
     Shape row_shape;
@@ -760,6 +772,9 @@ class Emitter {
       ek.rows_per_tile = tile;
       ek.tiles_per_row_block = ek.grid[0];
       if (a.bound->buffer != b.bound->buffer) by_rows.insert(a.bound->buffer);
+      // A norm's input, read in place of `a`, row for row (the weight is not).
+      for (const LaunchParam& lp : prologue)
+        if (p_.buffers[size_t(lp.buffer)].shape == sa) by_rows.insert(lp.buffer);
       by_rows.insert(param(ps, "out").bound->buffer);
       row_shape = so;
     } else if (kRowOps.count(op.name)) {
@@ -788,6 +803,23 @@ class Emitter {
   // or a value per row.
   static inline const std::set<std::string> kRowOps = {"softmax", "log_softmax", "rmsnorm", "layernorm",
                                                        "softmax_backward", "log_softmax_backward"};
+
+  // Rule norm_prologue (fuse.h): the kernel's matmul reads its `a` as the
+  // rmsnorm k.prologue[0] would have computed it. Its input and weight
+  // become parameters named after the norm; matmul() computes the rstd of
+  // the tile's rows and normalises each element as it loads it.
+  std::vector<LaunchParam> prologue(const KernelGroup& k) {
+    prologue_task_ = k.prologue.front();
+    const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
+    template_files_.insert(norm.op->source_file);
+    std::vector<LaunchParam> params;
+    for (const char* slot : {"x", "weight"}) {
+      const int b = norm.find_tensor(slot)->buffer;
+      params.push_back(LaunchParam{norm.task->id + "_" + slot, "const " + c_type(p_.buffers[size_t(b)].dtype), b,
+                                   nullptr, false});
+    }
+    return params;
+  }
 
   // The chain after a matmul or a row op (fuse.h: matmul_epilogue,
   // reduction_epilogue): a lambda the first task's skeleton calls where it
@@ -1579,20 +1611,67 @@ class Emitter {
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
     std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
+    std::string element_a = load(a, "a_base + " + load_a), prologue;
+    if (prologue_task_ >= 0) {
+      // Rule norm_prologue: `a` is x * rstd * weight of rmsnorm task
+      // prologue_task_, in the unfused kernel's order of operations (a 16-bit
+      // `a` is rounded as the norm would store it: the tensor-core tile
+      // narrows what load_a returns).
+      const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
+      const std::string x = norm.task->id + "_x", weight = norm.task->id + "_weight";
+      const DType x_type = p_.buffers[size_t(norm.find_tensor("x")->buffer)].dtype;
+      const DType w_type = p_.buffers[size_t(norm.find_tensor("weight")->buffer)].dtype;
+      const std::string load_x = load_element(x, x_type, fmt::format("r * {} + j", K));
+      const std::string eps = float_arg(prologue_task_, "eps", 1e-6);
+      const std::string rows = fmt::format(
+          "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
+          K, tile);
+      const int64_t staged_bytes = 4 * (tile * K + K);
+      if (ek.smem_bytes + staged_bytes <= kStagedPrologueBytes) {
+        // The tile's rows, normalised, in shared memory: x read once per block.
+        prologue = fmt::format(
+            "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the tile's rows\n"
+            "  // normalised into shared memory, which the operand loads read.\n"
+            "  float* cg_normed = (float*)(cg_smem + {1});\n"
+            "{2}"
+            "  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) {{ return {3}; }}, [&](int j) {{ return {4}; }}, cg_row0, {5},\n"
+            "                        a_base / {6} + {7}, {6}, {8}, cg_normed, cg_normed + {9});\n",
+            norm.task->id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, M, eps, tile * K);
+        element_a = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
+        use_function(*norm.op, "cg_rmsnorm_stage_rows");
+        ek.smem_bytes += staged_bytes;
+      } else {
+        // Too long a row to stage: the rstd of each row first, then each
+        // element normalised as it is loaded (x read twice per block).
+        prologue = fmt::format(
+            "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the rstd of the\n"
+            "  // tile's rows first, then each element normalised as it is loaded.\n"
+            "  float* cg_rstd = (float*)(cg_smem + {1});\n"
+            "{2}"
+            "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, a_base / {5} + {6}, {5}, {7},\n"
+            "                       cg_rstd);\n",
+            norm.task->id, ek.smem_bytes, rows, load_x, tile, K, M, eps);
+        element_a = fmt::format("{} * cg_rstd[m - tile.y * {}] * {}", load_element(x, x_type, "a_base + " + load_a),
+                                tile, load_element(weight, w_type, "k"));
+        use_function(*norm.op, "cg_rmsnorm_rstd_rows");
+        ek.smem_bytes += 4 * tile;
+      }
+    }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 z = tile.z;\n"
         "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
+        "{13}"
         "  {11}(\n"
         "      [&](int m, int k) {{ return {5}; }},\n"
         "      [&](int k, int n) {{ return {6}; }},\n"
         "      [&](int m, int n, float acc) {{ {8}; }},\n"
         "      {9}, {7}, {10}, tile.y, tile.x, ({12}*)cg_smem);\n",
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
-        load(a, "a_base + " + load_a), load(b, "b_base + " + load_b), N,
+        element_a, load(b, "b_base + " + load_b), N,
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
-        tensor_cores ? c_type(a.buffer->dtype) : "float");
+        tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
   }
 
   // concat: a grid-stride loop over the output; split: over the input.
@@ -2113,7 +2192,8 @@ class Emitter {
 
   const Program& p_;
   const Plan& plan_;
-  int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
+  int epilogue_buffer_ = -1;
+  int prologue_task_ = -1;  // the rmsnorm the matmul being emitted loads its `a` through, or -1  // while a skeleton runs: the buffer whose stores call cg_epilogue
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

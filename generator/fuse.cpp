@@ -96,6 +96,7 @@ class Fuser {
       out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
     }
     for (auto& group : out_.kernels) find_internal(group);
+    if (options_.enabled) fold_prologues();
     batch_launches();
     return std::move(out_);
   }
@@ -297,7 +298,7 @@ class Fuser {
   };
   Access access_of(const KernelGroup& k) const {
     Access a;
-    for (int t : k.tasks) {
+    for (int t : kernel_tasks(k)) {
       for (const auto& b : p_.tasks[size_t(t)].tensors) {
         if (b.buffer < 0 || b.sig == nullptr || contains(k.internal_buffers, b.buffer)) continue;
         const int storage = storage_of(b.buffer);
@@ -362,6 +363,109 @@ class Fuser {
   // A kernel's parameters are limited (4 KiB on every device since Volta);
   // far below that, a launch of this many pointers is no longer small.
   static constexpr int kMaxLaunchParameters = 64;
+
+  // Rule norm_prologue: a kernel that is one rmsnorm, whose output only
+  // matmuls read, each as the left operand of the first task of its kernel,
+  // runs in those kernels instead: each computes the rstd of its tile's rows
+  // and normalises each element of them as it loads it (emit.cpp). Each
+  // element is then computed once per column tile of each reader, as often
+  // as the matmul loads it anyway; the rstd once per block, from a second
+  // read of the rows the block loads.
+  void fold_prologues() {
+    std::vector<bool> folded(out_.kernels.size(), false);
+    for (size_t k = 0; k < out_.kernels.size(); ++k) {
+      const KernelGroup& kernel = out_.kernels[k];
+      const int norm = kernel.tasks.front();
+      if (p_.tasks[size_t(norm)].op->name != "rmsnorm") continue;
+      const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
+      std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
+      for (int r : readers_[size_t(value)])
+        if (p_.tasks[size_t(r)].op->name == "matmul" && p_.tasks[size_t(r)].find_tensor("a")->buffer == value)
+          readers.push_back(r);
+      if (readers.empty()) continue;
+      std::vector<size_t> hosts;
+      const std::string reason = why_not_prologue(k, value, hosts);
+      if (!reason.empty()) {
+        note_prologue_refused(norm, readers, reason);
+        continue;
+      }
+      for (size_t h : hosts) {
+        out_.kernels[h].prologue.push_back(norm);
+        out_.kernels[h].internal_buffers.push_back(value);
+      }
+      folded[k] = true;
+      // The norm has no kernel left, to have joined another or for its readers to have joined.
+      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.previous == norm || n.task == norm; });
+    }
+    std::vector<KernelGroup> kept;
+    for (size_t k = 0; k < out_.kernels.size(); ++k)
+      if (!folded[k]) kept.push_back(std::move(out_.kernels[k]));
+    for (size_t k = 0; k < kept.size(); ++k)
+      kept[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(kept[k].tasks.front())].task->id;
+    out_.kernels = std::move(kept);
+  }
+
+  // Why the rmsnorm that kernel `norm_kernel` starts with, whose output is
+  // buffer `value`, cannot be the prologue of its readers' kernels (empty
+  // when it can; `hosts` then holds those kernels).
+  std::string why_not_prologue(size_t norm_kernel, int value, std::vector<size_t>& hosts) const {
+    const int norm = out_.kernels[norm_kernel].tasks.front();
+    const BoundTask& bt = p_.tasks[size_t(norm)];
+    if (!rule_on("norm_prologue")) return "rule norm_prologue is off (--no-fuse-rule)";
+    if (const BoundTensor* rstd = bt.find_tensor("rstd"); rstd != nullptr && rstd->buffer >= 0)
+      return fmt::format("'{}' exports its rstd, which only its own kernel stores", bt.task->id);
+    if (p_.buffers[size_t(value)].storage != Storage::transient)
+      return fmt::format("'{}' is read outside its phase ({}), so it is stored once", buffer_name(p_, value),
+                         to_string(p_.buffers[size_t(value)].storage));
+    if (const std::string a = runtime_arg(p_, norm); !a.empty())
+      return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a);
+    const auto& readers = readers_[size_t(value)];
+    if (readers.size() > kMaxPrologueReaders)
+      return fmt::format("{} tasks read '{}': each would recompute it (at most {})", readers.size(),
+                         buffer_name(p_, value), kMaxPrologueReaders);
+    for (int r : readers) {
+      const BoundTask& reader = p_.tasks[size_t(r)];
+      // (An epilogue in the norm's kernel reads it too.)
+      if (reader.op->name != "matmul")
+        return fmt::format("'{}' ({}) reads '{}' too; only a matmul's operand load normalises", reader.task->id,
+                           reader.op->name, buffer_name(p_, value));
+      if (reader.find_tensor("a")->buffer != value || reader.find_tensor("b")->buffer == value)
+        return fmt::format("'{}' reads '{}' as its right operand", reader.task->id, buffer_name(p_, value));
+      if (flag(r, "trans_a")) return fmt::format("'{}' transposes it (trans_a)", reader.task->id);
+      size_t host = 0;
+      while (host < out_.kernels.size() && !contains(out_.kernels[host].tasks, r)) ++host;
+      const KernelGroup& kernel = out_.kernels[host];
+      if (kernel.tasks.front() != r || kernel.rule == "attention")
+        return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
+      // The norm now runs as late as its reader: nothing in between may update its inputs.
+      for (size_t j = norm_kernel + 1; j < host; ++j)
+        for (int t : out_.kernels[j].tasks)
+          for (const auto& b : p_.tasks[size_t(t)].tensors)
+            if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
+              for (const auto& in : bt.tensors)
+                if (in.buffer == b.buffer && !in.sig->written())
+                  return fmt::format("'{}' updates '{}' before '{}' reads the norm", p_.tasks[size_t(t)].task->id,
+                                     buffer_name(p_, b.buffer), reader.task->id);
+      hosts.push_back(host);
+    }
+    return {};
+  }
+  static constexpr size_t kMaxPrologueReaders = 4;
+
+  // The note of each matmul that reads the norm's output (it did not join
+  // the norm's kernel, being a matmul) says why the norm is not its prologue
+  // either.
+  void note_prologue_refused(int norm, const std::vector<int>& readers, const std::string& reason) {
+    for (int r : readers) {
+      auto it = std::find_if(out_.notes.begin(), out_.notes.end(),
+                             [&](const FusionNote& n) { return n.task == r && n.previous == norm; });
+      const std::string why = fmt::format("'{}' is not its prologue: {}", p_.tasks[size_t(norm)].task->id, reason);
+      if (it == out_.notes.end())
+        out_.notes.push_back(FusionNote{r, norm, why});
+      else
+        it->reason += "; " + why;
+    }
+  }
 
   // A value the group computes and only the group reads needs no storage.
   void find_internal(KernelGroup& group) {

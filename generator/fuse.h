@@ -14,6 +14,11 @@
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
 //                      block stores it.
+//   norm_prologue      an rmsnorm whose output only matmuls read, each as
+//                      its left operand: each of their kernels computes the
+//                      rstd of its tile's rows and normalises each element
+//                      as it loads it; the norm runs no kernel and its
+//                      output never reaches memory (KernelGroup::prologue).
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.
@@ -43,7 +48,7 @@
 namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue",
-                                                      "attention", "permuted_store", "horizontal"};
+                                                      "norm_prologue", "attention", "permuted_store", "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

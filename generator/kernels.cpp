@@ -15,6 +15,12 @@ std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Sched
   return kernels;
 }
 
+std::vector<int> kernel_tasks(const KernelGroup& kernel) {
+  std::vector<int> tasks = kernel.prologue;
+  tasks.insert(tasks.end(), kernel.tasks.begin(), kernel.tasks.end());
+  return tasks;
+}
+
 int launch_count(const std::vector<KernelGroup>& kernels) {
   int n = 0;
   for (const auto& k : kernels) n = std::max(n, k.launch + 1);
@@ -25,7 +31,7 @@ std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::
   std::vector<std::vector<int>> out;
   for (const auto& k : kernels) {
     std::vector<int> buffers;
-    for (int t : k.tasks)
+    for (int t : kernel_tasks(k))
       for (const auto& bound : program.tasks[size_t(t)].tensors)
         if (bound.buffer >= 0 && !contains(k.internal_buffers, bound.buffer)) buffers.push_back(bound.buffer);
     std::sort(buffers.begin(), buffers.end());

@@ -24,6 +24,11 @@ struct KernelGroup {
   // and independent of each other (fuse.h, rule `horizontal`), so one grid
   // runs them all, each on its own blocks. Without that rule, its own index.
   int launch = 0;
+  // Tasks this kernel recomputes on the operand loads of its first task
+  // (rule norm_prologue: an rmsnorm whose rows a matmul normalises as it
+  // loads them). They run no kernel of their own, their outputs are among
+  // internal_buffers, and several kernels may hold the same one.
+  std::vector<int> prologue;
 };
 
 // The number of launches: one past the largest KernelGroup::launch.
@@ -42,6 +47,9 @@ inline std::string_view inverse_permutation_op(std::string_view op) {
 
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+// What a kernel runs: its prologue tasks, then its tasks.
+std::vector<int> kernel_tasks(const KernelGroup& kernel);
 
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule);
 

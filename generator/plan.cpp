@@ -108,6 +108,10 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
       for (size_t i = 0; i < (kernel.rule == "attention" ? std::min<size_t>(3, kernel.tasks.size()) : 1); ++i)
         for (const auto& in : program.tasks[size_t(kernel.tasks[i])].tensors)
           if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
+    // (And a prologue's inputs, which the operand loads read.)
+    for (int t : kernel.prologue)
+      for (const auto& in : program.tasks[size_t(t)].tensors)
+        if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
     for (int t : kernel.tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
       // Only loops where each thread reads an element and then writes the same one.

@@ -16,6 +16,8 @@ CG_OP("rmsnorm",
       "backward: rmsnorm_backward",
       "smem: 128",
       "flops: 4 * numel(out)",
+      "variant: cg_rmsnorm_stage_rows",
+      "variant: cg_rmsnorm_rstd_rows",
       "doc: x * rsqrt(mean(x^2) + eps) * weight; exports rstd for backward")
 CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, float eps, float* scratch) {
   float sum_sq = 0.0f;
@@ -26,6 +28,55 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   const float rstd = rsqrtf(cg_block_sum(sum_sq, scratch) / (float)n + eps);
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) * rstd * weight(j));
   return rstd;
+}
+
+// Rows [first, first + rows) of the norm's output, x * rstd * weight, in
+// shared memory: staged[r * n + j] (zeros past `last`), the weight staged
+// too (staged_weight, n floats): what a matmul that reads the norm's output
+// as its left operand loads its tiles from (fuse.h, rule norm_prologue), so
+// that the norm runs no kernel and each row is read once per block. One
+// warp per row; load(row, j) reads x, weight(j) the weight. Every thread
+// calls it; it ends with the block synchronised.
+template <typename Load, typename Weight>
+CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int rows, cg_i64 last, int n, float eps,
+                                     float* staged, float* staged_weight) {
+  for (int j = threadIdx.x; j < n; j += blockDim.x) staged_weight[j] = weight(j);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float* row = staged + (cg_i64)r * n;
+    float sum_sq = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float v = first + r < last ? load(first + r, j) : 0.0f;
+      row[j] = v;
+      sum_sq += v * v;
+    }
+    const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
+    for (int j = lane; j < n; j += 32) row[j] = row[j] * rstd * staged_weight[j];
+  }
+  __syncthreads();
+}
+
+// The rstd of `rows` consecutive rows of x, from `first` (fewer where the
+// tensor ends at `last`), into rstd[0, rows): where the rows would not fit
+// in shared memory, what such a matmul computes before its tile loop, its
+// operand load then normalising each element itself. One warp per row, the block's
+// warps taking rows in turn; load(row, j) reads x. Every thread calls it; it
+// ends with the block synchronised, rstd visible to all.
+template <typename Load>
+CG_DEVICE void cg_rmsnorm_rstd_rows(Load load, cg_i64 first, int rows, cg_i64 last, int n, float eps, float* rstd) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float sum_sq = 0.0f;
+    if (first + r < last)
+      for (int j = lane; j < n; j += 32) {
+        const float v = load(first + r, j);
+        sum_sq += v * v;
+      }
+    sum_sq = cg_warp_sum(sum_sq);
+    if (lane == 0) rstd[r] = rsqrtf(sum_sq / (float)n + eps);
+  }
+  __syncthreads();
 }
 
 // The gradient of one row of rmsnorm with respect to x, given the rstd that

@@ -125,6 +125,26 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
   return std::move(b).graph();
 }
 
+// Rule norm_prologue: an rmsnorm read only by matmuls, as their `a`: one
+// flattened ([2 * 33, K] @ [K, 24], a partial last tile of rows) with a bias
+// epilogue, one batched ([2, 33, K] @ [2, K, 40]: the rows of the second
+// batch start at a_base). K = 40, more than a warp's lanes: the tile's rows
+// staged in shared memory; K = 400: too long to stage, each element
+// normalised as it is loaded.
+TaskGraph norm_prologue(DType d, int64_t K) {
+  GraphBuilder b(fmt::format("norm_prologue_{}_{}", to_string(d), K));
+  auto x = b.task("x", "relu").tensor("x", d, {2, 33, K}, ext).tensor("out", d, {2, 33, K});
+  auto n = b.task("n", "rmsnorm")
+               .tensor("x", x["out"])
+               .tensor("weight", d, {K}, Storage::persistent)
+               .tensor("out", d, {2, 33, K})
+               .arg("eps", 1e-5);
+  auto p = b.task("p", "matmul").tensor("a", n["out"]).tensor("b", d, {K, 24}, ext).tensor("out", d, {2, 33, 24});
+  b.task("bias", "add").tensor("a", p["out"]).tensor("b", d, {24}, ext).tensor("out", d, {2, 33, 24}, ext);
+  b.task("q", "matmul").tensor("a", n["out"]).tensor("b", d, {2, K, 40}, ext).tensor("out", d, {2, 33, 40}, ext);
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -184,6 +204,24 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
       EXPECT_EQ(source.find("cg_stage_rows([&]") != std::string::npos, causal) << "staged only with 8 rows of a head";
       EXPECT_EQ(source.find("cg_store(probs, ") != std::string::npos, read_later) << "stored only where read";
     }
+}
+
+TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {
+  for (const int64_t K : {40, 400}) {
+    // x | p + bias, with n | q, with n
+    const TaskGraph g = norm_prologue(GetParam(), K);
+    const Compiled c =
+        expect_fused_and_unfused_right(g, 3, K == 40 ? "cg_rmsnorm_stage_rows([&]" : "cg_rmsnorm_rstd_rows([&]");
+    EXPECT_EQ(c.kernels[1].prologue.size(), 1u);
+    EXPECT_EQ(c.kernels[2].prologue.size(), 1u);
+    // The megakernel runs the same tile functions, each tile after the rows it reads.
+    CompileOptions options = fusion(true);
+    options.emit.megakernel = true;
+    options.emit.megakernel_blocks = 8;  // what the emulator runs at once
+    const uint64_t seed = std::random_device()();
+    CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
+    EXPECT_TRUE(run.ok()) << "megakernel, seed " << seed << "\n" << format_run(run);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FusedChains, ::testing::Values(DType::f32, DType::f16, DType::bf16),

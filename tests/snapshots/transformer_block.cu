@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 262656 bytes (lower bound 262656, without reuse 303616).
+// Arena: 254464 bytes (lower bound 254464, without reuse 287232).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -578,22 +578,32 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/rmsnorm.cuh:6
-// RMS norm of one row, the emitter running one block per row:
-//   out[j] = x[j] * rstd * weight[j],  rstd = 1 / sqrt(mean(x^2) + eps).
-// Reads x through load(j) and weight through weight(j), writes through
-// store(j, v); returns rstd, which the kernel exports for the backward pass.
-// Shared memory: 32 floats of reduction scratch.
-template <typename Load, typename Weight, typename Store>
-CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, float eps, float* scratch) {
-  float sum_sq = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const float v = load(j);
-    sum_sq += v * v;
+// templates/rmsnorm.cuh:40
+// Rows [first, first + rows) of the norm's output, x * rstd * weight, in
+// shared memory: staged[r * n + j] (zeros past `last`), the weight staged
+// too (staged_weight, n floats): what a matmul that reads the norm's output
+// as its left operand loads its tiles from (fuse.h, rule norm_prologue), so
+// that the norm runs no kernel and each row is read once per block. One
+// warp per row; load(row, j) reads x, weight(j) the weight. Every thread
+// calls it; it ends with the block synchronised.
+template <typename Load, typename Weight>
+CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int rows, cg_i64 last, int n, float eps,
+                                     float* staged, float* staged_weight) {
+  for (int j = threadIdx.x; j < n; j += blockDim.x) staged_weight[j] = weight(j);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float* row = staged + (cg_i64)r * n;
+    float sum_sq = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float v = first + r < last ? load(first + r, j) : 0.0f;
+      row[j] = v;
+      sum_sq += v * v;
+    }
+    const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
+    for (int j = lane; j < n; j += 32) row[j] = row[j] * rstd * staged_weight[j];
   }
-  const float rstd = rsqrtf(cg_block_sum(sum_sq, scratch) / (float)n + eps);
-  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) * rstd * weight(j));
-  return rstd;
+  __syncthreads();
 }
 
 // templates/softmax.cuh:60
@@ -749,29 +759,12 @@ CG_DEVICE void k7_w_down_tile(float* out, cg_tile tile) {
   }
 }
 
-// Kernel k8_ln1 (forward phase): task ln1 (rmsnorm, reduction).
-//   reads  ln1.x f32 [2, 16, 64], ln1.weight f32 [64] <- ln1_w.out
-//   writes ln1.out f32 [2, 16, 64]
-//   8448 bytes read, 8192 bytes written; grid [32, 1, 1], block 64, 128 bytes of shared memory.
-CG_DEVICE void k8_ln1_tile(const float* x, const float* weight, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 64 + j); },
-                                        [&](int j) { return cg_load(weight, j); },
-                                        [&](int j, float v) { cg_store(out, row * 64 + j, v); },
-                                        64, 9.999999974752427e-07f, (float*)cg_smem);
-  (void)row_rstd;
-}
-CG_KERNEL void __launch_bounds__(64) k8_ln1(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
-  k8_ln1_tile(x, weight, out, cg_launch_tile());
-}
-
-// Kernel k9_q (forward phase): tasks q (matmul), q_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 16, 64], wq.out f32 [64, 64]
+// Kernel k8_q (forward phase): tasks ln1 (rmsnorm, prologue), q (matmul), q_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wq.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes q_heads.out f32 [2, 4, 16, 16]
-//   in registers q.out
-//   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k9_q_tile(const float* a, const float* b, float* q_heads_out, cg_tile tile) {
+//   in registers q.out, ln1.out
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+CG_DEVICE void k8_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* q_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // q_heads (split_heads): where it moves element i
@@ -779,19 +772,25 @@ CG_DEVICE void k9_q_tile(const float* a, const float* b, float* q_heads_out, cg_
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k10_k (forward phase): tasks k (matmul), k_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 16, 64], wk.out f32 [64, 64]
+// Kernel k9_k (forward phase): tasks ln1 (rmsnorm, prologue), k (matmul), k_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wk.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes k_heads.out f32 [2, 4, 16, 16]
-//   in registers k.out
-//   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k10_k_tile(const float* a, const float* b, float* k_heads_out, cg_tile tile) {
+//   in registers k.out, ln1.out
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+CG_DEVICE void k9_k_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* k_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // k_heads (split_heads): where it moves element i
@@ -799,19 +798,25 @@ CG_DEVICE void k10_k_tile(const float* a, const float* b, float* k_heads_out, cg
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k11_v (forward phase): tasks v (matmul), v_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 16, 64], wv.out f32 [64, 64]
+// Kernel k10_v (forward phase): tasks ln1 (rmsnorm, prologue), v (matmul), v_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wv.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes v_heads.out f32 [2, 4, 16, 16]
-//   in registers v.out
-//   24576 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k11_v_tile(const float* a, const float* b, float* v_heads_out, cg_tile tile) {
+//   in registers v.out, ln1.out
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+CG_DEVICE void k10_v_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* v_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // v_heads (split_heads): where it moves element i
@@ -819,19 +824,25 @@ CG_DEVICE void k11_v_tile(const float* a, const float* b, float* v_heads_out, cg
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k12_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
+// Kernel k11_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
 //   reads  q_heads.out f32 [2, 4, 16, 16], k_heads.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
 //   writes merged.out f32 [2, 16, 64]
 //   in registers scores.out, probs.out, context.out
 //   24576 bytes read, 8192 bytes written; grid [16, 1, 1], block 256, 3072 bytes of shared memory.
-CG_DEVICE void k12_scores_tile(const float* q, const float* k, const float* v, float* merged_out, cg_tile tile) {
+CG_DEVICE void k11_scores_tile(const float* q, const float* k, const float* v, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 16, 4, 16), v0);  // merged (merge_heads): where it moves element i
@@ -853,16 +864,16 @@ CG_DEVICE void k12_scores_tile(const float* q, const float* k, const float* v, f
                      16, 16, 16, 1.0f, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem + warp * 32);
   __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k12_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ merged_out) {
-  k12_scores_tile(q, k, v, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k11_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ merged_out) {
+  k11_scores_tile(q, k, v, merged_out, cg_launch_tile());
 }
 
-// Kernel k13_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k12_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 16, 64], wo.out f32 [64, 64], ln1.x f32 [2, 16, 64]
 //   writes res1.out f32 [2, 16, 64]
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k13_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k12_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -877,33 +888,16 @@ CG_DEVICE void k13_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k13_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k13_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k12_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k12_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k14_ln2 (forward phase): task ln2 (rmsnorm, reduction).
-//   reads  ln2.x f32 [2, 16, 64] <- res1.out, ln2.weight f32 [64] <- ln2_w.out
-//   writes ln2.out f32 [2, 16, 64]
-//   8448 bytes read, 8192 bytes written; grid [32, 1, 1], block 64, 128 bytes of shared memory.
-CG_DEVICE void k14_ln2_tile(const float* x, const float* weight, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 64 + j); },
-                                        [&](int j) { return cg_load(weight, j); },
-                                        [&](int j, float v) { cg_store(out, row * 64 + j, v); },
-                                        64, 9.999999974752427e-07f, (float*)cg_smem);
-  (void)row_rstd;
-}
-CG_KERNEL void __launch_bounds__(64) k14_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out) {
-  k14_ln2_tile(x, weight, out, cg_launch_tile());
-}
-
-// Kernel k15_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
-//   reads  ln2.out f32 [2, 16, 64], w_up.out f32 [64, 256]
+// Kernel k13_up (forward phase): tasks ln2 (rmsnorm, prologue), up (matmul), act (gelu), fused (norm_prologue, matmul_epilogue).
+//   reads  w_up.out f32 [64, 256], res1.out f32 [2, 16, 64], ln2_w.out f32 [64]
 //   writes act.out f32 [2, 16, 256]
-//   in registers up.out
-//   73728 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k15_up_tile(const float* a, const float* b, float* act_out, cg_tile tile) {
+//   in registers up.out, ln2.out
+//   73984 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 12736 bytes of shared memory.
+CG_DEVICE void k13_up_tile(const float* b, const float* ln2_x, const float* ln2_weight, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_gelu<float>(v0, /*approximate=tanh*/ 0);  // act.out
@@ -912,22 +906,28 @@ CG_DEVICE void k15_up_tile(const float* a, const float* b, float* act_out, cg_ti
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 16384, out_base = z * 8192;
+  // Prologue (norm_prologue): ln2 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln2_x, r * 64 + j); }, [&](int j) { return cg_load(ln2_weight, j); }, cg_row0, 32,
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 256 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 256 + n, acc); },
       32, 256, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k15_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ act_out) {
-  k15_up_tile(a, b, act_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k13_up(const float* __restrict__ b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, float* __restrict__ act_out) {
+  k13_up_tile(b, ln2_x, ln2_weight, act_out, cg_launch_tile());
 }
 
-// Kernel k16_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
+// Kernel k14_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
 //   reads  act.out f32 [2, 16, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64]
 //   writes res2.out f32 [2, 16, 64]
 //   in registers down.out
 //   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k16_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k14_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
@@ -942,8 +942,8 @@ CG_DEVICE void k16_down_tile(const float* a, const float* b, const float* res2_a
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 256, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k16_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k16_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k14_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k14_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
 // Launch h0_ln1_w_wq_wk_and_5_more (init phase):
@@ -986,30 +986,33 @@ CG_KERNEL void __launch_bounds__(256) h0_ln1_w_wq_wk_and_5_more(
     k7_w_down_tile(k7_w_down_out, cg_tile_of(block - 34u, 16, 1));
 }
 
-// Launch h2_q_k_v (forward phase):
+// Launch h1_q_k_v (forward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 6 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// of 256 threads, 12736 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k9_q
-//   blocks [2, 4): k10_k
-//   blocks [4, 6): k11_v
-CG_KERNEL void __launch_bounds__(256) h2_q_k_v(
-    const float* __restrict__ k9_q_a,
-    const float* __restrict__ k9_q_b,
-    float* __restrict__ k9_q_q_heads_out,
-    const float* __restrict__ k10_k_a,
-    const float* __restrict__ k10_k_b,
-    float* __restrict__ k10_k_k_heads_out,
-    const float* __restrict__ k11_v_a,
-    const float* __restrict__ k11_v_b,
-    float* __restrict__ k11_v_v_heads_out) {
+//   blocks [0, 2): k8_q
+//   blocks [2, 4): k9_k
+//   blocks [4, 6): k10_v
+CG_KERNEL void __launch_bounds__(256) h1_q_k_v(
+    const float* __restrict__ k8_q_b,
+    const float* __restrict__ k8_q_ln1_x,
+    const float* __restrict__ k8_q_ln1_weight,
+    float* __restrict__ k8_q_q_heads_out,
+    const float* __restrict__ k9_k_b,
+    const float* __restrict__ k9_k_ln1_x,
+    const float* __restrict__ k9_k_ln1_weight,
+    float* __restrict__ k9_k_k_heads_out,
+    const float* __restrict__ k10_v_b,
+    const float* __restrict__ k10_v_ln1_x,
+    const float* __restrict__ k10_v_ln1_weight,
+    float* __restrict__ k10_v_v_heads_out) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k9_q_tile(k9_q_a, k9_q_b, k9_q_q_heads_out, cg_tile_of(block, 2, 1));
+    k8_q_tile(k8_q_b, k8_q_ln1_x, k8_q_ln1_weight, k8_q_q_heads_out, cg_tile_of(block, 2, 1));
   else if (block < 4u)
-    k10_k_tile(k10_k_a, k10_k_b, k10_k_k_heads_out, cg_tile_of(block - 2u, 2, 1));
+    k9_k_tile(k9_k_b, k9_k_ln1_x, k9_k_ln1_weight, k9_k_k_heads_out, cg_tile_of(block - 2u, 2, 1));
   else
-    k11_v_tile(k11_v_a, k11_v_b, k11_v_v_heads_out, cg_tile_of(block - 4u, 2, 1));
+    k10_v_tile(k10_v_b, k10_v_ln1_x, k10_v_ln1_weight, k10_v_v_heads_out, cg_tile_of(block - 4u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1031,7 +1034,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 262656ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 254464ull;
 
 static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
     {"k0_ln1_w_out", "ln1_w.out", 0ull, 256ull},
@@ -1043,45 +1046,39 @@ static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
     {"k6_w_up_out", "w_up.out", 66048ull, 65536ull},
     {"k7_w_down_out", "w_down.out", 131584ull, 65536ull},
 };
-static const cudagen_tensor_info k8_ln1_tensors[] = {
-    {"x", "ln1.x", 229888ull, 8192ull},
-    {"weight", "ln1_w.out", 0ull, 256ull},
-    {"out", "ln1.out", 197120ull, 8192ull},
+static const cudagen_tensor_info h1_q_k_v_tensors[] = {
+    {"k8_q_b", "wq.out", 256ull, 16384ull},
+    {"k8_q_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k8_q_ln1_weight", "ln1_w.out", 0ull, 256ull},
+    {"k8_q_q_heads_out", "q_heads.out", 197120ull, 8192ull},
+    {"k9_k_b", "wk.out", 16640ull, 16384ull},
+    {"k9_k_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k9_k_ln1_weight", "ln1_w.out", 0ull, 256ull},
+    {"k9_k_k_heads_out", "k_heads.out", 205312ull, 8192ull},
+    {"k10_v_b", "wv.out", 33024ull, 16384ull},
+    {"k10_v_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k10_v_ln1_weight", "ln1_w.out", 0ull, 256ull},
+    {"k10_v_v_heads_out", "v_heads.out", 213504ull, 8192ull},
 };
-static const cudagen_tensor_info h2_q_k_v_tensors[] = {
-    {"k9_q_a", "ln1.out", 197120ull, 8192ull},
-    {"k9_q_b", "wq.out", 256ull, 16384ull},
-    {"k9_q_q_heads_out", "q_heads.out", 205312ull, 8192ull},
-    {"k10_k_a", "ln1.out", 197120ull, 8192ull},
-    {"k10_k_b", "wk.out", 16640ull, 16384ull},
-    {"k10_k_k_heads_out", "k_heads.out", 213504ull, 8192ull},
-    {"k11_v_a", "ln1.out", 197120ull, 8192ull},
-    {"k11_v_b", "wv.out", 33024ull, 16384ull},
-    {"k11_v_v_heads_out", "v_heads.out", 221696ull, 8192ull},
+static const cudagen_tensor_info k11_scores_tensors[] = {
+    {"q", "q_heads.out", 197120ull, 8192ull},
+    {"k", "k_heads.out", 205312ull, 8192ull},
+    {"v", "v_heads.out", 213504ull, 8192ull},
+    {"merged_out", "merged.out", 221696ull, 8192ull},
 };
-static const cudagen_tensor_info k12_scores_tensors[] = {
-    {"q", "q_heads.out", 205312ull, 8192ull},
-    {"k", "k_heads.out", 213504ull, 8192ull},
-    {"v", "v_heads.out", 221696ull, 8192ull},
-    {"merged_out", "merged.out", 197120ull, 8192ull},
-};
-static const cudagen_tensor_info k13_attn_out_tensors[] = {
-    {"a", "merged.out", 197120ull, 8192ull},
+static const cudagen_tensor_info k12_attn_out_tensors[] = {
+    {"a", "merged.out", 221696ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
     {"res1_a", "ln1.x", 229888ull, 8192ull},
     {"res1_out", "res1.out", 246272ull, 8192ull},
 };
-static const cudagen_tensor_info k14_ln2_tensors[] = {
-    {"x", "res1.out", 246272ull, 8192ull},
-    {"weight", "ln2_w.out", 65792ull, 256ull},
-    {"out", "ln2.out", 254464ull, 8192ull},
-};
-static const cudagen_tensor_info k15_up_tensors[] = {
-    {"a", "ln2.out", 254464ull, 8192ull},
+static const cudagen_tensor_info k13_up_tensors[] = {
     {"b", "w_up.out", 66048ull, 65536ull},
+    {"ln2_x", "res1.out", 246272ull, 8192ull},
+    {"ln2_weight", "ln2_w.out", 65792ull, 256ull},
     {"act_out", "act.out", 197120ull, 32768ull},
 };
-static const cudagen_tensor_info k16_down_tensors[] = {
+static const cudagen_tensor_info k14_down_tensors[] = {
     {"a", "act.out", 197120ull, 32768ull},
     {"b", "w_down.out", 131584ull, 65536ull},
     {"res2_a", "res1.out", 246272ull, 8192ull},
@@ -1095,19 +1092,15 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k8_ln1, dim3(32, 1, 1), dim3(64), 128, k8_ln1_tensors,
-                 (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(h2_q_k_v, dim3(6, 1, 1), dim3(256), 4288, h2_q_k_v_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 256), (float*)(arena + 205312), (const float*)(arena + 197120), (const float*)(arena + 16640), (float*)(arena + 213504), (const float*)(arena + 197120), (const float*)(arena + 33024), (float*)(arena + 221696));
-  CUDAGEN_LAUNCH(k12_scores, dim3(16, 1, 1), dim3(256), 3072, k12_scores_tensors,
-                 (const float*)(arena + 205312), (const float*)(arena + 213504), (const float*)(arena + 221696), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k13_attn_out, dim3(2, 1, 1), dim3(256), 4288, k13_attn_out_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
-  CUDAGEN_LAUNCH(k14_ln2, dim3(32, 1, 1), dim3(64), 128, k14_ln2_tensors,
-                 (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 254464));
-  CUDAGEN_LAUNCH(k15_up, dim3(8, 1, 1), dim3(256), 4288, k15_up_tensors,
-                 (const float*)(arena + 254464), (const float*)(arena + 66048), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k16_down, dim3(2, 1, 1), dim3(256), 4288, k16_down_tensors,
+  CUDAGEN_LAUNCH(h1_q_k_v, dim3(6, 1, 1), dim3(256), 12736, h1_q_k_v_tensors,
+                 (const float*)(arena + 256), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120), (const float*)(arena + 16640), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 205312), (const float*)(arena + 33024), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 213504));
+  CUDAGEN_LAUNCH(k11_scores, dim3(16, 1, 1), dim3(256), 3072, k11_scores_tensors,
+                 (const float*)(arena + 197120), (const float*)(arena + 205312), (const float*)(arena + 213504), (float*)(arena + 221696));
+  CUDAGEN_LAUNCH(k12_attn_out, dim3(2, 1, 1), dim3(256), 4288, k12_attn_out_tensors,
+                 (const float*)(arena + 221696), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
+  CUDAGEN_LAUNCH(k13_up, dim3(8, 1, 1), dim3(256), 12736, k13_up_tensors,
+                 (const float*)(arena + 66048), (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 197120));
+  CUDAGEN_LAUNCH(k14_down, dim3(2, 1, 1), dim3(256), 4288, k14_down_tensors,
                  (const float*)(arena + 197120), (const float*)(arena + 131584), (const float*)(arena + 246272), (float*)(arena + 238080));
   return 0;
 }

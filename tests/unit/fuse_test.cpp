@@ -1,5 +1,7 @@
 // The fusion pass: for each rule, graphs that must fuse and graphs that must
 // not, with the reason checked; what a fused value costs the memory plan.
+#include <map>
+
 #include <gtest/gtest.h>
 
 #include "builder.h"
@@ -252,6 +254,79 @@ TEST(Fusion, NotAttentionWithoutItsShape) {
   FuseOptions off;
   off.disabled_rules = {"attention"};
   EXPECT_EQ(reason_for(plan_graph(attention_like(true, false), off), "p"), "rule attention is off (--no-fuse-rule)");
+}
+
+// The transformer block's norms run in the projections that read them: each
+// projection's kernel normalises the rows it loads, and the norms run no
+// kernel of their own.
+TEST(Fusion, ANormIsThePrologueOfTheMatmulsThatReadIt) {
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  std::map<std::string, std::string> prologue_of;
+  for (const auto& k : c.kernels) {
+    for (int t : k.tasks) EXPECT_NE(c.program.tasks[size_t(t)].op->name, "rmsnorm") << k.name;
+    for (int t : k.prologue) {
+      prologue_of[task_ids(c, k).front()] = c.program.tasks[size_t(t)].task->id;
+      const std::vector<std::string> internal = internal_names(c, k);
+      EXPECT_NE(std::find(internal.begin(), internal.end(), c.program.tasks[size_t(t)].task->id + ".out"),
+                internal.end());
+    }
+  }
+  EXPECT_EQ(prologue_of, (std::map<std::string, std::string>{{"q", "ln1"}, {"k", "ln1"}, {"v", "ln1"}, {"up", "ln2"}}));
+  EXPECT_EQ(reason_for(c, "q"), "") << "the note about the norm's kernel is gone with it";
+  for (const auto& pb : c.plan.buffers) {
+    const std::string name = buffer_name(c.program, pb.buffer);
+    if (name == "ln1.out" || name == "ln2.out") EXPECT_TRUE(pb.internal) << name;
+  }
+  // 18 forward tasks: q, k and v share a launch; attention; the output
+  // projection; up; down.
+  int forward_launches = 0;
+  for (size_t k = 0; k < c.kernels.size(); ++k)
+    forward_launches += c.kernels[k].phase == Phase::forward && (k == 0 || c.kernels[k - 1].launch != c.kernels[k].launch);
+  EXPECT_EQ(forward_launches, 5);
+}
+
+// rmsnorm n -> a matmul's `a`, and `other` reading n.out besides.
+TaskGraph norm_then(const std::string& other, Storage norm_storage = Storage::transient, bool rstd = false) {
+  GraphBuilder b("norm_then_" + other);
+  auto n = b.task("n", "rmsnorm")
+               .tensor("x", f32, {8, 16}, ext)
+               .tensor("weight", f32, {16}, Storage::persistent)
+               .tensor("out", f32, {8, 16}, norm_storage);
+  if (rstd) n.tensor("rstd", f32, {8}, ext);
+  b.task("mm", "matmul").tensor("a", n["out"]).tensor("b", f32, {16, 4}, ext).tensor("out", f32, {8, 4}, ext);
+  if (other == "relu") b.task("other", "relu").tensor("x", n["out"]).tensor("out", f32, {8, 16}, ext);
+  if (other == "right")
+    b.task("other", "matmul").tensor("a", f32, {4, 8}, ext).tensor("b", n["out"]).tensor("out", f32, {4, 16}, ext);
+  if (other == "trans_a")
+    b.task("other", "matmul")
+        .tensor("a", n["out"])
+        .tensor("b", f32, {8, 4}, ext)
+        .tensor("out", f32, {16, 4}, ext)
+        .arg("trans_a", true);
+  return std::move(b).graph();
+}
+
+TEST(Fusion, NoNormPrologueWhereTheNormIsNeededOtherwise) {
+  Compiled alone = plan_graph(norm_then("none"));
+  ASSERT_EQ(alone.kernels.size(), 1u);
+  EXPECT_EQ(task_ids(alone, alone.kernels[0]), (std::vector<std::string>{"mm"}));
+  EXPECT_EQ(alone.kernels[0].prologue.size(), 1u);
+  const std::string not_prologue = "'mm' is a matmul op; 'n' is not its prologue: ";
+  EXPECT_EQ(reason_for(plan_graph(norm_then("relu")), "mm"),
+            not_prologue + "'other' (relu) reads 'n.out' too; only a matmul's operand load normalises");
+  EXPECT_EQ(reason_for(plan_graph(norm_then("right")), "mm"), not_prologue + "'other' reads 'n.out' as its right operand");
+  EXPECT_EQ(reason_for(plan_graph(norm_then("trans_a")), "mm"), not_prologue + "'other' transposes it (trans_a)");
+  EXPECT_EQ(reason_for(plan_graph(norm_then("none", ext)), "mm"),
+            not_prologue + "'n.out' is read outside its phase (external), so it is stored once");
+  EXPECT_EQ(reason_for(plan_graph(norm_then("none", Storage::transient, true)), "mm"),
+            not_prologue + "'n' exports its rstd, which only its own kernel stores");
+  EXPECT_EQ(reason_for(plan_graph(norm_then("none"), FuseOptions{true, {"norm_prologue"}}), "mm"),
+            not_prologue + "rule norm_prologue is off (--no-fuse-rule)");
+  EXPECT_EQ(plan_graph(norm_then("none"), FuseOptions{true, {"norm_prologue"}}).kernels.size(), 2u);
+  // Training saves the norms' outputs and rstd for the backward pass: stored by their own kernels.
+  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  for (const auto& k : train.kernels) EXPECT_TRUE(k.prologue.empty()) << k.name;
+  EXPECT_NE(reason_for(train, "q").find("'ln1' is not its prologue: "), std::string::npos) << reason_for(train, "q");
 }
 
 TEST(Fusion, NoPermutedStoreAfterAChainNorAnythingAfterIt) {
