@@ -806,8 +806,9 @@ class Emitter {
 
   // Rule norm_prologue (fuse.h): the kernel's matmul reads its `a` as the
   // rmsnorm k.prologue[0] would have computed it. Its input and weight
-  // become parameters named after the norm; matmul() computes the rstd of
-  // the tile's rows and normalises each element as it loads it.
+  // become parameters named after the norm; matmul() stages the tile's rows
+  // normalised in shared memory (or, rows too long for that, computes their
+  // rstd and normalises each element as it loads it).
   std::vector<LaunchParam> prologue(const KernelGroup& k) {
     prologue_task_ = k.prologue.front();
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
