@@ -97,9 +97,15 @@ CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue,
     }
     __syncthreads();  // the next iteration overwrites the tiles
   }
-  for (int i = 0; i < 2 && warp < 4; ++i)
+  // Unrolled, so that acc stays in registers: with a large epilogue in the
+  // body ptxas kept this loop rolled and acc in local memory.
+  CG_UNROLL
+  for (int i = 0; i < 2; ++i)
+    CG_UNROLL
     for (int j = 0; j < 4; ++j)
+      CG_UNROLL
       for (int e = 0; e < 4; ++e) {
+        if (warp >= 4) continue;
         const int m = m0 + warp_m + 16 * i + g + 8 * (e / 2), n = n0 + warp_n + 8 * j + 2 * t + e % 2;
         if (m < M && n < N) epilogue(m, n, acc[i][j][e]);
       }

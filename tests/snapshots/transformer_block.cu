@@ -48,6 +48,15 @@ typedef long long cg_i64;
 #define CG_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// A loop over a register array, unrolled on the device so that the array
+// stays in registers (indexed at run time, it goes to local memory). The
+// host compiler of the emulation does without.
+#ifdef CUDAGEN_EMULATION
+#define CG_UNROLL
+#else
+#define CG_UNROLL _Pragma("unroll")
+#endif
+
 // f16 and bf16 as storage types: 16 bits in memory, f32 in arithmetic (the
 // emitter widens what it loads and narrows what it stores, as PyTorch's
 // opmath does). No cuda_fp16.h: NVRTC, nvcc and the host emulation all
