@@ -678,13 +678,13 @@ class Emitter {
     // that the block can share its head's keys and values.
     const int64_t scratch = D + Tk;  // per warp: the query row, the scores
     int64_t per_block = 8;
-    while (Tq % per_block != 0 || per_block * scratch * 4 > kAttentionSharedBytes) per_block /= 2;
+    while (Tq % per_block != 0 || per_block * scratch * 4 > kSharedBytesWithoutOptIn) per_block /= 2;
     ek.block = int(32 * per_block);
     ek.grid[0] = int(rows / per_block);
     // The head's keys and values in shared memory where they fit beside the
     // scratch.
     const int64_t staged = Tk * (D + Dv);
-    const bool stage = (per_block * scratch + staged) * 4 <= kAttentionSharedBytes && per_block > 1;
+    const bool stage = (per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1;
     ek.smem_bytes = (per_block * scratch + (stage ? staged : 0)) * 4;
     const std::string valid = arg_bool(tp, "causal")
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
@@ -742,12 +742,10 @@ class Emitter {
     return code;
   }
 
-  // What an attention kernel takes at most: what every launch may use without
-  // opting in (fuse.cpp refuses a row that would not fit alone).
-  static constexpr int64_t kAttentionSharedBytes = 48 * 1024;
-  // What a matmul with a norm prologue may take to stage its tile's rows:
-  // what every launch may use without opting in.
-  static constexpr int64_t kStagedPrologueBytes = 48 * 1024;
+  // The shared memory every launch may use without opting in: what an
+  // attention kernel takes at most (fuse.cpp refuses a row that would not fit
+  // alone), and a matmul that stages its norm prologue's rows.
+  static constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 
   // EmittedKernel::rows for the skeletons whose tiles own whole rows: a
   // matmul's row of output tiles (its `a` rows too, unless transposed or
@@ -1614,49 +1612,9 @@ class Emitter {
     std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
     std::string element_a = load(a, "a_base + " + load_a), prologue;
     if (prologue_task_ >= 0) {
-      // Rule norm_prologue: `a` is x * rstd * weight of rmsnorm task
-      // prologue_task_, in the unfused kernel's order of operations (a 16-bit
-      // `a` is rounded as the norm would store it: the tensor-core tile
-      // narrows what load_a returns).
-      const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
-      const std::string x = norm.task->id + "_x", weight = norm.task->id + "_weight";
-      const DType x_type = p_.buffers[size_t(norm.find_tensor("x")->buffer)].dtype;
-      const DType w_type = p_.buffers[size_t(norm.find_tensor("weight")->buffer)].dtype;
-      const std::string load_x = load_element(x, x_type, fmt::format("r * {} + j", K));
-      const std::string eps = float_arg(prologue_task_, "eps", 1e-6);
-      const std::string rows = fmt::format(
-          "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
-          K, tile);
-      const int64_t staged_bytes = 4 * (tile * K + K);
-      if (ek.smem_bytes + staged_bytes <= kStagedPrologueBytes) {
-        // The tile's rows, normalised, in shared memory: x read once per block.
-        prologue = fmt::format(
-            "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the tile's rows\n"
-            "  // normalised into shared memory, which the operand loads read.\n"
-            "  float* cg_normed = (float*)(cg_smem + {1});\n"
-            "{2}"
-            "  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) {{ return {3}; }}, [&](int j) {{ return {4}; }}, cg_row0, {5},\n"
-            "                        a_base / {6} + {7}, {6}, {8}, cg_normed, cg_normed + {9});\n",
-            norm.task->id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, M, eps, tile * K);
-        element_a = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
-        use_function(*norm.op, "cg_rmsnorm_stage_rows");
-        ek.smem_bytes += staged_bytes;
-      } else {
-        // Too long a row to stage: the rstd of each row first, then each
-        // element normalised as it is loaded (x read twice per block).
-        prologue = fmt::format(
-            "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the rstd of the\n"
-            "  // tile's rows first, then each element normalised as it is loaded.\n"
-            "  float* cg_rstd = (float*)(cg_smem + {1});\n"
-            "{2}"
-            "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, a_base / {5} + {6}, {5}, {7},\n"
-            "                       cg_rstd);\n",
-            norm.task->id, ek.smem_bytes, rows, load_x, tile, K, M, eps);
-        element_a = fmt::format("{} * cg_rstd[m - tile.y * {}] * {}", load_element(x, x_type, "a_base + " + load_a),
-                                tile, load_element(weight, w_type, "k"));
-        use_function(*norm.op, "cg_rmsnorm_rstd_rows");
-        ek.smem_bytes += 4 * tile;
-      }
+      const NormLoad norm = norm_load(M, K, tile, "a_base + " + load_a, ek);
+      element_a = norm.element;
+      prologue = norm.code;
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -1673,6 +1631,58 @@ class Emitter {
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
         tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
+  }
+
+  // Rule norm_prologue: the code before a matmul's tile loop and its
+  // operand load, for an `a` that is x * rstd * weight of rmsnorm task
+  // prologue_task_, in the unfused kernel's order of operations (a 16-bit
+  // `a` is rounded as the norm would store it: the tensor-core tile narrows
+  // what load_a returns). `a_index`: where load_a(m, k) would read `a`.
+  struct NormLoad {
+    std::string code, element;
+  };
+  NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek) {
+    NormLoad out;
+    const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
+    const std::string x = norm.task->id + "_x", weight = norm.task->id + "_weight";
+    const DType x_type = p_.buffers[size_t(norm.find_tensor("x")->buffer)].dtype;
+    const DType w_type = p_.buffers[size_t(norm.find_tensor("weight")->buffer)].dtype;
+    const std::string load_x = load_element(x, x_type, fmt::format("r * {} + j", K));
+    const std::string eps = float_arg(prologue_task_, "eps", 1e-6);
+    const std::string rows = fmt::format(
+        "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
+        K, tile);
+    const int64_t staged_bytes = 4 * (tile * K + K);
+    if (ek.smem_bytes + staged_bytes <= kSharedBytesWithoutOptIn) {
+      // The tile's rows, normalised, in shared memory: x read once per block.
+      out.code = fmt::format(
+          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the tile's rows\n"
+          "  // normalised into shared memory, which the operand loads read.\n"
+          "  float* cg_normed = (float*)(cg_smem + {1});\n"
+          "{2}"
+          "  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) {{ return {3}; }}, [&](int j) {{ return {4}; }}, cg_row0, {5},\n"
+          "                        a_base / {6} + {7}, {6}, {8}, cg_normed, cg_normed + {9});\n",
+          norm.task->id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, M, eps, tile * K);
+      out.element = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
+      use_function(*norm.op, "cg_rmsnorm_stage_rows");
+      ek.smem_bytes += staged_bytes;
+    } else {
+      // Too long a row to stage: the rstd of each row first, then each
+      // element normalised as it is loaded (x read twice per block).
+      out.code = fmt::format(
+          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the rstd of the\n"
+          "  // tile's rows first, then each element normalised as it is loaded.\n"
+          "  float* cg_rstd = (float*)(cg_smem + {1});\n"
+          "{2}"
+          "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, a_base / {5} + {6}, {5}, {7},\n"
+          "                       cg_rstd);\n",
+          norm.task->id, ek.smem_bytes, rows, load_x, tile, K, M, eps);
+      out.element = fmt::format("{} * cg_rstd[m - tile.y * {}] * {}", load_element(x, x_type, a_index), tile,
+                                load_element(weight, w_type, "k"));
+      use_function(*norm.op, "cg_rmsnorm_rstd_rows");
+      ek.smem_bytes += 4 * tile;
+    }
+    return out;
   }
 
   // concat: a grid-stride loop over the output; split: over the input.
@@ -2193,8 +2203,8 @@ class Emitter {
 
   const Program& p_;
   const Plan& plan_;
-  int epilogue_buffer_ = -1;
-  int prologue_task_ = -1;  // the rmsnorm the matmul being emitted loads its `a` through, or -1  // while a skeleton runs: the buffer whose stores call cg_epilogue
+  int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
+  int prologue_task_ = -1;    // while a matmul's runs: the rmsnorm it loads its `a` through, or -1
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

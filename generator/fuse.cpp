@@ -366,11 +366,10 @@ class Fuser {
 
   // Rule norm_prologue: a kernel that is one rmsnorm, whose output only
   // matmuls read, each as the left operand of the first task of its kernel,
-  // runs in those kernels instead: each computes the rstd of its tile's rows
-  // and normalises each element of them as it loads it (emit.cpp). Each
-  // element is then computed once per column tile of each reader, as often
-  // as the matmul loads it anyway; the rstd once per block, from a second
-  // read of the rows the block loads.
+  // runs in those kernels instead: each normalises the rows of its tile
+  // (emit.cpp: staged in shared memory, or element by element as it loads
+  // them). Each element is then computed once per column tile of each
+  // reader, as often as the matmul loads it anyway.
   void fold_prologues() {
     std::vector<bool> folded(out_.kernels.size(), false);
     for (size_t k = 0; k < out_.kernels.size(); ++k) {
@@ -443,7 +442,7 @@ class Fuser {
           for (const auto& b : p_.tasks[size_t(t)].tensors)
             if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
               for (const auto& in : bt.tensors)
-                if (in.buffer == b.buffer && !in.sig->written())
+                if (in.buffer == b.buffer && in.sig != nullptr && !in.sig->written())
                   return fmt::format("'{}' updates '{}' before '{}' reads the norm", p_.tasks[size_t(t)].task->id,
                                      buffer_name(p_, b.buffer), reader.task->id);
       hosts.push_back(host);

@@ -101,15 +101,15 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // An epilogue runs while the kernel's matmul or row op still reads its
     // inputs at other elements (other blocks, other threads): nothing the
     // epilogue stores may take their storage.
-    std::vector<int> read_elsewhere;
+    // (An attention kernel: its scores matmul and its matmul by the values;
+    // a prologue's inputs too, which the operand loads read.)
     const KernelGroup& kernel = kernels[size_t(k)];
-    // (An attention kernel: its scores matmul and its matmul by the values.)
+    std::vector<int> readers_elsewhere = kernel.prologue;
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
-      for (size_t i = 0; i < (kernel.rule == "attention" ? std::min<size_t>(3, kernel.tasks.size()) : 1); ++i)
-        for (const auto& in : program.tasks[size_t(kernel.tasks[i])].tensors)
-          if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
-    // (And a prologue's inputs, which the operand loads read.)
-    for (int t : kernel.prologue)
+      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(),
+                               kernel.tasks.begin() + (kernel.rule == "attention" ? std::min<size_t>(3, kernel.tasks.size()) : 1));
+    std::vector<int> read_elsewhere;
+    for (int t : readers_elsewhere)
       for (const auto& in : program.tasks[size_t(t)].tensors)
         if (in.sig != nullptr && !in.sig->written()) read_elsewhere.push_back(in.buffer);
     for (int t : kernel.tasks) {
