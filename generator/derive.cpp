@@ -326,10 +326,48 @@ class Deriver {
       if (!ta) grad_matmul(a, "a", dout, ref(b.buffer), false, !tb);
       else grad_matmul(a, "a", ref(b.buffer), dout, tb, true);
     }
+    if (needs(b) && shared_weight_gradient(t, a, b, dout, batch, alpha, ta, tb)) return;
     if (needs(b)) {
       if (!tb) grad_matmul(b, "b", ref(a.buffer), dout, !ta, false);
       else grad_matmul(b, "b", dout, ref(a.buffer), true, ta);
     }
+  }
+
+  // A weight b [K, N] shared by every batch of a [..., M, K]: its gradient
+  // sum_i a_i^T dout_i is one matmul over the rows of all batches,
+  // a[rows, K]^T dout[rows, N], so no per-batch [..., K, N] product is
+  // written and summed afterwards (a linear layer on [batch, tokens, features]).
+  // The reshapes are views. Returns false where the layout does not allow it:
+  // a transposed `a` (its batches are not contiguous rows) or a broadcast `a`.
+  bool shared_weight_gradient(int t, const BoundTensor& a, const BoundTensor& b, SlotRef dout, const Shape& batch,
+                              double alpha, bool ta, bool tb) {
+    const Shape &sa = info(a).shape, &sb = info(b).shape;
+    if (batch.empty() || ta || sa.size() != batch.size() + 2 || !std::equal(batch.begin(), batch.end(), sa.begin()))
+      return false;
+    for (size_t i = 0; i + 2 < sb.size(); ++i)
+      if (sb[i] != 1) return false;
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const BoundTensor& out = slot(t, "out");
+    const std::string base = bt.task->id + "_grad_b";
+    const int64_t rows = numel(sa) / sa.back();
+    auto as_rows = [&](const std::string& id, SlotRef x, const BufferInfo& of) {
+      return SlotRef{add_task(id, "reshape", Phase::backward, {{"x", x}}, {{"out", of.dtype, {rows, of.shape.back()}}}),
+                     "out"};
+    };
+    const SlotRef a_rows = as_rows(base + "_a_rows", ref(a.buffer), info(a));
+    const SlotRef dout_rows = as_rows(base + "_dout_rows", dout, info(out));
+    const Shape matrix = {sb[sb.size() - 2], sb.back()};
+    // db = a^T dout, or for out = a b^T: db = dout^T a.
+    const std::string id = add_task(base, "matmul", Phase::backward,
+                                    {{"a", tb ? dout_rows : a_rows}, {"b", tb ? a_rows : dout_rows}},
+                                    {{"out", info(b).dtype, matrix}},
+                                    {{"trans_a", ArgValue(true)}, {"trans_b", ArgValue(false)}, {"alpha", ArgValue(alpha)}});
+    SlotRef grad{id, "out"};
+    if (sb != matrix)
+      grad = SlotRef{add_task(base + "_shape", "reshape", Phase::backward, {{"x", grad}}, {{"out", info(b).dtype, sb}}),
+                     "out"};
+    contribute(b.buffer, grad);
+    return true;
   }
 
   // add, sub, mul, div with numpy broadcasting. For out = a / b:

@@ -92,13 +92,15 @@ TaskGraph forward_graph() {
                 .tensor("mean", DType::f32, {2, 3})
                 .tensor("rstd", DType::f32, {2, 3});
   auto squash = b.task("squash", "tanh").tensor("x", ln["out"]).tensor("out", f64, {2, 3, 6});
-  auto flat = b.task("flat", "reshape").tensor("x", squash["out"]).tensor("out", f64, {6, 6});
+  // A weight [1, 5, 6] shared by both batches, transposed: its gradient is
+  // one matmul over the six rows (as fc1's is), reshaped back.
   auto logits = b.task("logits", "matmul")
-                    .tensor("a", flat["out"])
-                    .tensor("b", f64, {5, 6}, weight)
-                    .tensor("out", f64, {6, 5})
+                    .tensor("a", squash["out"])
+                    .tensor("b", f64, {1, 5, 6}, weight)
+                    .tensor("out", f64, {2, 3, 5})
                     .arg("trans_b", true);
-  auto scaled = b.task("scaled", "affine").tensor("x", logits["out"]).tensor("out", f64, {6, 5}).arg("scale", 1.5).arg("shift", 0.1);
+  auto flat = b.task("flat", "reshape").tensor("x", logits["out"]).tensor("out", f64, {6, 5});
+  auto scaled = b.task("scaled", "affine").tensor("x", flat["out"]).tensor("out", f64, {6, 5}).arg("scale", 1.5).arg("shift", 0.1);
   b.task("loss", "cross_entropy")
       .tensor("logits", scaled["out"])
       .tensor("labels", DType::i32, {6}, ext)
@@ -218,6 +220,32 @@ TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
   EXPECT_EQ(check_gradients(rearranging_graph(), {"loss", "loss"}, 5, 3), 12 + 4 + 6);
   // x.b, m.b
   EXPECT_EQ(check_gradients(reductions_graph(), {"loss", "loss"}, 5, 2), 20 + 5);
+}
+
+// A weight shared by every batch of its input gets its gradient from one
+// matmul over all the batches' rows: no per-batch product summed afterwards.
+TEST(Derive, ASharedWeightsGradientIsOneMatmulOverAllRows) {
+  Program forward = load_program(forward_graph(), {});
+  DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "", {}, {}});
+  auto task = [&](const std::string& id) -> const Task* {
+    for (const auto& t : derived.graph.tasks)
+      if (t.id == id) return &t;
+    return nullptr;
+  };
+  for (const char* id : {"fc1_grad_b", "logits_grad_b"}) {
+    const Task* t = task(id);
+    ASSERT_NE(t, nullptr) << id;
+    EXPECT_EQ(t->op, "matmul") << id;
+    const Shape expected = std::string(id) == "fc1_grad_b" ? Shape{4, 6} : Shape{5, 6};
+    EXPECT_EQ(t->tensors.back().shape, std::optional<Shape>(expected)) << id;
+    EXPECT_EQ(task(std::string(id) + "_sum"), nullptr) << id << " is summed over batches";
+  }
+  // [5, 6] back to the weight's [1, 5, 6], a view.
+  ASSERT_NE(task("logits_grad_b_shape"), nullptr);
+  EXPECT_EQ(task("logits_grad_b_shape")->op, "reshape");
+  // Both operands batched: per-batch products, as before.
+  ASSERT_NE(task("scores_grad_b"), nullptr);
+  EXPECT_EQ(task("scores_grad_b")->tensors.back().shape, std::optional<Shape>(Shape{2, 2, 3, 3}));
 }
 
 namespace {
