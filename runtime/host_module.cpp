@@ -111,7 +111,11 @@ HostModule& HostModule::operator=(HostModule&& other) noexcept {
   return *this;
 }
 HostModule::~HostModule() {
-  if (handle_ != nullptr) dlclose(handle_);
+  if (handle_ == nullptr) return;
+  // dlclose does not unload a module with thread_local state (its
+  // emulator): free what that state holds first (cudagen_emu.h).
+  if (auto release = reinterpret_cast<void (*)()>(dlsym(handle_, "cudagen_emu_release"))) release();
+  dlclose(handle_);
 }
 
 bool HostModule::has_phase(Phase phase) const { return has_function(phase_function(phase)); }

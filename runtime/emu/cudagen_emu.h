@@ -133,6 +133,11 @@ int cudagen_emu_kernel_count();                       // launches recorded since
 const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsigned long long* bytes_written);
 double cudagen_emu_kernel_seconds(int i);  // host CPU time of the emulated launch
 void cudagen_emu_clear_stats();
+// Frees what this thread's emulator keeps between launches (fiber stacks,
+// shared memory). The module's emulator is thread_local, so glibc never
+// unloads the module on dlclose: without this each module ever loaded would
+// keep its stacks, two memory maps each, until the process runs out of maps.
+void cudagen_emu_release();
 }
 
 #define threadIdx (cudagen_emu::context().thread_idx)

@@ -60,6 +60,13 @@ class Emulator {
   const std::string& last_error() const { return error_; }
   const std::vector<KernelStats>& stats() const { return stats_; }
   void clear_stats() { stats_.clear(); }
+  // Gives back the fiber stacks and shared memory kept for the next launch.
+  void release() {
+    trim_stacks(0);
+    std::vector<Fiber>().swap(fibers_);
+    std::vector<unsigned char>().swap(smem_);
+    stats_.clear();
+  }
 
   int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
              dim3 block, unsigned long long smem_bytes, bool persistent, void (*body)(void*), void* closure) {
@@ -396,4 +403,5 @@ const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsi
 }
 double cudagen_emu_kernel_seconds(int i) { return cudagen_emu::emulator().stats()[size_t(i)].seconds; }
 void cudagen_emu_clear_stats() { cudagen_emu::emulator().clear_stats(); }
+void cudagen_emu_release() { cudagen_emu::emulator().release(); }
 }

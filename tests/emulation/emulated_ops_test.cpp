@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include <fmt/format.h>
@@ -394,6 +395,27 @@ TEST(Emulation, UnfusedAndUnreusedPlansGiveTheSameResults) {
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir("mlp")});
     EXPECT_TRUE(run.ok()) << format_run(run);
   }
+}
+
+// Each emulated module keeps fiber stacks for its next launch (two memory
+// maps each: the guard page splits them), and glibc never unloads a module
+// with thread_local state: a test process that runs hundreds of graphs ran out
+// of memory maps until a module gave its stacks back when its runner let go.
+TEST(Emulation, AModuleGivesBackItsFiberStacksWhenReleased) {
+  auto maps = [] {
+    std::ifstream in("/proc/self/maps");
+    return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+  };
+  const auto before = maps();
+  const uint64_t seed = fresh_seed();
+  for (int64_t i = 0; i < 6; ++i) {  // six modules, each 256-thread blocks
+    GraphBuilder b("stacks_" + std::to_string(i));
+    b.task("sm", "softmax").tensor("x", DType::f32, {2, 256 + i}, Storage::external).tensor("out", DType::f32, {2, 256 + i}, Storage::external);
+    CheckedRun run = run_checked(compile(load_program(std::move(b).graph(), {}), {}), RunOptions{seed, work_dir("stacks")});
+    EXPECT_TRUE(run.ok()) << format_run(run);
+  }
+  // Kept, they would be 6 x 256 stacks x 2 maps; what stays is the modules' own.
+  EXPECT_LT(maps() - before, 300) << "memory maps before: " << before;
 }
 
 TEST(Emulation, CatchesAnOutOfBoundsStoreNamingKernelAndTensor) {
