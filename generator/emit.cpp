@@ -615,9 +615,10 @@ class Emitter {
     EmittedKernel ek = emitted_kernel(k);
     Epilogue tail;
     if (k.tasks.size() > 1) {
-      tail = epilogue(k, param(ps, "out"));
+      const Param& anchor = param(ps, std::string(epilogue_slot(op.name)));
+      tail = epilogue(k, anchor);
       if (!diags_.ok()) return {};
-      epilogue_buffer_ = param(ps, "out").bound->buffer;
+      epilogue_buffer_ = anchor.bound->buffer;
     }
     std::vector<LaunchParam> prologue_params;
     if (!k.prologue.empty()) prologue_params = prologue(k);

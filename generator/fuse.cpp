@@ -26,22 +26,20 @@ const BoundTensor* only_output(const BoundTask& bt) {
 }
 
 // The rule under which a chain of elementwise tasks may follow task `t` in
-// its kernel, as an epilogue on the elements of its "out" slot: ops whose
-// skeleton stores "out" one element at a time, from the thread that computed
-// it (emit.cpp), so the chain can run right there. Empty for other ops.
+// its kernel, as an epilogue on the elements of its epilogue slot
+// (kernels.h). Empty for other ops.
 std::string epilogue_rule(const BoundTask& bt) {
-  const std::string& op = bt.op->name;
-  if (bt.find_tensor("out") == nullptr) return {};
+  const std::string_view slot = epilogue_slot(bt.op->name);
+  if (slot.empty() || bt.find_tensor(std::string(slot)) == nullptr) return {};
   // A convolution is a matmul (an implicit GEMM) with the same epilogue hook.
-  if (op == "matmul" || op == "conv2d") return "matmul_epilogue";
-  if (op == "softmax" || op == "log_softmax" || op == "rmsnorm" || op == "layernorm") return "reduction_epilogue";
-  return {};
+  if (bt.op->pattern == PatternKind::matmul || bt.op->name == "conv2d") return "matmul_epilogue";
+  return "reduction_epilogue";
 }
 
 // The value of a task that the next task of its kernel may read: an
-// elementwise task's one output, an epilogue anchor's "out".
+// elementwise task's one output, an epilogue anchor's epilogue slot.
 const BoundTensor* group_value(const BoundTask& bt) {
-  if (!epilogue_rule(bt).empty()) return bt.find_tensor("out");
+  if (!epilogue_rule(bt).empty()) return bt.find_tensor(std::string(epilogue_slot(bt.op->name)));
   return only_output(bt);
 }
 

@@ -83,6 +83,42 @@ TaskGraph reduction_epilogue(DType d) {
   return std::move(b).graph();
 }
 
+// The row gradients take epilogues on dx: rmsnorm_backward + the residual
+// stream's other gradient; softmax_backward + a scale; layernorm_backward +
+// a broadcast mul. dweight and dbias, stored by the column blocks, are read
+// by the caller.
+TaskGraph gradient_epilogue(DType d) {
+  GraphBuilder b(std::string("gradient_epilogue_") + to_string(d));
+  const Storage weight = Storage::persistent;
+  auto nb = b.task("nb", "rmsnorm_backward")
+                .tensor("x", d, {7, 300}, ext)
+                .tensor("weight", d, {300}, weight)
+                .tensor("rstd", DType::f32, {7}, ext)
+                .tensor("dout", d, {7, 300}, ext)
+                .tensor("dx", d, {7, 300})
+                .tensor("dweight", DType::f32, {300}, ext);
+  auto res = b.task("res", "add").tensor("a", nb["dx"]).tensor("b", d, {7, 300}, ext).tensor("out", d, {7, 300});
+  auto sb = b.task("sb", "softmax_backward")
+                .tensor("out", d, {7, 300}, ext)
+                .tensor("dout", res["out"])
+                .tensor("dx", d, {7, 300})
+                .arg("scale", 0.5);
+  b.task("scaled", "affine").tensor("x", sb["dx"]).tensor("out", d, {7, 300}, ext).arg("scale", 2.0).arg("shift", 0.0);
+  // dout from the caller: the reference does not round a 16-bit intermediate,
+  // and dweight's sums over rows would carry that rounding past their bound.
+  auto lb = b.task("lb", "layernorm_backward")
+                .tensor("x", d, {7, 300}, ext)
+                .tensor("weight", d, {300}, weight)
+                .tensor("mean", DType::f32, {7}, ext)
+                .tensor("rstd", DType::f32, {7}, ext)
+                .tensor("dout", d, {7, 300}, ext)
+                .tensor("dx", d, {7, 300})
+                .tensor("dweight", DType::f32, {300}, ext)
+                .tensor("dbias", DType::f32, {300}, ext);
+  b.task("gated", "mul").tensor("a", lb["dx"]).tensor("b", d, {300}, ext).tensor("out", d, {7, 300}, ext);
+  return std::move(b).graph();
+}
+
 // Rule horizontal: independent kernels of several skeletons and grids (two
 // matmuls, an elementwise loop, a row op, a gather) in one phase, then a
 // consumer of the matmuls.
@@ -182,6 +218,11 @@ TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {
   expect_fused_and_unfused_right(matmul_epilogue(GetParam()), 3, "const float v2 = cg_gelu<float>(v1, /*approximate=tanh*/ 0);");
   // rmsnorm + gate, silu | softmax + affine
   expect_fused_and_unfused_right(reduction_epilogue(GetParam()), 2, "[&](int j, float v) { cg_epilogue(row * 300 + j, v); }");
+  // rmsnorm_backward + res | softmax_backward + scaled | layernorm_backward + gated
+  const Compiled c = expect_fused_and_unfused_right(gradient_epilogue(GetParam()), 3,
+                                                    "// Epilogue (reduction_epilogue): res (add), on element i of nb.dx");
+  EXPECT_NE(c.emitted.cuda_source.find("// Epilogue (reduction_epilogue): gated (mul), on element i of lb.dx"),
+            std::string::npos);
 }
 
 TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {

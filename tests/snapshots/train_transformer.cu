@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 162816 bytes (lower bound 162560, without reuse 253440); the 256 bytes at 162560 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 162816 bytes (lower bound 162560, without reuse 249344); the 256 bytes at 162560 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -1597,18 +1597,24 @@ CG_DEVICE void k53_up_grad_b_tile(const float* a, const float* b, float* out, cg
       32, 64, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k54_ln2_backward (backward phase): task ln2_backward (rmsnorm_backward, reduction).
-//   reads  ln2_backward.x f32 [2, 8, 32] <- res1.out, ln2_backward.weight f32 [32] <- ln2_w.out, ln2_backward.rstd f32 [2, 8] <- ln2.rstd, ln2_backward.dout f32 [2, 8, 32] <- up_grad_a.out
-//   writes ln2_backward.dx f32 [2, 8, 32], ln2_backward.dweight f32 [32]
-//   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k54_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+// Kernel k54_ln2_backward (backward phase): tasks ln2_backward (rmsnorm_backward), grad_res1_out_sum (add), fused (reduction_epilogue).
+//   reads  res1.out f32 [2, 8, 32], ln2_w.out f32 [32], ln2.rstd f32 [2, 8], up_grad_a.out f32 [2, 8, 32], lnf_backward.dx f32 [2, 8, 32]
+//   writes ln2_backward.dweight f32 [32], grad_res1_out_sum.out f32 [2, 8, 32]
+//   in registers ln2_backward.dx
+//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
+CG_DEVICE void k54_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
+  // Epilogue (reduction_epilogue): grad_res1_out_sum (add), on element i of ln2_backward.dx as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    const float v1 = cg_add<float>(cg_load(grad_res1_out_sum_a, i), v0);  // grad_res1_out_sum.out
+    cg_store(grad_res1_out_sum_out, i, v1);
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
     cg_rmsnorm_backward_row([&](int j) { return cg_load(x, row * 32 + j); },
         [&](int j) { return cg_load(weight, j); },
         [&](int j) { return cg_load(dout, row * 32 + j); },
-        [&](int j, float v) { cg_store(dx, row * 32 + j, v); },
+        [&](int j, float v) { cg_epilogue(row * 32 + j, v); },
         32, cg_load(rstd, row), (float*)cg_smem);
   } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
     const cg_i64 j = (cg_i64)(tile.x - 16) * 32 + threadIdx.x % 32;
@@ -1619,33 +1625,16 @@ CG_DEVICE void k54_ln2_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k54_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k54_ln2_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k54_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_res1_out_sum_a, float* __restrict__ grad_res1_out_sum_out) {
+  k54_ln2_backward_tile(x, weight, rstd, dout, dweight, grad_res1_out_sum_a, grad_res1_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k55_grad_res1_out_sum (backward phase): task grad_res1_out_sum (add, broadcast).
-//   reads  grad_res1_out_sum.a f32 [2, 8, 32] <- lnf_backward.dx, grad_res1_out_sum.b f32 [2, 8, 32] <- ln2_backward.dx
-//   writes grad_res1_out_sum.out f32 [2, 8, 32]
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k55_grad_res1_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile) * 4; i < 512; i += cg_grid_threads(tile) * 4) {  // 4 elements at a time
-    const cg_vector<4, float> a_v = cg_load_vector<4>(a, i);
-    const cg_vector<4, float> b_v = cg_load_vector<4>(b, i);
-    cg_vector<4, float> out_v;
-    for (int k = 0; k < 4; ++k) out_v.v[k] = cg_add<float>(a_v.v[k], b_v.v[k]);
-    cg_store_vector<4>(out, i, out_v);
-  }
-}
-CG_KERNEL void __launch_bounds__(256) k55_grad_res1_out_sum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k55_grad_res1_out_sum_tile(a, b, out, cg_launch_tile());
-}
-
-// Kernel k56_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
+// Kernel k55_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
 //   reads  grad_res1_out_sum.out f32 [2, 8, 32], wo.out f32 [32, 32]
 //   writes merged_grad_x.out f32 [2, 4, 8, 8]
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k56_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
+CG_DEVICE void k55_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_grad_x_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // merged_grad_x (split_heads): where it moves element i
@@ -1660,11 +1649,11 @@ CG_DEVICE void k56_attn_out_grad_a_tile(const float* a, const float* b, float* m
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k57_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
+// Kernel k56_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [16, 32] <- attn_out_grad_b_a_rows.out, attn_out_grad_b.b f32 [16, 32] <- attn_out_grad_b_dout_rows.out
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k57_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k56_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1675,11 +1664,11 @@ CG_DEVICE void k57_attn_out_grad_b_tile(const float* a, const float* b, float* o
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k58_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
+// Kernel k57_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
 //   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
 //   writes context_grad_a.out f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k58_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k57_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
@@ -1690,12 +1679,12 @@ CG_DEVICE void k58_context_grad_a_tile(const float* a, const float* b, float* ou
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k59_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k58_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
 //   writes v_heads_grad_x.out f32 [2, 8, 32]
 //   in registers context_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k59_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k58_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
@@ -1710,11 +1699,11 @@ CG_DEVICE void k59_context_grad_b_tile(const float* a, const float* b, float* v_
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k60_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
+// Kernel k59_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
 //   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
 //   writes probs_backward.dx f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k60_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
+CG_DEVICE void k59_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 8 + j); },
@@ -1722,16 +1711,16 @@ CG_DEVICE void k60_probs_backward_tile(const float* out, const float* dout, floa
       [&](int j, float v) { cg_store(dx, row * 8 + j, v); },
       8, 0.3535533845424652f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k60_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k60_probs_backward_tile(out, dout, dx, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k59_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k59_probs_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
-// Kernel k61_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k60_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
 //   writes q_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_a.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k61_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k60_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // q_heads_grad_x (merge_heads): where it moves element i
@@ -1746,12 +1735,12 @@ CG_DEVICE void k61_scores_grad_a_tile(const float* a, const float* b, float* q_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k62_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k61_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
 //   writes k_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k62_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k61_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // k_heads_grad_x (merge_heads): where it moves element i
@@ -1766,11 +1755,11 @@ CG_DEVICE void k62_scores_grad_b_tile(const float* a, const float* b, float* k_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k63_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
+// Kernel k62_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k63_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k62_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
@@ -1781,11 +1770,11 @@ CG_DEVICE void k63_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k64_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k63_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k64_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k63_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1796,12 +1785,12 @@ CG_DEVICE void k64_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k65_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
+// Kernel k64_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k65_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k64_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
@@ -1817,11 +1806,11 @@ CG_DEVICE void k65_k_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k66_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k65_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k66_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k65_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1832,12 +1821,12 @@ CG_DEVICE void k66_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k67_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
+// Kernel k66_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k67_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
+CG_DEVICE void k66_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
@@ -1853,11 +1842,11 @@ CG_DEVICE void k67_q_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k68_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k67_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k68_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k67_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1868,18 +1857,24 @@ CG_DEVICE void k68_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k69_ln1_backward (backward phase): task ln1_backward (rmsnorm_backward, reduction).
-//   reads  ln1_backward.x f32 [2, 8, 32] <- embed.out, ln1_backward.weight f32 [32] <- ln1_w.out, ln1_backward.rstd f32 [2, 8] <- ln1.rstd, ln1_backward.dout f32 [2, 8, 32] <- grad_ln1_out_sum_2.out
-//   writes ln1_backward.dx f32 [2, 8, 32], ln1_backward.dweight f32 [32]
-//   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k69_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+// Kernel k68_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
+//   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
+//   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
+//   in registers ln1_backward.dx
+//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
+CG_DEVICE void k68_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
+  // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    const float v1 = cg_add<float>(cg_load(grad_embed_out_sum_a, i), v0);  // grad_embed_out_sum.out
+    cg_store(grad_embed_out_sum_out, i, v1);
+  };
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
     cg_rmsnorm_backward_row([&](int j) { return cg_load(x, row * 32 + j); },
         [&](int j) { return cg_load(weight, j); },
         [&](int j) { return cg_load(dout, row * 32 + j); },
-        [&](int j, float v) { cg_store(dx, row * 32 + j, v); },
+        [&](int j, float v) { cg_epilogue(row * 32 + j, v); },
         32, cg_load(rstd, row), (float*)cg_smem);
   } else {  // the parameters' gradients, 32 columns per block, its warps splitting the rows
     const cg_i64 j = (cg_i64)(tile.x - 16) * 32 + threadIdx.x % 32;
@@ -1890,45 +1885,28 @@ CG_DEVICE void k69_ln1_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k69_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k69_ln1_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k68_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
+  k68_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k70_grad_embed_out_sum (backward phase): task grad_embed_out_sum (add, broadcast).
-//   reads  grad_embed_out_sum.a f32 [2, 8, 32] <- grad_res1_out_sum.out, grad_embed_out_sum.b f32 [2, 8, 32] <- ln1_backward.dx
-//   writes grad_embed_out_sum.out f32 [2, 8, 32]
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k70_grad_embed_out_sum_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  for (cg_i64 i = cg_global_thread(tile) * 4; i < 512; i += cg_grid_threads(tile) * 4) {  // 4 elements at a time
-    const cg_vector<4, float> a_v = cg_load_vector<4>(a, i);
-    const cg_vector<4, float> b_v = cg_load_vector<4>(b, i);
-    cg_vector<4, float> out_v;
-    for (int k = 0; k < 4; ++k) out_v.v[k] = cg_add<float>(a_v.v[k], b_v.v[k]);
-    cg_store_vector<4>(out, i, out_v);
-  }
-}
-CG_KERNEL void __launch_bounds__(256) k70_grad_embed_out_sum(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k70_grad_embed_out_sum_tile(a, b, out, cg_launch_tile());
-}
-
-// Kernel k71_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k69_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k71_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k69_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k71_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k71_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k69_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k69_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k72_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k70_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k72_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k70_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -1942,11 +1920,11 @@ CG_DEVICE void k72_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k73_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k71_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k73_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k71_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -1960,11 +1938,11 @@ CG_DEVICE void k73_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k74_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k72_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k74_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k72_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1978,11 +1956,11 @@ CG_DEVICE void k74_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k75_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k73_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k75_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k73_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1996,11 +1974,11 @@ CG_DEVICE void k75_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k76_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k74_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k76_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k74_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2014,11 +1992,11 @@ CG_DEVICE void k76_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k77_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k75_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k77_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k75_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2032,11 +2010,11 @@ CG_DEVICE void k77_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k78_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k76_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k78_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k76_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2050,11 +2028,11 @@ CG_DEVICE void k78_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k79_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k77_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k79_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k77_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2068,11 +2046,11 @@ CG_DEVICE void k79_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k80_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k78_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k80_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k78_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2086,11 +2064,11 @@ CG_DEVICE void k80_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k81_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k79_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k81_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k79_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2104,11 +2082,11 @@ CG_DEVICE void k81_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k82_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k80_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k82_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k80_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2349,233 +2327,233 @@ CG_KERNEL void __launch_bounds__(256) h16_up_grad_a_up_grad_b(
     k53_up_grad_b_tile(k53_up_grad_b_a, k53_up_grad_b_b, k53_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
 }
 
-// Launch h19_attn_out_grad_a_attn_out_grad_b (backward phase):
+// Launch h18_attn_out_grad_a_attn_out_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k56_attn_out_grad_a
-//   blocks [1, 2): k57_attn_out_grad_b
-CG_KERNEL void __launch_bounds__(256) h19_attn_out_grad_a_attn_out_grad_b(
-    const float* __restrict__ k56_attn_out_grad_a_a,
-    const float* __restrict__ k56_attn_out_grad_a_b,
-    float* __restrict__ k56_attn_out_grad_a_merged_grad_x_out,
-    const float* __restrict__ k57_attn_out_grad_b_a,
-    const float* __restrict__ k57_attn_out_grad_b_b,
-    float* __restrict__ k57_attn_out_grad_b_out) {
+//   blocks [0, 1): k55_attn_out_grad_a
+//   blocks [1, 2): k56_attn_out_grad_b
+CG_KERNEL void __launch_bounds__(256) h18_attn_out_grad_a_attn_out_grad_b(
+    const float* __restrict__ k55_attn_out_grad_a_a,
+    const float* __restrict__ k55_attn_out_grad_a_b,
+    float* __restrict__ k55_attn_out_grad_a_merged_grad_x_out,
+    const float* __restrict__ k56_attn_out_grad_b_a,
+    const float* __restrict__ k56_attn_out_grad_b_b,
+    float* __restrict__ k56_attn_out_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k56_attn_out_grad_a_tile(k56_attn_out_grad_a_a, k56_attn_out_grad_a_b, k56_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
+    k55_attn_out_grad_a_tile(k55_attn_out_grad_a_a, k55_attn_out_grad_a_b, k55_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
   else
-    k57_attn_out_grad_b_tile(k57_attn_out_grad_b_a, k57_attn_out_grad_b_b, k57_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k56_attn_out_grad_b_tile(k56_attn_out_grad_b_a, k56_attn_out_grad_b_b, k56_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h20_context_grad_a_context_grad_b (backward phase):
+// Launch h19_context_grad_a_context_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k58_context_grad_a
-//   blocks [8, 16): k59_context_grad_b
-CG_KERNEL void __launch_bounds__(256) h20_context_grad_a_context_grad_b(
-    const float* __restrict__ k58_context_grad_a_a,
-    const float* __restrict__ k58_context_grad_a_b,
-    float* __restrict__ k58_context_grad_a_out,
-    const float* __restrict__ k59_context_grad_b_a,
-    const float* __restrict__ k59_context_grad_b_b,
-    float* __restrict__ k59_context_grad_b_v_heads_grad_x_out) {
+//   blocks [0, 8): k57_context_grad_a
+//   blocks [8, 16): k58_context_grad_b
+CG_KERNEL void __launch_bounds__(256) h19_context_grad_a_context_grad_b(
+    const float* __restrict__ k57_context_grad_a_a,
+    const float* __restrict__ k57_context_grad_a_b,
+    float* __restrict__ k57_context_grad_a_out,
+    const float* __restrict__ k58_context_grad_b_a,
+    const float* __restrict__ k58_context_grad_b_b,
+    float* __restrict__ k58_context_grad_b_v_heads_grad_x_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k58_context_grad_a_tile(k58_context_grad_a_a, k58_context_grad_a_b, k58_context_grad_a_out, cg_tile_of(block, 1, 1));
+    k57_context_grad_a_tile(k57_context_grad_a_a, k57_context_grad_a_b, k57_context_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k59_context_grad_b_tile(k59_context_grad_b_a, k59_context_grad_b_b, k59_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k58_context_grad_b_tile(k58_context_grad_b_a, k58_context_grad_b_b, k58_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
 }
 
-// Launch h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
+// Launch h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 18 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k61_scores_grad_a
-//   blocks [8, 16): k62_scores_grad_b
-//   blocks [16, 17): k63_v_grad_a
-//   blocks [17, 18): k64_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
-    const float* __restrict__ k61_scores_grad_a_a,
-    const float* __restrict__ k61_scores_grad_a_b,
-    float* __restrict__ k61_scores_grad_a_q_heads_grad_x_out,
-    const float* __restrict__ k62_scores_grad_b_a,
-    const float* __restrict__ k62_scores_grad_b_b,
-    float* __restrict__ k62_scores_grad_b_k_heads_grad_x_out,
-    const float* __restrict__ k63_v_grad_a_a,
-    const float* __restrict__ k63_v_grad_a_b,
-    float* __restrict__ k63_v_grad_a_out,
-    const float* __restrict__ k64_v_grad_b_a,
-    const float* __restrict__ k64_v_grad_b_b,
-    float* __restrict__ k64_v_grad_b_out) {
+//   blocks [0, 8): k60_scores_grad_a
+//   blocks [8, 16): k61_scores_grad_b
+//   blocks [16, 17): k62_v_grad_a
+//   blocks [17, 18): k63_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
+    const float* __restrict__ k60_scores_grad_a_a,
+    const float* __restrict__ k60_scores_grad_a_b,
+    float* __restrict__ k60_scores_grad_a_q_heads_grad_x_out,
+    const float* __restrict__ k61_scores_grad_b_a,
+    const float* __restrict__ k61_scores_grad_b_b,
+    float* __restrict__ k61_scores_grad_b_k_heads_grad_x_out,
+    const float* __restrict__ k62_v_grad_a_a,
+    const float* __restrict__ k62_v_grad_a_b,
+    float* __restrict__ k62_v_grad_a_out,
+    const float* __restrict__ k63_v_grad_b_a,
+    const float* __restrict__ k63_v_grad_b_b,
+    float* __restrict__ k63_v_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k61_scores_grad_a_tile(k61_scores_grad_a_a, k61_scores_grad_a_b, k61_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
+    k60_scores_grad_a_tile(k60_scores_grad_a_a, k60_scores_grad_a_b, k60_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
   else if (block < 16u)
-    k62_scores_grad_b_tile(k62_scores_grad_b_a, k62_scores_grad_b_b, k62_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k61_scores_grad_b_tile(k61_scores_grad_b_a, k61_scores_grad_b_b, k61_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
   else if (block < 17u)
-    k63_v_grad_a_tile(k63_v_grad_a_a, k63_v_grad_a_b, k63_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
+    k62_v_grad_a_tile(k62_v_grad_a_a, k62_v_grad_a_b, k62_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
   else
-    k64_v_grad_b_tile(k64_v_grad_b_a, k64_v_grad_b_b, k64_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
+    k63_v_grad_b_tile(k63_v_grad_b_a, k63_v_grad_b_b, k63_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
 }
 
-// Launch h23_k_grad_a_k_grad_b (backward phase):
+// Launch h22_k_grad_a_k_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k65_k_grad_a
-//   blocks [1, 2): k66_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h23_k_grad_a_k_grad_b(
-    const float* __restrict__ k65_k_grad_a_a,
-    const float* __restrict__ k65_k_grad_a_b,
-    const float* k65_k_grad_a_grad_ln1_out_sum_a,
-    float* k65_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k66_k_grad_b_a,
-    const float* __restrict__ k66_k_grad_b_b,
-    float* __restrict__ k66_k_grad_b_out) {
+//   blocks [0, 1): k64_k_grad_a
+//   blocks [1, 2): k65_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h22_k_grad_a_k_grad_b(
+    const float* __restrict__ k64_k_grad_a_a,
+    const float* __restrict__ k64_k_grad_a_b,
+    const float* k64_k_grad_a_grad_ln1_out_sum_a,
+    float* k64_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k65_k_grad_b_a,
+    const float* __restrict__ k65_k_grad_b_b,
+    float* __restrict__ k65_k_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k65_k_grad_a_tile(k65_k_grad_a_a, k65_k_grad_a_b, k65_k_grad_a_grad_ln1_out_sum_a, k65_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+    k64_k_grad_a_tile(k64_k_grad_a_a, k64_k_grad_a_b, k64_k_grad_a_grad_ln1_out_sum_a, k64_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
   else
-    k66_k_grad_b_tile(k66_k_grad_b_a, k66_k_grad_b_b, k66_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k65_k_grad_b_tile(k65_k_grad_b_a, k65_k_grad_b_b, k65_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h24_q_grad_a_q_grad_b (backward phase):
+// Launch h23_q_grad_a_q_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k67_q_grad_a
-//   blocks [1, 2): k68_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h24_q_grad_a_q_grad_b(
-    const float* __restrict__ k67_q_grad_a_a,
-    const float* __restrict__ k67_q_grad_a_b,
-    const float* k67_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k67_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k68_q_grad_b_a,
-    const float* __restrict__ k68_q_grad_b_b,
-    float* __restrict__ k68_q_grad_b_out) {
+//   blocks [0, 1): k66_q_grad_a
+//   blocks [1, 2): k67_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h23_q_grad_a_q_grad_b(
+    const float* __restrict__ k66_q_grad_a_a,
+    const float* __restrict__ k66_q_grad_a_b,
+    const float* k66_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k66_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k67_q_grad_b_a,
+    const float* __restrict__ k67_q_grad_b_b,
+    float* __restrict__ k67_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k67_q_grad_a_tile(k67_q_grad_a_a, k67_q_grad_a_b, k67_q_grad_a_grad_ln1_out_sum_2_a, k67_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+    k66_q_grad_a_tile(k66_q_grad_a_a, k66_q_grad_a_b, k66_q_grad_a_grad_ln1_out_sum_2_a, k66_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
   else
-    k68_q_grad_b_tile(k68_q_grad_b_a, k68_q_grad_b_b, k68_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k67_q_grad_b_tile(k67_q_grad_b_a, k67_q_grad_b_b, k67_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k72_embed_w_adamw
-//   blocks [2, 3): k73_ln1_w_adamw
-//   blocks [3, 7): k74_wq_adamw
-//   blocks [7, 11): k75_wk_adamw
-//   blocks [11, 15): k76_wv_adamw
-//   blocks [15, 19): k77_wo_adamw
-//   blocks [19, 20): k78_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k72_embed_w_adamw_param,
-    const float* __restrict__ k72_embed_w_adamw_grad,
-    float* __restrict__ k72_embed_w_adamw_m,
-    float* __restrict__ k72_embed_w_adamw_v,
-    const float* __restrict__ k72_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k72_embed_w_adamw_step_arg,
-    float* __restrict__ k73_ln1_w_adamw_param,
-    const float* __restrict__ k73_ln1_w_adamw_grad,
-    float* __restrict__ k73_ln1_w_adamw_m,
-    float* __restrict__ k73_ln1_w_adamw_v,
-    const float* __restrict__ k73_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k73_ln1_w_adamw_step_arg,
-    float* __restrict__ k74_wq_adamw_param,
-    const float* __restrict__ k74_wq_adamw_grad,
-    float* __restrict__ k74_wq_adamw_m,
-    float* __restrict__ k74_wq_adamw_v,
-    const float* __restrict__ k74_wq_adamw_lr_arg,
-    const long long* __restrict__ k74_wq_adamw_step_arg,
-    float* __restrict__ k75_wk_adamw_param,
-    const float* __restrict__ k75_wk_adamw_grad,
-    float* __restrict__ k75_wk_adamw_m,
-    float* __restrict__ k75_wk_adamw_v,
-    const float* __restrict__ k75_wk_adamw_lr_arg,
-    const long long* __restrict__ k75_wk_adamw_step_arg,
-    float* __restrict__ k76_wv_adamw_param,
-    const float* __restrict__ k76_wv_adamw_grad,
-    float* __restrict__ k76_wv_adamw_m,
-    float* __restrict__ k76_wv_adamw_v,
-    const float* __restrict__ k76_wv_adamw_lr_arg,
-    const long long* __restrict__ k76_wv_adamw_step_arg,
-    float* __restrict__ k77_wo_adamw_param,
-    const float* __restrict__ k77_wo_adamw_grad,
-    float* __restrict__ k77_wo_adamw_m,
-    float* __restrict__ k77_wo_adamw_v,
-    const float* __restrict__ k77_wo_adamw_lr_arg,
-    const long long* __restrict__ k77_wo_adamw_step_arg,
-    float* __restrict__ k78_ln2_w_adamw_param,
-    const float* __restrict__ k78_ln2_w_adamw_grad,
-    float* __restrict__ k78_ln2_w_adamw_m,
-    float* __restrict__ k78_ln2_w_adamw_v,
-    const float* __restrict__ k78_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k78_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k70_embed_w_adamw
+//   blocks [2, 3): k71_ln1_w_adamw
+//   blocks [3, 7): k72_wq_adamw
+//   blocks [7, 11): k73_wk_adamw
+//   blocks [11, 15): k74_wv_adamw
+//   blocks [15, 19): k75_wo_adamw
+//   blocks [19, 20): k76_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k70_embed_w_adamw_param,
+    const float* __restrict__ k70_embed_w_adamw_grad,
+    float* __restrict__ k70_embed_w_adamw_m,
+    float* __restrict__ k70_embed_w_adamw_v,
+    const float* __restrict__ k70_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k70_embed_w_adamw_step_arg,
+    float* __restrict__ k71_ln1_w_adamw_param,
+    const float* __restrict__ k71_ln1_w_adamw_grad,
+    float* __restrict__ k71_ln1_w_adamw_m,
+    float* __restrict__ k71_ln1_w_adamw_v,
+    const float* __restrict__ k71_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k71_ln1_w_adamw_step_arg,
+    float* __restrict__ k72_wq_adamw_param,
+    const float* __restrict__ k72_wq_adamw_grad,
+    float* __restrict__ k72_wq_adamw_m,
+    float* __restrict__ k72_wq_adamw_v,
+    const float* __restrict__ k72_wq_adamw_lr_arg,
+    const long long* __restrict__ k72_wq_adamw_step_arg,
+    float* __restrict__ k73_wk_adamw_param,
+    const float* __restrict__ k73_wk_adamw_grad,
+    float* __restrict__ k73_wk_adamw_m,
+    float* __restrict__ k73_wk_adamw_v,
+    const float* __restrict__ k73_wk_adamw_lr_arg,
+    const long long* __restrict__ k73_wk_adamw_step_arg,
+    float* __restrict__ k74_wv_adamw_param,
+    const float* __restrict__ k74_wv_adamw_grad,
+    float* __restrict__ k74_wv_adamw_m,
+    float* __restrict__ k74_wv_adamw_v,
+    const float* __restrict__ k74_wv_adamw_lr_arg,
+    const long long* __restrict__ k74_wv_adamw_step_arg,
+    float* __restrict__ k75_wo_adamw_param,
+    const float* __restrict__ k75_wo_adamw_grad,
+    float* __restrict__ k75_wo_adamw_m,
+    float* __restrict__ k75_wo_adamw_v,
+    const float* __restrict__ k75_wo_adamw_lr_arg,
+    const long long* __restrict__ k75_wo_adamw_step_arg,
+    float* __restrict__ k76_ln2_w_adamw_param,
+    const float* __restrict__ k76_ln2_w_adamw_grad,
+    float* __restrict__ k76_ln2_w_adamw_m,
+    float* __restrict__ k76_ln2_w_adamw_v,
+    const float* __restrict__ k76_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k76_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k72_embed_w_adamw_tile(k72_embed_w_adamw_param, k72_embed_w_adamw_grad, k72_embed_w_adamw_m, k72_embed_w_adamw_v, k72_embed_w_adamw_lr_arg, k72_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k70_embed_w_adamw_tile(k70_embed_w_adamw_param, k70_embed_w_adamw_grad, k70_embed_w_adamw_m, k70_embed_w_adamw_v, k70_embed_w_adamw_lr_arg, k70_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k73_ln1_w_adamw_tile(k73_ln1_w_adamw_param, k73_ln1_w_adamw_grad, k73_ln1_w_adamw_m, k73_ln1_w_adamw_v, k73_ln1_w_adamw_lr_arg, k73_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k71_ln1_w_adamw_tile(k71_ln1_w_adamw_param, k71_ln1_w_adamw_grad, k71_ln1_w_adamw_m, k71_ln1_w_adamw_v, k71_ln1_w_adamw_lr_arg, k71_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k74_wq_adamw_tile(k74_wq_adamw_param, k74_wq_adamw_grad, k74_wq_adamw_m, k74_wq_adamw_v, k74_wq_adamw_lr_arg, k74_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k72_wq_adamw_tile(k72_wq_adamw_param, k72_wq_adamw_grad, k72_wq_adamw_m, k72_wq_adamw_v, k72_wq_adamw_lr_arg, k72_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k75_wk_adamw_tile(k75_wk_adamw_param, k75_wk_adamw_grad, k75_wk_adamw_m, k75_wk_adamw_v, k75_wk_adamw_lr_arg, k75_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k73_wk_adamw_tile(k73_wk_adamw_param, k73_wk_adamw_grad, k73_wk_adamw_m, k73_wk_adamw_v, k73_wk_adamw_lr_arg, k73_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k76_wv_adamw_tile(k76_wv_adamw_param, k76_wv_adamw_grad, k76_wv_adamw_m, k76_wv_adamw_v, k76_wv_adamw_lr_arg, k76_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k74_wv_adamw_tile(k74_wv_adamw_param, k74_wv_adamw_grad, k74_wv_adamw_m, k74_wv_adamw_v, k74_wv_adamw_lr_arg, k74_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k77_wo_adamw_tile(k77_wo_adamw_param, k77_wo_adamw_grad, k77_wo_adamw_m, k77_wo_adamw_v, k77_wo_adamw_lr_arg, k77_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k75_wo_adamw_tile(k75_wo_adamw_param, k75_wo_adamw_grad, k75_wo_adamw_m, k75_wo_adamw_v, k75_wo_adamw_lr_arg, k75_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k78_ln2_w_adamw_tile(k78_ln2_w_adamw_param, k78_ln2_w_adamw_grad, k78_ln2_w_adamw_m, k78_ln2_w_adamw_v, k78_ln2_w_adamw_lr_arg, k78_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k76_ln2_w_adamw_tile(k76_ln2_w_adamw_param, k76_ln2_w_adamw_grad, k76_ln2_w_adamw_m, k76_ln2_w_adamw_v, k76_ln2_w_adamw_lr_arg, k76_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k79_w_up_adamw
-//   blocks [8, 16): k80_w_down_adamw
-//   blocks [16, 17): k81_lnf_w_adamw
-//   blocks [17, 19): k82_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k79_w_up_adamw_param,
-    const float* __restrict__ k79_w_up_adamw_grad,
-    float* __restrict__ k79_w_up_adamw_m,
-    float* __restrict__ k79_w_up_adamw_v,
-    const float* __restrict__ k79_w_up_adamw_lr_arg,
-    const long long* __restrict__ k79_w_up_adamw_step_arg,
-    float* __restrict__ k80_w_down_adamw_param,
-    const float* __restrict__ k80_w_down_adamw_grad,
-    float* __restrict__ k80_w_down_adamw_m,
-    float* __restrict__ k80_w_down_adamw_v,
-    const float* __restrict__ k80_w_down_adamw_lr_arg,
-    const long long* __restrict__ k80_w_down_adamw_step_arg,
-    float* __restrict__ k81_lnf_w_adamw_param,
-    const float* __restrict__ k81_lnf_w_adamw_grad,
-    float* __restrict__ k81_lnf_w_adamw_m,
-    float* __restrict__ k81_lnf_w_adamw_v,
-    const float* __restrict__ k81_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k81_lnf_w_adamw_step_arg,
-    float* __restrict__ k82_w_head_adamw_param,
-    const float* __restrict__ k82_w_head_adamw_grad,
-    float* __restrict__ k82_w_head_adamw_m,
-    float* __restrict__ k82_w_head_adamw_v,
-    const float* __restrict__ k82_w_head_adamw_lr_arg,
-    const long long* __restrict__ k82_w_head_adamw_step_arg) {
+//   blocks [0, 8): k77_w_up_adamw
+//   blocks [8, 16): k78_w_down_adamw
+//   blocks [16, 17): k79_lnf_w_adamw
+//   blocks [17, 19): k80_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k77_w_up_adamw_param,
+    const float* __restrict__ k77_w_up_adamw_grad,
+    float* __restrict__ k77_w_up_adamw_m,
+    float* __restrict__ k77_w_up_adamw_v,
+    const float* __restrict__ k77_w_up_adamw_lr_arg,
+    const long long* __restrict__ k77_w_up_adamw_step_arg,
+    float* __restrict__ k78_w_down_adamw_param,
+    const float* __restrict__ k78_w_down_adamw_grad,
+    float* __restrict__ k78_w_down_adamw_m,
+    float* __restrict__ k78_w_down_adamw_v,
+    const float* __restrict__ k78_w_down_adamw_lr_arg,
+    const long long* __restrict__ k78_w_down_adamw_step_arg,
+    float* __restrict__ k79_lnf_w_adamw_param,
+    const float* __restrict__ k79_lnf_w_adamw_grad,
+    float* __restrict__ k79_lnf_w_adamw_m,
+    float* __restrict__ k79_lnf_w_adamw_v,
+    const float* __restrict__ k79_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k79_lnf_w_adamw_step_arg,
+    float* __restrict__ k80_w_head_adamw_param,
+    const float* __restrict__ k80_w_head_adamw_grad,
+    float* __restrict__ k80_w_head_adamw_m,
+    float* __restrict__ k80_w_head_adamw_v,
+    const float* __restrict__ k80_w_head_adamw_lr_arg,
+    const long long* __restrict__ k80_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k79_w_up_adamw_tile(k79_w_up_adamw_param, k79_w_up_adamw_grad, k79_w_up_adamw_m, k79_w_up_adamw_v, k79_w_up_adamw_lr_arg, k79_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k77_w_up_adamw_tile(k77_w_up_adamw_param, k77_w_up_adamw_grad, k77_w_up_adamw_m, k77_w_up_adamw_v, k77_w_up_adamw_lr_arg, k77_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k80_w_down_adamw_tile(k80_w_down_adamw_param, k80_w_down_adamw_grad, k80_w_down_adamw_m, k80_w_down_adamw_v, k80_w_down_adamw_lr_arg, k80_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k78_w_down_adamw_tile(k78_w_down_adamw_param, k78_w_down_adamw_grad, k78_w_down_adamw_m, k78_w_down_adamw_v, k78_w_down_adamw_lr_arg, k78_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k81_lnf_w_adamw_tile(k81_lnf_w_adamw_param, k81_lnf_w_adamw_grad, k81_lnf_w_adamw_m, k81_lnf_w_adamw_v, k81_lnf_w_adamw_lr_arg, k81_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k79_lnf_w_adamw_tile(k79_lnf_w_adamw_param, k79_lnf_w_adamw_grad, k79_lnf_w_adamw_m, k79_lnf_w_adamw_v, k79_lnf_w_adamw_lr_arg, k79_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k82_w_head_adamw_tile(k82_w_head_adamw_param, k82_w_head_adamw_grad, k82_w_head_adamw_m, k82_w_head_adamw_v, k82_w_head_adamw_lr_arg, k82_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k80_w_head_adamw_tile(k80_w_head_adamw_param, k80_w_head_adamw_grad, k80_w_head_adamw_m, k80_w_head_adamw_v, k80_w_head_adamw_lr_arg, k80_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2746,154 +2724,146 @@ static const cudagen_tensor_info k54_ln2_backward_tensors[] = {
     {"weight", "ln2_w.out", 18688ull, 128ull},
     {"rstd", "ln2.rstd", 157952ull, 64ull},
     {"dout", "up_grad_a.out", 155904ull, 2048ull},
-    {"dx", "ln2_backward.dx", 149760ull, 2048ull},
     {"dweight", "ln2_backward.dweight", 161280ull, 128ull},
+    {"grad_res1_out_sum_a", "lnf_backward.dx", 153856ull, 2048ull},
+    {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 149760ull, 2048ull},
 };
-static const cudagen_tensor_info k55_grad_res1_out_sum_tensors[] = {
-    {"a", "lnf_backward.dx", 153856ull, 2048ull},
-    {"b", "ln2_backward.dx", 149760ull, 2048ull},
-    {"out", "grad_res1_out_sum.out", 155904ull, 2048ull},
+static const cudagen_tensor_info h18_attn_out_grad_a_attn_out_grad_b_tensors[] = {
+    {"k55_attn_out_grad_a_a", "grad_res1_out_sum.out", 149760ull, 2048ull},
+    {"k55_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
+    {"k55_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k56_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
+    {"k56_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 149760ull, 2048ull},
+    {"k56_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
 };
-static const cudagen_tensor_info h19_attn_out_grad_a_attn_out_grad_b_tensors[] = {
-    {"k56_attn_out_grad_a_a", "grad_res1_out_sum.out", 155904ull, 2048ull},
-    {"k56_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
-    {"k56_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k57_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
-    {"k57_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 155904ull, 2048ull},
-    {"k57_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
+static const cudagen_tensor_info h19_context_grad_a_context_grad_b_tensors[] = {
+    {"k57_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k57_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
+    {"k57_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
+    {"k58_context_grad_b_a", "probs.out", 135424ull, 2048ull},
+    {"k58_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k58_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 153856ull, 2048ull},
 };
-static const cudagen_tensor_info h20_context_grad_a_context_grad_b_tensors[] = {
-    {"k58_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k58_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
-    {"k58_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
-    {"k59_context_grad_b_a", "probs.out", 135424ull, 2048ull},
-    {"k59_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k59_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
-};
-static const cudagen_tensor_info k60_probs_backward_tensors[] = {
+static const cudagen_tensor_info k59_probs_backward_tensors[] = {
     {"out", "probs.out", 135424ull, 2048ull},
     {"dout", "context_grad_a.out", 141568ull, 2048ull},
     {"dx", "probs_backward.dx", 143616ull, 2048ull},
 };
-static const cudagen_tensor_info h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k61_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k61_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
-    {"k61_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 157952ull, 2048ull},
-    {"k62_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k62_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
-    {"k62_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k63_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
-    {"k63_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k63_v_grad_a_out", "v_grad_a.out", 153856ull, 2048ull},
-    {"k64_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k64_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k64_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+static const cudagen_tensor_info h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
+    {"k60_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k60_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
+    {"k60_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 157952ull, 2048ull},
+    {"k61_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k61_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
+    {"k61_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k62_v_grad_a_a", "v_heads_grad_x.out", 153856ull, 2048ull},
+    {"k62_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k62_v_grad_a_out", "v_grad_a.out", 155904ull, 2048ull},
+    {"k63_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k63_v_grad_b_b", "v_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k63_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
 };
-static const cudagen_tensor_info h23_k_grad_a_k_grad_b_tensors[] = {
-    {"k65_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k65_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k65_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 153856ull, 2048ull},
-    {"k65_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k66_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k66_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
-    {"k66_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
+static const cudagen_tensor_info h22_k_grad_a_k_grad_b_tensors[] = {
+    {"k64_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k64_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k64_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 155904ull, 2048ull},
+    {"k64_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k65_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k65_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
+    {"k65_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
 };
-static const cudagen_tensor_info h24_q_grad_a_q_grad_b_tensors[] = {
-    {"k67_q_grad_a_a", "q_heads_grad_x.out", 157952ull, 2048ull},
-    {"k67_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k67_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k67_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
-    {"k68_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k68_q_grad_b_b", "q_grad_b_dout_rows.out", 157952ull, 2048ull},
-    {"k68_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
+static const cudagen_tensor_info h23_q_grad_a_q_grad_b_tensors[] = {
+    {"k66_q_grad_a_a", "q_heads_grad_x.out", 157952ull, 2048ull},
+    {"k66_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k66_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k66_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
+    {"k67_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k67_q_grad_b_b", "q_grad_b_dout_rows.out", 157952ull, 2048ull},
+    {"k67_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
 };
-static const cudagen_tensor_info k69_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k68_ln1_backward_tensors[] = {
     {"x", "embed.out", 145664ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
     {"rstd", "ln1.rstd", 162048ull, 64ull},
-    {"dout", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
-    {"dx", "ln1_backward.dx", 147712ull, 2048ull},
-    {"dweight", "ln1_backward.dweight", 149760ull, 128ull},
+    {"dout", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
+    {"dweight", "ln1_backward.dweight", 153856ull, 128ull},
+    {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 149760ull, 2048ull},
+    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 147712ull, 2048ull},
 };
-static const cudagen_tensor_info k70_grad_embed_out_sum_tensors[] = {
-    {"a", "grad_res1_out_sum.out", 155904ull, 2048ull},
-    {"b", "ln1_backward.dx", 147712ull, 2048ull},
-    {"out", "grad_embed_out_sum.out", 145664ull, 2048ull},
-};
-static const cudagen_tensor_info k71_embed_backward_tensors[] = {
+static const cudagen_tensor_info k69_embed_backward_tensors[] = {
     {"ids", "embed.ids", 161536ull, 64ull},
-    {"dout", "grad_embed_out_sum.out", 145664ull, 2048ull},
-    {"dtable", "embed_backward.dtable", 147712ull, 2048ull},
+    {"dout", "grad_embed_out_sum.out", 147712ull, 2048ull},
+    {"dtable", "embed_backward.dtable", 145664ull, 2048ull},
 };
-static const cudagen_tensor_info h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k72_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k72_embed_w_adamw_grad", "embed_backward.dtable", 147712ull, 2048ull},
-    {"k72_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k72_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k72_embed_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k72_embed_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k73_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k73_ln1_w_adamw_grad", "ln1_backward.dweight", 149760ull, 128ull},
-    {"k73_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k73_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k73_ln1_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k73_ln1_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k74_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k74_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
-    {"k74_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k74_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k74_wq_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k74_wq_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k75_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k75_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
-    {"k75_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k75_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k75_wk_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k75_wk_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k76_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k76_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
-    {"k76_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k76_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k76_wv_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k76_wv_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k77_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k77_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
-    {"k77_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k77_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k77_wo_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k77_wo_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k78_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k78_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
-    {"k78_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k78_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k78_ln2_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k78_ln2_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k70_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k70_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
+    {"k70_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k70_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k70_embed_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k70_embed_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k71_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k71_ln1_w_adamw_grad", "ln1_backward.dweight", 153856ull, 128ull},
+    {"k71_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k71_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k71_ln1_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k71_ln1_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k72_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k72_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k72_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k72_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k72_wq_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k72_wq_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k73_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k73_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k73_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k73_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k73_wk_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k73_wk_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k74_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k74_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k74_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k74_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k74_wv_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k74_wv_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k75_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k75_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k75_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k75_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k75_wo_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k75_wo_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k76_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k76_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
+    {"k76_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k76_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k76_ln2_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k76_ln2_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k79_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k79_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
-    {"k79_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k79_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k79_w_up_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k79_w_up_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k80_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k80_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
-    {"k80_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k80_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k80_w_down_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k80_w_down_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k81_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k81_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
-    {"k81_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k81_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k81_lnf_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k81_lnf_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k82_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k82_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
-    {"k82_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k82_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k82_w_head_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k82_w_head_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k77_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k77_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k77_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k77_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k77_w_up_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k77_w_up_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k78_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k78_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k78_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k78_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k78_w_down_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k78_w_down_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k79_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k79_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
+    {"k79_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k79_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k79_lnf_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k79_lnf_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k80_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k80_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k80_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k80_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k80_w_head_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k80_w_head_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2940,34 +2910,30 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h16_up_grad_a_up_grad_b, dim3(3, 1, 1), dim3(256), 4288, h16_up_grad_a_up_grad_b_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 18944), (float*)(arena + 155904), (const float*)(arena + 149760), (const float*)(arena + 129280), (float*)(arena + 121088));
   CUDAGEN_LAUNCH(k54_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k54_ln2_backward_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 157952), (const float*)(arena + 155904), (float*)(arena + 149760), (float*)(arena + 161280));
-  CUDAGEN_LAUNCH(k55_grad_res1_out_sum, dim3(1, 1, 1), dim3(256), 0, k55_grad_res1_out_sum_tensors,
-                 (const float*)(arena + 153856), (const float*)(arena + 149760), (float*)(arena + 155904));
-  CUDAGEN_LAUNCH(h19_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h19_attn_out_grad_a_attn_out_grad_b_tensors,
-                 (const float*)(arena + 155904), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 155904), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(h20_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h20_context_grad_a_context_grad_b_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 133376), (float*)(arena + 141568), (const float*)(arena + 135424), (const float*)(arena + 143616), (float*)(arena + 149760));
-  CUDAGEN_LAUNCH(k60_probs_backward, dim3(64, 1, 1), dim3(32), 128, k60_probs_backward_tensors,
+                 (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 157952), (const float*)(arena + 155904), (float*)(arena + 161280), (const float*)(arena + 153856), (float*)(arena + 149760));
+  CUDAGEN_LAUNCH(h18_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h18_attn_out_grad_a_attn_out_grad_b_tensors,
+                 (const float*)(arena + 149760), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 149760), (float*)(arena + 129280));
+  CUDAGEN_LAUNCH(h19_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h19_context_grad_a_context_grad_b_tensors,
+                 (const float*)(arena + 143616), (const float*)(arena + 133376), (float*)(arena + 141568), (const float*)(arena + 135424), (const float*)(arena + 143616), (float*)(arena + 153856));
+  CUDAGEN_LAUNCH(k59_probs_backward, dim3(64, 1, 1), dim3(32), 128, k59_probs_backward_tensors,
                  (const float*)(arena + 135424), (const float*)(arena + 141568), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h22_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 139520), (float*)(arena + 157952), (const float*)(arena + 143616), (const float*)(arena + 137472), (float*)(arena + 141568), (const float*)(arena + 149760), (const float*)(arena + 10496), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h23_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h23_k_grad_a_k_grad_b_tensors,
-                 (const float*)(arena + 141568), (const float*)(arena + 6400), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(h24_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h24_q_grad_a_q_grad_b_tensors,
-                 (const float*)(arena + 157952), (const float*)(arena + 2304), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k69_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k69_ln1_backward_tensors,
-                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 153856), (float*)(arena + 147712), (float*)(arena + 149760));
-  CUDAGEN_LAUNCH(k70_grad_embed_out_sum, dim3(1, 1, 1), dim3(256), 0, k70_grad_embed_out_sum_tensors,
-                 (const float*)(arena + 155904), (const float*)(arena + 147712), (float*)(arena + 145664));
-  CUDAGEN_LAUNCH(k71_embed_backward, dim3(16, 1, 1), dim3(32), 0, k71_embed_backward_tensors,
-                 (const int*)(arena + 161536), (const float*)(arena + 145664), (float*)(arena + 147712));
+  CUDAGEN_LAUNCH(h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
+                 (const float*)(arena + 143616), (const float*)(arena + 139520), (float*)(arena + 157952), (const float*)(arena + 143616), (const float*)(arena + 137472), (float*)(arena + 141568), (const float*)(arena + 153856), (const float*)(arena + 10496), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 133376));
+  CUDAGEN_LAUNCH(h22_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h22_k_grad_a_k_grad_b_tensors,
+                 (const float*)(arena + 141568), (const float*)(arena + 6400), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 137472));
+  CUDAGEN_LAUNCH(h23_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h23_q_grad_a_q_grad_b_tensors,
+                 (const float*)(arena + 157952), (const float*)(arena + 2304), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 141568));
+  CUDAGEN_LAUNCH(k68_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k68_ln1_backward_tensors,
+                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 155904), (float*)(arena + 153856), (const float*)(arena + 149760), (float*)(arena + 147712));
+  CUDAGEN_LAUNCH(k69_embed_backward, dim3(16, 1, 1), dim3(32), 0, k69_embed_backward_tensors,
+                 (const int*)(arena + 161536), (const float*)(arena + 147712), (float*)(arena + 145664));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h28_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 147712), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2048), (const float*)(arena + 149760), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162560), (const long long*)(arena + 162568));
-  CUDAGEN_LAUNCH(h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h29_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2048), (const float*)(arena + 153856), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162560), (const long long*)(arena + 162568));
+  CUDAGEN_LAUNCH(h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
                  (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 35328), (const float*)(arena + 161024), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 162560), (const long long*)(arena + 162568));
   return 0;
 }

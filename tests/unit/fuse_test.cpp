@@ -127,6 +127,27 @@ TEST(Fusion, ARowOpTakesAnEpilogueButNotOnItsOtherOutputs) {
   EXPECT_EQ(reason_for(c, "scaled"), "it reads 'norm.rstd', which the kernel stores from another thread");
 }
 
+// A row gradient stores dx a row per block, an element per thread: the
+// gradient from the residual path is added there. dweight comes from other
+// blocks (the column sums).
+TEST(Fusion, ARowGradientTakesAnEpilogueOnDx) {
+  GraphBuilder b("gradient_epilogue");
+  auto nb = b.task("nb", "rmsnorm_backward")
+                .tensor("x", f32, {64, 64}, ext)
+                .tensor("weight", f32, {64}, Storage::persistent)
+                .tensor("rstd", f32, {64}, ext)
+                .tensor("dout", f32, {64, 64}, ext)
+                .tensor("dx", f32, {64, 64})
+                .tensor("dweight", f32, {64}, ext);
+  auto res = b.task("res", "add").tensor("a", nb["dx"]).tensor("b", f32, {64, 64}, ext).tensor("out", f32, {64, 64});
+  b.task("scaled", "mul").tensor("a", res["out"]).tensor("b", nb["dweight"]).tensor("out", f32, {64, 64}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  ASSERT_EQ(c.kernels.size(), 2u);
+  EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"nb", "res"}));
+  EXPECT_EQ(c.kernels[0].rule, "reduction_epilogue");
+  EXPECT_EQ(reason_for(c, "scaled"), "it reads 'nb.dweight', which the kernel stores from another thread");
+}
+
 TEST(Fusion, NoEpilogueAfterAWholeRowReduction) {
   GraphBuilder b("sum_then");
   auto s = b.task("s", "sum").tensor("x", f32, {4, 64}, ext).tensor("out", f32, {4});
