@@ -546,7 +546,8 @@ class Emitter {
     if (fused) {
       std::vector<std::string> all, rules;
       for (int t : k.prologue)
-        all.push_back(fmt::format("{} ({}, prologue)", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
+        all.push_back(fmt::format("{} ({}, prologue{})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name,
+                                  stores_prologue(p_, k) ? ", stored here" : ""));
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
       if (!k.prologue.empty()) rules.push_back("norm_prologue");
       if (!k.rule.empty()) rules.push_back(k.rule);
@@ -629,11 +630,15 @@ class Emitter {
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     epilogue_buffer_ = -1;
     prologue_task_ = -1;
+    prologue_stores_ = false;
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
+    // The matmul's `a` where a prologue computes it: never read from memory
+    // (a kernel that stores it takes it as the prologue's output).
+    const int computed_a = k.prologue.empty() ? -1 : p_.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer;
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
-      if (!contains(k.internal_buffers, x.bound->buffer))  // a value the epilogue keeps in registers
+      if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed_a)  // kept in registers
         launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
                                      x.bound->buffer, nullptr, x.written});
     launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
@@ -807,16 +812,21 @@ class Emitter {
   // rmsnorm k.prologue[0] would have computed it. Its input and weight
   // become parameters named after the norm; matmul() stages the tile's rows
   // normalised in shared memory (or, rows too long for that, computes their
-  // rstd and normalises each element as it loads it).
+  // rstd and normalises each element as it loads it). The kernel that stores
+  // the norm's output and rstd for later (kernels.h) takes them too.
   std::vector<LaunchParam> prologue(const KernelGroup& k) {
     prologue_task_ = k.prologue.front();
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
     template_files_.insert(norm.op->source_file);
+    prologue_stores_ = stores_prologue(p_, k);
     std::vector<LaunchParam> params;
-    for (const char* slot : {"x", "weight"}) {
-      const int b = norm.find_tensor(slot)->buffer;
-      params.push_back(LaunchParam{norm.task->id + "_" + slot, "const " + c_type(p_.buffers[size_t(b)].dtype), b,
-                                   nullptr, false});
+    for (const char* slot : {"x", "weight", "out", "rstd"}) {
+      const BoundTensor* bound = norm.find_tensor(slot);
+      const bool written = std::string_view(slot) == "out" || std::string_view(slot) == "rstd";
+      if (bound == nullptr || bound->buffer < 0 || (written && !prologue_stores_)) continue;
+      params.push_back(LaunchParam{norm.task->id + "_" + slot,
+                                   std::string(written ? "" : "const ") + c_type(p_.buffers[size_t(bound->buffer)].dtype),
+                                   bound->buffer, nullptr, written});
     }
     return params;
   }
@@ -1645,7 +1655,7 @@ class Emitter {
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek) {
     NormLoad out;
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
-    const std::string x = norm.task->id + "_x", weight = norm.task->id + "_weight";
+    const std::string id = norm.task->id, x = id + "_x", weight = id + "_weight";
     const DType x_type = p_.buffers[size_t(norm.find_tensor("x")->buffer)].dtype;
     const DType w_type = p_.buffers[size_t(norm.find_tensor("weight")->buffer)].dtype;
     const std::string load_x = load_element(x, x_type, fmt::format("r * {} + j", K));
@@ -1653,31 +1663,63 @@ class Emitter {
     const std::string rows = fmt::format(
         "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
         K, tile);
-    const int64_t staged_bytes = 4 * (tile * K + K);
+    const std::string last = fmt::format("a_base / {} + {}", K, M);
+    const std::string never = prologue_stores_ ? "stored by the first column of tiles" : "never stored";
+    const BoundTensor* rstd_slot = norm.find_tensor("rstd");
+    const bool store_rstd = prologue_stores_ && rstd_slot != nullptr && rstd_slot->buffer >= 0;
+    // Where the norm's output and rstd are read later: the blocks of the
+    // first column of tiles store their rows, each element and rstd as the
+    // norm's own kernel would (16-bit narrowed).
+    auto stores = [&](const std::string& element, const std::string& rstd) {
+      if (!prologue_stores_) return std::string();
+      const DType out_type = p_.buffers[size_t(norm.find_tensor("out")->buffer)].dtype;
+      std::string code = fmt::format(
+          "  if (tile.x == 0) {{  // {0}'s output{1}, read later: stored once\n"
+          "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {{\n"
+          "      const cg_i64 r = cg_row0 + i / {3};\n"
+          "      const int j = i % {3};\n"
+          "      if (r < {4}) {5};\n"
+          "    }}\n",
+          id, store_rstd ? " and rstd" : "", tile, K, last, store_element(id + "_out", out_type, "r * " + std::to_string(K) + " + j", element));
+      if (store_rstd)
+        code += fmt::format("    for (int r = threadIdx.x; r < {0}; r += blockDim.x)\n"
+                            "      if (cg_row0 + r < {1}) cg_store({2}_rstd, cg_row0 + r, {3});\n",
+                            tile, last, id, rstd);
+      return code + "  }\n";
+    };
+    const int64_t staged_bytes = 4 * (tile * K + K + (store_rstd ? tile : 0));
     if (ek.smem_bytes + staged_bytes <= kSharedBytesWithoutOptIn) {
       // The tile's rows, normalised, in shared memory: x read once per block.
+      const std::string rstd_at = store_rstd ? fmt::format("cg_normed + {}", tile * K + K) : "nullptr";
       out.code = fmt::format(
-          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the tile's rows\n"
+          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, {10}: the tile's rows\n"
           "  // normalised into shared memory, which the operand loads read.\n"
           "  float* cg_normed = (float*)(cg_smem + {1});\n"
           "{2}"
           "  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) {{ return {3}; }}, [&](int j) {{ return {4}; }}, cg_row0, {5},\n"
-          "                        a_base / {6} + {7}, {6}, {8}, cg_normed, cg_normed + {9});\n",
-          norm.task->id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, M, eps, tile * K);
+          "                        {7}, {6}, {8}, cg_normed, cg_normed + {9}, {11});\n"
+          "{12}",
+          id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, last, eps, tile * K, never,
+          rstd_at, stores("cg_normed[i]", fmt::format("cg_normed[{} + r]", tile * K + K)));
       out.element = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
       use_function(*norm.op, "cg_rmsnorm_stage_rows");
       ek.smem_bytes += staged_bytes;
     } else {
       // Too long a row to stage: the rstd of each row first, then each
-      // element normalised as it is loaded (x read twice per block).
+      // element normalised as it is loaded (x read twice per block; a third
+      // time by the blocks that store the output).
       out.code = fmt::format(
-          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, never stored: the rstd of the\n"
+          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, {8}: the rstd of the\n"
           "  // tile's rows first, then each element normalised as it is loaded.\n"
           "  float* cg_rstd = (float*)(cg_smem + {1});\n"
           "{2}"
-          "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, a_base / {5} + {6}, {5}, {7},\n"
-          "                       cg_rstd);\n",
-          norm.task->id, ek.smem_bytes, rows, load_x, tile, K, M, eps);
+          "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, {6}, {5}, {7},\n"
+          "                       cg_rstd);\n"
+          "{9}",
+          id, ek.smem_bytes, rows, load_x, tile, K, last, eps, never,
+          stores(fmt::format("{} * cg_rstd[i / {}] * {}", load_element(x, x_type, fmt::format("r * {} + j", K)), K,
+                             load_element(weight, w_type, "j")),
+                 "cg_rstd[r]"));
       out.element = fmt::format("{} * cg_rstd[m - tile.y * {}] * {}", load_element(x, x_type, a_index), tile,
                                 load_element(weight, w_type, "k"));
       use_function(*norm.op, "cg_rmsnorm_rstd_rows");
@@ -2206,6 +2248,7 @@ class Emitter {
   const Plan& plan_;
   int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
   int prologue_task_ = -1;    // while a matmul's runs: the rmsnorm it loads its `a` through, or -1
+  bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and rstd
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

@@ -386,9 +386,15 @@ class Fuser {
         note_prologue_refused(norm, readers, reason);
         continue;
       }
+      // Read later (saved for backward, or by the caller), with its rstd:
+      // the first reader's kernel stores both, the others keep the rows to
+      // themselves.
+      const bool stored = stores_prologue(norm, value);
       for (size_t h : hosts) {
         out_.kernels[h].prologue.push_back(norm);
-        out_.kernels[h].internal_buffers.push_back(value);
+        if (stored && h == hosts.front()) continue;
+        for (const auto& b : p_.tasks[size_t(norm)].tensors)  // out, and rstd where bound
+          if (b.buffer >= 0 && b.sig != nullptr && b.sig->written()) out_.kernels[h].internal_buffers.push_back(b.buffer);
       }
       folded[k] = true;
       // The norm has no kernel left, to have joined another or for its readers to have joined.
@@ -409,14 +415,13 @@ class Fuser {
     const int norm = out_.kernels[norm_kernel].tasks.front();
     const BoundTask& bt = p_.tasks[size_t(norm)];
     if (!rule_on("norm_prologue")) return "rule norm_prologue is off (--no-fuse-rule)";
-    if (const BoundTensor* rstd = bt.find_tensor("rstd"); rstd != nullptr && rstd->buffer >= 0)
-      return fmt::format("'{}' exports its rstd, which only its own kernel stores", bt.task->id);
-    if (p_.buffers[size_t(value)].storage != Storage::transient)
-      return fmt::format("'{}' is read outside its phase ({}), so it is stored once", buffer_name(p_, value),
-                         to_string(p_.buffers[size_t(value)].storage));
     if (const std::string a = runtime_arg(p_, norm); !a.empty())
       return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a);
-    const auto& readers = readers_[size_t(value)];
+    // Readers in later phases (the backward pass) read what the first host
+    // stores; those of its own phase recompute it.
+    std::vector<int> readers;
+    for (int r : readers_[size_t(value)])
+      if (p_.tasks[size_t(r)].task->phase == bt.task->phase) readers.push_back(r);
     if (readers.size() > kMaxPrologueReaders)
       return fmt::format("{} tasks read '{}': each would recompute it (at most {})", readers.size(),
                          buffer_name(p_, value), kMaxPrologueReaders);
@@ -448,6 +453,15 @@ class Fuser {
     return {};
   }
   static constexpr size_t kMaxPrologueReaders = 4;
+
+  // Whether norm task `norm`'s output `value` or its rstd is read outside
+  // the kernels that take the norm as their prologue: by a later phase or
+  // the caller.
+  bool stores_prologue(int norm, int value) const {
+    if (p_.buffers[size_t(value)].storage != Storage::transient) return true;
+    const BoundTensor* rstd = p_.tasks[size_t(norm)].find_tensor("rstd");
+    return rstd != nullptr && rstd->buffer >= 0;
+  }
 
   // The note of each matmul that reads the norm's output (it did not join
   // the norm's kernel, being a matmul) says why the norm is not its prologue

@@ -13,12 +13,13 @@
 //                      activation, residual add, cast).
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
-//                      block stores it.
-//   norm_prologue      an rmsnorm whose output only matmuls read, each as
-//                      its left operand: each of their kernels computes the
-//                      rstd of its tile's rows and normalises each element
-//                      as it loads it; the norm runs no kernel and its
-//                      output never reaches memory (KernelGroup::prologue).
+//                      block stores it; after their gradients, on "dx".
+//   norm_prologue      an rmsnorm whose output only matmuls read in its
+//                      phase, each as its left operand: each of their
+//                      kernels normalises its tile's rows as it loads them
+//                      and the norm runs no kernel (KernelGroup::prologue);
+//                      its output reaches memory only where a later phase
+//                      or the caller reads it, stored by the first reader.
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.

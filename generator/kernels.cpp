@@ -21,6 +21,11 @@ std::vector<int> kernel_tasks(const KernelGroup& kernel) {
   return tasks;
 }
 
+bool stores_prologue(const Program& program, const KernelGroup& k) {
+  return !k.prologue.empty() &&
+         !contains(k.internal_buffers, program.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer);
+}
+
 int launch_count(const std::vector<KernelGroup>& kernels) {
   int n = 0;
   for (const auto& k : kernels) n = std::max(n, k.launch + 1);

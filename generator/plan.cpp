@@ -175,9 +175,13 @@ Plan plan_memory(const Program& program, const std::vector<KernelGroup>& kernels
       iv.last = std::max(iv.last, k);
     }
   }
-  std::vector<int> internal_to(program.buffers.size(), -1);  // the kernel a buffer lives inside, or -1
+  // The kernel a buffer lives inside, or -1. A norm prologue's output is
+  // internal to the kernels that recompute it, but has storage where one of
+  // them stores it (kernels.h): it is in that kernel's buffers.
+  std::vector<int> internal_to(program.buffers.size(), -1);
   for (int k = 0; k < int(kernels.size()); ++k)
-    for (int b : kernels[size_t(k)].internal_buffers) internal_to[size_t(b)] = k;
+    for (int b : kernels[size_t(k)].internal_buffers)
+      if (intervals[size_t(b)].first < 0) internal_to[size_t(b)] = k;
   for (size_t b = 0; b < program.buffers.size(); ++b) {
     LiveInterval& iv = intervals[b];
     iv.bytes = program.buffers[b].bytes;

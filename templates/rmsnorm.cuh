@@ -32,14 +32,15 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
 
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
-// too (staged_weight, n floats): what a matmul that reads the norm's output
-// as its left operand loads its tiles from (fuse.h, rule norm_prologue), so
-// that the norm runs no kernel and each row is read once per block. One
-// warp per row; load(row, j) reads x, weight(j) the weight. Every thread
-// calls it; it ends with the block synchronised.
+// too (staged_weight, n floats), and each row's rstd where staged_rstd is not
+// null: what a matmul that reads the norm's output as its left operand loads
+// its tiles from (fuse.h, rule norm_prologue), so that the norm runs no
+// kernel and each row is read once per block. One warp per row; load(row, j)
+// reads x, weight(j) the weight. Every thread calls it; it ends with the
+// block synchronised.
 template <typename Load, typename Weight>
 CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int rows, cg_i64 last, int n, float eps,
-                                     float* staged, float* staged_weight) {
+                                     float* staged, float* staged_weight, float* staged_rstd) {
   for (int j = threadIdx.x; j < n; j += blockDim.x) staged_weight[j] = weight(j);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -53,6 +54,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
     }
     const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
     for (int j = lane; j < n; j += 32) row[j] = row[j] * rstd * staged_weight[j];
+    if (staged_rstd != nullptr && lane == 0) staged_rstd[r] = rstd;
   }
   __syncthreads();
 }

@@ -166,15 +166,17 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
 // epilogue, one batched ([2, 33, K] @ [2, K, 40]: the rows of the second
 // batch start at a_base). K = 40, more than a warp's lanes: the tile's rows
 // staged in shared memory; K = 400: too long to stage, each element
-// normalised as it is loaded.
-TaskGraph norm_prologue(DType d, int64_t K) {
-  GraphBuilder b(fmt::format("norm_prologue_{}_{}", to_string(d), K));
+// normalised as it is loaded. `stored`: the caller reads the norm's output
+// and rstd too, which p's kernel stores.
+TaskGraph norm_prologue(DType d, int64_t K, bool stored) {
+  GraphBuilder b(fmt::format("norm_prologue_{}_{}{}", to_string(d), K, stored ? "_stored" : ""));
   auto x = b.task("x", "relu").tensor("x", d, {2, 33, K}, ext).tensor("out", d, {2, 33, K});
   auto n = b.task("n", "rmsnorm")
                .tensor("x", x["out"])
                .tensor("weight", d, {K}, Storage::persistent)
-               .tensor("out", d, {2, 33, K})
+               .tensor("out", d, {2, 33, K}, stored ? ext : Storage::transient)
                .arg("eps", 1e-5);
+  if (stored) n.tensor("rstd", DType::f32, {2, 33}, ext);
   auto p = b.task("p", "matmul").tensor("a", n["out"]).tensor("b", d, {K, 24}, ext).tensor("out", d, {2, 33, 24});
   b.task("bias", "add").tensor("a", p["out"]).tensor("b", d, {24}, ext).tensor("out", d, {2, 33, 24}, ext);
   b.task("q", "matmul").tensor("a", n["out"]).tensor("b", d, {2, K, 40}, ext).tensor("out", d, {2, 33, 40}, ext);
@@ -248,13 +250,17 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
 }
 
 TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {
+  for (const bool stored : {false, true})
   for (const int64_t K : {40, 400}) {
-    // x | p + bias, with n | q, with n
-    const TaskGraph g = norm_prologue(GetParam(), K);
+    // x | p + bias, with n (stored there) | q, with n
+    const TaskGraph g = norm_prologue(GetParam(), K, stored);
     const Compiled c =
         expect_fused_and_unfused_right(g, 3, K == 40 ? "cg_rmsnorm_stage_rows([&]" : "cg_rmsnorm_rstd_rows([&]");
     EXPECT_EQ(c.kernels[1].prologue.size(), 1u);
     EXPECT_EQ(c.kernels[2].prologue.size(), 1u);
+    EXPECT_EQ(stores_prologue(c.program, c.kernels[1]), stored);
+    EXPECT_FALSE(stores_prologue(c.program, c.kernels[2]));
+    EXPECT_EQ(c.emitted.cuda_source.find("// n's output and rstd, read later: stored once") != std::string::npos, stored);
     // The megakernel runs the same tile functions, each tile after the rows it reads.
     CompileOptions options = fusion(true);
     options.emit.megakernel = true;

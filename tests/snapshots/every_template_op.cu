@@ -1111,7 +1111,7 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/rmsnorm.cuh:89
+// templates/rmsnorm.cuh:91
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -1128,7 +1128,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:117
+// templates/rmsnorm.cuh:119
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and

@@ -685,25 +685,37 @@ CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float be
   param = T(decayed - lr * cg_adam_direction(float(grad), m, v, beta1, beta2, eps, step));
 }
 
-// templates/rmsnorm.cuh:6
-// RMS norm of one row, the emitter running one block per row:
-//   out[j] = x[j] * rstd * weight[j],  rstd = 1 / sqrt(mean(x^2) + eps).
-// Reads x through load(j) and weight through weight(j), writes through
-// store(j, v); returns rstd, which the kernel exports for the backward pass.
-// Shared memory: 32 floats of reduction scratch.
-template <typename Load, typename Weight, typename Store>
-CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, float eps, float* scratch) {
-  float sum_sq = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const float v = load(j);
-    sum_sq += v * v;
+// templates/rmsnorm.cuh:41
+// Rows [first, first + rows) of the norm's output, x * rstd * weight, in
+// shared memory: staged[r * n + j] (zeros past `last`), the weight staged
+// too (staged_weight, n floats), and each row's rstd where staged_rstd is not
+// null: what a matmul that reads the norm's output as its left operand loads
+// its tiles from (fuse.h, rule norm_prologue), so that the norm runs no
+// kernel and each row is read once per block. One warp per row; load(row, j)
+// reads x, weight(j) the weight. Every thread calls it; it ends with the
+// block synchronised.
+template <typename Load, typename Weight>
+CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int rows, cg_i64 last, int n, float eps,
+                                     float* staged, float* staged_weight, float* staged_rstd) {
+  for (int j = threadIdx.x; j < n; j += blockDim.x) staged_weight[j] = weight(j);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float* row = staged + (cg_i64)r * n;
+    float sum_sq = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float v = first + r < last ? load(first + r, j) : 0.0f;
+      row[j] = v;
+      sum_sq += v * v;
+    }
+    const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
+    for (int j = lane; j < n; j += 32) row[j] = row[j] * rstd * staged_weight[j];
+    if (staged_rstd != nullptr && lane == 0) staged_rstd[r] = rstd;
   }
-  const float rstd = rsqrtf(cg_block_sum(sum_sq, scratch) / (float)n + eps);
-  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) * rstd * weight(j));
-  return rstd;
+  __syncthreads();
 }
 
-// templates/rmsnorm.cuh:89
+// templates/rmsnorm.cuh:91
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -720,7 +732,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:117
+// templates/rmsnorm.cuh:119
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and
@@ -1212,29 +1224,12 @@ CG_KERNEL void __launch_bounds__(256) k33_embed(const float* __restrict__ table,
   k33_embed_tile(table, ids, out, cg_launch_tile());
 }
 
-// Kernel k34_ln1 (forward phase): task ln1 (rmsnorm, reduction).
-//   reads  ln1.x f32 [2, 8, 32] <- embed.out, ln1.weight f32 [32] <- ln1_w.out
-//   writes ln1.out f32 [2, 8, 32], ln1.rstd f32 [2, 8]
-//   2176 bytes read, 2112 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k34_ln1_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 32 + j); },
-                                        [&](int j) { return cg_load(weight, j); },
-                                        [&](int j, float v) { cg_store(out, row * 32 + j, v); },
-                                        32, 9.999999974752427e-07f, (float*)cg_smem);
-  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
-}
-CG_KERNEL void __launch_bounds__(32) k34_ln1(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k34_ln1_tile(x, weight, out, rstd, cg_launch_tile());
-}
-
-// Kernel k35_q (forward phase): tasks q (matmul), q_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 8, 32], wq.out f32 [32, 32]
-//   writes q_heads.out f32 [2, 4, 8, 8]
+// Kernel k34_q (forward phase): tasks ln1 (rmsnorm, prologue, stored here), q (matmul), q_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wq.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
+//   writes ln1.out f32 [2, 8, 32], ln1.rstd f32 [2, 8], q_heads.out f32 [2, 4, 8, 8]
 //   in registers q.out
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k35_q_tile(const float* a, const float* b, float* q_heads_out, cg_tile tile) {
+//   6272 bytes read, 4160 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory.
+CG_DEVICE void k34_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* ln1_out, float* ln1_rstd, float* q_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // q_heads (split_heads): where it moves element i
@@ -1242,19 +1237,34 @@ CG_DEVICE void k35_q_tile(const float* a, const float* b, float* q_heads_out, cg
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, stored by the first column of tiles: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, cg_normed + 1056);
+  if (tile.x == 0) {  // ln1's output and rstd, read later: stored once
+    for (int i = threadIdx.x; i < 32 * 32; i += blockDim.x) {
+      const cg_i64 r = cg_row0 + i / 32;
+      const int j = i % 32;
+      if (r < a_base / 32 + 16) cg_store(ln1_out, r * 32 + j, cg_normed[i]);
+    }
+    for (int r = threadIdx.x; r < 32; r += blockDim.x)
+      if (cg_row0 + r < a_base / 32 + 16) cg_store(ln1_rstd, cg_row0 + r, cg_normed[1056 + r]);
+  }
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k36_k (forward phase): tasks k (matmul), k_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 8, 32], wk.out f32 [32, 32]
+// Kernel k35_k (forward phase): tasks ln1 (rmsnorm, prologue), k (matmul), k_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wk.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
 //   writes k_heads.out f32 [2, 4, 8, 8]
-//   in registers k.out
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k36_k_tile(const float* a, const float* b, float* k_heads_out, cg_tile tile) {
+//   in registers k.out, ln1.out, ln1.rstd
+//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory.
+CG_DEVICE void k35_k_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* k_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // k_heads (split_heads): where it moves element i
@@ -1262,19 +1272,25 @@ CG_DEVICE void k36_k_tile(const float* a, const float* b, float* k_heads_out, cg
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, nullptr);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k37_v (forward phase): tasks v (matmul), v_heads (split_heads), fused (matmul_epilogue).
-//   reads  ln1.out f32 [2, 8, 32], wv.out f32 [32, 32]
+// Kernel k36_v (forward phase): tasks ln1 (rmsnorm, prologue), v (matmul), v_heads (split_heads), fused (norm_prologue, matmul_epilogue).
+//   reads  wv.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
 //   writes v_heads.out f32 [2, 4, 8, 8]
-//   in registers v.out
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k37_v_tile(const float* a, const float* b, float* v_heads_out, cg_tile tile) {
+//   in registers v.out, ln1.out, ln1.rstd
+//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory.
+CG_DEVICE void k36_v_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* v_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // v_heads (split_heads): where it moves element i
@@ -1282,19 +1298,25 @@ CG_DEVICE void k37_v_tile(const float* a, const float* b, float* v_heads_out, cg
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
+  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
+                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, nullptr);
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k38_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
+// Kernel k37_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
 //   reads  q_heads.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8]
 //   writes probs.out f32 [2, 4, 8, 8], merged.out f32 [2, 8, 32]
 //   in registers scores.out, context.out
 //   6144 bytes read, 4096 bytes written; grid [8, 1, 1], block 256, 1024 bytes of shared memory.
-CG_DEVICE void k38_scores_tile(const float* q, const float* k, const float* v, float* probs, float* merged_out, cg_tile tile) {
+CG_DEVICE void k37_scores_tile(const float* q, const float* k, const float* v, float* probs, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 8, 4, 8), v0);  // merged (merge_heads): where it moves element i
@@ -1316,16 +1338,16 @@ CG_DEVICE void k38_scores_tile(const float* q, const float* k, const float* v, f
                      8, 8, 8, 1.0f, 0.3535533845424652f, (int)(row % 8 + 1 < 8 ? row % 8 + 1 : 8), (float*)cg_smem + warp * 16);
   __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k38_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ probs, float* __restrict__ merged_out) {
-  k38_scores_tile(q, k, v, probs, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k37_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ probs, float* __restrict__ merged_out) {
+  k37_scores_tile(q, k, v, probs, merged_out, cg_launch_tile());
 }
 
-// Kernel k39_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k38_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 8, 32], wo.out f32 [32, 32], embed.out f32 [2, 8, 32]
 //   writes res1.out f32 [2, 8, 32]
 //   in registers attn_out.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k39_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k38_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -1340,32 +1362,15 @@ CG_DEVICE void k39_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k39_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k39_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k38_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k38_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k40_ln2 (forward phase): task ln2 (rmsnorm, reduction).
-//   reads  ln2.x f32 [2, 8, 32] <- res1.out, ln2.weight f32 [32] <- ln2_w.out
-//   writes ln2.out f32 [2, 8, 32], ln2.rstd f32 [2, 8]
-//   2176 bytes read, 2112 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k40_ln2_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 32 + j); },
-                                        [&](int j) { return cg_load(weight, j); },
-                                        [&](int j, float v) { cg_store(out, row * 32 + j, v); },
-                                        32, 9.999999974752427e-07f, (float*)cg_smem);
-  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
-}
-CG_KERNEL void __launch_bounds__(32) k40_ln2(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k40_ln2_tile(x, weight, out, rstd, cg_launch_tile());
-}
-
-// Kernel k41_up (forward phase): tasks up (matmul), act (gelu), fused (matmul_epilogue).
-//   reads  ln2.out f32 [2, 8, 32], w_up.out f32 [32, 64]
-//   writes up.out f32 [2, 8, 64], act.out f32 [2, 8, 64]
-//   10240 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k41_up_tile(const float* a, const float* b, float* out, float* act_out, cg_tile tile) {
+// Kernel k39_up (forward phase): tasks ln2 (rmsnorm, prologue, stored here), up (matmul), act (gelu), fused (norm_prologue, matmul_epilogue).
+//   reads  w_up.out f32 [32, 64], res1.out f32 [2, 8, 32], ln2_w.out f32 [32]
+//   writes up.out f32 [2, 8, 64], ln2.out f32 [2, 8, 32], ln2.rstd f32 [2, 8], act.out f32 [2, 8, 64]
+//   10368 bytes read, 10304 bytes written; grid [2, 1, 1], block 256, 8640 bytes of shared memory.
+CG_DEVICE void k39_up_tile(const float* b, float* out, const float* ln2_x, const float* ln2_weight, float* ln2_out, float* ln2_rstd, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(out, i, v0);
@@ -1375,22 +1380,37 @@ CG_DEVICE void k41_up_tile(const float* a, const float* b, float* out, float* ac
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 2048, out_base = z * 1024;
+  // Prologue (norm_prologue): ln2 (rmsnorm) of a's rows, stored by the first column of tiles: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln2_x, r * 32 + j); }, [&](int j) { return cg_load(ln2_weight, j); }, cg_row0, 32,
+                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, cg_normed + 1056);
+  if (tile.x == 0) {  // ln2's output and rstd, read later: stored once
+    for (int i = threadIdx.x; i < 32 * 32; i += blockDim.x) {
+      const cg_i64 r = cg_row0 + i / 32;
+      const int j = i % 32;
+      if (r < a_base / 32 + 16) cg_store(ln2_out, r * 32 + j, cg_normed[i]);
+    }
+    for (int r = threadIdx.x; r < 32; r += blockDim.x)
+      if (cg_row0 + r < a_base / 32 + 16) cg_store(ln2_rstd, cg_row0 + r, cg_normed[1056 + r]);
+  }
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       16, 64, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k41_up(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out, float* __restrict__ act_out) {
-  k41_up_tile(a, b, out, act_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k39_up(const float* __restrict__ b, float* __restrict__ out, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, float* __restrict__ ln2_out, float* __restrict__ ln2_rstd, float* __restrict__ act_out) {
+  k39_up_tile(b, out, ln2_x, ln2_weight, ln2_out, ln2_rstd, act_out, cg_launch_tile());
 }
 
-// Kernel k42_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
+// Kernel k40_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
 //   reads  act.out f32 [2, 8, 64], w_down.out f32 [64, 32], res1.out f32 [2, 8, 32]
 //   writes res2.out f32 [2, 8, 32]
 //   in registers down.out
 //   14336 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k42_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k40_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
@@ -1405,50 +1425,48 @@ CG_DEVICE void k42_down_tile(const float* a, const float* b, const float* res2_a
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k42_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k42_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k40_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k40_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
 }
 
-// Kernel k43_lnf (forward phase): task lnf (rmsnorm, reduction).
-//   reads  lnf.x f32 [2, 8, 32] <- res2.out, lnf.weight f32 [32] <- lnf_w.out
-//   writes lnf.out f32 [2, 8, 32], lnf.rstd f32 [2, 8]
-//   2176 bytes read, 2112 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k43_lnf_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  const float row_rstd = cg_rmsnorm_row([&](int j) { return cg_load(x, row * 32 + j); },
-                                        [&](int j) { return cg_load(weight, j); },
-                                        [&](int j, float v) { cg_store(out, row * 32 + j, v); },
-                                        32, 9.999999974752427e-07f, (float*)cg_smem);
-  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);
-}
-CG_KERNEL void __launch_bounds__(32) k43_lnf(const float* __restrict__ x, const float* __restrict__ weight, float* __restrict__ out, float* __restrict__ rstd) {
-  k43_lnf_tile(x, weight, out, rstd, cg_launch_tile());
-}
-
-// Kernel k44_head (forward phase): task head (matmul, matmul).
-//   reads  head.a f32 [2, 8, 32] <- lnf.out, head.b f32 [32, 16] <- w_head.out
-//   writes head.out f32 [2, 8, 16]
-//   4096 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k44_head_tile(const float* a, const float* b, float* out, cg_tile tile) {
+// Kernel k41_head (forward phase): tasks lnf (rmsnorm, prologue, stored here), head (matmul), fused (norm_prologue).
+//   reads  w_head.out f32 [32, 16], res2.out f32 [2, 8, 32], lnf_w.out f32 [32]
+//   writes head.out f32 [2, 8, 16], lnf.out f32 [2, 8, 32], lnf.rstd f32 [2, 8]
+//   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory.
+CG_DEVICE void k41_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 256;
+  // Prologue (norm_prologue): lnf (rmsnorm) of a's rows, stored by the first column of tiles: the tile's rows
+  // normalised into shared memory, which the operand loads read.
+  float* cg_normed = (float*)(cg_smem + 4288);
+  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(lnf_x, r * 32 + j); }, [&](int j) { return cg_load(lnf_weight, j); }, cg_row0, 32,
+                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, cg_normed + 1056);
+  if (tile.x == 0) {  // lnf's output and rstd, read later: stored once
+    for (int i = threadIdx.x; i < 32 * 32; i += blockDim.x) {
+      const cg_i64 r = cg_row0 + i / 32;
+      const int j = i % 32;
+      if (r < a_base / 32 + 16) cg_store(lnf_out, r * 32 + j, cg_normed[i]);
+    }
+    for (int r = threadIdx.x; r < 32; r += blockDim.x)
+      if (cg_row0 + r < a_base / 32 + 16) cg_store(lnf_rstd, cg_row0 + r, cg_normed[1056 + r]);
+  }
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
+      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 16 + n); },
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k44_head(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k44_head_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k41_head(const float* __restrict__ b, float* __restrict__ out, const float* __restrict__ lnf_x, const float* __restrict__ lnf_weight, float* __restrict__ lnf_out, float* __restrict__ lnf_rstd) {
+  k41_head_tile(b, out, lnf_x, lnf_weight, lnf_out, lnf_rstd, cg_launch_tile());
 }
 
-// Kernel k45_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k42_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [2, 8, 16] <- head.out, loss.labels i32 [2, 8]
 //   writes loss.loss f32 []
 //   1088 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k45_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k42_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 16; ++row)
@@ -1456,30 +1474,30 @@ CG_DEVICE void k45_loss_tile(const float* logits, const int* labels, float* loss
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 16.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k45_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k45_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k42_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k42_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k46_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
+// Kernel k43_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [2, 8, 16] <- head.out, loss_backward.labels i32 [2, 8] <- loss.labels
 //   writes loss_backward.dlogits f32 [2, 8, 16]
 //   1088 bytes read, 1024 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k46_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k43_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 16 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 16 + j, v); },
                                 16, (cg_i64)cg_load(labels, row), 0.0625f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k46_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k46_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k43_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k43_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k47_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
+// Kernel k44_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
 //   reads  head_grad_a.a f32 [2, 8, 16] <- loss_backward.dlogits, head_grad_a.b f32 [32, 16] <- w_head.out
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k47_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k44_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 512, out_base = z * 512;
@@ -1490,11 +1508,11 @@ CG_DEVICE void k47_head_grad_a_tile(const float* a, const float* b, float* out, 
       16, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k48_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
+// Kernel k45_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
 //   reads  head_grad_b.a f32 [16, 32] <- head_grad_b_a_rows.out, head_grad_b.b f32 [16, 16] <- head_grad_b_dout_rows.out
 //   writes head_grad_b.out f32 [32, 16]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k48_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k45_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 256, out_base = z * 512;
@@ -1505,11 +1523,11 @@ CG_DEVICE void k48_head_grad_b_tile(const float* a, const float* b, float* out, 
       32, 16, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k49_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
+// Kernel k46_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
 //   reads  lnf_backward.x f32 [2, 8, 32] <- res2.out, lnf_backward.weight f32 [32] <- lnf_w.out, lnf_backward.rstd f32 [2, 8] <- lnf.rstd, lnf_backward.dout f32 [2, 8, 32] <- head_grad_a.out
 //   writes lnf_backward.dx f32 [2, 8, 32], lnf_backward.dweight f32 [32]
 //   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k49_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+CG_DEVICE void k46_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
@@ -1527,16 +1545,16 @@ CG_DEVICE void k49_lnf_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k49_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k49_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k46_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k46_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
-// Kernel k50_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), fused (matmul_epilogue).
+// Kernel k47_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), fused (matmul_epilogue).
 //   reads  lnf_backward.dx f32 [2, 8, 32], w_down.out f32 [64, 32], up.out f32 [2, 8, 64]
 //   writes act_backward.dx f32 [2, 8, 64]
 //   in registers down_grad_a.out
 //   14336 bytes read, 4096 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k50_down_grad_a_tile(const float* a, const float* b, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
+CG_DEVICE void k47_down_grad_a_tile(const float* a, const float* b, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act_backward (gelu_backward), on element i of down_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_gelu_backward<float>(cg_load(act_backward_x, i), v0, /*approximate=tanh*/ 0);  // act_backward.dx
@@ -1552,11 +1570,11 @@ CG_DEVICE void k50_down_grad_a_tile(const float* a, const float* b, const float*
       16, 64, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k51_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
+// Kernel k48_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
 //   reads  down_grad_b.a f32 [16, 64] <- down_grad_b_a_rows.out, down_grad_b.b f32 [16, 32] <- down_grad_b_dout_rows.out
 //   writes down_grad_b.out f32 [64, 32]
 //   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k51_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k48_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 1024, b_base = z * 512, out_base = z * 2048;
@@ -1567,11 +1585,11 @@ CG_DEVICE void k51_down_grad_b_tile(const float* a, const float* b, float* out, 
       64, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k52_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
+// Kernel k49_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
 //   reads  up_grad_a.a f32 [2, 8, 64] <- act_backward.dx, up_grad_a.b f32 [32, 64] <- w_up.out
 //   writes up_grad_a.out f32 [2, 8, 32]
 //   12288 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k52_up_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k49_up_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 1024, b_base = z * 2048, out_base = z * 512;
@@ -1582,11 +1600,11 @@ CG_DEVICE void k52_up_grad_a_tile(const float* a, const float* b, float* out, cg
       16, 32, 64, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k53_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
+// Kernel k50_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
 //   reads  up_grad_b.a f32 [16, 32] <- up_grad_b_a_rows.out, up_grad_b.b f32 [16, 64] <- up_grad_b_dout_rows.out
 //   writes up_grad_b.out f32 [32, 64]
 //   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k53_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k50_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 2048;
@@ -1597,12 +1615,12 @@ CG_DEVICE void k53_up_grad_b_tile(const float* a, const float* b, float* out, cg
       32, 64, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k54_ln2_backward (backward phase): tasks ln2_backward (rmsnorm_backward), grad_res1_out_sum (add), fused (reduction_epilogue).
+// Kernel k51_ln2_backward (backward phase): tasks ln2_backward (rmsnorm_backward), grad_res1_out_sum (add), fused (reduction_epilogue).
 //   reads  res1.out f32 [2, 8, 32], ln2_w.out f32 [32], ln2.rstd f32 [2, 8], up_grad_a.out f32 [2, 8, 32], lnf_backward.dx f32 [2, 8, 32]
 //   writes ln2_backward.dweight f32 [32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   in registers ln2_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k54_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k51_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_res1_out_sum (add), on element i of ln2_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_res1_out_sum_a, i), v0);  // grad_res1_out_sum.out
@@ -1625,16 +1643,16 @@ CG_DEVICE void k54_ln2_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k54_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_res1_out_sum_a, float* __restrict__ grad_res1_out_sum_out) {
-  k54_ln2_backward_tile(x, weight, rstd, dout, dweight, grad_res1_out_sum_a, grad_res1_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k51_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_res1_out_sum_a, float* __restrict__ grad_res1_out_sum_out) {
+  k51_ln2_backward_tile(x, weight, rstd, dout, dweight, grad_res1_out_sum_a, grad_res1_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k55_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
+// Kernel k52_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
 //   reads  grad_res1_out_sum.out f32 [2, 8, 32], wo.out f32 [32, 32]
 //   writes merged_grad_x.out f32 [2, 4, 8, 8]
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k55_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
+CG_DEVICE void k52_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_grad_x_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // merged_grad_x (split_heads): where it moves element i
@@ -1649,11 +1667,11 @@ CG_DEVICE void k55_attn_out_grad_a_tile(const float* a, const float* b, float* m
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k56_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
+// Kernel k53_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [16, 32] <- attn_out_grad_b_a_rows.out, attn_out_grad_b.b f32 [16, 32] <- attn_out_grad_b_dout_rows.out
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k56_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k53_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1664,11 +1682,11 @@ CG_DEVICE void k56_attn_out_grad_b_tile(const float* a, const float* b, float* o
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k57_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
+// Kernel k54_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
 //   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
 //   writes context_grad_a.out f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k57_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k54_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
@@ -1679,12 +1697,12 @@ CG_DEVICE void k57_context_grad_a_tile(const float* a, const float* b, float* ou
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k58_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k55_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
 //   writes v_heads_grad_x.out f32 [2, 8, 32]
 //   in registers context_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k58_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k55_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
@@ -1699,11 +1717,11 @@ CG_DEVICE void k58_context_grad_b_tile(const float* a, const float* b, float* v_
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k59_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
+// Kernel k56_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
 //   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
 //   writes probs_backward.dx f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory.
-CG_DEVICE void k59_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
+CG_DEVICE void k56_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 8 + j); },
@@ -1711,16 +1729,16 @@ CG_DEVICE void k59_probs_backward_tile(const float* out, const float* dout, floa
       [&](int j, float v) { cg_store(dx, row * 8 + j, v); },
       8, 0.3535533845424652f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k59_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k59_probs_backward_tile(out, dout, dx, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k56_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k56_probs_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
-// Kernel k60_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k57_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
 //   writes q_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_a.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k60_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k57_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // q_heads_grad_x (merge_heads): where it moves element i
@@ -1735,12 +1753,12 @@ CG_DEVICE void k60_scores_grad_a_tile(const float* a, const float* b, float* q_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k61_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k58_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
 //   writes k_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k61_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k58_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // k_heads_grad_x (merge_heads): where it moves element i
@@ -1755,11 +1773,11 @@ CG_DEVICE void k61_scores_grad_b_tile(const float* a, const float* b, float* k_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k62_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
+// Kernel k59_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k62_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k59_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
@@ -1770,11 +1788,11 @@ CG_DEVICE void k62_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k63_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k60_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k63_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k60_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1785,12 +1803,12 @@ CG_DEVICE void k63_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k64_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
+// Kernel k61_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k64_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k61_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
@@ -1806,11 +1824,11 @@ CG_DEVICE void k64_k_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k65_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k62_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k65_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k62_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1821,12 +1839,12 @@ CG_DEVICE void k65_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k66_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
+// Kernel k63_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k66_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
+CG_DEVICE void k63_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
@@ -1842,11 +1860,11 @@ CG_DEVICE void k66_q_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k67_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k64_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
-CG_DEVICE void k67_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k64_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1857,12 +1875,12 @@ CG_DEVICE void k67_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k68_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
+// Kernel k65_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
 //   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
 //   in registers ln1_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
-CG_DEVICE void k68_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
+CG_DEVICE void k65_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_embed_out_sum_a, i), v0);  // grad_embed_out_sum.out
@@ -1885,28 +1903,28 @@ CG_DEVICE void k68_ln1_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k68_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
-  k68_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k65_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
+  k65_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k69_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k66_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k69_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k66_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k69_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k69_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k66_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k66_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k70_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k67_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k70_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k67_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -1920,11 +1938,11 @@ CG_DEVICE void k70_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k71_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k68_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k71_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k68_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -1938,11 +1956,11 @@ CG_DEVICE void k71_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k72_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k69_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k72_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k69_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1956,11 +1974,11 @@ CG_DEVICE void k72_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k73_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k70_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k73_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k70_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1974,11 +1992,11 @@ CG_DEVICE void k73_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k74_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k71_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k74_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k71_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1992,11 +2010,11 @@ CG_DEVICE void k74_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k75_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k72_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k75_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k72_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2010,11 +2028,11 @@ CG_DEVICE void k75_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k76_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k73_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k76_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k73_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2028,11 +2046,11 @@ CG_DEVICE void k76_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k77_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k74_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k77_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k74_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2046,11 +2064,11 @@ CG_DEVICE void k77_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k78_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k75_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k78_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k75_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2064,11 +2082,11 @@ CG_DEVICE void k78_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k79_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k76_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k79_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k76_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2082,11 +2100,11 @@ CG_DEVICE void k79_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k80_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k77_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k80_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k77_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2240,320 +2258,325 @@ CG_KERNEL void __launch_bounds__(256) h0_embed_w_ln1_w_wq_and_30_more(
     k32_w_head_v_init_tile(k32_w_head_v_init_out, cg_tile_of(block - 38u, 1, 1));
 }
 
-// Launch h3_q_k_v (forward phase):
+// Launch h2_q_k_v (forward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// of 256 threads, 8640 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k35_q
-//   blocks [1, 2): k36_k
-//   blocks [2, 3): k37_v
-CG_KERNEL void __launch_bounds__(256) h3_q_k_v(
-    const float* __restrict__ k35_q_a,
-    const float* __restrict__ k35_q_b,
-    float* __restrict__ k35_q_q_heads_out,
-    const float* __restrict__ k36_k_a,
-    const float* __restrict__ k36_k_b,
-    float* __restrict__ k36_k_k_heads_out,
-    const float* __restrict__ k37_v_a,
-    const float* __restrict__ k37_v_b,
-    float* __restrict__ k37_v_v_heads_out) {
+//   blocks [0, 1): k34_q
+//   blocks [1, 2): k35_k
+//   blocks [2, 3): k36_v
+CG_KERNEL void __launch_bounds__(256) h2_q_k_v(
+    const float* __restrict__ k34_q_b,
+    const float* __restrict__ k34_q_ln1_x,
+    const float* __restrict__ k34_q_ln1_weight,
+    float* __restrict__ k34_q_ln1_out,
+    float* __restrict__ k34_q_ln1_rstd,
+    float* __restrict__ k34_q_q_heads_out,
+    const float* __restrict__ k35_k_b,
+    const float* __restrict__ k35_k_ln1_x,
+    const float* __restrict__ k35_k_ln1_weight,
+    float* __restrict__ k35_k_k_heads_out,
+    const float* __restrict__ k36_v_b,
+    const float* __restrict__ k36_v_ln1_x,
+    const float* __restrict__ k36_v_ln1_weight,
+    float* __restrict__ k36_v_v_heads_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k35_q_tile(k35_q_a, k35_q_b, k35_q_q_heads_out, cg_tile_of(block, 1, 1));
+    k34_q_tile(k34_q_b, k34_q_ln1_x, k34_q_ln1_weight, k34_q_ln1_out, k34_q_ln1_rstd, k34_q_q_heads_out, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k36_k_tile(k36_k_a, k36_k_b, k36_k_k_heads_out, cg_tile_of(block - 1u, 1, 1));
+    k35_k_tile(k35_k_b, k35_k_ln1_x, k35_k_ln1_weight, k35_k_k_heads_out, cg_tile_of(block - 1u, 1, 1));
   else
-    k37_v_tile(k37_v_a, k37_v_b, k37_v_v_heads_out, cg_tile_of(block - 2u, 1, 1));
+    k36_v_tile(k36_v_b, k36_v_ln1_x, k36_v_ln1_weight, k36_v_v_heads_out, cg_tile_of(block - 2u, 1, 1));
 }
 
-// Launch h13_head_grad_a_head_grad_b (backward phase):
+// Launch h10_head_grad_a_head_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k47_head_grad_a
-//   blocks [1, 2): k48_head_grad_b
-CG_KERNEL void __launch_bounds__(256) h13_head_grad_a_head_grad_b(
-    const float* __restrict__ k47_head_grad_a_a,
-    const float* __restrict__ k47_head_grad_a_b,
-    float* __restrict__ k47_head_grad_a_out,
-    const float* __restrict__ k48_head_grad_b_a,
-    const float* __restrict__ k48_head_grad_b_b,
-    float* __restrict__ k48_head_grad_b_out) {
+//   blocks [0, 1): k44_head_grad_a
+//   blocks [1, 2): k45_head_grad_b
+CG_KERNEL void __launch_bounds__(256) h10_head_grad_a_head_grad_b(
+    const float* __restrict__ k44_head_grad_a_a,
+    const float* __restrict__ k44_head_grad_a_b,
+    float* __restrict__ k44_head_grad_a_out,
+    const float* __restrict__ k45_head_grad_b_a,
+    const float* __restrict__ k45_head_grad_b_b,
+    float* __restrict__ k45_head_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k47_head_grad_a_tile(k47_head_grad_a_a, k47_head_grad_a_b, k47_head_grad_a_out, cg_tile_of(block, 1, 1));
+    k44_head_grad_a_tile(k44_head_grad_a_a, k44_head_grad_a_b, k44_head_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k48_head_grad_b_tile(k48_head_grad_b_a, k48_head_grad_b_b, k48_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k45_head_grad_b_tile(k45_head_grad_b_a, k45_head_grad_b_b, k45_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h15_down_grad_a_down_grad_b (backward phase):
+// Launch h12_down_grad_a_down_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 4 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k50_down_grad_a
-//   blocks [2, 4): k51_down_grad_b
-CG_KERNEL void __launch_bounds__(256) h15_down_grad_a_down_grad_b(
-    const float* __restrict__ k50_down_grad_a_a,
-    const float* __restrict__ k50_down_grad_a_b,
-    const float* __restrict__ k50_down_grad_a_act_backward_x,
-    float* __restrict__ k50_down_grad_a_act_backward_dx,
-    const float* __restrict__ k51_down_grad_b_a,
-    const float* __restrict__ k51_down_grad_b_b,
-    float* __restrict__ k51_down_grad_b_out) {
+//   blocks [0, 2): k47_down_grad_a
+//   blocks [2, 4): k48_down_grad_b
+CG_KERNEL void __launch_bounds__(256) h12_down_grad_a_down_grad_b(
+    const float* __restrict__ k47_down_grad_a_a,
+    const float* __restrict__ k47_down_grad_a_b,
+    const float* __restrict__ k47_down_grad_a_act_backward_x,
+    float* __restrict__ k47_down_grad_a_act_backward_dx,
+    const float* __restrict__ k48_down_grad_b_a,
+    const float* __restrict__ k48_down_grad_b_b,
+    float* __restrict__ k48_down_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k50_down_grad_a_tile(k50_down_grad_a_a, k50_down_grad_a_b, k50_down_grad_a_act_backward_x, k50_down_grad_a_act_backward_dx, cg_tile_of(block, 2, 1));
+    k47_down_grad_a_tile(k47_down_grad_a_a, k47_down_grad_a_b, k47_down_grad_a_act_backward_x, k47_down_grad_a_act_backward_dx, cg_tile_of(block, 2, 1));
   else
-    k51_down_grad_b_tile(k51_down_grad_b_a, k51_down_grad_b_b, k51_down_grad_b_out, cg_tile_of(block - 2u, 1, 2));
+    k48_down_grad_b_tile(k48_down_grad_b_a, k48_down_grad_b_b, k48_down_grad_b_out, cg_tile_of(block - 2u, 1, 2));
 }
 
-// Launch h16_up_grad_a_up_grad_b (backward phase):
+// Launch h13_up_grad_a_up_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k52_up_grad_a
-//   blocks [1, 3): k53_up_grad_b
-CG_KERNEL void __launch_bounds__(256) h16_up_grad_a_up_grad_b(
-    const float* __restrict__ k52_up_grad_a_a,
-    const float* __restrict__ k52_up_grad_a_b,
-    float* __restrict__ k52_up_grad_a_out,
-    const float* __restrict__ k53_up_grad_b_a,
-    const float* __restrict__ k53_up_grad_b_b,
-    float* __restrict__ k53_up_grad_b_out) {
+//   blocks [0, 1): k49_up_grad_a
+//   blocks [1, 3): k50_up_grad_b
+CG_KERNEL void __launch_bounds__(256) h13_up_grad_a_up_grad_b(
+    const float* __restrict__ k49_up_grad_a_a,
+    const float* __restrict__ k49_up_grad_a_b,
+    float* __restrict__ k49_up_grad_a_out,
+    const float* __restrict__ k50_up_grad_b_a,
+    const float* __restrict__ k50_up_grad_b_b,
+    float* __restrict__ k50_up_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k52_up_grad_a_tile(k52_up_grad_a_a, k52_up_grad_a_b, k52_up_grad_a_out, cg_tile_of(block, 1, 1));
+    k49_up_grad_a_tile(k49_up_grad_a_a, k49_up_grad_a_b, k49_up_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k53_up_grad_b_tile(k53_up_grad_b_a, k53_up_grad_b_b, k53_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
+    k50_up_grad_b_tile(k50_up_grad_b_a, k50_up_grad_b_b, k50_up_grad_b_out, cg_tile_of(block - 1u, 2, 1));
 }
 
-// Launch h18_attn_out_grad_a_attn_out_grad_b (backward phase):
+// Launch h15_attn_out_grad_a_attn_out_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k55_attn_out_grad_a
-//   blocks [1, 2): k56_attn_out_grad_b
-CG_KERNEL void __launch_bounds__(256) h18_attn_out_grad_a_attn_out_grad_b(
-    const float* __restrict__ k55_attn_out_grad_a_a,
-    const float* __restrict__ k55_attn_out_grad_a_b,
-    float* __restrict__ k55_attn_out_grad_a_merged_grad_x_out,
-    const float* __restrict__ k56_attn_out_grad_b_a,
-    const float* __restrict__ k56_attn_out_grad_b_b,
-    float* __restrict__ k56_attn_out_grad_b_out) {
+//   blocks [0, 1): k52_attn_out_grad_a
+//   blocks [1, 2): k53_attn_out_grad_b
+CG_KERNEL void __launch_bounds__(256) h15_attn_out_grad_a_attn_out_grad_b(
+    const float* __restrict__ k52_attn_out_grad_a_a,
+    const float* __restrict__ k52_attn_out_grad_a_b,
+    float* __restrict__ k52_attn_out_grad_a_merged_grad_x_out,
+    const float* __restrict__ k53_attn_out_grad_b_a,
+    const float* __restrict__ k53_attn_out_grad_b_b,
+    float* __restrict__ k53_attn_out_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k55_attn_out_grad_a_tile(k55_attn_out_grad_a_a, k55_attn_out_grad_a_b, k55_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
+    k52_attn_out_grad_a_tile(k52_attn_out_grad_a_a, k52_attn_out_grad_a_b, k52_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
   else
-    k56_attn_out_grad_b_tile(k56_attn_out_grad_b_a, k56_attn_out_grad_b_b, k56_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k53_attn_out_grad_b_tile(k53_attn_out_grad_b_a, k53_attn_out_grad_b_b, k53_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h19_context_grad_a_context_grad_b (backward phase):
+// Launch h16_context_grad_a_context_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k57_context_grad_a
-//   blocks [8, 16): k58_context_grad_b
-CG_KERNEL void __launch_bounds__(256) h19_context_grad_a_context_grad_b(
-    const float* __restrict__ k57_context_grad_a_a,
-    const float* __restrict__ k57_context_grad_a_b,
-    float* __restrict__ k57_context_grad_a_out,
-    const float* __restrict__ k58_context_grad_b_a,
-    const float* __restrict__ k58_context_grad_b_b,
-    float* __restrict__ k58_context_grad_b_v_heads_grad_x_out) {
+//   blocks [0, 8): k54_context_grad_a
+//   blocks [8, 16): k55_context_grad_b
+CG_KERNEL void __launch_bounds__(256) h16_context_grad_a_context_grad_b(
+    const float* __restrict__ k54_context_grad_a_a,
+    const float* __restrict__ k54_context_grad_a_b,
+    float* __restrict__ k54_context_grad_a_out,
+    const float* __restrict__ k55_context_grad_b_a,
+    const float* __restrict__ k55_context_grad_b_b,
+    float* __restrict__ k55_context_grad_b_v_heads_grad_x_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k57_context_grad_a_tile(k57_context_grad_a_a, k57_context_grad_a_b, k57_context_grad_a_out, cg_tile_of(block, 1, 1));
+    k54_context_grad_a_tile(k54_context_grad_a_a, k54_context_grad_a_b, k54_context_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k58_context_grad_b_tile(k58_context_grad_b_a, k58_context_grad_b_b, k58_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k55_context_grad_b_tile(k55_context_grad_b_a, k55_context_grad_b_b, k55_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
 }
 
-// Launch h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
+// Launch h18_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 18 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k60_scores_grad_a
-//   blocks [8, 16): k61_scores_grad_b
-//   blocks [16, 17): k62_v_grad_a
-//   blocks [17, 18): k63_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
-    const float* __restrict__ k60_scores_grad_a_a,
-    const float* __restrict__ k60_scores_grad_a_b,
-    float* __restrict__ k60_scores_grad_a_q_heads_grad_x_out,
-    const float* __restrict__ k61_scores_grad_b_a,
-    const float* __restrict__ k61_scores_grad_b_b,
-    float* __restrict__ k61_scores_grad_b_k_heads_grad_x_out,
-    const float* __restrict__ k62_v_grad_a_a,
-    const float* __restrict__ k62_v_grad_a_b,
-    float* __restrict__ k62_v_grad_a_out,
-    const float* __restrict__ k63_v_grad_b_a,
-    const float* __restrict__ k63_v_grad_b_b,
-    float* __restrict__ k63_v_grad_b_out) {
+//   blocks [0, 8): k57_scores_grad_a
+//   blocks [8, 16): k58_scores_grad_b
+//   blocks [16, 17): k59_v_grad_a
+//   blocks [17, 18): k60_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h18_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
+    const float* __restrict__ k57_scores_grad_a_a,
+    const float* __restrict__ k57_scores_grad_a_b,
+    float* __restrict__ k57_scores_grad_a_q_heads_grad_x_out,
+    const float* __restrict__ k58_scores_grad_b_a,
+    const float* __restrict__ k58_scores_grad_b_b,
+    float* __restrict__ k58_scores_grad_b_k_heads_grad_x_out,
+    const float* __restrict__ k59_v_grad_a_a,
+    const float* __restrict__ k59_v_grad_a_b,
+    float* __restrict__ k59_v_grad_a_out,
+    const float* __restrict__ k60_v_grad_b_a,
+    const float* __restrict__ k60_v_grad_b_b,
+    float* __restrict__ k60_v_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k60_scores_grad_a_tile(k60_scores_grad_a_a, k60_scores_grad_a_b, k60_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
+    k57_scores_grad_a_tile(k57_scores_grad_a_a, k57_scores_grad_a_b, k57_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
   else if (block < 16u)
-    k61_scores_grad_b_tile(k61_scores_grad_b_a, k61_scores_grad_b_b, k61_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k58_scores_grad_b_tile(k58_scores_grad_b_a, k58_scores_grad_b_b, k58_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
   else if (block < 17u)
-    k62_v_grad_a_tile(k62_v_grad_a_a, k62_v_grad_a_b, k62_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
+    k59_v_grad_a_tile(k59_v_grad_a_a, k59_v_grad_a_b, k59_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
   else
-    k63_v_grad_b_tile(k63_v_grad_b_a, k63_v_grad_b_b, k63_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
+    k60_v_grad_b_tile(k60_v_grad_b_a, k60_v_grad_b_b, k60_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
 }
 
-// Launch h22_k_grad_a_k_grad_b (backward phase):
+// Launch h19_k_grad_a_k_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k64_k_grad_a
-//   blocks [1, 2): k65_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h22_k_grad_a_k_grad_b(
-    const float* __restrict__ k64_k_grad_a_a,
-    const float* __restrict__ k64_k_grad_a_b,
-    const float* k64_k_grad_a_grad_ln1_out_sum_a,
-    float* k64_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k65_k_grad_b_a,
-    const float* __restrict__ k65_k_grad_b_b,
-    float* __restrict__ k65_k_grad_b_out) {
+//   blocks [0, 1): k61_k_grad_a
+//   blocks [1, 2): k62_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h19_k_grad_a_k_grad_b(
+    const float* __restrict__ k61_k_grad_a_a,
+    const float* __restrict__ k61_k_grad_a_b,
+    const float* k61_k_grad_a_grad_ln1_out_sum_a,
+    float* k61_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k62_k_grad_b_a,
+    const float* __restrict__ k62_k_grad_b_b,
+    float* __restrict__ k62_k_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k64_k_grad_a_tile(k64_k_grad_a_a, k64_k_grad_a_b, k64_k_grad_a_grad_ln1_out_sum_a, k64_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+    k61_k_grad_a_tile(k61_k_grad_a_a, k61_k_grad_a_b, k61_k_grad_a_grad_ln1_out_sum_a, k61_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
   else
-    k65_k_grad_b_tile(k65_k_grad_b_a, k65_k_grad_b_b, k65_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k62_k_grad_b_tile(k62_k_grad_b_a, k62_k_grad_b_b, k62_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h23_q_grad_a_q_grad_b (backward phase):
+// Launch h20_q_grad_a_q_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k66_q_grad_a
-//   blocks [1, 2): k67_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h23_q_grad_a_q_grad_b(
-    const float* __restrict__ k66_q_grad_a_a,
-    const float* __restrict__ k66_q_grad_a_b,
-    const float* k66_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k66_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k67_q_grad_b_a,
-    const float* __restrict__ k67_q_grad_b_b,
-    float* __restrict__ k67_q_grad_b_out) {
+//   blocks [0, 1): k63_q_grad_a
+//   blocks [1, 2): k64_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h20_q_grad_a_q_grad_b(
+    const float* __restrict__ k63_q_grad_a_a,
+    const float* __restrict__ k63_q_grad_a_b,
+    const float* k63_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k63_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k64_q_grad_b_a,
+    const float* __restrict__ k64_q_grad_b_b,
+    float* __restrict__ k64_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k66_q_grad_a_tile(k66_q_grad_a_a, k66_q_grad_a_b, k66_q_grad_a_grad_ln1_out_sum_2_a, k66_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+    k63_q_grad_a_tile(k63_q_grad_a_a, k63_q_grad_a_b, k63_q_grad_a_grad_ln1_out_sum_2_a, k63_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
   else
-    k67_q_grad_b_tile(k67_q_grad_b_a, k67_q_grad_b_b, k67_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k64_q_grad_b_tile(k64_q_grad_b_a, k64_q_grad_b_b, k64_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h23_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k70_embed_w_adamw
-//   blocks [2, 3): k71_ln1_w_adamw
-//   blocks [3, 7): k72_wq_adamw
-//   blocks [7, 11): k73_wk_adamw
-//   blocks [11, 15): k74_wv_adamw
-//   blocks [15, 19): k75_wo_adamw
-//   blocks [19, 20): k76_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k70_embed_w_adamw_param,
-    const float* __restrict__ k70_embed_w_adamw_grad,
-    float* __restrict__ k70_embed_w_adamw_m,
-    float* __restrict__ k70_embed_w_adamw_v,
-    const float* __restrict__ k70_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k70_embed_w_adamw_step_arg,
-    float* __restrict__ k71_ln1_w_adamw_param,
-    const float* __restrict__ k71_ln1_w_adamw_grad,
-    float* __restrict__ k71_ln1_w_adamw_m,
-    float* __restrict__ k71_ln1_w_adamw_v,
-    const float* __restrict__ k71_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k71_ln1_w_adamw_step_arg,
-    float* __restrict__ k72_wq_adamw_param,
-    const float* __restrict__ k72_wq_adamw_grad,
-    float* __restrict__ k72_wq_adamw_m,
-    float* __restrict__ k72_wq_adamw_v,
-    const float* __restrict__ k72_wq_adamw_lr_arg,
-    const long long* __restrict__ k72_wq_adamw_step_arg,
-    float* __restrict__ k73_wk_adamw_param,
-    const float* __restrict__ k73_wk_adamw_grad,
-    float* __restrict__ k73_wk_adamw_m,
-    float* __restrict__ k73_wk_adamw_v,
-    const float* __restrict__ k73_wk_adamw_lr_arg,
-    const long long* __restrict__ k73_wk_adamw_step_arg,
-    float* __restrict__ k74_wv_adamw_param,
-    const float* __restrict__ k74_wv_adamw_grad,
-    float* __restrict__ k74_wv_adamw_m,
-    float* __restrict__ k74_wv_adamw_v,
-    const float* __restrict__ k74_wv_adamw_lr_arg,
-    const long long* __restrict__ k74_wv_adamw_step_arg,
-    float* __restrict__ k75_wo_adamw_param,
-    const float* __restrict__ k75_wo_adamw_grad,
-    float* __restrict__ k75_wo_adamw_m,
-    float* __restrict__ k75_wo_adamw_v,
-    const float* __restrict__ k75_wo_adamw_lr_arg,
-    const long long* __restrict__ k75_wo_adamw_step_arg,
-    float* __restrict__ k76_ln2_w_adamw_param,
-    const float* __restrict__ k76_ln2_w_adamw_grad,
-    float* __restrict__ k76_ln2_w_adamw_m,
-    float* __restrict__ k76_ln2_w_adamw_v,
-    const float* __restrict__ k76_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k76_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k67_embed_w_adamw
+//   blocks [2, 3): k68_ln1_w_adamw
+//   blocks [3, 7): k69_wq_adamw
+//   blocks [7, 11): k70_wk_adamw
+//   blocks [11, 15): k71_wv_adamw
+//   blocks [15, 19): k72_wo_adamw
+//   blocks [19, 20): k73_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h23_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k67_embed_w_adamw_param,
+    const float* __restrict__ k67_embed_w_adamw_grad,
+    float* __restrict__ k67_embed_w_adamw_m,
+    float* __restrict__ k67_embed_w_adamw_v,
+    const float* __restrict__ k67_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k67_embed_w_adamw_step_arg,
+    float* __restrict__ k68_ln1_w_adamw_param,
+    const float* __restrict__ k68_ln1_w_adamw_grad,
+    float* __restrict__ k68_ln1_w_adamw_m,
+    float* __restrict__ k68_ln1_w_adamw_v,
+    const float* __restrict__ k68_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k68_ln1_w_adamw_step_arg,
+    float* __restrict__ k69_wq_adamw_param,
+    const float* __restrict__ k69_wq_adamw_grad,
+    float* __restrict__ k69_wq_adamw_m,
+    float* __restrict__ k69_wq_adamw_v,
+    const float* __restrict__ k69_wq_adamw_lr_arg,
+    const long long* __restrict__ k69_wq_adamw_step_arg,
+    float* __restrict__ k70_wk_adamw_param,
+    const float* __restrict__ k70_wk_adamw_grad,
+    float* __restrict__ k70_wk_adamw_m,
+    float* __restrict__ k70_wk_adamw_v,
+    const float* __restrict__ k70_wk_adamw_lr_arg,
+    const long long* __restrict__ k70_wk_adamw_step_arg,
+    float* __restrict__ k71_wv_adamw_param,
+    const float* __restrict__ k71_wv_adamw_grad,
+    float* __restrict__ k71_wv_adamw_m,
+    float* __restrict__ k71_wv_adamw_v,
+    const float* __restrict__ k71_wv_adamw_lr_arg,
+    const long long* __restrict__ k71_wv_adamw_step_arg,
+    float* __restrict__ k72_wo_adamw_param,
+    const float* __restrict__ k72_wo_adamw_grad,
+    float* __restrict__ k72_wo_adamw_m,
+    float* __restrict__ k72_wo_adamw_v,
+    const float* __restrict__ k72_wo_adamw_lr_arg,
+    const long long* __restrict__ k72_wo_adamw_step_arg,
+    float* __restrict__ k73_ln2_w_adamw_param,
+    const float* __restrict__ k73_ln2_w_adamw_grad,
+    float* __restrict__ k73_ln2_w_adamw_m,
+    float* __restrict__ k73_ln2_w_adamw_v,
+    const float* __restrict__ k73_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k73_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k70_embed_w_adamw_tile(k70_embed_w_adamw_param, k70_embed_w_adamw_grad, k70_embed_w_adamw_m, k70_embed_w_adamw_v, k70_embed_w_adamw_lr_arg, k70_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k67_embed_w_adamw_tile(k67_embed_w_adamw_param, k67_embed_w_adamw_grad, k67_embed_w_adamw_m, k67_embed_w_adamw_v, k67_embed_w_adamw_lr_arg, k67_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k71_ln1_w_adamw_tile(k71_ln1_w_adamw_param, k71_ln1_w_adamw_grad, k71_ln1_w_adamw_m, k71_ln1_w_adamw_v, k71_ln1_w_adamw_lr_arg, k71_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k68_ln1_w_adamw_tile(k68_ln1_w_adamw_param, k68_ln1_w_adamw_grad, k68_ln1_w_adamw_m, k68_ln1_w_adamw_v, k68_ln1_w_adamw_lr_arg, k68_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k72_wq_adamw_tile(k72_wq_adamw_param, k72_wq_adamw_grad, k72_wq_adamw_m, k72_wq_adamw_v, k72_wq_adamw_lr_arg, k72_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k69_wq_adamw_tile(k69_wq_adamw_param, k69_wq_adamw_grad, k69_wq_adamw_m, k69_wq_adamw_v, k69_wq_adamw_lr_arg, k69_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k73_wk_adamw_tile(k73_wk_adamw_param, k73_wk_adamw_grad, k73_wk_adamw_m, k73_wk_adamw_v, k73_wk_adamw_lr_arg, k73_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k70_wk_adamw_tile(k70_wk_adamw_param, k70_wk_adamw_grad, k70_wk_adamw_m, k70_wk_adamw_v, k70_wk_adamw_lr_arg, k70_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k74_wv_adamw_tile(k74_wv_adamw_param, k74_wv_adamw_grad, k74_wv_adamw_m, k74_wv_adamw_v, k74_wv_adamw_lr_arg, k74_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k71_wv_adamw_tile(k71_wv_adamw_param, k71_wv_adamw_grad, k71_wv_adamw_m, k71_wv_adamw_v, k71_wv_adamw_lr_arg, k71_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k75_wo_adamw_tile(k75_wo_adamw_param, k75_wo_adamw_grad, k75_wo_adamw_m, k75_wo_adamw_v, k75_wo_adamw_lr_arg, k75_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k72_wo_adamw_tile(k72_wo_adamw_param, k72_wo_adamw_grad, k72_wo_adamw_m, k72_wo_adamw_v, k72_wo_adamw_lr_arg, k72_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k76_ln2_w_adamw_tile(k76_ln2_w_adamw_param, k76_ln2_w_adamw_grad, k76_ln2_w_adamw_m, k76_ln2_w_adamw_v, k76_ln2_w_adamw_lr_arg, k76_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k73_ln2_w_adamw_tile(k73_ln2_w_adamw_param, k73_ln2_w_adamw_grad, k73_ln2_w_adamw_m, k73_ln2_w_adamw_v, k73_ln2_w_adamw_lr_arg, k73_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h24_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k77_w_up_adamw
-//   blocks [8, 16): k78_w_down_adamw
-//   blocks [16, 17): k79_lnf_w_adamw
-//   blocks [17, 19): k80_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k77_w_up_adamw_param,
-    const float* __restrict__ k77_w_up_adamw_grad,
-    float* __restrict__ k77_w_up_adamw_m,
-    float* __restrict__ k77_w_up_adamw_v,
-    const float* __restrict__ k77_w_up_adamw_lr_arg,
-    const long long* __restrict__ k77_w_up_adamw_step_arg,
-    float* __restrict__ k78_w_down_adamw_param,
-    const float* __restrict__ k78_w_down_adamw_grad,
-    float* __restrict__ k78_w_down_adamw_m,
-    float* __restrict__ k78_w_down_adamw_v,
-    const float* __restrict__ k78_w_down_adamw_lr_arg,
-    const long long* __restrict__ k78_w_down_adamw_step_arg,
-    float* __restrict__ k79_lnf_w_adamw_param,
-    const float* __restrict__ k79_lnf_w_adamw_grad,
-    float* __restrict__ k79_lnf_w_adamw_m,
-    float* __restrict__ k79_lnf_w_adamw_v,
-    const float* __restrict__ k79_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k79_lnf_w_adamw_step_arg,
-    float* __restrict__ k80_w_head_adamw_param,
-    const float* __restrict__ k80_w_head_adamw_grad,
-    float* __restrict__ k80_w_head_adamw_m,
-    float* __restrict__ k80_w_head_adamw_v,
-    const float* __restrict__ k80_w_head_adamw_lr_arg,
-    const long long* __restrict__ k80_w_head_adamw_step_arg) {
+//   blocks [0, 8): k74_w_up_adamw
+//   blocks [8, 16): k75_w_down_adamw
+//   blocks [16, 17): k76_lnf_w_adamw
+//   blocks [17, 19): k77_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h24_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k74_w_up_adamw_param,
+    const float* __restrict__ k74_w_up_adamw_grad,
+    float* __restrict__ k74_w_up_adamw_m,
+    float* __restrict__ k74_w_up_adamw_v,
+    const float* __restrict__ k74_w_up_adamw_lr_arg,
+    const long long* __restrict__ k74_w_up_adamw_step_arg,
+    float* __restrict__ k75_w_down_adamw_param,
+    const float* __restrict__ k75_w_down_adamw_grad,
+    float* __restrict__ k75_w_down_adamw_m,
+    float* __restrict__ k75_w_down_adamw_v,
+    const float* __restrict__ k75_w_down_adamw_lr_arg,
+    const long long* __restrict__ k75_w_down_adamw_step_arg,
+    float* __restrict__ k76_lnf_w_adamw_param,
+    const float* __restrict__ k76_lnf_w_adamw_grad,
+    float* __restrict__ k76_lnf_w_adamw_m,
+    float* __restrict__ k76_lnf_w_adamw_v,
+    const float* __restrict__ k76_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k76_lnf_w_adamw_step_arg,
+    float* __restrict__ k77_w_head_adamw_param,
+    const float* __restrict__ k77_w_head_adamw_grad,
+    float* __restrict__ k77_w_head_adamw_m,
+    float* __restrict__ k77_w_head_adamw_v,
+    const float* __restrict__ k77_w_head_adamw_lr_arg,
+    const long long* __restrict__ k77_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k77_w_up_adamw_tile(k77_w_up_adamw_param, k77_w_up_adamw_grad, k77_w_up_adamw_m, k77_w_up_adamw_v, k77_w_up_adamw_lr_arg, k77_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k74_w_up_adamw_tile(k74_w_up_adamw_param, k74_w_up_adamw_grad, k74_w_up_adamw_m, k74_w_up_adamw_v, k74_w_up_adamw_lr_arg, k74_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k78_w_down_adamw_tile(k78_w_down_adamw_param, k78_w_down_adamw_grad, k78_w_down_adamw_m, k78_w_down_adamw_v, k78_w_down_adamw_lr_arg, k78_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k75_w_down_adamw_tile(k75_w_down_adamw_param, k75_w_down_adamw_grad, k75_w_down_adamw_m, k75_w_down_adamw_v, k75_w_down_adamw_lr_arg, k75_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k79_lnf_w_adamw_tile(k79_lnf_w_adamw_param, k79_lnf_w_adamw_grad, k79_lnf_w_adamw_m, k79_lnf_w_adamw_v, k79_lnf_w_adamw_lr_arg, k79_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k76_lnf_w_adamw_tile(k76_lnf_w_adamw_param, k76_lnf_w_adamw_grad, k76_lnf_w_adamw_m, k76_lnf_w_adamw_v, k76_lnf_w_adamw_lr_arg, k76_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k80_w_head_adamw_tile(k80_w_head_adamw_param, k80_w_head_adamw_grad, k80_w_head_adamw_m, k80_w_head_adamw_v, k80_w_head_adamw_lr_arg, k80_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k77_w_head_adamw_tile(k77_w_head_adamw_param, k77_w_head_adamw_grad, k77_w_head_adamw_m, k77_w_head_adamw_v, k77_w_head_adamw_lr_arg, k77_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2617,84 +2640,77 @@ static const cudagen_tensor_info k33_embed_tensors[] = {
     {"ids", "embed.ids", 161536ull, 64ull},
     {"out", "embed.out", 145664ull, 2048ull},
 };
-static const cudagen_tensor_info k34_ln1_tensors[] = {
-    {"x", "embed.out", 145664ull, 2048ull},
-    {"weight", "ln1_w.out", 2048ull, 128ull},
-    {"out", "ln1.out", 147712ull, 2048ull},
-    {"rstd", "ln1.rstd", 162048ull, 64ull},
+static const cudagen_tensor_info h2_q_k_v_tensors[] = {
+    {"k34_q_b", "wq.out", 2304ull, 4096ull},
+    {"k34_q_ln1_x", "embed.out", 145664ull, 2048ull},
+    {"k34_q_ln1_weight", "ln1_w.out", 2048ull, 128ull},
+    {"k34_q_ln1_out", "ln1.out", 147712ull, 2048ull},
+    {"k34_q_ln1_rstd", "ln1.rstd", 162048ull, 64ull},
+    {"k34_q_q_heads_out", "q_heads.out", 137472ull, 2048ull},
+    {"k35_k_b", "wk.out", 6400ull, 4096ull},
+    {"k35_k_ln1_x", "embed.out", 145664ull, 2048ull},
+    {"k35_k_ln1_weight", "ln1_w.out", 2048ull, 128ull},
+    {"k35_k_k_heads_out", "k_heads.out", 139520ull, 2048ull},
+    {"k36_v_b", "wv.out", 10496ull, 4096ull},
+    {"k36_v_ln1_x", "embed.out", 145664ull, 2048ull},
+    {"k36_v_ln1_weight", "ln1_w.out", 2048ull, 128ull},
+    {"k36_v_v_heads_out", "v_heads.out", 133376ull, 2048ull},
 };
-static const cudagen_tensor_info h3_q_k_v_tensors[] = {
-    {"k35_q_a", "ln1.out", 147712ull, 2048ull},
-    {"k35_q_b", "wq.out", 2304ull, 4096ull},
-    {"k35_q_q_heads_out", "q_heads.out", 137472ull, 2048ull},
-    {"k36_k_a", "ln1.out", 147712ull, 2048ull},
-    {"k36_k_b", "wk.out", 6400ull, 4096ull},
-    {"k36_k_k_heads_out", "k_heads.out", 139520ull, 2048ull},
-    {"k37_v_a", "ln1.out", 147712ull, 2048ull},
-    {"k37_v_b", "wv.out", 10496ull, 4096ull},
-    {"k37_v_v_heads_out", "v_heads.out", 133376ull, 2048ull},
-};
-static const cudagen_tensor_info k38_scores_tensors[] = {
+static const cudagen_tensor_info k37_scores_tensors[] = {
     {"q", "q_heads.out", 137472ull, 2048ull},
     {"k", "k_heads.out", 139520ull, 2048ull},
     {"v", "v_heads.out", 133376ull, 2048ull},
     {"probs", "probs.out", 135424ull, 2048ull},
     {"merged_out", "merged.out", 141568ull, 2048ull},
 };
-static const cudagen_tensor_info k39_attn_out_tensors[] = {
+static const cudagen_tensor_info k38_attn_out_tensors[] = {
     {"a", "merged.out", 141568ull, 2048ull},
     {"b", "wo.out", 14592ull, 4096ull},
     {"res1_a", "embed.out", 145664ull, 2048ull},
     {"res1_out", "res1.out", 143616ull, 2048ull},
 };
-static const cudagen_tensor_info k40_ln2_tensors[] = {
-    {"x", "res1.out", 143616ull, 2048ull},
-    {"weight", "ln2_w.out", 18688ull, 128ull},
-    {"out", "ln2.out", 149760ull, 2048ull},
-    {"rstd", "ln2.rstd", 157952ull, 64ull},
-};
-static const cudagen_tensor_info k41_up_tensors[] = {
-    {"a", "ln2.out", 149760ull, 2048ull},
+static const cudagen_tensor_info k39_up_tensors[] = {
     {"b", "w_up.out", 18944ull, 8192ull},
     {"out", "up.out", 121088ull, 4096ull},
+    {"ln2_x", "res1.out", 143616ull, 2048ull},
+    {"ln2_weight", "ln2_w.out", 18688ull, 128ull},
+    {"ln2_out", "ln2.out", 149760ull, 2048ull},
+    {"ln2_rstd", "ln2.rstd", 157952ull, 64ull},
     {"act_out", "act.out", 125184ull, 4096ull},
 };
-static const cudagen_tensor_info k42_down_tensors[] = {
+static const cudagen_tensor_info k40_down_tensors[] = {
     {"a", "act.out", 125184ull, 4096ull},
     {"b", "w_down.out", 27136ull, 8192ull},
     {"res2_a", "res1.out", 143616ull, 2048ull},
     {"res2_out", "res2.out", 129280ull, 2048ull},
 };
-static const cudagen_tensor_info k43_lnf_tensors[] = {
-    {"x", "res2.out", 129280ull, 2048ull},
-    {"weight", "lnf_w.out", 35328ull, 128ull},
-    {"out", "lnf.out", 131328ull, 2048ull},
-    {"rstd", "lnf.rstd", 161280ull, 64ull},
-};
-static const cudagen_tensor_info k44_head_tensors[] = {
-    {"a", "lnf.out", 131328ull, 2048ull},
+static const cudagen_tensor_info k41_head_tensors[] = {
     {"b", "w_head.out", 35584ull, 2048ull},
     {"out", "head.out", 160000ull, 1024ull},
+    {"lnf_x", "res2.out", 129280ull, 2048ull},
+    {"lnf_weight", "lnf_w.out", 35328ull, 128ull},
+    {"lnf_out", "lnf.out", 131328ull, 2048ull},
+    {"lnf_rstd", "lnf.rstd", 161280ull, 64ull},
 };
-static const cudagen_tensor_info k45_loss_tensors[] = {
+static const cudagen_tensor_info k42_loss_tensors[] = {
     {"logits", "head.out", 160000ull, 1024ull},
     {"labels", "loss.labels", 161792ull, 64ull},
     {"loss", "loss.loss", 162304ull, 4ull},
 };
-static const cudagen_tensor_info k46_loss_backward_tensors[] = {
+static const cudagen_tensor_info k43_loss_backward_tensors[] = {
     {"logits", "head.out", 160000ull, 1024ull},
     {"labels", "loss.labels", 161792ull, 64ull},
     {"dlogits", "loss_backward.dlogits", 114944ull, 1024ull},
 };
-static const cudagen_tensor_info h13_head_grad_a_head_grad_b_tensors[] = {
-    {"k47_head_grad_a_a", "loss_backward.dlogits", 114944ull, 1024ull},
-    {"k47_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
-    {"k47_head_grad_a_out", "head_grad_a.out", 112896ull, 2048ull},
-    {"k48_head_grad_b_a", "head_grad_b_a_rows.out", 131328ull, 2048ull},
-    {"k48_head_grad_b_b", "head_grad_b_dout_rows.out", 114944ull, 1024ull},
-    {"k48_head_grad_b_out", "head_grad_b.out", 151808ull, 2048ull},
+static const cudagen_tensor_info h10_head_grad_a_head_grad_b_tensors[] = {
+    {"k44_head_grad_a_a", "loss_backward.dlogits", 114944ull, 1024ull},
+    {"k44_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
+    {"k44_head_grad_a_out", "head_grad_a.out", 112896ull, 2048ull},
+    {"k45_head_grad_b_a", "head_grad_b_a_rows.out", 131328ull, 2048ull},
+    {"k45_head_grad_b_b", "head_grad_b_dout_rows.out", 114944ull, 1024ull},
+    {"k45_head_grad_b_out", "head_grad_b.out", 151808ull, 2048ull},
 };
-static const cudagen_tensor_info k49_lnf_backward_tensors[] = {
+static const cudagen_tensor_info k46_lnf_backward_tensors[] = {
     {"x", "res2.out", 129280ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
     {"rstd", "lnf.rstd", 161280ull, 64ull},
@@ -2702,24 +2718,24 @@ static const cudagen_tensor_info k49_lnf_backward_tensors[] = {
     {"dx", "lnf_backward.dx", 153856ull, 2048ull},
     {"dweight", "lnf_backward.dweight", 161024ull, 128ull},
 };
-static const cudagen_tensor_info h15_down_grad_a_down_grad_b_tensors[] = {
-    {"k50_down_grad_a_a", "lnf_backward.dx", 153856ull, 2048ull},
-    {"k50_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
-    {"k50_down_grad_a_act_backward_x", "up.out", 121088ull, 4096ull},
-    {"k50_down_grad_a_act_backward_dx", "act_backward.dx", 129280ull, 4096ull},
-    {"k51_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
-    {"k51_down_grad_b_b", "down_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k51_down_grad_b_out", "down_grad_b.out", 112896ull, 8192ull},
+static const cudagen_tensor_info h12_down_grad_a_down_grad_b_tensors[] = {
+    {"k47_down_grad_a_a", "lnf_backward.dx", 153856ull, 2048ull},
+    {"k47_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
+    {"k47_down_grad_a_act_backward_x", "up.out", 121088ull, 4096ull},
+    {"k47_down_grad_a_act_backward_dx", "act_backward.dx", 129280ull, 4096ull},
+    {"k48_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
+    {"k48_down_grad_b_b", "down_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k48_down_grad_b_out", "down_grad_b.out", 112896ull, 8192ull},
 };
-static const cudagen_tensor_info h16_up_grad_a_up_grad_b_tensors[] = {
-    {"k52_up_grad_a_a", "act_backward.dx", 129280ull, 4096ull},
-    {"k52_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
-    {"k52_up_grad_a_out", "up_grad_a.out", 155904ull, 2048ull},
-    {"k53_up_grad_b_a", "up_grad_b_a_rows.out", 149760ull, 2048ull},
-    {"k53_up_grad_b_b", "up_grad_b_dout_rows.out", 129280ull, 4096ull},
-    {"k53_up_grad_b_out", "up_grad_b.out", 121088ull, 8192ull},
+static const cudagen_tensor_info h13_up_grad_a_up_grad_b_tensors[] = {
+    {"k49_up_grad_a_a", "act_backward.dx", 129280ull, 4096ull},
+    {"k49_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
+    {"k49_up_grad_a_out", "up_grad_a.out", 155904ull, 2048ull},
+    {"k50_up_grad_b_a", "up_grad_b_a_rows.out", 149760ull, 2048ull},
+    {"k50_up_grad_b_b", "up_grad_b_dout_rows.out", 129280ull, 4096ull},
+    {"k50_up_grad_b_out", "up_grad_b.out", 121088ull, 8192ull},
 };
-static const cudagen_tensor_info k54_ln2_backward_tensors[] = {
+static const cudagen_tensor_info k51_ln2_backward_tensors[] = {
     {"x", "res1.out", 143616ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
     {"rstd", "ln2.rstd", 157952ull, 64ull},
@@ -2728,60 +2744,60 @@ static const cudagen_tensor_info k54_ln2_backward_tensors[] = {
     {"grad_res1_out_sum_a", "lnf_backward.dx", 153856ull, 2048ull},
     {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 149760ull, 2048ull},
 };
-static const cudagen_tensor_info h18_attn_out_grad_a_attn_out_grad_b_tensors[] = {
-    {"k55_attn_out_grad_a_a", "grad_res1_out_sum.out", 149760ull, 2048ull},
-    {"k55_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
-    {"k55_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k56_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
-    {"k56_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k56_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
+static const cudagen_tensor_info h15_attn_out_grad_a_attn_out_grad_b_tensors[] = {
+    {"k52_attn_out_grad_a_a", "grad_res1_out_sum.out", 149760ull, 2048ull},
+    {"k52_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
+    {"k52_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k53_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
+    {"k53_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 149760ull, 2048ull},
+    {"k53_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
 };
-static const cudagen_tensor_info h19_context_grad_a_context_grad_b_tensors[] = {
-    {"k57_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k57_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
-    {"k57_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
-    {"k58_context_grad_b_a", "probs.out", 135424ull, 2048ull},
-    {"k58_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k58_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 153856ull, 2048ull},
+static const cudagen_tensor_info h16_context_grad_a_context_grad_b_tensors[] = {
+    {"k54_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k54_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
+    {"k54_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
+    {"k55_context_grad_b_a", "probs.out", 135424ull, 2048ull},
+    {"k55_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k55_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 153856ull, 2048ull},
 };
-static const cudagen_tensor_info k59_probs_backward_tensors[] = {
+static const cudagen_tensor_info k56_probs_backward_tensors[] = {
     {"out", "probs.out", 135424ull, 2048ull},
     {"dout", "context_grad_a.out", 141568ull, 2048ull},
     {"dx", "probs_backward.dx", 143616ull, 2048ull},
 };
-static const cudagen_tensor_info h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k60_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k60_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
-    {"k60_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 157952ull, 2048ull},
-    {"k61_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k61_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
-    {"k61_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k62_v_grad_a_a", "v_heads_grad_x.out", 153856ull, 2048ull},
-    {"k62_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k62_v_grad_a_out", "v_grad_a.out", 155904ull, 2048ull},
-    {"k63_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k63_v_grad_b_b", "v_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k63_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+static const cudagen_tensor_info h18_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
+    {"k57_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k57_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
+    {"k57_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 157952ull, 2048ull},
+    {"k58_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k58_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
+    {"k58_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k59_v_grad_a_a", "v_heads_grad_x.out", 153856ull, 2048ull},
+    {"k59_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k59_v_grad_a_out", "v_grad_a.out", 155904ull, 2048ull},
+    {"k60_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k60_v_grad_b_b", "v_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k60_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
 };
-static const cudagen_tensor_info h22_k_grad_a_k_grad_b_tensors[] = {
-    {"k64_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k64_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k64_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 155904ull, 2048ull},
-    {"k64_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 155904ull, 2048ull},
-    {"k65_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k65_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
-    {"k65_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
+static const cudagen_tensor_info h19_k_grad_a_k_grad_b_tensors[] = {
+    {"k61_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k61_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k61_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 155904ull, 2048ull},
+    {"k61_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k62_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k62_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
+    {"k62_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
 };
-static const cudagen_tensor_info h23_q_grad_a_q_grad_b_tensors[] = {
-    {"k66_q_grad_a_a", "q_heads_grad_x.out", 157952ull, 2048ull},
-    {"k66_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k66_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 155904ull, 2048ull},
-    {"k66_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
-    {"k67_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k67_q_grad_b_b", "q_grad_b_dout_rows.out", 157952ull, 2048ull},
-    {"k67_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
+static const cudagen_tensor_info h20_q_grad_a_q_grad_b_tensors[] = {
+    {"k63_q_grad_a_a", "q_heads_grad_x.out", 157952ull, 2048ull},
+    {"k63_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k63_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k63_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
+    {"k64_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k64_q_grad_b_b", "q_grad_b_dout_rows.out", 157952ull, 2048ull},
+    {"k64_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
 };
-static const cudagen_tensor_info k68_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k65_ln1_backward_tensors[] = {
     {"x", "embed.out", 145664ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
     {"rstd", "ln1.rstd", 162048ull, 64ull},
@@ -2790,80 +2806,80 @@ static const cudagen_tensor_info k68_ln1_backward_tensors[] = {
     {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 149760ull, 2048ull},
     {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 147712ull, 2048ull},
 };
-static const cudagen_tensor_info k69_embed_backward_tensors[] = {
+static const cudagen_tensor_info k66_embed_backward_tensors[] = {
     {"ids", "embed.ids", 161536ull, 64ull},
     {"dout", "grad_embed_out_sum.out", 147712ull, 2048ull},
     {"dtable", "embed_backward.dtable", 145664ull, 2048ull},
 };
-static const cudagen_tensor_info h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k70_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k70_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
-    {"k70_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k70_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k70_embed_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k70_embed_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k71_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k71_ln1_w_adamw_grad", "ln1_backward.dweight", 153856ull, 128ull},
-    {"k71_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k71_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k71_ln1_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k71_ln1_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k72_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k72_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
-    {"k72_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k72_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k72_wq_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k72_wq_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k73_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k73_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
-    {"k73_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k73_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k73_wk_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k73_wk_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k74_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k74_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
-    {"k74_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k74_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k74_wv_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k74_wv_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k75_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k75_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
-    {"k75_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k75_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k75_wo_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k75_wo_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k76_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k76_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
-    {"k76_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k76_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k76_ln2_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k76_ln2_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h23_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k67_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k67_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
+    {"k67_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k67_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k67_embed_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k67_embed_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k68_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k68_ln1_w_adamw_grad", "ln1_backward.dweight", 153856ull, 128ull},
+    {"k68_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k68_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k68_ln1_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k68_ln1_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k69_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k69_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k69_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k69_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k69_wq_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k69_wq_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k70_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k70_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k70_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k70_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k70_wk_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k70_wk_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k71_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k71_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k71_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k71_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k71_wv_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k71_wv_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k72_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k72_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k72_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k72_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k72_wo_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k72_wo_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k73_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k73_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
+    {"k73_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k73_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k73_ln2_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k73_ln2_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k77_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k77_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
-    {"k77_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k77_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k77_w_up_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k77_w_up_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k78_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k78_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
-    {"k78_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k78_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k78_w_down_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k78_w_down_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k79_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k79_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
-    {"k79_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k79_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k79_lnf_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k79_lnf_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
-    {"k80_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k80_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
-    {"k80_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k80_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k80_w_head_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
-    {"k80_w_head_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h24_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k74_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k74_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k74_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k74_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k74_w_up_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k74_w_up_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k75_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k75_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k75_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k75_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k75_w_down_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k75_w_down_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k76_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k76_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
+    {"k76_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k76_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k76_lnf_w_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k76_lnf_w_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
+    {"k77_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k77_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k77_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k77_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k77_w_head_adamw_lr", "embed_w_adamw.lr", 162560ull, 8ull},  // run-time argument
+    {"k77_w_head_adamw_step", "embed_w_adamw.step", 162568ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2875,65 +2891,59 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
                  (const float*)(arena + 0), (const int*)(arena + 161536), (float*)(arena + 145664));
-  CUDAGEN_LAUNCH(k34_ln1, dim3(16, 1, 1), dim3(32), 128, k34_ln1_tensors,
-                 (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 147712), (float*)(arena + 162048));
-  CUDAGEN_LAUNCH(h3_q_k_v, dim3(3, 1, 1), dim3(256), 4288, h3_q_k_v_tensors,
-                 (const float*)(arena + 147712), (const float*)(arena + 2304), (float*)(arena + 137472), (const float*)(arena + 147712), (const float*)(arena + 6400), (float*)(arena + 139520), (const float*)(arena + 147712), (const float*)(arena + 10496), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(k38_scores, dim3(8, 1, 1), dim3(256), 1024, k38_scores_tensors,
+  CUDAGEN_LAUNCH(h2_q_k_v, dim3(3, 1, 1), dim3(256), 8640, h2_q_k_v_tensors,
+                 (const float*)(arena + 2304), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 147712), (float*)(arena + 162048), (float*)(arena + 137472), (const float*)(arena + 6400), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 139520), (const float*)(arena + 10496), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 133376));
+  CUDAGEN_LAUNCH(k37_scores, dim3(8, 1, 1), dim3(256), 1024, k37_scores_tensors,
                  (const float*)(arena + 137472), (const float*)(arena + 139520), (const float*)(arena + 133376), (float*)(arena + 135424), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k39_attn_out, dim3(1, 1, 1), dim3(256), 4288, k39_attn_out_tensors,
+  CUDAGEN_LAUNCH(k38_attn_out, dim3(1, 1, 1), dim3(256), 4288, k38_attn_out_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 14592), (const float*)(arena + 145664), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(k40_ln2, dim3(16, 1, 1), dim3(32), 128, k40_ln2_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 157952));
-  CUDAGEN_LAUNCH(k41_up, dim3(2, 1, 1), dim3(256), 4288, k41_up_tensors,
-                 (const float*)(arena + 149760), (const float*)(arena + 18944), (float*)(arena + 121088), (float*)(arena + 125184));
-  CUDAGEN_LAUNCH(k42_down, dim3(1, 1, 1), dim3(256), 4288, k42_down_tensors,
+  CUDAGEN_LAUNCH(k39_up, dim3(2, 1, 1), dim3(256), 8640, k39_up_tensors,
+                 (const float*)(arena + 18944), (float*)(arena + 121088), (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 157952), (float*)(arena + 125184));
+  CUDAGEN_LAUNCH(k40_down, dim3(1, 1, 1), dim3(256), 4288, k40_down_tensors,
                  (const float*)(arena + 125184), (const float*)(arena + 27136), (const float*)(arena + 143616), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(k43_lnf, dim3(16, 1, 1), dim3(32), 128, k43_lnf_tensors,
-                 (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 161280));
-  CUDAGEN_LAUNCH(k44_head, dim3(1, 1, 1), dim3(256), 4288, k44_head_tensors,
-                 (const float*)(arena + 131328), (const float*)(arena + 35584), (float*)(arena + 160000));
-  CUDAGEN_LAUNCH(k45_loss, dim3(1, 1, 1), dim3(32), 128, k45_loss_tensors,
+  CUDAGEN_LAUNCH(k41_head, dim3(1, 1, 1), dim3(256), 8640, k41_head_tensors,
+                 (const float*)(arena + 35584), (float*)(arena + 160000), (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 161280));
+  CUDAGEN_LAUNCH(k42_loss, dim3(1, 1, 1), dim3(32), 128, k42_loss_tensors,
                  (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 162304));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k46_loss_backward, dim3(16, 1, 1), dim3(32), 128, k46_loss_backward_tensors,
+  CUDAGEN_LAUNCH(k43_loss_backward, dim3(16, 1, 1), dim3(32), 128, k43_loss_backward_tensors,
                  (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 114944));
-  CUDAGEN_LAUNCH(h13_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h13_head_grad_a_head_grad_b_tensors,
+  CUDAGEN_LAUNCH(h10_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h10_head_grad_a_head_grad_b_tensors,
                  (const float*)(arena + 114944), (const float*)(arena + 35584), (float*)(arena + 112896), (const float*)(arena + 131328), (const float*)(arena + 114944), (float*)(arena + 151808));
-  CUDAGEN_LAUNCH(k49_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k49_lnf_backward_tensors,
+  CUDAGEN_LAUNCH(k46_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k46_lnf_backward_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 35328), (const float*)(arena + 161280), (const float*)(arena + 112896), (float*)(arena + 153856), (float*)(arena + 161024));
-  CUDAGEN_LAUNCH(h15_down_grad_a_down_grad_b, dim3(4, 1, 1), dim3(256), 4288, h15_down_grad_a_down_grad_b_tensors,
+  CUDAGEN_LAUNCH(h12_down_grad_a_down_grad_b, dim3(4, 1, 1), dim3(256), 4288, h12_down_grad_a_down_grad_b_tensors,
                  (const float*)(arena + 153856), (const float*)(arena + 27136), (const float*)(arena + 121088), (float*)(arena + 129280), (const float*)(arena + 125184), (const float*)(arena + 153856), (float*)(arena + 112896));
-  CUDAGEN_LAUNCH(h16_up_grad_a_up_grad_b, dim3(3, 1, 1), dim3(256), 4288, h16_up_grad_a_up_grad_b_tensors,
+  CUDAGEN_LAUNCH(h13_up_grad_a_up_grad_b, dim3(3, 1, 1), dim3(256), 4288, h13_up_grad_a_up_grad_b_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 18944), (float*)(arena + 155904), (const float*)(arena + 149760), (const float*)(arena + 129280), (float*)(arena + 121088));
-  CUDAGEN_LAUNCH(k54_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k54_ln2_backward_tensors,
+  CUDAGEN_LAUNCH(k51_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k51_ln2_backward_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 157952), (const float*)(arena + 155904), (float*)(arena + 161280), (const float*)(arena + 153856), (float*)(arena + 149760));
-  CUDAGEN_LAUNCH(h18_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h18_attn_out_grad_a_attn_out_grad_b_tensors,
+  CUDAGEN_LAUNCH(h15_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h15_attn_out_grad_a_attn_out_grad_b_tensors,
                  (const float*)(arena + 149760), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 149760), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(h19_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h19_context_grad_a_context_grad_b_tensors,
+  CUDAGEN_LAUNCH(h16_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h16_context_grad_a_context_grad_b_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 133376), (float*)(arena + 141568), (const float*)(arena + 135424), (const float*)(arena + 143616), (float*)(arena + 153856));
-  CUDAGEN_LAUNCH(k59_probs_backward, dim3(64, 1, 1), dim3(32), 128, k59_probs_backward_tensors,
+  CUDAGEN_LAUNCH(k56_probs_backward, dim3(64, 1, 1), dim3(32), 128, k56_probs_backward_tensors,
                  (const float*)(arena + 135424), (const float*)(arena + 141568), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h21_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h18_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h18_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 139520), (float*)(arena + 157952), (const float*)(arena + 143616), (const float*)(arena + 137472), (float*)(arena + 141568), (const float*)(arena + 153856), (const float*)(arena + 10496), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h22_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h22_k_grad_a_k_grad_b_tensors,
+  CUDAGEN_LAUNCH(h19_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h19_k_grad_a_k_grad_b_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 6400), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(h23_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h23_q_grad_a_q_grad_b_tensors,
+  CUDAGEN_LAUNCH(h20_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h20_q_grad_a_q_grad_b_tensors,
                  (const float*)(arena + 157952), (const float*)(arena + 2304), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k68_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k68_ln1_backward_tensors,
+  CUDAGEN_LAUNCH(k65_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k65_ln1_backward_tensors,
                  (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 155904), (float*)(arena + 153856), (const float*)(arena + 149760), (float*)(arena + 147712));
-  CUDAGEN_LAUNCH(k69_embed_backward, dim3(16, 1, 1), dim3(32), 0, k69_embed_backward_tensors,
+  CUDAGEN_LAUNCH(k66_embed_backward, dim3(16, 1, 1), dim3(32), 0, k66_embed_backward_tensors,
                  (const int*)(arena + 161536), (const float*)(arena + 147712), (float*)(arena + 145664));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h26_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+  CUDAGEN_LAUNCH(h23_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h23_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2048), (const float*)(arena + 153856), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162560), (const long long*)(arena + 162568));
-  CUDAGEN_LAUNCH(h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h27_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h24_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h24_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
                  (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 35328), (const float*)(arena + 161024), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 162560), (const long long*)(arena + 162568), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 162560), (const long long*)(arena + 162568));
   return 0;
 }

@@ -587,17 +587,18 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/rmsnorm.cuh:40
+// templates/rmsnorm.cuh:41
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
-// too (staged_weight, n floats): what a matmul that reads the norm's output
-// as its left operand loads its tiles from (fuse.h, rule norm_prologue), so
-// that the norm runs no kernel and each row is read once per block. One
-// warp per row; load(row, j) reads x, weight(j) the weight. Every thread
-// calls it; it ends with the block synchronised.
+// too (staged_weight, n floats), and each row's rstd where staged_rstd is not
+// null: what a matmul that reads the norm's output as its left operand loads
+// its tiles from (fuse.h, rule norm_prologue), so that the norm runs no
+// kernel and each row is read once per block. One warp per row; load(row, j)
+// reads x, weight(j) the weight. Every thread calls it; it ends with the
+// block synchronised.
 template <typename Load, typename Weight>
 CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int rows, cg_i64 last, int n, float eps,
-                                     float* staged, float* staged_weight) {
+                                     float* staged, float* staged_weight, float* staged_rstd) {
   for (int j = threadIdx.x; j < n; j += blockDim.x) staged_weight[j] = weight(j);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -611,6 +612,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
     }
     const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
     for (int j = lane; j < n; j += 32) row[j] = row[j] * rstd * staged_weight[j];
+    if (staged_rstd != nullptr && lane == 0) staged_rstd[r] = rstd;
   }
   __syncthreads();
 }
@@ -786,7 +788,7 @@ CG_DEVICE void k8_q_tile(const float* b, const float* ln1_x, const float* ln1_we
   float* cg_normed = (float*)(cg_smem + 4288);
   const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
@@ -812,7 +814,7 @@ CG_DEVICE void k9_k_tile(const float* b, const float* ln1_x, const float* ln1_we
   float* cg_normed = (float*)(cg_smem + 4288);
   const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
@@ -838,7 +840,7 @@ CG_DEVICE void k10_v_tile(const float* b, const float* ln1_x, const float* ln1_w
   float* cg_normed = (float*)(cg_smem + 4288);
   const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
@@ -920,7 +922,7 @@ CG_DEVICE void k13_up_tile(const float* b, const float* ln2_x, const float* ln2_
   float* cg_normed = (float*)(cg_smem + 4288);
   const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln2_x, r * 64 + j); }, [&](int j) { return cg_load(ln2_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048);
+                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
       [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 256 + n); },
