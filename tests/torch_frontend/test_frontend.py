@@ -18,6 +18,7 @@ import unittest
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "frontends", "torch"))
@@ -131,22 +132,74 @@ class Models(Exported):
 
 
 class Training(Exported):
-    def check_training(self, model, inputs, loss):
+    STEPS = 2
+
+    def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args):
+        """Exports forward + loss, lets cudagen derive backward and update, runs
+        STEPS steps in emulation (each checked against the float64 reference
+        by `cudagen run`), and compares the losses and the updated weights
+        with PyTorch's own training of the same model from the same weights
+        and inputs (torch.optim, autograd)."""
         model_dir = os.path.join(self.dir, "model")
-        result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer="sgd",
-                                      optimizer_args={"lr": 0.05})
+        result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer=optimizer,
+                                      optimizer_args=optimizer_args)
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
-        # Two training steps, each checked against the float64 reference by `cudagen run`.
-        stdout, _ = self.run_cudagen("run", result.graph_path, "--emulate", "--steps", "2", "--inputs",
-                                     os.path.join(model_dir, "example"))
+        outputs = os.path.join(self.dir, "outputs")
+        stdout, _ = self.run_cudagen("run", result.graph_path, "--emulate", "--steps", str(self.STEPS), "--inputs",
+                                     os.path.join(model_dir, "example"), "--outputs", outputs)
         self.assertIn("loss", stdout)
 
-    def test_mlp_trains(self):
-        self.check_training(models.mlp(), (torch.randn(8, 20),), "cross_entropy")
+        # PyTorch trains its own copy: eval mode (the export maps dropout to
+        # the identity), the exported inputs, the same optimizer.
+        example = {n: torch.from_numpy(np.load(os.path.join(model_dir, "example", n + ".npy"))) for n in result.inputs}
+        model.eval()
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = {"sgd": dict(lr=optimizer_args["lr"], momentum=optimizer_args.get("momentum", 0.0)),
+                "adamw": dict(lr=optimizer_args["lr"], betas=(optimizer_args.get("beta1", 0.9),
+                                                             optimizer_args.get("beta2", 0.999)),
+                              eps=optimizer_args.get("eps", 1e-8), weight_decay=optimizer_args.get("weight_decay", 0.0))}
+        torch_optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(),
+                                                                                         **args[optimizer])
+        x = example[result.inputs[0]]
+        losses = []
+        for _ in range(self.STEPS):
+            torch_optimizer.zero_grad()
+            logits = model(x)
+            if loss == "cross_entropy":
+                value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), example["labels"].reshape(-1).long())
+            else:
+                value = F.mse_loss(logits, example["target"])
+            value.backward()
+            torch_optimizer.step()
+            losses.append(float(value))
 
-    def test_decoder_block_trains(self):
-        torch.manual_seed(0)
-        self.check_training(models.BlockClassifier().eval(), (torch.randn(1, 16, 48),), "cross_entropy")
+        got_losses = np.load(os.path.join(outputs, "loss.per_step.npy")).reshape(-1)
+        np.testing.assert_allclose(got_losses, losses, rtol=1e-5, err_msg=f"loss per step, cudagen vs PyTorch (seed {seed})")
+        for name, start in initial.items():
+            got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
+            want = model.state_dict()[name].detach().double().numpy()
+            self.assertEqual(got.shape, want.shape, name)
+            # The update itself (not the weight, which would hide it): within
+            # 1e-3 of its largest element, as f32 sums in another order allow.
+            moved, want_moved = got - start.double().numpy(), want - start.double().numpy()
+            scale = float(np.abs(want_moved).max())
+            self.assertGreater(scale, 0.0, f"{name}: PyTorch did not change it (seed {seed})")
+            error = float(np.abs(moved - want_moved).max())
+            self.assertLessEqual(error, 1e-3 * scale,
+                                 f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
+
+    def test_mlp_trains_as_pytorch_does(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.mlp(), (torch.randn(8, 20),), "cross_entropy", "sgd", {"lr": 0.05, "momentum": 0.9})
+
+    def test_decoder_block_trains_as_pytorch_does(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        # eps 1e-3: with Adam's first steps every update is about lr * sign(gradient), so a
+        # gradient near round-off (1e-8) would flip its sign between any two orders of summation.
+        self.check_training(seed, models.BlockClassifier().eval(), (torch.randn(1, 16, 48),), "cross_entropy", "adamw",
+                            {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-3})
 
 
 class Errors(unittest.TestCase):
