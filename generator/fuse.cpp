@@ -221,7 +221,9 @@ class Fuser {
     for (const auto& b : p_.tasks[size_t(t)].tensors) {
       if (b.buffer < 0 || b.source_task < 0) continue;
       const int producer = p_.buffers[size_t(b.buffer)].owner_task;
-      if (contains(group.tasks, producer)) {
+      // (An input the owner only reads, such as a graph input another task
+      // reads too, is no value the kernel computes: shares_input below.)
+      if (contains(group.tasks, producer) && writes(producer, b.buffer)) {
         // An attention kernel's scores and probabilities live per row, in one warp's shared memory.
         if (group.rule == "attention" && (producer == group.tasks[0] || producer == group.tasks[1]))
           return fmt::format("it reads '{}', which the attention kernel keeps per row", buffer_name(p_, b.buffer));
@@ -238,8 +240,37 @@ class Fuser {
               source.buffer != b.buffer)
             return fmt::format("it reads '{}', a view of what the kernel computes", b.name);
     }
-    if (!reads_group) return "it reads nothing the kernel computes";
+    if (!reads_group) {
+      // A sibling: it reads, at its own elements, an input that a task of the
+      // loop reads too; the loop loads it once for both (multi-output).
+      if (rule == "elementwise_chain" && shares_input(group, t, domain)) return {};
+      return rule == "elementwise_chain" ? "it reads nothing the kernel computes or reads"
+                                         : "it reads nothing the kernel computes";
+    }
     return {};
+  }
+
+  bool writes(int t, int buffer) const {
+    for (const auto& b : p_.tasks[size_t(t)].tensors)
+      if (b.buffer == buffer && b.sig != nullptr && b.sig->written()) return true;
+    return false;
+  }
+
+  // Whether task `t` reads a tensor of shape `domain` (element i at index i)
+  // that a task of `group` reads too.
+  bool shares_input(const KernelGroup& group, int t, const Shape& domain) const {
+    auto inputs = [&](int task) {
+      std::vector<int> buffers;
+      for (const auto& b : p_.tasks[size_t(task)].tensors)
+        if (b.buffer >= 0 && b.sig != nullptr && !b.sig->written() && p_.buffers[size_t(b.buffer)].shape == domain)
+          buffers.push_back(b.buffer);
+      return buffers;
+    };
+    const std::vector<int> mine = inputs(t);
+    for (int task : group.tasks)
+      for (int b : inputs(task))
+        if (contains(mine, b)) return true;
+    return false;
   }
 
   // The kernel task `t` may join: the latest kernel of its phase that

@@ -6,7 +6,8 @@
 // Rules so far:
 //   elementwise_chain  adjacent elementwise and broadcast tasks of one phase
 //                      whose outputs have one shape, each after the first
-//                      reading an earlier one's output: one loop over the
+//                      reading an earlier one's output (or, a sibling, an
+//                      input an earlier one reads): one loop over the
 //                      elements, any length, any number of inputs.
 //   matmul_epilogue    such a chain after a matmul, on its output's elements,
 //                      run by the thread that holds each accumulator (bias,

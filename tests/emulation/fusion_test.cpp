@@ -49,6 +49,23 @@ TaskGraph flat_chain(DType d) {
   return std::move(b).graph();
 }
 
+// GPT-2's GELU written out, as torch.fx traces it: 0.5 * x first, then
+// x^3 from x again (a sibling: it reads x, not 0.5 * x), a diamond back into
+// the last mul. One loop that loads x once.
+TaskGraph gelu_written_out(DType d) {
+  GraphBuilder b(std::string("gelu_written_out_") + to_string(d));
+  auto half = b.task("half", "affine").tensor("x", d, {33, 40}, ext).tensor("out", d, {33, 40}).arg("scale", 0.5).arg("shift", 0.0);
+  auto square = b.task("square", "mul").tensor("a", half["x"]).tensor("b", half["x"]).tensor("out", d, {33, 40});
+  auto cube = b.task("cube", "mul").tensor("a", square["out"]).tensor("b", half["x"]).tensor("out", d, {33, 40});
+  auto inner = b.task("inner", "affine").tensor("x", cube["out"]).tensor("out", d, {33, 40}).arg("scale", 0.044715).arg("shift", 0.0);
+  auto sum = b.task("sum", "add").tensor("a", half["x"]).tensor("b", inner["out"]).tensor("out", d, {33, 40});
+  auto scaled = b.task("scaled", "affine").tensor("x", sum["out"]).tensor("out", d, {33, 40}).arg("scale", 0.7978845608028654).arg("shift", 0.0);
+  auto t = b.task("t", "tanh").tensor("x", scaled["out"]).tensor("out", d, {33, 40});
+  auto one_plus = b.task("one_plus", "affine").tensor("x", t["out"]).tensor("out", d, {33, 40}).arg("scale", 1.0).arg("shift", 1.0);
+  b.task("gelu", "mul").tensor("a", half["out"]).tensor("b", one_plus["out"]).tensor("out", d, {33, 40}, ext);
+  return std::move(b).graph();
+}
+
 // A matmul (batched, b broadcast) with the epilogue of a transformer's MLP:
 // bias, gelu, a residual add of the matmul's own input (its storage must not
 // be reused under the matmul's feet), a cast; the pre-activation is read later
@@ -213,6 +230,15 @@ TEST_P(FusedChains, MatchTheReferenceFusedAndUnfused) {
   expect_fused_and_unfused_right(broadcast_chain(GetParam()), 1, "const float v6 = cg_exp<float>(v5);");
   expect_fused_and_unfused_right(flat_chain(GetParam()), 1,
                                  GetParam() == DType::f32 ? "// 4 elements at a time" : "// 8 elements at a time");
+  // x loaded once, for `half` and its sibling `square`.
+  const Compiled c = expect_fused_and_unfused_right(gelu_written_out(GetParam()), 1, "const float v1 = cg_mul<float>(");
+  const std::string& src = c.emitted.cuda_source;
+  const size_t body = src.find("CG_DEVICE void k0_half_tile(");
+  ASSERT_NE(body, std::string::npos);
+  const std::string kernel = src.substr(body, src.find("CG_KERNEL", body) - body);
+  size_t loads = 0;
+  for (size_t at = kernel.find("(half_x, i)"); at != std::string::npos; at = kernel.find("(half_x, i)", at + 1)) ++loads;
+  EXPECT_EQ(loads, 1u) << kernel;
 }
 
 TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {

@@ -194,7 +194,27 @@ TEST(Fusion, NotIndependentTasksIntoOneKernel) {
   b.task("two", "neg").tensor("x", f32, {8}, ext).tensor("out", f32, {8}, ext);
   Compiled c = plan_graph(std::move(b).graph());
   EXPECT_EQ(c.kernels.size(), 2u);
-  EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes");
+  EXPECT_EQ(reason_for(c, "two"), "it reads nothing the kernel computes or reads");
+}
+
+// Siblings: `two` reads only x, as `one` does; the loop loads x once and
+// stores both (a diamond: `both` reads the two). Not at another index: a
+// broadcast input is not the element's own.
+TEST(Fusion, SiblingsThatReadOneInputShareALoop) {
+  GraphBuilder b("siblings");
+  auto one = b.task("one", "relu").tensor("x", f32, {8, 4}, ext).tensor("out", f32, {8, 4}, ext);
+  auto two = b.task("two", "neg").tensor("x", one["x"]).tensor("out", f32, {8, 4});
+  b.task("both", "add").tensor("a", one["out"]).tensor("b", two["out"]).tensor("out", f32, {8, 4}, ext);
+  Compiled c = plan_graph(std::move(b).graph());
+  ASSERT_EQ(c.kernels.size(), 1u);
+  EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"one", "two", "both"}));
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"two.out"}));
+
+  GraphBuilder d("not_siblings");
+  auto row = d.task("row", "relu").tensor("x", f32, {4}, ext).tensor("out", f32, {4}, ext);
+  d.task("grid", "add").tensor("a", f32, {8, 4}, ext).tensor("b", row["x"]).tensor("out", f32, {8, 4}, ext);
+  Compiled e = plan_graph(std::move(d).graph());
+  EXPECT_EQ(e.kernels.size(), 2u);
 }
 
 // Rule permuted_store: a projection split into heads, then attention-like
