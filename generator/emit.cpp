@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -819,14 +820,13 @@ class Emitter {
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
     template_files_.insert(norm.op->source_file);
     prologue_stores_ = stores_prologue(p_, k);
-    std::vector<LaunchParam> params;
-    for (const char* slot : {"x", "weight", "out", "rstd"}) {
-      const BoundTensor* bound = norm.find_tensor(slot);
-      const bool written = std::string_view(slot) == "out" || std::string_view(slot) == "rstd";
-      if (bound == nullptr || bound->buffer < 0 || (written && !prologue_stores_)) continue;
-      params.push_back(LaunchParam{norm.task->id + "_" + slot,
-                                   std::string(written ? "" : "const ") + c_type(p_.buffers[size_t(bound->buffer)].dtype),
-                                   bound->buffer, nullptr, written});
+    std::vector<LaunchParam> params;  // x, weight (bias); where it stores: out, its statistics
+    for (const BoundTensor& bound : norm.tensors) {
+      const bool written = bound.sig->written();
+      if (bound.buffer < 0 || (written && !prologue_stores_)) continue;
+      params.push_back(LaunchParam{norm.task->id + "_" + bound.name,
+                                   std::string(written ? "" : "const ") + c_type(p_.buffers[size_t(bound.buffer)].dtype),
+                                   bound.buffer, nullptr, written});
     }
     return params;
   }
@@ -1645,34 +1645,40 @@ class Emitter {
   }
 
   // Rule norm_prologue: the code before a matmul's tile loop and its
-  // operand load, for an `a` that is x * rstd * weight of rmsnorm task
-  // prologue_task_, in the unfused kernel's order of operations (a 16-bit
-  // `a` is rounded as the norm would store it: the tensor-core tile narrows
-  // what load_a returns). `a_index`: where load_a(m, k) would read `a`.
+  // operand load, for an `a` that rmsnorm or layernorm task prologue_task_
+  // computes, in the unfused kernel's order of operations (a 16-bit `a` is
+  // rounded as the norm would store it: the tensor-core tile narrows what
+  // load_a returns). `a_index`: where load_a(m, k) would read `a`.
   struct NormLoad {
     std::string code, element;
   };
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek) {
     NormLoad out;
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
-    const std::string id = norm.task->id, x = id + "_x", weight = id + "_weight";
-    const DType x_type = p_.buffers[size_t(norm.find_tensor("x")->buffer)].dtype;
-    const DType w_type = p_.buffers[size_t(norm.find_tensor("weight")->buffer)].dtype;
-    const std::string load_x = load_element(x, x_type, fmt::format("r * {} + j", K));
-    const std::string eps = float_arg(prologue_task_, "eps", 1e-6);
+    const bool layer = norm.op->name == "layernorm";
+    const std::string id = norm.task->id, x = id + "_x";
+    auto slot_type = [&](const char* slot) { return p_.buffers[size_t(norm.find_tensor(slot)->buffer)].dtype; };
+    auto param_load = [&](const char* slot, const std::string& index) {
+      return load_element(id + "_" + slot, slot_type(slot), index);
+    };
+    const std::string load_x = load_element(x, slot_type("x"), fmt::format("r * {} + j", K));
+    const std::string eps = float_arg(prologue_task_, "eps", layer ? 1e-5 : 1e-6);
     const std::string rows = fmt::format(
         "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
         K, tile);
     const std::string last = fmt::format("a_base / {} + {}", K, M);
     const std::string never = prologue_stores_ ? "stored by the first column of tiles" : "never stored";
-    const BoundTensor* rstd_slot = norm.find_tensor("rstd");
-    const bool store_rstd = prologue_stores_ && rstd_slot != nullptr && rstd_slot->buffer >= 0;
-    // Where the norm's output and rstd are read later: the blocks of the
-    // first column of tiles store their rows, each element and rstd as the
-    // norm's own kernel would (16-bit narrowed).
-    auto stores = [&](const std::string& element, const std::string& rstd) {
+    // The statistics it exports (rstd; a layernorm's mean too), in the
+    // order the staging functions keep them: mean first.
+    std::vector<std::string> stats;
+    for (const char* stat : {"mean", "rstd"})
+      if (const BoundTensor* b = norm.find_tensor(stat); prologue_stores_ && b != nullptr && b->buffer >= 0)
+        stats.push_back(stat);
+    // Where the norm's output and statistics are read later: the blocks of
+    // the first column of tiles store their rows, each element and
+    // statistic as the norm's own kernel would (16-bit narrowed).
+    auto stores = [&](const std::string& element, const std::function<std::string(const std::string&)>& stat_at) {
       if (!prologue_stores_) return std::string();
-      const DType out_type = p_.buffers[size_t(norm.find_tensor("out")->buffer)].dtype;
       std::string code = fmt::format(
           "  if (tile.x == 0) {{  // {0}'s output{1}, read later: stored once\n"
           "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {{\n"
@@ -1680,50 +1686,67 @@ class Emitter {
           "      const int j = i % {3};\n"
           "      if (r < {4}) {5};\n"
           "    }}\n",
-          id, store_rstd ? " and rstd" : "", tile, K, last, store_element(id + "_out", out_type, "r * " + std::to_string(K) + " + j", element));
-      if (store_rstd)
-        code += fmt::format("    for (int r = threadIdx.x; r < {0}; r += blockDim.x)\n"
-                            "      if (cg_row0 + r < {1}) cg_store({2}_rstd, cg_row0 + r, {3});\n",
-                            tile, last, id, rstd);
+          id, stats.empty() ? "" : fmt::format(" and {}", fmt::join(stats, ", ")), tile, K, last,
+          store_element(id + "_out", slot_type("out"), "r * " + std::to_string(K) + " + j", element));
+      if (!stats.empty()) {
+        code += fmt::format("    for (int r = threadIdx.x; r < {}; r += blockDim.x)\n      if (cg_row0 + r < {}) {{", tile, last);
+        for (const std::string& stat : stats) code += fmt::format(" cg_store({}_{}, cg_row0 + r, {});", id, stat, stat_at(stat));
+        code += " }\n";
+      }
       return code + "  }\n";
     };
-    const int64_t staged_bytes = 4 * (tile * K + K + (store_rstd ? tile : 0));
+    // Floats per row the staging or statistics functions keep: rstd; a
+    // layernorm's mean and rstd.
+    const int64_t per_row = layer ? 2 : 1;
+    const int64_t params = layer ? 2 * K : K;  // the weight (and bias), staged
+    const bool keep_stats = !stats.empty();
+    const int64_t staged_bytes = 4 * (tile * K + params + (keep_stats ? per_row * tile : 0));
     if (ek.smem_bytes + staged_bytes <= kSharedBytesWithoutOptIn) {
       // The tile's rows, normalised, in shared memory: x read once per block.
-      const std::string rstd_at = store_rstd ? fmt::format("cg_normed + {}", tile * K + K) : "nullptr";
+      const std::string stats_at = keep_stats ? fmt::format("cg_normed + {}", tile * K + params) : "nullptr";
+      const std::string params_code =
+          layer ? fmt::format("[&](int j) {{ return {}; }}, [&](int j) {{ return {}; }}", param_load("weight", "j"),
+                              param_load("bias", "j"))
+                : fmt::format("[&](int j) {{ return {}; }}", param_load("weight", "j"));
       out.code = fmt::format(
-          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, {10}: the tile's rows\n"
+          "  // Prologue (norm_prologue): {0} ({1}) of a's rows, {2}: the tile's rows\n"
           "  // normalised into shared memory, which the operand loads read.\n"
-          "  float* cg_normed = (float*)(cg_smem + {1});\n"
-          "{2}"
-          "  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) {{ return {3}; }}, [&](int j) {{ return {4}; }}, cg_row0, {5},\n"
-          "                        {7}, {6}, {8}, cg_normed, cg_normed + {9}, {11});\n"
-          "{12}",
-          id, ek.smem_bytes, rows, load_x, load_element(weight, w_type, "j"), tile, K, last, eps, tile * K, never,
-          rstd_at, stores("cg_normed[i]", fmt::format("cg_normed[{} + r]", tile * K + K)));
+          "  float* cg_normed = (float*)(cg_smem + {3});\n"
+          "{4}"
+          "  cg_{1}_stage_rows([&](cg_i64 r, int j) {{ return {5}; }}, {6}, cg_row0, {7},\n"
+          "                        {8}, {9}, {10}, cg_normed, cg_normed + {11}, {12});\n"
+          "{13}",
+          id, norm.op->name, never, ek.smem_bytes, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
+          stores("cg_normed[i]", [&](const std::string& stat) {
+            return fmt::format("cg_normed[{} + r]", tile * K + params + (layer && stat == "rstd" ? tile : 0));
+          }));
       out.element = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
-      use_function(*norm.op, "cg_rmsnorm_stage_rows");
+      use_function(*norm.op, "cg_" + norm.op->name + "_stage_rows");
       ek.smem_bytes += staged_bytes;
     } else {
-      // Too long a row to stage: the rstd of each row first, then each
-      // element normalised as it is loaded (x read twice per block; a third
-      // time by the blocks that store the output).
+      // Too long a row to stage: the statistics of each row first, then
+      // each element normalised as it is loaded (x read twice per block; a
+      // third time by the blocks that store the output).
+      auto normalised = [&](const std::string& x_at, const std::string& row, const std::string& column) {
+        return layer ? fmt::format("({} - cg_stats[{}]) * cg_stats[{} + {}] * {} + {}", x_at, row, tile, row,
+                                   param_load("weight", column), param_load("bias", column))
+                     : fmt::format("{} * cg_stats[{}] * {}", x_at, row, param_load("weight", column));
+      };
       out.code = fmt::format(
-          "  // Prologue (norm_prologue): {0} (rmsnorm) of a's rows, {8}: the rstd of the\n"
+          "  // Prologue (norm_prologue): {0} ({1}) of a's rows, {2}: the statistics of the\n"
           "  // tile's rows first, then each element normalised as it is loaded.\n"
-          "  float* cg_rstd = (float*)(cg_smem + {1});\n"
-          "{2}"
-          "  cg_rmsnorm_rstd_rows([&](cg_i64 r, int j) {{ return {3}; }}, cg_row0, {4}, {6}, {5}, {7},\n"
-          "                       cg_rstd);\n"
-          "{9}",
-          id, ek.smem_bytes, rows, load_x, tile, K, last, eps, never,
-          stores(fmt::format("{} * cg_rstd[i / {}] * {}", load_element(x, x_type, fmt::format("r * {} + j", K)), K,
-                             load_element(weight, w_type, "j")),
-                 "cg_rstd[r]"));
-      out.element = fmt::format("{} * cg_rstd[m - tile.y * {}] * {}", load_element(x, x_type, a_index), tile,
-                                load_element(weight, w_type, "k"));
-      use_function(*norm.op, "cg_rmsnorm_rstd_rows");
-      ek.smem_bytes += 4 * tile;
+          "  float* cg_stats = (float*)(cg_smem + {3});\n"
+          "{4}"
+          "  cg_{5}([&](cg_i64 r, int j) {{ return {6}; }}, cg_row0, {7}, {8}, {9}, {10},\n"
+          "                       cg_stats);\n"
+          "{11}",
+          id, norm.op->name, never, ek.smem_bytes, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
+          tile, last, K, eps,
+          stores(normalised(load_element(x, slot_type("x"), fmt::format("r * {} + j", K)), fmt::format("i / {}", K), "j"),
+                 [&](const std::string& stat) { return fmt::format("cg_stats[{}r]", stat == "rstd" && layer ? std::to_string(tile) + " + " : ""); }));
+      out.element = normalised(load_element(x, slot_type("x"), a_index), fmt::format("m - tile.y * {}", tile), "k");
+      use_function(*norm.op, layer ? "cg_layernorm_stats_rows" : "cg_rmsnorm_rstd_rows");
+      ek.smem_bytes += 4 * per_row * tile;
     }
     return out;
   }

@@ -404,7 +404,8 @@ class Fuser {
     for (size_t k = 0; k < out_.kernels.size(); ++k) {
       const KernelGroup& kernel = out_.kernels[k];
       const int norm = kernel.tasks.front();
-      if (p_.tasks[size_t(norm)].op->name != "rmsnorm") continue;
+      const std::string& op = p_.tasks[size_t(norm)].op->name;
+      if (op != "rmsnorm" && op != "layernorm") continue;
       const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
       std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
       for (int r : readers_[size_t(value)])
@@ -485,13 +486,14 @@ class Fuser {
   }
   static constexpr size_t kMaxPrologueReaders = 4;
 
-  // Whether norm task `norm`'s output `value` or its rstd is read outside
-  // the kernels that take the norm as their prologue: by a later phase or
-  // the caller.
+  // Whether norm task `norm`'s output `value` or its statistics (rstd, a
+  // layernorm's mean) are read outside the kernels that take the norm as
+  // their prologue: by a later phase or the caller.
   bool stores_prologue(int norm, int value) const {
     if (p_.buffers[size_t(value)].storage != Storage::transient) return true;
-    const BoundTensor* rstd = p_.tasks[size_t(norm)].find_tensor("rstd");
-    return rstd != nullptr && rstd->buffer >= 0;
+    for (const auto& b : p_.tasks[size_t(norm)].tensors)
+      if (b.buffer >= 0 && b.buffer != value && b.sig != nullptr && b.sig->written()) return true;
+    return false;
   }
 
   // The note of each matmul that reads the norm's output (it did not join

@@ -15,8 +15,8 @@
 //   reduction_epilogue such a chain after softmax, log_softmax, rmsnorm or
 //                      layernorm, on each element of "out" as the row's
 //                      block stores it; after their gradients, on "dx".
-//   norm_prologue      an rmsnorm whose output only matmuls read in its
-//                      phase, each as its left operand: each of their
+//   norm_prologue      an rmsnorm or layernorm whose output only matmuls
+//                      read in its phase, each as its left operand: each of their
 //                      kernels normalises its tile's rows as it loads them
 //                      and the norm runs no kernel (KernelGroup::prologue);
 //                      its output reaches memory only where a later phase

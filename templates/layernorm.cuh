@@ -22,6 +22,8 @@ CG_OP("layernorm",
       "shape: x:[...S, N] weight:[N] bias:[N] -> out:[...S, N] mean:[...S] rstd:[...S]",
       "smem: 128",
       "backward: layernorm_backward",
+      "variant: cg_layernorm_stage_rows",
+      "variant: cg_layernorm_stats_rows",
       "flops: 7 * numel(out)",
       "doc: (x - mean) * rstd * weight + bias; exports mean and rstd for backward")
 CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Store store, int n, float eps,
@@ -40,6 +42,75 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   stats.mean = mean;
   stats.rstd = rstd;
   return stats;
+}
+
+// Rows [first, first + rows) of the norm's output in shared memory,
+// staged[r * n + j] (zeros past `last`), with the weight and bias staged too
+// (staged_params: n floats each) and, where staged_stats is not null, each
+// row's mean and rstd (staged_stats[r], staged_stats[rows + r]): what a
+// matmul that reads the norm's output as its left operand loads its tiles
+// from (fuse.h, rule norm_prologue). One warp per row, the variance about
+// the mean in a second pass as cg_layernorm_row computes it. Every thread
+// calls it; it ends with the block synchronised.
+template <typename Load, typename Weight, typename Bias>
+CG_DEVICE void cg_layernorm_stage_rows(Load load, Weight weight, Bias bias, cg_i64 first, int rows, cg_i64 last,
+                                       int n, float eps, float* staged, float* staged_params, float* staged_stats) {
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    staged_params[j] = weight(j);
+    staged_params[n + j] = bias(j);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float* row = staged + (cg_i64)r * n;
+    float sum = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float v = first + r < last ? load(first + r, j) : 0.0f;
+      row[j] = v;
+      sum += v;
+    }
+    const float mean = cg_warp_sum(sum) / (float)n;
+    float sum_sq = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float d = row[j] - mean;
+      sum_sq += d * d;
+    }
+    const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
+    for (int j = lane; j < n; j += 32) row[j] = (row[j] - mean) * rstd * staged_params[j] + staged_params[n + j];
+    if (staged_stats != nullptr && lane == 0) {
+      staged_stats[r] = mean;
+      staged_stats[rows + r] = rstd;
+    }
+  }
+  __syncthreads();
+}
+
+// The mean and rstd of `rows` consecutive rows of x from `first` (fewer
+// where the tensor ends at `last`), into stats[r] and stats[rows + r]: where
+// the rows would not fit in shared memory, what such a matmul computes
+// before its tile loop, its operand load then normalising each element. One
+// warp per row. Every thread calls it; it ends with the block synchronised.
+template <typename Load>
+CG_DEVICE void cg_layernorm_stats_rows(Load load, cg_i64 first, int rows, cg_i64 last, int n, float eps,
+                                       float* stats) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int r = warp; r < rows; r += warps) {
+    float sum = 0.0f, sum_sq = 0.0f;
+    if (first + r < last)
+      for (int j = lane; j < n; j += 32) sum += load(first + r, j);
+    const float mean = cg_warp_sum(sum) / (float)n;
+    if (first + r < last)
+      for (int j = lane; j < n; j += 32) {
+        const float d = load(first + r, j) - mean;
+        sum_sq += d * d;
+      }
+    const float rstd = rsqrtf(cg_warp_sum(sum_sq) / (float)n + eps);
+    if (lane == 0) {
+      stats[r] = mean;
+      stats[rows + r] = rstd;
+    }
+  }
+  __syncthreads();
 }
 
 // The gradient of one row of layernorm with respect to x, given the mean and

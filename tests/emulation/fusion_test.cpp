@@ -178,21 +178,23 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
   return std::move(b).graph();
 }
 
-// Rule norm_prologue: an rmsnorm read only by matmuls, as their `a`: one
+// Rule norm_prologue: a norm read only by matmuls, as their `a`: one
 // flattened ([2 * 33, K] @ [K, 24], a partial last tile of rows) with a bias
 // epilogue, one batched ([2, 33, K] @ [2, K, 40]: the rows of the second
 // batch start at a_base). K = 40, more than a warp's lanes: the tile's rows
 // staged in shared memory; K = 400: too long to stage, each element
 // normalised as it is loaded. `stored`: the caller reads the norm's output
-// and rstd too, which p's kernel stores.
-TaskGraph norm_prologue(DType d, int64_t K, bool stored) {
-  GraphBuilder b(fmt::format("norm_prologue_{}_{}{}", to_string(d), K, stored ? "_stored" : ""));
+// and statistics too, which p's kernel stores. `op`: rmsnorm or layernorm.
+TaskGraph norm_prologue(DType d, int64_t K, bool stored, const std::string& op = "rmsnorm") {
+  GraphBuilder b(fmt::format("{}_prologue_{}_{}{}", op, to_string(d), K, stored ? "_stored" : ""));
   auto x = b.task("x", "relu").tensor("x", d, {2, 33, K}, ext).tensor("out", d, {2, 33, K});
-  auto n = b.task("n", "rmsnorm")
+  auto n = b.task("n", op)
                .tensor("x", x["out"])
                .tensor("weight", d, {K}, Storage::persistent)
                .tensor("out", d, {2, 33, K}, stored ? ext : Storage::transient)
                .arg("eps", 1e-5);
+  if (op == "layernorm") n.tensor("bias", d, {K}, Storage::persistent);
+  if (stored && op == "layernorm") n.tensor("mean", DType::f32, {2, 33}, ext);
   if (stored) n.tensor("rstd", DType::f32, {2, 33}, ext);
   auto p = b.task("p", "matmul").tensor("a", n["out"]).tensor("b", d, {K, 24}, ext).tensor("out", d, {2, 33, 24});
   b.task("bias", "add").tensor("a", p["out"]).tensor("b", d, {24}, ext).tensor("out", d, {2, 33, 24}, ext);
@@ -276,17 +278,27 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
 }
 
 TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {
-  for (const bool stored : {false, true})
-  for (const int64_t K : {40, 400}) {
+  struct Case {
+    std::string op;
+    bool stored;
+    int64_t K;
+  };
+  // Every rmsnorm form; layernorm staged and not stored (inference), per
+  // element and stored (training's mean and rstd).
+  for (const auto& [op, stored, K] : {Case{"rmsnorm", false, 40}, Case{"rmsnorm", false, 400}, Case{"rmsnorm", true, 40},
+                                      Case{"rmsnorm", true, 400}, Case{"layernorm", false, 40},
+                                      Case{"layernorm", true, 400}}) {
     // x | p + bias, with n (stored there) | q, with n
-    const TaskGraph g = norm_prologue(GetParam(), K, stored);
-    const Compiled c =
-        expect_fused_and_unfused_right(g, 3, K == 40 ? "cg_rmsnorm_stage_rows([&]" : "cg_rmsnorm_rstd_rows([&]");
+    const TaskGraph g = norm_prologue(GetParam(), K, stored, op);
+    const std::string per_element = op == "rmsnorm" ? "cg_rmsnorm_rstd_rows([&]" : "cg_layernorm_stats_rows([&]";
+    const Compiled c = expect_fused_and_unfused_right(g, 3, K == 40 ? "cg_" + op + "_stage_rows([&]" : per_element);
     EXPECT_EQ(c.kernels[1].prologue.size(), 1u);
     EXPECT_EQ(c.kernels[2].prologue.size(), 1u);
     EXPECT_EQ(stores_prologue(c.program, c.kernels[1]), stored);
     EXPECT_FALSE(stores_prologue(c.program, c.kernels[2]));
-    EXPECT_EQ(c.emitted.cuda_source.find("// n's output and rstd, read later: stored once") != std::string::npos, stored);
+    const std::string stats = op == "rmsnorm" ? "rstd" : "mean, rstd";
+    EXPECT_EQ(c.emitted.cuda_source.find("// n's output and " + stats + ", read later: stored once") != std::string::npos,
+              stored);
     // The megakernel runs the same tile functions, each tile after the rows it reads.
     CompileOptions options = fusion(true);
     options.emit.megakernel = true;

@@ -828,7 +828,7 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// templates/layernorm.cuh:52
+// templates/layernorm.cuh:123
 // The gradient of one row of layernorm with respect to x, given the mean and
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
@@ -853,7 +853,7 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// templates/layernorm.cuh:91
+// templates/layernorm.cuh:162
 // For the lane's column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
 // dout(r) read that column, one of 32 adjacent ones per block (false `active`

@@ -1250,7 +1250,7 @@ CG_DEVICE void k34_q_tile(const float* b, const float* ln1_x, const float* ln1_w
       if (r < a_base / 32 + 16) cg_store(ln1_out, r * 32 + j, cg_normed[i]);
     }
     for (int r = threadIdx.x; r < 32; r += blockDim.x)
-      if (cg_row0 + r < a_base / 32 + 16) cg_store(ln1_rstd, cg_row0 + r, cg_normed[1056 + r]);
+      if (cg_row0 + r < a_base / 32 + 16) { cg_store(ln1_rstd, cg_row0 + r, cg_normed[1056 + r]); }
   }
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
@@ -1393,7 +1393,7 @@ CG_DEVICE void k39_up_tile(const float* b, float* out, const float* ln2_x, const
       if (r < a_base / 32 + 16) cg_store(ln2_out, r * 32 + j, cg_normed[i]);
     }
     for (int r = threadIdx.x; r < 32; r += blockDim.x)
-      if (cg_row0 + r < a_base / 32 + 16) cg_store(ln2_rstd, cg_row0 + r, cg_normed[1056 + r]);
+      if (cg_row0 + r < a_base / 32 + 16) { cg_store(ln2_rstd, cg_row0 + r, cg_normed[1056 + r]); }
   }
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
@@ -1450,7 +1450,7 @@ CG_DEVICE void k41_head_tile(const float* b, float* out, const float* lnf_x, con
       if (r < a_base / 32 + 16) cg_store(lnf_out, r * 32 + j, cg_normed[i]);
     }
     for (int r = threadIdx.x; r < 32; r += blockDim.x)
-      if (cg_row0 + r < a_base / 32 + 16) cg_store(lnf_rstd, cg_row0 + r, cg_normed[1056 + r]);
+      if (cg_row0 + r < a_base / 32 + 16) { cg_store(lnf_rstd, cg_row0 + r, cg_normed[1056 + r]); }
   }
   cg_matmul_tile<32, 32, 16>(
       [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },

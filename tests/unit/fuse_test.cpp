@@ -362,6 +362,25 @@ TEST(Fusion, NoNormPrologueWhereTheNormIsNeededOtherwise) {
   EXPECT_EQ(plan_graph(norm_then("none"), FuseOptions{true, {"norm_prologue"}}).kernels.size(), 2u);
 }
 
+// A layernorm (GPT-2's pre-norm) is a prologue as rmsnorm is: its weight
+// and bias become the kernel's parameters; training stores mean and rstd.
+TEST(Fusion, ALayerNormIsAPrologueToo) {
+  for (const bool stored : {false, true}) {
+    GraphBuilder b(stored ? "layernorm_stored" : "layernorm");
+    auto n = b.task("n", "layernorm")
+                 .tensor("x", f32, {8, 16}, ext)
+                 .tensor("weight", f32, {16}, Storage::persistent)
+                 .tensor("bias", f32, {16}, Storage::persistent)
+                 .tensor("out", f32, {8, 16});
+    if (stored) n.tensor("mean", f32, {8}, ext).tensor("rstd", f32, {8}, ext);
+    b.task("mm", "matmul").tensor("a", n["out"]).tensor("b", f32, {16, 4}, ext).tensor("out", f32, {8, 4}, ext);
+    Compiled c = plan_graph(std::move(b).graph());
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(c.kernels[0].prologue.size(), 1u);
+    EXPECT_EQ(stores_prologue(c.program, c.kernels[0]), stored);
+  }
+}
+
 // A norm whose output or rstd is read later (the caller; the backward pass)
 // is still a prologue: the first reader's kernel stores both, once, and the
 // others recompute the rows for themselves.
