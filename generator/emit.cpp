@@ -1667,7 +1667,7 @@ class Emitter {
         "  const cg_i64 cg_row0 = a_base / {0} + (cg_i64)tile.y * {1};  // the tile's first row of the norm's input\n",
         K, tile);
     const std::string last = fmt::format("a_base / {} + {}", K, M);
-    const std::string never = prologue_stores_ ? "stored by the first column of tiles" : "never stored";
+    const std::string whether_stored = prologue_stores_ ? "stored by the first column of tiles" : "never stored";
     // The statistics it exports (rstd; a layernorm's mean too), in the
     // order the staging functions keep them: mean first.
     std::vector<std::string> stats;
@@ -1716,7 +1716,7 @@ class Emitter {
           "  cg_{1}_stage_rows([&](cg_i64 r, int j) {{ return {5}; }}, {6}, cg_row0, {7},\n"
           "                        {8}, {9}, {10}, cg_normed, cg_normed + {11}, {12});\n"
           "{13}",
-          id, norm.op->name, never, ek.smem_bytes, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
+          id, norm.op->name, whether_stored, ek.smem_bytes, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
           stores("cg_normed[i]", [&](const std::string& stat) {
             return fmt::format("cg_normed[{} + r]", tile * K + params + (layer && stat == "rstd" ? tile : 0));
           }));
@@ -1740,7 +1740,7 @@ class Emitter {
           "  cg_{5}([&](cg_i64 r, int j) {{ return {6}; }}, cg_row0, {7}, {8}, {9}, {10},\n"
           "                       cg_stats);\n"
           "{11}",
-          id, norm.op->name, never, ek.smem_bytes, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
+          id, norm.op->name, whether_stored, ek.smem_bytes, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
           tile, last, K, eps,
           stores(normalised(load_element(x, slot_type("x"), fmt::format("r * {} + j", K)), fmt::format("i / {}", K), "j"),
                  [&](const std::string& stat) { return fmt::format("cg_stats[{}r]", stat == "rstd" && layer ? std::to_string(tile) + " + " : ""); }));
