@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <functional>
 #include <map>
 #include <set>
 
@@ -545,14 +544,12 @@ class Emitter {
     for (int b : k.internal_buffers) in_registers.push_back(buffer_name(b));
     std::string tasks = fmt::format("task {} ({}, {})", bt.task->id, bt.op->name, to_string(bt.op->pattern));
     if (fused) {
-      std::vector<std::string> all, rules;
+      std::vector<std::string> all;
       for (int t : k.prologue)
         all.push_back(fmt::format("{} ({}, prologue{})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name,
                                   stores_prologue(p_, k) ? ", stored here" : ""));
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
-      if (!k.prologue.empty()) rules.push_back("norm_prologue");
-      if (!k.rule.empty()) rules.push_back(k.rule);
-      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(rules, ", "));
+      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(kernel_rules(k), ", "));
     }
     return fmt::format(
         "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
@@ -810,11 +807,12 @@ class Emitter {
                                                        "softmax_backward", "log_softmax_backward"};
 
   // Rule norm_prologue (fuse.h): the kernel's matmul reads its `a` as the
-  // rmsnorm k.prologue[0] would have computed it. Its input and weight
+  // norm k.prologue[0] would have computed it. Its input, weight (and bias)
   // become parameters named after the norm; matmul() stages the tile's rows
   // normalised in shared memory (or, rows too long for that, computes their
-  // rstd and normalises each element as it loads it). The kernel that stores
-  // the norm's output and rstd for later (kernels.h) takes them too.
+  // statistics and normalises each element as it loads it). The kernel that
+  // stores the norm's output and statistics for later (kernels.h) takes
+  // them too.
   std::vector<LaunchParam> prologue(const KernelGroup& k) {
     prologue_task_ = k.prologue.front();
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
@@ -1677,8 +1675,14 @@ class Emitter {
     // Where the norm's output and statistics are read later: the blocks of
     // the first column of tiles store their rows, each element and
     // statistic as the norm's own kernel would (16-bit narrowed).
-    auto stores = [&](const std::string& element, const std::function<std::string(const std::string&)>& stat_at) {
+    // `stats_array[stats_at + r]`: the row's first statistic (the mean of a
+    // layernorm, then its rstd `tile` floats further on; an rmsnorm's rstd).
+    auto stores = [&](const std::string& element, const std::string& stats_array, int64_t stats_at) {
       if (!prologue_stores_) return std::string();
+      auto stat_at = [&](const std::string& stat) {
+        const int64_t at = stats_at + (layer && stat == "rstd" ? tile : 0);
+        return at == 0 ? stats_array + "[r]" : fmt::format("{}[{} + r]", stats_array, at);
+      };
       std::string code = fmt::format(
           "  if (tile.x == 0) {{  // {0}'s output{1}, read later: stored once\n"
           "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {{\n"
@@ -1717,9 +1721,7 @@ class Emitter {
           "                        {8}, {9}, {10}, cg_normed, cg_normed + {11}, {12});\n"
           "{13}",
           id, norm.op->name, whether_stored, ek.smem_bytes, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
-          stores("cg_normed[i]", [&](const std::string& stat) {
-            return fmt::format("cg_normed[{} + r]", tile * K + params + (layer && stat == "rstd" ? tile : 0));
-          }));
+          stores("cg_normed[i]", "cg_normed", tile * K + params));
       out.element = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
       use_function(*norm.op, "cg_" + norm.op->name + "_stage_rows");
       ek.smem_bytes += staged_bytes;
@@ -1742,8 +1744,7 @@ class Emitter {
           "{11}",
           id, norm.op->name, whether_stored, ek.smem_bytes, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
           tile, last, K, eps,
-          stores(normalised(load_element(x, slot_type("x"), fmt::format("r * {} + j", K)), fmt::format("i / {}", K), "j"),
-                 [&](const std::string& stat) { return fmt::format("cg_stats[{}r]", stat == "rstd" && layer ? std::to_string(tile) + " + " : ""); }));
+          stores(normalised(load_x, fmt::format("i / {}", K), "j"), "cg_stats", 0));
       out.element = normalised(load_element(x, slot_type("x"), a_index), fmt::format("m - tile.y * {}", tile), "k");
       use_function(*norm.op, layer ? "cg_layernorm_stats_rows" : "cg_rmsnorm_rstd_rows");
       ek.smem_bytes += 4 * per_row * tile;
@@ -2270,8 +2271,8 @@ class Emitter {
   const Program& p_;
   const Plan& plan_;
   int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
-  int prologue_task_ = -1;    // while a matmul's runs: the rmsnorm it loads its `a` through, or -1
-  bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and rstd
+  int prologue_task_ = -1;    // while a matmul's runs: the norm it loads its `a` through, or -1
+  bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and statistics
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

@@ -393,9 +393,10 @@ class Fuser {
   // far below that, a launch of this many pointers is no longer small.
   static constexpr int kMaxLaunchParameters = 64;
 
-  // Rule norm_prologue: a kernel that is one rmsnorm, whose output only
-  // matmuls read, each as the left operand of the first task of its kernel,
-  // runs in those kernels instead: each normalises the rows of its tile
+  // Rule norm_prologue: a kernel that is one rmsnorm or layernorm, whose
+  // output only matmuls read in its phase, each as the left operand of the
+  // first task of its kernel, runs in those kernels instead: each
+  // normalises the rows of its tile
   // (emit.cpp: staged in shared memory, or element by element as it loads
   // them). Each element is then computed once per column tile of each
   // reader, as often as the matmul loads it anyway.
@@ -418,14 +419,14 @@ class Fuser {
         note_prologue_refused(norm, readers, reason);
         continue;
       }
-      // Read later (saved for backward, or by the caller), with its rstd:
-      // the first reader's kernel stores both, the others keep the rows to
-      // themselves.
+      // Read later (saved for backward, or by the caller), with its
+      // statistics: the first reader's kernel stores them, the others keep
+      // them to themselves.
       const bool stored = stores_prologue(norm, value);
       for (size_t h : hosts) {
         out_.kernels[h].prologue.push_back(norm);
         if (stored && h == hosts.front()) continue;
-        for (const auto& b : p_.tasks[size_t(norm)].tensors)  // out, and rstd where bound
+        for (const auto& b : p_.tasks[size_t(norm)].tensors)  // out, and its statistics where bound
           if (b.buffer >= 0 && b.sig != nullptr && b.sig->written()) out_.kernels[h].internal_buffers.push_back(b.buffer);
       }
       folded[k] = true;
@@ -440,7 +441,7 @@ class Fuser {
     out_.kernels = std::move(kept);
   }
 
-  // Why the rmsnorm that kernel `norm_kernel` starts with, whose output is
+  // Why the norm that kernel `norm_kernel` starts with, whose output is
   // buffer `value`, cannot be the prologue of its readers' kernels (empty
   // when it can; `hosts` then holds those kernels).
   std::string why_not_prologue(size_t norm_kernel, int value, std::vector<size_t>& hosts) const {

@@ -26,6 +26,13 @@ bool stores_prologue(const Program& program, const KernelGroup& k) {
          !contains(k.internal_buffers, program.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer);
 }
 
+std::vector<std::string> kernel_rules(const KernelGroup& k) {
+  std::vector<std::string> rules;
+  if (!k.prologue.empty()) rules.push_back("norm_prologue");
+  if (!k.rule.empty()) rules.push_back(k.rule);
+  return rules;
+}
+
 int launch_count(const std::vector<KernelGroup>& kernels) {
   int n = 0;
   for (const auto& k : kernels) n = std::max(n, k.launch + 1);

@@ -25,17 +25,22 @@ struct KernelGroup {
   // runs them all, each on its own blocks. Without that rule, its own index.
   int launch = 0;
   // Tasks this kernel recomputes on the operand loads of its first task
-  // (rule norm_prologue: an rmsnorm whose rows a matmul normalises as it
-  // loads them). They run no kernel of their own, and several kernels may
-  // hold the same one. Their outputs (rstd too) are among internal_buffers,
+  // (rule norm_prologue: an rmsnorm or layernorm whose rows a matmul
+  // normalises as it loads them). They run no kernel of their own, and
+  // several kernels may hold the same one. Their outputs (the statistics
+  // too) are among internal_buffers,
   // but in the one kernel that stores them where they are read later (the
   // backward pass saves them): there they are not, and written once.
   std::vector<int> prologue;
 };
 
 // Whether kernel `k` is the one that stores its prologue's output (and
-// rstd) for readers in later phases or the caller.
+// statistics) for readers in later phases or the caller.
 bool stores_prologue(const Program& program, const KernelGroup& k);
+
+// The rules that made kernel `k`, as describe and the kernel's comment name
+// them: norm_prologue where it has a prologue, then its grouping rule.
+std::vector<std::string> kernel_rules(const KernelGroup& k);
 
 // The number of launches: one past the largest KernelGroup::launch.
 int launch_count(const std::vector<KernelGroup>& kernels);
