@@ -19,7 +19,9 @@
 #    several steps on counters never reset, the numerical tests compiled as megakernels, and
 #    bench_megakernel's table (a GPT-2-sized decoder block and a 12-block stack at batch 1, 64
 #    tokens, and the MLP training step: kernels, CUDA Graph, megakernel) beside PyTorch eager and
-#    torch.compile(mode="reduce-overhead") on the same block (bench/decoder_torch.py).
+#    torch.compile(mode="reduce-overhead") on the same block (bench/decoder_torch.py);
+#  - the PyTorch frontend's tests on the machine's PyTorch 2.x: the torch.export path and
+#    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=${1:-gpu-kit}
@@ -66,6 +68,11 @@ check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
 check "numerical tests as megakernels on the GPU" \
   env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_TEST_MEGAKERNEL=132 CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" \
   --gtest_filter="$gpu_tests" --gtest_brief=1
+
+# The PyTorch frontend on this machine's PyTorch (2.x): the torch.export path, and SDPA.
+torch_version=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)
+check "torch frontend tests, PyTorch ${torch_version:-missing} (torch.export)" \
+  python3 tests/torch_frontend/test_frontend.py "$cudagen"
 
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done

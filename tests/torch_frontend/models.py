@@ -92,6 +92,34 @@ class CatSplit(nn.Module):
         return torch.cat([halves[0] * 2.0, halves[1]], dim=0)  # [4, 14, 4, 4]
 
 
+class Zoo(nn.Module):
+    """The mappings the networks above leave out: Embedding, RMSNorm (where
+    torch has it), SiLU, Sigmoid, Tanh, Hardswish, a BatchNorm no convolution
+    absorbs, AvgPool2d, bmm, log_softmax, sub, div, mean, sum, a general
+    permute; two inputs (integer ids, an image) and two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.norm = nn.RMSNorm(16) if hasattr(nn, "RMSNorm") else nn.LayerNorm(16)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.pool = nn.AvgPool2d(2)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, ids, image):  # [2, 6] integers below 50, [2, 4, 8, 8]
+        e = self.norm(self.embed(ids))  # [2, 6, 16]
+        h = F.silu(e) * torch.sigmoid(e) - torch.tanh(e) / 2.0
+        s = torch.bmm(h, h.transpose(1, 2))  # [2, 6, 6]
+        p = F.log_softmax(s, dim=-1)
+        c = self.bn(self.pool(F.hardswish(self.conv(image))))  # [2, 8, 4, 4]
+        return p.mean(dim=-1), c.permute(0, 2, 3, 1).sum(dim=-1)  # [2, 6], [2, 4, 4]
+
+
+def zoo():
+    torch.manual_seed(0)
+    return randomized(Zoo())
+
+
 def mlp():
     torch.manual_seed(0)
     return MLP()

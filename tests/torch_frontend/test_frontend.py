@@ -7,6 +7,8 @@ the seed is printed on failure. Then the error cases, with their messages.
 Run with Debian's PyTorch: /usr/bin/python3 tests/torch_frontend/test_frontend.py CUDAGEN [TEST...]
 """
 
+import importlib.util
+import json
 import os
 import random
 import shutil
@@ -28,6 +30,8 @@ import cudagen_torch  # noqa: E402
 import models  # noqa: E402
 
 CUDAGEN = None  # set from argv
+# The path export() takes by default: torch.export on PyTorch 2.x, torch.fx on 1.13.
+TRACER = "torch.export" if cudagen_torch.exporter._has_torch_export() else "torch.fx.symbolic_trace"
 
 
 def read(path):
@@ -56,7 +60,8 @@ class Exported(unittest.TestCase):
         """Exports, runs in emulation, compares every output with PyTorch's."""
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, **kwargs)
-        self.assertEqual(result.tracer, "torch.fx.symbolic_trace")
+        self.assertEqual(result.tracer, {"fx": "torch.fx.symbolic_trace", "export": "torch.export"}.get(
+            kwargs.get("tracer"), TRACER))
         outputs = os.path.join(self.dir, "outputs")
         stdout, seconds = self.run_cudagen("run", result.graph_path, "--emulate", "--inputs",
                                            os.path.join(model_dir, "example"), "--outputs", outputs)
@@ -106,6 +111,18 @@ class Models(Exported):
         self.assertIn('"op": "concat"', graph)
         self.assertIn('"op": "split"', graph)
 
+    def test_the_other_mappings(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        inputs = (torch.randint(0, 50, (2, 6)), torch.randn(2, 4, 8, 8))
+        result, _, _ = self.check_model(models.zoo(), inputs, seed)
+        ops = {t["op"] for t in json.loads(read(result.graph_path))["tasks"]}
+        for op in ("embedding", "silu", "sigmoid", "tanh", "hardswish", "avg_pool2d", "log_softmax", "mean", "sum",
+                   "permute", "conv2d", "rmsnorm" if hasattr(torch.nn, "RMSNorm") else "layernorm"):
+            self.assertIn(op, ops)
+        self.assertEqual(len(result.outputs), 2)
+
+    @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
     def test_resnet18(self):
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -114,6 +131,7 @@ class Models(Exported):
         self.assertNotIn("batchnorm", graph.lower().replace("folded", ""))  # every BatchNorm folded into its conv
         print(f"\nresnet18 1x3x64x64: export + compile + emulated run {seconds:.1f} s", file=sys.stderr)
 
+    @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
     def test_mobilenet_v2(self):
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -121,13 +139,25 @@ class Models(Exported):
         self.assertIn('"op": "relu6"', read(result.graph_path))
         print(f"\nmobilenet_v2 1x3x64x64: compile + emulated run {seconds:.1f} s", file=sys.stderr)
 
+    @unittest.skipUnless(TRACER == "torch.export", f"torch {torch.__version__} has no torch.export: "
+                         "export() takes the torch.fx path, which every other test here checks")
+    def test_decoder_block_through_both_paths(self):
+        """torch.fx on PyTorch 2.x too, and the two graphs alike: the same ops."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        ops = {}
+        for tracer in ("fx", "export"):
+            result, _, _ = self.check_model(models.block(), (torch.randn(2, 16, 48),), seed, tracer=tracer)
+            ops[tracer] = sorted(t["op"] for t in json.loads(read(result.graph_path))["tasks"])
+        self.assertEqual(ops["fx"], ops["export"])
+
     def test_cli_export(self):
         out = os.path.join(self.dir, "cli")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "frontends", "torch"), HERE]))
         r = subprocess.run([sys.executable, "-m", "cudagen_torch", "export", "models:mlp", "--input", "4x20", "-o", out],
                            capture_output=True, text=True, env=env)
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn("traced with torch.fx.symbolic_trace", r.stdout)
+        self.assertIn(f"traced with {TRACER}", r.stdout)
         self.run_cudagen("run", os.path.join(out, "graph.json"), "--emulate")  # weights from the .npy files
 
 
@@ -203,11 +233,11 @@ class Training(Exported):
 
 
 class Errors(unittest.TestCase):
-    def export_error(self, model, inputs):
+    def export_error(self, model, inputs, **kwargs):
         out = tempfile.mkdtemp(prefix="cudagen_torch_err_")
         shutil.rmtree(out)
         with self.assertRaises(cudagen_torch.ExportError) as caught:
-            cudagen_torch.export(model, inputs, out)
+            cudagen_torch.export(model, inputs, out, **kwargs)
         self.assertFalse(os.path.exists(out), "nothing may be written on failure")
         return str(caught.exception)
 
@@ -218,10 +248,11 @@ class Errors(unittest.TestCase):
 
         message = self.export_error(Cumulative(), (torch.randn(3, 4),))
         self.assertIn("fx node 'cumsum'", message)
-        self.assertIn("target torch.cumsum", message)
+        self.assertIn("target torch.cumsum" if TRACER == "torch.fx.symbolic_trace" else "target aten.cumsum.default",
+                      message)
         self.assertIn("test_frontend.py", message)  # the model's source line
         self.assertIn("return torch.cumsum(x, dim=-1)", message)
-        self.assertIn("nearest supported:", message)
+        self.assertRegex(message, r"nearest supported: .*(torch\.sum|aten\.sum\.dim_IntList)")
 
     def test_data_dependent_control_flow(self):
         class Branchy(torch.nn.Module):
@@ -231,9 +262,20 @@ class Errors(unittest.TestCase):
                 return x
 
         message = self.export_error(Branchy(), (torch.randn(3),))
-        self.assertIn("torch.fx could not trace the model at", message)
+        self.assertIn("torch.fx could not trace the model at" if TRACER == "torch.fx.symbolic_trace"
+                      else "torch.export could not capture the model at", message)
         self.assertIn("if x.sum() > 0:", message)
         self.assertIn("control flow", message)
+
+    def test_a_tracer_this_pytorch_lacks(self):
+        if TRACER == "torch.export":
+            with self.assertRaises(cudagen_torch.ExportError) as caught:
+                cudagen_torch.export(models.mlp(), (torch.randn(2, 20),), tempfile.mkdtemp(), tracer="jit")
+            self.assertIn("tracer='jit': use one of auto, export, fx", str(caught.exception))
+        else:
+            message = self.export_error(models.mlp(), (torch.randn(2, 20),), tracer="export")
+            self.assertIn("tracer='export' needs torch.export (PyTorch 2.2 or later)", message)
+            self.assertIn("use tracer='fx'", message)
 
     def test_a_dtype_the_registry_lacks(self):
         class Complexish(torch.nn.Module):

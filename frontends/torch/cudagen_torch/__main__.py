@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from .exporter import ExportError, export, supported_targets
+from .exporter import TRACERS, ExportError, export, supported_targets
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "f64": torch.float64, "i32": torch.int32, "i64": torch.int64}
 
@@ -45,7 +45,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m cudagen_torch",
                                      description="Export a PyTorch model to a cudagen task graph and its weights.")
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="trace a model with torch.fx and write GRAPH.json plus one .npy per weight",
+    ex = sub.add_parser("export", help="capture a model (torch.export or torch.fx) and write graph.json plus one "
+                        ".npy per weight",
                         description="Calls FACTORY() for the model (in eval mode), traces it on random inputs of "
                         "the given shapes, and writes OUT/graph.json, OUT/<parameter name>.npy, and the example "
                         "inputs and PyTorch's outputs under OUT/example and OUT/expected. Then: "
@@ -59,6 +60,9 @@ def main(argv=None):
     ex.add_argument("--loss", choices=["cross_entropy", "mse"], help="add a loss: the graph then trains")
     ex.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="with --loss: derive an update phase")
     ex.add_argument("--lr", type=float, default=0.01, help="the optimizer's learning rate (default 0.01)")
+    ex.add_argument("--tracer", choices=TRACERS, default="auto",
+                    help="how to capture the model: torch.export (PyTorch 2.x), torch.fx's symbolic tracer, or auto "
+                    "(default): torch.export where this PyTorch has it")
     sub.add_parser("targets", help="list the modules, functions and tensor methods that map to cudagen ops")
     args = parser.parse_args(argv)
 
@@ -78,7 +82,7 @@ def main(argv=None):
         return 2
     try:
         result = export(model, tuple(inputs), args.output, name=args.name, loss=args.loss, optimizer=args.optimizer,
-                        optimizer_args={"lr": args.lr} if args.optimizer else None)
+                        optimizer_args={"lr": args.lr} if args.optimizer else None, tracer=args.tracer)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,10 +1,14 @@
 """torch.fx GraphModule -> cudagen TaskGraph (JSON) and weights (.npy).
 
-The module is traced with torch.fx (a Tracer that records each node's source
-line), then run once on the example inputs by an fx Interpreter that keeps
-every node's value: shapes, dtypes and the integers a model computes from
-shapes (x.size(0)) come from there, not from guessing. Then each node maps
-to registry ops (MAPPING below; docs/torch-frontend.md has the table):
+The module is captured as an fx graph: by torch.export where PyTorch has it
+(2.x: ATen operators, `aten.linear.default`, its parameters as get_attr
+nodes named by the module's own names), else by torch.fx's symbolic tracer
+(1.13: modules, functions and tensor methods; a Tracer that records each
+node's source line). The graph is then run once on the example inputs by an
+fx Interpreter that keeps every node's value: shapes, dtypes and the integers
+a model computes from shapes (x.size(0)) come from there, not from guessing.
+Then each node maps to registry ops (MODULES, FUNCTIONS, METHODS and ATEN
+below; docs/torch-frontend.md has the table):
 
 - a node whose value does not depend on the inputs (a parameter, a buffer,
   a mask made from one) is a constant: it becomes a persistent tensor, its
@@ -44,7 +48,7 @@ class ExportError(Exception):
 @dataclass
 class ExportResult:
     graph_path: str
-    tracer: str  # "torch.fx.symbolic_trace"
+    tracer: str  # how the model was captured: "torch.export" or "torch.fx.symbolic_trace"
     tasks: int
     weights: list  # names of the .npy files written for parameters and buffers
     inputs: list  # graph input tensor names, in the forward()'s order
@@ -63,21 +67,42 @@ class Value:
     name: str = None
 
 
-def _source_line(node):
-    """The model's source line of an fx node, from its recorded stack trace
-    (innermost frame first): 'File "model.py", line 7, in forward: return ...'."""
-    lines = (getattr(node, "stack_trace", None) or "").splitlines()
+def _frames(stack_trace):
+    """(file line, code) per frame of a recorded stack trace, as written."""
+    lines = (stack_trace or "").splitlines()
+    frames = []
     for i, line in enumerate(lines):
-        if line.strip().startswith("File ") and os.sep + "torch" + os.sep not in line:
+        if line.strip().startswith("File "):
             code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
-            return line.strip() + (f": {code}" if code else "")
-    return "(no stack trace recorded)"
+            frames.append((line.strip(), code))
+    return frames
+
+
+def _is_model_frame(frame):
+    return os.sep + "torch" + os.sep not in frame[0] and os.sep + "cudagen_torch" + os.sep not in frame[0]
+
+
+def _source_line(node):
+    """The model's source line of an fx node, from its recorded stack trace:
+    'File "model.py", line 7, in forward: return ...'. torch 1.13's fx
+    writes the innermost frame first (it starts in the tracer), torch 2.x
+    the outermost (it ends in the tracer or in torch.nn's modules): the
+    innermost frame outside torch and this package either way."""
+    frames = _frames(getattr(node, "stack_trace", None))
+    model = [f for f in frames if _is_model_frame(f)]
+    if not model:
+        return "(no stack trace recorded)"
+    innermost_first = not _is_model_frame(frames[0]) and _is_model_frame(frames[-1])
+    line, code = model[0] if innermost_first else model[-1]
+    return line + (f": {code}" if code else "")
 
 
 def _target_name(node):
     t = node.target
     if node.op == "call_module":
         return node.target
+    if _is_aten(t):
+        return str(t)  # aten.linear.default
     if isinstance(t, str):
         return f"Tensor.{t}" if node.op == "call_method" else t
     module = getattr(t, "__module__", None) or ""
@@ -89,6 +114,11 @@ def _target_name(node):
     if module.startswith("torch") or module == "":
         return f"torch.{name}"
     return f"{module}.{name}"
+
+
+def _is_aten(target):
+    """An ATen operator overload, as torch.export's graphs call them."""
+    return type(target).__name__ == "OpOverload"
 
 
 class _Tracer(torch.fx.Tracer):
@@ -202,7 +232,7 @@ class _Exporter:
 
     # ---- errors --------------------------------------------------------
     def fail(self, node, message, hint=None):
-        near = difflib.get_close_matches(_target_name(node), supported_targets(), n=4, cutoff=0.4)
+        near = _nearest_targets(_target_name(node))
         text = f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): {message}"
         if hint:
             text += f"\n  {hint}"
@@ -354,14 +384,34 @@ class _Exporter:
             self.outputs.append(name)
 
     def find_batchnorm_folds(self):
+        """BatchNorms in eval mode that fold into the convolution before them,
+        its only reader: nn.BatchNorm2d after nn.Conv2d (torch.fx), or
+        aten.batch_norm after aten.conv2d with constant weights (torch.export)."""
         for node in self.gm.graph.nodes:
-            if node.op != "call_module" or not isinstance(self.gm.get_submodule(node.target), nn.BatchNorm2d):
+            source = node.args[0] if node.args else None
+            if not isinstance(source, torch.fx.Node) or len(source.users) != 1:
                 continue
-            source = node.args[0]
-            if (isinstance(source, torch.fx.Node) and source.op == "call_module"
-                    and isinstance(self.gm.get_submodule(source.target), nn.Conv2d) and len(source.users) == 1
-                    and not self.gm.get_submodule(node.target).training):
-                self.folded_bn[node] = source
+            if node.op == "call_module" and source.op == "call_module":
+                bn, conv = self.gm.get_submodule(node.target), self.gm.get_submodule(source.target)
+                if isinstance(bn, nn.BatchNorm2d) and isinstance(conv, nn.Conv2d) and not bn.training:
+                    self.folded_bn[node] = source
+            elif node.op == "call_function" and node.target in _BATCH_NORM and source.target in _CONV2D:
+                statistics = [_arg(node, i, n) for i, n in enumerate(_BATCH_NORM_ARGS) if 1 <= i <= 4]
+                conv_weights = [_arg(source, 1, "weight"), _arg(source, 2, "bias")]
+                if (not self.const(_arg(node, 5, "training")) and _arg(node, 3, "running_mean") is not None
+                        and not any(a in self.depends for a in statistics + conv_weights)):
+                    self.folded_bn[node] = source
+
+    def batchnorm_affine(self, node):
+        """The per-channel scale and shift of an aten.batch_norm node in eval
+        mode: y = x * scale + shift."""
+        if self.const(_arg(node, 5, "training")):
+            self.fail(node, "batch_norm in training mode has no mapping", "call model.eval() before exporting")
+        gamma, beta, mean, var = (self.const(_arg(node, i, n)) for i, n in enumerate(_BATCH_NORM_ARGS) if 1 <= i <= 4)
+        if mean is None or var is None:
+            self.fail(node, "batch_norm without running statistics has no mapping",
+                      "construct BatchNorm with track_running_stats=True")
+        return _batchnorm_affine(gamma, beta, mean, var, float(self.const(_arg(node, 7, "eps", 1e-5))))
 
     # ---- modules -------------------------------------------------------
     def call_module(self, node):
@@ -470,17 +520,41 @@ def _m_conv2d(ex, node, m):
     w_name, b_name = f"{node.target}.weight", f"{node.target}.bias"
     bn_node = next((b for b, c in ex.folded_bn.items() if c is node), None)
     if bn_node is not None:
-        # BatchNorm in eval mode folded into the convolution: w' = w * s, b' = (b - mean) * s + beta,
-        # s = gamma / sqrt(var + eps), per output channel.
         bn = ex.gm.get_submodule(bn_node.target)
-        s = (bn.weight.detach() if bn.affine else torch.ones_like(bn.running_var)) / torch.sqrt(bn.running_var + bn.eps)
-        beta = bn.bias.detach() if bn.affine else torch.zeros_like(bn.running_mean)
-        weight = weight * s.reshape(-1, 1, 1, 1)
-        bias = ((bias if bias is not None else torch.zeros_like(bn.running_mean)) - bn.running_mean) * s + beta
+        scale, shift = _batchnorm_affine(bn.weight if bn.affine else None, bn.bias if bn.affine else None,
+                                         bn.running_mean, bn.running_var, bn.eps)
+        weight, bias = _fold_into_conv(weight, bias, scale, shift)
         w_name, b_name = f"{node.target}.weight.folded", f"{node.target}.bias.folded"
     w = ex.constant(node, weight, w_name)
     b = ex.constant(node, bias, b_name) if bias is not None else None
     return ex.conv(node, node.args[0], w, b, m.stride, m.padding, m.dilation, m.groups, node.name)
+
+
+def _batchnorm_affine(gamma, beta, mean, var, eps):
+    """BatchNorm in eval mode as y = x * scale + shift, per channel:
+    scale = gamma / sqrt(var + eps), shift = beta - mean * scale."""
+    mean, var = mean.detach(), var.detach()
+    scale = (gamma.detach() if gamma is not None else torch.ones_like(var)) / torch.sqrt(var + eps)
+    shift = (beta.detach() if beta is not None else torch.zeros_like(mean)) - mean * scale
+    return scale, shift
+
+
+def _fold_into_conv(weight, bias, scale, shift):
+    """A convolution followed by y * scale + shift (per output channel) as one
+    convolution: w' = w * scale, b' = b * scale + shift."""
+    bias = bias if bias is not None else torch.zeros_like(scale)
+    return weight * scale.reshape(-1, 1, 1, 1), bias * scale + shift
+
+
+def _scale_shift(ex, node, x, scale, shift, name):
+    """x * scale + shift per channel of an NCHW tensor (a BatchNorm that no
+    convolution absorbs)."""
+    scale_v = ex.constant(node, scale.reshape(-1, 1, 1), f"{name}.scale.folded")
+    shift_v = ex.constant(node, shift.reshape(-1, 1, 1), f"{name}.shift.folded")
+    dtype, shape = ex.result_meta(node)
+    scaled = ex.add(node, node.name + "_scale", "mul", {"a": ex.tensor(node, x), "b": scale_v},
+                    {"out": (dtype, shape)})["out"]
+    return ex.add(node, node.name, "add", {"a": scaled, "b": shift_v}, {"out": (dtype, shape)})["out"]
 
 
 def _m_batchnorm2d(ex, node, m):
@@ -488,14 +562,9 @@ def _m_batchnorm2d(ex, node, m):
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
     if m.training:
         ex.fail(node, "BatchNorm2d in training mode has no mapping", "call model.eval() before exporting")
-    s = (m.weight.detach() if m.affine else torch.ones_like(m.running_var)) / torch.sqrt(m.running_var + m.eps)
-    shift = (m.bias.detach() if m.affine else torch.zeros_like(m.running_mean)) - m.running_mean * s
-    scale_v = ex.constant(node, s.reshape(-1, 1, 1), f"{node.target}.scale.folded")
-    shift_v = ex.constant(node, shift.reshape(-1, 1, 1), f"{node.target}.shift.folded")
-    dtype, shape = ex.result_meta(node)
-    scaled = ex.add(node, node.name + "_scale", "mul", {"a": ex.tensor(node, node.args[0]), "b": scale_v},
-                    {"out": (dtype, shape)})["out"]
-    return ex.add(node, node.name, "add", {"a": scaled, "b": shift_v}, {"out": (dtype, shape)})["out"]
+    scale, shift = _batchnorm_affine(m.weight if m.affine else None, m.bias if m.affine else None,
+                                     m.running_mean, m.running_var, m.eps)
+    return _scale_shift(ex, node, node.args[0], scale, shift, node.target)
 
 
 def _m_layernorm(ex, node, m):
@@ -671,8 +740,7 @@ def _f_masked_fill(ex, node):
     shape = ex.values[x].shape
     n, m = shape[-2], shape[-1]
     causal = torch.ones(n, m, dtype=torch.bool).triu(1).expand(shape)
-    users_ok = all(u.op in ("call_function", "call_method") and u.target in (F.softmax, torch.softmax, "softmax")
-                   for u in node.users)
+    users_ok = all(u.op in ("call_function", "call_method") and u.target in _SOFTMAX for u in node.users)
     if not users_ok or not torch.equal(ex.values[mask].to(torch.bool).expand(shape), causal):
         ex.fail(node, "masked_fill has no mapping except a constant causal mask filled with -inf before softmax",
                 "mask[i, j] must be true exactly where j > i (a lower-triangular 'keep' mask compared with 0)")
@@ -692,6 +760,15 @@ def _f_linear(ex, node):
 def _f_conv2d(ex, node):
     x, w = node.args[0], _arg(node, 1, "weight")
     b = _arg(node, 2, "bias")
+    bn_node = next((n for n, c in ex.folded_bn.items() if c is node), None)
+    if bn_node is not None:  # torch.export: the aten.batch_norm after it folds into its weights
+        weight, bias = _fold_into_conv(ex.const(w), ex.const(b), *ex.batchnorm_affine(bn_node))
+        # Named as the fx path names them: conv1.weight.folded, conv1.bias.folded.
+        owner = w.target.rpartition(".")[0] if isinstance(w, torch.fx.Node) and w.op == "get_attr" else node.name
+        w_v = ex.constant(node, weight, f"{owner}.weight.folded")
+        b_v = ex.constant(node, bias, f"{owner}.bias.folded")
+        return ex.conv(node, x, w_v, b_v, ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
+                       ex.const(_arg(node, 5, "dilation", 1)), ex.const(_arg(node, 6, "groups", 1)), node.name)
     return ex.conv(node, x, ex.tensor(node, w), ex.tensor(node, b) if b is not None else None,
                    ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
                    ex.const(_arg(node, 5, "dilation", 1)), ex.const(_arg(node, 6, "groups", 1)), node.name)
@@ -930,17 +1007,131 @@ METHODS = {
 FUNCTIONS[torch.Tensor.masked_fill] = _f_masked_fill
 
 
+# ---- ATen operators (torch.export) -----------------------------------------------
+# torch.export's graphs (PyTorch 2.x, the training IR) call ATen overloads
+# that keep the functional API's positional arguments, so most reuse the
+# handlers above; those that differ have their own.
+
+def _a_batch_norm(ex, node):
+    if node in ex.folded_bn:
+        return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
+    return _scale_shift(ex, node, node.args[0], *ex.batchnorm_affine(node), node.name)
+
+
+def _a_embedding(ex, node):  # aten.embedding(weight, indices): the table first
+    dtype, shape = ex.result_meta(node)
+    return ex.add(node, node.name, "embedding", {"table": ex.tensor(node, node.args[0]),
+                                                 "ids": ex.tensor(node, node.args[1])}, {"out": (dtype, shape)})["out"]
+
+
+def _a_hardtanh(ex, node):  # F.relu6 is hardtanh(x, 0, 6) in ATen
+    low, high = float(ex.const(_arg(node, 1, "min_val", -1.0))), float(ex.const(_arg(node, 2, "max_val", 1.0)))
+    if (low, high) != (0.0, 6.0):
+        ex.fail(node, f"hardtanh({low}, {high}) has no mapping; only relu6 (hardtanh(0, 6)) does")
+    return ex.unary(node, "relu6", node.args[0])
+
+
+def _a_gelu(ex, node):
+    approximate = ex.const(_arg(node, 1, "approximate", "none"))
+    return ex.unary(node, "gelu", node.args[0], {"approximate": "tanh" if approximate == "tanh" else "erf"})
+
+
+def _a_rms_norm(ex, node):  # aten.rms_norm(input, normalized_shape, weight, eps)
+    x = ex.tensor(node, node.args[0])
+    normalized = ex.const(_arg(node, 1, "normalized_shape"))
+    if len(normalized) != 1:
+        ex.fail(node, f"rms_norm over {tuple(normalized)}; cudagen's rmsnorm normalises the last axis")
+    w = _arg(node, 2, "weight")
+    wv = ex.tensor(node, w) if w is not None else ex.constant(node, torch.ones(normalized[0]), f"{node.name}.weight")
+    eps = ex.const(_arg(node, 3, "eps"))
+    eps = torch.finfo(torch.float32).eps if eps is None else eps
+    return ex.add(node, node.name, "rmsnorm", {"x": x, "weight": wv}, ex.norm_outputs(node, ("rstd",)),
+                  {"eps": float(eps)})["out"]
+
+
+_BATCH_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+
+
+def _aten_handlers():
+    """ATen overload -> handler, for the overloads this PyTorch has."""
+    names = {
+        "linear.default": _f_linear, "conv2d.default": _f_conv2d, "batch_norm.default": _a_batch_norm,
+        "layer_norm.default": _f_layer_norm, "rms_norm.default": _a_rms_norm, "embedding.default": _a_embedding,
+        "add.Tensor": _arith("add"), "add_.Tensor": _arith("add"), "add.Scalar": _arith("add"),
+        "sub.Tensor": _arith("sub"), "sub.Scalar": _arith("sub"),
+        "mul.Tensor": _arith("mul"), "mul_.Tensor": _arith("mul"), "mul.Scalar": _arith("mul"),
+        "div.Tensor": _arith("div"), "div.Scalar": _arith("div"),
+        "neg.default": _f_unary("neg"), "exp.default": _f_unary("exp"), "log.default": _f_unary("log"),
+        "relu.default": _f_unary("relu"), "relu_.default": _f_unary("relu"),
+        "hardtanh.default": _a_hardtanh, "hardtanh_.default": _a_hardtanh,
+        "gelu.default": _a_gelu, "silu.default": _f_unary("silu"), "silu_.default": _f_unary("silu"),
+        "sigmoid.default": _f_unary("sigmoid"), "tanh.default": _f_unary("tanh"),
+        "hardswish.default": _f_unary("hardswish"), "hardswish_.default": _f_unary("hardswish"),
+        "dropout.default": _f_dropout,
+        "matmul.default": _f_matmul, "bmm.default": _f_matmul, "mm.default": _f_matmul,
+        "softmax.int": _f_softmax("softmax"), "_softmax.default": _f_softmax("softmax"),
+        "log_softmax.int": _f_softmax("log_softmax"), "_log_softmax.default": _f_softmax("log_softmax"),
+        "masked_fill.Scalar": _f_masked_fill,
+        "view.default": _f_reshape, "reshape.default": _f_reshape, "_unsafe_view.default": _f_reshape,
+        "flatten.using_ints": _f_reshape, "squeeze.dim": _f_reshape, "squeeze.default": _f_reshape,
+        "unsqueeze.default": _f_reshape,
+        "transpose.int": _f_transpose, "permute.default": _f_permute, "t.default": _f_t,
+        "contiguous.default": _f_identity, "clone.default": _f_identity, "alias.default": _f_identity,
+        "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
+        "chunk.default": _f_split,
+        "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
+        "scaled_dot_product_attention.default": _f_sdpa,
+        "max_pool2d.default": _f_max_pool, "avg_pool2d.default": _f_avg_pool,
+        "adaptive_avg_pool2d.default": lambda ex, node: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
+    }
+    table = {}
+    for name, handler in names.items():
+        packet, _, overload = name.partition(".")
+        try:
+            op = getattr(getattr(torch.ops.aten, packet), overload)
+        except (AttributeError, RuntimeError):
+            continue  # not in this PyTorch
+        table[op] = handler
+    return table
+
+
+ATEN = _aten_handlers()
+FUNCTIONS.update(ATEN)
+_BATCH_NORM = {op for op, h in ATEN.items() if h is _a_batch_norm}
+_CONV2D = {F.conv2d} | {op for op, h in ATEN.items() if h is _f_conv2d}
+_SOFTMAX = {F.softmax, torch.softmax, "softmax"} | {op for op in ATEN if str(op).split(".")[1] in ("softmax", "_softmax")}
+
+
 def supported_targets():
-    """Every module type, function and tensor method the frontend maps, as
-    fx names them in messages."""
+    """Every module type, function, tensor method and ATen operator the
+    frontend maps, as fx names them in messages."""
     names = {f"torch.nn.{m.__name__}" for m in MODULES}
     for f in FUNCTIONS:
+        if _is_aten(f):
+            names.add(str(f))
+            continue
         module = getattr(f, "__module__", "") or ""
         name = getattr(f, "__name__", repr(f))
         names.add(f"operator.{name}" if module in ("_operator", "operator")
                   else f"F.{name}" if module.startswith("torch.nn.functional") else f"torch.{name}")
     names |= {f"Tensor.{m}" for m in METHODS}
     return sorted(names)
+
+
+def _nearest_targets(target, n=4):
+    """The supported targets whose operator name is nearest `target`'s, in
+    its own vocabulary (ATen names for an ATen operator): torch.cumsum ->
+    torch.sum, Tensor.sum; aten.cumsum.default -> aten.sum.dim_IntList."""
+    def op_name(t):  # aten.sum.dim_IntList -> sum, torch.nn.Linear -> Linear, F.relu -> relu
+        return t.split(".")[1] if t.startswith("aten.") else t.rsplit(".", 1)[-1]
+
+    aten = target.startswith("aten.")
+    by_name = {}
+    for t in supported_targets():
+        if t.startswith("aten.") == aten:
+            by_name.setdefault(op_name(t), []).append(t)
+    names = difflib.get_close_matches(op_name(target), list(by_name), n=n, cutoff=0.4)
+    return [t for name in names for t in by_name[name]][:n]
 
 
 # ---- the entry point -------------------------------------------------------------
@@ -963,11 +1154,63 @@ def _trace(module, example_inputs):
     return gm
 
 
-def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
-           write_example=True):
-    """Traces `module` with torch.fx on `example_inputs` (a tuple of tensors)
-    and writes `path`/graph.json with one .npy per parameter and buffer.
+def _has_torch_export():
+    export = getattr(torch, "export", None)
+    return hasattr(export, "export") and hasattr(getattr(export, "ExportedProgram", None), "module")
 
+
+def _export_program(module, example_inputs):
+    """torch.export (PyTorch 2.x), non-strict where the version lets us choose
+    (the model runs as Python, so a failure points at its own line): the
+    unlifted GraphModule, whose parameters and buffers are get_attr nodes
+    named as the module names them."""
+    import inspect
+    import logging
+    options = {"strict": False} if "strict" in inspect.signature(torch.export.export).parameters else {}
+    quiet = logging.getLogger("torch")  # its warnings about guards repeat what the error below says
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        program = torch.export.export(module, tuple(example_inputs), **options)
+    except Exception as e:  # noqa: BLE001: export failures come as many types
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "torch" + os.sep not in f.filename
+                  and os.path.basename(os.path.dirname(f.filename)) != "cudagen_torch" and f.filename != "<string>"]
+        where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "unknown place"
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise ExportError(
+            f"torch.export could not capture the model at {where}: {type(e).__name__}: {first_line}\n"
+            "  a data-dependent shape or control flow on tensor values cannot be captured; make it depend on "
+            "constants (tracer='fx' traces some models torch.export cannot)") from None
+    finally:
+        quiet.setLevel(level)
+    return program.module()
+
+
+TRACERS = ("auto", "export", "fx")
+
+
+def _capture(module, example_inputs, tracer):
+    """The model as an fx GraphModule, and the name of the path taken."""
+    if tracer not in TRACERS:
+        raise ExportError(f"tracer={tracer!r}: use one of {', '.join(TRACERS)}")
+    if tracer == "auto":
+        tracer = "export" if _has_torch_export() else "fx"
+    if tracer == "fx":
+        return _trace(module, example_inputs), "torch.fx.symbolic_trace"
+    if not _has_torch_export():
+        raise ExportError(f"tracer='export' needs torch.export (PyTorch 2.2 or later), this is {torch.__version__}; "
+                          "use tracer='fx'")
+    return _export_program(module, example_inputs), "torch.export"
+
+
+def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
+           write_example=True, tracer="auto"):
+    """Captures `module` on `example_inputs` (a tuple of tensors) and writes
+    `path`/graph.json with one .npy per parameter and buffer.
+
+    tracer: "export" (torch.export, PyTorch 2.x), "fx" (torch.fx's symbolic
+      tracer) or "auto": torch.export where this PyTorch has it, else torch.fx.
+      ExportResult.tracer says which path was taken.
     loss: None, or "cross_entropy" (adds integer `labels`, one per row of
       the output) or "mse" (adds a `target` like the output): the graph then
       has a `training` section, and cudagen derives backward and update.
@@ -980,7 +1223,7 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     module = module.eval()
-    gm = _trace(module, example_inputs)
+    gm, traced_with = _capture(module, example_inputs, tracer)
     recorder = _Recorder(gm)
     with torch.no_grad():
         outputs = recorder.run(*example_inputs)
@@ -1019,7 +1262,7 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
             if os.path.exists(temporary):
                 os.unlink(temporary)
             raise
-    return ExportResult(os.path.join(path, "graph.json"), "torch.fx.symbolic_trace", len(ex.tasks),
+    return ExportResult(os.path.join(path, "graph.json"), traced_with, len(ex.tasks),
                         sorted(ex.arrays), list(ex.inputs) + sorted(extra_inputs), list(ex.outputs))
 
 
