@@ -10,6 +10,10 @@ namespace cudagen {
 
 namespace {
 
+// numpy has no bfloat16: a bf16 tensor is stored as the 16-bit patterns
+// themselves, an array of uint16 (a.view(np.uint16) of a bf16 array;
+// torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) reads it back), and
+// a '<u2' file is read as bf16.
 const char* descr(DType d) {
   switch (d) {
     case DType::f32: return "<f4";
@@ -17,7 +21,7 @@ const char* descr(DType d) {
     case DType::i32: return "<i4";
     case DType::i64: return "<i8";
     case DType::f16: return "<f2";
-    case DType::bf16: return "";  // numpy has no bfloat16
+    case DType::bf16: return "<u2";
   }
   return "";
 }
@@ -61,12 +65,12 @@ HostTensor read_npy(const std::string& path) {
   if (order != "False") throw std::runtime_error(fmt::format("{}: Fortran-order arrays are not supported; save a C-contiguous array", path));
   HostTensor a;
   bool known = false;
-  for (DType d : {DType::f32, DType::f64, DType::i32, DType::i64, DType::f16})
+  for (DType d : {DType::f32, DType::f64, DType::i32, DType::i64, DType::f16, DType::bf16})
     if (type == std::string("'") + descr(d) + "'") {
       a.dtype = d;
       known = true;
     }
-  if (!known) throw std::runtime_error(fmt::format("{}: unsupported dtype {} (cudagen reads <f4, <f8, <i4, <i8, <f2)", path, type));
+  if (!known) throw std::runtime_error(fmt::format("{}: unsupported dtype {} (cudagen reads <f4, <f8, <i4, <i8, <f2, and <u2 as bf16 bit patterns)", path, type));
   for (size_t i = 1; i < shape_text.size();) {
     size_t j = shape_text.find_first_of(",)", i);
     std::string dim = shape_text.substr(i, j - i);
@@ -84,8 +88,6 @@ HostTensor read_npy(const std::string& path) {
 }
 
 void write_npy(const std::string& path, const HostTensor& a) {
-  if (std::string(descr(a.dtype)).empty())
-    throw std::runtime_error(fmt::format("{}: numpy has no {} dtype", path, to_string(a.dtype)));
   std::string shape = "(";
   for (size_t i = 0; i < a.shape.size(); ++i) shape += std::to_string(a.shape[i]) + (a.shape.size() == 1 ? "," : i + 1 < a.shape.size() ? ", " : "");
   shape += ")";

@@ -38,7 +38,9 @@ TEST(Npy, RoundTripsEveryDtypeAndShape) {
   HostTensor f = array_of<float>(DType::f32, {2, 3}, {1, 2, 3, 4, 5, 6.5f});
   HostTensor d = array_of<double>(DType::f64, {1}, {0.1});
   HostTensor i = array_of<int64_t>(DType::i64, {}, {42});
-  for (const HostTensor* a : {&f, &d, &i}) {
+  // bf16 as its bit patterns, an array of uint16 (numpy has no bfloat16): 1.0, -2.0, 0.1 (rounded).
+  HostTensor bf = array_of<uint16_t>(DType::bf16, {3}, {0x3f80, 0xc000, 0x3dcd});
+  for (const HostTensor* a : {&f, &d, &i, &bf}) {
     std::string path = (dir / "a.npy").string();
     write_npy(path, *a);
     std::string bytes = read_text_file(path);
@@ -49,6 +51,8 @@ TEST(Npy, RoundTripsEveryDtypeAndShape) {
     EXPECT_EQ(back.shape, a->shape);
     EXPECT_EQ(back.data, a->data);
   }
+  EXPECT_NE(read_text_file((dir / "a.npy").string()).find("'descr': '<u2'"), std::string::npos) << "bf16 as uint16";
+  write_npy((dir / "a.npy").string(), i);
   EXPECT_NE(read_text_file((dir / "a.npy").string()).find("'shape': (), "), std::string::npos);
   write_npy((dir / "v.npy").string(), array_of<float>(DType::f32, {3}, {1, 2, 3}));
   EXPECT_NE(read_text_file((dir / "v.npy").string()).find("'shape': (3,), "), std::string::npos) << "a 1-tuple";

@@ -56,8 +56,9 @@ class Exported(unittest.TestCase):
         self.assertEqual(r.returncode, 0, f"cudagen {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
         return r.stdout, time.time() - started
 
-    def check_model(self, model, inputs, seed, **kwargs):
-        """Exports, runs in emulation, compares every output with PyTorch's."""
+    def check_model(self, model, inputs, seed, tolerance=1e-4, **kwargs):
+        """Exports, runs in emulation, compares every output with PyTorch's
+        (max |error| <= tolerance * max |PyTorch's output|)."""
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, **kwargs)
         self.assertEqual(result.tracer, {"fx": "torch.fx.symbolic_trace", "export": "torch.export"}.get(
@@ -66,13 +67,14 @@ class Exported(unittest.TestCase):
         stdout, seconds = self.run_cudagen("run", result.graph_path, "--emulate", "--inputs",
                                            os.path.join(model_dir, "example"), "--outputs", outputs)
         for name in result.outputs:
-            got = np.load(os.path.join(outputs, name + ".npy"))
-            want = np.load(os.path.join(model_dir, "expected", name + ".npy"))
-            self.assertEqual(got.shape, want.shape, name)
+            got, want = (np.load(os.path.join(folder, name + ".npy")) for folder in (outputs, os.path.join(model_dir, "expected")))
+            self.assertEqual((got.shape, got.dtype), (want.shape, want.dtype), name)
+            if got.dtype == np.uint16:  # bf16 bit patterns
+                got, want = (cudagen_torch.from_numpy(a, torch.bfloat16).double().numpy() for a in (got, want))
             self.assertFalse(np.isnan(got).any(), f"{name}: NaN (seed {seed})")
             error = float(np.abs(got.astype(np.float64) - want).max())
             scale = float(np.abs(want).max())
-            self.assertLessEqual(error, 1e-4 * scale,
+            self.assertLessEqual(error, tolerance * scale,
                                  f"{name}: max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
         return result, stdout, seconds
 
@@ -86,6 +88,20 @@ class Models(Exported):
         # Parameters keep the module's names, and the .npy files hold their values.
         w = np.load(os.path.join(self.dir, "model", "fc1.weight.npy"))
         np.testing.assert_array_equal(w, models.mlp().fc1.weight.detach().numpy())
+
+    def test_mlp_in_bfloat16(self):
+        """bf16 weights, inputs and outputs, as .npy files of their bit
+        patterns; PyTorch's bf16 result and cudagen's, each rounded from f32
+        sums in another order, agree within a few bf16 steps (2^-8)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(models.mlp().to(torch.bfloat16), (torch.randn(9, 20).to(torch.bfloat16),), seed,
+                                        tolerance=3 * 2.0 ** -8)
+        self.assertIn('"dtype": "bf16"', read(result.graph_path))
+        w = np.load(os.path.join(self.dir, "model", "fc1.weight.npy"))
+        self.assertEqual(w.dtype, np.uint16)
+        self.assertTrue(torch.equal(cudagen_torch.from_numpy(w, torch.bfloat16),
+                                    models.mlp().to(torch.bfloat16).fc1.weight.detach()))
 
     def test_decoder_block_with_attention_written_out(self):
         seed = fresh_seed()
@@ -277,13 +293,18 @@ class Errors(unittest.TestCase):
             self.assertIn("tracer='export' needs torch.export (PyTorch 2.2 or later)", message)
             self.assertIn("use tracer='fx'", message)
 
+    def test_training_a_bfloat16_model(self):
+        message = self.export_error(models.mlp().to(torch.bfloat16), (torch.randn(2, 20).to(torch.bfloat16),),
+                                    loss="mse")
+        self.assertIn("loss= needs a float32 model, this one's output is bf16", message)
+
     def test_a_dtype_the_registry_lacks(self):
         class Complexish(torch.nn.Module):
             def forward(self, x):
                 return torch.relu(x)
 
-        message = self.export_error(Complexish(), (torch.randn(3, dtype=torch.bfloat16),))
-        self.assertIn("dtype torch.bfloat16 is not in the registry", message)
+        message = self.export_error(Complexish(), (torch.randn(3).to(torch.int8),))
+        self.assertIn("dtype torch.int8 is not in the registry", message)
         self.assertIn("fx node 'x'", message)
 
 

@@ -37,7 +37,26 @@ import torch.nn.functional as F
 
 FORMAT = "cudagen.taskgraph/1"
 
-DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
+DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64", torch.int32: "i32",
+          torch.int64: "i64"}
+
+
+def to_numpy(tensor):
+    """A tensor as the array its .npy file holds. numpy has no bfloat16: a
+    bf16 tensor is saved as its bit patterns, uint16, which is how cudagen
+    reads and writes bf16 .npy files (`from_numpy` is the inverse)."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def from_numpy(array, dtype=None):
+    """The tensor of an array read from a .npy file; `dtype=torch.bfloat16`
+    reinterprets uint16 bit patterns."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 class ExportError(Exception):
@@ -290,7 +309,7 @@ class _Exporter:
         if key in self.constants:
             return self.constants[key]
         dtype = self.dtype_of(node, tensor)
-        array = tensor.detach().cpu().contiguous().numpy()
+        array = to_numpy(tensor)
         if array.ndim == 0:
             array = array.reshape(())
         name = self.unique_name(name)
@@ -311,7 +330,7 @@ class _Exporter:
         d = DTYPES.get(tensor.dtype)
         if d is None:
             self.fail(node, f"dtype {tensor.dtype} is not in the registry",
-                      "cudagen tensors are float32, float16, float64, int32 or int64; cast the model (model.float())")
+                      "cudagen tensors are float32, float16, bfloat16, float64, int32 or int64; cast the model (model.float())")
         return d
 
     def tensor(self, node, arg):
@@ -1242,11 +1261,11 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         files[tensor_name + ".npy"] = array
     if write_example:
         for node_name, tensor in zip(ex.inputs, example_inputs):
-            files[os.path.join("example", node_name + ".npy")] = tensor.detach().cpu().numpy()
+            files[os.path.join("example", node_name + ".npy")] = to_numpy(tensor)
         for tensor_name, array in extra_inputs.items():
             files[os.path.join("example", tensor_name + ".npy")] = array
         for out_name, tensor in zip(ex.outputs, flat_outputs):
-            files[os.path.join("expected", out_name + ".npy")] = tensor.detach().cpu().numpy()
+            files[os.path.join("expected", out_name + ".npy")] = to_numpy(tensor)
     for relative, content in files.items():
         target = os.path.join(path, relative)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -1306,6 +1325,9 @@ def _training(ex, loss, optimizer, optimizer_args, outputs):
     out_task = next(t for t in ex.tasks for s in t["tensors"].values() if s.get("name") == ex.outputs[0])
     out_slot = next(k for k, s in out_task["tensors"].items() if s.get("name") == ex.outputs[0])
     ref, shape = f"{out_task['id']}.{out_slot}", tuple(out_task["tensors"][out_slot]["shape"])
+    if out_task["tensors"][out_slot]["dtype"] != "f32":
+        raise ExportError(f"loss= needs a float32 model, this one's output is {out_task['tensors'][out_slot]['dtype']}; "
+                          "export model.float() to train")
     example = {}
     if loss == "cross_entropy":
         labels_shape = shape[:-1]
