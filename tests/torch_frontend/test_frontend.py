@@ -110,6 +110,19 @@ class Models(Exported):
         graph = read(result.graph_path)
         self.assertIn('"causal": true', graph)  # the mask and masked_fill folded into the softmax
         self.assertIn('"op": "layernorm"', graph)
+        # simplify.py: q, k and v projections of their own, heads split and merged by the head
+        # ops, k^T and the scale in the scores matmul; then the fusion rules see the pattern of
+        # examples/transformer_block.json: the same 5 launches, attention in one kernel.
+        self.assertEqual(result.rewrites, ["transpose_into_matmul", "scale_into_matmul", "heads", "split_linear",
+                                           "remove_dead"])
+        ops = [t["op"] for t in json.loads(graph)["tasks"]]
+        self.assertEqual((ops.count("split_heads"), ops.count("merge_heads")), (3, 1))
+        for copy in ("split", "permute", "transpose", "affine", "reshape"):
+            self.assertNotIn(copy, ops)
+        self.assertIn("attn.c_attn.weight.rows48-96", result.weights)
+        described, _ = self.run_cudagen("describe", result.graph_path)
+        self.assertIn("kernels: 7 kernels in 5 launches", described)
+        self.assertIn("[attention]", described)
 
     @unittest.skipUnless(hasattr(torch.nn.functional, "scaled_dot_product_attention"),
                          f"torch {torch.__version__} has no F.scaled_dot_product_attention (2.0 and later do)")
@@ -137,6 +150,29 @@ class Models(Exported):
                    "permute", "conv2d", "rmsnorm" if hasattr(torch.nn, "RMSNorm") else "layernorm"):
             self.assertIn(op, ops)
         self.assertEqual(len(result.outputs), 2)
+
+    def test_rewrites_only_where_they_hold(self):
+        """simplify.py leaves alone what it cannot rewrite exactly: a scale with
+        a shift, a split whose part is an output, a transpose of a graph input."""
+        class Partial(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = torch.nn.Linear(8, 12)
+
+            def forward(self, x, y):  # [3, 8], [5, 8]
+                parts = self.proj(x).split([4, 8], dim=-1)  # indexed: see models.CatSplit
+                a, b = parts[0], parts[1]
+                scores = (x @ y.transpose(0, 1)) * 2.0 + 1.0  # y^T: a graph input's transpose
+                return a, b.relu(), scores
+
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(Partial().eval(), (torch.randn(3, 8), torch.randn(5, 8)), seed)
+        ops = [t["op"] for t in json.loads(read(result.graph_path))["tasks"]]
+        self.assertIn("split", ops)  # part a is an output: the layer stays whole
+        self.assertIn("affine", ops)  # * 2 + 1 is no alpha
+        self.assertIn("transpose", ops)
+        self.assertEqual(sorted(result.weights), ["proj.bias", "proj.weight"])
 
     @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
     def test_resnet18(self):

@@ -35,6 +35,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .simplify import simplify
+
 FORMAT = "cudagen.taskgraph/1"
 
 DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64", torch.int32: "i32",
@@ -72,6 +74,7 @@ class ExportResult:
     weights: list  # names of the .npy files written for parameters and buffers
     inputs: list  # graph input tensor names, in the forward()'s order
     outputs: list  # graph output tensor names
+    rewrites: list = field(default_factory=list)  # the rules of simplify.py that applied, in order
 
 
 @dataclass
@@ -1248,6 +1251,7 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         outputs = recorder.run(*example_inputs)
     ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None)
     ex.run()
+    rewrites = simplify(ex.tasks, ex.outputs, ex.arrays, training=loss is not None)
     graph = {"format": FORMAT, "name": "".join(c if c.isalnum() or c == "_" else "_" for c in ex.name), "tasks": ex.tasks}
     extra_inputs = {}
     if loss is not None:
@@ -1282,7 +1286,7 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
                 os.unlink(temporary)
             raise
     return ExportResult(os.path.join(path, "graph.json"), traced_with, len(ex.tasks),
-                        sorted(ex.arrays), list(ex.inputs) + sorted(extra_inputs), list(ex.outputs))
+                        sorted(ex.arrays), list(ex.inputs) + sorted(extra_inputs), list(ex.outputs), rewrites)
 
 
 def _canonical_json(graph):

@@ -1,0 +1,271 @@
+"""Rewrites of the exported task list, so that cudagen's fusion rules see
+the patterns they know in a model written the PyTorch way.
+
+GPT-2's attention, as PyTorch users write it, is a fused qkv projection
+split in three, `.view(B, T, H, D).transpose(1, 2)` per head, `q @
+k.transpose(-2, -1) * scale`, and `.transpose(1, 2).contiguous().view(B, T, C)`
+after: mapped op for op, copies (split, permute, transpose) and an extra
+elementwise pass that no fusion rule takes, and the attention rule, which
+wants `alpha * q k^T`, does not see its pattern. Each rewrite below computes
+the same values (up to the rounding of one multiplication):
+
+- `transpose_into_matmul`: a matmul operand that is a transpose of the last
+  two axes reads the transpose's input with `trans_a`/`trans_b` toggled;
+- `scale_into_matmul`: a multiplication by a number (affine, no shift) of a
+  matmul's result, its only reader, is the matmul's `alpha`;
+- `heads`: `reshape [..., T, H*D] -> [..., T, H, D]` then a permute swapping
+  T and H is `split_heads`; the permute back then a reshape to `[..., T, H*D]`
+  is `merge_heads`;
+- `split_linear` (inference exports only: training keeps each parameter
+  whole, under its module's name): a linear layer whose output is only split
+  along its last axis (c_attn into q, k, v) becomes one linear layer per part,
+  each with its rows of the weight and of the bias (`attn.c_attn.weight.rows0-48`);
+- `remove_dead`: a task none of whose outputs is read (what the rewrites
+  above leave behind).
+
+Tasks are the exporter's JSON objects: a slot is either `{"from": "task.slot"}`
+or owns its tensor (dtype, shape; an input also its storage).
+"""
+
+import numpy as np
+
+
+class _Graph:
+    def __init__(self, tasks, outputs, arrays):
+        self.tasks = tasks
+        self.outputs = set(outputs)  # names of the graph's output tensors
+        self.arrays = arrays  # tensor name -> the array its .npy holds
+
+    # ---- reading the list --------------------------------------------
+    def by_id(self, tid):
+        return next(t for t in self.tasks if t["id"] == tid)
+
+    def readers(self, ref):
+        """(task, slot) of every slot that reads `ref` ("task.slot")."""
+        return [(t, s) for t in self.tasks for s, v in t["tensors"].items() if v.get("from") == ref]
+
+    def is_output(self, slot):
+        return "from" not in slot and ("storage" not in slot or slot.get("name") in self.outputs)
+
+    def producer(self, slot):
+        """The task and slot name a `from` slot reads, or (None, None)."""
+        if "from" not in slot:
+            return None, None
+        tid, _, name = slot["from"].rpartition(".")
+        return self.by_id(tid), name
+
+    def only_reader(self, task, slot, op=None):
+        """The one task reading task.slot (of op `op`), else None; never for
+        a graph output."""
+        if task["tensors"][slot].get("name") in self.outputs:
+            return None
+        readers = self.readers(f"{task['id']}.{slot}")
+        if len(readers) != 1 or (op is not None and readers[0][0]["op"] != op):
+            return None
+        return readers[0][0]
+
+    def repoint(self, old_ref, new_ref):
+        for t, s in self.readers(old_ref):
+            t["tensors"][s] = {"from": new_ref}
+
+    # ---- rewrites ------------------------------------------------------
+    def transpose_into_matmul(self):
+        changed = False
+        for t in self.tasks:
+            if t["op"] != "matmul":
+                continue
+            for slot, flag in (("a", "trans_a"), ("b", "trans_b")):
+                source, _ = self.producer(t["tensors"][slot])
+                if source is None or source["op"] != "transpose" or "from" not in source["tensors"]["x"]:
+                    continue
+                t["tensors"][slot] = {"from": source["tensors"]["x"]["from"]}
+                args = t.setdefault("args", {})
+                args[flag] = not args.get(flag, False)
+                changed = True
+        return changed
+
+    def scale_into_matmul(self):
+        changed = False
+        for t in self.tasks:
+            if t["op"] != "matmul":
+                continue
+            scale = self.only_reader(t, "out", "affine")
+            if scale is None or scale["args"].get("shift", 0.0) != 0.0 or scale["tensors"]["out"].get("storage"):
+                continue
+            args = t.setdefault("args", {})
+            args["alpha"] = float(args.get("alpha", 1.0)) * float(scale["args"]["scale"])
+            self.repoint(f"{scale['id']}.out", f"{t['id']}.out")
+            self.tasks.remove(scale)
+            changed = True
+        return changed
+
+    def heads(self):
+        changed = False
+        for t in self.tasks:
+            if t["op"] != "permute" or "from" not in t["tensors"]["x"]:
+                continue
+            rank = len(t["tensors"]["out"]["shape"])
+            swap = list(range(rank - 3)) + [rank - 2, rank - 3, rank - 1]
+            if rank < 3 or t["args"].get("dims") != swap:
+                continue
+            source, _ = self.producer(t["tensors"]["x"])
+            if source is not None and source["op"] == "reshape" and "from" in source["tensors"]["x"]:
+                # [..., T, H*D] -> [..., T, H, D] -> [..., H, T, D]: split_heads.
+                view = source["tensors"]["out"]["shape"]
+                if self.shape_of(source["tensors"]["x"]) == view[:-2] + [view[-2] * view[-1]]:
+                    t["op"] = "split_heads"
+                    t["tensors"]["x"] = {"from": source["tensors"]["x"]["from"]}
+                    t["args"] = {"heads": view[-2]}
+                    changed = True
+                    continue
+            # [..., H, T, D] -> [..., T, H, D] -> [..., T, H*D]: merge_heads.
+            reshape = self.only_reader(t, "out", "reshape")
+            shape = t["tensors"]["out"]["shape"]
+            if reshape is not None and reshape["tensors"]["out"]["shape"] == shape[:-2] + [shape[-2] * shape[-1]]:
+                t["op"] = "merge_heads"
+                t["tensors"]["out"] = dict(reshape["tensors"]["out"])
+                t["args"] = {"heads": self.shape_of(t["tensors"]["x"])[-3]}
+                self.repoint(f"{reshape['id']}.out", f"{t['id']}.out")
+                self.tasks.remove(reshape)
+                changed = True
+        return changed
+
+    def shape_of(self, slot):
+        while "from" in slot:
+            task, name = self.producer(slot)
+            slot = task["tensors"][name]
+        return slot["shape"]
+
+    def split_linear(self):
+        for t in self.tasks:
+            if t["op"] == "split" and self.split_one_linear(t):
+                return True
+        return False
+
+    def split_one_linear(self, split):
+        """The linear layer before `split` (a matmul by a transposed weight,
+        then perhaps a bias add), as one layer per part."""
+        value_task, value_slot = self.producer(split["tensors"]["x"])
+        if value_task is None or self.only_reader(value_task, value_slot) is not split:
+            return False
+        matmul, bias = value_task, None
+        if value_task["op"] == "add":
+            bias = value_task
+            matmul, _ = self.producer(bias["tensors"]["a"])
+            if matmul is None or matmul["op"] != "matmul" or self.only_reader(matmul, "out") is not bias:
+                return False
+            b = bias["tensors"]["b"]
+            if "data" not in b or len(b["shape"]) != 1 or self.readers(f"{bias['id']}.b"):
+                return False
+        if matmul["op"] != "matmul" or not matmul.get("args", {}).get("trans_b") or matmul["args"].get("trans_a"):
+            return False
+        weight = matmul["tensors"]["b"]
+        if "data" not in weight or len(weight["shape"]) != 2 or self.readers(f"{matmul['id']}.b"):
+            return False
+        if "from" not in matmul["tensors"]["a"]:
+            return False  # the layer owns its input (a graph input): keep it whole
+        parts = self.split_parts(split, 0)
+        if parts is None:
+            return False
+
+        at = self.tasks.index(matmul)
+        new = []
+        for i, (start, end, ref) in enumerate(parts):
+            rows = f"rows{start}-{end}"
+            w = self.slice_constant(weight, start, end, rows)
+            mm = {"id": self.fresh_id(f"{matmul['id']}_{rows}"), "op": "matmul", "phase": matmul["phase"],
+                  "tensors": {"a": dict(matmul["tensors"]["a"]), "b": w,
+                              "out": {"dtype": matmul["tensors"]["out"]["dtype"],
+                                      "shape": matmul["tensors"]["out"]["shape"][:-1] + [end - start]}},
+                  "args": dict(matmul["args"])}
+            new.append(mm)
+            result = f"{mm['id']}.out"
+            if bias is not None:
+                add = {"id": self.fresh_id(f"{bias['id']}_{rows}"), "op": "add", "phase": bias["phase"],
+                       "tensors": {"a": {"from": result}, "b": self.slice_constant(bias["tensors"]["b"], start, end, rows),
+                                   "out": dict(mm["tensors"]["out"])}}
+                new.append(add)
+                result = f"{add['id']}.out"
+            self.repoint(ref, result)
+        dead = [matmul, split] + ([bias] if bias else []) + self.split_tasks(split)
+        for name in {weight["name"], bias["tensors"]["b"]["name"] if bias else None} - {None}:
+            self.arrays.pop(name, None)
+        self.tasks[at:at] = new
+        for t in dead:
+            if t in self.tasks:
+                self.tasks.remove(t)
+        return True
+
+    def split_parts(self, split, start):
+        """[(start, end, ref)] of the leaves of a tree of splits along the last
+        axis, or None when a part is a graph output."""
+        parts = []
+        for slot in ("a", "b"):
+            value = split["tensors"][slot]
+            if value.get("name") in self.outputs:
+                return None
+            size = value["shape"][-1]
+            inner = self.only_reader(split, slot, "split")
+            if inner is not None:
+                more = self.split_parts(inner, start)
+                if more is None:
+                    return None
+                parts += more
+            else:
+                parts.append((start, start + size, f"{split['id']}.{slot}"))
+            start += size
+        return parts
+
+    def split_tasks(self, split):
+        found = []
+        for slot in ("a", "b"):
+            inner = self.only_reader(split, slot, "split")
+            if inner is not None:
+                found += [inner] + self.split_tasks(inner)
+        return found
+
+    def slice_constant(self, slot, start, end, rows):
+        name = f"{slot['name']}.{rows}"
+        self.arrays[name] = np.ascontiguousarray(self.arrays[slot["name"]][start:end])
+        return {"dtype": slot["dtype"], "shape": [end - start] + slot["shape"][1:], "storage": slot["storage"],
+                "name": name, "data": name + ".npy"}
+
+    def fresh_id(self, base):
+        taken = {t["id"] for t in self.tasks}
+        base = base.replace("-", "_")
+        tid, n = base, 2
+        while tid in taken:
+            tid, n = f"{base}_{n}", n + 1
+        return tid
+
+    def remove_dead(self):
+        changed = False
+        for t in list(self.tasks):
+            slots = t["tensors"].values()
+            owns_input = any("from" not in v and not self.is_output(v) for v in slots)
+            read = any(self.is_output(v) and (v.get("storage") or self.readers(f"{t['id']}.{s}"))
+                       for s, v in t["tensors"].items())
+            if not owns_input and not read:
+                self.tasks.remove(t)
+                changed = True
+        return changed
+
+
+def simplify(tasks, outputs, arrays, training):
+    """Rewrites `tasks` (and `arrays`, the constants' values) in place until
+    no rule applies; returns the names of the rules that did."""
+    g = _Graph(tasks, outputs, arrays)
+    rules = [g.transpose_into_matmul, g.scale_into_matmul, g.heads]
+    if not training:
+        rules.append(g.split_linear)
+    rules.append(g.remove_dead)
+    applied = []
+    progress = True
+    while progress:
+        progress = False
+        for rule in rules:
+            while rule():
+                progress = True
+                if rule.__name__ not in applied:
+                    applied.append(rule.__name__)
+    return applied
