@@ -549,7 +549,7 @@ class Emitter {
         all.push_back(fmt::format("{} ({}, prologue{})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name,
                                   stores_prologue(p_, k) ? ", stored here" : ""));
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
-      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(kernel_rules(k), ", "));
+      tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(kernel_rules(p_, k), ", "));
     }
     return fmt::format(
         "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
@@ -629,14 +629,15 @@ class Emitter {
     epilogue_buffer_ = -1;
     prologue_task_ = -1;
     prologue_stores_ = false;
+    operand_prologue_.clear();
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
-    // The matmul's `a` where a prologue computes it: never read from memory
-    // (a kernel that stores it takes it as the prologue's output).
-    const int computed_a = k.prologue.empty() ? -1 : p_.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer;
+    // The matmul operand a prologue computes: never read from memory (a
+    // kernel that stores a norm's output takes it as the prologue's output).
+    const int computed = k.prologue.empty() ? -1 : bt.find_tensor(k.prologue_operand)->buffer;
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
-      if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed_a)  // kept in registers
+      if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed)  // kept in registers
         launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
                                      x.bound->buffer, nullptr, x.written});
     launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
@@ -645,7 +646,9 @@ class Emitter {
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
     record_launch(ek, std::move(launch));
-    mark_rows(t, ps, prologue_params, tail.params, launch_params_.back(), ek);
+    // (Only what an `a` prologue reads follows a's rows.)
+    mark_rows(t, ps, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, tail.params,
+              launch_params_.back(), ek);
     emitted.push_back(ek);
     return code;
   }
@@ -814,6 +817,7 @@ class Emitter {
   // stores the norm's output and statistics for later (kernels.h) takes
   // them too.
   std::vector<LaunchParam> prologue(const KernelGroup& k) {
+    if (!norm_prologue(p_, k)) return elementwise_prologue(k);
     prologue_task_ = k.prologue.front();
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
     template_files_.insert(norm.op->source_file);
@@ -827,6 +831,56 @@ class Emitter {
                                    bound.buffer, nullptr, written});
     }
     return params;
+  }
+
+  // Rule elementwise_prologue (fuse.h): the kernel's matmul reads operand
+  // k.prologue_operand as the chain k.prologue would have stored it. A lambda
+  // computes its element i from the chain's inputs (each at its own index or
+  // through its broadcast), rounded to the operand's type as the chain's
+  // store would have; matmul() loads the operand through it. Returns the
+  // chain's inputs, parameters named after their tasks.
+  std::vector<LaunchParam> elementwise_prologue(const KernelGroup& k) {
+    const int operand = p_.tasks[size_t(k.tasks.front())].find_tensor(k.prologue_operand)->buffer;
+    const BufferInfo& info = p_.buffers[size_t(operand)];
+    std::map<int, std::string> value_of, param_of;
+    std::vector<LaunchParam> launch;
+    std::vector<std::string> tasks;
+    std::string statements;
+    for (size_t j = 0; j < k.prologue.size(); ++j) {
+      const int t = k.prologue[j];
+      const OpSignature& op = *p_.tasks[size_t(t)].op;
+      template_files_.insert(op.source_file);
+      use_function(op, op.source_function);
+      tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
+      const std::vector<Param> ps = params(t);
+      const Param* result = nullptr;
+      std::vector<std::string> operands;
+      for (const auto& x : ps) {
+        if (x.written) {
+          result = &x;
+        } else if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
+          operands.push_back(v->second);
+        } else {
+          auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
+          if (added)
+            launch.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
+          operands.push_back(load_element(
+              it->second, x.buffer->dtype,
+              reads_own_element(op, x, info.shape) ? "i" : broadcast_index(info.shape, x.buffer->shape, "i")));
+        }
+      }
+      const std::string v = fmt::format("v{}", j);
+      statements += chain_statement(t, *result, std::move(operands), v, "    ");
+      value_of[result->bound->buffer] = v;
+    }
+    const std::string& value = value_of.at(operand);
+    operand_prologue_ = fmt::format(
+        "  // Prologue (elementwise_prologue): {}, element i of {} as the load of `{}` reads it.\n"
+        "  auto cg_prologue = [&](cg_i64 i) {{\n{}    return {};\n  }};\n",
+        fmt::join(tasks, ", "), buffer_name(operand), k.prologue_operand, statements,
+        is_16bit(info.dtype) ? fmt::format("cg_widen(cg_narrow<{}>({}))", c_type(info.dtype), value) : value);
+    operand_prologue_slot_ = k.prologue_operand;
+    return launch;
   }
 
   // The chain after a matmul or a row op (fuse.h: matmul_epilogue,
@@ -1619,11 +1673,15 @@ class Emitter {
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
     std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
-    std::string element_a = load(a, "a_base + " + load_a), prologue;
+    std::string element_a = load(a, "a_base + " + load_a), element_b = load(b, "b_base + " + load_b), prologue;
     if (prologue_task_ >= 0) {
       const NormLoad norm = norm_load(M, K, tile, "a_base + " + load_a, ek);
       element_a = norm.element;
       prologue = norm.code;
+    } else if (!operand_prologue_.empty()) {
+      (operand_prologue_slot_ == "a" ? element_a : element_b) =
+          operand_prologue_slot_ == "a" ? "cg_prologue(a_base + " + load_a + ")" : "cg_prologue(b_base + " + load_b + ")";
+      prologue = operand_prologue_;
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -1636,7 +1694,7 @@ class Emitter {
         "      [&](int m, int n, float acc) {{ {8}; }},\n"
         "      {9}, {7}, {10}, tile.y, tile.x, ({12}*)cg_smem);\n",
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
-        element_a, load(b, "b_base + " + load_b), N,
+        element_a, element_b, N,
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
         tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
@@ -2273,6 +2331,8 @@ class Emitter {
   int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
   int prologue_task_ = -1;    // while a matmul's runs: the norm it loads its `a` through, or -1
   bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and statistics
+  std::string operand_prologue_;       // while a matmul's runs: its elementwise prologue's lambda, or empty
+  std::string operand_prologue_slot_;  // and the operand ("a", "b") it computes
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

@@ -406,6 +406,10 @@ class Fuser {
       const KernelGroup& kernel = out_.kernels[k];
       const int norm = kernel.tasks.front();
       const std::string& op = p_.tasks[size_t(norm)].op->name;
+      if (kernel.prologue.empty() && group_rule(norm) == "elementwise_chain") {
+        folded[k] = fold_elementwise_prologue(k);
+        continue;
+      }
       if (op != "rmsnorm" && op != "layernorm") continue;
       const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
       std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
@@ -416,7 +420,7 @@ class Fuser {
       std::vector<size_t> hosts;
       const std::string reason = why_not_prologue(k, value, hosts);
       if (!reason.empty()) {
-        note_prologue_refused(norm, readers, reason);
+        note_prologue_refused({norm}, readers, reason);
         continue;
       }
       // Read later (saved for backward, or by the caller), with its
@@ -497,19 +501,115 @@ class Fuser {
     return false;
   }
 
-  // The note of each matmul that reads the norm's output (it did not join
-  // the norm's kernel, being a matmul) says why the norm is not its prologue
-  // either.
-  void note_prologue_refused(int norm, const std::vector<int>& readers, const std::string& reason) {
+  // The note of each matmul that reads the prologue candidate's value (it
+  // did not join that kernel, being a matmul) says why that kernel is not its
+  // prologue either. `tasks`: the candidate's tasks; the last names it.
+  void note_prologue_refused(const std::vector<int>& tasks, const std::vector<int>& readers, const std::string& reason) {
+    const int named = tasks.back();
     for (int r : readers) {
       auto it = std::find_if(out_.notes.begin(), out_.notes.end(),
-                             [&](const FusionNote& n) { return n.task == r && n.previous == norm; });
-      const std::string why = fmt::format("'{}' is not its prologue: {}", p_.tasks[size_t(norm)].task->id, reason);
+                             [&](const FusionNote& n) { return n.task == r && contains(tasks, n.previous); });
+      const std::string why = fmt::format("'{}' is not its prologue: {}", p_.tasks[size_t(named)].task->id, reason);
       if (it == out_.notes.end())
-        out_.notes.push_back(FusionNote{r, norm, why});
+        out_.notes.push_back(FusionNote{r, named, why});
       else
         it->reason += "; " + why;
     }
+  }
+
+  // Rule elementwise_prologue: an elementwise kernel (a chain, or one task)
+  // that stores one value, read only by matmuls of its phase, each the first
+  // task of its kernel, runs in those kernels instead: each computes the
+  // value element by element where its operand load would read it, from the
+  // chain's inputs. An element is computed as often as the matmul loads it
+  // (once per column tile of output for `a`), no more. Returns whether it
+  // folded kernel `k`.
+  bool fold_elementwise_prologue(size_t k) {
+    const KernelGroup& chain = out_.kernels[k];
+    std::vector<int> stored;  // what the kernel writes to memory
+    for (int t : chain.tasks)
+      for (const auto& b : p_.tasks[size_t(t)].tensors)
+        if (b.buffer >= 0 && b.sig != nullptr && b.sig->written() && !contains(chain.internal_buffers, b.buffer))
+          stored.push_back(b.buffer);
+    if (stored.size() != 1) return false;
+    const int value = stored.front();
+    std::vector<int> readers = readers_[size_t(value)];  // once each (x @ x^T reads it twice)
+    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+    // The rule is about matmul operands of its phase: a value something else
+    // reads (an initialiser's weight, read by every later phase) is no
+    // candidate, and gets no note.
+    const Phase phase = p_.tasks[size_t(chain.tasks.front())].task->phase;
+    if (readers.empty() || !std::all_of(readers.begin(), readers.end(), [&](int r) {
+          return p_.tasks[size_t(r)].op->name == "matmul" && p_.tasks[size_t(r)].task->phase == phase;
+        }))
+      return false;
+    std::vector<size_t> hosts;
+    std::vector<std::string> operands;
+    if (const std::string reason = why_not_elementwise_prologue(k, value, hosts, operands); !reason.empty()) {
+      note_prologue_refused(chain.tasks, readers, reason);
+      return false;
+    }
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      KernelGroup& host = out_.kernels[hosts[i]];
+      host.prologue = chain.tasks;
+      host.prologue_operand = operands[i];
+      for (int t : chain.tasks)
+        for (const auto& b : p_.tasks[size_t(t)].tensors)
+          if (b.buffer >= 0 && b.sig != nullptr && b.sig->written() && !contains(host.internal_buffers, b.buffer))
+            host.internal_buffers.push_back(b.buffer);
+    }
+    // A reader's note on why it did not join the chain is moot now; why the
+    // chain did not join the kernel before it (an epilogue) still holds.
+    std::erase_if(out_.notes, [&](const FusionNote& n) {
+      return contains(chain.tasks, n.previous) && contains(readers, n.task);
+    });
+    return true;
+  }
+
+  // Why elementwise kernel `k`, which stores buffer `value` and only
+  // matmuls read, cannot be their prologue (empty when it can; `hosts` and
+  // `operands` then hold each reader's kernel and the operand it reads).
+  std::string why_not_elementwise_prologue(size_t k, int value, std::vector<size_t>& hosts,
+                                           std::vector<std::string>& operands) const {
+    const std::vector<int>& chain = out_.kernels[k].tasks;
+    const BufferInfo& info = p_.buffers[size_t(value)];
+    if (!rule_on("elementwise_prologue")) return "rule elementwise_prologue is off (--no-fuse-rule)";
+    if (info.storage != Storage::transient)
+      return fmt::format("'{}' is read after its phase or by the caller, so it is stored", buffer_name(p_, value));
+    if (info.dtype != DType::f32 && info.dtype != DType::f16 && info.dtype != DType::bf16)
+      return fmt::format("'{}' is {}; matmul operand loads compute f32, f16 and bf16 values", buffer_name(p_, value),
+                         to_string(info.dtype));
+    std::vector<int> readers = readers_[size_t(value)];
+    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+    if (readers.size() > kMaxPrologueReaders)
+      return fmt::format("{} tasks read '{}': each would recompute it (at most {})", readers.size(),
+                         buffer_name(p_, value), kMaxPrologueReaders);
+    for (int r : readers) {
+      const BoundTask& reader = p_.tasks[size_t(r)];
+      const bool as_a = reader.find_tensor("a")->buffer == value, as_b = reader.find_tensor("b")->buffer == value;
+      if (as_a && as_b) return fmt::format("'{}' reads it as both operands", reader.task->id);
+      size_t host = k + 1;
+      while (host < out_.kernels.size() && !contains(out_.kernels[host].tasks, r)) ++host;
+      const KernelGroup& kernel = out_.kernels[host];
+      if (kernel.tasks.front() != r) return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
+      if (kernel.rule == "attention")
+        return fmt::format("'{}' starts an attention kernel, whose warps load their rows themselves", reader.task->id);
+      if (!kernel.prologue.empty())
+        return fmt::format("'{}' already computes a prologue", reader.task->id);
+      // The chain now runs as late as its reader: nothing in between may update its inputs.
+      for (size_t j = k + 1; j < host; ++j)
+        for (int t : out_.kernels[j].tasks)
+          for (const auto& b : p_.tasks[size_t(t)].tensors)
+            if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
+              for (int c : chain)
+                for (const auto& in : p_.tasks[size_t(c)].tensors)
+                  if (in.buffer == b.buffer && in.sig != nullptr && !in.sig->written())
+                    return fmt::format("'{}' updates '{}' before '{}' reads the chain", p_.tasks[size_t(t)].task->id,
+                                       buffer_name(p_, b.buffer), reader.task->id);
+      hosts.push_back(host);
+      operands.push_back(as_a ? "a" : "b");
+    }
+    return {};
   }
 
   // A value the group computes and only the group reads needs no storage.

@@ -21,6 +21,10 @@
 //                      and the norm runs no kernel (KernelGroup::prologue);
 //                      its output reaches memory only where a later phase
 //                      or the caller reads it, stored by the first reader.
+//   elementwise_prologue  an elementwise kernel (a chain, or one task) that
+//                      stores one value, which only matmuls of its phase
+//                      read: each computes it element by element where its
+//                      operand load reads it, and the chain runs no kernel.
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.
@@ -49,8 +53,9 @@
 
 namespace cudagen {
 
-inline const std::vector<std::string> kFusionRules = {"elementwise_chain", "matmul_epilogue", "reduction_epilogue",
-                                                      "norm_prologue", "attention", "permuted_store", "horizontal"};
+inline const std::vector<std::string> kFusionRules = {
+    "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
+    "attention",         "permuted_store",  "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

@@ -21,14 +21,20 @@ std::vector<int> kernel_tasks(const KernelGroup& kernel) {
   return tasks;
 }
 
+bool norm_prologue(const Program& program, const KernelGroup& k) {
+  if (k.prologue.empty()) return false;
+  const std::string& op = program.tasks[size_t(k.prologue.front())].op->name;
+  return op == "rmsnorm" || op == "layernorm";
+}
+
 bool stores_prologue(const Program& program, const KernelGroup& k) {
-  return !k.prologue.empty() &&
+  return norm_prologue(program, k) &&
          !contains(k.internal_buffers, program.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer);
 }
 
-std::vector<std::string> kernel_rules(const KernelGroup& k) {
+std::vector<std::string> kernel_rules(const Program& program, const KernelGroup& k) {
   std::vector<std::string> rules;
-  if (!k.prologue.empty()) rules.push_back("norm_prologue");
+  if (!k.prologue.empty()) rules.push_back(norm_prologue(program, k) ? "norm_prologue" : "elementwise_prologue");
   if (!k.rule.empty()) rules.push_back(k.rule);
   return rules;
 }

@@ -24,23 +24,32 @@ struct KernelGroup {
   // and independent of each other (fuse.h, rule `horizontal`), so one grid
   // runs them all, each on its own blocks. Without that rule, its own index.
   int launch = 0;
-  // Tasks this kernel recomputes on the operand loads of its first task
-  // (rule norm_prologue: an rmsnorm or layernorm whose rows a matmul
-  // normalises as it loads them). They run no kernel of their own, and
-  // several kernels may hold the same one. Their outputs (the statistics
-  // too) are among internal_buffers,
-  // but in the one kernel that stores them where they are read later (the
-  // backward pass saves them): there they are not, and written once.
+  // Tasks this kernel recomputes on the operand loads of its first task, a
+  // matmul: rule norm_prologue, an rmsnorm or layernorm whose rows the matmul
+  // normalises as it loads them; rule elementwise_prologue, an elementwise
+  // chain whose result the matmul computes element by element as it loads
+  // operand `prologue_operand`. They run no kernel of their own, and several
+  // kernels may hold the same ones. Their outputs (a norm's statistics too)
+  // are among internal_buffers, but in the one kernel that stores a norm's
+  // output where it is read later (the backward pass saves it): there they
+  // are not, and written once. (An elementwise prologue's result is read by
+  // its matmuls alone, or it would not be one.)
   std::vector<int> prologue;
+  std::string prologue_operand = "a";  // "a" or "b": the operand the prologue computes
 };
+
+// Whether kernel `k`'s prologue is a norm (rule norm_prologue), rather than
+// an elementwise chain (rule elementwise_prologue) or nothing.
+bool norm_prologue(const Program& program, const KernelGroup& k);
 
 // Whether kernel `k` is the one that stores its prologue's output (and
 // statistics) for readers in later phases or the caller.
 bool stores_prologue(const Program& program, const KernelGroup& k);
 
 // The rules that made kernel `k`, as describe and the kernel's comment name
-// them: norm_prologue where it has a prologue, then its grouping rule.
-std::vector<std::string> kernel_rules(const KernelGroup& k);
+// them: norm_prologue or elementwise_prologue where it has a prologue, then
+// its grouping rule.
+std::vector<std::string> kernel_rules(const Program& program, const KernelGroup& k);
 
 // The number of launches: one past the largest KernelGroup::launch.
 int launch_count(const std::vector<KernelGroup>& kernels);

@@ -71,7 +71,7 @@ std::string dump_fusion(const Program& p, const Fusion& fusion) {
     for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);
     for (int b : k.internal_buffers) internal.push_back(buffer_name(p, b));
     out += fmt::format("L{:<4} {:<28} {:<9} {}", k.launch, k.name, to_string(k.phase), fmt::join(ids, ", "));
-    if (const std::vector<std::string> rules = kernel_rules(k); !rules.empty()) out += fmt::format("  [{}]", fmt::join(rules, ", "));
+    if (const std::vector<std::string> rules = kernel_rules(p, k); !rules.empty()) out += fmt::format("  [{}]", fmt::join(rules, ", "));
     if (!internal.empty()) out += fmt::format("  in registers: {}", fmt::join(internal, ", "));
     out += "\n";
   }

@@ -151,6 +151,24 @@ TaskGraph independent_kernels(DType d) {
   return std::move(b).graph();
 }
 
+// Rule elementwise_prologue: a chain (relu, then a broadcast scale) as the
+// left operand of a batched matmul whose weight every batch shares; a
+// sigmoid as the transposed right operand of another, whose left operand is
+// the first one's result.
+TaskGraph elementwise_prologue(DType d) {
+  GraphBuilder b(std::string("elementwise_prologue_") + to_string(d));
+  auto act = b.task("act", "relu").tensor("x", d, {2, 33, 40}, ext).tensor("out", d, {2, 33, 40});
+  auto scaled = b.task("scaled", "mul").tensor("a", act["out"]).tensor("b", d, {40}, ext).tensor("out", d, {2, 33, 40});
+  auto mm = b.task("mm", "matmul").tensor("a", scaled["out"]).tensor("b", d, {40, 24}, ext).tensor("out", d, {2, 33, 24}, ext);
+  auto gate = b.task("gate", "sigmoid").tensor("x", d, {2, 20, 24}, ext).tensor("out", d, {2, 20, 24});
+  b.task("mm2", "matmul")
+      .tensor("a", mm["out"])
+      .tensor("b", gate["out"])
+      .tensor("out", d, {2, 33, 20}, ext)
+      .arg("trans_b", true);
+  return std::move(b).graph();
+}
+
 // Rule attention: q k^T scaled twice (the matmul's alpha, the softmax's
 // scale), causal or not, by values of another width; the heads merged as the
 // context is stored; the probabilities read later (stored from the kernel) or
@@ -257,13 +275,29 @@ TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {
 
 TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {
   const TaskGraph g = independent_kernels(GetParam());
-  // x | p, q, r, sm, heads | both
-  const Compiled c = expect_fused_and_unfused_right(g, g.tasks.size(), "(rule horizontal)");
-  EXPECT_EQ(launch_count(c.kernels), 3);
-  // A launch runs kernels of one block size: fewer launches than kernels, more
-  // than the fusion pass's three where the row op's block differs.
+  // p, q (each with x as its elementwise prologue), r, sm, heads | both
+  const Compiled c = expect_fused_and_unfused_right(g, g.tasks.size() - 1, "(rule horizontal)");
+  EXPECT_EQ(launch_count(c.kernels), 2);
+  // A launch runs kernels of one block size: fewer launches than kernels, at
+  // least the fusion pass's two, more where the kernels' blocks differ (16-bit
+  // matmuls run 128 threads, the row op 256).
   EXPECT_LT(c.emitted.kernels.size(), c.kernels.size());
-  EXPECT_GE(c.emitted.kernels.size(), 3u);
+  EXPECT_GE(c.emitted.kernels.size(), 2u);
+  EXPECT_EQ(c.emitted.kernels.size() > 2u, GetParam() != DType::f32);
+}
+
+TEST_P(FusedChains, ElementwisePrologueMatchesTheReferenceFusedAndUnfused) {
+  // mm with act and scaled in its loads of a | mm2 with gate in its loads of b
+  const Compiled c = expect_fused_and_unfused_right(elementwise_prologue(GetParam()), 2,
+                                                    "// Prologue (elementwise_prologue): act (relu), scaled (mul)");
+  const std::string& src = c.emitted.cuda_source;
+  EXPECT_NE(src.find("cg_prologue(a_base + "), std::string::npos);
+  EXPECT_NE(src.find("cg_prologue(b_base + "), std::string::npos);
+  // A 16-bit operand is rounded as the chain would have stored it.
+  EXPECT_EQ(src.find("return cg_widen(cg_narrow<") != std::string::npos, GetParam() != DType::f32);
+  for (const std::string name : {"act.out", "scaled.out", "gate.out"})
+    for (const auto& pb : c.plan.buffers)
+      if (buffer_name(c.program, pb.buffer) == name) EXPECT_TRUE(pb.internal) << name;
 }
 
 TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {

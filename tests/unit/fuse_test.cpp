@@ -470,8 +470,11 @@ TaskGraph independent_matmuls() {
   return std::move(b).graph();
 }
 
+// (x's relu would otherwise be both matmuls' prologue: rule elementwise_prologue.)
+const FuseOptions kNoElementwisePrologue{true, {"elementwise_prologue"}};
+
 TEST(Horizontal, IndependentKernelsShareALaunch) {
-  Compiled c = plan_graph(independent_matmuls());
+  Compiled c = plan_graph(independent_matmuls(), kNoElementwisePrologue);
   // x | p, q, r (one launch) | s
   ASSERT_EQ(c.kernels.size(), 5u);
   EXPECT_EQ(launch_count(c.kernels), 3);
@@ -504,7 +507,7 @@ TEST(Horizontal, NotWhatOverwritesWhatAnotherReads) {
 
 TEST(Horizontal, TurnsOff) {
   FuseOptions off;
-  off.disabled_rules = {"horizontal"};
+  off.disabled_rules = {"horizontal", "elementwise_prologue"};
   Compiled c = plan_graph(independent_matmuls(), off);
   EXPECT_EQ(launch_count(c.kernels), 5);
   EXPECT_EQ(launch_reason_for(c, "q"), "rule horizontal is off (--no-fuse-rule)");
@@ -527,8 +530,13 @@ TEST(Fusion, EachEpilogueRuleTurnsOff) {
                               o.fuse.disabled_rules = {"matmul_epilogue"};
                               return o;
                             }());
-  EXPECT_EQ(c.kernels.size(), 5u);
+  // bias1 and act1, no epilogue of fc1, are fc2's prologue instead.
+  ASSERT_EQ(c.kernels.size(), 4u);
+  EXPECT_EQ(task_ids(c, c.kernels[1]), std::vector<std::string>{"fc2"});
+  EXPECT_EQ(c.kernels[1].prologue.size(), 2u);
+  EXPECT_EQ(kernel_rules(c.program, c.kernels[1]), std::vector<std::string>{"elementwise_prologue"});
   EXPECT_EQ(reason_for(c, "bias1"), "rule matmul_epilogue is off (--no-fuse-rule)");
+  EXPECT_EQ(reason_for(c, "bias2"), "rule matmul_epilogue is off (--no-fuse-rule)");
 }
 
 TEST(Fusion, ARuleOrAllOfFusionTurnsOff) {
@@ -585,4 +593,66 @@ TEST(Fusion, AValueStoredForALaterKernelIsStoredOnce) {
   // n.out is read only in the kernel; m.out by the sum, a.out by `late`: both stored.
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"n.out"}));
   EXPECT_FALSE(c.plan.buffers[size_t(c.kernels[0].tasks[0])].internal);
+}
+
+// Rule elementwise_prologue: relu then a broadcast scale, read only by a
+// matmul as its `a`: no kernel of their own, computed in the matmul's loads.
+// `act_storage`, `both`, `dtype` make the cases the rule refuses.
+TaskGraph chain_then_matmul(Storage act_storage = Storage::transient, bool both = false, DType dtype = f32) {
+  GraphBuilder b("chain_then_matmul");
+  auto act = b.task("act", "relu").tensor("x", dtype, {8, 16}, ext).tensor("out", dtype, {8, 16}, act_storage);
+  auto scaled = b.task("scaled", "mul").tensor("a", act["out"]).tensor("b", dtype, {16}, ext).tensor("out", dtype, {8, 16});
+  auto mm = b.task("mm", "matmul").tensor("a", scaled["out"]);
+  if (both)
+    mm.tensor("b", scaled["out"]).tensor("out", dtype, {8, 8}, ext).arg("trans_b", true);
+  else
+    mm.tensor("b", dtype, {16, 4}, ext).tensor("out", dtype, {8, 4}, ext);
+  return std::move(b).graph();
+}
+
+TEST(Fusion, AnElementwiseChainIsAMatmulsPrologue) {
+  Compiled c = plan_graph(chain_then_matmul());
+  ASSERT_EQ(c.kernels.size(), 1u);
+  EXPECT_EQ(task_ids(c, c.kernels[0]), std::vector<std::string>{"mm"});
+  EXPECT_EQ(c.kernels[0].prologue.size(), 2u);
+  EXPECT_EQ(c.kernels[0].prologue_operand, "a");
+  EXPECT_EQ(kernel_rules(c.program, c.kernels[0]), std::vector<std::string>{"elementwise_prologue"});
+  EXPECT_FALSE(stores_prologue(c.program, c.kernels[0]));
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"act.out", "scaled.out"}));
+  EXPECT_EQ(reason_for(c, "mm"), "") << "the note that mm did not join the chain is moot";
+}
+
+TEST(Fusion, NotAPrologueWhereTheChainsValueIsNeededOrTheRuleIsOff) {
+  const std::string refused = "'mm' is a matmul op; 'scaled' is not its prologue: ";
+  // act.out read by the caller: the chain stores it, so its kernel stays (scaled
+  // joins it, and mm reads what the kernel stores).
+  Compiled read_later = plan_graph(chain_then_matmul(ext));
+  EXPECT_EQ(read_later.kernels.size(), 2u);
+  EXPECT_TRUE(read_later.kernels[1].prologue.empty());
+  // One matmul reading it as both operands.
+  Compiled both = plan_graph(chain_then_matmul(Storage::transient, true));
+  EXPECT_EQ(both.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(both, "mm"), refused + "'mm' reads it as both operands");
+  // f64: the matmul's loads compute in f32.
+  Compiled f64 = plan_graph(chain_then_matmul(Storage::transient, false, DType::f64));
+  EXPECT_EQ(reason_for(f64, "mm"), refused + "'scaled.out' is f64; matmul operand loads compute f32, f16 and bf16 values");
+  Compiled off = plan_graph(chain_then_matmul(), FuseOptions{true, {"elementwise_prologue"}});
+  EXPECT_EQ(off.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(off, "mm"), refused + "rule elementwise_prologue is off (--no-fuse-rule)");
+  // An attention kernel's scores matmul loads q as the attention row does, not through a prologue.
+  GraphBuilder b("relu_then_attention");
+  auto q = b.task("q", "relu").tensor("x", f32, {2, 8, 4}, ext).tensor("out", f32, {2, 8, 4});
+  auto s = b.task("scores", "matmul")
+               .tensor("a", q["out"])
+               .tensor("b", f32, {2, 8, 4}, ext)
+               .tensor("out", f32, {2, 8, 8})
+               .arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", f32, {2, 8, 8});
+  b.task("context", "matmul").tensor("a", p["out"]).tensor("b", f32, {2, 8, 4}, ext).tensor("out", f32, {2, 8, 4}, ext);
+  Compiled attention = plan_graph(std::move(b).graph());
+  ASSERT_EQ(attention.kernels.size(), 2u);
+  EXPECT_EQ(attention.kernels[1].rule, "attention");
+  EXPECT_EQ(reason_for(attention, "scores"),
+            "'scores' is a matmul op; 'q' is not its prologue: 'scores' starts an attention kernel, whose warps load "
+            "their rows themselves");
 }
