@@ -621,6 +621,8 @@ class Emitter {
     }
     std::vector<LaunchParam> prologue_params;
     if (!k.prologue.empty()) prologue_params = prologue(k);
+    // The operand an elementwise prologue computes: load() calls cg_prologue.
+    if (!operand_prologue_.empty()) prologue_buffer_ = bt.find_tensor(k.prologue_operand)->buffer;
     // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
     std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                            ? elementwise(t, ps, ek)
@@ -629,7 +631,8 @@ class Emitter {
     epilogue_buffer_ = -1;
     prologue_task_ = -1;
     prologue_stores_ = false;
-    operand_prologue_.clear();
+    prologue_buffer_ = -1;
+    const std::string operand_prologue = std::exchange(operand_prologue_, {});
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
     // The matmul operand a prologue computes: never read from memory (a
@@ -644,7 +647,8 @@ class Emitter {
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + tail.code + body);
+    std::string code =
+        kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + operand_prologue + tail.code + body);
     record_launch(ek, std::move(launch));
     // (Only what an `a` prologue reads follows a's rows.)
     mark_rows(t, ps, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, tail.params,
@@ -833,12 +837,13 @@ class Emitter {
     return params;
   }
 
-  // Rule elementwise_prologue (fuse.h): the kernel's matmul reads operand
-  // k.prologue_operand as the chain k.prologue would have stored it. A lambda
-  // computes its element i from the chain's inputs (each at its own index or
-  // through its broadcast), rounded to the operand's type as the chain's
-  // store would have; matmul() loads the operand through it. Returns the
-  // chain's inputs, parameters named after their tasks.
+  // Rule elementwise_prologue (fuse.h): the kernel's first task (a matmul,
+  // a row op) reads operand k.prologue_operand as the chain k.prologue would
+  // have stored it. A lambda, cg_prologue, computes its element i from the
+  // chain's inputs (each at its own index or through its broadcast), rounded
+  // to the operand's type as the chain's store would have; the skeleton's
+  // load() of the operand calls it. Returns the chain's inputs, parameters
+  // named after their tasks.
   std::vector<LaunchParam> elementwise_prologue(const KernelGroup& k) {
     const int operand = p_.tasks[size_t(k.tasks.front())].find_tensor(k.prologue_operand)->buffer;
     const BufferInfo& info = p_.buffers[size_t(operand)];
@@ -879,7 +884,6 @@ class Emitter {
         "  auto cg_prologue = [&](cg_i64 i) {{\n{}    return {};\n  }};\n",
         fmt::join(tasks, ", "), buffer_name(operand), k.prologue_operand, statements,
         is_16bit(info.dtype) ? fmt::format("cg_widen(cg_narrow<{}>({}))", c_type(info.dtype), value) : value);
-    operand_prologue_slot_ = k.prologue_operand;
     return launch;
   }
 
@@ -1306,7 +1310,9 @@ class Emitter {
   }
 
   // What a hook reads (16-bit widened to f32) and how it stores an f32 value.
-  static std::string load(const Param& x, const std::string& index) {
+  // A load of the operand an elementwise prologue computes calls it instead.
+  std::string load(const Param& x, const std::string& index) const {
+    if (x.bound->buffer == prologue_buffer_) return fmt::format("cg_prologue({})", index);
     return load_element(x.bound->name, x.buffer->dtype, index);
   }
   static std::string load_element(const std::string& name, DType dtype, const std::string& index) {
@@ -1673,15 +1679,11 @@ class Emitter {
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
     std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
-    std::string element_a = load(a, "a_base + " + load_a), element_b = load(b, "b_base + " + load_b), prologue;
+    std::string element_a = load(a, "a_base + " + load_a), prologue;
     if (prologue_task_ >= 0) {
       const NormLoad norm = norm_load(M, K, tile, "a_base + " + load_a, ek);
       element_a = norm.element;
       prologue = norm.code;
-    } else if (!operand_prologue_.empty()) {
-      (operand_prologue_slot_ == "a" ? element_a : element_b) =
-          operand_prologue_slot_ == "a" ? "cg_prologue(a_base + " + load_a + ")" : "cg_prologue(b_base + " + load_b + ")";
-      prologue = operand_prologue_;
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -1694,7 +1696,7 @@ class Emitter {
         "      [&](int m, int n, float acc) {{ {8}; }},\n"
         "      {9}, {7}, {10}, tile.y, tile.x, ({12}*)cg_smem);\n",
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
-        element_a, element_b, N,
+        element_a, load(b, "b_base + " + load_b), N,
         store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
         tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
@@ -2331,8 +2333,8 @@ class Emitter {
   int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
   int prologue_task_ = -1;    // while a matmul's runs: the norm it loads its `a` through, or -1
   bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and statistics
-  std::string operand_prologue_;       // while a matmul's runs: its elementwise prologue's lambda, or empty
-  std::string operand_prologue_slot_;  // and the operand ("a", "b") it computes
+  std::string operand_prologue_;  // while a kernel is emitted: its elementwise prologue's lambda, or empty
+  int prologue_buffer_ = -1;      // while its skeleton runs: the operand that lambda computes (load() calls it)
   const EmitOptions& options_;
   Diagnostics diags_;
   std::set<std::string> template_files_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <variant>
 
 #include <fmt/format.h>
@@ -406,10 +407,6 @@ class Fuser {
       const KernelGroup& kernel = out_.kernels[k];
       const int norm = kernel.tasks.front();
       const std::string& op = p_.tasks[size_t(norm)].op->name;
-      if (kernel.prologue.empty() && group_rule(norm) == "elementwise_chain") {
-        folded[k] = fold_elementwise_prologue(k);
-        continue;
-      }
       if (op != "rmsnorm" && op != "layernorm") continue;
       const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
       std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
@@ -437,6 +434,11 @@ class Fuser {
       // The norm has no kernel left, to have joined another or for its readers to have joined.
       std::erase_if(out_.notes, [&](const FusionNote& n) { return n.previous == norm || n.task == norm; });
     }
+    // Then the elementwise chains, into matmuls and row ops (a norm folded
+    // above is no host: prologues do not nest).
+    for (size_t k = 0; k < out_.kernels.size(); ++k)
+      if (!folded[k] && group_rule(out_.kernels[k].tasks.front()) == "elementwise_chain")
+        folded[k] = fold_elementwise_prologue(k, folded);
     std::vector<KernelGroup> kept;
     for (size_t k = 0; k < out_.kernels.size(); ++k)
       if (!folded[k]) kept.push_back(std::move(out_.kernels[k]));
@@ -518,13 +520,14 @@ class Fuser {
   }
 
   // Rule elementwise_prologue: an elementwise kernel (a chain, or one task)
-  // that stores one value, read only by matmuls of its phase, each the first
-  // task of its kernel, runs in those kernels instead: each computes the
-  // value element by element where its operand load would read it, from the
-  // chain's inputs. An element is computed as often as the matmul loads it
-  // (once per column tile of output for `a`), no more. Returns whether it
-  // folded kernel `k`.
-  bool fold_elementwise_prologue(size_t k) {
+  // that stores one value, read only by matmuls and row ops (softmax, the
+  // norms, row sums) of its phase, each the first task of its kernel, runs in
+  // those kernels instead: each computes the value element by element where
+  // its operand load would read it, from the chain's inputs. An element is
+  // computed as often as the reader loads it (a matmul's `a` once per column
+  // tile of output, a softmax's row once per pass), no more. Returns whether
+  // it folded kernel `k` (`folded`: the norms folded before, no hosts).
+  bool fold_elementwise_prologue(size_t k, const std::vector<bool>& folded) {
     const KernelGroup& chain = out_.kernels[k];
     std::vector<int> stored;  // what the kernel writes to memory
     for (int t : chain.tasks)
@@ -535,17 +538,17 @@ class Fuser {
     const int value = stored.front();
     std::vector<int> readers = readers_[size_t(value)];  // once each (x @ x^T reads it twice)
     readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
-    // The rule is about matmul operands of its phase: a value something else
-    // reads (an initialiser's weight, read by every later phase) is no
-    // candidate, and gets no note.
+    // The rule is about the operand loads of matmuls and row ops of its
+    // phase: a value something else reads (an initialiser's weight, read by
+    // every later phase) is no candidate, and gets no note.
     const Phase phase = p_.tasks[size_t(chain.tasks.front())].task->phase;
     if (readers.empty() || !std::all_of(readers.begin(), readers.end(), [&](int r) {
-          return p_.tasks[size_t(r)].op->name == "matmul" && p_.tasks[size_t(r)].task->phase == phase;
+          return !prologue_operand(r, value).empty() && p_.tasks[size_t(r)].task->phase == phase;
         }))
       return false;
     std::vector<size_t> hosts;
     std::vector<std::string> operands;
-    if (const std::string reason = why_not_elementwise_prologue(k, value, hosts, operands); !reason.empty()) {
+    if (const std::string reason = why_not_elementwise_prologue(k, value, folded, hosts, operands); !reason.empty()) {
       note_prologue_refused(chain.tasks, readers, reason);
       return false;
     }
@@ -567,10 +570,10 @@ class Fuser {
   }
 
   // Why elementwise kernel `k`, which stores buffer `value` and only
-  // matmuls read, cannot be their prologue (empty when it can; `hosts` and
+  // matmuls and row ops read, cannot be their prologue (empty when it can; `hosts` and
   // `operands` then hold each reader's kernel and the operand it reads).
-  std::string why_not_elementwise_prologue(size_t k, int value, std::vector<size_t>& hosts,
-                                           std::vector<std::string>& operands) const {
+  std::string why_not_elementwise_prologue(size_t k, int value, const std::vector<bool>& folded,
+                                           std::vector<size_t>& hosts, std::vector<std::string>& operands) const {
     const std::vector<int>& chain = out_.kernels[k].tasks;
     const BufferInfo& info = p_.buffers[size_t(value)];
     if (!rule_on("elementwise_prologue")) return "rule elementwise_prologue is off (--no-fuse-rule)";
@@ -586,11 +589,12 @@ class Fuser {
                          buffer_name(p_, value), kMaxPrologueReaders);
     for (int r : readers) {
       const BoundTask& reader = p_.tasks[size_t(r)];
-      const bool as_a = reader.find_tensor("a")->buffer == value, as_b = reader.find_tensor("b")->buffer == value;
-      if (as_a && as_b) return fmt::format("'{}' reads it as both operands", reader.task->id);
+      const std::string operand = prologue_operand(r, value);
+      if (operand == "both") return fmt::format("'{}' reads it as both operands", reader.task->id);
       size_t host = k + 1;
       while (host < out_.kernels.size() && !contains(out_.kernels[host].tasks, r)) ++host;
       const KernelGroup& kernel = out_.kernels[host];
+      if (folded[host]) return fmt::format("'{}' is itself the prologue of its readers' kernels", reader.task->id);
       if (kernel.tasks.front() != r) return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
       if (kernel.rule == "attention")
         return fmt::format("'{}' starts an attention kernel, whose warps load their rows themselves", reader.task->id);
@@ -607,9 +611,24 @@ class Fuser {
                     return fmt::format("'{}' updates '{}' before '{}' reads the chain", p_.tasks[size_t(t)].task->id,
                                        buffer_name(p_, b.buffer), reader.task->id);
       hosts.push_back(host);
-      operands.push_back(as_a ? "a" : "b");
+      operands.push_back(operand);
     }
     return {};
+  }
+
+  // The slot through which task `r` reads buffer `value` as an operand whose
+  // loads a prologue may compute ("both" for a matmul reading it twice), or
+  // empty where it reads it otherwise. The skeletons of these ops read the
+  // slot only through their element loads (emit.cpp, load()).
+  std::string prologue_operand(int r, int value) const {
+    const BoundTask& reader = p_.tasks[size_t(r)];
+    const std::string& op = reader.op->name;
+    std::vector<std::string> slots;
+    for (const auto& b : reader.tensors)
+      if (b.buffer == value && b.sig != nullptr && !b.sig->written()) slots.push_back(b.name);
+    if (op == "matmul") return slots.size() == 2 ? "both" : slots.size() == 1 ? slots.front() : "";
+    static const std::set<std::string> kRowOps = {"softmax", "log_softmax", "rmsnorm", "layernorm", "sum", "mean", "max"};
+    return kRowOps.count(op) && slots == std::vector<std::string>{"x"} ? "x" : "";
   }
 
   // A value the group computes and only the group reads needs no storage.

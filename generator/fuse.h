@@ -22,9 +22,10 @@
 //                      its output reaches memory only where a later phase
 //                      or the caller reads it, stored by the first reader.
 //   elementwise_prologue  an elementwise kernel (a chain, or one task) that
-//                      stores one value, which only matmuls of its phase
-//                      read: each computes it element by element where its
-//                      operand load reads it, and the chain runs no kernel.
+//                      stores one value, which only matmuls and row ops
+//                      (softmax, the norms, row sums) of its phase read: each
+//                      computes it element by element where its operand load
+//                      reads it, and the chain runs no kernel.
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.

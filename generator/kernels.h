@@ -24,18 +24,18 @@ struct KernelGroup {
   // and independent of each other (fuse.h, rule `horizontal`), so one grid
   // runs them all, each on its own blocks. Without that rule, its own index.
   int launch = 0;
-  // Tasks this kernel recomputes on the operand loads of its first task, a
-  // matmul: rule norm_prologue, an rmsnorm or layernorm whose rows the matmul
+  // Tasks this kernel recomputes on the operand loads of its first task:
+  // rule norm_prologue, an rmsnorm or layernorm whose rows a matmul
   // normalises as it loads them; rule elementwise_prologue, an elementwise
-  // chain whose result the matmul computes element by element as it loads
-  // operand `prologue_operand`. They run no kernel of their own, and several
+  // chain whose result a matmul or a row op computes element by element as it
+  // loads operand `prologue_operand`. They run no kernel of their own, and several
   // kernels may hold the same ones. Their outputs (a norm's statistics too)
   // are among internal_buffers, but in the one kernel that stores a norm's
   // output where it is read later (the backward pass saves it): there they
   // are not, and written once. (An elementwise prologue's result is read by
   // its matmuls alone, or it would not be one.)
   std::vector<int> prologue;
-  std::string prologue_operand = "a";  // "a" or "b": the operand the prologue computes
+  std::string prologue_operand = "a";  // the operand slot the prologue computes: a matmul's "a" or "b", a row op's "x"
 };
 
 // Whether kernel `k`'s prologue is a norm (rule norm_prologue), rather than

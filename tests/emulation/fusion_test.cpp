@@ -154,7 +154,8 @@ TaskGraph independent_kernels(DType d) {
 // Rule elementwise_prologue: a chain (relu, then a broadcast scale) as the
 // left operand of a batched matmul whose weight every batch shares; a
 // sigmoid as the transposed right operand of another, whose left operand is
-// the first one's result.
+// the first one's result; the inputs of row ops: a softmax (its loads run
+// three passes over the row), a layernorm of rows longer than its block, a sum.
 TaskGraph elementwise_prologue(DType d) {
   GraphBuilder b(std::string("elementwise_prologue_") + to_string(d));
   auto act = b.task("act", "relu").tensor("x", d, {2, 33, 40}, ext).tensor("out", d, {2, 33, 40});
@@ -166,6 +167,16 @@ TaskGraph elementwise_prologue(DType d) {
       .tensor("b", gate["out"])
       .tensor("out", d, {2, 33, 20}, ext)
       .arg("trans_b", true);
+  auto squashed = b.task("squashed", "tanh").tensor("x", d, {2, 33, 24}, ext).tensor("out", d, {2, 33, 24});
+  b.task("sm", "softmax").tensor("x", squashed["out"]).tensor("out", d, {2, 33, 24}, ext).arg("causal", true);
+  auto shifted = b.task("shifted", "add").tensor("a", d, {7, 300}, ext).tensor("b", d, {300}, ext).tensor("out", d, {7, 300});
+  b.task("ln", "layernorm")
+      .tensor("x", shifted["out"])
+      .tensor("weight", d, {300}, ext)
+      .tensor("bias", d, {300}, ext)
+      .tensor("out", d, {7, 300}, ext);
+  auto positive = b.task("positive", "relu").tensor("x", d, {5, 40}, ext).tensor("out", d, {5, 40});
+  b.task("total", "sum").tensor("x", positive["out"]).tensor("out", d, {5}, ext);
   return std::move(b).graph();
 }
 
@@ -287,15 +298,18 @@ TEST_P(FusedChains, IndependentKernelsShareLaunchesAndMatchTheReference) {
 }
 
 TEST_P(FusedChains, ElementwisePrologueMatchesTheReferenceFusedAndUnfused) {
-  // mm with act and scaled in its loads of a | mm2 with gate in its loads of b
-  const Compiled c = expect_fused_and_unfused_right(elementwise_prologue(GetParam()), 2,
+  // mm with act and scaled in its loads of a | mm2 with gate in its loads of b | sm with squashed
+  // | ln with shifted | total with positive
+  const Compiled c = expect_fused_and_unfused_right(elementwise_prologue(GetParam()), 5,
                                                     "// Prologue (elementwise_prologue): act (relu), scaled (mul)");
   const std::string& src = c.emitted.cuda_source;
   EXPECT_NE(src.find("cg_prologue(a_base + "), std::string::npos);
   EXPECT_NE(src.find("cg_prologue(b_base + "), std::string::npos);
+  EXPECT_NE(src.find("cg_softmax_row([&](int j) { return cg_prologue(row * 24 + j); }"), std::string::npos);
+  EXPECT_NE(src.find("cg_layernorm_row([&](int j) { return cg_prologue(row * 300 + j); }"), std::string::npos);
   // A 16-bit operand is rounded as the chain would have stored it.
   EXPECT_EQ(src.find("return cg_widen(cg_narrow<") != std::string::npos, GetParam() != DType::f32);
-  for (const std::string name : {"act.out", "scaled.out", "gate.out"})
+  for (const std::string name : {"act.out", "scaled.out", "gate.out", "squashed.out", "shifted.out", "positive.out"})
     for (const auto& pb : c.plan.buffers)
       if (buffer_name(c.program, pb.buffer) == name) EXPECT_TRUE(pb.internal) << name;
 }

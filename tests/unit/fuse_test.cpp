@@ -530,8 +530,10 @@ TEST(Fusion, EachEpilogueRuleTurnsOff) {
                               o.fuse.disabled_rules = {"matmul_epilogue"};
                               return o;
                             }());
-  // bias1 and act1, no epilogue of fc1, are fc2's prologue instead.
-  ASSERT_EQ(c.kernels.size(), 4u);
+  // bias1 and act1, no epilogue of fc1, are fc2's prologue instead; bias2 the softmax's.
+  ASSERT_EQ(c.kernels.size(), 3u);
+  EXPECT_EQ(task_ids(c, c.kernels[2]), std::vector<std::string>{"probs"});
+  EXPECT_EQ(c.kernels[2].prologue_operand, "x");
   EXPECT_EQ(task_ids(c, c.kernels[1]), std::vector<std::string>{"fc2"});
   EXPECT_EQ(c.kernels[1].prologue.size(), 2u);
   EXPECT_EQ(kernel_rules(c.program, c.kernels[1]), std::vector<std::string>{"elementwise_prologue"});
@@ -639,6 +641,19 @@ TEST(Fusion, NotAPrologueWhereTheChainsValueIsNeededOrTheRuleIsOff) {
   Compiled off = plan_graph(chain_then_matmul(), FuseOptions{true, {"elementwise_prologue"}});
   EXPECT_EQ(off.kernels.size(), 2u);
   EXPECT_EQ(reason_for(off, "mm"), refused + "rule elementwise_prologue is off (--no-fuse-rule)");
+  // A norm folded into its matmuls takes no prologue of its own: prologues do not nest.
+  {
+    GraphBuilder b("relu_norm_matmul");
+    auto x = b.task("x", "relu").tensor("x", f32, {8, 16}, ext).tensor("out", f32, {8, 16});
+    auto n = b.task("n", "rmsnorm").tensor("x", x["out"]).tensor("weight", f32, {16}, ext).tensor("out", f32, {8, 16});
+    b.task("mm", "matmul").tensor("a", n["out"]).tensor("b", f32, {16, 4}, ext).tensor("out", f32, {8, 4}, ext);
+    Compiled nested = plan_graph(std::move(b).graph());
+    ASSERT_EQ(nested.kernels.size(), 2u);
+    EXPECT_EQ(kernel_rules(nested.program, nested.kernels[1]), std::vector<std::string>{"norm_prologue"});
+    EXPECT_NE(reason_for(nested, "n").find("'x' is not its prologue: 'n' is itself the prologue of its readers' kernels"),
+              std::string::npos)
+        << reason_for(nested, "n");
+  }
   // An attention kernel's scores matmul loads q as the attention row does, not through a prologue.
   GraphBuilder b("relu_then_attention");
   auto q = b.task("q", "relu").tensor("x", f32, {2, 8, 4}, ext).tensor("out", f32, {2, 8, 4});
