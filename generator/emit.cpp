@@ -67,6 +67,23 @@ struct LaunchParam {
   bool written = false;
 };
 
+// Reserves `bytes` of kernel `ek`'s shared memory for `what`, after every
+// region reserved before (16-byte aligned, as vector loads and the
+// tensor-core tiles need): returns its offset.
+// The floats of a shared-memory region at byte `offset`, as kernel code.
+std::string shared_floats(int64_t offset) {
+  return offset == 0 ? "(float*)cg_smem" : fmt::format("(float*)(cg_smem + {})", offset);
+}
+
+int64_t next_shared_offset(const EmittedKernel& ek) { return (ek.smem_bytes + 15) / 16 * 16; }
+
+int64_t reserve_shared(EmittedKernel& ek, std::string what, int64_t bytes) {
+  const int64_t offset = next_shared_offset(ek);
+  ek.smem_regions.push_back(SharedRegion{std::move(what), offset, bytes});
+  ek.smem_bytes = offset + bytes;
+  return offset;
+}
+
 class Emitter {
  public:
   Emitter(const Program& p, const Plan& plan, const EmitOptions& options) : p_(p), plan_(plan), options_(options) {}
@@ -523,6 +540,14 @@ class Emitter {
   // each buffer it reads and writes with its bytes, its launch shape.
   std::string comment(const KernelGroup& k, const std::vector<LaunchParam>& launch, EmittedKernel& ek) {
     const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
+    // The skeletons pick their variants (staged or not, rows per block) to
+    // fit; a plan over the limit is the emitter's bug, not the graph's.
+    if (ek.smem_bytes > kSharedBytesWithoutOptIn)
+      fail(k.tasks[0], "",
+           fmt::format("kernel {} would need {} bytes of shared memory, more than the {} every device gives a kernel "
+                       "without opting in",
+                       k.name, ek.smem_bytes, kSharedBytesWithoutOptIn),
+           "an internal error of cudagen's emitter: please report it with the graph; --no-fuse avoids the fused kernel");
     const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
     std::vector<std::string> reads, writes, in_registers;
     for (const auto& lp : launch) {
@@ -551,13 +576,17 @@ class Emitter {
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
       tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(kernel_rules(p_, k), ", "));
     }
+    std::vector<std::string> regions;
+    for (const SharedRegion& r : ek.smem_regions)
+      regions.push_back(fmt::format("[{}, {}) {}", r.offset, r.offset + r.bytes, r.what));
     return fmt::format(
         "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
-        "written; grid [{}, {}, {}], block {}, {} bytes of shared memory.\n",
+        "written; grid [{}, {}, {}], block {}, {} bytes of shared memory{}\n",
         k.name, to_string(k.phase), tasks, reads.empty() ? "-" : fmt::format("{}", fmt::join(reads, ", ")),
         writes.empty() ? "-" : fmt::format("{}", fmt::join(writes, ", ")),
         in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", ")),
-        ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes);
+        ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes,
+        regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     ")));
   }
 
   static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
@@ -696,7 +725,11 @@ class Emitter {
     // scratch.
     const int64_t staged = Tk * (D + Dv);
     const bool stage = (per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1;
-    ek.smem_bytes = (per_block * scratch + (stage ? staged : 0)) * 4;
+    const int64_t rows_at = reserve_shared(ek, fmt::format("each warp's query row and scores ({} x {} floats)", per_block, scratch),
+                                           per_block * scratch * 4);
+    const int64_t keys_at = stage ? reserve_shared(ek, fmt::format("the head's keys and values ({} x {} floats)", Tk, D + Dv),
+                                                   staged * 4)
+                                  : 0;
     const std::string valid = arg_bool(tp, "causal")
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
                                   : std::to_string(Tk);
@@ -712,11 +745,11 @@ class Emitter {
     std::string load_v = load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv));
     if (stage) {
       body += fmt::format(
-          "  float* staged_k = (float*)cg_smem + {0};\n"
+          "  float* staged_k = {0};\n"
           "  float* staged_v = staged_k + {1};\n"
           "  cg_stage_rows([&](int j, int c) {{ return {2}; }}, staged_k, {3}, {4});\n"
           "  cg_stage_rows([&](int j, int c) {{ return {5}; }}, staged_v, {3}, {6});\n",
-          per_block * scratch, Tk * D, load_k, Tk, D, load_v, Dv);
+          shared_floats(keys_at), Tk * D, load_k, Tk, D, load_v, Dv);
       load_k = fmt::format("staged_k[j * {} + c]", D);
       load_v = fmt::format("staged_v[j * {} + c]", Dv);
     }
@@ -728,12 +761,12 @@ class Emitter {
         "                     [&](int j, int c) {{ return {3}; }},\n"
         "                     [&](int j, float p) {{ {4}; }},\n"
         "                     [&](int c, float o) {{ {5}; }},\n"
-        "                     {6}, {7}, {8}, {9}, {10}, {11}, (float*)cg_smem + warp * {12});\n",
+        "                     {6}, {7}, {8}, {9}, {10}, {11}, {13} + warp * {12});\n",
         per_block, load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D)), load_k, load_v,
         store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                     : std::string("(void)j, (void)p"),
         store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), Tk, D,
-        Dv, float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, scratch);
+        Dv, float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, scratch, shared_floats(rows_at));
     if (stage) body += "  __syncthreads();  // the staged rows are read before the block's next tile overwrites them\n";
     epilogue_buffer_ = -1;
     std::vector<LaunchParam> launch;
@@ -1337,7 +1370,7 @@ class Emitter {
     const int64_t n = shape.back();
     ek.block = int(std::clamp<int64_t>((n + 31) / 32 * 32, 32, 256));
     ek.grid[0] = int(numel(shape) / n);
-    ek.smem_bytes = 32 * 4;
+    reserve_shared(ek, "block reduction scratch (32 floats)", 32 * 4);
     return n;
   }
 
@@ -1412,7 +1445,7 @@ class Emitter {
     // 32 columns per block; 8 warps split the rows (fewer where there are few).
     ek.block = int(32 * std::clamp<int64_t>(rows, 1, 8));
     ek.grid[0] = int((n + 31) / 32);
-    ek.smem_bytes = 4 * ek.block;
+    reserve_shared(ek, "reduction scratch, a float per thread", 4 * ek.block);
     ek.smem_bytes_per_thread = 4;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -1545,7 +1578,9 @@ class Emitter {
     // The column blocks split the rows across their warps: give them at
     // least four, and shared memory for a float per thread.
     ek.block = std::max(ek.block, 128);
-    ek.smem_bytes = std::max<int64_t>(ek.smem_bytes, 4 * ek.block);
+    ek.smem_regions.clear();  // its scratch is a float per thread, not a row op's 32
+    ek.smem_bytes = 0;
+    reserve_shared(ek, "reduction scratch, a float per thread", 4 * ek.block);
     ek.smem_bytes_per_thread = 4;
     const int64_t column_blocks = (n + 31) / 32;
     ek.grid[0] = int(rows + column_blocks);
@@ -1619,7 +1654,7 @@ class Emitter {
     const int64_t n = numel(pred.buffer->shape);
     ek.block = 256;
     ek.grid[0] = 1;
-    ek.smem_bytes = 32 * 4;
+    reserve_shared(ek, "block reduction scratch (32 floats)", 32 * 4);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  float partial = 0.0f;\n"
@@ -1674,7 +1709,8 @@ class Emitter {
     ek.grid[0] = int((N + tile - 1) / tile);
     ek.grid[1] = int((M + tile - 1) / tile);
     ek.grid[2] = int(batches);
-    ek.smem_bytes = tensor_cores ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    reserve_shared(ek, "the operand tiles",
+                   tensor_cores ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1)));
     if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
@@ -1765,7 +1801,11 @@ class Emitter {
     const int64_t params = layer ? 2 * K : K;  // the weight (and bias), staged
     const bool keep_stats = !stats.empty();
     const int64_t staged_bytes = 4 * (tile * K + params + (keep_stats ? per_row * tile : 0));
-    if (ek.smem_bytes + staged_bytes <= kSharedBytesWithoutOptIn) {
+    if (next_shared_offset(ek) + staged_bytes <= kSharedBytesWithoutOptIn) {
+      const int64_t staged_at =
+          reserve_shared(ek, fmt::format("{}'s {} rows normalised{}{}", id, tile, layer ? ", weight and bias" : " and weight",
+                                         keep_stats ? ", their statistics" : ""),
+                         staged_bytes);
       // The tile's rows, normalised, in shared memory: x read once per block.
       const std::string stats_at = keep_stats ? fmt::format("cg_normed + {}", tile * K + params) : "nullptr";
       const std::string params_code =
@@ -1780,12 +1820,13 @@ class Emitter {
           "  cg_{1}_stage_rows([&](cg_i64 r, int j) {{ return {5}; }}, {6}, cg_row0, {7},\n"
           "                        {8}, {9}, {10}, cg_normed, cg_normed + {11}, {12});\n"
           "{13}",
-          id, norm.op->name, whether_stored, ek.smem_bytes, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
+          id, norm.op->name, whether_stored, staged_at, rows, load_x, params_code, tile, last, K, eps, tile * K, stats_at,
           stores("cg_normed[i]", "cg_normed", tile * K + params));
       out.element = fmt::format("cg_normed[(m - tile.y * {}) * {} + k]", tile, K);
       use_function(*norm.op, "cg_" + norm.op->name + "_stage_rows");
-      ek.smem_bytes += staged_bytes;
     } else {
+      const int64_t stats_at =
+          reserve_shared(ek, fmt::format("{}'s statistics of {} rows", id, tile), 4 * per_row * tile);
       // Too long a row to stage: the statistics of each row first, then
       // each element normalised as it is loaded (x read twice per block; a
       // third time by the blocks that store the output).
@@ -1802,12 +1843,11 @@ class Emitter {
           "  cg_{5}([&](cg_i64 r, int j) {{ return {6}; }}, cg_row0, {7}, {8}, {9}, {10},\n"
           "                       cg_stats);\n"
           "{11}",
-          id, norm.op->name, whether_stored, ek.smem_bytes, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
+          id, norm.op->name, whether_stored, stats_at, rows, layer ? "layernorm_stats_rows" : "rmsnorm_rstd_rows", load_x,
           tile, last, K, eps,
           stores(normalised(load_x, fmt::format("i / {}", K), "j"), "cg_stats", 0));
       out.element = normalised(load_element(x, slot_type("x"), a_index), fmt::format("m - tile.y * {}", tile), "k");
       use_function(*norm.op, layer ? "cg_layernorm_stats_rows" : "cg_rmsnorm_rstd_rows");
-      ek.smem_bytes += 4 * per_row * tile;
     }
     return out;
   }
@@ -1843,7 +1883,7 @@ class Emitter {
     ek.grid[0] = int((N + 31) / 32);
     ek.grid[1] = int((M + 31) / 32);
     ek.grid[2] = int(numel(s) / (M * N));
-    ek.smem_bytes = 32 * 33 * dtype_bytes(x.buffer->dtype);
+    reserve_shared(ek, "a 32 x 33 tile", 32 * 33 * dtype_bytes(x.buffer->dtype));
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  cg_transpose_tile<{0}>(x, out, {1}, {2}, tile.y, tile.x, (cg_i64)tile.z * {3}, ({0}*)cg_smem);\n",
@@ -1910,7 +1950,7 @@ class Emitter {
     ek.grid[0] = int((positions + 31) / 32);
     ek.grid[1] = int((OG + 31) / 32);
     ek.grid[2] = int(B * groups);
-    ek.smem_bytes = 4 * (32 * (16 + 1) + 16 * (32 + 1));
+    reserve_shared(ek, "the implicit GEMM's operand tiles", 4 * (32 * (16 + 1) + 16 * (32 + 1)));
     return "  CG_DYNAMIC_SMEM(cg_smem);\n" + geometry +
            fmt::format("  const cg_i64 image = tile.z / {0}, group = tile.z % {0};\n", groups) + bases +
            fmt::format("  const cg_i64 out_base = (image * {} + group * {}) * {};\n", O, OG, positions) +

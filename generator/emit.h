@@ -47,12 +47,26 @@ struct ArenaRange {
   bool by_rows = false;
 };
 
+// A part of a kernel's shared memory: what it holds, where (bytes from the
+// start of the kernel's dynamic shared memory), how much.
+struct SharedRegion {
+  std::string what;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
 struct EmittedKernel {
   std::string name;
   Phase phase;
   std::vector<int> tasks;
   int grid[3] = {1, 1, 1};
   int block = 256;
+  // Its shared memory, planned per kernel: each region its skeleton and its
+  // prologue use (a matmul's operand tiles, a norm prologue's staged rows, an
+  // attention kernel's rows of scores and staged keys), one after another
+  // from offset 0, each 16-byte aligned; smem_bytes is where the last ends.
+  // All live for the whole tile, so none shares another's bytes.
+  std::vector<SharedRegion> smem_regions;
   int64_t smem_bytes = 0;
   int64_t bytes_read = 0;     // modelled: each tensor read once
   int64_t bytes_written = 0;

@@ -1379,7 +1379,8 @@ CG_DEVICE void k4_add_bcast_tile(const float* a, const float* b, float* out, cg_
 // Kernel k5_softmax_causal (forward phase): task softmax_causal (softmax, reduction).
 //   reads  softmax_causal.x f32 [2, 33, 33]
 //   writes softmax_causal.out f32 [2, 33, 33]
-//   8712 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
+//   8712 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k5_softmax_causal_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1391,7 +1392,8 @@ CG_DEVICE void k5_softmax_causal_tile(const float* x, float* out, cg_tile tile) 
 // Kernel k6_matmul_t (forward phase): task matmul_t (matmul, matmul).
 //   reads  matmul_t.a f32 [2, 5, 33], matmul_t.b f32 [7, 5]
 //   writes matmul_t.out f32 [2, 33, 7]
-//   1460 bytes read, 1848 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
+//   1460 bytes read, 1848 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k6_matmul_t_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1415,7 +1417,8 @@ CG_DEVICE void k7_embedding_tile(const float* table, const int* ids, float* out,
 // Kernel k8_transpose (forward phase): task transpose (transpose, opaque).
 //   reads  transpose.x f64 [2, 33, 9]
 //   writes transpose.out f64 [2, 9, 33]
-//   4752 bytes read, 4752 bytes written; grid [1, 2, 2], block 256, 8448 bytes of shared memory.
+//   4752 bytes read, 4752 bytes written; grid [1, 2, 2], block 256, 8448 bytes of shared memory:
+//     [0, 8448) a 32 x 33 tile
 CG_DEVICE void k8_transpose_tile(const double* x, double* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   cg_transpose_tile<double>(x, out, 33, 9, tile.y, tile.x, (cg_i64)tile.z * 297, (double*)cg_smem);
@@ -1424,7 +1427,8 @@ CG_DEVICE void k8_transpose_tile(const double* x, double* out, cg_tile tile) {
 // Kernel k9_conv2d (forward phase): task conv2d (conv2d, opaque).
 //   reads  conv2d.x f32 [2, 5, 9, 10], conv2d.weight f32 [33, 5, 3, 3], conv2d.bias f32 [33]
 //   writes conv2d.out f32 [2, 33, 5, 5]
-//   9672 bytes read, 6600 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory.
+//   9672 bytes read, 6600 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the implicit GEMM's operand tiles
 CG_DEVICE void k9_conv2d_tile(const float* x, const float* weight, const float* bias, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_conv2d_geometry g = {5, 9, 10, 33, 5, 5, 3, 3, 2, 2, 1, 1, 1, 1, 1};
@@ -1690,7 +1694,8 @@ CG_DEVICE void k34_tanh_backward_tile(const float* x, const float* dout, float* 
 // Kernel k35_rmsnorm (forward phase): task rmsnorm (rmsnorm, reduction).
 //   reads  rmsnorm.x f32 [3, 33], rmsnorm.weight f32 [33] <- fill.out
 //   writes rmsnorm.out f32 [3, 33], rmsnorm.rstd f32 [3]
-//   528 bytes read, 408 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   528 bytes read, 408 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k35_rmsnorm_tile(const float* x, const float* weight, float* out, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1722,7 +1727,8 @@ CG_DEVICE void k37_merge_heads_tile(const float* x, float* out, cg_tile tile) {
 // Kernel k38_sum (forward phase): task sum (sum, reduction).
 //   reads  sum.x f32 [3, 33]
 //   writes sum.out f32 [3]
-//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k38_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1733,7 +1739,8 @@ CG_DEVICE void k38_sum_tile(const float* x, float* out, cg_tile tile) {
 // Kernel k39_mean (forward phase): task mean (mean, reduction).
 //   reads  mean.x f32 [3, 33]
 //   writes mean.out f32 [3]
-//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k39_mean_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1744,7 +1751,8 @@ CG_DEVICE void k39_mean_tile(const float* x, float* out, cg_tile tile) {
 // Kernel k40_max (forward phase): task max (max, reduction).
 //   reads  max.x f32 [3, 33]
 //   writes max.out f32 [3]
-//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   396 bytes read, 12 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k40_max_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1755,7 +1763,8 @@ CG_DEVICE void k40_max_tile(const float* x, float* out, cg_tile tile) {
 // Kernel k41_log_softmax (forward phase): task log_softmax (log_softmax, reduction).
 //   reads  log_softmax.x f32 [2, 33]
 //   writes log_softmax.out f32 [2, 33]
-//   264 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
+//   264 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k41_log_softmax_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1766,7 +1775,8 @@ CG_DEVICE void k41_log_softmax_tile(const float* x, float* out, cg_tile tile) {
 // Kernel k42_sum_leading (forward phase): task sum_leading (sum_leading, reduction).
 //   reads  sum_leading.x f32 [2, 33, 5]
 //   writes sum_leading.out f32 [5]
-//   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
+//   1320 bytes read, 20 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k42_sum_leading_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -1840,7 +1850,8 @@ CG_DEVICE void k49_gelu_backward_tile(const float* x, const float* dout, float* 
 // Kernel k50_layernorm (forward phase): task layernorm (layernorm, reduction).
 //   reads  layernorm.x f32 [3, 33], layernorm.weight f32 [33], layernorm.bias f32 [33]
 //   writes layernorm.out f32 [3, 33], layernorm.mean f32 [3], layernorm.rstd f32 [3]
-//   660 bytes read, 420 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   660 bytes read, 420 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k50_layernorm_tile(const float* x, const float* weight, const float* bias, float* out, float* mean, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1855,7 +1866,8 @@ CG_DEVICE void k50_layernorm_tile(const float* x, const float* weight, const flo
 // Kernel k51_layernorm_backward (forward phase): task layernorm_backward (layernorm_backward, reduction).
 //   reads  layernorm_backward.x f32 [3, 33] <- layernorm.x, layernorm_backward.weight f32 [33] <- layernorm.weight, layernorm_backward.mean f32 [3] <- layernorm.mean, layernorm_backward.rstd f32 [3] <- layernorm.rstd, layernorm_backward.dout f32 [3, 33]
 //   writes layernorm_backward.dx f32 [3, 33], layernorm_backward.dweight f32 [33], layernorm_backward.dbias f32 [33]
-//   948 bytes read, 660 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
+//   948 bytes read, 660 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory:
+//     [0, 512) reduction scratch, a float per thread
 CG_DEVICE void k51_layernorm_backward_tile(const float* x, const float* weight, const float* mean, const float* rstd, const float* dout, float* dx, float* dweight, float* dbias, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 3) {  // dx, a row per block
@@ -1882,7 +1894,8 @@ CG_DEVICE void k51_layernorm_backward_tile(const float* x, const float* weight, 
 // Kernel k52_rmsnorm_backward (forward phase): task rmsnorm_backward (rmsnorm_backward, reduction).
 //   reads  rmsnorm_backward.x f32 [3, 33] <- rmsnorm.x, rmsnorm_backward.weight f32 [33] <- fill.out, rmsnorm_backward.rstd f32 [3] <- rmsnorm.rstd, rmsnorm_backward.dout f32 [3, 33]
 //   writes rmsnorm_backward.dx f32 [3, 33], rmsnorm_backward.dweight f32 [33]
-//   936 bytes read, 528 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory.
+//   936 bytes read, 528 bytes written; grid [5, 1, 1], block 128, 512 bytes of shared memory:
+//     [0, 512) reduction scratch, a float per thread
 CG_DEVICE void k52_rmsnorm_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 3) {  // dx, a row per block
@@ -1905,7 +1918,8 @@ CG_DEVICE void k52_rmsnorm_backward_tile(const float* x, const float* weight, co
 // Kernel k53_softmax_backward (forward phase): task softmax_backward (softmax_backward, reduction).
 //   reads  softmax_backward.out f32 [2, 33, 33] <- softmax_causal.out, softmax_backward.dout f32 [2, 33, 33]
 //   writes softmax_backward.dx f32 [2, 33, 33]
-//   17424 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory.
+//   17424 bytes read, 8712 bytes written; grid [66, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k53_softmax_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1918,7 +1932,8 @@ CG_DEVICE void k53_softmax_backward_tile(const float* out, const float* dout, fl
 // Kernel k54_log_softmax_backward (forward phase): task log_softmax_backward (log_softmax_backward, reduction).
 //   reads  log_softmax_backward.out f32 [2, 33] <- log_softmax.out, log_softmax_backward.dout f32 [2, 33]
 //   writes log_softmax_backward.dx f32 [2, 33]
-//   528 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory.
+//   528 bytes read, 264 bytes written; grid [2, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k54_log_softmax_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1931,7 +1946,8 @@ CG_DEVICE void k54_log_softmax_backward_tile(const float* out, const float* dout
 // Kernel k55_cross_entropy (forward phase): task cross_entropy (cross_entropy, reduction).
 //   reads  cross_entropy.logits f32 [33, 7], cross_entropy.labels i32 [33]
 //   writes cross_entropy.loss f32 []
-//   1056 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
+//   1056 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k55_cross_entropy_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
@@ -1944,7 +1960,8 @@ CG_DEVICE void k55_cross_entropy_tile(const float* logits, const int* labels, fl
 // Kernel k56_cross_entropy_backward (forward phase): task cross_entropy_backward (cross_entropy_backward, reduction).
 //   reads  cross_entropy_backward.logits f32 [3, 33], cross_entropy_backward.labels i64 [3]
 //   writes cross_entropy_backward.dlogits f32 [3, 33]
-//   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k56_cross_entropy_backward_tile(const float* logits, const long long* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1966,7 +1983,8 @@ CG_DEVICE void k57_embedding_backward_tile(const long long* ids, const float* do
 // Kernel k58_mse (forward phase): task mse (mse, reduction).
 //   reads  mse.pred f32 [33, 3], mse.target f32 [33, 3]
 //   writes mse.loss f32 []
-//   792 bytes read, 4 bytes written; grid [1, 1, 1], block 256, 128 bytes of shared memory.
+//   792 bytes read, 4 bytes written; grid [1, 1, 1], block 256, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k58_mse_tile(const float* pred, const float* target, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float partial = 0.0f;
@@ -2006,7 +2024,8 @@ CG_DEVICE void k61_mean_backward_tile(const float* dout, float* dx, cg_tile tile
 // Kernel k62_max_backward (forward phase): task max_backward (max_backward, reduction).
 //   reads  max_backward.x f32 [3, 33] <- max.x, max_backward.out f32 [3] <- max.out, max_backward.dout f32 [3]
 //   writes max_backward.dx f32 [3, 33]
-//   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory.
+//   420 bytes read, 396 bytes written; grid [3, 1, 1], block 64, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k62_max_backward_tile(const float* x, const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;

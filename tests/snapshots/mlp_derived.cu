@@ -729,7 +729,8 @@ CG_DEVICE void k7_b2_init_momentum_init_tile(float* out, cg_tile tile) {
 //   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], b1_init.out f32 [128]
 //   writes bias1.out f32 [32, 128], act1.out f32 [32, 128]
 //   in registers fc1.out
-//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory.
+//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k8_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -755,7 +756,8 @@ CG_KERNEL void __launch_bounds__(256) k8_fc1(const float* __restrict__ a, const 
 //   reads  act1.out f32 [32, 128], w2_init.out f32 [128, 10], b2_init.out f32 [10]
 //   writes bias2.out f32 [32, 10]
 //   in registers fc2.out
-//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k9_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -778,7 +780,8 @@ CG_KERNEL void __launch_bounds__(256) k9_fc2(const float* __restrict__ a, const 
 // Kernel k10_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [32, 10] <- bias2.out, loss.labels i32 [32]
 //   writes loss.loss f32 []
-//   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
+//   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k10_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
@@ -794,7 +797,8 @@ CG_KERNEL void __launch_bounds__(32) k10_loss(const float* __restrict__ logits, 
 // Kernel k11_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [32, 10] <- bias2.out, loss_backward.labels i32 [32] <- loss.labels
 //   writes loss_backward.dlogits f32 [32, 10]
-//   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory.
+//   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k11_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -809,7 +813,8 @@ CG_KERNEL void __launch_bounds__(32) k11_loss_backward(const float* __restrict__
 // Kernel k12_bias2_grad_b_sum (backward phase): task bias2_grad_b_sum (sum_leading, reduction).
 //   reads  bias2_grad_b_sum.x f32 [32, 10] <- loss_backward.dlogits
 //   writes bias2_grad_b_sum.out f32 [10]
-//   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
+//   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k12_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -821,7 +826,8 @@ CG_DEVICE void k12_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile til
 //   reads  loss_backward.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
 //   writes act1_backward.dx f32 [32, 128]
 //   in registers fc2_grad_a.out
-//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory.
+//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k13_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -841,7 +847,8 @@ CG_DEVICE void k13_fc2_grad_a_tile(const float* a, const float* b, const float* 
 // Kernel k14_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [32, 128] <- act1.out, fc2_grad_b.b f32 [32, 10] <- loss_backward.dlogits
 //   writes fc2_grad_b.out f32 [128, 10]
-//   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory.
+//   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k14_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -856,7 +863,8 @@ CG_DEVICE void k14_fc2_grad_b_tile(const float* a, const float* b, float* out, c
 // Kernel k15_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [32, 128] <- act1_backward.dx
 //   writes bias1_grad_b_sum.out f32 [128]
-//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory.
+//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k15_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -867,7 +875,8 @@ CG_DEVICE void k15_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile til
 // Kernel k16_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
 //   reads  fc1_grad_b.a f32 [32, 64] <- fc1.a, fc1_grad_b.b f32 [32, 128] <- act1_backward.dx
 //   writes fc1_grad_b.out f32 [64, 128]
-//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
+//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k16_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

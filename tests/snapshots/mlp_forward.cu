@@ -550,7 +550,8 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 //   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], bias1.b f32 [100]
 //   writes act1.out f32 [33, 100]
 //   in registers fc1.out, bias1.out
-//   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
+//   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k0_fc1_tile(const float* a, const float* b, const float* bias1_b, float* act1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -575,7 +576,8 @@ CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const 
 //   reads  act1.out f32 [33, 100], fc2.b f32 [100, 10], bias2.b f32 [10]
 //   writes bias2.out f32 [33, 10]
 //   in registers fc2.out
-//   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
+//   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k1_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -598,7 +600,8 @@ CG_KERNEL void __launch_bounds__(256) k1_fc2(const float* __restrict__ a, const 
 // Kernel k2_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
-//   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory.
+//   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;

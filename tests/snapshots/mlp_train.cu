@@ -684,7 +684,8 @@ CG_DEVICE void k3_b2_init_tile(float* out, cg_tile tile) {
 //   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], b1_init.out f32 [128]
 //   writes bias1.out f32 [32, 128], act1.out f32 [32, 128]
 //   in registers fc1.out
-//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory.
+//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k4_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -710,7 +711,8 @@ CG_KERNEL void __launch_bounds__(256) k4_fc1(const float* __restrict__ a, const 
 //   reads  act1.out f32 [32, 128], w2_init.out f32 [128, 10], b2_init.out f32 [10]
 //   writes bias2.out f32 [32, 10]
 //   in registers fc2.out
-//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k5_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -733,7 +735,8 @@ CG_KERNEL void __launch_bounds__(256) k5_fc2(const float* __restrict__ a, const 
 // Kernel k6_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [32, 10] <- bias2.out, loss.labels i32 [32]
 //   writes loss.loss f32 []
-//   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
+//   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k6_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
@@ -749,7 +752,8 @@ CG_KERNEL void __launch_bounds__(32) k6_loss(const float* __restrict__ logits, c
 // Kernel k7_dlogits (backward phase): task dlogits (cross_entropy_backward, reduction).
 //   reads  dlogits.logits f32 [32, 10] <- bias2.out, dlogits.labels i32 [32] <- loss.labels
 //   writes dlogits.dlogits f32 [32, 10]
-//   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory.
+//   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k7_dlogits_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -764,7 +768,8 @@ CG_KERNEL void __launch_bounds__(32) k7_dlogits(const float* __restrict__ logits
 // Kernel k8_dw2 (backward phase): task dw2 (matmul, matmul).
 //   reads  dw2.a f32 [32, 128] <- act1.out, dw2.b f32 [32, 10] <- dlogits.dlogits
 //   writes dw2.out f32 [128, 10]
-//   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory.
+//   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k8_dw2_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -779,7 +784,8 @@ CG_DEVICE void k8_dw2_tile(const float* a, const float* b, float* out, cg_tile t
 // Kernel k9_db2 (backward phase): task db2 (sum_leading, reduction).
 //   reads  db2.x f32 [32, 10] <- dlogits.dlogits
 //   writes db2.out f32 [10]
-//   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
+//   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k9_db2_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -791,7 +797,8 @@ CG_DEVICE void k9_db2_tile(const float* x, float* out, cg_tile tile) {
 //   reads  dlogits.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
 //   writes dbias1.dx f32 [32, 128]
 //   in registers dact1.out
-//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory.
+//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k10_dact1_tile(const float* a, const float* b, const float* dbias1_x, float* dbias1_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): dbias1 (relu_backward), on element i of dact1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -811,7 +818,8 @@ CG_DEVICE void k10_dact1_tile(const float* a, const float* b, const float* dbias
 // Kernel k11_dw1 (backward phase): task dw1 (matmul, matmul).
 //   reads  dw1.a f32 [32, 64] <- fc1.a, dw1.b f32 [32, 128] <- dbias1.dx
 //   writes dw1.out f32 [64, 128]
-//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory.
+//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k11_dw1_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -826,7 +834,8 @@ CG_DEVICE void k11_dw1_tile(const float* a, const float* b, float* out, cg_tile 
 // Kernel k12_db1 (backward phase): task db1 (sum_leading, reduction).
 //   reads  db1.x f32 [32, 128] <- dbias1.dx
 //   writes db1.out f32 [128]
-//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory.
+//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k12_db1_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;

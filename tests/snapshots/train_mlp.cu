@@ -788,7 +788,8 @@ CG_DEVICE void k11_b2_v_init_tile(float* out, cg_tile tile) {
 //   reads  fc1.a f32 [256, 8], w1.out f32 [8, 32], b1.out f32 [32]
 //   writes bias1.out f32 [256, 32], act1.out f32 [256, 32]
 //   in registers fc1.out
-//   9344 bytes read, 65536 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory.
+//   9344 bytes read, 65536 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k12_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -814,7 +815,8 @@ CG_KERNEL void __launch_bounds__(256) k12_fc1(const float* __restrict__ a, const
 //   reads  act1.out f32 [256, 32], w2.out f32 [32, 4], b2.out f32 [4]
 //   writes logits.out f32 [256, 4]
 //   in registers fc2.out
-//   33296 bytes read, 4096 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory.
+//   33296 bytes read, 4096 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k13_fc2_tile(const float* a, const float* b, const float* logits_b, float* logits_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): logits (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -837,7 +839,8 @@ CG_KERNEL void __launch_bounds__(256) k13_fc2(const float* __restrict__ a, const
 // Kernel k14_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [256, 4] <- logits.out, loss.labels i32 [256]
 //   writes loss.loss f32 []
-//   5120 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
+//   5120 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k14_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
@@ -853,7 +856,8 @@ CG_KERNEL void __launch_bounds__(32) k14_loss(const float* __restrict__ logits, 
 // Kernel k15_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [256, 4] <- logits.out, loss_backward.labels i32 [256] <- loss.labels
 //   writes loss_backward.dlogits f32 [256, 4]
-//   5120 bytes read, 4096 bytes written; grid [256, 1, 1], block 32, 128 bytes of shared memory.
+//   5120 bytes read, 4096 bytes written; grid [256, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k15_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -868,7 +872,8 @@ CG_KERNEL void __launch_bounds__(32) k15_loss_backward(const float* __restrict__
 // Kernel k16_logits_grad_b_sum (backward phase): task logits_grad_b_sum (sum_leading, reduction).
 //   reads  logits_grad_b_sum.x f32 [256, 4] <- loss_backward.dlogits
 //   writes logits_grad_b_sum.out f32 [4]
-//   4096 bytes read, 16 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
+//   4096 bytes read, 16 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k16_logits_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -880,7 +885,8 @@ CG_DEVICE void k16_logits_grad_b_sum_tile(const float* x, float* out, cg_tile ti
 //   reads  loss_backward.dlogits f32 [256, 4], w2.out f32 [32, 4], bias1.out f32 [256, 32]
 //   writes act1_backward.dx f32 [256, 32]
 //   in registers fc2_grad_a.out
-//   37376 bytes read, 32768 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory.
+//   37376 bytes read, 32768 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k17_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -900,7 +906,8 @@ CG_DEVICE void k17_fc2_grad_a_tile(const float* a, const float* b, const float* 
 // Kernel k18_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [256, 32] <- act1.out, fc2_grad_b.b f32 [256, 4] <- loss_backward.dlogits
 //   writes fc2_grad_b.out f32 [32, 4]
-//   36864 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   36864 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k18_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -915,7 +922,8 @@ CG_DEVICE void k18_fc2_grad_b_tile(const float* a, const float* b, float* out, c
 // Kernel k19_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [256, 32] <- act1_backward.dx
 //   writes bias1_grad_b_sum.out f32 [32]
-//   32768 bytes read, 128 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory.
+//   32768 bytes read, 128 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 1024) reduction scratch, a float per thread
 CG_DEVICE void k19_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
@@ -926,7 +934,8 @@ CG_DEVICE void k19_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile til
 // Kernel k20_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
 //   reads  fc1_grad_b.a f32 [256, 8] <- fc1.a, fc1_grad_b.b f32 [256, 32] <- act1_backward.dx
 //   writes fc1_grad_b.out f32 [8, 32]
-//   40960 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   40960 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k20_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

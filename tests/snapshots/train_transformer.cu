@@ -1228,7 +1228,9 @@ CG_KERNEL void __launch_bounds__(256) k33_embed(const float* __restrict__ table,
 //   reads  wq.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
 //   writes ln1.out f32 [2, 8, 32], ln1.rstd f32 [2, 8], q_heads.out f32 [2, 4, 8, 8]
 //   in registers q.out
-//   6272 bytes read, 4160 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory.
+//   6272 bytes read, 4160 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 8640) ln1's 32 rows normalised and weight, their statistics
 CG_DEVICE void k34_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* ln1_out, float* ln1_rstd, float* q_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1263,7 +1265,9 @@ CG_DEVICE void k34_q_tile(const float* b, const float* ln1_x, const float* ln1_w
 //   reads  wk.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
 //   writes k_heads.out f32 [2, 4, 8, 8]
 //   in registers k.out, ln1.out, ln1.rstd
-//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory.
+//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 8512) ln1's 32 rows normalised and weight
 CG_DEVICE void k35_k_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* k_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1289,7 +1293,9 @@ CG_DEVICE void k35_k_tile(const float* b, const float* ln1_x, const float* ln1_w
 //   reads  wv.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
 //   writes v_heads.out f32 [2, 4, 8, 8]
 //   in registers v.out, ln1.out, ln1.rstd
-//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory.
+//   6272 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 8512 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 8512) ln1's 32 rows normalised and weight
 CG_DEVICE void k36_v_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* v_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1315,7 +1321,9 @@ CG_DEVICE void k36_v_tile(const float* b, const float* ln1_x, const float* ln1_w
 //   reads  q_heads.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8]
 //   writes probs.out f32 [2, 4, 8, 8], merged.out f32 [2, 8, 32]
 //   in registers scores.out, context.out
-//   6144 bytes read, 4096 bytes written; grid [8, 1, 1], block 256, 1024 bytes of shared memory.
+//   6144 bytes read, 4096 bytes written; grid [8, 1, 1], block 256, 1024 bytes of shared memory:
+//     [0, 512) each warp's query row and scores (8 x 16 floats)
+//     [512, 1024) the head's keys and values (8 x 16 floats)
 CG_DEVICE void k37_scores_tile(const float* q, const float* k, const float* v, float* probs, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1325,7 +1333,7 @@ CG_DEVICE void k37_scores_tile(const float* q, const float* k, const float* v, f
   const unsigned int warp = threadIdx.x / 32;  // one warp per query row
   const cg_i64 row = (cg_i64)tile.x * 8 + warp;
   const cg_i64 keys = (cg_i64)tile.x * 8 / 8 * 8;  // the first key (and value) row of the block's head
-  float* staged_k = (float*)cg_smem + 128;
+  float* staged_k = (float*)(cg_smem + 512);
   float* staged_v = staged_k + 64;
   cg_stage_rows([&](int j, int c) { return cg_load(k, (keys + j) * 8 + c); }, staged_k, 8, 8);
   cg_stage_rows([&](int j, int c) { return cg_load(v, (keys + j) * 8 + c); }, staged_v, 8, 8);
@@ -1346,7 +1354,8 @@ CG_KERNEL void __launch_bounds__(256) k37_scores(const float* __restrict__ q, co
 //   reads  merged.out f32 [2, 8, 32], wo.out f32 [32, 32], embed.out f32 [2, 8, 32]
 //   writes res1.out f32 [2, 8, 32]
 //   in registers attn_out.out
-//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k38_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1369,7 +1378,9 @@ CG_KERNEL void __launch_bounds__(256) k38_attn_out(const float* __restrict__ a, 
 // Kernel k39_up (forward phase): tasks ln2 (rmsnorm, prologue, stored here), up (matmul), act (gelu), fused (norm_prologue, matmul_epilogue).
 //   reads  w_up.out f32 [32, 64], res1.out f32 [2, 8, 32], ln2_w.out f32 [32]
 //   writes up.out f32 [2, 8, 64], ln2.out f32 [2, 8, 32], ln2.rstd f32 [2, 8], act.out f32 [2, 8, 64]
-//   10368 bytes read, 10304 bytes written; grid [2, 1, 1], block 256, 8640 bytes of shared memory.
+//   10368 bytes read, 10304 bytes written; grid [2, 1, 1], block 256, 8640 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 8640) ln2's 32 rows normalised and weight, their statistics
 CG_DEVICE void k39_up_tile(const float* b, float* out, const float* ln2_x, const float* ln2_weight, float* ln2_out, float* ln2_rstd, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1409,7 +1420,8 @@ CG_KERNEL void __launch_bounds__(256) k39_up(const float* __restrict__ b, float*
 //   reads  act.out f32 [2, 8, 64], w_down.out f32 [64, 32], res1.out f32 [2, 8, 32]
 //   writes res2.out f32 [2, 8, 32]
 //   in registers down.out
-//   14336 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   14336 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k40_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1432,7 +1444,9 @@ CG_KERNEL void __launch_bounds__(256) k40_down(const float* __restrict__ a, cons
 // Kernel k41_head (forward phase): tasks lnf (rmsnorm, prologue, stored here), head (matmul), fused (norm_prologue).
 //   reads  w_head.out f32 [32, 16], res2.out f32 [2, 8, 32], lnf_w.out f32 [32]
 //   writes head.out f32 [2, 8, 16], lnf.out f32 [2, 8, 32], lnf.rstd f32 [2, 8]
-//   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory.
+//   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 8640) lnf's 32 rows normalised and weight, their statistics
 CG_DEVICE void k41_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1465,7 +1479,8 @@ CG_KERNEL void __launch_bounds__(256) k41_head(const float* __restrict__ b, floa
 // Kernel k42_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [2, 8, 16] <- head.out, loss.labels i32 [2, 8]
 //   writes loss.loss f32 []
-//   1088 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory.
+//   1088 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k42_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
@@ -1481,7 +1496,8 @@ CG_KERNEL void __launch_bounds__(32) k42_loss(const float* __restrict__ logits, 
 // Kernel k43_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [2, 8, 16] <- head.out, loss_backward.labels i32 [2, 8] <- loss.labels
 //   writes loss_backward.dlogits f32 [2, 8, 16]
-//   1088 bytes read, 1024 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory.
+//   1088 bytes read, 1024 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k43_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1496,7 +1512,8 @@ CG_KERNEL void __launch_bounds__(32) k43_loss_backward(const float* __restrict__
 // Kernel k44_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
 //   reads  head_grad_a.a f32 [2, 8, 16] <- loss_backward.dlogits, head_grad_a.b f32 [32, 16] <- w_head.out
 //   writes head_grad_a.out f32 [2, 8, 32]
-//   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k44_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1511,7 +1528,8 @@ CG_DEVICE void k44_head_grad_a_tile(const float* a, const float* b, float* out, 
 // Kernel k45_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
 //   reads  head_grad_b.a f32 [16, 32] <- head_grad_b_a_rows.out, head_grad_b.b f32 [16, 16] <- head_grad_b_dout_rows.out
 //   writes head_grad_b.out f32 [32, 16]
-//   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k45_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1526,7 +1544,8 @@ CG_DEVICE void k45_head_grad_b_tile(const float* a, const float* b, float* out, 
 // Kernel k46_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
 //   reads  lnf_backward.x f32 [2, 8, 32] <- res2.out, lnf_backward.weight f32 [32] <- lnf_w.out, lnf_backward.rstd f32 [2, 8] <- lnf.rstd, lnf_backward.dout f32 [2, 8, 32] <- head_grad_a.out
 //   writes lnf_backward.dx f32 [2, 8, 32], lnf_backward.dweight f32 [32]
-//   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
+//   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
+//     [0, 512) reduction scratch, a float per thread
 CG_DEVICE void k46_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
@@ -1553,7 +1572,8 @@ CG_KERNEL void __launch_bounds__(128) k46_lnf_backward(const float* __restrict__
 //   reads  lnf_backward.dx f32 [2, 8, 32], w_down.out f32 [64, 32], up.out f32 [2, 8, 64]
 //   writes act_backward.dx f32 [2, 8, 64]
 //   in registers down_grad_a.out
-//   14336 bytes read, 4096 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
+//   14336 bytes read, 4096 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k47_down_grad_a_tile(const float* a, const float* b, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act_backward (gelu_backward), on element i of down_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1573,7 +1593,8 @@ CG_DEVICE void k47_down_grad_a_tile(const float* a, const float* b, const float*
 // Kernel k48_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
 //   reads  down_grad_b.a f32 [16, 64] <- down_grad_b_a_rows.out, down_grad_b.b f32 [16, 32] <- down_grad_b_dout_rows.out
 //   writes down_grad_b.out f32 [64, 32]
-//   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory.
+//   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k48_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1588,7 +1609,8 @@ CG_DEVICE void k48_down_grad_b_tile(const float* a, const float* b, float* out, 
 // Kernel k49_up_grad_a (backward phase): task up_grad_a (matmul, matmul).
 //   reads  up_grad_a.a f32 [2, 8, 64] <- act_backward.dx, up_grad_a.b f32 [32, 64] <- w_up.out
 //   writes up_grad_a.out f32 [2, 8, 32]
-//   12288 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   12288 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k49_up_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1603,7 +1625,8 @@ CG_DEVICE void k49_up_grad_a_tile(const float* a, const float* b, float* out, cg
 // Kernel k50_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
 //   reads  up_grad_b.a f32 [16, 32] <- up_grad_b_a_rows.out, up_grad_b.b f32 [16, 64] <- up_grad_b_dout_rows.out
 //   writes up_grad_b.out f32 [32, 64]
-//   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
+//   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k50_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1619,7 +1642,8 @@ CG_DEVICE void k50_up_grad_b_tile(const float* a, const float* b, float* out, cg
 //   reads  res1.out f32 [2, 8, 32], ln2_w.out f32 [32], ln2.rstd f32 [2, 8], up_grad_a.out f32 [2, 8, 32], lnf_backward.dx f32 [2, 8, 32]
 //   writes ln2_backward.dweight f32 [32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   in registers ln2_backward.dx
-//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
+//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
+//     [0, 512) reduction scratch, a float per thread
 CG_DEVICE void k51_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_res1_out_sum (add), on element i of ln2_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1651,7 +1675,8 @@ CG_KERNEL void __launch_bounds__(128) k51_ln2_backward(const float* __restrict__
 //   reads  grad_res1_out_sum.out f32 [2, 8, 32], wo.out f32 [32, 32]
 //   writes merged_grad_x.out f32 [2, 4, 8, 8]
 //   in registers attn_out_grad_a.out
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k52_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1670,7 +1695,8 @@ CG_DEVICE void k52_attn_out_grad_a_tile(const float* a, const float* b, float* m
 // Kernel k53_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [16, 32] <- attn_out_grad_b_a_rows.out, attn_out_grad_b.b f32 [16, 32] <- attn_out_grad_b_dout_rows.out
 //   writes attn_out_grad_b.out f32 [32, 32]
-//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k53_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1685,7 +1711,8 @@ CG_DEVICE void k53_attn_out_grad_b_tile(const float* a, const float* b, float* o
 // Kernel k54_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
 //   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
 //   writes context_grad_a.out f32 [2, 4, 8, 8]
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k54_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1701,7 +1728,8 @@ CG_DEVICE void k54_context_grad_a_tile(const float* a, const float* b, float* ou
 //   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
 //   writes v_heads_grad_x.out f32 [2, 8, 32]
 //   in registers context_grad_b.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k55_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1720,7 +1748,8 @@ CG_DEVICE void k55_context_grad_b_tile(const float* a, const float* b, float* v_
 // Kernel k56_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
 //   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
 //   writes probs_backward.dx f32 [2, 4, 8, 8]
-//   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory.
+//   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory:
+//     [0, 128) block reduction scratch (32 floats)
 CG_DEVICE void k56_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
@@ -1737,7 +1766,8 @@ CG_KERNEL void __launch_bounds__(32) k56_probs_backward(const float* __restrict_
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
 //   writes q_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_a.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k57_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1757,7 +1787,8 @@ CG_DEVICE void k57_scores_grad_a_tile(const float* a, const float* b, float* q_h
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
 //   writes k_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_b.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k58_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1776,7 +1807,8 @@ CG_DEVICE void k58_scores_grad_b_tile(const float* a, const float* b, float* k_h
 // Kernel k59_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k59_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1791,7 +1823,8 @@ CG_DEVICE void k59_v_grad_a_tile(const float* a, const float* b, float* out, cg_
 // Kernel k60_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
-//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k60_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1807,7 +1840,8 @@ CG_DEVICE void k60_v_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
-//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k61_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1827,7 +1861,8 @@ CG_DEVICE void k61_k_grad_a_tile(const float* a, const float* b, const float* gr
 // Kernel k62_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
-//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k62_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1843,7 +1878,8 @@ CG_DEVICE void k62_k_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
-//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k63_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1863,7 +1899,8 @@ CG_DEVICE void k63_q_grad_a_tile(const float* a, const float* b, const float* gr
 // Kernel k64_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
-//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory.
+//   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k64_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1879,7 +1916,8 @@ CG_DEVICE void k64_q_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
 //   in registers ln1_backward.dx
-//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory.
+//   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
+//     [0, 512) reduction scratch, a float per thread
 CG_DEVICE void k65_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {

@@ -774,7 +774,9 @@ CG_DEVICE void k7_w_down_tile(float* out, cg_tile tile) {
 //   reads  wq.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes q_heads.out f32 [2, 4, 16, 16]
 //   in registers q.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 12736) ln1's 32 rows normalised and weight
 CG_DEVICE void k8_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* q_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -800,7 +802,9 @@ CG_DEVICE void k8_q_tile(const float* b, const float* ln1_x, const float* ln1_we
 //   reads  wk.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes k_heads.out f32 [2, 4, 16, 16]
 //   in registers k.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 12736) ln1's 32 rows normalised and weight
 CG_DEVICE void k9_k_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* k_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -826,7 +830,9 @@ CG_DEVICE void k9_k_tile(const float* b, const float* ln1_x, const float* ln1_we
 //   reads  wv.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
 //   writes v_heads.out f32 [2, 4, 16, 16]
 //   in registers v.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory.
+//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 12736) ln1's 32 rows normalised and weight
 CG_DEVICE void k10_v_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* v_heads_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -852,7 +858,9 @@ CG_DEVICE void k10_v_tile(const float* b, const float* ln1_x, const float* ln1_w
 //   reads  q_heads.out f32 [2, 4, 16, 16], k_heads.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
 //   writes merged.out f32 [2, 16, 64]
 //   in registers scores.out, probs.out, context.out
-//   24576 bytes read, 8192 bytes written; grid [16, 1, 1], block 256, 3072 bytes of shared memory.
+//   24576 bytes read, 8192 bytes written; grid [16, 1, 1], block 256, 3072 bytes of shared memory:
+//     [0, 1024) each warp's query row and scores (8 x 32 floats)
+//     [1024, 3072) the head's keys and values (16 x 32 floats)
 CG_DEVICE void k11_scores_tile(const float* q, const float* k, const float* v, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -862,7 +870,7 @@ CG_DEVICE void k11_scores_tile(const float* q, const float* k, const float* v, f
   const unsigned int warp = threadIdx.x / 32;  // one warp per query row
   const cg_i64 row = (cg_i64)tile.x * 8 + warp;
   const cg_i64 keys = (cg_i64)tile.x * 8 / 16 * 16;  // the first key (and value) row of the block's head
-  float* staged_k = (float*)cg_smem + 256;
+  float* staged_k = (float*)(cg_smem + 1024);
   float* staged_v = staged_k + 256;
   cg_stage_rows([&](int j, int c) { return cg_load(k, (keys + j) * 16 + c); }, staged_k, 16, 16);
   cg_stage_rows([&](int j, int c) { return cg_load(v, (keys + j) * 16 + c); }, staged_v, 16, 16);
@@ -883,7 +891,8 @@ CG_KERNEL void __launch_bounds__(256) k11_scores(const float* __restrict__ q, co
 //   reads  merged.out f32 [2, 16, 64], wo.out f32 [64, 64], ln1.x f32 [2, 16, 64]
 //   writes res1.out f32 [2, 16, 64]
 //   in registers attn_out.out
-//   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
+//   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k12_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -907,7 +916,9 @@ CG_KERNEL void __launch_bounds__(256) k12_attn_out(const float* __restrict__ a, 
 //   reads  w_up.out f32 [64, 256], res1.out f32 [2, 16, 64], ln2_w.out f32 [64]
 //   writes act.out f32 [2, 16, 256]
 //   in registers up.out, ln2.out
-//   73984 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 12736 bytes of shared memory.
+//   73984 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 12736 bytes of shared memory:
+//     [0, 4288) the operand tiles
+//     [4288, 12736) ln2's 32 rows normalised and weight
 CG_DEVICE void k13_up_tile(const float* b, const float* ln2_x, const float* ln2_weight, float* act_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -937,7 +948,8 @@ CG_KERNEL void __launch_bounds__(256) k13_up(const float* __restrict__ b, const 
 //   reads  act.out f32 [2, 16, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64]
 //   writes res2.out f32 [2, 16, 64]
 //   in registers down.out
-//   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory.
+//   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
+//     [0, 4288) the operand tiles
 CG_DEVICE void k14_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {

@@ -3,6 +3,7 @@
 // lines that matter (a regenerated snapshot alone proves nothing).
 //   UPDATE_SNAPSHOTS=1 rewrites the files (never under CI, where a missing
 //   or different snapshot fails).
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -115,6 +116,44 @@ TEST_P(Snapshot, GeneratedCodeMatches) {
   compare_with_snapshot(std::string(s.name) + ".manifest.json", c.emitted.manifest_json);
   compare_with_snapshot(std::string(s.name) + ".h", c.emitted.host_header);
   run_checks(std::string(s.name) + ".checks", c.emitted.cuda_source);
+}
+
+// Each kernel's comment lists its shared-memory plan: regions from offset
+// 0, 16-byte aligned, none overlapping the one before, the last ending at
+// the kernel's shared-memory size, within the 48 KiB of every device.
+TEST_P(Snapshot, SharedMemoryIsPlannedPerKernel) {
+  const SnapshotCase& s = GetParam();
+  CompileOptions options;
+  options.emit.megakernel = s.megakernel_blocks > 0;
+  options.emit.megakernel_blocks = s.megakernel_blocks;
+  const std::string source = compile(load_program(source_path(s.graph), {}), options).emitted.cuda_source;
+  std::istringstream in(source);
+  std::string line;
+  int planned = 0, multi = 0;
+  while (std::getline(in, line)) {
+    const size_t at = line.find(" bytes of shared memory:");
+    if (line.rfind("//   ", 0) != 0 || at == std::string::npos) continue;
+    const int64_t total = std::stoll(line.substr(line.rfind(' ', at - 1) + 1));
+    int64_t end = 0, regions = 0;
+    while (in.peek() == '/' && std::getline(in, line) && line.rfind("//     [", 0) == 0) {
+      int64_t from = 0, to = 0;
+      ASSERT_EQ(std::sscanf(line.c_str(), "//     [%ld, %ld)", &from, &to), 2) << line;
+      EXPECT_EQ(from % 16, 0) << line;
+      EXPECT_GE(from, end) << line;
+      EXPECT_GT(to, from) << line;
+      EXPECT_NE(line.find(") ") + 2, line.size()) << "a region says what it holds: " << line;
+      end = to;
+      ++regions;
+    }
+    EXPECT_GT(regions, 0);
+    EXPECT_EQ(end, total) << line;
+    EXPECT_LE(total, 48 * 1024);
+    ++planned;
+    multi += regions > 1;
+  }
+  EXPECT_GT(planned, 0);
+  // The transformer block's q, k and v stage ln1's rows beside their tiles; its attention its keys.
+  if (std::string(s.name) == "transformer_block") EXPECT_GE(multi, 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, Snapshot, ::testing::ValuesIn(kSnapshots),
