@@ -75,6 +75,46 @@ TEST(Toolchains, SixteenBitKernelsCompileWithNvrtcAndNvcc) {
   std::filesystem::remove_all(dir);
 }
 
+// Rule elementwise_prologue's loads (a chain computed in a matmul's operand
+// loads, on the tensor-core tile, for either operand; in a softmax's and a
+// layernorm's row loads) assemble for both architectures without spills.
+TEST(Toolchains, ElementwiseProloguesCompileWithNvrtcWithoutSpills) {
+  GraphBuilder b("prologues");
+  const Storage ext = Storage::external;
+  for (DType d : {DType::f16, DType::bf16, DType::f32}) {
+    const std::string t = to_string(d);
+    // A prologue on f16's b, on the others' a.
+    if (d == DType::f16) {
+      auto gate = b.task("gate_" + t, "sigmoid").tensor("x", d, {32, 48}, ext).tensor("out", d, {32, 48});
+      b.task("mm_" + t, "matmul").tensor("a", d, {64, 32}, ext).tensor("b", gate["out"]).tensor("out", d, {64, 48}, ext);
+    } else {
+      auto act = b.task("act_" + t, "gelu").tensor("x", d, {64, 32}, ext).tensor("out", d, {64, 32});
+      b.task("mm_" + t, "matmul").tensor("a", act["out"]).tensor("b", d, {32, 48}, ext).tensor("out", d, {64, 48}, ext);
+    }
+    auto shifted = b.task("shifted_" + t, "add").tensor("a", d, {4, 100}, ext).tensor("b", d, {100}, ext).tensor("out", d, {4, 100});
+    b.task("softmax_" + t, "softmax").tensor("x", shifted["out"]).tensor("out", d, {4, 100}, ext);
+    auto scaled = b.task("scaled_" + t, "mul").tensor("a", d, {4, 100}, ext).tensor("b", d, {100}, ext).tensor("out", d, {4, 100});
+    b.task("ln_" + t, "layernorm")
+        .tensor("x", scaled["out"])
+        .tensor("weight", d, {100}, ext)
+        .tensor("bias", d, {100}, ext)
+        .tensor("out", d, {4, 100}, ext);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  size_t prologues = 0;
+  for (size_t at = c.emitted.cuda_source.find("auto cg_prologue"); at != std::string::npos;
+       at = c.emitted.cuda_source.find("auto cg_prologue", at + 1))
+    ++prologues;
+  EXPECT_EQ(prologues, 9u) << "each matmul's operand, each softmax's and layernorm's x";
+  EXPECT_NE(c.emitted.cuda_source.find("cg_prologue(b_base + "), std::string::npos);
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    NvrtcOutput out = nvrtc_compile(c.emitted.cuda_source, "prologues.cu", arch);
+    EXPECT_EQ(std::string(out.binary.data(), 4), "\x7f" "ELF") << arch;
+  }
+  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90"))
+    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
+}
+
 TEST(Toolchains, NvrtcLogNamesTheLine) {
   try {
     nvrtc_compile("extern \"C\" __global__ void k() { undefined_thing(); }\n", "bad.cu", "sm_90");
