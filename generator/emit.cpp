@@ -650,8 +650,11 @@ class Emitter {
     }
     std::vector<LaunchParam> prologue_params;
     if (!k.prologue.empty()) prologue_params = prologue(k);
-    // The operand an elementwise prologue computes: load() calls cg_prologue.
-    if (!operand_prologue_.empty()) prologue_buffer_ = bt.find_tensor(k.prologue_operand)->buffer;
+    // The operand a prologue computes: never read from memory (a kernel that
+    // stores a norm's output takes it as the prologue's output). For an
+    // elementwise prologue, load() calls cg_prologue instead.
+    const int computed = k.prologue.empty() ? -1 : bt.find_tensor(k.prologue_operand)->buffer;
+    if (!operand_prologue_.empty()) prologue_buffer_ = computed;
     // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
     std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                            ? elementwise(t, ps, ek)
@@ -664,9 +667,6 @@ class Emitter {
     const std::string operand_prologue = std::exchange(operand_prologue_, {});
     if (!diags_.ok()) return {};
     use_function(op, entry_function_);
-    // The matmul operand a prologue computes: never read from memory (a
-    // kernel that stores a norm's output takes it as the prologue's output).
-    const int computed = k.prologue.empty() ? -1 : bt.find_tensor(k.prologue_operand)->buffer;
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
       if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed)  // kept in registers
@@ -870,6 +870,34 @@ class Emitter {
     return params;
   }
 
+  // One task of a chain run on element i of `domain` (an epilogue's, an
+  // elementwise prologue's): its statement, defining local `value`. Each
+  // operand is an earlier task's local (`value_of`), else its element loaded
+  // from memory (at i, or through its broadcast) by a parameter named after
+  // its first reader, added to `params` once (`param_of`). Records the
+  // task's output as `value` in value_of.
+  std::string chain_task(int t, const std::vector<Param>& ps, const Shape& domain, const std::string& value,
+                         std::map<int, std::string>& value_of, std::map<int, std::string>& param_of,
+                         std::vector<LaunchParam>& params) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    const Param* result = nullptr;
+    std::vector<std::string> operands;
+    for (const auto& x : ps) {
+      if (x.written) {
+        result = &x;
+      } else if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
+        operands.push_back(v->second);
+      } else {
+        auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
+        if (added) params.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
+        operands.push_back(load_element(it->second, x.buffer->dtype,
+                                        reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i")));
+      }
+    }
+    value_of[result->bound->buffer] = value;
+    return chain_statement(t, *result, std::move(operands), value, "    ");
+  }
+
   // Rule elementwise_prologue (fuse.h): the kernel's first task (a matmul,
   // a row op) reads operand k.prologue_operand as the chain k.prologue would
   // have stored it. A lambda, cg_prologue, computes its element i from the
@@ -890,26 +918,7 @@ class Emitter {
       template_files_.insert(op.source_file);
       use_function(op, op.source_function);
       tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
-      const std::vector<Param> ps = params(t);
-      const Param* result = nullptr;
-      std::vector<std::string> operands;
-      for (const auto& x : ps) {
-        if (x.written) {
-          result = &x;
-        } else if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
-          operands.push_back(v->second);
-        } else {
-          auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
-          if (added)
-            launch.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
-          operands.push_back(load_element(
-              it->second, x.buffer->dtype,
-              reads_own_element(op, x, info.shape) ? "i" : broadcast_index(info.shape, x.buffer->shape, "i")));
-        }
-      }
-      const std::string v = fmt::format("v{}", j);
-      statements += chain_statement(t, *result, std::move(operands), v, "    ");
-      value_of[result->bound->buffer] = v;
+      statements += chain_task(t, params(t), info.shape, fmt::format("v{}", j), value_of, param_of, launch);
     }
     const std::string& value = value_of.at(operand);
     operand_prologue_ = fmt::format(
@@ -948,8 +957,6 @@ class Emitter {
       template_files_.insert(op.source_file);
       use_function(op, op.source_function);
       tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
-      std::vector<std::string> operands;
-      const Param* result = nullptr;
       const std::vector<Param> ps = params(t);
       if (!inverse_permutation_op(op.name).empty()) {  // rule permuted_store: the last task
         const Param& x = param(ps, "x");
@@ -962,28 +969,10 @@ class Emitter {
                               p_.tasks[size_t(t)].task->id, op.name);
         continue;
       }
-      for (const auto& x : ps) {
-        if (x.written) {
-          result = &x;
-          continue;
-        }
-        if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
-          operands.push_back(v->second);
-          continue;
-        }
-        auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
-        if (added)
-          e.params.push_back(
-              LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
-        const std::string element =
-            fmt::format("cg_load({}, {})", it->second,
-                        reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i"));
-        operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element);
-      }
       const std::string v = fmt::format("v{}", j);
-      statements += chain_statement(t, *result, std::move(operands), v, "    ");
-      value_of[result->bound->buffer] = v;
-      stored(t, *result, v);
+      statements += chain_task(t, ps, domain, v, value_of, param_of, e.params);
+      for (const auto& x : ps)
+        if (x.written) stored(t, x, v);
     }
     std::string anchor_store;
     if (!contains(k.internal_buffers, out.bound->buffer))

@@ -427,8 +427,8 @@ class Fuser {
       for (size_t h : hosts) {
         out_.kernels[h].prologue.push_back(norm);
         if (stored && h == hosts.front()) continue;
-        for (const auto& b : p_.tasks[size_t(norm)].tensors)  // out, and its statistics where bound
-          if (b.buffer >= 0 && b.sig != nullptr && b.sig->written()) out_.kernels[h].internal_buffers.push_back(b.buffer);
+        for (int b : written_buffers({norm}))  // out, and its statistics where bound
+          out_.kernels[h].internal_buffers.push_back(b);
       }
       folded[k] = true;
       // The norm has no kernel left, to have joined another or for its readers to have joined.
@@ -473,25 +473,49 @@ class Fuser {
       if (reader.find_tensor("a")->buffer != value || reader.find_tensor("b")->buffer == value)
         return fmt::format("'{}' reads '{}' as its right operand", reader.task->id, buffer_name(p_, value));
       if (flag(r, "trans_a")) return fmt::format("'{}' transposes it (trans_a)", reader.task->id);
-      size_t host = 0;
-      while (host < out_.kernels.size() && !contains(out_.kernels[host].tasks, r)) ++host;
+      const size_t host = kernel_of(r, norm_kernel + 1);
       const KernelGroup& kernel = out_.kernels[host];
       if (kernel.tasks.front() != r || kernel.rule == "attention")
         return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
-      // The norm now runs as late as its reader: nothing in between may update its inputs.
-      for (size_t j = norm_kernel + 1; j < host; ++j)
-        for (int t : out_.kernels[j].tasks)
-          for (const auto& b : p_.tasks[size_t(t)].tensors)
-            if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
-              for (const auto& in : bt.tensors)
-                if (in.buffer == b.buffer && in.sig != nullptr && !in.sig->written())
-                  return fmt::format("'{}' updates '{}' before '{}' reads the norm", p_.tasks[size_t(t)].task->id,
-                                     buffer_name(p_, b.buffer), reader.task->id);
+      if (std::string updated = updated_between({norm}, norm_kernel, host); !updated.empty())
+        return updated + fmt::format(" before '{}' reads the norm", reader.task->id);
       hosts.push_back(host);
     }
     return {};
   }
   static constexpr size_t kMaxPrologueReaders = 4;
+
+  // The kernel, at index `from` or after, that holds task `t`.
+  size_t kernel_of(int t, size_t from) const {
+    while (from < out_.kernels.size() && !contains(out_.kernels[from].tasks, t)) ++from;
+    return from;
+  }
+
+  // A prologue runs as late as its reader: what a kernel strictly between
+  // `from` and `to` (the prologue's own kernel and its reader's) updates in
+  // place of the prologue `tasks`' inputs ("'adam' updates 'w.out'"), or
+  // empty.
+  std::string updated_between(const std::vector<int>& tasks, size_t from, size_t to) const {
+    for (size_t j = from + 1; j < to; ++j)
+      for (int t : out_.kernels[j].tasks)
+        for (const auto& b : p_.tasks[size_t(t)].tensors)
+          if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
+            for (int p : tasks)
+              for (const auto& in : p_.tasks[size_t(p)].tensors)
+                if (in.buffer == b.buffer && in.sig != nullptr && !in.sig->written())
+                  return fmt::format("'{}' updates '{}'", p_.tasks[size_t(t)].task->id, buffer_name(p_, b.buffer));
+    return {};
+  }
+
+  // The buffers tasks `tasks` write, each once.
+  std::vector<int> written_buffers(const std::vector<int>& tasks) const {
+    std::vector<int> buffers;
+    for (int t : tasks)
+      for (const auto& b : p_.tasks[size_t(t)].tensors)
+        if (b.buffer >= 0 && b.sig != nullptr && b.sig->written() && !contains(buffers, b.buffer))
+          buffers.push_back(b.buffer);
+    return buffers;
+  }
 
   // Whether norm task `norm`'s output `value` or its statistics (rstd, a
   // layernorm's mean) are read outside the kernels that take the norm as
@@ -529,11 +553,8 @@ class Fuser {
   // it folded kernel `k` (`folded`: the norms folded before, no hosts).
   bool fold_elementwise_prologue(size_t k, const std::vector<bool>& folded) {
     const KernelGroup& chain = out_.kernels[k];
-    std::vector<int> stored;  // what the kernel writes to memory
-    for (int t : chain.tasks)
-      for (const auto& b : p_.tasks[size_t(t)].tensors)
-        if (b.buffer >= 0 && b.sig != nullptr && b.sig->written() && !contains(chain.internal_buffers, b.buffer))
-          stored.push_back(b.buffer);
+    std::vector<int> stored = written_buffers(chain.tasks);  // what the kernel writes to memory
+    std::erase_if(stored, [&](int b) { return contains(chain.internal_buffers, b); });
     if (stored.size() != 1) return false;
     const int value = stored.front();
     std::vector<int> readers = readers_[size_t(value)];  // once each (x @ x^T reads it twice)
@@ -548,7 +569,8 @@ class Fuser {
       return false;
     std::vector<size_t> hosts;
     std::vector<std::string> operands;
-    if (const std::string reason = why_not_elementwise_prologue(k, value, folded, hosts, operands); !reason.empty()) {
+    if (const std::string reason = why_not_elementwise_prologue(k, value, readers, folded, hosts, operands);
+        !reason.empty()) {
       note_prologue_refused(chain.tasks, readers, reason);
       return false;
     }
@@ -556,10 +578,8 @@ class Fuser {
       KernelGroup& host = out_.kernels[hosts[i]];
       host.prologue = chain.tasks;
       host.prologue_operand = operands[i];
-      for (int t : chain.tasks)
-        for (const auto& b : p_.tasks[size_t(t)].tensors)
-          if (b.buffer >= 0 && b.sig != nullptr && b.sig->written() && !contains(host.internal_buffers, b.buffer))
-            host.internal_buffers.push_back(b.buffer);
+      for (int b : written_buffers(chain.tasks))
+        if (!contains(host.internal_buffers, b)) host.internal_buffers.push_back(b);
     }
     // A reader's note on why it did not join the chain is moot now; why the
     // chain did not join the kernel before it (an epilogue) still holds.
@@ -570,10 +590,12 @@ class Fuser {
   }
 
   // Why elementwise kernel `k`, which stores buffer `value` and only
-  // matmuls and row ops read, cannot be their prologue (empty when it can; `hosts` and
-  // `operands` then hold each reader's kernel and the operand it reads).
-  std::string why_not_elementwise_prologue(size_t k, int value, const std::vector<bool>& folded,
-                                           std::vector<size_t>& hosts, std::vector<std::string>& operands) const {
+  // matmuls and row ops read (`readers`, each once), cannot be their
+  // prologue (empty when it can; `hosts` and `operands` then hold each
+  // reader's kernel and the operand it reads).
+  std::string why_not_elementwise_prologue(size_t k, int value, const std::vector<int>& readers,
+                                           const std::vector<bool>& folded, std::vector<size_t>& hosts,
+                                           std::vector<std::string>& operands) const {
     const std::vector<int>& chain = out_.kernels[k].tasks;
     const BufferInfo& info = p_.buffers[size_t(value)];
     if (!rule_on("elementwise_prologue")) return "rule elementwise_prologue is off (--no-fuse-rule)";
@@ -582,8 +604,6 @@ class Fuser {
     if (info.dtype != DType::f32 && info.dtype != DType::f16 && info.dtype != DType::bf16)
       return fmt::format("'{}' is {}; matmul operand loads compute f32, f16 and bf16 values", buffer_name(p_, value),
                          to_string(info.dtype));
-    std::vector<int> readers = readers_[size_t(value)];
-    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
     if (readers.size() > kMaxPrologueReaders)
       return fmt::format("{} tasks read '{}': each would recompute it (at most {})", readers.size(),
                          buffer_name(p_, value), kMaxPrologueReaders);
@@ -591,8 +611,7 @@ class Fuser {
       const BoundTask& reader = p_.tasks[size_t(r)];
       const std::string operand = prologue_operand(r, value);
       if (operand == "both") return fmt::format("'{}' reads it as both operands", reader.task->id);
-      size_t host = k + 1;
-      while (host < out_.kernels.size() && !contains(out_.kernels[host].tasks, r)) ++host;
+      const size_t host = kernel_of(r, k + 1);
       const KernelGroup& kernel = out_.kernels[host];
       if (folded[host]) return fmt::format("'{}' is itself the prologue of its readers' kernels", reader.task->id);
       if (kernel.tasks.front() != r) return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
@@ -600,16 +619,8 @@ class Fuser {
         return fmt::format("'{}' starts an attention kernel, whose warps load their rows themselves", reader.task->id);
       if (!kernel.prologue.empty())
         return fmt::format("'{}' already computes a prologue", reader.task->id);
-      // The chain now runs as late as its reader: nothing in between may update its inputs.
-      for (size_t j = k + 1; j < host; ++j)
-        for (int t : out_.kernels[j].tasks)
-          for (const auto& b : p_.tasks[size_t(t)].tensors)
-            if (b.sig != nullptr && b.sig->writes && b.buffer >= 0)
-              for (int c : chain)
-                for (const auto& in : p_.tasks[size_t(c)].tensors)
-                  if (in.buffer == b.buffer && in.sig != nullptr && !in.sig->written())
-                    return fmt::format("'{}' updates '{}' before '{}' reads the chain", p_.tasks[size_t(t)].task->id,
-                                       buffer_name(p_, b.buffer), reader.task->id);
+      if (std::string updated = updated_between(chain, k, host); !updated.empty())
+        return updated + fmt::format(" before '{}' reads the chain", reader.task->id);
       hosts.push_back(host);
       operands.push_back(operand);
     }

@@ -787,12 +787,10 @@ def _f_conv2d(ex, node):
         weight, bias = _fold_into_conv(ex.const(w), ex.const(b), *ex.batchnorm_affine(bn_node))
         # Named as the fx path names them: conv1.weight.folded, conv1.bias.folded.
         owner = w.target.rpartition(".")[0] if isinstance(w, torch.fx.Node) and w.op == "get_attr" else node.name
-        w_v = ex.constant(node, weight, f"{owner}.weight.folded")
-        b_v = ex.constant(node, bias, f"{owner}.bias.folded")
-        return ex.conv(node, x, w_v, b_v, ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
-                       ex.const(_arg(node, 5, "dilation", 1)), ex.const(_arg(node, 6, "groups", 1)), node.name)
-    return ex.conv(node, x, ex.tensor(node, w), ex.tensor(node, b) if b is not None else None,
-                   ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
+        w_v, b_v = ex.constant(node, weight, f"{owner}.weight.folded"), ex.constant(node, bias, f"{owner}.bias.folded")
+    else:
+        w_v, b_v = ex.tensor(node, w), ex.tensor(node, b) if b is not None else None
+    return ex.conv(node, x, w_v, b_v, ex.const(_arg(node, 3, "stride", 1)), ex.const(_arg(node, 4, "padding", 0)),
                    ex.const(_arg(node, 5, "dilation", 1)), ex.const(_arg(node, 6, "groups", 1)), node.name)
 
 

@@ -164,7 +164,8 @@ class _Graph:
             return False
         if "from" not in matmul["tensors"]["a"]:
             return False  # the layer owns its input (a graph input): keep it whole
-        parts = self.split_parts(split, 0)
+        splits = []
+        parts = self.split_parts(split, 0, splits)
         if parts is None:
             return False
 
@@ -187,18 +188,19 @@ class _Graph:
                 new.append(add)
                 result = f"{add['id']}.out"
             self.repoint(ref, result)
-        dead = [matmul, split] + ([bias] if bias else []) + self.split_tasks(split)
+        dead = [matmul] + ([bias] if bias else []) + splits
         for name in {weight["name"], bias["tensors"]["b"]["name"] if bias else None} - {None}:
             self.arrays.pop(name, None)
         self.tasks[at:at] = new
         for t in dead:
-            if t in self.tasks:
-                self.tasks.remove(t)
+            self.tasks.remove(t)
         return True
 
-    def split_parts(self, split, start):
-        """[(start, end, ref)] of the leaves of a tree of splits along the last
-        axis, or None when a part is a graph output."""
+    def split_parts(self, split, start, splits):
+        """[(start, end, ref)] of the leaves of the tree of splits along the
+        last axis that `split` starts, each split task added to `splits`; None
+        when a part is a graph output."""
+        splits.append(split)
         parts = []
         for slot in ("a", "b"):
             value = split["tensors"][slot]
@@ -207,7 +209,7 @@ class _Graph:
             size = value["shape"][-1]
             inner = self.only_reader(split, slot, "split")
             if inner is not None:
-                more = self.split_parts(inner, start)
+                more = self.split_parts(inner, start, splits)
                 if more is None:
                     return None
                 parts += more
@@ -215,14 +217,6 @@ class _Graph:
                 parts.append((start, start + size, f"{split['id']}.{slot}"))
             start += size
         return parts
-
-    def split_tasks(self, split):
-        found = []
-        for slot in ("a", "b"):
-            inner = self.only_reader(split, slot, "split")
-            if inner is not None:
-                found += [inner] + self.split_tasks(inner)
-        return found
 
     def slice_constant(self, slot, start, end, rows):
         name = f"{slot['name']}.{rows}"
