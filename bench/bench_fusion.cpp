@@ -8,7 +8,8 @@
 // (each kernel reads each tensor it takes once: EmittedKernel::bytes_read and
 // bytes_written) is printed beside them. The unfused figures are the baseline
 // of the same run.
-//   bench_fusion GRAPH.json...
+//   bench_fusion [--no-fuse-rule NAME]... GRAPH.json...
+// (--no-fuse-rule: the fused figures without that rule, to see what it does.)
 #include <unistd.h>
 
 #include <cstdio>
@@ -90,19 +91,28 @@ std::map<Phase, int64_t> minimum_bytes(const Program& p) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: %s GRAPH.json...\n", argv[0]);
+  CompileOptions fused_options;
+  std::vector<std::string> graphs;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--no-fuse-rule" && i + 1 < argc)
+      fused_options.fuse.disabled_rules.push_back(argv[++i]);
+    else
+      graphs.push_back(arg);
+  }
+  if (graphs.empty()) {
+    std::fprintf(stderr, "usage: %s [--no-fuse-rule NAME]... GRAPH.json...\n", argv[0]);
     return 2;
   }
   const std::string work_dir = fmt::format("/tmp/bench_fusion_{}", ::getpid());
   fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11}\n", "graph", "phase", "tasks",
              "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min", "fused model");
   int64_t tasks_all = 0, kernels_all = 0;
-  for (int i = 1; i < argc; ++i) {
+  for (const std::string& graph : graphs) {
     CompileOptions unfused_options;
     unfused_options.fuse.enabled = false;
-    const Compiled unfused = compile(load_program(argv[i], {}), unfused_options);
-    const Compiled fused = compile(load_program(argv[i], {}), {});
+    const Compiled unfused = compile(load_program(graph, {}), unfused_options);
+    const Compiled fused = compile(load_program(graph, {}), fused_options);
     const auto u = measure(unfused, work_dir), f = measure(fused, work_dir);
     const auto minimum = minimum_bytes(fused.program);
     for (const auto& [phase, figures] : f) {
