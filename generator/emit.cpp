@@ -138,6 +138,7 @@ class Emitter {
       global_wrapper_ = !options_.megakernel && alone_in_launch(kernels, size_t(&k - kernels.data()));
       kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.tile_kernels)
                      : k.rule == "attention"       ? attention(k, out.tile_kernels)
+                     : k.rule == "matmul_chain"    ? matmul_chain(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -433,8 +434,11 @@ class Emitter {
   std::string global_function(const EmittedKernel& ek, const std::vector<LaunchParam>& launch) const {
     auto [params, names] = global_params(launch);
     return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({}) {{\n  {}_tile({}{}cg_launch_tile());\n}}\n",
-                       ek.block, ek.name, fmt::join(params, ", "), ek.name, fmt::join(names, ", "),
+                       launch_bounds(ek), ek.name, fmt::join(params, ", "), ek.name, fmt::join(names, ", "),
                        names.empty() ? "" : ", ");
+  }
+  static std::string launch_bounds(const EmittedKernel& ek) {
+    return ek.min_blocks_per_sm > 0 ? fmt::format("{}, {}", ek.block, ek.min_blocks_per_sm) : std::to_string(ek.block);
   }
 
   // The kernels of one launch are adjacent (KernelGroup::launch).
@@ -514,6 +518,8 @@ class Emitter {
       block_begin += tiles;
       lk.tasks.insert(lk.tasks.end(), tk.tasks.begin(), tk.tasks.end());
       lk.smem_bytes = std::max(lk.smem_bytes, tk.smem_bytes);
+      if (tk.min_blocks_per_sm > 0)
+        lk.min_blocks_per_sm = lk.min_blocks_per_sm > 0 ? std::min(lk.min_blocks_per_sm, tk.min_blocks_per_sm) : tk.min_blocks_per_sm;
       lk.bytes_read += tk.bytes_read;
       lk.bytes_written += tk.bytes_written;
       if (tk.flops >= 0) lk.flops = std::max<int64_t>(lk.flops, 0) + tk.flops;
@@ -529,7 +535,7 @@ class Emitter {
         "// with the tile it has when launched alone:\n{}"
         "CG_KERNEL void __launch_bounds__({}) {}(\n    {}) {{\n"
         "  const unsigned int block = blockIdx.x;\n{}}}\n\n",
-        lk.name, to_string(lk.phase), members.size(), lk.grid[0], lk.block, lk.smem_bytes, ranges, lk.block, lk.name,
+        lk.name, to_string(lk.phase), members.size(), lk.grid[0], lk.block, lk.smem_bytes, ranges, launch_bounds(lk), lk.name,
         fmt::join(kernel_params, ",\n    "), dispatch);
     out.kernels.push_back(std::move(lk));
     launched_params_.push_back(std::move(params));
@@ -550,8 +556,10 @@ class Emitter {
            "an internal error of cudagen's emitter: please report it with the graph; --no-fuse avoids the fused kernel");
     const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
     std::vector<std::string> reads, writes, in_registers;
+    std::set<std::pair<int, bool>> counted;  // a buffer two parameters read (or write) moves once, as the model has it
     for (const auto& lp : launch) {
       if (lp.scalar != nullptr) continue;
+      if (fused && !counted.insert({lp.buffer, lp.written}).second) continue;
       const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
       // One task's kernel: its slot, then the buffer behind it when another task's. A fused one: the buffer.
       std::string desc = fused ? buffer_name(lp.buffer) : bt.task->id + "." + lp.name;
@@ -707,7 +715,7 @@ class Emitter {
     EmittedKernel ek = emitted_kernel(k);
     Epilogue tail;
     if (k.tasks.size() > 3) {
-      tail = epilogue(k, out, 3);
+      tail = epilogue(k, out, {.first = 3});
       if (!diags_.ok()) return {};
       epilogue_buffer_ = out.bound->buffer;
     }
@@ -785,11 +793,6 @@ class Emitter {
     emitted.push_back(ek);
     return code;
   }
-
-  // The shared memory every launch may use without opting in: what an
-  // attention kernel takes at most (fuse.cpp refuses a row that would not fit
-  // alone), and a matmul that stages its norm prologue's rows.
-  static constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 
   // EmittedKernel::rows for the skeletons whose tiles own whole rows: a
   // matmul's row of output tiles (its `a` rows too, unless transposed or
@@ -938,8 +941,21 @@ class Emitter {
     std::vector<LaunchParam> params;  // what the chain reads from and stores to memory
   };
 
-  // `first`: the kernel's first task of the chain (after the anchor).
-  Epilogue epilogue(const KernelGroup& k, const Param& out, size_t first = 1) {
+  // Which tasks of the kernel an epilogue runs, and what it is called.
+  struct EpilogueSpan {
+    size_t first = 1;                  // the kernel's first task of the chain (after the anchor)
+    size_t last = SIZE_MAX;            // one past its last: the kernel's end
+    std::string lambda = "cg_epilogue";
+    std::string anchor_name;           // the anchor's parameter, where stored; empty: its slot's name
+    // Where the chain's last value stays in the kernel rather than in memory
+    // (rule matmul_chain: a statement storing `{}` into shared memory), and
+    // the buffer it stands for; empty: nowhere.
+    std::string keep;
+    int kept_buffer = -1;
+  };
+
+  Epilogue epilogue(const KernelGroup& k, const Param& out) { return epilogue(k, out, EpilogueSpan{}); }
+  Epilogue epilogue(const KernelGroup& k, const Param& out, const EpilogueSpan& span) {
     Epilogue e;
     const Shape& domain = out.buffer->shape;
     std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
@@ -951,7 +967,7 @@ class Emitter {
       stores += fmt::format("    {};\n", store_element(name, x.buffer->dtype, "i", value));
     };
     std::vector<std::string> tasks;
-    for (size_t j = first; j < k.tasks.size(); ++j) {
+    for (size_t j = span.first; j < std::min(span.last, k.tasks.size()); ++j) {
       const int t = k.tasks[j];
       const OpSignature& op = *p_.tasks[size_t(t)].op;
       template_files_.insert(op.source_file);
@@ -976,11 +992,13 @@ class Emitter {
     }
     std::string anchor_store;
     if (!contains(k.internal_buffers, out.bound->buffer))
-      anchor_store = fmt::format("    {};\n", store_element(out.bound->name, out.buffer->dtype, "i", "v0"));
+      anchor_store = fmt::format("    {};\n", store_element(span.anchor_name.empty() ? out.bound->name : span.anchor_name,
+                                                            out.buffer->dtype, "i", "v0"));
+    if (!span.keep.empty()) stores += "    " + fmt::format(fmt::runtime(span.keep), value_of.at(span.kept_buffer)) + ";\n";
     e.code = fmt::format(
         "  // Epilogue ({}): {}, on element i of {} as it is computed.\n"
-        "  auto cg_epilogue = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
-        k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), anchor_store, statements, stores);
+        "  auto {} = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
+        k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), span.lambda, anchor_store, statements, stores);
     return e;
   }
 
@@ -1333,9 +1351,11 @@ class Emitter {
 
   // What a hook reads (16-bit widened to f32) and how it stores an f32 value.
   // A load of the operand an elementwise prologue computes calls it instead.
-  std::string load(const Param& x, const std::string& index) const {
+  std::string load(const Param& x, const std::string& index) const { return load_as(x, x.bound->name, index); }
+  // The same, through a parameter named `name`.
+  std::string load_as(const Param& x, const std::string& name, const std::string& index) const {
     if (x.bound->buffer == prologue_buffer_) return fmt::format("cg_prologue({})", index);
-    return load_element(x.bound->name, x.buffer->dtype, index);
+    return load_element(name, x.buffer->dtype, index);
   }
   static std::string load_element(const std::string& name, DType dtype, const std::string& index) {
     std::string l = fmt::format("cg_load({}, {})", name, index);
@@ -1666,6 +1686,150 @@ class Emitter {
                             ek);
   }
 
+  // Rule matmul_chain (fuse.h): value = op1(a @ b1) (its prologue, its
+  // epilogue), then out = op2(value @ b2). A block owns a tile of rows: it
+  // computes every column tile of the first product into shared memory (the
+  // rows of the value as its epilogue leaves them, in the value's type),
+  // then every column tile of the second from there. The value never
+  // reaches memory; each weight is read once per tile of rows. Both products
+  // flatten their rows ([..., M, K] @ [K, N], fuse.cpp checked).
+  std::string matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const size_t second = second_matmul(p_, k);
+    const int t1 = k.tasks[0], t2 = k.tasks[second];
+    const std::vector<Param> ps1 = params(t1), ps2 = params(t2);
+    if (!diags_.ok()) return {};
+    const Param& a = param(ps1, "a");
+    const Param& b1 = param(ps1, "b");
+    const Param& out1 = param(ps1, "out");
+    const Param& value = param(ps2, "a");
+    const Param& b2 = param(ps2, "b");
+    const Param& out2 = param(ps2, "out");
+    if (!check_f32_accumulation(t1, a) || !check_f32_accumulation(t2, value)) return {};
+    const std::string id1 = p_.tasks[size_t(t1)].task->id, id2 = p_.tasks[size_t(t2)].task->id;
+    EmittedKernel ek = emitted_kernel(k);
+    const Shape& so1 = out1.buffer->shape;
+    const int64_t H = so1.back(), M = numel(so1) / H, K = a.buffer->shape.back(), N = out2.buffer->shape.back();
+    const DType vt = value.buffer->dtype;
+    const bool tensor_cores = is_16bit(a.buffer->dtype);
+    const int64_t tile = matmul_tile_rows(a.buffer->dtype);
+    const std::string tile_function = tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>";
+    for (int t : {t1, t2}) {
+      const OpSignature& op = *p_.tasks[size_t(t)].op;
+      template_files_.insert(op.source_file);
+      use_function(op, tensor_cores ? "cg_matmul_tile_mma" : op.source_function);
+    }
+    ek.block = tensor_cores ? 128 : 256;
+    ek.min_blocks_per_sm = 1;  // few blocks, each two matmuls' tiles: registers before occupancy
+    ek.grid[1] = int((M + tile - 1) / tile);
+    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
+    const int64_t value_at =
+        reserve_shared(ek, fmt::format("the block's {} rows of {} ({})", tile, buffer_name(value.bound->buffer), to_string(vt)),
+                       tile * H * dtype_bytes(vt));
+    // The value's element (m, n) in the block's rows, kept as it would have been stored.
+    const std::string kept_at = fmt::format("(cg_i64)(m - tile.y * {}) * {} + {}", tile, H, "{}");
+    auto narrowed = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_narrow<{}>({})", c_type(vt), v) : v; };
+    auto widened = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_widen({})", v) : v; };
+
+    std::vector<LaunchParam> prologue_params;
+    if (!k.prologue.empty()) prologue_params = prologue(k);
+    const int computed = k.prologue.empty() ? -1 : p_.tasks[size_t(t1)].find_tensor(k.prologue_operand)->buffer;
+    if (!operand_prologue_.empty()) prologue_buffer_ = computed;
+    const std::string a_index = fmt::format("a_base + (cg_i64)m * {} + k", K);
+    std::string element_a = load_as(a, id1 + "_a", a_index), norm_code;
+    if (prologue_task_ >= 0) {
+      const NormLoad norm = norm_load(M, K, int(tile), a_index, ek);
+      element_a = norm.element;
+      norm_code = norm.code;
+    }
+    auto load_b = [&](int t, const Param& b, const std::string& name, int64_t rows) {
+      return load_as(b, name, arg_bool(t, "trans_b") ? fmt::format("(cg_i64)n * {} + k", rows)
+                                                     : fmt::format("(cg_i64)k * {} + n", b.buffer->shape.back()));
+    };
+    const std::string element_b1 = load_b(t1, b1, id1 + "_b", K), element_b2 = load_b(t2, b2, id2 + "_b", H);
+    auto scaled = [&](int t) {
+      const std::string alpha = float_arg(t, "alpha", 1.0);
+      return alpha == float_literal(1.0) ? std::string("acc") : alpha + " * acc";
+    };
+    // The first product's epilogue ends in shared memory; the second's
+    // stores what is read outside the kernel.
+    Epilogue first_tail, second_tail;
+    std::string keep = fmt::format("cg_value[{}] = {}", fmt::format(fmt::runtime(kept_at), "n"), narrowed(scaled(t1)));
+    // (Read later too, the value is stored as well: the epilogue does both.)
+    const bool first_epilogue = second > 1 || !contains(k.internal_buffers, value.bound->buffer);
+    if (first_epilogue) {
+      first_tail = epilogue(k, out1, {.first = 1,
+                                      .last = second,
+                                      .lambda = "cg_value_epilogue",
+                                      .anchor_name = id1 + "_out",
+                                      .keep = fmt::format("cg_value[i - value_base] = {}", narrowed("{}")),
+                                      .kept_buffer = value.bound->buffer});
+      keep = fmt::format("cg_value_epilogue((cg_i64)m * {} + n, {})", H, scaled(t1));
+    }
+    std::string store_out = store_element(id2 + "_out", out2.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), scaled(t2));
+    if (second + 1 < k.tasks.size()) {
+      second_tail = epilogue(k, out2, {.first = second + 1, .anchor_name = id2 + "_out"});
+      store_out = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled(t2));
+    }
+    if (!diags_.ok()) return {};
+    const std::string t1_type = tensor_cores ? c_type(a.buffer->dtype) : "float";
+    const std::string t2_type = tensor_cores ? c_type(vt) : "float";
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 a_base = 0;  // every row of every batch, flattened\n"
+        "  {0}* cg_value = ({0}*)(cg_smem + {1});  // the block's rows of {2}\n"
+        "{22}"
+        "{5}"
+        "  // {6}: the block's rows, every column tile, into shared memory.\n"
+        "  for (int cg_column = 0; cg_column < {7}; ++cg_column)\n"
+        "    {8}(\n"
+        "        [&](int m, int k) {{ return {9}; }},\n"
+        "        [&](int k, int n) {{ return {10}; }},\n"
+        "        [&](int m, int n, float acc) {{ {11}; }},\n"
+        "        {12}, {4}, {13}, tile.y, cg_column, ({14}*)cg_smem);\n"
+        "  __syncthreads();  // every column of the rows is in shared memory before {15} reads them\n"
+        "  // {15}: the block's rows, from shared memory.\n"
+        "  for (int cg_column = 0; cg_column < {16}; ++cg_column)\n"
+        "    {8}(\n"
+        "        [&](int m, int k) {{ return {17}; }},\n"
+        "        [&](int k, int n) {{ return {18}; }},\n"
+        "        [&](int m, int n, float acc) {{ {19}; }},\n"
+        "        {12}, {20}, {4}, tile.y, cg_column, ({21}*)cg_smem);\n",
+        c_type(vt), value_at, buffer_name(value.bound->buffer), tile, H, norm_code, id1, (H + tile - 1) / tile,
+        tile_function, element_a, element_b1, keep, M, K, t1_type, id2, (N + tile - 1) / tile,
+        widened(fmt::format("cg_value[{}]", fmt::format(fmt::runtime(kept_at), "k"))), element_b2, store_out, N, t2_type,
+        (first_epilogue ? fmt::format("  const cg_i64 value_base = (cg_i64)tile.y * {} * {};\n", tile, H) : std::string()) +
+            first_tail.code + second_tail.code);
+    prologue_task_ = -1;
+    prologue_stores_ = false;
+    prologue_buffer_ = -1;
+    const std::string operand_prologue = std::exchange(operand_prologue_, {});
+
+    std::vector<LaunchParam> launch;
+    auto add = [&](const std::string& name, const Param& x) {
+      if (contains(k.internal_buffers, x.bound->buffer) || x.bound->buffer == computed) return;
+      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                   x.bound->buffer, nullptr, x.written});
+    };
+    add(id1 + "_a", a);
+    add(id1 + "_b", b1);
+    add(id1 + "_out", out1);  // where read later (saved for the backward pass)
+    add(id2 + "_b", b2);
+    add(id2 + "_out", out2);
+    launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
+    for (const Epilogue* tail : {&first_tail, &second_tail})
+      launch.insert(launch.end(), tail->params.begin(), tail->params.end());
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch,
+                                        operand_prologue + body);
+    record_launch(ek, std::move(launch));
+    // Tiles own whole rows of the first product's input and the second's
+    // output, and of what either epilogue reads at their elements.
+    mark_rows(t1, ps1, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, first_tail.params,
+              launch_params_.back(), ek);
+    mark_rows(t2, ps2, {}, second_tail.params, launch_params_.back(), ek);
+    emitted.push_back(ek);
+    return code;
+  }
+
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& a = param(ps, "a");
     const Param& b = param(ps, "b");
@@ -1693,13 +1857,12 @@ class Emitter {
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
     // whose TF32 would break the f32 bound (DESIGN.md §9).
     const bool tensor_cores = is_16bit(a.buffer->dtype);
-    const int tile = tensor_cores ? 64 : 32;
+    const int tile = int(matmul_tile_rows(a.buffer->dtype));
     ek.block = tensor_cores ? 128 : 256;
     ek.grid[0] = int((N + tile - 1) / tile);
     ek.grid[1] = int((M + tile - 1) / tile);
     ek.grid[2] = int(batches);
-    reserve_shared(ek, "the operand tiles",
-                   tensor_cores ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1)));
+    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
     if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);

@@ -61,6 +61,11 @@ struct EmittedKernel {
   std::vector<int> tasks;
   int grid[3] = {1, 1, 1};
   int block = 256;
+  // Its __launch_bounds__' minimum of resident blocks per SM, or 0 for none.
+  // With the block size alone, ptxas may aim its register budget at several
+  // blocks per SM and spill for it; a kernel of few heavy blocks (rule
+  // matmul_chain) asks for 1: its registers matter more than occupancy.
+  int min_blocks_per_sm = 0;
   // Its shared memory, planned per kernel: each region its skeleton and its
   // prologue use (a matmul's operand tiles, a norm prologue's staged rows, an
   // attention kernel's rows of scores and staged keys), one after another

@@ -95,7 +95,12 @@ class Fuser {
       out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
     }
     for (auto& group : out_.kernels) find_internal(group);
-    if (options_.enabled) fold_prologues();
+    if (options_.enabled) {
+      fold_prologues();
+      chain_matmuls();
+    }
+    for (size_t k = 0; k < out_.kernels.size(); ++k)
+      out_.kernels[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(out_.kernels[k].tasks.front())].task->id;
     batch_launches();
     return std::move(out_);
   }
@@ -439,12 +444,152 @@ class Fuser {
     for (size_t k = 0; k < out_.kernels.size(); ++k)
       if (!folded[k] && group_rule(out_.kernels[k].tasks.front()) == "elementwise_chain")
         folded[k] = fold_elementwise_prologue(k, folded);
+    drop_kernels(folded);
+  }
+
+  // Removes the kernels marked in `dropped` (folded into others).
+  void drop_kernels(const std::vector<bool>& dropped) {
     std::vector<KernelGroup> kept;
     for (size_t k = 0; k < out_.kernels.size(); ++k)
-      if (!folded[k]) kept.push_back(std::move(out_.kernels[k]));
-    for (size_t k = 0; k < kept.size(); ++k)
-      kept[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(kept[k].tasks.front())].task->id;
+      if (!dropped[k]) kept.push_back(std::move(out_.kernels[k]));
     out_.kernels = std::move(kept);
+  }
+
+  // Rule matmul_chain: a matmul's kernel (with its prologue and epilogue)
+  // joins the kernel of the first matmul of its phase that reads its value
+  // as the left operand: each block computes its rows of the value, every
+  // column of them, into shared memory, then its rows of the second product
+  // from there (emit.cpp). The value (an MLP's hidden activation) reaches
+  // memory only where something else reads it. The merged kernel runs where
+  // the second did: its other operands may come from the kernels between.
+  void chain_matmuls() {
+    std::vector<bool> merged(out_.kernels.size(), false);
+    for (size_t a = 0; a < out_.kernels.size(); ++a) {
+      const KernelGroup& first = out_.kernels[a];
+      const int mm = first.tasks.front();
+      if (p_.tasks[size_t(mm)].op->name != "matmul" || (first.tasks.size() > 1 && first.rule != "matmul_epilogue") ||
+          permutation(first.tasks.back()))
+        continue;
+      // The value: what the kernel's last task computes; the second matmul:
+      // the first of its phase to read it as its left operand.
+      const int value = group_value(p_.tasks[size_t(first.tasks.back())])->buffer;
+      int r = -1;
+      size_t b = out_.kernels.size();
+      for (int reader : readers_[size_t(value)]) {
+        const BoundTask& bt = p_.tasks[size_t(reader)];
+        if (bt.op->name != "matmul" || bt.task->phase != first.phase || bt.find_tensor("a")->buffer != value ||
+            bt.find_tensor("b")->buffer == value)
+          continue;
+        if (const size_t k = kernel_of(reader, a + 1); k < b) {
+          b = k;
+          r = reader;
+        }
+      }
+      if (r < 0) continue;
+      if (const std::string reason = why_not_chain(a, b, value); !reason.empty()) {
+        note_prologue_refused(first.tasks, {r}, reason, "is not chained to it");
+        continue;
+      }
+      KernelGroup& second = out_.kernels[b];
+      KernelGroup chain = first;
+      chain.tasks.insert(chain.tasks.end(), second.tasks.begin(), second.tasks.end());
+      chain.rule = "matmul_chain";
+      chain.internal_buffers.insert(chain.internal_buffers.end(), second.internal_buffers.begin(),
+                                    second.internal_buffers.end());
+      // Read by the second matmul alone, the value never reaches memory;
+      // read later too (a weight gradient, the backward pass), it is stored
+      // as well, once.
+      if (readers_[size_t(value)] == std::vector<int>{r} && p_.buffers[size_t(value)].storage == Storage::transient)
+        chain.internal_buffers.push_back(value);
+      second = std::move(chain);
+      merged[a] = true;
+      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == r; });  // it joined
+    }
+    drop_kernels(merged);
+  }
+
+  // Why the kernel at `a`, whose value `value` a matmul in kernel `b` reads
+  // first (as its left operand), cannot run in that kernel (empty when it
+  // can).
+  std::string why_not_chain(size_t a, size_t b, int value) const {
+    if (!rule_on("matmul_chain")) return "rule matmul_chain is off (--no-fuse-rule)";
+    const KernelGroup& first = out_.kernels[a];
+    const KernelGroup& second = out_.kernels[b];
+    const int t1 = first.tasks.front(), t2 = second.tasks.front();
+    const BufferInfo& info = p_.buffers[size_t(value)];
+    const std::string& id2 = p_.tasks[size_t(t2)].task->id;
+    if (p_.tasks[size_t(t2)].find_tensor("a")->buffer != value) return fmt::format("'{}' is not the first task of its kernel", id2);
+    // The first kernel's work moves to the second's place: what it stores
+    // must not be read before.
+    for (int stored : written_buffers(first.tasks))
+      for (int reader : readers_through_views(stored))
+        if (p_.tasks[size_t(reader)].task->phase == first.phase && !contains(first.tasks, reader) && reader != t2 &&
+            kernel_of(reader, a + 1) < b)
+          return fmt::format("'{}' reads '{}' before '{}' would run", p_.tasks[size_t(reader)].task->id,
+                             buffer_name(p_, stored), id2);
+    if (second.rule == "attention") return fmt::format("'{}' starts an attention kernel", id2);
+    if (!second.prologue.empty()) return fmt::format("'{}' already computes a prologue", id2);
+    for (int t : {t1, t2}) {
+      if (const std::string why = why_not_rows_matmul(t); !why.empty()) return why;
+      if (const std::string arg = runtime_arg(p_, t); !arg.empty())
+        return fmt::format("'{}' reads run-time argument '{}'", p_.tasks[size_t(t)].task->id, arg);
+    }
+    const DType a_type = slot_buffer(t1, "a").dtype;
+    if (matmul_tile_rows(a_type) != matmul_tile_rows(info.dtype))
+      return fmt::format("'{}' is {} and '{}' {}: their matmuls take tiles of different heights", buffer_name(p_, value),
+                         to_string(info.dtype), buffer_name(p_, p_.tasks[size_t(t1)].find_tensor("a")->buffer),
+                         to_string(a_type));
+    const int64_t tile = matmul_tile_rows(a_type), H = info.shape.back(), N = slot_buffer(t2, "out").shape.back();
+    const int64_t bytes = matmul_operand_tile_bytes(a_type) + tile * H * dtype_bytes(info.dtype);
+    if (bytes > kSharedBytesWithoutOptIn)
+      return fmt::format("a block's {} rows of '{}' ({} x {} {}) and the operand tiles take {} bytes of shared memory, "
+                         "more than {}",
+                         tile, buffer_name(p_, value), tile, H, to_string(info.dtype), bytes, kSharedBytesWithoutOptIn);
+    const int64_t tiles = (H + tile - 1) / tile + (N + tile - 1) / tile;
+    if (tiles > kMaxChainTiles)
+      return fmt::format("each block would compute {} tiles one after another (at most {}): the two matmuls' parallel "
+                         "tiles are worth more than the traffic saved",
+                         tiles, kMaxChainTiles);
+    if (std::string updated = updated_between(kernel_tasks(first), a, b); !updated.empty())
+      return updated + fmt::format(" before '{}' would run", p_.tasks[size_t(t1)].task->id);
+    return {};
+  }
+  // The tasks that read buffer `b`, directly or through views of it (a view
+  // runs no kernel: its readers read `b`'s storage).
+  std::vector<int> readers_through_views(int b) const {
+    std::vector<int> out, pending = {b};
+    while (!pending.empty()) {
+      const int buffer = pending.back();
+      pending.pop_back();
+      for (int r : readers_[size_t(buffer)]) {
+        if (!is_view(p_.tasks[size_t(r)])) {
+          if (!contains(out, r)) out.push_back(r);
+          continue;
+        }
+        for (const auto& v : p_.tasks[size_t(r)].tensors)
+          if (v.buffer >= 0 && v.sig != nullptr && v.sig->written()) pending.push_back(v.buffer);
+      }
+    }
+    return out;
+  }
+
+  // A chain's block computes the column tiles of both products one after
+  // another, where the two kernels ran them on as many blocks: worth it for
+  // the few rows of a small batch, where the launch and the value's traffic
+  // cost more than the lost parallelism.
+  static constexpr int64_t kMaxChainTiles = 16;
+
+  // Why matmul `t` is not of the form a chain takes, [..., M, K] @ [K, N]
+  // (every row of `a` times one matrix, `b` transposed or not), or empty.
+  std::string why_not_rows_matmul(int t) const {
+    const std::string& id = p_.tasks[size_t(t)].task->id;
+    if (flag(t, "trans_a")) return fmt::format("'{}' transposes its left operand", id);
+    const Shape& a = slot_buffer(t, "a").shape;
+    const Shape& b = slot_buffer(t, "b").shape;
+    const Shape& out = slot_buffer(t, "out").shape;
+    if (numel(Shape(b.begin(), b.end() - 2)) != 1 || !std::equal(a.begin(), a.end() - 2, out.begin(), out.end() - 2))
+      return fmt::format("'{}' multiplies by a batch of matrices; a chain takes [..., M, K] @ [K, N]", id);
+    return {};
   }
 
   // Why the norm that kernel `norm_kernel` starts with, whose output is
@@ -530,12 +675,13 @@ class Fuser {
   // The note of each matmul that reads the prologue candidate's value (it
   // did not join that kernel, being a matmul) says why that kernel is not its
   // prologue either. `tasks`: the candidate's tasks; the last names it.
-  void note_prologue_refused(const std::vector<int>& tasks, const std::vector<int>& readers, const std::string& reason) {
+  void note_prologue_refused(const std::vector<int>& tasks, const std::vector<int>& readers, const std::string& reason,
+                             const std::string& what = "is not its prologue") {
     const int named = tasks.back();
     for (int r : readers) {
       auto it = std::find_if(out_.notes.begin(), out_.notes.end(),
                              [&](const FusionNote& n) { return n.task == r && contains(tasks, n.previous); });
-      const std::string why = fmt::format("'{}' is not its prologue: {}", p_.tasks[size_t(named)].task->id, reason);
+      const std::string why = fmt::format("'{}' {}: {}", p_.tasks[size_t(named)].task->id, what, reason);
       if (it == out_.notes.end())
         out_.notes.push_back(FusionNote{r, named, why});
       else

@@ -26,6 +26,11 @@
 //                      (softmax, the norms, row sums) of its phase read: each
 //                      computes it element by element where its operand load
 //                      reads it, and the chain runs no kernel.
+//   matmul_chain       a matmul kernel (prologue, epilogue) and the first
+//                      matmul that reads its value as its left operand: one
+//                      kernel whose blocks keep their rows of the value (an
+//                      MLP's hidden activation) in shared memory between the
+//                      two products; stored as well where read later.
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.
@@ -56,7 +61,7 @@ namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {
     "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "attention",         "permuted_store",  "horizontal"};
+    "matmul_chain",      "attention",       "permuted_store",     "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

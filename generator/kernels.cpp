@@ -39,6 +39,13 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
   return rules;
 }
 
+size_t second_matmul(const Program& program, const KernelGroup& k) {
+  if (k.rule != "matmul_chain") return 0;
+  for (size_t i = 1; i < k.tasks.size(); ++i)
+    if (program.tasks[size_t(k.tasks[i])].op->pattern == PatternKind::matmul) return i;
+  return 0;
+}
+
 int launch_count(const std::vector<KernelGroup>& kernels) {
   int n = 0;
   for (const auto& k : kernels) n = std::max(n, k.launch + 1);

@@ -81,6 +81,23 @@ inline std::string_view inverse_permutation_op(std::string_view op) {
   return {};
 }
 
+// The matmul skeleton's tile (emit.cpp): 16-bit operands run on tensor
+// cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: DESIGN.md §9).
+// Its rows per block, and the shared memory its operand tiles take.
+inline int64_t matmul_tile_rows(DType a) { return a == DType::f16 || a == DType::bf16 ? 64 : 32; }
+inline int64_t matmul_operand_tile_bytes(DType a) {
+  return matmul_tile_rows(a) == 64 ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
+}
+
+// The shared memory every device gives a kernel without opting in: the
+// emitter's variants are chosen to fit it.
+inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
+
+// Rule matmul_chain: the index in k.tasks of the kernel's second matmul,
+// which reads the first one's value (after its epilogue) from shared memory.
+// 0 for a kernel of another rule.
+size_t second_matmul(const Program& program, const KernelGroup& k);
+
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 

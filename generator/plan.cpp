@@ -102,12 +102,15 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // inputs at other elements (other blocks, other threads): nothing the
     // epilogue stores may take their storage.
     // (An attention kernel: its scores matmul and its matmul by the values;
-    // a prologue's inputs too, which the operand loads read.)
+    // a matmul chain: both matmuls and the epilogue between; a prologue's
+    // inputs too, which the operand loads read.)
     const KernelGroup& kernel = kernels[size_t(k)];
     std::vector<int> readers_elsewhere = kernel.prologue;
+    const size_t anchors = kernel.rule == "attention"      ? std::min<size_t>(3, kernel.tasks.size())
+                           : kernel.rule == "matmul_chain" ? second_matmul(program, kernel) + 1
+                                                           : 1;
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
-      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(),
-                               kernel.tasks.begin() + (kernel.rule == "attention" ? std::min<size_t>(3, kernel.tasks.size()) : 1));
+      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(), kernel.tasks.begin() + long(anchors));
     std::vector<int> read_elsewhere;
     for (int t : readers_elsewhere)
       for (const auto& in : program.tasks[size_t(t)].tensors)

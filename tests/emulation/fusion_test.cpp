@@ -231,6 +231,37 @@ TaskGraph norm_prologue(DType d, int64_t K, bool stored, const std::string& op =
   return std::move(b).graph();
 }
 
+// Rule matmul_chain: two matmuls whose value passes through shared memory.
+// With an rmsnorm prologue, alpha, bias and GELU between, a residual add
+// after (66 rows: a partial last tile of rows; 72 hidden columns: a partial
+// last column tile; bias.out stored too, for the caller); or with nothing
+// between, an elementwise prologue on the first's `a`, the second's weight
+// transposed, and the value stored as well as kept (the caller reads it).
+TaskGraph matmul_chain(DType d, bool epilogues) {
+  GraphBuilder b(fmt::format("matmul_chain_{}_{}", to_string(d), epilogues ? "epilogues" : "plain"));
+  if (epilogues) {
+    auto n = b.task("n", "rmsnorm")
+                 .tensor("x", d, {2, 33, 40}, ext)
+                 .tensor("weight", d, {40}, Storage::persistent)
+                 .tensor("out", d, {2, 33, 40});
+    auto up = b.task("up", "matmul").tensor("a", n["out"]).tensor("b", d, {40, 72}, ext).tensor("out", d, {2, 33, 72}).arg("alpha", 0.5);
+    auto bias = b.task("bias", "add").tensor("a", up["out"]).tensor("b", d, {72}, ext).tensor("out", d, {2, 33, 72}, ext);
+    auto act = b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {2, 33, 72});
+    auto down = b.task("down", "matmul").tensor("a", act["out"]).tensor("b", d, {72, 24}, ext).tensor("out", d, {2, 33, 24});
+    b.task("res", "add").tensor("a", down["out"]).tensor("b", d, {2, 33, 24}, ext).tensor("out", d, {2, 33, 24}, ext);
+  } else {
+    auto x = b.task("x", "relu").tensor("x", d, {66, 40}, ext).tensor("out", d, {66, 40});
+    auto up = b.task("up", "matmul").tensor("a", x["out"]).tensor("b", d, {40, 50}, ext).tensor("out", d, {66, 50}, ext);
+    b.task("down", "matmul")
+        .tensor("a", up["out"])
+        .tensor("b", d, {24, 50}, ext)
+        .tensor("out", d, {66, 24}, ext)
+        .arg("trans_b", true)
+        .arg("alpha", 2.0);
+  }
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -351,6 +382,26 @@ TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {
     CompileOptions options = fusion(true);
     options.emit.megakernel = true;
     options.emit.megakernel_blocks = 8;  // what the emulator runs at once
+    const uint64_t seed = std::random_device()();
+    CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
+    EXPECT_TRUE(run.ok()) << "megakernel, seed " << seed << "\n" << format_run(run);
+  }
+}
+
+TEST_P(FusedChains, MatmulChainMatchesTheReferenceFusedAndUnfused) {
+  for (bool epilogues : {true, false}) {
+    const TaskGraph g = matmul_chain(GetParam(), epilogues);
+    const Compiled c = expect_fused_and_unfused_right(g, 1, "__syncthreads();  // every column of the rows is in shared memory before down reads them");
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(c.kernels[0].rule, "matmul_chain");
+    EXPECT_EQ(c.kernels[0].prologue.size(), 1u);
+    // 16-bit values are kept in shared memory as the type they would have been stored in.
+    const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
+    EXPECT_NE(c.emitted.cuda_source.find(kept), std::string::npos);
+    // The megakernel runs the chain's tiles too.
+    CompileOptions options = fusion(true);
+    options.emit.megakernel = true;
+    options.emit.megakernel_blocks = 8;
     const uint64_t seed = std::random_device()();
     CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
     EXPECT_TRUE(run.ok()) << "megakernel, seed " << seed << "\n" << format_run(run);

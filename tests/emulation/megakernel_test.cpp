@@ -173,6 +173,9 @@ TEST(Megakernel, HundredsOfTinyTasksWithDiamondsAndLongChains) {
 TEST(Megakernel, TheWatchdogStopsABrokenScheduleAndSaysWhatWaited) {
   CompileOptions options = megakernel_options(4);
   options.emit.megakernel_break_schedule = true;
+  // fc1 and fc2 as two kernels (not one matmul_chain): fc2's tiles wait on
+  // an event that several of fc1's tiles trigger.
+  options.fuse.disabled_rules = {"matmul_chain"};
   JitOptions jit;
   jit.backend = Backend::emulation;
   jit.work_dir = work_dir("watchdog");
@@ -195,7 +198,9 @@ TEST(Megakernel, TheWatchdogStopsABrokenScheduleAndSaysWhatWaited) {
 }
 
 TEST(Megakernel, DescribePrintsTheSchedule) {
-  Compiled c = compile(load_program(test_source_dir() + "/examples/mlp_forward.json", {}), megakernel_options(4));
+  CompileOptions options = megakernel_options(4);
+  options.fuse.disabled_rules = {"matmul_chain"};  // three kernels, waits by rows between each two
+  Compiled c = compile(load_program(test_source_dir() + "/examples/mlp_forward.json", {}), options);
   const std::string text = describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels);
   EXPECT_NE(text.find("forward phase: one megakernel of 4 blocks x 256 threads, 4288 bytes of shared memory"),
             std::string::npos)

@@ -725,64 +725,57 @@ CG_DEVICE void k7_b2_init_momentum_init_tile(float* out, cg_tile tile) {
     cg_store(out, i, cg_fill<float>(i, 0.0f));
 }
 
-// Kernel k8_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
-//   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], b1_init.out f32 [128]
-//   writes bias1.out f32 [32, 128], act1.out f32 [32, 128]
-//   in registers fc1.out
-//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+// Kernel k8_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fc2 (matmul), bias2 (add), fused (matmul_chain).
+//   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], w2_init.out f32 [128, 10], b1_init.out f32 [128], b2_init.out f32 [10]
+//   writes bias1.out f32 [32, 128], act1.out f32 [32, 128], bias2.out f32 [32, 10]
+//   in registers fc1.out, fc2.out
+//   46632 bytes read, 34048 bytes written; grid [1, 1, 1], block 256, 20672 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k8_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+//     [4288, 20672) the block's 32 rows of act1.out (f32)
+CG_DEVICE void k8_fc1_tile(const float* fc1_a, const float* fc1_b, const float* fc2_b, const float* bias1_b, float* bias1_out, float* act1_out, const float* bias2_b, float* bias2_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act1.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 128;
+  // Epilogue (matmul_chain): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 128)));  // bias1.out
     const float v2 = cg_relu<float>(v1);  // act1.out
     cg_store(bias1_out, i, v1);
     cg_store(act1_out, i, v2);
+    cg_value[i - value_base] = v2;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 8192, out_base = z * 4096;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 128 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
-      32, 128, 64, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k8_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out) {
-  k8_fc1_tile(a, b, bias1_b, bias1_out, act1_out, cg_launch_tile());
-}
-
-// Kernel k9_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
-//   reads  act1.out f32 [32, 128], w2_init.out f32 [128, 10], b2_init.out f32 [10]
-//   writes bias2.out f32 [32, 10]
-//   in registers fc2.out
-//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k9_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
+  // Epilogue (matmul_chain): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
-    cg_store(bias2_out, i, v1);
+    const float v4 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
+    cg_store(bias2_out, i, v4);
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 4096, b_base = z * 1280, out_base = z * 320;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 128 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
-      32, 10, 128, tile.y, tile.x, (float*)cg_smem);
+  // fc1: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 4; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc1_a, a_base + (cg_i64)m * 64 + k); },
+        [&](int k, int n) { return cg_load(fc1_b, (cg_i64)k * 128 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 128 + n, acc); },
+        32, 128, 64, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before fc2 reads them
+  // fc2: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 128 + k]; },
+        [&](int k, int n) { return cg_load(fc2_b, (cg_i64)k * 10 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 10 + n, acc); },
+        32, 10, 128, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k9_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
-  k9_fc2_tile(a, b, bias2_b, bias2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k8_fc1(const float* __restrict__ fc1_a, const float* __restrict__ fc1_b, const float* __restrict__ fc2_b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+  k8_fc1_tile(fc1_a, fc1_b, fc2_b, bias1_b, bias1_out, act1_out, bias2_b, bias2_out, cg_launch_tile());
 }
 
-// Kernel k10_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k9_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [32, 10] <- bias2.out, loss.labels i32 [32]
 //   writes loss.loss f32 []
 //   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k10_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k9_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 32; ++row)
@@ -790,45 +783,45 @@ CG_DEVICE void k10_loss_tile(const float* logits, const int* labels, float* loss
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 32.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k10_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k10_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k9_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k9_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k11_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
+// Kernel k10_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [32, 10] <- bias2.out, loss_backward.labels i32 [32] <- loss.labels
 //   writes loss_backward.dlogits f32 [32, 10]
 //   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k11_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k10_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 10 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 10 + j, v); },
                                 10, (cg_i64)cg_load(labels, row), 0.03125f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k11_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k11_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k10_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k10_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k12_bias2_grad_b_sum (backward phase): task bias2_grad_b_sum (sum_leading, reduction).
+// Kernel k11_bias2_grad_b_sum (backward phase): task bias2_grad_b_sum (sum_leading, reduction).
 //   reads  bias2_grad_b_sum.x f32 [32, 10] <- loss_backward.dlogits
 //   writes bias2_grad_b_sum.out f32 [10]
 //   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k12_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k11_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 10 + c); }, j, 10, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
 }
 
-// Kernel k13_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
+// Kernel k12_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
 //   reads  loss_backward.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
 //   writes act1_backward.dx f32 [32, 128]
 //   in registers fc2_grad_a.out
 //   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k13_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
+CG_DEVICE void k12_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(act1_backward_x, i), v0);  // act1_backward.dx
@@ -844,12 +837,12 @@ CG_DEVICE void k13_fc2_grad_a_tile(const float* a, const float* b, const float* 
       32, 128, 10, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k14_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
+// Kernel k13_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [32, 128] <- act1.out, fc2_grad_b.b f32 [32, 10] <- loss_backward.dlogits
 //   writes fc2_grad_b.out f32 [128, 10]
 //   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k14_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k13_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 4096, b_base = z * 320, out_base = z * 1280;
@@ -860,24 +853,24 @@ CG_DEVICE void k14_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       128, 10, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k15_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
+// Kernel k14_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [32, 128] <- act1_backward.dx
 //   writes bias1_grad_b_sum.out f32 [128]
 //   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k15_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k14_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
 }
 
-// Kernel k16_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
+// Kernel k15_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
 //   reads  fc1_grad_b.a f32 [32, 64] <- fc1.a, fc1_grad_b.b f32 [32, 128] <- act1_backward.dx
 //   writes fc1_grad_b.out f32 [64, 128]
 //   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k16_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k15_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 8192;
@@ -888,11 +881,11 @@ CG_DEVICE void k16_fc1_grad_b_tile(const float* a, const float* b, float* out, c
       64, 128, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k17_w1_init_sgd (update phase): task w1_init_sgd (sgd, elementwise).
+// Kernel k16_w1_init_sgd (update phase): task w1_init_sgd (sgd, elementwise).
 //   reads  w1_init_sgd.param f32 [64, 128] <- w1_init.out, w1_init_sgd.grad f32 [64, 128] <- fc1_grad_b.out, w1_init_sgd.momentum_buf f32 [64, 128] <- w1_init_momentum_init.out
 //   writes w1_init_sgd.param f32 [64, 128] <- w1_init.out, w1_init_sgd.momentum_buf f32 [64, 128] <- w1_init_momentum_init.out
 //   98304 bytes read, 65536 bytes written; grid [32, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k17_w1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k16_w1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 8192; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -902,11 +895,11 @@ CG_DEVICE void k17_w1_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k18_b1_init_sgd (update phase): task b1_init_sgd (sgd, elementwise).
+// Kernel k17_b1_init_sgd (update phase): task b1_init_sgd (sgd, elementwise).
 //   reads  b1_init_sgd.param f32 [128] <- b1_init.out, b1_init_sgd.grad f32 [128] <- bias1_grad_b_sum.out, b1_init_sgd.momentum_buf f32 [128] <- b1_init_momentum_init.out
 //   writes b1_init_sgd.param f32 [128] <- b1_init.out, b1_init_sgd.momentum_buf f32 [128] <- b1_init_momentum_init.out
 //   1536 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k18_b1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k17_b1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -916,11 +909,11 @@ CG_DEVICE void k18_b1_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k19_w2_init_sgd (update phase): task w2_init_sgd (sgd, elementwise).
+// Kernel k18_w2_init_sgd (update phase): task w2_init_sgd (sgd, elementwise).
 //   reads  w2_init_sgd.param f32 [128, 10] <- w2_init.out, w2_init_sgd.grad f32 [128, 10] <- fc2_grad_b.out, w2_init_sgd.momentum_buf f32 [128, 10] <- w2_init_momentum_init.out
 //   writes w2_init_sgd.param f32 [128, 10] <- w2_init.out, w2_init_sgd.momentum_buf f32 [128, 10] <- w2_init_momentum_init.out
 //   15360 bytes read, 10240 bytes written; grid [5, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k19_w2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k18_w2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 1280; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -930,11 +923,11 @@ CG_DEVICE void k19_w2_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k20_b2_init_sgd (update phase): task b2_init_sgd (sgd, elementwise).
+// Kernel k19_b2_init_sgd (update phase): task b2_init_sgd (sgd, elementwise).
 //   reads  b2_init_sgd.param f32 [10] <- b2_init.out, b2_init_sgd.grad f32 [10] <- bias2_grad_b_sum.out, b2_init_sgd.momentum_buf f32 [10] <- b2_init_momentum_init.out
 //   writes b2_init_sgd.param f32 [10] <- b2_init.out, b2_init_sgd.momentum_buf f32 [10] <- b2_init_momentum_init.out
 //   120 bytes read, 80 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k20_b2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k19_b2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -984,81 +977,81 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_5_more(
     k7_b2_init_momentum_init_tile(k7_b2_init_momentum_init_out, cg_tile_of(block - 23u, 1, 1));
 }
 
-// Launch h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
+// Launch h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k12_bias2_grad_b_sum
-//   blocks [1, 5): k13_fc2_grad_a
-//   blocks [5, 9): k14_fc2_grad_b
-CG_KERNEL void __launch_bounds__(256) h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
-    const float* __restrict__ k12_bias2_grad_b_sum_x,
-    float* __restrict__ k12_bias2_grad_b_sum_out,
-    const float* __restrict__ k13_fc2_grad_a_a,
-    const float* __restrict__ k13_fc2_grad_a_b,
-    const float* __restrict__ k13_fc2_grad_a_act1_backward_x,
-    float* __restrict__ k13_fc2_grad_a_act1_backward_dx,
-    const float* __restrict__ k14_fc2_grad_b_a,
-    const float* __restrict__ k14_fc2_grad_b_b,
-    float* __restrict__ k14_fc2_grad_b_out) {
+//   blocks [0, 1): k11_bias2_grad_b_sum
+//   blocks [1, 5): k12_fc2_grad_a
+//   blocks [5, 9): k13_fc2_grad_b
+CG_KERNEL void __launch_bounds__(256) h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
+    const float* __restrict__ k11_bias2_grad_b_sum_x,
+    float* __restrict__ k11_bias2_grad_b_sum_out,
+    const float* __restrict__ k12_fc2_grad_a_a,
+    const float* __restrict__ k12_fc2_grad_a_b,
+    const float* __restrict__ k12_fc2_grad_a_act1_backward_x,
+    float* __restrict__ k12_fc2_grad_a_act1_backward_dx,
+    const float* __restrict__ k13_fc2_grad_b_a,
+    const float* __restrict__ k13_fc2_grad_b_b,
+    float* __restrict__ k13_fc2_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k12_bias2_grad_b_sum_tile(k12_bias2_grad_b_sum_x, k12_bias2_grad_b_sum_out, cg_tile_of(block, 1, 1));
+    k11_bias2_grad_b_sum_tile(k11_bias2_grad_b_sum_x, k11_bias2_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else if (block < 5u)
-    k13_fc2_grad_a_tile(k13_fc2_grad_a_a, k13_fc2_grad_a_b, k13_fc2_grad_a_act1_backward_x, k13_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 4, 1));
+    k12_fc2_grad_a_tile(k12_fc2_grad_a_a, k12_fc2_grad_a_b, k12_fc2_grad_a_act1_backward_x, k12_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 4, 1));
   else
-    k14_fc2_grad_b_tile(k14_fc2_grad_b_a, k14_fc2_grad_b_b, k14_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
+    k13_fc2_grad_b_tile(k13_fc2_grad_b_a, k13_fc2_grad_b_b, k13_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
 }
 
-// Launch h6_bias1_grad_b_sum_fc1_grad_b (backward phase):
+// Launch h5_bias1_grad_b_sum_fc1_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 4): k15_bias1_grad_b_sum
-//   blocks [4, 12): k16_fc1_grad_b
-CG_KERNEL void __launch_bounds__(256) h6_bias1_grad_b_sum_fc1_grad_b(
-    const float* __restrict__ k15_bias1_grad_b_sum_x,
-    float* __restrict__ k15_bias1_grad_b_sum_out,
-    const float* __restrict__ k16_fc1_grad_b_a,
-    const float* __restrict__ k16_fc1_grad_b_b,
-    float* __restrict__ k16_fc1_grad_b_out) {
+//   blocks [0, 4): k14_bias1_grad_b_sum
+//   blocks [4, 12): k15_fc1_grad_b
+CG_KERNEL void __launch_bounds__(256) h5_bias1_grad_b_sum_fc1_grad_b(
+    const float* __restrict__ k14_bias1_grad_b_sum_x,
+    float* __restrict__ k14_bias1_grad_b_sum_out,
+    const float* __restrict__ k15_fc1_grad_b_a,
+    const float* __restrict__ k15_fc1_grad_b_b,
+    float* __restrict__ k15_fc1_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 4u)
-    k15_bias1_grad_b_sum_tile(k15_bias1_grad_b_sum_x, k15_bias1_grad_b_sum_out, cg_tile_of(block, 4, 1));
+    k14_bias1_grad_b_sum_tile(k14_bias1_grad_b_sum_x, k14_bias1_grad_b_sum_out, cg_tile_of(block, 4, 1));
   else
-    k16_fc1_grad_b_tile(k16_fc1_grad_b_a, k16_fc1_grad_b_b, k16_fc1_grad_b_out, cg_tile_of(block - 4u, 4, 2));
+    k15_fc1_grad_b_tile(k15_fc1_grad_b_a, k15_fc1_grad_b_b, k15_fc1_grad_b_out, cg_tile_of(block - 4u, 4, 2));
 }
 
-// Launch h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
+// Launch h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 32): k17_w1_init_sgd
-//   blocks [32, 33): k18_b1_init_sgd
-//   blocks [33, 38): k19_w2_init_sgd
-//   blocks [38, 39): k20_b2_init_sgd
-CG_KERNEL void __launch_bounds__(256) h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more(
-    float* __restrict__ k17_w1_init_sgd_param,
-    const float* __restrict__ k17_w1_init_sgd_grad,
-    float* __restrict__ k17_w1_init_sgd_momentum_buf,
-    float* __restrict__ k18_b1_init_sgd_param,
-    const float* __restrict__ k18_b1_init_sgd_grad,
-    float* __restrict__ k18_b1_init_sgd_momentum_buf,
-    float* __restrict__ k19_w2_init_sgd_param,
-    const float* __restrict__ k19_w2_init_sgd_grad,
-    float* __restrict__ k19_w2_init_sgd_momentum_buf,
-    float* __restrict__ k20_b2_init_sgd_param,
-    const float* __restrict__ k20_b2_init_sgd_grad,
-    float* __restrict__ k20_b2_init_sgd_momentum_buf) {
+//   blocks [0, 32): k16_w1_init_sgd
+//   blocks [32, 33): k17_b1_init_sgd
+//   blocks [33, 38): k18_w2_init_sgd
+//   blocks [38, 39): k19_b2_init_sgd
+CG_KERNEL void __launch_bounds__(256) h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more(
+    float* __restrict__ k16_w1_init_sgd_param,
+    const float* __restrict__ k16_w1_init_sgd_grad,
+    float* __restrict__ k16_w1_init_sgd_momentum_buf,
+    float* __restrict__ k17_b1_init_sgd_param,
+    const float* __restrict__ k17_b1_init_sgd_grad,
+    float* __restrict__ k17_b1_init_sgd_momentum_buf,
+    float* __restrict__ k18_w2_init_sgd_param,
+    const float* __restrict__ k18_w2_init_sgd_grad,
+    float* __restrict__ k18_w2_init_sgd_momentum_buf,
+    float* __restrict__ k19_b2_init_sgd_param,
+    const float* __restrict__ k19_b2_init_sgd_grad,
+    float* __restrict__ k19_b2_init_sgd_momentum_buf) {
   const unsigned int block = blockIdx.x;
   if (block < 32u)
-    k17_w1_init_sgd_tile(k17_w1_init_sgd_param, k17_w1_init_sgd_grad, k17_w1_init_sgd_momentum_buf, cg_tile_of(block, 32, 1));
+    k16_w1_init_sgd_tile(k16_w1_init_sgd_param, k16_w1_init_sgd_grad, k16_w1_init_sgd_momentum_buf, cg_tile_of(block, 32, 1));
   else if (block < 33u)
-    k18_b1_init_sgd_tile(k18_b1_init_sgd_param, k18_b1_init_sgd_grad, k18_b1_init_sgd_momentum_buf, cg_tile_of(block - 32u, 1, 1));
+    k17_b1_init_sgd_tile(k17_b1_init_sgd_param, k17_b1_init_sgd_grad, k17_b1_init_sgd_momentum_buf, cg_tile_of(block - 32u, 1, 1));
   else if (block < 38u)
-    k19_w2_init_sgd_tile(k19_w2_init_sgd_param, k19_w2_init_sgd_grad, k19_w2_init_sgd_momentum_buf, cg_tile_of(block - 33u, 5, 1));
+    k18_w2_init_sgd_tile(k18_w2_init_sgd_param, k18_w2_init_sgd_grad, k18_w2_init_sgd_momentum_buf, cg_tile_of(block - 33u, 5, 1));
   else
-    k20_b2_init_sgd_tile(k20_b2_init_sgd_param, k20_b2_init_sgd_grad, k20_b2_init_sgd_momentum_buf, cg_tile_of(block - 38u, 1, 1));
+    k19_b2_init_sgd_tile(k19_b2_init_sgd_param, k19_b2_init_sgd_grad, k19_b2_init_sgd_momentum_buf, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1093,59 +1086,56 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_5_more_tensors[]
     {"k7_b2_init_momentum_init_out", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 static const cudagen_tensor_info k8_fc1_tensors[] = {
-    {"a", "fc1.a", 126464ull, 8192ull},
-    {"b", "w1_init.out", 0ull, 32768ull},
+    {"fc1_a", "fc1.a", 126464ull, 8192ull},
+    {"fc1_b", "w1_init.out", 0ull, 32768ull},
+    {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
     {"bias1_out", "bias1.out", 77312ull, 16384ull},
     {"act1_out", "act1.out", 93696ull, 16384ull},
-};
-static const cudagen_tensor_info k9_fc2_tensors[] = {
-    {"a", "act1.out", 93696ull, 16384ull},
-    {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
     {"bias2_out", "bias2.out", 139776ull, 1280ull},
 };
-static const cudagen_tensor_info k10_loss_tensors[] = {
+static const cudagen_tensor_info k9_loss_tensors[] = {
     {"logits", "bias2.out", 139776ull, 1280ull},
     {"labels", "loss.labels", 142336ull, 128ull},
     {"loss", "loss.loss", 142848ull, 4ull},
 };
-static const cudagen_tensor_info k11_loss_backward_tensors[] = {
+static const cudagen_tensor_info k10_loss_backward_tensors[] = {
     {"logits", "bias2.out", 139776ull, 1280ull},
     {"labels", "loss.labels", 142336ull, 128ull},
     {"dlogits", "loss_backward.dlogits", 141056ull, 1280ull},
 };
-static const cudagen_tensor_info h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k12_bias2_grad_b_sum_x", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k12_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 142592ull, 40ull},
-    {"k13_fc2_grad_a_a", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k13_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
-    {"k13_fc2_grad_a_act1_backward_x", "bias1.out", 77312ull, 16384ull},
-    {"k13_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 110080ull, 16384ull},
-    {"k14_fc2_grad_b_a", "act1.out", 93696ull, 16384ull},
-    {"k14_fc2_grad_b_b", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k14_fc2_grad_b_out", "fc2_grad_b.out", 134656ull, 5120ull},
+static const cudagen_tensor_info h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
+    {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 142592ull, 40ull},
+    {"k12_fc2_grad_a_a", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k12_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
+    {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 77312ull, 16384ull},
+    {"k12_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 110080ull, 16384ull},
+    {"k13_fc2_grad_b_a", "act1.out", 93696ull, 16384ull},
+    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"k13_fc2_grad_b_out", "fc2_grad_b.out", 134656ull, 5120ull},
 };
-static const cudagen_tensor_info h6_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
-    {"k15_bias1_grad_b_sum_x", "act1_backward.dx", 110080ull, 16384ull},
-    {"k15_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 141056ull, 512ull},
-    {"k16_fc1_grad_b_a", "fc1.a", 126464ull, 8192ull},
-    {"k16_fc1_grad_b_b", "act1_backward.dx", 110080ull, 16384ull},
-    {"k16_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
+static const cudagen_tensor_info h5_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
+    {"k14_bias1_grad_b_sum_x", "act1_backward.dx", 110080ull, 16384ull},
+    {"k14_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 141056ull, 512ull},
+    {"k15_fc1_grad_b_a", "fc1.a", 126464ull, 8192ull},
+    {"k15_fc1_grad_b_b", "act1_backward.dx", 110080ull, 16384ull},
+    {"k15_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
 };
-static const cudagen_tensor_info h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
-    {"k17_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
-    {"k17_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
-    {"k17_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
-    {"k18_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
-    {"k18_b1_init_sgd_grad", "bias1_grad_b_sum.out", 141056ull, 512ull},
-    {"k18_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
-    {"k19_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
-    {"k19_w2_init_sgd_grad", "fc2_grad_b.out", 134656ull, 5120ull},
-    {"k19_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
-    {"k20_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
-    {"k20_b2_init_sgd_grad", "bias2_grad_b_sum.out", 142592ull, 40ull},
-    {"k20_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
+static const cudagen_tensor_info h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
+    {"k16_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
+    {"k16_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
+    {"k16_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
+    {"k17_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
+    {"k17_b1_init_sgd_grad", "bias1_grad_b_sum.out", 141056ull, 512ull},
+    {"k17_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
+    {"k18_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
+    {"k18_w2_init_sgd_grad", "fc2_grad_b.out", 134656ull, 5120ull},
+    {"k18_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
+    {"k19_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
+    {"k19_b2_init_sgd_grad", "bias2_grad_b_sum.out", 142592ull, 40ull},
+    {"k19_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1155,27 +1145,25 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k8_fc1, dim3(4, 1, 1), dim3(256), 4288, k8_fc1_tensors,
-                 (const float*)(arena + 126464), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 77312), (float*)(arena + 93696));
-  CUDAGEN_LAUNCH(k9_fc2, dim3(1, 1, 1), dim3(256), 4288, k9_fc2_tensors,
-                 (const float*)(arena + 93696), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 139776));
-  CUDAGEN_LAUNCH(k10_loss, dim3(1, 1, 1), dim3(32), 128, k10_loss_tensors,
+  CUDAGEN_LAUNCH(k8_fc1, dim3(1, 1, 1), dim3(256), 20672, k8_fc1_tensors,
+                 (const float*)(arena + 126464), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 77312), (float*)(arena + 93696), (const float*)(arena + 38400), (float*)(arena + 139776));
+  CUDAGEN_LAUNCH(k9_loss, dim3(1, 1, 1), dim3(32), 128, k9_loss_tensors,
                  (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 142848));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k11_loss_backward, dim3(32, 1, 1), dim3(32), 128, k11_loss_backward_tensors,
+  CUDAGEN_LAUNCH(k10_loss_backward, dim3(32, 1, 1), dim3(32), 128, k10_loss_backward_tensors,
                  (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 141056));
-  CUDAGEN_LAUNCH(h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 4288, h5_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+  CUDAGEN_LAUNCH(h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 4288, h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
                  (const float*)(arena + 141056), (float*)(arena + 142592), (const float*)(arena + 141056), (const float*)(arena + 33280), (const float*)(arena + 77312), (float*)(arena + 110080), (const float*)(arena + 93696), (const float*)(arena + 141056), (float*)(arena + 134656));
-  CUDAGEN_LAUNCH(h6_bias1_grad_b_sum_fc1_grad_b, dim3(12, 1, 1), dim3(256), 4288, h6_bias1_grad_b_sum_fc1_grad_b_tensors,
+  CUDAGEN_LAUNCH(h5_bias1_grad_b_sum_fc1_grad_b, dim3(12, 1, 1), dim3(256), 4288, h5_bias1_grad_b_sum_fc1_grad_b_tensors,
                  (const float*)(arena + 110080), (float*)(arena + 141056), (const float*)(arena + 126464), (const float*)(arena + 110080), (float*)(arena + 77312));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h7_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 77312), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 141056), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 134656), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 142592), (float*)(arena + 77056));
   return 0;
 }

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 55296 bytes (lower bound 55296, without reuse 55296).
+// Arena: 41984 bytes (lower bound 41984, without reuse 41984).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -546,71 +546,63 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 
 // ---- kernels ----
 
-// Kernel k0_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
-//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], bias1.b f32 [100]
-//   writes act1.out f32 [33, 100]
-//   in registers fc1.out, bias1.out
-//   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
+// Kernel k0_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fc2 (matmul), bias2 (add), fused (matmul_chain).
+//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], fc2.b f32 [100, 10], bias1.b f32 [100], bias2.b f32 [10]
+//   writes bias2.out f32 [33, 10]
+//   in registers fc1.out, bias1.out, fc2.out, act1.out
+//   38488 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 17088 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k0_fc1_tile(const float* a, const float* b, const float* bias1_b, float* act1_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+//     [4288, 17088) the block's 32 rows of act1.out (f32)
+CG_DEVICE void k0_fc1_tile(const float* fc1_a, const float* fc1_b, const float* fc2_b, const float* bias1_b, const float* bias2_b, float* bias2_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act1.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 100;
+  // Epilogue (matmul_chain): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 100)));  // bias1.out
     const float v2 = cg_relu<float>(v1);  // act1.out
-    cg_store(act1_out, i, v2);
+    cg_value[i - value_base] = v2;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2112, b_base = z * 6400, out_base = z * 3300;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 100 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 100 + n, acc); },
-      33, 100, 64, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k0_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ act1_out) {
-  k0_fc1_tile(a, b, bias1_b, act1_out, cg_launch_tile());
-}
-
-// Kernel k1_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
-//   reads  act1.out f32 [33, 100], fc2.b f32 [100, 10], bias2.b f32 [10]
-//   writes bias2.out f32 [33, 10]
-//   in registers fc2.out
-//   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k1_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
+  // Epilogue (matmul_chain): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
-    cg_store(bias2_out, i, v1);
+    const float v4 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
+    cg_store(bias2_out, i, v4);
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 3300, b_base = z * 1000, out_base = z * 330;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 100 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
-      33, 10, 100, tile.y, tile.x, (float*)cg_smem);
+  // fc1: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 4; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc1_a, a_base + (cg_i64)m * 64 + k); },
+        [&](int k, int n) { return cg_load(fc1_b, (cg_i64)k * 100 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 100 + n, acc); },
+        33, 100, 64, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before fc2 reads them
+  // fc2: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 100 + k]; },
+        [&](int k, int n) { return cg_load(fc2_b, (cg_i64)k * 10 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 10 + n, acc); },
+        33, 10, 100, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k1_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
-  k1_fc2_tile(a, b, bias2_b, bias2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k0_fc1(const float* __restrict__ fc1_a, const float* __restrict__ fc1_b, const float* __restrict__ fc2_b, const float* __restrict__ bias1_b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+  k0_fc1_tile(fc1_a, fc1_b, fc2_b, bias1_b, bias2_b, bias2_out, cg_launch_tile());
 }
 
-// Kernel k2_probs (forward phase): task probs (softmax, reduction).
+// Kernel k1_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
 //   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k1_probs_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 10 + j); },
                  [&](int j, float v) { cg_store(out, row * 10 + j, v); },
                  10, 1.0f, 10, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k2_probs(const float* __restrict__ x, float* __restrict__ out) {
-  k2_probs_tile(x, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k1_probs(const float* __restrict__ x, float* __restrict__ out) {
+  k1_probs_tile(x, out, cg_launch_tile());
 }
 
 #ifndef __CUDACC_RTC__
@@ -632,32 +624,26 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 55296ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 41984ull;
 
 static const cudagen_tensor_info k0_fc1_tensors[] = {
-    {"a", "fc1.a", 38912ull, 8448ull},
-    {"b", "fc1.b", 0ull, 25600ull},
-    {"bias1_b", "bias1.b", 54528ull, 400ull},
-    {"act1_out", "act1.out", 25600ull, 13200ull},
+    {"fc1_a", "fc1.a", 25600ull, 8448ull},
+    {"fc1_b", "fc1.b", 0ull, 25600ull},
+    {"fc2_b", "fc2.b", 34048ull, 4000ull},
+    {"bias1_b", "bias1.b", 41216ull, 400ull},
+    {"bias2_b", "bias2.b", 41728ull, 40ull},
+    {"bias2_out", "bias2.out", 38144ull, 1320ull},
 };
-static const cudagen_tensor_info k1_fc2_tensors[] = {
-    {"a", "act1.out", 25600ull, 13200ull},
-    {"b", "fc2.b", 47360ull, 4000ull},
-    {"bias2_b", "bias2.b", 55040ull, 40ull},
-    {"bias2_out", "bias2.out", 52992ull, 1320ull},
-};
-static const cudagen_tensor_info k2_probs_tensors[] = {
-    {"x", "bias2.out", 52992ull, 1320ull},
-    {"out", "probs.out", 51456ull, 1320ull},
+static const cudagen_tensor_info k1_probs_tensors[] = {
+    {"x", "bias2.out", 38144ull, 1320ull},
+    {"out", "probs.out", 39680ull, 1320ull},
 };
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k0_fc1, dim3(4, 2, 1), dim3(256), 4288, k0_fc1_tensors,
-                 (const float*)(arena + 38912), (const float*)(arena + 0), (const float*)(arena + 54528), (float*)(arena + 25600));
-  CUDAGEN_LAUNCH(k1_fc2, dim3(1, 2, 1), dim3(256), 4288, k1_fc2_tensors,
-                 (const float*)(arena + 25600), (const float*)(arena + 47360), (const float*)(arena + 55040), (float*)(arena + 52992));
-  CUDAGEN_LAUNCH(k2_probs, dim3(33, 1, 1), dim3(32), 128, k2_probs_tensors,
-                 (const float*)(arena + 52992), (float*)(arena + 51456));
+  CUDAGEN_LAUNCH(k0_fc1, dim3(1, 2, 1), dim3(256), 17088, k0_fc1_tensors,
+                 (const float*)(arena + 25600), (const float*)(arena + 0), (const float*)(arena + 34048), (const float*)(arena + 41216), (const float*)(arena + 41728), (float*)(arena + 38144));
+  CUDAGEN_LAUNCH(k1_probs, dim3(33, 1, 1), dim3(32), 128, k1_probs_tensors,
+                 (const float*)(arena + 38144), (float*)(arena + 39680));
   return 0;
 }
 #endif  // __CUDACC_RTC__

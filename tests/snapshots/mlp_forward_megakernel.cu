@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0 megakernel blocks=4 watchdog=2000ms
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 55552 bytes (lower bound 55296, without reuse 55296).
+// Arena: 42240 bytes (lower bound 41984, without reuse 41984).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -546,57 +546,52 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 
 // ---- kernels ----
 
-// Kernel k0_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
-//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], bias1.b f32 [100]
-//   writes act1.out f32 [33, 100]
-//   in registers fc1.out, bias1.out
-//   34448 bytes read, 13200 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
+// Kernel k0_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fc2 (matmul), bias2 (add), fused (matmul_chain).
+//   reads  fc1.a f32 [33, 64], fc1.b f32 [64, 100], fc2.b f32 [100, 10], bias1.b f32 [100], bias2.b f32 [10]
+//   writes bias2.out f32 [33, 10]
+//   in registers fc1.out, bias1.out, fc2.out, act1.out
+//   38488 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 17088 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k0_fc1_tile(const float* a, const float* b, const float* bias1_b, float* act1_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+//     [4288, 17088) the block's 32 rows of act1.out (f32)
+CG_DEVICE void k0_fc1_tile(const float* fc1_a, const float* fc1_b, const float* fc2_b, const float* bias1_b, const float* bias2_b, float* bias2_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act1.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 100;
+  // Epilogue (matmul_chain): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 100)));  // bias1.out
     const float v2 = cg_relu<float>(v1);  // act1.out
-    cg_store(act1_out, i, v2);
+    cg_value[i - value_base] = v2;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2112, b_base = z * 6400, out_base = z * 3300;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 100 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 100 + n, acc); },
-      33, 100, 64, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k1_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
-//   reads  act1.out f32 [33, 100], fc2.b f32 [100, 10], bias2.b f32 [10]
-//   writes bias2.out f32 [33, 10]
-//   in registers fc2.out
-//   17240 bytes read, 1320 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k1_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
+  // Epilogue (matmul_chain): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
-    cg_store(bias2_out, i, v1);
+    const float v4 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
+    cg_store(bias2_out, i, v4);
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 3300, b_base = z * 1000, out_base = z * 330;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 100 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
-      33, 10, 100, tile.y, tile.x, (float*)cg_smem);
+  // fc1: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 4; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc1_a, a_base + (cg_i64)m * 64 + k); },
+        [&](int k, int n) { return cg_load(fc1_b, (cg_i64)k * 100 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 100 + n, acc); },
+        33, 100, 64, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before fc2 reads them
+  // fc2: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 100 + k]; },
+        [&](int k, int n) { return cg_load(fc2_b, (cg_i64)k * 10 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 10 + n, acc); },
+        33, 10, 100, tile.y, cg_column, (float*)cg_smem);
 }
 
-// Kernel k2_probs (forward phase): task probs (softmax, reduction).
+// Kernel k1_probs (forward phase): task probs (softmax, reduction).
 //   reads  probs.x f32 [33, 10] <- bias2.out
 //   writes probs.out f32 [33, 10]
 //   1320 bytes read, 1320 bytes written; grid [33, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k1_probs_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_row([&](int j) { return cg_load(x, row * 10 + j); },
@@ -605,42 +600,39 @@ CG_DEVICE void k2_probs_tile(const float* x, float* out, cg_tile tile) {
 }
 
 // ---- forward phase as one persistent kernel (DESIGN.md §10) ----
-// 3 kernels as 43 tile tasks and 0 join tasks on 4 blocks of 256 threads; 4 events.
-// Critical path 3 tasks; blocks idle an estimated 17% of the phase. Block b runs tasks
+// 2 kernels as 35 tile tasks and 0 join tasks on 4 blocks of 256 threads; 2 events.
+// Critical path 2 tasks; blocks idle an estimated 41% of the phase. Block b runs tasks
 // [megakernel_forward_queue[b], megakernel_forward_queue[b + 1]) in order; `cudagen describe --megakernel` prints them.
-// Events count in the arena at 55360, this phase's watchdog report at 55296.
-static __device__ const int megakernel_forward_queue[5] = {0, 12, 23, 33, 43};
+// Events count in the arena at 42048, this phase's watchdog report at 41984.
+static __device__ const int megakernel_forward_queue[5] = {0, 10, 19, 27, 35};
 // {kernel (the switch's case; -1: join), tile, wait event, its triggers per launch, trigger event}
-static __device__ const cg_megakernel_task megakernel_forward_tasks[43] = {
+static __device__ const cg_megakernel_task megakernel_forward_tasks[35] = {
     // block 0
-    {0, 0, -1, 0, 0}, {0, 4, -1, 0, 1}, {1, 0, 0, 4, 2}, {2, 0, 2, 1, -1}, {2, 4, 2, 1, -1}, {2, 8, 2, 1, -1},
-    {2, 12, 2, 1, -1}, {2, 16, 2, 1, -1}, {2, 20, 2, 1, -1}, {2, 24, 2, 1, -1}, {2, 28, 2, 1, -1}, {2, 32, 3, 1, -1},
+    {0, 0, -1, 0, 0}, {1, 0, 0, 1, -1}, {1, 4, 0, 1, -1}, {1, 8, 0, 1, -1}, {1, 12, 0, 1, -1}, {1, 16, 0, 1, -1},
+    {1, 20, 0, 1, -1}, {1, 24, 0, 1, -1}, {1, 28, 0, 1, -1}, {1, 32, 1, 1, -1},
     // block 1
-    {0, 1, -1, 0, 0}, {0, 5, -1, 0, 1}, {1, 1, 1, 4, 3}, {2, 1, 2, 1, -1}, {2, 5, 2, 1, -1}, {2, 9, 2, 1, -1},
-    {2, 13, 2, 1, -1}, {2, 17, 2, 1, -1}, {2, 21, 2, 1, -1}, {2, 25, 2, 1, -1}, {2, 29, 2, 1, -1},
+    {0, 1, -1, 0, 1}, {1, 1, 0, 1, -1}, {1, 5, 0, 1, -1}, {1, 9, 0, 1, -1}, {1, 13, 0, 1, -1}, {1, 17, 0, 1, -1},
+    {1, 21, 0, 1, -1}, {1, 25, 0, 1, -1}, {1, 29, 0, 1, -1},
     // block 2
-    {0, 2, -1, 0, 0}, {0, 6, -1, 0, 1}, {2, 2, 2, 1, -1}, {2, 6, 2, 1, -1}, {2, 10, 2, 1, -1}, {2, 14, 2, 1, -1},
-    {2, 18, 2, 1, -1}, {2, 22, 2, 1, -1}, {2, 26, 2, 1, -1}, {2, 30, 2, 1, -1},
+    {1, 2, 0, 1, -1}, {1, 6, 0, 1, -1}, {1, 10, 0, 1, -1}, {1, 14, 0, 1, -1}, {1, 18, 0, 1, -1}, {1, 22, 0, 1, -1},
+    {1, 26, 0, 1, -1}, {1, 30, 0, 1, -1},
     // block 3
-    {0, 3, -1, 0, 0}, {0, 7, -1, 0, 1}, {2, 3, 2, 1, -1}, {2, 7, 2, 1, -1}, {2, 11, 2, 1, -1}, {2, 15, 2, 1, -1},
-    {2, 19, 2, 1, -1}, {2, 23, 2, 1, -1}, {2, 27, 2, 1, -1}, {2, 31, 2, 1, -1},
+    {1, 3, 0, 1, -1}, {1, 7, 0, 1, -1}, {1, 11, 0, 1, -1}, {1, 15, 0, 1, -1}, {1, 19, 0, 1, -1}, {1, 23, 0, 1, -1},
+    {1, 27, 0, 1, -1}, {1, 31, 0, 1, -1},
 };
 CG_KERNEL void __launch_bounds__(256) megakernel_forward(unsigned char* arena) {
-  cg_megakernel_state* state = (cg_megakernel_state*)(arena + 55296);
-  unsigned long long* events = (unsigned long long*)(arena + 55360);
+  cg_megakernel_state* state = (cg_megakernel_state*)(arena + 41984);
+  unsigned long long* events = (unsigned long long*)(arena + 42048);
   const unsigned long long launch = cg_megakernel_launch(state);
   for (int q = megakernel_forward_queue[blockIdx.x]; q < megakernel_forward_queue[blockIdx.x + 1]; ++q) {
     const cg_megakernel_task task = megakernel_forward_tasks[q];
     if (!cg_megakernel_wait(state, events, task, q, launch, 2000000000ull)) break;  // the watchdog stopped the phase
     switch (task.kernel) {
       case 0:
-        k0_fc1_tile((const float*)(arena + 38912), (const float*)(arena + 0), (const float*)(arena + 54528), (float*)(arena + 25600), cg_tile_of(task.tile, 4, 2));
+        k0_fc1_tile((const float*)(arena + 25600), (const float*)(arena + 0), (const float*)(arena + 34048), (const float*)(arena + 41216), (const float*)(arena + 41728), (float*)(arena + 38144), cg_tile_of(task.tile, 1, 2));
         break;
       case 1:
-        k1_fc2_tile((const float*)(arena + 25600), (const float*)(arena + 47360), (const float*)(arena + 55040), (float*)(arena + 52992), cg_tile_of(task.tile, 1, 2));
-        break;
-      case 2:
-        k2_probs_tile((const float*)(arena + 52992), (float*)(arena + 51456), cg_tile_of(task.tile, 33, 1));
+        k1_probs_tile((const float*)(arena + 38144), (float*)(arena + 39680), cg_tile_of(task.tile, 33, 1));
         break;
     }
     cg_megakernel_trigger(events, task);
@@ -680,21 +672,20 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 55552ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 42240ull;
 
 static const cudagen_tensor_info megakernel_forward_tensors[] = {
-    {"fc1.a", "fc1.a", 38912ull, 8448ull},
+    {"fc1.a", "fc1.a", 25600ull, 8448ull},
     {"fc1.b", "fc1.b", 0ull, 25600ull},
-    {"bias1.b", "bias1.b", 54528ull, 400ull},
-    {"act1.out", "act1.out", 25600ull, 13200ull},
-    {"fc2.b", "fc2.b", 47360ull, 4000ull},
-    {"bias2.b", "bias2.b", 55040ull, 40ull},
-    {"bias2.out", "bias2.out", 52992ull, 1320ull},
-    {"probs.out", "probs.out", 51456ull, 1320ull},
+    {"fc2.b", "fc2.b", 34048ull, 4000ull},
+    {"bias1.b", "bias1.b", 41216ull, 400ull},
+    {"bias2.b", "bias2.b", 41728ull, 40ull},
+    {"bias2.out", "bias2.out", 38144ull, 1320ull},
+    {"probs.out", "probs.out", 39680ull, 1320ull},
 };
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH_COOPERATIVE(megakernel_forward, dim3(4), dim3(256), 4288, megakernel_forward_tensors, arena);
+  CUDAGEN_LAUNCH_COOPERATIVE(megakernel_forward, dim3(4), dim3(256), 17088, megakernel_forward_tensors, arena);
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -680,64 +680,57 @@ CG_DEVICE void k3_b2_init_tile(float* out, cg_tile tile) {
     cg_store(out, i, cg_fill<float>(i, 0.0f));
 }
 
-// Kernel k4_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
-//   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], b1_init.out f32 [128]
-//   writes bias1.out f32 [32, 128], act1.out f32 [32, 128]
-//   in registers fc1.out
-//   41472 bytes read, 32768 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+// Kernel k4_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fc2 (matmul), bias2 (add), fused (matmul_chain).
+//   reads  fc1.a f32 [32, 64], w1_init.out f32 [64, 128], w2_init.out f32 [128, 10], b1_init.out f32 [128], b2_init.out f32 [10]
+//   writes bias1.out f32 [32, 128], act1.out f32 [32, 128], bias2.out f32 [32, 10]
+//   in registers fc1.out, fc2.out
+//   46632 bytes read, 34048 bytes written; grid [1, 1, 1], block 256, 20672 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k4_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+//     [4288, 20672) the block's 32 rows of act1.out (f32)
+CG_DEVICE void k4_fc1_tile(const float* fc1_a, const float* fc1_b, const float* fc2_b, const float* bias1_b, float* bias1_out, float* act1_out, const float* bias2_b, float* bias2_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act1.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 128;
+  // Epilogue (matmul_chain): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 128)));  // bias1.out
     const float v2 = cg_relu<float>(v1);  // act1.out
     cg_store(bias1_out, i, v1);
     cg_store(act1_out, i, v2);
+    cg_value[i - value_base] = v2;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 8192, out_base = z * 4096;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 64 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 128 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
-      32, 128, 64, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k4_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out) {
-  k4_fc1_tile(a, b, bias1_b, bias1_out, act1_out, cg_launch_tile());
-}
-
-// Kernel k5_fc2 (forward phase): tasks fc2 (matmul), bias2 (add), fused (matmul_epilogue).
-//   reads  act1.out f32 [32, 128], w2_init.out f32 [128, 10], b2_init.out f32 [10]
-//   writes bias2.out f32 [32, 10]
-//   in registers fc2.out
-//   21544 bytes read, 1280 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k5_fc2_tile(const float* a, const float* b, const float* bias2_b, float* bias2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias2 (add), on element i of fc2.out as it is computed.
+  // Epilogue (matmul_chain): bias2 (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
-    cg_store(bias2_out, i, v1);
+    const float v4 = cg_add<float>(v0, cg_load(bias2_b, (i % 10)));  // bias2.out
+    cg_store(bias2_out, i, v4);
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 4096, b_base = z * 1280, out_base = z * 320;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 128 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 10 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 10 + n, acc); },
-      32, 10, 128, tile.y, tile.x, (float*)cg_smem);
+  // fc1: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 4; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc1_a, a_base + (cg_i64)m * 64 + k); },
+        [&](int k, int n) { return cg_load(fc1_b, (cg_i64)k * 128 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 128 + n, acc); },
+        32, 128, 64, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before fc2 reads them
+  // fc2: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 128 + k]; },
+        [&](int k, int n) { return cg_load(fc2_b, (cg_i64)k * 10 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 10 + n, acc); },
+        32, 10, 128, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k5_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
-  k5_fc2_tile(a, b, bias2_b, bias2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k4_fc1(const float* __restrict__ fc1_a, const float* __restrict__ fc1_b, const float* __restrict__ fc2_b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out, const float* __restrict__ bias2_b, float* __restrict__ bias2_out) {
+  k4_fc1_tile(fc1_a, fc1_b, fc2_b, bias1_b, bias1_out, act1_out, bias2_b, bias2_out, cg_launch_tile());
 }
 
-// Kernel k6_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k5_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [32, 10] <- bias2.out, loss.labels i32 [32]
 //   writes loss.loss f32 []
 //   1408 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k6_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k5_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 32; ++row)
@@ -745,32 +738,32 @@ CG_DEVICE void k6_loss_tile(const float* logits, const int* labels, float* loss,
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 32.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k6_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k6_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k5_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k5_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k7_dlogits (backward phase): task dlogits (cross_entropy_backward, reduction).
+// Kernel k6_dlogits (backward phase): task dlogits (cross_entropy_backward, reduction).
 //   reads  dlogits.logits f32 [32, 10] <- bias2.out, dlogits.labels i32 [32] <- loss.labels
 //   writes dlogits.dlogits f32 [32, 10]
 //   1408 bytes read, 1280 bytes written; grid [32, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k7_dlogits_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k6_dlogits_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 10 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 10 + j, v); },
                                 10, (cg_i64)cg_load(labels, row), 1.0f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k7_dlogits(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k7_dlogits_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k6_dlogits(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k6_dlogits_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k8_dw2 (backward phase): task dw2 (matmul, matmul).
+// Kernel k7_dw2 (backward phase): task dw2 (matmul, matmul).
 //   reads  dw2.a f32 [32, 128] <- act1.out, dw2.b f32 [32, 10] <- dlogits.dlogits
 //   writes dw2.out f32 [128, 10]
 //   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k8_dw2_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k7_dw2_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 4096, b_base = z * 320, out_base = z * 1280;
@@ -781,25 +774,25 @@ CG_DEVICE void k8_dw2_tile(const float* a, const float* b, float* out, cg_tile t
       128, 10, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k9_db2 (backward phase): task db2 (sum_leading, reduction).
+// Kernel k8_db2 (backward phase): task db2 (sum_leading, reduction).
 //   reads  db2.x f32 [32, 10] <- dlogits.dlogits
 //   writes db2.out f32 [10]
 //   1280 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k9_db2_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k8_db2_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 10 + c); }, j, 10, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
 }
 
-// Kernel k10_dact1 (backward phase): tasks dact1 (matmul), dbias1 (relu_backward), fused (matmul_epilogue).
+// Kernel k9_dact1 (backward phase): tasks dact1 (matmul), dbias1 (relu_backward), fused (matmul_epilogue).
 //   reads  dlogits.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
 //   writes dbias1.dx f32 [32, 128]
 //   in registers dact1.out
 //   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k10_dact1_tile(const float* a, const float* b, const float* dbias1_x, float* dbias1_dx, cg_tile tile) {
+CG_DEVICE void k9_dact1_tile(const float* a, const float* b, const float* dbias1_x, float* dbias1_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): dbias1 (relu_backward), on element i of dact1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(dbias1_x, i), v0);  // dbias1.dx
@@ -815,12 +808,12 @@ CG_DEVICE void k10_dact1_tile(const float* a, const float* b, const float* dbias
       32, 128, 10, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k11_dw1 (backward phase): task dw1 (matmul, matmul).
+// Kernel k10_dw1 (backward phase): task dw1 (matmul, matmul).
 //   reads  dw1.a f32 [32, 64] <- fc1.a, dw1.b f32 [32, 128] <- dbias1.dx
 //   writes dw1.out f32 [64, 128]
 //   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k11_dw1_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k10_dw1_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 8192;
@@ -831,23 +824,23 @@ CG_DEVICE void k11_dw1_tile(const float* a, const float* b, float* out, cg_tile 
       64, 128, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k12_db1 (backward phase): task db1 (sum_leading, reduction).
+// Kernel k11_db1 (backward phase): task db1 (sum_leading, reduction).
 //   reads  db1.x f32 [32, 128] <- dbias1.dx
 //   writes db1.out f32 [128]
 //   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k12_db1_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k11_db1_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
 }
 
-// Kernel k13_sgd_w1 (update phase): task sgd_w1 (sgd, elementwise).
+// Kernel k12_sgd_w1 (update phase): task sgd_w1 (sgd, elementwise).
 //   reads  sgd_w1.param f32 [64, 128] <- w1_init.out, sgd_w1.grad f32 [64, 128] <- dw1.out
 //   writes sgd_w1.param f32 [64, 128] <- w1_init.out
 //   65536 bytes read, 32768 bytes written; grid [32, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k13_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k12_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 8192; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -856,11 +849,11 @@ CG_DEVICE void k13_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k14_sgd_b1 (update phase): task sgd_b1 (sgd, elementwise).
+// Kernel k13_sgd_b1 (update phase): task sgd_b1 (sgd, elementwise).
 //   reads  sgd_b1.param f32 [128] <- b1_init.out, sgd_b1.grad f32 [128] <- db1.out
 //   writes sgd_b1.param f32 [128] <- b1_init.out
 //   1024 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k14_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k13_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -869,11 +862,11 @@ CG_DEVICE void k14_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k15_sgd_w2 (update phase): task sgd_w2 (sgd, elementwise).
+// Kernel k14_sgd_w2 (update phase): task sgd_w2 (sgd, elementwise).
 //   reads  sgd_w2.param f32 [128, 10] <- w2_init.out, sgd_w2.grad f32 [128, 10] <- dw2.out
 //   writes sgd_w2.param f32 [128, 10] <- w2_init.out
 //   10240 bytes read, 5120 bytes written; grid [5, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k15_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k14_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 1280; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -882,11 +875,11 @@ CG_DEVICE void k15_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k16_sgd_b2 (update phase): task sgd_b2 (sgd, elementwise).
+// Kernel k15_sgd_b2 (update phase): task sgd_b2 (sgd, elementwise).
 //   reads  sgd_b2.param f32 [10] <- b2_init.out, sgd_b2.grad f32 [10] <- db2.out
 //   writes sgd_b2.param f32 [10] <- b2_init.out
 //   80 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k16_sgd_b2_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k15_sgd_b2_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -919,77 +912,77 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_1_more(
     k3_b2_init_tile(k3_b2_init_out, cg_tile_of(block - 11u, 1, 1));
 }
 
-// Launch h5_dw2_db2_dact1 (backward phase):
+// Launch h4_dw2_db2_dact1 (backward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 4): k8_dw2
-//   blocks [4, 5): k9_db2
-//   blocks [5, 9): k10_dact1
-CG_KERNEL void __launch_bounds__(256) h5_dw2_db2_dact1(
-    const float* __restrict__ k8_dw2_a,
-    const float* __restrict__ k8_dw2_b,
-    float* __restrict__ k8_dw2_out,
-    const float* __restrict__ k9_db2_x,
-    float* __restrict__ k9_db2_out,
-    const float* __restrict__ k10_dact1_a,
-    const float* __restrict__ k10_dact1_b,
-    const float* __restrict__ k10_dact1_dbias1_x,
-    float* __restrict__ k10_dact1_dbias1_dx) {
+//   blocks [0, 4): k7_dw2
+//   blocks [4, 5): k8_db2
+//   blocks [5, 9): k9_dact1
+CG_KERNEL void __launch_bounds__(256) h4_dw2_db2_dact1(
+    const float* __restrict__ k7_dw2_a,
+    const float* __restrict__ k7_dw2_b,
+    float* __restrict__ k7_dw2_out,
+    const float* __restrict__ k8_db2_x,
+    float* __restrict__ k8_db2_out,
+    const float* __restrict__ k9_dact1_a,
+    const float* __restrict__ k9_dact1_b,
+    const float* __restrict__ k9_dact1_dbias1_x,
+    float* __restrict__ k9_dact1_dbias1_dx) {
   const unsigned int block = blockIdx.x;
   if (block < 4u)
-    k8_dw2_tile(k8_dw2_a, k8_dw2_b, k8_dw2_out, cg_tile_of(block, 1, 4));
+    k7_dw2_tile(k7_dw2_a, k7_dw2_b, k7_dw2_out, cg_tile_of(block, 1, 4));
   else if (block < 5u)
-    k9_db2_tile(k9_db2_x, k9_db2_out, cg_tile_of(block - 4u, 1, 1));
+    k8_db2_tile(k8_db2_x, k8_db2_out, cg_tile_of(block - 4u, 1, 1));
   else
-    k10_dact1_tile(k10_dact1_a, k10_dact1_b, k10_dact1_dbias1_x, k10_dact1_dbias1_dx, cg_tile_of(block - 5u, 4, 1));
+    k9_dact1_tile(k9_dact1_a, k9_dact1_b, k9_dact1_dbias1_x, k9_dact1_dbias1_dx, cg_tile_of(block - 5u, 4, 1));
 }
 
-// Launch h6_dw1_db1 (backward phase):
+// Launch h5_dw1_db1 (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k11_dw1
-//   blocks [8, 12): k12_db1
-CG_KERNEL void __launch_bounds__(256) h6_dw1_db1(
-    const float* __restrict__ k11_dw1_a,
-    const float* __restrict__ k11_dw1_b,
-    float* __restrict__ k11_dw1_out,
-    const float* __restrict__ k12_db1_x,
-    float* __restrict__ k12_db1_out) {
+//   blocks [0, 8): k10_dw1
+//   blocks [8, 12): k11_db1
+CG_KERNEL void __launch_bounds__(256) h5_dw1_db1(
+    const float* __restrict__ k10_dw1_a,
+    const float* __restrict__ k10_dw1_b,
+    float* __restrict__ k10_dw1_out,
+    const float* __restrict__ k11_db1_x,
+    float* __restrict__ k11_db1_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k11_dw1_tile(k11_dw1_a, k11_dw1_b, k11_dw1_out, cg_tile_of(block, 4, 2));
+    k10_dw1_tile(k10_dw1_a, k10_dw1_b, k10_dw1_out, cg_tile_of(block, 4, 2));
   else
-    k12_db1_tile(k12_db1_x, k12_db1_out, cg_tile_of(block - 8u, 4, 1));
+    k11_db1_tile(k11_db1_x, k11_db1_out, cg_tile_of(block - 8u, 4, 1));
 }
 
-// Launch h7_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
+// Launch h6_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 32): k13_sgd_w1
-//   blocks [32, 33): k14_sgd_b1
-//   blocks [33, 38): k15_sgd_w2
-//   blocks [38, 39): k16_sgd_b2
-CG_KERNEL void __launch_bounds__(256) h7_sgd_w1_sgd_b1_sgd_w2_and_1_more(
-    float* __restrict__ k13_sgd_w1_param,
-    const float* __restrict__ k13_sgd_w1_grad,
-    float* __restrict__ k14_sgd_b1_param,
-    const float* __restrict__ k14_sgd_b1_grad,
-    float* __restrict__ k15_sgd_w2_param,
-    const float* __restrict__ k15_sgd_w2_grad,
-    float* __restrict__ k16_sgd_b2_param,
-    const float* __restrict__ k16_sgd_b2_grad) {
+//   blocks [0, 32): k12_sgd_w1
+//   blocks [32, 33): k13_sgd_b1
+//   blocks [33, 38): k14_sgd_w2
+//   blocks [38, 39): k15_sgd_b2
+CG_KERNEL void __launch_bounds__(256) h6_sgd_w1_sgd_b1_sgd_w2_and_1_more(
+    float* __restrict__ k12_sgd_w1_param,
+    const float* __restrict__ k12_sgd_w1_grad,
+    float* __restrict__ k13_sgd_b1_param,
+    const float* __restrict__ k13_sgd_b1_grad,
+    float* __restrict__ k14_sgd_w2_param,
+    const float* __restrict__ k14_sgd_w2_grad,
+    float* __restrict__ k15_sgd_b2_param,
+    const float* __restrict__ k15_sgd_b2_grad) {
   const unsigned int block = blockIdx.x;
   if (block < 32u)
-    k13_sgd_w1_tile(k13_sgd_w1_param, k13_sgd_w1_grad, cg_tile_of(block, 32, 1));
+    k12_sgd_w1_tile(k12_sgd_w1_param, k12_sgd_w1_grad, cg_tile_of(block, 32, 1));
   else if (block < 33u)
-    k14_sgd_b1_tile(k14_sgd_b1_param, k14_sgd_b1_grad, cg_tile_of(block - 32u, 1, 1));
+    k13_sgd_b1_tile(k13_sgd_b1_param, k13_sgd_b1_grad, cg_tile_of(block - 32u, 1, 1));
   else if (block < 38u)
-    k15_sgd_w2_tile(k15_sgd_w2_param, k15_sgd_w2_grad, cg_tile_of(block - 33u, 5, 1));
+    k14_sgd_w2_tile(k14_sgd_w2_param, k14_sgd_w2_grad, cg_tile_of(block - 33u, 5, 1));
   else
-    k16_sgd_b2_tile(k16_sgd_b2_param, k16_sgd_b2_grad, cg_tile_of(block - 38u, 1, 1));
+    k15_sgd_b2_tile(k15_sgd_b2_param, k15_sgd_b2_grad, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1020,55 +1013,52 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_1_more_tensors[]
     {"k3_b2_init_out", "b2_init.out", 38400ull, 40ull},
 };
 static const cudagen_tensor_info k4_fc1_tensors[] = {
-    {"a", "fc1.a", 87808ull, 8192ull},
-    {"b", "w1_init.out", 0ull, 32768ull},
+    {"fc1_a", "fc1.a", 87808ull, 8192ull},
+    {"fc1_b", "w1_init.out", 0ull, 32768ull},
+    {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
     {"bias1_out", "bias1.out", 38656ull, 16384ull},
     {"act1_out", "act1.out", 55040ull, 16384ull},
-};
-static const cudagen_tensor_info k5_fc2_tensors[] = {
-    {"a", "act1.out", 55040ull, 16384ull},
-    {"b", "w2_init.out", 33280ull, 5120ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
     {"bias2_out", "bias2.out", 101120ull, 1280ull},
 };
-static const cudagen_tensor_info k6_loss_tensors[] = {
+static const cudagen_tensor_info k5_loss_tensors[] = {
     {"logits", "bias2.out", 101120ull, 1280ull},
     {"labels", "loss.labels", 103680ull, 128ull},
     {"loss", "loss.loss", 104192ull, 4ull},
 };
-static const cudagen_tensor_info k7_dlogits_tensors[] = {
+static const cudagen_tensor_info k6_dlogits_tensors[] = {
     {"logits", "bias2.out", 101120ull, 1280ull},
     {"labels", "loss.labels", 103680ull, 128ull},
     {"dlogits", "dlogits.dlogits", 102400ull, 1280ull},
 };
-static const cudagen_tensor_info h5_dw2_db2_dact1_tensors[] = {
-    {"k8_dw2_a", "act1.out", 55040ull, 16384ull},
-    {"k8_dw2_b", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k8_dw2_out", "dw2.out", 96000ull, 5120ull},
-    {"k9_db2_x", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k9_db2_out", "db2.out", 103936ull, 40ull},
-    {"k10_dact1_a", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k10_dact1_b", "w2_init.out", 33280ull, 5120ull},
-    {"k10_dact1_dbias1_x", "bias1.out", 38656ull, 16384ull},
-    {"k10_dact1_dbias1_dx", "dbias1.dx", 71424ull, 16384ull},
+static const cudagen_tensor_info h4_dw2_db2_dact1_tensors[] = {
+    {"k7_dw2_a", "act1.out", 55040ull, 16384ull},
+    {"k7_dw2_b", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k7_dw2_out", "dw2.out", 96000ull, 5120ull},
+    {"k8_db2_x", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k8_db2_out", "db2.out", 103936ull, 40ull},
+    {"k9_dact1_a", "dlogits.dlogits", 102400ull, 1280ull},
+    {"k9_dact1_b", "w2_init.out", 33280ull, 5120ull},
+    {"k9_dact1_dbias1_x", "bias1.out", 38656ull, 16384ull},
+    {"k9_dact1_dbias1_dx", "dbias1.dx", 71424ull, 16384ull},
 };
-static const cudagen_tensor_info h6_dw1_db1_tensors[] = {
-    {"k11_dw1_a", "fc1.a", 87808ull, 8192ull},
-    {"k11_dw1_b", "dbias1.dx", 71424ull, 16384ull},
-    {"k11_dw1_out", "dw1.out", 38656ull, 32768ull},
-    {"k12_db1_x", "dbias1.dx", 71424ull, 16384ull},
-    {"k12_db1_out", "db1.out", 102400ull, 512ull},
+static const cudagen_tensor_info h5_dw1_db1_tensors[] = {
+    {"k10_dw1_a", "fc1.a", 87808ull, 8192ull},
+    {"k10_dw1_b", "dbias1.dx", 71424ull, 16384ull},
+    {"k10_dw1_out", "dw1.out", 38656ull, 32768ull},
+    {"k11_db1_x", "dbias1.dx", 71424ull, 16384ull},
+    {"k11_db1_out", "db1.out", 102400ull, 512ull},
 };
-static const cudagen_tensor_info h7_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
-    {"k13_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
-    {"k13_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
-    {"k14_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
-    {"k14_sgd_b1_grad", "db1.out", 102400ull, 512ull},
-    {"k15_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
-    {"k15_sgd_w2_grad", "dw2.out", 96000ull, 5120ull},
-    {"k16_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
-    {"k16_sgd_b2_grad", "db2.out", 103936ull, 40ull},
+static const cudagen_tensor_info h6_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
+    {"k12_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
+    {"k12_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
+    {"k13_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
+    {"k13_sgd_b1_grad", "db1.out", 102400ull, 512ull},
+    {"k14_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
+    {"k14_sgd_w2_grad", "dw2.out", 96000ull, 5120ull},
+    {"k15_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
+    {"k15_sgd_b2_grad", "db2.out", 103936ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1078,27 +1068,25 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k4_fc1, dim3(4, 1, 1), dim3(256), 4288, k4_fc1_tensors,
-                 (const float*)(arena + 87808), (const float*)(arena + 0), (const float*)(arena + 32768), (float*)(arena + 38656), (float*)(arena + 55040));
-  CUDAGEN_LAUNCH(k5_fc2, dim3(1, 1, 1), dim3(256), 4288, k5_fc2_tensors,
-                 (const float*)(arena + 55040), (const float*)(arena + 33280), (const float*)(arena + 38400), (float*)(arena + 101120));
-  CUDAGEN_LAUNCH(k6_loss, dim3(1, 1, 1), dim3(32), 128, k6_loss_tensors,
+  CUDAGEN_LAUNCH(k4_fc1, dim3(1, 1, 1), dim3(256), 20672, k4_fc1_tensors,
+                 (const float*)(arena + 87808), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 38656), (float*)(arena + 55040), (const float*)(arena + 38400), (float*)(arena + 101120));
+  CUDAGEN_LAUNCH(k5_loss, dim3(1, 1, 1), dim3(32), 128, k5_loss_tensors,
                  (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 104192));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k7_dlogits, dim3(32, 1, 1), dim3(32), 128, k7_dlogits_tensors,
+  CUDAGEN_LAUNCH(k6_dlogits, dim3(32, 1, 1), dim3(32), 128, k6_dlogits_tensors,
                  (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 102400));
-  CUDAGEN_LAUNCH(h5_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 4288, h5_dw2_db2_dact1_tensors,
+  CUDAGEN_LAUNCH(h4_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 4288, h4_dw2_db2_dact1_tensors,
                  (const float*)(arena + 55040), (const float*)(arena + 102400), (float*)(arena + 96000), (const float*)(arena + 102400), (float*)(arena + 103936), (const float*)(arena + 102400), (const float*)(arena + 33280), (const float*)(arena + 38656), (float*)(arena + 71424));
-  CUDAGEN_LAUNCH(h6_dw1_db1, dim3(12, 1, 1), dim3(256), 4288, h6_dw1_db1_tensors,
+  CUDAGEN_LAUNCH(h5_dw1_db1, dim3(12, 1, 1), dim3(256), 4288, h5_dw1_db1_tensors,
                  (const float*)(arena + 87808), (const float*)(arena + 71424), (float*)(arena + 38656), (const float*)(arena + 71424), (float*)(arena + 102400));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h7_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h7_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h6_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h6_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 102400), (float*)(arena + 33280), (const float*)(arena + 96000), (float*)(arena + 38400), (const float*)(arena + 103936));
   return 0;
 }

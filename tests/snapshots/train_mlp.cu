@@ -784,64 +784,57 @@ CG_DEVICE void k11_b2_v_init_tile(float* out, cg_tile tile) {
   }
 }
 
-// Kernel k12_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fused (matmul_epilogue).
-//   reads  fc1.a f32 [256, 8], w1.out f32 [8, 32], b1.out f32 [32]
-//   writes bias1.out f32 [256, 32], act1.out f32 [256, 32]
-//   in registers fc1.out
-//   9344 bytes read, 65536 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
+// Kernel k12_fc1 (forward phase): tasks fc1 (matmul), bias1 (add), act1 (relu), fc2 (matmul), logits (add), fused (matmul_chain).
+//   reads  fc1.a f32 [256, 8], w1.out f32 [8, 32], w2.out f32 [32, 4], b1.out f32 [32], b2.out f32 [4]
+//   writes bias1.out f32 [256, 32], act1.out f32 [256, 32], logits.out f32 [256, 4]
+//   in registers fc1.out, fc2.out
+//   9872 bytes read, 69632 bytes written; grid [1, 8, 1], block 256, 8384 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k12_fc1_tile(const float* a, const float* b, const float* bias1_b, float* bias1_out, float* act1_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+//     [4288, 8384) the block's 32 rows of act1.out (f32)
+CG_DEVICE void k12_fc1_tile(const float* fc1_a, const float* fc1_b, const float* fc2_b, const float* bias1_b, float* bias1_out, float* act1_out, const float* logits_b, float* logits_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act1.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 32;
+  // Epilogue (matmul_chain): bias1 (add), act1 (relu), on element i of fc1.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(v0, cg_load(bias1_b, (i % 32)));  // bias1.out
     const float v2 = cg_relu<float>(v1);  // act1.out
     cg_store(bias1_out, i, v1);
     cg_store(act1_out, i, v2);
+    cg_value[i - value_base] = v2;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 256, out_base = z * 8192;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 8 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
-      256, 32, 8, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k12_fc1(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out) {
-  k12_fc1_tile(a, b, bias1_b, bias1_out, act1_out, cg_launch_tile());
-}
-
-// Kernel k13_fc2 (forward phase): tasks fc2 (matmul), logits (add), fused (matmul_epilogue).
-//   reads  act1.out f32 [256, 32], w2.out f32 [32, 4], b2.out f32 [4]
-//   writes logits.out f32 [256, 4]
-//   in registers fc2.out
-//   33296 bytes read, 4096 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k13_fc2_tile(const float* a, const float* b, const float* logits_b, float* logits_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): logits (add), on element i of fc2.out as it is computed.
+  // Epilogue (matmul_chain): logits (add), on element i of fc2.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(v0, cg_load(logits_b, (i % 4)));  // logits.out
-    cg_store(logits_out, i, v1);
+    const float v4 = cg_add<float>(v0, cg_load(logits_b, (i % 4)));  // logits.out
+    cg_store(logits_out, i, v4);
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 8192, b_base = z * 128, out_base = z * 1024;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 4 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 4 + n, acc); },
-      256, 4, 32, tile.y, tile.x, (float*)cg_smem);
+  // fc1: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc1_a, a_base + (cg_i64)m * 8 + k); },
+        [&](int k, int n) { return cg_load(fc1_b, (cg_i64)k * 32 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 32 + n, acc); },
+        256, 32, 8, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before fc2 reads them
+  // fc2: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 1; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 32 + k]; },
+        [&](int k, int n) { return cg_load(fc2_b, (cg_i64)k * 4 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 4 + n, acc); },
+        256, 4, 32, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k13_fc2(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ logits_b, float* __restrict__ logits_out) {
-  k13_fc2_tile(a, b, logits_b, logits_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k12_fc1(const float* __restrict__ fc1_a, const float* __restrict__ fc1_b, const float* __restrict__ fc2_b, const float* __restrict__ bias1_b, float* __restrict__ bias1_out, float* __restrict__ act1_out, const float* __restrict__ logits_b, float* __restrict__ logits_out) {
+  k12_fc1_tile(fc1_a, fc1_b, fc2_b, bias1_b, bias1_out, act1_out, logits_b, logits_out, cg_launch_tile());
 }
 
-// Kernel k14_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k13_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [256, 4] <- logits.out, loss.labels i32 [256]
 //   writes loss.loss f32 []
 //   5120 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k14_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k13_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 256; ++row)
@@ -849,45 +842,45 @@ CG_DEVICE void k14_loss_tile(const float* logits, const int* labels, float* loss
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 256.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k14_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k14_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k13_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k13_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k15_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
+// Kernel k14_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [256, 4] <- logits.out, loss_backward.labels i32 [256] <- loss.labels
 //   writes loss_backward.dlogits f32 [256, 4]
 //   5120 bytes read, 4096 bytes written; grid [256, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k15_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k14_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 4 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 4 + j, v); },
                                 4, (cg_i64)cg_load(labels, row), 0.00390625f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k15_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k15_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k14_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k14_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k16_logits_grad_b_sum (backward phase): task logits_grad_b_sum (sum_leading, reduction).
+// Kernel k15_logits_grad_b_sum (backward phase): task logits_grad_b_sum (sum_leading, reduction).
 //   reads  logits_grad_b_sum.x f32 [256, 4] <- loss_backward.dlogits
 //   writes logits_grad_b_sum.out f32 [4]
 //   4096 bytes read, 16 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k16_logits_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k15_logits_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 4 + c); }, j, 4, 256, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 4) cg_store(out, j, total);
 }
 
-// Kernel k17_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
+// Kernel k16_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
 //   reads  loss_backward.dlogits f32 [256, 4], w2.out f32 [32, 4], bias1.out f32 [256, 32]
 //   writes act1_backward.dx f32 [256, 32]
 //   in registers fc2_grad_a.out
 //   37376 bytes read, 32768 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k17_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
+CG_DEVICE void k16_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
   // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(act1_backward_x, i), v0);  // act1_backward.dx
@@ -903,12 +896,12 @@ CG_DEVICE void k17_fc2_grad_a_tile(const float* a, const float* b, const float* 
       256, 32, 4, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k18_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
+// Kernel k17_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
 //   reads  fc2_grad_b.a f32 [256, 32] <- act1.out, fc2_grad_b.b f32 [256, 4] <- loss_backward.dlogits
 //   writes fc2_grad_b.out f32 [32, 4]
 //   36864 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k18_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k17_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 8192, b_base = z * 1024, out_base = z * 128;
@@ -919,24 +912,24 @@ CG_DEVICE void k18_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       32, 4, 256, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k19_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
+// Kernel k18_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
 //   reads  bias1_grad_b_sum.x f32 [256, 32] <- act1_backward.dx
 //   writes bias1_grad_b_sum.out f32 [32]
 //   32768 bytes read, 128 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
 //     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k19_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
+CG_DEVICE void k18_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
   const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 32 + c); }, j, 32, 256, (float*)cg_smem);
   if (threadIdx.x < 32 && j < 32) cg_store(out, j, total);
 }
 
-// Kernel k20_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
+// Kernel k19_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
 //   reads  fc1_grad_b.a f32 [256, 8] <- fc1.a, fc1_grad_b.b f32 [256, 32] <- act1_backward.dx
 //   writes fc1_grad_b.out f32 [8, 32]
 //   40960 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k20_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k19_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 2048, b_base = z * 8192, out_base = z * 256;
@@ -947,11 +940,11 @@ CG_DEVICE void k20_fc1_grad_b_tile(const float* a, const float* b, float* out, c
       8, 32, 256, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k21_w1_adam (update phase): task w1_adam (adam, elementwise).
+// Kernel k20_w1_adam (update phase): task w1_adam (adam, elementwise).
 //   reads  w1_adam.param f32 [8, 32] <- w1.out, w1_adam.grad f32 [8, 32] <- fc1_grad_b.out, w1_adam.m f32 [8, 32] <- w1_m_init.out, w1_adam.v f32 [8, 32] <- w1_v_init.out
 //   writes w1_adam.param f32 [8, 32] <- w1.out, w1_adam.m f32 [8, 32] <- w1_m_init.out, w1_adam.v f32 [8, 32] <- w1_v_init.out
 //   4096 bytes read, 3072 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k21_w1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k20_w1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 256; i += cg_grid_threads(tile)) {
@@ -965,11 +958,11 @@ CG_DEVICE void k21_w1_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k22_b1_adam (update phase): task b1_adam (adam, elementwise).
+// Kernel k21_b1_adam (update phase): task b1_adam (adam, elementwise).
 //   reads  b1_adam.param f32 [32] <- b1.out, b1_adam.grad f32 [32] <- bias1_grad_b_sum.out, b1_adam.m f32 [32] <- b1_m_init.out, b1_adam.v f32 [32] <- b1_v_init.out
 //   writes b1_adam.param f32 [32] <- b1.out, b1_adam.m f32 [32] <- b1_m_init.out, b1_adam.v f32 [32] <- b1_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k22_b1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k21_b1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -983,11 +976,11 @@ CG_DEVICE void k22_b1_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k23_w2_adam (update phase): task w2_adam (adam, elementwise).
+// Kernel k22_w2_adam (update phase): task w2_adam (adam, elementwise).
 //   reads  w2_adam.param f32 [32, 4] <- w2.out, w2_adam.grad f32 [32, 4] <- fc2_grad_b.out, w2_adam.m f32 [32, 4] <- w2_m_init.out, w2_adam.v f32 [32, 4] <- w2_v_init.out
 //   writes w2_adam.param f32 [32, 4] <- w2.out, w2_adam.m f32 [32, 4] <- w2_m_init.out, w2_adam.v f32 [32, 4] <- w2_v_init.out
 //   2048 bytes read, 1536 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k23_w2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k22_w2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
@@ -1001,11 +994,11 @@ CG_DEVICE void k23_w2_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k24_b2_adam (update phase): task b2_adam (adam, elementwise).
+// Kernel k23_b2_adam (update phase): task b2_adam (adam, elementwise).
 //   reads  b2_adam.param f32 [4] <- b2.out, b2_adam.grad f32 [4] <- logits_grad_b_sum.out, b2_adam.m f32 [4] <- b2_m_init.out, b2_adam.v f32 [4] <- b2_v_init.out
 //   writes b2_adam.param f32 [4] <- b2.out, b2_adam.m f32 [4] <- b2_m_init.out, b2_adam.v f32 [4] <- b2_v_init.out
 //   64 bytes read, 48 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k24_b2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k23_b2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 4; i += cg_grid_threads(tile)) {
@@ -1075,93 +1068,93 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_b1_w2_and_9_more(
     k11_b2_v_init_tile(k11_b2_v_init_out, cg_tile_of(block - 11u, 1, 1));
 }
 
-// Launch h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
+// Launch h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k16_logits_grad_b_sum
-//   blocks [1, 9): k17_fc2_grad_a
-//   blocks [9, 10): k18_fc2_grad_b
-CG_KERNEL void __launch_bounds__(256) h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
-    const float* __restrict__ k16_logits_grad_b_sum_x,
-    float* __restrict__ k16_logits_grad_b_sum_out,
-    const float* __restrict__ k17_fc2_grad_a_a,
-    const float* __restrict__ k17_fc2_grad_a_b,
-    const float* __restrict__ k17_fc2_grad_a_act1_backward_x,
-    float* __restrict__ k17_fc2_grad_a_act1_backward_dx,
-    const float* __restrict__ k18_fc2_grad_b_a,
-    const float* __restrict__ k18_fc2_grad_b_b,
-    float* __restrict__ k18_fc2_grad_b_out) {
+//   blocks [0, 1): k15_logits_grad_b_sum
+//   blocks [1, 9): k16_fc2_grad_a
+//   blocks [9, 10): k17_fc2_grad_b
+CG_KERNEL void __launch_bounds__(256) h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
+    const float* __restrict__ k15_logits_grad_b_sum_x,
+    float* __restrict__ k15_logits_grad_b_sum_out,
+    const float* __restrict__ k16_fc2_grad_a_a,
+    const float* __restrict__ k16_fc2_grad_a_b,
+    const float* __restrict__ k16_fc2_grad_a_act1_backward_x,
+    float* __restrict__ k16_fc2_grad_a_act1_backward_dx,
+    const float* __restrict__ k17_fc2_grad_b_a,
+    const float* __restrict__ k17_fc2_grad_b_b,
+    float* __restrict__ k17_fc2_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k16_logits_grad_b_sum_tile(k16_logits_grad_b_sum_x, k16_logits_grad_b_sum_out, cg_tile_of(block, 1, 1));
+    k15_logits_grad_b_sum_tile(k15_logits_grad_b_sum_x, k15_logits_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else if (block < 9u)
-    k17_fc2_grad_a_tile(k17_fc2_grad_a_a, k17_fc2_grad_a_b, k17_fc2_grad_a_act1_backward_x, k17_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 1, 8));
+    k16_fc2_grad_a_tile(k16_fc2_grad_a_a, k16_fc2_grad_a_b, k16_fc2_grad_a_act1_backward_x, k16_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 1, 8));
   else
-    k18_fc2_grad_b_tile(k18_fc2_grad_b_a, k18_fc2_grad_b_b, k18_fc2_grad_b_out, cg_tile_of(block - 9u, 1, 1));
+    k17_fc2_grad_b_tile(k17_fc2_grad_b_a, k17_fc2_grad_b_b, k17_fc2_grad_b_out, cg_tile_of(block - 9u, 1, 1));
 }
 
-// Launch h6_bias1_grad_b_sum_fc1_grad_b (backward phase):
+// Launch h5_bias1_grad_b_sum_fc1_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k19_bias1_grad_b_sum
-//   blocks [1, 2): k20_fc1_grad_b
-CG_KERNEL void __launch_bounds__(256) h6_bias1_grad_b_sum_fc1_grad_b(
-    const float* __restrict__ k19_bias1_grad_b_sum_x,
-    float* __restrict__ k19_bias1_grad_b_sum_out,
-    const float* __restrict__ k20_fc1_grad_b_a,
-    const float* __restrict__ k20_fc1_grad_b_b,
-    float* __restrict__ k20_fc1_grad_b_out) {
+//   blocks [0, 1): k18_bias1_grad_b_sum
+//   blocks [1, 2): k19_fc1_grad_b
+CG_KERNEL void __launch_bounds__(256) h5_bias1_grad_b_sum_fc1_grad_b(
+    const float* __restrict__ k18_bias1_grad_b_sum_x,
+    float* __restrict__ k18_bias1_grad_b_sum_out,
+    const float* __restrict__ k19_fc1_grad_b_a,
+    const float* __restrict__ k19_fc1_grad_b_b,
+    float* __restrict__ k19_fc1_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k19_bias1_grad_b_sum_tile(k19_bias1_grad_b_sum_x, k19_bias1_grad_b_sum_out, cg_tile_of(block, 1, 1));
+    k18_bias1_grad_b_sum_tile(k18_bias1_grad_b_sum_x, k18_bias1_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else
-    k20_fc1_grad_b_tile(k20_fc1_grad_b_a, k20_fc1_grad_b_b, k20_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k19_fc1_grad_b_tile(k19_fc1_grad_b_a, k19_fc1_grad_b_b, k19_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h7_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
+// Launch h6_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 4 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k21_w1_adam
-//   blocks [1, 2): k22_b1_adam
-//   blocks [2, 3): k23_w2_adam
-//   blocks [3, 4): k24_b2_adam
-CG_KERNEL void __launch_bounds__(256) h7_w1_adam_b1_adam_w2_adam_and_1_more(
-    float* __restrict__ k21_w1_adam_param,
-    const float* __restrict__ k21_w1_adam_grad,
-    float* __restrict__ k21_w1_adam_m,
-    float* __restrict__ k21_w1_adam_v,
-    const float* __restrict__ k21_w1_adam_lr_arg,
-    const long long* __restrict__ k21_w1_adam_step_arg,
-    float* __restrict__ k22_b1_adam_param,
-    const float* __restrict__ k22_b1_adam_grad,
-    float* __restrict__ k22_b1_adam_m,
-    float* __restrict__ k22_b1_adam_v,
-    const float* __restrict__ k22_b1_adam_lr_arg,
-    const long long* __restrict__ k22_b1_adam_step_arg,
-    float* __restrict__ k23_w2_adam_param,
-    const float* __restrict__ k23_w2_adam_grad,
-    float* __restrict__ k23_w2_adam_m,
-    float* __restrict__ k23_w2_adam_v,
-    const float* __restrict__ k23_w2_adam_lr_arg,
-    const long long* __restrict__ k23_w2_adam_step_arg,
-    float* __restrict__ k24_b2_adam_param,
-    const float* __restrict__ k24_b2_adam_grad,
-    float* __restrict__ k24_b2_adam_m,
-    float* __restrict__ k24_b2_adam_v,
-    const float* __restrict__ k24_b2_adam_lr_arg,
-    const long long* __restrict__ k24_b2_adam_step_arg) {
+//   blocks [0, 1): k20_w1_adam
+//   blocks [1, 2): k21_b1_adam
+//   blocks [2, 3): k22_w2_adam
+//   blocks [3, 4): k23_b2_adam
+CG_KERNEL void __launch_bounds__(256) h6_w1_adam_b1_adam_w2_adam_and_1_more(
+    float* __restrict__ k20_w1_adam_param,
+    const float* __restrict__ k20_w1_adam_grad,
+    float* __restrict__ k20_w1_adam_m,
+    float* __restrict__ k20_w1_adam_v,
+    const float* __restrict__ k20_w1_adam_lr_arg,
+    const long long* __restrict__ k20_w1_adam_step_arg,
+    float* __restrict__ k21_b1_adam_param,
+    const float* __restrict__ k21_b1_adam_grad,
+    float* __restrict__ k21_b1_adam_m,
+    float* __restrict__ k21_b1_adam_v,
+    const float* __restrict__ k21_b1_adam_lr_arg,
+    const long long* __restrict__ k21_b1_adam_step_arg,
+    float* __restrict__ k22_w2_adam_param,
+    const float* __restrict__ k22_w2_adam_grad,
+    float* __restrict__ k22_w2_adam_m,
+    float* __restrict__ k22_w2_adam_v,
+    const float* __restrict__ k22_w2_adam_lr_arg,
+    const long long* __restrict__ k22_w2_adam_step_arg,
+    float* __restrict__ k23_b2_adam_param,
+    const float* __restrict__ k23_b2_adam_grad,
+    float* __restrict__ k23_b2_adam_m,
+    float* __restrict__ k23_b2_adam_v,
+    const float* __restrict__ k23_b2_adam_lr_arg,
+    const long long* __restrict__ k23_b2_adam_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k21_w1_adam_tile(k21_w1_adam_param, k21_w1_adam_grad, k21_w1_adam_m, k21_w1_adam_v, k21_w1_adam_lr_arg, k21_w1_adam_step_arg, cg_tile_of(block, 1, 1));
+    k20_w1_adam_tile(k20_w1_adam_param, k20_w1_adam_grad, k20_w1_adam_m, k20_w1_adam_v, k20_w1_adam_lr_arg, k20_w1_adam_step_arg, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k22_b1_adam_tile(k22_b1_adam_param, k22_b1_adam_grad, k22_b1_adam_m, k22_b1_adam_v, k22_b1_adam_lr_arg, k22_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
+    k21_b1_adam_tile(k21_b1_adam_param, k21_b1_adam_grad, k21_b1_adam_m, k21_b1_adam_v, k21_b1_adam_lr_arg, k21_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
   else if (block < 3u)
-    k23_w2_adam_tile(k23_w2_adam_param, k23_w2_adam_grad, k23_w2_adam_m, k23_w2_adam_v, k23_w2_adam_lr_arg, k23_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k22_w2_adam_tile(k22_w2_adam_param, k22_w2_adam_grad, k22_w2_adam_m, k22_w2_adam_v, k22_w2_adam_lr_arg, k22_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
   else
-    k24_b2_adam_tile(k24_b2_adam_param, k24_b2_adam_grad, k24_b2_adam_m, k24_b2_adam_v, k24_b2_adam_lr_arg, k24_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
+    k23_b2_adam_tile(k23_b2_adam_param, k23_b2_adam_grad, k23_b2_adam_m, k23_b2_adam_v, k23_b2_adam_lr_arg, k23_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1200,71 +1193,68 @@ static const cudagen_tensor_info h0_w1_b1_w2_and_9_more_tensors[] = {
     {"k11_b2_v_init_out", "b2_v_init.out", 5888ull, 16ull},
 };
 static const cudagen_tensor_info k12_fc1_tensors[] = {
-    {"a", "fc1.a", 104448ull, 8192ull},
-    {"b", "w1.out", 0ull, 1024ull},
+    {"fc1_a", "fc1.a", 104448ull, 8192ull},
+    {"fc1_b", "w1.out", 0ull, 1024ull},
+    {"fc2_b", "w2.out", 1280ull, 512ull},
     {"bias1_b", "b1.out", 1024ull, 128ull},
     {"bias1_out", "bias1.out", 6144ull, 32768ull},
     {"act1_out", "act1.out", 38912ull, 32768ull},
-};
-static const cudagen_tensor_info k13_fc2_tensors[] = {
-    {"a", "act1.out", 38912ull, 32768ull},
-    {"b", "w2.out", 1280ull, 512ull},
     {"logits_b", "b2.out", 1792ull, 16ull},
     {"logits_out", "logits.out", 112640ull, 4096ull},
 };
-static const cudagen_tensor_info k14_loss_tensors[] = {
+static const cudagen_tensor_info k13_loss_tensors[] = {
     {"logits", "logits.out", 112640ull, 4096ull},
     {"labels", "loss.labels", 120832ull, 1024ull},
     {"loss", "loss.loss", 122624ull, 4ull},
 };
-static const cudagen_tensor_info k15_loss_backward_tensors[] = {
+static const cudagen_tensor_info k14_loss_backward_tensors[] = {
     {"logits", "logits.out", 112640ull, 4096ull},
     {"labels", "loss.labels", 120832ull, 1024ull},
     {"dlogits", "loss_backward.dlogits", 116736ull, 4096ull},
 };
-static const cudagen_tensor_info h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k16_logits_grad_b_sum_x", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k16_logits_grad_b_sum_out", "logits_grad_b_sum.out", 122368ull, 16ull},
-    {"k17_fc2_grad_a_a", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k17_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
-    {"k17_fc2_grad_a_act1_backward_x", "bias1.out", 6144ull, 32768ull},
-    {"k17_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 71680ull, 32768ull},
-    {"k18_fc2_grad_b_a", "act1.out", 38912ull, 32768ull},
-    {"k18_fc2_grad_b_b", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k18_fc2_grad_b_out", "fc2_grad_b.out", 121856ull, 512ull},
+static const cudagen_tensor_info h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
+    {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 122368ull, 16ull},
+    {"k16_fc2_grad_a_a", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k16_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
+    {"k16_fc2_grad_a_act1_backward_x", "bias1.out", 6144ull, 32768ull},
+    {"k16_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 71680ull, 32768ull},
+    {"k17_fc2_grad_b_a", "act1.out", 38912ull, 32768ull},
+    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"k17_fc2_grad_b_out", "fc2_grad_b.out", 121856ull, 512ull},
 };
-static const cudagen_tensor_info h6_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
-    {"k19_bias1_grad_b_sum_x", "act1_backward.dx", 71680ull, 32768ull},
-    {"k19_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 117760ull, 128ull},
-    {"k20_fc1_grad_b_a", "fc1.a", 104448ull, 8192ull},
-    {"k20_fc1_grad_b_b", "act1_backward.dx", 71680ull, 32768ull},
-    {"k20_fc1_grad_b_out", "fc1_grad_b.out", 116736ull, 1024ull},
+static const cudagen_tensor_info h5_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
+    {"k18_bias1_grad_b_sum_x", "act1_backward.dx", 71680ull, 32768ull},
+    {"k18_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 117760ull, 128ull},
+    {"k19_fc1_grad_b_a", "fc1.a", 104448ull, 8192ull},
+    {"k19_fc1_grad_b_b", "act1_backward.dx", 71680ull, 32768ull},
+    {"k19_fc1_grad_b_out", "fc1_grad_b.out", 116736ull, 1024ull},
 };
-static const cudagen_tensor_info h7_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
-    {"k21_w1_adam_param", "w1.out", 0ull, 1024ull},
-    {"k21_w1_adam_grad", "fc1_grad_b.out", 116736ull, 1024ull},
-    {"k21_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
-    {"k21_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
-    {"k21_w1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k21_w1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k22_b1_adam_param", "b1.out", 1024ull, 128ull},
-    {"k22_b1_adam_grad", "bias1_grad_b_sum.out", 117760ull, 128ull},
-    {"k22_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
-    {"k22_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
-    {"k22_b1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k22_b1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k23_w2_adam_param", "w2.out", 1280ull, 512ull},
-    {"k23_w2_adam_grad", "fc2_grad_b.out", 121856ull, 512ull},
-    {"k23_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
-    {"k23_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
-    {"k23_w2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k23_w2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k24_b2_adam_param", "b2.out", 1792ull, 16ull},
-    {"k24_b2_adam_grad", "logits_grad_b_sum.out", 122368ull, 16ull},
-    {"k24_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
-    {"k24_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
-    {"k24_b2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k24_b2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h6_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
+    {"k20_w1_adam_param", "w1.out", 0ull, 1024ull},
+    {"k20_w1_adam_grad", "fc1_grad_b.out", 116736ull, 1024ull},
+    {"k20_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
+    {"k20_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
+    {"k20_w1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k20_w1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k21_b1_adam_param", "b1.out", 1024ull, 128ull},
+    {"k21_b1_adam_grad", "bias1_grad_b_sum.out", 117760ull, 128ull},
+    {"k21_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
+    {"k21_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
+    {"k21_b1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k21_b1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k22_w2_adam_param", "w2.out", 1280ull, 512ull},
+    {"k22_w2_adam_grad", "fc2_grad_b.out", 121856ull, 512ull},
+    {"k22_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
+    {"k22_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
+    {"k22_w2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k22_w2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+    {"k23_b2_adam_param", "b2.out", 1792ull, 16ull},
+    {"k23_b2_adam_grad", "logits_grad_b_sum.out", 122368ull, 16ull},
+    {"k23_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
+    {"k23_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
+    {"k23_b2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
+    {"k23_b2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1274,27 +1264,25 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k12_fc1, dim3(1, 8, 1), dim3(256), 4288, k12_fc1_tensors,
-                 (const float*)(arena + 104448), (const float*)(arena + 0), (const float*)(arena + 1024), (float*)(arena + 6144), (float*)(arena + 38912));
-  CUDAGEN_LAUNCH(k13_fc2, dim3(1, 8, 1), dim3(256), 4288, k13_fc2_tensors,
-                 (const float*)(arena + 38912), (const float*)(arena + 1280), (const float*)(arena + 1792), (float*)(arena + 112640));
-  CUDAGEN_LAUNCH(k14_loss, dim3(1, 1, 1), dim3(32), 128, k14_loss_tensors,
+  CUDAGEN_LAUNCH(k12_fc1, dim3(1, 8, 1), dim3(256), 8384, k12_fc1_tensors,
+                 (const float*)(arena + 104448), (const float*)(arena + 0), (const float*)(arena + 1280), (const float*)(arena + 1024), (float*)(arena + 6144), (float*)(arena + 38912), (const float*)(arena + 1792), (float*)(arena + 112640));
+  CUDAGEN_LAUNCH(k13_loss, dim3(1, 1, 1), dim3(32), 128, k13_loss_tensors,
                  (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 122624));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k15_loss_backward, dim3(256, 1, 1), dim3(32), 128, k15_loss_backward_tensors,
+  CUDAGEN_LAUNCH(k14_loss_backward, dim3(256, 1, 1), dim3(32), 128, k14_loss_backward_tensors,
                  (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 116736));
-  CUDAGEN_LAUNCH(h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(10, 1, 1), dim3(256), 4288, h5_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+  CUDAGEN_LAUNCH(h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(10, 1, 1), dim3(256), 4288, h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
                  (const float*)(arena + 116736), (float*)(arena + 122368), (const float*)(arena + 116736), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 71680), (const float*)(arena + 38912), (const float*)(arena + 116736), (float*)(arena + 121856));
-  CUDAGEN_LAUNCH(h6_bias1_grad_b_sum_fc1_grad_b, dim3(2, 1, 1), dim3(256), 4288, h6_bias1_grad_b_sum_fc1_grad_b_tensors,
+  CUDAGEN_LAUNCH(h5_bias1_grad_b_sum_fc1_grad_b, dim3(2, 1, 1), dim3(256), 4288, h5_bias1_grad_b_sum_fc1_grad_b_tensors,
                  (const float*)(arena + 71680), (float*)(arena + 117760), (const float*)(arena + 104448), (const float*)(arena + 71680), (float*)(arena + 116736));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h7_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h7_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h6_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h6_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 116736), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1024), (const float*)(arena + 117760), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1280), (const float*)(arena + 121856), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1792), (const float*)(arena + 122368), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 122880), (const long long*)(arena + 122888));
   return 0;
 }

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 254464 bytes (lower bound 254464, without reuse 287232).
+// Arena: 246272 bytes (lower bound 246272, without reuse 254464).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -912,61 +912,53 @@ CG_KERNEL void __launch_bounds__(256) k12_attn_out(const float* __restrict__ a, 
   k12_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k13_up (forward phase): tasks ln2 (rmsnorm, prologue), up (matmul), act (gelu), fused (norm_prologue, matmul_epilogue).
-//   reads  w_up.out f32 [64, 256], res1.out f32 [2, 16, 64], ln2_w.out f32 [64]
-//   writes act.out f32 [2, 16, 256]
-//   in registers up.out, ln2.out
-//   73984 bytes read, 32768 bytes written; grid [8, 1, 1], block 256, 12736 bytes of shared memory:
+// Kernel k13_up (forward phase): tasks ln2 (rmsnorm, prologue), up (matmul), act (gelu), down (matmul), res2 (add), fused (norm_prologue, matmul_chain).
+//   reads  w_up.out f32 [64, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64], ln2_w.out f32 [64]
+//   writes res2.out f32 [2, 16, 64]
+//   in registers up.out, ln2.out, down.out, act.out
+//   139520 bytes read, 8192 bytes written; grid [1, 1, 1], block 256, 45504 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//     [4288, 12736) ln2's 32 rows normalised and weight
-CG_DEVICE void k13_up_tile(const float* b, const float* ln2_x, const float* ln2_weight, float* act_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): act (gelu), on element i of up.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_gelu<float>(v0, /*approximate=tanh*/ 0);  // act.out
-    cg_store(act_out, i, v1);
-  };
+//     [4288, 37056) the block's 32 rows of act.out (f32)
+//     [37056, 45504) ln2's 32 rows normalised and weight
+CG_DEVICE void k13_up_tile(const float* up_b, const float* down_b, const float* ln2_x, const float* ln2_weight, const float* res2_a, float* res2_out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 16384, out_base = z * 8192;
+  const cg_i64 a_base = 0;  // every row of every batch, flattened
+  float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act.out
+  const cg_i64 value_base = (cg_i64)tile.y * 32 * 256;
+  // Epilogue (matmul_chain): act (gelu), on element i of up.out as it is computed.
+  auto cg_value_epilogue = [&](cg_i64 i, float v0) {
+    const float v1 = cg_gelu<float>(v0, /*approximate=tanh*/ 0);  // act.out
+    cg_value[i - value_base] = v1;
+  };
+  // Epilogue (matmul_chain): res2 (add), on element i of down.out as it is computed.
+  auto cg_epilogue = [&](cg_i64 i, float v0) {
+    const float v3 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
+    cg_store(res2_out, i, v3);
+  };
   // Prologue (norm_prologue): ln2 (rmsnorm) of a's rows, never stored: the tile's rows
   // normalised into shared memory, which the operand loads read.
-  float* cg_normed = (float*)(cg_smem + 4288);
+  float* cg_normed = (float*)(cg_smem + 37056);
   const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln2_x, r * 64 + j); }, [&](int j) { return cg_load(ln2_weight, j); }, cg_row0, 32,
                         a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 256 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 256 + n, acc); },
-      32, 256, 64, tile.y, tile.x, (float*)cg_smem);
+  // up: the block's rows, every column tile, into shared memory.
+  for (int cg_column = 0; cg_column < 8; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
+        [&](int k, int n) { return cg_load(up_b, (cg_i64)k * 256 + n); },
+        [&](int m, int n, float acc) { cg_value_epilogue((cg_i64)m * 256 + n, acc); },
+        32, 256, 64, tile.y, cg_column, (float*)cg_smem);
+  __syncthreads();  // every column of the rows is in shared memory before down reads them
+  // down: the block's rows, from shared memory.
+  for (int cg_column = 0; cg_column < 2; ++cg_column)
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_value[(cg_i64)(m - tile.y * 32) * 256 + k]; },
+        [&](int k, int n) { return cg_load(down_b, (cg_i64)k * 64 + n); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 64 + n, acc); },
+        32, 64, 256, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k13_up(const float* __restrict__ b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, float* __restrict__ act_out) {
-  k13_up_tile(b, ln2_x, ln2_weight, act_out, cg_launch_tile());
-}
-
-// Kernel k14_down (forward phase): tasks down (matmul), res2 (add), fused (matmul_epilogue).
-//   reads  act.out f32 [2, 16, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64]
-//   writes res2.out f32 [2, 16, 64]
-//   in registers down.out
-//   106496 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k14_down_tile(const float* a, const float* b, const float* res2_a, float* res2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): res2 (add), on element i of down.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(cg_load(res2_a, i), v0);  // res2.out
-    cg_store(res2_out, i, v1);
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 8192, b_base = z * 16384, out_base = z * 2048;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 256 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
-      32, 64, 256, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k14_down(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k14_down_tile(a, b, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k13_up(const float* __restrict__ up_b, const float* __restrict__ down_b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k13_up_tile(up_b, down_b, ln2_x, ln2_weight, res2_a, res2_out, cg_launch_tile());
 }
 
 // Launch h0_ln1_w_wq_wk_and_5_more (init phase):
@@ -1057,7 +1049,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 254464ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 246272ull;
 
 static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
     {"k0_ln1_w_out", "ln1_w.out", 0ull, 256ull},
@@ -1071,41 +1063,37 @@ static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
 };
 static const cudagen_tensor_info h1_q_k_v_tensors[] = {
     {"k8_q_b", "wq.out", 256ull, 16384ull},
-    {"k8_q_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k8_q_ln1_x", "ln1.x", 197120ull, 8192ull},
     {"k8_q_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k8_q_q_heads_out", "q_heads.out", 197120ull, 8192ull},
+    {"k8_q_q_heads_out", "q_heads.out", 213504ull, 8192ull},
     {"k9_k_b", "wk.out", 16640ull, 16384ull},
-    {"k9_k_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k9_k_ln1_x", "ln1.x", 197120ull, 8192ull},
     {"k9_k_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k9_k_k_heads_out", "k_heads.out", 205312ull, 8192ull},
+    {"k9_k_k_heads_out", "k_heads.out", 221696ull, 8192ull},
     {"k10_v_b", "wv.out", 33024ull, 16384ull},
-    {"k10_v_ln1_x", "ln1.x", 229888ull, 8192ull},
+    {"k10_v_ln1_x", "ln1.x", 197120ull, 8192ull},
     {"k10_v_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k10_v_v_heads_out", "v_heads.out", 213504ull, 8192ull},
+    {"k10_v_v_heads_out", "v_heads.out", 229888ull, 8192ull},
 };
 static const cudagen_tensor_info k11_scores_tensors[] = {
-    {"q", "q_heads.out", 197120ull, 8192ull},
-    {"k", "k_heads.out", 205312ull, 8192ull},
-    {"v", "v_heads.out", 213504ull, 8192ull},
-    {"merged_out", "merged.out", 221696ull, 8192ull},
+    {"q", "q_heads.out", 213504ull, 8192ull},
+    {"k", "k_heads.out", 221696ull, 8192ull},
+    {"v", "v_heads.out", 229888ull, 8192ull},
+    {"merged_out", "merged.out", 238080ull, 8192ull},
 };
 static const cudagen_tensor_info k12_attn_out_tensors[] = {
-    {"a", "merged.out", 221696ull, 8192ull},
+    {"a", "merged.out", 238080ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
-    {"res1_a", "ln1.x", 229888ull, 8192ull},
-    {"res1_out", "res1.out", 246272ull, 8192ull},
+    {"res1_a", "ln1.x", 197120ull, 8192ull},
+    {"res1_out", "res1.out", 213504ull, 8192ull},
 };
 static const cudagen_tensor_info k13_up_tensors[] = {
-    {"b", "w_up.out", 66048ull, 65536ull},
-    {"ln2_x", "res1.out", 246272ull, 8192ull},
+    {"up_b", "w_up.out", 66048ull, 65536ull},
+    {"down_b", "w_down.out", 131584ull, 65536ull},
+    {"ln2_x", "res1.out", 213504ull, 8192ull},
     {"ln2_weight", "ln2_w.out", 65792ull, 256ull},
-    {"act_out", "act.out", 197120ull, 32768ull},
-};
-static const cudagen_tensor_info k14_down_tensors[] = {
-    {"a", "act.out", 197120ull, 32768ull},
-    {"b", "w_down.out", 131584ull, 65536ull},
-    {"res2_a", "res1.out", 246272ull, 8192ull},
-    {"res2_out", "res2.out", 238080ull, 8192ull},
+    {"res2_a", "res1.out", 213504ull, 8192ull},
+    {"res2_out", "res2.out", 205312ull, 8192ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1116,15 +1104,13 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h1_q_k_v, dim3(6, 1, 1), dim3(256), 12736, h1_q_k_v_tensors,
-                 (const float*)(arena + 256), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 197120), (const float*)(arena + 16640), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 205312), (const float*)(arena + 33024), (const float*)(arena + 229888), (const float*)(arena + 0), (float*)(arena + 213504));
+                 (const float*)(arena + 256), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 213504), (const float*)(arena + 16640), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 221696), (const float*)(arena + 33024), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 229888));
   CUDAGEN_LAUNCH(k11_scores, dim3(16, 1, 1), dim3(256), 3072, k11_scores_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 205312), (const float*)(arena + 213504), (float*)(arena + 221696));
+                 (const float*)(arena + 213504), (const float*)(arena + 221696), (const float*)(arena + 229888), (float*)(arena + 238080));
   CUDAGEN_LAUNCH(k12_attn_out, dim3(2, 1, 1), dim3(256), 4288, k12_attn_out_tensors,
-                 (const float*)(arena + 221696), (const float*)(arena + 49408), (const float*)(arena + 229888), (float*)(arena + 246272));
-  CUDAGEN_LAUNCH(k13_up, dim3(8, 1, 1), dim3(256), 12736, k13_up_tensors,
-                 (const float*)(arena + 66048), (const float*)(arena + 246272), (const float*)(arena + 65792), (float*)(arena + 197120));
-  CUDAGEN_LAUNCH(k14_down, dim3(2, 1, 1), dim3(256), 4288, k14_down_tensors,
-                 (const float*)(arena + 197120), (const float*)(arena + 131584), (const float*)(arena + 246272), (float*)(arena + 238080));
+                 (const float*)(arena + 238080), (const float*)(arena + 49408), (const float*)(arena + 197120), (float*)(arena + 213504));
+  CUDAGEN_LAUNCH(k13_up, dim3(1, 1, 1), dim3(256), 45504, k13_up_tensors,
+                 (const float*)(arena + 66048), (const float*)(arena + 131584), (const float*)(arena + 213504), (const float*)(arena + 65792), (const float*)(arena + 213504), (float*)(arena + 205312));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -112,7 +112,7 @@ class Models(Exported):
         self.assertIn('"op": "layernorm"', graph)
         # simplify.py: q, k and v projections of their own, heads split and merged by the head
         # ops, k^T and the scale in the scores matmul; then the fusion rules see the pattern of
-        # examples/transformer_block.json: the same 5 launches, attention in one kernel.
+        # examples/transformer_block.json: the same 4 launches, attention in one kernel, the MLP in another.
         self.assertEqual(result.rewrites, ["transpose_into_matmul", "scale_into_matmul", "heads", "split_linear",
                                            "remove_dead"])
         ops = [t["op"] for t in json.loads(graph)["tasks"]]
@@ -121,8 +121,9 @@ class Models(Exported):
             self.assertNotIn(copy, ops)
         self.assertIn("attn.c_attn.weight.rows48-96", result.weights)
         described, _ = self.run_cudagen("describe", result.graph_path)
-        self.assertIn("kernels: 7 kernels in 5 launches", described)
+        self.assertIn("kernels: 6 kernels in 4 launches", described)
         self.assertIn("[attention]", described)
+        self.assertIn("[norm_prologue, matmul_chain]", described)
 
     @unittest.skipUnless(hasattr(torch.nn.functional, "scaled_dot_product_attention"),
                          f"torch {torch.__version__} has no F.scaled_dot_product_attention (2.0 and later do)")

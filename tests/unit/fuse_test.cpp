@@ -83,14 +83,84 @@ TEST(Fusion, AFusedValueGetsNoStorage) {
 }
 
 TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
-  Compiled c = plan_program(load_program(source_path("examples/mlp_forward.json"), {}), {});
+  CompileOptions options;
+  options.fuse.disabled_rules = {"matmul_chain"};
+  Compiled c = plan_program(load_program(source_path("examples/mlp_forward.json"), {}), options);
   std::vector<std::vector<std::string>> groups;
   for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
   EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1", "bias1", "act1"}, {"fc2", "bias2"}, {"probs"}}));
   EXPECT_EQ(c.kernels[0].rule, "matmul_epilogue");
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out"}));
-  EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op");
+  EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op; 'act1' is not chained to it: rule matmul_chain is off (--no-fuse-rule)");
   EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op");
+}
+
+// Rule matmul_chain: the MLP's two layers are one kernel, the hidden
+// activation kept in shared memory; its arena buffer is gone.
+TEST(Fusion, TwoMatmulsChainThroughSharedMemory) {
+  Compiled c = compile(load_program(source_path("examples/mlp_forward.json"), {}), {});
+  std::vector<std::vector<std::string>> groups;
+  for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
+  EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1", "bias1", "act1", "fc2", "bias2"}, {"probs"}}));
+  EXPECT_EQ(c.kernels[0].rule, "matmul_chain");
+  EXPECT_EQ(second_matmul(c.program, c.kernels[0]), 3u);
+  EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out", "fc2.out", "act1.out"}));
+  EXPECT_EQ(reason_for(c, "fc2"), "") << "it joined";
+  for (const auto& pb : c.plan.buffers)
+    if (buffer_name(c.program, pb.buffer) == "act1.out") EXPECT_TRUE(pb.internal);
+  // The kernel's comment plans the rows in shared memory.
+  const std::string& src = c.emitted.cuda_source;
+  EXPECT_NE(src.find("the block's 32 rows of act1.out (f32)"), std::string::npos);
+  EXPECT_NE(src.find("cg_value[i - value_base] = v2;"), std::string::npos);
+}
+
+// The rule's refusals, each named on the second matmul's note: the value
+// read before the second matmul; rows too wide for shared memory; too many
+// tiles for one block; a batch of matrices; the rule off. A value read after
+// it (by the caller here, by the backward pass in training) is stored as
+// well as chained.
+TEST(Fusion, NotAChainWhereTheValueIsNeededFirstTooWideOrBatched) {
+  auto mlp = [](const std::string& name, int64_t hidden, int64_t out, Storage value, bool batched_weight,
+                bool read_before = false) {
+    GraphBuilder b(name);
+    auto up = b.task("up", "matmul").tensor("a", f32, {2, 16, 32}, ext).tensor("b", f32, {32, hidden}, ext).tensor("out", f32, {2, 16, hidden});
+    auto act = b.task("act", "relu").tensor("x", up["out"]).tensor("out", f32, {2, 16, hidden}, value);
+    if (read_before) b.task("sm", "softmax").tensor("x", act["out"]).tensor("out", f32, {2, 16, hidden}, ext);
+    if (batched_weight)
+      b.task("down", "matmul").tensor("a", act["out"]).tensor("b", f32, {2, hidden, out}, ext).tensor("out", f32, {2, 16, out}, ext);
+    else
+      b.task("down", "matmul").tensor("a", act["out"]).tensor("b", f32, {hidden, out}, ext).tensor("out", f32, {2, 16, out}, ext);
+    return std::move(b).graph();
+  };
+  const std::string prefix = "'down' is a matmul op; 'act' is not chained to it: ";
+  struct Case {
+    TaskGraph graph;
+    std::string reason;
+  };
+  for (const auto& [g, reason] : {
+           Case{mlp("read_before", 64, 32, Storage::transient, false, true), "'sm' reads 'act.out' before 'down' would run"},
+           Case{mlp("wide", 400, 32, Storage::transient, false),
+                "a block's 32 rows of 'act.out' (32 x 400 f32) and the operand tiles take 55488 bytes of shared memory, "
+                "more than 49152"},
+           Case{mlp("many_tiles", 320, 256, Storage::transient, false),
+                "each block would compute 18 tiles one after another (at most 16): the two matmuls' parallel tiles are "
+                "worth more than the traffic saved"},
+           Case{mlp("batched", 64, 32, Storage::transient, true),
+                "'down' multiplies by a batch of matrices; a chain takes [..., M, K] @ [K, N]"},
+       }) {
+    Compiled c = plan_graph(g);
+    EXPECT_EQ(c.kernels.size(), g.name == "read_before" ? 3u : 2u) << g.name;
+    EXPECT_EQ(reason_for(c, "down"), prefix + reason) << g.name;
+  }
+  Compiled chained = plan_graph(mlp("chained", 64, 32, Storage::transient, false));
+  EXPECT_EQ(chained.kernels.size(), 1u);
+  EXPECT_EQ(internal_names(chained, chained.kernels[0]), (std::vector<std::string>{"up.out", "act.out"}));
+  Compiled read_later = plan_graph(mlp("read_later", 64, 32, ext, false));
+  ASSERT_EQ(read_later.kernels.size(), 1u);
+  EXPECT_EQ(read_later.kernels[0].rule, "matmul_chain");
+  EXPECT_EQ(internal_names(read_later, read_later.kernels[0]), (std::vector<std::string>{"up.out"})) << "act.out is stored";
+  Compiled off = plan_graph(mlp("off", 64, 32, Storage::transient, false), FuseOptions{true, {"matmul_chain"}});
+  EXPECT_EQ(reason_for(off, "down"), prefix + "rule matmul_chain is off (--no-fuse-rule)");
 }
 
 // transformer_block: the residual adds follow their matmuls, gelu its up
@@ -107,8 +177,7 @@ TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
                                                           {"v", "v_heads"},
                                                           {"scores", "probs", "context", "merged"},
                                                           {"attn_out", "res1"},
-                                                          {"up", "act"},
-                                                          {"down", "res2"}}));
+                                                          {"up", "act", "down", "res2"}}));
 }
 
 TEST(Fusion, ARowOpTakesAnEpilogueButNotOnItsOtherOutputs) {
@@ -319,11 +388,11 @@ TEST(Fusion, ANormIsThePrologueOfTheMatmulsThatReadIt) {
     if (name == "ln1.out" || name == "ln2.out") EXPECT_TRUE(pb.internal) << name;
   }
   // 18 forward tasks: q, k and v share a launch; attention; the output
-  // projection; up; down.
+  // projection; up and down chained (rule matmul_chain).
   int forward_launches = 0;
   for (size_t k = 0; k < c.kernels.size(); ++k)
     forward_launches += c.kernels[k].phase == Phase::forward && (k == 0 || c.kernels[k - 1].launch != c.kernels[k].launch);
-  EXPECT_EQ(forward_launches, 5);
+  EXPECT_EQ(forward_launches, 4);
 }
 
 // rmsnorm n -> a matmul's `a`, and `other` reading n.out besides.
