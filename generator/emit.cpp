@@ -1690,9 +1690,10 @@ class Emitter {
   // epilogue), then out = op2(value @ b2). A block owns a tile of rows: it
   // computes every column tile of the first product into shared memory (the
   // rows of the value as its epilogue leaves them, in the value's type),
-  // then every column tile of the second from there. The value never
-  // reaches memory; each weight is read once per tile of rows. Both products
-  // flatten their rows ([..., M, K] @ [K, N], fuse.cpp checked).
+  // then every column tile of the second from there. The value reaches
+  // memory only where read later too (the first epilogue then stores it as
+  // well); each weight is read once per tile of rows. Both products flatten
+  // their rows ([..., M, K] @ [K, N], fuse.cpp checked).
   std::string matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
     const size_t second = second_matmul(p_, k);
     const int t1 = k.tasks[0], t2 = k.tasks[second];
