@@ -1686,6 +1686,16 @@ class Emitter {
                             ek);
   }
 
+  // Where load_b(k, n) reads a [K, N] right operand, stored transposed or not.
+  static std::string b_index(bool trans_b, int64_t K, int64_t N) {
+    return trans_b ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
+  }
+  // A matmul's accumulator `acc` times its alpha (once, where it is stored).
+  std::string scaled_accumulator(int t) {
+    const std::string alpha = float_arg(t, "alpha", 1.0);
+    return alpha == float_literal(1.0) ? std::string("acc") : alpha + " * acc";
+  }
+
   // Rule matmul_chain (fuse.h): value = op1(a @ b1) (its prologue, its
   // epilogue), then out = op2(value @ b2). A block owns a tile of rows: it
   // computes every column tile of the first product into shared memory (the
@@ -1726,8 +1736,10 @@ class Emitter {
     const int64_t value_at =
         reserve_shared(ek, fmt::format("the block's {} rows of {} ({})", tile, buffer_name(value.bound->buffer), to_string(vt)),
                        tile * H * dtype_bytes(vt));
-    // The value's element (m, n) in the block's rows, kept as it would have been stored.
-    const std::string kept_at = fmt::format("(cg_i64)(m - tile.y * {}) * {} + {}", tile, H, "{}");
+    // The value's element (m, column) in the block's rows, kept as it would have been stored.
+    auto kept = [&](const std::string& column) {
+      return fmt::format("cg_value[(cg_i64)(m - tile.y * {}) * {} + {}]", tile, H, column);
+    };
     auto narrowed = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_narrow<{}>({})", c_type(vt), v) : v; };
     auto widened = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_widen({})", v) : v; };
 
@@ -1742,19 +1754,12 @@ class Emitter {
       element_a = norm.element;
       norm_code = norm.code;
     }
-    auto load_b = [&](int t, const Param& b, const std::string& name, int64_t rows) {
-      return load_as(b, name, arg_bool(t, "trans_b") ? fmt::format("(cg_i64)n * {} + k", rows)
-                                                     : fmt::format("(cg_i64)k * {} + n", b.buffer->shape.back()));
-    };
-    const std::string element_b1 = load_b(t1, b1, id1 + "_b", K), element_b2 = load_b(t2, b2, id2 + "_b", H);
-    auto scaled = [&](int t) {
-      const std::string alpha = float_arg(t, "alpha", 1.0);
-      return alpha == float_literal(1.0) ? std::string("acc") : alpha + " * acc";
-    };
+    const std::string element_b1 = load_as(b1, id1 + "_b", b_index(arg_bool(t1, "trans_b"), K, H)),
+                      element_b2 = load_as(b2, id2 + "_b", b_index(arg_bool(t2, "trans_b"), H, N));
     // The first product's epilogue ends in shared memory; the second's
     // stores what is read outside the kernel.
     Epilogue first_tail, second_tail;
-    std::string keep = fmt::format("cg_value[{}] = {}", fmt::format(fmt::runtime(kept_at), "n"), narrowed(scaled(t1)));
+    std::string keep = fmt::format("{} = {}", kept("n"), narrowed(scaled_accumulator(t1)));
     // (Read later too, the value is stored as well: the epilogue does both.)
     const bool first_epilogue = second > 1 || !contains(k.internal_buffers, value.bound->buffer);
     if (first_epilogue) {
@@ -1764,12 +1769,12 @@ class Emitter {
                                       .anchor_name = id1 + "_out",
                                       .keep = fmt::format("cg_value[i - value_base] = {}", narrowed("{}")),
                                       .kept_buffer = value.bound->buffer});
-      keep = fmt::format("cg_value_epilogue((cg_i64)m * {} + n, {})", H, scaled(t1));
+      keep = fmt::format("cg_value_epilogue((cg_i64)m * {} + n, {})", H, scaled_accumulator(t1));
     }
-    std::string store_out = store_element(id2 + "_out", out2.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), scaled(t2));
+    std::string store_out = store_element(id2 + "_out", out2.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), scaled_accumulator(t2));
     if (second + 1 < k.tasks.size()) {
       second_tail = epilogue(k, out2, {.first = second + 1, .anchor_name = id2 + "_out"});
-      store_out = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled(t2));
+      store_out = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled_accumulator(t2));
     }
     if (!diags_.ok()) return {};
     const std::string t1_type = tensor_cores ? c_type(a.buffer->dtype) : "float";
@@ -1797,7 +1802,7 @@ class Emitter {
         "        {12}, {20}, {4}, tile.y, cg_column, ({21}*)cg_smem);\n",
         c_type(vt), value_at, buffer_name(value.bound->buffer), tile, H, norm_code, id1, (H + tile - 1) / tile,
         tile_function, element_a, element_b1, keep, M, K, t1_type, id2, (N + tile - 1) / tile,
-        widened(fmt::format("cg_value[{}]", fmt::format(fmt::runtime(kept_at), "k"))), element_b2, store_out, N, t2_type,
+        widened(kept("k")), element_b2, store_out, N, t2_type,
         (first_epilogue ? fmt::format("  const cg_i64 value_base = (cg_i64)tile.y * {} * {};\n", tile, H) : std::string()) +
             first_tail.code + second_tail.code);
     prologue_task_ = -1;
@@ -1837,7 +1842,6 @@ class Emitter {
     const Param& out = param(ps, "out");
     if (!check_f32_accumulation(t, a)) return {};
     const bool ta = arg_bool(t, "trans_a"), tb = arg_bool(t, "trans_b");
-    const std::string alpha = float_arg(t, "alpha", 1.0);
     const Shape& so = out.buffer->shape;
     int64_t M = so[so.size() - 2];
     const int64_t N = so.back();
@@ -1847,7 +1851,7 @@ class Emitter {
         batch_b(b.buffer->shape.begin(), b.buffer->shape.end() - 2);
     // [B, T, K] @ [K, N] (a projection of every token) is one [B * T, K] @ [K, N]:
     // fewer, fuller tiles, and a row of output tiles owns whole rows.
-    if (!ta && numel(batch_b) == 1 && batch_a == batch_out) {
+    if (matmul_flattens_rows(sa, b.buffer->shape, so, ta)) {
       M *= numel(batch_out);
       batch_out.clear();
       batch_a.clear();
@@ -1866,8 +1870,8 @@ class Emitter {
     reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
     if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
-    std::string load_b = tb ? fmt::format("(cg_i64)n * {} + k", K) : fmt::format("(cg_i64)k * {} + n", N);
-    std::string scaled = alpha == float_literal(1.0) ? "acc" : alpha + " * acc";
+    std::string load_b = b_index(tb, K, N);
+    std::string scaled = scaled_accumulator(t);
     std::string element_a = load(a, "a_base + " + load_a), prologue;
     if (prologue_task_ >= 0) {
       const NormLoad norm = norm_load(M, K, tile, "a_base + " + load_a, ek);

@@ -476,17 +476,15 @@ class Fuser {
       int r = -1;
       size_t b = out_.kernels.size();
       for (int reader : readers_[size_t(value)]) {
-        const BoundTask& bt = p_.tasks[size_t(reader)];
-        if (bt.op->name != "matmul" || bt.task->phase != first.phase || bt.find_tensor("a")->buffer != value ||
-            bt.find_tensor("b")->buffer == value)
-          continue;
+        // (prologue_operand: "a" for a matmul reading it as `a` alone.)
+        if (p_.tasks[size_t(reader)].task->phase != first.phase || prologue_operand(reader, value) != "a") continue;
         if (const size_t k = kernel_of(reader, a + 1); k < b) {
           b = k;
           r = reader;
         }
       }
       if (r < 0) continue;
-      if (const std::string reason = why_not_chain(a, b, value); !reason.empty()) {
+      if (const std::string reason = why_not_chain(a, b, r, value); !reason.empty()) {
         note_prologue_refused(first.tasks, {r}, reason, "is not chained to it");
         continue;
       }
@@ -508,17 +506,17 @@ class Fuser {
     drop_kernels(merged);
   }
 
-  // Why the kernel at `a`, whose value `value` a matmul in kernel `b` reads
-  // first (as its left operand), cannot run in that kernel (empty when it
-  // can).
-  std::string why_not_chain(size_t a, size_t b, int value) const {
+  // Why the kernel at `a`, whose value `value` matmul `t2` in kernel `b`
+  // reads first (as its left operand), cannot run in that kernel (empty
+  // when it can).
+  std::string why_not_chain(size_t a, size_t b, int t2, int value) const {
     if (!rule_on("matmul_chain")) return "rule matmul_chain is off (--no-fuse-rule)";
     const KernelGroup& first = out_.kernels[a];
     const KernelGroup& second = out_.kernels[b];
-    const int t1 = first.tasks.front(), t2 = second.tasks.front();
+    const int t1 = first.tasks.front();
     const BufferInfo& info = p_.buffers[size_t(value)];
     const std::string& id2 = p_.tasks[size_t(t2)].task->id;
-    if (p_.tasks[size_t(t2)].find_tensor("a")->buffer != value) return fmt::format("'{}' is not the first task of its kernel", id2);
+    if (second.tasks.front() != t2) return fmt::format("'{}' is not the first task of its kernel", id2);
     // The first kernel's work moves to the second's place: what it stores
     // must not be read before.
     for (int stored : written_buffers(first.tasks))
@@ -584,10 +582,7 @@ class Fuser {
   std::string why_not_rows_matmul(int t) const {
     const std::string& id = p_.tasks[size_t(t)].task->id;
     if (flag(t, "trans_a")) return fmt::format("'{}' transposes its left operand", id);
-    const Shape& a = slot_buffer(t, "a").shape;
-    const Shape& b = slot_buffer(t, "b").shape;
-    const Shape& out = slot_buffer(t, "out").shape;
-    if (numel(Shape(b.begin(), b.end() - 2)) != 1 || !std::equal(a.begin(), a.end() - 2, out.begin(), out.end() - 2))
+    if (!matmul_flattens_rows(slot_buffer(t, "a").shape, slot_buffer(t, "b").shape, slot_buffer(t, "out").shape, false))
       return fmt::format("'{}' multiplies by a batch of matrices; a chain takes [..., M, K] @ [K, N]", id);
     return {};
   }

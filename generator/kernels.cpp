@@ -39,6 +39,11 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
   return rules;
 }
 
+bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool trans_a) {
+  return !trans_a && numel(Shape(b.begin(), b.end() - 2)) == 1 &&
+         std::equal(a.begin(), a.end() - 2, out.begin(), out.end() - 2);
+}
+
 size_t second_matmul(const Program& program, const KernelGroup& k) {
   if (k.rule != "matmul_chain") return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)

@@ -93,6 +93,12 @@ inline int64_t matmul_operand_tile_bytes(DType a) {
 // emitter's variants are chosen to fit it.
 inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 
+// Whether matmul a @ b -> out multiplies every row of `a` by one matrix,
+// [..., M, K] @ [K, N] (`a` not transposed, `b`'s leading axes all 1): the
+// matmul skeleton then runs it as one [rows, K] @ [K, N] (emit.cpp), and a
+// matmul chain takes only such products (fuse.cpp).
+bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool trans_a);
+
 // Rule matmul_chain: the index in k.tasks of the kernel's second matmul,
 // which reads the first one's value (after its epilogue) from shared memory.
 // 0 for a kernel of another rule.
