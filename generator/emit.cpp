@@ -1,6 +1,7 @@
 #include "emit.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <map>
 #include <set>
@@ -698,9 +699,11 @@ class Emitter {
   // scores), out = alpha' * probs v, and any epilogue on out. One warp per
   // query row (cg_attention_row), up to 8 rows per block; each warp's row of
   // scores in shared memory. Probabilities read elsewhere (saved for the
-  // backward pass) are stored as they are computed.
+  // backward pass) are stored as they are computed. The operands the kernel
+  // computes itself (rule attention_projection) come from shared memory.
   std::string attention(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-    const int ts = k.tasks[0], tp = k.tasks[1], tc = k.tasks[2];
+    const size_t first = attention_scores(p_, k);
+    const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
     const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
     if (!diags_.ok()) return {};
     const Param& q = param(scores, "a");
@@ -714,25 +717,33 @@ class Emitter {
     use_function(*p_.tasks[size_t(tp)].op, "cg_stage_rows");
     EmittedKernel ek = emitted_kernel(k);
     Epilogue tail;
-    if (k.tasks.size() > 3) {
-      tail = epilogue(k, out, {.first = 3});
+    if (k.tasks.size() > first + 3) {
+      tail = epilogue(k, out, {.first = first + 3});
       if (!diags_.ok()) return {};
       epilogue_buffer_ = out.bound->buffer;
     }
     const Shape& sq = q.buffer->shape;
     const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
     const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
+    const std::vector<Projection> projections = attention_projections(k, first);
+    auto computed = [&](const Param& x) {
+      return std::any_of(projections.begin(), projections.end(), [&](const Projection& pr) { return pr.heads == x.bound->buffer; });
+    };
+    const bool q_computed = computed(q), k_computed = computed(kk), v_computed = computed(v);
     // Up to 8 query rows per block, all of one head (a divisor of Tq), so
     // that the block can share its head's keys and values.
     const int64_t scratch = D + Tk;  // per warp: the query row, the scores
-    int64_t per_block = 8;
-    while (Tq % per_block != 0 || per_block * scratch * 4 > kSharedBytesWithoutOptIn) per_block /= 2;
+    // A block that computes operands works on a whole head, its warps
+    // taking the query rows in turn: each key and value computed once.
+    const int64_t per_block = attention_rows_per_block(Tq, D, Tk);
+    const bool projecting = !projections.empty();
     ek.block = int(32 * per_block);
-    ek.grid[0] = int(rows / per_block);
+    ek.grid[0] = int(rows / (projecting ? Tq : per_block));
     // The head's keys and values in shared memory where they fit beside the
-    // scratch.
+    // scratch; always where the block computes them.
     const int64_t staged = Tk * (D + Dv);
-    const bool stage = (per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1;
+    const bool stage = k_computed || v_computed ||
+                       ((per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1);
     const int64_t rows_at = reserve_shared(ek, fmt::format("each warp's query row and scores ({} x {} floats)", per_block, scratch),
                                            per_block * scratch * 4);
     const int64_t keys_at = stage ? reserve_shared(ek, fmt::format("the head's keys and values ({} x {} floats)", Tk, D + Dv),
@@ -743,38 +754,60 @@ class Emitter {
                                   : std::to_string(Tk);
     const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
     const std::string alpha_out = float_arg(tc, "alpha", 1.0);
-    std::string body = fmt::format(
-        "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
-        "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
-        "  const cg_i64 keys = (cg_i64)tile.x * {0} / {1} * {2};  // the first key (and value) row of the block's head\n",
-        per_block, Tq, Tk);
+    std::string body =
+        projecting ? fmt::format(
+                         "  CG_DYNAMIC_SMEM(cg_smem);\n"
+                         "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row, {} rows at a time\n"
+                         "{}",
+                         per_block,
+                         k_computed && v_computed
+                             ? std::string()
+                             : fmt::format("  const cg_i64 keys = (cg_i64)tile.x * {};  // the first key (and value) row of "
+                                           "the block's head\n",
+                                           Tk))
+                   : fmt::format(
+                         "  CG_DYNAMIC_SMEM(cg_smem);\n"
+                         "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
+                         "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
+                         "  const cg_i64 keys = (cg_i64)tile.x * {0} / {1} * {2};  // the first key (and value) row of the block's head\n",
+                         per_block, Tq, Tk);
+    std::string load_q = load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D));
     std::string load_k = load_element("k", kk.buffer->dtype, fmt::format("(keys + j) * {} + c", D));
     std::string load_v = load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv));
     if (stage) {
-      body += fmt::format(
-          "  float* staged_k = {0};\n"
-          "  float* staged_v = staged_k + {1};\n"
-          "  cg_stage_rows([&](int j, int c) {{ return {2}; }}, staged_k, {3}, {4});\n"
-          "  cg_stage_rows([&](int j, int c) {{ return {5}; }}, staged_v, {3}, {6});\n",
-          shared_floats(keys_at), Tk * D, load_k, Tk, D, load_v, Dv);
+      body += fmt::format("  float* staged_k = {};\n  float* staged_v = staged_k + {};\n", shared_floats(keys_at), Tk * D);
+      if (!k_computed)
+        body += fmt::format("  cg_stage_rows([&](int j, int c) {{ return {}; }}, staged_k, {}, {});\n", load_k, Tk, D);
+      if (!v_computed)
+        body += fmt::format("  cg_stage_rows([&](int j, int c) {{ return {}; }}, staged_v, {}, {});\n", load_v, Tk, Dv);
       load_k = fmt::format("staged_k[j * {} + c]", D);
       load_v = fmt::format("staged_v[j * {} + c]", Dv);
     }
+    ProjectionCode projected;
+    if (!projections.empty()) {
+      projected = projection_code(k, projections, {q.bound->buffer, kk.bound->buffer, v.bound->buffer}, ek);
+      if (!diags_.ok()) return {};
+      body += projected.code;
+      if (q_computed) load_q = fmt::format("cg_q_rows[row % {} * {} + c]", Tq, D);
+    }
     // A larger block (the megakernel's) has spare warps: they only help stage.
     body += fmt::format(
-        "  if (warp < {0})\n"
+        "{14}\n"
         "    cg_attention_row([&](int c) {{ return {1}; }},\n"
         "                     [&](int j, int c) {{ return {2}; }},\n"
         "                     [&](int j, int c) {{ return {3}; }},\n"
         "                     [&](int j, float p) {{ {4}; }},\n"
         "                     [&](int c, float o) {{ {5}; }},\n"
         "                     {6}, {7}, {8}, {9}, {10}, {11}, {13} + warp * {12});\n",
-        per_block, load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D)), load_k, load_v,
+        per_block, load_q, load_k, load_v,
         store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                     : std::string("(void)j, (void)p"),
         store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), Tk, D,
-        Dv, float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, scratch, shared_floats(rows_at));
+        Dv, float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, scratch, shared_floats(rows_at),
+        projecting ? fmt::format("  for (cg_i64 row = (cg_i64)tile.x * {1} + warp; warp < {0} && row < ((cg_i64)tile.x + 1) * {1}; "
+                                 "row += {0})",
+                                 per_block, Tq)
+                   : fmt::format("  if (warp < {})", per_block));
     if (stage) body += "  __syncthreads();  // the staged rows are read before the block's next tile overwrites them\n";
     epilogue_buffer_ = -1;
     std::vector<LaunchParam> launch;
@@ -782,16 +815,205 @@ class Emitter {
       launch.push_back(LaunchParam{name, std::string(written ? "" : "const ") + c_type(x.buffer->dtype), x.bound->buffer,
                                    nullptr, written});
     };
-    add("q", q, false);
-    add("k", kk, false);
-    add("v", v, false);
+    if (!q_computed) add("q", q, false);
+    if (!k_computed) add("k", kk, false);
+    if (!v_computed) add("v", v, false);
     if (store_probs) add("probs", probs, true);
     if (!contains(k.internal_buffers, out.bound->buffer)) add("out", out, true);
+    launch.insert(launch.end(), projected.params.begin(), projected.params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail.code + body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
+  }
+
+  // Rule attention_projection (fuse.h): an operand the attention kernel
+  // computes itself: k.tasks[matmul], its epilogue, and the split_heads at
+  // k.tasks[split] whose output (`heads`) the attention reads.
+  struct Projection {
+    size_t matmul = 0, split = 0;
+    int heads = -1;
+  };
+  std::vector<Projection> attention_projections(const KernelGroup& k, size_t scores) const {
+    std::vector<Projection> out;
+    for (size_t j = 0; j < scores; ++j) {
+      const BoundTask& bt = p_.tasks[size_t(k.tasks[j])];
+      if (bt.op->pattern == PatternKind::matmul) {
+        out.push_back(Projection{j, 0, -1});
+      } else if (bt.op->name == "split_heads" && !out.empty()) {
+        out.back().split = j;
+        out.back().heads = bt.find_tensor("out")->buffer;
+      }
+    }
+    return out;
+  }
+
+  // The code that computes the projections before the attention's rows
+  // (fuse.cpp checked their form: [..., T, K] @ [K, H * Dh], split into
+  // [..., H, T, Dh]). Each block works on one (batch, head): it stages its
+  // batch's rows of every projection input in shared memory (normalised by
+  // the norm prologue that computes it), then computes the head's columns of
+  // each projection there (its weight's columns staged in turn), element by
+  // element in the unfused kernel's order of operations (f32 accumulation,
+  // then alpha, then the epilogue, rounded to the head tensor's type): the
+  // keys and values (staged_k, staged_v), the queries (cg_q_rows). A head
+  // tensor read later is stored as well. `operands`: the q, k and v buffers.
+  struct ProjectionCode {
+    std::string code;
+    std::vector<LaunchParam> params;
+  };
+  ProjectionCode projection_code(const KernelGroup& k, const std::vector<Projection>& projections,
+                                 const std::array<int, 3>& operands, EmittedKernel& ek) {
+    ProjectionCode out;
+    const Shape& sq = p_.buffers[size_t(operands[0])].shape;
+    const int64_t Tq = sq[sq.size() - 2], H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
+    out.code = fmt::format(
+        "  // Projections (attention_projection): the block's (batch, head) picks the rows\n"
+        "  // (the batch's tokens) and the columns (the head's) it computes of each.\n"
+        "  const cg_i64 cg_head = tile.x;  // batch * {0} + head\n"
+        "  const cg_i64 cg_batch = cg_head / {0};\n"
+        "  const int cg_h = (int)(cg_head % {0});\n",
+        H);
+    auto add = [&](const std::string& name, const Param& x) {
+      out.params.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                       x.bound->buffer, nullptr, x.written});
+    };
+    std::map<int, std::string> staged_rows;  // a projection input -> its rows in shared memory
+    int64_t weight_floats = 0, weights_at = -1;
+    for (const Projection& pr : projections) {
+      const int mm = k.tasks[pr.matmul];
+      const Shape& sa = p_.buffers[size_t(p_.tasks[size_t(mm)].find_tensor("a")->buffer)].shape;
+      weight_floats = std::max(weight_floats, sa.back() * p_.buffers[size_t(p_.tasks[size_t(mm)].find_tensor("out")->buffer)].shape.back() / H);
+    }
+    for (const Projection& pr : projections) {
+      const int mm = k.tasks[pr.matmul];
+      const std::string& id = p_.tasks[size_t(mm)].task->id;
+      const std::vector<Param> ps = params(mm);
+      if (!diags_.ok()) return out;
+      const Param& a = param(ps, "a");
+      const Param& b = param(ps, "b");
+      const Param& mm_out = param(ps, "out");
+      if (!check_f32_accumulation(mm, a)) return out;
+      const Shape& sa = a.buffer->shape;
+      const int64_t T = sa[sa.size() - 2], K = sa.back(), N = mm_out.buffer->shape.back(), Dh = N / H;
+      const int source = a.bound->buffer;
+      // The norm that computes the input, where one does (its output is then
+      // rounded as the norm would have stored it).
+      int norm = -1;
+      for (int t : k.prologue)
+        if (p_.tasks[size_t(t)].find_tensor("out")->buffer == source) norm = t;
+      if (!staged_rows.count(source)) {
+        const std::string rows_name = "cg_rows_" + (norm >= 0 ? p_.tasks[size_t(norm)].task->id : id);
+        staged_rows[source] = rows_name;
+        if (norm >= 0) {
+          const BoundTask& nt = p_.tasks[size_t(norm)];
+          const bool layer = nt.op->name == "layernorm";
+          const std::vector<Param> nps = params(norm);
+          if (!diags_.ok()) return out;
+          const std::string nid = nt.task->id;
+          const int64_t at = reserve_shared(
+              ek, fmt::format("{}'s {} rows of a batch normalised, its weight{}", nid, T, layer ? " and bias" : ""),
+              4 * (T * K + (layer ? 2 : 1) * K));
+          template_files_.insert(nt.op->source_file);
+          use_function(*nt.op, "cg_" + nt.op->name + "_stage_rows");
+          const Param& nx = param(nps, "x");
+          std::string weights = fmt::format("[&](int j) {{ return {}; }}",
+                                            load_element(nid + "_weight", param(nps, "weight").buffer->dtype, "j"));
+          add(nid + "_x", nx);
+          add(nid + "_weight", param(nps, "weight"));
+          if (layer) {
+            weights += fmt::format(", [&](int j) {{ return {}; }}", load_element(nid + "_bias", param(nps, "bias").buffer->dtype, "j"));
+            add(nid + "_bias", param(nps, "bias"));
+          }
+          out.code += fmt::format(
+              "  // {0} ({1}) of {2}: the batch's {3} rows normalised into shared memory.\n"
+              "  float* {4} = (float*)(cg_smem + {5});\n"
+              "  cg_{1}_stage_rows([&](cg_i64 r, int j) {{ return {6}; }}, {7},\n"
+              "                        cg_batch * {3}, {3}, cg_batch * {3} + {3}, {8}, {9}, {4}, {4} + {10}, nullptr);\n",
+              nid, nt.op->name, buffer_name(nx.bound->buffer), T, rows_name, at,
+              load_element(nid + "_x", nx.buffer->dtype, fmt::format("r * {} + j", K)), weights, K,
+              float_arg(norm, "eps", layer ? 1e-5 : 1e-6), T * K);
+        } else {
+          const int64_t at = reserve_shared(ek, fmt::format("{}'s {} rows of a batch", buffer_name(source), T), 4 * T * K);
+          add(id + "_a", a);
+          out.code += fmt::format(
+              "  // {0}: the batch's {1} rows in shared memory.\n"
+              "  float* {2} = (float*)(cg_smem + {3});\n"
+              "  cg_stage_rows([&](int j, int c) {{ return {4}; }}, {2}, {1}, {5});\n",
+              buffer_name(source), T, rows_name, at,
+              load_element(id + "_a", a.buffer->dtype, fmt::format("(cg_batch * {} + j) * {} + c", T, K)), K);
+        }
+      }
+      const bool is_q = pr.heads == operands[0];
+      const std::string role = is_q ? "q" : pr.heads == operands[1] ? "k" : "v";
+      const std::string dest = is_q ? "cg_q_rows" : role == "k" ? "staged_k" : "staged_v";
+      if (is_q)
+        out.code += fmt::format("  float* cg_q_rows = {};\n",
+                                shared_floats(reserve_shared(ek, fmt::format("the head's {} query rows ({} floats each)", T, Dh),
+                                                             4 * T * Dh)));
+      const BufferInfo& heads = p_.buffers[size_t(pr.heads)];
+      const bool narrowed = is_16bit(heads.dtype);
+      const std::string kept = narrowed ? fmt::format("cg_widen(cg_narrow<{}>(value))", c_type(heads.dtype)) : "value";
+      std::string store_heads;
+      if (!contains(k.internal_buffers, pr.heads)) {
+        const int split = k.tasks[pr.split];
+        const std::string name = p_.tasks[size_t(split)].task->id + "_out";
+        const std::vector<Param> split_ps = params(split);
+        add(name, param(split_ps, "out"));
+        store_heads = fmt::format("\n    {};  // {}, read later",
+                                  store_element(name, heads.dtype, fmt::format("(cg_head * {} + r) * {} + c", T, Dh), "value"),
+                                  buffer_name(pr.heads));
+      }
+      // Element i of the projection's output (before the split), where it lands.
+      out.code += fmt::format(
+          "  // {0} (matmul){1}, split into {2}: the block's head, into shared memory.\n"
+          "  auto cg_keep_{3} = [&](cg_i64 i, float value) {{\n"
+          "    const int r = (int)(i / {4} - cg_batch * {5}), c = (int)(i % {4}) - cg_h * {6};\n"
+          "    {7}[r * {6} + c] = {8};{9}\n"
+          "  }};\n",
+          id, pr.split > pr.matmul + 1 ? " and its epilogue" : "", buffer_name(pr.heads), role, N, T, Dh, dest, kept,
+          store_heads);
+      std::string sink = "cg_keep_" + role;
+      if (pr.split > pr.matmul + 1) {
+        const std::string lambda = "cg_epilogue_" + role;
+        Epilogue e = epilogue(k, mm_out, {.first = pr.matmul + 1,
+                                          .last = pr.split,
+                                          .lambda = lambda,
+                                          .anchor_name = id + "_out",
+                                          .keep = "cg_keep_" + role + "(i, {})",
+                                          .kept_buffer = param(params(k.tasks[pr.split]), "x").bound->buffer});
+        if (!diags_.ok()) return out;
+        out.code += e.code;
+        out.params.insert(out.params.end(), e.params.begin(), e.params.end());
+        sink = lambda;
+      }
+      std::string element_a = fmt::format("{}[r * {} + k]", staged_rows[source], K);
+      if (norm >= 0 && is_16bit(a.buffer->dtype))
+        element_a = fmt::format("cg_widen(cg_narrow<{}>({}))", c_type(a.buffer->dtype), element_a);
+      add(id + "_b", b);
+      // The head's columns of the weight in shared memory (one region, each
+      // projection's in turn), then one output element per thread.
+      if (weights_at < 0) {
+        weights_at = reserve_shared(ek, fmt::format("a projection's weight columns of one head ({} floats)", weight_floats),
+                                    4 * weight_floats);
+        out.code += fmt::format("  float* cg_weights = {};\n", shared_floats(weights_at));
+      }
+      out.code += fmt::format(
+          "  cg_stage_rows([&](int k, int c) {{ const int n = cg_h * {1} + c; return {2}; }}, cg_weights, {0}, {1});\n"
+          "  for (int e = threadIdx.x; e < {3} * {1}; e += blockDim.x) {{\n"
+          "    const int r = e / {1}, c = e % {1};\n"
+          "    const cg_i64 m = cg_batch * {3} + r;  // the row of {4}: a token\n"
+          "    const int n = cg_h * {1} + c;\n"
+          "    float acc = 0.0f;\n"
+          "    for (int k = 0; k < {0}; ++k) acc += {5} * cg_weights[k * {1} + c];\n"
+          "    {6}(m * {7} + n, {8});\n"
+          "  }}\n"
+          "  __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows\n",
+          K, Dh, load_element(id + "_b", b.buffer->dtype, b_index(arg_bool(mm, "trans_b"), K, N)), T,
+          buffer_name(mm_out.bound->buffer), element_a, sink, N, scaled_accumulator(mm));
+    }
+    return out;
   }
 
   // EmittedKernel::rows for the skeletons whose tiles own whole rows: a

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 #include <variant>
 
 #include <fmt/format.h>
@@ -98,6 +99,7 @@ class Fuser {
     if (options_.enabled) {
       fold_prologues();
       chain_matmuls();
+      project_into_attention();
     }
     for (size_t k = 0; k < out_.kernels.size(); ++k)
       out_.kernels[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(out_.kernels[k].tasks.front())].task->id;
@@ -505,6 +507,161 @@ class Fuser {
     }
     drop_kernels(merged);
   }
+
+  // Rule attention_projection: the kernel of a projection whose heads only
+  // an attention kernel reads (a matmul, its norm prologue and epilogue,
+  // then split_heads: q, k or v) runs in that kernel instead. Each block
+  // stages its batch's input rows (normalised) in shared memory and computes
+  // its head's keys and values, and its own query rows, from there
+  // (emit.cpp); the heads reach memory only where read later. A block then
+  // runs a whole head, its warps taking the query rows in turn: bounded
+  // below, with the projection outputs per block.
+  void project_into_attention() {
+    std::vector<bool> merged(out_.kernels.size(), false);
+    for (size_t at = 0; at < out_.kernels.size(); ++at) {
+      if (out_.kernels[at].rule != "attention" || out_.kernels[at].tasks.size() < 3) continue;
+      const int scores = out_.kernels[at].tasks[0], context = out_.kernels[at].tasks[2];
+      ProjectedAttention projected = projected_attention(scores, context);
+      std::vector<size_t> producers;
+      const std::vector<int> operands = {p_.tasks[size_t(scores)].find_tensor("a")->buffer,
+                                         p_.tasks[size_t(scores)].find_tensor("b")->buffer,
+                                         p_.tasks[size_t(context)].find_tensor("b")->buffer};
+      for (const auto& [t, slot, role] : {std::tuple{scores, "a", "q"}, {scores, "b", "k"}, {context, "b", "v"}}) {
+        const int heads = p_.tasks[size_t(t)].find_tensor(slot)->buffer;
+        // (One tensor read as two operands would be computed for two shapes of block.)
+        if (std::count(operands.begin(), operands.end(), heads) > 1) continue;
+        const int owner = p_.buffers[size_t(heads)].owner_task;
+        if (owner < 0 || p_.tasks[size_t(owner)].op->name != "split_heads") continue;
+        const size_t from = kernel_of(owner, 0);
+        const KernelGroup& producer = out_.kernels[from];
+        // Only a matmul's kernel that ends with this split is a projection
+        // (and a tensor read as two operands is computed once).
+        if (from >= at || merged[from] || producer.tasks.back() != owner ||
+            p_.tasks[size_t(producer.tasks.front())].op->name != "matmul")
+          continue;
+        if (const std::string reason = why_not_projection(from, at, heads, role, projected); !reason.empty()) {
+          note_prologue_refused(producer.tasks, {scores}, reason, "is not computed in the attention kernel");
+          continue;
+        }
+        producers.push_back(from);
+        merged[from] = true;
+      }
+      if (producers.empty()) continue;
+      std::sort(producers.begin(), producers.end());
+      KernelGroup& attention = out_.kernels[at];
+      std::vector<int> tasks;
+      for (size_t from : producers) {
+        const KernelGroup& producer = out_.kernels[from];
+        tasks.insert(tasks.end(), producer.tasks.begin(), producer.tasks.end());
+        for (int norm : producer.prologue)
+          if (!contains(attention.prologue, norm)) attention.prologue.push_back(norm);
+        for (int b : producer.internal_buffers)
+          if (!contains(attention.internal_buffers, b)) attention.internal_buffers.push_back(b);
+        // What the split stored: read by the attention alone, it never
+        // reaches memory; read later (saved for the backward pass), it is
+        // stored as well, once.
+        const int heads = p_.tasks[size_t(producer.tasks.back())].find_tensor("out")->buffer;
+        const std::vector<int> readers = readers_through_views(heads);
+        if (p_.buffers[size_t(heads)].storage == Storage::transient &&
+            std::all_of(readers.begin(), readers.end(), [&](int r) { return contains(attention.tasks, r); }))
+          attention.internal_buffers.push_back(heads);
+        std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == scores && contains(producer.tasks, n.previous); });
+      }
+      tasks.insert(tasks.end(), attention.tasks.begin(), attention.tasks.end());
+      attention.tasks = std::move(tasks);
+    }
+    drop_kernels(merged);
+  }
+
+  // What an attention kernel computes of its operands so far (rule
+  // attention_projection): its shapes, the projection inputs it stages (by
+  // buffer, with their floats), the projection outputs per block.
+  struct ProjectedAttention {
+    int64_t Tq = 0, Tk = 0, D = 0, Dv = 0, rows_per_block = 1;
+    bool q_computed = false;
+    std::vector<int> sources;
+    std::vector<int64_t> source_floats;
+    int64_t outputs_per_block = 0;
+    int64_t weight_floats = 0;  // the largest projection's weight columns for one head
+  };
+  ProjectedAttention projected_attention(int scores, int context) const {
+    ProjectedAttention pa;
+    const Shape& q = slot_buffer(scores, "a").shape;
+    pa.Tq = q[q.size() - 2];
+    pa.D = q.back();
+    pa.Tk = slot_buffer(scores, "b").shape[q.size() - 2];
+    pa.Dv = slot_buffer(context, "b").shape.back();
+    pa.rows_per_block = attention_rows_per_block(pa.Tq, pa.D, pa.Tk);
+    return pa;
+  }
+
+  // Why the kernel at `from`, which ends by splitting `heads` (the
+  // attention's operand `role`: q, k or v), cannot run in the attention
+  // kernel at `at`, given what it computes already (empty when it can; it
+  // then counts this projection too).
+  std::string why_not_projection(size_t from, size_t at, int heads, const std::string& role,
+                                 ProjectedAttention& projected) const {
+    if (!rule_on("attention_projection")) return "rule attention_projection is off (--no-fuse-rule)";
+    const KernelGroup& producer = out_.kernels[from];
+    const int mm = producer.tasks.front();
+    const std::string& id = p_.tasks[size_t(mm)].task->id;
+    if (producer.rule != "matmul_epilogue") return fmt::format("'{}' is not a matmul with an epilogue", id);
+    if (!producer.prologue.empty() && !norm_prologue(p_, producer))
+      return fmt::format("'{}' computes an elementwise prologue", id);
+    if (cudagen::stores_prologue(p_, producer))
+      return fmt::format("its kernel stores '{}' for later readers", buffer_name(p_, p_.tasks[size_t(producer.prologue.front())].find_tensor("out")->buffer));
+    if (const std::string why = why_not_rows_matmul(mm); !why.empty()) return why;
+    for (int t : kernel_tasks(producer))
+      if (const std::string arg = runtime_arg(p_, t); !arg.empty())
+        return fmt::format("'{}' reads run-time argument '{}'", p_.tasks[size_t(t)].task->id, arg);
+    for (int b : written_buffers(producer.tasks))
+      if (b != heads && !contains(producer.internal_buffers, b))
+        return fmt::format("its kernel stores '{}' too", buffer_name(p_, b));
+    // The projection moves to the attention kernel's place.
+    for (int reader : readers_through_views(heads))
+      if (p_.tasks[size_t(reader)].task->phase == producer.phase && kernel_of(reader, from + 1) < at)
+        return fmt::format("'{}' reads '{}' before the attention kernel", p_.tasks[size_t(reader)].task->id,
+                           buffer_name(p_, heads));
+    if (std::string updated = updated_between(kernel_tasks(producer), from, at); !updated.empty())
+      return updated + " before the attention kernel would run";
+    // The rows the block stages: its batch's rows of the matmul's input,
+    // normalised where a norm computes them (with its weight and bias).
+    const int source = p_.tasks[size_t(mm)].find_tensor("a")->buffer;
+    const Shape& a = p_.buffers[size_t(source)].shape;
+    int64_t floats = a[a.size() - 2] * a.back();
+    if (!producer.prologue.empty())
+      floats += a.back() * (p_.tasks[size_t(producer.prologue.front())].op->name == "layernorm" ? 2 : 1);
+    ProjectedAttention with = projected;
+    if (!contains(with.sources, source)) {
+      with.sources.push_back(source);
+      with.source_floats.push_back(floats);
+    }
+    with.q_computed = with.q_computed || role == "q";
+    const int64_t rows = role == "q" ? with.Tq : with.Tk, columns = role == "v" ? with.Dv : with.D;
+    with.outputs_per_block += rows * columns;
+    with.weight_floats = std::max(with.weight_floats, a.back() * columns);
+    const int64_t bytes = projected_attention_shared_bytes(with.Tq, with.Tk, with.D, with.Dv, with.q_computed,
+                                                           with.source_floats, with.weight_floats);
+    if (bytes > kSharedBytesWithoutOptIn)
+      return fmt::format("the block's rows of '{}' ({} x {}) with the attention's own would take {} bytes of shared "
+                         "memory, more than {}",
+                         buffer_name(p_, source), a[a.size() - 2], a.back(), bytes, kSharedBytesWithoutOptIn);
+    if (with.outputs_per_block > kMaxProjectionOutputs)
+      return fmt::format("each block would compute {} projection outputs one after another (at most {}): the "
+                         "projection's parallel tiles are worth more than the traffic saved",
+                         with.outputs_per_block, kMaxProjectionOutputs);
+    if (with.Tq / with.rows_per_block > kMaxRowsPerWarp)
+      return fmt::format("each warp would run {} of the head's {} query rows one after another (at most {})",
+                         with.Tq / with.rows_per_block, with.Tq, kMaxRowsPerWarp);
+    projected = with;
+    return {};
+  }
+  // Four 32 x 32 tiles' outputs: beyond that a block serialises what the
+  // projection's kernel ran on many.
+  static constexpr int64_t kMaxProjectionOutputs = 4 * 32 * 32;
+  // A block runs a whole head: each warp that many query rows in turn,
+  // where the attention alone runs them on as many blocks.
+  static constexpr int64_t kMaxRowsPerWarp = 4;
 
   // Why the kernel at `a`, whose value `value` matmul `t2` in kernel `b`
   // reads first (as its left operand), cannot run in that kernel (empty

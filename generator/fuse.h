@@ -34,6 +34,12 @@
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.
+//   attention_projection  a projection (a matmul with its norm prologue and
+//                      epilogue, then split_heads) whose heads an attention
+//                      kernel reads as q, k or v: computed in that kernel,
+//                      each block its head's keys and values and its own
+//                      query rows, from its batch's input rows staged in
+//                      shared memory; stored as well where read later.
 //   permuted_store     a gather that only moves elements (split_heads,
 //                      merge_heads) after a matmul or a row op, or their
 //                      epilogue: each element is stored where the gather
@@ -61,7 +67,7 @@ namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {
     "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "matmul_chain",      "attention",       "permuted_store",     "horizontal"};
+    "matmul_chain",      "attention",       "attention_projection", "permuted_store", "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

@@ -35,6 +35,7 @@ bool stores_prologue(const Program& program, const KernelGroup& k) {
 std::vector<std::string> kernel_rules(const Program& program, const KernelGroup& k) {
   std::vector<std::string> rules;
   if (!k.prologue.empty()) rules.push_back(norm_prologue(program, k) ? "norm_prologue" : "elementwise_prologue");
+  if (attention_scores(program, k) > 0) rules.push_back("attention_projection");
   if (!k.rule.empty()) rules.push_back(k.rule);
   return rules;
 }
@@ -49,6 +50,29 @@ size_t second_matmul(const Program& program, const KernelGroup& k) {
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->pattern == PatternKind::matmul) return i;
   return 0;
+}
+
+size_t attention_scores(const Program& program, const KernelGroup& k) {
+  if (k.rule != "attention") return 0;
+  for (size_t i = 1; i < k.tasks.size(); ++i)
+    if (program.tasks[size_t(k.tasks[i])].op->name == "softmax") return i - 1;
+  return 0;
+}
+
+int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
+  int64_t per_block = 8;
+  while (per_block > 1 && (Tq % per_block != 0 || per_block * (D + Tk) * 4 > kSharedBytesWithoutOptIn)) per_block /= 2;
+  return per_block;
+}
+
+int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
+                                         const std::vector<int64_t>& source_floats, int64_t weight_floats) {
+  auto region = [](int64_t floats) { return (floats * 4 + 15) / 16 * 16; };
+  const int64_t per_block = attention_rows_per_block(Tq, D, Tk);
+  int64_t bytes = region(per_block * (D + Tk)) + region(Tk * (D + Dv)) + (q_computed ? region(Tq * D) : 0);
+  for (int64_t floats : source_floats) bytes += region(floats);
+  bytes += region(weight_floats);
+  return bytes;
 }
 
 int launch_count(const std::vector<KernelGroup>& kernels) {

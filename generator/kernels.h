@@ -104,6 +104,28 @@ bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool
 // 0 for a kernel of another rule.
 size_t second_matmul(const Program& program, const KernelGroup& k);
 
+// Rule attention_projection: the index in k.tasks of an attention kernel's
+// scores matmul. The tasks before it are the projections whose heads the
+// kernel computes itself (each a matmul, its epilogue, the split_heads that
+// ends it); 0 where there are none, or for a kernel of another rule.
+size_t attention_scores(const Program& program, const KernelGroup& k);
+
+// The attention skeleton's query rows per block, one warp each (emit.cpp):
+// up to 8, a divisor of Tq, all of one head, whose per-warp scratch (the
+// query row and its scores, D + Tk floats) fits in shared memory.
+int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
+
+// Rule attention_projection: the shared memory of an attention kernel whose
+// blocks compute some of q, k and v themselves, a block per head (emit.cpp
+// reserves these regions, each from a 16-byte boundary): each warp's
+// scratch, the head's keys and values, its queries where q is computed, the rows of
+// each projection input (`source_floats` each: a batch's rows, normalised
+// where a norm computes them, with the norm's weight and bias), and one
+// projection's weight columns for a head at a time (`weight_floats`, the
+// largest).
+int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
+                                         const std::vector<int64_t>& source_floats, int64_t weight_floats);
+
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 

@@ -101,12 +101,12 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // An epilogue runs while the kernel's matmul or row op still reads its
     // inputs at other elements (other blocks, other threads): nothing the
     // epilogue stores may take their storage.
-    // (An attention kernel: its scores matmul and its matmul by the values;
+    // (An attention kernel: its projections, its scores matmul and its matmul by the values;
     // a matmul chain: both matmuls and the epilogue between; a prologue's
     // inputs too, which the operand loads read.)
     const KernelGroup& kernel = kernels[size_t(k)];
     std::vector<int> readers_elsewhere = kernel.prologue;
-    const size_t anchors = kernel.rule == "attention"      ? std::min<size_t>(3, kernel.tasks.size())
+    const size_t anchors = kernel.rule == "attention"      ? std::min(attention_scores(program, kernel) + 3, kernel.tasks.size())
                            : kernel.rule == "matmul_chain" ? second_matmul(program, kernel) + 1
                                                            : 1;
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")

@@ -262,6 +262,56 @@ TaskGraph matmul_chain(DType d, bool epilogues) {
   return std::move(b).graph();
 }
 
+// Rule attention_projection: the attention kernel computes q, k and v from
+// their projections. `gpt`: a layernorm of x feeds all three, each with a
+// bias epilogue before its split; causal, 12 tokens (4 warps, 3 query rows
+// each), the probabilities and q's heads read by the caller too (stored from
+// the kernel). Otherwise cross-attention without a norm: q from x (8 tokens,
+// alpha 0.5), k and v from a memory of 6 rows, k's weight transposed, values
+// wider than the keys.
+TaskGraph projected_attention(DType d, bool gpt) {
+  GraphBuilder b(fmt::format("projected_attention_{}_{}", to_string(d), gpt ? "gpt" : "cross"));
+  auto split = [&](const std::string& id, TaskBuilder& from, const Shape& shape, int64_t heads, Storage storage) {
+    return b.task(id, "split_heads").tensor("x", from["out"]).tensor("out", d, shape, storage).arg("heads", heads);
+  };
+  if (gpt) {
+    const int64_t B = 2, T = 12, H = 3, D = 8, C = H * D;
+    auto ln = b.task("ln", "layernorm")
+                  .tensor("x", d, {B, T, C}, ext)
+                  .tensor("weight", d, {C}, Storage::persistent)
+                  .tensor("bias", d, {C}, Storage::persistent)
+                  .tensor("out", d, {B, T, C});
+    std::vector<TaskBuilder> heads;
+    for (const std::string id : {"q", "k", "v"}) {
+      auto p = b.task(id, "matmul").tensor("a", ln["out"]).tensor("b", d, {C, C}, ext).tensor("out", d, {B, T, C});
+      auto bias = b.task(id + "_bias", "add").tensor("a", p["out"]).tensor("b", d, {C}, ext).tensor("out", d, {B, T, C});
+      heads.push_back(split(id + "_heads", bias, {B, H, T, D}, H, id == "q" ? ext : Storage::transient));
+    }
+    auto s = b.task("scores", "matmul")
+                 .tensor("a", heads[0]["out"])
+                 .tensor("b", heads[1]["out"])
+                 .tensor("out", d, {B, H, T, T})
+                 .arg("trans_b", true)
+                 .arg("alpha", 0.5);
+    auto pr = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {B, H, T, T}, ext).arg("scale", 0.7).arg("causal", true);
+    auto c = b.task("context", "matmul").tensor("a", pr["out"]).tensor("b", heads[2]["out"]).tensor("out", d, {B, H, T, D});
+    b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, T, C}, ext).arg("heads", H);
+  } else {
+    const int64_t B = 2, Tq = 8, Tk = 6, H = 2, D = 8, Dv = 12;
+    auto q = b.task("q", "matmul").tensor("a", d, {B, Tq, 16}, ext).tensor("b", d, {16, H * D}, ext).tensor("out", d, {B, Tq, H * D}).arg("alpha", 0.5);
+    auto k = b.task("k", "matmul").tensor("a", d, {B, Tk, 20}, ext).tensor("b", d, {H * D, 20}, ext).tensor("out", d, {B, Tk, H * D}).arg("trans_b", true);
+    auto v = b.task("v", "matmul").tensor("a", k["a"]).tensor("b", d, {20, H * Dv}, ext).tensor("out", d, {B, Tk, H * Dv});
+    auto qh = split("q_heads", q, {B, H, Tq, D}, H, Storage::transient);
+    auto kh = split("k_heads", k, {B, H, Tk, D}, H, Storage::transient);
+    auto vh = split("v_heads", v, {B, H, Tk, Dv}, H, Storage::transient);
+    auto s = b.task("scores", "matmul").tensor("a", qh["out"]).tensor("b", kh["out"]).tensor("out", d, {B, H, Tq, Tk}).arg("trans_b", true);
+    auto pr = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {B, H, Tq, Tk}).arg("scale", 0.35);
+    auto c = b.task("context", "matmul").tensor("a", pr["out"]).tensor("b", vh["out"]).tensor("out", d, {B, H, Tq, Dv});
+    b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, Tq, H * Dv}, ext).arg("heads", H);
+  }
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -282,6 +332,17 @@ Compiled expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels
     EXPECT_TRUE(run.ok()) << (c == &fused ? "fused: " : "unfused: ") << format_run(run);
   }
   return fused;
+}
+
+// The fused graph as megakernels (8 blocks: what the emulator runs at
+// once), its tile functions each after the tiles they read.
+void expect_megakernel_right(const TaskGraph& g) {
+  CompileOptions options = fusion(true);
+  options.emit.megakernel = true;
+  options.emit.megakernel_blocks = 8;
+  const uint64_t seed = std::random_device()();
+  CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
+  EXPECT_TRUE(run.ok()) << "megakernel, graph " << g.name << ", seed " << seed << "\n" << format_run(run);
 }
 
 }  // namespace
@@ -379,12 +440,7 @@ TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {
     EXPECT_EQ(c.emitted.cuda_source.find("// n's output and " + stats + ", read later: stored once") != std::string::npos,
               stored);
     // The megakernel runs the same tile functions, each tile after the rows it reads.
-    CompileOptions options = fusion(true);
-    options.emit.megakernel = true;
-    options.emit.megakernel_blocks = 8;  // what the emulator runs at once
-    const uint64_t seed = std::random_device()();
-    CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
-    EXPECT_TRUE(run.ok()) << "megakernel, seed " << seed << "\n" << format_run(run);
+    expect_megakernel_right(g);
   }
 }
 
@@ -399,12 +455,23 @@ TEST_P(FusedChains, MatmulChainMatchesTheReferenceFusedAndUnfused) {
     const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
     EXPECT_NE(c.emitted.cuda_source.find(kept), std::string::npos);
     // The megakernel runs the chain's tiles too.
-    CompileOptions options = fusion(true);
-    options.emit.megakernel = true;
-    options.emit.megakernel_blocks = 8;
-    const uint64_t seed = std::random_device()();
-    CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
-    EXPECT_TRUE(run.ok()) << "megakernel, seed " << seed << "\n" << format_run(run);
+    expect_megakernel_right(g);
+  }
+}
+
+TEST_P(FusedChains, ProjectedAttentionMatchesTheReferenceFusedAndUnfused) {
+  for (bool gpt : {true, false}) {
+    const TaskGraph g = projected_attention(GetParam(), gpt);
+    const Compiled c = expect_fused_and_unfused_right(g, 1, "// Projections (attention_projection)");
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(kernel_rules(c.program, c.kernels[0]).back(), "attention");
+    const std::string& src = c.emitted.cuda_source;
+    EXPECT_EQ(src.find("cg_layernorm_stage_rows([&]") != std::string::npos, gpt);
+    // q's heads, read by the caller, are stored as they are computed; k's and v's are not.
+    EXPECT_EQ(src.find("q_heads.out, read later") != std::string::npos, gpt);
+    EXPECT_EQ(src.find("k_heads.out, read later"), std::string::npos);
+    // The megakernel runs it too.
+    expect_megakernel_right(g);
   }
 }
 

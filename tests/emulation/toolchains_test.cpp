@@ -110,6 +110,48 @@ TEST(Toolchains, MatmulChainsCompileWithNvrtcWithoutSpills) {
   }
 }
 
+// Rule attention_projection: an attention kernel that computes its q, k and
+// v (layernorm of its input, a bias after each projection, 16-bit heads
+// rounded as stored) assembles for both architectures without spills.
+TEST(Toolchains, ProjectedAttentionCompilesWithNvrtcWithoutSpills) {
+  GraphBuilder b("projected_attention");
+  const Storage ext = Storage::external;
+  const int64_t B = 2, T = 16, H = 4, D = 16, C = H * D;
+  for (DType d : {DType::f32, DType::f16, DType::bf16}) {
+    const std::string t = to_string(d);
+    auto ln = b.task("ln_" + t, "layernorm")
+                  .tensor("x", d, {B, T, C}, ext)
+                  .tensor("weight", d, {C}, ext)
+                  .tensor("bias", d, {C}, ext)
+                  .tensor("out", d, {B, T, C});
+    std::vector<TaskBuilder> heads;
+    for (const std::string p : {"q_", "k_", "v_"}) {
+      auto mm = b.task(p + t, "matmul").tensor("a", ln["out"]).tensor("b", d, {C, C}, ext).tensor("out", d, {B, T, C});
+      auto bias = b.task(p + "bias_" + t, "add").tensor("a", mm["out"]).tensor("b", d, {C}, ext).tensor("out", d, {B, T, C});
+      heads.push_back(b.task(p + "heads_" + t, "split_heads").tensor("x", bias["out"]).tensor("out", d, {B, H, T, D}).arg("heads", H));
+    }
+    auto s = b.task("scores_" + t, "matmul")
+                 .tensor("a", heads[0]["out"])
+                 .tensor("b", heads[1]["out"])
+                 .tensor("out", d, {B, H, T, T})
+                 .arg("trans_b", true);
+    auto pr = b.task("probs_" + t, "softmax").tensor("x", s["out"]).tensor("out", d, {B, H, T, T}).arg("causal", true);
+    auto c = b.task("context_" + t, "matmul").tensor("a", pr["out"]).tensor("b", heads[2]["out"]).tensor("out", d, {B, H, T, D});
+    b.task("merged_" + t, "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, T, C}, ext).arg("heads", H);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.kernels.size(), 3u);
+  for (const auto& k : c.kernels) EXPECT_EQ(kernel_rules(c.program, k)[1], "attention_projection") << k.name;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    NvrtcOutput out = nvrtc_compile(c.emitted.cuda_source, "projected_attention.cu", arch);
+    EXPECT_EQ(std::string(out.binary.data(), 4), "\x7f" "ELF") << arch;
+  }
+  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90")) {
+    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
+    std::printf("  ptxas sm_90: %-24s %3d registers, %d bytes spilled\n", name.c_str(), r.registers, r.spill_bytes);
+  }
+}
+
 // Rule elementwise_prologue's loads (a chain computed in a matmul's operand
 // loads, on the tensor-core tile, for either operand; in a softmax's and a
 // layernorm's row loads) assemble for both architectures without spills.

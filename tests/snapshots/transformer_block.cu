@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 246272 bytes (lower bound 246272, without reuse 254464).
+// Arena: 229888 bytes (lower bound 229888, without reuse 229888).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -770,112 +770,83 @@ CG_DEVICE void k7_w_down_tile(float* out, cg_tile tile) {
   }
 }
 
-// Kernel k8_q (forward phase): tasks ln1 (rmsnorm, prologue), q (matmul), q_heads (split_heads), fused (norm_prologue, matmul_epilogue).
-//   reads  wq.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
-//   writes q_heads.out f32 [2, 4, 16, 16]
-//   in registers q.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
-//     [0, 4288) the operand tiles
-//     [4288, 12736) ln1's 32 rows normalised and weight
-CG_DEVICE void k8_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* q_heads_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    cg_store(q_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // q_heads (split_heads): where it moves element i
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
-  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
-  // normalised into shared memory, which the operand loads read.
-  float* cg_normed = (float*)(cg_smem + 4288);
-  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
-  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
-      32, 64, 64, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k9_k (forward phase): tasks ln1 (rmsnorm, prologue), k (matmul), k_heads (split_heads), fused (norm_prologue, matmul_epilogue).
-//   reads  wk.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
-//   writes k_heads.out f32 [2, 4, 16, 16]
-//   in registers k.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
-//     [0, 4288) the operand tiles
-//     [4288, 12736) ln1's 32 rows normalised and weight
-CG_DEVICE void k9_k_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* k_heads_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): k_heads (split_heads), on element i of k.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    cg_store(k_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // k_heads (split_heads): where it moves element i
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
-  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
-  // normalised into shared memory, which the operand loads read.
-  float* cg_normed = (float*)(cg_smem + 4288);
-  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
-  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
-      32, 64, 64, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k10_v (forward phase): tasks ln1 (rmsnorm, prologue), v (matmul), v_heads (split_heads), fused (norm_prologue, matmul_epilogue).
-//   reads  wv.out f32 [64, 64], ln1.x f32 [2, 16, 64], ln1_w.out f32 [64]
-//   writes v_heads.out f32 [2, 4, 16, 16]
-//   in registers v.out, ln1.out
-//   24832 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 12736 bytes of shared memory:
-//     [0, 4288) the operand tiles
-//     [4288, 12736) ln1's 32 rows normalised and weight
-CG_DEVICE void k10_v_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* v_heads_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): v_heads (split_heads), on element i of v.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    cg_store(v_heads_out, cg_merge_heads_source(i, 16, 4, 16), v0);  // v_heads (split_heads): where it moves element i
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 2048;
-  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, never stored: the tile's rows
-  // normalised into shared memory, which the operand loads read.
-  float* cg_normed = (float*)(cg_smem + 4288);
-  const cg_i64 cg_row0 = a_base / 64 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
-  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 64 + 32, 64, 9.999999974752427e-07f, cg_normed, cg_normed + 2048, nullptr);
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 64 + k]; },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 64 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
-      32, 64, 64, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k11_scores (forward phase): tasks scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (attention).
-//   reads  q_heads.out f32 [2, 4, 16, 16], k_heads.out f32 [2, 4, 16, 16], v_heads.out f32 [2, 4, 16, 16]
+// Kernel k8_q (forward phase): tasks ln1 (rmsnorm, prologue), q (matmul), q_heads (split_heads), k (matmul), k_heads (split_heads), v (matmul), v_heads (split_heads), scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (norm_prologue, attention_projection, attention).
+//   reads  ln1.x f32 [2, 16, 64], ln1_w.out f32 [64], wq.out f32 [64, 64], wk.out f32 [64, 64], wv.out f32 [64, 64]
 //   writes merged.out f32 [2, 16, 64]
-//   in registers scores.out, probs.out, context.out
-//   24576 bytes read, 8192 bytes written; grid [16, 1, 1], block 256, 3072 bytes of shared memory:
+//   in registers scores.out, probs.out, context.out, q.out, ln1.out, q_heads.out, k.out, k_heads.out, v.out, v_heads.out
+//   57600 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 12544 bytes of shared memory:
 //     [0, 1024) each warp's query row and scores (8 x 32 floats)
 //     [1024, 3072) the head's keys and values (16 x 32 floats)
-CG_DEVICE void k11_scores_tile(const float* q, const float* k, const float* v, float* merged_out, cg_tile tile) {
+//     [3072, 7424) ln1's 16 rows of a batch normalised, its weight
+//     [7424, 8448) the head's 16 query rows (16 floats each)
+//     [8448, 12544) a projection's weight columns of one head (1024 floats)
+CG_DEVICE void k8_q_tile(const float* ln1_x, const float* ln1_weight, const float* q_b, const float* k_b, const float* v_b, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 16, 4, 16), v0);  // merged (merge_heads): where it moves element i
   };
   CG_DYNAMIC_SMEM(cg_smem);
-  const unsigned int warp = threadIdx.x / 32;  // one warp per query row
-  const cg_i64 row = (cg_i64)tile.x * 8 + warp;
-  const cg_i64 keys = (cg_i64)tile.x * 8 / 16 * 16;  // the first key (and value) row of the block's head
+  const unsigned int warp = threadIdx.x / 32;  // one warp per query row, 8 rows at a time
   float* staged_k = (float*)(cg_smem + 1024);
   float* staged_v = staged_k + 256;
-  cg_stage_rows([&](int j, int c) { return cg_load(k, (keys + j) * 16 + c); }, staged_k, 16, 16);
-  cg_stage_rows([&](int j, int c) { return cg_load(v, (keys + j) * 16 + c); }, staged_v, 16, 16);
-  if (warp < 8)
-    cg_attention_row([&](int c) { return cg_load(q, row * 16 + c); },
+  // Projections (attention_projection): the block's (batch, head) picks the rows
+  // (the batch's tokens) and the columns (the head's) it computes of each.
+  const cg_i64 cg_head = tile.x;  // batch * 4 + head
+  const cg_i64 cg_batch = cg_head / 4;
+  const int cg_h = (int)(cg_head % 4);
+  // ln1 (rmsnorm) of ln1.x: the batch's 16 rows normalised into shared memory.
+  float* cg_rows_ln1 = (float*)(cg_smem + 3072);
+  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 64 + j); }, [&](int j) { return cg_load(ln1_weight, j); },
+                        cg_batch * 16, 16, cg_batch * 16 + 16, 64, 9.999999974752427e-07f, cg_rows_ln1, cg_rows_ln1 + 1024, nullptr);
+  float* cg_q_rows = (float*)(cg_smem + 7424);
+  // q (matmul), split into q_heads.out: the block's head, into shared memory.
+  auto cg_keep_q = [&](cg_i64 i, float value) {
+    const int r = (int)(i / 64 - cg_batch * 16), c = (int)(i % 64) - cg_h * 16;
+    cg_q_rows[r * 16 + c] = value;
+  };
+  float* cg_weights = (float*)(cg_smem + 8448);
+  cg_stage_rows([&](int k, int c) { const int n = cg_h * 16 + c; return cg_load(q_b, (cg_i64)k * 64 + n); }, cg_weights, 64, 16);
+  for (int e = threadIdx.x; e < 16 * 16; e += blockDim.x) {
+    const int r = e / 16, c = e % 16;
+    const cg_i64 m = cg_batch * 16 + r;  // the row of q.out: a token
+    const int n = cg_h * 16 + c;
+    float acc = 0.0f;
+    for (int k = 0; k < 64; ++k) acc += cg_rows_ln1[r * 64 + k] * cg_weights[k * 16 + c];
+    cg_keep_q(m * 64 + n, acc);
+  }
+  __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows
+  // k (matmul), split into k_heads.out: the block's head, into shared memory.
+  auto cg_keep_k = [&](cg_i64 i, float value) {
+    const int r = (int)(i / 64 - cg_batch * 16), c = (int)(i % 64) - cg_h * 16;
+    staged_k[r * 16 + c] = value;
+  };
+  cg_stage_rows([&](int k, int c) { const int n = cg_h * 16 + c; return cg_load(k_b, (cg_i64)k * 64 + n); }, cg_weights, 64, 16);
+  for (int e = threadIdx.x; e < 16 * 16; e += blockDim.x) {
+    const int r = e / 16, c = e % 16;
+    const cg_i64 m = cg_batch * 16 + r;  // the row of k.out: a token
+    const int n = cg_h * 16 + c;
+    float acc = 0.0f;
+    for (int k = 0; k < 64; ++k) acc += cg_rows_ln1[r * 64 + k] * cg_weights[k * 16 + c];
+    cg_keep_k(m * 64 + n, acc);
+  }
+  __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows
+  // v (matmul), split into v_heads.out: the block's head, into shared memory.
+  auto cg_keep_v = [&](cg_i64 i, float value) {
+    const int r = (int)(i / 64 - cg_batch * 16), c = (int)(i % 64) - cg_h * 16;
+    staged_v[r * 16 + c] = value;
+  };
+  cg_stage_rows([&](int k, int c) { const int n = cg_h * 16 + c; return cg_load(v_b, (cg_i64)k * 64 + n); }, cg_weights, 64, 16);
+  for (int e = threadIdx.x; e < 16 * 16; e += blockDim.x) {
+    const int r = e / 16, c = e % 16;
+    const cg_i64 m = cg_batch * 16 + r;  // the row of v.out: a token
+    const int n = cg_h * 16 + c;
+    float acc = 0.0f;
+    for (int k = 0; k < 64; ++k) acc += cg_rows_ln1[r * 64 + k] * cg_weights[k * 16 + c];
+    cg_keep_v(m * 64 + n, acc);
+  }
+  __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows
+  for (cg_i64 row = (cg_i64)tile.x * 16 + warp; warp < 8 && row < ((cg_i64)tile.x + 1) * 16; row += 8)
+    cg_attention_row([&](int c) { return cg_q_rows[row % 16 * 16 + c]; },
                      [&](int j, int c) { return staged_k[j * 16 + c]; },
                      [&](int j, int c) { return staged_v[j * 16 + c]; },
                      [&](int j, float p) { (void)j, (void)p; },
@@ -883,17 +854,17 @@ CG_DEVICE void k11_scores_tile(const float* q, const float* k, const float* v, f
                      16, 16, 16, 1.0f, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem + warp * 32);
   __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k11_scores(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ merged_out) {
-  k11_scores_tile(q, k, v, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k8_q(const float* __restrict__ ln1_x, const float* __restrict__ ln1_weight, const float* __restrict__ q_b, const float* __restrict__ k_b, const float* __restrict__ v_b, float* __restrict__ merged_out) {
+  k8_q_tile(ln1_x, ln1_weight, q_b, k_b, v_b, merged_out, cg_launch_tile());
 }
 
-// Kernel k12_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k9_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 16, 64], wo.out f32 [64, 64], ln1.x f32 [2, 16, 64]
 //   writes res1.out f32 [2, 16, 64]
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k12_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k9_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -908,11 +879,11 @@ CG_DEVICE void k12_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 64 + n, acc); },
       32, 64, 64, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k12_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k12_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k9_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k9_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k13_up (forward phase): tasks ln2 (rmsnorm, prologue), up (matmul), act (gelu), down (matmul), res2 (add), fused (norm_prologue, matmul_chain).
+// Kernel k10_up (forward phase): tasks ln2 (rmsnorm, prologue), up (matmul), act (gelu), down (matmul), res2 (add), fused (norm_prologue, matmul_chain).
 //   reads  w_up.out f32 [64, 256], w_down.out f32 [256, 64], res1.out f32 [2, 16, 64], ln2_w.out f32 [64]
 //   writes res2.out f32 [2, 16, 64]
 //   in registers up.out, ln2.out, down.out, act.out
@@ -920,7 +891,7 @@ CG_KERNEL void __launch_bounds__(256) k12_attn_out(const float* __restrict__ a, 
 //     [0, 4288) the operand tiles
 //     [4288, 37056) the block's 32 rows of act.out (f32)
 //     [37056, 45504) ln2's 32 rows normalised and weight
-CG_DEVICE void k13_up_tile(const float* up_b, const float* down_b, const float* ln2_x, const float* ln2_weight, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k10_up_tile(const float* up_b, const float* down_b, const float* ln2_x, const float* ln2_weight, const float* res2_a, float* res2_out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 a_base = 0;  // every row of every batch, flattened
   float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act.out
@@ -957,8 +928,8 @@ CG_DEVICE void k13_up_tile(const float* up_b, const float* down_b, const float* 
         [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 64 + n, acc); },
         32, 64, 256, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256, 1) k13_up(const float* __restrict__ up_b, const float* __restrict__ down_b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k13_up_tile(up_b, down_b, ln2_x, ln2_weight, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k10_up(const float* __restrict__ up_b, const float* __restrict__ down_b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k10_up_tile(up_b, down_b, ln2_x, ln2_weight, res2_a, res2_out, cg_launch_tile());
 }
 
 // Launch h0_ln1_w_wq_wk_and_5_more (init phase):
@@ -1001,35 +972,6 @@ CG_KERNEL void __launch_bounds__(256) h0_ln1_w_wq_wk_and_5_more(
     k7_w_down_tile(k7_w_down_out, cg_tile_of(block - 34u, 16, 1));
 }
 
-// Launch h1_q_k_v (forward phase):
-// 3 kernels that are independent of each other (rule horizontal) as one grid of 6 blocks
-// of 256 threads, 12736 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 2): k8_q
-//   blocks [2, 4): k9_k
-//   blocks [4, 6): k10_v
-CG_KERNEL void __launch_bounds__(256) h1_q_k_v(
-    const float* __restrict__ k8_q_b,
-    const float* __restrict__ k8_q_ln1_x,
-    const float* __restrict__ k8_q_ln1_weight,
-    float* __restrict__ k8_q_q_heads_out,
-    const float* __restrict__ k9_k_b,
-    const float* __restrict__ k9_k_ln1_x,
-    const float* __restrict__ k9_k_ln1_weight,
-    float* __restrict__ k9_k_k_heads_out,
-    const float* __restrict__ k10_v_b,
-    const float* __restrict__ k10_v_ln1_x,
-    const float* __restrict__ k10_v_ln1_weight,
-    float* __restrict__ k10_v_v_heads_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 2u)
-    k8_q_tile(k8_q_b, k8_q_ln1_x, k8_q_ln1_weight, k8_q_q_heads_out, cg_tile_of(block, 2, 1));
-  else if (block < 4u)
-    k9_k_tile(k9_k_b, k9_k_ln1_x, k9_k_ln1_weight, k9_k_k_heads_out, cg_tile_of(block - 2u, 2, 1));
-  else
-    k10_v_tile(k10_v_b, k10_v_ln1_x, k10_v_ln1_weight, k10_v_v_heads_out, cg_tile_of(block - 4u, 2, 1));
-}
-
 #ifndef __CUDACC_RTC__
 // ---- host launchers: one per phase; each tensor is arena + OFFSET from the memory plan ----
 #ifndef CUDAGEN_TENSOR_INFO_DEFINED  // the host emulation defines it too
@@ -1049,7 +991,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 246272ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 229888ull;
 
 static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
     {"k0_ln1_w_out", "ln1_w.out", 0ull, 256ull},
@@ -1061,38 +1003,26 @@ static const cudagen_tensor_info h0_ln1_w_wq_wk_and_5_more_tensors[] = {
     {"k6_w_up_out", "w_up.out", 66048ull, 65536ull},
     {"k7_w_down_out", "w_down.out", 131584ull, 65536ull},
 };
-static const cudagen_tensor_info h1_q_k_v_tensors[] = {
-    {"k8_q_b", "wq.out", 256ull, 16384ull},
-    {"k8_q_ln1_x", "ln1.x", 197120ull, 8192ull},
-    {"k8_q_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k8_q_q_heads_out", "q_heads.out", 213504ull, 8192ull},
-    {"k9_k_b", "wk.out", 16640ull, 16384ull},
-    {"k9_k_ln1_x", "ln1.x", 197120ull, 8192ull},
-    {"k9_k_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k9_k_k_heads_out", "k_heads.out", 221696ull, 8192ull},
-    {"k10_v_b", "wv.out", 33024ull, 16384ull},
-    {"k10_v_ln1_x", "ln1.x", 197120ull, 8192ull},
-    {"k10_v_ln1_weight", "ln1_w.out", 0ull, 256ull},
-    {"k10_v_v_heads_out", "v_heads.out", 229888ull, 8192ull},
+static const cudagen_tensor_info k8_q_tensors[] = {
+    {"ln1_x", "ln1.x", 197120ull, 8192ull},
+    {"ln1_weight", "ln1_w.out", 0ull, 256ull},
+    {"q_b", "wq.out", 256ull, 16384ull},
+    {"k_b", "wk.out", 16640ull, 16384ull},
+    {"v_b", "wv.out", 33024ull, 16384ull},
+    {"merged_out", "merged.out", 213504ull, 8192ull},
 };
-static const cudagen_tensor_info k11_scores_tensors[] = {
-    {"q", "q_heads.out", 213504ull, 8192ull},
-    {"k", "k_heads.out", 221696ull, 8192ull},
-    {"v", "v_heads.out", 229888ull, 8192ull},
-    {"merged_out", "merged.out", 238080ull, 8192ull},
-};
-static const cudagen_tensor_info k12_attn_out_tensors[] = {
-    {"a", "merged.out", 238080ull, 8192ull},
+static const cudagen_tensor_info k9_attn_out_tensors[] = {
+    {"a", "merged.out", 213504ull, 8192ull},
     {"b", "wo.out", 49408ull, 16384ull},
     {"res1_a", "ln1.x", 197120ull, 8192ull},
-    {"res1_out", "res1.out", 213504ull, 8192ull},
+    {"res1_out", "res1.out", 221696ull, 8192ull},
 };
-static const cudagen_tensor_info k13_up_tensors[] = {
+static const cudagen_tensor_info k10_up_tensors[] = {
     {"up_b", "w_up.out", 66048ull, 65536ull},
     {"down_b", "w_down.out", 131584ull, 65536ull},
-    {"ln2_x", "res1.out", 213504ull, 8192ull},
+    {"ln2_x", "res1.out", 221696ull, 8192ull},
     {"ln2_weight", "ln2_w.out", 65792ull, 256ull},
-    {"res2_a", "res1.out", 213504ull, 8192ull},
+    {"res2_a", "res1.out", 221696ull, 8192ull},
     {"res2_out", "res2.out", 205312ull, 8192ull},
 };
 
@@ -1103,14 +1033,12 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h1_q_k_v, dim3(6, 1, 1), dim3(256), 12736, h1_q_k_v_tensors,
-                 (const float*)(arena + 256), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 213504), (const float*)(arena + 16640), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 221696), (const float*)(arena + 33024), (const float*)(arena + 197120), (const float*)(arena + 0), (float*)(arena + 229888));
-  CUDAGEN_LAUNCH(k11_scores, dim3(16, 1, 1), dim3(256), 3072, k11_scores_tensors,
-                 (const float*)(arena + 213504), (const float*)(arena + 221696), (const float*)(arena + 229888), (float*)(arena + 238080));
-  CUDAGEN_LAUNCH(k12_attn_out, dim3(2, 1, 1), dim3(256), 4288, k12_attn_out_tensors,
-                 (const float*)(arena + 238080), (const float*)(arena + 49408), (const float*)(arena + 197120), (float*)(arena + 213504));
-  CUDAGEN_LAUNCH(k13_up, dim3(1, 1, 1), dim3(256), 45504, k13_up_tensors,
-                 (const float*)(arena + 66048), (const float*)(arena + 131584), (const float*)(arena + 213504), (const float*)(arena + 65792), (const float*)(arena + 213504), (float*)(arena + 205312));
+  CUDAGEN_LAUNCH(k8_q, dim3(8, 1, 1), dim3(256), 12544, k8_q_tensors,
+                 (const float*)(arena + 197120), (const float*)(arena + 0), (const float*)(arena + 256), (const float*)(arena + 16640), (const float*)(arena + 33024), (float*)(arena + 213504));
+  CUDAGEN_LAUNCH(k9_attn_out, dim3(2, 1, 1), dim3(256), 4288, k9_attn_out_tensors,
+                 (const float*)(arena + 213504), (const float*)(arena + 49408), (const float*)(arena + 197120), (float*)(arena + 221696));
+  CUDAGEN_LAUNCH(k10_up, dim3(1, 1, 1), dim3(256), 45504, k10_up_tensors,
+                 (const float*)(arena + 66048), (const float*)(arena + 131584), (const float*)(arena + 221696), (const float*)(arena + 65792), (const float*)(arena + 221696), (float*)(arena + 205312));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -112,7 +112,8 @@ class Models(Exported):
         self.assertIn('"op": "layernorm"', graph)
         # simplify.py: q, k and v projections of their own, heads split and merged by the head
         # ops, k^T and the scale in the scores matmul; then the fusion rules see the pattern of
-        # examples/transformer_block.json: the same 4 launches, attention in one kernel, the MLP in another.
+        # examples/transformer_block.json: the same 3 launches, the layernorm, the projections
+        # (bias and head split after each) and attention in one kernel, the MLP in another.
         self.assertEqual(result.rewrites, ["transpose_into_matmul", "scale_into_matmul", "heads", "split_linear",
                                            "remove_dead"])
         ops = [t["op"] for t in json.loads(graph)["tasks"]]
@@ -121,8 +122,8 @@ class Models(Exported):
             self.assertNotIn(copy, ops)
         self.assertIn("attn.c_attn.weight.rows48-96", result.weights)
         described, _ = self.run_cudagen("describe", result.graph_path)
-        self.assertIn("kernels: 6 kernels in 4 launches", described)
-        self.assertIn("[attention]", described)
+        self.assertIn("kernels: 3 kernels in 3 launches", described)
+        self.assertIn("[norm_prologue, attention_projection, attention]", described)
         self.assertIn("[norm_prologue, matmul_chain]", described)
 
     @unittest.skipUnless(hasattr(torch.nn.functional, "scaled_dot_product_attention"),

@@ -98,14 +98,19 @@ TEST_F(Cli, DescribeShowsPhasesAndStorage) {
 TEST_F(Cli, DescribeShowsKernelsAndLaunches) {
   CliResult r = run("describe " + source_path("examples/transformer_block.json"));
   ASSERT_EQ(r.status, 0) << r.err;
-  for (const char* want : {"kernels: 14 kernels in 5 launches", "L0    k7_w_down", "[matmul_epilogue]",
-                           "L1    k8_q                         forward   ln1 (prologue), q, q_heads  "
-                           "[norm_prologue, matmul_epilogue]",
-                           "not in the launch before (rule horizontal)", "it reads 'merged.out', which k11_scores writes"})
+  for (const char* want : {"kernels: 11 kernels in 4 launches", "L0    k7_w_down", "[matmul_epilogue]",
+                           "L1    k8_q                         forward   ln1 (prologue), q, q_heads, k, k_heads, v, v_heads, "
+                           "scores, probs, context, merged  [norm_prologue, attention_projection, attention]",
+                           "not in the launch before (rule horizontal)", "it reads 'merged.out', which k8_q writes"})
     EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
-  r = run("describe --no-fuse-rule horizontal " + source_path("examples/transformer_block.json"));
+  r = run("describe --no-fuse-rule horizontal --no-fuse-rule attention_projection " +
+          source_path("examples/transformer_block.json"));
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("kernels: 14 kernels in 14 launches"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("L8    k8_q                         forward   ln1 (prologue), q, q_heads  "
+                       "[norm_prologue, matmul_epilogue]"),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("rule horizontal is off (--no-fuse-rule)"), std::string::npos) << r.out;
 }
 

@@ -165,13 +165,24 @@ TEST(Fusion, NotAChainWhereTheValueIsNeededFirstTooWideOrBatched) {
 
 // transformer_block: the residual adds follow their matmuls, gelu its up
 // projection, the head splits the projections; scores, softmax and context
-// are one attention kernel, with the head merge; nothing follows a reduction
-// that stores per row.
+// are one attention kernel, with the head merge, which computes q, k and v
+// itself; nothing follows a reduction that stores per row.
 TEST(Fusion, TransformerChainsFollowTheirMatmuls) {
   Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
   std::vector<std::vector<std::string>> fused;
   for (const auto& k : c.kernels)
     if (k.tasks.size() > 1) fused.push_back(task_ids(c, k));
+  EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{
+                       {"q", "q_heads", "k", "k_heads", "v", "v_heads", "scores", "probs", "context", "merged"},
+                       {"attn_out", "res1"},
+                       {"up", "act", "down", "res2"}}));
+  // Without rule attention_projection, each projection ends with its split.
+  CompileOptions options;
+  options.fuse.disabled_rules = {"attention_projection"};
+  Compiled apart = plan_program(load_program(source_path("examples/transformer_block.json"), {}), options);
+  fused.clear();
+  for (const auto& k : apart.kernels)
+    if (k.tasks.size() > 1) fused.push_back(task_ids(apart, k));
   EXPECT_EQ(fused, (std::vector<std::vector<std::string>>{{"q", "q_heads"},
                                                           {"k", "k_heads"},
                                                           {"v", "v_heads"},
@@ -303,9 +314,12 @@ TEST(Fusion, AHeadsSplitIsStoredByItsMatmul) {
 }
 
 // Rule attention: scores, softmax and the matmul by the values in one
-// kernel, the head merge stored from its epilogue.
+// kernel, the head merge stored from its epilogue (the projections apart:
+// the rule of their own is off).
 TEST(Fusion, AttentionIsOneKernel) {
-  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  CompileOptions options;
+  options.fuse.disabled_rules = {"attention_projection"};
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), options);
   const KernelGroup* attention = nullptr;
   for (const auto& k : c.kernels)
     if (k.rule == "attention") attention = &k;
@@ -366,11 +380,123 @@ TEST(Fusion, NotAttentionWithoutItsShape) {
   EXPECT_EQ(reason_for(plan_graph(attention_like(true, false), off), "p"), "rule attention is off (--no-fuse-rule)");
 }
 
+// Rule attention_projection: q, k and v projections of q.a [2, T, C] (no
+// norm, no prologue), each split into H heads, then attention. `k_read_later`: the
+// caller reads k's heads too.
+TaskGraph projections(int64_t T, int64_t C, int64_t H, bool k_read_later = false) {
+  GraphBuilder b("projections");
+  std::vector<TaskBuilder> heads;
+  for (const std::string id : {"q", "k", "v"}) {
+    auto p = b.task(id, "matmul");
+    if (id == "q")
+      p.tensor("a", f32, {2, T, C}, ext);
+    else
+      p.tensor("a", SlotRef{"q", "a"});
+    p.tensor("b", f32, {C, C}, ext).tensor("out", f32, {2, T, C});
+    heads.push_back(b.task(id + "_heads", "split_heads")
+                        .tensor("x", p["out"])
+                        .tensor("out", f32, {2, H, T, C / H}, id == "k" && k_read_later ? ext : Storage::transient)
+                        .arg("heads", H));
+  }
+  auto s = b.task("scores", "matmul")
+               .tensor("a", heads[0]["out"])
+               .tensor("b", heads[1]["out"])
+               .tensor("out", f32, {2, H, T, T})
+               .arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", f32, {2, H, T, T});
+  b.task("context", "matmul").tensor("a", p["out"]).tensor("b", heads[2]["out"]).tensor("out", f32, {2, H, T, C / H}, ext);
+  return std::move(b).graph();
+}
+
+// Every reason recorded for `task` not joining a kernel, joined.
+std::string reasons_for(const Compiled& c, const std::string& task) {
+  std::string all;
+  for (const auto& n : c.fusion_notes)
+    if (c.program.tasks[size_t(n.task)].task->id == task) all += n.reason + "\n";
+  return all;
+}
+
+const KernelGroup* attention_kernel(const Compiled& c) {
+  for (const auto& k : c.kernels)
+    if (k.rule == "attention") return &k;
+  return nullptr;
+}
+
+TEST(Fusion, AttentionComputesItsProjections) {
+  // The transformer block: q, k and v with their norm, in the attention kernel.
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  const KernelGroup* attention = attention_kernel(c);
+  ASSERT_NE(attention, nullptr);
+  EXPECT_EQ(task_ids(c, *attention), (std::vector<std::string>{"q", "q_heads", "k", "k_heads", "v", "v_heads", "scores",
+                                                               "probs", "context", "merged"}));
+  EXPECT_EQ(kernel_rules(c.program, *attention),
+            (std::vector<std::string>{"norm_prologue", "attention_projection", "attention"}));
+  EXPECT_EQ(attention->prologue.size(), 1u);
+  const std::vector<std::string> internal = internal_names(c, *attention);
+  for (const char* heads : {"q_heads.out", "k_heads.out", "v_heads.out", "ln1.out"})
+    EXPECT_NE(std::find(internal.begin(), internal.end(), heads), internal.end()) << heads;
+  EXPECT_EQ(reasons_for(c, "scores"), "") << "nothing left apart";
+  for (const auto& pb : c.plan.buffers)
+    if (buffer_name(c.program, pb.buffer) == "q_heads.out") EXPECT_TRUE(pb.internal);
+
+  // Heads the caller reads are stored as well.
+  Compiled read_later = plan_graph(projections(16, 32, 2, true));
+  ASSERT_NE(attention_kernel(read_later), nullptr);
+  EXPECT_EQ(attention_kernel(read_later)->tasks.size(), 9u);
+  const std::vector<std::string> kept = internal_names(read_later, *attention_kernel(read_later));
+  EXPECT_EQ(std::find(kept.begin(), kept.end(), "k_heads.out"), kept.end());
+  EXPECT_NE(std::find(kept.begin(), kept.end(), "v_heads.out"), kept.end());
+}
+
+TEST(Fusion, NoProjectionInAttentionWhereItCostsParallelismOrSharedMemory) {
+  // 48 query rows: 6 per warp.
+  EXPECT_NE(reasons_for(plan_graph(projections(48, 16, 2)), "scores")
+                .find("'q_heads' is not computed in the attention kernel: each warp would run 6 of the head's 48 "
+                      "query rows one after another (at most 4)"),
+            std::string::npos);
+  // 64 rows of 256: too many for shared memory.
+  const std::string rows = reasons_for(plan_graph(projections(64, 256, 4)), "scores");
+  EXPECT_NE(rows.find("'q_heads' is not computed in the attention kernel: the block's rows of 'q.a' (64 x 256) with "
+                      "the attention's own would take"),
+            std::string::npos)
+      << rows;
+  // One head of 48 over 32 rows: q and k fit, v would make 4608 outputs per block.
+  Compiled work = plan_graph(projections(32, 48, 1));
+  EXPECT_EQ(task_ids(work, *attention_kernel(work)).front(), "q");
+  EXPECT_NE(reasons_for(work, "scores")
+                .find("'v_heads' is not computed in the attention kernel: each block would compute 4608 projection "
+                      "outputs one after another (at most 4096)"),
+            std::string::npos)
+      << reasons_for(work, "scores");
+  // Training: q's kernel stores the norm's output for the backward pass
+  // (rule norm_prologue), so it stays; k and v join, their heads stored
+  // for the backward pass too.
+  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  const KernelGroup* attention = attention_kernel(train);
+  ASSERT_NE(attention, nullptr);
+  EXPECT_EQ(task_ids(train, *attention).front(), "k");
+  EXPECT_NE(reasons_for(train, "scores")
+                .find("'q_heads' is not computed in the attention kernel: its kernel stores 'ln1.out' for later readers"),
+            std::string::npos)
+      << reasons_for(train, "scores");
+  const std::vector<std::string> internal = internal_names(train, *attention);
+  EXPECT_EQ(std::find(internal.begin(), internal.end(), "k_heads.out"), internal.end());
+  // The rule off.
+  FuseOptions off;
+  off.disabled_rules = {"attention_projection"};
+  EXPECT_NE(reasons_for(plan_graph(projections(16, 32, 2), off), "scores")
+                .find("'v_heads' is not computed in the attention kernel: rule attention_projection is off (--no-fuse-rule)"),
+            std::string::npos);
+}
+
 // The transformer block's norms run in the projections that read them: each
 // projection's kernel normalises the rows it loads, and the norms run no
-// kernel of their own.
+// kernel of their own. (Rule attention_projection off: the projections keep
+// kernels of their own.)
 TEST(Fusion, ANormIsThePrologueOfTheMatmulsThatReadIt) {
-  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), {});
+  CompileOptions options;
+  options.fuse.disabled_rules = {"attention_projection"};
+  Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), options);
   std::map<std::string, std::string> prologue_of;
   for (const auto& k : c.kernels) {
     for (int t : k.tasks) EXPECT_NE(c.program.tasks[size_t(t)].op->name, "rmsnorm") << k.name;
@@ -464,7 +590,11 @@ TEST(Fusion, ANormReadLaterIsStoredByItsFirstReader) {
   }
   // Training: ln1 in q, k and v (q stores ln1.out and ln1.rstd, which the
   // backward pass reads), ln2 in up, lnf in head; q, k and v in one launch.
-  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  // (Rule attention_projection off: Fusion.AProjectionStoringItsNormStaysApart
+  // has it on.)
+  CompileOptions options;
+  options.fuse.disabled_rules = {"attention_projection"};
+  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), options);
   std::map<std::string, std::string> stored_by;
   std::map<std::string, int> hosts;
   for (const auto& k : train.kernels) {

@@ -152,8 +152,9 @@ TEST_P(Snapshot, SharedMemoryIsPlannedPerKernel) {
     multi += regions > 1;
   }
   EXPECT_GT(planned, 0);
-  // The transformer block's q, k and v stage ln1's rows beside their tiles; its attention its keys.
-  if (std::string(s.name) == "transformer_block") EXPECT_GE(multi, 4);
+  // The transformer block's attention stages ln1's rows, the projections' weights, the head's
+  // queries, keys and values beside its warps' scratch; its MLP chain ln2's rows and the hidden rows.
+  if (std::string(s.name) == "transformer_block") EXPECT_GE(multi, 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Graphs, Snapshot, ::testing::ValuesIn(kSnapshots),
