@@ -912,9 +912,15 @@ class Emitter {
           const std::vector<Param> nps = params(norm);
           if (!diags_.ok()) return out;
           const std::string nid = nt.task->id;
+          // Read later (the backward pass), the norm's output and statistics
+          // are stored from here: by the blocks of each batch's first head.
+          const bool store_norm = !contains(k.internal_buffers, nt.find_tensor("out")->buffer);
+          const int64_t per_row = layer ? 2 : 1;
           const int64_t at = reserve_shared(
-              ek, fmt::format("{}'s {} rows of a batch normalised, its weight{}", nid, T, layer ? " and bias" : ""),
-              4 * (T * K + (layer ? 2 : 1) * K));
+              ek,
+              fmt::format("{}'s {} rows of a batch normalised, its weight{}{}", nid, T, layer ? " and bias" : "",
+                          store_norm ? ", the rows' statistics" : ""),
+              4 * (T * K + per_row * K + (store_norm ? per_row * T : 0)));
           template_files_.insert(nt.op->source_file);
           use_function(*nt.op, "cg_" + nt.op->name + "_stage_rows");
           const Param& nx = param(nps, "x");
@@ -926,14 +932,40 @@ class Emitter {
             weights += fmt::format(", [&](int j) {{ return {}; }}", load_element(nid + "_bias", param(nps, "bias").buffer->dtype, "j"));
             add(nid + "_bias", param(nps, "bias"));
           }
+          const int64_t stats_at = T * K + per_row * K;
           out.code += fmt::format(
               "  // {0} ({1}) of {2}: the batch's {3} rows normalised into shared memory.\n"
               "  float* {4} = (float*)(cg_smem + {5});\n"
               "  cg_{1}_stage_rows([&](cg_i64 r, int j) {{ return {6}; }}, {7},\n"
-              "                        cg_batch * {3}, {3}, cg_batch * {3} + {3}, {8}, {9}, {4}, {4} + {10}, nullptr);\n",
+              "                        cg_batch * {3}, {3}, cg_batch * {3} + {3}, {8}, {9}, {4}, {4} + {10}, {11});\n",
               nid, nt.op->name, buffer_name(nx.bound->buffer), T, rows_name, at,
               load_element(nid + "_x", nx.buffer->dtype, fmt::format("r * {} + j", K)), weights, K,
-              float_arg(norm, "eps", layer ? 1e-5 : 1e-6), T * K);
+              float_arg(norm, "eps", layer ? 1e-5 : 1e-6), T * K,
+              store_norm ? fmt::format("{} + {}", rows_name, stats_at) : "nullptr");
+          if (store_norm) {
+            std::vector<std::string> stats, stores;
+            for (const char* stat : {"mean", "rstd"})
+              if (const BoundTensor* st = nt.find_tensor(stat); st != nullptr && st->buffer >= 0) {
+                stats.push_back(stat);
+                const std::string name = nid + "_" + stat;
+                add(name, param(nps, stat));
+                // The staging function keeps a layernorm's means first, then its rstds.
+                const int64_t offset = stats_at + (layer && std::string(stat) == "rstd" ? T : 0);
+                stores.push_back(store_element(name, p_.buffers[size_t(st->buffer)].dtype, fmt::format("cg_batch * {} + r", T),
+                                               fmt::format("{}[{} + r]", rows_name, offset)));
+              }
+            add(nid + "_out", param(nps, "out"));
+            out.code += fmt::format(
+                "  if (cg_h == 0) {{  // {0}'s output{1}, read later: stored once, by each batch's first head\n"
+                "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {4};\n",
+                nid, stats.empty() ? "" : fmt::format(" and {}", fmt::join(stats, ", ")), T, K,
+                store_element(nid + "_out", param(nps, "out").buffer->dtype, fmt::format("cg_batch * {} * {} + i", T, K),
+                              rows_name + "[i]"));
+            if (!stores.empty())
+              out.code += fmt::format("    for (int r = threadIdx.x; r < {}; r += blockDim.x) {{ {}; }}\n", T,
+                                      fmt::join(stores, "; "));
+            out.code += "  }\n";
+          }
         } else {
           const int64_t at = reserve_shared(ek, fmt::format("{}'s {} rows of a batch", buffer_name(source), T), 4 * T * K);
           add(id + "_a", a);

@@ -567,6 +567,12 @@ class Fuser {
           attention.internal_buffers.push_back(heads);
         std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == scores && contains(producer.tasks, n.previous); });
       }
+      // The kernel that stored a norm's output (and statistics) for later
+      // readers is among them: the attention kernel stores them now.
+      for (size_t from : producers)
+        if (cudagen::stores_prologue(p_, out_.kernels[from]))
+          for (int b : written_buffers(out_.kernels[from].prologue))
+            std::erase(attention.internal_buffers, b);
       tasks.insert(tasks.end(), attention.tasks.begin(), attention.tasks.end());
       attention.tasks = std::move(tasks);
     }
@@ -608,8 +614,6 @@ class Fuser {
     if (producer.rule != "matmul_epilogue") return fmt::format("'{}' is not a matmul with an epilogue", id);
     if (!producer.prologue.empty() && !norm_prologue(p_, producer))
       return fmt::format("'{}' computes an elementwise prologue", id);
-    if (cudagen::stores_prologue(p_, producer))
-      return fmt::format("its kernel stores '{}' for later readers", buffer_name(p_, p_.tasks[size_t(producer.prologue.front())].find_tensor("out")->buffer));
     if (const std::string why = why_not_rows_matmul(mm); !why.empty()) return why;
     for (int t : kernel_tasks(producer))
       if (const std::string arg = runtime_arg(p_, t); !arg.empty())
@@ -625,14 +629,20 @@ class Fuser {
     if (std::string updated = updated_between(kernel_tasks(producer), from, at); !updated.empty())
       return updated + " before the attention kernel would run";
     // The rows the block stages: its batch's rows of the matmul's input,
-    // normalised where a norm computes them (with its weight and bias).
+    // normalised where a norm computes them (with its weight and bias, and
+    // the rows' statistics where the kernel stores the norm's output).
     const int source = p_.tasks[size_t(mm)].find_tensor("a")->buffer;
     const Shape& a = p_.buffers[size_t(source)].shape;
     int64_t floats = a[a.size() - 2] * a.back();
-    if (!producer.prologue.empty())
-      floats += a.back() * (p_.tasks[size_t(producer.prologue.front())].op->name == "layernorm" ? 2 : 1);
+    if (!producer.prologue.empty()) {
+      const int64_t per_row = p_.tasks[size_t(producer.prologue.front())].op->name == "layernorm" ? 2 : 1;
+      floats += a.back() * per_row + (cudagen::stores_prologue(p_, producer) ? a[a.size() - 2] * per_row : 0);
+    }
     ProjectedAttention with = projected;
-    if (!contains(with.sources, source)) {
+    if (auto it = std::find(with.sources.begin(), with.sources.end(), source); it != with.sources.end()) {
+      int64_t& counted = with.source_floats[size_t(it - with.sources.begin())];
+      counted = std::max(counted, floats);
+    } else {
       with.sources.push_back(source);
       with.source_floats.push_back(floats);
     }

@@ -265,8 +265,8 @@ TaskGraph matmul_chain(DType d, bool epilogues) {
 // Rule attention_projection: the attention kernel computes q, k and v from
 // their projections. `gpt`: a layernorm of x feeds all three, each with a
 // bias epilogue before its split; causal, 12 tokens (4 warps, 3 query rows
-// each), the probabilities and q's heads read by the caller too (stored from
-// the kernel). Otherwise cross-attention without a norm: q from x (8 tokens,
+// each); the norm's output, mean and rstd, the probabilities and q's heads
+// read by the caller too (stored from the kernel). Otherwise cross-attention without a norm: q from x (8 tokens,
 // alpha 0.5), k and v from a memory of 6 rows, k's weight transposed, values
 // wider than the keys.
 TaskGraph projected_attention(DType d, bool gpt) {
@@ -280,7 +280,9 @@ TaskGraph projected_attention(DType d, bool gpt) {
                   .tensor("x", d, {B, T, C}, ext)
                   .tensor("weight", d, {C}, Storage::persistent)
                   .tensor("bias", d, {C}, Storage::persistent)
-                  .tensor("out", d, {B, T, C});
+                  .tensor("out", d, {B, T, C}, ext)
+                  .tensor("mean", DType::f32, {B, T}, ext)
+                  .tensor("rstd", DType::f32, {B, T}, ext);
     std::vector<TaskBuilder> heads;
     for (const std::string id : {"q", "k", "v"}) {
       auto p = b.task(id, "matmul").tensor("a", ln["out"]).tensor("b", d, {C, C}, ext).tensor("out", d, {B, T, C});
@@ -470,6 +472,9 @@ TEST_P(FusedChains, ProjectedAttentionMatchesTheReferenceFusedAndUnfused) {
     // q's heads, read by the caller, are stored as they are computed; k's and v's are not.
     EXPECT_EQ(src.find("q_heads.out, read later") != std::string::npos, gpt);
     EXPECT_EQ(src.find("k_heads.out, read later"), std::string::npos);
+    EXPECT_EQ(src.find("// ln's output and mean, rstd, read later: stored once, by each batch's first head") !=
+                  std::string::npos,
+              gpt);
     // The megakernel runs it too.
     expect_megakernel_right(g);
   }

@@ -1224,56 +1224,17 @@ CG_KERNEL void __launch_bounds__(256) k33_embed(const float* __restrict__ table,
   k33_embed_tile(table, ids, out, cg_launch_tile());
 }
 
-// Kernel k34_q (forward phase): tasks ln1 (rmsnorm, prologue, stored here), q (matmul), q_heads (split_heads), fused (norm_prologue, matmul_epilogue).
-//   reads  wq.out f32 [32, 32], embed.out f32 [2, 8, 32], ln1_w.out f32 [32]
-//   writes ln1.out f32 [2, 8, 32], ln1.rstd f32 [2, 8], q_heads.out f32 [2, 4, 8, 8]
-//   in registers q.out
-//   6272 bytes read, 4160 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
-//     [0, 4288) the operand tiles
-//     [4288, 8640) ln1's 32 rows normalised and weight, their statistics
-CG_DEVICE void k34_q_tile(const float* b, const float* ln1_x, const float* ln1_weight, float* ln1_out, float* ln1_rstd, float* q_heads_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): q_heads (split_heads), on element i of q.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    cg_store(q_heads_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // q_heads (split_heads): where it moves element i
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
-  // Prologue (norm_prologue): ln1 (rmsnorm) of a's rows, stored by the first column of tiles: the tile's rows
-  // normalised into shared memory, which the operand loads read.
-  float* cg_normed = (float*)(cg_smem + 4288);
-  const cg_i64 cg_row0 = a_base / 32 + (cg_i64)tile.y * 32;  // the tile's first row of the norm's input
-  cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); }, cg_row0, 32,
-                        a_base / 32 + 16, 32, 9.999999974752427e-07f, cg_normed, cg_normed + 1024, cg_normed + 1056);
-  if (tile.x == 0) {  // ln1's output and rstd, read later: stored once
-    for (int i = threadIdx.x; i < 32 * 32; i += blockDim.x) {
-      const cg_i64 r = cg_row0 + i / 32;
-      const int j = i % 32;
-      if (r < a_base / 32 + 16) cg_store(ln1_out, r * 32 + j, cg_normed[i]);
-    }
-    for (int r = threadIdx.x; r < 32; r += blockDim.x)
-      if (cg_row0 + r < a_base / 32 + 16) { cg_store(ln1_rstd, cg_row0 + r, cg_normed[1056 + r]); }
-  }
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_normed[(m - tile.y * 32) * 32 + k]; },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
-      16, 32, 32, tile.y, tile.x, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(256) k34_q(const float* __restrict__ b, const float* __restrict__ ln1_x, const float* __restrict__ ln1_weight, float* __restrict__ ln1_out, float* __restrict__ ln1_rstd, float* __restrict__ q_heads_out) {
-  k34_q_tile(b, ln1_x, ln1_weight, ln1_out, ln1_rstd, q_heads_out, cg_launch_tile());
-}
-
-// Kernel k35_k (forward phase): tasks ln1 (rmsnorm, prologue), k (matmul), k_heads (split_heads), v (matmul), v_heads (split_heads), scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (norm_prologue, attention_projection, attention).
-//   reads  q_heads.out f32 [2, 4, 8, 8], embed.out f32 [2, 8, 32], ln1_w.out f32 [32], wk.out f32 [32, 32], wv.out f32 [32, 32]
-//   writes probs.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8], merged.out f32 [2, 8, 32]
-//   in registers scores.out, context.out, k.out, ln1.out, ln1.rstd, v.out
-//   12416 bytes read, 8192 bytes written; grid [8, 1, 1], block 256, 3200 bytes of shared memory:
+// Kernel k34_q (forward phase): tasks ln1 (rmsnorm, prologue, stored here), q (matmul), q_heads (split_heads), k (matmul), k_heads (split_heads), v (matmul), v_heads (split_heads), scores (matmul), probs (softmax), context (matmul), merged (merge_heads), fused (norm_prologue, attention_projection, attention).
+//   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], wq.out f32 [32, 32], wk.out f32 [32, 32], wv.out f32 [32, 32]
+//   writes probs.out f32 [2, 4, 8, 8], ln1.rstd f32 [2, 8], ln1.out f32 [2, 8, 32], q_heads.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8], merged.out f32 [2, 8, 32]
+//   in registers scores.out, context.out, q.out, k.out, v.out
+//   14464 bytes read, 12352 bytes written; grid [8, 1, 1], block 256, 3488 bytes of shared memory:
 //     [0, 512) each warp's query row and scores (8 x 16 floats)
 //     [512, 1024) the head's keys and values (8 x 16 floats)
-//     [1024, 2176) ln1's 8 rows of a batch normalised, its weight
-//     [2176, 3200) a projection's weight columns of one head (256 floats)
-CG_DEVICE void k35_k_tile(const float* q, float* probs, const float* ln1_x, const float* ln1_weight, float* k_heads_out, const float* k_b, float* v_heads_out, const float* v_b, float* merged_out, cg_tile tile) {
+//     [1024, 2208) ln1's 8 rows of a batch normalised, its weight, the rows' statistics
+//     [2208, 2464) the head's 8 query rows (8 floats each)
+//     [2464, 3488) a projection's weight columns of one head (256 floats)
+CG_DEVICE void k34_q_tile(float* probs, const float* ln1_x, const float* ln1_weight, float* ln1_rstd, float* ln1_out, float* q_heads_out, const float* q_b, float* k_heads_out, const float* k_b, float* v_heads_out, const float* v_b, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_out, cg_split_heads_source(i, 8, 4, 8), v0);  // merged (merge_heads): where it moves element i
@@ -1290,14 +1251,35 @@ CG_DEVICE void k35_k_tile(const float* q, float* probs, const float* ln1_x, cons
   // ln1 (rmsnorm) of embed.out: the batch's 8 rows normalised into shared memory.
   float* cg_rows_ln1 = (float*)(cg_smem + 1024);
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); },
-                        cg_batch * 8, 8, cg_batch * 8 + 8, 32, 9.999999974752427e-07f, cg_rows_ln1, cg_rows_ln1 + 256, nullptr);
+                        cg_batch * 8, 8, cg_batch * 8 + 8, 32, 9.999999974752427e-07f, cg_rows_ln1, cg_rows_ln1 + 256, cg_rows_ln1 + 288);
+  if (cg_h == 0) {  // ln1's output and rstd, read later: stored once, by each batch's first head
+    for (int i = threadIdx.x; i < 8 * 32; i += blockDim.x) cg_store(ln1_out, cg_batch * 8 * 32 + i, cg_rows_ln1[i]);
+    for (int r = threadIdx.x; r < 8; r += blockDim.x) { cg_store(ln1_rstd, cg_batch * 8 + r, cg_rows_ln1[288 + r]); }
+  }
+  float* cg_q_rows = (float*)(cg_smem + 2208);
+  // q (matmul), split into q_heads.out: the block's head, into shared memory.
+  auto cg_keep_q = [&](cg_i64 i, float value) {
+    const int r = (int)(i / 32 - cg_batch * 8), c = (int)(i % 32) - cg_h * 8;
+    cg_q_rows[r * 8 + c] = value;
+    cg_store(q_heads_out, (cg_head * 8 + r) * 8 + c, value);  // q_heads.out, read later
+  };
+  float* cg_weights = (float*)(cg_smem + 2464);
+  cg_stage_rows([&](int k, int c) { const int n = cg_h * 8 + c; return cg_load(q_b, (cg_i64)k * 32 + n); }, cg_weights, 32, 8);
+  for (int e = threadIdx.x; e < 8 * 8; e += blockDim.x) {
+    const int r = e / 8, c = e % 8;
+    const cg_i64 m = cg_batch * 8 + r;  // the row of q.out: a token
+    const int n = cg_h * 8 + c;
+    float acc = 0.0f;
+    for (int k = 0; k < 32; ++k) acc += cg_rows_ln1[r * 32 + k] * cg_weights[k * 8 + c];
+    cg_keep_q(m * 32 + n, acc);
+  }
+  __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows
   // k (matmul), split into k_heads.out: the block's head, into shared memory.
   auto cg_keep_k = [&](cg_i64 i, float value) {
     const int r = (int)(i / 32 - cg_batch * 8), c = (int)(i % 32) - cg_h * 8;
     staged_k[r * 8 + c] = value;
     cg_store(k_heads_out, (cg_head * 8 + r) * 8 + c, value);  // k_heads.out, read later
   };
-  float* cg_weights = (float*)(cg_smem + 2176);
   cg_stage_rows([&](int k, int c) { const int n = cg_h * 8 + c; return cg_load(k_b, (cg_i64)k * 32 + n); }, cg_weights, 32, 8);
   for (int e = threadIdx.x; e < 8 * 8; e += blockDim.x) {
     const int r = e / 8, c = e % 8;
@@ -1325,7 +1307,7 @@ CG_DEVICE void k35_k_tile(const float* q, float* probs, const float* ln1_x, cons
   }
   __syncthreads();  // the rows computed, the weights read: before the next projection or the warps' rows
   for (cg_i64 row = (cg_i64)tile.x * 8 + warp; warp < 8 && row < ((cg_i64)tile.x + 1) * 8; row += 8)
-    cg_attention_row([&](int c) { return cg_load(q, row * 8 + c); },
+    cg_attention_row([&](int c) { return cg_q_rows[row % 8 * 8 + c]; },
                      [&](int j, int c) { return staged_k[j * 8 + c]; },
                      [&](int j, int c) { return staged_v[j * 8 + c]; },
                      [&](int j, float p) { cg_store(probs, row * 8 + j, p); },
@@ -1333,17 +1315,17 @@ CG_DEVICE void k35_k_tile(const float* q, float* probs, const float* ln1_x, cons
                      8, 8, 8, 1.0f, 0.3535533845424652f, (int)(row % 8 + 1 < 8 ? row % 8 + 1 : 8), (float*)cg_smem + warp * 16);
   __syncthreads();  // the staged rows are read before the block's next tile overwrites them
 }
-CG_KERNEL void __launch_bounds__(256) k35_k(const float* __restrict__ q, float* __restrict__ probs, const float* __restrict__ ln1_x, const float* __restrict__ ln1_weight, float* __restrict__ k_heads_out, const float* __restrict__ k_b, float* __restrict__ v_heads_out, const float* __restrict__ v_b, float* __restrict__ merged_out) {
-  k35_k_tile(q, probs, ln1_x, ln1_weight, k_heads_out, k_b, v_heads_out, v_b, merged_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k34_q(float* __restrict__ probs, const float* __restrict__ ln1_x, const float* __restrict__ ln1_weight, float* __restrict__ ln1_rstd, float* __restrict__ ln1_out, float* __restrict__ q_heads_out, const float* __restrict__ q_b, float* __restrict__ k_heads_out, const float* __restrict__ k_b, float* __restrict__ v_heads_out, const float* __restrict__ v_b, float* __restrict__ merged_out) {
+  k34_q_tile(probs, ln1_x, ln1_weight, ln1_rstd, ln1_out, q_heads_out, q_b, k_heads_out, k_b, v_heads_out, v_b, merged_out, cg_launch_tile());
 }
 
-// Kernel k36_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
+// Kernel k35_attn_out (forward phase): tasks attn_out (matmul), res1 (add), fused (matmul_epilogue).
 //   reads  merged.out f32 [2, 8, 32], wo.out f32 [32, 32], embed.out f32 [2, 8, 32]
 //   writes res1.out f32 [2, 8, 32]
 //   in registers attn_out.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k36_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
+CG_DEVICE void k35_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(res1_a, i), v0);  // res1.out
@@ -1358,11 +1340,11 @@ CG_DEVICE void k36_attn_out_tile(const float* a, const float* b, const float* re
       [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k36_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
-  k36_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k35_attn_out(const float* __restrict__ a, const float* __restrict__ b, const float* __restrict__ res1_a, float* __restrict__ res1_out) {
+  k35_attn_out_tile(a, b, res1_a, res1_out, cg_launch_tile());
 }
 
-// Kernel k37_up (forward phase): tasks ln2 (rmsnorm, prologue, stored here), up (matmul), act (gelu), down (matmul), res2 (add), fused (norm_prologue, matmul_chain).
+// Kernel k36_up (forward phase): tasks ln2 (rmsnorm, prologue, stored here), up (matmul), act (gelu), down (matmul), res2 (add), fused (norm_prologue, matmul_chain).
 //   reads  w_up.out f32 [32, 64], w_down.out f32 [64, 32], res1.out f32 [2, 8, 32], ln2_w.out f32 [32]
 //   writes up.out f32 [2, 8, 64], ln2.out f32 [2, 8, 32], ln2.rstd f32 [2, 8], act.out f32 [2, 8, 64], res2.out f32 [2, 8, 32]
 //   in registers down.out
@@ -1370,7 +1352,7 @@ CG_KERNEL void __launch_bounds__(256) k36_attn_out(const float* __restrict__ a, 
 //     [0, 4288) the operand tiles
 //     [4288, 12480) the block's 32 rows of act.out (f32)
 //     [12480, 16832) ln2's 32 rows normalised and weight, their statistics
-CG_DEVICE void k37_up_tile(const float* up_b, float* up_out, const float* down_b, const float* ln2_x, const float* ln2_weight, float* ln2_out, float* ln2_rstd, float* act_out, const float* res2_a, float* res2_out, cg_tile tile) {
+CG_DEVICE void k36_up_tile(const float* up_b, float* up_out, const float* down_b, const float* ln2_x, const float* ln2_weight, float* ln2_out, float* ln2_rstd, float* act_out, const float* res2_a, float* res2_out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 a_base = 0;  // every row of every batch, flattened
   float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act.out
@@ -1418,17 +1400,17 @@ CG_DEVICE void k37_up_tile(const float* up_b, float* up_out, const float* down_b
         [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 32 + n, acc); },
         16, 32, 64, tile.y, cg_column, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256, 1) k37_up(const float* __restrict__ up_b, float* __restrict__ up_out, const float* __restrict__ down_b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, float* __restrict__ ln2_out, float* __restrict__ ln2_rstd, float* __restrict__ act_out, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
-  k37_up_tile(up_b, up_out, down_b, ln2_x, ln2_weight, ln2_out, ln2_rstd, act_out, res2_a, res2_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256, 1) k36_up(const float* __restrict__ up_b, float* __restrict__ up_out, const float* __restrict__ down_b, const float* __restrict__ ln2_x, const float* __restrict__ ln2_weight, float* __restrict__ ln2_out, float* __restrict__ ln2_rstd, float* __restrict__ act_out, const float* __restrict__ res2_a, float* __restrict__ res2_out) {
+  k36_up_tile(up_b, up_out, down_b, ln2_x, ln2_weight, ln2_out, ln2_rstd, act_out, res2_a, res2_out, cg_launch_tile());
 }
 
-// Kernel k38_head (forward phase): tasks lnf (rmsnorm, prologue, stored here), head (matmul), fused (norm_prologue).
+// Kernel k37_head (forward phase): tasks lnf (rmsnorm, prologue, stored here), head (matmul), fused (norm_prologue).
 //   reads  w_head.out f32 [32, 16], res2.out f32 [2, 8, 32], lnf_w.out f32 [32]
 //   writes head.out f32 [2, 8, 16], lnf.out f32 [2, 8, 32], lnf.rstd f32 [2, 8]
 //   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
 //     [0, 4288) the operand tiles
 //     [4288, 8640) lnf's 32 rows normalised and weight, their statistics
-CG_DEVICE void k38_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
+CG_DEVICE void k37_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 256;
@@ -1453,16 +1435,16 @@ CG_DEVICE void k38_head_tile(const float* b, float* out, const float* lnf_x, con
       [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 16 + n, acc); },
       16, 16, 32, tile.y, tile.x, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(256) k38_head(const float* __restrict__ b, float* __restrict__ out, const float* __restrict__ lnf_x, const float* __restrict__ lnf_weight, float* __restrict__ lnf_out, float* __restrict__ lnf_rstd) {
-  k38_head_tile(b, out, lnf_x, lnf_weight, lnf_out, lnf_rstd, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k37_head(const float* __restrict__ b, float* __restrict__ out, const float* __restrict__ lnf_x, const float* __restrict__ lnf_weight, float* __restrict__ lnf_out, float* __restrict__ lnf_rstd) {
+  k37_head_tile(b, out, lnf_x, lnf_weight, lnf_out, lnf_rstd, cg_launch_tile());
 }
 
-// Kernel k39_loss (forward phase): task loss (cross_entropy, reduction).
+// Kernel k38_loss (forward phase): task loss (cross_entropy, reduction).
 //   reads  loss.logits f32 [2, 8, 16] <- head.out, loss.labels i32 [2, 8]
 //   writes loss.loss f32 []
 //   1088 bytes read, 4 bytes written; grid [1, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k39_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
+CG_DEVICE void k38_loss_tile(const float* logits, const int* labels, float* loss, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   float total = 0.0f;
   for (cg_i64 row = 0; row < 16; ++row)
@@ -1470,32 +1452,32 @@ CG_DEVICE void k39_loss_tile(const float* logits, const int* labels, float* loss
                                   (float*)cg_smem);
   if (threadIdx.x == 0) cg_store(loss, 0, total / 16.0f);
 }
-CG_KERNEL void __launch_bounds__(32) k39_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
-  k39_loss_tile(logits, labels, loss, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k38_loss(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ loss) {
+  k38_loss_tile(logits, labels, loss, cg_launch_tile());
 }
 
-// Kernel k40_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
+// Kernel k39_loss_backward (backward phase): task loss_backward (cross_entropy_backward, reduction).
 //   reads  loss_backward.logits f32 [2, 8, 16] <- head.out, loss_backward.labels i32 [2, 8] <- loss.labels
 //   writes loss_backward.dlogits f32 [2, 8, 16]
 //   1088 bytes read, 1024 bytes written; grid [16, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k40_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
+CG_DEVICE void k39_loss_backward_tile(const float* logits, const int* labels, float* dlogits, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_cross_entropy_backward_row([&](int j) { return cg_load(logits, row * 16 + j); },
                                 [&](int j, float v) { cg_store(dlogits, row * 16 + j, v); },
                                 16, (cg_i64)cg_load(labels, row), 0.0625f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k40_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
-  k40_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k39_loss_backward(const float* __restrict__ logits, const int* __restrict__ labels, float* __restrict__ dlogits) {
+  k39_loss_backward_tile(logits, labels, dlogits, cg_launch_tile());
 }
 
-// Kernel k41_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
+// Kernel k40_head_grad_a (backward phase): task head_grad_a (matmul, matmul).
 //   reads  head_grad_a.a f32 [2, 8, 16] <- loss_backward.dlogits, head_grad_a.b f32 [32, 16] <- w_head.out
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k41_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 256, b_base = z * 512, out_base = z * 512;
@@ -1506,12 +1488,12 @@ CG_DEVICE void k41_head_grad_a_tile(const float* a, const float* b, float* out, 
       16, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k42_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
+// Kernel k41_head_grad_b (backward phase): task head_grad_b (matmul, matmul).
 //   reads  head_grad_b.a f32 [16, 32] <- head_grad_b_a_rows.out, head_grad_b.b f32 [16, 16] <- head_grad_b_dout_rows.out
 //   writes head_grad_b.out f32 [32, 16]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k42_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k41_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 256, out_base = z * 512;
@@ -1522,12 +1504,12 @@ CG_DEVICE void k42_head_grad_b_tile(const float* a, const float* b, float* out, 
       32, 16, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k43_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
+// Kernel k42_lnf_backward (backward phase): task lnf_backward (rmsnorm_backward, reduction).
 //   reads  lnf_backward.x f32 [2, 8, 32] <- res2.out, lnf_backward.weight f32 [32] <- lnf_w.out, lnf_backward.rstd f32 [2, 8] <- lnf.rstd, lnf_backward.dout f32 [2, 8, 32] <- head_grad_a.out
 //   writes lnf_backward.dx f32 [2, 8, 32], lnf_backward.dweight f32 [32]
 //   4288 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
 //     [0, 512) reduction scratch, a float per thread
-CG_DEVICE void k43_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
+CG_DEVICE void k42_lnf_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dx, float* dweight, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   if (tile.x < 16) {  // dx, a row per block
     const cg_i64 row = tile.x;
@@ -1545,16 +1527,16 @@ CG_DEVICE void k43_lnf_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k43_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
-  k43_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k42_lnf_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dx, float* __restrict__ dweight) {
+  k42_lnf_backward_tile(x, weight, rstd, dout, dx, dweight, cg_launch_tile());
 }
 
-// Kernel k44_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
+// Kernel k43_down_grad_b (backward phase): task down_grad_b (matmul, matmul).
 //   reads  down_grad_b.a f32 [16, 64] <- down_grad_b_a_rows.out, down_grad_b.b f32 [16, 32] <- down_grad_b_dout_rows.out
 //   writes down_grad_b.out f32 [64, 32]
 //   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k44_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k43_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 1024, b_base = z * 512, out_base = z * 2048;
@@ -1565,14 +1547,14 @@ CG_DEVICE void k44_down_grad_b_tile(const float* a, const float* b, float* out, 
       64, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k45_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), up_grad_a (matmul), fused (matmul_chain).
+// Kernel k44_down_grad_a (backward phase): tasks down_grad_a (matmul), act_backward (gelu_backward), up_grad_a (matmul), fused (matmul_chain).
 //   reads  lnf_backward.dx f32 [2, 8, 32], w_down.out f32 [64, 32], w_up.out f32 [32, 64], up.out f32 [2, 8, 64]
 //   writes up_grad_a.out f32 [2, 8, 32], act_backward.dx f32 [2, 8, 64]
 //   in registers down_grad_a.out
 //   22528 bytes read, 6144 bytes written; grid [1, 1, 1], block 256, 12480 bytes of shared memory:
 //     [0, 4288) the operand tiles
 //     [4288, 12480) the block's 32 rows of act_backward.dx (f32)
-CG_DEVICE void k45_down_grad_a_tile(const float* down_grad_a_a, const float* down_grad_a_b, const float* up_grad_a_b, float* up_grad_a_out, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
+CG_DEVICE void k44_down_grad_a_tile(const float* down_grad_a_a, const float* down_grad_a_b, const float* up_grad_a_b, float* up_grad_a_out, const float* act_backward_x, float* act_backward_dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 a_base = 0;  // every row of every batch, flattened
   float* cg_value = (float*)(cg_smem + 4288);  // the block's rows of act_backward.dx
@@ -1600,12 +1582,12 @@ CG_DEVICE void k45_down_grad_a_tile(const float* down_grad_a_a, const float* dow
         16, 32, 64, tile.y, cg_column, (float*)cg_smem);
 }
 
-// Kernel k46_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
+// Kernel k45_up_grad_b (backward phase): task up_grad_b (matmul, matmul).
 //   reads  up_grad_b.a f32 [16, 32] <- up_grad_b_a_rows.out, up_grad_b.b f32 [16, 64] <- up_grad_b_dout_rows.out
 //   writes up_grad_b.out f32 [32, 64]
 //   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k46_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k45_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 2048;
@@ -1616,13 +1598,13 @@ CG_DEVICE void k46_up_grad_b_tile(const float* a, const float* b, float* out, cg
       32, 64, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k47_ln2_backward (backward phase): tasks ln2_backward (rmsnorm_backward), grad_res1_out_sum (add), fused (reduction_epilogue).
+// Kernel k46_ln2_backward (backward phase): tasks ln2_backward (rmsnorm_backward), grad_res1_out_sum (add), fused (reduction_epilogue).
 //   reads  res1.out f32 [2, 8, 32], ln2_w.out f32 [32], ln2.rstd f32 [2, 8], up_grad_a.out f32 [2, 8, 32], lnf_backward.dx f32 [2, 8, 32]
 //   writes ln2_backward.dweight f32 [32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   in registers ln2_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
 //     [0, 512) reduction scratch, a float per thread
-CG_DEVICE void k47_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k46_ln2_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_res1_out_sum_a, float* grad_res1_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_res1_out_sum (add), on element i of ln2_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_res1_out_sum_a, i), v0);  // grad_res1_out_sum.out
@@ -1646,13 +1628,13 @@ CG_DEVICE void k47_ln2_backward_tile(const float* x, const float* weight, const 
   }
 }
 
-// Kernel k48_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
+// Kernel k47_attn_out_grad_a (backward phase): tasks attn_out_grad_a (matmul), merged_grad_x (split_heads), fused (matmul_epilogue).
 //   reads  grad_res1_out_sum.out f32 [2, 8, 32], wo.out f32 [32, 32]
 //   writes merged_grad_x.out f32 [2, 4, 8, 8]
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k48_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
+CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(merged_grad_x_out, cg_merge_heads_source(i, 8, 4, 8), v0);  // merged_grad_x (split_heads): where it moves element i
@@ -1667,12 +1649,12 @@ CG_DEVICE void k48_attn_out_grad_a_tile(const float* a, const float* b, float* m
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k49_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
+// Kernel k48_attn_out_grad_b (backward phase): task attn_out_grad_b (matmul, matmul).
 //   reads  attn_out_grad_b.a f32 [16, 32] <- attn_out_grad_b_a_rows.out, attn_out_grad_b.b f32 [16, 32] <- attn_out_grad_b_dout_rows.out
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k49_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k48_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1683,12 +1665,12 @@ CG_DEVICE void k49_attn_out_grad_b_tile(const float* a, const float* b, float* o
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k50_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
+// Kernel k49_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
 //   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
 //   writes context_grad_a.out f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k50_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k49_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
@@ -1699,13 +1681,13 @@ CG_DEVICE void k50_context_grad_a_tile(const float* a, const float* b, float* ou
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k51_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k50_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
 //   writes v_heads_grad_x.out f32 [2, 8, 32]
 //   in registers context_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k51_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k50_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
@@ -1720,12 +1702,12 @@ CG_DEVICE void k51_context_grad_b_tile(const float* a, const float* b, float* v_
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k52_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
+// Kernel k51_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
 //   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
 //   writes probs_backward.dx f32 [2, 4, 8, 8]
 //   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory:
 //     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k52_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
+CG_DEVICE void k51_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 row = tile.x;
   cg_softmax_backward_row([&](int j) { return cg_load(out, row * 8 + j); },
@@ -1733,17 +1715,17 @@ CG_DEVICE void k52_probs_backward_tile(const float* out, const float* dout, floa
       [&](int j, float v) { cg_store(dx, row * 8 + j, v); },
       8, 0.3535533845424652f, (float*)cg_smem);
 }
-CG_KERNEL void __launch_bounds__(32) k52_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k52_probs_backward_tile(out, dout, dx, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k51_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
+  k51_probs_backward_tile(out, dout, dx, cg_launch_tile());
 }
 
-// Kernel k53_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k52_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
 //   writes q_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_a.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k53_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k52_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(q_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // q_heads_grad_x (merge_heads): where it moves element i
@@ -1758,13 +1740,13 @@ CG_DEVICE void k53_scores_grad_a_tile(const float* a, const float* b, float* q_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k54_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
+// Kernel k53_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
 //   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
 //   writes k_heads_grad_x.out f32 [2, 8, 32]
 //   in registers scores_grad_b.out
 //   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k54_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
+CG_DEVICE void k53_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     cg_store(k_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // k_heads_grad_x (merge_heads): where it moves element i
@@ -1779,12 +1761,12 @@ CG_DEVICE void k54_scores_grad_b_tile(const float* a, const float* b, float* k_h
       8, 8, 8, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k55_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
+// Kernel k54_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k55_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k54_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
@@ -1795,12 +1777,12 @@ CG_DEVICE void k55_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k56_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k55_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k56_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k55_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1811,13 +1793,13 @@ CG_DEVICE void k56_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k57_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
+// Kernel k56_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k57_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k56_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
@@ -1833,12 +1815,12 @@ CG_DEVICE void k57_k_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k58_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k57_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k58_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k57_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1849,13 +1831,13 @@ CG_DEVICE void k58_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k59_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
+// Kernel k58_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k59_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
+CG_DEVICE void k58_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
@@ -1871,12 +1853,12 @@ CG_DEVICE void k59_q_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k60_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k59_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k60_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k59_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1887,13 +1869,13 @@ CG_DEVICE void k60_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k61_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
+// Kernel k60_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
 //   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
 //   in registers ln1_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
 //     [0, 512) reduction scratch, a float per thread
-CG_DEVICE void k61_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
+CG_DEVICE void k60_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_embed_out_sum_a, i), v0);  // grad_embed_out_sum.out
@@ -1916,28 +1898,28 @@ CG_DEVICE void k61_ln1_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k61_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
-  k61_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k60_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
+  k60_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k62_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k61_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k62_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k61_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k62_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k62_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k61_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k61_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k63_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k62_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k63_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k62_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -1951,11 +1933,11 @@ CG_DEVICE void k63_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k64_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k63_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k64_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k63_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -1969,11 +1951,11 @@ CG_DEVICE void k64_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k65_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k64_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k65_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k64_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1987,11 +1969,11 @@ CG_DEVICE void k65_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k66_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k65_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k66_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k65_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2005,11 +1987,11 @@ CG_DEVICE void k66_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k67_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k66_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k67_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k66_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2023,11 +2005,11 @@ CG_DEVICE void k67_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k68_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k67_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k68_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k67_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2041,11 +2023,11 @@ CG_DEVICE void k68_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k69_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k68_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k69_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k68_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2059,11 +2041,11 @@ CG_DEVICE void k69_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k70_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k69_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k70_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k69_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2077,11 +2059,11 @@ CG_DEVICE void k70_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k71_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k70_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k71_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k70_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2095,11 +2077,11 @@ CG_DEVICE void k71_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k72_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k71_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k72_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k71_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2113,11 +2095,11 @@ CG_DEVICE void k72_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k73_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k72_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k73_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k72_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2271,284 +2253,284 @@ CG_KERNEL void __launch_bounds__(256) h0_embed_w_ln1_w_wq_and_30_more(
     k32_w_head_v_init_tile(k32_w_head_v_init_out, cg_tile_of(block - 38u, 1, 1));
 }
 
-// Launch h9_head_grad_a_head_grad_b (backward phase):
+// Launch h8_head_grad_a_head_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k41_head_grad_a
-//   blocks [1, 2): k42_head_grad_b
-CG_KERNEL void __launch_bounds__(256) h9_head_grad_a_head_grad_b(
-    const float* __restrict__ k41_head_grad_a_a,
-    const float* __restrict__ k41_head_grad_a_b,
-    float* __restrict__ k41_head_grad_a_out,
-    const float* __restrict__ k42_head_grad_b_a,
-    const float* __restrict__ k42_head_grad_b_b,
-    float* __restrict__ k42_head_grad_b_out) {
+//   blocks [0, 1): k40_head_grad_a
+//   blocks [1, 2): k41_head_grad_b
+CG_KERNEL void __launch_bounds__(256) h8_head_grad_a_head_grad_b(
+    const float* __restrict__ k40_head_grad_a_a,
+    const float* __restrict__ k40_head_grad_a_b,
+    float* __restrict__ k40_head_grad_a_out,
+    const float* __restrict__ k41_head_grad_b_a,
+    const float* __restrict__ k41_head_grad_b_b,
+    float* __restrict__ k41_head_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k41_head_grad_a_tile(k41_head_grad_a_a, k41_head_grad_a_b, k41_head_grad_a_out, cg_tile_of(block, 1, 1));
+    k40_head_grad_a_tile(k40_head_grad_a_a, k40_head_grad_a_b, k40_head_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k42_head_grad_b_tile(k42_head_grad_b_a, k42_head_grad_b_b, k42_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k41_head_grad_b_tile(k41_head_grad_b_a, k41_head_grad_b_b, k41_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h11_down_grad_b_down_grad_a (backward phase):
+// Launch h10_down_grad_b_down_grad_a (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
 // of 256 threads, 12480 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k44_down_grad_b
-//   blocks [2, 3): k45_down_grad_a
-CG_KERNEL void __launch_bounds__(256, 1) h11_down_grad_b_down_grad_a(
-    const float* __restrict__ k44_down_grad_b_a,
-    const float* __restrict__ k44_down_grad_b_b,
-    float* __restrict__ k44_down_grad_b_out,
-    const float* __restrict__ k45_down_grad_a_down_grad_a_a,
-    const float* __restrict__ k45_down_grad_a_down_grad_a_b,
-    const float* __restrict__ k45_down_grad_a_up_grad_a_b,
-    float* __restrict__ k45_down_grad_a_up_grad_a_out,
-    const float* __restrict__ k45_down_grad_a_act_backward_x,
-    float* __restrict__ k45_down_grad_a_act_backward_dx) {
+//   blocks [0, 2): k43_down_grad_b
+//   blocks [2, 3): k44_down_grad_a
+CG_KERNEL void __launch_bounds__(256, 1) h10_down_grad_b_down_grad_a(
+    const float* __restrict__ k43_down_grad_b_a,
+    const float* __restrict__ k43_down_grad_b_b,
+    float* __restrict__ k43_down_grad_b_out,
+    const float* __restrict__ k44_down_grad_a_down_grad_a_a,
+    const float* __restrict__ k44_down_grad_a_down_grad_a_b,
+    const float* __restrict__ k44_down_grad_a_up_grad_a_b,
+    float* __restrict__ k44_down_grad_a_up_grad_a_out,
+    const float* __restrict__ k44_down_grad_a_act_backward_x,
+    float* __restrict__ k44_down_grad_a_act_backward_dx) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k44_down_grad_b_tile(k44_down_grad_b_a, k44_down_grad_b_b, k44_down_grad_b_out, cg_tile_of(block, 1, 2));
+    k43_down_grad_b_tile(k43_down_grad_b_a, k43_down_grad_b_b, k43_down_grad_b_out, cg_tile_of(block, 1, 2));
   else
-    k45_down_grad_a_tile(k45_down_grad_a_down_grad_a_a, k45_down_grad_a_down_grad_a_b, k45_down_grad_a_up_grad_a_b, k45_down_grad_a_up_grad_a_out, k45_down_grad_a_act_backward_x, k45_down_grad_a_act_backward_dx, cg_tile_of(block - 2u, 1, 1));
+    k44_down_grad_a_tile(k44_down_grad_a_down_grad_a_a, k44_down_grad_a_down_grad_a_b, k44_down_grad_a_up_grad_a_b, k44_down_grad_a_up_grad_a_out, k44_down_grad_a_act_backward_x, k44_down_grad_a_act_backward_dx, cg_tile_of(block - 2u, 1, 1));
 }
 
-CG_KERNEL void __launch_bounds__(256) k46_up_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
-  k46_up_grad_b_tile(a, b, out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(256) k45_up_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
+  k45_up_grad_b_tile(a, b, out, cg_launch_tile());
 }
 
-CG_KERNEL void __launch_bounds__(128) k47_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_res1_out_sum_a, float* __restrict__ grad_res1_out_sum_out) {
-  k47_ln2_backward_tile(x, weight, rstd, dout, dweight, grad_res1_out_sum_a, grad_res1_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k46_ln2_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_res1_out_sum_a, float* __restrict__ grad_res1_out_sum_out) {
+  k46_ln2_backward_tile(x, weight, rstd, dout, dweight, grad_res1_out_sum_a, grad_res1_out_sum_out, cg_launch_tile());
 }
 
-// Launch h13_attn_out_grad_a_attn_out_grad_b (backward phase):
+// Launch h12_attn_out_grad_a_attn_out_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k48_attn_out_grad_a
-//   blocks [1, 2): k49_attn_out_grad_b
-CG_KERNEL void __launch_bounds__(256) h13_attn_out_grad_a_attn_out_grad_b(
-    const float* __restrict__ k48_attn_out_grad_a_a,
-    const float* __restrict__ k48_attn_out_grad_a_b,
-    float* __restrict__ k48_attn_out_grad_a_merged_grad_x_out,
-    const float* __restrict__ k49_attn_out_grad_b_a,
-    const float* __restrict__ k49_attn_out_grad_b_b,
-    float* __restrict__ k49_attn_out_grad_b_out) {
+//   blocks [0, 1): k47_attn_out_grad_a
+//   blocks [1, 2): k48_attn_out_grad_b
+CG_KERNEL void __launch_bounds__(256) h12_attn_out_grad_a_attn_out_grad_b(
+    const float* __restrict__ k47_attn_out_grad_a_a,
+    const float* __restrict__ k47_attn_out_grad_a_b,
+    float* __restrict__ k47_attn_out_grad_a_merged_grad_x_out,
+    const float* __restrict__ k48_attn_out_grad_b_a,
+    const float* __restrict__ k48_attn_out_grad_b_b,
+    float* __restrict__ k48_attn_out_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k48_attn_out_grad_a_tile(k48_attn_out_grad_a_a, k48_attn_out_grad_a_b, k48_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
+    k47_attn_out_grad_a_tile(k47_attn_out_grad_a_a, k47_attn_out_grad_a_b, k47_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
   else
-    k49_attn_out_grad_b_tile(k49_attn_out_grad_b_a, k49_attn_out_grad_b_b, k49_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k48_attn_out_grad_b_tile(k48_attn_out_grad_b_a, k48_attn_out_grad_b_b, k48_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h14_context_grad_a_context_grad_b (backward phase):
+// Launch h13_context_grad_a_context_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k50_context_grad_a
-//   blocks [8, 16): k51_context_grad_b
-CG_KERNEL void __launch_bounds__(256) h14_context_grad_a_context_grad_b(
-    const float* __restrict__ k50_context_grad_a_a,
-    const float* __restrict__ k50_context_grad_a_b,
-    float* __restrict__ k50_context_grad_a_out,
-    const float* __restrict__ k51_context_grad_b_a,
-    const float* __restrict__ k51_context_grad_b_b,
-    float* __restrict__ k51_context_grad_b_v_heads_grad_x_out) {
+//   blocks [0, 8): k49_context_grad_a
+//   blocks [8, 16): k50_context_grad_b
+CG_KERNEL void __launch_bounds__(256) h13_context_grad_a_context_grad_b(
+    const float* __restrict__ k49_context_grad_a_a,
+    const float* __restrict__ k49_context_grad_a_b,
+    float* __restrict__ k49_context_grad_a_out,
+    const float* __restrict__ k50_context_grad_b_a,
+    const float* __restrict__ k50_context_grad_b_b,
+    float* __restrict__ k50_context_grad_b_v_heads_grad_x_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k50_context_grad_a_tile(k50_context_grad_a_a, k50_context_grad_a_b, k50_context_grad_a_out, cg_tile_of(block, 1, 1));
+    k49_context_grad_a_tile(k49_context_grad_a_a, k49_context_grad_a_b, k49_context_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k51_context_grad_b_tile(k51_context_grad_b_a, k51_context_grad_b_b, k51_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k50_context_grad_b_tile(k50_context_grad_b_a, k50_context_grad_b_b, k50_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
 }
 
-// Launch h16_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
+// Launch h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 18 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k53_scores_grad_a
-//   blocks [8, 16): k54_scores_grad_b
-//   blocks [16, 17): k55_v_grad_a
-//   blocks [17, 18): k56_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h16_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
-    const float* __restrict__ k53_scores_grad_a_a,
-    const float* __restrict__ k53_scores_grad_a_b,
-    float* __restrict__ k53_scores_grad_a_q_heads_grad_x_out,
-    const float* __restrict__ k54_scores_grad_b_a,
-    const float* __restrict__ k54_scores_grad_b_b,
-    float* __restrict__ k54_scores_grad_b_k_heads_grad_x_out,
-    const float* __restrict__ k55_v_grad_a_a,
-    const float* __restrict__ k55_v_grad_a_b,
-    float* __restrict__ k55_v_grad_a_out,
-    const float* __restrict__ k56_v_grad_b_a,
-    const float* __restrict__ k56_v_grad_b_b,
-    float* __restrict__ k56_v_grad_b_out) {
+//   blocks [0, 8): k52_scores_grad_a
+//   blocks [8, 16): k53_scores_grad_b
+//   blocks [16, 17): k54_v_grad_a
+//   blocks [17, 18): k55_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
+    const float* __restrict__ k52_scores_grad_a_a,
+    const float* __restrict__ k52_scores_grad_a_b,
+    float* __restrict__ k52_scores_grad_a_q_heads_grad_x_out,
+    const float* __restrict__ k53_scores_grad_b_a,
+    const float* __restrict__ k53_scores_grad_b_b,
+    float* __restrict__ k53_scores_grad_b_k_heads_grad_x_out,
+    const float* __restrict__ k54_v_grad_a_a,
+    const float* __restrict__ k54_v_grad_a_b,
+    float* __restrict__ k54_v_grad_a_out,
+    const float* __restrict__ k55_v_grad_b_a,
+    const float* __restrict__ k55_v_grad_b_b,
+    float* __restrict__ k55_v_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k53_scores_grad_a_tile(k53_scores_grad_a_a, k53_scores_grad_a_b, k53_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
+    k52_scores_grad_a_tile(k52_scores_grad_a_a, k52_scores_grad_a_b, k52_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
   else if (block < 16u)
-    k54_scores_grad_b_tile(k54_scores_grad_b_a, k54_scores_grad_b_b, k54_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
+    k53_scores_grad_b_tile(k53_scores_grad_b_a, k53_scores_grad_b_b, k53_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
   else if (block < 17u)
-    k55_v_grad_a_tile(k55_v_grad_a_a, k55_v_grad_a_b, k55_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
+    k54_v_grad_a_tile(k54_v_grad_a_a, k54_v_grad_a_b, k54_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
   else
-    k56_v_grad_b_tile(k56_v_grad_b_a, k56_v_grad_b_b, k56_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
+    k55_v_grad_b_tile(k55_v_grad_b_a, k55_v_grad_b_b, k55_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
 }
 
-// Launch h17_k_grad_a_k_grad_b (backward phase):
+// Launch h16_k_grad_a_k_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k57_k_grad_a
-//   blocks [1, 2): k58_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h17_k_grad_a_k_grad_b(
-    const float* __restrict__ k57_k_grad_a_a,
-    const float* __restrict__ k57_k_grad_a_b,
-    const float* k57_k_grad_a_grad_ln1_out_sum_a,
-    float* k57_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k58_k_grad_b_a,
-    const float* __restrict__ k58_k_grad_b_b,
-    float* __restrict__ k58_k_grad_b_out) {
+//   blocks [0, 1): k56_k_grad_a
+//   blocks [1, 2): k57_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h16_k_grad_a_k_grad_b(
+    const float* __restrict__ k56_k_grad_a_a,
+    const float* __restrict__ k56_k_grad_a_b,
+    const float* k56_k_grad_a_grad_ln1_out_sum_a,
+    float* k56_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k57_k_grad_b_a,
+    const float* __restrict__ k57_k_grad_b_b,
+    float* __restrict__ k57_k_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k57_k_grad_a_tile(k57_k_grad_a_a, k57_k_grad_a_b, k57_k_grad_a_grad_ln1_out_sum_a, k57_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+    k56_k_grad_a_tile(k56_k_grad_a_a, k56_k_grad_a_b, k56_k_grad_a_grad_ln1_out_sum_a, k56_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
   else
-    k58_k_grad_b_tile(k58_k_grad_b_a, k58_k_grad_b_b, k58_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k57_k_grad_b_tile(k57_k_grad_b_a, k57_k_grad_b_b, k57_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h18_q_grad_a_q_grad_b (backward phase):
+// Launch h17_q_grad_a_q_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k59_q_grad_a
-//   blocks [1, 2): k60_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h18_q_grad_a_q_grad_b(
-    const float* __restrict__ k59_q_grad_a_a,
-    const float* __restrict__ k59_q_grad_a_b,
-    const float* k59_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k59_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k60_q_grad_b_a,
-    const float* __restrict__ k60_q_grad_b_b,
-    float* __restrict__ k60_q_grad_b_out) {
+//   blocks [0, 1): k58_q_grad_a
+//   blocks [1, 2): k59_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h17_q_grad_a_q_grad_b(
+    const float* __restrict__ k58_q_grad_a_a,
+    const float* __restrict__ k58_q_grad_a_b,
+    const float* k58_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k58_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k59_q_grad_b_a,
+    const float* __restrict__ k59_q_grad_b_b,
+    float* __restrict__ k59_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k59_q_grad_a_tile(k59_q_grad_a_a, k59_q_grad_a_b, k59_q_grad_a_grad_ln1_out_sum_2_a, k59_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+    k58_q_grad_a_tile(k58_q_grad_a_a, k58_q_grad_a_b, k58_q_grad_a_grad_ln1_out_sum_2_a, k58_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
   else
-    k60_q_grad_b_tile(k60_q_grad_b_a, k60_q_grad_b_b, k60_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k59_q_grad_b_tile(k59_q_grad_b_a, k59_q_grad_b_b, k59_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h21_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k63_embed_w_adamw
-//   blocks [2, 3): k64_ln1_w_adamw
-//   blocks [3, 7): k65_wq_adamw
-//   blocks [7, 11): k66_wk_adamw
-//   blocks [11, 15): k67_wv_adamw
-//   blocks [15, 19): k68_wo_adamw
-//   blocks [19, 20): k69_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h21_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k63_embed_w_adamw_param,
-    const float* __restrict__ k63_embed_w_adamw_grad,
-    float* __restrict__ k63_embed_w_adamw_m,
-    float* __restrict__ k63_embed_w_adamw_v,
-    const float* __restrict__ k63_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k63_embed_w_adamw_step_arg,
-    float* __restrict__ k64_ln1_w_adamw_param,
-    const float* __restrict__ k64_ln1_w_adamw_grad,
-    float* __restrict__ k64_ln1_w_adamw_m,
-    float* __restrict__ k64_ln1_w_adamw_v,
-    const float* __restrict__ k64_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k64_ln1_w_adamw_step_arg,
-    float* __restrict__ k65_wq_adamw_param,
-    const float* __restrict__ k65_wq_adamw_grad,
-    float* __restrict__ k65_wq_adamw_m,
-    float* __restrict__ k65_wq_adamw_v,
-    const float* __restrict__ k65_wq_adamw_lr_arg,
-    const long long* __restrict__ k65_wq_adamw_step_arg,
-    float* __restrict__ k66_wk_adamw_param,
-    const float* __restrict__ k66_wk_adamw_grad,
-    float* __restrict__ k66_wk_adamw_m,
-    float* __restrict__ k66_wk_adamw_v,
-    const float* __restrict__ k66_wk_adamw_lr_arg,
-    const long long* __restrict__ k66_wk_adamw_step_arg,
-    float* __restrict__ k67_wv_adamw_param,
-    const float* __restrict__ k67_wv_adamw_grad,
-    float* __restrict__ k67_wv_adamw_m,
-    float* __restrict__ k67_wv_adamw_v,
-    const float* __restrict__ k67_wv_adamw_lr_arg,
-    const long long* __restrict__ k67_wv_adamw_step_arg,
-    float* __restrict__ k68_wo_adamw_param,
-    const float* __restrict__ k68_wo_adamw_grad,
-    float* __restrict__ k68_wo_adamw_m,
-    float* __restrict__ k68_wo_adamw_v,
-    const float* __restrict__ k68_wo_adamw_lr_arg,
-    const long long* __restrict__ k68_wo_adamw_step_arg,
-    float* __restrict__ k69_ln2_w_adamw_param,
-    const float* __restrict__ k69_ln2_w_adamw_grad,
-    float* __restrict__ k69_ln2_w_adamw_m,
-    float* __restrict__ k69_ln2_w_adamw_v,
-    const float* __restrict__ k69_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k69_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k62_embed_w_adamw
+//   blocks [2, 3): k63_ln1_w_adamw
+//   blocks [3, 7): k64_wq_adamw
+//   blocks [7, 11): k65_wk_adamw
+//   blocks [11, 15): k66_wv_adamw
+//   blocks [15, 19): k67_wo_adamw
+//   blocks [19, 20): k68_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k62_embed_w_adamw_param,
+    const float* __restrict__ k62_embed_w_adamw_grad,
+    float* __restrict__ k62_embed_w_adamw_m,
+    float* __restrict__ k62_embed_w_adamw_v,
+    const float* __restrict__ k62_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k62_embed_w_adamw_step_arg,
+    float* __restrict__ k63_ln1_w_adamw_param,
+    const float* __restrict__ k63_ln1_w_adamw_grad,
+    float* __restrict__ k63_ln1_w_adamw_m,
+    float* __restrict__ k63_ln1_w_adamw_v,
+    const float* __restrict__ k63_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k63_ln1_w_adamw_step_arg,
+    float* __restrict__ k64_wq_adamw_param,
+    const float* __restrict__ k64_wq_adamw_grad,
+    float* __restrict__ k64_wq_adamw_m,
+    float* __restrict__ k64_wq_adamw_v,
+    const float* __restrict__ k64_wq_adamw_lr_arg,
+    const long long* __restrict__ k64_wq_adamw_step_arg,
+    float* __restrict__ k65_wk_adamw_param,
+    const float* __restrict__ k65_wk_adamw_grad,
+    float* __restrict__ k65_wk_adamw_m,
+    float* __restrict__ k65_wk_adamw_v,
+    const float* __restrict__ k65_wk_adamw_lr_arg,
+    const long long* __restrict__ k65_wk_adamw_step_arg,
+    float* __restrict__ k66_wv_adamw_param,
+    const float* __restrict__ k66_wv_adamw_grad,
+    float* __restrict__ k66_wv_adamw_m,
+    float* __restrict__ k66_wv_adamw_v,
+    const float* __restrict__ k66_wv_adamw_lr_arg,
+    const long long* __restrict__ k66_wv_adamw_step_arg,
+    float* __restrict__ k67_wo_adamw_param,
+    const float* __restrict__ k67_wo_adamw_grad,
+    float* __restrict__ k67_wo_adamw_m,
+    float* __restrict__ k67_wo_adamw_v,
+    const float* __restrict__ k67_wo_adamw_lr_arg,
+    const long long* __restrict__ k67_wo_adamw_step_arg,
+    float* __restrict__ k68_ln2_w_adamw_param,
+    const float* __restrict__ k68_ln2_w_adamw_grad,
+    float* __restrict__ k68_ln2_w_adamw_m,
+    float* __restrict__ k68_ln2_w_adamw_v,
+    const float* __restrict__ k68_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k68_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k63_embed_w_adamw_tile(k63_embed_w_adamw_param, k63_embed_w_adamw_grad, k63_embed_w_adamw_m, k63_embed_w_adamw_v, k63_embed_w_adamw_lr_arg, k63_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k62_embed_w_adamw_tile(k62_embed_w_adamw_param, k62_embed_w_adamw_grad, k62_embed_w_adamw_m, k62_embed_w_adamw_v, k62_embed_w_adamw_lr_arg, k62_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k64_ln1_w_adamw_tile(k64_ln1_w_adamw_param, k64_ln1_w_adamw_grad, k64_ln1_w_adamw_m, k64_ln1_w_adamw_v, k64_ln1_w_adamw_lr_arg, k64_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k63_ln1_w_adamw_tile(k63_ln1_w_adamw_param, k63_ln1_w_adamw_grad, k63_ln1_w_adamw_m, k63_ln1_w_adamw_v, k63_ln1_w_adamw_lr_arg, k63_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k65_wq_adamw_tile(k65_wq_adamw_param, k65_wq_adamw_grad, k65_wq_adamw_m, k65_wq_adamw_v, k65_wq_adamw_lr_arg, k65_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k64_wq_adamw_tile(k64_wq_adamw_param, k64_wq_adamw_grad, k64_wq_adamw_m, k64_wq_adamw_v, k64_wq_adamw_lr_arg, k64_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k66_wk_adamw_tile(k66_wk_adamw_param, k66_wk_adamw_grad, k66_wk_adamw_m, k66_wk_adamw_v, k66_wk_adamw_lr_arg, k66_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k65_wk_adamw_tile(k65_wk_adamw_param, k65_wk_adamw_grad, k65_wk_adamw_m, k65_wk_adamw_v, k65_wk_adamw_lr_arg, k65_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k67_wv_adamw_tile(k67_wv_adamw_param, k67_wv_adamw_grad, k67_wv_adamw_m, k67_wv_adamw_v, k67_wv_adamw_lr_arg, k67_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k66_wv_adamw_tile(k66_wv_adamw_param, k66_wv_adamw_grad, k66_wv_adamw_m, k66_wv_adamw_v, k66_wv_adamw_lr_arg, k66_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k68_wo_adamw_tile(k68_wo_adamw_param, k68_wo_adamw_grad, k68_wo_adamw_m, k68_wo_adamw_v, k68_wo_adamw_lr_arg, k68_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k67_wo_adamw_tile(k67_wo_adamw_param, k67_wo_adamw_grad, k67_wo_adamw_m, k67_wo_adamw_v, k67_wo_adamw_lr_arg, k67_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k69_ln2_w_adamw_tile(k69_ln2_w_adamw_param, k69_ln2_w_adamw_grad, k69_ln2_w_adamw_m, k69_ln2_w_adamw_v, k69_ln2_w_adamw_lr_arg, k69_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k68_ln2_w_adamw_tile(k68_ln2_w_adamw_param, k68_ln2_w_adamw_grad, k68_ln2_w_adamw_m, k68_ln2_w_adamw_v, k68_ln2_w_adamw_lr_arg, k68_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h22_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k70_w_up_adamw
-//   blocks [8, 16): k71_w_down_adamw
-//   blocks [16, 17): k72_lnf_w_adamw
-//   blocks [17, 19): k73_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h22_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k70_w_up_adamw_param,
-    const float* __restrict__ k70_w_up_adamw_grad,
-    float* __restrict__ k70_w_up_adamw_m,
-    float* __restrict__ k70_w_up_adamw_v,
-    const float* __restrict__ k70_w_up_adamw_lr_arg,
-    const long long* __restrict__ k70_w_up_adamw_step_arg,
-    float* __restrict__ k71_w_down_adamw_param,
-    const float* __restrict__ k71_w_down_adamw_grad,
-    float* __restrict__ k71_w_down_adamw_m,
-    float* __restrict__ k71_w_down_adamw_v,
-    const float* __restrict__ k71_w_down_adamw_lr_arg,
-    const long long* __restrict__ k71_w_down_adamw_step_arg,
-    float* __restrict__ k72_lnf_w_adamw_param,
-    const float* __restrict__ k72_lnf_w_adamw_grad,
-    float* __restrict__ k72_lnf_w_adamw_m,
-    float* __restrict__ k72_lnf_w_adamw_v,
-    const float* __restrict__ k72_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k72_lnf_w_adamw_step_arg,
-    float* __restrict__ k73_w_head_adamw_param,
-    const float* __restrict__ k73_w_head_adamw_grad,
-    float* __restrict__ k73_w_head_adamw_m,
-    float* __restrict__ k73_w_head_adamw_v,
-    const float* __restrict__ k73_w_head_adamw_lr_arg,
-    const long long* __restrict__ k73_w_head_adamw_step_arg) {
+//   blocks [0, 8): k69_w_up_adamw
+//   blocks [8, 16): k70_w_down_adamw
+//   blocks [16, 17): k71_lnf_w_adamw
+//   blocks [17, 19): k72_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k69_w_up_adamw_param,
+    const float* __restrict__ k69_w_up_adamw_grad,
+    float* __restrict__ k69_w_up_adamw_m,
+    float* __restrict__ k69_w_up_adamw_v,
+    const float* __restrict__ k69_w_up_adamw_lr_arg,
+    const long long* __restrict__ k69_w_up_adamw_step_arg,
+    float* __restrict__ k70_w_down_adamw_param,
+    const float* __restrict__ k70_w_down_adamw_grad,
+    float* __restrict__ k70_w_down_adamw_m,
+    float* __restrict__ k70_w_down_adamw_v,
+    const float* __restrict__ k70_w_down_adamw_lr_arg,
+    const long long* __restrict__ k70_w_down_adamw_step_arg,
+    float* __restrict__ k71_lnf_w_adamw_param,
+    const float* __restrict__ k71_lnf_w_adamw_grad,
+    float* __restrict__ k71_lnf_w_adamw_m,
+    float* __restrict__ k71_lnf_w_adamw_v,
+    const float* __restrict__ k71_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k71_lnf_w_adamw_step_arg,
+    float* __restrict__ k72_w_head_adamw_param,
+    const float* __restrict__ k72_w_head_adamw_grad,
+    float* __restrict__ k72_w_head_adamw_m,
+    float* __restrict__ k72_w_head_adamw_v,
+    const float* __restrict__ k72_w_head_adamw_lr_arg,
+    const long long* __restrict__ k72_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k70_w_up_adamw_tile(k70_w_up_adamw_param, k70_w_up_adamw_grad, k70_w_up_adamw_m, k70_w_up_adamw_v, k70_w_up_adamw_lr_arg, k70_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k69_w_up_adamw_tile(k69_w_up_adamw_param, k69_w_up_adamw_grad, k69_w_up_adamw_m, k69_w_up_adamw_v, k69_w_up_adamw_lr_arg, k69_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k71_w_down_adamw_tile(k71_w_down_adamw_param, k71_w_down_adamw_grad, k71_w_down_adamw_m, k71_w_down_adamw_v, k71_w_down_adamw_lr_arg, k71_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k70_w_down_adamw_tile(k70_w_down_adamw_param, k70_w_down_adamw_grad, k70_w_down_adamw_m, k70_w_down_adamw_v, k70_w_down_adamw_lr_arg, k70_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k72_lnf_w_adamw_tile(k72_lnf_w_adamw_param, k72_lnf_w_adamw_grad, k72_lnf_w_adamw_m, k72_lnf_w_adamw_v, k72_lnf_w_adamw_lr_arg, k72_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k71_lnf_w_adamw_tile(k71_lnf_w_adamw_param, k71_lnf_w_adamw_grad, k71_lnf_w_adamw_m, k71_lnf_w_adamw_v, k71_lnf_w_adamw_lr_arg, k71_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k73_w_head_adamw_tile(k73_w_head_adamw_param, k73_w_head_adamw_grad, k73_w_head_adamw_m, k73_w_head_adamw_v, k73_w_head_adamw_lr_arg, k73_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k72_w_head_adamw_tile(k72_w_head_adamw_param, k72_w_head_adamw_grad, k72_w_head_adamw_m, k72_w_head_adamw_v, k72_w_head_adamw_lr_arg, k72_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2613,31 +2595,26 @@ static const cudagen_tensor_info k33_embed_tensors[] = {
     {"out", "embed.out", 145664ull, 2048ull},
 };
 static const cudagen_tensor_info k34_q_tensors[] = {
-    {"b", "wq.out", 2304ull, 4096ull},
-    {"ln1_x", "embed.out", 145664ull, 2048ull},
-    {"ln1_weight", "ln1_w.out", 2048ull, 128ull},
-    {"ln1_out", "ln1.out", 147712ull, 2048ull},
-    {"ln1_rstd", "ln1.rstd", 162048ull, 64ull},
-    {"q_heads_out", "q_heads.out", 137472ull, 2048ull},
-};
-static const cudagen_tensor_info k35_k_tensors[] = {
-    {"q", "q_heads.out", 137472ull, 2048ull},
     {"probs", "probs.out", 135424ull, 2048ull},
     {"ln1_x", "embed.out", 145664ull, 2048ull},
     {"ln1_weight", "ln1_w.out", 2048ull, 128ull},
+    {"ln1_rstd", "ln1.rstd", 162048ull, 64ull},
+    {"ln1_out", "ln1.out", 147712ull, 2048ull},
+    {"q_heads_out", "q_heads.out", 137472ull, 2048ull},
+    {"q_b", "wq.out", 2304ull, 4096ull},
     {"k_heads_out", "k_heads.out", 139520ull, 2048ull},
     {"k_b", "wk.out", 6400ull, 4096ull},
     {"v_heads_out", "v_heads.out", 133376ull, 2048ull},
     {"v_b", "wv.out", 10496ull, 4096ull},
     {"merged_out", "merged.out", 141568ull, 2048ull},
 };
-static const cudagen_tensor_info k36_attn_out_tensors[] = {
+static const cudagen_tensor_info k35_attn_out_tensors[] = {
     {"a", "merged.out", 141568ull, 2048ull},
     {"b", "wo.out", 14592ull, 4096ull},
     {"res1_a", "embed.out", 145664ull, 2048ull},
     {"res1_out", "res1.out", 143616ull, 2048ull},
 };
-static const cudagen_tensor_info k37_up_tensors[] = {
+static const cudagen_tensor_info k36_up_tensors[] = {
     {"up_b", "w_up.out", 18944ull, 8192ull},
     {"up_out", "up.out", 121088ull, 4096ull},
     {"down_b", "w_down.out", 27136ull, 8192ull},
@@ -2649,7 +2626,7 @@ static const cudagen_tensor_info k37_up_tensors[] = {
     {"res2_a", "res1.out", 143616ull, 2048ull},
     {"res2_out", "res2.out", 129280ull, 2048ull},
 };
-static const cudagen_tensor_info k38_head_tensors[] = {
+static const cudagen_tensor_info k37_head_tensors[] = {
     {"b", "w_head.out", 35584ull, 2048ull},
     {"out", "head.out", 160000ull, 1024ull},
     {"lnf_x", "res2.out", 129280ull, 2048ull},
@@ -2657,25 +2634,25 @@ static const cudagen_tensor_info k38_head_tensors[] = {
     {"lnf_out", "lnf.out", 131328ull, 2048ull},
     {"lnf_rstd", "lnf.rstd", 161280ull, 64ull},
 };
-static const cudagen_tensor_info k39_loss_tensors[] = {
+static const cudagen_tensor_info k38_loss_tensors[] = {
     {"logits", "head.out", 160000ull, 1024ull},
     {"labels", "loss.labels", 161792ull, 64ull},
     {"loss", "loss.loss", 162560ull, 4ull},
 };
-static const cudagen_tensor_info k40_loss_backward_tensors[] = {
+static const cudagen_tensor_info k39_loss_backward_tensors[] = {
     {"logits", "head.out", 160000ull, 1024ull},
     {"labels", "loss.labels", 161792ull, 64ull},
     {"dlogits", "loss_backward.dlogits", 114944ull, 1024ull},
 };
-static const cudagen_tensor_info h9_head_grad_a_head_grad_b_tensors[] = {
-    {"k41_head_grad_a_a", "loss_backward.dlogits", 114944ull, 1024ull},
-    {"k41_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
-    {"k41_head_grad_a_out", "head_grad_a.out", 112896ull, 2048ull},
-    {"k42_head_grad_b_a", "head_grad_b_a_rows.out", 131328ull, 2048ull},
-    {"k42_head_grad_b_b", "head_grad_b_dout_rows.out", 114944ull, 1024ull},
-    {"k42_head_grad_b_out", "head_grad_b.out", 151808ull, 2048ull},
+static const cudagen_tensor_info h8_head_grad_a_head_grad_b_tensors[] = {
+    {"k40_head_grad_a_a", "loss_backward.dlogits", 114944ull, 1024ull},
+    {"k40_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
+    {"k40_head_grad_a_out", "head_grad_a.out", 112896ull, 2048ull},
+    {"k41_head_grad_b_a", "head_grad_b_a_rows.out", 131328ull, 2048ull},
+    {"k41_head_grad_b_b", "head_grad_b_dout_rows.out", 114944ull, 1024ull},
+    {"k41_head_grad_b_out", "head_grad_b.out", 151808ull, 2048ull},
 };
-static const cudagen_tensor_info k43_lnf_backward_tensors[] = {
+static const cudagen_tensor_info k42_lnf_backward_tensors[] = {
     {"x", "res2.out", 129280ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
     {"rstd", "lnf.rstd", 161280ull, 64ull},
@@ -2683,23 +2660,23 @@ static const cudagen_tensor_info k43_lnf_backward_tensors[] = {
     {"dx", "lnf_backward.dx", 153856ull, 2048ull},
     {"dweight", "lnf_backward.dweight", 161024ull, 128ull},
 };
-static const cudagen_tensor_info h11_down_grad_b_down_grad_a_tensors[] = {
-    {"k44_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
-    {"k44_down_grad_b_b", "down_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k44_down_grad_b_out", "down_grad_b.out", 112896ull, 8192ull},
-    {"k45_down_grad_a_down_grad_a_a", "lnf_backward.dx", 153856ull, 2048ull},
-    {"k45_down_grad_a_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
-    {"k45_down_grad_a_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
-    {"k45_down_grad_a_up_grad_a_out", "up_grad_a.out", 155904ull, 2048ull},
-    {"k45_down_grad_a_act_backward_x", "up.out", 121088ull, 4096ull},
-    {"k45_down_grad_a_act_backward_dx", "act_backward.dx", 129280ull, 4096ull},
+static const cudagen_tensor_info h10_down_grad_b_down_grad_a_tensors[] = {
+    {"k43_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
+    {"k43_down_grad_b_b", "down_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k43_down_grad_b_out", "down_grad_b.out", 112896ull, 8192ull},
+    {"k44_down_grad_a_down_grad_a_a", "lnf_backward.dx", 153856ull, 2048ull},
+    {"k44_down_grad_a_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
+    {"k44_down_grad_a_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
+    {"k44_down_grad_a_up_grad_a_out", "up_grad_a.out", 155904ull, 2048ull},
+    {"k44_down_grad_a_act_backward_x", "up.out", 121088ull, 4096ull},
+    {"k44_down_grad_a_act_backward_dx", "act_backward.dx", 129280ull, 4096ull},
 };
-static const cudagen_tensor_info k46_up_grad_b_tensors[] = {
+static const cudagen_tensor_info k45_up_grad_b_tensors[] = {
     {"a", "up_grad_b_a_rows.out", 149760ull, 2048ull},
     {"b", "up_grad_b_dout_rows.out", 129280ull, 4096ull},
     {"out", "up_grad_b.out", 121088ull, 8192ull},
 };
-static const cudagen_tensor_info k47_ln2_backward_tensors[] = {
+static const cudagen_tensor_info k46_ln2_backward_tensors[] = {
     {"x", "res1.out", 143616ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
     {"rstd", "ln2.rstd", 162304ull, 64ull},
@@ -2708,60 +2685,60 @@ static const cudagen_tensor_info k47_ln2_backward_tensors[] = {
     {"grad_res1_out_sum_a", "lnf_backward.dx", 153856ull, 2048ull},
     {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 157952ull, 2048ull},
 };
-static const cudagen_tensor_info h13_attn_out_grad_a_attn_out_grad_b_tensors[] = {
-    {"k48_attn_out_grad_a_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
-    {"k48_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
-    {"k48_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k49_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
-    {"k49_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 157952ull, 2048ull},
-    {"k49_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
+static const cudagen_tensor_info h12_attn_out_grad_a_attn_out_grad_b_tensors[] = {
+    {"k47_attn_out_grad_a_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
+    {"k47_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
+    {"k47_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k48_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
+    {"k48_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 157952ull, 2048ull},
+    {"k48_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
 };
-static const cudagen_tensor_info h14_context_grad_a_context_grad_b_tensors[] = {
-    {"k50_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k50_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
-    {"k50_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
-    {"k51_context_grad_b_a", "probs.out", 135424ull, 2048ull},
-    {"k51_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k51_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
+static const cudagen_tensor_info h13_context_grad_a_context_grad_b_tensors[] = {
+    {"k49_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k49_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
+    {"k49_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
+    {"k50_context_grad_b_a", "probs.out", 135424ull, 2048ull},
+    {"k50_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
+    {"k50_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
 };
-static const cudagen_tensor_info k52_probs_backward_tensors[] = {
+static const cudagen_tensor_info k51_probs_backward_tensors[] = {
     {"out", "probs.out", 135424ull, 2048ull},
     {"dout", "context_grad_a.out", 141568ull, 2048ull},
     {"dx", "probs_backward.dx", 143616ull, 2048ull},
 };
-static const cudagen_tensor_info h16_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k53_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k53_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
-    {"k53_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 155904ull, 2048ull},
-    {"k54_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k54_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
-    {"k54_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k55_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
-    {"k55_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k55_v_grad_a_out", "v_grad_a.out", 153856ull, 2048ull},
-    {"k56_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k56_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k56_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+static const cudagen_tensor_info h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
+    {"k52_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k52_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
+    {"k52_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 155904ull, 2048ull},
+    {"k53_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
+    {"k53_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
+    {"k53_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k54_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
+    {"k54_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k54_v_grad_a_out", "v_grad_a.out", 153856ull, 2048ull},
+    {"k55_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k55_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
+    {"k55_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
 };
-static const cudagen_tensor_info h17_k_grad_a_k_grad_b_tensors[] = {
-    {"k57_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k57_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k57_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 153856ull, 2048ull},
-    {"k57_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k58_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k58_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
-    {"k58_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
+static const cudagen_tensor_info h16_k_grad_a_k_grad_b_tensors[] = {
+    {"k56_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
+    {"k56_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k56_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 153856ull, 2048ull},
+    {"k56_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 153856ull, 2048ull},
+    {"k57_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k57_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
+    {"k57_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
 };
-static const cudagen_tensor_info h18_q_grad_a_q_grad_b_tensors[] = {
-    {"k59_q_grad_a_a", "q_heads_grad_x.out", 155904ull, 2048ull},
-    {"k59_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k59_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k59_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
-    {"k60_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k60_q_grad_b_b", "q_grad_b_dout_rows.out", 155904ull, 2048ull},
-    {"k60_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
+static const cudagen_tensor_info h17_q_grad_a_q_grad_b_tensors[] = {
+    {"k58_q_grad_a_a", "q_heads_grad_x.out", 155904ull, 2048ull},
+    {"k58_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k58_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 153856ull, 2048ull},
+    {"k58_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
+    {"k59_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k59_q_grad_b_b", "q_grad_b_dout_rows.out", 155904ull, 2048ull},
+    {"k59_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
 };
-static const cudagen_tensor_info k61_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k60_ln1_backward_tensors[] = {
     {"x", "embed.out", 145664ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
     {"rstd", "ln1.rstd", 162048ull, 64ull},
@@ -2770,80 +2747,80 @@ static const cudagen_tensor_info k61_ln1_backward_tensors[] = {
     {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
     {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 155904ull, 2048ull},
 };
-static const cudagen_tensor_info k62_embed_backward_tensors[] = {
+static const cudagen_tensor_info k61_embed_backward_tensors[] = {
     {"ids", "embed.ids", 161536ull, 64ull},
     {"dout", "grad_embed_out_sum.out", 155904ull, 2048ull},
     {"dtable", "embed_backward.dtable", 153856ull, 2048ull},
 };
-static const cudagen_tensor_info h21_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k63_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k63_embed_w_adamw_grad", "embed_backward.dtable", 153856ull, 2048ull},
-    {"k63_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k63_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k63_embed_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k63_embed_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k64_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k64_ln1_w_adamw_grad", "ln1_backward.dweight", 147712ull, 128ull},
-    {"k64_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k64_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k64_ln1_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k64_ln1_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k65_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k65_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
-    {"k65_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k65_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k65_wq_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k65_wq_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k66_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k66_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
-    {"k66_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k66_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k66_wk_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k66_wk_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k67_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k67_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
-    {"k67_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k67_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k67_wv_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k67_wv_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k68_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k68_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
-    {"k68_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k68_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k68_wo_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k68_wo_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k69_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k69_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
-    {"k69_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k69_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k69_ln2_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k69_ln2_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k62_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k62_embed_w_adamw_grad", "embed_backward.dtable", 153856ull, 2048ull},
+    {"k62_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k62_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k62_embed_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k62_embed_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k63_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k63_ln1_w_adamw_grad", "ln1_backward.dweight", 147712ull, 128ull},
+    {"k63_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k63_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k63_ln1_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k63_ln1_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k64_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k64_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k64_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k64_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k64_wq_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k64_wq_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k65_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k65_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k65_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k65_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k65_wk_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k65_wk_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k66_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k66_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k66_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k66_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k66_wv_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k66_wv_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k67_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k67_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k67_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k67_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k67_wo_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k67_wo_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k68_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k68_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
+    {"k68_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k68_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k68_ln2_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k68_ln2_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h22_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k70_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k70_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
-    {"k70_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k70_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k70_w_up_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k70_w_up_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k71_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k71_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
-    {"k71_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k71_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k71_w_down_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k71_w_down_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k72_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k72_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
-    {"k72_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k72_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k72_lnf_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k72_lnf_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k73_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k73_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
-    {"k73_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k73_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k73_w_head_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k73_w_head_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k69_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k69_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k69_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k69_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k69_w_up_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k69_w_up_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k70_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k70_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k70_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k70_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k70_w_down_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k70_w_down_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k71_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k71_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
+    {"k71_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k71_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k71_lnf_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k71_lnf_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k72_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k72_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k72_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k72_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k72_w_head_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k72_w_head_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2855,57 +2832,55 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
                  (const float*)(arena + 0), (const int*)(arena + 161536), (float*)(arena + 145664));
-  CUDAGEN_LAUNCH(k34_q, dim3(1, 1, 1), dim3(256), 8640, k34_q_tensors,
-                 (const float*)(arena + 2304), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 147712), (float*)(arena + 162048), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(k35_k, dim3(8, 1, 1), dim3(256), 3200, k35_k_tensors,
-                 (const float*)(arena + 137472), (float*)(arena + 135424), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 139520), (const float*)(arena + 6400), (float*)(arena + 133376), (const float*)(arena + 10496), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k36_attn_out, dim3(1, 1, 1), dim3(256), 4288, k36_attn_out_tensors,
+  CUDAGEN_LAUNCH(k34_q, dim3(8, 1, 1), dim3(256), 3488, k34_q_tensors,
+                 (float*)(arena + 135424), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 162048), (float*)(arena + 147712), (float*)(arena + 137472), (const float*)(arena + 2304), (float*)(arena + 139520), (const float*)(arena + 6400), (float*)(arena + 133376), (const float*)(arena + 10496), (float*)(arena + 141568));
+  CUDAGEN_LAUNCH(k35_attn_out, dim3(1, 1, 1), dim3(256), 4288, k35_attn_out_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 14592), (const float*)(arena + 145664), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(k37_up, dim3(1, 1, 1), dim3(256), 16832, k37_up_tensors,
+  CUDAGEN_LAUNCH(k36_up, dim3(1, 1, 1), dim3(256), 16832, k36_up_tensors,
                  (const float*)(arena + 18944), (float*)(arena + 121088), (const float*)(arena + 27136), (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 162304), (float*)(arena + 125184), (const float*)(arena + 143616), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(k38_head, dim3(1, 1, 1), dim3(256), 8640, k38_head_tensors,
+  CUDAGEN_LAUNCH(k37_head, dim3(1, 1, 1), dim3(256), 8640, k37_head_tensors,
                  (const float*)(arena + 35584), (float*)(arena + 160000), (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 161280));
-  CUDAGEN_LAUNCH(k39_loss, dim3(1, 1, 1), dim3(32), 128, k39_loss_tensors,
+  CUDAGEN_LAUNCH(k38_loss, dim3(1, 1, 1), dim3(32), 128, k38_loss_tensors,
                  (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 162560));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(k40_loss_backward, dim3(16, 1, 1), dim3(32), 128, k40_loss_backward_tensors,
+  CUDAGEN_LAUNCH(k39_loss_backward, dim3(16, 1, 1), dim3(32), 128, k39_loss_backward_tensors,
                  (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 114944));
-  CUDAGEN_LAUNCH(h9_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h9_head_grad_a_head_grad_b_tensors,
+  CUDAGEN_LAUNCH(h8_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h8_head_grad_a_head_grad_b_tensors,
                  (const float*)(arena + 114944), (const float*)(arena + 35584), (float*)(arena + 112896), (const float*)(arena + 131328), (const float*)(arena + 114944), (float*)(arena + 151808));
-  CUDAGEN_LAUNCH(k43_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k43_lnf_backward_tensors,
+  CUDAGEN_LAUNCH(k42_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k42_lnf_backward_tensors,
                  (const float*)(arena + 129280), (const float*)(arena + 35328), (const float*)(arena + 161280), (const float*)(arena + 112896), (float*)(arena + 153856), (float*)(arena + 161024));
-  CUDAGEN_LAUNCH(h11_down_grad_b_down_grad_a, dim3(3, 1, 1), dim3(256), 12480, h11_down_grad_b_down_grad_a_tensors,
+  CUDAGEN_LAUNCH(h10_down_grad_b_down_grad_a, dim3(3, 1, 1), dim3(256), 12480, h10_down_grad_b_down_grad_a_tensors,
                  (const float*)(arena + 125184), (const float*)(arena + 153856), (float*)(arena + 112896), (const float*)(arena + 153856), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 155904), (const float*)(arena + 121088), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(k46_up_grad_b, dim3(2, 1, 1), dim3(256), 4288, k46_up_grad_b_tensors,
+  CUDAGEN_LAUNCH(k45_up_grad_b, dim3(2, 1, 1), dim3(256), 4288, k45_up_grad_b_tensors,
                  (const float*)(arena + 149760), (const float*)(arena + 129280), (float*)(arena + 121088));
-  CUDAGEN_LAUNCH(k47_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k47_ln2_backward_tensors,
+  CUDAGEN_LAUNCH(k46_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k46_ln2_backward_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 162304), (const float*)(arena + 155904), (float*)(arena + 161280), (const float*)(arena + 153856), (float*)(arena + 157952));
-  CUDAGEN_LAUNCH(h13_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h13_attn_out_grad_a_attn_out_grad_b_tensors,
+  CUDAGEN_LAUNCH(h12_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h12_attn_out_grad_a_attn_out_grad_b_tensors,
                  (const float*)(arena + 157952), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 157952), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(h14_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h14_context_grad_a_context_grad_b_tensors,
+  CUDAGEN_LAUNCH(h13_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h13_context_grad_a_context_grad_b_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 133376), (float*)(arena + 141568), (const float*)(arena + 135424), (const float*)(arena + 143616), (float*)(arena + 149760));
-  CUDAGEN_LAUNCH(k52_probs_backward, dim3(64, 1, 1), dim3(32), 128, k52_probs_backward_tensors,
+  CUDAGEN_LAUNCH(k51_probs_backward, dim3(64, 1, 1), dim3(32), 128, k51_probs_backward_tensors,
                  (const float*)(arena + 135424), (const float*)(arena + 141568), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(h16_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h16_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
                  (const float*)(arena + 143616), (const float*)(arena + 139520), (float*)(arena + 155904), (const float*)(arena + 143616), (const float*)(arena + 137472), (float*)(arena + 141568), (const float*)(arena + 149760), (const float*)(arena + 10496), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h17_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h17_k_grad_a_k_grad_b_tensors,
+  CUDAGEN_LAUNCH(h16_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h16_k_grad_a_k_grad_b_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 6400), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(h18_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h18_q_grad_a_q_grad_b_tensors,
+  CUDAGEN_LAUNCH(h17_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h17_q_grad_a_q_grad_b_tensors,
                  (const float*)(arena + 155904), (const float*)(arena + 2304), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 155904), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k61_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k61_ln1_backward_tensors,
+  CUDAGEN_LAUNCH(k60_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k60_ln1_backward_tensors,
                  (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 153856), (float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 155904));
-  CUDAGEN_LAUNCH(k62_embed_backward, dim3(16, 1, 1), dim3(32), 0, k62_embed_backward_tensors,
+  CUDAGEN_LAUNCH(k61_embed_backward, dim3(16, 1, 1), dim3(32), 0, k61_embed_backward_tensors,
                  (const int*)(arena + 161536), (const float*)(arena + 155904), (float*)(arena + 153856));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h21_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h21_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+  CUDAGEN_LAUNCH(h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
                  (float*)(arena + 0), (const float*)(arena + 153856), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2048), (const float*)(arena + 147712), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162816), (const long long*)(arena + 162824));
-  CUDAGEN_LAUNCH(h22_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h22_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
                  (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35328), (const float*)(arena + 161024), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 162816), (const long long*)(arena + 162824));
   return 0;
 }

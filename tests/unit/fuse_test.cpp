@@ -446,6 +446,18 @@ TEST(Fusion, AttentionComputesItsProjections) {
   const std::vector<std::string> kept = internal_names(read_later, *attention_kernel(read_later));
   EXPECT_EQ(std::find(kept.begin(), kept.end(), "k_heads.out"), kept.end());
   EXPECT_NE(std::find(kept.begin(), kept.end(), "v_heads.out"), kept.end());
+  // Training: q's kernel stored the norm's output for the backward pass
+  // (rule norm_prologue); the attention kernel stores it now, and the heads,
+  // which the backward pass reads too.
+  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  const KernelGroup* trained = attention_kernel(train);
+  ASSERT_NE(trained, nullptr);
+  EXPECT_EQ(task_ids(train, *trained).front(), "q");
+  EXPECT_TRUE(stores_prologue(train.program, *trained));
+  const std::vector<std::string> stored_too = internal_names(train, *trained);
+  for (const char* stored : {"q_heads.out", "k_heads.out", "v_heads.out", "ln1.out", "ln1.rstd"})
+    EXPECT_EQ(std::find(stored_too.begin(), stored_too.end(), stored), stored_too.end()) << stored;
+  EXPECT_EQ(reasons_for(train, "scores"), "");
 }
 
 TEST(Fusion, NoProjectionInAttentionWhereItCostsParallelismOrSharedMemory) {
@@ -468,19 +480,6 @@ TEST(Fusion, NoProjectionInAttentionWhereItCostsParallelismOrSharedMemory) {
                       "outputs one after another (at most 4096)"),
             std::string::npos)
       << reasons_for(work, "scores");
-  // Training: q's kernel stores the norm's output for the backward pass
-  // (rule norm_prologue), so it stays; k and v join, their heads stored
-  // for the backward pass too.
-  Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
-  const KernelGroup* attention = attention_kernel(train);
-  ASSERT_NE(attention, nullptr);
-  EXPECT_EQ(task_ids(train, *attention).front(), "k");
-  EXPECT_NE(reasons_for(train, "scores")
-                .find("'q_heads' is not computed in the attention kernel: its kernel stores 'ln1.out' for later readers"),
-            std::string::npos)
-      << reasons_for(train, "scores");
-  const std::vector<std::string> internal = internal_names(train, *attention);
-  EXPECT_EQ(std::find(internal.begin(), internal.end(), "k_heads.out"), internal.end());
   // The rule off.
   FuseOptions off;
   off.disabled_rules = {"attention_projection"};
@@ -590,8 +589,8 @@ TEST(Fusion, ANormReadLaterIsStoredByItsFirstReader) {
   }
   // Training: ln1 in q, k and v (q stores ln1.out and ln1.rstd, which the
   // backward pass reads), ln2 in up, lnf in head; q, k and v in one launch.
-  // (Rule attention_projection off: Fusion.AProjectionStoringItsNormStaysApart
-  // has it on.)
+  // (Rule attention_projection off: with it, the attention kernel computes
+  // them and stores ln1's output: Fusion.AttentionComputesItsProjections.)
   CompileOptions options;
   options.fuse.disabled_rules = {"attention_projection"};
   Compiled train = plan_program(load_program(source_path("examples/train_transformer.json"), {}), options);
