@@ -581,7 +581,7 @@ class Emitter {
       std::vector<std::string> all;
       for (int t : k.prologue)
         all.push_back(fmt::format("{} ({}, prologue{})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name,
-                                  stores_prologue(p_, k) ? ", stored here" : ""));
+                                  norm_prologue(p_, k) && stores_norm(p_, k, t) ? ", stored here" : ""));
       for (int t : k.tasks) all.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, p_.tasks[size_t(t)].op->name));
       tasks = fmt::format("tasks {}, fused ({})", fmt::join(all, ", "), fmt::join(kernel_rules(p_, k), ", "));
     }
@@ -856,7 +856,9 @@ class Emitter {
   // the norm prologue that computes it), then computes the head's columns of
   // each projection there (its weight's columns staged in turn), element by
   // element in the unfused kernel's order of operations (f32 accumulation,
-  // then alpha, then the epilogue, rounded to the head tensor's type): the
+  // then alpha, then the epilogue, rounded to the head tensor's type; the
+  // sums in k order, where the unfused 16-bit kernel's tensor-core tile
+  // adds its partial products in another): the
   // keys and values (staged_k, staged_v), the queries (cg_q_rows). A head
   // tensor read later is stored as well. `operands`: the q, k and v buffers.
   struct ProjectionCode {
@@ -867,7 +869,7 @@ class Emitter {
                                  const std::array<int, 3>& operands, EmittedKernel& ek) {
     ProjectionCode out;
     const Shape& sq = p_.buffers[size_t(operands[0])].shape;
-    const int64_t Tq = sq[sq.size() - 2], H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
+    const int64_t H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
     out.code = fmt::format(
         "  // Projections (attention_projection): the block's (batch, head) picks the rows\n"
         "  // (the batch's tokens) and the columns (the head's) it computes of each.\n"

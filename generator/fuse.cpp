@@ -534,8 +534,7 @@ class Fuser {
         if (owner < 0 || p_.tasks[size_t(owner)].op->name != "split_heads") continue;
         const size_t from = kernel_of(owner, 0);
         const KernelGroup& producer = out_.kernels[from];
-        // Only a matmul's kernel that ends with this split is a projection
-        // (and a tensor read as two operands is computed once).
+        // Only a matmul's kernel that ends with this split is a projection.
         if (from >= at || merged[from] || producer.tasks.back() != owner ||
             p_.tasks[size_t(producer.tasks.front())].op->name != "matmul")
           continue;
@@ -557,13 +556,14 @@ class Fuser {
           if (!contains(attention.prologue, norm)) attention.prologue.push_back(norm);
         for (int b : producer.internal_buffers)
           if (!contains(attention.internal_buffers, b)) attention.internal_buffers.push_back(b);
-        // What the split stored: read by the attention alone, it never
-        // reaches memory; read later (saved for the backward pass), it is
-        // stored as well, once.
+        // What the split stored: read by the attention's two matmuls alone,
+        // it never reaches memory; read later (saved for the backward pass)
+        // or by the attention's epilogue, which loads it, it is stored as
+        // well, once.
         const int heads = p_.tasks[size_t(producer.tasks.back())].find_tensor("out")->buffer;
         const std::vector<int> readers = readers_through_views(heads);
         if (p_.buffers[size_t(heads)].storage == Storage::transient &&
-            std::all_of(readers.begin(), readers.end(), [&](int r) { return contains(attention.tasks, r); }))
+            std::all_of(readers.begin(), readers.end(), [&](int r) { return r == scores || r == context; }))
           attention.internal_buffers.push_back(heads);
         std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == scores && contains(producer.tasks, n.previous); });
       }
@@ -611,6 +611,10 @@ class Fuser {
     const KernelGroup& producer = out_.kernels[from];
     const int mm = producer.tasks.front();
     const std::string& id = p_.tasks[size_t(mm)].task->id;
+    // (An initialiser's projection runs once; in the attention it would run every step.)
+    if (producer.phase != out_.kernels[at].phase)
+      return fmt::format("'{}' runs in the {} phase, the attention in the {} phase", id, to_string(producer.phase),
+                         to_string(out_.kernels[at].phase));
     if (producer.rule != "matmul_epilogue") return fmt::format("'{}' is not a matmul with an epilogue", id);
     if (!producer.prologue.empty() && !norm_prologue(p_, producer))
       return fmt::format("'{}' computes an elementwise prologue", id);

@@ -28,8 +28,11 @@ bool norm_prologue(const Program& program, const KernelGroup& k) {
 }
 
 bool stores_prologue(const Program& program, const KernelGroup& k) {
-  return norm_prologue(program, k) &&
-         !contains(k.internal_buffers, program.tasks[size_t(k.prologue.front())].find_tensor("out")->buffer);
+  return norm_prologue(program, k) && stores_norm(program, k, k.prologue.front());
+}
+
+bool stores_norm(const Program& program, const KernelGroup& k, int norm) {
+  return !contains(k.internal_buffers, program.tasks[size_t(norm)].find_tensor("out")->buffer);
 }
 
 std::vector<std::string> kernel_rules(const Program& program, const KernelGroup& k) {

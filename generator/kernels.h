@@ -45,6 +45,9 @@ bool norm_prologue(const Program& program, const KernelGroup& k);
 // Whether kernel `k` is the one that stores its prologue's output (and
 // statistics) for readers in later phases or the caller.
 bool stores_prologue(const Program& program, const KernelGroup& k);
+// The same for one norm of its prologue (an attention kernel that computes
+// its projections may hold two: q's, and k's and v's in cross-attention).
+bool stores_norm(const Program& program, const KernelGroup& k, int norm);
 
 // The rules that made kernel `k`, as describe and the kernel's comment name
 // them: norm_prologue or elementwise_prologue where it has a prologue, then
@@ -118,9 +121,11 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 // Rule attention_projection: the shared memory of an attention kernel whose
 // blocks compute some of q, k and v themselves, a block per head (emit.cpp
 // reserves these regions, each from a 16-byte boundary): each warp's
-// scratch, the head's keys and values, its queries where q is computed, the rows of
-// each projection input (`source_floats` each: a batch's rows, normalised
-// where a norm computes them, with the norm's weight and bias), and one
+// scratch, the head's keys and values (counted always; emit.cpp reserves
+// them where k or v is computed, or where they fit), its queries where q is
+// computed, the rows of each projection input (`source_floats` each: a
+// batch's rows, normalised where a norm computes them, with the norm's
+// weight and bias, and their statistics where stored), and one
 // projection's weight columns for a head at a time (`weight_floats`, the
 // largest).
 int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,

@@ -67,7 +67,8 @@ std::string dump_fusion(const Program& p, const Fusion& fusion) {
   for (const auto& k : fusion.kernels) {
     std::vector<std::string> ids, internal;
     for (int t : k.prologue)
-      ids.push_back(p.tasks[size_t(t)].task->id + (stores_prologue(p, k) ? " (prologue, stored here)" : " (prologue)"));
+      ids.push_back(p.tasks[size_t(t)].task->id +
+                    (norm_prologue(p, k) && stores_norm(p, k, t) ? " (prologue, stored here)" : " (prologue)"));
     for (int t : k.tasks) ids.push_back(p.tasks[size_t(t)].task->id);
     for (int b : k.internal_buffers) internal.push_back(buffer_name(p, b));
     out += fmt::format("L{:<4} {:<28} {:<9} {}", k.launch, k.name, to_string(k.phase), fmt::join(ids, ", "));

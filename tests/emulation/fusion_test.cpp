@@ -266,7 +266,8 @@ TaskGraph matmul_chain(DType d, bool epilogues) {
 // their projections. `gpt`: a layernorm of x feeds all three, each with a
 // bias epilogue before its split; causal, 12 tokens (4 warps, 3 query rows
 // each); the norm's output, mean and rstd, the probabilities and q's heads
-// read by the caller too (stored from the kernel). Otherwise cross-attention without a norm: q from x (8 tokens,
+// read by the caller too, v's heads added to the context in the epilogue
+// (each stored from the kernel). Otherwise cross-attention without a norm: q from x (8 tokens,
 // alpha 0.5), k and v from a memory of 6 rows, k's weight transposed, values
 // wider than the keys.
 TaskGraph projected_attention(DType d, bool gpt) {
@@ -297,7 +298,8 @@ TaskGraph projected_attention(DType d, bool gpt) {
                  .arg("alpha", 0.5);
     auto pr = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {B, H, T, T}, ext).arg("scale", 0.7).arg("causal", true);
     auto c = b.task("context", "matmul").tensor("a", pr["out"]).tensor("b", heads[2]["out"]).tensor("out", d, {B, H, T, D});
-    b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, T, C}, ext).arg("heads", H);
+    auto plus = b.task("plus", "add").tensor("a", c["out"]).tensor("b", heads[2]["out"]).tensor("out", d, {B, H, T, D});
+    b.task("merged", "merge_heads").tensor("x", plus["out"]).tensor("out", d, {B, T, C}, ext).arg("heads", H);
   } else {
     const int64_t B = 2, Tq = 8, Tk = 6, H = 2, D = 8, Dv = 12;
     auto q = b.task("q", "matmul").tensor("a", d, {B, Tq, 16}, ext).tensor("b", d, {16, H * D}, ext).tensor("out", d, {B, Tq, H * D}).arg("alpha", 0.5);
@@ -472,6 +474,7 @@ TEST_P(FusedChains, ProjectedAttentionMatchesTheReferenceFusedAndUnfused) {
     // q's heads, read by the caller, are stored as they are computed; k's and v's are not.
     EXPECT_EQ(src.find("q_heads.out, read later") != std::string::npos, gpt);
     EXPECT_EQ(src.find("k_heads.out, read later"), std::string::npos);
+    EXPECT_EQ(src.find("v_heads.out, read later") != std::string::npos, gpt) << "the epilogue loads it";
     EXPECT_EQ(src.find("// ln's output and mean, rstd, read later: stored once, by each batch's first head") !=
                   std::string::npos,
               gpt);

@@ -382,8 +382,8 @@ TEST(Fusion, NotAttentionWithoutItsShape) {
 
 // Rule attention_projection: q, k and v projections of q.a [2, T, C] (no
 // norm, no prologue), each split into H heads, then attention. `k_read_later`: the
-// caller reads k's heads too.
-TaskGraph projections(int64_t T, int64_t C, int64_t H, bool k_read_later = false) {
+// caller reads k's heads too; `plus_values`: the context's epilogue adds v's heads.
+TaskGraph projections(int64_t T, int64_t C, int64_t H, bool k_read_later = false, bool plus_values = false) {
   GraphBuilder b("projections");
   std::vector<TaskBuilder> heads;
   for (const std::string id : {"q", "k", "v"}) {
@@ -404,7 +404,12 @@ TaskGraph projections(int64_t T, int64_t C, int64_t H, bool k_read_later = false
                .tensor("out", f32, {2, H, T, T})
                .arg("trans_b", true);
   auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", f32, {2, H, T, T});
-  b.task("context", "matmul").tensor("a", p["out"]).tensor("b", heads[2]["out"]).tensor("out", f32, {2, H, T, C / H}, ext);
+  auto c = b.task("context", "matmul")
+               .tensor("a", p["out"])
+               .tensor("b", heads[2]["out"])
+               .tensor("out", f32, {2, H, T, C / H}, plus_values ? Storage::transient : ext);
+  if (plus_values)
+    b.task("plus", "add").tensor("a", c["out"]).tensor("b", heads[2]["out"]).tensor("out", f32, {2, H, T, C / H}, ext);
   return std::move(b).graph();
 }
 
@@ -439,6 +444,13 @@ TEST(Fusion, AttentionComputesItsProjections) {
   for (const auto& pb : c.plan.buffers)
     if (buffer_name(c.program, pb.buffer) == "q_heads.out") EXPECT_TRUE(pb.internal);
 
+  // Heads the attention's epilogue loads are stored as well.
+  Compiled plus = plan_graph(projections(16, 32, 2, false, true));
+  ASSERT_NE(attention_kernel(plus), nullptr);
+  EXPECT_EQ(task_ids(plus, *attention_kernel(plus)).back(), "plus");
+  const std::vector<std::string> loaded = internal_names(plus, *attention_kernel(plus));
+  EXPECT_EQ(std::find(loaded.begin(), loaded.end(), "v_heads.out"), loaded.end());
+  EXPECT_NE(std::find(loaded.begin(), loaded.end(), "q_heads.out"), loaded.end());
   // Heads the caller reads are stored as well.
   Compiled read_later = plan_graph(projections(16, 32, 2, true));
   ASSERT_NE(attention_kernel(read_later), nullptr);
@@ -480,6 +492,30 @@ TEST(Fusion, NoProjectionInAttentionWhereItCostsParallelismOrSharedMemory) {
                       "outputs one after another (at most 4096)"),
             std::string::npos)
       << reasons_for(work, "scores");
+  // A projection of another phase: the initialiser's keys run once, not every step.
+  {
+    GraphBuilder b("init_keys");
+    auto k = b.task("k", "matmul", Phase::init)
+                 .tensor("a", f32, {2, 8, 16}, ext)
+                 .tensor("b", f32, {16, 16}, ext)
+                 .tensor("out", f32, {2, 8, 16});
+    auto kh = b.task("k_heads", "split_heads", Phase::init)
+                  .tensor("x", k["out"])
+                  .tensor("out", f32, {2, 2, 8, 8}, Storage::persistent)
+                  .arg("heads", int64_t(2));
+    auto s = b.task("scores", "matmul")
+                 .tensor("a", f32, {2, 2, 8, 8}, ext)
+                 .tensor("b", kh["out"])
+                 .tensor("out", f32, {2, 2, 8, 8})
+                 .arg("trans_b", true);
+    auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", f32, {2, 2, 8, 8});
+    b.task("context", "matmul").tensor("a", p["out"]).tensor("b", f32, {2, 2, 8, 8}, ext).tensor("out", f32, {2, 2, 8, 8}, ext);
+    Compiled c = plan_graph(std::move(b).graph());
+    EXPECT_NE(reasons_for(c, "scores").find("'k_heads' is not computed in the attention kernel: 'k' runs in the init "
+                                            "phase, the attention in the forward phase"),
+              std::string::npos)
+        << reasons_for(c, "scores");
+  }
   // The rule off.
   FuseOptions off;
   off.disabled_rules = {"attention_projection"};
