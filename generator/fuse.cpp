@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <map>
 #include <set>
-#include <tuple>
 #include <variant>
 
 #include <fmt/format.h>
@@ -526,8 +525,9 @@ class Fuser {
       const std::vector<int> operands = {p_.tasks[size_t(scores)].find_tensor("a")->buffer,
                                          p_.tasks[size_t(scores)].find_tensor("b")->buffer,
                                          p_.tasks[size_t(context)].find_tensor("b")->buffer};
-      for (const auto& [t, slot, role] : {std::tuple{scores, "a", "q"}, {scores, "b", "k"}, {context, "b", "v"}}) {
-        const int heads = p_.tasks[size_t(t)].find_tensor(slot)->buffer;
+      for (size_t i = 0; i < operands.size(); ++i) {
+        const int heads = operands[i];
+        const std::string role = i == 0 ? "q" : i == 1 ? "k" : "v";
         // (One tensor read as two operands would be computed for two shapes of block.)
         if (std::count(operands.begin(), operands.end(), heads) > 1) continue;
         const int owner = p_.buffers[size_t(heads)].owner_task;
@@ -585,8 +585,7 @@ class Fuser {
   struct ProjectedAttention {
     int64_t Tq = 0, Tk = 0, D = 0, Dv = 0, rows_per_block = 1;
     bool q_computed = false;
-    std::vector<int> sources;
-    std::vector<int64_t> source_floats;
+    std::map<int, int64_t> source_floats;  // a staged input's buffer -> its floats
     int64_t outputs_per_block = 0;
     int64_t weight_floats = 0;  // the largest projection's weight columns for one head
   };
@@ -643,19 +642,15 @@ class Fuser {
       floats += a.back() * per_row + (cudagen::stores_prologue(p_, producer) ? a[a.size() - 2] * per_row : 0);
     }
     ProjectedAttention with = projected;
-    if (auto it = std::find(with.sources.begin(), with.sources.end(), source); it != with.sources.end()) {
-      int64_t& counted = with.source_floats[size_t(it - with.sources.begin())];
-      counted = std::max(counted, floats);
-    } else {
-      with.sources.push_back(source);
-      with.source_floats.push_back(floats);
-    }
+    with.source_floats[source] = std::max(with.source_floats[source], floats);
     with.q_computed = with.q_computed || role == "q";
     const int64_t rows = role == "q" ? with.Tq : with.Tk, columns = role == "v" ? with.Dv : with.D;
     with.outputs_per_block += rows * columns;
     with.weight_floats = std::max(with.weight_floats, a.back() * columns);
-    const int64_t bytes = projected_attention_shared_bytes(with.Tq, with.Tk, with.D, with.Dv, with.q_computed,
-                                                           with.source_floats, with.weight_floats);
+    std::vector<int64_t> sources;
+    for (const auto& [buffer, n] : with.source_floats) sources.push_back(n);
+    const int64_t bytes =
+        projected_attention_shared_bytes(with.Tq, with.Tk, with.D, with.Dv, with.q_computed, sources, with.weight_floats);
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the block's rows of '{}' ({} x {}) with the attention's own would take {} bytes of shared "
                          "memory, more than {}",
