@@ -6,8 +6,9 @@
 // the profiler counts every load and store of every kernel (a matmul reads its
 // operands once per tile, a softmax its row three times). The emitter's model
 // (each kernel reads each tensor it takes once: EmittedKernel::bytes_read and
-// bytes_written) is printed beside them. The unfused figures are the baseline
-// of the same run.
+// bytes_written) is printed beside them, with its ratio to the minimum. A
+// training graph gets a row `step` too: forward, backward and update
+// together. The unfused figures are the baseline of the same run.
 //   bench_fusion [--no-fuse-rule NAME]... GRAPH.json...
 // (--no-fuse-rule: the fused figures without that rule, to see what it does.)
 #include <unistd.h>
@@ -105,8 +106,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string work_dir = fmt::format("/tmp/bench_fusion_{}", ::getpid());
-  fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11}\n", "graph", "phase", "tasks",
-             "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min", "fused model");
+  fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9} {:>9} {:>11} {:>9}\n", "graph", "phase", "tasks",
+             "unfused", "fused", "bytes unf.", "bytes fused", "minimum", "fused/min", "unf./min", "fused model",
+             "model/min");
+  auto row = [](const std::string& graph, const std::string& phase, const PhaseFigures& unfused,
+                const PhaseFigures& fused, int64_t lower) {
+    auto ratio = [&](int64_t bytes) { return lower > 0 ? double(bytes) / double(lower) : 0.0; };
+    fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9.2f} {:>9.2f} {:>11} {:>9.2f}\n", graph, phase,
+               fused.tasks, unfused.kernels, fused.kernels, unfused.bytes, fused.bytes, lower, ratio(fused.bytes),
+               ratio(unfused.bytes), fused.modelled_bytes, ratio(fused.modelled_bytes));
+  };
   int64_t tasks_all = 0, kernels_all = 0;
   for (const std::string& graph : graphs) {
     CompileOptions unfused_options;
@@ -115,15 +124,27 @@ int main(int argc, char** argv) {
     const Compiled fused = compile(load_program(graph, {}), fused_options);
     const auto u = measure(unfused, work_dir), f = measure(fused, work_dir);
     const auto minimum = minimum_bytes(fused.program);
+    // A training step (forward, backward, update) as a whole, besides its
+    // phases: the phases still exchange what they save through memory (a
+    // phase ends at a launch the caller may read after), so its minimum is
+    // the sum of theirs.
+    PhaseFigures step_unfused, step_fused;
+    int64_t step_lower = 0;
     for (const auto& [phase, figures] : f) {
       const int64_t lower = minimum.count(phase) ? minimum.at(phase) : 0;
-      fmt::print("{:<22} {:<9} {:>6} {:>8} {:>6} {:>11} {:>11} {:>11} {:>9.2f} {:>9.2f} {:>11}\n",
-                 fused.program.graph.name, to_string(phase), figures.tasks, u.at(phase).kernels, figures.kernels,
-                 u.at(phase).bytes, figures.bytes, lower, lower > 0 ? double(figures.bytes) / double(lower) : 0.0,
-                 lower > 0 ? double(u.at(phase).bytes) / double(lower) : 0.0, figures.modelled_bytes);
+      row(fused.program.graph.name, to_string(phase), u.at(phase), figures, lower);
       tasks_all += figures.tasks;
       kernels_all += figures.kernels;
+      if (phase == Phase::init) continue;
+      for (auto [sum, part] : {std::pair{&step_unfused, &u.at(phase)}, std::pair{&step_fused, &figures}}) {
+        sum->tasks += part->tasks;
+        sum->kernels += part->kernels;
+        sum->bytes += part->bytes;
+        sum->modelled_bytes += part->modelled_bytes;
+      }
+      step_lower += lower;
     }
+    if (f.count(Phase::backward)) row(fused.program.graph.name, "step", step_unfused, step_fused, step_lower);
   }
   fmt::print("all graphs: {} tasks in {} launches fused ({:.2f} tasks per launch)\n", tasks_all, kernels_all,
              double(tasks_all) / double(kernels_all));

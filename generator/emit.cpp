@@ -140,6 +140,7 @@ class Emitter {
       kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.tile_kernels)
                      : k.rule == "attention"       ? attention(k, out.tile_kernels)
                      : k.rule == "matmul_chain"    ? matmul_chain(k, out.tile_kernels)
+                     : k.rule == "row_reduction"   ? row_reduction(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -2088,6 +2089,155 @@ class Emitter {
     mark_rows(t1, ps1, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, first_tail.params,
               launch_params_.back(), ek);
     mark_rows(t2, ps2, {}, second_tail.params, launch_params_.back(), ek);
+    emitted.push_back(ek);
+    return code;
+  }
+
+  // Rule row_reduction (fuse.h): value = op(a @ b) (its epilogue), then
+  // reductions of the value over its rows: sums over the rows (a bias
+  // gradient), x^T @ value (a weight gradient). A block owns a column tile
+  // of the value: it computes the tiles of rows one after another, keeps
+  // each in shared memory as the epilogue leaves it (in the value's type),
+  // and adds its rows, in order, into its columns of every reduction, which
+  // its threads hold in registers (f32) and store at the end. The value
+  // reaches memory only where read elsewhere (the epilogue then stores it
+  // as well); a weight gradient's x is read once per column tile.
+  std::string row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const size_t first = first_row_reduction(p_, k);
+    const int t = k.tasks[0];
+    const std::vector<Param> ps = params(t);
+    if (!diags_.ok()) return {};
+    const Param& a = param(ps, "a");
+    const Param& b = param(ps, "b");
+    const Param& out = param(ps, "out");
+    if (!check_f32_accumulation(t, a)) return {};
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const std::string id = bt.task->id;
+    EmittedKernel ek = emitted_kernel(k);
+    const Shape& so = out.buffer->shape;
+    const int64_t N = so.back(), M = numel(so) / N, K = a.buffer->shape.back();
+    const BoundTask& first_reduction = p_.tasks[size_t(k.tasks[first])];
+    const int value = first_reduction.find_tensor(first_reduction.op->name == "matmul" ? "b" : "x")->buffer;
+    const DType vt = p_.buffers[size_t(value)].dtype;
+    const bool tensor_cores = is_16bit(a.buffer->dtype);
+    const int64_t tile = matmul_tile_rows(a.buffer->dtype), row_tiles = (M + tile - 1) / tile;
+    template_files_.insert(bt.op->source_file);
+    use_function(*bt.op, tensor_cores ? "cg_matmul_tile_mma" : bt.op->source_function);
+    ek.block = tensor_cores ? 128 : 256;
+    ek.min_blocks_per_sm = 1;  // a block per column tile, each every tile of rows: registers before occupancy
+    ek.grid[0] = int((N + tile - 1) / tile);
+    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
+    const int64_t value_at = reserve_shared(
+        ek, fmt::format("a {} x {} tile of {} ({})", tile, tile, buffer_name(value), to_string(vt)), tile * tile * dtype_bytes(vt));
+    auto narrowed = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_narrow<{}>({})", c_type(vt), v) : v; };
+    auto widened = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_widen({})", v) : v; };
+
+    // The epilogue ends in shared memory (and stores what is read elsewhere).
+    Epilogue tail;
+    std::string keep = fmt::format("cg_value[(m - cg_row0) * {} + n - cg_col0] = {}", tile, narrowed(scaled_accumulator(t)));
+    if (first > 1 || !contains(k.internal_buffers, out.bound->buffer)) {
+      tail = epilogue(k, out,
+                      {.first = 1,
+                       .last = first,
+                       .anchor_name = id + "_out",
+                       .keep = fmt::format("cg_value[(i / {0} - cg_row0) * {1} + i % {0} - cg_col0] = {2}", N, tile,
+                                           narrowed("{}")),
+                       .kept_buffer = value});
+      keep = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled_accumulator(t));
+    }
+
+    std::vector<LaunchParam> launch;
+    auto add = [&](const std::string& name, const Param& x) {
+      if (contains(k.internal_buffers, x.bound->buffer)) return;
+      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                   x.bound->buffer, nullptr, x.written});
+    };
+    add(id + "_a", a);
+    add(id + "_b", b);
+    add(id + "_out", out);
+    launch.insert(launch.end(), tail.params.begin(), tail.params.end());
+
+    // Each reduction: `outputs` rows of N columns (1 for a sum, a weight
+    // gradient's K), of which a block holds its tile's columns, `per_thread`
+    // to a thread: output o of the block is row o / tile, column o % tile.
+    std::string accumulators, stage, accumulate, stores;
+    for (size_t i = first; i < k.tasks.size(); ++i) {
+      const int r = k.tasks[i];
+      const std::vector<Param> rps = params(r);
+      if (!diags_.ok()) return {};
+      const BoundTask& rt = p_.tasks[size_t(r)];
+      const std::string rid = rt.task->id, acc = "cg_acc_" + rid;
+      const bool weight_gradient = rt.op->name == "matmul";
+      const Param& rout = param(rps, "out");
+      const int64_t outputs = weight_gradient ? rout.buffer->shape.front() : 1;
+      const int64_t per_thread = (outputs * tile + ek.block - 1) / ek.block;
+      std::string term = widened(fmt::format("cg_value[r * {} + c]", tile));
+      if (weight_gradient) {
+        // x's rows of the tile, staged: a warp's threads read one of them at once.
+        const Param& x = param(rps, "a");
+        if (!check_f32_accumulation(r, x)) return {};
+        add(rid + "_a", x);
+        const int64_t x_at = reserve_shared(
+            ek, fmt::format("{} rows of {} ({} x {} floats)", tile, buffer_name(x.bound->buffer), tile, outputs),
+            tile * outputs * 4);
+        accumulators += fmt::format("  float* cg_rows_{} = (float*)(cg_smem + {});  // {}'s rows of the tile\n", rid, x_at,
+                                    buffer_name(x.bound->buffer));
+        stage += fmt::format("    for (int e = threadIdx.x; e < cg_rows * {0}; e += blockDim.x) cg_rows_{1}[e] = {2};\n",
+                             outputs, rid, load_as(x, rid + "_a", fmt::format("(cg_i64)cg_row0 * {} + e", outputs)));
+        term = fmt::format("cg_rows_{}[r * {} + j] * {}", rid, outputs, term);
+      }
+      add(rid + "_out", rout);
+      const std::string alpha = weight_gradient ? float_arg(r, "alpha", 1.0) : float_literal(1.0);
+      accumulators += fmt::format("  float {}[{}] = {{}};  // {} ({}): {} x {} columns\n", acc, per_thread, rid,
+                                  rt.op->name, outputs, tile);
+      // `statement` on each of the thread's outputs: row j (of a weight
+      // gradient), column c of the tile.
+      auto each_output = [&](const std::string& indent, const std::string& statement) {
+        return fmt::format(
+            "{0}for (int cg_k = 0; cg_k < {1}; ++cg_k) {{\n"
+            "{0}  const int o = threadIdx.x + cg_k * {2}, {3}c = o % {4};\n"
+            "{0}  if (o < {5} && cg_col0 + c < {6}) {7}\n"
+            "{0}}}\n",
+            indent, per_thread, ek.block, weight_gradient ? fmt::format("j = o / {}, ", tile) : "", tile,
+            outputs * tile, N, statement);
+      };
+      accumulate += each_output("    ", fmt::format("for (int r = 0; r < cg_rows; ++r) {}[cg_k] += {};", acc, term));
+      const std::string total = alpha == float_literal(1.0) ? acc + "[cg_k]" : fmt::format("{} * {}[cg_k]", alpha, acc);
+      stores += each_output(
+          "  ", store_element(rid + "_out", rout.buffer->dtype,
+                              weight_gradient ? fmt::format("(cg_i64)j * {} + cg_col0 + c", N) : "cg_col0 + c", total) +
+                    ";");
+    }
+    if (!diags_.ok()) return {};
+    const std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  {0}* cg_value = ({0}*)(cg_smem + {1});  // a tile of {2}\n"
+        "  const int cg_col0 = tile.x * {3};  // the block's columns of {2}\n"
+        "  int cg_row0 = 0;\n"
+        "{4}"
+        "{5}"
+        "  for (int cg_tile_m = 0; cg_tile_m < {6}; ++cg_tile_m) {{\n"
+        "    cg_row0 = cg_tile_m * {3};\n"
+        "    {7}(\n"
+        "        [&](int m, int k) {{ return {8}; }},\n"
+        "        [&](int k, int n) {{ return {9}; }},\n"
+        "        [&](int m, int n, float acc) {{ {10}; }},\n"
+        "        {11}, {12}, {13}, cg_tile_m, tile.x, ({14}*)cg_smem);\n"
+        "    const int cg_rows = {11} - cg_row0 < {3} ? {11} - cg_row0 : {3};\n"
+        "{17}"
+        "    __syncthreads();  // the tile of {2} is in shared memory\n"
+        "{15}"
+        "    __syncthreads();  // the next tile of rows overwrites it\n"
+        "  }}\n"
+        "  // Each reduction's columns, summed over every row.\n"
+        "{16}",
+        c_type(vt), value_at, buffer_name(value), tile, accumulators, tail.code, row_tiles,
+        tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
+        load_as(a, id + "_a", fmt::format("(cg_i64)m * {} + k", K)),
+        load_as(b, id + "_b", b_index(arg_bool(t, "trans_b"), K, N)), keep, M, N, K,
+        tensor_cores ? c_type(a.buffer->dtype) : "float", accumulate, stores, stage);
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
+    record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
   }

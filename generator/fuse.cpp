@@ -98,6 +98,7 @@ class Fuser {
     if (options_.enabled) {
       fold_prologues();
       chain_matmuls();
+      reduce_rows();
       project_into_attention();
     }
     for (size_t k = 0; k < out_.kernels.size(); ++k)
@@ -505,6 +506,142 @@ class Fuser {
       std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == r; });  // it joined
     }
     drop_kernels(merged);
+  }
+
+  // Rule row_reduction: the kernels that only reduce a matmul kernel's value
+  // over its rows (a bias gradient's sum over rows, a weight gradient
+  // a^T @ value) run in that kernel instead: each block keeps a column tile
+  // of the value, walking every tile of rows in turn, and accumulates its
+  // columns of each reduction as it goes (emit.cpp), so the value (an
+  // activation's gradient) never reaches memory unless read elsewhere. The
+  // merged kernel runs where the matmul's did: the reductions' other
+  // operands must be ready by then.
+  void reduce_rows() {
+    std::vector<bool> merged(out_.kernels.size(), false);
+    for (size_t a = 0; a < out_.kernels.size(); ++a) {
+      KernelGroup& producer = out_.kernels[a];
+      const int mm = producer.tasks.front();
+      if (merged[a] || p_.tasks[size_t(mm)].op->name != "matmul" ||
+          (producer.tasks.size() > 1 && producer.rule != "matmul_epilogue") || permutation(producer.tasks.back()))
+        continue;
+      const int value = group_value(p_.tasks[size_t(producer.tasks.back())])->buffer;
+      const std::vector<int> value_tasks = producer.tasks;  // the matmul and its epilogue; the last names the value
+      int64_t reduced_rows = 0;  // the reductions' output rows so far: one per sum, K per a^T @ value
+      for (int r : readers_[size_t(value)]) {
+        const size_t at = kernel_of(r, a + 1);
+        if (p_.tasks[size_t(r)].task->phase != producer.phase || at >= out_.kernels.size() || merged[at] ||
+            !row_reduction_of(r, value))
+          continue;
+        const std::string reason = why_not_reduce_rows(a, at, r, value, reduced_rows);
+        if (!reason.empty()) {
+          note_prologue_refused(value_tasks, {r}, reason, "is not reduced in its kernel");
+          continue;
+        }
+        reduced_rows += row_reduction_outputs(r);
+        producer.tasks.push_back(r);
+        producer.rule = "row_reduction";
+        merged[at] = true;
+        std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == r; });  // it joined
+      }
+      if (producer.rule == "row_reduction") {
+        producer.internal_buffers.clear();
+        find_internal(producer);
+      }
+    }
+    drop_kernels(merged);
+  }
+
+  // Whether task `r` reduces buffer `value` over its rows as rule
+  // row_reduction takes it: a sum over every axis but the last
+  // (sum_leading), or a weight gradient a^T @ value (`value` as the right
+  // operand, `a` transposed), both of 2-D operands or a sum of any rank.
+  bool row_reduction_of(int r, int value) const {
+    const BoundTask& bt = p_.tasks[size_t(r)];
+    if (bt.op->name == "sum_leading") return bt.find_tensor("x")->buffer == value;
+    return bt.op->name == "matmul" && bt.find_tensor("b")->buffer == value && flag(r, "trans_a") &&
+           bt.find_tensor("a")->buffer != value;
+  }
+  // Its outputs per column of the value: 1 for a sum, K for a^T @ value.
+  int64_t row_reduction_outputs(int r) const {
+    if (p_.tasks[size_t(r)].op->name == "sum_leading") return 1;
+    return slot_buffer(r, "out").shape.front();
+  }
+
+  // Why reduction `r` (kernel `at`) cannot run in matmul kernel `a`, whose
+  // value is `value` and which reduces `reduced_rows` output rows already
+  // (empty when it can).
+  std::string why_not_reduce_rows(size_t a, size_t at, int r, int value, int64_t reduced_rows) const {
+    if (!rule_on("row_reduction")) return "rule row_reduction is off (--no-fuse-rule)";
+    const KernelGroup& producer = out_.kernels[a];
+    const KernelGroup& reader = out_.kernels[at];
+    const int mm = producer.tasks.front();
+    const std::string& id = p_.tasks[size_t(r)].task->id;
+    if (reader.tasks.size() != 1 || !reader.prologue.empty()) return fmt::format("'{}' is not alone in its kernel", id);
+    if (!producer.prologue.empty())
+      return fmt::format("'{}' computes a prologue, which each tile of rows would recompute", p_.tasks[size_t(mm)].task->id);
+    if (const std::string why = why_not_rows_matmul(mm); !why.empty()) return why;
+    for (int t : {mm, r})
+      if (const std::string arg = runtime_arg(p_, t); !arg.empty())
+        return fmt::format("'{}' reads run-time argument '{}'", p_.tasks[size_t(t)].task->id, arg);
+    const BufferInfo& info = p_.buffers[size_t(value)];
+    const int64_t N = info.shape.back(), rows = numel(info.shape) / N;
+    if (p_.tasks[size_t(r)].op->name == "matmul") {
+      const Shape& x = slot_buffer(r, "a").shape;
+      if (x.size() != 2 || info.shape.size() != 2 || flag(r, "trans_b"))
+        return fmt::format("'{}' multiplies batches of matrices; a weight gradient here is [R, K]^T @ [R, N]", id);
+      // Its other operand is read where the value's kernel runs (in place
+      // updates are writes too).
+      const int other = p_.tasks[size_t(r)].find_tensor("a")->buffer;
+      for (size_t j = a; j < at; ++j)
+        if (contains(written_buffers(out_.kernels[j].tasks), storage_of_view(other)))
+          return fmt::format("'{}' reads '{}', which {} computes before it", id, buffer_name(p_, other),
+                             j == a ? std::string("the value's kernel") : fmt::format("'{}'", p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id));
+    }
+    // Each block walks every tile of rows of its columns: bounded, as the
+    // parallelism of the value's own tiles is lost.
+    const DType a_type = slot_buffer(mm, "a").dtype;
+    const int64_t tile = matmul_tile_rows(a_type), row_tiles = (rows + tile - 1) / tile;
+    if (row_tiles > kMaxReductionRowTiles)
+      return fmt::format("each block would walk {} tiles of rows of '{}' one after another (at most {}): the value's "
+                         "parallel tiles are worth more than its traffic",
+                         row_tiles, buffer_name(p_, value), kMaxReductionRowTiles);
+    // A thread keeps its outputs of every reduction in registers.
+    const int64_t threads = tile == 64 ? 128 : 256;
+    const int64_t per_thread = ((reduced_rows + row_reduction_outputs(r)) * tile + threads - 1) / threads;
+    if (per_thread > kMaxReductionOutputsPerThread)
+      return fmt::format("each thread would accumulate {} outputs of the reductions (at most {})", per_thread,
+                         kMaxReductionOutputsPerThread);
+    // Shared memory: the operand tiles, a tile of the value, and each weight
+    // gradient's rows of x for the tile (the emitter's regions, 16-byte aligned).
+    auto region = [](int64_t bytes) { return (bytes + 15) / 16 * 16; };
+    int64_t bytes = region(matmul_operand_tile_bytes(a_type)) + region(tile * tile * dtype_bytes(info.dtype));
+    for (int t : producer.tasks)
+      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") bytes += region(tile * row_reduction_outputs(t) * 4);
+    if (p_.tasks[size_t(r)].op->name == "matmul") bytes += region(tile * row_reduction_outputs(r) * 4);
+    if (bytes > kSharedBytesWithoutOptIn)
+      return fmt::format("the operand tiles, a tile of '{}' and the rows the weight gradients read take {} bytes of "
+                         "shared memory, more than {}",
+                         buffer_name(p_, value), bytes, kSharedBytesWithoutOptIn);
+    return {};
+  }
+  static constexpr int64_t kMaxReductionRowTiles = 16;
+  static constexpr int64_t kMaxReductionOutputsPerThread = 16;
+
+  // The storage a buffer stands for, through views (before batch_launches
+  // fills view_source_).
+  int storage_of_view(int b) const {
+    for (bool moved = true; moved;) {
+      moved = false;
+      const int owner = p_.buffers[size_t(b)].owner_task;
+      if (owner >= 0 && is_view(p_.tasks[size_t(owner)]))
+        for (const auto& source : p_.tasks[size_t(owner)].tensors)
+          if (source.buffer >= 0 && source.sig != nullptr && !source.sig->written()) {
+            b = source.buffer;
+            moved = true;
+            break;
+          }
+    }
+    return b;
   }
 
   // Rule attention_projection: the kernel of a projection whose heads only

@@ -31,6 +31,14 @@
 //                      kernel whose blocks keep their rows of the value (an
 //                      MLP's hidden activation) in shared memory between the
 //                      two products; stored as well where read later.
+//   row_reduction      a matmul kernel (its epilogue included) and the
+//                      kernels that only reduce its value over the rows: a
+//                      sum over rows (a bias gradient), a^T @ value (a
+//                      weight gradient). Each block keeps a column tile of
+//                      the value in shared memory, walks every tile of rows
+//                      and accumulates its columns of the reductions; the
+//                      value (an activation's gradient) reaches memory only
+//                      where read elsewhere.
 //   attention          softmax(scale * alpha * q k^T) then its matmul by the
 //                      values: one warp per query row, the scores in shared
 //                      memory (never in the arena); an epilogue may follow.
@@ -67,7 +75,8 @@ namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {
     "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "matmul_chain",      "attention",       "attention_projection", "permuted_store", "horizontal"};
+    "matmul_chain",      "row_reduction",   "attention",            "attention_projection", "permuted_store",
+    "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

@@ -39,6 +39,7 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
   std::vector<std::string> rules;
   if (!k.prologue.empty()) rules.push_back(norm_prologue(program, k) ? "norm_prologue" : "elementwise_prologue");
   if (attention_scores(program, k) > 0) rules.push_back("attention_projection");
+  if (first_row_reduction(program, k) > 1) rules.push_back("matmul_epilogue");
   if (!k.rule.empty()) rules.push_back(k.rule);
   return rules;
 }
@@ -52,6 +53,15 @@ size_t second_matmul(const Program& program, const KernelGroup& k) {
   if (k.rule != "matmul_chain") return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->pattern == PatternKind::matmul) return i;
+  return 0;
+}
+
+size_t first_row_reduction(const Program& program, const KernelGroup& k) {
+  if (k.rule != "row_reduction") return 0;
+  for (size_t i = 1; i < k.tasks.size(); ++i) {
+    const PatternKind pattern = program.tasks[size_t(k.tasks[i])].op->pattern;
+    if (pattern != PatternKind::elementwise && pattern != PatternKind::broadcast) return i;
+  }
   return 0;
 }
 

@@ -107,6 +107,12 @@ bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool
 // 0 for a kernel of another rule.
 size_t second_matmul(const Program& program, const KernelGroup& k);
 
+// Rule row_reduction: the index in k.tasks of the kernel's first reduction
+// over the rows of its matmul's value (a sum_leading, or a matmul a^T @
+// value); the tasks between are the matmul's epilogue. 0 for a kernel of
+// another rule.
+size_t first_row_reduction(const Program& program, const KernelGroup& k);
+
 // Rule attention_projection: the index in k.tasks of an attention kernel's
 // scores matmul. The tasks before it are the projections whose heads the
 // kernel computes itself (each a matmul, its epilogue, the split_heads that

@@ -102,7 +102,8 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // inputs at other elements (other blocks, other threads): nothing the
     // epilogue stores may take their storage.
     // (An attention kernel: its projections, its scores matmul and its matmul by the values;
-    // a matmul chain: both matmuls and the epilogue between; a prologue's
+    // a matmul chain: both matmuls and the epilogue between; a row
+    // reduction: its matmul and the reductions; a prologue's
     // inputs too, which the operand loads read.)
     const KernelGroup& kernel = kernels[size_t(k)];
     std::vector<int> readers_elsewhere = kernel.prologue;
@@ -111,6 +112,9 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
                                                            : 1;
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
       readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(), kernel.tasks.begin() + long(anchors));
+    // (A row reduction reads its other operand, rows of it, after every tile of the value.)
+    if (const size_t first = first_row_reduction(program, kernel); first > 0)
+      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin() + long(first), kernel.tasks.end());
     std::vector<int> read_elsewhere;
     for (int t : readers_elsewhere)
       for (const auto& in : program.tasks[size_t(t)].tensors)

@@ -262,6 +262,22 @@ TaskGraph matmul_chain(DType d, bool epilogues) {
   return std::move(b).graph();
 }
 
+// Rule row_reduction: a gradient dh = dy @ w^T over 70 rows (3 tiles of
+// 32, 2 of 64: the last partial), with relu's gradient as its epilogue
+// (`epilogue`; the caller reads dx too, so it is stored as well) or none
+// (dh itself reduced, never stored), then its reductions over the rows: the
+// bias gradient (a sum) and the weight gradient 0.5 * x^T @ dx, 40 columns
+// (a partial column tile).
+TaskGraph row_reduction(DType d, bool epilogue) {
+  GraphBuilder b(fmt::format("row_reduction_{}_{}", to_string(d), epilogue ? "epilogue" : "plain"));
+  auto dh = b.task("dh", "matmul").tensor("a", d, {70, 12}, ext).tensor("b", d, {40, 12}, ext).tensor("out", d, {70, 40}).arg("trans_b", true);
+  SlotRef value = dh["out"];
+  if (epilogue) value = b.task("dx", "relu_backward").tensor("x", d, {70, 40}, ext).tensor("dout", dh["out"]).tensor("dx", d, {70, 40}, ext)["dx"];
+  b.task("db", "sum_leading").tensor("x", value).tensor("out", d, {40}, ext);
+  b.task("dw", "matmul").tensor("a", d, {70, 6}, ext).tensor("b", value).tensor("out", d, {6, 40}, ext).arg("trans_a", true).arg("alpha", 0.5);
+  return std::move(b).graph();
+}
+
 // Rule attention_projection: the attention kernel computes q, k and v from
 // their projections. `gpt`: a layernorm of x feeds all three, each with a
 // bias epilogue before its split; causal, 12 tokens (4 warps, 3 query rows
@@ -459,6 +475,21 @@ TEST_P(FusedChains, MatmulChainMatchesTheReferenceFusedAndUnfused) {
     const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
     EXPECT_NE(c.emitted.cuda_source.find(kept), std::string::npos);
     // The megakernel runs the chain's tiles too.
+    expect_megakernel_right(g);
+  }
+}
+
+TEST_P(FusedChains, RowReductionMatchesTheReferenceFusedAndUnfused) {
+  for (bool epilogue : {true, false}) {
+    const TaskGraph g = row_reduction(GetParam(), epilogue);
+    const Compiled c = expect_fused_and_unfused_right(g, 1, "__syncthreads();  // the next tile of rows overwrites it");
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(c.kernels[0].rule, "row_reduction");
+    const std::string& src = c.emitted.cuda_source;
+    // The value is kept in shared memory as the type it would have been stored in; stored only where read.
+    const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
+    EXPECT_NE(src.find(kept), std::string::npos);
+    EXPECT_EQ(src.find("cg_store(dx_dx, i,") != std::string::npos, epilogue) << src;
     expect_megakernel_right(g);
   }
 }

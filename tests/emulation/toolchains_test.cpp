@@ -152,6 +152,32 @@ TEST(Toolchains, ProjectedAttentionCompilesWithNvrtcWithoutSpills) {
   }
 }
 
+// Rule row_reduction at its bound: each thread accumulates 16 outputs of
+// the reductions (a sum and a weight gradient of 127 rows on the f32 tile; of
+// 31 on the tensor-core tile), which must stay in registers: no stack frame,
+// no spills.
+TEST(Toolchains, RowReductionKeepsItsAccumulatorsInRegisters) {
+  GraphBuilder b("row_reduction");
+  const Storage ext = Storage::external;
+  for (DType d : {DType::f32, DType::bf16}) {
+    const std::string t = to_string(d);
+    const int64_t inputs = d == DType::f32 ? 127 : 31;
+    auto dh = b.task("dh_" + t, "matmul").tensor("a", d, {200, 24}, ext).tensor("b", d, {24, 96}, ext).tensor("out", d, {200, 96});
+    auto dx = b.task("dx_" + t, "gelu_backward").tensor("x", d, {200, 96}, ext).tensor("dout", dh["out"]).tensor("dx", d, {200, 96});
+    b.task("db_" + t, "sum_leading").tensor("x", dx["dx"]).tensor("out", d, {96}, ext);
+    b.task("dw_" + t, "matmul").tensor("a", d, {200, inputs}, ext).tensor("b", dx["dx"]).tensor("out", d, {inputs, 96}, ext).arg("trans_a", true);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.kernels.size(), 2u);
+  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "row_reduction") << k.name;
+  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90")) {
+    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
+    EXPECT_EQ(r.stack_bytes, 0) << name << " keeps its accumulators in local memory";
+    std::printf("  ptxas sm_90: %-24s %3d registers, %d bytes spilled, %d bytes of stack\n", name.c_str(), r.registers,
+                r.spill_bytes, r.stack_bytes);
+  }
+}
+
 // Rule elementwise_prologue's loads (a chain computed in a matmul's operand
 // loads, on the tensor-core tile, for either operand; in a softmax's and a
 // layernorm's row loads) assemble for both architectures without spills.

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 143104 bytes (lower bound 143104, without reuse 176384).
+// Arena: 160000 bytes (lower bound 160000, without reuse 160000).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -815,26 +815,56 @@ CG_DEVICE void k11_bias2_grad_b_sum_tile(const float* x, float* out, cg_tile til
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
 }
 
-// Kernel k12_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
-//   reads  loss_backward.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
-//   writes act1_backward.dx f32 [32, 128]
-//   in registers fc2_grad_a.out
-//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+// Kernel k12_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), bias1_grad_b_sum (sum_leading), fc1_grad_b (matmul), fused (matmul_epilogue, row_reduction).
+//   reads  loss_backward.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128], fc1.a f32 [32, 64]
+//   writes bias1_grad_b_sum.out f32 [128], fc1_grad_b.out f32 [64, 128]
+//   in registers fc2_grad_a.out, act1_backward.dx
+//   30976 bytes read, 33280 bytes written; grid [4, 1, 1], block 256, 16576 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k12_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
-  // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
+//     [4288, 8384) a 32 x 32 tile of act1_backward.dx (f32)
+//     [8384, 16576) 32 rows of fc1.a (32 x 64 floats)
+CG_DEVICE void k12_fc2_grad_a_tile(const float* fc2_grad_a_a, const float* fc2_grad_a_b, const float* act1_backward_x, float* bias1_grad_b_sum_out, const float* fc1_grad_b_a, float* fc1_grad_b_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  float* cg_value = (float*)(cg_smem + 4288);  // a tile of act1_backward.dx
+  const int cg_col0 = tile.x * 32;  // the block's columns of act1_backward.dx
+  int cg_row0 = 0;
+  float cg_acc_bias1_grad_b_sum[1] = {};  // bias1_grad_b_sum (sum_leading): 1 x 32 columns
+  float* cg_rows_fc1_grad_b = (float*)(cg_smem + 8384);  // fc1.a's rows of the tile
+  float cg_acc_fc1_grad_b[8] = {};  // fc1_grad_b (matmul): 64 x 32 columns
+  // Epilogue (row_reduction): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(act1_backward_x, i), v0);  // act1_backward.dx
-    cg_store(act1_backward_dx, i, v1);
+    cg_value[(i / 128 - cg_row0) * 32 + i % 128 - cg_col0] = v1;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 320, b_base = z * 1280, out_base = z * 4096;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 10 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 10 + k); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
-      32, 128, 10, tile.y, tile.x, (float*)cg_smem);
+  for (int cg_tile_m = 0; cg_tile_m < 1; ++cg_tile_m) {
+    cg_row0 = cg_tile_m * 32;
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc2_grad_a_a, (cg_i64)m * 10 + k); },
+        [&](int k, int n) { return cg_load(fc2_grad_a_b, (cg_i64)n * 10 + k); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 128 + n, acc); },
+        32, 128, 10, cg_tile_m, tile.x, (float*)cg_smem);
+    const int cg_rows = 32 - cg_row0 < 32 ? 32 - cg_row0 : 32;
+    for (int e = threadIdx.x; e < cg_rows * 64; e += blockDim.x) cg_rows_fc1_grad_b[e] = cg_load(fc1_grad_b_a, (cg_i64)cg_row0 * 64 + e);
+    __syncthreads();  // the tile of act1_backward.dx is in shared memory
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, c = o % 32;
+      if (o < 32 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_bias1_grad_b_sum[cg_k] += cg_value[r * 32 + c];
+    }
+    for (int cg_k = 0; cg_k < 8; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+      if (o < 2048 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_fc1_grad_b[cg_k] += cg_rows_fc1_grad_b[r * 64 + j] * cg_value[r * 32 + c];
+    }
+    __syncthreads();  // the next tile of rows overwrites it
+  }
+  // Each reduction's columns, summed over every row.
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, c = o % 32;
+    if (o < 32 && cg_col0 + c < 128) cg_store(bias1_grad_b_sum_out, cg_col0 + c, cg_acc_bias1_grad_b_sum[cg_k]);
+  }
+  for (int cg_k = 0; cg_k < 8; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+    if (o < 2048 && cg_col0 + c < 128) cg_store(fc1_grad_b_out, (cg_i64)j * 128 + cg_col0 + c, cg_acc_fc1_grad_b[cg_k]);
+  }
 }
 
 // Kernel k13_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
@@ -853,39 +883,11 @@ CG_DEVICE void k13_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       128, 10, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k14_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
-//   reads  bias1_grad_b_sum.x f32 [32, 128] <- act1_backward.dx
-//   writes bias1_grad_b_sum.out f32 [128]
-//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
-//     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k14_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
-  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
-  if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
-}
-
-// Kernel k15_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
-//   reads  fc1_grad_b.a f32 [32, 64] <- fc1.a, fc1_grad_b.b f32 [32, 128] <- act1_backward.dx
-//   writes fc1_grad_b.out f32 [64, 128]
-//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k15_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 8192;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 64 + m); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 128 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 128 + n, acc); },
-      64, 128, 32, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k16_w1_init_sgd (update phase): task w1_init_sgd (sgd, elementwise).
+// Kernel k14_w1_init_sgd (update phase): task w1_init_sgd (sgd, elementwise).
 //   reads  w1_init_sgd.param f32 [64, 128] <- w1_init.out, w1_init_sgd.grad f32 [64, 128] <- fc1_grad_b.out, w1_init_sgd.momentum_buf f32 [64, 128] <- w1_init_momentum_init.out
 //   writes w1_init_sgd.param f32 [64, 128] <- w1_init.out, w1_init_sgd.momentum_buf f32 [64, 128] <- w1_init_momentum_init.out
 //   98304 bytes read, 65536 bytes written; grid [32, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k16_w1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k14_w1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 8192; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -895,11 +897,11 @@ CG_DEVICE void k16_w1_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k17_b1_init_sgd (update phase): task b1_init_sgd (sgd, elementwise).
+// Kernel k15_b1_init_sgd (update phase): task b1_init_sgd (sgd, elementwise).
 //   reads  b1_init_sgd.param f32 [128] <- b1_init.out, b1_init_sgd.grad f32 [128] <- bias1_grad_b_sum.out, b1_init_sgd.momentum_buf f32 [128] <- b1_init_momentum_init.out
 //   writes b1_init_sgd.param f32 [128] <- b1_init.out, b1_init_sgd.momentum_buf f32 [128] <- b1_init_momentum_init.out
 //   1536 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k17_b1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k15_b1_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -909,11 +911,11 @@ CG_DEVICE void k17_b1_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k18_w2_init_sgd (update phase): task w2_init_sgd (sgd, elementwise).
+// Kernel k16_w2_init_sgd (update phase): task w2_init_sgd (sgd, elementwise).
 //   reads  w2_init_sgd.param f32 [128, 10] <- w2_init.out, w2_init_sgd.grad f32 [128, 10] <- fc2_grad_b.out, w2_init_sgd.momentum_buf f32 [128, 10] <- w2_init_momentum_init.out
 //   writes w2_init_sgd.param f32 [128, 10] <- w2_init.out, w2_init_sgd.momentum_buf f32 [128, 10] <- w2_init_momentum_init.out
 //   15360 bytes read, 10240 bytes written; grid [5, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k18_w2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k16_w2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 1280; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -923,11 +925,11 @@ CG_DEVICE void k18_w2_init_sgd_tile(float* param, const float* grad, float* mome
   }
 }
 
-// Kernel k19_b2_init_sgd (update phase): task b2_init_sgd (sgd, elementwise).
+// Kernel k17_b2_init_sgd (update phase): task b2_init_sgd (sgd, elementwise).
 //   reads  b2_init_sgd.param f32 [10] <- b2_init.out, b2_init_sgd.grad f32 [10] <- bias2_grad_b_sum.out, b2_init_sgd.momentum_buf f32 [10] <- b2_init_momentum_init.out
 //   writes b2_init_sgd.param f32 [10] <- b2_init.out, b2_init_sgd.momentum_buf f32 [10] <- b2_init_momentum_init.out
 //   120 bytes read, 80 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k19_b2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
+CG_DEVICE void k17_b2_init_sgd_tile(float* param, const float* grad, float* momentum_buf, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
@@ -979,18 +981,20 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_5_more(
 
 // Launch h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// of 256 threads, 16576 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
 //   blocks [0, 1): k11_bias2_grad_b_sum
 //   blocks [1, 5): k12_fc2_grad_a
 //   blocks [5, 9): k13_fc2_grad_b
-CG_KERNEL void __launch_bounds__(256) h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
+CG_KERNEL void __launch_bounds__(256, 1) h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
     const float* __restrict__ k11_bias2_grad_b_sum_x,
     float* __restrict__ k11_bias2_grad_b_sum_out,
-    const float* __restrict__ k12_fc2_grad_a_a,
-    const float* __restrict__ k12_fc2_grad_a_b,
+    const float* __restrict__ k12_fc2_grad_a_fc2_grad_a_a,
+    const float* __restrict__ k12_fc2_grad_a_fc2_grad_a_b,
     const float* __restrict__ k12_fc2_grad_a_act1_backward_x,
-    float* __restrict__ k12_fc2_grad_a_act1_backward_dx,
+    float* __restrict__ k12_fc2_grad_a_bias1_grad_b_sum_out,
+    const float* __restrict__ k12_fc2_grad_a_fc1_grad_b_a,
+    float* __restrict__ k12_fc2_grad_a_fc1_grad_b_out,
     const float* __restrict__ k13_fc2_grad_b_a,
     const float* __restrict__ k13_fc2_grad_b_b,
     float* __restrict__ k13_fc2_grad_b_out) {
@@ -998,60 +1002,41 @@ CG_KERNEL void __launch_bounds__(256) h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
   if (block < 1u)
     k11_bias2_grad_b_sum_tile(k11_bias2_grad_b_sum_x, k11_bias2_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else if (block < 5u)
-    k12_fc2_grad_a_tile(k12_fc2_grad_a_a, k12_fc2_grad_a_b, k12_fc2_grad_a_act1_backward_x, k12_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 4, 1));
+    k12_fc2_grad_a_tile(k12_fc2_grad_a_fc2_grad_a_a, k12_fc2_grad_a_fc2_grad_a_b, k12_fc2_grad_a_act1_backward_x, k12_fc2_grad_a_bias1_grad_b_sum_out, k12_fc2_grad_a_fc1_grad_b_a, k12_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 4, 1));
   else
     k13_fc2_grad_b_tile(k13_fc2_grad_b_a, k13_fc2_grad_b_b, k13_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
 }
 
-// Launch h5_bias1_grad_b_sum_fc1_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 4): k14_bias1_grad_b_sum
-//   blocks [4, 12): k15_fc1_grad_b
-CG_KERNEL void __launch_bounds__(256) h5_bias1_grad_b_sum_fc1_grad_b(
-    const float* __restrict__ k14_bias1_grad_b_sum_x,
-    float* __restrict__ k14_bias1_grad_b_sum_out,
-    const float* __restrict__ k15_fc1_grad_b_a,
-    const float* __restrict__ k15_fc1_grad_b_b,
-    float* __restrict__ k15_fc1_grad_b_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 4u)
-    k14_bias1_grad_b_sum_tile(k14_bias1_grad_b_sum_x, k14_bias1_grad_b_sum_out, cg_tile_of(block, 4, 1));
-  else
-    k15_fc1_grad_b_tile(k15_fc1_grad_b_a, k15_fc1_grad_b_b, k15_fc1_grad_b_out, cg_tile_of(block - 4u, 4, 2));
-}
-
-// Launch h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
+// Launch h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 32): k16_w1_init_sgd
-//   blocks [32, 33): k17_b1_init_sgd
-//   blocks [33, 38): k18_w2_init_sgd
-//   blocks [38, 39): k19_b2_init_sgd
-CG_KERNEL void __launch_bounds__(256) h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more(
-    float* __restrict__ k16_w1_init_sgd_param,
-    const float* __restrict__ k16_w1_init_sgd_grad,
-    float* __restrict__ k16_w1_init_sgd_momentum_buf,
-    float* __restrict__ k17_b1_init_sgd_param,
-    const float* __restrict__ k17_b1_init_sgd_grad,
-    float* __restrict__ k17_b1_init_sgd_momentum_buf,
-    float* __restrict__ k18_w2_init_sgd_param,
-    const float* __restrict__ k18_w2_init_sgd_grad,
-    float* __restrict__ k18_w2_init_sgd_momentum_buf,
-    float* __restrict__ k19_b2_init_sgd_param,
-    const float* __restrict__ k19_b2_init_sgd_grad,
-    float* __restrict__ k19_b2_init_sgd_momentum_buf) {
+//   blocks [0, 32): k14_w1_init_sgd
+//   blocks [32, 33): k15_b1_init_sgd
+//   blocks [33, 38): k16_w2_init_sgd
+//   blocks [38, 39): k17_b2_init_sgd
+CG_KERNEL void __launch_bounds__(256) h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more(
+    float* __restrict__ k14_w1_init_sgd_param,
+    const float* __restrict__ k14_w1_init_sgd_grad,
+    float* __restrict__ k14_w1_init_sgd_momentum_buf,
+    float* __restrict__ k15_b1_init_sgd_param,
+    const float* __restrict__ k15_b1_init_sgd_grad,
+    float* __restrict__ k15_b1_init_sgd_momentum_buf,
+    float* __restrict__ k16_w2_init_sgd_param,
+    const float* __restrict__ k16_w2_init_sgd_grad,
+    float* __restrict__ k16_w2_init_sgd_momentum_buf,
+    float* __restrict__ k17_b2_init_sgd_param,
+    const float* __restrict__ k17_b2_init_sgd_grad,
+    float* __restrict__ k17_b2_init_sgd_momentum_buf) {
   const unsigned int block = blockIdx.x;
   if (block < 32u)
-    k16_w1_init_sgd_tile(k16_w1_init_sgd_param, k16_w1_init_sgd_grad, k16_w1_init_sgd_momentum_buf, cg_tile_of(block, 32, 1));
+    k14_w1_init_sgd_tile(k14_w1_init_sgd_param, k14_w1_init_sgd_grad, k14_w1_init_sgd_momentum_buf, cg_tile_of(block, 32, 1));
   else if (block < 33u)
-    k17_b1_init_sgd_tile(k17_b1_init_sgd_param, k17_b1_init_sgd_grad, k17_b1_init_sgd_momentum_buf, cg_tile_of(block - 32u, 1, 1));
+    k15_b1_init_sgd_tile(k15_b1_init_sgd_param, k15_b1_init_sgd_grad, k15_b1_init_sgd_momentum_buf, cg_tile_of(block - 32u, 1, 1));
   else if (block < 38u)
-    k18_w2_init_sgd_tile(k18_w2_init_sgd_param, k18_w2_init_sgd_grad, k18_w2_init_sgd_momentum_buf, cg_tile_of(block - 33u, 5, 1));
+    k16_w2_init_sgd_tile(k16_w2_init_sgd_param, k16_w2_init_sgd_grad, k16_w2_init_sgd_momentum_buf, cg_tile_of(block - 33u, 5, 1));
   else
-    k19_b2_init_sgd_tile(k19_b2_init_sgd_param, k19_b2_init_sgd_grad, k19_b2_init_sgd_momentum_buf, cg_tile_of(block - 38u, 1, 1));
+    k17_b2_init_sgd_tile(k17_b2_init_sgd_param, k17_b2_init_sgd_grad, k17_b2_init_sgd_momentum_buf, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1073,7 +1058,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 143104ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 160000ull;
 
 static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_5_more_tensors[] = {
     {"k0_w1_init_out", "w1_init.out", 0ull, 32768ull},
@@ -1086,56 +1071,51 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_5_more_tensors[]
     {"k7_b2_init_momentum_init_out", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 static const cudagen_tensor_info k8_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 126464ull, 8192ull},
+    {"fc1_a", "fc1.a", 142848ull, 8192ull},
     {"fc1_b", "w1_init.out", 0ull, 32768ull},
     {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 77312ull, 16384ull},
-    {"act1_out", "act1.out", 93696ull, 16384ull},
+    {"bias1_out", "bias1.out", 110080ull, 16384ull},
+    {"act1_out", "act1.out", 126464ull, 16384ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 139776ull, 1280ull},
+    {"bias2_out", "bias2.out", 156160ull, 1280ull},
 };
 static const cudagen_tensor_info k9_loss_tensors[] = {
-    {"logits", "bias2.out", 139776ull, 1280ull},
-    {"labels", "loss.labels", 142336ull, 128ull},
-    {"loss", "loss.loss", 142848ull, 4ull},
+    {"logits", "bias2.out", 156160ull, 1280ull},
+    {"labels", "loss.labels", 159232ull, 128ull},
+    {"loss", "loss.loss", 159744ull, 4ull},
 };
 static const cudagen_tensor_info k10_loss_backward_tensors[] = {
-    {"logits", "bias2.out", 139776ull, 1280ull},
-    {"labels", "loss.labels", 142336ull, 128ull},
-    {"dlogits", "loss_backward.dlogits", 141056ull, 1280ull},
+    {"logits", "bias2.out", 156160ull, 1280ull},
+    {"labels", "loss.labels", 159232ull, 128ull},
+    {"dlogits", "loss_backward.dlogits", 157440ull, 1280ull},
 };
 static const cudagen_tensor_info h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 142592ull, 40ull},
-    {"k12_fc2_grad_a_a", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k12_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
-    {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 77312ull, 16384ull},
-    {"k12_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 110080ull, 16384ull},
-    {"k13_fc2_grad_b_a", "act1.out", 93696ull, 16384ull},
-    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 141056ull, 1280ull},
-    {"k13_fc2_grad_b_out", "fc2_grad_b.out", 134656ull, 5120ull},
+    {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 157440ull, 1280ull},
+    {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 159488ull, 40ull},
+    {"k12_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 157440ull, 1280ull},
+    {"k12_fc2_grad_a_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
+    {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 110080ull, 16384ull},
+    {"k12_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 158720ull, 512ull},
+    {"k12_fc2_grad_a_fc1_grad_b_a", "fc1.a", 142848ull, 8192ull},
+    {"k12_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
+    {"k13_fc2_grad_b_a", "act1.out", 126464ull, 16384ull},
+    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 157440ull, 1280ull},
+    {"k13_fc2_grad_b_out", "fc2_grad_b.out", 151040ull, 5120ull},
 };
-static const cudagen_tensor_info h5_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
-    {"k14_bias1_grad_b_sum_x", "act1_backward.dx", 110080ull, 16384ull},
-    {"k14_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 141056ull, 512ull},
-    {"k15_fc1_grad_b_a", "fc1.a", 126464ull, 8192ull},
-    {"k15_fc1_grad_b_b", "act1_backward.dx", 110080ull, 16384ull},
-    {"k15_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
-};
-static const cudagen_tensor_info h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
-    {"k16_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
-    {"k16_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
-    {"k16_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
-    {"k17_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
-    {"k17_b1_init_sgd_grad", "bias1_grad_b_sum.out", 141056ull, 512ull},
-    {"k17_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
-    {"k18_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
-    {"k18_w2_init_sgd_grad", "fc2_grad_b.out", 134656ull, 5120ull},
-    {"k18_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
-    {"k19_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
-    {"k19_b2_init_sgd_grad", "bias2_grad_b_sum.out", 142592ull, 40ull},
-    {"k19_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
+static const cudagen_tensor_info h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
+    {"k14_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
+    {"k14_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
+    {"k14_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
+    {"k15_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
+    {"k15_b1_init_sgd_grad", "bias1_grad_b_sum.out", 158720ull, 512ull},
+    {"k15_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
+    {"k16_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
+    {"k16_w2_init_sgd_grad", "fc2_grad_b.out", 151040ull, 5120ull},
+    {"k16_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
+    {"k17_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
+    {"k17_b2_init_sgd_grad", "bias2_grad_b_sum.out", 159488ull, 40ull},
+    {"k17_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1146,25 +1126,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k8_fc1, dim3(1, 1, 1), dim3(256), 20672, k8_fc1_tensors,
-                 (const float*)(arena + 126464), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 77312), (float*)(arena + 93696), (const float*)(arena + 38400), (float*)(arena + 139776));
+                 (const float*)(arena + 142848), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 110080), (float*)(arena + 126464), (const float*)(arena + 38400), (float*)(arena + 156160));
   CUDAGEN_LAUNCH(k9_loss, dim3(1, 1, 1), dim3(32), 128, k9_loss_tensors,
-                 (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 142848));
+                 (const float*)(arena + 156160), (const int*)(arena + 159232), (float*)(arena + 159744));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k10_loss_backward, dim3(32, 1, 1), dim3(32), 128, k10_loss_backward_tensors,
-                 (const float*)(arena + 139776), (const int*)(arena + 142336), (float*)(arena + 141056));
-  CUDAGEN_LAUNCH(h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 4288, h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 141056), (float*)(arena + 142592), (const float*)(arena + 141056), (const float*)(arena + 33280), (const float*)(arena + 77312), (float*)(arena + 110080), (const float*)(arena + 93696), (const float*)(arena + 141056), (float*)(arena + 134656));
-  CUDAGEN_LAUNCH(h5_bias1_grad_b_sum_fc1_grad_b, dim3(12, 1, 1), dim3(256), 4288, h5_bias1_grad_b_sum_fc1_grad_b_tensors,
-                 (const float*)(arena + 110080), (float*)(arena + 141056), (const float*)(arena + 126464), (const float*)(arena + 110080), (float*)(arena + 77312));
+                 (const float*)(arena + 156160), (const int*)(arena + 159232), (float*)(arena + 157440));
+  CUDAGEN_LAUNCH(h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 16576, h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+                 (const float*)(arena + 157440), (float*)(arena + 159488), (const float*)(arena + 157440), (const float*)(arena + 33280), (const float*)(arena + 110080), (float*)(arena + 158720), (const float*)(arena + 142848), (float*)(arena + 77312), (const float*)(arena + 126464), (const float*)(arena + 157440), (float*)(arena + 151040));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h6_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 77312), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 141056), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 134656), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 142592), (float*)(arena + 77056));
+  CUDAGEN_LAUNCH(h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 77312), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 158720), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 151040), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 159488), (float*)(arena + 77056));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 104448 bytes (lower bound 104448, without reuse 137728).
+// Arena: 121344 bytes (lower bound 121344, without reuse 121344).
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -786,61 +786,63 @@ CG_DEVICE void k8_db2_tile(const float* x, float* out, cg_tile tile) {
   if (threadIdx.x < 32 && j < 10) cg_store(out, j, total);
 }
 
-// Kernel k9_dact1 (backward phase): tasks dact1 (matmul), dbias1 (relu_backward), fused (matmul_epilogue).
-//   reads  dlogits.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128]
-//   writes dbias1.dx f32 [32, 128]
-//   in registers dact1.out
-//   22784 bytes read, 16384 bytes written; grid [4, 1, 1], block 256, 4288 bytes of shared memory:
+// Kernel k9_dact1 (backward phase): tasks dact1 (matmul), dbias1 (relu_backward), dw1 (matmul), db1 (sum_leading), fused (matmul_epilogue, row_reduction).
+//   reads  dlogits.dlogits f32 [32, 10], w2_init.out f32 [128, 10], bias1.out f32 [32, 128], fc1.a f32 [32, 64]
+//   writes dw1.out f32 [64, 128], db1.out f32 [128]
+//   in registers dact1.out, dbias1.dx
+//   30976 bytes read, 33280 bytes written; grid [4, 1, 1], block 256, 16576 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k9_dact1_tile(const float* a, const float* b, const float* dbias1_x, float* dbias1_dx, cg_tile tile) {
-  // Epilogue (matmul_epilogue): dbias1 (relu_backward), on element i of dact1.out as it is computed.
+//     [4288, 8384) a 32 x 32 tile of dbias1.dx (f32)
+//     [8384, 16576) 32 rows of fc1.a (32 x 64 floats)
+CG_DEVICE void k9_dact1_tile(const float* dact1_a, const float* dact1_b, const float* dbias1_x, const float* dw1_a, float* dw1_out, float* db1_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  float* cg_value = (float*)(cg_smem + 4288);  // a tile of dbias1.dx
+  const int cg_col0 = tile.x * 32;  // the block's columns of dbias1.dx
+  int cg_row0 = 0;
+  float* cg_rows_dw1 = (float*)(cg_smem + 8384);  // fc1.a's rows of the tile
+  float cg_acc_dw1[8] = {};  // dw1 (matmul): 64 x 32 columns
+  float cg_acc_db1[1] = {};  // db1 (sum_leading): 1 x 32 columns
+  // Epilogue (row_reduction): dbias1 (relu_backward), on element i of dact1.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(dbias1_x, i), v0);  // dbias1.dx
-    cg_store(dbias1_dx, i, v1);
+    cg_value[(i / 128 - cg_row0) * 32 + i % 128 - cg_col0] = v1;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 320, b_base = z * 1280, out_base = z * 4096;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 10 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 10 + k); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 128 + n, acc); },
-      32, 128, 10, tile.y, tile.x, (float*)cg_smem);
+  for (int cg_tile_m = 0; cg_tile_m < 1; ++cg_tile_m) {
+    cg_row0 = cg_tile_m * 32;
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(dact1_a, (cg_i64)m * 10 + k); },
+        [&](int k, int n) { return cg_load(dact1_b, (cg_i64)n * 10 + k); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 128 + n, acc); },
+        32, 128, 10, cg_tile_m, tile.x, (float*)cg_smem);
+    const int cg_rows = 32 - cg_row0 < 32 ? 32 - cg_row0 : 32;
+    for (int e = threadIdx.x; e < cg_rows * 64; e += blockDim.x) cg_rows_dw1[e] = cg_load(dw1_a, (cg_i64)cg_row0 * 64 + e);
+    __syncthreads();  // the tile of dbias1.dx is in shared memory
+    for (int cg_k = 0; cg_k < 8; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+      if (o < 2048 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_dw1[cg_k] += cg_rows_dw1[r * 64 + j] * cg_value[r * 32 + c];
+    }
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, c = o % 32;
+      if (o < 32 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_db1[cg_k] += cg_value[r * 32 + c];
+    }
+    __syncthreads();  // the next tile of rows overwrites it
+  }
+  // Each reduction's columns, summed over every row.
+  for (int cg_k = 0; cg_k < 8; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+    if (o < 2048 && cg_col0 + c < 128) cg_store(dw1_out, (cg_i64)j * 128 + cg_col0 + c, cg_acc_dw1[cg_k]);
+  }
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, c = o % 32;
+    if (o < 32 && cg_col0 + c < 128) cg_store(db1_out, cg_col0 + c, cg_acc_db1[cg_k]);
+  }
 }
 
-// Kernel k10_dw1 (backward phase): task dw1 (matmul, matmul).
-//   reads  dw1.a f32 [32, 64] <- fc1.a, dw1.b f32 [32, 128] <- dbias1.dx
-//   writes dw1.out f32 [64, 128]
-//   24576 bytes read, 32768 bytes written; grid [4, 2, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k10_dw1_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 4096, out_base = z * 8192;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 64 + m); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 128 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 128 + n, acc); },
-      64, 128, 32, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k11_db1 (backward phase): task db1 (sum_leading, reduction).
-//   reads  db1.x f32 [32, 128] <- dbias1.dx
-//   writes db1.out f32 [128]
-//   16384 bytes read, 512 bytes written; grid [4, 1, 1], block 256, 1024 bytes of shared memory:
-//     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k11_db1_tile(const float* x, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
-  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 128 + c); }, j, 128, 32, (float*)cg_smem);
-  if (threadIdx.x < 32 && j < 128) cg_store(out, j, total);
-}
-
-// Kernel k12_sgd_w1 (update phase): task sgd_w1 (sgd, elementwise).
+// Kernel k10_sgd_w1 (update phase): task sgd_w1 (sgd, elementwise).
 //   reads  sgd_w1.param f32 [64, 128] <- w1_init.out, sgd_w1.grad f32 [64, 128] <- dw1.out
 //   writes sgd_w1.param f32 [64, 128] <- w1_init.out
 //   65536 bytes read, 32768 bytes written; grid [32, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k12_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k10_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 8192; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -849,11 +851,11 @@ CG_DEVICE void k12_sgd_w1_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k13_sgd_b1 (update phase): task sgd_b1 (sgd, elementwise).
+// Kernel k11_sgd_b1 (update phase): task sgd_b1 (sgd, elementwise).
 //   reads  sgd_b1.param f32 [128] <- b1_init.out, sgd_b1.grad f32 [128] <- db1.out
 //   writes sgd_b1.param f32 [128] <- b1_init.out
 //   1024 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k13_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k11_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -862,11 +864,11 @@ CG_DEVICE void k13_sgd_b1_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k14_sgd_w2 (update phase): task sgd_w2 (sgd, elementwise).
+// Kernel k12_sgd_w2 (update phase): task sgd_w2 (sgd, elementwise).
 //   reads  sgd_w2.param f32 [128, 10] <- w2_init.out, sgd_w2.grad f32 [128, 10] <- dw2.out
 //   writes sgd_w2.param f32 [128, 10] <- w2_init.out
 //   10240 bytes read, 5120 bytes written; grid [5, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k14_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k12_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 1280; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -875,11 +877,11 @@ CG_DEVICE void k14_sgd_w2_tile(float* param, const float* grad, cg_tile tile) {
   }
 }
 
-// Kernel k15_sgd_b2 (update phase): task sgd_b2 (sgd, elementwise).
+// Kernel k13_sgd_b2 (update phase): task sgd_b2 (sgd, elementwise).
 //   reads  sgd_b2.param f32 [10] <- b2_init.out, sgd_b2.grad f32 [10] <- db2.out
 //   writes sgd_b2.param f32 [10] <- b2_init.out
 //   80 bytes read, 40 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k15_sgd_b2_tile(float* param, const float* grad, cg_tile tile) {
+CG_DEVICE void k13_sgd_b2_tile(float* param, const float* grad, cg_tile tile) {
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = 0;
@@ -914,75 +916,58 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_1_more(
 
 // Launch h4_dw2_db2_dact1 (backward phase):
 // 3 kernels that are independent of each other (rule horizontal) as one grid of 9 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// of 256 threads, 16576 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
 //   blocks [0, 4): k7_dw2
 //   blocks [4, 5): k8_db2
 //   blocks [5, 9): k9_dact1
-CG_KERNEL void __launch_bounds__(256) h4_dw2_db2_dact1(
+CG_KERNEL void __launch_bounds__(256, 1) h4_dw2_db2_dact1(
     const float* __restrict__ k7_dw2_a,
     const float* __restrict__ k7_dw2_b,
     float* __restrict__ k7_dw2_out,
     const float* __restrict__ k8_db2_x,
     float* __restrict__ k8_db2_out,
-    const float* __restrict__ k9_dact1_a,
-    const float* __restrict__ k9_dact1_b,
+    const float* __restrict__ k9_dact1_dact1_a,
+    const float* __restrict__ k9_dact1_dact1_b,
     const float* __restrict__ k9_dact1_dbias1_x,
-    float* __restrict__ k9_dact1_dbias1_dx) {
+    const float* __restrict__ k9_dact1_dw1_a,
+    float* __restrict__ k9_dact1_dw1_out,
+    float* __restrict__ k9_dact1_db1_out) {
   const unsigned int block = blockIdx.x;
   if (block < 4u)
     k7_dw2_tile(k7_dw2_a, k7_dw2_b, k7_dw2_out, cg_tile_of(block, 1, 4));
   else if (block < 5u)
     k8_db2_tile(k8_db2_x, k8_db2_out, cg_tile_of(block - 4u, 1, 1));
   else
-    k9_dact1_tile(k9_dact1_a, k9_dact1_b, k9_dact1_dbias1_x, k9_dact1_dbias1_dx, cg_tile_of(block - 5u, 4, 1));
+    k9_dact1_tile(k9_dact1_dact1_a, k9_dact1_dact1_b, k9_dact1_dbias1_x, k9_dact1_dw1_a, k9_dact1_dw1_out, k9_dact1_db1_out, cg_tile_of(block - 5u, 4, 1));
 }
 
-// Launch h5_dw1_db1 (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 12 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k10_dw1
-//   blocks [8, 12): k11_db1
-CG_KERNEL void __launch_bounds__(256) h5_dw1_db1(
-    const float* __restrict__ k10_dw1_a,
-    const float* __restrict__ k10_dw1_b,
-    float* __restrict__ k10_dw1_out,
-    const float* __restrict__ k11_db1_x,
-    float* __restrict__ k11_db1_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k10_dw1_tile(k10_dw1_a, k10_dw1_b, k10_dw1_out, cg_tile_of(block, 4, 2));
-  else
-    k11_db1_tile(k11_db1_x, k11_db1_out, cg_tile_of(block - 8u, 4, 1));
-}
-
-// Launch h6_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
+// Launch h5_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 32): k12_sgd_w1
-//   blocks [32, 33): k13_sgd_b1
-//   blocks [33, 38): k14_sgd_w2
-//   blocks [38, 39): k15_sgd_b2
-CG_KERNEL void __launch_bounds__(256) h6_sgd_w1_sgd_b1_sgd_w2_and_1_more(
-    float* __restrict__ k12_sgd_w1_param,
-    const float* __restrict__ k12_sgd_w1_grad,
-    float* __restrict__ k13_sgd_b1_param,
-    const float* __restrict__ k13_sgd_b1_grad,
-    float* __restrict__ k14_sgd_w2_param,
-    const float* __restrict__ k14_sgd_w2_grad,
-    float* __restrict__ k15_sgd_b2_param,
-    const float* __restrict__ k15_sgd_b2_grad) {
+//   blocks [0, 32): k10_sgd_w1
+//   blocks [32, 33): k11_sgd_b1
+//   blocks [33, 38): k12_sgd_w2
+//   blocks [38, 39): k13_sgd_b2
+CG_KERNEL void __launch_bounds__(256) h5_sgd_w1_sgd_b1_sgd_w2_and_1_more(
+    float* __restrict__ k10_sgd_w1_param,
+    const float* __restrict__ k10_sgd_w1_grad,
+    float* __restrict__ k11_sgd_b1_param,
+    const float* __restrict__ k11_sgd_b1_grad,
+    float* __restrict__ k12_sgd_w2_param,
+    const float* __restrict__ k12_sgd_w2_grad,
+    float* __restrict__ k13_sgd_b2_param,
+    const float* __restrict__ k13_sgd_b2_grad) {
   const unsigned int block = blockIdx.x;
   if (block < 32u)
-    k12_sgd_w1_tile(k12_sgd_w1_param, k12_sgd_w1_grad, cg_tile_of(block, 32, 1));
+    k10_sgd_w1_tile(k10_sgd_w1_param, k10_sgd_w1_grad, cg_tile_of(block, 32, 1));
   else if (block < 33u)
-    k13_sgd_b1_tile(k13_sgd_b1_param, k13_sgd_b1_grad, cg_tile_of(block - 32u, 1, 1));
+    k11_sgd_b1_tile(k11_sgd_b1_param, k11_sgd_b1_grad, cg_tile_of(block - 32u, 1, 1));
   else if (block < 38u)
-    k14_sgd_w2_tile(k14_sgd_w2_param, k14_sgd_w2_grad, cg_tile_of(block - 33u, 5, 1));
+    k12_sgd_w2_tile(k12_sgd_w2_param, k12_sgd_w2_grad, cg_tile_of(block - 33u, 5, 1));
   else
-    k15_sgd_b2_tile(k15_sgd_b2_param, k15_sgd_b2_grad, cg_tile_of(block - 38u, 1, 1));
+    k13_sgd_b2_tile(k13_sgd_b2_param, k13_sgd_b2_grad, cg_tile_of(block - 38u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1004,7 +989,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 104448ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 121344ull;
 
 static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_1_more_tensors[] = {
     {"k0_w1_init_out", "w1_init.out", 0ull, 32768ull},
@@ -1013,52 +998,47 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_1_more_tensors[]
     {"k3_b2_init_out", "b2_init.out", 38400ull, 40ull},
 };
 static const cudagen_tensor_info k4_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 87808ull, 8192ull},
+    {"fc1_a", "fc1.a", 104192ull, 8192ull},
     {"fc1_b", "w1_init.out", 0ull, 32768ull},
     {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 38656ull, 16384ull},
-    {"act1_out", "act1.out", 55040ull, 16384ull},
+    {"bias1_out", "bias1.out", 71424ull, 16384ull},
+    {"act1_out", "act1.out", 87808ull, 16384ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 101120ull, 1280ull},
+    {"bias2_out", "bias2.out", 117504ull, 1280ull},
 };
 static const cudagen_tensor_info k5_loss_tensors[] = {
-    {"logits", "bias2.out", 101120ull, 1280ull},
-    {"labels", "loss.labels", 103680ull, 128ull},
-    {"loss", "loss.loss", 104192ull, 4ull},
+    {"logits", "bias2.out", 117504ull, 1280ull},
+    {"labels", "loss.labels", 120576ull, 128ull},
+    {"loss", "loss.loss", 121088ull, 4ull},
 };
 static const cudagen_tensor_info k6_dlogits_tensors[] = {
-    {"logits", "bias2.out", 101120ull, 1280ull},
-    {"labels", "loss.labels", 103680ull, 128ull},
-    {"dlogits", "dlogits.dlogits", 102400ull, 1280ull},
+    {"logits", "bias2.out", 117504ull, 1280ull},
+    {"labels", "loss.labels", 120576ull, 128ull},
+    {"dlogits", "dlogits.dlogits", 118784ull, 1280ull},
 };
 static const cudagen_tensor_info h4_dw2_db2_dact1_tensors[] = {
-    {"k7_dw2_a", "act1.out", 55040ull, 16384ull},
-    {"k7_dw2_b", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k7_dw2_out", "dw2.out", 96000ull, 5120ull},
-    {"k8_db2_x", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k8_db2_out", "db2.out", 103936ull, 40ull},
-    {"k9_dact1_a", "dlogits.dlogits", 102400ull, 1280ull},
-    {"k9_dact1_b", "w2_init.out", 33280ull, 5120ull},
-    {"k9_dact1_dbias1_x", "bias1.out", 38656ull, 16384ull},
-    {"k9_dact1_dbias1_dx", "dbias1.dx", 71424ull, 16384ull},
+    {"k7_dw2_a", "act1.out", 87808ull, 16384ull},
+    {"k7_dw2_b", "dlogits.dlogits", 118784ull, 1280ull},
+    {"k7_dw2_out", "dw2.out", 112384ull, 5120ull},
+    {"k8_db2_x", "dlogits.dlogits", 118784ull, 1280ull},
+    {"k8_db2_out", "db2.out", 120832ull, 40ull},
+    {"k9_dact1_dact1_a", "dlogits.dlogits", 118784ull, 1280ull},
+    {"k9_dact1_dact1_b", "w2_init.out", 33280ull, 5120ull},
+    {"k9_dact1_dbias1_x", "bias1.out", 71424ull, 16384ull},
+    {"k9_dact1_dw1_a", "fc1.a", 104192ull, 8192ull},
+    {"k9_dact1_dw1_out", "dw1.out", 38656ull, 32768ull},
+    {"k9_dact1_db1_out", "db1.out", 120064ull, 512ull},
 };
-static const cudagen_tensor_info h5_dw1_db1_tensors[] = {
-    {"k10_dw1_a", "fc1.a", 87808ull, 8192ull},
-    {"k10_dw1_b", "dbias1.dx", 71424ull, 16384ull},
-    {"k10_dw1_out", "dw1.out", 38656ull, 32768ull},
-    {"k11_db1_x", "dbias1.dx", 71424ull, 16384ull},
-    {"k11_db1_out", "db1.out", 102400ull, 512ull},
-};
-static const cudagen_tensor_info h6_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
-    {"k12_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
-    {"k12_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
-    {"k13_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
-    {"k13_sgd_b1_grad", "db1.out", 102400ull, 512ull},
-    {"k14_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
-    {"k14_sgd_w2_grad", "dw2.out", 96000ull, 5120ull},
-    {"k15_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
-    {"k15_sgd_b2_grad", "db2.out", 103936ull, 40ull},
+static const cudagen_tensor_info h5_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
+    {"k10_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
+    {"k10_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
+    {"k11_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
+    {"k11_sgd_b1_grad", "db1.out", 120064ull, 512ull},
+    {"k12_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
+    {"k12_sgd_w2_grad", "dw2.out", 112384ull, 5120ull},
+    {"k13_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
+    {"k13_sgd_b2_grad", "db2.out", 120832ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1069,25 +1049,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k4_fc1, dim3(1, 1, 1), dim3(256), 20672, k4_fc1_tensors,
-                 (const float*)(arena + 87808), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 38656), (float*)(arena + 55040), (const float*)(arena + 38400), (float*)(arena + 101120));
+                 (const float*)(arena + 104192), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 71424), (float*)(arena + 87808), (const float*)(arena + 38400), (float*)(arena + 117504));
   CUDAGEN_LAUNCH(k5_loss, dim3(1, 1, 1), dim3(32), 128, k5_loss_tensors,
-                 (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 104192));
+                 (const float*)(arena + 117504), (const int*)(arena + 120576), (float*)(arena + 121088));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k6_dlogits, dim3(32, 1, 1), dim3(32), 128, k6_dlogits_tensors,
-                 (const float*)(arena + 101120), (const int*)(arena + 103680), (float*)(arena + 102400));
-  CUDAGEN_LAUNCH(h4_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 4288, h4_dw2_db2_dact1_tensors,
-                 (const float*)(arena + 55040), (const float*)(arena + 102400), (float*)(arena + 96000), (const float*)(arena + 102400), (float*)(arena + 103936), (const float*)(arena + 102400), (const float*)(arena + 33280), (const float*)(arena + 38656), (float*)(arena + 71424));
-  CUDAGEN_LAUNCH(h5_dw1_db1, dim3(12, 1, 1), dim3(256), 4288, h5_dw1_db1_tensors,
-                 (const float*)(arena + 87808), (const float*)(arena + 71424), (float*)(arena + 38656), (const float*)(arena + 71424), (float*)(arena + 102400));
+                 (const float*)(arena + 117504), (const int*)(arena + 120576), (float*)(arena + 118784));
+  CUDAGEN_LAUNCH(h4_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 16576, h4_dw2_db2_dact1_tensors,
+                 (const float*)(arena + 87808), (const float*)(arena + 118784), (float*)(arena + 112384), (const float*)(arena + 118784), (float*)(arena + 120832), (const float*)(arena + 118784), (const float*)(arena + 33280), (const float*)(arena + 71424), (const float*)(arena + 104192), (float*)(arena + 38656), (float*)(arena + 120064));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h6_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h6_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 102400), (float*)(arena + 33280), (const float*)(arena + 96000), (float*)(arena + 38400), (const float*)(arena + 103936));
+  CUDAGEN_LAUNCH(h5_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h5_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 120064), (float*)(arena + 33280), (const float*)(arena + 112384), (float*)(arena + 38400), (const float*)(arena + 120832));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 123136 bytes (lower bound 122880, without reuse 124160); the 256 bytes at 122880 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 91648 bytes (lower bound 91392, without reuse 91392); the 256 bytes at 91392 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -874,26 +874,56 @@ CG_DEVICE void k15_logits_grad_b_sum_tile(const float* x, float* out, cg_tile ti
   if (threadIdx.x < 32 && j < 4) cg_store(out, j, total);
 }
 
-// Kernel k16_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), fused (matmul_epilogue).
-//   reads  loss_backward.dlogits f32 [256, 4], w2.out f32 [32, 4], bias1.out f32 [256, 32]
-//   writes act1_backward.dx f32 [256, 32]
-//   in registers fc2_grad_a.out
-//   37376 bytes read, 32768 bytes written; grid [1, 8, 1], block 256, 4288 bytes of shared memory:
+// Kernel k16_fc2_grad_a (backward phase): tasks fc2_grad_a (matmul), act1_backward (relu_backward), bias1_grad_b_sum (sum_leading), fc1_grad_b (matmul), fused (matmul_epilogue, row_reduction).
+//   reads  loss_backward.dlogits f32 [256, 4], w2.out f32 [32, 4], bias1.out f32 [256, 32], fc1.a f32 [256, 8]
+//   writes bias1_grad_b_sum.out f32 [32], fc1_grad_b.out f32 [8, 32]
+//   in registers fc2_grad_a.out, act1_backward.dx
+//   45568 bytes read, 1152 bytes written; grid [1, 1, 1], block 256, 9408 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k16_fc2_grad_a_tile(const float* a, const float* b, const float* act1_backward_x, float* act1_backward_dx, cg_tile tile) {
-  // Epilogue (matmul_epilogue): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
+//     [4288, 8384) a 32 x 32 tile of act1_backward.dx (f32)
+//     [8384, 9408) 32 rows of fc1.a (32 x 8 floats)
+CG_DEVICE void k16_fc2_grad_a_tile(const float* fc2_grad_a_a, const float* fc2_grad_a_b, const float* act1_backward_x, float* bias1_grad_b_sum_out, const float* fc1_grad_b_a, float* fc1_grad_b_out, cg_tile tile) {
+  CG_DYNAMIC_SMEM(cg_smem);
+  float* cg_value = (float*)(cg_smem + 4288);  // a tile of act1_backward.dx
+  const int cg_col0 = tile.x * 32;  // the block's columns of act1_backward.dx
+  int cg_row0 = 0;
+  float cg_acc_bias1_grad_b_sum[1] = {};  // bias1_grad_b_sum (sum_leading): 1 x 32 columns
+  float* cg_rows_fc1_grad_b = (float*)(cg_smem + 8384);  // fc1.a's rows of the tile
+  float cg_acc_fc1_grad_b[1] = {};  // fc1_grad_b (matmul): 8 x 32 columns
+  // Epilogue (row_reduction): act1_backward (relu_backward), on element i of fc2_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_relu_backward<float>(cg_load(act1_backward_x, i), v0);  // act1_backward.dx
-    cg_store(act1_backward_dx, i, v1);
+    cg_value[(i / 32 - cg_row0) * 32 + i % 32 - cg_col0] = v1;
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 1024, b_base = z * 128, out_base = z * 8192;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 4 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 4 + k); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
-      256, 32, 4, tile.y, tile.x, (float*)cg_smem);
+  for (int cg_tile_m = 0; cg_tile_m < 8; ++cg_tile_m) {
+    cg_row0 = cg_tile_m * 32;
+    cg_matmul_tile<32, 32, 16>(
+        [&](int m, int k) { return cg_load(fc2_grad_a_a, (cg_i64)m * 4 + k); },
+        [&](int k, int n) { return cg_load(fc2_grad_a_b, (cg_i64)n * 4 + k); },
+        [&](int m, int n, float acc) { cg_epilogue((cg_i64)m * 32 + n, acc); },
+        256, 32, 4, cg_tile_m, tile.x, (float*)cg_smem);
+    const int cg_rows = 256 - cg_row0 < 32 ? 256 - cg_row0 : 32;
+    for (int e = threadIdx.x; e < cg_rows * 8; e += blockDim.x) cg_rows_fc1_grad_b[e] = cg_load(fc1_grad_b_a, (cg_i64)cg_row0 * 8 + e);
+    __syncthreads();  // the tile of act1_backward.dx is in shared memory
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, c = o % 32;
+      if (o < 32 && cg_col0 + c < 32) for (int r = 0; r < cg_rows; ++r) cg_acc_bias1_grad_b_sum[cg_k] += cg_value[r * 32 + c];
+    }
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+      if (o < 256 && cg_col0 + c < 32) for (int r = 0; r < cg_rows; ++r) cg_acc_fc1_grad_b[cg_k] += cg_rows_fc1_grad_b[r * 8 + j] * cg_value[r * 32 + c];
+    }
+    __syncthreads();  // the next tile of rows overwrites it
+  }
+  // Each reduction's columns, summed over every row.
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, c = o % 32;
+    if (o < 32 && cg_col0 + c < 32) cg_store(bias1_grad_b_sum_out, cg_col0 + c, cg_acc_bias1_grad_b_sum[cg_k]);
+  }
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+    if (o < 256 && cg_col0 + c < 32) cg_store(fc1_grad_b_out, (cg_i64)j * 32 + cg_col0 + c, cg_acc_fc1_grad_b[cg_k]);
+  }
 }
 
 // Kernel k17_fc2_grad_b (backward phase): task fc2_grad_b (matmul, matmul).
@@ -912,39 +942,11 @@ CG_DEVICE void k17_fc2_grad_b_tile(const float* a, const float* b, float* out, c
       32, 4, 256, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k18_bias1_grad_b_sum (backward phase): task bias1_grad_b_sum (sum_leading, reduction).
-//   reads  bias1_grad_b_sum.x f32 [256, 32] <- act1_backward.dx
-//   writes bias1_grad_b_sum.out f32 [32]
-//   32768 bytes read, 128 bytes written; grid [1, 1, 1], block 256, 1024 bytes of shared memory:
-//     [0, 1024) reduction scratch, a float per thread
-CG_DEVICE void k18_bias1_grad_b_sum_tile(const float* x, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 j = cg_i64(tile.x) * 32 + threadIdx.x % 32;
-  const float total = cg_sum_leading_column([&](cg_i64 r, cg_i64 c) { return cg_load(x, r * 32 + c); }, j, 32, 256, (float*)cg_smem);
-  if (threadIdx.x < 32 && j < 32) cg_store(out, j, total);
-}
-
-// Kernel k19_fc1_grad_b (backward phase): task fc1_grad_b (matmul, matmul).
-//   reads  fc1_grad_b.a f32 [256, 8] <- fc1.a, fc1_grad_b.b f32 [256, 32] <- act1_backward.dx
-//   writes fc1_grad_b.out f32 [8, 32]
-//   40960 bytes read, 1024 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k19_fc1_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 2048, b_base = z * 8192, out_base = z * 256;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 8 + m); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 32 + n); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
-      8, 32, 256, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k20_w1_adam (update phase): task w1_adam (adam, elementwise).
+// Kernel k18_w1_adam (update phase): task w1_adam (adam, elementwise).
 //   reads  w1_adam.param f32 [8, 32] <- w1.out, w1_adam.grad f32 [8, 32] <- fc1_grad_b.out, w1_adam.m f32 [8, 32] <- w1_m_init.out, w1_adam.v f32 [8, 32] <- w1_v_init.out
 //   writes w1_adam.param f32 [8, 32] <- w1.out, w1_adam.m f32 [8, 32] <- w1_m_init.out, w1_adam.v f32 [8, 32] <- w1_v_init.out
 //   4096 bytes read, 3072 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k20_w1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k18_w1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 256; i += cg_grid_threads(tile)) {
@@ -958,11 +960,11 @@ CG_DEVICE void k20_w1_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k21_b1_adam (update phase): task b1_adam (adam, elementwise).
+// Kernel k19_b1_adam (update phase): task b1_adam (adam, elementwise).
 //   reads  b1_adam.param f32 [32] <- b1.out, b1_adam.grad f32 [32] <- bias1_grad_b_sum.out, b1_adam.m f32 [32] <- b1_m_init.out, b1_adam.v f32 [32] <- b1_v_init.out
 //   writes b1_adam.param f32 [32] <- b1.out, b1_adam.m f32 [32] <- b1_m_init.out, b1_adam.v f32 [32] <- b1_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k21_b1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k19_b1_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -976,11 +978,11 @@ CG_DEVICE void k21_b1_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k22_w2_adam (update phase): task w2_adam (adam, elementwise).
+// Kernel k20_w2_adam (update phase): task w2_adam (adam, elementwise).
 //   reads  w2_adam.param f32 [32, 4] <- w2.out, w2_adam.grad f32 [32, 4] <- fc2_grad_b.out, w2_adam.m f32 [32, 4] <- w2_m_init.out, w2_adam.v f32 [32, 4] <- w2_v_init.out
 //   writes w2_adam.param f32 [32, 4] <- w2.out, w2_adam.m f32 [32, 4] <- w2_m_init.out, w2_adam.v f32 [32, 4] <- w2_v_init.out
 //   2048 bytes read, 1536 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k22_w2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k20_w2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
@@ -994,11 +996,11 @@ CG_DEVICE void k22_w2_adam_tile(float* param, const float* grad, float* m, float
   }
 }
 
-// Kernel k23_b2_adam (update phase): task b2_adam (adam, elementwise).
+// Kernel k21_b2_adam (update phase): task b2_adam (adam, elementwise).
 //   reads  b2_adam.param f32 [4] <- b2.out, b2_adam.grad f32 [4] <- logits_grad_b_sum.out, b2_adam.m f32 [4] <- b2_m_init.out, b2_adam.v f32 [4] <- b2_v_init.out
 //   writes b2_adam.param f32 [4] <- b2.out, b2_adam.m f32 [4] <- b2_m_init.out, b2_adam.v f32 [4] <- b2_v_init.out
 //   64 bytes read, 48 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k23_b2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k21_b2_adam_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument w1_adam.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument w1_adam.step
   for (cg_i64 i = cg_global_thread(tile); i < 4; i += cg_grid_threads(tile)) {
@@ -1069,92 +1071,75 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_b1_w2_and_9_more(
 }
 
 // Launch h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b (backward phase):
-// 3 kernels that are independent of each other (rule horizontal) as one grid of 10 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// 3 kernels that are independent of each other (rule horizontal) as one grid of 3 blocks
+// of 256 threads, 9408 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
 //   blocks [0, 1): k15_logits_grad_b_sum
-//   blocks [1, 9): k16_fc2_grad_a
-//   blocks [9, 10): k17_fc2_grad_b
-CG_KERNEL void __launch_bounds__(256) h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
+//   blocks [1, 2): k16_fc2_grad_a
+//   blocks [2, 3): k17_fc2_grad_b
+CG_KERNEL void __launch_bounds__(256, 1) h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
     const float* __restrict__ k15_logits_grad_b_sum_x,
     float* __restrict__ k15_logits_grad_b_sum_out,
-    const float* __restrict__ k16_fc2_grad_a_a,
-    const float* __restrict__ k16_fc2_grad_a_b,
+    const float* __restrict__ k16_fc2_grad_a_fc2_grad_a_a,
+    const float* __restrict__ k16_fc2_grad_a_fc2_grad_a_b,
     const float* __restrict__ k16_fc2_grad_a_act1_backward_x,
-    float* __restrict__ k16_fc2_grad_a_act1_backward_dx,
+    float* __restrict__ k16_fc2_grad_a_bias1_grad_b_sum_out,
+    const float* __restrict__ k16_fc2_grad_a_fc1_grad_b_a,
+    float* __restrict__ k16_fc2_grad_a_fc1_grad_b_out,
     const float* __restrict__ k17_fc2_grad_b_a,
     const float* __restrict__ k17_fc2_grad_b_b,
     float* __restrict__ k17_fc2_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k15_logits_grad_b_sum_tile(k15_logits_grad_b_sum_x, k15_logits_grad_b_sum_out, cg_tile_of(block, 1, 1));
-  else if (block < 9u)
-    k16_fc2_grad_a_tile(k16_fc2_grad_a_a, k16_fc2_grad_a_b, k16_fc2_grad_a_act1_backward_x, k16_fc2_grad_a_act1_backward_dx, cg_tile_of(block - 1u, 1, 8));
+  else if (block < 2u)
+    k16_fc2_grad_a_tile(k16_fc2_grad_a_fc2_grad_a_a, k16_fc2_grad_a_fc2_grad_a_b, k16_fc2_grad_a_act1_backward_x, k16_fc2_grad_a_bias1_grad_b_sum_out, k16_fc2_grad_a_fc1_grad_b_a, k16_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
   else
-    k17_fc2_grad_b_tile(k17_fc2_grad_b_a, k17_fc2_grad_b_b, k17_fc2_grad_b_out, cg_tile_of(block - 9u, 1, 1));
+    k17_fc2_grad_b_tile(k17_fc2_grad_b_a, k17_fc2_grad_b_b, k17_fc2_grad_b_out, cg_tile_of(block - 2u, 1, 1));
 }
 
-// Launch h5_bias1_grad_b_sum_fc1_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 1): k18_bias1_grad_b_sum
-//   blocks [1, 2): k19_fc1_grad_b
-CG_KERNEL void __launch_bounds__(256) h5_bias1_grad_b_sum_fc1_grad_b(
-    const float* __restrict__ k18_bias1_grad_b_sum_x,
-    float* __restrict__ k18_bias1_grad_b_sum_out,
-    const float* __restrict__ k19_fc1_grad_b_a,
-    const float* __restrict__ k19_fc1_grad_b_b,
-    float* __restrict__ k19_fc1_grad_b_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 1u)
-    k18_bias1_grad_b_sum_tile(k18_bias1_grad_b_sum_x, k18_bias1_grad_b_sum_out, cg_tile_of(block, 1, 1));
-  else
-    k19_fc1_grad_b_tile(k19_fc1_grad_b_a, k19_fc1_grad_b_b, k19_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
-}
-
-// Launch h6_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
+// Launch h5_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 4 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k20_w1_adam
-//   blocks [1, 2): k21_b1_adam
-//   blocks [2, 3): k22_w2_adam
-//   blocks [3, 4): k23_b2_adam
-CG_KERNEL void __launch_bounds__(256) h6_w1_adam_b1_adam_w2_adam_and_1_more(
-    float* __restrict__ k20_w1_adam_param,
-    const float* __restrict__ k20_w1_adam_grad,
-    float* __restrict__ k20_w1_adam_m,
-    float* __restrict__ k20_w1_adam_v,
-    const float* __restrict__ k20_w1_adam_lr_arg,
-    const long long* __restrict__ k20_w1_adam_step_arg,
-    float* __restrict__ k21_b1_adam_param,
-    const float* __restrict__ k21_b1_adam_grad,
-    float* __restrict__ k21_b1_adam_m,
-    float* __restrict__ k21_b1_adam_v,
-    const float* __restrict__ k21_b1_adam_lr_arg,
-    const long long* __restrict__ k21_b1_adam_step_arg,
-    float* __restrict__ k22_w2_adam_param,
-    const float* __restrict__ k22_w2_adam_grad,
-    float* __restrict__ k22_w2_adam_m,
-    float* __restrict__ k22_w2_adam_v,
-    const float* __restrict__ k22_w2_adam_lr_arg,
-    const long long* __restrict__ k22_w2_adam_step_arg,
-    float* __restrict__ k23_b2_adam_param,
-    const float* __restrict__ k23_b2_adam_grad,
-    float* __restrict__ k23_b2_adam_m,
-    float* __restrict__ k23_b2_adam_v,
-    const float* __restrict__ k23_b2_adam_lr_arg,
-    const long long* __restrict__ k23_b2_adam_step_arg) {
+//   blocks [0, 1): k18_w1_adam
+//   blocks [1, 2): k19_b1_adam
+//   blocks [2, 3): k20_w2_adam
+//   blocks [3, 4): k21_b2_adam
+CG_KERNEL void __launch_bounds__(256) h5_w1_adam_b1_adam_w2_adam_and_1_more(
+    float* __restrict__ k18_w1_adam_param,
+    const float* __restrict__ k18_w1_adam_grad,
+    float* __restrict__ k18_w1_adam_m,
+    float* __restrict__ k18_w1_adam_v,
+    const float* __restrict__ k18_w1_adam_lr_arg,
+    const long long* __restrict__ k18_w1_adam_step_arg,
+    float* __restrict__ k19_b1_adam_param,
+    const float* __restrict__ k19_b1_adam_grad,
+    float* __restrict__ k19_b1_adam_m,
+    float* __restrict__ k19_b1_adam_v,
+    const float* __restrict__ k19_b1_adam_lr_arg,
+    const long long* __restrict__ k19_b1_adam_step_arg,
+    float* __restrict__ k20_w2_adam_param,
+    const float* __restrict__ k20_w2_adam_grad,
+    float* __restrict__ k20_w2_adam_m,
+    float* __restrict__ k20_w2_adam_v,
+    const float* __restrict__ k20_w2_adam_lr_arg,
+    const long long* __restrict__ k20_w2_adam_step_arg,
+    float* __restrict__ k21_b2_adam_param,
+    const float* __restrict__ k21_b2_adam_grad,
+    float* __restrict__ k21_b2_adam_m,
+    float* __restrict__ k21_b2_adam_v,
+    const float* __restrict__ k21_b2_adam_lr_arg,
+    const long long* __restrict__ k21_b2_adam_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k20_w1_adam_tile(k20_w1_adam_param, k20_w1_adam_grad, k20_w1_adam_m, k20_w1_adam_v, k20_w1_adam_lr_arg, k20_w1_adam_step_arg, cg_tile_of(block, 1, 1));
+    k18_w1_adam_tile(k18_w1_adam_param, k18_w1_adam_grad, k18_w1_adam_m, k18_w1_adam_v, k18_w1_adam_lr_arg, k18_w1_adam_step_arg, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k21_b1_adam_tile(k21_b1_adam_param, k21_b1_adam_grad, k21_b1_adam_m, k21_b1_adam_v, k21_b1_adam_lr_arg, k21_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
+    k19_b1_adam_tile(k19_b1_adam_param, k19_b1_adam_grad, k19_b1_adam_m, k19_b1_adam_v, k19_b1_adam_lr_arg, k19_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
   else if (block < 3u)
-    k22_w2_adam_tile(k22_w2_adam_param, k22_w2_adam_grad, k22_w2_adam_m, k22_w2_adam_v, k22_w2_adam_lr_arg, k22_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k20_w2_adam_tile(k20_w2_adam_param, k20_w2_adam_grad, k20_w2_adam_m, k20_w2_adam_v, k20_w2_adam_lr_arg, k20_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
   else
-    k23_b2_adam_tile(k23_b2_adam_param, k23_b2_adam_grad, k23_b2_adam_m, k23_b2_adam_v, k23_b2_adam_lr_arg, k23_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
+    k21_b2_adam_tile(k21_b2_adam_param, k21_b2_adam_grad, k21_b2_adam_m, k21_b2_adam_v, k21_b2_adam_lr_arg, k21_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1176,7 +1161,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 123136ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 91648ull;
 
 static const cudagen_tensor_info h0_w1_b1_w2_and_9_more_tensors[] = {
     {"k0_w1_out", "w1.out", 0ull, 1024ull},
@@ -1193,68 +1178,63 @@ static const cudagen_tensor_info h0_w1_b1_w2_and_9_more_tensors[] = {
     {"k11_b2_v_init_out", "b2_v_init.out", 5888ull, 16ull},
 };
 static const cudagen_tensor_info k12_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 104448ull, 8192ull},
+    {"fc1_a", "fc1.a", 71680ull, 8192ull},
     {"fc1_b", "w1.out", 0ull, 1024ull},
     {"fc2_b", "w2.out", 1280ull, 512ull},
     {"bias1_b", "b1.out", 1024ull, 128ull},
     {"bias1_out", "bias1.out", 6144ull, 32768ull},
     {"act1_out", "act1.out", 38912ull, 32768ull},
     {"logits_b", "b2.out", 1792ull, 16ull},
-    {"logits_out", "logits.out", 112640ull, 4096ull},
+    {"logits_out", "logits.out", 79872ull, 4096ull},
 };
 static const cudagen_tensor_info k13_loss_tensors[] = {
-    {"logits", "logits.out", 112640ull, 4096ull},
-    {"labels", "loss.labels", 120832ull, 1024ull},
-    {"loss", "loss.loss", 122624ull, 4ull},
+    {"logits", "logits.out", 79872ull, 4096ull},
+    {"labels", "loss.labels", 88064ull, 1024ull},
+    {"loss", "loss.loss", 91136ull, 4ull},
 };
 static const cudagen_tensor_info k14_loss_backward_tensors[] = {
-    {"logits", "logits.out", 112640ull, 4096ull},
-    {"labels", "loss.labels", 120832ull, 1024ull},
-    {"dlogits", "loss_backward.dlogits", 116736ull, 4096ull},
+    {"logits", "logits.out", 79872ull, 4096ull},
+    {"labels", "loss.labels", 88064ull, 1024ull},
+    {"dlogits", "loss_backward.dlogits", 83968ull, 4096ull},
 };
 static const cudagen_tensor_info h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 122368ull, 16ull},
-    {"k16_fc2_grad_a_a", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k16_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
+    {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 83968ull, 4096ull},
+    {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 90880ull, 16ull},
+    {"k16_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 83968ull, 4096ull},
+    {"k16_fc2_grad_a_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
     {"k16_fc2_grad_a_act1_backward_x", "bias1.out", 6144ull, 32768ull},
-    {"k16_fc2_grad_a_act1_backward_dx", "act1_backward.dx", 71680ull, 32768ull},
+    {"k16_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 90624ull, 128ull},
+    {"k16_fc2_grad_a_fc1_grad_b_a", "fc1.a", 71680ull, 8192ull},
+    {"k16_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 89088ull, 1024ull},
     {"k17_fc2_grad_b_a", "act1.out", 38912ull, 32768ull},
-    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 116736ull, 4096ull},
-    {"k17_fc2_grad_b_out", "fc2_grad_b.out", 121856ull, 512ull},
+    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 83968ull, 4096ull},
+    {"k17_fc2_grad_b_out", "fc2_grad_b.out", 90112ull, 512ull},
 };
-static const cudagen_tensor_info h5_bias1_grad_b_sum_fc1_grad_b_tensors[] = {
-    {"k18_bias1_grad_b_sum_x", "act1_backward.dx", 71680ull, 32768ull},
-    {"k18_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 117760ull, 128ull},
-    {"k19_fc1_grad_b_a", "fc1.a", 104448ull, 8192ull},
-    {"k19_fc1_grad_b_b", "act1_backward.dx", 71680ull, 32768ull},
-    {"k19_fc1_grad_b_out", "fc1_grad_b.out", 116736ull, 1024ull},
-};
-static const cudagen_tensor_info h6_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
-    {"k20_w1_adam_param", "w1.out", 0ull, 1024ull},
-    {"k20_w1_adam_grad", "fc1_grad_b.out", 116736ull, 1024ull},
-    {"k20_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
-    {"k20_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
-    {"k20_w1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k20_w1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k21_b1_adam_param", "b1.out", 1024ull, 128ull},
-    {"k21_b1_adam_grad", "bias1_grad_b_sum.out", 117760ull, 128ull},
-    {"k21_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
-    {"k21_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
-    {"k21_b1_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k21_b1_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k22_w2_adam_param", "w2.out", 1280ull, 512ull},
-    {"k22_w2_adam_grad", "fc2_grad_b.out", 121856ull, 512ull},
-    {"k22_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
-    {"k22_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
-    {"k22_w2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k22_w2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
-    {"k23_b2_adam_param", "b2.out", 1792ull, 16ull},
-    {"k23_b2_adam_grad", "logits_grad_b_sum.out", 122368ull, 16ull},
-    {"k23_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
-    {"k23_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
-    {"k23_b2_adam_lr", "w1_adam.lr", 122880ull, 8ull},  // run-time argument
-    {"k23_b2_adam_step", "w1_adam.step", 122888ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
+    {"k18_w1_adam_param", "w1.out", 0ull, 1024ull},
+    {"k18_w1_adam_grad", "fc1_grad_b.out", 89088ull, 1024ull},
+    {"k18_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
+    {"k18_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
+    {"k18_w1_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
+    {"k18_w1_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
+    {"k19_b1_adam_param", "b1.out", 1024ull, 128ull},
+    {"k19_b1_adam_grad", "bias1_grad_b_sum.out", 90624ull, 128ull},
+    {"k19_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
+    {"k19_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
+    {"k19_b1_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
+    {"k19_b1_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
+    {"k20_w2_adam_param", "w2.out", 1280ull, 512ull},
+    {"k20_w2_adam_grad", "fc2_grad_b.out", 90112ull, 512ull},
+    {"k20_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
+    {"k20_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
+    {"k20_w2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
+    {"k20_w2_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
+    {"k21_b2_adam_param", "b2.out", 1792ull, 16ull},
+    {"k21_b2_adam_grad", "logits_grad_b_sum.out", 90880ull, 16ull},
+    {"k21_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
+    {"k21_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
+    {"k21_b2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
+    {"k21_b2_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1265,25 +1245,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k12_fc1, dim3(1, 8, 1), dim3(256), 8384, k12_fc1_tensors,
-                 (const float*)(arena + 104448), (const float*)(arena + 0), (const float*)(arena + 1280), (const float*)(arena + 1024), (float*)(arena + 6144), (float*)(arena + 38912), (const float*)(arena + 1792), (float*)(arena + 112640));
+                 (const float*)(arena + 71680), (const float*)(arena + 0), (const float*)(arena + 1280), (const float*)(arena + 1024), (float*)(arena + 6144), (float*)(arena + 38912), (const float*)(arena + 1792), (float*)(arena + 79872));
   CUDAGEN_LAUNCH(k13_loss, dim3(1, 1, 1), dim3(32), 128, k13_loss_tensors,
-                 (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 122624));
+                 (const float*)(arena + 79872), (const int*)(arena + 88064), (float*)(arena + 91136));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k14_loss_backward, dim3(256, 1, 1), dim3(32), 128, k14_loss_backward_tensors,
-                 (const float*)(arena + 112640), (const int*)(arena + 120832), (float*)(arena + 116736));
-  CUDAGEN_LAUNCH(h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(10, 1, 1), dim3(256), 4288, h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 116736), (float*)(arena + 122368), (const float*)(arena + 116736), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 71680), (const float*)(arena + 38912), (const float*)(arena + 116736), (float*)(arena + 121856));
-  CUDAGEN_LAUNCH(h5_bias1_grad_b_sum_fc1_grad_b, dim3(2, 1, 1), dim3(256), 4288, h5_bias1_grad_b_sum_fc1_grad_b_tensors,
-                 (const float*)(arena + 71680), (float*)(arena + 117760), (const float*)(arena + 104448), (const float*)(arena + 71680), (float*)(arena + 116736));
+                 (const float*)(arena + 79872), (const int*)(arena + 88064), (float*)(arena + 83968));
+  CUDAGEN_LAUNCH(h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(3, 1, 1), dim3(256), 9408, h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
+                 (const float*)(arena + 83968), (float*)(arena + 90880), (const float*)(arena + 83968), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 90624), (const float*)(arena + 71680), (float*)(arena + 89088), (const float*)(arena + 38912), (const float*)(arena + 83968), (float*)(arena + 90112));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h6_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h6_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 116736), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1024), (const float*)(arena + 117760), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1280), (const float*)(arena + 121856), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 122880), (const long long*)(arena + 122888), (float*)(arena + 1792), (const float*)(arena + 122368), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 122880), (const long long*)(arena + 122888));
+  CUDAGEN_LAUNCH(h5_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 89088), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1024), (const float*)(arena + 90624), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1280), (const float*)(arena + 90112), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1792), (const float*)(arena + 90880), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 91392), (const long long*)(arena + 91400));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -13,10 +13,10 @@
 struct CUstream_st;  // cudaStream_t is a CUstream_st*
 
 extern "C" {
-extern const unsigned long long cudagen_arena_bytes;  // 123136 on this plan
+extern const unsigned long long cudagen_arena_bytes;  // 91648 on this plan
 int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 1 launch
 int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 2 launches
-int cudagen_backward(unsigned char* arena, CUstream_st* stream);  // backward phase: 3 launches
+int cudagen_backward(unsigned char* arena, CUstream_st* stream);  // backward phase: 2 launches
 int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 1 launch
 }
 
@@ -68,10 +68,10 @@ inline constexpr cudagen_host_tensor cudagen_tensors[] = {
     {"b1.out", "f32", "persistent", 1, {32}, 1024ull, 128ull},
     {"w2.out", "f32", "persistent", 2, {32, 4}, 1280ull, 512ull},
     {"b2.out", "f32", "persistent", 1, {4}, 1792ull, 16ull},
-    {"fc1.a", "f32", "external", 2, {256, 8}, 104448ull, 8192ull},
-    {"logits.out", "f32", "external", 2, {256, 4}, 112640ull, 4096ull},
-    {"loss.labels", "i32", "external", 1, {256}, 120832ull, 1024ull},
-    {"loss.loss", "f32", "external", 0, {}, 122624ull, 4ull},
+    {"fc1.a", "f32", "external", 2, {256, 8}, 71680ull, 8192ull},
+    {"logits.out", "f32", "external", 2, {256, 4}, 79872ull, 4096ull},
+    {"loss.labels", "i32", "external", 1, {256}, 88064ull, 1024ull},
+    {"loss.loss", "f32", "external", 0, {}, 91136ull, 4ull},
     {"w1_m_init.out", "f32", "persistent", 2, {8, 32}, 2048ull, 1024ull},
     {"w1_v_init.out", "f32", "persistent", 2, {8, 32}, 3072ull, 1024ull},
     {"b1_m_init.out", "f32", "persistent", 1, {32}, 4096ull, 128ull},
@@ -88,6 +88,6 @@ enum cudagen_scalar_index {
   cudagen_scalar_count
 };
 inline constexpr cudagen_host_scalar cudagen_scalars[] = {
-    {"w1_adam.lr", "float", 122880ull, 0.02},
-    {"w1_adam.step", "int", 122888ull, 1.0},
+    {"w1_adam.lr", "float", 91392ull, 0.02},
+    {"w1_adam.step", "int", 91400ull, 1.0},
 };
