@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -946,28 +947,26 @@ class Emitter {
               float_arg(norm, "eps", layer ? 1e-5 : 1e-6), T * K,
               store_norm ? fmt::format("{} + {}", rows_name, stats_at) : "nullptr");
           if (store_norm) {
-            std::vector<std::string> stats, stores;
+            std::vector<std::string> stats;
             for (const char* stat : {"mean", "rstd"})
               if (const BoundTensor* st = nt.find_tensor(stat); st != nullptr && st->buffer >= 0) {
                 stats.push_back(stat);
-                const std::string name = nid + "_" + stat;
-                add(name, param(nps, stat));
-                // The staging function keeps a layernorm's means first, then its rstds.
-                const int64_t offset = stats_at + (layer && std::string(stat) == "rstd" ? T : 0);
-                stores.push_back(store_element(name, p_.buffers[size_t(st->buffer)].dtype, fmt::format("cg_batch * {} + r", T),
-                                               fmt::format("{}[{} + r]", rows_name, offset)));
+                add(nid + "_" + stat, param(nps, stat));
               }
             add(nid + "_out", param(nps, "out"));
-            out.code += fmt::format(
-                "  if (cg_h == 0) {{  // {0}'s output{1}, read later: stored once, by each batch's first head\n"
-                "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {4};\n",
-                nid, stats.empty() ? "" : fmt::format(" and {}", fmt::join(stats, ", ")), T, K,
-                store_element(nid + "_out", param(nps, "out").buffer->dtype, fmt::format("cg_batch * {} * {} + i", T, K),
-                              rows_name + "[i]"));
-            if (!stores.empty())
-              out.code += fmt::format("    for (int r = threadIdx.x; r < {}; r += blockDim.x) {{ {}; }}\n", T,
-                                      fmt::join(stores, "; "));
-            out.code += "  }\n";
+            out.code += stored_norm_rows(
+                {.norm = norm,
+                 .owner = "cg_h == 0",
+                 .who = ", by each batch's first head",
+                 .row0 = fmt::format("cg_batch * {}", T),
+                 .rows = T,
+                 .K = K,
+                 .element = rows_name + "[i]",
+                 .stats = stats,
+                 .stat_at = [&](const std::string& stat) {
+                   // The staging function keeps a layernorm's means first, then its rstds.
+                   return fmt::format("{}[{} + r]", rows_name, stats_at + (layer && stat == "rstd" ? T : 0));
+                 }});
           }
         } else {
           const int64_t at = reserve_shared(ek, fmt::format("{}'s {} rows of a batch", buffer_name(source), T), 4 * T * K);
@@ -2301,6 +2300,46 @@ class Emitter {
         tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
   }
 
+  // A kernel that computes a norm's output for itself (rules norm_prologue
+  // and attention_projection) stores it, with its statistics, where it is
+  // read later: from the blocks `owner` selects, once. The code storing rows
+  // [row0, row0 + rows), K wide: `element` is element (r, j) of them, where
+  // r = row0 + i / K, j = i % K; `stat_at(stat)` is local row r's statistic;
+  // `end`, where not empty, the norm's row count (a tile may run past it).
+  struct StoredNorm {
+    int norm = -1;
+    std::string owner, who;  // the blocks' condition, and who they are (for the comment)
+    std::string row0;
+    int64_t rows = 0, K = 0;
+    std::string end;
+    std::string element;
+    std::vector<std::string> stats;  // those stored: "mean" (a layernorm's), "rstd"
+    std::function<std::string(const std::string&)> stat_at;
+  };
+  std::string stored_norm_rows(const StoredNorm& n) const {
+    const BoundTask& nt = p_.tasks[size_t(n.norm)];
+    const std::string& id = nt.task->id;
+    auto dtype = [&](const std::string& slot) { return p_.buffers[size_t(nt.find_tensor(slot)->buffer)].dtype; };
+    std::string code = fmt::format(
+        "  if ({0}) {{  // {1}'s output{2}, read later: stored once{3}\n"
+        "    for (int i = threadIdx.x; i < {4} * {5}; i += blockDim.x) {{\n"
+        "      const cg_i64 r = {6} + i / {5};\n"
+        "      const int j = i % {5};\n"
+        "      {7}{8};\n"
+        "    }}\n",
+        n.owner, id, n.stats.empty() ? "" : fmt::format(" and {}", fmt::join(n.stats, ", ")), n.who, n.rows, n.K,
+        n.row0, n.end.empty() ? "" : fmt::format("if (r < {}) ", n.end),
+        store_element(id + "_out", dtype("out"), fmt::format("r * {} + j", n.K), n.element));
+    if (!n.stats.empty()) {
+      code += fmt::format("    for (int r = threadIdx.x; r < {}; r += blockDim.x){}{{", n.rows,
+                          n.end.empty() ? " " : fmt::format("\n      if ({} + r < {}) ", n.row0, n.end));
+      for (const std::string& stat : n.stats)
+        code += " " + store_element(id + "_" + stat, dtype(stat), fmt::format("{} + r", n.row0), n.stat_at(stat)) + ";";
+      code += " }\n";
+    }
+    return code + "  }\n";
+  }
+
   // Rule norm_prologue: the code before a matmul's tile loop and its
   // operand load, for an `a` that rmsnorm or layernorm task prologue_task_
   // computes, in the unfused kernel's order of operations (a 16-bit `a` is
@@ -2338,25 +2377,18 @@ class Emitter {
     // layernorm, then its rstd `tile` floats further on; an rmsnorm's rstd).
     auto stores = [&](const std::string& element, const std::string& stats_array, int64_t stats_at) {
       if (!prologue_stores_) return std::string();
-      auto stat_at = [&](const std::string& stat) {
-        const int64_t at = stats_at + (layer && stat == "rstd" ? tile : 0);
-        return at == 0 ? stats_array + "[r]" : fmt::format("{}[{} + r]", stats_array, at);
-      };
-      std::string code = fmt::format(
-          "  if (tile.x == 0) {{  // {0}'s output{1}, read later: stored once\n"
-          "    for (int i = threadIdx.x; i < {2} * {3}; i += blockDim.x) {{\n"
-          "      const cg_i64 r = cg_row0 + i / {3};\n"
-          "      const int j = i % {3};\n"
-          "      if (r < {4}) {5};\n"
-          "    }}\n",
-          id, stats.empty() ? "" : fmt::format(" and {}", fmt::join(stats, ", ")), tile, K, last,
-          store_element(id + "_out", slot_type("out"), "r * " + std::to_string(K) + " + j", element));
-      if (!stats.empty()) {
-        code += fmt::format("    for (int r = threadIdx.x; r < {}; r += blockDim.x)\n      if (cg_row0 + r < {}) {{", tile, last);
-        for (const std::string& stat : stats) code += fmt::format(" cg_store({}_{}, cg_row0 + r, {});", id, stat, stat_at(stat));
-        code += " }\n";
-      }
-      return code + "  }\n";
+      return stored_norm_rows({.norm = prologue_task_,
+                               .owner = "tile.x == 0",
+                               .row0 = "cg_row0",
+                               .rows = tile,
+                               .K = K,
+                               .end = last,
+                               .element = element,
+                               .stats = stats,
+                               .stat_at = [&](const std::string& stat) {
+                                 const int64_t at = stats_at + (layer && stat == "rstd" ? tile : 0);
+                                 return at == 0 ? stats_array + "[r]" : fmt::format("{}[{} + r]", stats_array, at);
+                               }});
     };
     // Floats per row the staging or statistics functions keep: rstd; a
     // layernorm's mean and rstd.

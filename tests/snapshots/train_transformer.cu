@@ -1253,7 +1253,11 @@ CG_DEVICE void k34_q_tile(float* probs, const float* ln1_x, const float* ln1_wei
   cg_rmsnorm_stage_rows([&](cg_i64 r, int j) { return cg_load(ln1_x, r * 32 + j); }, [&](int j) { return cg_load(ln1_weight, j); },
                         cg_batch * 8, 8, cg_batch * 8 + 8, 32, 9.999999974752427e-07f, cg_rows_ln1, cg_rows_ln1 + 256, cg_rows_ln1 + 288);
   if (cg_h == 0) {  // ln1's output and rstd, read later: stored once, by each batch's first head
-    for (int i = threadIdx.x; i < 8 * 32; i += blockDim.x) cg_store(ln1_out, cg_batch * 8 * 32 + i, cg_rows_ln1[i]);
+    for (int i = threadIdx.x; i < 8 * 32; i += blockDim.x) {
+      const cg_i64 r = cg_batch * 8 + i / 32;
+      const int j = i % 32;
+      cg_store(ln1_out, r * 32 + j, cg_rows_ln1[i]);
+    }
     for (int r = threadIdx.x; r < 8; r += blockDim.x) { cg_store(ln1_rstd, cg_batch * 8 + r, cg_rows_ln1[288 + r]); }
   }
   float* cg_q_rows = (float*)(cg_smem + 2208);
