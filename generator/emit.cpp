@@ -2122,7 +2122,7 @@ class Emitter {
     const int64_t tile = matmul_tile_rows(a.buffer->dtype), row_tiles = (M + tile - 1) / tile;
     template_files_.insert(bt.op->source_file);
     use_function(*bt.op, tensor_cores ? "cg_matmul_tile_mma" : bt.op->source_function);
-    ek.block = tensor_cores ? 128 : 256;
+    ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.min_blocks_per_sm = 1;  // a block per column tile, each every tile of rows: registers before occupancy
     ek.grid[0] = int((N + tile - 1) / tile);
     reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
@@ -2169,7 +2169,7 @@ class Emitter {
       const bool weight_gradient = rt.op->name == "matmul";
       const Param& rout = param(rps, "out");
       const int64_t outputs = weight_gradient ? rout.buffer->shape.front() : 1;
-      const int64_t per_thread = (outputs * tile + ek.block - 1) / ek.block;
+      const int64_t per_thread = row_reduction_registers(outputs, a.buffer->dtype);
       std::string term = widened(fmt::format("cg_value[r * {} + c]", tile));
       if (weight_gradient) {
         // x's rows of the tile, staged: a warp's threads read one of them at once.
@@ -2194,11 +2194,11 @@ class Emitter {
       auto each_output = [&](const std::string& indent, const std::string& statement) {
         return fmt::format(
             "{0}for (int cg_k = 0; cg_k < {1}; ++cg_k) {{\n"
-            "{0}  const int o = threadIdx.x + cg_k * {2}, {3}c = o % {4};\n"
-            "{0}  if (o < {5} && cg_col0 + c < {6}) {7}\n"
+            "{0}  const int o = threadIdx.x + cg_k * blockDim.x, {2}c = o % {3};\n"
+            "{0}  if (o < {4} && cg_col0 + c < {5}) {6}\n"
             "{0}}}\n",
-            indent, per_thread, ek.block, weight_gradient ? fmt::format("j = o / {}, ", tile) : "", tile,
-            outputs * tile, N, statement);
+            indent, per_thread, weight_gradient ? fmt::format("j = o / {}, ", tile) : "", tile, outputs * tile, N,
+            statement);
       };
       accumulate += each_output("    ", fmt::format("for (int r = 0; r < cg_rows; ++r) {}[cg_k] += {};", acc, term));
       const std::string total = alpha == float_literal(1.0) ? acc + "[cg_k]" : fmt::format("{} * {}[cg_k]", alpha, acc);
@@ -2208,33 +2208,30 @@ class Emitter {
                     ";");
     }
     if (!diags_.ok()) return {};
-    const std::string body = fmt::format(
-        "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  {0}* cg_value = ({0}*)(cg_smem + {1});  // a tile of {2}\n"
-        "  const int cg_col0 = tile.x * {3};  // the block's columns of {2}\n"
-        "  int cg_row0 = 0;\n"
-        "{4}"
-        "{5}"
-        "  for (int cg_tile_m = 0; cg_tile_m < {6}; ++cg_tile_m) {{\n"
-        "    cg_row0 = cg_tile_m * {3};\n"
-        "    {7}(\n"
-        "        [&](int m, int k) {{ return {8}; }},\n"
-        "        [&](int k, int n) {{ return {9}; }},\n"
-        "        [&](int m, int n, float acc) {{ {10}; }},\n"
-        "        {11}, {12}, {13}, cg_tile_m, tile.x, ({14}*)cg_smem);\n"
-        "    const int cg_rows = {11} - cg_row0 < {3} ? {11} - cg_row0 : {3};\n"
-        "{17}"
-        "    __syncthreads();  // the tile of {2} is in shared memory\n"
-        "{15}"
-        "    __syncthreads();  // the next tile of rows overwrites it\n"
-        "  }}\n"
-        "  // Each reduction's columns, summed over every row.\n"
-        "{16}",
-        c_type(vt), value_at, buffer_name(value), tile, accumulators, tail.code, row_tiles,
+    const std::string matmul_tile = fmt::format(
+        "    {}(\n"
+        "        [&](int m, int k) {{ return {}; }},\n"
+        "        [&](int k, int n) {{ return {}; }},\n"
+        "        [&](int m, int n, float acc) {{ {}; }},\n"
+        "        {}, {}, {}, cg_tile_m, tile.x, ({}*)cg_smem);\n",
         tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
         load_as(a, id + "_a", fmt::format("(cg_i64)m * {} + k", K)),
         load_as(b, id + "_b", b_index(arg_bool(t, "trans_b"), K, N)), keep, M, N, K,
-        tensor_cores ? c_type(a.buffer->dtype) : "float", accumulate, stores, stage);
+        tensor_cores ? c_type(a.buffer->dtype) : "float");
+    const std::string value_name = buffer_name(value);
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  {0}* cg_value = ({0}*)(cg_smem + {1});  // a tile of {2}\n"
+        "  const int cg_col0 = tile.x * {3};  // the block's columns of {2}\n"
+        "  int cg_row0 = 0;\n",
+        c_type(vt), value_at, value_name, tile);
+    body += accumulators + tail.code;
+    body += fmt::format("  for (int cg_tile_m = 0; cg_tile_m < {}; ++cg_tile_m) {{\n", row_tiles);
+    body += fmt::format("    cg_row0 = cg_tile_m * {};\n", tile) + matmul_tile;
+    body += fmt::format("    const int cg_rows = {0} - cg_row0 < {1} ? {0} - cg_row0 : {1};\n", M, tile) + stage;
+    body += fmt::format("    __syncthreads();  // the tile of {} is in shared memory\n", value_name) + accumulate;
+    body += "    __syncthreads();  // the next tile of rows overwrites it\n  }\n";
+    body += "  // Each reduction's columns, summed over every row.\n" + stores;
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);

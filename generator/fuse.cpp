@@ -72,6 +72,7 @@ std::string chain_gap(const Program& p, int t) {
 class Fuser {
  public:
   Fuser(const Program& p, const FuseOptions& options) : p_(p), options_(options), readers_(p.buffers.size()) {
+    for (const auto& [view, source] : view_pairs(p_)) view_source_[view] = source;
     for (size_t t = 0; t < p.tasks.size(); ++t)
       for (const auto& b : p.tasks[t].tensors)
         if (b.buffer >= 0 && p.buffers[size_t(b.buffer)].owner_task != int(t)) readers_[size_t(b.buffer)].push_back(int(t));
@@ -364,7 +365,6 @@ class Fuser {
   // Only adjacent kernels: the schedule's order stays, and with it the
   // buffers' lifetimes (the planner sees a launch as one step).
   void batch_launches() {
-    for (const auto& [view, source] : view_pairs(p_)) view_source_[view] = source;
     std::vector<Access> access;
     for (const auto& k : out_.kernels) access.push_back(access_of(k));
     int launch = -1;
@@ -526,18 +526,18 @@ class Fuser {
         continue;
       const int value = group_value(p_.tasks[size_t(producer.tasks.back())])->buffer;
       const std::vector<int> value_tasks = producer.tasks;  // the matmul and its epilogue; the last names the value
-      int64_t reduced_rows = 0;  // the reductions' output rows so far: one per sum, K per a^T @ value
+      int64_t registers = 0;  // per thread, the accumulators of the reductions taken so far
       for (int r : readers_[size_t(value)]) {
         const size_t at = kernel_of(r, a + 1);
         if (p_.tasks[size_t(r)].task->phase != producer.phase || at >= out_.kernels.size() || merged[at] ||
             !row_reduction_of(r, value))
           continue;
-        const std::string reason = why_not_reduce_rows(a, at, r, value, reduced_rows);
+        const std::string reason = why_not_reduce_rows(a, at, r, value, registers);
         if (!reason.empty()) {
           note_prologue_refused(value_tasks, {r}, reason, "is not reduced in its kernel");
           continue;
         }
-        reduced_rows += row_reduction_outputs(r);
+        registers += row_reduction_registers(row_reduction_outputs(r), slot_buffer(mm, "a").dtype);
         producer.tasks.push_back(r);
         producer.rule = "row_reduction";
         merged[at] = true;
@@ -568,9 +568,9 @@ class Fuser {
   }
 
   // Why reduction `r` (kernel `at`) cannot run in matmul kernel `a`, whose
-  // value is `value` and which reduces `reduced_rows` output rows already
-  // (empty when it can).
-  std::string why_not_reduce_rows(size_t a, size_t at, int r, int value, int64_t reduced_rows) const {
+  // value is `value` and whose reductions so far take `registers`
+  // accumulators per thread (empty when it can).
+  std::string why_not_reduce_rows(size_t a, size_t at, int r, int value, int64_t registers) const {
     if (!rule_on("row_reduction")) return "rule row_reduction is off (--no-fuse-rule)";
     const KernelGroup& producer = out_.kernels[a];
     const KernelGroup& reader = out_.kernels[at];
@@ -579,24 +579,31 @@ class Fuser {
     if (reader.tasks.size() != 1 || !reader.prologue.empty()) return fmt::format("'{}' is not alone in its kernel", id);
     if (!producer.prologue.empty())
       return fmt::format("'{}' computes a prologue, which each tile of rows would recompute", p_.tasks[size_t(mm)].task->id);
-    if (const std::string why = why_not_rows_matmul(mm); !why.empty()) return why;
+    if (const std::string why = why_not_rows_matmul(mm, "a row reduction"); !why.empty()) return why;
     for (int t : {mm, r})
       if (const std::string arg = runtime_arg(p_, t); !arg.empty())
         return fmt::format("'{}' reads run-time argument '{}'", p_.tasks[size_t(t)].task->id, arg);
     const BufferInfo& info = p_.buffers[size_t(value)];
     const int64_t N = info.shape.back(), rows = numel(info.shape) / N;
+    // The reduction moves to the value's kernel: what it reads must not be
+    // written from there to its own place (in place updates are writes too),
+    // and the value must not be updated in place before it either.
+    std::vector<int> read = {storage_of(value)};
     if (p_.tasks[size_t(r)].op->name == "matmul") {
       const Shape& x = slot_buffer(r, "a").shape;
-      if (x.size() != 2 || info.shape.size() != 2 || flag(r, "trans_b"))
+      if (x.size() != 2 || info.shape.size() != 2)
         return fmt::format("'{}' multiplies batches of matrices; a weight gradient here is [R, K]^T @ [R, N]", id);
-      // Its other operand is read where the value's kernel runs (in place
-      // updates are writes too).
-      const int other = p_.tasks[size_t(r)].find_tensor("a")->buffer;
-      for (size_t j = a; j < at; ++j)
-        if (contains(written_buffers(out_.kernels[j].tasks), storage_of_view(other)))
-          return fmt::format("'{}' reads '{}', which {} computes before it", id, buffer_name(p_, other),
-                             j == a ? std::string("the value's kernel") : fmt::format("'{}'", p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id));
+      if (flag(r, "trans_b")) return fmt::format("'{}' transposes '{}'", id, buffer_name(p_, value));
+      read.push_back(storage_of(p_.tasks[size_t(r)].find_tensor("a")->buffer));
     }
+    for (size_t j = a; j < at; ++j)
+      for (int written : written_buffers(kernel_tasks(out_.kernels[j]))) {
+        const int storage = storage_of(written);
+        if (!contains(read, storage) || (j == a && storage == read.front())) continue;  // the value's own kernel computes it
+        const std::string writer = j == a ? std::string("the value's kernel")
+                                          : fmt::format("'{}'", p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id);
+        return fmt::format("'{}' reads '{}', which {} writes before it", id, buffer_name(p_, written), writer);
+      }
     // Each block walks every tile of rows of its columns: bounded, as the
     // parallelism of the value's own tiles is lost.
     const DType a_type = slot_buffer(mm, "a").dtype;
@@ -606,8 +613,7 @@ class Fuser {
                          "parallel tiles are worth more than its traffic",
                          row_tiles, buffer_name(p_, value), kMaxReductionRowTiles);
     // A thread keeps its outputs of every reduction in registers.
-    const int64_t threads = tile == 64 ? 128 : 256;
-    const int64_t per_thread = ((reduced_rows + row_reduction_outputs(r)) * tile + threads - 1) / threads;
+    const int64_t per_thread = registers + row_reduction_registers(row_reduction_outputs(r), a_type);
     if (per_thread > kMaxReductionOutputsPerThread)
       return fmt::format("each thread would accumulate {} outputs of the reductions (at most {})", per_thread,
                          kMaxReductionOutputsPerThread);
@@ -626,23 +632,6 @@ class Fuser {
   }
   static constexpr int64_t kMaxReductionRowTiles = 16;
   static constexpr int64_t kMaxReductionOutputsPerThread = 16;
-
-  // The storage a buffer stands for, through views (before batch_launches
-  // fills view_source_).
-  int storage_of_view(int b) const {
-    for (bool moved = true; moved;) {
-      moved = false;
-      const int owner = p_.buffers[size_t(b)].owner_task;
-      if (owner >= 0 && is_view(p_.tasks[size_t(owner)]))
-        for (const auto& source : p_.tasks[size_t(owner)].tensors)
-          if (source.buffer >= 0 && source.sig != nullptr && !source.sig->written()) {
-            b = source.buffer;
-            moved = true;
-            break;
-          }
-    }
-    return b;
-  }
 
   // Rule attention_projection: the kernel of a projection whose heads only
   // an attention kernel reads (a matmul, its norm prologue and epilogue,
@@ -882,11 +871,11 @@ class Fuser {
 
   // Why matmul `t` is not of the form a chain takes, [..., M, K] @ [K, N]
   // (every row of `a` times one matrix, `b` transposed or not), or empty.
-  std::string why_not_rows_matmul(int t) const {
+  std::string why_not_rows_matmul(int t, const char* taker = "a chain") const {
     const std::string& id = p_.tasks[size_t(t)].task->id;
     if (flag(t, "trans_a")) return fmt::format("'{}' transposes its left operand", id);
     if (!matmul_flattens_rows(slot_buffer(t, "a").shape, slot_buffer(t, "b").shape, slot_buffer(t, "out").shape, false))
-      return fmt::format("'{}' multiplies by a batch of matrices; a chain takes [..., M, K] @ [K, N]", id);
+      return fmt::format("'{}' multiplies by a batch of matrices; {} takes [..., M, K] @ [K, N]", id, taker);
     return {};
   }
 

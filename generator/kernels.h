@@ -88,6 +88,15 @@ inline std::string_view inverse_permutation_op(std::string_view op) {
 // cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: DESIGN.md §9).
 // Its rows per block, and the shared memory its operand tiles take.
 inline int64_t matmul_tile_rows(DType a) { return a == DType::f16 || a == DType::bf16 ? 64 : 32; }
+// Its threads per block: 4 warps on tensor cores, 256 threads in 16 x 16 for f32.
+inline int64_t matmul_tile_threads(DType a) { return matmul_tile_rows(a) == 64 ? 128 : 256; }
+// Rule row_reduction: the accumulators each thread of such a block holds for
+// one reduction of `outputs` rows (1 for a sum over the rows, K for a weight
+// gradient) over a column tile (emit.cpp declares them; fuse.cpp bounds
+// their sum over a kernel's reductions).
+inline int64_t row_reduction_registers(int64_t outputs, DType a) {
+  return (outputs * matmul_tile_rows(a) + matmul_tile_threads(a) - 1) / matmul_tile_threads(a);
+}
 inline int64_t matmul_operand_tile_bytes(DType a) {
   return matmul_tile_rows(a) == 64 ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
 }

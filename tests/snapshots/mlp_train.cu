@@ -818,22 +818,22 @@ CG_DEVICE void k9_dact1_tile(const float* dact1_a, const float* dact1_b, const f
     for (int e = threadIdx.x; e < cg_rows * 64; e += blockDim.x) cg_rows_dw1[e] = cg_load(dw1_a, (cg_i64)cg_row0 * 64 + e);
     __syncthreads();  // the tile of dbias1.dx is in shared memory
     for (int cg_k = 0; cg_k < 8; ++cg_k) {
-      const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+      const int o = threadIdx.x + cg_k * blockDim.x, j = o / 32, c = o % 32;
       if (o < 2048 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_dw1[cg_k] += cg_rows_dw1[r * 64 + j] * cg_value[r * 32 + c];
     }
     for (int cg_k = 0; cg_k < 1; ++cg_k) {
-      const int o = threadIdx.x + cg_k * 256, c = o % 32;
+      const int o = threadIdx.x + cg_k * blockDim.x, c = o % 32;
       if (o < 32 && cg_col0 + c < 128) for (int r = 0; r < cg_rows; ++r) cg_acc_db1[cg_k] += cg_value[r * 32 + c];
     }
     __syncthreads();  // the next tile of rows overwrites it
   }
   // Each reduction's columns, summed over every row.
   for (int cg_k = 0; cg_k < 8; ++cg_k) {
-    const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+    const int o = threadIdx.x + cg_k * blockDim.x, j = o / 32, c = o % 32;
     if (o < 2048 && cg_col0 + c < 128) cg_store(dw1_out, (cg_i64)j * 128 + cg_col0 + c, cg_acc_dw1[cg_k]);
   }
   for (int cg_k = 0; cg_k < 1; ++cg_k) {
-    const int o = threadIdx.x + cg_k * 256, c = o % 32;
+    const int o = threadIdx.x + cg_k * blockDim.x, c = o % 32;
     if (o < 32 && cg_col0 + c < 128) cg_store(db1_out, cg_col0 + c, cg_acc_db1[cg_k]);
   }
 }

@@ -906,22 +906,22 @@ CG_DEVICE void k16_fc2_grad_a_tile(const float* fc2_grad_a_a, const float* fc2_g
     for (int e = threadIdx.x; e < cg_rows * 8; e += blockDim.x) cg_rows_fc1_grad_b[e] = cg_load(fc1_grad_b_a, (cg_i64)cg_row0 * 8 + e);
     __syncthreads();  // the tile of act1_backward.dx is in shared memory
     for (int cg_k = 0; cg_k < 1; ++cg_k) {
-      const int o = threadIdx.x + cg_k * 256, c = o % 32;
+      const int o = threadIdx.x + cg_k * blockDim.x, c = o % 32;
       if (o < 32 && cg_col0 + c < 32) for (int r = 0; r < cg_rows; ++r) cg_acc_bias1_grad_b_sum[cg_k] += cg_value[r * 32 + c];
     }
     for (int cg_k = 0; cg_k < 1; ++cg_k) {
-      const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+      const int o = threadIdx.x + cg_k * blockDim.x, j = o / 32, c = o % 32;
       if (o < 256 && cg_col0 + c < 32) for (int r = 0; r < cg_rows; ++r) cg_acc_fc1_grad_b[cg_k] += cg_rows_fc1_grad_b[r * 8 + j] * cg_value[r * 32 + c];
     }
     __syncthreads();  // the next tile of rows overwrites it
   }
   // Each reduction's columns, summed over every row.
   for (int cg_k = 0; cg_k < 1; ++cg_k) {
-    const int o = threadIdx.x + cg_k * 256, c = o % 32;
+    const int o = threadIdx.x + cg_k * blockDim.x, c = o % 32;
     if (o < 32 && cg_col0 + c < 32) cg_store(bias1_grad_b_sum_out, cg_col0 + c, cg_acc_bias1_grad_b_sum[cg_k]);
   }
   for (int cg_k = 0; cg_k < 1; ++cg_k) {
-    const int o = threadIdx.x + cg_k * 256, j = o / 32, c = o % 32;
+    const int o = threadIdx.x + cg_k * blockDim.x, j = o / 32, c = o % 32;
     if (o < 256 && cg_col0 + c < 32) cg_store(fc1_grad_b_out, (cg_i64)j * 32 + cg_col0 + c, cg_acc_fc1_grad_b[cg_k]);
   }
 }

@@ -196,15 +196,15 @@ TEST(Fusion, RowReductionsRunInTheKernelThatComputesTheirValue) {
 // for one block to walk, too many outputs for a thread's registers, a batch
 // of weight gradients. A value read elsewhere too is stored as well as reduced.
 TEST(Fusion, NoRowReductionWhereRowsOrOutputsAreManyOrTheProductIsBatched) {
-  auto gradient = [](const std::string& name, int64_t rows, int64_t inputs, bool batched, Storage value) {
+  auto gradient = [](const std::string& name, int64_t rows, int64_t inputs, bool batched, Storage value, DType d = f32) {
     GraphBuilder b(name);
     const Shape lead = batched ? Shape{2, rows} : Shape{rows};
     auto with = [&](Shape s, int64_t last) { s.push_back(last); return s; };
-    auto dh = b.task("dh", "matmul").tensor("a", f32, with(lead, 8), ext).tensor("b", f32, {8, 32}, ext).tensor("out", f32, with(lead, 32));
-    auto dx = b.task("dx", "relu_backward").tensor("x", f32, with(lead, 32), ext).tensor("dout", dh["out"]).tensor("dx", f32, with(lead, 32), value);
-    b.task("db", "sum_leading").tensor("x", dx["dx"]).tensor("out", f32, {32}, ext);
+    auto dh = b.task("dh", "matmul").tensor("a", d, with(lead, 8), ext).tensor("b", d, {8, 32}, ext).tensor("out", d, with(lead, 32));
+    auto dx = b.task("dx", "relu_backward").tensor("x", d, with(lead, 32), ext).tensor("dout", dh["out"]).tensor("dx", d, with(lead, 32), value);
+    b.task("db", "sum_leading").tensor("x", dx["dx"]).tensor("out", d, {32}, ext);
     Shape wg = batched ? Shape{2, inputs, 32} : Shape{inputs, 32};
-    b.task("dw", "matmul").tensor("a", f32, with(lead, inputs), ext).tensor("b", dx["dx"]).tensor("out", f32, wg, ext).arg("trans_a", true);
+    b.task("dw", "matmul").tensor("a", d, with(lead, inputs), ext).tensor("b", dx["dx"]).tensor("out", d, wg, ext).arg("trans_a", true);
     return std::move(b).graph();
   };
   Compiled fused = plan_graph(gradient("fused", 96, 16, false, Storage::transient));
@@ -222,6 +222,24 @@ TEST(Fusion, NoRowReductionWhereRowsOrOutputsAreManyOrTheProductIsBatched) {
   Compiled wide = plan_graph(gradient("wide", 96, 160, false, Storage::transient));
   EXPECT_EQ(wide.kernels.size(), 2u) << "the sum joins, the weight gradient does not";
   EXPECT_EQ(reason_for(wide, "dw"), prefix + "each thread would accumulate 21 outputs of the reductions (at most 16)");
+  // Each reduction's accumulators are rounded up to whole rounds of the block's
+  // threads, as the emitter declares them: on the tensor-core tile (64
+  // columns, 128 threads) a sum takes 1, a 30-row weight gradient 15, one of 31 rows 16.
+  EXPECT_EQ(plan_graph(gradient("bf16_at_bound", 96, 30, false, Storage::transient, DType::bf16)).kernels.size(), 1u);
+  Compiled past_bound = plan_graph(gradient("bf16_past_bound", 96, 31, false, Storage::transient, DType::bf16));
+  EXPECT_EQ(reason_for(past_bound, "dw"), prefix + "each thread would accumulate 17 outputs of the reductions (at most 16)");
+  // The reduction runs where the value is computed: its x must be ready there.
+  GraphBuilder late("late_x");
+  auto dh = late.task("dh", "matmul").tensor("a", f32, {64, 8}, ext).tensor("b", f32, {8, 32}, ext).tensor("out", f32, {64, 32});
+  auto xk = late.task("xk", "relu").tensor("x", f32, {64, 16}, ext).tensor("out", f32, {64, 16}, ext);
+  late.task("dw", "matmul").tensor("a", xk["out"]).tensor("b", dh["out"]).tensor("out", f32, {16, 32}, ext).arg("trans_a", true);
+  Compiled late_x = plan_graph(std::move(late).graph());
+  EXPECT_EQ(late_x.kernels.size(), 3u);
+  std::vector<std::string> late_reasons;  // dw's note after xk (not its prologue), and the one after dh
+  for (const auto& n : late_x.fusion_notes)
+    if (late_x.program.tasks[size_t(n.task)].task->id == "dw") late_reasons.push_back(n.reason);
+  ASSERT_EQ(late_reasons.size(), 2u);
+  EXPECT_EQ(late_reasons[1], "'dh' is not reduced in its kernel: 'dw' reads 'xk.out', which 'xk' writes before it");
   Compiled batched = plan_graph(gradient("batched", 48, 16, true, Storage::transient));
   EXPECT_EQ(reason_for(batched, "dw"),
             prefix + "'dw' multiplies batches of matrices; a weight gradient here is [R, K]^T @ [R, N]");
