@@ -77,7 +77,7 @@ std::string shared_floats(int64_t offset) {
   return offset == 0 ? "(float*)cg_smem" : fmt::format("(float*)(cg_smem + {})", offset);
 }
 
-int64_t next_shared_offset(const EmittedKernel& ek) { return (ek.smem_bytes + 15) / 16 * 16; }
+int64_t next_shared_offset(const EmittedKernel& ek) { return shared_region_bytes(ek.smem_bytes); }
 
 int64_t reserve_shared(EmittedKernel& ek, std::string what, int64_t bytes) {
   const int64_t offset = next_shared_offset(ek);
@@ -1614,8 +1614,13 @@ class Emitter {
     return load_element(name, x.buffer->dtype, index);
   }
   static std::string load_element(const std::string& name, DType dtype, const std::string& index) {
-    std::string l = fmt::format("cg_load({}, {})", name, index);
-    return is_16bit(dtype) ? "cg_widen(" + l + ")" : l;
+    return widen_from(dtype, fmt::format("cg_load({}, {})", name, index));
+  }
+  // A value of type `dtype` as the float the hooks compute in (16-bit
+  // widened), and a float as a value of type `dtype` (16-bit narrowed).
+  static std::string widen_from(DType dtype, const std::string& v) { return is_16bit(dtype) ? "cg_widen(" + v + ")" : v; }
+  static std::string narrow_to(DType dtype, const std::string& v) {
+    return is_16bit(dtype) ? fmt::format("cg_narrow<{}>({})", c_type(dtype), v) : v;
   }
   // A store of the buffer an epilogue follows becomes a call of the epilogue.
   std::string store(const Param& x, const std::string& index, const std::string& value) const {
@@ -1624,8 +1629,7 @@ class Emitter {
   }
   static std::string store_element(const std::string& name, DType dtype, const std::string& index,
                                    const std::string& value) {
-    return fmt::format("cg_store({}, {}, {})", name, index,
-                       is_16bit(dtype) ? fmt::format("cg_narrow<{}>({})", c_type(dtype), value) : value);
+    return fmt::format("cg_store({}, {}, {})", name, index, narrow_to(dtype, value));
   }
 
   // The launch of the block-per-row kernels: one block per row of the last
@@ -1996,8 +2000,6 @@ class Emitter {
     auto kept = [&](const std::string& column) {
       return fmt::format("cg_value[(cg_i64)(m - tile.y * {}) * {} + {}]", tile, H, column);
     };
-    auto narrowed = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_narrow<{}>({})", c_type(vt), v) : v; };
-    auto widened = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_widen({})", v) : v; };
 
     std::vector<LaunchParam> prologue_params;
     if (!k.prologue.empty()) prologue_params = prologue(k);
@@ -2015,7 +2017,7 @@ class Emitter {
     // The first product's epilogue ends in shared memory; the second's
     // stores what is read outside the kernel.
     Epilogue first_tail, second_tail;
-    std::string keep = fmt::format("{} = {}", kept("n"), narrowed(scaled_accumulator(t1)));
+    std::string keep = fmt::format("{} = {}", kept("n"), narrow_to(vt, scaled_accumulator(t1)));
     // (Read later too, the value is stored as well: the epilogue does both.)
     const bool first_epilogue = second > 1 || !contains(k.internal_buffers, value.bound->buffer);
     if (first_epilogue) {
@@ -2023,7 +2025,7 @@ class Emitter {
                                       .last = second,
                                       .lambda = "cg_value_epilogue",
                                       .anchor_name = id1 + "_out",
-                                      .keep = fmt::format("cg_value[i - value_base] = {}", narrowed("{}")),
+                                      .keep = fmt::format("cg_value[i - value_base] = {}", narrow_to(vt, "{}")),
                                       .kept_buffer = value.bound->buffer});
       keep = fmt::format("cg_value_epilogue((cg_i64)m * {} + n, {})", H, scaled_accumulator(t1));
     }
@@ -2058,7 +2060,7 @@ class Emitter {
         "        {12}, {20}, {4}, tile.y, cg_column, ({21}*)cg_smem);\n",
         c_type(vt), value_at, buffer_name(value.bound->buffer), tile, H, norm_code, id1, (H + tile - 1) / tile,
         tile_function, element_a, element_b1, keep, M, K, t1_type, id2, (N + tile - 1) / tile,
-        widened(kept("k")), element_b2, store_out, N, t2_type,
+        widen_from(vt, kept("k")), element_b2, store_out, N, t2_type,
         (first_epilogue ? fmt::format("  const cg_i64 value_base = (cg_i64)tile.y * {} * {};\n", tile, H) : std::string()) +
             first_tail.code + second_tail.code);
     prologue_task_ = -1;
@@ -2128,19 +2130,17 @@ class Emitter {
     reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
     const int64_t value_at = reserve_shared(
         ek, fmt::format("a {} x {} tile of {} ({})", tile, tile, buffer_name(value), to_string(vt)), tile * tile * dtype_bytes(vt));
-    auto narrowed = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_narrow<{}>({})", c_type(vt), v) : v; };
-    auto widened = [&](const std::string& v) { return is_16bit(vt) ? fmt::format("cg_widen({})", v) : v; };
 
     // The epilogue ends in shared memory (and stores what is read elsewhere).
     Epilogue tail;
-    std::string keep = fmt::format("cg_value[(m - cg_row0) * {} + n - cg_col0] = {}", tile, narrowed(scaled_accumulator(t)));
+    std::string keep = fmt::format("cg_value[(m - cg_row0) * {} + n - cg_col0] = {}", tile, narrow_to(vt, scaled_accumulator(t)));
     if (first > 1 || !contains(k.internal_buffers, out.bound->buffer)) {
       tail = epilogue(k, out,
                       {.first = 1,
                        .last = first,
                        .anchor_name = id + "_out",
                        .keep = fmt::format("cg_value[(i / {0} - cg_row0) * {1} + i % {0} - cg_col0] = {2}", N, tile,
-                                           narrowed("{}")),
+                                           narrow_to(vt, "{}")),
                        .kept_buffer = value});
       keep = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled_accumulator(t));
     }
@@ -2170,7 +2170,7 @@ class Emitter {
       const Param& rout = param(rps, "out");
       const int64_t outputs = weight_gradient ? rout.buffer->shape.front() : 1;
       const int64_t per_thread = row_reduction_registers(outputs, a.buffer->dtype);
-      std::string term = widened(fmt::format("cg_value[r * {} + c]", tile));
+      std::string term = widen_from(vt, fmt::format("cg_value[r * {} + c]", tile));
       if (weight_gradient) {
         // x's rows of the tile, staged: a warp's threads read one of them at once.
         const Param& x = param(rps, "a");

@@ -619,11 +619,11 @@ class Fuser {
                          kMaxReductionOutputsPerThread);
     // Shared memory: the operand tiles, a tile of the value, and each weight
     // gradient's rows of x for the tile (the emitter's regions, 16-byte aligned).
-    auto region = [](int64_t bytes) { return (bytes + 15) / 16 * 16; };
-    int64_t bytes = region(matmul_operand_tile_bytes(a_type)) + region(tile * tile * dtype_bytes(info.dtype));
+    int64_t bytes = shared_region_bytes(matmul_operand_tile_bytes(a_type)) +
+                    shared_region_bytes(tile * tile * dtype_bytes(info.dtype));
     for (int t : producer.tasks)
-      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") bytes += region(tile * row_reduction_outputs(t) * 4);
-    if (p_.tasks[size_t(r)].op->name == "matmul") bytes += region(tile * row_reduction_outputs(r) * 4);
+      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") bytes += shared_region_bytes(tile * row_reduction_outputs(t) * 4);
+    if (p_.tasks[size_t(r)].op->name == "matmul") bytes += shared_region_bytes(tile * row_reduction_outputs(r) * 4);
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the operand tiles, a tile of '{}' and the rows the weight gradients read take {} bytes of "
                          "shared memory, more than {}",

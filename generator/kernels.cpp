@@ -80,7 +80,7 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
 
 int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
                                          const std::vector<int64_t>& source_floats, int64_t weight_floats) {
-  auto region = [](int64_t floats) { return (floats * 4 + 15) / 16 * 16; };
+  auto region = [](int64_t floats) { return shared_region_bytes(floats * 4); };
   const int64_t per_block = attention_rows_per_block(Tq, D, Tk);
   int64_t bytes = region(per_block * (D + Tk)) + region(Tk * (D + Dv)) + (q_computed ? region(Tq * D) : 0);
   for (int64_t floats : source_floats) bytes += region(floats);

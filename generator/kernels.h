@@ -101,6 +101,11 @@ inline int64_t matmul_operand_tile_bytes(DType a) {
   return matmul_tile_rows(a) == 64 ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
 }
 
+// A shared-memory region's bytes up to the 16-byte boundary the next one
+// starts at (emit.cpp aligns every region so, for vector loads and the
+// tensor-core tiles).
+inline int64_t shared_region_bytes(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
 // The shared memory every device gives a kernel without opting in: the
 // emitter's variants are chosen to fit it.
 inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
