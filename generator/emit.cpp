@@ -1066,7 +1066,7 @@ class Emitter {
       const Shape& so = param(ps, "out").buffer->shape;
       const Shape& sa = a.buffer->shape;
       const int64_t M = so[so.size() - 2];
-      const int tile = ek.block == 128 ? 64 : 32;  // as matmul() chose
+      const int tile = int(matmul_tile_rows(a.buffer->dtype));  // as matmul() chose
       const bool a_per_batch = Shape(sa.begin(), sa.end() - 2) == Shape(so.begin(), so.end() - 2);
       if (arg_bool(t, "trans_a") || !a_per_batch || (ek.grid[2] > 1 && M % tile != 0)) return;
       ek.rows = numel(so) / so.back();  // batches x M, flattened or not
@@ -1989,7 +1989,7 @@ class Emitter {
       template_files_.insert(op.source_file);
       use_function(op, tensor_cores ? "cg_matmul_tile_mma" : op.source_function);
     }
-    ek.block = tensor_cores ? 128 : 256;
+    ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.min_blocks_per_sm = 1;  // few blocks, each two matmuls' tiles: registers before occupancy
     ek.grid[1] = int((M + tile - 1) / tile);
     reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
@@ -2265,7 +2265,7 @@ class Emitter {
     // whose TF32 would break the f32 bound (DESIGN.md §9).
     const bool tensor_cores = is_16bit(a.buffer->dtype);
     const int tile = int(matmul_tile_rows(a.buffer->dtype));
-    ek.block = tensor_cores ? 128 : 256;
+    ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.grid[0] = int((N + tile - 1) / tile);
     ek.grid[1] = int((M + tile - 1) / tile);
     ek.grid[2] = int(batches);
