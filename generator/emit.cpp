@@ -69,9 +69,6 @@ struct LaunchParam {
   bool written = false;
 };
 
-// Reserves `bytes` of kernel `ek`'s shared memory for `what`, after every
-// region reserved before (16-byte aligned, as vector loads and the
-// tensor-core tiles need): returns its offset.
 // The floats of a shared-memory region at byte `offset`, as kernel code.
 std::string shared_floats(int64_t offset) {
   return offset == 0 ? "(float*)cg_smem" : fmt::format("(float*)(cg_smem + {})", offset);
@@ -79,6 +76,9 @@ std::string shared_floats(int64_t offset) {
 
 int64_t next_shared_offset(const EmittedKernel& ek) { return shared_region_bytes(ek.smem_bytes); }
 
+// Reserves `bytes` of kernel `ek`'s shared memory for `what`, after every
+// region reserved before (16-byte aligned, as vector loads and the
+// tensor-core tiles need): returns its offset.
 int64_t reserve_shared(EmittedKernel& ek, std::string what, int64_t bytes) {
   const int64_t offset = next_shared_offset(ek);
   ek.smem_regions.push_back(SharedRegion{std::move(what), offset, bytes});
@@ -142,6 +142,7 @@ class Emitter {
                      : k.rule == "attention"       ? attention(k, out.tile_kernels)
                      : k.rule == "matmul_chain"    ? matmul_chain(k, out.tile_kernels)
                      : k.rule == "row_reduction"   ? row_reduction(k, out.tile_kernels)
+                     : k.rule == "attention_backward" ? attention_backward(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -263,6 +264,16 @@ class Emitter {
 
   void fail(int task, const std::string& slot, const std::string& message, const std::string& hint = {}) {
     diags_.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
+  }
+
+  // A fused kernel's shared memory as the fusion pass bounded it
+  // (kernels.h): the regions the skeleton reserved must add up to it.
+  void check_shared_bytes(const KernelGroup& k, const EmittedKernel& ek, int64_t bounded) {
+    if (shared_region_bytes(ek.smem_bytes) != bounded)
+      fail(k.tasks[0], "",
+           fmt::format("kernel {} reserves {} bytes of shared memory where the fusion pass counted {}", k.name,
+                       ek.smem_bytes, bounded),
+           "an internal error of cudagen: please report it with the graph; --no-fuse-rule " + k.rule + " avoids it");
   }
 
   std::string buffer_name(int buffer) const { return cudagen::buffer_name(p_, buffer); }
@@ -825,6 +836,195 @@ class Emitter {
     launch.insert(launch.end(), projected.params.begin(), projected.params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail.code + body);
+    record_launch(ek, std::move(launch));
+    emitted.push_back(ek);
+    return code;
+  }
+
+  // Rule attention_backward (fuse.h): an attention's gradient tasks
+  // (kernels.h, AttentionGradient) in one kernel, a block per head. The
+  // block stages its head's keys and values, then takes its query rows 8 at
+  // a time: their q, dcontext and probabilities in shared memory, one warp
+  // per row computes dp, ds (rounded as the unfused kernels would store
+  // them, and kept in shared memory) and the row of dq
+  // (cg_attention_backward_row); then each thread adds the tile's rows, in
+  // order, into its elements of dk and dv, held in registers and stored at
+  // the end. Each gradient's epilogue (its head merge) runs where it is
+  // stored.
+  std::string attention_backward(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const AttentionGradient g = attention_gradient(p_, k);
+    const int tdp = k.tasks[g.dp], tds = k.tasks[g.ds];
+    const std::vector<Param> dp_ps = params(tdp), ds_ps = params(tds);
+    if (!diags_.ok()) return {};
+    const Param& dout = param(dp_ps, "a");
+    const Param& v = param(dp_ps, "b");
+    const Param& probs = param(ds_ps, "out");
+    const DType dp_type = param(dp_ps, "out").buffer->dtype, ds_type = param(ds_ps, "dx").buffer->dtype;
+    const Shape& sp = probs.buffer->shape;
+    const int64_t Tq = sp[sp.size() - 2], Tk = sp.back(), heads = numel(sp) / (Tq * Tk), Dv = v.buffer->shape.back();
+    const int64_t R = kAttentionBackwardRows;
+    for (const Param* x : {&dout, &v, &probs})
+      if (!check_f32_accumulation(x == &probs ? tds : tdp, *x)) return {};
+    for (int t : kernel_tasks(k)) template_files_.insert(p_.tasks[size_t(t)].op->source_file);
+    use_function(*p_.tasks[size_t(tds)].op, "cg_attention_backward_row");
+    EmittedKernel ek = emitted_kernel(k);
+    ek.block = int(kAttentionBackwardThreads);
+    ek.grid[0] = int(heads);
+    ek.min_blocks_per_sm = 1;  // a block per head, every query row of it: registers before occupancy
+
+    std::vector<LaunchParam> launch;
+    auto add = [&](const std::string& name, const Param& x) {
+      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                   x.bound->buffer, nullptr, x.written});
+    };
+    // A gradient dq, dk or dv: its matmul's operand (k, q; none for dv) and
+    // how its element `index` is stored (through its epilogue, or not at
+    // all where only the kernel reads it).
+    struct Gradient {
+      bool present = false;
+      int64_t width = 0;     // D or Dv: its rows' length
+      std::string operand;   // k's or q's parameter
+      DType operand_type = DType::f32;
+      std::string alpha;     // its matmul's, as a literal
+      std::string lambda;    // its epilogue's lambda, or empty
+      std::string param;     // its output's parameter where stored directly, or empty
+      DType type = DType::f32;
+    };
+    std::string epilogues;
+    auto gradient = [&](size_t at, const std::string& role) {
+      Gradient gr;
+      if (at == AttentionGradient::none) return gr;
+      const int t = k.tasks[at];
+      const std::string& id = p_.tasks[size_t(t)].task->id;
+      const std::vector<Param> ps = params(t);
+      if (!diags_.ok()) return gr;
+      const Param& out = param(ps, "out");
+      gr.present = true;
+      gr.width = out.buffer->shape.back();
+      gr.type = out.buffer->dtype;
+      gr.alpha = float_arg(t, "alpha", 1.0);
+      if (role != "dv") {
+        const Param& b = param(ps, "b");
+        if (!check_f32_accumulation(t, b)) return gr;
+        gr.operand = role == "dq" ? "k" : "q";
+        gr.operand_type = b.buffer->dtype;
+        add(gr.operand, b);
+      }
+      const bool stored = !contains(k.internal_buffers, out.bound->buffer);
+      if (stored) add(id + "_out", out);
+      if (const size_t end = g.epilogue_end(at, k.tasks.size()); end > at + 1) {
+        gr.lambda = "cg_epilogue_" + role;
+        Epilogue e = epilogue(k, out, {.first = at + 1, .last = end, .lambda = gr.lambda, .anchor_name = id + "_out"});
+        epilogues += e.code;
+        launch.insert(launch.end(), e.params.begin(), e.params.end());
+      } else if (stored) {
+        gr.param = id + "_out";
+      }
+      return gr;
+    };
+    add("dcontext", dout);
+    add("v", v);
+    add("probs", probs);
+    const Gradient dq = gradient(g.dq, "dq"), dk = gradient(g.dk, "dk"), dv = gradient(g.dv, "dv");
+    if (!diags_.ok()) return {};
+    const int64_t D = dq.present ? dq.width : dk.width;
+    auto store = [&](const Gradient& gr, const std::string& index, const std::string& acc) {
+      const std::string value = gr.alpha == float_literal(1.0) ? acc : gr.alpha + " * " + acc;
+      if (!gr.lambda.empty()) return fmt::format("{}({}, {})", gr.lambda, index, value);
+      if (!gr.param.empty()) return store_element(gr.param, gr.type, index, value);
+      // Internal without an epilogue: no reader at all (fuse.cpp merges only gradients something reads).
+      fail(k.tasks[0], "", fmt::format("kernel {} computes a gradient nothing reads", k.name),
+           "an internal error of cudagen: please report it with the graph; --no-fuse-rule attention_backward avoids it");
+      return std::string();
+    };
+    auto rounded = [](DType d) {
+      return is_16bit(d) ? fmt::format("cg_widen(cg_narrow<{}>(x))", c_type(d)) : std::string("x");
+    };
+
+    // Shared memory, as attention_backward_shared_bytes counts it.
+    const int64_t keys_at = dq.present ? reserve_shared(ek, fmt::format("the head's keys ({} x {} floats)", Tk, D), Tk * D * 4) : -1;
+    const int64_t values_at = reserve_shared(ek, fmt::format("the head's values ({} x {} floats)", Tk, Dv), Tk * Dv * 4);
+    const int64_t q_at =
+        dk.present ? reserve_shared(ek, fmt::format("q's tile of {} query rows ({} x {} floats)", R, R, D), R * D * 4) : -1;
+    const int64_t dout_at = reserve_shared(
+        ek, fmt::format("{}'s tile of query rows ({} x {} floats)", buffer_name(dout.bound->buffer), R, Dv), R * Dv * 4);
+    const int64_t probs_at = reserve_shared(
+        ek, fmt::format("{}'s tile of query rows ({} x {} floats)", buffer_name(probs.bound->buffer), R, Tk), R * Tk * 4);
+    const int64_t ds_at = reserve_shared(ek, fmt::format("ds of the tile's rows ({} x {} floats)", R, Tk), R * Tk * 4);
+    check_shared_bytes(k, ek, attention_backward_shared_bytes(Tk, D, Dv, dq.present, dk.present));
+    if (!diags_.ok()) return {};
+
+    const std::string dp_id = p_.tasks[size_t(tdp)].task->id, ds_id = p_.tasks[size_t(tds)].task->id;
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const cg_i64 cg_head = tile.x;  // the block's head: its index over the leading axes of {0}\n"
+        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row of a tile\n",
+        buffer_name(probs.bound->buffer));
+    if (dq.present) body += fmt::format("  float* cg_keys = {};\n", shared_floats(keys_at));
+    body += fmt::format("  float* cg_values = {};\n", shared_floats(values_at));
+    if (dk.present) body += fmt::format("  float* cg_q = {};\n", shared_floats(q_at));
+    body += fmt::format("  float* cg_dout = {};\n  float* cg_probs = {};\n  float* cg_ds = {};\n", shared_floats(dout_at),
+                        shared_floats(probs_at), shared_floats(ds_at));
+    // Each thread's elements o of a [Tk, width] gradient: row j = o / width, column c = o % width.
+    auto each_element = [&](const std::string& indent, int64_t width, const std::string& statement) {
+      const int64_t per_thread = (Tk * width + kAttentionBackwardThreads - 1) / kAttentionBackwardThreads;
+      return fmt::format(
+          "{0}for (int cg_k = 0; cg_k < {1}; ++cg_k) {{\n"
+          "{0}  const int o = threadIdx.x + cg_k * blockDim.x, j = o / {2}, c = o % {2};\n"
+          "{0}  if (o < {3}) {4}\n"
+          "{0}}}\n",
+          indent, per_thread, width, Tk * width, statement);
+    };
+    for (const auto& [gr, name] : {std::pair{&dk, "dk"}, std::pair{&dv, "dv"}})
+      if (gr->present)
+        body += fmt::format("  float cg_acc_{}[{}] = {{}};  // {} of the head's [{}, {}], this thread's elements\n", name,
+                            (Tk * gr->width + kAttentionBackwardThreads - 1) / kAttentionBackwardThreads,
+                            buffer_name(p_.tasks[size_t(k.tasks[name == std::string("dk") ? g.dk : g.dv])].find_tensor("out")->buffer),
+                            Tk, gr->width);
+    body += epilogues;
+    auto stage = [&](const std::string& to, const std::string& name, DType type, const std::string& count,
+                     const std::string& first, const std::string& indent = "  ") {
+      return fmt::format("{}for (int e = threadIdx.x; e < {}; e += blockDim.x) {}[e] = {};\n", indent, count, to,
+                         load_element(name, type, first + " + e"));
+    };
+    body += "  // The head's keys and values.\n";
+    if (dq.present) body += stage("cg_keys", dq.operand, dq.operand_type, std::to_string(Tk * D), fmt::format("cg_head * {}", Tk * D));
+    body += stage("cg_values", "v", v.buffer->dtype, std::to_string(Tk * Dv), fmt::format("cg_head * {}", Tk * Dv));
+    body += fmt::format(
+        "  for (int cg_row0 = 0; cg_row0 < {0}; cg_row0 += {1}) {{\n"
+        "    const int cg_rows = {0} - cg_row0 < {1} ? {0} - cg_row0 : {1};\n"
+        "    const cg_i64 cg_first = cg_head * {0} + cg_row0;  // the tile's first query row over all heads\n",
+        Tq, R);
+    if (dk.present)
+      body += stage("cg_q", dk.operand, dk.operand_type, fmt::format("cg_rows * {}", D), fmt::format("cg_first * {}", D), "    ");
+    body += stage("cg_dout", "dcontext", dout.buffer->dtype, fmt::format("cg_rows * {}", Dv), fmt::format("cg_first * {}", Dv),
+                  "    ");
+    body += stage("cg_probs", "probs", probs.buffer->dtype, fmt::format("cg_rows * {}", Tk),
+                  fmt::format("cg_first * {}", Tk), "    ");
+    body += fmt::format(
+        "    __syncthreads();  // the tile's rows (the first time, the head's keys and values)\n"
+        "    if (warp < cg_rows)\n"
+        "      cg_attention_backward_row([&](int c) {{ return cg_dout[warp * {0} + c]; }},\n"
+        "                                [&](int j) {{ return cg_probs[warp * {1} + j]; }},\n"
+        "                                [&](int j, int c) {{ return cg_values[j * {0} + c]; }},\n"
+        "                                [&](int j, int c) {{ return {2}; }},\n"
+        "                                [&](float x) {{ return {3}; }},  // dp, as {4} stores it\n"
+        "                                [&](float x) {{ return {5}; }},  // ds, as {6} stores it\n"
+        "                                [&](int c, float acc) {{ {7}; }},\n"
+        "                                {1}, {8}, {0}, {9}, {10}, cg_ds + warp * {1});\n"
+        "    __syncthreads();  // every row's ds\n",
+        Dv, Tk, dq.present ? fmt::format("cg_keys[j * {} + c]", D) : "0.0f", rounded(dp_type), dp_id, rounded(ds_type),
+        ds_id, dq.present ? store(dq, fmt::format("(cg_first + warp) * {} + c", D), "acc") : "(void)c, (void)acc",
+        dq.present ? D : 0, float_arg(tdp, "alpha", 1.0), float_arg(tds, "scale", 1.0));
+    if (dk.present)
+      body += each_element("    ", D, fmt::format("for (int r = 0; r < cg_rows; ++r) cg_acc_dk[cg_k] += cg_ds[r * {} + j] * cg_q[r * {} + c];", Tk, D));
+    if (dv.present)
+      body += each_element("    ", Dv, fmt::format("for (int r = 0; r < cg_rows; ++r) cg_acc_dv[cg_k] += cg_probs[r * {} + j] * cg_dout[r * {} + c];", Tk, Dv));
+    body += "    __syncthreads();  // the next tile overwrites the rows\n  }\n";
+    if (dk.present || dv.present) body += "  // The head's key and value gradients, summed over its query rows.\n";
+    if (dk.present) body += each_element("  ", D, store(dk, fmt::format("(cg_head * {} + j) * {} + c", Tk, D), "cg_acc_dk[cg_k]") + ";");
+    if (dv.present) body += each_element("  ", Dv, store(dv, fmt::format("(cg_head * {} + j) * {} + c", Tk, Dv), "cg_acc_dv[cg_k]") + ";");
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
@@ -2160,6 +2360,7 @@ class Emitter {
     // gradient's K), of which a block holds its tile's columns, `per_thread`
     // to a thread: output o of the block is row o / tile, column o % tile.
     std::string accumulators, stage, accumulate, stores;
+    std::vector<int64_t> x_widths;
     for (size_t i = first; i < k.tasks.size(); ++i) {
       const int r = k.tasks[i];
       const std::vector<Param> rps = params(r);
@@ -2179,6 +2380,7 @@ class Emitter {
         const int64_t x_at = reserve_shared(
             ek, fmt::format("{} rows of {} ({} x {} floats)", tile, buffer_name(x.bound->buffer), tile, outputs),
             tile * outputs * 4);
+        x_widths.push_back(outputs);
         accumulators += fmt::format("  float* cg_rows_{} = (float*)(cg_smem + {});  // {}'s rows of the tile\n", rid, x_at,
                                     buffer_name(x.bound->buffer));
         stage += fmt::format("    for (int e = threadIdx.x; e < cg_rows * {0}; e += blockDim.x) cg_rows_{1}[e] = {2};\n",
@@ -2207,6 +2409,7 @@ class Emitter {
                               weight_gradient ? fmt::format("(cg_i64)j * {} + cg_col0 + c", N) : "cg_col0 + c", total) +
                     ";");
     }
+    check_shared_bytes(k, ek, row_reduction_shared_bytes(a.buffer->dtype, vt, x_widths));
     if (!diags_.ok()) return {};
     const std::string matmul_tile = fmt::format(
         "    {}(\n"

@@ -98,6 +98,7 @@ class Fuser {
     for (auto& group : out_.kernels) find_internal(group);
     if (options_.enabled) {
       fold_prologues();
+      fuse_attention_backward();
       chain_matmuls();
       reduce_rows();
       project_into_attention();
@@ -619,11 +620,11 @@ class Fuser {
                          kMaxReductionOutputsPerThread);
     // Shared memory: the operand tiles, a tile of the value, and each weight
     // gradient's rows of x for the tile (the emitter's regions, 16-byte aligned).
-    int64_t bytes = shared_region_bytes(matmul_operand_tile_bytes(a_type)) +
-                    shared_region_bytes(tile * tile * dtype_bytes(info.dtype));
+    std::vector<int64_t> x_widths;
     for (int t : producer.tasks)
-      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") bytes += shared_region_bytes(tile * row_reduction_outputs(t) * 4);
-    if (p_.tasks[size_t(r)].op->name == "matmul") bytes += shared_region_bytes(tile * row_reduction_outputs(r) * 4);
+      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(t));
+    if (p_.tasks[size_t(r)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(r));
+    const int64_t bytes = row_reduction_shared_bytes(a_type, info.dtype, x_widths);
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the operand tiles, a tile of '{}' and the rows the weight gradients read take {} bytes of "
                          "shared memory, more than {}",
@@ -632,6 +633,184 @@ class Fuser {
   }
   static constexpr int64_t kMaxReductionRowTiles = 16;
   static constexpr int64_t kMaxReductionOutputsPerThread = 16;
+
+  // Rule attention_backward: the gradient tasks of an attention, as the
+  // derive pass writes them (kernels.h: dp = dcontext v^T, ds =
+  // softmax_backward(probs, dp), then dq = ds k, dk = ds^T q, dv = probs^T
+  // dcontext where derived), run in one kernel, a block per head (emit.cpp):
+  // dp and ds never leave it, and the block's sums over its query rows
+  // give the key and value gradients without atomics. Their kernels (each
+  // gradient's with its epilogue, such as its head merge) become one, which
+  // runs where the first of them did.
+  void fuse_attention_backward() {
+    std::vector<bool> merged(out_.kernels.size(), false);
+    for (size_t s = 0; s < out_.kernels.size(); ++s) {
+      const int ds = out_.kernels[s].tasks.front();
+      if (merged[s] || p_.tasks[size_t(ds)].op->name != "softmax_backward") continue;
+      // An attention's gradient: the softmax's dout is dcontext v^T.
+      const int dp = p_.buffers[size_t(p_.tasks[size_t(ds)].find_tensor("dout")->buffer)].owner_task;
+      if (dp < 0 || p_.tasks[size_t(dp)].op->name != "matmul" || !flag(dp, "trans_b") || flag(dp, "trans_a")) continue;
+      std::vector<size_t> members;
+      if (const std::string reason = why_not_attention_backward(s, dp, merged, members); !reason.empty()) {
+        const std::string why = fmt::format("'{}' runs in no attention_backward kernel: {}", p_.tasks[size_t(ds)].task->id, reason);
+        auto it = std::find_if(out_.notes.begin(), out_.notes.end(), [&](const FusionNote& n) { return n.task == ds; });
+        if (it == out_.notes.end())
+          out_.notes.push_back(FusionNote{ds, dp, why});
+        else
+          it->reason += "; " + why;
+        continue;
+      }
+      std::sort(members.begin(), members.end());
+      KernelGroup& host = out_.kernels[members.front()];
+      std::vector<int> tasks;
+      for (size_t m : members) {
+        const std::vector<int>& more = out_.kernels[m].tasks;
+        tasks.insert(tasks.end(), more.begin(), more.end());
+        if (m != members.front()) {
+          merged[m] = true;
+          // It joined: why it did not join the kernel before it is moot.
+          std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == more.front(); });
+        }
+      }
+      host.tasks = std::move(tasks);
+      host.rule = "attention_backward";
+      host.internal_buffers.clear();
+      find_internal(host);
+    }
+    drop_kernels(merged);
+  }
+
+  // Why softmax_backward kernel `s`, whose dout matmul `dp` computes, and
+  // the kernels of the other gradients of its attention cannot be one
+  // kernel (empty when they can; `members` then holds their kernels).
+  std::string why_not_attention_backward(size_t s, int dp, const std::vector<bool>& merged,
+                                         std::vector<size_t>& members) const {
+    if (!rule_on("attention_backward")) return "rule attention_backward is off (--no-fuse-rule)";
+    const int ds = out_.kernels[s].tasks.front();
+    const BoundTask& softmax = p_.tasks[size_t(ds)];
+    const Phase phase = softmax.task->phase;
+    const int probs = softmax.find_tensor("out")->buffer, dp_value = softmax.find_tensor("dout")->buffer;
+    const int ds_value = softmax.find_tensor("dx")->buffer;
+    if (out_.kernels[s].tasks.size() > 1) return fmt::format("'{}' runs an epilogue", softmax.task->id);
+    // dp and ds live in the kernel: read by nothing else.
+    for (int value : {dp_value, ds_value})
+      if (p_.buffers[size_t(value)].storage != Storage::transient)
+        return fmt::format("'{}' is read after its phase or by the caller, so it is stored", buffer_name(p_, value));
+    if (readers_[size_t(dp_value)] != std::vector<int>{ds})
+      return fmt::format("'{}' is read by more than '{}'", buffer_name(p_, dp_value), softmax.task->id);
+    int dq = -1, dk = -1, dv = -1;
+    for (int r : readers_[size_t(ds_value)]) {
+      const BoundTask& reader = p_.tasks[size_t(r)];
+      int& role = flag(r, "trans_a") ? dk : dq;
+      if (reader.op->name != "matmul" || reader.find_tensor("a")->buffer != ds_value ||
+          reader.find_tensor("b")->buffer == ds_value || flag(r, "trans_b") || role >= 0)
+        return fmt::format("'{}' reads '{}' otherwise than as ds k or ds^T q", reader.task->id, buffer_name(p_, ds_value));
+      role = r;
+    }
+    if (dq < 0 && dk < 0) return fmt::format("nothing reads '{}'", buffer_name(p_, ds_value));
+    const int dout = p_.tasks[size_t(dp)].find_tensor("a")->buffer;
+    for (int r : readers_[size_t(probs)])
+      if (dv < 0 && p_.tasks[size_t(r)].task->phase == phase && p_.tasks[size_t(r)].op->name == "matmul" &&
+          flag(r, "trans_a") && !flag(r, "trans_b") && p_.tasks[size_t(r)].find_tensor("a")->buffer == probs &&
+          p_.tasks[size_t(r)].find_tensor("b")->buffer == dout)
+        dv = r;
+    // Shapes: probs [..., Tq, Tk], dcontext [..., Tq, Dv], v [..., Tk, Dv],
+    // k [..., Tk, D], q [..., Tq, D], all with the same leading axes.
+    const Shape& sp = p_.buffers[size_t(probs)].shape;
+    if (sp.size() < 2) return fmt::format("'{}' is not a batch of matrices", buffer_name(p_, probs));
+    const int64_t Tq = sp[sp.size() - 2], Tk = sp.back();
+    const Shape lead(sp.begin(), sp.end() - 2);
+    auto fits = [&](int b, int64_t rows) {
+      const Shape& x = p_.buffers[size_t(b)].shape;
+      return x.size() == sp.size() && std::equal(lead.begin(), lead.end(), x.begin()) && x[x.size() - 2] == rows;
+    };
+    const int v = p_.tasks[size_t(dp)].find_tensor("b")->buffer;
+    if (!fits(dout, Tq) || !fits(v, Tk) || p_.buffers[size_t(v)].shape.back() != p_.buffers[size_t(dout)].shape.back())
+      return fmt::format("'{}' is not the gradient of a matmul of '{}' by values of its keys' rows",
+                         p_.tasks[size_t(dp)].task->id, buffer_name(p_, probs));
+    int64_t D = 0;
+    for (int r : {dq, dk}) {
+      if (r < 0) continue;
+      const int operand = p_.tasks[size_t(r)].find_tensor("b")->buffer;
+      if (!fits(operand, r == dq ? Tk : Tq) || (D > 0 && p_.buffers[size_t(operand)].shape.back() != D))
+        return fmt::format("'{}' multiplies '{}' by '{}', not the keys or queries of its rows", p_.tasks[size_t(r)].task->id,
+                           buffer_name(p_, ds_value), buffer_name(p_, operand));
+      D = p_.buffers[size_t(operand)].shape.back();
+    }
+    const int64_t Dv = p_.buffers[size_t(v)].shape.back();
+    // The kernels: each gradient first in its own, a matmul's followed by its epilogue at most.
+    std::vector<int> anchors = {dp, ds};
+    for (int r : {dq, dk, dv})
+      if (r >= 0) anchors.push_back(r);
+    for (int t : anchors) {
+      const size_t at = kernel_of(t, 0);
+      const KernelGroup& kernel = out_.kernels[at];
+      const std::string& id = p_.tasks[size_t(t)].task->id;
+      if (p_.tasks[size_t(t)].task->phase != phase) return fmt::format("'{}' runs in another phase", id);
+      if (merged[at] || kernel.tasks.front() != t) return fmt::format("'{}' is not the first task of its kernel", id);
+      if (!kernel.prologue.empty()) return fmt::format("'{}' computes a prologue", id);
+      if ((kernel.tasks.size() > 1 && kernel.rule != "matmul_epilogue") || (t == dp && kernel.tasks.size() > 1))
+        return fmt::format("'{}' is followed by more than an epilogue on its gradient", id);
+      if (!constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
+      members.push_back(at);
+    }
+    // Within the kernel, values flow from dp to ds and from ds to dq and dk
+    // only: an epilogue that reads another gradient (q and k one tensor: the
+    // derive pass adds dq and dk), or an operand another gradient computes,
+    // would read it before it exists.
+    for (size_t m : members) {
+      const std::vector<int> written = written_buffers(out_.kernels[m].tasks);
+      for (size_t other : members) {
+        if (other == m) continue;
+        for (int t : out_.kernels[other].tasks)
+          for (const auto& in : p_.tasks[size_t(t)].tensors) {
+            if (in.buffer < 0 || in.sig == nullptr || in.sig->written()) continue;
+            const bool flows = (t == ds && in.buffer == dp_value) || ((t == dq || t == dk) && in.buffer == ds_value);
+            for (int w : written)
+              if (!flows && storage_of(w) == storage_of(in.buffer))
+                return fmt::format("'{}' reads '{}', which the kernel would compute for another gradient",
+                                   p_.tasks[size_t(t)].task->id, buffer_name(p_, in.buffer));
+          }
+      }
+    }
+    // A block walks its head's query rows: bounded, as the row tiles of the
+    // unfused matmuls ran in parallel.
+    const int64_t row_tiles = (Tq + kAttentionBackwardRows - 1) / kAttentionBackwardRows;
+    if (row_tiles > kMaxAttentionBackwardRowTiles)
+      return fmt::format("each block would walk {} tiles of {} query rows one after another (at most {})", row_tiles,
+                         kAttentionBackwardRows, kMaxAttentionBackwardRowTiles);
+    // A block holds its head's gradients of the keys and values in registers, and its rows in shared memory.
+    const int64_t registers = attention_backward_registers(Tk, D, Dv, dk >= 0, dv >= 0);
+    if (registers > kMaxAttentionBackwardRegisters)
+      return fmt::format("each thread would accumulate {} elements of the key and value gradients (at most {})", registers,
+                         kMaxAttentionBackwardRegisters);
+    const int64_t bytes = attention_backward_shared_bytes(Tk, D, Dv, dq >= 0, dk >= 0);
+    if (bytes > kSharedBytesWithoutOptIn)
+      return fmt::format("the head's keys and values and a tile of {} query rows take {} bytes of shared memory, more "
+                         "than {}",
+                         kAttentionBackwardRows, bytes, kSharedBytesWithoutOptIn);
+    // The kernel runs where the first of them did: nothing between may
+    // write what a later one reads, nor touch what it writes.
+    const size_t first = *std::min_element(members.begin(), members.end());
+    for (size_t m : members) {
+      const Access moved = access_of(out_.kernels[m]);
+      for (size_t j = first + 1; j < m; ++j) {
+        if (std::find(members.begin(), members.end(), j) != members.end()) continue;
+        const Access between = access_of(out_.kernels[j]);
+        const std::string& id = p_.tasks[size_t(out_.kernels[m].tasks.front())].task->id;
+        const std::string& other = p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id;
+        for (int b : moved.reads)
+          if (contains(between.writes, b))
+            return fmt::format("'{}' reads '{}', which '{}' writes before it", id, buffer_name(p_, b), other);
+        for (int b : moved.writes)
+          if (contains(between.writes, b) || contains(between.reads, b))
+            return fmt::format("'{}' writes '{}', which '{}' uses before it", id, buffer_name(p_, b), other);
+      }
+    }
+    return {};
+  }
+  static constexpr int64_t kMaxAttentionBackwardRegisters = 32;
+  static constexpr int64_t kMaxAttentionBackwardRowTiles = 16;
 
   // Rule attention_projection: the kernel of a projection whose heads only
   // an attention kernel reads (a matmul, its norm prologue and epilogue,
@@ -818,6 +997,8 @@ class Fuser {
           return fmt::format("'{}' reads '{}' before '{}' would run", p_.tasks[size_t(reader)].task->id,
                              buffer_name(p_, stored), id2);
     if (second.rule == "attention") return fmt::format("'{}' starts an attention kernel", id2);
+    if (!second.rule.empty() && second.rule != "matmul_epilogue")
+      return fmt::format("'{}' starts a kernel of rule {}", id2, second.rule);
     if (!second.prologue.empty()) return fmt::format("'{}' already computes a prologue", id2);
     for (int t : {t1, t2}) {
       if (const std::string why = why_not_rows_matmul(t); !why.empty()) return why;

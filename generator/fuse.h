@@ -48,6 +48,13 @@
 //                      each block its head's keys and values and its own
 //                      query rows, from its batch's input rows staged in
 //                      shared memory; stored as well where read later.
+//   attention_backward the gradient tasks of an attention (dp = dcontext
+//                      v^T, its softmax_backward ds, and dq = ds k, dk =
+//                      ds^T q, dv = probs^T dcontext, each matmul with its
+//                      epilogue and head merge): one kernel, a block per
+//                      head, one warp per query row for dp, ds and dq, the
+//                      block's threads summing dk and dv over the query rows
+//                      in registers; dp and ds never reach memory.
 //   permuted_store     a gather that only moves elements (split_heads,
 //                      merge_heads) after a matmul or a row op, or their
 //                      epilogue: each element is stored where the gather
@@ -75,8 +82,8 @@ namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {
     "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "matmul_chain",      "row_reduction",   "attention",            "attention_projection", "permuted_store",
-    "horizontal"};
+    "matmul_chain",      "row_reduction",   "attention",            "attention_projection", "attention_backward",
+    "permuted_store",    "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

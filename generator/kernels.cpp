@@ -1,6 +1,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <variant>
 
 namespace cudagen {
 
@@ -40,6 +41,12 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
   if (!k.prologue.empty()) rules.push_back(norm_prologue(program, k) ? "norm_prologue" : "elementwise_prologue");
   if (attention_scores(program, k) > 0) rules.push_back("attention_projection");
   if (first_row_reduction(program, k) > 1) rules.push_back("matmul_epilogue");
+  if (const AttentionGradient g = attention_gradient(program, k); g.ds != AttentionGradient::none)
+    for (size_t i : {g.dq, g.dk, g.dv})
+      if (i != AttentionGradient::none && g.epilogue_end(i, k.tasks.size()) > i + 1) {
+        rules.push_back("matmul_epilogue");  // (its head merge alone too, as for a matmul's own kernel)
+        break;
+      }
   if (!k.rule.empty()) rules.push_back(k.rule);
   return rules;
 }
@@ -70,6 +77,49 @@ size_t attention_scores(const Program& program, const KernelGroup& k) {
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->name == "softmax") return i - 1;
   return 0;
+}
+
+int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64_t>& x_widths) {
+  const int64_t tile = matmul_tile_rows(a);
+  int64_t bytes = shared_region_bytes(matmul_operand_tile_bytes(a)) + shared_region_bytes(tile * tile * dtype_bytes(value));
+  for (int64_t k : x_widths) bytes += shared_region_bytes(tile * k * 4);
+  return bytes;
+}
+
+AttentionGradient attention_gradient(const Program& program, const KernelGroup& k) {
+  AttentionGradient g;
+  if (k.rule != "attention_backward") return g;
+  auto task = [&](size_t i) -> const BoundTask& { return program.tasks[size_t(k.tasks[i])]; };
+  auto buffer = [&](size_t i, const char* slot) { return task(i).find_tensor(slot)->buffer; };
+  auto flag = [&](size_t i, const char* arg) {
+    const BoundArg* a = root_arg(program, k.tasks[i], arg).second;
+    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
+  };
+  for (size_t i = 0; i < k.tasks.size() && g.ds == AttentionGradient::none; ++i)
+    if (task(i).op->name == "softmax_backward") g.ds = i;
+  if (g.ds == AttentionGradient::none) return g;
+  const int probs = buffer(g.ds, "out"), dp = buffer(g.ds, "dout"), ds = buffer(g.ds, "dx");
+  for (size_t i = 0; i < k.tasks.size(); ++i) {
+    if (task(i).op->name != "matmul") continue;
+    if (buffer(i, "out") == dp) g.dp = i;
+    else if (buffer(i, "a") == ds) (flag(i, "trans_a") ? g.dk : g.dq) = i;
+    else if (buffer(i, "a") == probs && flag(i, "trans_a")) g.dv = i;
+  }
+  return g;
+}
+
+size_t AttentionGradient::epilogue_end(size_t i, size_t tasks) const {
+  size_t end = tasks;
+  for (size_t anchor : {dp, ds, dq, dk, dv})
+    if (anchor != none && anchor > i) end = std::min(end, anchor);
+  return end;
+}
+
+int64_t attention_backward_shared_bytes(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk) {
+  auto region = [](int64_t floats) { return shared_region_bytes(floats * 4); };
+  const int64_t rows = kAttentionBackwardRows;
+  return (dq ? region(Tk * D) : 0) + region(Tk * Dv) + (dk ? region(rows * D) : 0) + region(rows * Dv) +
+         2 * region(rows * Tk);
 }
 
 int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -110,6 +111,12 @@ inline int64_t shared_region_bytes(int64_t bytes) { return (bytes + 15) / 16 * 1
 // emitter's variants are chosen to fit it.
 inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 
+// Rule row_reduction: the shared memory of a matmul kernel that reduces its
+// value over the rows (emit.cpp reserves these regions, each from a 16-byte
+// boundary): the operand tiles, a tile of the value (in its type), and for
+// each weight gradient the tile's rows of its x (`x_widths`: their K, f32).
+int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64_t>& x_widths);
+
 // Whether matmul a @ b -> out multiplies every row of `a` by one matrix,
 // [..., M, K] @ [K, N] (`a` not transposed, `b`'s leading axes all 1): the
 // matmul skeleton then runs it as one [rows, K] @ [K, N] (emit.cpp), and a
@@ -150,6 +157,36 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 // largest).
 int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
                                          const std::vector<int64_t>& source_floats, int64_t weight_floats);
+
+// Rule attention_backward: where the gradient tasks of an attention
+// (scores = alpha q k^T, probs = softmax(scale * scores), context =
+// alpha' probs v) are in k.tasks: dp = alpha' dcontext v^T, ds =
+// softmax_backward(probs, dp), and those of them the graph derives of
+// dq = alpha ds k, dk = alpha ds^T q and dv = alpha' probs^T dcontext, each
+// matmul followed by its epilogue up to the next of them. `none` for a
+// gradient the kernel does not compute, and for a kernel of another rule.
+struct AttentionGradient {
+  static constexpr size_t none = SIZE_MAX;
+  size_t dp = none, ds = none, dq = none, dk = none, dv = none;
+  // One past the last task of the epilogue of the gradient at index `i`.
+  size_t epilogue_end(size_t i, size_t tasks) const;
+};
+AttentionGradient attention_gradient(const Program& program, const KernelGroup& k);
+
+// The attention_backward skeleton (emit.cpp): a block of 256 threads per
+// head, its 8 warps taking a tile of 8 query rows at a time, one each.
+inline constexpr int64_t kAttentionBackwardThreads = 256;
+inline constexpr int64_t kAttentionBackwardRows = 8;
+// The accumulators each thread holds: its elements of the head's key and
+// value gradients ([Tk, D] and [Tk, Dv], where computed).
+inline int64_t attention_backward_registers(int64_t Tk, int64_t D, int64_t Dv, bool dk, bool dv) {
+  auto rounds = [](int64_t outputs) { return (outputs + kAttentionBackwardThreads - 1) / kAttentionBackwardThreads; };
+  return (dk ? rounds(Tk * D) : 0) + (dv ? rounds(Tk * Dv) : 0);
+}
+// Its shared memory, region by region as emit.cpp reserves them (floats):
+// the head's keys (where dq is computed) and values, then for the tile of
+// query rows their q (where dk is computed), dcontext, probabilities and ds.
+int64_t attention_backward_shared_bytes(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk);
 
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }

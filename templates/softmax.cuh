@@ -41,6 +41,7 @@ CG_OP("softmax_backward",
       "shape: out:[...S, N] dout:[...S, N] -> dx:[...S, N]",
       "forward: softmax",
       "smem: 128",
+      "variant: cg_attention_backward_row",
       "doc: dx = scale * out * (dout - sum(dout * out))")
 CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float scale, float* scratch) {
   float dot = 0.0f;
@@ -91,6 +92,40 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
     store_out(c, acc);
   }
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
+}
+
+// The gradient of attention for one query row, run by one warp (fusion rule
+// attention_backward: the gradients of scores = alpha q k^T, probs =
+// softmax(scale * scores) and context = alpha_v * probs v in one kernel).
+// From the row's gradient of the context, dout (dv floats), its
+// probabilities p (n of them) and the head's values and keys:
+//   dp_j = alpha_v * (dout . v_j)                    the gradient of probs
+//   ds_j = scale * p_j * (dp_j - sum_k p_k dp_k)     softmax_backward
+//   dq[c] = sum_j ds_j k_j[c]                        before the scores' alpha
+// round_dp and round_ds round dp_j and ds_j as the unfused kernels store
+// them; ds (n floats of shared memory, the row's) keeps ds_j for the block's
+// key gradients; each dq[c] goes to store_dq (none where d is 0). Every lane
+// of the warp calls it.
+template <typename LoadDout, typename LoadP, typename LoadV, typename LoadK, typename RoundDp, typename RoundDs,
+          typename StoreDq>
+CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK k, RoundDp round_dp, RoundDs round_ds,
+                                         StoreDq store_dq, int n, int d, int dv, float alpha_v, float scale, float* ds) {
+  const int lane = threadIdx.x & 31;
+  float dot = 0.0f;
+  for (int j = lane; j < n; j += 32) {
+    float acc = 0.0f;
+    for (int c = 0; c < dv; ++c) acc += dout(c) * v(j, c);
+    ds[j] = round_dp(alpha_v * acc);
+    dot += p(j) * ds[j];
+  }
+  dot = cg_warp_sum(dot);
+  for (int j = lane; j < n; j += 32) ds[j] = round_ds(scale * p(j) * (ds[j] - dot));
+  __syncwarp();  // every lane's ds_j, before any lane reads them all
+  for (int c = lane; c < d; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc += ds[j] * k(j, c);
+    store_dq(c, acc);
+  }
 }
 
 // A rows x width block of a tensor copied into shared memory by every thread

@@ -332,6 +332,41 @@ TaskGraph projected_attention(DType d, bool gpt) {
   return std::move(b).graph();
 }
 
+// Rule attention_backward: the gradient tasks of softmax(scale * alpha q
+// k^T) alpha' v as the derive pass writes them, by hand, from the caller's
+// dcontext and probabilities. `which`: "all" (self-attention of 12 tokens: a
+// tile of 8 query rows, then one of 4; dq merged from its heads, dk stored
+// as it is, dv with a bias epilogue, then merged), "keys" (cross-attention,
+// 5 queries and 11 keys, values wider than the keys; no dq), "queries" (dq
+// alone: no key or value gradients).
+TaskGraph attention_gradient(DType d, const std::string& which) {
+  GraphBuilder b(fmt::format("attention_gradient_{}_{}", to_string(d), which));
+  const bool cross = which == "keys", keys = which != "queries";
+  const int64_t B = 2, H = cross ? 2 : 3, Tq = cross ? 5 : 12, Tk = cross ? 11 : 12, D = 8, Dv = cross ? 12 : 8;
+  auto dp = b.task("dp", "matmul")
+                .tensor("a", d, {B, H, Tq, Dv}, ext)
+                .tensor("b", d, {B, H, Tk, Dv}, ext)
+                .tensor("out", d, {B, H, Tq, Tk})
+                .arg("trans_b", true)
+                .arg("alpha", 0.75);
+  auto ds = b.task("ds", "softmax_backward")
+                .tensor("out", d, {B, H, Tq, Tk}, ext)
+                .tensor("dout", dp["out"])
+                .tensor("dx", d, {B, H, Tq, Tk})
+                .arg("scale", 0.35);
+  if (keys) {
+    auto dv = b.task("dv", "matmul").tensor("a", ds["out"]).tensor("b", dp["a"]).tensor("out", d, {B, H, Tk, Dv}).arg("trans_a", true).arg("alpha", 0.75);
+    auto bias = b.task("dv_bias", "add").tensor("a", dv["out"]).tensor("b", d, {Dv}, ext).tensor("out", d, {B, H, Tk, Dv});
+    b.task("dv_merged", "merge_heads").tensor("x", bias["out"]).tensor("out", d, {B, Tk, H * Dv}, ext).arg("heads", H);
+    b.task("dk", "matmul").tensor("a", ds["dx"]).tensor("b", d, {B, H, Tq, D}, ext).tensor("out", d, {B, H, Tk, D}, ext).arg("trans_a", true).arg("alpha", 0.5);
+  }
+  if (!cross) {
+    auto dq = b.task("dq", "matmul").tensor("a", ds["dx"]).tensor("b", d, {B, H, Tk, D}, ext).tensor("out", d, {B, H, Tq, D}).arg("alpha", 0.5);
+    b.task("dq_merged", "merge_heads").tensor("x", dq["out"]).tensor("out", d, {B, Tq, H * D}, ext).arg("heads", H);
+  }
+  return std::move(b).graph();
+}
+
 CompileOptions fusion(bool on) {
   CompileOptions options;
   options.fuse.enabled = on;
@@ -510,6 +545,23 @@ TEST_P(FusedChains, ProjectedAttentionMatchesTheReferenceFusedAndUnfused) {
                   std::string::npos,
               gpt);
     // The megakernel runs it too.
+    expect_megakernel_right(g);
+  }
+}
+
+TEST_P(FusedChains, AttentionGradientMatchesTheReferenceFusedAndUnfused) {
+  for (const std::string which : {"all", "keys", "queries"}) {
+    const TaskGraph g = attention_gradient(GetParam(), which);
+    const Compiled c = expect_fused_and_unfused_right(g, 1, "cg_attention_backward_row(");
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(c.kernels[0].rule, "attention_backward");
+    const std::string& src = c.emitted.cuda_source;
+    // dp and ds stay in the kernel, rounded where the unfused kernels would have stored them.
+    EXPECT_EQ(src.find("dp_out"), std::string::npos);
+    EXPECT_EQ(src.find("ds_dx"), std::string::npos);
+    EXPECT_EQ(src.find("[&](float x) { return cg_widen(cg_narrow<") != std::string::npos, GetParam() != DType::f32);
+    EXPECT_EQ(src.find("float cg_acc_dk[") != std::string::npos, which != "queries");
+    EXPECT_EQ(src.find("float* cg_keys") != std::string::npos, which != "keys") << "the keys are staged for dq only";
     expect_megakernel_right(g);
   }
 }

@@ -152,6 +152,19 @@ TEST(Toolchains, ProjectedAttentionCompilesWithNvrtcWithoutSpills) {
   }
 }
 
+namespace {
+// Every kernel of `c`, assembled for sm_90, without a stack frame or spills:
+// its accumulators in registers.
+void expect_accumulators_in_registers(const Compiled& c) {
+  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90")) {
+    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
+    EXPECT_EQ(r.stack_bytes, 0) << name << " keeps its accumulators in local memory";
+    std::printf("  ptxas sm_90: %-24s %3d registers, %d bytes spilled, %d bytes of stack\n", name.c_str(), r.registers,
+                r.spill_bytes, r.stack_bytes);
+  }
+}
+}  // namespace
+
 // Rule row_reduction at its bound: each thread accumulates 16 outputs of
 // the reductions (a sum and a weight gradient of 120 rows on the f32 tile; of
 // 30 on the tensor-core tile), which must stay in registers: no stack frame,
@@ -170,12 +183,30 @@ TEST(Toolchains, RowReductionKeepsItsAccumulatorsInRegisters) {
   Compiled c = compile(load_program(std::move(b).graph(), {}), {});
   ASSERT_EQ(c.kernels.size(), 2u);
   for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "row_reduction") << k.name;
-  for (const auto& [name, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90")) {
-    EXPECT_EQ(r.spill_bytes, 0) << name << " spills";
-    EXPECT_EQ(r.stack_bytes, 0) << name << " keeps its accumulators in local memory";
-    std::printf("  ptxas sm_90: %-24s %3d registers, %d bytes spilled, %d bytes of stack\n", name.c_str(), r.registers,
-                r.spill_bytes, r.stack_bytes);
+  expect_accumulators_in_registers(c);
+}
+
+// Rule attention_backward at its bounds: a head of 64 keys of 64, whose key
+// and value gradients each thread holds 32 elements of (16 each), and 40
+// KiB of shared memory. The accumulators must stay in registers.
+TEST(Toolchains, AttentionGradientKeepsItsAccumulatorsInRegisters) {
+  GraphBuilder b("attention_gradient");
+  const Storage ext = Storage::external;
+  for (DType d : {DType::f32, DType::bf16}) {
+    const std::string t = to_string(d);
+    const int64_t B = 1, H = 2, T = 64, D = 64;
+    auto dp = b.task("dp_" + t, "matmul").tensor("a", d, {B, H, T, D}, ext).tensor("b", d, {B, H, T, D}, ext)
+                  .tensor("out", d, {B, H, T, T}).arg("trans_b", true);
+    auto ds = b.task("ds_" + t, "softmax_backward").tensor("out", d, {B, H, T, T}, ext).tensor("dout", dp["out"])
+                  .tensor("dx", d, {B, H, T, T}).arg("scale", 0.125);
+    b.task("dv_" + t, "matmul").tensor("a", ds["out"]).tensor("b", dp["a"]).tensor("out", d, {B, H, T, D}, ext).arg("trans_a", true);
+    b.task("dq_" + t, "matmul").tensor("a", ds["dx"]).tensor("b", d, {B, H, T, D}, ext).tensor("out", d, {B, H, T, D}, ext);
+    b.task("dk_" + t, "matmul").tensor("a", ds["dx"]).tensor("b", d, {B, H, T, D}, ext).tensor("out", d, {B, H, T, D}, ext).arg("trans_a", true);
   }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.kernels.size(), 2u);
+  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "attention_backward") << k.name;
+  expect_accumulators_in_registers(c);
 }
 
 // Rule elementwise_prologue's loads (a chain computed in a matmul's operand

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 163072 bytes (lower bound 162816, without reuse 249344); the 256 bytes at 162816 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 163072 bytes (lower bound 162816, without reuse 245248); the 256 bytes at 162816 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -748,18 +748,7 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:33
-// The gradient of a row of softmax(scale * x), from its output:
-//   dx[j] = scale * out[j] * (dout[j] - sum_k dout[k] * out[k]).
-template <typename LoadOut, typename LoadDout, typename Store>
-CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float scale, float* scratch) {
-  float dot = 0.0f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) dot += out(j) * dout(j);
-  dot = cg_block_sum(dot, scratch);
-  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, scale * out(j) * (dout(j) - dot));
-}
-
-// templates/softmax.cuh:60
+// templates/softmax.cuh:61
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -804,7 +793,42 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:99
+// templates/softmax.cuh:109
+// The gradient of attention for one query row, run by one warp (fusion rule
+// attention_backward: the gradients of scores = alpha q k^T, probs =
+// softmax(scale * scores) and context = alpha_v * probs v in one kernel).
+// From the row's gradient of the context, dout (dv floats), its
+// probabilities p (n of them) and the head's values and keys:
+//   dp_j = alpha_v * (dout . v_j)                    the gradient of probs
+//   ds_j = scale * p_j * (dp_j - sum_k p_k dp_k)     softmax_backward
+//   dq[c] = sum_j ds_j k_j[c]                        before the scores' alpha
+// round_dp and round_ds round dp_j and ds_j as the unfused kernels store
+// them; ds (n floats of shared memory, the row's) keeps ds_j for the block's
+// key gradients; each dq[c] goes to store_dq (none where d is 0). Every lane
+// of the warp calls it.
+template <typename LoadDout, typename LoadP, typename LoadV, typename LoadK, typename RoundDp, typename RoundDs,
+          typename StoreDq>
+CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK k, RoundDp round_dp, RoundDs round_ds,
+                                         StoreDq store_dq, int n, int d, int dv, float alpha_v, float scale, float* ds) {
+  const int lane = threadIdx.x & 31;
+  float dot = 0.0f;
+  for (int j = lane; j < n; j += 32) {
+    float acc = 0.0f;
+    for (int c = 0; c < dv; ++c) acc += dout(c) * v(j, c);
+    ds[j] = round_dp(alpha_v * acc);
+    dot += p(j) * ds[j];
+  }
+  dot = cg_warp_sum(dot);
+  for (int j = lane; j < n; j += 32) ds[j] = round_ds(scale * p(j) * (ds[j] - dot));
+  __syncwarp();  // every lane's ds_j, before any lane reads them all
+  for (int c = lane; c < d; c += 32) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc += ds[j] * k(j, c);
+    store_dq(c, acc);
+  }
+}
+
+// templates/softmax.cuh:134
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
@@ -1669,108 +1693,91 @@ CG_DEVICE void k48_attn_out_grad_b_tile(const float* a, const float* b, float* o
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k49_context_grad_a (backward phase): task context_grad_a (matmul, matmul).
-//   reads  context_grad_a.a f32 [2, 4, 8, 8] <- merged_grad_x.out, context_grad_a.b f32 [2, 4, 8, 8] <- v_heads.out
-//   writes context_grad_a.out f32 [2, 4, 8, 8]
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k49_context_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+// Kernel k49_context_grad_a (backward phase): tasks context_grad_a (matmul), context_grad_b (matmul), v_heads_grad_x (merge_heads), probs_backward (softmax_backward), scores_grad_a (matmul), q_heads_grad_x (merge_heads), scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue, attention_backward).
+//   reads  merged_grad_x.out f32 [2, 4, 8, 8], v_heads.out f32 [2, 4, 8, 8], probs.out f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
+//   writes q_heads_grad_x.out f32 [2, 8, 32], k_heads_grad_x.out f32 [2, 8, 32], v_heads_grad_x.out f32 [2, 8, 32]
+//   in registers context_grad_a.out, context_grad_b.out, probs_backward.dx, scores_grad_a.out, scores_grad_b.out
+//   10240 bytes read, 6144 bytes written; grid [8, 1, 1], block 256, 1536 bytes of shared memory:
+//     [0, 256) the head's keys (8 x 8 floats)
+//     [256, 512) the head's values (8 x 8 floats)
+//     [512, 768) q's tile of 8 query rows (8 x 8 floats)
+//     [768, 1024) merged_grad_x.out's tile of query rows (8 x 8 floats)
+//     [1024, 1280) probs.out's tile of query rows (8 x 8 floats)
+//     [1280, 1536) ds of the tile's rows (8 x 8 floats)
+CG_DEVICE void k49_context_grad_a_tile(const float* dcontext, const float* v, const float* probs, const float* k, float* q_heads_grad_x_out, const float* q, float* k_heads_grad_x_out, float* v_heads_grad_x_out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 8 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 8 + k); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k50_context_grad_b (backward phase): tasks context_grad_b (matmul), v_heads_grad_x (merge_heads), fused (matmul_epilogue).
-//   reads  probs.out f32 [2, 4, 8, 8], merged_grad_x.out f32 [2, 4, 8, 8]
-//   writes v_heads_grad_x.out f32 [2, 8, 32]
-//   in registers context_grad_b.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k50_context_grad_b_tile(const float* a, const float* b, float* v_heads_grad_x_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 8 + m); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 8 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k51_probs_backward (backward phase): task probs_backward (softmax_backward, reduction).
-//   reads  probs_backward.out f32 [2, 4, 8, 8] <- probs.out, probs_backward.dout f32 [2, 4, 8, 8] <- context_grad_a.out
-//   writes probs_backward.dx f32 [2, 4, 8, 8]
-//   4096 bytes read, 2048 bytes written; grid [64, 1, 1], block 32, 128 bytes of shared memory:
-//     [0, 128) block reduction scratch (32 floats)
-CG_DEVICE void k51_probs_backward_tile(const float* out, const float* dout, float* dx, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 row = tile.x;
-  cg_softmax_backward_row([&](int j) { return cg_load(out, row * 8 + j); },
-      [&](int j) { return cg_load(dout, row * 8 + j); },
-      [&](int j, float v) { cg_store(dx, row * 8 + j, v); },
-      8, 0.3535533845424652f, (float*)cg_smem);
-}
-CG_KERNEL void __launch_bounds__(32) k51_probs_backward(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ dx) {
-  k51_probs_backward_tile(out, dout, dx, cg_launch_tile());
-}
-
-// Kernel k52_scores_grad_a (backward phase): tasks scores_grad_a (matmul), q_heads_grad_x (merge_heads), fused (matmul_epilogue).
-//   reads  probs_backward.dx f32 [2, 4, 8, 8], k_heads.out f32 [2, 4, 8, 8]
-//   writes q_heads_grad_x.out f32 [2, 8, 32]
-//   in registers scores_grad_a.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k52_scores_grad_a_tile(const float* a, const float* b, float* q_heads_grad_x_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+  const cg_i64 cg_head = tile.x;  // the block's head: its index over the leading axes of probs.out
+  const unsigned int warp = threadIdx.x / 32;  // one warp per query row of a tile
+  float* cg_keys = (float*)cg_smem;
+  float* cg_values = (float*)(cg_smem + 256);
+  float* cg_q = (float*)(cg_smem + 512);
+  float* cg_dout = (float*)(cg_smem + 768);
+  float* cg_probs = (float*)(cg_smem + 1024);
+  float* cg_ds = (float*)(cg_smem + 1280);
+  float cg_acc_dk[1] = {};  // scores_grad_b.out of the head's [8, 8], this thread's elements
+  float cg_acc_dv[1] = {};  // context_grad_b.out of the head's [8, 8], this thread's elements
+  // Epilogue (attention_backward): q_heads_grad_x (merge_heads), on element i of scores_grad_a.out as it is computed.
+  auto cg_epilogue_dq = [&](cg_i64 i, float v0) {
     cg_store(q_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // q_heads_grad_x (merge_heads): where it moves element i
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 8 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 8 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k53_scores_grad_b (backward phase): tasks scores_grad_b (matmul), k_heads_grad_x (merge_heads), fused (matmul_epilogue).
-//   reads  probs_backward.dx f32 [2, 4, 8, 8], q_heads.out f32 [2, 4, 8, 8]
-//   writes k_heads_grad_x.out f32 [2, 8, 32]
-//   in registers scores_grad_b.out
-//   4096 bytes read, 2048 bytes written; grid [1, 1, 8], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k53_scores_grad_b_tile(const float* a, const float* b, float* k_heads_grad_x_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
+  // Epilogue (attention_backward): k_heads_grad_x (merge_heads), on element i of scores_grad_b.out as it is computed.
+  auto cg_epilogue_dk = [&](cg_i64 i, float v0) {
     cg_store(k_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // k_heads_grad_x (merge_heads): where it moves element i
   };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 64, b_base = z * 64, out_base = z * 64;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)k * 8 + m); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)k * 8 + n); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 8 + n, acc); },
-      8, 8, 8, tile.y, tile.x, (float*)cg_smem);
+  // Epilogue (attention_backward): v_heads_grad_x (merge_heads), on element i of context_grad_b.out as it is computed.
+  auto cg_epilogue_dv = [&](cg_i64 i, float v0) {
+    cg_store(v_heads_grad_x_out, cg_split_heads_source(i, 8, 4, 8), v0);  // v_heads_grad_x (merge_heads): where it moves element i
+  };
+  // The head's keys and values.
+  for (int e = threadIdx.x; e < 64; e += blockDim.x) cg_keys[e] = cg_load(k, cg_head * 64 + e);
+  for (int e = threadIdx.x; e < 64; e += blockDim.x) cg_values[e] = cg_load(v, cg_head * 64 + e);
+  for (int cg_row0 = 0; cg_row0 < 8; cg_row0 += 8) {
+    const int cg_rows = 8 - cg_row0 < 8 ? 8 - cg_row0 : 8;
+    const cg_i64 cg_first = cg_head * 8 + cg_row0;  // the tile's first query row over all heads
+    for (int e = threadIdx.x; e < cg_rows * 8; e += blockDim.x) cg_q[e] = cg_load(q, cg_first * 8 + e);
+    for (int e = threadIdx.x; e < cg_rows * 8; e += blockDim.x) cg_dout[e] = cg_load(dcontext, cg_first * 8 + e);
+    for (int e = threadIdx.x; e < cg_rows * 8; e += blockDim.x) cg_probs[e] = cg_load(probs, cg_first * 8 + e);
+    __syncthreads();  // the tile's rows (the first time, the head's keys and values)
+    if (warp < cg_rows)
+      cg_attention_backward_row([&](int c) { return cg_dout[warp * 8 + c]; },
+                                [&](int j) { return cg_probs[warp * 8 + j]; },
+                                [&](int j, int c) { return cg_values[j * 8 + c]; },
+                                [&](int j, int c) { return cg_keys[j * 8 + c]; },
+                                [&](float x) { return x; },  // dp, as context_grad_a stores it
+                                [&](float x) { return x; },  // ds, as probs_backward stores it
+                                [&](int c, float acc) { cg_epilogue_dq((cg_first + warp) * 8 + c, acc); },
+                                8, 8, 8, 1.0f, 0.3535533845424652f, cg_ds + warp * 8);
+    __syncthreads();  // every row's ds
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * blockDim.x, j = o / 8, c = o % 8;
+      if (o < 64) for (int r = 0; r < cg_rows; ++r) cg_acc_dk[cg_k] += cg_ds[r * 8 + j] * cg_q[r * 8 + c];
+    }
+    for (int cg_k = 0; cg_k < 1; ++cg_k) {
+      const int o = threadIdx.x + cg_k * blockDim.x, j = o / 8, c = o % 8;
+      if (o < 64) for (int r = 0; r < cg_rows; ++r) cg_acc_dv[cg_k] += cg_probs[r * 8 + j] * cg_dout[r * 8 + c];
+    }
+    __syncthreads();  // the next tile overwrites the rows
+  }
+  // The head's key and value gradients, summed over its query rows.
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * blockDim.x, j = o / 8, c = o % 8;
+    if (o < 64) cg_epilogue_dk((cg_head * 8 + j) * 8 + c, cg_acc_dk[cg_k]);
+  }
+  for (int cg_k = 0; cg_k < 1; ++cg_k) {
+    const int o = threadIdx.x + cg_k * blockDim.x, j = o / 8, c = o % 8;
+    if (o < 64) cg_epilogue_dv((cg_head * 8 + j) * 8 + c, cg_acc_dv[cg_k]);
+  }
+}
+CG_KERNEL void __launch_bounds__(256, 1) k49_context_grad_a(const float* __restrict__ dcontext, const float* __restrict__ v, const float* __restrict__ probs, const float* __restrict__ k, float* __restrict__ q_heads_grad_x_out, const float* __restrict__ q, float* __restrict__ k_heads_grad_x_out, float* __restrict__ v_heads_grad_x_out) {
+  k49_context_grad_a_tile(dcontext, v, probs, k, q_heads_grad_x_out, q, k_heads_grad_x_out, v_heads_grad_x_out, cg_launch_tile());
 }
 
-// Kernel k54_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
+// Kernel k50_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
 //   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
 //   writes v_grad_a.out f32 [2, 8, 32]
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k54_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k50_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
@@ -1781,12 +1788,12 @@ CG_DEVICE void k54_v_grad_a_tile(const float* a, const float* b, float* out, cg_
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k55_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k51_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k55_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k51_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1797,13 +1804,13 @@ CG_DEVICE void k55_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k56_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
+// Kernel k52_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
 //   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum.out f32 [2, 8, 32]
 //   in registers k_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k56_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
+CG_DEVICE void k52_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
@@ -1819,12 +1826,12 @@ CG_DEVICE void k56_k_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k57_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k53_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k57_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k53_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1835,13 +1842,13 @@ CG_DEVICE void k57_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k58_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
+// Kernel k54_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
 //   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
 //   in registers q_grad_a.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k58_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
+CG_DEVICE void k54_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
@@ -1857,12 +1864,12 @@ CG_DEVICE void k58_q_grad_a_tile(const float* a, const float* b, const float* gr
       16, 32, 32, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k59_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k55_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k59_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k55_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1873,13 +1880,13 @@ CG_DEVICE void k59_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k60_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
+// Kernel k56_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
 //   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
 //   in registers ln1_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
 //     [0, 512) reduction scratch, a float per thread
-CG_DEVICE void k60_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
+CG_DEVICE void k56_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_embed_out_sum_a, i), v0);  // grad_embed_out_sum.out
@@ -1902,28 +1909,28 @@ CG_DEVICE void k60_ln1_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k60_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
-  k60_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k56_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
+  k56_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k61_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k57_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k61_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k57_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k61_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k61_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k57_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k57_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k62_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k58_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k62_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k58_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -1937,11 +1944,11 @@ CG_DEVICE void k62_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k63_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k59_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k63_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k59_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -1955,11 +1962,11 @@ CG_DEVICE void k63_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k64_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k60_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k64_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k60_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1973,11 +1980,11 @@ CG_DEVICE void k64_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k65_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k61_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k65_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k61_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1991,11 +1998,11 @@ CG_DEVICE void k65_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k66_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k62_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k66_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k62_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2009,11 +2016,11 @@ CG_DEVICE void k66_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k67_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k63_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k67_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k63_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2027,11 +2034,11 @@ CG_DEVICE void k67_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k68_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k64_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k68_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k64_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2045,11 +2052,11 @@ CG_DEVICE void k68_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k69_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k65_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k69_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k65_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2063,11 +2070,11 @@ CG_DEVICE void k69_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k70_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k66_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k70_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k66_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2081,11 +2088,11 @@ CG_DEVICE void k70_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k71_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k67_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k71_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k67_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2099,11 +2106,11 @@ CG_DEVICE void k71_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k72_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k68_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k72_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k68_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2328,213 +2335,181 @@ CG_KERNEL void __launch_bounds__(256) h12_attn_out_grad_a_attn_out_grad_b(
     k48_attn_out_grad_b_tile(k48_attn_out_grad_b_a, k48_attn_out_grad_b_b, k48_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h13_context_grad_a_context_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 16 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k49_context_grad_a
-//   blocks [8, 16): k50_context_grad_b
-CG_KERNEL void __launch_bounds__(256) h13_context_grad_a_context_grad_b(
-    const float* __restrict__ k49_context_grad_a_a,
-    const float* __restrict__ k49_context_grad_a_b,
-    float* __restrict__ k49_context_grad_a_out,
-    const float* __restrict__ k50_context_grad_b_a,
-    const float* __restrict__ k50_context_grad_b_b,
-    float* __restrict__ k50_context_grad_b_v_heads_grad_x_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k49_context_grad_a_tile(k49_context_grad_a_a, k49_context_grad_a_b, k49_context_grad_a_out, cg_tile_of(block, 1, 1));
-  else
-    k50_context_grad_b_tile(k50_context_grad_b_a, k50_context_grad_b_b, k50_context_grad_b_v_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
-}
-
-// Launch h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more (backward phase):
-// 4 kernels that are independent of each other (rule horizontal) as one grid of 18 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k52_scores_grad_a
-//   blocks [8, 16): k53_scores_grad_b
-//   blocks [16, 17): k54_v_grad_a
-//   blocks [17, 18): k55_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more(
-    const float* __restrict__ k52_scores_grad_a_a,
-    const float* __restrict__ k52_scores_grad_a_b,
-    float* __restrict__ k52_scores_grad_a_q_heads_grad_x_out,
-    const float* __restrict__ k53_scores_grad_b_a,
-    const float* __restrict__ k53_scores_grad_b_b,
-    float* __restrict__ k53_scores_grad_b_k_heads_grad_x_out,
-    const float* __restrict__ k54_v_grad_a_a,
-    const float* __restrict__ k54_v_grad_a_b,
-    float* __restrict__ k54_v_grad_a_out,
-    const float* __restrict__ k55_v_grad_b_a,
-    const float* __restrict__ k55_v_grad_b_b,
-    float* __restrict__ k55_v_grad_b_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k52_scores_grad_a_tile(k52_scores_grad_a_a, k52_scores_grad_a_b, k52_scores_grad_a_q_heads_grad_x_out, cg_tile_of(block, 1, 1));
-  else if (block < 16u)
-    k53_scores_grad_b_tile(k53_scores_grad_b_a, k53_scores_grad_b_b, k53_scores_grad_b_k_heads_grad_x_out, cg_tile_of(block - 8u, 1, 1));
-  else if (block < 17u)
-    k54_v_grad_a_tile(k54_v_grad_a_a, k54_v_grad_a_b, k54_v_grad_a_out, cg_tile_of(block - 16u, 1, 1));
-  else
-    k55_v_grad_b_tile(k55_v_grad_b_a, k55_v_grad_b_b, k55_v_grad_b_out, cg_tile_of(block - 17u, 1, 1));
-}
-
-// Launch h16_k_grad_a_k_grad_b (backward phase):
+// Launch h14_v_grad_a_v_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k56_k_grad_a
-//   blocks [1, 2): k57_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h16_k_grad_a_k_grad_b(
-    const float* __restrict__ k56_k_grad_a_a,
-    const float* __restrict__ k56_k_grad_a_b,
-    const float* k56_k_grad_a_grad_ln1_out_sum_a,
-    float* k56_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k57_k_grad_b_a,
-    const float* __restrict__ k57_k_grad_b_b,
-    float* __restrict__ k57_k_grad_b_out) {
+//   blocks [0, 1): k50_v_grad_a
+//   blocks [1, 2): k51_v_grad_b
+CG_KERNEL void __launch_bounds__(256) h14_v_grad_a_v_grad_b(
+    const float* __restrict__ k50_v_grad_a_a,
+    const float* __restrict__ k50_v_grad_a_b,
+    float* __restrict__ k50_v_grad_a_out,
+    const float* __restrict__ k51_v_grad_b_a,
+    const float* __restrict__ k51_v_grad_b_b,
+    float* __restrict__ k51_v_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k56_k_grad_a_tile(k56_k_grad_a_a, k56_k_grad_a_b, k56_k_grad_a_grad_ln1_out_sum_a, k56_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
+    k50_v_grad_a_tile(k50_v_grad_a_a, k50_v_grad_a_b, k50_v_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k57_k_grad_b_tile(k57_k_grad_b_a, k57_k_grad_b_b, k57_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k51_v_grad_b_tile(k51_v_grad_b_a, k51_v_grad_b_b, k51_v_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h17_q_grad_a_q_grad_b (backward phase):
+// Launch h15_k_grad_a_k_grad_b (backward phase):
 // 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k58_q_grad_a
-//   blocks [1, 2): k59_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h17_q_grad_a_q_grad_b(
-    const float* __restrict__ k58_q_grad_a_a,
-    const float* __restrict__ k58_q_grad_a_b,
-    const float* k58_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k58_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k59_q_grad_b_a,
-    const float* __restrict__ k59_q_grad_b_b,
-    float* __restrict__ k59_q_grad_b_out) {
+//   blocks [0, 1): k52_k_grad_a
+//   blocks [1, 2): k53_k_grad_b
+CG_KERNEL void __launch_bounds__(256) h15_k_grad_a_k_grad_b(
+    const float* __restrict__ k52_k_grad_a_a,
+    const float* __restrict__ k52_k_grad_a_b,
+    const float* k52_k_grad_a_grad_ln1_out_sum_a,
+    float* k52_k_grad_a_grad_ln1_out_sum_out,
+    const float* __restrict__ k53_k_grad_b_a,
+    const float* __restrict__ k53_k_grad_b_b,
+    float* __restrict__ k53_k_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k58_q_grad_a_tile(k58_q_grad_a_a, k58_q_grad_a_b, k58_q_grad_a_grad_ln1_out_sum_2_a, k58_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+    k52_k_grad_a_tile(k52_k_grad_a_a, k52_k_grad_a_b, k52_k_grad_a_grad_ln1_out_sum_a, k52_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
   else
-    k59_q_grad_b_tile(k59_q_grad_b_a, k59_q_grad_b_b, k59_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k53_k_grad_b_tile(k53_k_grad_b_a, k53_k_grad_b_b, k53_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h16_q_grad_a_q_grad_b (backward phase):
+// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
+// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
+// with the tile it has when launched alone:
+//   blocks [0, 1): k54_q_grad_a
+//   blocks [1, 2): k55_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h16_q_grad_a_q_grad_b(
+    const float* __restrict__ k54_q_grad_a_a,
+    const float* __restrict__ k54_q_grad_a_b,
+    const float* k54_q_grad_a_grad_ln1_out_sum_2_a,
+    float* k54_q_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k55_q_grad_b_a,
+    const float* __restrict__ k55_q_grad_b_b,
+    float* __restrict__ k55_q_grad_b_out) {
+  const unsigned int block = blockIdx.x;
+  if (block < 1u)
+    k54_q_grad_a_tile(k54_q_grad_a_a, k54_q_grad_a_b, k54_q_grad_a_grad_ln1_out_sum_2_a, k54_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
+  else
+    k55_q_grad_b_tile(k55_q_grad_b_a, k55_q_grad_b_b, k55_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+}
+
+// Launch h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k62_embed_w_adamw
-//   blocks [2, 3): k63_ln1_w_adamw
-//   blocks [3, 7): k64_wq_adamw
-//   blocks [7, 11): k65_wk_adamw
-//   blocks [11, 15): k66_wv_adamw
-//   blocks [15, 19): k67_wo_adamw
-//   blocks [19, 20): k68_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k62_embed_w_adamw_param,
-    const float* __restrict__ k62_embed_w_adamw_grad,
-    float* __restrict__ k62_embed_w_adamw_m,
-    float* __restrict__ k62_embed_w_adamw_v,
-    const float* __restrict__ k62_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k62_embed_w_adamw_step_arg,
-    float* __restrict__ k63_ln1_w_adamw_param,
-    const float* __restrict__ k63_ln1_w_adamw_grad,
-    float* __restrict__ k63_ln1_w_adamw_m,
-    float* __restrict__ k63_ln1_w_adamw_v,
-    const float* __restrict__ k63_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k63_ln1_w_adamw_step_arg,
-    float* __restrict__ k64_wq_adamw_param,
-    const float* __restrict__ k64_wq_adamw_grad,
-    float* __restrict__ k64_wq_adamw_m,
-    float* __restrict__ k64_wq_adamw_v,
-    const float* __restrict__ k64_wq_adamw_lr_arg,
-    const long long* __restrict__ k64_wq_adamw_step_arg,
-    float* __restrict__ k65_wk_adamw_param,
-    const float* __restrict__ k65_wk_adamw_grad,
-    float* __restrict__ k65_wk_adamw_m,
-    float* __restrict__ k65_wk_adamw_v,
-    const float* __restrict__ k65_wk_adamw_lr_arg,
-    const long long* __restrict__ k65_wk_adamw_step_arg,
-    float* __restrict__ k66_wv_adamw_param,
-    const float* __restrict__ k66_wv_adamw_grad,
-    float* __restrict__ k66_wv_adamw_m,
-    float* __restrict__ k66_wv_adamw_v,
-    const float* __restrict__ k66_wv_adamw_lr_arg,
-    const long long* __restrict__ k66_wv_adamw_step_arg,
-    float* __restrict__ k67_wo_adamw_param,
-    const float* __restrict__ k67_wo_adamw_grad,
-    float* __restrict__ k67_wo_adamw_m,
-    float* __restrict__ k67_wo_adamw_v,
-    const float* __restrict__ k67_wo_adamw_lr_arg,
-    const long long* __restrict__ k67_wo_adamw_step_arg,
-    float* __restrict__ k68_ln2_w_adamw_param,
-    const float* __restrict__ k68_ln2_w_adamw_grad,
-    float* __restrict__ k68_ln2_w_adamw_m,
-    float* __restrict__ k68_ln2_w_adamw_v,
-    const float* __restrict__ k68_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k68_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k58_embed_w_adamw
+//   blocks [2, 3): k59_ln1_w_adamw
+//   blocks [3, 7): k60_wq_adamw
+//   blocks [7, 11): k61_wk_adamw
+//   blocks [11, 15): k62_wv_adamw
+//   blocks [15, 19): k63_wo_adamw
+//   blocks [19, 20): k64_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k58_embed_w_adamw_param,
+    const float* __restrict__ k58_embed_w_adamw_grad,
+    float* __restrict__ k58_embed_w_adamw_m,
+    float* __restrict__ k58_embed_w_adamw_v,
+    const float* __restrict__ k58_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k58_embed_w_adamw_step_arg,
+    float* __restrict__ k59_ln1_w_adamw_param,
+    const float* __restrict__ k59_ln1_w_adamw_grad,
+    float* __restrict__ k59_ln1_w_adamw_m,
+    float* __restrict__ k59_ln1_w_adamw_v,
+    const float* __restrict__ k59_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k59_ln1_w_adamw_step_arg,
+    float* __restrict__ k60_wq_adamw_param,
+    const float* __restrict__ k60_wq_adamw_grad,
+    float* __restrict__ k60_wq_adamw_m,
+    float* __restrict__ k60_wq_adamw_v,
+    const float* __restrict__ k60_wq_adamw_lr_arg,
+    const long long* __restrict__ k60_wq_adamw_step_arg,
+    float* __restrict__ k61_wk_adamw_param,
+    const float* __restrict__ k61_wk_adamw_grad,
+    float* __restrict__ k61_wk_adamw_m,
+    float* __restrict__ k61_wk_adamw_v,
+    const float* __restrict__ k61_wk_adamw_lr_arg,
+    const long long* __restrict__ k61_wk_adamw_step_arg,
+    float* __restrict__ k62_wv_adamw_param,
+    const float* __restrict__ k62_wv_adamw_grad,
+    float* __restrict__ k62_wv_adamw_m,
+    float* __restrict__ k62_wv_adamw_v,
+    const float* __restrict__ k62_wv_adamw_lr_arg,
+    const long long* __restrict__ k62_wv_adamw_step_arg,
+    float* __restrict__ k63_wo_adamw_param,
+    const float* __restrict__ k63_wo_adamw_grad,
+    float* __restrict__ k63_wo_adamw_m,
+    float* __restrict__ k63_wo_adamw_v,
+    const float* __restrict__ k63_wo_adamw_lr_arg,
+    const long long* __restrict__ k63_wo_adamw_step_arg,
+    float* __restrict__ k64_ln2_w_adamw_param,
+    const float* __restrict__ k64_ln2_w_adamw_grad,
+    float* __restrict__ k64_ln2_w_adamw_m,
+    float* __restrict__ k64_ln2_w_adamw_v,
+    const float* __restrict__ k64_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k64_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k62_embed_w_adamw_tile(k62_embed_w_adamw_param, k62_embed_w_adamw_grad, k62_embed_w_adamw_m, k62_embed_w_adamw_v, k62_embed_w_adamw_lr_arg, k62_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k58_embed_w_adamw_tile(k58_embed_w_adamw_param, k58_embed_w_adamw_grad, k58_embed_w_adamw_m, k58_embed_w_adamw_v, k58_embed_w_adamw_lr_arg, k58_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k63_ln1_w_adamw_tile(k63_ln1_w_adamw_param, k63_ln1_w_adamw_grad, k63_ln1_w_adamw_m, k63_ln1_w_adamw_v, k63_ln1_w_adamw_lr_arg, k63_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k59_ln1_w_adamw_tile(k59_ln1_w_adamw_param, k59_ln1_w_adamw_grad, k59_ln1_w_adamw_m, k59_ln1_w_adamw_v, k59_ln1_w_adamw_lr_arg, k59_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k64_wq_adamw_tile(k64_wq_adamw_param, k64_wq_adamw_grad, k64_wq_adamw_m, k64_wq_adamw_v, k64_wq_adamw_lr_arg, k64_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k60_wq_adamw_tile(k60_wq_adamw_param, k60_wq_adamw_grad, k60_wq_adamw_m, k60_wq_adamw_v, k60_wq_adamw_lr_arg, k60_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k65_wk_adamw_tile(k65_wk_adamw_param, k65_wk_adamw_grad, k65_wk_adamw_m, k65_wk_adamw_v, k65_wk_adamw_lr_arg, k65_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k61_wk_adamw_tile(k61_wk_adamw_param, k61_wk_adamw_grad, k61_wk_adamw_m, k61_wk_adamw_v, k61_wk_adamw_lr_arg, k61_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k66_wv_adamw_tile(k66_wv_adamw_param, k66_wv_adamw_grad, k66_wv_adamw_m, k66_wv_adamw_v, k66_wv_adamw_lr_arg, k66_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k62_wv_adamw_tile(k62_wv_adamw_param, k62_wv_adamw_grad, k62_wv_adamw_m, k62_wv_adamw_v, k62_wv_adamw_lr_arg, k62_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k67_wo_adamw_tile(k67_wo_adamw_param, k67_wo_adamw_grad, k67_wo_adamw_m, k67_wo_adamw_v, k67_wo_adamw_lr_arg, k67_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k63_wo_adamw_tile(k63_wo_adamw_param, k63_wo_adamw_grad, k63_wo_adamw_m, k63_wo_adamw_v, k63_wo_adamw_lr_arg, k63_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k68_ln2_w_adamw_tile(k68_ln2_w_adamw_param, k68_ln2_w_adamw_grad, k68_ln2_w_adamw_m, k68_ln2_w_adamw_v, k68_ln2_w_adamw_lr_arg, k68_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k64_ln2_w_adamw_tile(k64_ln2_w_adamw_param, k64_ln2_w_adamw_grad, k64_ln2_w_adamw_m, k64_ln2_w_adamw_v, k64_ln2_w_adamw_lr_arg, k64_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k69_w_up_adamw
-//   blocks [8, 16): k70_w_down_adamw
-//   blocks [16, 17): k71_lnf_w_adamw
-//   blocks [17, 19): k72_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k69_w_up_adamw_param,
-    const float* __restrict__ k69_w_up_adamw_grad,
-    float* __restrict__ k69_w_up_adamw_m,
-    float* __restrict__ k69_w_up_adamw_v,
-    const float* __restrict__ k69_w_up_adamw_lr_arg,
-    const long long* __restrict__ k69_w_up_adamw_step_arg,
-    float* __restrict__ k70_w_down_adamw_param,
-    const float* __restrict__ k70_w_down_adamw_grad,
-    float* __restrict__ k70_w_down_adamw_m,
-    float* __restrict__ k70_w_down_adamw_v,
-    const float* __restrict__ k70_w_down_adamw_lr_arg,
-    const long long* __restrict__ k70_w_down_adamw_step_arg,
-    float* __restrict__ k71_lnf_w_adamw_param,
-    const float* __restrict__ k71_lnf_w_adamw_grad,
-    float* __restrict__ k71_lnf_w_adamw_m,
-    float* __restrict__ k71_lnf_w_adamw_v,
-    const float* __restrict__ k71_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k71_lnf_w_adamw_step_arg,
-    float* __restrict__ k72_w_head_adamw_param,
-    const float* __restrict__ k72_w_head_adamw_grad,
-    float* __restrict__ k72_w_head_adamw_m,
-    float* __restrict__ k72_w_head_adamw_v,
-    const float* __restrict__ k72_w_head_adamw_lr_arg,
-    const long long* __restrict__ k72_w_head_adamw_step_arg) {
+//   blocks [0, 8): k65_w_up_adamw
+//   blocks [8, 16): k66_w_down_adamw
+//   blocks [16, 17): k67_lnf_w_adamw
+//   blocks [17, 19): k68_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k65_w_up_adamw_param,
+    const float* __restrict__ k65_w_up_adamw_grad,
+    float* __restrict__ k65_w_up_adamw_m,
+    float* __restrict__ k65_w_up_adamw_v,
+    const float* __restrict__ k65_w_up_adamw_lr_arg,
+    const long long* __restrict__ k65_w_up_adamw_step_arg,
+    float* __restrict__ k66_w_down_adamw_param,
+    const float* __restrict__ k66_w_down_adamw_grad,
+    float* __restrict__ k66_w_down_adamw_m,
+    float* __restrict__ k66_w_down_adamw_v,
+    const float* __restrict__ k66_w_down_adamw_lr_arg,
+    const long long* __restrict__ k66_w_down_adamw_step_arg,
+    float* __restrict__ k67_lnf_w_adamw_param,
+    const float* __restrict__ k67_lnf_w_adamw_grad,
+    float* __restrict__ k67_lnf_w_adamw_m,
+    float* __restrict__ k67_lnf_w_adamw_v,
+    const float* __restrict__ k67_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k67_lnf_w_adamw_step_arg,
+    float* __restrict__ k68_w_head_adamw_param,
+    const float* __restrict__ k68_w_head_adamw_grad,
+    float* __restrict__ k68_w_head_adamw_m,
+    float* __restrict__ k68_w_head_adamw_v,
+    const float* __restrict__ k68_w_head_adamw_lr_arg,
+    const long long* __restrict__ k68_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k69_w_up_adamw_tile(k69_w_up_adamw_param, k69_w_up_adamw_grad, k69_w_up_adamw_m, k69_w_up_adamw_v, k69_w_up_adamw_lr_arg, k69_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k65_w_up_adamw_tile(k65_w_up_adamw_param, k65_w_up_adamw_grad, k65_w_up_adamw_m, k65_w_up_adamw_v, k65_w_up_adamw_lr_arg, k65_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k70_w_down_adamw_tile(k70_w_down_adamw_param, k70_w_down_adamw_grad, k70_w_down_adamw_m, k70_w_down_adamw_v, k70_w_down_adamw_lr_arg, k70_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k66_w_down_adamw_tile(k66_w_down_adamw_param, k66_w_down_adamw_grad, k66_w_down_adamw_m, k66_w_down_adamw_v, k66_w_down_adamw_lr_arg, k66_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k71_lnf_w_adamw_tile(k71_lnf_w_adamw_param, k71_lnf_w_adamw_grad, k71_lnf_w_adamw_m, k71_lnf_w_adamw_v, k71_lnf_w_adamw_lr_arg, k71_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k67_lnf_w_adamw_tile(k67_lnf_w_adamw_param, k67_lnf_w_adamw_grad, k67_lnf_w_adamw_m, k67_lnf_w_adamw_v, k67_lnf_w_adamw_lr_arg, k67_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k72_w_head_adamw_tile(k72_w_head_adamw_param, k72_w_head_adamw_grad, k72_w_head_adamw_m, k72_w_head_adamw_v, k72_w_head_adamw_lr_arg, k72_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k68_w_head_adamw_tile(k68_w_head_adamw_param, k68_w_head_adamw_grad, k68_w_head_adamw_m, k68_w_head_adamw_v, k68_w_head_adamw_lr_arg, k68_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2599,16 +2574,16 @@ static const cudagen_tensor_info k33_embed_tensors[] = {
     {"out", "embed.out", 145664ull, 2048ull},
 };
 static const cudagen_tensor_info k34_q_tensors[] = {
-    {"probs", "probs.out", 135424ull, 2048ull},
+    {"probs", "probs.out", 139520ull, 2048ull},
     {"ln1_x", "embed.out", 145664ull, 2048ull},
     {"ln1_weight", "ln1_w.out", 2048ull, 128ull},
     {"ln1_rstd", "ln1.rstd", 162048ull, 64ull},
     {"ln1_out", "ln1.out", 147712ull, 2048ull},
-    {"q_heads_out", "q_heads.out", 137472ull, 2048ull},
+    {"q_heads_out", "q_heads.out", 133376ull, 2048ull},
     {"q_b", "wq.out", 2304ull, 4096ull},
-    {"k_heads_out", "k_heads.out", 139520ull, 2048ull},
+    {"k_heads_out", "k_heads.out", 135424ull, 2048ull},
     {"k_b", "wk.out", 6400ull, 4096ull},
-    {"v_heads_out", "v_heads.out", 133376ull, 2048ull},
+    {"v_heads_out", "v_heads.out", 137472ull, 2048ull},
     {"v_b", "wv.out", 10496ull, 4096ull},
     {"merged_out", "merged.out", 141568ull, 2048ull},
 };
@@ -2697,134 +2672,125 @@ static const cudagen_tensor_info h12_attn_out_grad_a_attn_out_grad_b_tensors[] =
     {"k48_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 157952ull, 2048ull},
     {"k48_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
 };
-static const cudagen_tensor_info h13_context_grad_a_context_grad_b_tensors[] = {
-    {"k49_context_grad_a_a", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k49_context_grad_a_b", "v_heads.out", 133376ull, 2048ull},
-    {"k49_context_grad_a_out", "context_grad_a.out", 141568ull, 2048ull},
-    {"k50_context_grad_b_a", "probs.out", 135424ull, 2048ull},
-    {"k50_context_grad_b_b", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k50_context_grad_b_v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
+static const cudagen_tensor_info k49_context_grad_a_tensors[] = {
+    {"dcontext", "merged_grad_x.out", 143616ull, 2048ull},
+    {"v", "v_heads.out", 137472ull, 2048ull},
+    {"probs", "probs.out", 139520ull, 2048ull},
+    {"k", "k_heads.out", 135424ull, 2048ull},
+    {"q_heads_grad_x_out", "q_heads_grad_x.out", 153856ull, 2048ull},
+    {"q", "q_heads.out", 133376ull, 2048ull},
+    {"k_heads_grad_x_out", "k_heads_grad_x.out", 149760ull, 2048ull},
+    {"v_heads_grad_x_out", "v_heads_grad_x.out", 141568ull, 2048ull},
 };
-static const cudagen_tensor_info k51_probs_backward_tensors[] = {
-    {"out", "probs.out", 135424ull, 2048ull},
-    {"dout", "context_grad_a.out", 141568ull, 2048ull},
-    {"dx", "probs_backward.dx", 143616ull, 2048ull},
+static const cudagen_tensor_info h14_v_grad_a_v_grad_b_tensors[] = {
+    {"k50_v_grad_a_a", "v_heads_grad_x.out", 141568ull, 2048ull},
+    {"k50_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k50_v_grad_a_out", "v_grad_a.out", 155904ull, 2048ull},
+    {"k51_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k51_v_grad_b_b", "v_grad_b_dout_rows.out", 141568ull, 2048ull},
+    {"k51_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
 };
-static const cudagen_tensor_info h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k52_scores_grad_a_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k52_scores_grad_a_b", "k_heads.out", 139520ull, 2048ull},
-    {"k52_scores_grad_a_q_heads_grad_x_out", "q_heads_grad_x.out", 155904ull, 2048ull},
-    {"k53_scores_grad_b_a", "probs_backward.dx", 143616ull, 2048ull},
-    {"k53_scores_grad_b_b", "q_heads.out", 137472ull, 2048ull},
-    {"k53_scores_grad_b_k_heads_grad_x_out", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k54_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
-    {"k54_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k54_v_grad_a_out", "v_grad_a.out", 153856ull, 2048ull},
-    {"k55_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k55_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k55_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+static const cudagen_tensor_info h15_k_grad_a_k_grad_b_tensors[] = {
+    {"k52_k_grad_a_a", "k_heads_grad_x.out", 149760ull, 2048ull},
+    {"k52_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k52_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 155904ull, 2048ull},
+    {"k52_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k53_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k53_k_grad_b_b", "k_grad_b_dout_rows.out", 149760ull, 2048ull},
+    {"k53_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
 };
-static const cudagen_tensor_info h16_k_grad_a_k_grad_b_tensors[] = {
-    {"k56_k_grad_a_a", "k_heads_grad_x.out", 141568ull, 2048ull},
-    {"k56_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k56_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 153856ull, 2048ull},
-    {"k56_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k57_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k57_k_grad_b_b", "k_grad_b_dout_rows.out", 141568ull, 2048ull},
-    {"k57_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
+static const cudagen_tensor_info h16_q_grad_a_q_grad_b_tensors[] = {
+    {"k54_q_grad_a_a", "q_heads_grad_x.out", 153856ull, 2048ull},
+    {"k54_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k54_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 155904ull, 2048ull},
+    {"k54_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
+    {"k55_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k55_q_grad_b_b", "q_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k55_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
 };
-static const cudagen_tensor_info h17_q_grad_a_q_grad_b_tensors[] = {
-    {"k58_q_grad_a_a", "q_heads_grad_x.out", 155904ull, 2048ull},
-    {"k58_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k58_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 153856ull, 2048ull},
-    {"k58_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
-    {"k59_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k59_q_grad_b_b", "q_grad_b_dout_rows.out", 155904ull, 2048ull},
-    {"k59_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
-};
-static const cudagen_tensor_info k60_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k56_ln1_backward_tensors[] = {
     {"x", "embed.out", 145664ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
     {"rstd", "ln1.rstd", 162048ull, 64ull},
-    {"dout", "grad_ln1_out_sum_2.out", 153856ull, 2048ull},
+    {"dout", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
     {"dweight", "ln1_backward.dweight", 147712ull, 128ull},
     {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
-    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 155904ull, 2048ull},
+    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 153856ull, 2048ull},
 };
-static const cudagen_tensor_info k61_embed_backward_tensors[] = {
+static const cudagen_tensor_info k57_embed_backward_tensors[] = {
     {"ids", "embed.ids", 161536ull, 64ull},
-    {"dout", "grad_embed_out_sum.out", 155904ull, 2048ull},
-    {"dtable", "embed_backward.dtable", 153856ull, 2048ull},
+    {"dout", "grad_embed_out_sum.out", 153856ull, 2048ull},
+    {"dtable", "embed_backward.dtable", 145664ull, 2048ull},
 };
-static const cudagen_tensor_info h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k62_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k62_embed_w_adamw_grad", "embed_backward.dtable", 153856ull, 2048ull},
-    {"k62_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k62_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k62_embed_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k62_embed_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k63_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k63_ln1_w_adamw_grad", "ln1_backward.dweight", 147712ull, 128ull},
-    {"k63_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k63_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k63_ln1_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k63_ln1_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k64_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k64_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
-    {"k64_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k64_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k64_wq_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k64_wq_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k65_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k65_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
-    {"k65_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k65_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k65_wk_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k65_wk_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k66_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k66_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
-    {"k66_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k66_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k66_wv_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k66_wv_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k67_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k67_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
-    {"k67_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k67_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k67_wo_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k67_wo_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k68_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k68_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
-    {"k68_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k68_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k68_ln2_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k68_ln2_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k58_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k58_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
+    {"k58_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k58_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k58_embed_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k58_embed_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k59_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k59_ln1_w_adamw_grad", "ln1_backward.dweight", 147712ull, 128ull},
+    {"k59_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k59_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k59_ln1_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k59_ln1_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k60_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k60_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k60_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k60_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k60_wq_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k60_wq_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k61_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k61_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k61_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k61_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k61_wk_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k61_wk_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k62_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k62_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k62_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k62_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k62_wv_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k62_wv_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k63_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k63_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k63_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k63_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k63_wo_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k63_wo_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k64_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k64_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
+    {"k64_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k64_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k64_ln2_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k64_ln2_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k69_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k69_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
-    {"k69_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k69_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k69_w_up_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k69_w_up_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k70_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k70_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
-    {"k70_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k70_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k70_w_down_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k70_w_down_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k71_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k71_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
-    {"k71_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k71_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k71_lnf_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k71_lnf_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k72_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k72_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
-    {"k72_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k72_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k72_w_head_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k72_w_head_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k65_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k65_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k65_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k65_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k65_w_up_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k65_w_up_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k66_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k66_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k66_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k66_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k66_w_down_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k66_w_down_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k67_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k67_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
+    {"k67_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k67_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k67_lnf_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k67_lnf_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+    {"k68_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k68_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k68_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k68_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k68_w_head_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
+    {"k68_w_head_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2837,7 +2803,7 @@ extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
                  (const float*)(arena + 0), (const int*)(arena + 161536), (float*)(arena + 145664));
   CUDAGEN_LAUNCH(k34_q, dim3(8, 1, 1), dim3(256), 3488, k34_q_tensors,
-                 (float*)(arena + 135424), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 162048), (float*)(arena + 147712), (float*)(arena + 137472), (const float*)(arena + 2304), (float*)(arena + 139520), (const float*)(arena + 6400), (float*)(arena + 133376), (const float*)(arena + 10496), (float*)(arena + 141568));
+                 (float*)(arena + 139520), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 162048), (float*)(arena + 147712), (float*)(arena + 133376), (const float*)(arena + 2304), (float*)(arena + 135424), (const float*)(arena + 6400), (float*)(arena + 137472), (const float*)(arena + 10496), (float*)(arena + 141568));
   CUDAGEN_LAUNCH(k35_attn_out, dim3(1, 1, 1), dim3(256), 4288, k35_attn_out_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 14592), (const float*)(arena + 145664), (float*)(arena + 143616));
   CUDAGEN_LAUNCH(k36_up, dim3(1, 1, 1), dim3(256), 16832, k36_up_tensors,
@@ -2864,27 +2830,25 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
                  (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 162304), (const float*)(arena + 155904), (float*)(arena + 161280), (const float*)(arena + 153856), (float*)(arena + 157952));
   CUDAGEN_LAUNCH(h12_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h12_attn_out_grad_a_attn_out_grad_b_tensors,
                  (const float*)(arena + 157952), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 157952), (float*)(arena + 129280));
-  CUDAGEN_LAUNCH(h13_context_grad_a_context_grad_b, dim3(16, 1, 1), dim3(256), 4288, h13_context_grad_a_context_grad_b_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 133376), (float*)(arena + 141568), (const float*)(arena + 135424), (const float*)(arena + 143616), (float*)(arena + 149760));
-  CUDAGEN_LAUNCH(k51_probs_backward, dim3(64, 1, 1), dim3(32), 128, k51_probs_backward_tensors,
-                 (const float*)(arena + 135424), (const float*)(arena + 141568), (float*)(arena + 143616));
-  CUDAGEN_LAUNCH(h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more, dim3(18, 1, 1), dim3(256), 4288, h15_scores_grad_a_scores_grad_b_v_grad_a_and_1_more_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 139520), (float*)(arena + 155904), (const float*)(arena + 143616), (const float*)(arena + 137472), (float*)(arena + 141568), (const float*)(arena + 149760), (const float*)(arena + 10496), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h16_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h16_k_grad_a_k_grad_b_tensors,
-                 (const float*)(arena + 141568), (const float*)(arena + 6400), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(h17_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h17_q_grad_a_q_grad_b_tensors,
-                 (const float*)(arena + 155904), (const float*)(arena + 2304), (const float*)(arena + 153856), (float*)(arena + 153856), (const float*)(arena + 147712), (const float*)(arena + 155904), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k60_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k60_ln1_backward_tensors,
-                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 153856), (float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 155904));
-  CUDAGEN_LAUNCH(k61_embed_backward, dim3(16, 1, 1), dim3(32), 0, k61_embed_backward_tensors,
-                 (const int*)(arena + 161536), (const float*)(arena + 155904), (float*)(arena + 153856));
+  CUDAGEN_LAUNCH(k49_context_grad_a, dim3(8, 1, 1), dim3(256), 1536, k49_context_grad_a_tensors,
+                 (const float*)(arena + 143616), (const float*)(arena + 137472), (const float*)(arena + 139520), (const float*)(arena + 135424), (float*)(arena + 153856), (const float*)(arena + 133376), (float*)(arena + 149760), (float*)(arena + 141568));
+  CUDAGEN_LAUNCH(h14_v_grad_a_v_grad_b, dim3(2, 1, 1), dim3(256), 4288, h14_v_grad_a_v_grad_b_tensors,
+                 (const float*)(arena + 141568), (const float*)(arena + 10496), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 133376));
+  CUDAGEN_LAUNCH(h15_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h15_k_grad_a_k_grad_b_tensors,
+                 (const float*)(arena + 149760), (const float*)(arena + 6400), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 137472));
+  CUDAGEN_LAUNCH(h16_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h16_q_grad_a_q_grad_b_tensors,
+                 (const float*)(arena + 153856), (const float*)(arena + 2304), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 141568));
+  CUDAGEN_LAUNCH(k56_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k56_ln1_backward_tensors,
+                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 155904), (float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 153856));
+  CUDAGEN_LAUNCH(k57_embed_backward, dim3(16, 1, 1), dim3(32), 0, k57_embed_backward_tensors,
+                 (const int*)(arena + 161536), (const float*)(arena + 153856), (float*)(arena + 145664));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h20_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 153856), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2048), (const float*)(arena + 147712), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162816), (const long long*)(arena + 162824));
-  CUDAGEN_LAUNCH(h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h21_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+  CUDAGEN_LAUNCH(h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2048), (const float*)(arena + 147712), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162816), (const long long*)(arena + 162824));
+  CUDAGEN_LAUNCH(h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
                  (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35328), (const float*)(arena + 161024), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 162816), (const long long*)(arena + 162824));
   return 0;
 }

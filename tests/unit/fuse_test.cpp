@@ -425,6 +425,76 @@ TEST(Fusion, AttentionStoresProbabilitiesTheBackwardPassReads) {
   EXPECT_EQ(attention, 1);
 }
 
+// Rule attention_backward: in training, the attention's five gradient
+// tasks (with the head merges of dq, dk and dv) are one kernel, in which
+// dp, ds and the gradients before their merges live.
+TEST(Fusion, AttentionGradientsRunInOneKernel) {
+  Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  const KernelGroup* gradient = nullptr;
+  for (const auto& k : c.kernels)
+    if (k.rule == "attention_backward") gradient = &k;
+  ASSERT_NE(gradient, nullptr);
+  EXPECT_EQ(task_ids(c, *gradient),
+            (std::vector<std::string>{"context_grad_a", "context_grad_b", "v_heads_grad_x", "probs_backward",
+                                      "scores_grad_a", "q_heads_grad_x", "scores_grad_b", "k_heads_grad_x"}));
+  EXPECT_EQ(internal_names(c, *gradient),
+            (std::vector<std::string>{"context_grad_a.out", "context_grad_b.out", "probs_backward.dx", "scores_grad_a.out",
+                                      "scores_grad_b.out"}));
+  EXPECT_EQ(kernel_rules(c.program, *gradient), (std::vector<std::string>{"matmul_epilogue", "attention_backward"}));
+  const AttentionGradient roles = attention_gradient(c.program, *gradient);
+  EXPECT_EQ(std::vector<size_t>({roles.dp, roles.dv, roles.ds, roles.dq, roles.dk}), (std::vector<size_t>{0, 1, 3, 4, 6}));
+  EXPECT_EQ(roles.epilogue_end(roles.dv, gradient->tasks.size()), 3u);
+  EXPECT_EQ(roles.epilogue_end(roles.dk, gradient->tasks.size()), 8u);
+  EXPECT_EQ(reason_for(c, "context_grad_b"), "") << "it joined";
+}
+
+// The rule's refusals, on the softmax gradient's note: the rule off, ds read
+// by the caller, a head whose key and value gradients a block's registers
+// cannot hold, or whose rows its shared memory cannot.
+TEST(Fusion, NoAttentionGradientKernelWhereDsIsStoredOrTheHeadIsLarge) {
+  auto gradient = [](const std::string& name, int64_t Tk, int64_t D, Storage ds_storage, int64_t Tq = 16,
+                     bool q_is_k = false) {
+    GraphBuilder b(name);
+    const int64_t B = 2, H = 2;
+    auto dp = b.task("dp", "matmul").tensor("a", f32, {B, H, Tq, D}, ext).tensor("b", f32, {B, H, Tk, D}, ext)
+                  .tensor("out", f32, {B, H, Tq, Tk}).arg("trans_b", true);
+    auto ds = b.task("ds", "softmax_backward").tensor("out", f32, {B, H, Tq, Tk}, ext).tensor("dout", dp["out"])
+                  .tensor("dx", f32, {B, H, Tq, Tk}, ds_storage);
+    b.task("dv", "matmul").tensor("a", ds["out"]).tensor("b", dp["a"]).tensor("out", f32, {B, H, Tk, D}, ext).arg("trans_a", true);
+    auto dq = b.task("dq", "matmul").tensor("a", ds["dx"]).tensor("b", f32, {B, H, Tk, D}, ext)
+                  .tensor("out", f32, {B, H, Tq, D}, q_is_k ? Storage::transient : ext);
+    auto dk = b.task("dk", "matmul").tensor("a", ds["dx"]);
+    if (q_is_k)
+      dk.tensor("b", dq["b"]);
+    else
+      dk.tensor("b", f32, {B, H, Tq, D}, ext);
+    dk.tensor("out", f32, {B, H, Tk, D}, q_is_k ? Storage::transient : ext).arg("trans_a", true);
+    // scores = q q^T: the derive pass sums the two gradients of q.
+    if (q_is_k) b.task("dqk", "add").tensor("a", dk["out"]).tensor("b", dq["out"]).tensor("out", f32, {B, H, Tq, D}, ext);
+    return std::move(b).graph();
+  };
+  EXPECT_EQ(plan_graph(gradient("fused", 64, 64, Storage::transient)).kernels.size(), 1u) << "at both bounds";
+  const std::string prefix = "'ds' is a reduction op; 'ds' runs in no attention_backward kernel: ";
+  FuseOptions off;
+  off.disabled_rules = {"attention_backward"};
+  Compiled rule_off = plan_graph(gradient("rule_off", 16, 8, Storage::transient), off);
+  EXPECT_EQ(rule_off.kernels.size(), 5u);
+  EXPECT_EQ(reason_for(rule_off, "ds"), prefix + "rule attention_backward is off (--no-fuse-rule)");
+  EXPECT_EQ(reason_for(plan_graph(gradient("stored", 16, 8, ext)), "ds"),
+            prefix + "'ds.dx' is read after its phase or by the caller, so it is stored");
+  EXPECT_EQ(reason_for(plan_graph(gradient("wide", 64, 96, Storage::transient)), "ds"),
+            prefix + "each thread would accumulate 48 elements of the key and value gradients (at most 32)");
+  // 512 keys of 4: the probabilities and ds of 8 query rows take 16 KiB each.
+  EXPECT_EQ(reason_for(plan_graph(gradient("long", 512, 4, Storage::transient)), "ds"),
+            prefix + "the head's keys and values and a tile of 8 query rows take 49408 bytes of shared memory, more "
+                     "than 49152");
+  EXPECT_EQ(reason_for(plan_graph(gradient("many_queries", 16, 8, Storage::transient, 136)), "ds"),
+            prefix + "each block would walk 17 tiles of 8 query rows one after another (at most 16)");
+  // dq + dk in dk's epilogue would read dq before the kernel computed it.
+  Compiled shared = plan_graph(gradient("q_is_k", 16, 8, Storage::transient, 16, true));
+  EXPECT_EQ(reason_for(shared, "ds"), prefix + "'dqk' reads 'dq.out', which the kernel would compute for another gradient");
+}
+
 TaskGraph attention_like(bool trans_b, bool scores_read_later) {
   GraphBuilder b("attention_like");
   auto s = b.task("s", "matmul")
