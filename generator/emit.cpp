@@ -143,6 +143,7 @@ class Emitter {
                      : k.rule == "matmul_chain"    ? matmul_chain(k, out.tile_kernels)
                      : k.rule == "row_reduction"   ? row_reduction(k, out.tile_kernels)
                      : k.rule == "attention_backward" ? attention_backward(k, out.tile_kernels)
+                     : k.rule == "matmul_sum"      ? matmul_sum(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -2154,6 +2155,119 @@ class Emitter {
   std::string scaled_accumulator(int t) {
     const std::string alpha = float_arg(t, "alpha", 1.0);
     return alpha == float_literal(1.0) ? std::string("acc") : alpha + " * acc";
+  }
+
+  // Rule matmul_sum (fuse.h): a sum of matmuls of one output shape, each
+  // [..., M, K_i] @ [K_i, N] (fuse.cpp checked), as one product over the
+  // concatenated inner dimensions: the skeleton's loads pick the term whose
+  // range holds k, so each tile's f32 accumulator takes every term in turn,
+  // and the epilogue runs on the sum. (The unfused kernels rounded each
+  // product and each partial sum to the output's type; one accumulator is
+  // the more accurate.)
+  std::string matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    const MatmulSum sum = matmul_sum_terms(p_, k);
+    const int first = k.tasks[sum.terms.front()];
+    const std::vector<Param> last = params(k.tasks[sum.epilogue - 1]);
+    if (!diags_.ok()) return {};
+    const Param& out = param(last, "out");  // the sum
+    const Shape& so = out.buffer->shape;
+    const int64_t N = so.back(), M = numel(so) / N;
+    EmittedKernel ek = emitted_kernel(k);
+    std::vector<LaunchParam> launch;
+    auto add = [&](const std::string& name, const Param& x) {
+      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
+                                   x.bound->buffer, nullptr, x.written});
+    };
+    // Each term's loads, after the terms before it: k below its K, else k - K for the next.
+    std::string load_a, load_b;
+    DType a_type = DType::f32;
+    int64_t K_total = 0;
+    for (size_t i = 0; i < sum.terms.size(); ++i) {
+      const int t = k.tasks[sum.terms[i]];
+      const std::string& id = p_.tasks[size_t(t)].task->id;
+      const std::vector<Param> ps = params(t);
+      if (!diags_.ok()) return {};
+      const Param& a = param(ps, "a");
+      const Param& b = param(ps, "b");
+      if (!check_f32_accumulation(t, a)) return {};
+      template_files_.insert(p_.tasks[size_t(t)].op->source_file);
+      a_type = a.buffer->dtype;
+      const int64_t K = a.buffer->shape.back();
+      K_total += K;
+      add(id + "_a", a);
+      add(id + "_b", b);
+      const bool last_term = i + 1 == sum.terms.size();
+      const std::string a_element = load_as(a, id + "_a", fmt::format("(cg_i64)m * {} + k", K));
+      const std::string b_element = load_as(b, id + "_b", b_index(arg_bool(t, "trans_b"), K, N));
+      load_a += last_term ? fmt::format("return {};  // {}", a_element, id)
+                          : fmt::format("if (k < {0}) return {1};  // {2}\n        k -= {0};\n        ", K, a_element, id);
+      load_b += last_term ? fmt::format("return {};", b_element)
+                          : fmt::format("if (k < {0}) return {1};\n        k -= {0};\n        ", K, b_element);
+    }
+    const bool tensor_cores = is_16bit(a_type);
+    use_function(*p_.tasks[size_t(first)].op, tensor_cores ? "cg_matmul_tile_mma" : p_.tasks[size_t(first)].op->source_function);
+    const int64_t tile = matmul_tile_rows(a_type);
+    ek.block = int(matmul_tile_threads(a_type));
+    ek.grid[0] = int((N + tile - 1) / tile);
+    ek.grid[1] = int((M + tile - 1) / tile);
+    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a_type));
+    // The sum, scaled once (fuse.cpp checked the terms share their alpha), through the epilogue.
+    const std::string value = scaled_accumulator(first);
+    std::string tail_code, sink;
+    const std::string name = p_.tasks[size_t(k.tasks[sum.epilogue - 1])].task->id + "_out";
+    if (!contains(k.internal_buffers, out.bound->buffer)) add(name, out);
+    if (sum.epilogue == k.tasks.size() && !contains(k.internal_buffers, out.bound->buffer)) {
+      sink = store_element(name, out.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), value);
+    } else if (sum.epilogue < k.tasks.size()) {
+      Epilogue tail = epilogue(k, out, {.first = sum.epilogue, .anchor_name = name});
+      if (!diags_.ok()) return {};
+      launch.insert(launch.end(), tail.params.begin(), tail.params.end());
+      tail_code = tail.code;
+      sink = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, value);
+    } else {
+      fail(k.tasks[0], "", fmt::format("kernel {} computes a sum nothing reads", k.name),
+           "an internal error of cudagen: please report it with the graph; --no-fuse-rule matmul_sum avoids it");
+      return {};
+    }
+    std::vector<std::string> terms;
+    for (size_t i : sum.terms) terms.push_back(p_.tasks[size_t(k.tasks[i])].task->id);
+    const std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "{0}"
+        "  // {1}: one product over k in [0, {2}), each term's operands where its k lies.\n"
+        "  {3}(\n"
+        "      [&](int m, int k) {{\n"
+        "        {4}\n"
+        "      }},\n"
+        "      [&](int k, int n) {{\n"
+        "        {5}\n"
+        "      }},\n"
+        "      [&](int m, int n, float acc) {{ {6}; }},\n"
+        "      {7}, {8}, {2}, tile.y, tile.x, ({9}*)cg_smem);\n",
+        tail_code, fmt::join(terms, " + "), K_total,
+        tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>", load_a, load_b, sink, M, N,
+        tensor_cores ? c_type(a_type) : "float");
+    // A row of output tiles owns whole rows: of every term's `a`, of the sum,
+    // of what the epilogue reads or stores at the sum's own element (the
+    // megakernel waits for those rows only).
+    ek.rows = M;
+    ek.rows_per_tile = tile;
+    ek.tiles_per_row_block = ek.grid[0];
+    std::set<int> by_rows = {out.bound->buffer};
+    for (size_t i : sum.terms) {
+      const BoundTask& term = p_.tasks[size_t(k.tasks[i])];
+      if (term.find_tensor("a")->buffer != term.find_tensor("b")->buffer) by_rows.insert(term.find_tensor("a")->buffer);
+    }
+    std::set<int> weights;  // (a term's b is read whole by every tile)
+    for (size_t i : sum.terms) weights.insert(p_.tasks[size_t(k.tasks[i])].find_tensor("b")->buffer);
+    for (const LaunchParam& lp : launch)
+      if (p_.buffers[size_t(lp.buffer)].shape == so && !weights.count(lp.buffer)) by_rows.insert(lp.buffer);
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
+    record_launch(ek, launch);
+    for (size_t i = 0; i < launch.size(); ++i)
+      if (by_rows.count(launch[i].buffer) && !weights.count(launch[i].buffer)) ek.ranges[i].by_rows = true;
+    emitted.push_back(ek);
+    return code;
   }
 
   // Rule matmul_chain (fuse.h): value = op1(a @ b1) (its prologue, its

@@ -99,6 +99,7 @@ class Fuser {
     if (options_.enabled) {
       fold_prologues();
       fuse_attention_backward();
+      sum_matmuls();
       chain_matmuls();
       reduce_rows();
       project_into_attention();
@@ -458,6 +459,122 @@ class Fuser {
     out_.kernels = std::move(kept);
   }
 
+  // Rule matmul_sum: a matmul's kernel whose epilogue starts by adding
+  // the product of another matmul of the same output shape (a tensor that
+  // several matmuls read gets the sum of their gradients: a transformer's
+  // normalised input, read by q, k and v) takes that matmul in: one product
+  // over the concatenated inner dimensions, a @ b + c @ d, each tile's
+  // accumulator taking every term's k in turn (emit.cpp). The other term
+  // (itself a sum, where three or more add up) runs where the add did, and
+  // neither product nor partial sum reaches memory.
+  void sum_matmuls() {
+    std::vector<bool> merged(out_.kernels.size(), false);
+    for (size_t b = 0; b < out_.kernels.size(); ++b) {
+      KernelGroup& kernel = out_.kernels[b];
+      if (kernel.rule != "matmul_epilogue" || kernel.tasks.size() < 2) continue;
+      const int mm = kernel.tasks[0], add = kernel.tasks[1];
+      if (p_.tasks[size_t(mm)].op->name != "matmul" || p_.tasks[size_t(add)].op->name != "add") continue;
+      // The add's other operand: the value of an earlier kernel that is a matmul, or a sum of them.
+      const int product = p_.tasks[size_t(mm)].find_tensor("out")->buffer;
+      int other = -1;
+      for (const char* slot : {"a", "b"})
+        if (const int x = p_.tasks[size_t(add)].find_tensor(slot)->buffer; x != product) other = x;
+      if (other < 0 || p_.buffers[size_t(other)].owner_task < 0) continue;
+      const size_t a = kernel_of(p_.buffers[size_t(other)].owner_task, 0);
+      if (a >= b || merged[a]) continue;
+      const KernelGroup& term = out_.kernels[a];
+      const bool a_sum = term.rule == "matmul_sum" && matmul_sum_terms(p_, term).epilogue == term.tasks.size();
+      if ((term.tasks.size() != 1 && !a_sum) || p_.tasks[size_t(term.tasks.front())].op->name != "matmul" ||
+          group_value(p_.tasks[size_t(term.tasks.back())])->buffer != other)
+        continue;
+      if (const std::string reason = why_not_sum_matmuls(a, b, other); !reason.empty()) {
+        note_prologue_refused(term.tasks, {mm}, reason, "is not summed in its kernel");
+        continue;
+      }
+      const std::vector<int> term_tasks = term.tasks;
+      std::vector<int> tasks = term.tasks;
+      tasks.insert(tasks.end(), kernel.tasks.begin(), kernel.tasks.end());
+      kernel.tasks = std::move(tasks);
+      kernel.rule = "matmul_sum";
+      kernel.internal_buffers.clear();
+      find_internal(kernel);
+      merged[a] = true;
+      // It joined the term's kernel: its note on why not is moot (a prologue's refusal still holds).
+      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == mm && contains(term_tasks, n.previous); });
+    }
+    drop_kernels(merged);
+  }
+
+  // Why the matmul (or sum of matmuls) of kernel `a`, whose value `other`
+  // the first epilogue task of matmul kernel `b` adds, cannot run in kernel
+  // `b` (empty when it can).
+  std::string why_not_sum_matmuls(size_t a, size_t b, int other) const {
+    if (!rule_on("matmul_sum")) return "rule matmul_sum is off (--no-fuse-rule)";
+    const KernelGroup& term = out_.kernels[a];
+    const KernelGroup& kernel = out_.kernels[b];
+    const int mm = kernel.tasks[0], add = kernel.tasks[1];
+    const std::string& add_id = p_.tasks[size_t(add)].task->id;
+    // Only the sum exists in the kernel: each term (or partial sum) must be read by its add alone.
+    for (int value : {other, p_.tasks[size_t(mm)].find_tensor("out")->buffer}) {
+      if (readers_[size_t(value)] != std::vector<int>{add})
+        return fmt::format("'{}' is read by more than '{}', so it is stored", buffer_name(p_, value), add_id);
+      if (p_.buffers[size_t(value)].storage != Storage::transient)
+        return fmt::format("'{}' is read after its phase or by the caller, so it is stored", buffer_name(p_, value));
+    }
+    for (const KernelGroup* k : {&term, &kernel})
+      if (!k->prologue.empty())
+        return fmt::format("'{}' computes a prologue; a sum's loads compute none", p_.tasks[size_t(k->tasks.front())].task->id);
+    const Shape& shape = slot_buffer(mm, "out").shape;
+    if (slot_buffer(add, "out").shape != shape || p_.buffers[size_t(other)].shape != shape)
+      return fmt::format("'{}' broadcasts: its operands and output are not all {}", add_id, shape_to_string(shape));
+    std::vector<int> terms;
+    for (int t : term.tasks)
+      if (p_.tasks[size_t(t)].op->name == "matmul") terms.push_back(t);
+    terms.push_back(mm);
+    if (terms.size() > kMaxSumTerms)
+      return fmt::format("the sum would have {} terms (at most {})", terms.size(), kMaxSumTerms);
+    for (int t : terms) {
+      const std::string& id = p_.tasks[size_t(t)].task->id;
+      if (const std::string why = why_not_rows_matmul(t, "a sum of matmuls"); !why.empty()) return why;
+      if (const std::string arg = runtime_arg(p_, t); !arg.empty())
+        return fmt::format("'{}' reads run-time argument '{}'", id, arg);
+      // One tile and one accumulator for all: the same operand types and alpha.
+      if (slot_buffer(t, "a").dtype != slot_buffer(mm, "a").dtype || slot_buffer(t, "b").dtype != slot_buffer(mm, "b").dtype ||
+          slot_buffer(t, "out").dtype != slot_buffer(mm, "out").dtype)
+        return fmt::format("'{}' and '{}' multiply different types", id, p_.tasks[size_t(mm)].task->id);
+      if (alpha_of(t) != alpha_of(mm))
+        return fmt::format("'{}' and '{}' scale their products differently (alpha)", id, p_.tasks[size_t(mm)].task->id);
+    }
+    // The term runs where the add did: nothing between may write what it
+    // reads, nor touch what it writes (only the add reads its value: checked
+    // above; this also covers an in-place update).
+    for (size_t j = a + 1; j < b; ++j)
+      if (std::string reason = conflict_when_moved(term, out_.kernels[j]); !reason.empty()) return reason;
+    return {};
+  }
+
+  // Why kernel `moved` cannot run on the other side of kernel `between`
+  // (the rules that move a kernel into a later or an earlier one): one
+  // writes what the other reads or writes. Empty when it can.
+  std::string conflict_when_moved(const KernelGroup& moved, const KernelGroup& between) const {
+    const Access m = access_of(moved), o = access_of(between);
+    const std::string& id = p_.tasks[size_t(moved.tasks.front())].task->id;
+    const std::string& other = p_.tasks[size_t(between.tasks.front())].task->id;
+    for (int b : m.reads)
+      if (contains(o.writes, b)) return fmt::format("'{}' reads '{}', which '{}' writes in between", id, buffer_name(p_, b), other);
+    for (int b : m.writes)
+      if (contains(o.writes, b) || contains(o.reads, b))
+        return fmt::format("'{}' writes '{}', which '{}' uses in between", id, buffer_name(p_, b), other);
+    return {};
+  }
+  // The terms' loads pick each one's operands by k: a short chain of branches.
+  static constexpr size_t kMaxSumTerms = 8;
+  double alpha_of(int matmul) const {
+    const BoundArg* a = root_arg(p_, matmul, "alpha").second;
+    if (a == nullptr) return 1.0;
+    return std::holds_alternative<double>(a->value) ? std::get<double>(a->value) : double(std::get<int64_t>(a->value));
+  }
+
   // Rule matmul_chain: a matmul's kernel (with its prologue and epilogue)
   // joins the kernel of the first matmul of its phase that reads its value
   // as the left operand: each block computes its rows of the value, every
@@ -792,21 +909,10 @@ class Fuser {
     // The kernel runs where the first of them did: nothing between may
     // write what a later one reads, nor touch what it writes.
     const size_t first = *std::min_element(members.begin(), members.end());
-    for (size_t m : members) {
-      const Access moved = access_of(out_.kernels[m]);
-      for (size_t j = first + 1; j < m; ++j) {
-        if (std::find(members.begin(), members.end(), j) != members.end()) continue;
-        const Access between = access_of(out_.kernels[j]);
-        const std::string& id = p_.tasks[size_t(out_.kernels[m].tasks.front())].task->id;
-        const std::string& other = p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id;
-        for (int b : moved.reads)
-          if (contains(between.writes, b))
-            return fmt::format("'{}' reads '{}', which '{}' writes before it", id, buffer_name(p_, b), other);
-        for (int b : moved.writes)
-          if (contains(between.writes, b) || contains(between.reads, b))
-            return fmt::format("'{}' writes '{}', which '{}' uses before it", id, buffer_name(p_, b), other);
-      }
-    }
+    for (size_t m : members)
+      for (size_t j = first + 1; j < m; ++j)
+        if (std::find(members.begin(), members.end(), j) == members.end())
+          if (std::string reason = conflict_when_moved(out_.kernels[m], out_.kernels[j]); !reason.empty()) return reason;
     return {};
   }
   static constexpr int64_t kMaxAttentionBackwardRegisters = 32;

@@ -26,6 +26,12 @@
 //                      (softmax, the norms, row sums) of its phase read: each
 //                      computes it element by element where its operand load
 //                      reads it, and the chain runs no kernel.
+//   matmul_sum         a matmul kernel whose epilogue starts by adding the
+//                      product of another matmul (or a sum of them) of the
+//                      same output shape: one product over the concatenated
+//                      inner dimensions, a @ b + c @ d (the gradient of a
+//                      tensor several matmuls read); the terms and partial
+//                      sums never reach memory.
 //   matmul_chain       a matmul kernel (prologue, epilogue) and the first
 //                      matmul that reads its value as its left operand: one
 //                      kernel whose blocks keep their rows of the value (an
@@ -82,8 +88,8 @@ namespace cudagen {
 
 inline const std::vector<std::string> kFusionRules = {
     "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "matmul_chain",      "row_reduction",   "attention",            "attention_projection", "attention_backward",
-    "permuted_store",    "horizontal"};
+    "matmul_sum",        "matmul_chain",    "row_reduction",        "attention",            "attention_projection",
+    "attention_backward", "permuted_store",  "horizontal"};
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task

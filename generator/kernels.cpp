@@ -1,6 +1,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <variant>
 
 namespace cudagen {
@@ -41,6 +42,8 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
   if (!k.prologue.empty()) rules.push_back(norm_prologue(program, k) ? "norm_prologue" : "elementwise_prologue");
   if (attention_scores(program, k) > 0) rules.push_back("attention_projection");
   if (first_row_reduction(program, k) > 1) rules.push_back("matmul_epilogue");
+  if (const MatmulSum sum = matmul_sum_terms(program, k); !sum.terms.empty() && sum.epilogue < k.tasks.size())
+    rules.push_back("matmul_epilogue");
   if (const AttentionGradient g = attention_gradient(program, k); g.ds != AttentionGradient::none)
     for (size_t i : {g.dq, g.dk, g.dv})
       if (i != AttentionGradient::none && g.epilogue_end(i, k.tasks.size()) > i + 1) {
@@ -77,6 +80,23 @@ size_t attention_scores(const Program& program, const KernelGroup& k) {
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->name == "softmax") return i - 1;
   return 0;
+}
+
+MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k) {
+  MatmulSum sum;
+  if (k.rule != "matmul_sum") return sum;
+  // fuse.cpp: each further term's kernel starts with it, then its add; the
+  // epilogue (elementwise tasks) follows the last add.
+  for (size_t i = 0; i < k.tasks.size(); ++i) {
+    if (program.tasks[size_t(k.tasks[i])].op->name != "matmul") continue;
+    sum.terms.push_back(i);
+    if (i == 0) continue;
+    if (i + 1 >= k.tasks.size() || program.tasks[size_t(k.tasks[i + 1])].op->name != "add")
+      throw std::logic_error("matmul_sum kernel " + k.name + ": a term not followed by its add");
+    sum.adds.push_back(i + 1);
+  }
+  sum.epilogue = sum.adds.empty() ? 1 : sum.adds.back() + 1;
+  return sum;
 }
 
 int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64_t>& x_widths) {

@@ -173,6 +173,18 @@ struct AttentionGradient {
 };
 AttentionGradient attention_gradient(const Program& program, const KernelGroup& k);
 
+// Rule matmul_sum: where the terms of a sum of matmuls (each [..., M, K_i] @
+// [K_i, N], one output shape) are in k.tasks, and the adds that sum them
+// (`adds`):
+// k.tasks is the first term, then each further term followed by the add of
+// it to the sum so far, then the epilogue on the sum (from `epilogue`).
+// Empty for a kernel of another rule.
+struct MatmulSum {
+  std::vector<size_t> terms, adds;
+  size_t epilogue = 0;
+};
+MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k);
+
 // The attention_backward skeleton (emit.cpp): a block of 256 threads per
 // head, its 8 warps taking a tile of 8 query rows at a time, one each.
 inline constexpr int64_t kAttentionBackwardThreads = 256;

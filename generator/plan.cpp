@@ -107,10 +107,12 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // inputs too, which the operand loads read.)
     const KernelGroup& kernel = kernels[size_t(k)];
     std::vector<int> readers_elsewhere = kernel.prologue;
-    // (An attention's gradients: every task, the epilogues between the gradients too.)
+    // (An attention's gradients: every task, the epilogues between the gradients too;
+    // a sum of matmuls: its terms and the adds between them.)
     const size_t anchors = kernel.rule == "attention"      ? std::min(attention_scores(program, kernel) + 3, kernel.tasks.size())
                            : kernel.rule == "matmul_chain" ? second_matmul(program, kernel) + 1
                            : kernel.rule == "attention_backward" ? kernel.tasks.size()
+                           : kernel.rule == "matmul_sum" ? matmul_sum_terms(program, kernel).epilogue
                                                            : 1;
     if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
       readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(), kernel.tasks.begin() + long(anchors));

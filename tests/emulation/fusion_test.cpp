@@ -332,6 +332,20 @@ TaskGraph projected_attention(DType d, bool gpt) {
   return std::move(b).graph();
 }
 
+// Rule matmul_sum: three products of one shape added, x1 @ w1 + x2 @ w2^T +
+// x3 @ w3 (inner dimensions 12, 7 and 40: the terms meet inside the
+// skeleton's k tiles), rows over a batch of 2 x 35; then a GELU, or nothing.
+TaskGraph matmul_sum(DType d, bool epilogue) {
+  GraphBuilder b(fmt::format("matmul_sum_{}_{}", to_string(d), epilogue ? "epilogue" : "plain"));
+  auto m1 = b.task("m1", "matmul").tensor("a", d, {2, 35, 12}, ext).tensor("b", d, {12, 40}, ext).tensor("out", d, {2, 35, 40}).arg("alpha", 0.5);
+  auto m2 = b.task("m2", "matmul").tensor("a", d, {2, 35, 7}, ext).tensor("b", d, {40, 7}, ext).tensor("out", d, {2, 35, 40}).arg("trans_b", true).arg("alpha", 0.5);
+  auto s1 = b.task("s1", "add").tensor("a", m2["out"]).tensor("b", m1["out"]).tensor("out", d, {2, 35, 40});
+  auto m3 = b.task("m3", "matmul").tensor("a", d, {2, 35, 40}, ext).tensor("b", d, {40, 40}, ext).tensor("out", d, {2, 35, 40}).arg("alpha", 0.5);
+  auto s2 = b.task("s2", "add").tensor("a", m3["out"]).tensor("b", s1["out"]).tensor("out", d, {2, 35, 40}, epilogue ? Storage::transient : ext);
+  if (epilogue) b.task("g", "gelu").tensor("x", s2["out"]).tensor("out", d, {2, 35, 40}, ext);
+  return std::move(b).graph();
+}
+
 // Rule attention_backward: the gradient tasks of softmax(scale * alpha q
 // k^T) alpha' v as the derive pass writes them, by hand, from the caller's
 // dcontext and probabilities. `which`: "all" (self-attention of 12 tokens: a
@@ -545,6 +559,20 @@ TEST_P(FusedChains, ProjectedAttentionMatchesTheReferenceFusedAndUnfused) {
                   std::string::npos,
               gpt);
     // The megakernel runs it too.
+    expect_megakernel_right(g);
+  }
+}
+
+TEST_P(FusedChains, MatmulSumMatchesTheReferenceFusedAndUnfused) {
+  for (bool epilogue : {true, false}) {
+    const TaskGraph g = matmul_sum(GetParam(), epilogue);
+    const Compiled c = expect_fused_and_unfused_right(g, 1, "// m1 + m2 + m3: one product over k in [0, 59)");
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_EQ(c.kernels[0].rule, "matmul_sum");
+    const std::string& src = c.emitted.cuda_source;
+    EXPECT_EQ(src.find("cg_epilogue(") != std::string::npos, epilogue);
+    EXPECT_EQ(src.find("m1_out"), std::string::npos) << "the terms never reach memory";
+    EXPECT_EQ(src.find("s1_out"), std::string::npos) << "nor the partial sum";
     expect_megakernel_right(g);
   }
 }

@@ -2,7 +2,7 @@
 // Options: arch=sm_90 fuse=on reuse=on alignment=256 budget=0
 // One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host
 // emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.
-// Arena: 163072 bytes (lower bound 162816, without reuse 245248); the 256 bytes at 162816 hold 2 run-time argument(s), the runtime writes them.
+// Arena: 164864 bytes (lower bound 164608, without reuse 241152); the 256 bytes at 164608 hold 2 run-time argument(s), the runtime writes them.
 
 // ---- device prelude (templates/prelude.cuh) ----
 // cudagen device prelude: the first part of every generated .cu file.
@@ -1772,28 +1772,12 @@ CG_KERNEL void __launch_bounds__(256, 1) k49_context_grad_a(const float* __restr
   k49_context_grad_a_tile(dcontext, v, probs, k, q_heads_grad_x_out, q, k_heads_grad_x_out, v_heads_grad_x_out, cg_launch_tile());
 }
 
-// Kernel k50_v_grad_a (backward phase): task v_grad_a (matmul, matmul).
-//   reads  v_grad_a.a f32 [2, 8, 32] <- v_heads_grad_x.out, v_grad_a.b f32 [32, 32] <- wv.out
-//   writes v_grad_a.out f32 [2, 8, 32]
-//   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k50_v_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 32 + k); },
-      [&](int m, int n, float acc) { cg_store(out, out_base + (cg_i64)m * 32 + n, acc); },
-      16, 32, 32, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k51_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
+// Kernel k50_v_grad_b (backward phase): task v_grad_b (matmul, matmul).
 //   reads  v_grad_b.a f32 [16, 32] <- v_grad_b_a_rows.out, v_grad_b.b f32 [16, 32] <- v_grad_b_dout_rows.out
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k51_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1804,34 +1788,12 @@ CG_DEVICE void k51_v_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k52_k_grad_a (backward phase): tasks k_grad_a (matmul), grad_ln1_out_sum (add), fused (matmul_epilogue).
-//   reads  k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], v_grad_a.out f32 [2, 8, 32]
-//   writes grad_ln1_out_sum.out f32 [2, 8, 32]
-//   in registers k_grad_a.out
-//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
-//     [0, 4288) the operand tiles
-CG_DEVICE void k52_k_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_a, float* grad_ln1_out_sum_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): grad_ln1_out_sum (add), on element i of k_grad_a.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_a, i), v0);  // grad_ln1_out_sum.out
-    cg_store(grad_ln1_out_sum_out, i, v1);
-  };
-  CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
-  cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 32 + k); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
-      16, 32, 32, tile.y, tile.x, (float*)cg_smem);
-}
-
-// Kernel k53_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
+// Kernel k51_k_grad_b (backward phase): task k_grad_b (matmul, matmul).
 //   reads  k_grad_b.a f32 [16, 32] <- k_grad_b_a_rows.out, k_grad_b.b f32 [16, 32] <- k_grad_b_dout_rows.out
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k53_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k51_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1842,34 +1804,40 @@ CG_DEVICE void k53_k_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k54_q_grad_a (backward phase): tasks q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_epilogue).
-//   reads  q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32], grad_ln1_out_sum.out f32 [2, 8, 32]
+// Kernel k52_v_grad_a (backward phase): tasks v_grad_a (matmul), k_grad_a (matmul), grad_ln1_out_sum (add), q_grad_a (matmul), grad_ln1_out_sum_2 (add), fused (matmul_sum).
+//   reads  v_heads_grad_x.out f32 [2, 8, 32], wv.out f32 [32, 32], k_heads_grad_x.out f32 [2, 8, 32], wk.out f32 [32, 32], q_heads_grad_x.out f32 [2, 8, 32], wq.out f32 [32, 32]
 //   writes grad_ln1_out_sum_2.out f32 [2, 8, 32]
-//   in registers q_grad_a.out
-//   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
+//   in registers v_grad_a.out, k_grad_a.out, grad_ln1_out_sum.out, q_grad_a.out
+//   18432 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k54_q_grad_a_tile(const float* a, const float* b, const float* grad_ln1_out_sum_2_a, float* grad_ln1_out_sum_2_out, cg_tile tile) {
-  // Epilogue (matmul_epilogue): grad_ln1_out_sum_2 (add), on element i of q_grad_a.out as it is computed.
-  auto cg_epilogue = [&](cg_i64 i, float v0) {
-    const float v1 = cg_add<float>(cg_load(grad_ln1_out_sum_2_a, i), v0);  // grad_ln1_out_sum_2.out
-    cg_store(grad_ln1_out_sum_2_out, i, v1);
-  };
+CG_DEVICE void k52_v_grad_a_tile(const float* v_grad_a_a, const float* v_grad_a_b, const float* k_grad_a_a, const float* k_grad_a_b, const float* q_grad_a_a, const float* q_grad_a_b, float* grad_ln1_out_sum_2_out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
-  const cg_i64 z = tile.z;
-  const cg_i64 a_base = z * 512, b_base = z * 1024, out_base = z * 512;
+  // v_grad_a + k_grad_a + q_grad_a: one product over k in [0, 96), each term's operands where its k lies.
   cg_matmul_tile<32, 32, 16>(
-      [&](int m, int k) { return cg_load(a, a_base + (cg_i64)m * 32 + k); },
-      [&](int k, int n) { return cg_load(b, b_base + (cg_i64)n * 32 + k); },
-      [&](int m, int n, float acc) { cg_epilogue(out_base + (cg_i64)m * 32 + n, acc); },
-      16, 32, 32, tile.y, tile.x, (float*)cg_smem);
+      [&](int m, int k) {
+        if (k < 32) return cg_load(v_grad_a_a, (cg_i64)m * 32 + k);  // v_grad_a
+        k -= 32;
+        if (k < 32) return cg_load(k_grad_a_a, (cg_i64)m * 32 + k);  // k_grad_a
+        k -= 32;
+        return cg_load(q_grad_a_a, (cg_i64)m * 32 + k);  // q_grad_a
+      },
+      [&](int k, int n) {
+        if (k < 32) return cg_load(v_grad_a_b, (cg_i64)n * 32 + k);
+        k -= 32;
+        if (k < 32) return cg_load(k_grad_a_b, (cg_i64)n * 32 + k);
+        k -= 32;
+        return cg_load(q_grad_a_b, (cg_i64)n * 32 + k);
+      },
+      [&](int m, int n, float acc) { cg_store(grad_ln1_out_sum_2_out, (cg_i64)m * 32 + n, acc); },
+      16, 32, 96, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k55_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
+// Kernel k53_q_grad_b (backward phase): task q_grad_b (matmul, matmul).
 //   reads  q_grad_b.a f32 [16, 32] <- q_grad_b_a_rows.out, q_grad_b.b f32 [16, 32] <- q_grad_b_dout_rows.out
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-CG_DEVICE void k55_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
+CG_DEVICE void k53_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
   const cg_i64 a_base = z * 512, b_base = z * 512, out_base = z * 1024;
@@ -1880,13 +1848,13 @@ CG_DEVICE void k55_q_grad_b_tile(const float* a, const float* b, float* out, cg_
       32, 32, 16, tile.y, tile.x, (float*)cg_smem);
 }
 
-// Kernel k56_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
+// Kernel k54_ln1_backward (backward phase): tasks ln1_backward (rmsnorm_backward), grad_embed_out_sum (add), fused (reduction_epilogue).
 //   reads  embed.out f32 [2, 8, 32], ln1_w.out f32 [32], ln1.rstd f32 [2, 8], grad_ln1_out_sum_2.out f32 [2, 8, 32], grad_res1_out_sum.out f32 [2, 8, 32]
 //   writes ln1_backward.dweight f32 [32], grad_embed_out_sum.out f32 [2, 8, 32]
 //   in registers ln1_backward.dx
 //   6336 bytes read, 2176 bytes written; grid [17, 1, 1], block 128, 512 bytes of shared memory:
 //     [0, 512) reduction scratch, a float per thread
-CG_DEVICE void k56_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
+CG_DEVICE void k54_ln1_backward_tile(const float* x, const float* weight, const float* rstd, const float* dout, float* dweight, const float* grad_embed_out_sum_a, float* grad_embed_out_sum_out, cg_tile tile) {
   // Epilogue (reduction_epilogue): grad_embed_out_sum (add), on element i of ln1_backward.dx as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
     const float v1 = cg_add<float>(cg_load(grad_embed_out_sum_a, i), v0);  // grad_embed_out_sum.out
@@ -1909,28 +1877,28 @@ CG_DEVICE void k56_ln1_backward_tile(const float* x, const float* weight, const 
     if (threadIdx.x < 32 && j < 32) cg_store(dweight, j, dw);
   }
 }
-CG_KERNEL void __launch_bounds__(128) k56_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
-  k56_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(128) k54_ln1_backward(const float* __restrict__ x, const float* __restrict__ weight, const float* __restrict__ rstd, const float* __restrict__ dout, float* __restrict__ dweight, const float* __restrict__ grad_embed_out_sum_a, float* __restrict__ grad_embed_out_sum_out) {
+  k54_ln1_backward_tile(x, weight, rstd, dout, dweight, grad_embed_out_sum_a, grad_embed_out_sum_out, cg_launch_tile());
 }
 
-// Kernel k57_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
+// Kernel k55_embed_backward (backward phase): task embed_backward (embedding_backward, gather).
 //   reads  embed_backward.ids i32 [2, 8] <- embed.ids, embed_backward.dout f32 [2, 8, 32] <- grad_embed_out_sum.out
 //   writes embed_backward.dtable f32 [16, 32]
 //   2112 bytes read, 2048 bytes written; grid [16, 1, 1], block 32, 0 bytes of shared memory.
-CG_DEVICE void k57_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
+CG_DEVICE void k55_embed_backward_tile(const int* ids, const float* dout, float* dtable, cg_tile tile) {
   const cg_i64 v = tile.x;
   for (cg_i64 d = threadIdx.x; d < 32; d += blockDim.x)
     cg_store(dtable, v * 32 + d, cg_embedding_backward<float, int>(ids, dout, v, d, 16, 32));
 }
-CG_KERNEL void __launch_bounds__(32) k57_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
-  k57_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
+CG_KERNEL void __launch_bounds__(32) k55_embed_backward(const int* __restrict__ ids, const float* __restrict__ dout, float* __restrict__ dtable) {
+  k55_embed_backward_tile(ids, dout, dtable, cg_launch_tile());
 }
 
-// Kernel k58_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
+// Kernel k56_embed_w_adamw (update phase): task embed_w_adamw (adamw, elementwise).
 //   reads  embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.grad f32 [16, 32] <- embed_backward.dtable, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   writes embed_w_adamw.param f32 [16, 32] <- embed_w.out, embed_w_adamw.m f32 [16, 32] <- embed_w_m_init.out, embed_w_adamw.v f32 [16, 32] <- embed_w_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k58_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k56_embed_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -1944,11 +1912,11 @@ CG_DEVICE void k58_embed_w_adamw_tile(float* param, const float* grad, float* m,
   }
 }
 
-// Kernel k59_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
+// Kernel k57_ln1_w_adamw (update phase): task ln1_w_adamw (adamw, elementwise).
 //   reads  ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.grad f32 [32] <- ln1_backward.dweight, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   writes ln1_w_adamw.param f32 [32] <- ln1_w.out, ln1_w_adamw.m f32 [32] <- ln1_w_m_init.out, ln1_w_adamw.v f32 [32] <- ln1_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k59_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k57_ln1_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -1962,11 +1930,11 @@ CG_DEVICE void k59_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k60_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
+// Kernel k58_wq_adamw (update phase): task wq_adamw (adamw, elementwise).
 //   reads  wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.grad f32 [32, 32] <- q_grad_b.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   writes wq_adamw.param f32 [32, 32] <- wq.out, wq_adamw.m f32 [32, 32] <- wq_m_init.out, wq_adamw.v f32 [32, 32] <- wq_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k60_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k58_wq_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1980,11 +1948,11 @@ CG_DEVICE void k60_wq_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k61_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
+// Kernel k59_wk_adamw (update phase): task wk_adamw (adamw, elementwise).
 //   reads  wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.grad f32 [32, 32] <- k_grad_b.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   writes wk_adamw.param f32 [32, 32] <- wk.out, wk_adamw.m f32 [32, 32] <- wk_m_init.out, wk_adamw.v f32 [32, 32] <- wk_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k61_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k59_wk_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -1998,11 +1966,11 @@ CG_DEVICE void k61_wk_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k62_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
+// Kernel k60_wv_adamw (update phase): task wv_adamw (adamw, elementwise).
 //   reads  wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.grad f32 [32, 32] <- v_grad_b.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   writes wv_adamw.param f32 [32, 32] <- wv.out, wv_adamw.m f32 [32, 32] <- wv_m_init.out, wv_adamw.v f32 [32, 32] <- wv_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k62_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k60_wv_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2016,11 +1984,11 @@ CG_DEVICE void k62_wv_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k63_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
+// Kernel k61_wo_adamw (update phase): task wo_adamw (adamw, elementwise).
 //   reads  wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.grad f32 [32, 32] <- attn_out_grad_b.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   writes wo_adamw.param f32 [32, 32] <- wo.out, wo_adamw.m f32 [32, 32] <- wo_m_init.out, wo_adamw.v f32 [32, 32] <- wo_v_init.out
 //   16384 bytes read, 12288 bytes written; grid [4, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k63_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k61_wo_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 1024; i += cg_grid_threads(tile)) {
@@ -2034,11 +2002,11 @@ CG_DEVICE void k63_wo_adamw_tile(float* param, const float* grad, float* m, floa
   }
 }
 
-// Kernel k64_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
+// Kernel k62_ln2_w_adamw (update phase): task ln2_w_adamw (adamw, elementwise).
 //   reads  ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.grad f32 [32] <- ln2_backward.dweight, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   writes ln2_w_adamw.param f32 [32] <- ln2_w.out, ln2_w_adamw.m f32 [32] <- ln2_w_m_init.out, ln2_w_adamw.v f32 [32] <- ln2_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k64_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k62_ln2_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2052,11 +2020,11 @@ CG_DEVICE void k64_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k65_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
+// Kernel k63_w_up_adamw (update phase): task w_up_adamw (adamw, elementwise).
 //   reads  w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.grad f32 [32, 64] <- up_grad_b.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   writes w_up_adamw.param f32 [32, 64] <- w_up.out, w_up_adamw.m f32 [32, 64] <- w_up_m_init.out, w_up_adamw.v f32 [32, 64] <- w_up_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k65_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k63_w_up_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2070,11 +2038,11 @@ CG_DEVICE void k65_w_up_adamw_tile(float* param, const float* grad, float* m, fl
   }
 }
 
-// Kernel k66_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
+// Kernel k64_w_down_adamw (update phase): task w_down_adamw (adamw, elementwise).
 //   reads  w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.grad f32 [64, 32] <- down_grad_b.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   writes w_down_adamw.param f32 [64, 32] <- w_down.out, w_down_adamw.m f32 [64, 32] <- w_down_m_init.out, w_down_adamw.v f32 [64, 32] <- w_down_v_init.out
 //   32768 bytes read, 24576 bytes written; grid [8, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k66_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k64_w_down_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 2048; i += cg_grid_threads(tile)) {
@@ -2088,11 +2056,11 @@ CG_DEVICE void k66_w_down_adamw_tile(float* param, const float* grad, float* m, 
   }
 }
 
-// Kernel k67_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
+// Kernel k65_lnf_w_adamw (update phase): task lnf_w_adamw (adamw, elementwise).
 //   reads  lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.grad f32 [32] <- lnf_backward.dweight, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   writes lnf_w_adamw.param f32 [32] <- lnf_w.out, lnf_w_adamw.m f32 [32] <- lnf_w_m_init.out, lnf_w_adamw.v f32 [32] <- lnf_w_v_init.out
 //   512 bytes read, 384 bytes written; grid [1, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k67_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k65_lnf_w_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 32; i += cg_grid_threads(tile)) {
@@ -2106,11 +2074,11 @@ CG_DEVICE void k67_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
   }
 }
 
-// Kernel k68_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
+// Kernel k66_w_head_adamw (update phase): task w_head_adamw (adamw, elementwise).
 //   reads  w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.grad f32 [32, 16] <- head_grad_b.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   writes w_head_adamw.param f32 [32, 16] <- w_head.out, w_head_adamw.m f32 [32, 16] <- w_head_m_init.out, w_head_adamw.v f32 [32, 16] <- w_head_v_init.out
 //   8192 bytes read, 6144 bytes written; grid [2, 1, 1], block 256, 0 bytes of shared memory.
-CG_DEVICE void k68_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
+CG_DEVICE void k66_w_head_adamw_tile(float* param, const float* grad, float* m, float* v, const float* lr_arg, const long long* step_arg, cg_tile tile) {
   const float lr = cg_load(lr_arg, 0);  // run-time argument embed_w_adamw.lr
   const long long step = cg_load(step_arg, 0);  // run-time argument embed_w_adamw.step
   for (cg_i64 i = cg_global_thread(tile); i < 512; i += cg_grid_threads(tile)) {
@@ -2335,181 +2303,155 @@ CG_KERNEL void __launch_bounds__(256) h12_attn_out_grad_a_attn_out_grad_b(
     k48_attn_out_grad_b_tile(k48_attn_out_grad_b_a, k48_attn_out_grad_b_b, k48_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
-// Launch h14_v_grad_a_v_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
+// Launch h14_v_grad_b_k_grad_b_v_grad_a_and_1_more (backward phase):
+// 4 kernels that are independent of each other (rule horizontal) as one grid of 4 blocks
 // of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 1): k50_v_grad_a
-//   blocks [1, 2): k51_v_grad_b
-CG_KERNEL void __launch_bounds__(256) h14_v_grad_a_v_grad_b(
-    const float* __restrict__ k50_v_grad_a_a,
-    const float* __restrict__ k50_v_grad_a_b,
-    float* __restrict__ k50_v_grad_a_out,
-    const float* __restrict__ k51_v_grad_b_a,
-    const float* __restrict__ k51_v_grad_b_b,
-    float* __restrict__ k51_v_grad_b_out) {
+//   blocks [0, 1): k50_v_grad_b
+//   blocks [1, 2): k51_k_grad_b
+//   blocks [2, 3): k52_v_grad_a
+//   blocks [3, 4): k53_q_grad_b
+CG_KERNEL void __launch_bounds__(256) h14_v_grad_b_k_grad_b_v_grad_a_and_1_more(
+    const float* __restrict__ k50_v_grad_b_a,
+    const float* __restrict__ k50_v_grad_b_b,
+    float* __restrict__ k50_v_grad_b_out,
+    const float* __restrict__ k51_k_grad_b_a,
+    const float* __restrict__ k51_k_grad_b_b,
+    float* __restrict__ k51_k_grad_b_out,
+    const float* __restrict__ k52_v_grad_a_v_grad_a_a,
+    const float* __restrict__ k52_v_grad_a_v_grad_a_b,
+    const float* __restrict__ k52_v_grad_a_k_grad_a_a,
+    const float* __restrict__ k52_v_grad_a_k_grad_a_b,
+    const float* __restrict__ k52_v_grad_a_q_grad_a_a,
+    const float* __restrict__ k52_v_grad_a_q_grad_a_b,
+    float* __restrict__ k52_v_grad_a_grad_ln1_out_sum_2_out,
+    const float* __restrict__ k53_q_grad_b_a,
+    const float* __restrict__ k53_q_grad_b_b,
+    float* __restrict__ k53_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
-    k50_v_grad_a_tile(k50_v_grad_a_a, k50_v_grad_a_b, k50_v_grad_a_out, cg_tile_of(block, 1, 1));
+    k50_v_grad_b_tile(k50_v_grad_b_a, k50_v_grad_b_b, k50_v_grad_b_out, cg_tile_of(block, 1, 1));
+  else if (block < 2u)
+    k51_k_grad_b_tile(k51_k_grad_b_a, k51_k_grad_b_b, k51_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+  else if (block < 3u)
+    k52_v_grad_a_tile(k52_v_grad_a_v_grad_a_a, k52_v_grad_a_v_grad_a_b, k52_v_grad_a_k_grad_a_a, k52_v_grad_a_k_grad_a_b, k52_v_grad_a_q_grad_a_a, k52_v_grad_a_q_grad_a_b, k52_v_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block - 2u, 1, 1));
   else
-    k51_v_grad_b_tile(k51_v_grad_b_a, k51_v_grad_b_b, k51_v_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k53_q_grad_b_tile(k53_q_grad_b_a, k53_q_grad_b_b, k53_q_grad_b_out, cg_tile_of(block - 3u, 1, 1));
 }
 
-// Launch h15_k_grad_a_k_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 1): k52_k_grad_a
-//   blocks [1, 2): k53_k_grad_b
-CG_KERNEL void __launch_bounds__(256) h15_k_grad_a_k_grad_b(
-    const float* __restrict__ k52_k_grad_a_a,
-    const float* __restrict__ k52_k_grad_a_b,
-    const float* k52_k_grad_a_grad_ln1_out_sum_a,
-    float* k52_k_grad_a_grad_ln1_out_sum_out,
-    const float* __restrict__ k53_k_grad_b_a,
-    const float* __restrict__ k53_k_grad_b_b,
-    float* __restrict__ k53_k_grad_b_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 1u)
-    k52_k_grad_a_tile(k52_k_grad_a_a, k52_k_grad_a_b, k52_k_grad_a_grad_ln1_out_sum_a, k52_k_grad_a_grad_ln1_out_sum_out, cg_tile_of(block, 1, 1));
-  else
-    k53_k_grad_b_tile(k53_k_grad_b_a, k53_k_grad_b_b, k53_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
-}
-
-// Launch h16_q_grad_a_q_grad_b (backward phase):
-// 2 kernels that are independent of each other (rule horizontal) as one grid of 2 blocks
-// of 256 threads, 4288 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 1): k54_q_grad_a
-//   blocks [1, 2): k55_q_grad_b
-CG_KERNEL void __launch_bounds__(256) h16_q_grad_a_q_grad_b(
-    const float* __restrict__ k54_q_grad_a_a,
-    const float* __restrict__ k54_q_grad_a_b,
-    const float* k54_q_grad_a_grad_ln1_out_sum_2_a,
-    float* k54_q_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k55_q_grad_b_a,
-    const float* __restrict__ k55_q_grad_b_b,
-    float* __restrict__ k55_q_grad_b_out) {
-  const unsigned int block = blockIdx.x;
-  if (block < 1u)
-    k54_q_grad_a_tile(k54_q_grad_a_a, k54_q_grad_a_b, k54_q_grad_a_grad_ln1_out_sum_2_a, k54_q_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block, 1, 1));
-  else
-    k55_q_grad_b_tile(k55_q_grad_b_a, k55_q_grad_b_b, k55_q_grad_b_out, cg_tile_of(block - 1u, 1, 1));
-}
-
-// Launch h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
+// Launch h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
 // 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 2): k58_embed_w_adamw
-//   blocks [2, 3): k59_ln1_w_adamw
-//   blocks [3, 7): k60_wq_adamw
-//   blocks [7, 11): k61_wk_adamw
-//   blocks [11, 15): k62_wv_adamw
-//   blocks [15, 19): k63_wo_adamw
-//   blocks [19, 20): k64_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
-    float* __restrict__ k58_embed_w_adamw_param,
-    const float* __restrict__ k58_embed_w_adamw_grad,
-    float* __restrict__ k58_embed_w_adamw_m,
-    float* __restrict__ k58_embed_w_adamw_v,
-    const float* __restrict__ k58_embed_w_adamw_lr_arg,
-    const long long* __restrict__ k58_embed_w_adamw_step_arg,
-    float* __restrict__ k59_ln1_w_adamw_param,
-    const float* __restrict__ k59_ln1_w_adamw_grad,
-    float* __restrict__ k59_ln1_w_adamw_m,
-    float* __restrict__ k59_ln1_w_adamw_v,
-    const float* __restrict__ k59_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k59_ln1_w_adamw_step_arg,
-    float* __restrict__ k60_wq_adamw_param,
-    const float* __restrict__ k60_wq_adamw_grad,
-    float* __restrict__ k60_wq_adamw_m,
-    float* __restrict__ k60_wq_adamw_v,
-    const float* __restrict__ k60_wq_adamw_lr_arg,
-    const long long* __restrict__ k60_wq_adamw_step_arg,
-    float* __restrict__ k61_wk_adamw_param,
-    const float* __restrict__ k61_wk_adamw_grad,
-    float* __restrict__ k61_wk_adamw_m,
-    float* __restrict__ k61_wk_adamw_v,
-    const float* __restrict__ k61_wk_adamw_lr_arg,
-    const long long* __restrict__ k61_wk_adamw_step_arg,
-    float* __restrict__ k62_wv_adamw_param,
-    const float* __restrict__ k62_wv_adamw_grad,
-    float* __restrict__ k62_wv_adamw_m,
-    float* __restrict__ k62_wv_adamw_v,
-    const float* __restrict__ k62_wv_adamw_lr_arg,
-    const long long* __restrict__ k62_wv_adamw_step_arg,
-    float* __restrict__ k63_wo_adamw_param,
-    const float* __restrict__ k63_wo_adamw_grad,
-    float* __restrict__ k63_wo_adamw_m,
-    float* __restrict__ k63_wo_adamw_v,
-    const float* __restrict__ k63_wo_adamw_lr_arg,
-    const long long* __restrict__ k63_wo_adamw_step_arg,
-    float* __restrict__ k64_ln2_w_adamw_param,
-    const float* __restrict__ k64_ln2_w_adamw_grad,
-    float* __restrict__ k64_ln2_w_adamw_m,
-    float* __restrict__ k64_ln2_w_adamw_v,
-    const float* __restrict__ k64_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k64_ln2_w_adamw_step_arg) {
+//   blocks [0, 2): k56_embed_w_adamw
+//   blocks [2, 3): k57_ln1_w_adamw
+//   blocks [3, 7): k58_wq_adamw
+//   blocks [7, 11): k59_wk_adamw
+//   blocks [11, 15): k60_wv_adamw
+//   blocks [15, 19): k61_wo_adamw
+//   blocks [19, 20): k62_ln2_w_adamw
+CG_KERNEL void __launch_bounds__(256) h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+    float* __restrict__ k56_embed_w_adamw_param,
+    const float* __restrict__ k56_embed_w_adamw_grad,
+    float* __restrict__ k56_embed_w_adamw_m,
+    float* __restrict__ k56_embed_w_adamw_v,
+    const float* __restrict__ k56_embed_w_adamw_lr_arg,
+    const long long* __restrict__ k56_embed_w_adamw_step_arg,
+    float* __restrict__ k57_ln1_w_adamw_param,
+    const float* __restrict__ k57_ln1_w_adamw_grad,
+    float* __restrict__ k57_ln1_w_adamw_m,
+    float* __restrict__ k57_ln1_w_adamw_v,
+    const float* __restrict__ k57_ln1_w_adamw_lr_arg,
+    const long long* __restrict__ k57_ln1_w_adamw_step_arg,
+    float* __restrict__ k58_wq_adamw_param,
+    const float* __restrict__ k58_wq_adamw_grad,
+    float* __restrict__ k58_wq_adamw_m,
+    float* __restrict__ k58_wq_adamw_v,
+    const float* __restrict__ k58_wq_adamw_lr_arg,
+    const long long* __restrict__ k58_wq_adamw_step_arg,
+    float* __restrict__ k59_wk_adamw_param,
+    const float* __restrict__ k59_wk_adamw_grad,
+    float* __restrict__ k59_wk_adamw_m,
+    float* __restrict__ k59_wk_adamw_v,
+    const float* __restrict__ k59_wk_adamw_lr_arg,
+    const long long* __restrict__ k59_wk_adamw_step_arg,
+    float* __restrict__ k60_wv_adamw_param,
+    const float* __restrict__ k60_wv_adamw_grad,
+    float* __restrict__ k60_wv_adamw_m,
+    float* __restrict__ k60_wv_adamw_v,
+    const float* __restrict__ k60_wv_adamw_lr_arg,
+    const long long* __restrict__ k60_wv_adamw_step_arg,
+    float* __restrict__ k61_wo_adamw_param,
+    const float* __restrict__ k61_wo_adamw_grad,
+    float* __restrict__ k61_wo_adamw_m,
+    float* __restrict__ k61_wo_adamw_v,
+    const float* __restrict__ k61_wo_adamw_lr_arg,
+    const long long* __restrict__ k61_wo_adamw_step_arg,
+    float* __restrict__ k62_ln2_w_adamw_param,
+    const float* __restrict__ k62_ln2_w_adamw_grad,
+    float* __restrict__ k62_ln2_w_adamw_m,
+    float* __restrict__ k62_ln2_w_adamw_v,
+    const float* __restrict__ k62_ln2_w_adamw_lr_arg,
+    const long long* __restrict__ k62_ln2_w_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
-    k58_embed_w_adamw_tile(k58_embed_w_adamw_param, k58_embed_w_adamw_grad, k58_embed_w_adamw_m, k58_embed_w_adamw_v, k58_embed_w_adamw_lr_arg, k58_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+    k56_embed_w_adamw_tile(k56_embed_w_adamw_param, k56_embed_w_adamw_grad, k56_embed_w_adamw_m, k56_embed_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k59_ln1_w_adamw_tile(k59_ln1_w_adamw_param, k59_ln1_w_adamw_grad, k59_ln1_w_adamw_m, k59_ln1_w_adamw_v, k59_ln1_w_adamw_lr_arg, k59_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k57_ln1_w_adamw_tile(k57_ln1_w_adamw_param, k57_ln1_w_adamw_grad, k57_ln1_w_adamw_m, k57_ln1_w_adamw_v, k57_ln1_w_adamw_lr_arg, k57_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k60_wq_adamw_tile(k60_wq_adamw_param, k60_wq_adamw_grad, k60_wq_adamw_m, k60_wq_adamw_v, k60_wq_adamw_lr_arg, k60_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k58_wq_adamw_tile(k58_wq_adamw_param, k58_wq_adamw_grad, k58_wq_adamw_m, k58_wq_adamw_v, k58_wq_adamw_lr_arg, k58_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k61_wk_adamw_tile(k61_wk_adamw_param, k61_wk_adamw_grad, k61_wk_adamw_m, k61_wk_adamw_v, k61_wk_adamw_lr_arg, k61_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k59_wk_adamw_tile(k59_wk_adamw_param, k59_wk_adamw_grad, k59_wk_adamw_m, k59_wk_adamw_v, k59_wk_adamw_lr_arg, k59_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k62_wv_adamw_tile(k62_wv_adamw_param, k62_wv_adamw_grad, k62_wv_adamw_m, k62_wv_adamw_v, k62_wv_adamw_lr_arg, k62_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k60_wv_adamw_tile(k60_wv_adamw_param, k60_wv_adamw_grad, k60_wv_adamw_m, k60_wv_adamw_v, k60_wv_adamw_lr_arg, k60_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k63_wo_adamw_tile(k63_wo_adamw_param, k63_wo_adamw_grad, k63_wo_adamw_m, k63_wo_adamw_v, k63_wo_adamw_lr_arg, k63_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k61_wo_adamw_tile(k61_wo_adamw_param, k61_wo_adamw_grad, k61_wo_adamw_m, k61_wo_adamw_v, k61_wo_adamw_lr_arg, k61_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k64_ln2_w_adamw_tile(k64_ln2_w_adamw_param, k64_ln2_w_adamw_grad, k64_ln2_w_adamw_m, k64_ln2_w_adamw_v, k64_ln2_w_adamw_lr_arg, k64_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k62_ln2_w_adamw_tile(k62_ln2_w_adamw_param, k62_ln2_w_adamw_grad, k62_ln2_w_adamw_m, k62_ln2_w_adamw_v, k62_ln2_w_adamw_lr_arg, k62_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
-// Launch h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
+// Launch h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
 // 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
-//   blocks [0, 8): k65_w_up_adamw
-//   blocks [8, 16): k66_w_down_adamw
-//   blocks [16, 17): k67_lnf_w_adamw
-//   blocks [17, 19): k68_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
-    float* __restrict__ k65_w_up_adamw_param,
-    const float* __restrict__ k65_w_up_adamw_grad,
-    float* __restrict__ k65_w_up_adamw_m,
-    float* __restrict__ k65_w_up_adamw_v,
-    const float* __restrict__ k65_w_up_adamw_lr_arg,
-    const long long* __restrict__ k65_w_up_adamw_step_arg,
-    float* __restrict__ k66_w_down_adamw_param,
-    const float* __restrict__ k66_w_down_adamw_grad,
-    float* __restrict__ k66_w_down_adamw_m,
-    float* __restrict__ k66_w_down_adamw_v,
-    const float* __restrict__ k66_w_down_adamw_lr_arg,
-    const long long* __restrict__ k66_w_down_adamw_step_arg,
-    float* __restrict__ k67_lnf_w_adamw_param,
-    const float* __restrict__ k67_lnf_w_adamw_grad,
-    float* __restrict__ k67_lnf_w_adamw_m,
-    float* __restrict__ k67_lnf_w_adamw_v,
-    const float* __restrict__ k67_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k67_lnf_w_adamw_step_arg,
-    float* __restrict__ k68_w_head_adamw_param,
-    const float* __restrict__ k68_w_head_adamw_grad,
-    float* __restrict__ k68_w_head_adamw_m,
-    float* __restrict__ k68_w_head_adamw_v,
-    const float* __restrict__ k68_w_head_adamw_lr_arg,
-    const long long* __restrict__ k68_w_head_adamw_step_arg) {
+//   blocks [0, 8): k63_w_up_adamw
+//   blocks [8, 16): k64_w_down_adamw
+//   blocks [16, 17): k65_lnf_w_adamw
+//   blocks [17, 19): k66_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k63_w_up_adamw_param,
+    const float* __restrict__ k63_w_up_adamw_grad,
+    float* __restrict__ k63_w_up_adamw_m,
+    float* __restrict__ k63_w_up_adamw_v,
+    const float* __restrict__ k63_w_up_adamw_lr_arg,
+    const long long* __restrict__ k63_w_up_adamw_step_arg,
+    float* __restrict__ k64_w_down_adamw_param,
+    const float* __restrict__ k64_w_down_adamw_grad,
+    float* __restrict__ k64_w_down_adamw_m,
+    float* __restrict__ k64_w_down_adamw_v,
+    const float* __restrict__ k64_w_down_adamw_lr_arg,
+    const long long* __restrict__ k64_w_down_adamw_step_arg,
+    float* __restrict__ k65_lnf_w_adamw_param,
+    const float* __restrict__ k65_lnf_w_adamw_grad,
+    float* __restrict__ k65_lnf_w_adamw_m,
+    float* __restrict__ k65_lnf_w_adamw_v,
+    const float* __restrict__ k65_lnf_w_adamw_lr_arg,
+    const long long* __restrict__ k65_lnf_w_adamw_step_arg,
+    float* __restrict__ k66_w_head_adamw_param,
+    const float* __restrict__ k66_w_head_adamw_grad,
+    float* __restrict__ k66_w_head_adamw_m,
+    float* __restrict__ k66_w_head_adamw_v,
+    const float* __restrict__ k66_w_head_adamw_lr_arg,
+    const long long* __restrict__ k66_w_head_adamw_step_arg) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
-    k65_w_up_adamw_tile(k65_w_up_adamw_param, k65_w_up_adamw_grad, k65_w_up_adamw_m, k65_w_up_adamw_v, k65_w_up_adamw_lr_arg, k65_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
+    k63_w_up_adamw_tile(k63_w_up_adamw_param, k63_w_up_adamw_grad, k63_w_up_adamw_m, k63_w_up_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k66_w_down_adamw_tile(k66_w_down_adamw_param, k66_w_down_adamw_grad, k66_w_down_adamw_m, k66_w_down_adamw_v, k66_w_down_adamw_lr_arg, k66_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k64_w_down_adamw_tile(k64_w_down_adamw_param, k64_w_down_adamw_grad, k64_w_down_adamw_m, k64_w_down_adamw_v, k64_w_down_adamw_lr_arg, k64_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k67_lnf_w_adamw_tile(k67_lnf_w_adamw_param, k67_lnf_w_adamw_grad, k67_lnf_w_adamw_m, k67_lnf_w_adamw_v, k67_lnf_w_adamw_lr_arg, k67_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k65_lnf_w_adamw_tile(k65_lnf_w_adamw_param, k65_lnf_w_adamw_grad, k65_lnf_w_adamw_m, k65_lnf_w_adamw_v, k65_lnf_w_adamw_lr_arg, k65_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k68_w_head_adamw_tile(k68_w_head_adamw_param, k68_w_head_adamw_grad, k68_w_head_adamw_m, k68_w_head_adamw_v, k68_w_head_adamw_lr_arg, k68_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k66_w_head_adamw_tile(k66_w_head_adamw_param, k66_w_head_adamw_grad, k66_w_head_adamw_m, k66_w_head_adamw_v, k66_w_head_adamw_lr_arg, k66_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2531,7 +2473,7 @@ struct cudagen_tensor_info {
   } while (0)
 #endif
 
-extern "C" const unsigned long long cudagen_arena_bytes = 163072ull;
+extern "C" const unsigned long long cudagen_arena_bytes = 164864ull;
 
 static const cudagen_tensor_info h0_embed_w_ln1_w_wq_and_30_more_tensors[] = {
     {"k0_embed_w_out", "embed_w.out", 0ull, 2048ull},
@@ -2570,14 +2512,14 @@ static const cudagen_tensor_info h0_embed_w_ln1_w_wq_and_30_more_tensors[] = {
 };
 static const cudagen_tensor_info k33_embed_tensors[] = {
     {"table", "embed_w.out", 0ull, 2048ull},
-    {"ids", "embed.ids", 161536ull, 64ull},
+    {"ids", "embed.ids", 163584ull, 64ull},
     {"out", "embed.out", 145664ull, 2048ull},
 };
 static const cudagen_tensor_info k34_q_tensors[] = {
     {"probs", "probs.out", 139520ull, 2048ull},
     {"ln1_x", "embed.out", 145664ull, 2048ull},
     {"ln1_weight", "ln1_w.out", 2048ull, 128ull},
-    {"ln1_rstd", "ln1.rstd", 162048ull, 64ull},
+    {"ln1_rstd", "ln1.rstd", 164096ull, 64ull},
     {"ln1_out", "ln1.out", 147712ull, 2048ull},
     {"q_heads_out", "q_heads.out", 133376ull, 2048ull},
     {"q_b", "wq.out", 2304ull, 4096ull},
@@ -2600,27 +2542,27 @@ static const cudagen_tensor_info k36_up_tensors[] = {
     {"ln2_x", "res1.out", 143616ull, 2048ull},
     {"ln2_weight", "ln2_w.out", 18688ull, 128ull},
     {"ln2_out", "ln2.out", 149760ull, 2048ull},
-    {"ln2_rstd", "ln2.rstd", 162304ull, 64ull},
+    {"ln2_rstd", "ln2.rstd", 160000ull, 64ull},
     {"act_out", "act.out", 125184ull, 4096ull},
     {"res2_a", "res1.out", 143616ull, 2048ull},
     {"res2_out", "res2.out", 129280ull, 2048ull},
 };
 static const cudagen_tensor_info k37_head_tensors[] = {
     {"b", "w_head.out", 35584ull, 2048ull},
-    {"out", "head.out", 160000ull, 1024ull},
+    {"out", "head.out", 162048ull, 1024ull},
     {"lnf_x", "res2.out", 129280ull, 2048ull},
     {"lnf_weight", "lnf_w.out", 35328ull, 128ull},
     {"lnf_out", "lnf.out", 131328ull, 2048ull},
-    {"lnf_rstd", "lnf.rstd", 161280ull, 64ull},
+    {"lnf_rstd", "lnf.rstd", 163328ull, 64ull},
 };
 static const cudagen_tensor_info k38_loss_tensors[] = {
-    {"logits", "head.out", 160000ull, 1024ull},
-    {"labels", "loss.labels", 161792ull, 64ull},
-    {"loss", "loss.loss", 162560ull, 4ull},
+    {"logits", "head.out", 162048ull, 1024ull},
+    {"labels", "loss.labels", 163840ull, 64ull},
+    {"loss", "loss.loss", 164352ull, 4ull},
 };
 static const cudagen_tensor_info k39_loss_backward_tensors[] = {
-    {"logits", "head.out", 160000ull, 1024ull},
-    {"labels", "loss.labels", 161792ull, 64ull},
+    {"logits", "head.out", 162048ull, 1024ull},
+    {"labels", "loss.labels", 163840ull, 64ull},
     {"dlogits", "loss_backward.dlogits", 114944ull, 1024ull},
 };
 static const cudagen_tensor_info h8_head_grad_a_head_grad_b_tensors[] = {
@@ -2634,10 +2576,10 @@ static const cudagen_tensor_info h8_head_grad_a_head_grad_b_tensors[] = {
 static const cudagen_tensor_info k42_lnf_backward_tensors[] = {
     {"x", "res2.out", 129280ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
-    {"rstd", "lnf.rstd", 161280ull, 64ull},
+    {"rstd", "lnf.rstd", 163328ull, 64ull},
     {"dout", "head_grad_a.out", 112896ull, 2048ull},
     {"dx", "lnf_backward.dx", 153856ull, 2048ull},
-    {"dweight", "lnf_backward.dweight", 161024ull, 128ull},
+    {"dweight", "lnf_backward.dweight", 163072ull, 128ull},
 };
 static const cudagen_tensor_info h10_down_grad_b_down_grad_a_tensors[] = {
     {"k43_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
@@ -2658,9 +2600,9 @@ static const cudagen_tensor_info k45_up_grad_b_tensors[] = {
 static const cudagen_tensor_info k46_ln2_backward_tensors[] = {
     {"x", "res1.out", 143616ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
-    {"rstd", "ln2.rstd", 162304ull, 64ull},
+    {"rstd", "ln2.rstd", 160000ull, 64ull},
     {"dout", "up_grad_a.out", 155904ull, 2048ull},
-    {"dweight", "ln2_backward.dweight", 161280ull, 128ull},
+    {"dweight", "ln2_backward.dweight", 163328ull, 128ull},
     {"grad_res1_out_sum_a", "lnf_backward.dx", 153856ull, 2048ull},
     {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 157952ull, 2048ull},
 };
@@ -2677,120 +2619,112 @@ static const cudagen_tensor_info k49_context_grad_a_tensors[] = {
     {"v", "v_heads.out", 137472ull, 2048ull},
     {"probs", "probs.out", 139520ull, 2048ull},
     {"k", "k_heads.out", 135424ull, 2048ull},
-    {"q_heads_grad_x_out", "q_heads_grad_x.out", 153856ull, 2048ull},
+    {"q_heads_grad_x_out", "q_heads_grad_x.out", 155904ull, 2048ull},
     {"q", "q_heads.out", 133376ull, 2048ull},
-    {"k_heads_grad_x_out", "k_heads_grad_x.out", 149760ull, 2048ull},
-    {"v_heads_grad_x_out", "v_heads_grad_x.out", 141568ull, 2048ull},
+    {"k_heads_grad_x_out", "k_heads_grad_x.out", 153856ull, 2048ull},
+    {"v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
 };
-static const cudagen_tensor_info h14_v_grad_a_v_grad_b_tensors[] = {
-    {"k50_v_grad_a_a", "v_heads_grad_x.out", 141568ull, 2048ull},
-    {"k50_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k50_v_grad_a_out", "v_grad_a.out", 155904ull, 2048ull},
-    {"k51_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k51_v_grad_b_b", "v_grad_b_dout_rows.out", 141568ull, 2048ull},
-    {"k51_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+static const cudagen_tensor_info h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tensors[] = {
+    {"k50_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k50_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
+    {"k50_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
+    {"k51_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k51_k_grad_b_b", "k_grad_b_dout_rows.out", 153856ull, 2048ull},
+    {"k51_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
+    {"k52_v_grad_a_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
+    {"k52_v_grad_a_v_grad_a_b", "wv.out", 10496ull, 4096ull},
+    {"k52_v_grad_a_k_grad_a_a", "k_heads_grad_x.out", 153856ull, 2048ull},
+    {"k52_v_grad_a_k_grad_a_b", "wk.out", 6400ull, 4096ull},
+    {"k52_v_grad_a_q_grad_a_a", "q_heads_grad_x.out", 155904ull, 2048ull},
+    {"k52_v_grad_a_q_grad_a_b", "wq.out", 2304ull, 4096ull},
+    {"k52_v_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 160000ull, 2048ull},
+    {"k53_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
+    {"k53_q_grad_b_b", "q_grad_b_dout_rows.out", 155904ull, 2048ull},
+    {"k53_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
 };
-static const cudagen_tensor_info h15_k_grad_a_k_grad_b_tensors[] = {
-    {"k52_k_grad_a_a", "k_heads_grad_x.out", 149760ull, 2048ull},
-    {"k52_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k52_k_grad_a_grad_ln1_out_sum_a", "v_grad_a.out", 155904ull, 2048ull},
-    {"k52_k_grad_a_grad_ln1_out_sum_out", "grad_ln1_out_sum.out", 155904ull, 2048ull},
-    {"k53_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k53_k_grad_b_b", "k_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k53_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
-};
-static const cudagen_tensor_info h16_q_grad_a_q_grad_b_tensors[] = {
-    {"k54_q_grad_a_a", "q_heads_grad_x.out", 153856ull, 2048ull},
-    {"k54_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k54_q_grad_a_grad_ln1_out_sum_2_a", "grad_ln1_out_sum.out", 155904ull, 2048ull},
-    {"k54_q_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
-    {"k55_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k55_q_grad_b_b", "q_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k55_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
-};
-static const cudagen_tensor_info k56_ln1_backward_tensors[] = {
+static const cudagen_tensor_info k54_ln1_backward_tensors[] = {
     {"x", "embed.out", 145664ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
-    {"rstd", "ln1.rstd", 162048ull, 64ull},
-    {"dout", "grad_ln1_out_sum_2.out", 155904ull, 2048ull},
-    {"dweight", "ln1_backward.dweight", 147712ull, 128ull},
+    {"rstd", "ln1.rstd", 164096ull, 64ull},
+    {"dout", "grad_ln1_out_sum_2.out", 160000ull, 2048ull},
+    {"dweight", "ln1_backward.dweight", 149760ull, 128ull},
     {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
-    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 153856ull, 2048ull},
+    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 147712ull, 2048ull},
 };
-static const cudagen_tensor_info k57_embed_backward_tensors[] = {
-    {"ids", "embed.ids", 161536ull, 64ull},
-    {"dout", "grad_embed_out_sum.out", 153856ull, 2048ull},
+static const cudagen_tensor_info k55_embed_backward_tensors[] = {
+    {"ids", "embed.ids", 163584ull, 64ull},
+    {"dout", "grad_embed_out_sum.out", 147712ull, 2048ull},
     {"dtable", "embed_backward.dtable", 145664ull, 2048ull},
 };
-static const cudagen_tensor_info h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
-    {"k58_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k58_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
-    {"k58_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
-    {"k58_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
-    {"k58_embed_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k58_embed_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k59_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k59_ln1_w_adamw_grad", "ln1_backward.dweight", 147712ull, 128ull},
-    {"k59_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
-    {"k59_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k59_ln1_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k59_ln1_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k60_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k60_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
-    {"k60_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
-    {"k60_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k60_wq_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k60_wq_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k61_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k61_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
-    {"k61_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
-    {"k61_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k61_wk_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k61_wk_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k62_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k62_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
-    {"k62_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
-    {"k62_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k62_wv_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k62_wv_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k63_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k63_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
-    {"k63_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
-    {"k63_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k63_wo_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k63_wo_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k64_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k64_ln2_w_adamw_grad", "ln2_backward.dweight", 161280ull, 128ull},
-    {"k64_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
-    {"k64_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k64_ln2_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k64_ln2_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+    {"k56_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
+    {"k56_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
+    {"k56_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
+    {"k56_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
+    {"k56_embed_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k56_embed_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k57_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
+    {"k57_ln1_w_adamw_grad", "ln1_backward.dweight", 149760ull, 128ull},
+    {"k57_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
+    {"k57_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
+    {"k57_ln1_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k57_ln1_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k58_wq_adamw_param", "wq.out", 2304ull, 4096ull},
+    {"k58_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k58_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
+    {"k58_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
+    {"k58_wq_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k58_wq_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k59_wk_adamw_param", "wk.out", 6400ull, 4096ull},
+    {"k59_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k59_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
+    {"k59_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
+    {"k59_wk_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k59_wk_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k60_wv_adamw_param", "wv.out", 10496ull, 4096ull},
+    {"k60_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k60_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
+    {"k60_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
+    {"k60_wv_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k60_wv_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k61_wo_adamw_param", "wo.out", 14592ull, 4096ull},
+    {"k61_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k61_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
+    {"k61_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
+    {"k61_wo_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k61_wo_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k62_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
+    {"k62_ln2_w_adamw_grad", "ln2_backward.dweight", 163328ull, 128ull},
+    {"k62_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
+    {"k62_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
+    {"k62_ln2_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k62_ln2_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
 };
-static const cudagen_tensor_info h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
-    {"k65_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k65_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
-    {"k65_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
-    {"k65_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k65_w_up_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k65_w_up_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k66_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k66_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
-    {"k66_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
-    {"k66_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k66_w_down_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k66_w_down_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k67_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k67_lnf_w_adamw_grad", "lnf_backward.dweight", 161024ull, 128ull},
-    {"k67_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
-    {"k67_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k67_lnf_w_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k67_lnf_w_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
-    {"k68_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k68_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
-    {"k68_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
-    {"k68_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k68_w_head_adamw_lr", "embed_w_adamw.lr", 162816ull, 8ull},  // run-time argument
-    {"k68_w_head_adamw_step", "embed_w_adamw.step", 162824ull, 8ull},  // run-time argument
+static const cudagen_tensor_info h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
+    {"k63_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
+    {"k63_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k63_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
+    {"k63_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
+    {"k63_w_up_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k63_w_up_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k64_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
+    {"k64_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k64_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
+    {"k64_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
+    {"k64_w_down_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k64_w_down_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k65_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
+    {"k65_lnf_w_adamw_grad", "lnf_backward.dweight", 163072ull, 128ull},
+    {"k65_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
+    {"k65_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
+    {"k65_lnf_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k65_lnf_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
+    {"k66_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
+    {"k66_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k66_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
+    {"k66_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
+    {"k66_w_head_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
+    {"k66_w_head_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2801,55 +2735,51 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
-                 (const float*)(arena + 0), (const int*)(arena + 161536), (float*)(arena + 145664));
+                 (const float*)(arena + 0), (const int*)(arena + 163584), (float*)(arena + 145664));
   CUDAGEN_LAUNCH(k34_q, dim3(8, 1, 1), dim3(256), 3488, k34_q_tensors,
-                 (float*)(arena + 139520), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 162048), (float*)(arena + 147712), (float*)(arena + 133376), (const float*)(arena + 2304), (float*)(arena + 135424), (const float*)(arena + 6400), (float*)(arena + 137472), (const float*)(arena + 10496), (float*)(arena + 141568));
+                 (float*)(arena + 139520), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 164096), (float*)(arena + 147712), (float*)(arena + 133376), (const float*)(arena + 2304), (float*)(arena + 135424), (const float*)(arena + 6400), (float*)(arena + 137472), (const float*)(arena + 10496), (float*)(arena + 141568));
   CUDAGEN_LAUNCH(k35_attn_out, dim3(1, 1, 1), dim3(256), 4288, k35_attn_out_tensors,
                  (const float*)(arena + 141568), (const float*)(arena + 14592), (const float*)(arena + 145664), (float*)(arena + 143616));
   CUDAGEN_LAUNCH(k36_up, dim3(1, 1, 1), dim3(256), 16832, k36_up_tensors,
-                 (const float*)(arena + 18944), (float*)(arena + 121088), (const float*)(arena + 27136), (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 162304), (float*)(arena + 125184), (const float*)(arena + 143616), (float*)(arena + 129280));
+                 (const float*)(arena + 18944), (float*)(arena + 121088), (const float*)(arena + 27136), (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 160000), (float*)(arena + 125184), (const float*)(arena + 143616), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k37_head, dim3(1, 1, 1), dim3(256), 8640, k37_head_tensors,
-                 (const float*)(arena + 35584), (float*)(arena + 160000), (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 161280));
+                 (const float*)(arena + 35584), (float*)(arena + 162048), (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 163328));
   CUDAGEN_LAUNCH(k38_loss, dim3(1, 1, 1), dim3(32), 128, k38_loss_tensors,
-                 (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 162560));
+                 (const float*)(arena + 162048), (const int*)(arena + 163840), (float*)(arena + 164352));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k39_loss_backward, dim3(16, 1, 1), dim3(32), 128, k39_loss_backward_tensors,
-                 (const float*)(arena + 160000), (const int*)(arena + 161792), (float*)(arena + 114944));
+                 (const float*)(arena + 162048), (const int*)(arena + 163840), (float*)(arena + 114944));
   CUDAGEN_LAUNCH(h8_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h8_head_grad_a_head_grad_b_tensors,
                  (const float*)(arena + 114944), (const float*)(arena + 35584), (float*)(arena + 112896), (const float*)(arena + 131328), (const float*)(arena + 114944), (float*)(arena + 151808));
   CUDAGEN_LAUNCH(k42_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k42_lnf_backward_tensors,
-                 (const float*)(arena + 129280), (const float*)(arena + 35328), (const float*)(arena + 161280), (const float*)(arena + 112896), (float*)(arena + 153856), (float*)(arena + 161024));
+                 (const float*)(arena + 129280), (const float*)(arena + 35328), (const float*)(arena + 163328), (const float*)(arena + 112896), (float*)(arena + 153856), (float*)(arena + 163072));
   CUDAGEN_LAUNCH(h10_down_grad_b_down_grad_a, dim3(3, 1, 1), dim3(256), 12480, h10_down_grad_b_down_grad_a_tensors,
                  (const float*)(arena + 125184), (const float*)(arena + 153856), (float*)(arena + 112896), (const float*)(arena + 153856), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 155904), (const float*)(arena + 121088), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k45_up_grad_b, dim3(2, 1, 1), dim3(256), 4288, k45_up_grad_b_tensors,
                  (const float*)(arena + 149760), (const float*)(arena + 129280), (float*)(arena + 121088));
   CUDAGEN_LAUNCH(k46_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k46_ln2_backward_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 162304), (const float*)(arena + 155904), (float*)(arena + 161280), (const float*)(arena + 153856), (float*)(arena + 157952));
+                 (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 160000), (const float*)(arena + 155904), (float*)(arena + 163328), (const float*)(arena + 153856), (float*)(arena + 157952));
   CUDAGEN_LAUNCH(h12_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h12_attn_out_grad_a_attn_out_grad_b_tensors,
                  (const float*)(arena + 157952), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 157952), (float*)(arena + 129280));
   CUDAGEN_LAUNCH(k49_context_grad_a, dim3(8, 1, 1), dim3(256), 1536, k49_context_grad_a_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 137472), (const float*)(arena + 139520), (const float*)(arena + 135424), (float*)(arena + 153856), (const float*)(arena + 133376), (float*)(arena + 149760), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(h14_v_grad_a_v_grad_b, dim3(2, 1, 1), dim3(256), 4288, h14_v_grad_a_v_grad_b_tensors,
-                 (const float*)(arena + 141568), (const float*)(arena + 10496), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 141568), (float*)(arena + 133376));
-  CUDAGEN_LAUNCH(h15_k_grad_a_k_grad_b, dim3(2, 1, 1), dim3(256), 4288, h15_k_grad_a_k_grad_b_tensors,
-                 (const float*)(arena + 149760), (const float*)(arena + 6400), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 137472));
-  CUDAGEN_LAUNCH(h16_q_grad_a_q_grad_b, dim3(2, 1, 1), dim3(256), 4288, h16_q_grad_a_q_grad_b_tensors,
-                 (const float*)(arena + 153856), (const float*)(arena + 2304), (const float*)(arena + 155904), (float*)(arena + 155904), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 141568));
-  CUDAGEN_LAUNCH(k56_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k56_ln1_backward_tensors,
-                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 162048), (const float*)(arena + 155904), (float*)(arena + 147712), (const float*)(arena + 157952), (float*)(arena + 153856));
-  CUDAGEN_LAUNCH(k57_embed_backward, dim3(16, 1, 1), dim3(32), 0, k57_embed_backward_tensors,
-                 (const int*)(arena + 161536), (const float*)(arena + 153856), (float*)(arena + 145664));
+                 (const float*)(arena + 143616), (const float*)(arena + 137472), (const float*)(arena + 139520), (const float*)(arena + 135424), (float*)(arena + 155904), (const float*)(arena + 133376), (float*)(arena + 153856), (float*)(arena + 149760));
+  CUDAGEN_LAUNCH(h14_v_grad_b_k_grad_b_v_grad_a_and_1_more, dim3(4, 1, 1), dim3(256), 4288, h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tensors,
+                 (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 133376), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 137472), (const float*)(arena + 149760), (const float*)(arena + 10496), (const float*)(arena + 153856), (const float*)(arena + 6400), (const float*)(arena + 155904), (const float*)(arena + 2304), (float*)(arena + 160000), (const float*)(arena + 147712), (const float*)(arena + 155904), (float*)(arena + 141568));
+  CUDAGEN_LAUNCH(k54_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k54_ln1_backward_tensors,
+                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 164096), (const float*)(arena + 160000), (float*)(arena + 149760), (const float*)(arena + 157952), (float*)(arena + 147712));
+  CUDAGEN_LAUNCH(k55_embed_backward, dim3(16, 1, 1), dim3(32), 0, k55_embed_backward_tensors,
+                 (const int*)(arena + 163584), (const float*)(arena + 147712), (float*)(arena + 145664));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h19_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2048), (const float*)(arena + 147712), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 18688), (const float*)(arena + 161280), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 162816), (const long long*)(arena + 162824));
-  CUDAGEN_LAUNCH(h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h20_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
-                 (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35328), (const float*)(arena + 161024), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 162816), (const long long*)(arena + 162824), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 162816), (const long long*)(arena + 162824));
+  CUDAGEN_LAUNCH(h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 149760), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 18688), (const float*)(arena + 163328), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 164608), (const long long*)(arena + 164616));
+  CUDAGEN_LAUNCH(h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
+                 (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35328), (const float*)(arena + 163072), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 164608), (const long long*)(arena + 164616));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -13,10 +13,10 @@
 struct CUstream_st;  // cudaStream_t is a CUstream_st*
 
 extern "C" {
-extern const unsigned long long cudagen_arena_bytes;  // 163072 on this plan
+extern const unsigned long long cudagen_arena_bytes;  // 164864 on this plan
 int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 1 launch
 int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 6 launches
-int cudagen_backward(unsigned char* arena, CUstream_st* stream);  // backward phase: 13 launches
+int cudagen_backward(unsigned char* arena, CUstream_st* stream);  // backward phase: 11 launches
 int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 2 launches
 }
 
@@ -96,10 +96,10 @@ inline constexpr cudagen_host_tensor cudagen_tensors[] = {
     {"w_down.out", "f32", "persistent", 2, {64, 32}, 27136ull, 8192ull},
     {"lnf_w.out", "f32", "persistent", 1, {32}, 35328ull, 128ull},
     {"w_head.out", "f32", "persistent", 2, {32, 16}, 35584ull, 2048ull},
-    {"embed.ids", "i32", "external", 2, {2, 8}, 161536ull, 64ull},
-    {"head.out", "f32", "external", 3, {2, 8, 16}, 160000ull, 1024ull},
-    {"loss.labels", "i32", "external", 2, {2, 8}, 161792ull, 64ull},
-    {"loss.loss", "f32", "external", 0, {}, 162560ull, 4ull},
+    {"embed.ids", "i32", "external", 2, {2, 8}, 163584ull, 64ull},
+    {"head.out", "f32", "external", 3, {2, 8, 16}, 162048ull, 1024ull},
+    {"loss.labels", "i32", "external", 2, {2, 8}, 163840ull, 64ull},
+    {"loss.loss", "f32", "external", 0, {}, 164352ull, 4ull},
     {"embed_w_m_init.out", "f32", "persistent", 2, {16, 32}, 37632ull, 2048ull},
     {"embed_w_v_init.out", "f32", "persistent", 2, {16, 32}, 39680ull, 2048ull},
     {"ln1_w_m_init.out", "f32", "persistent", 1, {32}, 41728ull, 128ull},
@@ -130,6 +130,6 @@ enum cudagen_scalar_index {
   cudagen_scalar_count
 };
 inline constexpr cudagen_host_scalar cudagen_scalars[] = {
-    {"embed_w_adamw.lr", "float", 162816ull, 0.01},
-    {"embed_w_adamw.step", "int", 162824ull, 1.0},
+    {"embed_w_adamw.lr", "float", 164608ull, 0.01},
+    {"embed_w_adamw.step", "int", 164616ull, 1.0},
 };

@@ -425,6 +425,54 @@ TEST(Fusion, AttentionStoresProbabilitiesTheBackwardPassReads) {
   EXPECT_EQ(attention, 1);
 }
 
+// Rule matmul_sum: in training, the gradients of ln1's output through q, k
+// and v, summed by two adds, are one product over the concatenated inner
+// dimensions; the products and the partial sum never reach memory.
+TEST(Fusion, SummedMatmulsRunAsOneProduct) {
+  Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
+  const KernelGroup* sum = nullptr;
+  for (const auto& k : c.kernels)
+    if (k.rule == "matmul_sum") sum = &k;
+  ASSERT_NE(sum, nullptr);
+  EXPECT_EQ(task_ids(c, *sum), (std::vector<std::string>{"v_grad_a", "k_grad_a", "grad_ln1_out_sum", "q_grad_a",
+                                                         "grad_ln1_out_sum_2"}));
+  EXPECT_EQ(internal_names(c, *sum),
+            (std::vector<std::string>{"v_grad_a.out", "k_grad_a.out", "grad_ln1_out_sum.out", "q_grad_a.out"}));
+  const MatmulSum terms = matmul_sum_terms(c.program, *sum);
+  EXPECT_EQ(terms.terms, (std::vector<size_t>{0, 1, 3}));
+  EXPECT_EQ(terms.adds, (std::vector<size_t>{2, 4}));
+  EXPECT_EQ(terms.epilogue, 5u);
+}
+
+// Its refusals, on the second term's note: a term read elsewhere, a
+// transposed left operand, another alpha, the rule off.
+TEST(Fusion, NoMatmulSumWhereATermIsReadOrTransposedOrScaledOtherwise) {
+  auto sum = [](const std::string& name, Storage first, bool trans_a, double alpha, bool read_twice = false) {
+    GraphBuilder b(name);
+    auto m1 = b.task("m1", "matmul").tensor("a", f32, trans_a ? Shape{8, 16} : Shape{16, 8}, ext).tensor("b", f32, {8, 24}, ext)
+                  .tensor("out", f32, {16, 24}, first).arg("trans_a", trans_a).arg("alpha", alpha);
+    auto m2 = b.task("m2", "matmul").tensor("a", f32, {16, 4}, ext).tensor("b", f32, {4, 24}, ext).tensor("out", f32, {16, 24});
+    b.task("s", "add").tensor("a", m2["out"]).tensor("b", m1["out"]).tensor("out", f32, {16, 24}, ext);
+    if (read_twice) b.task("r", "sum").tensor("x", m1["out"]).tensor("out", f32, {16}, ext);
+    return std::move(b).graph();
+  };
+  EXPECT_EQ(plan_graph(sum("fused", Storage::transient, false, 1.0)).kernels.size(), 1u);
+  const std::string prefix = "'m2' is a matmul op; 'm1' is not summed in its kernel: ";
+  EXPECT_EQ(reason_for(plan_graph(sum("read", ext, false, 1.0)), "m2"),
+            prefix + "'m1.out' is read after its phase or by the caller, so it is stored");
+  EXPECT_EQ(reason_for(plan_graph(sum("read_twice", Storage::transient, false, 1.0, true)), "m2"),
+            prefix + "'m1.out' is read by more than 's', so it is stored");
+  EXPECT_EQ(reason_for(plan_graph(sum("transposed", Storage::transient, true, 1.0)), "m2"),
+            prefix + "'m1' transposes its left operand");
+  EXPECT_EQ(reason_for(plan_graph(sum("scaled", Storage::transient, false, 0.5)), "m2"),
+            prefix + "'m1' and 'm2' scale their products differently (alpha)");
+  FuseOptions off;
+  off.disabled_rules = {"matmul_sum"};
+  Compiled rule_off = plan_graph(sum("rule_off", Storage::transient, false, 1.0), off);
+  EXPECT_EQ(rule_off.kernels.size(), 2u);
+  EXPECT_EQ(reason_for(rule_off, "m2"), prefix + "rule matmul_sum is off (--no-fuse-rule)");
+}
+
 // Rule attention_backward: in training, the attention's five gradient
 // tasks (with the head merges of dq, dk and dv) are one kernel, in which
 // dp, ds and the gradients before their merges live.
