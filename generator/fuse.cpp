@@ -294,19 +294,15 @@ class Fuser {
   // not). -1 for the first kernel of a phase.
   int host_kernel(int t) const {
     const Phase phase = p_.tasks[size_t(t)].task->phase;
-    std::vector<int> reads;  // with the storage behind each view it reads
-    std::vector<int> pending;
-    for (const auto& b : p_.tasks[size_t(t)].tensors)
-      if (b.buffer >= 0 && b.sig != nullptr && !b.sig->written()) pending.push_back(b.buffer);
-    while (!pending.empty()) {
-      const int b = pending.back();
-      pending.pop_back();
-      if (contains(reads, b)) continue;
-      reads.push_back(b);
-      const int owner = p_.buffers[size_t(b)].owner_task;
-      if (owner >= 0 && is_view(p_.tasks[size_t(owner)]))
-        for (const auto& source : p_.tasks[size_t(owner)].tensors)
-          if (source.buffer >= 0 && source.sig != nullptr && !source.sig->written()) pending.push_back(source.buffer);
+    std::vector<int> reads;  // with every buffer between a view it reads and its storage
+    for (const auto& b : p_.tasks[size_t(t)].tensors) {
+      if (b.buffer < 0 || b.sig == nullptr || b.sig->written()) continue;
+      for (int x = b.buffer;;) {
+        if (!contains(reads, x)) reads.push_back(x);
+        const auto source = view_source_.find(x);
+        if (source == view_source_.end()) break;
+        x = source->second;
+      }
     }
     int last = -1;
     for (int k = int(out_.kernels.size()) - 1; k >= 0 && out_.kernels[size_t(k)].phase == phase; --k) {
