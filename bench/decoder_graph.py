@@ -7,6 +7,9 @@ projection, residual) at any size; bench/decoder_torch.py builds the same module
 PyTorch. Weights are initialised by the graph's init phase. GPT-2 small's sizes by default:
 
     python3 bench/decoder_graph.py --layers 12 --tokens 64 -o /tmp/decoder12.json
+
+With --train, a training step instead: the stack's output regressed on a target (mse), the
+backward and AdamW update phases derived by cudagen.
 """
 import argparse
 import json
@@ -14,7 +17,7 @@ import os
 import tempfile
 
 
-def block(tasks, i, x_from, shape, dim, heads, mlp, dtype, seed):
+def block(tasks, i, x_from, shape, dim, heads, mlp, dtype, seed, train=False):
     p = f"l{i}_"
     batch, tokens = shape[0], shape[1]
     hd = dim // heads
@@ -43,7 +46,7 @@ def block(tasks, i, x_from, shape, dim, heads, mlp, dtype, seed):
     init("w_up", [dim, mlp], "uniform", low=-bound, high=bound, seed=seed + 4)
     init("w_down", [mlp, dim], "uniform", low=-mlp ** -0.5, high=mlp ** -0.5, seed=seed + 5)
     row = [batch, tokens, dim]
-    task("ln1", "rmsnorm", {"x": x_from, "weight": ref("ln1_w"), "out": own(row)}, eps=1e-6)
+    task("ln1", "rmsnorm", norm_slots(x_from, ref("ln1_w"), row, dtype, train), eps=1e-6)
     for n in ["q", "k", "v"]:
         task(n, "matmul", {"a": ref("ln1"), "b": ref("w" + n), "out": own(row)})
         task(n + "_heads", "split_heads", {"x": ref(n), "out": own([batch, heads, tokens, hd])}, heads=heads)
@@ -56,12 +59,20 @@ def block(tasks, i, x_from, shape, dim, heads, mlp, dtype, seed):
     task("attn_out", "matmul", {"a": ref("merged"), "b": ref("wo"), "out": own(row)})
     residual = x_from if "from" in x_from else ref("ln1", "x")  # the first block owns the input
     task("res1", "add", {"a": residual, "b": ref("attn_out"), "out": own(row)})
-    task("ln2", "rmsnorm", {"x": ref("res1"), "weight": ref("ln2_w"), "out": own(row)}, eps=1e-6)
+    task("ln2", "rmsnorm", norm_slots(ref("res1"), ref("ln2_w"), row, dtype, train), eps=1e-6)
     task("up", "matmul", {"a": ref("ln2"), "b": ref("w_up"), "out": own([batch, tokens, mlp])})
     task("act", "gelu", {"x": ref("up"), "out": own([batch, tokens, mlp])}, approximate="tanh")
     task("down", "matmul", {"a": ref("act"), "b": ref("w_down"), "out": own(row)})
     task("res2", "add", {"a": ref("res1"), "b": ref("down"), "out": own(row)})
     return {"from": f"{p}res2.out"}
+
+
+def norm_slots(x, weight, row, dtype, train):
+    """An rmsnorm's tensors; training saves each row's rstd for the backward pass."""
+    tensors = {"x": x, "weight": weight, "out": {"dtype": dtype, "shape": row}}
+    if train:
+        tensors["rstd"] = {"dtype": "f32", "shape": row[:-1]}
+    return tensors
 
 
 def add_model_arguments(ap):
@@ -78,6 +89,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap)
     ap.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
+    ap.add_argument("--train", action="store_true", help="a training step: mse against a target, AdamW")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
     if a.dim % a.heads:
@@ -85,9 +97,16 @@ def main():
     tasks = []
     x = {"dtype": a.dtype, "shape": [a.batch, a.tokens, a.dim], "storage": "external"}
     for i in range(a.layers):
-        x = block(tasks, i, x, [a.batch, a.tokens], a.dim, a.heads, a.mlp, a.dtype, 10 * i + 1)
-    tasks[-1]["tensors"]["out"]["storage"] = "external"  # the last residual is the output
+        x = block(tasks, i, x, [a.batch, a.tokens], a.dim, a.heads, a.mlp, a.dtype, 10 * i + 1, a.train)
     graph = {"format": "cudagen.taskgraph/1", "name": f"decoder{a.layers}", "tasks": tasks}
+    if a.train:
+        graph["name"] = f"train_decoder{a.layers}"
+        tasks.append({"id": "loss", "op": "mse", "tensors": {
+            "pred": x, "target": {"dtype": a.dtype, "shape": [a.batch, a.tokens, a.dim], "storage": "external"},
+            "loss": {"dtype": "f32", "shape": [], "storage": "external"}}})
+        graph["training"] = {"loss": "loss.loss", "optimizer": "adamw", "args": {"lr": 0.001}}
+    else:
+        tasks[-1]["tensors"]["out"]["storage"] = "external"  # the last residual is the output
     folder = os.path.dirname(os.path.abspath(a.output))
     with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as f:
         json.dump(graph, f, indent=1)

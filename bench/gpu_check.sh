@@ -52,6 +52,10 @@ done
 check "run --gpu --check-each-task train_transformer" "$cudagen" run --gpu --check-each-task examples/train_transformer.json
 check "train_mlp --steps 20 --step-function" "$cudagen" run --gpu --steps 20 --step-function examples/train_mlp.json
 check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/train_transformer.json
+# A decoder block's training step at heads of 64 over 64 tokens: the attention's gradients in one
+# kernel at that rule's bound, the q/k/v input gradients as one sum of matmuls.
+python3 bench/decoder_graph.py --train --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1.json"
+check "train_decoder1 (heads of 64) --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1.json"
 check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
 check "examples/jit (C++ API)" "$kit/bin/jit_mlp" examples/mlp_forward.json
 check "examples/aot (nvcc, ahead of time)" "$kit/bin/aot_mlp"
