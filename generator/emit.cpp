@@ -291,6 +291,15 @@ class Emitter {
     return "";
   }
 
+  // A kernel's parameter for slot `x`'s buffer, named `name`: `T*` where the
+  // kernel writes it, `const T*` where it only reads it.
+  static LaunchParam buffer_param(const std::string& name, const Param& x, bool written) {
+    return LaunchParam{name, std::string(written ? "" : "const ") + c_type(x.buffer->dtype), x.bound->buffer, nullptr,
+                       written};
+  }
+  static LaunchParam buffer_param(const std::string& name, const Param& x) { return buffer_param(name, x, x.written); }
+
+
   static bool is_16bit(DType d) { return d == DType::f16 || d == DType::bf16; }
 
   // The type arithmetic runs in: f32 for the 16-bit storage types.
@@ -335,23 +344,14 @@ class Emitter {
            "give it a constant value (drop \"runtime\" and any \"from\")");
     return arg(t, name);
   }
-  double arg_double(int t, const std::string& name, double fallback) {
-    const BoundArg* a = constant_arg(t, name);
-    if (a == nullptr) return fallback;
-    if (auto* d = std::get_if<double>(&a->value)) return *d;
-    if (auto* i = std::get_if<int64_t>(&a->value)) return double(*i);
-    return fallback;
-  }
+  double arg_double(int t, const std::string& name, double fallback) { return number_value(constant_arg(t, name), fallback); }
   int64_t arg_int(int t, const std::string& name, int64_t fallback) {
     const BoundArg* a = constant_arg(t, name);
     if (a == nullptr) return fallback;
     if (auto* i = std::get_if<int64_t>(&a->value)) return *i;
     return fallback;
   }
-  bool arg_bool(int t, const std::string& name) {
-    const BoundArg* a = constant_arg(t, name);
-    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
-  }
+  bool arg_bool(int t, const std::string& name) { return flag_value(constant_arg(t, name)); }
   // A float argument as an expression: a literal, or the kernel's local copy
   // of the scalar it reads at run time.
   std::string float_arg(int t, const std::string& name, double fallback) {
@@ -693,8 +693,7 @@ class Emitter {
     std::vector<LaunchParam> launch;
     for (const auto& x : ps)
       if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed)  // kept in registers
-        launch.push_back(LaunchParam{x.bound->name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                     x.bound->buffer, nullptr, x.written});
+        launch.push_back(buffer_param(x.bound->name, x));
     launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
@@ -826,8 +825,7 @@ class Emitter {
     epilogue_buffer_ = -1;
     std::vector<LaunchParam> launch;
     auto add = [&](const std::string& name, const Param& x, bool written) {
-      launch.push_back(LaunchParam{name, std::string(written ? "" : "const ") + c_type(x.buffer->dtype), x.bound->buffer,
-                                   nullptr, written});
+      launch.push_back(buffer_param(name, x, written));
     };
     if (!q_computed) add("q", q, false);
     if (!k_computed) add("k", kk, false);
@@ -875,8 +873,7 @@ class Emitter {
 
     std::vector<LaunchParam> launch;
     auto add = [&](const std::string& name, const Param& x) {
-      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr, x.written});
+      launch.push_back(buffer_param(name, x));
     };
     // A gradient dq, dk or dv: its matmul's operand (k, q; none for dv) and
     // how its element `index` is stored (through its epilogue, or not at
@@ -1081,8 +1078,7 @@ class Emitter {
         "  const int cg_h = (int)(cg_head % {0});\n",
         H);
     auto add = [&](const std::string& name, const Param& x) {
-      out.params.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                       x.bound->buffer, nullptr, x.written});
+      out.params.push_back(buffer_param(name, x));
     };
     std::map<int, std::string> staged_rows;  // a projection input -> its rows in shared memory
     int64_t weight_floats = 0, weights_at = -1;
@@ -2175,8 +2171,7 @@ class Emitter {
     EmittedKernel ek = emitted_kernel(k);
     std::vector<LaunchParam> launch;
     auto add = [&](const std::string& name, const Param& x) {
-      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr, x.written});
+      launch.push_back(buffer_param(name, x));
     };
     // Each term's loads, after the terms before it: k below its K, else k - K for the next.
     std::string load_a, load_b;
@@ -2385,8 +2380,7 @@ class Emitter {
     std::vector<LaunchParam> launch;
     auto add = [&](const std::string& name, const Param& x) {
       if (contains(k.internal_buffers, x.bound->buffer) || x.bound->buffer == computed) return;
-      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr, x.written});
+      launch.push_back(buffer_param(name, x));
     };
     add(id1 + "_a", a);
     add(id1 + "_b", b1);
@@ -2462,8 +2456,7 @@ class Emitter {
     std::vector<LaunchParam> launch;
     auto add = [&](const std::string& name, const Param& x) {
       if (contains(k.internal_buffers, x.bound->buffer)) return;
-      launch.push_back(LaunchParam{name, std::string(x.written ? "" : "const ") + c_type(x.buffer->dtype),
-                                   x.bound->buffer, nullptr, x.written});
+      launch.push_back(buffer_param(name, x));
     };
     add(id + "_a", a);
     add(id + "_b", b);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <map>
 #include <set>
-#include <variant>
 
 #include <fmt/format.h>
 
@@ -158,10 +157,7 @@ class Fuser {
   // Whether every argument of task `t` is a constant (the attention
   // kernel's arguments decide its code).
   bool constant_args(int t) const { return runtime_arg(p_, t).empty(); }
-  bool flag(int t, const char* arg) const {
-    const BoundArg* a = root_arg(p_, t, arg).second;
-    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
-  }
+  bool flag(int t, const char* arg) const { return flag_value(root_arg(p_, t, arg).second); }
   const BufferInfo& slot_buffer(int t, const char* slot) const {
     return p_.buffers[size_t(p_.tasks[size_t(t)].find_tensor(slot)->buffer)];
   }
@@ -544,32 +540,32 @@ class Fuser {
     // The term runs where the add did: nothing between may write what it
     // reads, nor touch what it writes (only the add reads its value: checked
     // above; this also covers an in-place update).
-    for (size_t j = a + 1; j < b; ++j)
-      if (std::string reason = conflict_when_moved(term, out_.kernels[j]); !reason.empty()) return reason;
-    return {};
+    return conflict_when_moved(a, a + 1, b);
   }
 
-  // Why kernel `moved` cannot run on the other side of kernel `between`
-  // (the rules that move a kernel into a later or an earlier one): one
-  // writes what the other reads or writes. Empty when it can.
-  std::string conflict_when_moved(const KernelGroup& moved, const KernelGroup& between) const {
-    const Access m = access_of(moved), o = access_of(between);
-    const std::string& id = p_.tasks[size_t(moved.tasks.front())].task->id;
-    const std::string& other = p_.tasks[size_t(between.tasks.front())].task->id;
-    for (int b : m.reads)
-      if (contains(o.writes, b)) return fmt::format("'{}' reads '{}', which '{}' writes in between", id, buffer_name(p_, b), other);
-    for (int b : m.writes)
-      if (contains(o.writes, b) || contains(o.reads, b))
-        return fmt::format("'{}' writes '{}', which '{}' uses in between", id, buffer_name(p_, b), other);
+  // Why kernel `moved` cannot run on the other side of the kernels in
+  // [first, last), but those in `skip` (the rules that move a kernel into a
+  // later or an earlier one): one writes what the other reads or writes.
+  // Empty when it can.
+  std::string conflict_when_moved(size_t moved, size_t first, size_t last, const std::vector<size_t>& skip = {}) const {
+    const Access m = access_of(out_.kernels[moved]);
+    const std::string& id = p_.tasks[size_t(out_.kernels[moved].tasks.front())].task->id;
+    for (size_t j = first; j < last; ++j) {
+      if (std::find(skip.begin(), skip.end(), j) != skip.end()) continue;
+      const Access o = access_of(out_.kernels[j]);
+      const std::string& other = p_.tasks[size_t(out_.kernels[j].tasks.front())].task->id;
+      for (int b : m.reads)
+        if (contains(o.writes, b))
+          return fmt::format("'{}' reads '{}', which '{}' writes in between", id, buffer_name(p_, b), other);
+      for (int b : m.writes)
+        if (contains(o.writes, b) || contains(o.reads, b))
+          return fmt::format("'{}' writes '{}', which '{}' uses in between", id, buffer_name(p_, b), other);
+    }
     return {};
   }
   // The terms' loads pick each one's operands by k: a short chain of branches.
   static constexpr size_t kMaxSumTerms = 8;
-  double alpha_of(int matmul) const {
-    const BoundArg* a = root_arg(p_, matmul, "alpha").second;
-    if (a == nullptr) return 1.0;
-    return std::holds_alternative<double>(a->value) ? std::get<double>(a->value) : double(std::get<int64_t>(a->value));
-  }
+  double alpha_of(int matmul) const { return number_value(root_arg(p_, matmul, "alpha").second, 1.0); }
 
   // Rule matmul_chain: a matmul's kernel (with its prologue and epilogue)
   // joins the kernel of the first matmul of its phase that reads its value
@@ -906,9 +902,7 @@ class Fuser {
     // write what a later one reads, nor touch what it writes.
     const size_t first = *std::min_element(members.begin(), members.end());
     for (size_t m : members)
-      for (size_t j = first + 1; j < m; ++j)
-        if (std::find(members.begin(), members.end(), j) == members.end())
-          if (std::string reason = conflict_when_moved(out_.kernels[m], out_.kernels[j]); !reason.empty()) return reason;
+      if (std::string reason = conflict_when_moved(m, first + 1, m, members); !reason.empty()) return reason;
     return {};
   }
   static constexpr int64_t kMaxAttentionBackwardRegisters = 32;

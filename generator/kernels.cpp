@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <variant>
 
 namespace cudagen {
 
@@ -111,10 +110,7 @@ AttentionGradient attention_gradient(const Program& program, const KernelGroup& 
   if (k.rule != "attention_backward") return g;
   auto task = [&](size_t i) -> const BoundTask& { return program.tasks[size_t(k.tasks[i])]; };
   auto buffer = [&](size_t i, const char* slot) { return task(i).find_tensor(slot)->buffer; };
-  auto flag = [&](size_t i, const char* arg) {
-    const BoundArg* a = root_arg(program, k.tasks[i], arg).second;
-    return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
-  };
+  auto flag = [&](size_t i, const char* arg) { return flag_value(root_arg(program, k.tasks[i], arg).second); };
   for (size_t i = 0; i < k.tasks.size() && g.ds == AttentionGradient::none; ++i)
     if (task(i).op->name == "softmax_backward") g.ds = i;
   if (g.ds == AttentionGradient::none) return g;

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "graph.h"
@@ -72,6 +73,19 @@ struct Program {
 // when it follows none), as {task, argument}: where its value is held.
 // {-1, nullptr} when the task has no such argument bound.
 std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg);
+
+// A bound argument's value (root_arg's, typically): as a flag, false where
+// unbound or not a bool; as a number, an int or a float, `fallback` where
+// unbound or neither.
+inline bool flag_value(const BoundArg* a) {
+  return a != nullptr && std::holds_alternative<bool>(a->value) && std::get<bool>(a->value);
+}
+inline double number_value(const BoundArg* a, double fallback) {
+  if (a == nullptr) return fallback;
+  if (const auto* d = std::get_if<double>(&a->value)) return *d;
+  if (const auto* i = std::get_if<int64_t>(&a->value)) return double(*i);
+  return fallback;
+}
 
 // How a shape rule (or an op's FLOPs formula) sees task `task`: its slots'
 // buffer shapes, its constant arguments (bool as 0/1; a run-time one has no
