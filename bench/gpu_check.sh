@@ -56,7 +56,9 @@ check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/trai
 # kernel at that rule's bound, the q/k/v input gradients as one sum of matmuls.
 python3 bench/decoder_graph.py --train --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1.json"
 check "train_decoder1 (heads of 64) --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1.json"
-check "train_mlp again (cache hit)" "$cudagen" run --gpu --steps 2 examples/train_mlp.json
+# The same graph and options as the train_mlp row above: the disk cache must answer.
+cache_hit() { "$@" && grep -q 'cache hit' "$log/out" 2>/dev/null || { echo "no cache hit on the second run"; false; }; }
+check "train_mlp again (must be a cache hit)" cache_hit "$cudagen" run --gpu --steps 2 --step-function examples/train_mlp.json
 check "examples/jit (C++ API)" "$kit/bin/jit_mlp" examples/mlp_forward.json
 check "examples/aot (nvcc, ahead of time)" "$kit/bin/aot_mlp"
 for graph in examples/mlp_forward.json examples/transformer_block.json tests/snapshots/every_template_op.json; do
@@ -76,7 +78,7 @@ check "numerical tests as megakernels on the GPU" \
 # The PyTorch frontend on this machine's PyTorch (2.x): the torch.export path, and SDPA.
 torch_version=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)
 check "torch frontend tests, PyTorch ${torch_version:-missing} (torch.export)" \
-  python3 tests/torch_frontend/test_frontend.py "$cudagen"
+  env CUDAGEN_TEST_RUN_MODE=--gpu python3 tests/torch_frontend/test_frontend.py "$cudagen"
 
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done

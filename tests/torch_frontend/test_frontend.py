@@ -30,6 +30,10 @@ import cudagen_torch  # noqa: E402
 import models  # noqa: E402
 
 CUDAGEN = None  # set from argv
+# How `cudagen run` executes the models: in the host emulation (CI), or with
+# CUDAGEN_TEST_RUN_MODE=--gpu on a GPU (bench/gpu_check.sh: the device machine
+# has no host toolchain for the emulation build).
+RUN_MODE = os.environ.get("CUDAGEN_TEST_RUN_MODE", "--emulate")
 # The path export() takes by default: torch.export on PyTorch 2.x, torch.fx on 1.13.
 TRACER = "torch.export" if cudagen_torch.exporter._has_torch_export() else "torch.fx.symbolic_trace"
 
@@ -64,7 +68,7 @@ class Exported(unittest.TestCase):
         self.assertEqual(result.tracer, {"fx": "torch.fx.symbolic_trace", "export": "torch.export"}.get(
             kwargs.get("tracer"), TRACER))
         outputs = os.path.join(self.dir, "outputs")
-        stdout, seconds = self.run_cudagen("run", result.graph_path, "--emulate", "--inputs",
+        stdout, seconds = self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs",
                                            os.path.join(model_dir, "example"), "--outputs", outputs)
         for name in result.outputs:
             got, want = (np.load(os.path.join(folder, name + ".npy")) for folder in (outputs, os.path.join(model_dir, "expected")))
@@ -212,7 +216,7 @@ class Models(Exported):
                            capture_output=True, text=True, env=env)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn(f"traced with {TRACER}", r.stdout)
-        self.run_cudagen("run", os.path.join(out, "graph.json"), "--emulate")  # weights from the .npy files
+        self.run_cudagen("run", os.path.join(out, "graph.json"), RUN_MODE)  # weights from the .npy files
 
 
 class Training(Exported):
@@ -229,7 +233,7 @@ class Training(Exported):
                                       optimizer_args=optimizer_args)
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
         outputs = os.path.join(self.dir, "outputs")
-        stdout, _ = self.run_cudagen("run", result.graph_path, "--emulate", "--steps", str(self.STEPS), "--inputs",
+        stdout, _ = self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", str(self.STEPS), "--inputs",
                                      os.path.join(model_dir, "example"), "--outputs", outputs)
         self.assertIn("loss", stdout)
 
