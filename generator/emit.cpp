@@ -29,6 +29,21 @@ std::string symbol_prefix_problem(const std::string& prefix) {
   return {};
 }
 
+std::string comment_text(std::string_view text) {
+  // Inside a `//` comment a newline (or a carriage return, or a backslash
+  // before either) would end the comment and let the rest of the text be
+  // compiled: a graph's name must never become code. Everything but
+  // printable ASCII, and the backslash itself, is written as \xNN.
+  std::string out;
+  for (unsigned char c : text) {
+    if (c >= 0x20 && c < 0x7f && c != '\\')
+      out += char(c);
+    else
+      out += fmt::format("\\x{:02x}", c);
+  }
+  return out;
+}
+
 namespace {
 
 std::string float_literal(double v) { return json_format_double(double(float(v))) + "f"; }
@@ -181,7 +196,7 @@ class Emitter {
         "struct CUstream_st;  // cudaStream_t is a CUstream_st*\n\n"
         "extern \"C\" {{\n"
         "extern const unsigned long long {P}_arena_bytes;  // {} on this plan\n",
-        CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), arena_bytes_,
+        CUDAGEN_VERSION, comment_text(p_.graph.name), fnv1a64(write_graph(p_.graph) + options_.options_text), arena_bytes_,
         fmt::arg("P", P));
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
       int count = 0;
@@ -3048,7 +3063,8 @@ class Emitter {
         "// One standalone file: NVRTC compiles the device part; nvcc (ahead of time) and the host\n"
         "// emulation also compile the launchers under #ifndef __CUDACC_RTC__ at the end.\n"
         "// Arena: {} bytes (lower bound {}, without reuse {}){}.\n\n",
-        CUDAGEN_VERSION, p_.graph.name, fnv1a64(write_graph(p_.graph) + options_.options_text), options_.options_text,
+        CUDAGEN_VERSION, comment_text(p_.graph.name), fnv1a64(write_graph(p_.graph) + options_.options_text),
+        comment_text(options_.options_text),
         arena_bytes_, plan_.lower_bound, plan_.no_reuse_bytes,
         plan_.scalars.empty() ? ""
                               : fmt::format("; the {} bytes at {} hold {} run-time argument(s), the runtime writes them",

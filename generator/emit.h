@@ -146,6 +146,11 @@ inline constexpr const char* kStepFunction = "cudagen_step";
 // Why `prefix` cannot prefix C symbols (empty when it can).
 std::string symbol_prefix_problem(const std::string& prefix);
 
+// `text` made safe inside a `//` comment of generated code: every byte that
+// is not printable ASCII, and the backslash, as \xNN (a newline there would
+// end the comment and compile the rest; a trailing backslash would splice).
+std::string comment_text(std::string_view text);
+
 // Why the emitter cannot generate a kernel for `op` yet (no skeleton for
 // its pattern, or in-place updates), or empty when it can.
 std::string emitter_gap(const OpSignature& op);

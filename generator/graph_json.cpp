@@ -31,7 +31,20 @@ class GraphReader {
                         kTaskGraphFormat));
     }
     if (const JsonValue* name = root.find("name")) {
-      if (expect_kind(*name, JsonValue::Kind::String, "/name", "\"name\"")) graph.name = name->as_string();
+      if (expect_kind(*name, JsonValue::Kind::String, "/name", "\"name\"")) {
+        graph.name = name->as_string();
+        // The name is printed into the generated file's comments and into
+        // diagnostics: refuse what could end a line there or drive a terminal.
+        for (size_t i = 0; i < graph.name.size(); ++i) {
+          const unsigned char c = static_cast<unsigned char>(graph.name[i]);
+          if (c < 0x20 || c == 0x7f) {
+            error(name->loc, "/name",
+                  fmt::format("the graph's name has a control character (byte 0x{:02x} at offset {})", c, i),
+                  "a graph name is one line of printable text: remove newlines, tabs and other control characters");
+            break;
+          }
+        }
+      }
     }
     const JsonValue* tasks = root.find("tasks");
     if (tasks == nullptr) {

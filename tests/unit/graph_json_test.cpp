@@ -195,3 +195,20 @@ TEST(GraphJson, DocumentedExampleIsValidAndCanonical) {
   EXPECT_EQ(errors_of(example), "");
   EXPECT_EQ(write_graph(read_graph(example)), example);
 }
+
+// A graph's name is printed into comments of the generated .cu: a newline in
+// it ended the comment and compiled the rest (issue #34). The reader refuses
+// control characters, at the name's place.
+TEST(GraphJson, GraphNameWithAControlCharacterIsRefused) {
+  const std::string text =
+      R"({"format": "cudagen.taskgraph/1", "name": "x\n#include \"/etc/passwd\"", "tasks": [{"id": "a", "op": "relu", )"
+      R"("tensors": {"x": {"dtype": "f32", "shape": [4]}}}]})";
+  const std::string msg = errors_of(text);
+  EXPECT_NE(msg.find("t.json:1:43: error: /name: the graph's name has a control character (byte 0x0a at offset 1)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("a graph name is one line of printable text"), std::string::npos) << msg;
+  EXPECT_EQ(errors_of(graph_of(R"({"id": "a", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4]}, )"
+                               R"("out": {"dtype": "f32", "shape": [4]}}})")),
+            "");
+}

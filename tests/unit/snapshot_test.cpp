@@ -241,3 +241,21 @@ TEST(HostHeader, SymbolPrefixMustBeACIdentifier) {
   EXPECT_EQ(symbol_prefix_problem("2mlp"), "it starts with a digit");
   EXPECT_EQ(symbol_prefix_problem("m-lp"), "'-' cannot be part of a C identifier");
 }
+
+// The emitter writes user text into comments through comment_text, whatever
+// reader made the graph (the C++ builder does not check names): a newline or
+// a line-splicing backslash in the name stays inside its comment (issue #34).
+TEST(HostHeader, GraphNameCannotEndItsComment) {
+  TaskGraph graph = read_graph(read_text_file(source_path("examples/mlp_forward.json")));
+  graph.name = "evil\n#error injected\r\nint x = 1; \\";
+  CompileOptions options;
+  Compiled c = compile(load_program(std::move(graph), {}), options);
+  for (const std::string* text : {&c.emitted.cuda_source, &c.emitted.host_header}) {
+    EXPECT_EQ(text->find("\n#error injected"), std::string::npos);
+    EXPECT_EQ(text->find("\nint x = 1;"), std::string::npos);
+    EXPECT_NE(text->find("from graph 'evil\\x0a#error injected\\x0d\\x0aint x = 1; \\x5c' (hash"), std::string::npos)
+        << text->substr(0, 300);
+  }
+  EXPECT_EQ(comment_text("plain name-1.0"), "plain name-1.0");
+  EXPECT_EQ(comment_text("tab\there"), "tab\\x09here");
+}
