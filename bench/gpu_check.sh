@@ -21,7 +21,9 @@
 #    tokens, and the MLP training step: kernels, CUDA Graph, megakernel) beside PyTorch eager and
 #    torch.compile(mode="reduce-overhead") on the same block (bench/decoder_torch.py);
 #  - the PyTorch frontend's tests on the machine's PyTorch 2.x: the torch.export path and
-#    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks.
+#    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks;
+#  - the GEMM mainloop (templates/gemm.cuh) against cuBLAS at 4096^3 and a decoder block's shapes,
+#    every tile config, each result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kit=${1:-gpu-kit}
@@ -80,6 +82,13 @@ torch_version=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)
 check "torch frontend tests, PyTorch ${torch_version:-missing} (torch.export)" \
   env CUDAGEN_TEST_RUN_MODE=--gpu python3 tests/torch_frontend/test_frontend.py "$cudagen"
 
+# The GEMM mainloop against cuBLAS in this process (its table is printed at the end).
+export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"
+check "gemm_bench: every config and shape checked" \
+  sh -c "\"$kit/bin/gemm_bench\" > \"$log/gemm.txt\" 2>&1 || { tail -4 \"$log/gemm.txt\"; exit 1; }"
+check "compute-sanitizer memcheck: gemm_bench --quick" compute-sanitizer --tool memcheck --error-exitcode 1 \
+  "$kit/bin/gemm_bench" --quick
+
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done
 
@@ -96,6 +105,9 @@ python3 bench/decoder_graph.py --layers 1 --tokens 64 -o "$log/decoder1.json"
 python3 bench/decoder_graph.py --layers 12 --tokens 64 -o "$log/decoder12.json"
 "$kit/bin/bench_megakernel" --runs 200 "$log/decoder1.json" "$log/decoder12.json" --step examples/train_mlp.json 2>&1
 for layers in 1 12; do python3 bench/decoder_torch.py --layers $layers --tokens 64 2>&1 | tail -2; done
+echo
+echo "GEMM mainloop (issue #35, templates/gemm.cuh) against cuBLAS, bf16, median of 15 runs over rotating operands:"
+cat "$log/gemm.txt"
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done
 exit $failed

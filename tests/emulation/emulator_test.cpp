@@ -6,25 +6,9 @@
 #include <vector>
 
 #include "cudagen_emu.h"
+#include "emu_launch.h"
 
-namespace {
-
-struct Launch {
-  std::vector<unsigned char> arena = std::vector<unsigned char>(1 << 16, 0);
-  std::vector<cudagen_tensor_info> tensors;
-  template <typename T>
-  T* tensor(const char* name, unsigned long long offset, unsigned long long count) {
-    tensors.push_back({name, name, offset, count * sizeof(T)});
-    return reinterpret_cast<T*>(arena.data() + offset);
-  }
-  template <typename F>
-  int run(const char* kernel, dim3 grid, dim3 block, unsigned long long smem, F body) {
-    return cudagen_emu::launch(kernel, tensors.data(), int(tensors.size()), arena.data(), grid, block, smem,
-                               [](void* c) { (*static_cast<F*>(c))(); }, &body);
-  }
-};
-
-}  // namespace
+using Launch = cudagen::testing::EmuLaunch;
 
 TEST(Emulator, ShufflesFollowCudaSemantics) {
   Launch l;

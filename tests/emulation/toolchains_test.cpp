@@ -14,6 +14,7 @@
 #include "nvrtc.h"
 #include "ptxas_report.h"
 #include "pipeline.h"
+#include "templates_embedded.h"
 
 using namespace cudagen;
 
@@ -326,4 +327,41 @@ TEST(Toolchains, EverySnapshotCompilesWithNvrtcAndNvcc) {
   }
   EXPECT_GE(count, 2);
   std::filesystem::remove_all(dir);
+}
+
+// The pipelined mainloop (templates/gemm.cuh) in every tile shape the
+// tuning uses, each operand layout: NVRTC and ptxas for sm_80 and sm_90 keep
+// the accumulators and fragments in registers (no spills, no stack frame).
+TEST(Toolchains, GemmMainloopKeepsEverythingInRegisters) {
+  std::string source = std::string(embedded_template("prelude.cuh")) + std::string(embedded_template("gemm.cuh"));
+  const char* configs[] = {"64, 64, 32, 2, 2, 4", "128, 128, 64, 2, 2, 3", "128, 256, 64, 2, 4, 3",
+                           "256, 128, 64, 4, 2, 3"};
+  int kernels = 0;
+  for (const char* config : configs)
+    for (int layout = 0; layout < 4; ++layout) {
+      const std::string name = "gemm_" + std::to_string(kernels++);
+      source += "typedef cg_gemm_config<" + std::string(config) + "> " + name + "_config;\n" +
+                "CG_KERNEL void __launch_bounds__(" + name + "_config::THREADS, 1) " + name +
+                "(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
+                "  CG_DYNAMIC_SMEM(smem);\n"
+                "  cg_gemm_accumulators<" + name + "_config> acc;\n"
+                "  cg_gemm_mainloop<" + name + "_config, cg_bf16, " + (layout & 1 ? "true" : "false") + ", " +
+                (layout & 2 ? "true" : "false") +
+                ">(acc, (const unsigned short*)a, K, (const unsigned short*)b, N, M, N, 0, K, blockIdx.y, blockIdx.x,"
+                " (unsigned short*)smem);\n"
+                "  cg_gemm_each_pair<" + name + "_config>(acc, M, N, blockIdx.y, blockIdx.x,"
+                " [&](cg_i64 m, cg_i64 n, float d0, float d1) {\n"
+                "    *(unsigned int*)(d + m * N + n) = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits, cg_narrow<cg_bf16>(d1).bits);\n"
+                "  });\n"
+                "}\n";
+    }
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto resources = cudagen::testing::ptxas_resources(source, arch);
+    ASSERT_EQ(int(resources.size()), kernels) << arch;
+    for (const auto& [kernel, r] : resources) {
+      EXPECT_EQ(r.spill_bytes, 0) << kernel << " on " << arch;
+      EXPECT_EQ(r.stack_bytes, 0) << kernel << " on " << arch;
+      EXPECT_GT(r.registers, 0) << kernel << " on " << arch;
+    }
+  }
 }

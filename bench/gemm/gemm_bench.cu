@@ -1,0 +1,250 @@
+// The GEMM mainloop (templates/gemm.cuh) on a GPU, beside cuBLAS in the same
+// process: correctness against an f32-accumulating reference on fresh random
+// bf16 data (poisoned output first), then time per shape and config (CUDA
+// events, median of runs over rotating operand sets, so that L2 does not
+// hold the operands between runs). Built with nvcc by bench/gemm/build.sh;
+// run by bench/gpu_check.sh.
+//
+//   gemm_bench [--quick]          every shape and config of the table below
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../templates/prelude.cuh"
+#include "../../templates/gemm.cuh"
+
+#define CHECK_CUDA(call)                                                                          \
+  do {                                                                                            \
+    cudaError_t e_ = (call);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+#define CHECK_CUBLAS(call)                                                              \
+  do {                                                                                  \
+    cublasStatus_t s_ = (call);                                                         \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, \
+                   int(s_));                                                            \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// D (M x N, row-major, bf16) = A B; A is M x K stored K-contiguous (lda = K),
+// or with A_T stored as K x M (lda = M); B is K x N stored N-contiguous (ldb
+// = N), or with B_T stored as N x K (ldb = K).
+template <typename Config, bool A_T, bool B_T>
+__global__ void __launch_bounds__(Config::THREADS, 1)
+    gemm_kernel(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const cg_i64 tiles_m = (M + Config::BM - 1) / Config::BM, tiles_n = (N + Config::BN - 1) / Config::BN;
+  cg_i64 tile_m, tile_n;
+  cg_gemm_tile_of(blockIdx.x, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+  cg_gemm_accumulators<Config> acc;
+  cg_gemm_mainloop<Config, cg_bf16, !A_T, B_T>(acc, (const unsigned short*)a, A_T ? M : K, (const unsigned short*)b,
+                                               B_T ? K : N, M, N, 0, K, tile_m, tile_n, (unsigned short*)smem);
+  cg_gemm_each_pair<Config>(acc, M, N, tile_m, tile_n, [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+    const unsigned int pair = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits, cg_narrow<cg_bf16>(d1).bits);
+    *(unsigned int*)(d + m * N + n) = pair;
+  });
+}
+
+// f32 accumulation, one output per thread: slow and obviously right.
+__global__ void reference_kernel(const cg_bf16* a, const cg_bf16* b, float* d, int M, int N, int K, bool a_t,
+                                 bool b_t) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+  if (n >= N) return;
+  float sum = 0.0f;
+  for (int k = 0; k < K; ++k)
+    sum += cg_widen(a[a_t ? (size_t)k * M + m : (size_t)m * K + k]) *
+           cg_widen(b[b_t ? (size_t)n * K + k : (size_t)k * N + n]);
+  d[(size_t)m * N + n] = sum;
+}
+
+struct Shape {
+  const char* name;
+  int M, N, K;
+  bool a_t, b_t;
+};
+
+struct Variant {
+  const char* name;
+  int threads, smem, bm, bn;
+  // Launches one product on set `set`'s operands.
+  void (*launch)(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, const Shape& s);
+};
+
+template <typename Config, bool A_T, bool B_T>
+void launch_config(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, const Shape& s) {
+  constexpr int smem = cg_gemm_shared<Config>::bytes;
+  static bool opted_in = false;
+  if (!opted_in) {
+    CHECK_CUDA(cudaFuncSetAttribute(gemm_kernel<Config, A_T, B_T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    opted_in = true;
+  }
+  const long long tiles = (long long)((s.M + Config::BM - 1) / Config::BM) * ((s.N + Config::BN - 1) / Config::BN);
+  gemm_kernel<Config, A_T, B_T><<<(unsigned)tiles, Config::THREADS, smem>>>(a, b, d, s.M, s.N, s.K);
+}
+
+template <typename Config>
+void launch_any(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, const Shape& s) {
+  if (s.a_t && s.b_t) launch_config<Config, true, true>(a, b, d, s);
+  else if (s.a_t) launch_config<Config, true, false>(a, b, d, s);
+  else if (s.b_t) launch_config<Config, false, true>(a, b, d, s);
+  else launch_config<Config, false, false>(a, b, d, s);
+}
+
+template <int BM, int BN, int BK, int WM, int WN, int S>
+Variant variant(const char* name) {
+  typedef cg_gemm_config<BM, BN, BK, WM, WN, S> C;
+  return {name, C::THREADS, cg_gemm_shared<C>::bytes, BM, BN, &launch_any<C>};
+}
+
+static unsigned short float_to_bf16(float f) {  // round to nearest even; finite inputs
+  unsigned int bits;
+  std::memcpy(&bits, &f, 4);
+  return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static float bf16_to_float(unsigned short h) {
+  unsigned int bits = (unsigned int)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  std::vector<Shape> shapes = {
+      {"square 4096^3 (NN)", 4096, 4096, 4096, false, false},
+      {"square 4096^3 (NT)", 4096, 4096, 4096, false, true},
+      {"square 4096^3 (TN)", 4096, 4096, 4096, true, false},
+      // A GPT-2-small decoder block at B8 x T512 (4096 rows): fused QKV, the
+      // attention's output projection, the MLP's two matmuls; then the weight
+      // gradient of the MLP's up projection (x^T dy: A transposed).
+      {"block qkv 4096x2304x768", 4096, 2304, 768, false, false},
+      {"block proj 4096x768x768", 4096, 768, 768, false, false},
+      {"block up 4096x3072x768", 4096, 3072, 768, false, false},
+      {"block down 4096x768x3072", 4096, 768, 3072, false, false},
+      {"block dW_up 768x3072x4096 (TN)", 768, 3072, 4096, true, false},
+      {"odd 1000x1000x1000", 1000, 1000, 1000, false, false},
+      {"skinny 64x3072x768", 64, 3072, 768, false, false},
+  };
+  if (quick) shapes.resize(1);
+  std::vector<Variant> variants = {
+      variant<128, 128, 64, 2, 2, 3>("128x128x64 w2x2 s3"),
+      variant<128, 256, 64, 2, 4, 3>("128x256x64 w2x4 s3"),
+      variant<256, 128, 64, 4, 2, 3>("256x128x64 w4x2 s3"),
+      variant<128, 128, 64, 2, 4, 4>("128x128x64 w2x4 s4"),
+      variant<128, 256, 32, 2, 4, 4>("128x256x32 w2x4 s4"),
+      variant<64, 64, 32, 2, 2, 4>("64x64x32 w2x2 s4"),
+  };
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
+  cublasHandle_t handle;
+  CHECK_CUBLAS(cublasCreate(&handle));
+
+  const size_t max_elems = size_t(4096) * 4096;
+  const int sets = 3;  // 3 x 64 MiB of operands rotate: more than the 50 MB L2
+  std::vector<cg_bf16*> as(sets), bs(sets);
+  cg_bf16* d;
+  float* ref;
+  CHECK_CUDA(cudaMalloc(&d, max_elems * 2));
+  CHECK_CUDA(cudaMalloc(&ref, max_elems * 4));
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<unsigned short> host(max_elems);
+  for (int s = 0; s < sets; ++s) {
+    CHECK_CUDA(cudaMalloc(&as[s], max_elems * 2));
+    CHECK_CUDA(cudaMalloc(&bs[s], max_elems * 2));
+    for (cg_bf16** p : {&as[s], &bs[s]}) {
+      for (auto& h : host) h = float_to_bf16(normal(rng));
+      CHECK_CUDA(cudaMemcpy(*p, host.data(), max_elems * 2, cudaMemcpyHostToDevice));
+    }
+  }
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<unsigned short> out(max_elems);
+  std::vector<float> want(max_elems);
+
+  auto median_ms = [&](auto&& one) {
+    for (int i = 0; i < 3; ++i) one(i % sets);
+    std::vector<float> ms;
+    for (int i = 0; i < (quick ? 5 : 15); ++i) {
+      CHECK_CUDA(cudaEventRecord(start));
+      one(i % sets);
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      CHECK_CUDA(cudaGetLastError());
+      float t;
+      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  };
+  // ||got - want|| / ||want||, or -1 when an element is not finite (unwritten: poison).
+  auto relative_error = [&](const Shape& s) {
+    const size_t n = size_t(s.M) * s.N;
+    CHECK_CUDA(cudaMemcpy(out.data(), d, n * 2, cudaMemcpyDeviceToHost));
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const double g = bf16_to_float(out[i]), w = want[i];
+      if (!std::isfinite(g)) return -1.0;
+      err += (g - w) * (g - w);
+      norm += w * w;
+    }
+    return std::sqrt(err / norm);
+  };
+
+  std::printf("%-32s %-20s %9s %9s %9s %8s %10s\n", "shape", "config", "ms", "TFLOP/s", "vs cuBLAS", "rel.err",
+              "cuBLAS err");
+  int failures = 0;
+  for (const Shape& s : shapes) {
+    const double flops = 2.0 * s.M * s.N * s.K;
+    reference_kernel<<<dim3((s.N + 127) / 128, s.M), 128>>>(as[0], bs[0], ref, s.M, s.N, s.K, s.a_t, s.b_t);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaMemcpy(want.data(), ref, size_t(s.M) * s.N * 4, cudaMemcpyDeviceToHost));
+    // cuBLAS, row-major: D^T = B^T A^T in its column-major terms.
+    const float one_f = 1.0f, zero_f = 0.0f;
+    auto cublas = [&](int set) {
+      CHECK_CUBLAS(cublasGemmEx(handle, s.b_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.a_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.N, s.M,
+                                s.K, &one_f, bs[set], CUDA_R_16BF, s.b_t ? s.K : s.N, as[set], CUDA_R_16BF,
+                                s.a_t ? s.M : s.K, &zero_f, d, CUDA_R_16BF, s.N, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+    };
+    CHECK_CUDA(cudaMemset(d, 0xff, size_t(s.M) * s.N * 2));
+    cublas(0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const double cublas_err = relative_error(s);
+    const float cublas_ms = median_ms(cublas);
+    std::printf("%-32s %-20s %9.4f %9.1f %9s %8s %10.2e\n", s.name, "cuBLAS", cublas_ms, flops / cublas_ms / 1e9, "1.00x",
+                "", cublas_err);
+    for (const Variant& v : variants) {
+      CHECK_CUDA(cudaMemset(d, 0xff, size_t(s.M) * s.N * 2));
+      v.launch(as[0], bs[0], d, s);
+      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const double err = relative_error(s);
+      const float ms = median_ms([&](int set) { v.launch(as[set], bs[set], d, s); });
+      // bf16 output: rounding alone gives about 2^-9 / sqrt(3); 1e-2 is DESIGN's bound for bf16 operands.
+      const bool ok = err >= 0 && err < 1e-2;
+      failures += !ok;
+      std::printf("%-32s %-20s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9,
+                  cublas_ms / ms, err, "", ok ? "" : "  WRONG");
+    }
+  }
+  std::printf("%s\n", failures ? "FAILED: some results are wrong" : "all results within 1e-2 of the reference");
+  return failures ? 1 : 0;
+}

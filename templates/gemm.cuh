@@ -1,0 +1,353 @@
+// The pipelined tensor-core GEMM mainloop for 16-bit operands (f16, bf16) with
+// f32 accumulation, for sm_80 and later (docs/gemm.md). A block computes one
+// BM x BN tile of D = op(A) op(B):
+//   - global -> shared by 16-byte cp.async, STAGES k-tiles in flight, one
+//     barrier per k-tile;
+//   - shared tiles XOR-swizzled in 16-byte chunks, so that the copies and the
+//     ldmatrix reads are free of bank conflicts without padding;
+//   - fragments by ldmatrix (.trans where an operand's contiguous axis is M or
+//     N rather than K), mma.sync m16n8k16 into registers;
+//   - WARPS_M x WARPS_N warps, each owning a (BM / WARPS_M) x (BN / WARPS_N)
+//     patch of the accumulators.
+// Operand layouts (cg_gemm_mainloop's A_K_CONTIGUOUS, B_K_CONTIGUOUS): A is
+// M x K, stored K-contiguous (row-major, lda >= K) or M-contiguous (A^T stored
+// row-major, lda >= M); B is K x N, stored K-contiguous (B^T row-major, ldb
+// >= K) or N-contiguous (row-major, ldb >= N). Every contiguous extent and
+// leading dimension must be a multiple of 8 elements and each operand's
+// first element 16-byte aligned: the caller checks, the emulator's bounds
+// checks catch a copy that runs past its tensor.
+
+// ---------------------------------------------------------------------------
+// The PTX wrappers. On the device each is one instruction; in the host
+// emulation each has the same operands and the same result layout.
+
+// Shared-memory address as the 32-bit offset the PTX instructions take.
+CG_DEVICE unsigned int cg_smem_address(const void* p) {
+#ifdef __CUDA_ARCH__
+  unsigned int address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+  return address;
+#else
+  return 0;
+#endif
+}
+
+// cp.async of 16 bytes; fewer than 16 valid source bytes (src_bytes = 0 at a
+// tile's edge) fill the rest of the destination with zeros.
+CG_DEVICE void cg_cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cg_smem_address(smem_dst)), "l"(global_src),
+               "r"(src_bytes));
+#else
+  unsigned char* d = (unsigned char*)smem_dst;
+  const unsigned char* s = (const unsigned char*)global_src;
+#ifdef CUDAGEN_EMULATION
+  // The emulator checks the source bytes against the tensor they lie in.
+  if (src_bytes > 0 && !cudagen_emu::check_access(global_src, 0, (unsigned long long)src_bytes, false)) return;
+#endif
+  for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
+#endif
+}
+
+CG_DEVICE void cg_cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most N committed groups are still in flight.
+template <int N>
+CG_DEVICE void cg_cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ldmatrix.x4: four 8 x 8 matrices of 16-bit elements; lane l gives the
+// address of row l % 8 of matrix l / 8, and receives in r[i] the elements
+// (row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1) of matrix i, or with
+// TRANS of its transpose.
+template <bool TRANS>
+CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_address) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(cg_smem_address(row_address)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(cg_smem_address(row_address)));
+#else
+  const int lane = threadIdx.x & 31;
+  for (int i = 0; i < 4; ++i) {
+    unsigned short e[2];
+    for (int j = 0; j < 2; ++j) {
+      // Element (row, col) of matrix i as stored: col = 2 (lane % 4) + j of row lane / 4,
+      // or transposed: row 2 (lane % 4) + j, col lane / 4.
+      const int row = TRANS ? 2 * (lane & 3) + j : lane >> 2, col = TRANS ? lane >> 2 : 2 * (lane & 3) + j;
+      const unsigned short* p =
+          (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)row_address, 8 * i + row);
+      e[j] = p[col];
+    }
+    r[i] = (unsigned int)e[0] | ((unsigned int)e[1] << 16);
+  }
+#endif
+}
+
+// mma.sync m16n8k16 on packed registers (two 16-bit values each, the lower
+// element in the low half): the layout of cg_mma_16x8x16 (prelude), whose
+// element arrays these are. T (cg_f16 or cg_bf16) names the operand type.
+template <typename T>
+CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2]);
+
+// Elsewhere: the packed registers as element arrays, through the prelude's
+// shuffle form of the same layout.
+template <typename T>
+CG_DEVICE void cg_mma_16x8x16_unpacked(float d[4], const unsigned int a[4], const unsigned int b[2]) {
+  T ae[8], be[4];
+  for (int i = 0; i < 8; ++i) ae[i].bits = (unsigned short)(a[i / 2] >> (16 * (i % 2)));
+  for (int i = 0; i < 4; ++i) be[i].bits = (unsigned short)(b[i / 2] >> (16 * (i % 2)));
+  cg_mma_16x8x16_shuffle(d, ae, be);
+}
+
+template <>
+CG_DEVICE void cg_mma_16x8x16_packed<cg_f16>(float d[4], const unsigned int a[4], const unsigned int b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  cg_mma_16x8x16_unpacked<cg_f16>(d, a, b);
+#endif
+}
+
+template <>
+CG_DEVICE void cg_mma_16x8x16_packed<cg_bf16>(float d[4], const unsigned int a[4], const unsigned int b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  cg_mma_16x8x16_unpacked<cg_bf16>(d, a, b);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// A swizzled shared tile: ROWS rows of COLS 16-bit elements, COLS contiguous.
+// Chunk c (8 elements, 16 bytes) of row r is stored at chunk c ^ key(r), where
+// key spreads the 8 rows an ldmatrix (or a warp's copies) touches over the 8
+// distinct 16-byte slots of a 128-byte bank line.
+template <int ROWS, int COLS>
+struct cg_swizzled_tile {
+  static_assert(COLS % 8 == 0 && COLS >= 16, "rows of whole 16-byte chunks, at least two");
+  static constexpr int chunks = COLS / 8;                           // per row
+  static constexpr int rows_per_line = chunks >= 8 ? 1 : 8 / chunks;  // rows sharing a 128-byte line
+  static constexpr int key_mask = chunks >= 8 ? 7 : chunks - 1;
+  static constexpr int key_period = rows_per_line * (key_mask + 1);  // rows after which the keys repeat
+  static constexpr int elements = ROWS * COLS;
+  CG_DEVICE static int offset(int row, int col) {
+    const int chunk = (col >> 3) ^ ((row / rows_per_line) & key_mask);
+    return row * COLS + chunk * 8 + (col & 7);
+  }
+};
+
+// One operand's tile in shared memory: MN x BK values, stored K-contiguous
+// ([MN][BK]) or MN-contiguous ([BK][MN]) as the operand is in global memory,
+// so that every copy is 16 bytes of consecutive global addresses.
+template <int MN, int BK, bool K_CONTIGUOUS>
+struct cg_gemm_operand {
+  typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN> tile;
+  static constexpr int elements = tile::elements;
+
+  // The copies of one thread, global -> shared, k-tile after k-tile: set up
+  // once per output tile, so that a k-tile costs each chunk an address add,
+  // one compare and the cp.async. Thread t copies chunks t, t + THREADS, ...
+  // of the stored tile (row-major over its rows of `chunks` chunks); with
+  // THREADS a multiple of `chunks`, its column is the same for all of them
+  // and its rows are `row_stride` apart.
+  template <int THREADS>
+  struct copier {
+    static constexpr int rows = K_CONTIGUOUS ? MN : BK, chunks = tile::chunks;
+    static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
+    static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
+                  "every thread copies the same number of chunks, in one column");
+    static_assert(per_thread == 1 || row_stride % tile::key_period == 0,
+                  "a thread's chunks share their swizzle key, so their offsets are row_stride rows apart");
+    static_assert(per_thread <= 32, "the row predicates fit one word");
+    const unsigned short* src;  // this thread's first chunk at the first k-tile
+    const unsigned short* base;  // the operand's first element: a valid address to copy nothing from
+    cg_i64 row_step, k_step;    // elements between its chunks; between k-tiles
+    cg_i64 k_left;              // k values left from the first k-tile's first, past its first chunk's
+    int smem_offset;            // of its first chunk in a stage's tile
+    unsigned int rows_inside;   // bit i: chunk i's MN row or column lies inside the operand
+
+    // The operand's first element `src0`, its leading dimension `ld`, its
+    // extent along MN; the tile starts at mn0 and its k-tiles at k_begin,
+    // running to k_end.
+    CG_DEVICE copier(const unsigned short* src0, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_begin,
+                     cg_i64 k_end) {
+      const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * 8;
+      const cg_i64 outer = (K_CONTIGUOUS ? mn0 : k_begin) + row, inner = (K_CONTIGUOUS ? k_begin : mn0) + col;
+      base = src0;
+      src = src0 + outer * ld + inner;
+      row_step = (cg_i64)row_stride * ld;
+      k_step = K_CONTIGUOUS ? (cg_i64)BK : (cg_i64)BK * ld;
+      k_left = k_end - (K_CONTIGUOUS ? inner : outer);
+      smem_offset = tile::offset(row, col);
+      rows_inside = 0;
+      CG_UNROLL
+      for (int i = 0; i < per_thread; ++i) {
+        const cg_i64 mn = K_CONTIGUOUS ? outer + (cg_i64)i * row_stride : inner;
+        if (mn < mn_extent) rows_inside |= 1u << i;
+      }
+    }
+
+    // Issues the cp.async of k-tile kt into the stage's tile at `dst`,
+    // zero-filling past the operand's MN extent and past k_end.
+    CG_DEVICE void copy(unsigned short* dst, cg_i64 kt) const {
+      const unsigned short* from = src + kt * k_step;
+      const cg_i64 k_first = kt * BK;  // of this thread's first chunk, relative to k_left's origin
+      CG_UNROLL
+      for (int i = 0; i < per_thread; ++i) {
+        const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
+        const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
+        cg_cp_async_16(dst + smem_offset + i * row_stride * tile::chunks * 8, inside ? from + i * row_step : base,
+                       inside ? 16 : 0);
+      }
+    }
+  };
+
+  // The x4 fragment of a 16 x 16 block at (mn, k) of the tile. A_ORDER: the
+  // four 8 x 8 matrices in mma's A order (mn 0-7 k 0-7, mn 8-15 k 0-7, mn 0-7
+  // k 8-15, mn 8-15 k 8-15); otherwise B's order for two n8 tiles (mn 0-7 k
+  // 0-7, mn 0-7 k 8-15, mn 8-15 k 0-7, mn 8-15 k 8-15).
+  template <bool A_ORDER>
+  CG_DEVICE static void fragment(unsigned int r[4], const unsigned short* src, int mn, int k) {
+    const int lane = threadIdx.x & 31, matrix = lane >> 3, row = lane & 7;
+    const int mn_off = A_ORDER ? 8 * (matrix & 1) : 8 * (matrix >> 1);
+    const int k_off = A_ORDER ? 8 * (matrix >> 1) : 8 * (matrix & 1);
+    // Each lane points at a row of 8 contiguous elements: along K where the
+    // tile is K-contiguous (the plain ldmatrix), along MN otherwise (.trans).
+    const int offset = K_CONTIGUOUS ? tile::offset(mn + mn_off + row, k + k_off)
+                                    : tile::offset(k + k_off + row, mn + mn_off);
+    cg_ldmatrix_x4<!K_CONTIGUOUS>(r, src + offset);
+  }
+};
+
+// The mainloop's compile-time shape.
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct cg_gemm_config {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
+  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's patch
+  static constexpr int MI = WM / 16, NI = WN / 8;             // its mma tiles
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "whole m16n8k16 tiles, B fragments in pairs");
+};
+
+// A warp's accumulators: MI x NI mma tiles of 16 x 8, four floats each.
+template <typename Config>
+struct cg_gemm_accumulators {
+  float v[Config::MI][Config::NI][4];
+};
+
+// Shared memory of the mainloop, in bytes: STAGES k-tiles of both operands.
+template <typename Config>
+struct cg_gemm_shared {
+  static constexpr int bytes = 2 * Config::STAGES * (Config::BM + Config::BN) * Config::BK;
+};
+
+// The mainloop: the tile (tile_m, tile_n) of D = A B over k in [k_begin,
+// k_end), into acc (zeroed here). a and b point at the operands' first
+// elements as 16-bit patterns (cg_f16 or cg_bf16, T names which).
+template <typename Config, typename T, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS>
+CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigned short* a, cg_i64 lda,
+                                const unsigned short* b, cg_i64 ldb, cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end,
+                                cg_i64 tile_m, cg_i64 tile_n, unsigned short* smem) {
+  typedef cg_gemm_operand<Config::BM, Config::BK, A_K_CONTIGUOUS> OperandA;
+  typedef cg_gemm_operand<Config::BN, Config::BK, B_K_CONTIGUOUS> OperandB;
+  constexpr int S = Config::STAGES, stage_elements = OperandA::elements + OperandB::elements;
+  const int warp = threadIdx.x >> 5, warp_m = (warp / Config::WARPS_N) * Config::WM,
+            warp_n = (warp % Config::WARPS_N) * Config::WN;
+  const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
+  CG_UNROLL
+  for (int i = 0; i < Config::MI; ++i)
+    CG_UNROLL
+    for (int j = 0; j < Config::NI; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) acc.v[i][j][e] = 0.0f;
+
+  const cg_i64 k_tiles = (k_end - k_begin + Config::BK - 1) / Config::BK;
+  const typename OperandA::template copier<Config::THREADS> copy_a(a, lda, m0, M, k_begin, k_end);
+  const typename OperandB::template copier<Config::THREADS> copy_b(b, ldb, n0, N, k_begin, k_end);
+  auto load_stage = [&](cg_i64 kt) {
+    unsigned short* stage = smem + (int)(kt % S) * stage_elements;
+    copy_a.copy(stage, kt);
+    copy_b.copy(stage + OperandA::elements, kt);
+  };
+  // Prologue: S - 1 k-tiles in flight; a group is committed for every tile,
+  // empty past the end, so that wait<S - 2> always means "tile kt landed".
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cg_cp_async_commit();
+  }
+  for (cg_i64 kt = 0; kt < k_tiles; ++kt) {
+    cg_cp_async_wait<S - 2>();
+    // Tile kt is visible to every warp, and every warp is done with tile kt - 1,
+    // whose stage the next copy overwrites.
+    __syncthreads();
+    if (kt + S - 1 < k_tiles) load_stage(kt + S - 1);
+    cg_cp_async_commit();
+    const unsigned short* tile_a = smem + (int)(kt % S) * stage_elements;
+    const unsigned short* tile_b = tile_a + OperandA::elements;
+    CG_UNROLL
+    for (int kk = 0; kk < Config::BK; kk += 16) {
+      unsigned int fa[Config::MI][4], fb[Config::NI / 2][4];
+      CG_UNROLL
+      for (int i = 0; i < Config::MI; ++i) OperandA::template fragment<true>(fa[i], tile_a, warp_m + 16 * i, kk);
+      CG_UNROLL
+      for (int j = 0; j < Config::NI / 2; ++j) OperandB::template fragment<false>(fb[j], tile_b, warp_n + 16 * j, kk);
+      CG_UNROLL
+      for (int i = 0; i < Config::MI; ++i)
+        CG_UNROLL
+        for (int j = 0; j < Config::NI; ++j) cg_mma_16x8x16_packed<T>(acc.v[i][j], fa[i], &fb[j / 2][2 * (j % 2)]);
+    }
+  }
+  cg_cp_async_wait<0>();
+  __syncthreads();  // the caller may reuse the shared memory
+}
+
+// Calls f(m, n, d0, d1) for each pair of horizontally adjacent accumulators
+// of this thread that lie inside M x N (n even; n + 1 may be past N, then d1
+// must be dropped: the caller checks n + 1 < N).
+template <typename Config, typename F>
+CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                                 cg_i64 tile_n, F f) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const cg_i64 m0 = tile_m * Config::BM + (warp / Config::WARPS_N) * Config::WM,
+               n0 = tile_n * Config::BN + (warp % Config::WARPS_N) * Config::WN;
+  CG_UNROLL
+  for (int i = 0; i < Config::MI; ++i)
+    CG_UNROLL
+    for (int j = 0; j < Config::NI; ++j)
+      CG_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const cg_i64 m = m0 + 16 * i + g + 8 * h, n = n0 + 8 * j + 2 * t;
+        if (m < M && n < N) f(m, n, acc.v[i][j][2 * h], acc.v[i][j][2 * h + 1]);
+      }
+}
+
+// The output tile of block `block` (a linear index) among tiles_m x tiles_n,
+// walked in groups of `group` tile rows, column by column inside a group, so
+// that blocks running together share rows of A and columns of B in L2.
+CG_DEVICE void cg_gemm_tile_of(cg_i64 block, cg_i64 tiles_m, cg_i64 tiles_n, int group, cg_i64* tile_m,
+                               cg_i64* tile_n) {
+  const cg_i64 per_group = (cg_i64)group * tiles_n, first_m = block / per_group * group;
+  const cg_i64 rows = tiles_m - first_m < group ? tiles_m - first_m : group;
+  *tile_m = first_m + (block % per_group) % rows;
+  *tile_n = (block % per_group) / rows;
+}
