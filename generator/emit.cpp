@@ -463,9 +463,13 @@ class Emitter {
   // The __global__ of a kernel launched alone: its tile function on blockIdx.
   std::string global_function(const EmittedKernel& ek, const std::vector<LaunchParam>& launch) const {
     auto [params, names] = global_params(launch);
-    return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({}) {{\n  {}_tile({}{}cg_launch_tile());\n}}\n",
+    // Folded (a grid y or z over 65535): launched as one row of blocks that
+    // blockIdx.x numbers, unfolded into the tile here.
+    const std::string tile = grid_is_folded(ek) ? fmt::format("cg_tile_of(blockIdx.x, {}u, {}u)", ek.grid[0], ek.grid[1])
+                                                : std::string("cg_launch_tile()");
+    return fmt::format("CG_KERNEL void __launch_bounds__({}) {}({}) {{\n  {}_tile({}{}{});\n}}\n",
                        launch_bounds(ek), ek.name, fmt::join(params, ", "), ek.name, fmt::join(names, ", "),
-                       names.empty() ? "" : ", ");
+                       names.empty() ? "" : ", ", tile);
   }
   static std::string launch_bounds(const EmittedKernel& ek) {
     return ek.min_blocks_per_sm > 0 ? fmt::format("{}, {}", ek.block, ek.min_blocks_per_sm) : std::to_string(ek.block);
@@ -1483,6 +1487,11 @@ class Emitter {
   }
 
   void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {
+    if (launch_grid(ek)[0] > kMaxGridX)
+      fail(ek.tasks[0], "",
+           fmt::format("kernel {} has {} x {} x {} tiles, more than the {} blocks a launch can have", ek.name,
+                       ek.grid[0], ek.grid[1], ek.grid[2], kMaxGridX),
+           "split the task into several (fewer batches or rows each)");
     for (const auto& lp : launch) {
       ek.arg_offsets.push_back(lp.scalar != nullptr ? lp.scalar->offset : plan_.buffers[size_t(lp.buffer)].offset);
       ek.ranges.push_back(ArenaRange{ek.arg_offsets.back(),
@@ -3190,8 +3199,9 @@ class Emitter {
         std::vector<std::string> args;
         for (size_t a = 0; a < launched_params_[i].size(); ++a)
           args.push_back(fmt::format("({}*)(arena + {})", launched_params_[i][a].pointee, ek.arg_offsets[a]));
+        const auto grid = launch_grid(ek);
         out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
-                           ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
+                           grid[0], grid[1], grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
       }
       out += "  return 0;\n}\n";
     }
@@ -3241,7 +3251,8 @@ class Emitter {
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
           "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}}}",
-          i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), k.grid[0], k.grid[1], k.grid[2], k.block,
+          i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), launch_grid(k)[0], launch_grid(k)[1],
+          launch_grid(k)[2], k.block,
           k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
           fmt::join(k.arg_offsets, ", "), k.cooperative ? ", \"cooperative\": true" : "");
     }

@@ -8,6 +8,8 @@
 // the host emulation compile the whole file.
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -59,7 +61,9 @@ struct EmittedKernel {
   std::string name;
   Phase phase;
   std::vector<int> tasks;
-  int grid[3] = {1, 1, 1};
+  // Its tiles, as blockIdx would count them (x fastest). It is launched on
+  // launch_grid(), which differs where y or z is over CUDA's 65535.
+  int64_t grid[3] = {1, 1, 1};
   int block = 256;
   // Its __launch_bounds__' minimum of resident blocks per SM, or 0 for none.
   // With the block size alone, ptxas may aim its register budget at several
@@ -136,6 +140,21 @@ inline constexpr int64_t kMegakernelStateBytes = 64;
 // is not supported yet.
 EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,
                     const EmitOptions& options);
+
+// CUDA's limits on a launch's grid: x up to 2^31 - 1, y and z up to 65535.
+inline constexpr int64_t kMaxGridX = 2147483647, kMaxGridYZ = 65535;
+
+// Whether the kernel's tiles are launched folded into one x dimension (their
+// grid has a y or z over kMaxGridYZ): its __global__ then unfolds blockIdx.x
+// into the tile with cg_tile_of.
+inline bool grid_is_folded(const EmittedKernel& k) { return k.grid[1] > kMaxGridYZ || k.grid[2] > kMaxGridYZ; }
+
+// The grid the kernel is launched with: its tiles' grid, or all of them in x
+// where folded (the emitter refuses more than kMaxGridX tiles).
+inline std::array<int64_t, 3> launch_grid(const EmittedKernel& k) {
+  if (grid_is_folded(k)) return {k.grid[0] * k.grid[1] * k.grid[2], 1, 1};
+  return {k.grid[0], k.grid[1], k.grid[2]};
+}
 
 // The name of a phase's host launcher: `cudagen_forward`, ... (the runtime,
 // which compiles with the default prefix, names phases by it too).

@@ -524,6 +524,8 @@ BufferList read_buffer_csv(const std::string& text, const std::string& file) {
   std::istringstream in(text);
   std::string line;
   int line_no = 0;
+  int64_t total = 0;
+  constexpr int64_t kMaxCsvArenaBytes = int64_t(1) << 62;
   auto fail = [&](const std::string& why) {
     throw std::runtime_error(fmt::format("{}:{}: {}", file, line_no, why));
   };
@@ -552,6 +554,11 @@ BufferList read_buffer_csv(const std::string& text, const std::string& file) {
     }
     if (v[0] < 0 || v[1] <= v[0] || v[1] > INT32_MAX) fail(fmt::format("lifetime [{}, {}) is empty or out of range", v[0], v[1]));
     if (v[2] < 0) fail(fmt::format("negative size {}", v[2]));
+    // Offsets are 64-bit sums of sizes: keep every sum of them (and its
+    // alignment) representable, or two buffers could wrap onto one offset.
+    if (__builtin_add_overflow(total, v[2], &total) || total > kMaxCsvArenaBytes)
+      fail(fmt::format("the sizes add up to more than {} bytes (2^62), the most an arena's offsets can hold",
+                       kMaxCsvArenaBytes));
     list.ids.push_back(cells[0]);
     list.intervals.push_back(LiveInterval{v[2], int(v[0]), int(v[1] - 1)});
   }

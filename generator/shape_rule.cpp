@@ -140,7 +140,22 @@ class RuleParser {
     return item;
   }
 
+  // Nesting and size bounds: the parser and the evaluator recurse along the
+  // expression, and a hostile rule (10,000 parentheses) overflowed the stack.
+  static constexpr int kMaxNesting = 64, kMaxNodes = 4096;
+
+  void count_node() {
+    if (++nodes_ > kMaxNodes) fail(fmt::format("the formula has more than {} terms", kMaxNodes));
+  }
+
   DimExpr parse_expr() {
+    if (++nesting_ > kMaxNesting) fail(fmt::format("the formula nests more than {} levels deep", kMaxNesting));
+    DimExpr lhs = parse_expr_at_this_level();
+    --nesting_;
+    return lhs;
+  }
+
+  DimExpr parse_expr_at_this_level() {
     DimExpr lhs = parse_term();
     for (;;) {
       skip_ws();
@@ -153,6 +168,7 @@ class RuleParser {
       } else {
         return lhs;
       }
+      count_node();
       sum.parts = {std::move(lhs), parse_term()};
       lhs = std::move(sum);
     }
@@ -168,6 +184,7 @@ class RuleParser {
         product.kind = DimExpr::Kind::Div;
       else
         return lhs;
+      count_node();
       product.parts = {std::move(lhs), parse_atom()};
       lhs = std::move(product);
     }
@@ -214,6 +231,7 @@ class RuleParser {
 
   std::string_view text_;
   size_t pos_ = 0;
+  int nesting_ = 0, nodes_ = 0;
 };
 
 struct Binding {
@@ -362,6 +380,10 @@ class RuleChecker {
         if (e.kind == DimExpr::Kind::Div) {
           if (*b == 0) {
             error(slot, fmt::format("{} divides by zero ({} is 0)", e.str(), e.parts[1].str()));
+            return std::nullopt;
+          }
+          if (*a == INT64_MIN && *b == -1) {  // the one quotient that overflows (SIGFPE on x86)
+            error(slot, fmt::format("{} overflows 64 bits", e.str()));
             return std::nullopt;
           }
           // Rounds down (a convolution's output size), also for a negative numerator.

@@ -236,6 +236,22 @@ class Validator {
         bt.tensors.push_back(bound);
         continue;
       }
+      // The kernels index one axis, and the rows of a tensor (all axes but
+      // the last), with 32-bit integers: refuse what they would wrap around.
+      const int64_t last = slot.shape->empty() ? 1 : slot.shape->back();
+      const int64_t rows = last > 0 ? elements / last : 0;
+      if (const auto big = std::find_if(slot.shape->begin(), slot.shape->end(), [](int64_t d) { return d > kMaxKernelExtent; });
+          big != slot.shape->end()) {
+        error(slot.loc, fmt::format("{}/shape/{}", path(), big - slot.shape->begin()), tk.id, slot.name,
+              fmt::format("dimension {} of shape {} is over {}, the most a kernel indexes along one axis",
+                          *big, shape_to_string(*slot.shape), kMaxKernelExtent),
+              "split the tensor along that axis into several tasks");
+      } else if (rows > kMaxKernelExtent) {
+        error(slot.loc, path() + "/shape", tk.id, slot.name,
+              fmt::format("shape {} has {} rows (all axes but the last), over {}, the most a kernel indexes",
+                          shape_to_string(*slot.shape), rows, kMaxKernelExtent),
+              "split the tensor into several tasks, or make its rows longer (a larger last axis)");
+      }
       if (bytes > options_.max_tensor_bytes) {
         error(slot.loc, path() + "/shape", tk.id, slot.name,
               fmt::format("{} {} takes {} bytes, over the limit of {} bytes for one tensor", to_string(*slot.dtype),

@@ -336,7 +336,8 @@ class GpuExecutor final : public Executor {
       k.tasks = fmt::format("task{} {}", tasks.size() == 1 ? "" : "s", fmt::join(tasks, ", "));
       CUDAGEN_CHECK(api, cuModuleGetFunction(&k.function, module_, ek.name.c_str()),
                     fmt::format("finding kernel {} ({}) in the module", k.name, k.tasks));
-      for (int d = 0; d < 3; ++d) k.grid[d] = unsigned(ek.grid[d]);
+      const auto grid = launch_grid(ek);  // folded where the tiles' y or z is over 65535
+      for (int d = 0; d < 3; ++d) k.grid[d] = unsigned(grid[d]);
       k.block = unsigned(ek.block);
       k.smem = unsigned(ek.smem_bytes);
       if (ek.smem_bytes > 48 * 1024)  // above 48 KiB a kernel must opt in to its dynamic shared memory

@@ -20,6 +20,9 @@ namespace cudagen_emu {
 namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;
+// The most dynamic shared memory a block can opt in to on any target cudagen
+// compiles for (sm_90: 227 KiB).
+constexpr unsigned long long kMaxDynamicSmem = 227 * 1024;
 constexpr size_t kGuardBytes = 4096;
 
 struct Fiber {
@@ -80,6 +83,14 @@ class Emulator {
     stats_.push_back(KernelStats{kernel});
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024) return fail("block of %u threads (1 to 1024 allowed)", threads);
+    // What a GPU refuses, the emulator refuses too (CUDA's launch limits).
+    if (block.z > 64) return fail("kernel %s: block z of %u (at most 64)", kernel, block.z);
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
+      return fail("kernel %s: grid of %u x %u x %u blocks (x from 1 to 2147483647, y and z from 1 to 65535)", kernel,
+                  grid.x, grid.y, grid.z);
+    if (smem_bytes > kMaxDynamicSmem)
+      return fail("kernel %s: %llu bytes of dynamic shared memory, over the %llu a block can have (sm_90)", kernel,
+                  smem_bytes, (unsigned long long)kMaxDynamicSmem);
     const unsigned long long together = persistent ? (unsigned long long)grid.x * grid.y * grid.z : 1;
     if (together * threads > kMaxFibers)
       return fail("kernel %s: a persistent launch of %llu blocks x %u threads is more than the emulator runs at once "

@@ -562,3 +562,21 @@ TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   for (const auto& check : run.checks)
     if (check.buffer.rfind("task ", 0) == 0) EXPECT_LT(check.worst_ratio, 0.5) << format_run(run);
 }
+
+// A grid whose y or z is over CUDA's 65535 (the emulator refuses it, as a GPU
+// would) is launched folded into x and unfolded in the kernel (issue #34):
+// 65537 batches of a transpose, each tile where it belongs.
+TEST(Emulation, GridsOverTheYAndZLimitRunFolded) {
+  GraphBuilder b("folded");
+  b.task("t", "transpose").tensor("x", f32, {65537, 2, 3}, ext).tensor("out", f32, {65537, 3, 2}, ext);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  EXPECT_EQ(c.emitted.kernels[0].grid[2], 65537);
+  EXPECT_TRUE(grid_is_folded(c.emitted.kernels[0]));
+  EXPECT_NE(c.emitted.cuda_source.find("cg_tile_of(blockIdx.x, 1u, 1u)"), std::string::npos);
+  EXPECT_NE(c.emitted.cuda_source.find("dim3(65537, 1, 1)"), std::string::npos);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("folded_grid")});
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}

@@ -90,3 +90,18 @@ TEST(Emulator, RejectsBlocksLargerThanTheHardware) {
   EXPECT_EQ(l.run("too_big", dim3(1), dim3(2048), 0, [] {}), 1);
   EXPECT_NE(std::string(cudagen_emu_last_error()).find("block of 2048 threads"), std::string::npos);
 }
+
+// A launch a GPU refuses is refused here too (issue #34): the emulator had
+// run grids with y of 65536 and more.
+TEST(Emulator, RejectsGridsAndSharedMemoryTheHardwareRefuses) {
+  Launch l;
+  EXPECT_EQ(l.run("tall", dim3(1, 65536), dim3(32), 0, [] {}), 1);
+  EXPECT_NE(std::string(cudagen_emu_last_error()).find("grid of 1 x 65536 x 1 blocks"), std::string::npos)
+      << cudagen_emu_last_error();
+  EXPECT_EQ(l.run("deep", dim3(1, 1, 70000), dim3(32), 0, [] {}), 1);
+  EXPECT_EQ(l.run("empty", dim3(0), dim3(32), 0, [] {}), 1);
+  EXPECT_EQ(l.run("big_smem", dim3(1), dim3(32), 227 * 1024 + 16, [] {}), 1);
+  EXPECT_NE(std::string(cudagen_emu_last_error()).find("bytes of dynamic shared memory"), std::string::npos)
+      << cudagen_emu_last_error();
+  EXPECT_EQ(l.run("at_the_limits", dim3(1, 65535), dim3(1), 227 * 1024, [] {}), 0) << cudagen_emu_last_error();
+}

@@ -161,6 +161,12 @@ TEST(BufferCsv, ErrorsNameFileAndLine) {
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,x,5\n"), "t.csv:2: field 3 ('x') is not an integer");
   EXPECT_EQ(error_of("id,lower,upper,size\na,4,4,5\n"), "t.csv:2: lifetime [4, 4) is empty or out of range");
   EXPECT_EQ(error_of(""), "t.csv:0: empty file");
+  // Sizes whose sum overflows had two live buffers placed at one offset, and
+  // the plan called optimal (issue #34).
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,2,4611686018427387904\nb,0,2,9223372036854775807\n"),
+            "t.csv:3: the sizes add up to more than 4611686018427387904 bytes (2^62), the most an arena's offsets can hold");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,2,4611686018427387900\nb,0,2,8\n"),
+            "t.csv:3: the sizes add up to more than 4611686018427387904 bytes (2^62), the most an arena's offsets can hold");
 }
 
 TEST(PlacementSvg, DrawsEveryBufferAndTheBound) {

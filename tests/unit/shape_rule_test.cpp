@@ -115,3 +115,27 @@ TEST(ShapeRule, SubtractionAndFloorDivisionGiveAConvolutionsOutputSize) {
   EXPECT_EQ(parse_shape_rule("a:[N-1]->b:[N]").inputs[0].dims[0].expr.str(), "N - 1");
   EXPECT_EQ(parse_shape_rule("a:[N] -> b:[N / (2*M)] c:[M]").outputs[0].dims[0].expr.str(), "N / (2*M)");
 }
+
+// Hostile rules (issue #34): INT64_MIN / -1 killed cudagen with SIGFPE, and
+// 10,000 nested parentheses overflowed the stack.
+TEST(ShapeRule, HostileFormulasGiveErrorsNotCrashes) {
+  auto errors = check("x:[N] -> out:[(0 - 4611686018427387904 - 4611686018427387904) / (0 - 1)]", {{"x", {1}}, {"out", {1}}});
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].message.find("overflows 64 bits"), std::string::npos) << errors[0].message;
+
+  const std::string deep = "x:[" + std::string(10000, '(') + "N" + std::string(10000, ')') + "] -> out:[N]";
+  try {
+    parse_shape_rule(deep);
+    FAIL() << "a rule nested 10,000 deep parsed";
+  } catch (const ShapeRuleSyntaxError& e) {
+    EXPECT_NE(std::string(e.what()).find("the formula nests more than 64 levels deep"), std::string::npos) << e.what();
+  }
+  std::string long_sum = "N";
+  for (int i = 0; i < 5000; ++i) long_sum += " + N";
+  EXPECT_THROW(parse_shape_rule("x:[" + long_sum + "] -> out:[N]"), ShapeRuleSyntaxError);
+  // Within the bounds: 60 levels and 4,000 terms still parse.
+  EXPECT_NO_THROW(parse_shape_rule("x:[" + std::string(60, '(') + "N" + std::string(60, ')') + "] -> out:[N]"));
+  std::string sum = "N";
+  for (int i = 0; i < 4000; ++i) sum += "+N";
+  EXPECT_NO_THROW(parse_shape_rule("x:[" + sum + "] -> out:[N]"));
+}

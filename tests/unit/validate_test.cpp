@@ -281,3 +281,27 @@ TEST(Validate, NamedTensorsKeepTheirNamesAndResolveDataAgainstTheGraphsFolder) {
   EXPECT_EQ(write_graph(read_graph(write_graph(p.graph))), write_graph(p.graph));  // name and data round-trip
   EXPECT_NE(write_graph(p.graph).find(R"("name": "fc.weight", "data": "w/fc.weight.npy")"), std::string::npos);
 }
+
+// Kernels take a row's length and a tensor's row count as 32-bit ints: a
+// dimension of 2^31 compiled to a loop that never ran (issue #34). Refused,
+// at the dimension.
+TEST(Validate, DimensionsAKernelCannotIndexAreRefused) {
+  const std::string too_long = errors_of(graph_of(
+      R"({"id": "s", "op": "softmax", "tensors": {"x": {"dtype": "f32", "shape": [2, 2147483648]}, )"
+      R"("out": {"dtype": "f32", "shape": [2, 2147483648]}}})"));
+  EXPECT_NE(too_long.find("task 's', slot 'x' (/tasks/0/tensors/x/shape/1): dimension 2147483648 of shape [2, 2147483648] "
+                          "is over 2147483647, the most a kernel indexes along one axis"),
+            std::string::npos)
+      << too_long;
+  EXPECT_NE(too_long.find("hint: split the tensor along that axis into several tasks"), std::string::npos) << too_long;
+  const std::string many_rows = errors_of(graph_of(
+      R"({"id": "s", "op": "softmax", "tensors": {"x": {"dtype": "f32", "shape": [65536, 65536, 2]}, )"
+      R"("out": {"dtype": "f32", "shape": [65536, 65536, 2]}}})"));
+  EXPECT_NE(many_rows.find("shape [65536, 65536, 2] has 4294967296 rows (all axes but the last), over 2147483647"),
+            std::string::npos)
+      << many_rows;
+  // At the limit itself: accepted.
+  EXPECT_EQ(errors_of(graph_of(R"({"id": "s", "op": "softmax", "tensors": {"x": {"dtype": "f32", "shape": [1, 2147483647]}, )"
+                               R"("out": {"dtype": "f32", "shape": [1, 2147483647]}}})")),
+            "");
+}
