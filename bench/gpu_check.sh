@@ -100,6 +100,11 @@ for graph in examples/mlp_forward.json examples/transformer_block.json examples/
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
 echo
+echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (its matmuls on the pipelined mainloop)"
+python3 bench/decoder_graph.py --batch 8 --tokens 128 --dtype bf16 -o "$log/decoder_bf16.json"
+"$cudagen" describe "$log/decoder_bf16.json" 2>&1 | sed -n '/^matmul mainloops/,$p'
+"$cudagen" run --gpu --profile "$log/decoder_bf16.profile.json" "$log/decoder_bf16.json" 2>&1 | sed -n '/^profile of/,$p'
+echo
 echo "megakernel (issue #13): time per step as kernels, CUDA Graph, megakernel; PyTorch on the same decoder block"
 python3 bench/decoder_graph.py --layers 1 --tokens 64 -o "$log/decoder1.json"
 python3 bench/decoder_graph.py --layers 12 --tokens 64 -o "$log/decoder12.json"

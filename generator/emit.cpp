@@ -582,11 +582,12 @@ class Emitter {
     const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
     // The skeletons pick their variants (staged or not, rows per block) to
     // fit; a plan over the limit is the emitter's bug, not the graph's.
-    if (ek.smem_bytes > kSharedBytesWithoutOptIn)
+    // Above 48 KiB the launchers opt in (only the pipelined mainloop asks so much).
+    if (ek.smem_bytes > kSharedBytesWithOptIn)
       fail(k.tasks[0], "",
-           fmt::format("kernel {} would need {} bytes of shared memory, more than the {} every device gives a kernel "
-                       "without opting in",
-                       k.name, ek.smem_bytes, kSharedBytesWithoutOptIn),
+           fmt::format("kernel {} would need {} bytes of shared memory, more than the {} every device from sm_80 on "
+                       "lets a kernel opt in to",
+                       k.name, ek.smem_bytes, kSharedBytesWithOptIn),
            "an internal error of cudagen's emitter: please report it with the graph; --no-fuse avoids the fused kernel");
     const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
     std::vector<std::string> reads, writes, in_registers;
@@ -628,7 +629,8 @@ class Emitter {
         writes.empty() ? "-" : fmt::format("{}", fmt::join(writes, ", ")),
         in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", ")),
         ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes,
-        regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     ")));
+        regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     "))) +
+           (ek.matmul_path.empty() ? "" : fmt::format("//   matmul on {}.\n", ek.matmul_path));
   }
 
   static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
@@ -1282,7 +1284,7 @@ class Emitter {
       const Shape& so = param(ps, "out").buffer->shape;
       const Shape& sa = a.buffer->shape;
       const int64_t M = so[so.size() - 2];
-      const int tile = int(matmul_tile_rows(a.buffer->dtype));  // as matmul() chose
+      const int tile = int(ek.tile_rows > 0 ? ek.tile_rows : matmul_tile_rows(a.buffer->dtype));  // as matmul() chose
       const bool a_per_batch = Shape(sa.begin(), sa.end() - 2) == Shape(so.begin(), so.end() - 2);
       if (arg_bool(t, "trans_a") || !a_per_batch || (ek.grid[2] > 1 && M % tile != 0)) return;
       ek.rows = numel(so) / so.back();  // batches x M, flattened or not
@@ -2594,10 +2596,27 @@ class Emitter {
       batch_b.clear();
     }
     const int64_t batches = numel(batch_out);
+    const std::string batch_bases = fmt::format(
+        "  const cg_i64 z = tile.z;\n"
+        "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n",
+        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N);
+    // 16-bit operands whose rows are whole 16-byte chunks, read as they are
+    // stored, run the pipelined mainloop (docs/gemm.md) where the kernel is
+    // launched alone (a megakernel's or a shared launch's block is another size).
+    std::string why_not_pipelined =
+        options_.megakernel ? "a megakernel's tiles share one block size" : "it shares its launch with other kernels";
+    std::optional<GemmTile> pipelined;
+    if (global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer)
+      pipelined = pipelined_gemm_tile_of(p_, t, &why_not_pipelined);
+    else if (global_wrapper_)
+      why_not_pipelined = "a prologue computes its operand";
+    if (pipelined) return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches, batch_bases, ek);
+    ek.matmul_path = "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined;
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
     // whose TF32 would break the f32 bound (DESIGN.md §9).
     const bool tensor_cores = is_16bit(a.buffer->dtype);
+    if (!tensor_cores) ek.matmul_path = "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
     const int tile = int(matmul_tile_rows(a.buffer->dtype));
     ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.grid[0] = int((N + tile - 1) / tile);
@@ -2616,19 +2635,52 @@ class Emitter {
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  const cg_i64 z = tile.z;\n"
-        "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n"
-        "{13}"
-        "  {11}(\n"
-        "      [&](int m, int k) {{ return {5}; }},\n"
-        "      [&](int k, int n) {{ return {6}; }},\n"
-        "      [&](int m, int n, float acc) {{ {8}; }},\n"
-        "      {9}, {7}, {10}, tile.y, tile.x, ({12}*)cg_smem);\n",
-        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N,
-        element_a, load(b, "b_base + " + load_b), N,
-        store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled), M, K,
-        tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
-        tensor_cores ? c_type(a.buffer->dtype) : "float", prologue);
+        "{0}"
+        "{1}"
+        "  {2}(\n"
+        "      [&](int m, int k) {{ return {3}; }},\n"
+        "      [&](int k, int n) {{ return {4}; }},\n"
+        "      [&](int m, int n, float acc) {{ {5}; }},\n"
+        "      {6}, {7}, {8}, tile.y, tile.x, ({9}*)cg_smem);\n",
+        batch_bases, prologue, tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
+        element_a, load(b, "b_base + " + load_b), store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled),
+        M, N, K, tensor_cores ? c_type(a.buffer->dtype) : "float");
+  }
+
+  // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's
+  // output tile is computed in registers, then each pair of adjacent
+  // accumulators goes through the store (where an epilogue chain follows).
+  std::string pipelined_matmul(int t, const Param& a, const Param& b, const Param& out, const GemmTile& g, int64_t M,
+                               int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
+                               EmittedKernel& ek) {
+    entry_function_ = "cg_gemm_mainloop";
+    use_function(*p_.tasks[size_t(t)].op, "cg_gemm_each_pair");
+    use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
+    ek.block = g.threads();
+    ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
+    ek.grid[0] = (N + g.bn - 1) / g.bn;
+    ek.grid[1] = (M + g.bm - 1) / g.bm;
+    ek.grid[2] = batches;
+    ek.tile_rows = g.bm;
+    ek.matmul_path = "the pipelined mainloop (templates/gemm.cuh), " + g.describe();
+    reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
+    const std::string type = c_type(a.buffer->dtype);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "{0}"
+        "  // The pipelined mainloop: {1}.\n"
+        "  typedef cg_gemm_config<{2}> cg_config;\n"
+        "  cg_gemm_accumulators<cg_config> cg_acc;\n"
+        "  cg_gemm_mainloop<cg_config, {3}, {4}, {5}>(cg_acc, (const unsigned short*)(a + a_base), {6},\n"
+        "                                             (const unsigned short*)(b + b_base), {7}, {8}, {9}, 0, {10},\n"
+        "                                             tile.y, tile.x, (unsigned short*)cg_smem);\n"
+        "  auto cg_store_at = [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }};\n"
+        "  cg_gemm_each_pair<cg_config>(cg_acc, {8}, {9}, tile.y, tile.x, [&](cg_i64 m, cg_i64 n, float d0, float d1) {{\n"
+        "    cg_store_at(m, n, d0);\n"
+        "    if (n + 1 < {9}) cg_store_at(m, n + 1, d1);\n"
+        "  }});\n",
+        batch_bases, g.describe(), g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K,
+        tb ? K : N, M, N, K, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
   }
 
   // A kernel that computes a norm's output for itself (rules norm_prologue
@@ -3151,6 +3203,11 @@ class Emitter {
         "#define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \\\n"
         "  do {                                                               \\\n"
         "    (void)tensors; /* for the emulator's bounds checks */            \\\n"
+        "    /* above 48 KiB a kernel must opt in to its dynamic shared memory */ \\\n"
+        "    if ((smem) > 48 * 1024)                                          \\\n"
+        "      if (cudaError_t cudagen_error = cudaFuncSetAttribute(kernel,   \\\n"
+        "              cudaFuncAttributeMaxDynamicSharedMemorySize, (smem)))  \\\n"
+        "        return (int)cudagen_error;                                   \\\n"
         "    kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \\\n"
         "    if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \\\n"
         "  } while (0)\n"

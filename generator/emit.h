@@ -64,6 +64,10 @@ struct EmittedKernel {
   // Its tiles, as blockIdx would count them (x fastest). It is launched on
   // launch_grid(), which differs where y or z is over CUDA's 65535.
   int64_t grid[3] = {1, 1, 1};
+  // A matmul kernel's rows per output tile (0 where not chosen by matmul()),
+  // and which mainloop it runs and why (its comment, describe).
+  int64_t tile_rows = 0;
+  std::string matmul_path;
   int block = 256;
   // Its __launch_bounds__' minimum of resident blocks per SM, or 0 for none.
   // With the block size alone, ptxas may aim its register budget at several

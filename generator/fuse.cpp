@@ -373,6 +373,10 @@ class Fuser {
         size_t against = k - 1;
         if (!rule_on("horizontal"))
           reason = "rule horizontal is off (--no-fuse-rule)";
+        else if (runs_pipelined(kernel))
+          reason = "it runs the pipelined matmul mainloop, in a launch of its own";
+        else if (runs_pipelined(out_.kernels[first]))
+          reason = fmt::format("{} runs the pipelined matmul mainloop, in a launch of its own", out_.kernels[first].name);
         else if (parameters + own > kMaxLaunchParameters)
           reason = fmt::format("the launch would take more than {} parameters", kMaxLaunchParameters);
         for (size_t j = first; j < k && reason.empty(); ++j) {
@@ -390,6 +394,13 @@ class Fuser {
       first = k;
       parameters = own;
     }
+  }
+  // Whether the emitter will run the kernel on the pipelined mainloop: a
+  // matmul alone or with its epilogue, no prologue (emit.cpp, matmul()).
+  bool runs_pipelined(const KernelGroup& k) const {
+    const int t = k.tasks.front();
+    return k.prologue.empty() && (k.rule.empty() || k.rule == "matmul_epilogue") &&
+           p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && pipelined_gemm_tile_of(p_, t).has_value();
   }
   // A kernel's parameters are limited (4 KiB on every device since Volta);
   // far below that, a launch of this many pointers is no longer small.
@@ -1182,6 +1193,7 @@ class Fuser {
       if (reader.find_tensor("a")->buffer != value || reader.find_tensor("b")->buffer == value)
         return fmt::format("'{}' reads '{}' as its right operand", reader.task->id, buffer_name(p_, value));
       if (flag(r, "trans_a")) return fmt::format("'{}' transposes it (trans_a)", reader.task->id);
+      if (std::string pipelined = pipelined_instead(r); !pipelined.empty()) return pipelined;
       const size_t host = kernel_of(r, norm_kernel + 1);
       const KernelGroup& kernel = out_.kernels[host];
       if (kernel.tasks.front() != r || kernel.rule == "attention")
@@ -1193,6 +1205,26 @@ class Fuser {
     return {};
   }
   static constexpr size_t kMaxPrologueReaders = 4;
+
+  // A prologue makes its host matmul load operands element by element, on
+  // the 64 x 64 tile. Where the pipelined mainloop could take the matmul and
+  // the product is large, the prologue's own kernel (one pass over its rows)
+  // costs less than giving the mainloop up: the reason, or empty.
+  std::string pipelined_instead(int r) const {
+    const BoundTask& reader = p_.tasks[size_t(r)];
+    if (reader.op->pattern != PatternKind::matmul || !pipelined_gemm_tile_of(p_, r)) return {};
+    const Shape& a = p_.buffers[size_t(reader.find_tensor("a")->buffer)].shape;
+    const int64_t K = flag(r, "trans_a") ? a[a.size() - 2] : a.back();
+    const int64_t flops = 2 * numel(p_.buffers[size_t(reader.find_tensor("out")->buffer)].shape) * K;
+    if (flops < kPipelinedPrologueFlops) return {};
+    return fmt::format(
+        "'{}' ({} MFLOP) runs the pipelined matmul mainloop, which reads its operands as stored: at this size a "
+        "kernel of their own costs less than the element-by-element tile a prologue needs",
+        reader.task->id, flops / 1000000);
+  }
+  // From about this many FLOPs the pipelined mainloop saves more than the
+  // separate kernel's pass over the operand costs (docs/gemm.md).
+  static constexpr int64_t kPipelinedPrologueFlops = int64_t(1) << 28;
 
   // The kernel, at index `from` or after, that holds task `t`.
   size_t kernel_of(int t, size_t from) const {
@@ -1321,6 +1353,7 @@ class Fuser {
       const BoundTask& reader = p_.tasks[size_t(r)];
       const std::string operand = prologue_operand(r, value);
       if (operand == "both") return fmt::format("'{}' reads it as both operands", reader.task->id);
+      if (std::string pipelined = pipelined_instead(r); !pipelined.empty()) return pipelined;
       const size_t host = kernel_of(r, k + 1);
       const KernelGroup& kernel = out_.kernels[host];
       if (folded[host]) return fmt::format("'{}' is itself the prologue of its readers' kernels", reader.task->id);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include <fmt/format.h>
+
 namespace cudagen {
 
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
@@ -172,6 +174,47 @@ std::vector<std::vector<int>> kernel_buffers(const Program& program, const std::
     out.push_back(std::move(buffers));
   }
   return out;
+}
+
+std::string GemmTile::arguments() const {
+  return fmt::format("{}, {}, {}, {}, {}, {}", bm, bn, bk, warps_m, warps_n, stages);
+}
+
+std::string GemmTile::describe() const {
+  return fmt::format("{} x {} x {} tiles, {} x {} warps, {} stages", bm, bn, bk, warps_m, warps_n, stages);
+}
+
+std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
+                                            bool trans_b, int64_t batches, std::string* why_not) {
+  auto refuse = [&](std::string why) -> std::optional<GemmTile> {
+    if (why_not != nullptr) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  if ((a != DType::f16 && a != DType::bf16) || b != a) return refuse("its operands are not both f16 or both bf16");
+  // 16-byte copies: every row of each operand starts on a 16-byte boundary (the arena aligns each buffer to 256).
+  const int64_t a_contiguous = trans_a ? M : K, b_contiguous = trans_b ? K : N;
+  if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0)
+    return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of 8 elements",
+                              a_contiguous, b_contiguous));
+  constexpr int64_t kSms = 132, kWaves = 4;
+  const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches;
+  if (large_tiles >= kWaves * kSms) return GemmTile{128, 128, 64, 2, 2, 3};
+  return GemmTile{64, 64, 32, 2, 2, 4};
+}
+
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not) {
+  const BoundTask& task = program.tasks[size_t(t)];
+  const BufferInfo& a = program.buffers[size_t(task.find_tensor("a")->buffer)];
+  const BufferInfo& b = program.buffers[size_t(task.find_tensor("b")->buffer)];
+  const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
+  const bool ta = flag_value(root_arg(program, t, "trans_a").second), tb = flag_value(root_arg(program, t, "trans_b").second);
+  int64_t M = so[so.size() - 2], batches = numel(Shape(so.begin(), so.end() - 2));
+  if (matmul_flattens_rows(a.shape, b.shape, so, ta)) {
+    M *= batches;
+    batches = 1;
+  }
+  const int64_t N = so.back(), K = ta ? a.shape[a.shape.size() - 2] : a.shape.back();
+  return pipelined_gemm_tile(a.dtype, b.dtype, M, N, K, ta, tb, batches, why_not);
 }
 
 }  // namespace cudagen

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -102,6 +103,34 @@ inline int64_t matmul_operand_tile_bytes(DType a) {
   return matmul_tile_rows(a) == 64 ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
 }
 
+// The pipelined tensor-core mainloop (templates/gemm.cuh, docs/gemm.md): a
+// tile configuration, as cg_gemm_config's parameters.
+struct GemmTile {
+  int bm = 0, bn = 0, bk = 0, warps_m = 0, warps_n = 0, stages = 0;
+  int threads() const { return 32 * warps_m * warps_n; }
+  int64_t shared_bytes() const { return int64_t(2) * stages * (bm + bn) * bk; }
+  // "128, 128, 64, 2, 2, 3": cg_gemm_config's template arguments.
+  std::string arguments() const;
+  // "128 x 128 x 64 tiles, 2 x 2 warps, 3 stages".
+  std::string describe() const;
+};
+
+// The mainloop a matmul of M x N outputs over K (per batch; `batches` of
+// them) runs on, or nullopt with the reason in `why_not`: 16-bit operands of
+// one type whose contiguous axes are whole 16-byte chunks (A's K, or M with
+// trans_a; B's N, or K with trans_b). The tile: 128 x 128 x 64 (4 warps, 3
+// stages, 96 KiB) where that gives at least 4 waves on an H100's 132 SMs,
+// else 64 x 64 x 32 (4 warps, 4 stages, 32 KiB), which filled the SMs better
+// on a GPT-2 block's shapes (bench/RESULTS.md, "GEMM mainloop").
+std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
+                                            bool trans_b, int64_t batches, std::string* why_not = nullptr);
+
+// The same for matmul task `t` of `program`, with M, N, K and the batches as
+// the emitter's matmul skeleton takes them (rows flattened where
+// matmul_flattens_rows says so). The fusion pass asks it too: a kernel on
+// the pipelined mainloop is launched alone (rule horizontal).
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not = nullptr);
+
 // A shared-memory region's bytes up to the 16-byte boundary the next one
 // starts at (emit.cpp aligns every region so, for vector loads and the
 // tensor-core tiles).
@@ -110,6 +139,10 @@ inline int64_t shared_region_bytes(int64_t bytes) { return (bytes + 15) / 16 * 1
 // The shared memory every device gives a kernel without opting in: the
 // emitter's variants are chosen to fit it.
 inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
+// The most a kernel may opt in to (its launcher sets the attribute) and
+// still run on every GPU from sm_80 on: 99 KiB on sm_86 and sm_89 (sm_80 has
+// 163 KiB, sm_90 227 KiB). The pipelined mainloop's largest tile takes 96.
+inline constexpr int64_t kSharedBytesWithOptIn = 99 * 1024;
 
 // Rule row_reduction: the shared memory of a matmul kernel that reduces its
 // value over the rows (emit.cpp reserves these regions, each from a 16-byte

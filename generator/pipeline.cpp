@@ -148,4 +148,11 @@ std::string fusion_table(const Compiled& c) {
   return dump_fusion(c.program, Fusion{c.kernels, c.fusion_notes, c.launch_notes});
 }
 
+std::string describe_matmul_paths(const Compiled& c) {
+  std::string out;
+  for (const EmittedKernel& k : c.emitted.kernels)
+    if (!k.matmul_path.empty()) out += fmt::format("  {}: {}\n", k.name, k.matmul_path);
+  return out.empty() ? "" : "\nmatmul mainloops:\n" + out;
+}
+
 }  // namespace cudagen

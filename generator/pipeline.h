@@ -68,4 +68,7 @@ std::string fusion_table(const Compiled& compiled);
 // The options as one line, for the provenance header and the manifest.
 std::string describe_options(const CompileOptions& options);
 
+// Which mainloop each matmul kernel runs, and why (`cudagen describe`).
+std::string describe_matmul_paths(const Compiled& compiled);
+
 }  // namespace cudagen

@@ -97,12 +97,9 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
 
 // mma.sync m16n8k16 on packed registers (two 16-bit values each, the lower
 // element in the low half): the layout of cg_mma_16x8x16 (prelude), whose
-// element arrays these are. T (cg_f16 or cg_bf16) names the operand type.
-template <typename T>
-CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2]);
-
-// Elsewhere: the packed registers as element arrays, through the prelude's
-// shuffle form of the same layout.
+// element arrays these are. The last parameter only names the operand type.
+// Elsewhere than sm_80 and later: the packed registers as element arrays,
+// through the prelude's shuffle form of the same layout.
 template <typename T>
 CG_DEVICE void cg_mma_16x8x16_unpacked(float d[4], const unsigned int a[4], const unsigned int b[2]) {
   T ae[8], be[4];
@@ -111,8 +108,7 @@ CG_DEVICE void cg_mma_16x8x16_unpacked(float d[4], const unsigned int a[4], cons
   cg_mma_16x8x16_shuffle(d, ae, be);
 }
 
-template <>
-CG_DEVICE void cg_mma_16x8x16_packed<cg_f16>(float d[4], const unsigned int a[4], const unsigned int b[2]) {
+CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_f16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -124,8 +120,7 @@ CG_DEVICE void cg_mma_16x8x16_packed<cg_f16>(float d[4], const unsigned int a[4]
 #endif
 }
 
-template <>
-CG_DEVICE void cg_mma_16x8x16_packed<cg_bf16>(float d[4], const unsigned int a[4], const unsigned int b[2]) {
+CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_bf16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -314,7 +309,7 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigne
       CG_UNROLL
       for (int i = 0; i < Config::MI; ++i)
         CG_UNROLL
-        for (int j = 0; j < Config::NI; ++j) cg_mma_16x8x16_packed<T>(acc.v[i][j], fa[i], &fb[j / 2][2 * (j % 2)]);
+        for (int j = 0; j < Config::NI; ++j) cg_mma_16x8x16_packed(acc.v[i][j], fa[i], &fb[j / 2][2 * (j % 2)], T());
     }
   }
   cg_cp_async_wait<0>();

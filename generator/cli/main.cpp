@@ -118,10 +118,16 @@ int run_describe(Cli& cli) {
   if (!cli.compile.emit.megakernel) {
     // The fusion pass needs no templates: a graph of ops without one still shows its kernels.
     fmt::print("\nkernels: {}", fusion_table(plan_program(std::move(p), cli.compile)));
+    try {  // the emitter chooses the mainloops: compile again, to the end
+      fmt::print("{}", describe_matmul_paths(compile(load_program(cli.graph_path, cli.frontend), cli.compile)));
+    } catch (const CompileError&) {
+      fmt::print("\nmatmul mainloops: not shown, the graph does not compile yet (`cudagen compile` says why)\n");
+    }
     return kExitOk;
   }
   Compiled c = compile(std::move(p), cli.compile);
   fmt::print("\nkernels: {}", fusion_table(c));
+  fmt::print("{}", describe_matmul_paths(c));
   fmt::print("\nmegakernel schedule:\n{}", describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels));
   return kExitOk;
 }

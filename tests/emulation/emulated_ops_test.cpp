@@ -380,6 +380,47 @@ TEST(Emulation, TensorCoreMatmulMatchesTheReference) {
   }
 }
 
+// 16-bit matmuls whose rows are whole 16-byte chunks run the pipelined
+// mainloop (templates/gemm.cuh) in the generated kernel: every transpose,
+// a batch broadcast over b, alpha, an epilogue (bias, GELU) on the pairs,
+// partial tiles everywhere. Others keep the 64 x 64 tile.
+TEST(Emulation, PipelinedMatmulMatchesTheReference) {
+  for (DType d : {DType::f16, DType::bf16}) {
+    GraphBuilder b(std::string("pipelined_") + to_string(d));
+    auto mm = b.task("mm", "matmul").tensor("a", d, {3, 72, 40}, ext).tensor("b", d, {40, 136}, ext).tensor("out", d, {3, 72, 136});
+    auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {136}, ext).tensor("out", d, {3, 72, 136});
+    b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {3, 72, 136}, ext);
+    b.task("mm_tn", "matmul")
+        .tensor("a", d, {48, 104}, ext)
+        .tensor("b", d, {48, 24}, ext)
+        .tensor("out", d, {104, 24}, ext)
+        .arg("trans_a", true)
+        .arg("alpha", 0.5);
+    b.task("mm_nt", "matmul").tensor("a", d, {2, 33, 16}, ext).tensor("b", d, {2, 80, 16}, ext).tensor("out", d, {2, 33, 80}, ext).arg("trans_b", true);
+    b.task("mm_tt", "matmul")
+        .tensor("a", d, {24, 64}, ext)
+        .tensor("b", d, {8, 24}, ext)
+        .tensor("out", d, {64, 8}, ext)
+        .arg("trans_a", true)
+        .arg("trans_b", true);
+    b.task("mm_odd", "matmul").tensor("a", d, {20, 12}, ext).tensor("b", d, {12, 20}, ext).tensor("out", d, {20, 20}, ext);
+    Compiled c = compile_graph(std::move(b).graph());
+    int pipelined = 0, tiled = 0;
+    for (const EmittedKernel& k : c.emitted.kernels) {
+      pipelined += k.matmul_path.find("pipelined mainloop") != std::string::npos;
+      tiled += k.matmul_path.find("64 x 64 tile") != std::string::npos;
+    }
+    EXPECT_EQ(pipelined, 4) << "mm (with its epilogue), mm_tn, mm_nt, mm_tt";
+    EXPECT_EQ(tiled, 1) << "mm_odd: K = 12 is no whole number of 16-byte chunks";
+    EXPECT_NE(c.emitted.cuda_source.find("typedef cg_gemm_config<64, 64, 32, 2, 2, 4> cg_config;"), std::string::npos);
+    uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("pipelined_") + to_string(d))});
+    ASSERT_EQ(run.checks.size(), 5u);
+    for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, EmulatedHalfOps,
                          ::testing::Combine(::testing::Values(DType::f16, DType::bf16),
                                             ::testing::Values(1, 7, 33, 1000, 4097)));

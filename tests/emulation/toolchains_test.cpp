@@ -365,3 +365,29 @@ TEST(Toolchains, GemmMainloopKeepsEverythingInRegisters) {
     }
   }
 }
+
+// Generated matmul kernels on the pipelined mainloop, both tile configs the
+// emitter picks (a decoder's MLP up projection at 4096 rows: 128 x 128 x 64;
+// at 64 rows: 64 x 64 x 32), with a bias and GELU epilogue: no spills, no
+// stack, for sm_80 and sm_90.
+TEST(Toolchains, PipelinedMatmulKernelsKeepEverythingInRegisters) {
+  GraphBuilder b("pipelined");
+  const Storage ext = Storage::external;
+  for (int64_t rows : {4096, 64}) {
+    const std::string r = std::to_string(rows);
+    auto mm = b.task("up_" + r, "matmul").tensor("a", DType::bf16, {rows, 768}, ext).tensor("b", DType::bf16, {768, 3072}, ext).tensor("out", DType::bf16, {rows, 3072});
+    auto bias = b.task("bias_" + r, "add").tensor("a", mm["out"]).tensor("b", DType::bf16, {3072}, ext).tensor("out", DType::bf16, {rows, 3072});
+    b.task("act_" + r, "gelu").tensor("x", bias["out"]).tensor("out", DType::bf16, {rows, 3072}, ext);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  std::vector<std::string> paths;
+  for (const EmittedKernel& k : c.emitted.kernels) paths.push_back(k.matmul_path);
+  ASSERT_EQ(paths.size(), 2u);
+  EXPECT_NE(paths[0].find("128 x 128 x 64 tiles"), std::string::npos) << paths[0];
+  EXPECT_NE(paths[1].find("64 x 64 x 32 tiles"), std::string::npos) << paths[1];
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (const auto& [kernel, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch)) {
+      EXPECT_EQ(r.spill_bytes, 0) << kernel << " on " << arch;
+      EXPECT_EQ(r.stack_bytes, 0) << kernel << " on " << arch;
+    }
+}

@@ -619,6 +619,11 @@ struct cudagen_tensor_info {
 #define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \
   do {                                                               \
     (void)tensors; /* for the emulator's bounds checks */            \
+    /* above 48 KiB a kernel must opt in to its dynamic shared memory */ \
+    if ((smem) > 48 * 1024)                                          \
+      if (cudaError_t cudagen_error = cudaFuncSetAttribute(kernel,   \
+              cudaFuncAttributeMaxDynamicSharedMemorySize, (smem)))  \
+        return (int)cudagen_error;                                   \
     kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \
     if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \
   } while (0)

@@ -931,6 +931,7 @@ CG_DEVICE void k16_fc2_grad_a_tile(const float* fc2_grad_a_a, const float* fc2_g
 //   writes fc2_grad_b.out f32 [32, 4]
 //   36864 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k17_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1156,6 +1157,11 @@ struct cudagen_tensor_info {
 #define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \
   do {                                                               \
     (void)tensors; /* for the emulator's bounds checks */            \
+    /* above 48 KiB a kernel must opt in to its dynamic shared memory */ \
+    if ((smem) > 48 * 1024)                                          \
+      if (cudaError_t cudagen_error = cudaFuncSetAttribute(kernel,   \
+              cudaFuncAttributeMaxDynamicSharedMemorySize, (smem)))  \
+        return (int)cudagen_error;                                   \
     kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \
     if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \
   } while (0)

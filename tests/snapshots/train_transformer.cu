@@ -1353,6 +1353,7 @@ CG_KERNEL void __launch_bounds__(256) k34_q(float* __restrict__ probs, const flo
 //   in registers attn_out.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k35_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1438,6 +1439,7 @@ CG_KERNEL void __launch_bounds__(256, 1) k36_up(const float* __restrict__ up_b, 
 //   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
 //     [0, 4288) the operand tiles
 //     [4288, 8640) lnf's 32 rows normalised and weight, their statistics
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k37_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1505,6 +1507,7 @@ CG_KERNEL void __launch_bounds__(32) k39_loss_backward(const float* __restrict__
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1521,6 +1524,7 @@ CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, 
 //   writes head_grad_b.out f32 [32, 16]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k41_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1564,6 +1568,7 @@ CG_KERNEL void __launch_bounds__(128) k42_lnf_backward(const float* __restrict__
 //   writes down_grad_b.out f32 [64, 32]
 //   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k43_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1615,6 +1620,7 @@ CG_DEVICE void k44_down_grad_a_tile(const float* down_grad_a_a, const float* dow
 //   writes up_grad_b.out f32 [32, 64]
 //   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k45_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1662,6 +1668,7 @@ CG_DEVICE void k46_ln2_backward_tile(const float* x, const float* weight, const 
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1682,6 +1689,7 @@ CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* m
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k48_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1777,6 +1785,7 @@ CG_KERNEL void __launch_bounds__(256, 1) k49_context_grad_a(const float* __restr
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1793,6 +1802,7 @@ CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k51_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1837,6 +1847,7 @@ CG_DEVICE void k52_v_grad_a_tile(const float* v_grad_a_a, const float* v_grad_a_
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k53_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -2468,6 +2479,11 @@ struct cudagen_tensor_info {
 #define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \
   do {                                                               \
     (void)tensors; /* for the emulator's bounds checks */            \
+    /* above 48 KiB a kernel must opt in to its dynamic shared memory */ \
+    if ((smem) > 48 * 1024)                                          \
+      if (cudaError_t cudagen_error = cudaFuncSetAttribute(kernel,   \
+              cudaFuncAttributeMaxDynamicSharedMemorySize, (smem)))  \
+        return (int)cudagen_error;                                   \
     kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \
     if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \
   } while (0)

@@ -864,6 +864,7 @@ CG_KERNEL void __launch_bounds__(256) k8_q(const float* __restrict__ ln1_x, cons
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
+//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
 CG_DEVICE void k9_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -986,6 +987,11 @@ struct cudagen_tensor_info {
 #define CUDAGEN_LAUNCH(kernel, grid, block, smem, tensors, ...)       \
   do {                                                               \
     (void)tensors; /* for the emulator's bounds checks */            \
+    /* above 48 KiB a kernel must opt in to its dynamic shared memory */ \
+    if ((smem) > 48 * 1024)                                          \
+      if (cudaError_t cudagen_error = cudaFuncSetAttribute(kernel,   \
+              cudaFuncAttributeMaxDynamicSharedMemorySize, (smem)))  \
+        return (int)cudagen_error;                                   \
     kernel<<<grid, block, smem, stream>>>(__VA_ARGS__);              \
     if (cudaError_t cudagen_error = cudaGetLastError()) return (int)cudagen_error; \
   } while (0)
