@@ -59,18 +59,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(ap)
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32",
+                    help="weights and activations, as decoder_graph.py's --dtype")
     a = ap.parse_args()
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
     if not torch.cuda.is_available():
         sys.exit("decoder_torch.py: no CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False  # f32 as cudagen computes it (DESIGN.md §9)
-    model = torch.nn.Sequential(*[Block(a.dim, a.heads, a.mlp) for _ in range(a.layers)]).cuda().eval()
-    x = torch.randn(a.batch, a.tokens, a.dim, device="cuda")
+    model = torch.nn.Sequential(*[Block(a.dim, a.heads, a.mlp) for _ in range(a.layers)]).cuda().eval().to(dtype)
+    x = torch.randn(a.batch, a.tokens, a.dim, device="cuda", dtype=dtype)
     with torch.no_grad():
         eager = time_ms(model, x, a.runs)
         compiled = torch.compile(model, mode="reduce-overhead")
         graphs = time_ms(compiled, x, a.runs)
     for mode, ms in (("torch eager", eager), ("torch.compile reduce-overhead", graphs)):
-        print(f"{mode:<30} layers={a.layers} tokens={a.tokens}  {ms:.4f} ms/step")
+        print(f"{mode:<30} layers={a.layers} batch={a.batch} tokens={a.tokens} {a.dtype}  {ms:.4f} ms/step")
 
 
 if __name__ == "__main__":
