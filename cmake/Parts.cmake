@@ -54,6 +54,29 @@ cudagen_part(NVRTC ${_nvrtc_ok} "install the CUDA toolkit at /usr/local/cuda, or
 find_package(Boost QUIET COMPONENTS context)
 cudagen_part(EMULATOR "${Boost_CONTEXT_FOUND}" "install libboost-context-dev (apt-get install libboost-context-dev)")
 
+# cuobjdump, for the SASS checks of the generated kernels (tests/emulation/
+# toolchains_test.cpp). The CUDA toolkit here has none; the PyPI wheels
+# nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm do: scripts/dev.sh installs
+# them into .cache/tools-venv.
+find_program(CUDAGEN_CUOBJDUMP cuobjdump HINTS ${CUDAToolkit_ROOT}/bin)
+if(NOT CUDAGEN_CUOBJDUMP)
+  file(GLOB _wheel_cuobjdump ${PROJECT_SOURCE_DIR}/.cache/tools-venv/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump)
+  if(_wheel_cuobjdump)
+    list(GET _wheel_cuobjdump 0 _first)
+    set(CUDAGEN_CUOBJDUMP ${_first} CACHE FILEPATH "cuobjdump" FORCE)
+  endif()
+endif()
+# cuobjdump runs nvdisasm, which must lie beside it (the tests put its folder first on PATH).
+set(_sass_ok OFF)
+if(CUDAGEN_CUOBJDUMP)
+  get_filename_component(_sass_dir ${CUDAGEN_CUOBJDUMP} DIRECTORY)
+  if(EXISTS ${_sass_dir}/nvdisasm)
+    set(_sass_ok ON)
+  endif()
+endif()
+cudagen_part(SASS ${_sass_ok}
+             "install cuobjdump and nvdisasm: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (scripts/dev.sh does)")
+
 function(cudagen_report_parts)
   message(STATUS "cudagen parts:")
   foreach(part ${CUDAGEN_PARTS})

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 BUILD_DIR=${BUILD_DIR:-build}
 CUDA_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
-PACKAGES=(cmake ninja-build g++ python3 bc nlohmann-json3-dev python3-numpy python3-torch python3-torchvision
+PACKAGES=(cmake ninja-build g++ python3 python3-venv bc nlohmann-json3-dev python3-numpy python3-torch python3-torchvision
           clang-19 libclang-rt-19-dev libclang-19-dev libclang-cpp19-dev llvm-19-dev
           libfmt-dev libcli11-dev libgtest-dev libbenchmark-dev libboost-context-dev)
 
@@ -24,6 +24,12 @@ install_missing() {
     $sudo apt-get update -qq
     # libclang-rt-19-dev is named explicitly: it is only a recommended package of clang-19.
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # cuobjdump and the nvdisasm it runs (the SASS checks): the toolkit here has neither, PyPI's wheels have.
+  if ! ls .cache/tools-venv/lib/python3*/site-packages/nvidia/cu*/bin/nvdisasm > /dev/null 2>&1; then
+    echo "== installing cuobjdump and nvdisasm (pip: nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm) into .cache/tools-venv"
+    python3 -m venv .cache/tools-venv
+    .cache/tools-venv/bin/pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
   fi
   if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
     echo "error: no CUDA toolkit at $CUDA_ROOT (nvcc, NVRTC); install it there or set CUDAToolkit_ROOT" >&2

@@ -54,4 +54,34 @@ inline std::map<std::string, KernelResources> ptxas_resources(const std::string&
   return out;
 }
 
+// Compiles `source` to a cubin for `arch` with NVRTC and disassembles it
+// with cuobjdump: per kernel, how many times each SASS opcode (the part
+// before the first '.', as LDGSTS of LDGSTS.E.BYPASS.128) occurs.
+inline std::map<std::string, std::map<std::string, int>> sass_opcodes(const std::string& source,
+                                                                      const std::string& arch) {
+  NvrtcOutput cubin = nvrtc_compile(source, "sass_input.cu", arch, /*ptx=*/false);
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_sass_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir + "/k.cubin", std::string(cubin.binary.begin(), cubin.binary.end()));
+  // cuobjdump runs nvdisasm, which lies beside it (cmake/Parts.cmake checks).
+  const std::string tools = std::filesystem::path(CUDAGEN_CUOBJDUMP).parent_path().string();
+  std::string cmd = "PATH='" + tools + "':\"$PATH\" '" + std::string(CUDAGEN_CUOBJDUMP) + "' -sass " + dir +
+                    "/k.cubin > " + dir + "/sass.txt 2>&1";
+  int status = std::system(cmd.c_str());
+  std::string listing = read_text_file(dir + "/sass.txt");
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(status, 0) << listing;
+  // "Function : k0_mm", then lines "/*0120*/  @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], P1 ;".
+  std::regex function(R"(Function : (\w+))"), instruction(R"(/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*))");
+  std::map<std::string, std::map<std::string, int>> out;
+  std::string kernel;
+  std::istringstream lines(listing);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, function)) kernel = m[1];
+    else if (!kernel.empty() && std::regex_search(line, m, instruction)) ++out[kernel][m[1]];
+  }
+  return out;
+}
+
 }  // namespace cudagen::testing

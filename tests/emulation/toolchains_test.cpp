@@ -391,3 +391,38 @@ TEST(Toolchains, PipelinedMatmulKernelsKeepEverythingInRegisters) {
       EXPECT_EQ(r.stack_bytes, 0) << kernel << " on " << arch;
     }
 }
+
+// The SASS of each generated matmul kernel on the pipelined mainloop has the
+// instructions the design asks for (issue #35): LDGSTS (cp.async), LDSM
+// (ldmatrix), HMMA (mma.sync), and no local memory (LDL, STL), for sm_80
+// and sm_90; a kernel left on the old tile has no LDGSTS.
+TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("sass");
+  const Storage ext = Storage::external;
+  auto mm = b.task("up", "matmul").tensor("a", DType::bf16, {4096, 768}, ext).tensor("b", DType::bf16, {768, 3072}, ext).tensor("out", DType::bf16, {4096, 3072});
+  b.task("act", "gelu").tensor("x", mm["out"]).tensor("out", DType::bf16, {4096, 3072}, ext);
+  b.task("dw", "matmul").tensor("a", DType::f16, {512, 96}, ext).tensor("b", DType::f16, {512, 64}, ext).tensor("out", DType::f16, {96, 64}, ext).arg("trans_a", true);
+  b.task("odd", "matmul").tensor("a", DType::bf16, {64, 30}, ext).tensor("b", DType::bf16, {30, 64}, ext).tensor("out", DType::bf16, {64, 64}, ext);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  int pipelined = 0;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
+    for (const EmittedKernel& k : c.emitted.kernels) {
+      ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(k.name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      if (k.matmul_path.find("pipelined") == std::string::npos) {
+        EXPECT_EQ(count("LDGSTS"), 0) << k.name << " (" << k.matmul_path << ") on " << arch;
+        continue;
+      }
+      ++pipelined;
+      EXPECT_GT(count("LDGSTS"), 0) << k.name << " on " << arch;
+      EXPECT_GT(count("LDSM"), 0) << k.name << " on " << arch;
+      EXPECT_GT(count("HMMA"), 0) << k.name << " on " << arch;
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << k.name << " on " << arch << ": local memory";
+    }
+  }
+  EXPECT_EQ(pipelined, 4) << "up and dw, for each of two architectures";
+}
