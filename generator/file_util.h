@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cudagen {
 
@@ -16,8 +18,29 @@ class FileError : public std::runtime_error {
 
 std::string read_text_file(const std::string& path);
 
-// Writes `content` to a temporary file beside `path`, then renames it over
-// `path`: readers see the old file or the new one, never a partial one.
+// Writes `content` to a temporary file beside `path` (a fresh name, created
+// exclusively), then renames it over `path`: readers see the old file or the
+// new one, never a partial one. A replaced file keeps its mode.
 void write_file_atomic(const std::string& path, const std::string& content);
+
+// The same for several files that belong together (a .cu and its manifest):
+// all are written to temporaries first, and renamed only when every one was
+// written, so that a failure leaves none of them changed.
+void write_files_atomic(const std::vector<std::pair<std::string, std::string>>& files);
+
+// A private folder in the system's temporary folder (mkdtemp: an unguessable
+// name, mode 0700), removed with everything in it when the object goes, on
+// every exit path.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix);
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 }  // namespace cudagen

@@ -575,6 +575,26 @@ std::string write_offsets_csv(const BufferList& buffers, const std::vector<int64
   return out;
 }
 
+namespace {
+
+// Text for an SVG element: a buffer id of a CSV file is anyone's text, and
+// `<script>` in it must stay text (issue #34).
+std::string xml_text(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string placement_svg(const std::vector<std::string>& names, const std::vector<LiveInterval>& intervals,
                           const std::vector<int64_t>& offsets, int64_t lower_bound) {
   int last_step = 0;
@@ -599,7 +619,8 @@ std::string placement_svg(const std::vector<std::string>& names, const std::vect
     out += fmt::format(
         "<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"hsl({},60%,65%)\" stroke=\"#333\" "
         "stroke-width=\"0.3\"><title>{}: steps [{}, {}], offset {}, {} bytes</title></rect>\n",
-        x, y, w, h, hue, i < names.size() ? names[i] : std::to_string(i), iv.first, iv.last, offsets[i], iv.bytes);
+        x, y, w, h, hue, xml_text(i < names.size() ? names[i] : std::to_string(i)), iv.first, iv.last, offsets[i],
+        iv.bytes);
   }
   double bound_y = height - double(lower_bound) * sy;
   out += fmt::format(

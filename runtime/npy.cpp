@@ -1,6 +1,8 @@
 #include "npy.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -41,6 +43,39 @@ std::string header_field(const std::string& header, const std::string& key, cons
 
 }  // namespace
 
+namespace {
+
+// The header's shape: a Python tuple of non-negative integers, "()", "(4,)"
+// or "(2, 3)". Anything else ("(4.0,)", "(x,)", a missing parenthesis) is
+// an error that names the file and the element.
+std::vector<int64_t> parse_shape_tuple(const std::string& text, const std::string& path) {
+  auto bad = [&](const std::string& why) {
+    return std::runtime_error(
+        fmt::format("{}: shape {} in the .npy header is not a tuple of non-negative integers: {}", path, text, why));
+  };
+  if (text.size() < 2 || text.front() != '(' || text.back() != ')') throw bad("it is not in parentheses");
+  std::vector<int64_t> shape;
+  const std::string inside = text.substr(1, text.size() - 2);
+  size_t i = 0;
+  while (i < inside.size()) {
+    const size_t comma = std::min(inside.find(',', i), inside.size());
+    std::string element = inside.substr(i, comma - i);
+    element.erase(0, element.find_first_not_of(' '));
+    element.erase(element.find_last_not_of(' ') + 1);
+    if (element.empty()) {
+      if (comma < inside.size() || shape.empty()) throw bad("an element is empty");
+      break;  // the trailing comma of "(4,)"
+    }
+    if (element.size() > 18 || element.find_first_not_of("0123456789") != std::string::npos)
+      throw bad(fmt::format("element '{}'", element));
+    shape.push_back(std::stoll(element));
+    i = comma + 1;
+  }
+  return shape;
+}
+
+}  // namespace
+
 HostTensor read_npy(const std::string& path) {
   std::string bytes = read_text_file(path);
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0)
@@ -64,6 +99,7 @@ HostTensor read_npy(const std::string& path) {
   std::string shape_text = header_field(header, "shape", path);
   if (order != "False") throw std::runtime_error(fmt::format("{}: Fortran-order arrays are not supported; save a C-contiguous array", path));
   HostTensor a;
+  int64_t expected_bytes = 0;
   bool known = false;
   for (DType d : {DType::f32, DType::f64, DType::i32, DType::i64, DType::f16, DType::bf16})
     if (type == std::string("'") + descr(d) + "'") {
@@ -71,14 +107,12 @@ HostTensor read_npy(const std::string& path) {
       known = true;
     }
   if (!known) throw std::runtime_error(fmt::format("{}: unsupported dtype {} (cudagen reads <f4, <f8, <i4, <i8, <f2, and <u2 as bf16 bit patterns)", path, type));
-  for (size_t i = 1; i < shape_text.size();) {
-    size_t j = shape_text.find_first_of(",)", i);
-    std::string dim = shape_text.substr(i, j - i);
-    if (dim.find_first_not_of(' ') != std::string::npos) a.shape.push_back(std::stoll(dim));
-    i = j + 1;
-  }
+  a.shape = parse_shape_tuple(shape_text, path);
   int64_t n = 1;
-  for (int64_t d : a.shape) n *= d;
+  for (int64_t d : a.shape)
+    if (__builtin_mul_overflow(n, d, &n) || __builtin_mul_overflow(n, dtype_bytes(a.dtype), &expected_bytes))
+      throw std::runtime_error(fmt::format("{}: shape {} in the .npy header has more bytes than a 64-bit count holds",
+                                           path, shape_text));
   size_t expected = size_t(n * dtype_bytes(a.dtype)), data_at = offset + header_len;
   if (bytes.size() - data_at != expected)
     throw std::runtime_error(fmt::format("{}: {} bytes of data, but shape {} of {} needs {}", path, bytes.size() - data_at,

@@ -176,9 +176,12 @@ int run_compile(Cli& cli) {
   Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
   if (!cli.compile.dump_after.empty()) fmt::print("{}", c.dump);
   // Both files or neither: write to temporaries first, then rename.
-  if (!cli.output_path.empty()) write_file_atomic(cli.output_path, c.emitted.cuda_source);
-  if (!cli.manifest_path.empty()) write_file_atomic(cli.manifest_path, c.emitted.manifest_json);
-  if (!cli.header_path.empty()) write_file_atomic(cli.header_path, c.emitted.host_header);
+  // The .cu, its manifest and its header belong together: all of them are written, or none.
+  std::vector<std::pair<std::string, std::string>> files;
+  if (!cli.output_path.empty()) files.emplace_back(cli.output_path, c.emitted.cuda_source);
+  if (!cli.manifest_path.empty()) files.emplace_back(cli.manifest_path, c.emitted.manifest_json);
+  if (!cli.header_path.empty()) files.emplace_back(cli.header_path, c.emitted.host_header);
+  write_files_atomic(files);
   if (!cli.output_path.empty())
     fmt::print(stderr, "{}: {} kernels, arena {} bytes (lower bound {}) -> {}\n", cli.graph_path, c.kernels.size(),
                c.plan.arena_bytes, c.plan.lower_bound, cli.output_path);
@@ -241,7 +244,10 @@ int run_run(Cli& cli) {
              c.plan.arena_bytes, c.plan.lower_bound);
   RunOptions options;
   options.seed = cli.seed;
-  options.work_dir = cli.work_dir.empty() ? fmt::format("/tmp/cudagen-run-{}", ::getpid()) : cli.work_dir;
+  // The emulation build's folder: the user's (kept), or a private one removed on every exit path.
+  std::optional<TempDir> private_work_dir;
+  if (cli.work_dir.empty()) private_work_dir.emplace("cudagen-run-");
+  options.work_dir = cli.work_dir.empty() ? private_work_dir->path() : cli.work_dir;
   options.check_each_task = cli.check_each_task;
   options.inputs_dir = cli.inputs_dir;
   options.outputs_dir = cli.outputs_dir;

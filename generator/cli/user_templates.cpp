@@ -48,14 +48,12 @@ UserTemplateRegistry::UserTemplateRegistry(const std::vector<std::string>& dirs)
   for (const auto& d : dirs)
     if (!fs::is_directory(d)) throw FileError(fmt::format("--templates {}: not a folder", d));
   const std::string indexer = find_indexer();
-  work_dir_ = (fs::temp_directory_path() / fmt::format("cudagen-templates-{}", ::getpid())).string();
-  fs::remove_all(work_dir_);
-  const std::string bundled = work_dir_ + "/bundled";
+  const std::string bundled = work_dir_.path() + "/bundled";
   fs::create_directories(bundled);
   // The bundled templates as files, so the user's may call their helpers.
   for (const auto& name : embedded_template_names())
     write_file_atomic(bundled + "/" + name, std::string(embedded_template(name)));
-  registry_file_ = work_dir_ + "/registry.json";
+  registry_file_ = work_dir_.path() + "/registry.json";
   std::string cmd = fmt::format("{} -q --prelude {} -o {} {}", shell_quote(indexer), shell_quote(bundled + "/prelude.cuh"),
                                 shell_quote(registry_file_), shell_quote(bundled));
   for (const auto& d : dirs) cmd += " " + shell_quote(d);
@@ -68,9 +66,6 @@ UserTemplateRegistry::UserTemplateRegistry(const std::vector<std::string>& dirs)
   }
 }
 
-UserTemplateRegistry::~UserTemplateRegistry() {
-  std::error_code ec;
-  if (!work_dir_.empty()) fs::remove_all(work_dir_, ec);
-}
+UserTemplateRegistry::~UserTemplateRegistry() = default;
 
 }  // namespace cudagen

@@ -3,6 +3,8 @@
 // templates and the user's folders, and uses the registry it writes.
 #pragma once
 
+#include "file_util.h"
+
 #include <string>
 #include <vector>
 
@@ -22,7 +24,7 @@ class UserTemplateRegistry {
   const std::string& registry_file() const { return registry_file_; }
 
  private:
-  std::string work_dir_;
+  TempDir work_dir_{"cudagen-templates-"};  // removed also when the constructor throws
   std::string registry_file_;
 };
 

@@ -75,6 +75,34 @@ TEST(Npy, RejectsWhatItCannotRead) {
   }
 }
 
+// A header's shape that is not a tuple of integers: "error: stoll" before,
+// (4.0,) read as 4, and a shape without its ')' looped forever (issue #34).
+TEST(Npy, ShapesThatAreNotTuplesOfIntegersAreNamed) {
+  fs::path dir = temp_dir("shapes");
+  const std::string path = (dir / "x.npy").string();
+  write_npy(path, array_of<float>(DType::f32, {4}, {1, 2, 3, 4}));
+  const std::string good = read_text_file(path);
+  auto error_of = [&](const std::string& shape) {
+    std::string bytes = good;
+    const size_t at = bytes.find("(4,)");
+    bytes.replace(at, 4, shape + std::string(4 - std::min<size_t>(4, shape.size()), ' '));
+    if (shape.size() > 4) bytes.erase(bytes.find('\n') - (shape.size() - 4), shape.size() - 4);  // keep the header's length
+    write_file_atomic(path, bytes);
+    try {
+      read_npy(path);
+      return std::string("read");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_EQ(error_of("(4,)"), "read");
+  EXPECT_NE(error_of("(x,)").find("is not a tuple of non-negative integers: element 'x'"), std::string::npos);
+  EXPECT_NE(error_of("(4.0,)").find("element '4.0'"), std::string::npos);
+  EXPECT_NE(error_of("(-4,)").find("element '-4'"), std::string::npos);
+  EXPECT_NE(error_of("(4, "), std::string("read")) << "no closing parenthesis";
+  EXPECT_NE(error_of("(,)").find("an element is empty"), std::string::npos);
+}
+
 TEST(Npy, RunReadsInputsAndWritesOutputs) {
   GraphBuilder b("io");
   b.task("act", "relu").tensor("x", DType::f32, {4}, Storage::external).tensor("out", DType::f32, {4}, Storage::external);

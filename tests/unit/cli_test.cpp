@@ -368,3 +368,30 @@ TEST_F(Cli, UserTemplatesWithAnErrorNameTheUsersFileAndLine) {
   EXPECT_NE(r.err.find("could not be indexed"), std::string::npos) << r.err;
   EXPECT_EQ(run("ops --templates " + (dir_ / "broken").string() + " --registry " + file).status, 2);
 }
+
+// Files (issue #34; file_util_test.cpp has the planted symlink): a replaced
+// file keeps its mode, a .cu and its manifest are
+// written both or neither, and the emulation's work folder is private and
+// removed after the run.
+TEST_F(Cli, FilesAreWrittenSafelyAndWorkFoldersRemoved) {
+  const std::string out = (dir_ / "out.json").string();
+  ASSERT_EQ(run("format " + source_path("examples/mlp_forward.json") + " -o " + out).status, 0);
+
+  fs::permissions(out, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  ASSERT_EQ(run("format " + out + " -o " + out).status, 0);
+  EXPECT_EQ(fs::status(out).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read)
+      << "format -o on its input keeps the file's mode";
+
+  const std::string cu = (dir_ / "never.cu").string();
+  CliResult r = run("compile " + source_path("examples/mlp_forward.json") + " -o " + cu + " --manifest " +
+                    (dir_ / "no_such_folder" / "m.json").string());
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_FALSE(fs::exists(cu)) << "the .cu without its manifest";
+
+  const fs::path tmp = dir_ / "tmp";
+  fs::create_directories(tmp);
+  r = run("run --emulate " + source_path("examples/mlp_forward.json"), "TMPDIR=" + tmp.string());
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(fs::is_empty(tmp)) << "the run left " << fs::directory_iterator(tmp)->path();
+}

@@ -176,4 +176,8 @@ TEST(PlacementSvg, DrawsEveryBufferAndTheBound) {
   EXPECT_NE(svg.find("<title>y.out: steps [1, 2], offset 256, 512 bytes</title>"), std::string::npos);
   EXPECT_NE(svg.find("stroke=\"red\""), std::string::npos) << "the lower bound line";
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  // Ids are text, escaped: a CSV's id cannot add markup (issue #34).
+  const std::string hostile = placement_svg({"<script>alert(1)</script>&\""}, {{256, 0, 1}}, {0}, 256);
+  EXPECT_EQ(hostile.find("<script>"), std::string::npos);
+  EXPECT_NE(hostile.find("<title>&lt;script&gt;alert(1)&lt;/script&gt;&amp;&quot;: steps"), std::string::npos) << hostile;
 }
