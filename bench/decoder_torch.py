@@ -65,7 +65,7 @@ def main():
     dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
     if not torch.cuda.is_available():
         sys.exit("decoder_torch.py: no CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False  # f32 as cudagen computes it (DESIGN.md §9)
+    torch.backends.cuda.matmul.allow_tf32 = False  # f32 as cudagen computes it (docs/architecture.md §9)
     model = torch.nn.Sequential(*[Block(a.dim, a.heads, a.mlp) for _ in range(a.layers)]).cuda().eval().to(dtype)
     x = torch.randn(a.batch, a.tokens, a.dim, device="cuda", dtype=dtype)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-// The derive pass (DESIGN.md §1, issue #7): from a validated forward graph
+// The derive pass (docs/architecture.md §1, issue #7): from a validated forward graph
 // and a scalar loss, the backward tasks that compute the loss's gradient with
 // respect to every weight, and the optimizer's update tasks.
 //

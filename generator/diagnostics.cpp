@@ -6,6 +6,24 @@
 
 namespace cudagen {
 
+namespace {
+
+// User text (a JSON key in a path, a value in a message) as printable text:
+// a NUL had cut every later diagnostic off, and other control bytes would
+// drive the terminal. Newlines and tabs of cudagen's own messages stay.
+std::string visible(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
+      out += fmt::format("\\x{:02x}", c);
+    else
+      out += char(c);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string Diagnostic::format() const {
   std::string out;
   if (!file.empty()) out += file;
@@ -16,9 +34,9 @@ std::string Diagnostic::format() const {
   if (!task.empty()) where += fmt::format("task '{}'", task);
   if (!slot.empty()) where += fmt::format("{}slot '{}'", where.empty() ? "" : ", ", slot);
   if (!path.empty()) where += where.empty() ? path : fmt::format(" ({})", path);
-  if (!where.empty()) out += where + ": ";
-  out += message;
-  if (!hint.empty()) out += "\n  hint: " + hint;
+  if (!where.empty()) out += visible(where) + ": ";
+  out += visible(message);
+  if (!hint.empty()) out += "\n  hint: " + visible(hint);
   return out;
 }
 

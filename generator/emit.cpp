@@ -420,7 +420,7 @@ class Emitter {
   // A kernel as two functions: `NAME_tile`, the body over one block of the
   // grid (`tile`: which block, and how many there are along x), and the
   // __global__ NAME that calls it with blockIdx and gridDim. The megakernel's
-  // dispatcher calls the same tile functions (DESIGN.md §10), so it runs
+  // dispatcher calls the same tile functions (docs/architecture.md §10), so it runs
   // exactly the code the kernels do. The __global__ takes buffers as
   // `T* __restrict__` (without it where two may overlap) and run-time
   // arguments as `const T* __restrict__ name_arg`; the tile function's
@@ -2614,7 +2614,7 @@ class Emitter {
     ek.matmul_path = "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined;
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
-    // whose TF32 would break the f32 bound (DESIGN.md §9).
+    // whose TF32 would break the f32 bound (docs/architecture.md §9).
     const bool tensor_cores = is_16bit(a.buffer->dtype);
     if (!tensor_cores) ek.matmul_path = "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
     const int tile = int(matmul_tile_rows(a.buffer->dtype));
@@ -3019,7 +3019,7 @@ class Emitter {
     return 80;
   }
 
-  // With --megakernel (DESIGN.md §10): the kernels emitted so far become the
+  // With --megakernel (docs/architecture.md §10): the kernels emitted so far become the
   // tile functions of one persistent kernel per phase, which runs the
   // schedule of megakernel.h from constant tables. Their event counters and
   // watchdog reports take a region after the plan's arena.
@@ -3067,7 +3067,7 @@ class Emitter {
     for (const auto& t : mp.tasks) joins += t.kernel < 0;
     const std::string P = mk.name;
     std::string code = fmt::format(
-        "// ---- {} phase as one persistent kernel (DESIGN.md §10) ----\n"
+        "// ---- {} phase as one persistent kernel (docs/architecture.md §10) ----\n"
         "// {} kernels as {} tile tasks and {} join tasks on {} blocks of {} threads; {} events.\n"
         "// Critical path {} tasks; blocks idle an estimated {:.0f}% of the phase. Block b runs tasks\n"
         "// [{P}_queue[b], {P}_queue[b + 1]) in order; `cudagen describe --megakernel` prints them.\n"

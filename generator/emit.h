@@ -1,4 +1,4 @@
-// Pass `emit`: one standalone .cu file and its JSON manifest (DESIGN.md §4).
+// Pass `emit`: one standalone .cu file and its JSON manifest (docs/architecture.md §4).
 //
 // The file has no #include. It holds a provenance header, the device prelude,
 // the template files its kernels use, one extern "C" __global__ per kernel
@@ -30,7 +30,7 @@ struct EmitOptions {
   // Ahead of time, each graph linked into one program needs its own.
   std::string symbol_prefix = "cudagen";
   // One persistent kernel per phase instead of a kernel per fusion group
-  // (DESIGN.md §10, megakernel.h).
+  // (docs/architecture.md §10, megakernel.h).
   bool megakernel = false;
   int megakernel_blocks = 0;  // 0: one per SM of `arch` (sm_90: 132, sm_80: 108)
   // A block that waits longer than this for an event stops the megakernel

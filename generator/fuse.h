@@ -1,6 +1,6 @@
 // Pass `fuse`: groups the scheduled tasks into kernels, so that a value one
 // task computes and the next consumes stays in registers instead of making a
-// round trip through device memory (DESIGN.md §2; the rules, with what each
+// round trip through device memory (docs/architecture.md §2; the rules, with what each
 // fuses and refuses, are in docs/fusion.md).
 //
 // Rules so far:

@@ -1,4 +1,4 @@
-// The TaskGraph as the user wrote it (DESIGN.md §2): tasks, their tensor
+// The TaskGraph as the user wrote it (docs/architecture.md §2): tasks, their tensor
 // slots and argument slots, and slot dependencies. Plain value types: the
 // reader, the builder and the writer all produce or consume exactly this.
 //
@@ -91,7 +91,7 @@ struct Task {
   const ArgSlot* find_arg(std::string_view name) const;
 };
 
-// What to train (JSON "training"; DESIGN.md §1 derive): the derive pass
+// What to train (JSON "training"; docs/architecture.md §1 derive): the derive pass
 // adds the backward tasks of `loss` and an optimizer task per weight.
 struct TrainingSpec {
   SlotRef loss;                         // a scalar output of a forward task

@@ -87,7 +87,7 @@ inline std::string_view inverse_permutation_op(std::string_view op) {
 }
 
 // The matmul skeleton's tile (emit.cpp): 16-bit operands run on tensor
-// cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: DESIGN.md §9).
+// cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: docs/architecture.md §9).
 // Its rows per block, and the shared memory its operand tiles take.
 inline int64_t matmul_tile_rows(DType a) { return a == DType::f16 || a == DType::bf16 ? 64 : 32; }
 // Its threads per block: 4 warps on tensor cores, 256 threads in 16 x 16 for f32.

@@ -1,4 +1,4 @@
-// The megakernel's schedule (DESIGN.md §10): each phase as tile tasks on a
+// The megakernel's schedule (docs/architecture.md §10): each phase as tile tasks on a
 // fixed number of persistent blocks, in an order decided here and written
 // into the .cu as constant tables.
 //

@@ -1,4 +1,4 @@
-// The compiler's driver (DESIGN.md §1): each entry point is a visible
+// The compiler's driver (docs/architecture.md §1): each entry point is a visible
 // sequence of passes, one call per pass, and the state after any pass can be
 // printed (`cudagen compile --dump-after=PASS`).
 #pragma once

@@ -1,4 +1,4 @@
-// Pass `plan`: every buffer gets a fixed byte offset in one arena (DESIGN.md §6).
+// Pass `plan`: every buffer gets a fixed byte offset in one arena (docs/architecture.md §6).
 //
 // Lifetimes are intervals over the launches, inclusive: a buffer lives from
 // the first launch that touches it to the last (KernelGroup::launch: one per
@@ -30,7 +30,7 @@ struct PlannedBuffer {
   bool internal = false;
 };
 
-// A run-time argument (DESIGN.md §2): 8 bytes of the scalars region, after
+// A run-time argument (docs/architecture.md §2): 8 bytes of the scalars region, after
 // the buffers at the end of the arena. A float is stored as f32, an int as
 // i64, a bool as i32 (0 or 1). Kernels read it where a constant argument
 // would be a literal; the runtime writes `initial` before the first phase and

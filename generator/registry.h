@@ -1,4 +1,4 @@
-// The op registry: what the compiler knows of each op (DESIGN.md §3), read
+// The op registry: what the compiler knows of each op (docs/architecture.md §3), read
 // from the registry JSON format (docs/registry-format.md). The bundled ops
 // come from builtin_registry(): cudagen-index (generator/indexer) writes it
 // from templates/ at build time.

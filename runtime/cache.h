@@ -1,4 +1,4 @@
-// The disk cache of compiled device code (DESIGN.md §7): an NVRTC compile
+// The disk cache of compiled device code (docs/architecture.md §7): an NVRTC compile
 // of a large graph takes seconds, a cache hit a millisecond.
 //
 // An entry is named by a hash of everything that decides the binary (source,

@@ -1,5 +1,5 @@
 // The GPU side of the runtime: the CUDA driver API loaded lazily with dlopen
-// (DESIGN.md §7), NVRTC compiles through the disk cache, one arena per
+// (docs/architecture.md §7), NVRTC compiles through the disk cache, one arena per
 // program, launches per phase, optionally captured once into a CUDA Graph.
 //
 // Nothing links libcuda: on a machine without a driver everything else works,

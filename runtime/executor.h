@@ -1,4 +1,4 @@
-// Where a compiled program runs (DESIGN.md §7): on a GPU, its device code
+// Where a compiled program runs (docs/architecture.md §7): on a GPU, its device code
 // compiled by NVRTC and launched through the driver API, or on the CPU, the
 // whole file built by the host compiler under the emulation header. Both hold
 // one arena of the plan's size; the host sees it only through write and read.
@@ -59,7 +59,7 @@ class Executor {
   virtual double copy_bandwidth() { return 0; }
 };
 
-// The host's side of a megakernel's watchdog (DESIGN.md §10): each phase's
+// The host's side of a megakernel's watchdog (docs/architecture.md §10): each phase's
 // report in the arena, and the names to put in the error.
 class MegakernelWatch {
  public:

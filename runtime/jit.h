@@ -1,4 +1,4 @@
-// The C++ API (DESIGN.md §7): a graph in, a running program out, in a
+// The C++ API (docs/architecture.md §7): a graph in, a running program out, in a
 // handful of calls, in the shape of NVIDIA's Jitify:
 //
 //   cudagen::JitProgram program = cudagen::JitProgram::from_file("mlp.json");  // generate + compile (cached)

@@ -1,5 +1,5 @@
 // In-process compilation with NVRTC, loaded lazily with dlopen so that
-// nothing links libnvrtc and everything else works without it (DESIGN.md §7).
+// nothing links libnvrtc and everything else works without it (docs/architecture.md §7).
 #pragma once
 
 #include <stdexcept>

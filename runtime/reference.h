@@ -1,5 +1,5 @@
 // An independent float64 CPU implementation of the ops that have templates,
-// used to check generated code (DESIGN.md §9). It shares nothing with the
+// used to check generated code (docs/architecture.md §9). It shares nothing with the
 // templates but the op semantics. Alongside each value it computes the same
 // operation on absolute values (`abs`), the scale against which an error is
 // judged: |y - ref| <= rtol * ref_abs + atol. For sums and products that is

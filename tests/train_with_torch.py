@@ -41,7 +41,7 @@ def optimizer_for(training, params):
 def adam_slack(optimizer, lr, gradient_rtol=1e-5):
     """After an Adam(W) step: per parameter, how far the step may move each
     element because cudagen's gradients are f32. A gradient is within
-    gradient_rtol (DESIGN.md section 9's f32 bound) of its tensor's largest
+    gradient_rtol (docs/architecture.md section 9's f32 bound) of its tensor's largest
     magnitude; Adam divides it by sqrt(v_hat) + eps, so an element whose
     gradient is near eps (1e-8) turns a rounding of 1e-10 into a step of
     1e-4: lr * delta_g / (sqrt(v_hat) + eps), never more than 2 lr (the step

@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaDeviceSynchronize());
       const double err = relative_error(s);
       const float ms = median_ms([&](int set) { v.launch(as[set], bs[set], d, s); });
-      // bf16 output: rounding alone gives about 2^-9 / sqrt(3); 1e-2 is DESIGN's bound for bf16 operands.
+      // bf16 output: rounding alone gives about 2^-9 / sqrt(3); 1e-2 is the bf16 bound (docs/architecture.md §9).
       const bool ok = err >= 0 && err < 1e-2;
       failures += !ok;
       std::printf("%-32s %-20s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9,

@@ -1,4 +1,4 @@
-// The template indexer (DESIGN.md §5). One translation unit holds the
+// The template indexer (docs/architecture.md §5). One translation unit holds the
 // prelude and every template file; Clang parses it twice:
 //   device:    -x cuda --cuda-device-only, sm_90, with device_shim.h standing
 //              in for the CUDA headers (and listing the built-ins allowed);

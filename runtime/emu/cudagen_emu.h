@@ -1,4 +1,4 @@
-// Host emulation of the CUDA execution model (DESIGN.md §8).
+// Host emulation of the CUDA execution model (docs/architecture.md §8).
 //
 // A generated .cu is compiled by the host C++ compiler with this header
 // force-included (-include cudagen_emu.h): it defines what nvcc and NVRTC

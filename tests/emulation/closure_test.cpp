@@ -1,4 +1,4 @@
-// Closure completeness (DESIGN.md §5): what the indexer recorded for each op
+// Closure completeness (docs/architecture.md §5): what the indexer recorded for each op
 // is enough to compile it. Each op's closure alone, after the prelude,
 // compiles with NVRTC for sm_80 and sm_90; the generated kernels of every op
 // the emitter supports (the every_template_op snapshot instantiates each)

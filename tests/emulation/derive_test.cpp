@@ -1,5 +1,5 @@
 // The derive pass: gradients it builds from a forward graph, checked in
-// float64 against central differences of the loss (DESIGN.md §9), its errors,
+// float64 against central differences of the loss (docs/architecture.md §9), its errors,
 // and a derived training step generated and run in emulation.
 #include <unistd.h>
 

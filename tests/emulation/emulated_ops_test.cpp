@@ -239,7 +239,7 @@ INSTANTIATE_TEST_SUITE_P(Sizes, EmulatedOps, ::testing::Values(1, 7, 33, 257, 10
 
 // The ops the emitter generates for f16 and bf16 tensors (computed in f32,
 // stored rounded), at sizes that are not multiples of a block; bounds: f16
-// 5e-3, bf16 1e-2 relative (DESIGN.md §9).
+// 5e-3, bf16 1e-2 relative (docs/architecture.md §9).
 TaskGraph half_ops(int64_t n, DType h) {
   const std::string t = to_string(h);
   GraphBuilder b("ops16_" + t + "_" + std::to_string(n));

@@ -1,4 +1,4 @@
-// Run-time arguments (DESIGN.md §2): scalars in the arena that kernels read,
+// Run-time arguments (docs/architecture.md §2): scalars in the arena that kernels read,
 // so that a learning rate or Adam's step changes between calls with no
 // recompilation. Checked in the host emulation: one module, several values.
 #include <unistd.h>

@@ -283,7 +283,7 @@ CG_DEVICE void cg_atomic_add(T* base, cg_i64 i, T value) {
 // Which block of its kernel's grid a kernel body computes, and how many
 // blocks the grid has along x. Every kernel is a device function over one
 // tile that its __global__ wrapper calls with blockIdx and gridDim, and that
-// the megakernel's dispatcher calls for each of its tile tasks (DESIGN.md §10).
+// the megakernel's dispatcher calls for each of its tile tasks (docs/architecture.md §10).
 struct cg_tile {
   unsigned int x, y, z;
   unsigned int count_x;
@@ -310,7 +310,7 @@ CG_DEVICE cg_tile cg_tile_of(unsigned int index, unsigned int count_x, unsigned 
 CG_DEVICE cg_i64 cg_global_thread(cg_tile tile) { return (cg_i64)tile.x * blockDim.x + threadIdx.x; }
 CG_DEVICE cg_i64 cg_grid_threads(cg_tile tile) { return (cg_i64)tile.count_x * blockDim.x; }
 
-// ---- the megakernel (DESIGN.md §10; generator/megakernel.h) ----
+// ---- the megakernel (docs/architecture.md §10; generator/megakernel.h) ----
 // One tile task of a megakernel's constant schedule: the kernel body it runs
 // (the case of the dispatcher's switch; -1: a join task, which only waits and
 // triggers), the tile, the event it waits for and the one it triggers.

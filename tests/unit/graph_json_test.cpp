@@ -212,3 +212,14 @@ TEST(GraphJson, GraphNameWithAControlCharacterIsRefused) {
                                R"("out": {"dtype": "f32", "shape": [4]}}})")),
             "");
 }
+
+// A NUL in a JSON key reached the diagnostics raw and cut every later one off
+// where they were printed (issue #34): control bytes are shown as \xNN.
+TEST(GraphJson, ControlCharactersInKeysAreShownNotPrinted) {
+  const std::string msg = errors_of(graph_of(
+      R"({"id": "a", "op": "relu", "tensors": {"x": {"dtype": "f32", "shape": [4]}, "out": {"dtype": "f32", "shape": [4]}}, )"
+      R"("ba\u0000d": 1, "other": 2})"));
+  EXPECT_EQ(msg.find('\0'), std::string::npos);
+  EXPECT_NE(msg.find("ba\\x00d"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("\"other\""), std::string::npos) << "the diagnostic after it is there too:\n" << msg;
+}
