@@ -319,7 +319,8 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     const double rtol = relative_tolerance(info.dtype), atol = absolute_tolerance(info.dtype);
     for (int64_t i = 0; i < int64_t(got.size()); ++i) {
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
-      bool ok = !std::isnan(y) && err <= bound;
+      // Equal is right, infinities included (inf - inf is no error); NaN never passes.
+      bool ok = !std::isnan(y) && (y == want[size_t(i)] || err <= bound);
       if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
       if (!std::isnan(bound)) check.max_bound = std::max(check.max_bound, bound);
       if (!std::isnan(want[size_t(i)])) check.max_reference = std::max(check.max_reference, std::abs(want[size_t(i)]));
@@ -330,6 +331,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
         check.failure_step = step;
         check.got = y;
         check.want = want[size_t(i)];
+        check.bound = bound;
       }
     }
   };
@@ -436,10 +438,14 @@ std::string format_run(const CheckedRun& run) {
   for (const auto& c : run.checks) {
     any_loose = any_loose || (c.ok() && c.loose());
     std::string result = c.ok() ? (c.loose() ? "ok, loose bound*" : "ok")
-                                : fmt::format("FAIL: {} elements out of bounds; first at {}{}: got {}, want {}", c.failures,
+                                : fmt::format("FAIL: {} elements out of bounds; first at {}{}: got {}, want {}{}", c.failures,
                                               c.first_failure,
                                               c.failure_step > 0 ? fmt::format(" after step {}", c.failure_step) : "",
-                                              c.got, c.want);
+                                              c.got, c.want,
+                                              std::isfinite(c.bound)
+                                                  ? fmt::format(" (bound {:.3g})", c.bound)
+                                                  : std::string(" (the reference's error bound is not finite: are "
+                                                                "the inputs finite?)"));
     out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
   }
   if (run.steps > 0) out += fmt::format("(every step checked against the float64 reference run from the state before it)\n");

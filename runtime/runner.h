@@ -1,6 +1,6 @@
 // Runs a compiled program, on a GPU or in the host emulation (an Executor),
 // on seeded random inputs (or given ones), once or for several training steps, and checks every graph
-// output and updated weight against the float64 reference (DESIGN.md §9):
+// output and updated weight against the float64 reference (docs/architecture.md §9):
 // |y - ref| <= rtol * ref_abs + atol, NaN never passes, the arena poisoned first so
 // an element no kernel wrote fails.
 #pragma once
@@ -52,7 +52,7 @@ struct OutputCheck {
   double worst_ratio = 0;   // max over elements of |y - ref| / (rtol * ref_abs + atol); <= 1 passes
   int64_t failures = 0;
   int64_t first_failure = -1;
-  double got = 0, want = 0;  // at the first failure
+  double got = 0, want = 0, bound = 0;  // at the first failure
   int failure_step = 0;      // the training step of the first failure (0: init, or a single run)
   // The largest bound and reference value: a bound above every value could
   // not catch a 100% error, as happens at the end of a deep chain, where
@@ -87,9 +87,9 @@ struct TensorFileProblem : std::runtime_error {
 // read_npy's errors (naming the file) for a malformed one.
 HostTensor read_tensor_file(const Program& program, int buffer, const std::string& path);
 
-// The relative bound of DESIGN.md §9 for a dtype.
+// The relative bound of docs/architecture.md §9 for a dtype.
 double relative_tolerance(DType dtype);
-// The atol of |y - ref| <= rtol * ref_abs + atol (DESIGN.md §9): nonzero for f16 only.
+// The atol of |y - ref| <= rtol * ref_abs + atol (docs/architecture.md §9): nonzero for f16 only.
 double absolute_tolerance(DType dtype);
 
 // Runs and checks on `executor`, which holds the program's arena: the whole

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <limits>
 #include <filesystem>
 
 #include <gtest/gtest.h>
@@ -135,4 +136,33 @@ TEST(Npy, RunReadsInputsAndWritesOutputs) {
     EXPECT_NE(std::string(e.what()).find("act.x.npy: missing; the graph input act.x is f32 [4]"), std::string::npos)
         << e.what();
   }
+}
+
+// Non-finite inputs (issue #34): an infinity that the graph computes exactly
+// failed its check as "got inf, want inf" (or 0 against 0, under a NaN
+// bound); equal results pass now, and a failure under a non-finite bound
+// says so.
+TEST(Npy, NonFiniteInputsAreCheckedAsTheyAre) {
+  GraphBuilder b("nonfinite");
+  b.task("act", "relu").tensor("x", DType::f32, {4}, Storage::external).tensor("out", DType::f32, {4}, Storage::external);
+  b.task("sum", "add")
+      .tensor("a", DType::f32, {4}, Storage::external)
+      .tensor("b", DType::f32, {4}, Storage::external)
+      .tensor("out", DType::f32, {4}, Storage::external);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  fs::path in = temp_dir("nonfinite_in");
+  RunOptions options{1, (temp_dir("nonfinite_work")).string()};
+  options.inputs_dir = in.string();
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  write_npy((in / "act.x.npy").string(), array_of<float>(DType::f32, {4}, {-inf, 2, inf, 4}));
+  write_npy((in / "sum.a.npy").string(), array_of<float>(DType::f32, {4}, {inf, 1, 2, 3}));
+  write_npy((in / "sum.b.npy").string(), array_of<float>(DType::f32, {4}, {1, 1, 1, 1}));
+  CheckedRun run = run_emulated_and_check(c, options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  write_npy((in / "sum.a.npy").string(), array_of<float>(DType::f32, {4}, {1, nan, 3, 4}));
+  run = run_emulated_and_check(c, options);
+  EXPECT_FALSE(run.ok()) << "NaN never passes";
+  EXPECT_NE(format_run(run).find("first at 1: got nan, want nan (the reference's error bound is not finite"),
+            std::string::npos)
+      << format_run(run);
 }
