@@ -516,6 +516,9 @@ GpuInfo find_gpu(int ordinal) {
 
 std::string describe(const GpuCompileReport& r) {
   if (!r.cached) return fmt::format("NVRTC for {}: {:.2f} s (cache off)", r.arch, r.compile_seconds);
+  if (r.cache == CacheOutcome::uncached)  // the warning, with its reason the first time only
+    return fmt::format("NVRTC for {}: {:.2f} s ({}{})", r.arch, r.compile_seconds, to_string(r.cache),
+                       r.cache_problem.empty() ? "" : ": " + r.cache_problem);
   if (r.cache == CacheOutcome::miss || r.cache == CacheOutcome::rebuilt_corrupt)
     return fmt::format("NVRTC for {}: {:.2f} s (cache {}{}; stored in {})", r.arch, r.compile_seconds, to_string(r.cache),
                        r.cache_problem.empty() ? "" : ": " + r.cache_problem, r.cache_path);

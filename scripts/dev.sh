@@ -10,7 +10,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 CUDA_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
 PACKAGES=(cmake ninja-build g++ python3 python3-venv bc nlohmann-json3-dev python3-numpy python3-torch python3-torchvision
           clang-19 libclang-rt-19-dev libclang-19-dev libclang-cpp19-dev llvm-19-dev
-          libfmt-dev libcli11-dev libgtest-dev libbenchmark-dev libboost-context-dev)
+          libfmt-dev libcli11-dev libgtest-dev libbenchmark-dev libboost-context-dev libxxhash-dev)
 
 install_missing() {
   local missing=()

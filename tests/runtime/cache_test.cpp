@@ -74,6 +74,10 @@ TEST_F(Cache, DamagedEntriesAreDetectedAndRebuilt) {
       {"longer", entry + "trailing", "length is wrong"},
       {"not an entry", "hello\n", "bad header"},
       {"empty", "", "bad header"},
+      // A planted header claiming 2 GB: refused from the file's size, nothing allocated (issue #34).
+      {"planted size", "cudagen-binary/2 " + std::string(32, '0') + " 2000000000\nxyz", "the file holds 3"},
+      // An entry of version 1 (FNV-1a keys and checksums, which can be collided on purpose).
+      {"version 1", "cudagen-binary/1 0123456789abcdef 3\nxyz", "bad header"},
   };
   for (const Damage& d : damages) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << d.content;
@@ -112,11 +116,25 @@ TEST_F(Cache, LocationFollowsTheEnvironment) {
   if (saved_xdg) ::setenv("XDG_CACHE_HOME", keep_xdg.c_str(), 1);
 }
 
-TEST_F(Cache, AFolderThatCannotBeCreatedIsAClearError) {
+// A cache folder that cannot be made or written fails no run: the binary is
+// built and used uncached, and the reason is given once (issue #34).
+TEST_F(Cache, AnUnwritableFolderRunsUncachedAndSaysSoOnce) {
   std::ofstream(dir_.string() + "-file") << "x";  // a file where the folder's parent should be
   BinaryCache cache(dir_.string() + "-file/cache");
-  const std::string what = message_of<FileError>([&] { cache.get_or_build("k", [] { return std::vector<char>{'x'}; }); });
-  EXPECT_NE(what.find("CUDAGEN_CACHE_DIR"), std::string::npos) << what;
+  int builds = 0;
+  auto build = [&] {
+    ++builds;
+    return std::vector<char>{'x'};
+  };
+  CacheResult first = cache.get_or_build("k", build);
+  EXPECT_EQ(first.outcome, CacheOutcome::uncached);
+  EXPECT_EQ(first.binary, std::vector<char>{'x'});
+  EXPECT_NE(first.problem.find("CUDAGEN_CACHE_DIR"), std::string::npos) << first.problem;
+  CacheResult second = cache.get_or_build("k", build);
+  EXPECT_EQ(second.outcome, CacheOutcome::uncached);
+  EXPECT_EQ(second.problem, "") << "said once";
+  EXPECT_EQ(builds, 2);
+  EXPECT_STREQ(to_string(CacheOutcome::uncached), "not cached (the cache folder cannot be written)");
   fs::remove(dir_.string() + "-file");
 }
 
