@@ -14,7 +14,16 @@
 
 namespace cudagen {
 
-std::string read_text_file(const std::string& path) {
+std::string read_text_file(const std::string& path, int64_t max_bytes) {
+  // A regular file of a sane size only: a FIFO or a device would block or
+  // never end, and a huge file would fail its allocation somewhere in the
+  // parser as an odd syntax error.
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw FileError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode)) throw FileError(fmt::format("{}: not a regular file (a folder, a pipe or a device)", path));
+  if (int64_t(st.st_size) > max_bytes)
+    throw FileError(fmt::format("{}: {} bytes, more than the {} cudagen reads from such a file", path,
+                                int64_t(st.st_size), max_bytes));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw FileError(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   std::ostringstream ss;

@@ -2,6 +2,7 @@
 // failed run never leaves a half-written output behind.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -16,7 +17,10 @@ class FileError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-std::string read_text_file(const std::string& path);
+// The whole of a regular file of at most `max_bytes` (1 GiB by default: graphs,
+// registries, templates, CSV); anything else is a FileError that says why.
+inline constexpr int64_t kMaxTextFileBytes = int64_t(1) << 30;
+std::string read_text_file(const std::string& path, int64_t max_bytes = kMaxTextFileBytes);
 
 // Writes `content` to a temporary file beside `path` (a fresh name, created
 // exclusively), then renames it over `path`: readers see the old file or the

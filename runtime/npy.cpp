@@ -77,7 +77,7 @@ std::vector<int64_t> parse_shape_tuple(const std::string& text, const std::strin
 }  // namespace
 
 HostTensor read_npy(const std::string& path) {
-  std::string bytes = read_text_file(path);
+  std::string bytes = read_text_file(path, int64_t(1) << 40);  // a tensor: up to validation's 1 TiB
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0)
     throw std::runtime_error(fmt::format("{}: not a .npy file (no \\x93NUMPY magic)", path));
   const int major = static_cast<unsigned char>(bytes[6]);

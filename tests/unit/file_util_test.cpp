@@ -1,4 +1,5 @@
 // File helpers: private temporary folders, atomic writes of several files.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -44,4 +45,28 @@ TEST(WriteFileAtomic, NeverWritesThroughAPlantedSymlink) {
   cudagen::write_file_atomic(out, "new");
   EXPECT_EQ(cudagen::read_text_file(victim), "untouched");
   EXPECT_EQ(cudagen::read_text_file(out), "new");
+}
+
+// A FIFO given as a graph hung the reader; a huge file failed as an odd
+// syntax error deep in the parser (issue #34). Both are clear errors now.
+TEST(ReadTextFile, RefusesPipesFoldersAndFilesOverItsLimit) {
+  cudagen::TempDir dir("cudagen-test-");
+  const std::string fifo = dir.path() + "/graph.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    cudagen::read_text_file(fifo);
+    FAIL() << "a FIFO was read";
+  } catch (const cudagen::FileError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(cudagen::read_text_file(dir.path()), cudagen::FileError);
+  const std::string big = dir.path() + "/big.json";
+  cudagen::write_file_atomic(big, std::string(100, ' '));
+  try {
+    cudagen::read_text_file(big, 99);
+    FAIL() << "a file over the limit was read";
+  } catch (const cudagen::FileError& e) {
+    EXPECT_NE(std::string(e.what()).find("100 bytes, more than the 99 cudagen reads"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cudagen::read_text_file(big, 100).size(), 100u);
 }
