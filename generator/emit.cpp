@@ -2611,12 +2611,12 @@ class Emitter {
     else if (global_wrapper_)
       why_not_pipelined = "a prologue computes its operand";
     if (pipelined) return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches, batch_bases, ek);
-    ek.matmul_path = "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined;
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
     // whose TF32 would break the f32 bound (docs/architecture.md §9).
     const bool tensor_cores = is_16bit(a.buffer->dtype);
-    if (!tensor_cores) ek.matmul_path = "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
+    ek.matmul_path = tensor_cores ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
+                                  : "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
     const int tile = int(matmul_tile_rows(a.buffer->dtype));
     ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.grid[0] = int((N + tile - 1) / tile);

@@ -1213,9 +1213,7 @@ class Fuser {
   std::string pipelined_instead(int r) const {
     const BoundTask& reader = p_.tasks[size_t(r)];
     if (reader.op->pattern != PatternKind::matmul || !pipelined_gemm_tile_of(p_, r)) return {};
-    const Shape& a = p_.buffers[size_t(reader.find_tensor("a")->buffer)].shape;
-    const int64_t K = flag(r, "trans_a") ? a[a.size() - 2] : a.back();
-    const int64_t flops = 2 * numel(p_.buffers[size_t(reader.find_tensor("out")->buffer)].shape) * K;
+    const int64_t flops = matmul_dims(p_, r).flops();
     if (flops < kPipelinedPrologueFlops) return {};
     return fmt::format(
         "'{}' ({} MFLOP) runs the pipelined matmul mainloop, which reads its operands as stored: at this size a "

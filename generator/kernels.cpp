@@ -202,19 +202,31 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
   return GemmTile{64, 64, 32, 2, 2, 4};
 }
 
+MatmulDims matmul_dims(const Program& program, int t) {
+  const BoundTask& task = program.tasks[size_t(t)];
+  const Shape& sa = program.buffers[size_t(task.find_tensor("a")->buffer)].shape;
+  const Shape& sb = program.buffers[size_t(task.find_tensor("b")->buffer)].shape;
+  const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
+  MatmulDims d;
+  d.trans_a = flag_value(root_arg(program, t, "trans_a").second);
+  d.trans_b = flag_value(root_arg(program, t, "trans_b").second);
+  d.M = so[so.size() - 2];
+  d.batches = numel(Shape(so.begin(), so.end() - 2));
+  if (matmul_flattens_rows(sa, sb, so, d.trans_a)) {
+    d.M *= d.batches;
+    d.batches = 1;
+  }
+  d.N = so.back();
+  d.K = d.trans_a ? sa[sa.size() - 2] : sa.back();
+  return d;
+}
+
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not) {
   const BoundTask& task = program.tasks[size_t(t)];
-  const BufferInfo& a = program.buffers[size_t(task.find_tensor("a")->buffer)];
-  const BufferInfo& b = program.buffers[size_t(task.find_tensor("b")->buffer)];
-  const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
-  const bool ta = flag_value(root_arg(program, t, "trans_a").second), tb = flag_value(root_arg(program, t, "trans_b").second);
-  int64_t M = so[so.size() - 2], batches = numel(Shape(so.begin(), so.end() - 2));
-  if (matmul_flattens_rows(a.shape, b.shape, so, ta)) {
-    M *= batches;
-    batches = 1;
-  }
-  const int64_t N = so.back(), K = ta ? a.shape[a.shape.size() - 2] : a.shape.back();
-  return pipelined_gemm_tile(a.dtype, b.dtype, M, N, K, ta, tb, batches, why_not);
+  const MatmulDims d = matmul_dims(program, t);
+  return pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
+                             program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
+                             d.trans_b, d.batches, why_not);
 }
 
 }  // namespace cudagen

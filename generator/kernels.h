@@ -125,6 +125,15 @@ struct GemmTile {
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
                                             bool trans_b, int64_t batches, std::string* why_not = nullptr);
 
+// Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
+// outputs over K per batch, rows flattened where matmul_flattens_rows says so.
+struct MatmulDims {
+  int64_t M = 0, N = 0, K = 0, batches = 1;
+  bool trans_a = false, trans_b = false;
+  int64_t flops() const { return 2 * M * N * K * batches; }
+};
+MatmulDims matmul_dims(const Program& program, int t);
+
 // The same for matmul task `t` of `program`, with M, N, K and the batches as
 // the emitter's matmul skeleton takes them (rows flattened where
 // matmul_flattens_rows says so). The fusion pass asks it too: a kernel on
