@@ -3,6 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -80,6 +81,11 @@ void JsonValue::set(std::string key, JsonValue v) {
     }
   }
   members.emplace_back(std::move(key), std::move(v));
+}
+
+void JsonValue::append_member(std::string key, JsonValue v) {
+  if (!is_object()) data_ = std::vector<Member>();
+  std::get<std::vector<Member>>(data_).emplace_back(std::move(key), std::move(v));
 }
 
 const char* json_kind_name(JsonValue::Kind kind) {
@@ -171,6 +177,10 @@ class Parser {
   JsonValue parse_object(int depth) {
     ++pos_;  // '{'
     JsonValue obj = JsonValue::object();
+    // Duplicate keys: a scan while the object is small (most are), a hash
+    // set once it is not, so that an object of 10^5 keys stays linear.
+    constexpr size_t kScannedKeys = 16;
+    std::unordered_set<std::string> keys;
     skip_ws();
     if (peek() == '}') {
       ++pos_;
@@ -181,14 +191,17 @@ class Parser {
       if (peek() != '"') fail("expected a quoted key");
       SourceLoc key_loc = here();
       std::string key = parse_string();
-      if (obj.find(key) != nullptr)
+      const size_t count = obj.members().size();
+      if (count == kScannedKeys)
+        for (const auto& member : obj.members()) keys.insert(member.first);
+      if (count < kScannedKeys ? obj.find(key) != nullptr : !keys.insert(key).second)
         throw JsonSyntaxError{key_loc, fmt::format("duplicate key \"{}\" in object", key)};
       skip_ws();
       if (peek() != ':') fail("expected ':' after object key");
       ++pos_;
       skip_ws();
       JsonValue member = parse_value(depth + 1);
-      obj.set(std::move(key), std::move(member));
+      obj.append_member(std::move(key), std::move(member));
       skip_ws();
       if (peek() == ',') {
         ++pos_;

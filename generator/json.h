@@ -58,6 +58,9 @@ class JsonValue {
 
   void push_back(JsonValue v);            // arrays
   void set(std::string key, JsonValue v);  // objects: appends; replaces an existing key
+  // Objects: appends without looking for the key (the caller knows it is
+  // new), so that building an object of n members costs n, not n^2.
+  void append_member(std::string key, JsonValue v);
 
   SourceLoc loc;
 

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "json.h"
@@ -39,6 +40,27 @@ TEST(Json, RejectsDuplicateKeys) {
   } catch (const JsonSyntaxError& e) {
     EXPECT_NE(e.message.find("duplicate key \"a\""), std::string::npos);
     EXPECT_EQ(e.loc.column, 10);
+  }
+}
+
+// Large objects check duplicates with a hash set once past a few keys: a
+// duplicate is found wherever it is, and members keep their file order.
+TEST(Json, FindsDuplicateKeysInLargeObjects) {
+  for (int count : {15, 16, 17, 40000}) {
+    std::string text = "{";
+    for (int i = 0; i < count; ++i) text += fmt::format("\"k{}\": {}, ", i, i);
+    JsonValue ok = parse_json(text + "\"last\": 0}");
+    ASSERT_EQ(ok.members().size(), size_t(count) + 1);
+    EXPECT_EQ(ok.members()[size_t(count) - 1].first, fmt::format("k{}", count - 1));
+    EXPECT_EQ(ok.find("k0")->as_int(), 0);
+    for (int again : {0, count / 2, count - 1}) {
+      try {
+        parse_json(text + fmt::format("\"k{}\": 1}}", again));
+        ADD_FAILURE() << "no error for a duplicate k" << again << " in " << count << " keys";
+      } catch (const JsonSyntaxError& e) {
+        EXPECT_NE(e.message.find(fmt::format("duplicate key \"k{}\"", again)), std::string::npos) << e.message;
+      }
+    }
   }
 }
 
