@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -68,6 +69,55 @@ std::string chain_gap(const Program& p, int t) {
   return {};
 }
 
+// The notes on why tasks stay apart, as the passes write and withdraw them,
+// indexed by the task each is about and by the task before it: finding or
+// withdrawing a task's notes costs what that task has, not what the graph
+// has (scanning the list made fusing 10^5 matmul chains quadratic).
+class NoteBook {
+ public:
+  void add(FusionNote note) {
+    by_task_[note.task].push_back(notes_.size());
+    by_previous_[note.previous].push_back(notes_.size());
+    notes_.push_back(std::move(note));
+    live_.push_back(true);
+  }
+  // The first live note about `task` that `match` accepts, or nullptr.
+  template <class Match>
+  FusionNote* find(int task, Match match) {
+    if (const auto at = by_task_.find(task); at != by_task_.end())
+      for (size_t i : at->second)
+        if (live_[i] && match(notes_[i])) return &notes_[i];
+    return nullptr;
+  }
+  // Withdraws the live notes about `task` that `match` accepts.
+  template <class Match>
+  void withdraw(int task, Match match) {
+    if (const auto at = by_task_.find(task); at != by_task_.end())
+      for (size_t i : at->second)
+        if (match(notes_[i])) live_[i] = false;
+  }
+  void withdraw(int task) {
+    withdraw(task, [](const FusionNote&) { return true; });
+  }
+  // Withdraws the notes whose task before is `previous`.
+  void withdraw_after(int previous) {
+    if (const auto at = by_previous_.find(previous); at != by_previous_.end())
+      for (size_t i : at->second) live_[i] = false;
+  }
+  // The live notes, in the order they were written.
+  std::vector<FusionNote> take() {
+    std::vector<FusionNote> kept;
+    for (size_t i = 0; i < notes_.size(); ++i)
+      if (live_[i]) kept.push_back(std::move(notes_[i]));
+    return kept;
+  }
+
+ private:
+  std::vector<FusionNote> notes_;
+  std::vector<bool> live_;
+  std::unordered_map<int, std::vector<size_t>> by_task_, by_previous_;
+};
+
 class Fuser {
  public:
   Fuser(const Program& p, const FuseOptions& options) : p_(p), options_(options), readers_(p.buffers.size()) {
@@ -87,12 +137,15 @@ class Fuser {
           if (group.rule != "attention")
             group.rule = p_.tasks[size_t(t)].op->name == "softmax" ? "attention" : group_rule(group.tasks.front());
           group.tasks.push_back(t);
+          note_writes(t, into);
           continue;
         }
-        out_.notes.push_back(FusionNote{t, group.tasks.back(), reason});
+        notes_.add(FusionNote{t, group.tasks.back(), reason});
       }
       const Task& task = *p_.tasks[size_t(t)].task;
+      if (out_.kernels.empty() || out_.kernels.back().phase != task.phase) phase_start_ = int(out_.kernels.size());
       out_.kernels.push_back(KernelGroup{"k" + std::to_string(out_.kernels.size()) + "_" + task.id, task.phase, {t}, {}, {}});
+      note_writes(t, int(out_.kernels.size()) - 1);
     }
     for (auto& group : out_.kernels) find_internal(group);
     if (options_.enabled) {
@@ -106,6 +159,7 @@ class Fuser {
     for (size_t k = 0; k < out_.kernels.size(); ++k)
       out_.kernels[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(out_.kernels[k].tasks.front())].task->id;
     batch_launches();
+    out_.notes = notes_.take();
     return std::move(out_);
   }
 
@@ -290,30 +344,46 @@ class Fuser {
   // not). -1 for the first kernel of a phase.
   int host_kernel(int t) const {
     const Phase phase = p_.tasks[size_t(t)].task->phase;
-    std::vector<int> reads;  // with every buffer between a view it reads and its storage
+    if (out_.kernels.empty() || out_.kernels.back().phase != phase) return -1;
+    const int last = int(out_.kernels.size()) - 1;
+    // The latest kernel of the phase that writes a buffer `t` reads (a view's
+    // storage included), and whether it computes one of them there (an
+    // output, not an in-place update). Looked up per buffer, so that joining
+    // costs what the task reads, not what the phase holds.
+    int writer = -1;
+    bool produces = false;
     for (const auto& b : p_.tasks[size_t(t)].tensors) {
       if (b.buffer < 0 || b.sig == nullptr || b.sig->written()) continue;
       for (int x = b.buffer;;) {
-        if (!contains(reads, x)) reads.push_back(x);
+        if (const auto w = last_writer_.find(x); w != last_writer_.end() && w->second.kernel >= phase_start_) {
+          if (w->second.kernel > writer) {
+            writer = w->second.kernel;
+            produces = false;
+          }
+          if (w->second.kernel == writer) produces = produces || w->second.as_output;
+        }
         const auto source = view_source_.find(x);
         if (source == view_source_.end()) break;
         x = source->second;
       }
     }
-    int last = -1;
-    for (int k = int(out_.kernels.size()) - 1; k >= 0 && out_.kernels[size_t(k)].phase == phase; --k) {
-      if (last < 0) last = k;
-      bool produces = false, writes = false;
-      for (int task : out_.kernels[size_t(k)].tasks)
-        for (const auto& b : p_.tasks[size_t(task)].tensors)
-          if (b.sig != nullptr && b.sig->written() && contains(reads, b.buffer)) {
-            produces = produces || b.sig->role == SlotRole::output;
-            writes = true;
-          }
-      if (produces) return k;
-      if (writes) return last;  // updated in place there: `t` must stay after it
+    if (writer < 0) return last;
+    return produces ? writer : last;  // updated in place there: `t` must stay after it
+  }
+
+  // Records the buffers task `t` writes, now in kernel `k`, for host_kernel.
+  void note_writes(int t, int k) {
+    for (const auto& b : p_.tasks[size_t(t)].tensors) {
+      if (b.buffer < 0 || b.sig == nullptr || !b.sig->written()) continue;
+      const bool as_output = b.sig->role == SlotRole::output;
+      auto [w, added] = last_writer_.try_emplace(b.buffer, Writer{k, as_output});
+      if (added) continue;
+      if (w->second.kernel == k) {
+        w->second.as_output = w->second.as_output || as_output;
+      } else {
+        w->second = Writer{k, as_output};
+      }
     }
-    return last;
   }
 
   // The storage a buffer stands for: a view's is its source's.
@@ -444,7 +514,8 @@ class Fuser {
       }
       folded[k] = true;
       // The norm has no kernel left, to have joined another or for its readers to have joined.
-      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.previous == norm || n.task == norm; });
+      notes_.withdraw(norm);
+      notes_.withdraw_after(norm);
     }
     // Then the elementwise chains, into matmuls and row ops (a norm folded
     // above is no host: prologues do not nest).
@@ -503,7 +574,7 @@ class Fuser {
       find_internal(kernel);
       merged[a] = true;
       // It joined the term's kernel: its note on why not is moot (a prologue's refusal still holds).
-      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == mm && contains(term_tasks, n.previous); });
+      notes_.withdraw(mm, [&](const FusionNote& n) { return contains(term_tasks, n.previous); });
     }
     drop_kernels(merged);
   }
@@ -624,7 +695,7 @@ class Fuser {
         chain.internal_buffers.push_back(value);
       second = std::move(chain);
       merged[a] = true;
-      std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == r; });  // it joined
+      notes_.withdraw(r);  // it joined
     }
     drop_kernels(merged);
   }
@@ -662,7 +733,7 @@ class Fuser {
         producer.tasks.push_back(r);
         producer.rule = "row_reduction";
         merged[at] = true;
-        std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == r; });  // it joined
+        notes_.withdraw(r);  // it joined
       }
       if (producer.rule == "row_reduction") {
         producer.internal_buffers.clear();
@@ -773,9 +844,9 @@ class Fuser {
       std::vector<size_t> members;
       if (const std::string reason = why_not_attention_backward(s, dp, merged, members); !reason.empty()) {
         const std::string why = fmt::format("'{}' runs in no attention_backward kernel: {}", p_.tasks[size_t(ds)].task->id, reason);
-        auto it = std::find_if(out_.notes.begin(), out_.notes.end(), [&](const FusionNote& n) { return n.task == ds; });
-        if (it == out_.notes.end())
-          out_.notes.push_back(FusionNote{ds, dp, why});
+        FusionNote* it = notes_.find(ds, [](const FusionNote&) { return true; });
+        if (it == nullptr)
+          notes_.add(FusionNote{ds, dp, why});
         else
           it->reason += "; " + why;
         continue;
@@ -789,7 +860,7 @@ class Fuser {
         if (m != members.front()) {
           merged[m] = true;
           // It joined: why it did not join the kernel before it is moot.
-          std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == more.front(); });
+          notes_.withdraw(more.front());
         }
       }
       host.tasks = std::move(tasks);
@@ -977,7 +1048,7 @@ class Fuser {
         if (p_.buffers[size_t(heads)].storage == Storage::transient &&
             std::all_of(readers.begin(), readers.end(), [&](int r) { return r == scores || r == context; }))
           attention.internal_buffers.push_back(heads);
-        std::erase_if(out_.notes, [&](const FusionNote& n) { return n.task == scores && contains(producer.tasks, n.previous); });
+        notes_.withdraw(scores, [&](const FusionNote& n) { return contains(producer.tasks, n.previous); });
       }
       // The kernel that stored a norm's output (and statistics) for later
       // readers is among them: the attention kernel stores them now.
@@ -1273,11 +1344,10 @@ class Fuser {
                              const std::string& what = "is not its prologue") {
     const int named = tasks.back();
     for (int r : readers) {
-      auto it = std::find_if(out_.notes.begin(), out_.notes.end(),
-                             [&](const FusionNote& n) { return n.task == r && contains(tasks, n.previous); });
+      FusionNote* it = notes_.find(r, [&](const FusionNote& n) { return contains(tasks, n.previous); });
       const std::string why = fmt::format("'{}' {}: {}", p_.tasks[size_t(named)].task->id, what, reason);
-      if (it == out_.notes.end())
-        out_.notes.push_back(FusionNote{r, named, why});
+      if (it == nullptr)
+        notes_.add(FusionNote{r, named, why});
       else
         it->reason += "; " + why;
     }
@@ -1323,9 +1393,7 @@ class Fuser {
     }
     // A reader's note on why it did not join the chain is moot now; why the
     // chain did not join the kernel before it (an epilogue) still holds.
-    std::erase_if(out_.notes, [&](const FusionNote& n) {
-      return contains(chain.tasks, n.previous) && contains(readers, n.task);
-    });
+    for (int r : readers) notes_.withdraw(r, [&](const FusionNote& n) { return contains(chain.tasks, n.previous); });
     return true;
   }
 
@@ -1400,6 +1468,16 @@ class Fuser {
   const FuseOptions& options_;
   std::vector<std::vector<int>> readers_;  // per buffer: the tasks that read it (through `from`)
   std::map<int, int> view_source_;         // a view's buffer -> its source's
+  // While tasks are grouped (run): per buffer, the latest kernel that writes
+  // it and whether as an output; and where the trailing run of kernels of one
+  // phase starts.
+  struct Writer {
+    int kernel = -1;
+    bool as_output = false;
+  };
+  std::unordered_map<int, Writer> last_writer_;
+  int phase_start_ = 0;
+  NoteBook notes_;  // becomes out_.notes
   Fusion out_;
 };
 
