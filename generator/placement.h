@@ -32,6 +32,11 @@ struct PlacementOptions {
   bool reuse = true;  // false: every buffer its own storage (for debugging numerics)
   PlacementMethod method = PlacementMethod::search;
   int64_t search_steps = 500000;  // the search's budget, in placements tried (about 1-20 us each)
+  // Where greedy is already within 2% of the lower bound, little is left to
+  // win: the search then spends at most this many buffer-steps (steps times
+  // buffers, what a step costs: about a second on one core), not its whole
+  // budget. 0: no such cap (an explicit --search-steps sets that).
+  int64_t near_bound_work = 50'000'000;
   // A size the placement must fit in (a memory budget), 0 if none: where
   // greedy is over it, the search aims there before bisecting further down.
   int64_t capacity = 0;

@@ -471,8 +471,12 @@ int main_impl(int argc, char** argv) {
                                                "branch-and-bound when greedy leaves a gap to the lower bound)")
       ->check(CLI::IsMember({"greedy", "search"}))
       ->capture_default_str();
-  plan_cmd->add_option("--search-steps", cli.compile.plan.placement.search_steps, "the search's budget (deterministic)")
-      ->capture_default_str();
+  plan_cmd
+      ->add_option("--search-steps", cli.compile.plan.placement.search_steps,
+                   "the search's budget (deterministic); by default, where greedy is within 2% of the lower bound, "
+                   "the search stops after about a second's worth of steps instead")
+      ->capture_default_str()
+      ->each([&cli](const std::string&) { cli.compile.plan.placement.near_bound_work = 0; });
   plan_cmd->add_option("-o,--output", cli.output_path, "with --buffers: write the offsets as CSV (an offset column)");
   plan_cmd->add_option("--svg", cli.svg_path, "draw the plan: time across, address up, the lower bound as a line");
   auto* ops_cmd = app.add_subcommand("ops", "list the ops of the registry");

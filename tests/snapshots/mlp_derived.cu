@@ -1077,50 +1077,50 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_5_more_tensors[]
     {"k7_b2_init_momentum_init_out", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 static const cudagen_tensor_info k8_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 142848ull, 8192ull},
+    {"fc1_a", "fc1.a", 77312ull, 8192ull},
     {"fc1_b", "w1_init.out", 0ull, 32768ull},
     {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 110080ull, 16384ull},
-    {"act1_out", "act1.out", 126464ull, 16384ull},
+    {"bias1_out", "bias1.out", 120064ull, 16384ull},
+    {"act1_out", "act1.out", 136448ull, 16384ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 156160ull, 1280ull},
+    {"bias2_out", "bias2.out", 85504ull, 1280ull},
 };
 static const cudagen_tensor_info k9_loss_tensors[] = {
-    {"logits", "bias2.out", 156160ull, 1280ull},
-    {"labels", "loss.labels", 159232ull, 128ull},
-    {"loss", "loss.loss", 159744ull, 4ull},
+    {"logits", "bias2.out", 85504ull, 1280ull},
+    {"labels", "loss.labels", 86784ull, 128ull},
+    {"loss", "loss.loss", 87040ull, 4ull},
 };
 static const cudagen_tensor_info k10_loss_backward_tensors[] = {
-    {"logits", "bias2.out", 156160ull, 1280ull},
-    {"labels", "loss.labels", 159232ull, 128ull},
-    {"dlogits", "loss_backward.dlogits", 157440ull, 1280ull},
+    {"logits", "bias2.out", 85504ull, 1280ull},
+    {"labels", "loss.labels", 86784ull, 128ull},
+    {"dlogits", "loss_backward.dlogits", 157952ull, 1280ull},
 };
 static const cudagen_tensor_info h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 157440ull, 1280ull},
-    {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 159488ull, 40ull},
-    {"k12_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 157440ull, 1280ull},
+    {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 157952ull, 1280ull},
+    {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 159744ull, 40ull},
+    {"k12_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 157952ull, 1280ull},
     {"k12_fc2_grad_a_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
-    {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 110080ull, 16384ull},
-    {"k12_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 158720ull, 512ull},
-    {"k12_fc2_grad_a_fc1_grad_b_a", "fc1.a", 142848ull, 8192ull},
-    {"k12_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 77312ull, 32768ull},
-    {"k13_fc2_grad_b_a", "act1.out", 126464ull, 16384ull},
-    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 157440ull, 1280ull},
-    {"k13_fc2_grad_b_out", "fc2_grad_b.out", 151040ull, 5120ull},
+    {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 120064ull, 16384ull},
+    {"k12_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 159232ull, 512ull},
+    {"k12_fc2_grad_a_fc1_grad_b_a", "fc1.a", 77312ull, 8192ull},
+    {"k12_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 87296ull, 32768ull},
+    {"k13_fc2_grad_b_a", "act1.out", 136448ull, 16384ull},
+    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 157952ull, 1280ull},
+    {"k13_fc2_grad_b_out", "fc2_grad_b.out", 152832ull, 5120ull},
 };
 static const cudagen_tensor_info h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
     {"k14_w1_init_sgd_param", "w1_init.out", 0ull, 32768ull},
-    {"k14_w1_init_sgd_grad", "fc1_grad_b.out", 77312ull, 32768ull},
+    {"k14_w1_init_sgd_grad", "fc1_grad_b.out", 87296ull, 32768ull},
     {"k14_w1_init_sgd_momentum_buf", "w1_init_momentum_init.out", 38656ull, 32768ull},
     {"k15_b1_init_sgd_param", "b1_init.out", 32768ull, 512ull},
-    {"k15_b1_init_sgd_grad", "bias1_grad_b_sum.out", 158720ull, 512ull},
+    {"k15_b1_init_sgd_grad", "bias1_grad_b_sum.out", 159232ull, 512ull},
     {"k15_b1_init_sgd_momentum_buf", "b1_init_momentum_init.out", 71424ull, 512ull},
     {"k16_w2_init_sgd_param", "w2_init.out", 33280ull, 5120ull},
-    {"k16_w2_init_sgd_grad", "fc2_grad_b.out", 151040ull, 5120ull},
+    {"k16_w2_init_sgd_grad", "fc2_grad_b.out", 152832ull, 5120ull},
     {"k16_w2_init_sgd_momentum_buf", "w2_init_momentum_init.out", 71936ull, 5120ull},
     {"k17_b2_init_sgd_param", "b2_init.out", 38400ull, 40ull},
-    {"k17_b2_init_sgd_grad", "bias2_grad_b_sum.out", 159488ull, 40ull},
+    {"k17_b2_init_sgd_grad", "bias2_grad_b_sum.out", 159744ull, 40ull},
     {"k17_b2_init_sgd_momentum_buf", "b2_init_momentum_init.out", 77056ull, 40ull},
 };
 
@@ -1132,23 +1132,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k8_fc1, dim3(1, 1, 1), dim3(256), 20672, k8_fc1_tensors,
-                 (const float*)(arena + 142848), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 110080), (float*)(arena + 126464), (const float*)(arena + 38400), (float*)(arena + 156160));
+                 (const float*)(arena + 77312), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 120064), (float*)(arena + 136448), (const float*)(arena + 38400), (float*)(arena + 85504));
   CUDAGEN_LAUNCH(k9_loss, dim3(1, 1, 1), dim3(32), 128, k9_loss_tensors,
-                 (const float*)(arena + 156160), (const int*)(arena + 159232), (float*)(arena + 159744));
+                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 87040));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k10_loss_backward, dim3(32, 1, 1), dim3(32), 128, k10_loss_backward_tensors,
-                 (const float*)(arena + 156160), (const int*)(arena + 159232), (float*)(arena + 157440));
+                 (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 157952));
   CUDAGEN_LAUNCH(h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 16576, h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 157440), (float*)(arena + 159488), (const float*)(arena + 157440), (const float*)(arena + 33280), (const float*)(arena + 110080), (float*)(arena + 158720), (const float*)(arena + 142848), (float*)(arena + 77312), (const float*)(arena + 126464), (const float*)(arena + 157440), (float*)(arena + 151040));
+                 (const float*)(arena + 157952), (float*)(arena + 159744), (const float*)(arena + 157952), (const float*)(arena + 33280), (const float*)(arena + 120064), (float*)(arena + 159232), (const float*)(arena + 77312), (float*)(arena + 87296), (const float*)(arena + 136448), (const float*)(arena + 157952), (float*)(arena + 152832));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more, dim3(39, 1, 1), dim3(256), 0, h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 77312), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 158720), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 151040), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 159488), (float*)(arena + 77056));
+                 (float*)(arena + 0), (const float*)(arena + 87296), (float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 159232), (float*)(arena + 71424), (float*)(arena + 33280), (const float*)(arena + 152832), (float*)(arena + 71936), (float*)(arena + 38400), (const float*)(arena + 159744), (float*)(arena + 77056));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -632,23 +632,23 @@ struct cudagen_tensor_info {
 extern "C" const unsigned long long cudagen_arena_bytes = 41984ull;
 
 static const cudagen_tensor_info k0_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 25600ull, 8448ull},
-    {"fc1_b", "fc1.b", 0ull, 25600ull},
-    {"fc2_b", "fc2.b", 34048ull, 4000ull},
-    {"bias1_b", "bias1.b", 41216ull, 400ull},
-    {"bias2_b", "bias2.b", 41728ull, 40ull},
-    {"bias2_out", "bias2.out", 38144ull, 1320ull},
+    {"fc1_a", "fc1.a", 0ull, 8448ull},
+    {"fc1_b", "fc1.b", 8448ull, 25600ull},
+    {"fc2_b", "fc2.b", 34560ull, 4000ull},
+    {"bias1_b", "bias1.b", 34048ull, 400ull},
+    {"bias2_b", "bias2.b", 38656ull, 40ull},
+    {"bias2_out", "bias2.out", 38912ull, 1320ull},
 };
 static const cudagen_tensor_info k1_probs_tensors[] = {
-    {"x", "bias2.out", 38144ull, 1320ull},
-    {"out", "probs.out", 39680ull, 1320ull},
+    {"x", "bias2.out", 38912ull, 1320ull},
+    {"out", "probs.out", 40448ull, 1320ull},
 };
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k0_fc1, dim3(1, 2, 1), dim3(256), 17088, k0_fc1_tensors,
-                 (const float*)(arena + 25600), (const float*)(arena + 0), (const float*)(arena + 34048), (const float*)(arena + 41216), (const float*)(arena + 41728), (float*)(arena + 38144));
+                 (const float*)(arena + 0), (const float*)(arena + 8448), (const float*)(arena + 34560), (const float*)(arena + 34048), (const float*)(arena + 38656), (float*)(arena + 38912));
   CUDAGEN_LAUNCH(k1_probs, dim3(33, 1, 1), dim3(32), 128, k1_probs_tensors,
-                 (const float*)(arena + 38144), (float*)(arena + 39680));
+                 (const float*)(arena + 38912), (float*)(arena + 40448));
   return 0;
 }
 #endif  // __CUDACC_RTC__

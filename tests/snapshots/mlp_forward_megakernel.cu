@@ -629,10 +629,10 @@ CG_KERNEL void __launch_bounds__(256) megakernel_forward(unsigned char* arena) {
     if (!cg_megakernel_wait(state, events, task, q, launch, 2000000000ull)) break;  // the watchdog stopped the phase
     switch (task.kernel) {
       case 0:
-        k0_fc1_tile((const float*)(arena + 25600), (const float*)(arena + 0), (const float*)(arena + 34048), (const float*)(arena + 41216), (const float*)(arena + 41728), (float*)(arena + 38144), cg_tile_of(task.tile, 1, 2));
+        k0_fc1_tile((const float*)(arena + 0), (const float*)(arena + 8448), (const float*)(arena + 34560), (const float*)(arena + 34048), (const float*)(arena + 38656), (float*)(arena + 38912), cg_tile_of(task.tile, 1, 2));
         break;
       case 1:
-        k1_probs_tile((const float*)(arena + 38144), (float*)(arena + 39680), cg_tile_of(task.tile, 33, 1));
+        k1_probs_tile((const float*)(arena + 38912), (float*)(arena + 40448), cg_tile_of(task.tile, 33, 1));
         break;
     }
     cg_megakernel_trigger(events, task);
@@ -680,13 +680,13 @@ struct cudagen_tensor_info {
 extern "C" const unsigned long long cudagen_arena_bytes = 42240ull;
 
 static const cudagen_tensor_info megakernel_forward_tensors[] = {
-    {"fc1.a", "fc1.a", 25600ull, 8448ull},
-    {"fc1.b", "fc1.b", 0ull, 25600ull},
-    {"fc2.b", "fc2.b", 34048ull, 4000ull},
-    {"bias1.b", "bias1.b", 41216ull, 400ull},
-    {"bias2.b", "bias2.b", 41728ull, 40ull},
-    {"bias2.out", "bias2.out", 38144ull, 1320ull},
-    {"probs.out", "probs.out", 39680ull, 1320ull},
+    {"fc1.a", "fc1.a", 0ull, 8448ull},
+    {"fc1.b", "fc1.b", 8448ull, 25600ull},
+    {"fc2.b", "fc2.b", 34560ull, 4000ull},
+    {"bias1.b", "bias1.b", 34048ull, 400ull},
+    {"bias2.b", "bias2.b", 38656ull, 40ull},
+    {"bias2.out", "bias2.out", 38912ull, 1320ull},
+    {"probs.out", "probs.out", 40448ull, 1320ull},
 };
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {

@@ -51,12 +51,12 @@ enum cudagen_tensor_index {
   cudagen_tensor_count
 };
 inline constexpr cudagen_host_tensor cudagen_tensors[] = {
-    {"fc1.a", "f32", "external", 2, {33, 64}, 25600ull, 8448ull},
-    {"fc1.b", "f32", "external", 2, {64, 100}, 0ull, 25600ull},
-    {"bias1.b", "f32", "external", 1, {100}, 41216ull, 400ull},
-    {"fc2.b", "f32", "external", 2, {100, 10}, 34048ull, 4000ull},
-    {"bias2.b", "f32", "external", 1, {10}, 41728ull, 40ull},
-    {"probs.out", "f32", "external", 2, {33, 10}, 39680ull, 1320ull},
+    {"fc1.a", "f32", "external", 2, {33, 64}, 0ull, 8448ull},
+    {"fc1.b", "f32", "external", 2, {64, 100}, 8448ull, 25600ull},
+    {"bias1.b", "f32", "external", 1, {100}, 34048ull, 400ull},
+    {"fc2.b", "f32", "external", 2, {100, 10}, 34560ull, 4000ull},
+    {"bias2.b", "f32", "external", 1, {10}, 38656ull, 40ull},
+    {"probs.out", "f32", "external", 2, {33, 10}, 40448ull, 1320ull},
 };
 
 enum cudagen_scalar_index {

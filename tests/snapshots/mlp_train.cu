@@ -1004,47 +1004,47 @@ static const cudagen_tensor_info h0_w1_init_b1_init_w2_init_and_1_more_tensors[]
     {"k3_b2_init_out", "b2_init.out", 38400ull, 40ull},
 };
 static const cudagen_tensor_info k4_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 104192ull, 8192ull},
+    {"fc1_a", "fc1.a", 38656ull, 8192ull},
     {"fc1_b", "w1_init.out", 0ull, 32768ull},
     {"fc2_b", "w2_init.out", 33280ull, 5120ull},
     {"bias1_b", "b1_init.out", 32768ull, 512ull},
-    {"bias1_out", "bias1.out", 71424ull, 16384ull},
-    {"act1_out", "act1.out", 87808ull, 16384ull},
+    {"bias1_out", "bias1.out", 81408ull, 16384ull},
+    {"act1_out", "act1.out", 97792ull, 16384ull},
     {"bias2_b", "b2_init.out", 38400ull, 40ull},
-    {"bias2_out", "bias2.out", 117504ull, 1280ull},
+    {"bias2_out", "bias2.out", 46848ull, 1280ull},
 };
 static const cudagen_tensor_info k5_loss_tensors[] = {
-    {"logits", "bias2.out", 117504ull, 1280ull},
-    {"labels", "loss.labels", 120576ull, 128ull},
-    {"loss", "loss.loss", 121088ull, 4ull},
+    {"logits", "bias2.out", 46848ull, 1280ull},
+    {"labels", "loss.labels", 48128ull, 128ull},
+    {"loss", "loss.loss", 48384ull, 4ull},
 };
 static const cudagen_tensor_info k6_dlogits_tensors[] = {
-    {"logits", "bias2.out", 117504ull, 1280ull},
-    {"labels", "loss.labels", 120576ull, 128ull},
-    {"dlogits", "dlogits.dlogits", 118784ull, 1280ull},
+    {"logits", "bias2.out", 46848ull, 1280ull},
+    {"labels", "loss.labels", 48128ull, 128ull},
+    {"dlogits", "dlogits.dlogits", 119296ull, 1280ull},
 };
 static const cudagen_tensor_info h4_dw2_db2_dact1_tensors[] = {
-    {"k7_dw2_a", "act1.out", 87808ull, 16384ull},
-    {"k7_dw2_b", "dlogits.dlogits", 118784ull, 1280ull},
-    {"k7_dw2_out", "dw2.out", 112384ull, 5120ull},
-    {"k8_db2_x", "dlogits.dlogits", 118784ull, 1280ull},
-    {"k8_db2_out", "db2.out", 120832ull, 40ull},
-    {"k9_dact1_dact1_a", "dlogits.dlogits", 118784ull, 1280ull},
+    {"k7_dw2_a", "act1.out", 97792ull, 16384ull},
+    {"k7_dw2_b", "dlogits.dlogits", 119296ull, 1280ull},
+    {"k7_dw2_out", "dw2.out", 114176ull, 5120ull},
+    {"k8_db2_x", "dlogits.dlogits", 119296ull, 1280ull},
+    {"k8_db2_out", "db2.out", 121088ull, 40ull},
+    {"k9_dact1_dact1_a", "dlogits.dlogits", 119296ull, 1280ull},
     {"k9_dact1_dact1_b", "w2_init.out", 33280ull, 5120ull},
-    {"k9_dact1_dbias1_x", "bias1.out", 71424ull, 16384ull},
-    {"k9_dact1_dw1_a", "fc1.a", 104192ull, 8192ull},
-    {"k9_dact1_dw1_out", "dw1.out", 38656ull, 32768ull},
-    {"k9_dact1_db1_out", "db1.out", 120064ull, 512ull},
+    {"k9_dact1_dbias1_x", "bias1.out", 81408ull, 16384ull},
+    {"k9_dact1_dw1_a", "fc1.a", 38656ull, 8192ull},
+    {"k9_dact1_dw1_out", "dw1.out", 48640ull, 32768ull},
+    {"k9_dact1_db1_out", "db1.out", 120576ull, 512ull},
 };
 static const cudagen_tensor_info h5_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors[] = {
     {"k10_sgd_w1_param", "w1_init.out", 0ull, 32768ull},
-    {"k10_sgd_w1_grad", "dw1.out", 38656ull, 32768ull},
+    {"k10_sgd_w1_grad", "dw1.out", 48640ull, 32768ull},
     {"k11_sgd_b1_param", "b1_init.out", 32768ull, 512ull},
-    {"k11_sgd_b1_grad", "db1.out", 120064ull, 512ull},
+    {"k11_sgd_b1_grad", "db1.out", 120576ull, 512ull},
     {"k12_sgd_w2_param", "w2_init.out", 33280ull, 5120ull},
-    {"k12_sgd_w2_grad", "dw2.out", 112384ull, 5120ull},
+    {"k12_sgd_w2_grad", "dw2.out", 114176ull, 5120ull},
     {"k13_sgd_b2_param", "b2_init.out", 38400ull, 40ull},
-    {"k13_sgd_b2_grad", "db2.out", 120832ull, 40ull},
+    {"k13_sgd_b2_grad", "db2.out", 121088ull, 40ull},
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1055,23 +1055,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k4_fc1, dim3(1, 1, 1), dim3(256), 20672, k4_fc1_tensors,
-                 (const float*)(arena + 104192), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 71424), (float*)(arena + 87808), (const float*)(arena + 38400), (float*)(arena + 117504));
+                 (const float*)(arena + 38656), (const float*)(arena + 0), (const float*)(arena + 33280), (const float*)(arena + 32768), (float*)(arena + 81408), (float*)(arena + 97792), (const float*)(arena + 38400), (float*)(arena + 46848));
   CUDAGEN_LAUNCH(k5_loss, dim3(1, 1, 1), dim3(32), 128, k5_loss_tensors,
-                 (const float*)(arena + 117504), (const int*)(arena + 120576), (float*)(arena + 121088));
+                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 48384));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k6_dlogits, dim3(32, 1, 1), dim3(32), 128, k6_dlogits_tensors,
-                 (const float*)(arena + 117504), (const int*)(arena + 120576), (float*)(arena + 118784));
+                 (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 119296));
   CUDAGEN_LAUNCH(h4_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 16576, h4_dw2_db2_dact1_tensors,
-                 (const float*)(arena + 87808), (const float*)(arena + 118784), (float*)(arena + 112384), (const float*)(arena + 118784), (float*)(arena + 120832), (const float*)(arena + 118784), (const float*)(arena + 33280), (const float*)(arena + 71424), (const float*)(arena + 104192), (float*)(arena + 38656), (float*)(arena + 120064));
+                 (const float*)(arena + 97792), (const float*)(arena + 119296), (float*)(arena + 114176), (const float*)(arena + 119296), (float*)(arena + 121088), (const float*)(arena + 119296), (const float*)(arena + 33280), (const float*)(arena + 81408), (const float*)(arena + 38656), (float*)(arena + 48640), (float*)(arena + 120576));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h5_sgd_w1_sgd_b1_sgd_w2_and_1_more, dim3(39, 1, 1), dim3(256), 0, h5_sgd_w1_sgd_b1_sgd_w2_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 38656), (float*)(arena + 32768), (const float*)(arena + 120064), (float*)(arena + 33280), (const float*)(arena + 112384), (float*)(arena + 38400), (const float*)(arena + 120832));
+                 (float*)(arena + 0), (const float*)(arena + 48640), (float*)(arena + 32768), (const float*)(arena + 120576), (float*)(arena + 33280), (const float*)(arena + 114176), (float*)(arena + 38400), (const float*)(arena + 121088));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -60,10 +60,10 @@ inline constexpr cudagen_host_tensor cudagen_tensors[] = {
     {"b1_init.out", "f32", "persistent", 1, {128}, 32768ull, 512ull},
     {"w2_init.out", "f32", "persistent", 2, {128, 10}, 33280ull, 5120ull},
     {"b2_init.out", "f32", "persistent", 1, {10}, 38400ull, 40ull},
-    {"fc1.a", "f32", "external", 2, {32, 64}, 104192ull, 8192ull},
-    {"bias2.out", "f32", "external", 2, {32, 10}, 117504ull, 1280ull},
-    {"loss.labels", "i32", "external", 1, {32}, 120576ull, 128ull},
-    {"loss.loss", "f32", "external", 0, {}, 121088ull, 4ull},
+    {"fc1.a", "f32", "external", 2, {32, 64}, 38656ull, 8192ull},
+    {"bias2.out", "f32", "external", 2, {32, 10}, 46848ull, 1280ull},
+    {"loss.labels", "i32", "external", 1, {32}, 48128ull, 128ull},
+    {"loss.loss", "f32", "external", 0, {}, 48384ull, 4ull},
 };
 
 enum cudagen_scalar_index {

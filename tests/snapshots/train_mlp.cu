@@ -1184,59 +1184,59 @@ static const cudagen_tensor_info h0_w1_b1_w2_and_9_more_tensors[] = {
     {"k11_b2_v_init_out", "b2_v_init.out", 5888ull, 16ull},
 };
 static const cudagen_tensor_info k12_fc1_tensors[] = {
-    {"fc1_a", "fc1.a", 71680ull, 8192ull},
+    {"fc1_a", "fc1.a", 6144ull, 8192ull},
     {"fc1_b", "w1.out", 0ull, 1024ull},
     {"fc2_b", "w2.out", 1280ull, 512ull},
     {"bias1_b", "b1.out", 1024ull, 128ull},
-    {"bias1_out", "bias1.out", 6144ull, 32768ull},
-    {"act1_out", "act1.out", 38912ull, 32768ull},
+    {"bias1_out", "bias1.out", 19712ull, 32768ull},
+    {"act1_out", "act1.out", 52480ull, 32768ull},
     {"logits_b", "b2.out", 1792ull, 16ull},
-    {"logits_out", "logits.out", 79872ull, 4096ull},
+    {"logits_out", "logits.out", 14336ull, 4096ull},
 };
 static const cudagen_tensor_info k13_loss_tensors[] = {
-    {"logits", "logits.out", 79872ull, 4096ull},
-    {"labels", "loss.labels", 88064ull, 1024ull},
-    {"loss", "loss.loss", 91136ull, 4ull},
+    {"logits", "logits.out", 14336ull, 4096ull},
+    {"labels", "loss.labels", 18432ull, 1024ull},
+    {"loss", "loss.loss", 19456ull, 4ull},
 };
 static const cudagen_tensor_info k14_loss_backward_tensors[] = {
-    {"logits", "logits.out", 79872ull, 4096ull},
-    {"labels", "loss.labels", 88064ull, 1024ull},
-    {"dlogits", "loss_backward.dlogits", 83968ull, 4096ull},
+    {"logits", "logits.out", 14336ull, 4096ull},
+    {"labels", "loss.labels", 18432ull, 1024ull},
+    {"dlogits", "loss_backward.dlogits", 85248ull, 4096ull},
 };
 static const cudagen_tensor_info h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
-    {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 83968ull, 4096ull},
-    {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 90880ull, 16ull},
-    {"k16_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 83968ull, 4096ull},
+    {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 85248ull, 4096ull},
+    {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 91136ull, 16ull},
+    {"k16_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 85248ull, 4096ull},
     {"k16_fc2_grad_a_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
-    {"k16_fc2_grad_a_act1_backward_x", "bias1.out", 6144ull, 32768ull},
-    {"k16_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 90624ull, 128ull},
-    {"k16_fc2_grad_a_fc1_grad_b_a", "fc1.a", 71680ull, 8192ull},
-    {"k16_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 89088ull, 1024ull},
-    {"k17_fc2_grad_b_a", "act1.out", 38912ull, 32768ull},
-    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 83968ull, 4096ull},
-    {"k17_fc2_grad_b_out", "fc2_grad_b.out", 90112ull, 512ull},
+    {"k16_fc2_grad_a_act1_backward_x", "bias1.out", 19712ull, 32768ull},
+    {"k16_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 90880ull, 128ull},
+    {"k16_fc2_grad_a_fc1_grad_b_a", "fc1.a", 6144ull, 8192ull},
+    {"k16_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 89344ull, 1024ull},
+    {"k17_fc2_grad_b_a", "act1.out", 52480ull, 32768ull},
+    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 85248ull, 4096ull},
+    {"k17_fc2_grad_b_out", "fc2_grad_b.out", 90368ull, 512ull},
 };
 static const cudagen_tensor_info h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
     {"k18_w1_adam_param", "w1.out", 0ull, 1024ull},
-    {"k18_w1_adam_grad", "fc1_grad_b.out", 89088ull, 1024ull},
+    {"k18_w1_adam_grad", "fc1_grad_b.out", 89344ull, 1024ull},
     {"k18_w1_adam_m", "w1_m_init.out", 2048ull, 1024ull},
     {"k18_w1_adam_v", "w1_v_init.out", 3072ull, 1024ull},
     {"k18_w1_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
     {"k18_w1_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
     {"k19_b1_adam_param", "b1.out", 1024ull, 128ull},
-    {"k19_b1_adam_grad", "bias1_grad_b_sum.out", 90624ull, 128ull},
+    {"k19_b1_adam_grad", "bias1_grad_b_sum.out", 90880ull, 128ull},
     {"k19_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
     {"k19_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
     {"k19_b1_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
     {"k19_b1_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
     {"k20_w2_adam_param", "w2.out", 1280ull, 512ull},
-    {"k20_w2_adam_grad", "fc2_grad_b.out", 90112ull, 512ull},
+    {"k20_w2_adam_grad", "fc2_grad_b.out", 90368ull, 512ull},
     {"k20_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
     {"k20_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
     {"k20_w2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
     {"k20_w2_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
     {"k21_b2_adam_param", "b2.out", 1792ull, 16ull},
-    {"k21_b2_adam_grad", "logits_grad_b_sum.out", 90880ull, 16ull},
+    {"k21_b2_adam_grad", "logits_grad_b_sum.out", 91136ull, 16ull},
     {"k21_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
     {"k21_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
     {"k21_b2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
@@ -1251,23 +1251,23 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k12_fc1, dim3(1, 8, 1), dim3(256), 8384, k12_fc1_tensors,
-                 (const float*)(arena + 71680), (const float*)(arena + 0), (const float*)(arena + 1280), (const float*)(arena + 1024), (float*)(arena + 6144), (float*)(arena + 38912), (const float*)(arena + 1792), (float*)(arena + 79872));
+                 (const float*)(arena + 6144), (const float*)(arena + 0), (const float*)(arena + 1280), (const float*)(arena + 1024), (float*)(arena + 19712), (float*)(arena + 52480), (const float*)(arena + 1792), (float*)(arena + 14336));
   CUDAGEN_LAUNCH(k13_loss, dim3(1, 1, 1), dim3(32), 128, k13_loss_tensors,
-                 (const float*)(arena + 79872), (const int*)(arena + 88064), (float*)(arena + 91136));
+                 (const float*)(arena + 14336), (const int*)(arena + 18432), (float*)(arena + 19456));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k14_loss_backward, dim3(256, 1, 1), dim3(32), 128, k14_loss_backward_tensors,
-                 (const float*)(arena + 79872), (const int*)(arena + 88064), (float*)(arena + 83968));
+                 (const float*)(arena + 14336), (const int*)(arena + 18432), (float*)(arena + 85248));
   CUDAGEN_LAUNCH(h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(3, 1, 1), dim3(256), 9408, h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 83968), (float*)(arena + 90880), (const float*)(arena + 83968), (const float*)(arena + 1280), (const float*)(arena + 6144), (float*)(arena + 90624), (const float*)(arena + 71680), (float*)(arena + 89088), (const float*)(arena + 38912), (const float*)(arena + 83968), (float*)(arena + 90112));
+                 (const float*)(arena + 85248), (float*)(arena + 91136), (const float*)(arena + 85248), (const float*)(arena + 1280), (const float*)(arena + 19712), (float*)(arena + 90880), (const float*)(arena + 6144), (float*)(arena + 89344), (const float*)(arena + 52480), (const float*)(arena + 85248), (float*)(arena + 90368));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h5_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 89088), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1024), (const float*)(arena + 90624), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1280), (const float*)(arena + 90112), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1792), (const float*)(arena + 90880), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 91392), (const long long*)(arena + 91400));
+                 (float*)(arena + 0), (const float*)(arena + 89344), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1024), (const float*)(arena + 90880), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1280), (const float*)(arena + 90368), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1792), (const float*)(arena + 91136), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 91392), (const long long*)(arena + 91400));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -2528,189 +2528,189 @@ static const cudagen_tensor_info h0_embed_w_ln1_w_wq_and_30_more_tensors[] = {
 };
 static const cudagen_tensor_info k33_embed_tensors[] = {
     {"table", "embed_w.out", 0ull, 2048ull},
-    {"ids", "embed.ids", 163584ull, 64ull},
-    {"out", "embed.out", 145664ull, 2048ull},
+    {"ids", "embed.ids", 112896ull, 64ull},
+    {"out", "embed.out", 147456ull, 2048ull},
 };
 static const cudagen_tensor_info k34_q_tensors[] = {
-    {"probs", "probs.out", 139520ull, 2048ull},
-    {"ln1_x", "embed.out", 145664ull, 2048ull},
+    {"probs", "probs.out", 141312ull, 2048ull},
+    {"ln1_x", "embed.out", 147456ull, 2048ull},
     {"ln1_weight", "ln1_w.out", 2048ull, 128ull},
-    {"ln1_rstd", "ln1.rstd", 164096ull, 64ull},
-    {"ln1_out", "ln1.out", 147712ull, 2048ull},
-    {"q_heads_out", "q_heads.out", 133376ull, 2048ull},
+    {"ln1_rstd", "ln1.rstd", 164352ull, 64ull},
+    {"ln1_out", "ln1.out", 149504ull, 2048ull},
+    {"q_heads_out", "q_heads.out", 135168ull, 2048ull},
     {"q_b", "wq.out", 2304ull, 4096ull},
-    {"k_heads_out", "k_heads.out", 135424ull, 2048ull},
+    {"k_heads_out", "k_heads.out", 137216ull, 2048ull},
     {"k_b", "wk.out", 6400ull, 4096ull},
-    {"v_heads_out", "v_heads.out", 137472ull, 2048ull},
+    {"v_heads_out", "v_heads.out", 139264ull, 2048ull},
     {"v_b", "wv.out", 10496ull, 4096ull},
-    {"merged_out", "merged.out", 141568ull, 2048ull},
+    {"merged_out", "merged.out", 143360ull, 2048ull},
 };
 static const cudagen_tensor_info k35_attn_out_tensors[] = {
-    {"a", "merged.out", 141568ull, 2048ull},
+    {"a", "merged.out", 143360ull, 2048ull},
     {"b", "wo.out", 14592ull, 4096ull},
-    {"res1_a", "embed.out", 145664ull, 2048ull},
-    {"res1_out", "res1.out", 143616ull, 2048ull},
+    {"res1_a", "embed.out", 147456ull, 2048ull},
+    {"res1_out", "res1.out", 145408ull, 2048ull},
 };
 static const cudagen_tensor_info k36_up_tensors[] = {
     {"up_b", "w_up.out", 18944ull, 8192ull},
-    {"up_out", "up.out", 121088ull, 4096ull},
+    {"up_out", "up.out", 122880ull, 4096ull},
     {"down_b", "w_down.out", 27136ull, 8192ull},
-    {"ln2_x", "res1.out", 143616ull, 2048ull},
+    {"ln2_x", "res1.out", 145408ull, 2048ull},
     {"ln2_weight", "ln2_w.out", 18688ull, 128ull},
-    {"ln2_out", "ln2.out", 149760ull, 2048ull},
-    {"ln2_rstd", "ln2.rstd", 160000ull, 64ull},
-    {"act_out", "act.out", 125184ull, 4096ull},
-    {"res2_a", "res1.out", 143616ull, 2048ull},
-    {"res2_out", "res2.out", 129280ull, 2048ull},
+    {"ln2_out", "ln2.out", 151552ull, 2048ull},
+    {"ln2_rstd", "ln2.rstd", 161792ull, 64ull},
+    {"act_out", "act.out", 126976ull, 4096ull},
+    {"res2_a", "res1.out", 145408ull, 2048ull},
+    {"res2_out", "res2.out", 131072ull, 2048ull},
 };
 static const cudagen_tensor_info k37_head_tensors[] = {
     {"b", "w_head.out", 35584ull, 2048ull},
-    {"out", "head.out", 162048ull, 1024ull},
-    {"lnf_x", "res2.out", 129280ull, 2048ull},
+    {"out", "head.out", 113152ull, 1024ull},
+    {"lnf_x", "res2.out", 131072ull, 2048ull},
     {"lnf_weight", "lnf_w.out", 35328ull, 128ull},
-    {"lnf_out", "lnf.out", 131328ull, 2048ull},
-    {"lnf_rstd", "lnf.rstd", 163328ull, 64ull},
+    {"lnf_out", "lnf.out", 133120ull, 2048ull},
+    {"lnf_rstd", "lnf.rstd", 164096ull, 64ull},
 };
 static const cudagen_tensor_info k38_loss_tensors[] = {
-    {"logits", "head.out", 162048ull, 1024ull},
-    {"labels", "loss.labels", 163840ull, 64ull},
-    {"loss", "loss.loss", 164352ull, 4ull},
+    {"logits", "head.out", 113152ull, 1024ull},
+    {"labels", "loss.labels", 114176ull, 64ull},
+    {"loss", "loss.loss", 114432ull, 4ull},
 };
 static const cudagen_tensor_info k39_loss_backward_tensors[] = {
-    {"logits", "head.out", 162048ull, 1024ull},
-    {"labels", "loss.labels", 163840ull, 64ull},
-    {"dlogits", "loss_backward.dlogits", 114944ull, 1024ull},
+    {"logits", "head.out", 113152ull, 1024ull},
+    {"labels", "loss.labels", 114176ull, 64ull},
+    {"dlogits", "loss_backward.dlogits", 116736ull, 1024ull},
 };
 static const cudagen_tensor_info h8_head_grad_a_head_grad_b_tensors[] = {
-    {"k40_head_grad_a_a", "loss_backward.dlogits", 114944ull, 1024ull},
+    {"k40_head_grad_a_a", "loss_backward.dlogits", 116736ull, 1024ull},
     {"k40_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
-    {"k40_head_grad_a_out", "head_grad_a.out", 112896ull, 2048ull},
-    {"k41_head_grad_b_a", "head_grad_b_a_rows.out", 131328ull, 2048ull},
-    {"k41_head_grad_b_b", "head_grad_b_dout_rows.out", 114944ull, 1024ull},
-    {"k41_head_grad_b_out", "head_grad_b.out", 151808ull, 2048ull},
+    {"k40_head_grad_a_out", "head_grad_a.out", 114688ull, 2048ull},
+    {"k41_head_grad_b_a", "head_grad_b_a_rows.out", 133120ull, 2048ull},
+    {"k41_head_grad_b_b", "head_grad_b_dout_rows.out", 116736ull, 1024ull},
+    {"k41_head_grad_b_out", "head_grad_b.out", 153600ull, 2048ull},
 };
 static const cudagen_tensor_info k42_lnf_backward_tensors[] = {
-    {"x", "res2.out", 129280ull, 2048ull},
+    {"x", "res2.out", 131072ull, 2048ull},
     {"weight", "lnf_w.out", 35328ull, 128ull},
-    {"rstd", "lnf.rstd", 163328ull, 64ull},
-    {"dout", "head_grad_a.out", 112896ull, 2048ull},
-    {"dx", "lnf_backward.dx", 153856ull, 2048ull},
-    {"dweight", "lnf_backward.dweight", 163072ull, 128ull},
+    {"rstd", "lnf.rstd", 164096ull, 64ull},
+    {"dout", "head_grad_a.out", 114688ull, 2048ull},
+    {"dx", "lnf_backward.dx", 155648ull, 2048ull},
+    {"dweight", "lnf_backward.dweight", 163840ull, 128ull},
 };
 static const cudagen_tensor_info h10_down_grad_b_down_grad_a_tensors[] = {
-    {"k43_down_grad_b_a", "down_grad_b_a_rows.out", 125184ull, 4096ull},
-    {"k43_down_grad_b_b", "down_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k43_down_grad_b_out", "down_grad_b.out", 112896ull, 8192ull},
-    {"k44_down_grad_a_down_grad_a_a", "lnf_backward.dx", 153856ull, 2048ull},
+    {"k43_down_grad_b_a", "down_grad_b_a_rows.out", 126976ull, 4096ull},
+    {"k43_down_grad_b_b", "down_grad_b_dout_rows.out", 155648ull, 2048ull},
+    {"k43_down_grad_b_out", "down_grad_b.out", 114688ull, 8192ull},
+    {"k44_down_grad_a_down_grad_a_a", "lnf_backward.dx", 155648ull, 2048ull},
     {"k44_down_grad_a_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
     {"k44_down_grad_a_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
-    {"k44_down_grad_a_up_grad_a_out", "up_grad_a.out", 155904ull, 2048ull},
-    {"k44_down_grad_a_act_backward_x", "up.out", 121088ull, 4096ull},
-    {"k44_down_grad_a_act_backward_dx", "act_backward.dx", 129280ull, 4096ull},
+    {"k44_down_grad_a_up_grad_a_out", "up_grad_a.out", 157696ull, 2048ull},
+    {"k44_down_grad_a_act_backward_x", "up.out", 122880ull, 4096ull},
+    {"k44_down_grad_a_act_backward_dx", "act_backward.dx", 131072ull, 4096ull},
 };
 static const cudagen_tensor_info k45_up_grad_b_tensors[] = {
-    {"a", "up_grad_b_a_rows.out", 149760ull, 2048ull},
-    {"b", "up_grad_b_dout_rows.out", 129280ull, 4096ull},
-    {"out", "up_grad_b.out", 121088ull, 8192ull},
+    {"a", "up_grad_b_a_rows.out", 151552ull, 2048ull},
+    {"b", "up_grad_b_dout_rows.out", 131072ull, 4096ull},
+    {"out", "up_grad_b.out", 122880ull, 8192ull},
 };
 static const cudagen_tensor_info k46_ln2_backward_tensors[] = {
-    {"x", "res1.out", 143616ull, 2048ull},
+    {"x", "res1.out", 145408ull, 2048ull},
     {"weight", "ln2_w.out", 18688ull, 128ull},
-    {"rstd", "ln2.rstd", 160000ull, 64ull},
-    {"dout", "up_grad_a.out", 155904ull, 2048ull},
-    {"dweight", "ln2_backward.dweight", 163328ull, 128ull},
-    {"grad_res1_out_sum_a", "lnf_backward.dx", 153856ull, 2048ull},
-    {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 157952ull, 2048ull},
+    {"rstd", "ln2.rstd", 161792ull, 64ull},
+    {"dout", "up_grad_a.out", 157696ull, 2048ull},
+    {"dweight", "ln2_backward.dweight", 164096ull, 128ull},
+    {"grad_res1_out_sum_a", "lnf_backward.dx", 155648ull, 2048ull},
+    {"grad_res1_out_sum_out", "grad_res1_out_sum.out", 159744ull, 2048ull},
 };
 static const cudagen_tensor_info h12_attn_out_grad_a_attn_out_grad_b_tensors[] = {
-    {"k47_attn_out_grad_a_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
+    {"k47_attn_out_grad_a_a", "grad_res1_out_sum.out", 159744ull, 2048ull},
     {"k47_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
-    {"k47_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 143616ull, 2048ull},
-    {"k48_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 141568ull, 2048ull},
-    {"k48_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 157952ull, 2048ull},
-    {"k48_attn_out_grad_b_out", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k47_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 145408ull, 2048ull},
+    {"k48_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 143360ull, 2048ull},
+    {"k48_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 159744ull, 2048ull},
+    {"k48_attn_out_grad_b_out", "attn_out_grad_b.out", 131072ull, 4096ull},
 };
 static const cudagen_tensor_info k49_context_grad_a_tensors[] = {
-    {"dcontext", "merged_grad_x.out", 143616ull, 2048ull},
-    {"v", "v_heads.out", 137472ull, 2048ull},
-    {"probs", "probs.out", 139520ull, 2048ull},
-    {"k", "k_heads.out", 135424ull, 2048ull},
-    {"q_heads_grad_x_out", "q_heads_grad_x.out", 155904ull, 2048ull},
-    {"q", "q_heads.out", 133376ull, 2048ull},
-    {"k_heads_grad_x_out", "k_heads_grad_x.out", 153856ull, 2048ull},
-    {"v_heads_grad_x_out", "v_heads_grad_x.out", 149760ull, 2048ull},
+    {"dcontext", "merged_grad_x.out", 145408ull, 2048ull},
+    {"v", "v_heads.out", 139264ull, 2048ull},
+    {"probs", "probs.out", 141312ull, 2048ull},
+    {"k", "k_heads.out", 137216ull, 2048ull},
+    {"q_heads_grad_x_out", "q_heads_grad_x.out", 157696ull, 2048ull},
+    {"q", "q_heads.out", 135168ull, 2048ull},
+    {"k_heads_grad_x_out", "k_heads_grad_x.out", 155648ull, 2048ull},
+    {"v_heads_grad_x_out", "v_heads_grad_x.out", 151552ull, 2048ull},
 };
 static const cudagen_tensor_info h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tensors[] = {
-    {"k50_v_grad_b_a", "v_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k50_v_grad_b_b", "v_grad_b_dout_rows.out", 149760ull, 2048ull},
-    {"k50_v_grad_b_out", "v_grad_b.out", 133376ull, 4096ull},
-    {"k51_k_grad_b_a", "k_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k51_k_grad_b_b", "k_grad_b_dout_rows.out", 153856ull, 2048ull},
-    {"k51_k_grad_b_out", "k_grad_b.out", 137472ull, 4096ull},
-    {"k52_v_grad_a_v_grad_a_a", "v_heads_grad_x.out", 149760ull, 2048ull},
+    {"k50_v_grad_b_a", "v_grad_b_a_rows.out", 149504ull, 2048ull},
+    {"k50_v_grad_b_b", "v_grad_b_dout_rows.out", 151552ull, 2048ull},
+    {"k50_v_grad_b_out", "v_grad_b.out", 135168ull, 4096ull},
+    {"k51_k_grad_b_a", "k_grad_b_a_rows.out", 149504ull, 2048ull},
+    {"k51_k_grad_b_b", "k_grad_b_dout_rows.out", 155648ull, 2048ull},
+    {"k51_k_grad_b_out", "k_grad_b.out", 139264ull, 4096ull},
+    {"k52_v_grad_a_v_grad_a_a", "v_heads_grad_x.out", 151552ull, 2048ull},
     {"k52_v_grad_a_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k52_v_grad_a_k_grad_a_a", "k_heads_grad_x.out", 153856ull, 2048ull},
+    {"k52_v_grad_a_k_grad_a_a", "k_heads_grad_x.out", 155648ull, 2048ull},
     {"k52_v_grad_a_k_grad_a_b", "wk.out", 6400ull, 4096ull},
-    {"k52_v_grad_a_q_grad_a_a", "q_heads_grad_x.out", 155904ull, 2048ull},
+    {"k52_v_grad_a_q_grad_a_a", "q_heads_grad_x.out", 157696ull, 2048ull},
     {"k52_v_grad_a_q_grad_a_b", "wq.out", 2304ull, 4096ull},
-    {"k52_v_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 160000ull, 2048ull},
-    {"k53_q_grad_b_a", "q_grad_b_a_rows.out", 147712ull, 2048ull},
-    {"k53_q_grad_b_b", "q_grad_b_dout_rows.out", 155904ull, 2048ull},
-    {"k53_q_grad_b_out", "q_grad_b.out", 141568ull, 4096ull},
+    {"k52_v_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 161792ull, 2048ull},
+    {"k53_q_grad_b_a", "q_grad_b_a_rows.out", 149504ull, 2048ull},
+    {"k53_q_grad_b_b", "q_grad_b_dout_rows.out", 157696ull, 2048ull},
+    {"k53_q_grad_b_out", "q_grad_b.out", 143360ull, 4096ull},
 };
 static const cudagen_tensor_info k54_ln1_backward_tensors[] = {
-    {"x", "embed.out", 145664ull, 2048ull},
+    {"x", "embed.out", 147456ull, 2048ull},
     {"weight", "ln1_w.out", 2048ull, 128ull},
-    {"rstd", "ln1.rstd", 164096ull, 64ull},
-    {"dout", "grad_ln1_out_sum_2.out", 160000ull, 2048ull},
-    {"dweight", "ln1_backward.dweight", 149760ull, 128ull},
-    {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 157952ull, 2048ull},
-    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 147712ull, 2048ull},
+    {"rstd", "ln1.rstd", 164352ull, 64ull},
+    {"dout", "grad_ln1_out_sum_2.out", 161792ull, 2048ull},
+    {"dweight", "ln1_backward.dweight", 151552ull, 128ull},
+    {"grad_embed_out_sum_a", "grad_res1_out_sum.out", 159744ull, 2048ull},
+    {"grad_embed_out_sum_out", "grad_embed_out_sum.out", 149504ull, 2048ull},
 };
 static const cudagen_tensor_info k55_embed_backward_tensors[] = {
-    {"ids", "embed.ids", 163584ull, 64ull},
-    {"dout", "grad_embed_out_sum.out", 147712ull, 2048ull},
-    {"dtable", "embed_backward.dtable", 145664ull, 2048ull},
+    {"ids", "embed.ids", 112896ull, 64ull},
+    {"dout", "grad_embed_out_sum.out", 149504ull, 2048ull},
+    {"dtable", "embed_backward.dtable", 147456ull, 2048ull},
 };
 static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
     {"k56_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
-    {"k56_embed_w_adamw_grad", "embed_backward.dtable", 145664ull, 2048ull},
+    {"k56_embed_w_adamw_grad", "embed_backward.dtable", 147456ull, 2048ull},
     {"k56_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
     {"k56_embed_w_adamw_v", "embed_w_v_init.out", 39680ull, 2048ull},
     {"k56_embed_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k56_embed_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k57_ln1_w_adamw_param", "ln1_w.out", 2048ull, 128ull},
-    {"k57_ln1_w_adamw_grad", "ln1_backward.dweight", 149760ull, 128ull},
+    {"k57_ln1_w_adamw_grad", "ln1_backward.dweight", 151552ull, 128ull},
     {"k57_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
     {"k57_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
     {"k57_ln1_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k57_ln1_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k58_wq_adamw_param", "wq.out", 2304ull, 4096ull},
-    {"k58_wq_adamw_grad", "q_grad_b.out", 141568ull, 4096ull},
+    {"k58_wq_adamw_grad", "q_grad_b.out", 143360ull, 4096ull},
     {"k58_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
     {"k58_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
     {"k58_wq_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k58_wq_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k59_wk_adamw_param", "wk.out", 6400ull, 4096ull},
-    {"k59_wk_adamw_grad", "k_grad_b.out", 137472ull, 4096ull},
+    {"k59_wk_adamw_grad", "k_grad_b.out", 139264ull, 4096ull},
     {"k59_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
     {"k59_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
     {"k59_wk_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k59_wk_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k60_wv_adamw_param", "wv.out", 10496ull, 4096ull},
-    {"k60_wv_adamw_grad", "v_grad_b.out", 133376ull, 4096ull},
+    {"k60_wv_adamw_grad", "v_grad_b.out", 135168ull, 4096ull},
     {"k60_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
     {"k60_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
     {"k60_wv_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k60_wv_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k61_wo_adamw_param", "wo.out", 14592ull, 4096ull},
-    {"k61_wo_adamw_grad", "attn_out_grad_b.out", 129280ull, 4096ull},
+    {"k61_wo_adamw_grad", "attn_out_grad_b.out", 131072ull, 4096ull},
     {"k61_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
     {"k61_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
     {"k61_wo_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k61_wo_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k62_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
-    {"k62_ln2_w_adamw_grad", "ln2_backward.dweight", 163328ull, 128ull},
+    {"k62_ln2_w_adamw_grad", "ln2_backward.dweight", 164096ull, 128ull},
     {"k62_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
     {"k62_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
     {"k62_ln2_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
@@ -2718,25 +2718,25 @@ static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_mo
 };
 static const cudagen_tensor_info h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
     {"k63_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
-    {"k63_w_up_adamw_grad", "up_grad_b.out", 121088ull, 8192ull},
+    {"k63_w_up_adamw_grad", "up_grad_b.out", 122880ull, 8192ull},
     {"k63_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
     {"k63_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
     {"k63_w_up_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k63_w_up_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k64_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
-    {"k64_w_down_adamw_grad", "down_grad_b.out", 112896ull, 8192ull},
+    {"k64_w_down_adamw_grad", "down_grad_b.out", 114688ull, 8192ull},
     {"k64_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
     {"k64_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
     {"k64_w_down_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k64_w_down_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k65_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
-    {"k65_lnf_w_adamw_grad", "lnf_backward.dweight", 163072ull, 128ull},
+    {"k65_lnf_w_adamw_grad", "lnf_backward.dweight", 163840ull, 128ull},
     {"k65_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
     {"k65_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
     {"k65_lnf_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
     {"k65_lnf_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k66_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
-    {"k66_w_head_adamw_grad", "head_grad_b.out", 151808ull, 2048ull},
+    {"k66_w_head_adamw_grad", "head_grad_b.out", 153600ull, 2048ull},
     {"k66_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
     {"k66_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
     {"k66_w_head_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
@@ -2751,51 +2751,51 @@ extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_forward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k33_embed, dim3(2, 1, 1), dim3(256), 0, k33_embed_tensors,
-                 (const float*)(arena + 0), (const int*)(arena + 163584), (float*)(arena + 145664));
+                 (const float*)(arena + 0), (const int*)(arena + 112896), (float*)(arena + 147456));
   CUDAGEN_LAUNCH(k34_q, dim3(8, 1, 1), dim3(256), 3488, k34_q_tensors,
-                 (float*)(arena + 139520), (const float*)(arena + 145664), (const float*)(arena + 2048), (float*)(arena + 164096), (float*)(arena + 147712), (float*)(arena + 133376), (const float*)(arena + 2304), (float*)(arena + 135424), (const float*)(arena + 6400), (float*)(arena + 137472), (const float*)(arena + 10496), (float*)(arena + 141568));
+                 (float*)(arena + 141312), (const float*)(arena + 147456), (const float*)(arena + 2048), (float*)(arena + 164352), (float*)(arena + 149504), (float*)(arena + 135168), (const float*)(arena + 2304), (float*)(arena + 137216), (const float*)(arena + 6400), (float*)(arena + 139264), (const float*)(arena + 10496), (float*)(arena + 143360));
   CUDAGEN_LAUNCH(k35_attn_out, dim3(1, 1, 1), dim3(256), 4288, k35_attn_out_tensors,
-                 (const float*)(arena + 141568), (const float*)(arena + 14592), (const float*)(arena + 145664), (float*)(arena + 143616));
+                 (const float*)(arena + 143360), (const float*)(arena + 14592), (const float*)(arena + 147456), (float*)(arena + 145408));
   CUDAGEN_LAUNCH(k36_up, dim3(1, 1, 1), dim3(256), 16832, k36_up_tensors,
-                 (const float*)(arena + 18944), (float*)(arena + 121088), (const float*)(arena + 27136), (const float*)(arena + 143616), (const float*)(arena + 18688), (float*)(arena + 149760), (float*)(arena + 160000), (float*)(arena + 125184), (const float*)(arena + 143616), (float*)(arena + 129280));
+                 (const float*)(arena + 18944), (float*)(arena + 122880), (const float*)(arena + 27136), (const float*)(arena + 145408), (const float*)(arena + 18688), (float*)(arena + 151552), (float*)(arena + 161792), (float*)(arena + 126976), (const float*)(arena + 145408), (float*)(arena + 131072));
   CUDAGEN_LAUNCH(k37_head, dim3(1, 1, 1), dim3(256), 8640, k37_head_tensors,
-                 (const float*)(arena + 35584), (float*)(arena + 162048), (const float*)(arena + 129280), (const float*)(arena + 35328), (float*)(arena + 131328), (float*)(arena + 163328));
+                 (const float*)(arena + 35584), (float*)(arena + 113152), (const float*)(arena + 131072), (const float*)(arena + 35328), (float*)(arena + 133120), (float*)(arena + 164096));
   CUDAGEN_LAUNCH(k38_loss, dim3(1, 1, 1), dim3(32), 128, k38_loss_tensors,
-                 (const float*)(arena + 162048), (const int*)(arena + 163840), (float*)(arena + 164352));
+                 (const float*)(arena + 113152), (const int*)(arena + 114176), (float*)(arena + 114432));
   return 0;
 }
 
 extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k39_loss_backward, dim3(16, 1, 1), dim3(32), 128, k39_loss_backward_tensors,
-                 (const float*)(arena + 162048), (const int*)(arena + 163840), (float*)(arena + 114944));
+                 (const float*)(arena + 113152), (const int*)(arena + 114176), (float*)(arena + 116736));
   CUDAGEN_LAUNCH(h8_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h8_head_grad_a_head_grad_b_tensors,
-                 (const float*)(arena + 114944), (const float*)(arena + 35584), (float*)(arena + 112896), (const float*)(arena + 131328), (const float*)(arena + 114944), (float*)(arena + 151808));
+                 (const float*)(arena + 116736), (const float*)(arena + 35584), (float*)(arena + 114688), (const float*)(arena + 133120), (const float*)(arena + 116736), (float*)(arena + 153600));
   CUDAGEN_LAUNCH(k42_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k42_lnf_backward_tensors,
-                 (const float*)(arena + 129280), (const float*)(arena + 35328), (const float*)(arena + 163328), (const float*)(arena + 112896), (float*)(arena + 153856), (float*)(arena + 163072));
+                 (const float*)(arena + 131072), (const float*)(arena + 35328), (const float*)(arena + 164096), (const float*)(arena + 114688), (float*)(arena + 155648), (float*)(arena + 163840));
   CUDAGEN_LAUNCH(h10_down_grad_b_down_grad_a, dim3(3, 1, 1), dim3(256), 12480, h10_down_grad_b_down_grad_a_tensors,
-                 (const float*)(arena + 125184), (const float*)(arena + 153856), (float*)(arena + 112896), (const float*)(arena + 153856), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 155904), (const float*)(arena + 121088), (float*)(arena + 129280));
+                 (const float*)(arena + 126976), (const float*)(arena + 155648), (float*)(arena + 114688), (const float*)(arena + 155648), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 157696), (const float*)(arena + 122880), (float*)(arena + 131072));
   CUDAGEN_LAUNCH(k45_up_grad_b, dim3(2, 1, 1), dim3(256), 4288, k45_up_grad_b_tensors,
-                 (const float*)(arena + 149760), (const float*)(arena + 129280), (float*)(arena + 121088));
+                 (const float*)(arena + 151552), (const float*)(arena + 131072), (float*)(arena + 122880));
   CUDAGEN_LAUNCH(k46_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k46_ln2_backward_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 18688), (const float*)(arena + 160000), (const float*)(arena + 155904), (float*)(arena + 163328), (const float*)(arena + 153856), (float*)(arena + 157952));
+                 (const float*)(arena + 145408), (const float*)(arena + 18688), (const float*)(arena + 161792), (const float*)(arena + 157696), (float*)(arena + 164096), (const float*)(arena + 155648), (float*)(arena + 159744));
   CUDAGEN_LAUNCH(h12_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h12_attn_out_grad_a_attn_out_grad_b_tensors,
-                 (const float*)(arena + 157952), (const float*)(arena + 14592), (float*)(arena + 143616), (const float*)(arena + 141568), (const float*)(arena + 157952), (float*)(arena + 129280));
+                 (const float*)(arena + 159744), (const float*)(arena + 14592), (float*)(arena + 145408), (const float*)(arena + 143360), (const float*)(arena + 159744), (float*)(arena + 131072));
   CUDAGEN_LAUNCH(k49_context_grad_a, dim3(8, 1, 1), dim3(256), 1536, k49_context_grad_a_tensors,
-                 (const float*)(arena + 143616), (const float*)(arena + 137472), (const float*)(arena + 139520), (const float*)(arena + 135424), (float*)(arena + 155904), (const float*)(arena + 133376), (float*)(arena + 153856), (float*)(arena + 149760));
+                 (const float*)(arena + 145408), (const float*)(arena + 139264), (const float*)(arena + 141312), (const float*)(arena + 137216), (float*)(arena + 157696), (const float*)(arena + 135168), (float*)(arena + 155648), (float*)(arena + 151552));
   CUDAGEN_LAUNCH(h14_v_grad_b_k_grad_b_v_grad_a_and_1_more, dim3(4, 1, 1), dim3(256), 4288, h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tensors,
-                 (const float*)(arena + 147712), (const float*)(arena + 149760), (float*)(arena + 133376), (const float*)(arena + 147712), (const float*)(arena + 153856), (float*)(arena + 137472), (const float*)(arena + 149760), (const float*)(arena + 10496), (const float*)(arena + 153856), (const float*)(arena + 6400), (const float*)(arena + 155904), (const float*)(arena + 2304), (float*)(arena + 160000), (const float*)(arena + 147712), (const float*)(arena + 155904), (float*)(arena + 141568));
+                 (const float*)(arena + 149504), (const float*)(arena + 151552), (float*)(arena + 135168), (const float*)(arena + 149504), (const float*)(arena + 155648), (float*)(arena + 139264), (const float*)(arena + 151552), (const float*)(arena + 10496), (const float*)(arena + 155648), (const float*)(arena + 6400), (const float*)(arena + 157696), (const float*)(arena + 2304), (float*)(arena + 161792), (const float*)(arena + 149504), (const float*)(arena + 157696), (float*)(arena + 143360));
   CUDAGEN_LAUNCH(k54_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k54_ln1_backward_tensors,
-                 (const float*)(arena + 145664), (const float*)(arena + 2048), (const float*)(arena + 164096), (const float*)(arena + 160000), (float*)(arena + 149760), (const float*)(arena + 157952), (float*)(arena + 147712));
+                 (const float*)(arena + 147456), (const float*)(arena + 2048), (const float*)(arena + 164352), (const float*)(arena + 161792), (float*)(arena + 151552), (const float*)(arena + 159744), (float*)(arena + 149504));
   CUDAGEN_LAUNCH(k55_embed_backward, dim3(16, 1, 1), dim3(32), 0, k55_embed_backward_tensors,
-                 (const int*)(arena + 163584), (const float*)(arena + 147712), (float*)(arena + 145664));
+                 (const int*)(arena + 112896), (const float*)(arena + 149504), (float*)(arena + 147456));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 145664), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 149760), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2304), (const float*)(arena + 141568), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 6400), (const float*)(arena + 137472), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 10496), (const float*)(arena + 133376), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 14592), (const float*)(arena + 129280), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 18688), (const float*)(arena + 163328), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 164608), (const long long*)(arena + 164616));
+                 (float*)(arena + 0), (const float*)(arena + 147456), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 151552), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2304), (const float*)(arena + 143360), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 6400), (const float*)(arena + 139264), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 10496), (const float*)(arena + 135168), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 14592), (const float*)(arena + 131072), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 18688), (const float*)(arena + 164096), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 164608), (const long long*)(arena + 164616));
   CUDAGEN_LAUNCH(h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
-                 (float*)(arena + 18944), (const float*)(arena + 121088), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 112896), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35328), (const float*)(arena + 163072), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35584), (const float*)(arena + 151808), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 164608), (const long long*)(arena + 164616));
+                 (float*)(arena + 18944), (const float*)(arena + 122880), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 114688), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35328), (const float*)(arena + 163840), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35584), (const float*)(arena + 153600), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 164608), (const long long*)(arena + 164616));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -1,4 +1,7 @@
 // The placement search and the buffer-list format.
+#include <algorithm>
+#include <climits>
+#include <numeric>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -136,6 +139,140 @@ TEST(Placement, GreedyMethodDoesNotSearch) {
   Placement p = place_buffers(intervals, options);
   EXPECT_EQ(p.search_steps, 0);
   EXPECT_NE(p.method, "search");
+}
+
+// Best fit as the planner's comment states it, found the slow way: every
+// placed buffer is compared with the one being placed.
+std::vector<int64_t> naive_best_fit(const std::vector<LiveInterval>& iv, const std::vector<size_t>& order,
+                                    int64_t alignment) {
+  auto up = [&](int64_t x) { return (x + alignment - 1) / alignment * alignment; };
+  std::vector<int64_t> offsets(iv.size(), 0);
+  std::vector<size_t> placed;
+  for (size_t i : order) {
+    std::vector<std::pair<int64_t, int64_t>> busy;
+    for (size_t p : placed)
+      if (iv[p].first <= iv[i].last && iv[i].first <= iv[p].last) busy.emplace_back(offsets[p], offsets[p] + up(iv[p].bytes));
+    std::sort(busy.begin(), busy.end());
+    int64_t best = -1, best_gap = INT64_MAX, cursor = 0;
+    for (const auto& [start, end] : busy) {
+      if (start > cursor && start - cursor >= up(iv[i].bytes) && start - cursor < best_gap) {
+        best = cursor;
+        best_gap = start - cursor;
+      }
+      cursor = std::max(cursor, end);
+    }
+    offsets[i] = best >= 0 ? best : cursor;
+    placed.push_back(i);
+  }
+  return offsets;
+}
+
+// The time grid that finds the placed buffers alive with the next one must
+// find exactly the ones the slow way finds: lifetimes from one step to the
+// whole program, over programs of 1 to 5,000 steps.
+TEST(Placement, GreedyFindsTheSameGapsAsComparingEveryPair) {
+  std::mt19937 rng(2024);
+  for (int round = 0; round < 300; ++round) {
+    const int n = 1 + int(rng() % 200), steps = 1 + int(rng() % (round % 3 == 0 ? 5000 : 60));
+    std::vector<LiveInterval> iv;
+    for (int i = 0; i < n; ++i) {
+      const int length = rng() % 4 == 0 ? int(rng() % unsigned(steps)) : int(rng() % 8);
+      const int first = int(rng() % unsigned(steps));
+      iv.push_back({1 + int64_t(rng() % 3000), first, std::min(steps - 1, first + length)});
+    }
+    PlacementOptions options;
+    options.alignment = 16;
+    std::vector<size_t> order(iv.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return iv[a].bytes != iv[b].bytes ? iv[a].bytes > iv[b].bytes : iv[a].first < iv[b].first;
+    });
+    ASSERT_EQ(place_greedy_by_size(iv, options), naive_best_fit(iv, order, 16)) << "round " << round;
+  }
+}
+
+// Buffers alive from the first step to the last go at the bottom, one on
+// another; the rest is placed above them, and nothing gets larger for it.
+TEST(Placement, BuffersAliveThroughoutGoAtTheBottom) {
+  std::mt19937 rng(77);
+  auto intervals = sliced_instance(rng, 40, 16, 4096);
+  const size_t sliced = intervals.size();
+  intervals.push_back({1000, 0, 15});
+  intervals.push_back({24, 0, 15});
+  PlacementOptions options;
+  options.alignment = 8;
+  Placement p = place_buffers(intervals, options);
+  EXPECT_EQ(verify_placement(intervals, p.offsets, p.arena_bytes, 8), "");
+  int64_t base = 0;  // the sliced rectangle has some buffers alive throughout too
+  for (const auto& iv : intervals)
+    if (iv.first == 0 && iv.last == 15) base += (iv.bytes + 7) / 8 * 8;
+  for (size_t i = 0; i < intervals.size(); ++i) {
+    if (intervals[i].first == 0 && intervals[i].last == 15)
+      EXPECT_LT(p.offsets[i], base) << i;
+    else
+      EXPECT_GE(p.offsets[i], base) << i;
+  }
+  EXPECT_EQ(p.offsets[sliced + 1], p.offsets[sliced] + 1000) << "in order, one on another";
+  EXPECT_EQ(p.arena_bytes, lower_bound_bytes(intervals, 8));
+  EXPECT_TRUE(p.proven_optimal);
+}
+
+// The verifier sweeps time instead of comparing pairs: on random placements,
+// right and wrong, it must agree with comparing every pair.
+TEST(Placement, VerifierAgreesWithComparingEveryPair) {
+  std::mt19937 rng(31337);
+  int wrong = 0;
+  for (int round = 0; round < 3000; ++round) {
+    const int n = 1 + int(rng() % 12), steps = 1 + int(rng() % 10);
+    std::vector<LiveInterval> iv;
+    std::vector<int64_t> offsets;
+    for (int i = 0; i < n; ++i) {
+      const int a = int(rng() % unsigned(steps)), b = int(rng() % unsigned(steps));
+      iv.push_back({int64_t(rng() % 5), std::min(a, b), std::max(a, b)});
+      offsets.push_back(int64_t(rng() % 12));
+    }
+    bool clash = false;
+    for (int i = 0; i < n; ++i)
+      for (int j = i + 1; j < n; ++j)
+        clash |= iv[i].bytes > 0 && iv[j].bytes > 0 && iv[i].first <= iv[j].last && iv[j].first <= iv[i].last &&
+                 offsets[i] < offsets[j] + iv[j].bytes && offsets[j] < offsets[i] + iv[i].bytes;
+    wrong += clash;
+    EXPECT_EQ(verify_placement(iv, offsets, 100, 1) != "", clash) << "round " << round;
+  }
+  EXPECT_GT(wrong, 500) << "the rounds should hold both right and wrong placements";
+}
+
+// Where greedy is within 2% of the bound, the search spends about a second's
+// worth of steps (near_bound_work over the buffers), not its whole budget;
+// with the cap off it may spend all of it.
+TEST(Placement, SearchStopsEarlyWhereGreedyIsNearTheBound) {
+  std::mt19937 rng(1);
+  std::vector<LiveInterval> intervals;
+  const int n = 1000, steps = 500;
+  const int lengths[] = {1, 2, 5, 20, 100, 250};
+  const int64_t sizes[] = {1, 3, 7, 16, 33, 64, 100};
+  for (int i = 0; i < n; ++i) {
+    const int length = lengths[rng() % 6];
+    const int first = int(rng() % unsigned(steps - length + 1));
+    intervals.push_back({sizes[rng() % 7] * 256, first, first + length});
+  }
+  PlacementOptions greedy;
+  greedy.method = PlacementMethod::greedy;
+  const Placement quick = place_buffers(intervals, greedy);
+  const int64_t bound = lower_bound_bytes(intervals, 256);
+  ASSERT_GT(quick.arena_bytes, bound) << "the instance should leave the search something to do";
+  ASSERT_LE(quick.arena_bytes * 50, bound * 51) << "the instance should be within 2% of the bound";
+  PlacementOptions capped;
+  capped.near_bound_work = 20'000'000;
+  capped.search_steps = 100000;
+  const Placement p = place_buffers(intervals, capped);
+  EXPECT_EQ(verify_placement(intervals, p.offsets, p.arena_bytes, 256), "");
+  EXPECT_LE(p.arena_bytes, quick.arena_bytes);
+  if (!p.proven_optimal) EXPECT_LE(p.search_steps, capped.near_bound_work / n + 1);
+  PlacementOptions uncapped = capped;
+  uncapped.near_bound_work = 0;
+  const Placement q = place_buffers(intervals, uncapped);
+  if (!q.proven_optimal && !p.proven_optimal) EXPECT_GT(q.search_steps, p.search_steps);
 }
 
 TEST(BufferCsv, ReadsMiniMallocFormatAndWritesOffsets) {
