@@ -28,16 +28,21 @@ const char* descr(DType d) {
   return "";
 }
 
-// The value of `key` in the header's Python dict literal, as raw text.
+// The value of `key` in the header's Python dict literal, as raw text: a
+// parenthesised tuple, a quoted string, or what runs to the next ',' or '}'.
 std::string header_field(const std::string& header, const std::string& key, const std::string& path) {
+  auto malformed = [&] { return std::runtime_error(fmt::format("{}: .npy header has a malformed '{}' entry", path, key)); };
   size_t at = header.find("'" + key + "'");
   if (at == std::string::npos) throw std::runtime_error(fmt::format("{}: .npy header has no '{}'", path, key));
-  at = header.find(':', at);
-  size_t start = header.find_first_not_of(' ', at + 1);
-  char open = header[start];
-  size_t end = open == '(' ? header.find(')', start) + 1
-             : open == '\'' ? header.find('\'', start + 1) + 1
-                            : header.find_first_of(",}", start);
+  at = header.find(':', at + key.size() + 2);
+  if (at == std::string::npos) throw malformed();
+  const size_t start = header.find_first_not_of(' ', at + 1);
+  if (start == std::string::npos) throw malformed();
+  const char open = header[start];
+  const size_t close = open == '(' ? header.find(')', start) : open == '\'' ? header.find('\'', start + 1)
+                                                                           : header.find_first_of(",}", start);
+  if (close == std::string::npos) throw malformed();
+  const size_t end = open == '(' || open == '\'' ? close + 1 : close;
   return header.substr(start, end - start);
 }
 
@@ -77,7 +82,10 @@ std::vector<int64_t> parse_shape_tuple(const std::string& text, const std::strin
 }  // namespace
 
 HostTensor read_npy(const std::string& path) {
-  std::string bytes = read_text_file(path, int64_t(1) << 40);  // a tensor: up to validation's 1 TiB
+  return parse_npy(read_text_file(path, int64_t(1) << 40), path);  // a tensor: up to validation's 1 TiB
+}
+
+HostTensor parse_npy(std::string_view bytes, const std::string& path) {
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0)
     throw std::runtime_error(fmt::format("{}: not a .npy file (no \\x93NUMPY magic)", path));
   const int major = static_cast<unsigned char>(bytes[6]);
@@ -93,7 +101,7 @@ HostTensor read_npy(const std::string& path) {
     throw std::runtime_error(fmt::format("{}: unsupported .npy version {}", path, major));
   }
   if (offset + header_len > bytes.size()) throw std::runtime_error(fmt::format("{}: truncated .npy header", path));
-  std::string header = bytes.substr(offset, header_len);
+  std::string header(bytes.substr(offset, header_len));
   std::string type = header_field(header, "descr", path);
   std::string order = header_field(header, "fortran_order", path);
   std::string shape_text = header_field(header, "shape", path);

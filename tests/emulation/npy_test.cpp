@@ -104,6 +104,32 @@ TEST(Npy, ShapesThatAreNotTuplesOfIntegersAreNamed) {
   EXPECT_NE(error_of("(,)").find("an element is empty"), std::string::npos);
 }
 
+// Headers whose entries are cut short: each a clear error, never a read
+// past the header (the fuzz target found a ':' missing after 'shape').
+TEST(Npy, MalformedHeaderEntriesAreNamed) {
+  auto npy_with_header = [](const std::string& header) {
+    std::string h = header + std::string(63 - (10 + header.size()) % 64, ' ') + "\n";
+    std::string bytes = std::string("\x93NUMPY\x01\x00", 8);
+    bytes += char(h.size() & 0xff);
+    bytes += char(h.size() >> 8);
+    return bytes + h;
+  };
+  auto error_of = [&](const std::string& header) {
+    try {
+      parse_npy(npy_with_header(header), "x.npy");
+      return std::string("read");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_EQ(error_of("{'descr': '<f4', 'fortran_order': False, 'shape': (0,), }"), "read");
+  EXPECT_NE(error_of("{'descr': '<f4', 'fortran_order': False, 'shape'").find("malformed 'shape' entry"), std::string::npos);
+  EXPECT_NE(error_of("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2").find("malformed 'shape' entry"),
+            std::string::npos);
+  EXPECT_NE(error_of("{'descr': '<f4, 'fortran_order': False, 'shape': ()}").find("x.npy"), std::string::npos);
+  EXPECT_NE(error_of("{'descr': '<f4', 'fortran_order': False").find("malformed 'fortran_order' entry"), std::string::npos);
+}
+
 TEST(Npy, RunReadsInputsAndWritesOutputs) {
   GraphBuilder b("io");
   b.task("act", "relu").tensor("x", DType::f32, {4}, Storage::external).tensor("out", DType::f32, {4}, Storage::external);
