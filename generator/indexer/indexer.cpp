@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <cctype>
 #include <set>
 #include <sstream>
 
@@ -599,6 +600,87 @@ std::vector<TemplateFile> list_files(const IndexOptions& options, Errors& errors
   return files;
 }
 
+// The inclusion directives of a template file (#include, #include_next,
+// #import, #embed), found in its text before Clang sees it: refused there,
+// the file they name is never read, so none of its lines can appear in
+// Clang's diagnostics (a template including a file of secrets had them
+// echoed as syntax errors). As the preprocessor sees the text: line splices
+// joined, comments blank, quoted text skipped, a directive only where '#' is
+// the first token of its line.
+std::vector<std::pair<Place, std::string>> inclusion_directives(const std::string& text, int file) {
+  struct Char {
+    char c;
+    unsigned offset, line, column;
+  };
+  std::vector<Char> chars;  // the text with its line splices joined
+  unsigned line = 1, column = 1;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 1 < text.size() && text[i + 1] == '\n') {
+      ++i;
+      ++line;
+      column = 1;
+      continue;
+    }
+    chars.push_back({text[i], unsigned(i), line, column});
+    if (text[i] == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  auto at = [&](size_t i) { return i < chars.size() ? chars[i].c : '\0'; };
+  auto identifier_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  std::vector<std::pair<Place, std::string>> found;
+  bool first_token = true;  // nothing but blanks and comments so far on this line
+  size_t hash = SIZE_MAX;  // the '#' that starts this line's directive, if any
+  for (size_t i = 0; i < chars.size(); ++i) {
+    const char c = at(i);
+    if (c == '/' && at(i + 1) == '*') {
+      for (i += 2; i < chars.size() && !(at(i) == '*' && at(i + 1) == '/'); ++i) {
+      }
+      ++i;
+      continue;
+    }
+    if (c == '/' && at(i + 1) == '/') {
+      while (i + 1 < chars.size() && at(i + 1) != '\n') ++i;
+      continue;
+    }
+    if (c == '\n') {
+      first_token = true;
+      hash = SIZE_MAX;
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v') continue;
+    if (first_token && c == '#') {
+      first_token = false;
+      hash = i;
+      continue;
+    }
+    if (hash != SIZE_MAX && identifier_char(c)) {
+      std::string name;
+      for (; identifier_char(at(i)); ++i) name += at(i);
+      --i;
+      if (name == "include" || name == "include_next" || name == "import" || name == "embed") {
+        std::string operand;  // what it names, for the message
+        for (size_t j = i + 1; j < chars.size() && at(j) != '\n' && operand.size() < 100; ++j)
+          operand += static_cast<unsigned char>(at(j)) < 0x20 || at(j) == 0x7f ? '?' : at(j);
+        operand.erase(0, operand.find_first_not_of(" \t"));
+        operand.erase(operand.find_last_not_of(" \t\r") + 1);
+        const Char& h = chars[hash];
+        found.push_back({Place{file, h.offset, h.line, h.column}, "#" + name + " " + operand});
+      }
+    } else if (c == '"' || c == '\'') {  // quoted text, to the closing quote or the line's end
+      for (++i; i < chars.size() && at(i) != c && at(i) != '\n'; ++i)
+        if (at(i) == '\\') ++i;
+      if (at(i) == '\n') --i;
+    }
+    first_token = false;
+    hash = SIZE_MAX;
+  }
+  return found;
+}
+
 bool parse(const std::vector<TemplateFile>& files, const IndexOptions& options, bool device, ParseResult& out,
            Errors& errors) {
   std::string code;
@@ -633,6 +715,17 @@ IndexResult index_templates(const IndexOptions& options, std::ostream& diagnosti
   Errors errors(diagnostics);
   std::vector<TemplateFile> files = list_files(options, errors);
   if (errors.count()) return result;
+  for (size_t f = 0; f < files.size(); ++f) {
+    std::ifstream in(files[f].path, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (const auto& [place, directive] : inclusion_directives(text, int(f)))
+      errors.at(files, place,
+                fmt::format("templates must not include other files ({}): a generated .cu is standalone, so a "
+                            "template may use only the prelude, other templates and the CUDA built-ins of the "
+                            "indexer's shim",
+                            directive));
+  }
+  if (errors.count()) return result;  // before Clang reads what they name
 
   ParseResult device, emulation;
   bool device_ok = parse(files, options, true, device, errors);
