@@ -2614,15 +2614,19 @@ class Emitter {
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
     // whose TF32 would break the f32 bound (docs/architecture.md §9).
-    const bool tensor_cores = is_16bit(a.buffer->dtype);
-    ek.matmul_path = tensor_cores ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
-                                  : "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
-    const int tile = int(matmul_tile_rows(a.buffer->dtype));
-    ek.block = int(matmul_tile_threads(a.buffer->dtype));
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    const DType tile_type = matmul_tile_dtype(op, a.buffer->dtype);
+    const bool tensor_cores = is_16bit(tile_type);
+    ek.matmul_path = tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
+                     : op.name != "matmul" ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
+                                           : "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
+    const int tile = int(matmul_tile_rows(tile_type));
+    ek.block = int(matmul_tile_threads(tile_type));
+    ek.tile_rows = tile;
     ek.grid[0] = int((N + tile - 1) / tile);
     ek.grid[1] = int((M + tile - 1) / tile);
     ek.grid[2] = int(batches);
-    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
+    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(tile_type));
     if (tensor_cores) entry_function_ = "cg_matmul_tile_mma";
     std::string load_a = ta ? fmt::format("(cg_i64)k * {} + m", M) : fmt::format("(cg_i64)m * {} + k", K);
     std::string load_b = b_index(tb, K, N);
@@ -2642,7 +2646,7 @@ class Emitter {
         "      [&](int k, int n) {{ return {4}; }},\n"
         "      [&](int m, int n, float acc) {{ {5}; }},\n"
         "      {6}, {7}, {8}, tile.y, tile.x, ({9}*)cg_smem);\n",
-        batch_bases, prologue, tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>",
+        batch_bases, prologue, tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : op.source_function + "<32, 32, 16>",
         element_a, load(b, "b_base + " + load_b), store(out, fmt::format("out_base + (cg_i64)m * {} + n", N), scaled),
         M, N, K, tensor_cores ? c_type(a.buffer->dtype) : "float");
   }

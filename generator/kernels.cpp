@@ -223,6 +223,14 @@ MatmulDims matmul_dims(const Program& program, int t) {
 
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not) {
   const BoundTask& task = program.tasks[size_t(t)];
+  // A user's matmul op runs its own function unless it provides the mainloop.
+  for (const char* variant : {"cg_gemm_mainloop", "cg_gemm_each_pair", "cg_gemm_config"})
+    if (task.op->closure_of(variant) == nullptr) {
+      if (why_not != nullptr)
+        *why_not = fmt::format("op '{}' has no pipelined mainloop (variant {})",
+                               task.op->name, variant);
+      return std::nullopt;
+    }
   const MatmulDims d = matmul_dims(program, t);
   return pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
                              program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,

@@ -102,6 +102,15 @@ inline int64_t row_reduction_registers(int64_t outputs, DType a) {
 inline int64_t matmul_operand_tile_bytes(DType a) {
   return matmul_tile_rows(a) == 64 ? 2 * (64 * (16 + 8) + 16 * (64 + 8)) : 4 * (32 * (16 + 1) + 16 * (32 + 1));
 }
+// Which of those tiles an op's matmul runs on: the tensor-core tile only
+// where the op provides it (variant cg_matmul_tile_mma, as the built-in
+// matmul does); otherwise its own function, with the portable tile's calling
+// convention (docs/templates.md), whatever its dtype. The dtype to size the
+// tile by (matmul_tile_rows and the rest): `a` on tensor cores, else f32.
+inline DType matmul_tile_dtype(const OpSignature& op, DType a) {
+  const bool tensor_cores = (a == DType::f16 || a == DType::bf16) && op.closure_of("cg_matmul_tile_mma") != nullptr;
+  return tensor_cores ? a : DType::f32;
+}
 
 // The pipelined tensor-core mainloop (templates/gemm.cuh, docs/gemm.md): a
 // tile configuration, as cg_gemm_config's parameters.
