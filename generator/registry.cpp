@@ -173,6 +173,7 @@ class RegistryReader {
     op.init = string_field(v, "init", path, op.name, false);
     op.smem = string_field(v, "smem", path, op.name, false);
     op.flops_text = string_field(v, "flops", path, op.name, false);
+    op.reference = string_field(v, "reference", path, op.name, false);
     if (const JsonValue* source = v.find("source")) {
       op.source_file = string_field(*source, "file", path + "/source", op.name, true);
       op.source_function = string_field(*source, "function", path + "/source", op.name, true);
@@ -379,6 +380,27 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   for (const auto& op : reg.ops_) {
     check_closure(op, op.closure);
     for (const auto& variant : op.variants) check_closure(op, variant.closure);
+    // A reference function computes one element from the op's inputs: what
+    // an elementwise or broadcast op with one output and no in-place update is.
+    if (!op.reference.empty() && op.reference != "none") {
+      int outputs = 0;
+      bool in_place = false;
+      for (const auto& slot : op.tensors) {
+        outputs += slot.role == SlotRole::output;
+        in_place = in_place || slot.writes || slot.role == SlotRole::scratch;
+      }
+      std::string why;
+      if (op.pattern != PatternKind::elementwise && op.pattern != PatternKind::broadcast)
+        why = fmt::format("a reference function computes one element, and '{}' is a {} op", op.name, to_string(op.pattern));
+      else if (outputs != 1 || in_place)
+        why = fmt::format("a reference function returns the one output, and '{}' has {} outputs{}", op.name, outputs,
+                          in_place ? " and updates a slot in place" : "");
+      else if (op.closure_of(op.reference) == nullptr)
+        why = fmt::format("reference function '{}' is none of the op's functions", op.reference);
+      if (!why.empty())
+        diags.add(Diagnostic{{}, {}, {}, {}, {}, fmt::format("op '{}': {}", op.name, why),
+                             "give `reference: none` to run it unchecked"});
+    }
   }
   for (size_t i = 0; i < reg.ops_.size(); ++i) {
     if (!reg.index_.emplace(reg.ops_[i].name, i).second)

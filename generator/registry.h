@@ -78,6 +78,12 @@ struct OpSignature {
     std::vector<std::string> closure;
   };
   std::vector<Variant> variants;
+  // How `cudagen run` checks the op, for ops outside its built-in float64
+  // reference (a user's template): empty (it cannot), "none" (it does not,
+  // and says so), or a host function of the templates, `double f(double...)`
+  // of the op's inputs then its arguments (elementwise and broadcast ops;
+  // one of `variants`, for its closure).
+  std::string reference;
   // The closure of `function`: the op's own, or a variant's; nullptr if neither.
   const std::vector<std::string>* closure_of(std::string_view function) const;
 

@@ -124,6 +124,8 @@ void HostModule::run_phase(Phase phase, unsigned char* arena) const { run_functi
 
 bool HostModule::has_function(const std::string& name) const { return dlsym(handle_, name.c_str()) != nullptr; }
 
+void* HostModule::address_of(const std::string& name) const { return dlsym(handle_, name.c_str()); }
+
 void HostModule::run_function(const std::string& name, unsigned char* arena) const {
   using LauncherFn = int (*)(unsigned char*, void*);
   auto fn = symbol<LauncherFn>(handle_, name.c_str());

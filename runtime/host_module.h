@@ -40,6 +40,8 @@ class HostModule {
   void run_phase(Phase phase, unsigned char* arena) const;
   // The same for any host launcher of the file (`cudagen_step`).
   bool has_function(const std::string& name) const;
+  // The address of an extern "C" symbol of the module, nullptr if it has none.
+  void* address_of(const std::string& name) const;
   void run_function(const std::string& name, unsigned char* arena) const;
   void set_seed(unsigned long long seed) const;
   std::vector<KernelBytes> kernel_bytes() const;  // since the last clear

@@ -3,6 +3,7 @@
 #include "counter_rng.h"
 #include "runner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -30,7 +31,8 @@ int64_t broadcast_source(const Shape& out, const Shape& in, int64_t i) {
 
 class Evaluator {
  public:
-  Evaluator(const Program& p, ReferenceBuffers& r, const RunTimeArgs& args) : p_(p), r_(r), args_(args) {}
+  Evaluator(const Program& p, ReferenceBuffers& r, const RunTimeArgs& args, const UserOpReferences& user)
+      : p_(p), r_(r), args_(args), user_(user) {}
 
   void run(int t) {
     const BoundTask& bt = p_.tasks[size_t(t)];
@@ -112,7 +114,12 @@ class Evaluator {
     if (op == "mse") return mse(bt);
     if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
     if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
-    throw std::runtime_error(fmt::format("no float64 reference for op '{}' (task '{}')", op, bt.task->id));
+    if (const auto f = user_.functions.find(op); f != user_.functions.end()) return user_element(bt, f->second);
+    if (bt.op->reference == "none") return device_values(bt);
+    throw std::runtime_error(fmt::format(
+        "no float64 reference for op '{}' (task '{}'): a user's op gives one in its template (`reference: FUNCTION`, "
+        "or `reference: none` to run it unchecked; docs/templates.md)",
+        op, bt.task->id));
   }
 
  private:
@@ -926,33 +933,98 @@ class Evaluator {
     out(o, std::move(v), std::move(a));
   }
 
+  // A user's elementwise or broadcast op through its template's reference
+  // function: per element, its inputs (broadcast) then its arguments; error
+  // scales by first-order propagation, as unary ops (central differences in
+  // each input).
+  void user_element(const BoundTask& bt, ElementReference f) {
+    std::vector<int> inputs;
+    int o = -1;
+    for (const auto& sig : bt.op->tensors) {
+      const BoundTensor* bound = bt.find_tensor(sig.name);
+      if (sig.role == SlotRole::output) o = bound->buffer;
+      else if (!sig.written()) inputs.push_back(bound != nullptr ? bound->buffer : -1);
+    }
+    std::vector<double> values(inputs.size());
+    for (const auto& a : bt.op->args) {
+      double v = arg_double(bt, a.name.c_str(), 0);
+      if (a.type == ArgType::string_) {  // the device function takes a string argument's index among its choices
+        const std::string chosen = arg_string(bt, a.name.c_str());
+        v = double(std::find(a.choices.begin(), a.choices.end(), chosen) - a.choices.begin());
+      }
+      values.push_back(v);
+    }
+    const int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), scale(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<double> abs_in(inputs.size(), 0);
+      for (size_t j = 0; j < inputs.size(); ++j) {
+        if (inputs[j] < 0) {
+          values[j] = 0;  // an optional input the task leaves out
+          continue;
+        }
+        const size_t at = size_t(broadcast_source(shape(o), shape(inputs[j]), i));
+        values[j] = val(inputs[j])[at];
+        abs_in[j] = r_.abs[size_t(inputs[j])][at];
+      }
+      v[size_t(i)] = f(values.data());
+      double a = std::abs(v[size_t(i)]);
+      for (size_t j = 0; j < inputs.size(); ++j) {
+        const double x = values[j];
+        a += std::abs(derivative([&](double y) { values[j] = y; return f(values.data()); }, x)) * abs_in[j];
+        values[j] = x;
+      }
+      scale[size_t(i)] = a;
+    }
+    out(o, std::move(v), std::move(scale));
+  }
+
+  // An op whose template says `reference: none`: its outputs as the device
+  // left them (unchecked; the runner says so), for the tasks after it.
+  void device_values(const BoundTask& bt) {
+    for (const auto& bound : bt.tensors) {
+      if (bound.sig == nullptr || !bound.sig->written()) continue;
+      const std::vector<double>* device = user_.device != nullptr ? &(*user_.device)[size_t(bound.buffer)] : nullptr;
+      if (device == nullptr || (device->empty() && numel(shape(bound.buffer)) > 0))
+        throw std::runtime_error(fmt::format(
+            "op '{}' (task '{}') has no float64 reference (`reference: none`) and its output '{}' is not in memory "
+            "(kept inside a fused kernel), so nothing after it can be checked; run with --no-fuse",
+            bt.op->name, bt.task->id, bound.name));
+      std::vector<double> a(device->size());
+      for (size_t i = 0; i < a.size(); ++i) a[i] = std::abs((*device)[i]);
+      out(bound.buffer, *device, std::move(a));
+    }
+  }
+
   const Program& p_;
   ReferenceBuffers& r_;
   const RunTimeArgs& args_;
+  const UserOpReferences& user_;
 };
 
 }  // namespace
 
 ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers,
-                               const RunTimeArgs& args) {
+                               const RunTimeArgs& args, const UserOpReferences& user) {
   ReferenceBuffers r;
   r.value = buffers;
   r.abs.resize(buffers.size());
   for (size_t b = 0; b < buffers.size(); ++b)
     for (double x : buffers[b]) r.abs[b].push_back(std::abs(x));
-  Evaluator(program, r, args).run(task);
+  Evaluator(program, r, args, user).run(task);
   return r;
 }
 
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
-                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args) {
+                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args,
+                                    const UserOpReferences& user) {
   ReferenceBuffers r;
   r.value = inputs;
   r.value.resize(program.buffers.size());
   r.abs.resize(program.buffers.size());
   for (size_t b = 0; b < r.value.size(); ++b)
     for (double x : r.value[b]) r.abs[b].push_back(std::abs(x));
-  Evaluator eval(program, r, args);
+  Evaluator eval(program, r, args, user);
   for (int t : schedule.order) eval.run(t);
   return r;
 }

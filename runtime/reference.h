@@ -25,14 +25,26 @@ struct ReferenceBuffers {
 // that holds the value; an argument not here keeps its initial value.
 using RunTimeArgs = std::map<std::string, ArgValue>;
 
+// What the reference knows of ops outside it (a user's templates, whose op
+// names it reads in OpSignature::reference): the float64 functions their
+// templates give (`reference: FUNCTION`, compiled by user_reference.h), and
+// for ops that give none (`reference: none`) the values the device computed,
+// taken as they are, so that the tasks after them are still checked.
+using ElementReference = double (*)(const double* inputs_then_args);
+struct UserOpReferences {
+  std::map<std::string, ElementReference> functions;        // by op name
+  const std::vector<std::vector<double>>* device = nullptr;  // per buffer, for `reference: none`
+};
+
 // Runs every task of `schedule` on `inputs` (per buffer; the graph inputs set).
 // Throws std::runtime_error for an op it has no reference for.
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
-                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args = {});
+                                    const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args = {},
+                                    const UserOpReferences& user = {});
 
 // Runs one task on `buffers` (every buffer's current values; its inputs taken
 // as exact), returning the buffers with that task's outputs recomputed.
 ReferenceBuffers evaluate_task(const Program& program, int task, const std::vector<std::vector<double>>& buffers,
-                               const RunTimeArgs& args = {});
+                               const RunTimeArgs& args = {}, const UserOpReferences& user = {});
 
 }  // namespace cudagen

@@ -14,6 +14,7 @@
 
 #include "npy.h"
 #include "reference.h"
+#include "user_reference.h"
 
 namespace cudagen {
 
@@ -152,7 +153,8 @@ bool written_in(const Program& p, int buffer, const std::vector<Phase>& phases, 
 // optimizer's state), which every task of the round read before the update.
 template <typename Compare>
 void check_each_task(const Compiled& c, const Schedule& round, const std::vector<std::vector<double>>& before,
-                     const std::vector<std::vector<double>>& after, const RunTimeArgs& args, int step, Compare compare) {
+                     const std::vector<std::vector<double>>& after, const RunTimeArgs& args, const UserOpReferences& user,
+                     const std::vector<bool>& unchecked, int step, Compare compare) {
   const Program& p = c.program;
   std::vector<int> updaters(p.buffers.size(), 0);
   for (int t : round.order)
@@ -168,9 +170,9 @@ void check_each_task(const Compiled& c, const Schedule& round, const std::vector
     if (updaters[b] == 1) seen[b] = before[b];
   }
   for (int t : round.order) {
-    ReferenceBuffers one = evaluate_task(p, t, seen, args);
+    ReferenceBuffers one = evaluate_task(p, t, seen, args, user);
     for (const auto& bound : p.tasks[size_t(t)].tensors) {
-      if (bound.sig == nullptr || !bound.sig->written()) continue;
+      if (bound.sig == nullptr || !bound.sig->written() || unchecked[size_t(bound.buffer)]) continue;
       size_t b = size_t(bound.buffer);
       compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, after[b], one.value[b], one.abs[b], step);
     }
@@ -244,6 +246,18 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     for (Phase phase : r.phases)
       if (!in(all_phases, phase)) all_phases.push_back(phase);
   executor.set_seed(options.seed);
+  // User ops: their templates' reference functions, built on the host; and
+  // the outputs of those that give none, unchecked (said in the table).
+  UserReferences user =
+      build_user_references(p, options.work_dir.empty() ? std::string() : options.work_dir + "/references");
+  std::vector<bool> unchecked(p.buffers.size(), false);
+  for (const auto& t : p.tasks)
+    if (t.op->reference == "none")
+      for (const auto& b : t.tensors)
+        if (b.sig != nullptr && b.sig->written() && !unchecked[size_t(b.buffer)]) {
+          unchecked[size_t(b.buffer)] = true;
+          run.unchecked.push_back(fmt::format("{}.{} (op '{}' has `reference: none`)", t.task->id, b.name, t.op->name));
+        }
 
   // Inputs (what no task of the phases run computes) from .npy files, or fresh
   // random ones rounded to their dtype so that the reference sees what the
@@ -381,14 +395,16 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     Schedule part;
     for (int t : c.schedule.order)
       if (in(round.phases, p.tasks[size_t(t)].task->phase)) part.order.push_back(t);
-    ReferenceBuffers ref = evaluate_reference(p, part, before, args);
+    user.ops.device = &actual;
+    ReferenceBuffers ref = evaluate_reference(p, part, before, args, user.ops);
     for (size_t b = 0; b < p.buffers.size(); ++b) {
       const Storage s = p.buffers[b].storage;
       if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;
+      if (unchecked[b]) continue;
       compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step);
     }
     for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
-    if (options.check_each_task) check_each_task(c, part, before, actual, args, round.step, compare);
+    if (options.check_each_task) check_each_task(c, part, before, actual, args, user.ops, unchecked, round.step, compare);
   }
   run.kernels = executor.kernel_bytes();
 
@@ -448,6 +464,7 @@ std::string format_run(const CheckedRun& run) {
                                                                 "the inputs finite?)"));
     out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
   }
+  for (const auto& what : run.unchecked) out += fmt::format("{:<24} not checked: {}\n", "", what);
   if (run.steps > 0) out += fmt::format("(every step checked against the float64 reference run from the state before it)\n");
   if (any_loose)
     out += "* the bound exceeds every reference value: first-order error bounds compound along a deep chain, so this\n"

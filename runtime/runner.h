@@ -73,6 +73,10 @@ struct CheckedRun {
   // Per training step, each floating scalar a forward task writes to an
   // external slot (the loss): {task.slot, value after step 1, 2, ...}.
   std::vector<std::pair<std::string, std::vector<double>>> step_scalars;
+  // Outputs of user ops whose templates give no reference (`reference: none`):
+  // not compared, said in the table; the tasks after them are checked on the
+  // values the device computed.
+  std::vector<std::string> unchecked;
   bool ok() const;
 };
 

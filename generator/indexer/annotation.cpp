@@ -32,14 +32,14 @@ class AnnotationParser {
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
               may_alias = JsonValue::array(), variants = JsonValue::array(), view;
-    std::string pattern, shape, doc, smem, flops;
+    std::string pattern, shape, doc, smem, flops, reference;
     std::string links[3];  // backward, forward, init
     for (index_ = 1; index_ < strings_.size(); ++index_) {
       const std::string& s = strings_[index_];
       size_t colon = s.find(':');
       if (colon == std::string::npos)
         fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
-                         "backward, forward, init, smem, flops, doc)",
+                         "backward, forward, init, smem, flops, doc, variant, view, reference)",
                          s));
       const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
       if (key == "pattern") set_once(pattern, value, key);
@@ -59,8 +59,14 @@ class AnnotationParser {
       else if (key == "flops") set_once(flops, value, key);
       else if (key == "doc") set_once(doc, value, key);
       else if (key == "variant") variants.push_back(JsonValue::string(link(value)));
+      else if (key == "reference") {
+        // `none`, or a host function of the templates: the indexer records
+        // its closure as a variant's, so `cudagen run` can build it.
+        set_once(reference, value == "none" ? value : link(value), key);
+        if (reference != "none") variants.push_back(JsonValue::string(reference));
+      }
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
-                            "init, smem, flops, doc, variant, view)",
+                            "init, smem, flops, doc, variant, view, reference)",
                             key));
     }
     index_ = 0;
@@ -85,6 +91,7 @@ class AnnotationParser {
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
     if (!flops.empty()) op.set("flops", JsonValue::string(flops));
     if (!variants.items().empty()) op.set("variants", std::move(variants));
+    if (!reference.empty()) op.set("reference", JsonValue::string(reference));
     return op;
   }
 

@@ -472,6 +472,15 @@ class IndexConsumer : public clang::ASTConsumer {
     JsonValue alone = JsonValue::object();
     for (const auto& [key, value] : op.entry.members())
       if (key != "backward" && key != "forward" && key != "init" && key != "variants") alone.set(key, value);
+    if (const JsonValue* variants = op.entry.find("variants")) {  // named only: a reference function is one
+      JsonValue named = JsonValue::array();
+      for (const auto& v : variants->items()) {
+        JsonValue variant = JsonValue::object();
+        variant.set("function", v);
+        named.push_back(std::move(variant));
+      }
+      alone.set("variants", std::move(named));
+    }
     JsonValue one = JsonValue::object();
     one.set("format", JsonValue::string("cudagen.registry/1"));
     JsonValue ops = JsonValue::array();

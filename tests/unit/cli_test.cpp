@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "json.h"
@@ -357,6 +359,106 @@ CG_DEVICE T cg_square(T x, float gain) {
   EXPECT_LT(text.find("CG_DEVICE T cg_mul(T a, T b) {"), text.find("CG_DEVICE T cg_square(T x, float gain) {"));
   CliResult nvrtc = run("nvrtc " + cu + " --arch sm_90");
   EXPECT_EQ(nvrtc.status, 0) << nvrtc.err;
+}
+
+// User ops run end to end (issue #34): a template's float64 reference
+// function checks the kernel (and catches a wrong one); `reference: none`
+// runs the op unchecked, says so, and checks what follows on its values.
+TEST_F(Cli, UserOpsRunCheckedAgainstTheirTemplatesReference) {
+  const std::string op = R"(template <typename T>
+CG_OP("square_plus", "pattern: broadcast", "types: T = f32", "tensor: x input T", "tensor: y input T",
+      "tensor: out output T", "arg: gain float = 2.0", "shape: x:[...A] y:[...B] -> out:[...broadcast(A, B)]",
+      "reference: square_plus_reference", "doc: gain * x * x + y")
+CG_DEVICE T cg_square_plus(T x, T y, float gain) {
+  return T(gain) * x * x SIGN y;
+}
+
+// The float64 reference: host C++.
+inline double square_plus_reference(double x, double y, double gain) { return gain * x * x + y; }
+)";
+  auto op_with = [&](const std::string& sign) { return std::regex_replace(op, std::regex("SIGN"), sign); };
+  fs::create_directories(dir_ / "right");
+  fs::create_directories(dir_ / "wrong");
+  write("right/square_plus.cuh", op_with("+"));
+  write("wrong/square_plus.cuh", op_with("-"));
+  std::string graph = write("g.json", graph_of(R"({"id": "sq", "op": "square_plus", "args": {"gain": 3.0},
+      "tensors": {"x": {"dtype": "f32", "shape": [8, 16], "storage": "external"},
+                  "y": {"dtype": "f32", "shape": [16], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [8, 16]}}},
+    {"id": "act", "op": "relu", "tensors": {"x": {"from": "sq.out"},
+                  "out": {"dtype": "f32", "shape": [8, 16], "storage": "external"}}})"));
+  const std::string work = " --emulate --work-dir " + (dir_ / "work").string();
+  CliResult right = run("run " + graph + " --templates " + (dir_ / "right").string() + work);
+  EXPECT_EQ(right.status, 0) << right.out << right.err;
+  EXPECT_NE(right.out.find("act.out                        128"), std::string::npos) << right.out;
+  CliResult wrong = run("run " + graph + " --templates " + (dir_ / "wrong").string() + work);
+  EXPECT_EQ(wrong.status, 1) << wrong.out << wrong.err;
+  EXPECT_NE(wrong.out.find("FAIL"), std::string::npos) << wrong.out;
+
+  // No reference: unchecked, and said; the relu after it is checked.
+  fs::create_directories(dir_ / "none");
+  write("none/square_plus.cuh", std::regex_replace(op_with("+"), std::regex("reference: square_plus_reference"),
+                                                   "reference: none"));
+  CliResult none = run("run " + graph + " --templates " + (dir_ / "none").string() + " --no-fuse" + work);
+  EXPECT_EQ(none.status, 0) << none.out << none.err;
+  EXPECT_NE(none.out.find("not checked: sq.out (op 'square_plus' has `reference: none`)"), std::string::npos) << none.out;
+  EXPECT_NE(none.out.find("act.out"), std::string::npos) << none.out;
+  // Fused, its output never reaches memory: what reads it cannot be checked.
+  CliResult fused = run("run " + graph + " --templates " + (dir_ / "none").string() + work);
+  EXPECT_EQ(fused.status, 1);
+  EXPECT_NE(fused.err.find("run with --no-fuse"), std::string::npos) << fused.err;
+
+  // Without either, the error says what to add.
+  fs::create_directories(dir_ / "silent");
+  write("silent/square_plus.cuh", std::regex_replace(op_with("+"), std::regex("\"reference: square_plus_reference\","), ""));
+  CliResult silent = run("run " + graph + " --templates " + (dir_ / "silent").string() + work);
+  EXPECT_EQ(silent.status, 1);
+  EXPECT_NE(silent.err.find("`reference: FUNCTION`, or `reference: none`"), std::string::npos) << silent.err;
+
+  // A reference function is for ops that compute one element.
+  fs::create_directories(dir_ / "pattern");
+  write("pattern/square_plus.cuh", std::regex_replace(op_with("+"), std::regex("pattern: broadcast"), "pattern: opaque"));
+  CliResult pattern = run("ops --templates " + (dir_ / "pattern").string());
+  EXPECT_EQ(pattern.status, 1);
+  EXPECT_NE(pattern.err.find("a reference function computes one element, and 'square_plus' is a opaque op"),
+            std::string::npos)
+      << pattern.err;
+}
+
+// A user's op on the matmul pattern calls its own function, for every dtype
+// (it called the bundled tiles, which were not in the file).
+TEST_F(Cli, AUsersMatmulOpCallsItsOwnFunction) {
+  fs::create_directories(dir_ / "mine");
+  write("mine/mm.cuh", R"(template <int BM, int BN, int BK, typename LoadA, typename LoadB, typename Epilogue>
+CG_OP("my_matmul", "pattern: matmul", "types: T = f32 bf16", "tensor: a input T", "tensor: b input T",
+      "tensor: out output T", "shape: a:[M, K] b:[K, N] -> out:[M, N]", "reference: none", "doc: a @ b")
+CG_DEVICE void my_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,
+                              int tile_n, float* smem) {
+  for (int e = threadIdx.x; e < BM * BN; e += blockDim.x) {
+    const int m = tile_m * BM + e / BN, n = tile_n * BN + e % BN;
+    if (m >= M || n >= N) continue;
+    float acc = 0.0f;
+    for (int k = 0; k < K; ++k) acc += load_a(m, k) * load_b(k, n);
+    epilogue(m, n, acc);
+  }
+}
+)");
+  for (const std::string dtype : {"f32", "bf16"}) {
+    std::string graph = write("mm_" + dtype + ".json", graph_of(fmt::format(R"({{"id": "mm", "op": "my_matmul",
+      "tensors": {{"a": {{"dtype": "{0}", "shape": [64, 64], "storage": "external"}},
+                  "b": {{"dtype": "{0}", "shape": [64, 64], "storage": "external"}},
+                  "out": {{"dtype": "{0}", "shape": [64, 64], "storage": "external"}}}}}})",
+                                                                            dtype)));
+    std::string cu = (dir_ / ("mm_" + dtype + ".cu")).string();
+    CliResult r = run("compile " + graph + " --templates " + (dir_ / "mine").string() + " -o " + cu);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const std::string text = cudagen::read_text_file(cu);
+    EXPECT_NE(text.find("my_matmul_tile<32, 32, 16>("), std::string::npos) << dtype;
+    for (const char* bundled : {"cg_matmul_tile<", "cg_matmul_tile_mma<", "cg_gemm_mainloop<"})
+      EXPECT_EQ(text.find(bundled), std::string::npos) << dtype << " calls " << bundled;
+    CliResult nvrtc = run("nvrtc " + cu + " --arch sm_90");
+    EXPECT_EQ(nvrtc.status, 0) << nvrtc.err;
+  }
 }
 
 TEST_F(Cli, UserTemplatesWithAnErrorNameTheUsersFileAndLine) {
