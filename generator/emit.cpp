@@ -13,6 +13,7 @@
 #include "diagnostics.h"
 #include "graph_json.h"
 #include "hash.h"
+#include "perf_model.h"
 #include "templates_embedded.h"
 #include "version.h"
 
@@ -3305,17 +3306,23 @@ class Emitter {
       out += fmt::format(",\n    {{\"phase\": \"step\", \"function\": \"{}\", \"runs\": [\"forward\", \"backward\", \"update\"]}}",
                          step_function());
     out += "\n  ],\n  \"kernels\": [";
+    // The performance model's estimate of each (perf_model.h), recorded
+    // before any GPU runs it.
+    std::vector<KernelEstimate> model;
+    for (const EmittedKernel& k : kernels) model.push_back(estimate_kernel(k, device_model(options_.arch)));
     for (size_t i = 0; i < kernels.size(); ++i) {
       const EmittedKernel& k = kernels[i];
       std::vector<std::string> tasks;
       for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
       out += fmt::format(
           "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}}}",
+          "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}, "
+          "\"model\": {{\"bound\": \"{}\", \"blocks_per_sm\": {}, \"waves\": {}, \"predicted_us\": {:.3f}}}}}",
           i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), launch_grid(k)[0], launch_grid(k)[1],
           launch_grid(k)[2], k.block,
           k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
-          fmt::join(k.arg_offsets, ", "), k.cooperative ? ", \"cooperative\": true" : "");
+          fmt::join(k.arg_offsets, ", "), k.cooperative ? ", \"cooperative\": true" : "", model[i].bound,
+          model[i].blocks_per_sm, model[i].waves, model[i].seconds * 1e6);
     }
     if (options_.megakernel) {
       out += fmt::format("\n  ],\n  \"megakernel\": {{\"sync_offset\": {}, \"sync_bytes\": {}, \"phases\": [",

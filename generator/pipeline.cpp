@@ -6,6 +6,7 @@
 #include "describe.h"
 #include "file_util.h"
 #include "graph_json.h"
+#include "perf_model.h"
 
 namespace cudagen {
 
@@ -152,7 +153,9 @@ std::string describe_matmul_paths(const Compiled& c) {
   std::string out;
   for (const EmittedKernel& k : c.emitted.kernels)
     if (!k.matmul_path.empty()) out += fmt::format("  {}: {}\n", k.name, k.matmul_path);
-  return out.empty() ? "" : "\nmatmul mainloops:\n" + out;
+  const DeviceModel device = device_model(c.options.emit.arch);
+  return (out.empty() ? "" : "\nmatmul mainloops:\n" + out) +
+         estimates_table(estimate_kernels(c.emitted, device), device);
 }
 
 }  // namespace cudagen

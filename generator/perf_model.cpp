@@ -1,0 +1,75 @@
+#include "perf_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace cudagen {
+
+DeviceModel device_model(const std::string& arch) {
+  // Anchors (docs/architecture.md §11): the pipelined mainloop's bf16 rate is
+  // what it measured on an H100 at 4096^3 (bench/RESULTS.md, 366-376
+  // TFLOP/s); on an A100 the same kernel is scaled by the two GPUs' dense
+  // tensor peaks (312 / 989). The 64 x 64 tile and the SIMT rates are static
+  // estimates from their instruction mix (about 565 instructions per 8 mma;
+  // one shared load per FMA), not yet measured. Bandwidth: 90% of the HBM peak.
+  if (arch == "sm_80" || arch == "sm_86" || arch == "sm_87" || arch == "sm_89")
+    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 40e12, 10e12, 2.5e-6};
+  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 60e12, 14e12, 2.5e-6};
+}
+
+KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
+  KernelEstimate e;
+  e.kernel = k.name;
+  e.flops = std::max<int64_t>(k.flops, 0);
+  e.bytes = k.bytes_read + k.bytes_written;
+  e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
+  const bool pipelined = k.matmul_path.find("pipelined mainloop") != std::string::npos;
+  const bool tensor_tile = k.matmul_path.find("64 x 64 tile") != std::string::npos;
+  e.ceiling_flops = pipelined ? d.pipelined_flops : tensor_tile ? d.tensor_tile_flops : d.simt_flops;
+  // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
+  // per block) and registers, assumed as ptxas reported them for the
+  // generated kernels (bench/RESULTS.md): up to 255 per thread on the
+  // pipelined mainloop, 64 elsewhere.
+  const int block = std::max(1, k.block);
+  const int registers = pipelined ? 255 : 64;
+  int per_sm = std::min({32, 2048 / block, 65536 / (block * registers)});
+  if (k.smem_bytes > 0) per_sm = std::min<int64_t>(per_sm, (228 * 1024) / (k.smem_bytes + 1024));
+  e.blocks_per_sm = std::max(1, per_sm);
+  const int64_t slots = int64_t(d.sms) * e.blocks_per_sm;
+  e.waves = std::max<int64_t>(1, (e.blocks + slots - 1) / slots);
+  const double fullness = double(std::max<int64_t>(e.blocks, 1)) / double(e.waves * slots);
+  const double compute = e.flops / e.ceiling_flops, memory = e.bytes / d.memory_bytes_per_s;
+  const double work = std::max(compute, memory) / fullness;
+  e.bound = work < d.launch_seconds ? "launch" : compute >= memory ? "compute" : "memory";
+  e.seconds = d.launch_seconds + work;
+  return e;
+}
+
+std::vector<KernelEstimate> estimate_kernels(const EmittedProgram& program, const DeviceModel& device) {
+  std::vector<KernelEstimate> out;
+  for (const EmittedKernel& k : program.kernels) out.push_back(estimate_kernel(k, device));
+  return out;
+}
+
+std::string estimates_table(const std::vector<KernelEstimate>& estimates, const DeviceModel& d) {
+  std::string out = fmt::format(
+      "\nperformance model ({}, {}: {} SMs, {:.0f} GB/s, tensor cores {:.0f} TFLOP/s pipelined / {:.0f} in the 64 x 64 "
+      "tile, CUDA cores {:.0f} TFLOP/s; docs/architecture.md §11):\n",
+      d.arch, d.name, d.sms, d.memory_bytes_per_s / 1e9, d.pipelined_flops / 1e12, d.tensor_tile_flops / 1e12,
+      d.simt_flops / 1e12);
+  out += fmt::format("  {:<28} {:>10} {:>10} {:>8} {:>6} {:>8}  {:>10}\n", "kernel", "GFLOP", "MB", "blocks", "waves",
+                     "bound", "predicted");
+  double total = 0;
+  for (const KernelEstimate& e : estimates) {
+    total += e.seconds;
+    out += fmt::format("  {:<28} {:>10.3f} {:>10.3f} {:>8} {:>6} {:>8}  {:>7.1f} us\n", e.kernel, e.flops / 1e9,
+                       e.bytes / 1e6, e.blocks, e.waves, e.bound, e.seconds * 1e6);
+  }
+  out += fmt::format("  {:<28} {:>10} {:>10} {:>8} {:>6} {:>8}  {:>7.1f} us\n", "total (one after another)", "", "", "",
+                     "", "", total * 1e6);
+  return out;
+}
+
+}  // namespace cudagen
