@@ -38,13 +38,12 @@ CG_DEVICE void cg_cp_async_16(void* smem_dst, const void* global_src, int src_by
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cg_smem_address(smem_dst)), "l"(global_src),
                "r"(src_bytes));
+#elif defined(CUDAGEN_EMULATION)
+  // Asynchronous and checked: the emulator lands it between here and its wait.
+  cudagen_emu::cp_async(smem_dst, global_src, src_bytes);
 #else
   unsigned char* d = (unsigned char*)smem_dst;
   const unsigned char* s = (const unsigned char*)global_src;
-#ifdef CUDAGEN_EMULATION
-  // The emulator checks the source bytes against the tensor they lie in.
-  if (src_bytes > 0 && !cudagen_emu::check_access(global_src, 0, (unsigned long long)src_bytes, false)) return;
-#endif
   for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
 #endif
 }
@@ -52,6 +51,8 @@ CG_DEVICE void cg_cp_async_16(void* smem_dst, const void* global_src, int src_by
 CG_DEVICE void cg_cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::cp_async_commit();
 #endif
 }
 
@@ -60,6 +61,8 @@ template <int N>
 CG_DEVICE void cg_cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::cp_async_wait(N);
 #endif
 }
 
@@ -88,6 +91,12 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
       const int row = TRANS ? 2 * (lane & 3) + j : lane >> 2, col = TRANS ? lane >> 2 : 2 * (lane & 3) + j;
       const unsigned short* p =
           (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)row_address, 8 * i + row);
+#ifdef CUDAGEN_EMULATION
+      if (!cudagen_emu::check_shared_read(p + col, 2)) {
+        e[j] = 0;
+        continue;
+      }
+#endif
       e[j] = p[col];
     }
     r[i] = (unsigned int)e[0] | ((unsigned int)e[1] << 16);

@@ -84,6 +84,21 @@ uint64_t warp_exchange(uint64_t value, int src_lane);
 
 unsigned char* dynamic_smem();
 
+// cp.async as the GPU runs it, adversarially: the destination reads as
+// poison until the copy lands, at a seeded random point no later than the
+// cp.async.wait_group that covers it. The emulator reports a cp.async whose
+// source or destination is not 16-byte aligned, lies outside its tensor or
+// the block's shared memory, or overwrites bytes another thread read with no
+// barrier between; and a copy never waited for.
+void cp_async(void* smem_dst, const void* global_src, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int most_in_flight);
+// Before a read of shared memory by a warp-collective load (ldmatrix): false
+// (and the error recorded) where a byte is the destination of a cp.async
+// that the reader's thread has not waited for, or that another thread waited
+// for with no barrier since, or lies outside the block's shared memory.
+bool check_shared_read(const void* smem, unsigned long long bytes);
+
 // False (and the first error recorded) when element `index` of the tensor
 // that `base` points into is out of bounds; counts the bytes otherwise.
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -25,6 +27,15 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr unsigned long long kMaxDynamicSmem = 227 * 1024;
 constexpr size_t kGuardBytes = 4096;
 
+// A cp.async in flight: its 16 bytes, read from global memory when issued,
+// and the group it was committed in (-1 until cp.async.commit_group).
+struct AsyncCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+  long long group;
+  bool landed;
+};
+
 struct Fiber {
   enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Spinning, Done };
   fctx::fcontext_t ctx = nullptr;
@@ -38,7 +49,21 @@ struct Fiber {
   unsigned long long target = 0;
   const volatile unsigned int* stopped = nullptr;
   bool arrived = false;
+  std::vector<AsyncCopy> copies;  // its cp.async not yet waited for
+  long long next_group = 0;       // the group its next cp.async.commit_group closes
 };
+
+// What the emulator knows of each byte of shared memory that a cp.async
+// wrote: which thread issued the copy (0: none), the barrier epoch of the
+// block when that thread waited for it (kNotWaited before), and the last
+// thread to read it through a checked read, and in which epoch.
+struct SharedByte {
+  unsigned owner = 0;
+  unsigned waited_epoch = ~0u;
+  unsigned reader = 0;
+  unsigned read_epoch = ~0u;
+};
+constexpr unsigned kNotWaited = ~0u;
 
 // More fibers than this at once (a persistent launch runs every block's
 // threads together) would exhaust the process's memory maps.
@@ -97,8 +122,14 @@ class Emulator {
                   "(%u threads); emulate it with fewer blocks (cudagen compile --megakernel-blocks)",
                   kernel, together, threads, kMaxFibers);
     ensure_stacks(unsigned(together) * threads);
-    smem_stride_ = (smem_bytes + 16 + 15) / 16 * 16;
-    smem_.assign(smem_stride_ * together, 0);
+    // Each block's dynamic shared memory starts 16 bytes past a 128-byte
+    // boundary: the 16-byte alignment CUDA guarantees and no more, so code
+    // that assumes more fails here rather than on some GPU.
+    smem_bytes_ = smem_bytes;
+    smem_stride_ = (smem_bytes + 16 + 127) / 128 * 128;
+    smem_.assign(smem_stride_ * together + 256, 0);
+    smem_offset_ = size_t((16 - reinterpret_cast<uintptr_t>(smem_.data()) % 128 + 128) % 128);
+    async_rng_.seed(seed_ ^ (std::hash<std::string>()(kernel) * 31 + 7));
     std::vector<uint3> blocks;
     for (unsigned z = 0; z < grid.z; ++z)
       for (unsigned y = 0; y < grid.y; ++y)
@@ -155,7 +186,106 @@ class Emulator {
     return result;
   }
 
-  unsigned char* dynamic_smem() { return smem_.data() + current_->block * smem_stride_; }
+  unsigned char* dynamic_smem() { return smem_.data() + smem_offset_ + current_->block * smem_stride_; }
+
+  void cp_async(void* smem_dst, const void* global_src, int src_bytes) {
+    Fiber* self = current_;
+    unsigned char* dst = static_cast<unsigned char*>(smem_dst);
+    const ThreadContext& c = self->thread;
+    const bool dst_misaligned = reinterpret_cast<uintptr_t>(dst) % 16 != 0;
+    if (dst_misaligned || (src_bytes > 0 && reinterpret_cast<uintptr_t>(global_src) % 16 != 0)) {
+      fail("kernel %s: cp.async of 16 bytes with a %s address that is not 16-byte aligned (%s), by thread (%u, %u, %u) "
+           "of block (%u, %u, %u)",
+           kernel_, dst_misaligned ? "shared" : "global",
+           dst_misaligned ? ("offset " + std::to_string(dst - dynamic_smem()) + " of shared memory").c_str()
+                          : ("address % 16 = " + std::to_string(reinterpret_cast<uintptr_t>(global_src) % 16)).c_str(),
+           c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y, c.block_idx.z);
+      return;
+    }
+    if (src_bytes < 0 || src_bytes > 16) {
+      fail("kernel %s: cp.async with %d source bytes (0 to 16)", kernel_, src_bytes);
+      return;
+    }
+    if (!in_shared(dst, 16, "cp.async into")) return;
+    if (src_bytes > 0 && !check_access(global_src, 0, (unsigned long long)src_bytes, false)) return;
+    const unsigned me = fiber_id(self), epoch = epochs_[self->block];
+    for (int i = 0; i < 16; ++i) {
+      SharedByte& b = shadow_at(dst + i);
+      if (b.reader != 0 && b.reader != me && b.read_epoch == epoch) {
+        fail("kernel %s: a cp.async by thread %u of block (%u, %u, %u) overwrites shared memory (offset %lld) that "
+             "thread %u read with no barrier between: the stage is still being read",
+             kernel_, local_id(me), c.block_idx.x, c.block_idx.y, c.block_idx.z, (long long)(dst + i - dynamic_smem()),
+             local_id(b.reader));
+        return;
+      }
+      if (b.owner != 0 && b.waited_epoch == kNotWaited) {
+        fail("kernel %s: a cp.async by thread %u of block (%u, %u, %u) writes shared memory (offset %lld) that a "
+             "cp.async of thread %u still has in flight (not waited for)",
+             kernel_, local_id(me), c.block_idx.x, c.block_idx.y, c.block_idx.z, (long long)(dst + i - dynamic_smem()),
+             local_id(b.owner));
+        return;
+      }
+    }
+    AsyncCopy copy{dst, {}, -1, false};
+    const unsigned char* src = static_cast<const unsigned char*>(global_src);
+    for (int i = 0; i < 16; ++i) copy.data[i] = i < src_bytes ? src[i] : 0;
+    for (int i = 0; i < 16; ++i) {
+      dst[i] = 0xFF;  // poison until it lands
+      shadow_at(dst + i) = SharedByte{me, kNotWaited, 0, ~0u};
+    }
+    self->copies.push_back(copy);
+    land_some(self);
+  }
+
+  void cp_async_commit() {
+    Fiber* self = current_;
+    for (AsyncCopy& copy : self->copies)
+      if (copy.group < 0) copy.group = self->next_group;
+    ++self->next_group;
+    land_some(self);
+  }
+
+  void cp_async_wait(int most_in_flight) {
+    Fiber* self = current_;
+    land_some(self);
+    // Every committed group but the newest `most_in_flight` has landed.
+    const long long complete_below = self->next_group - most_in_flight;
+    const unsigned epoch = epochs_[self->block];
+    auto done = [&](const AsyncCopy& copy) { return copy.group >= 0 && copy.group < complete_below; };
+    for (AsyncCopy& copy : self->copies) {
+      if (!done(copy)) continue;
+      land(copy);
+      for (int i = 0; i < 16; ++i) shadow_at(copy.dst + i).waited_epoch = epoch;
+    }
+    std::erase_if(self->copies, done);
+  }
+
+  bool check_shared_read(const void* smem, unsigned long long bytes) {
+    const unsigned char* p = static_cast<const unsigned char*>(smem);
+    if (!in_shared(p, bytes, "read of")) return false;
+    Fiber* self = current_;
+    const unsigned me = fiber_id(self), epoch = epochs_[self->block];
+    for (unsigned long long i = 0; i < bytes; ++i) {
+      SharedByte& b = shadow_at(p + i);
+      const char* why = nullptr;
+      if (b.owner != 0 && b.waited_epoch == kNotWaited)
+        why = b.owner == me ? "before its cp.async.wait_group covers it"
+                            : "before the copying thread's cp.async.wait_group covers it";
+      else if (b.owner != 0 && b.owner != me && b.waited_epoch == epoch)
+        why = "after the copying thread's cp.async.wait_group but with no barrier since";
+      if (why != nullptr) {
+        const ThreadContext& c = self->thread;
+        fail("kernel %s: thread %u of block (%u, %u, %u) reads shared memory (offset %lld) that a cp.async of thread "
+             "%u wrote, %s",
+             kernel_, local_id(me), c.block_idx.x, c.block_idx.y, c.block_idx.z, (long long)(p + i - dynamic_smem()),
+             local_id(b.owner), why);
+        return false;
+      }
+      b.reader = me;
+      b.read_epoch = epoch;
+    }
+    return true;
+  }
 
   bool check_access(const void* base, long long index, unsigned long long elem, bool write) {
     const unsigned char* p = static_cast<const unsigned char*>(base);
@@ -201,6 +331,45 @@ class Emulator {
     return 1;
   }
 
+  unsigned fiber_id(const Fiber* f) const { return unsigned(f - fibers_.data()) + 1; }
+  unsigned local_id(unsigned id) const { return (id - 1) % threads_; }
+
+  SharedByte& shadow_at(const unsigned char* p) {
+    return shadow_[size_t(p - (smem_.data() + smem_offset_))];
+  }
+
+  // Whether [p, p + bytes) lies in the running block's dynamic shared memory.
+  bool in_shared(const unsigned char* p, unsigned long long bytes, const char* what) {
+    const unsigned char* base = dynamic_smem();
+    if (p >= base && p + bytes <= base + smem_bytes_) return true;
+    const ThreadContext& c = current_->thread;
+    fail("kernel %s: %s shared memory at offset %lld (%llu bytes) outside the block's %llu bytes, by thread (%u, %u, "
+         "%u) of block (%u, %u, %u)",
+         kernel_, what, (long long)(p - base), bytes, smem_bytes_, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z,
+         c.block_idx.x, c.block_idx.y, c.block_idx.z);
+    return false;
+  }
+
+  static void land(AsyncCopy& copy) {
+    if (copy.landed) return;
+    std::memcpy(copy.dst, copy.data, 16);
+    copy.landed = true;
+  }
+
+  // The adversary: at each cp.async call, a thread's committed groups land
+  // early, oldest first, each with probability 1/4 (seeded), so a kernel may
+  // see a copy any time from its issue to its wait, as on a GPU.
+  void land_some(Fiber* self) {
+    if (self->copies.empty()) return;
+    long long group = self->copies.front().group;
+    while (group >= 0 && async_rng_() % 4 == 0) {
+      for (AsyncCopy& copy : self->copies)
+        if (copy.group == group) land(copy);
+      ++group;
+      if (group >= self->next_group) break;
+    }
+  }
+
   void ensure_stacks(unsigned threads) {
     while (stacks_.size() < threads) {
       void* s = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -222,6 +391,13 @@ class Emulator {
     Emulator* self = static_cast<Emulator*>(t.data);
     self->scheduler_ = t.fctx;
     self->body_(self->closure_);
+    if (!self->current_->copies.empty()) {
+      const ThreadContext& c = self->current_->thread;
+      self->fail("kernel %s: thread (%u, %u, %u) of block (%u, %u, %u) ends with %zu cp.async never waited for "
+                 "(a missing cp.async.wait_group, or a cp.async.commit_group missing before it)",
+                 self->kernel_, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y,
+                 c.block_idx.z, self->current_->copies.size());
+    }
     self->current_->state = Fiber::State::Done;
     fctx::jump_fcontext(self->scheduler_, nullptr);  // never resumed
   }
@@ -237,6 +413,8 @@ class Emulator {
   // them for a persistent one.
   void run_blocks(const std::vector<uint3>& batch, dim3 grid, dim3 block, unsigned threads) {
     std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
+    shadow_.assign(smem_stride_ * batch.size(), SharedByte{});
+    epochs_.assign(batch.size(), 0);
     threads_ = threads;
     blocks_ = unsigned(batch.size());
     const unsigned total = blocks_ * threads;
@@ -311,6 +489,7 @@ class Emulator {
           f[i].state = Fiber::State::Ready;
           f[i].predicate = any_predicate;
         }
+        ++epochs_[b];
         progress = true;
       } else if (finished > 0 && at_block > 0 && at_block + finished == threads_) {
         const uint3 idx = f[0].thread.block_idx;
@@ -355,7 +534,12 @@ class Emulator {
   std::vector<void*> stacks_;
   std::vector<Fiber> fibers_;
   std::vector<unsigned char> smem_;
-  size_t smem_stride_ = 0;  // bytes of shared memory per block
+  size_t smem_stride_ = 0;  // bytes of shared memory per block, a multiple of 128
+  size_t smem_offset_ = 0;  // where the first block's starts in smem_: 16 bytes past a 128-byte boundary
+  unsigned long long smem_bytes_ = 0;  // what the launch asked for, per block
+  std::vector<SharedByte> shadow_;     // per byte of shared memory, from the first block's start
+  std::vector<unsigned> epochs_;       // per block running: its __syncthreads so far
+  std::mt19937_64 async_rng_;          // when cp.async copies land
   unsigned threads_ = 0;    // per block
   unsigned blocks_ = 0;     // running together
   Fiber* current_ = nullptr;
@@ -383,6 +567,10 @@ const ThreadContext& context() { return emulator().context(); }
 void syncthreads() { emulator().syncthreads(); }
 uint64_t warp_exchange(uint64_t value, int src_lane) { return emulator().warp_exchange(value, src_lane); }
 unsigned char* dynamic_smem() { return emulator().dynamic_smem(); }
+void cp_async(void* smem_dst, const void* global_src, int src_bytes) { emulator().cp_async(smem_dst, global_src, src_bytes); }
+void cp_async_commit() { emulator().cp_async_commit(); }
+void cp_async_wait(int most_in_flight) { emulator().cp_async_wait(most_in_flight); }
+bool check_shared_read(const void* smem, unsigned long long bytes) { return emulator().check_shared_read(smem, bytes); }
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write) {
   return emulator().check_access(base, index, elem_bytes, write);
 }

@@ -1,6 +1,6 @@
 // The pipelined tensor-core mainloop (templates/gemm.cuh) in the host
-// emulation, which runs each PTX wrapper's emulation (cp.async, ldmatrix,
-// mma.sync in their fragment layouts): every operand layout, f16 and bf16,
+// emulation, which runs each PTX wrapper's emulation (cp.async landing
+// asynchronously and checked, ldmatrix, mma.sync in their fragment layouts): every operand layout, f16 and bf16,
 // sizes that are no multiple of any tile, K shorter than one stage, and a
 // k range that starts past zero (a split of K), against a float64 product of
 // the same 16-bit values. Contiguous extents are multiples of 8 elements, as
@@ -54,6 +54,7 @@ double run_problem(const Problem& p, unsigned seed) {
   for (long long i = 0; i < p.M * p.K; ++i) a[i] = cg_narrow<T>(uniform(rng));
   for (long long i = 0; i < p.K * p.N; ++i) b[i] = cg_narrow<T>(uniform(rng));
   for (long long i = 0; i < p.M * p.N; ++i) d[i] = std::nanf("");  // poison: every element must be written
+  cudagen_emu_configure(seed);  // also when each cp.async lands, between its issue and its wait
   const long long tiles_m = (p.M + Config::BM - 1) / Config::BM, tiles_n = (p.N + Config::BN - 1) / Config::BN;
   const int rc = l.run("gemm", dim3(unsigned(tiles_n), unsigned(tiles_m)), dim3(Config::THREADS),
                        cg_gemm_shared<Config>::bytes, [&] {
@@ -120,6 +121,17 @@ TEST(GemmMainloop, KShorterThanAStageAndAKRangeThatStartsLate) {
   check_every_layout<Small, cg_bf16>({.M = 40, .N = 24, .K = 8, .k_begin = 0}, seed);
   // k in [40, 200): the part of a split-K product, its first k-tile unaligned to BK.
   check_every_layout<Small, cg_f16>({.M = 64, .N = 64, .K = 200, .k_begin = 40}, seed + 1);
+}
+
+// The strict emulator (emulator_faults_test.cpp) on the real mainloop: each
+// cp.async lands at a seeded random point before its wait, reads of a stage
+// are checked against the waits and barriers, and the product is right for
+// every seed.
+TEST(GemmMainloop, RightWhereverTheCopiesLand) {
+  for (unsigned seed : {1u, 2u, 3u}) {
+    check_every_layout<Small, cg_bf16>({.M = 72, .N = 80, .K = 168, .k_begin = 0}, seed);
+    check_every_layout<Tall, cg_f16>({.M = 40, .N = 40, .K = 136, .k_begin = 8}, seed);
+  }
 }
 
 // The swizzle keeps the 8 rows an ldmatrix reads (and a warp's 16-byte
