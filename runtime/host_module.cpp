@@ -143,11 +143,23 @@ std::vector<KernelBytes> HostModule::kernel_bytes() const {
   auto count = symbol<int (*)()>(handle_, "cudagen_emu_kernel_count");
   auto stats = symbol<const char* (*)(int, unsigned long long*, unsigned long long*)>(handle_, "cudagen_emu_kernel_stats");
   auto seconds = symbol<double (*)(int)>(handle_, "cudagen_emu_kernel_seconds");
+  auto counters = symbol<void (*)(int, unsigned long long*)>(handle_, "cudagen_emu_kernel_counters");
   std::vector<KernelBytes> out;
   for (int i = 0; i < count(); ++i) {
     KernelBytes k;
     k.kernel = stats(i, &k.bytes_read, &k.bytes_written);
     k.host_seconds = seconds(i);
+    unsigned long long c[9];
+    counters(i, c);
+    k.load_requests = c[0];
+    k.load_sectors = c[1];
+    k.load_ideal_sectors = c[2];
+    k.store_requests = c[3];
+    k.store_sectors = c[4];
+    k.store_ideal_sectors = c[5];
+    k.shared_requests = c[6];
+    k.shared_wavefronts = c[7];
+    k.shared_ideal_wavefronts = c[8];
     out.push_back(k);
   }
   return out;

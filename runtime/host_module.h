@@ -22,6 +22,13 @@ struct KernelBytes {
   unsigned long long bytes_read = 0;
   unsigned long long bytes_written = 0;
   double host_seconds = 0;  // how long the emulator took (the host CPU's time, nothing like a GPU's)
+  // Warp-wide requests (the k-th access of each lane of a warp): global loads
+  // and stores, the 32-byte sectors they touched and the fewest their bytes
+  // need; checked shared ones (ldmatrix, cp.async), their bank wavefronts and
+  // the fewest.
+  unsigned long long load_requests = 0, load_sectors = 0, load_ideal_sectors = 0;
+  unsigned long long store_requests = 0, store_sectors = 0, store_ideal_sectors = 0;
+  unsigned long long shared_requests = 0, shared_wavefronts = 0, shared_ideal_wavefronts = 0;
 };
 
 class HostModule {

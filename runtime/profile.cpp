@@ -57,6 +57,12 @@ void measure_emulated(Executor& executor, const std::string& function, std::vect
                                          counted[i].kernel, kernels[i].kernel));
     kernels[i].bytes_read = int64_t(counted[i].bytes_read);
     kernels[i].bytes_written = int64_t(counted[i].bytes_written);
+    kernels[i].load_sectors = int64_t(counted[i].load_sectors);
+    kernels[i].ideal_load_sectors = int64_t(counted[i].load_ideal_sectors);
+    kernels[i].store_sectors = int64_t(counted[i].store_sectors);
+    kernels[i].ideal_store_sectors = int64_t(counted[i].store_ideal_sectors);
+    kernels[i].wavefronts = int64_t(counted[i].shared_wavefronts);
+    kernels[i].ideal_wavefronts = int64_t(counted[i].shared_ideal_wavefronts);
     kernels[i].milliseconds = counted[i].host_seconds * 1e3;
     kernels[i].start_ms = start;
     start += kernels[i].milliseconds;
@@ -221,7 +227,8 @@ std::string format_profile(const Profile& profile, ProfileSort sort, int top) {
   out += fmt::format("{:<40} {:<8} {:>20}", "kernel (tasks)", "phase", "grid x block");
   out += gpu ? fmt::format(" {:>10} {:>6} {:>10} {:>9} {:>7} {:>9}\n", "time us", "time", "bytes*", "GB/s", "of copy",
                            "GFLOP/s")
-             : fmt::format(" {:>10} {:>10} {:>10} {:>6} {:>9}\n", "read", "written", "modelled", "bytes", "host ms");
+             : fmt::format(" {:>10} {:>10} {:>10} {:>6} {:>6} {:>6} {:>6} {:>9}\n", "read", "written", "modelled",
+                           "bytes", "ld sec", "st sec", "banks", "host ms");
   for (size_t i = 0; i < shown; ++i) {
     const KernelProfile& k = *order[i];
     std::string name = k.name();
@@ -238,8 +245,11 @@ std::string format_profile(const Profile& profile, ProfileSort sort, int top) {
                          k.flops > 0 && k.milliseconds > 0 ? fmt::format("{:.1f}", double(k.flops) / (k.milliseconds * 1e6))
                                                            : "-");
     } else {
-      out += fmt::format(" {:>10} {:>10} {:>10} {:>6} {:>9.2f}\n", bytes_text(k.bytes_read), bytes_text(k.bytes_written),
-                         bytes_text(k.modelled_bytes), percent(double(k.bytes()), total_bytes), k.milliseconds);
+      auto ratio = [](int64_t got, int64_t ideal) { return ideal > 0 ? fmt::format("{:.2f}", double(got) / double(ideal)) : std::string("-"); };
+      out += fmt::format(" {:>10} {:>10} {:>10} {:>6} {:>6} {:>6} {:>6} {:>9.2f}\n", bytes_text(k.bytes_read),
+                         bytes_text(k.bytes_written), bytes_text(k.modelled_bytes), percent(double(k.bytes()), total_bytes),
+                         ratio(k.load_sectors, k.ideal_load_sectors), ratio(k.store_sectors, k.ideal_store_sectors),
+                         ratio(k.wavefronts, k.ideal_wavefronts), k.milliseconds);
     }
   }
   if (gpu)
@@ -286,6 +296,12 @@ std::string profile_json(const Profile& profile) {
     v.set("modelled_bytes", JsonValue::integer(k.modelled_bytes));
     if (k.bytes_read >= 0) {
       v.set("bytes_read", JsonValue::integer(k.bytes_read));
+      v.set("load_sectors", JsonValue::integer(k.load_sectors));
+      v.set("ideal_load_sectors", JsonValue::integer(k.ideal_load_sectors));
+      v.set("store_sectors", JsonValue::integer(k.store_sectors));
+      v.set("ideal_store_sectors", JsonValue::integer(k.ideal_store_sectors));
+      v.set("bank_wavefronts", JsonValue::integer(k.wavefronts));
+      v.set("ideal_bank_wavefronts", JsonValue::integer(k.ideal_wavefronts));
       v.set("bytes_written", JsonValue::integer(k.bytes_written));
     }
     v.set("flops", k.flops >= 0 ? JsonValue::integer(k.flops) : JsonValue::null());

@@ -38,6 +38,11 @@ struct KernelProfile {
   int64_t modelled_bytes = 0;
   // Counted by the emulator (-1 on a GPU, which counts nothing).
   int64_t bytes_read = -1, bytes_written = -1;
+  // Counted by the emulator too: 32-byte sectors of its global load and store
+  // requests against the fewest their bytes need, and bank wavefronts of its
+  // checked shared requests (ldmatrix, cp.async) against the fewest; 0: none.
+  int64_t load_sectors = 0, ideal_load_sectors = 0, store_sectors = 0, ideal_store_sectors = 0;
+  int64_t wavefronts = 0, ideal_wavefronts = 0;
   int64_t flops = -1;  // what its tasks declare; -1 when none does
   // GPU: median time, and median start from the phase's first kernel's start.
   // Emulation: the emulator's own time on the host CPU (nothing like a GPU's).

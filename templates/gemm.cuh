@@ -83,6 +83,9 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
                  : "r"(cg_smem_address(row_address)));
 #else
   const int lane = threadIdx.x & 31;
+#ifdef CUDAGEN_EMULATION
+  cudagen_emu::note_shared_request(row_address, 16);  // its row of the four matrices, for the bank counters
+#endif
   for (int i = 0; i < 4; ++i) {
     unsigned short e[2];
     for (int j = 0; j < 2; ++j) {

@@ -98,6 +98,9 @@ void cp_async_wait(int most_in_flight);
 // that the reader's thread has not waited for, or that another thread waited
 // for with no barrier since, or lies outside the block's shared memory.
 bool check_shared_read(const void* smem, unsigned long long bytes);
+// This lane's part of a warp-wide shared-memory request (an ldmatrix row),
+// for the bank counters; cp.async notes its own.
+void note_shared_request(const void* smem, unsigned bytes);
 
 // False (and the first error recorded) when element `index` of the tensor
 // that `base` points into is out of bounds; counts the bytes otherwise.
@@ -147,6 +150,11 @@ const char* cudagen_emu_last_error();                // "" after a launch that s
 int cudagen_emu_kernel_count();                       // launches recorded since the last clear
 const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsigned long long* bytes_written);
 double cudagen_emu_kernel_seconds(int i);  // host CPU time of the emulated launch
+// Of launch i, warp-wide requests (the k-th access of each lane): global
+// loads, their 32-byte sectors, the fewest sectors their bytes need; the
+// same for global stores; checked shared requests, their bank wavefronts,
+// the fewest wavefronts their words need.
+void cudagen_emu_kernel_counters(int i, unsigned long long counters[9]);
 void cudagen_emu_clear_stats();
 // Frees what this thread's emulator keeps between launches (fiber stacks,
 // shared memory). The module's emulator is thread_local, so glibc never

@@ -51,6 +51,23 @@ struct Fiber {
   bool arrived = false;
   std::vector<AsyncCopy> copies;  // its cp.async not yet waited for
   long long next_group = 0;       // the group its next cp.async.commit_group closes
+  // How many global and checked shared accesses it has made: the k-th of
+  // each lane of a warp make one warp-wide request (the lanes run in lockstep).
+  unsigned long long load_seq = 0, store_seq = 0, shared_seq = 0;
+};
+
+// One lane's part of a warp-wide request.
+struct LaneAccess {
+  unsigned long long seq;
+  uintptr_t address;  // global: from the arena's start (a 256-byte-aligned allocation on a GPU)
+  unsigned bytes;
+  unsigned lane;
+  bool operator<(const LaneAccess& o) const { return seq != o.seq ? seq < o.seq : address < o.address; }
+};
+
+// A warp's accesses since its last barrier, counted at the next one.
+struct WarpAccesses {
+  std::vector<LaneAccess> loads, stores, shared;
 };
 
 // What the emulator knows of each byte of shared memory that a cp.async
@@ -73,6 +90,12 @@ struct KernelStats {
   std::string kernel;
   unsigned long long bytes_read = 0;
   unsigned long long bytes_written = 0;
+  // Warp-wide requests: global loads, then stores, each with the 32-byte
+  // sectors they touch and the fewest that could hold their bytes; checked
+  // shared ones (ldmatrix reads, cp.async writes), the bank wavefronts they
+  // take (the most distinct 4-byte words any bank serves) and the fewest
+  // their words need.
+  unsigned long long counters[9] = {};
   double seconds = 0;  // the emulation's own time on the host CPU, not a GPU's
 };
 
@@ -234,6 +257,7 @@ class Emulator {
       shadow_at(dst + i) = SharedByte{me, kNotWaited, 0, ~0u};
     }
     self->copies.push_back(copy);
+    note_shared_request(dst, 16);
     land_some(self);
   }
 
@@ -287,6 +311,11 @@ class Emulator {
     return true;
   }
 
+  void note_shared_request(const void* smem, unsigned bytes) {
+    warp_of(current_).shared.push_back(
+        {current_->shared_seq++, reinterpret_cast<uintptr_t>(smem), bytes, lane_of(current_)});
+  }
+
   bool check_access(const void* base, long long index, unsigned long long elem, bool write) {
     const unsigned char* p = static_cast<const unsigned char*>(base);
     // Where buffers share storage (memory reuse), the pointer may lie in
@@ -306,6 +335,12 @@ class Emulator {
         continue;
       }
       (write ? stats_.back().bytes_written : stats_.back().bytes_read) += elem;
+      if (current_ != nullptr) {
+        WarpAccesses& w = warp_of(current_);
+        (write ? w.stores : w.loads)
+            .push_back({(write ? current_->store_seq : current_->load_seq)++,
+                        uintptr_t(p + index * (long long)elem - arena_), unsigned(elem), lane_of(current_)});
+      }
       return true;
     }
     if (first != nullptr) {
@@ -348,6 +383,77 @@ class Emulator {
          kernel_, what, (long long)(p - base), bytes, smem_bytes_, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z,
          c.block_idx.x, c.block_idx.y, c.block_idx.z);
     return false;
+  }
+
+  unsigned lane_of(const Fiber* f) const {
+    return unsigned(size_t(f - fibers_.data()) - size_t(f->block) * threads_) % 32;
+  }
+
+  WarpAccesses& warp_of(const Fiber* f) {
+    const size_t local = size_t(f - fibers_.data()) - size_t(f->block) * threads_;
+    return warp_accesses_[size_t(f->block) * warps_ + local / 32];
+  }
+
+  // Counts a warp's requests since its last barrier into the kernel's stats.
+  void flush(WarpAccesses& w) {
+    unsigned long long* c = stats_.back().counters;
+    auto count_global = [](std::vector<LaneAccess>& accesses, unsigned long long* counters) {
+      std::sort(accesses.begin(), accesses.end());
+      for (size_t i = 0; i < accesses.size();) {
+        size_t j = i;
+        uintptr_t covered = 0;      // bytes below this are counted
+        uintptr_t next_sector = 0;  // sectors below this are counted (accesses come by address)
+        unsigned long long sectors = 0, bytes = 0;
+        for (; j < accesses.size() && accesses[j].seq == accesses[i].seq; ++j) {
+          const LaneAccess& a = accesses[j];
+          const uintptr_t from = std::max(a.address, covered), to = a.address + a.bytes;
+          if (to > from) bytes += to - from;
+          covered = std::max(covered, to);
+          const uintptr_t first = std::max<uintptr_t>(a.address / 32, next_sector), last = (a.address + a.bytes - 1) / 32;
+          if (last >= first) {
+            sectors += last - first + 1;
+            next_sector = last + 1;
+          }
+        }
+        counters[0] += 1;
+        counters[1] += sectors;
+        counters[2] += (bytes + 31) / 32;
+        i = j;
+      }
+      accesses.clear();
+    };
+    count_global(w.loads, c);
+    count_global(w.stores, c + 3);
+    // Shared memory serves a warp's request in phases: all 32 lanes for 4-byte
+    // accesses, 16 for 8-byte ones, 8 for 16-byte ones (an ldmatrix's 8 x 8
+    // matrix is one); in each, a bank gives one 4-byte word per wavefront.
+    std::sort(w.shared.begin(), w.shared.end(), [](const LaneAccess& x, const LaneAccess& y) {
+      return x.seq != y.seq ? x.seq < y.seq : x.lane < y.lane;
+    });
+    std::vector<uintptr_t> words;
+    for (size_t i = 0; i < w.shared.size();) {
+      size_t j = i;
+      for (; j < w.shared.size() && w.shared[j].seq == w.shared[i].seq; ++j) {
+      }
+      const unsigned per_phase = w.shared[i].bytes >= 16 ? 8 : w.shared[i].bytes >= 8 ? 16 : 32;
+      for (size_t k = i; k < j;) {
+        const unsigned phase = w.shared[k].lane / per_phase;
+        words.clear();
+        for (; k < j && w.shared[k].lane / per_phase == phase; ++k)
+          for (uintptr_t word = w.shared[k].address / 4; word <= (w.shared[k].address + w.shared[k].bytes - 1) / 4; ++word)
+            words.push_back(word);
+        std::sort(words.begin(), words.end());
+        words.erase(std::unique(words.begin(), words.end()), words.end());
+        unsigned per_bank[32] = {};
+        unsigned wavefronts = 0;
+        for (uintptr_t word : words) wavefronts = std::max(wavefronts, ++per_bank[word % 32]);
+        c[7] += wavefronts;
+        c[8] += (words.size() + 31) / 32;
+      }
+      c[6] += 1;
+      i = j;
+    }
+    w.shared.clear();
   }
 
   static void land(AsyncCopy& copy) {
@@ -415,6 +521,8 @@ class Emulator {
     std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
     shadow_.assign(smem_stride_ * batch.size(), SharedByte{});
     epochs_.assign(batch.size(), 0);
+    warps_ = (threads + 31) / 32;
+    warp_accesses_.assign(size_t(warps_) * batch.size(), WarpAccesses{});
     threads_ = threads;
     blocks_ = unsigned(batch.size());
     const unsigned total = blocks_ * threads;
@@ -438,7 +546,11 @@ class Emulator {
       }
       bool done = false;
       const bool progress = release(done);
-      if (done || !error_.empty()) return;
+      if (done) {
+        for (WarpAccesses& w : warp_accesses_) flush(w);
+        return;
+      }
+      if (!error_.empty()) return;
       if (!progress && !time_out_one_wait()) {
         fail("kernel %s: no thread can go on: every block waits at a barrier or for an event that nothing will "
              "trigger",
@@ -469,6 +581,7 @@ class Emulator {
         if (any_waiting && all_waiting) {
           for (unsigned i = w; i < end; ++i)
             if (f[i].state == Fiber::State::AtWarpBarrier) f[i].state = Fiber::State::Ready;
+          flush(warp_accesses_[size_t(b) * warps_ + w / 32]);
           warp_released = true;
         }
       }
@@ -490,6 +603,7 @@ class Emulator {
           f[i].predicate = any_predicate;
         }
         ++epochs_[b];
+        for (unsigned w = 0; w < warps_; ++w) flush(warp_accesses_[size_t(b) * warps_ + w]);
         progress = true;
       } else if (finished > 0 && at_block > 0 && at_block + finished == threads_) {
         const uint3 idx = f[0].thread.block_idx;
@@ -540,6 +654,8 @@ class Emulator {
   std::vector<SharedByte> shadow_;     // per byte of shared memory, from the first block's start
   std::vector<unsigned> epochs_;       // per block running: its __syncthreads so far
   std::mt19937_64 async_rng_;          // when cp.async copies land
+  unsigned warps_ = 0;                 // per block
+  std::vector<WarpAccesses> warp_accesses_;  // per warp of the blocks running
   unsigned threads_ = 0;    // per block
   unsigned blocks_ = 0;     // running together
   Fiber* current_ = nullptr;
@@ -571,6 +687,7 @@ void cp_async(void* smem_dst, const void* global_src, int src_bytes) { emulator(
 void cp_async_commit() { emulator().cp_async_commit(); }
 void cp_async_wait(int most_in_flight) { emulator().cp_async_wait(most_in_flight); }
 bool check_shared_read(const void* smem, unsigned long long bytes) { return emulator().check_shared_read(smem, bytes); }
+void note_shared_request(const void* smem, unsigned bytes) { emulator().note_shared_request(smem, bytes); }
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write) {
   return emulator().check_access(base, index, elem_bytes, write);
 }
@@ -601,6 +718,10 @@ const char* cudagen_emu_kernel_stats(int i, unsigned long long* bytes_read, unsi
   return s.kernel.c_str();
 }
 double cudagen_emu_kernel_seconds(int i) { return cudagen_emu::emulator().stats()[size_t(i)].seconds; }
+void cudagen_emu_kernel_counters(int i, unsigned long long counters[9]) {
+  const auto& s = cudagen_emu::emulator().stats()[size_t(i)];
+  for (int k = 0; k < 9; ++k) counters[k] = s.counters[k];
+}
 void cudagen_emu_clear_stats() { cudagen_emu::emulator().clear_stats(); }
 void cudagen_emu_release() { cudagen_emu::emulator().release(); }
 }

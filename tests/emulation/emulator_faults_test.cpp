@@ -208,3 +208,48 @@ TEST(EmulatorFaults, DynamicSharedMemoryIsOnlySixteenByteAligned) {
   EXPECT_EQ(address % 16, 0u);
   EXPECT_EQ(address % 128, 16u);
 }
+
+// The counters behind `--profile`'s sector and bank columns: a warp's
+// coalesced stores take the fewest sectors, a strided one eight times as
+// many; an unswizzled tile whose rows are 128 bytes apart puts each 8 x 8
+// matrix of an ldmatrix in one bank group (8x the wavefronts), the XOR
+// swizzle in eight.
+TEST(EmulatorCounters, SectorsAndBankWavefrontsAgainstTheIdeal) {
+  auto counters = [] {
+    std::vector<unsigned long long> c(9);
+    cudagen_emu_kernel_counters(cudagen_emu_kernel_count() - 1, c.data());
+    return c;
+  };
+  EmuLaunch l(size_t(1) << 16);
+  float* out = l.tensor<float>("out", 0, 32 * 32);
+  ASSERT_EQ(l.run("coalesced", dim3(1), dim3(64), 0, [&] {
+    for (int r = 0; r < 4; ++r) cudagen_emu::store(out, r * 64 + threadIdx.x, 1.0f);
+  }),
+            0);
+  std::vector<unsigned long long> c = counters();
+  EXPECT_EQ(c[3], 8u) << "4 store requests per warp";
+  EXPECT_EQ(c[4], 32u);
+  EXPECT_EQ(c[5], 32u);
+  ASSERT_EQ(l.run("strided", dim3(1), dim3(32), 0, [&] { cudagen_emu::store(out, threadIdx.x * 32, 1.0f); }), 0);
+  c = counters();
+  EXPECT_EQ(c[3], 1u);
+  EXPECT_EQ(c[4], 32u) << "one sector per lane";
+  EXPECT_EQ(c[5], 4u);
+
+  for (bool swizzled : {false, true}) {
+    // A 16 x 64 bf16 tile (128-byte rows); one x4 ldmatrix of its first 16 x 16.
+    ASSERT_EQ(l.run("tile", dim3(1), dim3(32), 16 * 64 * 2, [&] {
+      unsigned short* smem = (unsigned short*)cudagen_emu::dynamic_smem();
+      for (int i = threadIdx.x; i < 16 * 64; i += 32) smem[i] = 0;
+      __syncthreads();
+      const int lane = threadIdx.x & 31, m = lane / 8, row = (m % 2) * 8 + lane % 8, chunk = m / 2;
+      unsigned int r[4];
+      cg_ldmatrix_x4<false>(r, smem + row * 64 + (swizzled ? (chunk ^ (row % 8)) : chunk) * 8);
+    }),
+              0);
+    c = counters();
+    EXPECT_EQ(c[6], 1u) << "one ldmatrix request";
+    EXPECT_EQ(c[8], 4u) << "512 bytes: 4 wavefronts at best";
+    EXPECT_EQ(c[7], swizzled ? 4u : 32u) << (swizzled ? "swizzled" : "unswizzled: each matrix's 8 rows in one bank group");
+  }
+}

@@ -23,6 +23,10 @@ namespace {
 
 using cudagen::testing::EmuLaunch;
 
+struct Pair {
+  float first, second;
+};
+
 struct Problem {
   long long M, N, K, k_begin;
   bool a_k_contiguous, b_k_contiguous;
@@ -64,6 +68,11 @@ double run_problem(const Problem& p, unsigned seed) {
                              p.K, blockIdx.y, blockIdx.x, (unsigned short*)cudagen_emu::dynamic_smem());
                          cg_gemm_each_pair<Config>(acc, p.M, p.N, blockIdx.y, blockIdx.x,
                                                    [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+                                                     if (n + 1 < p.N && (m * p.N + n) % 2 == 0) {
+                                                       // one 8-byte store: whole sectors per warp
+                                                       cudagen_emu::store((Pair*)d, (m * p.N + n) / 2, Pair{d0, d1});
+                                                       return;
+                                                     }
                                                      cudagen_emu::store(d, m * p.N + n, d0);
                                                      if (n + 1 < p.N) cudagen_emu::store(d, m * p.N + n + 1, d1);
                                                    });
@@ -131,6 +140,29 @@ TEST(GemmMainloop, RightWhereverTheCopiesLand) {
   for (unsigned seed : {1u, 2u, 3u}) {
     check_every_layout<Small, cg_bf16>({.M = 72, .N = 80, .K = 168, .k_begin = 0}, seed);
     check_every_layout<Tall, cg_f16>({.M = 40, .N = 40, .K = 136, .k_begin = 8}, seed);
+  }
+}
+
+// The emulator's counters on the mainloop alone (its stores are 8-byte
+// pairs, whole sectors): global loads within 1.1x of the fewest sectors, and
+// the swizzled tiles' ldmatrix reads and cp.async writes conflict-free.
+TEST(GemmMainloop, LoadsAreCoalescedAndSharedAccessesConflictFree) {
+  for (int layout = 0; layout < 4; ++layout) {
+    const Problem p{128, 192, 256, 0, bool(layout & 1), bool(layout & 2)};
+    switch (layout) {
+      case 0: run_problem<Small, cg_bf16, false, false>(p, 1); break;
+      case 1: run_problem<Small, cg_bf16, true, false>(p, 1); break;
+      case 2: run_problem<Small, cg_bf16, false, true>(p, 1); break;
+      default: run_problem<Small, cg_bf16, true, true>(p, 1); break;
+    }
+    unsigned long long c[9];
+    cudagen_emu_kernel_counters(cudagen_emu_kernel_count() - 1, c);
+    ASSERT_GT(c[0], 0u);
+    EXPECT_LE(double(c[1]), 1.1 * double(c[2])) << describe(p) << ": " << c[1] << " load sectors, ideal " << c[2]
+                                                << " over " << c[0] << " requests";
+    EXPECT_LE(double(c[4]), 1.1 * double(c[5])) << describe(p) << ": " << c[4] << " store sectors, ideal " << c[5];
+    ASSERT_GT(c[6], 0u);
+    EXPECT_EQ(c[7], c[8]) << describe(p) << ": " << c[7] << " bank wavefronts, ideal " << c[8];
   }
 }
 
