@@ -2659,7 +2659,7 @@ class Emitter {
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek) {
     entry_function_ = "cg_gemm_mainloop";
-    use_function(*p_.tasks[size_t(t)].op, "cg_gemm_each_pair");
+    use_function(*p_.tasks[size_t(t)].op, "cg_gemm_each_coalesced");
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
     ek.block = g.threads();
     ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
@@ -2679,11 +2679,10 @@ class Emitter {
         "  cg_gemm_mainloop<cg_config, {3}, {4}, {5}>(cg_acc, (const unsigned short*)(a + a_base), {6},\n"
         "                                             (const unsigned short*)(b + b_base), {7}, {8}, {9}, 0, {10},\n"
         "                                             tile.y, tile.x, (unsigned short*)cg_smem);\n"
-        "  auto cg_store_at = [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }};\n"
-        "  cg_gemm_each_pair<cg_config>(cg_acc, {8}, {9}, tile.y, tile.x, [&](cg_i64 m, cg_i64 n, float d0, float d1) {{\n"
-        "    cg_store_at(m, n, d0);\n"
-        "    if (n + 1 < {9}) cg_store_at(m, n + 1, d1);\n"
-        "  }});\n",
+        "  // The output tile through shared memory, so that its stores (and an\n"
+        "  // epilogue's loads) coalesce.\n"
+        "  cg_gemm_each_coalesced<cg_config>(cg_acc, {8}, {9}, tile.y, tile.x, (float*)cg_smem,\n"
+        "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }});\n",
         batch_bases, g.describe(), g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K,
         tb ? K : N, M, N, K, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
   }

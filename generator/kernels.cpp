@@ -224,7 +224,7 @@ MatmulDims matmul_dims(const Program& program, int t) {
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not) {
   const BoundTask& task = program.tasks[size_t(t)];
   // A user's matmul op runs its own function unless it provides the mainloop.
-  for (const char* variant : {"cg_gemm_mainloop", "cg_gemm_each_pair", "cg_gemm_config"})
+  for (const char* variant : {"cg_gemm_mainloop", "cg_gemm_each_coalesced", "cg_gemm_config"})
     if (task.op->closure_of(variant) == nullptr) {
       if (why_not != nullptr)
         *why_not = fmt::format("op '{}' has no pipelined mainloop (variant {})",

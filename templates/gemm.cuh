@@ -348,6 +348,48 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
       }
 }
 
+// The block's output tile again, through shared memory, in an order that
+// coalesces: the warps write their accumulators into a [BM][BN + 4] float
+// tile (the pipeline's stages, free once the mainloop has ended; the 4 floats
+// of padding keep a fragment write on 32 distinct banks), then each warp
+// walks rows, its lanes 32 consecutive columns at a time, calling
+// f(m, n, acc). The loads and stores f makes (an epilogue's bias or residual,
+// the output) then take whole sectors, where each_pair's fragment order took
+// a quarter of each. `smem`: the mainloop's shared memory.
+template <typename Config>
+struct cg_gemm_staged_tile {
+  static constexpr int ld = Config::BN + 4;
+  static constexpr int bytes = 4 * Config::BM * ld;
+  static_assert(bytes <= cg_gemm_shared<Config>::bytes, "the staged tile fits in the pipeline's shared memory");
+};
+
+template <typename Config, typename F>
+CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                                      cg_i64 tile_n, float* smem, F f) {
+  constexpr int LD = cg_gemm_staged_tile<Config>::ld;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int r0 = (warp / Config::WARPS_N) * Config::WM, c0 = (warp % Config::WARPS_N) * Config::WN;
+  __syncthreads();  // every warp is done reading the stages
+  CG_UNROLL
+  for (int i = 0; i < Config::MI; ++i)
+    CG_UNROLL
+    for (int j = 0; j < Config::NI; ++j)
+      CG_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        float* at = smem + (r0 + 16 * i + g + 8 * h) * LD + c0 + 8 * j + 2 * t;
+        at[0] = acc.v[i][j][2 * h];
+        at[1] = acc.v[i][j][2 * h + 1];
+      }
+  __syncthreads();
+  const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
+  for (int r = warp; r < Config::BM; r += Config::THREADS / 32) {
+    if (m0 + r >= M) break;
+    CG_UNROLL
+    for (int c = lane; c < Config::BN; c += 32)
+      if (n0 + c < N) f(m0 + r, n0 + c, smem[r * LD + c]);
+  }
+}
+
 // The output tile of block `block` (a linear index) among tiles_m x tiles_n,
 // walked in groups of `group` tile rows, column by column inside a group, so
 // that blocks running together share rows of A and columns of B in L2.

@@ -19,6 +19,7 @@ CG_OP("matmul",
       "variant: cg_matmul_tile_mma",
       "variant: cg_gemm_mainloop",
       "variant: cg_gemm_each_pair",
+      "variant: cg_gemm_each_coalesced",
       "variant: cg_gemm_config",
       "flops: 2 * numel(out) * K",
       "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")
