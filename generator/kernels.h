@@ -117,7 +117,8 @@ inline DType matmul_tile_dtype(const OpSignature& op, DType a) {
 struct GemmTile {
   int bm = 0, bn = 0, bk = 0, warps_m = 0, warps_n = 0, stages = 0;
   int threads() const { return 32 * warps_m * warps_n; }
-  int64_t shared_bytes() const { return int64_t(2) * stages * (bm + bn) * bk; }
+  // cg_gemm_shared<Config>::bytes: the stages, or the staged results where more.
+  int64_t shared_bytes() const { return std::max(int64_t(2) * stages * (bm + bn) * bk, int64_t(4) * bm * (bn + 4)); }
   // "128, 128, 64, 2, 2, 3": cg_gemm_config's template arguments.
   std::string arguments() const;
   // "128 x 128 x 64 tiles, 2 x 2 warps, 3 stages".

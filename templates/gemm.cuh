@@ -262,10 +262,14 @@ struct cg_gemm_accumulators {
   float v[Config::MI][Config::NI][4];
 };
 
-// Shared memory of the mainloop, in bytes: STAGES k-tiles of both operands.
+// Shared memory of the mainloop and of the staged results after it
+// (cg_gemm_each_coalesced), in bytes: STAGES k-tiles of both operands, or a
+// [BM][BN + 4] float tile where that is more.
 template <typename Config>
 struct cg_gemm_shared {
-  static constexpr int bytes = 2 * Config::STAGES * (Config::BM + Config::BN) * Config::BK;
+  static constexpr int stages = 2 * Config::STAGES * (Config::BM + Config::BN) * Config::BK;
+  static constexpr int staged = 4 * Config::BM * (Config::BN + 4);
+  static constexpr int bytes = stages > staged ? stages : staged;
 };
 
 // The mainloop: the tile (tile_m, tile_n) of D = A B over k in [k_begin,
@@ -350,23 +354,17 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
 
 // The block's output tile again, through shared memory, in an order that
 // coalesces: the warps write their accumulators into a [BM][BN + 4] float
-// tile (the pipeline's stages, free once the mainloop has ended; the 4 floats
+// tile (over the pipeline's stages, free once the mainloop has ended, in
+// cg_gemm_shared<Config>::bytes; the 4 floats
 // of padding keep a fragment write on 32 distinct banks), then each warp
 // walks rows, its lanes 32 consecutive columns at a time, calling
 // f(m, n, acc). The loads and stores f makes (an epilogue's bias or residual,
 // the output) then take whole sectors, where each_pair's fragment order took
 // a quarter of each. `smem`: the mainloop's shared memory.
-template <typename Config>
-struct cg_gemm_staged_tile {
-  static constexpr int ld = Config::BN + 4;
-  static constexpr int bytes = 4 * Config::BM * ld;
-  static_assert(bytes <= cg_gemm_shared<Config>::bytes, "the staged tile fits in the pipeline's shared memory");
-};
-
 template <typename Config, typename F>
 CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
                                       cg_i64 tile_n, float* smem, F f) {
-  constexpr int LD = cg_gemm_staged_tile<Config>::ld;
+  constexpr int LD = Config::BN + 4;  // cg_gemm_shared's `staged`
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = (warp / Config::WARPS_N) * Config::WM, c0 = (warp % Config::WARPS_N) * Config::WN;
   __syncthreads();  // every warp is done reading the stages

@@ -52,10 +52,9 @@ __global__ void __launch_bounds__(Config::THREADS, 1)
   cg_gemm_accumulators<Config> acc;
   cg_gemm_mainloop<Config, cg_bf16, !A_T, B_T>(acc, (const unsigned short*)a, A_T ? M : K, (const unsigned short*)b,
                                                B_T ? K : N, M, N, 0, K, tile_m, tile_n, (unsigned short*)smem);
-  cg_gemm_each_pair<Config>(acc, M, N, tile_m, tile_n, [&](cg_i64 m, cg_i64 n, float d0, float d1) {
-    const unsigned int pair = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits, cg_narrow<cg_bf16>(d1).bits);
-    *(unsigned int*)(d + m * N + n) = pair;
-  });
+  // The results as generated kernels store them: through shared memory, coalesced.
+  cg_gemm_each_coalesced<Config>(acc, M, N, tile_m, tile_n, (float*)smem,
+                                 [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
 // f32 accumulation, one output per thread: slow and obviously right.
