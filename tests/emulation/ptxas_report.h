@@ -10,6 +10,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -54,11 +55,57 @@ inline std::map<std::string, KernelResources> ptxas_resources(const std::string&
   return out;
 }
 
+// One SASS instruction: its address, opcode (the part before the first '.',
+// as LDGSTS of LDGSTS.E.BYPASS.128) and, for a branch, its target (-1 else).
+struct SassInstruction {
+  long address = 0;
+  std::string opcode;
+  long target = -1;
+};
+
 // Compiles `source` to a cubin for `arch` with NVRTC and disassembles it
-// with cuobjdump: per kernel, how many times each SASS opcode (the part
-// before the first '.', as LDGSTS of LDGSTS.E.BYPASS.128) occurs.
+// with cuobjdump: per kernel, its instructions in address order.
+inline std::map<std::string, std::vector<SassInstruction>> sass_listing(const std::string& source,
+                                                                        const std::string& arch);
+
+// Per kernel, how many times each SASS opcode occurs.
 inline std::map<std::string, std::map<std::string, int>> sass_opcodes(const std::string& source,
                                                                       const std::string& arch) {
+  std::map<std::string, std::map<std::string, int>> out;
+  for (const auto& [kernel, instructions] : sass_listing(source, arch))
+    for (const SassInstruction& i : instructions) ++out[kernel][i.opcode];
+  return out;
+}
+
+// The opcodes of a kernel's hottest loop: of its backward branches, the one
+// whose body [target, branch] holds the most instructions named `marker`
+// (HMMA: the k-loop of a matmul), the smallest such body if several tie.
+// Empty when no loop holds one.
+inline std::map<std::string, int> sass_loop(const std::vector<SassInstruction>& instructions, const std::string& marker) {
+  std::map<std::string, int> best;
+  int best_marks = 0;
+  size_t best_size = 0;
+  for (const SassInstruction& branch : instructions) {
+    if (branch.target < 0 || branch.target >= branch.address) continue;
+    std::map<std::string, int> body;
+    size_t size = 0;
+    for (const SassInstruction& i : instructions)
+      if (i.address >= branch.target && i.address <= branch.address) {
+        ++body[i.opcode];
+        ++size;
+      }
+    const int marks = body.count(marker) ? body.at(marker) : 0;
+    if (marks > best_marks || (marks == best_marks && marks > 0 && size < best_size)) {
+      best = std::move(body);
+      best_marks = marks;
+      best_size = size;
+    }
+  }
+  return best;
+}
+
+inline std::map<std::string, std::vector<SassInstruction>> sass_listing(const std::string& source,
+                                                                        const std::string& arch) {
   NvrtcOutput cubin = nvrtc_compile(source, "sass_input.cu", arch, /*ptx=*/false);
   std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_sass_" + std::to_string(::getpid()))).string();
   std::filesystem::create_directories(dir);
@@ -71,15 +118,24 @@ inline std::map<std::string, std::map<std::string, int>> sass_opcodes(const std:
   std::string listing = read_text_file(dir + "/sass.txt");
   std::filesystem::remove_all(dir);
   EXPECT_EQ(status, 0) << listing;
-  // "Function : k0_mm", then lines "/*0120*/  @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], P1 ;".
-  std::regex function(R"(Function : (\w+))"), instruction(R"(/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*))");
-  std::map<std::string, std::map<std::string, int>> out;
+  // "Function : k0_mm", then lines "/*0120*/  @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], P1 ;"
+  // and "/*2580*/  @P2 BRA 0x3270 ;".
+  std::regex function(R"(Function : (\w+))"),
+      instruction(R"(/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^ ]*\s*(?:(0x[0-9a-f]+))?)");
+  std::map<std::string, std::vector<SassInstruction>> out;
   std::string kernel;
   std::istringstream lines(listing);
   for (std::string line; std::getline(lines, line);) {
     std::smatch m;
-    if (std::regex_search(line, m, function)) kernel = m[1];
-    else if (!kernel.empty() && std::regex_search(line, m, instruction)) ++out[kernel][m[1]];
+    if (std::regex_search(line, m, function)) {
+      kernel = m[1];
+    } else if (!kernel.empty() && std::regex_search(line, m, instruction)) {
+      SassInstruction i;
+      i.address = std::stol(m[1].str(), nullptr, 16);
+      i.opcode = m[2].str().substr(0, m[2].str().find('.'));
+      if (i.opcode == "BRA" && m[3].matched) i.target = std::stol(m[3].str(), nullptr, 16);
+      out[kernel].push_back(std::move(i));
+    }
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
@@ -425,4 +426,71 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
     }
   }
   EXPECT_EQ(pipelined, 4) << "up and dw, for each of two architectures";
+}
+
+// A golden table of the pipelined mainloop (issue #35): per tile config the
+// emitter picks, operand layout and architecture, the registers ptxas gives
+// the generated kernel, its shared memory, and the SASS instructions of its
+// k-loop per k-block (the loop's count over the k-blocks it holds, found by
+// its HMMA count: BK / 16 x MI x NI per k-block), checked in at
+// tests/golden/gemm_mainloop.txt, so that a change to the mainloop or the
+// toolkit shows as a diff. UPDATE_GOLDEN=1 rewrites the file.
+TEST(Toolchains, PipelinedMainloopMatchesItsGoldenInstructionTable) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("golden");
+  const Storage ext = Storage::external;
+  struct Row {
+    std::string task;
+    int hmma_per_k_block;  // per warp: BK / 16 x (WM / 16) x (WN / 8)
+  };
+  std::vector<Row> rows;
+  for (int64_t m : {4096, 64})
+    for (bool trans_b : {false, true}) {
+      const std::string id = "mm_" + std::to_string(m) + (trans_b ? "_nt" : "_nn");
+      const std::vector<int64_t> b_shape = trans_b ? std::vector<int64_t>{3072, 768} : std::vector<int64_t>{768, 3072};
+      b.task(id, "matmul")
+          .tensor("a", DType::bf16, {m, 768}, ext)
+          .tensor("b", DType::bf16, b_shape, ext)
+          .tensor("out", DType::bf16, {m, 3072}, ext)
+          .arg("trans_b", trans_b);
+      rows.push_back({id, m == 4096 ? 64 / 16 * (64 / 16) * (64 / 8) : 32 / 16 * (32 / 16) * (32 / 8)});
+    }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  std::string table =
+      "# The pipelined mainloop's generated kernels (Toolchains.PipelinedMainloopMatchesItsGoldenInstructionTable):\n"
+      "# kernel | tiles | arch | registers | shared bytes | SASS per k-block of the k-loop\n";
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+    const auto listing = cudagen::testing::sass_listing(c.emitted.cuda_source, arch);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const EmittedKernel& k = c.emitted.kernels[i];
+      ASSERT_NE(k.matmul_path.find("pipelined"), std::string::npos) << k.name << ": " << k.matmul_path;
+      ASSERT_TRUE(listing.count(k.name)) << k.name;
+      const std::map<std::string, int> loop = cudagen::testing::sass_loop(listing.at(k.name), "HMMA");
+      ASSERT_TRUE(loop.count("HMMA")) << k.name << " on " << arch << ": no k-loop with HMMA";
+      const int hmma = loop.at("HMMA");
+      ASSERT_EQ(hmma % rows[i].hmma_per_k_block, 0) << k.name << " on " << arch << ": " << hmma << " HMMA in its loop";
+      const int k_blocks = hmma / rows[i].hmma_per_k_block;
+      int total = 0;
+      std::string ops;
+      for (const auto& [op, n] : loop) {
+        total += n;
+        ops += fmt::format(" {} {:g}", op, double(n) / k_blocks);
+      }
+      const std::string tiles = k.matmul_path.substr(k.matmul_path.find("), ") + 3);
+      table += fmt::format("{} | {} | {} | {} | {} | total {:g}:{}\n", k.name, tiles, arch,
+                           resources.count(k.name) ? resources.at(k.name).registers : -1, k.smem_bytes,
+                           double(total) / k_blocks, ops);
+    }
+  }
+  const std::string golden = std::string(CUDAGEN_SOURCE_DIR) + "/tests/golden/gemm_mainloop.txt";
+  if (std::getenv("UPDATE_GOLDEN") != nullptr) {
+    write_file_atomic(golden, table);
+    GTEST_SKIP() << "rewrote " << golden;
+  }
+  ASSERT_TRUE(std::filesystem::exists(golden)) << golden << " is missing: run with UPDATE_GOLDEN=1";
+  EXPECT_EQ(read_text_file(golden), table)
+      << "the mainloop's registers, shared memory or instructions changed; if that is meant (and the GPU figures in "
+         "bench/RESULTS.md agree), rerun with UPDATE_GOLDEN=1 and commit the diff";
 }
