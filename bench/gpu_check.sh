@@ -23,9 +23,11 @@
 #  - the PyTorch frontend's tests on the machine's PyTorch 2.x: the torch.export path and
 #    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks;
 #  - the GEMM mainloop (templates/gemm.cuh) against cuBLAS at 4096^3 and a decoder block's shapes,
-#    every tile config, each result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer;
+#    every tile config, each result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer
+#    (memcheck, racecheck, synccheck);
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
-#    PyTorch in bf16.
+#    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
+#    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
 # Each check's row gives its seconds; the benchmarks at the end are skipped, visibly, where the
 # script would run past the device tool's 10 minutes.
 set -uo pipefail
@@ -93,7 +95,19 @@ check "gemm_bench: every config and shape checked" \
   sh -c "\"$kit/bin/gemm_bench\" > \"$log/gemm.txt\" 2>&1 || { tail -4 \"$log/gemm.txt\"; exit 1; }"
 check "compute-sanitizer memcheck: gemm_bench --quick" compute-sanitizer --tool memcheck --error-exitcode 1 \
   "$kit/bin/gemm_bench" --quick
+# The mainloop's shared memory: no race between a stage's copies and its readers, no barrier
+# misuse (the emulator checks the same in CI: docs/architecture.md §8).
+check "compute-sanitizer racecheck: gemm_bench --quick" compute-sanitizer --tool racecheck --error-exitcode 1 \
+  "$kit/bin/gemm_bench" --quick
+check "compute-sanitizer synccheck: gemm_bench --quick" compute-sanitizer --tool synccheck --error-exitcode 1 \
+  "$kit/bin/gemm_bench" --quick
 
+# The benchmarks below print tables, not checks: each runs only while the whole script stays
+# inside the device tool's 10 minutes (it says so where it skips one).
+budget=560
+have_time() {  # SECONDS_IT_TAKES NAME
+  if (( SECONDS + $1 > budget )); then echo "skipped: $2 (${SECONDS} s gone, it takes about $1 s)"; return 1; fi
+}
 printf '%-50s %s\n' "check" "result"
 for r in "${rows[@]}"; do printf '%-50s %s\n' "${r%%|*}" "${r#*|}"; done
 
@@ -105,21 +119,27 @@ for graph in examples/mlp_forward.json examples/transformer_block.json examples/
   echo "== $graph"
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
-# The benchmarks below print tables, not checks: each runs only while the whole script stays
-# inside the device tool's 10 minutes (it says so where it skips one).
-budget=560
-have_time() {  # SECONDS_IT_TAKES NAME
-  if (( SECONDS + $1 > budget )); then echo "skipped: $2 (${SECONDS} s gone, it takes about $1 s)"; return 1; fi
-}
 echo
 echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (matmuls on the pipelined"
 echo "mainloop), as kernels and CUDA Graph (its megakernel runs the old tiles: bench_megakernel's third row);"
 echo "PyTorch on the same block in bf16"
 if have_time 60 "the bf16 decoder block"; then
   python3 bench/decoder_graph.py --batch 8 --tokens 128 --dtype bf16 -o "$log/decoder_bf16.json"
+  # The performance model's prediction (made at compile time), then the measured kernels.
   "$cudagen" describe "$log/decoder_bf16.json" 2>&1 | sed -n '/^matmul mainloops/,$p'
+  "$cudagen" run --gpu --profile "$log/decoder_bf16.profile.json" "$log/decoder_bf16.json" 2>&1 |
+    sed -n '/^kernels by/,$p'
   "$kit/bin/bench_megakernel" --runs 30 "$log/decoder_bf16.json" 2>&1
   python3 bench/decoder_torch.py --batch 8 --tokens 128 --dtype bf16 --runs 30 2>&1 | tail -2
+fi
+echo
+echo "Nsight Compute on three kernels of that block (a pipelined matmul, attention, the MLP's down projection):"
+if command -v ncu >/dev/null && have_time 90 "Nsight Compute"; then
+  ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --kernel-name regex:'k9_l0_q|k12_l0_scores|k16_l0_down' --launch-count 3 \
+    "$cudagen" run --gpu "$log/decoder_bf16.json" 2>&1 | grep -E '^  [a-z0-9_]+|Duration|Throughput|Achieved Occupancy|Registers' | head -60
+elif ! command -v ncu >/dev/null; then
+  echo "skipped: no ncu on this machine"
 fi
 echo
 echo "megakernel (issue #13): time per step as kernels, CUDA Graph, megakernel; PyTorch on the same decoder block"
