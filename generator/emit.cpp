@@ -2608,7 +2608,7 @@ class Emitter {
         options_.megakernel ? "a megakernel's tiles share one block size" : "it shares its launch with other kernels";
     std::optional<GemmTile> pipelined;
     if (global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer)
-      pipelined = pipelined_gemm_tile_of(p_, t, &why_not_pipelined);
+      pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
     else if (global_wrapper_)
       why_not_pipelined = "a prologue computes its operand";
     if (pipelined) return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches, batch_bases, ek);
@@ -2667,7 +2667,8 @@ class Emitter {
     ek.grid[1] = (M + g.bm - 1) / g.bm;
     ek.grid[2] = batches;
     ek.tile_rows = g.bm;
-    ek.matmul_path = "the pipelined mainloop (templates/gemm.cuh), " + g.describe();
+    ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
+                                 g.describe(), g.rule + 1);
     reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
     const std::string type = c_type(a.buffer->dtype);
     return fmt::format(

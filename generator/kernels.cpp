@@ -1,9 +1,14 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "json.h"
+#include "perf_model.h"
 
 namespace cudagen {
 
@@ -184,8 +189,55 @@ std::string GemmTile::describe() const {
   return fmt::format("{} x {} x {} tiles, {} x {} warps, {} stages", bm, bn, bk, warps_m, warps_n, stages);
 }
 
+std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::string& origin) {
+  auto bad = [&](const std::string& where, const std::string& why) {
+    return std::runtime_error(fmt::format("{}: {}: {}", origin, where, why));
+  };
+  JsonValue root;
+  try {
+    root = parse_json(text);
+  } catch (const JsonSyntaxError& e) {
+    throw bad(fmt::format("line {}, column {}", e.loc.line, e.loc.column), e.message);
+  }
+  const JsonValue* format = root.find("format");
+  if (format == nullptr || format->as_string() != "cudagen.gemm-tuning/1")
+    throw bad("/format", "not \"cudagen.gemm-tuning/1\"");
+  const JsonValue* rules = root.find("rules");
+  if (rules == nullptr || !rules->is_array() || rules->items().empty()) throw bad("/rules", "a non-empty list of rules");
+  // The tiles the mainloop is known to compile without spills, and that fit
+  // the shared memory a kernel may opt in to.
+  const std::vector<std::array<int, 6>> known = {{64, 64, 32, 2, 2, 4}, {128, 128, 64, 2, 2, 3}};
+  std::vector<GemmTuningRule> out;
+  for (size_t i = 0; i < rules->items().size(); ++i) {
+    const JsonValue& r = rules->items()[i];
+    const std::string at = fmt::format("/rules/{}", i);
+    GemmTuningRule rule;
+    const JsonValue* arch = r.find("arch");
+    rule.arch = arch != nullptr ? arch->as_string() : "";
+    if (rule.arch.empty()) throw bad(at + "/arch", "\"any\" or an architecture such as \"sm_90\"");
+    if (const JsonValue* w = r.find("min_waves")) rule.min_waves = w->as_int();
+    if (rule.min_waves < 0) throw bad(at + "/min_waves", "at least 0");
+    const JsonValue* tile = r.find("tile");
+    std::array<int, 6> t{};
+    if (tile == nullptr || !tile->is_array() || tile->items().size() != 6)
+      throw bad(at + "/tile", "[BM, BN, BK, WARPS_M, WARPS_N, STAGES]");
+    for (size_t k = 0; k < 6; ++k) t[k] = int(tile->items()[k].as_int());
+    if (std::find(known.begin(), known.end(), t) == known.end())
+      throw bad(at + "/tile", fmt::format("[{}] is not a tile the mainloop is checked for (64, 64, 32, 2, 2, 4 or 128, 128, "
+                                          "64, 2, 2, 3)",
+                                          fmt::join(t, ", ")));
+    rule.tile = GemmTile{t[0], t[1], t[2], t[3], t[4], t[5], int(i)};
+    if (const JsonValue* why = r.find("why")) rule.why = why->as_string();
+    out.push_back(std::move(rule));
+  }
+  if (out.back().arch != "any" || out.back().min_waves != 0)
+    throw bad(fmt::format("/rules/{}", out.size() - 1), "the last rule matches every product: arch \"any\", no min_waves");
+  return out;
+}
+
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
-                                            bool trans_b, int64_t batches, std::string* why_not) {
+                                            bool trans_b, int64_t batches, const std::string& arch,
+                                            std::string* why_not) {
   auto refuse = [&](std::string why) -> std::optional<GemmTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
@@ -196,10 +248,15 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
   if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0)
     return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of 8 elements",
                               a_contiguous, b_contiguous));
-  constexpr int64_t kSms = 132, kWaves = 4;
-  const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches;
-  if (large_tiles >= kWaves * kSms) return GemmTile{128, 128, 64, 2, 2, 3};
-  return GemmTile{64, 64, 32, 2, 2, 4};
+  (void)K;
+  // Parsed once; a bundled table that does not parse is a build error, which the tests catch.
+  static const std::vector<GemmTuningRule> table = parse_gemm_tuning(gemm_tuning_json(), "templates/gemm_tuning.json");
+  const int64_t sms = device_model(arch).sms;
+  // Full waves of 128 x 128 tiles: as many blocks as the SMs hold, at one block an SM.
+  const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches, waves = large_tiles / sms;
+  for (const GemmTuningRule& rule : table)
+    if ((rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves) return rule.tile;
+  return refuse("no rule of the tuning table matches");  // unreachable: the last rule matches everything
 }
 
 MatmulDims matmul_dims(const Program& program, int t) {
@@ -221,7 +278,8 @@ MatmulDims matmul_dims(const Program& program, int t) {
   return d;
 }
 
-std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not) {
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch,
+                                               std::string* why_not) {
   const BoundTask& task = program.tasks[size_t(t)];
   // A user's matmul op runs its own function unless it provides the mainloop.
   for (const char* variant : {"cg_gemm_mainloop", "cg_gemm_each_coalesced", "cg_gemm_config"})
@@ -234,7 +292,7 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, st
   const MatmulDims d = matmul_dims(program, t);
   return pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
                              program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
-                             d.trans_b, d.batches, why_not);
+                             d.trans_b, d.batches, arch, why_not);
 }
 
 }  // namespace cudagen

@@ -116,6 +116,7 @@ inline DType matmul_tile_dtype(const OpSignature& op, DType a) {
 // tile configuration, as cg_gemm_config's parameters.
 struct GemmTile {
   int bm = 0, bn = 0, bk = 0, warps_m = 0, warps_n = 0, stages = 0;
+  int rule = -1;  // which rule of the tuning table chose it (0-based), -1 for none
   int threads() const { return 32 * warps_m * warps_n; }
   // cg_gemm_shared<Config>::bytes: the stages, or the staged results where more.
   int64_t shared_bytes() const { return std::max(int64_t(2) * stages * (bm + bn) * bk, int64_t(4) * bm * (bn + 4)); }
@@ -125,15 +126,31 @@ struct GemmTile {
   std::string describe() const;
 };
 
+// The GEMM tuning table (templates/gemm_tuning.json, docs/gemm.md): rules in
+// order, the first whose arch matches ("any" or "sm_90") and whose product
+// has at least `min_waves` full waves of 128 x 128 tiles on the arch's SMs
+// (perf_model.h's SM counts) picks the tile. Checked when read: each tile one the mainloop compiles without
+// spills (Toolchains.GemmMainloopKeepsEverythingInRegisters) within the
+// shared memory a kernel may opt in to, and a last rule that matches every
+// product of its arch.
+struct GemmTuningRule {
+  std::string arch;
+  int64_t min_waves = 0;
+  GemmTile tile;
+  std::string why;
+};
+std::string_view gemm_tuning_json();  // the bundled table's text (embedded at build time)
+// Throws std::runtime_error naming `origin` and the rule at fault.
+std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::string& origin);
+
 // The mainloop a matmul of M x N outputs over K (per batch; `batches` of
-// them) runs on, or nullopt with the reason in `why_not`: 16-bit operands of
-// one type whose contiguous axes are whole 16-byte chunks (A's K, or M with
-// trans_a; B's N, or K with trans_b). The tile: 128 x 128 x 64 (4 warps, 3
-// stages, 96 KiB) where that gives at least 4 waves on an H100's 132 SMs,
-// else 64 x 64 x 32 (4 warps, 4 stages, 32 KiB), which filled the SMs better
-// on a GPT-2 block's shapes (bench/RESULTS.md, "GEMM mainloop").
+// them) runs on for `arch`, or nullopt with the reason in `why_not`: 16-bit
+// operands of one type whose contiguous axes are whole 16-byte chunks (A's
+// K, or M with trans_a; B's N, or K with trans_b). The tile: the bundled
+// tuning table's.
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
-                                            bool trans_b, int64_t batches, std::string* why_not = nullptr);
+                                            bool trans_b, int64_t batches, const std::string& arch,
+                                            std::string* why_not = nullptr);
 
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
 // outputs over K per batch, rows flattened where matmul_flattens_rows says so.
@@ -148,7 +165,8 @@ MatmulDims matmul_dims(const Program& program, int t);
 // the emitter's matmul skeleton takes them (rows flattened where
 // matmul_flattens_rows says so). The fusion pass asks it too: a kernel on
 // the pipelined mainloop is launched alone (rule horizontal).
-std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, std::string* why_not = nullptr);
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
+                                               std::string* why_not = nullptr);
 
 // A shared-memory region's bytes up to the 16-byte boundary the next one
 // starts at (emit.cpp aligns every region so, for vector loads and the

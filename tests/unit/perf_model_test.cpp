@@ -2,6 +2,7 @@
 // and that compile records it.
 #include <gtest/gtest.h>
 
+#include "kernels.h"
 #include "perf_model.h"
 
 using namespace cudagen;
@@ -65,4 +66,45 @@ TEST(PerfModel, SharedMemoryLimitsResidentBlocks) {
   EmittedKernel k = kernel(1000, 128, 0, 1 << 20);
   k.smem_bytes = 100 * 1024;
   EXPECT_EQ(estimate_kernel(k, device_model("sm_90")).blocks_per_sm, 2);
+}
+
+// The GEMM tuning table (templates/gemm_tuning.json): the bundled one reads,
+// picks the large tile from 4 full waves of 128 x 128 tiles on the arch's SMs
+// (so an A100's 108 SMs take it sooner than an H100's 132), and a table that
+// names a tile the mainloop is not checked for, or lacks a last rule for
+// every product, is refused with the rule named.
+TEST(GemmTuning, TheBundledTablePicksByFullWavesOnTheArch) {
+  const std::vector<GemmTuningRule> table = parse_gemm_tuning(gemm_tuning_json(), "gemm_tuning.json");
+  ASSERT_GE(table.size(), 2u);
+  auto pick = [](int64_t M, int64_t N, const char* arch) {
+    return pipelined_gemm_tile(DType::bf16, DType::bf16, M, N, 768, false, false, 1, arch);
+  };
+  EXPECT_EQ(pick(4096, 3072, "sm_90")->bm, 128);
+  EXPECT_EQ(pick(4096, 3072, "sm_90")->rule, 0);
+  EXPECT_EQ(pick(64, 3072, "sm_90")->bm, 64);
+  // 18 x 24 = 432 tiles of 128 x 128: 4 full waves on 108 SMs, 3 on 132.
+  EXPECT_EQ(pick(2304, 3072, "sm_80")->bm, 128);
+  EXPECT_EQ(pick(2304, 3072, "sm_90")->bm, 64);
+  std::string why;
+  EXPECT_FALSE(pipelined_gemm_tile(DType::f32, DType::f32, 64, 64, 64, false, false, 1, "sm_90", &why));
+  EXPECT_NE(why.find("not both f16 or both bf16"), std::string::npos);
+}
+
+TEST(GemmTuning, ABadTableNamesTheRule) {
+  auto error_of = [](const std::string& text) {
+    try {
+      parse_gemm_tuning(text, "t.json");
+      return std::string("read");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+  };
+  const std::string head = R"({"format": "cudagen.gemm-tuning/1", "rules": [)";
+  EXPECT_EQ(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4]}]})"), "read");
+  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 64, 2, 2, 4]}]})").find("t.json: /rules/0/tile"),
+            std::string::npos);
+  EXPECT_NE(error_of(head + R"({"arch": "sm_90", "tile": [64, 64, 32, 2, 2, 4]}]})").find("matches every product"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"format": "other", "rules": []})").find("/format"), std::string::npos);
+  EXPECT_NE(error_of("{").find("t.json: line 1"), std::string::npos);
 }
