@@ -115,6 +115,37 @@ class Zoo(nn.Module):
         return p.mean(dim=-1), c.permute(0, 2, 3, 1).sum(dim=-1)  # [2, 6], [2, 4, 4]
 
 
+class TwoActivations(nn.Module):
+    """A submodule whose result is a tuple."""
+
+    def forward(self, x):
+        return torch.relu(x), torch.sigmoid(x)
+
+
+class PlainCode(nn.Module):
+    """What real models do that the fx tracer failed on (issue #43): a
+    parameter read directly in forward (`F.linear(x, self.weight)`, `* self.scale`),
+    `x.shape` unpacked and indexed, `x.dim()`, `x.size(0)`, and a submodule's
+    tuple result unpacked."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 16) / 4)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.pair = TwoActivations()
+
+    def forward(self, x):  # [4, 16]
+        rows, width = x.shape
+        y = F.linear(x, self.weight) * self.scale * (x.shape[1] / width)
+        a, b = self.pair(y)
+        return a + b * x.dim() + (y.size(0) - rows)
+
+
+def plain_code():
+    torch.manual_seed(0)
+    return PlainCode()
+
+
 def zoo():
     torch.manual_seed(0)
     return randomized(Zoo())

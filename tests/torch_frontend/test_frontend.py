@@ -93,6 +93,18 @@ class Models(Exported):
         w = np.load(os.path.join(self.dir, "model", "fc1.weight.npy"))
         np.testing.assert_array_equal(w, models.mlp().fc1.weight.detach().numpy())
 
+    def test_plain_code_traces_on_both_paths(self):
+        """Parameters read in forward, x.shape, x.dim(), x.size(0) and a tuple
+        result unpacked: on torch.fx (1.13's path, which failed on each) and,
+        where PyTorch has it, torch.export."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            result, _, _ = self.check_model(models.plain_code(), (torch.randn(4, 16),), seed, tracer=tracer)
+            self.assertIn("weight", result.weights)
+            self.assertIn("scale", result.weights)
+
     def test_mlp_in_bfloat16(self):
         """bf16 weights, inputs and outputs, as .npy files of their bit
         patterns; PyTorch's bf16 result and cudagen's, each rounded from f32

@@ -143,6 +143,43 @@ def _is_aten(target):
     return type(target).__name__ == "OpOverload"
 
 
+# What a tensor's attribute gives without computing anything: static values
+# here, since cudagen's shapes are those of the example inputs.
+_STATIC_TENSOR_ATTRIBUTES = ("shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad")
+
+
+class _Proxy(torch.fx.Proxy):
+    """A Proxy that knows the value it stands for (the tracer's shadow): a
+    tensor's static attributes (`x.shape`, `x.dtype`, `x.device`) are those
+    values, and a tuple value unpacks into its items, whatever the Python
+    version's bytecode (torch.fx reads the caller's UNPACK_SEQUENCE, which
+    Python 3.11's instruction caches moved)."""
+
+    def __getattr__(self, name):
+        value = self.tracer.shadow.get(self.node)
+        if isinstance(value, torch.Tensor) and name in _STATIC_TENSOR_ATTRIBUTES:
+            return getattr(value, name)
+        return super().__getattr__(name)
+
+    def __iter__(self):
+        value = self.tracer.shadow.get(self.node)
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])
+        return super().__iter__()
+
+
+def _attribute(obj, name):
+    """obj.name as the module holds it: its parameter, buffer or submodule
+    itself, not the Proxy torch.fx's patched Module.__getattr__ would make
+    of it while tracing (reading a parameter that way recursed)."""
+    if isinstance(obj, torch.nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            held = obj.__dict__.get(table, {})
+            if name in held:
+                return held[name]
+    return getattr(obj, name)
+
+
 class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer with shapes specialised to the example inputs, as
     cudagen's shapes are static: every node is also run on real values as it
@@ -157,6 +194,9 @@ class _Tracer(torch.fx.Tracer):
         self.example_inputs = list(example_inputs)
         self.placeholders = 0
         self.shadow = {}  # fx node -> its value on the example inputs
+
+    def proxy(self, node):
+        return _Proxy(node, self)
 
     def iter(self, obj):
         """`q, k, v = x.split(n, dim=2)`: a Proxy whose value is a tuple
@@ -180,7 +220,7 @@ class _Tracer(torch.fx.Tracer):
             elif kind == "get_attr":
                 value = self.root
                 for part in target.split("."):
-                    value = getattr(value, part)
+                    value = _attribute(value, part)
             elif kind == "call_function":
                 value = target(*concrete_args, **concrete_kwargs)
             elif kind == "call_method":
