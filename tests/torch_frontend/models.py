@@ -125,8 +125,8 @@ class TwoActivations(nn.Module):
 class PlainCode(nn.Module):
     """What real models do that the fx tracer failed on (issue #43): a
     parameter read directly in forward (`F.linear(x, self.weight)`, `* self.scale`),
-    `x.shape` unpacked and indexed, `x.dim()`, `x.size(0)`, and a submodule's
-    tuple result unpacked."""
+    `x.shape` unpacked and indexed, `x.dim()`, `x.size(0)`, a submodule's
+    tuple result unpacked, and mean and sum with keepdim=True."""
 
     def __init__(self):
         super().__init__()
@@ -138,7 +138,8 @@ class PlainCode(nn.Module):
         rows, width = x.shape
         y = F.linear(x, self.weight) * self.scale * (x.shape[1] / width)
         a, b = self.pair(y)
-        return a + b * x.dim() + (y.size(0) - rows)
+        centred = a - a.mean(dim=-1, keepdim=True) + b.sum(-1, keepdim=True) / 8
+        return centred + b * x.dim() + (y.size(0) - rows)
 
 
 def plain_code():

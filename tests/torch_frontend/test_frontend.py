@@ -94,9 +94,9 @@ class Models(Exported):
         np.testing.assert_array_equal(w, models.mlp().fc1.weight.detach().numpy())
 
     def test_plain_code_traces_on_both_paths(self):
-        """Parameters read in forward, x.shape, x.dim(), x.size(0) and a tuple
-        result unpacked: on torch.fx (1.13's path, which failed on each) and,
-        where PyTorch has it, torch.export."""
+        """Parameters read in forward, x.shape, x.dim(), x.size(0), a tuple
+        result unpacked, mean and sum with keepdim=True: on torch.fx (1.13's
+        path, which failed on each) and, where PyTorch has it, torch.export."""
         seed = fresh_seed()
         torch.manual_seed(seed)
         tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])

@@ -377,7 +377,10 @@ class _Exporter:
         return d
 
     def tensor(self, node, arg):
-        """The Value of an fx argument that must be a tensor."""
+        """The Value of an fx argument that must be a tensor (or a Value a
+        handler already made, as a reduction's rows before keepdim reshapes them)."""
+        if isinstance(arg, Value):
+            return arg
         if isinstance(arg, torch.fx.Node):
             v = self.env.get(arg)
             if isinstance(v, Value):
