@@ -311,7 +311,7 @@ class Errors(unittest.TestCase):
         self.assertFalse(os.path.exists(out), "nothing may be written on failure")
         return str(caught.exception)
 
-    def test_an_op_without_a_mapping_names_node_target_line_and_neighbours(self):
+    def test_an_op_without_a_mapping_names_node_target_line_and_equivalents(self):
         class Cumulative(torch.nn.Module):
             def forward(self, x):
                 return torch.cumsum(x, dim=-1)
@@ -322,7 +322,17 @@ class Errors(unittest.TestCase):
                       message)
         self.assertIn("test_frontend.py", message)  # the model's source line
         self.assertIn("return torch.cumsum(x, dim=-1)", message)
-        self.assertRegex(message, r"nearest supported: .*(torch\.sum|aten\.sum\.dim_IntList)")
+        # A running sum is no sum: nothing is offered where nothing is equivalent.
+        self.assertNotIn("supported instead", message)
+
+        class Squared(torch.nn.Module):
+            def forward(self, x):
+                return torch.pow(x, 2)
+
+        message = self.export_error(Squared(), (torch.randn(3, 4),))
+        self.assertIn("a square is x * x", message)
+        self.assertRegex(message, r"supported instead: .*(torch\.mul|Tensor\.mul|aten\.mul)")
+        self.assertNotIn("dropout", message)
 
     def test_data_dependent_control_flow(self):
         class Branchy(torch.nn.Module):

@@ -14,13 +14,13 @@ below; docs/torch-frontend.md has the table):
   a mask made from one) is a constant: it becomes a persistent tensor, its
   value an .npy file, only when a mapped op reads it as a tensor;
 - every other node must map, or the export fails naming the node, its
-  target, the model's source line and the nearest supported targets.
+  target, the model's source line and, where there is one, what to write
+  instead with supported operators.
 
 Nothing is written until the whole graph has mapped; files are written to a
 temporary name and renamed into place.
 """
 
-import difflib
 import json
 import math
 import operator
@@ -296,10 +296,11 @@ class _Exporter:
     def fail(self, node, message, hint=None):
         near = _nearest_targets(_target_name(node))
         text = f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): {message}"
+        hint = hint or _equivalent_hint(_target_name(node))
         if hint:
             text += f"\n  {hint}"
         if near:
-            text += f"\n  nearest supported: {', '.join(near)}"
+            text += f"\n  supported instead: {', '.join(near)}"
         raise ExportError(text)
 
     # ---- graph building ------------------------------------------------
@@ -1181,10 +1182,33 @@ def supported_targets():
     return sorted(names)
 
 
+# Unsupported operators and what a model can write instead with supported
+# ones: real equivalents, not names that merely look alike (string distance
+# suggested F.dropout for pow). By operator name, in either vocabulary.
+_EQUIVALENTS = {
+    "pow": ("a square is x * x", ["mul"]),
+    "square": ("x * x", ["mul"]),
+    "rsqrt": ("an RMSNorm written out maps as nn.RMSNorm / F.layer_norm do: use the module", ["layer_norm", "LayerNorm"]),
+    "sqrt": ("a norm written out maps as nn.LayerNorm / F.layer_norm do: use the module", ["layer_norm", "LayerNorm"]),
+    "addmm": ("F.linear(x, weight, bias), or x @ w + b", ["linear", "matmul", "add"]),
+    "baddbmm": ("torch.bmm then +", ["bmm", "add"]),
+    "hardsigmoid": ("F.relu6(x + 3) / 6", ["relu6", "add", "div"]),
+    "type_as": ("a float32 model, or .float()", ["float"]),
+    "to": ("a model in one dtype (export it after .to(dtype))", ["float"]),
+    "scaled_dot_product_attention": ("softmax(q @ k^T * scale) @ v written out", ["matmul", "softmax", "masked_fill"]),
+    "expand": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
+    "repeat": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
+    "max": ("F.max_pool2d for pooling; a row max feeds only softmax here", ["max_pool2d", "softmax"]),
+    "var": ("nn.LayerNorm / F.layer_norm", ["layer_norm", "LayerNorm"]),
+    "std": ("nn.LayerNorm / F.layer_norm", ["layer_norm", "LayerNorm"]),
+}
+
+
 def _nearest_targets(target, n=4):
-    """The supported targets whose operator name is nearest `target`'s, in
-    its own vocabulary (ATen names for an ATen operator): torch.cumsum ->
-    torch.sum, Tensor.sum; aten.cumsum.default -> aten.sum.dim_IntList."""
+    """Supported targets a model could use instead of `target`, in its own
+    vocabulary (ATen names for an ATen operator): those of the table of real
+    equivalents above, or `target`'s pure or in-place sibling (relu_ and
+    relu); none otherwise."""
     def op_name(t):  # aten.sum.dim_IntList -> sum, torch.nn.Linear -> Linear, F.relu -> relu
         return t.split(".")[1] if t.startswith("aten.") else t.rsplit(".", 1)[-1]
 
@@ -1193,8 +1217,17 @@ def _nearest_targets(target, n=4):
     for t in supported_targets():
         if t.startswith("aten.") == aten:
             by_name.setdefault(op_name(t), []).append(t)
-    names = difflib.get_close_matches(op_name(target), list(by_name), n=n, cutoff=0.4)
-    return [t for name in names for t in by_name[name]][:n]
+    name = op_name(target)
+    names = _EQUIVALENTS.get(name.rstrip("_"), (None, []))[1]
+    if not names:
+        names = [n for n in (name.rstrip("_"), name.rstrip("_") + "_") if n != name]
+    return [t for n in names for t in by_name.get(n, [])][:n]
+
+
+def _equivalent_hint(target):
+    """How to write `target` with supported operators, or None."""
+    name = target.split(".")[1] if target.startswith("aten.") else target.rsplit(".", 1)[-1]
+    return _EQUIVALENTS.get(name.rstrip("_"), (None, []))[0]
 
 
 # ---- the entry point -------------------------------------------------------------
