@@ -355,29 +355,24 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
 // The block's output tile again, through shared memory, in an order that
 // coalesces: the warps write their accumulators into a [BM][BN + 4] float
 // tile (over the pipeline's stages, free once the mainloop has ended, in
-// cg_gemm_shared<Config>::bytes; the 4 floats
-// of padding keep a fragment write on 32 distinct banks), then each warp
-// walks rows, its lanes 32 consecutive columns at a time, calling
-// f(m, n, acc). The loads and stores f makes (an epilogue's bias or residual,
-// the output) then take whole sectors, where each_pair's fragment order took
-// a quarter of each. `smem`: the mainloop's shared memory.
+// cg_gemm_shared<Config>::bytes; the 4 floats of padding keep a fragment
+// write on 32 distinct banks), then each warp walks rows, its lanes 32
+// consecutive columns at a time, calling f(m, n, acc). The loads and stores
+// f makes (an epilogue's bias or residual, the output) then take whole
+// sectors, where each_pair's fragment order took a quarter of each. `smem`:
+// the mainloop's shared memory.
 template <typename Config, typename F>
 CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
                                       cg_i64 tile_n, float* smem, F f) {
   constexpr int LD = Config::BN + 4;  // cg_gemm_shared's `staged`
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int r0 = (warp / Config::WARPS_N) * Config::WM, c0 = (warp % Config::WARPS_N) * Config::WN;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();  // every warp is done reading the stages
-  CG_UNROLL
-  for (int i = 0; i < Config::MI; ++i)
-    CG_UNROLL
-    for (int j = 0; j < Config::NI; ++j)
-      CG_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        float* at = smem + (r0 + 16 * i + g + 8 * h) * LD + c0 + 8 * j + 2 * t;
-        at[0] = acc.v[i][j][2 * h];
-        at[1] = acc.v[i][j][2 * h + 1];
-      }
+  // Tile (0, 0) of a BM x BN product: each_pair's coordinates are the tile's own.
+  cg_gemm_each_pair<Config>(acc, Config::BM, Config::BN, 0, 0, [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+    float* at = smem + m * LD + n;
+    at[0] = d0;
+    at[1] = d1;
+  });
   __syncthreads();
   const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
   for (int r = warp; r < Config::BM; r += Config::THREADS / 32) {
