@@ -147,6 +147,30 @@ def plain_code():
     return PlainCode()
 
 
+class InPlace(nn.Module):
+    """In-place updates whose results nobody names (fx dropped them as dead
+    code, and the export was silently wrong): a tensor method, a function
+    with inplace=True, a module built with inplace=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):  # [4, 8]
+        y = x * 2
+        y.add_(1)
+        z = y - 3
+        F.relu(z, inplace=True)
+        w = z * 1
+        self.act(w)
+        w.mul_(0.5)
+        return y + z + w
+
+
+def in_place():
+    return InPlace()
+
+
 def zoo():
     torch.manual_seed(0)
     return randomized(Zoo())

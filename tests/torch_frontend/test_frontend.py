@@ -105,6 +105,17 @@ class Models(Exported):
             self.assertIn("weight", result.weights)
             self.assertIn("scale", result.weights)
 
+    def test_in_place_updates_are_kept(self):
+        """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
+        the export and its expected outputs agree with eager PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8)
+        result, _, _ = self.check_model(models.in_place(), (x,), seed)
+        expected = np.load(os.path.join(self.dir, "model", "expected", result.outputs[0] + ".npy"))
+        eager = models.in_place()(x.clone()).detach().numpy()
+        np.testing.assert_allclose(expected, eager, rtol=0, atol=0)
+
     def test_mlp_in_bfloat16(self):
         """bf16 weights, inputs and outputs, as .npy files of their bit
         patterns; PyTorch's bf16 result and cudagen's, each rounded from f32
@@ -333,6 +344,20 @@ class Errors(unittest.TestCase):
         self.assertIn("a square is x * x", message)
         self.assertRegex(message, r"supported instead: .*(torch\.mul|Tensor\.mul|aten\.mul)")
         self.assertNotIn("dropout", message)
+
+    def test_an_in_place_update_through_a_view_is_refused(self):
+        class ThroughView(torch.nn.Module):
+            def forward(self, x):
+                y = x * 2
+                y.view(-1).add_(1)
+                return y
+
+        if TRACER != "torch.fx.symbolic_trace":
+            self.skipTest("torch.export functionalizes views itself")
+        message = self.export_error(ThroughView(), (torch.randn(3, 4),))
+        self.assertIn("an in-place update", message)
+        self.assertIn("write the update out of place", message)
+        self.assertIn("y.view(-1).add_(1)", message)
 
     def test_data_dependent_control_flow(self):
         class Branchy(torch.nn.Module):

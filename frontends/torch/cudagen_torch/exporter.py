@@ -496,7 +496,8 @@ class _Exporter:
     def call(self, node):
         target = node.target
         if node.op == "call_method":
-            handler = METHODS.get(target)
+            # An in-place method maps as its pure form: _functionalize_in_place rewired its readers.
+            handler = METHODS.get(target) or (METHODS.get(target[:-1]) if target.endswith("_") else None)
         else:
             handler = FUNCTIONS.get(target)
         if handler is None:
@@ -1245,9 +1246,55 @@ def _trace(module, example_inputs):
             "  a data-dependent shape or control flow on tensor values cannot be captured; "
             "make it depend on constants, or wrap it in a leaf module") from None
     gm = torch.fx.GraphModule(tracer.root, graph, module.__class__.__name__)
+    _functionalize_in_place(gm)
     gm.graph.eliminate_dead_code()  # the shape queries that became constants
     gm.recompile()
     return gm
+
+
+# Tensor methods and modules that return a view of their input: an in-place
+# update through one also changes the tensor it views.
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "squeeze", "unsqueeze",
+                 "flatten", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind", "__getitem__"}
+
+
+def _in_place(node):
+    """Whether fx node `node` updates its first argument in place: a tensor
+    method such as `add_` or `relu_`, a function given inplace=True (F.relu),
+    or a module built with inplace=True (nn.ReLU(inplace=True))."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.kwargs.get("inplace", False) is True or (name.endswith("_") and not name.endswith("__"))
+    if node.op == "call_module":
+        return getattr(node.graph.owning_module.get_submodule(node.target), "inplace", False) is True
+    return False
+
+
+def _functionalize_in_place(gm):
+    """fx records `y.add_(1)` as a node whose result nobody reads while later
+    code reads `y`: dead-code elimination then dropped the update, and both
+    the export and its expected outputs silently lacked it. Here every reader
+    of the updated tensor after the update reads the update's result instead,
+    so the graph is functional and the mapping's pure ops are right. An
+    update through a view of a tensor still read afterwards cannot be written
+    that way, and is refused."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if not _in_place(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        target = node.args[0]
+        base = target.args[0] if (target.op == "call_method" and target.target in _VIEW_METHODS) or (
+            target.op == "call_function" and getattr(target.target, "__name__", "") == "getitem") else None
+        if isinstance(base, torch.fx.Node) and any(order[u] > order[node] for u in base.users if u is not target):
+            raise ExportError(
+                f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): an in-place update "
+                f"of '{target.name}', a view of '{base.name}', which is read afterwards: cudagen's graphs are "
+                "functional; write the update out of place (y = y + 1, not y.add_(1))")
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
 
 
 def _has_torch_export():
