@@ -24,7 +24,8 @@ struct DeviceModel {
   double launch_seconds;       // a launch's fixed cost, back to back
 };
 
-// The model of `arch` (sm_80: A100 SXM; sm_90 and later: H100 SXM).
+// The model of `arch`: an A100 SXM for sm_80 to sm_89 (the nearest datasheet the
+// model has), an H100 SXM for sm_90 and later.
 DeviceModel device_model(const std::string& arch);
 
 struct KernelEstimate {
