@@ -2618,6 +2618,7 @@ class Emitter {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     const DType tile_type = matmul_tile_dtype(op, a.buffer->dtype);
     const bool tensor_cores = is_16bit(tile_type);
+    ek.mainloop = tensor_cores ? MatmulMainloop::tensor_core_tile : MatmulMainloop::portable_tile;
     ek.matmul_path = tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
                      : op.name != "matmul" ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
                                            : "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
@@ -2667,6 +2668,7 @@ class Emitter {
     ek.grid[1] = (M + g.bm - 1) / g.bm;
     ek.grid[2] = batches;
     ek.tile_rows = g.bm;
+    ek.mainloop = MatmulMainloop::pipelined;
     ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
                                  g.describe(), g.rule + 1);
     reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
@@ -3143,11 +3145,9 @@ class Emitter {
   std::string prelude_and_templates() const {
     std::string out = "// ---- device prelude (templates/prelude.cuh) ----\n";
     out += embedded_template("prelude.cuh");
-    const auto& definitions = p_.registry.definitions();
-    if (!definitions.empty()) {
+    if (!p_.registry.definitions().empty()) {
       out += "\n// ---- templates: what the kernels below use ----\n";
-      for (const auto& d : definitions)
-        if (needed_.count(d.id)) out += fmt::format("\n// templates/{}:{}\n{}", d.file, d.line, d.text);
+      out += template_definitions(p_.registry, needed_);
       return out + "\n// ---- kernels ----\n\n";
     }
     // A hand-written registry (--registry) names files only: copy them whole.
@@ -3394,6 +3394,13 @@ std::string emitter_gap(const OpSignature& op) {
   if (op.pattern == PatternKind::opaque) return fmt::format("the emitter has no skeleton for opaque op '{}' yet", op.name);
   return fmt::format("the emitter has no {} skeleton for op '{}' yet (its template is {})", to_string(op.pattern),
                      op.name, op.source_function);
+}
+
+std::string template_definitions(const OpRegistry& registry, const std::set<std::string>& ids) {
+  std::string out;
+  for (const auto& d : registry.definitions())
+    if (ids.count(d.id)) out += fmt::format("\n// templates/{}:{}\n{}", d.file, d.line, d.text);
+  return out;
 }
 
 EmittedProgram emit(const Program& program, const std::vector<KernelGroup>& kernels, const Plan& plan,

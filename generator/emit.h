@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,12 @@ struct SharedRegion {
   int64_t bytes = 0;
 };
 
+// The mainloop a matmul kernel runs (emit.cpp, matmul()): the pipelined one
+// (templates/gemm.cuh), the 64 x 64 tensor-core tile, or the portable tile
+// (the f32 tile, or a user op's own function); none for other kernels and
+// for the fused matmul skeletons.
+enum class MatmulMainloop { none, pipelined, tensor_core_tile, portable_tile };
+
 struct EmittedKernel {
   std::string name;
   Phase phase;
@@ -65,8 +72,9 @@ struct EmittedKernel {
   // launch_grid(), which differs where y or z is over CUDA's 65535.
   int64_t grid[3] = {1, 1, 1};
   // A matmul kernel's rows per output tile (0 where not chosen by matmul()),
-  // and which mainloop it runs and why (its comment, describe).
+  // which mainloop it runs, and that in words with why (its comment, describe).
   int64_t tile_rows = 0;
+  MatmulMainloop mainloop = MatmulMainloop::none;
   std::string matmul_path;
   int block = 256;
   // Its __launch_bounds__' minimum of resident blocks per SM, or 0 for none.
@@ -177,5 +185,11 @@ std::string comment_text(std::string_view text);
 // Why the emitter cannot generate a kernel for `op` yet (no skeleton for
 // its pattern, or in-place updates), or empty when it can.
 std::string emitter_gap(const OpSignature& op);
+
+// The registry's template definitions among `ids`, in registry order (a
+// definition before what uses it), each under a comment naming its file and
+// line: the template code of a generated file, and of the host library of
+// user ops' float64 references (runtime/user_reference.h).
+std::string template_definitions(const OpRegistry& registry, const std::set<std::string>& ids);
 
 }  // namespace cudagen

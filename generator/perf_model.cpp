@@ -25,9 +25,10 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.flops = std::max<int64_t>(k.flops, 0);
   e.bytes = k.bytes_read + k.bytes_written;
   e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
-  const bool pipelined = k.matmul_path.find("pipelined mainloop") != std::string::npos;
-  const bool tensor_tile = k.matmul_path.find("64 x 64 tile") != std::string::npos;
-  e.ceiling_flops = pipelined ? d.pipelined_flops : tensor_tile ? d.tensor_tile_flops : d.simt_flops;
+  const bool pipelined = k.mainloop == MatmulMainloop::pipelined;
+  e.ceiling_flops = pipelined                                       ? d.pipelined_flops
+                    : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
+                                                                      : d.simt_flops;
   // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
   // per block) and registers, assumed as ptxas reported them for the
   // generated kernels (bench/RESULTS.md): up to 255 per thread on the

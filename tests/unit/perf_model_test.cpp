@@ -9,14 +9,15 @@ using namespace cudagen;
 
 namespace {
 
-EmittedKernel kernel(int64_t blocks, int block, int64_t flops, int64_t bytes, const std::string& path = "") {
+EmittedKernel kernel(int64_t blocks, int block, int64_t flops, int64_t bytes,
+                     MatmulMainloop mainloop = MatmulMainloop::none) {
   EmittedKernel k;
   k.name = "k";
   k.grid[0] = blocks;
   k.block = block;
   k.flops = flops;
   k.bytes_read = bytes;
-  k.matmul_path = path;
+  k.mainloop = mainloop;
   return k;
 }
 
@@ -48,9 +49,9 @@ TEST(PerfModel, EachPathRunsAtItsCeiling) {
   const DeviceModel h100 = device_model("sm_90");
   const int64_t flops = int64_t(1) << 40;
   const KernelEstimate pipelined =
-      estimate_kernel(kernel(132, 256, flops, 0, "the pipelined mainloop (templates/gemm.cuh), 128 x 128"), h100);
-  const KernelEstimate tile = estimate_kernel(kernel(132 * 8, 128, flops, 0, "the 64 x 64 tile (templates/matmul.cuh)"), h100);
-  const KernelEstimate simt = estimate_kernel(kernel(132 * 4, 256, flops, 0, "the f32 tile"), h100);
+      estimate_kernel(kernel(132, 256, flops, 0, MatmulMainloop::pipelined), h100);
+  const KernelEstimate tile = estimate_kernel(kernel(132 * 8, 128, flops, 0, MatmulMainloop::tensor_core_tile), h100);
+  const KernelEstimate simt = estimate_kernel(kernel(132 * 4, 256, flops, 0, MatmulMainloop::portable_tile), h100);
   EXPECT_EQ(pipelined.blocks_per_sm, 1) << "its registers allow one 256-thread block";
   EXPECT_EQ(pipelined.bound, "compute");
   EXPECT_NEAR(pipelined.seconds, h100.launch_seconds + double(flops) / h100.pipelined_flops, 1e-9);
