@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "emit.h"  // template_definitions
 #include "file_util.h"
 #include "templates_embedded.h"
 
@@ -34,9 +35,7 @@ std::string user_reference_source(const Program& program) {
   std::string out =
       "// The float64 references of user ops, built by cudagen run for its checks (runtime/user_reference.h).\n";
   out += embedded_template("prelude.cuh");
-  for (const auto& d : program.registry.definitions())
-    if (needed.count(d.id)) out += fmt::format("\n// {}:{}\n{}", d.file, d.line, d.text);
-  out += "\n";
+  out += template_definitions(program.registry, needed) + "\n";
   for (const OpSignature* op : ops) {
     int count = 0;
     for (const auto& slot : op->tensors) count += slot.role != SlotRole::output && !slot.written();
