@@ -74,13 +74,13 @@ struct WarpAccesses {
 // wrote: which thread issued the copy (0: none), the barrier epoch of the
 // block when that thread waited for it (kNotWaited before), and the last
 // thread to read it through a checked read, and in which epoch.
+constexpr unsigned kNotWaited = ~0u;
 struct SharedByte {
   unsigned owner = 0;
-  unsigned waited_epoch = ~0u;
+  unsigned waited_epoch = kNotWaited;
   unsigned reader = 0;
-  unsigned read_epoch = ~0u;
+  unsigned read_epoch = ~0u;  // none
 };
-constexpr unsigned kNotWaited = ~0u;
 
 // More fibers than this at once (a persistent launch runs every block's
 // threads together) would exhaust the process's memory maps.
@@ -202,7 +202,7 @@ class Emulator {
     self->exchange = value;
     wait(Fiber::State::AtWarpBarrier);  // every lane has deposited
     const size_t block_base = size_t(self->block) * threads_;
-    const size_t local = size_t(self - fibers_.data()) - block_base;
+    const size_t local = local_index(self);
     const size_t src = local - local % 32 + size_t(src_lane);
     uint64_t result = (src_lane >= 0 && src_lane < 32 && src < threads_) ? fibers_[block_base + src].exchange : value;
     wait(Fiber::State::AtWarpBarrier);  // every lane has read before anyone deposits again
@@ -385,14 +385,10 @@ class Emulator {
     return false;
   }
 
-  unsigned lane_of(const Fiber* f) const {
-    return unsigned(size_t(f - fibers_.data()) - size_t(f->block) * threads_) % 32;
-  }
-
-  WarpAccesses& warp_of(const Fiber* f) {
-    const size_t local = size_t(f - fibers_.data()) - size_t(f->block) * threads_;
-    return warp_accesses_[size_t(f->block) * warps_ + local / 32];
-  }
+  // A fiber's thread within its block (linear), its lane, its warp's accesses.
+  size_t local_index(const Fiber* f) const { return size_t(f - fibers_.data()) - size_t(f->block) * threads_; }
+  unsigned lane_of(const Fiber* f) const { return unsigned(local_index(f) % 32); }
+  WarpAccesses& warp_of(const Fiber* f) { return warp_accesses_[size_t(f->block) * warps_ + local_index(f) / 32]; }
 
   // Counts a warp's requests since its last barrier into the kernel's stats.
   void flush(WarpAccesses& w) {

@@ -151,9 +151,10 @@ _STATIC_TENSOR_ATTRIBUTES = ("shape", "dtype", "device", "ndim", "is_cuda", "lay
 class _Proxy(torch.fx.Proxy):
     """A Proxy that knows the value it stands for (the tracer's shadow): a
     tensor's static attributes (`x.shape`, `x.dtype`, `x.device`) are those
-    values, and a tuple value unpacks into its items, whatever the Python
-    version's bytecode (torch.fx reads the caller's UNPACK_SEQUENCE, which
-    Python 3.11's instruction caches moved)."""
+    values, and a tuple value unpacks into its items (`q, k, v =
+    x.split(n, dim=2)`, `a, b = self.sub(x)`), whatever the Python version's
+    bytecode (torch.fx reads the caller's UNPACK_SEQUENCE, which Python
+    3.11's instruction caches moved)."""
 
     def __getattr__(self, name):
         value = self.tracer.shadow.get(self.node)
@@ -198,13 +199,6 @@ class _Tracer(torch.fx.Tracer):
     def proxy(self, node):
         return _Proxy(node, self)
 
-    def iter(self, obj):
-        """`q, k, v = x.split(n, dim=2)`: a Proxy whose value is a tuple
-        unpacks into that many items."""
-        value = self.shadow.get(obj.node)
-        if isinstance(value, (tuple, list)):
-            return (obj[i] for i in range(len(value)))
-        return super().iter(obj)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, *rest, **more):
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, *rest, **more)
