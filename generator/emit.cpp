@@ -80,9 +80,12 @@ struct Param {
 struct LaunchParam {
   std::string name;
   std::string pointee;  // "const float", "float", ...
-  int buffer = -1;      // or -1 for a run-time argument
+  int buffer = -1;      // or -1 for a run-time argument or a workspace
   const PlannedScalar* scalar = nullptr;
   bool written = false;
+  // A workspace: arena bytes after the plan that the emitter owns (split-K's
+  // partial sums and arrival counters), where buffer and scalar are unset.
+  int64_t workspace_offset = -1, workspace_bytes = 0;
 };
 
 // The floats of a shared-memory region at byte `offset`, as kernel code.
@@ -150,6 +153,7 @@ class Emitter {
   EmittedProgram run(const std::vector<KernelGroup>& kernels) {
     EmittedProgram out;
     std::string kernel_code;
+    if (!options_.megakernel) plan_split_k_workspace(kernels);
     for (const auto& k : kernels) {
       // A kernel launched alone gets its __global__ right after its tile
       // function; one that shares a launch is called from the launch's.
@@ -167,6 +171,11 @@ class Emitter {
       for (int t : ek.tasks)
         if (std::optional<int64_t> flops = task_flops(p_, t)) ek.flops = std::max<int64_t>(ek.flops, 0) + *flops;
     arena_bytes_ = out.arena_bytes = plan_.arena_bytes;
+    if (split_k_.arrivals_bytes > 0) {  // zeroed as the megakernel's counters are (never both)
+      out.sync_offset = split_k_.arrivals_offset;
+      out.sync_bytes = align_up(split_k_.arrivals_bytes, plan_.alignment);
+      arena_bytes_ = out.arena_bytes = out.sync_offset + out.sync_bytes;
+    }
     kernel_code += options_.megakernel ? megakernels(out) : launches(kernels, out);
     out.cuda_source = header() + prelude_and_templates() + kernel_code + host_side(out);
     out.manifest_json = manifest(out);
@@ -193,12 +202,19 @@ class Emitter {
         "//   3. call the phases: each launches its kernels on `stream` (null: the default stream)\n"
         "//      and returns 0, or the first CUDA error (a cudaError_t);\n"
         "//   4. copy outputs back from arena + their offset.\n"
+        "{S}"
         "#pragma once\n\n"
         "struct CUstream_st;  // cudaStream_t is a CUstream_st*\n\n"
         "extern \"C\" {{\n"
         "extern const unsigned long long {P}_arena_bytes;  // {} on this plan\n",
         CUDAGEN_VERSION, comment_text(p_.graph.name), fnv1a64(write_graph(p_.graph) + options_.options_text), arena_bytes_,
-        fmt::arg("P", P));
+        fmt::arg("P", P),
+        fmt::arg("S", program.sync_bytes == 0
+                          ? std::string()
+                          : fmt::format("// Before step 3 the first time: zero the arena's bytes [{}, {}), counters the\n"
+                                        "// kernels keep between launches ({}); they stay valid after.\n",
+                                        program.sync_offset, program.sync_offset + program.sync_bytes,
+                                        options_.megakernel ? "the megakernel's events" : "split-K's arrivals")));
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
       int count = 0;
       for (const auto& k : program.kernels) count += k.phase == phase;
@@ -405,17 +421,24 @@ class Emitter {
   // memory while it is written; an output planned in place of its input
   // breaks that promise, so neither of the pair gets the qualifier.
   struct Pointer {
-    int buffer;
+    int64_t offset, bytes;
     bool written;
   };
-  bool aliased(size_t i, const std::vector<Pointer>& pointers) const {
-    const PlannedBuffer& a = plan_.buffers[size_t(pointers[i].buffer)];
+  static bool aliased(size_t i, const std::vector<Pointer>& pointers) {
+    const Pointer& a = pointers[i];
     for (size_t j = 0; j < pointers.size(); ++j) {
-      if (j == i || !(pointers[i].written || pointers[j].written)) continue;
-      const PlannedBuffer& b = plan_.buffers[size_t(pointers[j].buffer)];
+      if (j == i || !(a.written || pointers[j].written)) continue;
+      const Pointer& b = pointers[j];
       if (a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes) return true;
     }
     return false;
+  }
+  // Where a kernel parameter points in the arena: [offset, offset + bytes).
+  std::pair<int64_t, int64_t> arena_range(const LaunchParam& lp) const {
+    if (lp.scalar != nullptr) return {lp.scalar->offset, kScalarBytes};
+    if (lp.buffer < 0) return {lp.workspace_offset, lp.workspace_bytes};
+    const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
+    return {pb.offset, pb.bytes};
   }
 
   // A kernel as two functions: `NAME_tile`, the body over one block of the
@@ -449,7 +472,7 @@ class Emitter {
       const std::vector<LaunchParam>& launch) const {
     std::vector<Pointer> pointers;  // the buffers, in launch order
     for (const auto& lp : launch)
-      if (lp.scalar == nullptr) pointers.push_back({lp.buffer, lp.written});
+      if (lp.scalar == nullptr) pointers.push_back({arena_range(lp).first, arena_range(lp).second, lp.written});
     std::vector<std::string> params, names;
     for (size_t i = 0, buffer = 0; i < launch.size(); ++i) {
       const LaunchParam& lp = launch[i];
@@ -591,10 +614,16 @@ class Emitter {
                        k.name, ek.smem_bytes, kSharedBytesWithOptIn),
            "an internal error of cudagen's emitter: please report it with the graph; --no-fuse avoids the fused kernel");
     const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
-    std::vector<std::string> reads, writes, in_registers;
+    std::vector<std::string> reads, writes, in_registers, workspaces;
     std::set<std::pair<int, bool>> counted;  // a buffer two parameters read (or write) moves once, as the model has it
     for (const auto& lp : launch) {
       if (lp.scalar != nullptr) continue;
+      if (lp.buffer < 0) {  // a workspace: written once, read once
+        workspaces.push_back(fmt::format("{} ({} bytes at arena + {})", lp.name, lp.workspace_bytes, lp.workspace_offset));
+        ek.bytes_read += lp.workspace_bytes;
+        ek.bytes_written += lp.workspace_bytes;
+        continue;
+      }
       if (fused && !counted.insert({lp.buffer, lp.written}).second) continue;
       const BufferInfo& b = p_.buffers[size_t(lp.buffer)];
       // One task's kernel: its slot, then the buffer behind it when another task's. A fused one: the buffer.
@@ -628,7 +657,8 @@ class Emitter {
         "written; grid [{}, {}, {}], block {}, {} bytes of shared memory{}\n",
         k.name, to_string(k.phase), tasks, reads.empty() ? "-" : fmt::format("{}", fmt::join(reads, ", ")),
         writes.empty() ? "-" : fmt::format("{}", fmt::join(writes, ", ")),
-        in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", ")),
+        (in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", "))) +
+            (workspaces.empty() ? "" : fmt::format("//   workspace {}\n", fmt::join(workspaces, ", "))),
         ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes,
         regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     "))) +
            (ek.matmul_path.empty() ? "" : fmt::format("//   matmul on {}.\n", ek.matmul_path));
@@ -720,6 +750,7 @@ class Emitter {
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     for (const auto& sp : scalar_params(t))
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
+    for (LaunchParam& w : std::exchange(split_k_params_, {})) launch.push_back(std::move(w));
     std::string code =
         kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + operand_prologue + tail.code + body);
     record_launch(ek, std::move(launch));
@@ -1496,10 +1527,9 @@ class Emitter {
                        ek.grid[0], ek.grid[1], ek.grid[2], kMaxGridX),
            "split the task into several (fewer batches or rows each)");
     for (const auto& lp : launch) {
-      ek.arg_offsets.push_back(lp.scalar != nullptr ? lp.scalar->offset : plan_.buffers[size_t(lp.buffer)].offset);
-      ek.ranges.push_back(ArenaRange{ek.arg_offsets.back(),
-                                     lp.scalar != nullptr ? kScalarBytes : plan_.buffers[size_t(lp.buffer)].bytes,
-                                     lp.written});
+      const auto [offset, bytes] = arena_range(lp);
+      ek.arg_offsets.push_back(offset);
+      ek.ranges.push_back(ArenaRange{offset, bytes, lp.written});
     }
     launch_params_.push_back(std::move(launch));
   }
@@ -2597,10 +2627,14 @@ class Emitter {
       batch_b.clear();
     }
     const int64_t batches = numel(batch_out);
-    const std::string batch_bases = fmt::format(
-        "  const cg_i64 z = tile.z;\n"
-        "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n",
-        broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N);
+    // The batch is tile.z, or with split-K tile.z / splits (pipelined_matmul).
+    auto batch_bases_of = [&](const std::string& z) {
+      return fmt::format(
+          "  const cg_i64 z = {5};\n"
+          "  const cg_i64 a_base = {0} * {1}, b_base = {2} * {3}, out_base = z * {4};\n",
+          broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N, z);
+    };
+    const std::string batch_bases = batch_bases_of("tile.z");
     // 16-bit operands whose rows are whole 16-byte chunks, read as they are
     // stored, run the pipelined mainloop (docs/gemm.md) where the kernel is
     // launched alone (a megakernel's or a shared launch's block is another size).
@@ -2611,7 +2645,11 @@ class Emitter {
       pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
     else if (global_wrapper_)
       why_not_pipelined = "a prologue computes its operand";
-    if (pipelined) return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches, batch_bases, ek);
+    if (pipelined)
+      return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches,
+                              pipelined->split_k > 1 ? batch_bases_of(fmt::format("tile.z / {}", pipelined->split_k))
+                                                     : batch_bases,
+                              ek);
     // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
     // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
     // whose TF32 would break the f32 bound (docs/architecture.md §9).
@@ -2666,13 +2704,41 @@ class Emitter {
     ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
     ek.grid[0] = (N + g.bn - 1) / g.bn;
     ek.grid[1] = (M + g.bm - 1) / g.bm;
-    ek.grid[2] = batches;
+    ek.grid[2] = batches * g.split_k;
     ek.tile_rows = g.bm;
     ek.mainloop = MatmulMainloop::pipelined;
     ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
                                  g.describe(), g.rule + 1);
     reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
     const std::string type = c_type(a.buffer->dtype);
+    const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t));
+    if (g.split_k > 1) {
+      use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
+      const int64_t k_per_split = g.k_tiles_per_split * g.bk;
+      split_k_params_ = {
+          LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
+                      batches * g.split_k * M * N * 4},
+          LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
+                      batches * ek.grid[0] * ek.grid[1] * 4}};
+      return fmt::format(
+          "  CG_DYNAMIC_SMEM(cg_smem);\n"
+          "{0}"
+          "  // The pipelined mainloop: {1}: this block's part of k.\n"
+          "  const int cg_split = (int)(tile.z % {2});\n"
+          "  const cg_i64 cg_k_begin = cg_split * (cg_i64){3};\n"
+          "  const cg_i64 cg_k_end = cg_k_begin + {3} < {4} ? cg_k_begin + {3} : {4};\n"
+          "  typedef cg_gemm_config<{5}> cg_config;\n"
+          "  cg_gemm_accumulators<cg_config> cg_acc;\n"
+          "  cg_gemm_mainloop<cg_config, {6}, {7}, {8}>(cg_acc, (const unsigned short*)(a + a_base), {9},\n"
+          "                                             (const unsigned short*)(b + b_base), {10}, {11}, {12},\n"
+          "                                             cg_k_begin, cg_k_end, tile.y, tile.x, (unsigned short*)cg_smem);\n"
+          "  // The parts' sums, added in split order by the block that finishes last.\n"
+          "  cg_gemm_split_k<cg_config>(cg_acc, {11}, {12}, tile.y, tile.x, cg_split, {2},\n"
+          "                             cg_partials + z * {13}, cg_arrivals + (z * {14} + tile.y) * {15} + tile.x,\n"
+          "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {16}; }});\n",
+          batch_bases, g.describe(), g.split_k, k_per_split, K, g.arguments(), type, ta ? "false" : "true",
+          tb ? "true" : "false", ta ? M : K, tb ? K : N, M, N, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
+    }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "{0}"
@@ -2687,7 +2753,7 @@ class Emitter {
         "  cg_gemm_each_coalesced<cg_config>(cg_acc, {8}, {9}, tile.y, tile.x, (float*)cg_smem,\n"
         "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }});\n",
         batch_bases, g.describe(), g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K,
-        tb ? K : N, M, N, K, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
+        tb ? K : N, M, N, K, store_acc);
   }
 
   // A kernel that computes a norm's output for itself (rules norm_prologue
@@ -3030,6 +3096,26 @@ class Emitter {
   // tile functions of one persistent kernel per phase, which runs the
   // schedule of megakernel.h from constant tables. Their event counters and
   // watchdog reports take a region after the plan's arena.
+  // Sizes split-K's workspace (split_k_) for the largest product that may
+  // take it: a kernel launched alone whose first task is a matmul on the
+  // pipelined mainloop with a split (emit_kernel's matmul decides the same;
+  // where it does not take the mainloop, the workspace is only larger than
+  // needed).
+  void plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      const int t = kernels[i].tasks[0];
+      if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
+      const std::optional<GemmTile> g = pipelined_gemm_tile_of(p_, t, options_.arch);
+      if (!g || g->split_k < 2) continue;
+      const MatmulDims d = matmul_dims(p_, t);
+      const int64_t tiles = (d.M + g->bm - 1) / g->bm * ((d.N + g->bn - 1) / g->bn) * d.batches;
+      split_k_.partials_bytes = std::max(split_k_.partials_bytes, d.batches * g->split_k * d.M * d.N * 4);
+      split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, tiles * 4);
+    }
+    split_k_.partials_offset = align_up(plan_.arena_bytes, plan_.alignment);
+    split_k_.arrivals_offset = align_up(split_k_.partials_offset + split_k_.partials_bytes, plan_.alignment);
+  }
+
   std::string megakernels(EmittedProgram& out) {
     MegakernelOptions mo;
     mo.blocks = options_.megakernel_blocks > 0 ? options_.megakernel_blocks : default_megakernel_blocks(options_.arch);
@@ -3179,7 +3265,7 @@ class Emitter {
 
   // A launch parameter's name outside its kernel: the buffer's, or the run-time argument's.
   std::string launch_name(const LaunchParam& lp) const {
-    return lp.scalar != nullptr ? lp.scalar->name(p_) : buffer_name(lp.buffer);
+    return lp.scalar != nullptr ? lp.scalar->name(p_) : lp.buffer < 0 ? lp.name : buffer_name(lp.buffer);
   }
 
   // One entry of a cudagen_tensor_info table (the emulator's bounds checks).
@@ -3187,8 +3273,9 @@ class Emitter {
     if (lp.scalar != nullptr)
       return fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},  // run-time argument\n", slot, launch_name(lp),
                          lp.scalar->offset, kScalarBytes);
-    const PlannedBuffer& pb = plan_.buffers[size_t(lp.buffer)];
-    return fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},\n", slot, launch_name(lp), pb.offset, pb.bytes);
+    const auto [offset, bytes] = arena_range(lp);
+    return fmt::format("    {{\"{}\", \"{}\", {}ull, {}ull}},{}\n", slot, launch_name(lp), offset, bytes,
+                       lp.buffer < 0 ? "  // workspace" : "");
   }
 
   std::string host_side(const EmittedProgram& program) const {
@@ -3383,6 +3470,15 @@ class Emitter {
   std::vector<std::vector<LaunchParam>> launched_params_;
   bool global_wrapper_ = true;  // while a kernel group is emitted: whether it is launched alone
   int64_t arena_bytes_ = 0;  // the plan's, and the megakernel's event counters after it
+  // Split-K's workspace after the plan (plan_split_k_workspace): the partial
+  // sums of the largest split-K product, then its arrival counters, which
+  // start at zero (EmittedProgram::sync_offset) and every launch leaves so.
+  // The split-K kernels run one after another, so they share it.
+  struct SplitKWorkspace {
+    int64_t partials_offset = 0, partials_bytes = 0, arrivals_offset = 0, arrivals_bytes = 0;
+  };
+  SplitKWorkspace split_k_;
+  std::vector<LaunchParam> split_k_params_;  // the workspace parameters of the kernel being emitted
 };
 
 }  // namespace

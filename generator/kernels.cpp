@@ -186,7 +186,10 @@ std::string GemmTile::arguments() const {
 }
 
 std::string GemmTile::describe() const {
-  return fmt::format("{} x {} x {} tiles, {} x {} warps, {} stages", bm, bn, bk, warps_m, warps_n, stages);
+  std::string text = fmt::format("{} x {} x {} tiles, {} x {} warps, {} stages", bm, bn, bk, warps_m, warps_n, stages);
+  if (split_k > 1)
+    text += fmt::format(", split-K {} ways ({} k-tiles each)", split_k, k_tiles_per_split);
+  return text;
 }
 
 std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::string& origin) {
@@ -227,6 +230,12 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
                                           "64, 2, 2, 3)",
                                           fmt::join(t, ", ")));
     rule.tile = GemmTile{t[0], t[1], t[2], t[3], t[4], t[5], int(i)};
+    if (const JsonValue* split = r.find("max_split_k")) {
+      const int64_t most = split->as_int();
+      if (most < 1 || most > kMaxSplitK)
+        throw bad(at + "/max_split_k", fmt::format("{} is not between 1 and {}", most, kMaxSplitK));
+      rule.max_split_k = int(most);
+    }
     if (const JsonValue* why = r.find("why")) rule.why = why->as_string();
     out.push_back(std::move(rule));
   }
@@ -254,8 +263,21 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
   // Full waves of 128 x 128 tiles: as many blocks as the SMs hold, at one block an SM.
   const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches, waves = large_tiles / sms;
   for (const GemmTuningRule& rule : table)
-    if ((rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves) return rule.tile;
+    if ((rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves)
+      return with_split_k(rule.tile, rule.max_split_k, M, N, K, batches, sms);
   return refuse("no rule of the tuning table matches");  // unreachable: the last rule matches everything
+}
+
+GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int64_t K, int64_t batches, int64_t sms) {
+  const int64_t blocks = (M + tile.bm - 1) / tile.bm * ((N + tile.bn - 1) / tile.bn) * batches;
+  const int64_t k_tiles = (K + tile.bk - 1) / tile.bk;
+  // As many parts as fit one wave beside the tiles, each of enough k-tiles to fill its pipeline.
+  const int64_t most = std::min({int64_t(max_split_k), sms / std::max<int64_t>(blocks, 1), k_tiles / kMinKTilesPerSplit});
+  if (most < 2) return tile;
+  // Equal parts: the fewest k-tiles per part that `most` parts cover, then the parts that takes.
+  tile.k_tiles_per_split = (k_tiles + most - 1) / most;
+  tile.split_k = int((k_tiles + tile.k_tiles_per_split - 1) / tile.k_tiles_per_split);
+  return tile;
 }
 
 MatmulDims matmul_dims(const Program& program, int t) {
@@ -289,9 +311,15 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
       return std::nullopt;
     }
   const MatmulDims d = matmul_dims(program, t);
-  return pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
-                             program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
-                             d.trans_b, d.batches, arch, why_not);
+  std::optional<GemmTile> tile =
+      pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
+                          program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
+                          d.trans_b, d.batches, arch, why_not);
+  if (tile && tile->split_k > 1 && task.op->closure_of("cg_gemm_split_k") == nullptr) {
+    tile->split_k = 1;  // an op without the split-K epilogue runs its tiles whole
+    tile->k_tiles_per_split = 0;
+  }
+  return tile;
 }
 
 }  // namespace cudagen

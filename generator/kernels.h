@@ -117,12 +117,17 @@ inline DType matmul_tile_dtype(const OpSignature& op, DType a) {
 struct GemmTile {
   int bm = 0, bn = 0, bk = 0, warps_m = 0, warps_n = 0, stages = 0;
   int rule = -1;  // which rule of the tuning table chose it (0-based), -1 for none
+  // Split-K (docs/gemm.md): the k range cut into `split_k` parts of
+  // `k_tiles_per_split` k-tiles each (the last may have fewer), each part a
+  // block of its own; 1: no split.
+  int split_k = 1;
+  int64_t k_tiles_per_split = 0;
   int threads() const { return 32 * warps_m * warps_n; }
   // cg_gemm_shared<Config>::bytes: the stages, or the staged results where more.
   int64_t shared_bytes() const { return std::max(int64_t(2) * stages * (bm + bn) * bk, int64_t(4) * bm * (bn + 4)); }
   // "128, 128, 64, 2, 2, 3": cg_gemm_config's template arguments.
   std::string arguments() const;
-  // "128 x 128 x 64 tiles, 2 x 2 warps, 3 stages".
+  // "128 x 128 x 64 tiles, 2 x 2 warps, 3 stages", and the split where any.
   std::string describe() const;
 };
 
@@ -133,12 +138,24 @@ struct GemmTile {
 // spills (Toolchains.GemmMainloopKeepsEverythingInRegisters) within the
 // shared memory a kernel may opt in to, and a last rule that matches every
 // product of its arch.
+//
+// A rule's max_split_k (default 1) allows split-K: where the product's tiles
+// of the rule's size (over its batches) fill less than one wave of the
+// arch's SMs, its k range is cut into as many parts as bring the blocks
+// closest to one wave, at most max_split_k and each at least
+// kMinKTilesPerSplit k-tiles (so each part's pipeline fills); the partial
+// sums are added in a fixed order (deterministic, no floating-point atomics).
 struct GemmTuningRule {
   std::string arch;
   int64_t min_waves = 0;
   GemmTile tile;
+  int max_split_k = 1;
   std::string why;
 };
+constexpr int64_t kMinKTilesPerSplit = 8;
+constexpr int kMaxSplitK = 32;
+// The tile with its split (above) for an M x N x K product over `batches` on `sms` SMs.
+GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int64_t K, int64_t batches, int64_t sms);
 std::string_view gemm_tuning_json();  // the bundled table's text (embedded at build time)
 // Throws std::runtime_error naming `origin` and the rule at fault.
 std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::string& origin);

@@ -144,6 +144,19 @@ CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const 
 #endif
 }
 
+// A float another block of this launch wrote (split-K's partial sums): read
+// from L2 (ld.global.cg), never from this SM's L1, which is not coherent
+// with other SMs' stores. Checked like cg_load in emulation.
+CG_DEVICE float cg_load_l2(const float* base, cg_i64 i) {
+#if defined(__CUDA_ARCH__)
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(base + i));
+  return v;
+#else
+  return cg_load(base, i);
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // A swizzled shared tile: ROWS rows of COLS 16-bit elements, COLS contiguous.
 // Chunk c (8 elements, 16 bytes) of row r is stored at chunk c ^ key(r), where
@@ -380,6 +393,62 @@ CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, c
     CG_UNROLL
     for (int c = lane; c < Config::BN; c += 32)
       if (n0 + c < N) f(m0 + r, n0 + c, smem[r * LD + c]);
+  }
+}
+
+// Split-K (docs/gemm.md): `splits` blocks compute the same output tile,
+// each over its own part of the k range, and the sum is taken in a fixed
+// order, so that the result is the same bit for bit whichever block ends
+// last. Each block stores its partial sums to partials[split] (an
+// [splits][M][N] f32 workspace; pairs in fragment order, four lanes on 32
+// consecutive bytes: whole sectors), then counts itself in at `arrivals`
+// (one counter per output tile, zero before the first launch); the block
+// that arrives last adds partials[0] + partials[1] + ... in that order and
+// hands each (m, n, sum) inside M x N to f, walking rows as
+// cg_gemm_each_coalesced does, then sets the counter back to zero for the
+// next launch. The atomic only elects that block: no value is added
+// atomically. `smem`: the mainloop's shared memory (one word of it).
+template <typename Config, typename F>
+CG_DEVICE void cg_gemm_split_k(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                               cg_i64 tile_n, int split, int splits, float* partials, unsigned int* arrivals,
+                               unsigned int* smem, F f) {
+  float* mine = partials + (cg_i64)split * M * N;
+  const bool pairs = (N & 1) == 0;  // then every pair is 8-byte aligned
+  cg_gemm_each_pair<Config>(acc, M, N, tile_m, tile_n, [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+    if (pairs && n + 1 < N) {
+      cg_vector<2, float> pair;
+      pair.v[0] = d0;
+      pair.v[1] = d1;
+      cg_store_vector<2, float>(mine, m * N + n, pair);
+      return;
+    }
+    cg_store(mine, m * N + n, d0);
+    if (n + 1 < N) cg_store(mine, m * N + n + 1, d1);
+  });
+  __threadfence();  // the partial sums are visible to every block before this one counts itself in
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int before = atomicAdd(arrivals, 1u);
+    const unsigned int last = before == (unsigned int)splits - 1;
+    if (last) *arrivals = 0u;  // every split has arrived: nothing else reads it in this launch
+    smem[0] = last;
+  }
+  __syncthreads();
+  if (smem[0] == 0u) return;
+  __threadfence();  // the other blocks' partial sums, after their count
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
+  for (int r = warp; r < Config::BM; r += Config::THREADS / 32) {
+    const cg_i64 m = m0 + r;
+    if (m >= M) break;
+    CG_UNROLL
+    for (int c = lane; c < Config::BN; c += 32) {
+      const cg_i64 n = n0 + c;
+      if (n >= N) continue;
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s) sum += cg_load_l2(partials, ((cg_i64)s * M + m) * N + n);
+      f(m, n, sum);
+    }
   }
 }
 

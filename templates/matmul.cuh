@@ -21,6 +21,7 @@ CG_OP("matmul",
       "variant: cg_gemm_each_pair",
       "variant: cg_gemm_each_coalesced",
       "variant: cg_gemm_config",
+      "variant: cg_gemm_split_k",
       "flops: 2 * numel(out) * K",
       "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")
 CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int M, int N, int K, int tile_m,

@@ -8,6 +8,8 @@
 //   3. call the phases: each launches its kernels on `stream` (null: the default stream)
 //      and returns 0, or the first CUDA error (a cudaError_t);
 //   4. copy outputs back from arena + their offset.
+// Before step 3 the first time: zero the arena's bytes [41984, 42240), counters the
+// kernels keep between launches (the megakernel's events); they stay valid after.
 #pragma once
 
 struct CUstream_st;  // cudaStream_t is a CUstream_st*

@@ -91,6 +91,30 @@ TEST(GemmTuning, TheBundledTablePicksByFullWavesOnTheArch) {
   EXPECT_NE(why.find("not both f16 or both bf16"), std::string::npos);
 }
 
+// Split-K (docs/gemm.md): a product whose tiles fill less than a wave cuts
+// its k range into the parts that bring its blocks closest to one wave, each
+// of at least kMinKTilesPerSplit k-tiles, in equal parts; a product that
+// fills the SMs, or whose K is short, is not split.
+TEST(GemmTuning, SplitKFillsOneWaveOfSmallProducts) {
+  auto pick = [](int64_t M, int64_t N, int64_t K, int64_t batches, const char* arch) {
+    return *pipelined_gemm_tile(DType::bf16, DType::bf16, M, N, K, false, false, batches, arch);
+  };
+  // 64 rows of a 768 x 3072 down projection: 12 tiles of 64 x 64, 96 k-tiles of 32.
+  const GemmTile down = pick(64, 768, 3072, 1, "sm_90");
+  EXPECT_EQ(down.split_k, 11);  // 132 / 12 = 11 parts of 9 k-tiles (the last 6)
+  EXPECT_EQ(down.k_tiles_per_split, 9);
+  EXPECT_EQ(pick(64, 768, 3072, 1, "sm_80").split_k, 9);  // 108 / 12 = 9 parts of 11 (the last 8)
+  EXPECT_EQ(pick(64, 3072, 768, 1, "sm_90").split_k, 2);  // 48 tiles: 2 parts of 12
+  EXPECT_EQ(pick(64, 768, 200, 1, "sm_90").split_k, 1);   // 7 k-tiles: too short to split
+  EXPECT_EQ(pick(1024, 768, 3072, 1, "sm_90").split_k, 1); // 192 tiles: more than a wave
+  EXPECT_EQ(pick(64, 768, 3072, 8, "sm_90").split_k, 1);  // 96 tiles over 8 batches: 132 / 96 = 1
+  EXPECT_EQ(pick(4096, 4096, 4096, 1, "sm_90").split_k, 1);  // the large tile's rule allows none
+  const GemmTile limited = with_split_k(down, 4, 64, 768, 3072, 1, 132);
+  EXPECT_EQ(limited.split_k, 4);
+  EXPECT_EQ(limited.k_tiles_per_split, 24);
+  EXPECT_NE(down.describe().find("split-K 11 ways (9 k-tiles each)"), std::string::npos) << down.describe();
+}
+
 TEST(GemmTuning, ABadTableNamesTheRule) {
   auto error_of = [](const std::string& text) {
     try {
@@ -105,6 +129,9 @@ TEST(GemmTuning, ABadTableNamesTheRule) {
   EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 64, 2, 2, 4]}]})").find("t.json: /rules/0/tile"),
             std::string::npos);
   EXPECT_NE(error_of(head + R"({"arch": "sm_90", "tile": [64, 64, 32, 2, 2, 4]}]})").find("matches every product"),
+            std::string::npos);
+  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4], "max_split_k": 0}]})")
+                .find("t.json: /rules/0/max_split_k: 0 is not between 1 and 32"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"format": "other", "rules": []})").find("/format"), std::string::npos);
   EXPECT_NE(error_of("{").find("t.json: line 1"), std::string::npos);
