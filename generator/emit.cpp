@@ -2641,10 +2641,16 @@ class Emitter {
     std::string why_not_pipelined =
         options_.megakernel ? "a megakernel's tiles share one block size" : "it shares its launch with other kernels";
     std::optional<GemmTile> pipelined;
-    if (global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer)
+    std::optional<SgemmTile> simt;
+    const bool reads_as_stored =
+        global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer;
+    if (reads_as_stored && a.buffer->dtype == DType::f32)
+      simt = simt_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
+    else if (reads_as_stored)
       pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
     else if (global_wrapper_)
       why_not_pipelined = "a prologue computes its operand";
+    if (simt) return simt_matmul(t, a, b, out, *simt, M, N, K, ta, tb, batches, batch_bases, ek);
     if (pipelined)
       return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches,
                               pipelined->split_k > 1 ? batch_bases_of(fmt::format("tile.z / {}", pipelined->split_k))
@@ -2659,7 +2665,7 @@ class Emitter {
     ek.mainloop = tensor_cores ? MatmulMainloop::tensor_core_tile : MatmulMainloop::portable_tile;
     ek.matmul_path = tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
                      : op.name != "matmul" ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
-                                           : "the f32 tile (templates/matmul.cuh): f32 stays off tensor cores";
+                                           : "the portable f32 tile (templates/matmul.cuh): " + why_not_pipelined;
     const int tile = int(matmul_tile_rows(tile_type));
     ek.block = int(matmul_tile_threads(tile_type));
     ek.tile_rows = tile;
@@ -2754,6 +2760,44 @@ class Emitter {
         "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }});\n",
         batch_bases, g.describe(), g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K,
         tb ? K : N, M, N, K, store_acc);
+  }
+
+  // An f32 matmul on the SIMT mainloop (templates/gemm.cuh): 8 x 8 outputs a
+  // thread, the results through shared memory into the store (and an
+  // epilogue chain) in an order that coalesces.
+  std::string simt_matmul(int t, const Param& a, const Param& b, const Param& out, const SgemmTile& g, int64_t M,
+                          int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
+                          EmittedKernel& ek) {
+    entry_function_ = "cg_sgemm_mainloop";
+    use_function(*p_.tasks[size_t(t)].op, "cg_sgemm_each_coalesced");
+    use_function(*p_.tasks[size_t(t)].op, "cg_sgemm_config");
+    ek.block = g.threads();
+    // 64 accumulators, 16 operands and 8 prefetched values a thread: capped at
+    // 128 registers (2 blocks of 256 an SM), nvcc spills on sm_90; free, it
+    // takes 141 (sm_80) to 163 (sm_90).
+    ek.min_blocks_per_sm = 1;
+    ek.grid[0] = (N + g.bn - 1) / g.bn;
+    ek.grid[1] = (M + g.bm - 1) / g.bm;
+    ek.grid[2] = batches;
+    ek.tile_rows = g.bm;
+    ek.mainloop = MatmulMainloop::simt;
+    ek.matmul_path = fmt::format("the f32 SIMT mainloop (templates/gemm.cuh), {}", g.describe());
+    reserve_shared(ek, "two stages of both operands' tiles, then the results", g.shared_bytes());
+    (void)b;
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "{0}"
+        "  // The f32 SIMT mainloop: {1}.\n"
+        "  typedef cg_sgemm_config<{2}> cg_config;\n"
+        "  cg_sgemm_accumulators<cg_config> cg_acc;\n"
+        "  cg_sgemm_mainloop<cg_config, {3}, {4}>(cg_acc, a + a_base, {5}, b + b_base, {6}, {7}, {8}, {9},\n"
+        "                                        tile.y, tile.x, (float*)cg_smem);\n"
+        "  // The output tile through shared memory, so that its stores (and an\n"
+        "  // epilogue's loads) coalesce.\n"
+        "  cg_sgemm_each_coalesced<cg_config>(cg_acc, {7}, {8}, tile.y, tile.x, (float*)cg_smem,\n"
+        "                                     [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
+        batch_bases, g.describe(), g.arguments(), ta ? "false" : "true", tb ? "true" : "false", ta ? M : K, tb ? K : N, M,
+        N, K, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
   }
 
   // A kernel that computes a norm's output for itself (rules norm_prologue

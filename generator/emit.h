@@ -59,10 +59,11 @@ struct SharedRegion {
 };
 
 // The mainloop a matmul kernel runs (emit.cpp, matmul()): the pipelined one
-// (templates/gemm.cuh), the 64 x 64 tensor-core tile, or the portable tile
+// (templates/gemm.cuh), the f32 SIMT one (same file), the 64 x 64
+// tensor-core tile, or the portable tile
 // (the f32 tile, or a user op's own function); none for other kernels and
 // for the fused matmul skeletons.
-enum class MatmulMainloop { none, pipelined, tensor_core_tile, portable_tile };
+enum class MatmulMainloop { none, pipelined, simt, tensor_core_tile, portable_tile };
 
 struct EmittedKernel {
   std::string name;

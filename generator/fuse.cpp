@@ -444,9 +444,10 @@ class Fuser {
         if (!rule_on("horizontal"))
           reason = "rule horizontal is off (--no-fuse-rule)";
         else if (runs_pipelined(kernel))
-          reason = "it runs the pipelined matmul mainloop, in a launch of its own";
+          reason = fmt::format("it runs the {} matmul mainloop, in a launch of its own", mainloop_of(kernel.tasks.front()));
         else if (runs_pipelined(out_.kernels[first]))
-          reason = fmt::format("{} runs the pipelined matmul mainloop, in a launch of its own", out_.kernels[first].name);
+          reason = fmt::format("{} runs the {} matmul mainloop, in a launch of its own", out_.kernels[first].name,
+                               mainloop_of(out_.kernels[first].tasks.front()));
         else if (parameters + own > kMaxLaunchParameters)
           reason = fmt::format("the launch would take more than {} parameters", kMaxLaunchParameters);
         for (size_t j = first; j < k && reason.empty(); ++j) {
@@ -465,12 +466,20 @@ class Fuser {
       parameters = own;
     }
   }
-  // Whether the emitter will run the kernel on the pipelined mainloop: a
-  // matmul alone or with its epilogue, no prologue (emit.cpp, matmul()).
+  // Whether the emitter will run the kernel on the pipelined or the SIMT
+  // mainloop: a matmul alone or with its epilogue, no prologue (emit.cpp,
+  // matmul()).
   bool runs_pipelined(const KernelGroup& k) const {
     const int t = k.tasks.front();
     return k.prologue.empty() && (k.rule.empty() || k.rule == "matmul_epilogue") &&
-           p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && pipelined_gemm_tile_of(p_, t).has_value();
+           p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
+  }
+  // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
+  // given its kernel alone without a prologue; empty otherwise.
+  std::string mainloop_of(int t) const {
+    if (pipelined_gemm_tile_of(p_, t)) return "pipelined";
+    if (simt_gemm_tile_of(p_, t)) return "SIMT";
+    return {};
   }
   // A kernel's parameters are limited (4 KiB on every device since Volta);
   // far below that, a launch of this many pointers is no longer small.
@@ -1283,13 +1292,15 @@ class Fuser {
   // costs less than giving the mainloop up: the reason, or empty.
   std::string pipelined_instead(int r) const {
     const BoundTask& reader = p_.tasks[size_t(r)];
-    if (reader.op->pattern != PatternKind::matmul || !pipelined_gemm_tile_of(p_, r)) return {};
+    if (reader.op->pattern != PatternKind::matmul) return {};
+    const std::string mainloop = mainloop_of(r);
+    if (mainloop.empty()) return {};
     const int64_t flops = matmul_dims(p_, r).flops();
     if (flops < kPipelinedPrologueFlops) return {};
     return fmt::format(
-        "'{}' ({} MFLOP) runs the pipelined matmul mainloop, which reads its operands as stored: at this size a "
+        "'{}' ({} MFLOP) runs the {} matmul mainloop, which reads its operands as stored: at this size a "
         "kernel of their own costs less than the element-by-element tile a prologue needs",
-        reader.task->id, flops / 1000000);
+        reader.task->id, flops / 1000000, mainloop);
   }
   // From about this many FLOPs the pipelined mainloop saves more than the
   // separate kernel's pass over the operand costs (docs/gemm.md).

@@ -322,4 +322,45 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
   return tile;
 }
 
+std::string SgemmTile::arguments() const { return fmt::format("{}, {}, {}", bm, bn, bk); }
+
+std::string SgemmTile::describe() const {
+  return fmt::format("{} x {} x {} tiles, {} threads of 8 x 8 outputs", bm, bn, bk, threads());
+}
+
+std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+                                        int64_t batches, const std::string& arch, std::string* why_not) {
+  (void)K;
+  auto refuse = [&](std::string why) -> std::optional<SgemmTile> {
+    if (why_not != nullptr) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  if (a != DType::f32 || b != DType::f32) return refuse("its operands are not both f32");
+  if (2 * M * N * K * batches < kSimtMainloopMinFlops)
+    return refuse(fmt::format("at {} FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT "
+                              "mainloop, which takes one of its own",
+                              2 * M * N * K * batches));
+  // 16-byte loads: every row of each operand starts on a 16-byte boundary (the arena aligns each buffer to 256).
+  const int64_t a_contiguous = trans_a ? M : K, b_contiguous = trans_b ? K : N;
+  if (a_contiguous % 4 != 0 || b_contiguous % 4 != 0)
+    return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of 4 floats",
+                              a_contiguous, b_contiguous));
+  const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches;
+  if (large_tiles >= device_model(arch).sms) return SgemmTile{128, 128, 8};
+  return SgemmTile{64, 64, 8};
+}
+
+std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch, std::string* why_not) {
+  const BoundTask& task = program.tasks[size_t(t)];
+  for (const char* variant : {"cg_sgemm_mainloop", "cg_sgemm_each_coalesced", "cg_sgemm_config"})
+    if (task.op->closure_of(variant) == nullptr) {
+      if (why_not != nullptr) *why_not = fmt::format("op '{}' has no SIMT mainloop (variant {})", task.op->name, variant);
+      return std::nullopt;
+    }
+  const MatmulDims d = matmul_dims(program, t);
+  return simt_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
+                        program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a, d.trans_b,
+                        d.batches, arch, why_not);
+}
+
 }  // namespace cudagen

@@ -185,6 +185,30 @@ MatmulDims matmul_dims(const Program& program, int t);
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
                                                std::string* why_not = nullptr);
 
+// The f32 SIMT mainloop (templates/gemm.cuh, cg_sgemm_mainloop; docs/gemm.md):
+// BM x BN tiles over BK, (BM / 8) x (BN / 8) threads of 8 x 8 outputs each.
+struct SgemmTile {
+  int bm = 0, bn = 0, bk = 0;
+  int threads() const { return (bm / 8) * (bn / 8); }
+  // cg_sgemm_config<...>::SHARED_BYTES: two stages, or the staged results where more.
+  int64_t shared_bytes() const { return 4 * std::max<int64_t>(2 * bk * (bm + 4 + bn + 4), int64_t(bm) * (bn + 4)); }
+  std::string arguments() const;  // "128, 128, 8"
+  std::string describe() const;   // "128 x 128 x 8 tiles, 8 x 8 outputs a thread"
+};
+
+// The SIMT tile an f32 matmul of M x N outputs over K (per batch) runs on for
+// `arch`, or nullopt with the reason: both operands f32 with contiguous axes
+// of whole 16-byte chunks (A's K, or M with trans_a; B's N, or K with
+// trans_b), and at least kSimtMainloopMinFlops (a smaller product's kernel
+// shares a launch on the portable tile: launches cost more than its FMAs).
+// 128 x 128 where those tiles fill a wave of the arch's SMs, else 64 x 64.
+constexpr int64_t kSimtMainloopMinFlops = int64_t(1) << 24;
+std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
+                                        int64_t batches, const std::string& arch, std::string* why_not = nullptr);
+// The same for matmul task `t` (its op must have the SIMT mainloop's variants).
+std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
+                                           std::string* why_not = nullptr);
+
 // A shared-memory region's bytes up to the 16-byte boundary the next one
 // starts at (emit.cpp aligns every region so, for vector loads and the
 // tensor-core tiles).

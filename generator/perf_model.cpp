@@ -13,10 +13,13 @@ DeviceModel device_model(const std::string& arch) {
   // TFLOP/s); on an A100 the same kernel is scaled by the two GPUs' dense
   // tensor peaks (312 / 989). The 64 x 64 tile and the SIMT rates are static
   // estimates from their instruction mix (about 565 instructions per 8 mma;
-  // one shared load per FMA), not yet measured. Bandwidth: 90% of the HBM peak.
+  // one shared load per FMA on the portable tile; 4 16-byte shared loads per
+  // 64 FMA on the SIMT mainloop, taken at 60% of the f32 peak: 67 TFLOP/s on
+  // an H100 SXM, 19.5 on an A100), not yet measured. Bandwidth: 90% of the
+  // HBM peak.
   if (arch == "sm_80" || arch == "sm_86" || arch == "sm_87" || arch == "sm_89")
-    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 40e12, 10e12, 2.5e-6};
-  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 60e12, 14e12, 2.5e-6};
+    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 40e12, 0.6 * 19.5e12, 10e12, 2.5e-6};
+  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 60e12, 0.6 * 67e12, 14e12, 2.5e-6};
 }
 
 KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
@@ -27,14 +30,16 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
   const bool pipelined = k.mainloop == MatmulMainloop::pipelined;
   e.ceiling_flops = pipelined                                       ? d.pipelined_flops
+                    : k.mainloop == MatmulMainloop::simt             ? d.simt_mainloop_flops
                     : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
                                                                       : d.simt_flops;
   // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
   // per block) and registers, assumed as ptxas reported them for the
   // generated kernels (bench/RESULTS.md): up to 255 per thread on the
-  // pipelined mainloop, 64 elsewhere.
+  // pipelined mainloop, 141-163 on the SIMT mainloop (168 as allocated in
+  // units of 8), 64 elsewhere.
   const int block = std::max(1, k.block);
-  const int registers = pipelined ? 255 : 64;
+  const int registers = pipelined ? 255 : k.mainloop == MatmulMainloop::simt ? 168 : 64;
   int per_sm = std::min({32, 2048 / block, 65536 / (block * registers)});
   if (k.smem_bytes > 0) per_sm = std::min<int64_t>(per_sm, (228 * 1024) / (k.smem_bytes + 1024));
   e.blocks_per_sm = std::max(1, per_sm);
@@ -57,9 +62,9 @@ std::vector<KernelEstimate> estimate_kernels(const EmittedProgram& program, cons
 std::string estimates_table(const std::vector<KernelEstimate>& estimates, const DeviceModel& d) {
   std::string out = fmt::format(
       "\nperformance model ({}, {}: {} SMs, {:.0f} GB/s, tensor cores {:.0f} TFLOP/s pipelined / {:.0f} in the 64 x 64 "
-      "tile, CUDA cores {:.0f} TFLOP/s; docs/architecture.md §11):\n",
+      "tile, CUDA cores {:.0f} TFLOP/s in the SIMT mainloop / {:.0f} elsewhere; docs/architecture.md §11):\n",
       d.arch, d.name, d.sms, d.memory_bytes_per_s / 1e9, d.pipelined_flops / 1e12, d.tensor_tile_flops / 1e12,
-      d.simt_flops / 1e12);
+      d.simt_mainloop_flops / 1e12, d.simt_flops / 1e12);
   out += fmt::format("  {:<28} {:>10} {:>10} {:>8} {:>6} {:>8}  {:>10}\n", "kernel", "GFLOP", "MB", "blocks", "waves",
                      "bound", "predicted");
   double total = 0;

@@ -20,7 +20,8 @@ struct DeviceModel {
   double memory_bytes_per_s;   // achievable device-memory bandwidth
   double pipelined_flops;      // the pipelined tensor-core mainloop, measured (16-bit)
   double tensor_tile_flops;    // the 64 x 64 tensor-core tile (16-bit)
-  double simt_flops;           // CUDA cores, f32 FMA
+  double simt_mainloop_flops;  // CUDA cores, f32 FMA, the SIMT mainloop (8 x 8 outputs a thread)
+  double simt_flops;           // CUDA cores, f32 FMA, the portable tile and other kernels
   double launch_seconds;       // a launch's fixed cost, back to back
 };
 

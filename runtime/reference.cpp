@@ -38,8 +38,8 @@ class Evaluator {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const std::string& op = bt.op->name;
     if (op == "relu") return unary(bt, [](double x) { return x > 0 ? x : 0.0; });
-    if (op == "sigmoid") return unary(bt, [](double x) { return 1 / (1 + std::exp(-x)); });
-    if (op == "silu") return unary(bt, [](double x) { return x / (1 + std::exp(-x)); });
+    if (op == "sigmoid") return unary(bt, [](double x) { return sigmoid(x); });
+    if (op == "silu") return unary(bt, [](double x) { return x * sigmoid(x); });
     if (op == "tanh") return unary(bt, [](double x) { return std::tanh(x); });
     if (op == "exp") return unary(bt, [](double x) { return std::exp(x); });
     if (op == "log") return unary(bt, [](double x) { return std::log(x); });
@@ -59,9 +59,9 @@ class Evaluator {
     if (op == "maximum") return binary(bt, [](double a, double b) { return std::max(a, b); });
     if (op == "relu_backward") return gradient(bt, [](double x, double d) { return x > 0 ? d : 0.0; });
     if (op == "sigmoid_backward")
-      return gradient(bt, [](double x, double d) { double s = 1 / (1 + std::exp(-x)); return d * s * (1 - s); });
+      return gradient(bt, [](double x, double d) { return d * sigmoid(x) * sigmoid(-x); });
     if (op == "silu_backward")
-      return gradient(bt, [](double x, double d) { double s = 1 / (1 + std::exp(-x)); return d * s * (1 + x * (1 - s)); });
+      return gradient(bt, [](double x, double d) { return d * sigmoid(x) * (1 + x * sigmoid(-x)); });
     if (op == "tanh_backward")
       return gradient(bt, [](double x, double d) { double t = std::tanh(x); return d * (1 - t * t); });
     if (op == "gelu_backward") {
@@ -181,6 +181,13 @@ class Evaluator {
   // negative x even in float64 (gelu(-6.5) is 6e-13 and 1 + tanh(u) rounds at
   // 1e-16), and the error bounds take central differences of this function,
   // so those rounding steps made a bound as wrong as the value.
+  // 1 / (1 + exp(-x)) with exp taken of -|x| only; 1 - sigmoid(x) is
+  // sigmoid(-x), which a difference would round to 0 from x > 37 in float64.
+  static double sigmoid(double x) {
+    const double e = std::exp(-std::abs(x));
+    return x >= 0 ? 1 / (1 + e) : e / (1 + e);
+  }
+
   static double gelu(double x, bool erf_form) {
     if (erf_form) return 0.5 * x * std::erfc(-x / std::sqrt(2.0));
     return x / (1 + std::exp(-2 * std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));

@@ -21,6 +21,17 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
+// sigmoid(v) = 1 / (1 + exp(-v)), and 1 - sigmoid(v), each without
+// cancelling and without overflow: exp is only taken of -|v|. (exp(-v)
+// overflows f32 from v < -88.7, where x * sigmoid(x) is still a normal
+// float; 1 - sigmoid(v) computed as a difference is 0 from v > 17.)
+template <typename T>
+CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
+  const T e = exp(v < T(0) ? v : -v), inverse = T(1) / (T(1) + e);
+  *one_minus = v < T(0) ? inverse : e * inverse;
+  return v < T(0) ? e * inverse : inverse;
+}
+
 template <typename T>
 CG_OP("sigmoid",
       "pattern: elementwise",
@@ -32,7 +43,8 @@ CG_OP("sigmoid",
       "backward: sigmoid_backward",
       "doc: 1 / (1 + exp(-x))")
 CG_DEVICE T cg_sigmoid(T x) {
-  return T(1) / (T(1) + exp(-x));
+  T unused;
+  return cg_sigmoid_parts(x, &unused);
 }
 
 template <typename T>
@@ -46,7 +58,8 @@ CG_OP("silu",
       "backward: silu_backward",
       "doc: x * sigmoid(x)")
 CG_DEVICE T cg_silu(T x) {
-  return x / (T(1) + exp(-x));
+  T unused;
+  return x * cg_sigmoid_parts(x, &unused);
 }
 
 template <typename T>
@@ -109,10 +122,14 @@ CG_DEVICE T cg_neg(T x) {
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
 // digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
+// The sigmoid takes exp of -|2u| only (cg_sigmoid_parts): exp(-2u)
+// overflows f32 from x < -10.06, where gelu is still a normal float
+// (-1.9e-38 at x = -10.08), and x / inf would give -0.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
+  T unused;
+  return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
 template <typename T>
@@ -274,8 +291,9 @@ CG_OP("sigmoid_backward",
       "forward: sigmoid",
       "doc: gradient of sigmoid: dx = dout * sigmoid'(x)")
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) - s);
+  T one_minus_s;
+  const T s = cg_sigmoid_parts(x, &one_minus_s);
+  return dout * s * one_minus_s;
 }
 
 template <typename T>
@@ -290,8 +308,9 @@ CG_OP("silu_backward",
       "forward: silu",
       "doc: gradient of silu: dx = dout * silu'(x)")
 CG_DEVICE T cg_silu_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) + x * (T(1) - s));
+  T one_minus_s;
+  const T s = cg_sigmoid_parts(x, &one_minus_s);
+  return dout * s * (T(1) + x * one_minus_s);
 }
 
 template <typename T>
@@ -329,7 +348,8 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
     // factor from its own exp so that neither s nor 1 - s cancels.
     const T k = T(0.7978845608028654), c = T(0.044715);
     const T u = k * (x + c * x * x * x);
-    const T s = T(1) / (T(1) + exp(T(-2) * u)), one_minus_s = T(1) / (T(1) + exp(T(2) * u));
+    T one_minus_s;
+    const T s = cg_sigmoid_parts(T(2) * u, &one_minus_s);
     return dout * (s + T(2) * x * s * one_minus_s * k * (T(1) + T(3) * c * x * x));
   }
   const T cdf = T(0.5) * erfc(x * T(-0.7071067811865476));

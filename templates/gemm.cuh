@@ -462,3 +462,210 @@ CG_DEVICE void cg_gemm_tile_of(cg_i64 block, cg_i64 tiles_m, cg_i64 tiles_n, int
   *tile_m = first_m + (block % per_group) % rows;
   *tile_n = (block % per_group) / rows;
 }
+
+// ---------------------------------------------------------------------------
+// The f32 SIMT mainloop (docs/gemm.md): f32 stays off tensor cores (TF32
+// would break the f32 bound, docs/architecture.md §9), so its speed is the
+// CUDA cores' FMA rate, which one shared load per FMA (the portable tile)
+// cannot feed. Here a block of (BM / 8) x (BN / 8) threads computes a BM x BN
+// tile, each thread an 8 x 8 patch: rows ty*4 + [0, 4) and BM/2 + ty*4 +
+// [0, 4), columns likewise, so that per k it reads its 8 values of A and 8
+// of B as four 16-byte shared loads and does 64 FMAs. Shared tiles are
+// k-major ([BK][BM + 4], [BK][BN + 4]: A is transposed on its way in where
+// it is K-contiguous; the 4 floats of padding keep those transposing stores
+// on distinct banks), two stages: the next k-tile's global loads (16 bytes
+// each, into registers) are in flight while this one computes, one barrier
+// per k-tile. Each operand's contiguous extent and leading dimension must be
+// a multiple of 4 floats (the caller checks), so that a 16-byte chunk lies
+// wholly inside or wholly outside it.
+template <int BM_, int BN_, int BK_>
+struct cg_sgemm_config {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_;
+  static constexpr int THREADS = (BM / 8) * (BN / 8);
+  static constexpr int LDA = BM + 4, LDB = BN + 4;        // shared rows, padded
+  static constexpr int STAGE = BK * (LDA + LDB);          // floats per stage
+  static constexpr int STAGED = BM * (BN + 4);            // the results, after the mainloop
+  static constexpr int SHARED_BYTES = 4 * (2 * STAGE > STAGED ? 2 * STAGE : STAGED);
+  static_assert(BM % 16 == 0 && BN % 16 == 0 && BK % 4 == 0, "8 x 8 patches in two halves; 16-byte chunks of k");
+};
+
+template <typename Config>
+struct cg_sgemm_accumulators {
+  float v[8][8];
+};
+
+// A thread's rows (or columns) of its patch: i in [0, 8), `t` its index along them.
+template <int EXTENT>
+CG_DEVICE int cg_sgemm_patch(int t, int i) {
+  return (i < 4 ? 0 : EXTENT / 2) + t * 4 + (i & 3);
+}
+
+// One operand's k-tile, global -> registers -> shared: MN x BK values, read
+// in 16-byte chunks along the operand's contiguous axis (K, or MN) and
+// stored k-major in shared memory.
+template <int MN, int BK, int THREADS, bool K_CONTIGUOUS>
+struct cg_sgemm_operand {
+  static constexpr int LD = MN + 4;
+  static constexpr int CHUNKS = MN * BK / 4, PER_THREAD = CHUNKS / THREADS;
+  static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
+  float r[PER_THREAD][4];
+
+  // Chunk c of the tile: its row along the stored layout and its first column.
+  CG_DEVICE static void chunk_at(int c, int* mn, int* k) {
+    if (K_CONTIGUOUS) {
+      *mn = c / (BK / 4);
+      *k = (c % (BK / 4)) * 4;
+    } else {
+      *k = c / (MN / 4);
+      *mn = (c % (MN / 4)) * 4;
+    }
+  }
+
+  // Set up once per tile, so that a k-tile costs each chunk a pointer add,
+  // a compare and the load: the operand at `src` (leading dimension ld),
+  // rows along MN from mn0 to mn_extent, K values up to k_extent.
+  const float* from[PER_THREAD];  // this thread's chunks at the next k-tile
+  cg_i64 k_step;                  // elements between k-tiles
+  cg_i64 k_left[PER_THREAD];      // K values past each chunk's first at k-tile 0
+  unsigned int rows_inside;       // bit i: chunk i's MN row or column lies inside
+
+  CG_DEVICE void start(const float* src, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_extent) {
+    k_step = K_CONTIGUOUS ? (cg_i64)BK : (cg_i64)BK * ld;
+    rows_inside = 0;
+    CG_UNROLL
+    for (int i = 0; i < PER_THREAD; ++i) {
+      int mn, k;
+      chunk_at((int)threadIdx.x + i * THREADS, &mn, &k);
+      const cg_i64 gm = mn0 + mn;
+      from[i] = src + (K_CONTIGUOUS ? gm * ld + k : (cg_i64)k * ld + gm);
+      k_left[i] = k_extent - k;
+      if (gm < mn_extent) rows_inside |= 1u << i;
+    }
+  }
+
+  // The next k-tile (kt counts them from 0) into registers, zeros outside.
+  CG_DEVICE void fetch(cg_i64 kt) {
+    CG_UNROLL
+    for (int i = 0; i < PER_THREAD; ++i) {
+      if (((rows_inside >> i) & 1u) && kt * BK < k_left[i]) {
+        const cg_vector<4, float> v = cg_load_vector<4, float>(from[i], 0);
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j) r[i][j] = v.v[j];
+      } else {
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j) r[i][j] = 0.0f;
+      }
+      from[i] += k_step;
+    }
+  }
+
+  CG_DEVICE void stash(float* tile) const {
+    CG_UNROLL
+    for (int i = 0; i < PER_THREAD; ++i) {
+      int mn, k;
+      chunk_at((int)threadIdx.x + i * THREADS, &mn, &k);
+      if (K_CONTIGUOUS) {  // a chunk along k: one value into each of 4 k-rows
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j) tile[(k + j) * LD + mn] = r[i][j];
+      } else {  // a chunk along MN: 16 bytes of one k-row
+        cg_aligned_chunk<4, float> chunk;
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j) chunk.v[j] = r[i][j];
+        *reinterpret_cast<cg_aligned_chunk<4, float>*>(tile + k * LD + mn) = chunk;
+      }
+    }
+  }
+};
+
+// The tile (tile_m, tile_n) of D = A B over all of K into acc (zeroed here).
+// Layouts as cg_gemm_mainloop's: A is M x K, K-contiguous (lda >= K) or
+// M-contiguous (A^T stored, lda >= M); B is K x N, K-contiguous (B^T stored,
+// ldb >= K) or N-contiguous (ldb >= N).
+template <typename Config, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS>
+CG_DEVICE void cg_sgemm_mainloop(cg_sgemm_accumulators<Config>& acc, const float* a, cg_i64 lda, const float* b,
+                                 cg_i64 ldb, cg_i64 M, cg_i64 N, cg_i64 K, cg_i64 tile_m, cg_i64 tile_n, float* smem) {
+  constexpr int BM = Config::BM, BN = Config::BN, BK = Config::BK;
+  const int tx = (int)threadIdx.x % (BN / 8), ty = (int)threadIdx.x / (BN / 8);
+  const cg_i64 m0 = tile_m * BM, n0 = tile_n * BN;
+  CG_UNROLL
+  for (int i = 0; i < 8; ++i)
+    CG_UNROLL
+    for (int j = 0; j < 8; ++j) acc.v[i][j] = 0.0f;
+  cg_sgemm_operand<BM, BK, Config::THREADS, A_K_CONTIGUOUS> copy_a;
+  cg_sgemm_operand<BN, BK, Config::THREADS, B_K_CONTIGUOUS> copy_b;
+  const cg_i64 k_tiles = (K + BK - 1) / BK;
+  if (k_tiles == 0) return;
+  copy_a.start(a, lda, m0, M, K);
+  copy_b.start(b, ldb, n0, N, K);
+  copy_a.fetch(0);
+  copy_b.fetch(0);
+  copy_a.stash(smem);
+  copy_b.stash(smem + BK * Config::LDA);
+  __syncthreads();
+  for (cg_i64 kt = 0; kt < k_tiles; ++kt) {
+    const bool more = kt + 1 < k_tiles;
+    if (more) {  // in flight while this k-tile computes
+      copy_a.fetch(kt + 1);
+      copy_b.fetch(kt + 1);
+    }
+    const float* tile_a = smem + (int)(kt & 1) * Config::STAGE;
+    const float* tile_b = tile_a + BK * Config::LDA;
+    CG_UNROLL
+    for (int k = 0; k < BK; ++k) {
+      float fa[8], fb[8];
+      CG_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const cg_aligned_chunk<4, float> ca =
+            *reinterpret_cast<const cg_aligned_chunk<4, float>*>(tile_a + k * Config::LDA + cg_sgemm_patch<BM>(ty, 4 * h));
+        const cg_aligned_chunk<4, float> cb =
+            *reinterpret_cast<const cg_aligned_chunk<4, float>*>(tile_b + k * Config::LDB + cg_sgemm_patch<BN>(tx, 4 * h));
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          fa[4 * h + j] = ca.v[j];
+          fb[4 * h + j] = cb.v[j];
+        }
+      }
+      CG_UNROLL
+      for (int i = 0; i < 8; ++i)
+        CG_UNROLL
+        for (int j = 0; j < 8; ++j) acc.v[i][j] = fmaf(fa[i], fb[j], acc.v[i][j]);
+    }
+    if (more) {  // the other stage: every thread finished reading it before the last barrier
+      float* next = smem + (int)((kt + 1) & 1) * Config::STAGE;
+      copy_a.stash(next);
+      copy_b.stash(next + BK * Config::LDA);
+    }
+    __syncthreads();
+  }
+}
+
+// The block's results through shared memory (a [BM][BN + 4] tile over the
+// stages), then each warp walks rows, its lanes on 32 consecutive columns,
+// calling f(m, n, acc) for each inside M x N: the epilogue's loads and the
+// output's stores take whole sectors.
+template <typename Config, typename F>
+CG_DEVICE void cg_sgemm_each_coalesced(const cg_sgemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                                       cg_i64 tile_n, float* smem, F f) {
+  constexpr int BM = Config::BM, BN = Config::BN, LD = BN + 4;
+  const int tx = (int)threadIdx.x % (BN / 8), ty = (int)threadIdx.x / (BN / 8);
+  __syncthreads();  // every thread is done reading the stages
+  CG_UNROLL
+  for (int i = 0; i < 8; ++i)
+    CG_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      cg_aligned_chunk<4, float> chunk;
+      CG_UNROLL
+      for (int j = 0; j < 4; ++j) chunk.v[j] = acc.v[i][4 * h + j];
+      *reinterpret_cast<cg_aligned_chunk<4, float>*>(smem + cg_sgemm_patch<BM>(ty, i) * LD + cg_sgemm_patch<BN>(tx, 4 * h)) =
+          chunk;
+    }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const cg_i64 m0 = tile_m * BM, n0 = tile_n * BN;
+  for (int r = warp; r < BM; r += Config::THREADS / 32) {
+    if (m0 + r >= M) break;
+    CG_UNROLL
+    for (int c = lane; c < BN; c += 32)
+      if (n0 + c < N) f(m0 + r, n0 + c, smem[r * LD + c]);
+  }
+}

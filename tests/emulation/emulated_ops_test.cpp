@@ -422,6 +422,44 @@ TEST(Emulation, PipelinedMatmulMatchesTheReference) {
   }
 }
 
+// f32 matmuls of at least 2^24 FLOPs whose rows are whole 16-byte chunks
+// run the SIMT mainloop (templates/gemm.cuh, 8 x 8 outputs a thread) in the
+// generated kernel: every transpose, a batch broadcast, an epilogue (bias,
+// GELU), K ending inside a k-tile, partial tiles everywhere; a smaller one
+// keeps the portable tile and shares a launch.
+TEST(Emulation, SimtMatmulMatchesTheReference) {
+  GraphBuilder b("simt");
+  const DType d = DType::f32;
+  auto mm = b.task("mm", "matmul").tensor("a", d, {136, 324}, ext).tensor("b", d, {324, 196}, ext).tensor("out", d, {136, 196});
+  auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {196}, ext).tensor("out", d, {136, 196});
+  b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {136, 196}, ext);
+  b.task("mm_tn", "matmul").tensor("a", d, {516, 72}, ext).tensor("b", d, {516, 232}, ext).tensor("out", d, {72, 232}, ext).arg("trans_a", true);
+  b.task("mm_tt", "matmul")
+      .tensor("a", d, {324, 132}, ext)
+      .tensor("b", d, {200, 324}, ext)
+      .tensor("out", d, {132, 200}, ext)
+      .arg("trans_a", true)
+      .arg("trans_b", true)
+      .arg("alpha", 0.5);
+  b.task("mm_b", "matmul").tensor("a", d, {2, 3, 68, 324}, ext).tensor("b", d, {3, 324, 72}, ext).tensor("out", d, {2, 3, 68, 72}, ext);
+  b.task("small", "matmul").tensor("a", d, {20, 16}, ext).tensor("b", d, {16, 20}, ext).tensor("out", d, {20, 20}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  std::vector<std::string> paths;
+  int simt = 0;
+  for (const EmittedKernel& k : c.emitted.tile_kernels) {
+    if (k.matmul_path.empty()) continue;
+    paths.push_back(k.name + ": " + k.matmul_path);
+    simt += k.mainloop == MatmulMainloop::simt;
+  }
+  EXPECT_EQ(simt, 4) << "mm (with its epilogue), mm_tn, mm_tt, mm_b; not small:\n" << fmt::format("{}", fmt::join(paths, "\n"));
+  EXPECT_NE(c.emitted.cuda_source.find("typedef cg_sgemm_config<64, 64, 8> cg_config;"), std::string::npos);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("simt")});
+  ASSERT_EQ(run.checks.size(), 5u);
+  for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
 // Split-K (docs/gemm.md): 16-bit matmuls of few output tiles over a long K
 // cut their k range into parts, each a block, and the block of a tile that
 // ends last adds the parts in split order. Right against the float64

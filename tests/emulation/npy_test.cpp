@@ -192,3 +192,34 @@ TEST(Npy, NonFiniteInputsAreCheckedAsTheyAre) {
             std::string::npos)
       << format_run(run);
 }
+
+// The logistic ops at the ends of f32's range: exp(-x) overflowed for x <
+// -88.7 (silu(-89) came out -0 where it is -2e-37), exp(-2u) in gelu's tanh
+// form from x < -9.9 (gelu(-10.08) -0 for -1.9e-38), and 1 - sigmoid(x) was 0
+// from x > 17 (sigmoid's gradient at 20 is 2e-9). Each against the float64
+// reference, forward and backward.
+TEST(Npy, LogisticOpsKeepTheirTails) {
+  const std::vector<float> x = {-120, -100, -89, -88, -20, -10.3f, -10.08f, -10, -9.9f, -1, 0, 1, 17, 20, 40, 89, 120};
+  const int64_t n = int64_t(x.size());
+  GraphBuilder b("tails");
+  for (const char* op : {"sigmoid", "silu", "gelu"})
+    b.task(op, op).tensor("x", DType::f32, {n}, Storage::external).tensor("out", DType::f32, {n}, Storage::external);
+  for (const char* op : {"sigmoid_backward", "silu_backward", "gelu_backward"})
+    b.task(op, op)
+        .tensor("x", DType::f32, {n}, Storage::external)
+        .tensor("dout", DType::f32, {n}, Storage::external)
+        .tensor("dx", DType::f32, {n}, Storage::external);
+  CompileOptions unfused;
+  unfused.fuse.enabled = false;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), unfused);
+  fs::path in = temp_dir("tails_in");
+  RunOptions options{1, (temp_dir("tails_work")).string()};
+  options.inputs_dir = in.string();
+  for (const char* op : {"sigmoid", "silu", "gelu", "sigmoid_backward", "silu_backward", "gelu_backward"})
+    write_npy((in / (std::string(op) + ".x.npy")).string(), array_of<float>(DType::f32, {n}, x));
+  for (const char* op : {"sigmoid_backward", "silu_backward", "gelu_backward"})
+    write_npy((in / (std::string(op) + ".dout.npy")).string(), array_of<float>(DType::f32, {n}, std::vector<float>(x.size(), 1.0f)));
+  CheckedRun run = run_emulated_and_check(c, options);
+  ASSERT_EQ(run.checks.size(), 6u);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}

@@ -430,6 +430,52 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
   EXPECT_EQ(pipelined, 4) << "up and dw, for each of two architectures";
 }
 
+// The f32 SIMT mainloop in generated kernels, both tiles (128 x 128 from a
+// wave of them, 64 x 64 below) and every operand layout: no spills and no
+// stack on sm_80 and sm_90, and in its k-loop at least 16 FFMA per shared
+// load (8 x 8 outputs from four 16-byte loads a k; the portable tile has
+// about one).
+TEST(Toolchains, SimtMatmulKernelsFeedSixteenFmasPerSharedLoad) {
+  GraphBuilder b("simt");
+  const Storage ext = Storage::external;
+  const DType f32 = DType::f32;
+  for (int64_t rows : {4096, 256})
+    for (int layout = 0; layout < 4; ++layout) {
+      const bool ta = layout & 1, tb = layout & 2;
+      const std::string id = fmt::format("mm_{}_{}", rows, layout);
+      b.task(id, "matmul")
+          .tensor("a", f32, ta ? Shape{768, rows} : Shape{rows, 768}, ext)
+          .tensor("b", f32, tb ? Shape{3072, 768} : Shape{768, 3072}, ext)
+          .tensor("out", f32, {rows, 3072}, ext)
+          .arg("trans_a", ta)
+          .arg("trans_b", tb);
+    }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  int large = 0, small = 0;
+  for (const EmittedKernel& k : c.emitted.kernels) {
+    ASSERT_EQ(k.mainloop, MatmulMainloop::simt) << k.name << ": " << k.matmul_path;
+    large += k.matmul_path.find("128 x 128 x 8 tiles") != std::string::npos;
+    small += k.matmul_path.find("64 x 64 x 8 tiles") != std::string::npos;
+  }
+  EXPECT_EQ(large, 4);
+  EXPECT_EQ(small, 4);
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (const auto& [kernel, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch)) {
+      EXPECT_EQ(r.spill_bytes, 0) << kernel << " on " << arch;
+      EXPECT_EQ(r.stack_bytes, 0) << kernel << " on " << arch;
+    }
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  for (const char* arch : {"sm_80", "sm_90"})
+    for (const auto& [kernel, instructions] : cudagen::testing::sass_listing(c.emitted.cuda_source, arch)) {
+      const std::map<std::string, int> loop = cudagen::testing::sass_loop(instructions, "FFMA");
+      auto count = [&](const char* op) { return loop.count(op) ? loop.at(op) : 0; };
+      EXPECT_GE(count("FFMA"), 512) << kernel << " on " << arch << ": a k-tile's 8 x 8 x 8 FMAs in one loop body";
+      EXPECT_GE(count("FFMA"), 16 * count("LDS")) << kernel << " on " << arch << ": " << count("LDS") << " LDS";
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << kernel << " on " << arch;
+    }
+}
+
 // Issue #35's measure of the mainloop's reach: in a GPT-2-small decoder
 // block (bench/decoder_graph.py: dim 768, 12 heads, MLP 3072) at B8 x T128
 // in bf16, at least 95% of the matmul FLOPs run in kernels whose own SASS

@@ -478,102 +478,120 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:24
+// templates/elementwise.cuh:28
+// sigmoid(v) = 1 / (1 + exp(-v)), and 1 - sigmoid(v), each without
+// cancelling and without overflow: exp is only taken of -|v|. (exp(-v)
+// overflows f32 from v < -88.7, where x * sigmoid(x) is still a normal
+// float; 1 - sigmoid(v) computed as a difference is 0 from v > 17.)
+template <typename T>
+CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
+  const T e = exp(v < T(0) ? v : -v), inverse = T(1) / (T(1) + e);
+  *one_minus = v < T(0) ? inverse : e * inverse;
+  return v < T(0) ? e * inverse : inverse;
+}
+
+// templates/elementwise.cuh:35
 template <typename T>
 CG_DEVICE T cg_sigmoid(T x) {
-  return T(1) / (T(1) + exp(-x));
+  T unused;
+  return cg_sigmoid_parts(x, &unused);
 }
 
-// templates/elementwise.cuh:38
+// templates/elementwise.cuh:50
 template <typename T>
 CG_DEVICE T cg_silu(T x) {
-  return x / (T(1) + exp(-x));
+  T unused;
+  return x * cg_sigmoid_parts(x, &unused);
 }
 
-// templates/elementwise.cuh:52
+// templates/elementwise.cuh:65
 template <typename T>
 CG_DEVICE T cg_tanh(T x) {
   return tanh(x);
 }
 
-// templates/elementwise.cuh:66
+// templates/elementwise.cuh:79
 template <typename T>
 CG_DEVICE T cg_exp(T x) {
   return exp(x);
 }
 
-// templates/elementwise.cuh:80
+// templates/elementwise.cuh:93
 template <typename T>
 CG_DEVICE T cg_log(T x) {
   return log(x);
 }
 
-// templates/elementwise.cuh:94
+// templates/elementwise.cuh:107
 template <typename T>
 CG_DEVICE T cg_neg(T x) {
   return -x;
 }
 
-// templates/elementwise.cuh:112
+// templates/elementwise.cuh:128
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
 // digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
+// The sigmoid takes exp of -|2u| only (cg_sigmoid_parts): exp(-2u)
+// overflows f32 from x < -10.06, where gelu is still a normal float
+// (-1.9e-38 at x = -10.08), and x / inf would give -0.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
+  T unused;
+  return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:118
+// templates/elementwise.cuh:135
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:123
+// templates/elementwise.cuh:140
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:138
+// templates/elementwise.cuh:155
 template <typename T>
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
-// templates/elementwise.cuh:154
+// templates/elementwise.cuh:171
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:169
+// templates/elementwise.cuh:186
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
-// templates/elementwise.cuh:184
+// templates/elementwise.cuh:201
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
-// templates/elementwise.cuh:199
+// templates/elementwise.cuh:216
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
-// templates/elementwise.cuh:214
+// templates/elementwise.cuh:231
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
-// templates/elementwise.cuh:232
+// templates/elementwise.cuh:249
 // The gradient of maximum for one operand, at the output's shape (the
 // compiler sums it over broadcast axes): the larger operand takes dout, and
 // ties split it in half, as PyTorch's rule does.
@@ -583,35 +601,37 @@ CG_DEVICE T cg_maximum_backward(T a, T b, T dout, int wrt) {
   return mine > other ? dout : mine == other ? dout * T(0.5) : T(0);
 }
 
-// templates/elementwise.cuh:250
+// templates/elementwise.cuh:267
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:265
+// templates/elementwise.cuh:282
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) - s);
+  T one_minus_s;
+  const T s = cg_sigmoid_parts(x, &one_minus_s);
+  return dout * s * one_minus_s;
 }
 
-// templates/elementwise.cuh:281
+// templates/elementwise.cuh:299
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
-  const T s = T(1) / (T(1) + exp(-x));
-  return dout * s * (T(1) + x * (T(1) - s));
+  T one_minus_s;
+  const T s = cg_sigmoid_parts(x, &one_minus_s);
+  return dout * s * (T(1) + x * one_minus_s);
 }
 
-// templates/elementwise.cuh:297
+// templates/elementwise.cuh:316
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
 }
 
-// templates/elementwise.cuh:314
+// templates/elementwise.cuh:333
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
@@ -620,7 +640,8 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
     // factor from its own exp so that neither s nor 1 - s cancels.
     const T k = T(0.7978845608028654), c = T(0.044715);
     const T u = k * (x + c * x * x * x);
-    const T s = T(1) / (T(1) + exp(T(-2) * u)), one_minus_s = T(1) / (T(1) + exp(T(2) * u));
+    T one_minus_s;
+    const T s = cg_sigmoid_parts(T(2) * u, &one_minus_s);
     return dout * (s + T(2) * x * s * one_minus_s * k * (T(1) + T(3) * c * x * x));
   }
   const T cdf = T(0.5) * erfc(x * T(-0.7071067811865476));
@@ -628,46 +649,46 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
   return dout * (cdf + x * pdf);
 }
 
-// templates/elementwise.cuh:341
+// templates/elementwise.cuh:361
 // Conversion between floating dtypes; the emitter names the output type.
 template <typename U, typename T>
 CG_DEVICE U cg_cast(T x) {
   return U(x);
 }
 
-// templates/elementwise.cuh:372
+// templates/elementwise.cuh:392
 // Gradients of exp, log, neg, affine and cast.
 template <typename T>
 CG_DEVICE T cg_exp_backward(T out, T dout) {
   return dout * out;
 }
 
-// templates/elementwise.cuh:387
+// templates/elementwise.cuh:407
 template <typename T>
 CG_DEVICE T cg_log_backward(T x, T dout) {
   return dout / x;
 }
 
-// templates/elementwise.cuh:402
+// templates/elementwise.cuh:422
 template <typename T>
 CG_DEVICE T cg_neg_backward(T dout) {
   return -dout;
 }
 
-// templates/elementwise.cuh:416
+// templates/elementwise.cuh:436
 template <typename T>
 CG_DEVICE T cg_affine_backward(T dout, T scale) {
   return T(scale) * dout;
 }
 
-// templates/elementwise.cuh:432
+// templates/elementwise.cuh:452
 // The gradient of a cast is the cast back, to the input's dtype.
 template <typename T, typename U>
 CG_DEVICE T cg_cast_backward(U dout) {
   return T(dout);
 }
 
-// templates/elementwise.cuh:448
+// templates/elementwise.cuh:468
 // The gradient of (pred - target)^2, times scale; the caller folds the
 // mean's 1 / numel and the upstream gradient into scale.
 template <typename T>
@@ -675,19 +696,19 @@ CG_DEVICE T cg_mse_backward(T pred, T target, float scale) {
   return T(2) * (pred - target) * T(scale);
 }
 
-// templates/elementwise.cuh:463
+// templates/elementwise.cuh:483
 template <typename T>
 CG_DEVICE T cg_relu6(T x) {
   return x > T(0) ? (x < T(6) ? x : T(6)) : T(0);
 }
 
-// templates/elementwise.cuh:477
+// templates/elementwise.cuh:497
 template <typename T>
 CG_DEVICE T cg_relu6_backward(T x, T dout) {
   return x > T(0) && x < T(6) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:493
+// templates/elementwise.cuh:513
 // x * relu6(x + 3) / 6, MobileNetV3's activation.
 template <typename T>
 CG_DEVICE T cg_hardswish(T x) {
@@ -695,7 +716,7 @@ CG_DEVICE T cg_hardswish(T x) {
   return x * r / T(6);
 }
 
-// templates/elementwise.cuh:508
+// templates/elementwise.cuh:528
 template <typename T>
 CG_DEVICE T cg_hardswish_backward(T x, T dout) {
   return x < T(-3) ? T(0) : (x <= T(3) ? dout * (T(2) * x + T(3)) / T(6) : dout);
@@ -1394,7 +1415,7 @@ CG_DEVICE void k5_softmax_causal_tile(const float* x, float* out, cg_tile tile) 
 //   writes matmul_t.out f32 [2, 33, 7]
 //   1460 bytes read, 1848 bytes written; grid [1, 2, 2], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k6_matmul_t_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

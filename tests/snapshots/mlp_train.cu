@@ -478,13 +478,13 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:154
+// templates/elementwise.cuh:171
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:250
+// templates/elementwise.cuh:267
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
@@ -763,7 +763,7 @@ CG_KERNEL void __launch_bounds__(32) k6_dlogits(const float* __restrict__ logits
 //   writes dw2.out f32 [128, 10]
 //   17664 bytes read, 5120 bytes written; grid [1, 4, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k7_dw2_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

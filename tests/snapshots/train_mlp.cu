@@ -478,13 +478,13 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:154
+// templates/elementwise.cuh:171
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:250
+// templates/elementwise.cuh:267
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
@@ -931,7 +931,7 @@ CG_DEVICE void k16_fc2_grad_a_tile(const float* fc2_grad_a_a, const float* fc2_g
 //   writes fc2_grad_b.out f32 [32, 4]
 //   36864 bytes read, 512 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k17_fc2_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

@@ -472,36 +472,52 @@ CG_DEVICE float cg_block_max(float v, float* scratch) {
 
 // ---- templates: what the kernels below use ----
 
-// templates/elementwise.cuh:112
+// templates/elementwise.cuh:28
+// sigmoid(v) = 1 / (1 + exp(-v)), and 1 - sigmoid(v), each without
+// cancelling and without overflow: exp is only taken of -|v|. (exp(-v)
+// overflows f32 from v < -88.7, where x * sigmoid(x) is still a normal
+// float; 1 - sigmoid(v) computed as a difference is 0 from v > 17.)
+template <typename T>
+CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
+  const T e = exp(v < T(0) ? v : -v), inverse = T(1) / (T(1) + e);
+  *one_minus = v < T(0) ? inverse : e * inverse;
+  return v < T(0) ? e * inverse : inverse;
+}
+
+// templates/elementwise.cuh:128
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
 // digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
+// The sigmoid takes exp of -|2u| only (cg_sigmoid_parts): exp(-2u)
+// overflows f32 from x < -10.06, where gelu is still a normal float
+// (-1.9e-38 at x = -10.08), and x / inf would give -0.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
+  T unused;
+  return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:118
+// templates/elementwise.cuh:135
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:123
+// templates/elementwise.cuh:140
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:154
+// templates/elementwise.cuh:171
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:314
+// templates/elementwise.cuh:333
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
@@ -510,7 +526,8 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
     // factor from its own exp so that neither s nor 1 - s cancels.
     const T k = T(0.7978845608028654), c = T(0.044715);
     const T u = k * (x + c * x * x * x);
-    const T s = T(1) / (T(1) + exp(T(-2) * u)), one_minus_s = T(1) / (T(1) + exp(T(2) * u));
+    T one_minus_s;
+    const T s = cg_sigmoid_parts(T(2) * u, &one_minus_s);
     return dout * (s + T(2) * x * s * one_minus_s * k * (T(1) + T(3) * c * x * x));
   }
   const T cdf = T(0.5) * erfc(x * T(-0.7071067811865476));
@@ -1353,7 +1370,7 @@ CG_KERNEL void __launch_bounds__(256) k34_q(float* __restrict__ probs, const flo
 //   in registers attn_out.out
 //   8192 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k35_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1439,7 +1456,7 @@ CG_KERNEL void __launch_bounds__(256, 1) k36_up(const float* __restrict__ up_b, 
 //   4224 bytes read, 3136 bytes written; grid [1, 1, 1], block 256, 8640 bytes of shared memory:
 //     [0, 4288) the operand tiles
 //     [4288, 8640) lnf's 32 rows normalised and weight, their statistics
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): a prologue computes its operand.
 CG_DEVICE void k37_head_tile(const float* b, float* out, const float* lnf_x, const float* lnf_weight, float* lnf_out, float* lnf_rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1507,7 +1524,7 @@ CG_KERNEL void __launch_bounds__(32) k39_loss_backward(const float* __restrict__
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1524,7 +1541,7 @@ CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, 
 //   writes head_grad_b.out f32 [32, 16]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k41_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1568,7 +1585,7 @@ CG_KERNEL void __launch_bounds__(128) k42_lnf_backward(const float* __restrict__
 //   writes down_grad_b.out f32 [64, 32]
 //   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k43_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1620,7 +1637,7 @@ CG_DEVICE void k44_down_grad_a_tile(const float* down_grad_a_a, const float* dow
 //   writes up_grad_b.out f32 [32, 64]
 //   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k45_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1668,7 +1685,7 @@ CG_DEVICE void k46_ln2_backward_tile(const float* x, const float* weight, const 
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1689,7 +1706,7 @@ CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* m
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k48_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1785,7 +1802,7 @@ CG_KERNEL void __launch_bounds__(256, 1) k49_context_grad_a(const float* __restr
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1802,7 +1819,7 @@ CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k51_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1847,7 +1864,7 @@ CG_DEVICE void k52_v_grad_a_tile(const float* v_grad_a_a, const float* v_grad_a_
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
 CG_DEVICE void k53_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

@@ -472,30 +472,46 @@ CG_DEVICE float cg_block_max(float v, float* scratch) {
 
 // ---- templates: what the kernels below use ----
 
-// templates/elementwise.cuh:112
+// templates/elementwise.cuh:28
+// sigmoid(v) = 1 / (1 + exp(-v)), and 1 - sigmoid(v), each without
+// cancelling and without overflow: exp is only taken of -|v|. (exp(-v)
+// overflows f32 from v < -88.7, where x * sigmoid(x) is still a normal
+// float; 1 - sigmoid(v) computed as a difference is 0 from v > 17.)
+template <typename T>
+CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
+  const T e = exp(v < T(0) ? v : -v), inverse = T(1) / (T(1) + e);
+  *one_minus = v < T(0) ? inverse : e * inverse;
+  return v < T(0) ? e * inverse : inverse;
+}
+
+// templates/elementwise.cuh:128
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
 // digits. 0.5 * (1 + tanh(u)) = 1 / (1 + exp(-2u)), and 1 + erf(z) = erfc(-z).
+// The sigmoid takes exp of -|2u| only (cg_sigmoid_parts): exp(-2u)
+// overflows f32 from x < -10.06, where gelu is still a normal float
+// (-1.9e-38 at x = -10.08), and x / inf would give -0.
 template <typename T>
 CG_DEVICE T cg_gelu_tanh(T x) {
   const T k = T(0.7978845608028654);  // sqrt(2 / pi)
-  return x / (T(1) + exp(T(-2) * k * (x + T(0.044715) * x * x * x)));
+  T unused;
+  return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:118
+// templates/elementwise.cuh:135
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:123
+// templates/elementwise.cuh:140
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:154
+// templates/elementwise.cuh:171
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
@@ -864,7 +880,7 @@ CG_KERNEL void __launch_bounds__(256) k8_q(const float* __restrict__ ln1_x, cons
 //   in registers attn_out.out
 //   32768 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the f32 tile (templates/matmul.cuh): f32 stays off tensor cores.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 262144 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k9_attn_out_tile(const float* a, const float* b, const float* res1_a, float* res1_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): res1 (add), on element i of attn_out.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
