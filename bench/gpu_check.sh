@@ -22,9 +22,11 @@
 #    torch.compile(mode="reduce-overhead") on the same block (bench/decoder_torch.py);
 #  - the PyTorch frontend's tests on the machine's PyTorch 2.x: the torch.export path and
 #    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks;
-#  - the GEMM mainloop (templates/gemm.cuh) against cuBLAS at 4096^3 and a decoder block's shapes,
-#    every tile config, each result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer
-#    (memcheck, racecheck, synccheck);
+#  - the GEMM mainloops (templates/gemm.cuh) against cuBLAS at 4096^3 and a decoder block's shapes:
+#    the bf16 pipelined one in every tile config, the f32 SIMT one against SGEMM (FP32 math), each
+#    result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer (memcheck, racecheck,
+#    synccheck);
+#  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -133,7 +135,16 @@ if have_time 60 "the bf16 decoder block"; then
   python3 bench/decoder_torch.py --batch 8 --tokens 128 --dtype bf16 --runs 30 2>&1 | tail -2
 fi
 echo
-echo "Nsight Compute on three kernels of that block (a pipelined matmul, attention, the MLP's down projection):"
+echo "the same block at B1 x T64 (64 rows: its projections split K to fill the SMs), bf16, beside PyTorch"
+if have_time 30 "the 64-row decoder block"; then
+  python3 bench/decoder_graph.py --batch 1 --tokens 64 --dtype bf16 -o "$log/decoder_bf16_64.json"
+  "$cudagen" describe "$log/decoder_bf16_64.json" 2>&1 | sed -n '/^matmul mainloops/,$p'
+  "$cudagen" run --gpu --profile "$log/decoder_bf16_64.profile.json" "$log/decoder_bf16_64.json" 2>&1 |
+    sed -n '/^kernels by/,$p'
+  python3 bench/decoder_torch.py --batch 1 --tokens 64 --dtype bf16 --runs 30 2>&1 | tail -2
+fi
+echo
+echo "Nsight Compute on three kernels of the B8 x T128 block (a pipelined matmul, attention, the MLP's down projection):"
 if command -v ncu >/dev/null && have_time 90 "Nsight Compute"; then
   ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --kernel-name regex:'k9_l0_q|k12_l0_scores|k16_l0_down' --launch-count 3 \
@@ -150,7 +161,7 @@ if have_time 60 "the megakernel benchmark"; then
   for layers in 1 12; do python3 bench/decoder_torch.py --layers $layers --tokens 64 2>&1 | tail -2; done
 fi
 echo
-echo "GEMM mainloop (issue #35, templates/gemm.cuh) against cuBLAS, bf16, median of 15 runs over rotating operands:"
+echo "GEMM mainloops (issue #35, templates/gemm.cuh) against cuBLAS, bf16 then f32, median of 15 runs over rotating operands:"
 cat "$log/gemm.txt"
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done

@@ -2,7 +2,8 @@
 // process: correctness against an f32-accumulating reference on fresh random
 // bf16 data (poisoned output first), then time per shape and config (CUDA
 // events, median of runs over rotating operand sets, so that L2 does not
-// hold the operands between runs). Built with nvcc by bench/gemm/build.sh;
+// hold the operands between runs). Then the f32 SIMT mainloop against
+// cuBLAS's SGEMM (FP32 math, no TF32) the same way. Built with nvcc by bench/gemm/build.sh;
 // run by bench/gpu_check.sh.
 //
 //   gemm_bench [--quick]          every shape and config of the table below
@@ -57,6 +58,19 @@ __global__ void __launch_bounds__(Config::THREADS, 1)
                                  [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
+// The f32 SIMT mainloop as generated kernels run it (emit.cpp, simt_matmul),
+// the same layouts.
+template <typename Config, bool A_T, bool B_T>
+__global__ void __launch_bounds__(Config::THREADS, 1)
+    sgemm_kernel(const float* a, const float* b, float* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg_sgemm_accumulators<Config> acc;
+  cg_sgemm_mainloop<Config, !A_T, B_T>(acc, a, A_T ? M : K, b, B_T ? K : N, M, N, K, blockIdx.y, blockIdx.x,
+                                       (float*)smem);
+  cg_sgemm_each_coalesced<Config>(acc, M, N, blockIdx.y, blockIdx.x, (float*)smem,
+                                  [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = v; });
+}
+
 // f32 accumulation, one output per thread: slow and obviously right.
 __global__ void reference_kernel(const cg_bf16* a, const cg_bf16* b, float* d, int M, int N, int K, bool a_t,
                                  bool b_t) {
@@ -74,6 +88,36 @@ struct Shape {
   int M, N, K;
   bool a_t, b_t;
 };
+
+// The f32 reference: double accumulation, one output per thread.
+__global__ void reference_kernel_f32(const float* a, const float* b, float* d, int M, int N, int K, bool a_t, bool b_t) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+  if (n >= N) return;
+  double sum = 0.0;
+  for (int k = 0; k < K; ++k)
+    sum += (double)a[a_t ? (size_t)k * M + m : (size_t)m * K + k] * (double)b[b_t ? (size_t)n * K + k : (size_t)k * N + n];
+  d[(size_t)m * N + n] = (float)sum;
+}
+
+template <typename Config, bool A_T, bool B_T>
+void launch_sgemm_config(const float* a, const float* b, float* d, const Shape& s) {
+  constexpr int smem = Config::SHARED_BYTES;
+  static bool opted_in = false;
+  if (!opted_in) {
+    CHECK_CUDA(cudaFuncSetAttribute(sgemm_kernel<Config, A_T, B_T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    opted_in = true;
+  }
+  const dim3 grid((s.N + Config::BN - 1) / Config::BN, (s.M + Config::BM - 1) / Config::BM);
+  sgemm_kernel<Config, A_T, B_T><<<grid, Config::THREADS, smem>>>(a, b, d, s.M, s.N, s.K);
+}
+
+template <typename Config>
+void launch_sgemm(const float* a, const float* b, float* d, const Shape& s) {
+  if (s.a_t && s.b_t) launch_sgemm_config<Config, true, true>(a, b, d, s);
+  else if (s.a_t) launch_sgemm_config<Config, true, false>(a, b, d, s);
+  else if (s.b_t) launch_sgemm_config<Config, false, true>(a, b, d, s);
+  else launch_sgemm_config<Config, false, false>(a, b, d, s);
+}
 
 struct Variant {
   const char* name;
@@ -244,6 +288,84 @@ int main(int argc, char** argv) {
                   cublas_ms / ms, err, "", ok ? "" : "  WRONG");
     }
   }
-  std::printf("%s\n", failures ? "FAILED: some results are wrong" : "all results within 1e-2 of the reference");
-  return failures ? 1 : 0;
+  std::printf("%s\n", failures ? "FAILED: some bf16 results are wrong" : "all bf16 results within 1e-2 of the reference");
+
+  // f32: the SIMT mainloop's two tiles against cuBLAS's SGEMM in FP32 math
+  // (no TF32: the f32 bound, docs/architecture.md §9). The operands are the
+  // bf16 sets widened, so the bench needs no more memory.
+  std::vector<float*> fa(sets), fb(sets);
+  float* fd;
+  CHECK_CUDA(cudaMalloc(&fd, max_elems * 4));
+  for (int set = 0; set < sets; ++set) {
+    CHECK_CUDA(cudaMalloc(&fa[set], max_elems * 4));
+    CHECK_CUDA(cudaMalloc(&fb[set], max_elems * 4));
+    for (auto [from, to] : {std::pair<cg_bf16*, float*>{as[set], fa[set]}, {bs[set], fb[set]}}) {
+      CHECK_CUDA(cudaMemcpy(host.data(), from, max_elems * 2, cudaMemcpyDeviceToHost));
+      std::vector<float> widened(max_elems);
+      for (size_t i = 0; i < max_elems; ++i) widened[i] = bf16_to_float(host[i]);
+      CHECK_CUDA(cudaMemcpy(to, widened.data(), max_elems * 4, cudaMemcpyHostToDevice));
+    }
+  }
+  CHECK_CUBLAS(cublasSetMathMode(handle, CUBLAS_PEDANTIC_MATH));
+  struct SgemmVariant {
+    const char* name;
+    void (*launch)(const float*, const float*, float*, const Shape&);
+  };
+  const std::vector<SgemmVariant> sgemm_variants = {
+      {"simt 128x128x8", &launch_sgemm<cg_sgemm_config<128, 128, 8>>},
+      {"simt 64x64x8", &launch_sgemm<cg_sgemm_config<64, 64, 8>>},
+  };
+  std::vector<float> got(max_elems);
+  int f32_failures = 0;
+  std::printf("\n%-32s %-20s %9s %9s %9s %8s %10s\n", "f32 shape", "config", "ms", "TFLOP/s", "vs cuBLAS", "rel.err",
+              "cuBLAS err");
+  auto f32_error = [&](const Shape& s) {
+    const size_t n = size_t(s.M) * s.N;
+    CHECK_CUDA(cudaMemcpy(got.data(), fd, n * 4, cudaMemcpyDeviceToHost));
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(got[i])) return -1.0;
+      err += double(got[i] - want[i]) * double(got[i] - want[i]);
+      norm += double(want[i]) * double(want[i]);
+    }
+    return std::sqrt(err / norm);
+  };
+  // --quick (under compute-sanitizer): two small products, every layout between them.
+  const std::vector<Shape> f32_shapes =
+      quick ? std::vector<Shape>{{"odd 1000x1000x1000", 1000, 1000, 1000, false, false},
+                                 {"odd 1000x1000x1000 (TT)", 1000, 1000, 1000, true, true}}
+            : shapes;
+  for (const Shape& s : f32_shapes) {
+    const double flops = 2.0 * s.M * s.N * s.K;
+    reference_kernel_f32<<<dim3((s.N + 127) / 128, s.M), 128>>>(fa[0], fb[0], ref, s.M, s.N, s.K, s.a_t, s.b_t);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaMemcpy(want.data(), ref, size_t(s.M) * s.N * 4, cudaMemcpyDeviceToHost));
+    const float one_f = 1.0f, zero_f = 0.0f;
+    auto cublas = [&](int set) {
+      CHECK_CUBLAS(cublasSgemm(handle, s.b_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.a_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.N, s.M, s.K,
+                               &one_f, fb[set], s.b_t ? s.K : s.N, fa[set], s.a_t ? s.M : s.K, &zero_f, fd, s.N));
+    };
+    CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
+    cublas(0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const double cublas_err = f32_error(s);
+    const float cublas_ms = median_ms(cublas);
+    std::printf("%-32s %-20s %9.4f %9.1f %9s %8s %10.2e\n", s.name, "cuBLAS SGEMM", cublas_ms, flops / cublas_ms / 1e9,
+                "1.00x", "", cublas_err);
+    for (const SgemmVariant& v : sgemm_variants) {
+      CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
+      v.launch(fa[0], fb[0], fd, s);
+      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const double err = f32_error(s);
+      const float ms = median_ms([&](int set) { v.launch(fa[set], fb[set], fd, s); });
+      // f32 accumulation over K: the relative error grows as about sqrt(K) 2^-24; 1e-5 is the f32 bound.
+      const bool ok = err >= 0 && err < 1e-5;
+      f32_failures += !ok;
+      std::printf("%-32s %-20s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9, cublas_ms / ms,
+                  err, "", ok ? "" : "  WRONG");
+    }
+  }
+  std::printf("%s\n", f32_failures ? "FAILED: some f32 results are wrong" : "all f32 results within 1e-5 of the reference");
+  return failures + f32_failures ? 1 : 0;
 }
