@@ -585,6 +585,10 @@ class Emitter {
       lk.ranges.insert(lk.ranges.end(), tk.ranges.begin(), tk.ranges.end());
     }
     lk.grid[0] = int(block_begin);
+    // One mainloop for the model when every member runs the same one.
+    lk.mainloop = out.tile_kernels[members[0]].mainloop;
+    for (size_t m : members)
+      if (out.tile_kernels[m].mainloop != lk.mainloop) lk.mainloop = MatmulMainloop::none;
     auto [kernel_params, unused] = global_params(params);
     std::string code = fmt::format(
         "// Launch {} ({} phase):\n"

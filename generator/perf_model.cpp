@@ -45,7 +45,14 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.blocks_per_sm = std::max(1, per_sm);
   const int64_t slots = int64_t(d.sms) * e.blocks_per_sm;
   e.waves = std::max<int64_t>(1, (e.blocks + slots - 1) / slots);
-  const double fullness = double(std::max<int64_t>(e.blocks, 1)) / double(e.waves * slots);
+  // An SM reaches its ceilings from kSaturatingWarps resident warps: blocks
+  // beyond that share its throughput, blocks short of it leave it idle. So
+  // the kernel runs in rounds of `lanes` blocks at full speed, and its last
+  // round's empty lanes (and SMs with no block at all) are what it loses.
+  const int warps = std::max(1, (block + 31) / 32);
+  const int64_t lanes = int64_t(d.sms) * std::min(e.blocks_per_sm, (kSaturatingWarps + warps - 1) / warps);
+  const int64_t rounds = std::max<int64_t>(1, (e.blocks + lanes - 1) / lanes);
+  const double fullness = double(std::max<int64_t>(e.blocks, 1)) / double(rounds * lanes);
   const double compute = e.flops / e.ceiling_flops, memory = e.bytes / d.memory_bytes_per_s;
   const double work = std::max(compute, memory) / fullness;
   e.bound = work < d.launch_seconds ? "launch" : compute >= memory ? "compute" : "memory";

@@ -25,6 +25,10 @@ struct DeviceModel {
   double launch_seconds;       // a launch's fixed cost, back to back
 };
 
+// Resident warps from which an SM issues at its ceilings (two a scheduler):
+// the model's assumption until a GPU run measures it.
+constexpr int kSaturatingWarps = 8;
+
 // The model of `arch`: an A100 SXM for sm_80 to sm_89 (the nearest datasheet the
 // model has), an H100 SXM for sm_90 and later.
 DeviceModel device_model(const std::string& arch);

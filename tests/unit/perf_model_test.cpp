@@ -40,7 +40,15 @@ TEST(PerfModel, ATailWaveAndFewBlocksCostTheirShare) {
   const double one_wave = estimate_kernel(kernel(full, 256, 0, bytes), h100).seconds;
   const KernelEstimate tail = estimate_kernel(kernel(full + 1, 256, 0, bytes), h100);
   EXPECT_EQ(tail.waves, 2);
-  EXPECT_GT(tail.seconds, 1.9 * (one_wave - h100.launch_seconds));
+  // The last block runs alone at full speed (8 warps saturate its SM): a
+  // quarter of the first wave's four blocks an SM more.
+  EXPECT_NEAR(tail.seconds - h100.launch_seconds, 1.25 * (one_wave - h100.launch_seconds),
+              0.01 * (one_wave - h100.launch_seconds));
+  // 66 blocks of 8 warps leave half the SMs idle; 66 of 4 warps, three quarters of the GPU.
+  const double half = estimate_kernel(kernel(66, 256, 0, bytes), h100).seconds - h100.launch_seconds;
+  EXPECT_NEAR(half, 2 * (one_wave - h100.launch_seconds), 1e-9);
+  const double quarter = estimate_kernel(kernel(66, 128, 0, bytes), h100).seconds - h100.launch_seconds;
+  EXPECT_NEAR(quarter, 4 * (one_wave - h100.launch_seconds), 1e-9);
   const KernelEstimate one = estimate_kernel(kernel(1, 256, 0, 1024), h100);
   EXPECT_EQ(one.bound, "launch");
 }
