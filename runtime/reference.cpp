@@ -43,6 +43,12 @@ class Evaluator {
     if (op == "tanh") return unary(bt, [](double x) { return std::tanh(x); });
     if (op == "exp") return unary(bt, [](double x) { return std::exp(x); });
     if (op == "log") return unary(bt, [](double x) { return std::log(x); });
+    if (op == "sqrt") return unary(bt, [](double x) { return std::sqrt(x); });
+    if (op == "rsqrt") return unary(bt, [](double x) { return 1 / std::sqrt(x); });
+    if (op == "pow") {
+      const double e = arg_double(bt, "exponent", 2.0);
+      return unary(bt, [e](double x) { return std::pow(x, e); });
+    }
     if (op == "neg") return unary(bt, [](double x) { return -x; });
     if (op == "gelu") {
       const bool erf_form = arg_string(bt, "approximate") == "erf";
@@ -81,6 +87,12 @@ class Evaluator {
       return unary(bt, [scale](double d) { return scale * d; }, "dout", "dx");
     }
     if (op == "log_backward") return gradient(bt, [](double x, double d) { return d / x; });
+    if (op == "sqrt_backward") return gradient(bt, [](double x, double d) { return d / (2 * std::sqrt(x)); });
+    if (op == "rsqrt_backward") return gradient(bt, [](double x, double d) { return -d / (2 * x * std::sqrt(x)); });
+    if (op == "pow_backward") {
+      const double e = arg_double(bt, "exponent", 2.0);
+      return gradient(bt, [e](double x, double d) { return d * e * std::pow(x, e - 1); });
+    }
     if (op == "exp_backward") return gradient(bt, [](double out, double d) { return d * out; }, "out");
     if (op == "mse_backward") return mse_backward(bt);
     if (op == "concat" || op == "split") return concat_split(bt, op == "concat");

@@ -105,6 +105,51 @@ CG_DEVICE T cg_log(T x) {
 }
 
 template <typename T>
+CG_OP("sqrt",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: sqrt_backward",
+      "doc: square root")
+CG_DEVICE T cg_sqrt(T x) {
+  return sqrt(x);
+}
+
+template <typename T>
+CG_OP("rsqrt",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: rsqrt_backward",
+      "doc: 1 / sqrt(x) (torch.rsqrt)")
+CG_DEVICE T cg_rsqrt(T x) {
+  return T(1) / sqrt(x);  // both correctly rounded: within an ulp of the quotient, where rsqrtf is 2
+}
+
+// x^2 is the common case (a hand-written RMSNorm's x.pow(2)): exactly x * x,
+// where powf may differ from it by an ulp.
+template <typename T>
+CG_OP("pow",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: exponent float = 2.0",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: pow_backward",
+      "doc: x ** exponent, the exponent a number (torch.pow(x, 2.0), x.pow(0.5), x ** 3)")
+CG_DEVICE T cg_pow(T x, T exponent) {
+  return exponent == T(2) ? x * x : exponent == T(1) ? x : pow(x, exponent);
+}
+
+template <typename T>
 CG_OP("neg",
       "pattern: elementwise",
       "types: T = " CG_FLOAT_TYPES,
@@ -417,6 +462,52 @@ CG_OP("log_backward",
       "doc: gradient of log: dx = dout / x")
 CG_DEVICE T cg_log_backward(T x, T dout) {
   return dout / x;
+}
+
+template <typename T>
+CG_OP("sqrt_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: sqrt",
+      "doc: gradient of sqrt: dx = dout / (2 sqrt(x))")
+CG_DEVICE T cg_sqrt_backward(T x, T dout) {
+  return dout / (T(2) * sqrt(x));
+}
+
+template <typename T>
+CG_OP("rsqrt_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: rsqrt",
+      "doc: gradient of rsqrt: dx = -dout / (2 x sqrt(x))")
+CG_DEVICE T cg_rsqrt_backward(T x, T dout) {
+  return -dout / (T(2) * x * sqrt(x));
+}
+
+template <typename T>
+CG_OP("pow_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: exponent float = 2.0",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: pow",
+      "doc: gradient of pow: dx = dout * exponent * x ** (exponent - 1)")
+CG_DEVICE T cg_pow_backward(T x, T dout, T exponent) {
+  return dout * exponent * (exponent == T(2) ? x : exponent == T(1) ? T(1) : pow(x, exponent - T(1)));
 }
 
 template <typename T>

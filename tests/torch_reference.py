@@ -129,10 +129,13 @@ def run_torch(g, values, phases=None):
         # A run-time argument ({"value": v, "runtime": true}) runs with its initial value.
         args = {k: (a["value"] if isinstance(a, dict) and "value" in a else a) for k, a in t.get("args", {}).items()}
         shape = lambda slot: t["tensors"][slot]["shape"]
-        if op in ("relu", "sigmoid", "silu", "tanh", "exp", "log", "neg"):
+        if op in ("relu", "sigmoid", "silu", "tanh", "exp", "log", "neg", "sqrt", "rsqrt"):
             f = {"relu": torch.relu, "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
-                 "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "neg": torch.neg}[op]
+                 "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "neg": torch.neg,
+                 "sqrt": torch.sqrt, "rsqrt": torch.rsqrt}[op]
             put(t, "out", f(get(t, "x")))
+        elif op == "pow":
+            put(t, "out", torch.pow(get(t, "x"), args.get("exponent", 2.0)))
         elif op == "gelu":
             put(t, "out", torch.nn.functional.gelu(get(t, "x"), approximate={"tanh": "tanh", "erf": "none"}[args.get("approximate", "tanh")]))
         elif op == "affine":
@@ -140,11 +143,13 @@ def run_torch(g, values, phases=None):
         elif op in ("add", "sub", "mul", "div", "maximum"):
             f = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum}[op]
             put(t, "out", f(get(t, "a"), get(t, "b")))
-        elif op.endswith("_backward") and op[:-9] in ("relu", "sigmoid", "silu", "tanh", "log", "gelu"):
+        elif op.endswith("_backward") and op[:-9] in ("relu", "sigmoid", "silu", "tanh", "log", "gelu", "sqrt", "rsqrt",
+                                                      "pow"):
             # PyTorch's own autograd of the forward op gives the reference gradient.
             approximate = {"tanh": "tanh", "erf": "none"}[args.get("approximate", "tanh")]
             f = {"relu": torch.relu, "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu,
-                 "tanh": torch.tanh, "log": torch.log,
+                 "tanh": torch.tanh, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+                 "pow": lambda x: torch.pow(x, args.get("exponent", 2.0)),
                  "gelu": lambda x: torch.nn.functional.gelu(x, approximate=approximate)}[op[:-9]]
             put(t, "dx", grad(f, [get(t, "x")], get(t, "dout"))[0])
         elif op == "exp_backward":

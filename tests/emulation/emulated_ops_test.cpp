@@ -68,6 +68,17 @@ TaskGraph all_ops(int64_t n) {
     b.task(op, op).tensor("a", f32, {3, n}, ext).tensor("b", f32, {n}, ext).tensor("out", f32, {3, n}, ext);
   auto e = b.task("exp", "exp").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);
   b.task("log", "log").tensor("x", e["out"]).tensor("out", f32, {n}, ext);  // positive inputs
+  for (const char* op : {"sqrt", "rsqrt"})
+    b.task(op, op).tensor("x", e["out"]).tensor("out", f32, {n}, ext);
+  b.task("square", "pow").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);  // exponent 2, negative x too
+  b.task("cube_root", "pow").tensor("x", e["out"]).tensor("out", f32, {n}, ext).arg("exponent", 1.0 / 3);
+  for (const char* op : {"sqrt_backward", "rsqrt_backward"})
+    b.task(op, op).tensor("x", e["out"]).tensor("dout", f32, {n}, ext).tensor("dx", f32, {n}, ext);
+  b.task("pow_backward", "pow_backward")
+      .tensor("x", e["out"])
+      .tensor("dout", f32, {n}, ext)
+      .tensor("dx", f32, {n}, ext)
+      .arg("exponent", 2.5);
   for (const char* op : {"relu_backward", "sigmoid_backward", "silu_backward", "tanh_backward"})
     b.task(op, op).tensor("x", f32, {n}, ext).tensor("dout", f32, {n}, ext).tensor("dx", f32, {n}, ext);
   b.task("rmsnorm", "rmsnorm")
@@ -227,7 +238,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 87u);
+  ASSERT_EQ(run.checks.size(), 94u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.

@@ -478,7 +478,7 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:171
+// templates/elementwise.cuh:216
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;

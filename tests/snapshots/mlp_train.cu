@@ -478,13 +478,13 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:171
+// templates/elementwise.cuh:216
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:267
+// templates/elementwise.cuh:312
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {

@@ -171,6 +171,28 @@ def in_place():
     return InPlace()
 
 
+class HandWrittenNorm(nn.Module):
+    """An RMSNorm as LLaMA-style code writes it (x.pow(2), torch.rsqrt), a
+    norm over the last axis with torch.sqrt, and a cube: the pow, rsqrt and
+    sqrt that blocked such models."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5)
+        self.eps = 1e-6
+
+    def forward(self, x):  # [4, 16]
+        variance = x.pow(2).mean(-1, keepdim=True)
+        y = x * torch.rsqrt(variance + self.eps) * self.weight
+        length = torch.sqrt((y * y).sum(-1, keepdim=True))
+        return y / length + y ** 3
+
+
+def hand_written_norm():
+    torch.manual_seed(0)
+    return HandWrittenNorm()
+
+
 def zoo():
     torch.manual_seed(0)
     return randomized(Zoo())

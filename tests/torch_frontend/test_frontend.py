@@ -105,6 +105,18 @@ class Models(Exported):
             self.assertIn("weight", result.weights)
             self.assertIn("scale", result.weights)
 
+    def test_hand_written_norms_map_pow_rsqrt_and_sqrt(self):
+        """x.pow(2), torch.rsqrt, torch.sqrt and x ** 3 (LLaMA-style RMSNorm
+        code) export on both paths and match PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            result, _, _ = self.check_model(models.hand_written_norm(), (torch.randn(4, 16),), seed, tracer=tracer)
+            graph = read(result.graph_path)
+            for op in ('"op": "pow"', '"op": "rsqrt"', '"op": "sqrt"'):
+                self.assertIn(op, graph)
+
     def test_in_place_updates_are_kept(self):
         """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
         the export and its expected outputs agree with eager PyTorch."""
@@ -336,13 +348,13 @@ class Errors(unittest.TestCase):
         # A running sum is no sum: nothing is offered where nothing is equivalent.
         self.assertNotIn("supported instead", message)
 
-        class Squared(torch.nn.Module):
+        class HardSigmoid(torch.nn.Module):
             def forward(self, x):
-                return torch.pow(x, 2)
+                return F.hardsigmoid(x)
 
-        message = self.export_error(Squared(), (torch.randn(3, 4),))
-        self.assertIn("a square is x * x", message)
-        self.assertRegex(message, r"supported instead: .*(torch\.mul|Tensor\.mul|aten\.mul)")
+        message = self.export_error(HardSigmoid(), (torch.randn(3, 4),))
+        self.assertIn("F.relu6(x + 3) / 6", message)
+        self.assertRegex(message, r"supported instead: .*relu6")
         self.assertNotIn("dropout", message)
 
     def test_an_in_place_update_through_a_view_is_refused(self):

@@ -115,7 +115,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "neg_backward",    "split",           "sum_backward", "sum_leading_backward",
       // The PyTorch frontend's (#11): convolutional networks and MobileNet's activations.
       "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "permute", "relu6", "relu6_backward",
-      "hardswish", "hardswish_backward"};
+      "hardswish", "hardswish_backward",
+      // Hand-written norms in real models (#43): x.pow(2), torch.rsqrt, torch.sqrt.
+      "pow", "pow_backward", "rsqrt", "rsqrt_backward", "sqrt", "sqrt_backward"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",

@@ -780,6 +780,15 @@ def _f_unary(op, args=None):
     return lambda ex, node: ex.unary(node, op, node.args[0], args)
 
 
+def _f_pow(ex, node):
+    """x ** p, x.pow(p), torch.pow(x, p): a tensor to a number's power (a hand-written RMSNorm's x.pow(2))."""
+    base, exponent = node.args[0], ex.const(_arg(node, 1, "exponent"))
+    if not isinstance(base, torch.fx.Node) or isinstance(exponent, torch.Tensor) or not isinstance(exponent, (int, float)):
+        ex.fail(node, "pow maps for a tensor raised to a number (x ** 2, x.pow(0.5)); here the base or the exponent "
+                "is not", "write a tensor exponent as torch.exp(y * torch.log(x))")
+    return ex.unary(node, "pow", base, {"exponent": float(exponent)})
+
+
 def _f_softmax(op):
     def handler(ex, node):
         x = ex.tensor(node, node.args[0])
@@ -1034,6 +1043,7 @@ FUNCTIONS = {
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
     torch.exp: _f_unary("exp"), torch.log: _f_unary("log"),
+    torch.sqrt: _f_unary("sqrt"), torch.rsqrt: _f_unary("rsqrt"), torch.pow: _f_pow, operator.pow: _f_pow,
     F.softmax: _f_softmax("softmax"), torch.softmax: _f_softmax("softmax"),
     F.log_softmax: _f_softmax("log_softmax"), torch.log_softmax: _f_softmax("log_softmax"),
     F.linear: _f_linear, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
@@ -1053,6 +1063,7 @@ METHODS = {
     "add_": _arith("add"), "mul_": _arith("mul"),
     "neg": _f_unary("neg"), "relu": _f_unary("relu"), "sigmoid": _f_unary("sigmoid"), "tanh": _f_unary("tanh"),
     "exp": _f_unary("exp"), "log": _f_unary("log"),
+    "sqrt": _f_unary("sqrt"), "rsqrt": _f_unary("rsqrt"), "pow": _f_pow,
     "matmul": _f_matmul, "bmm": _f_matmul,
     "softmax": _f_softmax("softmax"), "log_softmax": _f_softmax("log_softmax"),
     "view": _f_reshape, "reshape": _f_reshape, "flatten": _f_reshape, "view_as": _f_reshape,
@@ -1121,6 +1132,7 @@ def _aten_handlers():
         "mul.Tensor": _arith("mul"), "mul_.Tensor": _arith("mul"), "mul.Scalar": _arith("mul"),
         "div.Tensor": _arith("div"), "div.Scalar": _arith("div"),
         "neg.default": _f_unary("neg"), "exp.default": _f_unary("exp"), "log.default": _f_unary("log"),
+        "sqrt.default": _f_unary("sqrt"), "rsqrt.default": _f_unary("rsqrt"), "pow.Tensor_Scalar": _f_pow,
         "relu.default": _f_unary("relu"), "relu_.default": _f_unary("relu"),
         "hardtanh.default": _a_hardtanh, "hardtanh_.default": _a_hardtanh,
         "gelu.default": _a_gelu, "silu.default": _f_unary("silu"), "silu_.default": _f_unary("silu"),
@@ -1181,10 +1193,7 @@ def supported_targets():
 # ones: real equivalents, not names that merely look alike (string distance
 # suggested F.dropout for pow). By operator name, in either vocabulary.
 _EQUIVALENTS = {
-    "pow": ("a square is x * x", ["mul"]),
-    "square": ("x * x", ["mul"]),
-    "rsqrt": ("an RMSNorm written out maps as nn.RMSNorm / F.layer_norm do: use the module", ["layer_norm", "LayerNorm"]),
-    "sqrt": ("a norm written out maps as nn.LayerNorm / F.layer_norm do: use the module", ["layer_norm", "LayerNorm"]),
+    "square": ("x * x, or x ** 2", ["mul", "pow"]),
     "addmm": ("F.linear(x, weight, bias), or x @ w + b", ["linear", "matmul", "add"]),
     "baddbmm": ("torch.bmm then +", ["bmm", "add"]),
     "hardsigmoid": ("F.relu6(x + 3) / 6", ["relu6", "add", "div"]),
