@@ -102,6 +102,9 @@ class Evaluator {
     if (op == "transpose") return transpose(bt);
     if (op == "relu6") return unary(bt, [](double x) { return std::min(std::max(x, 0.0), 6.0); });
     if (op == "hardswish") return unary(bt, [](double x) { return x * std::min(std::max(x + 3, 0.0), 6.0) / 6; });
+    if (op == "hardsigmoid") return unary(bt, [](double x) { return std::min(std::max(x + 3, 0.0), 6.0) / 6; });
+    if (op == "hardsigmoid_backward")
+      return gradient(bt, [](double x, double d) { return x > -3 && x < 3 ? d / 6 : 0.0; });
     if (op == "relu6_backward") return gradient(bt, [](double x, double d) { return x > 0 && x < 6 ? d : 0.0; });
     if (op == "hardswish_backward")
       return gradient(bt, [](double x, double d) { return x < -3 ? 0.0 : x <= 3 ? d * (2 * x + 3) / 6 : d; });

@@ -617,6 +617,35 @@ CG_DEVICE T cg_hardswish(T x) {
 }
 
 template <typename T>
+CG_OP("hardsigmoid",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[...S] -> out:[...S]",
+      "may_alias: out x",
+      "backward: hardsigmoid_backward",
+      "doc: min(max(x + 3, 0), 6) / 6 (torch.nn.Hardsigmoid; MobileNetV3's squeeze-excitation gate)")
+CG_DEVICE T cg_hardsigmoid(T x) {
+  return (x + T(3) > T(0) ? (x + T(3) < T(6) ? x + T(3) : T(6)) : T(0)) / T(6);
+}
+
+template <typename T>
+CG_OP("hardsigmoid_backward",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: x:[...S] dout:[...S] -> dx:[...S]",
+      "may_alias: dx dout",
+      "forward: hardsigmoid",
+      "doc: gradient of hardsigmoid: dout / 6 strictly between -3 and 3, else 0 (as PyTorch)")
+CG_DEVICE T cg_hardsigmoid_backward(T x, T dout) {
+  return x > T(-3) && x < T(3) ? dout / T(6) : T(0);
+}
+
+template <typename T>
 CG_OP("hardswish_backward",
       "pattern: elementwise",
       "types: T = " CG_FLOAT_TYPES,

@@ -286,9 +286,9 @@ def run_torch(g, values, phases=None):
             put(t, "out", get(t, "x").transpose(-1, -2))
         elif op == "permute":
             put(t, "out", get(t, "x").permute(*args["dims"]))
-        elif op in ("relu6", "hardswish"):
+        elif op in ("relu6", "hardswish", "hardsigmoid"):
             put(t, "out", getattr(torch.nn.functional, op)(get(t, "x")))
-        elif op in ("relu6_backward", "hardswish_backward"):
+        elif op in ("relu6_backward", "hardswish_backward", "hardsigmoid_backward"):
             put(t, "dx", grad(getattr(torch.nn.functional, op[:-9]), [get(t, "x")], get(t, "dout"))[0])
         elif op == "conv2d":
             bias = get(t, "bias") if "bias" in t["tensors"] else None

@@ -105,8 +105,8 @@ TaskGraph vision_ops(int64_t n, DType d) {
       .arg("dims", ArgValue(std::vector<int64_t>{3, 0, 2, 1}));
   // Inputs in [-1, 1] would never reach relu6's and hardswish's upper kinks: scale them first.
   auto wide = b.task("wide", "affine").tensor("x", d, {n, 5}, ext).tensor("out", d, {n, 5}, ext).arg("scale", 8.0);
-  for (const char* op : {"relu6", "hardswish"}) b.task(op, op).tensor("x", wide["out"]).tensor("out", d, {n, 5}, ext);
-  for (const char* op : {"relu6_backward", "hardswish_backward"})
+  for (const char* op : {"relu6", "hardswish", "hardsigmoid"}) b.task(op, op).tensor("x", wide["out"]).tensor("out", d, {n, 5}, ext);
+  for (const char* op : {"relu6_backward", "hardswish_backward", "hardsigmoid_backward"})
     b.task(op, op).tensor("x", wide["out"]).tensor("dout", d, {n, 5}, ext).tensor("dx", d, {n, 5}, ext);
   return std::move(b).graph();
 }
@@ -128,7 +128,7 @@ TEST_P(VisionOps, MatchTheFloat64ReferenceFusedAndUnfused) {
     SCOPED_TRACE(fmt::format("seed {}, {}", seed, fuse ? "fused" : "unfused"));
     CheckedRun run =
         run_checked(c, RunOptions{seed, work_dir(fmt::format("{}_{}_{}", to_string(dtype), n, fuse ? "f" : "u"))});
-    EXPECT_EQ(run.checks.size(), 18u);
+    EXPECT_EQ(run.checks.size(), 20u);
     for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
   }
 }

@@ -193,6 +193,28 @@ def hand_written_norm():
     return HandWrittenNorm()
 
 
+class TransformersStyle(nn.Module):
+    """Code as transformers and torchvision write it: a Conv1D projection
+    (torch.addmm(bias, x, weight), GPT-2's), with alpha, and MobileNetV3's
+    hardsigmoid gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 24) * 0.2)
+        self.bias = nn.Parameter(torch.randn(24))
+        self.gate = nn.Hardsigmoid()
+
+    def forward(self, x):  # [2, 3, 16]
+        y = torch.addmm(self.bias, x.view(-1, 16), self.weight).view(2, 3, 24)
+        z = torch.addmm(self.bias, x.view(-1, 16), self.weight, alpha=0.5).view(2, 3, 24)
+        return y * self.gate(z * 4) + F.hardsigmoid(y)
+
+
+def transformers_style():
+    torch.manual_seed(0)
+    return TransformersStyle()
+
+
 def zoo():
     torch.manual_seed(0)
     return randomized(Zoo())

@@ -117,6 +117,18 @@ class Models(Exported):
             for op in ('"op": "pow"', '"op": "rsqrt"', '"op": "sqrt"'):
                 self.assertIn(op, graph)
 
+    def test_addmm_and_hardsigmoid_map(self):
+        """torch.addmm (transformers' Conv1D), with alpha, and nn.Hardsigmoid /
+        F.hardsigmoid (MobileNetV3) on both paths, matching PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            result, _, _ = self.check_model(models.transformers_style(), (torch.randn(2, 3, 16),), seed, tracer=tracer)
+            graph = read(result.graph_path)
+            self.assertIn('"op": "hardsigmoid"', graph)
+            self.assertIn('"alpha": 0.5', graph)
+
     def test_in_place_updates_are_kept(self):
         """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
         the export and its expected outputs agree with eager PyTorch."""
@@ -348,13 +360,13 @@ class Errors(unittest.TestCase):
         # A running sum is no sum: nothing is offered where nothing is equivalent.
         self.assertNotIn("supported instead", message)
 
-        class HardSigmoid(torch.nn.Module):
+        class BatchedAddMatmul(torch.nn.Module):
             def forward(self, x):
-                return F.hardsigmoid(x)
+                return torch.baddbmm(x, x, x)
 
-        message = self.export_error(HardSigmoid(), (torch.randn(3, 4),))
-        self.assertIn("F.relu6(x + 3) / 6", message)
-        self.assertRegex(message, r"supported instead: .*relu6")
+        message = self.export_error(BatchedAddMatmul(), (torch.randn(2, 3, 3),))
+        self.assertIn("torch.bmm then +", message)
+        self.assertRegex(message, r"supported instead: .*bmm")
         self.assertNotIn("dropout", message)
 
     def test_an_in_place_update_through_a_view_is_refused(self):

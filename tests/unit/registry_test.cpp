@@ -117,7 +117,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "permute", "relu6", "relu6_backward",
       "hardswish", "hardswish_backward",
       // Hand-written norms in real models (#43): x.pow(2), torch.rsqrt, torch.sqrt.
-      "pow", "pow_backward", "rsqrt", "rsqrt_backward", "sqrt", "sqrt_backward"};
+      "pow", "pow_backward", "rsqrt", "rsqrt_backward", "sqrt", "sqrt_backward",
+      // MobileNetV3's gate (#43).
+      "hardsigmoid", "hardsigmoid_backward"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",

@@ -719,7 +719,7 @@ MODULES = {
     nn.SiLU: _m_activation("silu"),
     nn.Sigmoid: _m_activation("sigmoid"),
     nn.Tanh: _m_activation("tanh"),
-    nn.Hardswish: _m_activation("hardswish"),
+    nn.Hardswish: _m_activation("hardswish"), nn.Hardsigmoid: _m_activation("hardsigmoid"),
     nn.Dropout: _m_identity,
     nn.Identity: _m_identity,
     nn.Flatten: _m_flatten,
@@ -820,6 +820,20 @@ def _f_masked_fill(ex, node):
 
 def _f_matmul(ex, node):
     return ex.binary(node, "matmul", node.args[0], node.args[1])
+
+
+def _f_addmm(ex, node):
+    """beta * input + alpha * (mat1 @ mat2): transformers' Conv1D (GPT-2's projections) writes its
+    linear layer as torch.addmm(bias, x, weight). A matmul (alpha its scale), then the add."""
+    bias, mat1, mat2 = node.args[0], node.args[1], node.args[2]
+    beta, alpha = float(ex.const(_arg(node, 3, "beta", 1))), float(ex.const(_arg(node, 4, "alpha", 1)))
+    if beta != 1.0:
+        ex.fail(node, f"addmm with beta={beta:g} has no mapping; beta=1 (the default) does",
+                "scale the input before: torch.addmm(beta * input, mat1, mat2)")
+    dtype, shape = ex.result_meta(node)
+    product = ex.add(node, node.name + "_product", "matmul", {"a": ex.tensor(node, mat1), "b": ex.tensor(node, mat2)},
+                     {"out": (dtype, shape)}, {"alpha": alpha} if alpha != 1.0 else None)["out"]
+    return ex.add(node, node.name, "add", {"a": product, "b": ex.tensor(node, bias)}, {"out": (dtype, shape)})["out"]
 
 
 def _f_linear(ex, node):
@@ -1042,11 +1056,12 @@ FUNCTIONS = {
     torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
+    F.hardsigmoid: _f_unary("hardsigmoid"),
     torch.exp: _f_unary("exp"), torch.log: _f_unary("log"),
     torch.sqrt: _f_unary("sqrt"), torch.rsqrt: _f_unary("rsqrt"), torch.pow: _f_pow, operator.pow: _f_pow,
     F.softmax: _f_softmax("softmax"), torch.softmax: _f_softmax("softmax"),
     F.log_softmax: _f_softmax("log_softmax"), torch.log_softmax: _f_softmax("log_softmax"),
-    F.linear: _f_linear, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
+    F.linear: _f_linear, torch.addmm: _f_addmm, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
     torch.flatten: _f_reshape, torch.reshape: _f_reshape,
     torch.transpose: _f_transpose, torch.permute: _f_permute, torch.t: _f_t,
     torch.cat: _f_cat, torch.concat: _f_cat, torch.split: _f_split,
@@ -1138,8 +1153,9 @@ def _aten_handlers():
         "gelu.default": _a_gelu, "silu.default": _f_unary("silu"), "silu_.default": _f_unary("silu"),
         "sigmoid.default": _f_unary("sigmoid"), "tanh.default": _f_unary("tanh"),
         "hardswish.default": _f_unary("hardswish"), "hardswish_.default": _f_unary("hardswish"),
+        "hardsigmoid.default": _f_unary("hardsigmoid"), "hardsigmoid_.default": _f_unary("hardsigmoid"),
         "dropout.default": _f_dropout,
-        "matmul.default": _f_matmul, "bmm.default": _f_matmul, "mm.default": _f_matmul,
+        "matmul.default": _f_matmul, "bmm.default": _f_matmul, "mm.default": _f_matmul, "addmm.default": _f_addmm,
         "softmax.int": _f_softmax("softmax"), "_softmax.default": _f_softmax("softmax"),
         "log_softmax.int": _f_softmax("log_softmax"), "_log_softmax.default": _f_softmax("log_softmax"),
         "masked_fill.Scalar": _f_masked_fill,
@@ -1194,9 +1210,7 @@ def supported_targets():
 # suggested F.dropout for pow). By operator name, in either vocabulary.
 _EQUIVALENTS = {
     "square": ("x * x, or x ** 2", ["mul", "pow"]),
-    "addmm": ("F.linear(x, weight, bias), or x @ w + b", ["linear", "matmul", "add"]),
     "baddbmm": ("torch.bmm then +", ["bmm", "add"]),
-    "hardsigmoid": ("F.relu6(x + 3) / 6", ["relu6", "add", "div"]),
     "type_as": ("a float32 model, or .float()", ["float"]),
     "to": ("a model in one dtype (export it after .to(dtype))", ["float"]),
     "scaled_dot_product_attention": ("softmax(q @ k^T * scale) @ v written out", ["matmul", "softmax", "masked_fill"]),
