@@ -210,6 +210,28 @@ class TransformersStyle(nn.Module):
         return y * self.gate(z * 4) + F.hardsigmoid(y)
 
 
+class GlobalPool(nn.Module):
+    """What stopped ShuffleNet, MNASNet (x.mean([2, 3])), EfficientNet and
+    ConvNeXt (torchvision's StochasticDepth on a residual branch) on the fx
+    path."""
+
+    def __init__(self):
+        super().__init__()
+        import torchvision.ops
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.drop = torchvision.ops.StochasticDepth(0.2, "row")
+
+    def forward(self, x):  # [2, 4, 6, 6]
+        y = self.conv(x)
+        y = y + self.drop(torch.relu(y))
+        return y.mean([2, 3]), y.sum((-1, -2, -3)), y.mean(dim=[-1, -2], keepdim=True)
+
+
+def global_pool():
+    torch.manual_seed(0)
+    return GlobalPool().eval()
+
+
 def transformers_style():
     torch.manual_seed(0)
     return TransformersStyle()

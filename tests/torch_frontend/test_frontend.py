@@ -129,6 +129,16 @@ class Models(Exported):
             self.assertIn('"op": "hardsigmoid"', graph)
             self.assertIn('"alpha": 0.5', graph)
 
+    def test_global_pools_and_stochastic_depth_map(self):
+        """x.mean([2, 3]) and sums over several trailing axes (keepdim too),
+        and StochasticDepth in eval mode, on both paths, matching PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            result, _, _ = self.check_model(models.global_pool(), (torch.randn(2, 4, 6, 6),), seed, tracer=tracer)
+            self.assertEqual(len(result.outputs), 3)
+
     def test_in_place_updates_are_kept(self):
         """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
         the export and its expected outputs agree with eager PyTorch."""

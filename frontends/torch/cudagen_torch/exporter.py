@@ -870,6 +870,15 @@ def _f_dropout(ex, node):
     return ex.tensor(node, node.args[0])
 
 
+def _f_stochastic_depth(ex, node):
+    """torchvision.ops.stochastic_depth(input, p, mode, training) (EfficientNet's and ConvNeXt's
+    residual branches, traced as a leaf on the fx path): the input itself in eval mode or at p 0."""
+    p, training = float(ex.const(_arg(node, 1, "p", 0.0))), ex.const(_arg(node, 3, "training", True))
+    if training and p > 0:
+        ex.fail(node, "stochastic_depth with training=True has no mapping", "call eval() on the model before exporting")
+    return ex.tensor(node, node.args[0])
+
+
 def _permute(ex, node, dims):
     x = ex.tensor(node, node.args[0])
     rank = len(x.shape)
@@ -980,6 +989,16 @@ def _f_reduce(op):
             dim = dim[0]
         if dim is None:
             ex.fail(node, f"{op} over every axis has no mapping", "reshape to one row and reduce over dim=-1")
+        rank = len(x.shape)
+        if isinstance(dim, (list, tuple)):
+            # Trailing axes (x.mean([2, 3]): a global pool) are one axis of their product, in row-major order.
+            axes = sorted(d % rank for d in dim)
+            if axes != list(range(rank - len(axes), rank)):
+                ex.fail(node, f"{op} over axes {list(dim)} of a rank-{rank} tensor; only the trailing axes map",
+                        "permute the axes to the end first")
+            x = ex.reshape_to(node, x, tuple(x.shape[:rank - len(axes)]) + (math.prod(x.shape[rank - len(axes):]),),
+                              node.name + "_flat")
+            dim = -1
         ex.last_axis(node, dim, len(x.shape), op)
         dtype, shape = ex.result_meta(node)
         reduced = x.shape[:-1]
@@ -1072,6 +1091,12 @@ FUNCTIONS = {
 }
 if hasattr(F, "scaled_dot_product_attention"):
     FUNCTIONS[F.scaled_dot_product_attention] = _f_sdpa
+try:  # torchvision wraps it for torch.fx: a call of its own in the traced graph
+    import torchvision.ops
+
+    FUNCTIONS[torchvision.ops.stochastic_depth] = _f_stochastic_depth
+except ImportError:
+    pass
 
 METHODS = {
     "add": _arith("add"), "sub": _arith("sub"), "mul": _arith("mul"), "div": _arith("div"),
