@@ -92,9 +92,10 @@ CG_OP("max_pool2d",
       "arg: padding_w int = 0",
       "arg: dilation_h int = 1",
       "arg: dilation_w int = 1",
-      "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1) / stride_w + 1]",
+      "arg: ceil_mode bool = false",
+      "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1]",
       "flops: numel(out) * kernel_h * kernel_w",
-      "doc: torch.nn.functional.max_pool2d (ceil_mode false)")
+      "doc: torch.nn.functional.max_pool2d; ceil_mode rounds the output size up (a last window that overhangs the input takes what it covers)")
 CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
   const cg_i64 plane = i / ((cg_i64)p.OW * p.OH) * p.H * p.W;

@@ -299,7 +299,8 @@ def run_torch(g, values, phases=None):
         elif op == "max_pool2d":
             put(t, "out", torch.nn.functional.max_pool2d(
                 get(t, "x"), (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
-                (args.get("padding_h", 0), args.get("padding_w", 0)), (args.get("dilation_h", 1), args.get("dilation_w", 1))))
+                (args.get("padding_h", 0), args.get("padding_w", 0)), (args.get("dilation_h", 1), args.get("dilation_w", 1)),
+                ceil_mode=args.get("ceil_mode", False)))
         elif op == "avg_pool2d":
             put(t, "out", torch.nn.functional.avg_pool2d(
                 get(t, "x"), (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),

@@ -1344,7 +1344,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return best;
 }
 
-// templates/vision.cuh:117
+// templates/vision.cuh:118
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -1368,7 +1368,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:156
+// templates/vision.cuh:157
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -1384,7 +1384,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:181
+// templates/vision.cuh:182
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

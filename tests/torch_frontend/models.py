@@ -213,16 +213,17 @@ class TransformersStyle(nn.Module):
 class GlobalPool(nn.Module):
     """What stopped ShuffleNet, MNASNet (x.mean([2, 3])), EfficientNet and
     ConvNeXt (torchvision's StochasticDepth on a residual branch) on the fx
-    path."""
+    path, and SqueezeNet and GoogLeNet (MaxPool2d with ceil_mode) on both."""
 
     def __init__(self):
         super().__init__()
         import torchvision.ops
         self.conv = nn.Conv2d(4, 8, 3, padding=1)
         self.drop = torchvision.ops.StochasticDepth(0.2, "row")
+        self.pool = nn.MaxPool2d(3, 2, ceil_mode=True)  # SqueezeNet's and GoogLeNet's
 
     def forward(self, x):  # [2, 4, 6, 6]
-        y = self.conv(x)
+        y = self.pool(self.conv(x))  # [2, 8, 3, 3]; 2 x 2 without ceil_mode
         y = y + self.drop(torch.relu(y))
         return y.mean([2, 3]), y.sum((-1, -2, -3)), y.mean(dim=[-1, -2], keepdim=True)
 

@@ -131,7 +131,8 @@ class Models(Exported):
 
     def test_global_pools_and_stochastic_depth_map(self):
         """x.mean([2, 3]) and sums over several trailing axes (keepdim too),
-        and StochasticDepth in eval mode, on both paths, matching PyTorch."""
+        StochasticDepth in eval mode and MaxPool2d with ceil_mode, on both
+        paths, matching PyTorch."""
         seed = fresh_seed()
         torch.manual_seed(seed)
         tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])

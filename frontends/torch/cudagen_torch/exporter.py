@@ -682,9 +682,23 @@ def _pool_args(node, kernel, stride, padding, dilation=None):
 
 
 def _max_pool(ex, node, x, kernel, stride, padding, dilation, ceil_mode, return_indices=False):
-    if ceil_mode or return_indices:
-        ex.fail(node, "max_pool2d with ceil_mode or return_indices has no mapping")
-    return ex.unary(node, "max_pool2d", x, _pool_args(node, kernel, stride, padding, dilation))
+    if return_indices:
+        ex.fail(node, "max_pool2d with return_indices has no mapping")
+    args = _pool_args(node, kernel, stride, padding, dilation)
+    if ceil_mode:
+        # The op rounds the output size up; PyTorch also drops a last window that would start in
+        # the right padding, which the op's size rule does not: refused where the two differ.
+        args["ceil_mode"] = True
+        in_h, in_w = ex.tensor(node, x).shape[-2:]
+        _, shape = ex.result_meta(node)
+        for axis, size in (("h", in_h), ("w", in_w)):
+            k, s, p, d = args[f"kernel_{axis}"], args[f"stride_{axis}"], args[f"padding_{axis}"], args[f"dilation_{axis}"]
+            rounded_up = (size + 2 * p - d * (k - 1) - 1 + s - 1) // s + 1
+            if rounded_up != shape[-2 if axis == "h" else -1]:
+                ex.fail(node, f"max_pool2d with ceil_mode drops a last window that starts in the padding here "
+                        f"({rounded_up - 1} windows along {'H' if axis == 'h' else 'W'}, not {rounded_up}); "
+                        "only sizes where it does not map", "pad the input instead, or use ceil_mode=False")
+    return ex.unary(node, "max_pool2d", x, args)
 
 
 def _avg_pool(ex, node, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
