@@ -145,6 +145,8 @@ class Emitter {
         {"avg_pool2d", &Emitter::pool2d},
         {"adaptive_avg_pool2d", &Emitter::adaptive_avg_pool2d},
         {"permute", &Emitter::permute},
+        {"slice", &Emitter::slice},
+        {"slice_backward", &Emitter::slice},
     };
     auto it = skeletons.find(op);
     return it == skeletons.end() ? nullptr : it->second;
@@ -3131,6 +3133,50 @@ class Emitter {
                                           fmt::format("{}cg_permute(x, i, {}, out_dims, source_strides){}",
                                                       is_16bit(out.buffer->dtype) ? "cg_widen(" : "", so.size(),
                                                       is_16bit(out.buffer->dtype) ? ")" : "")),
+                            ek);
+  }
+
+  // Rule-free gathers: slice (x -> out) and its gradient (dout -> dx), one
+  // axis, checked against the shapes: every other axis the same, the
+  // slice's last element inside x.
+  std::string slice(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+    const bool backward = p_.tasks[size_t(t)].op->name == "slice_backward";
+    const Param& from = param(ps, backward ? "dout" : "x");
+    const Param& to = param(ps, backward ? "dx" : "out");
+    const Shape& whole = backward ? to.buffer->shape : from.buffer->shape;  // x's
+    const Shape& part = backward ? from.buffer->shape : to.buffer->shape;   // out's
+    const int64_t rank = int64_t(whole.size());
+    const int64_t axis_arg = arg_int(t, "axis", 0), start_arg = arg_int(t, "start", 0), step = arg_int(t, "step", 1);
+    const int64_t axis = axis_arg < 0 ? axis_arg + rank : axis_arg;
+    if (axis < 0 || axis >= rank) {
+      fail(t, "axis", fmt::format("axis {} is not an axis of a rank-{} tensor", axis_arg, rank), "give 0..rank-1 or a negative axis");
+      return {};
+    }
+    const int64_t size = whole[size_t(axis)], length = int64_t(part.size()) == rank ? part[size_t(axis)] : -1;
+    const int64_t start = start_arg < 0 ? start_arg + size : start_arg;
+    Shape expected = whole;
+    expected[size_t(axis)] = length;
+    if (length < 1 || expected != part) {
+      fail(t, backward ? "dout" : "out",
+           fmt::format("{} is {}; a slice of {} along axis {} keeps every other axis and takes at least one element",
+                       backward ? "dout" : "out", shape_to_string(part), shape_to_string(whole), axis),
+           "declare it with x's shape but for the sliced axis");
+      return {};
+    }
+    if (step < 1 || start < 0 || start + (length - 1) * step >= size) {
+      fail(t, "start",
+           fmt::format("{} elements from {} by {} run past axis {}'s {}", length, start_arg, step, axis, size),
+           "give start and step so that start + (length - 1) * step < the axis's size (step at least 1)");
+      return {};
+    }
+    int64_t inner = 1;
+    for (int64_t j = axis + 1; j < rank; ++j) inner *= whole[size_t(j)];
+    const std::string value = fmt::format("cg_{}({}, i, {}, {}, {}, {}, {})", backward ? "slice_backward" : "slice",
+                                          backward ? "dout" : "x", length, inner, size, start, step);
+    const bool widened = backward || !is_16bit(to.buffer->dtype);
+    return grid_stride_loop(numel(backward ? whole : part),
+                            store_element(backward ? "dx" : "out", to.buffer->dtype, "i",
+                                          widened ? value : "cg_widen(" + value + ")"),
                             ek);
   }
 

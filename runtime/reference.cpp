@@ -112,6 +112,7 @@ class Evaluator {
     if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
     if (op == "adaptive_avg_pool2d") return adaptive_avg_pool2d(bt);
     if (op == "permute") return permute(bt);
+    if (op == "slice" || op == "slice_backward") return slice(bt, op == "slice_backward");
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "layernorm") return layernorm(bt);
     if (op == "sgd") return sgd(bt);
@@ -953,6 +954,32 @@ class Evaluator {
       a[size_t(i)] = r_.abs[size_t(x)][size_t(source)];
     }
     out(o, std::move(v), std::move(a));
+  }
+
+  // slice (x -> out) and slice_backward (dout -> dx): out's element along the
+  // axis a is x's start + a * step; the gradient puts it back, zeros elsewhere.
+  void slice(const BoundTask& bt, bool backward) {
+    const int part = buf(bt, backward ? "dout" : "x"), whole_out = buf(bt, backward ? "dx" : "out");
+    const Shape& whole = shape(backward ? whole_out : part);
+    const Shape& sliced = shape(backward ? part : whole_out);
+    const int64_t rank = int64_t(whole.size());
+    int64_t axis = arg_int(bt, "axis", 0);
+    if (axis < 0) axis += rank;
+    const int64_t size = whole[size_t(axis)], length = sliced[size_t(axis)], step = arg_int(bt, "step", 1);
+    int64_t start = arg_int(bt, "start", 0);
+    if (start < 0) start += size;
+    int64_t inner = 1;
+    for (int64_t j = axis + 1; j < rank; ++j) inner *= whole[size_t(j)];
+    const int64_t n = numel(sliced);
+    std::vector<double> v(size_t(numel(backward ? whole : sliced)), 0.0), a(v.size(), 0.0);
+    for (int64_t i = 0; i < n; ++i) {  // i: an element of the slice
+      const int64_t outer = i / (length * inner), k = i / inner % length, r = i % inner;
+      const size_t source = size_t((outer * size + start + k * step) * inner + r);
+      const size_t from = backward ? size_t(i) : source, to = backward ? source : size_t(i);
+      v[to] = val(part)[from];
+      a[to] = r_.abs[size_t(part)][from];
+    }
+    out(whole_out, std::move(v), std::move(a));
   }
 
   // A user's elementwise or broadcast op through its template's reference

@@ -72,3 +72,46 @@ CG_DEVICE void cg_split(const T* x, T* a, T* b, cg_i64 i, cg_i64 A, cg_i64 B) {
   if (j < A) cg_store(a, row * A + j, v);
   else cg_store(b, row * B + j - A, v);
 }
+
+// A strided slice along one axis, x[..., start : start + step * L : step, ...]
+// with L out's size along it: element i of out, seen as (outer, a, inner)
+// around the axis, is x's (outer, start + a * step, inner). `select`
+// (x[:, -1]) is a slice of one then a reshape; several axes, a chain.
+template <typename T>
+CG_OP("slice",
+      "pattern: gather",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: axis int",
+      "arg: start int = 0",
+      "arg: step int = 1",
+      "shape: x:[...S] -> out:[...R]",
+      "backward: slice_backward",
+      "doc: x sliced along one axis, from start by step, as many as out's size along it (torch's x[:, a:b:c], narrow)")
+CG_DEVICE T cg_slice(const T* x, cg_i64 i, cg_i64 length, cg_i64 inner, cg_i64 size, cg_i64 start, cg_i64 step) {
+  const cg_i64 outer = i / (length * inner), a = i / inner % length, r = i % inner;
+  return cg_load(x, (outer * size + start + a * step) * inner + r);
+}
+
+// Its gradient: dx is dout where the slice took the element, 0 elsewhere.
+template <typename T>
+CG_OP("slice_backward",
+      "pattern: gather",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: axis int",
+      "arg: start int = 0",
+      "arg: step int = 1",
+      "shape: dout:[...R] -> dx:[...S]",
+      "forward: slice",
+      "doc: gradient of slice: dout placed where the slice read, zeros elsewhere")
+CG_DEVICE auto cg_slice_backward(const T* dout, cg_i64 i, cg_i64 length, cg_i64 inner, cg_i64 size, cg_i64 start,
+                                 cg_i64 step) {
+  typedef decltype(cg_widen(T())) Wide;  // float, or double for f64
+  const cg_i64 outer = i / (size * inner), b = i / inner % size, r = i % inner;
+  const cg_i64 offset = b - start, a = offset / step;
+  if (offset < 0 || offset % step != 0 || a >= length) return Wide(0);
+  return cg_widen(cg_load(dout, (outer * length + a) * inner + r));
+}

@@ -296,6 +296,19 @@ def run_torch(g, values, phases=None):
                 get(t, "x"), get(t, "weight"), bias, stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
                 padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
                 dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)), groups=args.get("groups", 1)))
+        elif op in ("slice", "slice_backward"):
+            x_shape = shape("x") if op == "slice" else shape("dx")
+            axis = args["axis"] % len(x_shape)
+            start = args.get("start", 0) % x_shape[axis]
+            length = (shape("out") if op == "slice" else shape("dout"))[axis]
+            index = [slice(None)] * len(x_shape)
+            index[axis] = slice(start, start + (length - 1) * args.get("step", 1) + 1, args.get("step", 1))
+            if op == "slice":
+                put(t, "out", get(t, "x")[tuple(index)])
+            else:
+                dx = torch.zeros(x_shape, dtype=torch.float64)
+                dx[tuple(index)] = get(t, "dout")
+                put(t, "dx", dx)
         elif op == "max_pool2d":
             put(t, "out", torch.nn.functional.max_pool2d(
                 get(t, "x"), (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),

@@ -70,6 +70,16 @@ TaskGraph all_ops(int64_t n) {
   b.task("log", "log").tensor("x", e["out"]).tensor("out", f32, {n}, ext);  // positive inputs
   for (const char* op : {"sqrt", "rsqrt"})
     b.task(op, op).tensor("x", e["out"]).tensor("out", f32, {n}, ext);
+  // Slices: every second row from 1, the last column (a select), and the gradient of the first.
+  const int64_t rows = (n + 3) / 2;
+  b.task("slice", "slice").tensor("x", f32, {2, n + 3, 5}, ext).tensor("out", f32, {2, rows, 5}, ext).arg("axis", 1).arg("start", 1).arg("step", 2);
+  b.task("slice_last", "slice").tensor("x", f32, {n, 6}, ext).tensor("out", f32, {n, 1}, ext).arg("axis", -1).arg("start", -1);
+  b.task("slice_backward", "slice_backward")
+      .tensor("dout", f32, {2, rows, 5}, ext)
+      .tensor("dx", f32, {2, n + 3, 5}, ext)
+      .arg("axis", 1)
+      .arg("start", 1)
+      .arg("step", 2);
   b.task("square", "pow").tensor("x", f32, {n}, ext).tensor("out", f32, {n}, ext);  // exponent 2, negative x too
   b.task("cube_root", "pow").tensor("x", e["out"]).tensor("out", f32, {n}, ext).arg("exponent", 1.0 / 3);
   for (const char* op : {"sqrt_backward", "rsqrt_backward"})
@@ -238,7 +248,7 @@ TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
-  ASSERT_EQ(run.checks.size(), 94u);
+  ASSERT_EQ(run.checks.size(), 97u);
   for (const auto& check : run.checks) {
     EXPECT_TRUE(check.ok()) << format_run(run);
     // The counter-based generator is defined to the bit: the emulation must match the reference exactly.
@@ -261,6 +271,12 @@ TaskGraph half_ops(int64_t n, DType h) {
   b.task("affine_" + t, "affine").tensor("x", h, {n}, ext).tensor("out", h, {n}, ext).arg("scale", 1.5).arg("shift", -0.25);
   for (const char* op : {"add", "mul", "maximum"})
     b.task(std::string(op) + "_" + t, op).tensor("a", h, {3, n}, ext).tensor("b", h, {n}, ext).tensor("out", h, {3, n}, ext);
+  b.task("slice_" + t, "slice").tensor("x", h, {3, n + 1}, ext).tensor("out", h, {3, (n + 1) / 2}, ext).arg("axis", 1).arg("step", 2);
+  b.task("slice_backward_" + t, "slice_backward")
+      .tensor("dout", h, {3, (n + 1) / 2}, ext)
+      .tensor("dx", h, {3, n + 1}, ext)
+      .arg("axis", -1)
+      .arg("step", 2);
   b.task("relu_backward_" + t, "relu_backward")
       .tensor("x", h, {n}, ext)
       .tensor("dout", h, {n}, ext)
@@ -358,7 +374,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run =
       run_checked(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
-  ASSERT_EQ(run.checks.size(), 45u);
+  ASSERT_EQ(run.checks.size(), 47u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -119,7 +119,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       // Hand-written norms in real models (#43): x.pow(2), torch.rsqrt, torch.sqrt.
       "pow", "pow_backward", "rsqrt", "rsqrt_backward", "sqrt", "sqrt_backward",
       // MobileNetV3's gate (#43).
-      "hardsigmoid", "hardsigmoid_backward"};
+      "hardsigmoid", "hardsigmoid_backward",
+      // Slicing and select (#43).
+      "slice", "slice_backward"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",
