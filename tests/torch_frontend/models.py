@@ -233,6 +233,50 @@ def global_pool():
     return GlobalPool().eval()
 
 
+class Slicing(nn.Module):
+    """Basic indexing as models write it: a range, a step, the last token
+    (x[:, -1], BERT's pooler and GPT's head), ... and None, narrow, and a
+    position table cut to the sequence (wpe(pos)[:T])."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.table = nn.Parameter(torch.randn(10, 6))
+
+    def forward(self, x):  # [2, 5, 6]
+        t = x.shape[1]
+        h = x + self.table[:t]
+        first = self.fc(h[:, 1:4])                         # [2, 3, 4]
+        last = h[:, -1]                                    # [2, 6]
+        every_other = h[..., ::2]                          # [2, 5, 3]
+        column = h[:, None, 0, 2:5]                        # [2, 1, 3]
+        return first.sum(-1), last * 2, every_other + column, torch.narrow(h, 2, 1, 3)
+
+
+class SlicedHead(nn.Module):
+    """A trainable table cut to the sequence and the last token's head: the
+    slice's gradient reaches the table (rows past T get none) and fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 6))
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):  # [4, 5, 6]
+        h = torch.tanh(x + self.table[:x.shape[1]])
+        return self.fc(h[:, -1]) + self.fc(h[:, 1:3][:, 0] * h[:, ::2][:, 1])
+
+
+def sliced_head():
+    torch.manual_seed(0)
+    return SlicedHead()
+
+
+def slicing():
+    torch.manual_seed(0)
+    return Slicing()
+
+
 def transformers_style():
     torch.manual_seed(0)
     return TransformersStyle()

@@ -140,6 +140,16 @@ class Models(Exported):
             result, _, _ = self.check_model(models.global_pool(), (torch.randn(2, 4, 6, 6),), seed, tracer=tracer)
             self.assertEqual(len(result.outputs), 3)
 
+    def test_slicing_and_select_map(self):
+        """x[:, 1:4], x[:, -1], x[..., ::2], x[:, None, 0, 2:5], narrow and a
+        table cut to the sequence, on both paths, matching PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            result, _, _ = self.check_model(models.slicing(), (torch.randn(2, 5, 6),), seed, tracer=tracer)
+            self.assertIn('"op": "slice"', read(result.graph_path))
+
     def test_in_place_updates_are_kept(self):
         """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
         the export and its expected outputs agree with eager PyTorch."""
@@ -333,6 +343,13 @@ class Training(Exported):
             error = float(np.abs(moved - want_moved).max())
             self.assertLessEqual(error, 1e-3 * scale,
                                  f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
+
+    def test_slices_train(self):
+        """The slice's gradient (slice_backward, derived by cudagen) trains a
+        table cut to the sequence and a last-token head as PyTorch does."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.sliced_head(), (torch.randn(4, 5, 6),), "mse", "sgd", {"lr": 0.1})
 
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()

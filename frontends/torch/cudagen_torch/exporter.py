@@ -404,8 +404,13 @@ class _Exporter:
     # ---- the walk ------------------------------------------------------
     def run(self):
         graph = self.gm.graph
+        # What the inputs reach is computed by tasks; the rest is constant, folded here. When
+        # training, so is what a trainable parameter reaches (self.table[:T]): folded, its
+        # gradient would go nowhere and the parameter would not be trained or saved.
+        trainable = {n for n in graph.nodes if self.training and n.op == "get_attr"
+                     and isinstance(self.values.get(n), torch.nn.Parameter) and self.values[n].requires_grad}
         for node in graph.nodes:
-            if node.op == "placeholder" or any(a in self.depends for a in node.all_input_nodes):
+            if node.op == "placeholder" or any(a in self.depends or a in trainable for a in node.all_input_nodes):
                 self.depends.add(node)
         self.find_batchnorm_folds()
         for node in graph.nodes:
@@ -987,12 +992,72 @@ def _f_split(ex, node):
     return tuple(_as_shape(ex, node, f"{node.name}_part{i}", v, r.shape) for i, (v, r) in enumerate(zip(outs, results)))
 
 
+def _slice_axis(ex, node, v, axis, start, length, step, name):
+    """v sliced along one axis: `length` elements from `start` by `step` (op slice)."""
+    if start == 0 and step == 1 and length == v.shape[axis]:
+        return v
+    shape = tuple(v.shape[:axis]) + (length,) + tuple(v.shape[axis + 1:])
+    return ex.add(node, name, "slice", {"x": v}, {"out": (v.dtype, shape)},
+                  {"axis": axis, "start": start, "step": step})["out"]
+
+
 def _f_getitem(ex, node):
     container, index = ex.env.get(node.args[0]), ex.const(node.args[1])
     if isinstance(container, tuple) and isinstance(index, int):
         return container[index]
-    ex.fail(node, "indexing a tensor has no mapping (only picking a part of split/chunk)",
-            "reshape, split or permute instead of slicing")
+    x = ex.tensor(node, node.args[0])
+    # Basic indexing: slices, integers (a slice of one, the axis dropped), ... and None (new
+    # axes): a slice per axis it narrows, then the result seen with PyTorch's shape.
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor) or isinstance(i, (list, bool)) for i in index):
+        ex.fail(node, "indexing with a tensor, a list or a bool has no mapping (only slices, integers, ... and None)",
+                "use reshape, split or a slice per axis")
+    if index.count(Ellipsis) > 1:
+        ex.fail(node, "an index with two '...' is not one PyTorch accepts")
+    named = sum(1 for i in index if i is not None and i is not Ellipsis)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(x.shape) - named) + index[at + 1:]
+    v, axis, part = x, 0, 0
+    for i in index:
+        if i is None:
+            continue
+        size = x.shape[axis]
+        if isinstance(i, int):
+            start = i + size if i < 0 else i
+            v = _slice_axis(ex, node, v, axis, start, 1, 1, f"{node.name}_{part}")
+        else:
+            start, stop, step = i.indices(size)
+            length = len(range(start, stop, step))
+            if length == 0:
+                ex.fail(node, f"the slice {i} of axis {axis} ({size}) is empty; cudagen tensors are not")
+            v = _slice_axis(ex, node, v, axis, start, length, step, f"{node.name}_{part}")
+        axis, part = axis + 1, part + 1
+    return ex.reshape_to(node, v, ex.result_meta(node)[1])
+
+
+def _f_narrow(ex, node):  # x.narrow(dim, start, length)
+    x = ex.tensor(node, node.args[0])
+    axis = int(ex.const(_arg(node, 1, "dim"))) % len(x.shape)
+    start = int(ex.const(_arg(node, 2, "start")))
+    start = start + x.shape[axis] if start < 0 else start
+    return _slice_axis(ex, node, x, axis, start, int(ex.const(_arg(node, 3, "length"))), 1, node.name)
+
+
+def _a_slice(ex, node):  # aten.slice.Tensor(x, dim=0, start=None, end=None, step=1)
+    x = ex.tensor(node, node.args[0])
+    axis = int(ex.const(_arg(node, 1, "dim", 0))) % len(x.shape)
+    start, stop, step = slice(ex.const(_arg(node, 2, "start")), ex.const(_arg(node, 3, "end")),
+                              ex.const(_arg(node, 4, "step", 1))).indices(x.shape[axis])
+    return _slice_axis(ex, node, x, axis, start, len(range(start, stop, step)), step, node.name)
+
+
+def _a_select(ex, node):  # aten.select.int(x, dim, index): a slice of one, the axis dropped
+    x = ex.tensor(node, node.args[0])
+    axis = int(ex.const(_arg(node, 1, "dim"))) % len(x.shape)
+    i = int(ex.const(_arg(node, 2, "index")))
+    v = _slice_axis(ex, node, x, axis, i + x.shape[axis] if i < 0 else i, 1, 1, node.name + "_slice")
+    return ex.reshape_to(node, v, ex.result_meta(node)[1])
 
 
 def _f_reduce(op):
@@ -1085,7 +1150,7 @@ FUNCTIONS = {
     operator.truediv: _arith("div"), torch.div: _arith("div"),
     operator.neg: _f_unary("neg"), torch.neg: _f_unary("neg"),
     operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
-    operator.getitem: _f_getitem,
+    operator.getitem: _f_getitem, torch.narrow: _f_narrow,
     torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
@@ -1124,7 +1189,7 @@ METHODS = {
     "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
     "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
     "contiguous": _f_identity, "float": _f_float,
-    "split": _f_split, "chunk": _f_split,
+    "split": _f_split, "chunk": _f_split, "narrow": _f_narrow,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
     "masked_fill": _f_masked_fill,
 }
@@ -1203,6 +1268,7 @@ def _aten_handlers():
         "unsqueeze.default": _f_reshape,
         "transpose.int": _f_transpose, "permute.default": _f_permute, "t.default": _f_t,
         "contiguous.default": _f_identity, "clone.default": _f_identity, "alias.default": _f_identity,
+        "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split,
         "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
