@@ -53,6 +53,24 @@ double absolute_tolerance(DType dtype) {
 
 namespace {
 
+// Each buffer's relative tolerance: its dtype's, or the coarsest of the
+// floating buffers it is computed from, where coarser. A value computed in
+// f32 and widened to f64 carries f32's rounding (a cast is exact, the sums
+// before it were not), and checking it at f64's 1e-12 failed correct runs.
+std::vector<double> computed_tolerances(const Program& p) {
+  std::vector<double> rtol(p.buffers.size());
+  for (size_t b = 0; b < p.buffers.size(); ++b) rtol[b] = relative_tolerance(p.buffers[b].dtype);
+  for (const BoundTask& t : p.tasks) {  // in program order: producers before readers
+    double inputs = 0;
+    for (const BoundTensor& x : t.tensors)
+      if (x.buffer >= 0 && x.sig->role != SlotRole::output) inputs = std::max(inputs, rtol[size_t(x.buffer)]);
+    for (const BoundTensor& x : t.tensors)
+      if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes) && rtol[size_t(x.buffer)] > 0)
+        rtol[size_t(x.buffer)] = std::max(rtol[size_t(x.buffer)], inputs);
+  }
+  return rtol;
+}
+
 // Random integer inputs index something: embedding ids a table's rows (of
 // the table, or of its gradient), labels a loss's classes (the last axis of
 // its logits).
@@ -320,6 +338,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   };
   // One check per buffer, the worst over the rounds.
   std::map<std::string, size_t> check_of;
+  const std::vector<double> tolerances = computed_tolerances(p);
   auto compare = [&](const std::string& name, size_t b, const std::vector<double>& got, const std::vector<double>& want,
                      const std::vector<double>& scale, int step) {
     const BufferInfo& info = p.buffers[b];
@@ -330,7 +349,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
       run.checks.back().elements = int64_t(got.size());
     }
     OutputCheck& check = run.checks[it->second];
-    const double rtol = relative_tolerance(info.dtype), atol = absolute_tolerance(info.dtype);
+    const double rtol = tolerances[b], atol = absolute_tolerance(info.dtype);
     for (int64_t i = 0; i < int64_t(got.size()); ++i) {
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       // Equal is right, infinities included (inf - inf is no error); NaN never passes.

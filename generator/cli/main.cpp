@@ -273,7 +273,8 @@ int run_run(Cli& cli) {
                run.run_seconds, run.seed);
   }
   fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
-             "f16 5e-3, bf16 1e-2; atol 2^-24 for f16, the smallest normal number for the others):\n{}",
+             "f16 5e-3, bf16 1e-2, or a coarser one the value was computed in; atol 2^-24 for f16, the smallest "
+             "normal number for the others):\n{}",
              format_run(run));
   if (!run.ok()) return kExitBadInput;
   if (!cli.profile_path.empty()) write_profile(cli, options, c, *executor);

@@ -272,6 +272,21 @@ def sliced_head():
     return SlicedHead()
 
 
+class Conversions(nn.Module):
+    """dtype conversions and shape-only constructions as model code writes
+    them: x.to(dtype), type_as, .half() back to float, zeros_like,
+    new_ones, unflatten."""
+
+    def forward(self, x):  # [2, 12] f32
+        h = x.half().to(torch.float32)                # a round trip through f16
+        y = h.type_as(x) + torch.zeros_like(x) + x.new_ones(2, 12)
+        return y.unflatten(1, (3, 4)).to(torch.float64), y.to(torch.bfloat16)
+
+
+def conversions():
+    return Conversions()
+
+
 def slicing():
     torch.manual_seed(0)
     return Slicing()

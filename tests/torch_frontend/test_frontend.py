@@ -140,6 +140,22 @@ class Models(Exported):
             result, _, _ = self.check_model(models.global_pool(), (torch.randn(2, 4, 6, 6),), seed, tracer=tracer)
             self.assertEqual(len(result.outputs), 3)
 
+    def test_conversions_and_like_constants_map(self):
+        """x.to(dtype), type_as, .half(), zeros_like, new_ones and unflatten on
+        both paths: casts where the dtype changes, constants, a reshape. The
+        f64 output, computed in f32, is checked at f32's tolerance (f64's
+        failed it)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
+        for tracer in tracers:
+            # bf16 out: PyTorch and cudagen may round a sum to neighbouring bf16 steps.
+            result, _, _ = self.check_model(models.conversions(), (torch.randn(2, 12),), seed, tolerance=2.0 ** -7,
+                                            tracer=tracer)
+            graph = read(result.graph_path)
+            for dtype in ("f16", "bf16", "f64"):
+                self.assertIn(f'"dtype": "{dtype}"', graph)
+
     def test_slicing_and_select_map(self):
         """x[:, 1:4], x[:, -1], x[..., ::2], x[:, None, 0, 2:5], narrow and a
         table cut to the sequence, on both paths, matching PyTorch."""

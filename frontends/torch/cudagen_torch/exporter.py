@@ -1136,11 +1136,20 @@ def _f_gelu(ex, node):
 
 
 def _f_float(ex, node):
+    """.float(), and every conversion whose result's dtype PyTorch's run gave: x.to(torch.float16),
+    x.to(y), x.type_as(y), .half(), .bfloat16(), .double(). A cast where the dtype changes; a
+    device or memory-format argument changes nothing here."""
     v = ex.tensor(node, node.args[0])
-    if v.dtype != "f32":
-        dtype, shape = ex.result_meta(node)
+    dtype, shape = ex.result_meta(node)
+    if v.dtype != dtype:
         return ex.add(node, node.name, "cast", {"x": v}, {"out": (dtype, shape)})["out"]
     return v
+
+
+def _f_like_constant(ex, node):
+    """torch.zeros_like(x), x.new_zeros(n), torch.full_like(x, v), ...: a tensor whose values do
+    not depend on x's (only its shape and dtype, which are static): a constant."""
+    return ex.constant(node, ex.values[node], f"{node.name}.constant")
 
 
 FUNCTIONS = {
@@ -1150,7 +1159,8 @@ FUNCTIONS = {
     operator.truediv: _arith("div"), torch.div: _arith("div"),
     operator.neg: _f_unary("neg"), torch.neg: _f_unary("neg"),
     operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
-    operator.getitem: _f_getitem, torch.narrow: _f_narrow,
+    operator.getitem: _f_getitem, torch.narrow: _f_narrow, torch.unflatten: _f_reshape,
+    torch.zeros_like: _f_like_constant, torch.ones_like: _f_like_constant, torch.full_like: _f_like_constant,
     torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
@@ -1188,7 +1198,10 @@ METHODS = {
     "view": _f_reshape, "reshape": _f_reshape, "flatten": _f_reshape, "view_as": _f_reshape,
     "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
     "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
-    "contiguous": _f_identity, "float": _f_float,
+    "contiguous": _f_identity, "float": _f_float, "to": _f_float, "type_as": _f_float, "half": _f_float,
+    "bfloat16": _f_float, "double": _f_float, "unflatten": _f_reshape,
+    "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
+    "new_empty": _f_like_constant,
     "split": _f_split, "chunk": _f_split, "narrow": _f_narrow,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
     "masked_fill": _f_masked_fill,
@@ -1268,6 +1281,10 @@ def _aten_handlers():
         "unsqueeze.default": _f_reshape,
         "transpose.int": _f_transpose, "permute.default": _f_permute, "t.default": _f_t,
         "contiguous.default": _f_identity, "clone.default": _f_identity, "alias.default": _f_identity,
+        "to.dtype": _f_float, "to.dtype_layout": _f_float, "_to_copy.default": _f_float, "type_as.default": _f_float,
+        "zeros_like.default": _f_like_constant, "ones_like.default": _f_like_constant,
+        "full_like.default": _f_like_constant, "new_zeros.default": _f_like_constant,
+        "new_ones.default": _f_like_constant, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split,
@@ -1316,8 +1333,6 @@ def supported_targets():
 _EQUIVALENTS = {
     "square": ("x * x, or x ** 2", ["mul", "pow"]),
     "baddbmm": ("torch.bmm then +", ["bmm", "add"]),
-    "type_as": ("a float32 model, or .float()", ["float"]),
-    "to": ("a model in one dtype (export it after .to(dtype))", ["float"]),
     "scaled_dot_product_attention": ("softmax(q @ k^T * scale) @ v written out", ["matmul", "softmax", "masked_fill"]),
     "expand": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
     "repeat": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
