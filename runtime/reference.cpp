@@ -91,7 +91,7 @@ class Evaluator {
     if (op == "rsqrt_backward") return gradient(bt, [](double x, double d) { return -d / (2 * x * std::sqrt(x)); });
     if (op == "pow_backward") {
       const double e = arg_double(bt, "exponent", 2.0);
-      return gradient(bt, [e](double x, double d) { return d * e * std::pow(x, e - 1); });
+      return gradient(bt, [e](double x, double d) { return e == 0 ? 0.0 : d * e * std::pow(x, e - 1); });
     }
     if (op == "exp_backward") return gradient(bt, [](double out, double d) { return d * out; }, "out");
     if (op == "mse_backward") return mse_backward(bt);

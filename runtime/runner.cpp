@@ -53,22 +53,46 @@ double absolute_tolerance(DType dtype) {
 
 namespace {
 
-// Each buffer's relative tolerance: its dtype's, or the coarsest of the
-// floating buffers it is computed from, where coarser. A value computed in
-// f32 and widened to f64 carries f32's rounding (a cast is exact, the sums
-// before it were not), and checking it at f64's 1e-12 failed correct runs.
-std::vector<double> computed_tolerances(const Program& p) {
-  std::vector<double> rtol(p.buffers.size());
-  for (size_t b = 0; b < p.buffers.size(); ++b) rtol[b] = relative_tolerance(p.buffers[b].dtype);
-  for (const BoundTask& t : p.tasks) {  // in program order: producers before readers
-    double inputs = 0;
-    for (const BoundTensor& x : t.tensors)
-      if (x.buffer >= 0 && x.sig->role != SlotRole::output) inputs = std::max(inputs, rtol[size_t(x.buffer)]);
-    for (const BoundTensor& x : t.tensors)
-      if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes) && rtol[size_t(x.buffer)] > 0)
-        rtol[size_t(x.buffer)] = std::max(rtol[size_t(x.buffer)], inputs);
+// Each computed buffer's tolerances, relative and absolute: its dtype's, or
+// the coarsest of the computed buffers it is computed from, where coarser. A
+// value computed in f32 and widened to f64 carries f32's rounding (the cast
+// is exact, the sums before it were not: checked at f64's 1e-12 it failed
+// correct runs), and f32's flush of tiny values (a softmax entry of
+// exp(-110) is 0 in f32) is within f32's absolute tolerance, not f64's. The
+// graph's inputs are exact (rounded to their dtype before the reference
+// reads them), so they pass on nothing. Walked in schedule order, producers
+// before readers (a graph file may list tasks in any order). For the outputs'
+// end-to-end check; checking each task from its actual inputs uses the
+// dtype's own tolerances.
+struct Tolerance {
+  double relative = 0, absolute = 0;
+};
+std::vector<Tolerance> computed_tolerances(const Compiled& c) {
+  const Program& p = c.program;
+  std::vector<Tolerance> own(p.buffers.size()), spread(p.buffers.size());
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    own[b] = {relative_tolerance(p.buffers[b].dtype), absolute_tolerance(p.buffers[b].dtype)};
+  std::vector<bool> computed(p.buffers.size(), false);
+  for (int t : c.schedule.order) {
+    const BoundTask& task = p.tasks[size_t(t)];
+    Tolerance inputs;
+    for (const BoundTensor& x : task.tensors)
+      if (x.buffer >= 0 && x.sig->role != SlotRole::output && computed[size_t(x.buffer)]) {
+        const size_t b = size_t(x.buffer);
+        inputs.relative = std::max({inputs.relative, own[b].relative, spread[b].relative});
+        inputs.absolute = std::max({inputs.absolute, own[b].absolute, spread[b].absolute});
+      }
+    for (const BoundTensor& x : task.tensors)
+      if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes) && own[size_t(x.buffer)].relative > 0) {
+        const size_t b = size_t(x.buffer);
+        computed[b] = true;
+        spread[b].relative = std::max(spread[b].relative, inputs.relative);
+        spread[b].absolute = std::max(spread[b].absolute, inputs.absolute);
+      }
   }
-  return rtol;
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    own[b] = {std::max(own[b].relative, spread[b].relative), std::max(own[b].absolute, spread[b].absolute)};
+  return own;
 }
 
 // Random integer inputs index something: embedding ids a table's rows (of
@@ -192,7 +216,8 @@ void check_each_task(const Compiled& c, const Schedule& round, const std::vector
     for (const auto& bound : p.tasks[size_t(t)].tensors) {
       if (bound.sig == nullptr || !bound.sig->written() || unchecked[size_t(bound.buffer)]) continue;
       size_t b = size_t(bound.buffer);
-      compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, after[b], one.value[b], one.abs[b], step);
+      compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, after[b], one.value[b], one.abs[b], step,
+              /*end_to_end=*/false);
     }
   }
 }
@@ -338,9 +363,9 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   };
   // One check per buffer, the worst over the rounds.
   std::map<std::string, size_t> check_of;
-  const std::vector<double> tolerances = computed_tolerances(p);
+  const std::vector<Tolerance> tolerances = computed_tolerances(c);
   auto compare = [&](const std::string& name, size_t b, const std::vector<double>& got, const std::vector<double>& want,
-                     const std::vector<double>& scale, int step) {
+                     const std::vector<double>& scale, int step, bool end_to_end) {
     const BufferInfo& info = p.buffers[b];
     auto [it, added] = check_of.emplace(name, run.checks.size());
     if (added) {
@@ -349,7 +374,10 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
       run.checks.back().elements = int64_t(got.size());
     }
     OutputCheck& check = run.checks[it->second];
-    const double rtol = tolerances[b], atol = absolute_tolerance(info.dtype);
+    // End to end, a value keeps the coarsest tolerance it was computed in; one task from its
+    // actual inputs, its dtype's.
+    const double rtol = end_to_end ? tolerances[b].relative : relative_tolerance(info.dtype);
+    const double atol = end_to_end ? tolerances[b].absolute : absolute_tolerance(info.dtype);
     for (int64_t i = 0; i < int64_t(got.size()); ++i) {
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       // Equal is right, infinities included (inf - inf is no error); NaN never passes.
@@ -420,7 +448,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
       const Storage s = p.buffers[b].storage;
       if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;
       if (unchecked[b]) continue;
-      compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step);
+      compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step, /*end_to_end=*/true);
     }
     for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
     if (options.check_each_task) check_each_task(c, part, before, actual, args, user.ops, unchecked, round.step, compare);

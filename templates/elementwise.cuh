@@ -507,6 +507,7 @@ CG_OP("pow_backward",
       "forward: pow",
       "doc: gradient of pow: dx = dout * exponent * x ** (exponent - 1)")
 CG_DEVICE T cg_pow_backward(T x, T dout, T exponent) {
+  if (exponent == T(0)) return T(0);  // x^0 is constant, also at x = 0 (where 0 * 0^-1 would be NaN), as PyTorch
   return dout * exponent * (exponent == T(2) ? x : exponent == T(1) ? T(1) : pow(x, exponent - T(1)));
 }
 

@@ -612,6 +612,29 @@ TEST(Emulation, CatchesAnOutOfBoundsStoreNamingKernelAndTensor) {
   }
 }
 
+// The end-to-end check's tolerance follows the dtypes a value was computed
+// in: an f32 product widened to f64 is held to f32's 1e-5 (f64's 1e-12
+// failed it), while an exact bf16 input widened to f32 passes nothing on:
+// a relu after it, off by 1e-4, still fails at f32's tolerance.
+TEST(Emulation, ToleranceFollowsTheDtypesAValueWasComputedIn) {
+  GraphBuilder b("tolerance");
+  auto widen = b.task("widen", "cast").tensor("x", DType::bf16, {64}, ext).tensor("out", f32, {64});
+  b.task("act", "relu").tensor("x", widen["out"]).tensor("out", f32, {64}, ext);
+  auto product = b.task("product", "mul").tensor("a", f32, {64}, ext).tensor("b", f32, {64}, ext).tensor("out", f32, {64});
+  b.task("to64", "cast").tensor("x", product["out"]).tensor("out", DType::f64, {64}, ext);
+  Compiled c = compile_graph(std::move(b).graph());
+  CheckedRun good = run_emulated_and_check(c, RunOptions{3, work_dir("tolerance_ok")});
+  EXPECT_TRUE(good.ok()) << format_run(good);
+  std::string& source = c.emitted.cuda_source;
+  const size_t relu = source.find("cg_relu<float>(");
+  ASSERT_NE(relu, std::string::npos);
+  source.insert(relu, "1.0001f * ");  // the planted error: 1e-4 relative
+  CheckedRun bad = run_emulated_and_check(c, RunOptions{3, work_dir("tolerance_bad")});
+  bool act_failed = false;
+  for (const auto& check : bad.checks) act_failed = act_failed || (check.buffer == "act.out" && !check.ok());
+  EXPECT_TRUE(act_failed) << format_run(bad);
+}
+
 TEST(Emulation, ExposesAMissingSyncthreads) {
   GraphBuilder b("race");
   b.task("t", "transpose").tensor("x", f32, {3, 40, 70}, ext).tensor("out", f32, {3, 70, 40}, ext);

@@ -704,29 +704,30 @@ CG_DEVICE T cg_rsqrt_backward(T x, T dout) {
 // templates/elementwise.cuh:497
 template <typename T>
 CG_DEVICE T cg_pow_backward(T x, T dout, T exponent) {
+  if (exponent == T(0)) return T(0);  // x^0 is constant, also at x = 0 (where 0 * 0^-1 would be NaN), as PyTorch
   return dout * exponent * (exponent == T(2) ? x : exponent == T(1) ? T(1) : pow(x, exponent - T(1)));
 }
 
-// templates/elementwise.cuh:513
+// templates/elementwise.cuh:514
 template <typename T>
 CG_DEVICE T cg_neg_backward(T dout) {
   return -dout;
 }
 
-// templates/elementwise.cuh:527
+// templates/elementwise.cuh:528
 template <typename T>
 CG_DEVICE T cg_affine_backward(T dout, T scale) {
   return T(scale) * dout;
 }
 
-// templates/elementwise.cuh:543
+// templates/elementwise.cuh:544
 // The gradient of a cast is the cast back, to the input's dtype.
 template <typename T, typename U>
 CG_DEVICE T cg_cast_backward(U dout) {
   return T(dout);
 }
 
-// templates/elementwise.cuh:559
+// templates/elementwise.cuh:560
 // The gradient of (pred - target)^2, times scale; the caller folds the
 // mean's 1 / numel and the upstream gradient into scale.
 template <typename T>
@@ -734,19 +735,19 @@ CG_DEVICE T cg_mse_backward(T pred, T target, float scale) {
   return T(2) * (pred - target) * T(scale);
 }
 
-// templates/elementwise.cuh:574
+// templates/elementwise.cuh:575
 template <typename T>
 CG_DEVICE T cg_relu6(T x) {
   return x > T(0) ? (x < T(6) ? x : T(6)) : T(0);
 }
 
-// templates/elementwise.cuh:588
+// templates/elementwise.cuh:589
 template <typename T>
 CG_DEVICE T cg_relu6_backward(T x, T dout) {
   return x > T(0) && x < T(6) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:604
+// templates/elementwise.cuh:605
 // x * relu6(x + 3) / 6, MobileNetV3's activation.
 template <typename T>
 CG_DEVICE T cg_hardswish(T x) {
@@ -754,19 +755,19 @@ CG_DEVICE T cg_hardswish(T x) {
   return x * r / T(6);
 }
 
-// templates/elementwise.cuh:619
+// templates/elementwise.cuh:620
 template <typename T>
 CG_DEVICE T cg_hardsigmoid(T x) {
   return (x + T(3) > T(0) ? (x + T(3) < T(6) ? x + T(3) : T(6)) : T(0)) / T(6);
 }
 
-// templates/elementwise.cuh:633
+// templates/elementwise.cuh:634
 template <typename T>
 CG_DEVICE T cg_hardsigmoid_backward(T x, T dout) {
   return x > T(-3) && x < T(3) ? dout / T(6) : T(0);
 }
 
-// templates/elementwise.cuh:648
+// templates/elementwise.cuh:649
 template <typename T>
 CG_DEVICE T cg_hardswish_backward(T x, T dout) {
   return x < T(-3) ? T(0) : (x <= T(3) ? dout * (T(2) * x + T(3)) / T(6) : dout);
