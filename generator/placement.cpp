@@ -271,15 +271,16 @@ class CanonicalSearch {
       const Item& item = items_[i];
       int64_t total = 0;
       for (int s = item.lo; s < item.hi; ++s) total = std::max(total, total_[size_t(s)]);
-      int64_t area = item.size * item.width;
+      // In 128 bits: a size reaches 2^62 and a width 2^31.
+      const __int128 area = __int128(item.size) * item.width, width = item.width, highest = total;
       switch (heuristic_) {
-        case Heuristic::width_area_total: return std::make_tuple(int64_t(item.width), area, total);
-        case Heuristic::total_area_width: return std::make_tuple(total, area, int64_t(item.width));
-        case Heuristic::total_width_area: return std::make_tuple(total, int64_t(item.width), area);
+        case Heuristic::width_area_total: return std::make_tuple(width, area, highest);
+        case Heuristic::total_area_width: return std::make_tuple(highest, area, width);
+        case Heuristic::total_width_area: return std::make_tuple(highest, width, area);
       }
-      return std::make_tuple(int64_t(0), int64_t(0), int64_t(0));
+      return std::make_tuple(__int128(0), __int128(0), __int128(0));
     };
-    std::vector<std::pair<std::tuple<int64_t, int64_t, int64_t>, size_t>> keyed;
+    std::vector<std::pair<std::tuple<__int128, __int128, __int128>, size_t>> keyed;
     for (size_t i : p.items) keyed.emplace_back(key(i), i);
     std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) {
       return a.first != b.first ? a.first > b.first : a.second < b.second;  // larger first, then index
@@ -463,7 +464,9 @@ Placement place_reduced(const std::vector<LiveInterval>& intervals, const Placem
   const size_t n = intervals.size();
   auto length = [&](size_t i) { return int64_t(intervals[i].last - intervals[i].first + 1); };
   std::vector<std::pair<const char*, std::function<bool(size_t, size_t)>>> orderings = {
-      {"greedy-by-area", [&](size_t a, size_t b) { return intervals[a].bytes * length(a) > intervals[b].bytes * length(b); }},
+      {"greedy-by-area", [&](size_t a, size_t b) {  // in 128 bits: bytes reach 2^62
+         return __int128(intervals[a].bytes) * length(a) > __int128(intervals[b].bytes) * length(b);
+       }},
       {"greedy-by-lifetime", [&](size_t a, size_t b) { return length(a) > length(b); }},
   };
   for (const auto& [name, less] : orderings) {
@@ -495,7 +498,9 @@ Placement place_reduced(const std::vector<LiveInterval>& intervals, const Placem
   CanonicalSearch search(intervals, options.alignment);
   int64_t low = bound, steps_used = 0, proven_infeasible = 0;
   int64_t budget = options.search_steps;
-  if (options.near_bound_work > 0 && best.arena_bytes * 50 <= bound * 51)
+  // Greedy within 2% of the bound (arena - bound <= bound / 50: arenas reach 2^62, where
+  // arena * 50 would overflow).
+  if (options.near_bound_work > 0 && best.arena_bytes - bound <= bound / 50)
     budget = std::min(budget, std::max<int64_t>(1000, options.near_bound_work / int64_t(n)));
   auto attempt = [&](int64_t capacity, int64_t steps) {
     std::vector<int64_t> offsets;
