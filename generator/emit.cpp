@@ -2724,6 +2724,10 @@ class Emitter {
     reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
     const std::string type = c_type(a.buffer->dtype);
     const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t));
+    // Whole, a block runs all of k and hands its tile to the store through
+    // shared memory; split, its part of k, and the last block of the tile
+    // adds the parts and stores.
+    std::string part, k_range, k_begin = "0", k_end = std::to_string(K), results;
     if (g.split_k > 1) {
       use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
       const int64_t k_per_split = g.k_tiles_per_split * g.bk;
@@ -2732,40 +2736,41 @@ class Emitter {
                       batches * g.split_k * M * N * 4},
           LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
                       batches * ek.grid[0] * ek.grid[1] * 4}};
-      return fmt::format(
-          "  CG_DYNAMIC_SMEM(cg_smem);\n"
-          "{0}"
-          "  // The pipelined mainloop: {1}: this block's part of k.\n"
-          "  const int cg_split = (int)(tile.z % {2});\n"
-          "  const cg_i64 cg_k_begin = cg_split * (cg_i64){3};\n"
-          "  const cg_i64 cg_k_end = cg_k_begin + {3} < {4} ? cg_k_begin + {3} : {4};\n"
-          "  typedef cg_gemm_config<{5}> cg_config;\n"
-          "  cg_gemm_accumulators<cg_config> cg_acc;\n"
-          "  cg_gemm_mainloop<cg_config, {6}, {7}, {8}>(cg_acc, (const unsigned short*)(a + a_base), {9},\n"
-          "                                             (const unsigned short*)(b + b_base), {10}, {11}, {12},\n"
-          "                                             cg_k_begin, cg_k_end, tile.y, tile.x, (unsigned short*)cg_smem);\n"
+      part = ": this block's part of k";
+      k_range = fmt::format(
+          "  const int cg_split = (int)(tile.z % {0});\n"
+          "  const cg_i64 cg_k_begin = cg_split * (cg_i64){1};\n"
+          "  const cg_i64 cg_k_end = cg_k_begin + {1} < {2} ? cg_k_begin + {1} : {2};\n",
+          g.split_k, k_per_split, K);
+      k_begin = "cg_k_begin";
+      k_end = "cg_k_end";
+      results = fmt::format(
           "  // The parts' sums, added in split order by the block that finishes last.\n"
-          "  cg_gemm_split_k<cg_config>(cg_acc, {11}, {12}, tile.y, tile.x, cg_split, {2},\n"
-          "                             cg_partials + z * {13}, cg_arrivals + (z * {14} + tile.y) * {15} + tile.x,\n"
-          "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {16}; }});\n",
-          batch_bases, g.describe(), g.split_k, k_per_split, K, g.arguments(), type, ta ? "false" : "true",
-          tb ? "true" : "false", ta ? M : K, tb ? K : N, M, N, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
+          "  cg_gemm_split_k<cg_config>(cg_acc, {0}, {1}, tile.y, tile.x, cg_split, {2},\n"
+          "                             cg_partials + z * {3}, cg_arrivals + (z * {4} + tile.y) * {5} + tile.x,\n"
+          "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {6}; }});\n",
+          M, N, g.split_k, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
+    } else {
+      results = fmt::format(
+          "  // The output tile through shared memory, so that its stores (and an\n"
+          "  // epilogue's loads) coalesce.\n"
+          "  cg_gemm_each_coalesced<cg_config>(cg_acc, {0}, {1}, tile.y, tile.x, (float*)cg_smem,\n"
+          "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {2}; }});\n",
+          M, N, store_acc);
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "{0}"
-        "  // The pipelined mainloop: {1}.\n"
-        "  typedef cg_gemm_config<{2}> cg_config;\n"
+        "  // The pipelined mainloop: {1}{2}.\n"
+        "{3}"
+        "  typedef cg_gemm_config<{4}> cg_config;\n"
         "  cg_gemm_accumulators<cg_config> cg_acc;\n"
-        "  cg_gemm_mainloop<cg_config, {3}, {4}, {5}>(cg_acc, (const unsigned short*)(a + a_base), {6},\n"
-        "                                             (const unsigned short*)(b + b_base), {7}, {8}, {9}, 0, {10},\n"
+        "  cg_gemm_mainloop<cg_config, {5}, {6}, {7}>(cg_acc, (const unsigned short*)(a + a_base), {8},\n"
+        "                                             (const unsigned short*)(b + b_base), {9}, {10}, {11}, {12}, {13},\n"
         "                                             tile.y, tile.x, (unsigned short*)cg_smem);\n"
-        "  // The output tile through shared memory, so that its stores (and an\n"
-        "  // epilogue's loads) coalesce.\n"
-        "  cg_gemm_each_coalesced<cg_config>(cg_acc, {8}, {9}, tile.y, tile.x, (float*)cg_smem,\n"
-        "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {11}; }});\n",
-        batch_bases, g.describe(), g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K,
-        tb ? K : N, M, N, K, store_acc);
+        "{14}",
+        batch_bases, g.describe(), part, k_range, g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false",
+        ta ? M : K, tb ? K : N, M, N, k_begin, k_end, results);
   }
 
   // An f32 matmul on the SIMT mainloop (templates/gemm.cuh): 8 x 8 outputs a
