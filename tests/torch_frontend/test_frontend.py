@@ -36,6 +36,8 @@ CUDAGEN = None  # set from argv
 RUN_MODE = os.environ.get("CUDAGEN_TEST_RUN_MODE", "--emulate")
 # The path export() takes by default: torch.export on PyTorch 2.x, torch.fx on 1.13.
 TRACER = "torch.export" if cudagen_torch.exporter._has_torch_export() else "torch.fx.symbolic_trace"
+# Both capture paths where this PyTorch has both (the tests of model code run on each).
+TRACERS = ["fx"] + (["export"] if TRACER == "torch.export" else [])
 
 
 def read(path):
@@ -99,8 +101,7 @@ class Models(Exported):
         path, which failed on each) and, where PyTorch has it, torch.export."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             result, _, _ = self.check_model(models.plain_code(), (torch.randn(4, 16),), seed, tracer=tracer)
             self.assertIn("weight", result.weights)
             self.assertIn("scale", result.weights)
@@ -110,8 +111,7 @@ class Models(Exported):
         code) export on both paths and match PyTorch."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             result, _, _ = self.check_model(models.hand_written_norm(), (torch.randn(4, 16),), seed, tracer=tracer)
             graph = read(result.graph_path)
             for op in ('"op": "pow"', '"op": "rsqrt"', '"op": "sqrt"'):
@@ -122,8 +122,7 @@ class Models(Exported):
         F.hardsigmoid (MobileNetV3) on both paths, matching PyTorch."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             result, _, _ = self.check_model(models.transformers_style(), (torch.randn(2, 3, 16),), seed, tracer=tracer)
             graph = read(result.graph_path)
             self.assertIn('"op": "hardsigmoid"', graph)
@@ -135,8 +134,7 @@ class Models(Exported):
         paths, matching PyTorch."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             result, _, _ = self.check_model(models.global_pool(), (torch.randn(2, 4, 6, 6),), seed, tracer=tracer)
             self.assertEqual(len(result.outputs), 3)
 
@@ -147,8 +145,7 @@ class Models(Exported):
         failed it)."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             # bf16 out: PyTorch and cudagen may round a sum to neighbouring bf16 steps.
             result, _, _ = self.check_model(models.conversions(), (torch.randn(2, 12),), seed, tolerance=2.0 ** -7,
                                             tracer=tracer)
@@ -161,8 +158,7 @@ class Models(Exported):
         table cut to the sequence, on both paths, matching PyTorch."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        tracers = ["fx"] + (["export"] if TRACER == "torch.export" else [])
-        for tracer in tracers:
+        for tracer in TRACERS:
             result, _, _ = self.check_model(models.slicing(), (torch.randn(2, 5, 6),), seed, tracer=tracer)
             self.assertIn('"op": "slice"', read(result.graph_path))
 

@@ -993,7 +993,8 @@ def _f_split(ex, node):
 
 
 def _slice_axis(ex, node, v, axis, start, length, step, name):
-    """v sliced along one axis: `length` elements from `start` by `step` (op slice)."""
+    """v sliced along one axis: `length` elements from `start` (negative: from the end) by `step` (op slice)."""
+    start = start + v.shape[axis] if start < 0 else start
     if start == 0 and step == 1 and length == v.shape[axis]:
         return v
     shape = tuple(v.shape[:axis]) + (length,) + tuple(v.shape[axis + 1:])
@@ -1024,8 +1025,7 @@ def _f_getitem(ex, node):
             continue
         size = x.shape[axis]
         if isinstance(i, int):
-            start = i + size if i < 0 else i
-            v = _slice_axis(ex, node, v, axis, start, 1, 1, f"{node.name}_{part}")
+            v = _slice_axis(ex, node, v, axis, i, 1, 1, f"{node.name}_{part}")
         else:
             start, stop, step = i.indices(size)
             length = len(range(start, stop, step))
@@ -1039,9 +1039,8 @@ def _f_getitem(ex, node):
 def _f_narrow(ex, node):  # x.narrow(dim, start, length)
     x = ex.tensor(node, node.args[0])
     axis = int(ex.const(_arg(node, 1, "dim"))) % len(x.shape)
-    start = int(ex.const(_arg(node, 2, "start")))
-    start = start + x.shape[axis] if start < 0 else start
-    return _slice_axis(ex, node, x, axis, start, int(ex.const(_arg(node, 3, "length"))), 1, node.name)
+    return _slice_axis(ex, node, x, axis, int(ex.const(_arg(node, 2, "start"))), int(ex.const(_arg(node, 3, "length"))),
+                       1, node.name)
 
 
 def _a_slice(ex, node):  # aten.slice.Tensor(x, dim=0, start=None, end=None, step=1)
@@ -1055,8 +1054,7 @@ def _a_slice(ex, node):  # aten.slice.Tensor(x, dim=0, start=None, end=None, ste
 def _a_select(ex, node):  # aten.select.int(x, dim, index): a slice of one, the axis dropped
     x = ex.tensor(node, node.args[0])
     axis = int(ex.const(_arg(node, 1, "dim"))) % len(x.shape)
-    i = int(ex.const(_arg(node, 2, "index")))
-    v = _slice_axis(ex, node, x, axis, i + x.shape[axis] if i < 0 else i, 1, 1, node.name + "_slice")
+    v = _slice_axis(ex, node, x, axis, int(ex.const(_arg(node, 2, "index"))), 1, 1, node.name + "_slice")
     return ex.reshape_to(node, v, ex.result_meta(node)[1])
 
 
