@@ -2641,19 +2641,21 @@ class Emitter {
           broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N, z);
     };
     const std::string batch_bases = batch_bases_of("tile.z");
-    // 16-bit operands whose rows are whole 16-byte chunks, read as they are
-    // stored, run the pipelined mainloop (docs/gemm.md) where the kernel is
-    // launched alone (a megakernel's or a shared launch's block is another size).
+    // 16-bit operands (and f32 ones with --allow-tf32) whose rows are whole
+    // 16-byte chunks, read as they are stored, run the pipelined mainloop
+    // (docs/gemm.md) where the kernel is launched alone (a megakernel's or a
+    // shared launch's block is another size); other f32 products of 2^24
+    // FLOPs and more the SIMT mainloop.
     std::string why_not_pipelined =
         options_.megakernel ? "a megakernel's tiles share one block size" : "it shares its launch with other kernels";
     std::optional<GemmTile> pipelined;
     std::optional<SgemmTile> simt;
     const bool reads_as_stored =
         global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer;
-    if (reads_as_stored && a.buffer->dtype == DType::f32)
+    if (reads_as_stored && (a.buffer->dtype != DType::f32 || options_.allow_tf32))
+      pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined, options_.allow_tf32);
+    if (reads_as_stored && !pipelined && a.buffer->dtype == DType::f32)
       simt = simt_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
-    else if (reads_as_stored)
-      pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
     else if (global_wrapper_)
       why_not_pipelined = "a prologue computes its operand";
     if (simt) return simt_matmul(t, a, b, out, *simt, M, N, K, ta, tb, batches, batch_bases, ek);
@@ -2706,7 +2708,7 @@ class Emitter {
   // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's
   // output tile is computed in registers, then each pair of adjacent
   // accumulators goes through the store (where an epilogue chain follows).
-  std::string pipelined_matmul(int t, const Param& a, const Param& b, const Param& out, const GemmTile& g, int64_t M,
+  std::string pipelined_matmul(int t, const Param& a, const Param& /*b*/, const Param& out, const GemmTile& g, int64_t M,
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek) {
     entry_function_ = "cg_gemm_mainloop";
@@ -2718,11 +2720,13 @@ class Emitter {
     ek.grid[1] = (M + g.bm - 1) / g.bm;
     ek.grid[2] = batches * g.split_k;
     ek.tile_rows = g.bm;
-    ek.mainloop = MatmulMainloop::pipelined;
+    ek.mainloop = g.tf32() ? MatmulMainloop::pipelined_tf32 : MatmulMainloop::pipelined;
     ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
                                  g.describe(), g.rule + 1);
     reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
-    const std::string type = c_type(a.buffer->dtype);
+    // f32 operands are read as cg_tf32, the bits the mainloop rounds to TF32
+    // (a type of the mainloop's closure, through cg_mma_packed).
+    const std::string type = g.tf32() ? "cg_tf32" : c_type(a.buffer->dtype);
     const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t));
     // Whole, a block runs all of k and hands its tile to the store through
     // shared memory; split, its part of k, and the last block of the tile
@@ -2765,9 +2769,8 @@ class Emitter {
         "{3}"
         "  typedef cg_gemm_config<{4}> cg_config;\n"
         "  cg_gemm_accumulators<cg_config> cg_acc;\n"
-        "  cg_gemm_mainloop<cg_config, {5}, {6}, {7}>(cg_acc, (const unsigned short*)(a + a_base), {8},\n"
-        "                                             (const unsigned short*)(b + b_base), {9}, {10}, {11}, {12}, {13},\n"
-        "                                             tile.y, tile.x, (unsigned short*)cg_smem);\n"
+        "  cg_gemm_mainloop<cg_config, {5}, {6}, {7}>(cg_acc, (const {5}*)(a + a_base), {8}, (const {5}*)(b + b_base), {9},\n"
+        "                                             {10}, {11}, {12}, {13}, tile.y, tile.x, ({5}*)cg_smem);\n"
         "{14}",
         batch_bases, g.describe(), part, k_range, g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false",
         ta ? M : K, tb ? K : N, M, N, k_begin, k_end, results);
@@ -2776,7 +2779,7 @@ class Emitter {
   // An f32 matmul on the SIMT mainloop (templates/gemm.cuh): 8 x 8 outputs a
   // thread, the results through shared memory into the store (and an
   // epilogue chain) in an order that coalesces.
-  std::string simt_matmul(int t, const Param& a, const Param& b, const Param& out, const SgemmTile& g, int64_t M,
+  std::string simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, const Param& out, const SgemmTile& g, int64_t M,
                           int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                           EmittedKernel& ek) {
     entry_function_ = "cg_sgemm_mainloop";
@@ -2794,7 +2797,6 @@ class Emitter {
     ek.mainloop = MatmulMainloop::simt;
     ek.matmul_path = fmt::format("the f32 SIMT mainloop (templates/gemm.cuh), {}", g.describe());
     reserve_shared(ek, "two stages of both operands' tiles, then the results", g.shared_bytes());
-    (void)b;
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "{0}"
@@ -3204,7 +3206,7 @@ class Emitter {
     for (size_t i = 0; i < kernels.size(); ++i) {
       const int t = kernels[i].tasks[0];
       if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
-      const std::optional<GemmTile> g = pipelined_gemm_tile_of(p_, t, options_.arch);
+      const std::optional<GemmTile> g = pipelined_gemm_tile_of(p_, t, options_.arch, nullptr, options_.allow_tf32);
       if (!g || g->split_k < 2) continue;
       const MatmulDims d = matmul_dims(p_, t);
       const int64_t tiles = (d.M + g->bm - 1) / g->bm * ((d.N + g->bn - 1) / g->bn) * d.batches;

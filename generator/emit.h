@@ -23,6 +23,10 @@ namespace cudagen {
 
 struct EmitOptions {
   std::string arch = "sm_90";
+  // f32 matmuls on tensor cores as TF32 (PyTorch's allow_tf32): operands
+  // rounded to 10 mantissa bits, products accumulated in f32; off, f32 stays
+  // on the CUDA cores and within f32's bound (docs/architecture.md §9).
+  bool allow_tf32 = false;
   // Also a `cudagen_step` launcher that runs forward, backward and update:
   // one training step in one call.
   bool step_function = false;
@@ -59,11 +63,12 @@ struct SharedRegion {
 };
 
 // The mainloop a matmul kernel runs (emit.cpp, matmul()): the pipelined one
-// (templates/gemm.cuh), the f32 SIMT one (same file), the 64 x 64
+// (templates/gemm.cuh) on 16-bit operands or on f32 ones as TF32
+// (--allow-tf32), the f32 SIMT one (same file), the 64 x 64
 // tensor-core tile, or the portable tile
 // (the f32 tile, or a user op's own function); none for other kernels and
 // for the fused matmul skeletons.
-enum class MatmulMainloop { none, pipelined, simt, tensor_core_tile, portable_tile };
+enum class MatmulMainloop { none, pipelined, pipelined_tf32, simt, tensor_core_tile, portable_tile };
 
 struct EmittedKernel {
   std::string name;

@@ -477,7 +477,7 @@ class Fuser {
   // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
   // given its kernel alone without a prologue; empty otherwise.
   std::string mainloop_of(int t) const {
-    if (pipelined_gemm_tile_of(p_, t)) return "pipelined";
+    if (pipelined_gemm_tile_of(p_, t, "sm_90", nullptr, options_.allow_tf32)) return "pipelined";
     if (simt_gemm_tile_of(p_, t)) return "SIMT";
     return {};
   }

@@ -94,6 +94,9 @@ inline const std::vector<std::string> kFusionRules = {
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task
   std::vector<std::string> disabled_rules;   // --no-fuse-rule NAME: names from kFusionRules
+  // Whether f32 matmuls run the pipelined mainloop as TF32, whose kernels are
+  // launched alone: set by the pipeline from EmitOptions::allow_tf32.
+  bool allow_tf32 = false;
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

@@ -186,7 +186,8 @@ std::string GemmTile::arguments() const {
 }
 
 std::string GemmTile::describe() const {
-  std::string text = fmt::format("{} x {} x {} tiles, {} x {} warps, {} stages", bm, bn, bk, warps_m, warps_n, stages);
+  std::string text = fmt::format("{} x {} x {} tiles{}, {} x {} warps, {} stages", bm, bn, bk, tf32() ? " (TF32)" : "",
+                                 warps_m, warps_n, stages);
   if (split_k > 1)
     text += fmt::format(", split-K {} ways ({} k-tiles each)", split_k, k_tiles_per_split);
   return text;
@@ -208,8 +209,11 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
   const JsonValue* rules = root.find("rules");
   if (rules == nullptr || !rules->is_array() || rules->items().empty()) throw bad("/rules", "a non-empty list of rules");
   // The tiles the mainloop is known to compile without spills, and that fit
-  // the shared memory a kernel may opt in to.
-  const std::vector<std::array<int, 6>> known = {{64, 64, 32, 2, 2, 4}, {128, 128, 64, 2, 2, 3}};
+  // the shared memory a kernel may opt in to: 16-bit ones, and TF32 ones
+  // (half the k for the same bytes; the large tile on 8 warps, whose
+  // accumulators leave room for the fragments' rounding).
+  const std::vector<std::array<int, 6>> known_16bit = {{64, 64, 32, 2, 2, 4}, {128, 128, 64, 2, 2, 3}};
+  const std::vector<std::array<int, 6>> known_tf32 = {{64, 64, 16, 2, 2, 4}, {128, 128, 32, 2, 4, 3}};
   std::vector<GemmTuningRule> out;
   for (size_t i = 0; i < rules->items().size(); ++i) {
     const JsonValue& r = rules->items()[i];
@@ -218,6 +222,11 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
     const JsonValue* arch = r.find("arch");
     rule.arch = arch != nullptr ? arch->as_string() : "";
     if (rule.arch.empty()) throw bad(at + "/arch", "\"any\" or an architecture such as \"sm_90\"");
+    if (const JsonValue* operands = r.find("operands")) {
+      const std::string kind = operands->as_string();
+      if (kind != "16-bit" && kind != "tf32") throw bad(at + "/operands", "\"16-bit\" (f16, bf16) or \"tf32\"");
+      rule.tf32 = kind == "tf32";
+    }
     if (const JsonValue* w = r.find("min_waves")) rule.min_waves = w->as_int();
     if (rule.min_waves < 0) throw bad(at + "/min_waves", "at least 0");
     const JsonValue* tile = r.find("tile");
@@ -225,11 +234,12 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
     if (tile == nullptr || !tile->is_array() || tile->items().size() != 6)
       throw bad(at + "/tile", "[BM, BN, BK, WARPS_M, WARPS_N, STAGES]");
     for (size_t k = 0; k < 6; ++k) t[k] = int(tile->items()[k].as_int());
+    const std::vector<std::array<int, 6>>& known = rule.tf32 ? known_tf32 : known_16bit;
     if (std::find(known.begin(), known.end(), t) == known.end())
-      throw bad(at + "/tile", fmt::format("[{}] is not a tile the mainloop is checked for (64, 64, 32, 2, 2, 4 or 128, 128, "
-                                          "64, 2, 2, 3)",
-                                          fmt::join(t, ", ")));
-    rule.tile = GemmTile{t[0], t[1], t[2], t[3], t[4], t[5], int(i)};
+      throw bad(at + "/tile", fmt::format("[{}] is not a tile the mainloop is checked for with {} operands ([{}] or [{}])",
+                                          fmt::join(t, ", "), rule.tf32 ? "TF32" : "16-bit", fmt::join(known[0], ", "),
+                                          fmt::join(known[1], ", ")));
+    rule.tile = GemmTile{t[0], t[1], t[2], t[3], t[4], t[5], rule.tf32 ? 4 : 2, int(i)};
     if (const JsonValue* split = r.find("max_split_k")) {
       const int64_t most = split->as_int();
       if (most < 1 || most > kMaxSplitK)
@@ -239,31 +249,43 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
     if (const JsonValue* why = r.find("why")) rule.why = why->as_string();
     out.push_back(std::move(rule));
   }
-  if (out.back().arch != "any" || out.back().min_waves != 0)
-    throw bad(fmt::format("/rules/{}", out.size() - 1), "the last rule matches every product: arch \"any\", no min_waves");
+  for (bool tf32 : {false, true}) {
+    // The last rule of each kind of operands matches every product.
+    const auto last = std::find_if(out.rbegin(), out.rend(), [&](const GemmTuningRule& r) { return r.tf32 == tf32; });
+    const char* kind = tf32 ? "tf32" : "16-bit";
+    if (last == out.rend())
+      throw bad("/rules", fmt::format("no rule for {} operands: end them with one that matches every product", kind));
+    if (last->arch != "any" || last->min_waves != 0)
+      throw bad(fmt::format("/rules/{}", last->tile.rule),
+                fmt::format("the last rule for {} operands matches every product: arch \"any\", no min_waves", kind));
+  }
   return out;
 }
 
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
                                             bool trans_b, int64_t batches, const std::string& arch,
-                                            std::string* why_not) {
+                                            std::string* why_not, bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<GemmTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
   };
-  if ((a != DType::f16 && a != DType::bf16) || b != a) return refuse("its operands are not both f16 or both bf16");
+  const bool tf32 = a == DType::f32 && b == DType::f32 && allow_tf32;
+  if (a == DType::f32 && b == DType::f32 && !allow_tf32)
+    return refuse("its operands are f32, which stays off tensor cores unless TF32 is allowed (--allow-tf32)");
+  if (!tf32 && ((a != DType::f16 && a != DType::bf16) || b != a))
+    return refuse("its operands are not both f16, both bf16, or both f32 with TF32 allowed");
   // 16-byte copies: every row of each operand starts on a 16-byte boundary (the arena aligns each buffer to 256).
-  const int64_t a_contiguous = trans_a ? M : K, b_contiguous = trans_b ? K : N;
-  if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0)
-    return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of 8 elements",
-                              a_contiguous, b_contiguous));
+  const int64_t a_contiguous = trans_a ? M : K, b_contiguous = trans_b ? K : N, chunk = tf32 ? 4 : 8;
+  if (a_contiguous % chunk != 0 || b_contiguous % chunk != 0)
+    return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of {} elements (16 bytes)",
+                              a_contiguous, b_contiguous, chunk));
   // Parsed once; a bundled table that does not parse is a build error, which the tests catch.
   static const std::vector<GemmTuningRule> table = parse_gemm_tuning(gemm_tuning_json(), "templates/gemm_tuning.json");
   const int64_t sms = device_model(arch).sms;
   // Full waves of 128 x 128 tiles: as many blocks as the SMs hold, at one block an SM.
   const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches, waves = large_tiles / sms;
   for (const GemmTuningRule& rule : table)
-    if ((rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves)
+    if (rule.tf32 == tf32 && (rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves)
       return with_split_k(rule.tile, rule.max_split_k, M, N, K, batches, sms);
   return refuse("no rule of the tuning table matches");  // unreachable: the last rule matches everything
 }
@@ -300,7 +322,7 @@ MatmulDims matmul_dims(const Program& program, int t) {
 }
 
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch,
-                                               std::string* why_not) {
+                                               std::string* why_not, bool allow_tf32) {
   const BoundTask& task = program.tasks[size_t(t)];
   // A user's matmul op runs its own function unless it provides the mainloop.
   for (const char* variant : {"cg_gemm_mainloop", "cg_gemm_each_coalesced", "cg_gemm_config"})
@@ -314,7 +336,7 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
   std::optional<GemmTile> tile =
       pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
                           program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
-                          d.trans_b, d.batches, arch, why_not);
+                          d.trans_b, d.batches, arch, why_not, allow_tf32);
   if (tile && tile->split_k > 1 && task.op->closure_of("cg_gemm_split_k") == nullptr) {
     tile->split_k = 1;  // an op without the split-K epilogue runs its tiles whole
     tile->k_tiles_per_split = 0;

@@ -113,9 +113,12 @@ inline DType matmul_tile_dtype(const OpSignature& op, DType a) {
 }
 
 // The pipelined tensor-core mainloop (templates/gemm.cuh, docs/gemm.md): a
-// tile configuration, as cg_gemm_config's parameters.
+// tile configuration, as cg_gemm_config's parameters. bk counts operand
+// elements: 16-bit ones, or f32 ones multiplied as TF32 (element_bytes 4),
+// whose tiles take half the k of the tuning table's for the same bytes.
 struct GemmTile {
   int bm = 0, bn = 0, bk = 0, warps_m = 0, warps_n = 0, stages = 0;
+  int element_bytes = 2;
   int rule = -1;  // which rule of the tuning table chose it (0-based), -1 for none
   // Split-K (docs/gemm.md): the k range cut into `split_k` parts of
   // `k_tiles_per_split` k-tiles each (the last may have fewer), each part a
@@ -123,8 +126,11 @@ struct GemmTile {
   int split_k = 1;
   int64_t k_tiles_per_split = 0;
   int threads() const { return 32 * warps_m * warps_n; }
-  // cg_gemm_shared<Config>::bytes: the stages, or the staged results where more.
-  int64_t shared_bytes() const { return std::max(int64_t(2) * stages * (bm + bn) * bk, int64_t(4) * bm * (bn + 4)); }
+  bool tf32() const { return element_bytes == 4; }
+  // cg_gemm_shared<Config, T>::bytes: the stages, or the staged results where more.
+  int64_t shared_bytes() const {
+    return std::max(int64_t(element_bytes) * stages * (bm + bn) * bk, int64_t(4) * bm * (bn + 4));
+  }
   // "128, 128, 64, 2, 2, 3": cg_gemm_config's template arguments.
   std::string arguments() const;
   // "128 x 128 x 64 tiles, 2 x 2 warps, 3 stages", and the split where any.
@@ -132,12 +138,14 @@ struct GemmTile {
 };
 
 // The GEMM tuning table (templates/gemm_tuning.json, docs/gemm.md): rules in
-// order, the first whose arch matches ("any" or "sm_90") and whose product
-// has at least `min_waves` full waves of 128 x 128 tiles on the arch's SMs
-// (perf_model.h's SM counts) picks the tile. Checked when read: each tile one the mainloop compiles without
-// spills (Toolchains.GemmMainloopKeepsEverythingInRegisters) within the
-// shared memory a kernel may opt in to, and a last rule that matches every
-// product of its arch.
+// order, the first whose operands match ("16-bit", the default, or "tf32":
+// f32 as TF32), whose arch matches ("any" or "sm_90") and whose product has
+// at least `min_waves` full waves of 128 x 128 tiles on the arch's SMs
+// (perf_model.h's SM counts) picks the tile. Checked when read: each tile one
+// the mainloop compiles without spills for its operands
+// (Toolchains.GemmMainloopKeepsEverythingInRegisters) within the shared
+// memory a kernel may opt in to, and for each kind of operands a last rule
+// that matches every product.
 //
 // A rule's max_split_k (default 1) allows split-K: where the product's tiles
 // of the rule's size (over its batches) fill less than one wave of the
@@ -146,6 +154,7 @@ struct GemmTile {
 // kMinKTilesPerSplit k-tiles (so each part's pipeline fills); the partial
 // sums are added in a fixed order (deterministic, no floating-point atomics).
 struct GemmTuningRule {
+  bool tf32 = false;  // operands "tf32" (f32 multiplied as TF32); otherwise 16-bit
   std::string arch;
   int64_t min_waves = 0;
   GemmTile tile;
@@ -162,12 +171,12 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
 
 // The mainloop a matmul of M x N outputs over K (per batch; `batches` of
 // them) runs on for `arch`, or nullopt with the reason in `why_not`: 16-bit
-// operands of one type whose contiguous axes are whole 16-byte chunks (A's
-// K, or M with trans_a; B's N, or K with trans_b). The tile: the bundled
-// tuning table's.
+// operands of one type, or with `allow_tf32` f32 ones (as TF32), whose
+// contiguous axes are whole 16-byte chunks (A's K, or M with trans_a; B's N,
+// or K with trans_b). The tile: the bundled tuning table's.
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
                                             bool trans_b, int64_t batches, const std::string& arch,
-                                            std::string* why_not = nullptr);
+                                            std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
 // outputs over K per batch, rows flattened where matmul_flattens_rows says so.
@@ -183,7 +192,7 @@ MatmulDims matmul_dims(const Program& program, int t);
 // matmul_flattens_rows says so). The fusion pass asks it too: a kernel on
 // the pipelined mainloop is launched alone (rule horizontal).
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
-                                               std::string* why_not = nullptr);
+                                               std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // The f32 SIMT mainloop (templates/gemm.cuh, cg_sgemm_mainloop; docs/gemm.md):
 // BM x BN tiles over BK, (BM / 8) x (BN / 8) threads of 8 x 8 outputs each.

@@ -28,8 +28,10 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.flops = std::max<int64_t>(k.flops, 0);
   e.bytes = k.bytes_read + k.bytes_written;
   e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
-  const bool pipelined = k.mainloop == MatmulMainloop::pipelined;
-  e.ceiling_flops = pipelined                                       ? d.pipelined_flops
+  const bool pipelined = k.mainloop == MatmulMainloop::pipelined || k.mainloop == MatmulMainloop::pipelined_tf32;
+  // TF32's tensor-core peak is half the 16-bit one on the A100 and the H100.
+  e.ceiling_flops = k.mainloop == MatmulMainloop::pipelined_tf32     ? d.pipelined_flops / 2
+                    : pipelined                                      ? d.pipelined_flops
                     : k.mainloop == MatmulMainloop::simt             ? d.simt_mainloop_flops
                     : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
                                                                       : d.simt_flops;

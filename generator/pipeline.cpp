@@ -47,9 +47,10 @@ std::string describe_options(const CompileOptions& options) {
     megakernel = fmt::format(" megakernel blocks={} watchdog={}ms{}", options.emit.megakernel_blocks,
                              options.emit.megakernel_watchdog_ms,
                              options.emit.megakernel_break_schedule ? " break-schedule" : "");
-  return fmt::format("arch={} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch, fusion,
-                     options.plan.placement.reuse ? "on" : "off", options.plan.placement.alignment,
-                     options.plan.budget_bytes, options.emit.step_function ? " step" : "", megakernel);
+  return fmt::format("arch={}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
+                     options.emit.allow_tf32 ? " tf32" : "", fusion, options.plan.placement.reuse ? "on" : "off",
+                     options.plan.placement.alignment, options.plan.budget_bytes,
+                     options.emit.step_function ? " step" : "", megakernel);
 }
 
 namespace {
@@ -132,7 +133,9 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   c.schedule = schedule(c.program);
   dump("schedule", [&] { return dump_schedule(c.program, c.schedule); });
 
-  Fusion fusion = fuse(c.program, c.schedule, options.fuse);
+  FuseOptions fuse_options = options.fuse;
+  fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
+  Fusion fusion = fuse(c.program, c.schedule, fuse_options);
   dump("fuse", [&] { return dump_fusion(c.program, fusion); });
   c.kernels = std::move(fusion.kernels);
   c.fusion_notes = std::move(fusion.notes);

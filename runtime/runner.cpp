@@ -53,8 +53,30 @@ double absolute_tolerance(DType dtype) {
 
 namespace {
 
-// Each computed buffer's tolerances, relative and absolute: its dtype's, or
-// the coarsest of the computed buffers it is computed from, where coarser. A
+// Each buffer's own tolerances: its dtype's, or for what a kernel on the
+// TF32 mainloop computes (--allow-tf32), at least f16's relative bound: TF32
+// keeps f16's 10 mantissa bits, so each product is off by up to 2^-10 of
+// |a b| before the f32 sums.
+struct Tolerance {
+  double relative = 0, absolute = 0;
+};
+std::vector<Tolerance> own_tolerances(const Compiled& c) {
+  const Program& p = c.program;
+  std::vector<Tolerance> own(p.buffers.size());
+  for (size_t b = 0; b < p.buffers.size(); ++b)
+    own[b] = {relative_tolerance(p.buffers[b].dtype), absolute_tolerance(p.buffers[b].dtype)};
+  for (const EmittedKernel& k : c.emitted.kernels) {
+    if (k.mainloop != MatmulMainloop::pipelined_tf32) continue;
+    for (int t : k.tasks)
+      for (const BoundTensor& x : p.tasks[size_t(t)].tensors)
+        if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes) && own[size_t(x.buffer)].relative > 0)
+          own[size_t(x.buffer)].relative = std::max(own[size_t(x.buffer)].relative, relative_tolerance(DType::f16));
+  }
+  return own;
+}
+
+// Each computed buffer's end-to-end tolerances, relative and absolute: its
+// own, or the coarsest of the computed buffers it is computed from, where coarser. A
 // value computed in f32 and widened to f64 carries f32's rounding (the cast
 // is exact, the sums before it were not: checked at f64's 1e-12 it failed
 // correct runs), and f32's flush of tiny values (a softmax entry of
@@ -63,15 +85,10 @@ namespace {
 // reads them), so they pass on nothing. Walked in schedule order, producers
 // before readers (a graph file may list tasks in any order). For the outputs'
 // end-to-end check; checking each task from its actual inputs uses the
-// dtype's own tolerances.
-struct Tolerance {
-  double relative = 0, absolute = 0;
-};
+// buffer's own tolerances.
 std::vector<Tolerance> computed_tolerances(const Compiled& c) {
   const Program& p = c.program;
-  std::vector<Tolerance> own(p.buffers.size()), spread(p.buffers.size());
-  for (size_t b = 0; b < p.buffers.size(); ++b)
-    own[b] = {relative_tolerance(p.buffers[b].dtype), absolute_tolerance(p.buffers[b].dtype)};
+  std::vector<Tolerance> own = own_tolerances(c), spread(p.buffers.size());
   std::vector<bool> computed(p.buffers.size(), false);
   for (int t : c.schedule.order) {
     const BoundTask& task = p.tasks[size_t(t)];
@@ -363,10 +380,9 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   };
   // One check per buffer, the worst over the rounds.
   std::map<std::string, size_t> check_of;
-  const std::vector<Tolerance> tolerances = computed_tolerances(c);
+  const std::vector<Tolerance> tolerances = computed_tolerances(c), own_tolerance = own_tolerances(c);
   auto compare = [&](const std::string& name, size_t b, const std::vector<double>& got, const std::vector<double>& want,
                      const std::vector<double>& scale, int step, bool end_to_end) {
-    const BufferInfo& info = p.buffers[b];
     auto [it, added] = check_of.emplace(name, run.checks.size());
     if (added) {
       run.checks.emplace_back();
@@ -375,9 +391,9 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     }
     OutputCheck& check = run.checks[it->second];
     // End to end, a value keeps the coarsest tolerance it was computed in; one task from its
-    // actual inputs, its dtype's.
-    const double rtol = end_to_end ? tolerances[b].relative : relative_tolerance(info.dtype);
-    const double atol = end_to_end ? tolerances[b].absolute : absolute_tolerance(info.dtype);
+    // actual inputs, its own (its dtype's, or TF32's).
+    const double rtol = end_to_end ? tolerances[b].relative : own_tolerance[b].relative;
+    const double atol = end_to_end ? tolerances[b].absolute : own_tolerance[b].absolute;
     for (int64_t i = 0; i < int64_t(got.size()); ++i) {
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
       // Equal is right, infinities included (inf - inf is no error); NaN never passes.

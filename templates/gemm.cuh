@@ -1,20 +1,23 @@
-// The pipelined tensor-core GEMM mainloop for 16-bit operands (f16, bf16) with
-// f32 accumulation, for sm_80 and later (docs/gemm.md). A block computes one
+// The pipelined tensor-core GEMM mainloop for 16-bit operands (f16, bf16),
+// and for f32 ones as TF32 where the user allows it (--allow-tf32), with f32
+// accumulation, for sm_80 and later (docs/gemm.md). A block computes one
 // BM x BN tile of D = op(A) op(B):
 //   - global -> shared by 16-byte cp.async, STAGES k-tiles in flight, one
 //     barrier per k-tile;
 //   - shared tiles XOR-swizzled in 16-byte chunks, so that the copies and the
 //     ldmatrix reads are free of bank conflicts without padding;
 //   - fragments by ldmatrix (.trans where an operand's contiguous axis is M or
-//     N rather than K), mma.sync m16n8k16 into registers;
+//     N rather than K; for TF32, whose 32-bit elements .trans cannot move,
+//     such an operand is read by 32-bit shared loads), mma.sync m16n8k16
+//     (m16n8k8 for TF32) into registers;
 //   - WARPS_M x WARPS_N warps, each owning a (BM / WARPS_M) x (BN / WARPS_N)
 //     patch of the accumulators.
 // Operand layouts (cg_gemm_mainloop's A_K_CONTIGUOUS, B_K_CONTIGUOUS): A is
 // M x K, stored K-contiguous (row-major, lda >= K) or M-contiguous (A^T stored
 // row-major, lda >= M); B is K x N, stored K-contiguous (B^T row-major, ldb
 // >= K) or N-contiguous (row-major, ldb >= N). Every contiguous extent and
-// leading dimension must be a multiple of 8 elements and each operand's
-// first element 16-byte aligned: the caller checks, the emulator's bounds
+// leading dimension must be whole 16-byte chunks (8 16-bit elements, 4 f32)
+// and each operand's first element 16-byte aligned: the caller checks, the emulator's bounds
 // checks catch a copy that runs past its tensor.
 
 // ---------------------------------------------------------------------------
@@ -107,11 +110,12 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
 #endif
 }
 
-// mma.sync m16n8k16 on packed registers (two 16-bit values each, the lower
-// element in the low half): the layout of cg_mma_16x8x16 (prelude), whose
-// element arrays these are. The last parameter only names the operand type.
-// Elsewhere than sm_80 and later: the packed registers as element arrays,
-// through the prelude's shuffle form of the same layout.
+// mma.sync on packed registers, one k-step of the mainloop for the operand
+// type the last parameter names. f16 and bf16: m16n8k16, two 16-bit values
+// a register (the lower element in the low half), the layout of
+// cg_mma_16x8x16 (prelude), whose element arrays these are. Elsewhere than
+// sm_80 and later: the packed registers as element arrays, through the
+// prelude's shuffle form of the same layout.
 template <typename T>
 CG_DEVICE void cg_mma_16x8x16_unpacked(float d[4], const unsigned int a[4], const unsigned int b[2]) {
   T ae[8], be[4];
@@ -120,7 +124,7 @@ CG_DEVICE void cg_mma_16x8x16_unpacked(float d[4], const unsigned int a[4], cons
   cg_mma_16x8x16_shuffle(d, ae, be);
 }
 
-CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_f16) {
+CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_f16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -132,7 +136,7 @@ CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const 
 #endif
 }
 
-CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_bf16) {
+CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_bf16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -142,6 +146,77 @@ CG_DEVICE void cg_mma_16x8x16_packed(float d[4], const unsigned int a[4], const 
 #else
   cg_mma_16x8x16_unpacked<cg_bf16>(d, a, b);
 #endif
+}
+
+// TF32 (--allow-tf32, docs/gemm.md): f32 operands stored as f32, each
+// fragment register rounded to TF32 (8 exponent and 10 mantissa bits)
+// before the mma, as PyTorch's allow_tf32 computes; the mainloop's element
+// type for them, the bits of an f32.
+struct cg_tf32 {
+  unsigned int bits;
+};
+
+// Rounds a fragment register to TF32, to nearest with ties away from zero,
+// in one integer add: half a TF32 ulp added to the magnitude, then the
+// tensor core, which reads only the upper 19 bits, truncates (the same as
+// cvt.rna.tf32.f32, which takes three instructions in SASS: FSETP and two
+// more). Infinities stay infinite, a finite value that rounds past the
+// largest overflows to infinity as cvt.rna does; only a NaN whose payload
+// lies in the low 13 bits alone (never the canonical 0x7fc00000) is read
+// as an infinity, or as zero where its sign bit carries. The same code on
+// every target: the emulated mma truncates as the tensor core does.
+CG_DEVICE unsigned int cg_round_to_tf32(unsigned int bits) { return bits + 0x1000u; }
+
+// mma.sync m16n8k8 with TF32 operands, one 32-bit value a register (g = lane
+// / 4, t = lane % 4):
+//   a[i] = A[g + 8 * (i % 2)][t + 4 * (i / 2)]   i < 4
+//   b[i] = B[t + 4 * i][g]                        i < 2
+//   d[i] = D[g + 8 * (i / 2)][2 * t + i % 2]      i < 4 (as m16n8k16's)
+// The tensor core reads only a register's TF32 bits; the emulation does the
+// same, so a fragment left unrounded is truncated there as on the GPU.
+CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_tf32) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int k = 0; k < 8; ++k) {
+    // A[row][k] of both my rows and B[k][col] of both my columns, from the lanes that hold them.
+    const int a_lane = g * 4 + (k & 3), a_reg = k >= 4 ? 2 : 0, b_reg = k >= 4 ? 1 : 0;
+    const unsigned int top = __shfl_sync(0xffffffffu, a[a_reg], a_lane);
+    const unsigned int bottom = __shfl_sync(0xffffffffu, a[a_reg + 1], a_lane);
+    const unsigned int left = __shfl_sync(0xffffffffu, b[b_reg], (2 * t) * 4 + (k & 3));
+    const unsigned int right = __shfl_sync(0xffffffffu, b[b_reg], (2 * t + 1) * 4 + (k & 3));
+    const float a_top = __int_as_float((int)(top & 0xffffe000u)), a_bottom = __int_as_float((int)(bottom & 0xffffe000u));
+    const float b_left = __int_as_float((int)(left & 0xffffe000u)), b_right = __int_as_float((int)(right & 0xffffe000u));
+    d[0] += a_top * b_left;
+    d[1] += a_top * b_right;
+    d[2] += a_bottom * b_left;
+    d[3] += a_bottom * b_right;
+  }
+#endif
+}
+
+// A fragment as the mma takes it: 16-bit values as loaded; f32 ones rounded.
+CG_DEVICE void cg_gemm_fragment_ready(unsigned int[4], cg_f16) {}
+CG_DEVICE void cg_gemm_fragment_ready(unsigned int[4], cg_bf16) {}
+CG_DEVICE void cg_gemm_fragment_ready(unsigned int r[4], cg_tf32) {
+  CG_UNROLL
+  for (int i = 0; i < 4; ++i) r[i] = cg_round_to_tf32(r[i]);
+}
+
+// A 32-bit shared-memory load that reads cp.async's destination (a TF32
+// fragment of an operand stored MN-contiguous): checked and counted in
+// emulation as ldmatrix's reads are.
+CG_DEVICE unsigned int cg_shared_load_b32(const unsigned int* p) {
+#ifdef CUDAGEN_EMULATION
+  cudagen_emu::note_shared_request(p, 4);
+  if (!cudagen_emu::check_shared_read(p, 4)) return 0u;
+#endif
+  return *p;
 }
 
 // A float another block of this launch wrote (split-K's partial sums): read
@@ -158,30 +233,46 @@ CG_DEVICE float cg_load_l2(const float* base, cg_i64 i) {
 }
 
 // ---------------------------------------------------------------------------
-// A swizzled shared tile: ROWS rows of COLS 16-bit elements, COLS contiguous.
-// Chunk c (8 elements, 16 bytes) of row r is stored at chunk c ^ key(r), where
-// key spreads the 8 rows an ldmatrix (or a warp's copies) touches over the 8
-// distinct 16-byte slots of a 128-byte bank line.
-template <int ROWS, int COLS>
+// A swizzled shared tile: ROWS rows of COLS elements, COLS contiguous, in
+// 16-byte chunks of CHUNK elements (8 of 16 bits, 4 of 32). Chunk c of row r
+// is stored at chunk c ^ key(r), where key spreads the 8 rows an ldmatrix (or
+// a warp's copies) touches over the 8 distinct 16-byte slots of a 128-byte
+// bank line. PAIRED_READS: the tile is also read by 32-bit loads of 8
+// consecutive columns (two chunks, the first even) in each of 4 consecutive
+// rows (a TF32 fragment of an MN-contiguous operand), so the keys of those
+// rows differ in their upper bits: rows 0-7 take 0, 2, 4, 6, 1, 3, 5, 7,
+// still a permutation of the slots for every 8 rows.
+template <int ROWS, int COLS, int CHUNK = 8, bool PAIRED_READS = false>
 struct cg_swizzled_tile {
-  static_assert(COLS % 8 == 0 && COLS >= 16, "rows of whole 16-byte chunks, at least two");
-  static constexpr int chunks = COLS / 8;                           // per row
+  static_assert(COLS % CHUNK == 0 && COLS >= 2 * CHUNK, "rows of whole 16-byte chunks, at least two");
+  static constexpr int chunks = COLS / CHUNK;                         // per row
   static constexpr int rows_per_line = chunks >= 8 ? 1 : 8 / chunks;  // rows sharing a 128-byte line
   static constexpr int key_mask = chunks >= 8 ? 7 : chunks - 1;
   static constexpr int key_period = rows_per_line * (key_mask + 1);  // rows after which the keys repeat
   static constexpr int elements = ROWS * COLS;
+  static_assert(!PAIRED_READS || chunks >= 8, "paired reads need rows of a whole bank line");
+  CG_DEVICE static int key(int row) {
+    const int r = row / rows_per_line;
+    return (PAIRED_READS ? ((r & 3) << 1) | ((r >> 2) & 1) : r) & key_mask;
+  }
+  // (Rows and columns are never negative: unsigned, the divisions by powers
+  // of two are shifts.)
   CG_DEVICE static int offset(int row, int col) {
-    const int chunk = (col >> 3) ^ ((row / rows_per_line) & key_mask);
-    return row * COLS + chunk * 8 + (col & 7);
+    const int chunk = (int)((unsigned)col / CHUNK) ^ key(row);
+    return row * COLS + chunk * CHUNK + (int)((unsigned)col % CHUNK);
   }
 };
 
-// One operand's tile in shared memory: MN x BK values, stored K-contiguous
-// ([MN][BK]) or MN-contiguous ([BK][MN]) as the operand is in global memory,
-// so that every copy is 16 bytes of consecutive global addresses.
-template <int MN, int BK, bool K_CONTIGUOUS>
+// One operand's tile in shared memory: MN x BK values of type T (cg_f16,
+// cg_bf16 or cg_tf32), stored K-contiguous ([MN][BK]) or MN-contiguous
+// ([BK][MN]) as the operand is in global memory, so that every copy is 16
+// bytes of consecutive global addresses.
+template <int MN, int BK, bool K_CONTIGUOUS, typename T>
 struct cg_gemm_operand {
-  typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN> tile;
+  static constexpr int CHUNK = 16 / (int)sizeof(T);  // elements a 16-byte copy moves
+  // A TF32 operand stored MN-contiguous is read by 32-bit loads (fragment).
+  static constexpr bool scalar_reads = !K_CONTIGUOUS && CHUNK == 4;
+  typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, scalar_reads> tile;
   static constexpr int elements = tile::elements;
 
   // The copies of one thread, global -> shared, k-tile after k-tile: set up
@@ -199,8 +290,8 @@ struct cg_gemm_operand {
     static_assert(per_thread == 1 || row_stride % tile::key_period == 0,
                   "a thread's chunks share their swizzle key, so their offsets are row_stride rows apart");
     static_assert(per_thread <= 32, "the row predicates fit one word");
-    const unsigned short* src;  // this thread's first chunk at the first k-tile
-    const unsigned short* base;  // the operand's first element: a valid address to copy nothing from
+    const T* src;               // this thread's first chunk at the first k-tile
+    const T* base;              // the operand's first element: a valid address to copy nothing from
     cg_i64 row_step, k_step;    // elements between its chunks; between k-tiles
     cg_i64 k_left;              // k values left from the first k-tile's first, past its first chunk's
     int smem_offset;            // of its first chunk in a stage's tile
@@ -209,9 +300,8 @@ struct cg_gemm_operand {
     // The operand's first element `src0`, its leading dimension `ld`, its
     // extent along MN; the tile starts at mn0 and its k-tiles at k_begin,
     // running to k_end.
-    CG_DEVICE copier(const unsigned short* src0, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_begin,
-                     cg_i64 k_end) {
-      const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * 8;
+    CG_DEVICE copier(const T* src0, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_begin, cg_i64 k_end) {
+      const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
       const cg_i64 outer = (K_CONTIGUOUS ? mn0 : k_begin) + row, inner = (K_CONTIGUOUS ? k_begin : mn0) + col;
       base = src0;
       src = src0 + outer * ld + inner;
@@ -229,33 +319,52 @@ struct cg_gemm_operand {
 
     // Issues the cp.async of k-tile kt into the stage's tile at `dst`,
     // zero-filling past the operand's MN extent and past k_end.
-    CG_DEVICE void copy(unsigned short* dst, cg_i64 kt) const {
-      const unsigned short* from = src + kt * k_step;
+    CG_DEVICE void copy(T* dst, cg_i64 kt) const {
+      const T* from = src + kt * k_step;
       const cg_i64 k_first = kt * BK;  // of this thread's first chunk, relative to k_left's origin
       CG_UNROLL
       for (int i = 0; i < per_thread; ++i) {
         const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
         const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
-        cg_cp_async_16(dst + smem_offset + i * row_stride * tile::chunks * 8, inside ? from + i * row_step : base,
+        cg_cp_async_16(dst + smem_offset + i * row_stride * tile::chunks * CHUNK, inside ? from + i * row_step : base,
                        inside ? 16 : 0);
       }
     }
   };
 
-  // The x4 fragment of a 16 x 16 block at (mn, k) of the tile. A_ORDER: the
-  // four 8 x 8 matrices in mma's A order (mn 0-7 k 0-7, mn 8-15 k 0-7, mn 0-7
-  // k 8-15, mn 8-15 k 8-15); otherwise B's order for two n8 tiles (mn 0-7 k
-  // 0-7, mn 0-7 k 8-15, mn 8-15 k 0-7, mn 8-15 k 8-15).
+  // The x4 fragment of a 16 x (2 CHUNK) block at (mn, k) of the tile (16 x
+  // 16 of 16-bit values, 16 x 8 of TF32). A_ORDER: the four 8-row matrices in
+  // mma's A order (mn 0-7 k first half, mn 8-15 k first half, mn 0-7 k second
+  // half, mn 8-15 k second half); otherwise B's order for two n8 tiles (mn
+  // 0-7 k first half, mn 0-7 k second half, mn 8-15 k first half, mn 8-15 k
+  // second half). A half of k is one 16-byte chunk.
   template <bool A_ORDER>
-  CG_DEVICE static void fragment(unsigned int r[4], const unsigned short* src, int mn, int k) {
-    const int lane = threadIdx.x & 31, matrix = lane >> 3, row = lane & 7;
-    const int mn_off = A_ORDER ? 8 * (matrix & 1) : 8 * (matrix >> 1);
-    const int k_off = A_ORDER ? 8 * (matrix >> 1) : 8 * (matrix & 1);
-    // Each lane points at a row of 8 contiguous elements: along K where the
-    // tile is K-contiguous (the plain ldmatrix), along MN otherwise (.trans).
-    const int offset = K_CONTIGUOUS ? tile::offset(mn + mn_off + row, k + k_off)
-                                    : tile::offset(k + k_off + row, mn + mn_off);
-    cg_ldmatrix_x4<!K_CONTIGUOUS>(r, src + offset);
+  CG_DEVICE static void fragment(unsigned int r[4], const T* src, int mn, int k) {
+    const int lane = threadIdx.x & 31;
+    if (!scalar_reads) {
+      const int matrix = lane >> 3, row = lane & 7;
+      const int mn_off = A_ORDER ? 8 * (matrix & 1) : 8 * (matrix >> 1);
+      const int k_off = CHUNK * (A_ORDER ? matrix >> 1 : matrix & 1);
+      // Each lane points at a row of one 16-byte chunk: along K where the
+      // tile is K-contiguous (the plain ldmatrix; for TF32 lane l then gets
+      // the 32-bit value (l / 4, l % 4) of each 8 x 4 matrix, mma's layout),
+      // along MN otherwise (.trans, 16-bit values only).
+      const int offset = K_CONTIGUOUS ? tile::offset(mn + mn_off + row, k + k_off)
+                                      : tile::offset(k + k_off + row, mn + mn_off);
+      cg_ldmatrix_x4<!K_CONTIGUOUS>(r, (const unsigned short*)(src + offset));
+    } else {
+      // Lane (g, t) reads value (mn + g, k + t) of each 8 x 4 matrix: rows k
+      // + t of the [BK][MN] tile, whose paired swizzle keys put a warp's 32
+      // reads on 32 distinct banks.
+      const int g = lane >> 2, t = lane & 3;
+      CG_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int mn_off = A_ORDER ? 8 * (i & 1) : 8 * (i >> 1);
+        const int k_off = CHUNK * (A_ORDER ? i >> 1 : i & 1);
+        r[i] = cg_shared_load_b32((const unsigned int*)(src + tile::offset(k + k_off + t, mn + mn_off + g)));
+      }
+    }
+    cg_gemm_fragment_ready(r, T());
   }
 };
 
@@ -266,7 +375,7 @@ struct cg_gemm_config {
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // one warp's patch
   static constexpr int MI = WM / 16, NI = WN / 8;             // its mma tiles
-  static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "whole m16n8k16 tiles, B fragments in pairs");
+  static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "whole mma tiles, B fragments in pairs");
 };
 
 // A warp's accumulators: MI x NI mma tiles of 16 x 8, four floats each.
@@ -276,24 +385,26 @@ struct cg_gemm_accumulators {
 };
 
 // Shared memory of the mainloop and of the staged results after it
-// (cg_gemm_each_coalesced), in bytes: STAGES k-tiles of both operands, or a
-// [BM][BN + 4] float tile where that is more.
-template <typename Config>
+// (cg_gemm_each_coalesced), in bytes: STAGES k-tiles of both operands (of
+// type T), or a [BM][BN + 4] float tile where that is more.
+template <typename Config, typename T>
 struct cg_gemm_shared {
-  static constexpr int stages = 2 * Config::STAGES * (Config::BM + Config::BN) * Config::BK;
+  static constexpr int stages = (int)sizeof(T) * Config::STAGES * (Config::BM + Config::BN) * Config::BK;
   static constexpr int staged = 4 * Config::BM * (Config::BN + 4);
   static constexpr int bytes = stages > staged ? stages : staged;
 };
 
 // The mainloop: the tile (tile_m, tile_n) of D = A B over k in [k_begin,
 // k_end), into acc (zeroed here). a and b point at the operands' first
-// elements as 16-bit patterns (cg_f16 or cg_bf16, T names which).
+// elements, of type T: cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (f32 values
+// multiplied as TF32, m16n8k8). BK counts elements of T.
 template <typename Config, typename T, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS>
-CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigned short* a, cg_i64 lda,
-                                const unsigned short* b, cg_i64 ldb, cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end,
-                                cg_i64 tile_m, cg_i64 tile_n, unsigned short* smem) {
-  typedef cg_gemm_operand<Config::BM, Config::BK, A_K_CONTIGUOUS> OperandA;
-  typedef cg_gemm_operand<Config::BN, Config::BK, B_K_CONTIGUOUS> OperandB;
+CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, cg_i64 lda, const T* b, cg_i64 ldb,
+                                cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m, cg_i64 tile_n,
+                                T* smem) {
+  typedef cg_gemm_operand<Config::BM, Config::BK, A_K_CONTIGUOUS, T> OperandA;
+  typedef cg_gemm_operand<Config::BN, Config::BK, B_K_CONTIGUOUS, T> OperandB;
+  constexpr int K_STEP = 2 * OperandA::CHUNK;  // k of one mma: 16 (16-bit), 8 (TF32)
   constexpr int S = Config::STAGES, stage_elements = OperandA::elements + OperandB::elements;
   const int warp = threadIdx.x >> 5, warp_m = (warp / Config::WARPS_N) * Config::WM,
             warp_n = (warp % Config::WARPS_N) * Config::WN;
@@ -309,7 +420,7 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigne
   const typename OperandA::template copier<Config::THREADS> copy_a(a, lda, m0, M, k_begin, k_end);
   const typename OperandB::template copier<Config::THREADS> copy_b(b, ldb, n0, N, k_begin, k_end);
   auto load_stage = [&](cg_i64 kt) {
-    unsigned short* stage = smem + (int)(kt % S) * stage_elements;
+    T* stage = smem + (int)(kt % S) * stage_elements;
     copy_a.copy(stage, kt);
     copy_b.copy(stage + OperandA::elements, kt);
   };
@@ -326,10 +437,10 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigne
     __syncthreads();
     if (kt + S - 1 < k_tiles) load_stage(kt + S - 1);
     cg_cp_async_commit();
-    const unsigned short* tile_a = smem + (int)(kt % S) * stage_elements;
-    const unsigned short* tile_b = tile_a + OperandA::elements;
+    const T* tile_a = smem + (int)(kt % S) * stage_elements;
+    const T* tile_b = tile_a + OperandA::elements;
     CG_UNROLL
-    for (int kk = 0; kk < Config::BK; kk += 16) {
+    for (int kk = 0; kk < Config::BK; kk += K_STEP) {
       unsigned int fa[Config::MI][4], fb[Config::NI / 2][4];
       CG_UNROLL
       for (int i = 0; i < Config::MI; ++i) OperandA::template fragment<true>(fa[i], tile_a, warp_m + 16 * i, kk);
@@ -338,7 +449,7 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const unsigne
       CG_UNROLL
       for (int i = 0; i < Config::MI; ++i)
         CG_UNROLL
-        for (int j = 0; j < Config::NI; ++j) cg_mma_16x8x16_packed(acc.v[i][j], fa[i], &fb[j / 2][2 * (j % 2)], T());
+        for (int j = 0; j < Config::NI; ++j) cg_mma_packed(acc.v[i][j], fa[i], &fb[j / 2][2 * (j % 2)], T());
     }
   }
   cg_cp_async_wait<0>();

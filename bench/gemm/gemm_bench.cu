@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(Config::THREADS, 1)
   cg_i64 tile_m, tile_n;
   cg_gemm_tile_of(blockIdx.x, tiles_m, tiles_n, 8, &tile_m, &tile_n);
   cg_gemm_accumulators<Config> acc;
-  cg_gemm_mainloop<Config, cg_bf16, !A_T, B_T>(acc, (const unsigned short*)a, A_T ? M : K, (const unsigned short*)b,
-                                               B_T ? K : N, M, N, 0, K, tile_m, tile_n, (unsigned short*)smem);
+  cg_gemm_mainloop<Config, cg_bf16, !A_T, B_T>(acc, a, A_T ? M : K, b, B_T ? K : N, M, N, 0, K, tile_m, tile_n,
+                                               (cg_bf16*)smem);
   // The results as generated kernels store them: through shared memory, coalesced.
   cg_gemm_each_coalesced<Config>(acc, M, N, tile_m, tile_n, (float*)smem,
                                  [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
@@ -128,7 +128,7 @@ struct Variant {
 
 template <typename Config, bool A_T, bool B_T>
 void launch_config(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, const Shape& s) {
-  constexpr int smem = cg_gemm_shared<Config>::bytes;
+  constexpr int smem = cg_gemm_shared<Config, cg_bf16>::bytes;
   static bool opted_in = false;
   if (!opted_in) {
     CHECK_CUDA(cudaFuncSetAttribute(gemm_kernel<Config, A_T, B_T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -149,7 +149,7 @@ void launch_any(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, const Shape& s) 
 template <int BM, int BN, int BK, int WM, int WN, int S>
 Variant variant(const char* name) {
   typedef cg_gemm_config<BM, BN, BK, WM, WN, S> C;
-  return {name, C::THREADS, cg_gemm_shared<C>::bytes, BM, BN, &launch_any<C>};
+  return {name, C::THREADS, cg_gemm_shared<C, cg_bf16>::bytes, BM, BN, &launch_any<C>};
 }
 
 static unsigned short float_to_bf16(float f) {  // round to nearest even; finite inputs

@@ -145,6 +145,9 @@ int run_format(const Cli& cli) {
 void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--arch", cli.compile.emit.arch, "target architecture recorded in the file (sm_80, sm_90, ...)")
       ->capture_default_str();
+  cmd->add_flag("--allow-tf32", cli.compile.emit.allow_tf32,
+                "run f32 matmuls on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded to 10 mantissa "
+                "bits, f32 accumulation; results are checked to f16's bound (docs/gemm.md)");
   cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
   cmd->add_flag("--no-fuse", cli.no_fuse, "one kernel per task, every intermediate in memory (docs/fusion.md)");
   cmd->add_option("--no-fuse-rule", cli.compile.fuse.disabled_rules, "turn one fusion rule off (repeatable)")
@@ -273,9 +276,9 @@ int run_run(Cli& cli) {
                run.run_seconds, run.seed);
   }
   fmt::print("checked against the float64 reference (|err| <= rtol * ref_abs + atol; rtol f64 1e-12, f32 1e-5, "
-             "f16 5e-3, bf16 1e-2, or a coarser one the value was computed in; atol 2^-24 for f16, the smallest "
+             "f16 5e-3, bf16 1e-2{}, or a coarser one the value was computed in; atol 2^-24 for f16, the smallest "
              "normal number for the others):\n{}",
-             format_run(run));
+             c.options.emit.allow_tf32 ? ", TF32 matmuls 5e-3" : "", format_run(run));
   if (!run.ok()) return kExitBadInput;
   if (!cli.profile_path.empty()) write_profile(cli, options, c, *executor);
   return kExitOk;

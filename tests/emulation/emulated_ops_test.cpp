@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "builder.h"
+#include "derive.h"
 #include "file_util.h"
 #include "graph_json.h"
 #include "host_module.h"
@@ -485,6 +486,90 @@ TEST(Emulation, SimtMatmulMatchesTheReference) {
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("simt")});
   ASSERT_EQ(run.checks.size(), 5u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
+// --allow-tf32: every f32 matmul whose rows are whole 16-byte chunks runs the
+// pipelined mainloop as TF32 (the SIMT graph above: every transpose, a batch
+// broadcast, a bias and GELU epilogue, partial tiles; the small product too,
+// and a split-K one), checked to TF32's bound (f16's 5e-3). Its errors lie
+// beyond f32's bound (1e-5), so TF32 did run: the f32 kernels meet that.
+TEST(Emulation, Tf32MatmulMatchesTheReferenceToItsBound) {
+  GraphBuilder b("tf32");
+  const DType d = DType::f32;
+  auto mm = b.task("mm", "matmul").tensor("a", d, {136, 324}, ext).tensor("b", d, {324, 196}, ext).tensor("out", d, {136, 196});
+  auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {196}, ext).tensor("out", d, {136, 196});
+  b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {136, 196}, ext);
+  b.task("mm_tn", "matmul").tensor("a", d, {516, 72}, ext).tensor("b", d, {516, 232}, ext).tensor("out", d, {72, 232}, ext).arg("trans_a", true);
+  b.task("mm_tt", "matmul")
+      .tensor("a", d, {324, 132}, ext)
+      .tensor("b", d, {200, 324}, ext)
+      .tensor("out", d, {132, 200}, ext)
+      .arg("trans_a", true)
+      .arg("trans_b", true)
+      .arg("alpha", 0.5);
+  b.task("mm_b", "matmul").tensor("a", d, {2, 3, 68, 324}, ext).tensor("b", d, {3, 324, 72}, ext).tensor("out", d, {2, 3, 68, 72}, ext);
+  b.task("mm_split", "matmul").tensor("a", d, {40, 1000}, ext).tensor("b", d, {1000, 72}, ext).tensor("out", d, {40, 72}, ext);
+  b.task("small", "matmul").tensor("a", d, {20, 16}, ext).tensor("b", d, {16, 20}, ext).tensor("out", d, {20, 20}, ext);
+  CompileOptions options;
+  options.emit.allow_tf32 = true;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  std::vector<std::string> paths;
+  int tf32 = 0;
+  for (const EmittedKernel& k : c.emitted.kernels) {
+    if (k.matmul_path.empty()) continue;
+    paths.push_back(k.name + ": " + k.matmul_path);
+    tf32 += k.mainloop == MatmulMainloop::pipelined_tf32;
+  }
+  const std::string listed = fmt::format("{}", fmt::join(paths, "\n"));
+  EXPECT_EQ(tf32, 6) << listed;
+  EXPECT_NE(listed.find("64 x 64 x 16 tiles (TF32), 2 x 2 warps, 4 stages, split-K"), std::string::npos) << listed;
+  EXPECT_NE(c.emitted.cuda_source.find("cg_gemm_mainloop<cg_config, cg_tf32, false, false>"), std::string::npos);
+  EXPECT_NE(c.emitted.cuda_source.find("arch=sm_90 tf32"), std::string::npos) << "the options in the provenance header";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("tf32")});
+  ASSERT_EQ(run.checks.size(), 6u);
+  for (const auto& check : run.checks) {
+    EXPECT_TRUE(check.ok()) << format_run(run);
+    // err / bound at 5e-3 above 1e-5 / 5e-3 is an error f32's bound refuses.
+    EXPECT_GT(check.worst_ratio, 2e-3) << check.buffer << ": as exact as f32, so not TF32\n" << format_run(run);
+  }
+}
+
+// The gradients of an f32 training step run TF32 too where allowed (the
+// backward matmuls take transposed operands: the 32-bit shared loads), each
+// task checked from its actual inputs to TF32's bound, the step's loss and
+// updated weights end to end.
+TEST(Emulation, Tf32TrainingStepMatchesTheReference) {
+  GraphBuilder b("tf32_train");
+  const DType d = DType::f32;
+  auto w1 = b.task("w1", "uniform", Phase::init).tensor("out", d, {68, 132}).arg("low", -0.2).arg("high", 0.2).arg("seed", 5);
+  auto w2 = b.task("w2", "uniform", Phase::init).tensor("out", d, {132, 12}).arg("low", -0.2).arg("high", 0.2).arg("seed", 6);
+  auto fc1 = b.task("fc1", "matmul").tensor("a", d, {200, 68}, ext).tensor("b", w1["out"]).tensor("out", d, {200, 132});
+  auto act = b.task("act", "relu").tensor("x", fc1["out"]).tensor("out", d, {200, 132});
+  auto fc2 = b.task("fc2", "matmul").tensor("a", act["out"]).tensor("b", w2["out"]).tensor("out", d, {200, 12});
+  b.task("loss", "cross_entropy").tensor("logits", fc2["out"]).tensor("labels", DType::i32, {200}, ext).tensor("loss", d, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.1), {}, false, {}}};
+  Program training = load_program(derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph, {});
+  CompileOptions options;
+  options.emit.allow_tf32 = true;
+  options.plan.placement.reuse = false;  // checking each task reads every buffer,
+  options.fuse.enabled = false;          // so none stays in registers
+  Compiled c = compile(std::move(training), options);
+  int backward_tf32 = 0;
+  std::string paths;
+  for (const EmittedKernel& k : c.emitted.kernels) {
+    backward_tf32 += k.phase == Phase::backward && k.mainloop == MatmulMainloop::pipelined_tf32;
+    if (!k.matmul_path.empty()) paths += k.name + ": " + k.matmul_path + "\n";
+  }
+  EXPECT_EQ(backward_tf32, 3) << "the weight gradients (a^T dy) and fc2's input gradient (dy w^T)\n" << paths;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions run_options{seed, work_dir("tf32_train")};
+  run_options.check_each_task = true;
+  CheckedRun run = run_checked(c, run_options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
 // Split-K (docs/gemm.md): 16-bit matmuls of few output tiles over a long K

@@ -1,12 +1,14 @@
 // The pipelined tensor-core mainloop (templates/gemm.cuh) in the host
 // emulation, which runs each PTX wrapper's emulation (cp.async landing
-// asynchronously and checked, ldmatrix, mma.sync in their fragment layouts): every operand layout, f16 and bf16,
+// asynchronously and checked, ldmatrix, mma.sync in their fragment layouts): every operand layout, f16, bf16
+// and f32 as TF32,
 // sizes that are no multiple of any tile, K shorter than one stage, and a
 // k range that starts past zero (a split of K), against a float64 product of
 // the same 16-bit values. Contiguous extents are multiples of 8 elements, as
 // the mainloop requires (16-byte copies); the emulator's bounds checks catch
 // a chunk that would run past its tensor.
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +28,29 @@ using cudagen::testing::EmuLaunch;
 struct Pair {
   float first, second;
 };
+
+// An operand element from a float, and the value the tensor core multiplies:
+// 16-bit values as stored; f32 ones (cg_tf32) rounded to TF32 to nearest,
+// ties away from zero, as cvt.rna.tf32.f32 does (finite values).
+template <typename T>
+T element_of(float x) {
+  return cg_narrow<T>(x);
+}
+template <>
+cg_tf32 element_of<cg_tf32>(float x) {
+  cg_tf32 e;
+  std::memcpy(&e.bits, &x, 4);
+  return e;
+}
+double multiplied(cg_f16 x) { return cg_widen(x); }
+double multiplied(cg_bf16 x) { return cg_widen(x); }
+double multiplied(cg_tf32 x) {
+  const unsigned int magnitude = x.bits & 0x7fffffffu;
+  unsigned int bits = magnitude >= 0x7f800000u ? x.bits : ((x.bits + 0x1000u) & 0xffffe000u);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 struct Problem {
   long long M, N, K, k_begin;
@@ -50,22 +75,22 @@ double run_problem(const Problem& p, unsigned seed) {
     at += (bytes + 255) / 256 * 256;
     return offset;
   };
-  T* a = l.tensor<T>("a", place(p.M * p.K * 2), p.M * p.K);
-  T* b = l.tensor<T>("b", place(p.K * p.N * 2), p.K * p.N);
+  T* a = l.tensor<T>("a", place(p.M * p.K * sizeof(T)), p.M * p.K);
+  T* b = l.tensor<T>("b", place(p.K * p.N * sizeof(T)), p.K * p.N);
   float* d = l.tensor<float>("d", place(p.M * p.N * 4), p.M * p.N);
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
-  for (long long i = 0; i < p.M * p.K; ++i) a[i] = cg_narrow<T>(uniform(rng));
-  for (long long i = 0; i < p.K * p.N; ++i) b[i] = cg_narrow<T>(uniform(rng));
+  for (long long i = 0; i < p.M * p.K; ++i) a[i] = element_of<T>(uniform(rng));
+  for (long long i = 0; i < p.K * p.N; ++i) b[i] = element_of<T>(uniform(rng));
   for (long long i = 0; i < p.M * p.N; ++i) d[i] = std::nanf("");  // poison: every element must be written
   cudagen_emu_configure(seed);  // also when each cp.async lands, between its issue and its wait
   const long long tiles_m = (p.M + Config::BM - 1) / Config::BM, tiles_n = (p.N + Config::BN - 1) / Config::BN;
   const int rc = l.run("gemm", dim3(unsigned(tiles_n), unsigned(tiles_m)), dim3(Config::THREADS),
-                       cg_gemm_shared<Config>::bytes, [&] {
+                       cg_gemm_shared<Config, T>::bytes, [&] {
                          cg_gemm_accumulators<Config> acc;
-                         cg_gemm_mainloop<Config, T, A_K, B_K>(
-                             acc, (const unsigned short*)a, lda, (const unsigned short*)b, ldb, p.M, p.N, p.k_begin,
-                             p.K, blockIdx.y, blockIdx.x, (unsigned short*)cudagen_emu::dynamic_smem());
+                         cg_gemm_mainloop<Config, T, A_K, B_K>(acc, a, lda, b, ldb, p.M, p.N, p.k_begin, p.K,
+                                                               blockIdx.y, blockIdx.x,
+                                                               (T*)cudagen_emu::dynamic_smem());
                          cg_gemm_each_pair<Config>(acc, p.M, p.N, blockIdx.y, blockIdx.x,
                                                    [&](cg_i64 m, cg_i64 n, float d0, float d1) {
                                                      if (n + 1 < p.N && (m * p.N + n) % 2 == 0) {
@@ -83,7 +108,7 @@ double run_problem(const Problem& p, unsigned seed) {
     for (long long n = 0; n < p.N; ++n) {
       double want = 0, scale = 0;
       for (long long k = p.k_begin; k < p.K; ++k) {
-        const double x = cg_widen(a[A_K ? m * lda + k : k * lda + m]), y = cg_widen(b[B_K ? n * ldb + k : k * ldb + n]);
+        const double x = multiplied(a[A_K ? m * lda + k : k * lda + m]), y = multiplied(b[B_K ? n * ldb + k : k * ldb + n]);
         want += x * y;
         scale += std::fabs(x * y);
       }
@@ -114,6 +139,10 @@ void check_every_layout(const Problem& shape, unsigned seed) {
 
 typedef cg_gemm_config<64, 64, 32, 2, 2, 4> Small;  // 4 warps of 32 x 32, four stages
 typedef cg_gemm_config<64, 32, 32, 2, 1, 3> Tall;   // 2 warps of 32 x 32, three stages
+// TF32: the same bytes a stage, half the k.
+typedef cg_gemm_config<64, 64, 16, 2, 2, 4> SmallTf32;
+typedef cg_gemm_config<64, 64, 32, 2, 2, 3> DeepTf32;  // four mma k-steps a k-tile, three stages
+typedef cg_gemm_config<128, 128, 32, 2, 4, 3> LargeTf32;  // 8 warps: TF32's rounding takes registers
 
 }  // namespace
 
@@ -132,6 +161,21 @@ TEST(GemmMainloop, KShorterThanAStageAndAKRangeThatStartsLate) {
   check_every_layout<Small, cg_f16>({.M = 64, .N = 64, .K = 200, .k_begin = 40}, seed + 1);
 }
 
+// f32 operands as TF32 (--allow-tf32): the K-contiguous ones through
+// ldmatrix (a 16-byte row is four f32), the M- and N-contiguous ones through
+// 32-bit shared loads (ldmatrix.trans would move 16-bit halves), every
+// fragment rounded to TF32 before m16n8k8. Held to f32 accumulation of the
+// TF32-rounded values' exact products: a fragment layout off by one value,
+// or a fragment left unrounded (the tensor core truncates), is far outside.
+TEST(GemmMainloop, Tf32InEveryLayoutAndAtTheEdges) {
+  const unsigned seed = std::random_device{}();
+  check_every_layout<SmallTf32, cg_tf32>({.M = 104, .N = 136, .K = 76, .k_begin = 0}, seed);
+  check_every_layout<DeepTf32, cg_tf32>({.M = 72, .N = 40, .K = 132, .k_begin = 0}, seed + 1);
+  check_every_layout<SmallTf32, cg_tf32>({.M = 40, .N = 24, .K = 4, .k_begin = 0}, seed + 2);  // K under a stage
+  check_every_layout<SmallTf32, cg_tf32>({.M = 64, .N = 64, .K = 100, .k_begin = 20}, seed + 3);  // a split's part
+  check_every_layout<LargeTf32, cg_tf32>({.M = 136, .N = 132, .K = 100, .k_begin = 0}, seed + 4);
+}
+
 // The strict emulator (emulator_faults_test.cpp) on the real mainloop: each
 // cp.async lands at a seeded random point before its wait, reads of a stage
 // are checked against the waits and barriers, and the product is right for
@@ -140,20 +184,23 @@ TEST(GemmMainloop, RightWhereverTheCopiesLand) {
   for (unsigned seed : {1u, 2u, 3u}) {
     check_every_layout<Small, cg_bf16>({.M = 72, .N = 80, .K = 168, .k_begin = 0}, seed);
     check_every_layout<Tall, cg_f16>({.M = 40, .N = 40, .K = 136, .k_begin = 8}, seed);
+    check_every_layout<SmallTf32, cg_tf32>({.M = 72, .N = 80, .K = 84, .k_begin = 0}, seed);
   }
 }
 
 // The emulator's counters on the mainloop alone (its stores are 8-byte
 // pairs, whole sectors): global loads within 1.1x of the fewest sectors, and
 // the swizzled tiles' ldmatrix reads and cp.async writes conflict-free.
-TEST(GemmMainloop, LoadsAreCoalescedAndSharedAccessesConflictFree) {
+template <typename Config, typename T>
+void expect_coalesced_and_conflict_free(const char* what) {
   for (int layout = 0; layout < 4; ++layout) {
     const Problem p{128, 192, 256, 0, bool(layout & 1), bool(layout & 2)};
+    SCOPED_TRACE(what);
     switch (layout) {
-      case 0: run_problem<Small, cg_bf16, false, false>(p, 1); break;
-      case 1: run_problem<Small, cg_bf16, true, false>(p, 1); break;
-      case 2: run_problem<Small, cg_bf16, false, true>(p, 1); break;
-      default: run_problem<Small, cg_bf16, true, true>(p, 1); break;
+      case 0: run_problem<Config, T, false, false>(p, 1); break;
+      case 1: run_problem<Config, T, true, false>(p, 1); break;
+      case 2: run_problem<Config, T, false, true>(p, 1); break;
+      default: run_problem<Config, T, true, true>(p, 1); break;
     }
     unsigned long long c[9];
     cudagen_emu_kernel_counters(cudagen_emu_kernel_count() - 1, c);
@@ -164,6 +211,13 @@ TEST(GemmMainloop, LoadsAreCoalescedAndSharedAccessesConflictFree) {
     ASSERT_GT(c[6], 0u);
     EXPECT_EQ(c[7], c[8]) << describe(p) << ": " << c[7] << " bank wavefronts, ideal " << c[8];
   }
+}
+
+TEST(GemmMainloop, LoadsAreCoalescedAndSharedAccessesConflictFree) {
+  expect_coalesced_and_conflict_free<Small, cg_bf16>("bf16, 64 x 64 x 32");
+  // TF32's 32-bit fragment loads of M- and N-contiguous tiles included.
+  expect_coalesced_and_conflict_free<SmallTf32, cg_tf32>("TF32, 64 x 64 x 16");
+  expect_coalesced_and_conflict_free<LargeTf32, cg_tf32>("TF32, 128 x 128 x 32");
 }
 
 // The swizzle keeps the 8 rows an ldmatrix reads (and a warp's 16-byte
@@ -185,4 +239,33 @@ TEST(GemmMainloop, SwizzledRowsOfAnLdmatrixHitEveryBankSlot) {
   expect_conflict_free<64>();
   expect_conflict_free<128>();
   expect_conflict_free<256>();
+}
+
+// A TF32 tile read by 32-bit loads ([BK][MN], MN 32 to 128 floats): a warp's
+// fragment load reads 8 consecutive columns (from a multiple of 8) of 4
+// consecutive rows (from a multiple of 4), and must find 32 distinct banks;
+// every 8 rows of one chunk still take the 8 slots of a bank line.
+template <int COLS>
+void expect_paired_reads_conflict_free() {
+  typedef cg_swizzled_tile<32, COLS, 4, true> Tile;
+  for (int row0 = 0; row0 < 32; row0 += 4)
+    for (int col0 = 0; col0 < COLS; col0 += 8) {
+      unsigned long long banks = 0;
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 8; ++c) banks |= 1ull << (Tile::offset(row0 + r, col0 + c) % 32);
+      EXPECT_EQ(banks, 0xffffffffull) << "rows " << row0 << "-" << row0 + 3 << ", columns " << col0 << "-" << col0 + 7
+                                      << ", " << COLS << " wide";
+    }
+  for (int row0 = 0; row0 < 32; row0 += 8)
+    for (int col = 0; col < COLS; col += 4) {
+      unsigned slots = 0;
+      for (int r = 0; r < 8; ++r) slots |= 1u << ((Tile::offset(row0 + r, col) * 4 / 16) % 8);
+      EXPECT_EQ(slots, 0xffu) << "rows " << row0 << "-" << row0 + 7 << ", column " << col << ", " << COLS << " wide";
+    }
+}
+
+TEST(GemmMainloop, Tf32TilesReadByWordsHitEveryBank) {
+  expect_paired_reads_conflict_free<32>();
+  expect_paired_reads_conflict_free<64>();
+  expect_paired_reads_conflict_free<128>();
 }

@@ -333,28 +333,37 @@ TEST(Toolchains, EverySnapshotCompilesWithNvrtcAndNvcc) {
 }
 
 // The pipelined mainloop (templates/gemm.cuh) in every tile shape the
-// tuning uses, each operand layout: NVRTC and ptxas for sm_80 and sm_90 keep
-// the accumulators and fragments in registers (no spills, no stack frame).
+// tuning uses, each operand layout, bf16 and TF32 (the same tiles at half the
+// k): NVRTC and ptxas for sm_80 and sm_90 keep the accumulators and
+// fragments in registers (no spills, no stack frame).
 TEST(Toolchains, GemmMainloopKeepsEverythingInRegisters) {
   std::string source = std::string(embedded_template("prelude.cuh")) + std::string(embedded_template("gemm.cuh"));
-  const char* configs[] = {"64, 64, 32, 2, 2, 4", "128, 128, 64, 2, 2, 3", "128, 256, 64, 2, 4, 3",
-                           "256, 128, 64, 4, 2, 3"};
+  struct Config {
+    const char* type;
+    const char* tile;
+  };
+  const Config configs[] = {{"cg_bf16", "64, 64, 32, 2, 2, 4"},  {"cg_bf16", "128, 128, 64, 2, 2, 3"},
+                            {"cg_bf16", "128, 256, 64, 2, 4, 3"}, {"cg_bf16", "256, 128, 64, 4, 2, 3"},
+                            {"cg_tf32", "64, 64, 16, 2, 2, 4"},   {"cg_tf32", "128, 128, 32, 2, 4, 3"}};
   int kernels = 0;
-  for (const char* config : configs)
+  for (const Config& config : configs)
     for (int layout = 0; layout < 4; ++layout) {
-      const std::string name = "gemm_" + std::to_string(kernels++);
-      source += "typedef cg_gemm_config<" + std::string(config) + "> " + name + "_config;\n" +
-                "CG_KERNEL void __launch_bounds__(" + name + "_config::THREADS, 1) " + name +
-                "(const cg_bf16* a, const cg_bf16* b, cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
+      const std::string name = "gemm_" + std::to_string(kernels++), type = config.type;
+      source += "typedef cg_gemm_config<" + std::string(config.tile) + "> " + name + "_config;\n" +
+                "CG_KERNEL void __launch_bounds__(" + name + "_config::THREADS, 1) " + name + "(const " + type +
+                "* a, const " + type + "* b, " + (type == "cg_tf32" ? "float" : "unsigned int") +
+                "* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
                 "  CG_DYNAMIC_SMEM(smem);\n"
                 "  cg_gemm_accumulators<" + name + "_config> acc;\n"
-                "  cg_gemm_mainloop<" + name + "_config, cg_bf16, " + (layout & 1 ? "true" : "false") + ", " +
-                (layout & 2 ? "true" : "false") +
-                ">(acc, (const unsigned short*)a, K, (const unsigned short*)b, N, M, N, 0, K, blockIdx.y, blockIdx.x,"
-                " (unsigned short*)smem);\n"
+                "  cg_gemm_mainloop<" + name + "_config, " + type + ", " + (layout & 1 ? "true" : "false") + ", " +
+                (layout & 2 ? "true" : "false") + ">(acc, a, K, b, N, M, N, 0, K, blockIdx.y, blockIdx.x, (" + type +
+                "*)smem);\n"
                 "  cg_gemm_each_pair<" + name + "_config>(acc, M, N, blockIdx.y, blockIdx.x,"
-                " [&](cg_i64 m, cg_i64 n, float d0, float d1) {\n"
-                "    *(unsigned int*)(d + m * N + n) = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits, cg_narrow<cg_bf16>(d1).bits);\n"
+                " [&](cg_i64 m, cg_i64 n, float d0, float d1) {\n" +
+                (type == "cg_tf32" ? "    cg_aligned_chunk<2, float> pair = {{d0, d1}};\n"
+                                     "    *(cg_aligned_chunk<2, float>*)(d + m * N + n) = pair;\n"
+                                   : "    d[(m * N + n) / 2] = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits, "
+                                     "cg_narrow<cg_bf16>(d1).bits);\n") +
                 "  });\n"
                 "}\n";
     }
@@ -520,9 +529,11 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnThePipelinedMainloop) {
 // emitter picks, operand layout and architecture, the registers ptxas gives
 // the generated kernel, its shared memory, and the SASS instructions of its
 // k-loop per k-block (the loop's count over the k-blocks it holds, found by
-// its HMMA count: BK / 16 x MI x NI per k-block), checked in at
-// tests/golden/gemm_mainloop.txt, so that a change to the mainloop or the
-// toolkit shows as a diff. UPDATE_GOLDEN=1 rewrites the file.
+// its HMMA count: BK / 16 x MI x NI per k-block, BK / 8 for TF32), checked
+// in at tests/golden/gemm_mainloop.txt, so that a change to the mainloop or
+// the toolkit shows as a diff. bf16 in both B layouts, f32 as TF32 in both A
+// layouts (M-contiguous: 32-bit shared loads). UPDATE_GOLDEN=1 rewrites the
+// file.
 TEST(Toolchains, PipelinedMainloopMatchesItsGoldenInstructionTable) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -544,7 +555,21 @@ TEST(Toolchains, PipelinedMainloopMatchesItsGoldenInstructionTable) {
           .arg("trans_b", trans_b);
       rows.push_back({id, m == 4096 ? 64 / 16 * (64 / 16) * (64 / 8) : 32 / 16 * (32 / 16) * (32 / 8)});
     }
-  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  for (int64_t m : {4096, 64})
+    for (bool trans_a : {false, true}) {
+      const std::string id = "tf32_" + std::to_string(m) + (trans_a ? "_tn" : "_nn");
+      const std::vector<int64_t> a_shape = trans_a ? std::vector<int64_t>{768, m} : std::vector<int64_t>{m, 768};
+      b.task(id, "matmul")
+          .tensor("a", DType::f32, a_shape, ext)
+          .tensor("b", DType::f32, {768, 3072}, ext)
+          .tensor("out", DType::f32, {m, 3072}, ext)
+          .arg("trans_a", trans_a);
+      // 128 x 128 x 32 on 2 x 4 warps of 64 x 32; 64 x 64 x 16 on 2 x 2 of 32 x 32.
+      rows.push_back({id, m == 4096 ? 32 / 8 * (64 / 16) * (32 / 8) : 16 / 8 * (32 / 16) * (32 / 8)});
+    }
+  CompileOptions options;
+  options.emit.allow_tf32 = true;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
   std::string table =
       "# The pipelined mainloop's generated kernels (Toolchains.PipelinedMainloopMatchesItsGoldenInstructionTable):\n"
       "# kernel | tiles | arch | registers | shared bytes | SASS per k-block of the k-loop\n";

@@ -96,7 +96,33 @@ TEST(GemmTuning, TheBundledTablePicksByFullWavesOnTheArch) {
   EXPECT_EQ(pick(2304, 3072, "sm_90")->bm, 64);
   std::string why;
   EXPECT_FALSE(pipelined_gemm_tile(DType::f32, DType::f32, 64, 64, 64, false, false, 1, "sm_90", &why));
-  EXPECT_NE(why.find("not both f16 or both bf16"), std::string::npos);
+  EXPECT_NE(why.find("unless TF32 is allowed (--allow-tf32)"), std::string::npos) << why;
+  EXPECT_FALSE(pipelined_gemm_tile(DType::f16, DType::bf16, 64, 64, 64, false, false, 1, "sm_90", &why));
+  EXPECT_NE(why.find("not both f16, both bf16"), std::string::npos) << why;
+}
+
+// f32 with TF32 allowed: the table's TF32 rules, the same bytes a stage at
+// half the k (the large tile on 8 warps); contiguous axes in 16-byte chunks
+// of 4 floats.
+TEST(GemmTuning, Tf32TakesItsOwnRules) {
+  auto pick = [](int64_t M, int64_t N, int64_t K, const char* arch, std::string* why = nullptr) {
+    return pipelined_gemm_tile(DType::f32, DType::f32, M, N, K, false, false, 1, arch, why, /*allow_tf32=*/true);
+  };
+  const GemmTile large = *pick(4096, 3072, 768, "sm_90");
+  EXPECT_EQ(large.rule, 2);
+  EXPECT_TRUE(large.tf32());
+  EXPECT_EQ(large.bk, 32);
+  EXPECT_EQ(large.threads(), 256);
+  EXPECT_EQ(large.shared_bytes(), 3 * (128 + 128) * 32 * 4);
+  EXPECT_NE(large.describe().find("128 x 128 x 32 tiles (TF32)"), std::string::npos) << large.describe();
+  const GemmTile small = *pick(64, 768, 3072, "sm_90");
+  EXPECT_EQ(small.bk, 16);
+  EXPECT_EQ(small.split_k, 11);  // 192 k-tiles of 16: 11 parts of 18
+  EXPECT_EQ(small.shared_bytes(), 4 * (64 + 64) * 16 * 4);  // 4 stages of 8 KiB
+  std::string why;
+  EXPECT_FALSE(pick(64, 66, 64, "sm_90", &why));
+  EXPECT_NE(why.find("not multiples of 4 elements (16 bytes)"), std::string::npos) << why;
+  EXPECT_TRUE(pick(64, 68, 64, "sm_90"));  // 68 floats: whole 16-byte chunks (a 16-bit operand needs 8)
 }
 
 // Split-K (docs/gemm.md): a product whose tiles fill less than a wave cuts
@@ -133,14 +159,28 @@ TEST(GemmTuning, ABadTableNamesTheRule) {
     }
   };
   const std::string head = R"({"format": "cudagen.gemm-tuning/1", "rules": [)";
-  EXPECT_EQ(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4]}]})"), "read");
-  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 64, 2, 2, 4]}]})").find("t.json: /rules/0/tile"),
+  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4]}]})").find("no rule for tf32 operands"),
             std::string::npos);
-  EXPECT_NE(error_of(head + R"({"arch": "sm_90", "tile": [64, 64, 32, 2, 2, 4]}]})").find("matches every product"),
+  const std::string tf32 = R"(, {"operands": "tf32", "arch": "any", "tile": [64, 64, 16, 2, 2, 4]}]})";
+  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 64, 2, 2, 4]})" + tf32).find("t.json: /rules/0/tile"),
             std::string::npos);
-  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4], "max_split_k": 0}]})")
+  EXPECT_NE(error_of(head + R"({"arch": "sm_90", "tile": [64, 64, 32, 2, 2, 4]})" + tf32).find("matches every product"),
+            std::string::npos);
+  EXPECT_NE(error_of(head + R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4], "max_split_k": 0})" + tf32)
                 .find("t.json: /rules/0/max_split_k: 0 is not between 1 and 32"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"format": "other", "rules": []})").find("/format"), std::string::npos);
+  // A TF32 rule takes TF32 tiles (half the k), and each kind of operands ends in a rule for every product.
+  const std::string sixteen = R"({"arch": "any", "tile": [64, 64, 32, 2, 2, 4]})";
+  EXPECT_EQ(error_of(head + sixteen + R"(, {"operands": "tf32", "arch": "any", "tile": [64, 64, 16, 2, 2, 4]}]})"), "read");
+  EXPECT_NE(error_of(head + sixteen + R"(, {"operands": "tf32", "arch": "any", "tile": [64, 64, 32, 2, 2, 4]}]})")
+                .find("t.json: /rules/1/tile: [64, 64, 32, 2, 2, 4] is not a tile the mainloop is checked for with TF32"),
+            std::string::npos);
+  EXPECT_NE(error_of(head + sixteen + R"(, {"operands": "tf32", "arch": "sm_80", "tile": [64, 64, 16, 2, 2, 4]}]})")
+                .find("/rules/1: the last rule for tf32 operands matches every product"),
+            std::string::npos);
+  EXPECT_NE(error_of(head + sixteen + R"(, {"operands": "f32", "arch": "any", "tile": [64, 64, 16, 2, 2, 4]}]})")
+                .find("/rules/1/operands"),
+            std::string::npos);
   EXPECT_NE(error_of("{").find("t.json: line 1"), std::string::npos);
 }
