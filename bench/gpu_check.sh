@@ -23,8 +23,10 @@
 #  - the PyTorch frontend's tests on the machine's PyTorch 2.x: the torch.export path and
 #    F.scaled_dot_product_attention, which CI's PyTorch 1.13 lacks;
 #  - the GEMM mainloops (templates/gemm.cuh) against cuBLAS at 4096^3 and a decoder block's shapes:
-#    the bf16 pipelined one in every tile config, the f32 SIMT one against SGEMM (FP32 math), each
-#    result checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer (memcheck, racecheck,
+#    the bf16 pipelined one in every tile config, the f32 SIMT one against SGEMM (FP32 math), the
+#    pipelined one on f32 as TF32 (--allow-tf32) against cuBLAS in TF32 math on fresh f32 values
+#    (the check of its rounding: half an ulp added, the tensor core truncating), each result
+#    checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer (memcheck, racecheck,
 #    synccheck);
 #  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside

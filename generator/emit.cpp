@@ -728,6 +728,7 @@ class Emitter {
       tail = epilogue(k, anchor);
       if (!diags_.ok()) return {};
       epilogue_buffer_ = anchor.bound->buffer;
+      epilogue_vector_width_ = tail.vector_width;
     }
     std::vector<LaunchParam> prologue_params;
     if (!k.prologue.empty()) prologue_params = prologue(k);
@@ -742,6 +743,11 @@ class Emitter {
                        : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
                                                            : (this->*named_skeleton(op.name))(t, ps, ek);
     epilogue_buffer_ = -1;
+    epilogue_vector_width_ = 0;
+    if (std::exchange(vector_epilogue_used_, false))
+      tail.code.clear();  // the skeleton calls the vector form only
+    else
+      tail.vector_code.clear();
     prologue_task_ = -1;
     prologue_stores_ = false;
     prologue_buffer_ = -1;
@@ -758,7 +764,8 @@ class Emitter {
       launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
     for (LaunchParam& w : std::exchange(split_k_params_, {})) launch.push_back(std::move(w));
     std::string code =
-        kernel_functions(comment(k, launch, ek), ek, launch, scalar_locals(t) + operand_prologue + tail.code + body);
+        kernel_functions(comment(k, launch, ek), ek, launch,
+                         scalar_locals(t) + operand_prologue + tail.code + tail.vector_code + body);
     record_launch(ek, std::move(launch));
     // (Only what an `a` prologue reads follows a's rows.)
     mark_rows(t, ps, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, tail.params,
@@ -1391,9 +1398,13 @@ class Emitter {
   // from memory (at i, or through its broadcast) by a parameter named after
   // its first reader, added to `params` once (`param_of`). Records the
   // task's output as `value` in value_of.
+  // An operand's element as a chain reads it: from the parameter `name` at
+  // `index` (of element i of the domain); by default one load.
+  using OperandLoad = std::function<std::string(const std::string& name, const Param& x, const std::string& index)>;
   std::string chain_task(int t, const std::vector<Param>& ps, const Shape& domain, const std::string& value,
                          std::map<int, std::string>& value_of, std::map<int, std::string>& param_of,
-                         std::vector<LaunchParam>& params) {
+                         std::vector<LaunchParam>& params, const OperandLoad& load_operand = {},
+                         const std::string& indent = "    ") {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     const Param* result = nullptr;
     std::vector<std::string> operands;
@@ -1405,12 +1416,13 @@ class Emitter {
       } else {
         auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
         if (added) params.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
-        operands.push_back(load_element(it->second, x.buffer->dtype,
-                                        reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i")));
+        const std::string index = reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i");
+        operands.push_back(load_operand ? load_operand(it->second, x, index)
+                                        : load_element(it->second, x.buffer->dtype, index));
       }
     }
     value_of[result->bound->buffer] = value;
-    return chain_statement(t, *result, std::move(operands), value, "    ");
+    return chain_statement(t, *result, std::move(operands), value, indent);
   }
 
   // Rule elementwise_prologue (fuse.h): the kernel's first task (a matmul,
@@ -1451,6 +1463,11 @@ class Emitter {
   struct Epilogue {
     std::string code;                 // the lambda's definition
     std::vector<LaunchParam> params;  // what the chain reads from and stores to memory
+    // The same chain on `vector_width` consecutive elements at once, each
+    // tensor read and written with one access of at most 16 bytes
+    // (cg_epilogue_vector), where every tensor allows it; 0 where not.
+    std::string vector_code;
+    int vector_width = 0;
   };
 
   // Which tasks of the kernel an epilogue runs, and what it is called.
@@ -1511,7 +1528,77 @@ class Emitter {
         "  // Epilogue ({}): {}, on element i of {} as it is computed.\n"
         "  auto {} = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
         k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), span.lambda, anchor_store, statements, stores);
+    if (span.first == 1 && span.last == SIZE_MAX && span.keep.empty() && span.anchor_name.empty())
+      vector_epilogue(k, out, e);
     return e;
+  }
+
+  // Epilogue::vector_code for the chain of kernel k after `out` (a whole
+  // matmul_epilogue chain): W elements from i, a multiple of W, where W is
+  // 16 bytes of the widest tensor the chain touches (4 or 8 elements) and
+  // divides the domain's rows; every input read at the element's own index
+  // or through a broadcast of whole trailing axes (a bias: one vector at i %
+  // n), or a single value. Otherwise (a permuted store, another broadcast,
+  // 8-byte values) none: the skeleton calls the element-wise lambda.
+  void vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& e) {
+    const Shape& domain = out.buffer->shape;
+    int64_t widest = dtype_bytes(out.buffer->dtype);
+    for (const LaunchParam& lp : e.params)
+      if (lp.buffer >= 0) widest = std::max<int64_t>(widest, dtype_bytes(p_.buffers[size_t(lp.buffer)].dtype));
+    if (widest > 4 || domain.empty()) return;
+    const int width = int(16 / widest);
+    if (domain.back() % width != 0) return;
+    std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
+    std::vector<LaunchParam> unused;
+    std::string loads, statements, locals, stores;
+    std::set<std::string> loaded;
+    bool vectorizable = true;
+    auto vector_load = [&](const std::string& name, const Param& x, const std::string& index) -> std::string {
+      const std::string whole_rows = fmt::format("(i % {})", numel(x.buffer->shape));
+      if (index == "0") {  // one value for every element
+        if (loaded.insert(name).second)
+          loads += fmt::format("    const float {}_s = {};\n", name, load_element(name, x.buffer->dtype, "0"));
+        return name + "_s";
+      }
+      if (index != "i" && (index != whole_rows || numel(x.buffer->shape) % width != 0)) {
+        vectorizable = false;
+        return "0";
+      }
+      if (loaded.insert(name).second)
+        loads += fmt::format("    const cg_vector<{0}, {1}> {2}_v = cg_load_vector<{0}>({2}, {3});\n", width,
+                             c_type(x.buffer->dtype), name, index);
+      return widen_from(x.buffer->dtype, name + "_v.v[w]");
+    };
+    auto stored = [&](const std::string& name, const Param& x, const std::string& value) {
+      locals += fmt::format("    cg_vector<{}, {}> {}_v;\n", width, c_type(x.buffer->dtype), name);
+      statements += fmt::format("      {}_v.v[w] = {};\n", name, narrow_to(x.buffer->dtype, value));
+      stores += fmt::format("    cg_store_vector<{}>({}, i, {}_v);\n", width, name, name);
+    };
+    if (!contains(k.internal_buffers, out.bound->buffer)) stored(out.bound->name, out, "v0");
+    for (size_t j = 1; j < k.tasks.size() && vectorizable; ++j) {
+      const int t = k.tasks[j];
+      if (!inverse_permutation_op(p_.tasks[size_t(t)].op->name).empty()) return;
+      const std::vector<Param> ps = params(t);
+      const std::string v = fmt::format("v{}", j);
+      statements += chain_task(t, ps, domain, v, value_of, param_of, unused, vector_load, "      ");
+      for (const auto& x : ps)
+        if (x.written && !contains(k.internal_buffers, x.bound->buffer))
+          stored(p_.tasks[size_t(t)].task->id + "_" + x.bound->name, x, v);
+    }
+    if (!vectorizable) return;
+    e.vector_width = width;
+    e.vector_code = fmt::format(
+        "  // The same on {0} consecutive elements from i (a multiple of {0}): one access per tensor.\n"
+        "  auto cg_epilogue_vector = [&](cg_i64 i, const float* cg_values) {{\n"
+        "{1}{2}"
+        "    CG_UNROLL\n"
+        "    for (int w = 0; w < {0}; ++w) {{\n"
+        "      const float v0 = cg_values[w];\n"
+        "{3}"
+        "    }}\n"
+        "{4}"
+        "  }};\n",
+        width, loads, locals, statements, stores);
   }
 
   // Rule permuted_store: where element i of gather task `t`'s input lands in
@@ -2712,7 +2799,6 @@ class Emitter {
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek) {
     entry_function_ = "cg_gemm_mainloop";
-    use_function(*p_.tasks[size_t(t)].op, "cg_gemm_each_coalesced");
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
     ek.block = g.threads();
     ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
@@ -2755,12 +2841,7 @@ class Emitter {
           "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {6}; }});\n",
           M, N, g.split_k, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
     } else {
-      results = fmt::format(
-          "  // The output tile through shared memory, so that its stores (and an\n"
-          "  // epilogue's loads) coalesce.\n"
-          "  cg_gemm_each_coalesced<cg_config>(cg_acc, {0}, {1}, tile.y, tile.x, (float*)cg_smem,\n"
-          "                                    [&](cg_i64 m, cg_i64 n, float acc) {{ {2}; }});\n",
-          M, N, store_acc);
+      results = staged_results("cg_gemm", t, out, M, N);
     }
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -2783,7 +2864,6 @@ class Emitter {
                           int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                           EmittedKernel& ek) {
     entry_function_ = "cg_sgemm_mainloop";
-    use_function(*p_.tasks[size_t(t)].op, "cg_sgemm_each_coalesced");
     use_function(*p_.tasks[size_t(t)].op, "cg_sgemm_config");
     ek.block = g.threads();
     // 64 accumulators, 16 operands and 8 prefetched values a thread: capped at
@@ -2805,12 +2885,59 @@ class Emitter {
         "  cg_sgemm_accumulators<cg_config> cg_acc;\n"
         "  cg_sgemm_mainloop<cg_config, {3}, {4}>(cg_acc, a + a_base, {5}, b + b_base, {6}, {7}, {8}, {9},\n"
         "                                        tile.y, tile.x, (float*)cg_smem);\n"
-        "  // The output tile through shared memory, so that its stores (and an\n"
-        "  // epilogue's loads) coalesce.\n"
-        "  cg_sgemm_each_coalesced<cg_config>(cg_acc, {7}, {8}, tile.y, tile.x, (float*)cg_smem,\n"
-        "                                     [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
+        "{10}",
         batch_bases, g.describe(), g.arguments(), ta ? "false" : "true", tb ? "true" : "false", ta ? M : K, tb ? K : N, M,
-        N, K, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
+        N, K, staged_results("cg_sgemm", t, out, M, N));
+  }
+
+  // A mainloop's output tile through shared memory (`mainloop`: cg_gemm or
+  // cg_sgemm), so that its stores and an epilogue's loads coalesce: 16 bytes
+  // a lane (each_coalesced_vector) where the epilogue has a vector form
+  // (Epilogue::vector_code), or where none follows and 16 bytes of the
+  // output's type divide its rows; otherwise an element a lane.
+  std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N) {
+    const OpSignature& op = *p_.tasks[size_t(t)].op;
+    const bool chained = out.bound->buffer == epilogue_buffer_;
+    const int own_width = int(16 / dtype_bytes(out.buffer->dtype));
+    const int width = chained                                           ? epilogue_vector_width_
+                      : (own_width == 4 || own_width == 8) && N % own_width == 0 ? own_width
+                                                                                 : 0;
+    if (width == 0) {
+      use_function(op, mainloop + "_each_coalesced");
+      return fmt::format(
+          "  // The output tile through shared memory, so that its stores (and an\n"
+          "  // epilogue's loads) coalesce.\n"
+          "  {0}_each_coalesced<cg_config>(cg_acc, {1}, {2}, tile.y, tile.x, (float*)cg_smem,\n"
+          "      [&](cg_i64 m, cg_i64 n, float acc) {{ {3}; }});\n",
+          mainloop, M, N, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
+    }
+    use_function(op, mainloop + "_each_coalesced_vector");
+    std::string to;
+    if (chained) {
+      vector_epilogue_used_ = true;
+      to = fmt::format("cg_epilogue_vector(out_base + m * {} + n, cg_v);", N);
+    } else {
+      to = fmt::format(
+          "cg_vector<{0}, {1}> cg_out;\n"
+          "        CG_UNROLL\n"
+          "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
+          "        cg_store_vector<{0}>({3}, out_base + m * {4} + n, cg_out);",
+          width, c_type(out.buffer->dtype), narrow_to(out.buffer->dtype, "cg_v[w]"), out.bound->name, N);
+    }
+    return fmt::format(
+        "  // The output tile through shared memory, so that its stores (and an\n"
+        "  // epilogue's loads) coalesce, {0} values (16 bytes or less) a lane.\n"
+        "  {1}_each_coalesced_vector<cg_config, {0}>(cg_acc, {2}, {3}, tile.y, tile.x, (float*)cg_smem,\n"
+        "      [&](cg_i64 m, cg_i64 n, const float* cg_acc_w) {{\n"
+        "        float cg_v[{0}];\n"
+        "        CG_UNROLL\n"
+        "        for (int w = 0; w < {0}; ++w) {{\n"
+        "          const float acc = cg_acc_w[w];\n"
+        "          cg_v[w] = {4};\n"
+        "        }}\n"
+        "        {5}\n"
+        "      }});\n",
+        width, mainloop, M, N, scaled_accumulator(t), to);
   }
 
   // A kernel that computes a norm's output for itself (rules norm_prologue
@@ -3556,6 +3683,8 @@ class Emitter {
   const Program& p_;
   const Plan& plan_;
   int epilogue_buffer_ = -1;  // while a skeleton runs: the buffer whose stores call cg_epilogue
+  int epilogue_vector_width_ = 0;     // and the width of its cg_epilogue_vector, 0 for none
+  bool vector_epilogue_used_ = false;  // whether the skeleton calls cg_epilogue_vector
   int prologue_task_ = -1;    // while a matmul's runs: the norm it loads its `a` through, or -1
   bool prologue_stores_ = false;  // and whether this kernel stores the norm's output and statistics
   std::string operand_prologue_;  // while a kernel is emitted: its elementwise prologue's lambda, or empty

@@ -232,6 +232,28 @@ CG_DEVICE float cg_load_l2(const float* base, cg_i64 i) {
 #endif
 }
 
+// Shared-memory accesses of 16 bytes (LDS.128, STS.128) or one float (the
+// SIMT mainloop's tiles, the staged results), noted in emulation for the
+// bank counters (`--profile`).
+CG_DEVICE cg_aligned_chunk<4, float> cg_shared_load_chunk(const float* p) {
+#ifdef CUDAGEN_EMULATION
+  cudagen_emu::note_shared_request(p, 16);
+#endif
+  return *reinterpret_cast<const cg_aligned_chunk<4, float>*>(p);
+}
+CG_DEVICE void cg_shared_store_chunk(float* p, const cg_aligned_chunk<4, float>& chunk) {
+#ifdef CUDAGEN_EMULATION
+  cudagen_emu::note_shared_request(p, 16);
+#endif
+  *reinterpret_cast<cg_aligned_chunk<4, float>*>(p) = chunk;
+}
+CG_DEVICE void cg_shared_store_float(float* p, float v) {
+#ifdef CUDAGEN_EMULATION
+  cudagen_emu::note_shared_request(p, 4);
+#endif
+  *p = v;
+}
+
 // ---------------------------------------------------------------------------
 // A swizzled shared tile: ROWS rows of COLS elements, COLS contiguous, in
 // 16-byte chunks of CHUNK elements (8 of 16 bits, 4 of 32). Chunk c of row r
@@ -476,6 +498,40 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
       }
 }
 
+// A block's BM x BN results staged in shared memory (rows LD floats apart),
+// walked for 16-byte stores: each lane takes W consecutive columns (W = 4
+// or 8), BN / W lanes a row, and calls f(m, n, v) with v its W values, for
+// each group inside M x N. N must be a multiple of W (the caller checks), so
+// that a group lies wholly inside or wholly outside and m * N + n is a
+// multiple of W: f's vector loads and stores are aligned. A lane reads its W
+// values as 16-byte chunks; with W = 8 the two in an order that puts the 8
+// lanes of a phase on 8 distinct bank slots (lanes 4-7 of every 8 start with
+// their second chunk).
+template <int BM, int BN, int THREADS, int W, typename F>
+CG_DEVICE void cg_staged_walk_vector(const float* smem, int LD, cg_i64 M, cg_i64 N, cg_i64 m0, cg_i64 n0, F f) {
+  static_assert(W == 4 || W == 8, "16 bytes of 4- or 2-byte values, or 8 of 2-byte ones");
+  constexpr int LANES = BN / W, ROWS = 32 / LANES;  // lanes a row; rows a warp takes at once
+  static_assert(BN % W == 0 && 32 % LANES == 0, "a row of whole groups, whole rows to a warp");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, col = (lane % LANES) * W;
+  for (int r = warp * ROWS + lane / LANES; r < BM; r += (THREADS / 32) * ROWS) {
+    if (m0 + r >= M) break;
+    if (n0 + col >= N) continue;
+    // (The order by selects: an index computed at run time would put v in
+    // local memory.)
+    const bool second_first = W == 8 && ((lane >> 2) & 1) != 0;
+    const float* at = smem + r * LD + col;
+    const cg_aligned_chunk<4, float> first = cg_shared_load_chunk(at + (second_first ? 4 : 0));
+    const cg_aligned_chunk<4, float> second = W == 8 ? cg_shared_load_chunk(at + (second_first ? 0 : 4)) : first;
+    float v[W];
+    CG_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      v[j] = second_first ? second.v[j] : first.v[j];
+      if (W == 8) v[4 + j] = second_first ? first.v[j] : second.v[j];
+    }
+    f(m0 + r, n0 + col, v);
+  }
+}
+
 // The block's output tile again, through shared memory, in an order that
 // coalesces: the warps write their accumulators into a [BM][BN + 4] float
 // tile (over the pipeline's stages, free once the mainloop has ended, in
@@ -485,12 +541,10 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
 // f makes (an epilogue's bias or residual, the output) then take whole
 // sectors, where each_pair's fragment order took a quarter of each. `smem`:
 // the mainloop's shared memory.
-template <typename Config, typename F>
-CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
-                                      cg_i64 tile_n, float* smem, F f) {
+template <typename Config>
+CG_DEVICE void cg_gemm_stage_results(const cg_gemm_accumulators<Config>& acc, float* smem) {
   constexpr int LD = Config::BN + 4;  // cg_gemm_shared's `staged`
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // every warp is done reading the stages
+  __syncthreads();                    // every warp is done reading the stages
   // Tile (0, 0) of a BM x BN product: each_pair's coordinates are the tile's own.
   cg_gemm_each_pair<Config>(acc, Config::BM, Config::BN, 0, 0, [&](cg_i64 m, cg_i64 n, float d0, float d1) {
     float* at = smem + m * LD + n;
@@ -498,6 +552,14 @@ CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, c
     at[1] = d1;
   });
   __syncthreads();
+}
+
+template <typename Config, typename F>
+CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                                      cg_i64 tile_n, float* smem, F f) {
+  constexpr int LD = Config::BN + 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  cg_gemm_stage_results<Config>(acc, smem);
   const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
   for (int r = warp; r < Config::BM; r += Config::THREADS / 32) {
     if (m0 + r >= M) break;
@@ -505,6 +567,16 @@ CG_DEVICE void cg_gemm_each_coalesced(const cg_gemm_accumulators<Config>& acc, c
     for (int c = lane; c < Config::BN; c += 32)
       if (n0 + c < N) f(m0 + r, n0 + c, smem[r * LD + c]);
   }
+}
+
+// cg_gemm_each_coalesced with 16-byte stores: f(m, n, v) for W consecutive
+// values from (m, n) (cg_staged_walk_vector; N a multiple of W).
+template <typename Config, int W, typename F>
+CG_DEVICE void cg_gemm_each_coalesced_vector(const cg_gemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N,
+                                             cg_i64 tile_m, cg_i64 tile_n, float* smem, F f) {
+  cg_gemm_stage_results<Config>(acc, smem);
+  cg_staged_walk_vector<Config::BM, Config::BN, Config::THREADS, W>(smem, Config::BN + 4, M, N, tile_m * Config::BM,
+                                                                   tile_n * Config::BN, f);
 }
 
 // Split-K (docs/gemm.md): `splits` blocks compute the same output tile,
@@ -605,6 +677,7 @@ struct cg_sgemm_accumulators {
   float v[8][8];
 };
 
+
 // A thread's rows (or columns) of its patch: i in [0, 8), `t` its index along them.
 template <int EXTENT>
 CG_DEVICE int cg_sgemm_patch(int t, int i) {
@@ -677,12 +750,12 @@ struct cg_sgemm_operand {
       chunk_at((int)threadIdx.x + i * THREADS, &mn, &k);
       if (K_CONTIGUOUS) {  // a chunk along k: one value into each of 4 k-rows
         CG_UNROLL
-        for (int j = 0; j < 4; ++j) tile[(k + j) * LD + mn] = r[i][j];
+        for (int j = 0; j < 4; ++j) cg_shared_store_float(tile + (k + j) * LD + mn, r[i][j]);
       } else {  // a chunk along MN: 16 bytes of one k-row
         cg_aligned_chunk<4, float> chunk;
         CG_UNROLL
         for (int j = 0; j < 4; ++j) chunk.v[j] = r[i][j];
-        *reinterpret_cast<cg_aligned_chunk<4, float>*>(tile + k * LD + mn) = chunk;
+        cg_shared_store_chunk(tile + k * LD + mn, chunk);
       }
     }
   }
@@ -726,10 +799,8 @@ CG_DEVICE void cg_sgemm_mainloop(cg_sgemm_accumulators<Config>& acc, const float
       float fa[8], fb[8];
       CG_UNROLL
       for (int h = 0; h < 2; ++h) {
-        const cg_aligned_chunk<4, float> ca =
-            *reinterpret_cast<const cg_aligned_chunk<4, float>*>(tile_a + k * Config::LDA + cg_sgemm_patch<BM>(ty, 4 * h));
-        const cg_aligned_chunk<4, float> cb =
-            *reinterpret_cast<const cg_aligned_chunk<4, float>*>(tile_b + k * Config::LDB + cg_sgemm_patch<BN>(tx, 4 * h));
+        const cg_aligned_chunk<4, float> ca = cg_shared_load_chunk(tile_a + k * Config::LDA + cg_sgemm_patch<BM>(ty, 4 * h));
+        const cg_aligned_chunk<4, float> cb = cg_shared_load_chunk(tile_b + k * Config::LDB + cg_sgemm_patch<BN>(tx, 4 * h));
         CG_UNROLL
         for (int j = 0; j < 4; ++j) {
           fa[4 * h + j] = ca.v[j];
@@ -754,9 +825,9 @@ CG_DEVICE void cg_sgemm_mainloop(cg_sgemm_accumulators<Config>& acc, const float
 // stages), then each warp walks rows, its lanes on 32 consecutive columns,
 // calling f(m, n, acc) for each inside M x N: the epilogue's loads and the
 // output's stores take whole sectors.
-template <typename Config, typename F>
-CG_DEVICE void cg_sgemm_each_coalesced(const cg_sgemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
-                                       cg_i64 tile_n, float* smem, F f) {
+// The accumulators into shared memory as a [BM][BN + 4] tile.
+template <typename Config>
+CG_DEVICE void cg_sgemm_stage_results(const cg_sgemm_accumulators<Config>& acc, float* smem) {
   constexpr int BM = Config::BM, BN = Config::BN, LD = BN + 4;
   const int tx = (int)threadIdx.x % (BN / 8), ty = (int)threadIdx.x / (BN / 8);
   __syncthreads();  // every thread is done reading the stages
@@ -767,10 +838,16 @@ CG_DEVICE void cg_sgemm_each_coalesced(const cg_sgemm_accumulators<Config>& acc,
       cg_aligned_chunk<4, float> chunk;
       CG_UNROLL
       for (int j = 0; j < 4; ++j) chunk.v[j] = acc.v[i][4 * h + j];
-      *reinterpret_cast<cg_aligned_chunk<4, float>*>(smem + cg_sgemm_patch<BM>(ty, i) * LD + cg_sgemm_patch<BN>(tx, 4 * h)) =
-          chunk;
+      cg_shared_store_chunk(smem + cg_sgemm_patch<BM>(ty, i) * LD + cg_sgemm_patch<BN>(tx, 4 * h), chunk);
     }
   __syncthreads();
+}
+
+template <typename Config, typename F>
+CG_DEVICE void cg_sgemm_each_coalesced(const cg_sgemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N, cg_i64 tile_m,
+                                       cg_i64 tile_n, float* smem, F f) {
+  constexpr int BM = Config::BM, BN = Config::BN, LD = BN + 4;
+  cg_sgemm_stage_results<Config>(acc, smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const cg_i64 m0 = tile_m * BM, n0 = tile_n * BN;
   for (int r = warp; r < BM; r += Config::THREADS / 32) {
@@ -779,4 +856,14 @@ CG_DEVICE void cg_sgemm_each_coalesced(const cg_sgemm_accumulators<Config>& acc,
     for (int c = lane; c < BN; c += 32)
       if (n0 + c < N) f(m0 + r, n0 + c, smem[r * LD + c]);
   }
+}
+
+// cg_sgemm_each_coalesced with 16-byte stores: f(m, n, v) for W consecutive
+// values from (m, n) (cg_staged_walk_vector; N a multiple of W).
+template <typename Config, int W, typename F>
+CG_DEVICE void cg_sgemm_each_coalesced_vector(const cg_sgemm_accumulators<Config>& acc, cg_i64 M, cg_i64 N,
+                                              cg_i64 tile_m, cg_i64 tile_n, float* smem, F f) {
+  cg_sgemm_stage_results<Config>(acc, smem);
+  cg_staged_walk_vector<Config::BM, Config::BN, Config::THREADS, W>(smem, Config::BN + 4, M, N, tile_m * Config::BM,
+                                                                   tile_n * Config::BN, f);
 }

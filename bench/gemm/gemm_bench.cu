@@ -3,8 +3,10 @@
 // bf16 data (poisoned output first), then time per shape and config (CUDA
 // events, median of runs over rotating operand sets, so that L2 does not
 // hold the operands between runs). Then the f32 SIMT mainloop against
-// cuBLAS's SGEMM (FP32 math, no TF32) the same way. Built with nvcc by bench/gemm/build.sh;
-// run by bench/gpu_check.sh.
+// cuBLAS's SGEMM (FP32 math, no TF32) the same way, and the pipelined
+// mainloop on f32 as TF32 (--allow-tf32) against cuBLAS in TF32 tensor-op
+// math, on fresh f32 values (whose low mantissa bits the rounding must
+// handle). Built with nvcc by bench/gemm/build.sh; run by bench/gpu_check.sh.
 //
 //   gemm_bench [--quick]          every shape and config of the table below
 #include <cublas_v2.h>
@@ -97,6 +99,42 @@ __global__ void reference_kernel_f32(const float* a, const float* b, float* d, i
   for (int k = 0; k < K; ++k)
     sum += (double)a[a_t ? (size_t)k * M + m : (size_t)m * K + k] * (double)b[b_t ? (size_t)n * K + k : (size_t)k * N + n];
   d[(size_t)m * N + n] = (float)sum;
+}
+
+// The pipelined mainloop on f32 operands as TF32, as generated kernels run it
+// with --allow-tf32 (emit.cpp, pipelined_matmul).
+template <typename Config, bool A_T, bool B_T>
+__global__ void __launch_bounds__(Config::THREADS, 1)
+    tf32_kernel(const float* a, const float* b, float* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const cg_i64 tiles_m = (M + Config::BM - 1) / Config::BM, tiles_n = (N + Config::BN - 1) / Config::BN;
+  cg_i64 tile_m, tile_n;
+  cg_gemm_tile_of(blockIdx.x, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+  cg_gemm_accumulators<Config> acc;
+  cg_gemm_mainloop<Config, cg_tf32, !A_T, B_T>(acc, (const cg_tf32*)a, A_T ? M : K, (const cg_tf32*)b, B_T ? K : N, M, N,
+                                               0, K, tile_m, tile_n, (cg_tf32*)smem);
+  cg_gemm_each_coalesced<Config>(acc, M, N, tile_m, tile_n, (float*)smem,
+                                 [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = v; });
+}
+
+template <typename Config, bool A_T, bool B_T>
+void launch_tf32_config(const float* a, const float* b, float* d, const Shape& s) {
+  constexpr int smem = cg_gemm_shared<Config, cg_tf32>::bytes;
+  static bool opted_in = false;
+  if (!opted_in) {
+    CHECK_CUDA(cudaFuncSetAttribute(tf32_kernel<Config, A_T, B_T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    opted_in = true;
+  }
+  const long long tiles = (long long)((s.M + Config::BM - 1) / Config::BM) * ((s.N + Config::BN - 1) / Config::BN);
+  tf32_kernel<Config, A_T, B_T><<<(unsigned)tiles, Config::THREADS, smem>>>(a, b, d, s.M, s.N, s.K);
+}
+
+template <typename Config>
+void launch_tf32(const float* a, const float* b, float* d, const Shape& s) {
+  if (s.a_t && s.b_t) launch_tf32_config<Config, true, true>(a, b, d, s);
+  else if (s.a_t) launch_tf32_config<Config, true, false>(a, b, d, s);
+  else if (s.b_t) launch_tf32_config<Config, false, true>(a, b, d, s);
+  else launch_tf32_config<Config, false, false>(a, b, d, s);
 }
 
 template <typename Config, bool A_T, bool B_T>
@@ -316,8 +354,8 @@ int main(int argc, char** argv) {
       {"simt 64x64x8", &launch_sgemm<cg_sgemm_config<64, 64, 8>>},
   };
   std::vector<float> got(max_elems);
-  int f32_failures = 0;
-  std::printf("\n%-32s %-20s %9s %9s %9s %8s %10s\n", "f32 shape", "config", "ms", "TFLOP/s", "vs cuBLAS", "rel.err",
+
+  std::printf("\n%-32s %-24s %9s %9s %9s %8s %10s\n", "f32 shape", "config", "ms", "TFLOP/s", "vs cuBLAS", "rel.err",
               "cuBLAS err");
   auto f32_error = [&](const Shape& s) {
     const size_t n = size_t(s.M) * s.N;
@@ -335,37 +373,63 @@ int main(int argc, char** argv) {
       quick ? std::vector<Shape>{{"odd 1000x1000x1000", 1000, 1000, 1000, false, false},
                                  {"odd 1000x1000x1000 (TT)", 1000, 1000, 1000, true, true}}
             : shapes;
-  for (const Shape& s : f32_shapes) {
-    const double flops = 2.0 * s.M * s.N * s.K;
-    reference_kernel_f32<<<dim3((s.N + 127) / 128, s.M), 128>>>(fa[0], fb[0], ref, s.M, s.N, s.K, s.a_t, s.b_t);
-    CHECK_CUDA(cudaGetLastError());
-    CHECK_CUDA(cudaMemcpy(want.data(), ref, size_t(s.M) * s.N * 4, cudaMemcpyDeviceToHost));
-    const float one_f = 1.0f, zero_f = 0.0f;
-    auto cublas = [&](int set) {
-      CHECK_CUBLAS(cublasSgemm(handle, s.b_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.a_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.N, s.M, s.K,
-                               &one_f, fb[set], s.b_t ? s.K : s.N, fa[set], s.a_t ? s.M : s.K, &zero_f, fd, s.N));
-    };
-    CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
-    cublas(0);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    const double cublas_err = f32_error(s);
-    const float cublas_ms = median_ms(cublas);
-    std::printf("%-32s %-20s %9.4f %9.1f %9s %8s %10.2e\n", s.name, "cuBLAS SGEMM", cublas_ms, flops / cublas_ms / 1e9,
-                "1.00x", "", cublas_err);
-    for (const SgemmVariant& v : sgemm_variants) {
-      CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
-      v.launch(fa[0], fb[0], fd, s);
+  // One table of f32 products: cuBLAS (in the handle's math mode) beside
+  // each variant, every result checked to `bound` (relative, Frobenius).
+  auto f32_table = [&](const char* cublas_name, const std::vector<SgemmVariant>& variants, double bound) {
+    int wrong = 0;
+    for (const Shape& s : f32_shapes) {
+      const double flops = 2.0 * s.M * s.N * s.K;
+      reference_kernel_f32<<<dim3((s.N + 127) / 128, s.M), 128>>>(fa[0], fb[0], ref, s.M, s.N, s.K, s.a_t, s.b_t);
       CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaMemcpy(want.data(), ref, size_t(s.M) * s.N * 4, cudaMemcpyDeviceToHost));
+      const float one_f = 1.0f, zero_f = 0.0f;
+      auto cublas = [&](int set) {
+        CHECK_CUBLAS(cublasSgemm(handle, s.b_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.a_t ? CUBLAS_OP_T : CUBLAS_OP_N, s.N, s.M,
+                                 s.K, &one_f, fb[set], s.b_t ? s.K : s.N, fa[set], s.a_t ? s.M : s.K, &zero_f, fd, s.N));
+      };
+      CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
+      cublas(0);
       CHECK_CUDA(cudaDeviceSynchronize());
-      const double err = f32_error(s);
-      const float ms = median_ms([&](int set) { v.launch(fa[set], fb[set], fd, s); });
-      // f32 accumulation over K: the relative error grows as about sqrt(K) 2^-24; 1e-5 is the f32 bound.
-      const bool ok = err >= 0 && err < 1e-5;
-      f32_failures += !ok;
-      std::printf("%-32s %-20s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9, cublas_ms / ms,
-                  err, "", ok ? "" : "  WRONG");
+      const double cublas_err = f32_error(s);
+      const float cublas_ms = median_ms(cublas);
+      std::printf("%-32s %-24s %9.4f %9.1f %9s %8s %10.2e\n", s.name, cublas_name, cublas_ms, flops / cublas_ms / 1e9,
+                  "1.00x", "", cublas_err);
+      for (const SgemmVariant& v : variants) {
+        CHECK_CUDA(cudaMemset(fd, 0xff, size_t(s.M) * s.N * 4));
+        v.launch(fa[0], fb[0], fd, s);
+        CHECK_CUDA(cudaGetLastError());
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const double err = f32_error(s);
+        const float ms = median_ms([&](int set) { v.launch(fa[set], fb[set], fd, s); });
+        const bool ok = err >= 0 && err < bound;
+        wrong += !ok;
+        std::printf("%-32s %-24s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9,
+                    cublas_ms / ms, err, "", ok ? "" : "  WRONG");
+      }
     }
-  }
+    return wrong;
+  };
+  // f32 accumulation over K: the relative error grows as about sqrt(K) 2^-24; 1e-5 is the f32 bound.
+  const int f32_failures = f32_table("cuBLAS SGEMM", sgemm_variants, 1e-5);
   std::printf("%s\n", f32_failures ? "FAILED: some f32 results are wrong" : "all f32 results within 1e-5 of the reference");
-  return failures + f32_failures ? 1 : 0;
+
+  // TF32 (--allow-tf32): the tuning table's two TF32 tiles against cuBLAS in
+  // TF32 tensor-op math, on fresh f32 values: widened bf16 ones would be
+  // exact in TF32 and hide the rounding. Bound: f16's 5e-3 (the same 10
+  // mantissa bits, docs/architecture.md §9); cuBLAS's error is printed beside.
+  for (int set = 0; set < sets; ++set)
+    for (float* p : {fa[set], fb[set]}) {
+      for (auto& w : want) w = normal(rng);
+      CHECK_CUDA(cudaMemcpy(p, want.data(), max_elems * 4, cudaMemcpyHostToDevice));
+    }
+  CHECK_CUBLAS(cublasSetMathMode(handle, CUBLAS_TF32_TENSOR_OP_MATH));
+  const std::vector<SgemmVariant> tf32_variants = {
+      {"tf32 128x128x32 w2x4 s3", &launch_tf32<cg_gemm_config<128, 128, 32, 2, 4, 3>>},
+      {"tf32 64x64x16 w2x2 s4", &launch_tf32<cg_gemm_config<64, 64, 16, 2, 2, 4>>},
+  };
+  std::printf("\n%-32s %-24s %9s %9s %9s %8s %10s\n", "TF32 shape", "config", "ms", "TFLOP/s", "vs cuBLAS", "rel.err",
+              "cuBLAS err");
+  const int tf32_failures = f32_table("cuBLAS TF32", tf32_variants, 5e-3);
+  std::printf("%s\n", tf32_failures ? "FAILED: some TF32 results are wrong" : "all TF32 results within 5e-3 of the reference");
+  return failures + f32_failures + tf32_failures ? 1 : 0;
 }

@@ -106,6 +106,12 @@ void note_shared_request(const void* smem, unsigned bytes);
 // that `base` points into is out of bounds; counts the bytes otherwise.
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write);
 
+// A vector access (one LDG.128 / STG.128, or narrower) of `bytes` bytes at
+// p: false (and the error recorded) where p is not aligned to its size, as
+// the GPU requires, or lies outside its tensor; counted as one request of
+// each lane otherwise, as the GPU issues it.
+bool check_vector_access(const void* p, unsigned bytes, bool write);
+
 template <typename T>
 T load(const T* base, long long index) {
   return check_access(base, index, sizeof(T), false) ? base[index] : T();

@@ -316,6 +316,20 @@ class Emulator {
         {current_->shared_seq++, reinterpret_cast<uintptr_t>(smem), bytes, lane_of(current_)});
   }
 
+  bool check_vector_access(const void* p, unsigned bytes, bool write) {
+    // Arena offsets: a GPU's arena starts on a 256-byte boundary.
+    const uintptr_t offset = uintptr_t(static_cast<const unsigned char*>(p) - arena_);
+    if (offset % bytes != 0) {
+      const ThreadContext& c = current_->thread;
+      fail("kernel %s: a %u-byte vector %s at arena offset %llu, not a multiple of %u (a GPU faults), by thread (%u, "
+           "%u, %u) of block (%u, %u, %u)",
+           kernel_, bytes, write ? "store" : "load", (unsigned long long)offset, bytes, c.thread_idx.x, c.thread_idx.y,
+           c.thread_idx.z, c.block_idx.x, c.block_idx.y, c.block_idx.z);
+      return false;
+    }
+    return check_access(p, 0, bytes, write);
+  }
+
   bool check_access(const void* base, long long index, unsigned long long elem, bool write) {
     const unsigned char* p = static_cast<const unsigned char*>(base);
     // Where buffers share storage (memory reuse), the pointer may lie in
@@ -684,6 +698,9 @@ void cp_async_commit() { emulator().cp_async_commit(); }
 void cp_async_wait(int most_in_flight) { emulator().cp_async_wait(most_in_flight); }
 bool check_shared_read(const void* smem, unsigned long long bytes) { return emulator().check_shared_read(smem, bytes); }
 void note_shared_request(const void* smem, unsigned bytes) { emulator().note_shared_request(smem, bytes); }
+bool check_vector_access(const void* p, unsigned bytes, bool write) {
+  return emulator().check_vector_access(p, bytes, write);
+}
 bool check_access(const void* base, long long index, unsigned long long elem_bytes, bool write) {
   return emulator().check_access(base, index, elem_bytes, write);
 }

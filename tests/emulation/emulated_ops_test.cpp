@@ -450,13 +450,10 @@ TEST(Emulation, PipelinedMatmulMatchesTheReference) {
   }
 }
 
-// f32 matmuls of at least 2^24 FLOPs whose rows are whole 16-byte chunks
-// run the SIMT mainloop (templates/gemm.cuh, 8 x 8 outputs a thread) in the
-// generated kernel: every transpose, a batch broadcast, an epilogue (bias,
-// GELU), K ending inside a k-tile, partial tiles everywhere; a smaller one
-// keeps the portable tile and shares a launch.
-TEST(Emulation, SimtMatmulMatchesTheReference) {
-  GraphBuilder b("simt");
+// f32 products whose rows are whole 16-byte chunks: every transpose, a batch
+// broadcast, an epilogue (bias, GELU), K ending inside a k-tile, partial
+// tiles everywhere.
+static void add_f32_products(GraphBuilder& b) {
   const DType d = DType::f32;
   auto mm = b.task("mm", "matmul").tensor("a", d, {136, 324}, ext).tensor("b", d, {324, 196}, ext).tensor("out", d, {136, 196});
   auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {196}, ext).tensor("out", d, {136, 196});
@@ -470,6 +467,17 @@ TEST(Emulation, SimtMatmulMatchesTheReference) {
       .arg("trans_b", true)
       .arg("alpha", 0.5);
   b.task("mm_b", "matmul").tensor("a", d, {2, 3, 68, 324}, ext).tensor("b", d, {3, 324, 72}, ext).tensor("out", d, {2, 3, 68, 72}, ext);
+}
+
+// f32 matmuls of at least 2^24 FLOPs whose rows are whole 16-byte chunks
+// run the SIMT mainloop (templates/gemm.cuh, 8 x 8 outputs a thread) in the
+// generated kernel: every transpose, a batch broadcast, an epilogue (bias,
+// GELU), K ending inside a k-tile, partial tiles everywhere; a smaller one
+// keeps the portable tile and shares a launch.
+TEST(Emulation, SimtMatmulMatchesTheReference) {
+  GraphBuilder b("simt");
+  add_f32_products(b);
+  const DType d = DType::f32;
   b.task("small", "matmul").tensor("a", d, {20, 16}, ext).tensor("b", d, {16, 20}, ext).tensor("out", d, {20, 20}, ext);
   Compiled c = compile_graph(std::move(b).graph());
   std::vector<std::string> paths;
@@ -495,19 +503,8 @@ TEST(Emulation, SimtMatmulMatchesTheReference) {
 // beyond f32's bound (1e-5), so TF32 did run: the f32 kernels meet that.
 TEST(Emulation, Tf32MatmulMatchesTheReferenceToItsBound) {
   GraphBuilder b("tf32");
+  add_f32_products(b);
   const DType d = DType::f32;
-  auto mm = b.task("mm", "matmul").tensor("a", d, {136, 324}, ext).tensor("b", d, {324, 196}, ext).tensor("out", d, {136, 196});
-  auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {196}, ext).tensor("out", d, {136, 196});
-  b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {136, 196}, ext);
-  b.task("mm_tn", "matmul").tensor("a", d, {516, 72}, ext).tensor("b", d, {516, 232}, ext).tensor("out", d, {72, 232}, ext).arg("trans_a", true);
-  b.task("mm_tt", "matmul")
-      .tensor("a", d, {324, 132}, ext)
-      .tensor("b", d, {200, 324}, ext)
-      .tensor("out", d, {132, 200}, ext)
-      .arg("trans_a", true)
-      .arg("trans_b", true)
-      .arg("alpha", 0.5);
-  b.task("mm_b", "matmul").tensor("a", d, {2, 3, 68, 324}, ext).tensor("b", d, {3, 324, 72}, ext).tensor("out", d, {2, 3, 68, 72}, ext);
   b.task("mm_split", "matmul").tensor("a", d, {40, 1000}, ext).tensor("b", d, {1000, 72}, ext).tensor("out", d, {40, 72}, ext);
   b.task("small", "matmul").tensor("a", d, {20, 16}, ext).tensor("b", d, {16, 20}, ext).tensor("out", d, {20, 20}, ext);
   CompileOptions options;

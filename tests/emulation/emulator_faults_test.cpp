@@ -209,11 +209,25 @@ TEST(EmulatorFaults, DynamicSharedMemoryIsOnlySixteenByteAligned) {
   EXPECT_EQ(address % 128, 16u);
 }
 
+// A vector access must be aligned to its size, or a GPU faults: a 16-byte
+// load from a float one past a 16-byte boundary is refused, naming it.
+TEST(EmulatorFaults, AMisalignedVectorAccessIsRefused) {
+  EmuLaunch l(size_t(1) << 12);
+  float* data = l.tensor<float>("data", 0, 256);
+  EXPECT_NE(l.run("misaligned", dim3(1), dim3(32), 0, [&] { cg_store_vector<4, float>(data, 4 * threadIdx.x + 1, {}); }),
+            0);
+  EXPECT_NE(std::string(cudagen_emu_last_error()).find("a 16-byte vector store at arena offset 4, not a multiple of 16"),
+            std::string::npos)
+      << cudagen_emu_last_error();
+  EXPECT_EQ(l.run("aligned", dim3(1), dim3(32), 0, [&] { cg_store_vector<4, float>(data, 4 * threadIdx.x, {}); }), 0)
+      << cudagen_emu_last_error();
+}
+
 // The counters behind `--profile`'s sector and bank columns: a warp's
 // coalesced stores take the fewest sectors, a strided one eight times as
-// many; an unswizzled tile whose rows are 128 bytes apart puts each 8 x 8
-// matrix of an ldmatrix in one bank group (8x the wavefronts), the XOR
-// swizzle in eight.
+// many, a 16-byte vector load is one request; an unswizzled tile whose rows
+// are 128 bytes apart puts each 8 x 8 matrix of an ldmatrix in one bank
+// group (8x the wavefronts), the XOR swizzle in eight.
 TEST(EmulatorCounters, SectorsAndBankWavefrontsAgainstTheIdeal) {
   auto counters = [] {
     std::vector<unsigned long long> c(9);
@@ -235,6 +249,15 @@ TEST(EmulatorCounters, SectorsAndBankWavefrontsAgainstTheIdeal) {
   EXPECT_EQ(c[3], 1u);
   EXPECT_EQ(c[4], 32u) << "one sector per lane";
   EXPECT_EQ(c[5], 4u);
+
+  // A 16-byte vector load is one request a lane, as the GPU issues it: 32
+  // lanes on 512 consecutive bytes take 16 sectors, the fewest.
+  const float* in = l.tensor<float>("in", 32 * 32 * 4, 32 * 32);
+  ASSERT_EQ(l.run("vector", dim3(1), dim3(32), 0, [&] { (void)cg_load_vector<4, float>(in, 4 * threadIdx.x); }), 0);
+  c = counters();
+  EXPECT_EQ(c[0], 1u) << "one load request";
+  EXPECT_EQ(c[1], 16u);
+  EXPECT_EQ(c[2], 16u);
 
   for (bool swizzled : {false, true}) {
     // A 16 x 64 bf16 tile (128-byte rows); one x4 ldmatrix of its first 16 x 16.

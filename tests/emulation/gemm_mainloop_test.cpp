@@ -269,3 +269,38 @@ TEST(GemmMainloop, Tf32TilesReadByWordsHitEveryBank) {
   expect_paired_reads_conflict_free<64>();
   expect_paired_reads_conflict_free<128>();
 }
+
+// The f32 SIMT mainloop (cg_sgemm_mainloop) under the same counters: its
+// 16-byte global loads whole sectors, its shared reads (LDS.128 of one k-row
+// of each operand) and its stores into the k-major tiles (transposing
+// K-contiguous operands a float at a time) conflict-free, in every layout.
+template <bool A_K, bool B_K>
+void run_sgemm_counted(long long M, long long N, long long K) {
+  typedef cg_sgemm_config<64, 64, 8> Config;
+  EmuLaunch l(size_t(4) << 20);
+  float* a = l.tensor<float>("a", 0, M * K);
+  float* b = l.tensor<float>("b", (M * K * 4 + 255) / 256 * 256, K * N);
+  for (long long i = 0; i < M * K; ++i) a[i] = float(i % 7);
+  for (long long i = 0; i < K * N; ++i) b[i] = float(i % 5);
+  ASSERT_EQ(l.run("sgemm", dim3(unsigned(N / 64), unsigned(M / 64)), dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
+    cg_sgemm_accumulators<Config> acc;
+    cg_sgemm_mainloop<Config, A_K, B_K>(acc, a, A_K ? K : M, b, B_K ? K : N, M, N, K, blockIdx.y, blockIdx.x,
+                                        (float*)cudagen_emu::dynamic_smem());
+  }),
+            0)
+      << cudagen_emu_last_error();
+  unsigned long long c[9];
+  cudagen_emu_kernel_counters(cudagen_emu_kernel_count() - 1, c);
+  const std::string layout = std::string(A_K ? "A K-contiguous" : "A M-contiguous") + (B_K ? ", B K-contiguous" : ", B N-contiguous");
+  ASSERT_GT(c[0], 0u);
+  EXPECT_LE(double(c[1]), 1.1 * double(c[2])) << layout << ": " << c[1] << " load sectors, ideal " << c[2];
+  ASSERT_GT(c[6], 0u) << layout << ": no shared request counted";
+  EXPECT_EQ(c[7], c[8]) << layout << ": " << c[7] << " bank wavefronts, ideal " << c[8];
+}
+
+TEST(GemmMainloop, SimtLoadsAreCoalescedAndSharedAccessesConflictFree) {
+  run_sgemm_counted<false, false>(128, 128, 64);
+  run_sgemm_counted<true, false>(128, 128, 64);
+  run_sgemm_counted<false, true>(128, 128, 64);
+  run_sgemm_counted<true, true>(128, 128, 64);
+}

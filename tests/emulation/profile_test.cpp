@@ -173,3 +173,44 @@ TEST(Profile, TheTraceHasATrackPerPhaseAndASlicePerKernel) {
   EXPECT_EQ(json.find("format")->as_string(), "cudagen.profile/1");
   EXPECT_EQ(json.find("kernels")->items().size(), c.emitted.kernels.size());
 }
+
+// The pipelined and SIMT mainloops hand their results to the store and its
+// epilogue 16 bytes a lane (docs/gemm.md): a bf16 matmul with a bias, a
+// residual and GELU stores 8 values and loads 8 of the bias and of the
+// residual with one access each, whole sectors, and bank-conflict free; so
+// does an f32 one on the SIMT mainloop, 4 values a lane. A product whose
+// rows are no multiple of the width keeps an element a lane (f32 from 2^24
+// FLOPs on the SIMT mainloop), and all three
+// match the float64 reference (profile_emulated checks the run first).
+TEST(Profile, MatmulEpiloguesStoreSixteenBytesALane) {
+  GraphBuilder b("vector_epilogue");
+  for (DType d : {DType::bf16, DType::f32}) {
+    const std::string s = to_string(d);
+    auto mm = b.task("mm_" + s, "matmul").tensor("a", d, {256, 384}, ext).tensor("b", d, {384, 192}, ext).tensor("out", d, {256, 192});
+    auto bias = b.task("bias_" + s, "add").tensor("a", mm["out"]).tensor("b", d, {192}, ext).tensor("out", d, {256, 192});
+    auto res = b.task("res_" + s, "add").tensor("a", bias["out"]).tensor("b", d, {256, 192}, ext).tensor("out", d, {256, 192});
+    b.task("act_" + s, "gelu").tensor("x", res["out"]).tensor("out", d, {256, 192}, ext);
+  }
+  b.task("odd", "matmul")  // B^T stored: 70 columns, read K-contiguous
+      .tensor("a", DType::bf16, {64, 64}, ext)
+      .tensor("b", DType::bf16, {70, 64}, ext)
+      .tensor("out", DType::bf16, {64, 70}, ext)
+      .arg("trans_b", true);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  const std::string& cu = c.emitted.cuda_source;
+  EXPECT_NE(cu.find("cg_gemm_each_coalesced_vector<cg_config, 8>"), std::string::npos);
+  EXPECT_NE(cu.find("cg_sgemm_each_coalesced_vector<cg_config, 4>"), std::string::npos);
+  EXPECT_NE(cu.find("const cg_vector<8, cg_bf16> bias_bf16_b_v = cg_load_vector<8>(bias_bf16_b, (i % 192));"),
+            std::string::npos);
+  EXPECT_NE(cu.find("cg_gemm_each_coalesced<cg_config>"), std::string::npos) << "odd: 70 columns, an element a lane";
+  Profile p = profile_emulated(c, RunOptions{11, work_dir("vector_epilogue")});
+  ASSERT_EQ(p.kernels.size(), 3u);
+  for (const KernelProfile& k : p.kernels) {
+    SCOPED_TRACE(k.name());
+    if (k.name().find("odd") != std::string::npos) continue;
+    ASSERT_GT(k.ideal_store_sectors, 0);
+    EXPECT_LE(double(k.store_sectors), 1.1 * double(k.ideal_store_sectors));
+    EXPECT_LE(double(k.load_sectors), 1.1 * double(k.ideal_load_sectors));
+    EXPECT_EQ(k.wavefronts, k.ideal_wavefronts);
+  }
+}

@@ -236,7 +236,8 @@ CG_DEVICE void cg_store(T* base, cg_i64 i, T value) {
 // Vectorised global access: N consecutive elements from element i, one
 // access of N * sizeof(T) bytes (16 at most) on the GPU. i is a multiple of
 // N and every arena buffer starts on a 256-byte boundary, so the access is
-// aligned. In emulation each element is checked and counted like any other.
+// aligned. In emulation the access is checked (its alignment too) and
+// counted as the GPU issues it: one request of N * sizeof(T) bytes a lane.
 template <int N, typename T>
 struct cg_vector {
   T v[N];
@@ -251,7 +252,8 @@ template <int N, typename T>
 CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
   cg_vector<N, T> r;
 #ifdef CUDAGEN_EMULATION
-  for (int k = 0; k < N; ++k) r.v[k] = cudagen_emu::load(base, i + k);
+  const bool inside = cudagen_emu::check_vector_access(base + i, N * sizeof(T), false);
+  for (int k = 0; k < N; ++k) r.v[k] = inside ? base[i + k] : T();
 #else
   const cg_aligned_chunk<N, T> chunk = *reinterpret_cast<const cg_aligned_chunk<N, T>*>(base + i);
   for (int k = 0; k < N; ++k) r.v[k] = chunk.v[k];
@@ -262,7 +264,8 @@ CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
 template <int N, typename T>
 CG_DEVICE void cg_store_vector(T* base, cg_i64 i, const cg_vector<N, T>& value) {
 #ifdef CUDAGEN_EMULATION
-  for (int k = 0; k < N; ++k) cudagen_emu::store(base, i + k, value.v[k]);
+  if (cudagen_emu::check_vector_access(base + i, N * sizeof(T), true))
+    for (int k = 0; k < N; ++k) base[i + k] = value.v[k];
 #else
   cg_aligned_chunk<N, T> chunk;
   for (int k = 0; k < N; ++k) chunk.v[k] = value.v[k];
