@@ -11,6 +11,17 @@ CG_DEVICE unsigned long long cg_hash64(unsigned long long x) {  // splitmix64's 
 }
 
 // A float in [0, 1) with 24 random bits: exact, so bit-identical everywhere.
+// cos(pi x): on the device cospif, whose reduction of the argument is exact
+// and short (cosf's general one keeps a table in local memory: a stack frame
+// in every kernel that draws normal numbers).
+CG_DEVICE float cg_cos_pi(float x) {
+#ifdef __CUDA_ARCH__
+  return cospif(x);
+#else
+  return (float)cos(3.141592653589793 * (double)x);
+#endif
+}
+
 CG_DEVICE float cg_unit_float(long long seed, cg_i64 i, int stream) {
   const unsigned long long bits = cg_hash64(cg_hash64((unsigned long long)seed) ^ (unsigned long long)(2 * i + stream));
   return (float)(bits >> 40) * 5.9604644775390625e-8f;  // 2^-24
@@ -58,6 +69,6 @@ CG_OP("normal",
 CG_DEVICE T cg_normal(cg_i64 i, T mean, T std, long long seed) {
   const float u1 = 1.0f - cg_unit_float(seed, i, 0);  // (0, 1]
   const float u2 = cg_unit_float(seed, i, 1);
-  const float z = sqrt(-2.0f * log(u1)) * cos(6.283185307179586f * u2);
+  const float z = sqrt(-2.0f * log(u1)) * cg_cos_pi(2.0f * u2);
   return mean + std * (T)z;
 }

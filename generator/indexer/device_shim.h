@@ -43,6 +43,7 @@ template <typename T> __device__ T atomicCAS(T* address, T compare, T value);
 __device__ float __int_as_float(int i);
 __device__ int __float_as_int(float f);
 __device__ float rsqrtf(float x);
+__device__ float cospif(float x);
 
 // <cmath> as CUDA has it on the device: float and double overloads.
 #define CG_SHIM_MATH1(name)          \

@@ -23,6 +23,7 @@ struct KernelResources {
   int registers = 0;
   int spill_bytes = 0;  // stores plus loads
   int stack_bytes = 0;  // the stack frame: local arrays the compiler could not keep in registers, spills
+  int static_shared_bytes = 0;  // __shared__ declarations; a generated kernel's is all dynamic, as planned
 };
 
 // Compiles `source` to PTX for `arch` and assembles it with ptxas -v.
@@ -41,7 +42,7 @@ inline std::map<std::string, KernelResources> ptxas_resources(const std::string&
   EXPECT_EQ(status, 0) << report;
   // "Compiling entry function 'k0' for 'sm_90'", "N bytes spill stores, N bytes spill loads", "Used N registers".
   std::regex entry(R"(Compiling entry function '(\w+)')"), spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)"),
-      used(R"(Used (\d+) registers)"), stack(R"((\d+) bytes stack frame)");
+      used(R"(Used (\d+) registers)"), stack(R"((\d+) bytes stack frame)"), smem(R"((\d+) bytes smem)");
   std::map<std::string, KernelResources> out;
   std::string kernel;
   std::istringstream lines(report);
@@ -51,6 +52,7 @@ inline std::map<std::string, KernelResources> ptxas_resources(const std::string&
     if (std::regex_search(line, m, spill)) out[kernel].spill_bytes = std::stoi(m[1]) + std::stoi(m[2]);
     if (std::regex_search(line, m, used)) out[kernel].registers = std::stoi(m[1]);
     if (std::regex_search(line, m, stack)) out[kernel].stack_bytes = std::stoi(m[1]);
+    if (std::regex_search(line, m, smem)) out[kernel].static_shared_bytes = std::stoi(m[1]);
   }
   return out;
 }

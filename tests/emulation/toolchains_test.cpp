@@ -332,6 +332,42 @@ TEST(Toolchains, EverySnapshotCompilesWithNvrtcAndNvcc) {
   std::filesystem::remove_all(dir);
 }
 
+// Every generated kernel, per kernel (issue #35): the snapshots (every op's
+// template, the examples, training steps, a megakernel) and a GPT-2-small
+// decoder block, its forward in bf16 and its training step in f32 with
+// --allow-tf32 (bf16 training is issue #41's),
+// through ptxas for sm_80 and sm_90: no spills, no stack frame, and no
+// shared memory but the dynamic memory its plan gives it (the launcher
+// passes EmittedKernel::smem_bytes).
+TEST(Toolchains, EveryGeneratedKernelKeepsToRegistersAndItsPlannedSharedMemory) {
+  std::vector<std::pair<std::string, std::string>> sources;  // name, .cu
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(CUDAGEN_SOURCE_DIR) + "/tests/snapshots"))
+    if (entry.path().extension() == ".cu") sources.emplace_back(entry.path().filename().string(), read_text_file(entry.path().string()));
+  const std::string dir = (std::filesystem::temp_directory_path() / fmt::format("cudagen_every_{}", getpid())).string();
+  std::filesystem::create_directories(dir);
+  for (const char* dtype : {"bf16", "f32"}) {
+    const std::string graph = fmt::format("{}/decoder_{}.json", dir, dtype);
+    const std::string command = fmt::format(
+        "/usr/bin/python3 {}/bench/decoder_graph.py --layers 1 --batch 2 --tokens 64 --dtype {} {} -o {}",
+        CUDAGEN_SOURCE_DIR, dtype, std::string(dtype) == "f32" ? "--train" : "", graph);
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    CompileOptions options;
+    options.emit.allow_tf32 = std::string(dtype) == "f32";
+    sources.emplace_back(graph, compile(load_program(read_graph(read_text_file(graph)), {}), options).emitted.cuda_source);
+  }
+  std::filesystem::remove_all(dir);
+  int kernels = 0;
+  for (const auto& [name, source] : sources)
+    for (const char* arch : {"sm_80", "sm_90"})
+      for (const auto& [kernel, r] : cudagen::testing::ptxas_resources(source, arch)) {
+        ++kernels;
+        EXPECT_EQ(r.spill_bytes, 0) << kernel << " of " << name << " on " << arch;
+        EXPECT_EQ(r.stack_bytes, 0) << kernel << " of " << name << " on " << arch;
+        EXPECT_EQ(r.static_shared_bytes, 0) << kernel << " of " << name << " on " << arch;
+      }
+  EXPECT_GE(kernels, 150) << "the snapshots and the decoder blocks, each for two architectures";
+}
+
 // The pipelined mainloop (templates/gemm.cuh) in every tile shape the
 // tuning uses, each operand layout, bf16 and TF32 (the same tiles at half the
 // k): NVRTC and ptxas for sm_80 and sm_90 keep the accumulators and

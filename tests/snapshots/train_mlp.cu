@@ -502,20 +502,19 @@ CG_DEVICE unsigned long long cg_hash64(unsigned long long x) {  // splitmix64's 
   return x ^ (x >> 31);
 }
 
-// templates/init.cuh:14
-// A float in [0, 1) with 24 random bits: exact, so bit-identical everywhere.
+// templates/init.cuh:25
 CG_DEVICE float cg_unit_float(long long seed, cg_i64 i, int stream) {
   const unsigned long long bits = cg_hash64(cg_hash64((unsigned long long)seed) ^ (unsigned long long)(2 * i + stream));
   return (float)(bits >> 40) * 5.9604644775390625e-8f;  // 2^-24
 }
 
-// templates/init.cuh:19
+// templates/init.cuh:30
 template <typename T>
 CG_DEVICE T cg_fill(cg_i64, T value) {
   return value;
 }
 
-// templates/init.cuh:33
+// templates/init.cuh:44
 // low + (high - low) * u with one explicit fused multiply-add: the same rounding
 // on every device, whatever the compiler would contract.
 template <typename T>

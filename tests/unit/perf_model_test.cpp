@@ -67,6 +67,10 @@ TEST(PerfModel, EachPathRunsAtItsCeiling) {
   EXPECT_DOUBLE_EQ(simt.ceiling_flops, h100.simt_flops);
   EXPECT_LT(pipelined.seconds, tile.seconds);
   EXPECT_LT(tile.seconds, simt.seconds);
+  // TF32 on the same mainloop: half the 16-bit tensor rate, as the dense peaks are.
+  const KernelEstimate tf32 = estimate_kernel(kernel(132, 256, flops, 0, MatmulMainloop::pipelined_tf32), h100);
+  EXPECT_DOUBLE_EQ(tf32.ceiling_flops, h100.pipelined_flops / 2);
+  EXPECT_EQ(tf32.blocks_per_sm, 1);
   EXPECT_LT(device_model("sm_80").pipelined_flops, h100.pipelined_flops);
   EXPECT_EQ(device_model("sm_80").sms, 108);
 }
