@@ -21,6 +21,8 @@ namespace cudagen {
 bool CheckedRun::ok() const {
   for (const auto& c : checks)
     if (!c.ok()) return false;
+  for (const auto& c : expected_checks)
+    if (!c.ok()) return false;
   return !checks.empty();
 }
 
@@ -294,10 +296,35 @@ HostTensor read_tensor_file(const Program& p, int buffer, const std::string& pat
   return array;
 }
 
+// The expected value of graph output `buffer` from the .npy file at `path`
+// (RunOptions::expected_dir), as doubles.
+std::vector<double> read_expected(const Program& p, int buffer, const std::string& path) {
+  const BufferInfo& info = p.buffers[size_t(buffer)];
+  const std::string name = buffer_name(p, buffer);
+  if (!std::filesystem::exists(path))
+    throw TensorFileProblem(fmt::format("{}: missing; --expected needs a file for every graph output, and {} is one ({} "
+                                        "{}; the torch exporter writes them to OUT/expected)",
+                                        path, name, to_string(info.dtype), shape_to_string(info.shape)));
+  const HostTensor array = read_npy(path);
+  if (array.dtype != info.dtype || array.shape != info.shape)
+    throw TensorFileProblem(fmt::format("{}: {} {}, but the graph output {} is {} {}", path, to_string(array.dtype),
+                                        shape_to_string(array.shape), name, to_string(info.dtype),
+                                        shape_to_string(info.shape)));
+  std::vector<double> values(size_t(info.bytes / dtype_bytes(info.dtype)));
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = load_element(array.data.data() + i * size_t(dtype_bytes(info.dtype)), info.dtype);
+  return values;
+}
+
 CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions& options) {
   const Program& p = c.program;
   CheckedRun run;
   run.where = executor.where();
+  if (!options.expected_dir.empty() && options.steps > 0)
+    throw TensorFileProblem(fmt::format("--expected {} compares one run with another framework's outputs; it cannot be "
+                                        "combined with --steps {} (run the steps without it)",
+                                        options.expected_dir, options.steps));
+  run.expected_dir = options.expected_dir;
   run.seed = options.seed;
   run.steps = options.steps;
   const std::vector<Round> rounds = plan_rounds(c, options);
@@ -413,6 +440,31 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     }
   };
 
+  // Against another framework's result (RunOptions::expected_dir): each
+  // within the end-to-end bound of the exact value, so within twice it of
+  // each other.
+  auto compare_expected = [&](const std::string& name, size_t b, const std::vector<double>& got,
+                              const std::vector<double>& want, const std::vector<double>& scale) {
+    OutputCheck check;
+    check.buffer = name;
+    check.elements = int64_t(got.size());
+    const double rtol = 2 * tolerances[b].relative, atol = 2 * tolerances[b].absolute;
+    for (int64_t i = 0; i < int64_t(got.size()); ++i) {
+      const double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
+      const bool ok = !std::isnan(y) && (y == want[size_t(i)] || err <= bound);
+      if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
+      check.worst_ratio =
+          std::max(check.worst_ratio, std::isnan(err) ? INFINITY : bound > 0 ? err / bound : (err > 0 ? INFINITY : 0));
+      if (!ok && check.failures++ == 0) {
+        check.first_failure = i;
+        check.got = y;
+        check.want = want[size_t(i)];
+        check.bound = bound;
+      }
+    }
+    run.expected_checks.push_back(check);
+  };
+
   // The floating scalars forward tasks write to external slots: the loss.
   std::vector<size_t> tracked;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
@@ -465,6 +517,10 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
       if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;
       if (unchecked[b]) continue;
       compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step, /*end_to_end=*/true);
+      if (!options.expected_dir.empty() && s == Storage::external)
+        compare_expected(buffer_name(p, int(b)), b, actual[b],
+                         read_expected(p, int(b), options.expected_dir + "/" + buffer_name(p, int(b)) + ".npy"),
+                         ref.abs[b]);
     }
     for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
     if (options.check_each_task) check_each_task(c, part, before, actual, args, user.ops, unchecked, round.step, compare);
@@ -528,6 +584,18 @@ std::string format_run(const CheckedRun& run) {
     out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio, result);
   }
   for (const auto& what : run.unchecked) out += fmt::format("{:<24} not checked: {}\n", "", what);
+  if (!run.expected_checks.empty()) {
+    out += fmt::format("against the expected outputs in {} (|err| <= 2 (rtol * ref_abs + atol): both results within "
+                       "the float64 reference's bound):\n",
+                       run.expected_dir);
+    out += fmt::format("{:<24} {:>9} {:>12} {:>14}  {}\n", "output", "elements", "max |err|", "err / bound", "result");
+    for (const auto& c : run.expected_checks)
+      out += fmt::format("{:<24} {:>9} {:>12.3g} {:>14.3g}  {}\n", c.buffer, c.elements, c.max_abs_error, c.worst_ratio,
+                         c.ok() ? std::string("ok")
+                                : fmt::format("FAIL: {} elements out of bounds; first at {}: got {}, expected {} (bound "
+                                              "{:.3g})",
+                                              c.failures, c.first_failure, c.got, c.want, c.bound));
+  }
   if (run.steps > 0) out += fmt::format("(every step checked against the float64 reference run from the state before it)\n");
   if (any_loose)
     out += "* the bound exceeds every reference value: first-order error bounds compound along a deep chain, so this\n"

@@ -29,6 +29,13 @@ struct RunOptions {
   // written to <outputs_dir>/<task>.<slot>.npy.
   std::string inputs_dir;
   std::string outputs_dir;
+  // Graph outputs also compared with <expected_dir>/<task>.<slot>.npy, what
+  // another framework computed from the same inputs (the torch exporter
+  // writes PyTorch's to OUT/expected): |got - expected| <= 2 (rtol ref_abs +
+  // atol), both results within the float64 reference's bound of the exact
+  // value. One run only (not with `steps`); every external output must have
+  // its file, of its dtype and shape.
+  std::string expected_dir;
   // Values for run-time arguments ("task.arg" -> value), written to the
   // arena's scalars region before the first phase; the others start at the
   // value the graph gives them.
@@ -68,6 +75,10 @@ struct CheckedRun {
   double run_seconds = 0;
   uint64_t seed = 0;
   std::vector<OutputCheck> checks;
+  // Against RunOptions::expected_dir's outputs, where given ("want" is the
+  // expected value there).
+  std::vector<OutputCheck> expected_checks;
+  std::string expected_dir;
   std::vector<KernelBytes> kernels;
   int steps = 0;
   // Per training step, each floating scalar a forward task writes to an

@@ -51,6 +51,7 @@ struct Cli {
   bool json = false;
   std::string inputs_dir;
   std::string outputs_dir;
+  std::string expected_dir;
   std::string buffers_csv;
   std::string svg_path;
   std::string method = "search";
@@ -254,6 +255,7 @@ int run_run(Cli& cli) {
   options.check_each_task = cli.check_each_task;
   options.inputs_dir = cli.inputs_dir;
   options.outputs_dir = cli.outputs_dir;
+  options.expected_dir = cli.expected_dir;
   for (const auto& text : cli.run_time_args) options.args.insert(parse_run_time_arg(text));
   for (const auto& name : cli.phases) options.phases.push_back(*parse_phase(name));  // checked by CLI11
   options.steps = cli.steps;
@@ -442,6 +444,11 @@ int main_impl(int argc, char** argv) {
   run_cmd->add_option("--outputs", cli.outputs_dir,
                       "write each graph output to DIR/<task>.<slot>.npy (after --steps, also the weights, the optimizer "
                       "state and each scalar output per step, as <task>.<slot>.per_step.npy)");
+  run_cmd->add_option("--expected", cli.expected_dir,
+                      "also compare each graph output with DIR/<task>.<slot>.npy, another framework's result from the "
+                      "same inputs (the torch exporter writes PyTorch's to OUT/expected; use with --inputs OUT/example): "
+                      "both within the float64 reference's bound, so within twice it of each other")
+      ->check(CLI::ExistingDirectory);
   run_cmd->add_option("--steps", cli.steps,
                       "train: run init once, then N steps of forward, backward and update, each checked against the "
                       "reference from the state it started from; prints the loss per step. An int run-time argument "

@@ -1,6 +1,7 @@
 // .npy files in and out of emulated runs.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <filesystem>
@@ -162,6 +163,67 @@ TEST(Npy, RunReadsInputsAndWritesOutputs) {
     EXPECT_NE(std::string(e.what()).find("act.x.npy: missing; the graph input act.x is f32 [4]"), std::string::npos)
         << e.what();
   }
+}
+
+// --expected DIR (issue #43): each graph output also against another
+// framework's result from the same inputs, within twice the end-to-end bound
+// (both within the float64 reference's bound of the exact value). A matmul's
+// expected output off by one f32 ulp passes; off by 1e-3 it fails, naming
+// the element; a missing or mis-shaped file is an error naming it, and
+// --steps refuses it.
+TEST(Npy, RunComparesOutputsWithExpectedOnes) {
+  GraphBuilder b("expected");
+  b.task("mm", "matmul")
+      .tensor("a", DType::f32, {3, 4}, Storage::external)
+      .tensor("b", DType::f32, {4, 2}, Storage::external)
+      .tensor("out", DType::f32, {3, 2}, Storage::external);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  fs::path in = temp_dir("expected_in"), expected = temp_dir("expected_want");
+  const std::vector<float> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, bm = {1, -1, 2, -2, 3, -3, 4, -4};
+  write_npy((in / "mm.a.npy").string(), array_of<float>(DType::f32, {3, 4}, a));
+  write_npy((in / "mm.b.npy").string(), array_of<float>(DType::f32, {4, 2}, bm));
+  std::vector<float> want(6);
+  for (int m = 0; m < 3; ++m)
+    for (int n = 0; n < 2; ++n)
+      for (int k = 0; k < 4; ++k) want[size_t(m * 2 + n)] += a[size_t(m * 4 + k)] * bm[size_t(k * 2 + n)];
+  want[3] = std::nextafter(want[3], 0.0f);  // another framework's rounding
+  write_npy((expected / "mm.out.npy").string(), array_of<float>(DType::f32, {3, 2}, want));
+  RunOptions options{1, (temp_dir("expected_work")).string()};
+  options.inputs_dir = in.string();
+  options.expected_dir = expected.string();
+  CheckedRun run = run_emulated_and_check(c, options);
+  ASSERT_EQ(run.expected_checks.size(), 1u);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  EXPECT_NE(format_run(run).find("against the expected outputs in " + expected.string()), std::string::npos)
+      << format_run(run);
+
+  want[4] *= 1.001f;
+  write_npy((expected / "mm.out.npy").string(), array_of<float>(DType::f32, {3, 2}, want));
+  run = run_emulated_and_check(c, options);
+  EXPECT_FALSE(run.ok());
+  EXPECT_TRUE(run.checks[0].ok()) << "the float64 reference check is unaffected";
+  EXPECT_NE(format_run(run).find("FAIL: 1 elements out of bounds; first at 4"), std::string::npos) << format_run(run);
+
+  write_npy((expected / "mm.out.npy").string(), array_of<float>(DType::f32, {2, 3}, want));
+  try {
+    run_emulated_and_check(c, options);
+    FAIL() << "a mis-shaped expected output went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("mm.out.npy: f32 [2, 3], but the graph output mm.out is f32 [3, 2]"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove(expected / "mm.out.npy");
+  try {
+    run_emulated_and_check(c, options);
+    FAIL() << "a missing expected output went unnoticed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("mm.out.npy: missing; --expected needs a file for every graph output"),
+              std::string::npos)
+        << e.what();
+  }
+  options.steps = 2;
+  EXPECT_THROW(run_emulated_and_check(c, options), std::runtime_error);
 }
 
 // Non-finite inputs (issue #34): an infinity that the graph computes exactly

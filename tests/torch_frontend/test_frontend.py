@@ -70,8 +70,11 @@ class Exported(unittest.TestCase):
         self.assertEqual(result.tracer, {"fx": "torch.fx.symbolic_trace", "export": "torch.export"}.get(
             kwargs.get("tracer"), TRACER))
         outputs = os.path.join(self.dir, "outputs")
+        # --expected: cudagen's own comparison with PyTorch's outputs (within twice the float64 reference's bound).
         stdout, seconds = self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs",
-                                           os.path.join(model_dir, "example"), "--outputs", outputs)
+                                           os.path.join(model_dir, "example"), "--outputs", outputs,
+                                           "--expected", os.path.join(model_dir, "expected"))
+        self.assertIn("against the expected outputs in", stdout)
         for name in result.outputs:
             got, want = (np.load(os.path.join(folder, name + ".npy")) for folder in (outputs, os.path.join(model_dir, "expected")))
             self.assertEqual((got.shape, got.dtype), (want.shape, want.dtype), name)
