@@ -253,6 +253,25 @@ class Slicing(nn.Module):
         return first.sum(-1), last * 2, every_other + column, torch.narrow(h, 2, 1, 3)
 
 
+class Shuffles(nn.Module):
+    """roll, repeat_interleave and F.pad as models use them (a Swin-style
+    cyclic shift, grouped-query attention's repeated heads, a convolution's
+    padding), around a trainable layer so that their gradients flow."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):  # [2, 4, 5, 6]
+        h = self.fc(x)
+        shifted = torch.roll(h, shifts=(-1, 2), dims=(1, 2))   # both axes, one negative
+        flat = h.roll(7)                                       # no dims: the flattened tensor
+        heads = h.repeat_interleave(2, dim=1)                  # [2, 8, 5, 6]
+        padded = F.pad(h, (1, 2, 0, 1), value=0.5)             # [2, 4, 6, 9]
+        cropped = F.pad(h, (-1, 1))                            # [2, 4, 5, 6]
+        return shifted - flat, heads * 2, padded, cropped
+
+
 class SlicedHead(nn.Module):
     """A trainable table cut to the sequence and the last token's head: the
     slice's gradient reaches the table (rows past T get none) and fc."""
@@ -270,6 +289,26 @@ class SlicedHead(nn.Module):
 def sliced_head():
     torch.manual_seed(0)
     return SlicedHead()
+
+
+class ShuffledHead(nn.Module):
+    """A layer, then roll, repeat_interleave and F.pad, then a head: their
+    gradients (slices and concatenations derived by cudagen) reach the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(2 * 7, 3)
+
+    def forward(self, x):  # [4, 6]
+        h = torch.roll(torch.tanh(self.fc(x)), shifts=-2, dims=1)
+        h = F.pad(h.repeat_interleave(2, dim=1), (1, 1))      # [4, 14]
+        return self.head(h)
+
+
+def shuffled_head():
+    torch.manual_seed(0)
+    return ShuffledHead()
 
 
 class Conversions(nn.Module):
@@ -290,6 +329,11 @@ def conversions():
 def slicing():
     torch.manual_seed(0)
     return Slicing()
+
+
+def shuffles():
+    torch.manual_seed(0)
+    return Shuffles()
 
 
 def transformers_style():

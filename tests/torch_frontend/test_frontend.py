@@ -165,6 +165,19 @@ class Models(Exported):
             result, _, _ = self.check_model(models.slicing(), (torch.randn(2, 5, 6),), seed, tracer=tracer)
             self.assertIn('"op": "slice"', read(result.graph_path))
 
+    def test_roll_repeat_interleave_and_pad_map(self):
+        """torch.roll (several axes, a negative shift, none: flattened),
+        repeat_interleave and F.pad (a value, two axes, a crop) as slices and
+        concatenations, on both paths, matching PyTorch (Training trains
+        through them)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        for tracer in TRACERS:
+            result, _, _ = self.check_model(models.shuffles(), (torch.randn(2, 4, 5, 6),), seed, tracer=tracer)
+            graph = read(result.graph_path)
+            self.assertIn('"op": "concat"', graph)
+            self.assertIn('"op": "slice"', graph)
+
     def test_in_place_updates_are_kept(self):
         """y.add_(1), F.relu(z, inplace=True), nn.ReLU(inplace=True), w.mul_(0.5):
         the export and its expected outputs agree with eager PyTorch."""
@@ -365,6 +378,13 @@ class Training(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         self.check_training(seed, models.sliced_head(), (torch.randn(4, 5, 6),), "mse", "sgd", {"lr": 0.1})
+
+    def test_roll_repeat_interleave_and_pad_train(self):
+        """Their gradients (split and slice_backward, derived by cudagen) train
+        the layer before them as PyTorch does."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.shuffled_head(), (torch.randn(4, 6),), "mse", "sgd", {"lr": 0.1})
 
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()

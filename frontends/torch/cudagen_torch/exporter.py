@@ -340,7 +340,11 @@ class _Exporter:
 
     def constant(self, node, tensor, name):
         """A tensor the inputs do not change (a weight, a buffer, a mask): a
-        persistent tensor whose value is saved under `name`."""
+        persistent tensor whose value is saved under `name`. When training,
+        only a trainable parameter is persistent (cudagen trains every
+        persistent tensor the loss reaches); any other constant (a padding
+        block, a mask, a folded value) is an input that reads its file, so
+        that it stays as it is."""
         if not isinstance(tensor, torch.Tensor):
             self.fail(node, f"expected a tensor, got {type(tensor).__name__}")
         key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)) if tensor.numel() else name
@@ -351,7 +355,9 @@ class _Exporter:
         if array.ndim == 0:
             array = array.reshape(())
         name = self.unique_name(name)
-        v = Value(tuple(tensor.shape), dtype, pending={"storage": "persistent", "array": array}, name=name)
+        trained = not self.training or (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad)
+        v = Value(tuple(tensor.shape), dtype, pending={"storage": "persistent" if trained else "external", "array": array},
+                  name=name)
         self.constants[key] = v
         self.kept.append(tensor)
         return v
@@ -947,27 +953,116 @@ def _as_shape(ex, node, name, v, shape):
     return ex.add(node, name, "reshape", {"x": v}, {"out": (v.dtype, shape)})["out"]
 
 
-def _f_cat(ex, node):
-    """cat along any axis: the ops join along the last, so each part is seen as
-    [before, size * after] (row-major, a part's slab for one leading index is
-    contiguous), joined, and seen back with the result's shape."""
-    parts = list(_arg(node, 0, "tensors"))
-    values = [ex.tensor(node, p) for p in parts]
+def _join(ex, node, values, axis, name):
+    """`values` (equal but along `axis`) joined along it: the ops join along
+    the last axis, so each part is seen as [before, size * after] (row-major,
+    a part's slab for one leading index is contiguous), joined, and seen back
+    with the joined shape."""
     rank = len(values[0].shape)
-    axis = _axis(ex, node, _arg(node, 1, "dim", 0), rank, "cat")
+    shape = list(values[0].shape)
+    shape[axis] = sum(v.shape[axis] for v in values)
     before, after = _rows(values[0].shape, axis)
     last = axis == rank - 1
     if not last:
-        values = [_as_shape(ex, node, f"{node.name}_in{i}", v, (before, v.shape[axis] * after))
-                  for i, v in enumerate(values)]
+        values = [_as_shape(ex, node, f"{name}_in{i}", v, (before, v.shape[axis] * after)) for i, v in enumerate(values)]
     acc = values[0]
     for i, v in enumerate(values[1:], 1):
-        shape = acc.shape[:-1] + (acc.shape[-1] + v.shape[-1],)
-        name = node.name if last and i == len(values) - 1 else f"{node.name}_{i}"
-        acc = ex.add(node, name, "concat", {"a": acc, "b": v}, {"out": (acc.dtype, shape)})["out"]
-    if not last:
-        acc = _as_shape(ex, node, node.name, acc, ex.result_meta(node)[1])
-    return acc
+        joined = acc.shape[:-1] + (acc.shape[-1] + v.shape[-1],)
+        acc = ex.add(node, name if last and i == len(values) - 1 else f"{name}_{i}", "concat", {"a": acc, "b": v},
+                     {"out": (acc.dtype, joined)})["out"]
+    return _as_shape(ex, node, name, acc, shape)
+
+
+def _f_cat(ex, node):
+    """cat along any axis (_join)."""
+    values = [ex.tensor(node, p) for p in list(_arg(node, 0, "tensors"))]
+    axis = _axis(ex, node, _arg(node, 1, "dim", 0), len(values[0].shape), "cat")
+    return _as_shape(ex, node, node.name, _join(ex, node, values, axis, node.name), ex.result_meta(node)[1])
+
+
+def _f_roll(ex, node):
+    """torch.roll(x, shifts, dims): along each axis the last `shift` elements
+    come first, two slices joined; with no dims, the flattened tensor rolled
+    and seen back with its shape."""
+    x = ex.tensor(node, node.args[0])
+    shifts, dims = ex.const(_arg(node, 1, "shifts")), ex.const(_arg(node, 2, "dims", None))
+    shifts = list(shifts) if isinstance(shifts, (list, tuple)) else [shifts]
+    dims = [] if dims is None else list(dims) if isinstance(dims, (list, tuple)) else [dims]
+    v = x
+    if not dims:
+        if len(shifts) != 1:
+            ex.fail(node, f"roll with {len(shifts)} shifts and no dims", "give a dim for each shift")
+        v, dims = _as_shape(ex, node, f"{node.name}_flat", x, (math.prod(x.shape),)), [0]
+    if len(shifts) != len(dims):
+        ex.fail(node, f"roll with {len(shifts)} shifts for {len(dims)} dims", "give one shift per dim")
+    for k, (shift, dim) in enumerate(zip(shifts, dims)):
+        axis = _axis(ex, node, dim, len(v.shape), "roll")
+        size = v.shape[axis]
+        s = int(shift) % size
+        if s == 0:
+            continue
+        tail = _slice_axis(ex, node, v, axis, size - s, s, 1, f"{node.name}_{k}_tail")
+        head = _slice_axis(ex, node, v, axis, 0, size - s, 1, f"{node.name}_{k}_head")
+        v = _join(ex, node, [tail, head], axis, f"{node.name}_{k}")
+    return _as_shape(ex, node, node.name, v, ex.result_meta(node)[1])
+
+
+def _f_repeat_interleave(ex, node):
+    """x.repeat_interleave(r, dim): each element r times along dim. x seen as
+    [before * size, after], r copies joined along the last axis (element (i,
+    j * after + a) is x's (i, a)), seen back as [before, size * r, after]."""
+    x = ex.tensor(node, node.args[0])
+    repeats, dim = ex.const(_arg(node, 1, "repeats")), ex.const(_arg(node, 2, "dim", None))
+    if not isinstance(repeats, int) or repeats < 1:
+        ex.fail(node, f"repeat_interleave with repeats {repeats!r}", "give one positive int (per-element counts have no mapping)")
+    v = x
+    if dim is None:
+        v, dim = _as_shape(ex, node, f"{node.name}_flat", x, (math.prod(x.shape),)), 0
+    axis = _axis(ex, node, dim, len(v.shape), "repeat_interleave")
+    before, after = _rows(v.shape, axis)
+    rows = _as_shape(ex, node, f"{node.name}_rows", v, (before * v.shape[axis], after))
+    if repeats > 1:
+        rows = _join(ex, node, [rows] * repeats, 1, f"{node.name}_copies")
+    return _as_shape(ex, node, node.name, rows, ex.result_meta(node)[1])
+
+
+def _f_pad(ex, node):  # F.pad(x, pad, mode="constant", value=None)
+    mode = ex.const(_arg(node, 2, "mode", "constant"))
+    if mode != "constant":
+        ex.fail(node, f"F.pad in mode '{mode}' has no mapping (constant only)", "pad with a constant value")
+    return _pad(ex, node, list(ex.const(_arg(node, 1, "pad"))), ex.const(_arg(node, 3, "value", None)))
+
+
+def _a_constant_pad(ex, node):  # aten.constant_pad_nd(x, pad, value=0)
+    return _pad(ex, node, list(ex.const(_arg(node, 1, "pad"))), ex.const(_arg(node, 2, "value", 0)))
+
+
+def _pad(ex, node, pad, value):
+    """x padded with (left, right, top, bottom, ...) in constant mode: per
+    axis from the last, blocks of the value joined before and after (a
+    negative pad, which crops, as a slice)."""
+    x = ex.tensor(node, node.args[0])
+    if len(pad) % 2 or len(pad) // 2 > len(x.shape):
+        ex.fail(node, f"F.pad with {len(pad)} sizes for a rank-{len(x.shape)} tensor")
+    v = x
+    for k in range(len(pad) // 2):
+        axis = len(x.shape) - 1 - k
+        left, right = int(pad[2 * k]), int(pad[2 * k + 1])
+        if left < 0 or right < 0:  # cropping
+            start, length = max(-left, 0), v.shape[axis] - max(-left, 0) - max(-right, 0)
+            v = _slice_axis(ex, node, v, axis, start, length, 1, f"{node.name}_{k}_crop")
+            left, right = max(left, 0), max(right, 0)
+        parts = []
+        for side, size in (("before", left), ("after", right)):
+            if size:
+                shape = list(v.shape)
+                shape[axis] = size
+                block = torch.full(shape, 0.0 if value is None else float(value), dtype=ex.values[node].dtype)
+                parts.append((side, ex.constant(node, block, f"{node.name}.{k}.{side}")))
+        if parts:
+            pieces = [p for side, p in parts if side == "before"] + [v] + [p for side, p in parts if side == "after"]
+            v = _join(ex, node, pieces, axis, f"{node.name}_{k}")
+    return _as_shape(ex, node, node.name, v, ex.result_meta(node)[1])
 
 
 def _f_split(ex, node):
@@ -1170,7 +1265,8 @@ FUNCTIONS = {
     F.linear: _f_linear, torch.addmm: _f_addmm, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
     torch.flatten: _f_reshape, torch.reshape: _f_reshape,
     torch.transpose: _f_transpose, torch.permute: _f_permute, torch.t: _f_t,
-    torch.cat: _f_cat, torch.concat: _f_cat, torch.split: _f_split,
+    torch.cat: _f_cat, torch.concat: _f_cat, torch.split: _f_split, torch.roll: _f_roll,
+    torch.repeat_interleave: _f_repeat_interleave, F.pad: _f_pad,
     torch.chunk: _f_split,
     torch.mean: _f_reduce("mean"), torch.sum: _f_reduce("sum"),
     F.dropout: _f_dropout, F.max_pool2d: _f_max_pool, F.avg_pool2d: _f_avg_pool,
@@ -1201,6 +1297,7 @@ METHODS = {
     "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
     "new_empty": _f_like_constant,
     "split": _f_split, "chunk": _f_split, "narrow": _f_narrow,
+    "roll": _f_roll, "repeat_interleave": _f_repeat_interleave,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
     "masked_fill": _f_masked_fill,
 }
@@ -1285,7 +1382,8 @@ def _aten_handlers():
         "new_ones.default": _f_like_constant, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
-        "chunk.default": _f_split,
+        "chunk.default": _f_split, "roll.default": _f_roll, "constant_pad_nd.default": _a_constant_pad,
+        "repeat_interleave.self_int": _f_repeat_interleave,
         "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
         "scaled_dot_product_attention.default": _f_sdpa,
         "max_pool2d.default": _f_max_pool, "avg_pool2d.default": _f_avg_pool,
