@@ -314,11 +314,14 @@ def shuffled_head():
 class Conversions(nn.Module):
     """dtype conversions and shape-only constructions as model code writes
     them: x.to(dtype), type_as, .half() back to float, zeros_like,
-    new_ones, unflatten."""
+    new_ones, unflatten, and fill_ / zero_ on a scratch tensor."""
 
     def forward(self, x):  # [2, 12] f32
         h = x.half().to(torch.float32)                # a round trip through f16
-        y = h.type_as(x) + torch.zeros_like(x) + x.new_ones(2, 12)
+        scratch = torch.empty_like(x)
+        scratch.fill_(0.25)                           # read after the update: 0.25 everywhere
+        offset = x.new_empty(2, 12).zero_()
+        y = h.type_as(x) + torch.zeros_like(x) + x.new_ones(2, 12) + scratch * 2 + offset
         return y.unflatten(1, (3, 4)).to(torch.float64), y.to(torch.bfloat16)
 
 

@@ -142,8 +142,8 @@ class Models(Exported):
             self.assertEqual(len(result.outputs), 3)
 
     def test_conversions_and_like_constants_map(self):
-        """x.to(dtype), type_as, .half(), zeros_like, new_ones and unflatten on
-        both paths: casts where the dtype changes, constants, a reshape. The
+        """x.to(dtype), type_as, .half(), zeros_like, new_ones, unflatten, fill_
+        and zero_ on both paths: casts where the dtype changes, constants, a reshape. The
         f64 output, computed in f32, is checked at f32's tolerance (f64's
         failed it)."""
         seed = fresh_seed()

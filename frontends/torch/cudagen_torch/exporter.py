@@ -1245,6 +1245,16 @@ def _f_like_constant(ex, node):
     return ex.constant(node, ex.values[node], f"{node.name}.constant")
 
 
+def _f_fill(ex, node):
+    """x.fill_(v), x.zero_(): a constant of x's shape (readers after the update read it, as
+    for every in-place method), where v is a number or a tensor the inputs do not reach."""
+    value = _arg(node, 1, "value")
+    if isinstance(value, torch.fx.Node) and value in ex.depends:
+        ex.fail(node, "fill_ with a value computed from the inputs has no mapping",
+                "multiply torch.ones_like(x) by the value")
+    return _f_like_constant(ex, node)
+
+
 FUNCTIONS = {
     operator.add: _arith("add"), torch.add: _arith("add"), operator.iadd: _arith("add"),
     operator.sub: _arith("sub"), torch.sub: _arith("sub"),
@@ -1254,6 +1264,7 @@ FUNCTIONS = {
     operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
     operator.getitem: _f_getitem, torch.narrow: _f_narrow, torch.unflatten: _f_reshape,
     torch.zeros_like: _f_like_constant, torch.ones_like: _f_like_constant, torch.full_like: _f_like_constant,
+    torch.empty_like: _f_like_constant,
     torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
@@ -1295,7 +1306,7 @@ METHODS = {
     "contiguous": _f_identity, "float": _f_float, "to": _f_float, "type_as": _f_float, "half": _f_float,
     "bfloat16": _f_float, "double": _f_float, "unflatten": _f_reshape,
     "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
-    "new_empty": _f_like_constant,
+    "new_empty": _f_like_constant, "fill_": _f_fill, "zero_": _f_fill,
     "split": _f_split, "chunk": _f_split, "narrow": _f_narrow,
     "roll": _f_roll, "repeat_interleave": _f_repeat_interleave,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
@@ -1380,6 +1391,7 @@ def _aten_handlers():
         "zeros_like.default": _f_like_constant, "ones_like.default": _f_like_constant,
         "full_like.default": _f_like_constant, "new_zeros.default": _f_like_constant,
         "new_ones.default": _f_like_constant, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
+        "empty_like.default": _f_like_constant, "fill.Scalar": _f_fill, "fill_.Scalar": _f_fill, "zero.default": _f_fill, "zero_.default": _f_fill,
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split, "roll.default": _f_roll, "constant_pad_nd.default": _a_constant_pad,
