@@ -24,31 +24,55 @@
 // The PTX wrappers. On the device each is one instruction; in the host
 // emulation each has the same operands and the same result layout.
 
-// Shared-memory address as the 32-bit offset the PTX instructions take.
+// A shared-memory address as the PTX instructions take it: 32 bits in the
+// .shared window on the device (computed once per tile: a generic pointer
+// costs each access a conversion), and in the host emulation the offset
+// into the block's dynamic shared memory, which cg_smem_pointer turns back.
 CG_DEVICE unsigned int cg_smem_address(const void* p) {
 #ifdef __CUDA_ARCH__
   unsigned int address;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
   return address;
+#elif defined(CUDAGEN_EMULATION)
+  return (unsigned int)((const unsigned char*)p - cudagen_emu::dynamic_smem());
 #else
+  (void)p;
   return 0;
 #endif
 }
 
-// cp.async of 16 bytes; fewer than 16 valid source bytes (src_bytes = 0 at a
-// tile's edge) fill the rest of the destination with zeros.
-CG_DEVICE void cg_cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
+// The generic pointer of a shared-memory address (the fallbacks below).
+CG_DEVICE unsigned char* cg_smem_pointer(unsigned int address) {
+#ifdef __CUDA_ARCH__
+  unsigned long long p;
+  asm("{ .reg .u64 a; cvt.u64.u32 a, %1; cvta.shared.u64 %0, a; }" : "=l"(p) : "r"(address));
+  return (unsigned char*)p;
+#elif defined(CUDAGEN_EMULATION)
+  return cudagen_emu::dynamic_smem() + address;
+#else
+  (void)address;
+  return (unsigned char*)0;
+#endif
+}
+
+// cp.async of 16 bytes to a shared address; fewer than 16 valid source bytes
+// (src_bytes = 0 at a tile's edge) fill the rest of the destination with zeros.
+CG_DEVICE void cg_cp_async_16_at(unsigned int smem_dst, const void* global_src, int src_bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cg_smem_address(smem_dst)), "l"(global_src),
-               "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(global_src), "r"(src_bytes));
 #elif defined(CUDAGEN_EMULATION)
   // Asynchronous and checked: the emulator lands it between here and its wait.
-  cudagen_emu::cp_async(smem_dst, global_src, src_bytes);
+  cudagen_emu::cp_async(cg_smem_pointer(smem_dst), global_src, src_bytes);
 #else
-  unsigned char* d = (unsigned char*)smem_dst;
+  unsigned char* d = cg_smem_pointer(smem_dst);
   const unsigned char* s = (const unsigned char*)global_src;
   for (int i = 0; i < 16; ++i) d[i] = i < src_bytes ? s[i] : 0;
 #endif
+}
+
+// The same to a generic pointer into shared memory.
+CG_DEVICE void cg_cp_async_16(void* smem_dst, const void* global_src, int src_bytes) {
+  cg_cp_async_16_at(cg_smem_address(smem_dst), global_src, src_bytes);
 }
 
 CG_DEVICE void cg_cp_async_commit() {
@@ -69,25 +93,25 @@ CG_DEVICE void cg_cp_async_wait() {
 #endif
 }
 
-// ldmatrix.x4: four 8 x 8 matrices of 16-bit elements; lane l gives the
-// address of row l % 8 of matrix l / 8, and receives in r[i] the elements
-// (row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1) of matrix i, or with
-// TRANS of its transpose.
+// ldmatrix.x4 at a shared address: four 8 x 8 matrices of 16-bit elements;
+// lane l gives the address of row l % 8 of matrix l / 8, and receives in r[i]
+// the elements (row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1) of matrix i,
+// or with TRANS of its transpose.
 template <bool TRANS>
-CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_address) {
+CG_DEVICE void cg_ldmatrix_x4_at(unsigned int r[4], unsigned int row_address) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (TRANS)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(cg_smem_address(row_address)));
+                 : "r"(row_address));
   else
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(cg_smem_address(row_address)));
+                 : "r"(row_address));
 #else
   const int lane = threadIdx.x & 31;
 #ifdef CUDAGEN_EMULATION
-  cudagen_emu::note_shared_request(row_address, 16);  // its row of the four matrices, for the bank counters
+  cudagen_emu::note_shared_request(cg_smem_pointer(row_address), 16);  // its row of the four matrices, for the bank counters
 #endif
   for (int i = 0; i < 4; ++i) {
     unsigned short e[2];
@@ -96,7 +120,7 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
       // or transposed: row 2 (lane % 4) + j, col lane / 4.
       const int row = TRANS ? 2 * (lane & 3) + j : lane >> 2, col = TRANS ? lane >> 2 : 2 * (lane & 3) + j;
       const unsigned short* p =
-          (const unsigned short*)__shfl_sync(0xffffffffu, (unsigned long long)row_address, 8 * i + row);
+          (const unsigned short*)cg_smem_pointer(__shfl_sync(0xffffffffu, row_address, 8 * i + row));
 #ifdef CUDAGEN_EMULATION
       if (!cudagen_emu::check_shared_read(p + col, 2)) {
         e[j] = 0;
@@ -108,6 +132,12 @@ CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_addre
     r[i] = (unsigned int)e[0] | ((unsigned int)e[1] << 16);
   }
 #endif
+}
+
+// The same at a generic pointer into shared memory.
+template <bool TRANS>
+CG_DEVICE void cg_ldmatrix_x4(unsigned int r[4], const unsigned short* row_address) {
+  cg_ldmatrix_x4_at<TRANS>(r, cg_smem_address(row_address));
 }
 
 // mma.sync on packed registers, one k-step of the mainloop for the operand
@@ -211,6 +241,8 @@ CG_DEVICE void cg_gemm_fragment_ready(unsigned int r[4], cg_tf32) {
 // A 32-bit shared-memory load that reads cp.async's destination (a TF32
 // fragment of an operand stored MN-contiguous): checked and counted in
 // emulation as ldmatrix's reads are.
+// (A plain load of a pointer into the shared tile: the compiler folds its
+// offsets into LDS's immediates, which an asm ld.shared would not allow.)
 CG_DEVICE unsigned int cg_shared_load_b32(const unsigned int* p) {
 #ifdef CUDAGEN_EMULATION
   cudagen_emu::note_shared_request(p, 4);
@@ -339,17 +371,17 @@ struct cg_gemm_operand {
       }
     }
 
-    // Issues the cp.async of k-tile kt into the stage's tile at `dst`,
-    // zero-filling past the operand's MN extent and past k_end.
-    CG_DEVICE void copy(T* dst, cg_i64 kt) const {
+    // Issues the cp.async of k-tile kt into the stage's tile at shared
+    // address `dst`, zero-filling past the operand's MN extent and past k_end.
+    CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
       const T* from = src + kt * k_step;
       const cg_i64 k_first = kt * BK;  // of this thread's first chunk, relative to k_left's origin
       CG_UNROLL
       for (int i = 0; i < per_thread; ++i) {
         const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
         const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
-        cg_cp_async_16(dst + smem_offset + i * row_stride * tile::chunks * CHUNK, inside ? from + i * row_step : base,
-                       inside ? 16 : 0);
+        cg_cp_async_16_at(dst + (unsigned int)((smem_offset + i * row_stride * tile::chunks * CHUNK) * (int)sizeof(T)),
+                          inside ? from + i * row_step : base, inside ? 16 : 0);
       }
     }
   };
@@ -359,9 +391,10 @@ struct cg_gemm_operand {
   // mma's A order (mn 0-7 k first half, mn 8-15 k first half, mn 0-7 k second
   // half, mn 8-15 k second half); otherwise B's order for two n8 tiles (mn
   // 0-7 k first half, mn 0-7 k second half, mn 8-15 k first half, mn 8-15 k
-  // second half). A half of k is one 16-byte chunk.
+  // second half). A half of k is one 16-byte chunk. The tile at shared
+  // address `tile_address` (ldmatrix), which `tile_pointer` points at (32-bit loads).
   template <bool A_ORDER>
-  CG_DEVICE static void fragment(unsigned int r[4], const T* src, int mn, int k) {
+  CG_DEVICE static void fragment(unsigned int r[4], unsigned int tile_address, const T* tile_pointer, int mn, int k) {
     const int lane = threadIdx.x & 31;
     if (!scalar_reads) {
       const int matrix = lane >> 3, row = lane & 7;
@@ -373,7 +406,7 @@ struct cg_gemm_operand {
       // along MN otherwise (.trans, 16-bit values only).
       const int offset = K_CONTIGUOUS ? tile::offset(mn + mn_off + row, k + k_off)
                                       : tile::offset(k + k_off + row, mn + mn_off);
-      cg_ldmatrix_x4<!K_CONTIGUOUS>(r, (const unsigned short*)(src + offset));
+      cg_ldmatrix_x4_at<!K_CONTIGUOUS>(r, tile_address + (unsigned int)(offset * (int)sizeof(T)));
     } else {
       // Lane (g, t) reads value (mn + g, k + t) of each 8 x 4 matrix: rows k
       // + t of the [BK][MN] tile, whose paired swizzle keys put a warp's 32
@@ -383,7 +416,7 @@ struct cg_gemm_operand {
       for (int i = 0; i < 4; ++i) {
         const int mn_off = A_ORDER ? 8 * (i & 1) : 8 * (i >> 1);
         const int k_off = CHUNK * (A_ORDER ? i >> 1 : i & 1);
-        r[i] = cg_shared_load_b32((const unsigned int*)(src + tile::offset(k + k_off + t, mn + mn_off + g)));
+        r[i] = cg_shared_load_b32((const unsigned int*)(tile_pointer + tile::offset(k + k_off + t, mn + mn_off + g)));
       }
     }
     cg_gemm_fragment_ready(r, T());
@@ -441,10 +474,13 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, c
   const cg_i64 k_tiles = (k_end - k_begin + Config::BK - 1) / Config::BK;
   const typename OperandA::template copier<Config::THREADS> copy_a(a, lda, m0, M, k_begin, k_end);
   const typename OperandB::template copier<Config::THREADS> copy_b(b, ldb, n0, N, k_begin, k_end);
+  // Shared addresses, computed once: a generic pointer costs every access a conversion.
+  const unsigned int smem_address = cg_smem_address(smem);
+  constexpr unsigned int stage_bytes = stage_elements * (int)sizeof(T), b_offset = OperandA::elements * (int)sizeof(T);
   auto load_stage = [&](cg_i64 kt) {
-    T* stage = smem + (int)(kt % S) * stage_elements;
+    const unsigned int stage = smem_address + (unsigned int)(kt % S) * stage_bytes;
     copy_a.copy(stage, kt);
-    copy_b.copy(stage + OperandA::elements, kt);
+    copy_b.copy(stage + b_offset, kt);
   };
   // Prologue: S - 1 k-tiles in flight; a group is committed for every tile,
   // empty past the end, so that wait<S - 2> always means "tile kt landed".
@@ -459,15 +495,18 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, c
     __syncthreads();
     if (kt + S - 1 < k_tiles) load_stage(kt + S - 1);
     cg_cp_async_commit();
-    const T* tile_a = smem + (int)(kt % S) * stage_elements;
-    const T* tile_b = tile_a + OperandA::elements;
+    const unsigned int tile_a = smem_address + (unsigned int)(kt % S) * stage_bytes, tile_b = tile_a + b_offset;
+    const T* tile_a_ptr = smem + (int)(kt % S) * stage_elements;  // for TF32's 32-bit loads
+    const T* tile_b_ptr = tile_a_ptr + OperandA::elements;
     CG_UNROLL
     for (int kk = 0; kk < Config::BK; kk += K_STEP) {
       unsigned int fa[Config::MI][4], fb[Config::NI / 2][4];
       CG_UNROLL
-      for (int i = 0; i < Config::MI; ++i) OperandA::template fragment<true>(fa[i], tile_a, warp_m + 16 * i, kk);
+      for (int i = 0; i < Config::MI; ++i)
+        OperandA::template fragment<true>(fa[i], tile_a, tile_a_ptr, warp_m + 16 * i, kk);
       CG_UNROLL
-      for (int j = 0; j < Config::NI / 2; ++j) OperandB::template fragment<false>(fb[j], tile_b, warp_n + 16 * j, kk);
+      for (int j = 0; j < Config::NI / 2; ++j)
+        OperandB::template fragment<false>(fb[j], tile_b, tile_b_ptr, warp_n + 16 * j, kk);
       CG_UNROLL
       for (int i = 0; i < Config::MI; ++i)
         CG_UNROLL
