@@ -2743,8 +2743,7 @@ class Emitter {
       pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined, options_.allow_tf32);
     if (reads_as_stored && !pipelined && a.buffer->dtype == DType::f32)
       simt = simt_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
-    else if (global_wrapper_)
-      why_not_pipelined = "a prologue computes its operand";
+    if (!reads_as_stored && global_wrapper_) why_not_pipelined = "a prologue computes its operand";
     if (simt) return simt_matmul(t, a, b, out, *simt, M, N, K, ta, tb, batches, batch_bases, ek);
     if (pipelined)
       return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches,
@@ -2899,7 +2898,10 @@ class Emitter {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     const bool chained = out.bound->buffer == epilogue_buffer_;
     const int own_width = int(16 / dtype_bytes(out.buffer->dtype));
-    const int width = chained                                           ? epilogue_vector_width_
+    // (A user's matmul op may provide the mainloop without the vector walk.)
+    const bool has_walk = op.closure_of(mainloop + "_each_coalesced_vector") != nullptr;
+    const int width = !has_walk ? 0
+                      : chained ? epilogue_vector_width_
                       : (own_width == 4 || own_width == 8) && N % own_width == 0 ? own_width
                                                                                  : 0;
     if (width == 0) {

@@ -321,6 +321,7 @@ class Conversions(nn.Module):
         scratch = torch.empty_like(x)
         scratch.fill_(0.25)                           # read after the update: 0.25 everywhere
         offset = x.new_empty(2, 12).zero_()
+        offset.add_(x)                                # updated after the fill: the fill stays zero
         y = h.type_as(x) + torch.zeros_like(x) + x.new_ones(2, 12) + scratch * 2 + offset
         return y.unflatten(1, (3, 4)).to(torch.float64), y.to(torch.bfloat16)
 

@@ -1247,12 +1247,15 @@ def _f_like_constant(ex, node):
 
 def _f_fill(ex, node):
     """x.fill_(v), x.zero_(): a constant of x's shape (readers after the update read it, as
-    for every in-place method), where v is a number or a tensor the inputs do not reach."""
-    value = _arg(node, 1, "value")
+    for every in-place method), where v is a number or a tensor the inputs do not reach. Made
+    afresh from v: the recorded result is x itself, which a later in-place update changes."""
+    value = _arg(node, 1, "value", 0)
     if isinstance(value, torch.fx.Node) and value in ex.depends:
         ex.fail(node, "fill_ with a value computed from the inputs has no mapping",
                 "multiply torch.ones_like(x) by the value")
-    return _f_like_constant(ex, node)
+    value = ex.const(value)
+    filled = torch.full_like(ex.values[node], float(value.item() if isinstance(value, torch.Tensor) else value))
+    return ex.constant(node, filled, f"{node.name}.constant")
 
 
 FUNCTIONS = {
