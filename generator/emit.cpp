@@ -1392,15 +1392,17 @@ class Emitter {
     return params;
   }
 
+  // An operand's element as a chain reads it: from the parameter `name` at
+  // `index` (of element i of the domain); by default one load.
+  using OperandLoad = std::function<std::string(const std::string& name, const Param& x, const std::string& index)>;
+
   // One task of a chain run on element i of `domain` (an epilogue's, an
   // elementwise prologue's): its statement, defining local `value`. Each
   // operand is an earlier task's local (`value_of`), else its element loaded
   // from memory (at i, or through its broadcast) by a parameter named after
-  // its first reader, added to `params` once (`param_of`). Records the
-  // task's output as `value` in value_of.
-  // An operand's element as a chain reads it: from the parameter `name` at
-  // `index` (of element i of the domain); by default one load.
-  using OperandLoad = std::function<std::string(const std::string& name, const Param& x, const std::string& index)>;
+  // its first reader, added to `params` once (`param_of`), or as
+  // `load_operand` reads it where given. Records the task's output as
+  // `value` in value_of.
   std::string chain_task(int t, const std::vector<Param>& ps, const Shape& domain, const std::string& value,
                          std::map<int, std::string>& value_of, std::map<int, std::string>& param_of,
                          std::vector<LaunchParam>& params, const OperandLoad& load_operand = {},
