@@ -724,7 +724,7 @@ class Emitter {
     EmittedKernel ek = emitted_kernel(k);
     Epilogue tail;
     if (k.tasks.size() > 1) {
-      const Param& anchor = param(ps, std::string(epilogue_slot(op.name)));
+      const Param& anchor = param(ps, op.epilogue);
       tail = epilogue(k, anchor);
       if (!diags_.ok()) return {};
       epilogue_buffer_ = anchor.bound->buffer;
@@ -1175,7 +1175,7 @@ class Emitter {
         staged_rows[source] = rows_name;
         if (norm >= 0) {
           const BoundTask& nt = p_.tasks[size_t(norm)];
-          const bool layer = nt.op->name == "layernorm";
+          const bool layer = nt.op->norm == "layer";
           const std::vector<Param> nps = params(norm);
           if (!diags_.ok()) return out;
           const std::string nid = nt.task->id;
@@ -1341,8 +1341,8 @@ class Emitter {
         if (p_.buffers[size_t(lp.buffer)].shape == sa) by_rows.insert(lp.buffer);
       by_rows.insert(param(ps, "out").bound->buffer);
       row_shape = so;
-    } else if (kRowOps.count(op.name)) {
-      const Shape& sx = ps[0].buffer->shape;  // x, or softmax_backward's out
+    } else if (!op.rows.empty()) {
+      const Shape& sx = param(ps, op.rows).buffer->shape;
       const int64_t rows = numel(sx) / sx.back();
       if (ek.grid[0] != rows || ek.grid[1] != 1 || ek.grid[2] != 1) return;
       ek.rows = rows;
@@ -1363,10 +1363,6 @@ class Emitter {
     for (size_t i = 0; i < launch.size(); ++i)
       if (launch[i].scalar == nullptr && by_rows.count(launch[i].buffer)) ek.ranges[i].by_rows = true;
   }
-  // The block-per-row skeletons whose every non-weight slot is the row tensor
-  // or a value per row.
-  static inline const std::set<std::string> kRowOps = {"softmax", "log_softmax", "rmsnorm", "layernorm",
-                                                       "softmax_backward", "log_softmax_backward"};
 
   // Rule norm_prologue (fuse.h): the kernel's matmul reads its `a` as the
   // norm k.prologue[0] would have computed it. Its input, weight (and bias)
@@ -1505,7 +1501,7 @@ class Emitter {
       use_function(op, op.source_function);
       tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
       const std::vector<Param> ps = params(t);
-      if (!inverse_permutation_op(op.name).empty()) {  // rule permuted_store: the last task
+      if (!op.inverse.empty()) {  // rule permuted_store: the last task
         const Param& x = param(ps, "x");
         const Param& out_param = param(ps, "out");
         const std::string name = p_.tasks[size_t(t)].task->id + "_out";
@@ -1579,7 +1575,7 @@ class Emitter {
     if (!contains(k.internal_buffers, out.bound->buffer)) stored(out.bound->name, out, "v0");
     for (size_t j = 1; j < k.tasks.size() && vectorizable; ++j) {
       const int t = k.tasks[j];
-      if (!inverse_permutation_op(p_.tasks[size_t(t)].op->name).empty()) return;
+      if (!p_.tasks[size_t(t)].op->inverse.empty()) return;
       const std::vector<Param> ps = params(t);
       const std::string v = fmt::format("v{}", j);
       statements += chain_task(t, ps, domain, v, value_of, param_of, unused, vector_load, "      ");
@@ -1606,11 +1602,11 @@ class Emitter {
   // Rule permuted_store: where element i of gather task `t`'s input lands in
   // its output, by the index map of the inverse op (kernels.h).
   std::string permuted_index(int t, const Param& x, const Param& out) {
-    const OpSignature& inverse = *p_.registry.find(inverse_permutation_op(p_.tasks[size_t(t)].op->name));
+    const OpSignature& inverse = *p_.registry.find(p_.tasks[size_t(t)].op->inverse);
     template_files_.insert(inverse.source_file);
     use_function(inverse, inverse.source_function);
-    // split_heads and merge_heads: H, T, D from the [..., H, T, D] side.
-    const Shape& s = p_.tasks[size_t(t)].op->name == "split_heads" ? out.buffer->shape : x.buffer->shape;
+    // split_heads and merge_heads: H, T, D from the [..., H, T, D] side, the one with more axes.
+    const Shape& s = out.buffer->shape.size() > x.buffer->shape.size() ? out.buffer->shape : x.buffer->shape;
     const int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back();
     return fmt::format("{}(i, {}, {}, {})", inverse.source_function, T, H, D);
   }
@@ -2995,7 +2991,7 @@ class Emitter {
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek) {
     NormLoad out;
     const BoundTask& norm = p_.tasks[size_t(prologue_task_)];
-    const bool layer = norm.op->name == "layernorm";
+    const bool layer = norm.op->norm == "layer";
     const std::string id = norm.task->id, x = id + "_x";
     auto slot_type = [&](const char* slot) { return p_.buffers[size_t(norm.find_tensor(slot)->buffer)].dtype; };
     auto param_load = [&](const char* slot, const std::string& index) {

@@ -27,20 +27,19 @@ const BoundTensor* only_output(const BoundTask& bt) {
 }
 
 // The rule under which a chain of elementwise tasks may follow task `t` in
-// its kernel, as an epilogue on the elements of its epilogue slot
-// (kernels.h). Empty for other ops.
+// its kernel, as an epilogue on the elements of its op's epilogue slot
+// (OpSignature::epilogue). Empty for other ops.
 std::string epilogue_rule(const BoundTask& bt) {
-  const std::string_view slot = epilogue_slot(bt.op->name);
-  if (slot.empty() || bt.find_tensor(std::string(slot)) == nullptr) return {};
-  // A convolution is a matmul (an implicit GEMM) with the same epilogue hook.
-  if (bt.op->pattern == PatternKind::matmul || bt.op->name == "conv2d") return "matmul_epilogue";
-  return "reduction_epilogue";
+  if (bt.op->epilogue.empty() || bt.find_tensor(bt.op->epilogue) == nullptr) return {};
+  // A row op's block stores its row; anything else with the hook (a matmul,
+  // a convolution's implicit GEMM) stores from its tile's accumulators.
+  return bt.op->pattern == PatternKind::reduction ? "reduction_epilogue" : "matmul_epilogue";
 }
 
 // The value of a task that the next task of its kernel may read: an
 // elementwise task's one output, an epilogue anchor's epilogue slot.
 const BoundTensor* group_value(const BoundTask& bt) {
-  if (!epilogue_rule(bt).empty()) return bt.find_tensor(std::string(epilogue_slot(bt.op->name)));
+  if (!epilogue_rule(bt).empty()) return bt.find_tensor(bt.op->epilogue);
   return only_output(bt);
 }
 
@@ -181,7 +180,7 @@ class Fuser {
   // Whether task `t` is a gather whose inverse map the registry has a
   // template for (rule permuted_store).
   bool permutation(int t) const {
-    const std::string_view inverse = inverse_permutation_op(p_.tasks[size_t(t)].op->name);
+    const std::string& inverse = p_.tasks[size_t(t)].op->inverse;
     if (inverse.empty()) return false;
     const OpSignature* op = p_.registry.find(inverse);
     return op != nullptr && !op->source_file.empty();
@@ -497,8 +496,7 @@ class Fuser {
     for (size_t k = 0; k < out_.kernels.size(); ++k) {
       const KernelGroup& kernel = out_.kernels[k];
       const int norm = kernel.tasks.front();
-      const std::string& op = p_.tasks[size_t(norm)].op->name;
-      if (op != "rmsnorm" && op != "layernorm") continue;
+      if (p_.tasks[size_t(norm)].op->norm.empty()) continue;
       const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
       std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
       for (int r : readers_[size_t(value)])
@@ -1130,7 +1128,7 @@ class Fuser {
     const Shape& a = p_.buffers[size_t(source)].shape;
     int64_t floats = a[a.size() - 2] * a.back();
     if (!producer.prologue.empty()) {
-      const int64_t per_row = p_.tasks[size_t(producer.prologue.front())].op->name == "layernorm" ? 2 : 1;
+      const int64_t per_row = p_.tasks[size_t(producer.prologue.front())].op->norm == "layer" ? 2 : 1;  // mean and rstd
       floats += a.back() * per_row + (cudagen::stores_prologue(p_, producer) ? a[a.size() - 2] * per_row : 0);
     }
     ProjectedAttention with = projected;
@@ -1449,17 +1447,17 @@ class Fuser {
 
   // The slot through which task `r` reads buffer `value` as an operand whose
   // loads a prologue may compute ("both" for a matmul reading it twice), or
-  // empty where it reads it otherwise. The skeletons of these ops read the
-  // slot only through their element loads (emit.cpp, load()).
+  // empty where it reads it otherwise: every slot reading it must be one of
+  // the op's prologue slots (OpSignature::prologue), which its skeleton reads
+  // only through element loads (emit.cpp, load()).
   std::string prologue_operand(int r, int value) const {
     const BoundTask& reader = p_.tasks[size_t(r)];
-    const std::string& op = reader.op->name;
     std::vector<std::string> slots;
     for (const auto& b : reader.tensors)
       if (b.buffer == value && b.sig != nullptr && !b.sig->written()) slots.push_back(b.name);
-    if (op == "matmul") return slots.size() == 2 ? "both" : slots.size() == 1 ? slots.front() : "";
-    static const std::set<std::string> kRowOps = {"softmax", "log_softmax", "rmsnorm", "layernorm", "sum", "mean", "max"};
-    return kRowOps.count(op) && slots == std::vector<std::string>{"x"} ? "x" : "";
+    for (const auto& slot : slots)
+      if (std::find(reader.op->prologue.begin(), reader.op->prologue.end(), slot) == reader.op->prologue.end()) return {};
+    return slots.size() == 2 ? "both" : slots.size() == 1 ? slots.front() : "";
   }
 
   // A value the group computes and only the group reads needs no storage.

@@ -31,8 +31,7 @@ std::vector<int> kernel_tasks(const KernelGroup& kernel) {
 
 bool norm_prologue(const Program& program, const KernelGroup& k) {
   if (k.prologue.empty()) return false;
-  const std::string& op = program.tasks[size_t(k.prologue.front())].op->name;
-  return op == "rmsnorm" || op == "layernorm";
+  return !program.tasks[size_t(k.prologue.front())].op->norm.empty();
 }
 
 bool stores_prologue(const Program& program, const KernelGroup& k) {

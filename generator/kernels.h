@@ -59,33 +59,6 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
 // The number of launches: one past the largest KernelGroup::launch.
 int launch_count(const std::vector<KernelGroup>& kernels);
 
-// The output slot an op's skeleton stores one element at a time, from the
-// thread that computed that element (emit.cpp), so an elementwise chain can
-// run on it right there as an epilogue (fuse.h: matmul_epilogue,
-// reduction_epilogue). Empty for other ops: their threads hand elements
-// around, or they store one value per row.
-inline std::string_view epilogue_slot(std::string_view op) {
-  if (op == "matmul" || op == "conv2d" || op == "softmax" || op == "log_softmax" || op == "rmsnorm" ||
-      op == "layernorm")
-    return "out";
-  // The row gradients: a block per row, each thread storing its elements of dx.
-  if (op == "softmax_backward" || op == "log_softmax_backward" || op == "rmsnorm_backward" ||
-      op == "layernorm_backward")
-    return "dx";
-  return {};
-}
-
-// Gather ops that only move elements (a bijection between input and output
-// elements), each with the op whose index map is its inverse: the map from an
-// element of its input to its place in the output. A kernel that computes the
-// input can store each element straight there (fuse.h: permuted_store).
-// Empty for other ops.
-inline std::string_view inverse_permutation_op(std::string_view op) {
-  if (op == "split_heads") return "merge_heads";
-  if (op == "merge_heads") return "split_heads";
-  return {};
-}
-
 // The matmul skeleton's tile (emit.cpp): 16-bit operands run on tensor
 // cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: docs/architecture.md §9).
 // Its rows per block, and the shared memory its operand tiles take.

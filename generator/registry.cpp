@@ -174,6 +174,18 @@ class RegistryReader {
     op.smem = string_field(v, "smem", path, op.name, false);
     op.flops_text = string_field(v, "flops", path, op.name, false);
     op.reference = string_field(v, "reference", path, op.name, false);
+    op.epilogue = string_field(v, "epilogue", path, op.name, false);
+    op.rows = string_field(v, "rows", path, op.name, false);
+    op.inverse = string_field(v, "inverse", path, op.name, false);
+    op.norm = string_field(v, "norm", path, op.name, false);
+    if (const JsonValue* prologue = v.find("prologue")) {
+      if (!prologue->is_array()) fail(*prologue, path + "/prologue", "\"prologue\" lists input slot names", op.name);
+      else
+        for (const auto& slot : prologue->items()) {
+          if (slot.is_string()) op.prologue.push_back(slot.as_string());
+          else fail(slot, path + "/prologue", "\"prologue\" lists input slot names (strings)", op.name);
+        }
+    }
     if (const JsonValue* source = v.find("source")) {
       op.source_file = string_field(*source, "file", path + "/source", op.name, true);
       op.source_function = string_field(*source, "function", path + "/source", op.name, true);
@@ -230,6 +242,7 @@ class RegistryReader {
           if (op.find_tensor(s) == nullptr) fail(*view, path + "/view", fmt::format("no slot '{}'", s), op.name);
       }
     }
+    read_fusion_facts(v, path, op);
     if (const JsonValue* alias = v.find("may_alias"); alias && alias->is_array()) {
       for (const auto& pair : alias->items()) {
         if (!pair.is_array() || pair.items().size() != 2 || !pair.items()[0].is_string() || !pair.items()[1].is_string()) {
@@ -242,6 +255,27 @@ class RegistryReader {
       }
     }
     return op;
+  }
+
+  // The fusion facts name slots of the op in the roles they need.
+  void read_fusion_facts(const JsonValue& v, const std::string& path, OpSignature& op) {
+    auto check_slot = [&](const std::string& key, const std::string& slot, bool output) {
+      const SlotSignature* sig = op.find_tensor(slot);
+      if (sig == nullptr)
+        fail(v, path + "/" + key, fmt::format("\"{}\" names slot '{}', which the op does not have", key, slot), op.name);
+      else if (output ? sig->role != SlotRole::output : sig->written())
+        fail(v, path + "/" + key,
+             fmt::format("\"{}\" names slot '{}', a{} {}; it takes {} slot", key, slot,
+                         sig->role == SlotRole::input || sig->role == SlotRole::output ? "n" : "",
+                         to_string(sig->role), output ? "an output" : "a slot the op only reads"),
+             op.name);
+    };
+    if (!op.epilogue.empty()) check_slot("epilogue", op.epilogue, true);
+    for (const auto& slot : op.prologue) check_slot("prologue", slot, false);
+    if (!op.rows.empty() && op.find_tensor(op.rows) == nullptr)
+      fail(v, path + "/rows", fmt::format("\"rows\" names slot '{}', which the op does not have", op.rows), op.name);
+    if (!op.norm.empty() && op.norm != "rms" && op.norm != "layer")
+      fail(v, path + "/norm", fmt::format("\"norm\" is \"rms\" or \"layer\", not \"{}\"", op.norm), op.name);
   }
 
   void read_types(const JsonValue& v, const std::string& path, OpSignature& op) {
@@ -409,7 +443,8 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
   for (const auto& op : reg.ops_) {
     for (const auto& [kind, link] : {std::pair<const char*, const std::string*>{"backward", &op.backward},
                                      {"forward", &op.forward},
-                                     {"init", &op.init}}) {
+                                     {"init", &op.init},
+                                     {"inverse", &op.inverse}}) {
       if (!link->empty() && reg.find(*link) == nullptr)
         diags.add(Diagnostic{{}, {}, {}, {}, {},
                              fmt::format("op '{}': {} op '{}' is not in the registry", op.name, kind, *link), {}});

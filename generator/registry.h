@@ -56,6 +56,26 @@ struct OpSignature {
   std::string backward;  // op name of its backward, if differentiable
   std::string forward;   // for a backward op: the op whose gradients it computes
   std::string init;      // an op that initialises this op's persistent state, if it has any
+  // Fusion facts (docs/registry-format.md): what the fusion pass and the
+  // emitter may do with the op's skeleton, declared by its template rather
+  // than known to the compiler by name.
+  //   epilogue  the output slot its skeleton stores element by element, from
+  //             the thread that computed the element: an elementwise chain
+  //             may run there (rules matmul_epilogue, reduction_epilogue).
+  //   prologue  the input slots its skeleton reads only through element
+  //             loads: an elementwise chain's value may be computed there
+  //             (rule elementwise_prologue).
+  //   rows      the slot whose rows its blocks own, one block per row; every
+  //             other slot but a weight is that tensor's shape or one value a row.
+  //   inverse   for a gather that only moves elements: the op whose index
+  //             map is its inverse (rule permuted_store).
+  //   norm      "rms" or "layer": a row normalisation a matmul may apply to
+  //             its operand rows as it loads them (rule norm_prologue).
+  std::string epilogue;
+  std::vector<std::string> prologue;
+  std::string rows;
+  std::string inverse;
+  std::string norm;
   std::string doc;
   // Where the template lives: a file of templates/ and its entry function.
   // Empty for ops that have no template yet (the emitter then says so).

@@ -4,6 +4,7 @@
 // out[..., h, t, d] = x[..., t, h * D + d]   (x: [..., T, H * D])
 CG_OP("split_heads",
       "pattern: gather",
+      "inverse: merge_heads",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -18,6 +19,7 @@ CG_DEVICE cg_i64 cg_split_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
 // out[..., t, h * D + d] = x[..., h, t, d]   (x: [..., H, T, D])
 CG_OP("merge_heads",
       "pattern: gather",
+      "inverse: split_heads",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",

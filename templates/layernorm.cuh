@@ -11,6 +11,10 @@ struct cg_row_stats {
 template <typename Load, typename Weight, typename Bias, typename Store>
 CG_OP("layernorm",
       "pattern: reduction",
+      "epilogue: out",
+      "prologue: x",
+      "rows: x",
+      "norm: layer",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: weight weight T",
@@ -123,6 +127,7 @@ CG_DEVICE void cg_layernorm_stats_rows(Load load, cg_i64 first, int rows, cg_i64
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("layernorm_backward",
       "pattern: reduction",
+      "epilogue: dx",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: weight weight T",

@@ -7,6 +7,8 @@
 template <int BM, int BN, int BK, typename LoadA, typename LoadB, typename Epilogue>
 CG_OP("matmul",
       "pattern: matmul",
+      "epilogue: out",
+      "prologue: a b",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: a input T",
       "tensor: b input T",

@@ -5,6 +5,7 @@
 template <typename Load>
 CG_OP("sum",
       "pattern: reduction",
+      "prologue: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -22,6 +23,7 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
 template <typename Load>
 CG_OP("mean",
       "pattern: reduction",
+      "prologue: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -37,6 +39,7 @@ CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
 template <typename Load>
 CG_OP("max",
       "pattern: reduction",
+      "prologue: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -64,6 +67,9 @@ CG_DEVICE float cg_log_sum_exp_row(Load load, int n, float* scratch) {
 template <typename Load, typename Store>
 CG_OP("log_softmax",
       "pattern: reduction",
+      "epilogue: out",
+      "prologue: x",
+      "rows: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -109,6 +115,8 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, 
 template <typename LoadOut, typename LoadDout, typename Store>
 CG_OP("log_softmax_backward",
       "pattern: reduction",
+      "epilogue: dx",
+      "rows: out",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: out input T",
       "tensor: dout input T",

@@ -6,6 +6,10 @@
 template <typename Load, typename Weight, typename Store>
 CG_OP("rmsnorm",
       "pattern: reduction",
+      "epilogue: out",
+      "prologue: x",
+      "rows: x",
+      "norm: rms",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: weight weight T",
@@ -91,6 +95,7 @@ CG_DEVICE void cg_rmsnorm_rstd_rows(Load load, cg_i64 first, int rows, cg_i64 la
 template <typename LoadX, typename Weight, typename LoadDout, typename StoreDx>
 CG_OP("rmsnorm_backward",
       "pattern: reduction",
+      "epilogue: dx",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: weight weight T",

@@ -5,6 +5,9 @@
 template <typename Load, typename Store>
 CG_OP("softmax",
       "pattern: reduction",
+      "epilogue: out",
+      "prologue: x",
+      "rows: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -33,6 +36,8 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
 template <typename LoadOut, typename LoadDout, typename Store>
 CG_OP("softmax_backward",
       "pattern: reduction",
+      "epilogue: dx",
+      "rows: out",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: out input T",
       "tensor: dout input T",

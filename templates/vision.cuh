@@ -20,6 +20,7 @@ struct cg_conv2d_geometry {
 template <int BM, int BN, int BK, typename LoadW, typename LoadX, typename Epilogue>
 CG_OP("conv2d",
       "pattern: opaque",
+      "epilogue: out",
       "types: T = f32 f16 bf16",
       "tensor: x input T",
       "tensor: weight weight T",

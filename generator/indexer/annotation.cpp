@@ -32,14 +32,16 @@ class AnnotationParser {
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
               may_alias = JsonValue::array(), variants = JsonValue::array(), view;
-    std::string pattern, shape, doc, smem, flops, reference;
-    std::string links[3];  // backward, forward, init
+    std::string pattern, shape, doc, smem, flops, reference, epilogue, rows, norm;
+    JsonValue prologue = JsonValue::array();
+    std::string links[4];  // backward, forward, init, inverse
     for (index_ = 1; index_ < strings_.size(); ++index_) {
       const std::string& s = strings_[index_];
       size_t colon = s.find(':');
       if (colon == std::string::npos)
         fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
-                         "backward, forward, init, smem, flops, doc, variant, view, reference)",
+                         "backward, forward, init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, "
+                         "inverse, norm)",
                          s));
       const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
       if (key == "pattern") set_once(pattern, value, key);
@@ -55,6 +57,15 @@ class AnnotationParser {
       else if (key == "backward") set_once(links[0], link(value), key);
       else if (key == "forward") set_once(links[1], link(value), key);
       else if (key == "init") set_once(links[2], link(value), key);
+      else if (key == "inverse") set_once(links[3], link(value), key);
+      else if (key == "epilogue") set_once(epilogue, value, key);
+      else if (key == "rows") set_once(rows, value, key);
+      else if (key == "norm") set_once(norm, value, key);
+      else if (key == "prologue") {
+        if (!prologue.items().empty()) fail("'prologue' is given twice");
+        for (const auto& slot : words(value)) prologue.push_back(JsonValue::string(slot));
+        if (prologue.items().empty()) fail("'prologue' has no value (the input slots, e.g. \"prologue: a b\")");
+      }
       else if (key == "smem") set_once(smem, value, key);
       else if (key == "flops") set_once(flops, value, key);
       else if (key == "doc") set_once(doc, value, key);
@@ -66,7 +77,7 @@ class AnnotationParser {
         if (reference != "none") variants.push_back(JsonValue::string(reference));
       }
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
-                            "init, smem, flops, doc, variant, view, reference)",
+                            "init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, inverse, norm)",
                             key));
     }
     index_ = 0;
@@ -87,6 +98,12 @@ class AnnotationParser {
     const char* link_keys[3] = {"backward", "forward", "init"};
     for (int i = 0; i < 3; ++i)
       if (!links[i].empty()) op.set(link_keys[i], JsonValue::string(links[i]));
+    // The fusion facts (docs/registry-format.md).
+    if (!epilogue.empty()) op.set("epilogue", JsonValue::string(epilogue));
+    if (!prologue.items().empty()) op.set("prologue", std::move(prologue));
+    if (!rows.empty()) op.set("rows", JsonValue::string(rows));
+    if (!links[3].empty()) op.set("inverse", JsonValue::string(links[3]));
+    if (!norm.empty()) op.set("norm", JsonValue::string(norm));
     if (!doc.empty()) op.set("doc", JsonValue::string(doc));
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
     if (!flops.empty()) op.set("flops", JsonValue::string(flops));

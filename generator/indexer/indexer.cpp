@@ -471,7 +471,8 @@ class IndexConsumer : public clang::ASTConsumer {
     // registry. Links to other ops and variants are checked once all are known.
     JsonValue alone = JsonValue::object();
     for (const auto& [key, value] : op.entry.members())
-      if (key != "backward" && key != "forward" && key != "init" && key != "variants") alone.set(key, value);
+      if (key != "backward" && key != "forward" && key != "init" && key != "inverse" && key != "variants")
+        alone.set(key, value);
     if (const JsonValue* variants = op.entry.find("variants")) {  // named only: a reference function is one
       JsonValue named = JsonValue::array();
       for (const auto& v : variants->items()) {
@@ -803,7 +804,7 @@ IndexResult index_templates(const IndexOptions& options, std::ostream& diagnosti
                             it->second->place.line));
   }
   for (const auto& [name, op] : by_name)
-    for (const char* link : {"backward", "forward", "init"})
+    for (const char* link : {"backward", "forward", "init", "inverse"})
       if (const JsonValue* target = op->entry.find(link); target && !by_name.count(target->as_string()))
         errors.at(files, op->place,
                   fmt::format("op '{}' names {} op '{}', but no template declares an op of that name", name, link,

@@ -849,7 +849,7 @@ CG_DEVICE cg_i64 cg_split_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   return ((s * T + t) * H + h) * D + d;
 }
 
-// templates/heads.cuh:19
+// templates/heads.cuh:20
 // out[..., t, h * D + d] = x[..., h, t, d]   (x: [..., H, T, D])
 CG_DEVICE cg_i64 cg_merge_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   const cg_i64 d = i % D, h = (i / D) % H, t = (i / (D * H)) % T, s = i / (D * H * T);
@@ -938,7 +938,7 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// templates/layernorm.cuh:123
+// templates/layernorm.cuh:127
 // The gradient of one row of layernorm with respect to x, given the mean and
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
@@ -963,7 +963,7 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// templates/layernorm.cuh:162
+// templates/layernorm.cuh:167
 // For the lane's column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
 // dout(r) read that column, one of 32 adjacent ones per block (false `active`
@@ -984,7 +984,7 @@ CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean 
   dbias = cg_sum_over_warps(sum_db, scratch);
 }
 
-// templates/reduction.cuh:37
+// templates/reduction.cuh:39
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -992,7 +992,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:55
+// templates/reduction.cuh:58
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -1125,13 +1125,13 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   return cg_block_sum(s, scratch);
 }
 
-// templates/reduction.cuh:22
+// templates/reduction.cuh:23
 template <typename Load>
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
-// templates/reduction.cuh:64
+// templates/reduction.cuh:67
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
@@ -1139,7 +1139,7 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:88
+// templates/reduction.cuh:94
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
@@ -1157,7 +1157,7 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, 
   return cg_sum_over_warps(s, scratch);
 }
 
-// templates/reduction.cuh:109
+// templates/reduction.cuh:115
 // The gradient of a row of log_softmax, from its output:
 //   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -1168,7 +1168,7 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }
 
-// templates/reduction.cuh:130
+// templates/reduction.cuh:138
 // The gradients of the row reductions. A sum hands each element of the row
 // the row's gradient, a mean the same divided by the row's length: the
 // emitter runs a grid-stride loop over dx and passes dout[row] and n.
@@ -1178,13 +1178,13 @@ CG_DEVICE T cg_sum_backward(T dout, int n) {
   return dout;
 }
 
-// templates/reduction.cuh:144
+// templates/reduction.cuh:152
 template <typename T>
 CG_DEVICE T cg_mean_backward(T dout, int n) {
   return dout / T(n);
 }
 
-// templates/reduction.cuh:160
+// templates/reduction.cuh:168
 // The gradient of a row max goes to the elements equal to the max, split
 // evenly between ties (as torch.amax's). One block per row; out is the
 // forward's max, which is one of the row's values, so == is exact.
@@ -1196,7 +1196,7 @@ CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, f
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
 }
 
-// templates/reduction.cuh:180
+// templates/reduction.cuh:188
 // The gradient of sum_leading: dout, broadcast back over the leading axes.
 template <typename T>
 CG_DEVICE T cg_sum_leading_backward(T dout) {
@@ -1221,7 +1221,7 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/rmsnorm.cuh:91
+// templates/rmsnorm.cuh:95
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -1238,7 +1238,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:119
+// templates/rmsnorm.cuh:124
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and
@@ -1271,7 +1271,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
     store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
 }
 
-// templates/softmax.cuh:33
+// templates/softmax.cuh:36
 // The gradient of a row of softmax(scale * x), from its output:
 //   dx[j] = scale * out[j] * (dout[j] - sum_k dout[k] * out[k]).
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -1335,7 +1335,7 @@ CG_DEVICE void cg_conv2d_tile(LoadW load_w, LoadX load_x, Epilogue epilogue, cg_
       epilogue, g.O / g.groups, g.OH * g.OW, g.C / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:57
+// templates/vision.cuh:58
 // The direct form, one output element per call: for GEMMs too thin for a
 // tile (a depthwise convolution has M = 1 and K = KH * KW), where the tile
 // would compute 32 rows to keep one.
@@ -1355,14 +1355,14 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
   return acc;
 }
 
-// templates/vision.cuh:74
+// templates/vision.cuh:75
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:81
+// templates/vision.cuh:82
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -1383,7 +1383,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return best;
 }
 
-// templates/vision.cuh:118
+// templates/vision.cuh:119
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -1407,7 +1407,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:157
+// templates/vision.cuh:158
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -1423,7 +1423,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:182
+// templates/vision.cuh:183
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

@@ -522,7 +522,7 @@ CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
-// templates/reduction.cuh:37
+// templates/reduction.cuh:39
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -530,7 +530,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:55
+// templates/reduction.cuh:58
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -622,7 +622,7 @@ CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float lr, float bet
   param = T(float(param) - lr * cg_adam_direction(g, m, v, beta1, beta2, eps, step));
 }
 
-// templates/reduction.cuh:88
+// templates/reduction.cuh:94
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,

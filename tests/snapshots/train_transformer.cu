@@ -568,7 +568,7 @@ CG_DEVICE cg_i64 cg_split_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   return ((s * T + t) * H + h) * D + d;
 }
 
-// templates/heads.cuh:19
+// templates/heads.cuh:20
 // out[..., t, h * D + d] = x[..., h, t, d]   (x: [..., H, T, D])
 CG_DEVICE cg_i64 cg_merge_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   const cg_i64 d = i % D, h = (i / D) % H, t = (i / (D * H)) % T, s = i / (D * H * T);
@@ -603,7 +603,7 @@ CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
-// templates/reduction.cuh:37
+// templates/reduction.cuh:39
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -611,7 +611,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:55
+// templates/reduction.cuh:58
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -704,7 +704,7 @@ CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float be
   param = T(decayed - lr * cg_adam_direction(float(grad), m, v, beta1, beta2, eps, step));
 }
 
-// templates/rmsnorm.cuh:41
+// templates/rmsnorm.cuh:45
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
 // too (staged_weight, n floats), and each row's rstd where staged_rstd is not
@@ -734,7 +734,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/rmsnorm.cuh:91
+// templates/rmsnorm.cuh:95
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -751,7 +751,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:119
+// templates/rmsnorm.cuh:124
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and
@@ -767,7 +767,7 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:61
+// templates/softmax.cuh:66
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -812,7 +812,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:109
+// templates/softmax.cuh:114
 // The gradient of attention for one query row, run by one warp (fusion rule
 // attention_backward: the gradients of scores = alpha q k^T, probs =
 // softmax(scale * scores) and context = alpha_v * probs v in one kernel).
@@ -847,7 +847,7 @@ CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK 
   }
 }
 
-// templates/softmax.cuh:134
+// templates/softmax.cuh:139
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.

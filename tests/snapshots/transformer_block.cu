@@ -527,7 +527,7 @@ CG_DEVICE cg_i64 cg_split_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   return ((s * T + t) * H + h) * D + d;
 }
 
-// templates/heads.cuh:19
+// templates/heads.cuh:20
 // out[..., t, h * D + d] = x[..., h, t, d]   (x: [..., H, T, D])
 CG_DEVICE cg_i64 cg_merge_heads_source(cg_i64 i, cg_i64 T, cg_i64 H, cg_i64 D) {
   const cg_i64 d = i % D, h = (i / D) % H, t = (i / (D * H)) % T, s = i / (D * H * T);
@@ -605,7 +605,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/rmsnorm.cuh:41
+// templates/rmsnorm.cuh:45
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
 // too (staged_weight, n floats), and each row's rstd where staged_rstd is not
@@ -635,7 +635,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/softmax.cuh:61
+// templates/softmax.cuh:66
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -680,7 +680,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:134
+// templates/softmax.cuh:139
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.

@@ -66,6 +66,38 @@ TEST(Registry, RejectsRulesThatDoNotMatchTheSlots) {
   EXPECT_NE(msg.find("\"U\" is neither a dtype nor a type variable of the op"), std::string::npos) << msg;
 }
 
+// The fusion facts (epilogue, prologue, rows, inverse, norm) name slots of
+// the op in the roles they need, and ops that exist; the bundled templates
+// declare them where the compiler once knew them by op name.
+TEST(Registry, FusionFactsNameTheOpsSlotsInTheirRoles) {
+  auto with = [](const std::string& facts) {
+    std::string op = kRelu;
+    op.insert(op.size() - 1, ", " + facts);
+    return registry_errors(op);
+  };
+  EXPECT_EQ(with(R"("epilogue": "out", "prologue": ["x"], "rows": "x")"), "");
+  std::string msg = with(R"("epilogue": "x")");
+  EXPECT_NE(msg.find("\"epilogue\" names slot 'x', an input; it takes an output slot"), std::string::npos) << msg;
+  msg = with(R"("prologue": ["out"])");
+  EXPECT_NE(msg.find("\"prologue\" names slot 'out', an output; it takes a slot the op only reads"), std::string::npos) << msg;
+  msg = with(R"("rows": "y")");
+  EXPECT_NE(msg.find("\"rows\" names slot 'y', which the op does not have"), std::string::npos) << msg;
+  msg = with(R"("norm": "batch")");
+  EXPECT_NE(msg.find("\"norm\" is \"rms\" or \"layer\", not \"batch\""), std::string::npos) << msg;
+  msg = with(R"("inverse": "unrelu")");
+  EXPECT_NE(msg.find("op 'relu': inverse op 'unrelu' is not in the registry"), std::string::npos) << msg;
+
+  const OpRegistry reg = builtin_registry();
+  EXPECT_EQ(reg.find("matmul")->epilogue, "out");
+  EXPECT_EQ(reg.find("matmul")->prologue, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(reg.find("softmax_backward")->epilogue, "dx");
+  EXPECT_EQ(reg.find("softmax_backward")->rows, "out");
+  EXPECT_EQ(reg.find("layernorm")->norm, "layer");
+  EXPECT_EQ(reg.find("split_heads")->inverse, "merge_heads");
+  EXPECT_EQ(reg.find("merge_heads")->inverse, "split_heads");
+  EXPECT_TRUE(reg.find("relu")->epilogue.empty());
+}
+
 TEST(Registry, AFlopsFormulaNamesOnlyTheRulesDimensionsArgumentsAndSlots) {
   auto with_flops = [](const std::string& formula) {
     std::string op = kRelu;
