@@ -160,12 +160,12 @@ class Emitter {
       // A kernel launched alone gets its __global__ right after its tile
       // function; one that shares a launch is called from the launch's.
       global_wrapper_ = !options_.megakernel && alone_in_launch(kernels, size_t(&k - kernels.data()));
-      kernel_code += k.rule == "elementwise_chain" ? fused_elementwise(k, out.tile_kernels)
-                     : k.rule == "attention"       ? attention(k, out.tile_kernels)
-                     : k.rule == "matmul_chain"    ? matmul_chain(k, out.tile_kernels)
-                     : k.rule == "row_reduction"   ? row_reduction(k, out.tile_kernels)
-                     : k.rule == "attention_backward" ? attention_backward(k, out.tile_kernels)
-                     : k.rule == "matmul_sum"      ? matmul_sum(k, out.tile_kernels)
+      kernel_code += k.rule == FusionRule::elementwise_chain ? fused_elementwise(k, out.tile_kernels)
+                     : k.rule == FusionRule::attention       ? attention(k, out.tile_kernels)
+                     : k.rule == FusionRule::matmul_chain    ? matmul_chain(k, out.tile_kernels)
+                     : k.rule == FusionRule::row_reduction   ? row_reduction(k, out.tile_kernels)
+                     : k.rule == FusionRule::attention_backward ? attention_backward(k, out.tile_kernels)
+                     : k.rule == FusionRule::matmul_sum      ? matmul_sum(k, out.tile_kernels)
                                                    : emit_kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
@@ -308,7 +308,8 @@ class Emitter {
       fail(k.tasks[0], "",
            fmt::format("kernel {} reserves {} bytes of shared memory where the fusion pass counted {}", k.name,
                        ek.smem_bytes, bounded),
-           "an internal error of cudagen: please report it with the graph; --no-fuse-rule " + k.rule + " avoids it");
+           "an internal error of cudagen: please report it with the graph; --no-fuse-rule " + std::string(to_string(k.rule)) +
+               " avoids it");
   }
 
   std::string buffer_name(int buffer) const { return cudagen::buffer_name(p_, buffer); }
@@ -1525,7 +1526,7 @@ class Emitter {
     e.code = fmt::format(
         "  // Epilogue ({}): {}, on element i of {} as it is computed.\n"
         "  auto {} = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
-        k.rule, fmt::join(tasks, ", "), buffer_name(out.bound->buffer), span.lambda, anchor_store, statements, stores);
+        to_string(k.rule), fmt::join(tasks, ", "), buffer_name(out.bound->buffer), span.lambda, anchor_store, statements, stores);
     if (span.first == 1 && span.last == SIZE_MAX && span.keep.empty() && span.anchor_name.empty())
       vector_epilogue(k, out, e);
     return e;
@@ -1758,7 +1759,7 @@ class Emitter {
     const std::string comment_text = fmt::format(
         "// Kernel {} ({} phase): tasks {}, fused ({}).\n//   reads  {}\n//   writes {}\n//   in registers {}\n"
         "//   {} bytes read, {} bytes written; grid [{}, {}, {}], block {}.\n",
-        k.name, to_string(k.phase), fmt::join(tasks, ", "), k.rule, fmt::join(reads, ", "), fmt::join(writes, ", "),
+        k.name, to_string(k.phase), fmt::join(tasks, ", "), to_string(k.rule), fmt::join(reads, ", "), fmt::join(writes, ", "),
         in_registers.empty() ? "-" : fmt::format("{}", fmt::join(in_registers, ", ")), ek.bytes_read, ek.bytes_written,
         ek.grid[0], ek.grid[1], ek.grid[2], ek.block);
     std::string code = kernel_functions(comment_text, ek, launch, body);

@@ -29,17 +29,17 @@ const BoundTensor* only_output(const BoundTask& bt) {
 // The rule under which a chain of elementwise tasks may follow task `t` in
 // its kernel, as an epilogue on the elements of its op's epilogue slot
 // (OpSignature::epilogue). Empty for other ops.
-std::string epilogue_rule(const BoundTask& bt) {
-  if (bt.op->epilogue.empty() || bt.find_tensor(bt.op->epilogue) == nullptr) return {};
+FusionRule epilogue_rule(const BoundTask& bt) {
+  if (bt.op->epilogue.empty() || bt.find_tensor(bt.op->epilogue) == nullptr) return FusionRule::none;
   // A row op's block stores its row; anything else with the hook (a matmul,
   // a convolution's implicit GEMM) stores from its tile's accumulators.
-  return bt.op->pattern == PatternKind::reduction ? "reduction_epilogue" : "matmul_epilogue";
+  return bt.op->pattern == PatternKind::reduction ? FusionRule::reduction_epilogue : FusionRule::matmul_epilogue;
 }
 
 // The value of a task that the next task of its kernel may read: an
 // elementwise task's one output, an epilogue anchor's epilogue slot.
 const BoundTensor* group_value(const BoundTask& bt) {
-  if (!epilogue_rule(bt).empty()) return bt.find_tensor(bt.op->epilogue);
+  if (epilogue_rule(bt) != FusionRule::none) return bt.find_tensor(bt.op->epilogue);
   return only_output(bt);
 }
 
@@ -133,8 +133,8 @@ class Fuser {
         KernelGroup& group = out_.kernels[size_t(into)];
         const std::string reason = why_not_join(group, t);
         if (reason.empty()) {
-          if (group.rule != "attention")
-            group.rule = p_.tasks[size_t(t)].op->name == "softmax" ? "attention" : group_rule(group.tasks.front());
+          if (group.rule != FusionRule::attention)
+            group.rule = p_.tasks[size_t(t)].op->name == "softmax" ? FusionRule::attention : group_rule(group.tasks.front());
           group.tasks.push_back(t);
           note_writes(t, into);
           continue;
@@ -163,8 +163,8 @@ class Fuser {
   }
 
   private:
-  bool rule_on(const std::string& rule) const {
-    return std::find(options_.disabled_rules.begin(), options_.disabled_rules.end(), rule) ==
+  bool rule_on(FusionRule rule) const {
+    return std::find(options_.disabled_rules.begin(), options_.disabled_rules.end(), to_string(rule)) ==
            options_.disabled_rules.end();
   }
 
@@ -172,8 +172,8 @@ class Fuser {
 
   // The rule of a kernel that starts with task `t`: an elementwise chain, or
   // an epilogue after a matmul or a row op; empty when nothing may follow it.
-  std::string group_rule(int t) const {
-    if (chain_gap(p_, t).empty()) return "elementwise_chain";
+  FusionRule group_rule(int t) const {
+    if (chain_gap(p_, t).empty()) return FusionRule::elementwise_chain;
     return epilogue_rule(p_.tasks[size_t(t)]);
   }
 
@@ -188,11 +188,11 @@ class Fuser {
 
   // Rule permuted_store: gather `t` after a matmul or row op's kernel, on a
   // value it computes.
-  std::string why_not_store_permuted(const KernelGroup& group, const std::string& rule, int t) const {
-    if (rule == "elementwise_chain")
+  std::string why_not_store_permuted(const KernelGroup& group, FusionRule rule, int t) const {
+    if (rule == FusionRule::elementwise_chain)
       return fmt::format("'{}' is a gather op; only a matmul's or a row op's kernel stores permuted",
                          p_.tasks[size_t(t)].task->id);
-    if (!rule_on("permuted_store")) return "rule permuted_store is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::permuted_store)) return "rule permuted_store is off (--no-fuse-rule)";
     const BoundTensor* x = nullptr;
     for (const auto& b : p_.tasks[size_t(t)].tensors)
       if (b.sig != nullptr && !b.sig->written()) x = &b;
@@ -204,7 +204,7 @@ class Fuser {
   // The task whose value an epilogue chain runs on: the first, or in an
   // attention kernel the matmul by the values.
   static int anchor(const KernelGroup& group) {
-    return group.rule == "attention" ? group.tasks[std::min<size_t>(2, group.tasks.size() - 1)] : group.tasks.front();
+    return group.rule == FusionRule::attention ? group.tasks[std::min<size_t>(2, group.tasks.size() - 1)] : group.tasks.front();
   }
 
   // Whether every argument of task `t` is a constant (the attention
@@ -222,7 +222,7 @@ class Fuser {
     const std::string& id = p_.tasks[size_t(t)].task->id;
     if (p_.tasks[size_t(t)].find_tensor("x")->buffer != p_.tasks[size_t(scores)].find_tensor("out")->buffer)
       return "it reads nothing the kernel computes";
-    if (!rule_on("attention")) return "rule attention is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::attention)) return "rule attention is off (--no-fuse-rule)";
     if (!flag(scores, "trans_b") || flag(scores, "trans_a"))
       return fmt::format("'{}' is a reduction op; attention fuses a softmax after a * b^T only", id);
     const Shape& q = slot_buffer(scores, "a").shape;
@@ -264,15 +264,15 @@ class Fuser {
     if (group.tasks.size() == 1 && p_.tasks[size_t(group.tasks.front())].op->name == "matmul" &&
         p_.tasks[size_t(t)].op->name == "softmax")
       return why_not_attention_softmax(group, t);
-    if (group.rule == "attention" && group.tasks.size() == 2) return why_not_attention_values(group, t);
+    if (group.rule == FusionRule::attention && group.tasks.size() == 2) return why_not_attention_values(group, t);
     const int front = anchor(group);
-    const std::string rule = group_rule(front);
-    if (rule.empty()) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
+    const FusionRule rule = group_rule(front);
+    if (rule == FusionRule::none) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
     if (group.tasks.size() > 1 && permutation(group.tasks.back()))
       return "the kernel before ends with a permuted store: its elements are no longer the task's";
     if (permutation(t)) return why_not_store_permuted(group, rule, t);
     if (std::string gap = chain_gap(p_, t); !gap.empty()) return gap;
-    if (!rule_on(rule)) return fmt::format("rule {} is off (--no-fuse-rule)", rule);
+    if (!rule_on(rule)) return fmt::format("rule {} is off (--no-fuse-rule)", to_string(rule));
     const Shape& domain = value_of(front).shape;
     const Shape& shape = value_of(t).shape;
     if (shape != domain)
@@ -285,7 +285,7 @@ class Fuser {
       // reads too, is no value the kernel computes: shares_input below.)
       if (contains(group.tasks, producer) && writes(producer, b.buffer)) {
         // An attention kernel's scores and probabilities live per row, in one warp's shared memory.
-        if (group.rule == "attention" && (producer == group.tasks[0] || producer == group.tasks[1]))
+        if (group.rule == FusionRule::attention && (producer == group.tasks[0] || producer == group.tasks[1]))
           return fmt::format("it reads '{}', which the attention kernel keeps per row", buffer_name(p_, b.buffer));
         // Another output of a row op (rmsnorm's rstd) is stored by one thread
         // of the row's block: not a value the element's thread holds.
@@ -303,8 +303,8 @@ class Fuser {
     if (!reads_group) {
       // A sibling: it reads, at its own elements, an input that a task of the
       // loop reads too; the loop loads it once for both (multi-output).
-      if (rule == "elementwise_chain" && shares_input(group, t, domain)) return {};
-      return rule == "elementwise_chain" ? "it reads nothing the kernel computes or reads"
+      if (rule == FusionRule::elementwise_chain && shares_input(group, t, domain)) return {};
+      return rule == FusionRule::elementwise_chain ? "it reads nothing the kernel computes or reads"
                                          : "it reads nothing the kernel computes";
     }
     return {};
@@ -440,7 +440,7 @@ class Fuser {
       if (k > 0 && out_.kernels[k - 1].phase == kernel.phase && options_.enabled) {
         std::string reason;
         size_t against = k - 1;
-        if (!rule_on("horizontal"))
+        if (!rule_on(FusionRule::horizontal))
           reason = "rule horizontal is off (--no-fuse-rule)";
         else if (runs_pipelined(kernel))
           reason = fmt::format("it runs the {} matmul mainloop, in a launch of its own", mainloop_of(kernel.tasks.front()));
@@ -470,7 +470,7 @@ class Fuser {
   // matmul()).
   bool runs_pipelined(const KernelGroup& k) const {
     const int t = k.tasks.front();
-    return k.prologue.empty() && (k.rule.empty() || k.rule == "matmul_epilogue") &&
+    return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
            p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
   }
   // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
@@ -527,7 +527,7 @@ class Fuser {
     // Then the elementwise chains, into matmuls and row ops (a norm folded
     // above is no host: prologues do not nest).
     for (size_t k = 0; k < out_.kernels.size(); ++k)
-      if (!folded[k] && group_rule(out_.kernels[k].tasks.front()) == "elementwise_chain")
+      if (!folded[k] && group_rule(out_.kernels[k].tasks.front()) == FusionRule::elementwise_chain)
         folded[k] = fold_elementwise_prologue(k, folded);
     drop_kernels(folded);
   }
@@ -552,7 +552,7 @@ class Fuser {
     std::vector<bool> merged(out_.kernels.size(), false);
     for (size_t b = 0; b < out_.kernels.size(); ++b) {
       KernelGroup& kernel = out_.kernels[b];
-      if (kernel.rule != "matmul_epilogue" || kernel.tasks.size() < 2) continue;
+      if (kernel.rule != FusionRule::matmul_epilogue || kernel.tasks.size() < 2) continue;
       const int mm = kernel.tasks[0], add = kernel.tasks[1];
       if (p_.tasks[size_t(mm)].op->name != "matmul" || p_.tasks[size_t(add)].op->name != "add") continue;
       // The add's other operand: the value of an earlier kernel that is a matmul, or a sum of them.
@@ -564,7 +564,7 @@ class Fuser {
       const size_t a = kernel_of(p_.buffers[size_t(other)].owner_task, 0);
       if (a >= b || merged[a]) continue;
       const KernelGroup& term = out_.kernels[a];
-      const bool a_sum = term.rule == "matmul_sum" && matmul_sum_terms(p_, term).epilogue == term.tasks.size();
+      const bool a_sum = term.rule == FusionRule::matmul_sum && matmul_sum_terms(p_, term).epilogue == term.tasks.size();
       if ((term.tasks.size() != 1 && !a_sum) || p_.tasks[size_t(term.tasks.front())].op->name != "matmul" ||
           group_value(p_.tasks[size_t(term.tasks.back())])->buffer != other)
         continue;
@@ -576,7 +576,7 @@ class Fuser {
       std::vector<int> tasks = term.tasks;
       tasks.insert(tasks.end(), kernel.tasks.begin(), kernel.tasks.end());
       kernel.tasks = std::move(tasks);
-      kernel.rule = "matmul_sum";
+      kernel.rule = FusionRule::matmul_sum;
       kernel.internal_buffers.clear();
       find_internal(kernel);
       merged[a] = true;
@@ -590,7 +590,7 @@ class Fuser {
   // the first epilogue task of matmul kernel `b` adds, cannot run in kernel
   // `b` (empty when it can).
   std::string why_not_sum_matmuls(size_t a, size_t b, int other) const {
-    if (!rule_on("matmul_sum")) return "rule matmul_sum is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::matmul_sum)) return "rule matmul_sum is off (--no-fuse-rule)";
     const KernelGroup& term = out_.kernels[a];
     const KernelGroup& kernel = out_.kernels[b];
     const int mm = kernel.tasks[0], add = kernel.tasks[1];
@@ -668,7 +668,7 @@ class Fuser {
     for (size_t a = 0; a < out_.kernels.size(); ++a) {
       const KernelGroup& first = out_.kernels[a];
       const int mm = first.tasks.front();
-      if (p_.tasks[size_t(mm)].op->name != "matmul" || (first.tasks.size() > 1 && first.rule != "matmul_epilogue") ||
+      if (p_.tasks[size_t(mm)].op->name != "matmul" || (first.tasks.size() > 1 && first.rule != FusionRule::matmul_epilogue) ||
           permutation(first.tasks.back()))
         continue;
       // The value: what the kernel's last task computes; the second matmul:
@@ -692,7 +692,7 @@ class Fuser {
       KernelGroup& second = out_.kernels[b];
       KernelGroup chain = first;
       chain.tasks.insert(chain.tasks.end(), second.tasks.begin(), second.tasks.end());
-      chain.rule = "matmul_chain";
+      chain.rule = FusionRule::matmul_chain;
       chain.internal_buffers.insert(chain.internal_buffers.end(), second.internal_buffers.begin(),
                                     second.internal_buffers.end());
       // Read by the second matmul alone, the value never reaches memory;
@@ -721,7 +721,7 @@ class Fuser {
       KernelGroup& producer = out_.kernels[a];
       const int mm = producer.tasks.front();
       if (merged[a] || p_.tasks[size_t(mm)].op->name != "matmul" ||
-          (producer.tasks.size() > 1 && producer.rule != "matmul_epilogue") || permutation(producer.tasks.back()))
+          (producer.tasks.size() > 1 && producer.rule != FusionRule::matmul_epilogue) || permutation(producer.tasks.back()))
         continue;
       const int value = group_value(p_.tasks[size_t(producer.tasks.back())])->buffer;
       const std::vector<int> value_tasks = producer.tasks;  // the matmul and its epilogue; the last names the value
@@ -738,11 +738,11 @@ class Fuser {
         }
         registers += row_reduction_registers(row_reduction_outputs(r), slot_buffer(mm, "a").dtype);
         producer.tasks.push_back(r);
-        producer.rule = "row_reduction";
+        producer.rule = FusionRule::row_reduction;
         merged[at] = true;
         notes_.withdraw(r);  // it joined
       }
-      if (producer.rule == "row_reduction") {
+      if (producer.rule == FusionRule::row_reduction) {
         producer.internal_buffers.clear();
         find_internal(producer);
       }
@@ -770,7 +770,7 @@ class Fuser {
   // value is `value` and whose reductions so far take `registers`
   // accumulators per thread (empty when it can).
   std::string why_not_reduce_rows(size_t a, size_t at, int r, int value, int64_t registers) const {
-    if (!rule_on("row_reduction")) return "rule row_reduction is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::row_reduction)) return "rule row_reduction is off (--no-fuse-rule)";
     const KernelGroup& producer = out_.kernels[a];
     const KernelGroup& reader = out_.kernels[at];
     const int mm = producer.tasks.front();
@@ -871,7 +871,7 @@ class Fuser {
         }
       }
       host.tasks = std::move(tasks);
-      host.rule = "attention_backward";
+      host.rule = FusionRule::attention_backward;
       host.internal_buffers.clear();
       find_internal(host);
     }
@@ -883,7 +883,7 @@ class Fuser {
   // kernel (empty when they can; `members` then holds their kernels).
   std::string why_not_attention_backward(size_t s, int dp, const std::vector<bool>& merged,
                                          std::vector<size_t>& members) const {
-    if (!rule_on("attention_backward")) return "rule attention_backward is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::attention_backward)) return "rule attention_backward is off (--no-fuse-rule)";
     const int ds = out_.kernels[s].tasks.front();
     const BoundTask& softmax = p_.tasks[size_t(ds)];
     const Phase phase = softmax.task->phase;
@@ -947,7 +947,7 @@ class Fuser {
       if (p_.tasks[size_t(t)].task->phase != phase) return fmt::format("'{}' runs in another phase", id);
       if (merged[at] || kernel.tasks.front() != t) return fmt::format("'{}' is not the first task of its kernel", id);
       if (!kernel.prologue.empty()) return fmt::format("'{}' computes a prologue", id);
-      if ((kernel.tasks.size() > 1 && kernel.rule != "matmul_epilogue") || (t == dp && kernel.tasks.size() > 1))
+      if ((kernel.tasks.size() > 1 && kernel.rule != FusionRule::matmul_epilogue) || (t == dp && kernel.tasks.size() > 1))
         return fmt::format("'{}' is followed by more than an epilogue on its gradient", id);
       if (!constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
       members.push_back(at);
@@ -1008,7 +1008,7 @@ class Fuser {
   void project_into_attention() {
     std::vector<bool> merged(out_.kernels.size(), false);
     for (size_t at = 0; at < out_.kernels.size(); ++at) {
-      if (out_.kernels[at].rule != "attention" || out_.kernels[at].tasks.size() < 3) continue;
+      if (out_.kernels[at].rule != FusionRule::attention || out_.kernels[at].tasks.size() < 3) continue;
       const int scores = out_.kernels[at].tasks[0], context = out_.kernels[at].tasks[2];
       ProjectedAttention projected = projected_attention(scores, context);
       std::vector<size_t> producers;
@@ -1096,7 +1096,7 @@ class Fuser {
   // then counts this projection too).
   std::string why_not_projection(size_t from, size_t at, int heads, const std::string& role,
                                  ProjectedAttention& projected) const {
-    if (!rule_on("attention_projection")) return "rule attention_projection is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::attention_projection)) return "rule attention_projection is off (--no-fuse-rule)";
     const KernelGroup& producer = out_.kernels[from];
     const int mm = producer.tasks.front();
     const std::string& id = p_.tasks[size_t(mm)].task->id;
@@ -1104,7 +1104,7 @@ class Fuser {
     if (producer.phase != out_.kernels[at].phase)
       return fmt::format("'{}' runs in the {} phase, the attention in the {} phase", id, to_string(producer.phase),
                          to_string(out_.kernels[at].phase));
-    if (producer.rule != "matmul_epilogue") return fmt::format("'{}' is not a matmul with an epilogue", id);
+    if (producer.rule != FusionRule::matmul_epilogue) return fmt::format("'{}' is not a matmul with an epilogue", id);
     if (!producer.prologue.empty() && !norm_prologue(p_, producer))
       return fmt::format("'{}' computes an elementwise prologue", id);
     if (const std::string why = why_not_rows_matmul(mm); !why.empty()) return why;
@@ -1166,7 +1166,7 @@ class Fuser {
   // reads first (as its left operand), cannot run in that kernel (empty
   // when it can).
   std::string why_not_chain(size_t a, size_t b, int t2, int value) const {
-    if (!rule_on("matmul_chain")) return "rule matmul_chain is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::matmul_chain)) return "rule matmul_chain is off (--no-fuse-rule)";
     const KernelGroup& first = out_.kernels[a];
     const KernelGroup& second = out_.kernels[b];
     const int t1 = first.tasks.front();
@@ -1181,9 +1181,9 @@ class Fuser {
             kernel_of(reader, a + 1) < b)
           return fmt::format("'{}' reads '{}' before '{}' would run", p_.tasks[size_t(reader)].task->id,
                              buffer_name(p_, stored), id2);
-    if (second.rule == "attention") return fmt::format("'{}' starts an attention kernel", id2);
-    if (!second.rule.empty() && second.rule != "matmul_epilogue")
-      return fmt::format("'{}' starts a kernel of rule {}", id2, second.rule);
+    if (second.rule == FusionRule::attention) return fmt::format("'{}' starts an attention kernel", id2);
+    if (second.rule != FusionRule::none && second.rule != FusionRule::matmul_epilogue)
+      return fmt::format("'{}' starts a kernel of rule {}", id2, to_string(second.rule));
     if (!second.prologue.empty()) return fmt::format("'{}' already computes a prologue", id2);
     for (int t : {t1, t2}) {
       if (const std::string why = why_not_rows_matmul(t); !why.empty()) return why;
@@ -1251,7 +1251,7 @@ class Fuser {
   std::string why_not_prologue(size_t norm_kernel, int value, std::vector<size_t>& hosts) const {
     const int norm = out_.kernels[norm_kernel].tasks.front();
     const BoundTask& bt = p_.tasks[size_t(norm)];
-    if (!rule_on("norm_prologue")) return "rule norm_prologue is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::norm_prologue)) return "rule norm_prologue is off (--no-fuse-rule)";
     if (const std::string a = runtime_arg(p_, norm); !a.empty())
       return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a);
     // Readers in later phases (the backward pass) read what the first host
@@ -1274,7 +1274,7 @@ class Fuser {
       if (std::string pipelined = pipelined_instead(r); !pipelined.empty()) return pipelined;
       const size_t host = kernel_of(r, norm_kernel + 1);
       const KernelGroup& kernel = out_.kernels[host];
-      if (kernel.tasks.front() != r || kernel.rule == "attention")
+      if (kernel.tasks.front() != r || kernel.rule == FusionRule::attention)
         return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
       if (std::string updated = updated_between({norm}, norm_kernel, host); !updated.empty())
         return updated + fmt::format(" before '{}' reads the norm", reader.task->id);
@@ -1415,7 +1415,7 @@ class Fuser {
                                            std::vector<std::string>& operands) const {
     const std::vector<int>& chain = out_.kernels[k].tasks;
     const BufferInfo& info = p_.buffers[size_t(value)];
-    if (!rule_on("elementwise_prologue")) return "rule elementwise_prologue is off (--no-fuse-rule)";
+    if (!rule_on(FusionRule::elementwise_prologue)) return "rule elementwise_prologue is off (--no-fuse-rule)";
     if (info.storage != Storage::transient)
       return fmt::format("'{}' is read after its phase or by the caller, so it is stored", buffer_name(p_, value));
     if (info.dtype != DType::f32 && info.dtype != DType::f16 && info.dtype != DType::bf16)
@@ -1433,7 +1433,7 @@ class Fuser {
       const KernelGroup& kernel = out_.kernels[host];
       if (folded[host]) return fmt::format("'{}' is itself the prologue of its readers' kernels", reader.task->id);
       if (kernel.tasks.front() != r) return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
-      if (kernel.rule == "attention")
+      if (kernel.rule == FusionRule::attention)
         return fmt::format("'{}' starts an attention kernel, whose warps load their rows themselves", reader.task->id);
       if (!kernel.prologue.empty())
         return fmt::format("'{}' already computes a prologue", reader.task->id);

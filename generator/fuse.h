@@ -86,14 +86,16 @@
 
 namespace cudagen {
 
-inline const std::vector<std::string> kFusionRules = {
-    "elementwise_chain", "matmul_epilogue", "reduction_epilogue", "norm_prologue", "elementwise_prologue",
-    "matmul_sum",        "matmul_chain",    "row_reduction",        "attention",            "attention_projection",
-    "attention_backward", "permuted_store",  "horizontal"};
+// The rules' names, as --no-fuse-rule takes them.
+inline std::vector<std::string> fusion_rule_names() {
+  std::vector<std::string> names;
+  for (FusionRule rule : kAllFusionRules) names.push_back(to_string(rule));
+  return names;
+}
 
 struct FuseOptions {
   bool enabled = true;                       // --no-fuse: one kernel per task
-  std::vector<std::string> disabled_rules;   // --no-fuse-rule NAME: names from kFusionRules
+  std::vector<std::string> disabled_rules;   // --no-fuse-rule NAME: names from fusion_rule_names()
   // Whether f32 matmuls run the pipelined mainloop as TF32, whose kernels are
   // launched alone: set by the pipeline from EmitOptions::allow_tf32.
   bool allow_tf32 = false;

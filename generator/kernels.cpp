@@ -12,13 +12,33 @@
 
 namespace cudagen {
 
+const char* to_string(FusionRule rule) {
+  switch (rule) {
+    case FusionRule::none: return "";
+    case FusionRule::elementwise_chain: return "elementwise_chain";
+    case FusionRule::matmul_epilogue: return "matmul_epilogue";
+    case FusionRule::reduction_epilogue: return "reduction_epilogue";
+    case FusionRule::norm_prologue: return "norm_prologue";
+    case FusionRule::elementwise_prologue: return "elementwise_prologue";
+    case FusionRule::matmul_sum: return "matmul_sum";
+    case FusionRule::matmul_chain: return "matmul_chain";
+    case FusionRule::row_reduction: return "row_reduction";
+    case FusionRule::attention: return "attention";
+    case FusionRule::attention_projection: return "attention_projection";
+    case FusionRule::attention_backward: return "attention_backward";
+    case FusionRule::permuted_store: return "permuted_store";
+    case FusionRule::horizontal: return "horizontal";
+  }
+  return "";
+}
+
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
   std::vector<KernelGroup> kernels;
   for (int t : schedule.order) {
     if (!program.tasks[size_t(t)].op->view.first.empty()) continue;  // a view: storage only, no kernel
     const Task& task = *program.tasks[size_t(t)].task;
     const int index = int(kernels.size());
-    kernels.push_back(KernelGroup{"k" + std::to_string(index) + "_" + task.id, task.phase, {t}, {}, {}, index});
+    kernels.push_back(KernelGroup{"k" + std::to_string(index) + "_" + task.id, task.phase, {t}, FusionRule::none, {}, index});
   }
   return kernels;
 }
@@ -55,7 +75,7 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
         rules.push_back("matmul_epilogue");  // (its head merge alone too, as for a matmul's own kernel)
         break;
       }
-  if (!k.rule.empty()) rules.push_back(k.rule);
+  if (k.rule != FusionRule::none) rules.push_back(to_string(k.rule));
   return rules;
 }
 
@@ -65,14 +85,14 @@ bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool
 }
 
 size_t second_matmul(const Program& program, const KernelGroup& k) {
-  if (k.rule != "matmul_chain") return 0;
+  if (k.rule != FusionRule::matmul_chain) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->pattern == PatternKind::matmul) return i;
   return 0;
 }
 
 size_t first_row_reduction(const Program& program, const KernelGroup& k) {
-  if (k.rule != "row_reduction") return 0;
+  if (k.rule != FusionRule::row_reduction) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i) {
     const PatternKind pattern = program.tasks[size_t(k.tasks[i])].op->pattern;
     if (pattern != PatternKind::elementwise && pattern != PatternKind::broadcast) return i;
@@ -81,7 +101,7 @@ size_t first_row_reduction(const Program& program, const KernelGroup& k) {
 }
 
 size_t attention_scores(const Program& program, const KernelGroup& k) {
-  if (k.rule != "attention") return 0;
+  if (k.rule != FusionRule::attention) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)
     if (program.tasks[size_t(k.tasks[i])].op->name == "softmax") return i - 1;
   return 0;
@@ -89,7 +109,7 @@ size_t attention_scores(const Program& program, const KernelGroup& k) {
 
 MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k) {
   MatmulSum sum;
-  if (k.rule != "matmul_sum") return sum;
+  if (k.rule != FusionRule::matmul_sum) return sum;
   // fuse.cpp: each further term's kernel starts with it, then its add; the
   // epilogue (elementwise tasks) follows the last add.
   for (size_t i = 0; i < k.tasks.size(); ++i) {
@@ -113,7 +133,7 @@ int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64
 
 AttentionGradient attention_gradient(const Program& program, const KernelGroup& k) {
   AttentionGradient g;
-  if (k.rule != "attention_backward") return g;
+  if (k.rule != FusionRule::attention_backward) return g;
   auto task = [&](size_t i) -> const BoundTask& { return program.tasks[size_t(k.tasks[i])]; };
   auto buffer = [&](size_t i, const char* slot) { return task(i).find_tensor(slot)->buffer; };
   auto flag = [&](size_t i, const char* arg) { return flag_value(root_arg(program, k.tasks[i], arg).second); };

@@ -14,11 +14,38 @@
 
 namespace cudagen {
 
+// The fusion rules (fuse.h, docs/fusion.md), each a kind of fused kernel;
+// `none` for a kernel of one task.
+enum class FusionRule {
+  none,
+  elementwise_chain,
+  matmul_epilogue,
+  reduction_epilogue,
+  norm_prologue,
+  elementwise_prologue,
+  matmul_sum,
+  matmul_chain,
+  row_reduction,
+  attention,
+  attention_projection,
+  attention_backward,
+  permuted_store,
+  horizontal,
+};
+inline constexpr FusionRule kAllFusionRules[] = {
+    FusionRule::elementwise_chain, FusionRule::matmul_epilogue, FusionRule::reduction_epilogue,
+    FusionRule::norm_prologue,     FusionRule::elementwise_prologue, FusionRule::matmul_sum,
+    FusionRule::matmul_chain,      FusionRule::row_reduction,   FusionRule::attention,
+    FusionRule::attention_projection, FusionRule::attention_backward, FusionRule::permuted_store,
+    FusionRule::horizontal};
+// Its name in docs/fusion.md, describe and --no-fuse-rule; "" for none.
+const char* to_string(FusionRule rule);
+
 struct KernelGroup {
   std::string name;        // k<index>_<first task id>: a C identifier
   Phase phase = Phase::forward;
   std::vector<int> tasks;  // task indices, in execution order
-  std::string rule;        // the fusion rule that grouped them (docs/fusion.md); empty for one task
+  FusionRule rule = FusionRule::none;  // the fusion rule that grouped them (docs/fusion.md)
   // Buffers written and read only inside this kernel: they stay in registers
   // and get no storage in the arena.
   std::vector<int> internal_buffers;

@@ -109,12 +109,12 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     std::vector<int> readers_elsewhere = kernel.prologue;
     // (An attention's gradients: every task, the epilogues between the gradients too;
     // a sum of matmuls: its terms and the adds between them.)
-    const size_t anchors = kernel.rule == "attention"      ? std::min(attention_scores(program, kernel) + 3, kernel.tasks.size())
-                           : kernel.rule == "matmul_chain" ? second_matmul(program, kernel) + 1
-                           : kernel.rule == "attention_backward" ? kernel.tasks.size()
-                           : kernel.rule == "matmul_sum" ? matmul_sum_terms(program, kernel).epilogue
+    const size_t anchors = kernel.rule == FusionRule::attention      ? std::min(attention_scores(program, kernel) + 3, kernel.tasks.size())
+                           : kernel.rule == FusionRule::matmul_chain ? second_matmul(program, kernel) + 1
+                           : kernel.rule == FusionRule::attention_backward ? kernel.tasks.size()
+                           : kernel.rule == FusionRule::matmul_sum ? matmul_sum_terms(program, kernel).epilogue
                                                            : 1;
-    if (kernel.tasks.size() > 1 && kernel.rule != "elementwise_chain")
+    if (kernel.tasks.size() > 1 && kernel.rule != FusionRule::elementwise_chain)
       readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(), kernel.tasks.begin() + long(anchors));
     // (A row reduction reads its other operand, rows of it, after every tile of the value.)
     if (const size_t first = first_row_reduction(program, kernel); first > 0)
@@ -145,7 +145,7 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // element's own index, before it stores that element: a stored output may
     // take the storage of any such input of its dtype that dies here.
     const KernelGroup& group = kernels[size_t(k)];
-    if (group.rule != "elementwise_chain") continue;
+    if (group.rule != FusionRule::elementwise_chain) continue;
     for (int t : group.tasks) {
       const BoundTask& task = program.tasks[size_t(t)];
       for (const auto& out : task.tensors) {

@@ -152,7 +152,7 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
   cmd->add_flag("--no-fuse", cli.no_fuse, "one kernel per task, every intermediate in memory (docs/fusion.md)");
   cmd->add_option("--no-fuse-rule", cli.compile.fuse.disabled_rules, "turn one fusion rule off (repeatable)")
-      ->check(CLI::IsMember(kFusionRules));
+      ->check(CLI::IsMember(fusion_rule_names()));
   cmd->add_option("--alignment", cli.compile.plan.placement.alignment, "byte alignment of every buffer in the arena")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -518,7 +518,7 @@ TEST_P(FusedChains, MatmulChainMatchesTheReferenceFusedAndUnfused) {
     const TaskGraph g = matmul_chain(GetParam(), epilogues);
     const Compiled c = expect_fused_and_unfused_right(g, 1, "__syncthreads();  // every column of the rows is in shared memory before down reads them");
     ASSERT_EQ(c.kernels.size(), 1u);
-    EXPECT_EQ(c.kernels[0].rule, "matmul_chain");
+    EXPECT_EQ(c.kernels[0].rule, FusionRule::matmul_chain);
     EXPECT_EQ(c.kernels[0].prologue.size(), 1u);
     // 16-bit values are kept in shared memory as the type they would have been stored in.
     const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
@@ -533,7 +533,7 @@ TEST_P(FusedChains, RowReductionMatchesTheReferenceFusedAndUnfused) {
     const TaskGraph g = row_reduction(GetParam(), epilogue);
     const Compiled c = expect_fused_and_unfused_right(g, 1, "__syncthreads();  // the next tile of rows overwrites it");
     ASSERT_EQ(c.kernels.size(), 1u);
-    EXPECT_EQ(c.kernels[0].rule, "row_reduction");
+    EXPECT_EQ(c.kernels[0].rule, FusionRule::row_reduction);
     const std::string& src = c.emitted.cuda_source;
     // The value is kept in shared memory as the type it would have been stored in; stored only where read.
     const std::string kept = GetParam() == DType::f32 ? "float* cg_value" : std::string(GetParam() == DType::f16 ? "cg_f16" : "cg_bf16") + "* cg_value";
@@ -568,7 +568,7 @@ TEST_P(FusedChains, MatmulSumMatchesTheReferenceFusedAndUnfused) {
     const TaskGraph g = matmul_sum(GetParam(), epilogue);
     const Compiled c = expect_fused_and_unfused_right(g, 1, "// m1 + m2 + m3: one product over k in [0, 59)");
     ASSERT_EQ(c.kernels.size(), 1u);
-    EXPECT_EQ(c.kernels[0].rule, "matmul_sum");
+    EXPECT_EQ(c.kernels[0].rule, FusionRule::matmul_sum);
     const std::string& src = c.emitted.cuda_source;
     EXPECT_EQ(src.find("cg_epilogue(") != std::string::npos, epilogue);
     EXPECT_EQ(src.find("m1_out"), std::string::npos) << "the terms never reach memory";
@@ -582,7 +582,7 @@ TEST_P(FusedChains, AttentionGradientMatchesTheReferenceFusedAndUnfused) {
     const TaskGraph g = attention_gradient(GetParam(), which);
     const Compiled c = expect_fused_and_unfused_right(g, 1, "cg_attention_backward_row(");
     ASSERT_EQ(c.kernels.size(), 1u);
-    EXPECT_EQ(c.kernels[0].rule, "attention_backward");
+    EXPECT_EQ(c.kernels[0].rule, FusionRule::attention_backward);
     const std::string& src = c.emitted.cuda_source;
     // dp and ds stay in the kernel, rounded where the unfused kernels would have stored them.
     EXPECT_EQ(src.find("dp_out"), std::string::npos);

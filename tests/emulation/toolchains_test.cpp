@@ -103,7 +103,7 @@ TEST(Toolchains, MatmulChainsCompileWithNvrtcWithoutSpills) {
   ASSERT_EQ(c.kernels.size(), 3u);
   // The 16-bit chains share a launch (rule horizontal), which asks for registers before occupancy too.
   EXPECT_NE(c.emitted.cuda_source.find("CG_KERNEL void __launch_bounds__(128, 1) h"), std::string::npos);
-  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "matmul_chain") << k.name;
+  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, FusionRule::matmul_chain) << k.name;
   for (const char* arch : {"sm_80", "sm_90"}) {
     NvrtcOutput out = nvrtc_compile(c.emitted.cuda_source, "chains.cu", arch);
     EXPECT_EQ(std::string(out.binary.data(), 4), "\x7f" "ELF") << arch;
@@ -186,7 +186,7 @@ TEST(Toolchains, RowReductionKeepsItsAccumulatorsInRegisters) {
   }
   Compiled c = compile(load_program(std::move(b).graph(), {}), {});
   ASSERT_EQ(c.kernels.size(), 2u);
-  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "row_reduction") << k.name;
+  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, FusionRule::row_reduction) << k.name;
   expect_accumulators_in_registers(c);
 }
 
@@ -209,7 +209,7 @@ TEST(Toolchains, AttentionGradientKeepsItsAccumulatorsInRegisters) {
   }
   Compiled c = compile(load_program(std::move(b).graph(), {}), {});
   ASSERT_EQ(c.kernels.size(), 2u);
-  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, "attention_backward") << k.name;
+  for (const auto& k : c.kernels) EXPECT_EQ(k.rule, FusionRule::attention_backward) << k.name;
   expect_accumulators_in_registers(c);
 }
 

@@ -60,7 +60,7 @@ TEST(Fusion, ALongChainWithSeveralInputsIsOneKernel) {
   Compiled c = plan_graph(long_chain());
   ASSERT_EQ(c.kernels.size(), 1u);
   EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"t1", "t2", "t3", "t4", "t5", "t6", "t7"}));
-  EXPECT_EQ(c.kernels[0].rule, "elementwise_chain");
+  EXPECT_EQ(c.kernels[0].rule, FusionRule::elementwise_chain);
   // t3.out is external (the caller reads it): stored once; the rest stay in registers.
   EXPECT_EQ(internal_names(c, c.kernels[0]),
             (std::vector<std::string>{"t1.out", "t2.out", "t4.out", "t5.out", "t6.out"}));
@@ -89,7 +89,7 @@ TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
   std::vector<std::vector<std::string>> groups;
   for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
   EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1", "bias1", "act1"}, {"fc2", "bias2"}, {"probs"}}));
-  EXPECT_EQ(c.kernels[0].rule, "matmul_epilogue");
+  EXPECT_EQ(c.kernels[0].rule, FusionRule::matmul_epilogue);
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out"}));
   EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op; 'act1' is not chained to it: rule matmul_chain is off (--no-fuse-rule)");
   EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op");
@@ -102,7 +102,7 @@ TEST(Fusion, TwoMatmulsChainThroughSharedMemory) {
   std::vector<std::vector<std::string>> groups;
   for (const auto& k : c.kernels) groups.push_back(task_ids(c, k));
   EXPECT_EQ(groups, (std::vector<std::vector<std::string>>{{"fc1", "bias1", "act1", "fc2", "bias2"}, {"probs"}}));
-  EXPECT_EQ(c.kernels[0].rule, "matmul_chain");
+  EXPECT_EQ(c.kernels[0].rule, FusionRule::matmul_chain);
   EXPECT_EQ(second_matmul(c.program, c.kernels[0]), 3u);
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out", "fc2.out", "act1.out"}));
   EXPECT_EQ(reason_for(c, "fc2"), "") << "it joined";
@@ -157,7 +157,7 @@ TEST(Fusion, NotAChainWhereTheValueIsNeededFirstTooWideOrBatched) {
   EXPECT_EQ(internal_names(chained, chained.kernels[0]), (std::vector<std::string>{"up.out", "act.out"}));
   Compiled read_later = plan_graph(mlp("read_later", 64, 32, ext, false));
   ASSERT_EQ(read_later.kernels.size(), 1u);
-  EXPECT_EQ(read_later.kernels[0].rule, "matmul_chain");
+  EXPECT_EQ(read_later.kernels[0].rule, FusionRule::matmul_chain);
   EXPECT_EQ(internal_names(read_later, read_later.kernels[0]), (std::vector<std::string>{"up.out"})) << "act.out is stored";
   Compiled off = plan_graph(mlp("off", 64, 32, Storage::transient, false), FuseOptions{true, {"matmul_chain"}});
   EXPECT_EQ(reason_for(off, "down"), prefix + "rule matmul_chain is off (--no-fuse-rule)");
@@ -171,7 +171,7 @@ TEST(Fusion, RowReductionsRunInTheKernelThatComputesTheirValue) {
   Compiled c = plan_program(load_program(source_path("examples/train_mlp.json"), {}), {});
   const KernelGroup* k = nullptr;
   for (const auto& kernel : c.kernels)
-    if (kernel.rule == "row_reduction") k = &kernel;
+    if (kernel.rule == FusionRule::row_reduction) k = &kernel;
   ASSERT_NE(k, nullptr);
   EXPECT_EQ(task_ids(c, *k), (std::vector<std::string>{"fc2_grad_a", "act1_backward", "bias1_grad_b_sum", "fc1_grad_b"}));
   EXPECT_EQ(first_row_reduction(c.program, *k), 2u);
@@ -285,7 +285,7 @@ TEST(Fusion, ARowOpTakesAnEpilogueButNotOnItsOtherOutputs) {
   Compiled c = plan_graph(std::move(b).graph());
   ASSERT_EQ(c.kernels.size(), 2u);
   EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"norm", "act"}));
-  EXPECT_EQ(c.kernels[0].rule, "reduction_epilogue");
+  EXPECT_EQ(c.kernels[0].rule, FusionRule::reduction_epilogue);
   EXPECT_EQ(reason_for(c, "scaled"), "it reads 'norm.rstd', which the kernel stores from another thread");
 }
 
@@ -306,7 +306,7 @@ TEST(Fusion, ARowGradientTakesAnEpilogueOnDx) {
   Compiled c = plan_graph(std::move(b).graph());
   ASSERT_EQ(c.kernels.size(), 2u);
   EXPECT_EQ(task_ids(c, c.kernels[0]), (std::vector<std::string>{"nb", "res"}));
-  EXPECT_EQ(c.kernels[0].rule, "reduction_epilogue");
+  EXPECT_EQ(c.kernels[0].rule, FusionRule::reduction_epilogue);
   EXPECT_EQ(reason_for(c, "scaled"), "it reads 'nb.dweight', which the kernel stores from another thread");
 }
 
@@ -404,7 +404,7 @@ TEST(Fusion, AttentionIsOneKernel) {
   Compiled c = plan_program(load_program(source_path("examples/transformer_block.json"), {}), options);
   const KernelGroup* attention = nullptr;
   for (const auto& k : c.kernels)
-    if (k.rule == "attention") attention = &k;
+    if (k.rule == FusionRule::attention) attention = &k;
   ASSERT_NE(attention, nullptr);
   EXPECT_EQ(task_ids(c, *attention), (std::vector<std::string>{"scores", "probs", "context", "merged"}));
   EXPECT_EQ(internal_names(c, *attention), (std::vector<std::string>{"scores.out", "probs.out", "context.out"}));
@@ -416,7 +416,7 @@ TEST(Fusion, AttentionStoresProbabilitiesTheBackwardPassReads) {
   Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
   int attention = 0;
   for (const auto& k : c.kernels) {
-    if (k.rule != "attention") continue;
+    if (k.rule != FusionRule::attention) continue;
     ++attention;
     const std::vector<std::string> internal = internal_names(c, k);
     EXPECT_NE(std::find(internal.begin(), internal.end(), "scores.out"), internal.end());
@@ -432,7 +432,7 @@ TEST(Fusion, SummedMatmulsRunAsOneProduct) {
   Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
   const KernelGroup* sum = nullptr;
   for (const auto& k : c.kernels)
-    if (k.rule == "matmul_sum") sum = &k;
+    if (k.rule == FusionRule::matmul_sum) sum = &k;
   ASSERT_NE(sum, nullptr);
   EXPECT_EQ(task_ids(c, *sum), (std::vector<std::string>{"v_grad_a", "k_grad_a", "grad_ln1_out_sum", "q_grad_a",
                                                          "grad_ln1_out_sum_2"}));
@@ -480,7 +480,7 @@ TEST(Fusion, AttentionGradientsRunInOneKernel) {
   Compiled c = plan_program(load_program(source_path("examples/train_transformer.json"), {}), {});
   const KernelGroup* gradient = nullptr;
   for (const auto& k : c.kernels)
-    if (k.rule == "attention_backward") gradient = &k;
+    if (k.rule == FusionRule::attention_backward) gradient = &k;
   ASSERT_NE(gradient, nullptr);
   EXPECT_EQ(task_ids(c, *gradient),
             (std::vector<std::string>{"context_grad_a", "context_grad_b", "v_heads_grad_x", "probs_backward",
@@ -623,7 +623,7 @@ std::string reasons_for(const Compiled& c, const std::string& task) {
 
 const KernelGroup* attention_kernel(const Compiled& c) {
   for (const auto& k : c.kernels)
-    if (k.rule == "attention") return &k;
+    if (k.rule == FusionRule::attention) return &k;
   return nullptr;
 }
 
@@ -881,7 +881,7 @@ TEST(Fusion, PermutedStoreTurnsOff) {
   }());
   EXPECT_EQ(reason_for(c, "q_heads"), "rule permuted_store is off (--no-fuse-rule)");
   for (const auto& k : c.kernels)
-    if (k.rule == "matmul_epilogue") EXPECT_NE(c.program.tasks[size_t(k.tasks.back())].op->pattern, PatternKind::gather);
+    if (k.rule == FusionRule::matmul_epilogue) EXPECT_NE(c.program.tasks[size_t(k.tasks.back())].op->pattern, PatternKind::gather);
 }
 
 // The reason recorded for the kernel that starts with `task` not joining the
@@ -1102,7 +1102,7 @@ TEST(Fusion, NotAPrologueWhereTheChainsValueIsNeededOrTheRuleIsOff) {
   b.task("context", "matmul").tensor("a", p["out"]).tensor("b", f32, {2, 8, 4}, ext).tensor("out", f32, {2, 8, 4}, ext);
   Compiled attention = plan_graph(std::move(b).graph());
   ASSERT_EQ(attention.kernels.size(), 2u);
-  EXPECT_EQ(attention.kernels[1].rule, "attention");
+  EXPECT_EQ(attention.kernels[1].rule, FusionRule::attention);
   EXPECT_EQ(reason_for(attention, "scores"),
             "'scores' is a matmul op; 'q' is not its prologue: 'scores' starts an attention kernel, whose warps load "
             "their rows themselves");
