@@ -160,13 +160,7 @@ class Emitter {
       // A kernel launched alone gets its __global__ right after its tile
       // function; one that shares a launch is called from the launch's.
       global_wrapper_ = !options_.megakernel && alone_in_launch(kernels, size_t(&k - kernels.data()));
-      kernel_code += k.rule == FusionRule::elementwise_chain ? fused_elementwise(k, out.tile_kernels)
-                     : k.rule == FusionRule::attention       ? attention(k, out.tile_kernels)
-                     : k.rule == FusionRule::matmul_chain    ? matmul_chain(k, out.tile_kernels)
-                     : k.rule == FusionRule::row_reduction   ? row_reduction(k, out.tile_kernels)
-                     : k.rule == FusionRule::attention_backward ? attention_backward(k, out.tile_kernels)
-                     : k.rule == FusionRule::matmul_sum      ? matmul_sum(k, out.tile_kernels)
-                                                   : emit_kernel(k, out.tile_kernels);
+      kernel_code += kernel(k, out.tile_kernels);
     }
     if (!diags_.ok()) throw CompileError(std::move(diags_));
     for (EmittedKernel& ek : out.tile_kernels)
@@ -187,6 +181,25 @@ class Emitter {
 
  private:
   std::string step_function() const { return options_.symbol_prefix + "_step"; }
+
+  // A kernel, by the mainloop its IR is built on (kir.h): the fused
+  // mainloops have skeletons of their own; one task's, with its prologue
+  // and epilogue, is its op's.
+  std::string kernel(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
+    switch (k.ir.mainloop) {
+      case kir::Mainloop::elements: return k.tasks.size() > 1 ? fused_elementwise(k, emitted) : emit_kernel(k, emitted);
+      case kir::Mainloop::attention: return attention(k, emitted);
+      case kir::Mainloop::attention_backward: return attention_backward(k, emitted);
+      case kir::Mainloop::gemm_sum: return matmul_sum(k, emitted);
+      case kir::Mainloop::gemm_chain: return matmul_chain(k, emitted);
+      case kir::Mainloop::gemm_row_reduction: return row_reduction(k, emitted);
+      case kir::Mainloop::gemm:
+      case kir::Mainloop::reduction:
+      case kir::Mainloop::gather:
+      case kir::Mainloop::opaque: return emit_kernel(k, emitted);
+    }
+    return emit_kernel(k, emitted);
+  }
 
   // The header of the ahead-of-time build (EmittedProgram::host_header).
   // Tables rather than one constant per tensor: a program can walk them to

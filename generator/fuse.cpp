@@ -155,8 +155,11 @@ class Fuser {
       reduce_rows();
       project_into_attention();
     }
-    for (size_t k = 0; k < out_.kernels.size(); ++k)
-      out_.kernels[k].name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(out_.kernels[k].tasks.front())].task->id;
+    for (size_t k = 0; k < out_.kernels.size(); ++k) {
+      KernelGroup& kernel = out_.kernels[k];
+      kernel.name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(kernel.tasks.front())].task->id;
+      kernel.ir = kir::build(p_, kernel);
+    }
     batch_launches();
     out_.notes = notes_.take();
     return std::move(out_);

@@ -39,6 +39,7 @@ std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Sched
     const Task& task = *program.tasks[size_t(t)].task;
     const int index = int(kernels.size());
     kernels.push_back(KernelGroup{"k" + std::to_string(index) + "_" + task.id, task.phase, {t}, FusionRule::none, {}, index});
+    kernels.back().ir = kir::build(program, kernels.back());
   }
   return kernels;
 }

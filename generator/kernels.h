@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kir.h"
 #include "program.h"
 #include "schedule.h"
 
@@ -65,6 +66,10 @@ struct KernelGroup {
   // its matmuls alone, or it would not be one.)
   std::vector<int> prologue;
   std::string prologue_operand = "a";  // the operand slot the prologue computes: a matmul's "a" or "b", a row op's "x"
+  // What the kernel computes, as a mainloop with its stages' operand and
+  // epilogue trees (kir.h): made from the fields above once the fusion pass
+  // has settled them (fuse(), one_kernel_per_task()).
+  kir::Kernel ir;
 };
 
 // Whether kernel `k`'s prologue is a norm (rule norm_prologue), rather than

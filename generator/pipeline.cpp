@@ -64,7 +64,9 @@ std::string dump_schedule(const Program& p, const Schedule& s) {
   return out;
 }
 
-std::string dump_fusion(const Program& p, const Fusion& fusion) {
+// The kernels, a line each, and why adjacent tasks stayed apart; with `ir`
+// (--dump-after fuse) each kernel's IR after them.
+std::string dump_fusion(const Program& p, const Fusion& fusion, bool ir) {
   std::string out = fmt::format("{} kernels in {} launches\n", fusion.kernels.size(), launch_count(fusion.kernels));
   for (const auto& k : fusion.kernels) {
     std::vector<std::string> ids, internal;
@@ -78,6 +80,7 @@ std::string dump_fusion(const Program& p, const Fusion& fusion) {
     if (!internal.empty()) out += fmt::format("  in registers: {}", fmt::join(internal, ", "));
     out += "\n";
   }
+
   if (!fusion.notes.empty()) out += "\nnot fused with the task before:\n";
   for (const auto& n : fusion.notes)
     out += fmt::format("  {:<24} after {:<24} {}\n", p.tasks[size_t(n.task)].task->id,
@@ -86,6 +89,10 @@ std::string dump_fusion(const Program& p, const Fusion& fusion) {
   for (const auto& n : fusion.launch_notes)
     out += fmt::format("  {:<24} after {:<24} {}\n", p.tasks[size_t(n.task)].task->id,
                        p.tasks[size_t(n.previous)].task->id, n.reason);
+  if (ir) {
+    out += "\nthe kernels' IR (docs/architecture.md §12): each mainloop, its stages, their operands and epilogues\n";
+    for (const auto& k : fusion.kernels) out += fmt::format("\n{}\n{}", k.name, kir::print(p, k.ir));
+  }
   return out;
 }
 
@@ -136,7 +143,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   FuseOptions fuse_options = options.fuse;
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
-  dump("fuse", [&] { return dump_fusion(c.program, fusion); });
+  dump("fuse", [&] { return dump_fusion(c.program, fusion, true); });
   c.kernels = std::move(fusion.kernels);
   c.fusion_notes = std::move(fusion.notes);
   c.launch_notes = std::move(fusion.launch_notes);
@@ -149,7 +156,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
 std::string plan_table(const Program& program, const Plan& plan) { return dump_plan(program, plan); }
 
 std::string fusion_table(const Compiled& c) {
-  return dump_fusion(c.program, Fusion{c.kernels, c.fusion_notes, c.launch_notes});
+  return dump_fusion(c.program, Fusion{c.kernels, c.fusion_notes, c.launch_notes}, false);
 }
 
 std::string describe_matmul_paths(const Compiled& c) {

@@ -401,7 +401,7 @@ int main_impl(int argc, char** argv) {
         std::string problem = symbol_prefix_problem(prefix);
         return problem.empty() ? problem : "not a C identifier: " + problem;
       });
-  compile_cmd->add_option("--dump-after", cli.compile.dump_after, "print the program after this pass")
+  compile_cmd->add_option("--dump-after", cli.compile.dump_after, "print the program after this pass (fuse: the kernels, why tasks stayed apart, and each kernel's IR as a tree)")
       ->check(CLI::IsMember(kPassNames));
   auto* run_cmd = app.add_subcommand(
       "run", "compile a graph, run it on the GPU (or in the host emulation where there is none), and check its outputs "

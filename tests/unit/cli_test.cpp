@@ -219,6 +219,9 @@ TEST_F(Cli, DumpAfterEachPass) {
   EXPECT_NE(run("compile " + graph + " --dump-after validate").out.find("graph mlp_forward: 6 tasks"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after schedule").out.find("forward   act1"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after fuse").out.find("fc1, bias1, act1, fc2, bias2  [matmul_chain]"), std::string::npos);
+  // Then each kernel's IR, as a tree: the chain's second product reads the first's activation in the kernel.
+  EXPECT_NE(run("compile " + graph + " --dump-after fuse").out.find("    second product fc2 (matmul)\n      a <- act1:"),
+            std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after plan").out.find("lower bound"), std::string::npos);
   EXPECT_NE(run("compile " + graph + " --dump-after emit").out.find("// ---- kernels ----"), std::string::npos);
   EXPECT_EQ(run("compile " + graph + " --dump-after nonsense").status, 2);
