@@ -314,15 +314,11 @@ class Emitter {
     diags_.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
   }
 
-  // A fused kernel's shared memory as the fusion pass bounded it
-  // (kernels.h): the regions the skeleton reserved must add up to it.
-  void check_shared_bytes(const KernelGroup& k, const EmittedKernel& ek, int64_t bounded) {
-    if (shared_region_bytes(ek.smem_bytes) != bounded)
-      fail(k.tasks[0], "",
-           fmt::format("kernel {} reserves {} bytes of shared memory where the fusion pass counted {}", k.name,
-                       ek.smem_bytes, bounded),
-           "an internal error of cudagen: please report it with the graph; --no-fuse-rule " + std::string(to_string(k.rule)) +
-               " avoids it");
+  // A fused kernel's shared memory, laid out by kernels.h as the fusion
+  // pass bounded it: the kernel's first regions.
+  static void use_shared(EmittedKernel& ek, const SharedLayout& layout) {
+    ek.smem_regions = layout.regions;
+    ek.smem_bytes = layout.end();
   }
 
   std::string buffer_name(int buffer) const { return cudagen::buffer_name(p_, buffer); }
@@ -1019,18 +1015,12 @@ class Emitter {
       return is_16bit(d) ? fmt::format("cg_widen(cg_narrow<{}>(x))", c_type(d)) : std::string("x");
     };
 
-    // Shared memory, as attention_backward_shared_bytes counts it.
-    const int64_t keys_at = dq.present ? reserve_shared(ek, fmt::format("the head's keys ({} x {} floats)", Tk, D), Tk * D * 4) : -1;
-    const int64_t values_at = reserve_shared(ek, fmt::format("the head's values ({} x {} floats)", Tk, Dv), Tk * Dv * 4);
-    const int64_t q_at =
-        dk.present ? reserve_shared(ek, fmt::format("q's tile of {} query rows ({} x {} floats)", R, R, D), R * D * 4) : -1;
-    const int64_t dout_at = reserve_shared(
-        ek, fmt::format("{}'s tile of query rows ({} x {} floats)", buffer_name(dout.bound->buffer), R, Dv), R * Dv * 4);
-    const int64_t probs_at = reserve_shared(
-        ek, fmt::format("{}'s tile of query rows ({} x {} floats)", buffer_name(probs.bound->buffer), R, Tk), R * Tk * 4);
-    const int64_t ds_at = reserve_shared(ek, fmt::format("ds of the tile's rows ({} x {} floats)", R, Tk), R * Tk * 4);
-    check_shared_bytes(k, ek, attention_backward_shared_bytes(Tk, D, Dv, dq.present, dk.present));
-    if (!diags_.ok()) return {};
+    // Shared memory, as the fusion pass bounded it.
+    const AttentionBackwardShared smem = attention_backward_shared(
+        Tk, D, Dv, dq.present, dk.present, buffer_name(dout.bound->buffer), buffer_name(probs.bound->buffer));
+    use_shared(ek, smem.layout);
+    const int64_t keys_at = smem.keys, values_at = smem.values, q_at = smem.q, dout_at = smem.dout,
+                  probs_at = smem.probs, ds_at = smem.ds;
 
     const std::string dp_id = p_.tasks[size_t(tdp)].task->id, ds_id = p_.tasks[size_t(tds)].task->id;
     std::string body = fmt::format(
@@ -2597,9 +2587,17 @@ class Emitter {
     ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.min_blocks_per_sm = 1;  // a block per column tile, each every tile of rows: registers before occupancy
     ek.grid[0] = int((N + tile - 1) / tile);
-    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
-    const int64_t value_at = reserve_shared(
-        ek, fmt::format("a {} x {} tile of {} ({})", tile, tile, buffer_name(value), to_string(vt)), tile * tile * dtype_bytes(vt));
+    // Shared memory, as the fusion pass bounded it: each weight gradient's x rows after the value's tile.
+    std::vector<int64_t> x_widths;
+    std::vector<std::string> x_names;
+    for (size_t i = first; i < k.tasks.size(); ++i)
+      if (const BoundTask& rt = p_.tasks[size_t(k.tasks[i])]; rt.op->pattern == PatternKind::matmul) {
+        x_widths.push_back(p_.buffers[size_t(rt.find_tensor("out")->buffer)].shape.front());
+        x_names.push_back(buffer_name(rt.find_tensor("a")->buffer));
+      }
+    const RowReductionShared smem = row_reduction_shared(a.buffer->dtype, vt, x_widths, buffer_name(value), x_names);
+    use_shared(ek, smem.layout);
+    const int64_t value_at = smem.value;
 
     // The epilogue ends in shared memory (and stores what is read elsewhere).
     Epilogue tail;
@@ -2629,14 +2627,14 @@ class Emitter {
     // gradient's K), of which a block holds its tile's columns, `per_thread`
     // to a thread: output o of the block is row o / tile, column o % tile.
     std::string accumulators, stage, accumulate, stores;
-    std::vector<int64_t> x_widths;
+    size_t weight_gradients = 0;
     for (size_t i = first; i < k.tasks.size(); ++i) {
       const int r = k.tasks[i];
       const std::vector<Param> rps = params(r);
       if (!diags_.ok()) return {};
       const BoundTask& rt = p_.tasks[size_t(r)];
       const std::string rid = rt.task->id, acc = "cg_acc_" + rid;
-      const bool weight_gradient = rt.op->name == "matmul";
+      const bool weight_gradient = rt.op->pattern == PatternKind::matmul;  // a^T @ value; else a sum over the rows
       const Param& rout = param(rps, "out");
       const int64_t outputs = weight_gradient ? rout.buffer->shape.front() : 1;
       const int64_t per_thread = row_reduction_registers(outputs, a.buffer->dtype);
@@ -2646,10 +2644,7 @@ class Emitter {
         const Param& x = param(rps, "a");
         if (!check_f32_accumulation(r, x)) return {};
         add(rid + "_a", x);
-        const int64_t x_at = reserve_shared(
-            ek, fmt::format("{} rows of {} ({} x {} floats)", tile, buffer_name(x.bound->buffer), tile, outputs),
-            tile * outputs * 4);
-        x_widths.push_back(outputs);
+        const int64_t x_at = smem.x_rows.at(weight_gradients++);
         accumulators += fmt::format("  float* cg_rows_{} = (float*)(cg_smem + {});  // {}'s rows of the tile\n", rid, x_at,
                                     buffer_name(x.bound->buffer));
         stage += fmt::format("    for (int e = threadIdx.x; e < cg_rows * {0}; e += blockDim.x) cg_rows_{1}[e] = {2};\n",
@@ -2678,8 +2673,6 @@ class Emitter {
                               weight_gradient ? fmt::format("(cg_i64)j * {} + cg_col0 + c", N) : "cg_col0 + c", total) +
                     ";");
     }
-    check_shared_bytes(k, ek, row_reduction_shared_bytes(a.buffer->dtype, vt, x_widths));
-    if (!diags_.ok()) return {};
     const std::string matmul_tile = fmt::format(
         "    {}(\n"
         "        [&](int m, int k) {{ return {}; }},\n"

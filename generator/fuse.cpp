@@ -825,7 +825,7 @@ class Fuser {
     for (int t : producer.tasks)
       if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(t));
     if (p_.tasks[size_t(r)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(r));
-    const int64_t bytes = row_reduction_shared_bytes(a_type, info.dtype, x_widths);
+    const int64_t bytes = row_reduction_shared(a_type, info.dtype, x_widths).layout.bytes();
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the operand tiles, a tile of '{}' and the rows the weight gradients read take {} bytes of "
                          "shared memory, more than {}",
@@ -985,7 +985,7 @@ class Fuser {
     if (registers > kMaxAttentionBackwardRegisters)
       return fmt::format("each thread would accumulate {} elements of the key and value gradients (at most {})", registers,
                          kMaxAttentionBackwardRegisters);
-    const int64_t bytes = attention_backward_shared_bytes(Tk, D, Dv, dq >= 0, dk >= 0);
+    const int64_t bytes = attention_backward_shared(Tk, D, Dv, dq >= 0, dk >= 0).layout.bytes();
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the head's keys and values and a tile of {} query rows take {} bytes of shared memory, more "
                          "than {}",

@@ -125,11 +125,18 @@ MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k) {
   return sum;
 }
 
-int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64_t>& x_widths) {
+RowReductionShared row_reduction_shared(DType a, DType value, const std::vector<int64_t>& x_widths,
+                                        const std::string& value_name, const std::vector<std::string>& x_names) {
   const int64_t tile = matmul_tile_rows(a);
-  int64_t bytes = shared_region_bytes(matmul_operand_tile_bytes(a)) + shared_region_bytes(tile * tile * dtype_bytes(value));
-  for (int64_t k : x_widths) bytes += shared_region_bytes(tile * k * 4);
-  return bytes;
+  RowReductionShared s;
+  s.layout.add("the operand tiles", matmul_operand_tile_bytes(a));
+  s.value = s.layout.add(fmt::format("a {} x {} tile of {} ({})", tile, tile, value_name, to_string(value)),
+                         tile * tile * dtype_bytes(value));
+  for (size_t i = 0; i < x_widths.size(); ++i)
+    s.x_rows.push_back(s.layout.add(fmt::format("{} rows of {} ({} x {} floats)", tile,
+                                                i < x_names.size() ? x_names[i] : "x", tile, x_widths[i]),
+                                    tile * x_widths[i] * 4));
+  return s;
 }
 
 AttentionGradient attention_gradient(const Program& program, const KernelGroup& k) {
@@ -158,11 +165,18 @@ size_t AttentionGradient::epilogue_end(size_t i, size_t tasks) const {
   return end;
 }
 
-int64_t attention_backward_shared_bytes(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk) {
-  auto region = [](int64_t floats) { return shared_region_bytes(floats * 4); };
-  const int64_t rows = kAttentionBackwardRows;
-  return (dq ? region(Tk * D) : 0) + region(Tk * Dv) + (dk ? region(rows * D) : 0) + region(rows * Dv) +
-         2 * region(rows * Tk);
+AttentionBackwardShared attention_backward_shared(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk,
+                                                  const std::string& dout_name, const std::string& probs_name) {
+  const int64_t R = kAttentionBackwardRows;
+  AttentionBackwardShared s;
+  SharedLayout& l = s.layout;
+  if (dq) s.keys = l.add(fmt::format("the head's keys ({} x {} floats)", Tk, D), Tk * D * 4);
+  s.values = l.add(fmt::format("the head's values ({} x {} floats)", Tk, Dv), Tk * Dv * 4);
+  if (dk) s.q = l.add(fmt::format("q's tile of {} query rows ({} x {} floats)", R, R, D), R * D * 4);
+  s.dout = l.add(fmt::format("{}'s tile of query rows ({} x {} floats)", dout_name, R, Dv), R * Dv * 4);
+  s.probs = l.add(fmt::format("{}'s tile of query rows ({} x {} floats)", probs_name, R, Tk), R * Tk * 4);
+  s.ds = l.add(fmt::format("ds of the tile's rows ({} x {} floats)", R, Tk), R * Tk * 4);
+  return s;
 }
 
 int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {

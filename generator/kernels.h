@@ -223,11 +223,6 @@ std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, 
 std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
                                            std::string* why_not = nullptr);
 
-// A shared-memory region's bytes up to the 16-byte boundary the next one
-// starts at (emit.cpp aligns every region so, for vector loads and the
-// tensor-core tiles).
-inline int64_t shared_region_bytes(int64_t bytes) { return (bytes + 15) / 16 * 16; }
-
 // The shared memory every device gives a kernel without opting in: the
 // emitter's variants are chosen to fit it.
 inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
@@ -237,10 +232,18 @@ inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 inline constexpr int64_t kSharedBytesWithOptIn = 99 * 1024;
 
 // Rule row_reduction: the shared memory of a matmul kernel that reduces its
-// value over the rows (emit.cpp reserves these regions, each from a 16-byte
-// boundary): the operand tiles, a tile of the value (in its type), and for
-// each weight gradient the tile's rows of its x (`x_widths`: their K, f32).
-int64_t row_reduction_shared_bytes(DType a, DType value, const std::vector<int64_t>& x_widths);
+// value over the rows, laid out once for the fusion pass (its bytes) and the
+// emitter (its offsets): the operand tiles, a tile of the value (in its
+// type), and for each weight gradient the tile's rows of its x (`x_widths`:
+// their K, f32). The names only describe the regions.
+struct RowReductionShared {
+  SharedLayout layout;
+  int64_t value = 0;            // the value's tile
+  std::vector<int64_t> x_rows;  // each weight gradient's rows of its x
+};
+RowReductionShared row_reduction_shared(DType a, DType value, const std::vector<int64_t>& x_widths,
+                                        const std::string& value_name = "the value",
+                                        const std::vector<std::string>& x_names = {});
 
 // Whether matmul a @ b -> out multiplies every row of `a` by one matrix,
 // [..., M, K] @ [K, N] (`a` not transposed, `b`'s leading axes all 1): the
@@ -320,10 +323,17 @@ inline int64_t attention_backward_registers(int64_t Tk, int64_t D, int64_t Dv, b
   auto rounds = [](int64_t outputs) { return (outputs + kAttentionBackwardThreads - 1) / kAttentionBackwardThreads; };
   return (dk ? rounds(Tk * D) : 0) + (dv ? rounds(Tk * Dv) : 0);
 }
-// Its shared memory, region by region as emit.cpp reserves them (floats):
-// the head's keys (where dq is computed) and values, then for the tile of
-// query rows their q (where dk is computed), dcontext, probabilities and ds.
-int64_t attention_backward_shared_bytes(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk);
+// Its shared memory, laid out once for the fusion pass and the emitter
+// (floats): the head's keys (where dq is computed) and values, then for the
+// tile of query rows their q (where dk is computed), dcontext, probabilities
+// and ds. Offsets, -1 where not reserved; the names only describe regions.
+struct AttentionBackwardShared {
+  SharedLayout layout;
+  int64_t keys = -1, values = -1, q = -1, dout = -1, probs = -1, ds = -1;
+};
+AttentionBackwardShared attention_backward_shared(int64_t Tk, int64_t D, int64_t Dv, bool dq, bool dk,
+                                                  const std::string& dout_name = "dcontext",
+                                                  const std::string& probs_name = "probs");
 
 // Whether a list of task or buffer indices holds `x`.
 inline bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }

@@ -14,12 +14,40 @@
 // (a residual) is one node.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "program.h"
 
 namespace cudagen {
+
+// A shared-memory region's bytes up to the 16-byte boundary the next one
+// starts at (every region starts at one, for vector loads and the
+// tensor-core tiles).
+inline int64_t shared_region_bytes(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// A kernel's shared memory: named regions, in order, each from a 16-byte
+// boundary. Laid out once, by one function per fused skeleton (kernels.h),
+// which the fusion pass asks for the bytes and the emitter for the offsets.
+struct SharedRegion {
+  std::string what;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+struct SharedLayout {
+  std::vector<SharedRegion> regions;
+  // Reserves `bytes` after every region before: returns its offset.
+  int64_t add(std::string what, int64_t bytes) {
+    const int64_t offset = shared_region_bytes(end());
+    regions.push_back(SharedRegion{std::move(what), offset, bytes});
+    return offset;
+  }
+  // One past the last region's last byte.
+  int64_t end() const { return regions.empty() ? 0 : regions.back().offset + regions.back().bytes; }
+  // What the regions take, the last one's alignment included.
+  int64_t bytes() const { return shared_region_bytes(end()); }
+};
 
 struct KernelGroup;
 
