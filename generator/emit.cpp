@@ -751,7 +751,7 @@ class Emitter {
     std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                            ? elementwise(t, ps, ek)
                        : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
-                                                           : (this->*named_skeleton(op.name))(t, ps, ek);
+                                                           : (this->*named_skeleton(op.skeleton_name()))(t, ps, ek);
     epilogue_buffer_ = -1;
     epilogue_vector_width_ = 0;
     if (std::exchange(vector_epilogue_used_, false))
@@ -2094,7 +2094,7 @@ class Emitter {
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const cg_i64 row = tile.x;\n"
-        "  const float row_rstd = cg_rmsnorm_row([&](int j) {{ return {3}; }},\n"
+        "  const float row_rstd = {6}([&](int j) {{ return {3}; }},\n"
         "                                        [&](int j) {{ return {4}; }},\n"
         "                                        [&](int j, float v) {{ {5}; }},\n"
         "                                        {0}, {1}, (float*)cg_smem);\n"
@@ -2102,7 +2102,7 @@ class Emitter {
         n, float_arg(t, "eps", 1e-6),
         exports_rstd ? "  if (threadIdx.x == 0) cg_store(rstd, row, row_rstd);\n" : "  (void)row_rstd;\n",
         load(x, fmt::format("row * {} + j", n)), load(param(ps, "weight"), "j"),
-        store(param(ps, "out"), fmt::format("row * {} + j", n), "v"));
+        store(param(ps, "out"), fmt::format("row * {} + j", n), "v"), entry_function_);
   }
 
   // One block per row; mean and rstd, where the task binds them, for backward.
@@ -3722,8 +3722,20 @@ class Emitter {
 
 std::string emitter_gap(const OpSignature& op) {
   if (op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast ||
-      op.pattern == PatternKind::matmul || Emitter::named_skeleton(op.name) != nullptr)
+      op.pattern == PatternKind::matmul || Emitter::named_skeleton(op.skeleton_name()) != nullptr) {
+    // Another op's skeleton runs this op only where it calls the op's own
+    // function; the others call the bundled template's by name.
+    static const std::set<std::string> kCallsTheOpsFunction = {"rmsnorm"};
+    if (!op.skeleton.empty() && !kCallsTheOpsFunction.count(op.skeleton))
+      return fmt::format("op '{}' names skeleton '{}', which calls its own op's function rather than '{}' (skeletons "
+                         "that call the op's: {})",
+                         op.name, op.skeleton, op.source_function, fmt::join(kCallsTheOpsFunction, ", "));
     return {};
+  }
+  if (!op.skeleton.empty())
+    return fmt::format("op '{}' names skeleton '{}', which the emitter does not have (the bundled reduction, gather and "
+                       "opaque ops' names are its skeletons)",
+                       op.name, op.skeleton);
   if (op.pattern == PatternKind::opaque) return fmt::format("the emitter has no skeleton for opaque op '{}' yet", op.name);
   return fmt::format("the emitter has no {} skeleton for op '{}' yet (its template is {})", to_string(op.pattern),
                      op.name, op.source_function);

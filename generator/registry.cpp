@@ -178,6 +178,7 @@ class RegistryReader {
     op.rows = string_field(v, "rows", path, op.name, false);
     op.inverse = string_field(v, "inverse", path, op.name, false);
     op.norm = string_field(v, "norm", path, op.name, false);
+    op.skeleton = string_field(v, "skeleton", path, op.name, false);
     if (const JsonValue* prologue = v.find("prologue")) {
       if (!prologue->is_array()) fail(*prologue, path + "/prologue", "\"prologue\" lists input slot names", op.name);
       else

@@ -70,12 +70,20 @@ struct OpSignature {
   //   inverse   for a gather that only moves elements: the op whose index
   //             map is its inverse (rule permuted_store).
   //   norm      "rms" or "layer": a row normalisation a matmul may apply to
-  //             its operand rows as it loads them (rule norm_prologue).
+  //             its operand rows as it loads them (rule norm_prologue): the
+  //             prologue computes the bundled norm's formula, not the op's.
+  //   skeleton  the emitter's kernel skeleton of a reduction, gather or opaque
+  //             op (emit.cpp, named_skeleton), where not the op's own name:
+  //             a user's op with a bundled op's calling convention runs its
+  //             skeleton, calling the op's own function.
   std::string epilogue;
   std::vector<std::string> prologue;
   std::string rows;
   std::string inverse;
   std::string norm;
+  std::string skeleton;
+  // The skeleton's name: `skeleton`, else the op's.
+  const std::string& skeleton_name() const { return skeleton.empty() ? name : skeleton; }
   std::string doc;
   // Where the template lives: a file of templates/ and its entry function.
   // Empty for ops that have no template yet (the emitter then says so).

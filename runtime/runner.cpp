@@ -344,6 +344,17 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
         if (b.sig != nullptr && b.sig->written() && !unchecked[size_t(b.buffer)]) {
           unchecked[size_t(b.buffer)] = true;
           run.unchecked.push_back(fmt::format("{}.{} (op '{}' has `reference: none`)", t.task->id, b.name, t.op->name));
+          // The tasks after it are checked on the value it left in memory:
+          // that storage must be its own, not reused by a later buffer.
+          const PlannedBuffer& mine = c.plan.buffers[size_t(b.buffer)];
+          for (const PlannedBuffer& other : c.plan.buffers)
+            if (other.buffer != b.buffer && !mine.internal && !other.internal && other.bytes > 0 &&
+                other.offset < mine.offset + mine.bytes && mine.offset < other.offset + other.bytes)
+              throw std::runtime_error(fmt::format(
+                  "op '{}' (task '{}') has no float64 reference (`reference: none`), so what reads its output '{}' "
+                  "is checked on the value it leaves in memory; but the memory plan reuses that storage for '{}'. "
+                  "Compile with reuse off (cudagen run does so for such graphs; --no-reuse)",
+                  t.op->name, t.task->id, b.name, buffer_name(p, other.buffer)));
         }
 
   // Inputs (what no task of the phases run computes) from .npy files, or fresh

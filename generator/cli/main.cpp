@@ -243,7 +243,17 @@ int run_run(Cli& cli) {
   cli.compile.frontend = cli.frontend;
   cli.compile.plan.placement.reuse = !cli.no_reuse && !cli.check_each_task;
   cli.compile.fuse.enabled = !cli.no_fuse && !cli.check_each_task;
-  Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
+  Program program = load_program(cli.graph_path, cli.frontend);
+  // A user's op without a reference is unchecked, and what reads its output
+  // is checked on the value it left in memory: no buffer may take that storage.
+  for (const auto& t : program.tasks)
+    if (t.op->reference == "none" && cli.compile.plan.placement.reuse) {
+      cli.compile.plan.placement.reuse = false;
+      fmt::print("memory reuse off: op '{}' has no float64 reference, and the tasks after it are checked on its output "
+                 "as it stays in memory\n",
+                 t.op->name);
+    }
+  Compiled c = compile(std::move(program), cli.compile);
   fmt::print("compiled {}: {} kernels, arena {} bytes (lower bound {})\n", cli.graph_path, c.kernels.size(),
              c.plan.arena_bytes, c.plan.lower_bound);
   RunOptions options;

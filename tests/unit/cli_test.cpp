@@ -500,3 +500,117 @@ TEST_F(Cli, FilesAreWrittenSafelyAndWorkFoldersRemoved) {
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_TRUE(fs::is_empty(tmp)) << "the run left " << fs::directory_iterator(tmp)->path();
 }
+
+namespace {
+// An .npy file of zeros (float32, the given shape), as `--expected` reads it.
+std::string npy_zeros(const std::vector<int64_t>& shape) {
+  std::string dims;
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    dims += std::to_string(d) + ", ";
+    n *= d;
+  }
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + dims.substr(0, dims.size() - 2) + "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string out = std::string("\x93NUMPY\x01\x00", 8);
+  out += char(header.size() & 0xff);
+  out += char(header.size() >> 8);
+  return out + header + std::string(size_t(n) * 4, '\0');
+}
+}  // namespace
+
+// Issue #36's demonstration: an op fuses by what its template declares, with
+// no change to the generator. A clamp, a user's elementwise op, runs as a
+// matmul's epilogue; a Gemma-style RMS norm (weight offset by one), a user's
+// row op, runs the bundled norm's skeleton (`skeleton: rmsnorm`) calling its
+// own row function, with an epilogue after it, and computes what the bundled
+// norm computes with weight + 1.
+TEST_F(Cli, AnEpilogueOpAndARowOpFuseFromTheirTemplatesAlone) {
+  fs::create_directories(dir_ / "mine");
+  write("mine/clamp.cuh", R"cuh(template <typename T>
+CG_OP("clamp", "pattern: elementwise", "types: T = f32 f16 bf16", "tensor: x input T", "tensor: out output T",
+      "arg: lo float = 0.0", "arg: hi float = 1.0", "shape: x:[...S] -> out:[...S]", "may_alias: out x",
+      "reference: clamp_reference", "doc: min(max(x, lo), hi)")
+CG_DEVICE T cg_clamp(T x, float lo, float hi) {
+  return T(fminf(fmaxf(float(x), lo), hi));
+}
+inline double clamp_reference(double x, double lo, double hi) { return x < lo ? lo : x > hi ? hi : x; }
+)cuh");
+  write("mine/offset_rmsnorm.cuh", R"cuh(// x * rstd * (1 + weight): Gemma's RMS norm.
+template <typename Load, typename Weight, typename Store>
+CG_OP("offset_rmsnorm", "pattern: reduction", "skeleton: rmsnorm", "epilogue: out", "rows: x", "types: T = f32",
+      "tensor: x input T", "tensor: weight weight T", "tensor: out output T", "tensor: rstd output f32 optional",
+      "arg: eps float = 1e-06", "shape: x:[...S, N] weight:[N] -> out:[...S, N] rstd:[...S]", "smem: 128",
+      "reference: none", "doc: x * rsqrt(mean(x^2) + eps) * (1 + weight)")
+CG_DEVICE float cg_offset_rmsnorm_row(Load load, Weight weight, Store store, int n, float eps, float* scratch) {
+  float sum_sq = 0.0f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) sum_sq += load(j) * load(j);
+  const float rstd = rsqrtf(cg_block_sum(sum_sq, scratch) / (float)n + eps);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) * rstd * (1.0f + weight(j)));
+  return rstd;
+}
+)cuh");
+  const std::string mine = " --templates " + (dir_ / "mine").string();
+  const std::string work = " --emulate --work-dir " + (dir_ / "work").string();
+
+  const std::string clamped = write("clamp.json", graph_of(R"({"id": "mm", "op": "matmul",
+      "tensors": {"a": {"dtype": "f32", "shape": [8, 16], "storage": "external"},
+                  "b": {"dtype": "f32", "shape": [16, 12], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [8, 12]}}},
+    {"id": "c", "op": "clamp", "args": {"lo": -0.5, "hi": 0.5}, "tensors": {"x": {"from": "mm.out"},
+                  "out": {"dtype": "f32", "shape": [8, 12], "storage": "external"}}})"));
+  CliResult described = run("describe " + clamped + mine);
+  EXPECT_NE(described.out.find("mm, c  [matmul_epilogue]"), std::string::npos) << described.out;
+  CliResult ran = run("run " + clamped + mine + work);
+  EXPECT_EQ(ran.status, 0) << ran.out << ran.err;
+  EXPECT_NE(ran.out.find("c.out"), std::string::npos) << ran.out;
+
+  // d = 2 offset_rmsnorm(x, w) - 2 rmsnorm(x, w + 1): zero, to the norms' rounding; each norm
+  // with its doubling as its epilogue.
+  const std::string norms = write("norms.json", graph_of(R"({"id": "g", "op": "offset_rmsnorm",
+      "tensors": {"x": {"dtype": "f32", "shape": [4, 64], "storage": "external"},
+                  "weight": {"dtype": "f32", "shape": [64], "storage": "external"},
+                  "out": {"dtype": "f32", "shape": [4, 64]}}},
+    {"id": "e", "op": "affine", "args": {"scale": 2.0}, "tensors": {"x": {"from": "g.out"},
+                  "out": {"dtype": "f32", "shape": [4, 64]}}},
+    {"id": "one", "op": "affine", "args": {"shift": 1.0}, "tensors": {"x": {"from": "g.weight"},
+                  "out": {"dtype": "f32", "shape": [64]}}},
+    {"id": "r", "op": "rmsnorm", "tensors": {"x": {"from": "g.x"}, "weight": {"from": "one.out"},
+                  "out": {"dtype": "f32", "shape": [4, 64]}}},
+    {"id": "r2", "op": "affine", "args": {"scale": 2.0}, "tensors": {"x": {"from": "r.out"},
+                  "out": {"dtype": "f32", "shape": [4, 64]}}},
+    {"id": "d", "op": "sub", "tensors": {"a": {"from": "e.out"}, "b": {"from": "r2.out"},
+                  "out": {"dtype": "f32", "shape": [4, 64], "storage": "external"}}})"));
+  described = run("describe " + norms + mine);
+  EXPECT_NE(described.out.find("g, e  [reduction_epilogue]"), std::string::npos) << described.out;
+  CliResult compiled = run("compile " + norms + mine + " -o " + (dir_ / "norms.cu").string());
+  ASSERT_EQ(compiled.status, 0) << compiled.err;
+  EXPECT_NE(cudagen::read_text_file((dir_ / "norms.cu").string()).find("const float row_rstd = cg_offset_rmsnorm_row("),
+            std::string::npos);
+  fs::create_directories(dir_ / "expected");
+  std::ofstream((dir_ / "expected" / "d.out.npy").string(), std::ios::binary) << npy_zeros({4, 64});
+  // Unfused, so that the op without a reference leaves its output in memory for d's check.
+  ran = run("run " + norms + mine + work + " --no-fuse --expected " + (dir_ / "expected").string());
+  EXPECT_EQ(ran.status, 0) << ran.out << ran.err;
+  EXPECT_NE(ran.out.find("against the expected outputs"), std::string::npos) << ran.out;
+  EXPECT_EQ(ran.out.find("FAIL"), std::string::npos) << ran.out;
+
+  // A skeleton the emitter does not have is named.
+  write("mine/offset_rmsnorm.cuh", std::regex_replace(cudagen::read_text_file((dir_ / "mine/offset_rmsnorm.cuh").string()),
+                                                      std::regex("skeleton: rmsnorm"), "skeleton: rms_norm"));
+  compiled = run("compile " + norms + mine + " -o " + (dir_ / "norms.cu").string());
+  EXPECT_EQ(compiled.status, 1);
+  EXPECT_NE(compiled.err.find("op 'offset_rmsnorm' names skeleton 'rms_norm', which the emitter does not have"),
+            std::string::npos)
+      << compiled.err;
+  // So is one that would call the bundled op's function instead of the user's.
+  write("mine/offset_rmsnorm.cuh", std::regex_replace(cudagen::read_text_file((dir_ / "mine/offset_rmsnorm.cuh").string()),
+                                                      std::regex("skeleton: rms_norm"), "skeleton: layernorm"));
+  compiled = run("compile " + norms + mine + " -o " + (dir_ / "norms.cu").string());
+  EXPECT_EQ(compiled.status, 1);
+  EXPECT_NE(compiled.err.find("names skeleton 'layernorm', which calls its own op's function rather than "
+                              "'cg_offset_rmsnorm_row' (skeletons that call the op's: rmsnorm)"),
+            std::string::npos)
+      << compiled.err;
+}
