@@ -1111,7 +1111,7 @@ class Emitter {
       const BoundTask& bt = p_.tasks[size_t(k.tasks[j])];
       if (bt.op->pattern == PatternKind::matmul) {
         out.push_back(Projection{j, 0, -1});
-      } else if (bt.op->name == "split_heads" && !out.empty()) {
+      } else if (is_op(bt, BundledOp::split_heads) && !out.empty()) {
         out.back().split = j;
         out.back().heads = bt.find_tensor("out")->buffer;
       }
@@ -2169,7 +2169,7 @@ class Emitter {
   std::string softmax_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& out = param(ps, "out");
     if (!check_f32_accumulation(t, out)) return {};
-    const bool log = p_.tasks[size_t(t)].op->name == "log_softmax_backward";
+    const bool log = is_op(p_.tasks[size_t(t)], BundledOp::log_softmax_backward);
     const int64_t n = one_block_per_row(out.buffer->shape, ek);
     const std::string at = fmt::format("row * {} + j", n);
     return fmt::format(
@@ -2188,7 +2188,7 @@ class Emitter {
   // gradients over rows, a column per thread, in row order.
   std::string norm_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const OpSignature& op = *p_.tasks[size_t(t)].op;
-    const bool layer = op.name == "layernorm_backward";
+    const bool layer = is_op(op, BundledOp::layernorm_backward);
     const Param& x = param(ps, "x");
     const Param& dout = param(ps, "dout");
     if (!check_f32_accumulation(t, x)) return {};
@@ -2288,7 +2288,7 @@ class Emitter {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const Param& x = param(ps, "x");
     const Param& out = param(ps, "out");
-    const bool split = bt.op->name == "split_heads";
+    const bool split = is_op(bt, BundledOp::split_heads);
     const Shape& s = split ? out.buffer->shape : x.buffer->shape;  // [..., H, T, D]
     const int64_t H = s[s.size() - 3], T = s[s.size() - 2], D = s.back(), n = numel(out.buffer->shape);
     return grid_stride_loop(n, fmt::format("cg_store(out, i, cg_load(x, {}(i, {}, {}, {})))", bt.op->source_function, T, H, D),
@@ -2578,7 +2578,7 @@ class Emitter {
     const Shape& so = out.buffer->shape;
     const int64_t N = so.back(), M = numel(so) / N, K = a.buffer->shape.back();
     const BoundTask& first_reduction = p_.tasks[size_t(k.tasks[first])];
-    const int value = first_reduction.find_tensor(first_reduction.op->name == "matmul" ? "b" : "x")->buffer;
+    const int value = first_reduction.find_tensor(is_op(first_reduction, BundledOp::matmul) ? "b" : "x")->buffer;
     const DType vt = p_.buffers[size_t(value)].dtype;
     const bool tensor_cores = is_16bit(a.buffer->dtype);
     const int64_t tile = matmul_tile_rows(a.buffer->dtype), row_tiles = (M + tile - 1) / tile;
@@ -2763,7 +2763,7 @@ class Emitter {
     const bool tensor_cores = is_16bit(tile_type);
     ek.mainloop = tensor_cores ? MatmulMainloop::tensor_core_tile : MatmulMainloop::portable_tile;
     ek.matmul_path = tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
-                     : op.name != "matmul" ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
+                     : !is_op(op, BundledOp::matmul) ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
                                            : "the portable f32 tile (templates/matmul.cuh): " + why_not_pipelined;
     const int tile = int(matmul_tile_rows(tile_type));
     ek.block = int(matmul_tile_threads(tile_type));
@@ -3096,7 +3096,7 @@ class Emitter {
 
   // concat: a grid-stride loop over the output; split: over the input.
   std::string concat_split(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
-    const bool concat = p_.tasks[size_t(t)].op->name == "concat";
+    const bool concat = is_op(p_.tasks[size_t(t)], BundledOp::concat);
     const int64_t A = param(ps, "a").buffer->shape.back(), B = param(ps, "b").buffer->shape.back();
     const int64_t n = numel(param(ps, concat ? "out" : "x").buffer->shape);
     return grid_stride_loop(n,
@@ -3208,7 +3208,7 @@ class Emitter {
   std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
     const Param& x = param(ps, "x");
     const Param& out = param(ps, "out");
-    const bool max = p_.tasks[size_t(t)].op->name == "max_pool2d";
+    const bool max = is_op(p_.tasks[size_t(t)], BundledOp::max_pool2d);
     const Shape& sx = x.buffer->shape;
     const Shape& so = out.buffer->shape;
     if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
@@ -3281,7 +3281,7 @@ class Emitter {
   // axis, checked against the shapes: every other axis the same, the
   // slice's last element inside x.
   std::string slice(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
-    const bool backward = p_.tasks[size_t(t)].op->name == "slice_backward";
+    const bool backward = is_op(p_.tasks[size_t(t)], BundledOp::slice_backward);
     const Param& from = param(ps, backward ? "dout" : "x");
     const Param& to = param(ps, backward ? "dx" : "out");
     const Shape& whole = backward ? to.buffer->shape : from.buffer->shape;  // x's

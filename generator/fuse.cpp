@@ -134,7 +134,7 @@ class Fuser {
         const std::string reason = why_not_join(group, t);
         if (reason.empty()) {
           if (group.rule != FusionRule::attention)
-            group.rule = p_.tasks[size_t(t)].op->name == "softmax" ? FusionRule::attention : group_rule(group.tasks.front());
+            group.rule = is_op(p_.tasks[size_t(t)], BundledOp::softmax) ? FusionRule::attention : group_rule(group.tasks.front());
           group.tasks.push_back(t);
           note_writes(t, into);
           continue;
@@ -249,7 +249,7 @@ class Fuser {
   std::string why_not_attention_values(const KernelGroup& group, int t) const {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const int softmax = group.tasks[1];
-    if (bt.op->name != "matmul" || bt.find_tensor("a")->buffer != p_.tasks[size_t(softmax)].find_tensor("out")->buffer)
+    if (!is_op(bt, BundledOp::matmul) || bt.find_tensor("a")->buffer != p_.tasks[size_t(softmax)].find_tensor("out")->buffer)
       return fmt::format("an attention kernel takes the matmul of its probabilities next, not '{}'", bt.task->id);
     if (flag(t, "trans_a") || flag(t, "trans_b"))
       return fmt::format("'{}' transposes an operand; attention multiplies the probabilities by the values as they are",
@@ -264,8 +264,8 @@ class Fuser {
   }
 
   std::string why_not_join(const KernelGroup& group, int t) const {
-    if (group.tasks.size() == 1 && p_.tasks[size_t(group.tasks.front())].op->name == "matmul" &&
-        p_.tasks[size_t(t)].op->name == "softmax")
+    if (group.tasks.size() == 1 && is_op(p_.tasks[size_t(group.tasks.front())], BundledOp::matmul) &&
+        is_op(p_.tasks[size_t(t)], BundledOp::softmax))
       return why_not_attention_softmax(group, t);
     if (group.rule == FusionRule::attention && group.tasks.size() == 2) return why_not_attention_values(group, t);
     const int front = anchor(group);
@@ -503,7 +503,7 @@ class Fuser {
       const int value = p_.tasks[size_t(norm)].find_tensor("out")->buffer;
       std::vector<int> readers;  // the matmuls reading it as their `a`: what the rule is about
       for (int r : readers_[size_t(value)])
-        if (p_.tasks[size_t(r)].op->name == "matmul" && p_.tasks[size_t(r)].find_tensor("a")->buffer == value)
+        if (is_op(p_.tasks[size_t(r)], BundledOp::matmul) && p_.tasks[size_t(r)].find_tensor("a")->buffer == value)
           readers.push_back(r);
       if (readers.empty()) continue;
       std::vector<size_t> hosts;
@@ -557,7 +557,7 @@ class Fuser {
       KernelGroup& kernel = out_.kernels[b];
       if (kernel.rule != FusionRule::matmul_epilogue || kernel.tasks.size() < 2) continue;
       const int mm = kernel.tasks[0], add = kernel.tasks[1];
-      if (p_.tasks[size_t(mm)].op->name != "matmul" || p_.tasks[size_t(add)].op->name != "add") continue;
+      if (!is_op(p_.tasks[size_t(mm)], BundledOp::matmul) || !is_op(p_.tasks[size_t(add)], BundledOp::add)) continue;
       // The add's other operand: the value of an earlier kernel that is a matmul, or a sum of them.
       const int product = p_.tasks[size_t(mm)].find_tensor("out")->buffer;
       int other = -1;
@@ -568,7 +568,7 @@ class Fuser {
       if (a >= b || merged[a]) continue;
       const KernelGroup& term = out_.kernels[a];
       const bool a_sum = term.rule == FusionRule::matmul_sum && matmul_sum_terms(p_, term).epilogue == term.tasks.size();
-      if ((term.tasks.size() != 1 && !a_sum) || p_.tasks[size_t(term.tasks.front())].op->name != "matmul" ||
+      if ((term.tasks.size() != 1 && !a_sum) || !is_op(p_.tasks[size_t(term.tasks.front())], BundledOp::matmul) ||
           group_value(p_.tasks[size_t(term.tasks.back())])->buffer != other)
         continue;
       if (const std::string reason = why_not_sum_matmuls(a, b, other); !reason.empty()) {
@@ -613,7 +613,7 @@ class Fuser {
       return fmt::format("'{}' broadcasts: its operands and output are not all {}", add_id, shape_to_string(shape));
     std::vector<int> terms;
     for (int t : term.tasks)
-      if (p_.tasks[size_t(t)].op->name == "matmul") terms.push_back(t);
+      if (is_op(p_.tasks[size_t(t)], BundledOp::matmul)) terms.push_back(t);
     terms.push_back(mm);
     if (terms.size() > kMaxSumTerms)
       return fmt::format("the sum would have {} terms (at most {})", terms.size(), kMaxSumTerms);
@@ -671,7 +671,7 @@ class Fuser {
     for (size_t a = 0; a < out_.kernels.size(); ++a) {
       const KernelGroup& first = out_.kernels[a];
       const int mm = first.tasks.front();
-      if (p_.tasks[size_t(mm)].op->name != "matmul" || (first.tasks.size() > 1 && first.rule != FusionRule::matmul_epilogue) ||
+      if (!is_op(p_.tasks[size_t(mm)], BundledOp::matmul) || (first.tasks.size() > 1 && first.rule != FusionRule::matmul_epilogue) ||
           permutation(first.tasks.back()))
         continue;
       // The value: what the kernel's last task computes; the second matmul:
@@ -723,7 +723,7 @@ class Fuser {
     for (size_t a = 0; a < out_.kernels.size(); ++a) {
       KernelGroup& producer = out_.kernels[a];
       const int mm = producer.tasks.front();
-      if (merged[a] || p_.tasks[size_t(mm)].op->name != "matmul" ||
+      if (merged[a] || !is_op(p_.tasks[size_t(mm)], BundledOp::matmul) ||
           (producer.tasks.size() > 1 && producer.rule != FusionRule::matmul_epilogue) || permutation(producer.tasks.back()))
         continue;
       const int value = group_value(p_.tasks[size_t(producer.tasks.back())])->buffer;
@@ -759,13 +759,13 @@ class Fuser {
   // operand, `a` transposed), both of 2-D operands or a sum of any rank.
   bool row_reduction_of(int r, int value) const {
     const BoundTask& bt = p_.tasks[size_t(r)];
-    if (bt.op->name == "sum_leading") return bt.find_tensor("x")->buffer == value;
-    return bt.op->name == "matmul" && bt.find_tensor("b")->buffer == value && flag(r, "trans_a") &&
+    if (is_op(bt, BundledOp::sum_leading)) return bt.find_tensor("x")->buffer == value;
+    return is_op(bt, BundledOp::matmul) && bt.find_tensor("b")->buffer == value && flag(r, "trans_a") &&
            bt.find_tensor("a")->buffer != value;
   }
   // Its outputs per column of the value: 1 for a sum, K for a^T @ value.
   int64_t row_reduction_outputs(int r) const {
-    if (p_.tasks[size_t(r)].op->name == "sum_leading") return 1;
+    if (is_op(p_.tasks[size_t(r)], BundledOp::sum_leading)) return 1;
     return slot_buffer(r, "out").shape.front();
   }
 
@@ -791,7 +791,7 @@ class Fuser {
     // written from there to its own place (in place updates are writes too),
     // and the value must not be updated in place before it either.
     std::vector<int> read = {storage_of(value)};
-    if (p_.tasks[size_t(r)].op->name == "matmul") {
+    if (is_op(p_.tasks[size_t(r)], BundledOp::matmul)) {
       const Shape& x = slot_buffer(r, "a").shape;
       if (x.size() != 2 || info.shape.size() != 2)
         return fmt::format("'{}' multiplies batches of matrices; a weight gradient here is [R, K]^T @ [R, N]", id);
@@ -823,8 +823,8 @@ class Fuser {
     // gradient's rows of x for the tile (the emitter's regions, 16-byte aligned).
     std::vector<int64_t> x_widths;
     for (int t : producer.tasks)
-      if (t != mm && p_.tasks[size_t(t)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(t));
-    if (p_.tasks[size_t(r)].op->name == "matmul") x_widths.push_back(row_reduction_outputs(r));
+      if (t != mm && is_op(p_.tasks[size_t(t)], BundledOp::matmul)) x_widths.push_back(row_reduction_outputs(t));
+    if (is_op(p_.tasks[size_t(r)], BundledOp::matmul)) x_widths.push_back(row_reduction_outputs(r));
     const int64_t bytes = row_reduction_shared(a_type, info.dtype, x_widths).layout.bytes();
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the operand tiles, a tile of '{}' and the rows the weight gradients read take {} bytes of "
@@ -847,10 +847,10 @@ class Fuser {
     std::vector<bool> merged(out_.kernels.size(), false);
     for (size_t s = 0; s < out_.kernels.size(); ++s) {
       const int ds = out_.kernels[s].tasks.front();
-      if (merged[s] || p_.tasks[size_t(ds)].op->name != "softmax_backward") continue;
+      if (merged[s] || !is_op(p_.tasks[size_t(ds)], BundledOp::softmax_backward)) continue;
       // An attention's gradient: the softmax's dout is dcontext v^T.
       const int dp = p_.buffers[size_t(p_.tasks[size_t(ds)].find_tensor("dout")->buffer)].owner_task;
-      if (dp < 0 || p_.tasks[size_t(dp)].op->name != "matmul" || !flag(dp, "trans_b") || flag(dp, "trans_a")) continue;
+      if (dp < 0 || !is_op(p_.tasks[size_t(dp)], BundledOp::matmul) || !flag(dp, "trans_b") || flag(dp, "trans_a")) continue;
       std::vector<size_t> members;
       if (const std::string reason = why_not_attention_backward(s, dp, merged, members); !reason.empty()) {
         const std::string why = fmt::format("'{}' runs in no attention_backward kernel: {}", p_.tasks[size_t(ds)].task->id, reason);
@@ -903,7 +903,7 @@ class Fuser {
     for (int r : readers_[size_t(ds_value)]) {
       const BoundTask& reader = p_.tasks[size_t(r)];
       int& role = flag(r, "trans_a") ? dk : dq;
-      if (reader.op->name != "matmul" || reader.find_tensor("a")->buffer != ds_value ||
+      if (!is_op(reader, BundledOp::matmul) || reader.find_tensor("a")->buffer != ds_value ||
           reader.find_tensor("b")->buffer == ds_value || flag(r, "trans_b") || role >= 0)
         return fmt::format("'{}' reads '{}' otherwise than as ds k or ds^T q", reader.task->id, buffer_name(p_, ds_value));
       role = r;
@@ -911,7 +911,7 @@ class Fuser {
     if (dq < 0 && dk < 0) return fmt::format("nothing reads '{}'", buffer_name(p_, ds_value));
     const int dout = p_.tasks[size_t(dp)].find_tensor("a")->buffer;
     for (int r : readers_[size_t(probs)])
-      if (dv < 0 && p_.tasks[size_t(r)].task->phase == phase && p_.tasks[size_t(r)].op->name == "matmul" &&
+      if (dv < 0 && p_.tasks[size_t(r)].task->phase == phase && is_op(p_.tasks[size_t(r)], BundledOp::matmul) &&
           flag(r, "trans_a") && !flag(r, "trans_b") && p_.tasks[size_t(r)].find_tensor("a")->buffer == probs &&
           p_.tasks[size_t(r)].find_tensor("b")->buffer == dout)
         dv = r;
@@ -1024,12 +1024,12 @@ class Fuser {
         // (One tensor read as two operands would be computed for two shapes of block.)
         if (std::count(operands.begin(), operands.end(), heads) > 1) continue;
         const int owner = p_.buffers[size_t(heads)].owner_task;
-        if (owner < 0 || p_.tasks[size_t(owner)].op->name != "split_heads") continue;
+        if (owner < 0 || !is_op(p_.tasks[size_t(owner)], BundledOp::split_heads)) continue;
         const size_t from = kernel_of(owner, 0);
         const KernelGroup& producer = out_.kernels[from];
         // Only a matmul's kernel that ends with this split is a projection.
         if (from >= at || merged[from] || producer.tasks.back() != owner ||
-            p_.tasks[size_t(producer.tasks.front())].op->name != "matmul")
+            !is_op(p_.tasks[size_t(producer.tasks.front())], BundledOp::matmul))
           continue;
         if (const std::string reason = why_not_projection(from, at, heads, role, projected); !reason.empty()) {
           note_prologue_refused(producer.tasks, {scores}, reason, "is not computed in the attention kernel");
@@ -1268,7 +1268,7 @@ class Fuser {
     for (int r : readers) {
       const BoundTask& reader = p_.tasks[size_t(r)];
       // (An epilogue in the norm's kernel reads it too.)
-      if (reader.op->name != "matmul")
+      if (!is_op(reader, BundledOp::matmul))
         return fmt::format("'{}' ({}) reads '{}' too; only a matmul's operand load normalises", reader.task->id,
                            reader.op->name, buffer_name(p_, value));
       if (reader.find_tensor("a")->buffer != value || reader.find_tensor("b")->buffer == value)

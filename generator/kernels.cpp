@@ -32,6 +32,23 @@ const char* to_string(FusionRule rule) {
   return "";
 }
 
+bool is_op(const OpSignature& op, BundledOp which) {
+  switch (which) {
+    case BundledOp::matmul: return op.name == "matmul";
+    case BundledOp::add: return op.name == "add";
+    case BundledOp::softmax: return op.name == "softmax";
+    case BundledOp::softmax_backward: return op.name == "softmax_backward";
+    case BundledOp::sum_leading: return op.name == "sum_leading";
+    case BundledOp::split_heads: return op.name == "split_heads";
+    case BundledOp::log_softmax_backward: return op.name == "log_softmax_backward";
+    case BundledOp::layernorm_backward: return op.name == "layernorm_backward";
+    case BundledOp::concat: return op.name == "concat";
+    case BundledOp::max_pool2d: return op.name == "max_pool2d";
+    case BundledOp::slice_backward: return op.name == "slice_backward";
+  }
+  return false;
+}
+
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
   std::vector<KernelGroup> kernels;
   for (int t : schedule.order) {
@@ -104,7 +121,7 @@ size_t first_row_reduction(const Program& program, const KernelGroup& k) {
 size_t attention_scores(const Program& program, const KernelGroup& k) {
   if (k.rule != FusionRule::attention) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)
-    if (program.tasks[size_t(k.tasks[i])].op->name == "softmax") return i - 1;
+    if (is_op(program.tasks[size_t(k.tasks[i])], BundledOp::softmax)) return i - 1;
   return 0;
 }
 
@@ -114,10 +131,10 @@ MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k) {
   // fuse.cpp: each further term's kernel starts with it, then its add; the
   // epilogue (elementwise tasks) follows the last add.
   for (size_t i = 0; i < k.tasks.size(); ++i) {
-    if (program.tasks[size_t(k.tasks[i])].op->name != "matmul") continue;
+    if (!is_op(program.tasks[size_t(k.tasks[i])], BundledOp::matmul)) continue;
     sum.terms.push_back(i);
     if (i == 0) continue;
-    if (i + 1 >= k.tasks.size() || program.tasks[size_t(k.tasks[i + 1])].op->name != "add")
+    if (i + 1 >= k.tasks.size() || !is_op(program.tasks[size_t(k.tasks[i + 1])], BundledOp::add))
       throw std::logic_error("matmul_sum kernel " + k.name + ": a term not followed by its add");
     sum.adds.push_back(i + 1);
   }
@@ -146,11 +163,11 @@ AttentionGradient attention_gradient(const Program& program, const KernelGroup& 
   auto buffer = [&](size_t i, const char* slot) { return task(i).find_tensor(slot)->buffer; };
   auto flag = [&](size_t i, const char* arg) { return flag_value(root_arg(program, k.tasks[i], arg).second); };
   for (size_t i = 0; i < k.tasks.size() && g.ds == AttentionGradient::none; ++i)
-    if (task(i).op->name == "softmax_backward") g.ds = i;
+    if (is_op(task(i), BundledOp::softmax_backward)) g.ds = i;
   if (g.ds == AttentionGradient::none) return g;
   const int probs = buffer(g.ds, "out"), dp = buffer(g.ds, "dout"), ds = buffer(g.ds, "dx");
   for (size_t i = 0; i < k.tasks.size(); ++i) {
-    if (task(i).op->name != "matmul") continue;
+    if (!is_op(task(i), BundledOp::matmul)) continue;
     if (buffer(i, "out") == dp) g.dp = i;
     else if (buffer(i, "a") == ds) (flag(i, "trans_a") ? g.dk : g.dq) = i;
     else if (buffer(i, "a") == probs && flag(i, "trans_a")) g.dv = i;

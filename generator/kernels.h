@@ -72,6 +72,31 @@ struct KernelGroup {
   kir::Kernel ir;
 };
 
+// The bundled ops whose algebra a skeleton is written around, where a
+// template's facts (registry.h) cannot say it: attention is softmax(scale q
+// k^T) v over matmuls, its gradient turns on softmax_backward; a row
+// reduction's reductions are sum_leading and a^T @ value; a sum of matmuls
+// joins them with add; the projections an attention computes end in
+// split_heads; and skeletons shared by two ops tell them apart
+// (log_softmax_backward, layernorm_backward, concat, max_pool2d,
+// slice_backward). The one table of op names the fusion pass and the emitter
+// compare against (kernels.cpp); derive.cpp's gradient rules have their own.
+enum class BundledOp {
+  matmul,
+  add,
+  softmax,
+  softmax_backward,
+  sum_leading,
+  split_heads,
+  log_softmax_backward,
+  layernorm_backward,
+  concat,
+  max_pool2d,
+  slice_backward,
+};
+bool is_op(const OpSignature& op, BundledOp which);
+inline bool is_op(const BoundTask& task, BundledOp which) { return is_op(*task.op, which); }
+
 // Whether kernel `k`'s prologue is a norm (rule norm_prologue), rather than
 // an elementwise chain (rule elementwise_prologue) or nothing.
 bool norm_prologue(const Program& program, const KernelGroup& k);
