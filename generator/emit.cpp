@@ -828,16 +828,16 @@ class Emitter {
     const bool projecting = !projections.empty();
     ek.block = int(32 * per_block);
     ek.grid[0] = int(rows / (projecting ? Tq : per_block));
-    // The head's keys and values in shared memory where they fit beside the
-    // scratch; always where the block computes them.
-    const int64_t staged = Tk * (D + Dv);
-    const bool stage = k_computed || v_computed ||
-                       ((per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1);
-    const int64_t rows_at = reserve_shared(ek, fmt::format("each warp's query row and scores ({} x {} floats)", per_block, scratch),
-                                           per_block * scratch * 4);
-    const int64_t keys_at = stage ? reserve_shared(ek, fmt::format("the head's keys and values ({} x {} floats)", Tk, D + Dv),
-                                                   staged * 4)
-                                  : 0;
+    // Shared memory, as the fusion pass bounded it: the head's keys and
+    // values where they fit beside the scratch, always where the block
+    // computes them; then what the projections stage.
+    int64_t weight_floats = 0;
+    const std::vector<AttentionProjectionShared> staging =
+        projection_shared(k, projections, q.bound->buffer, weight_floats);
+    const AttentionShared smem = attention_shared(per_block, Tk, D, Dv, k_computed || v_computed, staging, weight_floats);
+    use_shared(ek, smem.layout);
+    const bool stage = smem.keys >= 0;
+    const int64_t rows_at = smem.rows, keys_at = stage ? smem.keys : 0;
     const std::string valid = arg_bool(tp, "causal")
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
                                   : std::to_string(Tk);
@@ -874,7 +874,7 @@ class Emitter {
     }
     ProjectionCode projected;
     if (!projections.empty()) {
-      projected = projection_code(k, projections, {q.bound->buffer, kk.bound->buffer, v.bound->buffer}, ek);
+      projected = projection_code(k, projections, {q.bound->buffer, kk.bound->buffer, v.bound->buffer}, smem);
       if (!diags_.ok()) return {};
       body += projected.code;
       if (q_computed) load_q = fmt::format("cg_q_rows[row % {} * {} + c]", Tq, D);
@@ -1131,12 +1131,47 @@ class Emitter {
   // adds its partial products in another): the
   // keys and values (staged_k, staged_v), the queries (cg_q_rows). A head
   // tensor read later is stored as well. `operands`: the q, k and v buffers.
+  // What each projection stages in shared memory, in the order
+  // projection_code stages it (attention_shared lays it out), and the
+  // largest projection's weight columns for one head.
+  std::vector<AttentionProjectionShared> projection_shared(const KernelGroup& k, const std::vector<Projection>& projections,
+                                                           int q_heads, int64_t& weight_floats) const {
+    std::vector<AttentionProjectionShared> out;
+    if (projections.empty()) return out;
+    const Shape& sq = p_.buffers[size_t(q_heads)].shape;
+    const int64_t H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
+    for (const Projection& pr : projections) {
+      const BoundTask& mm = p_.tasks[size_t(k.tasks[pr.matmul])];
+      const int source = mm.find_tensor("a")->buffer;
+      const Shape& sa = p_.buffers[size_t(source)].shape;
+      const int64_t T = sa[sa.size() - 2], K = sa.back(), Dh = p_.buffers[size_t(mm.find_tensor("out")->buffer)].shape.back() / H;
+      weight_floats = std::max(weight_floats, K * Dh);
+      AttentionProjectionShared s{.source = source, .source_floats = T * K};
+      s.source_what = fmt::format("{}'s {} rows of a batch", buffer_name(source), T);
+      for (int t : k.prologue) {  // the norm that computes the input, where one does
+        const BoundTask& norm = p_.tasks[size_t(t)];
+        if (norm.find_tensor("out")->buffer != source) continue;
+        const bool layer = norm.op->norm == "layer", stored = !contains(k.internal_buffers, source);
+        const int64_t per_row = layer ? 2 : 1;
+        s.source_floats = T * K + per_row * K + (stored ? per_row * T : 0);
+        s.source_what = fmt::format("{}'s {} rows of a batch normalised, its weight{}{}", norm.task->id, T,
+                                    layer ? " and bias" : "", stored ? ", the rows' statistics" : "");
+      }
+      if (pr.heads == q_heads) {
+        s.q_floats = T * Dh;
+        s.q_what = fmt::format("the head's {} query rows ({} floats each)", T, Dh);
+      }
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+
   struct ProjectionCode {
     std::string code;
     std::vector<LaunchParam> params;
   };
   ProjectionCode projection_code(const KernelGroup& k, const std::vector<Projection>& projections,
-                                 const std::array<int, 3>& operands, EmittedKernel& ek) {
+                                 const std::array<int, 3>& operands, const AttentionShared& smem) {
     ProjectionCode out;
     const Shape& sq = p_.buffers[size_t(operands[0])].shape;
     const int64_t H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
@@ -1151,12 +1186,7 @@ class Emitter {
       out.params.push_back(buffer_param(name, x));
     };
     std::map<int, std::string> staged_rows;  // a projection input -> its rows in shared memory
-    int64_t weight_floats = 0, weights_at = -1;
-    for (const Projection& pr : projections) {
-      const int mm = k.tasks[pr.matmul];
-      const Shape& sa = p_.buffers[size_t(p_.tasks[size_t(mm)].find_tensor("a")->buffer)].shape;
-      weight_floats = std::max(weight_floats, sa.back() * p_.buffers[size_t(p_.tasks[size_t(mm)].find_tensor("out")->buffer)].shape.back() / H);
-    }
+    bool weights_staged = false;
     for (const Projection& pr : projections) {
       const int mm = k.tasks[pr.matmul];
       const std::string& id = p_.tasks[size_t(mm)].task->id;
@@ -1187,11 +1217,7 @@ class Emitter {
           // are stored from here: by the blocks of each batch's first head.
           const bool store_norm = !contains(k.internal_buffers, nt.find_tensor("out")->buffer);
           const int64_t per_row = layer ? 2 : 1;
-          const int64_t at = reserve_shared(
-              ek,
-              fmt::format("{}'s {} rows of a batch normalised, its weight{}{}", nid, T, layer ? " and bias" : "",
-                          store_norm ? ", the rows' statistics" : ""),
-              4 * (T * K + per_row * K + (store_norm ? per_row * T : 0)));
+          const int64_t at = smem.sources.at(source);
           template_files_.insert(nt.op->source_file);
           use_function(*nt.op, "cg_" + nt.op->name + "_stage_rows");
           const Param& nx = param(nps, "x");
@@ -1236,7 +1262,7 @@ class Emitter {
                  }});
           }
         } else {
-          const int64_t at = reserve_shared(ek, fmt::format("{}'s {} rows of a batch", buffer_name(source), T), 4 * T * K);
+          const int64_t at = smem.sources.at(source);
           add(id + "_a", a);
           out.code += fmt::format(
               "  // {0}: the batch's {1} rows in shared memory.\n"
@@ -1250,9 +1276,7 @@ class Emitter {
       const std::string role = is_q ? "q" : pr.heads == operands[1] ? "k" : "v";
       const std::string dest = is_q ? "cg_q_rows" : role == "k" ? "staged_k" : "staged_v";
       if (is_q)
-        out.code += fmt::format("  float* cg_q_rows = {};\n",
-                                shared_floats(reserve_shared(ek, fmt::format("the head's {} query rows ({} floats each)", T, Dh),
-                                                             4 * T * Dh)));
+        out.code += fmt::format("  float* cg_q_rows = {};\n", shared_floats(smem.queries));
       const BufferInfo& heads = p_.buffers[size_t(pr.heads)];
       const bool narrowed = is_16bit(heads.dtype);
       const std::string kept = narrowed ? fmt::format("cg_widen(cg_narrow<{}>(value))", c_type(heads.dtype)) : "value";
@@ -1295,11 +1319,8 @@ class Emitter {
       add(id + "_b", b);
       // The head's columns of the weight in shared memory (one region, each
       // projection's in turn), then one output element per thread.
-      if (weights_at < 0) {
-        weights_at = reserve_shared(ek, fmt::format("a projection's weight columns of one head ({} floats)", weight_floats),
-                                    4 * weight_floats);
-        out.code += fmt::format("  float* cg_weights = {};\n", shared_floats(weights_at));
-      }
+      if (!std::exchange(weights_staged, true))
+        out.code += fmt::format("  float* cg_weights = {};\n", shared_floats(smem.weights));
       out.code += fmt::format(
           "  cg_stage_rows([&](int k, int c) {{ const int n = cg_h * {1} + c; return {2}; }}, cg_weights, {0}, {1});\n"
           "  for (int e = threadIdx.x; e < {3} * {1}; e += blockDim.x) {{\n"
@@ -2453,10 +2474,10 @@ class Emitter {
     ek.block = int(matmul_tile_threads(a.buffer->dtype));
     ek.min_blocks_per_sm = 1;  // few blocks, each two matmuls' tiles: registers before occupancy
     ek.grid[1] = int((M + tile - 1) / tile);
-    reserve_shared(ek, "the operand tiles", matmul_operand_tile_bytes(a.buffer->dtype));
-    const int64_t value_at =
-        reserve_shared(ek, fmt::format("the block's {} rows of {} ({})", tile, buffer_name(value.bound->buffer), to_string(vt)),
-                       tile * H * dtype_bytes(vt));
+    // Shared memory, as the fusion pass bounded it.
+    const MatmulChainShared smem = matmul_chain_shared(a.buffer->dtype, vt, H, buffer_name(value.bound->buffer));
+    use_shared(ek, smem.layout);
+    const int64_t value_at = smem.value;
     // The value's element (m, column) in the block's rows, kept as it would have been stored.
     auto kept = [&](const std::string& column) {
       return fmt::format("cg_value[(cg_i64)(m - tile.y * {}) * {} + {}]", tile, H, column);

@@ -1077,7 +1077,7 @@ class Fuser {
   // buffer, with their floats), the projection outputs per block.
   struct ProjectedAttention {
     int64_t Tq = 0, Tk = 0, D = 0, Dv = 0, rows_per_block = 1;
-    bool q_computed = false;
+    bool q_computed = false, kv_computed = false;
     std::map<int, int64_t> source_floats;  // a staged input's buffer -> its floats
     int64_t outputs_per_block = 0;
     int64_t weight_floats = 0;  // the largest projection's weight columns for one head
@@ -1137,13 +1137,17 @@ class Fuser {
     ProjectedAttention with = projected;
     with.source_floats[source] = std::max(with.source_floats[source], floats);
     with.q_computed = with.q_computed || role == "q";
+    with.kv_computed = with.kv_computed || role != "q";
     const int64_t rows = role == "q" ? with.Tq : with.Tk, columns = role == "v" ? with.Dv : with.D;
     with.outputs_per_block += rows * columns;
     with.weight_floats = std::max(with.weight_floats, a.back() * columns);
-    std::vector<int64_t> sources;
-    for (const auto& [buffer, n] : with.source_floats) sources.push_back(n);
-    const int64_t bytes =
-        projected_attention_shared_bytes(with.Tq, with.Tk, with.D, with.Dv, with.q_computed, sources, with.weight_floats);
+    // (The regions' order is the emitter's; their bytes are not: each starts on a 16-byte boundary.)
+    std::vector<AttentionProjectionShared> regions;
+    for (const auto& [buffer, n] : with.source_floats) regions.push_back({.source = buffer, .source_floats = n});
+    if (with.q_computed) regions.push_back({.q_floats = with.Tq * with.D});
+    const int64_t bytes = attention_shared(with.rows_per_block, with.Tk, with.D, with.Dv, with.kv_computed, regions,
+                                           with.weight_floats)
+                              .layout.bytes();
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("the block's rows of '{}' ({} x {}) with the attention's own would take {} bytes of shared "
                          "memory, more than {}",
@@ -1199,7 +1203,7 @@ class Fuser {
                          to_string(info.dtype), buffer_name(p_, p_.tasks[size_t(t1)].find_tensor("a")->buffer),
                          to_string(a_type));
     const int64_t tile = matmul_tile_rows(a_type), H = info.shape.back(), N = slot_buffer(t2, "out").shape.back();
-    const int64_t bytes = matmul_operand_tile_bytes(a_type) + tile * H * dtype_bytes(info.dtype);
+    const int64_t bytes = matmul_chain_shared(a_type, info.dtype, H).layout.bytes();
     if (bytes > kSharedBytesWithoutOptIn)
       return fmt::format("a block's {} rows of '{}' ({} x {} {}) and the operand tiles take {} bytes of shared memory, "
                          "more than {}",

@@ -142,6 +142,15 @@ MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k) {
   return sum;
 }
 
+MatmulChainShared matmul_chain_shared(DType a, DType value, int64_t H, const std::string& value_name) {
+  const int64_t tile = matmul_tile_rows(a);
+  MatmulChainShared s;
+  s.layout.add("the operand tiles", matmul_operand_tile_bytes(a));
+  s.value = s.layout.add(fmt::format("the block's {} rows of {} ({})", tile, value_name, to_string(value)),
+                         tile * H * dtype_bytes(value));
+  return s;
+}
+
 RowReductionShared row_reduction_shared(DType a, DType value, const std::vector<int64_t>& x_widths,
                                         const std::string& value_name, const std::vector<std::string>& x_names) {
   const int64_t tile = matmul_tile_rows(a);
@@ -202,14 +211,22 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
   return per_block;
 }
 
-int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
-                                         const std::vector<int64_t>& source_floats, int64_t weight_floats) {
-  auto region = [](int64_t floats) { return shared_region_bytes(floats * 4); };
-  const int64_t per_block = attention_rows_per_block(Tq, D, Tk);
-  int64_t bytes = region(per_block * (D + Tk)) + region(Tk * (D + Dv)) + (q_computed ? region(Tq * D) : 0);
-  for (int64_t floats : source_floats) bytes += region(floats);
-  bytes += region(weight_floats);
-  return bytes;
+AttentionShared attention_shared(int64_t per_block, int64_t Tk, int64_t D, int64_t Dv, bool kv_computed,
+                                 const std::vector<AttentionProjectionShared>& projections, int64_t weight_floats) {
+  AttentionShared s;
+  const int64_t scratch = D + Tk, staged = Tk * (D + Dv);
+  s.rows = s.layout.add(fmt::format("each warp's query row and scores ({} x {} floats)", per_block, scratch),
+                        per_block * scratch * 4);
+  if (kv_computed || ((per_block * scratch + staged) * 4 <= kSharedBytesWithoutOptIn && per_block > 1))
+    s.keys = s.layout.add(fmt::format("the head's keys and values ({} x {} floats)", Tk, D + Dv), staged * 4);
+  for (const AttentionProjectionShared& p : projections) {
+    if (p.source >= 0 && !s.sources.count(p.source)) s.sources[p.source] = s.layout.add(p.source_what, 4 * p.source_floats);
+    if (p.q_floats > 0) s.queries = s.layout.add(p.q_what, 4 * p.q_floats);
+    if (s.weights < 0)
+      s.weights = s.layout.add(fmt::format("a projection's weight columns of one head ({} floats)", weight_floats),
+                               4 * weight_floats);
+  }
+  return s;
 }
 
 int launch_count(const std::vector<KernelGroup>& kernels) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -256,6 +257,15 @@ inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 // 163 KiB, sm_90 227 KiB). The pipelined mainloop's largest tile takes 96.
 inline constexpr int64_t kSharedBytesWithOptIn = 99 * 1024;
 
+// Rule matmul_chain: the shared memory of a kernel of two chained matmuls,
+// laid out once for the fusion pass and the emitter: the operand tiles, then
+// the block's rows of the first product's value (`H` wide, in its type).
+struct MatmulChainShared {
+  SharedLayout layout;
+  int64_t value = 0;
+};
+MatmulChainShared matmul_chain_shared(DType a, DType value, int64_t H, const std::string& value_name = "the value");
+
 // Rule row_reduction: the shared memory of a matmul kernel that reduces its
 // value over the rows, laid out once for the fusion pass (its bytes) and the
 // emitter (its offsets): the operand tiles, a tile of the value (in its
@@ -298,18 +308,33 @@ size_t attention_scores(const Program& program, const KernelGroup& k);
 // query row and its scores, D + Tk floats) fits in shared memory.
 int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 
-// Rule attention_projection: the shared memory of an attention kernel whose
-// blocks compute some of q, k and v themselves, a block per head (emit.cpp
-// reserves these regions, each from a 16-byte boundary): each warp's
-// scratch, the head's keys and values (counted always; emit.cpp reserves
-// them where k or v is computed, or where they fit), its queries where q is
-// computed, the rows of each projection input (`source_floats` each: a
-// batch's rows, normalised where a norm computes them, with the norm's
-// weight and bias, and their statistics where stored), and one
-// projection's weight columns for a head at a time (`weight_floats`, the
-// largest).
-int64_t projected_attention_shared_bytes(int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool q_computed,
-                                         const std::vector<int64_t>& source_floats, int64_t weight_floats);
+// Rules attention and attention_projection: an attention kernel's shared
+// memory, laid out once for the fusion pass (its bytes) and the emitter (its
+// offsets), in the emitter's order: each warp's query row and scores
+// (`per_block` warps of D + Tk floats); the head's keys and values where
+// staged (always where the block computes k or v, otherwise where they fit
+// in 48 KiB beside the scratch and a block has several warps); then for each
+// projection the kernel computes, in turn: its input's rows of a batch (once
+// per input: normalised, with the norm's weight and bias and the rows'
+// statistics where stored, where a norm computes them), the head's query rows
+// where it computes q, and at the first one projection's weight columns for a
+// head (`weight_floats`, the largest).
+struct AttentionProjectionShared {
+  int source = -1;  // its input's buffer, staged once; -1: none to stage here
+  int64_t source_floats = 0;
+  std::string source_what = "a projection input's rows of a batch";
+  int64_t q_floats = 0;  // where it computes q: the head's query rows
+  std::string q_what = "the head's query rows";
+};
+struct AttentionShared {
+  SharedLayout layout;
+  int64_t rows = 0;                 // each warp's query row and scores
+  int64_t keys = -1;                // the head's keys, then its values; -1: not staged
+  std::map<int, int64_t> sources;   // a projection input -> its rows
+  int64_t queries = -1, weights = -1;
+};
+AttentionShared attention_shared(int64_t per_block, int64_t Tk, int64_t D, int64_t Dv, bool kv_computed,
+                                 const std::vector<AttentionProjectionShared>& projections, int64_t weight_floats);
 
 // Rule attention_backward: where the gradient tasks of an attention
 // (scores = alpha q k^T, probs = softmax(scale * scores), context =
