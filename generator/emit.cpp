@@ -1131,6 +1131,14 @@ class Emitter {
   // adds its partial products in another): the
   // keys and values (staged_k, staged_v), the queries (cg_q_rows). A head
   // tensor read later is stored as well. `operands`: the q, k and v buffers.
+  // The norm of kernel k's prologue that computes projection input
+  // `source`, or -1 where none does.
+  int source_norm(const KernelGroup& k, int source) const {
+    for (int t : k.prologue)
+      if (p_.tasks[size_t(t)].find_tensor("out")->buffer == source) return t;
+    return -1;
+  }
+
   // What each projection stages in shared memory, in the order
   // projection_code stages it (attention_shared lays it out), and the
   // largest projection's weight columns for one head.
@@ -1148,9 +1156,8 @@ class Emitter {
       weight_floats = std::max(weight_floats, K * Dh);
       AttentionProjectionShared s{.source = source, .source_floats = T * K};
       s.source_what = fmt::format("{}'s {} rows of a batch", buffer_name(source), T);
-      for (int t : k.prologue) {  // the norm that computes the input, where one does
+      if (const int t = source_norm(k, source); t >= 0) {
         const BoundTask& norm = p_.tasks[size_t(t)];
-        if (norm.find_tensor("out")->buffer != source) continue;
         const bool layer = norm.op->norm == "layer", stored = !contains(k.internal_buffers, source);
         const int64_t per_row = layer ? 2 : 1;
         s.source_floats = T * K + per_row * K + (stored ? per_row * T : 0);
@@ -1201,9 +1208,7 @@ class Emitter {
       const int source = a.bound->buffer;
       // The norm that computes the input, where one does (its output is then
       // rounded as the norm would have stored it).
-      int norm = -1;
-      for (int t : k.prologue)
-        if (p_.tasks[size_t(t)].find_tensor("out")->buffer == source) norm = t;
+      const int norm = source_norm(k, source);
       if (!staged_rows.count(source)) {
         const std::string rows_name = "cg_rows_" + (norm >= 0 ? p_.tasks[size_t(norm)].task->id : id);
         staged_rows[source] = rows_name;
