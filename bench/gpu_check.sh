@@ -29,6 +29,8 @@
 #    checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer (memcheck, racecheck,
 #    synccheck);
 #  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
+#  - flash attention alone (bench/attention_graph.py) at B8 x H12 x T 512/2048/8192, heads of 64, causal and
+#    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py);
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -137,6 +139,25 @@ for graph in examples/mlp_forward.json examples/transformer_block.json examples/
   echo "== $graph"
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
+echo
+echo "flash attention (issue #37, docs/attention.md), forward, bf16, B8 x H12, heads of 64, then one decoding step: the generated kernel"
+echo "(bench_megakernel, kernels only, mean of 20 runs on random inputs) beside PyTorch's SDPA on its flash backend"
+echo "(median of 20); ratio = torch time / cudagen time:"
+if have_time 60 "the flash attention benchmark"; then
+  for tokens in 512 2048 8192; do
+    for causal in "" --causal; do
+      python3 bench/attention_graph.py --tokens $tokens $causal -o "$log/attention_${tokens}${causal}.json"
+      "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$log/attention_${tokens}${causal}.json" 2>&1 | sed -n 2p
+    done
+  done | tee "$log/attention_cudagen.txt"
+  # Decoding: one query row a head over a cache of 8192 keys (split-KV).
+  python3 bench/attention_graph.py --queries 1 --tokens 8192 -o "$log/attention_decode.json"
+  "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$log/attention_decode.json" 2>&1 | sed -n 2p |
+    tee -a "$log/attention_cudagen.txt"
+  python3 bench/attention_torch.py --tokens 512 2048 8192 --decode 8192 --runs 20 2>&1 | tee "$log/attention_torch.txt"
+  paste <(awk '{print $1, $4}' "$log/attention_cudagen.txt") <(awk '{print $(NF-5)}' "$log/attention_torch.txt") |
+    awk '{ printf "%-40s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx\n", $1, $2, $3, $3 / $2 }'
+fi
 echo
 echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (matmuls on the pipelined"
 echo "mainloop), as kernels and CUDA Graph (its megakernel runs the old tiles: bench_megakernel's third row);"

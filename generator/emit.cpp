@@ -819,6 +819,21 @@ class Emitter {
       return std::any_of(projections.begin(), projections.end(), [&](const Projection& pr) { return pr.heads == x.bound->buffer; });
     };
     const bool q_computed = computed(q), k_computed = computed(kk), v_computed = computed(v);
+    const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
+    // Tensor cores where the flash kernel applies; otherwise the row kernel,
+    // as far as the fusion pass allowed it (1024 keys).
+    std::string why_not_flash = !projections.empty() ? "the kernel computes its projections' heads itself"
+                                : !global_wrapper_  ? "it shares its launch with other kernels"
+                                                    : std::string();
+    if (why_not_flash.empty())
+      if (const std::optional<FlashAttentionTile> tile =
+              flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch))
+        return flash_attention(k, first, *tile, std::move(ek), tail.code, tail.params, emitted);
+    if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys || !std::equal(sq.begin(), sq.end() - 2, kk.buffer->shape.begin()))
+      fail(ts, "", fmt::format("internal error: an attention over {} keys, k {} for q {}, was fused, but the flash kernel "
+                               "does not apply: {}",
+                               Tk, shape_to_string(kk.buffer->shape), shape_to_string(sq), why_not_flash));
+    ek.matmul_path = "CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: " + why_not_flash;
     // Up to 8 query rows per block, all of one head (a divisor of Tq), so
     // that the block can share its head's keys and values.
     const int64_t scratch = D + Tk;  // per warp: the query row, the scores
@@ -841,7 +856,6 @@ class Emitter {
     const std::string valid = arg_bool(tp, "causal")
                                   ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
                                   : std::to_string(Tk);
-    const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
     const std::string alpha_out = float_arg(tc, "alpha", 1.0);
     std::string body =
         projecting ? fmt::format(
@@ -911,6 +925,86 @@ class Emitter {
     launch.insert(launch.end(), projected.params.begin(), projected.params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail.code + body);
+    record_launch(ek, std::move(launch));
+    emitted.push_back(ek);
+    return code;
+  }
+
+  // Rule attention on tensor cores (templates/softmax_flash.cuh,
+  // docs/attention.md): a block per tile of query rows of one head (tile.x,
+  // the last rows first where causal: their tiles visit the most keys), the
+  // head tile.y; the output's elements through the store, where an epilogue
+  // chain (a head merge) follows.
+  // (`tail_code` and `tail_params`: the epilogue's, an Epilogue declared below.)
+  std::string flash_attention(const KernelGroup& k, size_t first, const FlashAttentionTile& tile, EmittedKernel ek,
+                              const std::string& tail_code, const std::vector<LaunchParam>& tail_params,
+                              std::vector<EmittedKernel>& emitted) {
+    const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
+    const std::vector<Param> scores = params(ts), context = params(tc);
+    const Param& q = param(scores, "a");
+    const Param& kk = param(scores, "b");
+    const Param& v = param(context, "b");
+    const Param& out = param(context, "out");
+    const OpSignature& softmax = *p_.tasks[size_t(tp)].op;
+    use_function(softmax, "cg_flash_config");
+    const Shape& sq = q.buffer->shape;
+    const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
+    const int64_t Dv = v.buffer->shape.back(), heads = numel(sq) / (Tq * D);
+    // Grouped-query attention: the head of keys and values a head of q reads.
+    const std::string kv_head = broadcast_index(Shape(sq.begin(), sq.end() - 2),
+                                                Shape(kk.buffer->shape.begin(), kk.buffer->shape.end() - 2), "head");
+    const int64_t m_tiles = (Tq + tile.block_m - 1) / tile.block_m;
+    const bool causal = arg_bool(tp, "causal");
+    ek.block = tile.threads();
+    // Without a minimum of blocks, ptxas for sm_90 caps the kernel at 128
+    // registers and spills (heads of 64); it needs about 140.
+    ek.min_blocks_per_sm = 1;
+    ek.grid[0] = m_tiles;
+    ek.grid[1] = heads;
+    ek.grid[2] = tile.splits;
+    ek.matmul_path = "tensor cores: flash attention (templates/softmax_flash.cuh), " + tile.describe();
+    ek.mainloop = MatmulMainloop::flash_attention;
+    reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
+                   tile.shared_bytes());
+    // s = scale (alpha q . k) in log2 units: exp(x) is exp2(x log2 e).
+    const double scale_log2 = arg_double(ts, "alpha", 1.0) * arg_double(tp, "scale", 1.0) * 1.4426950408889634;
+    const std::string alpha_out = float_arg(tc, "alpha", 1.0);
+    const std::string type = c_type(q.buffer->dtype);
+    // Split-KV: each block (tile.z) its range of key tiles, then the last of
+    // a row tile combines, in split order, from the workspace.
+    std::string split, call = "cg_flash_attention";
+    std::vector<LaunchParam> workspace;
+    if (tile.splits > 1) {
+      call = "cg_flash_attention_split";
+      split = fmt::format("\n      (int)tile.z, {}, {}, cg_partials + (head * {} + tile_m) * {}, cg_arrivals + head * {} + tile_m,",
+                          tile.splits, tile.tiles_per_split, m_tiles, tile.partial_floats(1, 1), m_tiles);
+      workspace = {LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
+                               tile.partial_floats(heads, m_tiles) * 4},
+                   LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
+                               heads * m_tiles * 4}};
+    }
+    use_function(softmax, call);
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  // Flash attention: {0}.\n"
+        "  typedef cg_flash_config<{1}> cg_config;\n"
+        "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
+        "  {13}<cg_config, {3}>(q + head * {4}, k + kv_head * {5}, v + kv_head * {6}, {7}, {8}, tile_m,{14}\n"
+        "      {9}, {10},\n"
+        "      [&](cg_i64 row, int c, float o) {{ {11}; }},\n"
+        "      [&](cg_i64, float) {{}},  // the log-sum-exp: no backward pass reads it yet\n"
+        "      ({3}*)cg_smem);\n",
+        tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type, Tq * D,
+        Tk * D, Tk * Dv, Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
+        store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
+        kv_head, call, split);
+    epilogue_buffer_ = -1;
+    std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
+                                       buffer_param("v", v, false)};
+    launch.insert(launch.end(), workspace.begin(), workspace.end());
+    if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
+    launch.insert(launch.end(), tail_params.begin(), tail_params.end());
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail_code + body);
     record_launch(ek, std::move(launch));
     emitted.push_back(ek);
     return code;
@@ -3372,6 +3466,20 @@ class Emitter {
       const int64_t tiles = (d.M + g->bm - 1) / g->bm * ((d.N + g->bn - 1) / g->bn) * d.batches;
       split_k_.partials_bytes = std::max(split_k_.partials_bytes, d.batches * g->split_k * d.M * d.N * 4);
       split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, tiles * 4);
+    }
+    // Split-KV's (flash_attention) in the same workspace: no two kernels use it at once.
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      const KernelGroup& k = kernels[i];
+      if (k.rule != FusionRule::attention || k.tasks.size() < 3 || attention_scores(p_, k) != 0 ||
+          !alone_in_launch(kernels, i))
+        continue;
+      const std::optional<FlashAttentionTile> tile =
+          flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], false, nullptr, options_.arch);
+      if (!tile || tile->splits < 2) continue;
+      const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)].shape;
+      const int64_t Tq = q[q.size() - 2], heads = numel(q) / (Tq * q.back()), m_tiles = (Tq + tile->block_m - 1) / tile->block_m;
+      split_k_.partials_bytes = std::max(split_k_.partials_bytes, tile->partial_floats(heads, m_tiles) * 4);
+      split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, heads * m_tiles * 4);
     }
     split_k_.partials_offset = align_up(plan_.arena_bytes, plan_.alignment);
     split_k_.arrivals_offset = align_up(split_k_.partials_offset + split_k_.partials_bytes, plan_.alignment);

@@ -62,7 +62,7 @@ struct ArenaRange {
 // tensor-core tile, or the portable tile
 // (the f32 tile, or a user op's own function); none for other kernels and
 // for the fused matmul skeletons.
-enum class MatmulMainloop { none, pipelined, pipelined_tf32, simt, tensor_core_tile, portable_tile };
+enum class MatmulMainloop { none, pipelined, pipelined_tf32, simt, tensor_core_tile, portable_tile, flash_attention };
 
 struct EmittedKernel {
   std::string name;

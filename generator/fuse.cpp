@@ -230,19 +230,32 @@ class Fuser {
       return fmt::format("'{}' is a reduction op; attention fuses a softmax after a * b^T only", id);
     const Shape& q = slot_buffer(scores, "a").shape;
     const Shape& k = slot_buffer(scores, "b").shape;
-    if (q.size() < 2 || k.size() != q.size() || !std::equal(q.begin(), q.end() - 2, k.begin()))
+    // (k with 1 where q has a group of heads is grouped-query attention: the flash kernel's alone.)
+    if (q.size() < 2 || k.size() != q.size() ||
+        (!std::equal(q.begin(), q.end() - 2, k.begin()) && !flash_attention_tile_of(p_, scores, t, options_.megakernel)))
       return fmt::format("'{}' is a reduction op; attention needs the scores' operands with the same leading axes", id);
     if (slot_buffer(scores, "out").storage != Storage::transient || readers_[size_t(p_.tasks[size_t(t)].find_tensor("x")->buffer)].size() != 1)
       return fmt::format("'{}' is a reduction op; attention keeps the scores, which are read elsewhere", id);
-    // One warp holds a row of scores, and the query row, in shared memory.
-    if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys)
-      return fmt::format("'{}' is a reduction op; attention holds at most {} keys, and a query row of at most {}, "
-                         "per warp",
-                         id, kMaxAttentionKeys, kMaxAttentionKeys);
     if (!constant_args(scores) || !constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
+    // The row kernel holds a row of scores, and the query row, in one warp's
+    // shared memory; the flash kernel takes any number of keys.
+    if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys) {
+      std::string why_not_flash;
+      if (!flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash))
+        return fmt::format("'{}' is a reduction op; the row kernel holds at most {} keys, and a query row of at most {}, "
+                           "per warp, and the flash kernel does not apply: {}",
+                           id, kMaxAttentionKeys, kMaxAttentionKeys, why_not_flash);
+      // Only the values' matmul completes the kernel: it must join.
+      KernelGroup so_far;
+      so_far.rule = FusionRule::attention;
+      so_far.tasks = {scores, t};
+      const int values = readers_[size_t(p_.tasks[size_t(t)].find_tensor("out")->buffer)].front();
+      if (std::string reason = why_not_attention_values(so_far, values); !reason.empty())
+        return fmt::format("'{}' is a reduction op; over {} keys only the flash kernel fuses attention, and {}", id,
+                           kMaxAttentionKeys, reason);
+    }
     return {};
   }
-  static constexpr int64_t kMaxAttentionKeys = 1024;
 
   // Rule attention, second step: the matmul of the probabilities by the
   // values, [..., T, Dv] with the same leading axes.
@@ -257,7 +270,7 @@ class Fuser {
     const Shape& v = slot_buffer(t, "b").shape;
     const Shape& q = slot_buffer(group.tasks.front(), "a").shape;
     const Shape& k = slot_buffer(group.tasks.front(), "b").shape;
-    if (v.size() != q.size() || !std::equal(q.begin(), q.end() - 2, v.begin()) || v[v.size() - 2] != k[k.size() - 2])
+    if (v.size() != q.size() || !std::equal(k.begin(), k.end() - 2, v.begin()) || v[v.size() - 2] != k[k.size() - 2])
       return fmt::format("'{}' reads values of another shape than the keys'", bt.task->id);
     if (!constant_args(t)) return fmt::format("'{}' reads a run-time argument", bt.task->id);
     return {};
@@ -450,6 +463,10 @@ class Fuser {
         else if (runs_pipelined(out_.kernels[first]))
           reason = fmt::format("{} runs the {} matmul mainloop, in a launch of its own", out_.kernels[first].name,
                                mainloop_of(out_.kernels[first].tasks.front()));
+        else if (runs_flash(kernel))
+          reason = "it runs the flash attention kernel, in a launch of its own";
+        else if (runs_flash(out_.kernels[first]))
+          reason = fmt::format("{} runs the flash attention kernel, in a launch of its own", out_.kernels[first].name);
         else if (parameters + own > kMaxLaunchParameters)
           reason = fmt::format("the launch would take more than {} parameters", kMaxLaunchParameters);
         for (size_t j = first; j < k && reason.empty(); ++j) {
@@ -475,6 +492,11 @@ class Fuser {
     const int t = k.tasks.front();
     return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
            p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
+  }
+  // Whether attention kernel `k` runs the flash kernel (emit.cpp asks the same).
+  bool runs_flash(const KernelGroup& k) const {
+    return k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0 &&
+           flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel).has_value();
   }
   // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
   // given its kernel alone without a prologue; empty otherwise.
@@ -1100,6 +1122,14 @@ class Fuser {
   std::string why_not_projection(size_t from, size_t at, int heads, const std::string& role,
                                  ProjectedAttention& projected) const {
     if (!rule_on(FusionRule::attention_projection)) return "rule attention_projection is off (--no-fuse-rule)";
+    // (Where projections join, the row kernel runs the attention: at most its keys.)
+    const Shape& keys = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("b")->buffer)].shape;
+    const Shape& queries = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("a")->buffer)].shape;
+    if (!std::equal(queries.begin(), queries.end() - 2, keys.begin()))
+      return "a group of query heads shares each head of keys (grouped-query attention): the flash kernel runs it";
+    if (keys[keys.size() - 2] > kMaxAttentionKeys)
+      return fmt::format("the attention has more than {} keys: it runs the flash kernel, which reads q, k and v from memory",
+                         kMaxAttentionKeys);
     const KernelGroup& producer = out_.kernels[from];
     const int mm = producer.tasks.front();
     const std::string& id = p_.tasks[size_t(mm)].task->id;

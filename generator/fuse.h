@@ -99,6 +99,9 @@ struct FuseOptions {
   // Whether f32 matmuls run the pipelined mainloop as TF32, whose kernels are
   // launched alone: set by the pipeline from EmitOptions::allow_tf32.
   bool allow_tf32 = false;
+  // Whether the kernels become a megakernel (EmitOptions::megakernel), whose
+  // blocks are one size: no flash attention, so no attention over 1024 keys.
+  bool megakernel = false;
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

@@ -211,6 +211,91 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
   return per_block;
 }
 
+std::string FlashAttentionTile::arguments() const {
+  std::string text = fmt::format("{}, {}, {}, {}, {}", d, dv, block_m, block_n, stages);
+  if (head_d != d || head_dv != dv) text += fmt::format(", {}, {}", head_d, head_dv);
+  return text;
+}
+
+std::string FlashAttentionTile::describe() const {
+  auto head = [](int size, int tile) {
+    return size == tile ? std::to_string(size) : fmt::format("{} (padded to {})", size, tile);
+  };
+  return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}", block_m, block_m / 16,
+                     block_n, stages, head(head_d, d),
+                     head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
+                     splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
+}
+
+std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
+                                                          std::string* why_not, const std::string& arch) {
+  auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
+    if (why_not != nullptr) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  if (megakernel) return refuse("a megakernel's tiles share one block size");
+  const BoundTask& st = program.tasks[size_t(scores)];
+  const BufferInfo& q = program.buffers[size_t(st.find_tensor("a")->buffer)];
+  const BufferInfo& k = program.buffers[size_t(st.find_tensor("b")->buffer)];
+  const int probs = program.tasks[size_t(softmax)].find_tensor("out")->buffer;
+  // The probabilities' readers: the matmul by the values alone.
+  int values = -1;
+  for (size_t t = 0; t < program.tasks.size(); ++t)
+    for (const auto& b : program.tasks[t].tensors)
+      if (b.buffer == probs && int(t) != softmax) {
+        if (values >= 0 && values != int(t))
+          return refuse(fmt::format("the probabilities '{}' are read by '{}' too: the flash kernel never "
+                                    "stores them",
+                                    buffer_name(program, probs), program.tasks[t].task->id));
+        values = int(t);
+      }
+  if (values < 0 || !is_op(program.tasks[size_t(values)], BundledOp::matmul) ||
+      program.tasks[size_t(values)].find_tensor("a")->buffer != probs)
+    return refuse("the probabilities are not multiplied by the values");
+  if (program.buffers[size_t(probs)].storage != Storage::transient)
+    return refuse(fmt::format("the probabilities '{}' are stored (an output of the graph)", buffer_name(program, probs)));
+  const BufferInfo& v = program.buffers[size_t(program.tasks[size_t(values)].find_tensor("b")->buffer)];
+  if ((q.dtype != DType::f16 && q.dtype != DType::bf16) || k.dtype != q.dtype || v.dtype != q.dtype)
+    return refuse(fmt::format("q, k and v are {}, {} and {}: the tensor-core kernel takes one 16-bit type (f32 keeps its "
+                              "f32 arithmetic in the row kernel)",
+                              to_string(q.dtype), to_string(k.dtype), to_string(v.dtype)));
+  // Grouped-query attention: k's and v's leading axes those of q, or 1 where
+  // a group of q's heads shares one head of keys and values.
+  const Shape lead_q(q.shape.begin(), q.shape.end() - 2), lead_k(k.shape.begin(), k.shape.end() - 2),
+      lead_v(v.shape.begin(), v.shape.end() - 2);
+  if (lead_k.size() != lead_q.size() || lead_v != lead_k)
+    return refuse(fmt::format("k's and v's leading axes ({} and {}) are not one shape of q's rank ({})",
+                              shape_to_string(lead_k), shape_to_string(lead_v), shape_to_string(lead_q)));
+  for (size_t i = 0; i < lead_q.size(); ++i)
+    if (lead_k[i] != lead_q[i] && lead_k[i] != 1)
+      return refuse(fmt::format("k's leading axes {} do not broadcast to q's {}", shape_to_string(lead_k),
+                                shape_to_string(lead_q)));
+  FlashAttentionTile tile;
+  for (int64_t size : {q.shape.back(), v.shape.back()})
+    if (size % 8 != 0 || size > 128)
+      return refuse(fmt::format("a head of {} values: the flash kernel takes heads of a multiple of 8 values up to 128",
+                                size));
+  // Each head in the narrowest tile of 16, 32, 64 or 128 that holds it.
+  auto tile_of = [](int64_t size) { return size <= 16 ? 16 : size <= 32 ? 32 : size <= 64 ? 64 : 128; };
+  tile.head_d = int(q.shape.back());
+  tile.head_dv = int(v.shape.back());
+  tile.d = tile_of(tile.head_d);
+  tile.dv = tile_of(tile.head_dv);
+  // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
+  // splits as bring them closest to that, each of at least
+  // kMinKeyTilesPerSplit key tiles.
+  const int64_t Tq = q.shape[q.shape.size() - 2], Tk = k.shape[k.shape.size() - 2];
+  const int64_t blocks = numel(lead_q) * ((Tq + tile.block_m - 1) / tile.block_m);
+  const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n, sms = device_model(arch).sms;
+  const int64_t most = std::min<int64_t>(
+      {kMaxKeySplits, kFlashBlocksPerSm * sms / std::max<int64_t>(blocks, 1), key_tiles / kMinKeyTilesPerSplit});
+  if (most >= 2) {
+    tile.tiles_per_split = (key_tiles + most - 1) / most;
+    tile.splits = int((key_tiles + tile.tiles_per_split - 1) / tile.tiles_per_split);  // none empty
+  }
+  return tile;
+}
+
 AttentionShared attention_shared(int64_t per_block, int64_t Tk, int64_t D, int64_t Dv, bool kv_computed,
                                  const std::vector<AttentionProjectionShared>& projections, int64_t weight_floats) {
   AttentionShared s;

@@ -308,6 +308,65 @@ size_t attention_scores(const Program& program, const KernelGroup& k);
 // query row and its scores, D + Tk floats) fits in shared memory.
 int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 
+// Rule attention's row kernel (cg_attention_row) holds a row of scores and
+// the query row in one warp's shared memory: at most this many keys and values
+// in a query row. The flash kernel has no such bound.
+inline constexpr int64_t kMaxAttentionKeys = 1024;
+
+// Rule attention on tensor cores (templates/softmax_flash.cuh,
+// docs/attention.md): flash attention's tile, cg_flash_config's parameters.
+// A block of block_m / 16 warps owns block_m query rows of one head; keys and
+// values stream through shared memory block_n rows at a time, `stages` tiles
+// in flight.
+struct FlashAttentionTile {
+  int d = 0, dv = 0, block_m = 64, block_n = 64, stages = 2;
+  // The heads' own sizes, where narrower than the tiles' d and dv (padded: 80
+  // or 96 values in tiles of 128); equal otherwise.
+  int head_d = 0, head_dv = 0;
+  // Split-KV (decoding): where the blocks of row tiles and heads are fewer
+  // than kFlashBlocksPerSm a SM of the arch, the key tiles are cut into `splits` ranges of
+  // `tiles_per_split` tiles (at least kMinKeyTilesPerSplit, at most
+  // kMaxKeySplits ranges), a block each, combined in split order by the last
+  // block of each row tile (cg_flash_attention_split); 1: no split.
+  int splits = 1;
+  int64_t tiles_per_split = 0;
+  int threads() const { return 32 * (block_m / 16); }
+  // The workspace of a split attention over `heads` heads and `m_tiles` row
+  // tiles: each split's partial rows (dv + 2 floats: o, maximum, sum) and a
+  // counter per row tile.
+  int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
+    return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
+  }
+  // cg_flash_shared<Config, T>::bytes (16-bit elements): the q tile and the
+  // stages of keys and values, or the staged output tile where more.
+  int64_t shared_bytes() const {
+    return std::max<int64_t>(2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
+                             int64_t(4) * block_m * (dv + 8));
+  }
+  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
+  std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
+};
+
+// The flash tile for the attention whose scores matmul is task `scores` and
+// whose softmax is `softmax` (the probabilities' one reader its matmul by the
+// values), or nullopt with the reason in `why_not`: q, k and v of one 16-bit
+// type, head sizes of multiples of 8 up to 128 (each padded to a tile of 16,
+// 32, 64 or 128), k's and v's leading axes q's or 1
+// where q's are not (grouped-query attention), probabilities read by nothing else
+// (a backward pass that reads them keeps the row kernel), and kernels
+// launched alone (not a megakernel). The fusion pass asks it (at any number
+// of keys, only this kernel fuses the attention) as the emitter does.
+// `arch`'s SM count decides the split (perf_model.h).
+std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
+                                                          std::string* why_not = nullptr,
+                                                          const std::string& arch = "sm_90");
+inline constexpr int64_t kMinKeyTilesPerSplit = 4;
+// Decoding streams the keys and values once: memory-bound. One block keeps
+// two 16 KiB stages in flight, too few to cover an SM's share of the
+// bandwidth; a split aims at this many blocks a SM (5 fit, by shared memory).
+inline constexpr int64_t kFlashBlocksPerSm = 4;
+inline constexpr int kMaxKeySplits = 32;
+
 // Rules attention and attention_projection: an attention kernel's shared
 // memory, laid out once for the fusion pass (its bytes) and the emitter (its
 // offsets), in the emitter's order: each warp's query row and scores

@@ -34,6 +34,9 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
                     : pipelined                                      ? d.pipelined_flops
                     : k.mainloop == MatmulMainloop::simt             ? d.simt_mainloop_flops
                     : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
+                    // Not measured yet: half the pipelined mainloop's rate (its two
+                    // products are shorter, and the softmax runs between them).
+                    : k.mainloop == MatmulMainloop::flash_attention  ? d.pipelined_flops / 2
                                                                       : d.simt_flops;
   // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
   // per block) and registers, assumed as ptxas reported them for the

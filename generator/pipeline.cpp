@@ -141,6 +141,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   dump("schedule", [&] { return dump_schedule(c.program, c.schedule); });
 
   FuseOptions fuse_options = options.fuse;
+  fuse_options.megakernel = options.emit.megakernel;
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
   dump("fuse", [&] { return dump_fusion(c.program, fusion, true); });

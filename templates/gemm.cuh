@@ -618,6 +618,27 @@ CG_DEVICE void cg_gemm_each_coalesced_vector(const cg_gemm_accumulators<Config>&
                                                                    tile_n * Config::BN, f);
 }
 
+// Whether this block is the last of `splits` blocks to count itself in at
+// `*arrivals` (zero before the launch; the last leaves it zero for the next):
+// the one that combines the parts. Each block calls it after storing its part;
+// the fences make every part visible before its block's count, and the
+// others' parts visible to the last after it reads the count. `smem`: a word
+// of shared memory. Every thread of the block calls it.
+CG_DEVICE bool cg_last_to_arrive(unsigned int* arrivals, int splits, unsigned int* smem) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int before = atomicAdd(arrivals, 1u);
+    const unsigned int last = before == (unsigned int)splits - 1;
+    if (last) *arrivals = 0u;  // every split has arrived: nothing else reads it in this launch
+    smem[0] = last;
+  }
+  __syncthreads();
+  const bool last = smem[0] != 0u;
+  if (last) __threadfence();
+  return last;
+}
+
 // Split-K (docs/gemm.md): `splits` blocks compute the same output tile,
 // each over its own part of the k range, and the sum is taken in a fixed
 // order, so that the result is the same bit for bit whichever block ends
@@ -647,17 +668,7 @@ CG_DEVICE void cg_gemm_split_k(const cg_gemm_accumulators<Config>& acc, cg_i64 M
     cg_store(mine, m * N + n, d0);
     if (n + 1 < N) cg_store(mine, m * N + n + 1, d1);
   });
-  __threadfence();  // the partial sums are visible to every block before this one counts itself in
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int before = atomicAdd(arrivals, 1u);
-    const unsigned int last = before == (unsigned int)splits - 1;
-    if (last) *arrivals = 0u;  // every split has arrived: nothing else reads it in this launch
-    smem[0] = last;
-  }
-  __syncthreads();
-  if (smem[0] == 0u) return;
-  __threadfence();  // the other blocks' partial sums, after their count
+  if (!cg_last_to_arrive(arrivals, splits, smem)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
   for (int r = warp; r < Config::BM; r += Config::THREADS / 32) {

@@ -19,6 +19,9 @@ CG_OP("softmax",
       "flops: 5 * numel(out)",
       "variant: cg_attention_row",
       "variant: cg_stage_rows",
+      "variant: cg_flash_attention",
+      "variant: cg_flash_attention_split",
+      "variant: cg_flash_config",
       "doc: softmax(scale * x) over the last axis; causal masks column j > row i of the last two axes")
 CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
   float row_max = cg_neg_inf();

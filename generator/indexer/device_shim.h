@@ -57,6 +57,8 @@ CG_SHIM_MATH1(tanh)
 CG_SHIM_MATH1(erf)
 CG_SHIM_MATH1(cos)
 CG_SHIM_MATH1(fabs)
+CG_SHIM_MATH1(exp2)
+CG_SHIM_MATH1(log2)
 #undef CG_SHIM_MATH1
 #define CG_SHIM_MATH2(name)                   \
   __device__ float name##f(float x, float y); \

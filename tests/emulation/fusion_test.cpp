@@ -207,6 +207,33 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
   return std::move(b).graph();
 }
 
+// Rule attention on tensor cores (the flash kernel, templates/softmax_flash.cuh):
+// softmax(scale alpha q k^T) v over H heads of B batches, the heads merged as
+// the context is stored; nothing but the context read later. With G > 1,
+// grouped-query attention: q [B, H, G, Tq, D] over k and v [B, H, 1, Tk, D]
+// (G query heads share each head of keys and values), the context stored as it is.
+TaskGraph flash_attention(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool causal,
+                          int64_t G = 1, double scale = 0.25) {
+  GraphBuilder b(fmt::format("flash_attention_{}_{}x{}x{}_q{}_k{}_d{}_dv{}{}", to_string(d), B, H, G, Tq, Tk, D, Dv,
+                             causal ? "_causal" : ""));
+  auto heads = [&](int64_t groups, int64_t rows, int64_t width) {
+    return G > 1 ? Shape{B, H, groups, rows, width} : Shape{B, H, rows, width};
+  };
+  auto s = b.task("scores", "matmul")
+               .tensor("a", d, heads(G, Tq, D), ext)
+               .tensor("b", d, heads(1, Tk, D), ext)
+               .tensor("out", d, heads(G, Tq, Tk))
+               .arg("trans_b", true)
+               .arg("alpha", 0.5);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, heads(G, Tq, Tk)).arg("scale", scale).arg("causal", causal);
+  auto c = b.task("context", "matmul")
+               .tensor("a", p["out"])
+               .tensor("b", d, heads(1, Tk, Dv), ext)
+               .tensor("out", d, heads(G, Tq, Dv), G > 1 ? ext : Storage::transient);
+  if (G == 1) b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, Tq, H * Dv}, ext).arg("heads", H);
+  return std::move(b).graph();
+}
+
 // Rule norm_prologue: a norm read only by matmuls, as their `a`: one
 // flattened ([2 * 33, K] @ [K, 24], a partial last tile of rows) with a bias
 // epilogue, one batched ([2, 33, K] @ [2, K, 40]: the rows of the second
@@ -484,6 +511,50 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
       EXPECT_EQ(source.find("cg_stage_rows([&]") != std::string::npos, causal) << "staged only with 8 rows of a head";
       EXPECT_EQ(source.find("cg_store(probs, ") != std::string::npos, read_later) << "stored only where read";
     }
+}
+
+// The flash kernel, against the float64 reference and the unfused kernels
+// (which store the scores): partial query and key tiles, several key tiles,
+// the causal diagonal inside and across tiles with the top-left alignment
+// where the lengths differ, head sizes 16 to 128 (128: 80 KiB of shared
+// memory, opted in), values of another width, over 1024 keys, where only this
+// kernel fuses attention, grouped-query attention (4 query heads a head of
+// keys and values), and heads of 96 and 80 padded to tiles of 128. f32 keeps
+// the row kernel, and says why.
+TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
+  struct Case {
+    int64_t B, H, Tq, Tk, D, Dv;
+    bool causal;
+    int64_t G = 1;
+  };
+  for (const Case& k : {Case{1, 2, 65, 65, 64, 64, false}, Case{2, 1, 130, 130, 32, 64, true},
+                        Case{1, 1, 70, 40, 16, 16, true}, Case{1, 1, 20, 100, 128, 128, false},
+                        Case{1, 1, 3, 1100, 64, 32, false}, Case{1, 2, 33, 33, 32, 32, true, 4},
+                        Case{1, 2, 40, 70, 96, 80, true}}) {
+    // (Over many keys, scores spread wide: each split's maximum differs, which the combine must weigh.)
+    const TaskGraph g = flash_attention(GetParam(), k.B, k.H, k.Tq, k.Tk, k.D, k.Dv, k.causal, k.G, k.Tk > 1024 ? 4.0 : 0.25);
+    if (GetParam() == DType::f32) {
+      if (k.Tk > 1024 || k.G > 1) continue;  // the row kernel's bound, or grouped-query: unfused
+      const Compiled c = expect_fused_and_unfused_right(g, 1, "cg_attention_row(");
+      EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not flash attention: q, k and v are f32"), std::string::npos)
+          << c.emitted.kernels[0].matmul_path;
+      continue;
+    }
+    // Few rows over many keys split the keys (decoding): 3 rows over 1100 keys, 18 key tiles.
+    const bool split = k.Tk > 1024;
+    const Compiled c =
+        expect_fused_and_unfused_right(g, 1, split ? "cg_flash_attention_split<cg_config, " : "cg_flash_attention<cg_config, ");
+    EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("split-KV 4 ways (5 key tiles each)") != std::string::npos, split)
+        << c.emitted.kernels[0].matmul_path;
+    EXPECT_EQ(c.emitted.kernels[0].smem_bytes > 48 * 1024, k.D > 64) << c.emitted.kernels[0].smem_bytes;
+    EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("heads of 96 (padded to 128) (values 80 (padded to 128))") !=
+                  std::string::npos,
+              k.D == 96)
+        << c.emitted.kernels[0].matmul_path;
+    for (const auto& pb : c.plan.buffers)  // no T x T buffer in the arena
+      if (const std::string name = buffer_name(c.program, pb.buffer); name == "scores.out" || name == "probs.out")
+        EXPECT_TRUE(pb.internal) << name;
+  }
 }
 
 TEST_P(FusedChains, NormPrologueMatchesTheReferenceFusedAndUnfused) {

@@ -475,6 +475,54 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
   EXPECT_EQ(pipelined, 4) << "up and dw, for each of two architectures";
 }
 
+// The flash attention kernel (templates/softmax_flash.cuh) in generated code:
+// bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
+// 2048 keys, and a decoding step split over its keys. On sm_80 and sm_90: both products on tensor cores (HMMA),
+// fed by ldmatrix (LDSM) from tiles that cp.async (LDGSTS) filled; the
+// exponentials on the special-function unit (MUFU); no local memory,
+// no spills, no stack.
+TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("flash");
+  const Storage ext = Storage::external;
+  struct Head {
+    DType d;
+    int64_t Tq, Tk, D;
+    bool causal;
+  };
+  // (The third decodes: one query row a head over 4096 keys, split-KV.)
+  for (const Head& h : {Head{DType::bf16, 512, 512, 64, true}, Head{DType::f16, 2048, 2048, 128, false},
+                        Head{DType::bf16, 1, 4096, 64, false}}) {
+    const std::string n = std::to_string(h.D) + "_" + std::to_string(h.Tq);
+    auto s = b.task("scores" + n, "matmul").tensor("a", h.d, {8, 12, h.Tq, h.D}, ext).tensor("b", h.d, {8, 12, h.Tk, h.D}, ext).tensor("out", h.d, {8, 12, h.Tq, h.Tk}).arg("trans_b", true);
+    auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", h.d, {8, 12, h.Tq, h.Tk}).arg("scale", 0.125).arg("causal", h.causal);
+    b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", h.d, {8, 12, h.Tk, h.D}, ext).tensor("out", h.d, {8, 12, h.Tq, h.D}, ext);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.emitted.kernels.size(), 3u);
+  for (const EmittedKernel& k : c.emitted.kernels)
+    EXPECT_NE(k.matmul_path.find("flash attention"), std::string::npos) << k.name << ": " << k.matmul_path;
+  EXPECT_NE(c.emitted.kernels[2].matmul_path.find("split-KV"), std::string::npos) << c.emitted.kernels[2].matmul_path;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
+    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+    for (const EmittedKernel& k : c.emitted.kernels) {
+      ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(k.name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      EXPECT_GT(count("LDGSTS"), 0) << k.name << " on " << arch;
+      EXPECT_GT(count("LDSM"), 0) << k.name << " on " << arch;
+      EXPECT_GT(count("HMMA"), 0) << k.name << " on " << arch;
+      EXPECT_GT(count("MUFU"), 0) << k.name << " on " << arch;
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << k.name << " on " << arch << ": local memory";
+      ASSERT_TRUE(resources.count(k.name)) << k.name << " on " << arch;
+      EXPECT_EQ(resources.at(k.name).spill_bytes, 0) << k.name << " on " << arch;
+      EXPECT_EQ(resources.at(k.name).stack_bytes, 0) << k.name << " on " << arch;
+    }
+  }
+}
+
 // The f32 SIMT mainloop in generated kernels, both tiles (128 x 128 from a
 // wave of them, 64 x 64 below) and every operand layout: no spills and no
 // stack on sm_80 and sm_90, and in its k-loop at least 16 FFMA per shared

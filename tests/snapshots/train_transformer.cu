@@ -767,7 +767,7 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:66
+// templates/softmax.cuh:69
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -812,7 +812,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:114
+// templates/softmax.cuh:117
 // The gradient of attention for one query row, run by one warp (fusion rule
 // attention_backward: the gradients of scores = alpha q k^T, probs =
 // softmax(scale * scores) and context = alpha_v * probs v in one kernel).
@@ -847,7 +847,7 @@ CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK 
   }
 }
 
-// templates/softmax.cuh:139
+// templates/softmax.cuh:142
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
@@ -1277,6 +1277,7 @@ CG_KERNEL void __launch_bounds__(256) k33_embed(const float* __restrict__ table,
 //     [1024, 2208) ln1's 8 rows of a batch normalised, its weight, the rows' statistics
 //     [2208, 2464) the head's 8 query rows (8 floats each)
 //     [2464, 3488) a projection's weight columns of one head (256 floats)
+//   matmul on CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: the kernel computes its projections' heads itself.
 CG_DEVICE void k34_q_tile(float* probs, const float* ln1_x, const float* ln1_weight, float* ln1_rstd, float* ln1_out, float* q_heads_out, const float* q_b, float* k_heads_out, const float* k_b, float* v_heads_out, const float* v_b, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {

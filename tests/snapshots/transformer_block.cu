@@ -635,7 +635,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/softmax.cuh:66
+// templates/softmax.cuh:69
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -680,7 +680,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:139
+// templates/softmax.cuh:142
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
@@ -798,6 +798,7 @@ CG_DEVICE void k7_w_down_tile(float* out, cg_tile tile) {
 //     [3072, 7424) ln1's 16 rows of a batch normalised, its weight
 //     [7424, 8448) the head's 16 query rows (16 floats each)
 //     [8448, 12544) a projection's weight columns of one head (1024 floats)
+//   matmul on CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: the kernel computes its projections' heads itself.
 CG_DEVICE void k8_q_tile(const float* ln1_x, const float* ln1_weight, const float* q_b, const float* k_b, const float* v_b, float* merged_out, cg_tile tile) {
   // Epilogue (attention): merged (merge_heads), on element i of context.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Times PyTorch's scaled_dot_product_attention on the flash backend over
+[B, H, T, D] heads (the shapes of bench/attention_graph.py), forward: median of
+CUDA-event-timed runs after a warm-up, on random inputs. bench/gpu_check.sh
+prints it beside cudagen's flash kernel on the same shapes."""
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--heads", type=int, default=12)
+parser.add_argument("--tokens", type=int, nargs="+", default=[512])
+parser.add_argument("--head", type=int, default=64)
+parser.add_argument("--dtype", choices=["f16", "bf16"], default="bf16")
+parser.add_argument("--runs", type=int, default=20)
+parser.add_argument("--decode", type=int, nargs="*", default=[],
+                    help="also one query row a head over a cache of this many keys (not causal)")
+args = parser.parse_args()
+
+dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+except ImportError:  # PyTorch before 2.3
+    backend = lambda: torch.backends.cuda.sdp_kernel(enable_flash=True, enable_math=False, enable_mem_efficient=False)
+
+cases = [(tokens, tokens, causal) for tokens in args.tokens for causal in (False, True)]
+cases += [(1, tokens, False) for tokens in args.decode]
+for queries, tokens, causal in cases:
+    shape = (args.batch, args.heads, tokens, args.head)
+    k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn((args.batch, args.heads, queries, args.head), device="cuda", dtype=dtype)
+    with backend():
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        times = []
+        for _ in range(args.runs):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+    ms = statistics.median(times)
+    # The FLOPs cudagen's emitter counts: both products and the softmax, the masked half included.
+    flops = args.batch * args.heads * queries * tokens * (4 * args.head + 5)
+    print(f"torch sdpa (flash)  b{args.batch} h{args.heads} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
+          f"  {ms:.4f} ms  {flops / ms / 1e9:.1f} TFLOP/s (cudagen's count)")
