@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include "builder.h"
+#include "file_util.h"
+#include "graph_json.h"
 #include "pipeline.h"
 #include "runner.h"
 #include "test_backend.h"
@@ -682,4 +684,44 @@ TEST(Fusion, ExamplesMatchTheReferenceFused) {
     CheckedRun run = run_checked(c, options);
     EXPECT_TRUE(run.ok()) << example << " seed " << seed << "\n" << format_run(run);
   }
+}
+
+// Flash attention at a real length, end to end in the emulation: 2048 tokens,
+// causal, a head of 64 in bf16 (32 row tiles of 64, up to 32 key tiles each,
+// the keys split 8 ways), against the float64 reference.
+TEST(FlashAttention, TwoThousandTokensEndToEnd) {
+  const TaskGraph g = flash_attention(DType::bf16, 1, 1, 2048, 2048, 64, 64, true);
+  const uint64_t seed = std::random_device()();
+  const Compiled c = compile(load_program(g, {}), fusion(true));
+  ASSERT_EQ(c.kernels.size(), 1u);
+  // (32 row tiles fill few SMs: the keys split too, causal ranges past a tile's rows left empty.)
+  ASSERT_NE(c.emitted.cuda_source.find("cg_flash_attention_split<cg_config, "), std::string::npos);
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+}
+
+// A GPT-2-small block's forward in bf16 (bench/decoder_graph.py) keeps no
+// buffer of T x T: from 4096 to 8192 tokens its arena grows with T, at most
+// 2.1x, where scores and probabilities would make it 4x.
+TEST(FlashAttention, ArenaOfADecoderBlockGrowsLinearlyInTokens) {
+  const std::string dir = (std::filesystem::temp_directory_path() / fmt::format("cudagen_arena_{}", getpid())).string();
+  std::filesystem::create_directories(dir);
+  std::vector<int64_t> arena;
+  for (int tokens : {4096, 8192}) {
+    const std::string graph = fmt::format("{}/decoder_{}.json", dir, tokens);
+    const std::string command = fmt::format(
+        "/usr/bin/python3 {}/bench/decoder_graph.py --layers 1 --batch 8 --tokens {} --dtype bf16 -o {}",
+        CUDAGEN_SOURCE_DIR, tokens, graph);
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    const Compiled c = compile(load_program(read_graph(read_text_file(graph)), {}), {});
+    for (const auto& pb : c.plan.buffers) {
+      const Shape& shape = c.program.buffers[size_t(pb.buffer)].shape;
+      EXPECT_TRUE(pb.internal || shape.size() < 2 || shape[shape.size() - 1] != tokens || shape[shape.size() - 2] != tokens)
+          << buffer_name(c.program, pb.buffer) << " is " << shape_to_string(shape) << " in the arena";
+    }
+    arena.push_back(c.emitted.arena_bytes);
+  }
+  std::filesystem::remove_all(dir);
+  EXPECT_LE(double(arena[1]), 2.1 * double(arena[0])) << arena[0] << " -> " << arena[1] << " bytes";
+  std::printf("  arena of the block: %lld bytes at 4096 tokens, %lld at 8192\n", (long long)arena[0], (long long)arena[1]);
 }
