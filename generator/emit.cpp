@@ -829,10 +829,12 @@ class Emitter {
       if (const std::optional<FlashAttentionTile> tile =
               flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch))
         return flash_attention(k, first, *tile, std::move(ek), tail.code, tail.params, emitted);
-    if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys || !std::equal(sq.begin(), sq.end() - 2, kk.buffer->shape.begin()))
-      fail(ts, "", fmt::format("internal error: an attention over {} keys, k {} for q {}, was fused, but the flash kernel "
+    if (!std::equal(sq.begin(), sq.end() - 2, kk.buffer->shape.begin()))
+      fail(ts, "", fmt::format("internal error: a grouped-query attention (k {} for q {}) was fused, but the flash kernel "
                                "does not apply: {}",
-                               Tk, shape_to_string(kk.buffer->shape), shape_to_string(sq), why_not_flash));
+                               shape_to_string(kk.buffer->shape), shape_to_string(sq), why_not_flash));
+    if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys)
+      return streamed_attention(k, first, std::move(ek), tail.code, tail.params, why_not_flash, emitted);
     ek.matmul_path = "CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: " + why_not_flash;
     // Up to 8 query rows per block, all of one head (a divisor of Tq), so
     // that the block can share its head's keys and values.
@@ -1002,6 +1004,69 @@ class Emitter {
     std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
                                        buffer_param("v", v, false)};
     launch.insert(launch.end(), workspace.begin(), workspace.end());
+    if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
+    launch.insert(launch.end(), tail_params.begin(), tail_params.end());
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail_code + body);
+    record_launch(ek, std::move(launch));
+    emitted.push_back(ek);
+    return code;
+  }
+
+  // Rule attention over more keys than the row kernel holds, where the flash
+  // kernel does not apply (f32; heads it does not take): the streamed row
+  // kernel (cg_attention_row_streamed), a warp per query row, 8 a block, two
+  // passes over the row's keys and no scores kept; the probabilities stored
+  // where read later, the output's elements through the store.
+  std::string streamed_attention(const KernelGroup& k, size_t first, EmittedKernel ek, const std::string& tail_code,
+                                 const std::vector<LaunchParam>& tail_params, const std::string& why_not_flash,
+                                 std::vector<EmittedKernel>& emitted) {
+    const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
+    const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
+    const Param& q = param(scores, "a");
+    const Param& kk = param(scores, "b");
+    const Param& probs = param(softmax, "out");
+    const Param& v = param(context, "b");
+    const Param& out = param(context, "out");
+    use_function(*p_.tasks[size_t(tp)].op, "cg_attention_row_streamed");
+    const Shape& sq = q.buffer->shape;
+    const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
+    const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
+    constexpr int64_t per_block = 8;
+    ek.block = int(32 * per_block);
+    ek.grid[0] = (rows + per_block - 1) / per_block;
+    ek.matmul_path = fmt::format(
+        "CUDA cores: the streamed row kernel (a warp per query row, two passes over its {} keys; templates/softmax.cuh), "
+        "not flash attention: {}",
+        Tk, why_not_flash);
+    reserve_shared(ek, fmt::format("each warp's query row ({} x {} floats)", per_block, D), per_block * D * 4);
+    const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
+    const std::string alpha_out = float_arg(tc, "alpha", 1.0);
+    const std::string valid = arg_bool(tp, "causal")
+                                  ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
+                                  : std::to_string(Tk);
+    std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
+        "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
+        "  const cg_i64 keys = row / {1} * {2};  // the first key (and value) row of the row's head\n"
+        "  if (warp < {0} && row < {3})\n"
+        "    cg_attention_row_streamed<{4}>([&](int c) {{ return {5}; }},\n"
+        "                                  [&](int j, int c) {{ return {6}; }},\n"
+        "                                  [&](int j, int c) {{ return {7}; }},\n"
+        "                                  [&](int j, float p) {{ {8}; }},\n"
+        "                                  [&](int c, float o) {{ {9}; }},\n"
+        "                                  {2}, {10}, {11}, {12}, {13}, {14}, (float*)cg_smem + warp * {10});\n",
+        per_block, Tq, Tk, rows, (Dv + 31) / 32, load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D)),
+        load_element("k", kk.buffer->dtype, fmt::format("(keys + j) * {} + c", D)),
+        load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv)),
+        store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
+                    : std::string("(void)j, (void)p"),
+        store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), D, Dv,
+        float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid);
+    epilogue_buffer_ = -1;
+    std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
+                                       buffer_param("v", v, false)};
+    if (store_probs) launch.push_back(buffer_param("probs", probs, true));
     if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
     launch.insert(launch.end(), tail_params.begin(), tail_params.end());
     std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail_code + body);

@@ -238,21 +238,28 @@ class Fuser {
       return fmt::format("'{}' is a reduction op; attention keeps the scores, which are read elsewhere", id);
     if (!constant_args(scores) || !constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
     // The row kernel holds a row of scores, and the query row, in one warp's
-    // shared memory; the flash kernel takes any number of keys.
+    // shared memory; the flash kernel takes any number of keys, and so does
+    // the streamed row kernel, with query and output rows of up to 1024.
     if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys) {
       std::string why_not_flash;
-      if (!flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash))
-        return fmt::format("'{}' is a reduction op; the row kernel holds at most {} keys, and a query row of at most {}, "
-                           "per warp, and the flash kernel does not apply: {}",
-                           id, kMaxAttentionKeys, kMaxAttentionKeys, why_not_flash);
+      const bool flash = flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash).has_value();
+      if (!flash && q.back() > kMaxAttentionKeys)
+        return fmt::format("'{}' is a reduction op; the row kernels hold a query row of at most {} values per warp, and "
+                           "the flash kernel does not apply: {}",
+                           id, kMaxAttentionKeys, why_not_flash);
       // Only the values' matmul completes the kernel: it must join.
+      const std::vector<int>& readers = readers_[size_t(p_.tasks[size_t(t)].find_tensor("out")->buffer)];
       KernelGroup so_far;
       so_far.rule = FusionRule::attention;
       so_far.tasks = {scores, t};
-      const int values = readers_[size_t(p_.tasks[size_t(t)].find_tensor("out")->buffer)].front();
-      if (std::string reason = why_not_attention_values(so_far, values); !reason.empty())
-        return fmt::format("'{}' is a reduction op; over {} keys only the flash kernel fuses attention, and {}", id,
-                           kMaxAttentionKeys, reason);
+      std::string reason = readers.empty() ? "nothing reads the probabilities" : why_not_attention_values(so_far, readers.front());
+      if (!reason.empty())
+        return fmt::format("'{}' is a reduction op; over {} keys an attention kernel must take the values' matmul, and {}",
+                           id, kMaxAttentionKeys, reason);
+      if (!flash && slot_buffer(readers.front(), "b").shape.back() > kMaxAttentionKeys)
+        return fmt::format("'{}' is a reduction op; the streamed row kernel holds an output row of at most {} values per "
+                           "warp, and the flash kernel does not apply: {}",
+                           id, kMaxAttentionKeys, why_not_flash);
     }
     return {};
   }
@@ -1128,7 +1135,8 @@ class Fuser {
     if (!std::equal(queries.begin(), queries.end() - 2, keys.begin()))
       return "a group of query heads shares each head of keys (grouped-query attention): the flash kernel runs it";
     if (keys[keys.size() - 2] > kMaxAttentionKeys)
-      return fmt::format("the attention has more than {} keys: it runs the flash kernel, which reads q, k and v from memory",
+      return fmt::format("the attention has more than {} keys: it runs the flash or the streamed row kernel, which read q, "
+                         "k and v from memory",
                          kMaxAttentionKeys);
     const KernelGroup& producer = out_.kernels[from];
     const int mm = producer.tasks.front();

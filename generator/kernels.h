@@ -310,7 +310,8 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 
 // Rule attention's row kernel (cg_attention_row) holds a row of scores and
 // the query row in one warp's shared memory: at most this many keys and values
-// in a query row. The flash kernel has no such bound.
+// in a query row. Over it, the streamed row kernel (query and output rows of
+// at most this many values) or the flash kernel (any number of keys).
 inline constexpr int64_t kMaxAttentionKeys = 1024;
 
 // Rule attention on tensor cores (templates/softmax_flash.cuh,

@@ -18,6 +18,7 @@ CG_OP("softmax",
       "smem: 128",
       "flops: 5 * numel(out)",
       "variant: cg_attention_row",
+      "variant: cg_attention_row_streamed",
       "variant: cg_stage_rows",
       "variant: cg_flash_attention",
       "variant: cg_flash_attention_split",
@@ -100,6 +101,60 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
     store_out(c, acc);
   }
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
+}
+
+// Attention for one query row over any number of keys, run by one warp, with
+// no row of scores kept (fusion rule attention where neither the row kernel
+// above, at most 1024 keys, nor the flash kernel applies: f32, or heads the
+// flash kernel does not take). Two passes over the keys, each lane taking
+// keys lane, lane + 32, ...: the first finds the row's maximum and sum of
+// exp(s_j - max) online; the second computes each p_j again, hands it to
+// store_p (keys j >= valid get 0) and adds p_j v_j into the output, whose
+// columns c = lane + 32 i (i < COLS, c < dv) each lane holds in registers.
+// s_j = scale * (alpha * q . k_j), as cg_attention_row. `scratch` is d
+// floats of shared memory that only this warp uses (the query row). Every
+// lane of the warp calls it.
+template <int COLS, typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row_streamed(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d,
+                                         int dv, float alpha, float scale, int valid, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  float* q_row = scratch;
+  for (int c = lane; c < d; c += 32) q_row[c] = q(c);
+  __syncwarp();  // the query row, before every lane reads all of it
+  auto score = [&](int j) {
+    float dot = 0.0f;
+    for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
+    return scale * (alpha * dot);
+  };
+  float row_max = cg_neg_inf(), sum = 0.0f;  // this lane's keys, online
+  for (int j = lane; j < valid; j += 32) {
+    const float s = score(j), new_max = fmaxf(row_max, s);
+    sum = sum * expf(row_max - new_max) + expf(s - new_max);
+    row_max = new_max;
+  }
+  const float warp_max = cg_warp_max(row_max);
+  // (A lane with no key has sum 0: it adds nothing.)
+  const float total = cg_warp_sum(row_max == cg_neg_inf() ? 0.0f : sum * expf(row_max - warp_max));
+  const float inv_sum = total > 0.0f ? 1.0f / total : 0.0f;
+  float out[COLS];
+  CG_UNROLL
+  for (int i = 0; i < COLS; ++i) out[i] = 0.0f;
+  for (int j0 = 0; j0 < valid; j0 += 32) {
+    const int j = j0 + lane;
+    const float p = j < valid ? expf(score(j) - warp_max) * inv_sum : 0.0f;
+    if (j < valid) store_p(j, p);
+    const int keys = valid - j0 < 32 ? valid - j0 : 32;
+    for (int jj = 0; jj < keys; ++jj) {
+      const float pj = __shfl_sync(0xffffffffu, p, jj);
+      CG_UNROLL
+      for (int i = 0; i < COLS; ++i)
+        if (lane + 32 * i < dv) out[i] += pj * v(j0 + jj, lane + 32 * i);
+    }
+  }
+  for (int j = valid + lane; j < n; j += 32) store_p(j, 0.0f);
+  CG_UNROLL
+  for (int i = 0; i < COLS; ++i)
+    if (lane + 32 * i < dv) store_out(lane + 32 * i, out[i]);
 }
 
 // The gradient of attention for one query row, run by one warp (fusion rule

@@ -18,7 +18,9 @@
 //     no key tile past the tile's last row, and masks only the tiles that
 //     cross the diagonal or the last keys.
 // The output tile goes through shared memory so that the stores coalesce.
-// Keys past Tk are zero-filled by the copies and masked.
+// Keys past Tk are zero-filled by the copies and masked. Where few query rows
+// meet many keys (decoding), cg_flash_attention_split cuts the keys into
+// ranges, a block each, and combines them in a fixed order.
 
 // The kernel's compile-time shape: the tiles' widths for the heads of q and
 // k (D) and of v (DV), and the heads' own sizes (HEAD_D, HEAD_DV: at most the

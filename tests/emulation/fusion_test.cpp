@@ -215,9 +215,9 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
 // grouped-query attention: q [B, H, G, Tq, D] over k and v [B, H, 1, Tk, D]
 // (G query heads share each head of keys and values), the context stored as it is.
 TaskGraph flash_attention(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, bool causal,
-                          int64_t G = 1, double scale = 0.25) {
-  GraphBuilder b(fmt::format("flash_attention_{}_{}x{}x{}_q{}_k{}_d{}_dv{}{}", to_string(d), B, H, G, Tq, Tk, D, Dv,
-                             causal ? "_causal" : ""));
+                          int64_t G = 1, double scale = 0.25, bool probs_read_later = false) {
+  GraphBuilder b(fmt::format("flash_attention_{}_{}x{}x{}_q{}_k{}_d{}_dv{}{}{}", to_string(d), B, H, G, Tq, Tk, D, Dv,
+                             causal ? "_causal" : "", probs_read_later ? "_probs" : ""));
   auto heads = [&](int64_t groups, int64_t rows, int64_t width) {
     return G > 1 ? Shape{B, H, groups, rows, width} : Shape{B, H, rows, width};
   };
@@ -227,7 +227,11 @@ TaskGraph flash_attention(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk,
                .tensor("out", d, heads(G, Tq, Tk))
                .arg("trans_b", true)
                .arg("alpha", 0.5);
-  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, heads(G, Tq, Tk)).arg("scale", scale).arg("causal", causal);
+  auto p = b.task("probs", "softmax")
+               .tensor("x", s["out"])
+               .tensor("out", d, heads(G, Tq, Tk), probs_read_later ? ext : Storage::transient)
+               .arg("scale", scale)
+               .arg("causal", causal);
   auto c = b.task("context", "matmul")
                .tensor("a", p["out"])
                .tensor("b", d, heads(1, Tk, Dv), ext)
@@ -536,8 +540,9 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
     // (Over many keys, scores spread wide: each split's maximum differs, which the combine must weigh.)
     const TaskGraph g = flash_attention(GetParam(), k.B, k.H, k.Tq, k.Tk, k.D, k.Dv, k.causal, k.G, k.Tk > 1024 ? 4.0 : 0.25);
     if (GetParam() == DType::f32) {
-      if (k.Tk > 1024 || k.G > 1) continue;  // the row kernel's bound, or grouped-query: unfused
-      const Compiled c = expect_fused_and_unfused_right(g, 1, "cg_attention_row(");
+      if (k.G > 1) continue;  // grouped-query attention: the flash kernel's alone, unfused in f32
+      // Over 1024 keys, the streamed row kernel.
+      const Compiled c = expect_fused_and_unfused_right(g, 1, k.Tk > 1024 ? "cg_attention_row_streamed<" : "cg_attention_row(");
       EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not flash attention: q, k and v are f32"), std::string::npos)
           << c.emitted.kernels[0].matmul_path;
       continue;
@@ -697,6 +702,29 @@ TEST(FlashAttention, TwoThousandTokensEndToEnd) {
   // (32 row tiles fill few SMs: the keys split too, causal ranges past a tile's rows left empty.)
   ASSERT_NE(c.emitted.cuda_source.find("cg_flash_attention_split<cg_config, "), std::string::npos);
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+}
+
+// Over 1024 keys where the flash kernel does not apply, the streamed row
+// kernel (two passes over a row's keys, no scores kept): probabilities read
+// later (a training step's backward pass reads them), so stored; 40 query
+// rows over 1100 keys in 2 heads; then a head of 68 values, which the flash
+// kernel does not take, causal over 1100 query rows.
+TEST_P(FusedChains, StreamedAttentionOverAThousandKeysMatchesTheReference) {
+  const TaskGraph stored = flash_attention(GetParam(), 1, 2, 40, 1100, 32, 32, false, 1, 4.0, true);
+  const Compiled c = expect_fused_and_unfused_right(stored, 1, "cg_attention_row_streamed<1>(");
+  EXPECT_NE(c.emitted.cuda_source.find("cg_store(probs, "), std::string::npos) << "the probabilities are stored";
+  if (GetParam() != DType::f32)
+    EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not flash attention: the probabilities 'probs.out' are stored"),
+              std::string::npos)
+        << c.emitted.kernels[0].matmul_path;
+  // (Fused only: unfused, the emulation would take 1100 x 1100 scores through the 64 x 64 tile.)
+  const TaskGraph causal = flash_attention(GetParam(), 1, 1, 1100, 1100, 68, 40, true, 1, 4.0);
+  const Compiled fused = compile(load_program(causal, {}), fusion(true));
+  ASSERT_EQ(fused.kernels.size(), 1u);
+  EXPECT_NE(fused.emitted.cuda_source.find("cg_attention_row_streamed<2>("), std::string::npos);
+  const uint64_t seed = std::random_device()();
+  CheckedRun run = run_checked(fused, RunOptions{seed, work_dir(causal.name)});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
 

@@ -543,11 +543,13 @@ TEST(Fusion, NoAttentionGradientKernelWhereDsIsStoredOrTheHeadIsLarge) {
   EXPECT_EQ(reason_for(shared, "ds"), prefix + "'dqk' reads 'dq.out', which the kernel would compute for another gradient");
 }
 
-// Over 1024 keys only the flash kernel fuses an attention (docs/attention.md):
-// 16-bit q, k and v, heads of 16 to 128, probabilities read by nothing else,
-// its own launch. Each refusal names the reason; the three tasks then run alone.
-TEST(Fusion, OverAThousandKeysOnlyTheFlashKernelFusesAttention) {
-  auto long_attention = [](DType d, int64_t D, Storage probs) {
+// Over 1024 keys the flash kernel (16-bit q, k and v, heads up to 128,
+// probabilities read by nothing else, its own launch) or the streamed row
+// kernel (the rest, with query and output rows of up to 1024) fuses an
+// attention (docs/attention.md); `describe` says which. Refusals name the
+// reason; the three tasks then run alone.
+TEST(Fusion, OverAThousandKeysTheFlashOrTheStreamedKernelFusesAttention) {
+  auto long_attention = [](DType d, int64_t D, Storage probs, bool trans_v = false) {
     GraphBuilder b("long_attention");
     auto s = b.task("s", "matmul")
                  .tensor("a", d, {2, 3, 8, D}, ext)
@@ -555,29 +557,39 @@ TEST(Fusion, OverAThousandKeysOnlyTheFlashKernelFusesAttention) {
                  .tensor("out", d, {2, 3, 8, 1100})
                  .arg("trans_b", true);
     auto p = b.task("p", "softmax").tensor("x", s["out"]).tensor("out", d, {2, 3, 8, 1100}, probs).arg("scale", 0.125);
-    b.task("c", "matmul").tensor("a", p["out"]).tensor("b", d, {2, 3, 1100, D}, ext).tensor("out", d, {2, 3, 8, D}, ext);
+    b.task("c", "matmul")
+        .tensor("a", p["out"])
+        .tensor("b", d, trans_v ? Shape{2, 3, D, 1100} : Shape{2, 3, 1100, D}, ext)
+        .tensor("out", d, {2, 3, 8, D}, ext)
+        .arg("trans_b", trans_v);
     return std::move(b).graph();
   };
   const Compiled flash = plan_graph(long_attention(DType::bf16, 64, Storage::transient));
   ASSERT_EQ(flash.kernels.size(), 1u);
   EXPECT_EQ(flash.kernels[0].rule, FusionRule::attention);
   EXPECT_EQ(internal_names(flash, flash.kernels[0]), (std::vector<std::string>{"s.out", "p.out"}));
-  const std::string prefix =
-      "'p' is a reduction op; the row kernel holds at most 1024 keys, and a query row of at most 1024, per warp, and "
-      "the flash kernel does not apply: ";
-  EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f32, 64, Storage::transient)), "p"),
-            prefix + "q, k and v are f32, f32 and f32: the tensor-core kernel takes one 16-bit type (f32 keeps its f32 "
-                     "arithmetic in the row kernel)");
-  EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f16, 68, Storage::transient)), "p"),
-            prefix + "a head of 68 values: the flash kernel takes heads of a multiple of 8 values up to 128");
-  EXPECT_EQ(plan_graph(long_attention(DType::f16, 80, Storage::transient)).kernels.size(), 1u) << "80: padded to 128";
-  EXPECT_EQ(reason_for(plan_graph(long_attention(DType::bf16, 64, ext)), "p"),
-            prefix + "the probabilities 'p.out' are stored (an output of the graph)");
+  // The streamed row kernel: f32, a head the flash kernel does not take, stored probabilities, a megakernel.
+  EXPECT_EQ(plan_graph(long_attention(DType::f32, 64, Storage::transient)).kernels.size(), 1u);
+  EXPECT_EQ(plan_graph(long_attention(DType::f16, 68, Storage::transient)).kernels.size(), 1u);
+  EXPECT_EQ(plan_graph(long_attention(DType::bf16, 64, ext)).kernels.size(), 1u);
   CompileOptions megakernel;  // (the pipeline tells the fusion pass)
   megakernel.emit.megakernel = true;
-  const Compiled mk = plan_program(load_program(long_attention(DType::bf16, 64, Storage::transient), {}), megakernel);
-  EXPECT_EQ(mk.kernels.size(), 3u);
-  EXPECT_EQ(reason_for(mk, "p"), prefix + "a megakernel's tiles share one block size");
+  EXPECT_EQ(plan_program(load_program(long_attention(DType::bf16, 64, Storage::transient), {}), megakernel).kernels.size(), 1u);
+  EXPECT_EQ(plan_graph(long_attention(DType::f16, 80, Storage::transient)).kernels.size(), 1u) << "80: padded to 128";
+  // Refused: a query row too long for the row kernels (where the flash kernel does not apply either), values transposed.
+  EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f32, 1100, Storage::transient)), "p"),
+            "'p' is a reduction op; the row kernels hold a query row of at most 1024 values per warp, and the flash "
+            "kernel does not apply: q, k and v are f32, f32 and f32: the tensor-core kernel takes one 16-bit type (f32 "
+            "keeps its f32 arithmetic in the row kernel)");
+  EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f16, 1100, Storage::transient)), "p"),
+            "'p' is a reduction op; the row kernels hold a query row of at most 1024 values per warp, and the flash "
+            "kernel does not apply: a head of 1100 values: the flash kernel takes heads of a multiple of 8 values up to "
+            "128");
+  const Compiled transposed = plan_graph(long_attention(DType::bf16, 64, Storage::transient, true));
+  EXPECT_EQ(transposed.kernels.size(), 3u);
+  EXPECT_EQ(reason_for(transposed, "p"),
+            "'p' is a reduction op; over 1024 keys an attention kernel must take the values' matmul, and 'c' transposes "
+            "an operand; attention multiplies the probabilities by the values as they are");
 }
 
 TaskGraph attention_like(bool trans_b, bool scores_read_later) {
@@ -611,8 +623,8 @@ TEST(Fusion, NotAttentionWithoutItsShape) {
                .arg("trans_b", true);
   b.task("p", "softmax").tensor("x", s["out"]).tensor("out", f32, {8, 1025}, ext);
   EXPECT_EQ(reason_for(plan_graph(std::move(b).graph()), "p"),
-            "'p' is a reduction op; the row kernel holds at most 1024 keys, and a query row of at most 1024, per warp, "
-            "and the flash kernel does not apply: the probabilities are not multiplied by the values");
+            "'p' is a reduction op; over 1024 keys an attention kernel must take the values' matmul, and nothing reads "
+            "the probabilities");
   FuseOptions off;
   off.disabled_rules = {"attention"};
   EXPECT_EQ(reason_for(plan_graph(attention_like(true, false), off), "p"), "rule attention is off (--no-fuse-rule)");
