@@ -522,7 +522,7 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
 // The flash kernel, against the float64 reference and the unfused kernels
 // (which store the scores): partial query and key tiles, several key tiles,
 // the causal diagonal inside and across tiles with the top-left alignment
-// where the lengths differ, head sizes 16 to 128 (128: 80 KiB of shared
+// where the lengths differ, lengths 1, 63, 1000 and 2049, head sizes 16 to 128 (128: 80 KiB of shared
 // memory, opted in), values of another width, over 1024 keys, where only this
 // kernel fuses attention, grouped-query attention (4 query heads a head of
 // keys and values), and heads of 96 and 80 padded to tiles of 128. f32 keeps
@@ -532,11 +532,16 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
     int64_t B, H, Tq, Tk, D, Dv;
     bool causal;
     int64_t G = 1;
+    const char* split = "";  // where the keys split (few row tiles over many key tiles): how, as describe says
   };
   for (const Case& k : {Case{1, 2, 65, 65, 64, 64, false}, Case{2, 1, 130, 130, 32, 64, true},
                         Case{1, 1, 70, 40, 16, 16, true}, Case{1, 1, 20, 100, 128, 128, false},
-                        Case{1, 1, 3, 1100, 64, 32, false}, Case{1, 2, 33, 33, 32, 32, true, 4},
-                        Case{1, 2, 40, 70, 96, 80, true}}) {
+                        Case{1, 1, 3, 1100, 64, 32, false, 1, "split-KV 4 ways (5 key tiles each)"},
+                        Case{1, 2, 33, 33, 32, 32, true, 4},
+                        Case{1, 2, 40, 70, 96, 80, true},
+                        Case{1, 2, 1, 2049, 64, 64, false, 1, "split-KV 7 ways (5 key tiles each)"},
+                        Case{1, 1, 63, 63, 64, 64, true},
+                        Case{1, 1, 1000, 1000, 32, 32, true, 1, "split-KV 4 ways (4 key tiles each)"}}) {
     // (Over many keys, scores spread wide: each split's maximum differs, which the combine must weigh.)
     const TaskGraph g = flash_attention(GetParam(), k.B, k.H, k.Tq, k.Tk, k.D, k.Dv, k.causal, k.G, k.Tk > 1024 ? 4.0 : 0.25);
     if (GetParam() == DType::f32) {
@@ -547,11 +552,11 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
           << c.emitted.kernels[0].matmul_path;
       continue;
     }
-    // Few rows over many keys split the keys (decoding): 3 rows over 1100 keys, 18 key tiles.
-    const bool split = k.Tk > 1024;
+    // Few row tiles over many key tiles split the keys (decoding; here also one head's 16 row tiles).
+    const bool split = *k.split != 0;
     const Compiled c =
         expect_fused_and_unfused_right(g, 1, split ? "cg_flash_attention_split<cg_config, " : "cg_flash_attention<cg_config, ");
-    EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("split-KV 4 ways (5 key tiles each)") != std::string::npos, split)
+    EXPECT_EQ(c.emitted.kernels[0].matmul_path.find(split ? k.split : "split-KV") != std::string::npos, split)
         << c.emitted.kernels[0].matmul_path;
     EXPECT_EQ(c.emitted.kernels[0].smem_bytes > 48 * 1024, k.D > 64) << c.emitted.kernels[0].smem_bytes;
     EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("heads of 96 (padded to 128) (values 80 (padded to 128))") !=
