@@ -758,3 +758,38 @@ TEST(FlashAttention, ArenaOfADecoderBlockGrowsLinearlyInTokens) {
   EXPECT_LE(double(arena[1]), 2.1 * double(arena[0])) << arena[0] << " -> " << arena[1] << " bytes";
   std::printf("  arena of the block: %lld bytes at 4096 tokens, %lld at 8192\n", (long long)arena[0], (long long)arena[1]);
 }
+
+// Faults injected into the flash kernel's code (the generated file, edited
+// before the emulation compiles it), each caught by the check against the
+// float64 reference, where the kernel as it is passes: a running sum not
+// rescaled when a row's maximum grows (stale), the causal mask one key off,
+// the split-KV combine without the ranges' maxima. (Many rows over many key
+// tiles and ranges: each row's maximum grows in some; a far wider spread of
+// scores would loosen the reference's bound more than it helps.)
+TEST(FlashAttention, InjectedFaultsAreCaught) {
+  struct Fault {
+    const char* what;
+    TaskGraph graph;
+    std::string from, to;
+  };
+  const Fault faults[] = {
+      {"a stale running sum", flash_attention(DType::bf16, 1, 1, 256, 512, 64, 64, false, 1, 4.0),
+       "row_sum[r] = row_sum[r] * rescale + tile_sum;", "row_sum[r] = row_sum[r] + tile_sum;"},
+      {"the causal mask one key off", flash_attention(DType::bf16, 1, 1, 130, 130, 32, 32, true),
+       "row0 - key0 + 1 < keys_left ? row0 - key0 + 1", "row0 - key0 + 2 < keys_left ? row0 - key0 + 2"},
+      {"a split combine without the maxima", flash_attention(DType::bf16, 1, 1, 64, 2048, 64, 32, false, 1, 4.0),
+       "weight[local * 32 + s] = exp2f(cg_load_l2(partials, at) - base);", "weight[local * 32 + s] = 1.0f;"},
+  };
+  for (const Fault& f : faults) {
+    Compiled c = compile(load_program(f.graph, {}), fusion(true));
+    const uint64_t seed = std::random_device()();
+    const CheckedRun right = run_emulated_and_check(c, RunOptions{seed, work_dir(f.graph.name)});
+    EXPECT_TRUE(right.ok()) << f.what << ": the kernel as it is fails, seed " << seed << "\n" << format_run(right);
+    std::string& source = c.emitted.cuda_source;
+    const size_t at = source.find(f.from);
+    ASSERT_NE(at, std::string::npos) << f.what << ": the template changed; update the fault";
+    source.replace(at, f.from.size(), f.to);
+    const CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(f.graph.name + "_fault")});
+    EXPECT_FALSE(run.ok()) << f.what << " was not caught, seed " << seed << "\n" << format_run(run);
+  }
+}
