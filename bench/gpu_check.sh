@@ -53,12 +53,18 @@ trap '[[ -n ${OUT:-} ]] && cp -r "$log" "$OUT/gpu-check-logs"' EXIT
 # The device tool stops a command at 10 minutes: every check and benchmark past `budget`
 # seconds is skipped, visibly, and each row is printed as it lands (the table is printed
 # again at the end) so that a run cut short still says what passed.
-budget=560
+# GPU_CHECK_BUDGET lowers it where less device time is left; GPU_CHECK_ONLY (an extended regular
+# expression on the check and benchmark names) runs a part, e.g. after a call that was cut short.
+budget=${GPU_CHECK_BUDGET:-560}
+only=${GPU_CHECK_ONLY:-}
+selected() { [[ -z $only ]] || grep -Eq "$only" <<< "$1"; }
 have_time() {  # SECONDS_IT_TAKES NAME
+  if ! selected "$2"; then echo "skipped: $2 (not selected by GPU_CHECK_ONLY=$only)"; return 1; fi
   if (( SECONDS + $1 > budget )); then echo "skipped: $2 (${SECONDS} s gone, it takes about $1 s)"; return 1; fi
 }
 check() {  # NAME COMMAND...: one row, ok or FAILED with the last lines of the output, and its seconds
   local name=$1 started=$SECONDS; shift
+  if ! selected "$name"; then rows+=("$name|skipped (not selected by GPU_CHECK_ONLY)"); return; fi
   if "$@" >"$log/out" 2>&1; then
     rows+=("$name|ok ($((SECONDS - started)) s) $(grep -Eo 'cache [a-z ()]+' "$log/out" | head -1)")
   else

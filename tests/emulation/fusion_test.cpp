@@ -760,7 +760,8 @@ TEST(FlashAttention, ArenaOfADecoderBlockGrowsLinearlyInTokens) {
 }
 
 // Faults injected into the flash kernel's code (the generated file, edited
-// before the emulation compiles it), each caught by the check against the
+// before it is compiled: by the emulation, or by NVRTC on the GPU with
+// CUDAGEN_TEST_BACKEND=gpu), each caught by the check against the
 // float64 reference, where the kernel as it is passes: a running sum not
 // rescaled when a row's maximum grows (stale), the causal mask one key off,
 // the split-KV combine without the ranges' maxima. (Many rows over many key
@@ -783,13 +784,13 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
   for (const Fault& f : faults) {
     Compiled c = compile(load_program(f.graph, {}), fusion(true));
     const uint64_t seed = std::random_device()();
-    const CheckedRun right = run_emulated_and_check(c, RunOptions{seed, work_dir(f.graph.name)});
+    const CheckedRun right = run_checked(c, RunOptions{seed, work_dir(f.graph.name)});
     EXPECT_TRUE(right.ok()) << f.what << ": the kernel as it is fails, seed " << seed << "\n" << format_run(right);
     std::string& source = c.emitted.cuda_source;
     const size_t at = source.find(f.from);
     ASSERT_NE(at, std::string::npos) << f.what << ": the template changed; update the fault";
     source.replace(at, f.from.size(), f.to);
-    const CheckedRun run = run_emulated_and_check(c, RunOptions{seed, work_dir(f.graph.name + "_fault")});
+    const CheckedRun run = run_checked(c, RunOptions{seed, work_dir(f.graph.name + "_fault")});
     EXPECT_FALSE(run.ok()) << f.what << " was not caught, seed " << seed << "\n" << format_run(run);
   }
 }
