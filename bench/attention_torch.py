@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Times PyTorch's scaled_dot_product_attention on the flash backend over
 [B, H, T, D] heads (the shapes of bench/attention_graph.py), forward: median of
-CUDA-event-timed runs after a warm-up, on random inputs. bench/gpu_check.sh
-prints it beside cudagen's flash kernel on the same shapes."""
+CUDA-event-timed runs after a warm-up, on random inputs; with --train, the
+forward and the backward pass (dq, dk, dv from a given dout). bench/gpu_check.sh
+prints it beside cudagen's flash kernels on the same shapes."""
 import argparse
 import statistics
 
@@ -18,6 +19,7 @@ parser.add_argument("--dtype", choices=["f16", "bf16"], default="bf16")
 parser.add_argument("--runs", type=int, default=20)
 parser.add_argument("--decode", type=int, nargs="*", default=[],
                     help="also one query row a head over a cache of this many keys (not causal)")
+parser.add_argument("--train", action="store_true", help="time the forward and the backward pass")
 args = parser.parse_args()
 
 dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -33,19 +35,31 @@ for queries, tokens, causal in cases:
     shape = (args.batch, args.heads, tokens, args.head)
     k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
     q = torch.randn((args.batch, args.heads, queries, args.head), device="cuda", dtype=dtype)
+    if args.train:
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if args.train:
+            torch.autograd.grad(out, (q, k, v), dout)
+
     with backend():
         for _ in range(3):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            step()
         times = []
         for _ in range(args.runs):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            step()
             stop.record()
             stop.synchronize()
             times.append(start.elapsed_time(stop))
     ms = statistics.median(times)
     # The FLOPs cudagen's emitter counts: both products and the softmax, the masked half included.
     flops = args.batch * args.heads * queries * tokens * (4 * args.head + 5)
-    print(f"torch sdpa (flash)  b{args.batch} h{args.heads} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
+    if args.train:  # and the backward pass's four products in cudagen's graph (dp, dv, dq, dk)
+        flops += args.batch * args.heads * queries * tokens * 8 * args.head
+    print(f"torch sdpa (flash{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
           f"  {ms:.4f} ms  {flops / ms / 1e9:.1f} TFLOP/s (cudagen's count)")

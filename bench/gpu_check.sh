@@ -30,7 +30,8 @@
 #    synccheck);
 #  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
 #  - flash attention alone (bench/attention_graph.py) at B8 x H12 x T 512/2048/8192, heads of 64, causal and
-#    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py);
+#    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py); then trained (--train: the
+#    forward and the backward kernel) beside SDPA's forward and backward;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -163,6 +164,21 @@ if have_time 60 "the flash attention benchmark"; then
   python3 bench/attention_torch.py --tokens 512 2048 8192 --decode 8192 --runs 20 2>&1 | tee "$log/attention_torch.txt"
   paste <(awk '{print $1, $4}' "$log/attention_cudagen.txt") <(awk '{print $(NF-5)}' "$log/attention_torch.txt") |
     awk '{ printf "%-40s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx\n", $1, $2, $3, $3 / $2 }'
+fi
+echo
+echo "flash attention trained (issue #37): the forward and the backward kernel (deterministic: dq by its own blocks), bf16,"
+echo "B8 x H12, heads of 64 (bench_megakernel --step, kernels only, mean of 20), beside SDPA's flash forward and backward"
+echo "(median of 20); ratio = torch time / cudagen time:"
+if have_time 90 "the flash attention training benchmark"; then
+  for tokens in 512 2048 8192; do
+    for causal in "" --causal; do
+      python3 bench/attention_graph.py --train --tokens $tokens $causal -o "$log/attention_train_${tokens}${causal}.json"
+      "$kit/bin/bench_megakernel" --modes kernels --runs 20 --step "$log/attention_train_${tokens}${causal}.json" 2>&1 | sed -n 2p
+    done
+  done | tee "$log/attention_train_cudagen.txt"
+  python3 bench/attention_torch.py --train --tokens 512 2048 8192 --runs 20 2>&1 | tee "$log/attention_train_torch.txt"
+  paste <(awk '{print $1, $4}' "$log/attention_train_cudagen.txt") <(awk '{print $(NF-5)}' "$log/attention_train_torch.txt") |
+    awk '{ printf "%-46s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx\n", $1, $2, $3, $3 / $2 }'
 fi
 echo
 echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (matmuls on the pipelined"

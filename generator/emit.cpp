@@ -155,6 +155,7 @@ class Emitter {
   EmittedProgram run(const std::vector<KernelGroup>& kernels) {
     EmittedProgram out;
     std::string kernel_code;
+    plan_flash_statistics(kernels);
     if (!options_.megakernel) plan_split_k_workspace(kernels);
     for (const auto& k : kernels) {
       // A kernel launched alone gets its __global__ right after its tile
@@ -166,7 +167,7 @@ class Emitter {
     for (EmittedKernel& ek : out.tile_kernels)
       for (int t : ek.tasks)
         if (std::optional<int64_t> flops = task_flops(p_, t)) ek.flops = std::max<int64_t>(ek.flops, 0) + *flops;
-    arena_bytes_ = out.arena_bytes = plan_.arena_bytes;
+    arena_bytes_ = out.arena_bytes = std::max(plan_.arena_bytes, flash_statistics_end_);
     if (split_k_.arrivals_bytes > 0) {  // zeroed as the megakernel's counters are (never both)
       out.sync_offset = split_k_.arrivals_offset;
       out.sync_bytes = align_up(split_k_.arrivals_bytes, plan_.alignment);
@@ -827,8 +828,14 @@ class Emitter {
                                                     : std::string();
     if (why_not_flash.empty())
       if (const std::optional<FlashAttentionTile> tile =
-              flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch))
+              flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained))
         return flash_attention(k, first, *tile, std::move(ek), tail.code, tail.params, emitted);
+    if (k.flash_trained) {
+      fail(ts, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name,
+                               why_not_flash),
+           "--no-fuse-rule attention_backward avoids it; please report it with the graph");
+      return {};
+    }
     if (!std::equal(sq.begin(), sq.end() - 2, kk.buffer->shape.begin()))
       fail(ts, "", fmt::format("internal error: a grouped-query attention (k {} for q {}) was fused, but the flash kernel "
                                "does not apply: {}",
@@ -986,6 +993,15 @@ class Emitter {
                                heads * m_tiles * 4}};
     }
     use_function(softmax, call);
+    // Trained: each row's log-sum-exp and o (before the matmul's alpha) saved for the gradient kernel.
+    std::string lse_store = "[&](cg_i64, float) {} /* no backward pass reads the log-sum-exp */", saved_o;
+    if (k.flash_trained) {
+      const FlashStatistics& f = flash_statistics_.at(tp);
+      lse_store = fmt::format("[&](cg_i64 row, float lse) {{ cg_lse[head * {} + row] = lse; }}", Tq);
+      saved_o = fmt::format(" cg_saved_o[(head * {} + row) * {} + c] = cg_narrow<{}>(o);", Tq, Dv, type);
+      workspace.push_back(LaunchParam{"cg_lse", "float", -1, nullptr, true, f.lse_offset, f.lse_bytes});
+      workspace.push_back(LaunchParam{"cg_saved_o", type, -1, nullptr, true, f.o_offset, f.o_bytes});
+    }
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention: {0}.\n"
@@ -993,13 +1009,13 @@ class Emitter {
         "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
         "  {13}<cg_config, {3}>(q + head * {4}, k + kv_head * {5}, v + kv_head * {6}, {7}, {8}, tile_m,{14}\n"
         "      {9}, {10},\n"
-        "      [&](cg_i64 row, int c, float o) {{ {11}; }},\n"
-        "      [&](cg_i64, float) {{}},  // the log-sum-exp: no backward pass reads it yet\n"
+        "      [&](cg_i64 row, int c, float o) {{ {11};{16} }},\n"
+        "      {15},\n"
         "      ({3}*)cg_smem);\n",
         tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type, Tq * D,
         Tk * D, Tk * Dv, Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
         store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
-        kv_head, call, split);
+        kv_head, call, split, lse_store, saved_o);
     epilogue_buffer_ = -1;
     std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
                                        buffer_param("v", v, false)};
@@ -1157,7 +1173,7 @@ class Emitter {
     };
     add("dcontext", dout);
     add("v", v);
-    add("probs", probs);
+    if (!k.flash_trained) add("probs", probs);
     const Gradient dq = gradient(g.dq, "dq"), dk = gradient(g.dk, "dk"), dv = gradient(g.dv, "dv");
     if (!diags_.ok()) return {};
     const int64_t D = dq.present ? dq.width : dk.width;
@@ -1173,6 +1189,81 @@ class Emitter {
     auto rounded = [](DType d) {
       return is_16bit(d) ? fmt::format("cg_widen(cg_narrow<{}>(x))", c_type(d)) : std::string("x");
     };
+    if (k.flash_trained) {
+      // The flash backward kernel (templates/softmax_flash.cuh): the probabilities recomputed from the
+      // forward's saved statistics; dp and ds in registers, unrounded. (Launched alone: rule
+      // horizontal leaves flash kernels out.)
+      if (!global_wrapper_) {
+        fail(tds, "", fmt::format("internal error: kernel {} (flash attention backward) shares its launch", k.name),
+             "--no-fuse-rule horizontal avoids it; please report it with the graph");
+        return {};
+      }
+      FlashTraining roles{.dp = tdp, .ds = tds, .dq = g.dq == AttentionGradient::none ? -1 : k.tasks[g.dq],
+                          .dk = g.dk == AttentionGradient::none ? -1 : k.tasks[g.dk],
+                          .dv = g.dv == AttentionGradient::none ? -1 : k.tasks[g.dv]};
+      std::string why_not;
+      const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, options_.megakernel, &why_not, options_.arch);
+      if (!tile) {
+        fail(tds, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name, why_not),
+             "--no-fuse-rule attention_backward avoids it; please report it with the graph");
+        return {};
+      }
+      const std::vector<Param> scores = params(roles.scores);
+      for (const auto& [name, slot] : {std::pair{"q", "a"}, std::pair{"k", "b"}})
+        if (std::none_of(launch.begin(), launch.end(), [&](const LaunchParam& lp) { return lp.name == name; }))
+          add(name, param(scores, slot));
+      const Param& q = param(scores, "a");
+      const FlashStatistics& f = flash_statistics_.at(roles.softmax);
+      const std::string type = c_type(q.buffer->dtype);
+      launch.push_back(LaunchParam{"cg_lse", "const float", -1, nullptr, false, f.lse_offset, f.lse_bytes});
+      launch.push_back(LaunchParam{"cg_saved_o", "const " + type, -1, nullptr, false, f.o_offset, f.o_bytes});
+      const int64_t key_tiles = dk.present || dv.present ? (Tk + tile->block_m - 1) / tile->block_m : 0;
+      const int64_t query_tiles = dq.present ? (Tq + tile->block_m - 1) / tile->block_m : 0;
+      ek.block = tile->threads();
+      ek.grid[0] = key_tiles + query_tiles;
+      ek.grid[1] = heads;
+      ek.min_blocks_per_sm = 1;  // registers before occupancy, as the forward kernel
+      ek.matmul_path = fmt::format(
+          "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
+          "warps), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head",
+          tile->block_m, tile->block_m / 16, tile->block_n, tile->stages, tile->head_d, key_tiles, query_tiles);
+      ek.mainloop = MatmulMainloop::flash_attention;
+      reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
+                                     tile->stages),
+                     tile->backward_shared_bytes());
+      use_function(*p_.tasks[size_t(tds)].op, "cg_flash_attention_backward");
+      const double scale_log2 = arg_double(roles.scores, "alpha", 1.0) * arg_double(roles.softmax, "scale", 1.0) * 1.4426950408889634;
+      const std::string ds_scale = float_arg(tds, "scale", 1.0);
+      auto gradient_store = [&](const Gradient& gr, const std::string& rows, int64_t width) {
+        if (!gr.present) return std::string("[&](cg_i64, int, float) {}");
+        const std::string value = &gr == &dv || ds_scale == float_literal(1.0) ? "x" : ds_scale + " * x";
+        return fmt::format("[&](cg_i64 row, int c, float x) {{ {}; }}",
+                           store(gr, fmt::format("(head * {} + row) * {} + c", rows, width), value));
+      };
+      const int64_t D_heads = dq.present ? dq.width : dk.present ? dk.width : q.buffer->shape.back();
+      std::string body = fmt::format(
+          "  CG_DYNAMIC_SMEM(cg_smem);\n"
+          "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head.\n"
+          "  typedef cg_flash_config<{2}> cg_config;\n"
+          "  const cg_i64 head = tile.y;\n",
+          key_tiles, query_tiles, tile->arguments());
+      body += epilogues;
+      body += fmt::format(
+          "  cg_flash_attention_backward<cg_config, {0}>(q + head * {1}, k + head * {2}, v + head * {3},\n"
+          "      cg_saved_o + head * {4}, dcontext + head * {4}, cg_lse + head * {5}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
+          "      {11},  // dq\n"
+          "      {12},  // dk\n"
+          "      {13},  // dv\n"
+          "      ({0}*)cg_smem);\n",
+          type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_tiles, float_literal(scale_log2),
+          float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
+          gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
+          gradient_store(dv, std::to_string(Tk), Dv));
+      std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
+      record_launch(ek, std::move(launch));
+      emitted.push_back(ek);
+      return code;
+    }
 
     // Shared memory, as the fusion pass bounded it.
     const AttentionBackwardShared smem = attention_backward_shared(
@@ -3539,15 +3630,35 @@ class Emitter {
           !alone_in_launch(kernels, i))
         continue;
       const std::optional<FlashAttentionTile> tile =
-          flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], false, nullptr, options_.arch);
+          flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], false, nullptr, options_.arch, k.flash_trained);
       if (!tile || tile->splits < 2) continue;
       const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)].shape;
       const int64_t Tq = q[q.size() - 2], heads = numel(q) / (Tq * q.back()), m_tiles = (Tq + tile->block_m - 1) / tile->block_m;
       split_k_.partials_bytes = std::max(split_k_.partials_bytes, tile->partial_floats(heads, m_tiles) * 4);
       split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, heads * m_tiles * 4);
     }
-    split_k_.partials_offset = align_up(plan_.arena_bytes, plan_.alignment);
+    split_k_.partials_offset = align_up(std::max(plan_.arena_bytes, flash_statistics_end_), plan_.alignment);
     split_k_.arrivals_offset = align_up(split_k_.partials_offset + split_k_.partials_bytes, plan_.alignment);
+  }
+
+  // Places flash_statistics_ after the plan: each trained attention's own
+  // (the forward and the backward phase are apart: nothing shares them).
+  void plan_flash_statistics(const std::vector<KernelGroup>& kernels) {
+    int64_t at = align_up(plan_.arena_bytes, plan_.alignment);
+    for (const KernelGroup& k : kernels) {
+      if (!k.flash_trained || k.rule != FusionRule::attention) continue;
+      const BufferInfo& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)];
+      const BufferInfo& v = p_.buffers[size_t(p_.tasks[size_t(k.tasks[2])].find_tensor("b")->buffer)];
+      const int64_t rows = numel(q.shape) / q.shape.back();  // heads x Tq
+      FlashStatistics f;
+      f.lse_offset = at;
+      f.lse_bytes = rows * 4;
+      f.o_offset = align_up(at + f.lse_bytes, plan_.alignment);
+      f.o_bytes = rows * v.shape.back() * dtype_bytes(q.dtype);
+      at = align_up(f.o_offset + f.o_bytes, plan_.alignment);
+      flash_statistics_[k.tasks[1]] = f;
+    }
+    flash_statistics_end_ = flash_statistics_.empty() ? 0 : at;
   }
 
   std::string megakernels(EmittedProgram& out) {
@@ -3914,6 +4025,16 @@ class Emitter {
     int64_t partials_offset = 0, partials_bytes = 0, arrivals_offset = 0, arrivals_bytes = 0;
   };
   SplitKWorkspace split_k_;
+  // Flash attention trained (KernelGroup::flash_trained): per attention (its
+  // softmax task), where the forward kernel saves each row's log-sum-exp
+  // (floats) and its output o (q's type, [heads, Tq, Dv]) for the gradient
+  // kernel, in the arena after the plan (plan_flash_statistics): live from the
+  // forward to the backward phase, a few bytes a token.
+  struct FlashStatistics {
+    int64_t lse_offset = 0, lse_bytes = 0, o_offset = 0, o_bytes = 0;
+  };
+  std::map<int, FlashStatistics> flash_statistics_;
+  int64_t flash_statistics_end_ = 0;
   std::vector<LaunchParam> split_k_params_;  // the workspace parameters of the kernel being emitted
 };
 

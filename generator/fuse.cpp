@@ -500,8 +500,9 @@ class Fuser {
     return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
            p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
   }
-  // Whether attention kernel `k` runs the flash kernel (emit.cpp asks the same).
+  // Whether kernel `k` runs a flash attention kernel, forward or (trained) backward (emit.cpp asks the same).
   bool runs_flash(const KernelGroup& k) const {
+    if (k.flash_trained) return true;
     return k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0 &&
            flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel).has_value();
   }
@@ -881,7 +882,8 @@ class Fuser {
       const int dp = p_.buffers[size_t(p_.tasks[size_t(ds)].find_tensor("dout")->buffer)].owner_task;
       if (dp < 0 || !is_op(p_.tasks[size_t(dp)], BundledOp::matmul) || !flag(dp, "trans_b") || flag(dp, "trans_a")) continue;
       std::vector<size_t> members;
-      if (const std::string reason = why_not_attention_backward(s, dp, merged, members); !reason.empty()) {
+      std::optional<FlashTraining> flash;
+      if (const std::string reason = why_not_attention_backward(s, dp, merged, members, flash); !reason.empty()) {
         const std::string why = fmt::format("'{}' runs in no attention_backward kernel: {}", p_.tasks[size_t(ds)].task->id, reason);
         FusionNote* it = notes_.find(ds, [](const FusionNote&) { return true; });
         if (it == nullptr)
@@ -906,6 +908,14 @@ class Fuser {
       host.rule = FusionRule::attention_backward;
       host.internal_buffers.clear();
       find_internal(host);
+      if (flash) {  // the probabilities are recomputed, never stored
+        const int probs = p_.tasks[size_t(flash->ds)].find_tensor("out")->buffer;
+        KernelGroup& forward = out_.kernels[kernel_of(flash->scores, 0)];
+        for (KernelGroup* k : {&host, &forward}) {
+          k->flash_trained = true;
+          if (!contains(k->internal_buffers, probs)) k->internal_buffers.push_back(probs);
+        }
+      }
     }
     drop_kernels(merged);
   }
@@ -913,8 +923,8 @@ class Fuser {
   // Why softmax_backward kernel `s`, whose dout matmul `dp` computes, and
   // the kernels of the other gradients of its attention cannot be one
   // kernel (empty when they can; `members` then holds their kernels).
-  std::string why_not_attention_backward(size_t s, int dp, const std::vector<bool>& merged,
-                                         std::vector<size_t>& members) const {
+  std::string why_not_attention_backward(size_t s, int dp, const std::vector<bool>& merged, std::vector<size_t>& members,
+                                         std::optional<FlashTraining>& flash) const {
     if (!rule_on(FusionRule::attention_backward)) return "rule attention_backward is off (--no-fuse-rule)";
     const int ds = out_.kernels[s].tasks.front();
     const BoundTask& softmax = p_.tasks[size_t(ds)];
@@ -1003,27 +1013,45 @@ class Fuser {
           }
       }
     }
-    // A block walks its head's query rows: bounded, as the row tiles of the
-    // unfused matmuls ran in parallel.
-    const int64_t row_tiles = (Tq + kAttentionBackwardRows - 1) / kAttentionBackwardRows;
-    if (row_tiles > kMaxAttentionBackwardRowTiles)
-      return fmt::format("each block would walk {} tiles of {} query rows one after another (at most {})", row_tiles,
-                         kAttentionBackwardRows, kMaxAttentionBackwardRowTiles);
-    // A block holds its head's gradients of the keys and values in registers, and its rows in shared memory.
-    const int64_t registers = attention_backward_registers(Tk, D, Dv, dk >= 0, dv >= 0);
-    if (registers > kMaxAttentionBackwardRegisters)
-      return fmt::format("each thread would accumulate {} elements of the key and value gradients (at most {})", registers,
-                         kMaxAttentionBackwardRegisters);
-    const int64_t bytes = attention_backward_shared(Tk, D, Dv, dq >= 0, dk >= 0).layout.bytes();
-    if (bytes > kSharedBytesWithoutOptIn)
-      return fmt::format("the head's keys and values and a tile of {} query rows take {} bytes of shared memory, more "
-                         "than {}",
-                         kAttentionBackwardRows, bytes, kSharedBytesWithoutOptIn);
     // The kernel runs where the first of them did: nothing between may
     // write what a later one reads, nor touch what it writes.
     const size_t first = *std::min_element(members.begin(), members.end());
     for (size_t m : members)
       if (std::string reason = conflict_when_moved(m, first + 1, m, members); !reason.empty()) return reason;
+    // Flash attention trained: the probabilities recomputed from each row's
+    // log-sum-exp, at any length (its forward kernel must be the flash
+    // kernel, alone: no projections computed in it).
+    FlashTraining roles{.dp = dp, .ds = ds, .dq = dq, .dk = dk, .dv = dv};
+    std::string why_not_flash;
+    if (flash_backward_tile_of(p_, roles, options_.megakernel, &why_not_flash)) {
+      const size_t at = kernel_of(roles.scores, 0);
+      const KernelGroup& forward = out_.kernels[std::min(at, out_.kernels.size() - 1)];
+      if (at < out_.kernels.size() && forward.rule == FusionRule::attention && forward.tasks.size() >= 3 && forward.tasks[0] == roles.scores &&
+          forward.tasks[1] == roles.softmax && forward.tasks[2] == roles.values) {
+        flash = roles;
+        return {};
+      }
+      why_not_flash = fmt::format("the kernel of '{}' is not the flash attention kernel", p_.tasks[size_t(roles.scores)].task->id);
+    }
+    // Otherwise the row kernel (why not flash: `describe` lists it). A block
+    // walks its head's query rows: bounded, as the row tiles of the
+    // unfused matmuls ran in parallel.
+    const int64_t row_tiles = (Tq + kAttentionBackwardRows - 1) / kAttentionBackwardRows;
+    if (row_tiles > kMaxAttentionBackwardRowTiles)
+      return fmt::format("each block would walk {} tiles of {} query rows one after another (at most {}); not the flash "
+                         "backward kernel: {}",
+                         row_tiles, kAttentionBackwardRows, kMaxAttentionBackwardRowTiles, why_not_flash);
+    // A block holds its head's gradients of the keys and values in registers, and its rows in shared memory.
+    const int64_t registers = attention_backward_registers(Tk, D, Dv, dk >= 0, dv >= 0);
+    if (registers > kMaxAttentionBackwardRegisters)
+      return fmt::format("each thread would accumulate {} elements of the key and value gradients (at most {}); not the "
+                         "flash backward kernel: {}",
+                         registers, kMaxAttentionBackwardRegisters, why_not_flash);
+    const int64_t bytes = attention_backward_shared(Tk, D, Dv, dq >= 0, dk >= 0).layout.bytes();
+    if (bytes > kSharedBytesWithoutOptIn)
+      return fmt::format("the head's keys and values and a tile of {} query rows take {} bytes of shared memory, more "
+                         "than {}; not the flash backward kernel: {}",
+                         kAttentionBackwardRows, bytes, kSharedBytesWithoutOptIn, why_not_flash);
     return {};
   }
   static constexpr int64_t kMaxAttentionBackwardRegisters = 32;
@@ -1129,6 +1157,8 @@ class Fuser {
   std::string why_not_projection(size_t from, size_t at, int heads, const std::string& role,
                                  ProjectedAttention& projected) const {
     if (!rule_on(FusionRule::attention_projection)) return "rule attention_projection is off (--no-fuse-rule)";
+    if (out_.kernels[at].flash_trained)
+      return "the attention trains on the flash kernels, which read q, k and v from memory";
     // (Where projections join, the row kernel runs the attention: at most its keys.)
     const Shape& keys = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("b")->buffer)].shape;
     const Shape& queries = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("a")->buffer)].shape;

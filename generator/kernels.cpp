@@ -228,7 +228,7 @@ std::string FlashAttentionTile::describe() const {
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
-                                                          std::string* why_not, const std::string& arch) {
+                                                          std::string* why_not, const std::string& arch, bool trained) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
@@ -238,11 +238,19 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   const BufferInfo& q = program.buffers[size_t(st.find_tensor("a")->buffer)];
   const BufferInfo& k = program.buffers[size_t(st.find_tensor("b")->buffer)];
   const int probs = program.tasks[size_t(softmax)].find_tensor("out")->buffer;
-  // The probabilities' readers: the matmul by the values alone.
+  // The probabilities' readers: the matmul by the values alone (and,
+  // trained, their gradients' tasks in a later phase).
+  const Phase phase = program.tasks[size_t(softmax)].task->phase;
+  auto gradient_reader = [&](size_t t, const BoundTensor& b) {
+    const BoundTask& r = program.tasks[t];
+    return trained && r.task->phase != phase &&
+           ((is_op(r, BundledOp::softmax_backward) && b.name == "out") ||
+            (is_op(r, BundledOp::matmul) && b.name == "a" && flag_value(root_arg(program, int(t), "trans_a").second)));
+  };
   int values = -1;
   for (size_t t = 0; t < program.tasks.size(); ++t)
     for (const auto& b : program.tasks[t].tensors)
-      if (b.buffer == probs && int(t) != softmax) {
+      if (b.buffer == probs && int(t) != softmax && !gradient_reader(t, b)) {
         if (values >= 0 && values != int(t))
           return refuse(fmt::format("the probabilities '{}' are read by '{}' too: the flash kernel never "
                                     "stores them",
@@ -252,7 +260,8 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   if (values < 0 || !is_op(program.tasks[size_t(values)], BundledOp::matmul) ||
       program.tasks[size_t(values)].find_tensor("a")->buffer != probs)
     return refuse("the probabilities are not multiplied by the values");
-  if (program.buffers[size_t(probs)].storage != Storage::transient)
+  if (program.buffers[size_t(probs)].storage != Storage::transient &&
+      !(trained && program.buffers[size_t(probs)].storage == Storage::saved))
     return refuse(fmt::format("the probabilities '{}' are stored (an output of the graph)", buffer_name(program, probs)));
   const BufferInfo& v = program.buffers[size_t(program.tasks[size_t(values)].find_tensor("b")->buffer)];
   if ((q.dtype != DType::f16 && q.dtype != DType::bf16) || k.dtype != q.dtype || v.dtype != q.dtype)
@@ -293,6 +302,56 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
     tile.tiles_per_split = (key_tiles + most - 1) / most;
     tile.splits = int((key_tiles + tile.tiles_per_split - 1) / tile.tiles_per_split);  // none empty
   }
+  return tile;
+}
+
+std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
+                                                         std::string* why_not, const std::string& arch) {
+  auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
+    if (why_not != nullptr) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  auto buffer = [&](int t, const char* slot) { return program.tasks[size_t(t)].find_tensor(slot)->buffer; };
+  auto owner = [&](int b) { return program.buffers[size_t(b)].owner_task; };
+  const int probs = buffer(roles.ds, "out");
+  const int softmax = owner(probs);
+  if (softmax < 0 || !is_op(program.tasks[size_t(softmax)], BundledOp::softmax))
+    return refuse(fmt::format("'{}' is not a softmax's output", buffer_name(program, probs)));
+  const int scores = owner(buffer(softmax, "x"));
+  if (scores < 0 || !is_op(program.tasks[size_t(scores)], BundledOp::matmul) ||
+      !flag_value(root_arg(program, scores, "trans_b").second) || flag_value(root_arg(program, scores, "trans_a").second))
+    return refuse(fmt::format("the softmax '{}' is not over a product q k^T", program.tasks[size_t(softmax)].task->id));
+  std::string why;
+  std::optional<FlashAttentionTile> forward = flash_attention_tile_of(program, scores, softmax, megakernel, &why, arch, true);
+  if (!forward) return refuse("its forward does not take the flash kernel: " + why);
+  int values = -1;
+  for (size_t t = 0; t < program.tasks.size(); ++t)
+    if (int(t) != softmax && program.tasks[t].task->phase == program.tasks[size_t(softmax)].task->phase)
+      for (const auto& b : program.tasks[t].tensors)
+        if (b.buffer == probs && b.name == "a") values = int(t);
+  const int q = buffer(scores, "a"), k = buffer(scores, "b");
+  if (values < 0 || buffer(roles.dp, "b") != buffer(values, "b"))
+    return refuse(fmt::format("'{}' does not multiply by the attention's values", program.tasks[size_t(roles.dp)].task->id));
+  if (roles.dq >= 0 && buffer(roles.dq, "b") != k)
+    return refuse(fmt::format("'{}' does not multiply by the attention's keys", program.tasks[size_t(roles.dq)].task->id));
+  if (roles.dk >= 0 && buffer(roles.dk, "b") != q)
+    return refuse(fmt::format("'{}' does not multiply by the attention's queries", program.tasks[size_t(roles.dk)].task->id));
+  const BufferInfo& dcontext = program.buffers[size_t(buffer(roles.dp, "a"))];
+  if (dcontext.dtype != program.buffers[size_t(q)].dtype)
+    return refuse(fmt::format("'{}' is {}, not q's {}", buffer_name(program, buffer(roles.dp, "a")), to_string(dcontext.dtype),
+                              to_string(program.buffers[size_t(q)].dtype)));
+  const Shape &sq = program.buffers[size_t(q)].shape, &sk = program.buffers[size_t(k)].shape;
+  if (!std::equal(sq.begin(), sq.end() - 2, sk.begin()))
+    return refuse("grouped-query attention: the flash backward kernel takes a head of keys and values a head of q");
+  roles.scores = scores;
+  roles.softmax = softmax;
+  roles.values = values;
+  FlashAttentionTile tile = *forward;
+  tile.splits = 1;
+  tile.tiles_per_split = 0;
+  tile.block_m = 64;
+  tile.block_n = std::max(tile.d, tile.dv) > 64 ? 32 : 64;  // registers: dk and dv of 16 rows of 128 each
+  tile.stages = 2;
   return tile;
 }
 

@@ -67,6 +67,13 @@ struct KernelGroup {
   // its matmuls alone, or it would not be one.)
   std::vector<int> prologue;
   std::string prologue_operand = "a";  // the operand slot the prologue computes: a matmul's "a" or "b", a row op's "x"
+  // Training on flash attention (docs/attention.md): set on an attention
+  // kernel (rule attention) and on its gradients' kernel (rule
+  // attention_backward) where the fusion pass paired them
+  // (flash_backward_tile_of). The probabilities are stored nowhere (among
+  // both kernels' internal_buffers): the forward kernel saves each row's
+  // log-sum-exp and its output o, and the gradient kernel recomputes them.
+  bool flash_trained = false;
   // What the kernel computes, as a mainloop with its stages' operand and
   // epilogue trees (kir.h): made from the fields above once the fusion pass
   // has settled them (fuse(), one_kernel_per_task()).
@@ -346,6 +353,14 @@ struct FlashAttentionTile {
   }
   std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
   std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
+  // The backward kernel's (cg_flash_backward_shared): a block's own rows of
+  // both kinds, the stages of streamed rows and their statistics, or the
+  // staged output tile where more.
+  int64_t backward_shared_bytes() const {
+    const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
+                         8 * std::max<int64_t>(block_m, int64_t(stages) * block_n);
+    return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
+  }
 };
 
 // The flash tile for the attention whose scores matmul is task `scores` and
@@ -358,9 +373,34 @@ struct FlashAttentionTile {
 // launched alone (not a megakernel). The fusion pass asks it (at any number
 // of keys, only this kernel fuses the attention) as the emitter does.
 // `arch`'s SM count decides the split (perf_model.h).
+// `trained`: the probabilities may also be read by their gradients' tasks
+// (a softmax_backward and dv = p^T dcontext, in a later phase) where the
+// fusion pass paired the two kernels (KernelGroup::flash_trained).
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
                                                           std::string* why_not = nullptr,
-                                                          const std::string& arch = "sm_90");
+                                                          const std::string& arch = "sm_90", bool trained = false);
+
+// The tasks of an attention trained on flash kernels: the forward's scores
+// matmul, softmax and matmul by the values; the gradient kernel's roles
+// (AttentionGradient, task indices, -1 where absent).
+struct FlashTraining {
+  int scores = -1, softmax = -1, values = -1;
+  int dp = -1, ds = -1, dq = -1, dk = -1, dv = -1;
+};
+
+// The backward kernel's tile for the attention whose gradients are tasks
+// `roles` (dp, ds, dq, dk, dv filled in), or nullopt with the reason: the
+// probabilities ds reads are a softmax's over a scores matmul q k^T, read in
+// the forward by its matmul by the values, whose attention takes the flash
+// kernel (flash_attention_tile_of, trained); dp = dcontext v^T of those
+// values, dq = ds k and dk = ds^T q of its keys and queries; dcontext of
+// q's type; one head of keys and values a head of q (no grouped-query
+// attention yet). On success `roles` gets the forward's tasks too. Blocks
+// of 64 rows (4 warps) own keys or query rows; the other rows stream 64 at a
+// time (32 for heads over 64), two stages.
+std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
+                                                         std::string* why_not = nullptr,
+                                                         const std::string& arch = "sm_90");
 inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // Decoding streams the keys and values once: memory-bound. One block keeps
 // two 16 KiB stages in flight, too few to cover an SM's share of the

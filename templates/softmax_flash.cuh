@@ -386,3 +386,387 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
     store_out(m0 + local, c, sum);
   }
 }
+
+// ---------------------------------------------------------------------------
+// Flash attention, backward (docs/attention.md), after FlashAttention-2: the
+// gradients of o = softmax(x) v, x = scale s, from q, k, v, the forward's
+// output o and each row's log-sum-exp, without a T x T matrix anywhere. The
+// probabilities are recomputed tile by tile, p = exp2(x log2 e - lse log2 e);
+// with dp = dp_scale dO v^T and delta_i = sum_j p_ij dp_ij = dp_scale dO_i . o_i,
+//   dv = p^T dO,  ds = p (dp - delta),  dq = ds k,  dk = ds^T q
+// (the caller scales dq and dk by the softmax's scale and their matmuls'
+// alphas, dv by its alpha). One grid, two kinds of block, so that no sum
+// needs an atomic and every run adds in the same order (deterministic):
+//   - a block per tile of BLOCK_M keys (cg_flash_backward_keys): its keys and
+//     values stay in shared memory while the query rows stream past, BLOCK_N at
+//     a time (cp.async, STAGES in flight); dk and dv of its keys sum in
+//     registers over the query tiles, in order;
+//   - a block per tile of BLOCK_M query rows (cg_flash_backward_queries): q
+//     and dO in registers, keys and values streaming; dq sums over the key
+//     tiles, in order.
+// The second recomputes s and dp (two of the five products): the price of
+// summing dq without atomics.
+
+// Shared memory of cg_flash_attention_backward, in bytes: the block's own
+// rows ([BLOCK_M][D] and [BLOCK_M][DV] of T), STAGES stages of streamed rows
+// ([BLOCK_N][D] and [BLOCK_N][DV]), then the rows' statistics (floats: each
+// stage's, or the block's own); the staged output tile (floats) reuses it.
+template <typename Config, typename T>
+struct cg_flash_backward_shared {
+  static constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N, D = Config::D, DV = Config::DV;
+  static constexpr int own_k = BM * D, own_v = BM * DV, stream_k = BN * D, stream_v = BN * DV;
+  static constexpr int stage_elements = stream_k + stream_v;
+  static constexpr int stats_offset = (int)sizeof(T) * (own_k + own_v + Config::STAGES * stage_elements);  // bytes
+  static constexpr int stats_floats = 2 * (BM > Config::STAGES * BN ? BM : Config::STAGES * BN);
+  static constexpr int main = stats_offset + 4 * stats_floats;
+  static constexpr int out_stride = (D > DV ? D : DV) + 8;
+  static constexpr int staged = 4 * BM * out_stride;
+  static constexpr int bytes = main > staged ? main : staged;
+};
+
+// The statistics the backward pass needs of query rows [row0, row0 + count)
+// of one head, into shared memory: lse_log2[r], the row's log-sum-exp in
+// log2 units (+inf past Tq and for a row that saw no key: its p are 0), and
+// delta[r] = dp_scale sum_c dout_rc o_rc. A warp a row, its lanes along it.
+template <typename Config, typename T>
+CG_DEVICE void cg_flash_row_stats(float* lse_log2, float* delta, const float* lse, const T* o, const T* dout,
+                                  cg_i64 row0, int count, cg_i64 Tq, float dp_scale) {
+  constexpr int HDV = Config::HEAD_DV;
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+  for (int r = warp; r < count; r += Config::WARPS) {
+    const cg_i64 row = row0 + r;
+    float dot = 0.0f;
+    if (row < Tq)
+      for (int c = lane; c < HDV; c += 32) dot += cg_widen(o[row * HDV + c]) * cg_widen(dout[row * HDV + c]);
+    CG_UNROLL
+    for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (lane == 0) {
+      const float l = row < Tq ? lse[row] : cg_neg_inf();
+      lse_log2[r] = l == cg_neg_inf() ? -cg_neg_inf() : l * 1.4426950408889634f;
+      delta[r] = dp_scale * dot;
+    }
+  }
+}
+
+// A warp's 16 rows of a [BLOCK_M][W] tile of accumulators (the mma layout),
+// through shared memory, to store(row, c, value) for each row < rows and
+// column < HEAD_W: coalesced, consecutive threads on consecutive columns.
+template <typename Config, int W, int HEAD_W, typename Store>
+CG_DEVICE void cg_flash_store_tile(const float (&acc)[W / 8][4], float* staged, cg_i64 row0, cg_i64 rows, Store store) {
+  constexpr int STRIDE = cg_flash_backward_shared<Config, float>::out_stride;
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r)
+    CG_UNROLL
+    for (int j = 0; j < W / 8; ++j) {
+      cg_aligned_chunk<2, float> pair;
+      pair.v[0] = acc[j][2 * r];
+      pair.v[1] = acc[j][2 * r + 1];
+      float* at = staged + (16 * warp + g + 8 * r) * STRIDE + 8 * j + 2 * t;
+#ifdef CUDAGEN_EMULATION
+      cudagen_emu::note_shared_request(at, 8);
+#endif
+      *reinterpret_cast<cg_aligned_chunk<2, float>*>(at) = pair;
+    }
+  __syncthreads();
+  for (int i = (int)threadIdx.x; i < Config::BLOCK_M * HEAD_W; i += Config::THREADS) {
+    const int local = i / HEAD_W, c = i % HEAD_W;
+    if (row0 + local < rows) store(row0 + local, c, staged[local * STRIDE + c]);
+  }
+  __syncthreads();  // the staged tile is free again
+}
+
+// The four 16-bit pairs of an A fragment (16 rows x 16 of the K axis) from
+// the accumulators of two n8 tiles of a product (the same rows; K's first and
+// second 8), rounded to T.
+template <typename T>
+CG_DEVICE void cg_accumulators_as_a(unsigned int a[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = cg_narrow_pair(lo[0], lo[1], T());
+  a[1] = cg_narrow_pair(lo[2], lo[3], T());
+  a[2] = cg_narrow_pair(hi[0], hi[1], T());
+  a[3] = cg_narrow_pair(hi[2], hi[3], T());
+}
+
+// acc (a warp's 16 rows by N columns, N / 8 mma tiles) += a (16 rows x 16
+// of the K axis, an A fragment) times B's columns [0, N) at K offset k: the
+// B fragments read from a shared tile (Operand, at `address`, `pointer`).
+template <typename Operand, int N, typename T>
+CG_DEVICE void cg_mma_across(float (&acc)[N / 8][4], const unsigned int (&a)[4], unsigned int address, const T* pointer,
+                             int k) {
+  CG_UNROLL
+  for (int j = 0; j < N / 16; ++j) {
+    unsigned int b[4];
+    Operand::template fragment<false>(b, address, pointer, 16 * j, k);
+    cg_mma_packed(acc[2 * j], a, &b[0], T());
+    cg_mma_packed(acc[2 * j + 1], a, &b[2], T());
+  }
+}
+
+template <int N>
+CG_DEVICE void cg_zero_accumulators(float (&acc)[N][4]) {
+  CG_UNROLL
+  for (int j = 0; j < N; ++j)
+    CG_UNROLL
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+}
+
+// The block of key tile `tile_n` (keys [tile_n BLOCK_M, +BLOCK_M)): dk and dv
+// of its keys, handed unscaled to store_dk(key, c, value) and
+// store_dv(key, c, value). q, k, v, o, dout and lse as for
+// cg_flash_attention_backward.
+template <typename Config, typename T, typename StoreDk, typename StoreDv>
+CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
+                                      cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, float scale_log2, float dp_scale,
+                                      bool causal, StoreDk store_dk, StoreDv store_dv, T* smem) {
+  constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
+  constexpr int NQ = BN / 8, OD = D / 8, OV = DV / 8;  // n8 tiles: of the streamed queries, of dk's and dv's rows
+  typedef cg_flash_backward_shared<Config, T> Shared;
+  // The block's keys and values as A operands (rows: keys); the streamed q
+  // and dO tiles ([BN][D], [BN][DV]) as B operands two ways: along their
+  // rows (K: D or DV; s^T = k q^T, dp^T = v dO^T) and across them (K: the
+  // queries; dk += ds^T q, dv += p^T dO), which is how they are copied.
+  typedef cg_gemm_operand<BM, D, true, T> OwnK;
+  typedef cg_gemm_operand<BM, DV, true, T> OwnV;
+  typedef cg_gemm_operand<BN, D, true, T> StreamQ;
+  typedef cg_gemm_operand<D, BN, false, T> StreamQAcross;
+  typedef cg_gemm_operand<BN, DV, true, T> StreamDout;
+  typedef cg_gemm_operand<DV, BN, false, T> StreamDoutAcross;
+  static_assert(StreamQ::elements == StreamQAcross::elements && StreamDout::elements == StreamDoutAcross::elements,
+                "one tile, two views");
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const cg_i64 key0 = tile_n * BM;
+  const unsigned int smem_address = cg_smem_address(smem);
+  constexpr unsigned int own_v_offset = Shared::own_k * (int)sizeof(T);
+  constexpr unsigned int stages_offset = (Shared::own_k + Shared::own_v) * (int)sizeof(T);
+  constexpr unsigned int stage_bytes = Shared::stage_elements * (int)sizeof(T);
+  constexpr unsigned int dout_offset = Shared::stream_k * (int)sizeof(T);
+  float* stats = (float*)((char*)smem + Shared::stats_offset);
+  {  // the block's keys and values, a group of their own
+    const typename OwnK::template copier<Config::THREADS> copy_k(k, Config::HEAD_D, key0, Tk, 0, Config::HEAD_D);
+    const typename OwnV::template copier<Config::THREADS> copy_v(v, Config::HEAD_DV, key0, Tk, 0, Config::HEAD_DV);
+    copy_k.copy(smem_address, 0);
+    copy_v.copy(smem_address + own_v_offset, 0);
+    cg_cp_async_commit();
+  }
+  const typename StreamQAcross::template copier<Config::THREADS> copy_q(q, Config::HEAD_D, 0, Config::HEAD_D, 0, Tq);
+  const typename StreamDoutAcross::template copier<Config::THREADS> copy_dout(dout, Config::HEAD_DV, 0,
+                                                                              Config::HEAD_DV, 0, Tq);
+  auto load_stage = [&](cg_i64 m) {
+    const unsigned int stage = smem_address + stages_offset + (unsigned int)(m % S) * stage_bytes;
+    copy_q.copy(stage, m);
+    copy_dout.copy(stage + dout_offset, m);
+  };
+  // Causal: query rows before the tile's first key see none of its keys.
+  const cg_i64 first = causal ? key0 / BN : 0, end = (Tq + BN - 1) / BN;
+  for (int s = 0; s < S - 1; ++s) {
+    if (first + s < end) load_stage(first + s);
+    cg_cp_async_commit();
+  }
+  float dk[OD][4], dv[OV][4];
+  cg_zero_accumulators(dk);
+  cg_zero_accumulators(dv);
+  const T* own_k_ptr = smem;
+  const T* own_v_ptr = smem + Shared::own_k;
+  for (cg_i64 m = first; m < end; ++m) {
+    // The tile's rows' statistics, into its stage's slot (read two
+    // iterations ago at the latest, behind the barrier of the last one).
+    float* lse_log2 = stats + (int)(m % S) * 2 * BN;
+    float* delta = lse_log2 + BN;
+    cg_flash_row_stats<Config, T>(lse_log2, delta, lse, o, dout, m * BN, BN, Tq, dp_scale);
+    cg_cp_async_wait<S - 2>();
+    __syncthreads();  // tile m and its statistics are visible; tile m - 1's stage is free
+    if (m + S - 1 < end) load_stage(m + S - 1);
+    cg_cp_async_commit();
+    const unsigned int tile_q = smem_address + stages_offset + (unsigned int)(m % S) * stage_bytes;
+    const unsigned int tile_dout = tile_q + dout_offset;
+    const T* tile_q_ptr = smem + Shared::own_k + Shared::own_v + (int)(m % S) * Shared::stage_elements;
+    const T* tile_dout_ptr = tile_q_ptr + Shared::stream_k;
+
+    // s^T = k q^T: the warp's 16 keys by the tile's BN query rows.
+    float st[NQ][4];
+    cg_zero_accumulators(st);
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned int ka[4];
+      OwnK::template fragment<true>(ka, smem_address, own_k_ptr, 16 * warp, 16 * kk);
+      cg_mma_across<StreamQ, BN>(st, ka, tile_q, tile_q_ptr, 16 * kk);
+    }
+    // p^T, zero past the keys, past Tq (lse_log2 +inf) and, causal, above the diagonal.
+    const bool edge = key0 + BM > Tk || (causal && key0 + 16 * warp + 15 > m * BN);
+    CG_UNROLL
+    for (int j = 0; j < NQ; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int query = 8 * j + 2 * t + (e & 1);
+        float p = cg_exp2_approx(st[j][e] * scale_log2 - lse_log2[query]);
+        if (edge) {
+          const cg_i64 key = key0 + 16 * warp + g + 8 * (e >> 1);
+          if (key >= Tk || (causal && key > m * BN + query)) p = 0.0f;
+        }
+        st[j][e] = p;
+      }
+    // dv += p^T dO (K: the tile's query rows).
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned int pa[4];
+      cg_accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+      cg_mma_across<StreamDoutAcross, DV>(dv, pa, tile_dout, tile_dout_ptr, 16 * kk);
+    }
+    // dp^T = v dO^T, then ds^T = p^T (dp_scale dp^T - delta).
+    float dst[NQ][4];
+    cg_zero_accumulators(dst);
+    CG_UNROLL
+    for (int kk = 0; kk < DV / 16; ++kk) {
+      unsigned int va[4];
+      OwnV::template fragment<true>(va, smem_address + own_v_offset, own_v_ptr, 16 * warp, 16 * kk);
+      cg_mma_across<StreamDout, BN>(dst, va, tile_dout, tile_dout_ptr, 16 * kk);
+    }
+    CG_UNROLL
+    for (int j = 0; j < NQ; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) dst[j][e] = st[j][e] * (dp_scale * dst[j][e] - delta[8 * j + 2 * t + (e & 1)]);
+    // dk += ds^T q (K: the tile's query rows).
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned int a[4];
+      cg_accumulators_as_a<T>(a, dst[2 * kk], dst[2 * kk + 1]);
+      cg_mma_across<StreamQAcross, D>(dk, a, tile_q, tile_q_ptr, 16 * kk);
+    }
+  }
+  cg_cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the tiles: the staged output reuses them
+  cg_flash_store_tile<Config, DV, Config::HEAD_DV>(dv, (float*)smem, key0, Tk, store_dv);
+  cg_flash_store_tile<Config, D, Config::HEAD_D>(dk, (float*)smem, key0, Tk, store_dk);
+}
+
+// The block of query tile `tile_m` (rows [tile_m BLOCK_M, +BLOCK_M)): dq of
+// its rows, unscaled, to store_dq(row, c, value).
+template <typename Config, typename T, typename StoreDq>
+CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
+                                         cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m, float scale_log2, float dp_scale,
+                                         bool causal, StoreDq store_dq, T* smem) {
+  constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
+  constexpr int NK = BN / 8, OD = D / 8;  // n8 tiles: of the streamed keys, of dq's rows
+  typedef cg_flash_backward_shared<Config, T> Shared;
+  // q and dO of the block's rows as A operands (into registers); the streamed
+  // keys and values as B operands along their rows (K: D or DV; s = q k^T,
+  // dp = dO v^T), the keys across them too (K: the keys; dq += ds k).
+  typedef cg_gemm_operand<BM, D, true, T> OwnQ;
+  typedef cg_gemm_operand<BM, DV, true, T> OwnDout;
+  typedef cg_gemm_operand<BN, D, true, T> StreamK;
+  typedef cg_gemm_operand<D, BN, false, T> StreamKAcross;
+  typedef cg_gemm_operand<BN, DV, true, T> StreamV;
+  typedef cg_gemm_operand<DV, BN, false, T> StreamVAcross;
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const cg_i64 m0 = tile_m * BM;
+  const cg_i64 row0 = m0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
+  const unsigned int smem_address = cg_smem_address(smem);
+  constexpr unsigned int own_dout_offset = Shared::own_k * (int)sizeof(T);
+  constexpr unsigned int stages_offset = (Shared::own_k + Shared::own_v) * (int)sizeof(T);
+  constexpr unsigned int stage_bytes = Shared::stage_elements * (int)sizeof(T);
+  constexpr unsigned int v_offset = Shared::stream_k * (int)sizeof(T);
+  float* stats = (float*)((char*)smem + Shared::stats_offset);
+  {
+    const typename OwnQ::template copier<Config::THREADS> copy_q(q, Config::HEAD_D, m0, Tq, 0, Config::HEAD_D);
+    const typename OwnDout::template copier<Config::THREADS> copy_dout(dout, Config::HEAD_DV, m0, Tq, 0,
+                                                                       Config::HEAD_DV);
+    copy_q.copy(smem_address, 0);
+    copy_dout.copy(smem_address + own_dout_offset, 0);
+    cg_cp_async_commit();
+  }
+  const typename StreamKAcross::template copier<Config::THREADS> copy_k(k, Config::HEAD_D, 0, Config::HEAD_D, 0, Tk);
+  const typename StreamVAcross::template copier<Config::THREADS> copy_v(v, Config::HEAD_DV, 0, Config::HEAD_DV, 0, Tk);
+  auto load_stage = [&](cg_i64 n) {
+    const unsigned int stage = smem_address + stages_offset + (unsigned int)(n % S) * stage_bytes;
+    copy_k.copy(stage, n);
+    copy_v.copy(stage + v_offset, n);
+  };
+  // Causal: no key past the tile's last row.
+  const cg_i64 keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
+  const cg_i64 n_tiles = (keys + BN - 1) / BN;
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_tiles) load_stage(s);
+    cg_cp_async_commit();
+  }
+  cg_flash_row_stats<Config, T>(stats, stats + BM, lse, o, dout, m0, BM, Tq, dp_scale);
+  unsigned int qa[D / 16][4], da[DV / 16][4];
+  cg_cp_async_wait<S - 1>();
+  __syncthreads();
+  CG_UNROLL
+  for (int kk = 0; kk < D / 16; ++kk) OwnQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, 16 * kk);
+  CG_UNROLL
+  for (int kk = 0; kk < DV / 16; ++kk)
+    OwnDout::template fragment<true>(da[kk], smem_address + own_dout_offset, smem + Shared::own_k, 16 * warp, 16 * kk);
+  const float lse_row[2] = {stats[16 * warp + g], stats[16 * warp + g + 8]};
+  const float delta_row[2] = {stats[BM + 16 * warp + g], stats[BM + 16 * warp + g + 8]};
+  float dq[OD][4];
+  cg_zero_accumulators(dq);
+
+  for (cg_i64 n = 0; n < n_tiles; ++n) {
+    cg_cp_async_wait<S - 2>();
+    __syncthreads();
+    if (n + S - 1 < n_tiles) load_stage(n + S - 1);
+    cg_cp_async_commit();
+    const unsigned int tile_k = smem_address + stages_offset + (unsigned int)(n % S) * stage_bytes, tile_v = tile_k + v_offset;
+    const T* tile_k_ptr = smem + Shared::own_k + Shared::own_v + (int)(n % S) * Shared::stage_elements;
+    const T* tile_v_ptr = tile_k_ptr + Shared::stream_k;
+    // s = q k^T, then p (zero past the keys and, causal, past the diagonal).
+    float s[NK][4], dp[NK][4];
+    cg_zero_accumulators(s);
+    cg_zero_accumulators(dp);
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) cg_mma_across<StreamK, BN>(s, qa[kk], tile_k, tile_k_ptr, 16 * kk);
+    const cg_i64 key0 = n * BN;
+    const bool edge = key0 + BN > Tk || (causal && key0 + BN - 1 > m0 + 16 * warp);
+    CG_UNROLL
+    for (int j = 0; j < NK; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        float p = cg_exp2_approx(s[j][e] * scale_log2 - lse_row[e >> 1]);
+        if (edge) {
+          const cg_i64 key = key0 + 8 * j + 2 * t + (e & 1);
+          if (key >= Tk || (causal && key > row0 + 8 * (e >> 1))) p = 0.0f;
+        }
+        s[j][e] = p;
+      }
+    // dp = dO v^T, then ds = p (dp_scale dp - delta).
+    CG_UNROLL
+    for (int kk = 0; kk < DV / 16; ++kk) cg_mma_across<StreamV, BN>(dp, da[kk], tile_v, tile_v_ptr, 16 * kk);
+    CG_UNROLL
+    for (int j = 0; j < NK; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp_scale * dp[j][e] - delta_row[e >> 1]);
+    // dq += ds k (K: the tile's keys).
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      unsigned int a[4];
+      cg_accumulators_as_a<T>(a, dp[2 * kk], dp[2 * kk + 1]);
+      cg_mma_across<StreamKAcross, D>(dq, a, tile_k, tile_k_ptr, 16 * kk);
+    }
+  }
+  cg_cp_async_wait<0>();
+  __syncthreads();
+  cg_flash_store_tile<Config, D, Config::HEAD_D>(dq, (float*)smem, m0, Tq, store_dq);
+}
+
+// The backward pass of one head: blocks [0, key_tiles) take a tile of keys
+// each (dk, dv), the next ceil(Tq / BLOCK_M) a tile of query rows each (dq);
+// `tile` is the block's index among them. q is Tq x HEAD_D, k Tk x HEAD_D,
+// v Tk x HEAD_DV, o (the forward's output, before any alpha of its matmul)
+// and dout Tq x HEAD_DV, lse Tq floats (natural log), all of the head's rows;
+// scale_log2 and causal as the forward took them; dp = dp_scale dout v^T.
+// The gradients go unscaled to their stores (see above). Where dq, or dk and
+// dv, have no reader, their blocks are not launched (key_tiles 0, or a grid
+// of key tiles alone).
+template <typename Config, typename T, typename StoreDq, typename StoreDk, typename StoreDv>
+CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, const T* o, const T* dout,
+                                           const float* lse, cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_tiles,
+                                           float scale_log2, float dp_scale, bool causal, StoreDq store_dq,
+                                           StoreDk store_dk, StoreDv store_dv, T* smem) {
+  if (tile < key_tiles)
+    cg_flash_backward_keys<Config, T>(q, k, v, o, dout, lse, Tq, Tk, tile, scale_log2, dp_scale, causal, store_dk,
+                                      store_dv, smem);
+  else
+    cg_flash_backward_queries<Config, T>(q, k, v, o, dout, lse, Tq, Tk, tile - key_tiles, scale_log2, dp_scale, causal,
+                                         store_dq, smem);
+}

@@ -523,6 +523,56 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
   }
 }
 
+// The flash attention backward kernel (training: the forward and the
+// gradient tasks by hand, as derive writes them), bf16 heads of 64 causal and
+// f16 heads of 128: on sm_80 and sm_90 its five products on tensor cores
+// (HMMA) fed by ldmatrix (LDSM) from cp.async tiles (LDGSTS), the
+// probabilities recomputed on the special-function unit (MUFU); no local
+// memory, no spills, no stack.
+TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("flash_backward");
+  const Storage ext = Storage::external;
+  for (const auto& [d, T, D, causal] : {std::tuple{DType::bf16, int64_t(512), int64_t(64), true},
+                                        std::tuple{DType::f16, int64_t(1024), int64_t(128), false}}) {
+    const std::string n = std::to_string(D);
+    const Shape rows{8, 12, T, D}, square{8, 12, T, T};
+    auto s = b.task("scores" + n, "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
+    auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.125).arg("causal", causal);
+    auto c = b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", d, rows, ext).tensor("out", d, rows, ext);
+    auto dp = b.task("dp" + n, "matmul", Phase::backward).tensor("a", d, rows, ext).tensor("b", c["b"]).tensor("out", d, square).arg("trans_b", true);
+    b.task("dv" + n, "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+    auto ds = b.task("ds" + n, "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square).arg("scale", 0.125);
+    b.task("dq" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
+    b.task("dk" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+  }
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  std::vector<std::string> backward;
+  for (const EmittedKernel& k : c.emitted.kernels)
+    if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
+  std::string notes;
+  for (const FusionNote& note : c.fusion_notes) notes += note.reason + "\n";
+  for (const EmittedKernel& k : c.emitted.kernels) notes += k.name + ": " + k.matmul_path + "\n";
+  ASSERT_EQ(backward.size(), 2u) << notes;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
+    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+    for (const std::string& name : backward) {
+      ASSERT_TRUE(sass.count(name)) << name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      for (const char* op : {"LDGSTS", "LDSM", "HMMA", "MUFU"}) EXPECT_GT(count(op), 0) << name << " on " << arch << ": " << op;
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << name << " on " << arch << ": local memory";
+      ASSERT_TRUE(resources.count(name)) << name << " on " << arch;
+      EXPECT_EQ(resources.at(name).spill_bytes, 0) << name << " on " << arch;
+      EXPECT_EQ(resources.at(name).stack_bytes, 0) << name << " on " << arch;
+      std::printf("  %s on %s: %d registers, %d HMMA, %d LDSM, %d LDGSTS\n", name.c_str(), arch,
+                  resources.at(name).registers, count("HMMA"), count("LDSM"), count("LDGSTS"));
+    }
+  }
+}
+
 // The f32 SIMT mainloop in generated kernels, both tiles (128 x 128 from a
 // wave of them, 64 x 64 below) and every operand layout: no spills and no
 // stack on sm_80 and sm_90, and in its k-loop at least 16 FFMA per shared

@@ -496,6 +496,41 @@ TEST(Fusion, AttentionGradientsRunInOneKernel) {
   EXPECT_EQ(reason_for(c, "context_grad_b"), "") << "it joined";
 }
 
+// Rule attention_backward on the flash kernels: a 16-bit attention and its
+// gradients, whose forward runs the flash kernel, pair up (flash_trained):
+// the probabilities internal to both kernels (no storage), at a length the
+// row kernel refuses; in f32 the row kernel's refusal says why not flash.
+TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
+  auto training = [](DType d, int64_t T) {
+    GraphBuilder b("trained");
+    const Shape rows{1, 2, T, 64}, square{1, 2, T, T};
+    auto s = b.task("scores", "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
+    auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.125);
+    auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, rows, ext).tensor("out", d, rows, ext);
+    auto dp = b.task("dp", "matmul", Phase::backward).tensor("a", d, rows, ext).tensor("b", c["b"]).tensor("out", d, square).arg("trans_b", true);
+    b.task("dv", "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+    auto ds = b.task("ds", "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square);
+    b.task("dq", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
+    b.task("dk", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+    return std::move(b).graph();
+  };
+  Compiled flash = plan_graph(training(DType::bf16, 300));
+  ASSERT_EQ(flash.kernels.size(), 2u);
+  for (const KernelGroup& k : flash.kernels) {
+    EXPECT_TRUE(k.flash_trained) << k.name;
+    const std::vector<std::string> internal = internal_names(flash, k);
+    EXPECT_NE(std::find(internal.begin(), internal.end(), "probs.out"), internal.end()) << k.name;
+  }
+  EXPECT_EQ(flash.kernels[1].rule, FusionRule::attention_backward);
+  Compiled f32 = plan_graph(training(DType::f32, 300));
+  EXPECT_FALSE(f32.kernels[0].flash_trained);
+  EXPECT_EQ(reason_for(f32, "ds"),
+            "'ds' is a reduction op; 'ds' runs in no attention_backward kernel: each block would walk 38 tiles of 8 query "
+            "rows one after another (at most 16); not the flash backward kernel: its forward does not take the flash "
+            "kernel: q, k and v are f32, f32 and f32: the tensor-core kernel takes one 16-bit type (f32 keeps its f32 "
+            "arithmetic in the row kernel)");
+}
+
 // The rule's refusals, on the softmax gradient's note: the rule off, ds read
 // by the caller, a head whose key and value gradients a block's registers
 // cannot hold, or whose rows its shared memory cannot.
@@ -523,6 +558,8 @@ TEST(Fusion, NoAttentionGradientKernelWhereDsIsStoredOrTheHeadIsLarge) {
   };
   EXPECT_EQ(plan_graph(gradient("fused", 64, 64, Storage::transient)).kernels.size(), 1u) << "at both bounds";
   const std::string prefix = "'ds' is a reduction op; 'ds' runs in no attention_backward kernel: ";
+  // (The probabilities are given: no forward to recompute them from.)
+  const std::string not_flash = "; not the flash backward kernel: 'ds.out' is not a softmax's output";
   FuseOptions off;
   off.disabled_rules = {"attention_backward"};
   Compiled rule_off = plan_graph(gradient("rule_off", 16, 8, Storage::transient), off);
@@ -531,13 +568,13 @@ TEST(Fusion, NoAttentionGradientKernelWhereDsIsStoredOrTheHeadIsLarge) {
   EXPECT_EQ(reason_for(plan_graph(gradient("stored", 16, 8, ext)), "ds"),
             prefix + "'ds.dx' is read after its phase or by the caller, so it is stored");
   EXPECT_EQ(reason_for(plan_graph(gradient("wide", 64, 96, Storage::transient)), "ds"),
-            prefix + "each thread would accumulate 48 elements of the key and value gradients (at most 32)");
+            prefix + "each thread would accumulate 48 elements of the key and value gradients (at most 32)" + not_flash);
   // 512 keys of 4: the probabilities and ds of 8 query rows take 16 KiB each.
   EXPECT_EQ(reason_for(plan_graph(gradient("long", 512, 4, Storage::transient)), "ds"),
             prefix + "the head's keys and values and a tile of 8 query rows take 49408 bytes of shared memory, more "
-                     "than 49152");
+                     "than 49152" + not_flash);
   EXPECT_EQ(reason_for(plan_graph(gradient("many_queries", 16, 8, Storage::transient, 136)), "ds"),
-            prefix + "each block would walk 17 tiles of 8 query rows one after another (at most 16)");
+            prefix + "each block would walk 17 tiles of 8 query rows one after another (at most 16)" + not_flash);
   // dq + dk in dk's epilogue would read dq before the kernel computed it.
   Compiled shared = plan_graph(gradient("q_is_k", 16, 8, Storage::transient, 16, true));
   EXPECT_EQ(reason_for(shared, "ds"), prefix + "'dqk' reads 'dq.out', which the kernel would compute for another gradient");
