@@ -496,9 +496,14 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     if (r > 0) {
       // Re-poison what a step computes afresh, so that an element it fails
       // to write shows up in every step, not only the first.
+      // (Not where a value shares the storage of an input, a weight or an
+      // output: a view of the external input that a weight's gradient reads
+      // as rows of a matrix is the input itself.)
       for (size_t b = 0; b < p.buffers.size(); ++b) {
-        Storage s = p.buffers[b].storage;
-        if (s == Storage::transient || s == Storage::saved)
+        int root = int(b);
+        while (c.plan.buffers[size_t(root)].in_place_of >= 0) root = c.plan.buffers[size_t(root)].in_place_of;
+        auto afresh = [](Storage s) { return s == Storage::transient || s == Storage::saved; };
+        if (afresh(p.buffers[b].storage) && afresh(p.buffers[size_t(root)].storage))
           std::memset(arena.data() + c.plan.buffers[b].offset, 0xFF, size_t(c.plan.buffers[b].bytes));
       }
     }

@@ -305,6 +305,30 @@ TEST(Derive, BadTrainingInputsNameTheTask) {
   }
 }
 
+// A linear layer on a [2, 4, 8] input the caller gives: the weight's gradient
+// reads the input as an [8, 8] matrix, a view that shares its storage. The
+// checker re-poisons what each step computes afresh, and once poisoned the
+// input itself through that view (every weight NaN after the step).
+TEST(Derive, AWeightGradientThatViewsTheInputLeavesItIntact) {
+  GraphBuilder b("view_of_input");
+  constexpr DType f32 = DType::f32;
+  auto w = b.task("w", "uniform", Phase::init).tensor("out", f32, {8, 8}).arg("low", -0.3).arg("high", 0.3).arg("seed", 1);
+  auto y = b.task("y", "matmul").tensor("a", f32, {2, 4, 8}, ext).tensor("b", w["out"]).tensor("out", f32, {2, 4, 8});
+  b.task("loss", "mse").tensor("pred", y["out"]).tensor("target", f32, {2, 4, 8}, ext).tensor("loss", f32, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", {ArgSlot{"lr", ArgValue(0.1), {}, false, {}}}, {}});
+  Compiled c = compile(load_program(derived.graph, {}), {});
+  bool viewed = false;
+  for (const PlannedBuffer& pb : c.plan.buffers)
+    viewed = viewed || (pb.in_place_of >= 0 && buffer_name(c.program, pb.in_place_of) == "y.a");
+  ASSERT_TRUE(viewed) << "the weight's gradient reads a view of the input";
+  const uint64_t seed = std::random_device()();
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("cudagen_derive_view_" + std::to_string(::getpid()))).string();
+  CheckedRun run = run_checked(c, RunOptions{seed, dir});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+}
+
 // An MLP's training step derived from its forward graph (SGD with momentum),
 // generated, run on the emulated GPU, and every output checked against the
 // float64 reference: the updated weights and momentum included.
