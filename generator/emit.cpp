@@ -168,9 +168,9 @@ class Emitter {
       for (int t : ek.tasks)
         if (std::optional<int64_t> flops = task_flops(p_, t)) ek.flops = std::max<int64_t>(ek.flops, 0) + *flops;
     arena_bytes_ = out.arena_bytes = std::max(plan_.arena_bytes, flash_statistics_end_);
-    if (split_k_.arrivals_bytes > 0) {  // zeroed as the megakernel's counters are (never both)
+    if (split_k_.arrivals_bytes > 0 || split_k_.dq_arrivals_bytes > 0) {  // zeroed as the megakernel's counters are (never both)
       out.sync_offset = split_k_.arrivals_offset;
-      out.sync_bytes = align_up(split_k_.arrivals_bytes, plan_.alignment);
+      out.sync_bytes = align_up(split_k_.end() - split_k_.arrivals_offset, plan_.alignment);
       arena_bytes_ = out.arena_bytes = out.sync_offset + out.sync_bytes;
     }
     kernel_code += options_.megakernel ? megakernels(out) : launches(kernels, out);
@@ -1217,20 +1217,33 @@ class Emitter {
       const std::string type = c_type(q.buffer->dtype);
       launch.push_back(LaunchParam{"cg_lse", "const float", -1, nullptr, false, f.lse_offset, f.lse_bytes});
       launch.push_back(LaunchParam{"cg_saved_o", "const " + type, -1, nullptr, false, f.o_offset, f.o_bytes});
+      // The atomic mode (--atomic-attention-backward): the key blocks sum dq too, with atomics.
+      const bool atomic = flash_backward_atomic(k);
       const int64_t key_tiles = dk.present || dv.present ? (Tk + tile->block_m - 1) / tile->block_m : 0;
-      const int64_t query_tiles = dq.present ? (Tq + tile->block_m - 1) / tile->block_m : 0;
+      const int64_t query_tiles = dq.present && !atomic ? (Tq + tile->block_m - 1) / tile->block_m : 0;
+      std::string dq_sums = "nullptr, nullptr";
+      if (atomic) {
+        const int64_t tiles_of_dq = (Tq + tile->block_n - 1) / tile->block_n;
+        launch.push_back(LaunchParam{"cg_dq_accum", "float", -1, nullptr, true, split_k_.dq_offset, heads * Tq * tile->head_d * 4});
+        launch.push_back(LaunchParam{"cg_dq_arrivals", "unsigned int", -1, nullptr, true, split_k_.dq_arrivals_offset,
+                                     heads * tiles_of_dq * 4});
+        dq_sums = fmt::format("cg_dq_accum + head * {}, cg_dq_arrivals + head * {}", Tq * tile->head_d, tiles_of_dq);
+      }
       ek.block = tile->threads();
       ek.grid[0] = key_tiles + query_tiles;
       ek.grid[1] = heads;
       ek.min_blocks_per_sm = 1;  // registers before occupancy, as the forward kernel
       ek.matmul_path = fmt::format(
           "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
-          "warps), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head",
-          tile->block_m, tile->block_m / 16, tile->block_n, tile->stages, tile->head_d, key_tiles, query_tiles);
+          "warps), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
+          tile->block_m, tile->block_m / 16, tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "",
+          query_tiles,
+          atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
+                 : options_.atomic_attention_backward && dq.present ? ", dq in blocks of its own (the atomic mode takes heads of up to 64 with dk or dv)" : "");
       ek.mainloop = MatmulMainloop::flash_attention;
       reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
                                      tile->stages),
-                     tile->backward_shared_bytes());
+                     tile->backward_shared_bytes(atomic));
       use_function(*p_.tasks[size_t(tds)].op, "cg_flash_attention_backward");
       const double scale_log2 = arg_double(roles.scores, "alpha", 1.0) * arg_double(roles.softmax, "scale", 1.0) * 1.4426950408889634;
       const std::string ds_scale = float_arg(tds, "scale", 1.0);
@@ -1249,8 +1262,9 @@ class Emitter {
           key_tiles, query_tiles, tile->arguments());
       body += epilogues;
       body += fmt::format(
-          "  cg_flash_attention_backward<cg_config, {0}>(q + head * {1}, k + head * {2}, v + head * {3},\n"
+          "  cg_flash_attention_backward<cg_config, {0}, {14}>(q + head * {1}, k + head * {2}, v + head * {3},\n"
           "      cg_saved_o + head * {4}, dcontext + head * {4}, cg_lse + head * {5}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
+          "      {15},\n"
           "      {11},  // dq\n"
           "      {12},  // dk\n"
           "      {13},  // dv\n"
@@ -1258,7 +1272,7 @@ class Emitter {
           type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_tiles, float_literal(scale_log2),
           float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
           gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
-          gradient_store(dv, std::to_string(Tk), Dv));
+          gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums);
       std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
       record_launch(ek, std::move(launch));
       emitted.push_back(ek);
@@ -3637,8 +3651,36 @@ class Emitter {
       split_k_.partials_bytes = std::max(split_k_.partials_bytes, tile->partial_floats(heads, m_tiles) * 4);
       split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, heads * m_tiles * 4);
     }
+    // Flash attention backward in the atomic mode (flash_backward_atomic).
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      int64_t dq_floats = 0, query_tiles = 0;
+      if (!flash_backward_atomic(kernels[i], &dq_floats, &query_tiles)) continue;
+      split_k_.dq_bytes = std::max(split_k_.dq_bytes, dq_floats * 4);
+      split_k_.dq_arrivals_bytes = std::max(split_k_.dq_arrivals_bytes, query_tiles * 4);
+    }
     split_k_.partials_offset = align_up(std::max(plan_.arena_bytes, flash_statistics_end_), plan_.alignment);
     split_k_.arrivals_offset = align_up(split_k_.partials_offset + split_k_.partials_bytes, plan_.alignment);
+    split_k_.dq_offset = align_up(split_k_.arrivals_offset + split_k_.arrivals_bytes, plan_.alignment);
+    split_k_.dq_arrivals_offset = align_up(split_k_.dq_offset + split_k_.dq_bytes, plan_.alignment);
+  }
+
+  // Whether kernel `k` runs flash attention's backward kernel in the atomic
+  // mode: asked for, dq and a key or value gradient present, heads of up to
+  // 64 (square tiles); then the f32 sums of dq over all its heads and their
+  // query tiles.
+  bool flash_backward_atomic(const KernelGroup& k, int64_t* dq_floats = nullptr, int64_t* query_tiles = nullptr) const {
+    if (!options_.atomic_attention_backward || !k.flash_trained || k.rule != FusionRule::attention_backward) return false;
+    const AttentionGradient g = attention_gradient(p_, k);
+    if (g.dq == AttentionGradient::none || (g.dk == AttentionGradient::none && g.dv == AttentionGradient::none))
+      return false;
+    FlashTraining roles{.dp = k.tasks[g.dp], .ds = k.tasks[g.ds], .dq = k.tasks[g.dq]};
+    const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, false, nullptr, options_.arch);
+    if (!tile || tile->block_n != tile->block_m) return false;
+    const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(k.tasks[g.dq])].find_tensor("out")->buffer)].shape;
+    const int64_t Tq = dq[dq.size() - 2], heads = numel(dq) / (Tq * dq.back());
+    if (dq_floats != nullptr) *dq_floats = heads * Tq * tile->head_d;
+    if (query_tiles != nullptr) *query_tiles = heads * ((Tq + tile->block_n - 1) / tile->block_n);
+    return true;
   }
 
   // Places flash_statistics_ after the plan: each trained attention's own
@@ -4021,8 +4063,12 @@ class Emitter {
   // sums of the largest split-K product, then its arrival counters, which
   // start at zero (EmittedProgram::sync_offset) and every launch leaves so.
   // The split-K kernels run one after another, so they share it.
+  // After them, flash attention backward's atomic mode: dq's f32 sums and a
+  // counter per query tile (the largest kernel's; each launch leaves them zero).
   struct SplitKWorkspace {
     int64_t partials_offset = 0, partials_bytes = 0, arrivals_offset = 0, arrivals_bytes = 0;
+    int64_t dq_offset = 0, dq_bytes = 0, dq_arrivals_offset = 0, dq_arrivals_bytes = 0;
+    int64_t end() const { return dq_arrivals_offset + dq_arrivals_bytes; }
   };
   SplitKWorkspace split_k_;
   // Flash attention trained (KernelGroup::flash_trained): per attention (its

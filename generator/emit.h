@@ -27,6 +27,11 @@ struct EmitOptions {
   // rounded to 10 mantissa bits, products accumulated in f32; off, f32 stays
   // on the CUDA cores and within f32's bound (docs/architecture.md §9).
   bool allow_tf32 = false;
+  // Flash attention's backward kernel sums dq with f32 atomics in its key
+  // blocks (faster: no second pass over the scores) instead of in blocks of
+  // its own: the sums' order then varies, so dq is not bit-identical from
+  // run to run (docs/attention.md). Off: deterministic, the default.
+  bool atomic_attention_backward = false;
   // Also a `cudagen_step` launcher that runs forward, backward and update:
   // one training step in one call.
   bool step_function = false;

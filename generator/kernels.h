@@ -356,9 +356,11 @@ struct FlashAttentionTile {
   // The backward kernel's (cg_flash_backward_shared): a block's own rows of
   // both kinds, the stages of streamed rows and their statistics, or the
   // staged output tile where more.
-  int64_t backward_shared_bytes() const {
+  // With `atomic_dq`, the key block's tile of ds^T too.
+  int64_t backward_shared_bytes(bool atomic_dq = false) const {
     const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
-                         8 * std::max<int64_t>(block_m, int64_t(stages) * block_n);
+                         8 * std::max<int64_t>(block_m, int64_t(stages) * block_n) +
+                         (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
     return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
   }
 };

@@ -422,6 +422,10 @@ struct cg_flash_backward_shared {
   static constexpr int out_stride = (D > DV ? D : DV) + 8;
   static constexpr int staged = 4 * BM * out_stride;
   static constexpr int bytes = main > staged ? main : staged;
+  // With dq summed by atomics: the key block's ds^T tile ([BLOCK_M][BLOCK_N] of T) after the rest.
+  static constexpr int ds_offset = main;
+  static constexpr int atomic_main = main + (int)sizeof(T) * BM * BN;
+  static constexpr int atomic_bytes = atomic_main > staged ? atomic_main : staged;
 };
 
 // The statistics the backward pass needs of query rows [row0, row0 + count)
@@ -510,14 +514,65 @@ CG_DEVICE void cg_zero_accumulators(float (&acc)[N][4]) {
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 }
 
+// The atomic mode's dq part of a key block for query tile m: its ds^T
+// (accumulators, 16 keys a warp by the tile's BLOCK_N query rows) through
+// shared memory, read back as ds (rows: the query rows, warp w's 16 from
+// 16 w), times the block's keys, added into dq_accum's rows with atomics.
+template <typename Config, typename T>
+CG_DEVICE void cg_flash_backward_dq_part(const float (&dst)[Config::BLOCK_N / 8][4], T* smem, cg_i64 m, cg_i64 Tq,
+                                         float* dq_accum) {
+  constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N, D = Config::D, HD = Config::HEAD_D;
+  static_assert(BN == BM && BN == 16 * Config::WARPS, "a warp's 16 keys of ds^T, then its 16 query rows of ds");
+  typedef cg_flash_backward_shared<Config, T> Shared;
+  typedef cg_gemm_operand<BN, BM, false, T> DsRows;      // ds: rows the queries, K the keys; stored [keys][queries]
+  typedef cg_gemm_operand<D, BM, false, T> OwnKAcross;   // the block's keys: N the head, K the keys
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  T* ds_ptr = (T*)((char*)smem + Shared::ds_offset);
+  const unsigned int smem_address = cg_smem_address(smem), ds_address = smem_address + Shared::ds_offset;
+  CG_UNROLL
+  for (int j = 0; j < BN / 8; ++j)
+    CG_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int key = 16 * warp + g + 8 * r, query = 8 * j + 2 * t;
+      *reinterpret_cast<unsigned int*>(ds_ptr + DsRows::tile::offset(key, query)) =
+          cg_narrow_pair(dst[j][2 * r], dst[j][2 * r + 1], T());
+    }
+  __syncthreads();  // every warp's keys of ds
+  float dq[D / 8][4];
+  cg_zero_accumulators(dq);
+  CG_UNROLL
+  for (int kk = 0; kk < BM / 16; ++kk) {
+    unsigned int a[4];
+    DsRows::template fragment<true>(a, ds_address, ds_ptr, 16 * warp, 16 * kk);
+    cg_mma_across<OwnKAcross, D>(dq, a, smem_address, smem, 16 * kk);
+  }
+  CG_UNROLL
+  for (int j = 0; j < D / 8; ++j)
+    CG_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const cg_i64 row = m * BN + 16 * warp + g + 8 * (e >> 1);
+      const int c = 8 * j + 2 * t + (e & 1);
+      if (row < Tq && c < HD) atomicAdd(dq_accum + row * HD + c, dq[j][e]);
+    }
+}
+
 // The block of key tile `tile_n` (keys [tile_n BLOCK_M, +BLOCK_M)): dk and dv
 // of its keys, handed unscaled to store_dk(key, c, value) and
 // store_dv(key, c, value). q, k, v, o, dout and lse as for
 // cg_flash_attention_backward.
-template <typename Config, typename T, typename StoreDk, typename StoreDv>
+//
+// ATOMIC_DQ (the atomic mode): the block also adds its keys' part of dq, ds k,
+// to the f32 sums `dq_accum` (the head's Tq x HEAD_D, zero before the launch)
+// with atomics, and counts itself in at `dq_arrivals` (a counter per query
+// tile, zero before the launch) once done; the last key block of a query
+// tile hands its rows of dq to store_dq and leaves sums and counter zero.
+// Faster than the query blocks' second pass over s and dp, but the sums'
+// order varies from run to run: not bit-identical. BLOCK_N == BLOCK_M.
+template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
-                                      cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, float scale_log2, float dp_scale,
-                                      bool causal, StoreDk store_dk, StoreDv store_dv, T* smem) {
+                                      cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, cg_i64 key_tiles, float scale_log2,
+                                      float dp_scale, bool causal, float* dq_accum, unsigned int* dq_arrivals,
+                                      StoreDq store_dq, StoreDk store_dk, StoreDv store_dv, T* smem) {
   constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
   constexpr int NQ = BN / 8, OD = D / 8, OV = DV / 8;  // n8 tiles: of the streamed queries, of dk's and dv's rows
   typedef cg_flash_backward_shared<Config, T> Shared;
@@ -631,6 +686,23 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
       unsigned int a[4];
       cg_accumulators_as_a<T>(a, dst[2 * kk], dst[2 * kk + 1]);
       cg_mma_across<StreamQAcross, D>(dk, a, tile_q, tile_q_ptr, 16 * kk);
+    }
+    if constexpr (ATOMIC_DQ) cg_flash_backward_dq_part<Config, T>(dst, smem, m, Tq, dq_accum);
+  }
+  if constexpr (ATOMIC_DQ) {
+    // This block's parts of dq are in: the last key block of each query tile stores its rows.
+    for (cg_i64 m = first; m < end; ++m) {
+      const cg_i64 blocks = causal ? ((m + 1) * BN - 1) / BM + 1 : key_tiles;  // the key blocks that add to tile m
+      if (!cg_last_to_arrive(dq_arrivals + m, (int)(blocks < key_tiles ? blocks : key_tiles), (unsigned int*)stats))
+        continue;
+      constexpr int HD = Config::HEAD_D;
+      for (int i = (int)threadIdx.x; i < BN * HD; i += Config::THREADS) {
+        const cg_i64 row = m * BN + i / HD;
+        if (row >= Tq) continue;
+        float* at = dq_accum + row * HD + i % HD;
+        store_dq(row, i % HD, cg_load_l2(at, 0));
+        *at = 0.0f;  // zero for the next launch
+      }
     }
   }
   cg_cp_async_wait<0>();
@@ -757,15 +829,18 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
 // scale_log2 and causal as the forward took them; dp = dp_scale dout v^T.
 // The gradients go unscaled to their stores (see above). Where dq, or dk and
 // dv, have no reader, their blocks are not launched (key_tiles 0, or a grid
-// of key tiles alone).
-template <typename Config, typename T, typename StoreDq, typename StoreDk, typename StoreDv>
+// of key tiles alone). ATOMIC_DQ: the key blocks sum dq too (see
+// cg_flash_backward_keys; dq_accum and dq_arrivals the head's), and no query
+// blocks are launched.
+template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, const T* o, const T* dout,
                                            const float* lse, cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_tiles,
-                                           float scale_log2, float dp_scale, bool causal, StoreDq store_dq,
-                                           StoreDk store_dk, StoreDv store_dv, T* smem) {
+                                           float scale_log2, float dp_scale, bool causal, float* dq_accum,
+                                           unsigned int* dq_arrivals, StoreDq store_dq, StoreDk store_dk,
+                                           StoreDv store_dv, T* smem) {
   if (tile < key_tiles)
-    cg_flash_backward_keys<Config, T>(q, k, v, o, dout, lse, Tq, Tk, tile, scale_log2, dp_scale, causal, store_dk,
-                                      store_dv, smem);
+    cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, o, dout, lse, Tq, Tk, tile, key_tiles, scale_log2, dp_scale,
+                                                 causal, dq_accum, dq_arrivals, store_dq, store_dk, store_dv, smem);
   else
     cg_flash_backward_queries<Config, T>(q, k, v, o, dout, lse, Tq, Tk, tile - key_tiles, scale_log2, dp_scale, causal,
                                          store_dq, smem);

@@ -149,6 +149,9 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_flag("--allow-tf32", cli.compile.emit.allow_tf32,
                 "run f32 matmuls on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded to 10 mantissa "
                 "bits, f32 accumulation; results are checked to f16's bound (docs/gemm.md)");
+  cmd->add_flag("--atomic-attention-backward", cli.compile.emit.atomic_attention_backward,
+                "flash attention's backward kernel sums dq with atomics: faster, but dq is no longer bit-identical "
+                "from run to run (docs/attention.md)");
   cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
   cmd->add_flag("--no-fuse", cli.no_fuse, "one kernel per task, every intermediate in memory (docs/fusion.md)");
   cmd->add_option("--no-fuse-rule", cli.compile.fuse.disabled_rules, "turn one fusion rule off (repeatable)")

@@ -13,6 +13,8 @@
 #include "file_util.h"
 #include "graph_json.h"
 #include "pipeline.h"
+#include "executor.h"
+#include "host_tensor.h"
 #include "runner.h"
 #include "test_backend.h"
 
@@ -872,6 +874,60 @@ TEST(FlashAttention, TrainingGradientsAreBitIdenticalAcrossRuns) {
   ASSERT_EQ(second.expected_checks.size(), 4u) << "context, dq, dk, dv";
   for (const OutputCheck& check : second.expected_checks) EXPECT_EQ(check.max_abs_error, 0.0) << check.buffer;
   std::filesystem::remove_all(first.outputs_dir);
+}
+
+// The atomic mode (--atomic-attention-backward): the key blocks sum dq with
+// atomics, no query blocks; within the same normwise bound, and each launch
+// leaves the sums and counters zero for the next: the backward phase run
+// again on the same arena gives the same dq, and the zeroed region is zero.
+TEST(FlashAttention, AtomicBackwardMatchesTheReferenceAndLeavesItsSumsZero) {
+  CompileOptions atomic = fusion(true);
+  atomic.emit.atomic_attention_backward = true;
+  for (const auto& [d, H, Tq, Tk, causal] : {std::tuple{DType::bf16, int64_t(2), int64_t(130), int64_t(70), true},
+                                             std::tuple{DType::f16, int64_t(1), int64_t(70), int64_t(130), false},
+                                             std::tuple{DType::bf16, int64_t(1), int64_t(200), int64_t(200), true}}) {
+    const TaskGraph g = flash_attention_training(d, 1, H, Tq, Tk, 64, causal);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), atomic);
+    ASSERT_EQ(c.kernels.size(), 2u);
+    EXPECT_NE(c.emitted.kernels[1].matmul_path.find("dq summed with atomics"), std::string::npos)
+        << c.emitted.kernels[1].matmul_path;
+    EXPECT_EQ(c.emitted.kernels[1].grid[0], (Tk + 63) / 64) << "key blocks only";
+    const uint64_t seed = std::random_device()();
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+    EXPECT_EQ(normwise_failures(run, d), "") << "seed " << seed;
+  }
+  // Twice on one arena, in the emulation.
+  const Compiled c = compile(load_program(flash_attention_training(DType::bf16, 1, 1, 130, 130, 64, true), {}), atomic);
+  ASSERT_GT(c.emitted.sync_bytes, 0);
+  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir("flash_atomic_twice"));
+  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> value(-1.0, 1.0);
+  for (const auto& [task, slot] : {std::pair{"scores", "a"}, std::pair{"scores", "b"}, std::pair{"context", "b"}, std::pair{"dp", "a"}}) {
+    const Plan::Location at = c.plan.lookup(c.program, task, slot);
+    for (int64_t i = 0; i < at.bytes / 2; ++i) store_element(arena.data() + at.offset + 2 * i, DType::bf16, value(rng));
+  }
+  executor->write(0, arena.data(), arena.size());
+  const Plan::Location dq = c.plan.lookup(c.program, "dq_merged", "out");
+  std::vector<unsigned char> first(size_t(dq.bytes)), second(size_t(dq.bytes));
+  executor->run(phase_function(Phase::forward));
+  executor->run(phase_function(Phase::backward));
+  executor->read(dq.offset, first.data(), first.size());
+  executor->run(phase_function(Phase::backward));
+  executor->read(dq.offset, second.data(), second.size());
+  double largest = 0, difference = 0;
+  for (size_t i = 0; i < first.size(); i += 2) {
+    const double a = load_element(first.data() + i, DType::bf16), b = load_element(second.data() + i, DType::bf16);
+    largest = std::max(largest, std::abs(a));
+    difference = std::max(difference, std::abs(a - b));
+  }
+  EXPECT_GT(largest, 0.0);
+  EXPECT_LE(difference, 0x1p-7 * largest) << "the second run's dq differs: sums left over from the first?";
+  std::vector<unsigned char> sync(size_t(c.emitted.sync_bytes));
+  executor->read(c.emitted.sync_offset, sync.data(), sync.size());
+  EXPECT_EQ(std::count(sync.begin(), sync.end(), 0), std::ptrdiff_t(sync.size())) << "sums or counters left nonzero";
 }
 
 // The memory of training on the flash kernels grows linearly in T: a head

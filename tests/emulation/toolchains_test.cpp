@@ -528,7 +528,8 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 // f16 heads of 128: on sm_80 and sm_90 its five products on tensor cores
 // (HMMA) fed by ldmatrix (LDSM) from cp.async tiles (LDGSTS), the
 // probabilities recomputed on the special-function unit (MUFU); no local
-// memory, no spills, no stack.
+// memory, no spills, no stack. Then in the atomic mode, where the heads of 64
+// sum dq with atomics (RED) and the heads of 128 keep dq's own blocks.
 TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -547,28 +548,34 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
     b.task("dq" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
     b.task("dk" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
   }
-  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
-  std::vector<std::string> backward;
-  for (const EmittedKernel& k : c.emitted.kernels)
-    if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
-  std::string notes;
-  for (const FusionNote& note : c.fusion_notes) notes += note.reason + "\n";
-  for (const EmittedKernel& k : c.emitted.kernels) notes += k.name + ": " + k.matmul_path + "\n";
-  ASSERT_EQ(backward.size(), 2u) << notes;
-  for (const char* arch : {"sm_80", "sm_90"}) {
-    const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
-    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
-    for (const std::string& name : backward) {
-      ASSERT_TRUE(sass.count(name)) << name << " on " << arch;
-      const std::map<std::string, int>& ops = sass.at(name);
-      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
-      for (const char* op : {"LDGSTS", "LDSM", "HMMA", "MUFU"}) EXPECT_GT(count(op), 0) << name << " on " << arch << ": " << op;
-      EXPECT_EQ(count("LDL") + count("STL"), 0) << name << " on " << arch << ": local memory";
-      ASSERT_TRUE(resources.count(name)) << name << " on " << arch;
-      EXPECT_EQ(resources.at(name).spill_bytes, 0) << name << " on " << arch;
-      EXPECT_EQ(resources.at(name).stack_bytes, 0) << name << " on " << arch;
-      std::printf("  %s on %s: %d registers, %d HMMA, %d LDSM, %d LDGSTS\n", name.c_str(), arch,
-                  resources.at(name).registers, count("HMMA"), count("LDSM"), count("LDGSTS"));
+  const TaskGraph graph = std::move(b).graph();
+  // Deterministic, then the atomic mode (heads of 64: dq summed by the key blocks with RED.ADD.F32).
+  for (const bool atomic : {false, true}) {
+    CompileOptions options;
+    options.emit.atomic_attention_backward = atomic;
+    Compiled c = compile(load_program(graph, {}), options);
+    std::vector<std::string> backward;
+    for (const EmittedKernel& k : c.emitted.kernels)
+      if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
+    ASSERT_EQ(backward.size(), 2u);
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
+      const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+      for (const std::string& name : backward) {
+        ASSERT_TRUE(sass.count(name)) << name << " on " << arch;
+        const std::map<std::string, int>& ops = sass.at(name);
+        auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+        for (const char* op : {"LDGSTS", "LDSM", "HMMA", "MUFU"}) EXPECT_GT(count(op), 0) << name << " on " << arch << ": " << op;
+        EXPECT_EQ(count("LDL") + count("STL"), 0) << name << " on " << arch << ": local memory";
+        ASSERT_TRUE(resources.count(name)) << name << " on " << arch;
+        EXPECT_EQ(resources.at(name).spill_bytes, 0) << name << " on " << arch;
+        EXPECT_EQ(resources.at(name).stack_bytes, 0) << name << " on " << arch;
+        const int atomics = count("RED") + count("ATOM") + count("REDG") + count("ATOMG");
+        EXPECT_EQ(atomics > 0, atomic && name == backward[0]) << name << " on " << arch << ": " << atomics << " atomics";
+        std::printf("  %s%s on %s: %d registers, %d HMMA, %d LDSM, %d LDGSTS, %d atomics\n", name.c_str(),
+                    atomic ? " (atomic)" : "", arch, resources.at(name).registers, count("HMMA"), count("LDSM"),
+                    count("LDGSTS"), atomics);
+      }
     }
   }
 }
