@@ -169,18 +169,39 @@ class Deriver {
   }
 
   // `grad` (shaped `from`) summed over the axes along which `to` was
-  // broadcast: leading axes only, through views and sum_leading.
+  // broadcast, through views and sum_leading: leading axes directly; inner
+  // ones (a head of keys shared by a group of query heads, [B, H, 1, T, D]
+  // read as [B, H, G, T, D]) permuted to the front first.
   SlotRef unbroadcast(int task, const std::string& slot, SlotRef grad, const Shape& from, const Shape& to, DType dtype) {
     if (from == to) return grad;
+    const std::string base = p_.tasks[size_t(task)].task->id + "_grad_" + slot;
     Shape core = to;
     while (!core.empty() && core.front() == 1) core.erase(core.begin());
     const bool suffix = core.size() <= from.size() && std::equal(core.begin(), core.end(), from.end() - long(core.size()));
-    if (!suffix)
-      fail(task, slot,
-           fmt::format("the gradient of an operand broadcast from {} to {} along inner axes is not supported yet",
-                       shape_to_string(to), shape_to_string(from)),
-           "broadcast along leading axes only (a bias [N] added to [..., N])");
-    const std::string base = p_.tasks[size_t(task)].task->id + "_grad_" + slot;
+    if (!suffix) {
+      // `to` aligned to `from`'s rank; the broadcast axes, then the others.
+      Shape aligned(from.size() - std::min(from.size(), to.size()), 1);
+      aligned.insert(aligned.end(), to.begin(), to.end());
+      if (aligned.size() != from.size())
+        fail(task, slot, fmt::format("an operand of {} broadcast to {}", shape_to_string(to), shape_to_string(from)),
+             "an internal error of cudagen's derive pass: please report it with the graph");
+      std::vector<int64_t> dims;
+      for (size_t i = 0; i < from.size(); ++i)
+        if (aligned[i] == 1 && from[i] != 1) dims.push_back(int64_t(i));
+      for (size_t i = 0; i < from.size(); ++i)
+        if (!(aligned[i] == 1 && from[i] != 1)) dims.push_back(int64_t(i));
+      Shape permuted, kept;
+      for (int64_t d : dims) permuted.push_back(from[size_t(d)]);
+      for (size_t i = 0; i < from.size(); ++i)
+        if (!(aligned[i] == 1 && from[i] != 1)) kept.push_back(aligned[i]);
+      grad = SlotRef{add_task(base + "_front", "permute", Phase::backward, {{"x", grad}}, {{"out", dtype, permuted}},
+                              {{"dims", ArgValue(dims)}}),
+                     "out"};
+      grad = unbroadcast(task, slot, grad, permuted, kept, dtype);  // now along leading axes
+      if (kept != to)
+        grad = SlotRef{add_task(base + "_shape", "reshape", Phase::backward, {{"x", grad}}, {{"out", dtype, to}}), "out"};
+      return grad;
+    }
     const int64_t cols = numel(core), rows = numel(from) / std::max<int64_t>(cols, 1);
     const Shape matrix = {rows, cols};
     if (from != matrix)

@@ -209,6 +209,21 @@ TaskGraph reductions_graph() {
   return std::move(b).graph();
 }
 
+// Operands broadcast along inner axes: grouped-query attention (a head of
+// keys and values for a group of 3 query heads: k [1, 2, 1, 4, 5] and v of a
+// lower rank, [2, 1, 4, 5], read as [1, 2, 3, 4, 5]), and a per-row scale [3, 1].
+TaskGraph inner_broadcast_graph() {
+  GraphBuilder b("grad_check_inner_broadcast");
+  auto s = b.task("scores", "matmul").tensor("a", f64, {1, 2, 3, 4, 5}, weight).tensor("b", f64, {1, 2, 1, 4, 5}, weight)
+               .tensor("out", f64, {1, 2, 3, 4, 4}).arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", f64, {1, 2, 3, 4, 4}).arg("scale", 0.5).arg("causal", true);
+  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", f64, {2, 1, 4, 5}, weight).tensor("out", f64, {1, 2, 3, 4, 5});
+  auto rows = b.task("rows", "reshape").tensor("x", c["out"]).tensor("out", f64, {6, 20});
+  auto scaled = b.task("scaled", "mul").tensor("a", rows["out"]).tensor("b", f64, {6, 1}, weight).tensor("out", f64, {6, 20});
+  b.task("loss", "mse").tensor("pred", scaled["out"]).tensor("target", f64, {6, 20}, ext).tensor("loss", DType::f32, {}, ext);
+  return std::move(b).graph();
+}
+
 }  // namespace
 
 TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
@@ -220,6 +235,8 @@ TEST(Derive, GradientsMatchCentralDifferencesInFloat64) {
   EXPECT_EQ(check_gradients(rearranging_graph(), {"loss", "loss"}, 5, 3), 12 + 4 + 6);
   // x.b, m.b
   EXPECT_EQ(check_gradients(reductions_graph(), {"loss", "loss"}, 5, 2), 20 + 5);
+  // scores.a, scores.b, context.b, scaled.b
+  EXPECT_EQ(check_gradients(inner_broadcast_graph(), {"loss", "loss"}, 5, 4), 120 + 40 + 40 + 6);
 }
 
 // A weight shared by every batch of its input gets its gradient from one
@@ -303,6 +320,32 @@ TEST(Derive, BadTrainingInputsNameTheTask) {
     std::string msg = derive_error(std::move(b).graph(), {"loss", "loss"});
     EXPECT_NE(msg.find("weight 'side.x' receives no gradient"), std::string::npos) << msg;
   }
+}
+
+// Grouped-query attention trains: the gradients of the keys and values sum
+// over the group of query heads that read each (permuted to the front, then
+// sum_leading), checked in the emulation, weights updated, in bf16.
+TEST(Derive, GroupedQueryAttentionTrainsInEmulation) {
+  GraphBuilder b("gqa_training");
+  constexpr DType bf16 = DType::bf16;
+  auto init = [&](const char* id, Shape shape, int seed) {
+    return b.task(id, "uniform", Phase::init).tensor("out", bf16, std::move(shape)).arg("low", -1.0).arg("high", 1.0).arg("seed", seed);
+  };
+  auto q = init("q", {1, 2, 4, 24, 16}, 1);
+  auto k = init("k", {1, 2, 1, 24, 16}, 2);
+  auto v = init("v", {1, 2, 1, 24, 16}, 3);
+  auto s = b.task("scores", "matmul").tensor("a", q["out"]).tensor("b", k["out"]).tensor("out", bf16, {1, 2, 4, 24, 24}).arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", bf16, {1, 2, 4, 24, 24}).arg("scale", 0.25).arg("causal", true);
+  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", v["out"]).tensor("out", bf16, {1, 2, 4, 24, 16});
+  b.task("loss", "mse").tensor("pred", c["out"]).tensor("target", bf16, {1, 2, 4, 24, 16}, ext).tensor("loss", DType::f32, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", {ArgSlot{"lr", ArgValue(1.0), {}, false, {}}}, {}});
+  Compiled c2 = compile(load_program(derived.graph, {}), {});
+  EXPECT_NE(c2.emitted.cuda_source.find("scores_grad_b_front"), std::string::npos) << "k's gradient summed over its group";
+  const uint64_t seed = std::random_device()();
+  const std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_derive_gqa_" + std::to_string(::getpid()))).string();
+  CheckedRun run = run_checked(c2, RunOptions{seed, dir});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
 
 // A linear layer on a [2, 4, 8] input the caller gives: the weight's gradient
