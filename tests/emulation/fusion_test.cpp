@@ -898,10 +898,10 @@ TEST(FlashAttention, AtomicBackwardMatchesTheReferenceAndLeavesItsSumsZero) {
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
     EXPECT_EQ(normwise_failures(run, d), "") << "seed " << seed;
   }
-  // Twice on one arena, in the emulation.
+  // Twice on one arena (on the GPU with CUDAGEN_TEST_BACKEND=gpu: real atomics, in any order).
   const Compiled c = compile(load_program(flash_attention_training(DType::bf16, 1, 1, 130, 130, 64, true), {}), atomic);
   ASSERT_GT(c.emitted.sync_bytes, 0);
-  std::unique_ptr<Executor> executor = make_emulated_executor(c, work_dir("flash_atomic_twice"));
+  std::unique_ptr<Executor> executor = cudagen::testing::make_test_executor(c, work_dir("flash_atomic_twice"));
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
   std::mt19937 rng(7);
   std::uniform_real_distribution<double> value(-1.0, 1.0);

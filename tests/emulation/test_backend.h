@@ -14,6 +14,7 @@
 #include <string>
 
 #include "driver.h"
+#include "executor.h"
 #include "pipeline.h"
 #include "runner.h"
 #include "validate.h"
@@ -46,6 +47,15 @@ inline std::string test_source_dir() {
 inline int test_megakernel_blocks() {
   const char* blocks = std::getenv("CUDAGEN_TEST_MEGAKERNEL");
   return blocks && *blocks ? std::atoi(blocks) : 0;
+}
+
+// An executor of `compiled` on the chosen backend, for tests that drive the
+// launchers themselves (the emulation builds in `work_dir`).
+inline std::unique_ptr<Executor> make_test_executor(const Compiled& compiled, const std::string& work_dir) {
+  if (!test_on_gpu()) return make_emulated_executor(compiled, work_dir);
+  GpuOptions gpu;
+  GpuCode code = compile_for_gpu(compiled, gpu);
+  return make_gpu_executor(compiled, code, gpu);
 }
 
 // run_and_check on the chosen backend. On a GPU there is no fallback: a
