@@ -88,6 +88,12 @@ struct LaunchParam {
   int64_t workspace_offset = -1, workspace_bytes = 0;
 };
 
+// The number of keys query row `row` (over all heads, Tq rows a head) sees,
+// as kernel code: all Tk, or causal (top-left aligned) those up to its own.
+std::string visible_keys(bool causal, int64_t Tq, int64_t Tk) {
+  return causal ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk) : std::to_string(Tk);
+}
+
 // The floats of a shared-memory region at byte `offset`, as kernel code.
 std::string shared_floats(int64_t offset) {
   return offset == 0 ? "(float*)cg_smem" : fmt::format("(float*)(cg_smem + {})", offset);
@@ -182,6 +188,16 @@ class Emitter {
 
  private:
   std::string step_function() const { return options_.symbol_prefix + "_step"; }
+
+  // The end of every skeleton: the kernel's functions under its comment, its
+  // launch parameters recorded, and its EmittedKernel added.
+  std::string finish_kernel(const KernelGroup& k, EmittedKernel& ek, std::vector<LaunchParam> launch,
+                            const std::string& body, std::vector<EmittedKernel>& emitted) {
+    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
+    record_launch(ek, std::move(launch));
+    emitted.push_back(ek);
+    return code;
+  }
 
   // A kernel, by the mainloop its IR is built on (kir.h): the fused
   // mainloops have skeletons of their own; one task's, with its prologue
@@ -862,9 +878,7 @@ class Emitter {
     use_shared(ek, smem.layout);
     const bool stage = smem.keys >= 0;
     const int64_t rows_at = smem.rows, keys_at = stage ? smem.keys : 0;
-    const std::string valid = arg_bool(tp, "causal")
-                                  ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
-                                  : std::to_string(Tk);
+    const std::string valid = visible_keys(arg_bool(tp, "causal"), Tq, Tk);
     const std::string alpha_out = float_arg(tc, "alpha", 1.0);
     std::string body =
         projecting ? fmt::format(
@@ -933,10 +947,7 @@ class Emitter {
     if (!contains(k.internal_buffers, out.bound->buffer)) add("out", out, true);
     launch.insert(launch.end(), projected.params.begin(), projected.params.end());
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail.code + body);
-    record_launch(ek, std::move(launch));
-    emitted.push_back(ek);
-    return code;
+    return finish_kernel(k, ek, std::move(launch), tail.code + body, emitted);
   }
 
   // Rule attention on tensor cores (templates/softmax_flash.cuh,
@@ -1022,10 +1033,7 @@ class Emitter {
     launch.insert(launch.end(), workspace.begin(), workspace.end());
     if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
     launch.insert(launch.end(), tail_params.begin(), tail_params.end());
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail_code + body);
-    record_launch(ek, std::move(launch));
-    emitted.push_back(ek);
-    return code;
+    return finish_kernel(k, ek, std::move(launch), tail_code + body, emitted);
   }
 
   // Rule attention over more keys than the row kernel holds, where the flash
@@ -1057,9 +1065,7 @@ class Emitter {
     reserve_shared(ek, fmt::format("each warp's query row ({} x {} floats)", per_block, D), per_block * D * 4);
     const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
     const std::string alpha_out = float_arg(tc, "alpha", 1.0);
-    const std::string valid = arg_bool(tp, "causal")
-                                  ? fmt::format("(int)(row % {0} + 1 < {1} ? row % {0} + 1 : {1})", Tq, Tk)
-                                  : std::to_string(Tk);
+    const std::string valid = visible_keys(arg_bool(tp, "causal"), Tq, Tk);
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
@@ -1085,10 +1091,7 @@ class Emitter {
     if (store_probs) launch.push_back(buffer_param("probs", probs, true));
     if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
     launch.insert(launch.end(), tail_params.begin(), tail_params.end());
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, tail_code + body);
-    record_launch(ek, std::move(launch));
-    emitted.push_back(ek);
-    return code;
+    return finish_kernel(k, ek, std::move(launch), tail_code + body, emitted);
   }
 
   // Rule attention_backward (fuse.h): an attention's gradient tasks
@@ -1273,10 +1276,7 @@ class Emitter {
           float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
           gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
           gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums);
-      std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
-      record_launch(ek, std::move(launch));
-      emitted.push_back(ek);
-      return code;
+      return finish_kernel(k, ek, std::move(launch), body, emitted);
     }
 
     // Shared memory, as the fusion pass bounded it.
@@ -1356,10 +1356,7 @@ class Emitter {
     if (dk.present || dv.present) body += "  // The head's key and value gradients, summed over its query rows.\n";
     if (dk.present) body += each_element("  ", D, store(dk, fmt::format("(cg_head * {} + j) * {} + c", Tk, D), "cg_acc_dk[cg_k]") + ";");
     if (dv.present) body += each_element("  ", Dv, store(dv, fmt::format("(cg_head * {} + j) * {} + c", Tk, Dv), "cg_acc_dv[cg_k]") + ";");
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
-    record_launch(ek, std::move(launch));
-    emitted.push_back(ek);
-    return code;
+    return finish_kernel(k, ek, std::move(launch), body, emitted);
   }
 
   // Rule attention_projection (fuse.h): an operand the attention kernel
@@ -2987,10 +2984,7 @@ class Emitter {
     body += fmt::format("    __syncthreads();  // the tile of {} is in shared memory\n", value_name) + accumulate;
     body += "    __syncthreads();  // the next tile of rows overwrites it\n  }\n";
     body += "  // Each reduction's columns, summed over every row.\n" + stores;
-    std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
-    record_launch(ek, std::move(launch));
-    emitted.push_back(ek);
-    return code;
+    return finish_kernel(k, ek, std::move(launch), body, emitted);
   }
 
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
