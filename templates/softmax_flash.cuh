@@ -822,7 +822,8 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
 }
 
 // The backward pass of one head: blocks [0, key_tiles) take a tile of keys
-// each (dk, dv), the next ceil(Tq / BLOCK_M) a tile of query rows each (dq);
+// each (dk, dv; causal, the first keys have the most query rows to visit),
+// the next ceil(Tq / BLOCK_M) a tile of query rows each (dq, last tile first);
 // `tile` is the block's index among them. q is Tq x HEAD_D, k Tk x HEAD_D,
 // v Tk x HEAD_DV, o (the forward's output, before any alpha of its matmul)
 // and dout Tq x HEAD_DV, lse Tq floats (natural log), all of the head's rows;
@@ -841,7 +842,9 @@ CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, c
   if (tile < key_tiles)
     cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, o, dout, lse, Tq, Tk, tile, key_tiles, scale_log2, dp_scale,
                                                  causal, dq_accum, dq_arrivals, store_dq, store_dk, store_dv, smem);
-  else
-    cg_flash_backward_queries<Config, T>(q, k, v, o, dout, lse, Tq, Tk, tile - key_tiles, scale_log2, dp_scale, causal,
-                                         store_dq, smem);
+  else  // (causal: the query tiles with the most keys first, as the forward runs them)
+    cg_flash_backward_queries<Config, T>(q, k, v, o, dout, lse, Tq, Tk,
+                                         causal ? (Tq + Config::BLOCK_M - 1) / Config::BLOCK_M - 1 - (tile - key_tiles)
+                                                : tile - key_tiles,
+                                         scale_log2, dp_scale, causal, store_dq, smem);
 }
