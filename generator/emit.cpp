@@ -246,7 +246,7 @@ class Emitter {
                           : fmt::format("// Before step 3 the first time: zero the arena's bytes [{}, {}), counters the\n"
                                         "// kernels keep between launches ({}); they stay valid after.\n",
                                         program.sync_offset, program.sync_offset + program.sync_bytes,
-                                        options_.megakernel ? "the megakernel's events" : "split-K's arrivals")));
+                                        options_.megakernel ? "the megakernel's events" : "split-K's and flash attention backward's counters and sums")));
     for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
       int count = 0;
       for (const auto& k : program.kernels) count += k.phase == phase;
@@ -3667,7 +3667,8 @@ class Emitter {
     const AttentionGradient g = attention_gradient(p_, k);
     if (g.dq == AttentionGradient::none || (g.dk == AttentionGradient::none && g.dv == AttentionGradient::none))
       return false;
-    FlashTraining roles{.dp = k.tasks[g.dp], .ds = k.tasks[g.ds], .dq = k.tasks[g.dq]};
+    auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
+    FlashTraining roles{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
     const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, false, nullptr, options_.arch);
     if (!tile || tile->block_n != tile->block_m) return false;
     const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(k.tasks[g.dq])].find_tensor("out")->buffer)].shape;

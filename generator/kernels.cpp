@@ -330,6 +330,17 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
       for (const auto& b : program.tasks[t].tensors)
         if (b.buffer == probs && b.name == "a") values = int(t);
   const int q = buffer(scores, "a"), k = buffer(scores, "b");
+  // Both kinds of block recompute s = q k^T: the backward pass must read q
+  // and k itself (dk and dq), or nothing would keep them alive until it runs.
+  if (roles.dq < 0 || roles.dk < 0)
+    return refuse(fmt::format("it recomputes the scores from q and k, but the backward pass has no {} to read {}",
+                              roles.dq < 0 ? "dq" : "dk", roles.dq < 0 ? "k" : "q"));
+  // The probabilities are stored nowhere: every reader must be in one of the two kernels.
+  for (size_t t = 0; t < program.tasks.size(); ++t)
+    for (const auto& b : program.tasks[t].tensors)
+      if (b.buffer == probs && int(t) != softmax && int(t) != values && int(t) != roles.ds && int(t) != roles.dv)
+        return refuse(fmt::format("'{}' reads the probabilities too, which the flash kernels never store",
+                                  program.tasks[t].task->id));
   if (values < 0 || buffer(roles.dp, "b") != buffer(values, "b"))
     return refuse(fmt::format("'{}' does not multiply by the attention's values", program.tasks[size_t(roles.dp)].task->id));
   if (roles.dq >= 0 && buffer(roles.dq, "b") != k)

@@ -394,8 +394,10 @@ struct FlashTraining {
 // `roles` (dp, ds, dq, dk, dv filled in), or nullopt with the reason: the
 // probabilities ds reads are a softmax's over a scores matmul q k^T, read in
 // the forward by its matmul by the values, whose attention takes the flash
-// kernel (flash_attention_tile_of, trained); dp = dcontext v^T of those
-// values, dq = ds k and dk = ds^T q of its keys and queries; dcontext of
+// kernel (flash_attention_tile_of, trained), and read by nothing else but
+// ds and dv; dp = dcontext v^T of those values, dq = ds k and dk = ds^T q
+// of its keys and queries, both present (the kernel reads q and k, which
+// only they keep alive until the backward pass); dcontext of
 // q's type; one head of keys and values a head of q (no grouped-query
 // attention yet). On success `roles` gets the forward's tasks too. Blocks
 // of 64 rows (4 warps) own keys or query rows; the other rows stream 64 at a

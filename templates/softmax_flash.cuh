@@ -623,8 +623,8 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   const T* own_k_ptr = smem;
   const T* own_v_ptr = smem + Shared::own_k;
   for (cg_i64 m = first; m < end; ++m) {
-    // The tile's rows' statistics, into its stage's slot (read two
-    // iterations ago at the latest, behind the barrier of the last one).
+    // The tile's rows' statistics, into its stage's slot (last read S
+    // iterations ago, behind the barrier of the one after).
     float* lse_log2 = stats + (int)(m % S) * 2 * BN;
     float* delta = lse_log2 + BN;
     cg_flash_row_stats<Config, T>(lse_log2, delta, lse, o, dout, m * BN, BN, Tq, dp_scale);
@@ -823,7 +823,7 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
 
 // The backward pass of one head: blocks [0, key_tiles) take a tile of keys
 // each (dk, dv; causal, the first keys have the most query rows to visit),
-// the next ceil(Tq / BLOCK_M) a tile of query rows each (dq, last tile first);
+// the next ceil(Tq / BLOCK_M) a tile of query rows each (dq; causal, last tile first);
 // `tile` is the block's index among them. q is Tq x HEAD_D, k Tk x HEAD_D,
 // v Tk x HEAD_DV, o (the forward's output, before any alpha of its matmul)
 // and dout Tq x HEAD_DV, lse Tq floats (natural log), all of the head's rows;

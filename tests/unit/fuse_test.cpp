@@ -499,9 +499,10 @@ TEST(Fusion, AttentionGradientsRunInOneKernel) {
 // Rule attention_backward on the flash kernels: a 16-bit attention and its
 // gradients, whose forward runs the flash kernel, pair up (flash_trained):
 // the probabilities internal to both kernels (no storage), at a length the
-// row kernel refuses; in f32 the row kernel's refusal says why not flash.
+// row kernel refuses; not without dk (q would die in the forward); in f32 the
+// row kernel's refusal says why not flash.
 TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
-  auto training = [](DType d, int64_t T) {
+  auto training = [](DType d, int64_t T, bool with_dk = true) {
     GraphBuilder b("trained");
     const Shape rows{1, 2, T, 64}, square{1, 2, T, T};
     auto s = b.task("scores", "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
@@ -511,7 +512,8 @@ TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
     b.task("dv", "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
     auto ds = b.task("ds", "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square);
     b.task("dq", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
-    b.task("dk", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+    if (with_dk)
+      b.task("dk", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
     return std::move(b).graph();
   };
   Compiled flash = plan_graph(training(DType::bf16, 300));
@@ -522,6 +524,13 @@ TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
     EXPECT_NE(std::find(internal.begin(), internal.end(), "probs.out"), internal.end()) << k.name;
   }
   EXPECT_EQ(flash.kernels[1].rule, FusionRule::attention_backward);
+  // Without dk nothing in the backward pass reads q, which both kinds of block need.
+  Compiled no_dk = plan_graph(training(DType::bf16, 300, false));
+  EXPECT_FALSE(no_dk.kernels[0].flash_trained);
+  EXPECT_NE(reason_for(no_dk, "ds").find("not the flash backward kernel: it recomputes the scores from q and k, but the "
+                                         "backward pass has no dk to read q"),
+            std::string::npos)
+      << reason_for(no_dk, "ds");
   Compiled f32 = plan_graph(training(DType::f32, 300));
   EXPECT_FALSE(f32.kernels[0].flash_trained);
   EXPECT_EQ(reason_for(f32, "ds"),
