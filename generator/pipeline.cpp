@@ -122,6 +122,20 @@ Compiled compile(Program program, const CompileOptions& options) {
   EmitOptions emit_options = options.emit;
   emit_options.options_text = describe_options(options);
   c.emitted = emit(c.program, c.kernels, c.plan, emit_options);
+  // What the emitter adds after the plan (split-K's workspace, flash
+  // attention's saved statistics, counters) counts against the budget too.
+  if (options.plan.budget_bytes > 0 && c.emitted.arena_bytes > options.plan.budget_bytes) {
+    Diagnostics diags;
+    diags.add(Diagnostic{{}, {}, {}, {}, {},
+                         fmt::format("the arena needs {} bytes ({}), {} over the budget of {} bytes: the memory plan's "
+                                     "{} bytes fit, the kernels' workspaces after it ({} bytes: split-K's partial sums, "
+                                     "flash attention's saved row statistics, counters) do not",
+                                     c.emitted.arena_bytes, human_bytes(c.emitted.arena_bytes),
+                                     c.emitted.arena_bytes - options.plan.budget_bytes, options.plan.budget_bytes,
+                                     c.plan.arena_bytes, c.emitted.arena_bytes - c.plan.arena_bytes),
+                         "raise the budget, or shrink the largest live tensors (smaller batch or sequence)"});
+    throw CompileError(std::move(diags));
+  }
   // A megakernel's event counters follow the plan's buffers; the runtime
   // allocates the whole.
   c.plan.arena_bytes = c.emitted.arena_bytes;
