@@ -146,6 +146,12 @@ for graph in examples/mlp_forward.json examples/transformer_block.json examples/
   echo "== $graph"
   "$cudagen" run --gpu --profile "$log/$(basename "$graph" .json).profile.json" "$graph" 2>&1 | sed -n '/^profile of/,$p'
 done
+# Rows of bench_megakernel (graph, ms in column 4) beside rows of bench/attention_torch.py (ms
+# sixth from the end), line by line: the ratio is torch time / cudagen time. SUFFIX ends each row.
+beside_torch() {  # CUDAGEN_ROWS TORCH_ROWS [SUFFIX]
+  paste <(awk '{print $1, $4}' "$1") <(awk '{print $(NF-5)}' "$2") |
+    awk -v suffix="${3:-}" '{ printf "%-46s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx%s\n", $1, $2, $3, $3 / $2, suffix }'
+}
 echo
 echo "flash attention (issue #37, docs/attention.md), forward, bf16, B8 x H12, heads of 64, then one decoding step: the generated kernel"
 echo "(bench_megakernel, kernels only, mean of 20 runs on random inputs) beside PyTorch's SDPA on its flash backend"
@@ -162,8 +168,7 @@ if have_time 60 "the flash attention benchmark"; then
   "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$log/attention_decode.json" 2>&1 | sed -n 2p |
     tee -a "$log/attention_cudagen.txt"
   python3 bench/attention_torch.py --tokens 512 2048 8192 --decode 8192 --runs 20 2>&1 | tee "$log/attention_torch.txt"
-  paste <(awk '{print $1, $4}' "$log/attention_cudagen.txt") <(awk '{print $(NF-5)}' "$log/attention_torch.txt") |
-    awk '{ printf "%-40s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx\n", $1, $2, $3, $3 / $2 }'
+  beside_torch "$log/attention_cudagen.txt" "$log/attention_torch.txt"
 fi
 echo
 echo "flash attention trained (issue #37): the forward and the backward kernel (deterministic: dq by its own blocks), bf16,"
@@ -177,8 +182,7 @@ if have_time 120 "the flash attention training benchmark"; then
     done
   done | tee "$log/attention_train_cudagen.txt"
   python3 bench/attention_torch.py --train --tokens 512 2048 8192 --runs 20 2>&1 | tee "$log/attention_train_torch.txt"
-  paste <(awk '{print $1, $4}' "$log/attention_train_cudagen.txt") <(awk '{print $(NF-5)}' "$log/attention_train_torch.txt") |
-    awk '{ printf "%-46s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx\n", $1, $2, $3, $3 / $2 }'
+  beside_torch "$log/attention_train_cudagen.txt" "$log/attention_train_torch.txt"
   echo "the atomic mode (--atomic-attention-backward: dq summed with atomics by the key blocks, not bit-identical):"
   for tokens in 512 2048 8192; do
     for causal in "" --causal; do
@@ -186,8 +190,7 @@ if have_time 120 "the flash attention training benchmark"; then
         --step "$log/attention_train_${tokens}${causal}.json" 2>&1 | sed -n 2p
     done
   done | tee "$log/attention_train_atomic.txt"
-  paste <(awk '{print $1, $4}' "$log/attention_train_atomic.txt") <(awk '{print $(NF-5)}' "$log/attention_train_torch.txt") |
-    awk '{ printf "%-46s cudagen %8.4f ms  torch %8.4f ms  ratio %.2fx (atomic)\n", $1, $2, $3, $3 / $2 }'
+  beside_torch "$log/attention_train_atomic.txt" "$log/attention_train_torch.txt" " (atomic)"
 fi
 echo
 echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (matmuls on the pipelined"
