@@ -193,6 +193,14 @@ if have_time 120 "the flash attention training benchmark"; then
   beside_torch "$log/attention_train_atomic.txt" "$log/attention_train_torch.txt" " (atomic)"
 fi
 echo
+echo "Nsight Compute on the flash attention backward kernel (T2048, not causal, deterministic): where its time goes"
+if command -v ncu >/dev/null && [[ -f $log/attention_train_2048.json ]] && have_time 60 "Nsight Compute on the flash backward"; then
+  ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --kernel-name regex:'k1_dp' --launch-count 1 \
+    "$kit/bin/bench_megakernel" --modes kernels --runs 1 --step "$log/attention_train_2048.json" 2>&1 |
+    grep -E '^  [a-z0-9_]+|Duration|Throughput|Occupancy|Registers|Shared Memory|Stall|Warp Cycles|Block Limit|Issued|L1/TEX Hit|Bank' | head -50
+fi
+echo
 echo "generated code at a real size: a GPT-2-small decoder block, B8 x T128, bf16 (matmuls on the pipelined"
 echo "mainloop), as kernels and CUDA Graph (its megakernel runs the old tiles: bench_megakernel's third row);"
 echo "PyTorch on the same block in bf16"

@@ -349,13 +349,16 @@ class GpuExecutor final : public Executor {
       launchers_[phase_function(ek.phase)].push_back(int(kernels_.size()));
       kernels_.push_back(std::move(k));
     }
-    // One training step, as the file's cudagen_step does.
+    // One training step, as the file's cudagen_step does: a graph with a
+    // backward phase has one, with or without an update (attention's
+    // gradients alone, as bench/attention_graph.py --train writes them).
     std::vector<int> step;
     for (Phase phase : {Phase::forward, Phase::backward, Phase::update}) {
       auto it = launchers_.find(phase_function(phase));
       if (it != launchers_.end()) step.insert(step.end(), it->second.begin(), it->second.end());
     }
-    if (launchers_.count(phase_function(Phase::update))) launchers_[kStepFunction] = step;
+    if (launchers_.count(phase_function(Phase::backward)) || launchers_.count(phase_function(Phase::update)))
+      launchers_[kStepFunction] = step;
   }
 
   void launch(int index) {
