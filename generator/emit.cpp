@@ -111,6 +111,16 @@ int64_t reserve_shared(EmittedKernel& ek, std::string what, int64_t bytes) {
   return offset;
 }
 
+// Flash attention trained: where one attention's saved statistics lie in the
+// arena, after the plan (Emitter::plan_flash_statistics): each row's
+// log-sum-exp and output, saved by the forward kernel; and the backward
+// pass's rows' statistics (cg_flash_backward_rows), a pair of floats a row,
+// flash_backward_statistics_rows(Tq) rows a head.
+struct FlashStatistics {
+  int64_t lse_offset = 0, lse_bytes = 0, o_offset = 0, o_bytes = 0;
+  int64_t rows_offset = 0, rows_bytes = 0;
+};
+
 class Emitter {
  public:
   Emitter(const Program& p, const Plan& plan, const EmitOptions& options) : p_(p), plan_(plan), options_(options) {}
@@ -547,6 +557,10 @@ class Emitter {
       while (end < kernels.size() && kernels[end].launch == kernels[first].launch) ++end;
       std::vector<std::vector<size_t>> batches;  // by block size, in order of first appearance
       for (size_t k = first; k < end; ++k) {
+        if (auto pre = pre_launches_.find(k); pre != pre_launches_.end()) {
+          out.kernels.push_back(pre->second.first);
+          launched_params_.push_back(pre->second.second);
+        }
         auto same_block = [&](const std::vector<size_t>& b) { return out.tile_kernels[b[0]].block == out.tile_kernels[k].block; };
         auto it = std::find_if(batches.begin(), batches.end(), same_block);
         if (it == batches.end()) batches.push_back({k});
@@ -1094,6 +1108,50 @@ class Emitter {
     return finish_kernel(k, ek, std::move(launch), tail_code + body, emitted);
   }
 
+  // The launch before flash attention's backward kernel (kernel k): each
+  // query row's log-sum-exp in log2 units and delta = dp_scale dO . o, into
+  // the rows' statistics (FlashStatistics::rows_offset), which the gradient
+  // kernel's blocks read a tile at a time. (In the loop, delta cost each key
+  // block a dependent read of o and dO per row and tile: more than the tile's
+  // products; bench/RESULTS.md.)
+  std::string flash_backward_rows_kernel(const KernelGroup& k, const FlashAttentionTile& tile, const FlashTraining& roles,
+                                         const Param& dout, const FlashStatistics& f, int64_t heads, int64_t Tq,
+                                         int64_t Dv, std::vector<EmittedKernel>& emitted) {
+    const int64_t rows = flash_backward_statistics_rows(Tq);
+    const std::string type = c_type(dout.buffer->dtype);
+    use_function(*p_.tasks[size_t(roles.ds)].op, "cg_flash_backward_rows");
+    EmittedKernel ek = emitted_kernel(k);
+    ek.name = k.name + "_rows";
+    ek.block = 256;  // 32 rows, 8 lanes a row
+    ek.grid[0] = rows / 32;
+    ek.grid[1] = heads;
+    ek.bytes_read = f.lse_bytes + 2 * f.o_bytes;  // lse, o and dO
+    ek.bytes_written = f.rows_bytes;
+    std::vector<LaunchParam> launch = {
+        LaunchParam{"cg_row_stats", "float", -1, nullptr, true, f.rows_offset, f.rows_bytes},
+        LaunchParam{"cg_lse", "const float", -1, nullptr, false, f.lse_offset, f.lse_bytes},
+        LaunchParam{"cg_saved_o", "const " + type, -1, nullptr, false, f.o_offset, f.o_bytes},
+        buffer_param("dcontext", dout, false)};
+    const std::string comment_text = fmt::format(
+        "// Kernel {} ({} phase): the rows' statistics of flash attention's backward kernel {} (tasks {}, {}):\n"
+        "//   each query row's log-sum-exp (log2 units) and delta = dO . o (times dp's alpha), from the forward's\n"
+        "//   saved log-sum-exp and output and {}; {} rows a head ({} rounded up to whole tiles), 32 a block.\n",
+        ek.name, to_string(k.phase), k.name, p_.tasks[size_t(roles.dp)].task->id, p_.tasks[size_t(roles.ds)].task->id,
+        buffer_name(dout.bound->buffer), rows, Tq);
+    const std::string body = fmt::format(
+        "  typedef cg_flash_config<{0}> cg_config;\n"
+        "  const cg_i64 head = tile.y;\n"
+        "  cg_flash_backward_rows<cg_config, {1}>(cg_row_stats + head * {2}, cg_lse + head * {3}, cg_saved_o + head * {4},\n"
+        "      dcontext + head * {4}, {3}, {5}, tile.x, {6});\n",
+        tile.arguments(), type, 2 * rows, Tq, Tq * Dv, rows, float_arg(roles.dp, "alpha", 1.0));
+    std::string code = kernel_functions(comment_text, ek, launch, body);
+    locate_params(ek, launch);
+    // Launched right before the group's own kernel (launches()), which is the
+    // next of `emitted`: tile kernels stay one a group.
+    pre_launches_[emitted.size()] = {ek, std::move(launch)};
+    return code;
+  }
+
   // Rule attention_backward (fuse.h): an attention's gradient tasks
   // (kernels.h, AttentionGradient) in one kernel, a block per head. The
   // block stages its head's keys and values, then takes its query rows 8 at
@@ -1201,11 +1259,19 @@ class Emitter {
              "--no-fuse-rule horizontal avoids it; please report it with the graph");
         return {};
       }
+      if (options_.megakernel) {  // (flash_attention_tile_of refuses megakernels)
+        fail(tds, "", fmt::format("internal error: kernel {} (flash attention backward) in a megakernel", k.name),
+             "--no-fuse-rule attention_backward avoids it; please report it with the graph");
+        return {};
+      }
       FlashTraining roles{.dp = tdp, .ds = tds, .dq = g.dq == AttentionGradient::none ? -1 : k.tasks[g.dq],
                           .dk = g.dk == AttentionGradient::none ? -1 : k.tasks[g.dk],
                           .dv = g.dv == AttentionGradient::none ? -1 : k.tasks[g.dv]};
       std::string why_not;
-      const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, options_.megakernel, &why_not, options_.arch);
+      // The atomic mode (--atomic-attention-backward): the key blocks sum dq too, with atomics.
+      const bool atomic = flash_backward_atomic(k);
+      const std::optional<FlashAttentionTile> tile =
+          flash_backward_tile_of(p_, roles, options_.megakernel, &why_not, options_.arch, atomic);
       if (!tile) {
         fail(tds, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name, why_not),
              "--no-fuse-rule attention_backward avoids it; please report it with the graph");
@@ -1218,10 +1284,14 @@ class Emitter {
       const Param& q = param(scores, "a");
       const FlashStatistics& f = flash_statistics_.at(roles.softmax);
       const std::string type = c_type(q.buffer->dtype);
-      launch.push_back(LaunchParam{"cg_lse", "const float", -1, nullptr, false, f.lse_offset, f.lse_bytes});
-      launch.push_back(LaunchParam{"cg_saved_o", "const " + type, -1, nullptr, false, f.o_offset, f.o_bytes});
-      // The atomic mode (--atomic-attention-backward): the key blocks sum dq too, with atomics.
-      const bool atomic = flash_backward_atomic(k);
+      const int64_t stats_rows = flash_backward_statistics_rows(Tq);
+      if (tile->block_m != kFlashBackwardBlockRows) {
+        fail(tds, "", fmt::format("internal error: kernel {}'s flash backward tile has blocks of {} rows, its rows' "
+                                  "statistics cover multiples of {}", k.name, tile->block_m, kFlashBackwardBlockRows),
+             "--no-fuse-rule attention_backward avoids it; please report it with the graph");
+        return {};
+      }
+      launch.push_back(LaunchParam{"cg_row_stats", "const float", -1, nullptr, false, f.rows_offset, f.rows_bytes});
       const int64_t key_tiles = dk.present || dv.present ? (Tk + tile->block_m - 1) / tile->block_m : 0;
       const int64_t query_tiles = dq.present && !atomic ? (Tq + tile->block_m - 1) / tile->block_m : 0;
       std::string dq_sums = "nullptr, nullptr";
@@ -1235,12 +1305,13 @@ class Emitter {
       ek.block = tile->threads();
       ek.grid[0] = key_tiles + query_tiles;
       ek.grid[1] = heads;
-      ek.min_blocks_per_sm = 1;  // registers before occupancy, as the forward kernel
+      ek.min_blocks_per_sm = tile->min_blocks_per_sm;
       ek.matmul_path = fmt::format(
           "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
-          "warps), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
-          tile->block_m, tile->block_m / 16, tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "",
-          query_tiles,
+          "warps{}), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
+          tile->block_m, tile->block_m / 16,
+          tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
+          tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "", query_tiles,
           atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
                  : options_.atomic_attention_backward && dq.present ? ", dq in blocks of its own (the atomic mode takes heads of up to 64 with dk or dv)" : "");
       ek.mainloop = MatmulMainloop::flash_attention;
@@ -1266,7 +1337,7 @@ class Emitter {
       body += epilogues;
       body += fmt::format(
           "  cg_flash_attention_backward<cg_config, {0}, {14}>(q + head * {1}, k + head * {2}, v + head * {3},\n"
-          "      cg_saved_o + head * {4}, dcontext + head * {4}, cg_lse + head * {5}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
+          "      dcontext + head * {4}, cg_row_stats + head * {16}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
           "      {15},\n"
           "      {11},  // dq\n"
           "      {12},  // dk\n"
@@ -1275,8 +1346,9 @@ class Emitter {
           type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_tiles, float_literal(scale_log2),
           float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
           gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
-          gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums);
-      return finish_kernel(k, ek, std::move(launch), body, emitted);
+          gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums, 2 * stats_rows);
+      std::string code = flash_backward_rows_kernel(k, *tile, roles, dout, f, heads, Tq, Dv, emitted);
+      return code + finish_kernel(k, ek, std::move(launch), body, emitted);
     }
 
     // Shared memory, as the fusion pass bounded it.
@@ -1903,6 +1975,12 @@ class Emitter {
   }
 
   void record_launch(EmittedKernel& ek, std::vector<LaunchParam> launch) {
+    locate_params(ek, launch);
+    launch_params_.push_back(std::move(launch));
+  }
+
+  // A kernel's parameters' places in the arena (EmittedKernel::arg_offsets, ranges).
+  void locate_params(EmittedKernel& ek, const std::vector<LaunchParam>& launch) {
     if (launch_grid(ek)[0] > kMaxGridX)
       fail(ek.tasks[0], "",
            fmt::format("kernel {} has {} x {} x {} tiles, more than the {} blocks a launch can have", ek.name,
@@ -1913,7 +1991,6 @@ class Emitter {
       ek.arg_offsets.push_back(offset);
       ek.ranges.push_back(ArenaRange{offset, bytes, lp.written});
     }
-    launch_params_.push_back(std::move(launch));
   }
 
   // Rule elementwise_chain (fuse.h): one grid-stride loop over the elements;
@@ -3669,7 +3746,7 @@ class Emitter {
       return false;
     auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
     FlashTraining roles{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
-    const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, false, nullptr, options_.arch);
+    const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, false, nullptr, options_.arch, true);
     if (!tile || tile->block_n != tile->block_m) return false;
     const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(k.tasks[g.dq])].find_tensor("out")->buffer)].shape;
     const int64_t Tq = dq[dq.size() - 2], heads = numel(dq) / (Tq * dq.back());
@@ -3687,12 +3764,15 @@ class Emitter {
       const BufferInfo& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)];
       const BufferInfo& v = p_.buffers[size_t(p_.tasks[size_t(k.tasks[2])].find_tensor("b")->buffer)];
       const int64_t rows = numel(q.shape) / q.shape.back();  // heads x Tq
+      const int64_t Tq = q.shape[q.shape.size() - 2];
       FlashStatistics f;
       f.lse_offset = at;
       f.lse_bytes = rows * 4;
       f.o_offset = align_up(at + f.lse_bytes, plan_.alignment);
       f.o_bytes = rows * v.shape.back() * dtype_bytes(q.dtype);
-      at = align_up(f.o_offset + f.o_bytes, plan_.alignment);
+      f.rows_offset = align_up(f.o_offset + f.o_bytes, plan_.alignment);
+      f.rows_bytes = rows / Tq * flash_backward_statistics_rows(Tq) * 8;
+      at = align_up(f.rows_offset + f.rows_bytes, plan_.alignment);
       flash_statistics_[k.tasks[1]] = f;
     }
     flash_statistics_end_ = flash_statistics_.empty() ? 0 : at;
@@ -4071,12 +4151,12 @@ class Emitter {
   // (floats) and its output o (q's type, [heads, Tq, Dv]) for the gradient
   // kernel, in the arena after the plan (plan_flash_statistics): live from the
   // forward to the backward phase, a few bytes a token.
-  struct FlashStatistics {
-    int64_t lse_offset = 0, lse_bytes = 0, o_offset = 0, o_bytes = 0;
-  };
   std::map<int, FlashStatistics> flash_statistics_;
   int64_t flash_statistics_end_ = 0;
   std::vector<LaunchParam> split_k_params_;  // the workspace parameters of the kernel being emitted
+  // Kernels launched right before a kernel group's own, by the group's index
+  // (flash attention backward's rows' statistics), with their parameters.
+  std::map<size_t, std::pair<EmittedKernel, std::vector<LaunchParam>>> pre_launches_;
 };
 
 }  // namespace

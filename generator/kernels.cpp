@@ -306,7 +306,7 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
 }
 
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
-                                                         std::string* why_not, const std::string& arch) {
+                                                         std::string* why_not, const std::string& arch, bool atomic_dq) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
@@ -360,9 +360,16 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   FlashAttentionTile tile = *forward;
   tile.splits = 1;
   tile.tiles_per_split = 0;
-  tile.block_m = 64;
-  tile.block_n = std::max(tile.d, tile.dv) > 64 ? 32 : 64;  // registers: dk and dv of 16 rows of 128 each
+  tile.block_m = kFlashBackwardBlockRows;
   tile.stages = 2;
+  // 32 rows a step: at heads of 64 the kernel fits 160 registers, 3 blocks a SM
+  // (12 warps; 64 rows a step took 220, 2 blocks, and ran 5% slower on an H200:
+  // bench/RESULTS.md); at heads over 64, dk and dv of 16 rows of 128 each leave no
+  // room for more. The atomic mode's ds^T tile is square: 64 rows a step at heads
+  // of up to 64.
+  const bool wide = std::max(tile.d, tile.dv) > 64;
+  tile.block_n = atomic_dq && !wide ? 64 : 32;
+  tile.min_blocks_per_sm = wide || atomic_dq ? 1 : 3;
   return tile;
 }
 

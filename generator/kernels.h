@@ -338,6 +338,8 @@ struct FlashAttentionTile {
   // block of each row tile (cg_flash_attention_split); 1: no split.
   int splits = 1;
   int64_t tiles_per_split = 0;
+  // The blocks a SM that its registers are budgeted for (__launch_bounds__).
+  int min_blocks_per_sm = 1;
   int threads() const { return 32 * (block_m / 16); }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
   // tiles: each split's partial rows (dv + 2 floats: o, maximum, sum) and a
@@ -354,12 +356,12 @@ struct FlashAttentionTile {
   std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
   std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
   // The backward kernel's (cg_flash_backward_shared): a block's own rows of
-  // both kinds, the stages of streamed rows and their statistics, or the
+  // both kinds, the stages of streamed rows and their rows' statistics, or the
   // staged output tile where more.
   // With `atomic_dq`, the key block's tile of ds^T too.
   int64_t backward_shared_bytes(bool atomic_dq = false) const {
     const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
-                         8 * std::max<int64_t>(block_m, int64_t(stages) * block_n) +
+                         8 * int64_t(stages) * block_n +
                          (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
     return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
   }
@@ -390,6 +392,14 @@ struct FlashTraining {
   int dp = -1, ds = -1, dq = -1, dk = -1, dv = -1;
 };
 
+// The backward kernel's blocks own this many keys or query rows; its rows'
+// statistics (cg_flash_backward_rows) cover each head's Tq rows rounded up to
+// a multiple of it, so that every tile reads whole 16-byte chunks.
+inline constexpr int kFlashBackwardBlockRows = 64;
+inline int64_t flash_backward_statistics_rows(int64_t Tq) {
+  return (Tq + kFlashBackwardBlockRows - 1) / kFlashBackwardBlockRows * kFlashBackwardBlockRows;
+}
+
 // The backward kernel's tile for the attention whose gradients are tasks
 // `roles` (dp, ds, dq, dk, dv filled in), or nullopt with the reason: the
 // probabilities ds reads are a softmax's over a scores matmul q k^T, read in
@@ -400,11 +410,11 @@ struct FlashTraining {
 // only they keep alive until the backward pass); dcontext of
 // q's type; one head of keys and values a head of q (no grouped-query
 // attention yet). On success `roles` gets the forward's tasks too. Blocks
-// of 64 rows (4 warps) own keys or query rows; the other rows stream 64 at a
-// time (32 for heads over 64), two stages.
+// of 64 rows (4 warps) own keys or query rows; the other rows stream 32 at a
+// time, two stages (the atomic mode, `atomic_dq`: 64 at heads of up to 64).
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
-                                                         const std::string& arch = "sm_90");
+                                                         const std::string& arch = "sm_90", bool atomic_dq = false);
 inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // Decoding streams the keys and values once: memory-bound. One block keeps
 // two 16 KiB stages in flight, too few to cover an SM's share of the

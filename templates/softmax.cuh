@@ -52,6 +52,7 @@ CG_OP("softmax_backward",
       "smem: 128",
       "variant: cg_attention_backward_row",
       "variant: cg_flash_attention_backward",
+      "variant: cg_flash_backward_rows",
       "doc: dx = scale * out * (dout - sum(dout * out))")
 CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float scale, float* scratch) {
   float dot = 0.0f;

@@ -76,6 +76,10 @@ CG_DEVICE unsigned int cg_narrow_pair(float lo, float hi, cg_bf16) {
 #endif
 }
 
+// x clamped to [lo, hi]: a 64-bit distance made small enough for 32-bit
+// comparisons in a tile's masks.
+CG_DEVICE cg_i64 cg_clamp_i64(cg_i64 x, cg_i64 lo, cg_i64 hi) { return x < lo ? lo : x > hi ? hi : x; }
+
 // 2^x, the special-function unit's approximation on the device (MUFU.EX2,
 // relative error about 2^-22, far under a 16-bit probability's rounding);
 // exp2f in the host emulation. exp2(-inf) is 0 in both.
@@ -405,19 +409,24 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
 //     and dO in registers, keys and values streaming; dq sums over the key
 //     tiles, in order.
 // The second recomputes s and dp (two of the five products): the price of
-// summing dq without atomics.
+// summing dq without atomics. Each query row's statistics, its log-sum-exp
+// and delta_i, come from a launch before (cg_flash_backward_rows): a key
+// block reads them with its query tile (cp.async), where computing delta in
+// the loop (dO . o, a dependent read of global memory per row) cost more than
+// the tile's five products.
 
 // Shared memory of cg_flash_attention_backward, in bytes: the block's own
 // rows ([BLOCK_M][D] and [BLOCK_M][DV] of T), STAGES stages of streamed rows
-// ([BLOCK_N][D] and [BLOCK_N][DV]), then the rows' statistics (floats: each
-// stage's, or the block's own); the staged output tile (floats) reuses it.
+// ([BLOCK_N][D] and [BLOCK_N][DV]), then each stage's rows' statistics
+// (BLOCK_N pairs of floats: a key block's query rows'); the staged output
+// tile (floats) reuses it.
 template <typename Config, typename T>
 struct cg_flash_backward_shared {
   static constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N, D = Config::D, DV = Config::DV;
   static constexpr int own_k = BM * D, own_v = BM * DV, stream_k = BN * D, stream_v = BN * DV;
   static constexpr int stage_elements = stream_k + stream_v;
   static constexpr int stats_offset = (int)sizeof(T) * (own_k + own_v + Config::STAGES * stage_elements);  // bytes
-  static constexpr int stats_floats = 2 * (BM > Config::STAGES * BN ? BM : Config::STAGES * BN);
+  static constexpr int stats_floats = 2 * Config::STAGES * BN;
   static constexpr int main = stats_offset + 4 * stats_floats;
   static constexpr int out_stride = (D > DV ? D : DV) + 8;
   static constexpr int staged = 4 * BM * out_stride;
@@ -428,27 +437,35 @@ struct cg_flash_backward_shared {
   static constexpr int atomic_bytes = atomic_main > staged ? atomic_main : staged;
 };
 
-// The statistics the backward pass needs of query rows [row0, row0 + count)
-// of one head, into shared memory: lse_log2[r], the row's log-sum-exp in
-// log2 units (+inf past Tq and for a row that saw no key: its p are 0), and
-// delta[r] = dp_scale sum_c dout_rc o_rc. A warp a row, its lanes along it.
+// The rows' statistics of the backward pass of one head, a launch before it
+// (FlashAttention-2's preprocessing): for each of its `rows` query rows (Tq
+// rounded up to a multiple of BLOCK_M: whole tiles, 16-byte aligned),
+// stats[2 r] = the row's log-sum-exp in log2 units (+inf past Tq and for a
+// row that saw no key: its p are 0) and stats[2 r + 1] = delta_r = dp_scale
+// sum_c dout_rc o_rc (0 past Tq). Rows [32 tile, 32 tile + 32) of the head, 8
+// lanes a row reading 16 bytes each at a time (a block of 256 threads).
 template <typename Config, typename T>
-CG_DEVICE void cg_flash_row_stats(float* lse_log2, float* delta, const float* lse, const T* o, const T* dout,
-                                  cg_i64 row0, int count, cg_i64 Tq, float dp_scale) {
+CG_DEVICE void cg_flash_backward_rows(float* stats, const float* lse, const T* o, const T* dout, cg_i64 Tq,
+                                      cg_i64 rows, cg_i64 tile, float dp_scale) {
   constexpr int HDV = Config::HEAD_DV;
-  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
-  for (int r = warp; r < count; r += Config::WARPS) {
-    const cg_i64 row = row0 + r;
-    float dot = 0.0f;
-    if (row < Tq)
-      for (int c = lane; c < HDV; c += 32) dot += cg_widen(o[row * HDV + c]) * cg_widen(dout[row * HDV + c]);
-    CG_UNROLL
-    for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) {
-      const float l = row < Tq ? lse[row] : cg_neg_inf();
-      lse_log2[r] = l == cg_neg_inf() ? -cg_neg_inf() : l * 1.4426950408889634f;
-      delta[r] = dp_scale * dot;
+  static_assert(HDV % 8 == 0, "a row is whole 16-byte chunks");
+  const int lane = (int)threadIdx.x & 7;
+  const cg_i64 row = 32 * tile + ((int)threadIdx.x >> 3);
+  float dot = 0.0f;
+  if (row < Tq)
+    for (int c = 8 * lane; c < HDV; c += 64) {
+      const cg_vector<8, T> a = cg_load_vector<8>(o, row * HDV + c), b = cg_load_vector<8>(dout, row * HDV + c);
+      CG_UNROLL
+      for (int e = 0; e < 8; ++e) dot += cg_widen(a.v[e]) * cg_widen(b.v[e]);
     }
+  CG_UNROLL
+  for (int offset = 4; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (lane == 0 && row < rows) {
+    const float l = row < Tq ? lse[row] : cg_neg_inf();
+    cg_vector<2, float> pair;
+    pair.v[0] = l == cg_neg_inf() ? -cg_neg_inf() : l * 1.4426950408889634f;
+    pair.v[1] = dp_scale * dot;
+    cg_store_vector<2>(stats, 2 * row, pair);
   }
 }
 
@@ -558,7 +575,7 @@ CG_DEVICE void cg_flash_backward_dq_part(const float (&dst)[Config::BLOCK_N / 8]
 
 // The block of key tile `tile_n` (keys [tile_n BLOCK_M, +BLOCK_M)): dk and dv
 // of its keys, handed unscaled to store_dk(key, c, value) and
-// store_dv(key, c, value). q, k, v, o, dout and lse as for
+// store_dv(key, c, value). q, k, v, dout and stats as for
 // cg_flash_attention_backward.
 //
 // ATOMIC_DQ (the atomic mode): the block also adds its keys' part of dq, ds k,
@@ -569,7 +586,7 @@ CG_DEVICE void cg_flash_backward_dq_part(const float (&dst)[Config::BLOCK_N / 8]
 // Faster than the query blocks' second pass over s and dp, but the sums'
 // order varies from run to run: not bit-identical. BLOCK_N == BLOCK_M.
 template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
-CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
+CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const T* dout, const float* stats_rows,
                                       cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, cg_i64 key_tiles, float scale_log2,
                                       float dp_scale, bool causal, float* dq_accum, unsigned int* dq_arrivals,
                                       StoreDq store_dq, StoreDk store_dk, StoreDv store_dv, T* smem) {
@@ -606,13 +623,20 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   const typename StreamQAcross::template copier<Config::THREADS> copy_q(q, Config::HEAD_D, 0, Config::HEAD_D, 0, Tq);
   const typename StreamDoutAcross::template copier<Config::THREADS> copy_dout(dout, Config::HEAD_DV, 0,
                                                                               Config::HEAD_DV, 0, Tq);
+  // A stage: the query tile's q and dO rows and their statistics (BN pairs
+  // of floats, 16 bytes a thread; the rows array covers whole tiles).
+  static_assert(BN * 8 / 16 <= Config::THREADS, "a tile's statistics in one copy a thread");
   auto load_stage = [&](cg_i64 m) {
     const unsigned int stage = smem_address + stages_offset + (unsigned int)(m % S) * stage_bytes;
     copy_q.copy(stage, m);
     copy_dout.copy(stage + dout_offset, m);
+    if ((int)threadIdx.x < BN * 8 / 16)
+      cg_cp_async_16_at(smem_address + Shared::stats_offset + (unsigned int)((m % S) * 2 * BN + 4 * threadIdx.x) * 4,
+                        stats_rows + 2 * m * BN + 4 * threadIdx.x, 16);
   };
   // Causal: query rows before the tile's first key see none of its keys.
-  const cg_i64 first = causal ? key0 / BN : 0, end = (Tq + BN - 1) / BN;
+  // Tile indices in 32 bits (a head's rows are far fewer than 2^31 tiles).
+  const int first = causal ? (int)(key0 / BN) : 0, end = (int)((Tq + BN - 1) / BN);
   for (int s = 0; s < S - 1; ++s) {
     if (first + s < end) load_stage(first + s);
     cg_cp_async_commit();
@@ -622,12 +646,8 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   cg_zero_accumulators(dv);
   const T* own_k_ptr = smem;
   const T* own_v_ptr = smem + Shared::own_k;
-  for (cg_i64 m = first; m < end; ++m) {
-    // The tile's rows' statistics, into its stage's slot (last read S
-    // iterations ago, behind the barrier of the one after).
-    float* lse_log2 = stats + (int)(m % S) * 2 * BN;
-    float* delta = lse_log2 + BN;
-    cg_flash_row_stats<Config, T>(lse_log2, delta, lse, o, dout, m * BN, BN, Tq, dp_scale);
+  for (int m = first; m < end; ++m) {
+    const float* row_stats = stats + (int)(m % S) * 2 * BN;  // (lse log2, delta) of the tile's rows
     cg_cp_async_wait<S - 2>();
     __syncthreads();  // tile m and its statistics are visible; tile m - 1's stage is free
     if (m + S - 1 < end) load_stage(m + S - 1);
@@ -647,17 +667,19 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
       cg_mma_across<StreamQ, BN>(st, ka, tile_q, tile_q_ptr, 16 * kk);
     }
     // p^T, zero past the keys, past Tq (lse_log2 +inf) and, causal, above the diagonal.
+    // In 32 bits, once a tile: this lane's first key's distance to the
+    // last key and to the tile's first query row (both clamped to a tile).
     const bool edge = key0 + BM > Tk || (causal && key0 + 16 * warp + 15 > m * BN);
+    const cg_i64 lane_key = key0 + 16 * warp + g;
+    const int keys_left = (int)cg_clamp_i64(Tk - lane_key, -BM, BM);
+    const int past_row = (int)cg_clamp_i64(lane_key - m * BN, -2 * BN, 2 * BN);
     CG_UNROLL
     for (int j = 0; j < NQ; ++j)
       CG_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int query = 8 * j + 2 * t + (e & 1);
-        float p = cg_exp2_approx(st[j][e] * scale_log2 - lse_log2[query]);
-        if (edge) {
-          const cg_i64 key = key0 + 16 * warp + g + 8 * (e >> 1);
-          if (key >= Tk || (causal && key > m * BN + query)) p = 0.0f;
-        }
+        float p = cg_exp2_approx(st[j][e] * scale_log2 - row_stats[2 * query]);
+        if (edge && (8 * (e >> 1) >= keys_left || (causal && past_row + 8 * (e >> 1) > query))) p = 0.0f;
         st[j][e] = p;
       }
     // dv += p^T dO (K: the tile's query rows).
@@ -679,7 +701,7 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
     CG_UNROLL
     for (int j = 0; j < NQ; ++j)
       CG_UNROLL
-      for (int e = 0; e < 4; ++e) dst[j][e] = st[j][e] * (dp_scale * dst[j][e] - delta[8 * j + 2 * t + (e & 1)]);
+      for (int e = 0; e < 4; ++e) dst[j][e] = st[j][e] * (dp_scale * dst[j][e] - row_stats[2 * (8 * j + 2 * t + (e & 1)) + 1]);
     // dk += ds^T q (K: the tile's query rows).
     CG_UNROLL
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -714,7 +736,7 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
 // The block of query tile `tile_m` (rows [tile_m BLOCK_M, +BLOCK_M)): dq of
 // its rows, unscaled, to store_dq(row, c, value).
 template <typename Config, typename T, typename StoreDq>
-CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
+CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, const T* dout, const float* stats_rows,
                                          cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m, float scale_log2, float dp_scale,
                                          bool causal, StoreDq store_dq, T* smem) {
   constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
@@ -737,7 +759,6 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   constexpr unsigned int stages_offset = (Shared::own_k + Shared::own_v) * (int)sizeof(T);
   constexpr unsigned int stage_bytes = Shared::stage_elements * (int)sizeof(T);
   constexpr unsigned int v_offset = Shared::stream_k * (int)sizeof(T);
-  float* stats = (float*)((char*)smem + Shared::stats_offset);
   {
     const typename OwnQ::template copier<Config::THREADS> copy_q(q, Config::HEAD_D, m0, Tq, 0, Config::HEAD_D);
     const typename OwnDout::template copier<Config::THREADS> copy_dout(dout, Config::HEAD_DV, m0, Tq, 0,
@@ -755,12 +776,14 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   };
   // Causal: no key past the tile's last row.
   const cg_i64 keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
-  const cg_i64 n_tiles = (keys + BN - 1) / BN;
+  const int n_tiles = (int)((keys + BN - 1) / BN);  // 32 bits, as the key blocks' tiles
   for (int s = 0; s < S - 1; ++s) {
     if (s < n_tiles) load_stage(s);
     cg_cp_async_commit();
   }
-  cg_flash_row_stats<Config, T>(stats, stats + BM, lse, o, dout, m0, BM, Tq, dp_scale);
+  // The rows' statistics (the rows array covers whole tiles).
+  const float lse_row[2] = {stats_rows[2 * row0], stats_rows[2 * (row0 + 8)]};
+  const float delta_row[2] = {stats_rows[2 * row0 + 1], stats_rows[2 * (row0 + 8) + 1]};
   unsigned int qa[D / 16][4], da[DV / 16][4];
   cg_cp_async_wait<S - 1>();
   __syncthreads();
@@ -769,12 +792,10 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   CG_UNROLL
   for (int kk = 0; kk < DV / 16; ++kk)
     OwnDout::template fragment<true>(da[kk], smem_address + own_dout_offset, smem + Shared::own_k, 16 * warp, 16 * kk);
-  const float lse_row[2] = {stats[16 * warp + g], stats[16 * warp + g + 8]};
-  const float delta_row[2] = {stats[BM + 16 * warp + g], stats[BM + 16 * warp + g + 8]};
   float dq[OD][4];
   cg_zero_accumulators(dq);
 
-  for (cg_i64 n = 0; n < n_tiles; ++n) {
+  for (int n = 0; n < n_tiles; ++n) {
     cg_cp_async_wait<S - 2>();
     __syncthreads();
     if (n + S - 1 < n_tiles) load_stage(n + S - 1);
@@ -789,16 +810,18 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
     CG_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) cg_mma_across<StreamK, BN>(s, qa[kk], tile_k, tile_k_ptr, 16 * kk);
     const cg_i64 key0 = n * BN;
+    // In 32 bits, once a tile: this lane's first key's distance to the
+    // last key and past this thread's first row (both clamped to a tile).
     const bool edge = key0 + BN > Tk || (causal && key0 + BN - 1 > m0 + 16 * warp);
+    const int keys_left = (int)cg_clamp_i64(Tk - key0 - 2 * t, -BN, BN);
+    const int past_row = (int)cg_clamp_i64(key0 + 2 * t - row0, -2 * BN, 2 * BN);
     CG_UNROLL
     for (int j = 0; j < NK; ++j)
       CG_UNROLL
       for (int e = 0; e < 4; ++e) {
         float p = cg_exp2_approx(s[j][e] * scale_log2 - lse_row[e >> 1]);
-        if (edge) {
-          const cg_i64 key = key0 + 8 * j + 2 * t + (e & 1);
-          if (key >= Tk || (causal && key > row0 + 8 * (e >> 1))) p = 0.0f;
-        }
+        const int key = 8 * j + (e & 1);  // past this lane's first
+        if (edge && (key >= keys_left || (causal && past_row + key > 8 * (e >> 1)))) p = 0.0f;
         s[j][e] = p;
       }
     // dp = dO v^T, then ds = p (dp_scale dp - delta).
@@ -825,25 +848,25 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
 // each (dk, dv; causal, the first keys have the most query rows to visit),
 // the next ceil(Tq / BLOCK_M) a tile of query rows each (dq; causal, last tile first);
 // `tile` is the block's index among them. q is Tq x HEAD_D, k Tk x HEAD_D,
-// v Tk x HEAD_DV, o (the forward's output, before any alpha of its matmul)
-// and dout Tq x HEAD_DV, lse Tq floats (natural log), all of the head's rows;
-// scale_log2 and causal as the forward took them; dp = dp_scale dout v^T.
+// v Tk x HEAD_DV, dout Tq x HEAD_DV, all of the head's rows; stats the
+// head's rows' statistics (cg_flash_backward_rows, launched before); scale_log2
+// and causal as the forward took them; dp = dp_scale dout v^T.
 // The gradients go unscaled to their stores (see above). Where dq, or dk and
 // dv, have no reader, their blocks are not launched (key_tiles 0, or a grid
 // of key tiles alone). ATOMIC_DQ: the key blocks sum dq too (see
 // cg_flash_backward_keys; dq_accum and dq_arrivals the head's), and no query
 // blocks are launched.
 template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
-CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, const T* o, const T* dout,
-                                           const float* lse, cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_tiles,
-                                           float scale_log2, float dp_scale, bool causal, float* dq_accum,
-                                           unsigned int* dq_arrivals, StoreDq store_dq, StoreDk store_dk,
-                                           StoreDv store_dv, T* smem) {
+CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, const T* dout, const float* stats,
+                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_tiles, float scale_log2,
+                                           float dp_scale, bool causal, float* dq_accum, unsigned int* dq_arrivals,
+                                           StoreDq store_dq, StoreDk store_dk, StoreDv store_dv, T* smem) {
+  static_assert(Config::BLOCK_M % Config::BLOCK_N == 0, "the statistics cover whole tiles of both kinds");
   if (tile < key_tiles)
-    cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, o, dout, lse, Tq, Tk, tile, key_tiles, scale_log2, dp_scale,
+    cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, dout, stats, Tq, Tk, tile, key_tiles, scale_log2, dp_scale,
                                                  causal, dq_accum, dq_arrivals, store_dq, store_dk, store_dv, smem);
   else  // (causal: the query tiles with the most keys first, as the forward runs them)
-    cg_flash_backward_queries<Config, T>(q, k, v, o, dout, lse, Tq, Tk,
+    cg_flash_backward_queries<Config, T>(q, k, v, dout, stats, Tq, Tk,
                                          causal ? (Tq + Config::BLOCK_M - 1) / Config::BLOCK_M - 1 - (tile - key_tiles)
                                                 : tile - key_tiles,
                                          scale_log2, dp_scale, causal, store_dq, smem);

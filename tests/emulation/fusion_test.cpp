@@ -890,9 +890,11 @@ TEST(FlashAttention, AtomicBackwardMatchesTheReferenceAndLeavesItsSumsZero) {
     SCOPED_TRACE(g.name);
     const Compiled c = compile(load_program(g, {}), atomic);
     ASSERT_EQ(c.kernels.size(), 2u);
-    EXPECT_NE(c.emitted.kernels[1].matmul_path.find("dq summed with atomics"), std::string::npos)
-        << c.emitted.kernels[1].matmul_path;
-    EXPECT_EQ(c.emitted.kernels[1].grid[0], (Tk + 63) / 64) << "key blocks only";
+    ASSERT_EQ(c.emitted.kernels.size(), 3u) << "the forward kernel, the rows' statistics, the backward kernel";
+    EXPECT_EQ(c.emitted.kernels[1].name, c.kernels[1].name + "_rows");
+    const EmittedKernel& backward = c.emitted.kernels[2];
+    EXPECT_NE(backward.matmul_path.find("dq summed with atomics"), std::string::npos) << backward.matmul_path;
+    EXPECT_EQ(backward.grid[0], (Tk + 63) / 64) << "key blocks only";
     const uint64_t seed = std::random_device()();
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
@@ -964,7 +966,8 @@ TEST(FlashAttention, TrainingArenaGrowsLinearlyInTokens) {
 // float64 reference, where the kernel as it is passes: a running sum not
 // rescaled when a row's maximum grows (stale), the causal mask one key off,
 // the split-KV combine without the ranges' maxima; in the backward kernel,
-// ds without the rows' delta, the dq blocks' causal mask one key off. (Many rows over many key
+// ds without the rows' delta, either kind of block's causal mask one key off; in the
+// launch before it, the rows' log-sum-exp left in natural units. (Many rows over many key
 // tiles and ranges: each row's maximum grows in some; a far wider spread of
 // scores would loosen the reference's bound more than it helps.)
 TEST(FlashAttention, InjectedFaultsAreCaught) {
@@ -981,9 +984,13 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
       {"a split combine without the maxima", flash_attention(DType::bf16, 1, 1, 64, 2048, 64, 32, false, 1, 4.0),
        "weight[local * 32 + s] = exp2f(cg_load_l2(partials, at) - base);", "weight[local * 32 + s] = 1.0f;"},
       {"a backward pass without delta", flash_attention_training(DType::bf16, 1, 1, 96, 96, 64, false),
-       "(dp_scale * dst[j][e] - delta[8 * j + 2 * t + (e & 1)])", "(dp_scale * dst[j][e])"},
+       "(dp_scale * dst[j][e] - row_stats[2 * (8 * j + 2 * t + (e & 1)) + 1])", "(dp_scale * dst[j][e])"},
+      {"the rows' log-sum-exp in natural units", flash_attention_training(DType::bf16, 1, 1, 96, 96, 64, false),
+       "l == cg_neg_inf() ? -cg_neg_inf() : l * 1.4426950408889634f", "l == cg_neg_inf() ? -cg_neg_inf() : l"},
       {"dq's causal mask one key off", flash_attention_training(DType::bf16, 1, 1, 130, 130, 32, true),
-       "(causal && key > row0 + 8 * (e >> 1))", "(causal && key > row0 + 8 * (e >> 1) + 1)"},
+       "(causal && past_row + key > 8 * (e >> 1))", "(causal && past_row + key > 8 * (e >> 1) + 1)"},
+      {"dk and dv's causal mask one key off", flash_attention_training(DType::bf16, 1, 1, 130, 130, 32, true),
+       "(causal && past_row + 8 * (e >> 1) > query)", "(causal && past_row + 8 * (e >> 1) + 1 > query)"},
   };
   for (const Fault& f : faults) {
     Compiled c = compile(load_program(f.graph, {}), fusion(true));

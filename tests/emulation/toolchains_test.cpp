@@ -566,15 +566,19 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
         const std::map<std::string, int>& ops = sass.at(name);
         auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
         for (const char* op : {"LDGSTS", "LDSM", "HMMA", "MUFU"}) EXPECT_GT(count(op), 0) << name << " on " << arch << ": " << op;
-        EXPECT_EQ(count("LDL") + count("STL"), 0) << name << " on " << arch << ": local memory";
+        // Heads of 64 are budgeted for 3 blocks a SM (168 registers): causal, ptxas
+        // spills two 32-bit values, reloaded once a tile of 32 rows from L1 (on an H200
+        // the kernel ran faster so than at 2 blocks without spills: bench/RESULTS.md).
+        // Nothing more may spill.
+        EXPECT_LE(count("LDL") + count("STL"), 4) << name << " on " << arch << ": local memory";
         ASSERT_TRUE(resources.count(name)) << name << " on " << arch;
-        EXPECT_EQ(resources.at(name).spill_bytes, 0) << name << " on " << arch;
-        EXPECT_EQ(resources.at(name).stack_bytes, 0) << name << " on " << arch;
+        EXPECT_LE(resources.at(name).spill_bytes, 16) << name << " on " << arch;
+        EXPECT_LE(resources.at(name).stack_bytes, 8) << name << " on " << arch;
         const int atomics = count("RED") + count("ATOM") + count("REDG") + count("ATOMG");
         EXPECT_EQ(atomics > 0, atomic && name == backward[0]) << name << " on " << arch << ": " << atomics << " atomics";
-        std::printf("  %s%s on %s: %d registers, %d HMMA, %d LDSM, %d LDGSTS, %d atomics\n", name.c_str(),
-                    atomic ? " (atomic)" : "", arch, resources.at(name).registers, count("HMMA"), count("LDSM"),
-                    count("LDGSTS"), atomics);
+        std::printf("  %s%s on %s: %d registers, %d bytes spilled, %d HMMA, %d LDSM, %d LDGSTS, %d atomics\n",
+                    name.c_str(), atomic ? " (atomic)" : "", arch, resources.at(name).registers,
+                    resources.at(name).spill_bytes, count("HMMA"), count("LDSM"), count("LDGSTS"), atomics);
       }
     }
   }
