@@ -61,7 +61,7 @@ struct ArenaRange {
 
 // A part of a kernel's shared memory: what it holds, where (bytes from the
 // start of the kernel's dynamic shared memory), how much.
-// The mainloop a matmul kernel runs (emit.cpp, matmul()): the pipelined one
+// The mainloop a matmul kernel runs (emit_matmul.cpp, matmul()): the pipelined one
 // (templates/gemm.cuh) on 16-bit operands or on f32 ones as TF32
 // (--allow-tf32), the f32 SIMT one (same file), the 64 x 64
 // tensor-core tile, or the portable tile

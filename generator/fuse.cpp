@@ -493,14 +493,14 @@ class Fuser {
     }
   }
   // Whether the emitter will run the kernel on the pipelined or the SIMT
-  // mainloop: a matmul alone or with its epilogue, no prologue (emit.cpp,
+  // mainloop: a matmul alone or with its epilogue, no prologue (emit_matmul.cpp,
   // matmul()).
   bool runs_pipelined(const KernelGroup& k) const {
     const int t = k.tasks.front();
     return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
            p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
   }
-  // Whether kernel `k` runs a flash attention kernel, forward or (trained) backward (emit.cpp asks the same).
+  // Whether kernel `k` runs a flash attention kernel, forward or (trained) backward (emit_attention.cpp asks the same).
   bool runs_flash(const KernelGroup& k) const {
     if (k.flash_trained) return true;
     return k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0 &&
@@ -521,7 +521,7 @@ class Fuser {
   // output only matmuls read in its phase, each as the left operand of the
   // first task of its kernel, runs in those kernels instead: each
   // normalises the rows of its tile
-  // (emit.cpp: staged in shared memory, or element by element as it loads
+  // (emit_matmul.cpp: staged in shared memory, or element by element as it loads
   // them). Each element is then computed once per column tile of each
   // reader, as often as the matmul loads it anyway.
   void fold_prologues() {
@@ -578,7 +578,7 @@ class Fuser {
   // several matmuls read gets the sum of their gradients: a transformer's
   // normalised input, read by q, k and v) takes that matmul in: one product
   // over the concatenated inner dimensions, a @ b + c @ d, each tile's
-  // accumulator taking every term's k in turn (emit.cpp). The other term
+  // accumulator taking every term's k in turn (emit_matmul.cpp). The other term
   // (itself a sum, where three or more add up) runs where the add did, and
   // neither product nor partial sum reaches memory.
   void sum_matmuls() {
@@ -693,7 +693,7 @@ class Fuser {
   // joins the kernel of the first matmul of its phase that reads its value
   // as the left operand: each block computes its rows of the value, every
   // column of them, into shared memory, then its rows of the second product
-  // from there (emit.cpp). The value (an MLP's hidden activation) reaches
+  // from there (emit_matmul.cpp). The value (an MLP's hidden activation) reaches
   // memory only where something else reads it. The merged kernel runs where
   // the second did: its other operands may come from the kernels between.
   void chain_matmuls() {
@@ -744,7 +744,7 @@ class Fuser {
   // over its rows (a bias gradient's sum over rows, a weight gradient
   // a^T @ value) run in that kernel instead: each block keeps a column tile
   // of the value, walking every tile of rows in turn, and accumulates its
-  // columns of each reduction as it goes (emit.cpp), so the value (an
+  // columns of each reduction as it goes (emit_matmul.cpp), so the value (an
   // activation's gradient) never reaches memory unless read elsewhere. The
   // merged kernel runs where the matmul's did: the reductions' other
   // operands must be ready by then.
@@ -868,7 +868,7 @@ class Fuser {
   // Rule attention_backward: the gradient tasks of an attention, as the
   // derive pass writes them (kernels.h: dp = dcontext v^T, ds =
   // softmax_backward(probs, dp), then dq = ds k, dk = ds^T q, dv = probs^T
-  // dcontext where derived), run in one kernel, a block per head (emit.cpp):
+  // dcontext where derived), run in one kernel, a block per head (emit_attention.cpp):
   // dp and ds never leave it, and the block's sums over its query rows
   // give the key and value gradients without atomics. Their kernels (each
   // gradient's with its epilogue, such as its head merge) become one, which
@@ -1062,7 +1062,7 @@ class Fuser {
   // then split_heads: q, k or v) runs in that kernel instead. Each block
   // stages its batch's input rows (normalised) in shared memory and computes
   // its head's keys and values, and its own query rows, from there
-  // (emit.cpp); the heads reach memory only where read later. A block then
+  // (emit_attention.cpp); the heads reach memory only where read later. A block then
   // runs a whole head, its warps taking the query rows in turn: bounded
   // below, with the projection outputs per block.
   void project_into_attention() {

@@ -124,7 +124,7 @@ std::vector<std::string> kernel_rules(const Program& program, const KernelGroup&
 // The number of launches: one past the largest KernelGroup::launch.
 int launch_count(const std::vector<KernelGroup>& kernels);
 
-// The matmul skeleton's tile (emit.cpp): 16-bit operands run on tensor
+// The matmul skeleton's tile (emit_matmul.cpp): 16-bit operands run on tensor
 // cores in 64 x 64 tiles, f32 ones in 32 x 32 tiles (no TF32: docs/architecture.md §9).
 // Its rows per block, and the shared memory its operand tiles take.
 inline int64_t matmul_tile_rows(DType a) { return a == DType::f16 || a == DType::bf16 ? 64 : 32; }
@@ -132,7 +132,7 @@ inline int64_t matmul_tile_rows(DType a) { return a == DType::f16 || a == DType:
 inline int64_t matmul_tile_threads(DType a) { return matmul_tile_rows(a) == 64 ? 128 : 256; }
 // Rule row_reduction: the accumulators each thread of such a block holds for
 // one reduction of `outputs` rows (1 for a sum over the rows, K for a weight
-// gradient) over a column tile (emit.cpp declares them; fuse.cpp bounds
+// gradient) over a column tile (emit_matmul.cpp declares them; fuse.cpp bounds
 // their sum over a kernel's reductions).
 inline int64_t row_reduction_registers(int64_t outputs, DType a) {
   return (outputs * matmul_tile_rows(a) + matmul_tile_threads(a) - 1) / matmul_tile_threads(a);
@@ -289,7 +289,7 @@ RowReductionShared row_reduction_shared(DType a, DType value, const std::vector<
 
 // Whether matmul a @ b -> out multiplies every row of `a` by one matrix,
 // [..., M, K] @ [K, N] (`a` not transposed, `b`'s leading axes all 1): the
-// matmul skeleton then runs it as one [rows, K] @ [K, N] (emit.cpp), and a
+// matmul skeleton then runs it as one [rows, K] @ [K, N] (emit_matmul.cpp), and a
 // matmul chain takes only such products (fuse.cpp).
 bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool trans_a);
 
@@ -310,7 +310,7 @@ size_t first_row_reduction(const Program& program, const KernelGroup& k);
 // ends it); 0 where there are none, or for a kernel of another rule.
 size_t attention_scores(const Program& program, const KernelGroup& k);
 
-// The attention skeleton's query rows per block, one warp each (emit.cpp):
+// The attention skeleton's query rows per block, one warp each (emit_attention.cpp):
 // up to 8, a divisor of Tq, all of one head, whose per-warp scratch (the
 // query row and its scores, D + Tk floats) fits in shared memory.
 int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
@@ -477,7 +477,7 @@ struct MatmulSum {
 };
 MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k);
 
-// The attention_backward skeleton (emit.cpp): a block of 256 threads per
+// The attention_backward skeleton (emit_attention.cpp): a block of 256 threads per
 // head, its 8 warps taking a tile of 8 query rows at a time, one each.
 inline constexpr int64_t kAttentionBackwardThreads = 256;
 inline constexpr int64_t kAttentionBackwardRows = 8;

@@ -73,7 +73,7 @@ struct OpSignature {
   //             its operand rows as it loads them (rule norm_prologue): the
   //             prologue computes the bundled norm's formula, not the op's.
   //   skeleton  the emitter's kernel skeleton of a reduction, gather or opaque
-  //             op (emit.cpp, named_skeleton), where not the op's own name:
+  //             op (emit.cpp, Emitter::named_skeleton), where not the op's own name:
   //             a user's op with a bundled op's calling convention runs its
   //             skeleton, calling the op's own function.
   std::string epilogue;
