@@ -196,7 +196,7 @@ echo
 echo "Nsight Compute on the flash attention backward kernel (T2048, not causal, deterministic): where its time goes"
 if command -v ncu >/dev/null && [[ -f $log/attention_train_2048.json ]] && have_time 60 "Nsight Compute on the flash backward"; then
   ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --kernel-name regex:'k1_dp' --launch-count 1 \
+    --section MemoryWorkloadAnalysis --kernel-name regex:'^k1_dp$' --launch-count 1 \
     "$kit/bin/bench_megakernel" --modes kernels --runs 1 --step "$log/attention_train_2048.json" 2>&1 |
     grep -E '^  [a-z0-9_]+|Duration|Throughput|Occupancy|Registers|Shared Memory|Stall|Warp Cycles|Block Limit|Issued|L1/TEX Hit|Bank' | head -50
 fi
