@@ -66,7 +66,10 @@ std::string describe(const Program& p) {
     out += fmt::format("{:<10} {:>6}  {}\n", to_string(phase), n, fmt::join(parts, ", "));
   }
 
-  out += fmt::format("\n{:<12} {:>8} {:>14} {:>10}\n", "storage", "buffers", "bytes", "");
+  // The buffers as the graph declares them; fusion keeps some in registers
+  // (the kernels' table and the arena line after it say which, and what the
+  // arena takes).
+  out += fmt::format("\n{:<12} {:>8} {:>14} {:>10}\n", "storage", "buffers", "bytes", "(declared)");
   int64_t total = 0;
   for (Storage s : {Storage::external, Storage::persistent, Storage::saved, Storage::transient}) {
     int n = 0;

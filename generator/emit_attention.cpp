@@ -43,10 +43,11 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   std::string why_not_flash = !projections.empty() ? "the kernel computes its projections' heads itself"
                               : !global_wrapper_  ? "it shares its launch with other kernels"
                                                   : std::string();
-  if (why_not_flash.empty())
-    if (const std::optional<FlashAttentionTile> tile =
-            flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained))
-      return flash_attention(k, first, *tile, std::move(ek), tail.code, tail.params, emitted);
+  if (why_not_flash.empty()) {
+    if (k.flash) return flash_attention(k, first, *k.flash, std::move(ek), tail.code, tail.params, emitted);
+    // The fusion pass found no flash tile (KernelGroup::flash): only why, for describe.
+    flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained);
+  }
   if (k.flash_trained) {
     fail(ts, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name,
                              why_not_flash),
@@ -451,19 +452,17 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
            "--no-fuse-rule attention_backward avoids it; please report it with the graph");
       return {};
     }
-    FlashTraining roles{.dp = tdp, .ds = tds, .dq = g.dq == AttentionGradient::none ? -1 : k.tasks[g.dq],
-                        .dk = g.dk == AttentionGradient::none ? -1 : k.tasks[g.dk],
-                        .dv = g.dv == AttentionGradient::none ? -1 : k.tasks[g.dv]};
-    std::string why_not;
-    // The atomic mode (--atomic-attention-backward): the key blocks sum dq too, with atomics.
-    const bool atomic = flash_backward_atomic(k);
-    const std::optional<FlashAttentionTile> tile =
-        flash_backward_tile_of(p_, roles, options_.megakernel, &why_not, options_.arch, atomic);
-    if (!tile) {
-      fail(tds, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name, why_not),
+    FlashTraining roles = k.flash_roles;  // (the forward's tasks too, as the fusion pass found them)
+    // The tile the fusion pass chose (KernelGroup::flash); in the atomic mode
+    // (--atomic-attention-backward) the key blocks sum dq too, with atomics.
+    const std::optional<FlashAttentionTile>& tile = k.flash;
+    if (!tile || roles.scores < 0) {
+      fail(tds, "", fmt::format("internal error: kernel {} trains on the flash kernels, but the fusion pass chose no "
+                                "flash backward tile for it", k.name),
            "--no-fuse-rule attention_backward avoids it; please report it with the graph");
       return {};
     }
+    const bool atomic = tile->atomic_dq;
     const std::vector<Param> scores = params(roles.scores);
     for (const auto& [name, slot] : {std::pair{"q", "a"}, std::pair{"k", "b"}})
       if (std::none_of(launch.begin(), launch.end(), [&](const LaunchParam& lp) { return lp.name == name; }))
@@ -853,18 +852,13 @@ Emitter::ProjectionCode Emitter::projection_code(const KernelGroup& k, const std
 }
 
 // Whether kernel `k` runs flash attention's backward kernel in the atomic
-// mode: asked for, dq and a key or value gradient present, heads of up to
-// 64 (square tiles); then the f32 sums of dq over all its heads and their
-// query tiles.
+// mode (its tile's atomic_dq, as the fusion pass chose it: asked for, dq and
+// a key or value gradient present, heads of up to 64); then the f32 sums of
+// dq over all its heads and their query tiles.
 bool Emitter::flash_backward_atomic(const KernelGroup& k, int64_t* dq_floats, int64_t* query_tiles) const {
-  if (!options_.atomic_attention_backward || !k.flash_trained || k.rule != FusionRule::attention_backward) return false;
+  if (!k.flash_trained || k.rule != FusionRule::attention_backward || !k.flash || !k.flash->atomic_dq) return false;
+  const FlashAttentionTile* tile = &*k.flash;
   const AttentionGradient g = attention_gradient(p_, k);
-  if (g.dq == AttentionGradient::none || (g.dk == AttentionGradient::none && g.dv == AttentionGradient::none))
-    return false;
-  auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
-  FlashTraining roles{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
-  const std::optional<FlashAttentionTile> tile = flash_backward_tile_of(p_, roles, false, nullptr, options_.arch, true);
-  if (!tile || tile->block_n != tile->block_m) return false;
   const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(k.tasks[g.dq])].find_tensor("out")->buffer)].shape;
   const int64_t Tq = dq[dq.size() - 2], heads = numel(dq) / (Tq * dq.back());
   if (dq_floats != nullptr) *dq_floats = heads * Tq * tile->head_d;

@@ -801,8 +801,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
     if (k.rule != FusionRule::attention || k.tasks.size() < 3 || attention_scores(p_, k) != 0 ||
         !alone_in_launch(kernels, i))
       continue;
-    const std::optional<FlashAttentionTile> tile =
-        flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], false, nullptr, options_.arch, k.flash_trained);
+    const std::optional<FlashAttentionTile>& tile = k.flash;  // as the fusion pass chose it
     if (!tile || tile->splits < 2) continue;
     const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)].shape;
     const int64_t Tq = q[q.size() - 2], heads = numel(q) / (Tq * q.back()), m_tiles = (Tq + tile->block_m - 1) / tile->block_m;

@@ -159,6 +159,7 @@ class Fuser {
       KernelGroup& kernel = out_.kernels[k];
       kernel.name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(kernel.tasks.front())].task->id;
       kernel.ir = kir::build(p_, kernel);
+      kernel.flash = flash_tile(kernel, kernel.flash_roles);
     }
     batch_launches();
     out_.notes = notes_.take();
@@ -499,6 +500,22 @@ class Fuser {
     const int t = k.tasks.front();
     return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
            p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
+  }
+  // The flash tile settled kernel `k` runs (KernelGroup::flash), or nullopt:
+  // an attention kernel whose scores come first (no projections computed in
+  // it) on the flash kernel; a flash_trained gradient kernel on the backward
+  // kernel, in the atomic mode where asked for and it applies (dq and a key
+  // or value gradient present, square tiles).
+  std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles) const {
+    if (k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0)
+      return flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel, nullptr, options_.arch,
+                                     k.flash_trained);
+    if (!k.flash_trained || k.rule != FusionRule::attention_backward) return std::nullopt;
+    const AttentionGradient g = attention_gradient(p_, k);
+    auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
+    roles = FlashTraining{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
+    const bool atomic = options_.atomic_attention_backward && roles.dq >= 0 && (roles.dk >= 0 || roles.dv >= 0);
+    return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.arch, atomic);
   }
   // Whether kernel `k` runs a flash attention kernel, forward or (trained) backward (emit_attention.cpp asks the same).
   bool runs_flash(const KernelGroup& k) const {

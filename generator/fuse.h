@@ -102,6 +102,11 @@ struct FuseOptions {
   // Whether the kernels become a megakernel (EmitOptions::megakernel), whose
   // blocks are one size: no flash attention, so no attention over 1024 keys.
   bool megakernel = false;
+  // The target (EmitOptions::arch: its SMs size the flash kernel's split of
+  // the keys) and whether attention's backward kernel sums dq with atomics
+  // (EmitOptions::atomic_attention_backward): the flash tiles are decided here.
+  std::string arch = "sm_90";
+  bool atomic_attention_backward = false;
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

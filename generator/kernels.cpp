@@ -368,8 +368,9 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // room for more. The atomic mode's ds^T tile is square: 64 rows a step at heads
   // of up to 64.
   const bool wide = std::max(tile.d, tile.dv) > 64;
-  tile.block_n = atomic_dq && !wide ? 64 : 32;
-  tile.min_blocks_per_sm = wide || atomic_dq ? 1 : 3;
+  tile.atomic_dq = atomic_dq && !wide;
+  tile.block_n = tile.atomic_dq ? 64 : 32;
+  tile.min_blocks_per_sm = wide || tile.atomic_dq ? 1 : 3;
   return tile;
 }
 

@@ -43,6 +43,63 @@ inline constexpr FusionRule kAllFusionRules[] = {
 // Its name in docs/fusion.md, describe and --no-fuse-rule; "" for none.
 const char* to_string(FusionRule rule);
 
+// Rule attention on tensor cores (templates/softmax_flash.cuh,
+// docs/attention.md): flash attention's tile, cg_flash_config's parameters.
+// A block of block_m / 16 warps owns block_m query rows of one head; keys and
+// values stream through shared memory block_n rows at a time, `stages` tiles
+// in flight.
+struct FlashAttentionTile {
+  int d = 0, dv = 0, block_m = 64, block_n = 64, stages = 2;
+  // The heads' own sizes, where narrower than the tiles' d and dv (padded: 80
+  // or 96 values in tiles of 128); equal otherwise.
+  int head_d = 0, head_dv = 0;
+  // Split-KV (decoding): where the blocks of row tiles and heads are fewer
+  // than kFlashBlocksPerSm a SM of the arch, the key tiles are cut into `splits` ranges of
+  // `tiles_per_split` tiles (at least kMinKeyTilesPerSplit, at most
+  // kMaxKeySplits ranges), a block each, combined in split order by the last
+  // block of each row tile (cg_flash_attention_split); 1: no split.
+  int splits = 1;
+  int64_t tiles_per_split = 0;
+  // The blocks a SM that its registers are budgeted for (__launch_bounds__).
+  int min_blocks_per_sm = 1;
+  // The backward kernel's atomic mode (--atomic-attention-backward): its key
+  // blocks sum dq with atomics (square tiles; no query blocks).
+  bool atomic_dq = false;
+  int threads() const { return 32 * (block_m / 16); }
+  // The workspace of a split attention over `heads` heads and `m_tiles` row
+  // tiles: each split's partial rows (dv + 2 floats: o, maximum, sum) and a
+  // counter per row tile.
+  int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
+    return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
+  }
+  // cg_flash_shared<Config, T>::bytes (16-bit elements): the q tile and the
+  // stages of keys and values, or the staged output tile where more.
+  int64_t shared_bytes() const {
+    return std::max<int64_t>(2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
+                             int64_t(4) * block_m * (dv + 8));
+  }
+  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
+  std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
+  // The backward kernel's (cg_flash_backward_shared): a block's own rows of
+  // both kinds, the stages of streamed rows and their rows' statistics, or the
+  // staged output tile where more.
+  // With `atomic_dq`, the key block's tile of ds^T too.
+  int64_t backward_shared_bytes(bool atomic_dq = false) const {
+    const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
+                         8 * int64_t(stages) * block_n +
+                         (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
+    return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
+  }
+};
+
+// The tasks of an attention trained on flash kernels: the forward's scores
+// matmul, softmax and matmul by the values; the gradient kernel's roles
+// (AttentionGradient, task indices, -1 where absent).
+struct FlashTraining {
+  int scores = -1, softmax = -1, values = -1;
+  int dp = -1, ds = -1, dq = -1, dk = -1, dv = -1;
+};
+
 struct KernelGroup {
   std::string name;        // k<index>_<first task id>: a C identifier
   Phase phase = Phase::forward;
@@ -74,6 +131,12 @@ struct KernelGroup {
   // both kernels' internal_buffers): the forward kernel saves each row's
   // log-sum-exp and its output o, and the gradient kernel recomputes them.
   bool flash_trained = false;
+  // The flash tile the kernel runs, decided once by the fusion pass when it
+  // has settled the kernels: an attention kernel's on the flash kernel (its
+  // forward), or a flash_trained gradient kernel's (the backward kernel's,
+  // atomic_dq in the atomic mode); empty for every other kernel.
+  std::optional<FlashAttentionTile> flash;
+  FlashTraining flash_roles;  // the gradient kernel's: its tasks' roles, the forward's too
   // What the kernel computes, as a mainloop with its stages' operand and
   // epilogue trees (kir.h): made from the fields above once the fusion pass
   // has settled them (fuse(), one_kernel_per_task()).
@@ -321,51 +384,6 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 // at most this many values) or the flash kernel (any number of keys).
 inline constexpr int64_t kMaxAttentionKeys = 1024;
 
-// Rule attention on tensor cores (templates/softmax_flash.cuh,
-// docs/attention.md): flash attention's tile, cg_flash_config's parameters.
-// A block of block_m / 16 warps owns block_m query rows of one head; keys and
-// values stream through shared memory block_n rows at a time, `stages` tiles
-// in flight.
-struct FlashAttentionTile {
-  int d = 0, dv = 0, block_m = 64, block_n = 64, stages = 2;
-  // The heads' own sizes, where narrower than the tiles' d and dv (padded: 80
-  // or 96 values in tiles of 128); equal otherwise.
-  int head_d = 0, head_dv = 0;
-  // Split-KV (decoding): where the blocks of row tiles and heads are fewer
-  // than kFlashBlocksPerSm a SM of the arch, the key tiles are cut into `splits` ranges of
-  // `tiles_per_split` tiles (at least kMinKeyTilesPerSplit, at most
-  // kMaxKeySplits ranges), a block each, combined in split order by the last
-  // block of each row tile (cg_flash_attention_split); 1: no split.
-  int splits = 1;
-  int64_t tiles_per_split = 0;
-  // The blocks a SM that its registers are budgeted for (__launch_bounds__).
-  int min_blocks_per_sm = 1;
-  int threads() const { return 32 * (block_m / 16); }
-  // The workspace of a split attention over `heads` heads and `m_tiles` row
-  // tiles: each split's partial rows (dv + 2 floats: o, maximum, sum) and a
-  // counter per row tile.
-  int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
-    return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
-  }
-  // cg_flash_shared<Config, T>::bytes (16-bit elements): the q tile and the
-  // stages of keys and values, or the staged output tile where more.
-  int64_t shared_bytes() const {
-    return std::max<int64_t>(2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
-                             int64_t(4) * block_m * (dv + 8));
-  }
-  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
-  std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
-  // The backward kernel's (cg_flash_backward_shared): a block's own rows of
-  // both kinds, the stages of streamed rows and their rows' statistics, or the
-  // staged output tile where more.
-  // With `atomic_dq`, the key block's tile of ds^T too.
-  int64_t backward_shared_bytes(bool atomic_dq = false) const {
-    const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
-                         8 * int64_t(stages) * block_n +
-                         (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
-    return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
-  }
-};
 
 // The flash tile for the attention whose scores matmul is task `scores` and
 // whose softmax is `softmax` (the probabilities' one reader its matmul by the
@@ -384,13 +402,6 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
                                                           std::string* why_not = nullptr,
                                                           const std::string& arch = "sm_90", bool trained = false);
 
-// The tasks of an attention trained on flash kernels: the forward's scores
-// matmul, softmax and matmul by the values; the gradient kernel's roles
-// (AttentionGradient, task indices, -1 where absent).
-struct FlashTraining {
-  int scores = -1, softmax = -1, values = -1;
-  int dp = -1, ds = -1, dq = -1, dk = -1, dv = -1;
-};
 
 // The backward kernel's blocks own this many keys or query rows; its rows'
 // statistics (cg_flash_backward_rows) cover each head's Tq rows rounded up to

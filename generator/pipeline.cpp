@@ -1,5 +1,7 @@
 #include "pipeline.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "derive.h"
@@ -158,6 +160,8 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   FuseOptions fuse_options = options.fuse;
   fuse_options.megakernel = options.emit.megakernel;
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
+  fuse_options.arch = options.emit.arch;
+  fuse_options.atomic_attention_backward = options.emit.atomic_attention_backward;
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
   dump("fuse", [&] { return dump_fusion(c.program, fusion, true); });
   c.kernels = std::move(fusion.kernels);
@@ -165,6 +169,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   c.launch_notes = std::move(fusion.launch_notes);
 
   c.plan = plan_memory(c.program, c.kernels, options.plan);
+  c.plan.planned_bytes = c.plan.arena_bytes;
   dump("plan", [&] { return dump_plan(c.program, c.plan); });
   return c;
 }
@@ -173,6 +178,31 @@ std::string plan_table(const Program& program, const Plan& plan) { return dump_p
 
 std::string fusion_table(const Compiled& c) {
   return dump_fusion(c.program, Fusion{c.kernels, c.fusion_notes, c.launch_notes}, false);
+}
+
+std::string describe_arena(const Compiled& c) {
+  int64_t in_registers = 0;
+  int buffers = 0;
+  for (size_t b = 0; b < c.plan.buffers.size(); ++b)
+    if (c.plan.buffers[b].internal) {
+      in_registers += c.program.buffers[b].bytes;
+      ++buffers;
+    }
+  const int64_t after = c.emitted.arena_bytes - c.plan.planned_bytes;
+  std::string out = fmt::format("\narena: {} bytes ({}): the plan's {} (its lower bound {})", c.emitted.arena_bytes,
+                                human_bytes(c.emitted.arena_bytes), c.plan.planned_bytes, c.plan.lower_bound);
+  if (after > 0) {
+    std::vector<std::string> what;
+    if (std::any_of(c.kernels.begin(), c.kernels.end(), [](const KernelGroup& k) { return k.flash_trained; }))
+      what.push_back("flash attention's saved row statistics");
+    if (c.options.emit.megakernel) what.push_back("the megakernel's event counters");
+    else if (c.emitted.sync_bytes > 0) what.push_back("split-K's partial sums and counters");
+    out += fmt::format(" and {} after it ({})", after, fmt::join(what, ", "));
+  }
+  if (buffers > 0)
+    out += fmt::format("; {} buffer{} ({}) kept in kernels' registers or shared memory take none", buffers,
+                       buffers == 1 ? "" : "s", human_bytes(in_registers));
+  return out + "\n";
 }
 
 std::string describe_matmul_paths(const Compiled& c) {

@@ -68,6 +68,11 @@ std::string fusion_table(const Compiled& compiled);
 // The options as one line, for the provenance header and the manifest.
 std::string describe_options(const CompileOptions& options);
 
+// The arena a compiled graph runs in, against its plan, and what fusion kept
+// out of it (`cudagen describe`: its storage table lists the graph's buffers
+// as declared).
+std::string describe_arena(const Compiled& compiled);
+
 // Which mainloop each matmul kernel runs, and why (`cudagen describe`).
 std::string describe_matmul_paths(const Compiled& compiled);
 

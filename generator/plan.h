@@ -52,8 +52,10 @@ struct Plan {
   std::vector<PlannedBuffer> buffers;  // same order as Program::buffers
   std::vector<PlannedScalar> scalars;  // in task order, one per run-time argument that no other follows
   // Every byte the runtime allocates: buffers, then the scalars region, then
-  // (with --megakernel, added by the pipeline after emit) the event counters.
+  // (added by the pipeline after emit) the emitter's workspaces: the
+  // megakernel's event counters, split-K's sums, flash attention's statistics.
   int64_t arena_bytes = 0;
+  int64_t planned_bytes = 0;  // arena_bytes as the planner left it, before those workspaces
   int64_t persistent_bytes = 0;  // the persistent region, at the start of the arena
   int64_t scalars_offset = 0;    // the scalars region, after every buffer
   int64_t scalars_bytes = 0;

@@ -120,7 +120,8 @@ int run_describe(Cli& cli) {
     // The fusion pass needs no templates: a graph of ops without one still shows its kernels.
     fmt::print("\nkernels: {}", fusion_table(plan_program(std::move(p), cli.compile)));
     try {  // the emitter chooses the mainloops: compile again, to the end
-      fmt::print("{}", describe_matmul_paths(compile(load_program(cli.graph_path, cli.frontend), cli.compile)));
+      const Compiled c = compile(load_program(cli.graph_path, cli.frontend), cli.compile);
+      fmt::print("{}{}", describe_matmul_paths(c), describe_arena(c));
     } catch (const CompileError&) {
       fmt::print("\nmatmul mainloops: not shown, the graph does not compile yet (`cudagen compile` says why)\n");
     }
@@ -128,7 +129,7 @@ int run_describe(Cli& cli) {
   }
   Compiled c = compile(std::move(p), cli.compile);
   fmt::print("\nkernels: {}", fusion_table(c));
-  fmt::print("{}", describe_matmul_paths(c));
+  fmt::print("{}{}", describe_matmul_paths(c), describe_arena(c));
   fmt::print("\nmegakernel schedule:\n{}", describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels));
   return kExitOk;
 }

@@ -944,6 +944,10 @@ TEST(FlashAttention, TrainingArenaGrowsLinearlyInTokens) {
           << buffer_name(c.program, pb.buffer) << " is " << shape_to_string(shape) << " in the arena";
     }
     arena.push_back(c.emitted.arena_bytes);
+    // `cudagen describe` says what the arena holds past the plan, and what fusion kept out of it.
+    const std::string described = describe_arena(c);
+    EXPECT_NE(described.find("after it (flash attention's saved row statistics); "), std::string::npos) << described;
+    EXPECT_NE(described.find("GiB) kept in kernels' registers"), std::string::npos) << described;
   }
   EXPECT_LE(double(arena[1]), 2.1 * double(arena[0])) << arena[0] << " -> " << arena[1] << " bytes";
   // The saved statistics count against a budget: one the memory plan meets, but not with them, is refused.

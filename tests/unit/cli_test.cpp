@@ -103,7 +103,8 @@ TEST_F(Cli, DescribeShowsKernelsAndLaunches) {
   for (const char* want : {"kernels: 11 kernels in 4 launches", "L0    k7_w_down", "[matmul_epilogue]",
                            "L1    k8_q                         forward   ln1 (prologue), q, q_heads, k, k_heads, v, v_heads, "
                            "scores, probs, context, merged  [norm_prologue, attention_projection, attention]",
-                           "not in the launch before (rule horizontal)", "it reads 'merged.out', which k8_q writes"})
+                           "not in the launch before (rule horizontal)", "it reads 'merged.out', which k8_q writes",
+                           "bytes (declared)", "kept in kernels' registers or shared memory take none"})
     EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
   r = run("describe --no-fuse-rule horizontal --no-fuse-rule attention_projection " +
           source_path("examples/transformer_block.json"));
@@ -120,7 +121,8 @@ TEST_F(Cli, DescribeMegakernelPrintsTheScheduleAndCompileTakesItsOptions) {
   CliResult r = run("describe --megakernel --megakernel-blocks 3 " + source_path("examples/mlp_train.json"));
   ASSERT_EQ(r.status, 0) << r.err;
   for (const char* want : {"megakernel schedule:", "forward phase: one megakernel of 3 blocks x 256 threads",
-                           "critical path", "blocks idle", "events (triggers per launch):", "block   2 ("})
+                           "critical path", "blocks idle", "events (triggers per launch):", "block   2 (",
+                           "after it (the megakernel's event counters)"})
     EXPECT_NE(r.out.find(want), std::string::npos) << "missing: " << want << "\n" << r.out;
 
   std::string cu = (dir_ / "mk.cu").string(), manifest = (dir_ / "mk.json").string();
