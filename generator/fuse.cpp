@@ -517,12 +517,9 @@ class Fuser {
     const bool atomic = options_.atomic_attention_backward && roles.dq >= 0 && (roles.dk >= 0 || roles.dv >= 0);
     return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.arch, atomic);
   }
-  // Whether kernel `k` runs a flash attention kernel, forward or (trained) backward (emit_attention.cpp asks the same).
-  bool runs_flash(const KernelGroup& k) const {
-    if (k.flash_trained) return true;
-    return k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0 &&
-           flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel).has_value();
-  }
+  // Whether settled kernel `k` runs a flash attention kernel, forward or
+  // (trained) backward: it has a flash tile (flash_tile, set before launches are batched).
+  static bool runs_flash(const KernelGroup& k) { return k.flash.has_value(); }
   // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
   // given its kernel alone without a prologue; empty otherwise.
   std::string mainloop_of(int t) const {

@@ -669,10 +669,11 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
     // p^T, zero past the keys, past Tq (lse_log2 +inf) and, causal, above the diagonal.
     // In 32 bits, once a tile: this lane's first key's distance to the
     // last key and to the tile's first query row (both clamped to a tile).
-    const bool edge = key0 + BM > Tk || (causal && key0 + 16 * warp + 15 > m * BN);
+    const cg_i64 query0 = (cg_i64)m * BN;  // the tile's first query row (in 64 bits: the index is 32)
+    const bool edge = key0 + BM > Tk || (causal && key0 + 16 * warp + 15 > query0);
     const cg_i64 lane_key = key0 + 16 * warp + g;
     const int keys_left = (int)cg_clamp_i64(Tk - lane_key, -BM, BM);
-    const int past_row = (int)cg_clamp_i64(lane_key - m * BN, -2 * BN, 2 * BN);
+    const int past_row = (int)cg_clamp_i64(lane_key - query0, -2 * BN, 2 * BN);
     CG_UNROLL
     for (int j = 0; j < NQ; ++j)
       CG_UNROLL
@@ -809,7 +810,7 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
     cg_zero_accumulators(dp);
     CG_UNROLL
     for (int kk = 0; kk < D / 16; ++kk) cg_mma_across<StreamK, BN>(s, qa[kk], tile_k, tile_k_ptr, 16 * kk);
-    const cg_i64 key0 = n * BN;
+    const cg_i64 key0 = (cg_i64)n * BN;  // (in 64 bits: the index is 32)
     // In 32 bits, once a tile: this lane's first key's distance to the
     // last key and past this thread's first row (both clamped to a tile).
     const bool edge = key0 + BN > Tk || (causal && key0 + BN - 1 > m0 + 16 * warp);
