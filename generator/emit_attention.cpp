@@ -54,10 +54,9 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
          "--no-fuse-rule attention_backward avoids it; please report it with the graph");
     return {};
   }
-  if (!std::equal(sq.begin(), sq.end() - 2, kk.buffer->shape.begin()))
-    fail(ts, "", fmt::format("internal error: a grouped-query attention (k {} for q {}) was fused, but the flash kernel "
-                             "does not apply: {}",
-                             shape_to_string(kk.buffer->shape), shape_to_string(sq), why_not_flash));
+  // Grouped-query attention: the head of keys and values a head of q reads
+  // (`head` q's head; the rule refuses projections computed in the kernel).
+  const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
   if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys)
     return streamed_attention(k, first, std::move(ek), tail.code, tail.params, why_not_flash, emitted);
   ek.matmul_path = "CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: " + why_not_flash;
@@ -96,9 +95,10 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
                  : fmt::format(
                        "  CG_DYNAMIC_SMEM(cg_smem);\n"
                        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
-                       "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
-                       "  const cg_i64 keys = (cg_i64)tile.x * {0} / {1} * {2};  // the first key (and value) row of the block's head\n",
-                       per_block, Tq, Tk);
+                       "  const cg_i64 row = (cg_i64)tile.x * {0} + warp, head = (cg_i64)tile.x * {0} / {1};\n"
+                       "  const cg_i64 keys = {3} * {2};  // the first key (and value) row of the block's head{4}\n",
+                       per_block, Tq, Tk, kv_head == "head" ? "head" : "(" + kv_head + ")",
+                       kv_head == "head" ? "" : " (of its group's: grouped-query attention)");
   std::string load_q = load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D));
   std::string load_k = load_element("k", kk.buffer->dtype, fmt::format("(keys + j) * {} + c", D));
   std::string load_v = load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv));
@@ -173,8 +173,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
   const int64_t Dv = v.buffer->shape.back(), heads = numel(sq) / (Tq * D);
   // Grouped-query attention: the head of keys and values a head of q reads.
-  const std::string kv_head = broadcast_index(Shape(sq.begin(), sq.end() - 2),
-                                              Shape(kk.buffer->shape.begin(), kk.buffer->shape.end() - 2), "head");
+  const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
   const int64_t m_tiles = (Tq + tile.block_m - 1) / tile.block_m;
   const bool causal = arg_bool(tp, "causal");
   ek.block = tile.threads();
@@ -257,6 +256,7 @@ std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, Emit
   const Shape& sq = q.buffer->shape;
   const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
   const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
+  const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
   constexpr int64_t per_block = 8;
   ek.block = int(32 * per_block);
   ek.grid[0] = (rows + per_block - 1) / per_block;
@@ -271,8 +271,8 @@ std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, Emit
   std::string body = fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
-      "  const cg_i64 row = (cg_i64)tile.x * {0} + warp;\n"
-      "  const cg_i64 keys = row / {1} * {2};  // the first key (and value) row of the row's head\n"
+      "  const cg_i64 row = (cg_i64)tile.x * {0} + warp, head = row / {1};\n"
+      "  const cg_i64 keys = {15} * {2};  // the first key (and value) row of the row's head{16}\n"
       "  if (warp < {0} && row < {3})\n"
       "    cg_attention_row_streamed<{4}>([&](int c) {{ return {5}; }},\n"
       "                                  [&](int j, int c) {{ return {6}; }},\n"
@@ -286,7 +286,8 @@ std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, Emit
       store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                   : std::string("(void)j, (void)p"),
       store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), D, Dv,
-      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid);
+      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, kv_head == "head" ? "head" : "(" + kv_head + ")",
+      kv_head == "head" ? "" : " (of its group's: grouped-query attention)");
   epilogue_buffer_ = -1;
   std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
                                      buffer_param("v", v, false)};
@@ -514,15 +515,19 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
                          store(gr, fmt::format("(head * {} + row) * {} + c", rows, width), value));
     };
     const int64_t D_heads = dq.present ? dq.width : dk.present ? dk.width : q.buffer->shape.back();
+    // Grouped-query attention: the head of keys and values a head of q reads
+    // (dk and dv are still the query head's: the tasks after sum the group).
+    const std::string kv_head = kv_head_of(q.buffer->shape, param(scores, "b").buffer->shape, "head");
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
-        "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head.\n"
+        "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head{3}.\n"
         "  typedef cg_flash_config<{2}> cg_config;\n"
-        "  const cg_i64 head = tile.y;\n",
-        key_tiles, query_tiles, tile->arguments());
+        "  const cg_i64 head = tile.y, kv_head = {4};\n",
+        key_tiles, query_tiles, tile->arguments(), kv_head == "head" ? "" : " (of q: a group of them shares a head of keys and values)",
+        kv_head);
     body += epilogues;
     body += fmt::format(
-        "  cg_flash_attention_backward<cg_config, {0}, {14}>(q + head * {1}, k + head * {2}, v + head * {3},\n"
+        "  cg_flash_attention_backward<cg_config, {0}, {14}>(q + head * {1}, k + kv_head * {2}, v + kv_head * {3},\n"
         "      dcontext + head * {4}, cg_row_stats + head * {16}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
         "      {15},\n"
         "      {11},  // dq\n"
@@ -577,9 +582,16 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     return fmt::format("{}for (int e = threadIdx.x; e < {}; e += blockDim.x) {}[e] = {};\n", indent, count, to,
                        load_element(name, type, first + " + e"));
   };
-  body += "  // The head's keys and values.\n";
-  if (dq.present) body += stage("cg_keys", dq.operand, dq.operand_type, std::to_string(Tk * D), fmt::format("cg_head * {}", Tk * D));
-  body += stage("cg_values", "v", v.buffer->dtype, std::to_string(Tk * Dv), fmt::format("cg_head * {}", Tk * Dv));
+  // Grouped-query attention: the head of keys and values the block's head of
+  // q reads (dk and dv are still the query head's: the tasks after sum the group).
+  const std::string kv_head = kv_head_of(sp, v.buffer->shape, "cg_head");
+  body += kv_head == "cg_head" ? "  // The head's keys and values.\n"
+                               : fmt::format("  // The keys and values of the head's group (grouped-query attention).\n"
+                                             "  const cg_i64 cg_kv_head = {};\n",
+                                             kv_head);
+  const std::string kv = kv_head == "cg_head" ? "cg_head" : "cg_kv_head";
+  if (dq.present) body += stage("cg_keys", dq.operand, dq.operand_type, std::to_string(Tk * D), fmt::format("{} * {}", kv, Tk * D));
+  body += stage("cg_values", "v", v.buffer->dtype, std::to_string(Tk * Dv), fmt::format("{} * {}", kv, Tk * Dv));
   body += fmt::format(
       "  for (int cg_row0 = 0; cg_row0 < {0}; cg_row0 += {1}) {{\n"
       "    const int cg_rows = {0} - cg_row0 < {1} ? {0} - cg_row0 : {1};\n"

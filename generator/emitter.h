@@ -52,6 +52,13 @@ inline std::string broadcast_index(const Shape& out, const Shape& in, const std:
   return terms.empty() ? "0" : "(" + fmt::format("{}", fmt::join(terms, " + ")) + ")";
 }
 
+// Grouped-query attention: the index of the head of keys (shaped `k`) that
+// head `var` of q (shaped `q`) reads, over the leading axes of both: `var`
+// itself where they are one shape.
+inline std::string kv_head_of(const Shape& q, const Shape& k, const std::string& var) {
+  return broadcast_index(Shape(q.begin(), q.end() - 2), Shape(k.begin(), k.end() - 2), var);
+}
+
 struct Param {
   const BoundTensor* bound;
   const BufferInfo* buffer;

@@ -219,6 +219,15 @@ class Fuser {
     return p_.buffers[size_t(p_.tasks[size_t(t)].find_tensor(slot)->buffer)];
   }
 
+  // Whether a batch of keys or values (`kv`) serves the heads of q: each
+  // leading axis q's or 1 (a group of query heads shares it: grouped-query
+  // attention). Both of one rank.
+  static bool shared_by_groups(const Shape& q, const Shape& kv) {
+    for (size_t i = 0; i + 2 < q.size(); ++i)
+      if (kv[i] != q[i] && kv[i] != 1) return false;
+    return true;
+  }
+
   // Rule attention, first step: softmax `t` after the scores matmul
   // alpha * q k^T, each of [..., T, D] with the same leading axes.
   std::string why_not_attention_softmax(const KernelGroup& group, int t) const {
@@ -231,10 +240,12 @@ class Fuser {
       return fmt::format("'{}' is a reduction op; attention fuses a softmax after a * b^T only", id);
     const Shape& q = slot_buffer(scores, "a").shape;
     const Shape& k = slot_buffer(scores, "b").shape;
-    // (k with 1 where q has a group of heads is grouped-query attention: the flash kernel's alone.)
-    if (q.size() < 2 || k.size() != q.size() ||
-        (!std::equal(q.begin(), q.end() - 2, k.begin()) && !flash_attention_tile_of(p_, scores, t, options_.megakernel)))
-      return fmt::format("'{}' is a reduction op; attention needs the scores' operands with the same leading axes", id);
+    // (k with 1 where q has a group of heads is grouped-query attention: each
+    // query head reads its group's head of keys and values.)
+    if (q.size() < 2 || k.size() != q.size() || !shared_by_groups(q, k))
+      return fmt::format("'{}' is a reduction op; attention needs keys with q's leading axes, or 1 where a group of "
+                         "query heads shares them",
+                         id);
     if (slot_buffer(scores, "out").storage != Storage::transient || readers_[size_t(p_.tasks[size_t(t)].find_tensor("x")->buffer)].size() != 1)
       return fmt::format("'{}' is a reduction op; attention keeps the scores, which are read elsewhere", id);
     if (!constant_args(scores) || !constant_args(t)) return fmt::format("'{}' reads a run-time argument", id);
@@ -969,24 +980,28 @@ class Fuser {
           p_.tasks[size_t(r)].find_tensor("b")->buffer == dout)
         dv = r;
     // Shapes: probs [..., Tq, Tk], dcontext [..., Tq, Dv], v [..., Tk, Dv],
-    // k [..., Tk, D], q [..., Tq, D], all with the same leading axes.
+    // k [..., Tk, D], q [..., Tq, D], all with the same leading axes; k's
+    // and v's may be 1 where q's are not (grouped-query attention: a head of
+    // keys and values for a group of query heads; dk and dv come out per
+    // query head, and the tasks after them sum each group).
     const Shape& sp = p_.buffers[size_t(probs)].shape;
     if (sp.size() < 2) return fmt::format("'{}' is not a batch of matrices", buffer_name(p_, probs));
     const int64_t Tq = sp[sp.size() - 2], Tk = sp.back();
     const Shape lead(sp.begin(), sp.end() - 2);
-    auto fits = [&](int b, int64_t rows) {
+    auto fits = [&](int b, int64_t rows, bool shared_by_a_group = false) {
       const Shape& x = p_.buffers[size_t(b)].shape;
-      return x.size() == sp.size() && std::equal(lead.begin(), lead.end(), x.begin()) && x[x.size() - 2] == rows;
+      if (x.size() != sp.size() || x[x.size() - 2] != rows) return false;
+      return shared_by_a_group ? shared_by_groups(sp, x) : std::equal(lead.begin(), lead.end(), x.begin());
     };
     const int v = p_.tasks[size_t(dp)].find_tensor("b")->buffer;
-    if (!fits(dout, Tq) || !fits(v, Tk) || p_.buffers[size_t(v)].shape.back() != p_.buffers[size_t(dout)].shape.back())
+    if (!fits(dout, Tq) || !fits(v, Tk, true) || p_.buffers[size_t(v)].shape.back() != p_.buffers[size_t(dout)].shape.back())
       return fmt::format("'{}' is not the gradient of a matmul of '{}' by values of its keys' rows",
                          p_.tasks[size_t(dp)].task->id, buffer_name(p_, probs));
     int64_t D = 0;
     for (int r : {dq, dk}) {
       if (r < 0) continue;
       const int operand = p_.tasks[size_t(r)].find_tensor("b")->buffer;
-      if (!fits(operand, r == dq ? Tk : Tq) || (D > 0 && p_.buffers[size_t(operand)].shape.back() != D))
+      if (!fits(operand, r == dq ? Tk : Tq, r == dq) || (D > 0 && p_.buffers[size_t(operand)].shape.back() != D))
         return fmt::format("'{}' multiplies '{}' by '{}', not the keys or queries of its rows", p_.tasks[size_t(r)].task->id,
                            buffer_name(p_, ds_value), buffer_name(p_, operand));
       D = p_.buffers[size_t(operand)].shape.back();
@@ -1177,7 +1192,8 @@ class Fuser {
     const Shape& keys = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("b")->buffer)].shape;
     const Shape& queries = p_.buffers[size_t(p_.tasks[size_t(out_.kernels[at].tasks[0])].find_tensor("a")->buffer)].shape;
     if (!std::equal(queries.begin(), queries.end() - 2, keys.begin()))
-      return "a group of query heads shares each head of keys (grouped-query attention): the flash kernel runs it";
+      return "a group of query heads shares each head of keys (grouped-query attention): a block a query head would "
+             "compute its group's keys and values again";
     if (keys[keys.size() - 2] > kMaxAttentionKeys)
       return fmt::format("the attention has more than {} keys: it runs the flash or the streamed row kernel, which read q, "
                          "k and v from memory",
@@ -1495,6 +1511,20 @@ class Fuser {
     return true;
   }
 
+  // Whether matmul task `t` is an attention gradient's dp = dcontext v^T:
+  // what a softmax_backward reads as its dout. Its kernel (rule
+  // attention_backward, later) takes no prologue: the row kernel stages
+  // dcontext's rows and the flash kernel copies them asynchronously, so a
+  // chain before it runs in a kernel of its own.
+  bool attention_dp(int t) const {
+    if (!is_op(p_.tasks[size_t(t)], BundledOp::matmul) || !flag(t, "trans_b") || flag(t, "trans_a")) return false;
+    const int value = p_.tasks[size_t(t)].find_tensor("out")->buffer;
+    for (int r : readers_[size_t(value)])
+      if (is_op(p_.tasks[size_t(r)], BundledOp::softmax_backward) && p_.tasks[size_t(r)].find_tensor("dout")->buffer == value)
+        return rule_on(FusionRule::attention_backward);
+    return false;
+  }
+
   // Why elementwise kernel `k`, which stores buffer `value` and only
   // matmuls and row ops read (`readers`, each once), cannot be their
   // prologue (empty when it can; `hosts` and `operands` then hold each
@@ -1524,6 +1554,9 @@ class Fuser {
       if (kernel.tasks.front() != r) return fmt::format("'{}' is not the first task of its kernel", reader.task->id);
       if (kernel.rule == FusionRule::attention)
         return fmt::format("'{}' starts an attention kernel, whose warps load their rows themselves", reader.task->id);
+      if (attention_dp(r))
+        return fmt::format("'{}' is an attention's dp = dcontext v^T, whose kernel (rule attention_backward) reads "
+                           "dcontext from memory", reader.task->id);
       if (!kernel.prologue.empty())
         return fmt::format("'{}' already computes a prologue", reader.task->id);
       if (std::string updated = updated_between(chain, k, host); !updated.empty())

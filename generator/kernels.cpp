@@ -351,9 +351,10 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   if (dcontext.dtype != program.buffers[size_t(q)].dtype)
     return refuse(fmt::format("'{}' is {}, not q's {}", buffer_name(program, buffer(roles.dp, "a")), to_string(dcontext.dtype),
                               to_string(program.buffers[size_t(q)].dtype)));
-  const Shape &sq = program.buffers[size_t(q)].shape, &sk = program.buffers[size_t(k)].shape;
-  if (!std::equal(sq.begin(), sq.end() - 2, sk.begin()))
-    return refuse("grouped-query attention: the flash backward kernel takes a head of keys and values a head of q");
+  // (Grouped-query attention, k and v shared by a group of q's heads, as the
+  // forward's tile took it: each query head's blocks read its group's keys
+  // and values, and dk and dv are each query head's, [..., G, Tk, D], which
+  // the derive pass sums over the group after the kernel.)
   roles.scores = scores;
   roles.softmax = softmax;
   roles.values = values;
@@ -369,7 +370,9 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // of up to 64.
   const bool wide = std::max(tile.d, tile.dv) > 64;
   tile.atomic_dq = atomic_dq && !wide;
-  tile.block_n = tile.atomic_dq ? 64 : 32;
+  // (Heads of 16: a step of 32 rows is 64 16-byte chunks, fewer than the
+  // block's 128 threads, which copy a tile in equal shares: 64 rows.)
+  tile.block_n = tile.atomic_dq || std::min(tile.d, tile.dv) < 32 ? 64 : 32;
   tile.min_blocks_per_sm = wide || tile.atomic_dq ? 1 : 3;
   return tile;
 }

@@ -419,8 +419,9 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // ds and dv; dp = dcontext v^T of those values, dq = ds k and dk = ds^T q
 // of its keys and queries, both present (the kernel reads q and k, which
 // only they keep alive until the backward pass); dcontext of
-// q's type; one head of keys and values a head of q (no grouped-query
-// attention yet). On success `roles` gets the forward's tasks too. Blocks
+// q's type; k and v shared by a group of q's heads where the forward's are
+// (grouped-query attention: dk and dv per query head, summed over the group
+// by the tasks after them). On success `roles` gets the forward's tasks too. Blocks
 // of 64 rows (4 warps) own keys or query rows; the other rows stream 32 at a
 // time, two stages (the atomic mode, `atomic_dq`: 64 at heads of up to 64).
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "builder.h"
+#include "derive.h"
 #include "file_util.h"
 #include "graph_json.h"
 #include "pipeline.h"
@@ -275,6 +276,34 @@ TaskGraph flash_attention_training(DType d, int64_t B, int64_t H, int64_t Tq, in
       .arg("trans_a", true)
       .arg("alpha", 0.5);
   return std::move(b).graph();
+}
+
+// Grouped-query attention trained: 8 query heads over 2 heads of keys and
+// values (q [1, 2, 4, Tq, D], k and v [1, 2, 1, Tk, D], made by init tasks),
+// its loss mse(256 context, target), and the gradients the derive pass
+// writes (no optimizer), made outputs so that each is checked. (The loss is
+// scaled, as 16-bit training scales it: mse's gradient, 2 / N (pred -
+// target), would be subnormal in f16, where the check would measure the
+// rounding of the gradients' inputs.)
+TaskGraph grouped_query_training(DType d, int64_t Tq, int64_t Tk, int64_t D, bool causal) {
+  GraphBuilder b(fmt::format("gqa_training_{}_q{}_k{}_d{}{}", to_string(d), Tq, Tk, D, causal ? "_causal" : ""));
+  auto init = [&](const char* id, Shape shape, int seed) {
+    return b.task(id, "uniform", Phase::init).tensor("out", d, std::move(shape)).arg("low", -1.0).arg("high", 1.0).arg("seed", seed);
+  };
+  auto q = init("q", {1, 2, 4, Tq, D}, 1);
+  auto k = init("k", {1, 2, 1, Tk, D}, 2);
+  auto v = init("v", {1, 2, 1, Tk, D}, 3);
+  auto s = b.task("scores", "matmul").tensor("a", q["out"]).tensor("b", k["out"]).tensor("out", d, {1, 2, 4, Tq, Tk}).arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {1, 2, 4, Tq, Tk}).arg("scale", 0.125).arg("causal", causal);
+  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", v["out"]).tensor("out", d, {1, 2, 4, Tq, D});
+  auto scaled = b.task("scaled", "affine").tensor("x", c["out"]).tensor("out", d, {1, 2, 4, Tq, D}).arg("scale", 256.0);
+  b.task("loss", "mse").tensor("pred", scaled["out"]).tensor("target", d, {1, 2, 4, Tq, D}, ext).tensor("loss", DType::f32, {}, ext);
+  DerivedGraph derived = derive_training(load_program(std::move(b).graph(), {}), TrainingSpec{{"loss", "loss"}, "", {}, {}});
+  for (const auto& [weight, gradient] : derived.gradients)
+    for (Task& t : derived.graph.tasks)
+      for (TensorSlot& slot : t.tensors)
+        if (t.id == gradient.task && slot.name == gradient.slot) slot.storage = ext;
+  return std::move(derived.graph);
 }
 
 // Rule norm_prologue: a norm read only by matmuls, as their `a`: one
@@ -562,8 +591,9 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
 // where the lengths differ, lengths 1, 63, 1000 and 2049, head sizes 16 to 128 (128: 80 KiB of shared
 // memory, opted in), values of another width, over 1024 keys, where only this
 // kernel fuses attention, grouped-query attention (4 query heads a head of
-// keys and values), and heads of 96 and 80 padded to tiles of 128. f32 keeps
-// the row kernel, and says why.
+// keys and values; 2 over 1100 keys), and heads of 96 and 80 padded to tiles
+// of 128. f32 keeps the row kernels (the streamed one over 1024 keys), and
+// says why; they take grouped-query attention too.
 TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
   struct Case {
     int64_t B, H, Tq, Tk, D, Dv;
@@ -575,6 +605,7 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
                         Case{1, 1, 70, 40, 16, 16, true}, Case{1, 1, 20, 100, 128, 128, false},
                         Case{1, 1, 3, 1100, 64, 32, false, 1, "split-KV 4 ways (5 key tiles each)"},
                         Case{1, 2, 33, 33, 32, 32, true, 4},
+                        Case{1, 1, 5, 1100, 32, 32, false, 2, "split-KV 4 ways (5 key tiles each)"},
                         Case{1, 2, 40, 70, 96, 80, true},
                         Case{1, 2, 1, 2049, 64, 64, false, 1, "split-KV 7 ways (5 key tiles each)"},
                         Case{1, 1, 63, 63, 64, 64, true},
@@ -582,8 +613,7 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
     // (Over many keys, scores spread wide: each split's maximum differs, which the combine must weigh.)
     const TaskGraph g = flash_attention(GetParam(), k.B, k.H, k.Tq, k.Tk, k.D, k.Dv, k.causal, k.G, k.Tk > 1024 ? 4.0 : 0.25);
     if (GetParam() == DType::f32) {
-      if (k.G > 1) continue;  // grouped-query attention: the flash kernel's alone, unfused in f32
-      // Over 1024 keys, the streamed row kernel.
+      // Over 1024 keys, the streamed row kernel (grouped-query attention too: each query head reads its group's keys).
       const Compiled c = expect_fused_and_unfused_right(g, 1, k.Tk > 1024 ? "cg_attention_row_streamed<" : "cg_attention_row(");
       EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not flash attention: q, k and v are f32"), std::string::npos)
           << c.emitted.kernels[0].matmul_path;
@@ -817,7 +847,7 @@ std::string normwise_failures(const CheckedRun& run, DType d) {
 // tile (no T x T buffer), in one kernel of two kinds of block; against the
 // float64 reference at lengths that are not multiples of a tile (1 query row
 // over 2049 keys, 63, 65), query and key lengths that differ (the causal
-// diagonal top-left), heads of 32, 64, 80 (padded) and 128, f16 and bf16.
+// diagonal top-left), heads of 16 (64 streamed rows a step), 32, 64, 80 (padded) and 128, f16 and bf16.
 TEST(FlashAttention, TrainingGradientsMatchTheReference) {
   struct Case {
     DType d;
@@ -827,6 +857,7 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
   for (const Case& k : {Case{DType::bf16, 2, 63, 63, 64, true}, Case{DType::f16, 1, 65, 65, 64, true},
                         Case{DType::bf16, 1, 130, 70, 64, true}, Case{DType::f16, 1, 70, 130, 32, true},
                         Case{DType::bf16, 1, 100, 100, 128, true}, Case{DType::bf16, 1, 90, 90, 80, true},
+                        Case{DType::f16, 1, 70, 70, 16, true},
                         Case{DType::bf16, 1, 1, 2049, 64, false}}) {
     const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
     SCOPED_TRACE(g.name);
@@ -855,6 +886,43 @@ TEST(FlashAttention, TrainingAThousandTokens) {
   CheckedRun run = run_checked(compile(load_program(g, {}), fusion(true)), RunOptions{seed, work_dir(g.name)});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   EXPECT_EQ(normwise_failures(run, DType::bf16), "") << "seed " << seed;
+}
+
+// Grouped-query attention trained, as the derive pass writes its gradients:
+// 8 query heads over 2 heads of keys and values (q [1, 2, 4, T, D], k and v
+// [1, 2, 1, T, D]); each query head's blocks read its group's keys and
+// values, dk and dv come out per query head and the tasks after the kernel
+// sum each group. The gradients (made outputs) against the float64
+// reference: causal with a partial tile, query and key lengths that differ,
+// heads of 64 and 128 on the flash kernels; f32 on the row kernels.
+TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
+  struct Case {
+    DType d;
+    int64_t Tq, Tk, D;
+    bool causal;
+  };
+  for (const Case& k : {Case{DType::bf16, 65, 65, 64, true}, Case{DType::f16, 130, 70, 64, true},
+                        Case{DType::bf16, 40, 100, 128, false}, Case{DType::f32, 40, 24, 32, true}}) {
+    const TaskGraph g = grouped_query_training(k.d, k.Tq, k.Tk, k.D, k.causal);
+    SCOPED_TRACE(g.name);
+    const Compiled compiled = compile(load_program(g, {}), fusion(true));
+    const std::string& src = compiled.emitted.cuda_source;
+    const bool flash = k.d != DType::f32;
+    EXPECT_NE(src.find(flash ? "cg_flash_attention<cg_config, " : "cg_attention_row("), std::string::npos);
+    EXPECT_NE(src.find(flash ? "cg_flash_attention_backward<cg_config, " : "cg_attention_backward_row("), std::string::npos);
+    EXPECT_NE(src.find(flash ? "a group of them shares a head of keys and values"
+                             : "// The keys and values of the head's group (grouped-query attention)."),
+              std::string::npos);
+    for (const auto& pb : compiled.plan.buffers) {  // the probabilities have no storage
+      const Shape& shape = compiled.program.buffers[size_t(pb.buffer)].shape;
+      EXPECT_TRUE(!flash || pb.internal || shape.size() < 2 || shape.back() != k.Tk || shape[shape.size() - 2] != k.Tq)
+          << buffer_name(compiled.program, pb.buffer) << " " << shape_to_string(shape) << " is in the arena";
+    }
+    const uint64_t seed = std::random_device()();
+    CheckedRun run = run_checked(compiled, RunOptions{seed, work_dir(g.name)});
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+    if (flash) EXPECT_EQ(normwise_failures(run, k.d), "") << "seed " << seed;
+  }
 }
 
 // The gradients are deterministic: a second run on the same inputs gives the
@@ -970,7 +1038,8 @@ TEST(FlashAttention, TrainingArenaGrowsLinearlyInTokens) {
 // float64 reference, where the kernel as it is passes: a running sum not
 // rescaled when a row's maximum grows (stale), the causal mask one key off,
 // the split-KV combine without the ranges' maxima; in the backward kernel,
-// ds without the rows' delta, either kind of block's causal mask one key off; in the
+// ds without the rows' delta, either kind of block's causal mask one key off,
+// grouped-query attention's keys and values read from another group; in the
 // launch before it, the rows' log-sum-exp left in natural units. (Many rows over many key
 // tiles and ranges: each row's maximum grows in some; a far wider spread of
 // scores would loosen the reference's bound more than it helps.)
@@ -995,6 +1064,8 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
        "(causal && past_row + key > 8 * (e >> 1))", "(causal && past_row + key > 8 * (e >> 1) + 1)"},
       {"dk and dv's causal mask one key off", flash_attention_training(DType::bf16, 1, 1, 130, 130, 32, true),
        "(causal && past_row + 8 * (e >> 1) > query)", "(causal && past_row + 8 * (e >> 1) + 1 > query)"},
+      {"the backward's keys and values of another group", grouped_query_training(DType::bf16, 65, 65, 64, true),
+       "kv_head = ((head / 4 % 2) * 1);", "kv_head = ((head / 4 % 2) * 1) ^ 1;"},
   };
   for (const Fault& f : faults) {
     Compiled c = compile(load_program(f.graph, {}), fusion(true));
