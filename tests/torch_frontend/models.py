@@ -46,6 +46,44 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+class GroupedQueryAttention(nn.Module):
+    """LLaMA's attention with fewer heads of keys and values than of queries
+    (grouped-query attention), causal, no rotary embedding: each head of
+    keys and values repeated for its group of query heads as LLaMA's
+    repeat_kv does (`repeat`: "expand"), with repeat_interleave, or by SDPA
+    itself (`repeat`: "sdpa", PyTorch 2.5 and later: enable_gqa)."""
+
+    def __init__(self, n_embd=64, n_head=8, n_kv_head=2, repeat="expand"):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head = n_head, n_kv_head, n_embd // n_head
+        self.q_proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.k_proj = nn.Linear(n_embd, n_kv_head * self.head, bias=False)
+        self.v_proj = nn.Linear(n_embd, n_kv_head * self.head, bias=False)
+        self.o_proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.repeat = repeat
+
+    def repeat_kv(self, x):  # [B, Hkv, T, D] -> [B, H, T, D], each head G times in a row
+        groups = self.n_head // self.n_kv_head
+        if self.repeat == "repeat_interleave":
+            return x.repeat_interleave(groups, dim=1)
+        B, H, T, D = x.shape
+        return x[:, :, None, :, :].expand(B, H, groups, T, D).reshape(B, H * groups, T, D)
+
+    def forward(self, x):  # [B, T, C]
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head).transpose(1, 2)
+        if self.repeat == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = self.repeat_kv(k), self.repeat_kv(v)
+            scores = (q @ k.transpose(2, 3)) / math.sqrt(self.head)
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            y = F.softmax(scores, dim=-1) @ v
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
 class Block(nn.Module):
     """A GPT-2 decoder block: pre-norm attention and MLP with residuals."""
 

@@ -234,6 +234,33 @@ class Models(Exported):
         model = models.Block(use_sdpa=True)
         self.check_model(model.eval(), (torch.randn(2, 16, 48),), seed)
 
+    def test_grouped_query_attention(self):
+        """LLaMA's repeat_kv (expand, or repeat_interleave) before attention:
+        the attention reads the heads of keys and values themselves, q seen
+        as [B, Hkv, G, T, D] over k and v as [B, Hkv, 1, T, D]: no copy of a
+        head is left in the graph (Training trains it)."""
+        for repeat in ("expand", "repeat_interleave"):
+            with self.subTest(repeat=repeat):
+                seed = fresh_seed()
+                torch.manual_seed(seed)
+                model = models.GroupedQueryAttention(repeat=repeat).eval()
+                result, _, _ = self.check_model(model, (torch.randn(2, 12, 64),), seed)
+                tasks = json.loads(read(result.graph_path))["tasks"]
+                self.assertNotIn("concat", {t["op"] for t in tasks}, "a repeated head is copied")
+                softmax = next(t for t in tasks if t["op"] == "softmax")
+                self.assertEqual(softmax["tensors"]["out"]["shape"], [2, 2, 4, 12, 12])
+                self.assertTrue(softmax["args"].get("causal"))
+
+    @unittest.skipUnless("enable_gqa" in (getattr(torch.nn.functional.scaled_dot_product_attention, "__doc__", "") or "")
+                         if hasattr(torch.nn.functional, "scaled_dot_product_attention") else False,
+                         f"torch {torch.__version__} has no scaled_dot_product_attention(enable_gqa=True) (2.5 and later do)")
+    def test_grouped_query_attention_with_sdpa(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, _, _ = self.check_model(models.GroupedQueryAttention(repeat="sdpa").eval(), (torch.randn(2, 12, 64),), seed)
+        softmax = next(t for t in json.loads(read(result.graph_path))["tasks"] if t["op"] == "softmax")
+        self.assertEqual(softmax["tensors"]["out"]["shape"], [2, 2, 4, 12, 12])
+
     def test_cat_and_split_along_any_axis(self):
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -378,6 +405,18 @@ class Training(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         self.check_training(seed, models.sliced_head(), (torch.randn(4, 5, 6),), "mse", "sgd", {"lr": 0.1})
+
+    def test_grouped_query_attention_trains(self):
+        """LLaMA's repeated heads rewritten into grouped-query attention: the
+        gradients of the heads of keys and values (summed over each group by
+        cudagen's derive pass) train the projections as PyTorch does, on the
+        fused attention kernels."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.GroupedQueryAttention(), (torch.randn(2, 12, 64),), "mse", "sgd", {"lr": 0.1})
+        described, _ = self.run_cudagen("describe", os.path.join(self.dir, "model", "graph.json"))
+        self.assertIn("[attention]", described)
+        self.assertIn("[attention_backward]", described)
 
     def test_roll_repeat_interleave_and_pad_train(self):
         """Their gradients (split and slice_backward, derived by cudagen) train

@@ -564,17 +564,36 @@ class _Exporter:
                 "dilation_w": dw, "groups": int(groups)}
         return self.add(node, base, "conv2d", inputs, {"out": (dtype, shape)}, args)["out"]
 
-    def attention(self, node, q, k, v, causal, scale):
+    def attention(self, node, q, k, v, causal, scale, enable_gqa=False):
+        """softmax(scale q k^T) v, causal or not. With `enable_gqa` (SDPA's),
+        k and v have fewer heads than q, each shared by a group of G query
+        heads in a row: q is seen as [..., Hkv, G, T, D] over k and v seen as
+        [..., Hkv, 1, T, D], grouped-query attention, and the output back as
+        [..., H, T, D]."""
         qv, kv, vv = (self.tensor(node, t) for t in (q, k, v))
         d = qv.shape[-1]
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        dtype, shape = self.result_meta(node)
+        heads, kv_heads = qv.shape[-3] if len(qv.shape) >= 3 else 1, kv.shape[-3] if len(kv.shape) >= 3 else 1
+        grouped = enable_gqa and heads != kv_heads
+        if grouped:
+            if heads % kv_heads or vv.shape[-3] != kv_heads:
+                self.fail(node, f"scaled_dot_product_attention with enable_gqa over {heads} query heads, {kv_heads} "
+                          f"key heads and {vv.shape[-3]} value heads", "give k and v one number of heads that divides q's")
+            lead, groups = qv.shape[:-3] + (kv_heads,), heads // kv_heads
+            qv = _as_shape(self, node, node.name + "_q_grouped", qv, lead + (groups,) + qv.shape[-2:])
+            kv = _as_shape(self, node, node.name + "_k_heads", kv, lead + (1,) + kv.shape[-2:])
+            vv = _as_shape(self, node, node.name + "_v_heads", vv, lead + (1,) + vv.shape[-2:])
         scores_shape = qv.shape[:-1] + (kv.shape[-2],)
         scores = self.add(node, node.name + "_scores", "matmul", {"a": qv, "b": kv},
                           {"out": (qv.dtype, scores_shape)}, {"trans_b": True, "alpha": scale})["out"]
         probs = self.add(node, node.name + "_probs", "softmax", {"x": scores}, {"out": (qv.dtype, scores_shape)},
                          {"causal": True} if causal else None)["out"]
-        dtype, shape = self.result_meta(node)
-        return self.add(node, node.name, "matmul", {"a": probs, "b": vv}, {"out": (dtype, shape)})["out"]
+        if not grouped:
+            return self.add(node, node.name, "matmul", {"a": probs, "b": vv}, {"out": (dtype, shape)})["out"]
+        context = self.add(node, node.name + "_grouped", "matmul", {"a": probs, "b": vv},
+                           {"out": (dtype, qv.shape[:-1] + (vv.shape[-1],))})["out"]
+        return _as_shape(self, node, node.name, context, shape)
 
 
 # ---- module mappings ---------------------------------------------------------
@@ -964,7 +983,9 @@ def _join(ex, node, values, axis, name):
     before, after = _rows(values[0].shape, axis)
     last = axis == rank - 1
     if not last:
-        values = [_as_shape(ex, node, f"{name}_in{i}", v, (before, v.shape[axis] * after)) for i, v in enumerate(values)]
+        seen = {}  # one view of a value joined several times (copies: repeat, expand)
+        values = [seen[id(v)] if id(v) in seen else seen.setdefault(id(v), _as_shape(
+            ex, node, f"{name}_in{i}", v, (before, v.shape[axis] * after))) for i, v in enumerate(values)]
     acc = values[0]
     for i, v in enumerate(values[1:], 1):
         joined = acc.shape[:-1] + (acc.shape[-1] + v.shape[-1],)
@@ -1024,6 +1045,38 @@ def _f_repeat_interleave(ex, node):
     if repeats > 1:
         rows = _join(ex, node, [rows] * repeats, 1, f"{node.name}_copies")
     return _as_shape(ex, node, node.name, rows, ex.result_meta(node)[1])
+
+
+def _f_expand(ex, node):
+    """x.expand(*sizes) (expand_as): each axis of size 1 that grows, copied
+    along it (_join of copies); leading axes it adds, as 1s first. A copy,
+    where PyTorch makes a view: a broadcasting add or mul needs none, and
+    attention over heads repeated this way (LLaMA's repeat_kv) is rewritten
+    into grouped-query attention (simplify.py), which reads no copy."""
+    v = ex.tensor(node, node.args[0])
+    shape = ex.result_meta(node)[1]
+    v = _as_shape(ex, node, f"{node.name}_rank", v, (1,) * (len(shape) - len(v.shape)) + tuple(v.shape))
+    for axis, size in enumerate(shape):
+        if v.shape[axis] != size:
+            v = _join(ex, node, [v] * size, axis, f"{node.name}_{axis}")
+    return _as_shape(ex, node, node.name, v, shape)
+
+
+def _f_repeat(ex, node):
+    """x.repeat(*sizes): the whole tensor tiled, axis by axis (_join of
+    copies); leading axes it adds, as 1s first."""
+    v = ex.tensor(node, node.args[0])
+    sizes = ex.const(list(node.args[1:]))  # x.repeat(2, 1, 3), or x.repeat((2, 1, 3)) and ATen's repeat(x, [2, 1, 3])
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    sizes = [int(r) for r in sizes]
+    if len(sizes) < len(v.shape) or any(r < 0 for r in sizes):
+        ex.fail(node, f"repeat{tuple(sizes)} of a rank-{len(v.shape)} tensor", "give one count per axis, none negative")
+    v = _as_shape(ex, node, f"{node.name}_rank", v, (1,) * (len(sizes) - len(v.shape)) + tuple(v.shape))
+    for axis, r in enumerate(sizes):
+        if r > 1:
+            v = _join(ex, node, [v] * r, axis, f"{node.name}_{axis}")
+    return _as_shape(ex, node, node.name, v, ex.result_meta(node)[1])
 
 
 def _f_pad(ex, node):  # F.pad(x, pad, mode="constant", value=None)
@@ -1206,7 +1259,7 @@ def _f_sdpa(ex, node):
         ex.fail(node, "scaled_dot_product_attention with attn_mask or dropout has no mapping",
                 "use is_causal=True for a causal mask")
     return ex.attention(node, q, k, v, bool(ex.const(_arg(node, 5, "is_causal", False))),
-                        ex.const(node.kwargs.get("scale")))
+                        ex.const(_arg(node, 6, "scale")), bool(ex.const(_arg(node, 7, "enable_gqa", False))))
 
 
 def _f_max_pool(ex, node):
@@ -1311,7 +1364,8 @@ METHODS = {
     "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
     "new_empty": _f_like_constant, "fill_": _f_fill, "zero_": _f_fill,
     "split": _f_split, "chunk": _f_split, "narrow": _f_narrow,
-    "roll": _f_roll, "repeat_interleave": _f_repeat_interleave,
+    "roll": _f_roll, "repeat_interleave": _f_repeat_interleave, "expand": _f_expand, "expand_as": _f_expand,
+    "repeat": _f_repeat,
     "mean": _f_reduce("mean"), "sum": _f_reduce("sum"),
     "masked_fill": _f_masked_fill,
 }
@@ -1398,7 +1452,7 @@ def _aten_handlers():
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split, "roll.default": _f_roll, "constant_pad_nd.default": _a_constant_pad,
-        "repeat_interleave.self_int": _f_repeat_interleave,
+        "repeat_interleave.self_int": _f_repeat_interleave, "expand.default": _f_expand, "repeat.default": _f_repeat,
         "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
         "scaled_dot_product_attention.default": _f_sdpa,
         "max_pool2d.default": _f_max_pool, "avg_pool2d.default": _f_avg_pool,
@@ -1445,8 +1499,6 @@ _EQUIVALENTS = {
     "square": ("x * x, or x ** 2", ["mul", "pow"]),
     "baddbmm": ("torch.bmm then +", ["bmm", "add"]),
     "scaled_dot_product_attention": ("softmax(q @ k^T * scale) @ v written out", ["matmul", "softmax", "masked_fill"]),
-    "expand": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
-    "repeat": ("broadcasting in add, mul, sub or div", ["add", "mul"]),
     "max": ("F.max_pool2d for pooling; a row max feeds only softmax here", ["max_pool2d", "softmax"]),
     "var": ("nn.LayerNorm / F.layer_norm", ["layer_norm", "LayerNorm"]),
     "std": ("nn.LayerNorm / F.layer_norm", ["layer_norm", "LayerNorm"]),

@@ -20,6 +20,13 @@ the same values (up to the rounding of one multiplication):
   whole, under its module's name): a linear layer whose output is only split
   along its last axis (c_attn into q, k, v) becomes one linear layer per part,
   each with its rows of the weight and of the bias (`attn.c_attn.weight.rows0-48`);
+- `grouped_query`: attention `softmax(q k^T) v` whose keys and values are
+  heads repeated G times each (LLaMA's `repeat_kv`, `x[:, :, None].expand(B,
+  Hkv, G, T, D).reshape(B, H, T, D)`, or `repeat_interleave(G, dim=1)`:
+  exported as copies) reads the heads themselves: q seen as `[..., Hkv, G,
+  T, D]` over k and v seen as `[..., Hkv, 1, T, D]`, grouped-query attention,
+  which the attention kernels take without the copies (the output seen back
+  as `[..., H, T, D]`);
 - `remove_dead`: a task none of whose outputs is read (what the rewrites
   above leave behind).
 
@@ -129,6 +136,106 @@ class _Graph:
                 self.tasks.remove(reshape)
                 changed = True
         return changed
+
+    def repeated_heads(self, slot):
+        """(ref, G) where `slot` reads a tensor [..., H, T, D] whose heads are
+        those of `ref` repeated G times each, in a row (head h is ref's head
+        h // G); None otherwise. As the exporter writes such a repeat
+        (repeat_interleave, expand: _join of copies): reshapes around a
+        left-deep chain of concats of one value seen as [rows, T * D]."""
+        shape = self.shape_of(slot)
+        task, name = self.producer(slot)
+        while task is not None and task["op"] == "reshape":
+            task, name = self.producer(task["tensors"]["x"])
+        if task is None or task["op"] != "concat" or len(shape) < 3:
+            return None
+        copies = []
+        while True:
+            copies.append(task["tensors"]["b"].get("from"))
+            inner, name = self.producer(task["tensors"]["a"])
+            if inner is None or inner["op"] != "concat" or name != "out":
+                copies.append(task["tensors"]["a"].get("from"))
+                break
+            task = inner
+        ref, groups = copies[0], len(copies)
+        if ref is None or any(c is None or self.root(c) != self.root(ref) for c in copies):
+            return None
+        source = self.shape_of({"from": ref})
+        if len(source) != 2:
+            return None
+        rows, cols = source
+        if cols != shape[-2] * shape[-1] or shape[-3] % groups or rows * groups != int(np.prod(shape[:-2])):
+            return None
+        return ref, groups
+
+    def grouped_query(self):
+        for s in self.tasks:
+            args = s.get("args", {})
+            if s["op"] != "matmul" or not args.get("trans_b") or args.get("trans_a"):
+                continue
+            keys = self.repeated_heads(s["tensors"]["b"])
+            probs = self.only_reader(s, "out", "softmax")
+            if keys is None or probs is None:
+                continue
+            context = self.only_reader(probs, "out", "matmul")
+            if (context is None or context["tensors"]["a"].get("from") != f"{probs['id']}.out"
+                    or context.get("args", {}).get("trans_a") or context.get("args", {}).get("trans_b")):
+                continue
+            values = self.repeated_heads(context["tensors"]["b"])
+            q_shape, k_shape = self.shape_of(s["tensors"]["a"]), self.shape_of(s["tensors"]["b"])
+            if values is None or values[1] != keys[1] or q_shape[:-2] != k_shape[:-2]:
+                continue
+            self.group_heads(s, probs, context, keys, values)
+            return True
+        return False
+
+    def group_heads(self, scores, probs, context, keys, values):
+        """Rewrites the attention (scores, probs, context) over repeated heads
+        into grouped-query attention over the heads themselves."""
+        groups = keys[1]
+        q_shape = self.shape_of(scores["tensors"]["a"])
+        lead, heads = q_shape[:-3], q_shape[-3]
+
+        def grouped(shape, g):  # [..., H, T, X] -> [..., H / G, g, T, X]
+            return lead + [heads // groups, g] + shape[-2:]
+
+        def view(ref_or_slot, shape, base):
+            slot = ref_or_slot if isinstance(ref_or_slot, dict) else {"from": ref_or_slot}
+            t = {"id": self.fresh_id(base), "op": "reshape", "phase": scores["phase"],
+                 "tensors": {"x": slot, "out": {"dtype": self.dtype_of(slot), "shape": shape}}}
+            self.tasks.insert(self.tasks.index(scores), t)
+            return {"from": f"{t['id']}.out"}
+
+        k_shape, v_shape = self.shape_of(scores["tensors"]["b"]), self.shape_of(context["tensors"]["b"])
+        scores["tensors"]["a"] = view(scores["tensors"]["a"], grouped(q_shape, groups), f"{scores['id']}_q_grouped")
+        scores["tensors"]["b"] = view(keys[0], grouped(k_shape, 1), f"{scores['id']}_k_heads")
+        context["tensors"]["b"] = view(values[0], grouped(v_shape, 1), f"{context['id']}_v_heads")
+        for t, slot in ((scores, "out"), (probs, "out")):
+            t["tensors"][slot]["shape"] = grouped(t["tensors"][slot]["shape"], groups)
+        # The context, grouped, then seen as before by its readers (or as the graph's output).
+        original = context["tensors"]["out"]
+        readers = self.readers(f"{context['id']}.out")
+        context["tensors"]["out"] = {"dtype": original["dtype"], "shape": grouped(original["shape"], groups)}
+        back = {"id": self.fresh_id(f"{context['id']}_heads"), "op": "reshape", "phase": context["phase"],
+                "tensors": {"x": {"from": f"{context['id']}.out"}, "out": original}}
+        for t, slot in readers:
+            t["tensors"][slot] = {"from": f"{back['id']}.out"}
+        self.tasks.insert(self.tasks.index(context) + 1, back)
+
+    def root(self, ref):
+        """The ref a chain of reshapes (views) starts from: `ref` itself where
+        no reshape writes it."""
+        task, _ = self.producer({"from": ref})
+        while task is not None and task["op"] == "reshape" and "from" in task["tensors"]["x"]:
+            ref = task["tensors"]["x"]["from"]
+            task, _ = self.producer({"from": ref})
+        return ref
+
+    def dtype_of(self, slot):
+        while "from" in slot:
+            task, name = self.producer(slot)
+            slot = task["tensors"][name]
+        return slot["dtype"]
 
     def shape_of(self, slot):
         while "from" in slot:
@@ -249,7 +356,7 @@ def simplify(tasks, outputs, arrays, training):
     """Rewrites `tasks` (and `arrays`, the constants' values) in place until
     no rule applies; returns the names of the rules that did."""
     g = _Graph(tasks, outputs, arrays)
-    rules = [g.transpose_into_matmul, g.scale_into_matmul, g.heads]
+    rules = [g.transpose_into_matmul, g.scale_into_matmul, g.heads, g.grouped_query]
     if not training:
         rules.append(g.split_linear)
     rules.append(g.remove_dead)
