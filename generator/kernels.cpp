@@ -281,15 +281,20 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
                                 shape_to_string(lead_q)));
   FlashAttentionTile tile;
   for (int64_t size : {q.shape.back(), v.shape.back()})
-    if (size % 8 != 0 || size > 128)
-      return refuse(fmt::format("a head of {} values: the flash kernel takes heads of a multiple of 8 values up to 128",
+    if (size % 8 != 0 || size > 256)
+      return refuse(fmt::format("a head of {} values: the flash kernel takes heads of a multiple of 8 values up to 256",
                                 size));
-  // Each head in the narrowest tile of 16, 32, 64 or 128 that holds it.
-  auto tile_of = [](int64_t size) { return size <= 16 ? 16 : size <= 32 ? 32 : size <= 64 ? 64 : 128; };
+  // Each head in the narrowest tile of 16, 32, 64, 128 or 256 that holds it.
+  auto tile_of = [](int64_t size) { return size <= 16 ? 16 : size <= 32 ? 32 : size <= 64 ? 64 : size <= 128 ? 128 : 256; };
   tile.head_d = int(q.shape.back());
   tile.head_dv = int(v.shape.back());
   tile.d = tile_of(tile.head_d);
   tile.dv = tile_of(tile.head_dv);
+  // Heads over 128: o's accumulators take DV / 2 registers a thread, and q's
+  // fragments stay in shared memory (cg_flash_config::Q_IN_SHARED); 32 keys a
+  // step keep the scores at 16 registers and the stages at 64 KiB (96 KiB
+  // with q's tile: under the 99 KiB of sm_86 and sm_89).
+  if (std::max(tile.d, tile.dv) > 128) tile.block_n = 32;
   // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.
@@ -347,6 +352,10 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     return refuse(fmt::format("'{}' does not multiply by the attention's keys", program.tasks[size_t(roles.dq)].task->id));
   if (roles.dk >= 0 && buffer(roles.dk, "b") != q)
     return refuse(fmt::format("'{}' does not multiply by the attention's queries", program.tasks[size_t(roles.dk)].task->id));
+  if (std::max(forward->d, forward->dv) > 128)
+    return refuse(fmt::format("heads of {} (values {}): the backward kernel's blocks hold dk and dv of their 64 keys "
+                              "in registers, up to heads of 128",
+                              forward->head_d, forward->head_dv));
   const BufferInfo& dcontext = program.buffers[size_t(buffer(roles.dp, "a"))];
   if (dcontext.dtype != program.buffers[size_t(q)].dtype)
     return refuse(fmt::format("'{}' is {}, not q's {}", buffer_name(program, buffer(roles.dp, "a")), to_string(dcontext.dtype),

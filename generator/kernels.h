@@ -67,8 +67,8 @@ struct FlashAttentionTile {
   bool atomic_dq = false;
   int threads() const { return 32 * (block_m / 16); }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
-  // tiles: each split's partial rows (dv + 2 floats: o, maximum, sum) and a
-  // counter per row tile.
+  // tiles: each split's partial rows (dv + 2 floats a row: o, then maximum
+  // and sum) and a counter per row tile.
   int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
     return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
   }
@@ -388,8 +388,8 @@ inline constexpr int64_t kMaxAttentionKeys = 1024;
 // The flash tile for the attention whose scores matmul is task `scores` and
 // whose softmax is `softmax` (the probabilities' one reader its matmul by the
 // values), or nullopt with the reason in `why_not`: q, k and v of one 16-bit
-// type, head sizes of multiples of 8 up to 128 (each padded to a tile of 16,
-// 32, 64 or 128), k's and v's leading axes q's or 1
+// type, head sizes of multiples of 8 up to 256 (each padded to a tile of 16,
+// 32, 64, 128 or 256; heads over 128 read q from shared memory, 32 keys a step), k's and v's leading axes q's or 1
 // where q's are not (grouped-query attention), probabilities read by nothing else
 // (a backward pass that reads them keeps the row kernel), and kernels
 // launched alone (not a megakernel). The fusion pass asks it (at any number

@@ -334,15 +334,18 @@ struct cg_gemm_operand {
   // one compare and the cp.async. Thread t copies chunks t, t + THREADS, ...
   // of the stored tile (row-major over its rows of `chunks` chunks); with
   // THREADS a multiple of `chunks`, its column is the same for all of them
-  // and its rows are `row_stride` apart.
+  // and its rows are `row_stride` apart. Where those rows share their swizzle
+  // key (row_stride a multiple of the key's period: every GEMM tile), the
+  // chunks' offsets are row_stride rows apart; otherwise (rows of 32 chunks
+  // for 128 threads: flash attention's heads of 256) each chunk's offset is
+  // swizzled on its own.
   template <int THREADS>
   struct copier {
     static constexpr int rows = K_CONTIGUOUS ? MN : BK, chunks = tile::chunks;
     static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
     static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
                   "every thread copies the same number of chunks, in one column");
-    static_assert(per_thread == 1 || row_stride % tile::key_period == 0,
-                  "a thread's chunks share their swizzle key, so their offsets are row_stride rows apart");
+    static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
     static_assert(per_thread <= 32, "the row predicates fit one word");
     const T* src;               // this thread's first chunk at the first k-tile
     const T* base;              // the operand's first element: a valid address to copy nothing from
@@ -380,8 +383,11 @@ struct cg_gemm_operand {
       for (int i = 0; i < per_thread; ++i) {
         const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
         const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
-        cg_cp_async_16_at(dst + (unsigned int)((smem_offset + i * row_stride * tile::chunks * CHUNK) * (int)sizeof(T)),
-                          inside ? from + i * row_step : base, inside ? 16 : 0);
+        const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
+                                   : tile::offset((int)threadIdx.x / chunks + i * row_stride,
+                                                  ((int)threadIdx.x % chunks) * CHUNK);
+        cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? from + i * row_step : base,
+                          inside ? 16 : 0);
       }
     }
   };

@@ -41,6 +41,11 @@ struct cg_flash_config {
   // Row stride of the staged output tile, in floats: a warp's 8-byte stores of
   // one accumulator pair (8 rows x 4 lanes a half-warp) fall on 32 distinct banks.
   static constexpr int OUT_STRIDE = DV + 8;
+  // Heads over 128: a warp's 16 rows of q as A fragments would hold D / 4
+  // registers a thread beside o's DV / 2, more than the 255 there are; the
+  // forward reads q's fragments from its shared tile at every key tile
+  // instead, as it reads the keys'.
+  static constexpr bool Q_IN_SHARED = D > 128;
 };
 
 // Shared memory of cg_flash_attention, in bytes (elements of T, 2 bytes): the
@@ -167,11 +172,13 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
     cg_cp_async_commit();
   }
 
-  unsigned int qa[D / 16][4];  // this warp's 16 rows of q, as A fragments
+  unsigned int qa[Config::Q_IN_SHARED ? 1 : D / 16][4];  // this warp's 16 rows of q, as A fragments
   cg_cp_async_wait<S - 1>();
   __syncthreads();
-  CG_UNROLL
-  for (int kk = 0; kk < D / 16; ++kk) OperandQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, 16 * kk);
+  if (!Config::Q_IN_SHARED) {
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) OperandQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, 16 * kk);
+  }
 
   for (cg_i64 n = first_tile; n < n_tiles; ++n) {
     cg_cp_async_wait<S - 2>();
@@ -191,14 +198,18 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       CG_UNROLL
       for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
     CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned int q_shared[4];
+      if (Config::Q_IN_SHARED) OperandQ::template fragment<true>(q_shared, smem_address, smem, 16 * warp, 16 * kk);
+      const unsigned int(&a)[4] = Config::Q_IN_SHARED ? q_shared : qa[Config::Q_IN_SHARED ? 0 : kk];
       CG_UNROLL
       for (int j = 0; j < NT / 2; ++j) {
         unsigned int kb[4];
         OperandK::template fragment<false>(kb, tile_k, tile_k_ptr, 16 * j, 16 * kk);
-        cg_mma_packed(s[2 * j], qa[kk], &kb[0], T());
-        cg_mma_packed(s[2 * j + 1], qa[kk], &kb[2], T());
+        cg_mma_packed(s[2 * j], a, &kb[0], T());
+        cg_mma_packed(s[2 * j + 1], a, &kb[2], T());
       }
+    }
 
     // Scaled to log2 units; masked only where the tile crosses the last key
     // or, causal, the warp's diagonal (a branch the whole warp takes alike).
@@ -325,8 +336,10 @@ CG_DEVICE void cg_flash_attention(const T* q, const T* k, const T* v, cg_i64 Tq,
 // Split-KV (decoding: few query rows over many keys, too few blocks to fill
 // the GPU): the same attention with the keys cut into `splits` ranges of
 // `tiles_per_split` key tiles, one block each (`split`). Each block writes its
-// rows' partial state to `partials` (this row tile's: splits x BLOCK_M x (DV
-// + 2) floats: o, then the maximum and the sum), counts itself in
+// rows' partial state to `partials` (this row tile's, per split: o's BLOCK_M
+// x DV floats, then each row's maximum and sum, BLOCK_M x 2: each part whole
+// 32-byte sectors, so that a warp's stores of o's pairs, 8 rows of 32 bytes,
+// touch 8, and a row's state lies beside its neighbours'), counts itself in
 // `*arrivals` (zero before the launch; left zero), and the last block of the
 // row tile combines the splits in split order (deterministic):
 //   m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s o_s 2^(m_s - m) / l,
@@ -336,14 +349,14 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
                                         int split, int splits, cg_i64 tiles_per_split, float* partials,
                                         unsigned int* arrivals, float scale_log2, bool causal, StoreOut store_out,
                                         StoreLse store_lse, T* smem) {
-  constexpr int BM = Config::BLOCK_M, DV = Config::DV, OT = DV / 8, STATE = DV + 2;
+  constexpr int BM = Config::BLOCK_M, DV = Config::DV, OT = DV / 8, SPLIT = BM * (DV + 2);
   cg_flash_rows<Config> rows;
   cg_flash_mainloop<Config, T>(rows, q, k, v, Tq, Tk, tile_m, split * tiles_per_split,
                                (split + 1) * tiles_per_split, scale_log2, causal, smem);
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 m0 = tile_m * BM;
-  // This split's state, row after row: o's pairs, then (t = 0) the maximum and the sum.
-  float* mine = partials + (cg_i64)split * BM * STATE;
+  // This split's state: o's pairs, then (t = 0) each row's maximum and sum.
+  float* mine = partials + (cg_i64)split * SPLIT;
   CG_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int local = 16 * warp + g + 8 * r;
@@ -352,13 +365,18 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
       cg_vector<2, float> pair;
       pair.v[0] = rows.o[j][2 * r];
       pair.v[1] = rows.o[j][2 * r + 1];
-      cg_store_vector<2, float>(mine, (cg_i64)local * STATE + 8 * j + 2 * t, pair);
+      cg_store_vector<2, float>(mine, (cg_i64)local * DV + 8 * j + 2 * t, pair);
     }
-    if (t == 0) {
+  }
+  // (After every lane's stores of o: the emulation groups a warp's requests by
+  // their order in each lane, as the GPU issues them.)
+  if (t == 0) {
+    CG_UNROLL
+    for (int r = 0; r < 2; ++r) {
       cg_vector<2, float> state;
       state.v[0] = rows.row_max[r];
       state.v[1] = rows.row_sum[r];
-      cg_store_vector<2, float>(mine, (cg_i64)local * STATE + DV, state);
+      cg_store_vector<2, float>(mine, (cg_i64)BM * DV + 2 * (16 * warp + g + 8 * r), state);
     }
   }
   if (!cg_last_to_arrive(arrivals, splits, (unsigned int*)smem)) return;
@@ -366,11 +384,11 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
   float* weight = (float*)smem + 32;
   for (int local = (int)threadIdx.x; local < BM; local += Config::THREADS) {
     float m = cg_neg_inf();
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, cg_load_l2(partials, ((cg_i64)s * BM + local) * STATE + DV));
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, cg_load_l2(partials, (cg_i64)s * SPLIT + BM * DV + 2 * local));
     const float base = m == cg_neg_inf() ? 0.0f : m;
     float l = 0.0f;
     for (int s = 0; s < splits; ++s) {
-      const cg_i64 at = ((cg_i64)s * BM + local) * STATE + DV;
+      const cg_i64 at = (cg_i64)s * SPLIT + BM * DV + 2 * local;
       weight[local * 32 + s] = exp2f(cg_load_l2(partials, at) - base);
       l += cg_load_l2(partials, at + 1) * weight[local * 32 + s];
     }
@@ -386,7 +404,7 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
     if (m0 + local >= Tq) continue;
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s)
-      sum += weight[local * 32 + s] * cg_load_l2(partials, ((cg_i64)s * BM + local) * STATE + c);
+      sum += weight[local * 32 + s] * cg_load_l2(partials, (cg_i64)s * SPLIT + (cg_i64)local * DV + c);
     store_out(m0 + local, c, sum);
   }
 }

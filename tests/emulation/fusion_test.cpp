@@ -588,8 +588,8 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
 // The flash kernel, against the float64 reference and the unfused kernels
 // (which store the scores): partial query and key tiles, several key tiles,
 // the causal diagonal inside and across tiles with the top-left alignment
-// where the lengths differ, lengths 1, 63, 1000 and 2049, head sizes 16 to 128 (128: 80 KiB of shared
-// memory, opted in), values of another width, over 1024 keys, where only this
+// where the lengths differ, lengths 1, 63, 1000 and 2049, head sizes 16 to 256 (128: 80 KiB of shared
+// memory, opted in; 256: q read from shared memory, 32 keys a step; 192 and 160 padded), values of another width, over 1024 keys, where only this
 // kernel fuses attention, grouped-query attention (4 query heads a head of
 // keys and values; 2 over 1100 keys), and heads of 96 and 80 padded to tiles
 // of 128. f32 keeps the row kernels (the streamed one over 1024 keys), and
@@ -607,6 +607,7 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
                         Case{1, 2, 33, 33, 32, 32, true, 4},
                         Case{1, 1, 5, 1100, 32, 32, false, 2, "split-KV 4 ways (5 key tiles each)"},
                         Case{1, 2, 40, 70, 96, 80, true},
+                        Case{1, 1, 70, 100, 256, 256, true}, Case{1, 1, 40, 40, 192, 160, false},
                         Case{1, 2, 1, 2049, 64, 64, false, 1, "split-KV 7 ways (5 key tiles each)"},
                         Case{1, 1, 63, 63, 64, 64, true},
                         Case{1, 1, 1000, 1000, 32, 32, true, 1, "split-KV 4 ways (4 key tiles each)"}}) {
@@ -629,6 +630,8 @@ TEST_P(FusedChains, FlashAttentionMatchesTheReferenceFusedAndUnfused) {
     EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("heads of 96 (padded to 128) (values 80 (padded to 128))") !=
                   std::string::npos,
               k.D == 96)
+        << c.emitted.kernels[0].matmul_path;
+    EXPECT_EQ(c.emitted.kernels[0].matmul_path.find("32 keys a step") != std::string::npos, k.D > 128)
         << c.emitted.kernels[0].matmul_path;
     for (const auto& pb : c.plan.buffers)  // no T x T buffer in the arena
       if (const std::string name = buffer_name(c.program, pb.buffer); name == "scores.out" || name == "probs.out")

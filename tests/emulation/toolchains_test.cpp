@@ -477,7 +477,8 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The flash attention kernel (templates/softmax_flash.cuh) in generated code:
 // bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
-// 2048 keys, and a decoding step split over its keys. On sm_80 and sm_90: both products on tensor cores (HMMA),
+// 2048 keys, a decoding step split over its keys, and bf16 heads of 256
+// (q's fragments read from shared memory). On sm_80 and sm_90: both products on tensor cores (HMMA),
 // fed by ldmatrix (LDSM) from tiles that cp.async (LDGSTS) filled; the
 // exponentials on the special-function unit (MUFU); no local memory,
 // no spills, no stack.
@@ -491,16 +492,17 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
     int64_t Tq, Tk, D;
     bool causal;
   };
-  // (The third decodes: one query row a head over 4096 keys, split-KV.)
+  // (The third decodes: one query row a head over 4096 keys, split-KV; the
+  // fourth has heads of 256, q read from shared memory: about 250 registers.)
   for (const Head& h : {Head{DType::bf16, 512, 512, 64, true}, Head{DType::f16, 2048, 2048, 128, false},
-                        Head{DType::bf16, 1, 4096, 64, false}}) {
+                        Head{DType::bf16, 1, 4096, 64, false}, Head{DType::bf16, 1024, 1024, 256, true}}) {
     const std::string n = std::to_string(h.D) + "_" + std::to_string(h.Tq);
     auto s = b.task("scores" + n, "matmul").tensor("a", h.d, {8, 12, h.Tq, h.D}, ext).tensor("b", h.d, {8, 12, h.Tk, h.D}, ext).tensor("out", h.d, {8, 12, h.Tq, h.Tk}).arg("trans_b", true);
     auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", h.d, {8, 12, h.Tq, h.Tk}).arg("scale", 0.125).arg("causal", h.causal);
     b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", h.d, {8, 12, h.Tk, h.D}, ext).tensor("out", h.d, {8, 12, h.Tq, h.D}, ext);
   }
   Compiled c = compile(load_program(std::move(b).graph(), {}), {});
-  ASSERT_EQ(c.emitted.kernels.size(), 3u);
+  ASSERT_EQ(c.emitted.kernels.size(), 4u);
   for (const EmittedKernel& k : c.emitted.kernels)
     EXPECT_NE(k.matmul_path.find("flash attention"), std::string::npos) << k.name << ": " << k.matmul_path;
   EXPECT_NE(c.emitted.kernels[2].matmul_path.find("split-KV"), std::string::npos) << c.emitted.kernels[2].matmul_path;

@@ -589,7 +589,7 @@ TEST(Fusion, NoAttentionGradientKernelWhereDsIsStoredOrTheHeadIsLarge) {
   EXPECT_EQ(reason_for(shared, "ds"), prefix + "'dqk' reads 'dq.out', which the kernel would compute for another gradient");
 }
 
-// Over 1024 keys the flash kernel (16-bit q, k and v, heads up to 128,
+// Over 1024 keys the flash kernel (16-bit q, k and v, heads up to 256,
 // probabilities read by nothing else, its own launch) or the streamed row
 // kernel (the rest, with query and output rows of up to 1024) fuses an
 // attention (docs/attention.md); `describe` says which. Refusals name the
@@ -630,7 +630,7 @@ TEST(Fusion, OverAThousandKeysTheFlashOrTheStreamedKernelFusesAttention) {
   EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f16, 1100, Storage::transient)), "p"),
             "'p' is a reduction op; the row kernels hold a query row of at most 1024 values per warp, and the flash "
             "kernel does not apply: a head of 1100 values: the flash kernel takes heads of a multiple of 8 values up to "
-            "128");
+            "256");
   const Compiled transposed = plan_graph(long_attention(DType::bf16, 64, Storage::transient, true));
   EXPECT_EQ(transposed.kernels.size(), 3u);
   EXPECT_EQ(reason_for(transposed, "p"),
