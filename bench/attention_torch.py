@@ -20,6 +20,8 @@ parser.add_argument("--runs", type=int, default=20)
 parser.add_argument("--decode", type=int, nargs="*", default=[],
                     help="also one query row a head over a cache of this many keys (not causal)")
 parser.add_argument("--train", action="store_true", help="time the forward and the backward pass")
+parser.add_argument("--kv-heads", type=int, help="heads of keys and values (grouped-query attention: SDPA's "
+                    "enable_gqa, PyTorch 2.5 and later; default: --heads)")
 args = parser.parse_args()
 
 dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -31,8 +33,10 @@ except ImportError:  # PyTorch before 2.3
 
 cases = [(tokens, tokens, causal) for tokens in args.tokens for causal in (False, True)]
 cases += [(1, tokens, False) for tokens in args.decode]
+kv_heads = args.kv_heads or args.heads
+gqa = {"enable_gqa": True} if kv_heads != args.heads else {}
 for queries, tokens, causal in cases:
-    shape = (args.batch, args.heads, tokens, args.head)
+    shape = (args.batch, kv_heads, tokens, args.head)
     k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
     q = torch.randn((args.batch, args.heads, queries, args.head), device="cuda", dtype=dtype)
     if args.train:
@@ -41,7 +45,7 @@ for queries, tokens, causal in cases:
         dout = torch.randn(q.shape, device="cuda", dtype=dtype)
 
     def step():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
         if args.train:
             torch.autograd.grad(out, (q, k, v), dout)
 
@@ -61,5 +65,6 @@ for queries, tokens, causal in cases:
     flops = args.batch * args.heads * queries * tokens * (4 * args.head + 5)
     if args.train:  # and the backward pass's four products in cudagen's graph (dp, dv, dq, dk)
         flops += args.batch * args.heads * queries * tokens * 8 * args.head
-    print(f"torch sdpa (flash{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
+    print(f"torch sdpa (flash{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads}"
+          f"{f' kv{kv_heads}' if gqa else ''} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
           f"  {ms:.4f} ms  {flops / ms / 1e9:.1f} TFLOP/s (cudagen's count)")

@@ -31,7 +31,8 @@
 #  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
 #  - flash attention alone (bench/attention_graph.py) at B8 x H12 x T 512/2048/8192, heads of 64, causal and
 #    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py); then trained (--train: the
-#    forward and the backward kernel) beside SDPA's forward and backward;
+#    forward and the backward kernel) beside SDPA's forward and backward; grouped-query attention (32
+#    query heads over 8, heads of 128, T2048 causal) forward and trained beside SDPA's enable_gqa;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -191,6 +192,21 @@ if have_time 120 "the flash attention training benchmark"; then
     done
   done | tee "$log/attention_train_atomic.txt"
   beside_torch "$log/attention_train_atomic.txt" "$log/attention_train_torch.txt" " (atomic)"
+fi
+echo
+echo "grouped-query attention (LLaMA-3-8B's: 32 query heads over 8 heads of keys and values, heads of 128), bf16,"
+echo "B8 x T2048, causal: forward, then forward and backward (dk and dv per query head, then each group's sum),"
+echo "beside SDPA with enable_gqa on its flash backend; ratio = torch time / cudagen time:"
+if have_time 60 "the grouped-query attention benchmark"; then
+  for train in "" --train; do
+    python3 bench/attention_graph.py --heads 32 --kv-heads 8 --head 128 --tokens 2048 --causal $train \
+      -o "$log/attention_gqa$train.json"
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 ${train:+--step} "$log/attention_gqa$train.json" 2>&1 | sed -n 2p
+  done | tee "$log/attention_gqa_cudagen.txt"
+  for train in "" --train; do
+    python3 bench/attention_torch.py --heads 32 --kv-heads 8 --head 128 --tokens 2048 --runs 20 $train 2>&1 | sed -n 2p
+  done | tee "$log/attention_gqa_torch.txt"
+  beside_torch "$log/attention_gqa_cudagen.txt" "$log/attention_gqa_torch.txt"
 fi
 echo
 echo "Nsight Compute on the flash attention backward kernel (T2048, not causal, deterministic): where its time goes"
