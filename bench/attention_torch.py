@@ -15,7 +15,9 @@ parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--heads", type=int, default=12)
 parser.add_argument("--tokens", type=int, nargs="+", default=[512])
 parser.add_argument("--head", type=int, default=64)
-parser.add_argument("--dtype", choices=["f16", "bf16"], default="bf16")
+parser.add_argument("--dtype", choices=["f16", "bf16", "f32"], default="bf16",
+                    help="f32: TF32 allowed (torch.backends.cuda.matmul.allow_tf32), on SDPA's efficient backend "
+                    "(its flash backend takes 16-bit types only)")
 parser.add_argument("--runs", type=int, default=20)
 parser.add_argument("--decode", type=int, nargs="*", default=[],
                     help="also one query row a head over a cache of this many keys (not causal)")
@@ -24,12 +26,14 @@ parser.add_argument("--kv-heads", type=int, help="heads of keys and values (grou
                     "enable_gqa, PyTorch 2.5 and later; default: --heads)")
 args = parser.parse_args()
 
-dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+f32 = dtype == torch.float32
+torch.backends.cuda.matmul.allow_tf32 = f32
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    backend = lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION if f32 else SDPBackend.FLASH_ATTENTION])
 except ImportError:  # PyTorch before 2.3
-    backend = lambda: torch.backends.cuda.sdp_kernel(enable_flash=True, enable_math=False, enable_mem_efficient=False)
+    backend = lambda: torch.backends.cuda.sdp_kernel(enable_flash=not f32, enable_math=False, enable_mem_efficient=f32)
 
 cases = [(tokens, tokens, causal) for tokens in args.tokens for causal in (False, True)]
 cases += [(1, tokens, False) for tokens in args.decode]
@@ -65,6 +69,6 @@ for queries, tokens, causal in cases:
     flops = args.batch * args.heads * queries * tokens * (4 * args.head + 5)
     if args.train:  # and the backward pass's four products in cudagen's graph (dp, dv, dq, dk)
         flops += args.batch * args.heads * queries * tokens * 8 * args.head
-    print(f"torch sdpa (flash{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads}"
+    print(f"torch sdpa ({'efficient, f32' if f32 else 'flash'}{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads}"
           f"{f' kv{kv_heads}' if gqa else ''} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
           f"  {ms:.4f} ms  {flops / ms / 1e9:.1f} TFLOP/s (cudagen's count)")

@@ -71,11 +71,11 @@ int64_t floor_bytes(const Program& p, const std::set<Phase>& phases) {
 
 int main(int argc, char** argv) {
   int runs = 200, blocks = 0;
-  bool emulate = false, step = false, atomic_attention_backward = false;
+  bool emulate = false, step = false, atomic_attention_backward = false, allow_tf32 = false;
   std::vector<std::string> modes = {"kernels", "cuda-graph", "megakernel"};
   const char* usage =
       "usage: bench_megakernel [--runs N] [--blocks N] [--modes kernels,cuda-graph,megakernel] [--emulate] "
-      "[--atomic-attention-backward] GRAPH... [--step GRAPH...]\n";
+      "[--atomic-attention-backward] [--allow-tf32] GRAPH... [--step GRAPH...]\n";
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
     else if (a == "--blocks" && i + 1 < argc) blocks = std::atoi(argv[++i]);
     else if (a == "--emulate") emulate = true;
     else if (a == "--atomic-attention-backward") atomic_attention_backward = true;
+    else if (a == "--allow-tf32") allow_tf32 = true;
     else if (a == "--modes" && i + 1 < argc) {
       modes.clear();
       for (std::string list = argv[++i]; !list.empty();) {
@@ -115,6 +116,7 @@ int main(int argc, char** argv) {
       options.backend = emulate ? Backend::emulation : Backend::gpu;
       options.compile.emit.step_function = c.step;
       options.compile.emit.atomic_attention_backward = atomic_attention_backward;
+      options.compile.emit.allow_tf32 = allow_tf32;
       options.compile.emit.megakernel = mode == "megakernel";
       options.compile.emit.megakernel_blocks = blocks;
       options.gpu.cuda_graph = mode == "cuda-graph";

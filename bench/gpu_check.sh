@@ -32,7 +32,8 @@
 #  - flash attention alone (bench/attention_graph.py) at B8 x H12 x T 512/2048/8192, heads of 64, causal and
 #    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py); then trained (--train: the
 #    forward and the backward kernel) beside SDPA's forward and backward; grouped-query attention (32
-#    query heads over 8, heads of 128, T2048 causal) forward and trained beside SDPA's enable_gqa;
+#    query heads over 8, heads of 128, T2048 causal) forward and trained beside SDPA's enable_gqa; f32
+#    attention as TF32 (--allow-tf32) beside SDPA's efficient backend in f32 with TF32 allowed;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -192,6 +193,17 @@ if have_time 120 "the flash attention training benchmark"; then
     done
   done | tee "$log/attention_train_atomic.txt"
   beside_torch "$log/attention_train_atomic.txt" "$log/attention_train_torch.txt" " (atomic)"
+fi
+echo
+echo "f32 attention as TF32 (--allow-tf32: the flash kernel on m16n8k8), B8 x H12, heads of 64, T2048, causal and not,"
+echo "beside SDPA in f32 on its efficient backend (TF32 allowed); ratio = torch time / cudagen time:"
+if have_time 45 "the TF32 attention benchmark"; then
+  for causal in "" --causal; do
+    python3 bench/attention_graph.py --dtype f32 --tokens 2048 $causal -o "$log/attention_tf32$causal.json"
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 --allow-tf32 "$log/attention_tf32$causal.json" 2>&1 | sed -n 2p
+  done | tee "$log/attention_tf32_cudagen.txt"
+  python3 bench/attention_torch.py --dtype f32 --tokens 2048 --runs 20 2>&1 | tee "$log/attention_tf32_torch.txt"
+  beside_torch "$log/attention_tf32_cudagen.txt" "$log/attention_tf32_torch.txt"
 fi
 echo
 echo "grouped-query attention (LLaMA-3-8B's: 32 query heads over 8 heads of keys and values, heads of 128), bf16,"

@@ -67,7 +67,16 @@ struct ArenaRange {
 // tensor-core tile, or the portable tile
 // (the f32 tile, or a user op's own function); none for other kernels and
 // for the fused matmul skeletons.
-enum class MatmulMainloop { none, pipelined, pipelined_tf32, simt, tensor_core_tile, portable_tile, flash_attention };
+enum class MatmulMainloop {
+  none,
+  pipelined,
+  pipelined_tf32,
+  simt,
+  tensor_core_tile,
+  portable_tile,
+  flash_attention,
+  flash_attention_tf32  // f32 q, k and v as TF32 (--allow-tf32)
+};
 
 struct EmittedKernel {
   std::string name;

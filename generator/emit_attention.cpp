@@ -46,7 +46,8 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   if (why_not_flash.empty()) {
     if (k.flash) return flash_attention(k, first, *k.flash, std::move(ek), tail.code, tail.params, emitted);
     // The fusion pass found no flash tile (KernelGroup::flash): only why, for describe.
-    flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained);
+    flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained,
+                            options_.allow_tf32);
   }
   if (k.flash_trained) {
     fail(ts, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name,
@@ -184,13 +185,17 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   ek.grid[1] = heads;
   ek.grid[2] = tile.splits;
   ek.matmul_path = "tensor cores: flash attention (templates/softmax_flash.cuh), " + tile.describe();
-  ek.mainloop = MatmulMainloop::flash_attention;
+  ek.mainloop = tile.tf32 ? MatmulMainloop::flash_attention_tf32 : MatmulMainloop::flash_attention;
   reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
                  tile.shared_bytes());
   // s = scale (alpha q . k) in log2 units: exp(x) is exp2(x log2 e).
   const double scale_log2 = arg_double(ts, "alpha", 1.0) * arg_double(tp, "scale", 1.0) * 1.4426950408889634;
   const std::string alpha_out = float_arg(tc, "alpha", 1.0);
-  const std::string type = c_type(q.buffer->dtype);
+  // f32 operands are read as cg_tf32 (--allow-tf32), the bits each fragment rounds to TF32.
+  const std::string type = tile.tf32 ? "cg_tf32" : c_type(q.buffer->dtype);
+  auto operand = [&](const char* name, const std::string& offset) {
+    return tile.tf32 ? fmt::format("(const cg_tf32*)({} + {})", name, offset) : fmt::format("{} + {}", name, offset);
+  };
   // Split-KV: each block (tile.z) its range of key tiles, then the last of
   // a row tile combines, in split order, from the workspace.
   std::string split, call = "cg_flash_attention";
@@ -219,13 +224,14 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
       "  // Flash attention: {0}.\n"
       "  typedef cg_flash_config<{1}> cg_config;\n"
       "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
-      "  {13}<cg_config, {3}>(q + head * {4}, k + kv_head * {5}, v + kv_head * {6}, {7}, {8}, tile_m,{14}\n"
+      "  {13}<cg_config, {3}>({4}, {5}, {6}, {7}, {8}, tile_m,{14}\n"
       "      {9}, {10},\n"
       "      [&](cg_i64 row, int c, float o) {{ {11};{16} }},\n"
       "      {15},\n"
       "      ({3}*)cg_smem);\n",
-      tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type, Tq * D,
-      Tk * D, Tk * Dv, Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
+      tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
+      operand("q", fmt::format("head * {}", Tq * D)), operand("k", fmt::format("kv_head * {}", Tk * D)),
+      operand("v", fmt::format("kv_head * {}", Tk * Dv)), Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
       store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
       kv_head, call, split, lse_store, saved_o);
   epilogue_buffer_ = -1;

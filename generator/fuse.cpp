@@ -254,7 +254,9 @@ class Fuser {
     // the streamed row kernel, with query and output rows of up to 1024.
     if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys) {
       std::string why_not_flash;
-      const bool flash = flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash).has_value();
+      const bool flash = flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash, options_.arch, false,
+                                                 options_.allow_tf32)
+                             .has_value();
       if (!flash && q.back() > kMaxAttentionKeys)
         return fmt::format("'{}' is a reduction op; the row kernels hold a query row of at most {} values per warp, and "
                            "the flash kernel does not apply: {}",
@@ -520,7 +522,7 @@ class Fuser {
   std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles) const {
     if (k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0)
       return flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel, nullptr, options_.arch,
-                                     k.flash_trained);
+                                     k.flash_trained, options_.allow_tf32);
     if (!k.flash_trained || k.rule != FusionRule::attention_backward) return std::nullopt;
     const AttentionGradient g = attention_gradient(p_, k);
     auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };

@@ -221,14 +221,16 @@ std::string FlashAttentionTile::describe() const {
   auto head = [](int size, int tile) {
     return size == tile ? std::to_string(size) : fmt::format("{} (padded to {})", size, tile);
   };
-  return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}", block_m, block_m / 16,
-                     block_n, stages, head(head_d, d),
+  return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}{}", block_m,
+                     block_m / 16, block_n, stages, head(head_d, d),
                      head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
+                     tf32 ? ", f32 as TF32 (--allow-tf32)" : "",
                      splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
-                                                          std::string* why_not, const std::string& arch, bool trained) {
+                                                          std::string* why_not, const std::string& arch, bool trained,
+                                                          bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
@@ -264,10 +266,13 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
       !(trained && program.buffers[size_t(probs)].storage == Storage::saved))
     return refuse(fmt::format("the probabilities '{}' are stored (an output of the graph)", buffer_name(program, probs)));
   const BufferInfo& v = program.buffers[size_t(program.tasks[size_t(values)].find_tensor("b")->buffer)];
-  if ((q.dtype != DType::f16 && q.dtype != DType::bf16) || k.dtype != q.dtype || v.dtype != q.dtype)
+  const bool tf32 = allow_tf32 && q.dtype == DType::f32;
+  if ((q.dtype != DType::f16 && q.dtype != DType::bf16 && !tf32) || k.dtype != q.dtype || v.dtype != q.dtype)
     return refuse(fmt::format("q, k and v are {}, {} and {}: the tensor-core kernel takes one 16-bit type (f32 keeps its "
-                              "f32 arithmetic in the row kernel)",
-                              to_string(q.dtype), to_string(k.dtype), to_string(v.dtype)));
+                              "f32 arithmetic in the row kernel{})",
+                              to_string(q.dtype), to_string(k.dtype), to_string(v.dtype),
+                              // (Trained: the backward kernel stays 16-bit, TF32 or not.)
+                              trained || q.dtype != DType::f32 ? "" : "; --allow-tf32 runs it as TF32"));
   // Grouped-query attention: k's and v's leading axes those of q, or 1 where
   // a group of q's heads shares one head of keys and values.
   const Shape lead_q(q.shape.begin(), q.shape.end() - 2), lead_k(k.shape.begin(), k.shape.end() - 2),
@@ -295,6 +300,14 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   // step keep the scores at 16 registers and the stages at 64 KiB (96 KiB
   // with q's tile: under the 99 KiB of sm_86 and sm_89).
   if (std::max(tile.d, tile.dv) > 128) tile.block_n = 32;
+  // TF32: 4-byte elements. Heads of 32 to 128 (the values' tile is read by
+  // 32-bit loads, swizzled for rows of 8 chunks or more); over 64, 32 keys a
+  // step keep the stages at 64 KiB (96 KiB with q's tile).
+  tile.tf32 = tf32;
+  if (tf32 && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
+    return refuse(fmt::format("heads of {} (values {}) in f32: the TF32 kernel takes heads of 32 to 128", tile.head_d,
+                              tile.head_dv));
+  if (tf32 && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
   // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.

@@ -65,17 +65,21 @@ struct FlashAttentionTile {
   // The backward kernel's atomic mode (--atomic-attention-backward): its key
   // blocks sum dq with atomics (square tiles; no query blocks).
   bool atomic_dq = false;
+  // f32 q, k and v on tensor cores as TF32 (--allow-tf32): 4-byte elements,
+  // m16n8k8 (cg_tf32 in templates/gemm.cuh).
+  bool tf32 = false;
   int threads() const { return 32 * (block_m / 16); }
+  int64_t element_bytes() const { return tf32 ? 4 : 2; }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
   // tiles: each split's partial rows (dv + 2 floats a row: o, then maximum
   // and sum) and a counter per row tile.
   int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
     return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
   }
-  // cg_flash_shared<Config, T>::bytes (16-bit elements): the q tile and the
-  // stages of keys and values, or the staged output tile where more.
+  // cg_flash_shared<Config, T>::bytes: the q tile and the stages of keys and
+  // values, or the staged output tile where more.
   int64_t shared_bytes() const {
-    return std::max<int64_t>(2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
+    return std::max<int64_t>(element_bytes() * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
                              int64_t(4) * block_m * (dv + 8));
   }
   std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
@@ -398,9 +402,12 @@ inline constexpr int64_t kMaxAttentionKeys = 1024;
 // `trained`: the probabilities may also be read by their gradients' tasks
 // (a softmax_backward and dv = p^T dcontext, in a later phase) where the
 // fusion pass paired the two kernels (KernelGroup::flash_trained).
+// `allow_tf32` (--allow-tf32): f32 q, k and v too, on tensor cores as TF32
+// (heads of 32 to 128; the forward only: the backward kernel takes 16-bit types).
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
                                                           std::string* why_not = nullptr,
-                                                          const std::string& arch = "sm_90", bool trained = false);
+                                                          const std::string& arch = "sm_90", bool trained = false,
+                                                          bool allow_tf32 = false);
 
 
 // The backward kernel's blocks own this many keys or query rows; its rows'

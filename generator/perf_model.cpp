@@ -37,6 +37,7 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
                     // Not measured yet: half the pipelined mainloop's rate (its two
                     // products are shorter, and the softmax runs between them).
                     : k.mainloop == MatmulMainloop::flash_attention  ? d.pipelined_flops / 2
+                    : k.mainloop == MatmulMainloop::flash_attention_tf32 ? d.pipelined_flops / 4
                                                                       : d.simt_flops;
   // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
   // per block) and registers, assumed as ptxas reported them for the

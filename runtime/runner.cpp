@@ -56,7 +56,7 @@ double absolute_tolerance(DType dtype) {
 namespace {
 
 // Each buffer's own tolerances: its dtype's, or for what a kernel on the
-// TF32 mainloop computes (--allow-tf32), at least f16's relative bound: TF32
+// TF32 mainloop or the TF32 flash kernel computes (--allow-tf32), at least f16's relative bound: TF32
 // keeps f16's 10 mantissa bits, so each product is off by up to 2^-10 of
 // |a b| before the f32 sums.
 struct Tolerance {
@@ -68,7 +68,7 @@ std::vector<Tolerance> own_tolerances(const Compiled& c) {
   for (size_t b = 0; b < p.buffers.size(); ++b)
     own[b] = {relative_tolerance(p.buffers[b].dtype), absolute_tolerance(p.buffers[b].dtype)};
   for (const EmittedKernel& k : c.emitted.kernels) {
-    if (k.mainloop != MatmulMainloop::pipelined_tf32) continue;
+    if (k.mainloop != MatmulMainloop::pipelined_tf32 && k.mainloop != MatmulMainloop::flash_attention_tf32) continue;
     for (int t : k.tasks)
       for (const BoundTensor& x : p.tasks[size_t(t)].tensors)
         if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes) && own[size_t(x.buffer)].relative > 0)

@@ -321,11 +321,14 @@ struct cg_swizzled_tile {
 // cg_bf16 or cg_tf32), stored K-contiguous ([MN][BK]) or MN-contiguous
 // ([BK][MN]) as the operand is in global memory, so that every copy is 16
 // bytes of consecutive global addresses.
-template <int MN, int BK, bool K_CONTIGUOUS, typename T>
+// (SCALAR_READS: a TF32 operand stored MN-contiguous is read by 32-bit loads
+// (fragment), whose tile is swizzled for them; a tile only copied this way
+// and read as another operand, K-contiguous (flash attention's keys), passes
+// false so that both views share one swizzle.)
+template <int MN, int BK, bool K_CONTIGUOUS, typename T, bool SCALAR_READS = !K_CONTIGUOUS && sizeof(T) == 4>
 struct cg_gemm_operand {
   static constexpr int CHUNK = 16 / (int)sizeof(T);  // elements a 16-byte copy moves
-  // A TF32 operand stored MN-contiguous is read by 32-bit loads (fragment).
-  static constexpr bool scalar_reads = !K_CONTIGUOUS && CHUNK == 4;
+  static constexpr bool scalar_reads = SCALAR_READS;
   typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, scalar_reads> tile;
   static constexpr int elements = tile::elements;
 
@@ -401,6 +404,7 @@ struct cg_gemm_operand {
   // address `tile_address` (ldmatrix), which `tile_pointer` points at (32-bit loads).
   template <bool A_ORDER>
   CG_DEVICE static void fragment(unsigned int r[4], unsigned int tile_address, const T* tile_pointer, int mn, int k) {
+    static_assert(scalar_reads || K_CONTIGUOUS || sizeof(T) == 2, "ldmatrix.trans moves 16-bit values only");
     const int lane = threadIdx.x & 31;
     if (!scalar_reads) {
       const int matrix = lane >> 3, row = lane & 7;

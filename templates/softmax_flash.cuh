@@ -98,6 +98,32 @@ CG_DEVICE float cg_exp2_approx(float x) {
 #endif
 }
 
+// p's A fragment for keys [KSTEP kk, KSTEP (kk + 1)) of o += p v, from the
+// score accumulators s (the m16n8 layout: lane (g, t) holds columns 2t and
+// 2t + 1 of rows g and g + 8). 16-bit (m16n8k16): tiles 2kk and 2kk + 1,
+// rounded to T, are the fragment as they lie. TF32 (m16n8k8: a[i] = p[g + 8
+// (i % 2)][t + 4 (i / 2)]): tile kk's columns t and t + 4 come from the
+// quad's lanes that hold them, rounded to TF32.
+template <int NT, typename T>
+CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], int kk, T) {
+  pa[0] = cg_narrow_pair(s[2 * kk][0], s[2 * kk][1], T());
+  pa[1] = cg_narrow_pair(s[2 * kk][2], s[2 * kk][3], T());
+  pa[2] = cg_narrow_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
+  pa[3] = cg_narrow_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+}
+template <int NT>
+CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], int kk, cg_tf32) {
+  const int lane = (int)threadIdx.x & 31, t = lane & 3;
+  CG_UNROLL
+  for (int half = 0; half < 2; ++half) {  // column t, then t + 4: held as column 2 t' + (t & 1)
+    const int from = (lane & ~3) + 2 * half + (t >> 1);
+    const float top0 = __shfl_sync(0xffffffffu, s[kk][0], from), top1 = __shfl_sync(0xffffffffu, s[kk][1], from);
+    const float bottom0 = __shfl_sync(0xffffffffu, s[kk][2], from), bottom1 = __shfl_sync(0xffffffffu, s[kk][3], from);
+    pa[2 * half] = cg_round_to_tf32((unsigned int)__float_as_int(t & 1 ? top1 : top0));
+    pa[2 * half + 1] = cg_round_to_tf32((unsigned int)__float_as_int(t & 1 ? bottom1 : bottom0));
+  }
+}
+
 // A warp's rows after the key tiles it has seen: its rows' output
 // accumulators (o, not yet divided by the sums; the mma layout: element
 // (g + 8 (e / 2), 8 j + 2 t + e % 2) of the warp's 16 rows in o[j][e]), their
@@ -127,8 +153,11 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
   // copied as an operand whose K axis is the keys (so that the copier steps
   // from key tile to key tile) and read as the B operand of q k^T, whose K
   // axis is D (the same swizzled tile); values as the B operand of p v.
+  // T is cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (f32 inputs under
+  // --allow-tf32, m16n8k8): an mma's K step is KSTEP values, two chunks.
   typedef cg_gemm_operand<BM, D, true, T> OperandQ;
-  typedef cg_gemm_operand<D, BN, false, T> KeysCopied;
+  typedef cg_gemm_operand<D, BN, false, T, false> KeysCopied;
+  constexpr int KSTEP = 2 * OperandQ::CHUNK;
   typedef cg_gemm_operand<BN, D, true, T> OperandK;
   typedef cg_gemm_operand<DV, BN, false, T> OperandV;
   static_assert(KeysCopied::elements == OperandK::elements, "one tile of keys, two views");
@@ -172,12 +201,15 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
     cg_cp_async_commit();
   }
 
-  unsigned int qa[Config::Q_IN_SHARED ? 1 : D / 16][4];  // this warp's 16 rows of q, as A fragments
+  unsigned int qa[Config::Q_IN_SHARED ? 1 : D / KSTEP][4];  // this warp's 16 rows of q, as A fragments
   cg_cp_async_wait<S - 1>();
   __syncthreads();
   if (!Config::Q_IN_SHARED) {
     CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) OperandQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, 16 * kk);
+    for (int kk = 0; kk < D / KSTEP; ++kk) {
+      OperandQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, KSTEP * kk);
+      cg_gemm_fragment_ready(qa[kk], T());
+    }
   }
 
   for (cg_i64 n = first_tile; n < n_tiles; ++n) {
@@ -198,14 +230,18 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       CG_UNROLL
       for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
     CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D / KSTEP; ++kk) {
       unsigned int q_shared[4];
-      if (Config::Q_IN_SHARED) OperandQ::template fragment<true>(q_shared, smem_address, smem, 16 * warp, 16 * kk);
+      if (Config::Q_IN_SHARED) {
+        OperandQ::template fragment<true>(q_shared, smem_address, smem, 16 * warp, KSTEP * kk);
+        cg_gemm_fragment_ready(q_shared, T());
+      }
       const unsigned int(&a)[4] = Config::Q_IN_SHARED ? q_shared : qa[Config::Q_IN_SHARED ? 0 : kk];
       CG_UNROLL
       for (int j = 0; j < NT / 2; ++j) {
         unsigned int kb[4];
-        OperandK::template fragment<false>(kb, tile_k, tile_k_ptr, 16 * j, 16 * kk);
+        OperandK::template fragment<false>(kb, tile_k, tile_k_ptr, 16 * j, KSTEP * kk);
+        cg_gemm_fragment_ready(kb, T());
         cg_mma_packed(s[2 * j], a, &kb[0], T());
         cg_mma_packed(s[2 * j + 1], a, &kb[2], T());
       }
@@ -261,18 +297,17 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       }
     }
 
-    // o += p v: the accumulators of s tiles 2 kk and 2 kk + 1 are, rounded to
-    // T, the A fragment of keys [16 kk, 16 kk + 16).
+    // o += p v: the accumulators of s are, rounded to T, the A fragments of
+    // the tile's keys, KSTEP at a time (cg_flash_p_fragment).
     CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const unsigned int pa[4] = {cg_narrow_pair(s[2 * kk][0], s[2 * kk][1], T()),
-                                  cg_narrow_pair(s[2 * kk][2], s[2 * kk][3], T()),
-                                  cg_narrow_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], T()),
-                                  cg_narrow_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], T())};
+    for (int kk = 0; kk < BN / KSTEP; ++kk) {
+      unsigned int pa[4];
+      cg_flash_p_fragment(pa, s, kk, T());
       CG_UNROLL
       for (int j = 0; j < OT / 2; ++j) {
         unsigned int vb[4];
-        OperandV::template fragment<false>(vb, tile_v, tile_v_ptr, 16 * j, 16 * kk);
+        OperandV::template fragment<false>(vb, tile_v, tile_v_ptr, 16 * j, KSTEP * kk);
+        cg_gemm_fragment_ready(vb, T());
         cg_mma_packed(o[2 * j], pa, &vb[0], T());
         cg_mma_packed(o[2 * j + 1], pa, &vb[2], T());
       }

@@ -148,8 +148,9 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_option("--arch", cli.compile.emit.arch, "target architecture recorded in the file (sm_80, sm_90, ...)")
       ->capture_default_str();
   cmd->add_flag("--allow-tf32", cli.compile.emit.allow_tf32,
-                "run f32 matmuls on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded to 10 mantissa "
-                "bits, f32 accumulation; results are checked to f16's bound (docs/gemm.md)");
+                "run f32 matmuls and f32 attention on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded "
+                "to 10 mantissa bits, f32 accumulation; results are checked to f16's bound (docs/gemm.md, "
+                "docs/attention.md)");
   cmd->add_flag("--atomic-attention-backward", cli.compile.emit.atomic_attention_backward,
                 "flash attention's backward kernel sums dq with atomics: faster, but dq is no longer bit-identical "
                 "from run to run (docs/attention.md)");

@@ -404,7 +404,14 @@ class Emulator {
   unsigned lane_of(const Fiber* f) const { return unsigned(local_index(f) % 32); }
   WarpAccesses& warp_of(const Fiber* f) { return warp_accesses_[size_t(f->block) * warps_ + local_index(f) / 32]; }
 
-  // Counts a warp's requests since its last barrier into the kernel's stats.
+  // Counts a warp's requests since its last barrier into the kernel's stats,
+  // then starts its lanes' counts of requests afresh (fibers [first, end)):
+  // lanes that diverged before the barrier (a store only lane 0 of a quad
+  // makes) issue their next requests together again, as the GPU does.
+  void flush(WarpAccesses& w, Fiber* first, Fiber* end) {
+    flush(w);
+    for (Fiber* f = first; f != end; ++f) f->load_seq = f->store_seq = f->shared_seq = 0;
+  }
   void flush(WarpAccesses& w) {
     unsigned long long* c = stats_.back().counters;
     auto count_global = [](std::vector<LaneAccess>& accesses, unsigned long long* counters) {
@@ -591,7 +598,7 @@ class Emulator {
         if (any_waiting && all_waiting) {
           for (unsigned i = w; i < end; ++i)
             if (f[i].state == Fiber::State::AtWarpBarrier) f[i].state = Fiber::State::Ready;
-          flush(warp_accesses_[size_t(b) * warps_ + w / 32]);
+          flush(warp_accesses_[size_t(b) * warps_ + w / 32], f + w, f + end);
           warp_released = true;
         }
       }
@@ -613,7 +620,8 @@ class Emulator {
           f[i].predicate = any_predicate;
         }
         ++epochs_[b];
-        for (unsigned w = 0; w < warps_; ++w) flush(warp_accesses_[size_t(b) * warps_ + w]);
+        for (unsigned w = 0; w < warps_; ++w)
+          flush(warp_accesses_[size_t(b) * warps_ + w], f + 32 * w, f + std::min(threads_, 32 * w + 32));
         progress = true;
       } else if (finished > 0 && at_block > 0 && at_block + finished == threads_) {
         const uint3 idx = f[0].thread.block_idx;

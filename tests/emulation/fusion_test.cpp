@@ -780,6 +780,51 @@ TEST(FlashAttention, TwoThousandTokensEndToEnd) {
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
 
+// f32 attention under --allow-tf32 on the flash kernel as TF32 (m16n8k8; p's
+// fragments shuffled from the scores' accumulators): against the float64
+// reference at f16's bound (TF32 keeps f16's 10 mantissa bits), causal with
+// partial tiles, heads of 128 (32 keys a step) over 1100 keys split,
+// grouped-query attention; heads of 16 refused, and said why. A fault taking
+// p's values from the wrong lanes of the quad is caught.
+TEST(FlashAttention, Tf32MatchesTheReference) {
+  CompileOptions tf32 = fusion(true);
+  tf32.emit.allow_tf32 = true;
+  struct Case {
+    int64_t H, Tq, Tk, D;
+    bool causal;
+    int64_t G = 1;
+  };
+  for (const Case& k : {Case{2, 70, 100, 64, true}, Case{1, 40, 1100, 128, false}, Case{2, 33, 65, 32, true, 4}}) {
+    const TaskGraph g = flash_attention(DType::f32, 1, k.H, k.Tq, k.Tk, k.D, k.D, k.causal, k.G, k.Tk > 1024 ? 4.0 : 0.25);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), tf32);
+    ASSERT_EQ(c.kernels.size(), 1u);
+    EXPECT_NE(c.emitted.cuda_source.find("<cg_config, cg_tf32>("), std::string::npos);
+    EXPECT_NE(c.emitted.kernels[0].matmul_path.find("f32 as TF32 (--allow-tf32)"), std::string::npos)
+        << c.emitted.kernels[0].matmul_path;
+    EXPECT_EQ(c.emitted.kernels[0].mainloop, MatmulMainloop::flash_attention_tf32);
+    const uint64_t seed = std::random_device()();
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+  }
+  // Without the flag, or with heads the TF32 kernel does not take: the row kernel, and why.
+  const Compiled plain = compile(load_program(flash_attention(DType::f32, 1, 1, 40, 40, 64, 64, true), {}), fusion(true));
+  EXPECT_NE(plain.emitted.kernels[0].matmul_path.find("--allow-tf32 runs it as TF32"), std::string::npos)
+      << plain.emitted.kernels[0].matmul_path;
+  const Compiled narrow = compile(load_program(flash_attention(DType::f32, 1, 1, 40, 40, 16, 16, true), {}), tf32);
+  EXPECT_NE(narrow.emitted.kernels[0].matmul_path.find("the TF32 kernel takes heads of 32 to 128"), std::string::npos)
+      << narrow.emitted.kernels[0].matmul_path;
+  // The fault: p's columns from the wrong lanes.
+  Compiled faulty = compile(load_program(flash_attention(DType::f32, 1, 1, 70, 100, 64, 64, true), {}), tf32);
+  std::string& source = faulty.emitted.cuda_source;
+  const std::string from = "(lane & ~3) + 2 * half + (t >> 1);";
+  const size_t at = source.find(from);
+  ASSERT_NE(at, std::string::npos) << "the template changed; update the fault";
+  source.replace(at, from.size(), "(lane & ~3) + 2 * half + (t & 1);");
+  const uint64_t seed = std::random_device()();
+  EXPECT_FALSE(run_checked(faulty, RunOptions{seed, work_dir("flash_tf32_fault")}).ok()) << "seed " << seed;
+}
+
 // Over 1024 keys where the flash kernel does not apply, the streamed row
 // kernel (two passes over a row's keys, no scores kept): probabilities read
 // later (a training step's backward pass reads them), so stored; 40 query

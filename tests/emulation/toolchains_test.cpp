@@ -477,8 +477,9 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The flash attention kernel (templates/softmax_flash.cuh) in generated code:
 // bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
-// 2048 keys, a decoding step split over its keys, and bf16 heads of 256
-// (q's fragments read from shared memory). On sm_80 and sm_90: both products on tensor cores (HMMA),
+// 2048 keys, a decoding step split over its keys, bf16 heads of 256 (q's
+// fragments read from shared memory), and f32 heads of 64 and 128 as TF32
+// (--allow-tf32). On sm_80 and sm_90: both products on tensor cores (HMMA),
 // fed by ldmatrix (LDSM) from tiles that cp.async (LDGSTS) filled; the
 // exponentials on the special-function unit (MUFU); no local memory,
 // no spills, no stack.
@@ -501,11 +502,22 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
     auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", h.d, {8, 12, h.Tq, h.Tk}).arg("scale", 0.125).arg("causal", h.causal);
     b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", h.d, {8, 12, h.Tk, h.D}, ext).tensor("out", h.d, {8, 12, h.Tq, h.D}, ext);
   }
-  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
-  ASSERT_EQ(c.emitted.kernels.size(), 4u);
+  // And f32 heads of 64 and 128 under --allow-tf32 (HMMA.1688.F32.TF32; the values' fragments by LDS).
+  for (const int64_t D : {64, 128}) {
+    const std::string n = "tf32_" + std::to_string(D);
+    auto s = b.task("scores" + n, "matmul").tensor("a", DType::f32, {8, 12, 2048, D}, ext).tensor("b", DType::f32, {8, 12, 2048, D}, ext).tensor("out", DType::f32, {8, 12, 2048, 2048}).arg("trans_b", true);
+    auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", DType::f32, {8, 12, 2048, 2048}).arg("scale", 0.125).arg("causal", true);
+    b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", DType::f32, {8, 12, 2048, D}, ext).tensor("out", DType::f32, {8, 12, 2048, D}, ext);
+  }
+  CompileOptions tf32;
+  tf32.emit.allow_tf32 = true;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), tf32);
+  ASSERT_EQ(c.emitted.kernels.size(), 6u);
   for (const EmittedKernel& k : c.emitted.kernels)
     EXPECT_NE(k.matmul_path.find("flash attention"), std::string::npos) << k.name << ": " << k.matmul_path;
   EXPECT_NE(c.emitted.kernels[2].matmul_path.find("split-KV"), std::string::npos) << c.emitted.kernels[2].matmul_path;
+  for (size_t i : {4, 5})
+    EXPECT_NE(c.emitted.kernels[i].matmul_path.find("f32 as TF32"), std::string::npos) << c.emitted.kernels[i].matmul_path;
   for (const char* arch : {"sm_80", "sm_90"}) {
     const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
     const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);

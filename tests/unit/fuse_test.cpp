@@ -626,7 +626,7 @@ TEST(Fusion, OverAThousandKeysTheFlashOrTheStreamedKernelFusesAttention) {
   EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f32, 1100, Storage::transient)), "p"),
             "'p' is a reduction op; the row kernels hold a query row of at most 1024 values per warp, and the flash "
             "kernel does not apply: q, k and v are f32, f32 and f32: the tensor-core kernel takes one 16-bit type (f32 "
-            "keeps its f32 arithmetic in the row kernel)");
+            "keeps its f32 arithmetic in the row kernel; --allow-tf32 runs it as TF32)");
   EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f16, 1100, Storage::transient)), "p"),
             "'p' is a reduction op; the row kernels hold a query row of at most 1024 values per warp, and the flash "
             "kernel does not apply: a head of 1100 values: the flash kernel takes heads of a multiple of 8 values up to "
