@@ -46,21 +46,32 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+def rotate_half(x):  # LLaMA's: the two halves of each head swapped, the first negated
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class GroupedQueryAttention(nn.Module):
     """LLaMA's attention with fewer heads of keys and values than of queries
-    (grouped-query attention), causal, no rotary embedding: each head of
-    keys and values repeated for its group of query heads as LLaMA's
-    repeat_kv does (`repeat`: "expand"), with repeat_interleave, or by SDPA
-    itself (`repeat`: "sdpa", PyTorch 2.5 and later: enable_gqa)."""
+    (grouped-query attention), causal, rotary embeddings applied to q and k
+    as LLaMA applies them (`rotary`): each head of keys and values repeated
+    for its group of query heads as LLaMA's repeat_kv does (`repeat`:
+    "expand"), with repeat_interleave, or by SDPA itself (`repeat`: "sdpa",
+    PyTorch 2.5 and later: enable_gqa)."""
 
-    def __init__(self, n_embd=64, n_head=8, n_kv_head=2, repeat="expand"):
+    def __init__(self, n_embd=64, n_head=8, n_kv_head=2, repeat="expand", rotary=True, max_tokens=32):
         super().__init__()
         self.n_head, self.n_kv_head, self.head = n_head, n_kv_head, n_embd // n_head
         self.q_proj = nn.Linear(n_embd, n_embd, bias=False)
         self.k_proj = nn.Linear(n_embd, n_kv_head * self.head, bias=False)
         self.v_proj = nn.Linear(n_embd, n_kv_head * self.head, bias=False)
         self.o_proj = nn.Linear(n_embd, n_embd, bias=False)
-        self.repeat = repeat
+        self.repeat, self.rotary = repeat, rotary
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head, 2).float() / self.head))
+        angles = torch.outer(torch.arange(max_tokens).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos_cached", angles.cos(), persistent=False)
+        self.register_buffer("sin_cached", angles.sin(), persistent=False)
 
     def repeat_kv(self, x):  # [B, Hkv, T, D] -> [B, H, T, D], each head G times in a row
         groups = self.n_head // self.n_kv_head
@@ -74,6 +85,9 @@ class GroupedQueryAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_head, self.head).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head).transpose(1, 2)
+        if self.rotary:
+            cos, sin = self.cos_cached[:T], self.sin_cached[:T]
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if self.repeat == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:

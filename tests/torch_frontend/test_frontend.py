@@ -235,10 +235,12 @@ class Models(Exported):
         self.check_model(model.eval(), (torch.randn(2, 16, 48),), seed)
 
     def test_grouped_query_attention(self):
-        """LLaMA's repeat_kv (expand, or repeat_interleave) before attention:
-        the attention reads the heads of keys and values themselves, q seen
-        as [B, Hkv, G, T, D] over k and v as [B, Hkv, 1, T, D]: no copy of a
-        head is left in the graph (Training trains it)."""
+        """LLaMA's repeat_kv (expand, or repeat_interleave) before attention,
+        rotary embeddings on q and k: the attention reads the heads of keys
+        and values themselves, q seen as [B, Hkv, G, T, D] over k and v as
+        [B, Hkv, 1, T, D]: no copy of a head is left in the graph (the
+        concats left are rotate_half's, a head wide), and the attention is one
+        kernel (Training trains it)."""
         for repeat in ("expand", "repeat_interleave"):
             with self.subTest(repeat=repeat):
                 seed = fresh_seed()
@@ -246,10 +248,14 @@ class Models(Exported):
                 model = models.GroupedQueryAttention(repeat=repeat).eval()
                 result, _, _ = self.check_model(model, (torch.randn(2, 12, 64),), seed)
                 tasks = json.loads(read(result.graph_path))["tasks"]
-                self.assertNotIn("concat", {t["op"] for t in tasks}, "a repeated head is copied")
+                concats = [t for t in tasks if t["op"] == "concat"]
+                self.assertEqual([t["tensors"]["out"]["shape"][-1] for t in concats], [8, 8],
+                                 "only rotate_half's concats of q and k: a repeated head is copied")
                 softmax = next(t for t in tasks if t["op"] == "softmax")
                 self.assertEqual(softmax["tensors"]["out"]["shape"], [2, 2, 4, 12, 12])
                 self.assertTrue(softmax["args"].get("causal"))
+                described, _ = self.run_cudagen("describe", result.graph_path)
+                self.assertIn("[attention]", described)
 
     @unittest.skipUnless("enable_gqa" in (getattr(torch.nn.functional.scaled_dot_product_attention, "__doc__", "") or "")
                          if hasattr(torch.nn.functional, "scaled_dot_product_attention") else False,
