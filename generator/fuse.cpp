@@ -229,7 +229,8 @@ class Fuser {
   }
 
   // Rule attention, first step: softmax `t` after the scores matmul
-  // alpha * q k^T, each of [..., T, D] with the same leading axes.
+  // alpha * q k^T, each of [..., T, D] with the same leading axes (k's 1
+  // where a group of query heads shares them).
   std::string why_not_attention_softmax(const KernelGroup& group, int t) const {
     const int scores = group.tasks.front();
     const std::string& id = p_.tasks[size_t(t)].task->id;
@@ -1006,6 +1007,13 @@ class Fuser {
       if (!fits(operand, r == dq ? Tk : Tq, r == dq) || (D > 0 && p_.buffers[size_t(operand)].shape.back() != D))
         return fmt::format("'{}' multiplies '{}' by '{}', not the keys or queries of its rows", p_.tasks[size_t(r)].task->id,
                            buffer_name(p_, ds_value), buffer_name(p_, operand));
+      // (The kernels read a query head's keys and values at one head: k's leading axes are v's.)
+      const Shape& x = p_.buffers[size_t(operand)].shape;
+      const Shape& values = p_.buffers[size_t(v)].shape;
+      if (r == dq && !std::equal(x.begin(), x.end() - 2, values.begin()))
+        return fmt::format("'{}' multiplies '{}' by keys '{}' of other heads than the values '{}'",
+                           p_.tasks[size_t(r)].task->id, buffer_name(p_, ds_value), buffer_name(p_, operand),
+                           buffer_name(p_, v));
       D = p_.buffers[size_t(operand)].shape.back();
     }
     const int64_t Dv = p_.buffers[size_t(v)].shape.back();

@@ -299,7 +299,15 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   // fragments stay in shared memory (cg_flash_config::Q_IN_SHARED); 32 keys a
   // step keep the scores at 16 registers and the stages at 64 KiB (96 KiB
   // with q's tile: under the 99 KiB of sm_86 and sm_89).
-  if (std::max(tile.d, tile.dv) > 128) tile.block_n = 32;
+  if (std::max(tile.d, tile.dv) > 128) {
+    // (A step of 32 rows of a head of 16 is 64 16-byte chunks, fewer than
+    // the block's 128 copying threads.)
+    if (std::min(tile.d, tile.dv) < 32)
+      return refuse(fmt::format("heads of {} with values of {}: over 128 the flash kernel streams 32 keys a step, "
+                                "which takes heads of at least 32 beside it",
+                                tile.head_d, tile.head_dv));
+    tile.block_n = 32;
+  }
   // TF32: 4-byte elements. Heads of 32 to 128 (the values' tile is read by
   // 32-bit loads, swizzled for rows of 8 chunks or more); over 64, 32 keys a
   // step keep the stages at 64 KiB (96 KiB with q's tile).

@@ -71,8 +71,8 @@ struct FlashAttentionTile {
   int threads() const { return 32 * (block_m / 16); }
   int64_t element_bytes() const { return tf32 ? 4 : 2; }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
-  // tiles: each split's partial rows (dv + 2 floats a row: o, then maximum
-  // and sum) and a counter per row tile.
+  // tiles: each split's partial rows (its block_m rows of o, dv floats each,
+  // then their maxima and sums, 2 floats a row) and a counter per row tile.
   int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
     return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
   }
@@ -430,7 +430,8 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // (grouped-query attention: dk and dv per query head, summed over the group
 // by the tasks after them). On success `roles` gets the forward's tasks too. Blocks
 // of 64 rows (4 warps) own keys or query rows; the other rows stream 32 at a
-// time, two stages (the atomic mode, `atomic_dq`: 64 at heads of up to 64).
+// time, two stages (64 at heads of 16, and in the atomic mode, `atomic_dq`,
+// at heads of up to 64).
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
                                                          const std::string& arch = "sm_90", bool atomic_dq = false);

@@ -3,13 +3,16 @@
 // registers, at any number of keys. After FlashAttention-2 (Dao, 2023):
 //   - a block of WARPS warps owns BLOCK_M = 16 WARPS query rows, a warp 16;
 //     the tile of q is copied to shared memory once and read into mma
-//     fragments (ldmatrix) that stay in registers;
+//     fragments (ldmatrix) that stay in registers (heads over 128: read
+//     again at every key tile, Q_IN_SHARED);
 //   - keys and values stream through shared memory BLOCK_N rows at a time,
 //     STAGES tiles in flight (16-byte cp.async, swizzled tiles: the GEMM
 //     mainloop's operands, templates/gemm.cuh);
 //   - s = q k^T and o += p v both on tensor cores (mma.sync m16n8k16, f32
-//     accumulation); the probabilities p go from s's accumulators to the A
-//     fragments of p v in registers (the two layouts line up);
+//     accumulation; m16n8k8 for f32 as TF32); the probabilities p go from
+//     s's accumulators to the A fragments of p v in registers (the two
+//     layouts line up; in TF32 a quad's shuffles line them up:
+//     cg_flash_p_fragment);
 //   - the softmax is online: each row keeps its running maximum m and sum l
 //     (in log2 units, the scale folded into one multiply before exp2), and
 //     o is rescaled when m grows; o / l at the end;
@@ -48,7 +51,7 @@ struct cg_flash_config {
   static constexpr bool Q_IN_SHARED = D > 128;
 };
 
-// Shared memory of cg_flash_attention, in bytes (elements of T, 2 bytes): the
+// Shared memory of cg_flash_attention, in bytes (elements of T: 2 bytes, 4 for TF32): the
 // q tile and STAGES tiles of keys and values; the staged output tile (floats)
 // reuses it after the last key tile.
 template <typename Config, typename T>
@@ -208,7 +211,6 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
     CG_UNROLL
     for (int kk = 0; kk < D / KSTEP; ++kk) {
       OperandQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, KSTEP * kk);
-      cg_gemm_fragment_ready(qa[kk], T());
     }
   }
 
@@ -234,14 +236,12 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       unsigned int q_shared[4];
       if (Config::Q_IN_SHARED) {
         OperandQ::template fragment<true>(q_shared, smem_address, smem, 16 * warp, KSTEP * kk);
-        cg_gemm_fragment_ready(q_shared, T());
       }
       const unsigned int(&a)[4] = Config::Q_IN_SHARED ? q_shared : qa[Config::Q_IN_SHARED ? 0 : kk];
       CG_UNROLL
       for (int j = 0; j < NT / 2; ++j) {
         unsigned int kb[4];
         OperandK::template fragment<false>(kb, tile_k, tile_k_ptr, 16 * j, KSTEP * kk);
-        cg_gemm_fragment_ready(kb, T());
         cg_mma_packed(s[2 * j], a, &kb[0], T());
         cg_mma_packed(s[2 * j + 1], a, &kb[2], T());
       }
@@ -307,7 +307,6 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       for (int j = 0; j < OT / 2; ++j) {
         unsigned int vb[4];
         OperandV::template fragment<false>(vb, tile_v, tile_v_ptr, 16 * j, KSTEP * kk);
-        cg_gemm_fragment_ready(vb, T());
         cg_mma_packed(o[2 * j], pa, &vb[0], T());
         cg_mma_packed(o[2 * j + 1], pa, &vb[2], T());
       }

@@ -540,6 +540,50 @@ TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
             "arithmetic in the row kernel)");
 }
 
+// Heads over 128 stream 32 keys a step: beside them, heads of 16 (a step of
+// 64 chunks for 128 copying threads) are refused, and the refusal says why.
+TEST(Fusion, FlashAttentionRefusesNarrowHeadsBesideWideOnes) {
+  GraphBuilder b("wide_values");
+  constexpr DType d = DType::bf16;
+  auto s = b.task("scores", "matmul").tensor("a", d, {1, 1, 64, 16}, ext).tensor("b", d, {1, 1, 64, 16}, ext)
+               .tensor("out", d, {1, 1, 64, 64}).arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {1, 1, 64, 64});
+  b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {1, 1, 64, 256}, ext).tensor("out", d, {1, 1, 64, 256}, ext);
+  const Program program = load_program(std::move(b).graph(), {});
+  std::string why;
+  EXPECT_FALSE(flash_attention_tile_of(program, 0, 1, false, &why).has_value());
+  EXPECT_EQ(why, "heads of 16 with values of 256: over 128 the flash kernel streams 32 keys a step, which takes heads of "
+                 "at least 32 beside it");
+}
+
+// Grouped-query attention's gradients: keys and values shared by a group of
+// query heads fuse (the kernels read a query head's keys and values at one
+// head of both); keys shared where the values are not, the row kernel would
+// read the keys at the values' head, and the rule refuses, saying why.
+TEST(Fusion, AttentionGradientsTakeGroupedQueryHeadsOfOneShape) {
+  auto training = [](const Shape& keys, const Shape& values) {
+    GraphBuilder b("grouped");
+    constexpr DType d = DType::f32;
+    const Shape rows{1, 2, 4, 40, 16}, square{1, 2, 4, 40, 40};
+    auto s = b.task("scores", "matmul").tensor("a", d, rows, ext).tensor("b", d, keys, ext).tensor("out", d, square).arg("trans_b", true);
+    auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.25);
+    auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, values, ext).tensor("out", d, rows, ext);
+    auto dp = b.task("dp", "matmul", Phase::backward).tensor("a", d, rows, ext).tensor("b", c["b"]).tensor("out", d, square).arg("trans_b", true);
+    auto ds = b.task("ds", "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square);
+    b.task("dq", "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
+    return std::move(b).graph();
+  };
+  const Shape shared{1, 2, 1, 40, 16}, own{1, 2, 4, 40, 16};
+  const Compiled grouped = plan_graph(training(shared, shared));
+  ASSERT_EQ(grouped.kernels.size(), 2u);
+  EXPECT_EQ(grouped.kernels[0].rule, FusionRule::attention);
+  EXPECT_EQ(grouped.kernels[1].rule, FusionRule::attention_backward);
+  EXPECT_NE(reason_for(plan_graph(training(shared, own)), "ds").find("'dq' multiplies 'ds.dx' by keys 'scores.b' of other "
+                                                                     "heads than the values 'context.b'"),
+            std::string::npos)
+      << reason_for(plan_graph(training(shared, own)), "ds");
+}
+
 // The rule's refusals, on the softmax gradient's note: the rule off, ds read
 // by the caller, a head whose key and value gradients a block's registers
 // cannot hold, or whose rows its shared memory cannot.

@@ -1070,8 +1070,9 @@ def _f_repeat(ex, node):
     if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
         sizes = sizes[0]
     sizes = [int(r) for r in sizes]
-    if len(sizes) < len(v.shape) or any(r < 0 for r in sizes):
-        ex.fail(node, f"repeat{tuple(sizes)} of a rank-{len(v.shape)} tensor", "give one count per axis, none negative")
+    if len(sizes) < len(v.shape) or any(r < 1 for r in sizes):
+        ex.fail(node, f"repeat{tuple(sizes)} of a rank-{len(v.shape)} tensor",
+                "give one count per axis, each at least 1 (an empty tensor has no mapping)")
     v = _as_shape(ex, node, f"{node.name}_rank", v, (1,) * (len(sizes) - len(v.shape)) + tuple(v.shape))
     for axis, r in enumerate(sizes):
         if r > 1:

@@ -183,7 +183,8 @@ class _Graph:
                 continue
             values = self.repeated_heads(context["tensors"]["b"])
             q_shape, k_shape = self.shape_of(s["tensors"]["a"]), self.shape_of(s["tensors"]["b"])
-            if values is None or values[1] != keys[1] or q_shape[:-2] != k_shape[:-2]:
+            v_shape = self.shape_of(context["tensors"]["b"])
+            if values is None or values[1] != keys[1] or not q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
                 continue
             self.group_heads(s, probs, context, keys, values)
             return True
