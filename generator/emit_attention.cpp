@@ -507,6 +507,12 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "", query_tiles,
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
                : options_.atomic_attention_backward && dq.present ? ", dq in blocks of its own (the atomic mode takes heads of up to 64 with dk or dv)" : "");
+    // Grouped-query attention: say where the group's sums happen.
+    if (const int64_t kv_heads = numel(Shape(param(scores, "b").buffer->shape.begin(), param(scores, "b").buffer->shape.end() - 2));
+        kv_heads < heads)
+      ek.matmul_path += fmt::format("; grouped-query: {} query heads a head of keys and values, dk and dv per query head "
+                                    "(the tasks after the kernel sum each group)",
+                                    heads / kv_heads);
     ek.mainloop = MatmulMainloop::flash_attention;
     reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
                                    tile->stages),

@@ -961,6 +961,15 @@ TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
     EXPECT_NE(src.find(flash ? "a group of them shares a head of keys and values"
                              : "// The keys and values of the head's group (grouped-query attention)."),
               std::string::npos);
+    if (flash) {  // describe says where each group's sums happen
+      const auto backward = std::find_if(compiled.emitted.kernels.begin(), compiled.emitted.kernels.end(), [](const EmittedKernel& e) {
+        return e.matmul_path.find("flash attention backward") != std::string::npos;
+      });
+      ASSERT_NE(backward, compiled.emitted.kernels.end());
+      EXPECT_NE(backward->matmul_path.find("grouped-query: 4 query heads a head of keys and values, dk and dv per query head"),
+                std::string::npos)
+          << backward->matmul_path;
+    }
     for (const auto& pb : compiled.plan.buffers) {  // the probabilities have no storage
       const Shape& shape = compiled.program.buffers[size_t(pb.buffer)].shape;
       EXPECT_TRUE(!flash || pb.internal || shape.size() < 2 || shape.back() != k.Tk || shape[shape.size() - 2] != k.Tq)
