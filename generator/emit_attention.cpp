@@ -2,6 +2,18 @@
 
 namespace cudagen::lowering {
 
+// Grouped-query attention in the row kernels: the generated expression of
+// the head of keys and values that query head `head` reads (parenthesised
+// where it is not `head` itself), and the comment that says so.
+struct RowKernelKeyHead {
+  std::string index, note;
+};
+static RowKernelKeyHead row_kernel_key_head(const Shape& q, const Shape& k) {
+  const std::string kv_head = kv_head_of(q, k, "head");
+  if (kv_head == "head") return {"head", ""};
+  return {"(" + kv_head + ")", " (of its group's: grouped-query attention)"};
+}
+
 // Rule attention (fuse.h): scores = alpha * q k^T, probs = softmax(scale *
 // scores), out = alpha' * probs v, and any epilogue on out. One warp per
 // query row (cg_attention_row), up to 8 rows per block; each warp's row of
@@ -57,7 +69,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   }
   // Grouped-query attention: the head of keys and values a head of q reads
   // (`head` q's head; the rule refuses projections computed in the kernel).
-  const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
+  const RowKernelKeyHead key_head = row_kernel_key_head(sq, kk.buffer->shape);
   if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys)
     return streamed_attention(k, first, std::move(ek), tail.code, tail.params, why_not_flash, emitted);
   ek.matmul_path = "CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: " + why_not_flash;
@@ -98,8 +110,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
                        "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
                        "  const cg_i64 row = (cg_i64)tile.x * {0} + warp, head = (cg_i64)tile.x * {0} / {1};\n"
                        "  const cg_i64 keys = {3} * {2};  // the first key (and value) row of the block's head{4}\n",
-                       per_block, Tq, Tk, kv_head == "head" ? "head" : "(" + kv_head + ")",
-                       kv_head == "head" ? "" : " (of its group's: grouped-query attention)");
+                       per_block, Tq, Tk, key_head.index, key_head.note);
   std::string load_q = load_element("q", q.buffer->dtype, fmt::format("row * {} + c", D));
   std::string load_k = load_element("k", kk.buffer->dtype, fmt::format("(keys + j) * {} + c", D));
   std::string load_v = load_element("v", v.buffer->dtype, fmt::format("(keys + j) * {} + c", Dv));
@@ -262,7 +273,7 @@ std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, Emit
   const Shape& sq = q.buffer->shape;
   const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
   const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
-  const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
+  const RowKernelKeyHead key_head = row_kernel_key_head(sq, kk.buffer->shape);
   constexpr int64_t per_block = 8;
   ek.block = int(32 * per_block);
   ek.grid[0] = (rows + per_block - 1) / per_block;
@@ -292,8 +303,7 @@ std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, Emit
       store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                   : std::string("(void)j, (void)p"),
       store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), D, Dv,
-      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, kv_head == "head" ? "head" : "(" + kv_head + ")",
-      kv_head == "head" ? "" : " (of its group's: grouped-query attention)");
+      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, key_head.index, key_head.note);
   epilogue_buffer_ = -1;
   std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
                                      buffer_param("v", v, false)};
@@ -507,12 +517,15 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "", query_tiles,
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
                : options_.atomic_attention_backward && dq.present ? ", dq in blocks of its own (the atomic mode takes heads of up to 64 with dk or dv)" : "");
-    // Grouped-query attention: say where the group's sums happen.
-    if (const int64_t kv_heads = numel(Shape(param(scores, "b").buffer->shape.begin(), param(scores, "b").buffer->shape.end() - 2));
-        kv_heads < heads)
+    // Grouped-query attention: the head of keys and values a head of q reads
+    // (dk and dv are still the query head's: the tasks after sum the group;
+    // describe says so).
+    const Shape& keys = param(scores, "b").buffer->shape;
+    const std::string kv_head = kv_head_of(q.buffer->shape, keys, "head");
+    if (kv_head != "head")
       ek.matmul_path += fmt::format("; grouped-query: {} query heads a head of keys and values, dk and dv per query head "
                                     "(the tasks after the kernel sum each group)",
-                                    heads / kv_heads);
+                                    heads / numel(Shape(keys.begin(), keys.end() - 2)));
     ek.mainloop = MatmulMainloop::flash_attention;
     reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
                                    tile->stages),
@@ -527,9 +540,6 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
                          store(gr, fmt::format("(head * {} + row) * {} + c", rows, width), value));
     };
     const int64_t D_heads = dq.present ? dq.width : dk.present ? dk.width : q.buffer->shape.back();
-    // Grouped-query attention: the head of keys and values a head of q reads
-    // (dk and dv are still the query head's: the tasks after sum the group).
-    const std::string kv_head = kv_head_of(q.buffer->shape, param(scores, "b").buffer->shape, "head");
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head{3}.\n"

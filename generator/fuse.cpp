@@ -219,15 +219,6 @@ class Fuser {
     return p_.buffers[size_t(p_.tasks[size_t(t)].find_tensor(slot)->buffer)];
   }
 
-  // Whether a batch of keys or values (`kv`) serves the heads of q: each
-  // leading axis q's or 1 (a group of query heads shares it: grouped-query
-  // attention). Both of one rank.
-  static bool shared_by_groups(const Shape& q, const Shape& kv) {
-    for (size_t i = 0; i + 2 < q.size(); ++i)
-      if (kv[i] != q[i] && kv[i] != 1) return false;
-    return true;
-  }
-
   // Rule attention, first step: softmax `t` after the scores matmul
   // alpha * q k^T, each of [..., T, D] with the same leading axes (k's 1
   // where a group of query heads shares them).

@@ -280,10 +280,9 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   if (lead_k.size() != lead_q.size() || lead_v != lead_k)
     return refuse(fmt::format("k's and v's leading axes ({} and {}) are not one shape of q's rank ({})",
                               shape_to_string(lead_k), shape_to_string(lead_v), shape_to_string(lead_q)));
-  for (size_t i = 0; i < lead_q.size(); ++i)
-    if (lead_k[i] != lead_q[i] && lead_k[i] != 1)
-      return refuse(fmt::format("k's leading axes {} do not broadcast to q's {}", shape_to_string(lead_k),
-                                shape_to_string(lead_q)));
+  if (!shared_by_groups(q.shape, k.shape))
+    return refuse(fmt::format("k's leading axes {} do not broadcast to q's {}", shape_to_string(lead_k),
+                              shape_to_string(lead_q)));
   FlashAttentionTile tile;
   for (int64_t size : {q.shape.back(), v.shape.back()})
     if (size % 8 != 0 || size > 256)

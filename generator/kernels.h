@@ -389,6 +389,15 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk);
 inline constexpr int64_t kMaxAttentionKeys = 1024;
 
 
+// Whether a batch of keys or values (`kv`) serves the heads of q: each
+// leading axis q's or 1 (a group of query heads shares it: grouped-query
+// attention). Both of one rank; the last two axes are the matrices'.
+inline bool shared_by_groups(const Shape& q, const Shape& kv) {
+  for (size_t i = 0; i + 2 < q.size(); ++i)
+    if (kv[i] != q[i] && kv[i] != 1) return false;
+  return true;
+}
+
 // The flash tile for the attention whose scores matmul is task `scores` and
 // whose softmax is `softmax` (the probabilities' one reader its matmul by the
 // values), or nullopt with the reason in `why_not`: q, k and v of one 16-bit

@@ -232,17 +232,18 @@ class _Graph:
             task, _ = self.producer({"from": ref})
         return ref
 
-    def dtype_of(self, slot):
+    def owning_slot(self, slot):
+        """The slot that owns the tensor `slot` reads (itself where it owns one)."""
         while "from" in slot:
             task, name = self.producer(slot)
             slot = task["tensors"][name]
-        return slot["dtype"]
+        return slot
+
+    def dtype_of(self, slot):
+        return self.owning_slot(slot)["dtype"]
 
     def shape_of(self, slot):
-        while "from" in slot:
-            task, name = self.producer(slot)
-            slot = task["tensors"][name]
-        return slot["shape"]
+        return self.owning_slot(slot)["shape"]
 
     def split_linear(self):
         for t in self.tasks:
