@@ -22,13 +22,15 @@ parser.add_argument("--runs", type=int, default=20)
 parser.add_argument("--decode", type=int, nargs="*", default=[],
                     help="also one query row a head over a cache of this many keys (not causal)")
 parser.add_argument("--train", action="store_true", help="time the forward and the backward pass")
+parser.add_argument("--no-tf32", action="store_true",
+                    help="f32 with torch.backends.cuda.matmul.allow_tf32 off, beside cudagen's f32 without --allow-tf32")
 parser.add_argument("--kv-heads", type=int, help="heads of keys and values (grouped-query attention: SDPA's "
                     "enable_gqa, PyTorch 2.5 and later; default: --heads)")
 args = parser.parse_args()
 
 dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
 f32 = dtype == torch.float32
-torch.backends.cuda.matmul.allow_tf32 = f32
+torch.backends.cuda.matmul.allow_tf32 = f32 and not args.no_tf32
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION if f32 else SDPBackend.FLASH_ATTENTION])
@@ -69,6 +71,6 @@ for queries, tokens, causal in cases:
     flops = args.batch * args.heads * queries * tokens * (4 * args.head + 5)
     if args.train:  # and the backward pass's four products in cudagen's graph (dp, dv, dq, dk)
         flops += args.batch * args.heads * queries * tokens * 8 * args.head
-    print(f"torch sdpa ({'efficient, f32' if f32 else 'flash'}{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads}"
+    print(f"torch sdpa ({('efficient, f32' + (', TF32 off' if args.no_tf32 else '')) if f32 else 'flash'}{', fwd+bwd' if args.train else ''})  b{args.batch} h{args.heads}"
           f"{f' kv{kv_heads}' if gqa else ''} q{queries} t{tokens} d{args.head}{' causal' if causal else ''}"
           f"  {ms:.4f} ms  {flops / ms / 1e9:.1f} TFLOP/s (cudagen's count)")

@@ -33,7 +33,8 @@
 #    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py); then trained (--train: the
 #    forward and the backward kernel) beside SDPA's forward and backward; grouped-query attention (32
 #    query heads over 8, heads of 128, T2048 causal) forward and trained beside SDPA's enable_gqa; f32
-#    attention as TF32 (--allow-tf32) beside SDPA's efficient backend in f32 with TF32 allowed;
+#    attention as TF32 (--allow-tf32), forward and trained, beside SDPA's efficient backend in f32 with
+#    TF32 allowed, and f32 trained exact (CUDA cores) beside SDPA with allow_tf32 off;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -195,15 +196,27 @@ if have_time 120 "the flash attention training benchmark"; then
   beside_torch "$log/attention_train_atomic.txt" "$log/attention_train_torch.txt" " (atomic)"
 fi
 echo
-echo "f32 attention as TF32 (--allow-tf32: the flash kernel on m16n8k8), B8 x H12, heads of 64, T2048, causal and not,"
-echo "beside SDPA in f32 on its efficient backend (TF32 allowed); ratio = torch time / cudagen time:"
-if have_time 45 "the TF32 attention benchmark"; then
+echo "f32 attention as TF32 (--allow-tf32: the flash kernels on m16n8k8), B8 x H12, heads of 64, T2048, causal and not,"
+echo "forward, then trained (forward and backward), beside SDPA in f32 on its efficient backend (TF32 allowed);"
+echo "ratio = torch time / cudagen time:"
+if have_time 90 "the TF32 attention benchmark"; then
+  for train in "" --train; do
+    for causal in "" --causal; do
+      python3 bench/attention_graph.py --dtype f32 --tokens 2048 $causal $train -o "$log/attention_tf32$causal$train.json"
+      "$kit/bin/bench_megakernel" --modes kernels --runs 20 --allow-tf32 ${train:+--step} \
+        "$log/attention_tf32$causal$train.json" 2>&1 | sed -n 2p
+    done > "$log/attention_tf32${train}_cudagen.txt"
+    cat "$log/attention_tf32${train}_cudagen.txt"
+    python3 bench/attention_torch.py --dtype f32 --tokens 2048 --runs 20 $train 2>&1 | tee "$log/attention_tf32${train}_torch.txt"
+    beside_torch "$log/attention_tf32${train}_cudagen.txt" "$log/attention_tf32${train}_torch.txt" "${train:+ (trained)}"
+  done
+  echo "f32 trained without TF32 (the flash kernels on CUDA cores: each mma as FMAs) beside SDPA in f32 with allow_tf32 off:"
   for causal in "" --causal; do
-    python3 bench/attention_graph.py --dtype f32 --tokens 2048 $causal -o "$log/attention_tf32$causal.json"
-    "$kit/bin/bench_megakernel" --modes kernels --runs 20 --allow-tf32 "$log/attention_tf32$causal.json" 2>&1 | sed -n 2p
-  done | tee "$log/attention_tf32_cudagen.txt"
-  python3 bench/attention_torch.py --dtype f32 --tokens 2048 --runs 20 2>&1 | tee "$log/attention_tf32_torch.txt"
-  beside_torch "$log/attention_tf32_cudagen.txt" "$log/attention_tf32_torch.txt"
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 --step "$log/attention_tf32$causal--train.json" 2>&1 | sed -n 2p
+  done > "$log/attention_f32_cudagen.txt"
+  cat "$log/attention_f32_cudagen.txt"
+  python3 bench/attention_torch.py --dtype f32 --no-tf32 --tokens 2048 --runs 20 --train 2>&1 | tee "$log/attention_f32_torch.txt"
+  beside_torch "$log/attention_f32_cudagen.txt" "$log/attention_f32_torch.txt" " (trained, exact f32)"
 fi
 echo
 echo "grouped-query attention (LLaMA-3-8B's: 32 query heads over 8 heads of keys and values, heads of 128), bf16,"

@@ -75,7 +75,8 @@ enum class MatmulMainloop {
   tensor_core_tile,
   portable_tile,
   flash_attention,
-  flash_attention_tf32  // f32 q, k and v as TF32 (--allow-tf32)
+  flash_attention_tf32,  // f32 q, k and v as TF32 (--allow-tf32)
+  flash_attention_simt   // f32 q, k and v exact, each mma's products as FMAs (trained without --allow-tf32)
 };
 
 struct EmittedKernel {

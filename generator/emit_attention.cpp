@@ -14,6 +14,14 @@ static RowKernelKeyHead row_kernel_key_head(const Shape& q, const Shape& k) {
   return {"(" + kv_head + ")", " (of its group's: grouped-query attention)"};
 }
 
+// The mainloop a flash kernel on `tile` runs, for the performance model and
+// the checker's tolerances (TF32's are f16's).
+static MatmulMainloop flash_mainloop(const FlashAttentionTile& tile) {
+  return tile.tf32 ? MatmulMainloop::flash_attention_tf32
+         : tile.simt_f32 ? MatmulMainloop::flash_attention_simt
+                         : MatmulMainloop::flash_attention;
+}
+
 // Rule attention (fuse.h): scores = alpha * q k^T, probs = softmax(scale *
 // scores), out = alpha' * probs v, and any epilogue on out. One warp per
 // query row (cg_attention_row), up to 8 rows per block; each warp's row of
@@ -60,6 +68,17 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
     // The fusion pass found no flash tile (KernelGroup::flash): only why, for describe.
     flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained,
                             options_.allow_tf32);
+    // Probabilities saved for a backward pass: why the pair of flash kernels
+    // does not apply says more than that the backward pass reads them.
+    if (!k.flash_trained && probs.buffer->storage == Storage::saved) {
+      std::string why_not_trained;
+      if (!flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_trained, options_.arch, true,
+                                   options_.allow_tf32))
+        why_not_flash = why_not_trained;
+      else
+        why_not_flash = "its gradient tasks do not run on the flash backward kernel, so the probabilities are stored "
+                        "for them";
+    }
   }
   if (k.flash_trained) {
     fail(ts, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name,
@@ -196,16 +215,18 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   ek.grid[1] = heads;
   ek.grid[2] = tile.splits;
   ek.matmul_path = "tensor cores: flash attention (templates/softmax_flash.cuh), " + tile.describe();
-  ek.mainloop = tile.tf32 ? MatmulMainloop::flash_attention_tf32 : MatmulMainloop::flash_attention;
+  ek.mainloop = flash_mainloop(tile);
   reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
                  tile.shared_bytes());
   // s = scale (alpha q . k) in log2 units: exp(x) is exp2(x log2 e).
   const double scale_log2 = arg_double(ts, "alpha", 1.0) * arg_double(tp, "scale", 1.0) * 1.4426950408889634;
   const std::string alpha_out = float_arg(tc, "alpha", 1.0);
-  // f32 operands are read as cg_tf32 (--allow-tf32), the bits each fragment rounds to TF32.
-  const std::string type = tile.tf32 ? "cg_tf32" : c_type(q.buffer->dtype);
+  // f32 operands are read as cg_tf32 (--allow-tf32), the bits each fragment
+  // rounds to TF32, or as cg_f32_simt (trained, exact on CUDA cores).
+  const std::string type = tile.element_type(c_type(q.buffer->dtype));
   auto operand = [&](const char* name, const std::string& offset) {
-    return tile.tf32 ? fmt::format("(const cg_tf32*)({} + {})", name, offset) : fmt::format("{} + {}", name, offset);
+    return q.buffer->dtype == DType::f32 ? fmt::format("(const {}*)({} + {})", type, name, offset)
+                                         : fmt::format("{} + {}", name, offset);
   };
   // Split-KV: each block (tile.z) its range of key tiles, then the last of
   // a row tile combines, in split order, from the workspace.
@@ -226,9 +247,12 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   if (k.flash_trained) {
     const FlashStatistics& f = flash_statistics_.at(tp);
     lse_store = fmt::format("[&](cg_i64 row, float lse) {{ cg_lse[head * {} + row] = lse; }}", Tq);
-    saved_o = fmt::format(" cg_saved_o[(head * {} + row) * {} + c] = cg_narrow<{}>(o);", Tq, Dv, type);
+    // (In q's type: f32 for 4-byte elements, which the rows' launch reads as floats.)
+    const std::string saved_type = c_type(q.buffer->dtype);
+    saved_o = fmt::format(" cg_saved_o[(head * {} + row) * {} + c] = {};", Tq, Dv,
+                          q.buffer->dtype == DType::f32 ? std::string("o") : fmt::format("cg_narrow<{}>(o)", saved_type));
     workspace.push_back(LaunchParam{"cg_lse", "float", -1, nullptr, true, f.lse_offset, f.lse_bytes});
-    workspace.push_back(LaunchParam{"cg_saved_o", type, -1, nullptr, true, f.o_offset, f.o_bytes});
+    workspace.push_back(LaunchParam{"cg_saved_o", saved_type, -1, nullptr, true, f.o_offset, f.o_bytes});
   }
   std::string body = fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -486,7 +510,11 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         add(name, param(scores, slot));
     const Param& q = param(scores, "a");
     const FlashStatistics& f = flash_statistics_.at(roles.softmax);
-    const std::string type = c_type(q.buffer->dtype);
+    // f32 operands are read as the forward reads them: cg_tf32 or cg_f32_simt.
+    const std::string type = tile->element_type(c_type(q.buffer->dtype));
+    auto operand = [&](const char* name) {
+      return q.buffer->dtype == DType::f32 ? fmt::format("(const {}*){}", type, name) : std::string(name);
+    };
     const int64_t stats_rows = flash_backward_statistics_rows(Tq);
     if (tile->block_m != kFlashBackwardBlockRows) {
       fail(tds, "", fmt::format("internal error: kernel {}'s flash backward tile has blocks of {} rows, its rows' "
@@ -511,12 +539,19 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     ek.min_blocks_per_sm = tile->min_blocks_per_sm;
     ek.matmul_path = fmt::format(
         "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
-        "warps{}), {} rows a step, {} stages, heads of {}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
+        "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
         tile->block_m, tile->block_m / 16,
         tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
-        tile->block_n, tile->stages, tile->head_d, key_tiles, atomic ? ", dq" : "", query_tiles,
+        tile->block_n, tile->stages, tile->head_d,
+        tile->tf32       ? ", f32 as TF32 (--allow-tf32)"
+        : tile->simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
+                         : "",
+        key_tiles,
+        atomic ? ", dq" : "", query_tiles,
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
-               : options_.atomic_attention_backward && dq.present ? ", dq in blocks of its own (the atomic mode takes heads of up to 64 with dk or dv)" : "");
+        : options_.atomic_attention_backward && dq.present
+            ? ", dq in blocks of its own (the atomic mode takes 16-bit heads of up to 64 with dk or dv)"
+            : "");
     // Grouped-query attention: the head of keys and values a head of q reads
     // (dk and dv are still the query head's: the tasks after sum the group;
     // describe says so).
@@ -526,7 +561,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
       ek.matmul_path += fmt::format("; grouped-query: {} query heads a head of keys and values, dk and dv per query head "
                                     "(the tasks after the kernel sum each group)",
                                     heads / numel(Shape(keys.begin(), keys.end() - 2)));
-    ek.mainloop = MatmulMainloop::flash_attention;
+    ek.mainloop = flash_mainloop(*tile);
     reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
                                    tile->stages),
                    tile->backward_shared_bytes(atomic));
@@ -549,8 +584,8 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         kv_head);
     body += epilogues;
     body += fmt::format(
-        "  cg_flash_attention_backward<cg_config, {0}, {14}>(q + head * {1}, k + kv_head * {2}, v + kv_head * {3},\n"
-        "      dcontext + head * {4}, cg_row_stats + head * {16}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
+        "  cg_flash_attention_backward<cg_config, {0}, {14}>({17} + head * {1}, {18} + kv_head * {2}, {19} + kv_head * {3},\n"
+        "      {20} + head * {4}, cg_row_stats + head * {16}, {5}, {6}, tile.x, {7}, {8}, {9}, {10},\n"
         "      {15},\n"
         "      {11},  // dq\n"
         "      {12},  // dk\n"
@@ -559,7 +594,8 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_tiles, float_literal(scale_log2),
         float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
         gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
-        gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums, 2 * stats_rows);
+        gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums, 2 * stats_rows, operand("q"),
+        operand("k"), operand("v"), operand("dcontext"));
     std::string code = flash_backward_rows_kernel(k, *tile, roles, dout, f, heads, Tq, Dv, emitted);
     return code + finish_kernel(k, ek, std::move(launch), body, emitted);
   }

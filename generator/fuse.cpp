@@ -520,7 +520,7 @@ class Fuser {
     auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
     roles = FlashTraining{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
     const bool atomic = options_.atomic_attention_backward && roles.dq >= 0 && (roles.dk >= 0 || roles.dv >= 0);
-    return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.arch, atomic);
+    return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.arch, atomic, options_.allow_tf32);
   }
   // Whether settled kernel `k` runs a flash attention kernel, forward or
   // (trained) backward: it has a flash tile (flash_tile, set before launches are batched).
@@ -1053,7 +1053,7 @@ class Fuser {
     // kernel, alone: no projections computed in it).
     FlashTraining roles{.dp = dp, .ds = ds, .dq = dq, .dk = dk, .dv = dv};
     std::string why_not_flash;
-    if (flash_backward_tile_of(p_, roles, options_.megakernel, &why_not_flash)) {
+    if (flash_backward_tile_of(p_, roles, options_.megakernel, &why_not_flash, options_.arch, false, options_.allow_tf32)) {
       const size_t at = kernel_of(roles.scores, 0);
       const KernelGroup& forward = out_.kernels[std::min(at, out_.kernels.size() - 1)];
       if (at < out_.kernels.size() && forward.rule == FusionRule::attention && forward.tasks.size() >= 3 && forward.tasks[0] == roles.scores &&

@@ -224,7 +224,9 @@ std::string FlashAttentionTile::describe() const {
   return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}{}", block_m,
                      block_m / 16, block_n, stages, head(head_d, d),
                      head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
-                     tf32 ? ", f32 as TF32 (--allow-tf32)" : "",
+                     tf32       ? ", f32 as TF32 (--allow-tf32)"
+                     : simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
+                                : "",
                      splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
 }
 
@@ -266,13 +268,16 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
       !(trained && program.buffers[size_t(probs)].storage == Storage::saved))
     return refuse(fmt::format("the probabilities '{}' are stored (an output of the graph)", buffer_name(program, probs)));
   const BufferInfo& v = program.buffers[size_t(program.tasks[size_t(values)].find_tensor("b")->buffer)];
-  const bool tf32 = allow_tf32 && q.dtype == DType::f32;
-  if ((q.dtype != DType::f16 && q.dtype != DType::bf16 && !tf32) || k.dtype != q.dtype || v.dtype != q.dtype)
+  // f32: as TF32 where allowed; otherwise, trained, exact on CUDA cores (the
+  // pair of flash kernels keeps the training step's memory linear in T,
+  // where the row kernels store the probabilities); untrained, the row kernel.
+  const bool tf32 = allow_tf32 && q.dtype == DType::f32, simt_f32 = !tf32 && trained && q.dtype == DType::f32;
+  if ((q.dtype != DType::f16 && q.dtype != DType::bf16 && !tf32 && !simt_f32) || k.dtype != q.dtype ||
+      v.dtype != q.dtype)
     return refuse(fmt::format("q, k and v are {}, {} and {}: the tensor-core kernel takes one 16-bit type (f32 keeps its "
                               "f32 arithmetic in the row kernel{})",
                               to_string(q.dtype), to_string(k.dtype), to_string(v.dtype),
-                              // (Trained: the backward kernel stays 16-bit, TF32 or not.)
-                              trained || q.dtype != DType::f32 ? "" : "; --allow-tf32 runs it as TF32"));
+                              q.dtype != DType::f32 ? "" : "; --allow-tf32 runs it as TF32"));
   // Grouped-query attention: k's and v's leading axes those of q, or 1 where
   // a group of q's heads shares one head of keys and values.
   const Shape lead_q(q.shape.begin(), q.shape.end() - 2), lead_k(k.shape.begin(), k.shape.end() - 2),
@@ -311,10 +316,11 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   // 32-bit loads, swizzled for rows of 8 chunks or more); over 64, 32 keys a
   // step keep the stages at 64 KiB (96 KiB with q's tile).
   tile.tf32 = tf32;
-  if (tf32 && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
-    return refuse(fmt::format("heads of {} (values {}) in f32: the TF32 kernel takes heads of 32 to 128", tile.head_d,
-                              tile.head_dv));
-  if (tf32 && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
+  tile.simt_f32 = simt_f32;
+  if ((tf32 || simt_f32) && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
+    return refuse(fmt::format("heads of {} (values {}) in f32: the {} kernel takes heads of 32 to 128", tile.head_d,
+                              tile.head_dv, tf32 ? "TF32" : "f32 flash"));
+  if ((tf32 || simt_f32) && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
   // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.
@@ -331,7 +337,8 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
 }
 
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
-                                                         std::string* why_not, const std::string& arch, bool atomic_dq) {
+                                                         std::string* why_not, const std::string& arch, bool atomic_dq,
+                                                         bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
@@ -347,7 +354,8 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
       !flag_value(root_arg(program, scores, "trans_b").second) || flag_value(root_arg(program, scores, "trans_a").second))
     return refuse(fmt::format("the softmax '{}' is not over a product q k^T", program.tasks[size_t(softmax)].task->id));
   std::string why;
-  std::optional<FlashAttentionTile> forward = flash_attention_tile_of(program, scores, softmax, megakernel, &why, arch, true);
+  std::optional<FlashAttentionTile> forward =
+      flash_attention_tile_of(program, scores, softmax, megakernel, &why, arch, true, allow_tf32);
   if (!forward) return refuse("its forward does not take the flash kernel: " + why);
   int values = -1;
   for (size_t t = 0; t < program.tasks.size(); ++t)
@@ -396,13 +404,20 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // (12 warps; 64 rows a step took 220, 2 blocks, and ran 5% slower on an H200:
   // bench/RESULTS.md); at heads over 64, dk and dv of 16 rows of 128 each leave no
   // room for more. The atomic mode's ds^T tile is square: 64 rows a step at heads
-  // of up to 64.
+  // of up to 64, 16-bit.
   const bool wide = std::max(tile.d, tile.dv) > 64;
-  tile.atomic_dq = atomic_dq && !wide;
+  tile.atomic_dq = atomic_dq && !wide && tile.element_bytes() == 2;
   // (Heads of 16: a step of 32 rows is 64 16-byte chunks, fewer than the
   // block's 128 threads, which copy a tile in equal shares: 64 rows.)
   tile.block_n = tile.atomic_dq || std::min(tile.d, tile.dv) < 32 ? 64 : 32;
   tile.min_blocks_per_sm = wide || tile.atomic_dq ? 1 : 3;
+  // TF32 and exact f32 (4-byte elements): the block's own rows take twice the
+  // bytes; over heads of 64, 16 rows a step keep the kernel at 96 KiB of shared
+  // memory (under sm_86's and sm_89's 99 KiB), and 2 blocks a SM at 64.
+  if (tile.element_bytes() == 4) {
+    if (wide) tile.block_n = 16;
+    tile.min_blocks_per_sm = wide ? 1 : 2;
+  }
   return tile;
 }
 

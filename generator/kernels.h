@@ -68,8 +68,16 @@ struct FlashAttentionTile {
   // f32 q, k and v on tensor cores as TF32 (--allow-tf32): 4-byte elements,
   // m16n8k8 (cg_tf32 in templates/gemm.cuh).
   bool tf32 = false;
+  // f32 q, k and v kept exact, trained without --allow-tf32: the same tiles
+  // and fragments as TF32's, each mma's products as FMAs on CUDA cores
+  // (cg_f32_simt in templates/gemm.cuh).
+  bool simt_f32 = false;
   int threads() const { return 32 * (block_m / 16); }
-  int64_t element_bytes() const { return tf32 ? 4 : 2; }
+  int64_t element_bytes() const { return tf32 || simt_f32 ? 4 : 2; }
+  // The kernels' element type: "cg_tf32", "cg_f32_simt", or q's own (`q_type`).
+  std::string element_type(const std::string& q_type) const {
+    return tf32 ? "cg_tf32" : simt_f32 ? "cg_f32_simt" : q_type;
+  }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
   // tiles: each split's partial rows (its block_m rows of o, dv floats each,
   // then their maxima and sums, 2 floats a row) and a counter per row tile.
@@ -89,7 +97,7 @@ struct FlashAttentionTile {
   // staged output tile where more.
   // With `atomic_dq`, the key block's tile of ds^T too.
   int64_t backward_shared_bytes(bool atomic_dq = false) const {
-    const int64_t main = 2 * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
+    const int64_t main = element_bytes() * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
                          8 * int64_t(stages) * block_n +
                          (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
     return std::max<int64_t>(main, int64_t(4) * block_m * (std::max(d, dv) + 8));
@@ -440,10 +448,12 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // by the tasks after them). On success `roles` gets the forward's tasks too. Blocks
 // of 64 rows (4 warps) own keys or query rows; the other rows stream 32 at a
 // time, two stages (64 at heads of 16, and in the atomic mode, `atomic_dq`,
-// at heads of up to 64).
+// at heads of up to 64; 16 in TF32 over heads of 64). f32 q, k and v with
+// `allow_tf32` (--allow-tf32) as TF32, heads of 32 to 128, as the forward.
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
-                                                         const std::string& arch = "sm_90", bool atomic_dq = false);
+                                                         const std::string& arch = "sm_90", bool atomic_dq = false,
+                                                         bool allow_tf32 = false);
 inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // Decoding streams the keys and values once: memory-bound. One block keeps
 // two 16 KiB stages in flight, too few to cover an SM's share of the

@@ -230,13 +230,47 @@ CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned
 #endif
 }
 
-// A fragment as the mma takes it: 16-bit values as loaded; f32 ones rounded.
+// f32 operands kept exact on CUDA cores: the flash attention kernels'
+// element type for f32 without --allow-tf32 (docs/attention.md). Tiles,
+// copies and fragments as TF32's (4-byte values, m16n8k8's layout); the
+// "mma" is 32 FMAs a lane, each pair of operands fetched from the lanes that
+// hold it (4 shuffles a K step: the shuffles, one a warp per clock, bound it
+// at about half the FMA rate), in f32 throughout. The two halves of K run
+// as a loop: unrolled, the flash kernels' hundreds of calls took ptxas over
+// a minute and more registers.
+struct cg_f32_simt {
+  unsigned int bits;
+};
+CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned int b[2], cg_f32_simt) {
+  const int lane = threadIdx.x & 31, quad = lane & ~3, t = lane & 3;
+  CG_NO_UNROLL
+  for (int half = 0; half < 2; ++half) {  // K [0, 4), then [4, 8): a[0], a[1], b[0], then a[2], a[3], b[1]
+    const unsigned int top = half ? a[2] : a[0], bottom = half ? a[3] : a[1], column = half ? b[1] : b[0];
+    CG_UNROLL
+    for (int c = 0; c < 4; ++c) {
+      // A[row][k] of both my rows (from my quad's lane c) and B[k][col] of both my
+      // columns 2t and 2t + 1 (from lane c of quads 2t and 2t + 1).
+      const float a_top = __int_as_float((int)__shfl_sync(0xffffffffu, top, quad + c));
+      const float a_bottom = __int_as_float((int)__shfl_sync(0xffffffffu, bottom, quad + c));
+      const float b_left = __int_as_float((int)__shfl_sync(0xffffffffu, column, 8 * t + c));
+      const float b_right = __int_as_float((int)__shfl_sync(0xffffffffu, column, 8 * t + 4 + c));
+      d[0] = fmaf(a_top, b_left, d[0]);
+      d[1] = fmaf(a_top, b_right, d[1]);
+      d[2] = fmaf(a_bottom, b_left, d[2]);
+      d[3] = fmaf(a_bottom, b_right, d[3]);
+    }
+  }
+}
+
+// A fragment as the mma takes it: 16-bit values as loaded; f32 ones rounded
+// to TF32, or kept exact on CUDA cores.
 CG_DEVICE void cg_gemm_fragment_ready(unsigned int[4], cg_f16) {}
 CG_DEVICE void cg_gemm_fragment_ready(unsigned int[4], cg_bf16) {}
 CG_DEVICE void cg_gemm_fragment_ready(unsigned int r[4], cg_tf32) {
   CG_UNROLL
   for (int i = 0; i < 4; ++i) r[i] = cg_round_to_tf32(r[i]);
 }
+CG_DEVICE void cg_gemm_fragment_ready(unsigned int[4], cg_f32_simt) {}
 
 // A 32-bit shared-memory load that reads cp.async's destination (a TF32
 // fragment of an operand stored MN-contiguous): checked and counted in
@@ -321,15 +355,18 @@ struct cg_swizzled_tile {
 // cg_bf16 or cg_tf32), stored K-contiguous ([MN][BK]) or MN-contiguous
 // ([BK][MN]) as the operand is in global memory, so that every copy is 16
 // bytes of consecutive global addresses.
-// (SCALAR_READS: a TF32 operand stored MN-contiguous is read by 32-bit loads
-// (fragment), whose tile is swizzled for them; a tile only copied this way
-// and read as another operand, K-contiguous (flash attention's keys), passes
-// false so that both views share one swizzle.)
-template <int MN, int BK, bool K_CONTIGUOUS, typename T, bool SCALAR_READS = !K_CONTIGUOUS && sizeof(T) == 4>
+// (A TF32 operand stored MN-contiguous is read by 32-bit loads (fragment),
+// whose tile takes the paired swizzle (PAIRED_SWIZZLE) that spreads them
+// over the banks; ldmatrix reads the 8 rows of any aligned group of a
+// paired tile conflict-free too. Two views of one tile must agree on it: flash
+// attention's keys, copied MN-contiguous and read K-contiguous, pass false
+// to the first; the backward's streamed TF32 tiles, read both ways, true to
+// the second.)
+template <int MN, int BK, bool K_CONTIGUOUS, typename T, bool PAIRED_SWIZZLE = !K_CONTIGUOUS && sizeof(T) == 4>
 struct cg_gemm_operand {
   static constexpr int CHUNK = 16 / (int)sizeof(T);  // elements a 16-byte copy moves
-  static constexpr bool scalar_reads = SCALAR_READS;
-  typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, scalar_reads> tile;
+  static constexpr bool scalar_reads = !K_CONTIGUOUS && sizeof(T) == 4;
+  typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, PAIRED_SWIZZLE> tile;
   static constexpr int elements = tile::elements;
 
   // The copies of one thread, global -> shared, k-tile after k-tile: set up
@@ -404,7 +441,7 @@ struct cg_gemm_operand {
   // address `tile_address` (ldmatrix), which `tile_pointer` points at (32-bit loads).
   template <bool A_ORDER>
   CG_DEVICE static void fragment(unsigned int r[4], unsigned int tile_address, const T* tile_pointer, int mn, int k) {
-    static_assert(scalar_reads || K_CONTIGUOUS || sizeof(T) == 2, "ldmatrix.trans moves 16-bit values only");
+    static_assert(!scalar_reads || PAIRED_SWIZZLE, "32-bit reads of an MN-contiguous tile take the paired swizzle");
     const int lane = threadIdx.x & 31;
     if (!scalar_reads) {
       const int matrix = lane >> 3, row = lane & 7;

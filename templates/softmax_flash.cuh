@@ -104,26 +104,28 @@ CG_DEVICE float cg_exp2_approx(float x) {
 // p's A fragment for keys [KSTEP kk, KSTEP (kk + 1)) of o += p v, from the
 // score accumulators s (the m16n8 layout: lane (g, t) holds columns 2t and
 // 2t + 1 of rows g and g + 8). 16-bit (m16n8k16): tiles 2kk and 2kk + 1,
-// rounded to T, are the fragment as they lie. TF32 (m16n8k8: a[i] = p[g + 8
-// (i % 2)][t + 4 (i / 2)]): tile kk's columns t and t + 4 come from the
-// quad's lanes that hold them, rounded to TF32.
+// rounded to T, are the fragment as they lie. 4-byte values (m16n8k8: a[i] =
+// p[g + 8 (i % 2)][t + 4 (i / 2)]; TF32 or exact f32): tile kk's columns t and
+// t + 4 come from the quad's lanes that hold them, then are made ready as
+// T's fragments are (rounded to TF32, or kept).
 template <int NT, typename T>
 CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], int kk, T) {
-  pa[0] = cg_narrow_pair(s[2 * kk][0], s[2 * kk][1], T());
-  pa[1] = cg_narrow_pair(s[2 * kk][2], s[2 * kk][3], T());
-  pa[2] = cg_narrow_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
-  pa[3] = cg_narrow_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
-}
-template <int NT>
-CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], int kk, cg_tf32) {
-  const int lane = (int)threadIdx.x & 31, t = lane & 3;
-  CG_UNROLL
-  for (int half = 0; half < 2; ++half) {  // column t, then t + 4: held as column 2 t' + (t & 1)
-    const int from = (lane & ~3) + 2 * half + (t >> 1);
-    const float top0 = __shfl_sync(0xffffffffu, s[kk][0], from), top1 = __shfl_sync(0xffffffffu, s[kk][1], from);
-    const float bottom0 = __shfl_sync(0xffffffffu, s[kk][2], from), bottom1 = __shfl_sync(0xffffffffu, s[kk][3], from);
-    pa[2 * half] = cg_round_to_tf32((unsigned int)__float_as_int(t & 1 ? top1 : top0));
-    pa[2 * half + 1] = cg_round_to_tf32((unsigned int)__float_as_int(t & 1 ? bottom1 : bottom0));
+  if constexpr (sizeof(T) == 2) {
+    pa[0] = cg_narrow_pair(s[2 * kk][0], s[2 * kk][1], T());
+    pa[1] = cg_narrow_pair(s[2 * kk][2], s[2 * kk][3], T());
+    pa[2] = cg_narrow_pair(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
+    pa[3] = cg_narrow_pair(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+  } else {
+    const int lane = (int)threadIdx.x & 31, t = lane & 3;
+    CG_UNROLL
+    for (int half = 0; half < 2; ++half) {  // column t, then t + 4: held as column 2 t' + (t & 1)
+      const int from = (lane & ~3) + 2 * half + (t >> 1);
+      const float top0 = __shfl_sync(0xffffffffu, s[kk][0], from), top1 = __shfl_sync(0xffffffffu, s[kk][1], from);
+      const float bottom0 = __shfl_sync(0xffffffffu, s[kk][2], from), bottom1 = __shfl_sync(0xffffffffu, s[kk][3], from);
+      pa[2 * half] = (unsigned int)__float_as_int(t & 1 ? top1 : top0);
+      pa[2 * half + 1] = (unsigned int)__float_as_int(t & 1 ? bottom1 : bottom0);
+    }
+    cg_gemm_fragment_ready(pa, T());
   }
 }
 
@@ -495,20 +497,21 @@ struct cg_flash_backward_shared {
 // stats[2 r] = the row's log-sum-exp in log2 units (+inf past Tq and for a
 // row that saw no key: its p are 0) and stats[2 r + 1] = delta_r = dp_scale
 // sum_c dout_rc o_rc (0 past Tq). Rows [32 tile, 32 tile + 32) of the head, 8
-// lanes a row reading 16 bytes each at a time (a block of 256 threads).
+// lanes a row reading 16 bytes each at a time (a block of 256 threads). T:
+// the 16-bit type, or float (TF32 training: o saved as f32).
 template <typename Config, typename T>
 CG_DEVICE void cg_flash_backward_rows(float* stats, const float* lse, const T* o, const T* dout, cg_i64 Tq,
                                       cg_i64 rows, cg_i64 tile, float dp_scale) {
-  constexpr int HDV = Config::HEAD_DV;
-  static_assert(HDV % 8 == 0, "a row is whole 16-byte chunks");
+  constexpr int HDV = Config::HEAD_DV, CHUNK = 16 / (int)sizeof(T);
+  static_assert(HDV % CHUNK == 0, "a row is whole 16-byte chunks");
   const int lane = (int)threadIdx.x & 7;
   const cg_i64 row = 32 * tile + ((int)threadIdx.x >> 3);
   float dot = 0.0f;
   if (row < Tq)
-    for (int c = 8 * lane; c < HDV; c += 64) {
-      const cg_vector<8, T> a = cg_load_vector<8>(o, row * HDV + c), b = cg_load_vector<8>(dout, row * HDV + c);
+    for (int c = CHUNK * lane; c < HDV; c += 8 * CHUNK) {
+      const cg_vector<CHUNK, T> a = cg_load_vector<CHUNK>(o, row * HDV + c), b = cg_load_vector<CHUNK>(dout, row * HDV + c);
       CG_UNROLL
-      for (int e = 0; e < 8; ++e) dot += cg_widen(a.v[e]) * cg_widen(b.v[e]);
+      for (int e = 0; e < CHUNK; ++e) dot += cg_widen(a.v[e]) * cg_widen(b.v[e]);
     }
   CG_UNROLL
   for (int offset = 4; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
@@ -549,20 +552,10 @@ CG_DEVICE void cg_flash_store_tile(const float (&acc)[W / 8][4], float* staged, 
   __syncthreads();  // the staged tile is free again
 }
 
-// The four 16-bit pairs of an A fragment (16 rows x 16 of the K axis) from
-// the accumulators of two n8 tiles of a product (the same rows; K's first and
-// second 8), rounded to T.
-template <typename T>
-CG_DEVICE void cg_accumulators_as_a(unsigned int a[4], const float (&lo)[4], const float (&hi)[4]) {
-  a[0] = cg_narrow_pair(lo[0], lo[1], T());
-  a[1] = cg_narrow_pair(lo[2], lo[3], T());
-  a[2] = cg_narrow_pair(hi[0], hi[1], T());
-  a[3] = cg_narrow_pair(hi[2], hi[3], T());
-}
-
-// acc (a warp's 16 rows by N columns, N / 8 mma tiles) += a (16 rows x 16
-// of the K axis, an A fragment) times B's columns [0, N) at K offset k: the
-// B fragments read from a shared tile (Operand, at `address`, `pointer`).
+// acc (a warp's 16 rows by N columns, N / 8 mma tiles) += a (16 rows x one
+// mma's K step, 16 16-bit values or 8 TF32 ones: an A fragment) times B's
+// columns [0, N) at K offset k: the B fragments read from a shared tile
+// (Operand, at `address`, `pointer`).
 template <typename Operand, int N, typename T>
 CG_DEVICE void cg_mma_across(float (&acc)[N / 8][4], const unsigned int (&a)[4], unsigned int address, const T* pointer,
                              int k) {
@@ -649,14 +642,20 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   // and dO tiles ([BN][D], [BN][DV]) as B operands two ways: along their
   // rows (K: D or DV; s^T = k q^T, dp^T = v dO^T) and across them (K: the
   // queries; dk += ds^T q, dv += p^T dO), which is how they are copied.
+  // T is cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (m16n8k8: an mma's K step
+  // is KSTEP values; the streamed tiles, read across by 32-bit loads, take
+  // the paired swizzle in both views).
+  constexpr bool PAIRED = sizeof(T) == 4;
   typedef cg_gemm_operand<BM, D, true, T> OwnK;
   typedef cg_gemm_operand<BM, DV, true, T> OwnV;
-  typedef cg_gemm_operand<BN, D, true, T> StreamQ;
-  typedef cg_gemm_operand<D, BN, false, T> StreamQAcross;
-  typedef cg_gemm_operand<BN, DV, true, T> StreamDout;
-  typedef cg_gemm_operand<DV, BN, false, T> StreamDoutAcross;
+  typedef cg_gemm_operand<BN, D, true, T, PAIRED> StreamQ;
+  typedef cg_gemm_operand<D, BN, false, T, PAIRED> StreamQAcross;
+  typedef cg_gemm_operand<BN, DV, true, T, PAIRED> StreamDout;
+  typedef cg_gemm_operand<DV, BN, false, T, PAIRED> StreamDoutAcross;
+  constexpr int KSTEP = 2 * OwnK::CHUNK;
   static_assert(StreamQ::elements == StreamQAcross::elements && StreamDout::elements == StreamDoutAcross::elements,
                 "one tile, two views");
+  static_assert(!ATOMIC_DQ || sizeof(T) == 2, "the atomic mode's ds^T tile is 16-bit");
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 key0 = tile_n * BM;
   const unsigned int smem_address = cg_smem_address(smem);
@@ -713,10 +712,10 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
     float st[NQ][4];
     cg_zero_accumulators(st);
     CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D / KSTEP; ++kk) {
       unsigned int ka[4];
-      OwnK::template fragment<true>(ka, smem_address, own_k_ptr, 16 * warp, 16 * kk);
-      cg_mma_across<StreamQ, BN>(st, ka, tile_q, tile_q_ptr, 16 * kk);
+      OwnK::template fragment<true>(ka, smem_address, own_k_ptr, 16 * warp, KSTEP * kk);
+      cg_mma_across<StreamQ, BN>(st, ka, tile_q, tile_q_ptr, KSTEP * kk);
     }
     // p^T, zero past the keys, past Tq (lse_log2 +inf) and, causal, above the diagonal.
     // In 32 bits, once a tile: this lane's first key's distance to the
@@ -737,19 +736,19 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
       }
     // dv += p^T dO (K: the tile's query rows).
     CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BN / KSTEP; ++kk) {
       unsigned int pa[4];
-      cg_accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-      cg_mma_across<StreamDoutAcross, DV>(dv, pa, tile_dout, tile_dout_ptr, 16 * kk);
+      cg_flash_p_fragment(pa, st, kk, T());
+      cg_mma_across<StreamDoutAcross, DV>(dv, pa, tile_dout, tile_dout_ptr, KSTEP * kk);
     }
     // dp^T = v dO^T, then ds^T = p^T (dp_scale dp^T - delta).
     float dst[NQ][4];
     cg_zero_accumulators(dst);
     CG_UNROLL
-    for (int kk = 0; kk < DV / 16; ++kk) {
+    for (int kk = 0; kk < DV / KSTEP; ++kk) {
       unsigned int va[4];
-      OwnV::template fragment<true>(va, smem_address + own_v_offset, own_v_ptr, 16 * warp, 16 * kk);
-      cg_mma_across<StreamDout, BN>(dst, va, tile_dout, tile_dout_ptr, 16 * kk);
+      OwnV::template fragment<true>(va, smem_address + own_v_offset, own_v_ptr, 16 * warp, KSTEP * kk);
+      cg_mma_across<StreamDout, BN>(dst, va, tile_dout, tile_dout_ptr, KSTEP * kk);
     }
     CG_UNROLL
     for (int j = 0; j < NQ; ++j)
@@ -757,10 +756,10 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
       for (int e = 0; e < 4; ++e) dst[j][e] = st[j][e] * (dp_scale * dst[j][e] - row_stats[2 * (8 * j + 2 * t + (e & 1)) + 1]);
     // dk += ds^T q (K: the tile's query rows).
     CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BN / KSTEP; ++kk) {
       unsigned int a[4];
-      cg_accumulators_as_a<T>(a, dst[2 * kk], dst[2 * kk + 1]);
-      cg_mma_across<StreamQAcross, D>(dk, a, tile_q, tile_q_ptr, 16 * kk);
+      cg_flash_p_fragment(a, dst, kk, T());
+      cg_mma_across<StreamQAcross, D>(dk, a, tile_q, tile_q_ptr, KSTEP * kk);
     }
     if constexpr (ATOMIC_DQ) cg_flash_backward_dq_part<Config, T>(dst, smem, m, Tq, dq_accum);
   }
@@ -798,12 +797,19 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   // q and dO of the block's rows as A operands (into registers); the streamed
   // keys and values as B operands along their rows (K: D or DV; s = q k^T,
   // dp = dO v^T), the keys across them too (K: the keys; dq += ds k).
+  // (TF32: KSTEP and the paired swizzle as in the key blocks.)
+  constexpr bool PAIRED = sizeof(T) == 4;
   typedef cg_gemm_operand<BM, D, true, T> OwnQ;
   typedef cg_gemm_operand<BM, DV, true, T> OwnDout;
-  typedef cg_gemm_operand<BN, D, true, T> StreamK;
-  typedef cg_gemm_operand<D, BN, false, T> StreamKAcross;
-  typedef cg_gemm_operand<BN, DV, true, T> StreamV;
-  typedef cg_gemm_operand<DV, BN, false, T> StreamVAcross;
+  typedef cg_gemm_operand<BN, D, true, T, PAIRED> StreamK;
+  typedef cg_gemm_operand<D, BN, false, T, PAIRED> StreamKAcross;
+  typedef cg_gemm_operand<BN, DV, true, T, PAIRED> StreamV;
+  typedef cg_gemm_operand<DV, BN, false, T, PAIRED> StreamVAcross;
+  constexpr int KSTEP = 2 * OwnQ::CHUNK;
+  // q's and dO's fragments take (D + DV) / 4 registers a thread of 16-bit
+  // values, twice that of TF32: beside dq's D / 2, over heads of 64 in TF32
+  // they stay in the block's shared tiles, read at every key tile.
+  constexpr bool OWN_IN_SHARED = (int)sizeof(T) * (D + DV) > 512;
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 m0 = tile_m * BM;
   const cg_i64 row0 = m0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
@@ -837,14 +843,16 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   // The rows' statistics (the rows array covers whole tiles).
   const float lse_row[2] = {stats_rows[2 * row0], stats_rows[2 * (row0 + 8)]};
   const float delta_row[2] = {stats_rows[2 * row0 + 1], stats_rows[2 * (row0 + 8) + 1]};
-  unsigned int qa[D / 16][4], da[DV / 16][4];
+  unsigned int qa[OWN_IN_SHARED ? 1 : D / KSTEP][4], da[OWN_IN_SHARED ? 1 : DV / KSTEP][4];
   cg_cp_async_wait<S - 1>();
   __syncthreads();
-  CG_UNROLL
-  for (int kk = 0; kk < D / 16; ++kk) OwnQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, 16 * kk);
-  CG_UNROLL
-  for (int kk = 0; kk < DV / 16; ++kk)
-    OwnDout::template fragment<true>(da[kk], smem_address + own_dout_offset, smem + Shared::own_k, 16 * warp, 16 * kk);
+  if (!OWN_IN_SHARED) {
+    CG_UNROLL
+    for (int kk = 0; kk < D / KSTEP; ++kk) OwnQ::template fragment<true>(qa[kk], smem_address, smem, 16 * warp, KSTEP * kk);
+    CG_UNROLL
+    for (int kk = 0; kk < DV / KSTEP; ++kk)
+      OwnDout::template fragment<true>(da[kk], smem_address + own_dout_offset, smem + Shared::own_k, 16 * warp, KSTEP * kk);
+  }
   float dq[OD][4];
   cg_zero_accumulators(dq);
 
@@ -861,7 +869,11 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
     cg_zero_accumulators(s);
     cg_zero_accumulators(dp);
     CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) cg_mma_across<StreamK, BN>(s, qa[kk], tile_k, tile_k_ptr, 16 * kk);
+    for (int kk = 0; kk < D / KSTEP; ++kk) {
+      unsigned int shared_a[4];
+      if (OWN_IN_SHARED) OwnQ::template fragment<true>(shared_a, smem_address, smem, 16 * warp, KSTEP * kk);
+      cg_mma_across<StreamK, BN>(s, OWN_IN_SHARED ? shared_a : qa[OWN_IN_SHARED ? 0 : kk], tile_k, tile_k_ptr, KSTEP * kk);
+    }
     const cg_i64 key0 = (cg_i64)n * BN;  // (in 64 bits: the index is 32)
     // In 32 bits, once a tile: this lane's first key's distance to the
     // last key and past this thread's first row (both clamped to a tile).
@@ -879,17 +891,22 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
       }
     // dp = dO v^T, then ds = p (dp_scale dp - delta).
     CG_UNROLL
-    for (int kk = 0; kk < DV / 16; ++kk) cg_mma_across<StreamV, BN>(dp, da[kk], tile_v, tile_v_ptr, 16 * kk);
+    for (int kk = 0; kk < DV / KSTEP; ++kk) {
+      unsigned int shared_a[4];
+      if (OWN_IN_SHARED)
+        OwnDout::template fragment<true>(shared_a, smem_address + own_dout_offset, smem + Shared::own_k, 16 * warp, KSTEP * kk);
+      cg_mma_across<StreamV, BN>(dp, OWN_IN_SHARED ? shared_a : da[OWN_IN_SHARED ? 0 : kk], tile_v, tile_v_ptr, KSTEP * kk);
+    }
     CG_UNROLL
     for (int j = 0; j < NK; ++j)
       CG_UNROLL
       for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp_scale * dp[j][e] - delta_row[e >> 1]);
     // dq += ds k (K: the tile's keys).
     CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BN / KSTEP; ++kk) {
       unsigned int a[4];
-      cg_accumulators_as_a<T>(a, dp[2 * kk], dp[2 * kk + 1]);
-      cg_mma_across<StreamKAcross, D>(dq, a, tile_k, tile_k_ptr, 16 * kk);
+      cg_flash_p_fragment(a, dp, kk, T());
+      cg_mma_across<StreamKAcross, D>(dq, a, tile_k, tile_k_ptr, KSTEP * kk);
     }
   }
   cg_cp_async_wait<0>();

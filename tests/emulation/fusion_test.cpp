@@ -780,6 +780,20 @@ TEST(FlashAttention, TwoThousandTokensEndToEnd) {
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
 
+// A fault injected into compiled code `c`: the first `from` after `marker`
+// in its source becomes `to`; the run must fail its checks.
+void expect_fault_caught(Compiled c, const std::string& marker, const std::string& from, const std::string& to,
+                         const std::string& name) {
+  std::string& source = c.emitted.cuda_source;
+  const size_t after = source.find(marker);
+  ASSERT_NE(after, std::string::npos) << name << ": the template changed; update the fault";
+  const size_t at = source.find(from, after);
+  ASSERT_NE(at, std::string::npos) << name << ": the template changed; update the fault";
+  source.replace(at, from.size(), to);
+  const uint64_t seed = std::random_device()();
+  EXPECT_FALSE(run_checked(c, RunOptions{seed, work_dir(name)}).ok()) << name << ": seed " << seed;
+}
+
 // f32 attention under --allow-tf32 on the flash kernel as TF32 (m16n8k8; p's
 // fragments shuffled from the scores' accumulators): against the float64
 // reference at f16's bound (TF32 keeps f16's 10 mantissa bits), causal with
@@ -815,14 +829,9 @@ TEST(FlashAttention, Tf32MatchesTheReference) {
   EXPECT_NE(narrow.emitted.kernels[0].matmul_path.find("the TF32 kernel takes heads of 32 to 128"), std::string::npos)
       << narrow.emitted.kernels[0].matmul_path;
   // The fault: p's columns from the wrong lanes.
-  Compiled faulty = compile(load_program(flash_attention(DType::f32, 1, 1, 70, 100, 64, 64, true), {}), tf32);
-  std::string& source = faulty.emitted.cuda_source;
-  const std::string from = "(lane & ~3) + 2 * half + (t >> 1);";
-  const size_t at = source.find(from);
-  ASSERT_NE(at, std::string::npos) << "the template changed; update the fault";
-  source.replace(at, from.size(), "(lane & ~3) + 2 * half + (t & 1);");
-  const uint64_t seed = std::random_device()();
-  EXPECT_FALSE(run_checked(faulty, RunOptions{seed, work_dir("flash_tf32_fault")}).ok()) << "seed " << seed;
+  expect_fault_caught(compile(load_program(flash_attention(DType::f32, 1, 1, 70, 100, 64, 64, true), {}), tf32),
+                      "cg_flash_p_fragment", "(lane & ~3) + 2 * half + (t >> 1);", "(lane & ~3) + 2 * half + (t & 1);",
+                      "flash_tf32_fault");
 }
 
 // Over 1024 keys where the flash kernel does not apply, the streamed row
@@ -880,14 +889,32 @@ TEST(FlashAttention, ArenaOfADecoderBlockGrowsLinearlyInTokens) {
 // the elementwise first-order bound grows loose enough to pass a wrong
 // gradient (a missing delta, measured); the normwise bound does not (the
 // kernels land within 1.3 units, measured over the cases below).
-std::string normwise_failures(const CheckedRun& run, DType d) {
-  const double u = d == DType::bf16 ? 0x1p-8 : d == DType::f16 ? 0x1p-11 : 0x1p-24;
+std::string normwise_failures(const CheckedRun& run, double u) {
   std::string out;
   for (const OutputCheck& check : run.checks)
     if (check.max_abs_error > 4 * u * check.max_reference)
       out += fmt::format("{}: max |err| {:.3g} over 4u max |ref| = {:.3g}; ", check.buffer, check.max_abs_error,
                          4 * u * check.max_reference);
   return out;
+}
+std::string normwise_failures(const CheckedRun& run, DType d) {
+  return normwise_failures(run, d == DType::bf16 ? 0x1p-8 : d == DType::f16 ? 0x1p-11 : 0x1p-24);
+}
+
+// An attention trained on the flash kernels (`c`, of graph `name`, Tq query
+// rows over Tk keys): no Tq x Tk buffer in its arena (the probabilities
+// recomputed, never stored), and its run within the checker's bounds and the
+// normwise one of unit roundoff `u`.
+void expect_trained_attention_right(const Compiled& c, const std::string& name, int64_t Tq, int64_t Tk, double u) {
+  for (const auto& pb : c.plan.buffers) {
+    const Shape& shape = c.program.buffers[size_t(pb.buffer)].shape;
+    EXPECT_TRUE(pb.internal || shape.size() < 2 || shape.back() != Tk || shape[shape.size() - 2] != Tq)
+        << buffer_name(c.program, pb.buffer) << " " << shape_to_string(shape) << " is in the arena";
+  }
+  const uint64_t seed = std::random_device()();
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir(name)});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+  EXPECT_EQ(normwise_failures(run, u), "") << "seed " << seed;
 }
 
 // Training on the flash kernels: the forward saves each row's log-sum-exp
@@ -914,16 +941,7 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
     EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
     EXPECT_EQ(c.kernels[1].rule, FusionRule::attention_backward);
     EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, "), std::string::npos);
-    // The probabilities have no storage: recomputed, never stored.
-    for (const auto& pb : c.plan.buffers) {
-      const Shape& shape = c.program.buffers[size_t(pb.buffer)].shape;
-      EXPECT_TRUE(pb.internal || shape.back() != k.Tk || shape[shape.size() - 2] != k.Tq)
-          << buffer_name(c.program, pb.buffer) << " " << shape_to_string(shape) << " is in the arena";
-    }
-    const uint64_t seed = std::random_device()();
-    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
-    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
-    EXPECT_EQ(normwise_failures(run, k.d), "") << "seed " << seed;
+    expect_trained_attention_right(c, g.name, k.Tq, k.Tk, k.d == DType::bf16 ? 0x1p-8 : 0x1p-11);
   }
 }
 
@@ -936,13 +954,106 @@ TEST(FlashAttention, TrainingAThousandTokens) {
   EXPECT_EQ(normwise_failures(run, DType::bf16), "") << "seed " << seed;
 }
 
+// f32 attention trained under --allow-tf32: the forward and the gradient
+// kernel both as TF32 (m16n8k8; p and ds from the accumulators through the
+// quad's lanes; the streamed tiles read along their rows by ldmatrix and
+// across them by 32-bit loads, one swizzle for both), against the float64
+// reference at f16's bounds (TF32 keeps f16's 10 mantissa bits), the
+// normwise one too: causal with partial tiles, query and key lengths that
+// differ, heads of 32, 64 and 128 (16 rows a step, q's and dO's fragments
+// read from shared memory), grouped-query attention from the derive pass.
+// Heads of 16 are refused, and said why. A fault copying the streamed
+// queries with one swizzle and reading them with another is caught.
+TEST(FlashAttention, Tf32TrainingMatchesTheReference) {
+  CompileOptions tf32 = fusion(true);
+  tf32.emit.allow_tf32 = true;
+  auto backward_path = [](const Compiled& c) {
+    for (const EmittedKernel& e : c.emitted.kernels)
+      if (e.matmul_path.find("flash attention backward") != std::string::npos) return e.matmul_path;
+    return std::string("(no flash backward kernel)");
+  };
+  struct Case {
+    int64_t H, Tq, Tk, D;
+    bool causal;
+  };
+  for (const Case& k : {Case{2, 63, 63, 64, true}, Case{1, 130, 70, 32, true}, Case{1, 70, 100, 128, true}}) {
+    const TaskGraph g = flash_attention_training(DType::f32, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), tf32);
+    ASSERT_EQ(c.kernels.size(), 2u);
+    EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, cg_tf32, false>("), std::string::npos);
+    EXPECT_NE(backward_path(c).find(", f32 as TF32 (--allow-tf32)"), std::string::npos) << backward_path(c);
+    expect_trained_attention_right(c, g.name, k.Tq, k.Tk, 0x1p-11);  // (TF32 keeps f16's 10 mantissa bits)
+  }
+  {
+    const TaskGraph g = grouped_query_training(DType::f32, 65, 65, 64, true);
+    const Compiled c = compile(load_program(g, {}), tf32);
+    EXPECT_NE(backward_path(c).find("grouped-query: 4 query heads a head of keys and values"), std::string::npos)
+        << backward_path(c);
+    expect_trained_attention_right(c, g.name, 65, 65, 0x1p-11);
+  }
+  // Heads of 16: the row kernels, and the forward's path says why not flash.
+  const Compiled narrow = compile(load_program(flash_attention_training(DType::f32, 1, 1, 40, 40, 16, true), {}), tf32);
+  EXPECT_EQ(narrow.emitted.cuda_source.find("cg_flash_attention_backward<"), std::string::npos);
+  EXPECT_NE(narrow.emitted.kernels[0].matmul_path.find("the TF32 kernel takes heads of 32 to 128"), std::string::npos)
+      << narrow.emitted.kernels[0].matmul_path;
+  // The fault: the streamed queries read along their rows with the swizzle of 16-bit tiles.
+  expect_fault_caught(compile(load_program(flash_attention_training(DType::f32, 1, 1, 63, 63, 64, true), {}), tf32),
+                      "cg_flash_backward_keys", "typedef cg_gemm_operand<BN, D, true, T, PAIRED> StreamQ;",
+                      "typedef cg_gemm_operand<BN, D, true, T> StreamQ;", "flash_tf32_training_fault");
+}
+
+// f32 attention trained without --allow-tf32: the flash kernels on exact
+// f32 (cg_f32_simt: TF32's tiles and fragments, each mma's products as FMAs
+// on CUDA cores), so that the step keeps no T x T buffer, as the 16-bit one;
+// against the float64 reference at f32's bounds, and normwise at 2^-20 (the
+// GPU's exp2 is the special-function unit's, 2^-22 relative): causal with
+// partial tiles, lengths that differ, heads of 32, 64 and 128, over the row
+// kernels' reach (300 query rows), grouped-query attention. Without training,
+// f32 attention stays on the row kernel. A fault in the FMA mma's operand
+// shuffles is caught.
+TEST(FlashAttention, F32TrainingOnCudaCoresMatchesTheReference) {
+  struct Case {
+    int64_t H, Tq, Tk, D;
+    bool causal;
+  };
+  for (const Case& k : {Case{2, 63, 63, 64, true}, Case{1, 130, 70, 32, true}, Case{1, 70, 100, 128, true},
+                        Case{1, 300, 300, 64, true}}) {
+    const TaskGraph g = flash_attention_training(DType::f32, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), fusion(true));
+    ASSERT_EQ(c.kernels.size(), 2u);
+    EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention<cg_config, cg_f32_simt>("), std::string::npos);
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, cg_f32_simt, false>("), std::string::npos);
+    for (const EmittedKernel& e : c.emitted.kernels)
+      if (e.matmul_path.find("flash attention") != std::string::npos) {
+        EXPECT_NE(e.matmul_path.find("f32 on CUDA cores"), std::string::npos) << e.matmul_path;
+        EXPECT_EQ(e.mainloop, MatmulMainloop::flash_attention_simt) << e.name;
+      }
+    expect_trained_attention_right(c, g.name, k.Tq, k.Tk, 0x1p-20);
+  }
+  {
+    const TaskGraph g = grouped_query_training(DType::f32, 65, 65, 64, true);
+    const Compiled c = compile(load_program(g, {}), fusion(true));
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, cg_f32_simt, false>("), std::string::npos);
+    expect_trained_attention_right(c, g.name, 65, 65, 0x1p-20);
+  }
+  const Compiled forward = compile(load_program(flash_attention(DType::f32, 1, 1, 40, 40, 64, 64, true), {}), fusion(true));
+  EXPECT_NE(forward.emitted.cuda_source.find("cg_attention_row("), std::string::npos);
+  // The fault: the FMA "mma" takes its right column's B from its left column's lane.
+  expect_fault_caught(compile(load_program(flash_attention_training(DType::f32, 1, 1, 63, 63, 64, true), {}), fusion(true)),
+                      "const unsigned int b[2], cg_f32_simt) {", "8 * t + 4 + c", "8 * t + c", "flash_f32_simt_fault");
+}
+
 // Grouped-query attention trained, as the derive pass writes its gradients:
 // 8 query heads over 2 heads of keys and values (q [1, 2, 4, T, D], k and v
 // [1, 2, 1, T, D]); each query head's blocks read its group's keys and
 // values, dk and dv come out per query head and the tasks after the kernel
 // sum each group. The gradients (made outputs) against the float64
 // reference: causal with a partial tile, query and key lengths that differ,
-// heads of 64 and 128 on the flash kernels; f32 on the row kernels.
+// heads of 64 and 128 on the flash kernels; f32 heads of 16 on the row kernels.
 TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
   struct Case {
     DType d;
@@ -950,7 +1061,7 @@ TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
     bool causal;
   };
   for (const Case& k : {Case{DType::bf16, 65, 65, 64, true}, Case{DType::f16, 130, 70, 64, true},
-                        Case{DType::bf16, 40, 100, 128, false}, Case{DType::f32, 40, 24, 32, true}}) {
+                        Case{DType::bf16, 40, 100, 128, false}, Case{DType::f32, 40, 24, 16, true}}) {
     const TaskGraph g = grouped_query_training(k.d, k.Tq, k.Tk, k.D, k.causal);
     SCOPED_TRACE(g.name);
     const Compiled compiled = compile(load_program(g, {}), fusion(true));

@@ -539,19 +539,18 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The flash attention backward kernel (training: the forward and the
 // gradient tasks by hand, as derive writes them), bf16 heads of 64 causal and
-// f16 heads of 128: on sm_80 and sm_90 its five products on tensor cores
-// (HMMA) fed by ldmatrix (LDSM) from cp.async tiles (LDGSTS), the
-// probabilities recomputed on the special-function unit (MUFU); no local
-// memory, no spills, no stack. Then in the atomic mode, where the heads of 64
-// sum dq with atomics (RED) and the heads of 128 keep dq's own blocks.
+// f16 heads of 128, and f32 heads of 64 and 128 as TF32 (--allow-tf32): on
+// sm_80 and sm_90 its five products on tensor cores (HMMA) fed by ldmatrix
+// (LDSM) from cp.async tiles (LDGSTS), the probabilities recomputed on the
+// special-function unit (MUFU); no local memory, no spills, no stack. Then in
+// the atomic mode, where the 16-bit heads of 64 sum dq with atomics (RED) and
+// the others keep dq's own blocks.
 TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
-  GraphBuilder b("flash_backward");
   const Storage ext = Storage::external;
-  for (const auto& [d, T, D, causal] : {std::tuple{DType::bf16, int64_t(512), int64_t(64), true},
-                                        std::tuple{DType::f16, int64_t(1024), int64_t(128), false}}) {
-    const std::string n = std::to_string(D);
+  auto add_training = [&](GraphBuilder& b, DType d, int64_t T, int64_t D, bool causal) {
+    const std::string n = std::string(to_string(d)) + "_" + std::to_string(D);
     const Shape rows{8, 12, T, D}, square{8, 12, T, T};
     auto s = b.task("scores" + n, "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
     auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.125).arg("causal", causal);
@@ -561,17 +560,23 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
     auto ds = b.task("ds" + n, "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square).arg("scale", 0.125);
     b.task("dq" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
     b.task("dk" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
-  }
+  };
+  GraphBuilder b("flash_backward");
+  add_training(b, DType::bf16, 512, 64, true);
+  add_training(b, DType::f16, 1024, 128, false);
+  add_training(b, DType::f32, 1024, 64, true);
+  add_training(b, DType::f32, 1024, 128, true);
   const TaskGraph graph = std::move(b).graph();
   // Deterministic, then the atomic mode (heads of 64: dq summed by the key blocks with RED.ADD.F32).
   for (const bool atomic : {false, true}) {
     CompileOptions options;
     options.emit.atomic_attention_backward = atomic;
+    options.emit.allow_tf32 = true;
     Compiled c = compile(load_program(graph, {}), options);
     std::vector<std::string> backward;
     for (const EmittedKernel& k : c.emitted.kernels)
       if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
-    ASSERT_EQ(backward.size(), 2u);
+    ASSERT_EQ(backward.size(), 4u);
     for (const char* arch : {"sm_80", "sm_90"}) {
       const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
       const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
@@ -596,6 +601,30 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
       }
     }
   }
+  // f32 trained without --allow-tf32, heads of 64: both flash kernels on CUDA
+  // cores (cg_f32_simt): the same copies and ldmatrix, no HMMA, the products
+  // as FFMA fed by SHFL; no spills.
+  GraphBuilder f32("flash_backward_f32");
+  add_training(f32, DType::f32, 1024, 64, true);
+  Compiled simt = compile(load_program(std::move(f32).graph(), {}), {});
+  int simt_kernels = 0;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const auto sass = cudagen::testing::sass_opcodes(simt.emitted.cuda_source, arch);
+    const auto resources = cudagen::testing::ptxas_resources(simt.emitted.cuda_source, arch);
+    for (const EmittedKernel& k : simt.emitted.kernels) {
+      if (k.mainloop != MatmulMainloop::flash_attention_simt) continue;
+      ++simt_kernels;
+      ASSERT_TRUE(sass.count(k.name) && resources.count(k.name)) << k.name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(k.name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      for (const char* op : {"LDGSTS", "LDSM", "FFMA", "SHFL", "MUFU"}) EXPECT_GT(count(op), 0) << k.name << " on " << arch << ": " << op;
+      EXPECT_EQ(count("HMMA"), 0) << k.name << " on " << arch;
+      EXPECT_EQ(resources.at(k.name).spill_bytes, 0) << k.name << " on " << arch;
+      std::printf("  %s (f32 on CUDA cores) on %s: %d registers, %d bytes spilled, %d FFMA, %d SHFL\n", k.name.c_str(), arch,
+                  resources.at(k.name).registers, resources.at(k.name).spill_bytes, count("FFMA"), count("SHFL"));
+    }
+  }
+  EXPECT_EQ(simt_kernels, 4) << "the forward and the backward kernel of heads of 64, for each of two architectures";
 }
 
 // The f32 SIMT mainloop in generated kernels, both tiles (128 x 128 from a

@@ -51,10 +51,14 @@ typedef long long cg_i64;
 // A loop over a register array, unrolled on the device so that the array
 // stays in registers (indexed at run time, it goes to local memory). The
 // host compiler of the emulation does without.
+// CG_NO_UNROLL: a loop kept rolled on the device, where unrolling it would
+// cost more compile time and registers than its branch costs.
 #ifdef CUDAGEN_EMULATION
 #define CG_UNROLL
+#define CG_NO_UNROLL
 #else
 #define CG_UNROLL _Pragma("unroll")
+#define CG_NO_UNROLL _Pragma("unroll 1")
 #endif
 
 // f16 and bf16 as storage types: 16 bits in memory, f32 in arithmetic (the

@@ -499,12 +499,13 @@ TEST(Fusion, AttentionGradientsRunInOneKernel) {
 // Rule attention_backward on the flash kernels: a 16-bit attention and its
 // gradients, whose forward runs the flash kernel, pair up (flash_trained):
 // the probabilities internal to both kernels (no storage), at a length the
-// row kernel refuses; not without dk (q would die in the forward); in f32 the
+// row kernel refuses; not without dk (q would die in the forward); f32 on
+// CUDA cores, or as TF32 under --allow-tf32, except heads of 16, where the
 // row kernel's refusal says why not flash.
 TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
-  auto training = [](DType d, int64_t T, bool with_dk = true) {
+  auto training = [](DType d, int64_t T, bool with_dk = true, int64_t D = 64) {
     GraphBuilder b("trained");
-    const Shape rows{1, 2, T, 64}, square{1, 2, T, T};
+    const Shape rows{1, 2, T, D}, square{1, 2, T, T};
     auto s = b.task("scores", "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
     auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.125);
     auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, rows, ext).tensor("out", d, rows, ext);
@@ -531,13 +532,25 @@ TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
                                          "backward pass has no dk to read q"),
             std::string::npos)
       << reason_for(no_dk, "ds");
-  Compiled f32 = plan_graph(training(DType::f32, 300));
-  EXPECT_FALSE(f32.kernels[0].flash_trained);
-  EXPECT_EQ(reason_for(f32, "ds"),
+  Compiled narrow = plan_graph(training(DType::f32, 300, true, 16));
+  EXPECT_FALSE(narrow.kernels[0].flash_trained);
+  EXPECT_EQ(reason_for(narrow, "ds"),
             "'ds' is a reduction op; 'ds' runs in no attention_backward kernel: each block would walk 38 tiles of 8 query "
             "rows one after another (at most 16); not the flash backward kernel: its forward does not take the flash "
-            "kernel: q, k and v are f32, f32 and f32: the tensor-core kernel takes one 16-bit type (f32 keeps its f32 "
-            "arithmetic in the row kernel)");
+            "kernel: heads of 16 (values 16) in f32: the f32 flash kernel takes heads of 32 to 128");
+  // f32 pairs them on CUDA cores (exact f32), or under --allow-tf32 as TF32.
+  for (const bool allow_tf32 : {false, true}) {
+    CompileOptions options;
+    options.emit.allow_tf32 = allow_tf32;
+    Compiled f32 = plan_program(load_program(training(DType::f32, 300), {}), options);
+    ASSERT_EQ(f32.kernels.size(), 2u);
+    for (const KernelGroup& k : f32.kernels) {
+      EXPECT_TRUE(k.flash_trained) << k.name;
+      ASSERT_TRUE(k.flash.has_value()) << k.name;
+      EXPECT_EQ(k.flash->tf32, allow_tf32) << k.name;
+      EXPECT_EQ(k.flash->simt_f32, !allow_tf32) << k.name;
+    }
+  }
 }
 
 // Heads over 128 stream 32 keys a step: beside them, heads of 16 (a step of
