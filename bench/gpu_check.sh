@@ -34,7 +34,8 @@
 #    forward and the backward kernel) beside SDPA's forward and backward; grouped-query attention (32
 #    query heads over 8, heads of 128, T2048 causal) forward and trained beside SDPA's enable_gqa; f32
 #    attention as TF32 (--allow-tf32), forward and trained, beside SDPA's efficient backend in f32 with
-#    TF32 allowed, and f32 trained exact (CUDA cores) beside SDPA with allow_tf32 off;
+#    TF32 allowed, and f32 trained exact (CUDA cores) beside SDPA with allow_tf32 off; heads of 256
+#    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -232,6 +233,19 @@ if have_time 60 "the grouped-query attention benchmark"; then
     python3 bench/attention_torch.py --heads 32 --kv-heads 8 --head 128 --tokens 2048 --runs 20 $train 2>&1 | sed -n 2p
   done | tee "$log/attention_gqa_torch.txt"
   beside_torch "$log/attention_gqa_cudagen.txt" "$log/attention_gqa_torch.txt"
+fi
+echo
+echo "heads of 256 (Gemma's), bf16, B8 x H8 x T2048, causal: forward, then trained (two key blocks a tile of keys, each"
+echo "half of dk's and dv's columns), beside SDPA's flash backend; ratio = torch time / cudagen time:"
+if have_time 45 "the heads-of-256 attention benchmark"; then
+  for train in "" --train; do
+    python3 bench/attention_graph.py --heads 8 --head 256 --tokens 2048 --causal $train -o "$log/attention_256$train.json"
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 ${train:+--step} "$log/attention_256$train.json" 2>&1 | sed -n 2p
+  done | tee "$log/attention_256_cudagen.txt"
+  for train in "" --train; do
+    python3 bench/attention_torch.py --heads 8 --head 256 --tokens 2048 --runs 20 $train 2>&1 | sed -n 2p
+  done | tee "$log/attention_256_torch.txt"
+  beside_torch "$log/attention_256_cudagen.txt" "$log/attention_256_torch.txt"
 fi
 echo
 echo "Nsight Compute on the flash attention backward kernel (T2048, not causal, deterministic): where its time goes"

@@ -523,7 +523,9 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
       return {};
     }
     launch.push_back(LaunchParam{"cg_row_stats", "const float", -1, nullptr, false, f.rows_offset, f.rows_bytes});
-    const int64_t key_tiles = dk.present || dv.present ? (Tk + tile->block_m - 1) / tile->block_m : 0;
+    // Over heads of 128, two key blocks a tile of keys, each with half of dk's and dv's columns.
+    const int64_t key_blocks =
+        dk.present || dv.present ? (Tk + tile->block_m - 1) / tile->block_m * tile->key_splits() : 0;
     const int64_t query_tiles = dq.present && !atomic ? (Tq + tile->block_m - 1) / tile->block_m : 0;
     std::string dq_sums = "nullptr, nullptr";
     if (atomic) {
@@ -534,20 +536,22 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
       dq_sums = fmt::format("cg_dq_accum + head * {}, cg_dq_arrivals + head * {}", Tq * tile->head_d, tiles_of_dq);
     }
     ek.block = tile->threads();
-    ek.grid[0] = key_tiles + query_tiles;
+    ek.grid[0] = key_blocks + query_tiles;
     ek.grid[1] = heads;
     ek.min_blocks_per_sm = tile->min_blocks_per_sm;
     ek.matmul_path = fmt::format(
         "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
-        "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
+        "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}{}) and {} of query rows (dq) a head{}",
         tile->block_m, tile->block_m / 16,
         tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
         tile->block_n, tile->stages, tile->head_d,
         tile->tf32       ? ", f32 as TF32 (--allow-tf32)"
         : tile->simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
                          : "",
-        key_tiles,
-        atomic ? ", dq" : "", query_tiles,
+        key_blocks, atomic ? ", dq" : "",
+        tile->key_splits() > 1 ? fmt::format("; {} a tile of keys, each summing a share of their columns", tile->key_splits())
+                               : "",
+        query_tiles,
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
         : options_.atomic_attention_backward && dq.present
             ? ", dq in blocks of its own (the atomic mode takes 16-bit heads of up to 64 with dk or dv)"
@@ -580,7 +584,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head{3}.\n"
         "  typedef cg_flash_config<{2}> cg_config;\n"
         "  const cg_i64 head = tile.y, kv_head = {4};\n",
-        key_tiles, query_tiles, tile->arguments(), kv_head == "head" ? "" : " (of q: a group of them shares a head of keys and values)",
+        key_blocks, query_tiles, tile->arguments(), kv_head == "head" ? "" : " (of q: a group of them shares a head of keys and values)",
         kv_head);
     body += epilogues;
     body += fmt::format(
@@ -591,7 +595,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         "      {12},  // dk\n"
         "      {13},  // dv\n"
         "      ({0}*)cg_smem);\n",
-        type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_tiles, float_literal(scale_log2),
+        type, Tq * D_heads, Tk * D_heads, Tk * Dv, Tq * Dv, Tq, Tk, key_blocks, float_literal(scale_log2),
         float_arg(tdp, "alpha", 1.0), arg_bool(roles.softmax, "causal") ? "true" : "false",
         gradient_store(dq, std::to_string(Tq), D_heads), gradient_store(dk, std::to_string(Tk), D_heads),
         gradient_store(dv, std::to_string(Tk), Dv), atomic ? "true" : "false", dq_sums, 2 * stats_rows, operand("q"),

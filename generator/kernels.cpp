@@ -312,9 +312,11 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
                                 tile.head_d, tile.head_dv));
     tile.block_n = 32;
   }
-  // TF32: 4-byte elements. Heads of 32 to 128 (the values' tile is read by
-  // 32-bit loads, swizzled for rows of 8 chunks or more); over 64, 32 keys a
-  // step keep the stages at 64 KiB (96 KiB with q's tile).
+  // TF32 and f32 on CUDA cores: 4-byte elements. Heads of 32 to 128 (the
+  // tiles read by 32-bit loads are swizzled for rows of 8 chunks or more;
+  // f32's narrower heads stay on the row kernels, whose training stores the
+  // probabilities of up to 128 query rows); over 64, 32 keys a step keep the
+  // stages at 64 KiB (96 KiB with q's tile).
   tile.tf32 = tf32;
   tile.simt_f32 = simt_f32;
   if ((tf32 || simt_f32) && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
@@ -380,10 +382,6 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     return refuse(fmt::format("'{}' does not multiply by the attention's keys", program.tasks[size_t(roles.dq)].task->id));
   if (roles.dk >= 0 && buffer(roles.dk, "b") != q)
     return refuse(fmt::format("'{}' does not multiply by the attention's queries", program.tasks[size_t(roles.dk)].task->id));
-  if (std::max(forward->d, forward->dv) > 128)
-    return refuse(fmt::format("heads of {} (values {}): the backward kernel's blocks hold dk and dv of their 64 keys "
-                              "in registers, up to heads of 128",
-                              forward->head_d, forward->head_dv));
   const BufferInfo& dcontext = program.buffers[size_t(buffer(roles.dp, "a"))];
   if (dcontext.dtype != program.buffers[size_t(q)].dtype)
     return refuse(fmt::format("'{}' is {}, not q's {}", buffer_name(program, buffer(roles.dp, "a")), to_string(dcontext.dtype),
@@ -411,6 +409,11 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // block's 128 threads, which copy a tile in equal shares: 64 rows.)
   tile.block_n = tile.atomic_dq || std::min(tile.d, tile.dv) < 32 ? 64 : 32;
   tile.min_blocks_per_sm = wide || tile.atomic_dq ? 1 : 3;
+  // Over heads of 128 (16-bit: the forward's tile takes 4-byte ones up to
+  // 128), each tile of keys takes two blocks, each with half of dk's and dv's
+  // columns (cg_flash_config::KEY_SPLIT), and 16 rows a step keep the kernel
+  // at 96 KiB of shared memory (the block's own rows take 64 KiB).
+  if (std::max(tile.d, tile.dv) > 128) tile.block_n = 16;
   // TF32 and exact f32 (4-byte elements): the block's own rows take twice the
   // bytes; over heads of 64, 16 rows a step keep the kernel at 96 KiB of shared
   // memory (under sm_86's and sm_89's 99 KiB), and 2 blocks a SM at 64.

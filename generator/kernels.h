@@ -74,6 +74,9 @@ struct FlashAttentionTile {
   bool simt_f32 = false;
   int threads() const { return 32 * (block_m / 16); }
   int64_t element_bytes() const { return tf32 || simt_f32 ? 4 : 2; }
+  // The backward kernel's blocks a tile of keys (cg_flash_config::KEY_SPLIT):
+  // over heads of 128 two, each summing half of dk's and dv's columns.
+  int key_splits() const { return std::max(d, dv) > 128 ? 2 : 1; }
   // The kernels' element type: "cg_tf32", "cg_f32_simt", or q's own (`q_type`).
   std::string element_type(const std::string& q_type) const {
     return tf32 ? "cg_tf32" : simt_f32 ? "cg_f32_simt" : q_type;

@@ -49,6 +49,11 @@ struct cg_flash_config {
   // forward reads q's fragments from its shared tile at every key tile
   // instead, as it reads the keys'.
   static constexpr bool Q_IN_SHARED = D > 128;
+  // The backward kernel's key blocks hold dk and dv of their 16 keys a warp
+  // in registers: D / 2 + DV / 2 a thread, too many over heads of 128. There
+  // each tile of keys takes KEY_SPLIT blocks, each summing its share of dk's
+  // and dv's columns (s and dp, over whole heads, computed by both).
+  static constexpr int KEY_SPLIT = D > 128 || DV > 128 ? 2 : 1;
 };
 
 // Shared memory of cg_flash_attention, in bytes (elements of T: 2 bytes, 4 for TF32): the
@@ -525,10 +530,13 @@ CG_DEVICE void cg_flash_backward_rows(float* stats, const float* lse, const T* o
 }
 
 // A warp's 16 rows of a [BLOCK_M][W] tile of accumulators (the mma layout),
-// through shared memory, to store(row, c, value) for each row < rows and
-// column < HEAD_W: coalesced, consecutive threads on consecutive columns.
+// through shared memory, to store(row, col0 + c, value) for each row < rows
+// and column c < HEAD_W and < width (a head's last columns, where a block
+// holds a share of them from col0): coalesced, consecutive threads on
+// consecutive columns.
 template <typename Config, int W, int HEAD_W, typename Store>
-CG_DEVICE void cg_flash_store_tile(const float (&acc)[W / 8][4], float* staged, cg_i64 row0, cg_i64 rows, Store store) {
+CG_DEVICE void cg_flash_store_tile(const float (&acc)[W / 8][4], float* staged, cg_i64 row0, cg_i64 rows, Store store,
+                                   int col0 = 0, int width = HEAD_W) {
   constexpr int STRIDE = cg_flash_backward_shared<Config, float>::out_stride;
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   CG_UNROLL
@@ -547,22 +555,22 @@ CG_DEVICE void cg_flash_store_tile(const float (&acc)[W / 8][4], float* staged, 
   __syncthreads();
   for (int i = (int)threadIdx.x; i < Config::BLOCK_M * HEAD_W; i += Config::THREADS) {
     const int local = i / HEAD_W, c = i % HEAD_W;
-    if (row0 + local < rows) store(row0 + local, c, staged[local * STRIDE + c]);
+    if (row0 + local < rows && c < width) store(row0 + local, col0 + c, staged[local * STRIDE + c]);
   }
   __syncthreads();  // the staged tile is free again
 }
 
 // acc (a warp's 16 rows by N columns, N / 8 mma tiles) += a (16 rows x one
 // mma's K step, 16 16-bit values or 8 TF32 ones: an A fragment) times B's
-// columns [0, N) at K offset k: the B fragments read from a shared tile
-// (Operand, at `address`, `pointer`).
+// columns [mn0, mn0 + N) at K offset k: the B fragments read from a shared
+// tile (Operand, at `address`, `pointer`).
 template <typename Operand, int N, typename T>
 CG_DEVICE void cg_mma_across(float (&acc)[N / 8][4], const unsigned int (&a)[4], unsigned int address, const T* pointer,
-                             int k) {
+                             int k, int mn0 = 0) {
   CG_UNROLL
   for (int j = 0; j < N / 16; ++j) {
     unsigned int b[4];
-    Operand::template fragment<false>(b, address, pointer, 16 * j, k);
+    Operand::template fragment<false>(b, address, pointer, mn0 + 16 * j, k);
     cg_mma_packed(acc[2 * j], a, &b[0], T());
     cg_mma_packed(acc[2 * j + 1], a, &b[2], T());
   }
@@ -620,7 +628,8 @@ CG_DEVICE void cg_flash_backward_dq_part(const float (&dst)[Config::BLOCK_N / 8]
 
 // The block of key tile `tile_n` (keys [tile_n BLOCK_M, +BLOCK_M)): dk and dv
 // of its keys, handed unscaled to store_dk(key, c, value) and
-// store_dv(key, c, value). q, k, v, dout and stats as for
+// store_dv(key, c, value); over heads of 128, share `part` of their columns
+// (Config::KEY_SPLIT shares). q, k, v, dout and stats as for
 // cg_flash_attention_backward.
 //
 // ATOMIC_DQ (the atomic mode): the block also adds its keys' part of dq, ds k,
@@ -632,11 +641,16 @@ CG_DEVICE void cg_flash_backward_dq_part(const float (&dst)[Config::BLOCK_N / 8]
 // order varies from run to run: not bit-identical. BLOCK_N == BLOCK_M.
 template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const T* dout, const float* stats_rows,
-                                      cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, cg_i64 key_tiles, float scale_log2,
-                                      float dp_scale, bool causal, float* dq_accum, unsigned int* dq_arrivals,
-                                      StoreDq store_dq, StoreDk store_dk, StoreDv store_dv, T* smem) {
+                                      cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, int part, cg_i64 key_tiles,
+                                      float scale_log2, float dp_scale, bool causal, float* dq_accum,
+                                      unsigned int* dq_arrivals, StoreDq store_dq, StoreDk store_dk, StoreDv store_dv,
+                                      T* smem) {
   constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
-  constexpr int NQ = BN / 8, OD = D / 8, OV = DV / 8;  // n8 tiles: of the streamed queries, of dk's and dv's rows
+  // This block's share of dk's and dv's columns: [part PD, +PD), [part PV, +PV).
+  constexpr int PD = D / Config::KEY_SPLIT, PV = DV / Config::KEY_SPLIT;
+  constexpr int NQ = BN / 8, OD = PD / 8, OV = PV / 8;  // n8 tiles: of the streamed queries, of dk's and dv's rows
+  static_assert(PD % 16 == 0 && PV % 16 == 0, "each share of the columns in pairs of n8 tiles");
+  static_assert(!ATOMIC_DQ || Config::KEY_SPLIT == 1, "the atomic mode's key blocks hold whole heads");
   typedef cg_flash_backward_shared<Config, T> Shared;
   // The block's keys and values as A operands (rows: keys); the streamed q
   // and dO tiles ([BN][D], [BN][DV]) as B operands two ways: along their
@@ -739,7 +753,7 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
     for (int kk = 0; kk < BN / KSTEP; ++kk) {
       unsigned int pa[4];
       cg_flash_p_fragment(pa, st, kk, T());
-      cg_mma_across<StreamDoutAcross, DV>(dv, pa, tile_dout, tile_dout_ptr, KSTEP * kk);
+      cg_mma_across<StreamDoutAcross, PV>(dv, pa, tile_dout, tile_dout_ptr, KSTEP * kk, part * PV);
     }
     // dp^T = v dO^T, then ds^T = p^T (dp_scale dp^T - delta).
     float dst[NQ][4];
@@ -759,7 +773,7 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
     for (int kk = 0; kk < BN / KSTEP; ++kk) {
       unsigned int a[4];
       cg_flash_p_fragment(a, dst, kk, T());
-      cg_mma_across<StreamQAcross, D>(dk, a, tile_q, tile_q_ptr, KSTEP * kk);
+      cg_mma_across<StreamQAcross, PD>(dk, a, tile_q, tile_q_ptr, KSTEP * kk, part * PD);
     }
     if constexpr (ATOMIC_DQ) cg_flash_backward_dq_part<Config, T>(dst, smem, m, Tq, dq_accum);
   }
@@ -781,8 +795,13 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   }
   cg_cp_async_wait<0>();
   __syncthreads();  // every warp is done with the tiles: the staged output reuses them
-  cg_flash_store_tile<Config, DV, Config::HEAD_DV>(dv, (float*)smem, key0, Tk, store_dv);
-  cg_flash_store_tile<Config, D, Config::HEAD_D>(dk, (float*)smem, key0, Tk, store_dk);
+  if constexpr (Config::KEY_SPLIT == 1) {
+    cg_flash_store_tile<Config, DV, Config::HEAD_DV>(dv, (float*)smem, key0, Tk, store_dv);
+    cg_flash_store_tile<Config, D, Config::HEAD_D>(dk, (float*)smem, key0, Tk, store_dk);
+  } else {  // (a padded head's last share may be narrower than the tile's)
+    cg_flash_store_tile<Config, PV, PV>(dv, (float*)smem, key0, Tk, store_dv, part * PV, Config::HEAD_DV - part * PV);
+    cg_flash_store_tile<Config, PD, PD>(dk, (float*)smem, key0, Tk, store_dk, part * PD, Config::HEAD_D - part * PD);
+  }
 }
 
 // The block of query tile `tile_m` (rows [tile_m BLOCK_M, +BLOCK_M)): dq of
@@ -807,8 +826,9 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   typedef cg_gemm_operand<DV, BN, false, T, PAIRED> StreamVAcross;
   constexpr int KSTEP = 2 * OwnQ::CHUNK;
   // q's and dO's fragments take (D + DV) / 4 registers a thread of 16-bit
-  // values, twice that of TF32: beside dq's D / 2, over heads of 64 in TF32
-  // they stay in the block's shared tiles, read at every key tile.
+  // values, twice that of 4-byte ones: beside dq's D / 2, over heads of 128
+  // (of 64 in 4-byte types) they stay in the block's shared tiles, read at
+  // every key tile.
   constexpr bool OWN_IN_SHARED = (int)sizeof(T) * (D + DV) > 512;
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 m0 = tile_m * BM;
@@ -914,30 +934,33 @@ CG_DEVICE void cg_flash_backward_queries(const T* q, const T* k, const T* v, con
   cg_flash_store_tile<Config, D, Config::HEAD_D>(dq, (float*)smem, m0, Tq, store_dq);
 }
 
-// The backward pass of one head: blocks [0, key_tiles) take a tile of keys
-// each (dk, dv; causal, the first keys have the most query rows to visit),
-// the next ceil(Tq / BLOCK_M) a tile of query rows each (dq; causal, last tile first);
+// The backward pass of one head: blocks [0, key_blocks) take a tile of keys
+// each (dk, dv; causal, the first keys have the most query rows to visit;
+// over heads of 128, Config::KEY_SPLIT blocks a tile, each a share of the
+// columns), the next ceil(Tq / BLOCK_M) a tile of query rows each (dq; causal, last tile first);
 // `tile` is the block's index among them. q is Tq x HEAD_D, k Tk x HEAD_D,
 // v Tk x HEAD_DV, dout Tq x HEAD_DV, all of the head's rows; stats the
 // head's rows' statistics (cg_flash_backward_rows, launched before); scale_log2
 // and causal as the forward took them; dp = dp_scale dout v^T.
 // The gradients go unscaled to their stores (see above). Where dq, or dk and
-// dv, have no reader, their blocks are not launched (key_tiles 0, or a grid
-// of key tiles alone). ATOMIC_DQ: the key blocks sum dq too (see
+// dv, have no reader, their blocks are not launched (key_blocks 0, or a grid
+// of key blocks alone). ATOMIC_DQ: the key blocks sum dq too (see
 // cg_flash_backward_keys; dq_accum and dq_arrivals the head's), and no query
 // blocks are launched.
 template <typename Config, typename T, bool ATOMIC_DQ, typename StoreDq, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_attention_backward(const T* q, const T* k, const T* v, const T* dout, const float* stats,
-                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_tiles, float scale_log2,
+                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile, cg_i64 key_blocks, float scale_log2,
                                            float dp_scale, bool causal, float* dq_accum, unsigned int* dq_arrivals,
                                            StoreDq store_dq, StoreDk store_dk, StoreDv store_dv, T* smem) {
   static_assert(Config::BLOCK_M % Config::BLOCK_N == 0, "the statistics cover whole tiles of both kinds");
-  if (tile < key_tiles)
-    cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, dout, stats, Tq, Tk, tile, key_tiles, scale_log2, dp_scale,
-                                                 causal, dq_accum, dq_arrivals, store_dq, store_dk, store_dv, smem);
+  constexpr int SPLIT = Config::KEY_SPLIT;
+  if (tile < key_blocks)
+    cg_flash_backward_keys<Config, T, ATOMIC_DQ>(q, k, v, dout, stats, Tq, Tk, tile / SPLIT, (int)(tile % SPLIT),
+                                                 key_blocks / SPLIT, scale_log2, dp_scale, causal, dq_accum,
+                                                 dq_arrivals, store_dq, store_dk, store_dv, smem);
   else  // (causal: the query tiles with the most keys first, as the forward runs them)
     cg_flash_backward_queries<Config, T>(q, k, v, dout, stats, Tq, Tk,
-                                         causal ? (Tq + Config::BLOCK_M - 1) / Config::BLOCK_M - 1 - (tile - key_tiles)
-                                                : tile - key_tiles,
+                                         causal ? (Tq + Config::BLOCK_M - 1) / Config::BLOCK_M - 1 - (tile - key_blocks)
+                                                : tile - key_blocks,
                                          scale_log2, dp_scale, causal, store_dq, smem);
 }

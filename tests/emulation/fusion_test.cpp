@@ -922,7 +922,9 @@ void expect_trained_attention_right(const Compiled& c, const std::string& name, 
 // tile (no T x T buffer), in one kernel of two kinds of block; against the
 // float64 reference at lengths that are not multiples of a tile (1 query row
 // over 2049 keys, 63, 65), query and key lengths that differ (the causal
-// diagonal top-left), heads of 16 (64 streamed rows a step), 32, 64, 80 (padded) and 128, f16 and bf16.
+// diagonal top-left), heads of 16 (64 streamed rows a step), 32, 64, 80 (padded), 128, 256 (two
+// key blocks a tile of keys, each half of dk's and dv's columns) and 200 (padded to 256: the second
+// half's last columns not stored), f16 and bf16.
 TEST(FlashAttention, TrainingGradientsMatchTheReference) {
   struct Case {
     DType d;
@@ -933,7 +935,8 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
                         Case{DType::bf16, 1, 130, 70, 64, true}, Case{DType::f16, 1, 70, 130, 32, true},
                         Case{DType::bf16, 1, 100, 100, 128, true}, Case{DType::bf16, 1, 90, 90, 80, true},
                         Case{DType::f16, 1, 70, 70, 16, true},
-                        Case{DType::bf16, 1, 1, 2049, 64, false}}) {
+                        Case{DType::bf16, 1, 1, 2049, 64, false}, Case{DType::bf16, 1, 70, 90, 256, true},
+                        Case{DType::f16, 1, 65, 65, 200, true}}) {
     const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
     SCOPED_TRACE(g.name);
     const Compiled c = compile(load_program(g, {}), fusion(true));
@@ -941,6 +944,11 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
     EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
     EXPECT_EQ(c.kernels[1].rule, FusionRule::attention_backward);
     EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, "), std::string::npos);
+    if (k.D > 128)
+      for (const EmittedKernel& e : c.emitted.kernels)
+        if (e.matmul_path.find("flash attention backward") != std::string::npos)
+          EXPECT_NE(e.matmul_path.find("2 a tile of keys, each summing a share of their columns"), std::string::npos)
+              << e.matmul_path;
     expect_trained_attention_right(c, g.name, k.Tq, k.Tk, k.d == DType::bf16 ? 0x1p-8 : 0x1p-11);
   }
 }
@@ -1207,7 +1215,8 @@ TEST(FlashAttention, TrainingArenaGrowsLinearlyInTokens) {
 // rescaled when a row's maximum grows (stale), the causal mask one key off,
 // the split-KV combine without the ranges' maxima; in the backward kernel,
 // ds without the rows' delta, either kind of block's causal mask one key off,
-// grouped-query attention's keys and values read from another group; in the
+// grouped-query attention's keys and values read from another group, at
+// heads of 256 both key blocks of a tile summing the same half of dv; in the
 // launch before it, the rows' log-sum-exp left in natural units. (Many rows over many key
 // tiles and ranges: each row's maximum grows in some; a far wider spread of
 // scores would loosen the reference's bound more than it helps.)
@@ -1234,6 +1243,8 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
        "(causal && past_row + 8 * (e >> 1) > query)", "(causal && past_row + 8 * (e >> 1) + 1 > query)"},
       {"the backward's keys and values of another group", grouped_query_training(DType::bf16, 65, 65, 64, true),
        "kv_head = ((head / 4 % 2) * 1);", "kv_head = ((head / 4 % 2) * 1) ^ 1;"},
+      {"heads of 256: both key blocks of a tile summing dv's first half", flash_attention_training(DType::bf16, 1, 1, 70, 70, 256, true),
+       "KSTEP * kk, part * PV);", "KSTEP * kk, 0);"},
   };
   for (const Fault& f : faults) {
     Compiled c = compile(load_program(f.graph, {}), fusion(true));

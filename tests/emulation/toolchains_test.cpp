@@ -539,7 +539,8 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The flash attention backward kernel (training: the forward and the
 // gradient tasks by hand, as derive writes them), bf16 heads of 64 causal and
-// f16 heads of 128, and f32 heads of 64 and 128 as TF32 (--allow-tf32): on
+// f16 heads of 128, f32 heads of 64 and 128 as TF32 (--allow-tf32), and bf16
+// heads of 256 (two key blocks a tile, each half of dk's and dv's columns): on
 // sm_80 and sm_90 its five products on tensor cores (HMMA) fed by ldmatrix
 // (LDSM) from cp.async tiles (LDGSTS), the probabilities recomputed on the
 // special-function unit (MUFU); no local memory, no spills, no stack. Then in
@@ -566,6 +567,7 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   add_training(b, DType::f16, 1024, 128, false);
   add_training(b, DType::f32, 1024, 64, true);
   add_training(b, DType::f32, 1024, 128, true);
+  add_training(b, DType::bf16, 1024, 256, true);
   const TaskGraph graph = std::move(b).graph();
   // Deterministic, then the atomic mode (heads of 64: dq summed by the key blocks with RED.ADD.F32).
   for (const bool atomic : {false, true}) {
@@ -576,7 +578,7 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
     std::vector<std::string> backward;
     for (const EmittedKernel& k : c.emitted.kernels)
       if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
-    ASSERT_EQ(backward.size(), 4u);
+    ASSERT_EQ(backward.size(), 5u);
     for (const char* arch : {"sm_80", "sm_90"}) {
       const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
       const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
