@@ -214,7 +214,8 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   ek.grid[0] = m_tiles;
   ek.grid[1] = heads;
   ek.grid[2] = tile.splits;
-  ek.matmul_path = "tensor cores: flash attention (templates/softmax_flash.cuh), " + tile.describe();
+  ek.matmul_path = std::string(tile.simt_f32 ? "CUDA cores" : "tensor cores") +
+                   ": flash attention (templates/softmax_flash.cuh), " + tile.describe();
   ek.mainloop = flash_mainloop(tile);
   reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
                  tile.shared_bytes());
@@ -540,9 +541,9 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     ek.grid[1] = heads;
     ek.min_blocks_per_sm = tile->min_blocks_per_sm;
     ek.matmul_path = fmt::format(
-        "tensor cores: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
+        "{}: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
         "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}{}) and {} of query rows (dq) a head{}",
-        tile->block_m, tile->block_m / 16,
+        tile->simt_f32 ? "CUDA cores" : "tensor cores", tile->block_m, tile->block_m / 16,
         tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
         tile->block_n, tile->stages, tile->head_d,
         tile->tf32       ? ", f32 as TF32 (--allow-tf32)"

@@ -412,8 +412,10 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // Over heads of 128 (16-bit: the forward's tile takes 4-byte ones up to
   // 128), each tile of keys takes two blocks, each with half of dk's and dv's
   // columns (cg_flash_config::KEY_SPLIT), and 16 rows a step keep the kernel
-  // at 96 KiB of shared memory (the block's own rows take 64 KiB).
-  if (std::max(tile.d, tile.dv) > 128) tile.block_n = 16;
+  // at 96 KiB of shared memory (the block's own rows take 64 KiB). Beside a
+  // head of 32 (the other of q k and v), 16 of its rows are 64 16-byte chunks,
+  // fewer than the block's 128 copying threads: 32 rows (72 KiB in all).
+  if (std::max(tile.d, tile.dv) > 128) tile.block_n = std::min(tile.d, tile.dv) >= 64 ? 16 : 32;
   // TF32 and exact f32 (4-byte elements): the block's own rows take twice the
   // bytes; over heads of 64, 16 rows a step keep the kernel at 96 KiB of shared
   // memory (under sm_86's and sm_89's 99 KiB), and 2 blocks a SM at 64.

@@ -451,8 +451,11 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // by the tasks after them). On success `roles` gets the forward's tasks too. Blocks
 // of 64 rows (4 warps) own keys or query rows; the other rows stream 32 at a
 // time, two stages (64 at heads of 16, and in the atomic mode, `atomic_dq`,
-// at heads of up to 64; 16 in TF32 over heads of 64). f32 q, k and v with
-// `allow_tf32` (--allow-tf32) as TF32, heads of 32 to 128, as the forward.
+// at heads of up to 64; 16 in 4-byte types over heads of 64, and over
+// heads of 128, where each tile of keys takes two blocks, each half of dk's
+// and dv's columns: FlashAttentionTile::key_splits). f32 q, k and v as the
+// forward takes them: as TF32 with `allow_tf32` (--allow-tf32), otherwise
+// exact on CUDA cores, heads of 32 to 128.
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
                                                          const std::string& arch = "sm_90", bool atomic_dq = false,

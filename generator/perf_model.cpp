@@ -38,8 +38,9 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
                     // products are shorter, and the softmax runs between them).
                     : k.mainloop == MatmulMainloop::flash_attention  ? d.pipelined_flops / 2
                     : k.mainloop == MatmulMainloop::flash_attention_tf32 ? d.pipelined_flops / 4
-                    // Its mma's operands come by shuffles, one a warp per clock: half the FMA rate at best.
-                    : k.mainloop == MatmulMainloop::flash_attention_simt ? d.simt_mainloop_flops / 2
+                    // Its mma's operands come by shuffles, one a FMA, at a warp a clock: a quarter of
+                    // the FMA rate on sm_86 and later (half on sm_80).
+                    : k.mainloop == MatmulMainloop::flash_attention_simt ? d.simt_mainloop_flops / 4
                                                                       : d.simt_flops;
   // Resident blocks per SM: threads, blocks, shared memory (1 KiB reserved
   // per block) and registers, assumed as ptxas reported them for the

@@ -234,8 +234,9 @@ CG_DEVICE void cg_mma_packed(float d[4], const unsigned int a[4], const unsigned
 // element type for f32 without --allow-tf32 (docs/attention.md). Tiles,
 // copies and fragments as TF32's (4-byte values, m16n8k8's layout); the
 // "mma" is 32 FMAs a lane, each pair of operands fetched from the lanes that
-// hold it (4 shuffles a K step: the shuffles, one a warp per clock, bound it
-// at about half the FMA rate), in f32 throughout. The two halves of K run
+// hold it (4 shuffles a K step, one a FMA: the shuffles, a warp a clock,
+// bound it at a quarter of the FMA rate on sm_86 and later, half on sm_80),
+// in f32 throughout. The two halves of K run
 // as a loop: unrolled, the flash kernels' hundreds of calls took ptxas over
 // a minute and more registers.
 struct cg_f32_simt {
@@ -360,8 +361,8 @@ struct cg_swizzled_tile {
 // over the banks; ldmatrix reads the 8 rows of any aligned group of a
 // paired tile conflict-free too. Two views of one tile must agree on it: flash
 // attention's keys, copied MN-contiguous and read K-contiguous, pass false
-// to the first; the backward's streamed TF32 tiles, read both ways, true to
-// the second.)
+// to the first; the backward's streamed 4-byte tiles (cg_tf32, cg_f32_simt),
+// read both ways, true to the second.)
 template <int MN, int BK, bool K_CONTIGUOUS, typename T, bool PAIRED_SWIZZLE = !K_CONTIGUOUS && sizeof(T) == 4>
 struct cg_gemm_operand {
   static constexpr int CHUNK = 16 / (int)sizeof(T);  // elements a 16-byte copy moves

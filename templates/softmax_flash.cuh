@@ -503,7 +503,7 @@ struct cg_flash_backward_shared {
 // row that saw no key: its p are 0) and stats[2 r + 1] = delta_r = dp_scale
 // sum_c dout_rc o_rc (0 past Tq). Rows [32 tile, 32 tile + 32) of the head, 8
 // lanes a row reading 16 bytes each at a time (a block of 256 threads). T:
-// the 16-bit type, or float (TF32 training: o saved as f32).
+// the 16-bit type, or float (f32 training, TF32 or on CUDA cores: o saved as f32).
 template <typename Config, typename T>
 CG_DEVICE void cg_flash_backward_rows(float* stats, const float* lse, const T* o, const T* dout, cg_i64 Tq,
                                       cg_i64 rows, cg_i64 tile, float dp_scale) {
@@ -656,9 +656,9 @@ CG_DEVICE void cg_flash_backward_keys(const T* q, const T* k, const T* v, const 
   // and dO tiles ([BN][D], [BN][DV]) as B operands two ways: along their
   // rows (K: D or DV; s^T = k q^T, dp^T = v dO^T) and across them (K: the
   // queries; dk += ds^T q, dv += p^T dO), which is how they are copied.
-  // T is cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (m16n8k8: an mma's K step
-  // is KSTEP values; the streamed tiles, read across by 32-bit loads, take
-  // the paired swizzle in both views).
+  // T is cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 or cg_f32_simt (4-byte,
+  // m16n8k8: an mma's K step is KSTEP values; the streamed tiles, read across
+  // by 32-bit loads, take the paired swizzle in both views).
   constexpr bool PAIRED = sizeof(T) == 4;
   typedef cg_gemm_operand<BM, D, true, T> OwnK;
   typedef cg_gemm_operand<BM, DV, true, T> OwnV;

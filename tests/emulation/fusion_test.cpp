@@ -246,8 +246,11 @@ TaskGraph flash_attention(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk,
 // An attention trained on the flash kernels: its forward and the gradient
 // tasks the derive pass writes for it, by hand: q, k, v and dcontext given;
 // the context, dq (merged from its heads), dk and dv the outputs.
-TaskGraph flash_attention_training(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D, bool causal) {
-  GraphBuilder b(fmt::format("flash_training_{}_{}x{}_q{}_k{}_d{}{}", to_string(d), B, H, Tq, Tk, D, causal ? "_causal" : ""));
+TaskGraph flash_attention_training(DType d, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t D, bool causal,
+                                   int64_t Dv = 0) {
+  if (Dv == 0) Dv = D;
+  GraphBuilder b(fmt::format("flash_training_{}_{}x{}_q{}_k{}_d{}{}{}", to_string(d), B, H, Tq, Tk, D,
+                             Dv == D ? std::string() : fmt::format("_v{}", Dv), causal ? "_causal" : ""));
   auto s = b.task("scores", "matmul")
                .tensor("a", d, {B, H, Tq, D}, ext)
                .tensor("b", d, {B, H, Tk, D}, ext)
@@ -255,13 +258,13 @@ TaskGraph flash_attention_training(DType d, int64_t B, int64_t H, int64_t Tq, in
                .arg("trans_b", true)
                .arg("alpha", 0.5);
   auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", d, {B, H, Tq, Tk}).arg("scale", 0.25).arg("causal", causal);
-  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {B, H, Tk, D}, ext).tensor("out", d, {B, H, Tq, D}, ext);
+  auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {B, H, Tk, Dv}, ext).tensor("out", d, {B, H, Tq, Dv}, ext);
   auto dp = b.task("dp", "matmul", Phase::backward)
-                .tensor("a", d, {B, H, Tq, D}, ext)
+                .tensor("a", d, {B, H, Tq, Dv}, ext)
                 .tensor("b", c["b"])
                 .tensor("out", d, {B, H, Tq, Tk})
                 .arg("trans_b", true);
-  b.task("dv", "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, {B, H, Tk, D}, ext).arg("trans_a", true);
+  b.task("dv", "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, {B, H, Tk, Dv}, ext).arg("trans_a", true);
   auto ds = b.task("ds", "softmax_backward", Phase::backward)
                 .tensor("out", p["out"])
                 .tensor("dout", dp["out"])
@@ -924,20 +927,21 @@ void expect_trained_attention_right(const Compiled& c, const std::string& name, 
 // over 2049 keys, 63, 65), query and key lengths that differ (the causal
 // diagonal top-left), heads of 16 (64 streamed rows a step), 32, 64, 80 (padded), 128, 256 (two
 // key blocks a tile of keys, each half of dk's and dv's columns) and 200 (padded to 256: the second
-// half's last columns not stored), f16 and bf16.
+// half's last columns not stored), heads of 256 with values of 32 (32 rows a step), f16 and bf16.
 TEST(FlashAttention, TrainingGradientsMatchTheReference) {
   struct Case {
     DType d;
     int64_t H, Tq, Tk, D;
     bool causal;
+    int64_t Dv = 0;
   };
   for (const Case& k : {Case{DType::bf16, 2, 63, 63, 64, true}, Case{DType::f16, 1, 65, 65, 64, true},
                         Case{DType::bf16, 1, 130, 70, 64, true}, Case{DType::f16, 1, 70, 130, 32, true},
                         Case{DType::bf16, 1, 100, 100, 128, true}, Case{DType::bf16, 1, 90, 90, 80, true},
                         Case{DType::f16, 1, 70, 70, 16, true},
                         Case{DType::bf16, 1, 1, 2049, 64, false}, Case{DType::bf16, 1, 70, 90, 256, true},
-                        Case{DType::f16, 1, 65, 65, 200, true}}) {
-    const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
+                        Case{DType::f16, 1, 65, 65, 200, true}, Case{DType::bf16, 1, 40, 40, 256, false, 32}}) {
+    const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal, k.Dv);
     SCOPED_TRACE(g.name);
     const Compiled c = compile(load_program(g, {}), fusion(true));
     ASSERT_EQ(c.kernels.size(), 2u);
