@@ -17,8 +17,6 @@ namespace {
 
 int64_t align_up(int64_t x, int64_t alignment) { return (x + alignment - 1) / alignment * alignment; }
 
-bool overlap_in_time(const LiveInterval& a, const LiveInterval& b) { return a.first <= b.last && b.first <= a.last; }
-
 int64_t arena_of(const std::vector<LiveInterval>& intervals, const std::vector<int64_t>& offsets, int64_t alignment) {
   int64_t arena = 0;
   for (size_t i = 0; i < intervals.size(); ++i) arena = std::max(arena, align_up(offsets[i] + intervals[i].bytes, alignment));
