@@ -14,6 +14,12 @@ static RowKernelKeyHead row_kernel_key_head(const Shape& q, const Shape& k) {
   return {"(" + kv_head + ")", " (of its group's: grouped-query attention)"};
 }
 
+// An operand of a flash kernel on element type `type` (FlashAttentionTile::
+// element_type): f32 pointers cast to cg_tf32 or cg_f32_simt, 16-bit ones as they are.
+static std::string flash_operand(const std::string& type, DType q_type, const std::string& pointer) {
+  return q_type == DType::f32 ? fmt::format("(const {}*)({})", type, pointer) : pointer;
+}
+
 // The mainloop a flash kernel on `tile` runs, for the performance model and
 // the checker's tolerances (TF32's are f16's).
 static MatmulMainloop flash_mainloop(const FlashAttentionTile& tile) {
@@ -214,8 +220,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   ek.grid[0] = m_tiles;
   ek.grid[1] = heads;
   ek.grid[2] = tile.splits;
-  ek.matmul_path = std::string(tile.simt_f32 ? "CUDA cores" : "tensor cores") +
-                   ": flash attention (templates/softmax_flash.cuh), " + tile.describe();
+  ek.matmul_path = std::string(tile.cores()) + ": flash attention (templates/softmax_flash.cuh), " + tile.describe();
   ek.mainloop = flash_mainloop(tile);
   reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
                  tile.shared_bytes());
@@ -226,8 +231,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
   // rounds to TF32, or as cg_f32_simt (trained, exact on CUDA cores).
   const std::string type = tile.element_type(c_type(q.buffer->dtype));
   auto operand = [&](const char* name, const std::string& offset) {
-    return q.buffer->dtype == DType::f32 ? fmt::format("(const {}*)({} + {})", type, name, offset)
-                                         : fmt::format("{} + {}", name, offset);
+    return flash_operand(type, q.buffer->dtype, fmt::format("{} + {}", name, offset));
   };
   // Split-KV: each block (tile.z) its range of key tiles, then the last of
   // a row tile combines, in split order, from the workspace.
@@ -513,9 +517,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     const FlashStatistics& f = flash_statistics_.at(roles.softmax);
     // f32 operands are read as the forward reads them: cg_tf32 or cg_f32_simt.
     const std::string type = tile->element_type(c_type(q.buffer->dtype));
-    auto operand = [&](const char* name) {
-      return q.buffer->dtype == DType::f32 ? fmt::format("(const {}*){}", type, name) : std::string(name);
-    };
+    auto operand = [&](const char* name) { return flash_operand(type, q.buffer->dtype, name); };
     const int64_t stats_rows = flash_backward_statistics_rows(Tq);
     if (tile->block_m != kFlashBackwardBlockRows) {
       fail(tds, "", fmt::format("internal error: kernel {}'s flash backward tile has blocks of {} rows, its rows' "
@@ -543,13 +545,9 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     ek.matmul_path = fmt::format(
         "{}: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
         "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}{}) and {} of query rows (dq) a head{}",
-        tile->simt_f32 ? "CUDA cores" : "tensor cores", tile->block_m, tile->block_m / 16,
+        tile->cores(), tile->block_m, tile->block_m / 16,
         tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
-        tile->block_n, tile->stages, tile->head_d,
-        tile->tf32       ? ", f32 as TF32 (--allow-tf32)"
-        : tile->simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
-                         : "",
-        key_blocks, atomic ? ", dq" : "",
+        tile->block_n, tile->stages, tile->head_d, tile->f32_note(), key_blocks, atomic ? ", dq" : "",
         tile->key_splits() > 1 ? fmt::format("; {} a tile of keys, each summing a share of their columns", tile->key_splits())
                                : "",
         query_tiles,

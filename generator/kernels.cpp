@@ -224,9 +224,7 @@ std::string FlashAttentionTile::describe() const {
   return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}{}", block_m,
                      block_m / 16, block_n, stages, head(head_d, d),
                      head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
-                     tf32       ? ", f32 as TF32 (--allow-tf32)"
-                     : simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
-                                : "",
+                     f32_note(),
                      splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
 }
 
@@ -319,10 +317,11 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   // stages at 64 KiB (96 KiB with q's tile).
   tile.tf32 = tf32;
   tile.simt_f32 = simt_f32;
-  if ((tf32 || simt_f32) && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
+  const bool four_bytes = tile.element_bytes() == 4;
+  if (four_bytes && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
     return refuse(fmt::format("heads of {} (values {}) in f32: the {} kernel takes heads of 32 to 128", tile.head_d,
                               tile.head_dv, tf32 ? "TF32" : "f32 flash"));
-  if ((tf32 || simt_f32) && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
+  if (four_bytes && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
   // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.

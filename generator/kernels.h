@@ -81,6 +81,14 @@ struct FlashAttentionTile {
   std::string element_type(const std::string& q_type) const {
     return tf32 ? "cg_tf32" : simt_f32 ? "cg_f32_simt" : q_type;
   }
+  // Where the kernels' products run, for describe: "tensor cores" or "CUDA cores".
+  const char* cores() const { return simt_f32 ? "CUDA cores" : "tensor cores"; }
+  // How f32 is multiplied, for describe: ", f32 as TF32 ...", ", f32 on CUDA cores ...", or empty.
+  const char* f32_note() const {
+    return tf32       ? ", f32 as TF32 (--allow-tf32)"
+           : simt_f32 ? ", f32 on CUDA cores (each mma's products as FMAs; --allow-tf32 would take tensor cores)"
+                      : "";
+  }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
   // tiles: each split's partial rows (its block_m rows of o, dv floats each,
   // then their maxima and sums, 2 floats a row) and a counter per row tile.
