@@ -35,8 +35,8 @@ static MatmulMainloop flash_mainloop(const FlashAttentionTile& tile) {
 // backward pass) are stored as they are computed. The operands the kernel
 // computes itself (rule attention_projection) come from shared memory.
 std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  const size_t first = attention_scores(p_, k);
-  const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
+  const AttentionTasks at = attention_tasks(k);
+  const int ts = at.scores, tp = at.softmax, tc = at.context;
   const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
   if (!diags_.ok()) return {};
   const Param& q = param(scores, "a");
@@ -50,15 +50,15 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   use_function(*p_.tasks[size_t(tp)].op, "cg_stage_rows");
   EmittedKernel ek = emitted_kernel(k);
   Epilogue tail;
-  if (k.tasks.size() > first + 3) {
-    tail = epilogue(k, out, {.first = first + 3});
+  if (!k.ir.stages.back().chain.empty()) {  // the context's epilogue
+    tail = epilogue(k, out);
     if (!diags_.ok()) return {};
     epilogue_buffer_ = out.bound->buffer;
   }
   const Shape& sq = q.buffer->shape;
   const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
   const int64_t Dv = v.buffer->shape.back(), rows = numel(sq) / D;
-  const std::vector<Projection> projections = attention_projections(k, first);
+  const std::vector<Projection> projections = attention_projections(k);
   auto computed = [&](const Param& x) {
     return std::any_of(projections.begin(), projections.end(), [&](const Projection& pr) { return pr.heads == x.bound->buffer; });
   };
@@ -70,7 +70,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
                               : !global_wrapper_  ? "it shares its launch with other kernels"
                                                   : std::string();
   if (why_not_flash.empty()) {
-    if (k.flash) return flash_attention(k, first, *k.flash, std::move(ek), tail.code, tail.params, emitted);
+    if (k.flash) return flash_attention(k, at, *k.flash, std::move(ek), tail.code, tail.params, emitted);
     // The fusion pass found no flash tile (KernelGroup::flash): only why, for describe.
     flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained,
                             options_.allow_tf32);
@@ -96,7 +96,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   // (`head` q's head; the rule refuses projections computed in the kernel).
   const RowKernelKeyHead key_head = row_kernel_key_head(sq, kk.buffer->shape);
   if (Tk > kMaxAttentionKeys || D > kMaxAttentionKeys)
-    return streamed_attention(k, first, std::move(ek), tail.code, tail.params, why_not_flash, emitted);
+    return streamed_attention(k, at, std::move(ek), tail.code, tail.params, why_not_flash, emitted);
   ek.matmul_path = "CUDA cores: the row kernel (a warp per query row; templates/softmax.cuh), not flash attention: " + why_not_flash;
   // Up to 8 query rows per block, all of one head (a divisor of Tq), so
   // that the block can share its head's keys and values.
@@ -195,10 +195,10 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
 // head tile.y; the output's elements through the store, where an epilogue
 // chain (a head merge) follows.
 // (`tail_code` and `tail_params`: the epilogue's, an Epilogue declared below.)
-std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const FlashAttentionTile& tile, EmittedKernel ek,
+std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks& at, const FlashAttentionTile& tile, EmittedKernel ek,
                                      const std::string& tail_code, const std::vector<LaunchParam>& tail_params,
                                      std::vector<EmittedKernel>& emitted) {
-  const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
+  const int ts = at.scores, tp = at.softmax, tc = at.context;
   const std::vector<Param> scores = params(ts), context = params(tc);
   const Param& q = param(scores, "a");
   const Param& kk = param(scores, "b");
@@ -288,10 +288,10 @@ std::string Emitter::flash_attention(const KernelGroup& k, size_t first, const F
 // kernel (cg_attention_row_streamed), a warp per query row, 8 a block, two
 // passes over the row's keys and no scores kept; the probabilities stored
 // where read later, the output's elements through the store.
-std::string Emitter::streamed_attention(const KernelGroup& k, size_t first, EmittedKernel ek, const std::string& tail_code,
+std::string Emitter::streamed_attention(const KernelGroup& k, const AttentionTasks& at, EmittedKernel ek, const std::string& tail_code,
                                         const std::vector<LaunchParam>& tail_params, const std::string& why_not_flash,
                                         std::vector<EmittedKernel>& emitted) {
-  const int ts = k.tasks[first], tp = k.tasks[first + 1], tc = k.tasks[first + 2];
+  const int ts = at.scores, tp = at.softmax, tc = at.context;
   const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
   const Param& q = param(scores, "a");
   const Param& kk = param(scores, "b");
@@ -397,8 +397,9 @@ std::string Emitter::flash_backward_rows_kernel(const KernelGroup& k, const Flas
 // the end. Each gradient's epilogue (its head merge) runs where it is
 // stored.
 std::string Emitter::attention_backward(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  const AttentionGradient g = attention_gradient(p_, k);
-  const int tdp = k.tasks[g.dp], tds = k.tasks[g.ds];
+  // The IR's stages (kir.h): dp and ds, and the gradients present (task -1 where not).
+  const int tdp = kir::role_task(k.ir, "dp"), tds = kir::role_task(k.ir, "ds");
+  const int tdq = kir::role_task(k.ir, "dq"), tdk = kir::role_task(k.ir, "dk"), tdv = kir::role_task(k.ir, "dv");
   const std::vector<Param> dp_ps = params(tdp), ds_ps = params(tds);
   if (!diags_.ok()) return {};
   const Param& dout = param(dp_ps, "a");
@@ -435,10 +436,9 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     DType type = DType::f32;
   };
   std::string epilogues;
-  auto gradient = [&](size_t at, const std::string& role) {
+  auto gradient = [&](int t, const std::string& role) {
     Gradient gr;
-    if (at == AttentionGradient::none) return gr;
-    const int t = k.tasks[at];
+    if (t < 0) return gr;
     const std::string& id = p_.tasks[size_t(t)].task->id;
     const std::vector<Param> ps = params(t);
     if (!diags_.ok()) return gr;
@@ -456,9 +456,10 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     }
     const bool stored = !contains(k.internal_buffers, out.bound->buffer);
     if (stored) add(id + "_out", out);
-    if (const size_t end = g.epilogue_end(at, k.tasks.size()); end > at + 1) {
+    if (const int stage = kir::stage_of_result(k.ir, out.bound->buffer);
+        stage >= 0 && !k.ir.stages[size_t(stage)].chain.empty()) {
       gr.lambda = "cg_epilogue_" + role;
-      Epilogue e = epilogue(k, out, {.first = at + 1, .last = end, .lambda = gr.lambda, .anchor_name = id + "_out"});
+      Epilogue e = epilogue(k, out, {.lambda = gr.lambda, .anchor_name = id + "_out"});
       epilogues += e.code;
       launch.insert(launch.end(), e.params.begin(), e.params.end());
     } else if (stored) {
@@ -469,7 +470,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
   add("dcontext", dout);
   add("v", v);
   if (!k.flash_trained) add("probs", probs);
-  const Gradient dq = gradient(g.dq, "dq"), dk = gradient(g.dk, "dk"), dv = gradient(g.dv, "dv");
+  const Gradient dq = gradient(tdq, "dq"), dk = gradient(tdk, "dk"), dv = gradient(tdv, "dv");
   if (!diags_.ok()) return {};
   const int64_t D = dq.present ? dq.width : dk.width;
   auto store = [&](const Gradient& gr, const std::string& index, const std::string& acc) {
@@ -635,7 +636,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     if (gr->present)
       body += fmt::format("  float cg_acc_{}[{}] = {{}};  // {} of the head's [{}, {}], this thread's elements\n", name,
                           (Tk * gr->width + kAttentionBackwardThreads - 1) / kAttentionBackwardThreads,
-                          buffer_name(p_.tasks[size_t(k.tasks[name == std::string("dk") ? g.dk : g.dv])].find_tensor("out")->buffer),
+                          buffer_name(p_.tasks[size_t(name == std::string("dk") ? tdk : tdv)].find_tensor("out")->buffer),
                           Tk, gr->width);
   body += epilogues;
   auto stage = [&](const std::string& to, const std::string& name, DType type, const std::string& count,
@@ -690,16 +691,28 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
   return finish_kernel(k, ek, std::move(launch), body, emitted);
 }
 
-std::vector<Emitter::Projection> Emitter::attention_projections(const KernelGroup& k, size_t scores) const {
+// The kernel's IR stages that compute the attention.
+Emitter::AttentionTasks Emitter::attention_tasks(const KernelGroup& k) {
+  return {kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"), kir::role_task(k.ir, "context")};
+}
+
+// The IR's projection stages: each a matmul, an epilogue perhaps, and the
+// split into heads kept in shared memory that ends its chain.
+std::vector<Emitter::Projection> Emitter::attention_projections(const KernelGroup& k) {
   std::vector<Projection> out;
-  for (size_t j = 0; j < scores; ++j) {
-    const BoundTask& bt = p_.tasks[size_t(k.tasks[j])];
-    if (bt.op->pattern == PatternKind::matmul) {
-      out.push_back(Projection{j, 0, -1});
-    } else if (is_op(bt, BundledOp::split_heads) && !out.empty()) {
-      out.back().split = j;
-      out.back().heads = bt.find_tensor("out")->buffer;
+  for (const kir::Stage& stage : k.ir.stages) {
+    if (stage.role != "projection") continue;
+    Projection pr{.matmul = stage.task};
+    for (int node : stage.chain) {
+      const kir::Node& n = k.ir.nodes[size_t(node)];
+      if (n.kind == kir::Node::Kind::store_permuted) {
+        pr.split = n.task;
+        pr.heads = n.buffer;
+      } else {
+        pr.epilogue = true;
+      }
     }
+    out.push_back(pr);
   }
   return out;
 }
@@ -734,7 +747,7 @@ std::vector<AttentionProjectionShared> Emitter::projection_shared(const KernelGr
   const Shape& sq = p_.buffers[size_t(q_heads)].shape;
   const int64_t H = sq.size() >= 3 ? sq[sq.size() - 3] : 1;
   for (const Projection& pr : projections) {
-    const BoundTask& mm = p_.tasks[size_t(k.tasks[pr.matmul])];
+    const BoundTask& mm = p_.tasks[size_t(pr.matmul)];
     const int source = mm.find_tensor("a")->buffer;
     const Shape& sa = p_.buffers[size_t(source)].shape;
     const int64_t T = sa[sa.size() - 2], K = sa.back(), Dh = p_.buffers[size_t(mm.find_tensor("out")->buffer)].shape.back() / H;
@@ -776,7 +789,7 @@ Emitter::ProjectionCode Emitter::projection_code(const KernelGroup& k, const std
   std::map<int, std::string> staged_rows;  // a projection input -> its rows in shared memory
   bool weights_staged = false;
   for (const Projection& pr : projections) {
-    const int mm = k.tasks[pr.matmul];
+    const int mm = pr.matmul;
     const std::string& id = p_.tasks[size_t(mm)].task->id;
     const std::vector<Param> ps = params(mm);
     if (!diags_.ok()) return out;
@@ -868,7 +881,7 @@ Emitter::ProjectionCode Emitter::projection_code(const KernelGroup& k, const std
     const std::string kept = narrowed ? fmt::format("cg_widen(cg_narrow<{}>(value))", c_type(heads.dtype)) : "value";
     std::string store_heads;
     if (!contains(k.internal_buffers, pr.heads)) {
-      const int split = k.tasks[pr.split];
+      const int split = pr.split;
       const std::string name = p_.tasks[size_t(split)].task->id + "_out";
       const std::vector<Param> split_ps = params(split);
       add(name, param(split_ps, "out"));
@@ -883,17 +896,15 @@ Emitter::ProjectionCode Emitter::projection_code(const KernelGroup& k, const std
         "    const int r = (int)(i / {4} - cg_batch * {5}), c = (int)(i % {4}) - cg_h * {6};\n"
         "    {7}[r * {6} + c] = {8};{9}\n"
         "  }};\n",
-        id, pr.split > pr.matmul + 1 ? " and its epilogue" : "", buffer_name(pr.heads), role, N, T, Dh, dest, kept,
+        id, pr.epilogue ? " and its epilogue" : "", buffer_name(pr.heads), role, N, T, Dh, dest, kept,
         store_heads);
     std::string sink = "cg_keep_" + role;
-    if (pr.split > pr.matmul + 1) {
+    if (pr.epilogue) {
       const std::string lambda = "cg_epilogue_" + role;
-      Epilogue e = epilogue(k, mm_out, {.first = pr.matmul + 1,
-                                        .last = pr.split,
-                                        .lambda = lambda,
+      Epilogue e = epilogue(k, mm_out, {.lambda = lambda,
                                         .anchor_name = id + "_out",
                                         .keep = "cg_keep_" + role + "(i, {})",
-                                        .kept_buffer = param(params(k.tasks[pr.split]), "x").bound->buffer});
+                                        .kept_buffer = param(params(pr.split), "x").bound->buffer});
       if (!diags_.ok()) return out;
       out.code += e.code;
       out.params.insert(out.params.end(), e.params.begin(), e.params.end());
@@ -931,8 +942,7 @@ Emitter::ProjectionCode Emitter::projection_code(const KernelGroup& k, const std
 bool Emitter::flash_backward_atomic(const KernelGroup& k, int64_t* dq_floats, int64_t* query_tiles) const {
   if (!k.flash_trained || k.rule != FusionRule::attention_backward || !k.flash || !k.flash->atomic_dq) return false;
   const FlashAttentionTile* tile = &*k.flash;
-  const AttentionGradient g = attention_gradient(p_, k);
-  const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(k.tasks[g.dq])].find_tensor("out")->buffer)].shape;
+  const Shape& dq = p_.buffers[size_t(p_.tasks[size_t(kir::role_task(k.ir, "dq"))].find_tensor("out")->buffer)].shape;
   const int64_t Tq = dq[dq.size() - 2], heads = numel(dq) / (Tq * dq.back());
   if (dq_floats != nullptr) *dq_floats = heads * Tq * tile->head_d;
   if (query_tiles != nullptr) *query_tiles = heads * ((Tq + tile->block_n - 1) / tile->block_n);
@@ -945,8 +955,9 @@ void Emitter::plan_flash_statistics(const std::vector<KernelGroup>& kernels) {
   int64_t at = align_up(plan_.arena_bytes, plan_.alignment);
   for (const KernelGroup& k : kernels) {
     if (!k.flash_trained || k.rule != FusionRule::attention) continue;
-    const BufferInfo& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)];
-    const BufferInfo& v = p_.buffers[size_t(p_.tasks[size_t(k.tasks[2])].find_tensor("b")->buffer)];
+    const AttentionTasks tasks = attention_tasks(k);
+    const BufferInfo& q = p_.buffers[size_t(p_.tasks[size_t(tasks.scores)].find_tensor("a")->buffer)];
+    const BufferInfo& v = p_.buffers[size_t(p_.tasks[size_t(tasks.context)].find_tensor("b")->buffer)];
     const int64_t rows = numel(q.shape) / q.shape.back();  // heads x Tq
     const int64_t Tq = q.shape[q.shape.size() - 2];
     FlashStatistics f;
@@ -957,7 +968,7 @@ void Emitter::plan_flash_statistics(const std::vector<KernelGroup>& kernels) {
     f.rows_offset = align_up(f.o_offset + f.o_bytes, plan_.alignment);
     f.rows_bytes = rows / Tq * flash_backward_statistics_rows(Tq) * 8;
     at = align_up(f.rows_offset + f.rows_bytes, plan_.alignment);
-    flash_statistics_[k.tasks[1]] = f;
+    flash_statistics_[tasks.softmax] = f;
   }
   flash_statistics_end_ = flash_statistics_.empty() ? 0 : at;
 }

@@ -77,35 +77,51 @@ std::vector<LaunchParam> Emitter::prologue(const KernelGroup& k) {
   return params;
 }
 
-// One task of a chain run on element i of `domain` (an epilogue's, an
-// elementwise prologue's): its statement, defining local `value`. Each
-// operand is an earlier task's local (`value_of`), else its element loaded
-// from memory (at i, or through its broadcast) by a parameter named after
-// its first reader, added to `params` once (`param_of`), or as
-// `load_operand` reads it where given. Records the task's output as
-// `value` in value_of.
-std::string Emitter::chain_task(int t, const std::vector<Param>& ps, const Shape& domain, const std::string& value,
-                                std::map<int, std::string>& value_of, std::map<int, std::string>& param_of,
-                                std::vector<LaunchParam>& params, const OperandLoad& load_operand,
-                                const std::string& indent) {
+// One op node of kernel k's IR in a chain (an epilogue's, an elementwise
+// prologue's) run on element i of `domain`: its statement, defining local
+// `value`. Each operand is a node of the chain computed before it
+// (`value_of`, by node), else its element loaded from memory (at i, or
+// through its broadcast) by a parameter named after its first reader, added
+// to `params` once (`param_of`, by buffer), or as `load_operand` reads it
+// where given. Records `value` as the node's. `ps`: the task's params().
+std::string Emitter::chain_task(const KernelGroup& k, int node, const std::vector<Param>& ps, const Shape& domain,
+                                const std::string& value, std::map<int, std::string>& value_of,
+                                std::map<int, std::string>& param_of, std::vector<LaunchParam>& params,
+                                const OperandLoad& load_operand, const std::string& indent) {
+  const kir::Node& n = k.ir.nodes[size_t(node)];
+  const int t = n.task;
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   const Param* result = nullptr;
   std::vector<std::string> operands;
   for (const auto& x : ps) {
     if (x.written) {
       result = &x;
-    } else if (auto v = value_of.find(x.bound->buffer); v != value_of.end()) {
-      operands.push_back(v->second);
-    } else {
-      auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
-      if (added) params.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
-      const std::string index = reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i");
-      operands.push_back(load_operand ? load_operand(it->second, x, index)
-                                      : load_element(it->second, x.buffer->dtype, index));
+      continue;
     }
+    if (auto v = value_of.find(input_node(k.ir, node, x)); v != value_of.end()) {
+      operands.push_back(v->second);
+      continue;
+    }
+    auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
+    if (added) params.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
+    const std::string index = reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i");
+    operands.push_back(load_operand ? load_operand(it->second, x, index) : load_element(it->second, x.buffer->dtype, index));
   }
-  value_of[result->bound->buffer] = value;
+  value_of[node] = value;
   return chain_statement(t, *result, std::move(operands), value, indent);
+}
+
+// The node that op node `node` reads its input `x` from (kir::Node::inputs), or -1.
+int Emitter::input_node(const kir::Kernel& ir, int node, const Param& x) {
+  for (int in : ir.nodes[size_t(node)].inputs)
+    if (ir.nodes[size_t(in)].buffer == x.bound->buffer) return in;
+  return -1;
+}
+
+// The local a chain names task t's value by: v and its place in `tasks`
+// (the kernel's, or its prologue's).
+std::string Emitter::chain_local(const std::vector<int>& tasks, int t) {
+  return fmt::format("v{}", std::find(tasks.begin(), tasks.end(), t) - tasks.begin());
 }
 
 // Rule elementwise_prologue (fuse.h): the kernel's first task (a matmul,
@@ -116,33 +132,53 @@ std::string Emitter::chain_task(int t, const std::vector<Param>& ps, const Shape
 // load() of the operand calls it. Returns the chain's inputs, parameters
 // named after their tasks.
 std::vector<LaunchParam> Emitter::elementwise_prologue(const KernelGroup& k) {
-  const int operand = p_.tasks[size_t(k.tasks.front())].find_tensor(k.prologue_operand)->buffer;
-  const BufferInfo& info = p_.buffers[size_t(operand)];
+  const kir::Stage& first = k.ir.stages.front();
+  const auto operand = std::find_if(first.operands.begin(), first.operands.end(),
+                                    [&](const kir::Operand& o) { return o.slot == k.prologue_operand; });
+  if (operand == first.operands.end()) {
+    fail(k.tasks.front(), k.prologue_operand, "the kernel's IR has no prologue for this operand",
+         "an internal error of cudagen: please report it with the graph; --no-fuse-rule elementwise_prologue avoids it");
+    return {};
+  }
+  const int buffer = k.ir.nodes[size_t(operand->node)].buffer;
+  const BufferInfo& info = p_.buffers[size_t(buffer)];
   std::map<int, std::string> value_of, param_of;
   std::vector<LaunchParam> launch;
   std::vector<std::string> tasks;
   std::string statements;
-  for (size_t j = 0; j < k.prologue.size(); ++j) {
-    const int t = k.prologue[j];
+  for (int node : kir::tree_ops(k.ir, operand->node)) {
+    const int t = k.ir.nodes[size_t(node)].task;
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     template_files_.insert(op.source_file);
     use_function(op, op.source_function);
     tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
-    statements += chain_task(t, params(t), info.shape, fmt::format("v{}", j), value_of, param_of, launch);
+    statements += chain_task(k, node, params(t), info.shape, chain_local(k.prologue, t), value_of, param_of, launch);
   }
-  const std::string& value = value_of.at(operand);
+  const std::string& value = value_of.at(operand->node);
   operand_prologue_ = fmt::format(
       "  // Prologue (elementwise_prologue): {}, element i of {} as the load of `{}` reads it.\n"
       "  auto cg_prologue = [&](cg_i64 i) {{\n{}    return {};\n  }};\n",
-      fmt::join(tasks, ", "), buffer_name(operand), k.prologue_operand, statements,
+      fmt::join(tasks, ", "), buffer_name(buffer), k.prologue_operand, statements,
       is_16bit(info.dtype) ? fmt::format("cg_widen(cg_narrow<{}>({}))", c_type(info.dtype), value) : value);
   return launch;
 }
 
+// The epilogue on `out`, the result of one of the kernel's IR stages: the
+// stage's chain (kir::Stage::chain) as a lambda the skeleton calls where it
+// would store element i of `out`, with the value in f32.
 Emitter::Epilogue Emitter::epilogue(const KernelGroup& k, const Param& out, const EpilogueSpan& span) {
   Epilogue e;
+  const int s = kir::stage_of_result(k.ir, out.bound->buffer);
+  if (s < 0) {
+    fail(k.tasks.front(), "", fmt::format("no stage of kernel {} computes {}", k.name, buffer_name(out.bound->buffer)),
+         "an internal error of cudagen: please report it with the graph; --no-fuse reruns it unfused");
+    return e;
+  }
+  const kir::Stage& stage = k.ir.stages[size_t(s)];
   const Shape& domain = out.buffer->shape;
-  std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
+  std::map<int, std::string> value_of, param_of;
+  for (int r : stage.results)
+    if (k.ir.nodes[size_t(r)].buffer == out.bound->buffer) value_of[r] = "v0";
   std::string statements, stores;
   auto stored = [&](int t, const Param& x, const std::string& value) {
     if (contains(k.internal_buffers, x.bound->buffer)) return;
@@ -151,26 +187,29 @@ Emitter::Epilogue Emitter::epilogue(const KernelGroup& k, const Param& out, cons
     stores += fmt::format("    {};\n", store_element(name, x.buffer->dtype, "i", value));
   };
   std::vector<std::string> tasks;
-  for (size_t j = span.first; j < std::min(span.last, k.tasks.size()); ++j) {
-    const int t = k.tasks[j];
+  for (int node : stage.chain) {
+    const kir::Node& n = k.ir.nodes[size_t(node)];
+    // A permuted store into shared memory is the caller's (span.keep).
+    if (n.kind == kir::Node::Kind::store_permuted && n.in_kernel) continue;
+    const int t = n.task;
     const OpSignature& op = *p_.tasks[size_t(t)].op;
     template_files_.insert(op.source_file);
     use_function(op, op.source_function);
     tasks.push_back(fmt::format("{} ({})", p_.tasks[size_t(t)].task->id, op.name));
     const std::vector<Param> ps = params(t);
-    if (!op.inverse.empty()) {  // rule permuted_store: the last task
+    if (n.kind == kir::Node::Kind::store_permuted) {  // rule permuted_store
       const Param& x = param(ps, "x");
       const Param& out_param = param(ps, "out");
       const std::string name = p_.tasks[size_t(t)].task->id + "_out";
       e.params.push_back(LaunchParam{name, c_type(out_param.buffer->dtype), out_param.bound->buffer, nullptr, true});
       stores += fmt::format("    {};  // {} ({}): where it moves element i\n",
                             store_element(name, out_param.buffer->dtype, permuted_index(t, x, out_param),
-                                          value_of.at(x.bound->buffer)),
+                                          value_of.at(n.inputs.front())),
                             p_.tasks[size_t(t)].task->id, op.name);
       continue;
     }
-    const std::string v = fmt::format("v{}", j);
-    statements += chain_task(t, ps, domain, v, value_of, param_of, e.params);
+    const std::string v = chain_local(k.tasks, t);
+    statements += chain_task(k, node, ps, domain, v, value_of, param_of, e.params);
     for (const auto& x : ps)
       if (x.written) stored(t, x, v);
   }
@@ -178,13 +217,18 @@ Emitter::Epilogue Emitter::epilogue(const KernelGroup& k, const Param& out, cons
   if (!contains(k.internal_buffers, out.bound->buffer))
     anchor_store = fmt::format("    {};\n", store_element(span.anchor_name.empty() ? out.bound->name : span.anchor_name,
                                                           out.buffer->dtype, "i", "v0"));
-  if (!span.keep.empty()) stores += "    " + fmt::format(fmt::runtime(span.keep), value_of.at(span.kept_buffer)) + ";\n";
+  if (!span.keep.empty()) {
+    std::string value;
+    for (const auto& [node, local] : value_of)
+      if (k.ir.nodes[size_t(node)].buffer == span.kept_buffer) value = local;
+    stores += "    " + fmt::format(fmt::runtime(span.keep), value) + ";\n";
+  }
   e.code = fmt::format(
       "  // Epilogue ({}): {}, on element i of {} as it is computed.\n"
       "  auto {} = [&](cg_i64 i, float v0) {{\n{}{}{}  }};\n",
       to_string(k.rule), fmt::join(tasks, ", "), buffer_name(out.bound->buffer), span.lambda, anchor_store, statements, stores);
-  if (span.first == 1 && span.last == SIZE_MAX && span.keep.empty() && span.anchor_name.empty())
-    vector_epilogue(k, out, e);
+  // One anchor and its whole chain, stored as it is: also on a vector of elements.
+  if (k.ir.stages.size() == 1 && span.keep.empty() && span.anchor_name.empty()) vector_epilogue(k, out, e);
   return e;
 }
 
@@ -203,7 +247,6 @@ void Emitter::vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& 
   if (widest > 4 || domain.empty()) return;
   const int width = int(16 / widest);
   if (domain.back() % width != 0) return;
-  std::map<int, std::string> value_of = {{out.bound->buffer, "v0"}}, param_of;
   std::vector<LaunchParam> unused;
   std::string loads, statements, locals, stores;
   std::set<std::string> loaded;
@@ -230,12 +273,17 @@ void Emitter::vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& 
     stores += fmt::format("    cg_store_vector<{}>({}, i, {}_v);\n", width, name, name);
   };
   if (!contains(k.internal_buffers, out.bound->buffer)) stored(out.bound->name, out, "v0");
-  for (size_t j = 1; j < k.tasks.size() && vectorizable; ++j) {
-    const int t = k.tasks[j];
-    if (!p_.tasks[size_t(t)].op->inverse.empty()) return;
+  const kir::Stage& stage = k.ir.stages.front();
+  std::map<int, std::string> value_of, param_of;
+  for (int r : stage.results)
+    if (k.ir.nodes[size_t(r)].buffer == out.bound->buffer) value_of[r] = "v0";
+  for (size_t j = 0; j < stage.chain.size() && vectorizable; ++j) {
+    const kir::Node& n = k.ir.nodes[size_t(stage.chain[j])];
+    if (n.kind != kir::Node::Kind::op) return;
+    const int t = n.task;
     const std::vector<Param> ps = params(t);
-    const std::string v = fmt::format("v{}", j);
-    statements += chain_task(t, ps, domain, v, value_of, param_of, unused, vector_load, "      ");
+    const std::string v = chain_local(k.tasks, t);
+    statements += chain_task(k, stage.chain[j], ps, domain, v, value_of, param_of, unused, vector_load, "      ");
     for (const auto& x : ps)
       if (x.written && !contains(k.internal_buffers, x.bound->buffer))
         stored(p_.tasks[size_t(t)].task->id + "_" + x.bound->name, x, v);
@@ -276,15 +324,18 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
   EmittedKernel ek = emitted_kernel(k);
   auto internal = [&](int b) { return contains(k.internal_buffers, b); };
   struct Step {
-    int task;
+    int node, task;
     std::vector<Param> ps;
     const Param* out = nullptr;
   };
+  // The IR's one stage (kir.h): its chain, an op node per task.
+  const std::vector<int>& chain = k.ir.stages.front().chain;
   std::vector<Step> steps;
-  steps.reserve(k.tasks.size());  // `out` points into each step's `ps`
-  for (int t : k.tasks) {
+  steps.reserve(chain.size());  // `out` points into each step's `ps`
+  for (int node : chain) {
+    const int t = k.ir.nodes[size_t(node)].task;
     const OpSignature& op = *p_.tasks[size_t(t)].op;
-    steps.push_back(Step{t, params(t)});
+    steps.push_back(Step{node, t, params(t)});
     for (const auto& x : steps.back().ps)
       if (x.written) steps.back().out = &x;
     template_files_.insert(op.source_file);
@@ -297,7 +348,7 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
   // Parameters: each buffer read from memory once (its first reader's
   // task_slot name), then each stored value.
   std::vector<LaunchParam> inputs, outputs;
-  std::map<int, std::string> param_of, value_of;  // buffer -> parameter; buffer -> local
+  std::map<int, std::string> param_of, value_of;  // buffer -> parameter; node -> local
   std::vector<std::pair<const Param*, std::string>> loads;  // reads from memory, with their index
   bool flat = true;
   int64_t widest = 1;
@@ -305,7 +356,7 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
     const OpSignature& op = *p_.tasks[size_t(step.task)].op;
     for (const auto& x : step.ps) {
       widest = std::max<int64_t>(widest, dtype_bytes(x.buffer->dtype));
-      if (x.written || value_of.count(x.bound->buffer) || param_of.count(x.bound->buffer)) continue;
+      if (x.written || value_of.count(input_node(k.ir, step.node, x)) || param_of.count(x.bound->buffer)) continue;
       const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + x.bound->name;
       param_of[x.bound->buffer] = name;
       inputs.push_back(LaunchParam{name, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr});
@@ -313,7 +364,7 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
       flat = flat && same;
       loads.push_back({&x, same ? "i" : broadcast_index(domain, x.buffer->shape, "i")});
     }
-    value_of[step.out->bound->buffer] = fmt::format("v{}", &step - steps.data());
+    value_of[step.node] = fmt::format("v{}", &step - steps.data());
     if (!internal(step.out->bound->buffer)) {
       const std::string name = p_.tasks[size_t(step.task)].task->id + "_" + step.out->bound->name;
       param_of[step.out->bound->buffer] = name;
@@ -339,7 +390,7 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
     for (const auto& x : steps[j].ps)
       if (!x.written) {
         // An earlier task's value (the schedule puts producers first), else the element from memory.
-        auto v = value_of.find(x.bound->buffer);
+        auto v = value_of.find(input_node(k.ir, steps[j].node, x));
         operands.push_back(v != value_of.end() ? v->second : loaded[x.bound->buffer]);
       }
     if (operands.empty()) operands.push_back(index);

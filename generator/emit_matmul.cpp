@@ -21,9 +21,14 @@ std::string Emitter::scaled_accumulator(int t) {
 // product and each partial sum to the output's type; one accumulator is
 // the more accurate.)
 std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  const MatmulSum sum = matmul_sum_terms(p_, k);
-  const int first = k.tasks[sum.terms.front()];
-  const std::vector<Param> last = params(k.tasks[sum.epilogue - 1]);
+  // The IR's stages (kir.h): the terms, then the adds that sum them; the
+  // last add's result is the sum, and its chain the epilogue.
+  std::vector<int> terms;
+  int sum_task = -1;
+  for (const kir::Stage& stage : k.ir.stages) (stage.role == "term" ? terms.push_back(stage.task) : void(sum_task = stage.task));
+  const bool epilogue_ops = !k.ir.stages.back().chain.empty();
+  const int first = terms.front();
+  const std::vector<Param> last = params(sum_task);
   if (!diags_.ok()) return {};
   const Param& out = param(last, "out");  // the sum
   const Shape& so = out.buffer->shape;
@@ -37,8 +42,8 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
   std::string load_a, load_b;
   DType a_type = DType::f32;
   int64_t K_total = 0;
-  for (size_t i = 0; i < sum.terms.size(); ++i) {
-    const int t = k.tasks[sum.terms[i]];
+  for (size_t i = 0; i < terms.size(); ++i) {
+    const int t = terms[i];
     const std::string& id = p_.tasks[size_t(t)].task->id;
     const std::vector<Param> ps = params(t);
     if (!diags_.ok()) return {};
@@ -51,7 +56,7 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
     K_total += K;
     add(id + "_a", a);
     add(id + "_b", b);
-    const bool last_term = i + 1 == sum.terms.size();
+    const bool last_term = i + 1 == terms.size();
     const std::string a_element = load_as(a, id + "_a", fmt::format("(cg_i64)m * {} + k", K));
     const std::string b_element = load_as(b, id + "_b", b_index(arg_bool(t, "trans_b"), K, N));
     load_a += last_term ? fmt::format("return {};  // {}", a_element, id)
@@ -69,12 +74,12 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
   // The sum, scaled once (fuse.cpp checked the terms share their alpha), through the epilogue.
   const std::string value = scaled_accumulator(first);
   std::string tail_code, sink;
-  const std::string name = p_.tasks[size_t(k.tasks[sum.epilogue - 1])].task->id + "_out";
+  const std::string name = p_.tasks[size_t(sum_task)].task->id + "_out";
   if (!contains(k.internal_buffers, out.bound->buffer)) add(name, out);
-  if (sum.epilogue == k.tasks.size() && !contains(k.internal_buffers, out.bound->buffer)) {
+  if (!epilogue_ops && !contains(k.internal_buffers, out.bound->buffer)) {
     sink = store_element(name, out.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), value);
-  } else if (sum.epilogue < k.tasks.size()) {
-    Epilogue tail = epilogue(k, out, {.first = sum.epilogue, .anchor_name = name});
+  } else if (epilogue_ops) {
+    Epilogue tail = epilogue(k, out, {.anchor_name = name});
     if (!diags_.ok()) return {};
     launch.insert(launch.end(), tail.params.begin(), tail.params.end());
     tail_code = tail.code;
@@ -84,8 +89,8 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
          "an internal error of cudagen: please report it with the graph; --no-fuse-rule matmul_sum avoids it");
     return {};
   }
-  std::vector<std::string> terms;
-  for (size_t i : sum.terms) terms.push_back(p_.tasks[size_t(k.tasks[i])].task->id);
+  std::vector<std::string> term_ids;
+  for (int t : terms) term_ids.push_back(p_.tasks[size_t(t)].task->id);
   const std::string body = fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "{0}"
@@ -99,7 +104,7 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
       "      }},\n"
       "      [&](int m, int n, float acc) {{ {6}; }},\n"
       "      {7}, {8}, {2}, tile.y, tile.x, ({9}*)cg_smem);\n",
-      tail_code, fmt::join(terms, " + "), K_total,
+      tail_code, fmt::join(term_ids, " + "), K_total,
       tensor_cores ? "cg_matmul_tile_mma<64, 64, 16>" : "cg_matmul_tile<32, 32, 16>", load_a, load_b, sink, M, N,
       tensor_cores ? c_type(a_type) : "float");
   // A row of output tiles owns whole rows: of every term's `a`, of the sum,
@@ -109,12 +114,12 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
   ek.rows_per_tile = tile;
   ek.tiles_per_row_block = ek.grid[0];
   std::set<int> by_rows = {out.bound->buffer};
-  for (size_t i : sum.terms) {
-    const BoundTask& term = p_.tasks[size_t(k.tasks[i])];
+  for (int t : terms) {
+    const BoundTask& term = p_.tasks[size_t(t)];
     if (term.find_tensor("a")->buffer != term.find_tensor("b")->buffer) by_rows.insert(term.find_tensor("a")->buffer);
   }
   std::set<int> weights;  // (a term's b is read whole by every tile)
-  for (size_t i : sum.terms) weights.insert(p_.tasks[size_t(k.tasks[i])].find_tensor("b")->buffer);
+  for (int t : terms) weights.insert(p_.tasks[size_t(t)].find_tensor("b")->buffer);
   for (const LaunchParam& lp : launch)
     if (p_.buffers[size_t(lp.buffer)].shape == so && !weights.count(lp.buffer)) by_rows.insert(lp.buffer);
   std::string code = kernel_functions(comment(k, launch, ek), ek, launch, body);
@@ -134,8 +139,10 @@ std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>
 // well); each weight is read once per tile of rows. Both products flatten
 // their rows ([..., M, K] @ [K, N], fuse.cpp checked).
 std::string Emitter::matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  const size_t second = second_matmul(p_, k);
-  const int t1 = k.tasks[0], t2 = k.tasks[second];
+  // The IR's two stages (kir.h), each a product and its epilogue's chain.
+  const kir::Stage& first_stage = k.ir.stages.front();
+  const kir::Stage& second_stage = k.ir.stages.back();
+  const int t1 = first_stage.task, t2 = second_stage.task;
   const std::vector<Param> ps1 = params(t1), ps2 = params(t2);
   if (!diags_.ok()) return {};
   const Param& a = param(ps1, "a");
@@ -188,19 +195,17 @@ std::string Emitter::matmul_chain(const KernelGroup& k, std::vector<EmittedKerne
   Epilogue first_tail, second_tail;
   std::string keep = fmt::format("{} = {}", kept("n"), narrow_to(vt, scaled_accumulator(t1)));
   // (Read later too, the value is stored as well: the epilogue does both.)
-  const bool first_epilogue = second > 1 || !contains(k.internal_buffers, value.bound->buffer);
+  const bool first_epilogue = !first_stage.chain.empty() || !contains(k.internal_buffers, value.bound->buffer);
   if (first_epilogue) {
-    first_tail = epilogue(k, out1, {.first = 1,
-                                    .last = second,
-                                    .lambda = "cg_value_epilogue",
+    first_tail = epilogue(k, out1, {.lambda = "cg_value_epilogue",
                                     .anchor_name = id1 + "_out",
                                     .keep = fmt::format("cg_value[i - value_base] = {}", narrow_to(vt, "{}")),
                                     .kept_buffer = value.bound->buffer});
     keep = fmt::format("cg_value_epilogue((cg_i64)m * {} + n, {})", H, scaled_accumulator(t1));
   }
   std::string store_out = store_element(id2 + "_out", out2.buffer->dtype, fmt::format("(cg_i64)m * {} + n", N), scaled_accumulator(t2));
-  if (second + 1 < k.tasks.size()) {
-    second_tail = epilogue(k, out2, {.first = second + 1, .anchor_name = id2 + "_out"});
+  if (!second_stage.chain.empty()) {
+    second_tail = epilogue(k, out2, {.anchor_name = id2 + "_out"});
     store_out = fmt::format("cg_epilogue((cg_i64)m * {} + n, {})", N, scaled_accumulator(t2));
   }
   if (!diags_.ok()) return {};
@@ -272,8 +277,10 @@ std::string Emitter::matmul_chain(const KernelGroup& k, std::vector<EmittedKerne
 // reaches memory only where read elsewhere (the epilogue then stores it
 // as well); a weight gradient's x is read once per column tile.
 std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  const size_t first = first_row_reduction(p_, k);
-  const int t = k.tasks[0];
+  // The IR's stages (kir.h): the product (and its epilogue's chain), then the reductions.
+  const int t = k.ir.stages.front().task;
+  std::vector<int> reductions;
+  for (size_t s = 1; s < k.ir.stages.size(); ++s) reductions.push_back(k.ir.stages[s].task);
   const std::vector<Param> ps = params(t);
   if (!diags_.ok()) return {};
   const Param& a = param(ps, "a");
@@ -285,7 +292,7 @@ std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKern
   EmittedKernel ek = emitted_kernel(k);
   const Shape& so = out.buffer->shape;
   const int64_t N = so.back(), M = numel(so) / N, K = a.buffer->shape.back();
-  const BoundTask& first_reduction = p_.tasks[size_t(k.tasks[first])];
+  const BoundTask& first_reduction = p_.tasks[size_t(reductions.front())];
   const int value = first_reduction.find_tensor(is_op(first_reduction, BundledOp::matmul) ? "b" : "x")->buffer;
   const DType vt = p_.buffers[size_t(value)].dtype;
   const bool tensor_cores = is_16bit(a.buffer->dtype);
@@ -298,8 +305,8 @@ std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKern
   // Shared memory, as the fusion pass bounded it: each weight gradient's x rows after the value's tile.
   std::vector<int64_t> x_widths;
   std::vector<std::string> x_names;
-  for (size_t i = first; i < k.tasks.size(); ++i)
-    if (const BoundTask& rt = p_.tasks[size_t(k.tasks[i])]; rt.op->pattern == PatternKind::matmul) {
+  for (int r : reductions)
+    if (const BoundTask& rt = p_.tasks[size_t(r)]; rt.op->pattern == PatternKind::matmul) {
       x_widths.push_back(p_.buffers[size_t(rt.find_tensor("out")->buffer)].shape.front());
       x_names.push_back(buffer_name(rt.find_tensor("a")->buffer));
     }
@@ -310,11 +317,9 @@ std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKern
   // The epilogue ends in shared memory (and stores what is read elsewhere).
   Epilogue tail;
   std::string keep = fmt::format("cg_value[(m - cg_row0) * {} + n - cg_col0] = {}", tile, narrow_to(vt, scaled_accumulator(t)));
-  if (first > 1 || !contains(k.internal_buffers, out.bound->buffer)) {
+  if (!k.ir.stages.front().chain.empty() || !contains(k.internal_buffers, out.bound->buffer)) {
     tail = epilogue(k, out,
-                    {.first = 1,
-                     .last = first,
-                     .anchor_name = id + "_out",
+                    {.anchor_name = id + "_out",
                      .keep = fmt::format("cg_value[(i / {0} - cg_row0) * {1} + i % {0} - cg_col0] = {2}", N, tile,
                                          narrow_to(vt, "{}")),
                      .kept_buffer = value});
@@ -336,8 +341,7 @@ std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKern
   // to a thread: output o of the block is row o / tile, column o % tile.
   std::string accumulators, stage, accumulate, stores;
   size_t weight_gradients = 0;
-  for (size_t i = first; i < k.tasks.size(); ++i) {
-    const int r = k.tasks[i];
+  for (int r : reductions) {
     const std::vector<Param> rps = params(r);
     if (!diags_.ok()) return {};
     const BoundTask& rt = p_.tasks[size_t(r)];
@@ -798,12 +802,12 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
   // Split-KV's (flash_attention) in the same workspace: no two kernels use it at once.
   for (size_t i = 0; i < kernels.size(); ++i) {
     const KernelGroup& k = kernels[i];
-    if (k.rule != FusionRule::attention || k.tasks.size() < 3 || attention_scores(p_, k) != 0 ||
-        !alone_in_launch(kernels, i))
+    // (Flash kernels: attention without projections, its IR's first stage the scores.)
+    if (k.rule != FusionRule::attention || k.ir.stages.front().role != "scores" || !alone_in_launch(kernels, i))
       continue;
     const std::optional<FlashAttentionTile>& tile = k.flash;  // as the fusion pass chose it
     if (!tile || tile->splits < 2) continue;
-    const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.tasks[0])].find_tensor("a")->buffer)].shape;
+    const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.ir.stages.front().task)].find_tensor("a")->buffer)].shape;
     const int64_t Tq = q[q.size() - 2], heads = numel(q) / (Tq * q.back()), m_tiles = (Tq + tile->block_m - 1) / tile->block_m;
     split_k_.partials_bytes = std::max(split_k_.partials_bytes, tile->partial_floats(heads, m_tiles) * 4);
     split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, heads * m_tiles * 4);

@@ -157,12 +157,19 @@ class Emitter {
 
   static int grid_stride_blocks(int64_t n, int block) { return int(std::clamp<int64_t>((n + block - 1) / block, 1, 4096)); }
 
+  // Rule attention: the tasks of its stages (kir.h).
+  struct AttentionTasks {
+    int scores = -1, softmax = -1, context = -1;
+  };
+
   // Rule attention_projection (fuse.h): an operand the attention kernel
-  // computes itself: k.tasks[matmul], its epilogue, and the split_heads at
-  // k.tasks[split] whose output (`heads`) the attention reads.
+  // computes itself (a projection stage of its IR): matmul task `matmul`,
+  // its epilogue where `epilogue`, and split_heads task `split`, whose
+  // output (`heads`) the attention reads.
   struct Projection {
-    size_t matmul = 0, split = 0;
+    int matmul = -1, split = -1;
     int heads = -1;
+    bool epilogue = false;
   };
 
   struct ProjectionCode {
@@ -188,10 +195,9 @@ class Emitter {
     int vector_width = 0;
   };
 
-  // Which tasks of the kernel an epilogue runs, and what it is called.
+  // How an epilogue is printed: what it is called, and where it ends. (What
+  // it runs is the chain of the IR stage whose result it starts from.)
   struct EpilogueSpan {
-    size_t first = 1;                  // the kernel's first task of the chain (after the anchor)
-    size_t last = SIZE_MAX;            // one past its last: the kernel's end
     std::string lambda = "cg_epilogue";
     std::string anchor_name;           // the anchor's parameter, where stored; empty: its slot's name
     // Where the chain's last value stays in the kernel rather than in memory
@@ -325,17 +331,18 @@ class Emitter {
 
   // emit_attention.cpp: attention (the row kernel, flash attention) and its gradients
   std::string attention(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
-  std::string flash_attention(const KernelGroup& k, size_t first, const FlashAttentionTile& tile, EmittedKernel ek,
+  std::string flash_attention(const KernelGroup& k, const AttentionTasks& at, const FlashAttentionTile& tile, EmittedKernel ek,
                               const std::string& tail_code, const std::vector<LaunchParam>& tail_params,
                               std::vector<EmittedKernel>& emitted);
-  std::string streamed_attention(const KernelGroup& k, size_t first, EmittedKernel ek, const std::string& tail_code,
+  std::string streamed_attention(const KernelGroup& k, const AttentionTasks& at, EmittedKernel ek, const std::string& tail_code,
                                  const std::vector<LaunchParam>& tail_params, const std::string& why_not_flash,
                                  std::vector<EmittedKernel>& emitted);
   std::string flash_backward_rows_kernel(const KernelGroup& k, const FlashAttentionTile& tile, const FlashTraining& roles,
                                          const Param& dout, const FlashStatistics& f, int64_t heads, int64_t Tq,
                                          int64_t Dv, std::vector<EmittedKernel>& emitted);
   std::string attention_backward(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
-  std::vector<Projection> attention_projections(const KernelGroup& k, size_t scores) const;
+  static AttentionTasks attention_tasks(const KernelGroup& k);
+  static std::vector<Projection> attention_projections(const KernelGroup& k);
   int source_norm(const KernelGroup& k, int source) const;
   std::vector<AttentionProjectionShared> projection_shared(const KernelGroup& k, const std::vector<Projection>& projections,
                                                            int q_heads, int64_t& weight_floats) const;
@@ -417,10 +424,12 @@ class Emitter {
   void mark_rows(int t, const std::vector<Param>& ps, const std::vector<LaunchParam>& prologue,
                  const std::vector<LaunchParam>& tail, const std::vector<LaunchParam>& launch, EmittedKernel& ek);
   std::vector<LaunchParam> prologue(const KernelGroup& k);
-  std::string chain_task(int t, const std::vector<Param>& ps, const Shape& domain, const std::string& value,
-                         std::map<int, std::string>& value_of, std::map<int, std::string>& param_of,
-                         std::vector<LaunchParam>& params, const OperandLoad& load_operand = {},
-                         const std::string& indent = "    ");
+  std::string chain_task(const KernelGroup& k, int node, const std::vector<Param>& ps, const Shape& domain,
+                         const std::string& value, std::map<int, std::string>& value_of,
+                         std::map<int, std::string>& param_of, std::vector<LaunchParam>& params,
+                         const OperandLoad& load_operand = {}, const std::string& indent = "    ");
+  static std::string chain_local(const std::vector<int>& tasks, int t);
+  static int input_node(const kir::Kernel& ir, int node, const Param& x);
   std::vector<LaunchParam> elementwise_prologue(const KernelGroup& k);
   Epilogue epilogue(const KernelGroup& k, const Param& out, const EpilogueSpan& span);
   void vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& e);

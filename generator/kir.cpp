@@ -1,5 +1,6 @@
 #include "kir.h"
 
+#include <algorithm>
 #include <map>
 
 #include <fmt/format.h>
@@ -68,7 +69,7 @@ std::string stage_role(const Program& p, const KernelGroup& k, size_t i) {
       const AttentionGradient g = attention_gradient(p, k);
       return i == g.dp ? "dp" : i == g.ds ? "ds" : i == g.dq ? "dq" : i == g.dk ? "dk" : i == g.dv ? "dv" : op;
     }
-    case FusionRule::matmul_sum: return "term";
+    case FusionRule::matmul_sum: return op == "matmul" ? "term" : "sum";
     case FusionRule::matmul_chain: return i == 0 ? "product" : "second product";
     case FusionRule::row_reduction: return i == 0 ? "product" : "row reduction";
     default: return op;
@@ -81,11 +82,17 @@ class Builder {
 
   Kernel run() {
     ir_.mainloop = kernel_mainloop(p_, k_);
+    // Rule matmul_sum: the adds of the terms, which the mainloop's one
+    // accumulator computes, are stages of their own (the last one's result
+    // is the sum the epilogue runs on).
+    const std::vector<size_t> sum_adds =
+        k_.rule == FusionRule::matmul_sum ? matmul_sum_terms(p_, k_).adds : std::vector<size_t>{};
     for (int t : k_.prologue) prologue_task(t);
     for (size_t i = 0; i < k_.tasks.size(); ++i) {
       const int t = k_.tasks[i];
       const OpSignature& op = *p_.tasks[size_t(t)].op;
-      if (elementwise(op)) {
+      const bool sums_terms = std::find(sum_adds.begin(), sum_adds.end(), i) != sum_adds.end();
+      if (elementwise(op) && !sums_terms) {
         if (ir_.stages.empty()) ir_.stages.push_back(Stage{"elements", -1, {}, {}, {}});
         epilogue_op(t);
       } else if (!op.inverse.empty() && !ir_.stages.empty()) {
@@ -103,6 +110,7 @@ class Builder {
     return int(ir_.nodes.size()) - 1;
   }
   bool internal(int buffer) const { return contains(k_.internal_buffers, buffer); }
+
 
   // What the task reads through slot `b`: a value of the kernel, or a load.
   int read(const BoundTensor& b) {
@@ -155,6 +163,8 @@ class Builder {
     for (const auto& b : bt.tensors) {
       if (!reads(b)) continue;
       const int node = read(b);
+      // A permuted store an earlier stage made, which this one reads: kept in shared memory.
+      if (ir_.nodes[size_t(node)].kind == Node::Kind::store_permuted) ir_.nodes[size_t(node)].in_kernel = true;
       s.operands.push_back(Operand{b.name, node, {}});
       if (auto it = pending_stores_.find(node); it != pending_stores_.end()) {
         s.operands.back().stores = std::move(it->second);
@@ -183,17 +193,20 @@ class Builder {
       value_of_[b.buffer] = node;
       store(ir_.stages.back().epilogue, node, b.buffer);
     }
+    ir_.stages.back().chain.push_back(op);
   }
 
   void permuted_store(int t) {
     const BoundTask& bt = p_.tasks[size_t(t)];
     const std::vector<int> in = inputs(t);
     const int out = bt.find_tensor(only_written_slot(bt))->buffer;
-    // Where its output stays in the kernel (an attention's projected heads),
-    // the store is to shared memory; a later stage reads it from there.
-    const int node = add(Node{Node::Kind::store_permuted, t, out, {in.front()}, internal(out)});
+    // Where a later stage reads it (an attention's projected heads), it is
+    // kept in shared memory too (stage() marks it).
+    const int node = add(Node{Node::Kind::store_permuted, t, out, {in.front()}});
+    ir_.nodes[size_t(node)].to_memory = !internal(out);
     value_of_[out] = node;
     ir_.stages.back().epilogue.push_back(node);
+    ir_.stages.back().chain.push_back(node);
   }
 
   const Program& p_;
@@ -236,7 +249,8 @@ class Printer {
     if (n.kind == Node::Kind::store_permuted) {
       const BoundTask& bt = p_.tasks[size_t(n.task)];
       return fmt::format("store {} as {} ({}) moves it <- {}{}", name(n.buffer), bt.task->id, bt.op->name,
-                         expr(n.inputs.front()), n.in_kernel ? "  (in shared memory)" : "");
+                         expr(n.inputs.front()),
+                         !n.in_kernel ? "" : n.to_memory ? "  (in shared memory, and to memory)" : "  (in shared memory)");
     }
     return fmt::format("store {} <- {}", name(n.buffer), expr(n.inputs.front()));
   }
@@ -279,6 +293,37 @@ class Printer {
 }  // namespace
 
 Kernel build(const Program& program, const KernelGroup& k) { return Builder(program, k).run(); }
+
+int role_task(const Kernel& kernel, std::string_view role) {
+  for (const Stage& s : kernel.stages)
+    if (s.role == role) return s.task;
+  return -1;
+}
+
+int stage_of_result(const Kernel& kernel, int buffer) {
+  for (size_t s = 0; s < kernel.stages.size(); ++s)
+    for (int r : kernel.stages[s].results)
+      if (kernel.nodes[size_t(r)].buffer == buffer) return int(s);
+  return -1;
+}
+
+std::vector<int> tree_ops(const Kernel& kernel, int root) {
+  std::vector<bool> in_tree(kernel.nodes.size(), false);
+  std::vector<int> pending = {root};
+  while (!pending.empty()) {
+    const int i = pending.back();
+    pending.pop_back();
+    const Node& n = kernel.nodes[size_t(i)];
+    if (in_tree[size_t(i)] || (n.kind != Node::Kind::op && n.kind != Node::Kind::norm)) continue;
+    in_tree[size_t(i)] = true;
+    pending.insert(pending.end(), n.inputs.begin(), n.inputs.end());
+  }
+  // Nodes are made in the order of their tasks, each after what it reads.
+  std::vector<int> ops;
+  for (size_t i = 0; i < in_tree.size(); ++i)
+    if (in_tree[i]) ops.push_back(int(i));
+  return ops;
+}
 
 std::string print(const Program& program, const Kernel& kernel, const std::string& indent) {
   return Printer(program, kernel).run(indent);

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "program.h"
@@ -81,7 +82,10 @@ struct Node {
   int task = -1;
   int buffer = -1;
   std::vector<int> inputs;  // indices into Kernel::nodes
-  bool in_kernel = false;   // store_permuted: into shared memory, where a later stage reads it
+  // store_permuted: kept in shared memory, where a later stage reads it;
+  // and written to memory (unless its buffer stays in the kernel).
+  bool in_kernel = false;
+  bool to_memory = true;
 };
 
 struct Operand {
@@ -91,11 +95,16 @@ struct Operand {
 };
 
 struct Stage {
-  std::string role;               // "product", "scores", "softmax", "term", "dq", ...; the op's name for one task
+  std::string role;               // "product", "scores", "softmax", "term", "sum", "dq", ...; the op's name for one task
   int task = -1;                  // -1 for a loop over elements (its chain is all epilogue)
   std::vector<Operand> operands;  // in slot order
   std::vector<int> results;       // result nodes, one per output slot
   std::vector<int> epilogue;      // the nodes the stage's epilogue roots: stores, in task order
+  // What the epilogue computes, in task order: a node per task (an
+  // elementwise op, or a permuted store), each after those it reads. The
+  // emitter prints it (Emitter::epilogue); a value a later stage reads in
+  // the kernel is computed here too, though no store roots it.
+  std::vector<int> chain;
 };
 
 struct Kernel {
@@ -106,6 +115,16 @@ struct Kernel {
 
 // The IR of kernel group `k` (its tasks, prologue, rule and internal buffers).
 Kernel build(const Program& program, const KernelGroup& k);
+
+// The task of the (first) stage of role `role`, or -1.
+int role_task(const Kernel& kernel, std::string_view role);
+
+// The index of the stage whose result is `buffer`, or -1.
+int stage_of_result(const Kernel& kernel, int buffer);
+
+// The op and norm nodes of the tree rooted at `root` (a prologue), each
+// after those it reads.
+std::vector<int> tree_ops(const Kernel& kernel, int root);
 
 // The kernel as an indented tree: each stage, its operands' trees and its
 // epilogue's stores, values named by buffer (a node printed once; later

@@ -52,6 +52,8 @@ TEST(KernelIr, AnAttentionKernelIsItsProjectionsScoresSoftmaxAndContext) {
     const kir::Node& heads = ir.nodes[size_t(ir.stages[s].epilogue[0])];
     EXPECT_EQ(heads.kind, kir::Node::Kind::store_permuted);
     EXPECT_TRUE(heads.in_kernel);
+    EXPECT_FALSE(heads.to_memory);  // nothing outside the kernel reads the heads
+    EXPECT_EQ(ir.stages[s].chain, ir.stages[s].epilogue);  // the split alone
   }
   // The scores read q's and k's heads where the projections put them.
   EXPECT_EQ(ir.stages[3].operands[0].node, ir.stages[0].epilogue[0]);
@@ -59,6 +61,7 @@ TEST(KernelIr, AnAttentionKernelIsItsProjectionsScoresSoftmaxAndContext) {
   const kir::Node& merged = ir.nodes[size_t(ir.stages[5].epilogue.back())];
   EXPECT_EQ(merged.kind, kir::Node::Kind::store_permuted);
   EXPECT_FALSE(merged.in_kernel);
+  EXPECT_TRUE(merged.to_memory);
 }
 
 TEST(KernelIr, AnAttentionBackwardKernelNamesEachGradient) {
@@ -122,4 +125,49 @@ TEST(KernelIr, AValueReadTwiceIsOneNodePrintedOnce) {
   const kir::Node& gelu = ir.nodes[size_t(sub.inputs[0])];
   EXPECT_EQ(gelu.inputs[0], sub.inputs[1]);  // t1's value, once
   EXPECT_EQ(kir::print(c.program, ir), "  elements\n    store t3.out <- t3:sub(t2:gelu(t1:add(load t1.a, load t1.b)), t1.out)\n");
+}
+
+// Rule matmul_sum: the adds of the terms are stages of the mainloop (its one
+// accumulator sums them), not epilogue ops; the last add's result is the sum,
+// whose stage holds the epilogue's chain (none here: the sum is stored).
+TEST(KernelIr, ASumOfMatmulsIsItsTermsAndTheAddsThatSumThem) {
+  const Compiled c = planned("train_transformer.json");
+  const KernelGroup* k = kernel_with(c, kir::Mainloop::gemm_sum);
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(roles(k->ir), (std::vector<std::string>{"term", "term", "sum", "term", "sum"}));
+  for (const kir::Stage& s : k->ir.stages) EXPECT_TRUE(s.chain.empty()) << s.role;
+  const int sum = k->ir.stages.back().results.front();
+  EXPECT_EQ(kir::stage_of_result(k->ir, k->ir.nodes[size_t(sum)].buffer), 4);
+  EXPECT_EQ(task_id(c, kir::role_task(k->ir, "sum")), "grad_ln1_out_sum");  // the first of its role
+  EXPECT_NE(kir::print(c.program, k->ir).find("sum grad_ln1_out_sum_2 (add)"), std::string::npos);
+}
+
+// A stage's chain is what its epilogue computes, in task order: the ops (a
+// value a later stage reads in the kernel included) and the permuted stores;
+// an elementwise prologue's ops are the tree under the operand it computes.
+TEST(KernelIr, AStagesChainIsItsEpiloguesOpsInOrder) {
+  GraphBuilder b("chain");
+  auto pre = b.task("pre", "relu").tensor("x", DType::f32, {64, 32}, Storage::external).tensor("out", DType::f32, {64, 32});
+  auto mm = b.task("mm", "matmul")
+                .tensor("a", pre["out"])
+                .tensor("b", DType::f32, {32, 48}, Storage::external)
+                .tensor("out", DType::f32, {64, 48});
+  auto bias = b.task("bias", "add")
+                  .tensor("a", mm["out"])
+                  .tensor("b", DType::f32, {48}, Storage::external)
+                  .tensor("out", DType::f32, {64, 48});
+  b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", DType::f32, {64, 48}, Storage::external);
+  const Compiled c = plan_program(load_program(std::move(b).graph(), {}), CompileOptions{});
+  ASSERT_EQ(c.kernels.size(), 1u);
+  const kir::Kernel& ir = c.kernels[0].ir;
+  ASSERT_EQ(ir.stages.size(), 1u);
+  const kir::Stage& s = ir.stages[0];
+  ASSERT_EQ(s.chain.size(), 2u);
+  EXPECT_EQ(task_id(c, ir.nodes[size_t(s.chain[0])].task), "bias");
+  EXPECT_EQ(task_id(c, ir.nodes[size_t(s.chain[1])].task), "act");
+  EXPECT_EQ(ir.nodes[size_t(s.chain[0])].inputs.front(), s.results.front());  // the product, in registers
+  // The prologue: relu under `a`.
+  const std::vector<int> prologue = kir::tree_ops(ir, s.operands.front().node);
+  ASSERT_EQ(prologue.size(), 1u);
+  EXPECT_EQ(task_id(c, ir.nodes[size_t(prologue[0])].task), "pre");
 }
