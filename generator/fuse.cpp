@@ -1064,8 +1064,7 @@ class Fuser {
       why_not_flash = fmt::format("the kernel of '{}' is not the flash attention kernel", p_.tasks[size_t(roles.scores)].task->id);
     }
     // Otherwise the row kernel (why not flash: `describe` lists it). A block
-    // walks its head's query rows: bounded, as the row tiles of the
-    // unfused matmuls ran in parallel.
+    // walks its head's query rows: bounded (kernels.h).
     const int64_t row_tiles = (Tq + kAttentionBackwardRows - 1) / kAttentionBackwardRows;
     if (row_tiles > kMaxAttentionBackwardRowTiles)
       return fmt::format("each block would walk {} tiles of {} query rows one after another (at most {}); not the flash "
@@ -1085,7 +1084,6 @@ class Fuser {
     return {};
   }
   static constexpr int64_t kMaxAttentionBackwardRegisters = 32;
-  static constexpr int64_t kMaxAttentionBackwardRowTiles = 16;
 
   // Rule attention_projection: the kernel of a projection whose heads only
   // an attention kernel reads (a matmul, its norm prologue and epilogue,

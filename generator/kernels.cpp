@@ -310,22 +310,31 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
                                 tile.head_d, tile.head_dv));
     tile.block_n = 32;
   }
-  // TF32 and f32 on CUDA cores: 4-byte elements. Heads of 32 to 128 (the
-  // tiles read by 32-bit loads are swizzled for rows of 8 chunks or more;
-  // f32's narrower heads stay on the row kernels, whose training stores the
-  // probabilities of up to 128 query rows); over 64, 32 keys a step keep the
-  // stages at 64 KiB (96 KiB with q's tile).
+  // TF32 and f32 on CUDA cores: 4-byte elements. Tiles of 32 to 128 (the
+  // tiles read by 32-bit loads are swizzled for rows of 8 chunks or more);
+  // over 64, 32 keys a step keep the stages at 64 KiB (96 KiB with q's tile).
+  // Narrower heads stay on the row kernels, whose training keeps the
+  // probabilities of up to 128 query rows, a head's [128, Tk]; trained past
+  // those, they are padded to 32 here, so that no [Tq, Tk] is stored.
   tile.tf32 = tf32;
   tile.simt_f32 = simt_f32;
   const bool four_bytes = tile.element_bytes() == 4;
+  const int64_t Tq = q.shape[q.shape.size() - 2], Tk = k.shape[k.shape.size() - 2];
+  if (four_bytes && std::min(tile.d, tile.dv) < 32 && trained && Tq > kRowKernelTrainedQueryRows) {
+    tile.d = std::max(tile.d, 32);
+    tile.dv = std::max(tile.dv, 32);
+  }
   if (four_bytes && (std::min(tile.d, tile.dv) < 32 || std::max(tile.d, tile.dv) > 128))
-    return refuse(fmt::format("heads of {} (values {}) in f32: the {} kernel takes heads of 32 to 128", tile.head_d,
-                              tile.head_dv, tf32 ? "TF32" : "f32 flash"));
+    return refuse(fmt::format("heads of {} (values {}) in f32: the {} kernel takes heads of 32 to 128{}", tile.head_d,
+                              tile.head_dv, tf32 ? "TF32" : "f32 flash",
+                              std::max(tile.d, tile.dv) > 128 ? ""
+                                                              : fmt::format(" (narrower ones padded to 32 where trained "
+                                                                            "past {} query rows)",
+                                                                            kRowKernelTrainedQueryRows)));
   if (four_bytes && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
   // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.
-  const int64_t Tq = q.shape[q.shape.size() - 2], Tk = k.shape[k.shape.size() - 2];
   const int64_t blocks = numel(lead_q) * ((Tq + tile.block_m - 1) / tile.block_m);
   const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n, sms = device_model(arch).sms;
   const int64_t most = std::min<int64_t>(

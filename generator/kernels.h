@@ -534,6 +534,11 @@ MatmulSum matmul_sum_terms(const Program& program, const KernelGroup& k);
 // head, its 8 warps taking a tile of 8 query rows at a time, one each.
 inline constexpr int64_t kAttentionBackwardThreads = 256;
 inline constexpr int64_t kAttentionBackwardRows = 8;
+// At most this many tiles of query rows a block walks one after another (as
+// the row tiles of the unfused matmuls ran in parallel): the row kernels
+// train attention of up to kRowKernelTrainedQueryRows query rows.
+inline constexpr int64_t kMaxAttentionBackwardRowTiles = 16;
+inline constexpr int64_t kRowKernelTrainedQueryRows = kAttentionBackwardRows * kMaxAttentionBackwardRowTiles;
 // The accumulators each thread holds: its elements of the head's key and
 // value gradients ([Tk, D] and [Tk, Dv], where computed).
 inline int64_t attention_backward_registers(int64_t Tk, int64_t D, int64_t Dv, bool dk, bool dv) {

@@ -500,8 +500,8 @@ TEST(Fusion, AttentionGradientsRunInOneKernel) {
 // gradients, whose forward runs the flash kernel, pair up (flash_trained):
 // the probabilities internal to both kernels (no storage), at a length the
 // row kernel refuses; not without dk (q would die in the forward); f32 on
-// CUDA cores, or as TF32 under --allow-tf32, except heads of 16, where the
-// row kernel's refusal says why not flash.
+// CUDA cores, or as TF32 under --allow-tf32 (heads of 16 padded to 32 past
+// the 128 query rows the row kernels train).
 TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
   auto training = [](DType d, int64_t T, bool with_dk = true, int64_t D = 64) {
     GraphBuilder b("trained");
@@ -532,12 +532,22 @@ TEST(Fusion, TrainedFlashAttentionPairsItsTwoKernels) {
                                          "backward pass has no dk to read q"),
             std::string::npos)
       << reason_for(no_dk, "ds");
+  // f32 heads of 16: the row kernels train up to 128 query rows (their
+  // probabilities a bounded [128, Tk] a head); past those the flash kernels,
+  // the heads padded to 32.
   Compiled narrow = plan_graph(training(DType::f32, 300, true, 16));
-  EXPECT_FALSE(narrow.kernels[0].flash_trained);
-  EXPECT_EQ(reason_for(narrow, "ds"),
-            "'ds' is a reduction op; 'ds' runs in no attention_backward kernel: each block would walk 38 tiles of 8 query "
-            "rows one after another (at most 16); not the flash backward kernel: its forward does not take the flash "
-            "kernel: heads of 16 (values 16) in f32: the f32 flash kernel takes heads of 32 to 128");
+  ASSERT_EQ(narrow.kernels.size(), 2u);
+  for (const KernelGroup& k : narrow.kernels) {
+    EXPECT_TRUE(k.flash_trained) << k.name;
+    ASSERT_TRUE(k.flash.has_value()) << k.name;
+    EXPECT_EQ(k.flash->d, 32) << k.name;
+    EXPECT_EQ(k.flash->head_d, 16) << k.name;
+  }
+  Compiled short_narrow = plan_graph(training(DType::f32, 100, true, 16));
+  EXPECT_FALSE(short_narrow.kernels[0].flash_trained);
+  ASSERT_EQ(short_narrow.kernels.size(), 2u);
+  EXPECT_EQ(short_narrow.kernels[1].rule, FusionRule::attention_backward);  // the row kernel
+  EXPECT_FALSE(short_narrow.kernels[1].flash.has_value());
   // f32 pairs them on CUDA cores (exact f32), or under --allow-tf32 as TF32.
   for (const bool allow_tf32 : {false, true}) {
     CompileOptions options;
