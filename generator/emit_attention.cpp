@@ -757,8 +757,7 @@ std::vector<AttentionProjectionShared> Emitter::projection_shared(const KernelGr
     if (const int t = source_norm(k, source); t >= 0) {
       const BoundTask& norm = p_.tasks[size_t(t)];
       const bool layer = norm.op->norm == "layer", stored = !contains(k.internal_buffers, source);
-      const int64_t per_row = layer ? 2 : 1;
-      s.source_floats = T * K + per_row * K + (stored ? per_row * T : 0);
+      s.source_floats = projection_source_floats(T, K, true, layer, stored);
       s.source_what = fmt::format("{}'s {} rows of a batch normalised, its weight{}{}", norm.task->id, T,
                                   layer ? " and bias" : "", stored ? ", the rows' statistics" : "");
     }

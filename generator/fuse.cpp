@@ -512,13 +512,13 @@ class Fuser {
   // kernel, in the atomic mode where asked for and it applies (dq and a key
   // or value gradient present, square tiles).
   std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles) const {
-    if (k.rule == FusionRule::attention && k.tasks.size() >= 3 && attention_scores(p_, k) == 0)
-      return flash_attention_tile_of(p_, k.tasks[0], k.tasks[1], options_.megakernel, nullptr, options_.arch,
-                                     k.flash_trained, options_.allow_tf32);
+    // (Its tasks by their stages' roles in its IR, kir.h.)
+    if (k.rule == FusionRule::attention && k.ir.stages.front().role == "scores")
+      return flash_attention_tile_of(p_, kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"),
+                                     options_.megakernel, nullptr, options_.arch, k.flash_trained, options_.allow_tf32);
     if (!k.flash_trained || k.rule != FusionRule::attention_backward) return std::nullopt;
-    const AttentionGradient g = attention_gradient(p_, k);
-    auto task = [&](size_t at) { return at == AttentionGradient::none ? -1 : k.tasks[at]; };
-    roles = FlashTraining{.dp = task(g.dp), .ds = task(g.ds), .dq = task(g.dq), .dk = task(g.dk), .dv = task(g.dv)};
+    auto task = [&](const char* role) { return kir::role_task(k.ir, role); };
+    roles = FlashTraining{.dp = task("dp"), .ds = task("ds"), .dq = task("dq"), .dk = task("dk"), .dv = task("dv")};
     const bool atomic = options_.atomic_attention_backward && roles.dq >= 0 && (roles.dk >= 0 || roles.dv >= 0);
     return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.arch, atomic, options_.allow_tf32);
   }
@@ -1226,11 +1226,10 @@ class Fuser {
     // the rows' statistics where the kernel stores the norm's output).
     const int source = p_.tasks[size_t(mm)].find_tensor("a")->buffer;
     const Shape& a = p_.buffers[size_t(source)].shape;
-    int64_t floats = a[a.size() - 2] * a.back();
-    if (!producer.prologue.empty()) {
-      const int64_t per_row = p_.tasks[size_t(producer.prologue.front())].op->norm == "layer" ? 2 : 1;  // mean and rstd
-      floats += a.back() * per_row + (cudagen::stores_prologue(p_, producer) ? a[a.size() - 2] * per_row : 0);
-    }
+    const bool norm = !producer.prologue.empty();
+    const int64_t floats = projection_source_floats(
+        a[a.size() - 2], a.back(), norm, norm && p_.tasks[size_t(producer.prologue.front())].op->norm == "layer",
+        norm && cudagen::stores_prologue(p_, producer));
     ProjectedAttention with = projected;
     with.source_floats[source] = std::max(with.source_floats[source], floats);
     with.q_computed = with.q_computed || role == "q";

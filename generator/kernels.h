@@ -475,6 +475,15 @@ inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 inline constexpr int64_t kFlashBlocksPerSm = 4;
 inline constexpr int kMaxKeySplits = 32;
 
+// The floats of a projection input's rows of a batch, T x K: where a norm
+// computes them, with its weight (and a layernorm's bias), and where the
+// kernel stores the norm's output, the rows' statistics (rstd; a
+// layernorm's mean too).
+inline int64_t projection_source_floats(int64_t T, int64_t K, bool norm, bool layernorm, bool stores_statistics) {
+  const int64_t per_row = layernorm ? 2 : 1;
+  return T * K + (norm ? per_row * K + (stores_statistics ? per_row * T : 0) : 0);
+}
+
 // Rules attention and attention_projection: an attention kernel's shared
 // memory, laid out once for the fusion pass (its bytes) and the emitter (its
 // offsets), in the emitter's order: each warp's query row and scores

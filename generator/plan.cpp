@@ -98,27 +98,23 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
   // A value in a fused kernel's registers has no storage to give or take.
   auto internal = [&](int b) { return internal_to[size_t(b)] >= 0; };
   for (int k = 0; k < int(kernels.size()); ++k) {
-    // An epilogue runs while the kernel's matmul or row op still reads its
-    // inputs at other elements (other blocks, other threads): nothing the
-    // epilogue stores may take their storage.
-    // (An attention kernel: its projections, its scores matmul and its matmul by the values;
-    // a matmul chain: both matmuls and the epilogue between; a row
-    // reduction: its matmul and the reductions; a prologue's
-    // inputs too, which the operand loads read.)
+    // What the kernel reads while other blocks (or threads) of it still
+    // compute: nothing it stores may take that storage. From its IR
+    // (kir.h): every stage's mainloop reads across elements (rows, columns,
+    // heads), as a prologue's loads do; a stage's chain runs while later
+    // stages of other blocks read, and reads at another element than theirs
+    // (an attention's projections, a matmul chain's first product, a
+    // gradient's epilogue before the next gradient). Only the last stage's
+    // chain reads each element where it stores it. (An elementwise kernel's
+    // one stage is its chain: nothing.)
     const KernelGroup& kernel = kernels[size_t(k)];
     std::vector<int> readers_elsewhere = kernel.prologue;
-    // (An attention's gradients: every task, the epilogues between the gradients too;
-    // a sum of matmuls: its terms and the adds between them.)
-    const size_t anchors = kernel.rule == FusionRule::attention      ? std::min(attention_scores(program, kernel) + 3, kernel.tasks.size())
-                           : kernel.rule == FusionRule::matmul_chain ? second_matmul(program, kernel) + 1
-                           : kernel.rule == FusionRule::attention_backward ? kernel.tasks.size()
-                           : kernel.rule == FusionRule::matmul_sum ? matmul_sum_terms(program, kernel).epilogue
-                                                           : 1;
-    if (kernel.tasks.size() > 1 && kernel.rule != FusionRule::elementwise_chain)
-      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin(), kernel.tasks.begin() + long(anchors));
-    // (A row reduction reads its other operand, rows of it, after every tile of the value.)
-    if (const size_t first = first_row_reduction(program, kernel); first > 0)
-      readers_elsewhere.insert(readers_elsewhere.end(), kernel.tasks.begin() + long(first), kernel.tasks.end());
+    for (size_t s = 0; s < kernel.ir.stages.size(); ++s) {
+      const kir::Stage& stage = kernel.ir.stages[s];
+      if (stage.task >= 0) readers_elsewhere.push_back(stage.task);
+      if (s + 1 < kernel.ir.stages.size())
+        for (int node : stage.chain) readers_elsewhere.push_back(kernel.ir.nodes[size_t(node)].task);
+    }
     std::vector<int> read_elsewhere;
     for (int t : readers_elsewhere)
       for (const auto& in : program.tasks[size_t(t)].tensors)
