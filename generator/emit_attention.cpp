@@ -37,6 +37,11 @@ static MatmulMainloop flash_mainloop(const FlashAttentionTile& tile) {
 std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
   const AttentionTasks at = attention_tasks(k);
   const int ts = at.scores, tp = at.softmax, tc = at.context;
+  if (ts < 0 || tp < 0 || tc < 0) {
+    fail(k.tasks.front(), "", fmt::format("kernel {} is an attention without its scores, softmax and context", k.name),
+         "an internal error of cudagen: please report it with the graph; --no-fuse-rule attention avoids it");
+    return {};
+  }
   const std::vector<Param> scores = params(ts), softmax = params(tp), context = params(tc);
   if (!diags_.ok()) return {};
   const Param& q = param(scores, "a");
@@ -50,7 +55,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   use_function(*p_.tasks[size_t(tp)].op, "cg_stage_rows");
   EmittedKernel ek = emitted_kernel(k);
   Epilogue tail;
-  if (!k.ir.stages.back().chain.empty()) {  // the context's epilogue
+  if (!k.ir.stages[size_t(kir::stage_of_result(k.ir, out.bound->buffer))].chain.empty()) {  // the context's epilogue
     tail = epilogue(k, out);
     if (!diags_.ok()) return {};
     epilogue_buffer_ = out.bound->buffer;
@@ -386,8 +391,8 @@ std::string Emitter::flash_backward_rows_kernel(const KernelGroup& k, const Flas
   return code;
 }
 
-// Rule attention_backward (fuse.h): an attention's gradient tasks
-// (kernels.h, AttentionGradient) in one kernel, a block per head. The
+// Rule attention_backward (fuse.h): an attention's gradient tasks (its IR's
+// stages dp, ds, dq, dk, dv) in one kernel, a block per head. The
 // block stages its head's keys and values, then takes its query rows 8 at
 // a time: their q, dcontext and probabilities in shared memory, one warp
 // per row computes dp, ds (rounded as the unfused kernels would store
@@ -752,7 +757,7 @@ std::vector<AttentionProjectionShared> Emitter::projection_shared(const KernelGr
     const Shape& sa = p_.buffers[size_t(source)].shape;
     const int64_t T = sa[sa.size() - 2], K = sa.back(), Dh = p_.buffers[size_t(mm.find_tensor("out")->buffer)].shape.back() / H;
     weight_floats = std::max(weight_floats, K * Dh);
-    AttentionProjectionShared s{.source = source, .source_floats = T * K};
+    AttentionProjectionShared s{.source = source, .source_floats = projection_source_floats(T, K, false, false, false)};
     s.source_what = fmt::format("{}'s {} rows of a batch", buffer_name(source), T);
     if (const int t = source_norm(k, source); t >= 0) {
       const BoundTask& norm = p_.tasks[size_t(t)];

@@ -118,6 +118,15 @@ int Emitter::input_node(const kir::Kernel& ir, int node, const Param& x) {
   return -1;
 }
 
+// An epilogue's first value: the result of `stage` that is `buffer`, as v0
+// (the lambda's parameter), by node.
+std::map<int, std::string> Emitter::anchor_value(const kir::Kernel& ir, const kir::Stage& stage, int buffer) {
+  std::map<int, std::string> value_of;
+  for (int r : stage.results)
+    if (ir.nodes[size_t(r)].buffer == buffer) value_of[r] = "v0";
+  return value_of;
+}
+
 // The local a chain names task t's value by: v and its place in `tasks`
 // (the kernel's, or its prologue's).
 std::string Emitter::chain_local(const std::vector<int>& tasks, int t) {
@@ -176,9 +185,7 @@ Emitter::Epilogue Emitter::epilogue(const KernelGroup& k, const Param& out, cons
   }
   const kir::Stage& stage = k.ir.stages[size_t(s)];
   const Shape& domain = out.buffer->shape;
-  std::map<int, std::string> value_of, param_of;
-  for (int r : stage.results)
-    if (k.ir.nodes[size_t(r)].buffer == out.bound->buffer) value_of[r] = "v0";
+  std::map<int, std::string> value_of = anchor_value(k.ir, stage, out.bound->buffer), param_of;
   std::string statements, stores;
   auto stored = [&](int t, const Param& x, const std::string& value) {
     if (contains(k.internal_buffers, x.bound->buffer)) return;
@@ -221,6 +228,12 @@ Emitter::Epilogue Emitter::epilogue(const KernelGroup& k, const Param& out, cons
     std::string value;
     for (const auto& [node, local] : value_of)
       if (k.ir.nodes[size_t(node)].buffer == span.kept_buffer) value = local;
+    if (value.empty()) {
+      fail(k.tasks.front(), "",
+           fmt::format("kernel {} keeps {}, which its epilogue does not compute", k.name, buffer_name(span.kept_buffer)),
+           "an internal error of cudagen: please report it with the graph; --no-fuse reruns it unfused");
+      return e;
+    }
     stores += "    " + fmt::format(fmt::runtime(span.keep), value) + ";\n";
   }
   e.code = fmt::format(
@@ -274,9 +287,7 @@ void Emitter::vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& 
   };
   if (!contains(k.internal_buffers, out.bound->buffer)) stored(out.bound->name, out, "v0");
   const kir::Stage& stage = k.ir.stages.front();
-  std::map<int, std::string> value_of, param_of;
-  for (int r : stage.results)
-    if (k.ir.nodes[size_t(r)].buffer == out.bound->buffer) value_of[r] = "v0";
+  std::map<int, std::string> value_of = anchor_value(k.ir, stage, out.bound->buffer), param_of;
   for (size_t j = 0; j < stage.chain.size() && vectorizable; ++j) {
     const kir::Node& n = k.ir.nodes[size_t(stage.chain[j])];
     if (n.kind != kir::Node::Kind::op) return;

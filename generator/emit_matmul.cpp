@@ -21,11 +21,17 @@ std::string Emitter::scaled_accumulator(int t) {
 // product and each partial sum to the output's type; one accumulator is
 // the more accurate.)
 std::string Emitter::matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>& emitted) {
-  // The IR's stages (kir.h): the terms, then the adds that sum them; the
-  // last add's result is the sum, and its chain the epilogue.
+  // The IR's stages (kir.h): the terms, each after the first followed by
+  // the add of it to the sum so far; the last add's result is the sum, and
+  // its chain the epilogue.
   std::vector<int> terms;
   int sum_task = -1;
-  for (const kir::Stage& stage : k.ir.stages) (stage.role == "term" ? terms.push_back(stage.task) : void(sum_task = stage.task));
+  for (const kir::Stage& stage : k.ir.stages) {
+    if (stage.role == "term")
+      terms.push_back(stage.task);
+    else
+      sum_task = stage.task;
+  }
   const bool epilogue_ops = !k.ir.stages.back().chain.empty();
   const int first = terms.front();
   const std::vector<Param> last = params(sum_task);
@@ -802,9 +808,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
   // Split-KV's (flash_attention) in the same workspace: no two kernels use it at once.
   for (size_t i = 0; i < kernels.size(); ++i) {
     const KernelGroup& k = kernels[i];
-    // (Flash kernels: attention without projections, its IR's first stage the scores.)
-    if (k.rule != FusionRule::attention || k.ir.stages.front().role != "scores" || !alone_in_launch(kernels, i))
-      continue;
+    if (!attention_alone(k) || !alone_in_launch(kernels, i)) continue;
     const std::optional<FlashAttentionTile>& tile = k.flash;  // as the fusion pass chose it
     if (!tile || tile->splits < 2) continue;
     const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.ir.stages.front().task)].find_tensor("a")->buffer)].shape;

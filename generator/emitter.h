@@ -195,14 +195,16 @@ class Emitter {
     int vector_width = 0;
   };
 
-  // How an epilogue is printed: what it is called, and where it ends. (What
-  // it runs is the chain of the IR stage whose result it starts from.)
+  // How an epilogue is printed: its lambda's and its anchor's names, and
+  // where its value stays in the kernel. (What it runs is the chain of the
+  // IR stage whose result it starts from.)
   struct EpilogueSpan {
     std::string lambda = "cg_epilogue";
     std::string anchor_name;           // the anchor's parameter, where stored; empty: its slot's name
-    // Where the chain's last value stays in the kernel rather than in memory
-    // (rule matmul_chain: a statement storing `{}` into shared memory), and
-    // the buffer it stands for; empty: nowhere.
+    // Where the chain's value stays in the kernel rather than in memory
+    // (rules matmul_chain, row_reduction, attention_projection: a statement
+    // storing `{}` into shared memory), and the buffer it stands for;
+    // empty: nowhere.
     std::string keep;
     int kept_buffer = -1;
   };
@@ -430,6 +432,7 @@ class Emitter {
                          const OperandLoad& load_operand = {}, const std::string& indent = "    ");
   static std::string chain_local(const std::vector<int>& tasks, int t);
   static int input_node(const kir::Kernel& ir, int node, const Param& x);
+  static std::map<int, std::string> anchor_value(const kir::Kernel& ir, const kir::Stage& stage, int buffer);
   std::vector<LaunchParam> elementwise_prologue(const KernelGroup& k);
   Epilogue epilogue(const KernelGroup& k, const Param& out, const EpilogueSpan& span);
   void vector_epilogue(const KernelGroup& k, const Param& out, Epilogue& e);

@@ -513,7 +513,7 @@ class Fuser {
   // or value gradient present, square tiles).
   std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles) const {
     // (Its tasks by their stages' roles in its IR, kir.h.)
-    if (k.rule == FusionRule::attention && k.ir.stages.front().role == "scores")
+    if (attention_alone(k))
       return flash_attention_tile_of(p_, kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"),
                                      options_.megakernel, nullptr, options_.arch, k.flash_trained, options_.allow_tf32);
     if (!k.flash_trained || k.rule != FusionRule::attention_backward) return std::nullopt;

@@ -102,13 +102,6 @@ bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool
          std::equal(a.begin(), a.end() - 2, out.begin(), out.end() - 2);
 }
 
-size_t second_matmul(const Program& program, const KernelGroup& k) {
-  if (k.rule != FusionRule::matmul_chain) return 0;
-  for (size_t i = 1; i < k.tasks.size(); ++i)
-    if (program.tasks[size_t(k.tasks[i])].op->pattern == PatternKind::matmul) return i;
-  return 0;
-}
-
 size_t first_row_reduction(const Program& program, const KernelGroup& k) {
   if (k.rule != FusionRule::row_reduction) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i) {

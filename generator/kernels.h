@@ -166,6 +166,14 @@ struct KernelGroup {
   kir::Kernel ir;
 };
 
+// Rule attention without projections computed in the kernel: its IR's
+// stages the scores, softmax and context alone, the form the flash kernel
+// takes.
+inline bool attention_alone(const KernelGroup& k) {
+  return k.rule == FusionRule::attention && !k.ir.stages.empty() && k.ir.stages.front().role == "scores" &&
+         kir::role_task(k.ir, "context") >= 0;
+}
+
 // The bundled ops whose algebra a skeleton is written around, where a
 // template's facts (registry.h) cannot say it: attention is softmax(scale q
 // k^T) v over matmuls, its gradient turns on softmax_backward; a row
@@ -379,11 +387,6 @@ RowReductionShared row_reduction_shared(DType a, DType value, const std::vector<
 // matmul chain takes only such products (fuse.cpp).
 bool matmul_flattens_rows(const Shape& a, const Shape& b, const Shape& out, bool trans_a);
 
-// Rule matmul_chain: the index in k.tasks of the kernel's second matmul,
-// which reads the first one's value (after its epilogue) from shared memory.
-// 0 for a kernel of another rule.
-size_t second_matmul(const Program& program, const KernelGroup& k);
-
 // Rule row_reduction: the index in k.tasks of the kernel's first reduction
 // over the rows of its matmul's value (a sum_leading, or a matmul a^T @
 // value); the tasks between are the matmul's epilogue. 0 for a kernel of
@@ -431,7 +434,8 @@ inline bool shared_by_groups(const Shape& q, const Shape& kv) {
 // (a softmax_backward and dv = p^T dcontext, in a later phase) where the
 // fusion pass paired the two kernels (KernelGroup::flash_trained).
 // `allow_tf32` (--allow-tf32): f32 q, k and v too, on tensor cores as TF32
-// (heads of 32 to 128; the forward only: the backward kernel takes 16-bit types).
+// (tiles of 32 to 128; and trained, exact on CUDA cores without it; heads under
+// 32 padded to 32 where trained past kRowKernelTrainedQueryRows query rows).
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
                                                           std::string* why_not = nullptr,
                                                           const std::string& arch = "sm_90", bool trained = false,
@@ -463,7 +467,7 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // heads of 128, where each tile of keys takes two blocks, each half of dk's
 // and dv's columns: FlashAttentionTile::key_splits). f32 q, k and v as the
 // forward takes them: as TF32 with `allow_tf32` (--allow-tf32), otherwise
-// exact on CUDA cores, heads of 32 to 128.
+// exact on CUDA cores, tiles of 32 to 128 (as the forward's).
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
                                                          const std::string& arch = "sm_90", bool atomic_dq = false,

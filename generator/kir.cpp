@@ -111,7 +111,6 @@ class Builder {
   }
   bool internal(int buffer) const { return contains(k_.internal_buffers, buffer); }
 
-
   // What the task reads through slot `b`: a value of the kernel, or a load.
   int read(const BoundTensor& b) {
     if (auto it = value_of_.find(b.buffer); it != value_of_.end()) return it->second;

@@ -104,10 +104,14 @@ std::vector<int> find_in_place(const Program& program, const std::vector<KernelG
     // heads), as a prologue's loads do; a stage's chain runs while later
     // stages of other blocks read, and reads at another element than theirs
     // (an attention's projections, a matmul chain's first product, a
-    // gradient's epilogue before the next gradient). Only the last stage's
+    // gradient's epilogue before the next gradient; a row reduction's
+    // product's, conservatively: its reductions read the value from shared
+    // memory, not the chain's inputs). Only the last stage's
     // chain reads each element where it stores it. (An elementwise kernel's
     // one stage is its chain: nothing.)
     const KernelGroup& kernel = kernels[size_t(k)];
+    if (kernel.ir.stages.empty())
+      throw std::logic_error(fmt::format("internal error: kernel {} reaches the memory plan without its IR", kernel.name));
     std::vector<int> readers_elsewhere = kernel.prologue;
     for (size_t s = 0; s < kernel.ir.stages.size(); ++s) {
       const kir::Stage& stage = kernel.ir.stages[s];
