@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "arch.h"
 #include "json.h"
 #include "perf_model.h"
 
@@ -505,7 +506,8 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
     GemmTuningRule rule;
     const JsonValue* arch = r.find("arch");
     rule.arch = arch != nullptr ? arch->as_string() : "";
-    if (rule.arch.empty()) throw bad(at + "/arch", "\"any\" or an architecture such as \"sm_90\"");
+    if (rule.arch != "any" && (!parse_arch(rule.arch) || parse_arch(rule.arch)->specific))
+      throw bad(at + "/arch", "\"any\" or an architecture family such as \"sm_90\" (a rule for sm_90 holds for sm_90a)");
     if (const JsonValue* operands = r.find("operands")) {
       const std::string kind = operands->as_string();
       if (kind != "16-bit" && kind != "tf32") throw bad(at + "/operands", "\"16-bit\" (f16, bf16) or \"tf32\"");
@@ -566,10 +568,11 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
   // Parsed once; a bundled table that does not parse is a build error, which the tests catch.
   static const std::vector<GemmTuningRule> table = parse_gemm_tuning(gemm_tuning_json(), "templates/gemm_tuning.json");
   const int64_t sms = device_model(arch).sms;
+  const std::string family = arch_or_throw(arch, "the target architecture").family();  // sm_90 rules hold for sm_90a
   // Full waves of 128 x 128 tiles: as many blocks as the SMs hold, at one block an SM.
   const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches, waves = large_tiles / sms;
   for (const GemmTuningRule& rule : table)
-    if (rule.tf32 == tf32 && (rule.arch == "any" || rule.arch == arch) && waves >= rule.min_waves)
+    if (rule.tf32 == tf32 && (rule.arch == "any" || rule.arch == family) && waves >= rule.min_waves)
       return with_split_k(rule.tile, rule.max_split_k, M, N, K, batches, sms);
   return refuse("no rule of the tuning table matches");  // unreachable: the last rule matches everything
 }

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "arch.h"
+
 namespace cudagen {
 
 DeviceModel device_model(const std::string& arch) {
@@ -17,7 +19,8 @@ DeviceModel device_model(const std::string& arch) {
   // 64 FMA on the SIMT mainloop, taken at 60% of the f32 peak: 67 TFLOP/s on
   // an H100 SXM, 19.5 on an A100), not yet measured. Bandwidth: 90% of the
   // HBM peak.
-  if (arch == "sm_80" || arch == "sm_86" || arch == "sm_87" || arch == "sm_89")
+  const std::optional<Arch> a = parse_arch(arch);
+  if (a && a->major == 8)
     return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 40e12, 0.6 * 19.5e12, 10e12, 2.5e-6};
   return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 60e12, 0.6 * 67e12, 14e12, 2.5e-6};
 }

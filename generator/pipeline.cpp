@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "arch.h"
 #include "derive.h"
 #include "describe.h"
 #include "file_util.h"
@@ -146,6 +147,13 @@ Compiled compile(Program program, const CompileOptions& options) {
 }
 
 Compiled plan_program(Program program, const CompileOptions& options) {
+  std::string why_not_arch;
+  if (!parse_arch(options.emit.arch, &why_not_arch)) {
+    Diagnostics diags;
+    diags.add(Diagnostic{{}, {}, {}, {}, {}, "the target architecture (--arch): " + why_not_arch,
+                         "name the GPU's architecture, such as sm_80 (A100), sm_89 (L4), sm_90a (H100, H200)"});
+    throw CompileError(std::move(diags));
+  }
   Compiled c;
   c.options = options;
   c.program = std::move(program);

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "arch.h"
 #include "nvrtc.h"
 
 namespace cudagen {
@@ -141,7 +142,7 @@ GpuInfo describe_device(const DriverApi& api, int ordinal, CUdevice* device) {
                 "reading the compute capability");
   CUDAGEN_CHECK(api, cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, *device),
                 "reading the compute capability");
-  info.arch = fmt::format("sm_{}{}", major, minor);
+  info.arch = arch_for_device(major, minor).name();
   CUDAGEN_CHECK(api, cuDriverGetVersion(&info.driver_version), "reading the driver version");
   return info;
 }

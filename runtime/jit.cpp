@@ -22,7 +22,7 @@ const char* to_string(Backend backend) {
   return "?";
 }
 
-Backend choose_backend(Backend requested, int device, std::string* why) {
+Backend choose_backend(Backend requested, int device, std::string* why, GpuInfo* gpu_found) {
   if (requested == Backend::emulation) {
     *why = "running in the host emulation (asked for)";
     return requested;
@@ -31,6 +31,7 @@ Backend choose_backend(Backend requested, int device, std::string* why) {
     GpuInfo gpu = find_gpu(device);
     *why = fmt::format("running on GPU {}: {} ({}, driver {}.{})", gpu.ordinal, gpu.name, gpu.arch,
                        gpu.driver_version / 1000, gpu.driver_version % 1000 / 10);
+    if (gpu_found != nullptr) *gpu_found = gpu;
     return Backend::gpu;
   } catch (const DriverError& e) {
     if (requested == Backend::gpu) throw;
@@ -57,8 +58,12 @@ void say(const JitOptions& options, const std::string& line) {
 JitProgram::State build(Program program, JitOptions options) {
   JitProgram::State s;
   std::string why;
-  s.backend = choose_backend(options.backend, options.gpu.device, &why);
+  GpuInfo gpu;
+  s.backend = choose_backend(options.backend, options.gpu.device, &why, &gpu);
   say(options, why);
+  // On a GPU the generated code targets it (its tuning, its Hopper path),
+  // unless options.gpu.arch names another: one architecture for both.
+  if (s.backend == Backend::gpu) options.compile.emit.arch = options.gpu.arch.empty() ? gpu.arch : options.gpu.arch;
   if (s.backend == Backend::emulation && options.compile.emit.megakernel && options.compile.emit.megakernel_blocks == 0) {
     options.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;
     say(options, fmt::format("megakernel: {} blocks in the host emulation (megakernel_blocks sets it)",

@@ -31,8 +31,9 @@ enum class Backend { automatic, gpu, emulation };
 const char* to_string(Backend backend);
 
 // Resolves Backend::automatic: the GPU when the driver finds device
-// `device`, else the emulation; `why` receives a line saying which and why.
-Backend choose_backend(Backend requested, int device, std::string* why);
+// `device`, else the emulation; `why` receives a line saying which and why,
+// `gpu_found` the GPU where it is one.
+Backend choose_backend(Backend requested, int device, std::string* why, GpuInfo* gpu_found = nullptr);
 
 // A megakernel's blocks in the host emulation when the options leave the
 // count to the device (megakernel_blocks 0): every block's threads run at once

@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "arch.h"
 #include "describe.h"
 #include "emit.h"
 #include "diagnostics.h"
@@ -47,6 +48,7 @@ struct Cli {
   std::string cu_path;
   bool ptx = false;
   bool check_each_task = false;
+  bool arch_given = false;  // --arch on the command line
   bool markdown = false;
   bool json = false;
   std::string inputs_dir;
@@ -144,8 +146,19 @@ int run_format(const Cli& cli) {
   return kExitOk;
 }
 
+// --arch's check: the parser's reason, which names the fix.
+const CLI::Validator kArchitecture(
+    [](std::string& name) {
+      std::string why;
+      return parse_arch(name, &why) ? std::string() : why;
+    },
+    "sm_XY[a]");
+
 void add_compile_options(CLI::App* cmd, Cli& cli) {
-  cmd->add_option("--arch", cli.compile.emit.arch, "target architecture recorded in the file (sm_80, sm_90, ...)")
+  cmd->add_option("--arch", cli.compile.emit.arch,
+                  "target architecture: tuning, device model and megakernel size (sm_80, sm_89, sm_90a, ...; the "
+                  "JIT uses its GPU's)")
+      ->check(kArchitecture)
       ->capture_default_str();
   cmd->add_flag("--allow-tf32", cli.compile.emit.allow_tf32,
                 "run f32 matmuls and f32 attention on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded "
@@ -237,10 +250,18 @@ void write_profile(const Cli& cli, const RunOptions& run_options, const Compiled
 int run_run(Cli& cli) {
   if (cli.emulate && cli.gpu) throw std::runtime_error("give --emulate or --gpu, not both");
   std::string why;
+  GpuInfo gpu;
   const Backend backend =
       choose_backend(cli.emulate ? Backend::emulation : cli.gpu ? Backend::gpu : Backend::automatic,
-                     cli.gpu_options.device, &why);
+                     cli.gpu_options.device, &why, &gpu);
   fmt::print("{}\n", why);
+  // On a GPU, --arch (when given) is what NVRTC compiles for too; else the GPU's own.
+  if (backend == Backend::gpu) {
+    if (cli.arch_given)
+      cli.gpu_options.arch = cli.compile.emit.arch;
+    else
+      cli.compile.emit.arch = gpu.arch;
+  }
   if (backend == Backend::emulation && cli.compile.emit.megakernel && cli.compile.emit.megakernel_blocks == 0) {
     cli.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;
     fmt::print("megakernel: {} blocks in the host emulation (--megakernel-blocks sets it)\n", kEmulatedMegakernelBlocks);
@@ -481,7 +502,9 @@ int main_impl(int argc, char** argv) {
                     "also check every task against the reference computed from its actual inputs (implies --no-reuse)");
   auto* nvrtc_cmd = app.add_subcommand("nvrtc", "compile a generated .cu in-process with NVRTC (no GPU needed)");
   nvrtc_cmd->add_option("CU", cli.cu_path, "the .cu file")->required()->check(CLI::ExistingFile);
-  nvrtc_cmd->add_option("--arch", cli.compile.emit.arch, "GPU architecture")->capture_default_str();
+  nvrtc_cmd->add_option("--arch", cli.compile.emit.arch, "GPU architecture (sm_90a for Hopper's wgmma path)")
+      ->check(kArchitecture)
+      ->capture_default_str();
   nvrtc_cmd->add_flag("--ptx", cli.ptx, "emit PTX instead of a CUBIN");
   nvrtc_cmd->add_option("-o,--output", cli.output_path, "write the CUBIN (or PTX) here");
   auto* plan_cmd = app.add_subcommand(
@@ -514,6 +537,7 @@ int main_impl(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    cli.arch_given = run_cmd->count("--arch") > 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

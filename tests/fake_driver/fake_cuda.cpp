@@ -92,8 +92,12 @@ CUresult fake_cuDeviceGet(CUdevice* d, int ordinal) {
   return CUDA_SUCCESS;
 }
 CUresult fake_cuDeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice) {
-  if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = 9;
-  else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = 0;
+  // FAKE_CUDA_CC ("8.9"): the compute capability; an H100's 9.0 by default.
+  const char* cc = std::getenv("FAKE_CUDA_CC");
+  const int major = cc != nullptr ? std::atoi(cc) : 9;
+  const int minor = cc != nullptr && std::strchr(cc, '.') != nullptr ? std::atoi(std::strchr(cc, '.') + 1) : 0;
+  if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) *value = major;
+  else if (attribute == CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) *value = minor;
   else if (attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
     *value = std::getenv("FAKE_CUDA_SMS") ? std::atoi(std::getenv("FAKE_CUDA_SMS")) : 132;
   else return CUDA_ERROR_INVALID_VALUE;

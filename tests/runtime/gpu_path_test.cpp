@@ -53,6 +53,7 @@ class GpuPath : public ::testing::Test {
     ::unsetenv("FAKE_CUDA_MISSING");
     ::unsetenv("FAKE_CUDA_DEVICES");
     ::unsetenv("FAKE_CUDA_FREE_BYTES");
+    ::unsetenv("FAKE_CUDA_CC");
     cache_ = fs::temp_directory_path() / ("cudagen_gpu_path_test_" + std::to_string(::getpid()));
     options_.cache_dir = cache_.string();
     fake_log();
@@ -85,7 +86,7 @@ class GpuPath : public ::testing::Test {
 TEST_F(GpuPath, FindsTheDeviceThroughTheDriver) {
   GpuInfo gpu = find_gpu(0);
   EXPECT_EQ(gpu.name, "Fake GPU");
-  EXPECT_EQ(gpu.arch, "sm_90");
+  EXPECT_EQ(gpu.arch, "sm_90a");
   EXPECT_EQ(gpu.driver_version, 13000);
   ::setenv("FAKE_CUDA_DEVICES", "0", 1);
   {
@@ -97,13 +98,38 @@ TEST_F(GpuPath, FindsTheDeviceThroughTheDriver) {
   EXPECT_THROW(find_gpu(3), DriverError);
 }
 
+// Each device gets its own target (issue #38): sm_90a, Hopper's wgmma
+// instruction set, on compute capability 9.0 alone; the plain sm_XY
+// elsewhere (sm_80, sm_89, and sm_100 and later, which have no wgmma). The
+// JIT generates code for that target and NVRTC compiles it for it.
+TEST_F(GpuPath, EachComputeCapabilityGetsItsOwnTarget) {
+  struct Case {
+    const char* cc;
+    const char* arch;
+  };
+  for (const Case& c : {Case{"8.0", "sm_80"}, Case{"8.9", "sm_89"}, Case{"9.0", "sm_90a"}, Case{"10.0", "sm_100"},
+                        Case{"12.0", "sm_120"}}) {
+    ::setenv("FAKE_CUDA_CC", c.cc, 1);
+    EXPECT_EQ(find_gpu(0).arch, c.arch) << c.cc;
+    JitOptions options;
+    options.backend = Backend::gpu;
+    options.gpu.cache_dir = cache_.string();
+    const JitProgram program = JitProgram::from_file(source_path("examples/mlp_forward.json"), options);
+    EXPECT_EQ(program.compiled().options.emit.arch, c.arch) << c.cc;
+    EXPECT_NE(program.build_report().find(fmt::format("NVRTC for {}:", c.arch)), std::string::npos)
+        << c.cc << ": " << program.build_report();
+    EXPECT_NE(program.cuda_source().find(fmt::format("// Options: arch={} ", c.arch)), std::string::npos)
+        << c.cc << ": the file records its target";
+  }
+}
+
 TEST_F(GpuPath, LaunchesEveryKernelOfAPhaseWithThePlansGeometryAndOffsets) {
   Compiled c = compiled("examples/mlp_forward.json");
   GpuCode code = compile_for_gpu(c, options_);
-  EXPECT_EQ(code.report.arch, "sm_90");  // the device's
+  EXPECT_EQ(code.report.arch, "sm_90a");  // the device's: Hopper's wgmma target
   EXPECT_EQ(code.report.cache, CacheOutcome::miss);
   std::unique_ptr<Executor> gpu = make_gpu_executor(c, code, options_);
-  EXPECT_EQ(gpu->where(), "GPU 0: Fake GPU (sm_90)");
+  EXPECT_EQ(gpu->where(), "GPU 0: Fake GPU (sm_90a)");
   fake_log();
   gpu->run("cudagen_forward");
   const std::string log = fake_log();

@@ -74,6 +74,12 @@ TEST_F(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(run("validate").status, 2);
   EXPECT_EQ(run("validate /no/such/file.json").status, 2);
   EXPECT_EQ(run("describe --error-limit notanumber x.json").status, 2);
+  // --arch names the form it takes.
+  const CliResult arch = run("compile " + source_path("examples/mlp_forward.json") + " --arch sm90");
+  EXPECT_EQ(arch.status, 2);
+  EXPECT_NE(arch.err.find("'sm90' is not an architecture: write sm_ and the compute capability's digits"),
+            std::string::npos)
+      << arch.err;
 }
 
 TEST_F(Cli, HelpAndVersion) {

@@ -1,0 +1,92 @@
+// Target architectures (generator/arch.h): the names cudagen accepts, the
+// target it picks for each compute capability, and the errors that name the
+// fix. The runtime's side (a fake device of each compute capability) is in
+// tests/runtime/gpu_path_test.cpp.
+#include <gtest/gtest.h>
+
+#include "arch.h"
+#include "builder.h"
+#include "diagnostics.h"
+#include "pipeline.h"
+
+using namespace cudagen;
+
+TEST(Arch, ParsesEveryTargetNameAndItsFamily) {
+  struct Case {
+    const char* name;
+    int major, minor;
+    bool specific, wgmma;
+  };
+  for (const Case& c : {Case{"sm_75", 7, 5, false, false}, Case{"sm_80", 8, 0, false, false},
+                        Case{"sm_89", 8, 9, false, false}, Case{"sm_90", 9, 0, false, false},
+                        Case{"sm_90a", 9, 0, true, true}, Case{"sm_100", 10, 0, false, false},
+                        Case{"sm_100a", 10, 0, true, false}, Case{"sm_120", 12, 0, false, false}}) {
+    const std::optional<Arch> a = parse_arch(c.name);
+    ASSERT_TRUE(a) << c.name;
+    EXPECT_EQ(a->major, c.major) << c.name;
+    EXPECT_EQ(a->minor, c.minor) << c.name;
+    EXPECT_EQ(a->specific, c.specific) << c.name;
+    EXPECT_EQ(a->has_wgmma(), c.wgmma) << c.name << ": wgmma is sm_90a's alone";
+    EXPECT_EQ(a->name(), c.name);
+    EXPECT_EQ(a->family(), std::string(c.name).substr(0, std::string(c.name).size() - (c.specific ? 1 : 0)));
+  }
+}
+
+TEST(Arch, RefusesWhatIsNoArchitectureAndSaysHowToWriteOne) {
+  for (const char* bad : {"sm90", "compute_90", "sm_9", "sm_90b", "sm_", "", "SM_90", "sm_1000", "90a"}) {
+    std::string why;
+    EXPECT_FALSE(parse_arch(bad, &why)) << bad;
+    EXPECT_NE(why.find("sm_"), std::string::npos) << bad << ": " << why;
+  }
+  std::string why;
+  EXPECT_FALSE(parse_arch("sm_70", &why));
+  EXPECT_NE(why.find("sm_75 and later"), std::string::npos) << why;
+  try {
+    arch_or_throw("sm90", "--arch");
+    FAIL() << "sm90 parsed";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--arch: 'sm90' is not an architecture"), std::string::npos) << e.what();
+  }
+}
+
+// Hopper's wgmma path needs the architecture-specific target, which runs on
+// compute capability 9.0 alone: every other device gets its plain sm_XY.
+TEST(Arch, EachComputeCapabilityGetsItsOwnTarget) {
+  EXPECT_EQ(arch_for_device(7, 5).name(), "sm_75");
+  EXPECT_EQ(arch_for_device(8, 0).name(), "sm_80");
+  EXPECT_EQ(arch_for_device(8, 6).name(), "sm_86");
+  EXPECT_EQ(arch_for_device(8, 9).name(), "sm_89");
+  EXPECT_EQ(arch_for_device(9, 0).name(), "sm_90a");
+  EXPECT_TRUE(arch_for_device(9, 0).has_wgmma());
+  EXPECT_EQ(arch_for_device(10, 0).name(), "sm_100");
+  EXPECT_FALSE(arch_for_device(10, 0).has_wgmma()) << "Blackwell has no wgmma: the sm_80 path";
+  EXPECT_EQ(arch_for_device(12, 0).name(), "sm_120");
+}
+
+// A compile for a name that is no architecture stops before any pass with
+// the reason; sm_90a compiles as sm_90 does (its tuning rules are sm_90's).
+TEST(Arch, CompileRefusesABadArchitectureAndTakesSm90a) {
+  GraphBuilder b("arch");
+  auto mm = b.task("mm", "matmul")
+                .tensor("a", DType::bf16, {4096, 768}, Storage::external)
+                .tensor("b", DType::bf16, {768, 768}, Storage::external)
+                .tensor("out", DType::bf16, {4096, 768}, Storage::external);
+  TaskGraph graph = std::move(b).graph();
+  CompileOptions options;
+  options.emit.arch = "sm90";
+  try {
+    compile(load_program(graph, {}), options);
+    FAIL() << "compiled for sm90";
+  } catch (const CompileError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the target architecture (--arch): 'sm90' is not an architecture"), std::string::npos) << what;
+    EXPECT_NE(what.find("sm_90a (H100, H200)"), std::string::npos) << what;
+  }
+  options.emit.arch = "sm_90";
+  const Compiled sm90 = compile(load_program(graph, {}), options);
+  options.emit.arch = "sm_90a";
+  const Compiled sm90a = compile(load_program(graph, {}), options);
+  ASSERT_EQ(sm90.emitted.kernels.size(), 1u);
+  ASSERT_EQ(sm90a.emitted.kernels.size(), 1u);
+  EXPECT_EQ(sm90.emitted.kernels[0].matmul_path, sm90a.emitted.kernels[0].matmul_path);
+}
