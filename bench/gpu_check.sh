@@ -28,6 +28,9 @@
 #    (the check of its rounding: half an ulp added, the tensor core truncating), each result
 #    checked (bench/gemm/gemm_bench.cu), and under compute-sanitizer (memcheck, racecheck,
 #    synccheck);
+#  - the Hopper mainloop (templates/gemm_sm90.cuh: TMA, mbarriers, wgmma; sm_90a) against cuBLAS at
+#    4096^3 and a decoder block's shapes, each result checked (bench/gemm/hopper_bench.cu), and under
+#    compute-sanitizer (memcheck, racecheck, synccheck);
 #  - the same decoder block at B1 x T64 in bf16 (split-K on its projections): prediction and profile;
 #  - flash attention alone (bench/attention_graph.py) at B8 x H12 x T 512/2048/8192, heads of 64, causal and
 #    not, beside PyTorch's SDPA on its flash backend (bench/attention_torch.py); then trained (--train: the
@@ -135,6 +138,14 @@ timed_check 60 "compute-sanitizer racecheck: gemm_bench --quick" compute-sanitiz
   "$kit/bin/gemm_bench" --quick
 timed_check 40 "compute-sanitizer synccheck: gemm_bench --quick" compute-sanitizer --tool synccheck --error-exitcode 1 \
   "$kit/bin/gemm_bench" --quick
+# The Hopper mainloop (templates/gemm_sm90.cuh: TMA, mbarriers, wgmma) against cuBLAS, each shape
+# checked; the emulator's model of TMA and wgmma meets the hardware here first. Then the sanitizers.
+timed_check 40 "hopper_bench: wgmma mainloop checked against cuBLAS" \
+  sh -c "\"$kit/bin/hopper_bench\" > \"$log/hopper.txt\" 2>&1 || { tail -4 \"$log/hopper.txt\"; exit 1; }"
+for tool in memcheck racecheck synccheck; do
+  timed_check 40 "compute-sanitizer $tool: hopper_bench --quick" compute-sanitizer --tool $tool --error-exitcode 1 \
+    "$kit/bin/hopper_bench" --quick
+done
 
 # The benchmarks below print tables, not checks: each runs only while the whole script stays
 # inside the device tool's 10 minutes (it says so where it skips one).
@@ -297,6 +308,9 @@ fi
 echo
 echo "GEMM mainloops (issue #35, templates/gemm.cuh) against cuBLAS, bf16 then f32, median of 15 runs over rotating operands:"
 cat "$log/gemm.txt" 2>/dev/null || echo "skipped: gemm_bench did not run"
+echo
+echo "The Hopper mainloop (issue #38, templates/gemm_sm90.cuh) against cuBLAS, bf16, median of 15 runs:"
+cat "$log/hopper.txt" 2>/dev/null || echo "skipped: hopper_bench did not run"
 failed=0
 for r in "${rows[@]}"; do case "${r#*|}" in FAILED*) failed=1 ;; esac; done
 exit $failed

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what bench/gpu_check.sh runs on the device machine into gpu-kit/ (a
 # few MB; the build tree is far over the device tool's 64 MiB carry limit):
-# the installed cudagen, stripped; jit_mlp; bench_megakernel; gemm_bench (bench/gemm); the numerical tests
+# the installed cudagen, stripped; jit_mlp; bench_megakernel; gemm_bench and hopper_bench (bench/gemm); the numerical tests
 # (cudagen_emulation_tests, run there with CUDAGEN_TEST_BACKEND=gpu); examples/aot built with nvcc
 # against that install; and libfmt, which the device image lacks.
 #
@@ -30,6 +30,7 @@ rm -f "$kit"/lib/libcudagen_{runtime,generator,model}.a
 # The GEMM mainloop's benchmark against cuBLAS (nvcc here; the device has libcublas).
 cmake --build "$build" --target gemm_bench > /dev/null
 cp "$build/bench/gemm-bench/gemm_bench" "$kit/bin/gemm_bench"
+cp "$build/bench/gemm-bench/hopper_bench" "$kit/bin/hopper_bench"
 for lib in $(ldd "$kit/bin/cudagen" "$kit/bin/cudagen_emulation_tests" "$kit/bin/bench_megakernel" | awk '/libfmt|libgtest|libboost_context/ {print $3}' | sort -u); do
   cp -L "$lib" "$kit/lib/"
 done

@@ -26,15 +26,15 @@
 
 // A shared-memory address as the PTX instructions take it: 32 bits in the
 // .shared window on the device (computed once per tile: a generic pointer
-// costs each access a conversion), and in the host emulation the offset
-// into the block's dynamic shared memory, which cg_smem_pointer turns back.
+// costs each access a conversion), and in the host emulation the
+// emulator's (cudagen_emu::shared_address), which cg_smem_pointer turns back.
 CG_DEVICE unsigned int cg_smem_address(const void* p) {
 #ifdef __CUDA_ARCH__
   unsigned int address;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
   return address;
 #elif defined(CUDAGEN_EMULATION)
-  return (unsigned int)((const unsigned char*)p - cudagen_emu::dynamic_smem());
+  return cudagen_emu::shared_address(p);
 #else
   (void)p;
   return 0;
@@ -48,7 +48,7 @@ CG_DEVICE unsigned char* cg_smem_pointer(unsigned int address) {
   asm("{ .reg .u64 a; cvt.u64.u32 a, %1; cvta.shared.u64 %0, a; }" : "=l"(p) : "r"(address));
   return (unsigned char*)p;
 #elif defined(CUDAGEN_EMULATION)
-  return cudagen_emu::dynamic_smem() + address;
+  return cudagen_emu::shared_pointer(address);
 #else
   (void)address;
   return (unsigned char*)0;

@@ -23,24 +23,8 @@
 
 #include "../../templates/prelude.cuh"
 #include "../../templates/gemm.cuh"
+#include "bench_util.h"
 
-#define CHECK_CUDA(call)                                                                          \
-  do {                                                                                            \
-    cudaError_t e_ = (call);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-#define CHECK_CUBLAS(call)                                                              \
-  do {                                                                                  \
-    cublasStatus_t s_ = (call);                                                         \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
-      std::fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, \
-                   int(s_));                                                            \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 // D (M x N, row-major, bf16) = A B; A is M x K stored K-contiguous (lda = K),
 // or with A_T stored as K x M (lda = M); B is K x N stored N-contiguous (ldb
@@ -190,19 +174,6 @@ Variant variant(const char* name) {
   return {name, C::THREADS, cg_gemm_shared<C, cg_bf16>::bytes, BM, BN, &launch_any<C>};
 }
 
-static unsigned short float_to_bf16(float f) {  // round to nearest even; finite inputs
-  unsigned int bits;
-  std::memcpy(&bits, &f, 4);
-  return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static float bf16_to_float(unsigned short h) {
-  unsigned int bits = (unsigned int)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   std::vector<Shape> shapes = {
@@ -241,44 +212,18 @@ int main(int argc, char** argv) {
 
   const size_t max_elems = size_t(4096) * 4096;
   const int sets = 3;  // 3 x 64 MiB of operands rotate: more than the 50 MB L2
-  std::vector<cg_bf16*> as(sets), bs(sets);
   cg_bf16* d;
   float* ref;
   CHECK_CUDA(cudaMalloc(&d, max_elems * 2));
   CHECK_CUDA(cudaMalloc(&ref, max_elems * 4));
   std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<unsigned short> host(max_elems);
-  for (int s = 0; s < sets; ++s) {
-    CHECK_CUDA(cudaMalloc(&as[s], max_elems * 2));
-    CHECK_CUDA(cudaMalloc(&bs[s], max_elems * 2));
-    for (cg_bf16** p : {&as[s], &bs[s]}) {
-      for (auto& h : host) h = float_to_bf16(normal(rng));
-      CHECK_CUDA(cudaMemcpy(*p, host.data(), max_elems * 2, cudaMemcpyHostToDevice));
-    }
-  }
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<unsigned short> out(max_elems);
+  std::vector<cg_bf16*> as, bs;
+  for (void* p : random_bf16_sets(sets, max_elems, rng)) as.push_back((cg_bf16*)p);
+  for (void* p : random_bf16_sets(sets, max_elems, rng)) bs.push_back((cg_bf16*)p);
+  std::vector<unsigned short> host(max_elems), out(max_elems);
   std::vector<float> want(max_elems);
-
-  auto median_ms = [&](auto&& one) {
-    for (int i = 0; i < (quick ? 1 : 3); ++i) one(i % sets);
-    std::vector<float> ms;
-    for (int i = 0; i < (quick ? 1 : 15); ++i) {
-      CHECK_CUDA(cudaEventRecord(start));
-      one(i % sets);
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      CHECK_CUDA(cudaGetLastError());
-      float t;
-      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-  };
+  auto timed = [&](auto&& one) { return median_ms(quick ? 1 : 3, quick ? 1 : 15, sets, one); };
   // ||got - want|| / ||want||, or -1 when an element is not finite (unwritten: poison).
   auto relative_error = [&](const Shape& s) {
     const size_t n = size_t(s.M) * s.N;
@@ -313,7 +258,7 @@ int main(int argc, char** argv) {
     cublas(0);
     CHECK_CUDA(cudaDeviceSynchronize());
     const double cublas_err = relative_error(s);
-    const float cublas_ms = median_ms(cublas);
+    const float cublas_ms = timed(cublas);
     std::printf("%-32s %-20s %9.4f %9.1f %9s %8s %10.2e\n", s.name, "cuBLAS", cublas_ms, flops / cublas_ms / 1e9, "1.00x",
                 "", cublas_err);
     for (const Variant& v : variants) {
@@ -322,7 +267,7 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaGetLastError());
       CHECK_CUDA(cudaDeviceSynchronize());
       const double err = relative_error(s);
-      const float ms = median_ms([&](int set) { v.launch(as[set], bs[set], d, s); });
+      const float ms = timed([&](int set) { v.launch(as[set], bs[set], d, s); });
       // bf16 output: rounding alone gives about 2^-9 / sqrt(3); 1e-2 is the bf16 bound (docs/architecture.md §9).
       const bool ok = err >= 0 && err < 1e-2;
       failures += !ok;
@@ -395,7 +340,7 @@ int main(int argc, char** argv) {
       cublas(0);
       CHECK_CUDA(cudaDeviceSynchronize());
       const double cublas_err = f32_error(s);
-      const float cublas_ms = median_ms(cublas);
+      const float cublas_ms = timed(cublas);
       std::printf("%-32s %-24s %9.4f %9.1f %9s %8s %10.2e\n", s.name, cublas_name, cublas_ms, flops / cublas_ms / 1e9,
                   "1.00x", "", cublas_err);
       for (const SgemmVariant& v : variants) {
@@ -404,7 +349,7 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaGetLastError());
         CHECK_CUDA(cudaDeviceSynchronize());
         const double err = f32_error(s);
-        const float ms = median_ms([&](int set) { v.launch(fa[set], fb[set], fd, s); });
+        const float ms = timed([&](int set) { v.launch(fa[set], fb[set], fd, s); });
         const bool ok = err >= 0 && err < bound;
         wrong += !ok;
         std::printf("%-32s %-24s %9.4f %9.1f %8.2fx %8.2e %10s%s\n", s.name, v.name, ms, flops / ms / 1e9,

@@ -37,6 +37,7 @@ using std::tanh;
 #define __restrict__ __restrict
 #define __shared__ static
 #define __align__(n) alignas(n)
+#define __grid_constant__
 
 struct dim3 {
   unsigned x, y, z;
@@ -101,6 +102,59 @@ bool check_shared_read(const void* smem, unsigned long long bytes);
 // This lane's part of a warp-wide shared-memory request (an ldmatrix row),
 // for the bank counters; cp.async notes its own.
 void note_shared_request(const void* smem, unsigned bytes);
+
+// The shared-memory window as PTX addresses it (32-bit .shared addresses):
+// the block's dynamic shared memory starts at address 16, the alignment
+// CUDA guarantees and no more, so a kernel that needs a 1024-byte boundary
+// (the 128-byte swizzle of TMA and wgmma) must round up itself, as on a GPU.
+unsigned shared_address(const void* smem);
+unsigned char* shared_pointer(unsigned address);
+
+// ---- Hopper (sm_90a): transaction barriers, TMA, wgmma ----
+//
+// mbarrier, exactly: init sets the arrivals a phase expects; each arrival
+// counts one down, expect_tx adds bytes a phase must also receive, a TMA
+// copy's landing (complete_tx) takes its bytes off; the phase completes
+// when both reach zero. A wait on parity p returns once the phase of that
+// parity has completed (the barrier's current phase parity differs from p).
+// Reported: use before init, more arrivals or bytes than a phase expects, a
+// wait that nothing will ever complete (with the barrier's state).
+void mbarrier_init(void* bar, unsigned arrivals);
+void mbarrier_expect_tx(void* bar, unsigned bytes);
+void mbarrier_arrive(void* bar);
+void mbarrier_wait(void* bar, unsigned parity);
+
+// A TMA tensor map as the emulator reads it: what cuTensorMapEncodeTiled
+// takes for a 2-D tiled map, checked against the driver's documented limits
+// (a 16-byte aligned base, row strides in whole 16 bytes, boxes of 1 to 256
+// elements a side whose rows are whole 16 bytes, the inner box no wider
+// than the swizzle span). Returns "" or why the driver would refuse it.
+enum class TensorSwizzle { none = 0, span32 = 32, span64 = 64, span128 = 128 };
+const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                                 unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
+                                 unsigned box_height, TensorSwizzle swizzle);
+// cp.async.bulk.tensor.2d: the box at element (x, y) of the map into shared
+// memory at `dst` (its rows of box_width elements, swizzled), elements
+// outside the tensor as zeros; lands at a seeded later point, then takes
+// the box's bytes (out-of-bounds ones included) off `bar`'s transactions.
+// Until it lands its bytes read as poison; a wgmma or a TMA copy that
+// touches them, or a copy into a stage an in-flight wgmma still reads, is
+// reported.
+void tma_load_2d(void* dst, const void* map, int x, int y, void* bar);
+
+// wgmma.mma_async m64nNk16 with f32 accumulators, both operands in shared
+// memory through their descriptors (A K-major, B K-major or with trans_b
+// N-major; no swizzle or a 32, 64 or 128-byte one), f16 (bf16 = false) or
+// bf16. The calling thread's n / 2
+// accumulators `d` (the wgmma fragment layout: thread t of the warpgroup
+// holds rows 16 (t / 32) + (t % 32) / 4 (+ 8), columns 8 j + 2 (t % 4) (+ 1))
+// read as NaN until a wgmma.wait_group covers the group it is committed
+// in; a later wgmma on the same accumulators chains on the pending values,
+// as the tensor core does.
+void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
+           bool trans_b);
+void wgmma_commit();
+void wgmma_wait(int most_in_flight);
 
 // False (and the first error recorded) when element `index` of the tensor
 // that `base` points into is out of bounds; counts the bytes otherwise.

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -36,8 +37,48 @@ struct AsyncCopy {
   bool landed;
 };
 
+// A wgmma in flight: the accumulators it will write where a wait covers its
+// group (-1 until wgmma.commit_group), and the shared bytes its operands
+// read (no copy may land there before then).
+struct PendingWgmma {
+  float* d;
+  std::vector<float> values;
+  long long group;
+  std::vector<std::pair<const unsigned char*, const unsigned char*>> reads;  // [first, last) of each operand
+};
+
+// An mbarrier (sm_90's transaction barrier), by its shared address.
+struct Mbarrier {
+  unsigned expected = 0;  // arrivals a phase expects
+  unsigned pending = 0;   // arrivals still to come in the phase in progress
+  long long tx = 0;       // bytes still to come in it (expect_tx adds, a landing copy takes off)
+  unsigned phase = 0;     // phases completed
+};
+
+// A TMA copy in flight: the bytes it will land at dst (the swizzled box,
+// read when issued), and the barrier whose transactions it completes.
+struct TmaCopy {
+  unsigned block;
+  unsigned char* dst;
+  std::vector<unsigned char> image;
+  unsigned char* bar;
+};
+
+// What a tensor map's 128 bytes hold in the emulation (encode_tensor_map_2d).
+struct TensorMapShadow {
+  unsigned magic;
+  unsigned element_bytes;
+  const unsigned char* base;
+  unsigned long long width, height, row_stride;
+  unsigned box_width, box_height;
+  unsigned swizzle;  // bytes of the span; 0: none
+};
+constexpr unsigned kTensorMapMagic = 0x636d6170u;
+// Where the block's dynamic shared memory starts in the .shared window.
+constexpr unsigned kSharedWindowBase = 16;
+
 struct Fiber {
-  enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Spinning, Done };
+  enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Spinning, AtMbarrier, Done };
   fctx::fcontext_t ctx = nullptr;
   ThreadContext thread{};
   State state = State::Ready;
@@ -51,6 +92,11 @@ struct Fiber {
   bool arrived = false;
   std::vector<AsyncCopy> copies;  // its cp.async not yet waited for
   long long next_group = 0;       // the group its next cp.async.commit_group closes
+  // While AtMbarrier: the barrier and the parity of the phase it waits for.
+  const unsigned char* mbarrier = nullptr;
+  unsigned parity = 0;
+  std::vector<PendingWgmma> wgmmas;  // not yet covered by a wgmma.wait_group
+  long long next_wgmma_group = 0;
   // How many global and checked shared accesses it has made: the k-th of
   // each lane of a warp make one warp-wide request (the lanes run in lockstep).
   unsigned long long load_seq = 0, store_seq = 0, shared_seq = 0;
@@ -316,6 +362,184 @@ class Emulator {
         {current_->shared_seq++, reinterpret_cast<uintptr_t>(smem), bytes, lane_of(current_)});
   }
 
+  unsigned shared_address(const void* smem) {
+    return unsigned(static_cast<const unsigned char*>(smem) - dynamic_smem()) + kSharedWindowBase;
+  }
+  unsigned char* shared_pointer(unsigned address) { return dynamic_smem() + (long long)address - kSharedWindowBase; }
+
+  // ---- mbarrier ----
+
+  void mbarrier_init(void* bar, unsigned arrivals) {
+    unsigned char* p = static_cast<unsigned char*>(bar);
+    if (!in_shared(p, 8, "mbarrier.init of")) return;
+    if (shared_address(p) % 8 != 0) {
+      fail("kernel %s: mbarrier at shared address %u, not 8-byte aligned", kernel_, shared_address(p));
+      return;
+    }
+    if (arrivals == 0 || arrivals > (1u << 20) - 1) {
+      fail("kernel %s: mbarrier.init with %u arrivals (1 to 2^20 - 1)", kernel_, arrivals);
+      return;
+    }
+    mbarriers_[p] = Mbarrier{arrivals, arrivals, 0, 0};
+  }
+
+  void mbarrier_expect_tx(void* bar, unsigned bytes) {
+    if (Mbarrier* b = find_mbarrier(bar, "mbarrier.expect_tx on")) b->tx += bytes;
+  }
+
+  void mbarrier_arrive(void* bar) {
+    Mbarrier* b = find_mbarrier(bar, "mbarrier.arrive on");
+    if (b == nullptr) return;
+    if (b->pending == 0) {
+      fail("kernel %s: an arrival on the mbarrier at shared address %u beyond the %u its phase expects",
+           kernel_, shared_address(bar), b->expected);
+      return;
+    }
+    --b->pending;
+    complete_phase(*b);
+  }
+
+  void mbarrier_wait(void* bar, unsigned parity) {
+    Mbarrier* b = find_mbarrier(bar, "mbarrier.try_wait on");
+    if (b == nullptr || (b->phase & 1u) != (parity & 1u)) return;  // that phase has completed
+    current_->mbarrier = static_cast<const unsigned char*>(bar);
+    current_->parity = parity & 1u;
+    wait(Fiber::State::AtMbarrier);
+  }
+
+  // ---- TMA ----
+
+  void tma_load_2d(void* dst, const void* map, int x, int y, void* bar) {
+    const TensorMapShadow& m = *static_cast<const TensorMapShadow*>(map);
+    if (m.magic != kTensorMapMagic) {
+      fail("kernel %s: cp.async.bulk.tensor with a tensor map that encode_tensor_map_2d did not make", kernel_);
+      return;
+    }
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    const unsigned long long box_bytes = (unsigned long long)m.box_width * m.box_height * m.element_bytes;
+    if (!in_shared(d, box_bytes, "TMA copy into")) return;
+    const unsigned address = shared_address(d);
+    if (address % 128 != 0) {
+      fail("kernel %s: TMA copy into shared address %u, not 128-byte aligned", kernel_, address);
+      return;
+    }
+    Mbarrier* b = find_mbarrier(bar, "cp.async.bulk.tensor completing on");
+    if (b == nullptr) return;
+    const unsigned block = current_->block;
+    if (const char* what = busy(block, d, d + box_bytes)) {
+      fail("kernel %s: a TMA copy into shared memory (addresses %u to %llu) that %s", kernel_, address,
+           address + box_bytes, what);
+      return;
+    }
+    TmaCopy copy{block, d, std::vector<unsigned char>(box_bytes, 0), static_cast<unsigned char*>(bar)};
+    const unsigned row_bytes = m.box_width * m.element_bytes;
+    for (unsigned j = 0; j < m.box_height; ++j) {
+      const long long gy = (long long)y + j;
+      for (unsigned i = 0; i < m.box_width; ++i) {
+        const long long gx = (long long)x + i;
+        const unsigned at = swizzled(address + j * row_bytes + i * m.element_bytes, m.swizzle) - address;
+        if (gx < 0 || gy < 0 || (unsigned long long)gx >= m.width || (unsigned long long)gy >= m.height) continue;
+        const unsigned char* src = m.base + gy * m.row_stride + gx * m.element_bytes;
+        if (!check_access(src, 0, m.element_bytes, false)) return;
+        std::memcpy(copy.image.data() + at, src, m.element_bytes);
+      }
+    }
+    std::memset(d, 0xFF, box_bytes);  // poison until it lands
+    tma_in_flight_.push_back(std::move(copy));
+  }
+
+  // ---- wgmma ----
+
+  void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
+             bool trans_b) {
+    Fiber* self = current_;
+    if (n < 8 || n > 256 || n % 8 != 0) {
+      fail("kernel %s: wgmma m64n%dk16 (n from 8 to 256, a multiple of 8)", kernel_, n);
+      return;
+    }
+    if (threads_ % 128 != 0) {
+      fail("kernel %s: wgmma in a block of %u threads, not whole warpgroups of 128", kernel_, threads_);
+      return;
+    }
+    const unsigned t = unsigned(local_index(self)) % 128, warp = t / 32, lane = t % 32;
+    // A wgmma on accumulators an earlier one still has in flight chains on
+    // its values, as the tensor core does.
+    const PendingWgmma* pending = nullptr;
+    for (const PendingWgmma& w : self->wgmmas)
+      if (w.d == d) pending = &w;
+    std::vector<float> values(size_t(n) / 2);
+    for (int i = 0; i < n / 2; ++i) values[size_t(i)] = pending != nullptr ? pending->values[size_t(i)] : d[i];
+    // The shared bytes each operand reads (A's 64 rows, B's n, 16 k each):
+    // no copy may be landing there, and none may start before a wait covers
+    // this wgmma.
+    const unsigned long long descs[2] = {desc_a, desc_b};
+    std::vector<std::pair<const unsigned char*, const unsigned char*>> reads;
+    for (int o = 0; o < 2; ++o) {
+      const int rows = o == 0 ? 64 : n;
+      const unsigned char* lo = nullptr;
+      const unsigned char* hi = nullptr;
+      // K-major: a 16-byte chunk holds 8 k of one row; MN-major: each element.
+      const bool mn_major = o == 1 && trans_b;
+      const int step = mn_major ? 1 : 8, width = mn_major ? 2 : 16;
+      for (int r = 0; r < rows; ++r)
+        for (int k = 0; k < 16; k += step) {
+          const unsigned char* p = shared_pointer(descriptor_address(descs[o], r, k, mn_major));
+          if (!in_shared(p, unsigned(width), o == 0 ? "a wgmma's read (A) of" : "a wgmma's read (B) of")) return;
+          lo = lo == nullptr || p < lo ? p : lo;
+          hi = hi == nullptr || p + width > hi ? p + width : hi;
+        }
+      if (const char* what = busy(self->block, lo, hi, /*wgmma_reads=*/false)) {
+        fail("kernel %s: a wgmma of thread %u reads its %s from shared memory (addresses %u to %u) that %s", kernel_,
+             unsigned(local_index(self)), o == 0 ? "A" : "B", shared_address(lo), shared_address(hi), what);
+        return;
+      }
+      reads.emplace_back(lo, hi);
+    }
+    // This thread's two rows of A and n / 4 columns of B, then its products.
+    auto element = [&](unsigned long long desc, int row, int k, bool mn_major) {
+      unsigned short bits;
+      std::memcpy(&bits, shared_pointer(descriptor_address(desc, row, k, mn_major)), 2);
+      return bf16 ? bf16_value(bits) : f16_value(bits);
+    };
+    float a[2][16];
+    std::vector<float> b(size_t(n) / 4 * 16);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 16; ++k) a[h][k] = element(desc_a, int(16 * warp + lane / 4 + 8 * h), k, false);
+    for (int c = 0; c < n / 4; ++c)
+      for (int k = 0; k < 16; ++k)
+        b[size_t(c) * 16 + size_t(k)] = element(desc_b, 8 * (c / 2) + int(2 * (lane % 4)) + c % 2, k, trans_b);
+    for (int i = 0; i < n / 2; ++i) {
+      // Register i: row 16 warp + lane / 4 (+ 8 for bit 1 of i), column 8 (i / 4) + 2 (lane % 4) + (i % 2).
+      const float* row = a[(i >> 1) & 1];
+      const float* col = b.data() + size_t(2 * (i >> 2) + (i & 1)) * 16;
+      float acc = scale_d ? values[size_t(i)] : 0.0f;
+      for (int k = 0; k < 16; ++k) acc += row[k] * col[k];
+      values[size_t(i)] = acc;
+    }
+    if (!error_.empty()) return;
+    self->wgmmas.push_back(PendingWgmma{d, std::move(values), -1, std::move(reads)});
+    for (int i = 0; i < n / 2; ++i) d[i] = std::nanf("");  // poison until a wait covers it
+  }
+
+  void wgmma_commit() {
+    Fiber* self = current_;
+    for (PendingWgmma& w : self->wgmmas)
+      if (w.group < 0) w.group = self->next_wgmma_group;
+    ++self->next_wgmma_group;
+  }
+
+  void wgmma_wait(int most_in_flight) {
+    Fiber* self = current_;
+    const long long complete_below = self->next_wgmma_group - most_in_flight;
+    auto done = [&](const PendingWgmma& w) { return w.group >= 0 && w.group < complete_below; };
+    // In issue order: the last completed wgmma on a set of accumulators
+    // leaves its values; one still in flight on them keeps them poisoned.
+    for (PendingWgmma& w : self->wgmmas)
+      if (done(w)) std::copy(w.values.begin(), w.values.end(), w.d);
+    std::erase_if(self->wgmmas, done);
+    for (PendingWgmma& w : self->wgmmas) std::fill(w.d, w.d + w.values.size(), std::nanf(""));
+  }
+
   bool check_vector_access(const void* p, unsigned bytes, bool write) {
     // Arena offsets: a GPU's arena starts on a 256-byte boundary.
     const uintptr_t offset = uintptr_t(static_cast<const unsigned char*>(p) - arena_);
@@ -371,6 +595,150 @@ class Emulator {
   }
 
  private:
+  // ---- Hopper helpers ----
+
+  Mbarrier* find_mbarrier(void* bar, const char* what) {
+    unsigned char* p = static_cast<unsigned char*>(bar);
+    if (!in_shared(p, 8, what)) return nullptr;
+    auto it = mbarriers_.find(p);
+    if (it != mbarriers_.end()) return &it->second;
+    const ThreadContext& c = current_->thread;
+    fail("kernel %s: %s the mbarrier at shared address %u before its mbarrier.init, by thread (%u, %u, %u) of block "
+         "(%u, %u, %u)",
+         kernel_, what, shared_address(p), c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x,
+         c.block_idx.y, c.block_idx.z);
+    return nullptr;
+  }
+
+  static void complete_phase(Mbarrier& b) {
+    if (b.pending != 0 || b.tx != 0) return;
+    ++b.phase;
+    b.pending = b.expected;
+  }
+
+  // The shared address of element (mn, k) of a wgmma operand of 16-bit
+  // elements (mn: A's row or B's column), in the PTX ISA's canonical layouts
+  // (T = 8 elements, 16 bytes; S the swizzle span in bytes):
+  //   K-major, no swizzle   ((8, m), (T, 2k)) : ((T, SBO), (1, LBO))
+  //   K-major, swizzled     ((8, m), (T, 2k)) : ((S / 2, SBO), (1, T))
+  //   MN-major, no swizzle  ((T, 1, m), (8, k)) : ((1, T, SBO), (T, LBO))
+  //   MN-major, swizzled    ((T, S / 16, m), (8, k)) : ((1, T, LBO), (S / 2, SBO))
+  // in elements, LBO and SBO in bytes; then, swizzled, the address's 16-byte
+  // chunk XORed with bits 7 and up (CuTe's Swizzle<log2(S / 16), 4, 3>, the
+  // pattern TMA writes).
+  static unsigned descriptor_address(unsigned long long desc, int mn, int k, bool mn_major) {
+    const unsigned start = unsigned(desc & 0x3fff) << 4, lbo = unsigned((desc >> 16) & 0x3fff) << 4,
+                   sbo = unsigned((desc >> 32) & 0x3fff) << 4;
+    const unsigned mode = unsigned(desc >> 62), m = unsigned(mn), kk = unsigned(k);
+    const unsigned span = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 0;
+    if (!mn_major) {
+      if (span == 0) return start + m / 8 * sbo + m % 8 * 16 + kk / 8 * lbo + kk % 8 * 2;
+      return swizzled(start + m / 8 * sbo + m % 8 * span + kk * 2, span);
+    }
+    if (span == 0) return start + m / 8 * sbo + m % 8 * 2 + kk / 8 * lbo + kk % 8 * 16;
+    const unsigned row = span / 2;  // elements of mn in a span-wide row
+    return swizzled(start + m / row * lbo + m % row * 2 + kk / 8 * sbo + kk % 8 * span, span);
+  }
+
+  // An address under a `span`-byte swizzle (0: none): its 16-byte chunk
+  // within the span XORed with the span-row index (bits 7 and up) mod the
+  // chunks a span holds.
+  static unsigned swizzled(unsigned address, unsigned span) {
+    if (span == 0) return address;
+    const unsigned chunks = span / 16;
+    return address ^ (((address >> 7) & (chunks - 1)) << 4);
+  }
+
+  static float bf16_value(unsigned short bits) {
+    const unsigned u = unsigned(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static float f16_value(unsigned short bits) {
+    const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+    const float sign = bits & 0x8000 ? -1.0f : 1.0f;
+    if (exponent == 0) return sign * std::ldexp(float(mantissa), -24);
+    if (exponent == 31) return mantissa != 0 ? std::nanf("") : sign * INFINITY;
+    return sign * std::ldexp(float(mantissa | 0x400), exponent - 25);
+  }
+
+  // Why [lo, hi) of block `block`'s shared memory may not be touched now:
+  // a TMA copy lands there, or (wgmma_reads) an in-flight wgmma reads it.
+  const char* busy(unsigned block, const unsigned char* lo, const unsigned char* hi, bool wgmma_reads = true) {
+    for (const TmaCopy& copy : tma_in_flight_)
+      if (copy.block == block && lo < copy.dst + copy.image.size() && copy.dst < hi) {
+        busy_why_ = "a TMA copy has not landed in yet (wait on its mbarrier first)";
+        return busy_why_.c_str();
+      }
+    return wgmma_reads ? wgmma_reading(block, lo, hi) : nullptr;
+  }
+  const char* wgmma_reading(unsigned block, const unsigned char* lo, const unsigned char* hi) {
+    for (unsigned i = 0; i < threads_; ++i) {
+      const Fiber& f = fibers_[size_t(block) * threads_ + i];
+      for (const PendingWgmma& w : f.wgmmas)
+        for (const auto& [first, last] : w.reads)
+          if (lo < last && first < hi) {
+            busy_why_ = "a wgmma of thread " + std::to_string(i) +
+                        " still reads (the stage is reused before a wgmma.wait_group covers that wgmma)";
+            return busy_why_.c_str();
+          }
+    }
+    return nullptr;
+  }
+
+  // Lands TMA copies in flight: each with probability 1/2 (seeded), or all.
+  bool land_tma(bool all) {
+    bool landed = false;
+    for (size_t i = 0; i < tma_in_flight_.size();) {
+      TmaCopy& copy = tma_in_flight_[i];
+      if (!all && async_rng_() % 2 != 0) {
+        ++i;
+        continue;
+      }
+      if (const char* what = wgmma_reading(copy.block, copy.dst, copy.dst + copy.image.size())) {
+        fail("kernel %s: a TMA copy lands in shared memory (address %u) that %s", kernel_,
+             unsigned(copy.dst - (smem_.data() + smem_offset_ + size_t(copy.block) * smem_stride_)) + kSharedWindowBase,
+             what);
+        return false;
+      }
+      std::memcpy(copy.dst, copy.image.data(), copy.image.size());
+      Mbarrier& b = mbarriers_.at(copy.bar);
+      b.tx -= (long long)copy.image.size();
+      complete_phase(b);
+      tma_in_flight_.erase(tma_in_flight_.begin() + (long)i);
+      landed = true;
+    }
+    return landed;
+  }
+
+  // Each mbarrier a thread waits on (the first waiter, how many wait) and
+  // its state: the report of a kernel no thread of which can go on.
+  std::string mbarrier_waiters() {
+    std::string out;
+    std::vector<const unsigned char*> seen;
+    for (unsigned i = 0; i < blocks_ * threads_; ++i) {
+      const Fiber& f = fibers_[i];
+      if (f.state != Fiber::State::AtMbarrier || std::count(seen.begin(), seen.end(), f.mbarrier) > 0) continue;
+      seen.push_back(f.mbarrier);
+      unsigned waiters = 0;
+      for (unsigned j = 0; j < blocks_ * threads_; ++j)
+        waiters += fibers_[j].state == Fiber::State::AtMbarrier && fibers_[j].mbarrier == f.mbarrier;
+      const Mbarrier& b = mbarriers_.at(f.mbarrier);
+      const uint3 idx = f.thread.block_idx;
+      char buf[512];
+      std::snprintf(buf, sizeof buf,
+                    "%sthread %u of block (%u, %u, %u) (and %u more) waits on the mbarrier at shared address %u for "
+                    "its phase of parity %u, which has %u of %u arrivals and %lld transaction bytes still to come",
+                    out.empty() ? ": " : "; ", i % threads_, idx.x, idx.y, idx.z, waiters - 1,
+                    unsigned(f.mbarrier - (smem_.data() + smem_offset_ + size_t(f.block) * smem_stride_)) +
+                        kSharedWindowBase,
+                    f.parity, b.pending, b.expected, b.tx);
+      out += buf;
+    }
+    return out.empty() ? out : out + " (an expect_tx that no copy fills, an arrival missing, or a parity off by one)";
+  }
+
   template <typename... Args>
   int fail(const char* format, Args... args) {
     if (!error_.empty()) return 1;  // keep the first
@@ -521,6 +889,13 @@ class Emulator {
                  self->kernel_, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y,
                  c.block_idx.z, self->current_->copies.size());
     }
+    if (!self->current_->wgmmas.empty()) {
+      const ThreadContext& c = self->current_->thread;
+      self->fail("kernel %s: thread (%u, %u, %u) of block (%u, %u, %u) ends with %zu wgmma never waited for (a "
+                 "missing wgmma.wait_group, or a wgmma.commit_group missing before it)",
+                 self->kernel_, c.thread_idx.x, c.thread_idx.y, c.thread_idx.z, c.block_idx.x, c.block_idx.y,
+                 c.block_idx.z, self->current_->wgmmas.size());
+    }
     self->current_->state = Fiber::State::Done;
     fctx::jump_fcontext(self->scheduler_, nullptr);  // never resumed
   }
@@ -536,6 +911,8 @@ class Emulator {
   // them for a persistent one.
   void run_blocks(const std::vector<uint3>& batch, dim3 grid, dim3 block, unsigned threads) {
     std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
+    mbarriers_.clear();
+    tma_in_flight_.clear();
     shadow_.assign(smem_stride_ * batch.size(), SharedByte{});
     epochs_.assign(batch.size(), 0);
     warps_ = (threads + 31) / 32;
@@ -562,16 +939,22 @@ class Emulator {
         fibers_[i].ctx = t.fctx;
       }
       bool done = false;
-      const bool progress = release(done);
+      bool progress = release(done);
       if (done) {
         for (WarpAccesses& w : warp_accesses_) flush(w);
+        if (!tma_in_flight_.empty())
+          fail("kernel %s: a block ends with %zu TMA copies in flight (no thread waited on their mbarrier)", kernel_,
+               tma_in_flight_.size());
         return;
       }
       if (!error_.empty()) return;
+      // TMA copies land at seeded points; all of them before anything is
+      // declared stuck.
+      if (land_tma(/*all=*/!progress)) progress = true;
       if (!progress && !time_out_one_wait()) {
         fail("kernel %s: no thread can go on: every block waits at a barrier or for an event that nothing will "
-             "trigger",
-             kernel_);
+             "trigger%s",
+             kernel_, mbarrier_waiters().c_str());
         return abandon();
       }
     }
@@ -634,6 +1017,10 @@ class Emulator {
     }
     for (unsigned i = 0; i < blocks_ * threads_; ++i) {
       Fiber& f = fibers_[i];
+      if (f.state == Fiber::State::AtMbarrier && (mbarriers_.at(f.mbarrier).phase & 1u) != f.parity) {
+        f.state = Fiber::State::Ready;
+        progress = true;
+      }
       if (f.state != Fiber::State::Spinning) continue;
       if (*f.counter >= f.target || *f.stopped != 0) {
         f.arrived = *f.counter >= f.target;
@@ -672,6 +1059,9 @@ class Emulator {
   std::vector<SharedByte> shadow_;     // per byte of shared memory, from the first block's start
   std::vector<unsigned> epochs_;       // per block running: its __syncthreads so far
   std::mt19937_64 async_rng_;          // when cp.async copies land
+  std::map<const unsigned char*, Mbarrier> mbarriers_;  // of the blocks running, by address
+  std::vector<TmaCopy> tma_in_flight_;                  // of the blocks running, in issue order
+  std::string busy_why_;                                // busy()'s answer
   unsigned warps_ = 0;                 // per block
   std::vector<WarpAccesses> warp_accesses_;  // per warp of the blocks running
   unsigned threads_ = 0;    // per block
@@ -716,6 +1106,46 @@ int syncthreads_or(int predicate) { return emulator().syncthreads_or(predicate);
 bool wait_at_least(const unsigned long long* counter, unsigned long long target, const unsigned int* stopped) {
   return emulator().wait_at_least(counter, target, stopped);
 }
+unsigned shared_address(const void* smem) { return emulator().shared_address(smem); }
+unsigned char* shared_pointer(unsigned address) { return emulator().shared_pointer(address); }
+void mbarrier_init(void* bar, unsigned arrivals) { emulator().mbarrier_init(bar, arrivals); }
+void mbarrier_expect_tx(void* bar, unsigned bytes) { emulator().mbarrier_expect_tx(bar, bytes); }
+void mbarrier_arrive(void* bar) { emulator().mbarrier_arrive(bar); }
+void mbarrier_wait(void* bar, unsigned parity) { emulator().mbarrier_wait(bar, parity); }
+void tma_load_2d(void* dst, const void* map, int x, int y, void* bar) { emulator().tma_load_2d(dst, map, x, y, bar); }
+void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
+           bool trans_b) {
+  emulator().wgmma(d, n, desc_a, desc_b, scale_d, bf16, trans_b);
+}
+void wgmma_commit() { emulator().wgmma_commit(); }
+void wgmma_wait(int most_in_flight) { emulator().wgmma_wait(most_in_flight); }
+
+const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                                 unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
+                                 unsigned box_height, TensorSwizzle swizzle) {
+  // The limits cuTensorMapEncodeTiled documents for a 2-D tiled map.
+  const unsigned span = unsigned(swizzle), row_bytes = box_width * element_bytes;
+  if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
+    return "an element of 1, 2, 4 or 8 bytes";
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "the tensor's base is not 16-byte aligned";
+  if (width == 0 || height == 0 || width > (1ull << 32) || height > (1ull << 32))
+    return "each dimension from 1 to 2^32 elements";
+  if (row_stride_bytes % 16 != 0 || row_stride_bytes >= (1ull << 40))
+    return "the row stride is not a multiple of 16 bytes below 2^40 (TMA cannot take this operand)";
+  if (row_stride_bytes < width * element_bytes) return "the row stride is shorter than a row";
+  if (box_width == 0 || box_height == 0 || box_width > 256 || box_height > 256) return "box sides from 1 to 256 elements";
+  if (row_bytes % 16 != 0) return "the box's rows are not whole 16 bytes";
+  if (span != 0 && row_bytes > span) return "the box's rows are wider than the swizzle span";
+  // The emulation lays out swizzled rows as wide as the span only.
+  if (span != 0 && row_bytes != span) return "a swizzled box whose rows are narrower than the span (not emulated)";
+  TensorMapShadow m{kTensorMapMagic, element_bytes, static_cast<const unsigned char*>(base), width, height,
+                    row_stride_bytes, box_width, box_height, span};
+  static_assert(sizeof(TensorMapShadow) <= 128, "a tensor map is 128 bytes");
+  std::memset(map, 0, 128);
+  std::memcpy(map, &m, sizeof m);
+  return "";
+}
+
 int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,
            dim3 block, unsigned long long smem_bytes, void (*body)(void*), void* closure) {
   return emulator().launch(kernel, tensors, tensor_count, arena, grid, block, smem_bytes, false, body, closure);

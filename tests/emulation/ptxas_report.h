@@ -26,8 +26,10 @@ struct KernelResources {
   int static_shared_bytes = 0;  // __shared__ declarations; a generated kernel's is all dynamic, as planned
 };
 
-// Compiles `source` to PTX for `arch` and assembles it with ptxas -v.
-inline std::map<std::string, KernelResources> ptxas_resources(const std::string& source, const std::string& arch) {
+// Compiles `source` to PTX for `arch` and assembles it with ptxas -v;
+// `log`, where given, receives ptxas's report (its warnings).
+inline std::map<std::string, KernelResources> ptxas_resources(const std::string& source, const std::string& arch,
+                                                              std::string* log = nullptr) {
   NvrtcOutput ptx = nvrtc_compile(source, "ptxas_input.cu", arch, /*ptx=*/true);
   std::string text(ptx.binary.begin(), ptx.binary.end());
   text.resize(std::strlen(text.c_str()));  // NVRTC's PTX ends in a NUL, which ptxas refuses
@@ -40,6 +42,7 @@ inline std::map<std::string, KernelResources> ptxas_resources(const std::string&
   std::string report = read_text_file(dir + "/ptxas.txt");
   std::filesystem::remove_all(dir);
   EXPECT_EQ(status, 0) << report;
+  if (log != nullptr) *log = report;
   // "Compiling entry function 'k0' for 'sm_90'", "N bytes spill stores, N bytes spill loads", "Used N registers".
   std::regex entry(R"(Compiling entry function '(\w+)')"), spill(R"((\d+) bytes spill stores, (\d+) bytes spill loads)"),
       used(R"(Used (\d+) registers)"), stack(R"((\d+) bytes stack frame)"), smem(R"((\d+) bytes smem)");

@@ -414,6 +414,66 @@ TEST(Toolchains, GemmMainloopKeepsEverythingInRegisters) {
   }
 }
 
+// The Hopper mainloop (templates/gemm_sm90.cuh, issue #38) for sm_90a: its
+// SASS has HGMMA (wgmma), UTMALDG (TMA loads) and SYNCS (the mbarriers), no
+// HMMA (mma.sync) and no local memory; ptxas keeps everything in registers
+// and says nothing of wgmma serialised (C7511, C7515) or setmaxnreg ignored
+// (C7508). For sm_90 and sm_80 the same source compiles (the kernel traps
+// there: no wgmma), so one file serves every target.
+TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  std::string source = std::string(embedded_template("prelude.cuh")) + std::string(embedded_template("gemm.cuh")) +
+                       std::string(embedded_template("gemm_sm90.cuh"));
+  struct Variant {
+    const char* name;
+    const char* type;
+    const char* b_k_major;
+  };
+  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false"}, {"hopper_bf16_bt", "cg_bf16", "true"},
+                              {"hopper_f16", "cg_f16", "false"}};
+  for (const Variant& v : variants)
+    source += std::string("CG_KERNEL void __launch_bounds__(384, 1) ") + v.name +
+              "(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b, "
+              "unsigned int* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
+              "  CG_DYNAMIC_SMEM(smem);\n"
+              "  cg_gemm_sm90_tile<cg_sm90_gemm_config<4>, " + v.type + ", " + v.b_k_major +
+              ">(&map_a, &map_b, M, N, K, blockIdx.y, blockIdx.x, smem,\n"
+              "      [&](cg_i64 m, cg_i64 n, float d0, float d1) {\n"
+              "        d[(m * N + n) / 2] = cg_pack_pair(cg_narrow<" + v.type + ">(d0).bits, cg_narrow<" + v.type +
+              ">(d1).bits);\n"
+              "      });\n"
+              "}\n";
+  std::string log;
+  const auto resources = cudagen::testing::ptxas_resources(source, "sm_90a", &log);
+  ASSERT_EQ(resources.size(), 3u) << log;
+  for (const auto& [kernel, r] : resources) {
+    EXPECT_EQ(r.spill_bytes, 0) << kernel;
+    EXPECT_EQ(r.stack_bytes, 0) << kernel;
+  }
+  // C7508: setmaxnreg ignored; C7509 to C7520: wgmma serialised ("Potential
+  // Performance Loss"), each HGMMA then waits for the one before.
+  EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
+  for (const char* warning : {"C7508", "C7511", "C7514", "C7515"})
+    EXPECT_EQ(log.find(warning), std::string::npos) << warning << " in ptxas's report:\n" << log;
+  const auto sass = cudagen::testing::sass_opcodes(source, "sm_90a");
+  for (const Variant& v : variants) {
+    const char* kernel = v.name;
+    ASSERT_TRUE(sass.count(kernel)) << kernel;
+    const std::map<std::string, int>& ops = sass.at(kernel);
+    auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+    EXPECT_GE(count("HGMMA"), 4) << kernel << ": a k-tile's four m64n128k16";
+    // WARPGROUP.ARRIVE (wgmma.fence) once a k-tile, WARPGROUP.DEPBAR for the
+    // group in flight and before the epilogue; serialised, one of each an HGMMA.
+    EXPECT_LE(count("WARPGROUP"), 3) << kernel << ": wgmma serialised";
+    EXPECT_GE(count("UTMALDG"), 2) << kernel << ": both operands by TMA (an N-major B in two boxes)";
+    EXPECT_GT(count("SYNCS"), 0) << kernel << ": the mbarriers";
+    EXPECT_EQ(count("HMMA"), 0) << kernel << ": mma.sync, the sm_80 path";
+    EXPECT_EQ(count("LDL") + count("STL"), 0) << kernel << ": local memory";
+  }
+  for (const char* arch : {"sm_90", "sm_80"}) EXPECT_EQ(cudagen::testing::ptxas_resources(source, arch).size(), 3u) << arch;
+}
+
 // Generated matmul kernels on the pipelined mainloop, both tile configs the
 // emitter picks (a decoder's MLP up projection at 4096 rows: 128 x 128 x 64;
 // at 64 rows: 64 x 64 x 32), with a bias and GELU epilogue: no spills, no

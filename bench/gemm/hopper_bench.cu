@@ -1,0 +1,179 @@
+// The Hopper mainloop (templates/gemm_sm90.cuh: TMA, mbarriers, wgmma,
+// warp-specialised) on an H100 or H200, beside cuBLAS in the same process:
+// D = A B in bf16 (A K-contiguous; B as a matmul stores it, K x N, or as
+// B^T, N x K), each result checked
+// against cuBLAS's on fresh random data (the output poisoned first), then
+// timed (CUDA events, median of runs over rotating operand sets so that L2
+// does not hold them) at 4096^3 and a GPT-2-small decoder block's shapes,
+// with the FLOP-weighted ratio of the block. The tensor maps come from the
+// driver's cuTensorMapEncodeTiled, reached through the runtime's entry-point
+// query (nothing links libcuda). On a GPU without sm_90a it says so and
+// exits 0. Built with nvcc by bench/gemm/build.sh; run by bench/gpu_check.sh.
+//
+//   hopper_bench [--quick]        every shape (--quick: two small odd ones, for compute-sanitizer)
+#include <cublas_v2.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../templates/prelude.cuh"
+#include "../../templates/gemm.cuh"
+#include "../../templates/gemm_sm90.cuh"
+#include "bench_util.h"
+
+
+using Config = cg_sm90_gemm_config<4>;
+
+// D (M x N, row-major, bf16) = A (M x K) B (B stored K x N, or N x K where
+// B_K_MAJOR), a block per tile.
+template <bool B_K_MAJOR>
+__global__ void __launch_bounds__(Config::THREADS, 1)
+    hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
+                  unsigned int* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg_gemm_sm90_tile<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.y, blockIdx.x, smem,
+                                     [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+                                       d[(m * N + n) / 2] = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits,
+                                                                         cg_narrow<cg_bf16>(d1).bits);
+                                     });
+}
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A rows x cols bf16 tensor (row-major), its box 64 columns x box_rows, the 128-byte swizzle.
+static cg_tensor_map tensor_map(EncodeTiled encode, const void* base, long long rows, long long cols, unsigned box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint32_t box[2] = {64, box_rows}, element_strides[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled refused a %lld x %lld map: error %d\n", rows, cols, int(r));
+    std::exit(1);
+  }
+  cg_tensor_map out;
+  static_assert(sizeof(out) == sizeof(map), "a tensor map is 128 bytes");
+  std::memcpy(&out, &map, sizeof map);
+  return out;
+}
+
+struct Shape {
+  const char* name;
+  long long M, N, K;
+  bool b_k_major;  // B stored N x K (B^T); else K x N, as a matmul's b
+  bool block;      // one of the decoder block's, for the FLOP-weighted ratio
+};
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
+  if (prop.major != 9 || prop.minor != 0) {
+    std::printf("skipped: the Hopper mainloop needs sm_90a (compute capability 9.0)\n");
+    return 0;
+  }
+  std::vector<Shape> shapes = {
+      {"square 4096^3 (NN)", 4096, 4096, 4096, false, false},
+      {"square 4096^3 (NT)", 4096, 4096, 4096, true, false},
+      // A GPT-2-small decoder block at B8 x T128 (1024 rows) and at B8 x T512 (4096).
+      {"block qkv 1024x2304x768", 1024, 2304, 768, false, true},
+      {"block proj 1024x768x768", 1024, 768, 768, false, true},
+      {"block up 1024x3072x768", 1024, 3072, 768, false, true},
+      {"block down 1024x768x3072", 1024, 768, 3072, false, true},
+      {"block up 4096x3072x768", 4096, 3072, 768, false, false},
+      {"odd 1000x1000x1000", 1000, 1000, 1000, false, false},
+  };
+  if (quick)
+    shapes = {{"odd 1000x1000x1000 (NN)", 1000, 1000, 1000, false, false},
+              {"odd 200x136x72 (NT)", 200, 136, 72, true, false}};
+  EncodeTiled encode = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault,
+                                              &found));
+  if (encode == nullptr) {
+    std::fprintf(stderr, "the driver has no cuTensorMapEncodeTiled\n");
+    return 1;
+  }
+  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::SHARED_BYTES));
+  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::SHARED_BYTES));
+  cublasHandle_t handle;
+  CHECK_CUBLAS(cublasCreate(&handle));
+  const size_t max_elems = size_t(4096) * 4096;
+  const int sets = 3;  // 3 x 64 MiB of operands rotate: more than the 50 MB L2
+  void *d, *ref;
+  CHECK_CUDA(cudaMalloc(&d, max_elems * 2));
+  CHECK_CUDA(cudaMalloc(&ref, max_elems * 2));
+  std::mt19937 rng(std::random_device{}());
+  const std::vector<void*> as = random_bf16_sets(sets, max_elems, rng), bs = random_bf16_sets(sets, max_elems, rng);
+  auto timed = [&](auto&& one) { return median_ms(quick ? 1 : 3, quick ? 1 : 15, sets, one); };
+  std::printf("%-28s %9s %9s %9s %9s %9s\n", "shape (bf16; NT: B^T stored)", "ms", "TFLOP/s", "cuBLAS ms", "vs cuBLAS",
+              "rel.err");
+  std::vector<unsigned short> got(max_elems), want(max_elems);
+  int failures = 0;
+  double block_ours = 0, block_cublas = 0;
+  for (const Shape& s : shapes) {
+    auto ours = [&](int set) {
+      const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, 128);
+      const dim3 grid(unsigned((s.N + 127) / 128), unsigned((s.M + 127) / 128));
+      if (s.b_k_major)
+        hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
+            map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (unsigned int*)d, s.M, s.N, s.K);
+      else
+        hopper_kernel<false><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
+            map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (unsigned int*)d, s.M, s.N, s.K);
+    };
+    // cuBLAS, column-major: D^T (N x M) = op(B) A^T, where a row-major K x N b is B^T's column-major
+    // N x K (no transpose) and a row-major N x K one needs op T.
+    auto cublas = [&](int set, void* out) {
+      const float one = 1.0f, zero = 0.0f;
+      CHECK_CUBLAS(cublasGemmEx(handle, s.b_k_major ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, (int)s.N, (int)s.M,
+                                (int)s.K, &one, bs[set], CUDA_R_16BF, s.b_k_major ? (int)s.K : (int)s.N, as[set],
+                                CUDA_R_16BF, (int)s.K, &zero, out, CUDA_R_16BF, (int)s.N, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+    };
+    CHECK_CUDA(cudaMemset(d, 0xff, max_elems * 2));  // poison: an unwritten element reads as NaN
+    ours(0);
+    cublas(0, ref);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaGetLastError());
+    const size_t n = size_t(s.M) * s.N;
+    CHECK_CUDA(cudaMemcpy(got.data(), d, n * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(want.data(), ref, n * 2, cudaMemcpyDeviceToHost));
+    double err = 0, norm = 0;
+    bool finite = true;
+    for (size_t i = 0; i < n; ++i) {
+      const double g = bf16_to_float(got[i]), w = bf16_to_float(want[i]);
+      finite = finite && std::isfinite(g);
+      err += (g - w) * (g - w);
+      norm += w * w;
+    }
+    const double rel = finite ? std::sqrt(err / norm) : INFINITY;
+    // Both round an f32 sum to bf16: they differ by about an ulp of bf16 (2^-8) where their orders differ.
+    const bool ok = rel < 8e-3;
+    failures += !ok;
+    const float ms = timed(ours), cublas_ms = timed([&](int set) { cublas(set, ref); });
+    if (s.block) {
+      block_ours += ms;
+      block_cublas += cublas_ms;
+    }
+    std::printf("%-28s %9.3f %9.1f %9.3f %8.2fx %9.2e%s\n", s.name, ms, 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12,
+                cublas_ms, cublas_ms / ms, rel, ok ? "" : "  WRONG");
+  }
+  if (block_ours > 0)
+    std::printf("decoder block B8 x T128 (FLOP-weighted: its four products' time): %.3f ms, cuBLAS %.3f ms, %.2fx\n",
+                block_ours, block_cublas, block_cublas / block_ours);
+  if (failures > 0) std::printf("%d shapes WRONG\n", failures);
+  return failures > 0 ? 1 : 0;
+}

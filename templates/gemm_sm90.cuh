@@ -1,0 +1,335 @@
+// The Hopper GEMM mainloop (sm_90a; docs/gemm.md "The Hopper path"): a
+// block computes one 128 x 128 tile of D = A B with f32 accumulation, A
+// (M x K) K-contiguous, B (K x N) N-contiguous or, stored as B^T (N x K),
+// K-contiguous; 16-bit (f16, bf16):
+//   - warp specialised: warpgroup 0 is the producer (one thread issues the
+//     copies; the warpgroup gives most of its registers back with
+//     setmaxnreg), warpgroups 1 and 2 are the consumers, 64 rows of the tile
+//     each, their accumulators in registers;
+//   - operands by TMA (cp.async.bulk.tensor), 64 k x 128 rows of each per
+//     k-tile into STAGES shared stages written with the 128-byte swizzle
+//     (an N-contiguous B as two boxes of 64 k x 64 columns),
+//     completing on the stage's "full" mbarrier with the box's bytes
+//     (out-of-bounds elements are zeros, and count);
+//   - products by wgmma m64n128k16, both operands read from shared memory
+//     through descriptors, one group in flight: a consumer releases a stage
+//     (its "empty" mbarrier) once the wgmma that read it has completed.
+// The swizzle's pattern follows address bits, so every stage starts on a
+// 1024-byte boundary of the .shared window: the kernel rounds its dynamic
+// shared memory up to one (1 KiB of slack in cg_sm90_gemm_config).
+//
+// sm_90a only: wgmma and setmaxnreg are in no other target's instruction
+// set (__CUDA_ARCH_FEAT_SM90_ALL; __CUDA_ARCH__ is 900 for sm_90 too). The
+// mbarrier and TMA wrappers need sm_90. Compiled for any other target the
+// kernel traps; the generator never launches it there (generator/arch.h).
+
+// A CUtensorMap: 128 opaque bytes, made on the host (cuTensorMapEncodeTiled;
+// in the emulation cudagen_emu::encode_tensor_map_2d) and passed by value as
+// a __grid_constant__ kernel parameter, which the copy reads in place.
+struct __align__(64) cg_tensor_map {
+  unsigned long long opaque[16];
+};
+
+// ---------------------------------------------------------------------------
+// mbarrier: a phase completes when its arrivals and its transaction bytes
+// have all come; a wait names the parity of the phase it waits for.
+
+CG_DEVICE void cg_mbarrier_init(unsigned long long* bar, unsigned int arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(cg_smem_address(bar)), "r"(arrivals));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::mbarrier_init(bar, arrivals);
+#else
+  (void)bar, (void)arrivals;
+#endif
+}
+
+// One arrival, after adding `bytes` to the transactions the phase waits for.
+CG_DEVICE void cg_mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(cg_smem_address(bar)), "r"(bytes));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::mbarrier_expect_tx(bar, bytes);
+  cudagen_emu::mbarrier_arrive(bar);
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+CG_DEVICE void cg_mbarrier_arrive(unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(cg_smem_address(bar)));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::mbarrier_arrive(bar);
+#else
+  (void)bar;
+#endif
+}
+
+// Until the phase of parity `parity` has completed (try_wait suspends the
+// thread for a while in hardware; the loop covers its time-outs).
+CG_DEVICE void cg_mbarrier_wait(unsigned long long* bar, unsigned int parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned int address = cg_smem_address(bar);
+  unsigned int done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(address), "r"(parity)
+        : "memory");
+  } while (!done);
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::mbarrier_wait(bar, parity);
+#else
+  (void)bar, (void)parity;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// TMA: the box at element (x, y) (x the contiguous axis) of `map`'s tensor
+// into shared memory at `dst`, completing on `bar` with the box's bytes.
+CG_DEVICE void cg_tma_load_2d(void* dst, const cg_tensor_map* map, int x, int y, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          cg_smem_address(dst)),
+      "l"((unsigned long long)map), "r"(x), "r"(y), "r"(cg_smem_address(bar))
+      : "memory");
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::tma_load_2d(dst, map, x, y, bar);
+#else
+  (void)dst, (void)map, (void)x, (void)y, (void)bar;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// wgmma. A shared-memory operand's descriptor: a tile of 16-bit elements
+// written with the 128-byte swizzle (rows of 128 bytes in 1024-byte groups
+// of 8), from shared address `address`. K-major (rows along M or N, k
+// contiguous): the next 8 rows are `stride` bytes on, `leading` is unused,
+// and a k step within the 128 bytes moves the start (the swizzle follows
+// the address). N-major (rows along k, 64 columns each): the next 8 k are
+// `stride` bytes on, the next 64 columns `leading` bytes.
+CG_DEVICE unsigned long long cg_wgmma_descriptor_128b(unsigned int address, unsigned int leading = 16,
+                                                      unsigned int stride = 1024) {
+  return (unsigned long long)((address & 0x3ffffu) >> 4)         // start address, in 16-byte units
+         | ((unsigned long long)((leading >> 4) & 0x3fffu) << 16)  // leading byte offset
+         | ((unsigned long long)((stride >> 4) & 0x3fffu) << 32)   // stride byte offset
+         | (1ull << 62);                                            // the 128-byte swizzle
+}
+
+// Orders this thread's accumulator registers before the wgmma that reads them.
+CG_DEVICE void cg_wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+CG_DEVICE void cg_wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_commit();
+#endif
+}
+
+// Until at most N committed groups are still in flight.
+template <int N>
+CG_DEVICE void cg_wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_wait(N);
+#endif
+}
+
+// d (64 floats a thread) += A (64 x 16) B (16 x 128), or = where scale_d is
+// 0: the warpgroup's m64n128k16, A K-major, B K-major or (TRANS_B) N-major.
+// Thread t of the warpgroup holds rows
+// 16 (t / 32) + (t % 32) / 4 and 8 more, columns 8 j + 2 (t % 4) + {0, 1}:
+// d[4 j + 2 h + e] is (row + 8 h, column 8 j + 2 (t % 4) + e).
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, %67;\n"
+        "}\n"
+        :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 128, desc_a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, %67;\n"
+        "}\n"
+        :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 128, desc_a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+// setmaxnreg: a warpgroup's registers per thread, given back (the producer)
+// or taken (the consumers); the kernel must be launched with a register cap
+// (__launch_bounds__(threads, 1)), or ptxas ignores it (warning C7508).
+template <int REGISTERS>
+CG_DEVICE void cg_setmaxnreg_dec() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+#endif
+}
+template <int REGISTERS>
+CG_DEVICE void cg_setmaxnreg_inc() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// The mainloop's shape: 128 x 128 tiles, 64-element k-tiles (one 128-byte
+// swizzle row of 16-bit elements), STAGES of them in flight.
+template <int STAGES_>
+struct cg_sm90_gemm_config {
+  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = STAGES_;
+  static constexpr int THREADS = 384;  // a producer warpgroup, two consumers
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+  // The stages from a 1024-byte boundary, then a full and an empty barrier
+  // per stage; 1 KiB of slack to round the start up.
+  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+};
+
+// One tile (tile_m, tile_n) of D = A B. The maps, all with the 128-byte
+// swizzle: A's K wide and M high, its box 64 x 128; B's, where B_K_MAJOR
+// (B stored as B^T, N x K), K wide and N high with a 64 x 128 box, else N
+// wide and K high with a 64 x 64 box. Hands each consumer thread's results
+// to epilogue(m, n, d0, d1): the elements (m, n) and (m, n + 1), m < M and
+// n < N (n + 1 may be N).
+template <typename Config, typename T, bool B_K_MAJOR, typename Epilogue>
+CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
+                                 int tile_m, int tile_n, unsigned char* smem, Epilogue epilogue) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
+#else
+  constexpr int S = Config::STAGES;
+  const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+  unsigned char* stages = cg_smem_pointer(base);
+  unsigned long long* full = (unsigned long long*)(stages + S * Config::STAGE_BYTES);
+  unsigned long long* empty = full + S;
+  const int thread = threadIdx.x, warpgroup = thread / 128;
+  if (thread == 0) {
+    for (int s = 0; s < S; ++s) {
+      cg_mbarrier_init(&full[s], 1);    // the producer's arrival, with the stage's bytes
+      cg_mbarrier_init(&empty[s], 256);  // every consumer thread, once its wgmma has read the stage
+    }
+  }
+  __syncthreads();
+  const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
+  if (warpgroup == 0) {
+    cg_setmaxnreg_dec<40>();
+    if (thread == 0) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % S;
+        // Round r of a stage waits for the consumers' release of round r - 1
+        // (the first round's wait returns at once: parity 1 of phase 0).
+        cg_mbarrier_wait(&empty[s], (unsigned int)(((kt / S) & 1) ^ 1));
+        cg_mbarrier_arrive_expect_tx(&full[s], Config::STAGE_BYTES);
+        unsigned char* stage = stages + s * Config::STAGE_BYTES;
+        cg_tma_load_2d(stage, map_a, kt * Config::BK, tile_m * Config::BM, &full[s]);
+        if (B_K_MAJOR) {
+          cg_tma_load_2d(stage + Config::A_BYTES, map_b, kt * Config::BK, tile_n * Config::BN, &full[s]);
+        } else {  // two 64-column halves, 64 k rows each
+          cg_tma_load_2d(stage + Config::A_BYTES, map_b, tile_n * Config::BN, kt * Config::BK, &full[s]);
+          cg_tma_load_2d(stage + Config::A_BYTES + Config::B_BYTES / 2, map_b, tile_n * Config::BN + 64,
+                         kt * Config::BK, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+  cg_setmaxnreg_inc<232>();
+  const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
+  // The accumulators start with the first wgmma (scale_d 0), not zeroed
+  // before it: ptxas serialises every wgmma of a kernel whose accumulators
+  // other instructions touch in a pipelined stage (C7514), and it counts the
+  // copies of a zero into them.
+  float d[64];
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % S;
+    cg_mbarrier_wait(&full[s], (unsigned int)((kt / S) & 1));
+    const unsigned int a = base + (unsigned int)(s * Config::STAGE_BYTES + consumer * 64 * 128),
+                       b = base + (unsigned int)(s * Config::STAGE_BYTES + Config::A_BYTES);
+    cg_wgmma_fence();
+    // A k step of 16: 32 bytes along a K-major row; two 8-row groups of an N-major B.
+    CG_UNROLL
+    for (int kk = 0; kk < Config::BK / 16; ++kk)
+      cg_wgmma_m64n128k16<B_K_MAJOR ? 0 : 1>(
+          d, cg_wgmma_descriptor_128b(a + 32 * kk),
+          B_K_MAJOR ? cg_wgmma_descriptor_128b(b + 32 * kk)
+                    : cg_wgmma_descriptor_128b(b + 2048 * kk, Config::B_BYTES / 2, 1024),
+          kt > 0 || kk > 0, T());
+    cg_wgmma_commit();
+    // The previous k-tile's group has completed: its stage goes back.
+    cg_wgmma_wait<1>();
+    if (kt > 0) cg_mbarrier_arrive(&empty[(kt - 1) % S]);
+  }
+  cg_wgmma_wait<0>();
+  if (k_tiles > 0) {
+    cg_mbarrier_arrive(&empty[(k_tiles - 1) % S]);
+  } else {
+    CG_UNROLL
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
+  }
+  const int t = thread % 128;
+  const cg_i64 row = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * (t / 32) + (t % 32) / 4;
+  const cg_i64 column = (cg_i64)tile_n * Config::BN + 2 * (t % 4);
+  CG_UNROLL
+  for (int j = 0; j < 16; ++j)
+    CG_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const cg_i64 m = row + 8 * h, n = column + 8 * j;
+      if (m < M && n < N) epilogue(m, n, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+    }
+#endif
+}

@@ -1,0 +1,345 @@
+// The Hopper mainloop (templates/gemm_sm90.cuh) in the host emulation, which
+// runs the mbarrier, TMA and wgmma wrappers' emulation (transaction counts
+// and phases exactly, copies landing at seeded points, accumulators poisoned
+// until wgmma.wait_group): tiles at every edge, K shorter than a k-tile and
+// longer than the stages, f16 and bf16, against a float64 product of the
+// same 16-bit values; then a small pipeline on the same wrappers, correct
+// wherever its copies land, and each of a set of broken versions of it
+// caught by the emulator's report or by a wrong result.
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "cudagen_emu.h"
+#include "emu_launch.h"
+#include "prelude.cuh"
+#include "gemm.cuh"
+#include "gemm_sm90.cuh"
+
+namespace {
+
+using cudagen::testing::EmuLaunch;
+using Config = cg_sm90_gemm_config<4>;
+
+struct Problem {
+  long long M, N, K;
+};
+
+// Arena offsets, each 256-byte aligned as the runtime places buffers.
+struct Placer {
+  unsigned long long at = 0;
+  unsigned long long operator()(unsigned long long bytes) {
+    const unsigned long long offset = at;
+    at += (bytes + 255) / 256 * 256;
+    return offset;
+  }
+};
+
+// Runs every tile of D = A B and returns the largest |got - want| / (sum
+// over k of |a b|): f32 accumulation of exact products. A is M x K; B is
+// stored N x K (B_K_MAJOR) or K x N.
+template <typename T, bool B_K_MAJOR>
+double run_problem(const Problem& p, unsigned seed) {
+  Placer place;
+  EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + 4096);
+  T* a = l.tensor<T>("a", place(p.M * p.K * 2), p.M * p.K);
+  T* b = l.tensor<T>("b", place(p.N * p.K * 2), p.N * p.K);
+  float* d = l.tensor<float>("d", place(p.M * p.N * 4), p.M * p.N);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (long long i = 0; i < p.M * p.K; ++i) a[i] = cg_narrow<T>(uniform(rng));
+  for (long long i = 0; i < p.N * p.K; ++i) b[i] = cg_narrow<T>(uniform(rng));
+  cg_tensor_map map_a, map_b;
+  EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_a, a, 2, p.K, p.M, p.K * 2, 64, 128,
+                                                 cudagen_emu::TensorSwizzle::span128), "");
+  if (B_K_MAJOR)
+    EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.K, p.N, p.K * 2, 64, 128,
+                                                   cudagen_emu::TensorSwizzle::span128), "");
+  else
+    EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.N, p.K, p.N * 2, 64, 64,
+                                                   cudagen_emu::TensorSwizzle::span128), "");
+  cudagen_emu_configure(seed);
+  const dim3 grid(unsigned((p.N + 127) / 128), unsigned((p.M + 127) / 128));
+  const int rc = l.run("gemm_sm90", grid, dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    cg_gemm_sm90_tile<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, (int)blockIdx.y, (int)blockIdx.x, smem,
+                                 [&](cg_i64 m, cg_i64 n, float d0, float d1) {
+                                   cudagen_emu::store(d, m * p.N + n, d0);
+                                   if (n + 1 < p.N) cudagen_emu::store(d, m * p.N + n + 1, d1);
+                                 });
+  });
+  EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
+  double worst = 0;
+  for (long long m = 0; m < p.M; ++m)
+    for (long long n = 0; n < p.N; ++n) {
+      double want = 0, scale = 0;
+      for (long long k = 0; k < p.K; ++k) {
+        const T b_kn = B_K_MAJOR ? b[n * p.K + k] : b[k * p.N + n];
+        const double x = double(cg_widen(a[m * p.K + k])) * double(cg_widen(b_kn));
+        want += x;
+        scale += std::fabs(x);
+      }
+      const double got = d[m * p.N + n];
+      const double error = std::isfinite(got) ? std::fabs(got - want) / (scale + 1e-30) : INFINITY;
+      worst = std::max(worst, error);
+    }
+  return worst;
+}
+
+std::string describe(const Problem& p, bool b_k_major) {
+  return "M=" + std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" + std::to_string(p.K) +
+         (b_k_major ? ", B stored N x K" : ", B stored K x N");
+}
+
+}  // namespace
+
+// One tile; edges in M and N; K below one k-tile, and K over more k-tiles
+// than stages (each stage reused, the barriers' parities flipping), not a
+// multiple of 64 (the box past K reads as zeros); B in either layout
+// (wgmma's K-major B, and its transposed, N-major one: a matmul's b as
+// stored). A row stride is whole 16 bytes: K, and N for an N-major B, are
+// multiples of 8.
+TEST(GemmSm90, EveryEdgeAgainstAFloat64Product) {
+  for (const Problem& p : {Problem{128, 128, 64}, Problem{200, 296, 520}, Problem{64, 40, 8}, Problem{130, 136, 136}}) {
+    EXPECT_LT((run_problem<cg_bf16, true>(p, 3)), 1e-5) << describe(p, true) << ", bf16";
+    EXPECT_LT((run_problem<cg_f16, true>(p, 4)), 1e-5) << describe(p, true) << ", f16";
+    EXPECT_LT((run_problem<cg_bf16, false>(p, 5)), 1e-5) << describe(p, false) << ", bf16";
+    EXPECT_LT((run_problem<cg_f16, false>(p, 6)), 1e-5) << describe(p, false) << ", f16";
+  }
+}
+
+// Wherever the copies land (the emulator's seeded landing points), the same
+// result.
+TEST(GemmSm90, RightWhereverTheCopiesLand) {
+  for (unsigned seed : {11u, 12u, 13u, 14u, 15u})
+    EXPECT_LT((run_problem<cg_bf16, false>(Problem{256, 128, 576}, seed)), 1e-5) << "seed " << seed;
+}
+
+namespace {
+
+// What is broken in a run of the small pipeline.
+enum class Fault {
+  none,
+  expect_tx_too_large,  // the producer expects 16 bytes more than its copies bring
+  parity_off_by_one,    // the consumer waits for the wrong phase of a full barrier
+  release_before_wait,  // a stage goes back before the wgmma that reads it completes
+  read_before_wait,     // the accumulators stored before wgmma.wait_group
+  never_waited,         // the last group never waited for
+  no_init,              // the barriers used uninitialised
+  extra_arrival,        // the producer arrives twice on a full barrier
+};
+
+struct Outcome {
+  int rc = 0;
+  std::string error;
+  double worst = 0;  // as run_problem's
+};
+
+// Two warpgroups: thread 0 copies a 64 x 64 box of A and a 128 x 64 box of B
+// per k-tile into two stages; warpgroup 1 multiplies them into a 64 x 128
+// tile, one wgmma group in flight, and stores it.
+Outcome run_pipeline(Fault fault, unsigned seed) {
+  constexpr int M = 64, N = 128, K = 256, kStages = 2, kABytes = 64 * 128, kStageBytes = kABytes + 128 * 128;
+  Placer place;
+  EmuLaunch l(size_t(1) << 20);
+  cg_bf16* a = l.tensor<cg_bf16>("a", place(M * K * 2), M * K);
+  cg_bf16* b = l.tensor<cg_bf16>("b", place(N * K * 2), N * K);
+  float* d = l.tensor<float>("d", place(M * N * 4), M * N);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int i = 0; i < M * K; ++i) a[i] = cg_narrow<cg_bf16>(uniform(rng));
+  for (int i = 0; i < N * K; ++i) b[i] = cg_narrow<cg_bf16>(uniform(rng));
+  cg_tensor_map map_a, map_b;
+  cudagen_emu::encode_tensor_map_2d(&map_a, a, 2, K, M, K * 2, 64, 64, cudagen_emu::TensorSwizzle::span128);
+  cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, K, N, K * 2, 64, 128, cudagen_emu::TensorSwizzle::span128);
+  cudagen_emu_configure(seed);
+  Outcome out;
+  out.rc = l.run("pipeline", dim3(1), dim3(256), 1024 + kStages * kStageBytes + 64, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    unsigned char* stages = cg_smem_pointer(base);
+    unsigned long long* full = (unsigned long long*)(stages + kStages * kStageBytes);
+    unsigned long long* empty = full + kStages;
+    const int t = threadIdx.x;
+    if (t == 0 && fault != Fault::no_init)
+      for (int s = 0; s < kStages; ++s) {
+        cg_mbarrier_init(&full[s], 1);
+        cg_mbarrier_init(&empty[s], 128);
+      }
+    __syncthreads();
+    constexpr int k_tiles = K / 64;
+    if (t < 128) {
+      if (t == 0)
+        for (int kt = 0; kt < k_tiles; ++kt) {
+          const int s = kt % kStages;
+          cg_mbarrier_wait(&empty[s], (unsigned int)(((kt / kStages) & 1) ^ 1));
+          cg_mbarrier_arrive_expect_tx(&full[s], kStageBytes + (fault == Fault::expect_tx_too_large ? 16 : 0));
+          if (fault == Fault::extra_arrival) cg_mbarrier_arrive(&full[s]);
+          cg_tma_load_2d(stages + s * kStageBytes, &map_a, kt * 64, 0, &full[s]);
+          cg_tma_load_2d(stages + s * kStageBytes + kABytes, &map_b, kt * 64, 0, &full[s]);
+        }
+      return;
+    }
+    float acc[64];
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      cg_mbarrier_wait(&full[s], (unsigned int)((kt / kStages) & 1) ^ (fault == Fault::parity_off_by_one ? 1u : 0u));
+      const unsigned int stage = base + (unsigned int)(s * kStageBytes);
+      cg_wgmma_fence();
+      for (int kk = 0; kk < 4; ++kk)
+        cg_wgmma_m64n128k16<0>(acc, cg_wgmma_descriptor_128b(stage + 32 * kk),
+                            cg_wgmma_descriptor_128b(stage + kABytes + 32 * kk), kt > 0 || kk > 0, cg_bf16());
+      cg_wgmma_commit();
+      if (fault == Fault::release_before_wait) {
+        cg_mbarrier_arrive(&empty[s]);
+        cg_wgmma_wait<1>();
+        continue;
+      }
+      cg_wgmma_wait<1>();
+      if (kt > 0) cg_mbarrier_arrive(&empty[(kt - 1) % kStages]);
+    }
+    if (fault != Fault::read_before_wait && fault != Fault::never_waited) cg_wgmma_wait<0>();
+    const int u = t - 128, row = 16 * (u / 32) + (u % 32) / 4, column = 2 * (u % 4);
+    for (int j = 0; j < 16; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) cudagen_emu::store(d, (row + 8 * h) * N + column + 8 * j + e, acc[4 * j + 2 * h + e]);
+    if (fault == Fault::read_before_wait) cg_wgmma_wait<0>();
+  });
+  out.error = cudagen_emu_last_error();
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double want = 0, scale = 0;
+      for (int k = 0; k < K; ++k) {
+        const double x = double(cg_widen(a[m * K + k])) * double(cg_widen(b[n * K + k]));
+        want += x;
+        scale += std::fabs(x);
+      }
+      const double got = d[m * N + n];
+      out.worst = std::max(out.worst, std::isfinite(got) ? std::fabs(got - want) / scale : INFINITY);
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST(HopperEmulatorFaults, TheCorrectPipelinePassesWhereverCopiesLand) {
+  for (unsigned seed : {1u, 2u, 3u, 4u, 5u, 6u}) {
+    const Outcome o = run_pipeline(Fault::none, seed);
+    EXPECT_EQ(o.rc, 0) << o.error;
+    EXPECT_LT(o.worst, 1e-5) << "seed " << seed;
+  }
+}
+
+// Each broken version is caught: by the emulator's report naming what went
+// wrong, or (an accumulator read before its wait) by the poison it reads.
+TEST(HopperEmulatorFaults, EachBrokenPipelineIsCaught) {
+  struct Case {
+    Fault fault;
+    const char* report;  // "" where the result is what shows it
+  };
+  for (const Case& c : {
+           Case{Fault::expect_tx_too_large, "16 transaction bytes still to come"},
+           Case{Fault::parity_off_by_one, "a TMA copy has not landed in yet"},
+           Case{Fault::release_before_wait, "the stage is reused before a wgmma.wait_group covers that wgmma"},
+           Case{Fault::read_before_wait, ""},
+           Case{Fault::never_waited, "wgmma never waited for"},
+           Case{Fault::no_init, "before its mbarrier.init"},
+           Case{Fault::extra_arrival, "beyond the 1 its phase expects"},
+       }) {
+    const Outcome o = run_pipeline(c.fault, 7);
+    if (*c.report != 0) {
+      EXPECT_NE(o.rc, 0) << "fault " << int(c.fault) << " went unreported";
+      EXPECT_NE(o.error.find(c.report), std::string::npos) << "fault " << int(c.fault) << ": " << o.error;
+    } else {
+      EXPECT_FALSE(o.worst < 1e-5) << "fault " << int(c.fault) << " gave the right result";
+    }
+  }
+}
+
+// The box a TMA copy writes: row r, element c of a 64-element (128-byte) row
+// at byte r * 128 + 16 ((2c / 16) XOR (r % 8)) + 2c % 16 from a 1024-byte
+// boundary (CuTe's Swizzle<3, 4, 3> of the byte offset, the 128-byte
+// swizzle wgmma reads); elements past the tensor's edges are zeros, and the
+// barrier still waits for the whole box's bytes.
+TEST(GemmSm90, ATmaBoxLandsSwizzledWithZerosPastTheEdges) {
+  // 100 of each row's 104 elements (a row stride must be whole 16 bytes).
+  constexpr int W = 100, kStride = 104, H = 70, X = 64, Y = 66, kBoxRows = 8;
+  EmuLaunch l(size_t(1) << 16);
+  cg_bf16* t = l.tensor<cg_bf16>("t", 0, kStride * H);
+  float* out = l.tensor<float>("out", 16384, 64 * kBoxRows);
+  for (int i = 0; i < kStride * H; ++i) t[i] = cg_narrow<cg_bf16>(float(i % 251) - 125.0f);
+  cg_tensor_map map;
+  EXPECT_STRNE(cudagen_emu::encode_tensor_map_2d(&map, t, 2, W, H, W * 2, 64, kBoxRows,
+                                                 cudagen_emu::TensorSwizzle::span128), "")
+      << "a 200-byte row stride";
+  ASSERT_STREQ(cudagen_emu::encode_tensor_map_2d(&map, t, 2, W, H, kStride * 2, 64, kBoxRows,
+                                                 cudagen_emu::TensorSwizzle::span128), "");
+  const int rc = l.run("tma_box", dim3(1), dim3(32), 4096, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    unsigned char* box = cg_smem_pointer(base);
+    unsigned long long* bar = (unsigned long long*)(box + 64 * 2 * kBoxRows);
+    if (threadIdx.x == 0) {
+      cg_mbarrier_init(bar, 1);
+      cg_mbarrier_arrive_expect_tx(bar, 64 * 2 * kBoxRows);
+      cg_tma_load_2d(box, &map, X, Y, bar);
+    }
+    __syncthreads();
+    cg_mbarrier_wait(bar, 0);
+    for (int i = (int)threadIdx.x; i < 64 * kBoxRows; i += 32) {
+      const int r = i / 64, c = i % 64, byte = 2 * c;
+      const cg_bf16* e = (const cg_bf16*)(box + r * 128 + 16 * ((byte / 16) ^ (r % 8)) + byte % 16);
+      cudagen_emu::store(out, i, cg_widen(*e));
+    }
+  });
+  ASSERT_EQ(rc, 0) << cudagen_emu_last_error();
+  for (int r = 0; r < kBoxRows; ++r)
+    for (int c = 0; c < 64; ++c) {
+      const bool inside = X + c < W && Y + r < H;
+      const float want = inside ? cg_widen(t[(Y + r) * kStride + X + c]) : 0.0f;
+      EXPECT_EQ(out[r * 64 + c], want) << "box row " << r << ", element " << c;
+    }
+}
+
+// Each thread's accumulators where CuTe's layout of the m64nNk16 result
+// puts them (SM90's CLayout_64xN: shape ((4, 8, 4), (2, 2, N / 8)), stride
+// ((128, 1, 16), (64, 8, 512)) into the 64 x N tile, column-major), written
+// here from its shape and stride rather than from the emulator's formula.
+// A's column 0 is the row index and its column 1 ones, B's column 1 is 64
+// times the column index: D(m, n) = m + 64 n identifies every element.
+TEST(GemmSm90, AccumulatorsFollowCuTesLayoutOfTheResult) {
+  constexpr int N = 128;
+  EmuLaunch l(size_t(1) << 20);
+  float* out = l.tensor<float>("out", 0, 128 * 64);
+  const int rc = l.run("fragments", dim3(1), dim3(128), 1024 + 2 * 16384, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    unsigned char* a = cg_smem_pointer(base);
+    unsigned char* b = a + 64 * 128;
+    // Rows of 64 elements under the 128-byte swizzle, as TMA writes them.
+    auto put = [](unsigned char* tile, int row, int k, float v) {
+      const int byte = 2 * k;
+      *(cg_bf16*)(tile + row * 128 + 16 * ((byte / 16) ^ (row % 8)) + byte % 16) = cg_narrow<cg_bf16>(v);
+    };
+    for (int i = (int)threadIdx.x; i < 64 * 64; i += 128) put(a, i / 64, i % 64, i % 64 == 0 ? float(i / 64) : i % 64 == 1 ? 1.0f : 0.0f);
+    for (int i = (int)threadIdx.x; i < N * 64; i += 128) put(b, i / 64, i % 64, i % 64 == 0 ? 1.0f : i % 64 == 1 ? 64.0f * float(i / 64) : 0.0f);
+    __syncthreads();
+    float d[64];
+    cg_wgmma_fence();
+    cg_wgmma_m64n128k16<0>(d, cg_wgmma_descriptor_128b(base), cg_wgmma_descriptor_128b(base + 64 * 128), 0, cg_bf16());
+    cg_wgmma_commit();
+    cg_wgmma_wait<0>();
+    for (int i = 0; i < 64; ++i) cudagen_emu::store(out, threadIdx.x * 64 + i, d[i]);
+  });
+  ASSERT_EQ(rc, 0) << cudagen_emu_last_error();
+  for (int t = 0; t < 128; ++t)
+    for (int i = 0; i < 64; ++i) {
+      const int index = 128 * (t % 4) + (t / 4) % 8 + 16 * (t / 32) + 64 * (i % 2) + 8 * ((i / 2) % 2) + 512 * (i / 4);
+      const int m = index % 64, n = index / 64;
+      EXPECT_EQ(out[t * 64 + i], float(m + 64 * n)) << "thread " << t << ", register " << i;
+    }
+}
