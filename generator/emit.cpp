@@ -238,12 +238,11 @@ std::string Emitter::comment(const KernelGroup& k, const std::vector<LaunchParam
   const BoundTask& bt = p_.tasks[size_t(k.tasks[0])];
   // The skeletons pick their variants (staged or not, rows per block) to
   // fit; a plan over the limit is the emitter's bug, not the graph's.
-  // Above 48 KiB the launchers opt in (only the pipelined mainloop asks so much).
-  if (ek.smem_bytes > kSharedBytesWithOptIn)
+  // Above 48 KiB the launchers opt in (the mainloops and flash attention ask so much).
+  if (ek.smem_bytes > shared_bytes_with_opt_in(options_.arch))
     fail(k.tasks[0], "",
-         fmt::format("kernel {} would need {} bytes of shared memory, more than the {} every device from sm_80 on "
-                     "lets a kernel opt in to",
-                     k.name, ek.smem_bytes, kSharedBytesWithOptIn),
+         fmt::format("kernel {} would need {} bytes of shared memory, more than the {} {} lets a kernel opt in to",
+                     k.name, ek.smem_bytes, shared_bytes_with_opt_in(options_.arch), options_.arch),
          "an internal error of cudagen's emitter: please report it with the graph; --no-fuse avoids the fused kernel");
   const bool fused = k.tasks.size() > 1 || !k.prologue.empty();
   std::vector<std::string> reads, writes, in_registers, workspaces;
@@ -262,6 +261,7 @@ std::string Emitter::comment(const KernelGroup& k, const std::vector<LaunchParam
     std::string desc = fused ? buffer_name(lp.buffer) : bt.task->id + "." + lp.name;
     desc += fmt::format(" {} {}", to_string(b.dtype), shape_to_string(b.shape));
     if (!fused && b.owner_task != k.tasks[0]) desc += " <- " + buffer_name(lp.buffer);
+    if (lp.tensor_map) desc += " (by TMA)";
     (lp.written ? writes : reads).push_back(desc);
     (lp.written ? ek.bytes_written : ek.bytes_read) += b.bytes;
     // A slot updated in place (an optimizer's weight and state) is read first.
@@ -379,14 +379,17 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
   if (!diags_.ok()) return {};
   use_function(op, entry_function_);
   std::vector<LaunchParam> launch;
+  // (Operands read by TMA come as tensor maps, among extra_params_.)
   for (const auto& x : ps)
-    if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed)  // kept in registers
+    if (!contains(k.internal_buffers, x.bound->buffer) && x.bound->buffer != computed &&  // kept in registers
+        std::none_of(extra_params_.begin(), extra_params_.end(),
+                     [&](const LaunchParam& lp) { return lp.tensor_map && lp.name == x.bound->name + "_map"; }))
       launch.push_back(buffer_param(x.bound->name, x));
   launch.insert(launch.end(), prologue_params.begin(), prologue_params.end());
   launch.insert(launch.end(), tail.params.begin(), tail.params.end());
   for (const auto& sp : scalar_params(t))
     launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
-  for (LaunchParam& w : std::exchange(split_k_params_, {})) launch.push_back(std::move(w));
+  for (LaunchParam& w : std::exchange(extra_params_, {})) launch.push_back(std::move(w));
   std::string code =
       kernel_functions(comment(k, launch, ek), ek, launch,
                        scalar_locals(t) + operand_prologue + tail.code + tail.vector_code + body);
@@ -412,6 +415,7 @@ void Emitter::locate_params(EmittedKernel& ek, const std::vector<LaunchParam>& l
          "split the task into several (fewer batches or rows each)");
   for (const auto& lp : launch) {
     const auto [offset, bytes] = arena_range(lp);
+    if (lp.tensor_map) ek.tensor_maps.emplace_back(int(ek.arg_offsets.size()), *lp.tensor_map);
     ek.arg_offsets.push_back(offset);
     ek.ranges.push_back(ArenaRange{offset, bytes, lp.written});
   }

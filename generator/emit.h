@@ -49,6 +49,19 @@ struct EmitOptions {
   bool megakernel_break_schedule = false;  // test only: see MegakernelOptions
 };
 
+// A TMA tensor map a kernel takes by value (the Hopper mainloop, docs/gemm.md):
+// a row-major 2-D view of the tensor at arena offset `tensor_offset`, encoded
+// by whoever launches (the host launcher, the runtime's driver path) from
+// the arena's address, with the 128-byte swizzle.
+struct TensorMapSpec {
+  int64_t tensor_offset = 0;
+  int element_bytes = 2;
+  int64_t width = 0, height = 0;  // elements of a row; rows
+  int64_t row_stride_bytes = 0;
+  int box_width = 64, box_height = 128;
+  bool operator==(const TensorMapSpec&) const = default;
+};
+
 // A byte range of the arena that a kernel reads or writes.
 struct ArenaRange {
   int64_t offset = 0;
@@ -71,6 +84,7 @@ enum class MatmulMainloop {
   none,
   pipelined,
   pipelined_tf32,
+  hopper,  // templates/gemm_sm90.cuh: TMA and wgmma (sm_90a)
   simt,
   tensor_core_tile,
   portable_tile,
@@ -113,6 +127,9 @@ struct EmittedKernel {
   // order (tensors, then run-time arguments): the JIT runtime launches with
   // arena + offset, as the host launcher does.
   std::vector<int64_t> arg_offsets;
+  // The parameters that are TMA tensor maps (arg_offsets holds their
+  // tensor's offset): their index among the parameters, and the map.
+  std::vector<std::pair<int, TensorMapSpec>> tensor_maps;
   // What it touches in the arena (the megakernel's dependences come from these).
   std::vector<ArenaRange> ranges;
   // Shared memory that grows with the block (a float per thread of scratch):

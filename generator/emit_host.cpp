@@ -2,6 +2,47 @@
 
 namespace cudagen::lowering {
 
+// The host launchers' encoder of TMA tensor maps (the Hopper mainloop's
+// operands, docs/gemm.md): a 2-D row-major view of a tensor in the arena, its
+// box and the 128-byte swizzle, encoded from the arena's address before
+// each launch that reads it; the host emulation checks the driver's limits
+// and keeps a shadow of the map.
+std::string Emitter::tensor_map_helper() {
+  return "// TMA tensor maps: a row-major tensor in the arena, its box, the 128-byte swizzle.\n"
+         "#ifdef CUDAGEN_EMULATION\n"
+         "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+         "                                 unsigned long long width, unsigned long long height,\n"
+         "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
+         "                                 const char* kernel) {\n"
+         "  return cudagen_emu::tensor_map_2d(map, base, element_bytes, width, height, row_stride, box_width, box_height,\n"
+         "                                    kernel);\n"
+         "}\n"
+         "#else\n"
+         "// The driver's cuTensorMapEncodeTiled, found through the runtime (nothing links libcuda), its\n"
+         "// enumerations as cuda.h numbers them: 2-byte elements moved as UINT16 (1), no interleave (0),\n"
+         "// the 128-byte swizzle (3), L2 promotion of 256 bytes (3), out-of-bounds elements zero (0).\n"
+         "typedef int (*cudagen_encode_tiled)(void*, int, unsigned, void*, const unsigned long long*,\n"
+         "                                    const unsigned long long*, const unsigned*, const unsigned*, int, int, int,\n"
+         "                                    int);\n"
+         "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+         "                                 unsigned long long width, unsigned long long height,\n"
+         "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
+         "                                 const char*) {\n"
+         "  void* entry = nullptr;\n"
+         "  cudaDriverEntryPointQueryResult found;\n"
+         "  if (cudaError_t e = cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\", &entry, 12000,\n"
+         "                                                      cudaEnableDefault, &found))\n"
+         "    return (int)e;\n"
+         "  if (entry == nullptr || found != cudaDriverEntryPointSuccess) return (int)cudaErrorNotSupported;\n"
+         "  const unsigned long long dims[2] = {width, height}, strides[1] = {row_stride};\n"
+         "  const unsigned box[2] = {box_width, box_height}, element_strides[2] = {1u, 1u};\n"
+         "  const int status = ((cudagen_encode_tiled)entry)(map, element_bytes == 2 ? 1 : 0, 2u, base, dims, strides, box,\n"
+         "                                                  element_strides, 0, 3, 3, 0);\n"
+         "  return status == 0 ? 0 : (int)cudaErrorInvalidValue;\n"
+         "}\n"
+         "#endif\n";
+}
+
 // The header of the ahead-of-time build (EmittedProgram::host_header).
 // Tables rather than one constant per tensor: a program can walk them to
 // copy every input in, and the enum gives each entry a C++ name.
@@ -156,11 +197,16 @@ std::pair<std::vector<std::string>, std::vector<std::string>> Emitter::global_pa
                                                                                      const std::vector<LaunchParam>& launch) const {
   std::vector<Pointer> pointers;  // the buffers, in launch order
   for (const auto& lp : launch)
-    if (lp.scalar == nullptr) pointers.push_back({arena_range(lp).first, arena_range(lp).second, lp.written});
+    if (lp.scalar == nullptr && !lp.tensor_map) pointers.push_back({arena_range(lp).first, arena_range(lp).second, lp.written});
   std::vector<std::string> params, names;
   for (size_t i = 0, buffer = 0; i < launch.size(); ++i) {
     const LaunchParam& lp = launch[i];
     const std::string name = param_name(lp);
+    if (lp.tensor_map) {  // by value, where TMA reads it (the param space); the tile function takes its address
+      params.push_back(fmt::format("const __grid_constant__ cg_tensor_map {}", name));
+      names.push_back("&" + name);
+      continue;
+    }
     const bool restrict = lp.scalar != nullptr || !aliased(buffer++, pointers);
     params.push_back(fmt::format("{}*{} {}", lp.pointee, restrict ? " __restrict__" : "", name));
     names.push_back(name);
@@ -496,6 +542,8 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
         "      return (int)cudagen_error;                                                             \\\n"
         "  } while (0)\n"
         "#endif\n";
+  if (std::any_of(kernels.begin(), kernels.end(), [](const EmittedKernel& k) { return !k.tensor_maps.empty(); }))
+    out += tensor_map_helper();
   out += "\n";
   out += fmt::format("extern \"C\" const unsigned long long {}_arena_bytes = {}ull;\n\n", options_.symbol_prefix,
                      arena_bytes_);
@@ -523,8 +571,24 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
       if (kernels[i].phase != phase) continue;
       const EmittedKernel& ek = kernels[i];
       std::vector<std::string> args;
-      for (size_t a = 0; a < launched_params_[i].size(); ++a)
-        args.push_back(fmt::format("({}*)(arena + {})", launched_params_[i][a].pointee, ek.arg_offsets[a]));
+      for (size_t a = 0; a < launched_params_[i].size(); ++a) {
+        const LaunchParam& lp = launched_params_[i][a];
+        if (!lp.tensor_map) {
+          args.push_back(fmt::format("({}*)(arena + {})", lp.pointee, ek.arg_offsets[a]));
+          continue;
+        }
+        // Encoded from the arena's address at every launch: a few microseconds of host time.
+        const TensorMapSpec& m = *lp.tensor_map;
+        const std::string map = fmt::format("{}_{}", ek.name, lp.name);
+        out += fmt::format(
+            "  cg_tensor_map {0};\n"
+            "  if (int cudagen_error = cudagen_tensor_map_2d(&{0}, arena + {1}, {2}, {3}ull, {4}ull, {5}ull, {6}, {7}, "
+            "\"{8}\"))\n"
+            "    return cudagen_error;\n",
+            map, m.tensor_offset, m.element_bytes, m.width, m.height, m.row_stride_bytes, m.box_width, m.box_height,
+            ek.name);
+        args.push_back(map);
+      }
       const auto grid = launch_grid(ek);
       out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
                          grid[0], grid[1], grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
@@ -578,14 +642,24 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
     const EmittedKernel& k = kernels[i];
     std::vector<std::string> tasks;
     for (int t : k.tasks) tasks.push_back(json_quote(p_.tasks[size_t(t)].task->id));
+    // The parameters passed as TMA tensor maps (by value, 128 bytes), which
+    // a launcher encodes from arena + tensor_offset (docs/gemm.md).
+    std::vector<std::string> maps;
+    for (const auto& [arg, m] : k.tensor_maps)
+      maps.push_back(fmt::format("{{\"arg\": {}, \"tensor_offset\": {}, \"element_bytes\": {}, \"width\": {}, "
+                                 "\"height\": {}, \"row_stride_bytes\": {}, \"box\": [{}, {}], \"swizzle_bytes\": 128}}",
+                                 arg, m.tensor_offset, m.element_bytes, m.width, m.height, m.row_stride_bytes,
+                                 m.box_width, m.box_height));
     out += fmt::format(
         "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-        "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}, "
+        "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}{}, "
         "\"model\": {{\"bound\": \"{}\", \"blocks_per_sm\": {}, \"waves\": {}, \"predicted_us\": {:.3f}}}}}",
         i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), launch_grid(k)[0], launch_grid(k)[1],
         launch_grid(k)[2], k.block,
         k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
-        fmt::join(k.arg_offsets, ", "), k.cooperative ? ", \"cooperative\": true" : "", model[i].bound,
+        fmt::join(k.arg_offsets, ", "),
+        maps.empty() ? std::string() : fmt::format(", \"tensor_maps\": [{}]", fmt::join(maps, ", ")),
+        k.cooperative ? ", \"cooperative\": true" : "", model[i].bound,
         model[i].blocks_per_sm, model[i].waves, model[i].seconds * 1e6);
   }
   if (options_.megakernel) {

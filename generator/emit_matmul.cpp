@@ -464,12 +464,28 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
   if (reads_as_stored && !pipelined && a.buffer->dtype == DType::f32)
     simt = simt_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
   if (!reads_as_stored && global_wrapper_) why_not_pipelined = "a prologue computes its operand";
-  if (simt) return simt_matmul(t, a, b, out, *simt, M, N, K, ta, tb, batches, batch_bases, ek);
-  if (pipelined)
-    return pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches,
-                            pipelined->split_k > 1 ? batch_bases_of(fmt::format("tile.z / {}", pipelined->split_k))
-                                                   : batch_bases,
-                            ek);
+  // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
+  std::string why_not_hopper = why_not_pipelined;
+  std::optional<HopperGemm> hopper;
+  if (reads_as_stored) hopper = hopper_gemm_of(p_, t, options_.arch, &why_not_hopper);
+  if (hopper) return hopper_matmul(t, a, b, out, *hopper, ek);
+  const std::optional<Arch> target = parse_arch(options_.arch);
+  const std::string not_hopper =
+      target && target->has_wgmma() ? fmt::format("; not on the Hopper mainloop: {}", why_not_hopper) : std::string();
+  if (simt) {
+    std::string body = simt_matmul(t, a, b, out, *simt, M, N, K, ta, tb, batches, batch_bases, ek);
+    ek.matmul_path += not_hopper;
+    return body;
+  }
+  if (pipelined) {
+    std::string body = pipelined_matmul(t, a, b, out, *pipelined, M, N, K, ta, tb, batches,
+                                        pipelined->split_k > 1
+                                            ? batch_bases_of(fmt::format("tile.z / {}", pipelined->split_k))
+                                            : batch_bases,
+                                        ek);
+    ek.matmul_path += not_hopper;
+    return body;
+  }
   // 16-bit operands go to the tensor-core tile (64 x 64, 4 warps), f32 ones
   // to the portable tile (32 x 32, 256 threads): f32 stays off tensor cores,
   // whose TF32 would break the f32 bound (docs/architecture.md §9).
@@ -477,9 +493,10 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
   const DType tile_type = matmul_tile_dtype(op, a.buffer->dtype);
   const bool tensor_cores = is_16bit(tile_type);
   ek.mainloop = tensor_cores ? MatmulMainloop::tensor_core_tile : MatmulMainloop::portable_tile;
-  ek.matmul_path = tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
-                   : !is_op(op, BundledOp::matmul) ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
-                                         : "the portable f32 tile (templates/matmul.cuh): " + why_not_pipelined;
+  ek.matmul_path = (tensor_cores          ? "the 64 x 64 tile (templates/matmul.cuh): " + why_not_pipelined
+                    : !is_op(op, BundledOp::matmul) ? fmt::format("the op's own function, {}: {}", op.source_function, why_not_pipelined)
+                                          : "the portable f32 tile (templates/matmul.cuh): " + why_not_pipelined) +
+                   not_hopper;
   const int tile = int(matmul_tile_rows(tile_type));
   ek.block = int(matmul_tile_threads(tile_type));
   ek.tile_rows = tile;
@@ -511,6 +528,53 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
       M, N, K, tensor_cores ? c_type(a.buffer->dtype) : "float");
 }
 
+// A matmul on the Hopper mainloop (templates/gemm_sm90.cuh, sm_90a): the
+// operands come by TMA through two tensor maps passed by value (the host
+// launcher or the runtime encodes them from the arena's address), the
+// consumer threads' accumulator pairs go through the store (where an
+// epilogue chain follows). Rows of a batched a are folded into M.
+std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
+                                   EmittedKernel& ek) {
+  const OpSignature& op = *p_.tasks[size_t(t)].op;
+  entry_function_ = "cg_gemm_sm90_tile";
+  use_function(op, "cg_sm90_gemm_config");
+  ek.block = HopperGemm::kThreads;
+  ek.min_blocks_per_sm = 1;  // setmaxnreg needs the register cap of __launch_bounds__(384, 1)
+  ek.grid[0] = (g.N + HopperGemm::kTile - 1) / HopperGemm::kTile;
+  ek.grid[1] = (g.M + HopperGemm::kTile - 1) / HopperGemm::kTile;
+  ek.grid[2] = 1;
+  ek.tile_rows = HopperGemm::kTile;
+  ek.mainloop = MatmulMainloop::hopper;
+  ek.matmul_path = "the Hopper mainloop (templates/gemm_sm90.cuh), " + g.describe();
+  // cg_sm90_gemm_config<4>::SHARED_BYTES: the round-up to 1024 bytes, the stages, their two barriers.
+  const int64_t stage_bytes = 2 * HopperGemm::kTile * 64 * 2;
+  reserve_shared(ek, fmt::format("{} stages of both operands' tiles from a 1024-byte boundary, then their barriers",
+                                 HopperGemm::kStages),
+                 1024 + HopperGemm::kStages * stage_bytes + 2 * HopperGemm::kStages * 8);
+  const int element = 2;
+  const TensorMapSpec map_a{plan_.buffers[size_t(a.bound->buffer)].offset, element, g.K, g.M, g.K * element, 64, 128};
+  const int64_t b_offset = plan_.buffers[size_t(b.bound->buffer)].offset;
+  const TensorMapSpec map_b = g.b_k_major ? TensorMapSpec{b_offset, element, g.K, g.N, g.K * element, 64, 128}
+                                          : TensorMapSpec{b_offset, element, g.N, g.K, g.N * element, 64, 64};
+  // In place of the operands' pointers (emit_kernel leaves those out).
+  extra_params_.push_back(
+      LaunchParam{a.bound->name + "_map", "const cg_tensor_map", a.bound->buffer, nullptr, false, -1, 0, map_a});
+  extra_params_.push_back(
+      LaunchParam{b.bound->name + "_map", "const cg_tensor_map", b.bound->buffer, nullptr, false, -1, 0, map_b});
+  const std::string store_acc = store(out, fmt::format("m * {} + n", g.N), scaled_accumulator(t));
+  return fmt::format(
+      "  CG_DYNAMIC_SMEM(cg_smem);\n"
+      "  // The Hopper mainloop: {0}.\n"
+      "  cg_gemm_sm90_tile<cg_sm90_gemm_config<{1}>, {2}, {3}>(\n"
+      "      {8}, {9}, {4}, {5}, {6}, tile.y, tile.x, cg_smem, [&](cg_i64 m, cg_i64 n0, float cg_d0, float cg_d1) {{\n"
+      "        auto cg_store_one = [&](cg_i64 n, float acc) {{ {7}; }};\n"
+      "        cg_store_one(n0, cg_d0);\n"
+      "        if (n0 + 1 < {5}) cg_store_one(n0 + 1, cg_d1);\n"
+      "      }});\n",
+      g.describe(), HopperGemm::kStages, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false", g.M, g.N, g.K,
+      store_acc, param_name(extra_params_[extra_params_.size() - 2]), param_name(extra_params_.back()));
+}
+
 // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's
 // output tile is computed in registers, then each pair of adjacent
 // accumulators goes through the store (where an epilogue chain follows).
@@ -540,7 +604,7 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
   if (g.split_k > 1) {
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
     const int64_t k_per_split = g.k_tiles_per_split * g.bk;
-    split_k_params_ = {
+    extra_params_ = {
         LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
                     batches * g.split_k * M * N * 4},
         LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,

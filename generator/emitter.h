@@ -16,10 +16,12 @@
 #include <cctype>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
 
+#include "arch.h"
 #include "cost.h"
 #include "diagnostics.h"
 #include "graph_json.h"
@@ -76,6 +78,8 @@ struct LaunchParam {
   // A workspace: arena bytes after the plan that the emitter owns (split-K's
   // partial sums and arrival counters), where buffer and scalar are unset.
   int64_t workspace_offset = -1, workspace_bytes = 0;
+  // A TMA tensor map of `buffer`, passed by value (pointee "const cg_tensor_map").
+  std::optional<TensorMapSpec> tensor_map;
 };
 
 // The number of keys query row `row` (over all heads, Tq rows a head) sees,
@@ -287,7 +291,7 @@ class Emitter {
   // forward to the backward phase, a few bytes a token.
   std::map<int, FlashStatistics> flash_statistics_;
   int64_t flash_statistics_end_ = 0;
-  std::vector<LaunchParam> split_k_params_;  // the workspace parameters of the kernel being emitted
+  std::vector<LaunchParam> extra_params_;  // the workspace and tensor-map parameters of the kernel being emitted
   // Kernels launched right before a kernel group's own, by the group's index
   // (flash attention backward's rows' statistics), with their parameters.
   std::map<size_t, std::pair<EmittedKernel, std::vector<LaunchParam>>> pre_launches_;
@@ -360,6 +364,9 @@ class Emitter {
   std::string matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  static std::string tensor_map_helper();
+  std::string hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
+                            EmittedKernel& ek);
   std::string pipelined_matmul(int t, const Param& a, const Param& /*b*/, const Param& out, const GemmTile& g, int64_t M,
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek);

@@ -631,6 +631,52 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
   return tile;
 }
 
+int64_t shared_bytes_with_opt_in(const std::string& arch) {
+  const std::optional<Arch> a = parse_arch(arch);
+  if (a && (a->major == 9 || a->major == 10)) return 227 * 1024;
+  if (a && a->major == 8 && (a->minor == 0 || a->minor == 7)) return 163 * 1024;
+  return kSharedBytesWithOptIn;
+}
+
+std::string HopperGemm::describe() const {
+  return fmt::format("128 x 128 tiles ({}), {} stages of 64 k, TMA and wgmma, B {}", tiles(), kStages,
+                     b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
+}
+
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,
+                                         std::string* why_not) {
+  auto refuse = [&](std::string why) -> std::optional<HopperGemm> {
+    if (why_not != nullptr) *why_not = std::move(why);
+    return std::nullopt;
+  };
+  const std::optional<Arch> target = parse_arch(arch);
+  if (!target || !target->has_wgmma()) return refuse(fmt::format("{} has no wgmma (sm_90a has)", arch));
+  const BoundTask& task = program.tasks[size_t(t)];
+  for (const char* variant : {"cg_gemm_sm90_tile", "cg_sm90_gemm_config"})
+    if (task.op->closure_of(variant) == nullptr)
+      return refuse(fmt::format("op '{}' has no Hopper mainloop (variant {})", task.op->name, variant));
+  const DType a = program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
+              b = program.buffers[size_t(task.find_tensor("b")->buffer)].dtype;
+  if (a != b || (a != DType::f16 && a != DType::bf16)) return refuse("its operands are not both f16 or both bf16");
+  const MatmulDims d = matmul_dims(program, t);
+  if (d.trans_a) return refuse("its a is stored transposed (wgmma's transposed A is not used yet)");
+  if (d.batches > 1) return refuse("b is batched (one tensor map a product)");
+  // TMA reads rows whose strides are whole 16 bytes (8 elements).
+  if (d.K % 8 != 0 || (!d.trans_b && d.N % 8 != 0))
+    return refuse(fmt::format("a row of an operand is not whole 16 bytes (K {}{}), which TMA needs", d.K,
+                              d.trans_b ? "" : fmt::format(", N {}", d.N)));
+  if (d.M >= (int64_t(1) << 31) || d.N >= (int64_t(1) << 31) || d.K >= (int64_t(1) << 31))
+    return refuse("a dimension over 2^31");
+  HopperGemm g{d.M, d.N, d.K, d.trans_b};
+  // Too few tiles to fill the GPU: the pipelined mainloop splits K there.
+  const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, arch);
+  if (pipelined && pipelined->split_k > 1 && g.tiles() < device_model(arch).sms)
+    return refuse(fmt::format("its {} tiles of 128 x 128 fill less than one wave; the pipelined mainloop splits K {} "
+                              "ways",
+                              g.tiles(), pipelined->split_k));
+  return g;
+}
+
 std::string SgemmTile::arguments() const { return fmt::format("{}, {}, {}", bm, bn, bk); }
 
 std::string SgemmTile::describe() const {

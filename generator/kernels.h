@@ -326,6 +326,24 @@ MatmulDims matmul_dims(const Program& program, int t);
 std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
                                                std::string* why_not = nullptr, bool allow_tf32 = false);
 
+// The Hopper mainloop (templates/gemm_sm90.cuh, docs/gemm.md "The Hopper
+// path") for matmul task `t`: 128 x 128 tiles of D = A B on wgmma, operands
+// by TMA. Taken on a target with wgmma (sm_90a) for f16 and bf16 operands
+// that TMA can read as stored: A K-contiguous and B either way, unbatched
+// (rows of a batched A folded into M), every row stride whole 16 bytes; a
+// product whose tiles would not fill the GPU where the pipelined mainloop
+// splits K stays there. A kernel on it is launched alone, with no operand
+// prologue (the caller checks both).
+struct HopperGemm {
+  int64_t M = 0, N = 0, K = 0;
+  bool b_k_major = false;  // b stored N x K (trans_b)
+  static constexpr int kTile = 128, kStages = 4, kThreads = 384;
+  int64_t tiles() const { return (M + kTile - 1) / kTile * ((N + kTile - 1) / kTile); }
+  std::string describe() const;
+};
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,
+                                         std::string* why_not = nullptr);
+
 // The f32 SIMT mainloop (templates/gemm.cuh, cg_sgemm_mainloop; docs/gemm.md):
 // BM x BN tiles over BK, (BM / 8) x (BN / 8) threads of 8 x 8 outputs each.
 struct SgemmTile {
@@ -357,6 +375,9 @@ inline constexpr int64_t kSharedBytesWithoutOptIn = 48 * 1024;
 // still run on every GPU from sm_80 on: 99 KiB on sm_86 and sm_89 (sm_80 has
 // 163 KiB, sm_90 227 KiB). The pipelined mainloop's largest tile takes 96.
 inline constexpr int64_t kSharedBytesWithOptIn = 99 * 1024;
+// The most a kernel for `arch` alone may opt in to: 227 KiB on sm_90 and
+// sm_100 (the Hopper mainloop takes 129), 163 on sm_80 and sm_87, else 99.
+int64_t shared_bytes_with_opt_in(const std::string& arch);
 
 // Rule matmul_chain: the shared memory of a kernel of two chained matmuls,
 // laid out once for the fusion pass and the emitter: the operand tiles, then

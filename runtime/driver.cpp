@@ -32,7 +32,7 @@ namespace {
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphDestroy)    \
   X(cuGraphExecDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                    \
   X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString) X(cuLaunchCooperativeKernel)                        \
-  X(cuOccupancyMaxActiveBlocksPerMultiprocessor)
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor) X(cuTensorMapEncodeTiled)
 
 // The functions above keep their signatures from CUDA 12.0 to this header's
 // version, so asking for 12.0's lets a CUDA 12 driver run what this builds.
@@ -190,6 +190,7 @@ class GpuExecutor final : public Executor {
     arena_bytes_ = arena_bytes;
     CUDAGEN_CHECK(api, cuMemAlloc(&arena_, size_t(std::max<int64_t>(arena_bytes, 1))),
                   fmt::format("allocating the arena ({} bytes)", arena_bytes));
+    encode_tensor_maps();
     CUDAGEN_CHECK(api, cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "creating a stream");
   }
 
@@ -313,6 +314,8 @@ class GpuExecutor final : public Executor {
     unsigned block = 1;
     unsigned smem = 0;
     std::vector<int64_t> arg_offsets;
+    std::vector<std::pair<int, TensorMapSpec>> map_specs;  // the TMA tensor maps among the parameters
+    std::vector<std::pair<int, CUtensorMap>> maps;         // encoded once the arena is allocated
     bool cooperative = false;  // a megakernel: every block resident at once
   };
   struct Graph {
@@ -345,6 +348,7 @@ class GpuExecutor final : public Executor {
         CUDAGEN_CHECK(api, cuFuncSetAttribute(k.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(k.smem)),
                       fmt::format("giving kernel {} ({}) {} bytes of shared memory", k.name, k.tasks, k.smem));
       k.arg_offsets = ek.arg_offsets;
+      k.map_specs = ek.tensor_maps;
       k.cooperative = ek.cooperative;
       if (k.cooperative) check_residency(k, gpu);
       launchers_[phase_function(ek.phase)].push_back(int(kernels_.size()));
@@ -362,12 +366,38 @@ class GpuExecutor final : public Executor {
       launchers_[kStepFunction] = step;
   }
 
+  // The Hopper kernels' TMA tensor maps (EmittedKernel::tensor_maps), from
+  // the arena's address: encoded once, as the arena never moves, and passed
+  // by value at each launch.
+  void encode_tensor_maps() {
+    const DriverApi& api = *api_;
+    for (Kernel& k : kernels_)
+      for (const auto& [arg, spec] : k.map_specs) {
+        CUtensorMap map;
+        const cuuint64_t dims[2] = {cuuint64_t(spec.width), cuuint64_t(spec.height)},
+                         strides[1] = {cuuint64_t(spec.row_stride_bytes)};
+        const cuuint32_t box[2] = {cuuint32_t(spec.box_width), cuuint32_t(spec.box_height)}, element_strides[2] = {1, 1};
+        CUDAGEN_CHECK(api,
+                      cuTensorMapEncodeTiled(&map, spec.element_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16
+                                                                           : CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                                             2, reinterpret_cast<void*>(arena_ + CUdeviceptr(spec.tensor_offset)), dims,
+                                             strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                      fmt::format("encoding kernel {}'s TMA tensor map of arena + {} ({} x {} elements, a {} x {} box)",
+                                  k.name, spec.tensor_offset, spec.width, spec.height, spec.box_width,
+                                  spec.box_height));
+        k.maps.emplace_back(arg, map);
+      }
+  }
+
   void launch(int index) {
     const Kernel& k = kernels_[size_t(index)];
     std::vector<CUdeviceptr> pointers;
     for (int64_t offset : k.arg_offsets) pointers.push_back(arena_ + CUdeviceptr(offset));
     std::vector<void*> params;
     for (auto& pointer : pointers) params.push_back(&pointer);
+    for (const auto& [arg, map] : k.maps) params[size_t(arg)] = const_cast<CUtensorMap*>(&map);  // by value
     params.push_back(nullptr);  // not read by the driver, which knows the count; lets a test driver find the end
     const DriverApi& api = *api_;
     if (options_.profile) {

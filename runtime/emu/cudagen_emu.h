@@ -133,6 +133,11 @@ enum class TensorSwizzle { none = 0, span32 = 32, span64 = 64, span128 = 128 };
 const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
                                  unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
                                  unsigned box_height, TensorSwizzle swizzle);
+// A host launcher's map (the generated cudagen_tensor_map_2d): 0, or 1 with
+// the launch's error set to why the driver would refuse it.
+int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                  unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
+                  unsigned box_height, const char* kernel);
 // cp.async.bulk.tensor.2d: the box at element (x, y) of the map into shared
 // memory at `dst` (its rows of box_width elements, swizzled), elements
 // outside the tensor as zeros; lands at a seeded later point, then takes

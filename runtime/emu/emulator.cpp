@@ -154,6 +154,11 @@ class Emulator {
   }
 
   void configure(uint64_t seed) { seed_ = seed; }
+  // An error before any launch (a host launcher's refused tensor map).
+  int refuse(std::string why) {
+    error_ = std::move(why);
+    return 1;
+  }
   const std::string& last_error() const { return error_; }
   const std::vector<KernelStats>& stats() const { return stats_; }
   void clear_stats() { stats_.clear(); }
@@ -433,8 +438,16 @@ class Emulator {
     }
     TmaCopy copy{block, d, std::vector<unsigned char>(box_bytes, 0), static_cast<unsigned char*>(bar)};
     const unsigned row_bytes = m.box_width * m.element_bytes;
+    // Each element's bounds are checked; the profile's counters see the copy
+    // as the copy engine reads it, a request per row of the box in the tensor.
+    WarpAccesses& warp = warp_of(current_);
+    const size_t loads_before = warp.loads.size();
+    const unsigned long long seq_before = current_->load_seq;
+    std::vector<LaneAccess> rows;
     for (unsigned j = 0; j < m.box_height; ++j) {
       const long long gy = (long long)y + j;
+      unsigned in_row = 0;
+      const unsigned char* first = nullptr;
       for (unsigned i = 0; i < m.box_width; ++i) {
         const long long gx = (long long)x + i;
         const unsigned at = swizzled(address + j * row_bytes + i * m.element_bytes, m.swizzle) - address;
@@ -442,7 +455,16 @@ class Emulator {
         const unsigned char* src = m.base + gy * m.row_stride + gx * m.element_bytes;
         if (!check_access(src, 0, m.element_bytes, false)) return;
         std::memcpy(copy.image.data() + at, src, m.element_bytes);
+        if (first == nullptr) first = src;
+        in_row += m.element_bytes;
       }
+      if (first != nullptr) rows.push_back({0, uintptr_t(first - arena_), in_row, lane_of(current_)});
+    }
+    warp.loads.resize(loads_before);
+    current_->load_seq = seq_before;
+    for (LaneAccess& row : rows) {
+      row.seq = current_->load_seq++;
+      warp.loads.push_back(row);
     }
     std::memset(d, 0xFF, box_bytes);  // poison until it lands
     tma_in_flight_.push_back(std::move(copy));
@@ -1119,6 +1141,17 @@ void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b
 }
 void wgmma_commit() { emulator().wgmma_commit(); }
 void wgmma_wait(int most_in_flight) { emulator().wgmma_wait(most_in_flight); }
+
+int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                  unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
+                  unsigned box_height, const char* kernel) {
+  const char* why = encode_tensor_map_2d(map, base, element_bytes, width, height, row_stride_bytes, box_width,
+                                         box_height, TensorSwizzle::span128);
+  if (*why == 0) return 0;
+  return emulator().refuse(std::string("kernel ") + kernel + ": its TMA tensor map (" + std::to_string(width) + " x " +
+                           std::to_string(height) + " elements, a " + std::to_string(box_width) + " x " +
+                           std::to_string(box_height) + " box) is one the driver refuses: " + why);
+}
 
 const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
                                  unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,

@@ -450,6 +450,41 @@ TEST(Emulation, PipelinedMatmulMatchesTheReference) {
   }
 }
 
+// Compiled for sm_90a (issue #38), 16-bit products run the Hopper mainloop
+// (templates/gemm_sm90.cuh: TMA, mbarriers, wgmma, all emulated): b as
+// stored and transposed, a batch of rows folded into M, a bias and GELU
+// epilogue, partial tiles in M and N, K under one k-tile and over the
+// stages; what TMA cannot read (a transposed a, a batched b, a row of a
+// whole 16 bytes short) stays on the pipelined mainloop and says why.
+TEST(Emulation, HopperMatmulMatchesTheReference) {
+  for (DType d : {DType::f16, DType::bf16}) {
+    GraphBuilder b(std::string("hopper_") + to_string(d));
+    auto mm = b.task("mm", "matmul").tensor("a", d, {2, 150, 200}, ext).tensor("b", d, {200, 264}, ext).tensor("out", d, {2, 150, 264});
+    auto bias = b.task("bias", "add").tensor("a", mm["out"]).tensor("b", d, {264}, ext).tensor("out", d, {2, 150, 264});
+    b.task("act", "gelu").tensor("x", bias["out"]).tensor("out", d, {2, 150, 264}, ext);
+    b.task("mm_nt", "matmul").tensor("a", d, {130, 40}, ext).tensor("b", d, {72, 40}, ext).tensor("out", d, {130, 72}, ext).arg("trans_b", true);
+    b.task("mm_long", "matmul").tensor("a", d, {64, 328}, ext).tensor("b", d, {328, 128}, ext).tensor("out", d, {64, 128}, ext).arg("alpha", 0.5);
+    b.task("mm_tn", "matmul").tensor("a", d, {48, 104}, ext).tensor("b", d, {48, 24}, ext).tensor("out", d, {104, 24}, ext).arg("trans_a", true);
+    b.task("mm_batched", "matmul").tensor("a", d, {2, 33, 16}, ext).tensor("b", d, {2, 16, 80}, ext).tensor("out", d, {2, 33, 80}, ext);
+    CompileOptions options;
+    options.emit.arch = "sm_90a";
+    Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+    std::map<std::string, std::string> paths;
+    for (const EmittedKernel& k : c.emitted.kernels) paths[c.program.tasks[size_t(k.tasks[0])].task->id] = k.matmul_path;
+    for (const char* task : {"mm", "mm_nt", "mm_long"})
+      EXPECT_NE(paths[task].find("the Hopper mainloop"), std::string::npos) << task << ": " << paths[task];
+    EXPECT_NE(paths["mm_tn"].find("not on the Hopper mainloop: its a is stored transposed"), std::string::npos)
+        << paths["mm_tn"];
+    EXPECT_NE(paths["mm_batched"].find("not on the Hopper mainloop: b is batched"), std::string::npos)
+        << paths["mm_batched"];
+    uint64_t seed = fresh_seed();
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("hopper_") + to_string(d))});
+    ASSERT_EQ(run.checks.size(), 5u);
+    for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+  }
+}
+
 // f32 products whose rows are whole 16-byte chunks: every transpose, a batch
 // broadcast, an epilogue (bias, GELU), K ending inside a k-tile, partial
 // tiles everywhere.

@@ -12,6 +12,11 @@
 //   FAKE_CUDA_DEVICES=N         the number of GPUs (default 1)
 //   FAKE_CUDA_FREE_BYTES=N      what cuMemGetInfo reports free (default 1 GiB)
 //   FAKE_CUDA_SMS=N             multiprocessors (default 132); each holds 2 blocks of any kernel
+//   FAKE_CUDA_CC=M.N            the compute capability (default 9.0)
+//
+// cuTensorMapEncodeTiled checks every limit the driver documents for the
+// maps cudagen makes, logs the map, and writes the tensor's address in its
+// first 8 bytes, so that a launch logs a map as the offset it points to.
 #include <cuda.h>
 
 #include <cstdint>
@@ -283,6 +288,43 @@ CUresult fake_cuGetErrorName(CUresult rc, const char** name) {
   }
   return CUDA_SUCCESS;
 }
+// The limits cuTensorMapEncodeTiled documents (CUDA 13's cuda.h), for tiled maps.
+CUresult fake_cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* address,
+                                     const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                                     const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                     CUtensorMapSwizzle swizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+  auto refuse = [&](const std::string& why) {
+    state().log += "tensor map refused: " + why + "\n";
+    return CUDA_ERROR_INVALID_VALUE;
+  };
+  if (fails("cuTensorMapEncodeTiled")) return CUDA_ERROR_INVALID_VALUE;
+  const unsigned element = type == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : type == CU_TENSOR_MAP_DATA_TYPE_UINT16 ? 2 : 4;
+  if (map == nullptr || reinterpret_cast<uintptr_t>(map) % 64 != 0) return refuse("the map is not 64-byte aligned");
+  if (rank < 1 || rank > 5) return refuse("rank " + std::to_string(rank));
+  const CUdeviceptr base = reinterpret_cast<CUdeviceptr>(address);
+  if (base % 16 != 0) return refuse("the address is not 16-byte aligned");
+  if (offset_text(base) == "OUTSIDE") return refuse("the address lies in no allocation");
+  for (cuuint32_t i = 0; i < rank; ++i) {
+    if (dims[i] == 0 || dims[i] > (cuuint64_t(1) << 32)) return refuse("dimension " + std::to_string(i));
+    if (box[i] == 0 || box[i] > 256) return refuse("box side " + std::to_string(i) + " of " + std::to_string(box[i]));
+    if (element_strides[i] == 0 || element_strides[i] > 8) return refuse("element stride " + std::to_string(i));
+  }
+  for (cuuint32_t i = 0; i + 1 < rank; ++i)
+    if (strides[i] % 16 != 0 || strides[i] >= (cuuint64_t(1) << 40))
+      return refuse("stride " + std::to_string(i) + " of " + std::to_string(strides[i]) + " bytes");
+  const cuuint64_t inner = cuuint64_t(box[0]) * element;
+  if (interleave == CU_TENSOR_MAP_INTERLEAVE_NONE && inner % 16 != 0) return refuse("the box's rows are not whole 16 bytes");
+  const cuuint64_t span = swizzle == CU_TENSOR_MAP_SWIZZLE_32B ? 32 : swizzle == CU_TENSOR_MAP_SWIZZLE_64B ? 64
+                          : swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 128 : 0;
+  if (span != 0 && inner > span) return refuse("the box's rows are wider than the swizzle span");
+  std::memset(map, 0, sizeof *map);
+  std::memcpy(map, &base, sizeof base);
+  state().log += "tensor map " + offset_text(base) + " " + std::to_string(dims[0]) + "x" + std::to_string(dims[1]) +
+                 " stride " + std::to_string(strides[0]) + " box " + std::to_string(box[0]) + "x" +
+                 std::to_string(box[1]) + " swizzle " + std::to_string(span) + "\n";
+  return CUDA_SUCCESS;
+}
+
 CUresult fake_cuGetErrorString(CUresult, const char** text) {
   *text = "fake driver error";
   return CUDA_SUCCESS;
@@ -299,7 +341,7 @@ const std::map<std::string, void*>& table() {
       FAKE(cuStreamBeginCapture) FAKE(cuStreamEndCapture) FAKE(cuGraphInstantiateWithFlags) FAKE(cuGraphLaunch)
       FAKE(cuGraphDestroy) FAKE(cuGraphExecDestroy) FAKE(cuEventCreate) FAKE(cuEventDestroy) FAKE(cuEventRecord)
       FAKE(cuEventSynchronize) FAKE(cuEventElapsedTime) FAKE(cuGetErrorName) FAKE(cuGetErrorString)
-      FAKE(cuLaunchCooperativeKernel) FAKE(cuOccupancyMaxActiveBlocksPerMultiprocessor)
+      FAKE(cuLaunchCooperativeKernel) FAKE(cuOccupancyMaxActiveBlocksPerMultiprocessor) FAKE(cuTensorMapEncodeTiled)
 #undef FAKE
   };
   return t;

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "builder.h"
 #include "driver.h"
 #include "jit.h"
 #include "pipeline.h"
@@ -121,6 +122,58 @@ TEST_F(GpuPath, EachComputeCapabilityGetsItsOwnTarget) {
     EXPECT_NE(program.cuda_source().find(fmt::format("// Options: arch={} ", c.arch)), std::string::npos)
         << c.cc << ": the file records its target";
   }
+}
+
+// On compute capability 9.0 a bf16 matmul runs the Hopper mainloop: the
+// runtime encodes its two TMA tensor maps once, from the arena's address
+// (the driver checks each against its limits), and passes them by value;
+// on 8.9 the same graph takes the pipelined mainloop and needs none.
+TEST_F(GpuPath, AHopperMatmulGetsItsTensorMapsFromTheArena) {
+  auto graph = [] {
+    GraphBuilder b("hopper");
+    b.task("mm", "matmul")
+        .tensor("a", DType::bf16, {300, 192}, Storage::external)
+        .tensor("b", DType::bf16, {192, 264}, Storage::external)
+        .tensor("out", DType::bf16, {300, 264}, Storage::external);
+    return std::move(b).graph();
+  };
+  JitOptions options;
+  options.backend = Backend::gpu;
+  options.gpu.cache_dir = cache_.string();
+  fake_log();
+  {
+    Instance mm = JitProgram::from_graph(graph(), options).instantiate();
+    mm.run(Phase::forward);
+  }
+  const std::string log = fake_log();
+  const Compiled c = compile(load_program(graph(), {}), [] {
+    CompileOptions o;
+    o.emit.arch = "sm_90a";
+    return o;
+  }());
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  const EmittedKernel& k = c.emitted.kernels[0];
+  ASSERT_EQ(k.tensor_maps.size(), 2u) << k.matmul_path;
+  const TensorMapSpec& a = k.tensor_maps[0].second;
+  const TensorMapSpec& b = k.tensor_maps[1].second;
+  EXPECT_NE(log.find(fmt::format("tensor map +{} 192x300 stride 384 box 64x128 swizzle 128", a.tensor_offset)),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find(fmt::format("tensor map +{} 264x192 stride 528 box 64x64 swizzle 128", b.tensor_offset)),
+            std::string::npos)
+      << log;
+  const std::vector<std::string> launches = lines_starting(log, "launch ");
+  ASSERT_EQ(launches.size(), 1u) << log;
+  EXPECT_EQ(launches[0], "launch " + expected_launch(k)) << "the maps are logged as the tensors they point to";
+  EXPECT_NE(launches[0].find("block=384,1,1 smem=132160"), std::string::npos) << launches[0];
+
+  ::setenv("FAKE_CUDA_CC", "8.9", 1);
+  fake_log();
+  {
+    Instance mm = JitProgram::from_graph(graph(), options).instantiate();
+    mm.run(Phase::forward);
+  }
+  EXPECT_EQ(fake_log().find("tensor map"), std::string::npos) << "sm_89 has no TMA path";
 }
 
 TEST_F(GpuPath, LaunchesEveryKernelOfAPhaseWithThePlansGeometryAndOffsets) {
