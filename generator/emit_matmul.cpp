@@ -538,21 +538,24 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   entry_function_ = "cg_gemm_sm90_tile";
   use_function(op, "cg_sm90_gemm_config");
-  ek.block = HopperGemm::kThreads;
-  ek.min_blocks_per_sm = 1;  // setmaxnreg needs the register cap of __launch_bounds__(384, 1)
-  ek.grid[0] = (g.N + HopperGemm::kTile - 1) / HopperGemm::kTile;
-  ek.grid[1] = (g.M + HopperGemm::kTile - 1) / HopperGemm::kTile;
+  ek.block = g.threads();
+  // setmaxnreg needs a register cap (cg_sm90_gemm_config::MIN_BLOCKS): one
+  // block an SM of two consumers, two of one.
+  ek.min_blocks_per_sm = g.consumers == 1 ? 2 : 1;
+  ek.grid[0] = (g.N + HopperGemm::kColumns - 1) / HopperGemm::kColumns;
+  ek.grid[1] = (g.M + g.rows() - 1) / g.rows();
   ek.grid[2] = 1;
-  ek.tile_rows = HopperGemm::kTile;
+  ek.tile_rows = g.rows();
   ek.mainloop = MatmulMainloop::hopper;
   ek.matmul_path = "the Hopper mainloop (templates/gemm_sm90.cuh), " + g.describe();
-  // cg_sm90_gemm_config<4>::SHARED_BYTES: the round-up to 1024 bytes, the stages, their two barriers.
-  const int64_t stage_bytes = 2 * HopperGemm::kTile * 64 * 2;
-  reserve_shared(ek, fmt::format("{} stages of both operands' tiles from a 1024-byte boundary, then their barriers",
-                                 HopperGemm::kStages),
-                 1024 + HopperGemm::kStages * stage_bytes + 2 * HopperGemm::kStages * 8);
+  reserve_shared(ek,
+                 fmt::format("{} stages of both operands' tiles from a 1024-byte boundary, their barriers, then "
+                             "each consumer warp's rows of results",
+                             g.stages()),
+                 g.shared_bytes());
   const int element = 2;
-  const TensorMapSpec map_a{plan_.buffers[size_t(a.bound->buffer)].offset, element, g.K, g.M, g.K * element, 64, 128};
+  const TensorMapSpec map_a{plan_.buffers[size_t(a.bound->buffer)].offset, element, g.K, g.M, g.K * element, 64,
+                            g.rows()};
   const int64_t b_offset = plan_.buffers[size_t(b.bound->buffer)].offset;
   const TensorMapSpec map_b = g.b_k_major ? TensorMapSpec{b_offset, element, g.K, g.N, g.K * element, 64, 128}
                                           : TensorMapSpec{b_offset, element, g.N, g.K, g.N * element, 64, 64};
@@ -565,14 +568,12 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // The Hopper mainloop: {0}.\n"
-      "  cg_gemm_sm90_tile<cg_sm90_gemm_config<{1}>, {2}, {3}>(\n"
-      "      {8}, {9}, {4}, {5}, {6}, tile.y, tile.x, cg_smem, [&](cg_i64 m, cg_i64 n0, float cg_d0, float cg_d1) {{\n"
-      "        auto cg_store_one = [&](cg_i64 n, float acc) {{ {7}; }};\n"
-      "        cg_store_one(n0, cg_d0);\n"
-      "        if (n0 + 1 < {5}) cg_store_one(n0 + 1, cg_d1);\n"
-      "      }});\n",
-      g.describe(), HopperGemm::kStages, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false", g.M, g.N, g.K,
-      store_acc, param_name(extra_params_[extra_params_.size() - 2]), param_name(extra_params_.back()));
+      "  cg_gemm_sm90_tile<cg_sm90_gemm_config<{1}, {2}>, {3}, {4}>(\n"
+      "      {5}, {6}, {7}, {8}, {9}, tile.y, tile.x, cg_smem,\n"
+      "      [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
+      g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false",
+      param_name(extra_params_[extra_params_.size() - 2]), param_name(extra_params_.back()), g.M, g.N, g.K,
+      store_acc);
 }
 
 // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's

@@ -639,7 +639,8 @@ int64_t shared_bytes_with_opt_in(const std::string& arch) {
 }
 
 std::string HopperGemm::describe() const {
-  return fmt::format("128 x 128 tiles ({}), {} stages of 64 k, TMA and wgmma, B {}", tiles(), kStages,
+  return fmt::format("{} x 128 tiles ({}), {} consumer warpgroup{}, {} stages of 64 k, TMA and wgmma, B {}", rows(),
+                     tiles(), consumers, consumers == 1 ? "" : "s", stages(),
                      b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
 }
 
@@ -668,10 +669,13 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   if (d.M >= (int64_t(1) << 31) || d.N >= (int64_t(1) << 31) || d.K >= (int64_t(1) << 31))
     return refuse("a dimension over 2^31");
   HopperGemm g{d.M, d.N, d.K, d.trans_b};
-  // Too few tiles to fill the GPU: the pipelined mainloop splits K there.
+  // Tiles of 64 rows where those of 128 would leave SMs idle.
+  const int64_t sms = device_model(arch).sms;
+  if (g.tiles() < sms) g.consumers = 1;
+  // Too few tiles even so: the pipelined mainloop splits K there.
   const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, arch);
-  if (pipelined && pipelined->split_k > 1 && g.tiles() < device_model(arch).sms)
-    return refuse(fmt::format("its {} tiles of 128 x 128 fill less than one wave; the pipelined mainloop splits K {} "
+  if (pipelined && pipelined->split_k > 1 && g.tiles() < sms)
+    return refuse(fmt::format("its {} tiles of 64 x 128 fill less than one wave; the pipelined mainloop splits K {} "
                               "ways",
                               g.tiles(), pipelined->split_k));
   return g;

@@ -334,11 +334,23 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
 // product whose tiles would not fill the GPU where the pipelined mainloop
 // splits K stays there. A kernel on it is launched alone, with no operand
 // prologue (the caller checks both).
+// Its tiles are 128 columns by 64 rows a consumer warpgroup: two (128 rows,
+// four stages) where they fill the GPU, else one (64 rows, three stages,
+// twice the tiles, two blocks an SM where there are more tiles than SMs).
 struct HopperGemm {
   int64_t M = 0, N = 0, K = 0;
   bool b_k_major = false;  // b stored N x K (trans_b)
-  static constexpr int kTile = 128, kStages = 4, kThreads = 384;
-  int64_t tiles() const { return (M + kTile - 1) / kTile * ((N + kTile - 1) / kTile); }
+  int consumers = 2;
+  static constexpr int kColumns = 128;
+  int rows() const { return 64 * consumers; }
+  int stages() const { return consumers == 2 ? 4 : 3; }
+  int threads() const { return 128 * (1 + consumers); }
+  int64_t tiles() const { return (M + rows() - 1) / rows() * ((N + kColumns - 1) / kColumns); }
+  // cg_sm90_gemm_config's SHARED_BYTES: the round-up to 1024 bytes, the
+  // stages, their barriers, the consumer warps' rows of results.
+  int64_t shared_bytes() const {
+    return 1024 + int64_t(stages()) * (rows() + kColumns) * 64 * 2 + 2 * stages() * 8 + consumers * 4 * 16 * 136 * 4;
+  }
   std::string describe() const;
 };
 std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,

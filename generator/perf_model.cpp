@@ -32,7 +32,8 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.bytes = k.bytes_read + k.bytes_written;
   e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
   // The Hopper mainloop is not measured yet: taken at the pipelined one's
-  // measured rate (wgmma's peak is higher), its 168 registers a thread.
+  // measured rate (wgmma's peak is higher); 168 registers a thread at one
+  // block an SM, capped at 128 where it asks for two.
   const bool pipelined = k.mainloop == MatmulMainloop::pipelined || k.mainloop == MatmulMainloop::pipelined_tf32 ||
                          k.mainloop == MatmulMainloop::hopper;
   // TF32's tensor-core peak is half the 16-bit one on the A100 and the H100.
@@ -54,7 +55,7 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   // pipelined mainloop, 141-163 on the SIMT mainloop (168 as allocated in
   // units of 8), 64 elsewhere.
   const int block = std::max(1, k.block);
-  const int registers = k.mainloop == MatmulMainloop::hopper ? 168
+  const int registers = k.mainloop == MatmulMainloop::hopper ? (k.min_blocks_per_sm >= 2 ? 128 : 168)
                         : pipelined                           ? 255
                         : k.mainloop == MatmulMainloop::simt  ? 168
                                                               : 64;

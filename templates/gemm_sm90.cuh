@@ -1,11 +1,11 @@
 // The Hopper GEMM mainloop (sm_90a; docs/gemm.md "The Hopper path"): a
-// block computes one 128 x 128 tile of D = A B with f32 accumulation, A
+// block computes one BM x 128 tile of D = A B with f32 accumulation, A
 // (M x K) K-contiguous, B (K x N) N-contiguous or, stored as B^T (N x K),
 // K-contiguous; 16-bit (f16, bf16):
 //   - warp specialised: warpgroup 0 is the producer (one thread issues the
 //     copies; the warpgroup gives most of its registers back with
-//     setmaxnreg), warpgroups 1 and 2 are the consumers, 64 rows of the tile
-//     each, their accumulators in registers;
+//     setmaxnreg), the others (one or two) are the consumers, 64 rows of the
+//     tile each, their accumulators in registers;
 //   - operands by TMA (cp.async.bulk.tensor), 64 k x 128 rows of each per
 //     k-tile into STAGES shared stages written with the 128-byte swizzle
 //     (an N-contiguous B as two boxes of 64 k x 64 columns),
@@ -13,7 +13,9 @@
 //     (out-of-bounds elements are zeros, and count);
 //   - products by wgmma m64n128k16, both operands read from shared memory
 //     through descriptors, one group in flight: a consumer releases a stage
-//     (its "empty" mbarrier) once the wgmma that read it has completed.
+//     (its "empty" mbarrier) once the wgmma that read it has completed;
+//   - results through shared memory, each warp its own 16 rows, so that the
+//     epilogue's loads and stores are a warp's consecutive columns.
 // The swizzle's pattern follows address bits, so every stage starts on a
 // 1024-byte boundary of the .shared window: the kernel rounds its dynamic
 // shared memory up to one (1 KiB of slack in cg_sm90_gemm_config).
@@ -228,24 +230,32 @@ CG_DEVICE void cg_setmaxnreg_inc() {
 }
 
 // ---------------------------------------------------------------------------
-// The mainloop's shape: 128 x 128 tiles, 64-element k-tiles (one 128-byte
-// swizzle row of 16-bit elements), STAGES of them in flight.
-template <int STAGES_>
+// The mainloop's shape: tiles of 64 rows a consumer warpgroup by 128
+// columns, 64-element k-tiles (one 128-byte swizzle row of 16-bit elements),
+// STAGES of them in flight.
+template <int STAGES_, int CONSUMERS_ = 2>
 struct cg_sm90_gemm_config {
-  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = STAGES_;
-  static constexpr int THREADS = 384;  // a producer warpgroup, two consumers
+  static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = 128, BK = 64, STAGES = STAGES_;
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);  // a producer warpgroup, then the consumers
+  // Blocks an SM (the kernel's __launch_bounds__(THREADS, MIN_BLOCKS)), and
+  // the registers setmaxnreg gives each consumer thread: the producer keeps
+  // 40, and the blocks' threads share the SM's 65536.
+  static constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1, CONSUMER_REGISTERS = CONSUMERS == 1 ? 208 : 232;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-  // The stages from a 1024-byte boundary, then a full and an empty barrier
-  // per stage; 1 KiB of slack to round the start up.
-  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+  // A consumer warp's 16 rows of results, 136 floats apart: a row's eight
+  // more banks keep the warp's pairs of floats free of conflicts.
+  static constexpr int RESULT_ROW = 136, RESULT_BYTES = CONSUMERS * 4 * 16 * RESULT_ROW * 4;
+  // The stages from a 1024-byte boundary, a full and an empty barrier per
+  // stage, then the results; 1 KiB of slack to round the start up.
+  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + RESULT_BYTES;
 };
 
 // One tile (tile_m, tile_n) of D = A B. The maps, all with the 128-byte
-// swizzle: A's K wide and M high, its box 64 x 128; B's, where B_K_MAJOR
+// swizzle: A's K wide and M high, its box 64 x BM; B's, where B_K_MAJOR
 // (B stored as B^T, N x K), K wide and N high with a 64 x 128 box, else N
-// wide and K high with a 64 x 64 box. Hands each consumer thread's results
-// to epilogue(m, n, d0, d1): the elements (m, n) and (m, n + 1), m < M and
-// n < N (n + 1 may be N).
+// wide and K high with a 64 x 64 box. Hands every element (m, n) of the
+// tile with m < M and n < N to epilogue(m, n, d), a warp's lanes on
+// consecutive columns.
 template <typename Config, typename T, bool B_K_MAJOR, typename Epilogue>
 CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
                                  int tile_m, int tile_n, unsigned char* smem, Epilogue epilogue) {
@@ -261,7 +271,7 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
   if (thread == 0) {
     for (int s = 0; s < S; ++s) {
       cg_mbarrier_init(&full[s], 1);    // the producer's arrival, with the stage's bytes
-      cg_mbarrier_init(&empty[s], 256);  // every consumer thread, once its wgmma has read the stage
+      cg_mbarrier_init(&empty[s], 128 * Config::CONSUMERS);  // every consumer thread, once its wgmma read the stage
     }
   }
   __syncthreads();
@@ -288,7 +298,7 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
     }
     return;
   }
-  cg_setmaxnreg_inc<232>();
+  cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
   const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
   // The accumulators start with the first wgmma (scale_d 0), not zeroed
   // before it: ptxas serialises every wgmma of a kernel whose accumulators
@@ -321,15 +331,25 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
     CG_UNROLL
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
   }
-  const int t = thread % 128;
-  const cg_i64 row = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * (t / 32) + (t % 32) / 4;
-  const cg_i64 column = (cg_i64)tile_n * Config::BN + 2 * (t % 4);
+  // This warp's 16 rows of the tile into its own part of shared memory (no
+  // other warp reads it: a warp barrier suffices), then out a row at a time.
+  const int t = thread % 128, warp = t / 32, lane = t % 32;
+  float* rows = (float*)(stages + S * Config::STAGE_BYTES + 2 * S * 8) + (consumer * 4 + warp) * 16 * Config::RESULT_ROW;
   CG_UNROLL
   for (int j = 0; j < 16; ++j)
     CG_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const cg_i64 m = row + 8 * h, n = column + 8 * j;
-      if (m < M && n < N) epilogue(m, n, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      float* pair = rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j + 2 * (lane % 4);
+      pair[0] = d[4 * j + 2 * h];
+      pair[1] = d[4 * j + 2 * h + 1];
     }
+  __syncwarp();
+  const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;
+  for (int r = 0; r < 16; ++r) {
+    if (m0 + r >= M) break;
+    CG_UNROLL
+    for (int j = 0; j < 4; ++j)
+      if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+  }
 #endif
 }

@@ -37,13 +37,10 @@ using Config = cg_sm90_gemm_config<4>;
 template <bool B_K_MAJOR>
 __global__ void __launch_bounds__(Config::THREADS, 1)
     hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
-                  unsigned int* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+                  cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {
   extern __shared__ __align__(128) unsigned char smem[];
   cg_gemm_sm90_tile<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.y, blockIdx.x, smem,
-                                     [&](cg_i64 m, cg_i64 n, float d0, float d1) {
-                                       d[(m * N + n) / 2] = cg_pack_pair(cg_narrow<cg_bf16>(d0).bits,
-                                                                         cg_narrow<cg_bf16>(d1).bits);
-                                     });
+                                                [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -129,10 +126,10 @@ int main(int argc, char** argv) {
       const dim3 grid(unsigned((s.N + 127) / 128), unsigned((s.M + 127) / 128));
       if (s.b_k_major)
         hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
-            map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (unsigned int*)d, s.M, s.N, s.K);
+            map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K);
       else
         hopper_kernel<false><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
-            map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (unsigned int*)d, s.M, s.N, s.K);
+            map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (cg_bf16*)d, s.M, s.N, s.K);
     };
     // cuBLAS, column-major: D^T (N x M) = op(B) A^T, where a row-major K x N b is B^T's column-major
     // N x K (no transpose) and a row-major N x K one needs op T.

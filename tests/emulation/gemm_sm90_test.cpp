@@ -41,7 +41,7 @@ struct Placer {
 // Runs every tile of D = A B and returns the largest |got - want| / (sum
 // over k of |a b|): f32 accumulation of exact products. A is M x K; B is
 // stored N x K (B_K_MAJOR) or K x N.
-template <typename T, bool B_K_MAJOR>
+template <typename T, bool B_K_MAJOR, typename Config = Config>
 double run_problem(const Problem& p, unsigned seed) {
   Placer place;
   EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + 4096);
@@ -53,7 +53,7 @@ double run_problem(const Problem& p, unsigned seed) {
   for (long long i = 0; i < p.M * p.K; ++i) a[i] = cg_narrow<T>(uniform(rng));
   for (long long i = 0; i < p.N * p.K; ++i) b[i] = cg_narrow<T>(uniform(rng));
   cg_tensor_map map_a, map_b;
-  EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_a, a, 2, p.K, p.M, p.K * 2, 64, 128,
+  EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_a, a, 2, p.K, p.M, p.K * 2, 64, Config::BM,
                                                  cudagen_emu::TensorSwizzle::span128), "");
   if (B_K_MAJOR)
     EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.K, p.N, p.K * 2, 64, 128,
@@ -62,14 +62,11 @@ double run_problem(const Problem& p, unsigned seed) {
     EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.N, p.K, p.N * 2, 64, 64,
                                                    cudagen_emu::TensorSwizzle::span128), "");
   cudagen_emu_configure(seed);
-  const dim3 grid(unsigned((p.N + 127) / 128), unsigned((p.M + 127) / 128));
+  const dim3 grid(unsigned((p.N + 127) / 128), unsigned((p.M + Config::BM - 1) / Config::BM));
   const int rc = l.run("gemm_sm90", grid, dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
     CG_DYNAMIC_SMEM(smem);
     cg_gemm_sm90_tile<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, (int)blockIdx.y, (int)blockIdx.x, smem,
-                                 [&](cg_i64 m, cg_i64 n, float d0, float d1) {
-                                   cudagen_emu::store(d, m * p.N + n, d0);
-                                   if (n + 1 < p.N) cudagen_emu::store(d, m * p.N + n + 1, d1);
-                                 });
+                                 [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
   });
   EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
   double worst = 0;
@@ -108,6 +105,16 @@ TEST(GemmSm90, EveryEdgeAgainstAFloat64Product) {
     EXPECT_LT((run_problem<cg_f16, true>(p, 4)), 1e-5) << describe(p, true) << ", f16";
     EXPECT_LT((run_problem<cg_bf16, false>(p, 5)), 1e-5) << describe(p, false) << ", bf16";
     EXPECT_LT((run_problem<cg_f16, false>(p, 6)), 1e-5) << describe(p, false) << ", f16";
+  }
+}
+
+// Tiles of 64 rows: one consumer warpgroup (the config for products of few
+// tiles), three stages.
+TEST(GemmSm90, OneConsumerWarpgroupAgainstAFloat64Product) {
+  using Narrow = cg_sm90_gemm_config<3, 1>;
+  for (const Problem& p : {Problem{64, 128, 64}, Problem{200, 296, 520}, Problem{130, 136, 8}}) {
+    EXPECT_LT((run_problem<cg_bf16, false, Narrow>(p, 7)), 1e-5) << describe(p, false) << ", bf16";
+    EXPECT_LT((run_problem<cg_f16, true, Narrow>(p, 8)), 1e-5) << describe(p, true) << ", f16";
   }
 }
 

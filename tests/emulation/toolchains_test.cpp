@@ -429,24 +429,23 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
     const char* name;
     const char* type;
     const char* b_k_major;
+    const char* config;  // stages, consumer warpgroups
   };
-  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false"}, {"hopper_bf16_bt", "cg_bf16", "true"},
-                              {"hopper_f16", "cg_f16", "false"}};
+  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false", "4, 2"}, {"hopper_bf16_bt", "cg_bf16", "true", "4, 2"},
+                              {"hopper_f16", "cg_f16", "false", "4, 2"}, {"hopper_bf16_64", "cg_bf16", "false", "3, 1"}};
   for (const Variant& v : variants)
-    source += std::string("CG_KERNEL void __launch_bounds__(384, 1) ") + v.name +
+    source += std::string("CG_KERNEL void __launch_bounds__(cg_sm90_gemm_config<") + v.config + ">::THREADS, " +
+              "cg_sm90_gemm_config<" + v.config + ">::MIN_BLOCKS) " + v.name +
               "(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b, "
-              "unsigned int* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
+              "unsigned short* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
               "  CG_DYNAMIC_SMEM(smem);\n"
-              "  cg_gemm_sm90_tile<cg_sm90_gemm_config<4>, " + v.type + ", " + v.b_k_major +
+              "  cg_gemm_sm90_tile<cg_sm90_gemm_config<" + v.config + ">, " + v.type + ", " + v.b_k_major +
               ">(&map_a, &map_b, M, N, K, blockIdx.y, blockIdx.x, smem,\n"
-              "      [&](cg_i64 m, cg_i64 n, float d0, float d1) {\n"
-              "        d[(m * N + n) / 2] = cg_pack_pair(cg_narrow<" + v.type + ">(d0).bits, cg_narrow<" + v.type +
-              ">(d1).bits);\n"
-              "      });\n"
+              "      [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<" + v.type + ">(v).bits; });\n"
               "}\n";
   std::string log;
   const auto resources = cudagen::testing::ptxas_resources(source, "sm_90a", &log);
-  ASSERT_EQ(resources.size(), 3u) << log;
+  ASSERT_EQ(resources.size(), 4u) << log;
   for (const auto& [kernel, r] : resources) {
     EXPECT_EQ(r.spill_bytes, 0) << kernel;
     EXPECT_EQ(r.stack_bytes, 0) << kernel;
@@ -471,7 +470,7 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
     EXPECT_EQ(count("HMMA"), 0) << kernel << ": mma.sync, the sm_80 path";
     EXPECT_EQ(count("LDL") + count("STL"), 0) << kernel << ": local memory";
   }
-  for (const char* arch : {"sm_90", "sm_80"}) EXPECT_EQ(cudagen::testing::ptxas_resources(source, arch).size(), 3u) << arch;
+  for (const char* arch : {"sm_90", "sm_80"}) EXPECT_EQ(cudagen::testing::ptxas_resources(source, arch).size(), 4u) << arch;
 }
 
 // Generated matmul kernels on the pipelined mainloop, both tile configs the
