@@ -468,6 +468,11 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
   std::string why_not_hopper = why_not_pipelined;
   std::optional<HopperGemm> hopper;
   if (reads_as_stored) hopper = hopper_gemm_of(p_, t, options_.arch, &why_not_hopper);
+  if (hopper && (plan_.buffers[size_t(a.bound->buffer)].offset % 16 != 0 ||
+                 plan_.buffers[size_t(b.bound->buffer)].offset % 16 != 0)) {
+    hopper.reset();
+    why_not_hopper = "an operand's arena offset is no multiple of 16 bytes, which TMA needs (--alignment)";
+  }
   if (hopper) return hopper_matmul(t, a, b, out, *hopper, ek);
   const std::optional<Arch> target = parse_arch(options_.arch);
   const std::string not_hopper =
@@ -530,9 +535,9 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
 
 // A matmul on the Hopper mainloop (templates/gemm_sm90.cuh, sm_90a): the
 // operands come by TMA through two tensor maps passed by value (the host
-// launcher or the runtime encodes them from the arena's address), the
-// consumer threads' accumulator pairs go through the store (where an
-// epilogue chain follows). Rows of a batched a are folded into M.
+// launcher or the runtime encodes them from the arena's address), each
+// result element goes through the store (where an epilogue chain follows).
+// Rows of a batched a are folded into M.
 std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
                                    EmittedKernel& ek) {
   const OpSignature& op = *p_.tasks[size_t(t)].op;

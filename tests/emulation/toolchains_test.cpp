@@ -825,6 +825,56 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnTheHopperMainloop) {
   EXPECT_GE(double(hopper), 0.95 * double(total)) << fmt::format("{}", fmt::join(kernels, "\n"));
 }
 
+// One row per task of `marks` (a kernel each, in order): its tiles, the
+// registers ptxas gives it on `arch`, its shared memory, and the SASS of its
+// k-loop (the loop with the most `marker` instructions) per k-block, a
+// k-block being the mark's count of `marker`s.
+static std::string golden_rows(const Compiled& c, const std::vector<std::pair<std::string, int>>& marks,
+                               const char* arch, const char* marker, const char* path) {
+  const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+  const auto listing = cudagen::testing::sass_listing(c.emitted.cuda_source, arch);
+  std::string table;
+  for (size_t i = 0; i < marks.size(); ++i) {
+    const EmittedKernel& k = c.emitted.kernels[i];
+    EXPECT_NE(k.matmul_path.find(path), std::string::npos) << k.name << ": " << k.matmul_path;
+    if (!listing.count(k.name)) {
+      ADD_FAILURE() << k.name << " has no SASS on " << arch;
+      continue;
+    }
+    const std::map<std::string, int> loop = cudagen::testing::sass_loop(listing.at(k.name), marker);
+    const int found = loop.count(marker) ? loop.at(marker) : 0;
+    if (found == 0 || found % marks[i].second != 0) {
+      ADD_FAILURE() << k.name << " on " << arch << ": " << found << " " << marker << " in its k-loop";
+      continue;
+    }
+    const int k_blocks = found / marks[i].second;
+    int total = 0;
+    std::string ops;
+    for (const auto& [op, n] : loop) {
+      total += n;
+      ops += fmt::format(" {} {:g}", op, double(n) / k_blocks);
+    }
+    const std::string tiles = k.matmul_path.substr(k.matmul_path.find("), ") + 3);
+    table += fmt::format("{} | {} | {} | {} | {} | total {:g}:{}\n", k.name, tiles, arch,
+                         resources.count(k.name) ? resources.at(k.name).registers : -1, k.smem_bytes,
+                         double(total) / k_blocks, ops);
+  }
+  return table;
+}
+
+// `table` against tests/golden/`name` (UPDATE_GOLDEN=1 rewrites it).
+static void expect_golden(const std::string& name, const std::string& table) {
+  const std::string golden = std::string(CUDAGEN_SOURCE_DIR) + "/tests/golden/" + name;
+  if (std::getenv("UPDATE_GOLDEN") != nullptr) {
+    write_file_atomic(golden, table);
+    GTEST_SKIP() << "rewrote " << golden;
+  }
+  ASSERT_TRUE(std::filesystem::exists(golden)) << golden << " is missing: run with UPDATE_GOLDEN=1";
+  EXPECT_EQ(read_text_file(golden), table)
+      << "the mainloop's registers, shared memory or instructions changed; if that is meant (and the GPU figures in "
+         "bench/RESULTS.md agree), rerun with UPDATE_GOLDEN=1 and commit the diff";
+}
+
 // A golden table of the pipelined mainloop (issue #35): per tile config the
 // emitter picks, operand layout and architecture, the registers ptxas gives
 // the generated kernel, its shared memory, and the SASS instructions of its
@@ -873,37 +923,36 @@ TEST(Toolchains, PipelinedMainloopMatchesItsGoldenInstructionTable) {
   std::string table =
       "# The pipelined mainloop's generated kernels (Toolchains.PipelinedMainloopMatchesItsGoldenInstructionTable):\n"
       "# kernel | tiles | arch | registers | shared bytes | SASS per k-block of the k-loop\n";
-  for (const char* arch : {"sm_80", "sm_90"}) {
-    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
-    const auto listing = cudagen::testing::sass_listing(c.emitted.cuda_source, arch);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const EmittedKernel& k = c.emitted.kernels[i];
-      ASSERT_NE(k.matmul_path.find("pipelined"), std::string::npos) << k.name << ": " << k.matmul_path;
-      ASSERT_TRUE(listing.count(k.name)) << k.name;
-      const std::map<std::string, int> loop = cudagen::testing::sass_loop(listing.at(k.name), "HMMA");
-      ASSERT_TRUE(loop.count("HMMA")) << k.name << " on " << arch << ": no k-loop with HMMA";
-      const int hmma = loop.at("HMMA");
-      ASSERT_EQ(hmma % rows[i].hmma_per_k_block, 0) << k.name << " on " << arch << ": " << hmma << " HMMA in its loop";
-      const int k_blocks = hmma / rows[i].hmma_per_k_block;
-      int total = 0;
-      std::string ops;
-      for (const auto& [op, n] : loop) {
-        total += n;
-        ops += fmt::format(" {} {:g}", op, double(n) / k_blocks);
-      }
-      const std::string tiles = k.matmul_path.substr(k.matmul_path.find("), ") + 3);
-      table += fmt::format("{} | {} | {} | {} | {} | total {:g}:{}\n", k.name, tiles, arch,
-                           resources.count(k.name) ? resources.at(k.name).registers : -1, k.smem_bytes,
-                           double(total) / k_blocks, ops);
+  std::vector<std::pair<std::string, int>> marks;
+  for (const Row& r : rows) marks.emplace_back(r.task, r.hmma_per_k_block);
+  for (const char* arch : {"sm_80", "sm_90"}) table += golden_rows(c, marks, arch, "HMMA", "pipelined");
+  expect_golden("gemm_mainloop.txt", table);
+}
+
+// The same table for the Hopper mainloop (issue #38), for sm_90a: both
+// configs (two consumer warpgroups at 4096 rows, one at 1024) and both B
+// layouts, per k-tile (four HGMMA); tests/golden/gemm_sm90_mainloop.txt.
+TEST(Toolchains, HopperMainloopMatchesItsGoldenInstructionTable) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("golden_sm90");
+  std::vector<std::pair<std::string, int>> marks;
+  for (int64_t m : {4096, 1024})
+    for (bool trans_b : {false, true}) {
+      const std::string id = "mm_" + std::to_string(m) + (trans_b ? "_nt" : "_nn");
+      const std::vector<int64_t> b_shape = trans_b ? std::vector<int64_t>{768, 3072} : std::vector<int64_t>{3072, 768};
+      b.task(id, "matmul")
+          .tensor("a", DType::bf16, {m, 3072}, Storage::external)
+          .tensor("b", DType::bf16, b_shape, Storage::external)
+          .tensor("out", DType::bf16, {m, 768}, Storage::external)
+          .arg("trans_b", trans_b);
+      marks.emplace_back(id, 4);
     }
-  }
-  const std::string golden = std::string(CUDAGEN_SOURCE_DIR) + "/tests/golden/gemm_mainloop.txt";
-  if (std::getenv("UPDATE_GOLDEN") != nullptr) {
-    write_file_atomic(golden, table);
-    GTEST_SKIP() << "rewrote " << golden;
-  }
-  ASSERT_TRUE(std::filesystem::exists(golden)) << golden << " is missing: run with UPDATE_GOLDEN=1";
-  EXPECT_EQ(read_text_file(golden), table)
-      << "the mainloop's registers, shared memory or instructions changed; if that is meant (and the GPU figures in "
-         "bench/RESULTS.md agree), rerun with UPDATE_GOLDEN=1 and commit the diff";
+  CompileOptions options;
+  options.emit.arch = "sm_90a";
+  const Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  expect_golden("gemm_sm90_mainloop.txt",
+                "# The Hopper mainloop's generated kernels (Toolchains.HopperMainloopMatchesItsGoldenInstructionTable):\n"
+                "# kernel | tiles | arch | registers | shared bytes | SASS per k-tile of the k-loop\n" +
+                    golden_rows(c, marks, "sm_90a", "HGMMA", "Hopper"));
 }

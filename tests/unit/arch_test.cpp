@@ -94,3 +94,29 @@ TEST(Arch, CompileRefusesABadArchitectureAndTakesSm90a) {
   EXPECT_NE(sm90a.emitted.kernels[0].matmul_path.find("the Hopper mainloop"), std::string::npos)
       << sm90a.emitted.kernels[0].matmul_path;
 }
+
+// TMA reads a tensor from a 16-byte boundary: with buffers 8 bytes apart
+// (--alignment 8) a matmul whose operand lands off one stays off the Hopper
+// mainloop and says why; every tensor map a kernel takes starts on one.
+TEST(Arch, TensorMapsStartOnSixteenBytes) {
+  // Outputs of 4 x 9 bf16 (72 bytes) put what follows them 8 bytes off.
+  GraphBuilder b("aligned");
+  for (int i = 0; i < 3; ++i)
+    b.task("mm" + std::to_string(i), "matmul")
+        .tensor("a", DType::bf16, {4, 8}, Storage::external)
+        .tensor("b", DType::bf16, {9, 8}, Storage::external)
+        .tensor("out", DType::bf16, {4, 9}, Storage::external)
+        .arg("trans_b", true);
+  CompileOptions options;
+  options.emit.arch = "sm_90a";
+  options.plan.placement.alignment = 8;
+  const Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  int refused = 0, hopper = 0;
+  for (const EmittedKernel& k : c.emitted.kernels) {
+    for (const auto& [arg, map] : k.tensor_maps) EXPECT_EQ(map.tensor_offset % 16, 0) << k.name;
+    hopper += !k.tensor_maps.empty();
+    refused += k.matmul_path.find("arena offset is no multiple of 16 bytes") != std::string::npos;
+  }
+  EXPECT_GT(refused, 0) << "no operand landed off a 16-byte boundary: the test needs another layout";
+  EXPECT_EQ(hopper + refused, 3);
+}
