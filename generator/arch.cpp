@@ -29,10 +29,13 @@ std::optional<Arch> parse_arch(std::string_view name, std::string* why) {
     return refuse(fmt::format("'{}' is not an architecture: sm_ takes two or three digits (major, minor), then "
                               "an optional 'a' (sm_80, sm_90a, sm_100)",
                               name));
+  if (digits.front() == '0') return refuse(fmt::format("'{}' is not an architecture: its digits start with 0", name));
   arch.minor = digits.back() - '0';
   arch.major = std::stoi(std::string(digits.substr(0, digits.size() - 1)));
   if (arch.major * 10 + arch.minor < 75)
     return refuse(fmt::format("{}: cudagen compiles for sm_75 and later (CUDA 13 dropped the older ones)", name));
+  if (arch.specific && arch.major < 9)
+    return refuse(fmt::format("'{}' is not an architecture: the 'a' targets start with sm_90a", name));
   return arch;
 }
 

@@ -46,6 +46,14 @@ CG_DEVICE void cg_mbarrier_init(unsigned long long* bar, unsigned int arrivals) 
 #endif
 }
 
+// Makes this thread's mbarrier.init visible to the async proxy (the TMA
+// copies that complete on the barriers) before the block's barrier.
+CG_DEVICE void cg_fence_barrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
 // One arrival, after adding `bytes` to the transactions the phase waits for.
 CG_DEVICE void cg_mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -147,6 +155,18 @@ CG_DEVICE void cg_wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #elif defined(CUDAGEN_EMULATION)
   cudagen_emu::wgmma_wait(N);
+#endif
+}
+
+// Keeps the compiler from moving a read of the accumulators across the
+// wgmma.wait_group before it: their registers are no memory, so the wait's
+// memory clobber does not order them (CUTLASS's warpgroup_fence_operand).
+CG_DEVICE void cg_wgmma_fence_operands(float d[64]) {
+#if defined(__CUDA_ARCH__)
+  CG_UNROLL
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+#else
+  (void)d;
 #endif
 }
 
@@ -273,6 +293,7 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
       cg_mbarrier_init(&full[s], 1);    // the producer's arrival, with the stage's bytes
       cg_mbarrier_init(&empty[s], 128 * Config::CONSUMERS);  // every consumer thread, once its wgmma read the stage
     }
+    cg_fence_barrier_init();
   }
   __syncthreads();
   const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
@@ -325,6 +346,7 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
     if (kt > 0) cg_mbarrier_arrive(&empty[(kt - 1) % S]);
   }
   cg_wgmma_wait<0>();
+  cg_wgmma_fence_operands(d);
   if (k_tiles > 0) {
     cg_mbarrier_arrive(&empty[(k_tiles - 1) % S]);
   } else {
@@ -339,9 +361,10 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
   for (int j = 0; j < 16; ++j)
     CG_UNROLL
     for (int h = 0; h < 2; ++h) {
-      float* pair = rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j + 2 * (lane % 4);
-      pair[0] = d[4 * j + 2 * h];
-      pair[1] = d[4 * j + 2 * h + 1];
+      // One 8-byte store (the layout keeps pairs 8-byte aligned).
+      cg_aligned_chunk<2, float> pair = {{d[4 * j + 2 * h], d[4 * j + 2 * h + 1]}};
+      *reinterpret_cast<cg_aligned_chunk<2, float>*>(rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j +
+                                                     2 * (lane % 4)) = pair;
     }
   __syncwarp();
   const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;

@@ -401,7 +401,7 @@ class Emulator {
       return;
     }
     --b->pending;
-    complete_phase(*b);
+    complete_phase(*b, static_cast<unsigned char*>(bar));
   }
 
   void mbarrier_wait(void* bar, unsigned parity) {
@@ -632,7 +632,16 @@ class Emulator {
     return nullptr;
   }
 
-  static void complete_phase(Mbarrier& b) {
+  // Completes the phase once its arrivals and bytes have all come; more
+  // bytes than it expected (an expect_tx too small) is an error, as the
+  // surplus would complete the next phase before its own copies land.
+  void complete_phase(Mbarrier& b, const unsigned char* bar) {
+    if (b.pending == 0 && b.tx < 0) {
+      fail("kernel %s: the mbarrier at shared address %u received %lld transaction bytes more than its phase "
+           "expected (an expect_tx smaller than the copies it covers)",
+           kernel_, unsigned(bar - smem_.data() - smem_offset_) % unsigned(smem_stride_) + kSharedWindowBase, -b.tx);
+      return;
+    }
     if (b.pending != 0 || b.tx != 0) return;
     ++b.phase;
     b.pending = b.expected;
@@ -718,16 +727,10 @@ class Emulator {
         ++i;
         continue;
       }
-      if (const char* what = wgmma_reading(copy.block, copy.dst, copy.dst + copy.image.size())) {
-        fail("kernel %s: a TMA copy lands in shared memory (address %u) that %s", kernel_,
-             unsigned(copy.dst - (smem_.data() + smem_offset_ + size_t(copy.block) * smem_stride_)) + kSharedWindowBase,
-             what);
-        return false;
-      }
       std::memcpy(copy.dst, copy.image.data(), copy.image.size());
       Mbarrier& b = mbarriers_.at(copy.bar);
       b.tx -= (long long)copy.image.size();
-      complete_phase(b);
+      complete_phase(b, copy.bar);
       tma_in_flight_.erase(tma_in_flight_.begin() + (long)i);
       landed = true;
     }

@@ -131,6 +131,7 @@ namespace {
 enum class Fault {
   none,
   expect_tx_too_large,  // the producer expects 16 bytes more than its copies bring
+  expect_tx_too_small,  // 16 bytes fewer
   parity_off_by_one,    // the consumer waits for the wrong phase of a full barrier
   release_before_wait,  // a stage goes back before the wgmma that reads it completes
   read_before_wait,     // the accumulators stored before wgmma.wait_group
@@ -183,7 +184,9 @@ Outcome run_pipeline(Fault fault, unsigned seed) {
         for (int kt = 0; kt < k_tiles; ++kt) {
           const int s = kt % kStages;
           cg_mbarrier_wait(&empty[s], (unsigned int)(((kt / kStages) & 1) ^ 1));
-          cg_mbarrier_arrive_expect_tx(&full[s], kStageBytes + (fault == Fault::expect_tx_too_large ? 16 : 0));
+          cg_mbarrier_arrive_expect_tx(&full[s], kStageBytes + (fault == Fault::expect_tx_too_large   ? 16
+                                                                : fault == Fault::expect_tx_too_small ? -16
+                                                                                                      : 0));
           if (fault == Fault::extra_arrival) cg_mbarrier_arrive(&full[s]);
           cg_tma_load_2d(stages + s * kStageBytes, &map_a, kt * 64, 0, &full[s]);
           cg_tma_load_2d(stages + s * kStageBytes + kABytes, &map_b, kt * 64, 0, &full[s]);
@@ -250,6 +253,7 @@ TEST(HopperEmulatorFaults, EachBrokenPipelineIsCaught) {
   };
   for (const Case& c : {
            Case{Fault::expect_tx_too_large, "16 transaction bytes still to come"},
+           Case{Fault::expect_tx_too_small, "received 16 transaction bytes more than its phase expected"},
            Case{Fault::parity_off_by_one, "a TMA copy has not landed in yet"},
            Case{Fault::release_before_wait, "the stage is reused before a wgmma.wait_group covers that wgmma"},
            Case{Fault::read_before_wait, ""},

@@ -33,7 +33,7 @@ TEST(Arch, ParsesEveryTargetNameAndItsFamily) {
 }
 
 TEST(Arch, RefusesWhatIsNoArchitectureAndSaysHowToWriteOne) {
-  for (const char* bad : {"sm90", "compute_90", "sm_9", "sm_90b", "sm_", "", "SM_90", "sm_1000", "90a"}) {
+  for (const char* bad : {"sm90", "compute_90", "sm_9", "sm_90b", "sm_", "", "SM_90", "sm_1000", "90a", "sm_80a", "sm_075"}) {
     std::string why;
     EXPECT_FALSE(parse_arch(bad, &why)) << bad;
     EXPECT_NE(why.find("sm_"), std::string::npos) << bad << ": " << why;
