@@ -702,9 +702,7 @@ class Emulator {
         busy_why_ = "a TMA copy has not landed in yet (wait on its mbarrier first)";
         return busy_why_.c_str();
       }
-    return wgmma_reads ? wgmma_reading(block, lo, hi) : nullptr;
-  }
-  const char* wgmma_reading(unsigned block, const unsigned char* lo, const unsigned char* hi) {
+    if (!wgmma_reads) return nullptr;
     for (unsigned i = 0; i < threads_; ++i) {
       const Fiber& f = fibers_[size_t(block) * threads_ + i];
       for (const PendingWgmma& w : f.wgmmas)

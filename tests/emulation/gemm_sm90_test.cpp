@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include "kernels.h"  // (before the emulation's macros)
 #include "cudagen_emu.h"
 #include "emu_launch.h"
 #include "prelude.cuh"
@@ -116,6 +117,22 @@ TEST(GemmSm90, OneConsumerWarpgroupAgainstAFloat64Product) {
     EXPECT_LT((run_problem<cg_bf16, false, Narrow>(p, 7)), 1e-5) << describe(p, false) << ", bf16";
     EXPECT_LT((run_problem<cg_f16, true, Narrow>(p, 8)), 1e-5) << describe(p, true) << ", f16";
   }
+}
+
+// The generator lays out the kernel's shared memory from its own formula
+// (HopperGemm::shared_bytes, kernels.h): the template's, for both configs.
+TEST(GemmSm90, TheGeneratorsSharedBytesAreTheTemplates) {
+  cudagen::HopperGemm two, one;
+  two.consumers = 2;
+  one.consumers = 1;
+  EXPECT_EQ(two.shared_bytes(), (cg_sm90_gemm_config<4, 2>::SHARED_BYTES));
+  EXPECT_EQ(two.threads(), (cg_sm90_gemm_config<4, 2>::THREADS));
+  EXPECT_EQ(two.rows(), (cg_sm90_gemm_config<4, 2>::BM));
+  EXPECT_EQ(one.shared_bytes(), (cg_sm90_gemm_config<3, 1>::SHARED_BYTES));
+  EXPECT_EQ(one.threads(), (cg_sm90_gemm_config<3, 1>::THREADS));
+  EXPECT_EQ(one.rows(), (cg_sm90_gemm_config<3, 1>::BM));
+  EXPECT_EQ(two.stages(), 4);
+  EXPECT_EQ(one.stages(), 3);
 }
 
 // Wherever the copies land (the emulator's seeded landing points), the same

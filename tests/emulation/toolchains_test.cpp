@@ -755,6 +755,14 @@ static Compiled decoder_block_b8_t128(const CompileOptions& options) {
   return c;
 }
 
+// The FLOPs of kernel k's matmul tasks.
+static int64_t matmul_flops(const Compiled& c, const EmittedKernel& k) {
+  int64_t flops = 0;
+  for (int t : k.tasks)
+    if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
+  return flops;
+}
+
 TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnThePipelinedMainloop) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -764,9 +772,7 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnThePipelinedMainloop) {
     int64_t total = 0, pipelined = 0;
     std::vector<std::string> kernels;
     for (const EmittedKernel& k : c.emitted.kernels) {
-      int64_t flops = 0;
-      for (int t : k.tasks)
-        if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
+      const int64_t flops = matmul_flops(c, k);
       if (flops == 0) continue;
       ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
       const std::map<std::string, int>& ops = sass.at(k.name);
@@ -802,9 +808,7 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnTheHopperMainloop) {
   int64_t total = 0, hopper = 0;
   std::vector<std::string> kernels;
   for (const EmittedKernel& k : c.emitted.kernels) {
-    int64_t flops = 0;
-    for (int t : k.tasks)
-      if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
+    const int64_t flops = matmul_flops(c, k);
     if (flops == 0) continue;
     ASSERT_TRUE(listing.count(k.name)) << k.name;
     std::map<std::string, int> ops;
