@@ -286,12 +286,17 @@ std::string Emitter::comment(const KernelGroup& k, const std::vector<LaunchParam
     regions.push_back(fmt::format("[{}, {}) {}", r.offset, r.offset + r.bytes, r.what));
   return fmt::format(
       "// Kernel {} ({} phase): {}.\n//   reads  {}\n//   writes {}\n{}//   {} bytes read, {} bytes "
-      "written; grid [{}, {}, {}], block {}, {} bytes of shared memory{}\n",
+      "written; {}, block {}, {} bytes of shared memory{}\n",
       k.name, to_string(k.phase), tasks, reads.empty() ? "-" : fmt::format("{}", fmt::join(reads, ", ")),
       writes.empty() ? "-" : fmt::format("{}", fmt::join(writes, ", ")),
       (in_registers.empty() ? "" : fmt::format("//   in registers {}\n", fmt::join(in_registers, ", "))) +
           (workspaces.empty() ? "" : fmt::format("//   workspace {}\n", fmt::join(workspaces, ", "))),
-      ek.bytes_read, ek.bytes_written, ek.grid[0], ek.grid[1], ek.grid[2], ek.block, ek.smem_bytes,
+      ek.bytes_read, ek.bytes_written,
+      ek.persistent_tiles > 0
+          ? fmt::format("persistent: {} blocks on {} ({} an SM) loop over {} tiles", ek.grid[0], options_.arch,
+                        ek.min_blocks_per_sm, ek.persistent_tiles)
+          : fmt::format("grid [{}, {}, {}]", ek.grid[0], ek.grid[1], ek.grid[2]),
+      ek.block, ek.smem_bytes,
       regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     "))) +
          (ek.matmul_path.empty() ? "" : fmt::format("//   matmul on {}.\n", ek.matmul_path));
 }

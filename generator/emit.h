@@ -8,6 +8,7 @@
 // the host emulation compile the whole file.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <set>
@@ -103,6 +104,11 @@ struct EmittedKernel {
   // A matmul kernel's rows per output tile (0 where not chosen by matmul()),
   // which mainloop it runs, and that in words with why (its comment, describe).
   int64_t tile_rows = 0;
+  // A persistent kernel's tiles (0 for a kernel of a block a tile): its
+  // blocks loop over them, so any grid computes them all; launched on
+  // persistent_grid(persistent_tiles, min_blocks_per_sm, the GPU's SMs)
+  // blocks, `grid` those of the target's SMs (device_model).
+  int64_t persistent_tiles = 0;
   MatmulMainloop mainloop = MatmulMainloop::none;
   std::string matmul_path;
   int block = 256;
@@ -198,6 +204,12 @@ inline bool grid_is_folded(const EmittedKernel& k) { return k.grid[1] > kMaxGrid
 inline std::array<int64_t, 3> launch_grid(const EmittedKernel& k) {
   if (grid_is_folded(k)) return {k.grid[0] * k.grid[1] * k.grid[2], 1, 1};
   return {k.grid[0], k.grid[1], k.grid[2]};
+}
+
+// A persistent kernel's grid (EmittedKernel::persistent_tiles): a block for
+// each of the GPU's `sms` x `blocks_per_sm` slots, no more than the tiles.
+inline int64_t persistent_grid(int64_t tiles, int blocks_per_sm, int64_t sms) {
+  return std::max<int64_t>(1, std::min<int64_t>(tiles, std::max<int64_t>(1, blocks_per_sm) * std::max<int64_t>(1, sms)));
 }
 
 // The name of a phase's host launcher: `cudagen_forward`, ... (the runtime,

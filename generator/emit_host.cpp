@@ -43,6 +43,30 @@ std::string Emitter::tensor_map_helper() {
          "#endif\n";
 }
 
+// The host launchers' grid for a persistent kernel (EmittedKernel::
+// persistent_tiles): a block for each of the GPU's slots, asked of the
+// device at each launch (the target's SM count is not the GPU's: an H100
+// PCIe has 114, an SXM 132); the emulation's GPU has few SMs, so that its
+// blocks loop over several tiles.
+std::string Emitter::persistent_grid_helper() {
+  return "// A persistent kernel's grid: the GPU's SMs times the blocks each holds, no more than its tiles.\n"
+         "#ifdef CUDAGEN_EMULATION\n"
+         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long tiles, unsigned blocks_per_sm) {\n"
+         "  *grid = cudagen_emu::persistent_grid(tiles, blocks_per_sm);\n"
+         "  return 0;\n"
+         "}\n"
+         "#else\n"
+         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long tiles, unsigned blocks_per_sm) {\n"
+         "  int device = 0, sms = 0;\n"
+         "  if (cudaError_t e = cudaGetDevice(&device)) return (int)e;\n"
+         "  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return (int)e;\n"
+         "  const unsigned long long slots = (unsigned long long)sms * blocks_per_sm;\n"
+         "  *grid = (unsigned)(tiles < slots ? tiles : slots);\n"
+         "  return 0;\n"
+         "}\n"
+         "#endif\n";
+}
+
 // The header of the ahead-of-time build (EmittedProgram::host_header).
 // Tables rather than one constant per tensor: a program can walk them to
 // copy every input in, and the enum gives each entry a C++ name.
@@ -544,6 +568,8 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
         "#endif\n";
   if (std::any_of(kernels.begin(), kernels.end(), [](const EmittedKernel& k) { return !k.tensor_maps.empty(); }))
     out += tensor_map_helper();
+  if (std::any_of(kernels.begin(), kernels.end(), [](const EmittedKernel& k) { return k.persistent_tiles > 0; }))
+    out += persistent_grid_helper();
   out += "\n";
   out += fmt::format("extern \"C\" const unsigned long long {}_arena_bytes = {}ull;\n\n", options_.symbol_prefix,
                      arena_bytes_);
@@ -590,8 +616,16 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
         args.push_back(map);
       }
       const auto grid = launch_grid(ek);
+      std::string grid_x = std::to_string(grid[0]);
+      if (ek.persistent_tiles > 0) {
+        grid_x = ek.name + "_grid";
+        out += fmt::format(
+            "  unsigned {0};  // persistent: its blocks loop over its {1} tiles\n"
+            "  if (int cudagen_error = cudagen_persistent_grid(&{0}, {1}ull, {2}u)) return cudagen_error;\n",
+            grid_x, ek.persistent_tiles, ek.min_blocks_per_sm);
+      }
       out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
-                         grid[0], grid[1], grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
+                         grid_x, grid[1], grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
     }
     out += "  return 0;\n}\n";
   }
@@ -652,13 +686,18 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
                                  m.box_width, m.box_height));
     out += fmt::format(
         "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "
-        "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}{}, "
+        "\"smem_bytes\": {}, \"bytes_read\": {}, \"bytes_written\": {}, \"flops\": {}, \"arg_offsets\": [{}]{}{}{}, "
         "\"model\": {{\"bound\": \"{}\", \"blocks_per_sm\": {}, \"waves\": {}, \"predicted_us\": {:.3f}}}}}",
         i ? "," : "", k.name, to_string(k.phase), fmt::join(tasks, ", "), launch_grid(k)[0], launch_grid(k)[1],
         launch_grid(k)[2], k.block,
         k.smem_bytes, k.bytes_read, k.bytes_written, k.flops < 0 ? std::string("null") : std::to_string(k.flops),
         fmt::join(k.arg_offsets, ", "),
         maps.empty() ? std::string() : fmt::format(", \"tensor_maps\": [{}]", fmt::join(maps, ", ")),
+        // Its blocks loop over its tiles: a launcher sizes the grid to the GPU (persistent_grid).
+        k.persistent_tiles > 0
+            ? fmt::format(", \"persistent\": {{\"tiles\": {}, \"blocks_per_sm\": {}}}", k.persistent_tiles,
+                          k.min_blocks_per_sm)
+            : std::string(),
         k.cooperative ? ", \"cooperative\": true" : "", model[i].bound,
         model[i].blocks_per_sm, model[i].waves, model[i].seconds * 1e6);
   }

@@ -1,4 +1,5 @@
 #include "emitter.h"
+#include "perf_model.h"
 
 namespace cudagen::lowering {
 
@@ -537,18 +538,21 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
 // operands come by TMA through two tensor maps passed by value (the host
 // launcher or the runtime encodes them from the arena's address), each
 // result element goes through the store (where an epilogue chain follows).
-// Rows of a batched a are folded into M.
+// Rows of a batched a are folded into M. Persistent: as many blocks as the
+// GPU holds at once, each looping over tiles (the launcher sizes the grid
+// from the GPU's SMs; the grid here is the target's).
 std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
                                    EmittedKernel& ek) {
   const OpSignature& op = *p_.tasks[size_t(t)].op;
-  entry_function_ = "cg_gemm_sm90_tile";
+  entry_function_ = "cg_gemm_sm90";
   use_function(op, "cg_sm90_gemm_config");
   ek.block = g.threads();
   // setmaxnreg needs a register cap (cg_sm90_gemm_config::MIN_BLOCKS): one
   // block an SM of two consumers, two of one.
-  ek.min_blocks_per_sm = g.consumers == 1 ? 2 : 1;
-  ek.grid[0] = (g.N + HopperGemm::kColumns - 1) / HopperGemm::kColumns;
-  ek.grid[1] = (g.M + g.rows() - 1) / g.rows();
+  ek.min_blocks_per_sm = g.blocks_per_sm();
+  ek.persistent_tiles = g.tiles();
+  ek.grid[0] = persistent_grid(g.tiles(), ek.min_blocks_per_sm, device_model(options_.arch).sms);
+  ek.grid[1] = 1;
   ek.grid[2] = 1;
   ek.tile_rows = g.rows();
   ek.mainloop = MatmulMainloop::hopper;
@@ -573,8 +577,8 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // The Hopper mainloop: {0}.\n"
-      "  cg_gemm_sm90_tile<cg_sm90_gemm_config<{1}, {2}>, {3}, {4}>(\n"
-      "      {5}, {6}, {7}, {8}, {9}, tile.y, tile.x, cg_smem,\n"
+      "  cg_gemm_sm90<cg_sm90_gemm_config<{1}, {2}>, {3}, {4}>(\n"
+      "      {5}, {6}, {7}, {8}, {9}, blockIdx.x, gridDim.x, cg_smem,\n"
       "      [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
       g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false",
       param_name(extra_params_[extra_params_.size() - 2]), param_name(extra_params_.back()), g.M, g.N, g.K,

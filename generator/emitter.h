@@ -365,6 +365,7 @@ class Emitter {
   std::string row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   static std::string tensor_map_helper();
+  static std::string persistent_grid_helper();
   std::string hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
                             EmittedKernel& ek);
   std::string pipelined_matmul(int t, const Param& a, const Param& /*b*/, const Param& out, const GemmTile& g, int64_t M,

@@ -639,7 +639,9 @@ int64_t shared_bytes_with_opt_in(const std::string& arch) {
 }
 
 std::string HopperGemm::describe() const {
-  return fmt::format("{} x 128 tiles ({}), {} consumer warpgroup{}, {} stages of 64 k, TMA and wgmma, B {}", rows(),
+  return fmt::format("{} x 128 tiles ({}) on persistent blocks, {} consumer warpgroup{}, {} stages of 64 k, TMA and "
+                     "wgmma, B {}",
+                     rows(),
                      tiles(), consumers, consumers == 1 ? "" : "s", stages(),
                      b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
 }
@@ -653,7 +655,7 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   const std::optional<Arch> target = parse_arch(arch);
   if (!target || !target->has_wgmma()) return refuse(fmt::format("{} has no wgmma (sm_90a has)", arch));
   const BoundTask& task = program.tasks[size_t(t)];
-  for (const char* variant : {"cg_gemm_sm90_tile", "cg_sm90_gemm_config"})
+  for (const char* variant : {"cg_gemm_sm90", "cg_sm90_gemm_config"})
     if (task.op->closure_of(variant) == nullptr)
       return refuse(fmt::format("op '{}' has no Hopper mainloop (variant {})", task.op->name, variant));
   const DType a = program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
@@ -663,6 +665,7 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   if (d.trans_a) return refuse("its a is stored transposed (wgmma's transposed A is not used yet)");
   if (d.batches > 1) return refuse("b is batched (one tensor map a product)");
   // TMA reads rows whose strides are whole 16 bytes (8 elements).
+  if (d.M == 0 || d.N == 0 || d.K == 0) return refuse("a dimension is 0 (a tensor map has none)");
   if (d.K % 8 != 0 || (!d.trans_b && d.N % 8 != 0))
     return refuse(fmt::format("a row of an operand is not whole 16 bytes (K {}{}), which TMA needs", d.K,
                               d.trans_b ? "" : fmt::format(", N {}", d.N)));

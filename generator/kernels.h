@@ -345,6 +345,9 @@ struct HopperGemm {
   int rows() const { return 64 * consumers; }
   int stages() const { return consumers == 2 ? 4 : 3; }
   int threads() const { return 128 * (1 + consumers); }
+  // cg_sm90_gemm_config::MIN_BLOCKS: what the registers setmaxnreg hands out
+  // and the shared memory allow.
+  int blocks_per_sm() const { return consumers == 1 ? 2 : 1; }
   int64_t tiles() const { return (M + rows() - 1) / rows() * ((N + kColumns - 1) / kColumns); }
   // cg_sm90_gemm_config's SHARED_BYTES: the round-up to 1024 bytes, the
   // stages, their barriers, the consumer warps' rows of results.

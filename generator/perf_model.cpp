@@ -30,7 +30,9 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   e.kernel = k.name;
   e.flops = std::max<int64_t>(k.flops, 0);
   e.bytes = k.bytes_read + k.bytes_written;
-  e.blocks = k.grid[0] * k.grid[1] * k.grid[2];
+  // A persistent kernel's blocks loop over its tiles: the tiles run in
+  // rounds as a block a tile would.
+  e.blocks = k.persistent_tiles > 0 ? k.persistent_tiles : k.grid[0] * k.grid[1] * k.grid[2];
   // The Hopper mainloop is not measured yet: taken at the pipelined one's
   // measured rate (wgmma's peak is higher); 168 registers a thread at one
   // block an SM, capped at 128 where it asks for two.

@@ -342,6 +342,15 @@ class GpuExecutor final : public Executor {
                     fmt::format("finding kernel {} ({}) in the module", k.name, k.tasks));
       const auto grid = launch_grid(ek);  // folded where the tiles' y or z is over 65535
       for (int d = 0; d < 3; ++d) k.grid[d] = unsigned(grid[d]);
+      // A persistent kernel: a block for each of this GPU's slots (the
+      // generator's grid is the target's SM count, which differs between an
+      // H100 SXM and PCIe, say: more blocks than slots would run a second wave).
+      if (ek.persistent_tiles > 0) {
+        int sms = 0;
+        CUDAGEN_CHECK(api, cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
+                      "reading the GPU's multiprocessor count");
+        k.grid[0] = unsigned(persistent_grid(ek.persistent_tiles, ek.min_blocks_per_sm, sms));
+      }
       k.block = unsigned(ek.block);
       k.smem = unsigned(ek.smem_bytes);
       if (ek.smem_bytes > 48 * 1024)  // above 48 KiB a kernel must opt in to its dynamic shared memory

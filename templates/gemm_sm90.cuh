@@ -1,5 +1,6 @@
-// The Hopper GEMM mainloop (sm_90a; docs/gemm.md "The Hopper path"): a
-// block computes one BM x 128 tile of D = A B with f32 accumulation, A
+// The Hopper GEMM mainloop (sm_90a; docs/gemm.md "The Hopper path"):
+// persistent blocks compute the BM x 128 tiles of D = A B with f32
+// accumulation, a block its share of them one after another, A
 // (M x K) K-contiguous, B (K x N) N-contiguous or, stored as B^T (N x K),
 // K-contiguous; 16-bit (f16, bf16):
 //   - warp specialised: warpgroup 0 is the producer (one thread issues the
@@ -15,7 +16,11 @@
 //     through descriptors, one group in flight: a consumer releases a stage
 //     (its "empty" mbarrier) once the wgmma that read it has completed;
 //   - results through shared memory, each warp its own 16 rows, so that the
-//     epilogue's loads and stores are a warp's consecutive columns.
+//     epilogue's loads and stores are a warp's consecutive columns;
+//   - persistent: a block per SM slot, each looping over tiles (every
+//     gridDim-th, in cg_gemm_tile_of's bands of 8 tile rows), the pipeline's stages and parities
+//     running on from one tile to the next, so the producer loads the next
+//     tile's first k-tiles while the consumers store the last one's results.
 // The swizzle's pattern follows address bits, so every stage starts on a
 // 1024-byte boundary of the .shared window: the kernel rounds its dynamic
 // shared memory up to one (1 KiB of slack in cg_sm90_gemm_config).
@@ -270,15 +275,32 @@ struct cg_sm90_gemm_config {
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + RESULT_BYTES;
 };
 
-// One tile (tile_m, tile_n) of D = A B. The maps, all with the 128-byte
-// swizzle: A's K wide and M high, its box 64 x BM; B's, where B_K_MAJOR
-// (B stored as B^T, N x K), K wide and N high with a 64 x 128 box, else N
-// wide and K high with a 64 x 64 box. Hands every element (m, n) of the
-// tile with m < M and n < N to epilogue(m, n, d), a warp's lanes on
+// Where a pipeline is in its ring of stages: the stage the next k-tile
+// takes, and the parity of that stage's round (its barriers' phase), both
+// running on across tiles.
+struct cg_sm90_pipeline_state {
+  int stage;
+  unsigned int phase;
+  CG_DEVICE void advance(int stages) {
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// This block's tiles of D = A B: tile first_tile in cg_gemm_tile_of's order
+// (bands of 8 tile rows, each column by column: the blocks running at once
+// share rows of A and columns of B in L2), then every tile_stride-th (a persistent launch passes blockIdx.x and
+// gridDim.x; any grid computes every tile). The maps, all with the
+// 128-byte swizzle: A's K wide and M high, its box 64 x BM; B's, where
+// B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x 128
+// box, else N wide and K high with a 64 x 64 box. Hands every element
+// (m, n) with m < M and n < N to epilogue(m, n, d), a warp's lanes on
 // consecutive columns.
 template <typename Config, typename T, bool B_K_MAJOR, typename Epilogue>
-CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
-                                 int tile_m, int tile_n, unsigned char* smem, Epilogue epilogue) {
+CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
+                            cg_i64 first_tile, cg_i64 tile_stride, unsigned char* smem, Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
 #else
@@ -296,83 +318,95 @@ CG_DEVICE void cg_gemm_sm90_tile(const cg_tensor_map* map_a, const cg_tensor_map
     cg_fence_barrier_init();
   }
   __syncthreads();
+  const cg_i64 tiles_m = (M + Config::BM - 1) / Config::BM, tiles_n = (N + Config::BN - 1) / Config::BN;
   const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
   if (warpgroup == 0) {
     cg_setmaxnreg_dec<40>();
     if (thread == 0) {
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % S;
-        // Round r of a stage waits for the consumers' release of round r - 1
-        // (the first round's wait returns at once: parity 1 of phase 0).
-        cg_mbarrier_wait(&empty[s], (unsigned int)(((kt / S) & 1) ^ 1));
-        cg_mbarrier_arrive_expect_tx(&full[s], Config::STAGE_BYTES);
-        unsigned char* stage = stages + s * Config::STAGE_BYTES;
-        cg_tma_load_2d(stage, map_a, kt * Config::BK, tile_m * Config::BM, &full[s]);
-        if (B_K_MAJOR) {
-          cg_tma_load_2d(stage + Config::A_BYTES, map_b, kt * Config::BK, tile_n * Config::BN, &full[s]);
-        } else {  // two 64-column halves, 64 k rows each
-          cg_tma_load_2d(stage + Config::A_BYTES, map_b, tile_n * Config::BN, kt * Config::BK, &full[s]);
-          cg_tma_load_2d(stage + Config::A_BYTES + Config::B_BYTES / 2, map_b, tile_n * Config::BN + 64,
-                         kt * Config::BK, &full[s]);
+      cg_sm90_pipeline_state load = {0, 0u};
+      for (cg_i64 tile = first_tile; tile < tiles_m * tiles_n; tile += tile_stride) {
+        cg_i64 tile_m, tile_n;
+        cg_gemm_tile_of(tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+        for (int kt = 0; kt < k_tiles; ++kt, load.advance(S)) {
+          // Round r of a stage waits for the consumers' release of round r - 1
+          // (the first round's wait returns at once: parity 1 of phase 0).
+          cg_mbarrier_wait(&empty[load.stage], load.phase ^ 1u);
+          cg_mbarrier_arrive_expect_tx(&full[load.stage], Config::STAGE_BYTES);
+          unsigned char* stage = stages + load.stage * Config::STAGE_BYTES;
+          cg_tma_load_2d(stage, map_a, kt * Config::BK, (int)(tile_m * Config::BM), &full[load.stage]);
+          if (B_K_MAJOR) {
+            cg_tma_load_2d(stage + Config::A_BYTES, map_b, kt * Config::BK, (int)(tile_n * Config::BN), &full[load.stage]);
+          } else {  // two 64-column halves, 64 k rows each
+            cg_tma_load_2d(stage + Config::A_BYTES, map_b, (int)(tile_n * Config::BN), kt * Config::BK, &full[load.stage]);
+            cg_tma_load_2d(stage + Config::A_BYTES + Config::B_BYTES / 2, map_b, (int)(tile_n * Config::BN) + 64,
+                           kt * Config::BK, &full[load.stage]);
+          }
         }
       }
     }
     return;
   }
   cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
-  const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the tile
-  // The accumulators start with the first wgmma (scale_d 0), not zeroed
-  // before it: ptxas serialises every wgmma of a kernel whose accumulators
-  // other instructions touch in a pipelined stage (C7514), and it counts the
-  // copies of a zero into them.
-  float d[64];
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int s = kt % S;
-    cg_mbarrier_wait(&full[s], (unsigned int)((kt / S) & 1));
-    const unsigned int a = base + (unsigned int)(s * Config::STAGE_BYTES + consumer * 64 * 128),
-                       b = base + (unsigned int)(s * Config::STAGE_BYTES + Config::A_BYTES);
-    cg_wgmma_fence();
-    // A k step of 16: 32 bytes along a K-major row; two 8-row groups of an N-major B.
-    CG_UNROLL
-    for (int kk = 0; kk < Config::BK / 16; ++kk)
-      cg_wgmma_m64n128k16<B_K_MAJOR ? 0 : 1>(
-          d, cg_wgmma_descriptor_128b(a + 32 * kk),
-          B_K_MAJOR ? cg_wgmma_descriptor_128b(b + 32 * kk)
-                    : cg_wgmma_descriptor_128b(b + 2048 * kk, Config::B_BYTES / 2, 1024),
-          kt > 0 || kk > 0, T());
-    cg_wgmma_commit();
-    // The previous k-tile's group has completed: its stage goes back.
-    cg_wgmma_wait<1>();
-    if (kt > 0) cg_mbarrier_arrive(&empty[(kt - 1) % S]);
-  }
-  cg_wgmma_wait<0>();
-  cg_wgmma_fence_operands(d);
-  if (k_tiles > 0) {
-    cg_mbarrier_arrive(&empty[(k_tiles - 1) % S]);
-  } else {
-    CG_UNROLL
-    for (int i = 0; i < 64; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
-  }
-  // This warp's 16 rows of the tile into its own part of shared memory (no
-  // other warp reads it: a warp barrier suffices), then out a row at a time.
+  const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of each tile
   const int t = thread % 128, warp = t / 32, lane = t % 32;
   float* rows = (float*)(stages + S * Config::STAGE_BYTES + 2 * S * 8) + (consumer * 4 + warp) * 16 * Config::RESULT_ROW;
-  CG_UNROLL
-  for (int j = 0; j < 16; ++j)
-    CG_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      // One 8-byte store (the layout keeps pairs 8-byte aligned).
-      cg_aligned_chunk<2, float> pair = {{d[4 * j + 2 * h], d[4 * j + 2 * h + 1]}};
-      *reinterpret_cast<cg_aligned_chunk<2, float>*>(rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j +
-                                                     2 * (lane % 4)) = pair;
+  cg_sm90_pipeline_state read = {0, 0u};
+  for (cg_i64 tile = first_tile; tile < tiles_m * tiles_n; tile += tile_stride) {
+    cg_i64 tile_m, tile_n;
+    cg_gemm_tile_of(tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+    // The accumulators start with the first wgmma (scale_d 0), not zeroed
+    // before it: ptxas serialises every wgmma of a kernel whose accumulators
+    // other instructions touch in a pipelined stage (C7514), and it counts the
+    // copies of a zero into them.
+    float d[64];
+    int in_flight = -1;  // the stage the group in flight reads
+    for (int kt = 0; kt < k_tiles; ++kt, read.advance(S)) {
+      cg_mbarrier_wait(&full[read.stage], read.phase);
+      const unsigned int a = base + (unsigned int)(read.stage * Config::STAGE_BYTES + consumer * 64 * 128),
+                         b = base + (unsigned int)(read.stage * Config::STAGE_BYTES + Config::A_BYTES);
+      cg_wgmma_fence();
+      // A k step of 16: 32 bytes along a K-major row; two 8-row groups of an N-major B.
+      CG_UNROLL
+      for (int kk = 0; kk < Config::BK / 16; ++kk)
+        cg_wgmma_m64n128k16<B_K_MAJOR ? 0 : 1>(
+            d, cg_wgmma_descriptor_128b(a + 32 * kk),
+            B_K_MAJOR ? cg_wgmma_descriptor_128b(b + 32 * kk)
+                      : cg_wgmma_descriptor_128b(b + 2048 * kk, Config::B_BYTES / 2, 1024),
+            kt > 0 || kk > 0, T());
+      cg_wgmma_commit();
+      // The previous k-tile's group has completed: its stage goes back.
+      cg_wgmma_wait<1>();
+      if (in_flight >= 0) cg_mbarrier_arrive(&empty[in_flight]);
+      in_flight = read.stage;
     }
-  __syncwarp();
-  const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;
-  for (int r = 0; r < 16; ++r) {
-    if (m0 + r >= M) break;
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands(d);
+    if (in_flight >= 0) {
+      cg_mbarrier_arrive(&empty[in_flight]);
+    } else {
+      CG_UNROLL
+      for (int i = 0; i < 64; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
+    }
+    // This warp's 16 rows of the tile into its own part of shared memory (no
+    // other warp reads it: a warp barrier suffices), then out a row at a time.
     CG_UNROLL
-    for (int j = 0; j < 4; ++j)
-      if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+    for (int j = 0; j < 16; ++j)
+      CG_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        // One 8-byte store (the layout keeps pairs 8-byte aligned).
+        cg_aligned_chunk<2, float> pair = {{d[4 * j + 2 * h], d[4 * j + 2 * h + 1]}};
+        *reinterpret_cast<cg_aligned_chunk<2, float>*>(rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j +
+                                                       2 * (lane % 4)) = pair;
+      }
+    __syncwarp();
+    const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;
+    for (int r = 0; r < 16; ++r) {
+      if (m0 + r >= M) break;
+      CG_UNROLL
+      for (int j = 0; j < 4; ++j)
+        if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+    }
+    __syncwarp();  // every lane has read the rows before the next tile's overwrite them
   }
 #endif
 }

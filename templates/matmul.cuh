@@ -29,7 +29,7 @@ CG_OP("matmul",
       "variant: cg_sgemm_each_coalesced",
       "variant: cg_sgemm_each_coalesced_vector",
       "variant: cg_sgemm_config",
-      "variant: cg_gemm_sm90_tile",
+      "variant: cg_gemm_sm90",
       "variant: cg_sm90_gemm_config",
       "flops: 2 * numel(out) * K",
       "doc: alpha * op(a) @ op(b), batched over leading axes with numpy broadcasting (as torch.matmul); f16/bf16 accumulate in f32. Its gradients are matmuls with transposed operands")

@@ -33,14 +33,14 @@
 using Config = cg_sm90_gemm_config<4>;
 
 // D (M x N, row-major, bf16) = A (M x K) B (B stored K x N, or N x K where
-// B_K_MAJOR), a block per tile.
+// B_K_MAJOR), persistent: a block per SM, each looping over tiles.
 template <bool B_K_MAJOR>
 __global__ void __launch_bounds__(Config::THREADS, 1)
     hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
                   cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {
   extern __shared__ __align__(128) unsigned char smem[];
-  cg_gemm_sm90_tile<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.y, blockIdx.x, smem,
-                                                [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
+  cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem,
+                                           [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -123,7 +123,8 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes) {
     auto ours = [&](int set) {
       const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, 128);
-      const dim3 grid(unsigned((s.N + 127) / 128), unsigned((s.M + 127) / 128));
+      const long long tiles = (s.N + 127) / 128 * ((s.M + 127) / 128);
+      const dim3 grid(unsigned(std::min<long long>(tiles, prop.multiProcessorCount)));
       if (s.b_k_major)
         hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
             map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K);

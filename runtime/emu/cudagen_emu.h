@@ -138,6 +138,14 @@ const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_b
 int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
                   unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
                   unsigned box_height, const char* kernel);
+// The emulated GPU's multiprocessors, where a launcher asks (a persistent
+// kernel's grid, the generated cudagen_persistent_grid): few, so that each
+// block of a persistent kernel loops over several tiles in the tests.
+constexpr unsigned kMultiprocessors = 3;
+inline unsigned persistent_grid(unsigned long long tiles, unsigned blocks_per_sm) {
+  const unsigned long long slots = (unsigned long long)kMultiprocessors * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  return (unsigned)(tiles < slots ? tiles : slots);
+}
 // cp.async.bulk.tensor.2d: the box at element (x, y) of the map into shared
 // memory at `dst` (its rows of box_width elements, swizzled), elements
 // outside the tensor as zeros; lands at a seeded later point, then takes

@@ -39,11 +39,11 @@ struct Placer {
   }
 };
 
-// Runs every tile of D = A B and returns the largest |got - want| / (sum
-// over k of |a b|): f32 accumulation of exact products. A is M x K; B is
-// stored N x K (B_K_MAJOR) or K x N.
+// Runs D = A B on `blocks` persistent blocks (0: one a tile) and returns
+// the largest |got - want| / (sum over k of |a b|): f32 accumulation of
+// exact products. A is M x K; B is stored N x K (B_K_MAJOR) or K x N.
 template <typename T, bool B_K_MAJOR, typename Config = Config>
-double run_problem(const Problem& p, unsigned seed) {
+double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0) {
   Placer place;
   EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + 4096);
   T* a = l.tensor<T>("a", place(p.M * p.K * 2), p.M * p.K);
@@ -63,11 +63,13 @@ double run_problem(const Problem& p, unsigned seed) {
     EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.N, p.K, p.N * 2, 64, 64,
                                                    cudagen_emu::TensorSwizzle::span128), "");
   cudagen_emu_configure(seed);
-  const dim3 grid(unsigned((p.N + 127) / 128), unsigned((p.M + Config::BM - 1) / Config::BM));
-  const int rc = l.run("gemm_sm90", grid, dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
+  // The output poisoned: a tile no block computes shows.
+  for (long long i = 0; i < p.M * p.N; ++i) d[i] = NAN;
+  if (blocks == 0) blocks = unsigned((p.N + 127) / 128 * ((p.M + Config::BM - 1) / Config::BM));
+  const int rc = l.run("gemm_sm90", dim3(blocks), dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
     CG_DYNAMIC_SMEM(smem);
-    cg_gemm_sm90_tile<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, (int)blockIdx.y, (int)blockIdx.x, smem,
-                                 [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
+    cg_gemm_sm90<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem,
+                                       [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
   });
   EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
   double worst = 0;
@@ -133,6 +135,43 @@ TEST(GemmSm90, TheGeneratorsSharedBytesAreTheTemplates) {
   EXPECT_EQ(one.rows(), (cg_sm90_gemm_config<3, 1>::BM));
   EXPECT_EQ(two.stages(), 4);
   EXPECT_EQ(one.stages(), 3);
+}
+
+// Persistent blocks, each over several tiles: one block over all of them,
+// and grids that divide the tiles unevenly. The stages and their parities
+// run on across tiles (K of five k-tiles over four stages and three: a
+// stage's round changes inside a tile and between tiles), and tile rows
+// past a band of 8 (cg_sm90_tile_order) end in a shorter band.
+TEST(GemmSm90, PersistentBlocksComputeEveryTile) {
+  const Problem wide{200, 296, 320};  // 2 x 3 tiles of 128 rows
+  for (unsigned blocks : {1u, 2u, 4u, 7u}) {
+    EXPECT_LT((run_problem<cg_bf16, false>(wide, 21, blocks)), 1e-5) << describe(wide, false) << ", " << blocks << " blocks";
+    EXPECT_LT((run_problem<cg_f16, true>(wide, 22, blocks)), 1e-5) << describe(wide, true) << ", " << blocks << " blocks";
+  }
+  using Narrow = cg_sm90_gemm_config<3, 1>;
+  const Problem tall{600, 136, 72};  // 10 x 2 tiles of 64 rows: a band of 8 tile rows, then one of 2
+  for (unsigned blocks : {1u, 3u})
+    EXPECT_LT((run_problem<cg_bf16, true, Narrow>(tall, 23, blocks)), 1e-5) << describe(tall, true) << ", " << blocks
+                                                                             << " blocks";
+}
+
+// The persistent blocks' order of tiles (cg_gemm_tile_of in bands of 8
+// tile rows) is a permutation: every tile once, a band walked column by
+// column.
+TEST(GemmSm90, TheTileOrderVisitsEachTileOnce) {
+  for (const auto& [tiles_m, tiles_n] : {std::pair<int, int>{1, 1}, {8, 3}, {10, 2}, {17, 5}, {3, 9}}) {
+    std::vector<int> seen(size_t(tiles_m * tiles_n), 0);
+    for (long long i = 0; i < (long long)tiles_m * tiles_n; ++i) {
+      cg_i64 m = -1, n = -1;
+      cg_gemm_tile_of(i, tiles_m, tiles_n, 8, &m, &n);
+      ASSERT_TRUE(m >= 0 && m < tiles_m && n >= 0 && n < tiles_n) << i;
+      ++seen[size_t(m * tiles_n + n)];
+    }
+    for (int v : seen) EXPECT_EQ(v, 1) << tiles_m << " x " << tiles_n;
+    cg_i64 m = -1, n = -1;
+    cg_gemm_tile_of(1, tiles_m, tiles_n, 8, &m, &n);
+    if (tiles_m > 1) EXPECT_EQ(std::make_pair(m, n), std::make_pair(cg_i64(1), cg_i64(0))) << "down the band's first column first";
+  }
 }
 
 // Wherever the copies land (the emulator's seeded landing points), the same

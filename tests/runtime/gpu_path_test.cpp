@@ -55,12 +55,15 @@ class GpuPath : public ::testing::Test {
     ::unsetenv("FAKE_CUDA_DEVICES");
     ::unsetenv("FAKE_CUDA_FREE_BYTES");
     ::unsetenv("FAKE_CUDA_CC");
+    ::unsetenv("FAKE_CUDA_SMS");
     cache_ = fs::temp_directory_path() / ("cudagen_gpu_path_test_" + std::to_string(::getpid()));
     options_.cache_dir = cache_.string();
     fake_log();
   }
   void TearDown() override {
     ::unsetenv("FAKE_CUDA_FAIL");
+    ::unsetenv("FAKE_CUDA_CC");
+    ::unsetenv("FAKE_CUDA_SMS");
     fs::remove_all(cache_);
   }
 
@@ -170,6 +173,21 @@ TEST_F(GpuPath, AHopperMatmulGetsItsTensorMapsFromTheArena) {
   ASSERT_EQ(launches.size(), 1u) << log;
   EXPECT_EQ(launches[0], "launch " + expected_launch(k)) << "the maps are logged as the tensors they point to";
   EXPECT_NE(launches[0].find("block=256,1,1 smem=109616"), std::string::npos) << launches[0];
+  // Persistent: 5 x 3 tiles of 64 x 128, a block for each (132 SMs hold 264).
+  EXPECT_EQ(k.persistent_tiles, 15);
+  EXPECT_NE(launches[0].find(" grid=15,1,1 "), std::string::npos) << launches[0];
+
+  // On a GPU of 4 SMs, two blocks each: 8 blocks, looping over the 15 tiles.
+  ::setenv("FAKE_CUDA_SMS", "4", 1);
+  fake_log();
+  {
+    Instance mm = JitProgram::from_graph(graph(), options).instantiate();
+    mm.run(Phase::forward);
+  }
+  const std::vector<std::string> small = lines_starting(fake_log(), "launch ");
+  ASSERT_EQ(small.size(), 1u);
+  EXPECT_NE(small[0].find(" grid=8,1,1 "), std::string::npos) << small[0];
+  ::unsetenv("FAKE_CUDA_SMS");
 
   ::setenv("FAKE_CUDA_CC", "8.9", 1);
   fake_log();
