@@ -77,6 +77,20 @@ endif()
 cudagen_part(SASS ${_sass_ok}
              "install cuobjdump and nvdisasm: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (scripts/dev.sh does)")
 
+# CuTe's headers (CUTLASS, from the PyPI wheel nvidia-cutlass; tests only): the
+# independent oracle the Hopper mainloop's layouts and descriptors are checked
+# against (tests/cute_oracle). They need CUDA's libcu++ (the toolkit's cccl).
+file(GLOB _cute_include ${PROJECT_SOURCE_DIR}/.cache/tools-venv/lib/python3*/site-packages/cutlass_library/source/include)
+set(_cute_ok OFF)
+if(_cute_include AND CUDAToolkit_FOUND)
+  list(GET _cute_include 0 CUDAGEN_CUTE_INCLUDE)
+  if(EXISTS ${CUDAGEN_CUTE_INCLUDE}/cute/tensor.hpp)
+    set(_cute_ok ON)
+  endif()
+endif()
+cudagen_part(CUTE ${_cute_ok}
+             "install CuTe's headers: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install nvidia-cutlass (scripts/dev.sh does)")
+
 function(cudagen_report_parts)
   message(STATUS "cudagen parts:")
   foreach(part ${CUDAGEN_PARTS})

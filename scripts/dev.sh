@@ -31,6 +31,12 @@ install_missing() {
     python3 -m venv .cache/tools-venv
     .cache/tools-venv/bin/pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
   fi
+  # CuTe's headers (the nvidia-cutlass wheel): the tests' oracle for the Hopper mainloop's layouts.
+  if ! ls .cache/tools-venv/lib/python3*/site-packages/cutlass_library/source/include/cute/tensor.hpp > /dev/null 2>&1; then
+    echo "== installing CuTe's headers (pip: nvidia-cutlass) into .cache/tools-venv"
+    [ -x .cache/tools-venv/bin/pip ] || python3 -m venv .cache/tools-venv
+    .cache/tools-venv/bin/pip install -q --no-deps nvidia-cutlass
+  fi
   if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
     echo "error: no CUDA toolkit at $CUDA_ROOT (nvcc, NVRTC); install it there or set CUDAToolkit_ROOT" >&2
     exit 1
@@ -43,7 +49,7 @@ configure_and_build() {
   mkdir -p "$BUILD_DIR"
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCUDAGEN_REQUIRE_ALL=ON -DCUDAToolkit_ROOT="$CUDA_ROOT" >"$BUILD_DIR/configure.log" 2>&1 ||
     { cat "$BUILD_DIR/configure.log"; exit 1; }
-  grep -A8 "cudagen parts:" "$BUILD_DIR/configure.log" | sed 's/^-- //'
+  grep -A9 "cudagen parts:" "$BUILD_DIR/configure.log" | sed 's/^-- //'
   echo "== building"
   cmake --build "$BUILD_DIR"
 }
