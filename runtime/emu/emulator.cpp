@@ -47,6 +47,19 @@ struct PendingWgmma {
   std::vector<std::pair<const unsigned char*, const unsigned char*>> reads;  // [first, last) of each operand
 };
 
+// A wgmma as one thread issued it: wgmma is .sync.aligned, so every thread
+// of the warpgroup must issue the same one, the same k-th time.
+struct WgmmaIssue {
+  unsigned long long desc_a, desc_b;
+  int n;
+  bool scale_d, bf16, trans_b;
+  unsigned thread;  // the first to issue it
+  bool same(const WgmmaIssue& o) const {
+    return desc_a == o.desc_a && desc_b == o.desc_b && n == o.n && scale_d == o.scale_d && bf16 == o.bf16 &&
+           trans_b == o.trans_b;
+  }
+};
+
 // An mbarrier (sm_90's transaction barrier), by its shared address.
 struct Mbarrier {
   unsigned expected = 0;  // arrivals a phase expects
@@ -97,6 +110,7 @@ struct Fiber {
   unsigned parity = 0;
   std::vector<PendingWgmma> wgmmas;  // not yet covered by a wgmma.wait_group
   long long next_wgmma_group = 0;
+  size_t wgmmas_issued = 0;          // in all: the k-th must be its warpgroup's k-th
   // How many global and checked shared accesses it has made: the k-th of
   // each lane of a warp make one warp-wide request (the lanes run in lockstep).
   unsigned long long load_seq = 0, store_seq = 0, shared_seq = 0;
@@ -484,6 +498,20 @@ class Emulator {
       return;
     }
     const unsigned t = unsigned(local_index(self)) % 128, warp = t / 32, lane = t % 32;
+    // The warpgroup's threads issue the same wgmma, or it diverges.
+    std::vector<WgmmaIssue>& issued = wgmma_issued_[self->block * (threads_ / 128) + unsigned(local_index(self)) / 128];
+    const WgmmaIssue mine{desc_a, desc_b, n, scale_d, bf16, trans_b, unsigned(local_index(self))};
+    if (self->wgmmas_issued < issued.size() && !issued[self->wgmmas_issued].same(mine)) {
+      const WgmmaIssue& first = issued[self->wgmmas_issued];
+      fail("kernel %s: wgmma %zu of warpgroup %u diverges: thread %u issued it as m64n%dk16 with descriptors %#llx and "
+           "%#llx, scale-d %d, thread %u as m64n%dk16 with %#llx and %#llx, scale-d %d (wgmma is .sync.aligned: every "
+           "thread of the warpgroup issues the same one)",
+           kernel_, self->wgmmas_issued, unsigned(local_index(self)) / 128, first.thread, first.n, first.desc_a,
+           first.desc_b, int(first.scale_d), mine.thread, n, desc_a, desc_b, int(scale_d));
+      return;
+    }
+    if (self->wgmmas_issued == issued.size()) issued.push_back(mine);
+    ++self->wgmmas_issued;
     // A wgmma on accumulators an earlier one still has in flight chains on
     // its values, as the tensor core does.
     const PendingWgmma* pending = nullptr;
@@ -936,6 +964,7 @@ class Emulator {
     std::fill(smem_.begin(), smem_.end(), 0xFF);  // poison: unwritten floats read as NaN
     mbarriers_.clear();
     tma_in_flight_.clear();
+    wgmma_issued_.assign(size_t(threads % 128 == 0 ? threads / 128 : 0) * batch.size(), {});
     shadow_.assign(smem_stride_ * batch.size(), SharedByte{});
     epochs_.assign(batch.size(), 0);
     warps_ = (threads + 31) / 32;
@@ -965,6 +994,7 @@ class Emulator {
       bool progress = release(done);
       if (done) {
         for (WarpAccesses& w : warp_accesses_) flush(w);
+        check_wgmma_counts();
         if (!tma_in_flight_.empty())
           fail("kernel %s: a block ends with %zu TMA copies in flight (no thread waited on their mbarrier)", kernel_,
                tma_in_flight_.size());
@@ -980,6 +1010,23 @@ class Emulator {
              kernel_, mbarrier_waiters().c_str());
         return abandon();
       }
+    }
+  }
+
+  // Every thread of a warpgroup issued as many wgmma as the warpgroup's
+  // first to issue each: one that skipped some ran a wgmma under divergent
+  // control flow (the GPU's behaviour is undefined there: it may hang).
+  void check_wgmma_counts() {
+    if (threads_ % 128 != 0) return;  // no warpgroups: a wgmma there fails when issued
+    for (unsigned i = 0; i < blocks_ * threads_ && error_.empty(); ++i) {
+      const Fiber& f = fibers_[i];
+      const unsigned local = i % threads_;
+      const std::vector<WgmmaIssue>& issued = wgmma_issued_[f.block * (threads_ / 128) + local / 128];
+      if (f.wgmmas_issued != issued.size())
+        fail("kernel %s: thread %u of block (%u, %u, %u) issued %zu wgmma, its warpgroup's thread %u %zu (a wgmma "
+             "under divergent control flow: wgmma is .sync.aligned, every thread of the warpgroup issues each)",
+             kernel_, local, f.thread.block_idx.x, f.thread.block_idx.y, f.thread.block_idx.z, f.wgmmas_issued,
+             issued.empty() ? local : issued.back().thread, issued.size());
     }
   }
 
@@ -1084,6 +1131,7 @@ class Emulator {
   std::mt19937_64 async_rng_;          // when cp.async copies land
   std::map<const unsigned char*, Mbarrier> mbarriers_;  // of the blocks running, by address
   std::vector<TmaCopy> tma_in_flight_;                  // of the blocks running, in issue order
+  std::vector<std::vector<WgmmaIssue>> wgmma_issued_;   // of each warpgroup of the blocks running, in issue order
   std::string busy_why_;                                // busy()'s answer
   unsigned warps_ = 0;                 // per block
   std::vector<WarpAccesses> warp_accesses_;  // per warp of the blocks running

@@ -194,6 +194,8 @@ enum class Fault {
   never_waited,         // the last group never waited for
   no_init,              // the barriers used uninitialised
   extra_arrival,        // the producer arrives twice on a full barrier
+  skipped_wgmma,        // one warp of the warpgroup skips the last wgmma (divergence)
+  diverging_descriptor, // one warp of the warpgroup reads another A than the others
 };
 
 struct Outcome {
@@ -256,9 +258,14 @@ Outcome run_pipeline(Fault fault, unsigned seed) {
       cg_mbarrier_wait(&full[s], (unsigned int)((kt / kStages) & 1) ^ (fault == Fault::parity_off_by_one ? 1u : 0u));
       const unsigned int stage = base + (unsigned int)(s * kStageBytes);
       cg_wgmma_fence();
-      for (int kk = 0; kk < 4; ++kk)
-        cg_wgmma_m64n128k16<0>(acc, cg_wgmma_descriptor_128b(stage + 32 * kk),
-                            cg_wgmma_descriptor_128b(stage + kABytes + 32 * kk), kt > 0 || kk > 0, cg_bf16());
+      const int warp = (t - 128) / 32;
+      for (int kk = 0; kk < 4; ++kk) {
+        if (fault == Fault::skipped_wgmma && warp == 2 && kt == k_tiles - 1 && kk == 3) continue;
+        const unsigned int a_step = fault == Fault::diverging_descriptor && warp == 1 && kt == 1 ? 32 * ((kk + 1) % 4)
+                                                                                              : 32 * kk;
+        cg_wgmma_m64n128k16<0>(acc, cg_wgmma_descriptor_128b(stage + a_step),
+                               cg_wgmma_descriptor_128b(stage + kABytes + 32 * kk), kt > 0 || kk > 0, cg_bf16());
+      }
       cg_wgmma_commit();
       if (fault == Fault::release_before_wait) {
         cg_mbarrier_arrive(&empty[s]);
@@ -316,6 +323,8 @@ TEST(HopperEmulatorFaults, EachBrokenPipelineIsCaught) {
            Case{Fault::never_waited, "wgmma never waited for"},
            Case{Fault::no_init, "before its mbarrier.init"},
            Case{Fault::extra_arrival, "beyond the 1 its phase expects"},
+           Case{Fault::skipped_wgmma, "issued 15 wgmma, its warpgroup's thread 128 16"},
+           Case{Fault::diverging_descriptor, "wgmma 4 of warpgroup 1 diverges: thread 128 issued it"},
        }) {
     const Outcome o = run_pipeline(c.fault, 7);
     if (*c.report != 0) {
