@@ -89,7 +89,7 @@ if(_cute_include AND CUDAToolkit_FOUND)
   endif()
 endif()
 cudagen_part(CUTE ${_cute_ok}
-             "install CuTe's headers: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install nvidia-cutlass (scripts/dev.sh does)")
+             "install CuTe's headers: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install --no-deps nvidia-cutlass==4.2.0.0 (scripts/dev.sh does)")
 
 function(cudagen_report_parts)
   message(STATUS "cudagen parts:")

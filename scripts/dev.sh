@@ -35,7 +35,7 @@ install_missing() {
   if ! ls .cache/tools-venv/lib/python3*/site-packages/cutlass_library/source/include/cute/tensor.hpp > /dev/null 2>&1; then
     echo "== installing CuTe's headers (pip: nvidia-cutlass) into .cache/tools-venv"
     [ -x .cache/tools-venv/bin/pip ] || python3 -m venv .cache/tools-venv
-    .cache/tools-venv/bin/pip install -q --no-deps nvidia-cutlass
+    .cache/tools-venv/bin/pip install -q --no-deps nvidia-cutlass==4.2.0.0  # the CuTe the oracle is written against
   fi
   if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
     echo "error: no CUDA toolkit at $CUDA_ROOT (nvcc, NVRTC); install it there or set CUDAToolkit_ROOT" >&2

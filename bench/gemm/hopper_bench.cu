@@ -124,7 +124,9 @@ int main(int argc, char** argv) {
     auto ours = [&](int set) {
       const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, 128);
       const long long tiles = (s.N + 127) / 128 * ((s.M + 127) / 128);
-      const dim3 grid(unsigned(std::min<long long>(tiles, prop.multiProcessorCount)));
+      // --quick (under compute-sanitizer): 3 blocks, so that each loops over tiles and the
+      // sanitizers see the stages' rounds run on from one tile to the next.
+      const dim3 grid(unsigned(std::min<long long>(tiles, quick ? 3 : prop.multiProcessorCount)));
       if (s.b_k_major)
         hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
             map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K);

@@ -141,7 +141,7 @@ TEST(GemmSm90, TheGeneratorsSharedBytesAreTheTemplates) {
 // and grids that divide the tiles unevenly. The stages and their parities
 // run on across tiles (K of five k-tiles over four stages and three: a
 // stage's round changes inside a tile and between tiles), and tile rows
-// past a band of 8 (cg_sm90_tile_order) end in a shorter band.
+// past a band of 8 (cg_gemm_tile_of's order) end in a shorter band.
 TEST(GemmSm90, PersistentBlocksComputeEveryTile) {
   const Problem wide{200, 296, 320};  // 2 x 3 tiles of 128 rows
   for (unsigned blocks : {1u, 2u, 4u, 7u}) {

@@ -293,6 +293,35 @@ TEST(Toolchains, NvccCompilesTheMlpAheadOfTime) {
   std::filesystem::remove_all(dir);
 }
 
+// A Hopper matmul's file built ahead of time for sm_90a: its host launcher
+// (the tensor maps' encoder through cudaGetDriverEntryPointByVersion, the
+// persistent grid from cudaDeviceGetAttribute) is nvcc's host code, which
+// neither NVRTC nor the emulation compiles.
+TEST(Toolchains, NvccCompilesAHopperMatmulAheadOfTime) {
+  const char* nvcc = CUDAGEN_NVCC;
+  ASSERT_TRUE(std::filesystem::exists(nvcc)) << "nvcc not found at " << nvcc;
+  GraphBuilder b("hopper_aot");
+  b.task("mm", "matmul")
+      .tensor("a", DType::bf16, {300, 192}, Storage::external)
+      .tensor("b", DType::bf16, {192, 264}, Storage::external)
+      .tensor("out", DType::bf16, {300, 264}, Storage::external);
+  CompileOptions options;
+  options.emit.arch = "sm_90a";
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  ASSERT_GT(c.emitted.kernels[0].persistent_tiles, 0) << c.emitted.kernels[0].matmul_path;
+  ASSERT_NE(c.emitted.cuda_source.find("cudagen_persistent_grid(&"), std::string::npos);
+  std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_nvcc_hopper_" + std::to_string(::getpid()))).string();
+  std::filesystem::create_directories(dir);
+  write_file_atomic(dir + "/mm.cu", c.emitted.cuda_source);
+  std::string cmd = std::string(nvcc) + " -c -gencode=arch=compute_90a,code=sm_90a -Werror all-warnings " + dir +
+                    "/mm.cu -o " + dir + "/mm.o > " + dir + "/log 2>&1";
+  int status = std::system(cmd.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text_file(dir + "/log");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/mm.o"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Toolchains, GeneratedCodeIsDeterministicAndStandalone) {
   Compiled a = compile(load_program(example("mlp_forward.json"), {}), {});
   Compiled b = compile(load_program(example("mlp_forward.json"), {}), {});
