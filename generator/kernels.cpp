@@ -664,8 +664,8 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   const MatmulDims d = matmul_dims(program, t);
   if (d.trans_a) return refuse("its a is stored transposed (wgmma's transposed A is not used yet)");
   if (d.batches > 1) return refuse("b is batched (one tensor map a product)");
-  // TMA reads rows whose strides are whole 16 bytes (8 elements).
   if (d.M == 0 || d.N == 0 || d.K == 0) return refuse("a dimension is 0 (a tensor map has none)");
+  // TMA reads rows whose strides are whole 16 bytes (8 elements).
   if (d.K % 8 != 0 || (!d.trans_b && d.N % 8 != 0))
     return refuse(fmt::format("a row of an operand is not whole 16 bytes (K {}{}), which TMA needs", d.K,
                               d.trans_b ? "" : fmt::format(", N {}", d.N)));

@@ -345,12 +345,8 @@ class GpuExecutor final : public Executor {
       // A persistent kernel: a block for each of this GPU's slots (the
       // generator's grid is the target's SM count, which differs between an
       // H100 SXM and PCIe, say: more blocks than slots would run a second wave).
-      if (ek.persistent_tiles > 0) {
-        int sms = 0;
-        CUDAGEN_CHECK(api, cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
-                      "reading the GPU's multiprocessor count");
-        k.grid[0] = unsigned(persistent_grid(ek.persistent_tiles, ek.min_blocks_per_sm, sms));
-      }
+      if (ek.persistent_tiles > 0)
+        k.grid[0] = unsigned(persistent_grid(ek.persistent_tiles, ek.min_blocks_per_sm, multiprocessors()));
       k.block = unsigned(ek.block);
       k.smem = unsigned(ek.smem_bytes);
       if (ek.smem_bytes > 48 * 1024)  // above 48 KiB a kernel must opt in to its dynamic shared memory
@@ -433,15 +429,21 @@ class GpuExecutor final : public Executor {
     }
   }
 
+  int multiprocessors() const {
+    int sms = 0;
+    CUDAGEN_CHECK(*api_, cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
+                  "reading the GPU's multiprocessor count");
+    return sms;
+  }
+
   // A megakernel's blocks wait for one another, so all of them must be on
   // the GPU at once: check before the first launch rather than hang.
   void check_residency(const Kernel& k, const GpuInfo& gpu) {
     const DriverApi& api = *api_;
-    int per_sm = 0, sms = 0;
+    int per_sm = 0;
     CUDAGEN_CHECK(api, cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.function, int(k.block), k.smem),
                   fmt::format("reading the occupancy of megakernel {}", k.name));
-    CUDAGEN_CHECK(api, cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device_),
-                  "reading the GPU's multiprocessor count");
+    const int sms = multiprocessors();
     if (int64_t(per_sm) * sms < int64_t(k.grid[0]))
       throw DriverError(fmt::format(
           "megakernel {} needs {} blocks of {} threads ({} bytes of shared memory) resident at once, but {} holds {} "
