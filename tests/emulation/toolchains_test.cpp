@@ -472,8 +472,9 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
               ">(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem,\n"
               "      [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<" + v.type + ">(v).bits; });\n"
               "}\n";
-  std::string log;
-  const auto resources = cudagen::testing::ptxas_resources(source, "sm_90a", &log);
+  const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(source, "sm_90a");
+  const std::string& log = report.ptxas_log;
+  const auto& resources = report.resources;
   ASSERT_EQ(resources.size(), 4u) << log;
   for (const auto& [kernel, r] : resources) {
     EXPECT_EQ(r.spill_bytes, 0) << kernel;
@@ -484,7 +485,7 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
   EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
   for (const char* warning : {"C7508", "C7511", "C7514", "C7515"})
     EXPECT_EQ(log.find(warning), std::string::npos) << warning << " in ptxas's report:\n" << log;
-  const auto sass = cudagen::testing::sass_opcodes(source, "sm_90a");
+  const auto sass = report.opcodes();
   for (const Variant& v : variants) {
     const char* kernel = v.name;
     ASSERT_TRUE(sass.count(kernel)) << kernel;
@@ -607,8 +608,9 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
   for (size_t i : {4, 5})
     EXPECT_NE(c.emitted.kernels[i].matmul_path.find("f32 as TF32"), std::string::npos) << c.emitted.kernels[i].matmul_path;
   for (const char* arch : {"sm_80", "sm_90"}) {
-    const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
-    const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+    const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+    const auto sass = report.opcodes();
+    const auto& resources = report.resources;
     for (const EmittedKernel& k : c.emitted.kernels) {
       ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
       const std::map<std::string, int>& ops = sass.at(k.name);
@@ -668,8 +670,9 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
       if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
     ASSERT_EQ(backward.size(), 5u);
     for (const char* arch : {"sm_80", "sm_90"}) {
-      const auto sass = cudagen::testing::sass_opcodes(c.emitted.cuda_source, arch);
-      const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
+      const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+      const auto sass = report.opcodes();
+      const auto& resources = report.resources;
       for (const std::string& name : backward) {
         ASSERT_TRUE(sass.count(name)) << name << " on " << arch;
         const std::map<std::string, int>& ops = sass.at(name);
@@ -699,8 +702,9 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   Compiled simt = compile(load_program(std::move(f32).graph(), {}), {});
   int simt_kernels = 0;
   for (const char* arch : {"sm_80", "sm_90"}) {
-    const auto sass = cudagen::testing::sass_opcodes(simt.emitted.cuda_source, arch);
-    const auto resources = cudagen::testing::ptxas_resources(simt.emitted.cuda_source, arch);
+    const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(simt.emitted.cuda_source, arch);
+    const auto sass = report.opcodes();
+    const auto& resources = report.resources;
     for (const EmittedKernel& k : simt.emitted.kernels) {
       if (k.mainloop != MatmulMainloop::flash_attention_simt) continue;
       ++simt_kernels;
@@ -746,15 +750,19 @@ TEST(Toolchains, SimtMatmulKernelsFeedSixteenFmasPerSharedLoad) {
   }
   EXPECT_EQ(large, 4);
   EXPECT_EQ(small, 4);
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (const auto& [kernel, r] : cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch)) {
+  const bool disassemble = !std::string(CUDAGEN_CUOBJDUMP).empty();
+  std::map<std::string, cudagen::testing::KernelReport> reports;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    reports[arch] = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch, disassemble);
+    for (const auto& [kernel, r] : reports[arch].resources) {
       EXPECT_EQ(r.spill_bytes, 0) << kernel << " on " << arch;
       EXPECT_EQ(r.stack_bytes, 0) << kernel << " on " << arch;
     }
-  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+  }
+  if (!disassemble)
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
-  for (const char* arch : {"sm_80", "sm_90"})
-    for (const auto& [kernel, instructions] : cudagen::testing::sass_listing(c.emitted.cuda_source, arch)) {
+  for (const auto& [arch, report] : reports)
+    for (const auto& [kernel, instructions] : report.sass) {
       const std::map<std::string, int> loop = cudagen::testing::sass_loop(instructions, "FFMA");
       auto count = [&](const char* op) { return loop.count(op) ? loop.at(op) : 0; };
       EXPECT_GE(count("FFMA"), 512) << kernel << " on " << arch << ": a k-tile's 8 x 8 x 8 FMAs in one loop body";
@@ -829,11 +837,11 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnTheHopperMainloop) {
   CompileOptions options;
   options.emit.arch = "sm_90a";
   const Compiled c = decoder_block_b8_t128(options);
-  std::string log;
-  cudagen::testing::ptxas_resources(c.emitted.cuda_source, "sm_90a", &log);
+  const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, "sm_90a");
+  const std::string& log = report.ptxas_log;
   EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
   EXPECT_EQ(log.find("C7508"), std::string::npos) << log;
-  const auto listing = cudagen::testing::sass_listing(c.emitted.cuda_source, "sm_90a");
+  const auto& listing = report.sass;
   int64_t total = 0, hopper = 0;
   std::vector<std::string> kernels;
   for (const EmittedKernel& k : c.emitted.kernels) {
@@ -864,8 +872,9 @@ TEST(Toolchains, DecoderBlockRunsItsMatmulFlopsOnTheHopperMainloop) {
 // k-block being the mark's count of `marker`s.
 static std::string golden_rows(const Compiled& c, const std::vector<std::pair<std::string, int>>& marks,
                                const char* arch, const char* marker, const char* path) {
-  const auto resources = cudagen::testing::ptxas_resources(c.emitted.cuda_source, arch);
-  const auto listing = cudagen::testing::sass_listing(c.emitted.cuda_source, arch);
+  const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+  const auto& resources = report.resources;
+  const auto& listing = report.sass;
   std::string table;
   for (size_t i = 0; i < marks.size(); ++i) {
     const EmittedKernel& k = c.emitted.kernels[i];
