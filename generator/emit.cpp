@@ -251,8 +251,9 @@ std::string Emitter::comment(const KernelGroup& k, const std::vector<LaunchParam
     if (lp.scalar != nullptr) continue;
     if (lp.buffer < 0) {  // a workspace: written once, read once
       workspaces.push_back(fmt::format("{} ({} bytes at arena + {})", lp.name, lp.workspace_bytes, lp.workspace_offset));
-      ek.bytes_read += lp.workspace_bytes;
-      ek.bytes_written += lp.workspace_bytes;
+      const int64_t moved = lp.workspace_traffic >= 0 ? lp.workspace_traffic : lp.workspace_bytes;
+      ek.bytes_read += moved;
+      ek.bytes_written += moved;
       continue;
     }
     if (fused && !counted.insert({lp.buffer, lp.written}).second) continue;

@@ -109,6 +109,11 @@ struct EmittedKernel {
   // persistent_grid(persistent_tiles, min_blocks_per_sm, the GPU's SMs)
   // blocks, `grid` those of the target's SMs (device_model).
   int64_t persistent_tiles = 0;
+  // With stream-K (HopperGemm::stream_k): the grid its workspace is sized
+  // for (the target's SM slots), every block of which takes part however few
+  // the tiles; launched on no more blocks than it. 0 otherwise.
+  int64_t stream_k_grid = 0;
+  std::optional<HopperGemm> hopper;  // the Hopper mainloop's choice, where it runs it
   MatmulMainloop mainloop = MatmulMainloop::none;
   std::string matmul_path;
   int block = 256;
@@ -207,9 +212,15 @@ inline std::array<int64_t, 3> launch_grid(const EmittedKernel& k) {
 }
 
 // A persistent kernel's grid (EmittedKernel::persistent_tiles): a block for
-// each of the GPU's `sms` x `blocks_per_sm` slots, no more than the tiles.
-inline int64_t persistent_grid(int64_t tiles, int blocks_per_sm, int64_t sms) {
-  return std::max<int64_t>(1, std::min<int64_t>(tiles, std::max<int64_t>(1, blocks_per_sm) * std::max<int64_t>(1, sms)));
+// each of the GPU's `sms` x `blocks_per_sm` slots, no more than `most`, the
+// blocks that have work (persistent_most_blocks).
+inline int64_t persistent_grid(int64_t most, int blocks_per_sm, int64_t sms) {
+  return std::max<int64_t>(1, std::min<int64_t>(most, std::max<int64_t>(1, blocks_per_sm) * std::max<int64_t>(1, sms)));
+}
+// The most blocks a persistent kernel's launch takes: a block a tile, or with
+// stream-K its workspace's grid.
+inline int64_t persistent_most_blocks(const EmittedKernel& k) {
+  return k.stream_k_grid > 0 ? k.stream_k_grid : k.persistent_tiles;
 }
 
 // The name of a phase's host launcher: `cudagen_forward`, ... (the runtime,

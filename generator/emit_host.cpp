@@ -49,19 +49,20 @@ std::string Emitter::tensor_map_helper() {
 // PCIe has 114, an SXM 132); the emulation's GPU has few SMs, so that its
 // blocks loop over several tiles.
 std::string Emitter::persistent_grid_helper() {
-  return "// A persistent kernel's grid: the GPU's SMs times the blocks each holds, no more than its tiles.\n"
+  return "// A persistent kernel's grid: the GPU's SMs times the blocks each holds, no more than `most`\n"
+         "// (its tiles, or with stream-K the grid its workspace is for).\n"
          "#ifdef CUDAGEN_EMULATION\n"
-         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long tiles, unsigned blocks_per_sm) {\n"
-         "  *grid = cudagen_emu::persistent_grid(tiles, blocks_per_sm);\n"
+         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long most, unsigned blocks_per_sm) {\n"
+         "  *grid = cudagen_emu::persistent_grid(most, blocks_per_sm);\n"
          "  return 0;\n"
          "}\n"
          "#else\n"
-         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long tiles, unsigned blocks_per_sm) {\n"
+         "static int cudagen_persistent_grid(unsigned* grid, unsigned long long most, unsigned blocks_per_sm) {\n"
          "  int device = 0, sms = 0;\n"
          "  if (cudaError_t e = cudaGetDevice(&device)) return (int)e;\n"
          "  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) return (int)e;\n"
          "  const unsigned long long slots = (unsigned long long)sms * blocks_per_sm;\n"
-         "  *grid = (unsigned)(tiles < slots ? tiles : slots);\n"
+         "  *grid = (unsigned)(most < slots ? most : slots);\n"
          "  return 0;\n"
          "}\n"
          "#endif\n";
@@ -620,9 +621,11 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
       if (ek.persistent_tiles > 0) {
         grid_x = ek.name + "_grid";
         out += fmt::format(
-            "  unsigned {0};  // persistent: its blocks loop over its {1} tiles\n"
-            "  if (int cudagen_error = cudagen_persistent_grid(&{0}, {1}ull, {2}u)) return cudagen_error;\n",
-            grid_x, ek.persistent_tiles, ek.min_blocks_per_sm);
+            "  unsigned {0};  // persistent: its blocks loop over its {1} tiles{3}\n"
+            "  if (int cudagen_error = cudagen_persistent_grid(&{0}, {2}ull, {4}u)) return cudagen_error;\n",
+            grid_x, ek.persistent_tiles, persistent_most_blocks(ek),
+            ek.stream_k_grid > 0 ? fmt::format(", the last by stream-K on up to {} blocks", ek.stream_k_grid) : "",
+            ek.min_blocks_per_sm);
       }
       out += fmt::format("  CUDAGEN_LAUNCH({}, dim3({}, {}, {}), dim3({}), {}, {}_tensors,\n                 {});\n", ek.name,
                          grid_x, grid[1], grid[2], ek.block, ek.smem_bytes, ek.name, fmt::join(args, ", "));
@@ -695,8 +698,9 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
         maps.empty() ? std::string() : fmt::format(", \"tensor_maps\": [{}]", fmt::join(maps, ", ")),
         // Its blocks loop over its tiles: a launcher sizes the grid to the GPU (persistent_grid).
         k.persistent_tiles > 0
-            ? fmt::format(", \"persistent\": {{\"tiles\": {}, \"blocks_per_sm\": {}}}", k.persistent_tiles,
-                          k.min_blocks_per_sm)
+            ? fmt::format(", \"persistent\": {{\"tiles\": {}, \"blocks_per_sm\": {}{}}}", k.persistent_tiles,
+                          k.min_blocks_per_sm,
+                          k.stream_k_grid > 0 ? fmt::format(", \"stream_k_grid\": {}", k.stream_k_grid) : "")
             : std::string(),
         k.cooperative ? ", \"cooperative\": true" : "", model[i].bound,
         model[i].blocks_per_sm, model[i].waves, model[i].seconds * 1e6);

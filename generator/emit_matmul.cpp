@@ -551,7 +551,10 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   // block an SM of two consumers, two of one.
   ek.min_blocks_per_sm = g.blocks_per_sm();
   ek.persistent_tiles = g.tiles();
-  ek.grid[0] = persistent_grid(g.tiles(), ek.min_blocks_per_sm, device_model(options_.arch).sms);
+  ek.hopper = g;
+  const int64_t sms = device_model(options_.arch).sms;
+  if (g.stream_k) ek.stream_k_grid = g.stream_k_grid(sms);
+  ek.grid[0] = persistent_grid(persistent_most_blocks(ek), ek.min_blocks_per_sm, sms);
   ek.grid[1] = 1;
   ek.grid[2] = 1;
   ek.tile_rows = g.rows();
@@ -573,16 +576,27 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
       LaunchParam{a.bound->name + "_map", "const cg_tensor_map", a.bound->buffer, nullptr, false, -1, 0, map_a});
   extra_params_.push_back(
       LaunchParam{b.bound->name + "_map", "const cg_tensor_map", b.bound->buffer, nullptr, false, -1, 0, map_b});
+  const std::string maps = param_name(extra_params_[extra_params_.size() - 2]) + ", " + param_name(extra_params_.back());
+  // Stream-K's partial sums and counters, in the workspace split-K shares
+  // (plan_split_k_workspace sizes it for the target's grid, which no launch exceeds).
+  std::string workspace = "{nullptr, nullptr}";
+  if (g.stream_k) {
+    extra_params_.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
+                                        g.stream_k_partial_bytes(ek.stream_k_grid), std::nullopt,
+                                        g.stream_k_partial_tiles(ek.stream_k_grid) * g.rows() * g.kColumns * 4});
+    extra_params_.push_back(LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
+                                        g.stream_k_arrival_bytes(ek.stream_k_grid)});
+    workspace = "{cg_partials, cg_arrivals}";
+  }
   const std::string store_acc = store(out, fmt::format("m * {} + n", g.N), scaled_accumulator(t));
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // The Hopper mainloop: {0}.\n"
       "  cg_gemm_sm90<cg_sm90_gemm_config<{1}, {2}>, {3}, {4}>(\n"
-      "      {5}, {6}, {7}, {8}, {9}, blockIdx.x, gridDim.x, cg_smem,\n"
+      "      {5}, {6}, {7}, {8}, blockIdx.x, gridDim.x, cg_smem, {9},\n"
       "      [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
-      g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false",
-      param_name(extra_params_[extra_params_.size() - 2]), param_name(extra_params_.back()), g.M, g.N, g.K,
-      store_acc);
+      g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false", maps, g.M, g.N,
+      g.K, workspace, store_acc);
 }
 
 // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's
@@ -878,6 +892,16 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
     const int64_t tiles = (d.M + g->bm - 1) / g->bm * ((d.N + g->bn - 1) / g->bn) * d.batches;
     split_k_.partials_bytes = std::max(split_k_.partials_bytes, d.batches * g->split_k * d.M * d.N * 4);
     split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, tiles * 4);
+  }
+  // Stream-K on the Hopper mainloop (hopper_matmul), for the target's grid.
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const int t = kernels[i].tasks[0];
+    if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
+    const std::optional<HopperGemm> g = hopper_gemm_of(p_, t, options_.arch);
+    if (!g || !g->stream_k) continue;
+    const int64_t grid = g->stream_k_grid(device_model(options_.arch).sms);
+    split_k_.partials_bytes = std::max(split_k_.partials_bytes, g->stream_k_partial_bytes(grid));
+    split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, g->stream_k_arrival_bytes(grid));
   }
   // Split-KV's (flash_attention) in the same workspace: no two kernels use it at once.
   for (size_t i = 0; i < kernels.size(); ++i) {

@@ -80,6 +80,9 @@ struct LaunchParam {
   int64_t workspace_offset = -1, workspace_bytes = 0;
   // A TMA tensor map of `buffer`, passed by value (pointee "const cg_tensor_map").
   std::optional<TensorMapSpec> tensor_map;
+  // The bytes a launch moves each way through a workspace, where fewer than
+  // its size (stream-K's partial tiles take a few of its slots); -1: all.
+  int64_t workspace_traffic = -1;
 };
 
 // The number of keys query row `row` (over all heads, Tq rows a head) sees,

@@ -638,12 +638,36 @@ int64_t shared_bytes_with_opt_in(const std::string& arch) {
   return kSharedBytesWithOptIn;
 }
 
+// templates/gemm_sm90.cuh's cg_sm90_schedule, for the generator (GemmSm90.
+// TheGeneratorsStreamKRuleIsTheKernels checks the two agree).
+int64_t HopperGemm::stream_k_tiles(int64_t grid) const {
+  const int64_t all = tiles(), k = k_tiles();
+  if (grid < 1 || k < 2 || all % grid == 0) return 0;
+  const int64_t sms = std::max<int64_t>(1, grid / blocks_per_sm()), waves = all / grid;
+  const int64_t sk_tiles = waves >= 2 ? all - (waves - 1) * grid : all;
+  const int64_t whole = (sk_tiles + sms - 1) / sms * k, shared = (sk_tiles * k + sms - 1) / sms + fixup_k_tiles();
+  return shared < whole ? sk_tiles : 0;
+}
+
+int64_t HopperGemm::stream_k_partial_tiles(int64_t grid) const {
+  const int64_t k = k_tiles(), iterations = stream_k_tiles(grid) * k;
+  int64_t partial = 0;
+  for (int64_t b = 0; b < grid && iterations > 0; ++b) {
+    const int64_t begin = b * iterations / grid, end = (b + 1) * iterations / grid;
+    for (int64_t i = begin; i < end;) {  // the run's pieces, a tile at a time
+      const int64_t piece_end = std::min(end, (i / k + 1) * k);
+      partial += piece_end - i < k;
+      i = piece_end;
+    }
+  }
+  return partial;
+}
+
 std::string HopperGemm::describe() const {
-  return fmt::format("{} x 128 tiles ({}) on persistent blocks, {} consumer warpgroup{}, {} stages of 64 k, TMA and "
+  return fmt::format("{} x 128 tiles ({}) on persistent blocks{}, {} consumer warpgroup{}, {} stages of 64 k, TMA and "
                      "wgmma, B {}",
-                     rows(),
-                     tiles(), consumers, consumers == 1 ? "" : "s", stages(),
-                     b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
+                     rows(), tiles(), stream_k ? ", the last by stream-K" : "", consumers, consumers == 1 ? "" : "s",
+                     stages(), b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
 }
 
 std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,
@@ -675,9 +699,11 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   // Tiles of 64 rows where those of 128 would leave SMs idle.
   const int64_t sms = device_model(arch).sms;
   if (g.tiles() < sms) g.consumers = 1;
-  // Too few tiles even so: the pipelined mainloop splits K there.
+  g.stream_k = g.stream_k_tiles(g.stream_k_grid(sms)) > 0;
+  // Too few tiles even so, and too few k-tiles for stream-K: the pipelined
+  // mainloop splits K there.
   const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, arch);
-  if (pipelined && pipelined->split_k > 1 && g.tiles() < sms)
+  if (pipelined && pipelined->split_k > 1 && g.tiles() < sms && !g.stream_k)
     return refuse(fmt::format("its {} tiles of 64 x 128 fill less than one wave; the pipelined mainloop splits K {} "
                               "ways",
                               g.tiles(), pipelined->split_k));

@@ -332,8 +332,8 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
 // that TMA can read as stored: A K-contiguous and B either way, unbatched
 // (rows of a batched A folded into M), every row stride whole 16 bytes; a
 // product whose tiles would not fill the GPU where the pipelined mainloop
-// splits K stays there. A kernel on it is launched alone, with no operand
-// prologue (the caller checks both).
+// splits K stays there, unless stream-K pays. A kernel on it is launched
+// alone, with no operand prologue (the caller checks both).
 // Its tiles are 128 columns by 64 rows a consumer warpgroup: two (128 rows,
 // four stages) where they fill the GPU, else one (64 rows, three stages,
 // twice the tiles, two blocks an SM where there are more tiles than SMs).
@@ -349,6 +349,29 @@ struct HopperGemm {
   // and the shared memory allow.
   int blocks_per_sm() const { return consumers == 1 ? 2 : 1; }
   int64_t tiles() const { return (M + rows() - 1) / rows() * ((N + kColumns - 1) / kColumns); }
+  int64_t k_tiles() const { return (K + 63) / 64; }
+  // Stream-K (cg_sm90_schedule, docs/gemm.md "Stream-K"): where the tiles
+  // leave the last wave partly empty, the last tiles' k-tiles dealt out to
+  // every block, partial tiles added in k order. Chosen by the kernel at run
+  // time from its grid, by the same rule as stream_k_tiles: the tiles it takes
+  // on `grid` blocks, 0 for none. `stream_k` where it takes some on the
+  // target's grid (stream_k_grid): the kernel is then given a workspace for
+  // that grid, and launched on no more blocks than it.
+  bool stream_k = false;
+  // cg_sm90_gemm_config::FIXUP_K_TILES: a partial tile's cost in k-tiles.
+  int fixup_k_tiles() const {
+    const int64_t stage = int64_t(rows() + kColumns) * 64 * 2;
+    return int((3 * int64_t(rows()) * kColumns * 4 + stage - 1) / stage);
+  }
+  int64_t stream_k_tiles(int64_t grid) const;
+  // The partial tiles (a block's share of a tile shared with others) stream-K
+  // computes on `grid` blocks: each is stored once and read once.
+  int64_t stream_k_partial_tiles(int64_t grid) const;
+  int64_t stream_k_grid(int64_t sms) const { return sms * blocks_per_sm(); }
+  // The workspace on `grid` blocks: two slots of a tile's f32 sums a block;
+  // a counter per stream-K tile (fewer than two grids of them) and consumer warp.
+  int64_t stream_k_partial_bytes(int64_t grid) const { return 2 * grid * rows() * kColumns * 4; }
+  int64_t stream_k_arrival_bytes(int64_t grid) const { return 2 * grid * 4 * consumers * 4; }
   // cg_sm90_gemm_config's SHARED_BYTES: the round-up to 1024 bytes, the
   // stages, their barriers, the consumer warps' rows of results.
   int64_t shared_bytes() const {

@@ -73,7 +73,20 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   const int warps = std::max(1, (block + 31) / 32);
   const int64_t lanes = int64_t(d.sms) * std::min(e.blocks_per_sm, (kSaturatingWarps + warps - 1) / warps);
   const int64_t rounds = std::max<int64_t>(1, (e.blocks + lanes - 1) / lanes);
-  const double fullness = double(std::max<int64_t>(e.blocks, 1)) / double(rounds * lanes);
+  double fullness = double(std::max<int64_t>(e.blocks, 1)) / double(rounds * lanes);
+  if (k.hopper && k.stream_k_grid > 0) {
+    // Stream-K (cg_sm90_schedule): the busiest SM's k-tiles are its whole
+    // tiles' and an even share of the stream-K tiles', plus the partial
+    // tiles' sums, against an even share of all of them.
+    const HopperGemm& g = *k.hopper;
+    const int64_t grid = std::min<int64_t>(k.stream_k_grid, int64_t(d.sms) * g.blocks_per_sm());
+    const int64_t sms = std::max<int64_t>(1, grid / g.blocks_per_sm()), sk_tiles = g.stream_k_tiles(grid);
+    if (sk_tiles > 0) {
+      const int64_t whole = (g.tiles() - sk_tiles) / sms * g.k_tiles(),
+                    shared = (sk_tiles * g.k_tiles() + sms - 1) / sms + g.fixup_k_tiles();
+      fullness = double(g.tiles() * g.k_tiles()) / double(sms) / double(whole + shared);
+    }
+  }
   const double compute = e.flops / e.ceiling_flops, memory = e.bytes / d.memory_bytes_per_s;
   const double work = std::max(compute, memory) / fullness;
   e.bound = work < d.launch_seconds ? "launch" : compute >= memory ? "compute" : "memory";

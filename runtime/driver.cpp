@@ -346,7 +346,7 @@ class GpuExecutor final : public Executor {
       // generator's grid is the target's SM count, which differs between an
       // H100 SXM and PCIe, say: more blocks than slots would run a second wave).
       if (ek.persistent_tiles > 0)
-        k.grid[0] = unsigned(persistent_grid(ek.persistent_tiles, ek.min_blocks_per_sm, multiprocessors()));
+        k.grid[0] = unsigned(persistent_grid(persistent_most_blocks(ek), ek.min_blocks_per_sm, multiprocessors()));
       k.block = unsigned(ek.block);
       k.smem = unsigned(ek.smem_bytes);
       if (ek.smem_bytes > 48 * 1024)  // above 48 KiB a kernel must opt in to its dynamic shared memory

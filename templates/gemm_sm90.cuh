@@ -20,7 +20,10 @@
 //   - persistent: a block per SM slot, each looping over tiles (every
 //     gridDim-th, in cg_gemm_tile_of's bands of 8 tile rows), the pipeline's stages and parities
 //     running on from one tile to the next, so the producer loads the next
-//     tile's first k-tiles while the consumers store the last one's results.
+//     tile's first k-tiles while the consumers store the last one's results;
+//     where the tiles leave the last wave partly empty, stream-K: the last
+//     tiles' k-tiles dealt out evenly, partial tiles added in k order
+//     (cg_sm90_schedule).
 // The swizzle's pattern follows address bits, so every stage starts on a
 // 1024-byte boundary of the .shared window: the kernel rounds its dynamic
 // shared memory up to one (1 KiB of slack in cg_sm90_gemm_config).
@@ -273,6 +276,11 @@ struct cg_sm90_gemm_config {
   // The stages from a 1024-byte boundary, a full and an empty barrier per
   // stage, then the results; 1 KiB of slack to round the start up.
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + RESULT_BYTES;
+  // Stream-K (cg_sm90_schedule): a partial tile's sums cost about this many
+  // k-tiles of an SM's time (its f32 tile stored, and read back by the block
+  // that adds them, three times the tile's bytes against a k-tile's operand
+  // bytes, through the same L2): 6 for tiles of 128 rows, 4 for 64.
+  static constexpr int FIXUP_K_TILES = (3 * BM * BN * 4 + STAGE_BYTES - 1) / STAGE_BYTES;
 };
 
 // Where a pipeline is in its ring of stages: the stage the next k-tile
@@ -289,10 +297,163 @@ struct cg_sm90_pipeline_state {
   }
 };
 
-// This block's tiles of D = A B: tile first_tile in cg_gemm_tile_of's order
-// (bands of 8 tile rows, each column by column: the blocks running at once
-// share rows of A and columns of B in L2), then every tile_stride-th (a persistent launch passes blockIdx.x and
-// gridDim.x; any grid computes every tile). The maps, all with the
+// One piece of a block's work: k-tiles [k_begin, k_end) of tile `tile` (in
+// cg_gemm_tile_of's order); the whole tile where they are all of its k-tiles.
+struct cg_sm90_work {
+  cg_i64 tile;
+  int k_begin, k_end;
+};
+
+// Which tiles, and which of their k-tiles, each block of a persistent launch
+// computes (docs/gemm.md "Stream-K"). Data-parallel, block b takes tiles b,
+// b + grid, ... whole. Where the tiles leave the last wave partly empty (the
+// decoder's down projection: 96 tiles of 64 rows for 132 SMs), stream-K
+// takes the last tiles, those of the last full wave and the partial one (all
+// the tiles, under two waves), and deals their k-tiles out evenly: block b
+// computes the run [b I / grid, (b + 1) I / grid) of their I k-tiles, taken
+// tile after tile. A tile whose k-tiles fall to several blocks is a partial
+// tile of each; their sums are added in k order by whichever arrives last
+// (cg_sm90_stream_k_rows), so the result does not depend on timing. Chosen
+// where it is shorter for the busiest SM: the stream-K tiles' k-tiles shared
+// by all SMs plus FIXUP_K_TILES, against whole tiles a block each
+// (kernels.h's hopper_stream_k_tiles is the same rule, for the generator).
+// A block's run holds at most two partial tiles, its first and its last: each
+// has a slot of partial sums, 2 block + (0 for the first, 1 for the last).
+struct cg_sm90_schedule {
+  cg_i64 tiles, dp_tiles, sk_k_tiles, block, grid;
+  int k_tiles;
+  cg_i64 next_tile;    // the next data-parallel tile
+  cg_i64 cursor, end;  // this block's stream-K k-tiles left, counted over the stream-K tiles
+
+  CG_DEVICE cg_sm90_schedule(cg_i64 tiles_, int k_tiles_, cg_i64 block_, cg_i64 grid_, int blocks_per_sm,
+                             int fixup_k_tiles, bool stream_k)
+      : tiles(tiles_), dp_tiles(tiles_), sk_k_tiles(0), block(block_), grid(grid_), k_tiles(k_tiles_),
+        next_tile(block_), cursor(0), end(0) {
+    if (stream_k && k_tiles > 1 && tiles % grid != 0) {
+      const cg_i64 sms = grid / blocks_per_sm > 0 ? grid / blocks_per_sm : 1, waves = tiles / grid;
+      const cg_i64 sk_tiles = waves >= 2 ? tiles - (waves - 1) * grid : tiles;
+      const cg_i64 whole = (sk_tiles + sms - 1) / sms * k_tiles,
+                   shared = (sk_tiles * k_tiles + sms - 1) / sms + fixup_k_tiles;
+      if (shared < whole) {
+        dp_tiles = tiles - sk_tiles;
+        sk_k_tiles = sk_tiles * k_tiles;
+        cursor = first_k_tile(block);
+        end = first_k_tile(block + 1);
+      }
+    }
+  }
+  // The first of block b's stream-K k-tiles (grid: the end of the last's).
+  CG_DEVICE cg_i64 first_k_tile(cg_i64 b) const { return b * sk_k_tiles / grid; }
+  // The block whose run holds stream-K k-tile i: the last b with
+  // first_k_tile(b) <= i (blocks before it with empty runs hold none).
+  CG_DEVICE cg_i64 owner(cg_i64 i) const { return ((i + 1) * grid + sk_k_tiles - 1) / sk_k_tiles - 1; }
+  // Whether block b has a run (with fewer k-tiles than blocks, some have none).
+  CG_DEVICE bool has_run(cg_i64 b) const { return first_k_tile(b) < first_k_tile(b + 1); }
+  CG_DEVICE bool whole(const cg_sm90_work& w) const { return w.k_begin == 0 && w.k_end == k_tiles; }
+  // Block b's slot of partial sums for stream-K tile `tile`.
+  CG_DEVICE cg_i64 slot(cg_i64 b, cg_i64 tile) const {
+    return 2 * b + (dp_tiles + first_k_tile(b) / k_tiles == tile ? 0 : 1);
+  }
+  // This block's next piece of work, or false when it has none left.
+  CG_DEVICE bool next(cg_sm90_work* w) {
+    if (next_tile < dp_tiles) {
+      w->tile = next_tile;
+      w->k_begin = 0;
+      w->k_end = k_tiles;
+      next_tile += grid;
+      return true;
+    }
+    if (cursor >= end) return false;
+    const cg_i64 t = cursor / k_tiles;
+    w->tile = dp_tiles + t;
+    w->k_begin = (int)(cursor - t * k_tiles);
+    w->k_end = end - cursor < (cg_i64)(k_tiles - w->k_begin) ? w->k_begin + (int)(end - cursor) : k_tiles;
+    cursor += w->k_end - w->k_begin;
+    return true;
+  }
+};
+
+// Stream-K's workspace: `partials`, 2 grid slots of BM x BN floats (each
+// consumer warp's 16 rows together), and `arrivals`, a counter per stream-K
+// tile and consumer warp, zero before the first launch and left zero by each.
+// Null pointers: no stream-K, every tile whole.
+struct cg_sm90_stream_k {
+  float* partials;
+  unsigned int* arrivals;
+};
+
+// Whether any lane of the warp passes `predicate`, in every lane: a vote,
+// whose result the compiler knows is the warp's (a branch on it is no
+// divergence; on a shuffled value it would be, and the warp would then be
+// reconverged before every wgmma after it).
+CG_DEVICE bool cg_warp_any(bool predicate) {
+#if defined(__CUDA_ARCH__)
+  unsigned int any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred q, p, 0xffffffff;\n selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(any)
+      : "r"((unsigned int)predicate));
+  return any != 0u;
+#else
+  int any = predicate ? 1 : 0;
+  for (int offset = 16; offset > 0; offset /= 2) any |= __shfl_xor_sync(0xffffffffu, any, offset);
+  return any != 0;
+#endif
+}
+
+// A consumer warp's 16 rows of a partial tile (`rows`, staged in shared
+// memory): stored to its block's slot, then counted in at the tile's counter
+// for these rows. The warp that arrives last adds every contributing block's
+// rows in k order (the blocks' order) and hands each sum inside M x N to the
+// epilogue, then leaves the counter zero. Warps count in apart: no block
+// barrier, and the producer's loads of the next tile go on meanwhile.
+template <typename Config, typename Epilogue>
+CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_work& w, const float* rows, int warp,
+                                     cg_sm90_stream_k workspace, cg_i64 m0, cg_i64 n0, cg_i64 M, cg_i64 N,
+                                     Epilogue& epilogue) {
+  constexpr int WARPS = 4 * Config::CONSUMERS, ROWS = 16 * Config::BN;
+  const int lane = threadIdx.x & 31;
+  float* mine = workspace.partials + (s.slot(s.block, w.tile) * WARPS + warp) * ROWS;
+  for (int r = 0; r < 16; ++r) {
+    const cg_aligned_chunk<4, float> four = *reinterpret_cast<const cg_aligned_chunk<4, float>*>(
+        rows + r * Config::RESULT_ROW + 4 * lane);
+    cg_vector<4, float> v;
+    for (int e = 0; e < 4; ++e) v.v[e] = four.v[e];
+    cg_store_vector<4, float>(mine, r * Config::BN + 4 * lane, v);
+  }
+  __threadfence();  // this lane's rows reach L2 before the warp counts in
+  __syncwarp();
+  const cg_i64 first_k = (w.tile - s.dp_tiles) * s.k_tiles;
+  const cg_i64 first = s.owner(first_k), last = s.owner(first_k + s.k_tiles - 1);
+  cg_i64 contributors = 0;
+  for (cg_i64 b = first; b <= last; ++b) contributors += s.has_run(b);
+  unsigned int* arrivals = workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp;
+  unsigned int before = 0;
+  if (lane == 0) before = atomicAdd(arrivals, 1u);
+  // A vote, so that the compiler sees the branch is the warp's: after a
+  // divergent one it would reconverge the warp before every wgmma after.
+  if (!cg_warp_any(lane == 0 && (cg_i64)before + 1 == contributors)) return;
+  if (lane == 0) *arrivals = 0u;  // every contributor has counted in: nothing else reads it in this launch
+  __threadfence();                // and their rows are visible from here on
+  for (int r = 0; r < 16; ++r) {
+    if (m0 + r >= M) break;
+    CG_UNROLL
+    for (int j = 0; j < Config::BN / 32; ++j) {
+      const int c = 32 * j + lane;
+      float sum = 0.0f;
+      for (cg_i64 b = first; b <= last; ++b)
+        if (s.has_run(b)) sum += cg_load_l2(workspace.partials, (s.slot(b, w.tile) * WARPS + warp) * ROWS + r * Config::BN + c);
+      if (n0 + c < N) epilogue(m0 + r, n0 + c, sum);
+    }
+  }
+}
+
+// Block `block` of `grid`'s tiles of D = A B (a persistent launch passes
+// blockIdx.x and gridDim.x; any grid computes every tile): cg_sm90_schedule's
+// pieces, tiles in cg_gemm_tile_of's order (bands of 8 tile rows, each column
+// by column: the blocks running at once share rows of A and columns of B in
+// L2); with `stream_k`'s workspace (null pointers: none) the last tiles by
+// stream-K where that pays. The maps, all with the
 // 128-byte swizzle: A's K wide and M high, its box 64 x BM; B's, where
 // B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x 128
 // box, else N wide and K high with a 64 x 64 box. Hands every element
@@ -300,7 +461,8 @@ struct cg_sm90_pipeline_state {
 // consecutive columns.
 template <typename Config, typename T, bool B_K_MAJOR, typename Epilogue>
 CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
-                            cg_i64 first_tile, cg_i64 tile_stride, unsigned char* smem, Epilogue epilogue) {
+                            cg_i64 block, cg_i64 grid, unsigned char* smem, cg_sm90_stream_k stream_k,
+                            Epilogue epilogue) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
 #else
@@ -320,14 +482,18 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
   __syncthreads();
   const cg_i64 tiles_m = (M + Config::BM - 1) / Config::BM, tiles_n = (N + Config::BN - 1) / Config::BN;
   const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
+  // The producer and the consumers walk the same schedule.
+  cg_sm90_schedule schedule(tiles_m * tiles_n, k_tiles, block, grid, Config::MIN_BLOCKS, Config::FIXUP_K_TILES,
+                            stream_k.partials != nullptr);
+  cg_sm90_work work;
   if (warpgroup == 0) {
     cg_setmaxnreg_dec<40>();
     if (thread == 0) {
       cg_sm90_pipeline_state load = {0, 0u};
-      for (cg_i64 tile = first_tile; tile < tiles_m * tiles_n; tile += tile_stride) {
+      while (schedule.next(&work)) {
         cg_i64 tile_m, tile_n;
-        cg_gemm_tile_of(tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
-        for (int kt = 0; kt < k_tiles; ++kt, load.advance(S)) {
+        cg_gemm_tile_of(work.tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+        for (int kt = work.k_begin; kt < work.k_end; ++kt, load.advance(S)) {
           // Round r of a stage waits for the consumers' release of round r - 1
           // (the first round's wait returns at once: parity 1 of phase 0).
           cg_mbarrier_wait(&empty[load.stage], load.phase ^ 1u);
@@ -351,16 +517,17 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
   const int t = thread % 128, warp = t / 32, lane = t % 32;
   float* rows = (float*)(stages + S * Config::STAGE_BYTES + 2 * S * 8) + (consumer * 4 + warp) * 16 * Config::RESULT_ROW;
   cg_sm90_pipeline_state read = {0, 0u};
-  for (cg_i64 tile = first_tile; tile < tiles_m * tiles_n; tile += tile_stride) {
+  while (schedule.next(&work)) {
     cg_i64 tile_m, tile_n;
-    cg_gemm_tile_of(tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
+    cg_gemm_tile_of(work.tile, tiles_m, tiles_n, 8, &tile_m, &tile_n);
     // The accumulators start with the first wgmma (scale_d 0), not zeroed
     // before it: ptxas serialises every wgmma of a kernel whose accumulators
     // other instructions touch in a pipelined stage (C7514), and it counts the
     // copies of a zero into them.
     float d[64];
     int in_flight = -1;  // the stage the group in flight reads
-    for (int kt = 0; kt < k_tiles; ++kt, read.advance(S)) {
+    const int pieces_k_tiles = work.k_end - work.k_begin;
+    for (int kt = 0; kt < pieces_k_tiles; ++kt, read.advance(S)) {
       cg_mbarrier_wait(&full[read.stage], read.phase);
       const unsigned int a = base + (unsigned int)(read.stage * Config::STAGE_BYTES + consumer * 64 * 128),
                          b = base + (unsigned int)(read.stage * Config::STAGE_BYTES + Config::A_BYTES);
@@ -400,11 +567,15 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
       }
     __syncwarp();
     const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;
-    for (int r = 0; r < 16; ++r) {
-      if (m0 + r >= M) break;
-      CG_UNROLL
-      for (int j = 0; j < 4; ++j)
-        if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+    if (schedule.whole(work)) {
+      for (int r = 0; r < 16; ++r) {
+        if (m0 + r >= M) break;
+        CG_UNROLL
+        for (int j = 0; j < 4; ++j)
+          if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+      }
+    } else {
+      cg_sm90_stream_k_rows<Config>(schedule, work, rows, consumer * 4 + warp, stream_k, m0, n0, M, N, epilogue);
     }
     __syncwarp();  // every lane has read the rows before the next tile's overwrite them
   }

@@ -33,13 +33,15 @@
 using Config = cg_sm90_gemm_config<4>;
 
 // D (M x N, row-major, bf16) = A (M x K) B (B stored K x N, or N x K where
-// B_K_MAJOR), persistent: a block per SM, each looping over tiles.
+// B_K_MAJOR), persistent: a block per SM, each looping over tiles; with a
+// stream-K workspace, the last tiles by stream-K where the kernel's rule
+// finds it pays (as the generated kernels).
 template <bool B_K_MAJOR>
 __global__ void __launch_bounds__(Config::THREADS, 1)
     hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
-                  cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K) {
+                  cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K, cg_sm90_stream_k stream_k) {
   extern __shared__ __align__(128) unsigned char smem[];
-  cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem,
+  cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, stream_k,
                                            [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
@@ -112,27 +114,37 @@ int main(int argc, char** argv) {
   void *d, *ref;
   CHECK_CUDA(cudaMalloc(&d, max_elems * 2));
   CHECK_CUDA(cudaMalloc(&ref, max_elems * 2));
+  // Stream-K's workspace: two slots of a tile's f32 sums a block, a counter
+  // per stream-K tile (under two waves of them) and consumer warp, zeroed once.
+  const size_t slots = 2 * size_t(prop.multiProcessorCount);
+  cg_sm90_stream_k workspace{nullptr, nullptr};
+  CHECK_CUDA(cudaMalloc(&workspace.partials, slots * Config::BM * Config::BN * 4));
+  CHECK_CUDA(cudaMalloc(&workspace.arrivals, slots * 4 * Config::CONSUMERS * 4));
+  CHECK_CUDA(cudaMemset(workspace.arrivals, 0, slots * 4 * Config::CONSUMERS * 4));
   std::mt19937 rng(std::random_device{}());
   const std::vector<void*> as = random_bf16_sets(sets, max_elems, rng), bs = random_bf16_sets(sets, max_elems, rng);
   auto timed = [&](auto&& one) { return median_ms(quick ? 1 : 3, quick ? 1 : 15, sets, one); };
-  std::printf("%-28s %9s %9s %9s %9s %9s\n", "shape (bf16; NT: B^T stored)", "ms", "TFLOP/s", "cuBLAS ms", "vs cuBLAS",
-              "rel.err");
+  std::printf("%-28s %9s %9s %9s %9s %9s %9s\n", "shape (bf16; NT: B^T stored)", "ms", "TFLOP/s", "cuBLAS ms",
+              "vs cuBLAS", "rel.err", "no-SK ms");
   std::vector<unsigned short> got(max_elems), want(max_elems);
   int failures = 0;
   double block_ours = 0, block_cublas = 0;
   for (const Shape& s : shapes) {
-    auto ours = [&](int set) {
+    auto ours = [&](int set, bool stream_k = true) {
+      const cg_sm90_stream_k ws = stream_k ? workspace : cg_sm90_stream_k{nullptr, nullptr};
       const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, 128);
       const long long tiles = (s.N + 127) / 128 * ((s.M + 127) / 128);
       // --quick (under compute-sanitizer): 3 blocks, so that each loops over tiles and the
       // sanitizers see the stages' rounds run on from one tile to the next.
-      const dim3 grid(unsigned(std::min<long long>(tiles, quick ? 3 : prop.multiProcessorCount)));
+      // With stream-K every SM takes part, however few the tiles.
+      const dim3 grid(unsigned(quick ? 3 : stream_k ? prop.multiProcessorCount
+                                                    : std::min<long long>(tiles, prop.multiProcessorCount)));
       if (s.b_k_major)
         hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
-            map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K);
+            map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K, ws);
       else
         hopper_kernel<false><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
-            map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (cg_bf16*)d, s.M, s.N, s.K);
+            map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (cg_bf16*)d, s.M, s.N, s.K, ws);
     };
     // cuBLAS, column-major: D^T (N x M) = op(B) A^T, where a row-major K x N b is B^T's column-major
     // N x K (no transpose) and a row-major N x K one needs op T.
@@ -163,13 +175,14 @@ int main(int argc, char** argv) {
     // Both round an f32 sum to bf16: they differ by about an ulp of bf16 (2^-8) where their orders differ.
     const bool ok = rel < 8e-3;
     failures += !ok;
-    const float ms = timed(ours), cublas_ms = timed([&](int set) { cublas(set, ref); });
+    const float ms = timed([&](int set) { ours(set); }), cublas_ms = timed([&](int set) { cublas(set, ref); }),
+                data_parallel_ms = timed([&](int set) { ours(set, false); });
     if (s.block) {
       block_ours += ms;
       block_cublas += cublas_ms;
     }
-    std::printf("%-28s %9.3f %9.1f %9.3f %8.2fx %9.2e%s\n", s.name, ms, 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12,
-                cublas_ms, cublas_ms / ms, rel, ok ? "" : "  WRONG");
+    std::printf("%-28s %9.3f %9.1f %9.3f %8.2fx %9.2e %9.3f%s\n", s.name, ms, 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12,
+                cublas_ms, cublas_ms / ms, rel, data_parallel_ms, ok ? "" : "  WRONG");
   }
   if (block_ours > 0)
     std::printf("decoder block B8 x T128 (FLOP-weighted: its four products' time): %.3f ms, cuBLAS %.3f ms, %.2fx\n",

@@ -142,9 +142,10 @@ int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned 
 // kernel's grid, the generated cudagen_persistent_grid): few, so that each
 // block of a persistent kernel loops over several tiles in the tests.
 constexpr unsigned kMultiprocessors = 3;
-inline unsigned persistent_grid(unsigned long long tiles, unsigned blocks_per_sm) {
+// `most`: the blocks that have work (its tiles, or stream-K's grid).
+inline unsigned persistent_grid(unsigned long long most, unsigned blocks_per_sm) {
   const unsigned long long slots = (unsigned long long)kMultiprocessors * (blocks_per_sm > 0 ? blocks_per_sm : 1);
-  return (unsigned)(tiles < slots ? tiles : slots);
+  return (unsigned)(most < slots ? most : slots);
 }
 // cp.async.bulk.tensor.2d: the box at element (x, y) of the map into shared
 // memory at `dst` (its rows of box_width elements, swizzled), elements

@@ -7,7 +7,10 @@
 // wherever its copies land, and each of a set of broken versions of it
 // caught by the emulator's report or by a wrong result.
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,16 +42,34 @@ struct Placer {
   }
 };
 
+// Stream-K's workspace for a run, and what the run leaves in it.
+struct StreamK {
+  bool enabled = false;
+  unsigned order_seed = 0;               // the blocks' order and landing points, where not the data's seed
+  std::vector<unsigned> arrivals_after;  // the counters after the run: all zero
+  std::vector<float> result;             // D as computed
+};
+
 // Runs D = A B on `blocks` persistent blocks (0: one a tile) and returns
 // the largest |got - want| / (sum over k of |a b|): f32 accumulation of
-// exact products. A is M x K; B is stored N x K (B_K_MAJOR) or K x N.
+// exact products. A is M x K; B is stored N x K (B_K_MAJOR) or K x N. With
+// `stream_k` enabled, the kernel has a workspace for its grid.
 template <typename T, bool B_K_MAJOR, typename Config = Config>
-double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0) {
+double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0, StreamK* stream_k = nullptr) {
+  if (blocks == 0) blocks = unsigned((p.N + 127) / 128 * ((p.M + Config::BM - 1) / Config::BM));
+  const long long partial_floats = 2LL * blocks * Config::BM * Config::BN, arrivals = 2LL * blocks * 4 * Config::CONSUMERS;
   Placer place;
-  EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + 4096);
+  EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + size_t(partial_floats + arrivals) * 4 + 4096);
   T* a = l.tensor<T>("a", place(p.M * p.K * 2), p.M * p.K);
   T* b = l.tensor<T>("b", place(p.N * p.K * 2), p.N * p.K);
   float* d = l.tensor<float>("d", place(p.M * p.N * 4), p.M * p.N);
+  cg_sm90_stream_k workspace{nullptr, nullptr};
+  if (stream_k != nullptr && stream_k->enabled) {
+    workspace.partials = l.tensor<float>("partials", place(partial_floats * 4), partial_floats);
+    workspace.arrivals = l.tensor<unsigned>("arrivals", place(arrivals * 4), arrivals);
+    for (long long i = 0; i < partial_floats; ++i) workspace.partials[i] = NAN;  // a slot read unwritten shows
+    for (long long i = 0; i < arrivals; ++i) workspace.arrivals[i] = 0;
+  }
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   for (long long i = 0; i < p.M * p.K; ++i) a[i] = cg_narrow<T>(uniform(rng));
@@ -62,16 +83,19 @@ double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0) {
   else
     EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.N, p.K, p.N * 2, 64, 64,
                                                    cudagen_emu::TensorSwizzle::span128), "");
-  cudagen_emu_configure(seed);
+  cudagen_emu_configure(stream_k != nullptr && stream_k->order_seed != 0 ? stream_k->order_seed : seed);
   // The output poisoned: a tile no block computes shows.
   for (long long i = 0; i < p.M * p.N; ++i) d[i] = NAN;
-  if (blocks == 0) blocks = unsigned((p.N + 127) / 128 * ((p.M + Config::BM - 1) / Config::BM));
   const int rc = l.run("gemm_sm90", dim3(blocks), dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
     CG_DYNAMIC_SMEM(smem);
-    cg_gemm_sm90<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem,
+    cg_gemm_sm90<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem, workspace,
                                        [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
   });
   EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
+  if (stream_k != nullptr) {
+    stream_k->result.assign(d, d + p.M * p.N);
+    if (stream_k->enabled) stream_k->arrivals_after.assign(workspace.arrivals, workspace.arrivals + arrivals);
+  }
   double worst = 0;
   for (long long m = 0; m < p.M; ++m)
     for (long long n = 0; n < p.N; ++n) {
@@ -171,6 +195,125 @@ TEST(GemmSm90, TheTileOrderVisitsEachTileOnce) {
     cg_i64 m = -1, n = -1;
     cg_gemm_tile_of(1, tiles_m, tiles_n, 8, &m, &n);
     if (tiles_m > 1) EXPECT_EQ(std::make_pair(m, n), std::make_pair(cg_i64(1), cg_i64(0))) << "down the band's first column first";
+  }
+}
+
+// The stream-K schedule (cg_sm90_schedule) over grids and shapes: every
+// k-tile of every tile computed once, by one block; a block's run holds at
+// most two partial tiles, each in a slot of its own; a tile's contributors
+// (the blocks the last-to-arrive count waits for, and whose slots it adds)
+// are the blocks that computed part of it, in k order; and the choice of
+// stream-K is the generator's (HopperGemm::stream_k_tiles), for both configs.
+template <typename C>
+void check_schedules(int consumers) {
+  cudagen::HopperGemm g;
+  g.consumers = consumers;
+  ASSERT_EQ(g.fixup_k_tiles(), C::FIXUP_K_TILES);
+  ASSERT_EQ(g.blocks_per_sm(), C::MIN_BLOCKS);
+  int stream_k_cases = 0, idle_blocks = 0;
+  for (int tiles : {1, 3, 6, 20, 96, 144, 301})
+    for (int k_tiles : {0, 1, 2, 7, 12, 48})
+      for (int grid : {1, 2, 3, 5, 8, 132, 264}) {
+        g.M = (long long)tiles * C::BM;
+        g.N = 128;
+        g.K = (long long)k_tiles * 64;
+        const std::string where = std::to_string(tiles) + " tiles of " + std::to_string(k_tiles) + " k-tiles on " +
+                                  std::to_string(grid) + " blocks";
+        std::vector<int> done(size_t(tiles) * std::max(k_tiles, 1), 0);
+        std::map<long long, std::vector<long long>> pieces;  // tile -> its partial pieces' blocks, in k order
+        std::set<long long> slots;
+        long long sk_tiles = 0;
+        for (long long block = 0; block < grid; ++block) {
+          cg_sm90_schedule s(tiles, k_tiles, block, grid, C::MIN_BLOCKS, C::FIXUP_K_TILES, true);
+          sk_tiles = s.tiles - s.dp_tiles;
+          cg_sm90_work w;
+          int partial = 0, units = 0;
+          while (s.next(&w)) {
+            ++units;
+            ASSERT_TRUE(w.tile >= 0 && w.tile < tiles && w.k_begin <= w.k_end && w.k_end <= k_tiles) << where;
+            if (k_tiles == 0) ++done[size_t(w.tile)];
+            for (int k = w.k_begin; k < w.k_end; ++k) ++done[size_t(w.tile * k_tiles + k)];
+            if (s.whole(w)) continue;
+            ASSERT_GE(w.tile, s.dp_tiles) << where << ": a partial tile outside stream-K's";
+            ++partial;
+            pieces[w.tile].push_back(block);
+            EXPECT_TRUE(slots.insert(s.slot(block, w.tile)).second) << where << ": a slot taken twice";
+            EXPECT_LT(s.slot(block, w.tile), 2 * grid) << where;
+          }
+          EXPECT_LE(partial, 2) << where << ", block " << block;
+          idle_blocks += units == 0 && s.sk_k_tiles > 0;  // a stream-K block with no run
+        }
+        for (int v : done) ASSERT_EQ(v, 1) << where << ": a k-tile computed " << v << " times";
+        EXPECT_EQ(sk_tiles, g.stream_k_tiles(grid)) << where << ": the generator's rule differs";
+        stream_k_cases += sk_tiles > 0;
+        cg_sm90_schedule s(tiles, k_tiles, 0, grid, C::MIN_BLOCKS, C::FIXUP_K_TILES, true);
+        if (sk_tiles > 0) {
+          EXPECT_LT(sk_tiles, 2 * grid) << where << ": more tiles than counters";
+          long long partial_tiles = 0;
+          for (const auto& [tile, blocks] : pieces) partial_tiles += (long long)blocks.size();
+          EXPECT_EQ(partial_tiles, g.stream_k_partial_tiles(grid)) << where;
+        }
+        for (const auto& [tile, blocks] : pieces) {
+          const long long first_k = (tile - s.dp_tiles) * k_tiles;
+          std::vector<long long> contributors;
+          for (long long b = s.owner(first_k); b <= s.owner(first_k + k_tiles - 1); ++b)
+            if (s.has_run(b)) contributors.push_back(b);
+          EXPECT_EQ(contributors, blocks) << where << ", tile " << tile;
+        }
+      }
+  EXPECT_GT(stream_k_cases, 20) << "the sweep reaches stream-K";
+  EXPECT_GT(idle_blocks, 0) << "and stream-K on more blocks than k-tiles";
+}
+
+TEST(GemmSm90, StreamKComputesEveryKTileOnceAndAddsEachPartialTile) {
+  check_schedules<cg_sm90_gemm_config<4, 2>>(2);
+  check_schedules<cg_sm90_gemm_config<3, 1>>(1);
+}
+
+// Stream-K run: partial tiles stored, counted in per warp, added in k order
+// by the last to arrive: the product against float64, the counters left zero
+// for the next launch, and the result bit for bit the same whatever order
+// the blocks run in and the copies land (the emulator's seed). Both configs;
+// a grid with more blocks than k-tiles (a block with no run).
+TEST(GemmSm90, StreamKAgainstAFloat64ProductAndDeterministic) {
+  struct Case {
+    Problem p;
+    unsigned blocks;
+    bool narrow;
+    bool b_k_major;
+  };
+  const Case cases[] = {{{192, 256, 1536}, 3, false, false},  // 4 tiles of 24 k-tiles on 3 blocks
+                        {{200, 296, 520}, 5, false, true},    // 6 tiles of 9 on 5
+                        {{130, 128, 1024}, 4, true, false},   // 3 tiles of 16 on 4 blocks, 2 an SM
+                        {{64, 128, 448}, 8, true, true}};     // 1 tile of 7 on 8: block 0 has none
+  for (const Case& c : cases) {
+    const std::string where = describe(c.p, c.b_k_major) + " on " + std::to_string(c.blocks) + " blocks";
+    cudagen::HopperGemm g;
+    g.M = c.p.M;
+    g.N = c.p.N;
+    g.K = c.p.K;
+    g.consumers = c.narrow ? 1 : 2;
+    ASSERT_GT(g.stream_k_tiles(c.blocks), 0) << where << ": no stream-K";
+    std::vector<float> first;
+    for (unsigned order : {31u, 32u, 33u}) {
+      const unsigned seed = 30;  // the same operands, the blocks in another order
+      StreamK sk;
+      sk.enabled = true;
+      sk.order_seed = order;
+      using Narrow = cg_sm90_gemm_config<3, 1>;
+      const double worst = c.narrow ? (c.b_k_major ? run_problem<cg_bf16, true, Narrow>(c.p, seed, c.blocks, &sk)
+                                                   : run_problem<cg_f16, false, Narrow>(c.p, seed, c.blocks, &sk))
+                                    : (c.b_k_major ? run_problem<cg_bf16, true>(c.p, seed, c.blocks, &sk)
+                                                   : run_problem<cg_f16, false>(c.p, seed, c.blocks, &sk));
+      EXPECT_LT(worst, 1e-5) << where << ", order " << order;
+      for (unsigned v : sk.arrivals_after) ASSERT_EQ(v, 0u) << where << ": a counter left set";
+      if (first.empty()) {
+        first = sk.result;
+      } else {
+        ASSERT_EQ(sk.result.size(), first.size());
+        EXPECT_EQ(std::memcmp(sk.result.data(), first.data(), first.size() * 4), 0) << where << ", order " << order;
+      }
+    }
   }
 }
 

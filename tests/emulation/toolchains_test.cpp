@@ -458,24 +458,30 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
     const char* name;
     const char* type;
     const char* b_k_major;
-    const char* config;  // stages, consumer warpgroups
+    const char* config;     // stages, consumer warpgroups
+    const char* workspace;  // stream-K's, or none
   };
-  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false", "4, 2"}, {"hopper_bf16_bt", "cg_bf16", "true", "4, 2"},
-                              {"hopper_f16", "cg_f16", "false", "4, 2"}, {"hopper_bf16_64", "cg_bf16", "false", "3, 1"}};
+  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false", "4, 2", "{nullptr, nullptr}"},
+                              {"hopper_bf16_bt", "cg_bf16", "true", "4, 2", "{nullptr, nullptr}"},
+                              {"hopper_f16", "cg_f16", "false", "4, 2", "{nullptr, nullptr}"},
+                              {"hopper_bf16_64", "cg_bf16", "false", "3, 1", "{nullptr, nullptr}"},
+                              {"hopper_bf16_sk", "cg_bf16", "false", "4, 2", "{partials, arrivals}"},
+                              {"hopper_bf16_64_sk", "cg_bf16", "false", "3, 1", "{partials, arrivals}"}};
+  const size_t kernels = sizeof variants / sizeof variants[0];
   for (const Variant& v : variants)
     source += std::string("CG_KERNEL void __launch_bounds__(cg_sm90_gemm_config<") + v.config + ">::THREADS, " +
               "cg_sm90_gemm_config<" + v.config + ">::MIN_BLOCKS) " + v.name +
               "(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b, "
-              "unsigned short* d, cg_i64 M, cg_i64 N, cg_i64 K) {\n"
+              "unsigned short* d, cg_i64 M, cg_i64 N, cg_i64 K, float* partials, unsigned int* arrivals) {\n"
               "  CG_DYNAMIC_SMEM(smem);\n"
               "  cg_gemm_sm90<cg_sm90_gemm_config<" + v.config + ">, " + v.type + ", " + v.b_k_major +
-              ">(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem,\n"
+              ">(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, " + v.workspace + ",\n"
               "      [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<" + v.type + ">(v).bits; });\n"
               "}\n";
   const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(source, "sm_90a");
   const std::string& log = report.ptxas_log;
   const auto& resources = report.resources;
-  ASSERT_EQ(resources.size(), 4u) << log;
+  ASSERT_EQ(resources.size(), kernels) << log;
   for (const auto& [kernel, r] : resources) {
     EXPECT_EQ(r.spill_bytes, 0) << kernel;
     EXPECT_EQ(r.stack_bytes, 0) << kernel;
@@ -500,7 +506,7 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
     EXPECT_EQ(count("HMMA"), 0) << kernel << ": mma.sync, the sm_80 path";
     EXPECT_EQ(count("LDL") + count("STL"), 0) << kernel << ": local memory";
   }
-  for (const char* arch : {"sm_90", "sm_80"}) EXPECT_EQ(cudagen::testing::ptxas_resources(source, arch).size(), 4u) << arch;
+  for (const char* arch : {"sm_90", "sm_80"}) EXPECT_EQ(cudagen::testing::ptxas_resources(source, arch).size(), kernels) << arch;
 }
 
 // Generated matmul kernels on the pipelined mainloop, both tile configs the

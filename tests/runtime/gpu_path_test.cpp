@@ -198,6 +198,46 @@ TEST_F(GpuPath, AHopperMatmulGetsItsTensorMapsFromTheArena) {
   EXPECT_EQ(fake_log().find("tensor map"), std::string::npos) << "sm_89 has no TMA path";
 }
 
+// A product of two tiles and 16 k-tiles takes stream-K on the Hopper
+// mainloop: its launch is every block of the target's grid its workspace is
+// for (132 SMs, two blocks each), whatever the tiles, and on a GPU of fewer
+// SMs the blocks that GPU holds at once, never more than the workspace's.
+TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
+  auto graph = [] {
+    GraphBuilder b("stream_k");
+    b.task("mm", "matmul")
+        .tensor("a", DType::bf16, {64, 1024}, Storage::external)
+        .tensor("b", DType::bf16, {1024, 136}, Storage::external)
+        .tensor("out", DType::bf16, {64, 136}, Storage::external);
+    return std::move(b).graph();
+  };
+  CompileOptions compile_options;
+  compile_options.emit.arch = "sm_90a";
+  const Compiled c = compile(load_program(graph(), {}), compile_options);
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  const EmittedKernel& k = c.emitted.kernels[0];
+  EXPECT_NE(k.matmul_path.find("the last by stream-K"), std::string::npos) << k.matmul_path;
+  EXPECT_EQ(k.persistent_tiles, 2);
+  EXPECT_EQ(k.stream_k_grid, 264);
+  EXPECT_EQ(k.grid[0], 264);
+  JitOptions options;
+  options.backend = Backend::gpu;
+  options.gpu.cache_dir = cache_.string();
+  for (const auto& [sms, grid] : {std::pair<const char*, const char*>{nullptr, " grid=264,1,1 "}, {"4", " grid=8,1,1 "},
+                                  {"200", " grid=264,1,1 "}}) {
+    if (sms != nullptr) ::setenv("FAKE_CUDA_SMS", sms, 1);
+    fake_log();
+    {
+      Instance mm = JitProgram::from_graph(graph(), options).instantiate();
+      mm.run(Phase::forward);
+    }
+    const std::vector<std::string> launches = lines_starting(fake_log(), "launch ");
+    ::unsetenv("FAKE_CUDA_SMS");
+    ASSERT_EQ(launches.size(), 1u);
+    EXPECT_NE(launches[0].find(grid), std::string::npos) << (sms ? sms : "132") << " SMs: " << launches[0];
+  }
+}
+
 TEST_F(GpuPath, LaunchesEveryKernelOfAPhaseWithThePlansGeometryAndOffsets) {
   Compiled c = compiled("examples/mlp_forward.json");
   GpuCode code = compile_for_gpu(c, options_);
