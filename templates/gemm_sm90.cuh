@@ -382,25 +382,6 @@ struct cg_sm90_stream_k {
   unsigned int* arrivals;
 };
 
-// Whether any lane of the warp passes `predicate`, in every lane: a vote,
-// whose result the compiler knows is the warp's (a branch on it is no
-// divergence; on a shuffled value it would be, and the warp would then be
-// reconverged before every wgmma after it).
-CG_DEVICE bool cg_warp_any(bool predicate) {
-#if defined(__CUDA_ARCH__)
-  unsigned int any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n vote.sync.any.pred q, p, 0xffffffff;\n selp.u32 %0, 1, 0, q;\n}"
-      : "=r"(any)
-      : "r"((unsigned int)predicate));
-  return any != 0u;
-#else
-  int any = predicate ? 1 : 0;
-  for (int offset = 16; offset > 0; offset /= 2) any |= __shfl_xor_sync(0xffffffffu, any, offset);
-  return any != 0;
-#endif
-}
-
 // A consumer warp's 16 rows of a partial tile (`rows`, staged in shared
 // memory): stored to its block's slot, then counted in at the tile's counter
 // for these rows. The warp that arrives last adds every contributing block's
@@ -430,21 +411,30 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
   unsigned int* arrivals = workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp;
   unsigned int before = 0;
   if (lane == 0) before = atomicAdd(arrivals, 1u);
-  // A vote, so that the compiler sees the branch is the warp's: after a
-  // divergent one it would reconverge the warp before every wgmma after.
-  if (!cg_warp_any(lane == 0 && (cg_i64)before + 1 == contributors)) return;
+  before = __shfl_sync(0xffffffffu, before, 0);
+  if ((cg_i64)before + 1 != contributors) return;
   if (lane == 0) *arrivals = 0u;  // every contributor has counted in: nothing else reads it in this launch
   __threadfence();                // and their rows are visible from here on
+  // A contributor at a time (its slot found once), its rows' 64 values a
+  // lane loaded together; each sum still in k order.
+  float sums[16][Config::BN / 32];
+  CG_UNROLL
+  for (int r = 0; r < 16; ++r)
+    CG_UNROLL
+    for (int j = 0; j < Config::BN / 32; ++j) sums[r][j] = 0.0f;
+  for (cg_i64 b = first; b <= last; ++b) {
+    if (!s.has_run(b)) continue;
+    const float* part = workspace.partials + (s.slot(b, w.tile) * WARPS + warp) * ROWS;
+    CG_UNROLL
+    for (int r = 0; r < 16; ++r)
+      CG_UNROLL
+      for (int j = 0; j < Config::BN / 32; ++j) sums[r][j] += cg_load_l2(part, r * Config::BN + 32 * j + lane);
+  }
   for (int r = 0; r < 16; ++r) {
     if (m0 + r >= M) break;
     CG_UNROLL
-    for (int j = 0; j < Config::BN / 32; ++j) {
-      const int c = 32 * j + lane;
-      float sum = 0.0f;
-      for (cg_i64 b = first; b <= last; ++b)
-        if (s.has_run(b)) sum += cg_load_l2(workspace.partials, (s.slot(b, w.tile) * WARPS + warp) * ROWS + r * Config::BN + c);
-      if (n0 + c < N) epilogue(m0 + r, n0 + c, sum);
-    }
+    for (int j = 0; j < Config::BN / 32; ++j)
+      if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, sums[r][j]);
   }
 }
 
