@@ -513,7 +513,8 @@ class GpuExecutor final : public Executor {
       float ms = 0, start_ms = 0;
       CUDAGEN_CHECK(*api_, cuEventElapsedTime(&ms, start, end), "reading a kernel's time");
       CUDAGEN_CHECK(*api_, cuEventElapsedTime(&start_ms, first, start), "reading a kernel's start");
-      times_.push_back(KernelTime{kernels_[size_t(index)].name, ms, start_ms});
+      const auto& k = kernels_[size_t(index)];
+      times_.push_back(KernelTime{k.name, ms, start_ms, {k.grid[0], k.grid[1], k.grid[2]}});
     }
     float total = 0;
     CUDAGEN_CHECK(*api_, cuEventElapsedTime(&total, first, event_pair(kernels.back()).second), "reading a run's time");

@@ -18,6 +18,7 @@ struct KernelTime {
   std::string kernel;
   double milliseconds = 0;
   double start_ms = 0;  // from the start of its launcher's run
+  unsigned grid[3] = {1, 1, 1};  // as launched (a persistent kernel's: this GPU's)
 };
 
 class Executor {

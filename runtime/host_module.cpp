@@ -144,11 +144,13 @@ std::vector<KernelBytes> HostModule::kernel_bytes() const {
   auto stats = symbol<const char* (*)(int, unsigned long long*, unsigned long long*)>(handle_, "cudagen_emu_kernel_stats");
   auto seconds = symbol<double (*)(int)>(handle_, "cudagen_emu_kernel_seconds");
   auto counters = symbol<void (*)(int, unsigned long long*)>(handle_, "cudagen_emu_kernel_counters");
+  auto grid = symbol<void (*)(int, unsigned*)>(handle_, "cudagen_emu_kernel_grid");
   std::vector<KernelBytes> out;
   for (int i = 0; i < count(); ++i) {
     KernelBytes k;
     k.kernel = stats(i, &k.bytes_read, &k.bytes_written);
     k.host_seconds = seconds(i);
+    grid(i, k.grid);
     unsigned long long c[9];
     counters(i, c);
     k.load_requests = c[0];

@@ -22,6 +22,7 @@ struct KernelBytes {
   unsigned long long bytes_read = 0;
   unsigned long long bytes_written = 0;
   double host_seconds = 0;  // how long the emulator took (the host CPU's time, nothing like a GPU's)
+  unsigned grid[3] = {1, 1, 1};  // as launched (a persistent kernel's: the emulated GPU's)
   // Warp-wide requests (the k-th access of each lane of a warp): global loads
   // and stores, the 32-byte sectors they touched and the fewest their bytes
   // need; checked shared ones (ldmatrix, cp.async), their bank wavefronts and

@@ -55,6 +55,8 @@ void measure_emulated(Executor& executor, const std::string& function, std::vect
     if (counted[i].kernel != kernels[i].kernel)
       throw std::logic_error(fmt::format("profiling {}: launch {} was {}, the program says {}", function, i,
                                          counted[i].kernel, kernels[i].kernel));
+    // As launched: a persistent kernel's grid is the emulated GPU's, not the target's.
+    for (int d = 0; d < 3; ++d) kernels[i].grid[d] = int(counted[i].grid[d]);
     kernels[i].bytes_read = int64_t(counted[i].bytes_read);
     kernels[i].bytes_written = int64_t(counted[i].bytes_written);
     kernels[i].load_sectors = int64_t(counted[i].load_sectors);
@@ -83,6 +85,7 @@ double measure_gpu(Executor& executor, const std::string& function, const Profil
       throw std::logic_error(fmt::format("profiling {}: {} kernel times for {} kernels", function, measured.size(),
                                          kernels.size()));
     for (size_t i = 0; i < kernels.size(); ++i) {
+      for (int d = 0; d < 3; ++d) kernels[i].grid[d] = int(measured[i].grid[d]);  // as launched on this GPU
       times[i].push_back(measured[i].milliseconds);
       starts[i].push_back(measured[i].start_ms);
     }

@@ -31,7 +31,7 @@ struct KernelProfile {
   Phase phase = Phase::forward;
   std::string kernel;
   std::vector<std::string> tasks;
-  int grid[3] = {1, 1, 1};
+  int grid[3] = {1, 1, 1};  // as launched: a persistent kernel's is the GPU's (or the emulated one's), not the target's
   int block = 1;
   int64_t smem_bytes = 0;
   // The emitter's model: every tensor the kernel touches, once.

@@ -229,6 +229,7 @@ double cudagen_emu_kernel_seconds(int i);  // host CPU time of the emulated laun
 // same for global stores; checked shared requests, their bank wavefronts,
 // the fewest wavefronts their words need.
 void cudagen_emu_kernel_counters(int i, unsigned long long counters[9]);
+void cudagen_emu_kernel_grid(int i, unsigned grid[3]);  // launch i's grid, as launched
 void cudagen_emu_clear_stats();
 // Frees what this thread's emulator keeps between launches (fiber stacks,
 // shared memory). The module's emulator is thread_local, so glibc never

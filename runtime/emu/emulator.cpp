@@ -157,6 +157,7 @@ struct KernelStats {
   // their words need.
   unsigned long long counters[9] = {};
   double seconds = 0;  // the emulation's own time on the host CPU, not a GPU's
+  unsigned grid[3] = {1, 1, 1};  // as launched
 };
 
 // One emulator per OS thread: it owns the fiber stacks (reused by every
@@ -194,6 +195,9 @@ class Emulator {
     closure_ = closure;
     error_.clear();
     stats_.push_back(KernelStats{kernel});
+    stats_.back().grid[0] = grid.x;
+    stats_.back().grid[1] = grid.y;
+    stats_.back().grid[2] = grid.z;
     const unsigned threads = block.x * block.y * block.z;
     if (threads == 0 || threads > 1024) return fail("block of %u threads (1 to 1024 allowed)", threads);
     // What a GPU refuses, the emulator refuses too (CUDA's launch limits).
@@ -1254,6 +1258,10 @@ double cudagen_emu_kernel_seconds(int i) { return cudagen_emu::emulator().stats(
 void cudagen_emu_kernel_counters(int i, unsigned long long counters[9]) {
   const auto& s = cudagen_emu::emulator().stats()[size_t(i)];
   for (int k = 0; k < 9; ++k) counters[k] = s.counters[k];
+}
+void cudagen_emu_kernel_grid(int i, unsigned grid[3]) {
+  const auto& s = cudagen_emu::emulator().stats()[size_t(i)];
+  for (int d = 0; d < 3; ++d) grid[d] = s.grid[d];
 }
 void cudagen_emu_clear_stats() { cudagen_emu::emulator().clear_stats(); }
 void cudagen_emu_release() { cudagen_emu::emulator().release(); }

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
@@ -213,4 +214,27 @@ TEST(Profile, MatmulEpiloguesStoreSixteenBytesALane) {
     EXPECT_LE(double(k.load_sectors), 1.1 * double(k.ideal_load_sectors));
     EXPECT_EQ(k.wavefronts, k.ideal_wavefronts);
   }
+}
+
+// A persistent kernel (the Hopper mainloop for sm_90a) is profiled on the
+// grid it was launched on: the emulated GPU's 3 SMs times its blocks an SM,
+// not the target's 132 the generated grid assumes; a kernel of a block a
+// tile keeps its grid.
+TEST(Profile, APersistentKernelShowsTheGridItRanOn) {
+  GraphBuilder b("persistent_grid");
+  b.task("mm", "matmul").tensor("a", DType::bf16, {300, 192}, ext).tensor("b", DType::bf16, {192, 264}, ext).tensor("out", DType::bf16, {300, 264}, ext);
+  b.task("act", "relu").tensor("x", DType::f32, {4096}, ext).tensor("out", DType::f32, {4096}, ext);
+  CompileOptions options;
+  options.emit.arch = "sm_90a";
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  ASSERT_EQ(c.emitted.kernels.size(), 2u);
+  const EmittedKernel& mm = c.emitted.kernels[0];
+  ASSERT_GT(mm.persistent_tiles, 0) << mm.matmul_path;
+  EXPECT_EQ(mm.grid[0], 15) << "the target's grid: a block for each of its 15 tiles";
+  Profile p = profile_emulated(c, RunOptions{3, work_dir("persistent_grid")});
+  ASSERT_EQ(p.kernels.size(), 2u);
+  EXPECT_EQ(p.kernels[0].grid[0], 3 * mm.min_blocks_per_sm) << p.kernels[0].name();
+  EXPECT_EQ(p.kernels[1].grid[0], c.emitted.kernels[1].grid[0]) << p.kernels[1].name();
+  EXPECT_NE(format_profile(p, ProfileSort::time).find(fmt::format("{} x {}", 3 * mm.min_blocks_per_sm, mm.block)),
+            std::string::npos);
 }
