@@ -140,7 +140,7 @@ timed_check 40 "compute-sanitizer synccheck: gemm_bench --quick" compute-sanitiz
   "$kit/bin/gemm_bench" --quick
 # The Hopper mainloop (templates/gemm_sm90.cuh: TMA, mbarriers, wgmma) against cuBLAS, each shape
 # checked; the emulator's model of TMA and wgmma meets the hardware here first. Then the sanitizers.
-timed_check 40 "hopper_bench: wgmma mainloop checked against cuBLAS" \
+timed_check 60 "hopper_bench: wgmma mainloop checked against cuBLAS" \
   sh -c "\"$kit/bin/hopper_bench\" > \"$log/hopper.txt\" 2>&1 || { tail -4 \"$log/hopper.txt\"; exit 1; }"
 for tool in memcheck racecheck synccheck; do
   timed_check 40 "compute-sanitizer $tool: hopper_bench --quick" compute-sanitizer --tool $tool --error-exitcode 1 \

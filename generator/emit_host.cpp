@@ -96,7 +96,7 @@ std::string Emitter::host_header(const EmittedProgram& program) const {
                         : fmt::format("// Before step 3 the first time: zero the arena's bytes [{}, {}), counters the\n"
                                       "// kernels keep between launches ({}); they stay valid after.\n",
                                       program.sync_offset, program.sync_offset + program.sync_bytes,
-                                      options_.megakernel ? "the megakernel's events" : "split-K's and flash attention backward's counters and sums")));
+                                      options_.megakernel ? "the megakernel's events" : "split-K's, stream-K's and flash attention backward's counters and sums")));
   for (Phase phase : {Phase::init, Phase::forward, Phase::backward, Phase::update}) {
     int count = 0;
     for (const auto& k : program.kernels) count += k.phase == phase;

@@ -579,14 +579,14 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   const std::string maps = param_name(extra_params_[extra_params_.size() - 2]) + ", " + param_name(extra_params_.back());
   // Stream-K's partial sums and counters, in the workspace split-K shares
   // (plan_split_k_workspace sizes it for the target's grid, which no launch exceeds).
-  std::string workspace = "{nullptr, nullptr}";
+  std::string workspace = "{nullptr, nullptr, 0}";
   if (g.stream_k) {
     extra_params_.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
                                         g.stream_k_partial_bytes(ek.stream_k_grid), std::nullopt,
                                         g.stream_k_partial_tiles(ek.stream_k_grid) * g.rows() * g.kColumns * 4});
     extra_params_.push_back(LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
                                         g.stream_k_arrival_bytes(ek.stream_k_grid)});
-    workspace = "{cg_partials, cg_arrivals}";
+    workspace = fmt::format("{{cg_partials, cg_arrivals, {}}}", ek.stream_k_grid);
   }
   const std::string store_acc = store(out, fmt::format("m * {} + n", g.N), scaled_accumulator(t));
   return fmt::format(

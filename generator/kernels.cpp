@@ -638,14 +638,20 @@ int64_t shared_bytes_with_opt_in(const std::string& arch) {
   return kSharedBytesWithOptIn;
 }
 
+int64_t HopperGemm::fixup_k_tiles(int64_t sk_k_tiles, int64_t grid) const {
+  const int64_t run = std::max<int64_t>(1, sk_k_tiles / grid), contributors = (k_tiles() + run - 1) / run + 1;
+  return (fixup_k_tiles() * (1 + contributors) + 2) / 3;
+}
+
 // templates/gemm_sm90.cuh's cg_sm90_schedule, for the generator (GemmSm90.
-// TheGeneratorsStreamKRuleIsTheKernels checks the two agree).
+// StreamKComputesEveryKTileOnceAndAddsEachPartialTile checks the two agree).
 int64_t HopperGemm::stream_k_tiles(int64_t grid) const {
   const int64_t all = tiles(), k = k_tiles();
   if (grid < 1 || k < 2 || all % grid == 0) return 0;
   const int64_t sms = std::max<int64_t>(1, grid / blocks_per_sm()), waves = all / grid;
   const int64_t sk_tiles = waves >= 2 ? all - (waves - 1) * grid : all;
-  const int64_t whole = (sk_tiles + sms - 1) / sms * k, shared = (sk_tiles * k + sms - 1) / sms + fixup_k_tiles();
+  const int64_t whole = (sk_tiles + sms - 1) / sms * k,
+                shared = (sk_tiles * k + sms - 1) / sms + fixup_k_tiles(sk_tiles * k, grid);
   return shared < whole ? sk_tiles : 0;
 }
 

@@ -363,6 +363,9 @@ struct HopperGemm {
     const int64_t stage = int64_t(rows() + kColumns) * 64 * 2;
     return int((3 * int64_t(rows()) * kColumns * 4 + stage - 1) / stage);
   }
+  // The fix-up's cost in k-tiles where `sk_k_tiles` k-tiles are dealt to
+  // `grid` blocks (cg_sm90_fixup_k_tiles: more contributors a tile, more reads).
+  int64_t fixup_k_tiles(int64_t sk_k_tiles, int64_t grid) const;
   int64_t stream_k_tiles(int64_t grid) const;
   // The partial tiles (a block's share of a tile shared with others) stream-K
   // computes on `grid` blocks: each is stored once and read once.

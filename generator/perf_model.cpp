@@ -83,7 +83,7 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
     const int64_t sms = std::max<int64_t>(1, grid / g.blocks_per_sm()), sk_tiles = g.stream_k_tiles(grid);
     if (sk_tiles > 0) {
       const int64_t whole = (g.tiles() - sk_tiles) / sms * g.k_tiles(),
-                    shared = (sk_tiles * g.k_tiles() + sms - 1) / sms + g.fixup_k_tiles();
+                    shared = (sk_tiles * g.k_tiles() + sms - 1) / sms + g.fixup_k_tiles(sk_tiles * g.k_tiles(), grid);
       fullness = double(g.tiles() * g.k_tiles()) / double(sms) / double(whole + shared);
     }
   }

@@ -277,9 +277,10 @@ struct cg_sm90_gemm_config {
   // stage, then the results; 1 KiB of slack to round the start up.
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + RESULT_BYTES;
   // Stream-K (cg_sm90_schedule): a partial tile's sums cost about this many
-  // k-tiles of an SM's time (its f32 tile stored, and read back by the block
-  // that adds them, three times the tile's bytes against a k-tile's operand
-  // bytes, through the same L2): 6 for tiles of 128 rows, 4 for 64.
+  // k-tiles of an SM's time where two blocks share it (each stores its f32
+  // tile, the last reads both back: three times the tile's bytes against a
+  // k-tile's operand bytes, through the same L2): 6 for tiles of 128 rows, 4
+  // for 64; a third more for each further contributor (cg_sm90_fixup_k_tiles).
   static constexpr int FIXUP_K_TILES = (3 * BM * BN * 4 + STAGE_BYTES - 1) / STAGE_BYTES;
 };
 
@@ -315,10 +316,20 @@ struct cg_sm90_work {
 // tile of each; their sums are added in k order by whichever arrives last
 // (cg_sm90_stream_k_rows), so the result does not depend on timing. Chosen
 // where it is shorter for the busiest SM: the stream-K tiles' k-tiles shared
-// by all SMs plus FIXUP_K_TILES, against whole tiles a block each
-// (kernels.h's hopper_stream_k_tiles is the same rule, for the generator).
+// by all SMs plus the fix-up (cg_sm90_fixup_k_tiles), against whole tiles a
+// block each (HopperGemm::stream_k_tiles in kernels.cpp is the same rule, for
+// the generator). Never on a grid over `max_grid`, the workspace's.
 // A block's run holds at most two partial tiles, its first and its last: each
 // has a slot of partial sums, 2 block + (0 for the first, 1 for the last).
+// The fix-up's cost in k-tiles where `sk_k_tiles` k-tiles of tiles of
+// `k_tiles` are dealt to `grid` blocks: the last block to arrive at a tile
+// reads every contributor's sums, about k_tiles / (a block's run) + 1 of them.
+CG_DEVICE cg_i64 cg_sm90_fixup_k_tiles(cg_i64 sk_k_tiles, int k_tiles, cg_i64 grid, int fixup_k_tiles) {
+  const cg_i64 run = sk_k_tiles / grid > 0 ? sk_k_tiles / grid : 1;
+  const cg_i64 contributors = (k_tiles + run - 1) / run + 1;
+  return (fixup_k_tiles * (1 + contributors) + 2) / 3;
+}
+
 struct cg_sm90_schedule {
   cg_i64 tiles, dp_tiles, sk_k_tiles, block, grid;
   int k_tiles;
@@ -326,14 +337,15 @@ struct cg_sm90_schedule {
   cg_i64 cursor, end;  // this block's stream-K k-tiles left, counted over the stream-K tiles
 
   CG_DEVICE cg_sm90_schedule(cg_i64 tiles_, int k_tiles_, cg_i64 block_, cg_i64 grid_, int blocks_per_sm,
-                             int fixup_k_tiles, bool stream_k)
+                             int fixup_k_tiles, cg_i64 max_grid)
       : tiles(tiles_), dp_tiles(tiles_), sk_k_tiles(0), block(block_), grid(grid_), k_tiles(k_tiles_),
         next_tile(block_), cursor(0), end(0) {
-    if (stream_k && k_tiles > 1 && tiles % grid != 0) {
+    if (grid <= max_grid && k_tiles > 1 && tiles % grid != 0) {
       const cg_i64 sms = grid / blocks_per_sm > 0 ? grid / blocks_per_sm : 1, waves = tiles / grid;
       const cg_i64 sk_tiles = waves >= 2 ? tiles - (waves - 1) * grid : tiles;
       const cg_i64 whole = (sk_tiles + sms - 1) / sms * k_tiles,
-                   shared = (sk_tiles * k_tiles + sms - 1) / sms + fixup_k_tiles;
+                   shared = (sk_tiles * k_tiles + sms - 1) / sms +
+                            cg_sm90_fixup_k_tiles(sk_tiles * k_tiles, k_tiles, grid, fixup_k_tiles);
       if (shared < whole) {
         dp_tiles = tiles - sk_tiles;
         sk_k_tiles = sk_tiles * k_tiles;
@@ -373,13 +385,15 @@ struct cg_sm90_schedule {
   }
 };
 
-// Stream-K's workspace: `partials`, 2 grid slots of BM x BN floats (each
-// consumer warp's 16 rows together), and `arrivals`, a counter per stream-K
-// tile and consumer warp, zero before the first launch and left zero by each.
-// Null pointers: no stream-K, every tile whole.
+// Stream-K's workspace, for grids of up to `max_grid` blocks: `partials`,
+// 2 max_grid slots of BM x BN floats (each consumer warp's 16 rows
+// together), and `arrivals`, 2 max_grid counters a consumer warp (one per
+// stream-K tile, fewer than two grids of them), zero before the first launch
+// and left zero by each. {nullptr, nullptr, 0}: no stream-K, every tile whole.
 struct cg_sm90_stream_k {
   float* partials;
   unsigned int* arrivals;
+  cg_i64 max_grid;
 };
 
 // A consumer warp's 16 rows of a partial tile (`rows`, staged in shared
@@ -410,11 +424,16 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
   for (cg_i64 b = first; b <= last; ++b) contributors += s.has_run(b);
   unsigned int* arrivals = workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp;
   unsigned int before = 0;
-  if (lane == 0) before = atomicAdd(arrivals, 1u);
+  if (lane == 0) {
+    before = atomicAdd(arrivals, 1u);
+    // Acquire: the contributors counted in before, their rows visible to this
+    // lane, and through the warp barrier to the others.
+    __threadfence();
+  }
+  __syncwarp();
   before = __shfl_sync(0xffffffffu, before, 0);
   if ((cg_i64)before + 1 != contributors) return;
   if (lane == 0) *arrivals = 0u;  // every contributor has counted in: nothing else reads it in this launch
-  __threadfence();                // and their rows are visible from here on
   // A contributor at a time (its slot found once), its rows' 64 values a
   // lane loaded together; each sum still in k order.
   float sums[16][Config::BN / 32];
@@ -443,7 +462,7 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
 // pieces, tiles in cg_gemm_tile_of's order (bands of 8 tile rows, each column
 // by column: the blocks running at once share rows of A and columns of B in
 // L2); with `stream_k`'s workspace (null pointers: none) the last tiles by
-// stream-K where that pays. The maps, all with the
+// stream-K where that pays and the grid is no larger than the workspace's. The maps, all with the
 // 128-byte swizzle: A's K wide and M high, its box 64 x BM; B's, where
 // B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x 128
 // box, else N wide and K high with a 64 x 64 box. Hands every element
@@ -474,7 +493,7 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
   const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
   // The producer and the consumers walk the same schedule.
   cg_sm90_schedule schedule(tiles_m * tiles_n, k_tiles, block, grid, Config::MIN_BLOCKS, Config::FIXUP_K_TILES,
-                            stream_k.partials != nullptr);
+                            stream_k.partials != nullptr ? stream_k.max_grid : 0);
   cg_sm90_work work;
   if (warpgroup == 0) {
     cg_setmaxnreg_dec<40>();

@@ -30,19 +30,31 @@
 #include "bench_util.h"
 
 
-using Config = cg_sm90_gemm_config<4>;
+// The generator's two configs: tiles of 128 rows (two consumer warpgroups,
+// a block an SM), and of 64 (one, two blocks an SM) where 128-row tiles
+// would not fill the GPU (kernels.cpp's hopper_gemm_of).
+using Wide = cg_sm90_gemm_config<4, 2>;
+using Narrow = cg_sm90_gemm_config<3, 1>;
 
 // D (M x N, row-major, bf16) = A (M x K) B (B stored K x N, or N x K where
-// B_K_MAJOR), persistent: a block per SM, each looping over tiles; with a
+// B_K_MAJOR), persistent: a block per SM slot, each looping over tiles; with a
 // stream-K workspace, the last tiles by stream-K where the kernel's rule
 // finds it pays (as the generated kernels).
-template <bool B_K_MAJOR>
-__global__ void __launch_bounds__(Config::THREADS, 1)
+template <typename Config, bool B_K_MAJOR>
+__global__ void __launch_bounds__(Config::THREADS, Config::MIN_BLOCKS)
     hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
                   cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K, cg_sm90_stream_k stream_k) {
   extern __shared__ __align__(128) unsigned char smem[];
   cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, stream_k,
                                            [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
+}
+
+template <typename Config>
+void allow_shared_memory() {
+  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<Config, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Config::SHARED_BYTES));
+  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<Config, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  Config::SHARED_BYTES));
 }
 
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -105,8 +117,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "the driver has no cuTensorMapEncodeTiled\n");
     return 1;
   }
-  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::SHARED_BYTES));
-  CHECK_CUDA(cudaFuncSetAttribute(hopper_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::SHARED_BYTES));
+  allow_shared_memory<Wide>();
+  allow_shared_memory<Narrow>();
   cublasHandle_t handle;
   CHECK_CUBLAS(cublasCreate(&handle));
   const size_t max_elems = size_t(4096) * 4096;
@@ -114,37 +126,46 @@ int main(int argc, char** argv) {
   void *d, *ref;
   CHECK_CUDA(cudaMalloc(&d, max_elems * 2));
   CHECK_CUDA(cudaMalloc(&ref, max_elems * 2));
-  // Stream-K's workspace: two slots of a tile's f32 sums a block, a counter
-  // per stream-K tile (under two waves of them) and consumer warp, zeroed once.
-  const size_t slots = 2 * size_t(prop.multiProcessorCount);
-  cg_sm90_stream_k workspace{nullptr, nullptr};
-  CHECK_CUDA(cudaMalloc(&workspace.partials, slots * Config::BM * Config::BN * 4));
-  CHECK_CUDA(cudaMalloc(&workspace.arrivals, slots * 4 * Config::CONSUMERS * 4));
-  CHECK_CUDA(cudaMemset(workspace.arrivals, 0, slots * 4 * Config::CONSUMERS * 4));
+  // Stream-K's workspace, for either config's grid (SMs x blocks an SM): two
+  // slots of a tile's f32 sums a block, two counters a block and consumer
+  // warp (a stream-K tile's, under two grids of them), zeroed once.
+  const size_t most_blocks = 2 * size_t(prop.multiProcessorCount);
+  cg_sm90_stream_k workspace{nullptr, nullptr, (cg_i64)most_blocks};
+  CHECK_CUDA(cudaMalloc(&workspace.partials, 2 * most_blocks * Narrow::BM * Narrow::BN * 4));
+  CHECK_CUDA(cudaMalloc(&workspace.arrivals, 2 * most_blocks * 4 * 4));
+  CHECK_CUDA(cudaMemset(workspace.arrivals, 0, 2 * most_blocks * 4 * 4));
   std::mt19937 rng(std::random_device{}());
   const std::vector<void*> as = random_bf16_sets(sets, max_elems, rng), bs = random_bf16_sets(sets, max_elems, rng);
   auto timed = [&](auto&& one) { return median_ms(quick ? 1 : 3, quick ? 1 : 15, sets, one); };
-  std::printf("%-28s %9s %9s %9s %9s %9s %9s\n", "shape (bf16; NT: B^T stored)", "ms", "TFLOP/s", "cuBLAS ms",
-              "vs cuBLAS", "rel.err", "no-SK ms");
+  std::printf("%-28s %5s %9s %9s %9s %9s %9s %9s\n", "shape (bf16; NT: B^T stored)", "tile", "ms", "TFLOP/s",
+              "cuBLAS ms", "vs cuBLAS", "rel.err", "no-SK ms");
   std::vector<unsigned short> got(max_elems), want(max_elems);
   int failures = 0;
   double block_ours = 0, block_cublas = 0;
   for (const Shape& s : shapes) {
-    auto ours = [&](int set, bool stream_k = true) {
-      const cg_sm90_stream_k ws = stream_k ? workspace : cg_sm90_stream_k{nullptr, nullptr};
-      const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, 128);
-      const long long tiles = (s.N + 127) / 128 * ((s.M + 127) / 128);
+    const bool narrow = (s.N + 127) / 128 * ((s.M + 127) / 128) < prop.multiProcessorCount;
+    auto launch = [&](auto config, int set, bool stream_k) {
+      using Config = decltype(config);
+      const cg_sm90_stream_k ws = stream_k ? workspace : cg_sm90_stream_k{nullptr, nullptr, 0};
+      const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, Config::BM);
+      const long long tiles = (s.N + 127) / 128 * ((s.M + Config::BM - 1) / Config::BM),
+                      slots = (long long)prop.multiProcessorCount * Config::MIN_BLOCKS;
       // --quick (under compute-sanitizer): 3 blocks, so that each loops over tiles and the
       // sanitizers see the stages' rounds run on from one tile to the next.
-      // With stream-K every SM takes part, however few the tiles.
-      const dim3 grid(unsigned(quick ? 3 : stream_k ? prop.multiProcessorCount
-                                                    : std::min<long long>(tiles, prop.multiProcessorCount)));
+      // With stream-K every slot takes part, however few the tiles.
+      const dim3 grid(unsigned(quick ? 3 : stream_k ? slots : std::min(tiles, slots)));
       if (s.b_k_major)
-        hopper_kernel<true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
+        hopper_kernel<Config, true><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
             map_a, tensor_map(encode, bs[set], s.N, s.K, 128), (cg_bf16*)d, s.M, s.N, s.K, ws);
       else
-        hopper_kernel<false><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
+        hopper_kernel<Config, false><<<grid, Config::THREADS, Config::SHARED_BYTES>>>(
             map_a, tensor_map(encode, bs[set], s.K, s.N, 64), (cg_bf16*)d, s.M, s.N, s.K, ws);
+    };
+    auto ours = [&](int set, bool stream_k = true) {
+      if (narrow)
+        launch(Narrow(), set, stream_k);
+      else
+        launch(Wide(), set, stream_k);
     };
     // cuBLAS, column-major: D^T (N x M) = op(B) A^T, where a row-major K x N b is B^T's column-major
     // N x K (no transpose) and a row-major N x K one needs op T.
@@ -155,23 +176,28 @@ int main(int argc, char** argv) {
                                 CUDA_R_16BF, (int)s.K, &zero, out, CUDA_R_16BF, (int)s.N, CUBLAS_COMPUTE_32F,
                                 CUBLAS_GEMM_DEFAULT));
     };
-    CHECK_CUDA(cudaMemset(d, 0xff, max_elems * 2));  // poison: an unwritten element reads as NaN
-    ours(0);
+    // Stream-K as chosen and whole tiles, each against cuBLAS: the larger error.
     cublas(0, ref);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(cudaGetLastError());
     const size_t n = size_t(s.M) * s.N;
-    CHECK_CUDA(cudaMemcpy(got.data(), d, n * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemcpy(want.data(), ref, n * 2, cudaMemcpyDeviceToHost));
-    double err = 0, norm = 0;
-    bool finite = true;
-    for (size_t i = 0; i < n; ++i) {
-      const double g = bf16_to_float(got[i]), w = bf16_to_float(want[i]);
-      finite = finite && std::isfinite(g);
-      err += (g - w) * (g - w);
-      norm += w * w;
+    double rel = 0;
+    for (const bool stream_k : {true, false}) {
+      CHECK_CUDA(cudaMemset(d, 0xff, max_elems * 2));  // poison: an unwritten element reads as NaN
+      ours(0, stream_k);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(cudaMemcpy(got.data(), d, n * 2, cudaMemcpyDeviceToHost));
+      double err = 0, norm = 0;
+      bool finite = true;
+      for (size_t i = 0; i < n; ++i) {
+        const double g = bf16_to_float(got[i]), w = bf16_to_float(want[i]);
+        finite = finite && std::isfinite(g);
+        err += (g - w) * (g - w);
+        norm += w * w;
+      }
+      rel = std::max(rel, finite ? std::sqrt(err / norm) : INFINITY);
     }
-    const double rel = finite ? std::sqrt(err / norm) : INFINITY;
     // Both round an f32 sum to bf16: they differ by about an ulp of bf16 (2^-8) where their orders differ.
     const bool ok = rel < 8e-3;
     failures += !ok;
@@ -181,8 +207,9 @@ int main(int argc, char** argv) {
       block_ours += ms;
       block_cublas += cublas_ms;
     }
-    std::printf("%-28s %9.3f %9.1f %9.3f %8.2fx %9.2e %9.3f%s\n", s.name, ms, 2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12,
-                cublas_ms, cublas_ms / ms, rel, data_parallel_ms, ok ? "" : "  WRONG");
+    std::printf("%-28s %5s %9.3f %9.1f %9.3f %8.2fx %9.2e %9.3f%s\n", s.name, narrow ? "64" : "128", ms,
+                2.0 * s.M * s.N * s.K / (ms * 1e-3) / 1e12, cublas_ms, cublas_ms / ms, rel, data_parallel_ms,
+                ok ? "" : "  WRONG");
   }
   if (block_ours > 0)
     std::printf("decoder block B8 x T128 (FLOP-weighted: its four products' time): %.3f ms, cuBLAS %.3f ms, %.2fx\n",

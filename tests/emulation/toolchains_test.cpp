@@ -461,12 +461,12 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
     const char* config;     // stages, consumer warpgroups
     const char* workspace;  // stream-K's, or none
   };
-  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false", "4, 2", "{nullptr, nullptr}"},
-                              {"hopper_bf16_bt", "cg_bf16", "true", "4, 2", "{nullptr, nullptr}"},
-                              {"hopper_f16", "cg_f16", "false", "4, 2", "{nullptr, nullptr}"},
-                              {"hopper_bf16_64", "cg_bf16", "false", "3, 1", "{nullptr, nullptr}"},
-                              {"hopper_bf16_sk", "cg_bf16", "false", "4, 2", "{partials, arrivals}"},
-                              {"hopper_bf16_64_sk", "cg_bf16", "false", "3, 1", "{partials, arrivals}"}};
+  const Variant variants[] = {{"hopper_bf16", "cg_bf16", "false", "4, 2", "{nullptr, nullptr, 0}"},
+                              {"hopper_bf16_bt", "cg_bf16", "true", "4, 2", "{nullptr, nullptr, 0}"},
+                              {"hopper_f16", "cg_f16", "false", "4, 2", "{nullptr, nullptr, 0}"},
+                              {"hopper_bf16_64", "cg_bf16", "false", "3, 1", "{nullptr, nullptr, 0}"},
+                              {"hopper_bf16_sk", "cg_bf16", "false", "4, 2", "{partials, arrivals, 264}"},
+                              {"hopper_bf16_64_sk", "cg_bf16", "false", "3, 1", "{partials, arrivals, 264}"}};
   const size_t kernels = sizeof variants / sizeof variants[0];
   for (const Variant& v : variants)
     source += std::string("CG_KERNEL void __launch_bounds__(cg_sm90_gemm_config<") + v.config + ">::THREADS, " +

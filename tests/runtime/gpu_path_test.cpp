@@ -198,17 +198,18 @@ TEST_F(GpuPath, AHopperMatmulGetsItsTensorMapsFromTheArena) {
   EXPECT_EQ(fake_log().find("tensor map"), std::string::npos) << "sm_89 has no TMA path";
 }
 
-// A product of two tiles and 16 k-tiles takes stream-K on the Hopper
-// mainloop: its launch is every block of the target's grid its workspace is
-// for (132 SMs, two blocks each), whatever the tiles, and on a GPU of fewer
-// SMs the blocks that GPU holds at once, never more than the workspace's.
+// A decoder's down projection (1024 x 768 over 3072: 96 tiles of 64 rows,
+// 48 k-tiles each) takes stream-K on the Hopper mainloop: its launch is
+// every block of the target's grid its workspace is for (132 SMs, two blocks
+// each), however few the tiles, and on a GPU of fewer SMs the blocks that GPU
+// holds at once, never more than the workspace's.
 TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   auto graph = [] {
     GraphBuilder b("stream_k");
     b.task("mm", "matmul")
-        .tensor("a", DType::bf16, {64, 1024}, Storage::external)
-        .tensor("b", DType::bf16, {1024, 136}, Storage::external)
-        .tensor("out", DType::bf16, {64, 136}, Storage::external);
+        .tensor("a", DType::bf16, {1024, 3072}, Storage::external)
+        .tensor("b", DType::bf16, {3072, 768}, Storage::external)
+        .tensor("out", DType::bf16, {1024, 768}, Storage::external);
     return std::move(b).graph();
   };
   CompileOptions compile_options;
@@ -217,7 +218,7 @@ TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   ASSERT_EQ(c.emitted.kernels.size(), 1u);
   const EmittedKernel& k = c.emitted.kernels[0];
   EXPECT_NE(k.matmul_path.find("the last by stream-K"), std::string::npos) << k.matmul_path;
-  EXPECT_EQ(k.persistent_tiles, 2);
+  EXPECT_EQ(k.persistent_tiles, 96);
   EXPECT_EQ(k.stream_k_grid, 264);
   EXPECT_EQ(k.grid[0], 264);
   JitOptions options;
