@@ -106,7 +106,7 @@ struct EmittedKernel {
   int64_t tile_rows = 0;
   // A persistent kernel's tiles (0 for a kernel of a block a tile): its
   // blocks loop over them, so any grid computes them all; launched on
-  // persistent_grid(persistent_tiles, min_blocks_per_sm, the GPU's SMs)
+  // persistent_grid(persistent_most_blocks(k), min_blocks_per_sm, the GPU's SMs)
   // blocks, `grid` those of the target's SMs (device_model).
   int64_t persistent_tiles = 0;
   // With stream-K (HopperGemm::stream_k): the grid its workspace is sized

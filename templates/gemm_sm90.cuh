@@ -461,14 +461,16 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
 // blockIdx.x and gridDim.x; any grid computes every tile): cg_sm90_schedule's
 // pieces, tiles in cg_gemm_tile_of's order (bands of 8 tile rows, each column
 // by column: the blocks running at once share rows of A and columns of B in
-// L2); with `stream_k`'s workspace (null pointers: none) the last tiles by
-// stream-K where that pays and the grid is no larger than the workspace's. The maps, all with the
+// L2); with STREAM_K and `stream_k`'s workspace (null pointers: none) the
+// last tiles by stream-K where that pays and the grid is no larger than the
+// workspace's. Without STREAM_K the fix-up is not compiled in: its registers
+// (64 sums a lane) would make a heavy epilogue spill (a split-heads store). The maps, all with the
 // 128-byte swizzle: A's K wide and M high, its box 64 x BM; B's, where
 // B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x 128
 // box, else N wide and K high with a 64 x 64 box. Hands every element
 // (m, n) with m < M and n < N to epilogue(m, n, d), a warp's lanes on
 // consecutive columns.
-template <typename Config, typename T, bool B_K_MAJOR, typename Epilogue>
+template <typename Config, typename T, bool B_K_MAJOR, bool STREAM_K, typename Epilogue>
 CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
                             cg_i64 block, cg_i64 grid, unsigned char* smem, cg_sm90_stream_k stream_k,
                             Epilogue epilogue) {
@@ -493,7 +495,7 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
   const int k_tiles = (int)((K + Config::BK - 1) / Config::BK);
   // The producer and the consumers walk the same schedule.
   cg_sm90_schedule schedule(tiles_m * tiles_n, k_tiles, block, grid, Config::MIN_BLOCKS, Config::FIXUP_K_TILES,
-                            stream_k.partials != nullptr ? stream_k.max_grid : 0);
+                            STREAM_K && stream_k.partials != nullptr ? stream_k.max_grid : 0);
   cg_sm90_work work;
   if (warpgroup == 0) {
     cg_setmaxnreg_dec<40>();
@@ -583,7 +585,7 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
         for (int j = 0; j < 4; ++j)
           if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
       }
-    } else {
+    } else if (STREAM_K) {
       cg_sm90_stream_k_rows<Config>(schedule, work, rows, consumer * 4 + warp, stream_k, m0, n0, M, N, epilogue);
     }
     __syncwarp();  // every lane has read the rows before the next tile's overwrite them

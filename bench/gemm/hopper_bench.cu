@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Config::THREADS, Config::MIN_BLOCKS)
     hopper_kernel(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b,
                   cg_bf16* d, cg_i64 M, cg_i64 N, cg_i64 K, cg_sm90_stream_k stream_k) {
   extern __shared__ __align__(128) unsigned char smem[];
-  cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, stream_k,
+  cg_gemm_sm90<Config, cg_bf16, B_K_MAJOR, true>(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, stream_k,
                                            [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<cg_bf16>(v); });
 }
 
@@ -146,10 +146,12 @@ int main(int argc, char** argv) {
     const bool narrow = (s.N + 127) / 128 * ((s.M + 127) / 128) < prop.multiProcessorCount;
     auto launch = [&](auto config, int set, bool stream_k) {
       using Config = decltype(config);
-      const cg_sm90_stream_k ws = stream_k ? workspace : cg_sm90_stream_k{nullptr, nullptr, 0};
       const cg_tensor_map map_a = tensor_map(encode, as[set], s.M, s.K, Config::BM);
       const long long tiles = (s.N + 127) / 128 * ((s.M + Config::BM - 1) / Config::BM),
                       slots = (long long)prop.multiProcessorCount * Config::MIN_BLOCKS;
+      // The workspace holds partial tiles of 64 rows for 2 SMs' blocks: of 128 for one each.
+      const cg_sm90_stream_k ws = stream_k ? cg_sm90_stream_k{workspace.partials, workspace.arrivals, slots}
+                                           : cg_sm90_stream_k{nullptr, nullptr, 0};
       // --quick (under compute-sanitizer): 3 blocks, so that each loops over tiles and the
       // sanitizers see the stages' rounds run on from one tile to the next.
       // With stream-K every slot takes part, however few the tiles.

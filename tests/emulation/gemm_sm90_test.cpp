@@ -89,7 +89,7 @@ double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0, StreamK
   for (long long i = 0; i < p.M * p.N; ++i) d[i] = NAN;
   const int rc = l.run("gemm_sm90", dim3(blocks), dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
     CG_DYNAMIC_SMEM(smem);
-    cg_gemm_sm90<Config, T, B_K_MAJOR>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem, workspace,
+    cg_gemm_sm90<Config, T, B_K_MAJOR, true>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem, workspace,
                                        [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
   });
   EXPECT_EQ(rc, 0) << cudagen_emu_last_error();

@@ -94,6 +94,9 @@ inline std::map<std::string, std::vector<SassInstruction>> parse_sass_listing(co
 
 // Compiles `source` to PTX for `arch` with NVRTC, assembles it with
 // ptxas -v and, where `disassemble`, lists the cubin's SASS with cuobjdump.
+// The toolkit's ptxas (CUDAGEN_PTXAS) assembles, not NVRTC's own: the two
+// are of one CUDA release in this build, so the SASS is what the runtime
+// loads (a cubin from NVRTC of another release could differ).
 inline KernelReport compile_and_report(const std::string& source, const std::string& arch, bool disassemble = true) {
   NvrtcOutput ptx = nvrtc_compile(source, "ptxas_input.cu", arch, /*ptx=*/true);
   std::string text(ptx.binary.begin(), ptx.binary.end());

@@ -474,7 +474,8 @@ TEST(Toolchains, HopperMainloopSassHasWgmmaTmaAndMbarriers) {
               "(const __grid_constant__ cg_tensor_map map_a, const __grid_constant__ cg_tensor_map map_b, "
               "unsigned short* d, cg_i64 M, cg_i64 N, cg_i64 K, float* partials, unsigned int* arrivals) {\n"
               "  CG_DYNAMIC_SMEM(smem);\n"
-              "  cg_gemm_sm90<cg_sm90_gemm_config<" + v.config + ">, " + v.type + ", " + v.b_k_major +
+              "  cg_gemm_sm90<cg_sm90_gemm_config<" + v.config + ">, " + v.type + ", " + v.b_k_major + ", " +
+              (std::string(v.workspace) == "{nullptr, nullptr, 0}" ? "false" : "true") +
               ">(&map_a, &map_b, M, N, K, blockIdx.x, gridDim.x, smem, " + v.workspace + ",\n"
               "      [&](cg_i64 m, cg_i64 n, float v) { d[m * N + n] = cg_narrow<" + v.type + ">(v).bits; });\n"
               "}\n";
