@@ -405,6 +405,8 @@ class _Exporter:
 
     def result_meta(self, node):
         v = self.values[node]
+        if isinstance(v, (tuple, list)):  # outputs and saved statistics: the first is the one mapped
+            v = v[0]
         return self.dtype_of(node, v), tuple(v.shape)
 
     # ---- the walk ------------------------------------------------------
@@ -467,22 +469,24 @@ class _Exporter:
                 if isinstance(bn, nn.BatchNorm2d) and isinstance(conv, nn.Conv2d) and not bn.training:
                     self.folded_bn[node] = source
             elif node.op == "call_function" and node.target in _BATCH_NORM and source.target in _CONV2D:
-                statistics = [_arg(node, i, n) for i, n in enumerate(_BATCH_NORM_ARGS) if 1 <= i <= 4]
+                args = _batch_norm_args(node)
+                statistics = [args[n] for n in ("weight", "bias", "running_mean", "running_var")]
                 conv_weights = [_arg(source, 1, "weight"), _arg(source, 2, "bias")]
-                if (not self.const(_arg(node, 5, "training")) and _arg(node, 3, "running_mean") is not None
+                if (not self.const(args["training"]) and args["running_mean"] is not None
                         and not any(a in self.depends for a in statistics + conv_weights)):
                     self.folded_bn[node] = source
 
     def batchnorm_affine(self, node):
         """The per-channel scale and shift of an aten.batch_norm node in eval
         mode: y = x * scale + shift."""
-        if self.const(_arg(node, 5, "training")):
+        args = _batch_norm_args(node)
+        if self.const(args["training"]):
             self.fail(node, "batch_norm in training mode has no mapping", "call model.eval() before exporting")
-        gamma, beta, mean, var = (self.const(_arg(node, i, n)) for i, n in enumerate(_BATCH_NORM_ARGS) if 1 <= i <= 4)
+        gamma, beta, mean, var = (self.const(args[n]) for n in ("weight", "bias", "running_mean", "running_var"))
         if mean is None or var is None:
             self.fail(node, "batch_norm without running statistics has no mapping",
                       "construct BatchNorm with track_running_stats=True")
-        return _batchnorm_affine(gamma, beta, mean, var, float(self.const(_arg(node, 7, "eps", 1e-5))))
+        return _batchnorm_affine(gamma, beta, mean, var, float(self.const(args["eps"])))
 
     # ---- modules -------------------------------------------------------
     def call_module(self, node):
@@ -1293,6 +1297,12 @@ def _f_float(ex, node):
     return v
 
 
+def _f_new_empty(ex, node):
+    """x.new_empty(shape): values unspecified (the traced ones are whatever the memory held,
+    NaN included), so zeros, which every later write or fill overrides."""
+    return ex.constant(node, torch.zeros_like(ex.values[node]), f"{node.name}.constant")
+
+
 def _f_like_constant(ex, node):
     """torch.zeros_like(x), x.new_zeros(n), torch.full_like(x, v), ...: a tensor whose values do
     not depend on x's (only its shape and dtype, which are static): a constant."""
@@ -1384,6 +1394,12 @@ def _a_batch_norm(ex, node):
     return _scale_shift(ex, node, node.args[0], *ex.batchnorm_affine(node), node.name)
 
 
+def _a_batch_norm_no_training(ex, node):
+    """aten._native_batch_norm_legit_no_training (torch.export on PyTorch 2.5): eval-mode
+    batch_norm as a tuple (out, saved mean, saved inverse std) whose readers take out."""
+    return (_a_batch_norm(ex, node), None, None)
+
+
 def _a_embedding(ex, node):  # aten.embedding(weight, indices): the table first
     dtype, shape = ex.result_meta(node)
     return ex.add(node, node.name, "embedding", {"table": ex.tensor(node, node.args[0]),
@@ -1416,12 +1432,25 @@ def _a_rms_norm(ex, node):  # aten.rms_norm(input, normalized_shape, weight, eps
 
 
 _BATCH_NORM_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+_BATCH_NORM_NO_TRAINING_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+
+
+def _batch_norm_args(node):
+    """A batch_norm node's arguments by name, whichever aten form it is (the no-training form
+    has no `training` and its eps one place earlier)."""
+    no_training = str(node.target).split(".")[-2].endswith("_no_training")
+    names = _BATCH_NORM_NO_TRAINING_ARGS if no_training else _BATCH_NORM_ARGS
+    args = {n: _arg(node, i, n) for i, n in enumerate(names)}
+    args["training"] = False if no_training else args["training"]
+    args["eps"] = 1e-5 if args["eps"] is None else args["eps"]
+    return args
 
 
 def _aten_handlers():
     """ATen overload -> handler, for the overloads this PyTorch has."""
     names = {
         "linear.default": _f_linear, "conv2d.default": _f_conv2d, "batch_norm.default": _a_batch_norm,
+        "_native_batch_norm_legit_no_training.default": _a_batch_norm_no_training,
         "layer_norm.default": _f_layer_norm, "rms_norm.default": _a_rms_norm, "embedding.default": _a_embedding,
         "add.Tensor": _arith("add"), "add_.Tensor": _arith("add"), "add.Scalar": _arith("add"),
         "sub.Tensor": _arith("sub"), "sub.Scalar": _arith("sub"),
@@ -1448,11 +1477,13 @@ def _aten_handlers():
         "to.dtype": _f_float, "to.dtype_layout": _f_float, "_to_copy.default": _f_float, "type_as.default": _f_float,
         "zeros_like.default": _f_like_constant, "ones_like.default": _f_like_constant,
         "full_like.default": _f_like_constant, "new_zeros.default": _f_like_constant,
-        "new_ones.default": _f_like_constant, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
+        "new_ones.default": _f_like_constant,
+        "new_empty.default": _f_new_empty, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
         "empty_like.default": _f_like_constant, "fill.Scalar": _f_fill, "fill_.Scalar": _f_fill, "zero.default": _f_fill, "zero_.default": _f_fill,
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split, "roll.default": _f_roll, "constant_pad_nd.default": _a_constant_pad,
+        "pad.default": _f_pad,  # torch.export on PyTorch 2.11 keeps F.pad as aten.pad
         "repeat_interleave.self_int": _f_repeat_interleave, "expand.default": _f_expand, "repeat.default": _f_repeat,
         "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
         "scaled_dot_product_attention.default": _f_sdpa,
@@ -1472,7 +1503,7 @@ def _aten_handlers():
 
 ATEN = _aten_handlers()
 FUNCTIONS.update(ATEN)
-_BATCH_NORM = {op for op, h in ATEN.items() if h is _a_batch_norm}
+_BATCH_NORM = {op for op, h in ATEN.items() if h in (_a_batch_norm, _a_batch_norm_no_training)}
 _CONV2D = {F.conv2d} | {op for op, h in ATEN.items() if h is _f_conv2d}
 _SOFTMAX = {F.softmax, torch.softmax, "softmax"} | {op for op in ATEN if str(op).split(".")[1] in ("softmax", "_softmax")}
 
