@@ -82,6 +82,22 @@ check() {  # NAME COMMAND...: one row, ok or FAILED with the last lines of the o
   printf '%-50s %s\n' "${row%%|*}" "${row#*|}"
   cp "$log/out" "$log/$(echo "$name" | tr -c 'a-zA-Z0-9_.-' '_').log"
 }
+# The numerical tests compile a module a test with NVRTC, a core each: in gtest shards at once on
+# the device machine's 16 cores (one GPU between them), a fifth of the time of one process (279 s
+# on an H100 on 2026-11-27, which left no time for the benchmarks).
+sharded() {  # SHARDS COMMAND...: the command's tests as SHARDS processes at once; fails where one does
+  local shards=$1 status=0 i pids=()
+  shift
+  for ((i = 0; i < shards; ++i)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i "$@" > "$log/shard.$i" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || status=1
+    cat "$log/shard.$i"
+  done
+  return $status
+}
 timed_check() {  # SECONDS_IT_TAKES NAME COMMAND...: check, where the budget allows it
   local seconds=$1; shift
   if have_time "$seconds" "$1" > "$log/skip"; then check "$@"; else rows+=("$1|$(cat "$log/skip")"); fi
@@ -113,12 +129,12 @@ gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emula
 gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
 gpu_tests+=':Emulation.PipelinedMatmul*:Emulation.HopperMatmul*:Emulation.GridsOver*:FlashAttention.*'
 check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
-  env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
+  sharded 8 env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
 
 # As megakernels: the fused chains and the training steps (all of the above took 110 s on an
 # H200 on 2026-11-25, which with the rest ran the script past 10 minutes).
 timed_check 60 "numerical tests as megakernels on the GPU" \
-  env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_TEST_MEGAKERNEL=132 CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" \
+  sharded 8 env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_TEST_MEGAKERNEL=132 CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" \
   --gtest_filter='*FusedChains.*:TrainingRun.*:Emulation.MlpTraining*:Emulation.TransformerBlock*' --gtest_brief=1
 
 # The PyTorch frontend on this machine's PyTorch (2.x): the torch.export path, and SDPA.

@@ -33,6 +33,11 @@ struct EmitOptions {
   // its own: the sums' order then varies, so dq is not bit-identical from
   // run to run (docs/attention.md). Off: deterministic, the default.
   bool atomic_attention_backward = false;
+  // Stream-K on the Hopper mainloop where whole tiles leave the last wave
+  // partly empty (docs/gemm.md "Stream-K"). Off by default: on an H100 it
+  // ran slower than whole tiles at every shape measured (bench/RESULTS.md,
+  // 2026-11-27); kept, tested, for the work that makes its fix-up pay.
+  bool stream_k = false;
   // Also a `cudagen_step` launcher that runs forward, backward and update:
   // one training step in one call.
   bool step_function = false;

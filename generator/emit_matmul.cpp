@@ -468,7 +468,7 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
   // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
   std::string why_not_hopper = why_not_pipelined;
   std::optional<HopperGemm> hopper;
-  if (reads_as_stored) hopper = hopper_gemm_of(p_, t, options_.arch, &why_not_hopper);
+  if (reads_as_stored) hopper = hopper_gemm_of(p_, t, options_.arch, options_.stream_k, &why_not_hopper);
   if (hopper && (plan_.buffers[size_t(a.bound->buffer)].offset % 16 != 0 ||
                  plan_.buffers[size_t(b.bound->buffer)].offset % 16 != 0)) {
     hopper.reset();
@@ -569,7 +569,7 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   const TensorMapSpec map_a{plan_.buffers[size_t(a.bound->buffer)].offset, element, g.K, g.M, g.K * element, 64,
                             g.rows()};
   const int64_t b_offset = plan_.buffers[size_t(b.bound->buffer)].offset;
-  const TensorMapSpec map_b = g.b_k_major ? TensorMapSpec{b_offset, element, g.K, g.N, g.K * element, 64, 128}
+  const TensorMapSpec map_b = g.b_k_major ? TensorMapSpec{b_offset, element, g.K, g.N, g.K * element, 64, g.columns}
                                           : TensorMapSpec{b_offset, element, g.N, g.K, g.N * element, 64, 64};
   // In place of the operands' pointers (emit_kernel leaves those out).
   extra_params_.push_back(
@@ -583,7 +583,7 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   if (g.stream_k) {
     extra_params_.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
                                         g.stream_k_partial_bytes(ek.stream_k_grid), std::nullopt,
-                                        g.stream_k_partial_tiles(ek.stream_k_grid) * g.rows() * g.kColumns * 4});
+                                        g.stream_k_partial_tiles(ek.stream_k_grid) * g.rows() * g.columns * 4});
     extra_params_.push_back(LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
                                         g.stream_k_arrival_bytes(ek.stream_k_grid)});
     workspace = fmt::format("{{cg_partials, cg_arrivals, {}}}", ek.stream_k_grid);
@@ -592,11 +592,11 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // The Hopper mainloop: {0}.\n"
-      "  cg_gemm_sm90<cg_sm90_gemm_config<{1}, {2}>, {3}, {4}, {11}>(\n"
+      "  cg_gemm_sm90<cg_sm90_gemm_config<{1}, {2}, {12}>, {3}, {4}, {11}>(\n"
       "      {5}, {6}, {7}, {8}, blockIdx.x, gridDim.x, cg_smem, {9},\n"
       "      [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
       g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false", maps, g.M, g.N,
-      g.K, workspace, store_acc, g.stream_k ? "true" : "false");
+      g.K, workspace, store_acc, g.stream_k ? "true" : "false", g.columns);
 }
 
 // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's
@@ -897,7 +897,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
   for (size_t i = 0; i < kernels.size(); ++i) {
     const int t = kernels[i].tasks[0];
     if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
-    const std::optional<HopperGemm> g = hopper_gemm_of(p_, t, options_.arch);
+    const std::optional<HopperGemm> g = hopper_gemm_of(p_, t, options_.arch, options_.stream_k);
     if (!g || !g->stream_k) continue;
     const int64_t grid = g->stream_k_grid(device_model(options_.arch).sms);
     split_k_.partials_bytes = std::max(split_k_.partials_bytes, g->stream_k_partial_bytes(grid));

@@ -670,13 +670,13 @@ int64_t HopperGemm::stream_k_partial_tiles(int64_t grid) const {
 }
 
 std::string HopperGemm::describe() const {
-  return fmt::format("{} x 128 tiles ({}) on persistent blocks{}, {} consumer warpgroup{}, {} stages of 64 k, TMA and "
+  return fmt::format("{} x {} tiles ({}) on persistent blocks{}, {} consumer warpgroup{}, {} stages of 64 k, TMA and "
                      "wgmma, B {}",
-                     rows(), tiles(), stream_k ? ", the last by stream-K" : "", consumers, consumers == 1 ? "" : "s",
+                     rows(), columns, tiles(), stream_k ? ", the last by stream-K" : "", consumers, consumers == 1 ? "" : "s",
                      stages(), b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
 }
 
-std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch, bool allow_stream_k,
                                          std::string* why_not) {
   auto refuse = [&](std::string why) -> std::optional<HopperGemm> {
     if (why_not != nullptr) *why_not = std::move(why);
@@ -701,18 +701,32 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
                               d.trans_b ? "" : fmt::format(", N {}", d.N)));
   if (d.M >= (int64_t(1) << 31) || d.N >= (int64_t(1) << 31) || d.K >= (int64_t(1) << 31))
     return refuse("a dimension over 2^31");
-  HopperGemm g{d.M, d.N, d.K, d.trans_b};
-  // Tiles of 64 rows where those of 128 would leave SMs idle.
+  // The tile whose busiest SM computes the least, the wider on a tie (fewer
+  // operand bytes a product, fewer epilogues): 128 x 192 for a 1024 x 3072
+  // product (128 tiles, one wave of 132 SMs, where 128 x 128 takes two),
+  // 64 x 128 for 1024 x 768 (96 tiles where 128-row ones make 48). Not
+  // 128 x 256: its 128 accumulators a thread spill under the 168 registers
+  // ptxas allocates to 384 threads (setmaxnreg raises them only at run time).
   const int64_t sms = device_model(arch).sms;
-  if (g.tiles() < sms) g.consumers = 1;
-  g.stream_k = g.stream_k_tiles(g.stream_k_grid(sms)) > 0;
-  // Too few tiles even so, and too few k-tiles for stream-K: the pipelined
-  // mainloop splits K there.
+  HopperGemm g{d.M, d.N, d.K, d.trans_b};
+  g.columns = 192;
+  for (const auto& [consumers, columns] : {std::pair{2, 128}, {1, 128}}) {
+    HopperGemm candidate = g;
+    candidate.consumers = consumers;
+    candidate.columns = columns;
+    if (candidate.busiest_sm_area(sms) < g.busiest_sm_area(sms)) g = candidate;
+  }
+  // Stream-K where asked, on tiles of 128 columns (its fix-up's).
+  g.stream_k = allow_stream_k && g.columns == 128 && g.stream_k_tiles(g.stream_k_grid(sms)) > 0;
+  // Tiles for fewer than half the SMs (a decoder at a few tokens: 24 tiles
+  // of 64 x 128 at 64 rows): the pipelined mainloop splits K there. From
+  // half a wave on, whole Hopper tiles (the decoder's down projection at 1024
+  // rows, 96 tiles: 0.029 ms on an H100, bench/RESULTS.md 2026-11-27).
   const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, arch);
-  if (pipelined && pipelined->split_k > 1 && g.tiles() < sms && !g.stream_k)
-    return refuse(fmt::format("its {} tiles of 64 x 128 fill less than one wave; the pipelined mainloop splits K {} "
+  if (pipelined && pipelined->split_k > 1 && 2 * g.tiles() < sms && !g.stream_k)
+    return refuse(fmt::format("its {} tiles of {} x {} fill less than half a wave; the pipelined mainloop splits K {} "
                               "ways",
-                              g.tiles(), pipelined->split_k));
+                              g.tiles(), g.rows(), g.columns, pipelined->split_k));
   return g;
 }
 

@@ -327,28 +327,33 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
                                                std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // The Hopper mainloop (templates/gemm_sm90.cuh, docs/gemm.md "The Hopper
-// path") for matmul task `t`: 128 x 128 tiles of D = A B on wgmma, operands
-// by TMA. Taken on a target with wgmma (sm_90a) for f16 and bf16 operands
+// path") for matmul task `t`: tiles of D = A B on wgmma, operands by TMA. Taken on a target with wgmma (sm_90a) for f16 and bf16 operands
 // that TMA can read as stored: A K-contiguous and B either way, unbatched
 // (rows of a batched A folded into M), every row stride whole 16 bytes; a
 // product whose tiles would not fill the GPU where the pipelined mainloop
-// splits K stays there, unless stream-K pays. A kernel on it is launched
-// alone, with no operand prologue (the caller checks both).
-// Its tiles are 128 columns by 64 rows a consumer warpgroup: two (128 rows,
-// four stages) where they fill the GPU, else one (64 rows, three stages,
-// twice the tiles, two blocks an SM where there are more tiles than SMs).
+// splits K stays there, unless stream-K (`allow_stream_k`) pays. A kernel
+// on it is launched alone, with no operand prologue (the caller checks both).
+// Its tiles are 64 rows a consumer warpgroup: two (128 rows) by 128, 192
+// or 256 columns, or one (64 rows by 128, three stages, two blocks an SM),
+// whichever leaves the busiest SM the least to compute (busiest_sm_area).
 struct HopperGemm {
   int64_t M = 0, N = 0, K = 0;
   bool b_k_major = false;  // b stored N x K (trans_b)
   int consumers = 2;
-  static constexpr int kColumns = 128;
+  int columns = 128;  // 128, 192 or 256 (with two consumers)
   int rows() const { return 64 * consumers; }
-  int stages() const { return consumers == 2 ? 4 : 3; }
+  // What fits 227 KiB: four stages but of 128 x 256 tiles' (48 KiB each).
+  int stages() const { return consumers == 1 || columns == 256 ? 3 : 4; }
+  // cg_sm90_gemm_config::RESULT_COLUMNS: the results leave in chunks this wide.
+  int result_columns() const { return columns == 128 ? 128 : 64; }
   int threads() const { return 128 * (1 + consumers); }
   // cg_sm90_gemm_config::MIN_BLOCKS: what the registers setmaxnreg hands out
   // and the shared memory allow.
   int blocks_per_sm() const { return consumers == 1 ? 2 : 1; }
-  int64_t tiles() const { return (M + rows() - 1) / rows() * ((N + kColumns - 1) / kColumns); }
+  int64_t tiles() const { return (M + rows() - 1) / rows() * ((N + columns - 1) / columns); }
+  // The outputs (rows x columns a k step) the busiest of `sms` SMs computes
+  // with persistent blocks sharing each SM: the last wave's quantisation.
+  int64_t busiest_sm_area(int64_t sms) const { return (tiles() + sms - 1) / sms * rows() * columns; }
   int64_t k_tiles() const { return (K + 63) / 64; }
   // Stream-K (cg_sm90_schedule, docs/gemm.md "Stream-K"): where the tiles
   // leave the last wave partly empty, the last tiles' k-tiles dealt out to
@@ -360,8 +365,8 @@ struct HopperGemm {
   bool stream_k = false;
   // cg_sm90_gemm_config::FIXUP_K_TILES: a partial tile's cost in k-tiles.
   int fixup_k_tiles() const {
-    const int64_t stage = int64_t(rows() + kColumns) * 64 * 2;
-    return int((3 * int64_t(rows()) * kColumns * 4 + stage - 1) / stage);
+    const int64_t stage = int64_t(rows() + columns) * 64 * 2;
+    return int((3 * int64_t(rows()) * columns * 4 + stage - 1) / stage);
   }
   // The fix-up's cost in k-tiles where `sk_k_tiles` k-tiles are dealt to
   // `grid` blocks (cg_sm90_fixup_k_tiles: more contributors a tile, more reads).
@@ -373,16 +378,17 @@ struct HopperGemm {
   int64_t stream_k_grid(int64_t sms) const { return sms * blocks_per_sm(); }
   // The workspace on `grid` blocks: two slots of a tile's f32 sums a block;
   // a counter per stream-K tile (fewer than two grids of them) and consumer warp.
-  int64_t stream_k_partial_bytes(int64_t grid) const { return 2 * grid * rows() * kColumns * 4; }
+  int64_t stream_k_partial_bytes(int64_t grid) const { return 2 * grid * rows() * columns * 4; }
   int64_t stream_k_arrival_bytes(int64_t grid) const { return 2 * grid * 4 * consumers * 4; }
   // cg_sm90_gemm_config's SHARED_BYTES: the round-up to 1024 bytes, the
   // stages, their barriers, the consumer warps' rows of results.
   int64_t shared_bytes() const {
-    return 1024 + int64_t(stages()) * (rows() + kColumns) * 64 * 2 + 2 * stages() * 8 + consumers * 4 * 16 * 136 * 4;
+    return 1024 + int64_t(stages()) * (rows() + columns) * 64 * 2 + 2 * stages() * 8 +
+           int64_t(consumers) * 4 * 16 * (result_columns() + 8) * 4;
   }
   std::string describe() const;
 };
-std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch,
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch, bool allow_stream_k,
                                          std::string* why_not = nullptr);
 
 // The f32 SIMT mainloop (templates/gemm.cuh, cg_sgemm_mainloop; docs/gemm.md):

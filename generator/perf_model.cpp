@@ -20,9 +20,12 @@ DeviceModel device_model(const std::string& arch) {
   // an H100 SXM, 19.5 on an A100), not yet measured. Bandwidth: 90% of the
   // HBM peak.
   const std::optional<Arch> a = parse_arch(arch);
+  // The Hopper mainloop's: 575-590 TFLOP/s at 4096^3 in 128 x 128 tiles on
+  // an H100 (bench/RESULTS.md, 2026-11-27), taken at 580 for every tile shape.
   if (a && a->major == 8)
-    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 40e12, 0.6 * 19.5e12, 10e12, 2.5e-6};
-  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 60e12, 0.6 * 67e12, 14e12, 2.5e-6};
+    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 370e12 * 312 / 989, 40e12,
+                       0.6 * 19.5e12, 10e12, 2.5e-6};
+  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 580e12, 60e12, 0.6 * 67e12, 14e12, 2.5e-6};
 }
 
 KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
@@ -33,13 +36,12 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
   // A persistent kernel's blocks loop over its tiles: the tiles run in
   // rounds as a block a tile would.
   e.blocks = k.persistent_tiles > 0 ? k.persistent_tiles : k.grid[0] * k.grid[1] * k.grid[2];
-  // The Hopper mainloop is not measured yet: taken at the pipelined one's
-  // measured rate (wgmma's peak is higher); 168 registers a thread at one
+  // The Hopper mainloop at its measured rate; 168 registers a thread at one
   // block an SM, capped at 128 where it asks for two.
-  const bool pipelined = k.mainloop == MatmulMainloop::pipelined || k.mainloop == MatmulMainloop::pipelined_tf32 ||
-                         k.mainloop == MatmulMainloop::hopper;
+  const bool pipelined = k.mainloop == MatmulMainloop::pipelined || k.mainloop == MatmulMainloop::pipelined_tf32;
   // TF32's tensor-core peak is half the 16-bit one on the A100 and the H100.
-  e.ceiling_flops = k.mainloop == MatmulMainloop::pipelined_tf32     ? d.pipelined_flops / 2
+  e.ceiling_flops = k.mainloop == MatmulMainloop::hopper             ? d.hopper_flops
+                    : k.mainloop == MatmulMainloop::pipelined_tf32   ? d.pipelined_flops / 2
                     : pipelined                                      ? d.pipelined_flops
                     : k.mainloop == MatmulMainloop::simt             ? d.simt_mainloop_flops
                     : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
@@ -102,10 +104,11 @@ std::vector<KernelEstimate> estimate_kernels(const EmittedProgram& program, cons
 
 std::string estimates_table(const std::vector<KernelEstimate>& estimates, const DeviceModel& d) {
   std::string out = fmt::format(
-      "\nperformance model ({}, {}: {} SMs, {:.0f} GB/s, tensor cores {:.0f} TFLOP/s pipelined (TF32 {:.0f}) / {:.0f} "
-      "in the 64 x 64 tile, CUDA cores {:.0f} TFLOP/s in the SIMT mainloop / {:.0f} elsewhere; docs/architecture.md "
-      "§11):\n",
-      d.arch, d.name, d.sms, d.memory_bytes_per_s / 1e9, d.pipelined_flops / 1e12, d.pipelined_flops / 2e12,
+      "\nperformance model ({}, {}: {} SMs, {:.0f} GB/s, tensor cores {:.0f} TFLOP/s on the Hopper mainloop / {:.0f} "
+      "pipelined (TF32 {:.0f}) / {:.0f} in the 64 x 64 tile, CUDA cores {:.0f} TFLOP/s in the SIMT mainloop / {:.0f} "
+      "elsewhere; docs/architecture.md §11):\n",
+      d.arch, d.name, d.sms, d.memory_bytes_per_s / 1e9, d.hopper_flops / 1e12, d.pipelined_flops / 1e12,
+      d.pipelined_flops / 2e12,
       d.tensor_tile_flops / 1e12, d.simt_mainloop_flops / 1e12, d.simt_flops / 1e12);
   out += fmt::format("  {:<28} {:>10} {:>10} {:>8} {:>6} {:>8}  {:>10}\n", "kernel", "GFLOP", "MB", "blocks", "waves",
                      "bound", "predicted");

@@ -19,6 +19,7 @@ struct DeviceModel {
   int sms = 132;
   double memory_bytes_per_s;   // achievable device-memory bandwidth
   double pipelined_flops;      // the pipelined tensor-core mainloop, measured (16-bit)
+  double hopper_flops;         // the Hopper mainloop (wgmma), measured (16-bit); pipelined_flops without one
   double tensor_tile_flops;    // the 64 x 64 tensor-core tile (16-bit)
   double simt_mainloop_flops;  // CUDA cores, f32 FMA, the SIMT mainloop (8 x 8 outputs a thread)
   double simt_flops;           // CUDA cores, f32 FMA, the portable tile and other kernels

@@ -50,9 +50,10 @@ std::string describe_options(const CompileOptions& options) {
     megakernel = fmt::format(" megakernel blocks={} watchdog={}ms{}", options.emit.megakernel_blocks,
                              options.emit.megakernel_watchdog_ms,
                              options.emit.megakernel_break_schedule ? " break-schedule" : "");
-  return fmt::format("arch={}{}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
+  return fmt::format("arch={}{}{}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
                      options.emit.allow_tf32 ? " tf32" : "",
-                     options.emit.atomic_attention_backward ? " atomic-attention-backward" : "", fusion, options.plan.placement.reuse ? "on" : "off",
+                     options.emit.atomic_attention_backward ? " atomic-attention-backward" : "",
+                     options.emit.stream_k ? " stream-k" : "", fusion, options.plan.placement.reuse ? "on" : "off",
                      options.plan.placement.alignment, options.plan.budget_bytes,
                      options.emit.step_function ? " step" : "", megakernel);
 }

@@ -670,21 +670,20 @@ CG_DEVICE void cg_gemm_each_coalesced_vector(const cg_gemm_accumulators<Config>&
 // `*arrivals` (zero before the launch; the last leaves it zero for the next):
 // the one that combines the parts. Each block calls it after storing its part;
 // the fences make every part visible before its block's count, and the
-// others' parts visible to the last after it reads the count. `smem`: a word
+// others' parts visible to the last after it reads the count: thread 0's
+// acquire-release count, after a barrier that orders every thread's stores
+// before it, and before one that orders the reads after it. `smem`: a word
 // of shared memory. Every thread of the block calls it.
 CG_DEVICE bool cg_last_to_arrive(unsigned int* arrivals, int splits, unsigned int* smem) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned int before = atomicAdd(arrivals, 1u);
+    const unsigned int before = cg_arrive_acq_rel(arrivals);
     const unsigned int last = before == (unsigned int)splits - 1;
     if (last) *arrivals = 0u;  // every split has arrived: nothing else reads it in this launch
     smem[0] = last;
   }
   __syncthreads();
-  const bool last = smem[0] != 0u;
-  if (last) __threadfence();
-  return last;
+  return smem[0] != 0u;
 }
 
 // Split-K (docs/gemm.md): `splits` blocks compute the same output tile,

@@ -1,5 +1,5 @@
 // The Hopper GEMM mainloop (sm_90a; docs/gemm.md "The Hopper path"):
-// persistent blocks compute the BM x 128 tiles of D = A B with f32
+// persistent blocks compute the BM x BN tiles of D = A B with f32
 // accumulation, a block its share of them one after another, A
 // (M x K) K-contiguous, B (K x N) N-contiguous or, stored as B^T (N x K),
 // K-contiguous; 16-bit (f16, bf16):
@@ -7,23 +7,24 @@
 //     copies; the warpgroup gives most of its registers back with
 //     setmaxnreg), the others (one or two) are the consumers, 64 rows of the
 //     tile each, their accumulators in registers;
-//   - operands by TMA (cp.async.bulk.tensor), 64 k x 128 rows of each per
-//     k-tile into STAGES shared stages written with the 128-byte swizzle
-//     (an N-contiguous B as two boxes of 64 k x 64 columns),
+//   - operands by TMA (cp.async.bulk.tensor), 64 k x BM rows of A and
+//     x BN of B per k-tile into STAGES shared stages written with the
+//     128-byte swizzle (an N-contiguous B as boxes of 64 k x 64 columns),
 //     completing on the stage's "full" mbarrier with the box's bytes
 //     (out-of-bounds elements are zeros, and count);
-//   - products by wgmma m64n128k16, both operands read from shared memory
+//   - products by wgmma m64nBNk16 (BN 128, 192 or 256), both operands read from shared memory
 //     through descriptors, one group in flight: a consumer releases a stage
 //     (its "empty" mbarrier) once the wgmma that read it has completed;
-//   - results through shared memory, each warp its own 16 rows, so that the
-//     epilogue's loads and stores are a warp's consecutive columns;
+//   - results through shared memory, each warp its own 16 rows, a chunk of
+//     columns at a time, so that the epilogue's loads and stores are a
+//     warp's consecutive columns;
 //   - persistent: a block per SM slot, each looping over tiles (every
 //     gridDim-th, in cg_gemm_tile_of's bands of 8 tile rows), the pipeline's stages and parities
 //     running on from one tile to the next, so the producer loads the next
 //     tile's first k-tiles while the consumers store the last one's results;
-//     where the tiles leave the last wave partly empty, stream-K: the last
-//     tiles' k-tiles dealt out evenly, partial tiles added in k order
-//     (cg_sm90_schedule).
+//     where asked (tiles of 128 columns) and the tiles leave the last wave
+//     partly empty, stream-K: the last tiles' k-tiles dealt out evenly,
+//     partial tiles added in k order (cg_sm90_schedule).
 // The swizzle's pattern follows address bits, so every stage starts on a
 // 1024-byte boundary of the .shared window: the kernel rounds its dynamic
 // shared memory up to one (1 KiB of slack in cg_sm90_gemm_config).
@@ -166,36 +167,43 @@ CG_DEVICE void cg_wgmma_wait() {
 #endif
 }
 
-// Keeps the compiler from moving a read of the accumulators across the
-// wgmma.wait_group before it: their registers are no memory, so the wait's
-// memory clobber does not order them (CUTLASS's warpgroup_fence_operand).
-CG_DEVICE void cg_wgmma_fence_operands(float d[64]) {
+// Keeps the compiler from moving a read of the accumulators (N of them)
+// across the wgmma.wait_group before it: their registers are no memory, so
+// the wait's memory clobber does not order them (CUTLASS's
+// warpgroup_fence_operand).
+template <int N>
+CG_DEVICE void cg_wgmma_fence_operands(float* d) {
 #if defined(__CUDA_ARCH__)
   CG_UNROLL
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 #else
   (void)d;
 #endif
 }
 
-// d (64 floats a thread) += A (64 x 16) B (16 x 128), or = where scale_d is
-// 0: the warpgroup's m64n128k16, A K-major, B K-major or (TRANS_B) N-major.
-// Thread t of the warpgroup holds rows
+// d (N / 2 floats a thread) += A (64 x 16) B (16 x N), or = where scale_d
+// is 0: the warpgroup's m64nNk16 for N of 128, 192 or 256, A K-major, B
+// K-major or (TRANS_B) N-major. Thread t of the warpgroup holds rows
 // 16 (t / 32) + (t % 32) / 4 and 8 more, columns 8 j + 2 (t % 4) + {0, 1}:
-// d[4 j + 2 h + e] is (row + 8 h, column 8 j + 2 (t % 4) + e).
+// d[4 j + 2 h + e] is (row + 8 h, column 8 j + 2 (t % 4) + e). The asm
+// lists the N / 2 accumulators, then the descriptors, scale-d (as a
+// predicate) and TRANS_B. (Written out, not through a macro: the indexer
+// copies a macro only where the host's parse sees it expanded, and these
+// expand for sm_90a alone.)
+
 template <int TRANS_B>
 CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
                                    cg_bf16) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, %67;\n"
-        "}\n"
-        :
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, %67;\n"
+      "}\n"
+      :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -204,7 +212,7 @@ CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsig
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
 #elif defined(CUDAGEN_EMULATION)
   cudagen_emu::wgmma(d, 128, desc_a, desc_b, scale_d != 0, true, TRANS_B != 0);
 #else
@@ -216,15 +224,15 @@ template <int TRANS_B>
 CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
                                    cg_f16) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, %67;\n"
-        "}\n"
-        :
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, %67;\n"
+      "}\n"
+      :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -233,12 +241,160 @@ CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsig
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
 #elif defined(CUDAGEN_EMULATION)
   cudagen_emu::wgmma(d, 128, desc_a, desc_b, scale_d != 0, false, TRANS_B != 0);
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
 #endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n192k16(float d[96], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+      "%96, %97, p, 1, 1, 0, %99;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 192, desc_a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n192k16(float d[96], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
+      "%96, %97, p, 1, 1, 0, %99;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 192, desc_a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n256k16(float d[128], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, %131;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 256, desc_a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n256k16(float d[128], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                   cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, %131;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 256, desc_a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+// The wgmma of a tile N columns wide.
+template <int N, int TRANS_B, typename T>
+CG_DEVICE void cg_wgmma_m64k16(float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
+  if constexpr (N == 128) cg_wgmma_m64n128k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
+  else if constexpr (N == 192) cg_wgmma_m64n192k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
+  else cg_wgmma_m64n256k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
 }
 
 // setmaxnreg: a warpgroup's registers per thread, given back (the producer)
@@ -258,21 +414,28 @@ CG_DEVICE void cg_setmaxnreg_inc() {
 }
 
 // ---------------------------------------------------------------------------
-// The mainloop's shape: tiles of 64 rows a consumer warpgroup by 128
-// columns, 64-element k-tiles (one 128-byte swizzle row of 16-bit elements),
-// STAGES of them in flight.
-template <int STAGES_, int CONSUMERS_ = 2>
+// The mainloop's shape: tiles of 64 rows a consumer warpgroup by BN (128,
+// 192 or 256) columns, 64-element k-tiles (one 128-byte swizzle row of
+// 16-bit elements), STAGES of them in flight.
+template <int STAGES_, int CONSUMERS_ = 2, int BN_ = 128>
 struct cg_sm90_gemm_config {
-  static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = 128, BK = 64, STAGES = STAGES_;
+  static constexpr int CONSUMERS = CONSUMERS_, BM = 64 * CONSUMERS, BN = BN_, BK = 64, STAGES = STAGES_;
+  static_assert(BN == 128 || BN == 192 || BN == 256, "wgmma tiles of 128, 192 or 256 columns");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);  // a producer warpgroup, then the consumers
   // Blocks an SM (the kernel's __launch_bounds__(THREADS, MIN_BLOCKS)), and
   // the registers setmaxnreg gives each consumer thread: the producer keeps
   // 40, and the blocks' threads share the SM's 65536.
   static constexpr int MIN_BLOCKS = CONSUMERS == 1 ? 2 : 1, CONSUMER_REGISTERS = CONSUMERS == 1 ? 208 : 232;
   static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-  // A consumer warp's 16 rows of results, 136 floats apart: a row's eight
-  // more banks keep the warp's pairs of floats free of conflicts.
-  static constexpr int RESULT_ROW = 136, RESULT_BYTES = CONSUMERS * 4 * 16 * RESULT_ROW * 4;
+  // An N-major B's stage: 64-column chunks of BK rows of 128 bytes (the
+  // swizzle's width), one TMA box each; wgmma's leading byte offset.
+  static constexpr int B_CHUNK_BYTES = 64 * BK * 2;
+  // The results leave a chunk of RESULT_COLUMNS columns at a time (all 128
+  // of a 128-wide tile; 64 of wider ones, whose stages need the room): a
+  // consumer warp's 16 rows of it, RESULT_COLUMNS + 8 floats apart, a row's
+  // eight more banks keeping the warp's pairs of floats free of conflicts.
+  static constexpr int RESULT_COLUMNS = BN == 128 ? 128 : 64, RESULT_ROW = RESULT_COLUMNS + 8,
+                       RESULT_BYTES = CONSUMERS * 4 * 16 * RESULT_ROW * 4;
   // The stages from a 1024-byte boundary, a full and an empty barrier per
   // stage, then the results; 1 KiB of slack to round the start up.
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + RESULT_BYTES;
@@ -416,20 +579,16 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
     for (int e = 0; e < 4; ++e) v.v[e] = four.v[e];
     cg_store_vector<4, float>(mine, r * Config::BN + 4 * lane, v);
   }
-  __threadfence();  // this lane's rows reach L2 before the warp counts in
-  __syncwarp();
+  __syncwarp();  // the lanes' rows stored before lane 0 counts the warp in, releasing them all
   const cg_i64 first_k = (w.tile - s.dp_tiles) * s.k_tiles;
   const cg_i64 first = s.owner(first_k), last = s.owner(first_k + s.k_tiles - 1);
   cg_i64 contributors = 0;
   for (cg_i64 b = first; b <= last; ++b) contributors += s.has_run(b);
   unsigned int* arrivals = workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp;
   unsigned int before = 0;
-  if (lane == 0) {
-    before = atomicAdd(arrivals, 1u);
-    // Acquire: the contributors counted in before, their rows visible to this
-    // lane, and through the warp barrier to the others.
-    __threadfence();
-  }
+  // Release this warp's rows; acquire the rows of the contributors counted in
+  // before, visible to this lane and, through the warp barrier, to the others.
+  if (lane == 0) before = cg_arrive_acq_rel(arrivals);
   __syncwarp();
   before = __shfl_sync(0xffffffffu, before, 0);
   if ((cg_i64)before + 1 != contributors) return;
@@ -466,14 +625,16 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
 // workspace's. Without STREAM_K the fix-up is not compiled in: its registers
 // (64 sums a lane) would make a heavy epilogue spill (a split-heads store). The maps, all with the
 // 128-byte swizzle: A's K wide and M high, its box 64 x BM; B's, where
-// B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x 128
-// box, else N wide and K high with a 64 x 64 box. Hands every element
+// B_K_MAJOR (B stored as B^T, N x K), K wide and N high with a 64 x BN
+// box, else N wide and K high with a 64 x 64 box (BN / 64 of them a stage). Hands every element
 // (m, n) with m < M and n < N to epilogue(m, n, d), a warp's lanes on
 // consecutive columns.
 template <typename Config, typename T, bool B_K_MAJOR, bool STREAM_K, typename Epilogue>
 CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map_b, cg_i64 M, cg_i64 N, cg_i64 K,
                             cg_i64 block, cg_i64 grid, unsigned char* smem, cg_sm90_stream_k stream_k,
                             Epilogue epilogue) {
+  // The fix-up reads a partial tile's rows as staged whole (one chunk of 128 columns).
+  static_assert(!STREAM_K || Config::BN == 128, "stream-K on tiles of 128 columns");
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
 #else
@@ -513,10 +674,11 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
           cg_tma_load_2d(stage, map_a, kt * Config::BK, (int)(tile_m * Config::BM), &full[load.stage]);
           if (B_K_MAJOR) {
             cg_tma_load_2d(stage + Config::A_BYTES, map_b, kt * Config::BK, (int)(tile_n * Config::BN), &full[load.stage]);
-          } else {  // two 64-column halves, 64 k rows each
-            cg_tma_load_2d(stage + Config::A_BYTES, map_b, (int)(tile_n * Config::BN), kt * Config::BK, &full[load.stage]);
-            cg_tma_load_2d(stage + Config::A_BYTES + Config::B_BYTES / 2, map_b, (int)(tile_n * Config::BN) + 64,
-                           kt * Config::BK, &full[load.stage]);
+          } else {  // 64-column chunks, 64 k rows each
+            CG_UNROLL
+            for (int c = 0; c < Config::BN / 64; ++c)
+              cg_tma_load_2d(stage + Config::A_BYTES + c * Config::B_CHUNK_BYTES, map_b, (int)(tile_n * Config::BN) + 64 * c,
+                             kt * Config::BK, &full[load.stage]);
           }
         }
       }
@@ -535,7 +697,7 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
     // before it: ptxas serialises every wgmma of a kernel whose accumulators
     // other instructions touch in a pipelined stage (C7514), and it counts the
     // copies of a zero into them.
-    float d[64];
+    float d[Config::BN / 2];
     int in_flight = -1;  // the stage the group in flight reads
     const int pieces_k_tiles = work.k_end - work.k_begin;
     for (int kt = 0; kt < pieces_k_tiles; ++kt, read.advance(S)) {
@@ -546,11 +708,11 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
       // A k step of 16: 32 bytes along a K-major row; two 8-row groups of an N-major B.
       CG_UNROLL
       for (int kk = 0; kk < Config::BK / 16; ++kk)
-        cg_wgmma_m64n128k16<B_K_MAJOR ? 0 : 1>(
+        cg_wgmma_m64k16<Config::BN, B_K_MAJOR ? 0 : 1, T>(
             d, cg_wgmma_descriptor_128b(a + 32 * kk),
             B_K_MAJOR ? cg_wgmma_descriptor_128b(b + 32 * kk)
-                      : cg_wgmma_descriptor_128b(b + 2048 * kk, Config::B_BYTES / 2, 1024),
-            kt > 0 || kk > 0, T());
+                      : cg_wgmma_descriptor_128b(b + 2048 * kk, Config::B_CHUNK_BYTES, 1024),
+            kt > 0 || kk > 0);
       cg_wgmma_commit();
       // The previous k-tile's group has completed: its stage goes back.
       cg_wgmma_wait<1>();
@@ -558,37 +720,45 @@ CG_DEVICE void cg_gemm_sm90(const cg_tensor_map* map_a, const cg_tensor_map* map
       in_flight = read.stage;
     }
     cg_wgmma_wait<0>();
-    cg_wgmma_fence_operands(d);
+    cg_wgmma_fence_operands<Config::BN / 2>(d);
     if (in_flight >= 0) {
       cg_mbarrier_arrive(&empty[in_flight]);
     } else {
       CG_UNROLL
-      for (int i = 0; i < 64; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
+      for (int i = 0; i < Config::BN / 2; ++i) d[i] = 0.0f;  // K = 0: a sum of no products
     }
-    // This warp's 16 rows of the tile into its own part of shared memory (no
-    // other warp reads it: a warp barrier suffices), then out a row at a time.
-    CG_UNROLL
-    for (int j = 0; j < 16; ++j)
-      CG_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        // One 8-byte store (the layout keeps pairs 8-byte aligned).
-        cg_aligned_chunk<2, float> pair = {{d[4 * j + 2 * h], d[4 * j + 2 * h + 1]}};
-        *reinterpret_cast<cg_aligned_chunk<2, float>*>(rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j +
-                                                       2 * (lane % 4)) = pair;
-      }
-    __syncwarp();
     const cg_i64 m0 = (cg_i64)tile_m * Config::BM + 64 * consumer + 16 * warp, n0 = (cg_i64)tile_n * Config::BN;
-    if (schedule.whole(work)) {
-      for (int r = 0; r < 16; ++r) {
-        if (m0 + r >= M) break;
+    // A chunk of columns at a time: this warp's 16 rows of it into its own
+    // part of shared memory (no other warp reads it: a warp barrier
+    // suffices), then out a row at a time.
+    constexpr int CHUNK = Config::RESULT_COLUMNS;
+    CG_UNROLL
+    for (int c = 0; c < Config::BN / CHUNK; ++c) {
+      CG_UNROLL
+      for (int j = 0; j < CHUNK / 8; ++j)
         CG_UNROLL
-        for (int j = 0; j < 4; ++j)
-          if (n0 + 32 * j + lane < N) epilogue(m0 + r, n0 + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+        for (int h = 0; h < 2; ++h) {
+          // One 8-byte store (the layout keeps pairs 8-byte aligned).
+          const int i = 4 * (c * CHUNK / 8 + j) + 2 * h;
+          cg_aligned_chunk<2, float> pair = {{d[i], d[i + 1]}};
+          *reinterpret_cast<cg_aligned_chunk<2, float>*>(rows + (lane / 4 + 8 * h) * Config::RESULT_ROW + 8 * j +
+                                                         2 * (lane % 4)) = pair;
+        }
+      __syncwarp();
+      const cg_i64 n_chunk = n0 + c * CHUNK;
+      if (schedule.whole(work)) {
+        for (int r = 0; r < 16; ++r) {
+          if (m0 + r >= M) break;
+          CG_UNROLL
+          for (int j = 0; j < CHUNK / 32; ++j)
+            if (n_chunk + 32 * j + lane < N)
+              epilogue(m0 + r, n_chunk + 32 * j + lane, rows[r * Config::RESULT_ROW + 32 * j + lane]);
+        }
+      } else if constexpr (STREAM_K) {
+        cg_sm90_stream_k_rows<Config>(schedule, work, rows, consumer * 4 + warp, stream_k, m0, n0, M, N, epilogue);
       }
-    } else if (STREAM_K) {
-      cg_sm90_stream_k_rows<Config>(schedule, work, rows, consumer * 4 + warp, stream_k, m0, n0, M, N, epilogue);
+      __syncwarp();  // every lane has read the rows before the next chunk's or tile's overwrite them
     }
-    __syncwarp();  // every lane has read the rows before the next tile's overwrite them
   }
 #endif
 }

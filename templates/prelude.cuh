@@ -349,6 +349,24 @@ CG_DEVICE void cg_add_release(unsigned long long* p, unsigned long long v) {
   atomicAdd(p, v);
 #endif
 }
+// Counts this thread in at `*p` (adding 1) and returns the count before it,
+// as one acquire-release atomic at GPU scope: it releases what this thread,
+// and every thread a barrier ordered before it, stored (cumulativity), and
+// acquires what the earlier arrivals released. One round trip to L2 where
+// __threadfence before and after an atomicAdd (fence.sc, twice, in every
+// thread that calls it) costs three.
+CG_DEVICE unsigned int cg_arrive_acq_rel(unsigned int* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned int before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(p) : "memory");
+  return before;
+#else
+  __threadfence();
+  const unsigned int before = atomicAdd(p, 1u);
+  __threadfence();
+  return before;
+#endif
+}
 CG_DEVICE unsigned long long cg_nanoseconds() {
 #ifdef __CUDA_ARCH__
   unsigned long long t;

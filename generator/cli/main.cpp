@@ -167,6 +167,9 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
   cmd->add_flag("--atomic-attention-backward", cli.compile.emit.atomic_attention_backward,
                 "flash attention's backward kernel sums dq with atomics: faster, but dq is no longer bit-identical "
                 "from run to run (docs/attention.md)");
+  cmd->add_flag("--stream-k", cli.compile.emit.stream_k,
+                "Hopper matmuls whose tiles leave the last wave partly empty share that wave's k-tiles among all "
+                "SMs (stream-K). Off by default: measured slower than whole tiles on an H100 (docs/gemm.md)");
   cmd->add_flag("--no-reuse", cli.no_reuse, "give every buffer its own storage (for debugging numerics)");
   cmd->add_flag("--no-fuse", cli.no_fuse, "one kernel per task, every intermediate in memory (docs/fusion.md)");
   cmd->add_option("--no-fuse-rule", cli.compile.fuse.disabled_rules, "turn one fusion rule off (repeatable)")

@@ -56,7 +56,7 @@ struct StreamK {
 // `stream_k` enabled, the kernel has a workspace for its grid.
 template <typename T, bool B_K_MAJOR, typename Config = Config>
 double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0, StreamK* stream_k = nullptr) {
-  if (blocks == 0) blocks = unsigned((p.N + 127) / 128 * ((p.M + Config::BM - 1) / Config::BM));
+  if (blocks == 0) blocks = unsigned((p.N + Config::BN - 1) / Config::BN * ((p.M + Config::BM - 1) / Config::BM));
   const long long partial_floats = 2LL * blocks * Config::BM * Config::BN, arrivals = 2LL * blocks * 4 * Config::CONSUMERS;
   Placer place;
   EmuLaunch l(size_t(p.M * p.K + p.N * p.K) * 2 + size_t(p.M * p.N) * 4 + size_t(partial_floats + arrivals) * 4 + 4096);
@@ -79,7 +79,7 @@ double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0, StreamK
   EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_a, a, 2, p.K, p.M, p.K * 2, 64, Config::BM,
                                                  cudagen_emu::TensorSwizzle::span128), "");
   if (B_K_MAJOR)
-    EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.K, p.N, p.K * 2, 64, 128,
+    EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.K, p.N, p.K * 2, 64, Config::BN,
                                                    cudagen_emu::TensorSwizzle::span128), "");
   else
     EXPECT_STREQ(cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, p.N, p.K, p.N * 2, 64, 64,
@@ -89,7 +89,7 @@ double run_problem(const Problem& p, unsigned seed, unsigned blocks = 0, StreamK
   for (long long i = 0; i < p.M * p.N; ++i) d[i] = NAN;
   const int rc = l.run("gemm_sm90", dim3(blocks), dim3(Config::THREADS), Config::SHARED_BYTES, [&] {
     CG_DYNAMIC_SMEM(smem);
-    cg_gemm_sm90<Config, T, B_K_MAJOR, true>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem, workspace,
+    cg_gemm_sm90<Config, T, B_K_MAJOR, Config::BN == 128>(&map_a, &map_b, p.M, p.N, p.K, blockIdx.x, gridDim.x, smem, workspace,
                                        [&](cg_i64 m, cg_i64 n, float v) { cudagen_emu::store(d, m * p.N + n, v); });
   });
   EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
@@ -146,12 +146,37 @@ TEST(GemmSm90, OneConsumerWarpgroupAgainstAFloat64Product) {
   }
 }
 
+// Tiles of 192 and 256 columns (wgmma m64n192k16 and m64n256k16, B in 3
+// or 4 boxes of 64 columns where N-major, results leaving 64 columns at a
+// time): edges in N inside a tile's last chunk of columns and past it, K
+// over more k-tiles than stages, several tiles a block.
+TEST(GemmSm90, WideTilesAgainstAFloat64Product) {
+  using Wide192 = cg_sm90_gemm_config<4, 2, 192>;
+  using Wide256 = cg_sm90_gemm_config<3, 2, 256>;
+  for (const Problem& p : {Problem{128, 192, 64}, Problem{200, 440, 328}, Problem{72, 72, 8}}) {
+    EXPECT_LT((run_problem<cg_bf16, false, Wide192>(p, 31)), 1e-5) << describe(p, false) << ", bf16, 192 columns";
+    EXPECT_LT((run_problem<cg_f16, true, Wide192>(p, 32)), 1e-5) << describe(p, true) << ", f16, 192 columns";
+    EXPECT_LT((run_problem<cg_bf16, true, Wide256>(p, 33)), 1e-5) << describe(p, true) << ", bf16, 256 columns";
+    EXPECT_LT((run_problem<cg_f16, false, Wide256>(p, 34)), 1e-5) << describe(p, false) << ", f16, 256 columns";
+  }
+  const Problem tiles{264, 520, 200};  // 3 x 3 tiles of 128 x 192, 3 x 3 of 128 x 256 (ragged)
+  EXPECT_LT((run_problem<cg_bf16, false, Wide192>(tiles, 35, 2)), 1e-5) << describe(tiles, false) << ", 2 blocks";
+  EXPECT_LT((run_problem<cg_bf16, false, Wide256>(tiles, 36, 4)), 1e-5) << describe(tiles, false) << ", 4 blocks";
+}
+
 // The generator lays out the kernel's shared memory from its own formula
-// (HopperGemm::shared_bytes, kernels.h): the template's, for both configs.
+// (HopperGemm::shared_bytes, kernels.h): the template's, for every config.
 TEST(GemmSm90, TheGeneratorsSharedBytesAreTheTemplates) {
-  cudagen::HopperGemm two, one;
+  cudagen::HopperGemm two, one, wide192, wide256;
   two.consumers = 2;
   one.consumers = 1;
+  wide192.columns = 192;
+  wide256.columns = 256;
+  EXPECT_EQ(wide192.shared_bytes(), (cg_sm90_gemm_config<4, 2, 192>::SHARED_BYTES));
+  EXPECT_EQ(wide256.shared_bytes(), (cg_sm90_gemm_config<3, 2, 256>::SHARED_BYTES));
+  EXPECT_EQ(wide192.stages(), 4);
+  EXPECT_EQ(wide256.stages(), 3);
+  EXPECT_LE(wide256.shared_bytes(), 227 * 1024) << "an SM's shared memory for one block";
   EXPECT_EQ(two.shared_bytes(), (cg_sm90_gemm_config<4, 2>::SHARED_BYTES));
   EXPECT_EQ(two.threads(), (cg_sm90_gemm_config<4, 2>::THREADS));
   EXPECT_EQ(two.rows(), (cg_sm90_gemm_config<4, 2>::BM));

@@ -27,10 +27,12 @@ struct KernelResources {
 };
 
 // One SASS instruction: its address, opcode (the part before the first '.',
-// as LDGSTS of LDGSTS.E.BYPASS.128) and, for a branch, its target (-1 else).
+// as LDGSTS of LDGSTS.E.BYPASS.128), the whole mnemonic and, for a branch,
+// its target (-1 else).
 struct SassInstruction {
   long address = 0;
   std::string opcode;
+  std::string mnemonic;  // HGMMA.64x256x16.F32.BF16
   long target = -1;
 };
 
@@ -73,7 +75,7 @@ inline std::map<std::string, std::vector<SassInstruction>> parse_sass_listing(co
   // "Function : k0_mm", then lines "/*0120*/  @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], P1 ;"
   // and "/*2580*/  @P2 BRA 0x3270 ;".
   std::regex function(R"(Function : (\w+))"),
-      instruction(R"(/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^ ]*\s*(?:(0x[0-9a-f]+))?)");
+      instruction(R"(/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*[^ ]*)\s*(?:(0x[0-9a-f]+))?)");
   std::map<std::string, std::vector<SassInstruction>> out;
   std::string kernel;
   std::istringstream lines(listing);
@@ -84,7 +86,8 @@ inline std::map<std::string, std::vector<SassInstruction>> parse_sass_listing(co
     } else if (!kernel.empty() && std::regex_search(line, m, instruction)) {
       SassInstruction i;
       i.address = std::stol(m[1].str(), nullptr, 16);
-      i.opcode = m[2].str().substr(0, m[2].str().find('.'));
+      i.mnemonic = m[2].str();
+      i.opcode = i.mnemonic.substr(0, i.mnemonic.find('.'));
       if (i.opcode == "BRA" && m[3].matched) i.target = std::stol(m[3].str(), nullptr, 16);
       out[kernel].push_back(std::move(i));
     }

@@ -199,10 +199,11 @@ TEST_F(GpuPath, AHopperMatmulGetsItsTensorMapsFromTheArena) {
 }
 
 // A decoder's down projection (1024 x 768 over 3072: 96 tiles of 64 rows,
-// 48 k-tiles each) takes stream-K on the Hopper mainloop: its launch is
-// every block of the target's grid its workspace is for (132 SMs, two blocks
-// each), however few the tiles, and on a GPU of fewer SMs the blocks that GPU
-// holds at once, never more than the workspace's.
+// 48 k-tiles each) takes stream-K on the Hopper mainloop where asked
+// (--stream-k; whole tiles by default, measured faster on an H100): its
+// launch is every block of the target's grid its workspace is for (132 SMs,
+// two blocks each), however few the tiles, and on a GPU of fewer SMs the
+// blocks that GPU holds at once, never more than the workspace's.
 TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   auto graph = [] {
     GraphBuilder b("stream_k");
@@ -214,6 +215,14 @@ TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   };
   CompileOptions compile_options;
   compile_options.emit.arch = "sm_90a";
+  {
+    const Compiled whole = compile(load_program(graph(), {}), compile_options);
+    ASSERT_EQ(whole.emitted.kernels.size(), 1u);
+    EXPECT_EQ(whole.emitted.kernels[0].matmul_path.find("stream-K"), std::string::npos)
+        << "stream-K without --stream-k: " << whole.emitted.kernels[0].matmul_path;
+    EXPECT_EQ(whole.emitted.kernels[0].stream_k_grid, 0);
+  }
+  compile_options.emit.stream_k = true;
   const Compiled c = compile(load_program(graph(), {}), compile_options);
   ASSERT_EQ(c.emitted.kernels.size(), 1u);
   const EmittedKernel& k = c.emitted.kernels[0];
@@ -224,6 +233,7 @@ TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   JitOptions options;
   options.backend = Backend::gpu;
   options.gpu.cache_dir = cache_.string();
+  options.compile.emit.stream_k = true;
   for (const auto& [sms, grid] : {std::pair<const char*, const char*>{nullptr, " grid=264,1,1 "}, {"4", " grid=8,1,1 "},
                                   {"200", " grid=264,1,1 "}}) {
     if (sms != nullptr) ::setenv("FAKE_CUDA_SMS", sms, 1);
