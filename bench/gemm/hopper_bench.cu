@@ -35,7 +35,9 @@
 // block an SM) by 192 or 128 columns, and of 64 x 128 (one, two blocks an
 // SM); it takes the one whose busiest SM computes the least, the wider on a
 // tie (kernels.cpp's hopper_gemm_of, HopperGemm::busiest_sm_area). 128 x
-// 256 (which spills) runs under --quick only, for the sanitizers.
+// 256 (which spills) runs under --quick only, for the sanitizers. (Where the
+// tiles fill less than half the SMs and the pipelined mainloop would split
+// K, the generator takes that instead; no shape here is so small.)
 using Wide = cg_sm90_gemm_config<4, 2>;
 using Wide192 = cg_sm90_gemm_config<4, 2, 192>;
 using Wide256 = cg_sm90_gemm_config<3, 2, 256>;
@@ -215,7 +217,7 @@ int main(int argc, char** argv) {
         launch(Wide256(), set, false);
       else if ((variant == 0 && tile == Tile::wide192) || variant == 4)
         launch(Wide192(), set, false);
-      else if (narrow)
+      else if (variant == 0 ? tile == Tile::narrow : narrow)
         launch(Narrow(), set, variant == 2);
       else
         launch(Wide(), set, variant == 2);

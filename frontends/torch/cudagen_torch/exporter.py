@@ -1298,8 +1298,8 @@ def _f_float(ex, node):
 
 
 def _f_new_empty(ex, node):
-    """x.new_empty(shape): values unspecified (the traced ones are whatever the memory held,
-    NaN included), so zeros, which every later write or fill overrides."""
+    """x.new_empty(shape), torch.empty_like(x): values unspecified (the traced ones are whatever
+    the memory held, NaN included), so zeros, which every later write or fill overrides."""
     return ex.constant(node, torch.zeros_like(ex.values[node]), f"{node.name}.constant")
 
 
@@ -1331,7 +1331,7 @@ FUNCTIONS = {
     operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
     operator.getitem: _f_getitem, torch.narrow: _f_narrow, torch.unflatten: _f_reshape,
     torch.zeros_like: _f_like_constant, torch.ones_like: _f_like_constant, torch.full_like: _f_like_constant,
-    torch.empty_like: _f_like_constant,
+    torch.empty_like: _f_new_empty,
     torch.relu: _f_unary("relu"), F.relu: _f_unary("relu"), F.relu6: _f_unary("relu6"),
     F.gelu: _f_gelu, F.silu: _f_unary("silu"), torch.sigmoid: _f_unary("sigmoid"), F.sigmoid: _f_unary("sigmoid"),
     torch.tanh: _f_unary("tanh"), F.tanh: _f_unary("tanh"), F.hardswish: _f_unary("hardswish"),
@@ -1479,7 +1479,7 @@ def _aten_handlers():
         "full_like.default": _f_like_constant, "new_zeros.default": _f_like_constant,
         "new_ones.default": _f_like_constant,
         "new_empty.default": _f_new_empty, "new_full.default": _f_like_constant, "unflatten.int": _f_reshape,
-        "empty_like.default": _f_like_constant, "fill.Scalar": _f_fill, "fill_.Scalar": _f_fill, "zero.default": _f_fill, "zero_.default": _f_fill,
+        "empty_like.default": _f_new_empty, "fill.Scalar": _f_fill, "fill_.Scalar": _f_fill, "zero.default": _f_fill, "zero_.default": _f_fill,
         "slice.Tensor": _a_slice, "select.int": _a_select, "narrow.default": _f_narrow,
         "cat.default": _f_cat, "split.Tensor": _f_split, "split_with_sizes.default": _f_split,
         "chunk.default": _f_split, "roll.default": _f_roll, "constant_pad_nd.default": _a_constant_pad,
