@@ -327,20 +327,22 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
                                                std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // The Hopper mainloop (templates/gemm_sm90.cuh, docs/gemm.md "The Hopper
-// path") for matmul task `t`: tiles of D = A B on wgmma, operands by TMA. Taken on a target with wgmma (sm_90a) for f16 and bf16 operands
-// that TMA can read as stored: A K-contiguous and B either way, unbatched
-// (rows of a batched A folded into M), every row stride whole 16 bytes; a
-// product whose tiles would not fill the GPU where the pipelined mainloop
-// splits K stays there, unless stream-K (`allow_stream_k`) pays. A kernel
-// on it is launched alone, with no operand prologue (the caller checks both).
-// Its tiles are 64 rows a consumer warpgroup: two (128 rows) by 128, 192
-// or 256 columns, or one (64 rows by 128, three stages, two blocks an SM),
+// path") for matmul task `t`: tiles of D = A B on wgmma, operands by TMA.
+// Taken on a target with wgmma (sm_90a) for f16 and bf16 operands that TMA
+// can read as stored: A K-contiguous and B either way, unbatched (rows of a
+// batched A folded into M), every row stride whole 16 bytes; a product whose
+// tiles would fill less than half the GPU where the pipelined mainloop
+// splits K stays there, unless stream-K (`allow_stream_k`) pays. A kernel on
+// it is launched alone, with no operand prologue (the caller checks both).
+// Its tiles are 64 rows a consumer warpgroup: two (128 rows) by 192 or 128
+// columns, or one (64 rows by 128, three stages, two blocks an SM),
 // whichever leaves the busiest SM the least to compute (busiest_sm_area).
+// (The template also has 256 columns, which spill: not taken.)
 struct HopperGemm {
   int64_t M = 0, N = 0, K = 0;
   bool b_k_major = false;  // b stored N x K (trans_b)
   int consumers = 2;
-  int columns = 128;  // 128, 192 or 256 (with two consumers)
+  int columns = 128;  // 128 or 192 (with two consumers); the template's 256 for its tests
   int rows() const { return 64 * consumers; }
   // What fits 227 KiB: four stages but of 128 x 256 tiles' (48 KiB each).
   int stages() const { return consumers == 1 || columns == 256 ? 3 : 4; }
