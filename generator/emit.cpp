@@ -370,7 +370,7 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
   // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
   std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                          ? elementwise(t, ps, ek)
-                     : op.pattern == PatternKind::matmul ? matmul(t, ps, ek)
+                     : op.pattern == PatternKind::matmul ? matmul(t, k.gemm, ps, ek)
                                                          : (this->*named_skeleton(op.skeleton_name()))(t, ps, ek);
   epilogue_buffer_ = -1;
   epilogue_vector_width_ = 0;

@@ -69,28 +69,12 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   };
   const bool q_computed = computed(q), k_computed = computed(kk), v_computed = computed(v);
   const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
-  // Tensor cores where the flash kernel applies; otherwise the row kernel,
-  // as far as the fusion pass allowed it (1024 keys).
-  std::string why_not_flash = !projections.empty() ? "the kernel computes its projections' heads itself"
-                              : !global_wrapper_  ? "it shares its launch with other kernels"
-                                                  : std::string();
-  if (why_not_flash.empty()) {
-    if (k.flash) return flash_attention(k, at, *k.flash, std::move(ek), tail.code, tail.params, emitted);
-    // The fusion pass found no flash tile (KernelGroup::flash): only why, for describe.
-    flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_flash, options_.arch, k.flash_trained,
-                            options_.allow_tf32);
-    // Probabilities saved for a backward pass: why the pair of flash kernels
-    // does not apply says more than that the backward pass reads them.
-    if (!k.flash_trained && probs.buffer->storage == Storage::saved) {
-      std::string why_not_trained;
-      if (!flash_attention_tile_of(p_, ts, tp, options_.megakernel, &why_not_trained, options_.arch, true,
-                                   options_.allow_tf32))
-        why_not_flash = why_not_trained;
-      else
-        why_not_flash = "its gradient tasks do not run on the flash backward kernel, so the probabilities are stored "
-                        "for them";
-    }
-  }
+  // Tensor cores where the fusion pass gave the kernel a flash tile (and a
+  // launch of its own); otherwise the row kernel, as far as the fusion pass
+  // allowed it (1024 keys), and why not flash for describe.
+  if (k.flash && global_wrapper_)
+    return flash_attention(k, at, *k.flash, std::move(ek), tail.code, tail.params, emitted);
+  const std::string why_not_flash = k.flash ? "it shares its launch with other kernels" : k.why_not_flash;
   if (k.flash_trained) {
     fail(ts, "", fmt::format("internal error: kernel {} trains on the flash kernels, which do not apply: {}", k.name,
                              why_not_flash),

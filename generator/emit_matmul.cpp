@@ -419,7 +419,7 @@ std::string Emitter::row_reduction(const KernelGroup& k, std::vector<EmittedKern
   return finish_kernel(k, ek, std::move(launch), body, emitted);
 }
 
-std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+std::string Emitter::matmul(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek) {
   const Param& a = param(ps, "a");
   const Param& b = param(ps, "b");
   const Param& out = param(ps, "out");
@@ -449,28 +449,24 @@ std::string Emitter::matmul(int t, const std::vector<Param>& ps, EmittedKernel& 
         broadcast_index(batch_out, batch_a, "z"), M * K, broadcast_index(batch_out, batch_b, "z"), K * N, M * N, z);
   };
   const std::string batch_bases = batch_bases_of("tile.z");
-  // 16-bit operands (and f32 ones with --allow-tf32) whose rows are whole
-  // 16-byte chunks, read as they are stored, run the pipelined mainloop
-  // (docs/gemm.md) where the kernel is launched alone (a megakernel's or a
-  // shared launch's block is another size); other f32 products of 2^24
-  // FLOPs and more the SIMT mainloop.
-  std::string why_not_pipelined =
-      options_.megakernel ? "a megakernel's tiles share one block size" : "it shares its launch with other kernels";
-  std::optional<GemmTile> pipelined;
-  std::optional<SgemmTile> simt;
-  const bool reads_as_stored =
-      global_wrapper_ && prologue_task_ < 0 && prologue_buffer_ != a.bound->buffer && prologue_buffer_ != b.bound->buffer;
-  if (reads_as_stored && (a.buffer->dtype != DType::f32 || options_.allow_tf32))
-    pipelined = pipelined_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined, options_.allow_tf32);
-  if (reads_as_stored && !pipelined && a.buffer->dtype == DType::f32)
-    simt = simt_gemm_tile_of(p_, t, options_.arch, &why_not_pipelined);
-  if (!reads_as_stored && global_wrapper_) why_not_pipelined = "a prologue computes its operand";
-  // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
-  std::string why_not_hopper = why_not_pipelined;
-  std::optional<HopperGemm> hopper;
-  if (reads_as_stored) hopper = hopper_gemm_of(p_, t, options_.arch, options_.stream_k, &why_not_hopper);
-  if (hopper && (plan_.buffers[size_t(a.bound->buffer)].offset % 16 != 0 ||
-                 plan_.buffers[size_t(b.bound->buffer)].offset % 16 != 0)) {
+  // The mainloop the fusion pass chose (KernelGroup::gemm): Hopper,
+  // pipelined or SIMT in a launch of its own; none in a shared launch, a
+  // megakernel, or under a prologue.
+  std::string why_not_pipelined = gemm.why_not_pipelined.empty() && !gemm.launched_alone()
+                                      ? "it shares its launch with other kernels"
+                                      : gemm.why_not_pipelined;
+  if (gemm.launched_alone() && (!global_wrapper_ || prologue_task_ >= 0 || prologue_buffer_ >= 0)) {
+    fail(t, "", fmt::format("internal error: the fusion pass chose the {} mainloop for a kernel that does not read its "
+                            "operands as stored in a launch of its own",
+                            gemm.name()),
+         "--no-fuse-rule horizontal avoids it; please report it with the graph");
+    return {};
+  }
+  const std::optional<GemmTile>& pipelined = gemm.pipelined;
+  const std::optional<SgemmTile>& simt = gemm.simt;
+  std::string why_not_hopper = gemm.why_not_hopper.empty() ? why_not_pipelined : gemm.why_not_hopper;
+  std::optional<HopperGemm> hopper = gemm.hopper;
+  if (hopper && !tma_aligned(t)) {
     hopper.reset();
     why_not_hopper = "an operand's arena offset is no multiple of 16 bytes, which TMA needs (--alignment)";
   }
@@ -877,31 +873,35 @@ Emitter::NormLoad Emitter::norm_load(int64_t M, int64_t K, int tile, const std::
 // tile functions of one persistent kernel per phase, which runs the
 // schedule of megakernel.h from constant tables. Their event counters and
 // watchdog reports take a region after the plan's arena.
-// Sizes split-K's workspace (split_k_) for the largest product that may
-// take it: a kernel launched alone whose first task is a matmul on the
-// pipelined mainloop with a split (emit_kernel's matmul decides the same;
-// where it does not take the mainloop, the workspace is only larger than
-// needed).
+// Whether matmul task `t`'s operands lie at arena offsets TMA can read
+// (multiples of 16 bytes; the plan's alignment, unless --alignment is less).
+bool Emitter::tma_aligned(int t) const {
+  const BoundTask& task = p_.tasks[size_t(t)];
+  return plan_.buffers[size_t(task.find_tensor("a")->buffer)].offset % 16 == 0 &&
+         plan_.buffers[size_t(task.find_tensor("b")->buffer)].offset % 16 == 0;
+}
+
+// Sizes split-K's workspace (split_k_) for the largest product that takes
+// it: a matmul kernel whose mainloop (KernelGroup::gemm, as the fusion pass
+// chose it) splits K on the pipelined mainloop, or deals its last tiles by
+// stream-K on the Hopper one.
 void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
-  for (size_t i = 0; i < kernels.size(); ++i) {
-    const int t = kernels[i].tasks[0];
-    if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
-    const std::optional<GemmTile> g = pipelined_gemm_tile_of(p_, t, options_.arch, nullptr, options_.allow_tf32);
-    if (!g || g->split_k < 2) continue;
-    const MatmulDims d = matmul_dims(p_, t);
-    const int64_t tiles = (d.M + g->bm - 1) / g->bm * ((d.N + g->bn - 1) / g->bn) * d.batches;
-    split_k_.partials_bytes = std::max(split_k_.partials_bytes, d.batches * g->split_k * d.M * d.N * 4);
+  for (const KernelGroup& k : kernels) {
+    if (k.gemm.hopper && tma_aligned(k.tasks.front())) {  // as matmul() takes it
+      const HopperGemm& g = *k.gemm.hopper;
+      if (g.stream_k) {  // for the target's grid (hopper_matmul)
+        const int64_t grid = g.stream_k_grid(device_model(options_.arch).sms);
+        split_k_.partials_bytes = std::max(split_k_.partials_bytes, g.stream_k_partial_bytes(grid));
+        split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, g.stream_k_arrival_bytes(grid));
+      }
+      continue;
+    }
+    if (!k.gemm.pipelined || k.gemm.pipelined->split_k < 2) continue;
+    const GemmTile& g = *k.gemm.pipelined;
+    const MatmulDims d = matmul_dims(p_, k.tasks.front());
+    const int64_t tiles = (d.M + g.bm - 1) / g.bm * ((d.N + g.bn - 1) / g.bn) * d.batches;
+    split_k_.partials_bytes = std::max(split_k_.partials_bytes, d.batches * g.split_k * d.M * d.N * 4);
     split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, tiles * 4);
-  }
-  // Stream-K on the Hopper mainloop (hopper_matmul), for the target's grid.
-  for (size_t i = 0; i < kernels.size(); ++i) {
-    const int t = kernels[i].tasks[0];
-    if (p_.tasks[size_t(t)].op->pattern != PatternKind::matmul || !alone_in_launch(kernels, i)) continue;
-    const std::optional<HopperGemm> g = hopper_gemm_of(p_, t, options_.arch, options_.stream_k);
-    if (!g || !g->stream_k) continue;
-    const int64_t grid = g->stream_k_grid(device_model(options_.arch).sms);
-    split_k_.partials_bytes = std::max(split_k_.partials_bytes, g->stream_k_partial_bytes(grid));
-    split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, g->stream_k_arrival_bytes(grid));
   }
   // Split-KV's (flash_attention) in the same workspace: no two kernels use it at once.
   for (size_t i = 0; i < kernels.size(); ++i) {

@@ -366,7 +366,7 @@ class Emitter {
   std::string matmul_sum(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
-  std::string matmul(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string matmul(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
   static std::string tensor_map_helper();
   static std::string persistent_grid_helper();
   std::string hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
@@ -380,6 +380,7 @@ class Emitter {
   std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N);
   std::string stored_norm_rows(const StoredNorm& n) const;
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek);
+  bool tma_aligned(int t) const;
   void plan_split_k_workspace(const std::vector<KernelGroup>& kernels);
 
   // emit_host.cpp: launches, the megakernel, the host launchers, header and manifest

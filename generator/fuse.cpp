@@ -159,7 +159,8 @@ class Fuser {
       KernelGroup& kernel = out_.kernels[k];
       kernel.name = "k" + std::to_string(k) + "_" + p_.tasks[size_t(kernel.tasks.front())].task->id;
       kernel.ir = kir::build(p_, kernel);
-      kernel.flash = flash_tile(kernel, kernel.flash_roles);
+      kernel.flash = flash_tile(kernel, kernel.flash_roles, kernel.why_not_flash);
+      kernel.gemm = gemm_mainloop(kernel);
     }
     batch_launches();
     out_.notes = notes_.take();
@@ -471,11 +472,11 @@ class Fuser {
         size_t against = k - 1;
         if (!rule_on(FusionRule::horizontal))
           reason = "rule horizontal is off (--no-fuse-rule)";
-        else if (runs_pipelined(kernel))
-          reason = fmt::format("it runs the {} matmul mainloop, in a launch of its own", mainloop_of(kernel.tasks.front()));
-        else if (runs_pipelined(out_.kernels[first]))
+        else if (kernel.gemm.launched_alone())
+          reason = fmt::format("it runs the {} matmul mainloop, in a launch of its own", kernel.gemm.name());
+        else if (out_.kernels[first].gemm.launched_alone())
           reason = fmt::format("{} runs the {} matmul mainloop, in a launch of its own", out_.kernels[first].name,
-                               mainloop_of(out_.kernels[first].tasks.front()));
+                               out_.kernels[first].gemm.name());
         else if (runs_flash(kernel))
           reason = "it runs the flash attention kernel, in a launch of its own";
         else if (runs_flash(out_.kernels[first]))
@@ -498,24 +499,45 @@ class Fuser {
       parameters = own;
     }
   }
-  // Whether the emitter will run the kernel on the pipelined or the SIMT
-  // mainloop: a matmul alone or with its epilogue, no prologue (emit_matmul.cpp,
-  // matmul()).
-  bool runs_pipelined(const KernelGroup& k) const {
-    const int t = k.tasks.front();
-    return k.prologue.empty() && (k.rule == FusionRule::none || k.rule == FusionRule::matmul_epilogue) &&
-           p_.tasks[size_t(t)].op->pattern == PatternKind::matmul && !mainloop_of(t).empty();
+  // The matmul mainloop settled kernel `k` runs (KernelGroup::gemm): a
+  // matmul with at most an epilogue, reading its operands as stored.
+  GemmMainloop gemm_mainloop(const KernelGroup& k) const {
+    if (k.ir.mainloop != kir::Mainloop::gemm) return {};
+    const std::string refused = options_.megakernel  ? "a megakernel's tiles share one block size"
+                                : !k.prologue.empty() ? "a prologue computes its operand"
+                                                      : std::string();
+    return gemm_mainloop_of(p_, k.tasks.front(), gemm_target(), refused);
+  }
+  GemmTarget gemm_target() const {
+    return GemmTarget{.arch = options_.arch, .allow_tf32 = options_.allow_tf32, .allow_stream_k = options_.stream_k};
   }
   // The flash tile settled kernel `k` runs (KernelGroup::flash), or nullopt:
   // an attention kernel whose scores come first (no projections computed in
   // it) on the flash kernel; a flash_trained gradient kernel on the backward
   // kernel, in the atomic mode where asked for and it applies (dq and a key
   // or value gradient present, square tiles).
-  std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles) const {
+  // An attention kernel without one gets the reason in `why_not` (describe).
+  std::optional<FlashAttentionTile> flash_tile(const KernelGroup& k, FlashTraining& roles, std::string& why_not) const {
     // (Its tasks by their stages' roles in its IR, kir.h.)
-    if (attention_alone(k))
-      return flash_attention_tile_of(p_, kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"),
-                                     options_.megakernel, nullptr, options_.arch, k.flash_trained, options_.allow_tf32);
+    if (k.rule == FusionRule::attention && !attention_alone(k)) why_not = "the kernel computes its projections' heads itself";
+    if (attention_alone(k)) {
+      const int scores = kir::role_task(k.ir, "scores"), softmax = kir::role_task(k.ir, "softmax");
+      std::optional<FlashAttentionTile> tile = flash_attention_tile_of(
+          p_, scores, softmax, options_.megakernel, &why_not, options_.arch, k.flash_trained, options_.allow_tf32);
+      // Probabilities saved for a backward pass: why the pair of flash
+      // kernels does not apply says more than that the backward pass reads them.
+      const BufferInfo& probs = p_.buffers[size_t(p_.tasks[size_t(softmax)].find_tensor("out")->buffer)];
+      if (!tile && !k.flash_trained && probs.storage == Storage::saved) {
+        std::string why_not_trained;
+        why_not = !flash_attention_tile_of(p_, scores, softmax, options_.megakernel, &why_not_trained, options_.arch,
+                                           true, options_.allow_tf32)
+                      ? why_not_trained
+                      : "its gradient tasks do not run on the flash backward kernel, so the probabilities are stored "
+                        "for them";
+      }
+      if (tile) why_not.clear();
+      return tile;
+    }
     if (!k.flash_trained || k.rule != FusionRule::attention_backward) return std::nullopt;
     auto task = [&](const char* role) { return kir::role_task(k.ir, role); };
     roles = FlashTraining{.dp = task("dp"), .ds = task("ds"), .dq = task("dq"), .dk = task("dk"), .dv = task("dv")};
@@ -525,13 +547,9 @@ class Fuser {
   // Whether settled kernel `k` runs a flash attention kernel, forward or
   // (trained) backward: it has a flash tile (flash_tile, set before launches are batched).
   static bool runs_flash(const KernelGroup& k) { return k.flash.has_value(); }
-  // "pipelined" or "SIMT" where matmul task `t` would run on that mainloop
-  // given its kernel alone without a prologue; empty otherwise.
-  std::string mainloop_of(int t) const {
-    if (pipelined_gemm_tile_of(p_, t, "sm_90", nullptr, options_.allow_tf32)) return "pipelined";
-    if (simt_gemm_tile_of(p_, t)) return "SIMT";
-    return {};
-  }
+  // "Hopper", "pipelined" or "SIMT" where matmul task `t` would run on that
+  // mainloop given its kernel alone without a prologue; empty otherwise.
+  std::string mainloop_of(int t) const { return gemm_mainloop_of(p_, t, gemm_target()).name(); }
   // A kernel's parameters are limited (4 KiB on every device since Volta);
   // far below that, a launch of this many pointers is no longer small.
   static constexpr int kMaxLaunchParameters = 64;

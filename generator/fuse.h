@@ -107,6 +107,9 @@ struct FuseOptions {
   // (EmitOptions::atomic_attention_backward): the flash tiles are decided here.
   std::string arch = "sm_90";
   bool atomic_attention_backward = false;
+  // Whether Hopper matmuls may take stream-K (EmitOptions::stream_k): the
+  // matmul mainloops are decided here too (KernelGroup::gemm).
+  bool stream_k = false;
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

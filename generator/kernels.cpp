@@ -730,6 +730,38 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   return g;
 }
 
+std::string GemmMainloop::name() const {
+  return hopper ? "Hopper" : pipelined ? "pipelined" : simt ? "SIMT" : "";
+}
+
+std::string GemmMainloop::describe() const {
+  if (hopper) return "the Hopper mainloop, " + hopper->describe();
+  if (pipelined) return "the pipelined mainloop, " + pipelined->describe();
+  if (simt) return "the SIMT mainloop, " + simt->describe();
+  return "the element-by-element tile (templates/matmul.cuh): " + why_not_pipelined;
+}
+
+GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmTarget& target, const std::string& refused) {
+  GemmMainloop m;
+  if (!refused.empty()) {
+    m.why_not_pipelined = m.why_not_hopper = refused;
+    return m;
+  }
+  // 16-bit operands (and f32 ones with --allow-tf32) whose rows are whole
+  // 16-byte chunks run the pipelined mainloop (docs/gemm.md); other f32
+  // products of 2^24 FLOPs and more the SIMT mainloop.
+  const BoundTask& task = program.tasks[size_t(t)];
+  const DType a = program.buffers[size_t(task.find_tensor("a")->buffer)].dtype;
+  if (a != DType::f32 || target.allow_tf32)
+    m.pipelined = pipelined_gemm_tile_of(program, t, target.arch, &m.why_not_pipelined, target.allow_tf32);
+  if (!m.pipelined && a == DType::f32) m.simt = simt_gemm_tile_of(program, t, target.arch, &m.why_not_pipelined);
+  if (m.pipelined || m.simt) m.why_not_pipelined.clear();
+  // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
+  m.hopper = hopper_gemm_of(program, t, target.arch, target.allow_stream_k, &m.why_not_hopper);
+  if (m.hopper) m.why_not_hopper.clear();
+  return m;
+}
+
 std::string SgemmTile::arguments() const { return fmt::format("{}, {}, {}", bm, bn, bk); }
 
 std::string SgemmTile::describe() const {

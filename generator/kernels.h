@@ -16,6 +16,8 @@
 
 namespace cudagen {
 
+struct KernelGroup;  // below: a fused kernel
+
 // The fusion rules (fuse.h, docs/fusion.md), each a kind of fused kernel;
 // `none` for a kernel of one task.
 enum class FusionRule {
@@ -122,57 +124,6 @@ struct FlashTraining {
   int scores = -1, softmax = -1, values = -1;
   int dp = -1, ds = -1, dq = -1, dk = -1, dv = -1;
 };
-
-struct KernelGroup {
-  std::string name;        // k<index>_<first task id>: a C identifier
-  Phase phase = Phase::forward;
-  std::vector<int> tasks;  // task indices, in execution order
-  FusionRule rule = FusionRule::none;  // the fusion rule that grouped them (docs/fusion.md)
-  // Buffers written and read only inside this kernel: they stay in registers
-  // and get no storage in the arena.
-  std::vector<int> internal_buffers;
-  // The launch it runs in: kernels of one launch are adjacent, of one phase
-  // and independent of each other (fuse.h, rule `horizontal`), so one grid
-  // runs them all, each on its own blocks. Without that rule, its own index.
-  int launch = 0;
-  // Tasks this kernel recomputes on the operand loads of its first task:
-  // rule norm_prologue, an rmsnorm or layernorm whose rows a matmul
-  // normalises as it loads them; rule elementwise_prologue, an elementwise
-  // chain whose result a matmul or a row op computes element by element as it
-  // loads operand `prologue_operand`. They run no kernel of their own, and several
-  // kernels may hold the same ones. Their outputs (a norm's statistics too)
-  // are among internal_buffers, but in the one kernel that stores a norm's
-  // output where it is read later (the backward pass saves it): there they
-  // are not, and written once. (An elementwise prologue's result is read by
-  // its matmuls alone, or it would not be one.)
-  std::vector<int> prologue;
-  std::string prologue_operand = "a";  // the operand slot the prologue computes: a matmul's "a" or "b", a row op's "x"
-  // Training on flash attention (docs/attention.md): set on an attention
-  // kernel (rule attention) and on its gradients' kernel (rule
-  // attention_backward) where the fusion pass paired them
-  // (flash_backward_tile_of). The probabilities are stored nowhere (among
-  // both kernels' internal_buffers): the forward kernel saves each row's
-  // log-sum-exp and its output o, and the gradient kernel recomputes them.
-  bool flash_trained = false;
-  // The flash tile the kernel runs, decided once by the fusion pass when it
-  // has settled the kernels: an attention kernel's on the flash kernel (its
-  // forward), or a flash_trained gradient kernel's (the backward kernel's,
-  // atomic_dq in the atomic mode); empty for every other kernel.
-  std::optional<FlashAttentionTile> flash;
-  FlashTraining flash_roles;  // the gradient kernel's: its tasks' roles, the forward's too
-  // What the kernel computes, as a mainloop with its stages' operand and
-  // epilogue trees (kir.h): made from the fields above once the fusion pass
-  // has settled them (fuse(), one_kernel_per_task()).
-  kir::Kernel ir;
-};
-
-// Rule attention without projections computed in the kernel: its IR's
-// stages the scores, softmax and context alone, the form the flash kernel
-// takes.
-inline bool attention_alone(const KernelGroup& k) {
-  return k.rule == FusionRule::attention && !k.ir.stages.empty() && k.ir.stages.front().role == "scores" &&
-         kir::role_task(k.ir, "context") >= 0;
-}
 
 // The bundled ops whose algebra a skeleton is written around, where a
 // template's facts (registry.h) cannot say it: attention is softmax(scale q
@@ -416,6 +367,96 @@ std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, 
 // The same for matmul task `t` (its op must have the SIMT mainloop's variants).
 std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
                                            std::string* why_not = nullptr);
+
+// The mainloop a matmul kernel runs (emit_matmul.cpp, matmul()), decided
+// once, by the fusion pass, for a kernel whose first task is a matmul with
+// at most an epilogue (kir::Mainloop::gemm, no prologue), launched alone:
+// the Hopper mainloop on sm_90a where it applies, else the pipelined one
+// (16-bit operands, or f32 as TF32), else the f32 SIMT one. The fusion pass
+// keeps such a kernel in a launch of its own (rule horizontal), the emitter
+// prints it, the split-K workspace is sized from it; a kernel with none of
+// the three runs the 64 x 64 or the portable tile, and `why_not_pipelined`
+// says why (describe). The Hopper choice is kept beside the other: the
+// emitter falls back to it where an operand's arena offset defeats TMA.
+struct GemmMainloop {
+  std::optional<HopperGemm> hopper;
+  std::optional<GemmTile> pipelined;
+  std::optional<SgemmTile> simt;
+  std::string why_not_pipelined;  // where neither pipelined nor simt
+  std::string why_not_hopper;     // where no hopper
+  // Whether it runs a mainloop of its own launch (any of the three).
+  bool launched_alone() const { return hopper || pipelined || simt; }
+  // "Hopper", "pipelined" or "SIMT": the one it runs; empty for none.
+  std::string name() const;
+  // The one it runs and its tile, or why none (--dump-after fuse).
+  std::string describe() const;
+};
+struct GemmTarget {
+  std::string arch = "sm_90";
+  bool allow_tf32 = false;     // f32 operands on the pipelined mainloop as TF32
+  bool allow_stream_k = false;  // EmitOptions::stream_k
+};
+// Matmul task `t`'s mainloop, in a kernel launched alone that reads its
+// operands as stored; with `refused` not empty, none, for that reason (a
+// megakernel, a prologue computing an operand).
+GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmTarget& target, const std::string& refused = {});
+
+struct KernelGroup {
+  std::string name;        // k<index>_<first task id>: a C identifier
+  Phase phase = Phase::forward;
+  std::vector<int> tasks;  // task indices, in execution order
+  FusionRule rule = FusionRule::none;  // the fusion rule that grouped them (docs/fusion.md)
+  // Buffers written and read only inside this kernel: they stay in registers
+  // and get no storage in the arena.
+  std::vector<int> internal_buffers;
+  // The launch it runs in: kernels of one launch are adjacent, of one phase
+  // and independent of each other (fuse.h, rule `horizontal`), so one grid
+  // runs them all, each on its own blocks. Without that rule, its own index.
+  int launch = 0;
+  // Tasks this kernel recomputes on the operand loads of its first task:
+  // rule norm_prologue, an rmsnorm or layernorm whose rows a matmul
+  // normalises as it loads them; rule elementwise_prologue, an elementwise
+  // chain whose result a matmul or a row op computes element by element as it
+  // loads operand `prologue_operand`. They run no kernel of their own, and several
+  // kernels may hold the same ones. Their outputs (a norm's statistics too)
+  // are among internal_buffers, but in the one kernel that stores a norm's
+  // output where it is read later (the backward pass saves it): there they
+  // are not, and written once. (An elementwise prologue's result is read by
+  // its matmuls alone, or it would not be one.)
+  std::vector<int> prologue;
+  std::string prologue_operand = "a";  // the operand slot the prologue computes: a matmul's "a" or "b", a row op's "x"
+  // Training on flash attention (docs/attention.md): set on an attention
+  // kernel (rule attention) and on its gradients' kernel (rule
+  // attention_backward) where the fusion pass paired them
+  // (flash_backward_tile_of). The probabilities are stored nowhere (among
+  // both kernels' internal_buffers): the forward kernel saves each row's
+  // log-sum-exp and its output o, and the gradient kernel recomputes them.
+  bool flash_trained = false;
+  // The flash tile the kernel runs, decided once by the fusion pass when it
+  // has settled the kernels: an attention kernel's on the flash kernel (its
+  // forward), or a flash_trained gradient kernel's (the backward kernel's,
+  // atomic_dq in the atomic mode); empty for every other kernel.
+  std::optional<FlashAttentionTile> flash;
+  FlashTraining flash_roles;  // the gradient kernel's: its tasks' roles, the forward's too
+  std::string why_not_flash;  // an attention kernel's without a flash tile: why (describe)
+  // The matmul mainloop the kernel runs (GemmMainloop), decided once by the
+  // fusion pass with the flash tile, before launches are batched: set for a
+  // kernel whose IR is a kir::Mainloop::gemm on a matmul task; none for
+  // every other kernel.
+  GemmMainloop gemm;
+  // What the kernel computes, as a mainloop with its stages' operand and
+  // epilogue trees (kir.h): made from the fields above once the fusion pass
+  // has settled them (fuse(), one_kernel_per_task()).
+  kir::Kernel ir;
+};
+
+// Rule attention without projections computed in the kernel: its IR's
+// stages the scores, softmax and context alone, the form the flash kernel
+// takes.
+inline bool attention_alone(const KernelGroup& k) {
+  return k.rule == FusionRule::attention && !k.ir.stages.empty() && k.ir.stages.front().role == "scores" &&
+         kir::role_task(k.ir, "context") >= 0;
+}
 
 // The shared memory every device gives a kernel without opting in: the
 // emitter's variants are chosen to fit it.

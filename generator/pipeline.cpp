@@ -96,7 +96,14 @@ std::string dump_fusion(const Program& p, const Fusion& fusion, bool ir) {
                        p.tasks[size_t(n.previous)].task->id, n.reason);
   if (ir) {
     out += "\nthe kernels' IR (docs/architecture.md §12): each mainloop, its stages, their operands and epilogues\n";
-    for (const auto& k : fusion.kernels) out += fmt::format("\n{}\n{}", k.name, kir::print(p, k.ir));
+    for (const auto& k : fusion.kernels) {
+      // The tile its mainloop runs, decided with the IR (KernelGroup::gemm, ::flash).
+      std::string tile;
+      if (k.ir.mainloop == kir::Mainloop::gemm) tile = "  on " + k.gemm.describe() + "\n";
+      if (k.flash) tile = "  on the flash kernel, " + k.flash->describe() + "\n";
+      else if (k.rule == FusionRule::attention) tile = "  not on the flash kernel: " + k.why_not_flash + "\n";
+      out += fmt::format("\n{}\n{}{}", k.name, tile, kir::print(p, k.ir));
+    }
   }
   return out;
 }
@@ -171,6 +178,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
   fuse_options.arch = options.emit.arch;
   fuse_options.atomic_attention_backward = options.emit.atomic_attention_backward;
+  fuse_options.stream_k = options.emit.stream_k;
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
   dump("fuse", [&] { return dump_fusion(c.program, fusion, true); });
   c.kernels = std::move(fusion.kernels);

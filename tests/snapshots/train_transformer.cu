@@ -1549,7 +1549,7 @@ CG_KERNEL void __launch_bounds__(32) k39_loss_backward(const float* __restrict__
 //   writes head_grad_a.out f32 [2, 8, 32]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 16384 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1566,7 +1566,7 @@ CG_DEVICE void k40_head_grad_a_tile(const float* a, const float* b, float* out, 
 //   writes head_grad_b.out f32 [32, 16]
 //   3072 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 16384 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k41_head_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1610,7 +1610,7 @@ CG_KERNEL void __launch_bounds__(128) k42_lnf_backward(const float* __restrict__
 //   writes down_grad_b.out f32 [64, 32]
 //   6144 bytes read, 8192 bytes written; grid [1, 2, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 65536 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k43_down_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1662,7 +1662,7 @@ CG_DEVICE void k44_down_grad_a_tile(const float* down_grad_a_a, const float* dow
 //   writes up_grad_b.out f32 [32, 64]
 //   6144 bytes read, 8192 bytes written; grid [2, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 65536 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k45_up_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1710,7 +1710,7 @@ CG_DEVICE void k46_ln2_backward_tile(const float* x, const float* weight, const 
 //   in registers attn_out_grad_a.out
 //   6144 bytes read, 2048 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* merged_grad_x_out, cg_tile tile) {
   // Epilogue (matmul_epilogue): merged_grad_x (split_heads), on element i of attn_out_grad_a.out as it is computed.
   auto cg_epilogue = [&](cg_i64 i, float v0) {
@@ -1731,7 +1731,7 @@ CG_DEVICE void k47_attn_out_grad_a_tile(const float* a, const float* b, float* m
 //   writes attn_out_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k48_attn_out_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1827,7 +1827,7 @@ CG_KERNEL void __launch_bounds__(256, 1) k49_context_grad_a(const float* __restr
 //   writes v_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1844,7 +1844,7 @@ CG_DEVICE void k50_v_grad_b_tile(const float* a, const float* b, float* out, cg_
 //   writes k_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k51_k_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;
@@ -1889,7 +1889,7 @@ CG_DEVICE void k52_v_grad_a_tile(const float* v_grad_a_a, const float* v_grad_a_
 //   writes q_grad_b.out f32 [32, 32]
 //   4096 bytes read, 4096 bytes written; grid [1, 1, 1], block 256, 4288 bytes of shared memory:
 //     [0, 4288) the operand tiles
-//   matmul on the portable f32 tile (templates/matmul.cuh): it shares its launch with other kernels.
+//   matmul on the portable f32 tile (templates/matmul.cuh): at 32768 FLOPs (under 2^24) the kernel gains more from sharing a launch than from the SIMT mainloop, which takes one of its own.
 CG_DEVICE void k53_q_grad_b_tile(const float* a, const float* b, float* out, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   const cg_i64 z = tile.z;

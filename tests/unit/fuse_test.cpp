@@ -1,6 +1,7 @@
 // The fusion pass: for each rule, graphs that must fuse and graphs that must
 // not, with the reason checked; what a fused value costs the memory plan.
 #include <map>
+#include <stdexcept>
 
 #include <gtest/gtest.h>
 
@@ -687,7 +688,14 @@ TEST(Fusion, OverAThousandKeysTheFlashOrTheStreamedKernelFusesAttention) {
   EXPECT_EQ(plan_graph(long_attention(DType::bf16, 64, ext)).kernels.size(), 1u);
   CompileOptions megakernel;  // (the pipeline tells the fusion pass)
   megakernel.emit.megakernel = true;
-  EXPECT_EQ(plan_program(load_program(long_attention(DType::bf16, 64, Storage::transient), {}), megakernel).kernels.size(), 1u);
+  megakernel.dump_after = "fuse";
+  const Compiled mega = plan_program(load_program(long_attention(DType::bf16, 64, Storage::transient), {}), megakernel);
+  EXPECT_EQ(mega.kernels.size(), 1u);
+  // The tile, or why none, decided with the IR and shown in its dump.
+  EXPECT_TRUE(flash.kernels[0].flash.has_value());
+  EXPECT_FALSE(mega.kernels[0].flash.has_value());
+  EXPECT_EQ(mega.kernels[0].why_not_flash, "a megakernel's tiles share one block size");
+  EXPECT_NE(mega.dump.find("  not on the flash kernel: " + mega.kernels[0].why_not_flash), std::string::npos) << mega.dump;
   EXPECT_EQ(plan_graph(long_attention(DType::f16, 80, Storage::transient)).kernels.size(), 1u) << "80: padded to 128";
   // Refused: a query row too long for the row kernels (where the flash kernel does not apply either), values transposed.
   EXPECT_EQ(reason_for(plan_graph(long_attention(DType::f32, 1100, Storage::transient)), "p"),
@@ -1111,6 +1119,93 @@ TEST(Horizontal, TurnsOff) {
   Compiled unfused = plan_graph(independent_matmuls(), FuseOptions{false, {}});
   EXPECT_EQ(launch_count(unfused.kernels), int(unfused.kernels.size()));
   EXPECT_TRUE(unfused.launch_notes.empty()) << "--no-fuse: nothing to explain";
+}
+
+// Two independent products: the decoder's up projection in bf16 (1024 x
+// 3072 over 768) and a small f32 one (64 x 64 over 768: no mainloop of its own).
+TaskGraph two_products() {
+  GraphBuilder b("two_products");
+  constexpr DType bf16 = DType::bf16;
+  auto x = b.task("x", "relu").tensor("x", bf16, {1024, 768}, ext).tensor("out", bf16, {1024, 768});
+  b.task("up", "matmul").tensor("a", x["out"]).tensor("b", bf16, {768, 3072}, ext).tensor("out", bf16, {1024, 3072}, ext);
+  b.task("small", "matmul").tensor("a", f32, {64, 768}, ext).tensor("b", f32, {768, 64}, ext).tensor("out", f32, {64, 64}, ext);
+  return std::move(b).graph();
+}
+
+Compiled plan_for(TaskGraph g, const std::string& arch, bool megakernel = false) {
+  CompileOptions options;
+  options.fuse = kNoElementwisePrologue;
+  options.emit.arch = arch;
+  options.emit.megakernel = megakernel;
+  options.dump_after = "fuse";
+  return plan_program(load_program(std::move(g), {}), options);
+}
+
+const KernelGroup& kernel_of(const Compiled& c, const std::string& task) {
+  for (const auto& k : c.kernels)
+    if (c.program.tasks[size_t(k.tasks.front())].task->id == task) return k;
+  throw std::runtime_error("no kernel starts with " + task);
+}
+
+// The matmul mainloop is decided once, by the fusion pass, for the target:
+// the launches are batched by it, the emitter prints it, the dump shows it.
+TEST(Horizontal, AMatmulsMainloopIsDecidedOnceForTheTarget) {
+  const Compiled hopper = plan_for(two_products(), "sm_90a");
+  const KernelGroup& up = kernel_of(hopper, "up");
+  ASSERT_TRUE(up.gemm.hopper.has_value()) << up.gemm.why_not_hopper;
+  EXPECT_EQ(up.gemm.name(), "Hopper");
+  EXPECT_EQ(up.gemm.hopper->columns, 192) << "one wave of 132 SMs";
+  EXPECT_EQ(launch_reason_for(hopper, "small"), "k1_up runs the Hopper matmul mainloop, in a launch of its own");
+  EXPECT_NE(hopper.dump.find("  on the Hopper mainloop, 128 x 192 tiles"), std::string::npos) << hopper.dump;
+
+  // sm_80 has no wgmma: the pipelined mainloop, and why not Hopper.
+  const Compiled ampere = plan_for(two_products(), "sm_80");
+  const KernelGroup& up80 = kernel_of(ampere, "up");
+  EXPECT_FALSE(up80.gemm.hopper.has_value());
+  EXPECT_TRUE(up80.gemm.pipelined.has_value()) << up80.gemm.why_not_pipelined;
+  EXPECT_EQ(up80.gemm.why_not_hopper, "sm_80 has no wgmma (sm_90a has)");
+  EXPECT_EQ(launch_reason_for(ampere, "small"), "k1_up runs the pipelined matmul mainloop, in a launch of its own");
+
+  // A megakernel's tiles share one block size: no mainloop of their own, and the dump says why.
+  const Compiled mega = plan_for(two_products(), "sm_90a", true);
+  for (const auto& k : mega.kernels) EXPECT_FALSE(k.gemm.launched_alone()) << k.name;
+  EXPECT_EQ(kernel_of(mega, "up").gemm.why_not_pipelined, "a megakernel's tiles share one block size");
+  EXPECT_NE(mega.dump.find("on the element-by-element tile (templates/matmul.cuh): a megakernel's tiles share one block "
+                           "size"),
+            std::string::npos)
+      << mega.dump;
+}
+
+// The split-K workspace follows the mainloop the fusion pass chose: a
+// decoder's 64-row projection splits K on the pipelined mainloop, and gets
+// a workspace; the same product whose operand a prologue computes (a relu
+// fused into its loads) runs the element-by-element tile, and gets none.
+TEST(Horizontal, TheSplitKWorkspaceIsSizedForTheMainloopTaken) {
+  auto projection = [](bool prologue) {
+    GraphBuilder b("projection");
+    constexpr DType bf16 = DType::bf16;
+    auto x = b.task("x", "relu").tensor("x", bf16, {64, 768}, ext).tensor("out", bf16, {64, 768});
+    auto mm = b.task("mm", "matmul");
+    if (prologue) mm.tensor("a", x["out"]);
+    else mm.tensor("a", bf16, {64, 768}, ext);
+    mm.tensor("b", bf16, {768, 768}, ext).tensor("out", bf16, {64, 768}, ext);
+    return std::move(b).graph();
+  };
+  CompileOptions options;
+  options.emit.arch = "sm_80";
+  const Compiled alone = compile(load_program(projection(false), {}), options);
+  const KernelGroup& split = kernel_of(alone, "mm");
+  ASSERT_TRUE(split.gemm.pipelined.has_value()) << split.gemm.why_not_pipelined;
+  ASSERT_GT(split.gemm.pipelined->split_k, 1) << "12 tiles of 64 x 64 split K";
+  EXPECT_GE(alone.emitted.arena_bytes - alone.plan.planned_bytes, split.gemm.pipelined->split_k * 64 * 768 * 4);
+
+  const Compiled fused = compile(load_program(projection(true), {}), options);
+  const KernelGroup& mm = kernel_of(fused, "mm");
+  ASSERT_EQ(mm.prologue.size(), 1u) << "relu computed on the matmul's loads (rule elementwise_prologue)";
+  EXPECT_FALSE(mm.gemm.launched_alone());
+  EXPECT_EQ(mm.gemm.why_not_pipelined, "a prologue computes its operand");
+  EXPECT_EQ(fused.emitted.sync_bytes, 0);
+  EXPECT_EQ(fused.emitted.arena_bytes, fused.plan.planned_bytes) << "no split-K workspace for a kernel that does not split K";
 }
 
 TEST(Fusion, NotAnInPlaceUpdate) {
