@@ -6,6 +6,7 @@
 // sm_XY of its device and takes the sm_80 paths.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,5 +39,18 @@ Arch arch_or_throw(std::string_view name, std::string_view where);
 // The target the runtime compiles for on a device of compute capability
 // major.minor: sm_90a on 9.0 (Hopper's wgmma path), sm_XY elsewhere.
 Arch arch_for_device(int major, int minor);
+
+// What generated code is tuned for: an architecture (`arch`, as
+// parse_arch takes it) and, where it is not the model's for that
+// architecture (perf_model.h), the GPU's SM count: an H100 PCIe has 114, an
+// H20 78 (EmitOptions::sms, --sms). The tile choices that fill waves of
+// SMs (split-K, the Hopper tile's width, split-KV, the SIMT tile) read it.
+struct Target {
+  std::string arch = "sm_90";
+  int64_t sms = 0;  // 0: the model's for `arch`
+  Target() = default;
+  Target(std::string arch_, int64_t sms_ = 0) : arch(std::move(arch_)), sms(sms_) {}
+  Target(const char* arch_) : arch(arch_) {}
+};
 
 }  // namespace cudagen

@@ -24,6 +24,10 @@ namespace cudagen {
 
 struct EmitOptions {
   std::string arch = "sm_90";
+  // The GPU's SM count where it is not the model's for `arch` (perf_model.h:
+  // 132 for sm_90, 108 for sm_80): an H100 PCIe's 114, an H20's 78. The tile
+  // choices that fill waves read it (--sms; the JIT sets it from the GPU).
+  int64_t sms = 0;
   // f32 matmuls on tensor cores as TF32 (PyTorch's allow_tf32): operands
   // rounded to 10 mantissa bits, products accumulated in f32; off, f32 stays
   // on the CUDA cores and within f32's bound (docs/architecture.md §9).
@@ -48,11 +52,12 @@ struct EmitOptions {
   // One persistent kernel per phase instead of a kernel per fusion group
   // (docs/architecture.md §10, megakernel.h).
   bool megakernel = false;
-  int megakernel_blocks = 0;  // 0: one per SM of `arch` (sm_90: 132, sm_80: 108)
+  int megakernel_blocks = 0;  // 0: one per SM of the target (`sms`, or sm_90: 132, sm_80: 108)
   // A block that waits longer than this for an event stops the megakernel
   // and reports what it waited for.
   int64_t megakernel_watchdog_ms = 2000;
   bool megakernel_break_schedule = false;  // test only: see MegakernelOptions
+  Target target() const { return Target{arch, sms}; }
 };
 
 // A TMA tensor map a kernel takes by value (the Hopper mainloop, docs/gemm.md):

@@ -360,15 +360,16 @@ std::string Emitter::batched_launch(const std::vector<KernelGroup>& kernels, con
   return code;
 }
 
-int Emitter::default_megakernel_blocks(const std::string& arch) {
-  if (arch == "sm_90" || arch == "sm_90a") return 132;  // H100 SXM, H200
-  if (arch == "sm_80") return 108;                       // A100
+int Emitter::default_megakernel_blocks(const Target& target) {
+  if (target.sms > 0) return int(target.sms);
+  if (target.arch == "sm_90" || target.arch == "sm_90a") return 132;  // H100 SXM, H200
+  if (target.arch == "sm_80") return 108;                              // A100
   return 80;
 }
 
 std::string Emitter::megakernels(EmittedProgram& out) {
   MegakernelOptions mo;
-  mo.blocks = options_.megakernel_blocks > 0 ? options_.megakernel_blocks : default_megakernel_blocks(options_.arch);
+  mo.blocks = options_.megakernel_blocks > 0 ? options_.megakernel_blocks : default_megakernel_blocks(options_.target());
   mo.break_schedule = options_.megakernel_break_schedule;
   out.megakernel_watchdog_ms = options_.megakernel_watchdog_ms;
   out.megakernel = schedule_megakernel(out.tile_kernels, mo);
@@ -674,7 +675,7 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
   // The performance model's estimate of each (perf_model.h), recorded
   // before any GPU runs it.
   std::vector<KernelEstimate> model;
-  for (const EmittedKernel& k : kernels) model.push_back(estimate_kernel(k, device_model(options_.arch)));
+  for (const EmittedKernel& k : kernels) model.push_back(estimate_kernel(k, device_model(options_.target())));
   for (size_t i = 0; i < kernels.size(); ++i) {
     const EmittedKernel& k = kernels[i];
     std::vector<std::string> tasks;

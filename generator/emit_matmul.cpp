@@ -548,7 +548,7 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   ek.min_blocks_per_sm = g.blocks_per_sm();
   ek.persistent_tiles = g.tiles();
   ek.hopper = g;
-  const int64_t sms = device_model(options_.arch).sms;
+  const int64_t sms = device_model(options_.target()).sms;
   if (g.stream_k) ek.stream_k_grid = g.stream_k_grid(sms);
   ek.grid[0] = persistent_grid(persistent_most_blocks(ek), ek.min_blocks_per_sm, sms);
   ek.grid[1] = 1;
@@ -890,7 +890,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
     if (k.gemm.hopper && tma_aligned(k.tasks.front())) {  // as matmul() takes it
       const HopperGemm& g = *k.gemm.hopper;
       if (g.stream_k) {  // for the target's grid (hopper_matmul)
-        const int64_t grid = g.stream_k_grid(device_model(options_.arch).sms);
+        const int64_t grid = g.stream_k_grid(device_model(options_.target()).sms);
         split_k_.partials_bytes = std::max(split_k_.partials_bytes, g.stream_k_partial_bytes(grid));
         split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, g.stream_k_arrival_bytes(grid));
       }

@@ -396,7 +396,7 @@ class Emitter {
   std::string launches(const std::vector<KernelGroup>& kernels, EmittedProgram& out);
   std::string batched_launch(const std::vector<KernelGroup>& kernels, const std::vector<size_t>& members,
                              const std::string& suffix, EmittedProgram& out);
-  static int default_megakernel_blocks(const std::string& arch);
+  static int default_megakernel_blocks(const Target& target);
   std::string megakernels(EmittedProgram& out);
   std::string megakernel(const MegakernelPhase& mp, const std::vector<EmittedKernel>& tile_kernels, int64_t state,
                          int64_t events, std::vector<EmittedKernel>& emitted);

@@ -106,10 +106,12 @@ struct FuseOptions {
   // the keys) and whether attention's backward kernel sums dq with atomics
   // (EmitOptions::atomic_attention_backward): the flash tiles are decided here.
   std::string arch = "sm_90";
+  int64_t sms = 0;  // EmitOptions::sms: the target's SMs where not the model's for `arch`
   bool atomic_attention_backward = false;
   // Whether Hopper matmuls may take stream-K (EmitOptions::stream_k): the
   // matmul mainloops are decided here too (KernelGroup::gemm).
   bool stream_k = false;
+  Target target() const { return Target{arch, sms}; }
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

@@ -223,7 +223,7 @@ std::string FlashAttentionTile::describe() const {
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
-                                                          std::string* why_not, const std::string& arch, bool trained,
+                                                          std::string* why_not, const Target& target, bool trained,
                                                           bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
@@ -330,7 +330,7 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   // splits as bring them closest to that, each of at least
   // kMinKeyTilesPerSplit key tiles.
   const int64_t blocks = numel(lead_q) * ((Tq + tile.block_m - 1) / tile.block_m);
-  const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n, sms = device_model(arch).sms;
+  const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n, sms = device_model(target).sms;
   const int64_t most = std::min<int64_t>(
       {kMaxKeySplits, kFlashBlocksPerSm * sms / std::max<int64_t>(blocks, 1), key_tiles / kMinKeyTilesPerSplit});
   if (most >= 2) {
@@ -341,7 +341,7 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
 }
 
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
-                                                         std::string* why_not, const std::string& arch, bool atomic_dq,
+                                                         std::string* why_not, const Target& target, bool atomic_dq,
                                                          bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<FlashAttentionTile> {
     if (why_not != nullptr) *why_not = std::move(why);
@@ -359,7 +359,7 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     return refuse(fmt::format("the softmax '{}' is not over a product q k^T", program.tasks[size_t(softmax)].task->id));
   std::string why;
   std::optional<FlashAttentionTile> forward =
-      flash_attention_tile_of(program, scores, softmax, megakernel, &why, arch, true, allow_tf32);
+      flash_attention_tile_of(program, scores, softmax, megakernel, &why, target, true, allow_tf32);
   if (!forward) return refuse("its forward does not take the flash kernel: " + why);
   int values = -1;
   for (size_t t = 0; t < program.tasks.size(); ++t)
@@ -549,7 +549,7 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
 }
 
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
-                                            bool trans_b, int64_t batches, const std::string& arch,
+                                            bool trans_b, int64_t batches, const Target& target,
                                             std::string* why_not, bool allow_tf32) {
   auto refuse = [&](std::string why) -> std::optional<GemmTile> {
     if (why_not != nullptr) *why_not = std::move(why);
@@ -567,8 +567,8 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
                               a_contiguous, b_contiguous, chunk));
   // Parsed once; a bundled table that does not parse is a build error, which the tests catch.
   static const std::vector<GemmTuningRule> table = parse_gemm_tuning(gemm_tuning_json(), "templates/gemm_tuning.json");
-  const int64_t sms = device_model(arch).sms;
-  const std::string family = arch_or_throw(arch, "the target architecture").family();  // sm_90 rules hold for sm_90a
+  const int64_t sms = device_model(target).sms;
+  const std::string family = arch_or_throw(target.arch, "the target architecture").family();  // sm_90 rules hold for sm_90a
   // Full waves of 128 x 128 tiles: as many blocks as the SMs hold, at one block an SM.
   const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches, waves = large_tiles / sms;
   for (const GemmTuningRule& rule : table)
@@ -608,7 +608,7 @@ MatmulDims matmul_dims(const Program& program, int t) {
   return d;
 }
 
-std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch,
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const Target& target,
                                                std::string* why_not, bool allow_tf32) {
   const BoundTask& task = program.tasks[size_t(t)];
   // A user's matmul op runs its own function unless it provides the mainloop.
@@ -623,7 +623,7 @@ std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, co
   std::optional<GemmTile> tile =
       pipelined_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
                           program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a,
-                          d.trans_b, d.batches, arch, why_not, allow_tf32);
+                          d.trans_b, d.batches, target, why_not, allow_tf32);
   if (tile && tile->split_k > 1 && task.op->closure_of("cg_gemm_split_k") == nullptr) {
     tile->split_k = 1;  // an op without the split-K epilogue runs its tiles whole
     tile->k_tiles_per_split = 0;
@@ -676,14 +676,14 @@ std::string HopperGemm::describe() const {
                      stages(), b_k_major ? "stored N x K" : "stored K x N (wgmma's transposed B)");
 }
 
-std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch, bool allow_stream_k,
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const Target& target, bool allow_stream_k,
                                          std::string* why_not) {
   auto refuse = [&](std::string why) -> std::optional<HopperGemm> {
     if (why_not != nullptr) *why_not = std::move(why);
     return std::nullopt;
   };
-  const std::optional<Arch> target = parse_arch(arch);
-  if (!target || !target->has_wgmma()) return refuse(fmt::format("{} has no wgmma (sm_90a has)", arch));
+  const std::optional<Arch> arch = parse_arch(target.arch);
+  if (!arch || !arch->has_wgmma()) return refuse(fmt::format("{} has no wgmma (sm_90a has)", target.arch));
   const BoundTask& task = program.tasks[size_t(t)];
   for (const char* variant : {"cg_gemm_sm90", "cg_sm90_gemm_config"})
     if (task.op->closure_of(variant) == nullptr)
@@ -707,7 +707,7 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   // 64 x 128 for 1024 x 768 (96 tiles where 128-row ones make 48). Not
   // 128 x 256: its 128 accumulators a thread spill under the 168 registers
   // ptxas allocates to 384 threads (setmaxnreg raises them only at run time).
-  const int64_t sms = device_model(arch).sms;
+  const int64_t sms = device_model(target).sms;
   HopperGemm g{d.M, d.N, d.K, d.trans_b};
   g.columns = 192;
   for (const auto& [consumers, columns] : {std::pair{2, 128}, {1, 128}}) {
@@ -722,7 +722,7 @@ std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const st
   // of 64 x 128 at 64 rows): the pipelined mainloop splits K there. From
   // half a wave on, whole Hopper tiles (the decoder's down projection at 1024
   // rows, 96 tiles: 0.029 ms on an H100, bench/RESULTS.md 2026-11-27).
-  const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, arch);
+  const std::optional<GemmTile> pipelined = pipelined_gemm_tile_of(program, t, target);
   if (pipelined && pipelined->split_k > 1 && 2 * g.tiles() < sms && !g.stream_k)
     return refuse(fmt::format("its {} tiles of {} x {} fill less than half a wave; the pipelined mainloop splits K {} "
                               "ways",
@@ -741,7 +741,7 @@ std::string GemmMainloop::describe() const {
   return "the element-by-element tile (templates/matmul.cuh): " + why_not_pipelined;
 }
 
-GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmTarget& target, const std::string& refused) {
+GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused) {
   GemmMainloop m;
   if (!refused.empty()) {
     m.why_not_pipelined = m.why_not_hopper = refused;
@@ -752,12 +752,12 @@ GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmTarget& t
   // products of 2^24 FLOPs and more the SIMT mainloop.
   const BoundTask& task = program.tasks[size_t(t)];
   const DType a = program.buffers[size_t(task.find_tensor("a")->buffer)].dtype;
-  if (a != DType::f32 || target.allow_tf32)
-    m.pipelined = pipelined_gemm_tile_of(program, t, target.arch, &m.why_not_pipelined, target.allow_tf32);
-  if (!m.pipelined && a == DType::f32) m.simt = simt_gemm_tile_of(program, t, target.arch, &m.why_not_pipelined);
+  if (a != DType::f32 || options.allow_tf32)
+    m.pipelined = pipelined_gemm_tile_of(program, t, options.target, &m.why_not_pipelined, options.allow_tf32);
+  if (!m.pipelined && a == DType::f32) m.simt = simt_gemm_tile_of(program, t, options.target, &m.why_not_pipelined);
   if (m.pipelined || m.simt) m.why_not_pipelined.clear();
   // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
-  m.hopper = hopper_gemm_of(program, t, target.arch, target.allow_stream_k, &m.why_not_hopper);
+  m.hopper = hopper_gemm_of(program, t, options.target, options.allow_stream_k, &m.why_not_hopper);
   if (m.hopper) m.why_not_hopper.clear();
   return m;
 }
@@ -769,7 +769,7 @@ std::string SgemmTile::describe() const {
 }
 
 std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
-                                        int64_t batches, const std::string& arch, std::string* why_not) {
+                                        int64_t batches, const Target& target, std::string* why_not) {
   (void)K;
   auto refuse = [&](std::string why) -> std::optional<SgemmTile> {
     if (why_not != nullptr) *why_not = std::move(why);
@@ -786,11 +786,11 @@ std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, 
     return refuse(fmt::format("its operands' contiguous axes ({} of a, {} of b) are not multiples of 4 floats",
                               a_contiguous, b_contiguous));
   const int64_t large_tiles = (M + 127) / 128 * ((N + 127) / 128) * batches;
-  if (large_tiles >= device_model(arch).sms) return SgemmTile{128, 128, 8};
+  if (large_tiles >= device_model(target).sms) return SgemmTile{128, 128, 8};
   return SgemmTile{64, 64, 8};
 }
 
-std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch, std::string* why_not) {
+std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const Target& target, std::string* why_not) {
   const BoundTask& task = program.tasks[size_t(t)];
   for (const char* variant : {"cg_sgemm_mainloop", "cg_sgemm_each_coalesced", "cg_sgemm_config"})
     if (task.op->closure_of(variant) == nullptr) {
@@ -800,7 +800,7 @@ std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const 
   const MatmulDims d = matmul_dims(program, t);
   return simt_gemm_tile(program.buffers[size_t(task.find_tensor("a")->buffer)].dtype,
                         program.buffers[size_t(task.find_tensor("b")->buffer)].dtype, d.M, d.N, d.K, d.trans_a, d.trans_b,
-                        d.batches, arch, why_not);
+                        d.batches, target, why_not);
 }
 
 }  // namespace cudagen

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "arch.h"
 #include "kir.h"
 #include "program.h"
 #include "schedule.h"
@@ -258,7 +259,7 @@ std::vector<GemmTuningRule> parse_gemm_tuning(std::string_view text, const std::
 // contiguous axes are whole 16-byte chunks (A's K, or M with trans_a; B's N,
 // or K with trans_b). The tile: the bundled tuning table's.
 std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a,
-                                            bool trans_b, int64_t batches, const std::string& arch,
+                                            bool trans_b, int64_t batches, const Target& target,
                                             std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
@@ -274,7 +275,7 @@ MatmulDims matmul_dims(const Program& program, int t);
 // the emitter's matmul skeleton takes them (rows flattened where
 // matmul_flattens_rows says so). The fusion pass asks it too: a kernel on
 // the pipelined mainloop is launched alone (rule horizontal).
-std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
+std::optional<GemmTile> pipelined_gemm_tile_of(const Program& program, int t, const Target& target = "sm_90",
                                                std::string* why_not = nullptr, bool allow_tf32 = false);
 
 // The Hopper mainloop (templates/gemm_sm90.cuh, docs/gemm.md "The Hopper
@@ -341,7 +342,7 @@ struct HopperGemm {
   }
   std::string describe() const;
 };
-std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const std::string& arch, bool allow_stream_k,
+std::optional<HopperGemm> hopper_gemm_of(const Program& program, int t, const Target& target, bool allow_stream_k,
                                          std::string* why_not = nullptr);
 
 // The f32 SIMT mainloop (templates/gemm.cuh, cg_sgemm_mainloop; docs/gemm.md):
@@ -363,9 +364,9 @@ struct SgemmTile {
 // 128 x 128 where those tiles fill a wave of the arch's SMs, else 64 x 64.
 constexpr int64_t kSimtMainloopMinFlops = int64_t(1) << 24;
 std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
-                                        int64_t batches, const std::string& arch, std::string* why_not = nullptr);
+                                        int64_t batches, const Target& target, std::string* why_not = nullptr);
 // The same for matmul task `t` (its op must have the SIMT mainloop's variants).
-std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const std::string& arch = "sm_90",
+std::optional<SgemmTile> simt_gemm_tile_of(const Program& program, int t, const Target& target = "sm_90",
                                            std::string* why_not = nullptr);
 
 // The mainloop a matmul kernel runs (emit_matmul.cpp, matmul()), decided
@@ -391,15 +392,15 @@ struct GemmMainloop {
   // The one it runs and its tile, or why none (--dump-after fuse).
   std::string describe() const;
 };
-struct GemmTarget {
-  std::string arch = "sm_90";
-  bool allow_tf32 = false;     // f32 operands on the pipelined mainloop as TF32
+struct GemmOptions {
+  Target target;
+  bool allow_tf32 = false;      // f32 operands on the pipelined mainloop as TF32
   bool allow_stream_k = false;  // EmitOptions::stream_k
 };
 // Matmul task `t`'s mainloop, in a kernel launched alone that reads its
 // operands as stored; with `refused` not empty, none, for that reason (a
 // megakernel, a prologue computing an operand).
-GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmTarget& target, const std::string& refused = {});
+GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused = {});
 
 struct KernelGroup {
   std::string name;        // k<index>_<first task id>: a C identifier
@@ -549,7 +550,7 @@ inline bool shared_by_groups(const Shape& q, const Shape& kv) {
 // 32 padded to 32 where trained past kRowKernelTrainedQueryRows query rows).
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
                                                           std::string* why_not = nullptr,
-                                                          const std::string& arch = "sm_90", bool trained = false,
+                                                          const Target& target = "sm_90", bool trained = false,
                                                           bool allow_tf32 = false);
 
 
@@ -581,7 +582,7 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // exact on CUDA cores, tiles of 32 to 128 (as the forward's).
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
-                                                         const std::string& arch = "sm_90", bool atomic_dq = false,
+                                                         const Target& target = "sm_90", bool atomic_dq = false,
                                                          bool allow_tf32 = false);
 inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // Decoding streams the keys and values once: memory-bound. One block keeps

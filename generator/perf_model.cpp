@@ -9,7 +9,8 @@
 
 namespace cudagen {
 
-DeviceModel device_model(const std::string& arch) {
+DeviceModel device_model(const Target& target) {
+  const std::string& arch = target.arch;
   // Anchors (docs/architecture.md §11): the pipelined mainloop's bf16 rate is
   // what it measured on an H100 at 4096^3 (bench/RESULTS.md, 366-376
   // TFLOP/s); on an A100 the same kernel is scaled by the two GPUs' dense
@@ -22,10 +23,22 @@ DeviceModel device_model(const std::string& arch) {
   const std::optional<Arch> a = parse_arch(arch);
   // The Hopper mainloop's: 575-590 TFLOP/s at 4096^3 in 128 x 128 tiles on
   // an H100 (bench/RESULTS.md, 2026-11-27), taken at 580 for every tile shape.
-  if (a && a->major == 8)
-    return DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989, 370e12 * 312 / 989, 40e12,
-                       0.6 * 19.5e12, 10e12, 2.5e-6};
-  return DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 580e12, 60e12, 0.6 * 67e12, 14e12, 2.5e-6};
+  DeviceModel d = a && a->major == 8 ? DeviceModel{arch, "A100 SXM", 108, 0.9 * 2.04e12, 370e12 * 312 / 989,
+                                                    370e12 * 312 / 989, 40e12, 0.6 * 19.5e12, 10e12, 2.5e-6}
+                                      : DeviceModel{arch, "H100 SXM", 132, 0.9 * 3.35e12, 370e12, 580e12, 60e12,
+                                                    0.6 * 67e12, 14e12, 2.5e-6};
+  // Another SM count (--sms): the same SMs, fewer or more of them.
+  if (target.sms > 0 && target.sms != d.sms) {
+    const double scale = double(target.sms) / d.sms;
+    d.name += fmt::format(" at {} SMs", target.sms);
+    d.sms = int(target.sms);
+    d.pipelined_flops *= scale;
+    d.hopper_flops *= scale;
+    d.tensor_tile_flops *= scale;
+    d.simt_mainloop_flops *= scale;
+    d.simt_flops *= scale;
+  }
+  return d;
 }
 
 KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {

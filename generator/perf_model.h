@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "arch.h"
 #include "emit.h"
 
 namespace cudagen {
@@ -30,9 +31,10 @@ struct DeviceModel {
 // the model's assumption until a GPU run measures it.
 constexpr int kSaturatingWarps = 8;
 
-// The model of `arch`: an A100 SXM for sm_80 to sm_89 (the nearest datasheet the
-// model has), an H100 SXM for sm_90 and later.
-DeviceModel device_model(const std::string& arch);
+// The model of `target`'s arch: an A100 SXM for sm_80 to sm_89 (the nearest
+// datasheet the model has), an H100 SXM for sm_90 and later; with the
+// target's SM count where it gives one.
+DeviceModel device_model(const Target& target);
 
 struct KernelEstimate {
   std::string kernel;

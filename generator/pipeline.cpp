@@ -50,7 +50,8 @@ std::string describe_options(const CompileOptions& options) {
     megakernel = fmt::format(" megakernel blocks={} watchdog={}ms{}", options.emit.megakernel_blocks,
                              options.emit.megakernel_watchdog_ms,
                              options.emit.megakernel_break_schedule ? " break-schedule" : "");
-  return fmt::format("arch={}{}{}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
+  return fmt::format("arch={}{}{}{}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
+                     options.emit.sms > 0 ? fmt::format(" sms={}", options.emit.sms) : "",
                      options.emit.allow_tf32 ? " tf32" : "",
                      options.emit.atomic_attention_backward ? " atomic-attention-backward" : "",
                      options.emit.stream_k ? " stream-k" : "", fusion, options.plan.placement.reuse ? "on" : "off",
@@ -177,6 +178,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   fuse_options.megakernel = options.emit.megakernel;
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
   fuse_options.arch = options.emit.arch;
+  fuse_options.sms = options.emit.sms;
   fuse_options.atomic_attention_backward = options.emit.atomic_attention_backward;
   fuse_options.stream_k = options.emit.stream_k;
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
@@ -226,7 +228,7 @@ std::string describe_matmul_paths(const Compiled& c) {
   std::string out;
   for (const EmittedKernel& k : c.emitted.kernels)
     if (!k.matmul_path.empty()) out += fmt::format("  {}: {}\n", k.name, k.matmul_path);
-  const DeviceModel device = device_model(c.options.emit.arch);
+  const DeviceModel device = device_model(c.options.emit.target());
   return (out.empty() ? "" : "\nmatmul mainloops:\n" + out) +
          estimates_table(estimate_kernels(c.emitted, device), device);
 }

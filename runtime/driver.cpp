@@ -143,6 +143,8 @@ GpuInfo describe_device(const DriverApi& api, int ordinal, CUdevice* device) {
   CUDAGEN_CHECK(api, cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, *device),
                 "reading the compute capability");
   info.arch = arch_for_device(major, minor).name();
+  CUDAGEN_CHECK(api, cuDeviceGetAttribute(&info.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, *device),
+                "reading the GPU's SM count");
   CUDAGEN_CHECK(api, cuDriverGetVersion(&info.driver_version), "reading the driver version");
   return info;
 }

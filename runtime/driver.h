@@ -28,6 +28,7 @@ struct GpuInfo {
   int ordinal = 0;
   std::string name;
   std::string arch;  // "sm_90", from the device's compute capability
+  int sms = 0;       // its multiprocessors (132 on an H100 SXM, 114 on a PCIe one)
   int driver_version = 0;  // 13000 for CUDA 13.0
 };
 

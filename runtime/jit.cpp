@@ -63,7 +63,10 @@ JitProgram::State build(Program program, JitOptions options) {
   say(options, why);
   // On a GPU the generated code targets it (its tuning, its Hopper path),
   // unless options.gpu.arch names another: one architecture for both.
-  if (s.backend == Backend::gpu) options.compile.emit.arch = options.gpu.arch.empty() ? gpu.arch : options.gpu.arch;
+  if (s.backend == Backend::gpu) {
+    options.compile.emit.arch = options.gpu.arch.empty() ? gpu.arch : options.gpu.arch;
+    if (options.compile.emit.sms == 0) options.compile.emit.sms = gpu.sms;  // its tiles fill this GPU's waves
+  }
   if (s.backend == Backend::emulation && options.compile.emit.megakernel && options.compile.emit.megakernel_blocks == 0) {
     options.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;
     say(options, fmt::format("megakernel: {} blocks in the host emulation (megakernel_blocks sets it)",

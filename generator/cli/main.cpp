@@ -160,6 +160,13 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
                   "JIT uses its GPU's)")
       ->check(kArchitecture)
       ->capture_default_str();
+  cmd->add_option("--sms", cli.compile.emit.sms,
+                  "the GPU's SM count where it is not the architecture's usual one (132 for sm_90, 108 for sm_80): "
+                  "an H100 PCIe has 114, an H20 78. Split-K, the Hopper tile's width, flash attention's split of the "
+                  "keys and the performance model fill waves of these SMs (0: the architecture's; a run on a GPU "
+                  "takes the GPU's)")
+      ->check(CLI::Range(0, 4096))
+      ->capture_default_str();
   cmd->add_flag("--allow-tf32", cli.compile.emit.allow_tf32,
                 "run f32 matmuls and f32 attention on tensor cores as TF32 (PyTorch's allow_tf32): operands rounded "
                 "to 10 mantissa bits, f32 accumulation; results are checked to f16's bound (docs/gemm.md, "
@@ -264,6 +271,7 @@ int run_run(Cli& cli) {
       cli.gpu_options.arch = cli.compile.emit.arch;
     else
       cli.compile.emit.arch = gpu.arch;
+    if (cli.compile.emit.sms == 0) cli.compile.emit.sms = gpu.sms;  // its tiles fill this GPU's waves
   }
   if (backend == Backend::emulation && cli.compile.emit.megakernel && cli.compile.emit.megakernel_blocks == 0) {
     cli.compile.emit.megakernel_blocks = kEmulatedMegakernelBlocks;

@@ -188,13 +188,13 @@ void compile_graph(std::string_view text) {
   }
 }
 
-using Target = void (*)(std::string_view);
-Target target = nullptr;
+using FuzzTarget = void (*)(std::string_view);
+FuzzTarget target = nullptr;
 
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  const std::map<std::string, Target> targets = {
+  const std::map<std::string, FuzzTarget> targets = {
       {"graph_reader", graph_reader}, {"shape_rule", shape_rule}, {"registry", registry_reader},
       {"npy", npy},                   {"buffer_csv", buffer_csv}, {"compile", compile_graph}};
   const char* name = std::getenv("CUDAGEN_FUZZ_TARGET");

@@ -234,6 +234,20 @@ TEST_F(GpuPath, AStreamKMatmulRunsOnEveryBlockItsWorkspaceHolds) {
   options.backend = Backend::gpu;
   options.gpu.cache_dir = cache_.string();
   options.compile.emit.stream_k = true;
+  // The JIT tunes for the GPU's own SMs: at 114 (an H100 PCIe) the 96
+  // tiles fill one wave with a k-tile's fix-up costing more than the idle
+  // SMs' share it would save (at 132 stream-K pays, below): whole tiles.
+  ::setenv("FAKE_CUDA_SMS", "114", 1);
+  {
+    JitProgram pcie = JitProgram::from_graph(graph(), options);
+    ::unsetenv("FAKE_CUDA_SMS");
+    ASSERT_EQ(pcie.compiled().emitted.kernels.size(), 1u);
+    EXPECT_EQ(pcie.compiled().options.emit.sms, 114);
+    EXPECT_EQ(pcie.compiled().emitted.kernels[0].stream_k_grid, 0) << pcie.compiled().emitted.kernels[0].matmul_path;
+    EXPECT_EQ(pcie.compiled().emitted.kernels[0].persistent_tiles, 96);
+  }
+  // Code compiled for 132 SMs (as ahead of time) on GPUs of other sizes.
+  options.compile.emit.sms = 132;
   for (const auto& [sms, grid] : {std::pair<const char*, const char*>{nullptr, " grid=264,1,1 "}, {"4", " grid=8,1,1 "},
                                   {"200", " grid=264,1,1 "}}) {
     if (sms != nullptr) ::setenv("FAKE_CUDA_SMS", sms, 1);

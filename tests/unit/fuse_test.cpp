@@ -1132,10 +1132,11 @@ TaskGraph two_products() {
   return std::move(b).graph();
 }
 
-Compiled plan_for(TaskGraph g, const std::string& arch, bool megakernel = false) {
+Compiled plan_for(TaskGraph g, const std::string& arch, bool megakernel = false, int64_t sms = 0) {
   CompileOptions options;
   options.fuse = kNoElementwisePrologue;
   options.emit.arch = arch;
+  options.emit.sms = sms;
   options.emit.megakernel = megakernel;
   options.dump_after = "fuse";
   return plan_program(load_program(std::move(g), {}), options);
@@ -1157,6 +1158,13 @@ TEST(Horizontal, AMatmulsMainloopIsDecidedOnceForTheTarget) {
   EXPECT_EQ(up.gemm.hopper->columns, 192) << "one wave of 132 SMs";
   EXPECT_EQ(launch_reason_for(hopper, "small"), "k1_up runs the Hopper matmul mainloop, in a launch of its own");
   EXPECT_NE(hopper.dump.find("  on the Hopper mainloop, 128 x 192 tiles"), std::string::npos) << hopper.dump;
+
+  // On an H100 PCIe's 114 SMs (--sms) 128 tiles of 128 x 192 take two
+  // waves, as do 192 of 128 x 128, which leave the busiest SM less.
+  const Compiled pcie = plan_for(two_products(), "sm_90a", false, 114);
+  ASSERT_TRUE(kernel_of(pcie, "up").gemm.hopper.has_value());
+  EXPECT_EQ(kernel_of(pcie, "up").gemm.hopper->columns, 128);
+  EXPECT_EQ(kernel_of(pcie, "up").gemm.hopper->consumers, 2);
 
   // sm_80 has no wgmma: the pipelined mainloop, and why not Hopper.
   const Compiled ampere = plan_for(two_products(), "sm_80");

@@ -75,6 +75,17 @@ TEST(PerfModel, EachPathRunsAtItsCeiling) {
   EXPECT_EQ(device_model("sm_80").sms, 108);
 }
 
+// A target of another SM count (--sms): the same SMs, so the ceilings
+// scale with their number; the name says so.
+TEST(PerfModel, AnotherSmCountScalesTheCeilings) {
+  const DeviceModel sxm = device_model("sm_90a"), pcie = device_model(Target{"sm_90a", 114});
+  EXPECT_EQ(pcie.sms, 114);
+  EXPECT_EQ(pcie.name, "H100 SXM at 114 SMs");
+  EXPECT_DOUBLE_EQ(pcie.hopper_flops, sxm.hopper_flops * 114 / 132);
+  EXPECT_DOUBLE_EQ(pcie.memory_bytes_per_s, sxm.memory_bytes_per_s);
+  EXPECT_EQ(device_model(Target{"sm_90a", 132}).name, "H100 SXM") << "the model's own count changes nothing";
+}
+
 TEST(PerfModel, SharedMemoryLimitsResidentBlocks) {
   EmittedKernel k = kernel(1000, 128, 0, 1 << 20);
   k.smem_bytes = 100 * 1024;
@@ -142,6 +153,8 @@ TEST(GemmTuning, SplitKFillsOneWaveOfSmallProducts) {
   EXPECT_EQ(down.split_k, 11);  // 132 / 12 = 11 parts of 9 k-tiles (the last 6)
   EXPECT_EQ(down.k_tiles_per_split, 9);
   EXPECT_EQ(pick(64, 768, 3072, 1, "sm_80").split_k, 9);  // 108 / 12 = 9 parts of 11 (the last 8)
+  // An H100 PCIe (--sms 114): 114 / 12 = 9 parts.
+  EXPECT_EQ(pipelined_gemm_tile(DType::bf16, DType::bf16, 64, 768, 3072, false, false, 1, Target{"sm_90", 114})->split_k, 9);
   EXPECT_EQ(pick(64, 3072, 768, 1, "sm_90").split_k, 2);  // 48 tiles: 2 parts of 12
   EXPECT_EQ(pick(64, 768, 200, 1, "sm_90").split_k, 1);   // 7 k-tiles: too short to split
   EXPECT_EQ(pick(1024, 768, 3072, 1, "sm_90").split_k, 1); // 192 tiles: more than a wave
