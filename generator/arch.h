@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace cudagen {
 
@@ -49,8 +50,10 @@ struct Target {
   std::string arch = "sm_90";
   int64_t sms = 0;  // 0: the model's for `arch`
   Target() = default;
-  Target(std::string arch_, int64_t sms_ = 0) : arch(std::move(arch_)), sms(sms_) {}
-  Target(const char* arch_) : arch(arch_) {}
+  // Explicit from a string: a call that passes an arch where a target is
+  // asked for would silently drop the SM count.
+  explicit Target(std::string arch_, int64_t sms_ = 0) : arch(std::move(arch_)), sms(sms_) {}
+  Target(const char* arch_) : arch(arch_) {}  // a literal, as tests name architectures
 };
 
 }  // namespace cudagen

@@ -294,8 +294,8 @@ std::string Emitter::comment(const KernelGroup& k, const std::vector<LaunchParam
           (workspaces.empty() ? "" : fmt::format("//   workspace {}\n", fmt::join(workspaces, ", "))),
       ek.bytes_read, ek.bytes_written,
       ek.persistent_tiles > 0
-          ? fmt::format("persistent: {} blocks on {} ({} an SM) loop over {} tiles", ek.grid[0], options_.arch,
-                        ek.min_blocks_per_sm, ek.persistent_tiles)
+          ? fmt::format("persistent: {} blocks on {} at {} SMs ({} an SM) loop over {} tiles", ek.grid[0],
+                        options_.arch, device_model(options_.target()).sms, ek.min_blocks_per_sm, ek.persistent_tiles)
           : fmt::format("grid [{}, {}, {}]", ek.grid[0], ek.grid[1], ek.grid[2]),
       ek.block, ek.smem_bytes,
       regions.empty() ? "." : fmt::format(":\n//     {}", fmt::join(regions, "\n//     "))) +

@@ -655,6 +655,7 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
   out += fmt::format("  \"graph_hash\": \"{:016x}\",\n", fnv1a64(write_graph(p_.graph) + options_.options_text));
   out += fmt::format("  \"cudagen_version\": \"{}\",\n", CUDAGEN_VERSION);
   out += fmt::format("  \"arch\": {},\n", json_quote(options_.arch));
+  out += fmt::format("  \"sms\": {},\n", device_model(options_.target()).sms);  // what the tiles were chosen for
   out += fmt::format("  \"options\": {},\n", json_quote(options_.options_text));
   out += fmt::format("  \"arena_bytes\": {},\n  \"lower_bound_bytes\": {},\n", arena_bytes_, plan_.lower_bound);
   out += "  \"phases\": [";

@@ -452,14 +452,14 @@ std::string Emitter::matmul(int t, const GemmMainloop& gemm, const std::vector<P
   // The mainloop the fusion pass chose (KernelGroup::gemm): Hopper,
   // pipelined or SIMT in a launch of its own; none in a shared launch, a
   // megakernel, or under a prologue.
-  std::string why_not_pipelined = gemm.why_not_pipelined.empty() && !gemm.launched_alone()
-                                      ? "it shares its launch with other kernels"
-                                      : gemm.why_not_pipelined;
+  std::string why_not_pipelined = !gemm.why_not_pipelined.empty() || gemm.launched_alone() ? gemm.why_not_pipelined
+                                  : !global_wrapper_ ? "it shares its launch with other kernels"
+                                                     : "no fusion pass decided a mainloop for it";
   if (gemm.launched_alone() && (!global_wrapper_ || prologue_task_ >= 0 || prologue_buffer_ >= 0)) {
     fail(t, "", fmt::format("internal error: the fusion pass chose the {} mainloop for a kernel that does not read its "
                             "operands as stored in a launch of its own",
                             gemm.name()),
-         "--no-fuse-rule horizontal avoids it; please report it with the graph");
+         "an internal error of cudagen: please report it with the graph");
     return {};
   }
   const std::optional<GemmTile>& pipelined = gemm.pipelined;

@@ -549,7 +549,9 @@ class Fuser {
   static bool runs_flash(const KernelGroup& k) { return k.flash.has_value(); }
   // "Hopper", "pipelined" or "SIMT" where matmul task `t` would run on that
   // mainloop given its kernel alone without a prologue; empty otherwise.
-  std::string mainloop_of(int t) const { return gemm_mainloop_of(p_, t, gemm_options()).name(); }
+  std::string mainloop_of(int t) const {
+    return gemm_mainloop_of(p_, t, gemm_options(), options_.megakernel ? "a megakernel" : "").name();
+  }
   // A kernel's parameters are limited (4 KiB on every device since Volta);
   // far below that, a launch of this many pointers is no longer small.
   static constexpr int kMaxLaunchParameters = 64;

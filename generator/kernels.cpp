@@ -738,7 +738,7 @@ std::string GemmMainloop::describe() const {
   if (hopper) return "the Hopper mainloop, " + hopper->describe();
   if (pipelined) return "the pipelined mainloop, " + pipelined->describe();
   if (simt) return "the SIMT mainloop, " + simt->describe();
-  return "the element-by-element tile (templates/matmul.cuh): " + why_not_pipelined;
+  return "no mainloop of its own (the 64 x 64 tile, the portable one or the op's own function): " + why_not_pipelined;
 }
 
 GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused) {

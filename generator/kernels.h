@@ -57,7 +57,7 @@ struct FlashAttentionTile {
   // or 96 values in tiles of 128); equal otherwise.
   int head_d = 0, head_dv = 0;
   // Split-KV (decoding): where the blocks of row tiles and heads are fewer
-  // than kFlashBlocksPerSm a SM of the arch, the key tiles are cut into `splits` ranges of
+  // than kFlashBlocksPerSm a SM of the target, the key tiles are cut into `splits` ranges of
   // `tiles_per_split` tiles (at least kMinKeyTilesPerSplit, at most
   // kMaxKeySplits ranges), a block each, combined in split order by the last
   // block of each row tile (cg_flash_attention_split); 1: no split.
@@ -224,8 +224,8 @@ struct GemmTile {
 // The GEMM tuning table (templates/gemm_tuning.json, docs/gemm.md): rules in
 // order, the first whose operands match ("16-bit", the default, or "tf32":
 // f32 as TF32), whose arch matches ("any" or "sm_90") and whose product has
-// at least `min_waves` full waves of 128 x 128 tiles on the arch's SMs
-// (perf_model.h's SM counts) picks the tile. Checked when read: each tile one
+// at least `min_waves` full waves of 128 x 128 tiles on the target's SMs
+// (--sms, or perf_model.h's count for the arch) picks the tile. Checked when read: each tile one
 // the mainloop compiles without spills for its operands
 // (Toolchains.GemmMainloopKeepsEverythingInRegisters) within the shared
 // memory a kernel may opt in to, and for each kind of operands a last rule
@@ -233,7 +233,7 @@ struct GemmTile {
 //
 // A rule's max_split_k (default 1) allows split-K: where the product's tiles
 // of the rule's size (over its batches) fill less than one wave of the
-// arch's SMs, its k range is cut into as many parts as bring the blocks
+// target's SMs, its k range is cut into as many parts as bring the blocks
 // closest to one wave, at most max_split_k and each at least
 // kMinKTilesPerSplit k-tiles (so each part's pipeline fills); the partial
 // sums are added in a fixed order (deterministic, no floating-point atomics).
@@ -361,7 +361,7 @@ struct SgemmTile {
 // of whole 16-byte chunks (A's K, or M with trans_a; B's N, or K with
 // trans_b), and at least kSimtMainloopMinFlops (a smaller product's kernel
 // shares a launch on the portable tile: launches cost more than its FMAs).
-// 128 x 128 where those tiles fill a wave of the arch's SMs, else 64 x 64.
+// 128 x 128 where those tiles fill a wave of the target's SMs, else 64 x 64.
 constexpr int64_t kSimtMainloopMinFlops = int64_t(1) << 24;
 std::optional<SgemmTile> simt_gemm_tile(DType a, DType b, int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b,
                                         int64_t batches, const Target& target, std::string* why_not = nullptr);
@@ -447,7 +447,8 @@ struct KernelGroup {
   GemmMainloop gemm;
   // What the kernel computes, as a mainloop with its stages' operand and
   // epilogue trees (kir.h): made from the fields above once the fusion pass
-  // has settled them (fuse(), one_kernel_per_task()).
+  // has settled them (fuse(); one_kernel_per_task() makes it too, but
+  // decides no tiles: its kernels are for the planner's tests).
   kir::Kernel ir;
 };
 

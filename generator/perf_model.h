@@ -13,7 +13,9 @@
 
 namespace cudagen {
 
-// What the model knows of a target: one datasheet GPU per architecture.
+// What the model knows of a target: one datasheet GPU per architecture, its
+// compute ceilings scaled to the target's SM count where one is given (the
+// memory bandwidth is the datasheet GPU's).
 struct DeviceModel {
   std::string arch;            // "sm_90"
   std::string name;            // "H100 SXM"

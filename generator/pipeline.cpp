@@ -51,7 +51,9 @@ std::string describe_options(const CompileOptions& options) {
                              options.emit.megakernel_watchdog_ms,
                              options.emit.megakernel_break_schedule ? " break-schedule" : "");
   return fmt::format("arch={}{}{}{}{} fuse={} reuse={} alignment={} budget={}{}{}", options.emit.arch,
-                     options.emit.sms > 0 ? fmt::format(" sms={}", options.emit.sms) : "",
+                     options.emit.sms > 0 && options.emit.sms != device_model(Target{options.emit.arch}).sms
+                         ? fmt::format(" sms={}", options.emit.sms)
+                         : "",
                      options.emit.allow_tf32 ? " tf32" : "",
                      options.emit.atomic_attention_backward ? " atomic-attention-backward" : "",
                      options.emit.stream_k ? " stream-k" : "", fusion, options.plan.placement.reuse ? "on" : "off",

@@ -192,7 +192,7 @@ void add_compile_options(CLI::App* cmd, Cli& cli) {
                 "one persistent kernel per phase, running the fused kernels as tile tasks in a fixed schedule "
                 "synchronised by event counters (docs/megakernel.md)");
   cmd->add_option("--megakernel-blocks", cli.compile.emit.megakernel_blocks,
-                  "blocks of the megakernel, all resident at once (0: one per SM of --arch; sm_90: 132)")
+                  "blocks of the megakernel, all resident at once (0: one per SM of the target: --sms, or --arch's usual count; sm_90: 132)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));
   cmd->add_option("--megakernel-watchdog-ms", cli.compile.emit.megakernel_watchdog_ms,
