@@ -465,11 +465,9 @@ std::string Emitter::matmul(int t, const GemmMainloop& gemm, const std::vector<P
   const std::optional<GemmTile>& pipelined = gemm.pipelined;
   const std::optional<SgemmTile>& simt = gemm.simt;
   std::string why_not_hopper = gemm.why_not_hopper.empty() ? why_not_pipelined : gemm.why_not_hopper;
-  std::optional<HopperGemm> hopper = gemm.hopper;
-  if (hopper && !tma_aligned(t)) {
-    hopper.reset();
+  const HopperGemm* hopper = hopper_taken(gemm, t);
+  if (gemm.hopper && hopper == nullptr)
     why_not_hopper = "an operand's arena offset is no multiple of 16 bytes, which TMA needs (--alignment)";
-  }
   if (hopper) return hopper_matmul(t, a, b, out, *hopper, ek);
   const std::optional<Arch> target = parse_arch(options_.arch);
   const std::string not_hopper =
@@ -873,12 +871,16 @@ Emitter::NormLoad Emitter::norm_load(int64_t M, int64_t K, int tile, const std::
 // tile functions of one persistent kernel per phase, which runs the
 // schedule of megakernel.h from constant tables. Their event counters and
 // watchdog reports take a region after the plan's arena.
-// Whether matmul task `t`'s operands lie at arena offsets TMA can read
-// (multiples of 16 bytes; the plan's alignment, unless --alignment is less).
-bool Emitter::tma_aligned(int t) const {
+// The Hopper mainloop matmul task `t` runs: the fusion pass's choice where
+// its operands lie at arena offsets TMA can read (multiples of 16 bytes; the
+// plan's alignment, unless --alignment is less), else none (the pipelined
+// choice beside it runs). Asked by matmul() and the workspace's sizing alike.
+const HopperGemm* Emitter::hopper_taken(const GemmMainloop& gemm, int t) const {
+  if (!gemm.hopper) return nullptr;  // (then `t` need not be a matmul)
   const BoundTask& task = p_.tasks[size_t(t)];
-  return plan_.buffers[size_t(task.find_tensor("a")->buffer)].offset % 16 == 0 &&
-         plan_.buffers[size_t(task.find_tensor("b")->buffer)].offset % 16 == 0;
+  const bool aligned = plan_.buffers[size_t(task.find_tensor("a")->buffer)].offset % 16 == 0 &&
+                       plan_.buffers[size_t(task.find_tensor("b")->buffer)].offset % 16 == 0;
+  return aligned ? &*gemm.hopper : nullptr;
 }
 
 // Sizes split-K's workspace (split_k_) for the largest product that takes
@@ -887,8 +889,8 @@ bool Emitter::tma_aligned(int t) const {
 // stream-K on the Hopper one.
 void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
   for (const KernelGroup& k : kernels) {
-    if (k.gemm.hopper && tma_aligned(k.tasks.front())) {  // as matmul() takes it
-      const HopperGemm& g = *k.gemm.hopper;
+    if (const HopperGemm* hopper = hopper_taken(k.gemm, k.tasks.front())) {
+      const HopperGemm& g = *hopper;
       if (g.stream_k) {  // for the target's grid (hopper_matmul)
         const int64_t grid = g.stream_k_grid(device_model(options_.target()).sms);
         split_k_.partials_bytes = std::max(split_k_.partials_bytes, g.stream_k_partial_bytes(grid));

@@ -380,7 +380,7 @@ class Emitter {
   std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N);
   std::string stored_norm_rows(const StoredNorm& n) const;
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek);
-  bool tma_aligned(int t) const;
+  const HopperGemm* hopper_taken(const GemmMainloop& gemm, int t) const;
   void plan_split_k_workspace(const std::vector<KernelGroup>& kernels);
 
   // emit_host.cpp: launches, the megakernel, the host launchers, header and manifest

@@ -247,7 +247,7 @@ class Fuser {
     // the streamed row kernel, with query and output rows of up to 1024.
     if (k[k.size() - 2] > kMaxAttentionKeys || q.back() > kMaxAttentionKeys) {
       std::string why_not_flash;
-      const bool flash = flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash, options_.target(), false,
+      const bool flash = flash_attention_tile_of(p_, scores, t, options_.megakernel, &why_not_flash, options_.target, false,
                                                  options_.allow_tf32)
                              .has_value();
       if (!flash && q.back() > kMaxAttentionKeys)
@@ -509,7 +509,7 @@ class Fuser {
     return gemm_mainloop_of(p_, k.tasks.front(), gemm_options(), refused);
   }
   GemmOptions gemm_options() const {
-    return GemmOptions{.target = options_.target(), .allow_tf32 = options_.allow_tf32, .allow_stream_k = options_.stream_k};
+    return GemmOptions{.target = options_.target, .allow_tf32 = options_.allow_tf32, .allow_stream_k = options_.stream_k};
   }
   // The flash tile settled kernel `k` runs (KernelGroup::flash), or nullopt:
   // an attention kernel whose scores come first (no projections computed in
@@ -523,13 +523,13 @@ class Fuser {
     if (attention_alone(k)) {
       const int scores = kir::role_task(k.ir, "scores"), softmax = kir::role_task(k.ir, "softmax");
       std::optional<FlashAttentionTile> tile = flash_attention_tile_of(
-          p_, scores, softmax, options_.megakernel, &why_not, options_.target(), k.flash_trained, options_.allow_tf32);
+          p_, scores, softmax, options_.megakernel, &why_not, options_.target, k.flash_trained, options_.allow_tf32);
       // Probabilities saved for a backward pass: why the pair of flash
       // kernels does not apply says more than that the backward pass reads them.
       const BufferInfo& probs = p_.buffers[size_t(p_.tasks[size_t(softmax)].find_tensor("out")->buffer)];
       if (!tile && !k.flash_trained && probs.storage == Storage::saved) {
         std::string why_not_trained;
-        why_not = !flash_attention_tile_of(p_, scores, softmax, options_.megakernel, &why_not_trained, options_.target(),
+        why_not = !flash_attention_tile_of(p_, scores, softmax, options_.megakernel, &why_not_trained, options_.target,
                                            true, options_.allow_tf32)
                       ? why_not_trained
                       : "its gradient tasks do not run on the flash backward kernel, so the probabilities are stored "
@@ -542,7 +542,7 @@ class Fuser {
     auto task = [&](const char* role) { return kir::role_task(k.ir, role); };
     roles = FlashTraining{.dp = task("dp"), .ds = task("ds"), .dq = task("dq"), .dk = task("dk"), .dv = task("dv")};
     const bool atomic = options_.atomic_attention_backward && roles.dq >= 0 && (roles.dk >= 0 || roles.dv >= 0);
-    return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.target(), atomic, options_.allow_tf32);
+    return flash_backward_tile_of(p_, roles, options_.megakernel, nullptr, options_.target, atomic, options_.allow_tf32);
   }
   // Whether settled kernel `k` runs a flash attention kernel, forward or
   // (trained) backward: it has a flash tile (flash_tile, set before launches are batched).
@@ -1073,7 +1073,7 @@ class Fuser {
     // kernel, alone: no projections computed in it).
     FlashTraining roles{.dp = dp, .ds = ds, .dq = dq, .dk = dk, .dv = dv};
     std::string why_not_flash;
-    if (flash_backward_tile_of(p_, roles, options_.megakernel, &why_not_flash, options_.target(), false, options_.allow_tf32)) {
+    if (flash_backward_tile_of(p_, roles, options_.megakernel, &why_not_flash, options_.target, false, options_.allow_tf32)) {
       const size_t at = kernel_of(roles.scores, 0);
       const KernelGroup& forward = out_.kernels[std::min(at, out_.kernels.size() - 1)];
       if (at < out_.kernels.size() && forward.rule == FusionRule::attention && forward.tasks.size() >= 3 && forward.tasks[0] == roles.scores &&

@@ -102,16 +102,15 @@ struct FuseOptions {
   // Whether the kernels become a megakernel (EmitOptions::megakernel), whose
   // blocks are one size: no flash attention, so no attention over 1024 keys.
   bool megakernel = false;
-  // The target (EmitOptions::arch: its SMs size the flash kernel's split of
-  // the keys) and whether attention's backward kernel sums dq with atomics
-  // (EmitOptions::atomic_attention_backward): the flash tiles are decided here.
-  std::string arch = "sm_90";
-  int64_t sms = 0;  // EmitOptions::sms: the target's SMs where not the model's for `arch`
+  // The target (EmitOptions::target(): its SMs size the flash kernel's
+  // split of the keys and the matmul tiles) and whether attention's backward
+  // kernel sums dq with atomics (EmitOptions::atomic_attention_backward): the
+  // flash tiles and matmul mainloops are decided here.
+  Target target;
   bool atomic_attention_backward = false;
   // Whether Hopper matmuls may take stream-K (EmitOptions::stream_k): the
   // matmul mainloops are decided here too (KernelGroup::gemm).
   bool stream_k = false;
-  Target target() const { return Target{arch, sms}; }
 };
 
 // Why a task did not join the kernel of the task scheduled before it.

@@ -179,8 +179,7 @@ Compiled plan_program(Program program, const CompileOptions& options) {
   FuseOptions fuse_options = options.fuse;
   fuse_options.megakernel = options.emit.megakernel;
   fuse_options.allow_tf32 = options.emit.allow_tf32;  // one flag: which kernels launch alone, and what they run
-  fuse_options.arch = options.emit.arch;
-  fuse_options.sms = options.emit.sms;
+  fuse_options.target = options.emit.target();
   fuse_options.atomic_attention_backward = options.emit.atomic_attention_backward;
   fuse_options.stream_k = options.emit.stream_k;
   Fusion fusion = fuse(c.program, c.schedule, fuse_options);
