@@ -3,6 +3,7 @@
 //   emit.cpp             the driver (run), the parameters, one task's kernel, loads and stores;
 //   emit_elementwise.cpp elementwise chains, prologues and epilogues;
 //   emit_rows.cpp        the row skeletons (softmax, the norms, their gradients) and data movement;
+//   emit_vision.cpp      convolution and pooling, and their gradients;
 //   emit_matmul.cpp      the matmul mainloops and the fused products (sum, chain, row reduction);
 //   emit_attention.cpp   attention: the row kernel, flash attention and their gradients;
 //   emit_host.cpp        launches, the megakernel, the host launchers, header and manifest.
@@ -428,9 +429,18 @@ class Emitter {
   std::string concat_split(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string embedding(int, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string transpose(int, const std::vector<Param>& ps, EmittedKernel& ek);
+  // emit_vision.cpp: convolution and pooling, forward and backward.
+  struct ConvGeometry {
+    int64_t B = 0, C = 0, H = 0, W = 0, O = 0, KH = 0, KW = 0, OH = 0, OW = 0, groups = 1, OG = 0, CG = 0;
+    std::string code;  // `const cg_conv2d_geometry g = {...};`
+  };
+  std::optional<ConvGeometry> conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so);
   std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string pool2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string adaptive_avg_pool2d_backward(int, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string slice(int t, const std::vector<Param>& ps, EmittedKernel& ek);
 

@@ -45,6 +45,7 @@ bool is_op(const OpSignature& op, BundledOp which) {
     case BundledOp::layernorm_backward: return op.name == "layernorm_backward";
     case BundledOp::concat: return op.name == "concat";
     case BundledOp::max_pool2d: return op.name == "max_pool2d";
+    case BundledOp::max_pool2d_backward: return op.name == "max_pool2d_backward";
     case BundledOp::slice_backward: return op.name == "slice_backward";
   }
   return false;

@@ -132,8 +132,8 @@ struct FlashTraining {
 // reduction's reductions are sum_leading and a^T @ value; a sum of matmuls
 // joins them with add; the projections an attention computes end in
 // split_heads; and skeletons shared by two ops tell them apart
-// (log_softmax_backward, layernorm_backward, concat, max_pool2d,
-// slice_backward). The one table of op names the fusion pass and the emitter
+// (log_softmax_backward, layernorm_backward, concat, max_pool2d and its
+// gradient, slice_backward). The one table of op names the fusion pass and the emitter
 // compare against (kernels.cpp); derive.cpp's gradient rules have their own.
 enum class BundledOp {
   matmul,
@@ -146,6 +146,7 @@ enum class BundledOp {
   layernorm_backward,
   concat,
   max_pool2d,
+  max_pool2d_backward,
   slice_backward,
 };
 bool is_op(const OpSignature& op, BundledOp which);

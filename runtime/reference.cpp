@@ -111,6 +111,9 @@ class Evaluator {
     if (op == "conv2d") return conv2d(bt);
     if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
     if (op == "adaptive_avg_pool2d") return adaptive_avg_pool2d(bt);
+    if (op == "conv2d_backward") return conv2d_backward(bt);
+    if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
+    if (op == "adaptive_avg_pool2d_backward") return adaptive_avg_pool2d_backward(bt);
     if (op == "permute") return permute(bt);
     if (op == "slice" || op == "slice_backward") return slice(bt, op == "slice_backward");
     if (op == "rmsnorm") return rmsnorm(bt);
@@ -866,6 +869,118 @@ class Evaluator {
             v[io] = sum;
             a[io] = sabs;
           }
+    out(o, std::move(v), std::move(a));
+  }
+
+  // conv2d's gradients by the definition: every (output, tap) pair that the
+  // forward sums adds its product to dx, dweight and dbias; each error scale
+  // is the same sum over absolute values.
+  void conv2d_backward(const BoundTask& bt) {
+    const int x = buf(bt, "x"), w = buf(bt, "weight"), d = buf(bt, "dout");
+    const BoundTensor *dx = bt.find_tensor("dx"), *dw = bt.find_tensor("dweight"), *db = bt.find_tensor("dbias");
+    const Shape &sx = shape(x), &sw = shape(w), &sd = shape(d);
+    const int64_t B = sx[0], C = sx[1], H = sx[2], W = sx[3], O = sw[0], KH = sw[2], KW = sw[3], OH = sd[2], OW = sd[3];
+    const int64_t groups = arg_int(bt, "groups", 1), OG = O / groups, CG = C / groups;
+    const int64_t sh = arg_int(bt, "stride_h", 1), sw_ = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0),
+                  pw = arg_int(bt, "padding_w", 0), dh = arg_int(bt, "dilation_h", 1), dw_ = arg_int(bt, "dilation_w", 1);
+    const auto &xv = val(x), &wv = val(w), &dv = val(d), &xa = r_.abs[size_t(x)], &wa = r_.abs[size_t(w)],
+               &da = r_.abs[size_t(d)];
+    std::vector<double> gx(size_t(numel(sx)), 0.0), gxa(gx.size(), 0.0), gw(size_t(numel(sw)), 0.0), gwa(gw.size(), 0.0),
+        gb(size_t(O), 0.0), gba(gb.size(), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t oc = 0; oc < O; ++oc)
+        for (int64_t oh = 0; oh < OH; ++oh)
+          for (int64_t ow = 0; ow < OW; ++ow) {
+            const size_t io = size_t(((b * O + oc) * OH + oh) * OW + ow);
+            gb[size_t(oc)] += dv[io];
+            gba[size_t(oc)] += da[io];
+            const int64_t g = oc / OG;
+            for (int64_t c = 0; c < CG; ++c)
+              for (int64_t i = 0; i < KH; ++i)
+                for (int64_t j = 0; j < KW; ++j) {
+                  const int64_t h = oh * sh - ph + i * dh, ww = ow * sw_ - pw + j * dw_;
+                  if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                  const size_t ix = size_t(((b * C + g * CG + c) * H + h) * W + ww);
+                  const size_t iw = size_t(((oc * CG + c) * KH + i) * KW + j);
+                  gx[ix] += dv[io] * wv[iw];
+                  gxa[ix] += da[io] * wa[iw];
+                  gw[iw] += dv[io] * xv[ix];
+                  gwa[iw] += da[io] * xa[ix];
+                }
+          }
+    if (dx != nullptr) out(dx->buffer, std::move(gx), std::move(gxa));
+    if (dw != nullptr) out(dw->buffer, std::move(gw), std::move(gwa));
+    if (db != nullptr) out(db->buffer, std::move(gb), std::move(gba));
+  }
+
+  // The pooling gradients: each window's dout to what the forward read
+  // (pool2d's order: max's first largest), over its divisor for avg.
+  void pool2d_backward(const BoundTask& bt, bool max) {
+    const int d = buf(bt, "dout"), o = buf(bt, "dx");
+    const int x = max ? buf(bt, "x") : -1;
+    const Shape &sx = shape(o), &so = shape(d);
+    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const int64_t KH = arg_int(bt, "kernel_h", 1), KW = arg_int(bt, "kernel_w", 1), sh = arg_int(bt, "stride_h", 1),
+                  sw = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0), pw = arg_int(bt, "padding_w", 0),
+                  dh = max ? arg_int(bt, "dilation_h", 1) : 1, dw = max ? arg_int(bt, "dilation_w", 1) : 1;
+    const bool include_pad = !max && arg_bool(bt, "count_include_pad");
+    std::vector<double> v(size_t(numel(sx)), 0.0), a(v.size(), 0.0);
+    for (int64_t q = 0; q < planes; ++q)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          const size_t io = size_t((q * OH + oh) * OW + ow);
+          std::vector<size_t> read;
+          double best = -INFINITY;
+          size_t choice = SIZE_MAX;
+          for (int64_t i = 0; i < KH; ++i)
+            for (int64_t j = 0; j < KW; ++j) {
+              const int64_t h = oh * sh - ph + i * dh, w = ow * sw - pw + j * dw;
+              if (h < 0 || h >= H || w < 0 || w >= W) continue;
+              const size_t ix = size_t((q * H + h) * W + w);
+              read.push_back(ix);
+              if (max && (val(x)[ix] > best || choice == SIZE_MAX)) {
+                best = val(x)[ix];
+                choice = ix;
+              }
+            }
+          if (max) {
+            if (choice != SIZE_MAX) {
+              v[choice] += val(d)[io];
+              a[choice] += r_.abs[size_t(d)][io];
+            }
+            continue;
+          }
+          double count = double(read.size());
+          if (include_pad) {
+            const int64_t h0 = oh * sh - ph, w0 = ow * sw - pw;
+            count = double((std::min(h0 + KH, H + ph) - h0) * (std::min(w0 + KW, W + pw) - w0));
+          }
+          for (size_t ix : read) {
+            v[ix] += val(d)[io] / count;
+            a[ix] += r_.abs[size_t(d)][io] / count;
+          }
+        }
+    out(o, std::move(v), std::move(a));
+  }
+
+  void adaptive_avg_pool2d_backward(const BoundTask& bt) {
+    const int d = buf(bt, "dout"), o = buf(bt, "dx");
+    const Shape &sx = shape(o), &so = shape(d);
+    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    std::vector<double> v(size_t(numel(sx)), 0.0), a(v.size(), 0.0);
+    for (int64_t q = 0; q < planes; ++q)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          const int64_t h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+          const int64_t w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+          const double count = double((h1 - h0) * (w1 - w0));
+          const size_t io = size_t((q * OH + oh) * OW + ow);
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) {
+              v[size_t((q * H + h) * W + w)] += val(d)[io] / count;
+              a[size_t((q * H + h) * W + w)] += r_.abs[size_t(d)][io] / count;
+            }
+        }
     out(o, std::move(v), std::move(a));
   }
 

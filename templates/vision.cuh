@@ -36,6 +36,7 @@ CG_OP("conv2d",
       "shape: x:[B, groups * CG, H, W] weight:[O, CG, KH, KW] bias:[O] -> out:[B, O, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1]",
       "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
       "variant: cg_conv2d_direct",
+      "backward: conv2d_backward",
       "flops: 2 * numel(out) * CG * KH * KW",
       "doc: torch.nn.functional.conv2d (NCHW; stride, padding, dilation, groups, depthwise included) as an implicit GEMM on the matmul tile; f16/bf16 accumulate in f32")
 CG_DEVICE void cg_conv2d_tile(LoadW load_w, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g, int tile_m,
@@ -71,6 +72,127 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
   return acc;
 }
 
+// conv2d's gradients, which the derive pass links to it: one kernel whose
+// blocks fall in up to three ranges, one a gradient asked for (the emitter
+// lays them out):
+//  - dx, the data gradient, for each image and group an implicit GEMM
+//      dx[c, q] = sum over k of weight[o, c, i, j] * dout_at(k, q),
+//    M = CG, N = H * W, K = OG * KH * KW, k = (o, i, j), q = (h, w), where
+//    dout_at(k, q) is dout[o, oh, ow] for the output position whose window
+//    puts tap (i, j) on (h, w): oh = (h + padding_h - i * dilation_h) /
+//    stride_h when that divides exactly and lies in the output, else 0;
+//  - dweight, for each group an implicit GEMM over every image's positions,
+//      dweight[o, k] = sum over (b, p) of dout[b, o, p] * patch_b(k, p),
+//    M = OG, N = CG * KH * KW, K = B * OH * OW (patch as in conv2d);
+//  - dbias[o], dout summed over images and positions, a block a channel.
+// Each sum runs in a fixed order (the tile's k loop, a thread's own loop, the
+// block's tree): the same bits every run. Hooks: load_w(m, k) as conv2d's,
+// load_dout(b, o, oh, ow) and load_x(b, c, h, w) within the group, and
+// epilogue(m, n, acc).
+template <int BM, int BN, int BK, typename LoadW, typename LoadDout, typename Epilogue>
+CG_OP("conv2d_backward",
+      "pattern: opaque",
+      "forward: conv2d",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: dout input T",
+      "tensor: dx output T optional",
+      "tensor: dweight output T optional",
+      "tensor: dbias output T optional",
+      "arg: stride_h int = 1",
+      "arg: stride_w int = 1",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: groups int = 1",
+      "shape: x:[B, groups * CG, H, W] weight:[O, CG, KH, KW] dout:[B, O, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1] -> dx:[B, groups * CG, H, W] dweight:[O, CG, KH, KW] dbias:[O]",
+      "smem: 4 * (BM * (BK + 1) + BK * (BN + 1))",
+      "variant: cg_conv2d_backward_weight_tile",
+      "variant: cg_conv2d_backward_data_direct",
+      "variant: cg_conv2d_backward_weight_direct",
+      "variant: cg_conv2d_backward_bias",
+      "doc: gradients of conv2d with respect to x, weight and bias (each where asked for), as implicit GEMMs on the matmul tile; deterministic")
+CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Epilogue epilogue, cg_conv2d_geometry g,
+                                            int image, int tile_m, int tile_n, float* smem) {
+  const int kernel_area = g.KH * g.KW, CG = g.C / g.groups;
+  cg_matmul_tile<BM, BN, BK>(
+      [&](int c, int k) { return load_w(k / kernel_area, c * kernel_area + k % kernel_area); },
+      [&](int k, int q) {
+        const int o = k / kernel_area, r = k % kernel_area;
+        const int th = q / g.W + g.padding_h - (r / g.KW) * g.dilation_h;
+        const int tw = q % g.W + g.padding_w - (r % g.KW) * g.dilation_w;
+        if (th < 0 || tw < 0 || th % g.stride_h != 0 || tw % g.stride_w != 0) return 0.0f;
+        const int oh = th / g.stride_h, ow = tw / g.stride_w;
+        return oh < g.OH && ow < g.OW ? load_dout(image, o, oh, ow) : 0.0f;
+      },
+      epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
+}
+
+// dweight as an implicit GEMM for one group (above); `images` is B.
+template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
+CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
+                                              int images, int tile_m, int tile_n, float* smem) {
+  const int kernel_area = g.KH * g.KW, positions = g.OH * g.OW;
+  cg_matmul_tile<BM, BN, BK>(
+      [&](int o, int k) { return load_dout(k / positions, o, k % positions / g.OW, k % g.OW); },
+      [&](int k, int n) {
+        const int b = k / positions, p = k % positions, c = n / kernel_area, r = n % kernel_area;
+        const int h = p / g.OW * g.stride_h - g.padding_h + (r / g.KW) * g.dilation_h;
+        const int w = p % g.OW * g.stride_w - g.padding_w + (r % g.KW) * g.dilation_w;
+        return h >= 0 && h < g.H && w >= 0 && w < g.W ? load_x(b, c, h, w) : 0.0f;
+      },
+      epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
+}
+
+// The direct forms, one gradient element a call, for GEMMs too thin for a
+// tile (depthwise): dx at input channel c of the group, position (h, w);
+// dweight at (o, c, i, j) of the group, over `images` images.
+template <typename LoadW, typename LoadDout>
+CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout, cg_conv2d_geometry g, int image, int c,
+                                               int h, int w) {
+  float acc = 0.0f;
+  const int OG = g.O / g.groups, kernel_area = g.KH * g.KW;
+  for (int o = 0; o < OG; ++o)
+    for (int i = 0; i < g.KH; ++i) {
+      const int th = h + g.padding_h - i * g.dilation_h;
+      if (th < 0 || th % g.stride_h != 0 || th / g.stride_h >= g.OH) continue;
+      for (int j = 0; j < g.KW; ++j) {
+        const int tw = w + g.padding_w - j * g.dilation_w;
+        if (tw < 0 || tw % g.stride_w != 0 || tw / g.stride_w >= g.OW) continue;
+        acc += load_w(o, c * kernel_area + i * g.KW + j) * load_dout(image, o, th / g.stride_h, tw / g.stride_w);
+      }
+    }
+  return acc;
+}
+template <typename LoadDout, typename LoadX>
+CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
+                                                 int o, int c, int i, int j) {
+  float acc = 0.0f;
+  for (int b = 0; b < images; ++b)
+    for (int oh = 0; oh < g.OH; ++oh) {
+      const int h = oh * g.stride_h - g.padding_h + i * g.dilation_h;
+      if (h < 0 || h >= g.H) continue;
+      for (int ow = 0; ow < g.OW; ++ow) {
+        const int w = ow * g.stride_w - g.padding_w + j * g.dilation_w;
+        if (w >= 0 && w < g.W) acc += load_dout(b, o, oh, ow) * load_x(b, c, h, w);
+      }
+    }
+  return acc;
+}
+
+// dbias[o]: every thread of the block sums its share of dout[b, o, :] in
+// order, then the block's tree. `scratch` holds 32 floats of shared memory.
+template <typename LoadDout>
+CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g, int images, int o, float* scratch) {
+  const cg_i64 positions = (cg_i64)g.OH * g.OW;
+  float partial = 0.0f;
+  for (cg_i64 e = threadIdx.x; e < images * positions; e += blockDim.x)
+    partial += load_dout((int)(e / positions), o, (int)(e % positions / g.OW), (int)(e % g.OW));
+  return cg_block_sum(partial, scratch);
+}
+
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
@@ -96,6 +218,7 @@ CG_OP("max_pool2d",
       "arg: ceil_mode bool = false",
       "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1]",
       "flops: numel(out) * kernel_h * kernel_w",
+      "backward: max_pool2d_backward",
       "doc: torch.nn.functional.max_pool2d; ceil_mode rounds the output size up (a last window that overhangs the input takes what it covers)")
 CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
@@ -131,6 +254,7 @@ CG_OP("avg_pool2d",
       "arg: count_include_pad bool = true",
       "shape: x:[...S, H, W] -> out:[...S, (H + 2 * padding_h - kernel_h) / stride_h + 1, (W + 2 * padding_w - kernel_w) / stride_w + 1]",
       "flops: numel(out) * kernel_h * kernel_w",
+      "backward: avg_pool2d_backward",
       "doc: torch.nn.functional.avg_pool2d (ceil_mode false, no divisor_override)")
 CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool count_include_pad) {
   const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
@@ -163,6 +287,7 @@ CG_OP("adaptive_avg_pool2d",
       "tensor: out output T",
       "shape: x:[...S, H, W] -> out:[...S, OH, OW]",
       "flops: numel(x)",
+      "backward: adaptive_avg_pool2d_backward",
       "doc: torch.nn.functional.adaptive_avg_pool2d to the output's declared size")
 CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int OH, int OW) {
   const int ow = (int)(i % OW), oh = (int)(i / OW % OH);
@@ -173,6 +298,145 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   for (int h = h0; h < h1; ++h)
     for (int w = w0; w < w1; ++w) sum += cg_widen(cg_load(x, plane + (cg_i64)h * W + w));
   return sum / (float)((h1 - h0) * (w1 - w0));
+}
+
+// The pooling gradients, one element of dx a call (a gather: no atomics,
+// the same bits every run): the dout of every window that covers it, in
+// window order. Window (oh, ow) covers input row h through tap
+// a = (h + padding_h - oh * stride_h) / dilation_h, so the windows that
+// reach h are those oh with h + padding_h - a * dilation_h = oh * stride_h
+// for some tap a.
+
+// The input element max pooling's window (oh, ow) chose, as an offset in its
+// plane (h * W + w): the first largest, a NaN the last (cg_max_pool2d's
+// order); -1 for a window of padding alone.
+template <typename T>
+CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_pool2d_window p) {
+  float best = cg_neg_inf();
+  int choice = -1;
+  for (int a = 0; a < p.KH; ++a) {
+    const int h = oh * p.stride_h - p.padding_h + a * p.dilation_h;
+    if (h < 0 || h >= p.H) continue;
+    for (int b = 0; b < p.KW; ++b) {
+      const int w = ow * p.stride_w - p.padding_w + b * p.dilation_w;
+      if (w < 0 || w >= p.W) continue;
+      const float v = cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
+      if (v > best || v != v || choice < 0) {
+        best = v;
+        choice = h * p.W + w;
+      }
+    }
+  }
+  return choice;
+}
+
+// dx[i]: the dout of each window whose choice is element i.
+template <typename T>
+CG_OP("max_pool2d_backward",
+      "pattern: gather",
+      "forward: max_pool2d",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: ceil_mode bool = false",
+      "shape: x:[...S, H, W] dout:[...S, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1] -> dx:[...S, H, W]",
+      "variant: cg_max_pool2d_choice",
+      "doc: gradient of max_pool2d: each window's dout goes to the element it chose (the first largest, as PyTorch)")
+CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
+  const int w = (int)(i % p.W), h = (int)(i / p.W % p.H);
+  const cg_i64 index = i / ((cg_i64)p.W * p.H), plane = index * p.H * p.W, out_plane = index * p.OH * p.OW;
+  float sum = 0.0f;
+  for (int a = 0; a < p.KH; ++a) {
+    const int th = h + p.padding_h - a * p.dilation_h;
+    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
+    for (int b = 0; b < p.KW; ++b) {
+      const int tw = w + p.padding_w - b * p.dilation_w;
+      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
+      const int oh = th / p.stride_h, ow = tw / p.stride_w;
+      if (cg_max_pool2d_choice(x, plane, oh, ow, p) == h * p.W + w)
+        sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * p.OW + ow));
+    }
+  }
+  return sum;
+}
+
+// dx[i]: each covering window's dout over the window's divisor (as
+// cg_avg_pool2d counts it).
+template <typename T>
+CG_OP("avg_pool2d_backward",
+      "pattern: gather",
+      "forward: avg_pool2d",
+      "types: T = f32 f16 bf16",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: count_include_pad bool = true",
+      "shape: dout:[...S, (H + 2 * padding_h - kernel_h) / stride_h + 1, (W + 2 * padding_w - kernel_w) / stride_w + 1] -> dx:[...S, H, W]",
+      "doc: gradient of avg_pool2d: each window's dout spread evenly over what it averaged")
+CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window p, bool count_include_pad) {
+  const int w = (int)(i % p.W), h = (int)(i / p.W % p.H);
+  const cg_i64 out_plane = i / ((cg_i64)p.W * p.H) * p.OH * p.OW;
+  float sum = 0.0f;
+  for (int a = 0; a < p.KH; ++a) {
+    const int th = h + p.padding_h - a;
+    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
+    const int oh = th / p.stride_h, h0 = oh * p.stride_h - p.padding_h;
+    for (int b = 0; b < p.KW; ++b) {
+      const int tw = w + p.padding_w - b;
+      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
+      const int ow = tw / p.stride_w, w0 = ow * p.stride_w - p.padding_w;
+      // The divisor cg_avg_pool2d used: the window clipped to the image, or to
+      // the padded image with count_include_pad.
+      const int top = count_include_pad ? h0 : (h0 > 0 ? h0 : 0), left = count_include_pad ? w0 : (w0 > 0 ? w0 : 0);
+      const int bottom = count_include_pad ? (h0 + p.KH < p.H + p.padding_h ? h0 + p.KH : p.H + p.padding_h)
+                                           : (h0 + p.KH < p.H ? h0 + p.KH : p.H);
+      const int right = count_include_pad ? (w0 + p.KW < p.W + p.padding_w ? w0 + p.KW : p.W + p.padding_w)
+                                          : (w0 + p.KW < p.W ? w0 + p.KW : p.W);
+      sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * p.OW + ow)) / (float)((bottom - top) * (right - left));
+    }
+  }
+  return sum;
+}
+
+// dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
+// hold element i, its dout over the cell's area.
+template <typename T>
+CG_OP("adaptive_avg_pool2d_backward",
+      "pattern: gather",
+      "forward: adaptive_avg_pool2d",
+      "types: T = f32 f16 bf16",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[...S, OH, OW] -> dx:[...S, H, W]",
+      "doc: gradient of adaptive_avg_pool2d: each cell's dout spread evenly over the elements it averaged")
+CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW) {
+  const int w = (int)(i % W), h = (int)(i / W % H);
+  const cg_i64 out_plane = i / ((cg_i64)W * H) * OH * OW;
+  float sum = 0.0f;
+  for (int oh = 0; oh < OH; ++oh) {
+    const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+    if (h < h0 || h >= h1) continue;
+    for (int ow = 0; ow < OW; ++ow) {
+      const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+      if (w >= w0 && w < w1)
+        sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * OW + ow)) / (float)((h1 - h0) * (w1 - w0));
+    }
+  }
+  return sum;
 }
 
 // A general permutation of axes: out's axis j is x's axis dims[j]

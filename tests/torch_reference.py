@@ -296,6 +296,30 @@ def run_torch(g, values, phases=None):
                 get(t, "x"), get(t, "weight"), bias, stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
                 padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
                 dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)), groups=args.get("groups", 1)))
+        elif op == "conv2d_backward":
+            def conv(x, w):
+                return torch.nn.functional.conv2d(
+                    x, w, stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
+                    padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                    dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)), groups=args.get("groups", 1))
+            dx, dweight = grad(conv, [get(t, "x"), get(t, "weight")], get(t, "dout"))
+            for slot, value in (("dx", dx), ("dweight", dweight), ("dbias", get(t, "dout").sum((0, 2, 3)))):
+                if slot in t["tensors"]:
+                    put(t, slot, value)
+        elif op in ("max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward"):
+            pool = {"max_pool2d_backward": lambda x: torch.nn.functional.max_pool2d(
+                        x, (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
+                        (args.get("padding_h", 0), args.get("padding_w", 0)),
+                        (args.get("dilation_h", 1), args.get("dilation_w", 1)), ceil_mode=args.get("ceil_mode", False)),
+                    "avg_pool2d_backward": lambda x: torch.nn.functional.avg_pool2d(
+                        x, (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
+                        (args.get("padding_h", 0), args.get("padding_w", 0)),
+                        count_include_pad=args.get("count_include_pad", True)),
+                    "adaptive_avg_pool2d_backward": lambda x: torch.nn.functional.adaptive_avg_pool2d(
+                        x, tuple(shape("dout")[-2:]))}[op]
+            # Only max pooling's gradient depends on x; the others' on its shape.
+            x = get(t, "x") if op == "max_pool2d_backward" else torch.zeros(shape("dx"), dtype=torch.float64)
+            put(t, "dx", grad(pool, [x], get(t, "dout"))[0])
         elif op in ("slice", "slice_backward"):
             x_shape = shape("x") if op == "slice" else shape("dx")
             axis = args["axis"] % len(x_shape)

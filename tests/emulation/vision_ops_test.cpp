@@ -1,17 +1,20 @@
 // The ops a convolutional network needs (templates/vision.cuh, relu6 and
-// hardswish): generated, run on the emulated GPU (or the GPU, with
+// hardswish) and their gradients: generated, run on the emulated GPU (or the GPU, with
 // CUDAGEN_TEST_BACKEND=gpu), compared with the float64 reference, fused and
 // unfused, at sizes that are not multiples of a tile; and the errors of a
 // convolution or permutation that cannot be.
 #include <unistd.h>
 
 #include <filesystem>
+#include <cmath>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
+#include "derive.h"
 #include "diagnostics.h"
 #include "pipeline.h"
 #include "runner.h"
@@ -193,6 +196,198 @@ TEST(VisionOps, ConvolutionTakesAnEpilogue) {
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("epilogue")});
   ASSERT_EQ(run.checks.size(), 1u);
   EXPECT_TRUE(run.checks[0].ok()) << format_run(run);
+}
+
+// conv2d_backward in each of its forms and with each subset of gradients,
+// and the pooling gradients, on external inputs at spatial size n (width
+// n + 1).
+TaskGraph vision_gradients(int64_t n, DType d) {
+  GraphBuilder b(fmt::format("vision_gradients_{}_{}", to_string(d), n));
+  struct ConvGradient {
+    Conv conv;
+    bool dx, dweight, dbias;
+  };
+  for (const ConvGradient& c : {
+           ConvGradient{{"conv3x3", 2, 9, n, 33, 3, 1, 1, 1, 1, false}, true, true, true},    // tiles for dx and dweight
+           ConvGradient{{"strided", 2, 16, n + 2, 12, 3, 2, 1, 1, 2, false}, true, true, false},  // stride 2, two groups
+           ConvGradient{{"dilated", 1, 8, n + 4, 18, 3, 1, 2, 2, 1, false}, false, true, true},   // dilation; no dx
+           ConvGradient{{"depthwise", 2, 6, n, 6, 3, 2, 1, 1, 6, false}, true, true, true},      // the direct forms
+           ConvGradient{{"pointwise", 1, 20, n, 24, 1, 1, 0, 1, 1, false}, true, false, false},  // 1x1, dx alone
+       }) {
+    const Conv& k = c.conv;
+    const int64_t oh = out_size(k.size, k.kernel, k.stride, k.padding, k.dilation),
+                  ow = out_size(k.size + 1, k.kernel, k.stride, k.padding, k.dilation);
+    const Shape x = {k.batch, k.channels, k.size, k.size + 1}, w = {k.out_channels, k.channels / k.groups, k.kernel, k.kernel};
+    TaskBuilder t = b.task(k.id, "conv2d_backward");
+    t.tensor("x", d, x, ext).tensor("weight", d, w, persistent).tensor("dout", d, {k.batch, k.out_channels, oh, ow}, ext);
+    if (c.dx) t.tensor("dx", d, x, ext);
+    if (c.dweight) t.tensor("dweight", d, w, ext);
+    if (c.dbias) t.tensor("dbias", d, {k.out_channels}, ext);
+    t.arg("stride_h", k.stride)
+        .arg("stride_w", k.stride)
+        .arg("padding_h", k.padding)
+        .arg("padding_w", k.padding)
+        .arg("dilation_h", k.dilation)
+        .arg("dilation_w", k.dilation)
+        .arg("groups", k.groups);
+  }
+  // Windows that overlap (stride under the kernel), padding, dilation, ceil_mode.
+  b.task("max_pool", "max_pool2d_backward")
+      .tensor("x", d, {2, 3, n + 2, n + 3}, ext)
+      .tensor("dout", d, {2, 3, out_size(n + 2, 3, 2, 1), out_size(n + 3, 3, 2, 1)}, ext)
+      .tensor("dx", d, {2, 3, n + 2, n + 3}, ext)
+      .arg("kernel_h", 3)
+      .arg("kernel_w", 3)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2)
+      .arg("padding_h", 1)
+      .arg("padding_w", 1);
+  b.task("max_pool_dilated", "max_pool2d_backward")
+      .tensor("x", d, {3, n + 4, n + 4}, ext)
+      .tensor("dout", d, {3, out_size(n + 4, 2, 1, 0, 2), out_size(n + 4, 2, 1, 0, 2)}, ext)
+      .tensor("dx", d, {3, n + 4, n + 4}, ext)
+      .arg("kernel_h", 2)
+      .arg("kernel_w", 2)
+      .arg("stride_h", 1)
+      .arg("stride_w", 1)
+      .arg("dilation_h", 2)
+      .arg("dilation_w", 2);
+  b.task("max_pool_ceil", "max_pool2d_backward")
+      .tensor("x", d, {2, n + 2, n + 3}, ext)
+      .tensor("dout", d, {2, (n + 2 - 3 + 1) / 2 + 1, (n + 3 - 3 + 1) / 2 + 1}, ext)
+      .tensor("dx", d, {2, n + 2, n + 3}, ext)
+      .arg("kernel_h", 3)
+      .arg("kernel_w", 3)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2)
+      .arg("ceil_mode", true);
+  for (bool include : {true, false})
+    b.task(include ? "avg_pool_pad" : "avg_pool_pad_excluded", "avg_pool2d_backward")
+        .tensor("dout", d, {2, 2, out_size(n, 3, 2, 1), out_size(n + 1, 3, 2, 1)}, ext)
+        .tensor("dx", d, {2, 2, n, n + 1}, ext)
+        .arg("kernel_h", 3)
+        .arg("kernel_w", 3)
+        .arg("stride_h", 2)
+        .arg("stride_w", 2)
+        .arg("padding_h", 1)
+        .arg("padding_w", 1)
+        .arg("count_include_pad", include);
+  b.task("global_pool", "adaptive_avg_pool2d_backward").tensor("dout", d, {2, 7, 1, 1}, ext).tensor("dx", d, {2, 7, n, n + 2}, ext);
+  b.task("adaptive_pool", "adaptive_avg_pool2d_backward")
+      .tensor("dout", d, {3, 3, 2}, ext)
+      .tensor("dx", d, {3, n + 4, n + 2}, ext);
+  return std::move(b).graph();
+}
+
+class VisionGradients : public ::testing::TestWithParam<Case> {};
+
+TEST_P(VisionGradients, MatchTheFloat64Reference) {
+  const auto [n, dtype] = GetParam();
+  Compiled c = compile(load_program(vision_gradients(n, dtype), {}), {});
+  const std::string& cu = c.emitted.cuda_source;
+  // Each form of conv2d_backward is taken where this graph expects it.
+  EXPECT_NE(cu.find("cg_conv2d_backward_data_tile<32, 32, 16>("), std::string::npos);
+  EXPECT_NE(cu.find("cg_conv2d_backward_weight_tile<32, 32, 16>("), std::string::npos);
+  EXPECT_NE(cu.find("cg_conv2d_backward_data_direct("), std::string::npos);
+  EXPECT_NE(cu.find("cg_conv2d_backward_weight_direct("), std::string::npos);
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir(fmt::format("gradients_{}_{}", to_string(dtype), n))});
+  EXPECT_EQ(run.checks.size(), 18u);
+  for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, VisionGradients, ::testing::Values(Case{5, DType::f32}, Case{9, DType::bf16}),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}", to_string(info.param.dtype), info.param.n);
+                         });
+
+// A small convolutional network (a strided, grouped, depthwise and pointwise
+// convolution with a bias and a residual, max, average and global pooling, a
+// linear head) with its SGD step derived: every gradient the derive pass
+// writes runs on the kernels above; each task of two steps is checked from
+// its actual inputs (so a max pooling's choice is the device's own), and the
+// loss falls.
+TEST(VisionGradients, AConvolutionalNetworkTrains) {
+  constexpr DType d = DType::f32;
+  GraphBuilder b("convnet");
+  const int64_t B = 2;
+  // Weights drawn at init, uniform in +-1/sqrt(fan-in) (PyTorch's scale), so
+  // that the activations stay near 1 and plain SGD steps lower the loss.
+  int64_t seeds = 0;
+  auto weight = [&](const std::string& id, const Shape& shape, int64_t fan_in) {
+    const double bound = 1.0 / std::sqrt(double(fan_in));
+    return b.task(id, "uniform", Phase::init)
+        .tensor("out", d, shape)
+        .arg("low", -bound)
+        .arg("high", bound)
+        .arg("seed", ++seeds)["out"];
+  };
+  auto conv = [&](const std::string& id, SlotRef x, int64_t c, int64_t size, int64_t o, int64_t kernel, int64_t stride,
+                  int64_t padding, int64_t groups, bool bias) {
+    const int64_t s = out_size(size, kernel, stride, padding), fan_in = c / groups * kernel * kernel;
+    TaskBuilder t = b.task(id, "conv2d");
+    t.tensor("x", x).tensor("weight", weight(id + "_weight", {o, c / groups, kernel, kernel}, fan_in));
+    if (bias) t.tensor("bias", weight(id + "_bias", {o}, fan_in));
+    t.tensor("out", d, {B, o, s, s}).arg("stride_h", stride).arg("stride_w", stride).arg("padding_h", padding)
+        .arg("padding_w", padding).arg("groups", groups);
+    return t["out"];
+  };
+  auto image = b.task("image", "affine").tensor("x", d, {B, 3, 12, 12}, ext).tensor("out", d, {B, 3, 12, 12}).arg("scale", 1.0);
+  SlotRef x = conv("stem", image["out"], 3, 12, 16, 3, 1, 1, 1, true);
+  x = b.task("stem_act", "relu").tensor("x", x).tensor("out", d, {B, 16, 12, 12})["out"];
+  x = b.task("pool", "max_pool2d")
+          .tensor("x", x)
+          .tensor("out", d, {B, 16, 6, 6})
+          .arg("kernel_h", 2)
+          .arg("kernel_w", 2)
+          .arg("stride_h", 2)
+          .arg("stride_w", 2)["out"];
+  SlotRef y = conv("grouped", x, 16, 6, 16, 3, 1, 1, 2, false);
+  y = b.task("grouped_act", "relu").tensor("x", y).tensor("out", d, {B, 16, 6, 6})["out"];
+  y = conv("depthwise", y, 16, 6, 16, 3, 1, 1, 16, true);
+  x = b.task("residual", "add").tensor("a", x).tensor("b", y).tensor("out", d, {B, 16, 6, 6})["out"];
+  x = conv("down", x, 16, 6, 24, 3, 2, 1, 1, false);  // 3 x 3
+  x = b.task("down_act", "relu").tensor("x", x).tensor("out", d, {B, 24, 3, 3})["out"];
+  x = b.task("smooth", "avg_pool2d")
+          .tensor("x", x)
+          .tensor("out", d, {B, 24, 2, 2})
+          .arg("kernel_h", 2)
+          .arg("kernel_w", 2)
+          .arg("stride_h", 1)
+          .arg("stride_w", 1)["out"];
+  x = b.task("global", "adaptive_avg_pool2d").tensor("x", x).tensor("out", d, {B, 24, 1, 1})["out"];
+  x = b.task("flat", "reshape").tensor("x", x).tensor("out", d, {B, 24})["out"];
+  x = b.task("head", "matmul").tensor("a", x).tensor("b", weight("head_weight", {24, 5}, 24)).tensor("out", d, {B, 5})["out"];
+  b.task("loss", "cross_entropy").tensor("logits", x).tensor("labels", DType::i32, {B}, ext).tensor("loss", d, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}};
+  const TaskGraph trained = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph;
+  std::set<std::string> ops;
+  for (const auto& t : trained.tasks) ops.insert(t.op);
+  for (const char* op : {"conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward"})
+    EXPECT_TRUE(ops.count(op)) << op;
+
+  CompileOptions each;  // every buffer kept, so each task's inputs can be read back
+  each.plan.placement.reuse = false;
+  each.fuse.enabled = false;
+  const uint64_t seed = std::random_device()();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions run_options{seed, work_dir("convnet_each")};
+  run_options.steps = 2;
+  run_options.check_each_task = true;
+  CheckedRun run = run_checked(compile(load_program(trained, {}), each), run_options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+
+  // Fused, as a user compiles it: the loss over four steps, checked end to end.
+  RunOptions fused_options{seed, work_dir("convnet_fused")};
+  fused_options.steps = 4;
+  CheckedRun fused = run_checked(compile(load_program(trained, {}), {}), fused_options);
+  EXPECT_TRUE(fused.ok()) << format_run(fused);
+  ASSERT_EQ(fused.step_scalars.size(), 1u);
+  const std::vector<double>& loss = fused.step_scalars[0].second;
+  ASSERT_EQ(loss.size(), 4u);
+  EXPECT_LT(loss.back(), loss.front()) << format_run(fused);
 }
 
 std::string compile_error(TaskGraph g) {

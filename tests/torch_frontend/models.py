@@ -402,6 +402,42 @@ def zoo():
     return randomized(Zoo())
 
 
+class SmallResNet(nn.Module):
+    """A ResNet in miniature, without BatchNorm: a stem with a bias, max
+    pooling, a basic block whose second convolution is grouped and whose
+    residual adds the block's input, a strided convolution, average and global
+    pooling and a linear head. Its gradients run on cudagen's convolution and
+    pooling gradient kernels. With `batchnorm`, BatchNorms after the stem and
+    the block's first convolution, in eval mode: a training export keeps
+    their statistics and trains their weights and biases, as PyTorch does."""
+
+    def __init__(self, batchnorm=False):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stem_bn = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
+        self.bn1 = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
+        self.pool = nn.MaxPool2d(2)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
+        self.smooth = nn.AvgPool2d(2, stride=1)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):  # [2, 3, 12, 12]
+        x = self.pool(torch.relu(self.stem_bn(self.stem(x))))  # [2, 8, 6, 6]
+        y = self.conv2(torch.relu(self.bn1(self.conv1(x))))
+        x = torch.relu(x + self.depthwise(y))
+        x = self.smooth(torch.relu(self.down(x)))  # [2, 16, 2, 2]
+        x = F.adaptive_avg_pool2d(x, 1)
+        return self.head(torch.flatten(x, 1))
+
+
+def small_resnet(batchnorm=False):
+    torch.manual_seed(0)
+    return randomized(SmallResNet(batchnorm))
+
+
 def mlp():
     torch.manual_seed(0)
     return MLP()

@@ -45,6 +45,11 @@ def read(path):
         return f.read()
 
 
+def _tensors(graph_path):
+    """Every tensor slot of a graph file's tasks."""
+    return [t for task in json.loads(read(graph_path))["tasks"] for t in task["tensors"].values() if isinstance(t, dict)]
+
+
 def fresh_seed():
     return random.SystemRandom().randrange(1 << 31)
 
@@ -435,6 +440,28 @@ class Training(Exported):
         seed = fresh_seed()
         torch.manual_seed(seed)
         self.check_training(seed, models.mlp(), (torch.randn(8, 20),), "cross_entropy", "sgd", {"lr": 0.05, "momentum": 0.9})
+
+    def test_convolutional_network_trains_as_pytorch_does(self):
+        """Convolutions (grouped, depthwise, strided), max, average and
+        global pooling and a residual: their gradients, derived by cudagen,
+        train every weight as PyTorch does."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.small_resnet(), (torch.randn(2, 3, 12, 12),), "cross_entropy", "sgd",
+                            {"lr": 0.1, "momentum": 0.9})
+
+    def test_batchnorm_in_eval_mode_trains_as_pytorch_does(self):
+        """An eval-mode BatchNorm in a training export is not folded into
+        the convolution before it: the convolution's weight, and the norm's
+        weight and bias, train under their PyTorch names; its statistics stay."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.small_resnet(batchnorm=True), (torch.randn(2, 3, 12, 12),), "cross_entropy",
+                            "sgd", {"lr": 0.1})
+        names = {t.get("name") for t in _tensors(os.path.join(self.dir, "model", "graph.json"))}
+        for name in ("stem.weight", "stem_bn.weight", "stem_bn.bias", "bn1.weight", "bn1.bias"):
+            self.assertIn(name, names)
+        self.assertNotIn("stem.weight.folded", names)
 
     def test_decoder_block_trains_as_pytorch_does(self):
         seed = fresh_seed()

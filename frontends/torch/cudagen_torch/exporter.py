@@ -459,7 +459,11 @@ class _Exporter:
     def find_batchnorm_folds(self):
         """BatchNorms in eval mode that fold into the convolution before them,
         its only reader: nn.BatchNorm2d after nn.Conv2d (torch.fx), or
-        aten.batch_norm after aten.conv2d with constant weights (torch.export)."""
+        aten.batch_norm after aten.conv2d with constant weights (torch.export).
+        None when training: a folded weight is no parameter, so the
+        convolution's and the norm's own parameters would not train."""
+        if self.training:
+            return
         for node in self.gm.graph.nodes:
             source = node.args[0] if node.args else None
             if not isinstance(source, torch.fx.Node) or len(source.users) != 1:
@@ -611,14 +615,14 @@ def _m_linear(ex, node, m):
 def _m_conv2d(ex, node, m):
     if m.padding_mode != "zeros":
         ex.fail(node, f"padding_mode='{m.padding_mode}' has no mapping", "cudagen's conv2d pads with zeros")
-    weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
+    weight, bias = m.weight, m.bias  # parameters: trained when training
     w_name, b_name = f"{node.target}.weight", f"{node.target}.bias"
     bn_node = next((b for b, c in ex.folded_bn.items() if c is node), None)
     if bn_node is not None:
         bn = ex.gm.get_submodule(bn_node.target)
         scale, shift = _batchnorm_affine(bn.weight if bn.affine else None, bn.bias if bn.affine else None,
                                          bn.running_mean, bn.running_var, bn.eps)
-        weight, bias = _fold_into_conv(weight, bias, scale, shift)
+        weight, bias = _fold_into_conv(weight.detach(), None if bias is None else bias.detach(), scale, shift)
         w_name, b_name = f"{node.target}.weight.folded", f"{node.target}.bias.folded"
     w = ex.constant(node, weight, w_name)
     b = ex.constant(node, bias, b_name) if bias is not None else None
@@ -641,15 +645,34 @@ def _fold_into_conv(weight, bias, scale, shift):
     return weight * scale.reshape(-1, 1, 1, 1), bias * scale + shift
 
 
-def _scale_shift(ex, node, x, scale, shift, name):
+def _scale_shift(ex, node, x, scale, shift, name, suffix=""):
     """x * scale + shift per channel of an NCHW tensor (a BatchNorm that no
-    convolution absorbs)."""
+    convolution absorbs); its tasks' ids end in `suffix`."""
     scale_v = ex.constant(node, scale.reshape(-1, 1, 1), f"{name}.scale.folded")
     shift_v = ex.constant(node, shift.reshape(-1, 1, 1), f"{name}.shift.folded")
     dtype, shape = ex.result_meta(node)
-    scaled = ex.add(node, node.name + "_scale", "mul", {"a": ex.tensor(node, x), "b": scale_v},
+    scaled = ex.add(node, node.name + suffix + "_scale", "mul", {"a": ex.tensor(node, x), "b": scale_v},
                     {"out": (dtype, shape)})["out"]
-    return ex.add(node, node.name, "add", {"a": scaled, "b": shift_v}, {"out": (dtype, shape)})["out"]
+    return ex.add(node, node.name + suffix, "add", {"a": scaled, "b": shift_v}, {"out": (dtype, shape)})["out"]
+
+
+def _frozen_batchnorm(ex, node, x, gamma, beta, mean, var, eps, name):
+    """BatchNorm in eval mode in a training export: its running statistics
+    are constants, its weight and bias parameters that train, as PyTorch trains
+    an eval-mode BatchNorm: y = (x * inv_std + shift) * weight + bias, per
+    channel, inv_std = 1 / sqrt(var + eps) and shift = -mean * inv_std.
+    `gamma` and `beta` are Values (or None: no affine)."""
+    normalized = _scale_shift(ex, node, x, 1.0 / torch.sqrt(var.detach() + eps), -mean.detach() / torch.sqrt(var.detach() + eps),
+                              name, suffix="_normalized")
+    dtype, shape = ex.result_meta(node)
+    out = normalized
+    for slot, param, op in (("weight", gamma, "mul"), ("bias", beta, "add")):
+        if param is None:
+            continue
+        per_channel = ex.add(node, f"{node.name}_{slot}", "reshape", {"x": param}, {"out": (dtype, (shape[1], 1, 1))})["out"]
+        out = ex.add(node, node.name if slot == "bias" or beta is None else f"{node.name}_{op}", op,
+                     {"a": out, "b": per_channel}, {"out": (dtype, shape)})["out"]
+    return out
 
 
 def _m_batchnorm2d(ex, node, m):
@@ -657,6 +680,10 @@ def _m_batchnorm2d(ex, node, m):
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
     if m.training:
         ex.fail(node, "BatchNorm2d in training mode has no mapping", "call model.eval() before exporting")
+    if ex.training and m.affine:
+        return _frozen_batchnorm(ex, node, node.args[0], ex.constant(node, m.weight, f"{node.target}.weight"),
+                                 ex.constant(node, m.bias, f"{node.target}.bias"), m.running_mean, m.running_var, m.eps,
+                                 node.target)
     scale, shift = _batchnorm_affine(m.weight if m.affine else None, m.bias if m.affine else None,
                                      m.running_mean, m.running_var, m.eps)
     return _scale_shift(ex, node, node.args[0], scale, shift, node.target)
@@ -1391,6 +1418,13 @@ FUNCTIONS[torch.Tensor.masked_fill] = _f_masked_fill
 def _a_batch_norm(ex, node):
     if node in ex.folded_bn:
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
+    args = _batch_norm_args(node)
+    if ex.training and args["weight"] is not None and not ex.const(args["training"]):
+        mean, var = ex.const(args["running_mean"]), ex.const(args["running_var"])
+        if mean is not None and var is not None:
+            return _frozen_batchnorm(ex, node, node.args[0], ex.tensor(node, args["weight"]),
+                                     ex.tensor(node, args["bias"]) if args["bias"] is not None else None, mean, var,
+                                     float(ex.const(args["eps"])), node.name)
     return _scale_shift(ex, node, node.args[0], *ex.batchnorm_affine(node), node.name)
 
 

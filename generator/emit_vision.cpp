@@ -1,0 +1,287 @@
+// The convolution and pooling skeletons (templates/vision.cuh), forward and
+// backward.
+#include "emitter.h"
+
+namespace cudagen::lowering {
+
+// conv2d (templates/vision.cuh): tile.z walks images and groups; the
+// tile form runs the implicit GEMM on the matmul tile, the direct form
+// (a GEMM too thin for a tile: depthwise) one output element per thread.
+// Stores go through store(), so an epilogue chain (bias, activation,
+// residual add) fuses as after a matmul.
+std::string Emitter::conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& weight = param(ps, "weight");
+  const Param& out = param(ps, "out");
+  const Param* bias = find_param(ps, "bias");
+  const Shape& so = out.buffer->shape;
+  const auto g = conv_geometry(t, x.buffer->shape, weight.buffer->shape, so);
+  if (!g) return {};
+  const int64_t B = g->B, C = g->C, H = g->H, W = g->W, O = g->O, OH = g->OH, OW = g->OW, groups = g->groups;
+  const int64_t OG = g->OG, CG = g->CG;
+  const int64_t K = CG * g->KH * g->KW, positions = g->OH * g->OW;
+  const std::string& geometry = g->code;
+  const std::string bias_term = bias ? " + " + load(*bias, "group * " + std::to_string(OG) + " + m") : "";
+  const std::string hooks = fmt::format(
+      "      [&](int m, int k) {{ return {}; }},\n"
+      "      [&](int c, int h, int w) {{ return {}; }},\n",
+      load(weight, fmt::format("w_base + (cg_i64)m * {} + k", K)),
+      load(x, fmt::format("x_base + ((cg_i64)c * {} + h) * {} + w", H, W)));
+  const std::string bases = fmt::format(
+      "  const cg_i64 x_base = (image * {} + group * {}) * {}, w_base = group * {};\n", C, CG, H * W, OG * K);
+  // A GEMM thinner than a tile in M, or shorter in K than one of its steps:
+  // the direct form.
+  if (OG < 8 || K < 16) {
+    entry_function_ = "cg_conv2d_direct";
+    const int64_t n = numel(so);
+    ek.block = 256;
+    ek.grid[0] = grid_stride_blocks(n, ek.block);
+    ek.grid_stride = true;
+    return geometry + fmt::format(
+                          "  for (cg_i64 i = cg_global_thread(tile); i < {0}; i += cg_grid_threads(tile)) {{\n"
+                          "    const int ow = (int)(i % {1}), oh = (int)(i / {1} % {2});\n"
+                          "    const cg_i64 channel = i / {3} % {4}, image = i / ({3} * {4});\n"
+                          "    const cg_i64 group = channel / {5};\n"
+                          "    const int m = (int)(channel % {5});\n"
+                          "  {6}"
+                          "    const float acc = cg_conv2d_direct(\n{7}"
+                          "        g, m, oh, ow);\n"
+                          "    {8};\n"
+                          "  }}\n",
+                          n, OW, OH, positions, O, OG, bases, hooks, store(out, "i", "acc" + bias_term));
+  }
+  ek.block = 256;
+  ek.grid[0] = int((positions + 31) / 32);
+  ek.grid[1] = int((OG + 31) / 32);
+  ek.grid[2] = int(B * groups);
+  reserve_shared(ek, "the implicit GEMM's operand tiles", 4 * (32 * (16 + 1) + 16 * (32 + 1)));
+  return "  CG_DYNAMIC_SMEM(cg_smem);\n" + geometry +
+         fmt::format("  const cg_i64 image = tile.z / {0}, group = tile.z % {0};\n", groups) + bases +
+         fmt::format("  const cg_i64 out_base = (image * {} + group * {}) * {};\n", O, OG, positions) +
+         fmt::format(
+             "  cg_conv2d_tile<32, 32, 16>(\n{}"
+             "      [&](int m, int p, float acc) {{ {}; }},\n"
+             "      g, tile.y, tile.x, (float*)cg_smem);\n",
+             hooks, store(out, fmt::format("out_base + (cg_i64)m * {} + p", positions), "acc" + bias_term));
+}
+
+// max_pool2d, avg_pool2d: a grid-stride loop over the output; the template
+// gives each element's value.
+std::string Emitter::pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& out = param(ps, "out");
+  const bool max = is_op(p_.tasks[size_t(t)], BundledOp::max_pool2d);
+  const Shape& sx = x.buffer->shape;
+  const Shape& so = out.buffer->shape;
+  if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
+  const std::string window = fmt::format(
+      "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
+      sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
+      arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
+      arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1));
+  const std::string value = max ? std::string("cg_max_pool2d(x, i, p)")
+                                : fmt::format("cg_avg_pool2d(x, i, p, {})",
+                                              arg_bool(t, "count_include_pad") ? "true" : "false");
+  return window + grid_stride_loop(numel(so), store(out, "i", value), ek);
+}
+
+std::string Emitter::adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& out = param(ps, "out");
+  const Shape& sx = x.buffer->shape;
+  const Shape& so = out.buffer->shape;
+  return grid_stride_loop(numel(so),
+                          store(out, "i",
+                                fmt::format("cg_adaptive_avg_pool2d(x, i, {}, {}, {}, {})", sx[sx.size() - 2],
+                                            sx.back(), so[so.size() - 2], so.back())),
+                          ek);
+}
+
+// The geometry of a convolution task (conv2d, or conv2d_backward with dout
+// in out's place), checked: channels that split into groups, strides and
+// dilations of at least 1. nullopt after a failure.
+std::optional<Emitter::ConvGeometry> Emitter::conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so) {
+  ConvGeometry g;
+  g.groups = arg_int(t, "groups", 1);
+  g.B = sx[0], g.C = sx[1], g.H = sx[2], g.W = sx[3], g.O = sw[0], g.KH = sw[2], g.KW = sw[3], g.OH = so[2], g.OW = so[3];
+  if (g.groups < 1 || g.O % g.groups != 0) {
+    fail(t, "weight", fmt::format("{} output channels do not split into {} groups", g.O, g.groups),
+         "the output channels (weight's first dimension) must be a multiple of groups, as in PyTorch");
+    return std::nullopt;
+  }
+  if (!args_at_least_one(t, {"stride_h", "stride_w", "dilation_h", "dilation_w"})) return std::nullopt;
+  g.OG = g.O / g.groups, g.CG = g.C / g.groups;
+  g.code = fmt::format(
+      "  const cg_conv2d_geometry g = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", g.C, g.H, g.W,
+      g.O, g.OH, g.OW, g.KH, g.KW, arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0),
+      arg_int(t, "padding_w", 0), arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1), g.groups);
+  return g;
+}
+
+// conv2d_backward (templates/vision.cuh): one kernel of 256-thread blocks in
+// up to three ranges, in order dx, dweight, dbias, each where the task asks
+// for that gradient; a range's blocks are its GEMM's tiles (images and
+// groups outermost), or for a GEMM too thin for a tile (depthwise) 256
+// elements of the gradient a block, one a thread (the direct forms), or for
+// dbias a channel a block. The ranges share no data: every block of the
+// kernel runs at once, as norm_backward's rows and columns do.
+std::string Emitter::conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& weight = param(ps, "weight");
+  const Param& dout = param(ps, "dout");
+  const Param* dx = find_param(ps, "dx");
+  const Param* dweight = find_param(ps, "dweight");
+  const Param* dbias = find_param(ps, "dbias");
+  const auto geometry = conv_geometry(t, x.buffer->shape, weight.buffer->shape, dout.buffer->shape);
+  if (!geometry) return {};
+  const ConvGeometry& g = *geometry;
+  if (dx == nullptr && dweight == nullptr && dbias == nullptr) {
+    fail(t, "", "the task asks for none of dx, dweight and dbias", "bind at least one of them");
+    return {};
+  }
+  const int64_t area = g.KH * g.KW, K = g.CG * area;
+  // The hooks, within image b and the block's group.
+  const std::string load_w = fmt::format("[&](int m, int k) {{ return {}; }}",
+                                         load(weight, fmt::format("w_base + (cg_i64)m * {} + k", K)));
+  const std::string load_dout =
+      fmt::format("[&](int b, int o, int oh, int ow) {{ return {}; }}",
+                  load(dout, fmt::format("((b * {} + group * {} + o) * (cg_i64){} + oh) * {} + ow", g.O, g.OG, g.OH, g.OW)));
+  const std::string load_x =
+      fmt::format("[&](int b, int c, int h, int w) {{ return {}; }}",
+                  load(x, fmt::format("((b * {} + group * {} + c) * (cg_i64){} + h) * {} + w", g.C, g.CG, g.H, g.W)));
+  ek.block = 256;
+  std::string ranges;
+  bool tiles = false;
+  int64_t first = 0;  // the range's first block
+  auto add_range = [&](int64_t blocks, const std::string& what, const std::string& code) {
+    ranges += fmt::format("{}if (tile.x < {}) {{  // {}\n    const cg_i64 r = tile.x - {};\n{}  }}", ranges.empty() ? "  " : " else ",
+                          first + blocks, what, first, code);
+    first += blocks;
+  };
+  if (dx != nullptr) {
+    const int64_t tiles_m = (g.CG + 31) / 32, tiles_n = (g.H * g.W + 31) / 32;
+    const std::string bases = fmt::format("    const cg_i64 w_base = group * {};\n", g.OG * K);
+    if (g.CG < 8 || g.OG * area < 16) {  // the direct form
+      use_function(*p_.tasks[size_t(t)].op, "cg_conv2d_backward_data_direct");
+      const int64_t n = numel(dx->buffer->shape);
+      add_range((n + 255) / 256, "dx, an element a thread (the direct form)",
+                fmt::format("    const cg_i64 i = r * 256 + threadIdx.x;\n"
+                            "    if (i < {0}) {{\n"
+                            "      const int w = (int)(i % {1}), h = (int)(i / {1} % {2});\n"
+                            "      const cg_i64 channel = i / {3} % {4}, image = i / ({3} * {4}), group = channel / {5};\n"
+                            "  {6}"
+                            "      {7};\n"
+                            "    }}\n",
+                            n, g.W, g.H, g.H * g.W, g.C, g.CG, bases,
+                            store(*dx, "i",
+                                  fmt::format("cg_conv2d_backward_data_direct(\n"
+                                              "          {},\n"
+                                              "          {},\n"
+                                              "          g, (int)image, (int)(channel % {}), h, w)",
+                                              load_w, load_dout, g.CG))));
+    } else {
+      tiles = true;
+      add_range(g.B * g.groups * tiles_m * tiles_n,
+                fmt::format("dx, {} x {} tiles of 32 x 32 an image and group", tiles_m, tiles_n),
+                fmt::format("    const cg_i64 z = r / {0}, image = z / {1}, group = z % {1};\n"
+                            "{2}"
+                            "    cg_conv2d_backward_data_tile<32, 32, 16>(\n"
+                            "        {3},\n"
+                            "        {4},\n"
+                            "        [&](int c, int q, float acc) {{ {5}; }},\n"
+                            "        g, (int)image, (int)(r % {0} / {6}), (int)(r % {6}), (float*)cg_smem);\n",
+                            tiles_m * tiles_n, g.groups, bases, load_w, load_dout,
+                            store(*dx, fmt::format("((image * {} + group * {} + c) * (cg_i64){}) + q", g.C, g.CG, g.H * g.W), "acc"),
+                            tiles_n));
+    }
+  }
+  if (dweight != nullptr) {
+    const int64_t tiles_m = (g.OG + 31) / 32, tiles_n = (K + 31) / 32;
+    if (g.OG < 8 || K < 16) {
+      use_function(*p_.tasks[size_t(t)].op, "cg_conv2d_backward_weight_direct");
+      const int64_t n = numel(dweight->buffer->shape);
+      add_range((n + 255) / 256, "dweight, an element a thread (the direct form)",
+                fmt::format("    const cg_i64 i = r * 256 + threadIdx.x;\n"
+                            "    if (i < {0}) {{\n"
+                            "      const int j = (int)(i % {1}), tap_h = (int)(i / {1} % {2}), channel_in = (int)(i / {3} % {4});\n"
+                            "      const cg_i64 channel = i / {5}, group = channel / {6};\n"
+                            "      {7};\n"
+                            "    }}\n",
+                            n, g.KW, g.KH, area, g.CG, K, g.OG,
+                            store(*dweight, "i",
+                                  fmt::format("cg_conv2d_backward_weight_direct(\n"
+                                              "          {},\n"
+                                              "          {},\n"
+                                              "          g, {}, (int)(channel % {}), channel_in, tap_h, j)",
+                                              load_dout, load_x, g.B, g.OG))));
+    } else {
+      tiles = true;
+      use_function(*p_.tasks[size_t(t)].op, "cg_conv2d_backward_weight_tile");
+      add_range(g.groups * tiles_m * tiles_n,
+                fmt::format("dweight, {} x {} tiles of 32 x 32 a group, each over every image", tiles_m, tiles_n),
+                fmt::format("    const cg_i64 group = r / {0};\n"
+                            "    cg_conv2d_backward_weight_tile<32, 32, 16>(\n"
+                            "        {1},\n"
+                            "        {2},\n"
+                            "        [&](int o, int k, float acc) {{ {3}; }},\n"
+                            "        g, {4}, (int)(r % {0} / {5}), (int)(r % {5}), (float*)cg_smem);\n",
+                            tiles_m * tiles_n, load_dout, load_x,
+                            store(*dweight, fmt::format("(group * {} + o) * (cg_i64){} + k", g.OG, K), "acc"), g.B,
+                            tiles_n));
+    }
+  }
+  if (dbias != nullptr) {
+    use_function(*p_.tasks[size_t(t)].op, "cg_conv2d_backward_bias");
+    add_range(g.O, "dbias, a channel a block",
+              fmt::format("    const cg_i64 group = r / {0};\n"
+                          "    const float total = cg_conv2d_backward_bias(\n"
+                          "        {1},\n"
+                          "        g, {2}, (int)(r % {0}), (float*)cg_smem);\n"
+                          "    if (threadIdx.x == 0) {3};\n",
+                          g.OG, load_dout, g.B, store(*dbias, "r", "total")));
+  }
+  ek.grid[0] = first;
+  // The tiles' operands, or the bias sums' 32 floats: a block runs one range.
+  if (tiles)
+    reserve_shared(ek, dbias != nullptr ? "the implicit GEMMs' operand tiles (dbias's blocks: 32 floats of scratch)"
+                                        : "the implicit GEMMs' operand tiles",
+                   4 * (32 * (16 + 1) + 16 * (32 + 1)));
+  else if (dbias != nullptr)
+    reserve_shared(ek, "dbias's block reduction scratch (32 floats)", 32 * 4);
+  return (tiles || dbias != nullptr ? "  CG_DYNAMIC_SMEM(cg_smem);\n" : "") + g.code + ranges + "\n";
+}
+
+// max_pool2d_backward, avg_pool2d_backward: a grid-stride loop over dx, each
+// element gathering the windows that cover it (templates/vision.cuh).
+std::string Emitter::pool2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& dout = param(ps, "dout");
+  const Param& dx = param(ps, "dx");
+  const bool max = is_op(p_.tasks[size_t(t)], BundledOp::max_pool2d_backward);
+  const Shape& sx = dx.buffer->shape;
+  const Shape& so = dout.buffer->shape;
+  if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
+  const std::string window = fmt::format(
+      "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
+      sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
+      arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
+      max ? arg_int(t, "dilation_h", 1) : 1, max ? arg_int(t, "dilation_w", 1) : 1);
+  const std::string value = max ? std::string("cg_max_pool2d_backward(x, dout, i, p)")
+                                : fmt::format("cg_avg_pool2d_backward(dout, i, p, {})",
+                                              arg_bool(t, "count_include_pad") ? "true" : "false");
+  if (max) use_function(*p_.tasks[size_t(t)].op, "cg_max_pool2d_choice");
+  return window + grid_stride_loop(numel(sx), store(dx, "i", value), ek);
+}
+
+std::string Emitter::adaptive_avg_pool2d_backward(int, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& dout = param(ps, "dout");
+  const Param& dx = param(ps, "dx");
+  const Shape& sx = dx.buffer->shape;
+  const Shape& so = dout.buffer->shape;
+  return grid_stride_loop(numel(sx),
+                          store(dx, "i",
+                                fmt::format("cg_adaptive_avg_pool2d_backward(dout, i, {}, {}, {}, {})", sx[sx.size() - 2],
+                                            sx.back(), so[so.size() - 2], so.back())),
+                          ek);
+}
+
+}  // namespace cudagen::lowering
