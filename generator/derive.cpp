@@ -222,8 +222,12 @@ class Deriver {
       if (!b.sig->written() && requires_grad_.count(b.buffer)) needs = true;
     }
     if (!reaches_loss || !needs) return;
+    // A slot updated in place holds its new value when backward runs: only
+    // a linked backward op that does not read it (a BatchNorm's running
+    // statistics) may follow.
+    const OpSignature* linked = bt.op->backward.empty() ? nullptr : p_.registry.find(bt.op->backward);
     for (const auto& b : bt.tensors)
-      if (b.sig->writes)
+      if (b.sig->writes && (linked == nullptr || linked->find_tensor(b.name) != nullptr))
         fail(t, b.name, fmt::format("op '{}' updates '{}' in place, so its input is gone when backward runs",
                                     bt.op->name, b.name));
     if (!bt.op->backward.empty()) return linked_backward(t);

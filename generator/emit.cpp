@@ -67,6 +67,8 @@ Emitter::Skeleton Emitter::named_skeleton(std::string_view op) {
       {"max_pool2d_backward", &Emitter::pool2d_backward},
       {"avg_pool2d_backward", &Emitter::pool2d_backward},
       {"adaptive_avg_pool2d_backward", &Emitter::adaptive_avg_pool2d_backward},
+      {"batchnorm2d", &Emitter::batchnorm2d},
+      {"batchnorm2d_backward", &Emitter::batchnorm2d_backward},
       {"permute", &Emitter::permute},
       {"slice", &Emitter::slice},
       {"slice_backward", &Emitter::slice},

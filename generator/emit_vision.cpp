@@ -284,4 +284,88 @@ std::string Emitter::adaptive_avg_pool2d_backward(int, const std::vector<Param>&
                           ek);
 }
 
+// The element of channel `c` that a BatchNorm block's i-th is (NCHW).
+static std::string channel_element(const Shape& s, const std::string& i) {
+  const int64_t positions = s[2] * s[3];
+  return fmt::format("({0} / {1} * {2} + c) * (cg_i64){1} + {0} % {1}", i, positions, s[1]);
+}
+
+// batchnorm2d (training mode), a block a channel (templates/vision.cuh):
+// thread 0 stores the channel's statistics and moves the running ones.
+std::string Emitter::batchnorm2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  if (!check_f32_accumulation(t, x)) return {};
+  const Shape& s = x.buffer->shape;
+  const int64_t count = s[0] * s[2] * s[3];
+  if (count < 2) {
+    fail(t, "x", fmt::format("x {} has {} value a channel; batch statistics need more than one", shape_to_string(s), count),
+         "train with a larger batch or image, or use the BatchNorm in eval mode (its running statistics)");
+    return {};
+  }
+  const Param* weight = find_param(ps, "weight");
+  const Param* bias = find_param(ps, "bias");
+  const Param* running_mean = find_param(ps, "running_mean");
+  const Param* running_var = find_param(ps, "running_var");
+  ek.block = 256;
+  ek.grid[0] = s[1];
+  reserve_shared(ek, "block reduction scratch (32 floats)", 32 * 4);
+  const std::string momentum = float_arg(t, "momentum", 0.1);
+  std::string running;
+  if (running_mean != nullptr)
+    running += fmt::format("    {};\n", store(*running_mean, "c",
+                                              fmt::format("(1.0f - {0}) * {1} + {0} * stats.mean", momentum,
+                                                          load(*running_mean, "c"))));
+  if (running_var != nullptr)  // toward the unbiased variance, as PyTorch keeps it
+    running += fmt::format("    {};\n", store(*running_var, "c",
+                                              fmt::format("(1.0f - {0}) * {1} + {0} * stats.var * {2}", momentum,
+                                                          load(*running_var, "c"), float_literal(double(count) / double(count - 1)))));
+  const std::string at = channel_element(s, "i");
+  return fmt::format(
+      "  CG_DYNAMIC_SMEM(cg_smem);\n"
+      "  const cg_i64 c = tile.x;\n"
+      "  const cg_batchnorm2d_stats stats = cg_batchnorm2d_channel(\n"
+      "      [&](cg_i64 i) {{ return {}; }},\n"
+      "      [&](cg_i64 i, float v) {{ {}; }},\n"
+      "      {}, {}, {}, {}, (float*)cg_smem);\n"
+      "  if (threadIdx.x == 0) {{\n"
+      "    {};\n"
+      "    {};\n"
+      "{}"
+      "  }}\n",
+      load(x, at), store(param(ps, "out"), at, "v"), count, weight ? load(*weight, "c") : "1.0f",
+      bias ? load(*bias, "c") : "0.0f", float_arg(t, "eps", 1e-5), store(param(ps, "mean"), "c", "stats.mean"),
+      store(param(ps, "rstd"), "c", "stats.rstd"), running);
+}
+
+// batchnorm2d_backward, a block a channel: dx where asked for, then thread 0
+// stores the channel's dweight and dbias.
+std::string Emitter::batchnorm2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  if (!check_f32_accumulation(t, x)) return {};
+  const Shape& s = x.buffer->shape;
+  const Param* weight = find_param(ps, "weight");
+  const Param* dx = find_param(ps, "dx");
+  const Param* dweight = find_param(ps, "dweight");
+  const Param* dbias = find_param(ps, "dbias");
+  ek.block = 256;
+  ek.grid[0] = s[1];
+  reserve_shared(ek, "block reduction scratch (32 floats)", 32 * 4);
+  const std::string at = channel_element(s, "i");
+  std::string sums;
+  if (dweight != nullptr) sums += fmt::format("    {};\n", store(*dweight, "c", "sums.dweight"));
+  if (dbias != nullptr) sums += fmt::format("    {};\n", store(*dbias, "c", "sums.dbias"));
+  return fmt::format(
+      "  CG_DYNAMIC_SMEM(cg_smem);\n"
+      "  const cg_i64 c = tile.x;\n"
+      "  const cg_batchnorm2d_sums sums = cg_batchnorm2d_backward_channel(\n"
+      "      [&](cg_i64 i) {{ return {}; }},\n"
+      "      [&](cg_i64 i) {{ return {}; }},\n"
+      "      [&](cg_i64 i, float v) {{ {}; }},\n"
+      "      {}, cg_load(mean, c), cg_load(rstd, c), {}, (float*)cg_smem);\n"
+      "{}",
+      load(x, at), load(param(ps, "dout"), at), dx ? store(*dx, at, "v") : "(void)i, (void)v",
+      s[0] * s[2] * s[3], weight ? load(*weight, "c") : "1.0f",
+      sums.empty() ? "  (void)sums;\n" : "  if (threadIdx.x == 0) {\n" + sums + "  }\n");
+}
+
 }  // namespace cudagen::lowering

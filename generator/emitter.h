@@ -3,7 +3,7 @@
 //   emit.cpp             the driver (run), the parameters, one task's kernel, loads and stores;
 //   emit_elementwise.cpp elementwise chains, prologues and epilogues;
 //   emit_rows.cpp        the row skeletons (softmax, the norms, their gradients) and data movement;
-//   emit_vision.cpp      convolution and pooling, and their gradients;
+//   emit_vision.cpp      convolution, pooling and BatchNorm, and their gradients;
 //   emit_matmul.cpp      the matmul mainloops and the fused products (sum, chain, row reduction);
 //   emit_attention.cpp   attention: the row kernel, flash attention and their gradients;
 //   emit_host.cpp        launches, the megakernel, the host launchers, header and manifest.
@@ -441,6 +441,8 @@ class Emitter {
   std::string pool2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string adaptive_avg_pool2d_backward(int, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string batchnorm2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string batchnorm2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string slice(int t, const std::vector<Param>& ps, EmittedKernel& ek);
 

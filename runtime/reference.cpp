@@ -114,6 +114,8 @@ class Evaluator {
     if (op == "conv2d_backward") return conv2d_backward(bt);
     if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
     if (op == "adaptive_avg_pool2d_backward") return adaptive_avg_pool2d_backward(bt);
+    if (op == "batchnorm2d") return batchnorm2d(bt);
+    if (op == "batchnorm2d_backward") return batchnorm2d_backward(bt);
     if (op == "permute") return permute(bt);
     if (op == "slice" || op == "slice_backward") return slice(bt, op == "slice_backward");
     if (op == "rmsnorm") return rmsnorm(bt);
@@ -982,6 +984,108 @@ class Evaluator {
             }
         }
     out(o, std::move(v), std::move(a));
+  }
+
+  // BatchNorm in training mode: layernorm's computation over each channel's
+  // B x H x W elements (its error scales alike), and the running statistics
+  // moved toward the batch's.
+  void batchnorm2d(const BoundTask& bt) {
+    const int x = buf(bt, "x");
+    const BoundTensor *w = bt.find_tensor("weight"), *b = bt.find_tensor("bias"), *rm = bt.find_tensor("running_mean"),
+                      *rv = bt.find_tensor("running_var");
+    const Shape& s = shape(x);
+    const int64_t B = s[0], C = s[1], positions = s[2] * s[3], count = B * positions;
+    const double eps = arg_double(bt, "eps", 1e-5), momentum = arg_double(bt, "momentum", 0.1);
+    const auto &xv = val(x), &xa = r_.abs[size_t(x)];
+    std::vector<double> v(xv.size()), a(xv.size()), m(static_cast<size_t>(C)), ma(m.size()), r(m.size()), ra(m.size());
+    std::vector<double> rmv, rma, rvv, rva;
+    if (rm != nullptr) rmv = val(rm->buffer), rma = r_.abs[size_t(rm->buffer)];
+    if (rv != nullptr) rvv = val(rv->buffer), rva = r_.abs[size_t(rv->buffer)];
+    auto at = [&](int64_t c, int64_t i) { return size_t((i / positions * C + c) * positions + i % positions); };
+    for (int64_t c = 0; c < C; ++c) {
+      double sum = 0, abs_sum = 0, max_err = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        sum += xv[at(c, i)];
+        abs_sum += std::abs(xv[at(c, i)]);
+        max_err = std::max(max_err, xa[at(c, i)]);
+      }
+      const double mean = sum / double(count);
+      double var = 0, mad = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const double d = xv[at(c, i)] - mean;
+        var += d * d;
+        mad += std::abs(d);
+      }
+      var /= double(count);
+      mad /= double(count);
+      const double rstd = 1 / std::sqrt(var + eps), drstd = rstd * rstd * rstd * 2 * mad * max_err;
+      const double wv = w ? val(w->buffer)[size_t(c)] : 1.0, wa = w ? r_.abs[size_t(w->buffer)][size_t(c)] : 1.0;
+      const double bv = b ? val(b->buffer)[size_t(c)] : 0.0, ba = b ? r_.abs[size_t(b->buffer)][size_t(c)] : 0.0;
+      m[size_t(c)] = mean;
+      ma[size_t(c)] = abs_sum / double(count) + max_err;
+      r[size_t(c)] = rstd;
+      ra[size_t(c)] = rstd + drstd;
+      for (int64_t i = 0; i < count; ++i) {
+        const size_t e = at(c, i);
+        const double d = xv[e] - mean;
+        v[e] = d * rstd * wv + bv;
+        a[e] = wa * (rstd * (xa[e] + max_err) + std::abs(d) * drstd) + std::abs(d) * rstd * wa + ba + std::abs(v[e]);
+      }
+      if (rm != nullptr) {
+        rmv[size_t(c)] = (1 - momentum) * rmv[size_t(c)] + momentum * mean;
+        rma[size_t(c)] = (1 - momentum) * rma[size_t(c)] + momentum * ma[size_t(c)] + std::abs(rmv[size_t(c)]);
+      }
+      if (rv != nullptr) {
+        const double unbiased = var * double(count) / double(count - 1);
+        rvv[size_t(c)] = (1 - momentum) * rvv[size_t(c)] + momentum * unbiased;
+        rva[size_t(c)] = (1 - momentum) * rva[size_t(c)] + momentum * (unbiased + 4 * mad * max_err * double(count) / double(count - 1)) +
+                         std::abs(rvv[size_t(c)]);
+      }
+    }
+    out(buf(bt, "out"), std::move(v), std::move(a));
+    out(buf(bt, "mean"), std::move(m), std::move(ma));
+    out(buf(bt, "rstd"), std::move(r), std::move(ra));
+    if (rm != nullptr) out(rm->buffer, std::move(rmv), std::move(rma));
+    if (rv != nullptr) out(rv->buffer, std::move(rvv), std::move(rva));
+  }
+
+  // batchnorm2d's gradients from the saved statistics: layernorm_backward's
+  // formulas over each channel's elements.
+  void batchnorm2d_backward(const BoundTask& bt) {
+    const int x = buf(bt, "x"), d = buf(bt, "dout"), mu = buf(bt, "mean"), rs = buf(bt, "rstd");
+    const BoundTensor *w = bt.find_tensor("weight"), *dx = bt.find_tensor("dx"), *dw = bt.find_tensor("dweight"),
+                      *db = bt.find_tensor("dbias");
+    const Shape& s = shape(x);
+    const int64_t C = s[1], positions = s[2] * s[3], count = s[0] * positions;
+    const auto &xv = val(x), &xa = r_.abs[size_t(x)], &dv = val(d), &da = r_.abs[size_t(d)];
+    std::vector<double> gx(xv.size()), gxa(xv.size()), gw(static_cast<size_t>(C)), gwa(gw.size()), gb(gw.size()), gba(gw.size());
+    auto at = [&](int64_t c, int64_t i) { return size_t((i / positions * C + c) * positions + i % positions); };
+    for (int64_t c = 0; c < C; ++c) {
+      const double mean = val(mu)[size_t(c)], mean_abs = r_.abs[size_t(mu)][size_t(c)];
+      const double rstd = val(rs)[size_t(c)], rstd_abs = r_.abs[size_t(rs)][size_t(c)];
+      const double wv = w ? val(w->buffer)[size_t(c)] : 1.0, wa = w ? r_.abs[size_t(w->buffer)][size_t(c)] : 1.0;
+      double sum_dy = 0, sum_dy_abs = 0, sum_dy_xhat = 0, sum_dy_xhat_abs = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const size_t e = at(c, i);
+        sum_dy += dv[e];
+        sum_dy_abs += da[e];
+        sum_dy_xhat += dv[e] * (xv[e] - mean) * rstd;
+        sum_dy_xhat_abs += da[e] * (xa[e] + mean_abs) * rstd_abs;
+      }
+      gw[size_t(c)] = sum_dy_xhat;
+      gwa[size_t(c)] = sum_dy_xhat_abs;
+      gb[size_t(c)] = sum_dy;
+      gba[size_t(c)] = sum_dy_abs;
+      for (int64_t i = 0; i < count; ++i) {
+        const size_t e = at(c, i);
+        const double xhat = (xv[e] - mean) * rstd, xhat_abs = (xa[e] + mean_abs) * rstd_abs;
+        gx[e] = wv * rstd * (dv[e] - (sum_dy + xhat * sum_dy_xhat) / double(count));
+        gxa[e] = 3 * wa * rstd_abs * (da[e] + (sum_dy_abs + xhat_abs * sum_dy_xhat_abs) / double(count));
+      }
+    }
+    if (dx != nullptr) out(dx->buffer, std::move(gx), std::move(gxa));
+    if (dw != nullptr) out(dw->buffer, std::move(gw), std::move(gwa));
+    if (db != nullptr) out(db->buffer, std::move(gb), std::move(gba));
   }
 
   void pool2d(const BoundTask& bt, bool max) {

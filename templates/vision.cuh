@@ -439,6 +439,93 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return sum;
 }
 
+// BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
+// over NCHW: channel c is normalised by the mean and the biased variance of
+// its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
+// its mean and 1 / sqrt(var + eps) are saved for the gradient, and the
+// running statistics, where bound, move toward the batch's by `momentum`
+// (the running variance toward the unbiased variance, as PyTorch keeps it).
+// A block a channel, its elements walked through load_x(i) and store(i, v),
+// i in [0, count): two passes for the statistics (the mean, then the squared
+// deviations from it: no cancellation), one to write. `scratch` holds 32
+// floats of shared memory. Returns the statistics to every thread.
+struct cg_batchnorm2d_stats {
+  float mean, var, rstd;  // var: the biased variance
+};
+template <typename LoadX, typename Store>
+CG_OP("batchnorm2d",
+      "pattern: opaque",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T optional",
+      "tensor: bias weight T optional",
+      "tensor: running_mean weight f32 optional writes",
+      "tensor: running_var weight f32 optional writes",
+      "tensor: out output T",
+      "tensor: mean output f32",
+      "tensor: rstd output f32",
+      "arg: eps float = 1e-5",
+      "arg: momentum float = 0.1",
+      "shape: x:[B, C, H, W] weight:[C] bias:[C] running_mean:[C] running_var:[C] -> out:[B, C, H, W] mean:[C] rstd:[C] running_mean:[C] running_var:[C]",
+      "backward: batchnorm2d_backward",
+      "flops: 8 * numel(x)",
+      "doc: torch.nn.functional.batch_norm in training mode over NCHW: batch statistics per channel, the running statistics updated in place")
+CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
+                                                      float eps, float* scratch) {
+  float partial = 0.0f;
+  for (cg_i64 i = threadIdx.x; i < count; i += blockDim.x) partial += load_x(i);
+  const float mean = cg_block_sum(partial, scratch) / (float)count;
+  partial = 0.0f;
+  for (cg_i64 i = threadIdx.x; i < count; i += blockDim.x) {
+    const float d = load_x(i) - mean;
+    partial += d * d;
+  }
+  const float var = cg_block_sum(partial, scratch) / (float)count;
+  const float rstd = 1.0f / sqrtf(var + eps);
+  for (cg_i64 i = threadIdx.x; i < count; i += blockDim.x) store(i, (load_x(i) - mean) * rstd * weight + bias);
+  return cg_batchnorm2d_stats{mean, var, rstd};
+}
+
+// A channel's sums in batchnorm2d's gradient: those of its weight and bias.
+struct cg_batchnorm2d_sums {
+  float dweight, dbias;
+};
+
+// batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
+// dweight = sum(dout * xhat), dbias = sum(dout), and
+// dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
+// Returns the channel's dweight and dbias to every thread.
+template <typename LoadX, typename LoadDout, typename StoreDx>
+CG_OP("batchnorm2d_backward",
+      "pattern: opaque",
+      "forward: batchnorm2d",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T optional",
+      "tensor: mean input f32",
+      "tensor: rstd input f32",
+      "tensor: dout input T",
+      "tensor: dx output T optional",
+      "tensor: dweight output T optional",
+      "tensor: dbias output T optional",
+      "shape: x:[B, C, H, W] weight:[C] mean:[C] rstd:[C] dout:[B, C, H, W] -> dx:[B, C, H, W] dweight:[C] dbias:[C]",
+      "doc: gradients of batchnorm2d (training mode) with respect to x, weight and bias")
+CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, LoadDout load_dout, StoreDx store_dx, cg_i64 count,
+                                                       float mean, float rstd, float weight, float* scratch) {
+  float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
+  for (cg_i64 i = threadIdx.x; i < count; i += blockDim.x) {
+    const float dy = load_dout(i);
+    sum_dy += dy;
+    sum_dy_xhat += dy * (load_x(i) - mean) * rstd;
+  }
+  const float dbias = cg_block_sum(sum_dy, scratch), dweight = cg_block_sum(sum_dy_xhat, scratch);
+  for (cg_i64 i = threadIdx.x; i < count; i += blockDim.x) {
+    const float xhat = (load_x(i) - mean) * rstd;
+    store_dx(i, weight * rstd * (load_dout(i) - (dbias + xhat * dweight) / (float)count));
+  }
+  return cg_batchnorm2d_sums{dweight, dbias};
+}
+
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

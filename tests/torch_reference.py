@@ -320,6 +320,35 @@ def run_torch(g, values, phases=None):
             # Only max pooling's gradient depends on x; the others' on its shape.
             x = get(t, "x") if op == "max_pool2d_backward" else torch.zeros(shape("dx"), dtype=torch.float64)
             put(t, "dx", grad(pool, [x], get(t, "dout"))[0])
+        elif op == "batchnorm2d":
+            x = get(t, "x")
+            mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+            c = (1, -1, 1, 1)
+            eps, momentum = args.get("eps", 1e-5), args.get("momentum", 0.1)
+            weight = get(t, "weight") if "weight" in t["tensors"] else torch.ones_like(mean)
+            bias = get(t, "bias") if "bias" in t["tensors"] else torch.zeros_like(mean)
+            put(t, "out", (x - mean.reshape(c)) / torch.sqrt(var.reshape(c) + eps) * weight.reshape(c) + bias.reshape(c))
+            put(t, "mean", mean)
+            put(t, "rstd", 1 / torch.sqrt(var + eps))
+            if "running_mean" in t["tensors"]:
+                put(t, "running_mean", (1 - momentum) * get(t, "running_mean") + momentum * mean)
+            if "running_var" in t["tensors"]:
+                put(t, "running_var", (1 - momentum) * get(t, "running_var") + momentum * x.var((0, 2, 3), unbiased=True))
+        elif op == "batchnorm2d_backward":
+            c = (1, -1, 1, 1)
+            mean, rstd = get(t, "mean").reshape(c), get(t, "rstd").reshape(c)
+            weight = get(t, "weight") if "weight" in t["tensors"] else torch.ones(mean.numel(), dtype=torch.float64)
+            dx, dweight, dbias = grad(lambda x, w, b: (x - mean) * rstd * w.reshape(c) + b.reshape(c),
+                                      [get(t, "x"), weight, torch.zeros_like(weight)], get(t, "dout"))
+            # dx with the saved statistics taken as x's own (the op's contract):
+            # the textbook projection, which autograd of the affine above lacks.
+            xhat = (get(t, "x") - mean) * rstd
+            n = get(t, "x").numel() / mean.numel()
+            dxhat = get(t, "dout") * weight.reshape(c)
+            dx = rstd / n * (n * dxhat - dxhat.sum((0, 2, 3), keepdim=True) - xhat * (dxhat * xhat).sum((0, 2, 3), keepdim=True))
+            for slot, value in (("dx", dx), ("dweight", dweight), ("dbias", dbias)):
+                if slot in t["tensors"]:
+                    put(t, slot, value)
         elif op in ("slice", "slice_backward"):
             x_shape = shape("x") if op == "slice" else shape("dx")
             axis = args["axis"] % len(x_shape)

@@ -272,6 +272,27 @@ TaskGraph vision_gradients(int64_t n, DType d) {
         .arg("padding_h", 1)
         .arg("padding_w", 1)
         .arg("count_include_pad", include);
+  // BatchNorm in training mode and its gradient, every optional slot bound.
+  const Shape bn = {2, 5, n, n + 1};
+  b.task("batchnorm", "batchnorm2d")
+      .tensor("x", d, bn, ext)
+      .tensor("weight", d, {5}, persistent)
+      .tensor("bias", d, {5}, persistent)
+      .tensor("running_mean", DType::f32, {5}, persistent)
+      .tensor("running_var", DType::f32, {5}, persistent)
+      .tensor("out", d, bn, ext)
+      .tensor("mean", DType::f32, {5}, ext)
+      .tensor("rstd", DType::f32, {5}, ext)
+      .arg("momentum", 0.25);
+  b.task("batchnorm_backward", "batchnorm2d_backward")
+      .tensor("x", d, bn, ext)
+      .tensor("weight", d, {5}, persistent)
+      .tensor("mean", DType::f32, {5}, ext)
+      .tensor("rstd", DType::f32, {5}, ext)
+      .tensor("dout", d, bn, ext)
+      .tensor("dx", d, bn, ext)
+      .tensor("dweight", d, {5}, ext)
+      .tensor("dbias", d, {5}, ext);
   b.task("global_pool", "adaptive_avg_pool2d_backward").tensor("dout", d, {2, 7, 1, 1}, ext).tensor("dx", d, {2, 7, n, n + 2}, ext);
   b.task("adaptive_pool", "adaptive_avg_pool2d_backward")
       .tensor("dout", d, {3, 3, 2}, ext)
@@ -293,7 +314,7 @@ TEST_P(VisionGradients, MatchTheFloat64Reference) {
   const uint64_t seed = std::random_device()();
   SCOPED_TRACE(fmt::format("seed {}", seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir(fmt::format("gradients_{}_{}", to_string(dtype), n))});
-  EXPECT_EQ(run.checks.size(), 18u);
+  EXPECT_EQ(run.checks.size(), 26u);
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
@@ -303,8 +324,8 @@ INSTANTIATE_TEST_SUITE_P(Sizes, VisionGradients, ::testing::Values(Case{5, DType
                          });
 
 // A small convolutional network (a strided, grouped, depthwise and pointwise
-// convolution with a bias and a residual, max, average and global pooling, a
-// linear head) with its SGD step derived: every gradient the derive pass
+// convolution with a bias and a residual, BatchNorm in training mode, max,
+// average and global pooling, a linear head) with its SGD step derived: every gradient the derive pass
 // writes runs on the kernels above; each task of two steps is checked from
 // its actual inputs (so a max pooling's choice is the device's own), and the
 // loss falls.
@@ -335,6 +356,15 @@ TEST(VisionGradients, AConvolutionalNetworkTrains) {
   };
   auto image = b.task("image", "affine").tensor("x", d, {B, 3, 12, 12}, ext).tensor("out", d, {B, 3, 12, 12}).arg("scale", 1.0);
   SlotRef x = conv("stem", image["out"], 3, 12, 16, 3, 1, 1, 1, true);
+  x = b.task("stem_bn", "batchnorm2d")  // training mode: the batch's statistics
+          .tensor("x", x)
+          .tensor("weight", weight("stem_bn_weight", {16}, 1))
+          .tensor("bias", weight("stem_bn_bias", {16}, 100))
+          .tensor("running_mean", d, {16}, persistent)
+          .tensor("running_var", d, {16}, persistent)
+          .tensor("out", d, {B, 16, 12, 12})
+          .tensor("mean", d, {16})
+          .tensor("rstd", d, {16})["out"];
   x = b.task("stem_act", "relu").tensor("x", x).tensor("out", d, {B, 16, 12, 12})["out"];
   x = b.task("pool", "max_pool2d")
           .tensor("x", x)
@@ -365,7 +395,8 @@ TEST(VisionGradients, AConvolutionalNetworkTrains) {
   const TaskGraph trained = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph;
   std::set<std::string> ops;
   for (const auto& t : trained.tasks) ops.insert(t.op);
-  for (const char* op : {"conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward"})
+  for (const char* op : {"conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward",
+                          "batchnorm2d_backward"})
     EXPECT_TRUE(ops.count(op)) << op;
 
   CompileOptions each;  // every buffer kept, so each task's inputs can be read back
