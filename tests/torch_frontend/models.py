@@ -413,7 +413,7 @@ class SmallResNet(nn.Module):
 
     def __init__(self, batchnorm=False):
         super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=not batchnorm)  # a bias before a BatchNorm has no gradient in train mode
         self.stem_bn = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
         self.bn1 = nn.BatchNorm2d(8) if batchnorm else nn.Identity()
         self.pool = nn.MaxPool2d(2)

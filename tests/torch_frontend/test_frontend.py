@@ -356,7 +356,7 @@ class Models(Exported):
 class Training(Exported):
     STEPS = 2
 
-    def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None):
+    def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False):
         """Exports forward + loss, lets cudagen derive backward and update, runs
         STEPS steps in emulation (each checked against the float64 reference
         by `cudagen run`), and compares the losses and the updated weights
@@ -365,7 +365,7 @@ class Training(Exported):
         steps = steps or self.STEPS
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer=optimizer,
-                                      optimizer_args=optimizer_args)
+                                      optimizer_args=optimizer_args, train_mode=train_mode)
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
         outputs = os.path.join(self.dir, "outputs")
         stdout, _ = self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", str(steps), "--inputs",
@@ -373,9 +373,10 @@ class Training(Exported):
         self.assertIn("loss", stdout)
 
         # PyTorch trains its own copy: eval mode (the export maps dropout to
-        # the identity), the exported inputs, the same optimizer.
+        # the identity) unless the test asks for train mode (BatchNorm's batch
+        # statistics), the exported inputs, the same optimizer.
         example = {n: torch.from_numpy(np.load(os.path.join(model_dir, "example", n + ".npy"))) for n in result.inputs}
-        model.eval()
+        model.train(train_mode)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = {"sgd": dict(lr=optimizer_args["lr"], momentum=optimizer_args.get("momentum", 0.0)),
                 "adamw": dict(lr=optimizer_args["lr"], betas=(optimizer_args.get("beta1", 0.9),
@@ -410,6 +411,12 @@ class Training(Exported):
             error = float(np.abs(moved - want_moved).max())
             self.assertLessEqual(error, 1e-3 * scale,
                                  f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
+        # The running statistics a train-mode BatchNorm moved, step by step.
+        for name, buffer in model.named_buffers() if train_mode else ():
+            if name.endswith(("running_mean", "running_var")):
+                got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
+                np.testing.assert_allclose(got, buffer.double().numpy(), rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{name} after {steps} steps (seed {seed})")
 
     def test_slices_train(self):
         """The slice's gradient (slice_backward, derived by cudagen) trains a
@@ -450,6 +457,17 @@ class Training(Exported):
         torch.manual_seed(seed)
         self.check_training(seed, models.small_resnet(), (torch.randn(2, 3, 12, 12),), "cross_entropy", "sgd",
                             {"lr": 0.1, "momentum": 0.9})
+
+    def test_batchnorm_in_train_mode_trains_as_pytorch_does(self):
+        """BatchNorm in training mode: each step normalises by the batch's
+        statistics and moves the running ones, as PyTorch's train mode does;
+        losses, updates and running statistics match."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.small_resnet(batchnorm=True), (torch.randn(2, 3, 12, 12),),
+                            "cross_entropy", "sgd", {"lr": 0.1, "momentum": 0.9}, steps=3, train_mode=True)
+        ops = [t["op"] for t in json.loads(read(os.path.join(self.dir, "model", "graph.json")))["tasks"]]
+        self.assertEqual(ops.count("batchnorm2d"), 2)
 
     def test_resnet18_trains_as_pytorch_does(self):
         """torchvision's ResNet-18 (random weights and BatchNorm statistics,

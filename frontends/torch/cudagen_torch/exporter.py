@@ -338,6 +338,14 @@ class _Exporter:
         self.tasks.append(task)
         return result
 
+    def state(self, node, tensor, name):
+        """A buffer a task updates in place (a BatchNorm's running
+        statistics): persistent, saved under `name`, never trained (cudagen
+        trains only what no task writes)."""
+        v = self.constant(node, tensor, name)
+        v.pending["storage"] = "persistent"
+        return v
+
     def constant(self, node, tensor, name):
         """A tensor the inputs do not change (a weight, a buffer, a mask): a
         persistent tensor whose value is saved under `name`. When training,
@@ -675,11 +683,34 @@ def _frozen_batchnorm(ex, node, x, gamma, beta, mean, var, eps, name):
     return out
 
 
+def _batchnorm_batch_statistics(ex, node, m):
+    """BatchNorm2d in training mode: `batchnorm2d`, each channel normalised by
+    the batch's statistics, the running statistics (persistent, saved under
+    their names) updated in place by `momentum`, as PyTorch's train mode."""
+    if not m.track_running_stats or m.running_mean is None:
+        ex.fail(node, "BatchNorm2d in training mode without running statistics has no mapping",
+                "construct BatchNorm with track_running_stats=True")
+    if m.momentum is None:
+        ex.fail(node, "BatchNorm2d with momentum=None (a cumulative average) has no mapping", "give it a momentum")
+    dtype, shape = ex.result_meta(node)
+    if len(shape) != 4:
+        ex.fail(node, f"BatchNorm2d of a rank-{len(shape)} tensor; cudagen's batchnorm2d is NCHW")
+    inputs = {"x": ex.tensor(node, node.args[0]),
+              "running_mean": ex.state(node, m.running_mean, f"{node.target}.running_mean"),
+              "running_var": ex.state(node, m.running_var, f"{node.target}.running_var")}
+    if m.affine:
+        inputs["weight"] = ex.constant(node, m.weight, f"{node.target}.weight")
+        inputs["bias"] = ex.constant(node, m.bias, f"{node.target}.bias")
+    outputs = {"out": (dtype, shape), "mean": ("f32", (shape[1],)), "rstd": ("f32", (shape[1],))}
+    return ex.add(node, node.name, "batchnorm2d", inputs, outputs,
+                  {"eps": float(m.eps), "momentum": float(m.momentum)})["out"]
+
+
 def _m_batchnorm2d(ex, node, m):
     if node in ex.folded_bn:
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
     if m.training:
-        ex.fail(node, "BatchNorm2d in training mode has no mapping", "call model.eval() before exporting")
+        return _batchnorm_batch_statistics(ex, node, m)
     if ex.training and m.affine:
         return _frozen_batchnorm(ex, node, node.args[0], ex.constant(node, m.weight, f"{node.target}.weight"),
                                  ex.constant(node, m.bias, f"{node.target}.bias"), m.running_mean, m.running_var, m.eps,
@@ -1713,7 +1744,7 @@ def _capture(module, example_inputs, tracer):
 
 
 def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
-           write_example=True, tracer="auto"):
+           write_example=True, tracer="auto", train_mode=False):
     """Captures `module` on `example_inputs` (a tuple of tensors) and writes
     `path`/graph.json with one .npy per parameter and buffer.
 
@@ -1727,15 +1758,26 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       hyper-parameters ({"lr": 0.01}).
     write_example: also write the example inputs to `path`/example/ and
       PyTorch's outputs on them to `path`/expected/ (<name>.npy).
+    train_mode: capture the module in training mode (module.train()), where
+      BatchNorm normalises by each batch's statistics and updates its running
+      ones (`batchnorm2d`); by default in eval mode (module.eval()). The
+      module is left in that mode; its running statistics are as they were
+      (the capture's own forward pass does not move them).
     Raises ExportError naming the node for anything it cannot map; nothing is
     written then."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    module = module.eval()
-    gm, traced_with = _capture(module, example_inputs, tracer)
-    recorder = _Recorder(gm)
-    with torch.no_grad():
-        outputs = recorder.run(*example_inputs)
+    module = module.train(train_mode)
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    try:
+        gm, traced_with = _capture(module, example_inputs, tracer)
+        recorder = _Recorder(gm)
+        with torch.no_grad():
+            outputs = recorder.run(*example_inputs)
+    finally:  # a train-mode forward moves BatchNorm's running statistics: put them back
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                b.copy_(buffers[n])
     ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None)
     ex.run()
     rewrites = simplify(ex.tasks, ex.outputs, ex.arrays, training=loss is not None)
