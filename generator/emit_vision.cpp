@@ -136,7 +136,7 @@ std::string Emitter::conv2d_backward(int t, const std::vector<Param>& ps, Emitte
   if (!geometry) return {};
   const ConvGeometry& g = *geometry;
   if (dx == nullptr && dweight == nullptr && dbias == nullptr) {
-    fail(t, "", "the task asks for none of dx, dweight and dbias", "bind at least one of them");
+    fail(t, "dx", "the task asks for none of dx, dweight and dbias", "bind at least one of them");
     return {};
   }
   const int64_t area = g.KH * g.KW, K = g.CG * area;

@@ -575,6 +575,15 @@ class Errors(unittest.TestCase):
                                     loss="mse")
         self.assertIn("loss= needs a float32 model, this one's output is bf16", message)
 
+    def test_train_mode_refuses_the_export_path_and_dropout_says_what_to_do(self):
+        message = self.export_error(models.small_resnet(batchnorm=True), (torch.randn(2, 3, 8, 8),),
+                                    train_mode=True, tracer="export")
+        self.assertIn("train_mode=True takes the torch.fx path", message)
+        dropout = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+        message = self.export_error(dropout, (torch.randn(2, 4),), train_mode=True)
+        self.assertIn("Dropout in training mode has no mapping", message)
+        self.assertIn("train_mode=False", message)
+
     def test_a_dtype_the_registry_lacks(self):
         class Complexish(torch.nn.Module):
             def forward(self, x):

@@ -687,23 +687,22 @@ def _batchnorm_batch_statistics(ex, node, m):
     """BatchNorm2d in training mode: `batchnorm2d`, each channel normalised by
     the batch's statistics, the running statistics (persistent, saved under
     their names) updated in place by `momentum`, as PyTorch's train mode."""
-    if not m.track_running_stats or m.running_mean is None:
-        ex.fail(node, "BatchNorm2d in training mode without running statistics has no mapping",
-                "construct BatchNorm with track_running_stats=True")
-    if m.momentum is None:
+    tracked = m.track_running_stats and m.running_mean is not None
+    if tracked and m.momentum is None:
         ex.fail(node, "BatchNorm2d with momentum=None (a cumulative average) has no mapping", "give it a momentum")
     dtype, shape = ex.result_meta(node)
     if len(shape) != 4:
         ex.fail(node, f"BatchNorm2d of a rank-{len(shape)} tensor; cudagen's batchnorm2d is NCHW")
-    inputs = {"x": ex.tensor(node, node.args[0]),
-              "running_mean": ex.state(node, m.running_mean, f"{node.target}.running_mean"),
-              "running_var": ex.state(node, m.running_var, f"{node.target}.running_var")}
+    inputs = {"x": ex.tensor(node, node.args[0])}
+    if tracked:  # (num_batches_tracked is not counted: with a momentum nothing reads it)
+        inputs["running_mean"] = ex.state(node, m.running_mean, f"{node.target}.running_mean")
+        inputs["running_var"] = ex.state(node, m.running_var, f"{node.target}.running_var")
     if m.affine:
         inputs["weight"] = ex.constant(node, m.weight, f"{node.target}.weight")
         inputs["bias"] = ex.constant(node, m.bias, f"{node.target}.bias")
     outputs = {"out": (dtype, shape), "mean": ("f32", (shape[1],)), "rstd": ("f32", (shape[1],))}
     return ex.add(node, node.name, "batchnorm2d", inputs, outputs,
-                  {"eps": float(m.eps), "momentum": float(m.momentum)})["out"]
+                  {"eps": float(m.eps), "momentum": float(m.momentum or 0.0)})["out"]
 
 
 def _m_batchnorm2d(ex, node, m):
@@ -754,7 +753,8 @@ def _m_activation(op, args=None):
 
 def _m_identity(ex, node, m):
     if isinstance(m, nn.Dropout) and m.training:
-        ex.fail(node, "Dropout in training mode has no mapping", "call model.eval() before exporting")
+        ex.fail(node, "Dropout in training mode has no mapping",
+                "export in eval mode (train_mode=False), or put this Dropout in eval mode (.eval() on it)")
     return ex.tensor(node, node.args[0])
 
 
@@ -1767,6 +1767,11 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     written then."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    if train_mode:  # torch.export's training-mode batch_norm (and its buffer updates) has no mapping yet
+        if tracer == "export":
+            raise ExportError("train_mode=True takes the torch.fx path: torch.export's training-mode batch_norm has "
+                              "no mapping yet; pass tracer='fx' (or 'auto')")
+        tracer = "fx"
     module = module.train(train_mode)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     try:
