@@ -146,6 +146,17 @@ class Models(Exported):
             result, _, _ = self.check_model(models.global_pool(), (torch.randn(2, 4, 6, 6),), seed, tracer=tracer)
             self.assertEqual(len(result.outputs), 3)
 
+    def test_batchnorm_without_running_statistics_uses_the_batchs(self):
+        """BatchNorm2d(track_running_stats=False) normalises by the batch's
+        statistics in eval mode too (PyTorch's rule): batchnorm2d, not a fold,
+        matching PyTorch."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.BatchNorm2d(6, track_running_stats=False))
+        result, _, _ = self.check_model(model, (torch.randn(2, 3, 7, 7),), seed, tracer="fx")
+        ops = [t["op"] for t in json.loads(read(result.graph_path))["tasks"]]
+        self.assertIn("batchnorm2d", ops)
+
     def test_conversions_and_like_constants_map(self):
         """x.to(dtype), type_as, .half(), zeros_like, new_ones, unflatten, fill_
         and zero_ on both paths: casts where the dtype changes, constants, a reshape. The

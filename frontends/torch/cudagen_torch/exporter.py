@@ -478,7 +478,8 @@ class _Exporter:
                 continue
             if node.op == "call_module" and source.op == "call_module":
                 bn, conv = self.gm.get_submodule(node.target), self.gm.get_submodule(source.target)
-                if isinstance(bn, nn.BatchNorm2d) and isinstance(conv, nn.Conv2d) and not bn.training:
+                if (isinstance(bn, nn.BatchNorm2d) and isinstance(conv, nn.Conv2d) and not bn.training
+                        and bn.running_mean is not None):
                     self.folded_bn[node] = source
             elif node.op == "call_function" and node.target in _BATCH_NORM and source.target in _CONV2D:
                 args = _batch_norm_args(node)
@@ -708,7 +709,7 @@ def _batchnorm_batch_statistics(ex, node, m):
 def _m_batchnorm2d(ex, node, m):
     if node in ex.folded_bn:
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
-    if m.training:
+    if m.training or m.running_mean is None:  # without running statistics PyTorch uses the batch's in eval mode too
         return _batchnorm_batch_statistics(ex, node, m)
     if ex.training and m.affine:
         return _frozen_batchnorm(ex, node, node.args[0], ex.constant(node, m.weight, f"{node.target}.weight"),
