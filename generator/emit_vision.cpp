@@ -65,6 +65,17 @@ std::string Emitter::conv2d(int t, const std::vector<Param>& ps, EmittedKernel& 
              hooks, store(out, fmt::format("out_base + (cg_i64)m * {} + p", positions), "acc" + bias_term));
 }
 
+// A pooling task's window (forward or gradient: x's and out's shapes, or
+// dx's and dout's): `const cg_pool2d_window p = {...};`. avg_pool2d has no
+// dilation: 1.
+std::string Emitter::pool_window(int t, const Shape& sx, const Shape& so) {
+  return fmt::format("  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n",
+                     sx[sx.size() - 2], sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1),
+                     arg_int(t, "kernel_w", 1), arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1),
+                     arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0), arg_int(t, "dilation_h", 1),
+                     arg_int(t, "dilation_w", 1));
+}
+
 // max_pool2d, avg_pool2d: a grid-stride loop over the output; the template
 // gives each element's value.
 std::string Emitter::pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -74,11 +85,7 @@ std::string Emitter::pool2d(int t, const std::vector<Param>& ps, EmittedKernel& 
   const Shape& sx = x.buffer->shape;
   const Shape& so = out.buffer->shape;
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
-  const std::string window = fmt::format(
-      "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
-      sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
-      arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
-      arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1));
+  const std::string window = pool_window(t, sx, so);
   const std::string value = max ? std::string("cg_max_pool2d(x, i, p)")
                                 : fmt::format("cg_avg_pool2d(x, i, p, {})",
                                               arg_bool(t, "count_include_pad") ? "true" : "false");
@@ -260,11 +267,7 @@ std::string Emitter::pool2d_backward(int t, const std::vector<Param>& ps, Emitte
   const Shape& sx = dx.buffer->shape;
   const Shape& so = dout.buffer->shape;
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
-  const std::string window = fmt::format(
-      "  const cg_pool2d_window p = {{{}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}}};\n", sx[sx.size() - 2],
-      sx.back(), so[so.size() - 2], so.back(), arg_int(t, "kernel_h", 1), arg_int(t, "kernel_w", 1),
-      arg_int(t, "stride_h", 1), arg_int(t, "stride_w", 1), arg_int(t, "padding_h", 0), arg_int(t, "padding_w", 0),
-      max ? arg_int(t, "dilation_h", 1) : 1, max ? arg_int(t, "dilation_w", 1) : 1);
+  const std::string window = pool_window(t, sx, so);
   const std::string value = max ? std::string("cg_max_pool2d_backward(x, dout, i, p)")
                                 : fmt::format("cg_avg_pool2d_backward(dout, i, p, {})",
                                               arg_bool(t, "count_include_pad") ? "true" : "false");

@@ -437,6 +437,7 @@ class Emitter {
   std::optional<ConvGeometry> conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so);
   std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string pool_window(int t, const Shape& sx, const Shape& so);
   std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string pool2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek);
