@@ -338,8 +338,9 @@ def run_torch(g, values, phases=None):
             c = (1, -1, 1, 1)
             mean, rstd = get(t, "mean").reshape(c), get(t, "rstd").reshape(c)
             weight = get(t, "weight") if "weight" in t["tensors"] else torch.ones(mean.numel(), dtype=torch.float64)
-            dx, dweight, dbias = grad(lambda x, w, b: (x - mean) * rstd * w.reshape(c) + b.reshape(c),
-                                      [get(t, "x"), weight, torch.zeros_like(weight)], get(t, "dout"))
+            x = get(t, "x")
+            dweight, dbias = grad(lambda w, b: (x - mean) * rstd * w.reshape(c) + b.reshape(c),
+                                  [weight, torch.zeros_like(weight)], get(t, "dout"))
             # dx with the saved statistics taken as x's own (the op's contract):
             # the textbook projection, which autograd of the affine above lacks.
             xhat = (get(t, "x") - mean) * rstd

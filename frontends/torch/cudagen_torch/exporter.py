@@ -671,8 +671,7 @@ def _frozen_batchnorm(ex, node, x, gamma, beta, mean, var, eps, name):
     an eval-mode BatchNorm: y = (x * inv_std + shift) * weight + bias, per
     channel, inv_std = 1 / sqrt(var + eps) and shift = -mean * inv_std.
     `gamma` and `beta` are Values (or None: no affine)."""
-    normalized = _scale_shift(ex, node, x, 1.0 / torch.sqrt(var.detach() + eps), -mean.detach() / torch.sqrt(var.detach() + eps),
-                              name, suffix="_normalized")
+    normalized = _scale_shift(ex, node, x, *_batchnorm_affine(None, None, mean, var, eps), name, suffix="_normalized")
     dtype, shape = ex.result_meta(node)
     out = normalized
     for slot, param, op in (("weight", gamma, "mul"), ("bias", beta, "add")):
