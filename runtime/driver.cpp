@@ -27,8 +27,8 @@ namespace {
 #define CUDAGEN_DRIVER_FUNCTIONS(X)                                                                                  \
   X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuDeviceGetName)      \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuMemGetInfo) X(cuModuleLoadData)    \
-  X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)          \
-  X(cuMemcpyDtoH) X(cuMemcpyDtoDAsync) X(cuMemsetD8) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)        \
+  X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncSetAttribute) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)     \
+  X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuLaunchKernel) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)        \
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphDestroy)    \
   X(cuGraphExecDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                    \
   X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString) X(cuLaunchCooperativeKernel)                        \
@@ -221,20 +221,30 @@ class GpuExecutor final : public Executor {
 
 
  public:
+  // Copies and fills go on the executor's stream and are waited for. The
+  // stream is non-blocking, so it does not wait for the legacy default stream
+  // that cuMemcpyHtoD and cuMemsetD8 use: a poisoning fill or a counter reset
+  // issued there could land after a later launch's stores, and a pageable
+  // upload may return before its last bytes arrive (seen on an H200 shared by
+  // eight test processes: outputs read back NaN, megakernels waiting on
+  // counters zeroed under them).
   void write(int64_t offset, const void* data, size_t bytes) override {
     check_range(offset, bytes, "write");
-    CUDAGEN_CHECK(*api_, cuMemcpyHtoD(arena_ + CUdeviceptr(offset), data, bytes),
-                  fmt::format("copying {} bytes to the arena at {}", bytes, offset));
+    const std::string what = fmt::format("copying {} bytes to the arena at {}", bytes, offset);
+    CUDAGEN_CHECK(*api_, cuMemcpyHtoDAsync(arena_ + CUdeviceptr(offset), data, bytes, stream_), what);
+    CUDAGEN_CHECK(*api_, cuStreamSynchronize(stream_), what);
   }
   void read(int64_t offset, void* data, size_t bytes) const override {
     check_range(offset, bytes, "read");
-    CUDAGEN_CHECK(*api_, cuMemcpyDtoH(data, arena_ + CUdeviceptr(offset), bytes),
-                  fmt::format("copying {} bytes from the arena at {}", bytes, offset));
+    const std::string what = fmt::format("copying {} bytes from the arena at {}", bytes, offset);
+    CUDAGEN_CHECK(*api_, cuMemcpyDtoHAsync(data, arena_ + CUdeviceptr(offset), bytes, stream_), what);
+    CUDAGEN_CHECK(*api_, cuStreamSynchronize(stream_), what);
   }
   void fill(int64_t offset, unsigned char byte, size_t bytes) override {
     check_range(offset, bytes, "fill");
-    CUDAGEN_CHECK(*api_, cuMemsetD8(arena_ + CUdeviceptr(offset), byte, bytes),
-                  fmt::format("filling {} bytes of the arena at {}", bytes, offset));
+    const std::string what = fmt::format("filling {} bytes of the arena at {}", bytes, offset);
+    CUDAGEN_CHECK(*api_, cuMemsetD8Async(arena_ + CUdeviceptr(offset), byte, bytes, stream_), what);
+    CUDAGEN_CHECK(*api_, cuStreamSynchronize(stream_), what);
   }
 
   bool has_function(const std::string& name) const override { return launchers_.count(name) != 0; }

@@ -19,6 +19,7 @@
 
 using namespace cudagen;
 using cudagen::testing::run_checked;
+using cudagen::testing::test_seed;
 using cudagen::testing::test_source_dir;
 
 namespace {
@@ -118,7 +119,7 @@ int check_gradients(TaskGraph graph, const SlotRef& loss_ref, int64_t classes, s
   Program training = load_program(derived.graph, {});
   const Schedule order = schedule(training);
 
-  uint64_t seed = std::random_device()();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   std::vector<std::vector<double>> inputs = random_inputs(training, rng, classes);
@@ -342,7 +343,7 @@ TEST(Derive, GroupedQueryAttentionTrainsInEmulation) {
   DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", {ArgSlot{"lr", ArgValue(1.0), {}, false, {}}}, {}});
   Compiled c2 = compile(load_program(derived.graph, {}), {});
   EXPECT_NE(c2.emitted.cuda_source.find("scores_grad_b_front"), std::string::npos) << "k's gradient summed over its group";
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   const std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_derive_gqa_" + std::to_string(::getpid()))).string();
   CheckedRun run = run_checked(c2, RunOptions{seed, dir});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
@@ -365,7 +366,7 @@ TEST(Derive, AWeightGradientThatViewsTheInputLeavesItIntact) {
   for (const PlannedBuffer& pb : c.plan.buffers)
     viewed = viewed || (pb.in_place_of >= 0 && buffer_name(c.program, pb.in_place_of) == "y.a");
   ASSERT_TRUE(viewed) << "the weight's gradient reads a view of the input";
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("cudagen_derive_view_" + std::to_string(::getpid()))).string();
   CheckedRun run = run_checked(c, RunOptions{seed, dir});
@@ -396,7 +397,7 @@ TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
   Compiled c = compile(load_program(derived.graph, {}), {});
   for (const char* kernel : {"fc2_grad_a", "fc1_grad_b", "bias1_grad_b_sum", "act1_backward", "loss_backward", "w1_sgd"})
     EXPECT_NE(c.emitted.cuda_source.find(kernel), std::string::npos) << kernel;
-  uint64_t seed = std::random_device()();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("cudagen_derive_test_" + std::to_string(::getpid()))).string();

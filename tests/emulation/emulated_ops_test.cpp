@@ -22,6 +22,7 @@
 
 using namespace cudagen;
 using cudagen::testing::run_checked;
+using cudagen::testing::test_seed;
 using cudagen::testing::test_source_dir;
 
 namespace {
@@ -32,9 +33,6 @@ constexpr Storage ext = Storage::external;
 std::string work_dir(const std::string& name) {
   return cudagen::testing::work_dir("emu_test", name);
 }
-
-// Fresh inputs per run; the seed is printed on failure.
-uint64_t fresh_seed() { return std::random_device()(); }
 
 // Every op that has a template, each task with its own inputs, at size n.
 TaskGraph all_ops(int64_t n) {
@@ -246,7 +244,7 @@ class EmulatedOps : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(EmulatedOps, MatchTheFloat64Reference) {
   Compiled c = compile_graph(all_ops(GetParam()));
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("ops" + std::to_string(GetParam()))});
   ASSERT_EQ(run.checks.size(), 97u);
@@ -371,7 +369,7 @@ TEST_P(EmulatedHalfOps, MatchTheFloat64Reference) {
                 fmt::format("cg_narrow<cg_{}>(cg_relu<float>(cg_widen({})))", to_string(dtype), element)),
             std::string::npos)
       << "16-bit tensors are computed in f32";
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run =
       run_checked(c, RunOptions{seed, work_dir(fmt::format("ops16_{}_{}", to_string(dtype), n))});
@@ -401,7 +399,7 @@ TEST(Emulation, TensorCoreMatmulMatchesTheReference) {
     EXPECT_NE(c.emitted.cuda_source.find(fmt::format("cg_matmul_tile_mma<64, 64, 16>(")), std::string::npos);
     EXPECT_EQ(c.emitted.cuda_source.find("CG_DEVICE void cg_matmul_tile("), std::string::npos)
         << "the f32 tile is not in a file whose matmuls are all 16-bit";
-    uint64_t seed = fresh_seed();
+    uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("mma_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 3u);
@@ -442,7 +440,7 @@ TEST(Emulation, PipelinedMatmulMatchesTheReference) {
     EXPECT_EQ(pipelined, 4) << "mm (with its epilogue), mm_tn, mm_nt, mm_tt";
     EXPECT_EQ(tiled, 1) << "mm_odd: K = 12 is no whole number of 16-byte chunks";
     EXPECT_NE(c.emitted.cuda_source.find("typedef cg_gemm_config<64, 64, 32, 2, 2, 4> cg_config;"), std::string::npos);
-    uint64_t seed = fresh_seed();
+    uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("pipelined_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 5u);
@@ -480,7 +478,7 @@ TEST(Emulation, HopperMatmulMatchesTheReference) {
         << paths["mm_tn"];
     EXPECT_NE(paths["mm_batched"].find("not on the Hopper mainloop: b is batched"), std::string::npos)
         << paths["mm_batched"];
-    uint64_t seed = fresh_seed();
+    uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("hopper_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 5u);
@@ -510,7 +508,7 @@ TEST(Emulation, HopperTilesForAFewSmsMatchTheReference) {
     EXPECT_EQ(k.mainloop, MatmulMainloop::hopper);
     EXPECT_NE(k.matmul_path.find(path), std::string::npos) << sms << " SMs: " << k.matmul_path;
     if (sms == 2) EXPECT_EQ(k.stream_k_grid, 4) << "two blocks of one consumer an SM";
-    uint64_t seed = fresh_seed();
+    uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed) + ", " + std::to_string(sms) + " SMs");
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir("hopper_sms_" + std::to_string(sms))});
     ASSERT_EQ(run.checks.size(), 1u);
@@ -557,7 +555,7 @@ TEST(Emulation, SimtMatmulMatchesTheReference) {
   }
   EXPECT_EQ(simt, 4) << "mm (with its epilogue), mm_tn, mm_tt, mm_b; not small:\n" << fmt::format("{}", fmt::join(paths, "\n"));
   EXPECT_NE(c.emitted.cuda_source.find("typedef cg_sgemm_config<64, 64, 8> cg_config;"), std::string::npos);
-  const uint64_t seed = fresh_seed();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("simt")});
   ASSERT_EQ(run.checks.size(), 5u);
@@ -590,7 +588,7 @@ TEST(Emulation, Tf32MatmulMatchesTheReferenceToItsBound) {
   EXPECT_NE(listed.find("64 x 64 x 16 tiles (TF32), 2 x 2 warps, 4 stages, split-K"), std::string::npos) << listed;
   EXPECT_NE(c.emitted.cuda_source.find("cg_gemm_mainloop<cg_config, cg_tf32, false, false>"), std::string::npos);
   EXPECT_NE(c.emitted.cuda_source.find("arch=sm_90 tf32"), std::string::npos) << "the options in the provenance header";
-  const uint64_t seed = fresh_seed();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("tf32")});
   ASSERT_EQ(run.checks.size(), 6u);
@@ -629,7 +627,7 @@ TEST(Emulation, Tf32TrainingStepMatchesTheReference) {
     if (!k.matmul_path.empty()) paths += k.name + ": " + k.matmul_path + "\n";
   }
   EXPECT_EQ(backward_tf32, 3) << "the weight gradients (a^T dy) and fc2's input gradient (dy w^T)\n" << paths;
-  const uint64_t seed = fresh_seed();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   RunOptions run_options{seed, work_dir("tf32_train")};
   run_options.check_each_task = true;
@@ -663,7 +661,7 @@ TEST(Emulation, SplitKMatmulMatchesTheReferenceAndIsDeterministic) {
     ASSERT_EQ(splits.size(), 3u) << fmt::format("{}", fmt::join(splits, "\n"));
     EXPECT_NE(splits[0].find("split-K 4 ways (8 k-tiles each)"), std::string::npos) << splits[0];
     EXPECT_GT(c.emitted.sync_bytes, 0) << "the arrival counters, zero before the first launch";
-    const uint64_t seed = fresh_seed();
+    const uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(std::string("split_k_") + to_string(d))});
     ASSERT_EQ(run.checks.size(), 3u);
@@ -712,7 +710,7 @@ TEST(Emulation, UnfusedAndUnreusedPlansGiveTheSameResults) {
   CompileOptions no_reuse;
   no_reuse.plan.placement.reuse = false;
   TaskGraph g = read_graph(read_text_file(test_source_dir() + "/examples/mlp_forward.json"));
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (const CompileOptions& options : {CompileOptions{}, no_reuse}) {
     Compiled c = compile(load_program(g, {}), options);
@@ -731,7 +729,7 @@ TEST(Emulation, AModuleGivesBackItsFiberStacksWhenReleased) {
     return std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
   };
   const auto before = maps();
-  const uint64_t seed = fresh_seed();
+  const uint64_t seed = test_seed();
   for (int64_t i = 0; i < 6; ++i) {  // six modules, each 256-thread blocks
     GraphBuilder b("stacks_" + std::to_string(i));
     b.task("sm", "softmax").tensor("x", DType::f32, {2, 256 + i}, Storage::external).tensor("out", DType::f32, {2, 256 + i}, Storage::external);
@@ -834,7 +832,7 @@ TEST(Emulation, ReshapeIsAViewWithoutAKernel) {
     ASSERT_EQ(c.kernels.size(), 2u) << "relu and add; the reshape runs no kernel";
     EXPECT_EQ(c.plan.lookup(c.program, "flat", "out").offset, c.plan.lookup(c.program, "act", "out").offset);
     EXPECT_EQ(c.emitted.cuda_source.find("flat"), c.emitted.cuda_source.find("flat.out")) << "named only as a buffer";
-    uint64_t seed = fresh_seed();
+    uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(reuse ? "view" : "view_no_reuse")});
     EXPECT_TRUE(run.ok()) << format_run(run);
@@ -852,7 +850,7 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
   EXPECT_EQ(c.plan.lookup(c.program, "r1", "out").offset, c.plan.lookup(c.program, "r2", "out").offset);
   EXPECT_NE(c.emitted.cuda_source.find("k1_r2(const float* a, const float* __restrict__ b, float* out)"), std::string::npos)
       << "the aliased pair loses __restrict__, the other pointer keeps it";
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("in_place")});
   EXPECT_TRUE(run.ok()) << format_run(run);
@@ -864,7 +862,7 @@ TEST(Emulation, InPlaceOutputsComputeTheSameResults) {
 TEST(Emulation, MlpTrainingStepMatchesTheReference) {
   TaskGraph g = read_graph(read_text_file(test_source_dir() + "/examples/mlp_train.json"));
   Compiled c = compile(load_program(std::move(g), {}), {});
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("mlp_train")});
   std::vector<std::string> checked;
@@ -899,7 +897,7 @@ TEST(Emulation, TransformerBlockForwardMatchesTheReference) {
   keep_all.plan.placement.reuse = false;
   keep_all.fuse.enabled = false;
   Compiled c = compile(load_program(std::move(g), {}), keep_all);
-  uint64_t seed = fresh_seed();
+  uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   RunOptions options{seed, work_dir("transformer")};
   options.check_each_task = true;
@@ -922,7 +920,7 @@ TEST(Emulation, GridsOverTheYAndZLimitRunFolded) {
   EXPECT_TRUE(grid_is_folded(c.emitted.kernels[0]));
   EXPECT_NE(c.emitted.cuda_source.find("cg_tile_of(blockIdx.x, 1u, 1u)"), std::string::npos);
   EXPECT_NE(c.emitted.cuda_source.find("dim3(65537, 1, 1)"), std::string::npos);
-  const uint64_t seed = fresh_seed();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("folded_grid")});
   EXPECT_TRUE(run.ok()) << format_run(run);

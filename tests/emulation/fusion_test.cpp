@@ -21,6 +21,7 @@
 
 using namespace cudagen;
 using cudagen::testing::run_checked;
+using cudagen::testing::test_seed;
 using cudagen::testing::test_source_dir;
 
 namespace {
@@ -491,7 +492,7 @@ CompileOptions fusion(bool on) {
 
 // Returns the fused program, for the caller's own checks.
 Compiled expect_fused_and_unfused_right(const TaskGraph& g, size_t fused_kernels, const std::string& expect_in_source) {
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE(fmt::format("graph {}, seed {}", g.name, seed));
   Compiled fused = compile(load_program(g, {}), fusion(true));
   Compiled unfused = compile(load_program(g, {}), fusion(false));
@@ -511,7 +512,7 @@ void expect_megakernel_right(const TaskGraph& g) {
   CompileOptions options = fusion(true);
   options.emit.megakernel = true;
   options.emit.megakernel_blocks = 8;
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   CheckedRun run = run_checked(compile(load_program(g, {}), options), RunOptions{seed, work_dir(g.name + "_mk")});
   EXPECT_TRUE(run.ok()) << "megakernel, graph " << g.name << ", seed " << seed << "\n" << format_run(run);
 }
@@ -761,7 +762,7 @@ TEST(Fusion, ExamplesMatchTheReferenceFused) {
     size_t fused = 0;
     for (const auto& k : c.kernels) fused += k.tasks.size() > 1;
     EXPECT_GT(fused, 0u) << example << ": no kernel fused";
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     RunOptions options{seed, work_dir(example)};
     options.steps = std::string(example).rfind("train_", 0) == 0 ? 2 : 0;
     CheckedRun run = run_checked(c, options);
@@ -774,7 +775,7 @@ TEST(Fusion, ExamplesMatchTheReferenceFused) {
 // the keys split 8 ways), against the float64 reference.
 TEST(FlashAttention, TwoThousandTokensEndToEnd) {
   const TaskGraph g = flash_attention(DType::bf16, 1, 1, 2048, 2048, 64, 64, true);
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   const Compiled c = compile(load_program(g, {}), fusion(true));
   ASSERT_EQ(c.kernels.size(), 1u);
   // (32 row tiles fill few SMs: the keys split too, causal ranges past a tile's rows left empty.)
@@ -793,7 +794,7 @@ void expect_fault_caught(Compiled c, const std::string& marker, const std::strin
   const size_t at = source.find(from, after);
   ASSERT_NE(at, std::string::npos) << name << ": the template changed; update the fault";
   source.replace(at, from.size(), to);
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   EXPECT_FALSE(run_checked(c, RunOptions{seed, work_dir(name)}).ok()) << name << ": seed " << seed;
 }
 
@@ -820,7 +821,7 @@ TEST(FlashAttention, Tf32MatchesTheReference) {
     EXPECT_NE(c.emitted.kernels[0].matmul_path.find("f32 as TF32 (--allow-tf32)"), std::string::npos)
         << c.emitted.kernels[0].matmul_path;
     EXPECT_EQ(c.emitted.kernels[0].mainloop, MatmulMainloop::flash_attention_tf32);
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   }
@@ -855,7 +856,7 @@ TEST_P(FusedChains, StreamedAttentionOverAThousandKeysMatchesTheReference) {
   const Compiled fused = compile(load_program(causal, {}), fusion(true));
   ASSERT_EQ(fused.kernels.size(), 1u);
   EXPECT_NE(fused.emitted.cuda_source.find("cg_attention_row_streamed<2>("), std::string::npos);
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   CheckedRun run = run_checked(fused, RunOptions{seed, work_dir(causal.name)});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
@@ -914,7 +915,7 @@ void expect_trained_attention_right(const Compiled& c, const std::string& name, 
     EXPECT_TRUE(pb.internal || shape.size() < 2 || shape.back() != Tk || shape[shape.size() - 2] != Tq)
         << buffer_name(c.program, pb.buffer) << " " << shape_to_string(shape) << " is in the arena";
   }
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir(name)});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   EXPECT_EQ(normwise_failures(run, u), "") << "seed " << seed;
@@ -960,7 +961,7 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
 // A thousand tokens, causal (16 tiles of keys and 16 of query rows a head).
 TEST(FlashAttention, TrainingAThousandTokens) {
   const TaskGraph g = flash_attention_training(DType::bf16, 1, 1, 1000, 1000, 64, true);
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   CheckedRun run = run_checked(compile(load_program(g, {}), fusion(true)), RunOptions{seed, work_dir(g.name)});
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   EXPECT_EQ(normwise_failures(run, DType::bf16), "") << "seed " << seed;
@@ -1101,7 +1102,7 @@ TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
       EXPECT_TRUE(!flash || pb.internal || shape.size() < 2 || shape.back() != k.Tk || shape[shape.size() - 2] != k.Tq)
           << buffer_name(compiled.program, pb.buffer) << " " << shape_to_string(shape) << " is in the arena";
     }
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     CheckedRun run = run_checked(compiled, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
     if (flash) EXPECT_EQ(normwise_failures(run, k.d), "") << "seed " << seed;
@@ -1114,7 +1115,7 @@ TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
 TEST(FlashAttention, TrainingGradientsAreBitIdenticalAcrossRuns) {
   const TaskGraph g = flash_attention_training(DType::bf16, 1, 2, 200, 130, 64, true);
   const Compiled c = compile(load_program(g, {}), fusion(true));
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   RunOptions first{seed, work_dir(g.name)};
   first.outputs_dir = work_dir(g.name + "_outputs");
   CheckedRun run = run_checked(c, first);
@@ -1146,7 +1147,7 @@ TEST(FlashAttention, AtomicBackwardMatchesTheReferenceAndLeavesItsSumsZero) {
     const EmittedKernel& backward = c.emitted.kernels[2];
     EXPECT_NE(backward.matmul_path.find("dq summed with atomics"), std::string::npos) << backward.matmul_path;
     EXPECT_EQ(backward.grid[0], (Tk + 63) / 64) << "key blocks only";
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name)});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
     EXPECT_EQ(normwise_failures(run, d), "") << "seed " << seed;
@@ -1255,7 +1256,7 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
   };
   for (const Fault& f : faults) {
     Compiled c = compile(load_program(f.graph, {}), fusion(true));
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     const CheckedRun right = run_checked(c, RunOptions{seed, work_dir(f.graph.name)});
     EXPECT_TRUE(right.ok()) << f.what << ": the kernel as it is fails, seed " << seed << "\n" << format_run(right);
     EXPECT_EQ(normwise_failures(right, DType::bf16), "") << f.what << ": the kernel as it is fails, seed " << seed;

@@ -22,6 +22,7 @@
 
 using namespace cudagen;
 using cudagen::testing::run_checked;
+using cudagen::testing::test_seed;
 using cudagen::testing::test_source_dir;
 
 namespace {
@@ -79,7 +80,7 @@ TEST(Megakernel, EveryExampleMatchesTheReference) {
     Compiled c = compile(load_program(path, {}), megakernel_options(5));
     ASSERT_FALSE(c.emitted.megakernel.empty());
     for (const EmittedKernel& k : c.emitted.kernels) EXPECT_TRUE(k.cooperative) << k.name;
-    const uint64_t seed = std::random_device()();
+    const uint64_t seed = test_seed();
     SCOPED_TRACE("seed " + std::to_string(seed));
     RunOptions options{seed, work_dir(name)};
     const bool training = c.emitted.megakernel.size() > 2;
@@ -161,7 +162,7 @@ TEST(Megakernel, HundredsOfTinyTasksWithDiamondsAndLongChains) {
   // construction of the table); a task only waits for events that tasks
   // placed to start earlier trigger.
   for (const auto& t : mp.tasks) EXPECT_LT(t.wait, int(mp.events.size()));
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("diamonds")});
   EXPECT_TRUE(run.ok()) << failures(run);
@@ -257,7 +258,7 @@ TEST(Megakernel, WaitsByRowsWhereTilesOwnTheirRows) {
   EXPECT_EQ(waited.size(), 3u);
   EXPECT_NE(describe_megakernel(c.emitted.megakernel, c.emitted.tile_kernels).find("(by rows: 32 per event)"),
             std::string::npos);
-  const uint64_t seed = std::random_device()();
+  const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(c, RunOptions{seed, work_dir("rows")});
   EXPECT_TRUE(run.ok()) << failures(run);

@@ -8,7 +8,9 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <random>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
@@ -39,6 +41,18 @@ inline std::string work_dir(const std::string& suite, const std::string& name) {
 inline std::string test_source_dir() {
   const char* dir = std::getenv("CUDAGEN_SOURCE_DIR");
   return dir && *dir ? dir : CUDAGEN_SOURCE_DIR;
+}
+
+// The seed of a test's random inputs: fresh each run, so that every run checks
+// other values; CUDAGEN_TEST_SEED=N replays the one a failure printed (a GPU
+// run's, say, on the emulator).
+inline uint64_t test_seed() {
+  const char* pinned = std::getenv("CUDAGEN_TEST_SEED");
+  if (pinned == nullptr || *pinned == '\0') return std::random_device()();
+  char* end = nullptr;
+  const unsigned long long seed = std::strtoull(pinned, &end, 10);
+  if (*end != '\0') throw std::invalid_argument("CUDAGEN_TEST_SEED=" + std::string(pinned) + ": write a decimal number");
+  return seed;
 }
 
 // CUDAGEN_TEST_MEGAKERNEL=N (ctest's megakernel_numerics): every graph

@@ -167,12 +167,20 @@ CUresult fake_cuMemFree(CUdeviceptr p) {
   state().log += "free\n";
   return CUDA_SUCCESS;
 }
-CUresult fake_cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
+// The one stream fake_cuStreamCreate hands out. Copies and fills of the arena
+// must go on it: the runtime's stream is non-blocking, so work on the legacy
+// default stream (cuMemcpyHtoD, cuMemsetD8) would not be ordered with its
+// launches; this fake offers only the stream-ordered forms, and refuses others.
+const CUstream kFakeStream = reinterpret_cast<CUstream>(0x2);
+
+CUresult fake_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  if (stream != kFakeStream) return CUDA_ERROR_INVALID_HANDLE;
   if (offset_text(dst) == "OUTSIDE" || (bytes && offset_text(dst + bytes - 1) == "OUTSIDE")) return CUDA_ERROR_INVALID_VALUE;
   std::memcpy(reinterpret_cast<void*>(uintptr_t(dst)), src, bytes);
   return CUDA_SUCCESS;
 }
-CUresult fake_cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
+CUresult fake_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  if (stream != kFakeStream) return CUDA_ERROR_INVALID_HANDLE;
   if (offset_text(src) == "OUTSIDE" || (bytes && offset_text(src + bytes - 1) == "OUTSIDE")) return CUDA_ERROR_INVALID_VALUE;
   std::memcpy(dst, reinterpret_cast<const void*>(uintptr_t(src)), bytes);
   return CUDA_SUCCESS;
@@ -185,15 +193,17 @@ CUresult fake_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, 
   state().log += "copy " + std::to_string(bytes) + "\n";
   return CUDA_SUCCESS;
 }
-CUresult fake_cuMemsetD8(CUdeviceptr dst, unsigned char value, size_t bytes) {
+CUresult fake_cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream stream) {
+  if (stream != kFakeStream) return CUDA_ERROR_INVALID_HANDLE;
   if (offset_text(dst) == "OUTSIDE") return CUDA_ERROR_INVALID_VALUE;
   std::memset(reinterpret_cast<void*>(uintptr_t(dst)), value, bytes);
   return CUDA_SUCCESS;
 }
 CUresult fake_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                             unsigned smem, CUstream, void** params, void** extra) {
+                             unsigned smem, CUstream stream, void** params, void** extra) {
   const std::string& name = state().function_names.at(size_t(reinterpret_cast<uintptr_t>(f)) - 1);
   if (fails("cuLaunchKernel", name)) return CUDA_ERROR_LAUNCH_FAILED;
+  if (stream != kFakeStream) return CUDA_ERROR_INVALID_HANDLE;
   if (extra != nullptr) return CUDA_ERROR_INVALID_VALUE;
   // Every parameter of a cudagen kernel is a pointer into the arena. The
   // driver learns their count from the CUBIN; this fake relies on the
@@ -227,7 +237,7 @@ CUresult fake_cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, 
   return fake_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, nullptr);
 }
 CUresult fake_cuStreamCreate(CUstream* s, unsigned int) {
-  *s = reinterpret_cast<CUstream>(0x2);
+  *s = kFakeStream;
   return CUDA_SUCCESS;
 }
 CUresult fake_cuStreamDestroy(CUstream) { return CUDA_SUCCESS; }
@@ -336,8 +346,8 @@ const std::map<std::string, void*>& table() {
       FAKE(cuInit) FAKE(cuDriverGetVersion) FAKE(cuDeviceGetCount) FAKE(cuDeviceGet) FAKE(cuDeviceGetAttribute)
       FAKE(cuDeviceGetName) FAKE(cuDevicePrimaryCtxRetain) FAKE(cuDevicePrimaryCtxRelease) FAKE(cuCtxSetCurrent)
       FAKE(cuMemGetInfo) FAKE(cuModuleLoadData) FAKE(cuModuleUnload) FAKE(cuModuleGetFunction)
-      FAKE(cuFuncSetAttribute) FAKE(cuMemAlloc) FAKE(cuMemFree) FAKE(cuMemcpyHtoD) FAKE(cuMemcpyDtoH) FAKE(cuMemcpyDtoDAsync)
-      FAKE(cuMemsetD8) FAKE(cuLaunchKernel) FAKE(cuStreamCreate) FAKE(cuStreamDestroy) FAKE(cuStreamSynchronize)
+      FAKE(cuFuncSetAttribute) FAKE(cuMemAlloc) FAKE(cuMemFree) FAKE(cuMemcpyHtoDAsync) FAKE(cuMemcpyDtoHAsync)
+      FAKE(cuMemcpyDtoDAsync) FAKE(cuMemsetD8Async) FAKE(cuLaunchKernel) FAKE(cuStreamCreate) FAKE(cuStreamDestroy) FAKE(cuStreamSynchronize)
       FAKE(cuStreamBeginCapture) FAKE(cuStreamEndCapture) FAKE(cuGraphInstantiateWithFlags) FAKE(cuGraphLaunch)
       FAKE(cuGraphDestroy) FAKE(cuGraphExecDestroy) FAKE(cuEventCreate) FAKE(cuEventDestroy) FAKE(cuEventRecord)
       FAKE(cuEventSynchronize) FAKE(cuEventElapsedTime) FAKE(cuGetErrorName) FAKE(cuGetErrorString)
