@@ -1423,9 +1423,14 @@ class Fuser {
         "kernel of their own costs less than the element-by-element tile a prologue needs",
         reader.task->id, flops / 1000000, mainloop);
   }
-  // From about this many FLOPs the pipelined mainloop saves more than the
-  // separate kernel's pass over the operand costs (docs/gemm.md).
-  static constexpr int64_t kPipelinedPrologueFlops = int64_t(1) << 28;
+  // From this many FLOPs a norm's or chain's own kernel and a mainloop cost
+  // less than the element-by-element tile a prologue needs: on an H200 a GPT-2
+  // block's q/k/v at 64 rows (7.5e7 FLOPs each) took 200 us together with the
+  // norm as their prologue, where the output projection of the same shape
+  // ran pipelined in 15.7 us and a norm alone in 4.8 us (bench/RESULTS.md,
+  // 2026-11-27). Below 2^24 the products are launch-bound either way, and the
+  // SIMT mainloop starts there too (kSimtMainloopMinFlops).
+  static constexpr int64_t kPipelinedPrologueFlops = kSimtMainloopMinFlops;
 
   // The kernel, at index `from` or after, that holds task `t`.
   size_t kernel_of(int t, size_t from) const {
