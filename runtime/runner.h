@@ -65,9 +65,21 @@ struct OutputCheck {
   // not catch a 100% error, as happens at the end of a deep chain, where
   // first-order bounds compound (check each task then).
   double max_bound = 0, max_reference = 0;
+  // Elements whose bound is not finite though their reference value is
+  // (ElementVerdict::unbounded): checked to be finite only.
+  int64_t unbounded = 0;
   bool loose() const { return max_bound > max_reference && max_reference > 0; }
   bool ok() const { return failures == 0; }
 };
+
+// One element against the float64 reference's value `want` and error bound
+// (rtol * magnitude + atol). First-order magnitudes compound along a chain,
+// and through ill-conditioned steps (a BatchNorm over two values a channel
+// multiplies them by about rstd^3 each) they overflow to infinity, and inf * 0
+// (a gradient a ReLU masked) to NaN; such a bound bounds nothing. The element
+// is then `unbounded`, right where it is finite. NaN never passes.
+enum class ElementVerdict { within, outside, unbounded };
+ElementVerdict check_element(double got, double want, double bound);
 
 struct CheckedRun {
   std::string where;  // the executor's: "host emulation", "GPU 0: ..."

@@ -367,7 +367,8 @@ class Models(Exported):
 class Training(Exported):
     STEPS = 2
 
-    def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False):
+    def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False,
+                       update_rtol=1e-3):
         """Exports forward + loss, lets cudagen derive backward and update, runs
         STEPS steps in emulation (each checked against the float64 reference
         by `cudagen run`), and compares the losses and the updated weights
@@ -415,12 +416,15 @@ class Training(Exported):
             want = model.state_dict()[name].detach().double().numpy()
             self.assertEqual(got.shape, want.shape, name)
             # The update itself (not the weight, which would hide it): within
-            # 1e-3 of its largest element, as f32 sums in another order allow.
+            # update_rtol of its largest element, as f32 sums in another order allow.
             moved, want_moved = got - start.double().numpy(), want - start.double().numpy()
             scale = float(np.abs(want_moved).max())
             self.assertGreater(scale, 0.0, f"{name}: PyTorch did not change it (seed {seed})")
             error = float(np.abs(moved - want_moved).max())
-            self.assertLessEqual(error, 1e-3 * scale,
+            # An update read off f32 weights is known to one ulp of the weight: a BatchNorm's
+            # weight near 1 moved by 1e-4 cannot agree to better than 1.2e-7.
+            ulp = float(np.spacing(np.float32(np.abs(want).max())))
+            self.assertLessEqual(error, update_rtol * scale + ulp,
                                  f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
         # The running statistics a train-mode BatchNorm moved, step by step.
         for name, buffer in model.named_buffers() if train_mode else ():
@@ -428,6 +432,7 @@ class Training(Exported):
                 got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
                 np.testing.assert_allclose(got, buffer.double().numpy(), rtol=1e-4, atol=1e-6,
                                            err_msg=f"{name} after {steps} steps (seed {seed})")
+        return stdout
 
     def test_slices_train(self):
         """The slice's gradient (slice_backward, derived by cudagen) trains a
@@ -481,14 +486,24 @@ class Training(Exported):
         self.assertEqual(ops.count("batchnorm2d"), 2)
 
     def test_resnet18_trains_as_pytorch_does(self):
-        """torchvision's ResNet-18 (random weights and BatchNorm statistics,
-        eval mode, 2 x 3 x 32 x 32): three SGD steps, each checked against the
-        float64 reference, match PyTorch's losses and every parameter's update
-        (about 50 s in emulation on the 2-core CI machine)."""
+        """torchvision's ResNet-18 (random weights), BatchNorm in training mode
+        (batch statistics; running statistics moved), 2 x 3 x 64 x 64: three
+        SGD steps, each checked against the float64 reference, match PyTorch's
+        losses, every parameter's update and every running statistic (about
+        100 s in emulation on the 2-core CI machine). Not at 32 x 32: there the
+        last stage's BatchNorms normalise two values a channel, whose gradient
+        is zero in exact arithmetic, and both frameworks would train the
+        earlier layers on rounding noise (issue #43). At 64 x 64 the last
+        stage still normalises 8 values a channel, which amplifies f32's
+        differences from step to step: on one seed the first step's updates
+        agreed with PyTorch's to 1e-5 of their largest, the third's to 2e-3
+        (the losses to 1e-5 throughout), hence 1e-2 for the updates here.
+        Eval-mode BatchNorm in training:
+        test_batchnorm_in_eval_mode_trains_as_pytorch_does."""
         seed = fresh_seed()
         torch.manual_seed(seed)
-        self.check_training(seed, models.resnet18(), (torch.randn(2, 3, 32, 32),), "cross_entropy", "sgd",
-                            {"lr": 0.002}, steps=3)
+        self.check_training(seed, models.resnet18(), (torch.randn(2, 3, 64, 64),), "cross_entropy", "sgd",
+                            {"lr": 0.002}, steps=3, train_mode=True, update_rtol=1e-2)
 
     def test_batchnorm_in_eval_mode_trains_as_pytorch_does(self):
         """An eval-mode BatchNorm in a training export is not folded into
