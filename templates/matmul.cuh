@@ -88,16 +88,39 @@ CG_DEVICE void cg_matmul_tile_mma(LoadA load_a, LoadB load_b, Epilogue epilogue,
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 4; ++j)
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  // Operands go through registers a k-tile ahead: each thread issues its
+  // loads of the next k-tile (independent of each other) before this one's
+  // mma, so that their latencies overlap each other and the math. A loop that
+  // stored each loaded element to shared memory before loading the next one
+  // waited out a load's latency per element: about 4 us a k-tile, 200 us for
+  // a GPT-2 block's q/k/v at 64 rows on an H200 (bench/RESULTS.md, 2026-11-27).
+  // Blocks have at least the 4 computing warps, so 128 threads' slots cover a tile.
+  constexpr int kASlots = (BM * BK + 127) / 128, kBSlots = (BK * BN + 127) / 128;
+  float a_next[kASlots], b_next[kBSlots];
+  auto fetch = [&](int k0) {
+    CG_UNROLL
+    for (int s = 0; s < kASlots; ++s) {
+      const int e = threadIdx.x + s * blockDim.x, r = e / BK, c = e % BK;
+      a_next[s] = (e < BM * BK && m0 + r < M && k0 + c < K) ? load_a(m0 + r, k0 + c) : 0.0f;
+    }
+    CG_UNROLL
+    for (int s = 0; s < kBSlots; ++s) {
+      const int e = threadIdx.x + s * blockDim.x, r = e / BN, c = e % BN;
+      b_next[s] = (e < BK * BN && k0 + r < K && n0 + c < N) ? load_b(k0 + r, n0 + c) : 0.0f;
+    }
+  };
+  if (K > 0) fetch(0);
   for (int k0 = 0; k0 < K; k0 += BK) {
-    for (int e = threadIdx.x; e < BM * BK; e += blockDim.x) {
-      const int r = e / BK, c = e % BK;
-      a_tile[r * (BK + 8) + c] = cg_narrow<T>((m0 + r < M && k0 + c < K) ? load_a(m0 + r, k0 + c) : 0.0f);
-    }
-    for (int e = threadIdx.x; e < BK * BN; e += blockDim.x) {
-      const int r = e / BN, c = e % BN;
-      b_tile[r * (BN + 8) + c] = cg_narrow<T>((k0 + r < K && n0 + c < N) ? load_b(k0 + r, n0 + c) : 0.0f);
-    }
+    CG_UNROLL
+    for (int s = 0; s < kASlots; ++s)
+      if (const int e = threadIdx.x + s * blockDim.x; e < BM * BK)
+        a_tile[e / BK * (BK + 8) + e % BK] = cg_narrow<T>(a_next[s]);
+    CG_UNROLL
+    for (int s = 0; s < kBSlots; ++s)
+      if (const int e = threadIdx.x + s * blockDim.x; e < BK * BN)
+        b_tile[e / BN * (BN + 8) + e % BN] = cg_narrow<T>(b_next[s]);
     __syncthreads();
+    if (k0 + BK < K) fetch(k0 + BK);  // in flight during the mma below
     // Four warps compute; a larger block (a megakernel's) only helps load.
     for (int i = 0; i < 2 && warp < 4; ++i) {
       T a[8];
