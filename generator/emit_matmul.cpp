@@ -600,6 +600,30 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
                                       int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                       EmittedKernel& ek) {
   entry_function_ = "cg_gemm_mainloop";
+  ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
+                               g.describe(), g.rule + 1);
+  // f32 operands are read as cg_tf32, the bits the mainloop rounds to TF32
+  // (a type of the mainloop's closure, through cg_mma_packed).
+  const std::string type = g.tf32() ? "cg_tf32" : c_type(a.buffer->dtype);
+  const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+    return fmt::format(
+        "  cg_gemm_mainloop<cg_config, {0}, {1}, {2}>(cg_acc, (const {0}*)(a + a_base), {3}, (const {0}*)(b + b_base), {4},\n"
+        "                                             {5}, {6}, {7}, {8}, tile.y, tile.x, ({0}*)cg_smem);\n",
+        type, ta ? "false" : "true", tb ? "true" : "false", ta ? M : K, tb ? K : N, M, N, k_begin, k_end);
+  };
+  return pipelined_gemm(t, out, g, M, N, K, batches, batch_bases, mainloop, ek);
+}
+
+// The kernel around a pipelined mainloop (a matmul's, or a convolution's
+// implicit GEMM): `mainloop(k_begin, k_end)` is its call, into cg_acc, for a
+// batch of M x N x K products at out_base (batch_bases defines it, and z,
+// the batch). Whole, a block runs all of k and hands its tile to the store
+// through shared memory; split, its part of k, and the last block of the
+// tile adds the parts and stores.
+std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K,
+                                    int64_t batches, const std::string& batch_bases,
+                                    const std::function<std::string(const std::string&, const std::string&)>& mainloop,
+                                    EmittedKernel& ek) {
   use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
   ek.block = g.threads();
   ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
@@ -608,16 +632,8 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
   ek.grid[2] = batches * g.split_k;
   ek.tile_rows = g.bm;
   ek.mainloop = g.tf32() ? MatmulMainloop::pipelined_tf32 : MatmulMainloop::pipelined;
-  ek.matmul_path = fmt::format("the pipelined mainloop (templates/gemm.cuh), {} (rule {} of templates/gemm_tuning.json)",
-                               g.describe(), g.rule + 1);
   reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
-  // f32 operands are read as cg_tf32, the bits the mainloop rounds to TF32
-  // (a type of the mainloop's closure, through cg_mma_packed).
-  const std::string type = g.tf32() ? "cg_tf32" : c_type(a.buffer->dtype);
   const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t));
-  // Whole, a block runs all of k and hands its tile to the store through
-  // shared memory; split, its part of k, and the last block of the tile
-  // adds the parts and stores.
   std::string part, k_range, k_begin = "0", k_end = std::to_string(K), results;
   if (g.split_k > 1) {
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
@@ -651,11 +667,9 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
       "{3}"
       "  typedef cg_gemm_config<{4}> cg_config;\n"
       "  cg_gemm_accumulators<cg_config> cg_acc;\n"
-      "  cg_gemm_mainloop<cg_config, {5}, {6}, {7}>(cg_acc, (const {5}*)(a + a_base), {8}, (const {5}*)(b + b_base), {9},\n"
-      "                                             {10}, {11}, {12}, {13}, tile.y, tile.x, ({5}*)cg_smem);\n"
-      "{14}",
-      batch_bases, g.describe(), part, k_range, g.arguments(), type, ta ? "false" : "true", tb ? "true" : "false",
-      ta ? M : K, tb ? K : N, M, N, k_begin, k_end, results);
+      "{5}"
+      "{6}",
+      batch_bases, g.describe(), part, k_range, g.arguments(), mainloop(k_begin, k_end), results);
 }
 
 // An f32 matmul on the SIMT mainloop (templates/gemm.cuh): 8 x 8 outputs a

@@ -65,6 +65,58 @@ std::string Emitter::conv2d(int t, const std::vector<Param>& ps, EmittedKernel& 
              hooks, store(out, fmt::format("out_base + (cg_i64)m * {} + p", positions), "acc" + bias_term));
 }
 
+// conv2d_nhwc (templates/vision.cuh): on the pipelined mainloop where the
+// fusion pass gave the kernel one (conv_gemm_mainloop_of), its patches
+// copied into the A tile and the weight read as B (N x K); else the direct
+// form, an output element a thread, channels fastest. Stores go through
+// store(), so an epilogue chain (bias, activation, residual add) fuses.
+std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& weight = param(ps, "weight");
+  const Param& out = param(ps, "out");
+  const Shape& so = out.buffer->shape;
+  const auto g = conv_geometry(t, x.buffer->shape, weight.buffer->shape, so, true);
+  if (!g) return {};
+  const int64_t K = g->KH * g->KW * g->CG, M = g->B * g->OH * g->OW;
+  if (gemm.pipelined) {
+    const GemmTile& tile = *gemm.pipelined;
+    entry_function_ = "cg_conv2d_nhwc_mainloop";
+    ek.matmul_path = fmt::format(
+        "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM, {} (rule {} of templates/gemm_tuning.json)",
+        tile.describe(), tile.rule + 1);
+    const std::string type = tile.tf32() ? "cg_tf32" : c_type(x.buffer->dtype);
+    const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+      return g->code + fmt::format(
+                           "  cg_conv2d_nhwc_mainloop<cg_config, {0}>(cg_acc, (const {0}*)x, (const {0}*)weight, g, {1}, "
+                           "{2}, {3}, {4},\n"
+                           "                                          tile.y, tile.x, ({0}*)cg_smem);\n",
+                           type, M, g->O, k_begin, k_end);
+    };
+    const std::string bases = tile.split_k > 1 ? "  // One product, its rows out's.\n  const cg_i64 z = 0, out_base = 0;\n"
+                                               : "  const cg_i64 out_base = 0;  // one product, its rows out's\n";
+    return pipelined_gemm(t, out, tile, M, g->O, K, 1, bases, mainloop, ek);
+  }
+  ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
+  const int64_t n = numel(so);
+  ek.block = 256;
+  ek.grid[0] = grid_stride_blocks(n, ek.block);
+  ek.grid_stride = true;
+  return g->code +
+         fmt::format(
+             "  for (cg_i64 i = cg_global_thread(tile); i < {0}; i += cg_grid_threads(tile)) {{\n"
+             "    const cg_i64 o = i % {1}, pixel = i / {1};\n"
+             "    const int ow = (int)(pixel % {2}), oh = (int)(pixel / {2} % {3});\n"
+             "    const cg_i64 x_base = pixel / ({2} * {3}) * {4} + o / {5} * {6}, w_base = o * {7};\n"
+             "    const float acc = cg_conv2d_nhwc_direct(\n"
+             "        [&](int k) {{ return {8}; }},\n"
+             "        [&](int h, int w, int c) {{ return {9}; }},\n"
+             "        g, oh, ow);\n"
+             "    {10};\n"
+             "  }}\n",
+             n, g->O, g->OW, g->OH, g->H * g->W * g->C, g->OG, g->CG, K, load(weight, "w_base + k"),
+             load(x, fmt::format("x_base + ((cg_i64)h * {} + w) * {} + c", g->W, g->C)), store(out, "i", "acc"));
+}
+
 // A pooling task's window (forward or gradient: x's and out's shapes, or
 // dx's and dout's): `const cg_pool2d_window p = {...};`. avg_pool2d has no
 // dilation: 1.
@@ -107,10 +159,15 @@ std::string Emitter::adaptive_avg_pool2d(int, const std::vector<Param>& ps, Emit
 // The geometry of a convolution task (conv2d, or conv2d_backward with dout
 // in out's place), checked: channels that split into groups, strides and
 // dilations of at least 1. nullopt after a failure.
-std::optional<Emitter::ConvGeometry> Emitter::conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so) {
+// nhwc: conv2d_nhwc's layouts (x and out channels-last, weight [O, KH, KW, CG]).
+std::optional<Emitter::ConvGeometry> Emitter::conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so,
+                                                            bool nhwc) {
   ConvGeometry g;
   g.groups = arg_int(t, "groups", 1);
-  g.B = sx[0], g.C = sx[1], g.H = sx[2], g.W = sx[3], g.O = sw[0], g.KH = sw[2], g.KW = sw[3], g.OH = so[2], g.OW = so[3];
+  if (nhwc)
+    g.B = sx[0], g.H = sx[1], g.W = sx[2], g.C = sx[3], g.O = sw[0], g.KH = sw[1], g.KW = sw[2], g.OH = so[1], g.OW = so[2];
+  else
+    g.B = sx[0], g.C = sx[1], g.H = sx[2], g.W = sx[3], g.O = sw[0], g.KH = sw[2], g.KW = sw[3], g.OH = so[2], g.OW = so[3];
   if (g.groups < 1 || g.O % g.groups != 0) {
     fail(t, "weight", fmt::format("{} output channels do not split into {} groups", g.O, g.groups),
          "the output channels (weight's first dimension) must be a multiple of groups, as in PyTorch");

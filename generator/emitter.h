@@ -375,6 +375,10 @@ class Emitter {
   std::string pipelined_matmul(int t, const Param& a, const Param& /*b*/, const Param& out, const GemmTile& g, int64_t M,
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek);
+  std::string pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K, int64_t batches,
+                             const std::string& batch_bases,
+                             const std::function<std::string(const std::string&, const std::string&)>& mainloop,
+                             EmittedKernel& ek);
   std::string simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, const Param& out, const SgemmTile& g, int64_t M,
                           int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                           EmittedKernel& ek);
@@ -434,8 +438,9 @@ class Emitter {
     int64_t B = 0, C = 0, H = 0, W = 0, O = 0, KH = 0, KW = 0, OH = 0, OW = 0, groups = 1, OG = 0, CG = 0;
     std::string code;  // `const cg_conv2d_geometry g = {...};`
   };
-  std::optional<ConvGeometry> conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so);
+  std::optional<ConvGeometry> conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so, bool nhwc = false);
   std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string pool_window(int t, const Shape& sx, const Shape& so);
   std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);

@@ -501,12 +501,16 @@ class Fuser {
   }
   // The matmul mainloop settled kernel `k` runs (KernelGroup::gemm): a
   // matmul with at most an epilogue, reading its operands as stored.
+  // A convolution on channels-last tensors is such a matmul too (its
+  // implicit GEMM), with at most an epilogue.
   GemmMainloop gemm_mainloop(const KernelGroup& k) const {
-    if (k.ir.mainloop != kir::Mainloop::gemm) return {};
+    const bool convolution = is_op(p_.tasks[size_t(k.tasks.front())], BundledOp::conv2d_nhwc);
+    if (k.ir.mainloop != kir::Mainloop::gemm && !convolution) return {};
     const std::string refused = options_.megakernel  ? "a megakernel's tiles share one block size"
                                 : !k.prologue.empty() ? "a prologue computes its operand"
                                                       : std::string();
-    return gemm_mainloop_of(p_, k.tasks.front(), gemm_options(), refused);
+    return convolution ? conv_gemm_mainloop_of(p_, k.tasks.front(), gemm_options(), refused)
+                       : gemm_mainloop_of(p_, k.tasks.front(), gemm_options(), refused);
   }
   GemmOptions gemm_options() const {
     return GemmOptions{.target = options_.target, .allow_tf32 = options_.allow_tf32, .allow_stream_k = options_.stream_k};

@@ -47,6 +47,7 @@ bool is_op(const OpSignature& op, BundledOp which) {
     case BundledOp::max_pool2d: return op.name == "max_pool2d";
     case BundledOp::max_pool2d_backward: return op.name == "max_pool2d_backward";
     case BundledOp::slice_backward: return op.name == "slice_backward";
+    case BundledOp::conv2d_nhwc: return op.name == "conv2d_nhwc";
   }
   return false;
 }
@@ -592,6 +593,18 @@ GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int6
 
 MatmulDims matmul_dims(const Program& program, int t) {
   const BoundTask& task = program.tasks[size_t(t)];
+  if (is_op(task, BundledOp::conv2d_nhwc)) {  // one group's implicit GEMM (templates/vision.cuh)
+    const Shape& sw = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape;
+    const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
+    const int64_t groups = std::max<int64_t>(1, int64_t(number_value(root_arg(program, t, "groups").second, 1)));
+    MatmulDims d;
+    d.M = so[0] * so[1] * so[2];
+    d.N = sw[0] / groups;
+    d.K = sw[1] * sw[2] * sw[3];
+    d.trans_b = true;  // the weight: N x K, K contiguous
+    d.batches = groups;
+    return d;
+  }
   const Shape& sa = program.buffers[size_t(task.find_tensor("a")->buffer)].shape;
   const Shape& sb = program.buffers[size_t(task.find_tensor("b")->buffer)].shape;
   const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
@@ -760,6 +773,32 @@ GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& 
   // On sm_90a, the Hopper mainloop where TMA reads the operands as stored.
   m.hopper = hopper_gemm_of(program, t, options.target, options.allow_stream_k, &m.why_not_hopper);
   if (m.hopper) m.why_not_hopper.clear();
+  return m;
+}
+
+GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused) {
+  GemmMainloop m;
+  m.why_not_hopper = "a convolution has no Hopper mainloop yet: the pipelined one runs it";
+  auto refuse = [&](std::string why) {
+    m.why_not_pipelined = std::move(why);
+    return m;
+  };
+  if (!refused.empty()) return refuse(refused);
+  const BoundTask& task = program.tasks[size_t(t)];
+  if (task.op->closure_of("cg_conv2d_nhwc_mainloop") == nullptr)
+    return refuse(fmt::format("op '{}' has no pipelined mainloop (variant cg_conv2d_nhwc_mainloop)", task.op->name));
+  const MatmulDims d = matmul_dims(program, t);
+  if (d.batches > 1) return refuse(fmt::format("it has {} groups (grouped convolutions run the direct form)", d.batches));
+  const DType dtype = program.buffers[size_t(task.find_tensor("x")->buffer)].dtype;
+  const int64_t channels = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape.back();
+  const int64_t chunk = dtype == DType::f32 ? 4 : 8;
+  if (channels % chunk != 0 && (dtype != DType::f32 || options.allow_tf32))
+    return refuse(fmt::format("its {} input channels are not a multiple of {} (16 bytes), which the patches' copies "
+                              "need",
+                              channels, chunk));
+  m.pipelined = pipelined_gemm_tile(dtype, program.buffers[size_t(task.find_tensor("weight")->buffer)].dtype, d.M, d.N,
+                                    d.K, false, true, 1, options.target, &m.why_not_pipelined, options.allow_tf32);
+  if (m.pipelined) m.why_not_pipelined.clear();
   return m;
 }
 

@@ -148,6 +148,7 @@ enum class BundledOp {
   max_pool2d,
   max_pool2d_backward,
   slice_backward,
+  conv2d_nhwc,
 };
 bool is_op(const OpSignature& op, BundledOp which);
 inline bool is_op(const BoundTask& task, BundledOp which) { return is_op(*task.op, which); }
@@ -402,6 +403,13 @@ struct GemmOptions {
 // operands as stored; with `refused` not empty, none, for that reason (a
 // megakernel, a prologue computing an operand).
 GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused = {});
+// The same for conv2d_nhwc task `t` (templates/vision.cuh), whose implicit
+// GEMM (matmul_dims) runs the pipelined mainloop with its patches copied as
+// an operand: 16-bit operands (f32 ones with TF32 allowed), one group, the
+// group's channels whole 16-byte chunks; otherwise the direct form, and
+// `why_not_pipelined` says why.
+GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOptions& options,
+                                   const std::string& refused = {});
 
 struct KernelGroup {
   std::string name;        // k<index>_<first task id>: a C identifier

@@ -102,7 +102,7 @@ std::string dump_fusion(const Program& p, const Fusion& fusion, bool ir) {
     for (const auto& k : fusion.kernels) {
       // The tile its mainloop runs, decided with the IR (KernelGroup::gemm, ::flash).
       std::string tile;
-      if (k.ir.mainloop == kir::Mainloop::gemm) tile = "  on " + k.gemm.describe() + "\n";
+      if (k.ir.mainloop == kir::Mainloop::gemm || k.gemm.launched_alone()) tile = "  on " + k.gemm.describe() + "\n";
       if (k.flash) tile = "  on the flash kernel, " + k.flash->describe() + "\n";
       else if (k.rule == FusionRule::attention) tile = "  not on the flash kernel: " + k.why_not_flash + "\n";
       out += fmt::format("\n{}\n{}{}", k.name, tile, kir::print(p, k.ir));

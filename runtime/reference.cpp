@@ -108,7 +108,7 @@ class Evaluator {
     if (op == "relu6_backward") return gradient(bt, [](double x, double d) { return x > 0 && x < 6 ? d : 0.0; });
     if (op == "hardswish_backward")
       return gradient(bt, [](double x, double d) { return x < -3 ? 0.0 : x <= 3 ? d * (2 * x + 3) / 6 : d; });
-    if (op == "conv2d") return conv2d(bt);
+    if (op == "conv2d" || op == "conv2d_nhwc") return conv2d(bt, op == "conv2d_nhwc");
     if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
     if (op == "adaptive_avg_pool2d") return adaptive_avg_pool2d(bt);
     if (op == "conv2d_backward") return conv2d_backward(bt);
@@ -837,15 +837,25 @@ class Evaluator {
   }
 
   // Direct convolution, the definition (torch.nn.functional.conv2d); the
-  // error scale is the same sum over absolute values.
-  void conv2d(const BoundTask& bt) {
+  // error scale is the same sum over absolute values. nhwc: conv2d_nhwc's
+  // layouts (x and out channels-last, weight [O, KH, KW, CG]), no bias.
+  void conv2d(const BoundTask& bt, bool nhwc) {
     const int x = buf(bt, "x"), w = buf(bt, "weight"), o = buf(bt, "out");
     const BoundTensor* bias = bt.find_tensor("bias");
     const Shape &sx = shape(x), &sw = shape(w), &so = shape(o);
-    const int64_t B = sx[0], C = sx[1], H = sx[2], W = sx[3], O = sw[0], KH = sw[2], KW = sw[3], OH = so[2], OW = so[3];
+    const int64_t B = sx[0], C = nhwc ? sx[3] : sx[1], H = nhwc ? sx[1] : sx[2], W = nhwc ? sx[2] : sx[3], O = sw[0],
+                  KH = nhwc ? sw[1] : sw[2], KW = nhwc ? sw[2] : sw[3], OH = nhwc ? so[1] : so[2],
+                  OW = nhwc ? so[2] : so[3];
     const int64_t groups = arg_int(bt, "groups", 1), OG = O / groups, CG = C / groups;
     const int64_t sh = arg_int(bt, "stride_h", 1), sw_ = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0),
                   pw = arg_int(bt, "padding_w", 0), dh = arg_int(bt, "dilation_h", 1), dw = arg_int(bt, "dilation_w", 1);
+    // Where (image, channel, row, column) of x and out, (output channel, input channel, row, column) of the weight lie.
+    auto image_at = [&](int64_t b, int64_t c, int64_t h, int64_t ww, int64_t channels, int64_t rows, int64_t cols) {
+      return size_t(nhwc ? ((b * rows + h) * cols + ww) * channels + c : ((b * channels + c) * rows + h) * cols + ww);
+    };
+    auto weight_at = [&](int64_t oc, int64_t c, int64_t i, int64_t j) {
+      return size_t(nhwc ? ((oc * KH + i) * KW + j) * CG + c : ((oc * CG + c) * KH + i) * KW + j);
+    };
     std::vector<double> v(size_t(numel(so))), a(v.size());
     for (int64_t b = 0; b < B; ++b)
       for (int64_t oc = 0; oc < O; ++oc)
@@ -862,12 +872,11 @@ class Evaluator {
                 for (int64_t j = 0; j < KW; ++j) {
                   const int64_t h = oh * sh - ph + i * dh, ww = ow * sw_ - pw + j * dw;
                   if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
-                  const size_t ix = size_t(((b * C + g * CG + c) * H + h) * W + ww);
-                  const size_t iw = size_t(((oc * CG + c) * KH + i) * KW + j);
+                  const size_t ix = image_at(b, g * CG + c, h, ww, C, H, W), iw = weight_at(oc, c, i, j);
                   sum += val(x)[ix] * val(w)[iw];
                   sabs += r_.abs[size_t(x)][ix] * r_.abs[size_t(w)][iw];
                 }
-            const size_t io = size_t(((b * O + oc) * OH + oh) * OW + ow);
+            const size_t io = image_at(b, oc, oh, ow, O, OH, OW);
             v[io] = sum;
             a[io] = sabs;
           }

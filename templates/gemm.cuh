@@ -497,21 +497,21 @@ struct cg_gemm_shared {
   static constexpr int bytes = stages > staged ? stages : staged;
 };
 
-// The mainloop: the tile (tile_m, tile_n) of D = A B over k in [k_begin,
-// k_end), into acc (zeroed here). a and b point at the operands' first
-// elements, of type T: cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (f32 values
-// multiplied as TF32, m16n8k8). BK counts elements of T.
-template <typename Config, typename T, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS>
-CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, cg_i64 lda, const T* b, cg_i64 ldb,
-                                cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m, cg_i64 tile_n,
-                                T* smem) {
+// The mainloop on the copiers it is given: k_tiles k-tiles into acc (zeroed
+// here), each k-tile's operand tiles issued by copy_a.copy(address, kt) and
+// copy_b.copy(address, kt) into a stage at that shared address, as
+// cg_gemm_operand's copier lays them out (A's tile first in the stage). A
+// copier may gather what no matrix holds: an implicit GEMM's patches
+// (templates/vision.cuh, cg_conv2d_nhwc_patches) fill A's tile so.
+template <typename Config, typename T, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS, typename CopyA, typename CopyB>
+CG_DEVICE void cg_gemm_mainloop_with(cg_gemm_accumulators<Config>& acc, const CopyA& copy_a, const CopyB& copy_b,
+                                     cg_i64 k_tiles, T* smem) {
   typedef cg_gemm_operand<Config::BM, Config::BK, A_K_CONTIGUOUS, T> OperandA;
   typedef cg_gemm_operand<Config::BN, Config::BK, B_K_CONTIGUOUS, T> OperandB;
   constexpr int K_STEP = 2 * OperandA::CHUNK;  // k of one mma: 16 (16-bit), 8 (TF32)
   constexpr int S = Config::STAGES, stage_elements = OperandA::elements + OperandB::elements;
   const int warp = threadIdx.x >> 5, warp_m = (warp / Config::WARPS_N) * Config::WM,
             warp_n = (warp % Config::WARPS_N) * Config::WN;
-  const cg_i64 m0 = tile_m * Config::BM, n0 = tile_n * Config::BN;
   CG_UNROLL
   for (int i = 0; i < Config::MI; ++i)
     CG_UNROLL
@@ -519,9 +519,6 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, c
       CG_UNROLL
       for (int e = 0; e < 4; ++e) acc.v[i][j][e] = 0.0f;
 
-  const cg_i64 k_tiles = (k_end - k_begin + Config::BK - 1) / Config::BK;
-  const typename OperandA::template copier<Config::THREADS> copy_a(a, lda, m0, M, k_begin, k_end);
-  const typename OperandB::template copier<Config::THREADS> copy_b(b, ldb, n0, N, k_begin, k_end);
   // Shared addresses, computed once: a generic pointer costs every access a conversion.
   const unsigned int smem_address = cg_smem_address(smem);
   constexpr unsigned int stage_bytes = stage_elements * (int)sizeof(T), b_offset = OperandA::elements * (int)sizeof(T);
@@ -563,6 +560,22 @@ CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, c
   }
   cg_cp_async_wait<0>();
   __syncthreads();  // the caller may reuse the shared memory
+}
+
+// The mainloop: the tile (tile_m, tile_n) of D = A B over k in [k_begin,
+// k_end), into acc (zeroed here). a and b point at the operands' first
+// elements, of type T: cg_f16 or cg_bf16 (m16n8k16), or cg_tf32 (f32 values
+// multiplied as TF32, m16n8k8). BK counts elements of T.
+template <typename Config, typename T, bool A_K_CONTIGUOUS, bool B_K_CONTIGUOUS>
+CG_DEVICE void cg_gemm_mainloop(cg_gemm_accumulators<Config>& acc, const T* a, cg_i64 lda, const T* b, cg_i64 ldb,
+                                cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m, cg_i64 tile_n,
+                                T* smem) {
+  typedef cg_gemm_operand<Config::BM, Config::BK, A_K_CONTIGUOUS, T> OperandA;
+  typedef cg_gemm_operand<Config::BN, Config::BK, B_K_CONTIGUOUS, T> OperandB;
+  const typename OperandA::template copier<Config::THREADS> copy_a(a, lda, tile_m * Config::BM, M, k_begin, k_end);
+  const typename OperandB::template copier<Config::THREADS> copy_b(b, ldb, tile_n * Config::BN, N, k_begin, k_end);
+  cg_gemm_mainloop_with<Config, T, A_K_CONTIGUOUS, B_K_CONTIGUOUS>(
+      acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK, smem);
 }
 
 // Calls f(m, n, d0, d1) for each pair of horizontally adjacent accumulators

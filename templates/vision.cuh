@@ -1,5 +1,6 @@
 // Convolution, pooling and a general permute: the ops a convolutional network
-// (torchvision's ResNet, MobileNet) needs, NCHW throughout.
+// (torchvision's ResNet, MobileNet) needs, NCHW, and the convolution on
+// channels-last (NHWC) tensors that runs on tensor cores.
 
 // The sizes of one 2-D convolution, as the emitter writes them into the kernel.
 struct cg_conv2d_geometry {
@@ -69,6 +70,144 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
         if (w >= 0 && w < g.W) acc += load_w(m, (c * g.KH + i) * g.KW + j) * load_x(c, h, w);
       }
     }
+  return acc;
+}
+
+// ---------------------------------------------------------------------------
+// Convolution on channels-last tensors (conv2d_nhwc): x [B, H, W, C], weight
+// [O, KH, KW, CG], out [B, OH, OW, O]. For one group, with OG = O / groups
+// output channels and CG = C / groups input channels, an implicit GEMM
+//   out[m, n] = sum over k of patch(m, k) * weight[n, k],
+// M = B * OH * OW (m = (image, oh, ow): out's rows), N = OG, K = KH * KW *
+// CG (k = (i, j, c), c fastest: the weight's own order), and
+//   patch(m, k) = x[image, oh * stride_h - padding_h + i * dilation_h, ow * stride_w - padding_w + j * dilation_w, c]
+// (0 outside the image). Channels are the contiguous axis of both operands:
+// where CG is a multiple of 16 bytes of elements, 16 bytes of k at one tap
+// (i, j) are 16 consecutive bytes of one pixel, so the pipelined
+// tensor-core mainloop (templates/gemm.cuh) copies patches into its A tile
+// by cp.async as it copies a matrix (cg_conv2d_nhwc_patches), and reads the
+// weight as a B operand stored N x K. Elsewhere (f32 without TF32, CG not
+// whole 16 bytes, groups, a megakernel) the direct form runs.
+
+// The A copier of cg_gemm_mainloop_with for a convolution's patches: thread
+// t copies the chunks of cg_gemm_operand's copier (one column of the [BM][BK]
+// tile, rows row_stride apart), each from the pixel its row's window covers
+// at the k-tile's tap, or zeros where that lies outside the image, past M or
+// past k_end. The window corners are computed once a tile; a k-tile costs a
+// thread one division of k into (tap, channel) and, a chunk, two compares
+// and the cp.async.
+template <int BM, int BK, typename T, int THREADS>
+struct cg_conv2d_nhwc_patches {
+  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
+  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
+  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
+  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
+                "every thread copies the same number of chunks, in one column");
+  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  // A row past M: a corner row no tap reaches, so that every chunk of it is outside.
+  static constexpr int outside = -(1 << 30);
+  const T* x;               // the group's first channel of the first pixel
+  cg_conv2d_geometry g;
+  cg_i64 corner[per_thread];           // offset of each row's window corner (which may lie outside the image)
+  int top[per_thread], left[per_thread];  // that corner's row and column in the image
+  cg_i64 k_first, k_end;    // this thread's chunk's k at k-tile 0; the end of k
+  int smem_offset;          // of its first chunk in a stage's tile
+
+  CG_DEVICE cg_conv2d_nhwc_patches(const T* x_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
+                                   cg_i64 k_begin, cg_i64 k_end_)
+      : x(x_group), g(geometry), k_end(k_end_) {
+    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    k_first = k_begin + col;
+    smem_offset = tile::offset(row, col);
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const cg_i64 m = m0 + row + (cg_i64)i * row_stride;
+      const cg_i64 ow = m % g.OW, rest = m / g.OW, oh = rest % g.OH, image = rest / g.OH;
+      top[i] = m < M ? (int)oh * g.stride_h - g.padding_h : outside;
+      left[i] = (int)ow * g.stride_w - g.padding_w;
+      corner[i] = ((image * g.H + top[i]) * g.W + left[i]) * g.C;
+    }
+  }
+
+  // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
+  CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
+    const cg_i64 k = k_first + kt * BK;
+    const int CG = g.C / g.groups;
+    const int c = (int)(k % CG), tap = (int)(k / CG);
+    const int dh = (tap / g.KW) * g.dilation_h, dw = (tap % g.KW) * g.dilation_w;
+    const cg_i64 step = ((cg_i64)dh * g.W + dw) * g.C + c;
+    const bool k_inside = k < k_end;  // (CG whole chunks: a chunk is wholly inside or past K)
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const int h = top[i] + dh, w = left[i] + dw;
+      const bool inside = k_inside && (unsigned)h < (unsigned)g.H && (unsigned)w < (unsigned)g.W;
+      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
+                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
+                                                ((int)threadIdx.x % chunks) * CHUNK);
+      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? x + corner[i] + step : x,
+                        inside ? 16 : 0);
+    }
+  }
+};
+
+// The tile (tile_m, tile_n) of one group's implicit GEMM, over k in
+// [k_begin, k_end), into acc, on the pipelined mainloop. x_group points at
+// the group's first channel of the first pixel, w_group at its first output
+// channel's weights; T is cg_f16, cg_bf16 or cg_tf32 (f32 under
+// --allow-tf32). M = B * OH * OW, N = OG.
+template <typename Config, typename T>
+CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const T* x_group, const T* w_group,
+                                       const cg_conv2d_geometry& g, cg_i64 M, cg_i64 N, cg_i64 k_begin, cg_i64 k_end,
+                                       cg_i64 tile_m, cg_i64 tile_n, T* smem) {
+  const cg_i64 K = (cg_i64)g.KH * g.KW * (g.C / g.groups);
+  const cg_conv2d_nhwc_patches<Config::BM, Config::BK, T, Config::THREADS> copy_a(x_group, g, M, tile_m * Config::BM,
+                                                                                 k_begin, k_end);
+  const typename cg_gemm_operand<Config::BN, Config::BK, true, T>::template copier<Config::THREADS> copy_b(
+      w_group, K, tile_n * Config::BN, N, k_begin, k_end);
+  cg_gemm_mainloop_with<Config, T, true, true>(acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK,
+                                                smem);
+}
+
+// The direct form, one output element per call: out[image, oh, ow, o] for
+// the output channel whose weights load_w(k) reads (k = (i, j, c) as
+// above), load_x(h, w, c) reading channel c of the group at pixel (h, w)
+// of the image.
+template <typename LoadW, typename LoadX>
+CG_OP("conv2d_nhwc",
+      "pattern: opaque",
+      "epilogue: out",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: out output T",
+      "arg: stride_h int = 1",
+      "arg: stride_w int = 1",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: groups int = 1",
+      "shape: x:[B, H, W, groups * CG] weight:[O, KH, KW, CG] -> out:[B, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1, O]",
+      "variant: cg_conv2d_nhwc_mainloop",
+      "variant: cg_gemm_config",
+      "variant: cg_gemm_each_coalesced",
+      "variant: cg_gemm_each_coalesced_vector",
+      "variant: cg_gemm_split_k",
+      "flops: 2 * numel(out) * CG * KH * KW",
+      "doc: torch.nn.functional.conv2d on channels-last tensors (x NHWC, weight [O, KH, KW, CG], out NHWC; stride, padding, dilation, groups; no bias: add one after it, which fuses) as an implicit GEMM, on the tensor-core mainloop where CG is whole 16 bytes; f16/bf16 accumulate in f32")
+CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry g, int oh, int ow) {
+  float acc = 0.0f;
+  const int channels = g.C / g.groups;
+  for (int i = 0; i < g.KH; ++i) {
+    const int h = oh * g.stride_h - g.padding_h + i * g.dilation_h;
+    if (h < 0 || h >= g.H) continue;
+    for (int j = 0; j < g.KW; ++j) {
+      const int w = ow * g.stride_w - g.padding_w + j * g.dilation_w;
+      if (w < 0 || w >= g.W) continue;
+      const int tap = (i * g.KW + j) * channels;
+      for (int c = 0; c < channels; ++c) acc += load_w(tap + c) * load_x(h, w, c);
+    }
+  }
   return acc;
 }
 

@@ -296,6 +296,13 @@ def run_torch(g, values, phases=None):
                 get(t, "x"), get(t, "weight"), bias, stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
                 padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
                 dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)), groups=args.get("groups", 1)))
+        elif op == "conv2d_nhwc":  # channels-last: NCHW's convolution, permuted in and out
+            put(t, "out", torch.nn.functional.conv2d(
+                get(t, "x").permute(0, 3, 1, 2), get(t, "weight").permute(0, 3, 1, 2),
+                stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
+                padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)),
+                groups=args.get("groups", 1)).permute(0, 2, 3, 1))
         elif op == "conv2d_backward":
             def conv(x, w):
                 return torch.nn.functional.conv2d(

@@ -581,6 +581,57 @@ TEST(Toolchains, PipelinedMatmulSassHasAsyncCopiesLdmatrixAndMma) {
   EXPECT_EQ(pipelined, 4) << "up and dw, for each of two architectures";
 }
 
+// conv2d_nhwc's implicit GEMM in generated code (issue #40): a ResNet 3x3
+// convolution with its bias and ReLU in the epilogue, a 1x1 one in f16, one
+// at 7 x 7 pixels split over K, and an f32 one as TF32 (--allow-tf32). On
+// sm_80 and sm_90: the patches and weights copied by cp.async (LDGSTS),
+// fragments by ldmatrix (LDSM), products on tensor cores (HMMA); no local
+// memory, no spills, no stack.
+TEST(Toolchains, ChannelsLastConvolutionSassHasAsyncCopiesLdmatrixAndMma) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("conv_sass");
+  const Storage ext = Storage::external;
+  auto conv = [&](const std::string& id, DType d, Shape x, int64_t out_channels, int64_t kernel, int64_t stride) {
+    const int64_t padding = kernel / 2, size = (x[1] + 2 * padding - kernel) / stride + 1;
+    return b.task(id, "conv2d_nhwc")
+        .tensor("x", d, x, ext)
+        .tensor("weight", d, {out_channels, kernel, kernel, x[3]}, ext)
+        .tensor("out", d, {x[0], size, size, out_channels}, id == "c3x3" ? Storage::transient : ext)
+        .arg("stride_h", stride)
+        .arg("stride_w", stride)
+        .arg("padding_h", padding)
+        .arg("padding_w", padding);
+  };
+  auto c3x3 = conv("c3x3", DType::bf16, {8, 56, 56, 64}, 64, 3, 1);
+  auto bias = b.task("bias", "add").tensor("a", c3x3["out"]).tensor("b", DType::bf16, {64}, ext).tensor("out", DType::bf16, {8, 56, 56, 64});
+  b.task("act", "relu").tensor("x", bias["out"]).tensor("out", DType::bf16, {8, 56, 56, 64}, ext);
+  conv("pointwise", DType::f16, {8, 28, 28, 128}, 512, 1, 1);
+  conv("deep", DType::bf16, {1, 7, 7, 512}, 512, 3, 1);
+  conv("strided_tf32", DType::f32, {8, 28, 28, 128}, 256, 3, 2);
+  CompileOptions tf32;
+  tf32.emit.allow_tf32 = true;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), tf32);
+  ASSERT_EQ(c.emitted.kernels.size(), 4u);
+  for (const EmittedKernel& k : c.emitted.kernels)
+    EXPECT_NE(k.matmul_path.find("implicit GEMM"), std::string::npos) << k.name << ": " << k.matmul_path;
+  EXPECT_NE(c.emitted.kernels[2].matmul_path.find("split-K"), std::string::npos) << c.emitted.kernels[2].matmul_path;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+    const auto sass = report.opcodes();
+    for (const EmittedKernel& k : c.emitted.kernels) {
+      ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(k.name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      for (const char* op : {"LDGSTS", "LDSM", "HMMA"}) EXPECT_GT(count(op), 0) << k.name << " on " << arch << ": " << op;
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << k.name << " on " << arch << ": local memory";
+      ASSERT_TRUE(report.resources.count(k.name)) << k.name << " on " << arch;
+      EXPECT_EQ(report.resources.at(k.name).spill_bytes, 0) << k.name << " on " << arch;
+      EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name << " on " << arch;
+    }
+  }
+}
+
 // The flash attention kernel (templates/softmax_flash.cuh) in generated code:
 // bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
 // 2048 keys, a decoding step split over its keys, bf16 heads of 256 (q's

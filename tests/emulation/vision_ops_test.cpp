@@ -5,6 +5,7 @@
 // convolution or permutation that cannot be.
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <cmath>
 #include <random>
@@ -429,6 +430,122 @@ std::string compile_error(TaskGraph g) {
     return e.what();
   }
   return "(no error)";
+}
+
+// conv2d_nhwc, channels-last: each form at sizes that are not multiples of
+// a tile (rows, columns, k-tiles), with stride, padding and dilation, and a
+// bias, activation and residual in the first one's epilogue.
+struct NhwcConv {
+  std::string id;
+  int64_t batch, height, width, channels, out_channels, kernel, stride, padding, dilation, groups;
+  std::string form;  // what its kernel's matmul_path says
+};
+
+const std::vector<NhwcConv>& nhwc_convs() {
+  static const std::vector<NhwcConv> convs = {
+      {"c3x3", 2, 7, 8, 16, 40, 3, 1, 1, 1, 1, "implicit GEMM"},         // 112 x 40 over 4.5 k-tiles
+      {"strided", 1, 11, 10, 8, 24, 3, 2, 2, 2, 1, "implicit GEMM"},     // stride 2, dilation 2
+      {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "implicit GEMM"},    // 1x1
+      {"deep", 1, 3, 4, 256, 64, 3, 1, 1, 1, 1, "split-K"},              // 12 rows over 72 k-tiles
+      {"stem", 1, 9, 9, 3, 16, 7, 2, 3, 1, 1, "input channels are not a multiple of"},  // 3 channels
+      {"grouped", 1, 6, 7, 16, 8, 3, 1, 1, 1, 2, "2 groups"},
+      {"depthwise", 2, 6, 5, 12, 12, 3, 2, 1, 1, 12, "12 groups"},
+  };
+  return convs;
+}
+
+TaskGraph nhwc_graph(DType d) {
+  GraphBuilder b(fmt::format("nhwc_{}", to_string(d)));
+  for (const NhwcConv& c : nhwc_convs()) {
+    const Shape out{c.batch, out_size(c.height, c.kernel, c.stride, c.padding, c.dilation),
+                    out_size(c.width, c.kernel, c.stride, c.padding, c.dilation), c.out_channels};
+    const bool epilogue = c.id == "c3x3";
+    auto conv = b.task(c.id, "conv2d_nhwc")
+                    .tensor("x", d, {c.batch, c.height, c.width, c.channels}, ext)
+                    .tensor("weight", d, {c.out_channels, c.kernel, c.kernel, c.channels / c.groups}, persistent)
+                    .tensor("out", d, out, epilogue ? Storage::transient : ext)
+                    .arg("stride_h", c.stride)
+                    .arg("stride_w", c.stride)
+                    .arg("padding_h", c.padding)
+                    .arg("padding_w", c.padding)
+                    .arg("dilation_h", c.dilation)
+                    .arg("dilation_w", c.dilation)
+                    .arg("groups", c.groups);
+    if (!epilogue) continue;
+    auto bias = b.task("bias", "add").tensor("a", conv["out"]).tensor("b", d, {c.out_channels}, persistent).tensor("out", d, out);
+    auto act = b.task("act", "relu").tensor("x", bias["out"]).tensor("out", d, out);
+    b.task("residual", "add").tensor("a", act["out"]).tensor("b", d, out, ext).tensor("out", d, out, ext);
+  }
+  return std::move(b).graph();
+}
+
+struct NhwcCase {
+  DType dtype;
+  bool tf32, megakernel;
+};
+
+class ChannelsLast : public ::testing::TestWithParam<NhwcCase> {};
+
+// Each convolution matches the float64 reference in the form the emitter
+// picked for it: the implicit GEMM on the pipelined tensor-core mainloop
+// (split-K where its tiles are few), for 16-bit operands and for f32 as TF32;
+// the direct form for f32 (exact), for channels that are not whole 16-byte
+// chunks, for groups, and in a megakernel.
+TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
+  const auto [dtype, tf32, megakernel] = GetParam();
+  CompileOptions options;
+  options.emit.allow_tf32 = tf32;
+  options.emit.megakernel = megakernel;
+  options.emit.megakernel_blocks = 8;  // (the emulator runs a persistent launch's blocks at once)
+  Compiled c = compile(load_program(nhwc_graph(dtype), {}), options);
+  const bool tensor_cores = dtype != DType::f32 || tf32;
+  for (const NhwcConv& conv : nhwc_convs()) {
+    // (Kernels, not launches: the direct forms share one.)
+    const auto k = std::find_if(c.emitted.tile_kernels.begin(), c.emitted.tile_kernels.end(),
+                                [&](const EmittedKernel& e) { return e.name.ends_with("_" + conv.id); });
+    ASSERT_NE(k, c.emitted.tile_kernels.end()) << conv.id;
+    const bool gemm = conv.form == "implicit GEMM" || conv.form == "split-K";
+    // (f32 without TF32: no tensor cores, whatever the channels; a megakernel: no mainloop.)
+    const std::string expected = megakernel                                  ? "a megakernel's tiles share one block size"
+                                 : !tensor_cores && (gemm || conv.id == "stem") ? "stays off tensor cores"
+                                                                                : conv.form;
+    EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << conv.id << ": " << k->matmul_path;
+    EXPECT_EQ(k->matmul_path.find("implicit GEMM") != std::string::npos, tensor_cores && gemm && !megakernel)
+        << k->matmul_path;
+  }
+  if (megakernel) EXPECT_EQ(c.emitted.cuda_source.find("cg_conv2d_nhwc_mainloop<"), std::string::npos);
+  // The epilogue: bias, relu and residual in the convolution's kernel.
+  EXPECT_EQ(c.emitted.tile_kernels.front().tasks.size(), 4u) << c.emitted.tile_kernels.front().name;
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(
+      c, RunOptions{seed, work_dir(fmt::format("nhwc_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
+                                               megakernel ? "_mk" : ""))});
+  EXPECT_EQ(run.checks.size(), nhwc_convs().size());
+  for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, ChannelsLast,
+                         ::testing::Values(NhwcCase{DType::f32, false, false}, NhwcCase{DType::f32, true, false},
+                                           NhwcCase{DType::f16, false, false}, NhwcCase{DType::bf16, false, false},
+                                           NhwcCase{DType::bf16, false, true}),
+                         [](const auto& info) {
+                           return fmt::format("{}{}{}", to_string(info.param.dtype), info.param.tf32 ? "_tf32" : "",
+                                              info.param.megakernel ? "_megakernel" : "");
+                         });
+
+// Output channels that do not split into the groups are an error of the
+// convolution's task, as for conv2d.
+TEST(ChannelsLast, OutputChannelsThatDoNotSplitIntoGroupsAreAnError) {
+  GraphBuilder b("nhwc_bad_groups");
+  b.task("conv", "conv2d_nhwc")
+      .tensor("x", DType::bf16, {1, 6, 6, 16}, ext)
+      .tensor("weight", DType::bf16, {6, 3, 3, 4}, persistent)
+      .tensor("out", DType::bf16, {1, 4, 4, 6}, ext)
+      .arg("groups", 4);
+  const std::string error = compile_error(std::move(b).graph());
+  EXPECT_NE(error.find("6 output channels do not split into 4 groups"), std::string::npos) << error;
+  EXPECT_NE(error.find("task 'conv'"), std::string::npos) << error;
 }
 
 TEST(VisionOps, ShapeRuleChecksTheConvolutionsOutputSize) {
