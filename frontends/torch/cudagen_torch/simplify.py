@@ -27,6 +27,23 @@ the same values (up to the rounding of one multiplication):
   T, D]` over k and v seen as `[..., Hkv, 1, T, D]`, grouped-query attention,
   which the attention kernels take without the copies (the output seen back
   as `[..., H, T, D]`);
+- `channels_last` (inference exports only: `conv2d_nhwc` has no gradient
+  yet): a 16-bit `conv2d` of one group whose input channels are whole
+  16-byte chunks (8), or fewer (a network's first layer, its channels then
+  zero-padded to 8, its weight's too), becomes a permute to NHWC, `conv2d_nhwc` (its weight's
+  array permuted to `[O, KH, KW, C]`, `<name>.nhwc`), its bias as an `add`
+  (which fuses into the convolution's epilogue) and a permute back to NCHW:
+  the convolution runs on tensor cores (docs/gemm.md);
+- `sink_permute`: an elementwise op reading a permute's output, which it
+  alone reads, runs before the permute instead (`relu(p(y))` is
+  `p(relu(y))`), where each of its other operands is that permute's output
+  too or already permuted back by a permute of its own (a residual `add`),
+  so that permutes meet;
+- `dedupe_permutes`: two permutes of one tensor by the same dims are one;
+- `cancel_permutes`: a permute of a permute that together leave every axis in
+  place is the first one's input: between two channels-last convolutions (and
+  the elementwise ops between them) no permute is left, only one after the
+  network's first layers and one before its pooling head;
 - `remove_dead`: a task none of whose outputs is read (what the rewrites
   above leave behind).
 
@@ -341,6 +358,149 @@ class _Graph:
             tid, n = f"{base}_{n}", n + 1
         return tid
 
+    # ---- channels-last convolutions ----------------------------------
+    _TO_NHWC, _TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+    # Ops whose result's element i depends on their operands' element i alone
+    # (as the registry's elementwise ops, and the broadcast ones on operands
+    # of one shape): layout-free.
+    _ELEMENTWISE = {"relu": ["x"], "relu6": ["x"], "hardswish": ["x"], "hardsigmoid": ["x"], "silu": ["x"],
+                    "sigmoid": ["x"], "gelu": ["x"], "tanh": ["x"], "neg": ["x"], "exp": ["x"], "affine": ["x"],
+                    "cast": ["x"], "add": ["a", "b"], "sub": ["a", "b"], "mul": ["a", "b"], "div": ["a", "b"],
+                    "maximum": ["a", "b"]}
+
+    def channels_last(self):
+        for t in self.tasks:
+            if t["op"] == "conv2d" and self.one_conv_channels_last(t):
+                return True
+        return False
+
+    def one_conv_channels_last(self, conv):
+        x, w, out = conv["tensors"]["x"], conv["tensors"]["weight"], conv["tensors"]["out"]
+        bias = conv["tensors"].get("bias")
+        if out["dtype"] not in ("f16", "bf16") or conv.get("args", {}).get("groups", 1) != 1:
+            return False
+        if any(s is not None and ("data" not in s or s["name"] not in self.arrays) for s in (w, bias)):
+            return False  # weights computed by another task: keep NCHW
+        if sum(v.get("name") == w["name"] for t in self.tasks for v in t["tensors"].values()) > 1:
+            return False  # one weight array shared by several slots: keep NCHW
+        B, C, H, W = self.shape_of(x)
+        # 16-byte chunks of channels: a network's first layer (3 channels) is
+        # zero-padded to 8, the rest must have whole chunks.
+        channels = 8 if C < 8 else C
+        if channels % 8 != 0:
+            return False
+        _, O, OH, OW = out["shape"]
+        cid, phase, dtype = conv["id"], conv["phase"], out["dtype"]
+        to_nhwc = {"id": self.fresh_id(cid + "_to_nhwc"), "op": "permute", "phase": phase,
+                   "tensors": {"x": dict(x), "out": {"dtype": dtype, "shape": [B, H, W, C]}},
+                   "args": {"dims": self._TO_NHWC}}
+        new_before = [to_nhwc]
+        if channels != C:  # (slice_backward places its input among zeros: a pad)
+            pad = {"id": self.fresh_id(cid + "_pad_channels"), "op": "slice_backward", "phase": phase,
+                   "tensors": {"dout": {"from": f"{to_nhwc['id']}.out"},
+                               "dx": {"dtype": dtype, "shape": [B, H, W, channels]}},
+                   "args": {"axis": 3, "start": 0, "step": 1}}
+            new_before.append(pad)
+        result = f"{cid}.out"
+        new_after = []
+        if bias is not None:
+            add = {"id": self.fresh_id(cid + "_bias"), "op": "add", "phase": phase,
+                   "tensors": {"a": {"from": result}, "b": dict(bias), "out": {"dtype": dtype, "shape": [B, OH, OW, O]}}}
+            new_after.append(add)
+            result = f"{add['id']}.out"
+        to_nchw = {"id": self.fresh_id(cid + "_to_nchw"), "op": "permute", "phase": phase,
+                   "tensors": {"x": {"from": result}, "out": dict(out)}, "args": {"dims": self._TO_NCHW}}
+        new_after.append(to_nchw)
+        self.repoint(f"{cid}.out", f"{to_nchw['id']}.out")
+        name = w["name"] + ".nhwc"
+        weight = self.arrays.pop(w["name"]).transpose(0, 2, 3, 1)
+        padded = np.zeros(weight.shape[:3] + (channels,), weight.dtype)  # (0 is 0.0 in bf16's bits too)
+        padded[..., :C] = weight
+        self.arrays[name] = padded
+        conv["op"] = "conv2d_nhwc"
+        conv["tensors"] = {"x": {"from": f"{new_before[-1]['id']}.{'dx' if channels != C else 'out'}"},
+                           "weight": dict(w, shape=list(padded.shape), name=name, data=name + ".npy"),
+                           "out": {"dtype": dtype, "shape": [B, OH, OW, O]}}
+        at = self.tasks.index(conv)
+        self.tasks[at + 1:at + 1] = new_after
+        self.tasks[at:at] = new_before
+        return True
+
+    def sink_permute(self):
+        for t in self.tasks:
+            slots = self._ELEMENTWISE.get(t["op"])
+            if slots is None or t["tensors"]["out"].get("name") in self.outputs:
+                continue
+            permutes = [self.producer(t["tensors"][s])[0] for s in slots]
+            moved = [p for p in permutes if p is not None and p["op"] == "permute" and "from" in p["tensors"]["x"] and
+                     self.only_reader(p, "out") is t]
+            if not moved:
+                continue
+            dims = moved[0]["args"]["dims"]
+            shape = self.shape_of(moved[0]["tensors"]["x"])
+            inverse = [dims.index(i) for i in range(len(dims))]
+            # Each operand before the op: a moved permute's input, or (another
+            # operand of its shape) where it is already permuted back by a
+            # permute of its own (a residual's other branch, which feeds the
+            # next convolution too); otherwise the op stays.
+            sources = []
+            for s, p in zip(slots, permutes):
+                if p in moved and p["args"]["dims"] == dims and self.shape_of(p["tensors"]["x"]) == shape:
+                    sources.append(dict(p["tensors"]["x"]))
+                    continue
+                back = self.permute_of(t["tensors"][s], inverse)
+                if back is None or back["tensors"]["out"]["shape"] != shape:
+                    break
+                sources.append({"from": f"{back['id']}.out"})
+            if len(sources) != len(slots):
+                continue
+            after = {"id": self.fresh_id(t["id"] + "_permuted"), "op": "permute", "phase": t["phase"],
+                     "tensors": {"x": {"from": f"{t['id']}.out"}, "out": dict(t["tensors"]["out"])},
+                     "args": {"dims": list(dims)}}
+            self.repoint(f"{t['id']}.out", f"{after['id']}.out")
+            for s, source in zip(slots, sources):
+                t["tensors"][s] = source
+            for p in moved:
+                if p in self.tasks and not self.readers(f"{p['id']}.out"):
+                    self.tasks.remove(p)
+            t["tensors"]["out"] = {"dtype": t["tensors"]["out"]["dtype"], "shape": list(shape)}
+            self.tasks.insert(self.tasks.index(t) + 1, after)
+            return True
+        return False
+
+    def permute_of(self, slot, dims):
+        """A task that permutes the tensor `slot` reads by `dims`, or None."""
+        if "from" not in slot:
+            return None
+        return next((t for t in self.tasks if t["op"] == "permute" and t["tensors"]["x"].get("from") == slot["from"]
+                     and t["args"]["dims"] == dims), None)
+
+    def dedupe_permutes(self):
+        """Two permutes of one tensor by the same dims: the second's readers read the first."""
+        for t in self.tasks:
+            if t["op"] != "permute" or t["tensors"]["out"].get("name") in self.outputs:
+                continue
+            first = self.permute_of(t["tensors"]["x"], t["args"]["dims"])
+            if first is not None and first is not t:
+                self.repoint(f"{t['id']}.out", f"{first['id']}.out")
+                self.tasks.remove(t)
+                return True
+        return False
+
+    def cancel_permutes(self):
+        for t in self.tasks:
+            if t["op"] != "permute" or t["tensors"]["out"].get("name") in self.outputs:
+                continue
+            first, _ = self.producer(t["tensors"]["x"])
+            if first is None or first["op"] != "permute" or "from" not in first["tensors"]["x"]:
+                continue
+            if [first["args"]["dims"][d] for d in t["args"]["dims"]] != list(range(len(t["args"]["dims"]))):
+                continue
+            self.repoint(f"{t['id']}.out", first["tensors"]["x"]["from"])
+            self.tasks.remove(t)
+            return True
+        return False
+
     def remove_dead(self):
         changed = False
         for t in list(self.tasks):
@@ -360,7 +520,7 @@ def simplify(tasks, outputs, arrays, training):
     g = _Graph(tasks, outputs, arrays)
     rules = [g.transpose_into_matmul, g.scale_into_matmul, g.heads, g.grouped_query]
     if not training:
-        rules.append(g.split_linear)
+        rules += [g.split_linear, g.channels_last, g.dedupe_permutes, g.sink_permute, g.cancel_permutes]
     rules.append(g.remove_dead)
     applied = []
     progress = True
