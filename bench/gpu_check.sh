@@ -39,6 +39,9 @@
 #    attention as TF32 (--allow-tf32), forward and trained, beside SDPA's efficient backend in f32 with
 #    TF32 allowed, and f32 trained exact (CUDA cores) beside SDPA with allow_tf32 off; heads of 256
 #    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
+#  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
+#    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
+#    (bench/resnet_torch.py);
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -127,7 +130,7 @@ check "train_transformer --steps 5 --megakernel" "$cudagen" run --gpu --megakern
 gpu_tests='*EmulatedOps.*:*EmulatedHalfOps.*:*FusedChains.*:Fusion.*:TrainingRun.*:RunTimeArgs.ADerivedAdam*'
 gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emulation.Unfused*:Emulation.ReshapeIsAView*'
 gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
-gpu_tests+=':Emulation.PipelinedMatmul*:Emulation.HopperMatmul*:Emulation.GridsOver*:FlashAttention.*'
+gpu_tests+=':Emulation.PipelinedMatmul*:Emulation.HopperMatmul*:Emulation.GridsOver*:FlashAttention.*:*ChannelsLast.*'
 check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
   sharded 8 env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
 
@@ -303,6 +306,18 @@ if have_time 30 "the 64-row decoder block"; then
   "$cudagen" run --gpu --profile "$log/decoder_bf16_64.profile.json" "$log/decoder_bf16_64.json" 2>&1 |
     sed -n '/^kernels by/,$p'
   python3 bench/decoder_torch.py --batch 1 --tokens 64 --dtype bf16 --runs 30 2>&1 | tail -2
+fi
+echo
+echo "convolutions (issue #40, docs/gemm.md): ResNet-50 forward in bf16 at 224 x 224, exported channels-last (every"
+echo "convolution conv2d_nhwc, the implicit GEMM on the pipelined mainloop), its kernels timed by bench_megakernel (mean of 20),"
+echo "beside PyTorch eager (cuDNN, NCHW and channels_last) and torch.compile (bench/resnet_torch.py, mean of 20):"
+if have_time 120 "the ResNet-50 benchmark"; then
+  for batch in 1 32; do
+    python3 bench/resnet_torch.py --batch $batch --export "$log/resnet50_b$batch" > "$log/resnet50_torch_b$batch.txt" 2>&1
+    "$cudagen" describe "$log/resnet50_b$batch/graph.json" 2>&1 | grep -E '^  total'
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$log/resnet50_b$batch/graph.json" 2>&1 | sed -n 2p
+    grep 'ms/step' "$log/resnet50_torch_b$batch.txt" || tail -3 "$log/resnet50_torch_b$batch.txt"
+  done
 fi
 echo
 echo "Nsight Compute on three kernels of the B8 x T128 block (a pipelined matmul, attention, the MLP's down projection):"
