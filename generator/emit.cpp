@@ -63,6 +63,8 @@ Emitter::Skeleton Emitter::named_skeleton(std::string_view op) {
       {"max_pool2d", &Emitter::pool2d},
       {"avg_pool2d", &Emitter::pool2d},
       {"adaptive_avg_pool2d", &Emitter::adaptive_avg_pool2d},
+      {"max_pool2d_nhwc", &Emitter::pool2d_nhwc},
+      {"adaptive_avg_pool2d_nhwc", &Emitter::pool2d_nhwc},
       {"conv2d_backward", &Emitter::conv2d_backward},
       {"max_pool2d_backward", &Emitter::pool2d_backward},
       {"avg_pool2d_backward", &Emitter::pool2d_backward},

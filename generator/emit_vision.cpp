@@ -156,6 +156,25 @@ std::string Emitter::adaptive_avg_pool2d(int, const std::vector<Param>& ps, Emit
                           ek);
 }
 
+// max_pool2d_nhwc, adaptive_avg_pool2d_nhwc: as max_pool2d and
+// adaptive_avg_pool2d, an output element a thread, channels fastest.
+std::string Emitter::pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& out = param(ps, "out");
+  const Shape& sx = x.buffer->shape;
+  const Shape& so = out.buffer->shape;
+  if (p_.tasks[size_t(t)].op->name == "adaptive_avg_pool2d_nhwc")
+    return grid_stride_loop(numel(so),
+                            store(out, "i",
+                                  fmt::format("cg_adaptive_avg_pool2d_nhwc(x, i, {}, {}, {}, {}, {})", sx[1], sx[2],
+                                              so[1], so[2], sx[3])),
+                            ek);
+  if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
+  const Shape x_planes{sx[0], sx[3], sx[1], sx[2]}, out_planes{so[0], so[3], so[1], so[2]};  // (pool_window's order)
+  return pool_window(t, x_planes, out_planes) +
+         grid_stride_loop(numel(so), store(out, "i", fmt::format("cg_max_pool2d_nhwc(x, i, p, {})", sx[3])), ek);
+}
+
 // The geometry of a convolution task (conv2d, or conv2d_backward with dout
 // in out's place), checked: channels that split into groups, strides and
 // dilations of at least 1. nullopt after a failure.

@@ -110,7 +110,9 @@ class Evaluator {
       return gradient(bt, [](double x, double d) { return x < -3 ? 0.0 : x <= 3 ? d * (2 * x + 3) / 6 : d; });
     if (op == "conv2d" || op == "conv2d_nhwc") return conv2d(bt, op == "conv2d_nhwc");
     if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
-    if (op == "adaptive_avg_pool2d") return adaptive_avg_pool2d(bt);
+    if (op == "adaptive_avg_pool2d" || op == "adaptive_avg_pool2d_nhwc")
+      return adaptive_avg_pool2d(bt, op == "adaptive_avg_pool2d_nhwc");
+    if (op == "max_pool2d_nhwc") return pool2d(bt, true, true);
     if (op == "conv2d_backward") return conv2d_backward(bt);
     if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
     if (op == "adaptive_avg_pool2d_backward") return adaptive_avg_pool2d_backward(bt);
@@ -1097,10 +1099,24 @@ class Evaluator {
     if (db != nullptr) out(db->buffer, std::move(gb), std::move(gba));
   }
 
-  void pool2d(const BoundTask& bt, bool max) {
+  // Where element (h, w) of plane q (an (image, channel) pair) lies: NCHW's
+  // planes [..., H, W], or an NHWC tensor's [B, H, W, C] (the _nhwc ops).
+  struct Planes {
+    int64_t H, W, count, C;  // C: 0 for NCHW
+    size_t at(int64_t q, int64_t h, int64_t w) const {
+      return size_t(C == 0 ? (q * H + h) * W + w : ((q / C * H + h) * W + w) * C + q % C);
+    }
+  };
+  static Planes planes_of(const Shape& s, bool nhwc) {
+    if (nhwc) return Planes{s[1], s[2], s[0] * s[3], s[3]};
+    return Planes{s[s.size() - 2], s.back(), numel(s) / (s[s.size() - 2] * s.back()), 0};
+  }
+
+  void pool2d(const BoundTask& bt, bool max, bool nhwc = false) {
     const int x = buf(bt, "x"), o = buf(bt, "out");
-    const Shape &sx = shape(x), &so = shape(o);
-    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const Planes px = planes_of(shape(x), nhwc), po = planes_of(shape(o), nhwc);
+    const int64_t H = px.H, W = px.W, OH = po.H, OW = po.W, planes = po.count;
+    const Shape& so = shape(o);
     const int64_t KH = arg_int(bt, "kernel_h", 1), KW = arg_int(bt, "kernel_w", 1), sh = arg_int(bt, "stride_h", 1),
                   sw = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0), pw = arg_int(bt, "padding_w", 0),
                   dh = max ? arg_int(bt, "dilation_h", 1) : 1, dw = max ? arg_int(bt, "dilation_w", 1) : 1;
@@ -1115,7 +1131,7 @@ class Evaluator {
             for (int64_t j = 0; j < KW; ++j) {
               const int64_t h = oh * sh - ph + i * dh, w = ow * sw - pw + j * dw;
               if (h < 0 || h >= H || w < 0 || w >= W) continue;
-              const size_t ix = size_t((q * H + h) * W + w);
+              const size_t ix = px.at(q, h, w);
               if (val(x)[ix] > best) {
                 best = val(x)[ix];
                 best_abs = r_.abs[size_t(x)][ix];
@@ -1128,17 +1144,18 @@ class Evaluator {
             const int64_t h0 = oh * sh - ph, w0 = ow * sw - pw;
             count = (std::min(h0 + KH, H + ph) - h0) * (std::min(w0 + KW, W + pw) - w0);
           }
-          const size_t io = size_t((q * OH + oh) * OW + ow);
+          const size_t io = po.at(q, oh, ow);
           v[io] = max ? best : sum / double(count);
           a[io] = max ? best_abs : sum_abs / double(count);
         }
     out(o, std::move(v), std::move(a));
   }
 
-  void adaptive_avg_pool2d(const BoundTask& bt) {
+  void adaptive_avg_pool2d(const BoundTask& bt, bool nhwc = false) {
     const int x = buf(bt, "x"), o = buf(bt, "out");
-    const Shape &sx = shape(x), &so = shape(o);
-    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const Planes px = planes_of(shape(x), nhwc), po = planes_of(shape(o), nhwc);
+    const int64_t H = px.H, W = px.W, OH = po.H, OW = po.W, planes = po.count;
+    const Shape& so = shape(o);
     std::vector<double> v(size_t(numel(so))), a(v.size());
     for (int64_t q = 0; q < planes; ++q)
       for (int64_t oh = 0; oh < OH; ++oh)
@@ -1149,12 +1166,12 @@ class Evaluator {
           double sum = 0, sum_abs = 0;
           for (int64_t h = h0; h < h1; ++h)
             for (int64_t w = w0; w < w1; ++w) {
-              sum += val(x)[size_t((q * H + h) * W + w)];
-              sum_abs += r_.abs[size_t(x)][size_t((q * H + h) * W + w)];
+              sum += val(x)[px.at(q, h, w)];
+              sum_abs += r_.abs[size_t(x)][px.at(q, h, w)];
             }
           const double count = double((h1 - h0) * (w1 - w0));
-          v[size_t((q * OH + oh) * OW + ow)] = sum / count;
-          a[size_t((q * OH + oh) * OW + ow)] = sum_abs / count;
+          v[po.at(q, oh, ow)] = sum / count;
+          a[po.at(q, oh, ow)] = sum_abs / count;
         }
     out(o, std::move(v), std::move(a));
   }

@@ -338,6 +338,25 @@ struct cg_pool2d_window {
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
+// The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
+// is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
+// channel of NHWC (pixel C).
+template <typename T>
+CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int oh, int ow, const cg_pool2d_window& p) {
+  float best = cg_neg_inf();
+  for (int a = 0; a < p.KH; ++a) {
+    const int h = oh * p.stride_h - p.padding_h + a * p.dilation_h;
+    if (h < 0 || h >= p.H) continue;
+    for (int b = 0; b < p.KW; ++b) {
+      const int w = ow * p.stride_w - p.padding_w + b * p.dilation_w;
+      if (w < 0 || w >= p.W) continue;
+      const float v = cg_widen(cg_load(x, base + ((cg_i64)h * p.W + w) * pixel));
+      best = v > best || v != v ? v : best;  // a NaN wins and stays, as in PyTorch
+    }
+  }
+  return best;
+}
+
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -361,19 +380,33 @@ CG_OP("max_pool2d",
       "doc: torch.nn.functional.max_pool2d; ceil_mode rounds the output size up (a last window that overhangs the input takes what it covers)")
 CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
-  const cg_i64 plane = i / ((cg_i64)p.OW * p.OH) * p.H * p.W;
-  float best = cg_neg_inf();
-  for (int a = 0; a < p.KH; ++a) {
-    const int h = oh * p.stride_h - p.padding_h + a * p.dilation_h;
-    if (h < 0 || h >= p.H) continue;
-    for (int b = 0; b < p.KW; ++b) {
-      const int w = ow * p.stride_w - p.padding_w + b * p.dilation_w;
-      if (w < 0 || w >= p.W) continue;
-      const float v = cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
-      best = v > best || v != v ? v : best;  // a NaN wins and stays, as in PyTorch
-    }
-  }
-  return best;
+  return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
+}
+
+// Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
+// that a warp's lanes read consecutive channels of each pixel.
+template <typename T>
+CG_OP("max_pool2d_nhwc",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: ceil_mode bool = false",
+      "shape: x:[B, H, W, C] -> out:[B, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1, C]",
+      "flops: numel(out) * kernel_h * kernel_w",
+      "doc: max_pool2d on channels-last tensors (x and out NHWC), as conv2d_nhwc's neighbour")
+CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int C) {
+  const cg_i64 pixel = i / C;
+  const int ow = (int)(pixel % p.OW), oh = (int)(pixel / p.OW % p.OH);
+  return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
 // Average pooling over the window; count_include_pad counts the padding's
@@ -415,6 +448,19 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
+// The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
+// (cg_max_pool2d_window's layout).
+template <typename T>
+CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int oh, int ow, int H, int W,
+                                              int OH, int OW) {
+  const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+  const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+  float sum = 0.0f;
+  for (int h = h0; h < h1; ++h)
+    for (int w = w0; w < w1; ++w) sum += cg_widen(cg_load(x, base + ((cg_i64)h * W + w) * pixel));
+  return sum / (float)((h1 - h0) * (w1 - w0));
+}
+
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -430,13 +476,25 @@ CG_OP("adaptive_avg_pool2d",
       "doc: torch.nn.functional.adaptive_avg_pool2d to the output's declared size")
 CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int OH, int OW) {
   const int ow = (int)(i % OW), oh = (int)(i / OW % OH);
-  const cg_i64 plane = i / ((cg_i64)OW * OH) * H * W;
-  const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
-  const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
-  float sum = 0.0f;
-  for (int h = h0; h < h1; ++h)
-    for (int w = w0; w < w1; ++w) sum += cg_widen(cg_load(x, plane + (cg_i64)h * W + w));
-  return sum / (float)((h1 - h0) * (w1 - w0));
+  return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
+}
+
+// Adaptive average pooling on channels-last tensors: element i of out[B, OH,
+// OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
+// the same [B, C] as NCHW's.
+template <typename T>
+CG_OP("adaptive_avg_pool2d_nhwc",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "shape: x:[B, H, W, C] -> out:[B, OH, OW, C]",
+      "flops: numel(x)",
+      "doc: adaptive_avg_pool2d on channels-last tensors (x and out NHWC) to the output's declared size")
+CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, int OH, int OW, int C) {
+  const cg_i64 pixel = i / C;
+  const int ow = (int)(pixel % OW), oh = (int)(pixel / OW % OH);
+  return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
 // The pooling gradients, one element of dx a call (a gather: no atomics,

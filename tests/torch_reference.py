@@ -303,6 +303,15 @@ def run_torch(g, values, phases=None):
                 padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
                 dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)),
                 groups=args.get("groups", 1)).permute(0, 2, 3, 1))
+        elif op == "max_pool2d_nhwc":
+            put(t, "out", torch.nn.functional.max_pool2d(
+                get(t, "x").permute(0, 3, 1, 2), (args["kernel_h"], args["kernel_w"]),
+                stride=(args["stride_h"], args["stride_w"]), padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)),
+                ceil_mode=args.get("ceil_mode", False)).permute(0, 2, 3, 1))
+        elif op == "adaptive_avg_pool2d_nhwc":
+            put(t, "out", torch.nn.functional.adaptive_avg_pool2d(
+                get(t, "x").permute(0, 3, 1, 2), tuple(shape("out")[1:3])).permute(0, 2, 3, 1))
         elif op == "conv2d_backward":
             def conv(x, w):
                 return torch.nn.functional.conv2d(

@@ -434,7 +434,8 @@ std::string compile_error(TaskGraph g) {
 
 // conv2d_nhwc, channels-last: each form at sizes that are not multiples of
 // a tile (rows, columns, k-tiles), with stride, padding and dilation, and a
-// bias, activation and residual in the first one's epilogue.
+// bias, activation and residual in the first one's epilogue; and the
+// channels-last pools.
 struct NhwcConv {
   std::string id;
   int64_t batch, height, width, channels, out_channels, kernel, stride, padding, dilation, groups;
@@ -471,6 +472,21 @@ TaskGraph nhwc_graph(DType d) {
                     .arg("dilation_h", c.dilation)
                     .arg("dilation_w", c.dilation)
                     .arg("groups", c.groups);
+    if (c.id == "c3x3") {  // the pools of channels-last networks, on its input's layout
+      const Shape x{c.batch, c.height + 2, c.width + 1, c.channels};
+      b.task("max_pool", "max_pool2d_nhwc")
+          .tensor("x", d, x, ext)
+          .tensor("out", d, {x[0], (x[1] + 2 - 3 + 1) / 2 + 1, (x[2] + 2 - 3 + 1) / 2 + 1, x[3]}, ext)
+          .arg("kernel_h", 3)
+          .arg("kernel_w", 3)
+          .arg("stride_h", 2)
+          .arg("stride_w", 2)
+          .arg("padding_h", 1)
+          .arg("padding_w", 1)
+          .arg("ceil_mode", true);
+      b.task("global_pool", "adaptive_avg_pool2d_nhwc").tensor("x", d, x, ext).tensor("out", d, {x[0], 1, 1, x[3]}, ext);
+      b.task("adaptive_pool", "adaptive_avg_pool2d_nhwc").tensor("x", d, x, ext).tensor("out", d, {x[0], 3, 2, x[3]}, ext);
+    }
     if (!epilogue) continue;
     auto bias = b.task("bias", "add").tensor("a", conv["out"]).tensor("b", d, {c.out_channels}, persistent).tensor("out", d, out);
     auto act = b.task("act", "relu").tensor("x", bias["out"]).tensor("out", d, out);
@@ -521,7 +537,7 @@ TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
   CheckedRun run = run_checked(
       c, RunOptions{seed, work_dir(fmt::format("nhwc_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
                                                megakernel ? "_mk" : ""))});
-  EXPECT_EQ(run.checks.size(), nhwc_convs().size());
+  EXPECT_EQ(run.checks.size(), nhwc_convs().size() + 3);  // and the three pools
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 

@@ -158,7 +158,7 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward",
       "batchnorm2d", "batchnorm2d_backward",
       // Convolution on tensor cores (#40): channels-last, an implicit GEMM on the pipelined mainloop.
-      "conv2d_nhwc"};
+      "conv2d_nhwc", "max_pool2d_nhwc", "adaptive_avg_pool2d_nhwc"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",

@@ -40,10 +40,15 @@ the same values (up to the rounding of one multiplication):
   too or already permuted back by a permute of its own (a residual `add`),
   so that permutes meet;
 - `dedupe_permutes`: two permutes of one tensor by the same dims are one;
+- `pool_channels_last`: max and adaptive average pooling of a permute back to
+  NCHW pool channels-last (`max_pool2d_nhwc`, `adaptive_avg_pool2d_nhwc`)
+  before the permute instead;
 - `cancel_permutes`: a permute of a permute that together leave every axis in
   place is the first one's input: between two channels-last convolutions (and
-  the elementwise ops between them) no permute is left, only one after the
-  network's first layers and one before its pooling head;
+  the elementwise ops and pools between them) no permute is left;
+- `permute_as_reshape`: a permute that moves only axes of size 1 (the pooled
+  `[B, 1, 1, C]` of a classifier's head) is a reshape, a view: a ResNet keeps
+  one permute, of its input;
 - `remove_dead`: a task none of whose outputs is read (what the rewrites
   above leave behind).
 
@@ -468,6 +473,44 @@ class _Graph:
             return True
         return False
 
+    def pool_channels_last(self):
+        """max_pool2d and adaptive_avg_pool2d of a permute back to NCHW, their
+        only reader: the channels-last pool, then the permute."""
+        for t in self.tasks:
+            if t["op"] not in ("max_pool2d", "adaptive_avg_pool2d") or len(t["tensors"]["out"]["shape"]) != 4:
+                continue
+            p, _ = self.producer(t["tensors"]["x"])
+            if (p is None or p["op"] != "permute" or p["args"]["dims"] != self._TO_NCHW or
+                    "from" not in p["tensors"]["x"] or self.only_reader(p, "out") is not t):
+                continue
+            B, C, OH, OW = t["tensors"]["out"]["shape"]
+            after = {"id": self.fresh_id(t["id"] + "_permuted"), "op": "permute", "phase": t["phase"],
+                     "tensors": {"x": {"from": f"{t['id']}.out"}, "out": dict(t["tensors"]["out"])},
+                     "args": {"dims": self._TO_NCHW}}
+            self.repoint(f"{t['id']}.out", f"{after['id']}.out")
+            t["op"] += "_nhwc"
+            t["tensors"] = {"x": dict(p["tensors"]["x"]), "out": {"dtype": t["tensors"]["out"]["dtype"],
+                                                                  "shape": [B, OH, OW, C]}}
+            self.tasks.remove(p)
+            self.tasks.insert(self.tasks.index(t) + 1, after)
+            return True
+        return False
+
+    def permute_as_reshape(self):
+        """A permute that moves only axes of size 1 (a pooled [B, 1, 1, C] to
+        [B, C, 1, 1]) leaves every element where it was: a reshape, which is
+        a view."""
+        for t in self.tasks:
+            if t["op"] != "permute" or "from" not in t["tensors"]["x"]:
+                continue
+            shape = self.shape_of(t["tensors"]["x"])
+            kept = [d for d in t["args"]["dims"] if shape[d] != 1]
+            if kept == sorted(kept):
+                t["op"] = "reshape"
+                del t["args"]
+                return True
+        return False
+
     def permute_of(self, slot, dims):
         """A task that permutes the tensor `slot` reads by `dims`, or None."""
         if "from" not in slot:
@@ -520,7 +563,8 @@ def simplify(tasks, outputs, arrays, training):
     g = _Graph(tasks, outputs, arrays)
     rules = [g.transpose_into_matmul, g.scale_into_matmul, g.heads, g.grouped_query]
     if not training:
-        rules += [g.split_linear, g.channels_last, g.dedupe_permutes, g.sink_permute, g.cancel_permutes]
+        rules += [g.split_linear, g.channels_last, g.dedupe_permutes, g.sink_permute, g.pool_channels_last,
+                  g.cancel_permutes, g.permute_as_reshape]
     rules.append(g.remove_dead)
     applied = []
     progress = True
