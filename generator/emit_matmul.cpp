@@ -617,13 +617,16 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
 // The kernel around a pipelined mainloop (a matmul's, or a convolution's
 // implicit GEMM): `mainloop(k_begin, k_end)` is its call, into cg_acc, for a
 // batch of M x N x K products at out_base (batch_bases defines it, and z,
-// the batch). Whole, a block runs all of k and hands its tile to the store
-// through shared memory; split, its part of k, and the last block of the
-// tile adds the parts and stores.
+// the batch), their rows ldd elements apart (N where negative: a group's
+// columns of a grouped convolution's output lie in rows of all groups').
+// Whole, a block runs all of k and hands its tile to the store through
+// shared memory; split, its part of k, and the last block of the tile adds
+// the parts and stores.
 std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K,
                                     int64_t batches, const std::string& batch_bases,
                                     const std::function<std::string(const std::string&, const std::string&)>& mainloop,
-                                    EmittedKernel& ek) {
+                                    EmittedKernel& ek, int64_t ldd) {
+  if (ldd < 0) ldd = N;
   use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
   ek.block = g.threads();
   ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
@@ -633,7 +636,7 @@ std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, 
   ek.tile_rows = g.bm;
   ek.mainloop = g.tf32() ? MatmulMainloop::pipelined_tf32 : MatmulMainloop::pipelined;
   reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
-  const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t));
+  const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", ldd), scaled_accumulator(t));
   std::string part, k_range, k_begin = "0", k_end = std::to_string(K), results;
   if (g.split_k > 1) {
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
@@ -658,7 +661,7 @@ std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, 
         "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {6}; }});\n",
         M, N, g.split_k, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
   } else {
-    results = staged_results("cg_gemm", t, out, M, N);
+    results = staged_results("cg_gemm", t, out, M, N, ldd);
   }
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -710,16 +713,22 @@ std::string Emitter::simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, 
 // a lane (each_coalesced_vector) where the epilogue has a vector form
 // (Epilogue::vector_code), or where none follows and 16 bytes of the
 // output's type divide its rows; otherwise an element a lane.
-std::string Emitter::staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N) {
+std::string Emitter::staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N,
+                                    int64_t ldd) {
+  if (ldd < 0) ldd = N;
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   const bool chained = out.bound->buffer == epilogue_buffer_;
   const int own_width = int(16 / dtype_bytes(out.buffer->dtype));
   // (A user's matmul op may provide the mainloop without the vector walk.)
   const bool has_walk = op.closure_of(mainloop + "_each_coalesced_vector") != nullptr;
-  const int width = !has_walk ? 0
-                    : chained ? epilogue_vector_width_
-                    : (own_width == 4 || own_width == 8) && N % own_width == 0 ? own_width
-                                                                               : 0;
+  int width = !has_walk ? 0
+              : chained ? epilogue_vector_width_
+              : (own_width == 4 || own_width == 8) && N % own_width == 0 ? own_width
+                                                                         : 0;
+  // Rows ldd apart in a wider tensor (a group's columns of a grouped
+  // convolution's output): groups of `width` must lie inside this product's
+  // N columns and start aligned.
+  if (ldd != N && width != 0 && (N % width != 0 || ldd % width != 0)) width = 0;
   if (width == 0) {
     use_function(op, mainloop + "_each_coalesced");
     return fmt::format(
@@ -727,20 +736,20 @@ std::string Emitter::staged_results(const std::string& mainloop, int t, const Pa
         "  // epilogue's loads) coalesce.\n"
         "  {0}_each_coalesced<cg_config>(cg_acc, {1}, {2}, tile.y, tile.x, (float*)cg_smem,\n"
         "      [&](cg_i64 m, cg_i64 n, float acc) {{ {3}; }});\n",
-        mainloop, M, N, store(out, fmt::format("out_base + m * {} + n", N), scaled_accumulator(t)));
+        mainloop, M, N, store(out, fmt::format("out_base + m * {} + n", ldd), scaled_accumulator(t)));
   }
   use_function(op, mainloop + "_each_coalesced_vector");
   std::string to;
   if (chained) {
     vector_epilogue_used_ = true;
-    to = fmt::format("cg_epilogue_vector(out_base + m * {} + n, cg_v);", N);
+    to = fmt::format("cg_epilogue_vector(out_base + m * {} + n, cg_v);", ldd);
   } else {
     to = fmt::format(
         "cg_vector<{0}, {1}> cg_out;\n"
         "        CG_UNROLL\n"
         "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
         "        cg_store_vector<{0}>({3}, out_base + m * {4} + n, cg_out);",
-        width, c_type(out.buffer->dtype), narrow_to(out.buffer->dtype, "cg_v[w]"), out.bound->name, N);
+        width, c_type(out.buffer->dtype), narrow_to(out.buffer->dtype, "cg_v[w]"), out.bound->name, ldd);
   }
   return fmt::format(
       "  // The output tile through shared memory, so that its stores (and an\n"

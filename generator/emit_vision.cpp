@@ -85,16 +85,22 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
         "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM, {} (rule {} of templates/gemm_tuning.json)",
         tile.describe(), tile.rule + 1);
     const std::string type = tile.tf32() ? "cg_tf32" : c_type(x.buffer->dtype);
+    const bool grouped = g->groups > 1;
     const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
       return g->code + fmt::format(
-                           "  cg_conv2d_nhwc_mainloop<cg_config, {0}>(cg_acc, (const {0}*)x, (const {0}*)weight, g, {1}, "
-                           "{2}, {3}, {4},\n"
+                           "  cg_conv2d_nhwc_mainloop<cg_config, {0}>(cg_acc, (const {0}*)x{5}, (const {0}*)weight{6}, g, "
+                           "{1}, {2}, {3}, {4},\n"
                            "                                          tile.y, tile.x, ({0}*)cg_smem);\n",
-                           type, M, g->O, k_begin, k_end);
+                           type, M, g->OG, k_begin, k_end, grouped ? fmt::format(" + z * {}", g->CG) : "",
+                           grouped ? fmt::format(" + z * {}", g->OG * K) : "");
     };
-    const std::string bases = tile.split_k > 1 ? "  // One product, its rows out's.\n  const cg_i64 z = 0, out_base = 0;\n"
-                                               : "  const cg_i64 out_base = 0;  // one product, its rows out's\n";
-    return pipelined_gemm(t, out, tile, M, g->O, K, 1, bases, mainloop, ek);
+    // Grouped: a product a group (tile.z), its input channels, weights and output channels.
+    const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+    const std::string bases =
+        grouped ? fmt::format("  const cg_i64 z = {}, out_base = z * {};  // group z\n", z, g->OG)
+        : tile.split_k > 1 ? "  // One product, its rows out's.\n  const cg_i64 z = 0, out_base = 0;\n"
+                           : "  const cg_i64 out_base = 0;  // one product, its rows out's\n";
+    return pipelined_gemm(t, out, tile, M, g->OG, K, g->groups, bases, mainloop, ek, g->O);
   }
   ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
   const int64_t n = numel(so);

@@ -378,11 +378,12 @@ class Emitter {
   std::string pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K, int64_t batches,
                              const std::string& batch_bases,
                              const std::function<std::string(const std::string&, const std::string&)>& mainloop,
-                             EmittedKernel& ek);
+                             EmittedKernel& ek, int64_t ldd = -1);
   std::string simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, const Param& out, const SgemmTile& g, int64_t M,
                           int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                           EmittedKernel& ek);
-  std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N);
+  std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N,
+                             int64_t ldd = -1);
   std::string stored_norm_rows(const StoredNorm& n) const;
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek);
   const HopperGemm* hopper_taken(const GemmMainloop& gemm, int t) const;

@@ -787,17 +787,17 @@ GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOpti
   const BoundTask& task = program.tasks[size_t(t)];
   if (task.op->closure_of("cg_conv2d_nhwc_mainloop") == nullptr)
     return refuse(fmt::format("op '{}' has no pipelined mainloop (variant cg_conv2d_nhwc_mainloop)", task.op->name));
-  const MatmulDims d = matmul_dims(program, t);
-  if (d.batches > 1) return refuse(fmt::format("it has {} groups (grouped convolutions run the direct form)", d.batches));
+  const MatmulDims d = matmul_dims(program, t);  // a product a group
   const DType dtype = program.buffers[size_t(task.find_tensor("x")->buffer)].dtype;
   const int64_t channels = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape.back();
   const int64_t chunk = dtype == DType::f32 ? 4 : 8;
   if (channels % chunk != 0 && (dtype != DType::f32 || options.allow_tf32))
-    return refuse(fmt::format("its {} input channels are not a multiple of {} (16 bytes), which the patches' copies "
-                              "need",
-                              channels, chunk));
+    return refuse(fmt::format("its {} input channels{} are not a multiple of {} (16 bytes), which the patches' "
+                              "copies need",
+                              channels, d.batches > 1 ? " a group" : "", chunk));
   m.pipelined = pipelined_gemm_tile(dtype, program.buffers[size_t(task.find_tensor("weight")->buffer)].dtype, d.M, d.N,
-                                    d.K, false, true, 1, options.target, &m.why_not_pipelined, options.allow_tf32);
+                                    d.K, false, true, d.batches, options.target, &m.why_not_pipelined,
+                                    options.allow_tf32);
   if (m.pipelined) m.why_not_pipelined.clear();
   return m;
 }

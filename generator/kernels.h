@@ -404,10 +404,10 @@ struct GemmOptions {
 // megakernel, a prologue computing an operand).
 GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused = {});
 // The same for conv2d_nhwc task `t` (templates/vision.cuh), whose implicit
-// GEMM (matmul_dims) runs the pipelined mainloop with its patches copied as
-// an operand: 16-bit operands (f32 ones with TF32 allowed), one group, the
-// group's channels whole 16-byte chunks; otherwise the direct form, and
-// `why_not_pipelined` says why.
+// GEMM (matmul_dims: a product a group) runs the pipelined mainloop with
+// its patches copied as an operand: 16-bit operands (f32 ones with TF32
+// allowed), each group's input channels whole 16-byte chunks; otherwise the
+// direct form, and `why_not_pipelined` says why.
 GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOptions& options,
                                    const std::string& refused = {});
 

@@ -448,9 +448,11 @@ const std::vector<NhwcConv>& nhwc_convs() {
       {"strided", 1, 11, 10, 8, 24, 3, 2, 2, 2, 1, "implicit GEMM"},     // stride 2, dilation 2
       {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "implicit GEMM"},    // 1x1
       {"deep", 1, 3, 4, 256, 64, 3, 1, 1, 1, 1, "split-K"},              // 12 rows over 72 k-tiles
-      {"stem", 1, 9, 9, 3, 16, 7, 2, 3, 1, 1, "input channels are not a multiple of"},  // 3 channels
-      {"grouped", 1, 6, 7, 16, 8, 3, 1, 1, 1, 2, "2 groups"},
-      {"depthwise", 2, 6, 5, 12, 12, 3, 2, 1, 1, 12, "12 groups"},
+      {"stem", 1, 9, 9, 3, 16, 7, 2, 3, 1, 1, "3 input channels are not a multiple of"},  // 3 channels
+      {"grouped", 1, 6, 7, 16, 8, 3, 1, 1, 1, 2, "implicit GEMM"},        // a product a group, 4 columns each
+      {"grouped_wide", 2, 5, 6, 32, 32, 3, 1, 1, 1, 2, "implicit GEMM"},  // 16 columns a group: 16-byte stores
+      {"deep_grouped", 1, 3, 4, 512, 64, 3, 1, 1, 1, 4, "split-K"},       // 4 groups, each split over K
+      {"depthwise", 2, 6, 5, 12, 12, 3, 2, 1, 1, 12, "1 input channels a group are not a multiple of"},
   };
   return convs;
 }
@@ -522,9 +524,9 @@ TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
     ASSERT_NE(k, c.emitted.tile_kernels.end()) << conv.id;
     const bool gemm = conv.form == "implicit GEMM" || conv.form == "split-K";
     // (f32 without TF32: no tensor cores, whatever the channels; a megakernel: no mainloop.)
-    const std::string expected = megakernel                                  ? "a megakernel's tiles share one block size"
-                                 : !tensor_cores && (gemm || conv.id == "stem") ? "stays off tensor cores"
-                                                                                : conv.form;
+    const std::string expected = megakernel      ? "a megakernel's tiles share one block size"
+                                 : !tensor_cores ? "stays off tensor cores"
+                                                 : conv.form;
     EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << conv.id << ": " << k->matmul_path;
     EXPECT_EQ(k->matmul_path.find("implicit GEMM") != std::string::npos, tensor_cores && gemm && !megakernel)
         << k->matmul_path;

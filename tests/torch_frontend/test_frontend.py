@@ -380,6 +380,28 @@ class Models(Exported):
         error, scale = float((got.double() - want).abs().max()), float(want.abs().max())
         self.assertLessEqual(error, 0.02 * scale, f"max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
 
+    def test_grouped_convolutions_in_bfloat16_run_channels_last(self):
+        """Grouped convolutions of 8 or more channels a group run conv2d_nhwc
+        (a product a group); a depthwise one keeps conv2d, between permutes."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1, groups=2), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(32, 32, 3, padding=1, groups=32), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(32, 16, 1, groups=4)).to(torch.bfloat16).eval()
+        x = torch.randn(2, 16, 6, 7).to(torch.bfloat16)  # (PyTorch 1.13 has no f16 convolution on the CPU)
+        model_dir, outputs = os.path.join(self.dir, "model"), os.path.join(self.dir, "outputs")
+        result = cudagen_torch.export(model, (x,), model_dir)
+        tasks = json.loads(read(result.graph_path))["tasks"]
+        groups = sorted(t.get("args", {}).get("groups", 1) for t in tasks if t["op"] == "conv2d_nhwc")
+        self.assertEqual(groups, [2, 4], [t["op"] for t in tasks])
+        self.assertEqual([t["args"]["groups"] for t in tasks if t["op"] == "conv2d"], [32])
+        self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs", os.path.join(model_dir, "example"),
+                         "--outputs", outputs)
+        got = cudagen_torch.from_numpy(np.load(os.path.join(outputs, result.outputs[0] + ".npy")), torch.bfloat16).double()
+        want = model.double()(x.double()).detach()
+        error, scale = float((got - want).abs().max()), float(want.abs().max())
+        self.assertLessEqual(error, 0.02 * scale, f"max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
+
     @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
     @unittest.skipUnless(CUOBJDUMP, "no cuobjdump: configure with the SASS part (scripts/dev.sh installs "
                          "nvidia-cuda-cuobjdump)")

@@ -28,9 +28,9 @@ the same values (up to the rounding of one multiplication):
   which the attention kernels take without the copies (the output seen back
   as `[..., H, T, D]`);
 - `channels_last` (inference exports only: `conv2d_nhwc` has no gradient
-  yet): a 16-bit `conv2d` of one group whose input channels are whole
-  16-byte chunks (8), or fewer (a network's first layer, its channels then
-  zero-padded to 8, its weight's too), becomes a permute to NHWC, `conv2d_nhwc` (its weight's
+  yet): a 16-bit `conv2d` whose input channels a group are whole 16-byte
+  chunks (8), or of one group and fewer (a network's first layer, its
+  channels then zero-padded to 8, its weight's too), becomes a permute to NHWC, `conv2d_nhwc` (its weight's
   array permuted to `[O, KH, KW, C]`, `<name>.nhwc`), its bias as an `add`
   (which fuses into the convolution's epilogue) and a permute back to NCHW:
   the convolution runs on tensor cores (docs/gemm.md);
@@ -382,17 +382,19 @@ class _Graph:
     def one_conv_channels_last(self, conv):
         x, w, out = conv["tensors"]["x"], conv["tensors"]["weight"], conv["tensors"]["out"]
         bias = conv["tensors"].get("bias")
-        if out["dtype"] not in ("f16", "bf16") or conv.get("args", {}).get("groups", 1) != 1:
+        groups = conv.get("args", {}).get("groups", 1)
+        if out["dtype"] not in ("f16", "bf16"):
             return False
         if any(s is not None and ("data" not in s or s["name"] not in self.arrays) for s in (w, bias)):
             return False  # weights computed by another task: keep NCHW
         if sum(v.get("name") == w["name"] for t in self.tasks for v in t["tensors"].values()) > 1:
             return False  # one weight array shared by several slots: keep NCHW
         B, C, H, W = self.shape_of(x)
-        # 16-byte chunks of channels: a network's first layer (3 channels) is
-        # zero-padded to 8, the rest must have whole chunks.
-        channels = 8 if C < 8 else C
-        if channels % 8 != 0:
+        # 16-byte chunks of channels a group: a network's first layer (3
+        # channels) is zero-padded to 8, the rest must have whole chunks
+        # (depthwise convolutions keep NCHW).
+        channels = 8 if C < 8 and groups == 1 else C
+        if (channels // groups) % 8 != 0:
             return False
         _, O, OH, OW = out["shape"]
         cid, phase, dtype = conv["id"], conv["phase"], out["dtype"]
@@ -419,7 +421,7 @@ class _Graph:
         self.repoint(f"{cid}.out", f"{to_nchw['id']}.out")
         name = w["name"] + ".nhwc"
         weight = self.arrays.pop(w["name"]).transpose(0, 2, 3, 1)
-        padded = np.zeros(weight.shape[:3] + (channels,), weight.dtype)  # (0 is 0.0 in bf16's bits too)
+        padded = np.zeros(weight.shape[:3] + (channels // groups,), weight.dtype)  # (0 is 0.0 in bf16's bits too)
         padded[..., :C] = weight
         self.arrays[name] = padded
         conv["op"] = "conv2d_nhwc"
