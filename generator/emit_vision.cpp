@@ -80,13 +80,24 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
   const int64_t K = g->KH * g->KW * g->CG, M = g->B * g->OH * g->OW;
   if (gemm.pipelined) {
     const GemmTile& tile = *gemm.pipelined;
-    entry_function_ = "cg_conv2d_nhwc_mainloop";
+    // A 1 x 1 convolution of stride 1 without padding reads x as it is: a
+    // plain GEMM of the [M, C] pixels, its A copied as a matrix.
+    const bool pointwise = g->KH == 1 && g->KW == 1 && arg_int(t, "stride_h", 1) == 1 &&
+                           arg_int(t, "stride_w", 1) == 1 && arg_int(t, "padding_h", 0) == 0 &&
+                           arg_int(t, "padding_w", 0) == 0;
+    entry_function_ = pointwise ? "cg_gemm_mainloop" : "cg_conv2d_nhwc_mainloop";
     ek.matmul_path = fmt::format(
-        "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM, {} (rule {} of templates/gemm_tuning.json)",
-        tile.describe(), tile.rule + 1);
+        "the pipelined mainloop (templates/gemm.cuh) as {}, {} (rule {} of templates/gemm_tuning.json)",
+        pointwise ? "a plain GEMM (a 1 x 1 convolution)" : "an implicit GEMM", tile.describe(), tile.rule + 1);
     const std::string type = tile.tf32() ? "cg_tf32" : c_type(x.buffer->dtype);
     const bool grouped = g->groups > 1;
     const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+      if (pointwise)
+        return fmt::format(
+            "  cg_gemm_mainloop<cg_config, {0}, true, true>(cg_acc, (const {0}*)x{1}, {2}, (const {0}*)weight{3}, {4},\n"
+            "                                             {5}, {6}, {7}, {8}, tile.y, tile.x, ({0}*)cg_smem);\n",
+            type, grouped ? fmt::format(" + z * {}", g->CG) : "", g->C, grouped ? fmt::format(" + z * {}", g->OG * K) : "",
+            K, M, g->OG, k_begin, k_end);
       return g->code + fmt::format(
                            "  cg_conv2d_nhwc_mainloop<cg_config, {0}>(cg_acc, (const {0}*)x{5}, (const {0}*)weight{6}, g, "
                            "{1}, {2}, {3}, {4},\n"

@@ -446,7 +446,8 @@ const std::vector<NhwcConv>& nhwc_convs() {
   static const std::vector<NhwcConv> convs = {
       {"c3x3", 2, 7, 8, 16, 40, 3, 1, 1, 1, 1, "implicit GEMM"},         // 112 x 40 over 4.5 k-tiles
       {"strided", 1, 11, 10, 8, 24, 3, 2, 2, 2, 1, "implicit GEMM"},     // stride 2, dilation 2
-      {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "implicit GEMM"},    // 1x1
+      {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "plain GEMM"},       // 1x1: x read as a matrix
+      {"pointwise_strided", 1, 7, 8, 16, 24, 1, 2, 0, 1, 1, "implicit GEMM"},  // 1x1 of stride 2
       {"deep", 1, 3, 4, 256, 64, 3, 1, 1, 1, 1, "split-K"},              // 12 rows over 72 k-tiles
       {"stem", 1, 9, 9, 3, 16, 7, 2, 3, 1, 1, "3 input channels are not a multiple of"},  // 3 channels
       {"grouped", 1, 6, 7, 16, 8, 3, 1, 1, 1, 2, "implicit GEMM"},        // a product a group, 4 columns each
@@ -522,13 +523,13 @@ TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
     const auto k = std::find_if(c.emitted.tile_kernels.begin(), c.emitted.tile_kernels.end(),
                                 [&](const EmittedKernel& e) { return e.name.ends_with("_" + conv.id); });
     ASSERT_NE(k, c.emitted.tile_kernels.end()) << conv.id;
-    const bool gemm = conv.form == "implicit GEMM" || conv.form == "split-K";
+    const bool gemm = conv.form == "implicit GEMM" || conv.form == "split-K" || conv.form == "plain GEMM";
     // (f32 without TF32: no tensor cores, whatever the channels; a megakernel: no mainloop.)
     const std::string expected = megakernel      ? "a megakernel's tiles share one block size"
                                  : !tensor_cores ? "stays off tensor cores"
                                                  : conv.form;
     EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << conv.id << ": " << k->matmul_path;
-    EXPECT_EQ(k->matmul_path.find("implicit GEMM") != std::string::npos, tensor_cores && gemm && !megakernel)
+    EXPECT_EQ(k->matmul_path.find(" GEMM") != std::string::npos, tensor_cores && gemm && !megakernel)
         << k->matmul_path;
   }
   if (megakernel) EXPECT_EQ(c.emitted.cuda_source.find("cg_conv2d_nhwc_mainloop<"), std::string::npos);

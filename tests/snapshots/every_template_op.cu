@@ -2069,7 +2069,7 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
-// templates/vision.cuh:231
+// templates/vision.cuh:232
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2104,7 +2104,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:273
+// templates/vision.cuh:274
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2121,7 +2121,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:291
+// templates/vision.cuh:292
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2143,7 +2143,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:308
+// templates/vision.cuh:309
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2160,7 +2160,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:326
+// templates/vision.cuh:327
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2172,14 +2172,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:336
+// templates/vision.cuh:337
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:344
+// templates/vision.cuh:345
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2199,7 +2199,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:362
+// templates/vision.cuh:363
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2208,7 +2208,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:388
+// templates/vision.cuh:389
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2218,7 +2218,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:414
+// templates/vision.cuh:415
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2242,7 +2242,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:453
+// templates/vision.cuh:454
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2256,7 +2256,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:467
+// templates/vision.cuh:468
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2266,7 +2266,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:485
+// templates/vision.cuh:486
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2277,7 +2277,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:510
+// templates/vision.cuh:511
 // The input element max pooling's window (oh, ow) chose, as an offset in its
 // plane (h * W + w): the first largest, a NaN the last (cg_max_pool2d's
 // order); -1 for a window of padding alone.
@@ -2301,7 +2301,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_
   return choice;
 }
 
-// templates/vision.cuh:531
+// templates/vision.cuh:532
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2322,7 +2322,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return sum;
 }
 
-// templates/vision.cuh:571
+// templates/vision.cuh:572
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2351,7 +2351,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return sum;
 }
 
-// templates/vision.cuh:614
+// templates/vision.cuh:615
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2371,7 +2371,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return sum;
 }
 
-// templates/vision.cuh:649
+// templates/vision.cuh:650
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2386,7 +2386,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:652
+// templates/vision.cuh:653
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2404,13 +2404,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:687
+// templates/vision.cuh:688
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:695
+// templates/vision.cuh:696
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2432,7 +2432,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:731
+// templates/vision.cuh:732
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where
