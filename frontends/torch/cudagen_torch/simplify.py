@@ -461,17 +461,12 @@ class _Graph:
                 sources.append({"from": f"{back['id']}.out"})
             if len(sources) != len(slots):
                 continue
-            after = {"id": self.fresh_id(t["id"] + "_permuted"), "op": "permute", "phase": t["phase"],
-                     "tensors": {"x": {"from": f"{t['id']}.out"}, "out": dict(t["tensors"]["out"])},
-                     "args": {"dims": list(dims)}}
-            self.repoint(f"{t['id']}.out", f"{after['id']}.out")
             for s, source in zip(slots, sources):
                 t["tensors"][s] = source
             for p in moved:
                 if p in self.tasks and not self.readers(f"{p['id']}.out"):
                     self.tasks.remove(p)
-            t["tensors"]["out"] = {"dtype": t["tensors"]["out"]["dtype"], "shape": list(shape)}
-            self.tasks.insert(self.tasks.index(t) + 1, after)
+            self.permute_after(t, dims, shape)
             return True
         return False
 
@@ -486,15 +481,10 @@ class _Graph:
                     "from" not in p["tensors"]["x"] or self.only_reader(p, "out") is not t):
                 continue
             B, C, OH, OW = t["tensors"]["out"]["shape"]
-            after = {"id": self.fresh_id(t["id"] + "_permuted"), "op": "permute", "phase": t["phase"],
-                     "tensors": {"x": {"from": f"{t['id']}.out"}, "out": dict(t["tensors"]["out"])},
-                     "args": {"dims": self._TO_NCHW}}
-            self.repoint(f"{t['id']}.out", f"{after['id']}.out")
             t["op"] += "_nhwc"
-            t["tensors"] = {"x": dict(p["tensors"]["x"]), "out": {"dtype": t["tensors"]["out"]["dtype"],
-                                                                  "shape": [B, OH, OW, C]}}
+            t["tensors"]["x"] = dict(p["tensors"]["x"])
             self.tasks.remove(p)
-            self.tasks.insert(self.tasks.index(t) + 1, after)
+            self.permute_after(t, self._TO_NCHW, [B, OH, OW, C])
             return True
         return False
 
@@ -512,6 +502,16 @@ class _Graph:
                 del t["args"]
                 return True
         return False
+
+    def permute_after(self, t, dims, shape):
+        """t's result becomes `shape`, and a permute by `dims` after it gives
+        its readers (and the graph, where it is an output) what t gave."""
+        after = {"id": self.fresh_id(t["id"] + "_permuted"), "op": "permute", "phase": t["phase"],
+                 "tensors": {"x": {"from": f"{t['id']}.out"}, "out": dict(t["tensors"]["out"])},
+                 "args": {"dims": list(dims)}}
+        self.repoint(f"{t['id']}.out", f"{after['id']}.out")
+        t["tensors"]["out"] = {"dtype": t["tensors"]["out"]["dtype"], "shape": list(shape)}
+        self.tasks.insert(self.tasks.index(t) + 1, after)
 
     def permute_of(self, slot, dims):
         """A task that permutes the tensor `slot` reads by `dims`, or None."""
