@@ -517,12 +517,19 @@ class Training(Exported):
             ulp = float(np.spacing(np.float32(np.abs(want).max())))
             self.assertLessEqual(error, update_rtol * scale + ulp,
                                  f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
-        # The running statistics a train-mode BatchNorm moved, step by step.
+        # The running statistics a train-mode BatchNorm moved, step by step: within 1e-4 of
+        # the buffer's largest element, as the updates are. (Element by element, a channel's
+        # mean near 0 is a sum of 2 x 32 x 32 f32 values that cancel, which an atol cannot
+        # bound: on an H200 an element missed rtol 1e-4 with atol 1e-6, bench/RESULTS.md.)
         for name, buffer in model.named_buffers() if train_mode else ():
             if name.endswith(("running_mean", "running_var")):
                 got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
-                np.testing.assert_allclose(got, buffer.double().numpy(), rtol=1e-4, atol=1e-6,
-                                           err_msg=f"{name} after {steps} steps (seed {seed})")
+                want = buffer.double().numpy()
+                scale = float(np.abs(want).max())
+                worst = int(np.abs(got - want).argmax())
+                self.assertLessEqual(abs(got.flat[worst] - want.flat[worst]), 1e-4 * scale,
+                                     f"{name} after {steps} steps: element {worst} is {got.flat[worst]:.7g}, PyTorch's "
+                                     f"{want.flat[worst]:.7g} (largest {scale:.3g}; seed {seed})")
         return stdout
 
     def test_slices_train(self):
