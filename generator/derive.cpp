@@ -223,14 +223,23 @@ class Deriver {
     }
     if (!reaches_loss || !needs) return;
     // A slot updated in place holds its new value when backward runs: only
-    // a linked backward op that does not read it (a BatchNorm's running
+    // linked backward ops that do not read it (a BatchNorm's running
     // statistics) may follow.
-    const OpSignature* linked = bt.op->backward.empty() ? nullptr : p_.registry.find(bt.op->backward);
-    for (const auto& b : bt.tensors)
-      if (b.sig->writes && (linked == nullptr || linked->find_tensor(b.name) != nullptr))
+    for (const auto& b : bt.tensors) {
+      if (!b.sig->writes) continue;
+      bool read_later = bt.op->backward.empty();
+      for (const auto& name : bt.op->backward) {
+        const OpSignature* linked = p_.registry.find(name);
+        read_later = read_later || linked == nullptr || linked->find_tensor(b.name) != nullptr;
+      }
+      if (read_later)
         fail(t, b.name, fmt::format("op '{}' updates '{}' in place, so its input is gone when backward runs",
                                     bt.op->name, b.name));
-    if (!bt.op->backward.empty()) return linked_backward(t);
+    }
+    if (!bt.op->backward.empty()) {
+      for (const auto& name : bt.op->backward) linked_backward(t, name);
+      return;
+    }
     const std::string& op = bt.op->name;
     if (op == "matmul") return matmul(t);
     if (op == "add" || op == "sub" || op == "mul" || op == "div") return arithmetic(t);
@@ -252,11 +261,23 @@ class Deriver {
   const BufferInfo& info(const BoundTensor& b) const { return p_.buffers[size_t(b.buffer)]; }
   bool needs(const BoundTensor& b) const { return requires_grad_.count(b.buffer) > 0; }
 
-  // The op its template links, slots bound by name (see derive.h).
-  void linked_backward(int t) {
+  // An op its template links, slots bound by name (see derive.h); none where
+  // it computes no gradient that is needed (of several linked ops, a
+  // convolution's data gradient where x needs none).
+  void linked_backward(int t, const std::string& name) {
     const BoundTask& bt = p_.tasks[size_t(t)];
-    const OpSignature* bw = p_.registry.find(bt.op->backward);
-    if (bw == nullptr) fail(t, "", fmt::format("op '{}' links backward op '{}', which the registry lacks", bt.op->name, bt.op->backward));
+    const OpSignature* bw = p_.registry.find(name);
+    if (bw == nullptr) fail(t, "", fmt::format("op '{}' links backward op '{}', which the registry lacks", bt.op->name, name));
+    const bool one_of_several = bt.op->backward.size() > 1;
+    if (one_of_several) {
+      bool computes_a_needed_gradient = false;
+      for (const auto& sig : bw->tensors)
+        if (const BoundTensor* of = sig.written() && sig.name.size() > 1 && sig.name[0] == 'd'
+                                        ? bt.find_tensor(sig.name.substr(1))
+                                        : nullptr)
+          computes_a_needed_gradient = computes_a_needed_gradient || needs(*of);
+      if (!computes_a_needed_gradient) return;
+    }
     std::vector<std::pair<std::string, SlotRef>> inputs;
     std::vector<Output> outputs;
     std::vector<std::pair<int, std::string>> produced;  // forward buffer, backward slot
@@ -314,8 +335,13 @@ class Deriver {
         if (per_element != nullptr) args.emplace_back("scale", ArgValue(1.0 / double(numel(info(*per_element).shape))));
       }
     }
-    const std::string id = add_task(bt.task->id + "_backward", bw->name, Phase::backward, inputs, outputs, args);
-    for (const auto& [buffer, name] : produced) contribute(buffer, SlotRef{id, name});
+    // One of several: named by what its op adds to the forward op's name (conv1_backward_data).
+    const std::string& forward_op = bt.op->name;
+    const std::string suffix = !one_of_several ? "_backward"
+                               : bw->name.rfind(forward_op + "_", 0) == 0 ? bw->name.substr(forward_op.size())
+                                                                          : "_" + bw->name;
+    const std::string id = add_task(bt.task->id + suffix, bw->name, Phase::backward, inputs, outputs, args);
+    for (const auto& [buffer, slot] : produced) contribute(buffer, SlotRef{id, slot});
   }
 
   // out = alpha * op(a) @ op(b): da = alpha * dout @ op(b)^T, db = alpha * op(a)^T @ dout,

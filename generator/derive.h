@@ -7,7 +7,8 @@
 // weight to the loss contributes the gradients of its inputs, either through
 // the backward op its template links (`backward: relu_backward`, slots bound
 // by name: a forward slot's name, or `d` + a forward slot's name for its
-// gradient) or, for ops whose gradient is made of other ops (matmul,
+// gradient; several ops where the template links several, a task of each
+// whose gradients are needed: conv2d_nhwc's data and weight gradients) or, for ops whose gradient is made of other ops (matmul,
 // broadcasting arithmetic, views), through the rules in derive.cpp.
 // Gradients of a tensor used several times are summed; a gradient of a
 // broadcast operand is summed over the broadcast axes.

@@ -37,7 +37,7 @@ std::string ops_markdown(const OpRegistry& registry) {
       for (DType d : list) names.push_back(to_string(d));
       dtypes.push_back(fmt::format("{}: {}", var, fmt::join(names, ", ")));
     }
-    std::string backward = op.backward.empty() ? "-" : op.backward;
+    std::string backward = op.backward.empty() ? "-" : fmt::format("{}", fmt::join(op.backward, ", "));
     std::string source = op.source_file.empty() ? "-" : fmt::format("{} `{}`", op.source_file, op.source_function);
     out += fmt::format("| {} | {} | {} | {} | {} | {} | `{}` |\n", op.name, to_string(op.pattern),
                        fmt::join(dtypes, "; "), source, emitter_gap(op).empty() ? "yes" : "not yet", backward,

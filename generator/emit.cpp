@@ -381,6 +381,8 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
                      : op.pattern == PatternKind::matmul ? matmul(t, k.gemm, ps, ek)
                      // (an implicit GEMM: like a matmul, on the mainloop the fusion pass gave its kernel)
                      : is_op(op, BundledOp::conv2d_nhwc) ? conv2d_nhwc(t, k.gemm, ps, ek)
+                     : is_op(op, BundledOp::conv2d_nhwc_backward_data) ? conv2d_nhwc_backward_data(t, k.gemm, ps, ek)
+                     : is_op(op, BundledOp::conv2d_nhwc_backward_weight) ? conv2d_nhwc_backward_weight(t, k.gemm, ps, ek)
                                                          : (this->*named_skeleton(op.skeleton_name()))(t, ps, ek);
   epilogue_buffer_ = -1;
   epilogue_vector_width_ = 0;
@@ -506,7 +508,7 @@ using lowering::Emitter;
 
 std::string emitter_gap(const OpSignature& op) {
   if (op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast ||
-      op.pattern == PatternKind::matmul || is_op(op, BundledOp::conv2d_nhwc) ||
+      op.pattern == PatternKind::matmul || is_convolution_gemm(op) ||
       Emitter::named_skeleton(op.skeleton_name()) != nullptr) {
     // Another op's skeleton runs this op only where it calls the op's own
     // function; the others call the bundled template's by name.

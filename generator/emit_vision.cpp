@@ -105,13 +105,8 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
                            type, M, g->OG, k_begin, k_end, grouped ? fmt::format(" + z * {}", g->CG) : "",
                            grouped ? fmt::format(" + z * {}", g->OG * K) : "");
     };
-    // Grouped: a product a group (tile.z), its input channels, weights and output channels.
-    const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
-    const std::string bases =
-        grouped ? fmt::format("  const cg_i64 z = {}, out_base = z * {};  // group z\n", z, g->OG)
-        : tile.split_k > 1 ? "  // One product, its rows out's.\n  const cg_i64 z = 0, out_base = 0;\n"
-                           : "  const cg_i64 out_base = 0;  // one product, its rows out's\n";
-    return pipelined_gemm(t, out, tile, M, g->OG, K, g->groups, bases, mainloop, ek, g->O);
+    // Grouped: the group's output channels, columns of out's rows.
+    return pipelined_gemm(t, out, tile, M, g->OG, K, g->groups, group_bases(tile, grouped, g->OG), mainloop, ek, g->O);
   }
   ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
   const int64_t n = numel(so);
@@ -132,6 +127,128 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
              "  }}\n",
              n, g->O, g->OW, g->OH, g->H * g->W * g->C, g->OG, g->CG, K, load(weight, "w_base + k"),
              load(x, fmt::format("x_base + ((cg_i64)h * {} + w) * {} + c", g->W, g->C)), store(out, "i", "acc"));
+}
+
+// A convolution's implicit GEMMs are a product a group (tile.z, split-K's
+// parts within it): `z`, the group, where the kernel needs it, and
+// `out_base`, where the group's results start (group z times `per_group`).
+std::string Emitter::group_bases(const GemmTile& tile, bool grouped, int64_t per_group) {
+  const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+  return grouped ? fmt::format("  const cg_i64 z = {}, out_base = z * {};  // group z\n", z, per_group)
+         : tile.split_k > 1 ? "  // One product, its rows the output's.\n  const cg_i64 z = 0, out_base = 0;\n"
+                            : "  const cg_i64 out_base = 0;  // one product, its rows the output's\n";
+}
+
+// conv2d_nhwc_backward_data (templates/vision.cuh): dx as a transposed
+// convolution, on the pipelined mainloop where the fusion pass gave the
+// kernel one (dout's taps gathered into A, the weight read as B stored
+// K x N); else the direct form, an element of dx a thread, channels fastest.
+std::string Emitter::conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
+                                               EmittedKernel& ek) {
+  const Param& weight = param(ps, "weight");
+  const Param& dout = param(ps, "dout");
+  const Param& dx = param(ps, "dx");
+  const auto g = conv_geometry(t, dx.buffer->shape, weight.buffer->shape, dout.buffer->shape, true);
+  if (!g) return {};
+  const int64_t taps = g->KH * g->KW, M = g->B * g->H * g->W, K = taps * g->OG;
+  if (gemm.pipelined) {
+    const GemmTile& tile = *gemm.pipelined;
+    entry_function_ = "cg_conv2d_nhwc_backward_data_mainloop";
+    ek.matmul_path = fmt::format(
+        "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM (the data gradient), {} (rule {} of "
+        "templates/gemm_tuning.json)",
+        tile.describe(), tile.rule + 1);
+    const std::string type = tile.tf32() ? "cg_tf32" : c_type(dx.buffer->dtype);
+    const bool grouped = g->groups > 1;
+    const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+      return g->code + fmt::format(
+                           "  cg_conv2d_nhwc_backward_data_mainloop<cg_config, {0}>(cg_acc, (const {0}*)dout{1}, "
+                           "(const {0}*)weight{2}, g,\n"
+                           "                                                        {3}, {4}, {5}, {6}, tile.y, tile.x, "
+                           "({0}*)cg_smem);\n",
+                           type, grouped ? fmt::format(" + z * {}", g->OG) : "",
+                           grouped ? fmt::format(" + z * {}", g->OG * taps * g->CG) : "", M, g->CG, k_begin, k_end);
+    };
+    // Grouped: the group's input channels, columns of dx's rows.
+    return pipelined_gemm(t, dx, tile, M, g->CG, K, g->groups, group_bases(tile, grouped, g->CG), mainloop, ek, g->C);
+  }
+  ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
+  const int64_t n = numel(dx.buffer->shape);
+  ek.block = 256;
+  ek.grid[0] = grid_stride_blocks(n, ek.block);
+  ek.grid_stride = true;
+  return g->code +
+         fmt::format(
+             "  for (cg_i64 i = cg_global_thread(tile); i < {0}; i += cg_grid_threads(tile)) {{\n"
+             "    const cg_i64 c = i % {1}, pixel = i / {1}, group = c / {2};\n"
+             "    const int w = (int)(pixel % {3}), h = (int)(pixel / {3} % {4});\n"
+             "    const cg_i64 dout_base = pixel / ({3} * {4}) * {5} + group * {6}, w_base = group * {7} + c % {2};\n"
+             "    const float acc = cg_conv2d_nhwc_backward_data_direct(\n"
+             "        [&](int o, int tap) {{ return {8}; }},\n"
+             "        [&](int oh, int ow, int o) {{ return {9}; }},\n"
+             "        g, h, w);\n"
+             "    {10};\n"
+             "  }}\n",
+             n, g->C, g->CG, g->W, g->H, g->OH * g->OW * g->O, g->OG, g->OG * taps * g->CG,
+             load(weight, fmt::format("w_base + ((cg_i64)o * {} + tap) * {}", taps, g->CG)),
+             load(dout, fmt::format("dout_base + ((cg_i64)oh * {} + ow) * {} + o", g->OW, g->O)), store(dx, "i", "acc"));
+}
+
+// conv2d_nhwc_backward_weight (templates/vision.cuh): dweight over every
+// image's pixels, on the pipelined mainloop where the fusion pass gave the
+// kernel one (dout read as A stored K x M, the patches gathered into B),
+// split over k where its tiles are few; else the direct form, an element
+// of dweight a thread.
+std::string Emitter::conv2d_nhwc_backward_weight(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
+                                                 EmittedKernel& ek) {
+  const Param& x = param(ps, "x");
+  const Param& dout = param(ps, "dout");
+  const Param& dweight = param(ps, "dweight");
+  const auto g = conv_geometry(t, x.buffer->shape, dweight.buffer->shape, dout.buffer->shape, true);
+  if (!g) return {};
+  const int64_t taps = g->KH * g->KW, N = taps * g->CG, K = g->B * g->OH * g->OW;
+  if (gemm.pipelined) {
+    const GemmTile& tile = *gemm.pipelined;
+    entry_function_ = "cg_conv2d_nhwc_backward_weight_mainloop";
+    ek.matmul_path = fmt::format(
+        "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM (the weight gradient), {} (rule {} of "
+        "templates/gemm_tuning.json)",
+        tile.describe(), tile.rule + 1);
+    const std::string type = tile.tf32() ? "cg_tf32" : c_type(x.buffer->dtype);
+    const bool grouped = g->groups > 1;
+    const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+      return g->code + fmt::format(
+                           "  cg_conv2d_nhwc_backward_weight_mainloop<cg_config, {0}>(cg_acc, (const {0}*)dout{1}, "
+                           "(const {0}*)x{2}, g,\n"
+                           "                                                          {3}, {4}, {5}, {6}, tile.y, "
+                           "tile.x, ({0}*)cg_smem);\n",
+                           type, grouped ? fmt::format(" + z * {}", g->OG) : "",
+                           grouped ? fmt::format(" + z * {}", g->CG) : "", g->OG, N, k_begin, k_end);
+    };
+    // Grouped: the group's output channels, rows of dweight.
+    return pipelined_gemm(t, dweight, tile, g->OG, N, K, g->groups, group_bases(tile, grouped, g->OG * N), mainloop,
+                          ek);
+  }
+  ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
+  const int64_t n = numel(dweight.buffer->shape);
+  ek.block = 256;
+  ek.grid[0] = grid_stride_blocks(n, ek.block);
+  ek.grid_stride = true;
+  return g->code +
+         fmt::format(
+             "  for (cg_i64 i = cg_global_thread(tile); i < {0}; i += cg_grid_threads(tile)) {{\n"
+             "    const cg_i64 o = i / {1}, x_base = o / {2} * {3} + i % {3};\n"
+             "    const int tap = (int)(i / {3} % {4});\n"
+             "    const float acc = cg_conv2d_nhwc_backward_weight_direct(\n"
+             "        [&](int b, int oh, int ow) {{ return {5}; }},\n"
+             "        [&](int b, int h, int w) {{ return {6}; }},\n"
+             "        g, {7}, tap / {8}, tap % {8});\n"
+             "    {9};\n"
+             "  }}\n",
+             n, N, g->OG, g->CG, taps,
+             load(dout, fmt::format("(((cg_i64)b * {} + oh) * {} + ow) * {} + o", g->OH, g->OW, g->O)),
+             load(x, fmt::format("x_base + (((cg_i64)b * {} + h) * {} + w) * {}", g->H, g->W, g->C)), g->B, g->KW,
+             store(dweight, "i", "acc"));
 }
 
 // A pooling task's window (forward or gradient: x's and out's shapes, or

@@ -440,8 +440,12 @@ class Emitter {
     std::string code;  // `const cg_conv2d_geometry g = {...};`
   };
   std::optional<ConvGeometry> conv_geometry(int t, const Shape& sx, const Shape& sw, const Shape& so, bool nhwc = false);
+  static std::string group_bases(const GemmTile& tile, bool grouped, int64_t per_group);
   std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_nhwc_backward_weight(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
+                                          EmittedKernel& ek);
   std::string conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string pool_window(int t, const Shape& sx, const Shape& so);
   std::string pool2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);

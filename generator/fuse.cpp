@@ -501,10 +501,10 @@ class Fuser {
   }
   // The matmul mainloop settled kernel `k` runs (KernelGroup::gemm): a
   // matmul with at most an epilogue, reading its operands as stored.
-  // A convolution on channels-last tensors is such a matmul too (its
-  // implicit GEMM), with at most an epilogue.
+  // A convolution on channels-last tensors, or one of its gradients, is
+  // such a matmul too (its implicit GEMM), with at most an epilogue.
   GemmMainloop gemm_mainloop(const KernelGroup& k) const {
-    const bool convolution = is_op(p_.tasks[size_t(k.tasks.front())], BundledOp::conv2d_nhwc);
+    const bool convolution = is_convolution_gemm(p_.tasks[size_t(k.tasks.front())]);
     if (k.ir.mainloop != kir::Mainloop::gemm && !convolution) return {};
     const std::string refused = options_.megakernel  ? "a megakernel's tiles share one block size"
                                 : !k.prologue.empty() ? "a prologue computes its operand"

@@ -48,8 +48,15 @@ bool is_op(const OpSignature& op, BundledOp which) {
     case BundledOp::max_pool2d_backward: return op.name == "max_pool2d_backward";
     case BundledOp::slice_backward: return op.name == "slice_backward";
     case BundledOp::conv2d_nhwc: return op.name == "conv2d_nhwc";
+    case BundledOp::conv2d_nhwc_backward_data: return op.name == "conv2d_nhwc_backward_data";
+    case BundledOp::conv2d_nhwc_backward_weight: return op.name == "conv2d_nhwc_backward_weight";
   }
   return false;
+}
+
+bool is_convolution_gemm(const OpSignature& op) {
+  return is_op(op, BundledOp::conv2d_nhwc) || is_op(op, BundledOp::conv2d_nhwc_backward_data) ||
+         is_op(op, BundledOp::conv2d_nhwc_backward_weight);
 }
 
 std::vector<KernelGroup> one_kernel_per_task(const Program& program, const Schedule& schedule) {
@@ -593,16 +600,24 @@ GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int6
 
 MatmulDims matmul_dims(const Program& program, int t) {
   const BoundTask& task = program.tasks[size_t(t)];
-  if (is_op(task, BundledOp::conv2d_nhwc)) {  // one group's implicit GEMM (templates/vision.cuh)
-    const Shape& sw = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape;
-    const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
+  if (is_convolution_gemm(task)) {  // one group's implicit GEMM (templates/vision.cuh)
+    const Shape& sx = program.buffers[size_t(task.find_tensor("x")->buffer)].shape;  // [B, H, W, C]
+    const Shape& sw = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape;  // [O, KH, KW, CG]
     const int64_t groups = std::max<int64_t>(1, int64_t(number_value(root_arg(program, t, "groups").second, 1)));
+    const int64_t OG = sw[0] / groups, taps = sw[1] * sw[2], CG = sw[3];
     MatmulDims d;
-    d.M = so[0] * so[1] * so[2];
-    d.N = sw[0] / groups;
-    d.K = sw[1] * sw[2] * sw[3];
-    d.trans_b = true;  // the weight: N x K, K contiguous
     d.batches = groups;
+    if (is_op(task, BundledOp::conv2d_nhwc)) {
+      const Shape& so = program.buffers[size_t(task.find_tensor("out")->buffer)].shape;
+      d.M = so[0] * so[1] * so[2], d.N = OG, d.K = taps * CG;
+      d.trans_b = true;  // the weight: N x K, K contiguous
+    } else if (is_op(task, BundledOp::conv2d_nhwc_backward_data)) {
+      d.M = sx[0] * sx[1] * sx[2], d.N = CG, d.K = taps * OG;  // dx's pixels; the weight K x N
+    } else {
+      const Shape& sd = program.buffers[size_t(task.find_tensor("dout")->buffer)].shape;
+      d.M = OG, d.N = taps * CG, d.K = sd[0] * sd[1] * sd[2];  // over dout's pixels
+      d.trans_a = true;  // dout: K x M, output channels contiguous
+    }
     return d;
   }
   const Shape& sa = program.buffers[size_t(task.find_tensor("a")->buffer)].shape;
@@ -785,18 +800,35 @@ GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOpti
   };
   if (!refused.empty()) return refuse(refused);
   const BoundTask& task = program.tasks[size_t(t)];
-  if (task.op->closure_of("cg_conv2d_nhwc_mainloop") == nullptr)
-    return refuse(fmt::format("op '{}' has no pipelined mainloop (variant cg_conv2d_nhwc_mainloop)", task.op->name));
+  const bool forward = is_op(task, BundledOp::conv2d_nhwc);
+  const char* mainloop = forward ? "cg_conv2d_nhwc_mainloop"
+                         : is_op(task, BundledOp::conv2d_nhwc_backward_data) ? "cg_conv2d_nhwc_backward_data_mainloop"
+                                                                             : "cg_conv2d_nhwc_backward_weight_mainloop";
+  if (task.op->closure_of(mainloop) == nullptr)
+    return refuse(fmt::format("op '{}' has no pipelined mainloop (variant {})", task.op->name, mainloop));
   const MatmulDims d = matmul_dims(program, t);  // a product a group
   const DType dtype = program.buffers[size_t(task.find_tensor("x")->buffer)].dtype;
-  const int64_t channels = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape.back();
+  const Shape& sw = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape;
   const int64_t chunk = dtype == DType::f32 ? 4 : 8;
-  if (channels % chunk != 0 && (dtype != DType::f32 || options.allow_tf32))
-    return refuse(fmt::format("its {} input channels{} are not a multiple of {} (16 bytes), which the patches' "
-                              "copies need",
-                              channels, d.batches > 1 ? " a group" : "", chunk));
+  // The chunks run along the input channels (the forward's patches, both gradients' B) and the
+  // output channels (the gradients' reads of dout).
+  const int64_t input_channels = sw.back(), output_channels = sw[0] / d.batches;
+  const bool tensor_cores = dtype != DType::f32 || options.allow_tf32;
+  const char* group = d.batches > 1 ? " a group" : "";
+  if (input_channels % chunk != 0 && tensor_cores)
+    return refuse(fmt::format("its {} input channels{} are not a multiple of {} (16 bytes), which the {} copies need",
+                              input_channels, group, chunk, forward ? "patches'" : "operands'"));
+  if (!forward && output_channels % chunk != 0 && tensor_cores)
+    return refuse(fmt::format("its {} output channels{} are not a multiple of {} (16 bytes), which the copies of "
+                              "dout need",
+                              output_channels, group, chunk));
+  // The gathers index pixels and k in 32 bits (templates/vision.cuh).
+  if (std::max({d.M, d.N, d.K}) >= (int64_t(1) << 31))
+    return refuse(fmt::format("its implicit GEMM ({} x {} x {}) has a side of 2^31 or more, past the 32-bit index "
+                              "arithmetic of the gathered copies",
+                              d.M, d.N, d.K));
   m.pipelined = pipelined_gemm_tile(dtype, program.buffers[size_t(task.find_tensor("weight")->buffer)].dtype, d.M, d.N,
-                                    d.K, false, true, d.batches, options.target, &m.why_not_pipelined,
+                                    d.K, d.trans_a, d.trans_b, d.batches, options.target, &m.why_not_pipelined,
                                     options.allow_tf32);
   if (m.pipelined) m.why_not_pipelined.clear();
   return m;

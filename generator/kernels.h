@@ -149,9 +149,15 @@ enum class BundledOp {
   max_pool2d_backward,
   slice_backward,
   conv2d_nhwc,
+  conv2d_nhwc_backward_data,
+  conv2d_nhwc_backward_weight,
 };
 bool is_op(const OpSignature& op, BundledOp which);
 inline bool is_op(const BoundTask& task, BundledOp which) { return is_op(*task.op, which); }
+// conv2d_nhwc or one of its gradients: an implicit GEMM that the fusion pass
+// gives a matmul mainloop (conv_gemm_mainloop_of), with at most an epilogue.
+bool is_convolution_gemm(const OpSignature& op);
+inline bool is_convolution_gemm(const BoundTask& task) { return is_convolution_gemm(*task.op); }
 
 // Whether kernel `k`'s prologue is a norm (rule norm_prologue), rather than
 // an elementwise chain (rule elementwise_prologue) or nothing.
@@ -403,11 +409,13 @@ struct GemmOptions {
 // operands as stored; with `refused` not empty, none, for that reason (a
 // megakernel, a prologue computing an operand).
 GemmMainloop gemm_mainloop_of(const Program& program, int t, const GemmOptions& options, const std::string& refused = {});
-// The same for conv2d_nhwc task `t` (templates/vision.cuh), whose implicit
-// GEMM (matmul_dims: a product a group) runs the pipelined mainloop with
-// its patches copied as an operand: 16-bit operands (f32 ones with TF32
-// allowed), each group's input channels whole 16-byte chunks; otherwise the
-// direct form, and `why_not_pipelined` says why.
+// The same for conv2d_nhwc task `t` or one of its gradients
+// (templates/vision.cuh), whose implicit GEMM (matmul_dims: a product a
+// group) runs the pipelined mainloop with its gathered operands copied as
+// stored ones: 16-bit operands (f32 ones with TF32 allowed), each group's
+// channels whole 16-byte chunks (the input channels of the forward; input
+// and output channels of the gradients); otherwise the direct form, and
+// `why_not_pipelined` says why.
 GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOptions& options,
                                    const std::string& refused = {});
 

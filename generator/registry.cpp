@@ -1,5 +1,6 @@
 #include "registry.h"
 
+#include <algorithm>
 #include <set>
 
 #include <fmt/format.h>
@@ -65,6 +66,19 @@ const ArgSignature* OpSignature::find_arg(std::string_view n) const {
 const OpSignature* OpRegistry::find(std::string_view name) const {
   auto it = index_.find(std::string(name));
   return it == index_.end() ? nullptr : &ops_[it->second];
+}
+
+std::vector<std::string> split_op_names(std::string_view text) {
+  std::vector<std::string> names;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t begin = text.find_first_not_of(' ', at);
+    if (begin == std::string_view::npos) break;
+    const size_t end = std::min(text.find(' ', begin), text.size());
+    names.emplace_back(text.substr(begin, end - begin));
+    at = end;
+  }
+  return names;
 }
 
 std::vector<std::string> OpRegistry::names() const {
@@ -168,7 +182,7 @@ class RegistryReader {
       fail(v, path + "/pattern", fmt::format("unknown pattern kind \"{}\"", pattern), op.name);
     }
     op.doc = string_field(v, "doc", path, op.name, false);
-    op.backward = string_field(v, "backward", path, op.name, false);
+    op.backward = split_op_names(string_field(v, "backward", path, op.name, false));
     op.forward = string_field(v, "forward", path, op.name, false);
     op.init = string_field(v, "init", path, op.name, false);
     op.smem = string_field(v, "smem", path, op.name, false);
@@ -442,13 +456,12 @@ OpRegistry OpRegistry::from_json(std::string_view text, const std::string& origi
       diags.add(Diagnostic{{}, {}, fmt::format("/ops/{}", i), {}, {}, fmt::format("duplicate op '{}'", reg.ops_[i].name), {}});
   }
   for (const auto& op : reg.ops_) {
-    for (const auto& [kind, link] : {std::pair<const char*, const std::string*>{"backward", &op.backward},
-                                     {"forward", &op.forward},
-                                     {"init", &op.init},
-                                     {"inverse", &op.inverse}}) {
-      if (!link->empty() && reg.find(*link) == nullptr)
+    std::vector<std::pair<const char*, std::string>> links = {{"forward", op.forward}, {"init", op.init}, {"inverse", op.inverse}};
+    for (const auto& name : op.backward) links.emplace_back("backward", name);
+    for (const auto& [kind, link] : links) {
+      if (!link.empty() && reg.find(link) == nullptr)
         diags.add(Diagnostic{{}, {}, {}, {}, {},
-                             fmt::format("op '{}': {} op '{}' is not in the registry", op.name, kind, *link), {}});
+                             fmt::format("op '{}': {} op '{}' is not in the registry", op.name, kind, link), {}});
     }
   }
   if (!diags.ok()) throw CompileError(std::move(diags));

@@ -53,7 +53,9 @@ struct OpSignature {
   // {output, input}: the output is the input's storage under another shape;
   // the op needs no kernel. Empty for every other op.
   std::pair<std::string, std::string> view;
-  std::string backward;  // op name of its backward, if differentiable
+  // The ops of its backward, if differentiable: one, or several that each
+  // compute some of its gradients (conv2d_nhwc's data and weight gradients).
+  std::vector<std::string> backward;
   std::string forward;   // for a backward op: the op whose gradients it computes
   std::string init;      // an op that initialises this op's persistent state, if it has any
   // Fusion facts (docs/registry-format.md): what the fusion pass and the
@@ -149,6 +151,9 @@ class OpRegistry {
 
 // The registry text of the ops bundled with cudagen.
 std::string_view builtin_registry_json();
+
+// The op names of a registry entry's `backward` (one or more, separated by spaces).
+std::vector<std::string> split_op_names(std::string_view text);
 
 // The bundled ops, parsed.
 OpRegistry builtin_registry();

@@ -113,7 +113,8 @@ class Evaluator {
     if (op == "adaptive_avg_pool2d" || op == "adaptive_avg_pool2d_nhwc")
       return adaptive_avg_pool2d(bt, op == "adaptive_avg_pool2d_nhwc");
     if (op == "max_pool2d_nhwc") return pool2d(bt, true, true);
-    if (op == "conv2d_backward") return conv2d_backward(bt);
+    if (op == "conv2d_backward") return conv2d_backward(bt, false);
+    if (op == "conv2d_nhwc_backward_data" || op == "conv2d_nhwc_backward_weight") return conv2d_backward(bt, true);
     if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
     if (op == "adaptive_avg_pool2d_backward") return adaptive_avg_pool2d_backward(bt);
     if (op == "batchnorm2d") return batchnorm2d(bt);
@@ -887,12 +888,15 @@ class Evaluator {
 
   // conv2d's gradients by the definition: every (output, tap) pair that the
   // forward sums adds its product to dx, dweight and dbias; each error scale
-  // is the same sum over absolute values.
-  void conv2d_backward(const BoundTask& bt) {
+  // is the same sum over absolute values. nhwc: conv2d_nhwc's layouts (its
+  // gradients are two ops, dx and dweight, each computed where bound).
+  void conv2d_backward(const BoundTask& bt, bool nhwc) {
     const int x = buf(bt, "x"), w = buf(bt, "weight"), d = buf(bt, "dout");
     const BoundTensor *dx = bt.find_tensor("dx"), *dw = bt.find_tensor("dweight"), *db = bt.find_tensor("dbias");
     const Shape &sx = shape(x), &sw = shape(w), &sd = shape(d);
-    const int64_t B = sx[0], C = sx[1], H = sx[2], W = sx[3], O = sw[0], KH = sw[2], KW = sw[3], OH = sd[2], OW = sd[3];
+    const int64_t B = sx[0], C = nhwc ? sx[3] : sx[1], H = nhwc ? sx[1] : sx[2], W = nhwc ? sx[2] : sx[3], O = sw[0],
+                  KH = nhwc ? sw[1] : sw[2], KW = nhwc ? sw[2] : sw[3], OH = nhwc ? sd[1] : sd[2],
+                  OW = nhwc ? sd[2] : sd[3];
     const int64_t groups = arg_int(bt, "groups", 1), OG = O / groups, CG = C / groups;
     const int64_t sh = arg_int(bt, "stride_h", 1), sw_ = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0),
                   pw = arg_int(bt, "padding_w", 0), dh = arg_int(bt, "dilation_h", 1), dw_ = arg_int(bt, "dilation_w", 1);
@@ -904,7 +908,7 @@ class Evaluator {
       for (int64_t oc = 0; oc < O; ++oc)
         for (int64_t oh = 0; oh < OH; ++oh)
           for (int64_t ow = 0; ow < OW; ++ow) {
-            const size_t io = size_t(((b * O + oc) * OH + oh) * OW + ow);
+            const size_t io = size_t(nhwc ? ((b * OH + oh) * OW + ow) * O + oc : ((b * O + oc) * OH + oh) * OW + ow);
             gb[size_t(oc)] += dv[io];
             gba[size_t(oc)] += da[io];
             const int64_t g = oc / OG;
@@ -913,8 +917,9 @@ class Evaluator {
                 for (int64_t j = 0; j < KW; ++j) {
                   const int64_t h = oh * sh - ph + i * dh, ww = ow * sw_ - pw + j * dw_;
                   if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
-                  const size_t ix = size_t(((b * C + g * CG + c) * H + h) * W + ww);
-                  const size_t iw = size_t(((oc * CG + c) * KH + i) * KW + j);
+                  const size_t ix = size_t(nhwc ? ((b * H + h) * W + ww) * C + g * CG + c
+                                                : ((b * C + g * CG + c) * H + h) * W + ww);
+                  const size_t iw = size_t(nhwc ? ((oc * KH + i) * KW + j) * CG + c : ((oc * CG + c) * KH + i) * KW + j);
                   gx[ix] += dv[io] * wv[iw];
                   gxa[ix] += da[io] * wa[iw];
                   gw[iw] += dv[io] * xv[ix];

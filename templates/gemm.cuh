@@ -487,6 +487,53 @@ struct cg_gemm_accumulators {
   float v[Config::MI][Config::NI][4];
 };
 
+// A copier of cg_gemm_mainloop_with for an operand that no matrix holds and
+// whose addresses no per-tile set-up makes cheap (a convolution's gradients,
+// templates/vision.cuh): chunk (mn, k) of the tile, 16 bytes along k
+// (K_CONTIGUOUS) or along mn, comes from source.at(mn, k), a pointer to its
+// first element, or nullptr where it is zeros; past mn_extent and past k_end
+// it is zeros without asking (each extent a whole number of chunks along its
+// contiguous axis). The chunks lie as cg_gemm_operand's copier lays them:
+// the same tile, read by the same fragments.
+template <int MN, int BK, bool K_CONTIGUOUS, typename T, int THREADS, typename Source>
+struct cg_gemm_gather {
+  typedef typename cg_gemm_operand<MN, BK, K_CONTIGUOUS, T>::tile tile;
+  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks, rows = K_CONTIGUOUS ? MN : BK;
+  static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
+  static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
+                "every thread copies the same number of chunks, in one column");
+  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  Source source;
+  const T* base;                  // a valid address to copy nothing from
+  cg_i64 mn_first, k_first;       // this thread's first chunk at k-tile 0
+  cg_i64 mn_extent, k_end;
+  int smem_offset;                // of its first chunk in a stage's tile
+
+  CG_DEVICE cg_gemm_gather(const Source& source_, const T* base_, cg_i64 mn0, cg_i64 mn_extent_, cg_i64 k_begin,
+                           cg_i64 k_end_)
+      : source(source_), base(base_), mn_extent(mn_extent_), k_end(k_end_) {
+    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    mn_first = mn0 + (K_CONTIGUOUS ? row : col);
+    k_first = k_begin + (K_CONTIGUOUS ? col : row);
+    smem_offset = tile::offset(row, col);
+  }
+
+  // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
+  CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const cg_i64 mn = mn_first + (K_CONTIGUOUS ? (cg_i64)i * row_stride : 0);
+      const cg_i64 k = k_first + kt * BK + (K_CONTIGUOUS ? 0 : (cg_i64)i * row_stride);
+      const T* from = mn < mn_extent && k < k_end ? source.at(mn, k) : nullptr;
+      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
+                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
+                                                ((int)threadIdx.x % chunks) * CHUNK);
+      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), from != nullptr ? from : base,
+                        from != nullptr ? 16 : 0);
+    }
+  }
+};
+
 // Shared memory of the mainloop and of the staged results after it
 // (cg_gemm_each_coalesced), in bytes: STAGES k-tiles of both operands (of
 // type T), or a [BM][BN + 4] float tile where that is more.

@@ -194,6 +194,7 @@ CG_OP("conv2d_nhwc",
       "variant: cg_gemm_each_coalesced",
       "variant: cg_gemm_each_coalesced_vector",
       "variant: cg_gemm_split_k",
+      "backward: conv2d_nhwc_backward_data conv2d_nhwc_backward_weight",
       "flops: 2 * numel(out) * CG * KH * KW",
       "doc: torch.nn.functional.conv2d on channels-last tensors (x NHWC, weight [O, KH, KW, CG], out NHWC; stride, padding, dilation, groups; no bias: add one after it, which fuses) as an implicit GEMM, on the tensor-core mainloop where CG is whole 16 bytes; f16/bf16 accumulate in f32")
 CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry g, int oh, int ow) {
@@ -209,6 +210,201 @@ CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geom
       for (int c = 0; c < channels; ++c) acc += load_w(tap + c) * load_x(h, w, c);
     }
   }
+  return acc;
+}
+
+// ---------------------------------------------------------------------------
+// conv2d_nhwc's gradients, two ops the derive pass links to it, each an
+// implicit GEMM of its own (its own tile, split-K where its output tiles
+// are few), for one group:
+//  - dx (conv2d_nhwc_backward_data), a transposed convolution:
+//      dx[m, n] = sum over k of dout_at(m, k) * weight[o, i, j, n],
+//    M = B * H * W (m = (image, h, w): dx's rows), N = CG, K = KH * KW * OG
+//    (k = (i, j, o), o fastest), where dout_at(m, k) is dout[image, oh, ow, o]
+//    for the output pixel whose window puts tap (i, j) on (h, w): oh = (h +
+//    padding_h - i * dilation_h) / stride_h where that divides exactly and
+//    lies in the output, else 0. A is dout gathered K-contiguous (output
+//    channels), B the weight read N-contiguous (input channels);
+//  - dweight (conv2d_nhwc_backward_weight), over every image's pixels:
+//      dweight[o, n] = sum over k of dout[k, o] * patch(k, n),
+//    M = OG, N = KH * KW * CG (n = (i, j, c): the weight's own order), K = B
+//    * OH * OW (k = (image, oh, ow)), patch as in conv2d_nhwc. A is dout as
+//    stored (K x M, output channels contiguous), B the patches gathered
+//    N-contiguous (input channels).
+// Both on the pipelined mainloop where OG and CG are whole 16-byte chunks;
+// each sum runs in a fixed order (split-K's parts added in order): the same
+// bits every run. Stride s > 1 leaves dx's GEMM computing zeros for the taps
+// that do not divide (about (s^2 - 1) / s^2 of k): the price of one kernel
+// for every stride.
+
+// The sources below index pixels and k in 32 bits (the fusion pass keeps
+// the GEMMs' M, N and K under 2^31 on this path): a division by one of the
+// geometry's constants is then a multiply-high, where a 64-bit one is a
+// call. Element offsets stay 64-bit.
+
+// dx's A (cg_gemm_gather source): dout at the output pixel whose window
+// puts tap (i, j) of k = (i, j, o) on dx's pixel m, or zeros.
+template <typename T>
+struct cg_conv2d_nhwc_dout_taps {
+  const T* dout;  // the group's first output channel of the first pixel
+  cg_conv2d_geometry g;
+  CG_DEVICE const T* at(cg_i64 m64, cg_i64 k64) const {
+    const unsigned int m = (unsigned int)m64, k = (unsigned int)k64, OG = (unsigned int)(g.O / g.groups);
+    const int o = (int)(k % OG), tap = (int)(k / OG);
+    const int w = (int)(m % (unsigned int)g.W), h = (int)(m / (unsigned int)g.W % (unsigned int)g.H);
+    const int image = (int)(m / ((unsigned int)g.W * (unsigned int)g.H));
+    const int th = h + g.padding_h - (tap / g.KW) * g.dilation_h, tw = w + g.padding_w - (tap % g.KW) * g.dilation_w;
+    if (th < 0 || tw < 0 || th % g.stride_h != 0 || tw % g.stride_w != 0) return nullptr;
+    const int oh = th / g.stride_h, ow = tw / g.stride_w;
+    if (oh >= g.OH || ow >= g.OW) return nullptr;
+    return dout + (((cg_i64)image * g.OH + oh) * g.OW + ow) * g.O + o;
+  }
+};
+
+// dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
+// input channels n on.
+template <typename T>
+struct cg_conv2d_nhwc_weight_taps {
+  const T* weight;  // the group's first output channel
+  cg_conv2d_geometry g;
+  CG_DEVICE const T* at(cg_i64 n, cg_i64 k64) const {
+    const unsigned int k = (unsigned int)k64, OG = (unsigned int)(g.O / g.groups);
+    const int o = (int)(k % OG), tap = (int)(k / OG);
+    return weight + ((cg_i64)o * g.KH * g.KW + tap) * (g.C / g.groups) + n;
+  }
+};
+
+// dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
+// output pixel k, channels c on, or zeros where it lies outside the image.
+template <typename T>
+struct cg_conv2d_nhwc_pixel_taps {
+  const T* x;  // the group's first input channel of the first pixel
+  cg_conv2d_geometry g;
+  CG_DEVICE const T* at(cg_i64 n64, cg_i64 k64) const {
+    const unsigned int n = (unsigned int)n64, k = (unsigned int)k64, CG = (unsigned int)(g.C / g.groups);
+    const int c = (int)(n % CG), tap = (int)(n / CG);
+    const int ow = (int)(k % (unsigned int)g.OW), oh = (int)(k / (unsigned int)g.OW % (unsigned int)g.OH);
+    const int image = (int)(k / ((unsigned int)g.OW * (unsigned int)g.OH));
+    const int h = oh * g.stride_h - g.padding_h + (tap / g.KW) * g.dilation_h;
+    const int w = ow * g.stride_w - g.padding_w + (tap % g.KW) * g.dilation_w;
+    if ((unsigned)h >= (unsigned)g.H || (unsigned)w >= (unsigned)g.W) return nullptr;
+    return x + (((cg_i64)image * g.H + h) * g.W + w) * g.C + c;
+  }
+};
+
+// The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
+// k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
+template <typename Config, typename T>
+CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config>& acc, const T* dout_group,
+                                                     const T* w_group, const cg_conv2d_geometry& g, cg_i64 M,
+                                                     cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m,
+                                                     cg_i64 tile_n, T* smem) {
+  const cg_gemm_gather<Config::BM, Config::BK, true, T, Config::THREADS, cg_conv2d_nhwc_dout_taps<T>> copy_a(
+      cg_conv2d_nhwc_dout_taps<T>{dout_group, g}, dout_group, tile_m * Config::BM, M, k_begin, k_end);
+  const cg_gemm_gather<Config::BN, Config::BK, false, T, Config::THREADS, cg_conv2d_nhwc_weight_taps<T>> copy_b(
+      cg_conv2d_nhwc_weight_taps<T>{w_group, g}, w_group, tile_n * Config::BN, N, k_begin, k_end);
+  cg_gemm_mainloop_with<Config, T, true, false>(acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK,
+                                                 smem);
+}
+
+// The tile (tile_m, tile_n) of one group's dweight GEMM over k in
+// [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
+// * CG.
+template <typename Config, typename T>
+CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Config>& acc, const T* dout_group,
+                                                       const T* x_group, const cg_conv2d_geometry& g, cg_i64 M,
+                                                       cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m,
+                                                       cg_i64 tile_n, T* smem) {
+  const typename cg_gemm_operand<Config::BM, Config::BK, false, T>::template copier<Config::THREADS> copy_a(
+      dout_group, g.O, tile_m * Config::BM, M, k_begin, k_end);
+  const cg_gemm_gather<Config::BN, Config::BK, false, T, Config::THREADS, cg_conv2d_nhwc_pixel_taps<T>> copy_b(
+      cg_conv2d_nhwc_pixel_taps<T>{x_group, g}, x_group, tile_n * Config::BN, N, k_begin, k_end);
+  cg_gemm_mainloop_with<Config, T, false, false>(acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK,
+                                                  smem);
+}
+
+// The direct forms, one gradient element a call, where the mainloop does not
+// run (f32 without TF32, channels not whole 16 bytes, a megakernel):
+// dx at pixel (h, w) for the input channel whose weights load_w(o, tap)
+// reads, load_dout(oh, ow, o) reading the image's dout in the group.
+template <typename LoadW, typename LoadDout>
+CG_OP("conv2d_nhwc_backward_data",
+      "pattern: opaque",
+      "forward: conv2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: stride_h int = 1",
+      "arg: stride_w int = 1",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: groups int = 1",
+      "shape: x:[B, H, W, groups * CG] weight:[O, KH, KW, CG] dout:[B, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1, O] -> dx:[B, H, W, groups * CG]",
+      "variant: cg_conv2d_nhwc_backward_data_mainloop",
+      "variant: cg_gemm_config",
+      "variant: cg_gemm_each_coalesced",
+      "variant: cg_gemm_each_coalesced_vector",
+      "variant: cg_gemm_split_k",
+      "flops: 2 * numel(dout) * CG * KH * KW",
+      "doc: the gradient of conv2d_nhwc with respect to x (reads x for its shape only): a transposed convolution as an implicit GEMM, on the tensor-core mainloop where both channel counts a group are whole 16 bytes; deterministic")
+CG_DEVICE float cg_conv2d_nhwc_backward_data_direct(LoadW load_w, LoadDout load_dout, cg_conv2d_geometry g, int h,
+                                                    int w) {
+  float acc = 0.0f;
+  const int OG = g.O / g.groups;
+  for (int i = 0; i < g.KH; ++i) {
+    const int th = h + g.padding_h - i * g.dilation_h;
+    if (th < 0 || th % g.stride_h != 0 || th / g.stride_h >= g.OH) continue;
+    for (int j = 0; j < g.KW; ++j) {
+      const int tw = w + g.padding_w - j * g.dilation_w;
+      if (tw < 0 || tw % g.stride_w != 0 || tw / g.stride_w >= g.OW) continue;
+      for (int o = 0; o < OG; ++o) acc += load_w(o, i * g.KW + j) * load_dout(th / g.stride_h, tw / g.stride_w, o);
+    }
+  }
+  return acc;
+}
+
+// dweight at tap (i, j) for the output and input channel that
+// load_dout(image, oh, ow) and load_x(image, h, w) read, over `images` images.
+template <typename LoadDout, typename LoadX>
+CG_OP("conv2d_nhwc_backward_weight",
+      "pattern: opaque",
+      "forward: conv2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T",
+      "tensor: dout input T",
+      "tensor: dweight output T",
+      "arg: stride_h int = 1",
+      "arg: stride_w int = 1",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: groups int = 1",
+      "shape: x:[B, H, W, groups * CG] weight:[O, KH, KW, CG] dout:[B, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1, O] -> dweight:[O, KH, KW, CG]",
+      "variant: cg_conv2d_nhwc_backward_weight_mainloop",
+      "variant: cg_gemm_config",
+      "variant: cg_gemm_each_coalesced",
+      "variant: cg_gemm_each_coalesced_vector",
+      "variant: cg_gemm_split_k",
+      "flops: 2 * numel(dout) * CG * KH * KW",
+      "doc: the gradient of conv2d_nhwc with respect to its weight (reads the weight for its shape only): an implicit GEMM over every image's pixels, on the tensor-core mainloop where both channel counts a group are whole 16 bytes, split over k where its tiles are few; deterministic")
+CG_DEVICE float cg_conv2d_nhwc_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g,
+                                                      int images, int i, int j) {
+  float acc = 0.0f;
+  for (int b = 0; b < images; ++b)
+    for (int oh = 0; oh < g.OH; ++oh) {
+      const int h = oh * g.stride_h - g.padding_h + i * g.dilation_h;
+      if (h < 0 || h >= g.H) continue;
+      for (int ow = 0; ow < g.OW; ++ow) {
+        const int w = ow * g.stride_w - g.padding_w + j * g.dilation_w;
+        if (w >= 0 && w < g.W) acc += load_dout(b, oh, ow) * load_x(b, h, w);
+      }
+    }
   return acc;
 }
 

@@ -322,6 +322,16 @@ def run_torch(g, values, phases=None):
             for slot, value in (("dx", dx), ("dweight", dweight), ("dbias", get(t, "dout").sum((0, 2, 3)))):
                 if slot in t["tensors"]:
                     put(t, slot, value)
+        elif op in ("conv2d_nhwc_backward_data", "conv2d_nhwc_backward_weight"):  # NCHW's gradients, permuted
+            def conv(x, w):
+                return torch.nn.functional.conv2d(
+                    x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2),
+                    stride=(args.get("stride_h", 1), args.get("stride_w", 1)),
+                    padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                    dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)),
+                    groups=args.get("groups", 1)).permute(0, 2, 3, 1)
+            dx, dweight = grad(conv, [get(t, "x"), get(t, "weight")], get(t, "dout"))
+            put(t, "dx" if op.endswith("_data") else "dweight", dx if op.endswith("_data") else dweight)
         elif op in ("max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward"):
             pool = {"max_pool2d_backward": lambda x: torch.nn.functional.max_pool2d(
                         x, (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),

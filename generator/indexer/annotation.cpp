@@ -54,7 +54,7 @@ class AnnotationParser {
         if (!view.is_null()) fail("'view' is given twice");
         view = alias(value);
       }
-      else if (key == "backward") set_once(links[0], link(value), key);
+      else if (key == "backward") set_once(links[0], link_list(value), key);
       else if (key == "forward") set_once(links[1], link(value), key);
       else if (key == "init") set_once(links[2], link(value), key);
       else if (key == "inverse") set_once(links[3], link(value), key);
@@ -223,6 +223,14 @@ class AnnotationParser {
   std::string link(const std::string& value) {
     if (!is_identifier(value)) fail(fmt::format("'{}' is not an identifier", value));
     return value;
+  }
+  // One or more op names, separated by spaces: a backward may be several ops
+  // (a convolution's data and weight gradients, each its own GEMM).
+  std::string link_list(const std::string& value) {
+    const std::vector<std::string> names = words(value);
+    if (names.empty()) fail("'backward' names no op");
+    for (const auto& name : names) link(name);
+    return fmt::format("{}", fmt::join(names, " "));
   }
 
   const std::vector<std::string>& strings_;

@@ -805,10 +805,12 @@ IndexResult index_templates(const IndexOptions& options, std::ostream& diagnosti
   }
   for (const auto& [name, op] : by_name)
     for (const char* link : {"backward", "forward", "init", "inverse"})
-      if (const JsonValue* target = op->entry.find(link); target && !by_name.count(target->as_string()))
-        errors.at(files, op->place,
-                  fmt::format("op '{}' names {} op '{}', but no template declares an op of that name", name, link,
-                              target->as_string()));
+      if (const JsonValue* target = op->entry.find(link))
+        for (const std::string& linked : split_op_names(target->as_string()))  // (backward: one or more)
+          if (!by_name.count(linked))
+            errors.at(files, op->place,
+                      fmt::format("op '{}' names {} op '{}', but no template declares an op of that name", name, link,
+                                  linked));
   if (errors.count()) return result;
 
   // The closure of a definition: itself and everything it reaches, ids in emission order.

@@ -633,6 +633,61 @@ TEST(Toolchains, ChannelsLastConvolutionSassHasAsyncCopiesLdmatrixAndMma) {
   }
 }
 
+// conv2d_nhwc's gradients at a ResNet's sizes: the data gradient (bf16 3 x 3,
+// f16 of stride 2, f32 as TF32) and the weight gradient (bf16 3 x 3 over 8
+// images of 56 x 56, split over k; f16 1 x 1). On sm_80 and sm_90: cp.async
+// copies (LDGSTS), ldmatrix (LDSM; the 16-bit N-contiguous tiles transposed
+// by it) and mma (HMMA); no local memory, no spills, no stack.
+TEST(Toolchains, ChannelsLastGradientSassHasAsyncCopiesLdmatrixAndMma) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  GraphBuilder b("conv_gradient_sass");
+  const Storage ext = Storage::external;
+  auto gradient = [&](const std::string& id, const char* which, DType d, Shape x, int64_t out_channels, int64_t kernel,
+                      int64_t stride) {
+    const int64_t padding = kernel / 2, size = (x[1] + 2 * padding - kernel) / stride + 1;
+    const bool data = std::string(which) == "data";
+    const Shape weight{out_channels, kernel, kernel, x[3]};
+    b.task(id, std::string("conv2d_nhwc_backward_") + which)
+        .tensor("x", d, x, ext)
+        .tensor("weight", d, weight, ext)
+        .tensor("dout", d, {x[0], size, size, out_channels}, ext)
+        .tensor(data ? "dx" : "dweight", d, data ? x : weight, ext)
+        .arg("stride_h", stride)
+        .arg("stride_w", stride)
+        .arg("padding_h", padding)
+        .arg("padding_w", padding);
+  };
+  gradient("dx_3x3", "data", DType::bf16, {8, 56, 56, 64}, 64, 3, 1);
+  gradient("dx_strided", "data", DType::f16, {8, 28, 28, 128}, 256, 3, 2);
+  gradient("dx_tf32", "data", DType::f32, {8, 14, 14, 256}, 256, 3, 1);
+  gradient("dw_3x3", "weight", DType::bf16, {8, 56, 56, 64}, 64, 3, 1);
+  gradient("dw_pointwise", "weight", DType::f16, {8, 28, 28, 128}, 512, 1, 1);
+  CompileOptions tf32;
+  tf32.emit.allow_tf32 = true;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), tf32);
+  ASSERT_EQ(c.emitted.kernels.size(), 5u);
+  for (const EmittedKernel& k : c.emitted.kernels)
+    EXPECT_NE(k.matmul_path.find(k.name.find("_dx_") != std::string::npos ? "(the data gradient)" : "(the weight gradient)"),
+              std::string::npos)
+        << k.name << ": " << k.matmul_path;
+  EXPECT_NE(c.emitted.kernels[3].matmul_path.find("split-K"), std::string::npos) << c.emitted.kernels[3].matmul_path;
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+    const auto sass = report.opcodes();
+    for (const EmittedKernel& k : c.emitted.kernels) {
+      ASSERT_TRUE(sass.count(k.name)) << k.name << " on " << arch;
+      const std::map<std::string, int>& ops = sass.at(k.name);
+      auto count = [&](const char* op) { return ops.count(op) ? ops.at(op) : 0; };
+      for (const char* op : {"LDGSTS", "LDSM", "HMMA"}) EXPECT_GT(count(op), 0) << k.name << " on " << arch << ": " << op;
+      EXPECT_EQ(count("LDL") + count("STL"), 0) << k.name << " on " << arch << ": local memory";
+      ASSERT_TRUE(report.resources.count(k.name)) << k.name << " on " << arch;
+      EXPECT_EQ(report.resources.at(k.name).spill_bytes, 0) << k.name << " on " << arch;
+      EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name << " on " << arch;
+    }
+  }
+}
+
 // The flash attention kernel (templates/softmax_flash.cuh) in generated code:
 // bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
 // 2048 keys, a decoding step split over its keys, bf16 heads of 256 (q's

@@ -553,6 +553,169 @@ INSTANTIATE_TEST_SUITE_P(Types, ChannelsLast,
                                               info.param.megakernel ? "_megakernel" : "");
                          });
 
+// conv2d_nhwc's gradients, each its own op and kernel: the data gradient (a
+// transposed convolution) and the weight gradient (over every image's
+// pixels), at sizes that are not multiples of a tile, with stride, padding,
+// dilation and groups, in each form: on the pipelined mainloop where both
+// channel counts a group are whole 16-byte chunks (split-K where the weight
+// gradient's tiles are few), else the direct form.
+struct NhwcGradientCase {
+  std::string id;
+  int64_t batch, height, width, channels, out_channels, kernel, stride, padding, dilation, groups;
+  std::string data_form, weight_form;  // what each kernel's matmul_path says on tensor cores
+};
+
+const std::vector<NhwcGradientCase>& nhwc_gradient_cases() {
+  static const std::vector<NhwcGradientCase> cases = {
+      // dx: 112 x 16 over 360; dweight: 40 x 144 over 112
+      {"c3x3", 2, 7, 8, 16, 40, 3, 1, 1, 1, 1, "implicit GEMM (the data gradient)", "implicit GEMM (the weight gradient)"},
+      // stride 2 (dx's taps that do not divide are zeros), dilation 2
+      {"strided", 1, 11, 10, 8, 24, 3, 2, 2, 2, 1, "implicit GEMM", "implicit GEMM"},
+      {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "implicit GEMM", "implicit GEMM"},
+      // dweight 32 x 144 over 1024 pixels: 3 tiles, k split 4 ways
+      {"many_pixels", 4, 16, 16, 16, 32, 3, 1, 1, 1, 1, "implicit GEMM", "split-K"},
+      {"grouped", 1, 6, 7, 16, 16, 3, 1, 1, 1, 2, "implicit GEMM", "implicit GEMM"},  // 8 channels a group
+      {"stem", 1, 9, 9, 3, 16, 7, 2, 3, 1, 1, "3 input channels are not a multiple of",
+       "3 input channels are not a multiple of"},
+      {"odd_outputs", 1, 5, 5, 8, 10, 3, 1, 1, 1, 1, "10 output channels are not a multiple of",
+       "10 output channels are not a multiple of"},
+      {"depthwise", 2, 6, 5, 12, 12, 3, 2, 1, 1, 12, "1 input channels a group are not a multiple of",
+       "1 input channels a group are not a multiple of"},
+  };
+  return cases;
+}
+
+TaskGraph nhwc_gradient_graph(DType d) {
+  GraphBuilder b(fmt::format("nhwc_gradients_{}", to_string(d)));
+  for (const NhwcGradientCase& c : nhwc_gradient_cases()) {
+    const Shape x{c.batch, c.height, c.width, c.channels},
+        weight{c.out_channels, c.kernel, c.kernel, c.channels / c.groups},
+        dout{c.batch, out_size(c.height, c.kernel, c.stride, c.padding, c.dilation),
+             out_size(c.width, c.kernel, c.stride, c.padding, c.dilation), c.out_channels};
+    for (const char* which : {"data", "weight"}) {
+      const bool data = std::string(which) == "data";
+      b.task(fmt::format("{}_{}", c.id, which), fmt::format("conv2d_nhwc_backward_{}", which))
+          .tensor("x", d, x, ext)
+          .tensor("weight", d, weight, persistent)
+          .tensor("dout", d, dout, ext)
+          .tensor(data ? "dx" : "dweight", d, data ? x : weight, ext)
+          .arg("stride_h", c.stride)
+          .arg("stride_w", c.stride)
+          .arg("padding_h", c.padding)
+          .arg("padding_w", c.padding)
+          .arg("dilation_h", c.dilation)
+          .arg("dilation_w", c.dilation)
+          .arg("groups", c.groups);
+    }
+  }
+  return std::move(b).graph();
+}
+
+class ChannelsLastGradients : public ::testing::TestWithParam<NhwcCase> {};
+
+TEST_P(ChannelsLastGradients, MatchTheFloat64ReferenceInEachForm) {
+  const auto [dtype, tf32, megakernel] = GetParam();
+  CompileOptions options;
+  options.emit.allow_tf32 = tf32;
+  options.emit.megakernel = megakernel;
+  options.emit.megakernel_blocks = 8;
+  Compiled c = compile(load_program(nhwc_gradient_graph(dtype), {}), options);
+  const bool tensor_cores = dtype != DType::f32 || tf32;
+  for (const NhwcGradientCase& conv : nhwc_gradient_cases())
+    for (const auto& [which, form] : {std::pair{"data", conv.data_form}, std::pair{"weight", conv.weight_form}}) {
+      const std::string name = fmt::format("_{}_{}", conv.id, which);
+      const auto k = std::find_if(c.emitted.tile_kernels.begin(), c.emitted.tile_kernels.end(),
+                                  [&](const EmittedKernel& e) { return e.name.ends_with(name); });
+      ASSERT_NE(k, c.emitted.tile_kernels.end()) << name;
+      const bool gemm = form.find("GEMM") != std::string::npos || form == "split-K";
+      const std::string expected = megakernel      ? "a megakernel's tiles share one block size"
+                                   : !tensor_cores ? "stays off tensor cores"
+                                                   : form;
+      EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << name << ": " << k->matmul_path;
+      EXPECT_EQ(k->matmul_path.find("pipelined mainloop") != std::string::npos, tensor_cores && gemm && !megakernel)
+          << name << ": " << k->matmul_path;
+    }
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(
+      c, RunOptions{seed, work_dir(fmt::format("nhwc_gradients_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
+                                               megakernel ? "_mk" : ""))});
+  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size());
+  for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, ChannelsLastGradients,
+                         ::testing::Values(NhwcCase{DType::f32, false, false}, NhwcCase{DType::f32, true, false},
+                                           NhwcCase{DType::f16, false, false}, NhwcCase{DType::bf16, false, false},
+                                           NhwcCase{DType::bf16, false, true}),
+                         [](const auto& info) {
+                           return fmt::format("{}{}{}", to_string(info.param.dtype), info.param.tf32 ? "_tf32" : "",
+                                              info.param.megakernel ? "_megakernel" : "");
+                         });
+
+// A channels-last network's training step derived: conv2d_nhwc links its two
+// gradient ops, and the derive pass writes a task of each only where its
+// gradient is needed (none of dx for the stem, whose input is the image).
+// Each task of two SGD steps checked from its actual inputs, in f32 (the
+// direct forms) and as TF32 (the mainloop); the loss falls.
+TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
+  constexpr DType d = DType::f32;
+  GraphBuilder b("nhwc_net");
+  const int64_t B = 2;
+  int64_t seeds = 0;
+  auto weight = [&](const std::string& id, const Shape& shape, int64_t fan_in) {
+    const double bound = 1.0 / std::sqrt(double(fan_in));
+    return b.task(id, "uniform", Phase::init).tensor("out", d, shape).arg("low", -bound).arg("high", bound).arg("seed", ++seeds)["out"];
+  };
+  auto conv = [&](const std::string& id, SlotRef x, int64_t c, int64_t size, int64_t o, int64_t stride) {
+    const int64_t s = out_size(size, 3, stride, 1);
+    return b.task(id, "conv2d_nhwc")
+        .tensor("x", x)
+        .tensor("weight", weight(id + "_weight", {o, 3, 3, c}, c * 9))
+        .tensor("out", d, {B, s, s, o})
+        .arg("stride_h", stride)
+        .arg("stride_w", stride)
+        .arg("padding_h", 1)
+        .arg("padding_w", 1)["out"];
+  };
+  auto image = b.task("image", "affine").tensor("x", d, {B, 10, 10, 8}, ext).tensor("out", d, {B, 10, 10, 8}).arg("scale", 1.0);
+  SlotRef x = conv("stem", image["out"], 8, 10, 16, 1);
+  x = b.task("stem_act", "relu").tensor("x", x).tensor("out", d, {B, 10, 10, 16})["out"];
+  x = conv("down", x, 16, 10, 24, 2);
+  x = b.task("down_act", "relu").tensor("x", x).tensor("out", d, {B, 5, 5, 24})["out"];
+  x = b.task("flat", "reshape").tensor("x", x).tensor("out", d, {B, 600})["out"];
+  x = b.task("head", "matmul").tensor("a", x).tensor("b", weight("head_weight", {600, 5}, 600)).tensor("out", d, {B, 5})["out"];
+  b.task("loss", "cross_entropy").tensor("logits", x).tensor("labels", DType::i32, {B}, ext).tensor("loss", d, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}};
+  const TaskGraph trained = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph;
+  std::set<std::string> ids;
+  for (const auto& t : trained.tasks) ids.insert(t.id);
+  for (const char* id : {"stem_backward_weight", "down_backward_data", "down_backward_weight"}) EXPECT_TRUE(ids.count(id)) << id;
+  EXPECT_FALSE(ids.count("stem_backward_data")) << "the image needs no gradient";
+
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const bool tf32 : {false, true}) {
+    CompileOptions each;  // every buffer kept, so each task's inputs can be read back
+    each.plan.placement.reuse = false;
+    each.fuse.enabled = false;
+    each.emit.allow_tf32 = tf32;
+    Compiled c = compile(load_program(trained, {}), each);
+    int pipelined = 0;
+    for (const EmittedKernel& k : c.emitted.tile_kernels)
+      if (k.matmul_path.find("implicit GEMM (the") != std::string::npos) ++pipelined;
+    EXPECT_EQ(pipelined, tf32 ? 3 : 0);
+    RunOptions run_options{seed, work_dir(tf32 ? "nhwc_net_tf32" : "nhwc_net")};
+    run_options.steps = 2;
+    run_options.check_each_task = true;
+    CheckedRun run = run_checked(c, run_options);
+    EXPECT_TRUE(run.ok()) << format_run(run);
+    ASSERT_EQ(run.step_scalars.size(), 1u);
+    EXPECT_LT(run.step_scalars[0].second.back(), run.step_scalars[0].second.front()) << format_run(run);
+  }
+}
+
 // Output channels that do not split into the groups are an error of the
 // convolution's task, as for conv2d.
 TEST(ChannelsLast, OutputChannelsThatDoNotSplitIntoGroupsAreAnError) {

@@ -35,8 +35,11 @@ TEST(Registry, BuiltinLoadsWithTheOpsTheExamplesNeed) {
   EXPECT_EQ(mm->find_tensor("out")->role, SlotRole::output);
   EXPECT_EQ(std::get<bool>(*mm->find_arg("trans_a")->default_value), false);
   EXPECT_TRUE(reg.find("sgd")->find_tensor("param")->writes);
-  EXPECT_EQ(reg.find("relu")->backward, "relu_backward");
+  EXPECT_EQ(reg.find("relu")->backward, std::vector<std::string>{"relu_backward"});
   EXPECT_EQ(reg.find("relu_backward")->forward, "relu");
+  // Several ops, each some of the gradients.
+  EXPECT_EQ(reg.find("conv2d_nhwc")->backward,
+            (std::vector<std::string>{"conv2d_nhwc_backward_data", "conv2d_nhwc_backward_weight"}));
 }
 
 TEST(Registry, AcceptsAWellFormedOp) { EXPECT_EQ(registry_errors(kRelu), ""); }
@@ -158,7 +161,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward",
       "batchnorm2d", "batchnorm2d_backward",
       // Convolution on tensor cores (#40): channels-last, an implicit GEMM on the pipelined mainloop.
-      "conv2d_nhwc", "max_pool2d_nhwc", "adaptive_avg_pool2d_nhwc"};
+      "conv2d_nhwc", "max_pool2d_nhwc", "adaptive_avg_pool2d_nhwc",
+      // ...and its gradients, an implicit GEMM each (#40).
+      "conv2d_nhwc_backward_data", "conv2d_nhwc_backward_weight"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",
