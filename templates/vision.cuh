@@ -237,27 +237,70 @@ CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geom
 // that do not divide (about (s^2 - 1) / s^2 of k): the price of one kernel
 // for every stride.
 
-// The sources below index pixels and k in 32 bits (the fusion pass keeps
+// The gathers below index pixels and k in 32 bits (the fusion pass keeps
 // the GEMMs' M, N and K under 2^31 on this path): a division by one of the
 // geometry's constants is then a multiply-high, where a 64-bit one is a
 // call. Element offsets stay 64-bit.
 
-// dx's A (cg_gemm_gather source): dout at the output pixel whose window
-// puts tap (i, j) of k = (i, j, o) on dx's pixel m, or zeros.
-template <typename T>
+// dx's A copier: for each of a thread's rows (dx's pixel m), dout at the
+// output pixel whose window puts tap (i, j) of the k-tile's k = (i, j, o) on
+// m, or zeros. As the forward's patch copier: each row's pixel is decoded
+// once a tile (where its windows' taps start, `top`/`left` with the padding
+// added, and its image's first dout pixel); a k-tile costs a thread one
+// division of k into (tap, channel) and, a chunk, the stride's divisibility
+// and bounds compares and the cp.async.
+template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_dout_taps {
-  const T* dout;  // the group's first output channel of the first pixel
+  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
+  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
+  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
+  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
+                "every thread copies the same number of chunks, in one column");
+  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  // A row past M: one that no tap reaches (every chunk of it is zeros).
+  static constexpr int outside = -(1 << 30);
+  const T* dout;            // the group's first output channel of the first pixel
   cg_conv2d_geometry g;
-  CG_DEVICE const T* at(cg_i64 m64, cg_i64 k64) const {
-    const unsigned int m = (unsigned int)m64, k = (unsigned int)k64, OG = (unsigned int)(g.O / g.groups);
+  cg_i64 image_base[per_thread];          // offset of each row's image's first dout pixel
+  int top[per_thread], left[per_thread];  // h + padding_h, w + padding_w of each row's pixel
+  unsigned int k_first, k_end;            // this thread's chunk's k at k-tile 0; the end of k
+  int smem_offset;                        // of its first chunk in a stage's tile
+
+  CG_DEVICE cg_conv2d_nhwc_dout_taps(const T* dout_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
+                                     cg_i64 k_begin, cg_i64 k_end_)
+      : dout(dout_group), g(geometry), k_end((unsigned int)k_end_) {
+    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    k_first = (unsigned int)k_begin + col;
+    smem_offset = tile::offset(row, col);
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
+      const int w = (int)(m % (unsigned int)g.W), h = (int)(m / (unsigned int)g.W % (unsigned int)g.H);
+      const int image = (int)(m / ((unsigned int)g.W * (unsigned int)g.H));
+      top[i] = m < M ? h + g.padding_h : outside;
+      left[i] = w + g.padding_w;
+      image_base[i] = (cg_i64)image * g.OH * g.OW * g.O;
+    }
+  }
+
+  // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
+  CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
+    const unsigned int k = k_first + (unsigned int)kt * BK, OG = (unsigned int)(g.O / g.groups);
     const int o = (int)(k % OG), tap = (int)(k / OG);
-    const int w = (int)(m % (unsigned int)g.W), h = (int)(m / (unsigned int)g.W % (unsigned int)g.H);
-    const int image = (int)(m / ((unsigned int)g.W * (unsigned int)g.H));
-    const int th = h + g.padding_h - (tap / g.KW) * g.dilation_h, tw = w + g.padding_w - (tap % g.KW) * g.dilation_w;
-    if (th < 0 || tw < 0 || th % g.stride_h != 0 || tw % g.stride_w != 0) return nullptr;
-    const int oh = th / g.stride_h, ow = tw / g.stride_w;
-    if (oh >= g.OH || ow >= g.OW) return nullptr;
-    return dout + (((cg_i64)image * g.OH + oh) * g.OW + ow) * g.O + o;
+    const int dh = (tap / g.KW) * g.dilation_h, dw = (tap % g.KW) * g.dilation_w;
+    const bool k_inside = k < k_end;  // (OG whole chunks: a chunk is wholly inside or past K)
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const int th = top[i] - dh, tw = left[i] - dw;
+      const int oh = th / g.stride_h, ow = tw / g.stride_w;
+      const bool inside = k_inside && th >= 0 && tw >= 0 && th % g.stride_h == 0 && tw % g.stride_w == 0 &&
+                          oh < g.OH && ow < g.OW;
+      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
+                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
+                                                ((int)threadIdx.x % chunks) * CHUNK);
+      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)),
+                        inside ? dout + image_base[i] + ((cg_i64)oh * g.OW + ow) * g.O + o : dout, inside ? 16 : 0);
+    }
   }
 };
 
@@ -299,8 +342,8 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                      const T* w_group, const cg_conv2d_geometry& g, cg_i64 M,
                                                      cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m,
                                                      cg_i64 tile_n, T* smem) {
-  const cg_gemm_gather<Config::BM, Config::BK, true, T, Config::THREADS, cg_conv2d_nhwc_dout_taps<T>> copy_a(
-      cg_conv2d_nhwc_dout_taps<T>{dout_group, g}, dout_group, tile_m * Config::BM, M, k_begin, k_end);
+  const cg_conv2d_nhwc_dout_taps<Config::BM, Config::BK, T, Config::THREADS> copy_a(dout_group, g, M,
+                                                                                     tile_m * Config::BM, k_begin, k_end);
   const cg_gemm_gather<Config::BN, Config::BK, false, T, Config::THREADS, cg_conv2d_nhwc_weight_taps<T>> copy_b(
       cg_conv2d_nhwc_weight_taps<T>{w_group, g}, w_group, tile_n * Config::BN, N, k_begin, k_end);
   cg_gemm_mainloop_with<Config, T, true, false>(acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK,

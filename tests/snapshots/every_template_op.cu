@@ -2117,27 +2117,70 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
-// templates/vision.cuh:247
-// dx's A (cg_gemm_gather source): dout at the output pixel whose window
-// puts tap (i, j) of k = (i, j, o) on dx's pixel m, or zeros.
-template <typename T>
+// templates/vision.cuh:252
+// dx's A copier: for each of a thread's rows (dx's pixel m), dout at the
+// output pixel whose window puts tap (i, j) of the k-tile's k = (i, j, o) on
+// m, or zeros. As the forward's patch copier: each row's pixel is decoded
+// once a tile (where its windows' taps start, `top`/`left` with the padding
+// added, and its image's first dout pixel); a k-tile costs a thread one
+// division of k into (tap, channel) and, a chunk, the stride's divisibility
+// and bounds compares and the cp.async.
+template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_dout_taps {
-  const T* dout;  // the group's first output channel of the first pixel
+  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
+  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
+  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
+  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
+                "every thread copies the same number of chunks, in one column");
+  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  // A row past M: one that no tap reaches (every chunk of it is zeros).
+  static constexpr int outside = -(1 << 30);
+  const T* dout;            // the group's first output channel of the first pixel
   cg_conv2d_geometry g;
-  CG_DEVICE const T* at(cg_i64 m64, cg_i64 k64) const {
-    const unsigned int m = (unsigned int)m64, k = (unsigned int)k64, OG = (unsigned int)(g.O / g.groups);
+  cg_i64 image_base[per_thread];          // offset of each row's image's first dout pixel
+  int top[per_thread], left[per_thread];  // h + padding_h, w + padding_w of each row's pixel
+  unsigned int k_first, k_end;            // this thread's chunk's k at k-tile 0; the end of k
+  int smem_offset;                        // of its first chunk in a stage's tile
+
+  CG_DEVICE cg_conv2d_nhwc_dout_taps(const T* dout_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
+                                     cg_i64 k_begin, cg_i64 k_end_)
+      : dout(dout_group), g(geometry), k_end((unsigned int)k_end_) {
+    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    k_first = (unsigned int)k_begin + col;
+    smem_offset = tile::offset(row, col);
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
+      const int w = (int)(m % (unsigned int)g.W), h = (int)(m / (unsigned int)g.W % (unsigned int)g.H);
+      const int image = (int)(m / ((unsigned int)g.W * (unsigned int)g.H));
+      top[i] = m < M ? h + g.padding_h : outside;
+      left[i] = w + g.padding_w;
+      image_base[i] = (cg_i64)image * g.OH * g.OW * g.O;
+    }
+  }
+
+  // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
+  CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
+    const unsigned int k = k_first + (unsigned int)kt * BK, OG = (unsigned int)(g.O / g.groups);
     const int o = (int)(k % OG), tap = (int)(k / OG);
-    const int w = (int)(m % (unsigned int)g.W), h = (int)(m / (unsigned int)g.W % (unsigned int)g.H);
-    const int image = (int)(m / ((unsigned int)g.W * (unsigned int)g.H));
-    const int th = h + g.padding_h - (tap / g.KW) * g.dilation_h, tw = w + g.padding_w - (tap % g.KW) * g.dilation_w;
-    if (th < 0 || tw < 0 || th % g.stride_h != 0 || tw % g.stride_w != 0) return nullptr;
-    const int oh = th / g.stride_h, ow = tw / g.stride_w;
-    if (oh >= g.OH || ow >= g.OW) return nullptr;
-    return dout + (((cg_i64)image * g.OH + oh) * g.OW + ow) * g.O + o;
+    const int dh = (tap / g.KW) * g.dilation_h, dw = (tap % g.KW) * g.dilation_w;
+    const bool k_inside = k < k_end;  // (OG whole chunks: a chunk is wholly inside or past K)
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const int th = top[i] - dh, tw = left[i] - dw;
+      const int oh = th / g.stride_h, ow = tw / g.stride_w;
+      const bool inside = k_inside && th >= 0 && tw >= 0 && th % g.stride_h == 0 && tw % g.stride_w == 0 &&
+                          oh < g.OH && ow < g.OW;
+      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
+                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
+                                                ((int)threadIdx.x % chunks) * CHUNK);
+      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)),
+                        inside ? dout + image_base[i] + ((cg_i64)oh * g.OW + ow) * g.O + o : dout, inside ? 16 : 0);
+    }
   }
 };
 
-// templates/vision.cuh:266
+// templates/vision.cuh:309
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -2151,7 +2194,7 @@ struct cg_conv2d_nhwc_weight_taps {
   }
 };
 
-// templates/vision.cuh:279
+// templates/vision.cuh:322
 // dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
 // output pixel k, channels c on, or zeros where it lies outside the image.
 template <typename T>
@@ -2170,7 +2213,7 @@ struct cg_conv2d_nhwc_pixel_taps {
   }
 };
 
-// templates/vision.cuh:297
+// templates/vision.cuh:340
 // The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
 // k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
 template <typename Config, typename T>
@@ -2178,15 +2221,15 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                      const T* w_group, const cg_conv2d_geometry& g, cg_i64 M,
                                                      cg_i64 N, cg_i64 k_begin, cg_i64 k_end, cg_i64 tile_m,
                                                      cg_i64 tile_n, T* smem) {
-  const cg_gemm_gather<Config::BM, Config::BK, true, T, Config::THREADS, cg_conv2d_nhwc_dout_taps<T>> copy_a(
-      cg_conv2d_nhwc_dout_taps<T>{dout_group, g}, dout_group, tile_m * Config::BM, M, k_begin, k_end);
+  const cg_conv2d_nhwc_dout_taps<Config::BM, Config::BK, T, Config::THREADS> copy_a(dout_group, g, M,
+                                                                                     tile_m * Config::BM, k_begin, k_end);
   const cg_gemm_gather<Config::BN, Config::BK, false, T, Config::THREADS, cg_conv2d_nhwc_weight_taps<T>> copy_b(
       cg_conv2d_nhwc_weight_taps<T>{w_group, g}, w_group, tile_n * Config::BN, N, k_begin, k_end);
   cg_gemm_mainloop_with<Config, T, true, false>(acc, copy_a, copy_b, (k_end - k_begin + Config::BK - 1) / Config::BK,
                                                  smem);
 }
 
-// templates/vision.cuh:313
+// templates/vision.cuh:356
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -2203,7 +2246,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Conf
                                                   smem);
 }
 
-// templates/vision.cuh:428
+// templates/vision.cuh:471
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2238,7 +2281,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:470
+// templates/vision.cuh:513
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2255,7 +2298,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:488
+// templates/vision.cuh:531
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2277,7 +2320,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:505
+// templates/vision.cuh:548
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2294,7 +2337,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:523
+// templates/vision.cuh:566
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2306,14 +2349,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:533
+// templates/vision.cuh:576
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:541
+// templates/vision.cuh:584
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2333,7 +2376,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:559
+// templates/vision.cuh:602
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2342,7 +2385,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:585
+// templates/vision.cuh:628
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2352,7 +2395,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:611
+// templates/vision.cuh:654
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2376,7 +2419,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:650
+// templates/vision.cuh:693
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2390,7 +2433,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:664
+// templates/vision.cuh:707
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2400,7 +2443,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:682
+// templates/vision.cuh:725
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2411,7 +2454,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:707
+// templates/vision.cuh:750
 // The input element max pooling's window (oh, ow) chose, as an offset in its
 // plane (h * W + w): the first largest, a NaN the last (cg_max_pool2d's
 // order); -1 for a window of padding alone.
@@ -2435,7 +2478,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_
   return choice;
 }
 
-// templates/vision.cuh:728
+// templates/vision.cuh:771
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2456,7 +2499,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return sum;
 }
 
-// templates/vision.cuh:768
+// templates/vision.cuh:811
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2485,7 +2528,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return sum;
 }
 
-// templates/vision.cuh:811
+// templates/vision.cuh:854
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2505,7 +2548,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return sum;
 }
 
-// templates/vision.cuh:846
+// templates/vision.cuh:889
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2520,7 +2563,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:849
+// templates/vision.cuh:892
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2538,13 +2581,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:884
+// templates/vision.cuh:927
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:892
+// templates/vision.cuh:935
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2566,7 +2609,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:928
+// templates/vision.cuh:971
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where
