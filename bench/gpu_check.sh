@@ -41,7 +41,8 @@
 #    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
 #  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
 #    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
-#    (bench/resnet_torch.py);
+#    (bench/resnet_torch.py); the gradients of six of its convolutions (dx and dweight, batch 32) beside
+#    PyTorch's convolution backward (bench/conv_gradients.py);
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -318,6 +319,17 @@ if have_time 120 "the ResNet-50 benchmark"; then
     "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$log/resnet50_b$batch/graph.json" 2>&1 | sed -n 2p
     grep 'ms/step' "$log/resnet50_torch_b$batch.txt" || tail -3 "$log/resnet50_torch_b$batch.txt"
   done
+fi
+echo
+echo "convolution gradients (issue #40, docs/gemm.md): dx and dweight of six ResNet-50 layers, bf16, batch 32, channels-last,"
+echo "as conv2d_nhwc_backward_data and _weight (bench_megakernel, kernels only, mean of 20) beside PyTorch's convolution_backward"
+echo "(cuDNN, channels_last, cudnn.benchmark; mean of 20) on the same layers (bench/conv_gradients.py):"
+if have_time 60 "the convolution gradients benchmark"; then
+  python3 bench/conv_gradients.py --graphs "$log/conv_gradients" 2>/dev/null
+  for graph in "$log"/conv_gradients/*.json; do
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$graph" 2>&1 | sed -n 2p
+  done
+  python3 bench/conv_gradients.py --torch 2>&1 | tail -6
 fi
 echo
 echo "Nsight Compute on three kernels of the B8 x T128 block (a pipelined matmul, attention, the MLP's down projection):"
