@@ -370,23 +370,37 @@ struct cg_gemm_operand {
   typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, PAIRED_SWIZZLE> tile;
   static constexpr int elements = tile::elements;
 
-  // The copies of one thread, global -> shared, k-tile after k-tile: set up
-  // once per output tile, so that a k-tile costs each chunk an address add,
-  // one compare and the cp.async. Thread t copies chunks t, t + THREADS, ...
-  // of the stored tile (row-major over its rows of `chunks` chunks); with
-  // THREADS a multiple of `chunks`, its column is the same for all of them
-  // and its rows are `row_stride` apart. Where those rows share their swizzle
-  // key (row_stride a multiple of the key's period: every GEMM tile), the
-  // chunks' offsets are row_stride rows apart; otherwise (rows of 32 chunks
-  // for 128 threads: flash attention's heads of 256) each chunk's offset is
-  // swizzled on its own.
+  // Which chunks of the stored tile a thread copies, for every copier of it
+  // (the matrix copier below, an implicit GEMM's gathers): thread t copies
+  // chunks t, t + THREADS, ... (row-major over the tile's rows of `chunks`
+  // chunks); with THREADS a multiple of `chunks`, its column is the same for
+  // all of them and its rows are `row_stride` apart. Where those rows share
+  // their swizzle key (row_stride a multiple of the key's period: every GEMM
+  // tile), the chunks' offsets are row_stride rows apart; otherwise (rows of
+  // 32 chunks for 128 threads: flash attention's heads of 256) each chunk's
+  // offset is swizzled on its own.
   template <int THREADS>
-  struct copier {
+  struct copy_layout {
     static constexpr int rows = K_CONTIGUOUS ? MN : BK, chunks = tile::chunks;
     static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
     static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
                   "every thread copies the same number of chunks, in one column");
     static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+    CG_DEVICE static int row() { return (int)threadIdx.x / chunks; }
+    CG_DEVICE static int col() { return ((int)threadIdx.x % chunks) * CHUNK; }
+    // The offset in a stage's tile of this thread's chunk i, `first` that of its chunk 0.
+    CG_DEVICE static int offset(int first, int i) {
+      return one_key ? first + i * row_stride * chunks * CHUNK : tile::offset(row() + i * row_stride, col());
+    }
+  };
+
+  // The copies of one thread, global -> shared, k-tile after k-tile: set up
+  // once per output tile, so that a k-tile costs each chunk an address add,
+  // one compare and the cp.async.
+  template <int THREADS>
+  struct copier {
+    typedef copy_layout<THREADS> layout;
+    static constexpr int chunks = layout::chunks, per_thread = layout::per_thread, row_stride = layout::row_stride;
     static_assert(per_thread <= 32, "the row predicates fit one word");
     const T* src;               // this thread's first chunk at the first k-tile
     const T* base;              // the operand's first element: a valid address to copy nothing from
@@ -399,7 +413,7 @@ struct cg_gemm_operand {
     // extent along MN; the tile starts at mn0 and its k-tiles at k_begin,
     // running to k_end.
     CG_DEVICE copier(const T* src0, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_begin, cg_i64 k_end) {
-      const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+      const int row = layout::row(), col = layout::col();
       const cg_i64 outer = (K_CONTIGUOUS ? mn0 : k_begin) + row, inner = (K_CONTIGUOUS ? k_begin : mn0) + col;
       base = src0;
       src = src0 + outer * ld + inner;
@@ -424,11 +438,8 @@ struct cg_gemm_operand {
       for (int i = 0; i < per_thread; ++i) {
         const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
         const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
-        const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                   : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                  ((int)threadIdx.x % chunks) * CHUNK);
-        cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? from + i * row_step : base,
-                          inside ? 16 : 0);
+        cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                          inside ? from + i * row_step : base, inside ? 16 : 0);
       }
     }
   };
@@ -497,12 +508,9 @@ struct cg_gemm_accumulators {
 // the same tile, read by the same fragments.
 template <int MN, int BK, bool K_CONTIGUOUS, typename T, int THREADS, typename Source>
 struct cg_gemm_gather {
-  typedef typename cg_gemm_operand<MN, BK, K_CONTIGUOUS, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks, rows = K_CONTIGUOUS ? MN : BK;
-  static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<MN, BK, K_CONTIGUOUS, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   Source source;
   const T* base;                  // a valid address to copy nothing from
   cg_i64 mn_first, k_first;       // this thread's first chunk at k-tile 0
@@ -512,10 +520,10 @@ struct cg_gemm_gather {
   CG_DEVICE cg_gemm_gather(const Source& source_, const T* base_, cg_i64 mn0, cg_i64 mn_extent_, cg_i64 k_begin,
                            cg_i64 k_end_)
       : source(source_), base(base_), mn_extent(mn_extent_), k_end(k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     mn_first = mn0 + (K_CONTIGUOUS ? row : col);
     k_first = k_begin + (K_CONTIGUOUS ? col : row);
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
   }
 
   // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
@@ -525,11 +533,8 @@ struct cg_gemm_gather {
       const cg_i64 mn = mn_first + (K_CONTIGUOUS ? (cg_i64)i * row_stride : 0);
       const cg_i64 k = k_first + kt * BK + (K_CONTIGUOUS ? 0 : (cg_i64)i * row_stride);
       const T* from = mn < mn_extent && k < k_end ? source.at(mn, k) : nullptr;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), from != nullptr ? from : base,
-                        from != nullptr ? 16 : 0);
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                        from != nullptr ? from : base, from != nullptr ? 16 : 0);
     }
   }
 };

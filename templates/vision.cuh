@@ -98,12 +98,9 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
 // and the cp.async.
 template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_patches {
-  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
-  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<BM, BK, true, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   // A row past M: a corner row no tap reaches, so that every chunk of it is outside.
   static constexpr int outside = -(1 << 30);
   const T* x;               // the group's first channel of the first pixel
@@ -116,9 +113,9 @@ struct cg_conv2d_nhwc_patches {
   CG_DEVICE cg_conv2d_nhwc_patches(const T* x_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
                                    cg_i64 k_begin, cg_i64 k_end_)
       : x(x_group), g(geometry), k_end(k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     k_first = k_begin + col;
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
     CG_UNROLL
     for (int i = 0; i < per_thread; ++i) {
       const cg_i64 m = m0 + row + (cg_i64)i * row_stride;
@@ -141,11 +138,8 @@ struct cg_conv2d_nhwc_patches {
     for (int i = 0; i < per_thread; ++i) {
       const int h = top[i] + dh, w = left[i] + dw;
       const bool inside = k_inside && (unsigned)h < (unsigned)g.H && (unsigned)w < (unsigned)g.W;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? x + corner[i] + step : x,
-                        inside ? 16 : 0);
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                        inside ? x + corner[i] + step : x, inside ? 16 : 0);
     }
   }
 };
@@ -251,12 +245,9 @@ CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geom
 // and bounds compares and the cp.async.
 template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_dout_taps {
-  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
-  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<BM, BK, true, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   // A row past M: one that no tap reaches (every chunk of it is zeros).
   static constexpr int outside = -(1 << 30);
   const T* dout;            // the group's first output channel of the first pixel
@@ -269,9 +260,9 @@ struct cg_conv2d_nhwc_dout_taps {
   CG_DEVICE cg_conv2d_nhwc_dout_taps(const T* dout_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
                                      cg_i64 k_begin, cg_i64 k_end_)
       : dout(dout_group), g(geometry), k_end((unsigned int)k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     k_first = (unsigned int)k_begin + col;
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
     CG_UNROLL
     for (int i = 0; i < per_thread; ++i) {
       const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
@@ -295,10 +286,7 @@ struct cg_conv2d_nhwc_dout_taps {
       const int oh = th / g.stride_h, ow = tw / g.stride_w;
       const bool inside = k_inside && th >= 0 && tw >= 0 && th % g.stride_h == 0 && tw % g.stride_w == 0 &&
                           oh < g.OH && ow < g.OW;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)),
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
                         inside ? dout + image_base[i] + ((cg_i64)oh * g.OW + ow) * g.O + o : dout, inside ? 16 : 0);
     }
   }

@@ -1200,23 +1200,37 @@ struct cg_gemm_operand {
   typedef cg_swizzled_tile<K_CONTIGUOUS ? MN : BK, K_CONTIGUOUS ? BK : MN, CHUNK, PAIRED_SWIZZLE> tile;
   static constexpr int elements = tile::elements;
 
-  // The copies of one thread, global -> shared, k-tile after k-tile: set up
-  // once per output tile, so that a k-tile costs each chunk an address add,
-  // one compare and the cp.async. Thread t copies chunks t, t + THREADS, ...
-  // of the stored tile (row-major over its rows of `chunks` chunks); with
-  // THREADS a multiple of `chunks`, its column is the same for all of them
-  // and its rows are `row_stride` apart. Where those rows share their swizzle
-  // key (row_stride a multiple of the key's period: every GEMM tile), the
-  // chunks' offsets are row_stride rows apart; otherwise (rows of 32 chunks
-  // for 128 threads: flash attention's heads of 256) each chunk's offset is
-  // swizzled on its own.
+  // Which chunks of the stored tile a thread copies, for every copier of it
+  // (the matrix copier below, an implicit GEMM's gathers): thread t copies
+  // chunks t, t + THREADS, ... (row-major over the tile's rows of `chunks`
+  // chunks); with THREADS a multiple of `chunks`, its column is the same for
+  // all of them and its rows are `row_stride` apart. Where those rows share
+  // their swizzle key (row_stride a multiple of the key's period: every GEMM
+  // tile), the chunks' offsets are row_stride rows apart; otherwise (rows of
+  // 32 chunks for 128 threads: flash attention's heads of 256) each chunk's
+  // offset is swizzled on its own.
   template <int THREADS>
-  struct copier {
+  struct copy_layout {
     static constexpr int rows = K_CONTIGUOUS ? MN : BK, chunks = tile::chunks;
     static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
     static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
                   "every thread copies the same number of chunks, in one column");
     static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+    CG_DEVICE static int row() { return (int)threadIdx.x / chunks; }
+    CG_DEVICE static int col() { return ((int)threadIdx.x % chunks) * CHUNK; }
+    // The offset in a stage's tile of this thread's chunk i, `first` that of its chunk 0.
+    CG_DEVICE static int offset(int first, int i) {
+      return one_key ? first + i * row_stride * chunks * CHUNK : tile::offset(row() + i * row_stride, col());
+    }
+  };
+
+  // The copies of one thread, global -> shared, k-tile after k-tile: set up
+  // once per output tile, so that a k-tile costs each chunk an address add,
+  // one compare and the cp.async.
+  template <int THREADS>
+  struct copier {
+    typedef copy_layout<THREADS> layout;
+    static constexpr int chunks = layout::chunks, per_thread = layout::per_thread, row_stride = layout::row_stride;
     static_assert(per_thread <= 32, "the row predicates fit one word");
     const T* src;               // this thread's first chunk at the first k-tile
     const T* base;              // the operand's first element: a valid address to copy nothing from
@@ -1229,7 +1243,7 @@ struct cg_gemm_operand {
     // extent along MN; the tile starts at mn0 and its k-tiles at k_begin,
     // running to k_end.
     CG_DEVICE copier(const T* src0, cg_i64 ld, cg_i64 mn0, cg_i64 mn_extent, cg_i64 k_begin, cg_i64 k_end) {
-      const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+      const int row = layout::row(), col = layout::col();
       const cg_i64 outer = (K_CONTIGUOUS ? mn0 : k_begin) + row, inner = (K_CONTIGUOUS ? k_begin : mn0) + col;
       base = src0;
       src = src0 + outer * ld + inner;
@@ -1254,11 +1268,8 @@ struct cg_gemm_operand {
       for (int i = 0; i < per_thread; ++i) {
         const cg_i64 k_of_chunk = K_CONTIGUOUS ? k_first : k_first + (cg_i64)i * row_stride;
         const bool inside = ((rows_inside >> i) & 1u) && k_of_chunk < k_left;
-        const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                   : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                  ((int)threadIdx.x % chunks) * CHUNK);
-        cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? from + i * row_step : base,
-                          inside ? 16 : 0);
+        cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                          inside ? from + i * row_step : base, inside ? 16 : 0);
       }
     }
   };
@@ -1301,7 +1312,7 @@ struct cg_gemm_operand {
   }
 };
 
-// templates/gemm.cuh:475
+// templates/gemm.cuh:486
 // The mainloop's compile-time shape.
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
 struct cg_gemm_config {
@@ -1312,14 +1323,14 @@ struct cg_gemm_config {
   static_assert(WM % 16 == 0 && WN % 16 == 0 && BK % 16 == 0, "whole mma tiles, B fragments in pairs");
 };
 
-// templates/gemm.cuh:485
+// templates/gemm.cuh:496
 // A warp's accumulators: MI x NI mma tiles of 16 x 8, four floats each.
 template <typename Config>
 struct cg_gemm_accumulators {
   float v[Config::MI][Config::NI][4];
 };
 
-// templates/gemm.cuh:498
+// templates/gemm.cuh:509
 // A copier of cg_gemm_mainloop_with for an operand that no matrix holds and
 // whose addresses no per-tile set-up makes cheap (a convolution's gradients,
 // templates/vision.cuh): chunk (mn, k) of the tile, 16 bytes along k
@@ -1330,12 +1341,9 @@ struct cg_gemm_accumulators {
 // the same tile, read by the same fragments.
 template <int MN, int BK, bool K_CONTIGUOUS, typename T, int THREADS, typename Source>
 struct cg_gemm_gather {
-  typedef typename cg_gemm_operand<MN, BK, K_CONTIGUOUS, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks, rows = K_CONTIGUOUS ? MN : BK;
-  static constexpr int per_thread = rows * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((rows * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<MN, BK, K_CONTIGUOUS, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   Source source;
   const T* base;                  // a valid address to copy nothing from
   cg_i64 mn_first, k_first;       // this thread's first chunk at k-tile 0
@@ -1345,10 +1353,10 @@ struct cg_gemm_gather {
   CG_DEVICE cg_gemm_gather(const Source& source_, const T* base_, cg_i64 mn0, cg_i64 mn_extent_, cg_i64 k_begin,
                            cg_i64 k_end_)
       : source(source_), base(base_), mn_extent(mn_extent_), k_end(k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     mn_first = mn0 + (K_CONTIGUOUS ? row : col);
     k_first = k_begin + (K_CONTIGUOUS ? col : row);
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
   }
 
   // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
@@ -1358,16 +1366,13 @@ struct cg_gemm_gather {
       const cg_i64 mn = mn_first + (K_CONTIGUOUS ? (cg_i64)i * row_stride : 0);
       const cg_i64 k = k_first + kt * BK + (K_CONTIGUOUS ? 0 : (cg_i64)i * row_stride);
       const T* from = mn < mn_extent && k < k_end ? source.at(mn, k) : nullptr;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), from != nullptr ? from : base,
-                        from != nullptr ? 16 : 0);
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                        from != nullptr ? from : base, from != nullptr ? 16 : 0);
     }
   }
 };
 
-// templates/gemm.cuh:553
+// templates/gemm.cuh:558
 // The mainloop on the copiers it is given: k_tiles k-tiles into acc (zeroed
 // here), each k-tile's operand tiles issued by copy_a.copy(address, kt) and
 // copy_b.copy(address, kt) into a stage at that shared address, as
@@ -1433,7 +1438,7 @@ CG_DEVICE void cg_gemm_mainloop_with(cg_gemm_accumulators<Config>& acc, const Co
   __syncthreads();  // the caller may reuse the shared memory
 }
 
-// templates/gemm.cuh:631
+// templates/gemm.cuh:636
 // Calls f(m, n, d0, d1) for each pair of horizontally adjacent accumulators
 // of this thread that lie inside M x N (n even; n + 1 may be past N, then d1
 // must be dropped: the caller checks n + 1 < N).
@@ -1454,7 +1459,7 @@ CG_DEVICE void cg_gemm_each_pair(const cg_gemm_accumulators<Config>& acc, cg_i64
       }
 }
 
-// templates/gemm.cuh:657
+// templates/gemm.cuh:662
 // A block's BM x BN results staged in shared memory (rows LD floats apart),
 // walked for 16-byte stores: each lane takes W consecutive columns (W = 4
 // or 8), BN / W lanes a row, and calls f(m, n, v) with v its W values, for
@@ -1489,7 +1494,7 @@ CG_DEVICE void cg_staged_walk_vector(const float* smem, int LD, cg_i64 M, cg_i64
   }
 }
 
-// templates/gemm.cuh:691
+// templates/gemm.cuh:696
 // The block's output tile again, through shared memory, in an order that
 // coalesces: the warps write their accumulators into a [BM][BN + 4] float
 // tile (over the pipeline's stages, free once the mainloop has ended, in
@@ -1512,7 +1517,7 @@ CG_DEVICE void cg_gemm_stage_results(const cg_gemm_accumulators<Config>& acc, fl
   __syncthreads();
 }
 
-// templates/gemm.cuh:721
+// templates/gemm.cuh:726
 // cg_gemm_each_coalesced with 16-byte stores: f(m, n, v) for W consecutive
 // values from (m, n) (cg_staged_walk_vector; N a multiple of W).
 template <typename Config, int W, typename F>
@@ -2046,12 +2051,9 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
 // and the cp.async.
 template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_patches {
-  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
-  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<BM, BK, true, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   // A row past M: a corner row no tap reaches, so that every chunk of it is outside.
   static constexpr int outside = -(1 << 30);
   const T* x;               // the group's first channel of the first pixel
@@ -2064,9 +2066,9 @@ struct cg_conv2d_nhwc_patches {
   CG_DEVICE cg_conv2d_nhwc_patches(const T* x_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
                                    cg_i64 k_begin, cg_i64 k_end_)
       : x(x_group), g(geometry), k_end(k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     k_first = k_begin + col;
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
     CG_UNROLL
     for (int i = 0; i < per_thread; ++i) {
       const cg_i64 m = m0 + row + (cg_i64)i * row_stride;
@@ -2089,16 +2091,13 @@ struct cg_conv2d_nhwc_patches {
     for (int i = 0; i < per_thread; ++i) {
       const int h = top[i] + dh, w = left[i] + dw;
       const bool inside = k_inside && (unsigned)h < (unsigned)g.H && (unsigned)w < (unsigned)g.W;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)), inside ? x + corner[i] + step : x,
-                        inside ? 16 : 0);
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                        inside ? x + corner[i] + step : x, inside ? 16 : 0);
     }
   }
 };
 
-// templates/vision.cuh:158
+// templates/vision.cuh:152
 // The tile (tile_m, tile_n) of one group's implicit GEMM, over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. x_group points at
 // the group's first channel of the first pixel, w_group at its first output
@@ -2117,7 +2116,7 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
-// templates/vision.cuh:252
+// templates/vision.cuh:246
 // dx's A copier: for each of a thread's rows (dx's pixel m), dout at the
 // output pixel whose window puts tap (i, j) of the k-tile's k = (i, j, o) on
 // m, or zeros. As the forward's patch copier: each row's pixel is decoded
@@ -2127,12 +2126,9 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
 // and bounds compares and the cp.async.
 template <int BM, int BK, typename T, int THREADS>
 struct cg_conv2d_nhwc_dout_taps {
-  typedef typename cg_gemm_operand<BM, BK, true, T>::tile tile;
-  static constexpr int CHUNK = 16 / (int)sizeof(T), chunks = tile::chunks;
-  static constexpr int per_thread = BM * chunks / THREADS, row_stride = THREADS / chunks;
-  static_assert((BM * chunks) % THREADS == 0 && THREADS % chunks == 0,
-                "every thread copies the same number of chunks, in one column");
-  static constexpr bool one_key = per_thread == 1 || row_stride % tile::key_period == 0;
+  typedef cg_gemm_operand<BM, BK, true, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
   // A row past M: one that no tap reaches (every chunk of it is zeros).
   static constexpr int outside = -(1 << 30);
   const T* dout;            // the group's first output channel of the first pixel
@@ -2145,9 +2141,9 @@ struct cg_conv2d_nhwc_dout_taps {
   CG_DEVICE cg_conv2d_nhwc_dout_taps(const T* dout_group, const cg_conv2d_geometry& geometry, cg_i64 M, cg_i64 m0,
                                      cg_i64 k_begin, cg_i64 k_end_)
       : dout(dout_group), g(geometry), k_end((unsigned int)k_end_) {
-    const int row = (int)threadIdx.x / chunks, col = ((int)threadIdx.x % chunks) * CHUNK;
+    const int row = layout::row(), col = layout::col();
     k_first = (unsigned int)k_begin + col;
-    smem_offset = tile::offset(row, col);
+    smem_offset = operand::tile::offset(row, col);
     CG_UNROLL
     for (int i = 0; i < per_thread; ++i) {
       const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
@@ -2171,16 +2167,13 @@ struct cg_conv2d_nhwc_dout_taps {
       const int oh = th / g.stride_h, ow = tw / g.stride_w;
       const bool inside = k_inside && th >= 0 && tw >= 0 && th % g.stride_h == 0 && tw % g.stride_w == 0 &&
                           oh < g.OH && ow < g.OW;
-      const int offset = one_key ? smem_offset + i * row_stride * tile::chunks * CHUNK
-                                 : tile::offset((int)threadIdx.x / chunks + i * row_stride,
-                                                ((int)threadIdx.x % chunks) * CHUNK);
-      cg_cp_async_16_at(dst + (unsigned int)(offset * (int)sizeof(T)),
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
                         inside ? dout + image_base[i] + ((cg_i64)oh * g.OW + ow) * g.O + o : dout, inside ? 16 : 0);
     }
   }
 };
 
-// templates/vision.cuh:309
+// templates/vision.cuh:297
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -2194,7 +2187,7 @@ struct cg_conv2d_nhwc_weight_taps {
   }
 };
 
-// templates/vision.cuh:322
+// templates/vision.cuh:310
 // dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
 // output pixel k, channels c on, or zeros where it lies outside the image.
 template <typename T>
@@ -2213,7 +2206,7 @@ struct cg_conv2d_nhwc_pixel_taps {
   }
 };
 
-// templates/vision.cuh:340
+// templates/vision.cuh:328
 // The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
 // k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
 template <typename Config, typename T>
@@ -2229,7 +2222,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                  smem);
 }
 
-// templates/vision.cuh:356
+// templates/vision.cuh:344
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -2246,7 +2239,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Conf
                                                   smem);
 }
 
-// templates/vision.cuh:471
+// templates/vision.cuh:459
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2281,7 +2274,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:513
+// templates/vision.cuh:501
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2298,7 +2291,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:531
+// templates/vision.cuh:519
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2320,7 +2313,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:548
+// templates/vision.cuh:536
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2337,7 +2330,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:566
+// templates/vision.cuh:554
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2349,14 +2342,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:576
+// templates/vision.cuh:564
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:584
+// templates/vision.cuh:572
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2376,7 +2369,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:602
+// templates/vision.cuh:590
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2385,7 +2378,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:628
+// templates/vision.cuh:616
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2395,7 +2388,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:654
+// templates/vision.cuh:642
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2419,7 +2412,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:693
+// templates/vision.cuh:681
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2433,7 +2426,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:707
+// templates/vision.cuh:695
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2443,7 +2436,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:725
+// templates/vision.cuh:713
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2454,7 +2447,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:750
+// templates/vision.cuh:738
 // The input element max pooling's window (oh, ow) chose, as an offset in its
 // plane (h * W + w): the first largest, a NaN the last (cg_max_pool2d's
 // order); -1 for a window of padding alone.
@@ -2478,7 +2471,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_
   return choice;
 }
 
-// templates/vision.cuh:771
+// templates/vision.cuh:759
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2499,7 +2492,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return sum;
 }
 
-// templates/vision.cuh:811
+// templates/vision.cuh:799
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2528,7 +2521,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return sum;
 }
 
-// templates/vision.cuh:854
+// templates/vision.cuh:842
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2548,7 +2541,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return sum;
 }
 
-// templates/vision.cuh:889
+// templates/vision.cuh:877
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2563,7 +2556,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:892
+// templates/vision.cuh:880
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2581,13 +2574,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:927
+// templates/vision.cuh:915
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:935
+// templates/vision.cuh:923
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2609,7 +2602,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:971
+// templates/vision.cuh:959
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where
