@@ -31,8 +31,9 @@ int64_t broadcast_source(const Shape& out, const Shape& in, int64_t i) {
 
 class Evaluator {
  public:
-  Evaluator(const Program& p, ReferenceBuffers& r, const RunTimeArgs& args, const UserOpReferences& user)
-      : p_(p), r_(r), args_(args), user_(user) {}
+  Evaluator(const Program& p, ReferenceBuffers& r, const RunTimeArgs& args, const UserOpReferences& user,
+            const std::vector<double>& carried_error = {})
+      : p_(p), r_(r), args_(args), user_(user), carried_error_(carried_error) {}
 
   void run(int t) {
     const BoundTask& bt = p_.tasks[size_t(t)];
@@ -223,6 +224,31 @@ class Evaluator {
     return (f(x + h) - f(x - h)) / (2 * h);
   }
 
+  // How much f moves per unit of an error of up to `delta` in x: |f'(x)|
+  // where f is smooth across [x - delta, x + delta]; where that interval
+  // holds a kink or a jump (relu at 0, a gradient's branch on x > 0), the
+  // secant across it. A value computed a little below 0 may come out of a
+  // kernel a little above it, and relu then passes it on: the first-order
+  // scale, 0 there, failed correct TF32 convolutions whose residual added
+  // such an element. (Secants that leave f's domain, log below 0, are skipped.)
+  template <typename F>
+  static double slope(F f, double x, double delta) {
+    double s = std::abs(derivative(f, x));
+    if (!(delta > 0)) return s;
+    for (double side : {x - delta, x + delta}) {
+      const double secant = std::abs(f(side) - f(x)) / delta;
+      if (std::isfinite(secant)) s = std::max(s, secant);
+    }
+    return s;
+  }
+
+  // The error a computed buffer's values may carry into a task, relative to
+  // their scale: the end-to-end tolerance it is checked to (0 for inputs,
+  // which are exact, and wherever the caller gives none).
+  double carried_error(int buffer) const {
+    return size_t(buffer) < carried_error_.size() ? carried_error_[size_t(buffer)] : 0.0;
+  }
+
   template <typename F>
   void unary(const BoundTask& bt, F f, const char* in = "x", const char* result = "out") {
     int x = buf(bt, in), o = buf(bt, result);
@@ -231,7 +257,7 @@ class Evaluator {
     std::vector<double> v(xv.size()), a(xv.size());
     for (size_t i = 0; i < xv.size(); ++i) {
       v[i] = f(xv[i]);
-      a[i] = std::abs(derivative(f, xv[i])) * xa[i] + std::abs(v[i]);
+      a[i] = slope(f, xv[i], carried_error(x) * xa[i]) * xa[i] + std::abs(v[i]);
     }
     out(o, std::move(v), std::move(a));
   }
@@ -266,11 +292,11 @@ class Evaluator {
     std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       double xv = val(x)[size_t(i)], dv = val(d)[size_t(i)];
-      double dfdx = derivative([&](double t) { return f(t, dv); }, xv);
-      double dfdd = derivative([&](double t) { return f(xv, t); }, dv);
+      const double xa = r_.abs[size_t(x)][size_t(i)], da = r_.abs[size_t(d)][size_t(i)];
+      double dfdx = slope([&](double t) { return f(t, dv); }, xv, carried_error(x) * xa);
+      double dfdd = slope([&](double t) { return f(xv, t); }, dv, carried_error(d) * da);
       v[size_t(i)] = f(xv, dv);
-      a[size_t(i)] = std::abs(dfdx) * r_.abs[size_t(x)][size_t(i)] + std::abs(dfdd) * r_.abs[size_t(d)][size_t(i)] +
-                     std::abs(v[size_t(i)]);
+      a[size_t(i)] = dfdx * xa + dfdd * da + std::abs(v[size_t(i)]);
     }
     out(o, std::move(v), std::move(a));
   }
@@ -1299,6 +1325,7 @@ class Evaluator {
   ReferenceBuffers& r_;
   const RunTimeArgs& args_;
   const UserOpReferences& user_;
+  const std::vector<double> carried_error_;  // (a copy: the default argument is a temporary)
 };
 
 }  // namespace
@@ -1316,14 +1343,14 @@ ReferenceBuffers evaluate_task(const Program& program, int task, const std::vect
 
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
                                     const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args,
-                                    const UserOpReferences& user) {
+                                    const UserOpReferences& user, const std::vector<double>& carried_error) {
   ReferenceBuffers r;
   r.value = inputs;
   r.value.resize(program.buffers.size());
   r.abs.resize(program.buffers.size());
   for (size_t b = 0; b < r.value.size(); ++b)
     for (double x : r.value[b]) r.abs[b].push_back(std::abs(x));
-  Evaluator eval(program, r, args, user);
+  Evaluator eval(program, r, args, user, carried_error);
   for (int t : schedule.order) eval.run(t);
   return r;
 }

@@ -38,9 +38,14 @@ struct UserOpReferences {
 
 // Runs every task of `schedule` on `inputs` (per buffer; the graph inputs set).
 // Throws std::runtime_error for an op it has no reference for.
+// `carried_error` (per buffer, relative to its scale; empty: none) is the
+// error each computed buffer may carry into the tasks that read it, the
+// tolerance it is itself checked to: where that error may carry a value
+// across a kink or a jump of an elementwise op (relu at 0), the op's scale
+// covers the other side.
 ReferenceBuffers evaluate_reference(const Program& program, const Schedule& schedule,
                                     const std::vector<std::vector<double>>& inputs, const RunTimeArgs& args = {},
-                                    const UserOpReferences& user = {});
+                                    const UserOpReferences& user = {}, const std::vector<double>& carried_error = {});
 
 // Runs one task on `buffers` (every buffer's current values; its inputs taken
 // as exact), returning the buffers with that task's outputs recomputed.

@@ -534,7 +534,14 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     for (int t : c.schedule.order)
       if (in(round.phases, p.tasks[size_t(t)].task->phase)) part.order.push_back(t);
     user.ops.device = &actual;
-    ReferenceBuffers ref = evaluate_reference(p, part, before, args, user.ops);
+    // What this round computes may carry its own tolerance into the tasks
+    // after it; what it starts from is taken as exact.
+    std::vector<double> carried_error(p.buffers.size(), 0.0);
+    for (int t : part.order)
+      for (const BoundTensor& x : p.tasks[size_t(t)].tensors)
+        if (x.buffer >= 0 && (x.sig->role == SlotRole::output || x.sig->writes))
+          carried_error[size_t(x.buffer)] = tolerances[size_t(x.buffer)].relative;
+    ReferenceBuffers ref = evaluate_reference(p, part, before, args, user.ops, carried_error);
     for (size_t b = 0; b < p.buffers.size(); ++b) {
       const Storage s = p.buffers[b].storage;
       if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;

@@ -17,6 +17,7 @@
 #include "graph_json.h"
 #include "host_module.h"
 #include "pipeline.h"
+#include "reference.h"
 #include "runner.h"
 #include "test_backend.h"
 
@@ -781,6 +782,52 @@ TEST(Emulation, ToleranceFollowsTheDtypesAValueWasComputedIn) {
   bool act_failed = false;
   for (const auto& check : bad.checks) act_failed = act_failed || (check.buffer == "act.out" && !check.ok());
   EXPECT_TRUE(act_failed) << format_run(bad);
+}
+
+// A computed value just below 0 may come out of its kernel just above it
+// (a TF32 convolution's sum, within its tolerance), and relu then passes it
+// on where the reference gives 0: the scale after relu must cover that, not
+// only relu's slope at the reference's value (0). Likewise relu's gradient,
+// which jumps from 0 to dout at 0. A seed of the TF32 channels-last test
+// failed on the first (a residual added after the relu).
+TEST(Emulation, AnErrorThatMayCrossAKinkIsInTheScaleAfterIt) {
+  GraphBuilder b("kink");
+  auto sum = b.task("sum", "add").tensor("a", f32, {1}, ext).tensor("b", f32, {1}, ext).tensor("out", f32, {1});
+  auto act = b.task("act", "relu").tensor("x", sum["out"]).tensor("out", f32, {1});
+  b.task("residual", "add").tensor("a", act["out"]).tensor("b", f32, {1}, ext).tensor("out", f32, {1}, ext);
+  b.task("grad", "relu_backward")
+      .tensor("x", sum["out"])
+      .tensor("dout", f32, {1}, ext)
+      .tensor("dx", f32, {1}, ext);
+  Program p = load_program(std::move(b).graph(), {});
+  auto buffer = [&](const std::string& task, const char* slot) {
+    for (const BoundTask& t : p.tasks)
+      if (t.task->id == task) return t.find_tensor(slot)->buffer;
+    throw std::logic_error("no task " + task);
+  };
+  std::vector<std::vector<double>> inputs(p.buffers.size());
+  inputs[size_t(buffer("sum", "a"))] = {1.0};
+  inputs[size_t(buffer("sum", "b"))] = {-1.0001};  // the sum: -1e-4, of scale 2
+  inputs[size_t(buffer("residual", "b"))] = {-0.34};
+  inputs[size_t(buffer("grad", "dout"))] = {0.5};
+  const Schedule order = schedule(p);
+  const double rtol = 5e-3;  // f16's, as TF32's sums are checked to
+  std::vector<double> carried(p.buffers.size(), 0.0);
+  carried[size_t(buffer("sum", "out"))] = rtol;
+
+  const int out = buffer("residual", "out"), dx = buffer("grad", "dx");
+  const ReferenceBuffers first_order = evaluate_reference(p, order, inputs);
+  EXPECT_DOUBLE_EQ(first_order.value[size_t(out)][0], -0.34);
+  EXPECT_NEAR(first_order.abs[size_t(out)][0], 0.34, 1e-12) << "relu's slope at -1e-4 is 0";
+  EXPECT_LT(first_order.abs[size_t(dx)][0], 1e-30) << "relu's gradient at -1e-4 does not depend on dout";
+
+  const ReferenceBuffers carried_across = evaluate_reference(p, order, inputs, {}, {}, carried);
+  EXPECT_DOUBLE_EQ(carried_across.value[size_t(out)][0], -0.34) << "the values do not change, only their scales";
+  // The sum may come out as high as -1e-4 + rtol * 2.0001, and relu passes that on.
+  EXPECT_GE(rtol * carried_across.abs[size_t(out)][0], -1e-4 + rtol * 2.0001);
+  EXPECT_LT(carried_across.abs[size_t(out)][0], 0.34 + 2.0001 + 1e-9);
+  // The gradient may come out as dout (0.5) where the reference gives 0.
+  EXPECT_GE(rtol * carried_across.abs[size_t(dx)][0], 0.5 * (1 - 1e-9));
 }
 
 TEST(Emulation, ExposesAMissingSyncthreads) {
