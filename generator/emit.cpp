@@ -69,6 +69,8 @@ Emitter::Skeleton Emitter::named_skeleton(std::string_view op) {
       {"max_pool2d_backward", &Emitter::pool2d_backward},
       {"avg_pool2d_backward", &Emitter::pool2d_backward},
       {"adaptive_avg_pool2d_backward", &Emitter::adaptive_avg_pool2d_backward},
+      {"max_pool2d_nhwc_backward", &Emitter::pool2d_nhwc_backward},
+      {"adaptive_avg_pool2d_nhwc_backward", &Emitter::pool2d_nhwc_backward},
       {"batchnorm2d", &Emitter::batchnorm2d},
       {"batchnorm2d_backward", &Emitter::batchnorm2d_backward},
       {"permute", &Emitter::permute},

@@ -497,6 +497,27 @@ std::string Emitter::adaptive_avg_pool2d_backward(int, const std::vector<Param>&
                           ek);
 }
 
+// max_pool2d_nhwc_backward, adaptive_avg_pool2d_nhwc_backward: as their
+// NCHW forms, a dx element a thread, channels fastest.
+std::string Emitter::pool2d_nhwc_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
+  const Param& dout = param(ps, "dout");
+  const Param& dx = param(ps, "dx");
+  const Shape& sx = dx.buffer->shape;
+  const Shape& so = dout.buffer->shape;
+  if (p_.tasks[size_t(t)].op->name == "adaptive_avg_pool2d_nhwc_backward")
+    return grid_stride_loop(numel(sx),
+                            store(dx, "i",
+                                  fmt::format("cg_adaptive_avg_pool2d_nhwc_backward(dout, i, {}, {}, {}, {}, {})", sx[1],
+                                              sx[2], so[1], so[2], sx[3])),
+                            ek);
+  if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
+  use_function(*p_.tasks[size_t(t)].op, "cg_max_pool2d_choice");
+  const Shape x_planes{sx[0], sx[3], sx[1], sx[2]}, out_planes{so[0], so[3], so[1], so[2]};  // (pool_window's order)
+  return pool_window(t, x_planes, out_planes) +
+         grid_stride_loop(numel(sx), store(dx, "i", fmt::format("cg_max_pool2d_nhwc_backward(x, dout, i, p, {})", sx[3])),
+                          ek);
+}
+
 // The element of channel `c` that a BatchNorm block's i-th is (NCHW).
 static std::string channel_element(const Shape& s, const std::string& i) {
   const int64_t positions = s[2] * s[3];

@@ -453,6 +453,7 @@ class Emitter {
   std::string adaptive_avg_pool2d(int, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string adaptive_avg_pool2d_backward(int, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string pool2d_nhwc_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string batchnorm2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string batchnorm2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek);

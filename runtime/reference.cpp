@@ -117,7 +117,9 @@ class Evaluator {
     if (op == "conv2d_backward") return conv2d_backward(bt, false);
     if (op == "conv2d_nhwc_backward_data" || op == "conv2d_nhwc_backward_weight") return conv2d_backward(bt, true);
     if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
-    if (op == "adaptive_avg_pool2d_backward") return adaptive_avg_pool2d_backward(bt);
+    if (op == "max_pool2d_nhwc_backward") return pool2d_backward(bt, true, true);
+    if (op == "adaptive_avg_pool2d_backward" || op == "adaptive_avg_pool2d_nhwc_backward")
+      return adaptive_avg_pool2d_backward(bt, op == "adaptive_avg_pool2d_nhwc_backward");
     if (op == "batchnorm2d") return batchnorm2d(bt);
     if (op == "batchnorm2d_backward") return batchnorm2d_backward(bt);
     if (op == "permute") return permute(bt);
@@ -959,11 +961,12 @@ class Evaluator {
 
   // The pooling gradients: each window's dout to what the forward read
   // (pool2d's order: max's first largest), over its divisor for avg.
-  void pool2d_backward(const BoundTask& bt, bool max) {
+  void pool2d_backward(const BoundTask& bt, bool max, bool nhwc = false) {
     const int d = buf(bt, "dout"), o = buf(bt, "dx");
     const int x = max ? buf(bt, "x") : -1;
-    const Shape &sx = shape(o), &so = shape(d);
-    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const Shape &sx = shape(o);
+    const Planes px = planes_of(sx, nhwc), po = planes_of(shape(d), nhwc);
+    const int64_t H = px.H, W = px.W, OH = po.H, OW = po.W, planes = po.count;
     const int64_t KH = arg_int(bt, "kernel_h", 1), KW = arg_int(bt, "kernel_w", 1), sh = arg_int(bt, "stride_h", 1),
                   sw = arg_int(bt, "stride_w", 1), ph = arg_int(bt, "padding_h", 0), pw = arg_int(bt, "padding_w", 0),
                   dh = max ? arg_int(bt, "dilation_h", 1) : 1, dw = max ? arg_int(bt, "dilation_w", 1) : 1;
@@ -972,7 +975,7 @@ class Evaluator {
     for (int64_t q = 0; q < planes; ++q)
       for (int64_t oh = 0; oh < OH; ++oh)
         for (int64_t ow = 0; ow < OW; ++ow) {
-          const size_t io = size_t((q * OH + oh) * OW + ow);
+          const size_t io = po.at(q, oh, ow);
           std::vector<size_t> read;
           double best = -INFINITY;
           size_t choice = SIZE_MAX;
@@ -980,7 +983,7 @@ class Evaluator {
             for (int64_t j = 0; j < KW; ++j) {
               const int64_t h = oh * sh - ph + i * dh, w = ow * sw - pw + j * dw;
               if (h < 0 || h >= H || w < 0 || w >= W) continue;
-              const size_t ix = size_t((q * H + h) * W + w);
+              const size_t ix = px.at(q, h, w);
               read.push_back(ix);
               if (max && (val(x)[ix] > best || choice == SIZE_MAX)) {
                 best = val(x)[ix];
@@ -1007,10 +1010,11 @@ class Evaluator {
     out(o, std::move(v), std::move(a));
   }
 
-  void adaptive_avg_pool2d_backward(const BoundTask& bt) {
+  void adaptive_avg_pool2d_backward(const BoundTask& bt, bool nhwc = false) {
     const int d = buf(bt, "dout"), o = buf(bt, "dx");
-    const Shape &sx = shape(o), &so = shape(d);
-    const int64_t H = sx[sx.size() - 2], W = sx.back(), OH = so[so.size() - 2], OW = so.back(), planes = numel(so) / (OH * OW);
+    const Shape& sx = shape(o);
+    const Planes px = planes_of(sx, nhwc), po = planes_of(shape(d), nhwc);
+    const int64_t H = px.H, W = px.W, OH = po.H, OW = po.W, planes = po.count;
     std::vector<double> v(size_t(numel(sx)), 0.0), a(v.size(), 0.0);
     for (int64_t q = 0; q < planes; ++q)
       for (int64_t oh = 0; oh < OH; ++oh)
@@ -1018,11 +1022,11 @@ class Evaluator {
           const int64_t h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
           const int64_t w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
           const double count = double((h1 - h0) * (w1 - w0));
-          const size_t io = size_t((q * OH + oh) * OW + ow);
+          const size_t io = po.at(q, oh, ow);
           for (int64_t h = h0; h < h1; ++h)
             for (int64_t w = w0; w < w1; ++w) {
-              v[size_t((q * H + h) * W + w)] += val(d)[io] / count;
-              a[size_t((q * H + h) * W + w)] += r_.abs[size_t(d)][io] / count;
+              v[px.at(q, h, w)] += val(d)[io] / count;
+              a[px.at(q, h, w)] += r_.abs[size_t(d)][io] / count;
             }
         }
     out(o, std::move(v), std::move(a));

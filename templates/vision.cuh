@@ -630,6 +630,7 @@ CG_OP("max_pool2d_nhwc",
       "arg: ceil_mode bool = false",
       "shape: x:[B, H, W, C] -> out:[B, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1, C]",
       "flops: numel(out) * kernel_h * kernel_w",
+      "backward: max_pool2d_nhwc_backward",
       "doc: max_pool2d on channels-last tensors (x and out NHWC), as conv2d_nhwc's neighbour")
 CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int C) {
   const cg_i64 pixel = i / C;
@@ -718,6 +719,7 @@ CG_OP("adaptive_avg_pool2d_nhwc",
       "tensor: out output T",
       "shape: x:[B, H, W, C] -> out:[B, OH, OW, C]",
       "flops: numel(x)",
+      "backward: adaptive_avg_pool2d_nhwc_backward",
       "doc: adaptive_avg_pool2d on channels-last tensors (x and out NHWC) to the output's declared size")
 CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, int OH, int OW, int C) {
   const cg_i64 pixel = i / C;
@@ -732,11 +734,12 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
 // reach h are those oh with h + padding_h - a * dilation_h = oh * stride_h
 // for some tap a.
 
-// The input element max pooling's window (oh, ow) chose, as an offset in its
-// plane (h * W + w): the first largest, a NaN the last (cg_max_pool2d's
-// order); -1 for a window of padding alone.
+// The input element max pooling's window (oh, ow) of the image at `base`
+// chose, as its pixel's index in the image (h * W + w): the first largest, a
+// NaN the last (cg_max_pool2d's order); -1 for a window of padding alone.
+// Pixels are `pixel` elements apart (cg_max_pool2d_window's layout).
 template <typename T>
-CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_pool2d_window p) {
+CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 base, cg_i64 pixel, int oh, int ow, const cg_pool2d_window& p) {
   float best = cg_neg_inf();
   int choice = -1;
   for (int a = 0; a < p.KH; ++a) {
@@ -745,7 +748,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_
     for (int b = 0; b < p.KW; ++b) {
       const int w = ow * p.stride_w - p.padding_w + b * p.dilation_w;
       if (w < 0 || w >= p.W) continue;
-      const float v = cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
+      const float v = cg_widen(cg_load(x, base + ((cg_i64)h * p.W + w) * pixel));
       if (v > best || v != v || choice < 0) {
         best = v;
         choice = h * p.W + w;
@@ -753,6 +756,27 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 plane, int oh, int ow, cg_
     }
   }
   return choice;
+}
+
+// dx at pixel (h, w) of the image whose x is at x_base and whose windows'
+// douts are at out_base, pixels `pixel` elements apart (1: NCHW, C: NHWC):
+// the dout of each window that covers it and chose it.
+template <typename T>
+CG_DEVICE float cg_max_pool2d_backward_pixel(const T* x, const T* dout, cg_i64 x_base, cg_i64 out_base, cg_i64 pixel,
+                                             int h, int w, const cg_pool2d_window& p) {
+  float sum = 0.0f;
+  for (int a = 0; a < p.KH; ++a) {
+    const int th = h + p.padding_h - a * p.dilation_h;
+    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
+    for (int b = 0; b < p.KW; ++b) {
+      const int tw = w + p.padding_w - b * p.dilation_w;
+      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
+      const int oh = th / p.stride_h, ow = tw / p.stride_w;
+      if (cg_max_pool2d_choice(x, x_base, pixel, oh, ow, p) == h * p.W + w)
+        sum += cg_widen(cg_load(dout, out_base + ((cg_i64)oh * p.OW + ow) * pixel));
+    }
+  }
+  return sum;
 }
 
 // dx[i]: the dout of each window whose choice is element i.
@@ -778,20 +802,38 @@ CG_OP("max_pool2d_backward",
       "doc: gradient of max_pool2d: each window's dout goes to the element it chose (the first largest, as PyTorch)")
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
   const int w = (int)(i % p.W), h = (int)(i / p.W % p.H);
-  const cg_i64 index = i / ((cg_i64)p.W * p.H), plane = index * p.H * p.W, out_plane = index * p.OH * p.OW;
-  float sum = 0.0f;
-  for (int a = 0; a < p.KH; ++a) {
-    const int th = h + p.padding_h - a * p.dilation_h;
-    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
-    for (int b = 0; b < p.KW; ++b) {
-      const int tw = w + p.padding_w - b * p.dilation_w;
-      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
-      const int oh = th / p.stride_h, ow = tw / p.stride_w;
-      if (cg_max_pool2d_choice(x, plane, oh, ow, p) == h * p.W + w)
-        sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * p.OW + ow));
-    }
-  }
-  return sum;
+  const cg_i64 index = i / ((cg_i64)p.W * p.H);
+  return cg_max_pool2d_backward_pixel(x, dout, index * p.H * p.W, index * p.OH * p.OW, 1, h, w, p);
+}
+
+// dx[i] of channels-last tensors (x, dout and dx NHWC): element i of
+// dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
+template <typename T>
+CG_OP("max_pool2d_nhwc_backward",
+      "pattern: gather",
+      "forward: max_pool2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: dilation_h int = 1",
+      "arg: dilation_w int = 1",
+      "arg: ceil_mode bool = false",
+      "shape: x:[B, H, W, C] dout:[B, (H + 2 * padding_h - dilation_h * (kernel_h - 1) - 1 + (ceil_mode ? stride_h - 1 : 0)) / stride_h + 1, (W + 2 * padding_w - dilation_w * (kernel_w - 1) - 1 + (ceil_mode ? stride_w - 1 : 0)) / stride_w + 1, C] -> dx:[B, H, W, C]",
+      "variant: cg_max_pool2d_choice",
+      "doc: gradient of max_pool2d_nhwc: each window's dout goes to the element it chose (the first largest, as PyTorch)")
+CG_DEVICE float cg_max_pool2d_nhwc_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p, int C) {
+  const cg_i64 pixel = i / C;
+  const int w = (int)(pixel % p.W), h = (int)(pixel / p.W % p.H);
+  const cg_i64 image = pixel / ((cg_i64)p.W * p.H), channel = i % C;
+  return cg_max_pool2d_backward_pixel(x, dout, image * p.H * p.W * C + channel, image * p.OH * p.OW * C + channel, C, h,
+                                      w, p);
 }
 
 // dx[i]: each covering window's dout over the window's divisor (as
@@ -837,6 +879,25 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return sum;
 }
 
+// dx at pixel (h, w) of an image whose cells' douts are at out_base, pixels
+// `pixel` elements apart: each output cell whose rows and columns
+// (cg_adaptive_avg_pool2d's) hold it, its dout over the cell's area.
+template <typename T>
+CG_DEVICE float cg_adaptive_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_base, cg_i64 pixel, int h, int w, int H,
+                                                      int W, int OH, int OW) {
+  float sum = 0.0f;
+  for (int oh = 0; oh < OH; ++oh) {
+    const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
+    if (h < h0 || h >= h1) continue;
+    for (int ow = 0; ow < OW; ++ow) {
+      const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
+      if (w >= w0 && w < w1)
+        sum += cg_widen(cg_load(dout, out_base + ((cg_i64)oh * OW + ow) * pixel)) / (float)((h1 - h0) * (w1 - w0));
+    }
+  }
+  return sum;
+}
+
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -850,18 +911,23 @@ CG_OP("adaptive_avg_pool2d_backward",
       "doc: gradient of adaptive_avg_pool2d: each cell's dout spread evenly over the elements it averaged")
 CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW) {
   const int w = (int)(i % W), h = (int)(i / W % H);
-  const cg_i64 out_plane = i / ((cg_i64)W * H) * OH * OW;
-  float sum = 0.0f;
-  for (int oh = 0; oh < OH; ++oh) {
-    const int h0 = oh * H / OH, h1 = ((oh + 1) * H + OH - 1) / OH;
-    if (h < h0 || h >= h1) continue;
-    for (int ow = 0; ow < OW; ++ow) {
-      const int w0 = ow * W / OW, w1 = ((ow + 1) * W + OW - 1) / OW;
-      if (w >= w0 && w < w1)
-        sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * OW + ow)) / (float)((h1 - h0) * (w1 - w0));
-    }
-  }
-  return sum;
+  return cg_adaptive_avg_pool2d_backward_pixel(dout, i / ((cg_i64)W * H) * OH * OW, 1, h, w, H, W, OH, OW);
+}
+
+// dx[i] of channels-last tensors (dout and dx NHWC): element i of dx[B, H, W, C].
+template <typename T>
+CG_OP("adaptive_avg_pool2d_nhwc_backward",
+      "pattern: gather",
+      "forward: adaptive_avg_pool2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "shape: dout:[B, OH, OW, C] -> dx:[B, H, W, C]",
+      "doc: gradient of adaptive_avg_pool2d_nhwc: each cell's dout spread evenly over the elements it averaged")
+CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW, int C) {
+  const cg_i64 pixel = i / C;
+  const int w = (int)(pixel % W), h = (int)(pixel / W % H);
+  return cg_adaptive_avg_pool2d_backward_pixel(dout, pixel / ((cg_i64)W * H) * OH * OW * C + i % C, C, h, w, H, W, OH, OW);
 }
 
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)

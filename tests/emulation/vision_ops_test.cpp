@@ -608,6 +608,24 @@ TaskGraph nhwc_gradient_graph(DType d) {
           .arg("groups", c.groups);
     }
   }
+  // The channels-last pools' gradients: max pooling with padding and
+  // ceil_mode (its last windows overhang), adaptive pooling to windows that
+  // overlap (9 rows to 3, 8 columns to 2).
+  const Shape pooled{2, 9, 8, 16};
+  b.task("max_pool_backward", "max_pool2d_nhwc_backward")
+      .tensor("x", d, pooled, ext)
+      .tensor("dout", d, {2, 5, 5, 16}, ext)
+      .tensor("dx", d, pooled, ext)
+      .arg("kernel_h", 3)
+      .arg("kernel_w", 3)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2)
+      .arg("padding_h", 1)
+      .arg("padding_w", 1)
+      .arg("ceil_mode", true);
+  b.task("adaptive_pool_backward", "adaptive_avg_pool2d_nhwc_backward")
+      .tensor("dout", d, {2, 3, 2, 16}, ext)
+      .tensor("dx", d, pooled, ext);
   return std::move(b).graph();
 }
 
@@ -640,7 +658,7 @@ TEST_P(ChannelsLastGradients, MatchTheFloat64ReferenceInEachForm) {
   CheckedRun run = run_checked(
       c, RunOptions{seed, work_dir(fmt::format("nhwc_gradients_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
                                                megakernel ? "_mk" : ""))});
-  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size());
+  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size() + 2);  // and the two pools
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
@@ -653,8 +671,8 @@ INSTANTIATE_TEST_SUITE_P(Types, ChannelsLastGradients,
                                               info.param.megakernel ? "_megakernel" : "");
                          });
 
-// A channels-last network's training step derived: conv2d_nhwc links its two
-// gradient ops, and the derive pass writes a task of each only where its
+// A channels-last network's training step derived (convolutions, relu, the
+// channels-last pools): conv2d_nhwc links its two gradient ops, and the derive pass writes a task of each only where its
 // gradient is needed (none of dx for the stem, whose input is the image).
 // Each task of two SGD steps checked from its actual inputs, in f32 (the
 // direct forms) and as TF32 (the mainloop); the loss falls.
@@ -681,17 +699,28 @@ TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
   auto image = b.task("image", "affine").tensor("x", d, {B, 10, 10, 8}, ext).tensor("out", d, {B, 10, 10, 8}).arg("scale", 1.0);
   SlotRef x = conv("stem", image["out"], 8, 10, 16, 1);
   x = b.task("stem_act", "relu").tensor("x", x).tensor("out", d, {B, 10, 10, 16})["out"];
-  x = conv("down", x, 16, 10, 24, 2);
-  x = b.task("down_act", "relu").tensor("x", x).tensor("out", d, {B, 5, 5, 24})["out"];
-  x = b.task("flat", "reshape").tensor("x", x).tensor("out", d, {B, 600})["out"];
-  x = b.task("head", "matmul").tensor("a", x).tensor("b", weight("head_weight", {600, 5}, 600)).tensor("out", d, {B, 5})["out"];
+  x = b.task("stem_pool", "max_pool2d_nhwc")
+          .tensor("x", x)
+          .tensor("out", d, {B, 5, 5, 16})
+          .arg("kernel_h", 3)
+          .arg("kernel_w", 3)
+          .arg("stride_h", 2)
+          .arg("stride_w", 2)
+          .arg("padding_h", 1)
+          .arg("padding_w", 1)["out"];
+  x = conv("down", x, 16, 5, 24, 2);
+  x = b.task("down_act", "relu").tensor("x", x).tensor("out", d, {B, 3, 3, 24})["out"];
+  x = b.task("pool", "adaptive_avg_pool2d_nhwc").tensor("x", x).tensor("out", d, {B, 2, 2, 24})["out"];
+  x = b.task("flat", "reshape").tensor("x", x).tensor("out", d, {B, 96})["out"];
+  x = b.task("head", "matmul").tensor("a", x).tensor("b", weight("head_weight", {96, 5}, 96)).tensor("out", d, {B, 5})["out"];
   b.task("loss", "cross_entropy").tensor("logits", x).tensor("labels", DType::i32, {B}, ext).tensor("loss", d, {}, ext);
   Program forward = load_program(std::move(b).graph(), {});
   std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}};
   const TaskGraph trained = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph;
-  std::set<std::string> ids;
-  for (const auto& t : trained.tasks) ids.insert(t.id);
+  std::set<std::string> ids, ops;
+  for (const auto& t : trained.tasks) ids.insert(t.id), ops.insert(t.op);
   for (const char* id : {"stem_backward_weight", "down_backward_data", "down_backward_weight"}) EXPECT_TRUE(ids.count(id)) << id;
+  for (const char* op : {"max_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"}) EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_FALSE(ids.count("stem_backward_data")) << "the image needs no gradient";
 
   const uint64_t seed = test_seed();
