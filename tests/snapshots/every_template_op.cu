@@ -265,15 +265,30 @@ CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
   return r;
 }
 
+// A store of global memory. 16 bytes go out as one st.global.v4.b32 of the
+// value's words: written as an aligned struct, NVVM split them (a bf16 GEMM
+// tile's 16-byte row pieces became six st.global.u16 and one .v2.u16, an
+// f32 depthwise output four st.global.f32), each a request of the
+// load-store unit.
 template <int N, typename T>
 CG_DEVICE void cg_store_vector(T* base, cg_i64 i, const cg_vector<N, T>& value) {
 #ifdef CUDAGEN_EMULATION
   if (cudagen_emu::check_vector_access(base + i, N * sizeof(T), true))
     for (int k = 0; k < N; ++k) base[i + k] = value.v[k];
 #else
-  cg_aligned_chunk<N, T> chunk;
-  for (int k = 0; k < N; ++k) chunk.v[k] = value.v[k];
-  *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = chunk;
+  union {  // the value's words (the CUDA compilers define this reading of a union)
+    cg_aligned_chunk<N, T> chunk;
+    unsigned int w[4];
+  } bits;
+  for (int k = 0; k < N; ++k) bits.chunk.v[k] = value.v[k];
+  if constexpr (N * sizeof(T) == 16) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :
+                 : "l"(base + i), "r"(bits.w[0]), "r"(bits.w[1]), "r"(bits.w[2]), "r"(bits.w[3])
+                 : "memory");
+  } else {  // (8 bytes, f32 pairs, stay one st.global.v2 this way)
+    *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = bits.chunk;
+  }
 #endif
 }
 
@@ -2116,7 +2131,7 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
-// templates/vision.cuh:246
+// templates/vision.cuh:299
 // dx's A copier: for each of a thread's rows (dx's pixel m), dout at the
 // output pixel whose window puts tap (i, j) of the k-tile's k = (i, j, o) on
 // m, or zeros. As the forward's patch copier: each row's pixel is decoded
@@ -2173,7 +2188,7 @@ struct cg_conv2d_nhwc_dout_taps {
   }
 };
 
-// templates/vision.cuh:297
+// templates/vision.cuh:350
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -2187,7 +2202,7 @@ struct cg_conv2d_nhwc_weight_taps {
   }
 };
 
-// templates/vision.cuh:310
+// templates/vision.cuh:363
 // dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
 // output pixel k, channels c on, or zeros where it lies outside the image.
 template <typename T>
@@ -2206,7 +2221,7 @@ struct cg_conv2d_nhwc_pixel_taps {
   }
 };
 
-// templates/vision.cuh:328
+// templates/vision.cuh:381
 // The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
 // k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
 template <typename Config, typename T>
@@ -2222,7 +2237,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                  smem);
 }
 
-// templates/vision.cuh:344
+// templates/vision.cuh:397
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -2239,7 +2254,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Conf
                                                   smem);
 }
 
-// templates/vision.cuh:459
+// templates/vision.cuh:512
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2274,7 +2289,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:501
+// templates/vision.cuh:554
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2291,7 +2306,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:519
+// templates/vision.cuh:572
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2313,7 +2328,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:536
+// templates/vision.cuh:589
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2330,7 +2345,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:554
+// templates/vision.cuh:607
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2342,14 +2357,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:564
+// templates/vision.cuh:617
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:572
+// templates/vision.cuh:625
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2369,7 +2384,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:590
+// templates/vision.cuh:643
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2378,7 +2393,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:616
+// templates/vision.cuh:669
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2388,7 +2403,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:643
+// templates/vision.cuh:696
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2412,7 +2427,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:682
+// templates/vision.cuh:735
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2426,7 +2441,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:696
+// templates/vision.cuh:749
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2436,7 +2451,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:714
+// templates/vision.cuh:767
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2447,7 +2462,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:741
+// templates/vision.cuh:794
 // The input element max pooling's window (oh, ow) of the image at `base`
 // chose, as its pixel's index in the image (h * W + w): the first largest, a
 // NaN the last (cg_max_pool2d's order); -1 for a window of padding alone.
@@ -2472,7 +2487,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 base, cg_i64 pixel, int oh
   return choice;
 }
 
-// templates/vision.cuh:764
+// templates/vision.cuh:817
 // dx at pixel (h, w) of the image whose x is at x_base and whose windows'
 // douts are at out_base, pixels `pixel` elements apart (1: NCHW, C: NHWC):
 // the dout of each window that covers it and chose it.
@@ -2494,7 +2509,7 @@ CG_DEVICE float cg_max_pool2d_backward_pixel(const T* x, const T* dout, cg_i64 x
   return sum;
 }
 
-// templates/vision.cuh:783
+// templates/vision.cuh:836
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2503,7 +2518,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return cg_max_pool2d_backward_pixel(x, dout, index * p.H * p.W, index * p.OH * p.OW, 1, h, w, p);
 }
 
-// templates/vision.cuh:811
+// templates/vision.cuh:864
 // dx[i] of channels-last tensors (x, dout and dx NHWC): element i of
 // dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
 template <typename T>
@@ -2515,7 +2530,7 @@ CG_DEVICE float cg_max_pool2d_nhwc_backward(const T* x, const T* dout, cg_i64 i,
                                       w, p);
 }
 
-// templates/vision.cuh:841
+// templates/vision.cuh:894
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2544,7 +2559,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return sum;
 }
 
-// templates/vision.cuh:885
+// templates/vision.cuh:938
 // dx at pixel (h, w) of an image whose cells' douts are at out_base, pixels
 // `pixel` elements apart: each output cell whose rows and columns
 // (cg_adaptive_avg_pool2d's) hold it, its dout over the cell's area.
@@ -2564,7 +2579,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_
   return sum;
 }
 
-// templates/vision.cuh:903
+// templates/vision.cuh:956
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2573,7 +2588,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return cg_adaptive_avg_pool2d_backward_pixel(dout, i / ((cg_i64)W * H) * OH * OW, 1, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:918
+// templates/vision.cuh:971
 // dx[i] of channels-last tensors (dout and dx NHWC): element i of dx[B, H, W, C].
 template <typename T>
 CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW, int C) {
@@ -2582,7 +2597,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, in
   return cg_adaptive_avg_pool2d_backward_pixel(dout, pixel / ((cg_i64)W * H) * OH * OW * C + i % C, C, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:943
+// templates/vision.cuh:996
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2597,7 +2612,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:946
+// templates/vision.cuh:999
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2615,13 +2630,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:981
+// templates/vision.cuh:1034
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:989
+// templates/vision.cuh:1042
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2643,7 +2658,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:1025
+// templates/vision.cuh:1078
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

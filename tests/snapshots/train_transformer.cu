@@ -265,15 +265,30 @@ CG_DEVICE cg_vector<N, T> cg_load_vector(const T* base, cg_i64 i) {
   return r;
 }
 
+// A store of global memory. 16 bytes go out as one st.global.v4.b32 of the
+// value's words: written as an aligned struct, NVVM split them (a bf16 GEMM
+// tile's 16-byte row pieces became six st.global.u16 and one .v2.u16, an
+// f32 depthwise output four st.global.f32), each a request of the
+// load-store unit.
 template <int N, typename T>
 CG_DEVICE void cg_store_vector(T* base, cg_i64 i, const cg_vector<N, T>& value) {
 #ifdef CUDAGEN_EMULATION
   if (cudagen_emu::check_vector_access(base + i, N * sizeof(T), true))
     for (int k = 0; k < N; ++k) base[i + k] = value.v[k];
 #else
-  cg_aligned_chunk<N, T> chunk;
-  for (int k = 0; k < N; ++k) chunk.v[k] = value.v[k];
-  *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = chunk;
+  union {  // the value's words (the CUDA compilers define this reading of a union)
+    cg_aligned_chunk<N, T> chunk;
+    unsigned int w[4];
+  } bits;
+  for (int k = 0; k < N; ++k) bits.chunk.v[k] = value.v[k];
+  if constexpr (N * sizeof(T) == 16) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :
+                 : "l"(base + i), "r"(bits.w[0]), "r"(bits.w[1]), "r"(bits.w[2]), "r"(bits.w[3])
+                 : "memory");
+  } else {  // (8 bytes, f32 pairs, stay one st.global.v2 this way)
+    *reinterpret_cast<cg_aligned_chunk<N, T>*>(base + i) = bits.chunk;
+  }
 #endif
 }
 
