@@ -108,6 +108,13 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
     // Grouped: the group's output channels, columns of out's rows.
     return pipelined_gemm(t, out, tile, M, g->OG, K, g->groups, group_bases(tile, grouped, g->OG), mainloop, ek, g->O);
   }
+  // Depthwise (a channel a group, as many outputs) on whole 16-byte vectors
+  // of channels: its own memory-bound form, outside a megakernel (whose
+  // tiles share one block size and take no staged weights).
+  const int vector = int(16 / dtype_bytes(x.buffer->dtype));
+  if (g->groups == g->C && g->O == g->C && g->C % vector == 0 && !options_.megakernel &&
+      x.bound->buffer != prologue_buffer_ && weight.bound->buffer != prologue_buffer_)
+    return conv2d_nhwc_depthwise(*g, vector, gemm, x, weight, out, ek);
   ek.matmul_path = "the direct form (templates/vision.cuh): " + gemm.why_not_pipelined;
   const int64_t n = numel(so);
   ek.block = 256;
@@ -127,6 +134,65 @@ std::string Emitter::conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vec
              "  }}\n",
              n, g->O, g->OW, g->OH, g->H * g->W * g->C, g->OG, g->CG, K, load(weight, "w_base + k"),
              load(x, fmt::format("x_base + ((cg_i64)h * {} + w) * {} + c", g->W, g->C)), store(out, "i", "acc"));
+}
+
+// conv2d_nhwc's depthwise form (cg_conv2d_nhwc_depthwise): a block holds
+// up to 32 vectors of `vector` channels for 256 / that many consecutive
+// output pixels a tile, its channels' weights staged in shared memory (at
+// most 32 KiB: fewer vectors a block for large kernels), over enough tiles
+// that the pixels it reads are at least 8 times its weights (a deep layer
+// has few pixels a tile) where the grid stays 4 blocks a multiprocessor;
+// a thread's V sums go out as one 16-byte store, or through the epilogue's
+// vector form where it has one of that width.
+std::string Emitter::conv2d_nhwc_depthwise(const ConvGeometry& g, int vector, const GemmMainloop& gemm, const Param& x,
+                                           const Param& weight, const Param& out, EmittedKernel& ek) {
+  const int64_t taps = g.KH * g.KW, vectors = g.C / vector, pixels = g.B * g.OH * g.OW;
+  int64_t per_block = std::min<int64_t>(vectors, 32);
+  auto staged_bytes = [&] { return taps * (per_block * vector + 4) * 4; };
+  while (per_block > 1 && staged_bytes() > 32 * 1024) per_block = (per_block + 1) / 2;
+  constexpr int kThreads = 256;
+  const int64_t tile_pixels = kThreads / per_block, pixel_tiles = (pixels + tile_pixels - 1) / tile_pixels;
+  // Tiles a block: enough that its pixels are 8 times its weights, but no
+  // fewer blocks than 4 a multiprocessor of the target (a deep layer's few
+  // pixels would otherwise leave most of them idle).
+  const int64_t chunks = (vectors + per_block - 1) / per_block;
+  const int64_t enough_blocks = 4 * device_model(options_.target()).sms;
+  const int64_t tiles = std::clamp<int64_t>(std::min((8 * taps + tile_pixels - 1) / tile_pixels,
+                                                     pixel_tiles * chunks / enough_blocks),
+                                            1, pixel_tiles);
+  ek.block = kThreads;
+  ek.grid[0] = (pixel_tiles + tiles - 1) / tiles;
+  ek.grid[1] = chunks;
+  const int64_t offset = reserve_shared(ek, "the block's channels' weights, tap-major, as floats", staged_bytes());
+  entry_function_ = "cg_conv2d_nhwc_depthwise";
+  ek.matmul_path = fmt::format(
+      "the depthwise form (templates/vision.cuh, memory-bound: {} channels a thread as one 16-byte vector, {} pixels "
+      "x {} channels a block, {} time{}), not the tensor-core mainloop: {}",
+      vector, tile_pixels, per_block * vector, tiles, tiles == 1 ? "" : "s", gemm.why_not_pipelined);
+  const DType dtype = out.buffer->dtype;
+  std::string stored;
+  if (out.bound->buffer == epilogue_buffer_ && epilogue_vector_width_ == vector) {
+    vector_epilogue_used_ = true;
+    stored = "cg_epilogue_vector(i, acc);";
+  } else if (out.bound->buffer != epilogue_buffer_) {
+    stored = fmt::format(
+        "cg_vector<{0}, {1}> cg_out;\n"
+        "        CG_UNROLL\n"
+        "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
+        "        cg_store_vector<{0}>({3}, i, cg_out);",
+        vector, c_type(dtype), narrow_to(dtype, "acc[w]"), out.bound->name);
+  } else {
+    stored = fmt::format("for (int w = 0; w < {}; ++w) {};", vector, store(out, "i + w", "acc[w]"));
+  }
+  return g.code + fmt::format(
+                      "  CG_DYNAMIC_SMEM(cg_smem);\n"
+                      "  cg_conv2d_nhwc_depthwise<{0}, {1}, {2}, {3}>(\n"
+                      "      {4}, {8}, g, {5}, tile.x, {9}, (int)tile.y, {6},\n"
+                      "      [&](cg_i64 i, const float* acc) {{\n"
+                      "        {7}\n"
+                      "      }});\n",
+                      c_type(x.buffer->dtype), vector, per_block, kThreads, x.bound->name, pixels,
+                      shared_floats(offset), stored, weight.bound->name, tiles);
 }
 
 // A convolution's implicit GEMMs are a product a group (tile.z, split-K's

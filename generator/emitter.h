@@ -443,6 +443,8 @@ class Emitter {
   static std::string group_bases(const GemmTile& tile, bool grouped, int64_t per_group);
   std::string conv2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string conv2d_nhwc(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_nhwc_depthwise(const ConvGeometry& g, int vector, const GemmMainloop& gemm, const Param& x,
+                                    const Param& weight, const Param& out, EmittedKernel& ek);
   std::string conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string conv2d_nhwc_backward_weight(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
                                           EmittedKernel& ek);

@@ -162,6 +162,58 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
+// Depthwise convolution on channels-last tensors (groups = C = O: a group
+// of one input channel and one output channel), the form conv2d_nhwc takes
+// for it where C is whole V-channel vectors (16 bytes of T): memory-bound,
+// each element of x read by up to KH x KW outputs, so the aim is every byte
+// of x and out moved once from DRAM in whole sectors. A block holds CV
+// vectors of channels (chunk `chunk`, CV * V channels) for `tiles` tiles of
+// THREADS / CV consecutive output pixels: a thread computes V channels of
+// one pixel a tile, reading x a 16-byte vector a tap (a warp's loads are
+// runs of a pixel's channels, consecutive pixels side by side; the taps'
+// reuse of x hits in L1). The chunk's weights, [C, KH, KW, 1] in memory,
+// are staged once a block in `w_smem` as floats, tap-major with rows of
+// CV * V + 4 (read in memory order; the 4 spread a warp's stores over the
+// banks), so that a tap's V weights are one vector too; `tiles` is chosen
+// so that a block's x outweighs them. store(i, acc) gets out's index of the
+// thread's first channel and its V sums (pixels past `pixels`, the output's
+// B * OH * OW, and channels past C skipped).
+template <typename T, int V, int CV, int THREADS, typename Store>
+CG_DEVICE void cg_conv2d_nhwc_depthwise(const T* x, const T* weight, const cg_conv2d_geometry& g, cg_i64 pixels,
+                                        cg_i64 block_tile, int tiles, int chunk, float* w_smem, Store store) {
+  constexpr int CHANNELS = CV * V, LD = CHANNELS + 4, PIXELS = THREADS / CV;
+  const int taps = g.KH * g.KW, c0 = chunk * CHANNELS;
+  const int staged = (g.C - c0 < CHANNELS ? g.C - c0 : CHANNELS) * taps;  // the chunk's weights, contiguous
+  for (int e = threadIdx.x; e < staged; e += THREADS)
+    w_smem[(e % taps) * LD + e / taps] = cg_widen(cg_load(weight, (cg_i64)c0 * taps + e));
+  __syncthreads();
+  if (threadIdx.x >= PIXELS * CV) return;  // (where CV does not divide THREADS)
+  const int cv = threadIdx.x % CV, c = c0 + cv * V;
+  if (c >= g.C) return;
+  for (int t = 0; t < tiles; ++t) {
+    const cg_i64 pixel = (block_tile * tiles + t) * PIXELS + threadIdx.x / CV;
+    if (pixel >= pixels) return;
+    const int ow = (int)(pixel % g.OW), oh = (int)(pixel / g.OW % g.OH);
+    const cg_i64 image_base = pixel / ((cg_i64)g.OW * g.OH) * g.H * g.W;
+    float acc[V];
+    CG_UNROLL
+    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
+    for (int i = 0; i < g.KH; ++i) {
+      const int h = oh * g.stride_h - g.padding_h + i * g.dilation_h;
+      if (h < 0 || h >= g.H) continue;
+      for (int j = 0; j < g.KW; ++j) {
+        const int w = ow * g.stride_w - g.padding_w + j * g.dilation_w;
+        if (w < 0 || w >= g.W) continue;
+        const cg_vector<V, T> xv = cg_load_vector<V>(x, (image_base + (cg_i64)h * g.W + w) * g.C + c);
+        const float* wt = w_smem + (i * g.KW + j) * LD + cv * V;
+        CG_UNROLL
+        for (int v = 0; v < V; ++v) acc[v] += wt[v] * cg_widen(xv.v[v]);
+      }
+    }
+    store(pixel * g.C + c, acc);
+  }
+}
+
 // The direct form, one output element per call: out[image, oh, ow, o] for
 // the output channel whose weights load_w(k) reads (k = (i, j, c) as
 // above), load_x(h, w, c) reading channel c of the group at pixel (h, w)
@@ -188,6 +240,7 @@ CG_OP("conv2d_nhwc",
       "variant: cg_gemm_each_coalesced",
       "variant: cg_gemm_each_coalesced_vector",
       "variant: cg_gemm_split_k",
+      "variant: cg_conv2d_nhwc_depthwise",
       "backward: conv2d_nhwc_backward_data conv2d_nhwc_backward_weight",
       "flops: 2 * numel(out) * CG * KH * KW",
       "doc: torch.nn.functional.conv2d on channels-last tensors (x NHWC, weight [O, KH, KW, CG], out NHWC; stride, padding, dilation, groups; no bias: add one after it, which fuses) as an implicit GEMM, on the tensor-core mainloop where CG is whole 16 bytes; f16/bf16 accumulate in f32")

@@ -633,6 +633,78 @@ TEST(Toolchains, ChannelsLastConvolutionSassHasAsyncCopiesLdmatrixAndMma) {
   }
 }
 
+// conv2d_nhwc's depthwise form at MobileNet's sizes: bf16 3 x 3 with a bias
+// and relu6 after it (the epilogue's vector form), f16 5 x 5 of stride 2, f32
+// 3 x 3. On sm_80 and sm_90: x read and out written 16 bytes an access
+// (LDG.E.128, STG.E.128), the weights read from shared memory in 16-byte
+// vectors (LDS.128), the taps' sums in FFMAs; no local memory, no spills,
+// no stack.
+TEST(Toolchains, DepthwiseSassMovesSixteenBytesAnAccess) {
+  if (std::string(CUDAGEN_CUOBJDUMP).empty())
+    GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
+  const Storage ext = Storage::external;
+  // One graph a convolution, so that each is a launch of its own.
+  auto depthwise = [&](const std::string& id, DType d, Shape x, int64_t kernel, int64_t stride, bool epilogue) {
+    GraphBuilder b("depthwise_sass_" + id);
+    const int64_t padding = kernel / 2, size = (x[1] + 2 * padding - kernel) / stride + 1;
+    const Shape out{x[0], size, size, x[3]};
+    auto dw = b.task(id, "conv2d_nhwc")
+                  .tensor("x", d, x, ext)
+                  .tensor("weight", d, {x[3], kernel, kernel, 1}, ext)
+                  .tensor("out", d, out, epilogue ? Storage::transient : ext)
+                  .arg("stride_h", stride)
+                  .arg("stride_w", stride)
+                  .arg("padding_h", padding)
+                  .arg("padding_w", padding)
+                  .arg("groups", x[3]);
+    if (epilogue) {
+      auto bias = b.task("bias", "add").tensor("a", dw["out"]).tensor("b", d, {x[3]}, ext).tensor("out", d, out);
+      b.task("act", "relu6").tensor("x", bias["out"]).tensor("out", d, out, ext);
+    }
+    Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+    EXPECT_EQ(c.emitted.kernels.size(), 1u) << id;
+    EXPECT_EQ(c.emitted.kernels.front().tasks.size(), epilogue ? 3u : 1u) << "the bias and relu6 in its kernel";
+    EXPECT_NE(c.emitted.kernels.front().matmul_path.find("the depthwise form"), std::string::npos)
+        << id << ": " << c.emitted.kernels.front().matmul_path;
+    return c;
+  };
+  std::vector<Compiled> compiled;
+  compiled.push_back(depthwise("dw3x3", DType::bf16, {8, 56, 56, 144}, 3, 1, true));
+  compiled.push_back(depthwise("dw5x5", DType::f16, {8, 28, 28, 240}, 5, 2, false));
+  compiled.push_back(depthwise("dw_f32", DType::f32, {8, 28, 28, 96}, 3, 1, false));
+  for (const Compiled& c : compiled)
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
+      for (const EmittedKernel& k : c.emitted.kernels) {
+        ASSERT_TRUE(report.sass.count(k.name)) << k.name << " on " << arch;
+        std::map<std::string, int> global;  // the global loads' and stores' mnemonics
+        int wide_shared = 0;
+        for (const auto& i : report.sass.at(k.name)) {
+          if (i.opcode == "LDG" || i.opcode == "STG") ++global[i.mnemonic];
+          if (i.opcode == "LDS" && i.mnemonic.find(".128") != std::string::npos) ++wide_shared;
+        }
+        std::string seen;
+        auto wide = [&](const char* op) {
+          int n = 0;
+          for (const auto& [mnemonic, count] : global)
+            if (mnemonic.starts_with(op) && mnemonic.find(".128") != std::string::npos) n += count;
+          return n;
+        };
+        for (const auto& [mnemonic, count] : global) seen += fmt::format(" {} x{}", mnemonic, count);
+        EXPECT_GT(wide("LDG"), 0) << k.name << " on " << arch << ":" << seen;
+        EXPECT_GT(wide("STG"), 0) << k.name << " on " << arch << ":" << seen;
+        EXPECT_GT(wide_shared, 0) << k.name << " on " << arch << ": the weights as 16-byte vectors";
+        const auto ops = report.opcodes().at(k.name);
+        EXPECT_GT(ops.count("FFMA") ? ops.at("FFMA") : 0, 0) << k.name << " on " << arch << ": the taps' sums";
+        ASSERT_TRUE(report.resources.count(k.name)) << k.name << " on " << arch;
+        EXPECT_EQ(report.resources.at(k.name).spill_bytes, 0) << k.name << " on " << arch;
+        EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name << " on " << arch;
+        EXPECT_EQ((ops.count("LDL") ? ops.at("LDL") : 0) + (ops.count("STL") ? ops.at("STL") : 0), 0)
+            << k.name << " on " << arch << ": local memory";
+      }
+    }
+}
+
 // conv2d_nhwc's gradients at a ResNet's sizes: the data gradient (bf16 3 x 3,
 // f16 of stride 2, f32 as TF32) and the weight gradient (bf16 3 x 3 over 8
 // images of 56 x 56, split over k; f16 1 x 1). On sm_80 and sm_90: cp.async

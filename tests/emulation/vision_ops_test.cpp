@@ -454,6 +454,15 @@ const std::vector<NhwcConv>& nhwc_convs() {
       {"grouped_wide", 2, 5, 6, 32, 32, 3, 1, 1, 1, 2, "implicit GEMM"},  // 16 columns a group: 16-byte stores
       {"deep_grouped", 1, 3, 4, 512, 64, 3, 1, 1, 1, 4, "split-K"},       // 4 groups, each split over K
       {"depthwise", 2, 6, 5, 12, 12, 3, 2, 1, 1, 12, "1 input channels a group are not a multiple of"},
+      // Depthwise on whole 16-byte vectors of channels: its own form. 12 (bf16) or 24 (f32)
+      // vectors a block (not a divisor of its 256 threads), with a bias, relu6 and residual after it;
+      {"depthwise_wide", 2, 7, 6, 96, 96, 3, 1, 1, 1, 96, "the depthwise form"},
+      // 34 or 68 vectors: blocks of 32 and the rest; 5 x 5 of stride 2;
+      {"depthwise_5x5", 1, 9, 8, 272, 272, 5, 2, 2, 1, 272, "the depthwise form"},
+      // dilation 2;
+      {"depthwise_dilated", 1, 8, 9, 16, 16, 3, 1, 2, 2, 16, "the depthwise form"},
+      // 7 x 7 over 256 channels: 16 vectors a block, so that its weights stay within 32 KiB.
+      {"depthwise_7x7", 1, 6, 5, 256, 256, 7, 1, 3, 1, 256, "the depthwise form"},
   };
   return convs;
 }
@@ -463,7 +472,7 @@ TaskGraph nhwc_graph(DType d) {
   for (const NhwcConv& c : nhwc_convs()) {
     const Shape out{c.batch, out_size(c.height, c.kernel, c.stride, c.padding, c.dilation),
                     out_size(c.width, c.kernel, c.stride, c.padding, c.dilation), c.out_channels};
-    const bool epilogue = c.id == "c3x3";
+    const bool epilogue = c.id == "c3x3" || c.id == "depthwise_wide";
     auto conv = b.task(c.id, "conv2d_nhwc")
                     .tensor("x", d, {c.batch, c.height, c.width, c.channels}, ext)
                     .tensor("weight", d, {c.out_channels, c.kernel, c.kernel, c.channels / c.groups}, persistent)
@@ -491,9 +500,10 @@ TaskGraph nhwc_graph(DType d) {
       b.task("adaptive_pool", "adaptive_avg_pool2d_nhwc").tensor("x", d, x, ext).tensor("out", d, {x[0], 3, 2, x[3]}, ext);
     }
     if (!epilogue) continue;
-    auto bias = b.task("bias", "add").tensor("a", conv["out"]).tensor("b", d, {c.out_channels}, persistent).tensor("out", d, out);
-    auto act = b.task("act", "relu").tensor("x", bias["out"]).tensor("out", d, out);
-    b.task("residual", "add").tensor("a", act["out"]).tensor("b", d, out, ext).tensor("out", d, out, ext);
+    const std::string prefix = c.id == "c3x3" ? "" : c.id + "_";  // (the first one's names as they were)
+    auto bias = b.task(prefix + "bias", "add").tensor("a", conv["out"]).tensor("b", d, {c.out_channels}, persistent).tensor("out", d, out);
+    auto act = b.task(prefix + "act", c.id == "c3x3" ? "relu" : "relu6").tensor("x", bias["out"]).tensor("out", d, out);
+    b.task(prefix + "residual", "add").tensor("a", act["out"]).tensor("b", d, out, ext).tensor("out", d, out, ext);
   }
   return std::move(b).graph();
 }
@@ -531,7 +541,18 @@ TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
     EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << conv.id << ": " << k->matmul_path;
     EXPECT_EQ(k->matmul_path.find(" GEMM") != std::string::npos, tensor_cores && gemm && !megakernel)
         << k->matmul_path;
+    // Depthwise on whole 16-byte vectors of channels takes its own form in
+    // every type (but in a megakernel): 12 channels are 3 vectors of f32.
+    const bool whole_vectors = conv.groups == conv.channels && conv.out_channels == conv.channels &&
+                               conv.channels % (16 / dtype_bytes(dtype)) == 0;
+    EXPECT_EQ(k->matmul_path.find("the depthwise form") != std::string::npos, whole_vectors && !megakernel)
+        << conv.id << ": " << k->matmul_path;
+    if (conv.id == "depthwise_wide" && !megakernel)  // the epilogue in the kernel, 16 bytes at a time
+      EXPECT_EQ(k->tasks.size(), 4u) << k->name;
   }
+  if (!megakernel)
+    EXPECT_NE(c.emitted.cuda_source.find("cg_epilogue_vector(i, acc);"), std::string::npos)
+        << "depthwise_wide's epilogue has a vector form";
   if (megakernel) EXPECT_EQ(c.emitted.cuda_source.find("cg_conv2d_nhwc_mainloop<"), std::string::npos);
   // The epilogue: bias, relu and residual in the convolution's kernel.
   EXPECT_EQ(c.emitted.tile_kernels.front().tasks.size(), 4u) << c.emitted.tile_kernels.front().name;
@@ -552,6 +573,37 @@ INSTANTIATE_TEST_SUITE_P(Types, ChannelsLast,
                            return fmt::format("{}{}{}", to_string(info.param.dtype), info.param.tf32 ? "_tf32" : "",
                                               info.param.megakernel ? "_megakernel" : "");
                          });
+
+// The depthwise form's blocks walk several tiles of pixels, staging their
+// weights once, where the target's multiprocessors are few enough that the
+// grid stays 4 blocks each (here 1 SM: 3 tiles of 32 pixels a block, the last
+// block's partly past the output); with a bias and relu6 after it.
+TEST(ChannelsLast, DepthwiseBlocksWalkSeveralTilesOnAFewMultiprocessors) {
+  GraphBuilder b("depthwise_tiles");
+  const Shape x{2, 14, 14, 64}, out{2, 14, 14, 64};
+  auto dw = b.task("dw", "conv2d_nhwc")
+                .tensor("x", DType::bf16, x, ext)
+                .tensor("weight", DType::bf16, {64, 3, 3, 1}, persistent)
+                .tensor("out", DType::bf16, out)
+                .arg("padding_h", 1)
+                .arg("padding_w", 1)
+                .arg("groups", 64);
+  auto bias = b.task("bias", "add").tensor("a", dw["out"]).tensor("b", DType::bf16, {64}, persistent).tensor("out", DType::bf16, out);
+  b.task("act", "relu6").tensor("x", bias["out"]).tensor("out", DType::bf16, out, ext);
+  CompileOptions options;
+  options.emit.sms = 1;
+  Compiled c = compile(load_program(std::move(b).graph(), {}), options);
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  const EmittedKernel& k = c.emitted.kernels.front();
+  EXPECT_NE(k.matmul_path.find("32 pixels x 64 channels a block, 3 times"), std::string::npos) << k.matmul_path;
+  EXPECT_EQ(k.grid[0], 5);  // 13 tiles of 32 pixels (392), 3 a block
+  EXPECT_EQ(k.tasks.size(), 3u);
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("depthwise_tiles")});
+  ASSERT_EQ(run.checks.size(), 1u);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}
 
 // conv2d_nhwc's gradients, each its own op and kernel: the data gradient (a
 // transposed convolution) and the weight gradient (over every image's

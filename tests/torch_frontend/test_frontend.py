@@ -382,7 +382,9 @@ class Models(Exported):
 
     def test_grouped_convolutions_in_bfloat16_run_channels_last(self):
         """Grouped convolutions of 8 or more channels a group run conv2d_nhwc
-        (a product a group); a depthwise one keeps conv2d, between permutes."""
+        (a product a group), and so does a depthwise one of whole 16-byte
+        chunks of channels (its own memory-bound form): no conv2d is left,
+        nor a permute but at the model's edges."""
         seed = fresh_seed()
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1, groups=2), torch.nn.ReLU(),
@@ -393,13 +395,37 @@ class Models(Exported):
         result = cudagen_torch.export(model, (x,), model_dir)
         tasks = json.loads(read(result.graph_path))["tasks"]
         groups = sorted(t.get("args", {}).get("groups", 1) for t in tasks if t["op"] == "conv2d_nhwc")
-        self.assertEqual(groups, [2, 4], [t["op"] for t in tasks])
-        self.assertEqual([t["args"]["groups"] for t in tasks if t["op"] == "conv2d"], [32])
+        self.assertEqual(groups, [2, 4, 32], [t["op"] for t in tasks])
+        self.assertEqual([t["op"] for t in tasks].count("conv2d"), 0)
+        self.assertEqual([t["op"] for t in tasks].count("permute"), 2, [t["op"] for t in tasks])
         self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs", os.path.join(model_dir, "example"),
                          "--outputs", outputs)
         got = cudagen_torch.from_numpy(np.load(os.path.join(outputs, result.outputs[0] + ".npy")), torch.bfloat16).double()
         want = model.double()(x.double()).detach()
         error, scale = float((got - want).abs().max()), float(want.abs().max())
+        self.assertLessEqual(error, 0.02 * scale, f"max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
+
+    @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
+    def test_mobilenet_v2_in_bfloat16_runs_channels_last(self):
+        """MobileNetV2 in bf16: its depthwise convolutions run channels-last
+        too (conv2d_nhwc's depthwise form), so every convolution does and one
+        permute is left, of the input; the result is within 2% of the float64
+        model's largest output."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model, x = models.mobilenet_v2().to(torch.bfloat16), torch.randn(1, 3, 32, 32).to(torch.bfloat16)
+        model_dir, outputs = os.path.join(self.dir, "model"), os.path.join(self.dir, "outputs")
+        result = cudagen_torch.export(model, (x,), model_dir)
+        tasks = json.loads(read(result.graph_path))["tasks"]
+        ops = [t["op"] for t in tasks]
+        depthwise = [t for t in tasks if t["op"] == "conv2d_nhwc" and t.get("args", {}).get("groups", 1) > 1]
+        self.assertEqual((ops.count("conv2d"), ops.count("conv2d_nhwc"), ops.count("permute")), (0, 52, 1), ops)
+        self.assertEqual(len(depthwise), 17, ops)
+        self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs", os.path.join(model_dir, "example"),
+                         "--outputs", outputs)
+        got = cudagen_torch.from_numpy(np.load(os.path.join(outputs, result.outputs[0] + ".npy")), torch.bfloat16)
+        want = model.double()(x.double()).detach()
+        error, scale = float((got.double() - want).abs().max()), float(want.abs().max())
         self.assertLessEqual(error, 0.02 * scale, f"max |error| {error:.3g} against max |output| {scale:.3g} (seed {seed})")
 
     @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")

@@ -30,7 +30,8 @@ the same values (up to the rounding of one multiplication):
 - `channels_last` (inference exports only: `conv2d_nhwc` has no gradient
   yet): a 16-bit `conv2d` whose input channels a group are whole 16-byte
   chunks (8), or of one group and fewer (a network's first layer, its
-  channels then zero-padded to 8, its weight's too), becomes a permute to NHWC, `conv2d_nhwc` (its weight's
+  channels then zero-padded to 8, its weight's too), or a depthwise one of
+  whole chunks of channels, becomes a permute to NHWC, `conv2d_nhwc` (its weight's
   array permuted to `[O, KH, KW, C]`, `<name>.nhwc`), its bias as an `add`
   (which fuses into the convolution's epilogue) and a permute back to NCHW:
   the convolution runs on tensor cores (docs/gemm.md);
@@ -390,13 +391,15 @@ class _Graph:
         if sum(v.get("name") == w["name"] for t in self.tasks for v in t["tensors"].values()) > 1:
             return False  # one weight array shared by several slots: keep NCHW
         B, C, H, W = self.shape_of(x)
-        # 16-byte chunks of channels a group: a network's first layer (3
-        # channels) is zero-padded to 8, the rest must have whole chunks
-        # (depthwise convolutions keep NCHW).
-        channels = 8 if C < 8 and groups == 1 else C
-        if (channels // groups) % 8 != 0:
-            return False
         _, O, OH, OW = out["shape"]
+        # 16-byte chunks of channels a group: a network's first layer (3
+        # channels) is zero-padded to 8, the rest must have whole chunks, but
+        # for depthwise convolutions, whose kernel takes whole chunks of
+        # channels across the groups.
+        channels = 8 if C < 8 and groups == 1 else C
+        depthwise = groups == C == O and C % 8 == 0
+        if (channels // groups) % 8 != 0 and not depthwise:
+            return False
         cid, phase, dtype = conv["id"], conv["phase"], out["dtype"]
         to_nhwc = {"id": self.fresh_id(cid + "_to_nhwc"), "op": "permute", "phase": phase,
                    "tensors": {"x": dict(x), "out": {"dtype": dtype, "shape": [B, H, W, C]}},
