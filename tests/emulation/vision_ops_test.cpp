@@ -605,6 +605,31 @@ TEST(ChannelsLast, DepthwiseBlocksWalkSeveralTilesOnAFewMultiprocessors) {
   EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
+// An epilogue without a vector form of the depthwise form's width (a cast
+// of its 8-wide bf16 sums to f32: 4 wide) takes the sums an element at a
+// time, in the same kernel.
+TEST(ChannelsLast, DepthwiseEpilogueOfAnotherWidthTakesElements) {
+  GraphBuilder b("depthwise_cast");
+  const Shape x{2, 9, 7, 32};
+  auto dw = b.task("dw", "conv2d_nhwc")
+                .tensor("x", DType::bf16, x, ext)
+                .tensor("weight", DType::bf16, {32, 3, 3, 1}, persistent)
+                .tensor("out", DType::bf16, x)
+                .arg("padding_h", 1)
+                .arg("padding_w", 1)
+                .arg("groups", 32);
+  b.task("widen", "cast").tensor("x", dw["out"]).tensor("out", DType::f32, x, ext);
+  Compiled c = compile(load_program(std::move(b).graph(), {}), {});
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  EXPECT_NE(c.emitted.kernels.front().matmul_path.find("the depthwise form"), std::string::npos);
+  EXPECT_NE(c.emitted.cuda_source.find("for (int w = 0; w < 8; ++w) cg_epilogue(i + w, acc[w]);"), std::string::npos);
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, work_dir("depthwise_cast")});
+  ASSERT_EQ(run.checks.size(), 1u);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}
+
 // conv2d_nhwc's gradients, each its own op and kernel: the data gradient (a
 // transposed convolution) and the weight gradient (over every image's
 // pixels), at sizes that are not multiples of a tile, with stride, padding,
