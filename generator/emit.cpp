@@ -499,6 +499,16 @@ std::string Emitter::store(const Param& x, const std::string& index, const std::
   return store_element(x.bound->name, x.buffer->dtype, index, value);
 }
 
+std::string Emitter::store_vector_code(const Param& x, int width, const std::string& index, const std::string& values) {
+  const DType dtype = x.buffer->dtype;
+  return fmt::format(
+      "cg_vector<{0}, {1}> cg_out;\n"
+      "        CG_UNROLL\n"
+      "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
+      "        cg_store_vector<{0}>({3}, {4}, cg_out);",
+      width, c_type(dtype), narrow_to(dtype, values + "[w]"), x.bound->name, index);
+}
+
 std::string Emitter::store_element(const std::string& name, DType dtype, const std::string& index,
                                    const std::string& value) {
   return fmt::format("cg_store({}, {}, {})", name, index, narrow_to(dtype, value));

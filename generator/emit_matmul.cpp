@@ -744,12 +744,7 @@ std::string Emitter::staged_results(const std::string& mainloop, int t, const Pa
     vector_epilogue_used_ = true;
     to = fmt::format("cg_epilogue_vector(out_base + m * {} + n, cg_v);", ldd);
   } else {
-    to = fmt::format(
-        "cg_vector<{0}, {1}> cg_out;\n"
-        "        CG_UNROLL\n"
-        "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
-        "        cg_store_vector<{0}>({3}, out_base + m * {4} + n, cg_out);",
-        width, c_type(out.buffer->dtype), narrow_to(out.buffer->dtype, "cg_v[w]"), out.bound->name, ldd);
+    to = store_vector_code(out, width, fmt::format("out_base + m * {} + n", ldd), "cg_v");
   }
   return fmt::format(
       "  // The output tile through shared memory, so that its stores (and an\n"

@@ -169,18 +169,12 @@ std::string Emitter::conv2d_nhwc_depthwise(const ConvGeometry& g, int vector, co
       "the depthwise form (templates/vision.cuh, memory-bound: {} channels a thread as one 16-byte vector, {} pixels "
       "x {} channels a block, {} time{}), not the tensor-core mainloop: {}",
       vector, tile_pixels, per_block * vector, tiles, tiles == 1 ? "" : "s", gemm.why_not_pipelined);
-  const DType dtype = out.buffer->dtype;
   std::string stored;
   if (out.bound->buffer == epilogue_buffer_ && epilogue_vector_width_ == vector) {
     vector_epilogue_used_ = true;
     stored = "cg_epilogue_vector(i, acc);";
   } else if (out.bound->buffer != epilogue_buffer_) {
-    stored = fmt::format(
-        "cg_vector<{0}, {1}> cg_out;\n"
-        "        CG_UNROLL\n"
-        "        for (int w = 0; w < {0}; ++w) cg_out.v[w] = {2};\n"
-        "        cg_store_vector<{0}>({3}, i, cg_out);",
-        vector, c_type(dtype), narrow_to(dtype, "acc[w]"), out.bound->name);
+    stored = store_vector_code(out, vector, "i", "acc");
   } else {
     stored = fmt::format("for (int w = 0; w < {}; ++w) {};", vector, store(out, "i + w", "acc[w]"));
   }
@@ -356,6 +350,9 @@ std::string Emitter::adaptive_avg_pool2d(int, const std::vector<Param>& ps, Emit
                           ek);
 }
 
+// An NHWC shape in the order pool_window reads (planes, then H and W last).
+static Shape as_planes(const Shape& nhwc) { return {nhwc[0], nhwc[3], nhwc[1], nhwc[2]}; }
+
 // max_pool2d_nhwc, adaptive_avg_pool2d_nhwc: as max_pool2d and
 // adaptive_avg_pool2d, an output element a thread, channels fastest.
 std::string Emitter::pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -370,8 +367,7 @@ std::string Emitter::pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKer
                                               so[1], so[2], sx[3])),
                             ek);
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
-  const Shape x_planes{sx[0], sx[3], sx[1], sx[2]}, out_planes{so[0], so[3], so[1], so[2]};  // (pool_window's order)
-  return pool_window(t, x_planes, out_planes) +
+  return pool_window(t, as_planes(sx), as_planes(so)) +
          grid_stride_loop(numel(so), store(out, "i", fmt::format("cg_max_pool2d_nhwc(x, i, p, {})", sx[3])), ek);
 }
 
@@ -578,8 +574,7 @@ std::string Emitter::pool2d_nhwc_backward(int t, const std::vector<Param>& ps, E
                             ek);
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
   use_function(*p_.tasks[size_t(t)].op, "cg_max_pool2d_choice");
-  const Shape x_planes{sx[0], sx[3], sx[1], sx[2]}, out_planes{so[0], so[3], so[1], so[2]};  // (pool_window's order)
-  return pool_window(t, x_planes, out_planes) +
+  return pool_window(t, as_planes(sx), as_planes(so)) +
          grid_stride_loop(numel(sx), store(dx, "i", fmt::format("cg_max_pool2d_nhwc_backward(x, dout, i, p, {})", sx[3])),
                           ek);
 }

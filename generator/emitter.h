@@ -336,6 +336,10 @@ class Emitter {
   std::string load(const Param& x, const std::string& index) const;
   std::string load_as(const Param& x, const std::string& name, const std::string& index) const;
   std::string store(const Param& x, const std::string& index, const std::string& value) const;
+  // `width` f32 values (`values`, an array) narrowed to x's type and stored
+  // from x[index] as one vector (cg_store_vector), as statements of a lambda
+  // body indented by 8.
+  static std::string store_vector_code(const Param& x, int width, const std::string& index, const std::string& values);
   static std::string store_element(const std::string& name, DType dtype, const std::string& index,
                                    const std::string& value);
 
