@@ -359,6 +359,40 @@ class Models(Exported):
         print(f"\nresnet18 1x3x64x64: export + compile + emulated run {seconds:.1f} s", file=sys.stderr)
 
     @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
+    def test_mobilenet_v2(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        result, stdout, seconds = self.check_model(models.mobilenet_v2(), (torch.randn(1, 3, 64, 64),), seed)
+        self.assertIn('"op": "relu6"', read(result.graph_path))
+        print(f"\nmobilenet_v2 1x3x64x64: compile + emulated run {seconds:.1f} s", file=sys.stderr)
+
+    @unittest.skipUnless(TRACER == "torch.export", f"torch {torch.__version__} has no torch.export: "
+                         "export() takes the torch.fx path, which every other test here checks")
+    def test_decoder_block_through_both_paths(self):
+        """torch.fx on PyTorch 2.x too, and the two graphs alike: the same ops."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        ops = {}
+        for tracer in ("fx", "export"):
+            result, _, _ = self.check_model(models.block(), (torch.randn(2, 16, 48),), seed, tracer=tracer)
+            ops[tracer] = sorted(t["op"] for t in json.loads(read(result.graph_path))["tasks"])
+        self.assertEqual(ops["fx"], ops["export"])
+
+    def test_cli_export(self):
+        out = os.path.join(self.dir, "cli")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "frontends", "torch"), HERE]))
+        r = subprocess.run([sys.executable, "-m", "cudagen_torch", "export", "models:mlp", "--input", "4x20", "-o", out],
+                           capture_output=True, text=True, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn(f"traced with {TRACER}", r.stdout)
+        self.run_cudagen("run", os.path.join(out, "graph.json"), RUN_MODE)  # weights from the .npy files
+
+
+class ChannelsLast(Exported):
+    """16-bit models whose convolutions and pools run channels-last (issue #40):
+    a ctest of their own, the suite's longest emulated runs beside Training."""
+
+    @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
     def test_resnet18_in_bfloat16_runs_channels_last(self):
         """A 16-bit export's convolutions run channels-last (conv2d_nhwc, the
         implicit GEMM on tensor cores), the stem's 3 channels padded to 8, and
@@ -450,35 +484,6 @@ class Models(Exported):
             self.assertGreaterEqual(on_tensor_cores, 0.95 * total, f"{arch}: {on_tensor_cores} of {total} FLOPs")
             print(f"\nresnet18 bf16 2x3x64x64 on {arch}: {on_tensor_cores / total:.1%} of {total / 1e9:.2f} GFLOP in "
                   "HMMA + LDSM + LDGSTS kernels without local memory", file=sys.stderr)
-
-    @unittest.skipUnless(importlib.util.find_spec("torchvision"), "torchvision is not installed (CI has Debian's)")
-    def test_mobilenet_v2(self):
-        seed = fresh_seed()
-        torch.manual_seed(seed)
-        result, stdout, seconds = self.check_model(models.mobilenet_v2(), (torch.randn(1, 3, 64, 64),), seed)
-        self.assertIn('"op": "relu6"', read(result.graph_path))
-        print(f"\nmobilenet_v2 1x3x64x64: compile + emulated run {seconds:.1f} s", file=sys.stderr)
-
-    @unittest.skipUnless(TRACER == "torch.export", f"torch {torch.__version__} has no torch.export: "
-                         "export() takes the torch.fx path, which every other test here checks")
-    def test_decoder_block_through_both_paths(self):
-        """torch.fx on PyTorch 2.x too, and the two graphs alike: the same ops."""
-        seed = fresh_seed()
-        torch.manual_seed(seed)
-        ops = {}
-        for tracer in ("fx", "export"):
-            result, _, _ = self.check_model(models.block(), (torch.randn(2, 16, 48),), seed, tracer=tracer)
-            ops[tracer] = sorted(t["op"] for t in json.loads(read(result.graph_path))["tasks"])
-        self.assertEqual(ops["fx"], ops["export"])
-
-    def test_cli_export(self):
-        out = os.path.join(self.dir, "cli")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, "..", "..", "frontends", "torch"), HERE]))
-        r = subprocess.run([sys.executable, "-m", "cudagen_torch", "export", "models:mlp", "--input", "4x20", "-o", out],
-                           capture_output=True, text=True, env=env)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn(f"traced with {TRACER}", r.stdout)
-        self.run_cudagen("run", os.path.join(out, "graph.json"), RUN_MODE)  # weights from the .npy files
 
 
 class Training(Exported):
