@@ -353,8 +353,8 @@ std::string Emitter::adaptive_avg_pool2d(int, const std::vector<Param>& ps, Emit
 // An NHWC shape in the order pool_window reads (planes, then H and W last).
 static Shape as_planes(const Shape& nhwc) { return {nhwc[0], nhwc[3], nhwc[1], nhwc[2]}; }
 
-// max_pool2d_nhwc, adaptive_avg_pool2d_nhwc: as max_pool2d and
-// adaptive_avg_pool2d, an output element a thread, channels fastest.
+// max_pool2d_nhwc, avg_pool2d_nhwc, adaptive_avg_pool2d_nhwc: as their NCHW
+// forms, an output element a thread, channels fastest.
 std::string Emitter::pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
   const Param& x = param(ps, "x");
   const Param& out = param(ps, "out");
@@ -367,8 +367,11 @@ std::string Emitter::pool2d_nhwc(int t, const std::vector<Param>& ps, EmittedKer
                                               so[1], so[2], sx[3])),
                             ek);
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
-  return pool_window(t, as_planes(sx), as_planes(so)) +
-         grid_stride_loop(numel(so), store(out, "i", fmt::format("cg_max_pool2d_nhwc(x, i, p, {})", sx[3])), ek);
+  const std::string value = is_op(p_.tasks[size_t(t)], BundledOp::max_pool2d_nhwc)
+                                ? fmt::format("cg_max_pool2d_nhwc(x, i, p, {})", sx[3])
+                                : fmt::format("cg_avg_pool2d_nhwc(x, i, p, {}, {})",
+                                              arg_bool(t, "count_include_pad") ? "true" : "false", sx[3]);
+  return pool_window(t, as_planes(sx), as_planes(so)) + grid_stride_loop(numel(so), store(out, "i", value), ek);
 }
 
 // The geometry of a convolution task (conv2d, or conv2d_backward with dout
@@ -559,8 +562,9 @@ std::string Emitter::adaptive_avg_pool2d_backward(int, const std::vector<Param>&
                           ek);
 }
 
-// max_pool2d_nhwc_backward, adaptive_avg_pool2d_nhwc_backward: as their
-// NCHW forms, a dx element a thread, channels fastest.
+// max_pool2d_nhwc_backward, avg_pool2d_nhwc_backward,
+// adaptive_avg_pool2d_nhwc_backward: as their NCHW forms, a dx element a
+// thread, channels fastest.
 std::string Emitter::pool2d_nhwc_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
   const Param& dout = param(ps, "dout");
   const Param& dx = param(ps, "dx");
@@ -573,10 +577,12 @@ std::string Emitter::pool2d_nhwc_backward(int t, const std::vector<Param>& ps, E
                                               sx[2], so[1], so[2], sx[3])),
                             ek);
   if (!args_at_least_one(t, {"stride_h", "stride_w", "kernel_h", "kernel_w"})) return {};
-  use_function(*p_.tasks[size_t(t)].op, "cg_max_pool2d_choice");
-  return pool_window(t, as_planes(sx), as_planes(so)) +
-         grid_stride_loop(numel(sx), store(dx, "i", fmt::format("cg_max_pool2d_nhwc_backward(x, dout, i, p, {})", sx[3])),
-                          ek);
+  const bool max = is_op(p_.tasks[size_t(t)], BundledOp::max_pool2d_nhwc_backward);
+  const std::string value = max ? fmt::format("cg_max_pool2d_nhwc_backward(x, dout, i, p, {})", sx[3])
+                                : fmt::format("cg_avg_pool2d_nhwc_backward(dout, i, p, {}, {})",
+                                              arg_bool(t, "count_include_pad") ? "true" : "false", sx[3]);
+  if (max) use_function(*p_.tasks[size_t(t)].op, "cg_max_pool2d_choice");
+  return pool_window(t, as_planes(sx), as_planes(so)) + grid_stride_loop(numel(sx), store(dx, "i", value), ek);
 }
 
 // The element of channel `c` that a BatchNorm block's i-th is (NCHW).

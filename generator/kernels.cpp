@@ -46,6 +46,8 @@ bool is_op(const OpSignature& op, BundledOp which) {
     case BundledOp::concat: return op.name == "concat";
     case BundledOp::max_pool2d: return op.name == "max_pool2d";
     case BundledOp::max_pool2d_backward: return op.name == "max_pool2d_backward";
+    case BundledOp::max_pool2d_nhwc: return op.name == "max_pool2d_nhwc";
+    case BundledOp::max_pool2d_nhwc_backward: return op.name == "max_pool2d_nhwc_backward";
     case BundledOp::slice_backward: return op.name == "slice_backward";
     case BundledOp::conv2d_nhwc: return op.name == "conv2d_nhwc";
     case BundledOp::conv2d_nhwc_backward_data: return op.name == "conv2d_nhwc_backward_data";

@@ -133,7 +133,7 @@ struct FlashTraining {
 // joins them with add; the projections an attention computes end in
 // split_heads; and skeletons shared by two ops tell them apart
 // (log_softmax_backward, layernorm_backward, concat, max_pool2d and its
-// gradient, slice_backward). The one table of op names the fusion pass and the emitter
+// gradient from avg_pool2d's, in either layout, slice_backward). The one table of op names the fusion pass and the emitter
 // compare against (kernels.cpp); derive.cpp's gradient rules have their own.
 enum class BundledOp {
   matmul,
@@ -147,6 +147,8 @@ enum class BundledOp {
   concat,
   max_pool2d,
   max_pool2d_backward,
+  max_pool2d_nhwc,
+  max_pool2d_nhwc_backward,
   slice_backward,
   conv2d_nhwc,
   conv2d_nhwc_backward_data,

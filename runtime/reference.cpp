@@ -113,11 +113,12 @@ class Evaluator {
     if (op == "max_pool2d" || op == "avg_pool2d") return pool2d(bt, op == "max_pool2d");
     if (op == "adaptive_avg_pool2d" || op == "adaptive_avg_pool2d_nhwc")
       return adaptive_avg_pool2d(bt, op == "adaptive_avg_pool2d_nhwc");
-    if (op == "max_pool2d_nhwc") return pool2d(bt, true, true);
+    if (op == "max_pool2d_nhwc" || op == "avg_pool2d_nhwc") return pool2d(bt, op == "max_pool2d_nhwc", true);
     if (op == "conv2d_backward") return conv2d_backward(bt, false);
     if (op == "conv2d_nhwc_backward_data" || op == "conv2d_nhwc_backward_weight") return conv2d_backward(bt, true);
     if (op == "max_pool2d_backward" || op == "avg_pool2d_backward") return pool2d_backward(bt, op == "max_pool2d_backward");
-    if (op == "max_pool2d_nhwc_backward") return pool2d_backward(bt, true, true);
+    if (op == "max_pool2d_nhwc_backward" || op == "avg_pool2d_nhwc_backward")
+      return pool2d_backward(bt, op == "max_pool2d_nhwc_backward", true);
     if (op == "adaptive_avg_pool2d_backward" || op == "adaptive_avg_pool2d_nhwc_backward")
       return adaptive_avg_pool2d_backward(bt, op == "adaptive_avg_pool2d_nhwc_backward");
     if (op == "batchnorm2d") return batchnorm2d(bt);

@@ -691,6 +691,31 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
+// The divisor of avg_pool2d's window whose top-left corner is (h0, w0): the
+// window clipped to the image, or with count_include_pad to the padded image
+// (as PyTorch counts it).
+CG_DEVICE int cg_avg_pool2d_divisor(int h0, int w0, const cg_pool2d_window& p, bool count_include_pad) {
+  const int top = count_include_pad ? h0 : (h0 > 0 ? h0 : 0), left = count_include_pad ? w0 : (w0 > 0 ? w0 : 0);
+  const int bottom_edge = count_include_pad ? p.H + p.padding_h : p.H, right_edge = count_include_pad ? p.W + p.padding_w : p.W;
+  const int bottom = h0 + p.KH < bottom_edge ? h0 + p.KH : bottom_edge;
+  const int right = w0 + p.KW < right_edge ? w0 + p.KW : right_edge;
+  return bottom > top && right > left ? (bottom - top) * (right - left) : 0;  // 0: a window of padding alone
+}
+
+// The mean of x over window (oh, ow) of the image at `base`, pixels `pixel`
+// apart (cg_max_pool2d_window's layout), over cg_avg_pool2d_divisor.
+template <typename T>
+CG_DEVICE float cg_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int oh, int ow, const cg_pool2d_window& p,
+                                     bool count_include_pad) {
+  const int h0 = oh * p.stride_h - p.padding_h, w0 = ow * p.stride_w - p.padding_w;
+  float sum = 0.0f;
+  for (int h = h0 > 0 ? h0 : 0; h < h0 + p.KH && h < p.H; ++h)
+    for (int w = w0 > 0 ? w0 : 0; w < w0 + p.KW && w < p.W; ++w)
+      sum += cg_widen(cg_load(x, base + ((cg_i64)h * p.W + w) * pixel));
+  const int count = cg_avg_pool2d_divisor(h0, w0, p, count_include_pad);
+  return count > 0 ? sum / (float)count : 0.0f;
+}
+
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -712,22 +737,33 @@ CG_OP("avg_pool2d",
       "doc: torch.nn.functional.avg_pool2d (ceil_mode false, no divisor_override)")
 CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool count_include_pad) {
   const int ow = (int)(i % p.OW), oh = (int)(i / p.OW % p.OH);
-  const cg_i64 plane = i / ((cg_i64)p.OW * p.OH) * p.H * p.W;
-  const int h0 = oh * p.stride_h - p.padding_h, w0 = ow * p.stride_w - p.padding_w;
-  float sum = 0.0f;
-  int count = 0;
-  for (int h = h0 > 0 ? h0 : 0; h < h0 + p.KH && h < p.H; ++h)
-    for (int w = w0 > 0 ? w0 : 0; w < w0 + p.KW && w < p.W; ++w) {
-      sum += cg_widen(cg_load(x, plane + (cg_i64)h * p.W + w));
-      ++count;
-    }
-  if (count_include_pad) {
-    // The window clipped to the padded image, as PyTorch counts it.
-    const int h1 = h0 + p.KH < p.H + p.padding_h ? h0 + p.KH : p.H + p.padding_h;
-    const int w1 = w0 + p.KW < p.W + p.padding_w ? w0 + p.KW : p.W + p.padding_w;
-    count = (h1 - h0) * (w1 - w0);
-  }
-  return count > 0 ? sum / (float)count : 0.0f;
+  return cg_avg_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p, count_include_pad);
+}
+
+// Average pooling on channels-last tensors: element i of out[B, OH, OW, C],
+// so that a warp's lanes read consecutive channels of each pixel.
+template <typename T>
+CG_OP("avg_pool2d_nhwc",
+      "pattern: gather",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: out output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: count_include_pad bool = true",
+      "shape: x:[B, H, W, C] -> out:[B, (H + 2 * padding_h - kernel_h) / stride_h + 1, (W + 2 * padding_w - kernel_w) / stride_w + 1, C]",
+      "flops: numel(out) * kernel_h * kernel_w",
+      "backward: avg_pool2d_nhwc_backward",
+      "doc: avg_pool2d on channels-last tensors (x and out NHWC), as conv2d_nhwc's neighbour")
+CG_DEVICE float cg_avg_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, bool count_include_pad, int C) {
+  const cg_i64 pixel = i / C;
+  const int ow = (int)(pixel % p.OW), oh = (int)(pixel / p.OW % p.OH);
+  return cg_avg_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p,
+                              count_include_pad);
 }
 
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
@@ -889,6 +925,29 @@ CG_DEVICE float cg_max_pool2d_nhwc_backward(const T* x, const T* dout, cg_i64 i,
                                       w, p);
 }
 
+// dx at pixel (h, w) of an image whose douts are at out_base, pixels `pixel`
+// elements apart: each covering window's dout over its divisor (as
+// cg_avg_pool2d_window divides).
+template <typename T>
+CG_DEVICE float cg_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_base, cg_i64 pixel, int h, int w,
+                                             const cg_pool2d_window& p, bool count_include_pad) {
+  float sum = 0.0f;
+  for (int a = 0; a < p.KH; ++a) {
+    const int th = h + p.padding_h - a;
+    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
+    const int oh = th / p.stride_h;
+    for (int b = 0; b < p.KW; ++b) {
+      const int tw = w + p.padding_w - b;
+      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
+      const int ow = tw / p.stride_w;
+      const int count = cg_avg_pool2d_divisor(oh * p.stride_h - p.padding_h, ow * p.stride_w - p.padding_w, p,
+                                              count_include_pad);
+      sum += cg_widen(cg_load(dout, out_base + ((cg_i64)oh * p.OW + ow) * pixel)) / (float)count;
+    }
+  }
+  return sum;
+}
+
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -909,27 +968,32 @@ CG_OP("avg_pool2d_backward",
       "doc: gradient of avg_pool2d: each window's dout spread evenly over what it averaged")
 CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window p, bool count_include_pad) {
   const int w = (int)(i % p.W), h = (int)(i / p.W % p.H);
-  const cg_i64 out_plane = i / ((cg_i64)p.W * p.H) * p.OH * p.OW;
-  float sum = 0.0f;
-  for (int a = 0; a < p.KH; ++a) {
-    const int th = h + p.padding_h - a;
-    if (th < 0 || th % p.stride_h != 0 || th / p.stride_h >= p.OH) continue;
-    const int oh = th / p.stride_h, h0 = oh * p.stride_h - p.padding_h;
-    for (int b = 0; b < p.KW; ++b) {
-      const int tw = w + p.padding_w - b;
-      if (tw < 0 || tw % p.stride_w != 0 || tw / p.stride_w >= p.OW) continue;
-      const int ow = tw / p.stride_w, w0 = ow * p.stride_w - p.padding_w;
-      // The divisor cg_avg_pool2d used: the window clipped to the image, or to
-      // the padded image with count_include_pad.
-      const int top = count_include_pad ? h0 : (h0 > 0 ? h0 : 0), left = count_include_pad ? w0 : (w0 > 0 ? w0 : 0);
-      const int bottom = count_include_pad ? (h0 + p.KH < p.H + p.padding_h ? h0 + p.KH : p.H + p.padding_h)
-                                           : (h0 + p.KH < p.H ? h0 + p.KH : p.H);
-      const int right = count_include_pad ? (w0 + p.KW < p.W + p.padding_w ? w0 + p.KW : p.W + p.padding_w)
-                                          : (w0 + p.KW < p.W ? w0 + p.KW : p.W);
-      sum += cg_widen(cg_load(dout, out_plane + (cg_i64)oh * p.OW + ow)) / (float)((bottom - top) * (right - left));
-    }
-  }
-  return sum;
+  return cg_avg_pool2d_backward_pixel(dout, i / ((cg_i64)p.W * p.H) * p.OH * p.OW, 1, h, w, p, count_include_pad);
+}
+
+// dx[i] of channels-last tensors (dout and dx NHWC): element i of
+// dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
+template <typename T>
+CG_OP("avg_pool2d_nhwc_backward",
+      "pattern: gather",
+      "forward: avg_pool2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: dout input T",
+      "tensor: dx output T",
+      "arg: kernel_h int",
+      "arg: kernel_w int",
+      "arg: stride_h int",
+      "arg: stride_w int",
+      "arg: padding_h int = 0",
+      "arg: padding_w int = 0",
+      "arg: count_include_pad bool = true",
+      "shape: dout:[B, (H + 2 * padding_h - kernel_h) / stride_h + 1, (W + 2 * padding_w - kernel_w) / stride_w + 1, C] -> dx:[B, H, W, C]",
+      "doc: gradient of avg_pool2d_nhwc: each window's dout spread evenly over what it averaged")
+CG_DEVICE float cg_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, cg_pool2d_window p, bool count_include_pad, int C) {
+  const cg_i64 pixel = i / C;
+  const int w = (int)(pixel % p.W), h = (int)(pixel / p.W % p.H);
+  return cg_avg_pool2d_backward_pixel(dout, pixel / ((cg_i64)p.W * p.H) * p.OH * p.OW * C + i % C, C, h, w, p,
+                                      count_include_pad);
 }
 
 // dx at pixel (h, w) of an image whose cells' douts are at out_base, pixels

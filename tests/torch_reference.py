@@ -309,6 +309,11 @@ def run_torch(g, values, phases=None):
                 stride=(args["stride_h"], args["stride_w"]), padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
                 dilation=(args.get("dilation_h", 1), args.get("dilation_w", 1)),
                 ceil_mode=args.get("ceil_mode", False)).permute(0, 2, 3, 1))
+        elif op == "avg_pool2d_nhwc":
+            put(t, "out", torch.nn.functional.avg_pool2d(
+                get(t, "x").permute(0, 3, 1, 2), (args["kernel_h"], args["kernel_w"]),
+                stride=(args["stride_h"], args["stride_w"]), padding=(args.get("padding_h", 0), args.get("padding_w", 0)),
+                count_include_pad=args.get("count_include_pad", True)).permute(0, 2, 3, 1))
         elif op == "adaptive_avg_pool2d_nhwc":
             put(t, "out", torch.nn.functional.adaptive_avg_pool2d(
                 get(t, "x").permute(0, 3, 1, 2), tuple(shape("out")[1:3])).permute(0, 2, 3, 1))
@@ -332,13 +337,19 @@ def run_torch(g, values, phases=None):
                     groups=args.get("groups", 1)).permute(0, 2, 3, 1)
             dx, dweight = grad(conv, [get(t, "x"), get(t, "weight")], get(t, "dout"))
             put(t, "dx" if op.endswith("_data") else "dweight", dx if op.endswith("_data") else dweight)
-        elif op in ("max_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"):  # NCHW's, permuted
+        elif op in ("max_pool2d_nhwc_backward", "avg_pool2d_nhwc_backward",
+                    "adaptive_avg_pool2d_nhwc_backward"):  # NCHW's, permuted
             def nchw(x):
                 if op.startswith("max"):
                     return torch.nn.functional.max_pool2d(
                         x, (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
                         (args.get("padding_h", 0), args.get("padding_w", 0)),
                         (args.get("dilation_h", 1), args.get("dilation_w", 1)), ceil_mode=args.get("ceil_mode", False))
+                if op.startswith("avg"):
+                    return torch.nn.functional.avg_pool2d(
+                        x, (args["kernel_h"], args["kernel_w"]), (args["stride_h"], args["stride_w"]),
+                        (args.get("padding_h", 0), args.get("padding_w", 0)),
+                        count_include_pad=args.get("count_include_pad", True))
                 return torch.nn.functional.adaptive_avg_pool2d(x, tuple(shape("dout")[1:3]))
             x = get(t, "x") if op.startswith("max") else torch.zeros(shape("dx"), dtype=torch.float64)
             put(t, "dx", grad(lambda x: nchw(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1), [x], get(t, "dout"))[0])

@@ -496,6 +496,18 @@ TaskGraph nhwc_graph(DType d) {
           .arg("padding_h", 1)
           .arg("padding_w", 1)
           .arg("ceil_mode", true);
+      // Average pooling: padding left out of the divisor, and counted in it (PyTorch's default).
+      for (const bool include_pad : {false, true})
+        b.task(include_pad ? "avg_pool_padded" : "avg_pool", "avg_pool2d_nhwc")
+            .tensor("x", d, x, ext)
+            .tensor("out", d, {x[0], (x[1] + 2 - 3) / 2 + 1, (x[2] + 2 - 2) / 2 + 1, x[3]}, ext)
+            .arg("kernel_h", 3)
+            .arg("kernel_w", 2)
+            .arg("stride_h", 2)
+            .arg("stride_w", 2)
+            .arg("padding_h", 1)
+            .arg("padding_w", 1)
+            .arg("count_include_pad", include_pad);
       b.task("global_pool", "adaptive_avg_pool2d_nhwc").tensor("x", d, x, ext).tensor("out", d, {x[0], 1, 1, x[3]}, ext);
       b.task("adaptive_pool", "adaptive_avg_pool2d_nhwc").tensor("x", d, x, ext).tensor("out", d, {x[0], 3, 2, x[3]}, ext);
     }
@@ -561,7 +573,7 @@ TEST_P(ChannelsLast, ConvolutionsMatchTheFloat64ReferenceInEachForm) {
   CheckedRun run = run_checked(
       c, RunOptions{seed, work_dir(fmt::format("nhwc_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
                                                megakernel ? "_mk" : ""))});
-  EXPECT_EQ(run.checks.size(), nhwc_convs().size() + 3);  // and the three pools
+  EXPECT_EQ(run.checks.size(), nhwc_convs().size() + 5);  // and the five pools
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
@@ -686,7 +698,8 @@ TaskGraph nhwc_gradient_graph(DType d) {
     }
   }
   // The channels-last pools' gradients: max pooling with padding and
-  // ceil_mode (its last windows overhang), adaptive pooling to windows that
+  // ceil_mode (its last windows overhang), average pooling with padding in
+  // its divisor and windows that overlap, adaptive pooling to windows that
   // overlap (9 rows to 3, 8 columns to 2).
   const Shape pooled{2, 9, 8, 16};
   b.task("max_pool_backward", "max_pool2d_nhwc_backward")
@@ -700,6 +713,15 @@ TaskGraph nhwc_gradient_graph(DType d) {
       .arg("padding_h", 1)
       .arg("padding_w", 1)
       .arg("ceil_mode", true);
+  b.task("avg_pool_backward", "avg_pool2d_nhwc_backward")
+      .tensor("dout", d, {2, 5, 3, 16}, ext)
+      .tensor("dx", d, pooled, ext)
+      .arg("kernel_h", 3)
+      .arg("kernel_w", 3)
+      .arg("stride_h", 2)
+      .arg("stride_w", 2)
+      .arg("padding_h", 1)
+      .arg("padding_w", 0);
   b.task("adaptive_pool_backward", "adaptive_avg_pool2d_nhwc_backward")
       .tensor("dout", d, {2, 3, 2, 16}, ext)
       .tensor("dx", d, pooled, ext);
@@ -735,7 +757,7 @@ TEST_P(ChannelsLastGradients, MatchTheFloat64ReferenceInEachForm) {
   CheckedRun run = run_checked(
       c, RunOptions{seed, work_dir(fmt::format("nhwc_gradients_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
                                                megakernel ? "_mk" : ""))});
-  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size() + 2);  // and the two pools
+  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size() + 3);  // and the three pools
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
@@ -787,6 +809,16 @@ TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
           .arg("padding_w", 1)["out"];
   x = conv("down", x, 16, 5, 24, 2);
   x = b.task("down_act", "relu").tensor("x", x).tensor("out", d, {B, 3, 3, 24})["out"];
+  x = b.task("smooth", "avg_pool2d_nhwc")
+          .tensor("x", x)
+          .tensor("out", d, {B, 3, 3, 24})
+          .arg("kernel_h", 3)
+          .arg("kernel_w", 3)
+          .arg("stride_h", 1)
+          .arg("stride_w", 1)
+          .arg("padding_h", 1)
+          .arg("padding_w", 1)
+          .arg("count_include_pad", false)["out"];
   x = b.task("pool", "adaptive_avg_pool2d_nhwc").tensor("x", x).tensor("out", d, {B, 2, 2, 24})["out"];
   x = b.task("flat", "reshape").tensor("x", x).tensor("out", d, {B, 96})["out"];
   x = b.task("head", "matmul").tensor("a", x).tensor("b", weight("head_weight", {96, 5}, 96)).tensor("out", d, {B, 5})["out"];
@@ -797,7 +829,8 @@ TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
   std::set<std::string> ids, ops;
   for (const auto& t : trained.tasks) ids.insert(t.id), ops.insert(t.op);
   for (const char* id : {"stem_backward_weight", "down_backward_data", "down_backward_weight"}) EXPECT_TRUE(ids.count(id)) << id;
-  for (const char* op : {"max_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"}) EXPECT_TRUE(ops.count(op)) << op;
+  for (const char* op : {"max_pool2d_nhwc_backward", "avg_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"})
+    EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_FALSE(ids.count("stem_backward_data")) << "the image needs no gradient";
 
   const uint64_t seed = test_seed();

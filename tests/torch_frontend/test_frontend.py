@@ -417,11 +417,13 @@ class ChannelsLast(Exported):
     def test_grouped_convolutions_in_bfloat16_run_channels_last(self):
         """Grouped convolutions of 8 or more channels a group run conv2d_nhwc
         (a product a group), and so does a depthwise one of whole 16-byte
-        chunks of channels (its own memory-bound form): no conv2d is left,
-        nor a permute but at the model's edges."""
+        chunks of channels (its own memory-bound form), the average pooling
+        between them avg_pool2d_nhwc: no conv2d is left, nor a permute but at
+        the model's edges."""
         seed = fresh_seed()
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1, groups=2), torch.nn.ReLU(),
+                                    torch.nn.AvgPool2d(3, stride=2, padding=1),
                                     torch.nn.Conv2d(32, 32, 3, padding=1, groups=32), torch.nn.ReLU(),
                                     torch.nn.Conv2d(32, 16, 1, groups=4)).to(torch.bfloat16).eval()
         x = torch.randn(2, 16, 6, 7).to(torch.bfloat16)  # (PyTorch 1.13 has no f16 convolution on the CPU)
@@ -431,6 +433,7 @@ class ChannelsLast(Exported):
         groups = sorted(t.get("args", {}).get("groups", 1) for t in tasks if t["op"] == "conv2d_nhwc")
         self.assertEqual(groups, [2, 4, 32], [t["op"] for t in tasks])
         self.assertEqual([t["op"] for t in tasks].count("conv2d"), 0)
+        self.assertEqual([t["op"] for t in tasks].count("avg_pool2d_nhwc"), 1, [t["op"] for t in tasks])
         self.assertEqual([t["op"] for t in tasks].count("permute"), 2, [t["op"] for t in tasks])
         self.run_cudagen("run", result.graph_path, RUN_MODE, "--inputs", os.path.join(model_dir, "example"),
                          "--outputs", outputs)

@@ -161,11 +161,12 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward",
       "batchnorm2d", "batchnorm2d_backward",
       // Convolution on tensor cores (#40): channels-last, an implicit GEMM on the pipelined mainloop.
-      "conv2d_nhwc", "max_pool2d_nhwc", "adaptive_avg_pool2d_nhwc",
+      "conv2d_nhwc", "max_pool2d_nhwc", "avg_pool2d_nhwc", "adaptive_avg_pool2d_nhwc",
       // ...and its gradients, an implicit GEMM each (#40).
       "conv2d_nhwc_backward_data", "conv2d_nhwc_backward_weight",
       // ...and the channels-last pools' (#40).
-      "max_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"};
+      "max_pool2d_nhwc_backward", "avg_pool2d_nhwc_backward",
+      "adaptive_avg_pool2d_nhwc_backward"};
   // Ops whose backward came with its template (maximum's gradient is the
   // compiler's rule: one maximum_backward per operand).
   const std::set<std::string> backward_added = {"affine", "cast", "exp",  "layernorm",  "log",

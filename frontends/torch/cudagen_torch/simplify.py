@@ -41,8 +41,8 @@ the same values (up to the rounding of one multiplication):
   too or already permuted back by a permute of its own (a residual `add`),
   so that permutes meet;
 - `dedupe_permutes`: two permutes of one tensor by the same dims are one;
-- `pool_channels_last`: max and adaptive average pooling of a permute back to
-  NCHW pool channels-last (`max_pool2d_nhwc`, `adaptive_avg_pool2d_nhwc`)
+- `pool_channels_last`: max, average and adaptive average pooling of a permute back to
+  NCHW pool channels-last (`max_pool2d_nhwc`, `avg_pool2d_nhwc`, `adaptive_avg_pool2d_nhwc`)
   before the permute instead;
 - `cancel_permutes`: a permute of a permute that together leave every axis in
   place is the first one's input: between two channels-last convolutions (and
@@ -474,10 +474,10 @@ class _Graph:
         return False
 
     def pool_channels_last(self):
-        """max_pool2d and adaptive_avg_pool2d of a permute back to NCHW, their
-        only reader: the channels-last pool, then the permute."""
+        """A pool (max, average, adaptive average) of a permute back to NCHW,
+        its only reader: the channels-last pool, then the permute."""
         for t in self.tasks:
-            if t["op"] not in ("max_pool2d", "adaptive_avg_pool2d") or len(t["tensors"]["out"]["shape"]) != 4:
+            if t["op"] not in ("max_pool2d", "avg_pool2d", "adaptive_avg_pool2d") or len(t["tensors"]["out"]["shape"]) != 4:
                 continue
             p, _ = self.producer(t["tensors"]["x"])
             if (p is None or p["op"] != "permute" or p["args"]["dims"] != self._TO_NCHW or
