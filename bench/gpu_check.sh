@@ -321,7 +321,7 @@ if have_time 120 "the ResNet-50 benchmark"; then
   done
 fi
 echo
-echo "convolution gradients (issue #40, docs/gemm.md): dx and dweight of six ResNet-50 layers, bf16, batch 32, channels-last,"
+echo "convolution gradients (issue #40, docs/gemm.md): dx and dweight of seven ResNet-50 layers, bf16, batch 32, channels-last,"
 echo "as conv2d_nhwc_backward_data and _weight (bench_megakernel, kernels only, mean of 20) beside PyTorch's convolution_backward"
 echo "(cuDNN, channels_last, cudnn.benchmark; mean of 20) on the same layers (bench/conv_gradients.py):"
 if have_time 60 "the convolution gradients benchmark"; then
@@ -329,7 +329,7 @@ if have_time 60 "the convolution gradients benchmark"; then
   for graph in "$log"/conv_gradients/*.json; do
     "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$graph" 2>&1 | sed -n 2p
   done
-  python3 bench/conv_gradients.py --torch 2>&1 | tail -6
+  python3 bench/conv_gradients.py --torch 2>&1 | tail -7
 fi
 echo
 echo "Nsight Compute on three kernels of the B8 x T128 block (a pipelined matmul, attention, the MLP's down projection):"

@@ -618,15 +618,17 @@ std::string Emitter::pipelined_matmul(int t, const Param& a, const Param& /*b*/,
 // implicit GEMM): `mainloop(k_begin, k_end)` is its call, into cg_acc, for a
 // batch of M x N x K products at out_base (batch_bases defines it, and z,
 // the batch), their rows ldd elements apart (N where negative: a group's
-// columns of a grouped convolution's output lie in rows of all groups').
-// Whole, a block runs all of k and hands its tile to the store through
-// shared memory; split, its part of k, and the last block of the tile adds
-// the parts and stores.
+// columns of a grouped convolution's output lie in rows of all groups'), or
+// where `rows` maps them (M then the most a batch has). Whole, a block runs
+// all of k and hands its tile to the store through shared memory; split,
+// its part of k, and the last block of the tile adds the parts and stores.
 std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K,
                                     int64_t batches, const std::string& batch_bases,
                                     const std::function<std::string(const std::string&, const std::string&)>& mainloop,
-                                    EmittedKernel& ek, int64_t ldd) {
+                                    EmittedKernel& ek, int64_t ldd, const GemmRows* rows) {
   if (ldd < 0) ldd = N;
+  const std::string row_count = rows != nullptr ? rows->count : std::to_string(M);
+  const std::string row = rows != nullptr ? rows->row : "m";
   use_function(*p_.tasks[size_t(t)].op, "cg_gemm_config");
   ek.block = g.threads();
   ek.min_blocks_per_sm = 1;  // the accumulators and fragments take most of the registers
@@ -636,7 +638,7 @@ std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, 
   ek.tile_rows = g.bm;
   ek.mainloop = g.tf32() ? MatmulMainloop::pipelined_tf32 : MatmulMainloop::pipelined;
   reserve_shared(ek, fmt::format("{} stages of both operands' tiles", g.stages), g.shared_bytes());
-  const std::string store_acc = store(out, fmt::format("out_base + m * {} + n", ldd), scaled_accumulator(t));
+  const std::string store_acc = store(out, fmt::format("out_base + {} * {} + n", row, ldd), scaled_accumulator(t));
   std::string part, k_range, k_begin = "0", k_end = std::to_string(K), results;
   if (g.split_k > 1) {
     use_function(*p_.tasks[size_t(t)].op, "cg_gemm_split_k");
@@ -659,9 +661,9 @@ std::string Emitter::pipelined_gemm(int t, const Param& out, const GemmTile& g, 
         "  cg_gemm_split_k<cg_config>(cg_acc, {0}, {1}, tile.y, tile.x, cg_split, {2},\n"
         "                             cg_partials + z * {3}, cg_arrivals + (z * {4} + tile.y) * {5} + tile.x,\n"
         "                             (unsigned int*)cg_smem, [&](cg_i64 m, cg_i64 n, float acc) {{ {6}; }});\n",
-        M, N, g.split_k, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
+        row_count, N, g.split_k, g.split_k * M * N, ek.grid[1], ek.grid[0], store_acc);
   } else {
-    results = staged_results("cg_gemm", t, out, M, N, ldd);
+    results = staged_results("cg_gemm", t, out, M, N, ldd, rows);
   }
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -714,8 +716,10 @@ std::string Emitter::simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, 
 // (Epilogue::vector_code), or where none follows and 16 bytes of the
 // output's type divide its rows; otherwise an element a lane.
 std::string Emitter::staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N,
-                                    int64_t ldd) {
+                                    int64_t ldd, const GemmRows* rows) {
   if (ldd < 0) ldd = N;
+  const std::string row_count = rows != nullptr ? rows->count : std::to_string(M);
+  const std::string at = fmt::format("out_base + {} * {} + n", rows != nullptr ? rows->row : "m", ldd);
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   const bool chained = out.bound->buffer == epilogue_buffer_;
   const int own_width = int(16 / dtype_bytes(out.buffer->dtype));
@@ -736,15 +740,15 @@ std::string Emitter::staged_results(const std::string& mainloop, int t, const Pa
         "  // epilogue's loads) coalesce.\n"
         "  {0}_each_coalesced<cg_config>(cg_acc, {1}, {2}, tile.y, tile.x, (float*)cg_smem,\n"
         "      [&](cg_i64 m, cg_i64 n, float acc) {{ {3}; }});\n",
-        mainloop, M, N, store(out, fmt::format("out_base + m * {} + n", ldd), scaled_accumulator(t)));
+        mainloop, row_count, N, store(out, at, scaled_accumulator(t)));
   }
   use_function(op, mainloop + "_each_coalesced_vector");
   std::string to;
   if (chained) {
     vector_epilogue_used_ = true;
-    to = fmt::format("cg_epilogue_vector(out_base + m * {} + n, cg_v);", ldd);
+    to = fmt::format("cg_epilogue_vector({}, cg_v);", at);
   } else {
-    to = store_vector_code(out, width, fmt::format("out_base + m * {} + n", ldd), "cg_v");
+    to = store_vector_code(out, width, at, "cg_v");
   }
   return fmt::format(
       "  // The output tile through shared memory, so that its stores (and an\n"
@@ -759,7 +763,7 @@ std::string Emitter::staged_results(const std::string& mainloop, int t, const Pa
       "        }}\n"
       "        {5}\n"
       "      }});\n",
-      width, mainloop, M, N, scaled_accumulator(t), to);
+      width, mainloop, row_count, N, scaled_accumulator(t), to);
 }
 
 std::string Emitter::stored_norm_rows(const StoredNorm& n) const {

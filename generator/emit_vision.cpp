@@ -202,7 +202,9 @@ std::string Emitter::group_bases(const GemmTile& tile, bool grouped, int64_t per
 // conv2d_nhwc_backward_data (templates/vision.cuh): dx as a transposed
 // convolution, on the pipelined mainloop where the fusion pass gave the
 // kernel one (dout's taps gathered into A, the weight read as B stored
-// K x N); else the direct form, an element of dx a thread, channels fastest.
+// K x N), a GEMM a class of dx's pixels where a stride splits it (z: the
+// group, then the class; a block past its class's rows has nothing to do);
+// else the direct form, an element of dx a thread, channels fastest.
 std::string Emitter::conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
                                                EmittedKernel& ek) {
   const Param& weight = param(ps, "weight");
@@ -213,13 +215,18 @@ std::string Emitter::conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, 
   const int64_t taps = g->KH * g->KW, M = g->B * g->H * g->W, K = taps * g->OG;
   if (gemm.pipelined) {
     const GemmTile& tile = *gemm.pipelined;
+    const int64_t stride_h = arg_int(t, "stride_h", 1), stride_w = arg_int(t, "stride_w", 1);
+    const DgradClasses classes =
+        dgrad_classes(g->B, g->H, g->W, g->KH, g->KW, stride_h, stride_w, arg_int(t, "padding_h", 0),
+                      arg_int(t, "padding_w", 0), arg_int(t, "dilation_h", 1), arg_int(t, "dilation_w", 1));
+    const std::string type = tile.tf32() ? "cg_tf32" : c_type(dx.buffer->dtype);
+    const bool grouped = g->groups > 1;
+    if (classes.count > 1) return conv2d_nhwc_backward_data_classes(t, tile, *g, classes, type, dx, ek);
     entry_function_ = "cg_conv2d_nhwc_backward_data_mainloop";
     ek.matmul_path = fmt::format(
         "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM (the data gradient), {} (rule {} of "
         "templates/gemm_tuning.json)",
         tile.describe(), tile.rule + 1);
-    const std::string type = tile.tf32() ? "cg_tf32" : c_type(dx.buffer->dtype);
-    const bool grouped = g->groups > 1;
     const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
       return g->code + fmt::format(
                            "  cg_conv2d_nhwc_backward_data_mainloop<cg_config, {0}>(cg_acc, (const {0}*)dout{1}, "
@@ -252,6 +259,43 @@ std::string Emitter::conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, 
              n, g->C, g->CG, g->W, g->H, g->OH * g->OW * g->O, g->OG, g->OG * taps * g->CG,
              load(weight, fmt::format("w_base + ((cg_i64)o * {} + tap) * {}", taps, g->CG)),
              load(dout, fmt::format("dout_base + ((cg_i64)oh * {} + ow) * {} + o", g->OW, g->O)), store(dx, "i", "acc"));
+}
+
+// A strided data gradient on the pipelined mainloop, split by its stride
+// (cg_conv2d_dgrad_class): the product z is the group times the classes
+// plus the class (split-K's partials and arrivals are a product's), and
+// each class's rows are its pixels, stored where row() puts them.
+std::string Emitter::conv2d_nhwc_backward_data_classes(int t, const GemmTile& tile, const ConvGeometry& g,
+                                                       const DgradClasses& classes, const std::string& type,
+                                                       const Param& dx, EmittedKernel& ek) {
+  entry_function_ = "cg_conv2d_nhwc_backward_data_class_mainloop";
+  ek.matmul_path = fmt::format(
+      "the pipelined mainloop (templates/gemm.cuh) as an implicit GEMM (the data gradient), split by the stride into "
+      "{} dense GEMMs, one a class of dx's pixels (up to {} pixels, {} taps), {} (rule {} of "
+      "templates/gemm_tuning.json)",
+      classes.count, classes.pixels, classes.taps, tile.describe(), tile.rule + 1);
+  const bool grouped = g.groups > 1;
+  const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+  const std::string bases = fmt::format(
+      "  const cg_i64 z = {0};  // the product: {1}the class of pixels\n"
+      "{2}"
+      "  const cg_conv2d_dgrad_class cg_class(g, {3}, (int)(z % {4}));\n"
+      "  if (tile.y * {5} >= cg_class.M) return;  // past the class's pixels (classes differ by a row or column)\n",
+      z, grouped ? "the group, then " : "",
+      grouped ? fmt::format("  const cg_i64 group = z / {}, out_base = group * {};\n", classes.count, g.CG)
+              : "  const cg_i64 out_base = 0;\n",
+      g.B, classes.count, tile.bm);
+  const auto mainloop = [&](const std::string& k_begin, const std::string& k_end) {
+    return fmt::format(
+        "  cg_conv2d_nhwc_backward_data_class_mainloop<cg_config, {0}>(cg_acc, (const {0}*)dout{1}, (const {0}*)weight{2},\n"
+        "                                                              g, cg_class, {3}, {4}, {5}, tile.y, tile.x, ({0}*)cg_smem);\n",
+        type, grouped ? fmt::format(" + group * {}", g.OG) : "",
+        grouped ? fmt::format(" + group * {}", g.OG * g.KH * g.KW * g.CG) : "", g.CG, k_begin, k_end);
+  };
+  const GemmRows rows{"cg_class.M", "cg_class.row(g, m)"};
+  // (The geometry first: the class is decoded from it.)
+  return pipelined_gemm(t, dx, tile, classes.pixels, g.CG, classes.taps * g.OG, g.groups * classes.count,
+                        g.code + bases, mainloop, ek, g.C, &rows);
 }
 
 // conv2d_nhwc_backward_weight (templates/vision.cuh): dweight over every

@@ -379,15 +379,21 @@ class Emitter {
   std::string pipelined_matmul(int t, const Param& a, const Param& /*b*/, const Param& out, const GemmTile& g, int64_t M,
                                int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                                EmittedKernel& ek);
+  // A pipelined GEMM's output rows where they are not its product's first M
+  // rows in order (a class of a strided data gradient's pixels): `count`, the
+  // rows of this block's product, and `row`, the output row of its row m (code).
+  struct GemmRows {
+    std::string count, row;
+  };
   std::string pipelined_gemm(int t, const Param& out, const GemmTile& g, int64_t M, int64_t N, int64_t K, int64_t batches,
                              const std::string& batch_bases,
                              const std::function<std::string(const std::string&, const std::string&)>& mainloop,
-                             EmittedKernel& ek, int64_t ldd = -1);
+                             EmittedKernel& ek, int64_t ldd = -1, const GemmRows* rows = nullptr);
   std::string simt_matmul(int t, const Param& /*a*/, const Param& /*b*/, const Param& out, const SgemmTile& g, int64_t M,
                           int64_t N, int64_t K, bool ta, bool tb, int64_t batches, const std::string& batch_bases,
                           EmittedKernel& ek);
   std::string staged_results(const std::string& mainloop, int t, const Param& out, int64_t M, int64_t N,
-                             int64_t ldd = -1);
+                             int64_t ldd = -1, const GemmRows* rows = nullptr);
   std::string stored_norm_rows(const StoredNorm& n) const;
   NormLoad norm_load(int64_t M, int64_t K, int tile, const std::string& a_index, EmittedKernel& ek);
   const HopperGemm* hopper_taken(const GemmMainloop& gemm, int t) const;
@@ -450,6 +456,9 @@ class Emitter {
   std::string conv2d_nhwc_depthwise(const ConvGeometry& g, int vector, const GemmMainloop& gemm, const Param& x,
                                     const Param& weight, const Param& out, EmittedKernel& ek);
   std::string conv2d_nhwc_backward_data(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string conv2d_nhwc_backward_data_classes(int t, const GemmTile& tile, const ConvGeometry& g,
+                                                const DgradClasses& classes, const std::string& type, const Param& dx,
+                                                EmittedKernel& ek);
   std::string conv2d_nhwc_backward_weight(int t, const GemmMainloop& gemm, const std::vector<Param>& ps,
                                           EmittedKernel& ek);
   std::string conv2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);

@@ -600,6 +600,31 @@ GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int6
   return tile;
 }
 
+DgradClasses dgrad_classes(int64_t images, int64_t H, int64_t W, int64_t KH, int64_t KW, int64_t stride_h,
+                           int64_t stride_w, int64_t padding_h, int64_t padding_w, int64_t dilation_h,
+                           int64_t dilation_w) {
+  DgradClasses c;
+  if ((stride_h == 1 && stride_w == 1) || dilation_h != 1 || dilation_w != 1) {
+    c.pixels = images * H * W, c.taps = KH * KW;
+    return c;
+  }
+  c.count = stride_h * stride_w;
+  // Along one axis, class r: its first pixel, its pixels, its taps.
+  auto axis = [](int64_t r, int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+    const int64_t first = ((r - padding) % stride + stride) % stride;
+    return std::pair{first < size ? (size - first + stride - 1) / stride : 0,
+                     r < kernel ? (kernel - r + stride - 1) / stride : 0};
+  };
+  for (int64_t rh = 0; rh < stride_h; ++rh)
+    for (int64_t rw = 0; rw < stride_w; ++rw) {
+      const auto [rows, tap_rows] = axis(rh, H, KH, stride_h, padding_h);
+      const auto [cols, tap_cols] = axis(rw, W, KW, stride_w, padding_w);
+      c.pixels = std::max(c.pixels, images * rows * cols);
+      c.taps = std::max(c.taps, tap_rows * tap_cols);
+    }
+  return c;
+}
+
 MatmulDims matmul_dims(const Program& program, int t) {
   const BoundTask& task = program.tasks[size_t(t)];
   if (is_convolution_gemm(task)) {  // one group's implicit GEMM (templates/vision.cuh)
@@ -614,7 +639,15 @@ MatmulDims matmul_dims(const Program& program, int t) {
       d.M = so[0] * so[1] * so[2], d.N = OG, d.K = taps * CG;
       d.trans_b = true;  // the weight: N x K, K contiguous
     } else if (is_op(task, BundledOp::conv2d_nhwc_backward_data)) {
-      d.M = sx[0] * sx[1] * sx[2], d.N = CG, d.K = taps * OG;  // dx's pixels; the weight K x N
+      // dx's pixels (a class of them where the stride splits it); the weight K x N.
+      auto arg = [&](const char* name, int64_t fallback) {
+        return int64_t(number_value(root_arg(program, t, name).second, double(fallback)));
+      };
+      const DgradClasses classes =
+          dgrad_classes(sx[0], sx[1], sx[2], sw[1], sw[2], arg("stride_h", 1), arg("stride_w", 1), arg("padding_h", 0),
+                        arg("padding_w", 0), arg("dilation_h", 1), arg("dilation_w", 1));
+      d.M = classes.pixels, d.N = CG, d.K = classes.taps * OG;
+      d.batches = groups * classes.count;
     } else {
       const Shape& sd = program.buffers[size_t(task.find_tensor("dout")->buffer)].shape;
       d.M = OG, d.N = taps * CG, d.K = sd[0] * sd[1] * sd[2];  // over dout's pixels
@@ -808,15 +841,16 @@ GemmMainloop conv_gemm_mainloop_of(const Program& program, int t, const GemmOpti
                                                                              : "cg_conv2d_nhwc_backward_weight_mainloop";
   if (task.op->closure_of(mainloop) == nullptr)
     return refuse(fmt::format("op '{}' has no pipelined mainloop (variant {})", task.op->name, mainloop));
-  const MatmulDims d = matmul_dims(program, t);  // a product a group
+  const MatmulDims d = matmul_dims(program, t);  // a product a group (and a class of a strided dx's pixels)
   const DType dtype = program.buffers[size_t(task.find_tensor("x")->buffer)].dtype;
   const Shape& sw = program.buffers[size_t(task.find_tensor("weight")->buffer)].shape;
   const int64_t chunk = dtype == DType::f32 ? 4 : 8;
+  const int64_t groups = std::max<int64_t>(1, int64_t(number_value(root_arg(program, t, "groups").second, 1)));
   // The chunks run along the input channels (the forward's patches, both gradients' B) and the
   // output channels (the gradients' reads of dout).
-  const int64_t input_channels = sw.back(), output_channels = sw[0] / d.batches;
+  const int64_t input_channels = sw.back(), output_channels = sw[0] / groups;
   const bool tensor_cores = dtype != DType::f32 || options.allow_tf32;
-  const char* group = d.batches > 1 ? " a group" : "";
+  const char* group = groups > 1 ? " a group" : "";
   if (input_channels % chunk != 0 && tensor_cores)
     return refuse(fmt::format("its {} input channels{} are not a multiple of {} (16 bytes), which the {} copies need",
                               input_channels, group, chunk, forward ? "patches'" : "operands'"));

@@ -272,6 +272,18 @@ std::optional<GemmTile> pipelined_gemm_tile(DType a, DType b, int64_t M, int64_t
                                             bool trans_b, int64_t batches, const Target& target,
                                             std::string* why_not = nullptr, bool allow_tf32 = false);
 
+// A strided data gradient on the pipelined mainloop (conv2d_nhwc_backward_data
+// with a stride over 1 and dilation 1) splits by its stride into `count`
+// dense GEMMs, one a class of dx's pixels (templates/vision.cuh,
+// cg_conv2d_dgrad_class, whose arithmetic this repeats): the largest class's
+// pixels and taps size the launch. count 1: not split (every pixel, every tap).
+struct DgradClasses {
+  int64_t count = 1, pixels = 0, taps = 0;
+};
+DgradClasses dgrad_classes(int64_t images, int64_t H, int64_t W, int64_t KH, int64_t KW, int64_t stride_h,
+                           int64_t stride_w, int64_t padding_h, int64_t padding_w, int64_t dilation_h,
+                           int64_t dilation_w);
+
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
 // outputs over K per batch, rows flattened where matmul_flattens_rows says so.
 struct MatmulDims {

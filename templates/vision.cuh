@@ -280,9 +280,11 @@ CG_DEVICE float cg_conv2d_nhwc_direct(LoadW load_w, LoadX load_x, cg_conv2d_geom
 //    N-contiguous (input channels).
 // Both on the pipelined mainloop where OG and CG are whole 16-byte chunks;
 // each sum runs in a fixed order (split-K's parts added in order): the same
-// bits every run. Stride s > 1 leaves dx's GEMM computing zeros for the taps
-// that do not divide (about (s^2 - 1) / s^2 of k): the price of one kernel
-// for every stride.
+// bits every run. A stride s > 1 (dilation 1) splits dx's GEMM by the stride
+// (cg_conv2d_dgrad_class): one dense GEMM a class of dx's pixels, over the
+// taps that reach them, where the undivided GEMM would multiply zeros for
+// the taps that do not divide (about (s^2 - 1) / s^2 of its k). With
+// dilation, the undivided one runs, its zeros included.
 
 // The gathers below index pixels and k in 32 bits (the fusion pass keeps
 // the GEMMs' M, N and K under 2^31 on this path): a division by one of the
@@ -345,6 +347,128 @@ struct cg_conv2d_nhwc_dout_taps {
   }
 };
 
+// A strided data gradient split by the stride (dilation 1): the pixels of
+// dx whose (h + padding_h) % stride_h is rh take exactly the taps i = rh,
+// rh + stride_h, ..., each from output row oh = (h + padding_h - i) /
+// stride_h, with no remainder to test (and so for w). Class (rh, rw), index
+// rh * stride_w + rw, is a dense GEMM of its own: M = B * rows * cols (its
+// pixels, (image, qh, qw) with h = h0 + qh * stride_h), K = tap_rows *
+// tap_cols * OG (k = (ti, tj, o), tap (rh + ti * stride_h, rw + tj *
+// stride_w)), N = CG; a class no tap reaches (a 1 x 1 convolution's odd
+// pixels at stride 2) has K = 0, and its dx is zeros. Its output row m is
+// dx's pixel row(m). Sizes in 32 bits, as the gathers' below.
+struct cg_conv2d_dgrad_class {
+  int rh, rw;              // the residues
+  int h0, w0;              // the class's first pixel row and column
+  int rows, cols;          // its pixel rows and columns
+  int tap_rows, tap_cols;  // the taps that reach it
+  int oh0, ow0;            // the output pixel of its first pixel's first tap
+  unsigned int M, K;
+  // ceil(2^32 / tap_cols): a tap's row is (tap * tap_col_magic) >> 32, exact
+  // for any tap under 2^32 / tap_cols, as a multiply where a division by a
+  // value known only at run time would take about twenty instructions.
+  unsigned long long tap_col_magic;
+
+  CG_DEVICE cg_conv2d_dgrad_class(const cg_conv2d_geometry& g, int images, int index) {
+    rh = index / g.stride_w, rw = index % g.stride_w;
+    h0 = ((rh - g.padding_h) % g.stride_h + g.stride_h) % g.stride_h;
+    w0 = ((rw - g.padding_w) % g.stride_w + g.stride_w) % g.stride_w;
+    rows = h0 < g.H ? (g.H - h0 + g.stride_h - 1) / g.stride_h : 0;
+    cols = w0 < g.W ? (g.W - w0 + g.stride_w - 1) / g.stride_w : 0;
+    tap_rows = rh < g.KH ? (g.KH - rh + g.stride_h - 1) / g.stride_h : 0;
+    tap_cols = rw < g.KW ? (g.KW - rw + g.stride_w - 1) / g.stride_w : 0;
+    oh0 = (h0 + g.padding_h - rh) / g.stride_h;  // exact: h0 + padding_h = rh (mod stride_h)
+    ow0 = (w0 + g.padding_w - rw) / g.stride_w;
+    M = (unsigned int)images * rows * cols;
+    K = (unsigned int)(tap_rows * tap_cols) * (unsigned int)(g.O / g.groups);
+    tap_col_magic = tap_cols > 0 ? ((1ull << 32) + (unsigned int)tap_cols - 1) / (unsigned int)tap_cols : 0;
+  }
+
+  // The tap row of a class tap (tap / tap_cols).
+  CG_DEVICE static int tap_row(int tap, unsigned long long magic) {
+    return (int)(((unsigned long long)(unsigned int)tap * magic) >> 32);
+  }
+
+  // dx's pixel (image, h, w), as image * H * W + h * W + w, of row m.
+  CG_DEVICE cg_i64 row(const cg_conv2d_geometry& g, cg_i64 m) const {
+    const unsigned int u = (unsigned int)m, qw = u % (unsigned int)cols, rest = u / (unsigned int)cols;
+    const unsigned int qh = rest % (unsigned int)rows, image = rest / (unsigned int)rows;
+    return ((cg_i64)image * g.H + h0 + (int)qh * g.stride_h) * g.W + w0 + (int)qw * g.stride_w;
+  }
+};
+
+// dx's A copier for a class of a strided data gradient: for each of a
+// thread's rows, dout at output pixel (oh0 + qh - ti, ow0 + qw - tj) for the
+// k-tile's k = (ti, tj, o), or zeros where that lies outside the output. As
+// cg_conv2d_nhwc_dout_taps, each row decoded once a tile; a k-tile costs a
+// thread the division of k into (tap, channel) and, a chunk, the bounds
+// compares: no divisibility test, no tap that does not divide.
+template <int BM, int BK, typename T, int THREADS>
+struct cg_conv2d_nhwc_dout_class_taps {
+  typedef cg_gemm_operand<BM, BK, true, T> operand;
+  typedef typename operand::template copy_layout<THREADS> layout;
+  static constexpr int per_thread = layout::per_thread, row_stride = layout::row_stride;
+  static constexpr int outside = -(1 << 30);  // a row past M: every chunk of it is zeros
+  const T* dout;
+  cg_conv2d_geometry g;
+  int tap_cols;
+  unsigned long long tap_col_magic;
+  cg_i64 image_base[per_thread];          // offset of each row's image's first dout pixel
+  int top[per_thread], left[per_thread];  // each row's output pixel at tap (0, 0)
+  unsigned int k_first, k_end;
+  int smem_offset;
+
+  CG_DEVICE cg_conv2d_nhwc_dout_class_taps(const T* dout_group, const cg_conv2d_geometry& geometry,
+                                           const cg_conv2d_dgrad_class& c, cg_i64 m0, cg_i64 k_begin, cg_i64 k_end_)
+      : dout(dout_group), g(geometry), tap_cols(c.tap_cols), tap_col_magic(c.tap_col_magic),
+        k_end((unsigned int)k_end_) {
+    const int row = layout::row(), col = layout::col();
+    k_first = (unsigned int)k_begin + col;
+    smem_offset = operand::tile::offset(row, col);
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
+      const unsigned int qw = m % (unsigned int)c.cols, rest = m / (unsigned int)c.cols;
+      const unsigned int qh = rest % (unsigned int)c.rows, image = rest / (unsigned int)c.rows;
+      top[i] = m < c.M ? c.oh0 + (int)qh : outside;
+      left[i] = c.ow0 + (int)qw;
+      image_base[i] = (cg_i64)image * g.OH * g.OW * g.O;
+    }
+  }
+
+  // Issues the cp.async of k-tile kt into the stage's tile at shared address `dst`.
+  CG_DEVICE void copy(unsigned int dst, cg_i64 kt) const {
+    const unsigned int k = k_first + (unsigned int)kt * BK, OG = (unsigned int)(g.O / g.groups);
+    const int o = (int)(k % OG), tap = (int)(k / OG);
+    const int ti = cg_conv2d_dgrad_class::tap_row(tap, tap_col_magic), tj = tap - ti * tap_cols;
+    const bool k_inside = k < k_end;  // (OG whole chunks: a chunk is wholly inside or past K)
+    CG_UNROLL
+    for (int i = 0; i < per_thread; ++i) {
+      const int oh = top[i] - ti, ow = left[i] - tj;
+      const bool inside = k_inside && oh >= 0 && ow >= 0 && oh < g.OH && ow < g.OW;
+      cg_cp_async_16_at(dst + (unsigned int)(layout::offset(smem_offset, i) * (int)sizeof(T)),
+                        inside ? dout + image_base[i] + ((cg_i64)oh * g.OW + ow) * g.O + o : dout, inside ? 16 : 0);
+    }
+  }
+};
+
+// The B of a class of a strided data gradient: the weight of output channel
+// o at tap (rh + ti * stride_h, rw + tj * stride_w) of k = (ti, tj, o),
+// input channels n on.
+template <typename T>
+struct cg_conv2d_nhwc_weight_class_taps {
+  const T* weight;  // the group's first output channel
+  cg_conv2d_geometry g;
+  int rh, rw, tap_cols;
+  unsigned long long tap_col_magic;
+  CG_DEVICE const T* at(cg_i64 n, cg_i64 k64) const {
+    const unsigned int k = (unsigned int)k64, OG = (unsigned int)(g.O / g.groups);
+    const int o = (int)(k % OG), tap = (int)(k / OG), ti = cg_conv2d_dgrad_class::tap_row(tap, tap_col_magic);
+    const int i = rh + ti * g.stride_h, j = rw + (tap - ti * tap_cols) * g.stride_w;
+    return weight + (((cg_i64)o * g.KH + i) * g.KW + j) * (g.C / g.groups) + n;
+  }
+};
+
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -391,6 +515,24 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                  smem);
 }
 
+// The tile (tile_m, tile_n) of class c's GEMM of one group's strided data
+// gradient, over k in [k_begin, k_end) cut to the class's K (none where no
+// tap reaches it), into acc, on the pipelined mainloop. N = CG.
+template <typename Config, typename T>
+CG_DEVICE void cg_conv2d_nhwc_backward_data_class_mainloop(cg_gemm_accumulators<Config>& acc, const T* dout_group,
+                                                           const T* w_group, const cg_conv2d_geometry& g,
+                                                           const cg_conv2d_dgrad_class& c, cg_i64 N, cg_i64 k_begin,
+                                                           cg_i64 k_end, cg_i64 tile_m, cg_i64 tile_n, T* smem) {
+  if (k_end > (cg_i64)c.K) k_end = c.K;
+  const cg_i64 k_tiles = k_end > k_begin ? (k_end - k_begin + Config::BK - 1) / Config::BK : 0;
+  const cg_conv2d_nhwc_dout_class_taps<Config::BM, Config::BK, T, Config::THREADS> copy_a(
+      dout_group, g, c, tile_m * Config::BM, k_begin, k_end);
+  const cg_gemm_gather<Config::BN, Config::BK, false, T, Config::THREADS, cg_conv2d_nhwc_weight_class_taps<T>> copy_b(
+      cg_conv2d_nhwc_weight_class_taps<T>{w_group, g, c.rh, c.rw, c.tap_cols, c.tap_col_magic}, w_group, tile_n * Config::BN, N,
+      k_begin, k_end);
+  cg_gemm_mainloop_with<Config, T, true, false>(acc, copy_a, copy_b, k_tiles, smem);
+}
+
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -429,12 +571,13 @@ CG_OP("conv2d_nhwc_backward_data",
       "arg: groups int = 1",
       "shape: x:[B, H, W, groups * CG] weight:[O, KH, KW, CG] dout:[B, (H + 2 * padding_h - dilation_h * (KH - 1) - 1) / stride_h + 1, (W + 2 * padding_w - dilation_w * (KW - 1) - 1) / stride_w + 1, O] -> dx:[B, H, W, groups * CG]",
       "variant: cg_conv2d_nhwc_backward_data_mainloop",
+      "variant: cg_conv2d_nhwc_backward_data_class_mainloop",
       "variant: cg_gemm_config",
       "variant: cg_gemm_each_coalesced",
       "variant: cg_gemm_each_coalesced_vector",
       "variant: cg_gemm_split_k",
       "flops: 2 * numel(dout) * CG * KH * KW",
-      "doc: the gradient of conv2d_nhwc with respect to x (reads x for its shape only): a transposed convolution as an implicit GEMM, on the tensor-core mainloop where both channel counts a group are whole 16 bytes; deterministic")
+      "doc: the gradient of conv2d_nhwc with respect to x (reads x for its shape only): a transposed convolution as an implicit GEMM, on the tensor-core mainloop where both channel counts a group are whole 16 bytes, split by a stride over 1 (dilation 1) into a dense GEMM a class of pixels; deterministic")
 CG_DEVICE float cg_conv2d_nhwc_backward_data_direct(LoadW load_w, LoadDout load_dout, cg_conv2d_geometry g, int h,
                                                     int w) {
   float acc = 0.0f;

@@ -658,8 +658,17 @@ const std::vector<NhwcGradientCase>& nhwc_gradient_cases() {
   static const std::vector<NhwcGradientCase> cases = {
       // dx: 112 x 16 over 360; dweight: 40 x 144 over 112
       {"c3x3", 2, 7, 8, 16, 40, 3, 1, 1, 1, 1, "implicit GEMM (the data gradient)", "implicit GEMM (the weight gradient)"},
-      // stride 2 (dx's taps that do not divide are zeros), dilation 2
+      // stride 2 and dilation 2: dx's one GEMM (its taps that do not divide are zeros)
       {"strided", 1, 11, 10, 8, 24, 3, 2, 2, 2, 1, "implicit GEMM", "implicit GEMM"},
+      // stride 2, dilation 1: dx split by the stride, 4 classes of pixels (odd sizes: classes of
+      // 5 x 5, 5 x 4, 4 x 5 and 4 x 4 pixels, 2 x 2, 2 x 1, 1 x 2 and 1 x 1 taps)
+      {"stride2", 2, 9, 9, 16, 24, 3, 2, 1, 1, 1, "split by the stride into 4 dense GEMMs", "implicit GEMM"},
+      // a 1 x 1 downsampling: three classes no tap reaches (their dx zeros)
+      {"downsample", 2, 7, 8, 16, 32, 1, 2, 0, 1, 2, "split by the stride into 4 dense GEMMs", "implicit GEMM"},
+      // stride 3 over a 2 x 2 kernel: 9 classes, the third of each axis reached by no tap
+      {"stride3", 1, 8, 7, 8, 16, 2, 3, 1, 1, 1, "split by the stride into 9 dense GEMMs", "implicit GEMM"},
+      // few tiles (a class a tile): dx split by the stride and over k
+      {"stride2_split_k", 1, 8, 8, 16, 256, 3, 2, 1, 1, 1, "split-K", "implicit GEMM"},
       {"pointwise", 2, 5, 6, 32, 16, 1, 1, 0, 1, 1, "implicit GEMM", "implicit GEMM"},
       // dweight 32 x 144 over 1024 pixels: 3 tiles, k split 4 ways
       {"many_pixels", 4, 16, 16, 16, 32, 3, 1, 1, 1, 1, "implicit GEMM", "split-K"},
@@ -749,6 +758,9 @@ TEST_P(ChannelsLastGradients, MatchTheFloat64ReferenceInEachForm) {
                                    : !tensor_cores ? "stays off tensor cores"
                                                    : form;
       EXPECT_NE(k->matmul_path.find(expected), std::string::npos) << name << ": " << k->matmul_path;
+      const bool classes = which == std::string("data") && conv.stride > 1 && conv.dilation == 1 && gemm &&
+                           tensor_cores && !megakernel;
+      EXPECT_EQ(k->matmul_path.find("split by the stride") != std::string::npos, classes) << name << ": " << k->matmul_path;
       EXPECT_EQ(k->matmul_path.find("pipelined mainloop") != std::string::npos, tensor_cores && gemm && !megakernel)
           << name << ": " << k->matmul_path;
     }
