@@ -192,8 +192,13 @@ std::string Emitter::conv2d_nhwc_depthwise(const ConvGeometry& g, int vector, co
 // A convolution's implicit GEMMs are a product a group (tile.z, split-K's
 // parts within it): `z`, the group, where the kernel needs it, and
 // `out_base`, where the group's results start (group z times `per_group`).
+// The product a pipelined GEMM's block computes: tile.z, less its part of k where split.
+static std::string product_index(const GemmTile& tile) {
+  return tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+}
+
 std::string Emitter::group_bases(const GemmTile& tile, bool grouped, int64_t per_group) {
-  const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+  const std::string z = product_index(tile);
   return grouped ? fmt::format("  const cg_i64 z = {}, out_base = z * {};  // group z\n", z, per_group)
          : tile.split_k > 1 ? "  // One product, its rows the output's.\n  const cg_i64 z = 0, out_base = 0;\n"
                             : "  const cg_i64 out_base = 0;  // one product, its rows the output's\n";
@@ -275,7 +280,7 @@ std::string Emitter::conv2d_nhwc_backward_data_classes(int t, const GemmTile& ti
       "templates/gemm_tuning.json)",
       classes.count, classes.pixels, classes.taps, tile.describe(), tile.rule + 1);
   const bool grouped = g.groups > 1;
-  const std::string z = tile.split_k > 1 ? fmt::format("tile.z / {}", tile.split_k) : "tile.z";
+  const std::string z = product_index(tile);
   const std::string bases = fmt::format(
       "  const cg_i64 z = {0};  // the product: {1}the class of pixels\n"
       "{2}"

@@ -389,11 +389,17 @@ struct cg_conv2d_dgrad_class {
     return (int)(((unsigned long long)(unsigned int)tap * magic) >> 32);
   }
 
+  // Row m's image and place (qh, qw) among the class's pixels.
+  CG_DEVICE void place(unsigned int m, int* image, int* qh, int* qw) const {
+    const unsigned int rest = m / (unsigned int)cols;
+    *qw = (int)(m % (unsigned int)cols), *qh = (int)(rest % (unsigned int)rows), *image = (int)(rest / (unsigned int)rows);
+  }
+
   // dx's pixel (image, h, w), as image * H * W + h * W + w, of row m.
   CG_DEVICE cg_i64 row(const cg_conv2d_geometry& g, cg_i64 m) const {
-    const unsigned int u = (unsigned int)m, qw = u % (unsigned int)cols, rest = u / (unsigned int)cols;
-    const unsigned int qh = rest % (unsigned int)rows, image = rest / (unsigned int)rows;
-    return ((cg_i64)image * g.H + h0 + (int)qh * g.stride_h) * g.W + w0 + (int)qw * g.stride_w;
+    int image, qh, qw;
+    place((unsigned int)m, &image, &qh, &qw);
+    return ((cg_i64)image * g.H + h0 + qh * g.stride_h) * g.W + w0 + qw * g.stride_w;
   }
 };
 
@@ -428,10 +434,10 @@ struct cg_conv2d_nhwc_dout_class_taps {
     CG_UNROLL
     for (int i = 0; i < per_thread; ++i) {
       const unsigned int m = (unsigned int)(m0 + row + i * row_stride);
-      const unsigned int qw = m % (unsigned int)c.cols, rest = m / (unsigned int)c.cols;
-      const unsigned int qh = rest % (unsigned int)c.rows, image = rest / (unsigned int)c.rows;
-      top[i] = m < c.M ? c.oh0 + (int)qh : outside;
-      left[i] = c.ow0 + (int)qw;
+      int image, qh, qw;
+      c.place(m, &image, &qh, &qw);
+      top[i] = m < c.M ? c.oh0 + qh : outside;
+      left[i] = c.ow0 + qw;
       image_base[i] = (cg_i64)image * g.OH * g.OW * g.O;
     }
   }

@@ -2188,7 +2188,7 @@ struct cg_conv2d_nhwc_dout_taps {
   }
 };
 
-// templates/vision.cuh:474
+// templates/vision.cuh:480
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -2202,7 +2202,7 @@ struct cg_conv2d_nhwc_weight_taps {
   }
 };
 
-// templates/vision.cuh:487
+// templates/vision.cuh:493
 // dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
 // output pixel k, channels c on, or zeros where it lies outside the image.
 template <typename T>
@@ -2221,7 +2221,7 @@ struct cg_conv2d_nhwc_pixel_taps {
   }
 };
 
-// templates/vision.cuh:505
+// templates/vision.cuh:511
 // The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
 // k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
 template <typename Config, typename T>
@@ -2237,7 +2237,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                  smem);
 }
 
-// templates/vision.cuh:539
+// templates/vision.cuh:545
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -2254,7 +2254,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Conf
                                                   smem);
 }
 
-// templates/vision.cuh:655
+// templates/vision.cuh:661
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2289,7 +2289,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:697
+// templates/vision.cuh:703
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2306,7 +2306,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:715
+// templates/vision.cuh:721
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2328,7 +2328,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:732
+// templates/vision.cuh:738
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2345,7 +2345,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:750
+// templates/vision.cuh:756
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2357,14 +2357,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:760
+// templates/vision.cuh:766
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:768
+// templates/vision.cuh:774
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2384,7 +2384,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:786
+// templates/vision.cuh:792
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2393,7 +2393,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:812
+// templates/vision.cuh:818
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2403,7 +2403,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:840
+// templates/vision.cuh:846
 // The divisor of avg_pool2d's window whose top-left corner is (h0, w0): the
 // window clipped to the image, or with count_include_pad to the padded image
 // (as PyTorch counts it).
@@ -2415,7 +2415,7 @@ CG_DEVICE int cg_avg_pool2d_divisor(int h0, int w0, const cg_pool2d_window& p, b
   return bottom > top && right > left ? (bottom - top) * (right - left) : 0;  // 0: a window of padding alone
 }
 
-// templates/vision.cuh:850
+// templates/vision.cuh:856
 // The mean of x over window (oh, ow) of the image at `base`, pixels `pixel`
 // apart (cg_max_pool2d_window's layout), over cg_avg_pool2d_divisor.
 template <typename T>
@@ -2430,7 +2430,7 @@ CG_DEVICE float cg_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:864
+// templates/vision.cuh:870
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2439,7 +2439,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return cg_avg_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p, count_include_pad);
 }
 
-// templates/vision.cuh:888
+// templates/vision.cuh:894
 // Average pooling on channels-last tensors: element i of out[B, OH, OW, C],
 // so that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2450,7 +2450,7 @@ CG_DEVICE float cg_avg_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, boo
                               count_include_pad);
 }
 
-// templates/vision.cuh:914
+// templates/vision.cuh:920
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2464,7 +2464,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:928
+// templates/vision.cuh:934
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2474,7 +2474,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:946
+// templates/vision.cuh:952
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2485,7 +2485,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:973
+// templates/vision.cuh:979
 // The input element max pooling's window (oh, ow) of the image at `base`
 // chose, as its pixel's index in the image (h * W + w): the first largest, a
 // NaN the last (cg_max_pool2d's order); -1 for a window of padding alone.
@@ -2510,7 +2510,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 base, cg_i64 pixel, int oh
   return choice;
 }
 
-// templates/vision.cuh:996
+// templates/vision.cuh:1002
 // dx at pixel (h, w) of the image whose x is at x_base and whose windows'
 // douts are at out_base, pixels `pixel` elements apart (1: NCHW, C: NHWC):
 // the dout of each window that covers it and chose it.
@@ -2532,7 +2532,7 @@ CG_DEVICE float cg_max_pool2d_backward_pixel(const T* x, const T* dout, cg_i64 x
   return sum;
 }
 
-// templates/vision.cuh:1015
+// templates/vision.cuh:1021
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2541,7 +2541,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return cg_max_pool2d_backward_pixel(x, dout, index * p.H * p.W, index * p.OH * p.OW, 1, h, w, p);
 }
 
-// templates/vision.cuh:1043
+// templates/vision.cuh:1049
 // dx[i] of channels-last tensors (x, dout and dx NHWC): element i of
 // dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
 template <typename T>
@@ -2553,7 +2553,7 @@ CG_DEVICE float cg_max_pool2d_nhwc_backward(const T* x, const T* dout, cg_i64 i,
                                       w, p);
 }
 
-// templates/vision.cuh:1074
+// templates/vision.cuh:1080
 // dx at pixel (h, w) of an image whose douts are at out_base, pixels `pixel`
 // elements apart: each covering window's dout over its divisor (as
 // cg_avg_pool2d_window divides).
@@ -2577,7 +2577,7 @@ CG_DEVICE float cg_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_base, cg_
   return sum;
 }
 
-// templates/vision.cuh:1096
+// templates/vision.cuh:1102
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2586,7 +2586,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return cg_avg_pool2d_backward_pixel(dout, i / ((cg_i64)p.W * p.H) * p.OH * p.OW, 1, h, w, p, count_include_pad);
 }
 
-// templates/vision.cuh:1119
+// templates/vision.cuh:1125
 // dx[i] of channels-last tensors (dout and dx NHWC): element i of
 // dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
 template <typename T>
@@ -2597,7 +2597,7 @@ CG_DEVICE float cg_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, cg_pool2d_w
                                       count_include_pad);
 }
 
-// templates/vision.cuh:1145
+// templates/vision.cuh:1151
 // dx at pixel (h, w) of an image whose cells' douts are at out_base, pixels
 // `pixel` elements apart: each output cell whose rows and columns
 // (cg_adaptive_avg_pool2d's) hold it, its dout over the cell's area.
@@ -2617,7 +2617,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_
   return sum;
 }
 
-// templates/vision.cuh:1163
+// templates/vision.cuh:1169
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2626,7 +2626,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return cg_adaptive_avg_pool2d_backward_pixel(dout, i / ((cg_i64)W * H) * OH * OW, 1, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:1178
+// templates/vision.cuh:1184
 // dx[i] of channels-last tensors (dout and dx NHWC): element i of dx[B, H, W, C].
 template <typename T>
 CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW, int C) {
@@ -2635,7 +2635,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, in
   return cg_adaptive_avg_pool2d_backward_pixel(dout, pixel / ((cg_i64)W * H) * OH * OW * C + i % C, C, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:1203
+// templates/vision.cuh:1209
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2650,7 +2650,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:1206
+// templates/vision.cuh:1212
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2668,13 +2668,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:1241
+// templates/vision.cuh:1247
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:1249
+// templates/vision.cuh:1255
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2696,7 +2696,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:1285
+// templates/vision.cuh:1291
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where
