@@ -1,16 +1,18 @@
 #!/usr/bin/python3
 """Trains a graph with a "training" section for a few steps in cudagen's host
-emulation and in PyTorch (float64 autograd of the forward ops, torch.optim),
-from the same random inputs and initial weights, and compares the weights
-after the last step: |w - w_torch| <= rtol * max |w_torch| + 1e-7 + slack,
-where slack is what Adam's division by sqrt(v) + eps makes of an f32
-gradient's rounding (see adam_slack); zero for SGD.
+emulation and checks each step against PyTorch (float64 autograd of the
+forward ops, torch.optim) started from the state cudagen reached before it:
+the weights and the optimizer state after every step agree,
+|x - x_torch| <= rtol * max |x_torch| + 1e-7 + slack, where slack is what
+Adam's division by sqrt(v) + eps makes of an f32 gradient's rounding (see
+adam_slack); zero for SGD.
 
     tests/train_with_torch.py CUDAGEN GRAPH [--steps 3] [--rtol 1e-4] [--seed N]
 
 The backward tasks cudagen derives are checked here against PyTorch's own
-autograd, and its optimizer tasks against torch.optim (sgd with momentum,
-adam, adamw). Needs Debian's python3-torch (run with /usr/bin/python3).
+autograd, and its optimizer tasks (their state and step count included)
+against torch.optim (sgd with momentum, adam, adamw). Needs Debian's
+python3-torch (run with /usr/bin/python3).
 """
 import argparse
 import json
@@ -59,6 +61,19 @@ def adam_slack(optimizer, lr, gradient_rtol=1e-5):
     return slack
 
 
+def optimizer_state(training, run, weight):
+    """The optimizer's state for weight ("task.slot") in one cudagen run's
+    outputs, as torch.optim keeps it: the derive pass names it
+    <task>[_<slot>]_<m|v|momentum>_init.out (generator/derive.cpp, add_update)."""
+    task, slot = weight.split(".")
+    name = task if slot == "out" else task + "_" + slot
+    state = lambda kind: torch.from_numpy(run[f"{name}_{kind}_init.out"].astype(np.float64))
+    if training["optimizer"] == "sgd":
+        key = f"{name}_momentum_init.out"
+        return {"momentum_buffer": state("momentum")} if key in run else {}
+    return {"exp_avg": state("m"), "exp_avg_sq": state("v")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cudagen")
@@ -75,53 +90,73 @@ def main():
     g = Graph(graph, registry)
     rng = np.random.default_rng(opts.seed)
     inputs = random_inputs(g, rng)
+    # The weights: what init tasks write.
+    weights = sorted({"%s.%s" % (t["id"], slot) for t in graph["tasks"] if t.get("phase") == "init" for slot in t["tensors"]})
 
+    # cudagen after 1, 2, ..., steps steps: its weights and optimizer state after each (the run of
+    # all the steps also checks every task of every step against the float64 reference).
+    runs = [None]
     with tempfile.TemporaryDirectory() as work:
-        in_dir, out_dir = os.path.join(work, "in"), os.path.join(work, "out")
+        in_dir = os.path.join(work, "in")
         os.makedirs(in_dir)
         for name, array in inputs.items():
             np.save(os.path.join(in_dir, name + ".npy"), array)
-        run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--steps", str(opts.steps), "--check-each-task", "--inputs", in_dir,
-                              "--outputs", out_dir, "--seed", str(opts.seed), "--work-dir", os.path.join(work, "build")],
-                             capture_output=True, text=True)
-        print(run.stdout, end="")
-        if run.returncode != 0:
-            print(run.stderr, end="")
-            raise SystemExit(f"cudagen run failed (seed {opts.seed})")
-        # The weights: what init tasks write.
-        weights = {"%s.%s" % (t["id"], slot) for t in graph["tasks"] if t.get("phase") == "init" for slot in t["tensors"]}
-        ours = {name: np.load(os.path.join(out_dir, name + ".npy")) for name in sorted(weights)}
-        losses = np.load(os.path.join(out_dir, training["loss"] + ".per_step.npy"))
+        for steps in range(1, opts.steps + 1):
+            out_dir = os.path.join(work, "out%d" % steps)
+            check = ["--check-each-task"] if steps == opts.steps else []
+            run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--steps", str(steps), *check, "--inputs", in_dir,
+                                  "--outputs", out_dir, "--seed", str(opts.seed), "--work-dir", os.path.join(work, "build")],
+                                 capture_output=True, text=True)
+            if steps == opts.steps or run.returncode != 0:
+                print(run.stdout, end="")
+            if run.returncode != 0:
+                print(run.stderr, end="")
+                raise SystemExit(f"cudagen run failed (seed {opts.seed})")
+            runs.append({name[:-len(".npy")]: np.load(os.path.join(out_dir, name)) for name in os.listdir(out_dir)})
 
+    # PyTorch, one step at a time from the state cudagen reached before it: each step's derived
+    # gradients and update are checked on their own. Compared only after several steps, Adam's
+    # first step (lr * g / (|g| + eps), about lr * sign(g)) turns an f32 gradient's rounding into a
+    # step of up to 2 lr wherever a gradient is near zero, and the next steps carry that change
+    # into every weight: a chaotic difference, not a wrong derivative.
     values = {name: torch.from_numpy(a.astype(np.float64) if a.dtype.kind == "f" else a) for name, a in inputs.items()}
     values = run_torch(g, values, phases={"init"})
-    # The kernels store f32 weights: start PyTorch from the same rounded values.
-    params = {name: values[name].float().double().requires_grad_(True) for name in sorted(weights)}
-    optimizer = optimizer_for(training, list(params.values()))
     loss_task, loss_slot = training["loss"].split(".")
-    torch_losses = []
-    slack = {name: 0.0 for name in params}
-    for _ in range(opts.steps):
+    failed = False
+    print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
+    for step in range(1, opts.steps + 1):
+        # The kernels store f32 weights: the first step starts from the same rounded values.
+        before = runs[step - 1]
+        params = {name: (values[name].float().double() if before is None else torch.from_numpy(before[name].astype(np.float64)))
+                  .requires_grad_(True) for name in weights}
+        optimizer = optimizer_for(training, list(params.values()))
+        if before is not None:
+            for name, p in params.items():
+                state = optimizer_state(training, before, name)
+                if training["optimizer"] != "sgd":
+                    state["step"] = torch.tensor(float(step - 1))
+                optimizer.state[p] = state
         optimizer.zero_grad()
-        state = dict(values, **params)
-        state = run_torch(g, state, phases={"forward"})
+        state = run_torch(g, dict(values, **params), phases={"forward"})
         loss = state["%s.%s" % g.owner(loss_task, loss_slot)]
         loss.backward()
         optimizer.step()
-        torch_losses.append(loss.item())
+        slack = {p: 0.0 for p in params.values()}
         if training["optimizer"] in ("adam", "adamw"):
-            step_slack = adam_slack(optimizer, optimizer.param_groups[0]["lr"])
-            for name, p in params.items():
-                slack[name] = slack[name] + step_slack[p]
-
-    print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
-    for i in range(opts.steps):
-        print("%-6d %14.8f %14.8f" % (i + 1, losses[i], torch_losses[i]))
-    rows = [(name, got, params[name].detach().numpy(), opts.rtol, 1e-7 + slack[name]) for name, got in ours.items()]
-    failed = not compare("weight (vs PyTorch)", rows)
+            slack = adam_slack(optimizer, optimizer.param_groups[0]["lr"])
+        after = runs[step]
+        print("%-6d %14.8f %14.8f" % (step, after[training["loss"] + ".per_step"][step - 1], loss.item()))
+        rows = []
+        for name, p in params.items():
+            rows.append((name, after[name], p.detach().numpy(), opts.rtol, 1e-7 + slack[p]))
+            for key, want in optimizer.state[p].items():
+                if key != "step":
+                    ours = optimizer_state(training, after, name)[key]
+                    rows.append(("  " + key, ours.numpy(), want.detach().numpy(), opts.rtol, 1e-12))
+        failed |= not compare("step %d (vs PyTorch)" % step, rows)
     if failed:
-        raise SystemExit(f"weights after {opts.steps} steps differ from PyTorch (seed {opts.seed})")
-    print(f"weights after {opts.steps} steps match PyTorch's (rtol {opts.rtol}, seed {opts.seed})")
+        raise SystemExit(f"a training step differs from PyTorch's (seed {opts.seed})")
+    print(f"every one of {opts.steps} steps matches PyTorch's from the same state (rtol {opts.rtol}, seed {opts.seed})")
 
 
 if __name__ == "__main__":
