@@ -380,6 +380,7 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
   const int computed = k.prologue.empty() ? -1 : bt.find_tensor(k.prologue_operand)->buffer;
   if (!operand_prologue_.empty()) prologue_buffer_ = computed;
   // emitter_gap() has checked that a reduction, gather or opaque op has its named skeleton.
+  std::string pre_code;
   std::string body = op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast
                          ? elementwise(t, ps, ek)
                      : op.pattern == PatternKind::matmul ? matmul(t, k.gemm, ps, ek)
@@ -387,6 +388,10 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
                      : is_op(op, BundledOp::conv2d_nhwc) ? conv2d_nhwc(t, k.gemm, ps, ek)
                      : is_op(op, BundledOp::conv2d_nhwc_backward_data) ? conv2d_nhwc_backward_data(t, k.gemm, ps, ek)
                      : is_op(op, BundledOp::conv2d_nhwc_backward_weight) ? conv2d_nhwc_backward_weight(t, k.gemm, ps, ek)
+                     // (a channels-last BatchNorm may launch a statistics kernel first: pre_code)
+                     : is_op(op, BundledOp::batchnorm2d_nhwc) ? batchnorm2d_nhwc(k, t, ps, ek, emitted.size(), pre_code)
+                     : is_op(op, BundledOp::batchnorm2d_nhwc_backward)
+                         ? batchnorm2d_nhwc_backward(k, t, ps, ek, emitted.size(), pre_code)
                                                          : (this->*named_skeleton(op.skeleton_name()))(t, ps, ek);
   epilogue_buffer_ = -1;
   epilogue_vector_width_ = 0;
@@ -413,8 +418,8 @@ std::string Emitter::emit_kernel(const KernelGroup& k, std::vector<EmittedKernel
     launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
   for (LaunchParam& w : std::exchange(extra_params_, {})) launch.push_back(std::move(w));
   std::string code =
-      kernel_functions(comment(k, launch, ek), ek, launch,
-                       scalar_locals(t) + operand_prologue + tail.code + tail.vector_code + body);
+      pre_code + kernel_functions(comment(k, launch, ek), ek, launch,
+                                  scalar_locals(t) + operand_prologue + tail.code + tail.vector_code + body);
   record_launch(ek, std::move(launch));
   // (Only what an `a` prologue reads follows a's rows.)
   mark_rows(t, ps, k.prologue_operand == "a" ? prologue_params : std::vector<LaunchParam>{}, tail.params,
@@ -522,7 +527,8 @@ using lowering::Emitter;
 
 std::string emitter_gap(const OpSignature& op) {
   if (op.pattern == PatternKind::elementwise || op.pattern == PatternKind::broadcast ||
-      op.pattern == PatternKind::matmul || is_convolution_gemm(op) ||
+      op.pattern == PatternKind::matmul || is_convolution_gemm(op) || is_op(op, BundledOp::batchnorm2d_nhwc) ||
+      is_op(op, BundledOp::batchnorm2d_nhwc_backward) ||
       Emitter::named_skeleton(op.skeleton_name()) != nullptr) {
     // Another op's skeleton runs this op only where it calls the op's own
     // function; the others call the bundled template's by name.

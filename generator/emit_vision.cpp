@@ -640,6 +640,37 @@ static std::string channel_element(const Shape& s, const std::string& i) {
   return fmt::format("({0} / {1} * {2} + c) * (cg_i64){1} + {0} % {1}", i, positions, s[1]);
 }
 
+// The statements that store channel c's batch statistics (`stats`, a
+// cg_batchnorm2d_stats of `count` values a channel): mean and rstd, and the
+// running statistics, where bound, moved toward the batch's by `momentum`.
+std::string Emitter::batchnorm_statistics_stores(int t, const std::vector<Param>& ps, int64_t count) {
+  const std::string momentum = float_arg(t, "momentum", 0.1);
+  std::string code = fmt::format("{};\n{};\n", store(param(ps, "mean"), "c", "stats.mean"),
+                                 store(param(ps, "rstd"), "c", "stats.rstd"));
+  if (const Param* running_mean = find_param(ps, "running_mean"))
+    code += fmt::format("{};\n", store(*running_mean, "c",
+                                        fmt::format("(1.0f - {0}) * {1} + {0} * stats.mean", momentum,
+                                                    load(*running_mean, "c"))));
+  if (const Param* running_var = find_param(ps, "running_var"))  // toward the unbiased variance, as PyTorch keeps it
+    code += fmt::format("{};\n", store(*running_var, "c",
+                                        fmt::format("(1.0f - {0}) * {1} + {0} * stats.var * {2}", momentum,
+                                                    load(*running_var, "c"), float_literal(double(count) / double(count - 1)))));
+  return code;
+}
+
+// Indents each line of `code` by `spaces`.
+static std::string indented(const std::string& code, int spaces) {
+  std::string out;
+  size_t begin = 0;
+  while (begin < code.size()) {
+    const size_t end = code.find('\n', begin);
+    out += std::string(size_t(spaces), ' ') + code.substr(begin, end - begin + 1);
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return out;
+}
+
 // batchnorm2d (training mode), a block a channel (templates/vision.cuh):
 // thread 0 stores the channel's statistics and moves the running ones.
 std::string Emitter::batchnorm2d(int t, const std::vector<Param>& ps, EmittedKernel& ek) {
@@ -654,21 +685,9 @@ std::string Emitter::batchnorm2d(int t, const std::vector<Param>& ps, EmittedKer
   }
   const Param* weight = find_param(ps, "weight");
   const Param* bias = find_param(ps, "bias");
-  const Param* running_mean = find_param(ps, "running_mean");
-  const Param* running_var = find_param(ps, "running_var");
   ek.block = 256;
   ek.grid[0] = s[1];
   reserve_shared(ek, "block reduction scratch (32 floats)", 32 * 4);
-  const std::string momentum = float_arg(t, "momentum", 0.1);
-  std::string running;
-  if (running_mean != nullptr)
-    running += fmt::format("    {};\n", store(*running_mean, "c",
-                                              fmt::format("(1.0f - {0}) * {1} + {0} * stats.mean", momentum,
-                                                          load(*running_mean, "c"))));
-  if (running_var != nullptr)  // toward the unbiased variance, as PyTorch keeps it
-    running += fmt::format("    {};\n", store(*running_var, "c",
-                                              fmt::format("(1.0f - {0}) * {1} + {0} * stats.var * {2}", momentum,
-                                                          load(*running_var, "c"), float_literal(double(count) / double(count - 1)))));
   const std::string at = channel_element(s, "i");
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -678,13 +697,10 @@ std::string Emitter::batchnorm2d(int t, const std::vector<Param>& ps, EmittedKer
       "      [&](cg_i64 i, float v) {{ {}; }},\n"
       "      {}, {}, {}, {}, (float*)cg_smem);\n"
       "  if (threadIdx.x == 0) {{\n"
-      "    {};\n"
-      "    {};\n"
       "{}"
       "  }}\n",
       load(x, at), store(param(ps, "out"), at, "v"), count, weight ? load(*weight, "c") : "1.0f",
-      bias ? load(*bias, "c") : "0.0f", float_arg(t, "eps", 1e-5), store(param(ps, "mean"), "c", "stats.mean"),
-      store(param(ps, "rstd"), "c", "stats.rstd"), running);
+      bias ? load(*bias, "c") : "0.0f", float_arg(t, "eps", 1e-5), indented(batchnorm_statistics_stores(t, ps, count), 4));
 }
 
 // batchnorm2d_backward, a block a channel: dx where asked for, then thread 0
@@ -716,6 +732,183 @@ std::string Emitter::batchnorm2d_backward(int t, const std::vector<Param>& ps, E
       load(x, at), load(param(ps, "dout"), at), dx ? store(*dx, at, "v") : "(void)i, (void)v",
       s[0] * s[2] * s[3], weight ? load(*weight, "c") : "1.0f",
       sums.empty() ? "  (void)sums;\n" : "  if (threadIdx.x == 0) {\n" + sums + "  }\n");
+}
+
+// A channels-last BatchNorm's first launch, where its pixels split over
+// blocks (batchnorm_nhwc_split): `what` its statistics or sums, into the
+// task's outputs (and the workspace), launched right before the group's
+// own kernel (launches()), whose tile kernel is the next of `emitted`.
+std::string Emitter::batchnorm_nhwc_pre_launch(const KernelGroup& k, const BatchNormNhwcSplit& s, const std::string& what,
+                                               std::vector<LaunchParam> launch, const std::string& body, size_t index) {
+  EmittedKernel ek = emitted_kernel(k);
+  ek.name = k.name + (is_op(p_.tasks[size_t(k.tasks.front())], BundledOp::batchnorm2d_nhwc) ? "_statistics" : "_sums");
+  ek.block = 256;
+  ek.grid[0] = s.splits;
+  ek.grid[1] = s.chunks;
+  reserve_shared(ek, "each row of threads' two values a channel, and a word", (2 * s.rows() * s.lanes * s.vector + 1) * 4);
+  launch.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
+                               s.workspace_floats() * 4});
+  launch.push_back(LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset, s.chunks * 4});
+  const std::string comment_text = fmt::format(
+      "// Kernel {} ({} phase): {} of task {} (templates/vision.cuh), before kernel {}:\n"
+      "//   {} pixels split {} ways ({} a block) over chunks of {} channels ({} of {} a thread), each split's\n"
+      "//   results in the workspace, merged in split order by the chunk's last block.\n",
+      ek.name, to_string(k.phase), what, p_.tasks[size_t(k.tasks.front())].task->id, k.name, s.pixels, s.splits,
+      s.per_split, s.lanes * s.vector, s.vector, s.channels);
+  std::string code = kernel_functions(comment_text, ek, launch, body);
+  locate_params(ek, launch);
+  pre_launches_[index] = {ek, std::move(launch)};
+  return code;
+}
+
+// batchnorm2d_nhwc (training mode) as batchnorm_nhwc_split lays it out
+// (templates/vision.cuh): one split, a block a chunk of channels computes
+// their statistics and output; more, a statistics kernel first (pre_code)
+// and this kernel normalising, on the same blocks.
+std::string Emitter::batchnorm2d_nhwc(const KernelGroup& k, int t, const std::vector<Param>& ps, EmittedKernel& ek,
+                                      size_t index, std::string& pre_code) {
+  const Param& x = param(ps, "x");
+  if (!check_f32_accumulation(t, x)) return {};
+  const BatchNormNhwcSplit s = batchnorm_nhwc_split(p_, t, options_.target(), options_.megakernel);
+  if (s.pixels < 2) {
+    fail(t, "x", fmt::format("x {} has {} value a channel; batch statistics need more than one",
+                             shape_to_string(x.buffer->shape), s.pixels),
+         "train with a larger batch or image, or use the BatchNorm in eval mode (its running statistics)");
+    return {};
+  }
+  const std::string type = c_type(x.buffer->dtype);
+  const Param* weight = find_param(ps, "weight");
+  const Param* bias = find_param(ps, "bias");
+  const std::string weight_ptr = weight ? weight->bound->name : fmt::format("(const {}*)nullptr", type);
+  const std::string bias_ptr = bias ? bias->bound->name : fmt::format("(const {}*)nullptr", type);
+  const std::string stats = indented(batchnorm_statistics_stores(t, ps, s.pixels), 8);
+  const std::string stored = store_vector_code(param(ps, "out"), s.vector, "e", "values");
+  const std::string eps = float_arg(t, "eps", 1e-5);
+  if (s.splits == 1) {
+    entry_function_ = "cg_batchnorm2d_nhwc_chunk";
+    ek.block = 256;
+    ek.grid[0] = s.chunks;
+    reserve_shared(ek, "each row of threads' moments a channel", 2 * s.rows() * s.lanes * s.vector * 4);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  // {0} pixels, a block a chunk of {1} channels ({2} a thread): statistics, then the output.\n"
+        "  cg_batchnorm2d_nhwc_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {0}, tile.x, {8}, (float*)cg_smem,\n"
+        "      [&](cg_i64 c, const cg_batchnorm2d_stats& stats) {{\n"
+        "{9}"
+        "      }},\n"
+        "      [&](cg_i64 e, const float* values) {{\n"
+        "        {10}\n"
+        "      }});\n",
+        s.pixels, s.lanes * s.vector, s.vector, s.lanes, x.bound->name, weight_ptr, bias_ptr, s.channels, eps, stats,
+        stored);
+  }
+  std::vector<LaunchParam> launch;
+  for (const char* slot : {"x", "mean", "rstd", "running_mean", "running_var"})
+    if (const Param* p = find_param(ps, slot)) launch.push_back(buffer_param(p->bound->name, *p));
+  pre_code = batchnorm_nhwc_pre_launch(
+      k, s, "the batch statistics", std::move(launch),
+      fmt::format("  CG_DYNAMIC_SMEM(cg_smem);\n"
+                  "  cg_batchnorm2d_nhwc_statistics<{0}, {1}>({2}, {3}, {4}, {5}, (int)tile.x, {6}, tile.y, {7},\n"
+                  "      cg_partials, cg_arrivals, (float*)cg_smem, [&](cg_i64 c, const cg_batchnorm2d_stats& stats) {{\n"
+                  "{8}"
+                  "      }});\n",
+                  s.vector, s.lanes, x.bound->name, s.channels, s.pixels, s.per_split, s.splits, eps, stats),
+      index);
+  use_function(*p_.tasks[size_t(t)].op, "cg_batchnorm2d_nhwc_normalize");  // (the statistics kernel calls the entry)
+  ek.block = 256;
+  ek.grid[0] = s.splits;
+  ek.grid[1] = s.chunks;
+  return fmt::format(
+      "  // {0} pixels split {1} ways ({2} a block) over chunks of {3} channels ({4} a thread), as the statistics.\n"
+      "  cg_batchnorm2d_nhwc_normalize<{4}, {5}>({6}, {7}, {8}, {9}, {10}, {11}, {0}, {2}, (int)tile.x, tile.y,\n"
+      "      [&](cg_i64 e, const float* values) {{\n"
+      "        {12}\n"
+      "      }});\n",
+      s.pixels, s.splits, s.per_split, s.lanes * s.vector, s.vector, s.lanes, x.bound->name,
+      param(ps, "mean").bound->name, param(ps, "rstd").bound->name, weight_ptr, bias_ptr, s.channels, stored);
+}
+
+// batchnorm2d_nhwc_backward, laid out as its forward: one split, a block a
+// chunk sums its channels, then stores their dx; more, a sums kernel first
+// (pre_code: dweight and dbias, and the f32 sums after the partials in the
+// workspace) and this kernel's dx on the same blocks; with no dx asked for,
+// the sums alone.
+std::string Emitter::batchnorm2d_nhwc_backward(const KernelGroup& k, int t, const std::vector<Param>& ps,
+                                               EmittedKernel& ek, size_t index, std::string& pre_code) {
+  const Param& x = param(ps, "x");
+  if (!check_f32_accumulation(t, x)) return {};
+  const BatchNormNhwcSplit s = batchnorm_nhwc_split(p_, t, options_.target(), options_.megakernel);
+  const std::string type = c_type(x.buffer->dtype);
+  const Param* weight = find_param(ps, "weight");
+  const Param* dx = find_param(ps, "dx");
+  const std::string weight_ptr = weight ? weight->bound->name : fmt::format("(const {}*)nullptr", type);
+  const std::string mean = param(ps, "mean").bound->name, rstd = param(ps, "rstd").bound->name,
+                    dout = param(ps, "dout").bound->name;
+  std::string sums;
+  if (const Param* dweight = find_param(ps, "dweight")) sums += store(*dweight, "c", "sums.dweight") + ";\n";
+  if (const Param* dbias = find_param(ps, "dbias")) sums += store(*dbias, "c", "sums.dbias") + ";\n";
+  if (sums.empty()) sums = "(void)sums;\n";
+  const std::string stored = dx ? store_vector_code(*dx, s.vector, "e", "values") : "(void)e, (void)values;";
+  if (s.splits == 1) {
+    entry_function_ = "cg_batchnorm2d_nhwc_backward_chunk";
+    ek.block = 256;
+    ek.grid[0] = s.chunks;
+    reserve_shared(ek, "each row of threads' sums a channel", 2 * s.rows() * s.lanes * s.vector * 4);
+    return fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  // {0} pixels, a block a chunk of {1} channels ({2} a thread): the sums, then dx.\n"
+        "  cg_batchnorm2d_nhwc_backward_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {8}, {9}, {0}, tile.x, (float*)cg_smem, {10},\n"
+        "      [&](cg_i64 c, const cg_batchnorm2d_sums& sums) {{\n"
+        "{11}"
+        "      }},\n"
+        "      [&](cg_i64 e, const float* values) {{\n"
+        "        {12}\n"
+        "      }});\n",
+        s.pixels, s.lanes * s.vector, s.vector, s.lanes, x.bound->name, dout, mean, rstd, weight_ptr, s.channels,
+        dx ? "true" : "false", indented(sums, 8), stored);
+  }
+  // The sums as dx reads them: f32, after the splits' partials.
+  const int64_t sums_offset = 2 * s.splits * s.channels;
+  if (dx != nullptr)
+    sums += fmt::format("cg_store(cg_partials, {0} + c, sums.dweight);\ncg_store(cg_partials, {0} + {1} + c, sums.dbias);\n",
+                        sums_offset, s.channels);
+  const std::string sums_body =
+      fmt::format("  CG_DYNAMIC_SMEM(cg_smem);\n"
+                  "  cg_batchnorm2d_nhwc_gradient_sums<{0}, {1}>({2}, {3}, {4}, {5}, {6}, {7}, {8}, (int)tile.x, {9}, tile.y,\n"
+                  "      cg_partials, cg_arrivals, (float*)cg_smem, [&](cg_i64 c, const cg_batchnorm2d_sums& sums) {{\n"
+                  "{10}"
+                  "      }});\n",
+                  s.vector, s.lanes, x.bound->name, dout, mean, rstd, s.channels, s.pixels, s.per_split, s.splits,
+                  indented(sums, 8));
+  if (dx == nullptr) {  // the sums kernel is the group's own
+    ek.block = 256;
+    ek.grid[0] = s.splits;
+    ek.grid[1] = s.chunks;
+    reserve_shared(ek, "each row of threads' sums a channel, and a word", (2 * s.rows() * s.lanes * s.vector + 1) * 4);
+    extra_params_.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
+                                        s.workspace_floats() * 4});
+    extra_params_.push_back(
+        LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset, s.chunks * 4});
+    return sums_body;
+  }
+  std::vector<LaunchParam> launch;
+  for (const char* slot : {"x", "dout", "mean", "rstd", "dweight", "dbias"})
+    if (const Param* p = find_param(ps, slot)) launch.push_back(buffer_param(p->bound->name, *p));
+  pre_code = batchnorm_nhwc_pre_launch(k, s, "the gradient's sums", std::move(launch), sums_body, index);
+  extra_params_.push_back(LaunchParam{"cg_sums", "const float", -1, nullptr, false,
+                                      split_k_.partials_offset + sums_offset * 4, 2 * s.channels * 4});
+  use_function(*p_.tasks[size_t(t)].op, "cg_batchnorm2d_nhwc_backward_dx");  // (the sums kernel calls the entry)
+  ek.block = 256;
+  ek.grid[0] = s.splits;
+  ek.grid[1] = s.chunks;
+  return fmt::format(
+      "  // {0} pixels split {1} ways ({2} a block) over chunks of {3} channels ({4} a thread), as the sums.\n"
+      "  cg_batchnorm2d_nhwc_backward_dx<{4}, {5}>({6}, {7}, {8}, {9}, {10}, cg_sums, {11}, {0}, {2}, (int)tile.x, tile.y,\n"
+      "      [&](cg_i64 e, const float* values) {{\n"
+      "        {12}\n"
+      "      }});\n",
+      s.pixels, s.splits, s.per_split, s.lanes * s.vector, s.vector, s.lanes, x.bound->name, dout, mean, rstd,
+      weight_ptr, s.channels, stored);
 }
 
 }  // namespace cudagen::lowering

@@ -471,6 +471,13 @@ class Emitter {
   std::string pool2d_nhwc_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string batchnorm2d(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string batchnorm2d_backward(int t, const std::vector<Param>& ps, EmittedKernel& ek);
+  std::string batchnorm_statistics_stores(int t, const std::vector<Param>& ps, int64_t count);
+  std::string batchnorm2d_nhwc(const KernelGroup& k, int t, const std::vector<Param>& ps, EmittedKernel& ek,
+                               size_t index, std::string& pre_code);
+  std::string batchnorm2d_nhwc_backward(const KernelGroup& k, int t, const std::vector<Param>& ps, EmittedKernel& ek,
+                                        size_t index, std::string& pre_code);
+  std::string batchnorm_nhwc_pre_launch(const KernelGroup& k, const BatchNormNhwcSplit& s, const std::string& what,
+                                        std::vector<LaunchParam> launch, const std::string& body, size_t index);
   std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek);
   std::string slice(int t, const std::vector<Param>& ps, EmittedKernel& ek);
 

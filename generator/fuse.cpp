@@ -477,6 +477,10 @@ class Fuser {
         else if (out_.kernels[first].gemm.launched_alone())
           reason = fmt::format("{} runs the {} matmul mainloop, in a launch of its own", out_.kernels[first].name,
                                out_.kernels[first].gemm.name());
+        else if (splits_batchnorm(kernel))
+          reason = "it runs a channels-last BatchNorm, whose statistics use the workspace, in a launch of its own";
+        else if (splits_batchnorm(out_.kernels[first]))
+          reason = fmt::format("{} runs a channels-last BatchNorm, in a launch of its own", out_.kernels[first].name);
         else if (runs_flash(kernel))
           reason = "it runs the flash attention kernel, in a launch of its own";
         else if (runs_flash(out_.kernels[first]))
@@ -498,6 +502,14 @@ class Fuser {
       first = k;
       parameters = own;
     }
+  }
+  // Whether kernel `k` is a channels-last BatchNorm (or its gradient) whose
+  // pixels split over blocks: its partial statistics share the split-K
+  // workspace, which another kernel of its launch could overwrite.
+  bool splits_batchnorm(const KernelGroup& k) const {
+    const BoundTask& bt = p_.tasks[size_t(k.tasks.front())];
+    return (is_op(bt, BundledOp::batchnorm2d_nhwc) || is_op(bt, BundledOp::batchnorm2d_nhwc_backward)) &&
+           batchnorm_nhwc_split(p_, k.tasks.front(), options_.target, options_.megakernel).splits > 1;
   }
   // The matmul mainloop settled kernel `k` runs (KernelGroup::gemm): a
   // matmul with at most an epilogue, reading its operands as stored.

@@ -52,6 +52,8 @@ bool is_op(const OpSignature& op, BundledOp which) {
     case BundledOp::conv2d_nhwc: return op.name == "conv2d_nhwc";
     case BundledOp::conv2d_nhwc_backward_data: return op.name == "conv2d_nhwc_backward_data";
     case BundledOp::conv2d_nhwc_backward_weight: return op.name == "conv2d_nhwc_backward_weight";
+    case BundledOp::batchnorm2d_nhwc: return op.name == "batchnorm2d_nhwc";
+    case BundledOp::batchnorm2d_nhwc_backward: return op.name == "batchnorm2d_nhwc_backward";
   }
   return false;
 }
@@ -598,6 +600,30 @@ GemmTile with_split_k(GemmTile tile, int max_split_k, int64_t M, int64_t N, int6
   tile.k_tiles_per_split = (k_tiles + most - 1) / most;
   tile.split_k = int((k_tiles + tile.k_tiles_per_split - 1) / tile.k_tiles_per_split);
   return tile;
+}
+
+BatchNormNhwcSplit batchnorm_nhwc_split(const Program& program, int task, const Target& target, bool megakernel) {
+  const BoundTask& bt = program.tasks[size_t(task)];
+  const BoundTensor* x = bt.find_tensor("x");
+  const BufferInfo& b = program.buffers[size_t(x->buffer)];
+  BatchNormNhwcSplit s;
+  s.channels = b.shape.back();
+  s.pixels = numel(b.shape) / s.channels;
+  // The widest access of at most 16 bytes that C channels divide into.
+  s.vector = int(16 / dtype_bytes(b.dtype));
+  while (s.channels % s.vector != 0) s.vector /= 2;
+  const int64_t vectors = s.channels / s.vector;
+  while (s.lanes < 32 && s.lanes < vectors) s.lanes *= 2;
+  s.chunks = (vectors + s.lanes - 1) / s.lanes;
+  s.per_split = s.pixels;
+  if (megakernel) return s;  // (no workspace there)
+  // Two blocks an SM, each row of threads walking at least 8 pixels.
+  const int64_t blocks = 2 * device_model(target).sms;
+  const int64_t most = std::max<int64_t>(1, s.pixels / (8 * s.rows()));
+  s.splits = std::clamp<int64_t>((blocks + s.chunks - 1) / s.chunks, 1, most);
+  s.per_split = (s.pixels + s.splits - 1) / s.splits;
+  s.splits = (s.pixels + s.per_split - 1) / s.per_split;  // none empty
+  return s;
 }
 
 DgradClasses dgrad_classes(int64_t images, int64_t H, int64_t W, int64_t KH, int64_t KW, int64_t stride_h,

@@ -153,6 +153,8 @@ enum class BundledOp {
   conv2d_nhwc,
   conv2d_nhwc_backward_data,
   conv2d_nhwc_backward_weight,
+  batchnorm2d_nhwc,
+  batchnorm2d_nhwc_backward,
 };
 bool is_op(const OpSignature& op, BundledOp which);
 inline bool is_op(const BoundTask& task, BundledOp which) { return is_op(*task.op, which); }
@@ -283,6 +285,22 @@ struct DgradClasses {
 DgradClasses dgrad_classes(int64_t images, int64_t H, int64_t W, int64_t KH, int64_t KW, int64_t stride_h,
                            int64_t stride_w, int64_t padding_h, int64_t padding_w, int64_t dilation_h,
                            int64_t dilation_w);
+
+// How a channels-last BatchNorm task (batchnorm2d_nhwc or its gradient)
+// spreads over blocks (templates/vision.cuh, cg_batchnorm2d_nhwc_layout): a
+// chunk of lanes x vector channels a block, its pixels split `splits` ways
+// where one block a chunk would leave the GPU's SMs idle. More than one
+// split: a statistics (or sums) kernel with its partial results in the
+// split-K workspace, merged in order by the last block, then an elementwise
+// kernel. One: a block a chunk does both (small tensors, the megakernel).
+struct BatchNormNhwcSplit {
+  int vector = 1, lanes = 1;  // channels a thread (one access of at most 16 bytes), threads along a pixel
+  int64_t channels = 0, pixels = 0, chunks = 0, splits = 1, per_split = 0;
+  int rows() const { return 256 / lanes; }
+  // The workspace's floats: each split's two values a channel, and the merged sums dx reads.
+  int64_t workspace_floats() const { return splits > 1 ? 2 * (splits + 1) * channels : 0; }
+};
+BatchNormNhwcSplit batchnorm_nhwc_split(const Program& program, int task, const Target& target, bool megakernel);
 
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
 // outputs over K per batch, rows flattened where matmul_flattens_rows says so.

@@ -121,8 +121,9 @@ class Evaluator {
       return pool2d_backward(bt, op == "max_pool2d_nhwc_backward", true);
     if (op == "adaptive_avg_pool2d_backward" || op == "adaptive_avg_pool2d_nhwc_backward")
       return adaptive_avg_pool2d_backward(bt, op == "adaptive_avg_pool2d_nhwc_backward");
-    if (op == "batchnorm2d") return batchnorm2d(bt);
-    if (op == "batchnorm2d_backward") return batchnorm2d_backward(bt);
+    if (op == "batchnorm2d" || op == "batchnorm2d_nhwc") return batchnorm2d(bt, op == "batchnorm2d_nhwc");
+    if (op == "batchnorm2d_backward" || op == "batchnorm2d_nhwc_backward")
+      return batchnorm2d_backward(bt, op == "batchnorm2d_nhwc_backward");
     if (op == "permute") return permute(bt);
     if (op == "slice" || op == "slice_backward") return slice(bt, op == "slice_backward");
     if (op == "rmsnorm") return rmsnorm(bt);
@@ -1035,20 +1036,32 @@ class Evaluator {
 
   // BatchNorm in training mode: layernorm's computation over each channel's
   // B x H x W elements (its error scales alike), and the running statistics
-  // moved toward the batch's.
-  void batchnorm2d(const BoundTask& bt) {
+  // moved toward the batch's. NCHW, or NHWC (batchnorm2d_nhwc).
+  struct Channels {
+    int64_t C, count, positions;  // positions: an NCHW image's H x W
+    bool nhwc;
+    // Element i of channel c's count.
+    size_t at(int64_t c, int64_t i) const {
+      return size_t(nhwc ? i * C + c : (i / positions * C + c) * positions + i % positions);
+    }
+  };
+  static Channels channels_of(const Shape& s, bool nhwc) {
+    if (nhwc) return Channels{s[3], s[0] * s[1] * s[2], 0, true};
+    return Channels{s[1], s[0] * s[2] * s[3], s[2] * s[3], false};
+  }
+  void batchnorm2d(const BoundTask& bt, bool nhwc) {
     const int x = buf(bt, "x");
     const BoundTensor *w = bt.find_tensor("weight"), *b = bt.find_tensor("bias"), *rm = bt.find_tensor("running_mean"),
                       *rv = bt.find_tensor("running_var");
-    const Shape& s = shape(x);
-    const int64_t B = s[0], C = s[1], positions = s[2] * s[3], count = B * positions;
+    const Channels ch = channels_of(shape(x), nhwc);
+    const int64_t C = ch.C, count = ch.count;
     const double eps = arg_double(bt, "eps", 1e-5), momentum = arg_double(bt, "momentum", 0.1);
     const auto &xv = val(x), &xa = r_.abs[size_t(x)];
     std::vector<double> v(xv.size()), a(xv.size()), m(static_cast<size_t>(C)), ma(m.size()), r(m.size()), ra(m.size());
     std::vector<double> rmv, rma, rvv, rva;
     if (rm != nullptr) rmv = val(rm->buffer), rma = r_.abs[size_t(rm->buffer)];
     if (rv != nullptr) rvv = val(rv->buffer), rva = r_.abs[size_t(rv->buffer)];
-    auto at = [&](int64_t c, int64_t i) { return size_t((i / positions * C + c) * positions + i % positions); };
+    auto at = [&](int64_t c, int64_t i) { return ch.at(c, i); };
     for (int64_t c = 0; c < C; ++c) {
       double sum = 0, abs_sum = 0, max_err = 0;
       for (int64_t i = 0; i < count; ++i) {
@@ -1098,15 +1111,15 @@ class Evaluator {
 
   // batchnorm2d's gradients from the saved statistics: layernorm_backward's
   // formulas over each channel's elements.
-  void batchnorm2d_backward(const BoundTask& bt) {
+  void batchnorm2d_backward(const BoundTask& bt, bool nhwc) {
     const int x = buf(bt, "x"), d = buf(bt, "dout"), mu = buf(bt, "mean"), rs = buf(bt, "rstd");
     const BoundTensor *w = bt.find_tensor("weight"), *dx = bt.find_tensor("dx"), *dw = bt.find_tensor("dweight"),
                       *db = bt.find_tensor("dbias");
-    const Shape& s = shape(x);
-    const int64_t C = s[1], positions = s[2] * s[3], count = s[0] * positions;
+    const Channels ch = channels_of(shape(x), nhwc);
+    const int64_t C = ch.C, count = ch.count;
     const auto &xv = val(x), &xa = r_.abs[size_t(x)], &dv = val(d), &da = r_.abs[size_t(d)];
     std::vector<double> gx(xv.size()), gxa(xv.size()), gw(static_cast<size_t>(C)), gwa(gw.size()), gb(gw.size()), gba(gw.size());
-    auto at = [&](int64_t c, int64_t i) { return size_t((i / positions * C + c) * positions + i % positions); };
+    auto at = [&](int64_t c, int64_t i) { return ch.at(c, i); };
     for (int64_t c = 0; c < C; ++c) {
       const double mean = val(mu)[size_t(c)], mean_abs = r_.abs[size_t(mu)][size_t(c)];
       const double rstd = val(rs)[size_t(c)], rstd_abs = r_.abs[size_t(rs)][size_t(c)];

@@ -1283,6 +1283,425 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
+// BatchNorm in training mode over channels-last tensors ([B, H, W, C]):
+// batchnorm2d's computation, laid out so that a warp reads runs of
+// consecutive channels. A block covers a chunk of LANES x V channels (each
+// of a thread row's LANES threads takes V consecutive channels, one access
+// of 16 bytes where C allows) and a range of pixels, which its 256 / LANES
+// rows of threads walk. Each thread keeps Welford's running mean and sum of
+// squared deviations (m2) of its channels; the rows' moments are then
+// merged in row order by Chan's pairwise formula: no E[x^2] - E[x]^2
+// cancellation, and a fixed order, so the same bits every run. A large
+// tensor splits its pixels over `splits` blocks a chunk: each stores its
+// moments in a workspace, and the chunk's block that arrives last merges the
+// splits in order (cg_batchnorm2d_nhwc_statistics); a second kernel, laid
+// out alike, then normalises (cg_batchnorm2d_nhwc_normalize). A small one (and the
+// megakernel, which has no workspace) takes a block a chunk over every
+// pixel, statistics and output in one kernel (cg_batchnorm2d_nhwc_chunk).
+// The gradient is laid out alike: its two sums per channel, then dx.
+struct cg_moments {
+  float count, mean, m2;  // m2: the sum of squared deviations from mean
+};
+
+// Chan, Golub and LeVeque's update: the moments of a's values and b's together.
+CG_DEVICE cg_moments cg_moments_merge(cg_moments a, cg_moments b) {
+  if (b.count == 0.0f) return a;
+  if (a.count == 0.0f) return b;
+  const float count = a.count + b.count, d = b.mean - a.mean, f = b.count / count;
+  return cg_moments{count, a.mean + d * f, a.m2 + b.m2 + d * d * a.count * f};
+}
+
+CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_stats_of(cg_moments m, float eps) {
+  const float var = m.m2 / m.count;  // biased, as batch statistics are
+  return cg_batchnorm2d_stats{m.mean, var, 1.0f / sqrtf(var + eps)};
+}
+
+// V per-channel values from channel c0 (a multiple of V, so aligned): f32
+// statistics as 16- or 8-byte loads where V allows, a weight or bias as one
+// vector (null: `absent` for each).
+template <int V>
+CG_DEVICE void cg_load_channels(const float* p, cg_i64 c0, float* out) {
+  constexpr int W = V % 4 == 0 ? 4 : V % 2 == 0 ? 2 : 1;
+  CG_UNROLL
+  for (int k = 0; k < V; k += W) {
+    const cg_vector<W, float> v = cg_load_vector<W>(p, c0 + k);
+    CG_UNROLL
+    for (int j = 0; j < W; ++j) out[k + j] = v.v[j];
+  }
+}
+template <int V, typename T>
+CG_DEVICE void cg_load_channels(const T* p, cg_i64 c0, float absent, float* out) {
+  if (p == nullptr) {
+    for (int k = 0; k < V; ++k) out[k] = absent;
+    return;
+  }
+  const cg_vector<V, T> v = cg_load_vector<V>(p, c0);
+  CG_UNROLL
+  for (int k = 0; k < V; ++k) out[k] = cg_widen(v.v[k]);
+}
+
+// A block's threads over a chunk of channels: THREADS threads (more in a
+// megakernel's block idle), ROWS rows of LANES, ITEMS channels (a thread
+// each where a chunk's channels are merged). The rows' values in shared
+// memory take SHARED_FLOATS floats. Each row walks its pixels in order.
+template <int V, int LANES>
+struct cg_batchnorm2d_nhwc_layout {
+  static constexpr int THREADS = 256, ROWS = THREADS / LANES, ITEMS = LANES * V, SHARED_FLOATS = 2 * ROWS * ITEMS;
+  // Pixels a thread loads before it uses them: a block's 256 threads keep
+  // 4 x 16 bytes each in flight, what an SM needs to come near its share of
+  // DRAM bandwidth at two blocks (Little's law, about 1 us of latency).
+  static constexpr int UNROLL = 4;
+  static CG_DEVICE int lane() { return (int)(threadIdx.x % LANES); }
+  static CG_DEVICE int row() { return (int)(threadIdx.x / LANES); }
+  // The first of this thread's V channels in chunk `chunk` (C or past it where the chunk ends first).
+  static CG_DEVICE cg_i64 first_channel(cg_i64 chunk) { return (chunk * LANES + lane()) * V; }
+  // How many of pixels [begin, end) row r walks (begin + r, then every ROWS-th).
+  static CG_DEVICE float row_pixels(cg_i64 begin, cg_i64 end, int r) {
+    return end - begin > r ? (float)((end - begin - r + ROWS - 1) / ROWS) : 0.0f;
+  }
+  // Walks this thread's pixels of [begin, end) in order, UNROLL at a time:
+  // load(u, p) for each of them first (their loads in flight together),
+  // then use(u, p) for each, u the pixel's place in the group.
+  template <typename Load, typename Use>
+  static CG_DEVICE void walk_pixels(cg_i64 begin, cg_i64 end, Load load, Use use) {
+    for (cg_i64 p = begin + row(); p < end; p += UNROLL * ROWS) {
+      CG_UNROLL
+      for (int u = 0; u < UNROLL; ++u)
+        if (p + u * ROWS < end) load(u, p + u * ROWS);
+      CG_UNROLL
+      for (int u = 0; u < UNROLL; ++u) {
+        if (p + u * ROWS >= end) break;
+        use(u, p + u * ROWS);
+      }
+    }
+  }
+  // Each row's two values a channel (this thread's V of each) into shared
+  // memory, then thread `item` < ITEMS merges the rows of channel item in
+  // row order by merge(r, first, second). Every thread calls it.
+  template <typename Merge>
+  static CG_DEVICE void merge_rows(const float* first, const float* second, float* smem, Merge merge) {
+    __syncthreads();  // the caller's previous use of smem is over
+    if (threadIdx.x < THREADS)
+      for (int k = 0; k < V; ++k) {
+        smem[row() * ITEMS + lane() * V + k] = first[k];
+        smem[(ROWS + row()) * ITEMS + lane() * V + k] = second[k];
+      }
+    __syncthreads();
+    if (threadIdx.x < ITEMS)
+      for (int r = 0; r < ROWS; ++r) merge(r, smem[r * ITEMS + threadIdx.x], smem[(ROWS + r) * ITEMS + threadIdx.x]);
+  }
+};
+
+// The moments of channel chunk * ITEMS + threadIdx.x (threads below ITEMS)
+// over pixels [begin, end) of x.
+template <int V, int LANES, typename T>
+CG_DEVICE cg_moments cg_batchnorm2d_nhwc_moments(const T* x, cg_i64 C, cg_i64 chunk, cg_i64 begin, cg_i64 end,
+                                                 float* smem) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 c0 = L::first_channel(chunk);
+  float count = 0.0f, mean[V], m2[V];
+  CG_UNROLL
+  for (int k = 0; k < V; ++k) mean[k] = m2[k] = 0.0f;
+  cg_vector<V, T> v[L::UNROLL];
+  if (threadIdx.x < L::THREADS && c0 < C)
+    L::walk_pixels(
+        begin, end, [&](int u, cg_i64 p) { v[u] = cg_load_vector<V>(x, p * C + c0); },
+        [&](int u, cg_i64) {
+          count += 1.0f;
+          const float inv = 1.0f / count;  // one division for the V channels
+          CG_UNROLL
+          for (int k = 0; k < V; ++k) {
+            const float value = cg_widen(v[u].v[k]), d = value - mean[k];
+            mean[k] += d * inv;
+            m2[k] += d * (value - mean[k]);
+          }
+        });
+  cg_moments total{0.0f, 0.0f, 0.0f};
+  L::merge_rows(mean, m2, smem, [&](int r, float mean_r, float m2_r) {
+    total = cg_moments_merge(total, cg_moments{L::row_pixels(begin, end, r), mean_r, m2_r});
+  });
+  return total;
+}
+
+// A large tensor's statistics: block (split, chunk) stores the moments of
+// its pixels [split * per_split, +per_split) to partials ([splits][2][C]:
+// the means, then the m2s), and the chunk's block that arrives last at
+// arrivals[chunk] merges the splits in order and hands each channel's
+// statistics to f(c, stats) (one split: that block, directly). smem:
+// SHARED_FLOATS floats, then a word. Every thread of the block calls it.
+template <int V, int LANES, typename T, typename F>
+CG_OP("batchnorm2d_nhwc",
+      "pattern: opaque",
+      "variant: cg_batchnorm2d_nhwc_chunk",
+      "variant: cg_batchnorm2d_nhwc_normalize",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T optional",
+      "tensor: bias weight T optional",
+      "tensor: running_mean weight f32 optional writes",
+      "tensor: running_var weight f32 optional writes",
+      "tensor: out output T",
+      "tensor: mean output f32",
+      "tensor: rstd output f32",
+      "arg: eps float = 1e-5",
+      "arg: momentum float = 0.1",
+      "shape: x:[B, H, W, C] weight:[C] bias:[C] running_mean:[C] running_var:[C] -> out:[B, H, W, C] mean:[C] rstd:[C] running_mean:[C] running_var:[C]",
+      "backward: batchnorm2d_nhwc_backward",
+      "flops: 8 * numel(x)",
+      "doc: batchnorm2d on channels-last tensors: batch statistics per channel (the last axis), the running statistics updated in place")
+CG_DEVICE void cg_batchnorm2d_nhwc_statistics(const T* x, cg_i64 C, cg_i64 pixels, cg_i64 per_split, int split,
+                                              int splits, cg_i64 chunk, float eps, float* partials,
+                                              unsigned int* arrivals, float* smem, F f) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_moments m = cg_batchnorm2d_nhwc_moments<V, LANES>(x, C, chunk, begin, end, smem);
+  const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
+  const bool mine = threadIdx.x < L::ITEMS && c < C;
+  if (splits == 1) {
+    if (mine) f(c, cg_batchnorm2d_stats_of(m, eps));
+    return;
+  }
+  if (mine) {
+    cg_store(partials, 2 * split * C + c, m.mean);
+    cg_store(partials, (2 * split + 1) * C + c, m.m2);
+  }
+  if (!cg_last_to_arrive(arrivals + chunk, splits, (unsigned int*)(smem + L::SHARED_FLOATS)) || !mine) return;
+  cg_moments total{0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < splits; ++s) {
+    const cg_i64 b = (cg_i64)s * per_split, e = b + per_split < pixels ? b + per_split : pixels;
+    total = cg_moments_merge(total, cg_moments{(float)(e - b), cg_load_l2(partials, 2 * s * C + c),
+                                               cg_load_l2(partials, (2 * s + 1) * C + c)});
+  }
+  f(c, cg_batchnorm2d_stats_of(total, eps));
+}
+
+// A large tensor's output, laid out as its statistics (block (split,
+// chunk), the same pixels): each thread loads its channels' statistics,
+// weights and biases once, then normalises, scales and shifts its V
+// channels of each of its pixels (weight and bias may be null: 1 and 0);
+// store(e, values) stores elements e to e + V - 1.
+template <int V, int LANES, typename T, typename Store>
+CG_DEVICE void cg_batchnorm2d_nhwc_normalize(const T* x, const float* mean, const float* rstd, const T* weight,
+                                             const T* bias, cg_i64 C, cg_i64 pixels, cg_i64 per_split, int split,
+                                             cg_i64 chunk, Store store) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 c0 = L::first_channel(chunk);
+  if (threadIdx.x >= L::THREADS || c0 >= C) return;
+  float mu[V], scale[V], w[V], shift[V];
+  cg_load_channels<V>(mean, c0, mu);
+  cg_load_channels<V>(rstd, c0, scale);
+  cg_load_channels<V>(weight, c0, 1.0f, w);
+  cg_load_channels<V>(bias, c0, 0.0f, shift);
+  CG_UNROLL
+  for (int k = 0; k < V; ++k) scale[k] *= w[k];
+  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  cg_vector<V, T> v[L::UNROLL];
+  L::walk_pixels(
+      begin, end, [&](int u, cg_i64 p) { v[u] = cg_load_vector<V>(x, p * C + c0); },
+      [&](int u, cg_i64 p) {
+        float out[V];
+        CG_UNROLL
+        for (int k = 0; k < V; ++k) out[k] = (cg_widen(v[u].v[k]) - mu[k]) * scale[k] + shift[k];
+        store(p * C + c0, out);
+      });
+}
+
+// A small tensor (or a megakernel's tile): block `chunk` computes its
+// channels' statistics over every pixel, hands each to f(c, stats), then
+// normalises its channels of every pixel (store as above). smem:
+// SHARED_FLOATS floats.
+template <int V, int LANES, typename T, typename F, typename Store>
+CG_DEVICE void cg_batchnorm2d_nhwc_chunk(const T* x, const T* weight, const T* bias, cg_i64 C, cg_i64 pixels,
+                                         cg_i64 chunk, float eps, float* smem, F f, Store store) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_moments m = cg_batchnorm2d_nhwc_moments<V, LANES>(x, C, chunk, 0, pixels, smem);
+  const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
+  __syncthreads();  // every row's moments are merged: smem holds the chunk's scale and shift next
+  if (threadIdx.x < L::ITEMS && c < C) {
+    const cg_batchnorm2d_stats s = cg_batchnorm2d_stats_of(m, eps);
+    f(c, s);
+    smem[threadIdx.x] = s.mean;
+    smem[L::ITEMS + threadIdx.x] = s.rstd * (weight ? cg_widen(cg_load(weight, c)) : 1.0f);
+    smem[2 * L::ITEMS + threadIdx.x] = bias ? cg_widen(cg_load(bias, c)) : 0.0f;
+  }
+  __syncthreads();
+  const cg_i64 c0 = L::first_channel(chunk);
+  if (threadIdx.x >= L::THREADS || c0 >= C) return;
+  const float* mean = smem + L::lane() * V;
+  for (cg_i64 p = L::row(); p < pixels; p += L::ROWS) {
+    const cg_vector<V, T> v = cg_load_vector<V>(x, p * C + c0);
+    float out[V];
+    CG_UNROLL
+    for (int k = 0; k < V; ++k) out[k] = (cg_widen(v.v[k]) - mean[k]) * mean[L::ITEMS + k] + mean[2 * L::ITEMS + k];
+    store(p * C + c0, out);
+  }
+}
+
+// The gradient's sums of channel chunk * ITEMS + threadIdx.x (threads
+// below ITEMS) over pixels [begin, end): dbias = sum(dout) and
+// dweight = sum(dout * xhat), xhat = (x - mean) * rstd.
+template <int V, int LANES, typename T>
+CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_nhwc_block_sums(const T* x, const T* dout, const float* mean,
+                                                             const float* rstd, cg_i64 C, cg_i64 chunk, cg_i64 begin,
+                                                             cg_i64 end, float* smem) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 c0 = L::first_channel(chunk);
+  float sum_dy[V], sum_dy_xhat[V], mu[V], rs[V];
+  CG_UNROLL
+  for (int k = 0; k < V; ++k) sum_dy[k] = sum_dy_xhat[k] = 0.0f;
+  if (threadIdx.x < L::THREADS && c0 < C) {
+    cg_load_channels<V>(mean, c0, mu);
+    cg_load_channels<V>(rstd, c0, rs);
+    cg_vector<V, T> xv[L::UNROLL], dv[L::UNROLL];
+    L::walk_pixels(
+        begin, end,
+        [&](int u, cg_i64 p) {
+          xv[u] = cg_load_vector<V>(x, p * C + c0);
+          dv[u] = cg_load_vector<V>(dout, p * C + c0);
+        },
+        [&](int u, cg_i64) {
+          CG_UNROLL
+          for (int k = 0; k < V; ++k) {
+            const float dy = cg_widen(dv[u].v[k]);
+            sum_dy[k] += dy;
+            sum_dy_xhat[k] += dy * (cg_widen(xv[u].v[k]) - mu[k]) * rs[k];
+          }
+        });
+  }
+  cg_batchnorm2d_sums total{0.0f, 0.0f};
+  L::merge_rows(sum_dy_xhat, sum_dy, smem, [&](int, float dweight, float dbias) {
+    total.dweight += dweight;
+    total.dbias += dbias;
+  });
+  return total;
+}
+
+// dx of one element: weight * rstd * (dout - (dbias + xhat * dweight) / count), as batchnorm2d_backward.
+CG_DEVICE float cg_batchnorm2d_dx(float dy, float xhat, float scale, float dweight, float dbias, float count) {
+  return scale * (dy - (dbias + xhat * dweight) / count);
+}
+
+// The gradient's sums of a large tensor, split over pixels as
+// cg_batchnorm2d_nhwc_statistics splits them (partials [splits][2][C]:
+// the dweights, then the dbiases); f(c, sums) in the last block of the
+// chunk (or the one, where one split).
+template <int V, int LANES, typename T, typename F>
+CG_OP("batchnorm2d_nhwc_backward",
+      "pattern: opaque",
+      "variant: cg_batchnorm2d_nhwc_backward_chunk",
+      "variant: cg_batchnorm2d_nhwc_backward_dx",
+      "forward: batchnorm2d_nhwc",
+      "types: T = f32 f16 bf16",
+      "tensor: x input T",
+      "tensor: weight weight T optional",
+      "tensor: mean input f32",
+      "tensor: rstd input f32",
+      "tensor: dout input T",
+      "tensor: dx output T optional",
+      "tensor: dweight output T optional",
+      "tensor: dbias output T optional",
+      "shape: x:[B, H, W, C] weight:[C] mean:[C] rstd:[C] dout:[B, H, W, C] -> dx:[B, H, W, C] dweight:[C] dbias:[C]",
+      "doc: gradients of batchnorm2d_nhwc (training mode) with respect to x, weight and bias")
+CG_DEVICE void cg_batchnorm2d_nhwc_gradient_sums(const T* x, const T* dout, const float* mean, const float* rstd,
+                                                 cg_i64 C, cg_i64 pixels, cg_i64 per_split, int split, int splits,
+                                                 cg_i64 chunk, float* partials, unsigned int* arrivals, float* smem,
+                                                 F f) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_batchnorm2d_sums s = cg_batchnorm2d_nhwc_block_sums<V, LANES>(x, dout, mean, rstd, C, chunk, begin, end, smem);
+  const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
+  const bool mine = threadIdx.x < L::ITEMS && c < C;
+  if (splits == 1) {
+    if (mine) f(c, s);
+    return;
+  }
+  if (mine) {
+    cg_store(partials, 2 * split * C + c, s.dweight);
+    cg_store(partials, (2 * split + 1) * C + c, s.dbias);
+  }
+  if (!cg_last_to_arrive(arrivals + chunk, splits, (unsigned int*)(smem + L::SHARED_FLOATS)) || !mine) return;
+  cg_batchnorm2d_sums total{0.0f, 0.0f};
+  for (int k = 0; k < splits; ++k) {
+    total.dweight += cg_load_l2(partials, 2 * k * C + c);
+    total.dbias += cg_load_l2(partials, (2 * k + 1) * C + c);
+  }
+  f(c, total);
+}
+
+// dx of a large tensor, laid out as its sums (block (split, chunk)): each
+// thread loads its channels' statistics, weights and sums (sums[c]:
+// dweight, sums[C + c]: dbias, f32 as summed) once, then stores its V
+// channels of dx at each of its pixels.
+template <int V, int LANES, typename T, typename Store>
+CG_DEVICE void cg_batchnorm2d_nhwc_backward_dx(const T* x, const T* dout, const float* mean, const float* rstd,
+                                               const T* weight, const float* sums, cg_i64 C, cg_i64 pixels,
+                                               cg_i64 per_split, int split, cg_i64 chunk, Store store) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_i64 c0 = L::first_channel(chunk);
+  if (threadIdx.x >= L::THREADS || c0 >= C) return;
+  float mu[V], rs[V], scale[V], dweight[V], dbias[V];
+  cg_load_channels<V>(mean, c0, mu);
+  cg_load_channels<V>(rstd, c0, rs);
+  cg_load_channels<V>(weight, c0, 1.0f, scale);
+  cg_load_channels<V>(sums, c0, dweight);
+  cg_load_channels<V>(sums, C + c0, dbias);
+  CG_UNROLL
+  for (int k = 0; k < V; ++k) scale[k] *= rs[k];
+  const float count = (float)pixels;
+  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  cg_vector<V, T> xv[L::UNROLL], dv[L::UNROLL];
+  L::walk_pixels(
+      begin, end,
+      [&](int u, cg_i64 p) {
+        xv[u] = cg_load_vector<V>(x, p * C + c0);
+        dv[u] = cg_load_vector<V>(dout, p * C + c0);
+      },
+      [&](int u, cg_i64 p) {
+        float dx[V];
+        CG_UNROLL
+        for (int k = 0; k < V; ++k)
+          dx[k] = cg_batchnorm2d_dx(cg_widen(dv[u].v[k]), (cg_widen(xv[u].v[k]) - mu[k]) * rs[k], scale[k], dweight[k],
+                                    dbias[k], count);
+        store(p * C + c0, dx);
+      });
+}
+
+// The gradient of a small tensor (or a megakernel's tile): block `chunk`
+// sums its channels over every pixel, hands them to f(c, sums), then
+// stores its channels' dx of every pixel through store (null: none asked
+// for). smem: SHARED_FLOATS floats.
+template <int V, int LANES, typename T, typename F, typename Store>
+CG_DEVICE void cg_batchnorm2d_nhwc_backward_chunk(const T* x, const T* dout, const float* mean, const float* rstd,
+                                                  const T* weight, cg_i64 C, cg_i64 pixels, cg_i64 chunk, float* smem,
+                                                  bool dx, F f, Store store) {
+  typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
+  const cg_batchnorm2d_sums s = cg_batchnorm2d_nhwc_block_sums<V, LANES>(x, dout, mean, rstd, C, chunk, 0, pixels, smem);
+  const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
+  __syncthreads();  // every row's sums are added: smem holds the chunk's factors next
+  if (threadIdx.x < L::ITEMS && c < C) {
+    f(c, s);
+    const float r = cg_load(rstd, c);
+    smem[threadIdx.x] = cg_load(mean, c);
+    smem[L::ITEMS + threadIdx.x] = r;
+    smem[2 * L::ITEMS + threadIdx.x] = r * (weight ? cg_widen(cg_load(weight, c)) : 1.0f);
+    smem[3 * L::ITEMS + threadIdx.x] = s.dweight;
+    smem[4 * L::ITEMS + threadIdx.x] = s.dbias;
+  }
+  __syncthreads();
+  const cg_i64 c0 = L::first_channel(chunk);
+  if (!dx || threadIdx.x >= L::THREADS || c0 >= C) return;
+  const float* at = smem + L::lane() * V;
+  for (cg_i64 p = L::row(); p < pixels; p += L::ROWS) {
+    const cg_vector<V, T> xv = cg_load_vector<V>(x, p * C + c0), dv = cg_load_vector<V>(dout, p * C + c0);
+    float out[V];
+    CG_UNROLL
+    for (int k = 0; k < V; ++k)
+      out[k] = cg_batchnorm2d_dx(cg_widen(dv.v[k]), (cg_widen(xv.v[k]) - at[k]) * at[L::ITEMS + k], at[2 * L::ITEMS + k],
+                                 at[3 * L::ITEMS + k], at[4 * L::ITEMS + k], (float)pixels);
+    store(p * C + c0, out);
+  }
+}
+
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

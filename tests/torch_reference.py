@@ -367,10 +367,11 @@ def run_torch(g, values, phases=None):
             # Only max pooling's gradient depends on x; the others' on its shape.
             x = get(t, "x") if op == "max_pool2d_backward" else torch.zeros(shape("dx"), dtype=torch.float64)
             put(t, "dx", grad(pool, [x], get(t, "dout"))[0])
-        elif op == "batchnorm2d":
+        elif op in ("batchnorm2d", "batchnorm2d_nhwc"):
+            # The channels-last form: channels on the last axis, the statistics over the others.
+            axes, c = ((0, 1, 2), (1, 1, 1, -1)) if op == "batchnorm2d_nhwc" else ((0, 2, 3), (1, -1, 1, 1))
             x = get(t, "x")
-            mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
-            c = (1, -1, 1, 1)
+            mean, var = x.mean(axes), x.var(axes, unbiased=False)
             eps, momentum = args.get("eps", 1e-5), args.get("momentum", 0.1)
             weight = get(t, "weight") if "weight" in t["tensors"] else torch.ones_like(mean)
             bias = get(t, "bias") if "bias" in t["tensors"] else torch.zeros_like(mean)
@@ -380,9 +381,9 @@ def run_torch(g, values, phases=None):
             if "running_mean" in t["tensors"]:
                 put(t, "running_mean", (1 - momentum) * get(t, "running_mean") + momentum * mean)
             if "running_var" in t["tensors"]:
-                put(t, "running_var", (1 - momentum) * get(t, "running_var") + momentum * x.var((0, 2, 3), unbiased=True))
-        elif op == "batchnorm2d_backward":
-            c = (1, -1, 1, 1)
+                put(t, "running_var", (1 - momentum) * get(t, "running_var") + momentum * x.var(axes, unbiased=True))
+        elif op in ("batchnorm2d_backward", "batchnorm2d_nhwc_backward"):
+            axes, c = ((0, 1, 2), (1, 1, 1, -1)) if op == "batchnorm2d_nhwc_backward" else ((0, 2, 3), (1, -1, 1, 1))
             mean, rstd = get(t, "mean").reshape(c), get(t, "rstd").reshape(c)
             weight = get(t, "weight") if "weight" in t["tensors"] else torch.ones(mean.numel(), dtype=torch.float64)
             x = get(t, "x")
@@ -393,7 +394,7 @@ def run_torch(g, values, phases=None):
             xhat = (get(t, "x") - mean) * rstd
             n = get(t, "x").numel() / mean.numel()
             dxhat = get(t, "dout") * weight.reshape(c)
-            dx = rstd / n * (n * dxhat - dxhat.sum((0, 2, 3), keepdim=True) - xhat * (dxhat * xhat).sum((0, 2, 3), keepdim=True))
+            dx = rstd / n * (n * dxhat - dxhat.sum(axes, keepdim=True) - xhat * (dxhat * xhat).sum(axes, keepdim=True))
             for slot, value in (("dx", dx), ("dweight", dweight), ("dbias", dbias)):
                 if slot in t["tensors"]:
                     put(t, slot, value)

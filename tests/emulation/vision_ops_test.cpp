@@ -683,6 +683,49 @@ const std::vector<NhwcGradientCase>& nhwc_gradient_cases() {
   return cases;
 }
 
+// The channels-last BatchNorm in training mode and its gradient, in each
+// form (batchnorm_nhwc_split): a block a chunk of channels over every pixel
+// ("small"; 24 channels: a chunk's last lane idle in 16-bit types); pixels
+// split over blocks, the statistics and the sums merged in order by the last
+// block, then an elementwise kernel ("split": 2048 pixels, 2 splits in
+// 16-bit types, 4 in f32); 5 channels, one a thread, split, with no affine
+// weights or running statistics, the gradient's sums alone ("odd"). 21
+// outputs in all. A megakernel takes the first form for each.
+struct NhwcBatchNormCase {
+  std::string id;
+  Shape x;
+  bool affine;
+};
+const std::vector<NhwcBatchNormCase>& nhwc_batchnorm_cases() {
+  static const std::vector<NhwcBatchNormCase> cases = {
+      {"bn_small", {2, 5, 6, 24}, true}, {"bn_split", {2, 32, 32, 16}, true}, {"bn_odd", {2, 16, 17, 5}, false}};
+  return cases;
+}
+void add_nhwc_batchnorms(GraphBuilder& b, DType d) {
+  for (const NhwcBatchNormCase& bn : nhwc_batchnorm_cases()) {
+    const Shape channels{bn.x.back()};
+    TaskBuilder forward = b.task(bn.id, "batchnorm2d_nhwc");
+    forward.tensor("x", d, bn.x, ext);
+    if (bn.affine)
+      forward.tensor("weight", d, channels, persistent)
+          .tensor("bias", d, channels, persistent)
+          .tensor("running_mean", DType::f32, channels, persistent)
+          .tensor("running_var", DType::f32, channels, persistent);
+    forward.tensor("out", d, bn.x, ext)
+        .tensor("mean", DType::f32, channels, ext)
+        .tensor("rstd", DType::f32, channels, ext)
+        .arg("momentum", 0.25);
+    TaskBuilder backward = b.task(bn.id + "_backward", "batchnorm2d_nhwc_backward");
+    backward.tensor("x", d, bn.x, ext);
+    if (bn.affine) backward.tensor("weight", d, channels, persistent);
+    backward.tensor("mean", DType::f32, channels, ext)
+        .tensor("rstd", DType::f32, channels, ext)
+        .tensor("dout", d, bn.x, ext);
+    if (bn.affine) backward.tensor("dx", d, bn.x, ext);
+    backward.tensor("dweight", d, channels, ext).tensor("dbias", d, channels, ext);
+  }
+}
+
 TaskGraph nhwc_gradient_graph(DType d) {
   GraphBuilder b(fmt::format("nhwc_gradients_{}", to_string(d)));
   for (const NhwcGradientCase& c : nhwc_gradient_cases()) {
@@ -734,6 +777,7 @@ TaskGraph nhwc_gradient_graph(DType d) {
   b.task("adaptive_pool_backward", "adaptive_avg_pool2d_nhwc_backward")
       .tensor("dout", d, {2, 3, 2, 16}, ext)
       .tensor("dx", d, pooled, ext);
+  add_nhwc_batchnorms(b, d);
   return std::move(b).graph();
 }
 
@@ -764,12 +808,21 @@ TEST_P(ChannelsLastGradients, MatchTheFloat64ReferenceInEachForm) {
       EXPECT_EQ(k->matmul_path.find("pipelined mainloop") != std::string::npos, tensor_cores && gemm && !megakernel)
           << name << ": " << k->matmul_path;
     }
+  // The BatchNorms' pixels split (a statistics or sums kernel launched first) except where small, and
+  // never in a megakernel; the gradient with no dx asked for is its sums kernel alone.
+  std::set<std::string> launched;
+  for (const EmittedKernel& k : c.emitted.kernels) launched.insert(k.name.substr(k.name.find('_') + 1));
+  for (const NhwcBatchNormCase& bn : nhwc_batchnorm_cases()) {
+    const bool split = bn.id != "bn_small" && !megakernel;
+    EXPECT_EQ(launched.count(bn.id + "_statistics"), split ? 1u : 0u) << bn.id;
+    EXPECT_EQ(launched.count(bn.id + "_backward_sums"), split && bn.affine ? 1u : 0u) << bn.id;
+  }
   const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   CheckedRun run = run_checked(
       c, RunOptions{seed, work_dir(fmt::format("nhwc_gradients_{}{}{}", to_string(dtype), tf32 ? "_tf32" : "",
                                                megakernel ? "_mk" : ""))});
-  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size() + 3);  // and the three pools
+  EXPECT_EQ(run.checks.size(), 2 * nhwc_gradient_cases().size() + 3 + 21);  // and the three pools, the BatchNorms
   for (const auto& check : run.checks) EXPECT_TRUE(check.ok()) << format_run(run);
 }
 
@@ -782,8 +835,8 @@ INSTANTIATE_TEST_SUITE_P(Types, ChannelsLastGradients,
                                               info.param.megakernel ? "_megakernel" : "");
                          });
 
-// A channels-last network's training step derived (convolutions, relu, the
-// channels-last pools): conv2d_nhwc links its two gradient ops, and the derive pass writes a task of each only where its
+// A channels-last network's training step derived (convolutions, a
+// BatchNorm in training mode, relu, the channels-last pools): conv2d_nhwc links its two gradient ops, and the derive pass writes a task of each only where its
 // gradient is needed (none of dx for the stem, whose input is the image).
 // Each task of two SGD steps checked from its actual inputs, in f32 (the
 // direct forms) and as TF32 (the mainloop); the loss falls.
@@ -809,6 +862,15 @@ TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
   };
   auto image = b.task("image", "affine").tensor("x", d, {B, 10, 10, 8}, ext).tensor("out", d, {B, 10, 10, 8}).arg("scale", 1.0);
   SlotRef x = conv("stem", image["out"], 8, 10, 16, 1);
+  x = b.task("stem_bn", "batchnorm2d_nhwc")  // training mode: the batch's statistics
+          .tensor("x", x)
+          .tensor("weight", weight("stem_bn_weight", {16}, 1))
+          .tensor("bias", weight("stem_bn_bias", {16}, 100))
+          .tensor("running_mean", d, {16}, persistent)
+          .tensor("running_var", d, {16}, persistent)
+          .tensor("out", d, {B, 10, 10, 16})
+          .tensor("mean", d, {16})
+          .tensor("rstd", d, {16})["out"];
   x = b.task("stem_act", "relu").tensor("x", x).tensor("out", d, {B, 10, 10, 16})["out"];
   x = b.task("stem_pool", "max_pool2d_nhwc")
           .tensor("x", x)
@@ -841,7 +903,8 @@ TEST(ChannelsLastGradients, AChannelsLastNetworkTrains) {
   std::set<std::string> ids, ops;
   for (const auto& t : trained.tasks) ids.insert(t.id), ops.insert(t.op);
   for (const char* id : {"stem_backward_weight", "down_backward_data", "down_backward_weight"}) EXPECT_TRUE(ids.count(id)) << id;
-  for (const char* op : {"max_pool2d_nhwc_backward", "avg_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward"})
+  for (const char* op : {"max_pool2d_nhwc_backward", "avg_pool2d_nhwc_backward", "adaptive_avg_pool2d_nhwc_backward",
+                         "batchnorm2d_nhwc_backward"})
     EXPECT_TRUE(ops.count(op)) << op;
   EXPECT_FALSE(ids.count("stem_backward_data")) << "the image needs no gradient";
 

@@ -159,7 +159,7 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       "slice", "slice_backward",
       // Convolutional networks train (#40, #43).
       "conv2d_backward", "max_pool2d_backward", "avg_pool2d_backward", "adaptive_avg_pool2d_backward",
-      "batchnorm2d", "batchnorm2d_backward",
+      "batchnorm2d", "batchnorm2d_backward", "batchnorm2d_nhwc", "batchnorm2d_nhwc_backward",
       // Convolution on tensor cores (#40): channels-last, an implicit GEMM on the pipelined mainloop.
       "conv2d_nhwc", "max_pool2d_nhwc", "avg_pool2d_nhwc", "adaptive_avg_pool2d_nhwc",
       // ...and its gradients, an implicit GEMM each (#40).
