@@ -929,8 +929,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
   }
   // A channels-last BatchNorm's split statistics (batchnorm_nhwc_split), in a launch of its own (fuse.cpp).
   for (const KernelGroup& k : kernels) {
-    const BoundTask& bt = p_.tasks[size_t(k.tasks.front())];
-    if (!is_op(bt, BundledOp::batchnorm2d_nhwc) && !is_op(bt, BundledOp::batchnorm2d_nhwc_backward)) continue;
+    if (!is_batchnorm_nhwc(p_.tasks[size_t(k.tasks.front())])) continue;
     const BatchNormNhwcSplit s = batchnorm_nhwc_split(p_, k.tasks.front(), options_.target(), options_.megakernel);
     split_k_.partials_bytes = std::max(split_k_.partials_bytes, s.workspace_floats() * 4);
     if (s.splits > 1) split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, s.chunks * 4);

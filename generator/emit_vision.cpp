@@ -734,6 +734,21 @@ std::string Emitter::batchnorm2d_backward(int t, const std::vector<Param>& ps, E
       sums.empty() ? "  (void)sums;\n" : "  if (threadIdx.x == 0) {\n" + sums + "  }\n");
 }
 
+// A channels-last BatchNorm kernel's blocks, as batchnorm_nhwc_split lays
+// them out: (split, chunk), with the rows' shared memory; where the pixels
+// split, the workspace it merges them through (its parameters, returned).
+std::vector<LaunchParam> Emitter::batchnorm_nhwc_blocks(const BatchNormNhwcSplit& s, EmittedKernel& ek) {
+  ek.block = 256;
+  ek.grid[0] = s.splits;
+  ek.grid[1] = s.chunks;
+  reserve_shared(ek, s.splits > 1 ? "each row of threads' two values a channel, and a word"
+                                  : "each row of threads' two values a channel",
+                 s.shared_bytes());
+  if (s.splits == 1) return {};
+  return {LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset, s.workspace_floats() * 4},
+          LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset, s.chunks * 4}};
+}
+
 // A channels-last BatchNorm's first launch, where its pixels split over
 // blocks (batchnorm_nhwc_split): `what` its statistics or sums, into the
 // task's outputs (and the workspace), launched right before the group's
@@ -742,13 +757,7 @@ std::string Emitter::batchnorm_nhwc_pre_launch(const KernelGroup& k, const Batch
                                                std::vector<LaunchParam> launch, const std::string& body, size_t index) {
   EmittedKernel ek = emitted_kernel(k);
   ek.name = k.name + (is_op(p_.tasks[size_t(k.tasks.front())], BundledOp::batchnorm2d_nhwc) ? "_statistics" : "_sums");
-  ek.block = 256;
-  ek.grid[0] = s.splits;
-  ek.grid[1] = s.chunks;
-  reserve_shared(ek, "each row of threads' two values a channel, and a word", (2 * s.rows() * s.lanes * s.vector + 1) * 4);
-  launch.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
-                               s.workspace_floats() * 4});
-  launch.push_back(LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset, s.chunks * 4});
+  for (LaunchParam& w : batchnorm_nhwc_blocks(s, ek)) launch.push_back(std::move(w));
   const std::string comment_text = fmt::format(
       "// Kernel {} ({} phase): {} of task {} (templates/vision.cuh), before kernel {}:\n"
       "//   {} pixels split {} ways ({} a block) over chunks of {} channels ({} of {} a thread), each split's\n"
@@ -786,13 +795,11 @@ std::string Emitter::batchnorm2d_nhwc(const KernelGroup& k, int t, const std::ve
   const std::string eps = float_arg(t, "eps", 1e-5);
   if (s.splits == 1) {
     entry_function_ = "cg_batchnorm2d_nhwc_chunk";
-    ek.block = 256;
-    ek.grid[0] = s.chunks;
-    reserve_shared(ek, "each row of threads' moments a channel", 2 * s.rows() * s.lanes * s.vector * 4);
+    batchnorm_nhwc_blocks(s, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // {0} pixels, a block a chunk of {1} channels ({2} a thread): statistics, then the output.\n"
-        "  cg_batchnorm2d_nhwc_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {0}, tile.x, {8}, (float*)cg_smem,\n"
+        "  cg_batchnorm2d_nhwc_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {0}, tile.y, {8}, (float*)cg_smem,\n"
         "      [&](cg_i64 c, const cg_batchnorm2d_stats& stats) {{\n"
         "{9}"
         "      }},\n"
@@ -815,7 +822,7 @@ std::string Emitter::batchnorm2d_nhwc(const KernelGroup& k, int t, const std::ve
                   s.vector, s.lanes, x.bound->name, s.channels, s.pixels, s.per_split, s.splits, eps, stats),
       index);
   use_function(*p_.tasks[size_t(t)].op, "cg_batchnorm2d_nhwc_normalize");  // (the statistics kernel calls the entry)
-  ek.block = 256;
+  ek.block = 256;  // the statistics' blocks; no shared memory
   ek.grid[0] = s.splits;
   ek.grid[1] = s.chunks;
   return fmt::format(
@@ -851,13 +858,11 @@ std::string Emitter::batchnorm2d_nhwc_backward(const KernelGroup& k, int t, cons
   const std::string stored = dx ? store_vector_code(*dx, s.vector, "e", "values") : "(void)e, (void)values;";
   if (s.splits == 1) {
     entry_function_ = "cg_batchnorm2d_nhwc_backward_chunk";
-    ek.block = 256;
-    ek.grid[0] = s.chunks;
-    reserve_shared(ek, "each row of threads' sums a channel", 2 * s.rows() * s.lanes * s.vector * 4);
+    batchnorm_nhwc_blocks(s, ek);
     return fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // {0} pixels, a block a chunk of {1} channels ({2} a thread): the sums, then dx.\n"
-        "  cg_batchnorm2d_nhwc_backward_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {8}, {9}, {0}, tile.x, (float*)cg_smem, {10},\n"
+        "  cg_batchnorm2d_nhwc_backward_chunk<{2}, {3}>({4}, {5}, {6}, {7}, {8}, {9}, {0}, tile.y, (float*)cg_smem, {10},\n"
         "      [&](cg_i64 c, const cg_batchnorm2d_sums& sums) {{\n"
         "{11}"
         "      }},\n"
@@ -881,14 +886,7 @@ std::string Emitter::batchnorm2d_nhwc_backward(const KernelGroup& k, int t, cons
                   s.vector, s.lanes, x.bound->name, dout, mean, rstd, s.channels, s.pixels, s.per_split, s.splits,
                   indented(sums, 8));
   if (dx == nullptr) {  // the sums kernel is the group's own
-    ek.block = 256;
-    ek.grid[0] = s.splits;
-    ek.grid[1] = s.chunks;
-    reserve_shared(ek, "each row of threads' sums a channel, and a word", (2 * s.rows() * s.lanes * s.vector + 1) * 4);
-    extra_params_.push_back(LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
-                                        s.workspace_floats() * 4});
-    extra_params_.push_back(
-        LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset, s.chunks * 4});
+    for (LaunchParam& w : batchnorm_nhwc_blocks(s, ek)) extra_params_.push_back(std::move(w));
     return sums_body;
   }
   std::vector<LaunchParam> launch;
@@ -898,7 +896,7 @@ std::string Emitter::batchnorm2d_nhwc_backward(const KernelGroup& k, int t, cons
   extra_params_.push_back(LaunchParam{"cg_sums", "const float", -1, nullptr, false,
                                       split_k_.partials_offset + sums_offset * 4, 2 * s.channels * 4});
   use_function(*p_.tasks[size_t(t)].op, "cg_batchnorm2d_nhwc_backward_dx");  // (the sums kernel calls the entry)
-  ek.block = 256;
+  ek.block = 256;  // the sums' blocks; no shared memory
   ek.grid[0] = s.splits;
   ek.grid[1] = s.chunks;
   return fmt::format(

@@ -476,6 +476,7 @@ class Emitter {
                                size_t index, std::string& pre_code);
   std::string batchnorm2d_nhwc_backward(const KernelGroup& k, int t, const std::vector<Param>& ps, EmittedKernel& ek,
                                         size_t index, std::string& pre_code);
+  std::vector<LaunchParam> batchnorm_nhwc_blocks(const BatchNormNhwcSplit& s, EmittedKernel& ek);
   std::string batchnorm_nhwc_pre_launch(const KernelGroup& k, const BatchNormNhwcSplit& s, const std::string& what,
                                         std::vector<LaunchParam> launch, const std::string& body, size_t index);
   std::string permute(int t, const std::vector<Param>& ps, EmittedKernel& ek);

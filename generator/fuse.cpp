@@ -507,8 +507,7 @@ class Fuser {
   // pixels split over blocks: its partial statistics share the split-K
   // workspace, which another kernel of its launch could overwrite.
   bool splits_batchnorm(const KernelGroup& k) const {
-    const BoundTask& bt = p_.tasks[size_t(k.tasks.front())];
-    return (is_op(bt, BundledOp::batchnorm2d_nhwc) || is_op(bt, BundledOp::batchnorm2d_nhwc_backward)) &&
+    return is_batchnorm_nhwc(p_.tasks[size_t(k.tasks.front())]) &&
            batchnorm_nhwc_split(p_, k.tasks.front(), options_.target, options_.megakernel).splits > 1;
   }
   // The matmul mainloop settled kernel `k` runs (KernelGroup::gemm): a

@@ -297,10 +297,17 @@ struct BatchNormNhwcSplit {
   int vector = 1, lanes = 1;  // channels a thread (one access of at most 16 bytes), threads along a pixel
   int64_t channels = 0, pixels = 0, chunks = 0, splits = 1, per_split = 0;
   int rows() const { return 256 / lanes; }
+  // Shared memory: each row of threads' two values a channel (the layout's
+  // SHARED_FLOATS), and after them a word where splits are merged.
+  int64_t shared_bytes() const { return (2 * rows() * lanes * vector + (splits > 1 ? 1 : 0)) * 4; }
   // The workspace's floats: each split's two values a channel, and the merged sums dx reads.
   int64_t workspace_floats() const { return splits > 1 ? 2 * (splits + 1) * channels : 0; }
 };
 BatchNormNhwcSplit batchnorm_nhwc_split(const Program& program, int task, const Target& target, bool megakernel);
+// batchnorm2d_nhwc or its gradient.
+inline bool is_batchnorm_nhwc(const BoundTask& task) {
+  return is_op(task, BundledOp::batchnorm2d_nhwc) || is_op(task, BundledOp::batchnorm2d_nhwc_backward);
+}
 
 // Matmul task `t`'s product as the emitter's matmul skeleton takes it: M x N
 // outputs over K per batch, rows flattened where matmul_flattens_rows says so.

@@ -1355,6 +1355,10 @@ struct cg_batchnorm2d_nhwc_layout {
   static CG_DEVICE int row() { return (int)(threadIdx.x / LANES); }
   // The first of this thread's V channels in chunk `chunk` (C or past it where the chunk ends first).
   static CG_DEVICE cg_i64 first_channel(cg_i64 chunk) { return (chunk * LANES + lane()) * V; }
+  // The end of the split of pixels that starts at `begin` (per_split each, the last fewer).
+  static CG_DEVICE cg_i64 split_end(cg_i64 begin, cg_i64 per_split, cg_i64 pixels) {
+    return begin + per_split < pixels ? begin + per_split : pixels;
+  }
   // How many of pixels [begin, end) row r walks (begin + r, then every ROWS-th).
   static CG_DEVICE float row_pixels(cg_i64 begin, cg_i64 end, int r) {
     return end - begin > r ? (float)((end - begin - r + ROWS - 1) / ROWS) : 0.0f;
@@ -1423,6 +1427,25 @@ CG_DEVICE cg_moments cg_batchnorm2d_nhwc_moments(const T* x, cg_i64 C, cg_i64 ch
   return total;
 }
 
+// A large tensor's splits of a chunk: item threadIdx.x's two values of this
+// split (of channel c, where `mine`) into partials ([splits][2][C]: the
+// firsts, then the seconds), then, in the chunk's block that arrives last
+// at arrivals[chunk], merge(s, first, second) over the splits in order.
+// Returns whether this thread merged. word: a word of shared memory.
+template <typename Merge>
+CG_DEVICE bool cg_batchnorm2d_nhwc_merge_splits(float first, float second, bool mine, cg_i64 c, cg_i64 C, int split,
+                                                int splits, cg_i64 chunk, float* partials, unsigned int* arrivals,
+                                                unsigned int* word, Merge merge) {
+  if (mine) {
+    cg_store(partials, 2 * split * C + c, first);
+    cg_store(partials, (2 * split + 1) * C + c, second);
+  }
+  if (!cg_last_to_arrive(arrivals + chunk, splits, word) || !mine) return false;
+  for (int s = 0; s < splits; ++s)
+    merge(s, cg_load_l2(partials, 2 * s * C + c), cg_load_l2(partials, (2 * s + 1) * C + c));
+  return true;
+}
+
 // A large tensor's statistics: block (split, chunk) stores the moments of
 // its pixels [split * per_split, +per_split) to partials ([splits][2][C]:
 // the means, then the m2s), and the chunk's block that arrives last at
@@ -1453,7 +1476,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_statistics(const T* x, cg_i64 C, cg_i64 pixel
                                               int splits, cg_i64 chunk, float eps, float* partials,
                                               unsigned int* arrivals, float* smem, F f) {
   typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
-  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_i64 begin = (cg_i64)split * per_split, end = L::split_end(begin, per_split, pixels);
   const cg_moments m = cg_batchnorm2d_nhwc_moments<V, LANES>(x, C, chunk, begin, end, smem);
   const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
   const bool mine = threadIdx.x < L::ITEMS && c < C;
@@ -1461,18 +1484,14 @@ CG_DEVICE void cg_batchnorm2d_nhwc_statistics(const T* x, cg_i64 C, cg_i64 pixel
     if (mine) f(c, cg_batchnorm2d_stats_of(m, eps));
     return;
   }
-  if (mine) {
-    cg_store(partials, 2 * split * C + c, m.mean);
-    cg_store(partials, (2 * split + 1) * C + c, m.m2);
-  }
-  if (!cg_last_to_arrive(arrivals + chunk, splits, (unsigned int*)(smem + L::SHARED_FLOATS)) || !mine) return;
   cg_moments total{0.0f, 0.0f, 0.0f};
-  for (int s = 0; s < splits; ++s) {
-    const cg_i64 b = (cg_i64)s * per_split, e = b + per_split < pixels ? b + per_split : pixels;
-    total = cg_moments_merge(total, cg_moments{(float)(e - b), cg_load_l2(partials, 2 * s * C + c),
-                                               cg_load_l2(partials, (2 * s + 1) * C + c)});
-  }
-  f(c, cg_batchnorm2d_stats_of(total, eps));
+  if (cg_batchnorm2d_nhwc_merge_splits(m.mean, m.m2, mine, c, C, split, splits, chunk, partials, arrivals,
+                                       (unsigned int*)(smem + L::SHARED_FLOATS), [&](int s, float mean_s, float m2_s) {
+                                         const cg_i64 b = (cg_i64)s * per_split;
+                                         const float count = (float)(L::split_end(b, per_split, pixels) - b);
+                                         total = cg_moments_merge(total, cg_moments{count, mean_s, m2_s});
+                                       }))
+    f(c, cg_batchnorm2d_stats_of(total, eps));
 }
 
 // A large tensor's output, laid out as its statistics (block (split,
@@ -1494,7 +1513,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_normalize(const T* x, const float* mean, cons
   cg_load_channels<V>(bias, c0, 0.0f, shift);
   CG_UNROLL
   for (int k = 0; k < V; ++k) scale[k] *= w[k];
-  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_i64 begin = (cg_i64)split * per_split, end = L::split_end(begin, per_split, pixels);
   cg_vector<V, T> v[L::UNROLL];
   L::walk_pixels(
       begin, end, [&](int u, cg_i64 p) { v[u] = cg_load_vector<V>(x, p * C + c0); },
@@ -1607,7 +1626,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_gradient_sums(const T* x, const T* dout, cons
                                                  cg_i64 chunk, float* partials, unsigned int* arrivals, float* smem,
                                                  F f) {
   typedef cg_batchnorm2d_nhwc_layout<V, LANES> L;
-  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_i64 begin = (cg_i64)split * per_split, end = L::split_end(begin, per_split, pixels);
   const cg_batchnorm2d_sums s = cg_batchnorm2d_nhwc_block_sums<V, LANES>(x, dout, mean, rstd, C, chunk, begin, end, smem);
   const cg_i64 c = chunk * L::ITEMS + threadIdx.x;
   const bool mine = threadIdx.x < L::ITEMS && c < C;
@@ -1615,17 +1634,13 @@ CG_DEVICE void cg_batchnorm2d_nhwc_gradient_sums(const T* x, const T* dout, cons
     if (mine) f(c, s);
     return;
   }
-  if (mine) {
-    cg_store(partials, 2 * split * C + c, s.dweight);
-    cg_store(partials, (2 * split + 1) * C + c, s.dbias);
-  }
-  if (!cg_last_to_arrive(arrivals + chunk, splits, (unsigned int*)(smem + L::SHARED_FLOATS)) || !mine) return;
   cg_batchnorm2d_sums total{0.0f, 0.0f};
-  for (int k = 0; k < splits; ++k) {
-    total.dweight += cg_load_l2(partials, 2 * k * C + c);
-    total.dbias += cg_load_l2(partials, (2 * k + 1) * C + c);
-  }
-  f(c, total);
+  if (cg_batchnorm2d_nhwc_merge_splits(s.dweight, s.dbias, mine, c, C, split, splits, chunk, partials, arrivals,
+                                       (unsigned int*)(smem + L::SHARED_FLOATS), [&](int, float dweight, float dbias) {
+                                         total.dweight += dweight;
+                                         total.dbias += dbias;
+                                       }))
+    f(c, total);
 }
 
 // dx of a large tensor, laid out as its sums (block (split, chunk)): each
@@ -1648,7 +1663,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_backward_dx(const T* x, const T* dout, const 
   CG_UNROLL
   for (int k = 0; k < V; ++k) scale[k] *= rs[k];
   const float count = (float)pixels;
-  const cg_i64 begin = (cg_i64)split * per_split, end = begin + per_split < pixels ? begin + per_split : pixels;
+  const cg_i64 begin = (cg_i64)split * per_split, end = L::split_end(begin, per_split, pixels);
   cg_vector<V, T> xv[L::UNROLL], dv[L::UNROLL];
   L::walk_pixels(
       begin, end,

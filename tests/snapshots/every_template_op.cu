@@ -2775,6 +2775,10 @@ struct cg_batchnorm2d_nhwc_layout {
   static CG_DEVICE int row() { return (int)(threadIdx.x / LANES); }
   // The first of this thread's V channels in chunk `chunk` (C or past it where the chunk ends first).
   static CG_DEVICE cg_i64 first_channel(cg_i64 chunk) { return (chunk * LANES + lane()) * V; }
+  // The end of the split of pixels that starts at `begin` (per_split each, the last fewer).
+  static CG_DEVICE cg_i64 split_end(cg_i64 begin, cg_i64 per_split, cg_i64 pixels) {
+    return begin + per_split < pixels ? begin + per_split : pixels;
+  }
   // How many of pixels [begin, end) row r walks (begin + r, then every ROWS-th).
   static CG_DEVICE float row_pixels(cg_i64 begin, cg_i64 end, int r) {
     return end - begin > r ? (float)((end - begin - r + ROWS - 1) / ROWS) : 0.0f;
@@ -2812,7 +2816,7 @@ struct cg_batchnorm2d_nhwc_layout {
   }
 };
 
-// templates/vision.cuh:1397
+// templates/vision.cuh:1401
 // The moments of channel chunk * ITEMS + threadIdx.x (threads below ITEMS)
 // over pixels [begin, end) of x.
 template <int V, int LANES, typename T>
@@ -2844,7 +2848,7 @@ CG_DEVICE cg_moments cg_batchnorm2d_nhwc_moments(const T* x, cg_i64 C, cg_i64 ch
   return total;
 }
 
-// templates/vision.cuh:1513
+// templates/vision.cuh:1532
 // A small tensor (or a megakernel's tile): block `chunk` computes its
 // channels' statistics over every pixel, hands each to f(c, stats), then
 // normalises its channels of every pixel (store as above). smem:
@@ -2876,7 +2880,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_chunk(const T* x, const T* weight, const T* b
   }
 }
 
-// templates/vision.cuh:1543
+// templates/vision.cuh:1562
 // The gradient's sums of channel chunk * ITEMS + threadIdx.x (threads
 // below ITEMS) over pixels [begin, end): dbias = sum(dout) and
 // dweight = sum(dout * xhat), xhat = (x - mean) * rstd.
@@ -2916,13 +2920,13 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_nhwc_block_sums(const T* x, const T
   return total;
 }
 
-// templates/vision.cuh:1580
+// templates/vision.cuh:1599
 // dx of one element: weight * rstd * (dout - (dbias + xhat * dweight) / count), as batchnorm2d_backward.
 CG_DEVICE float cg_batchnorm2d_dx(float dy, float xhat, float scale, float dweight, float dbias, float count) {
   return scale * (dy - (dbias + xhat * dweight) / count);
 }
 
-// templates/vision.cuh:1673
+// templates/vision.cuh:1688
 // The gradient of a small tensor (or a megakernel's tile): block `chunk`
 // sums its channels over every pixel, hands them to f(c, sums), then
 // stores its channels' dx of every pixel through store (null: none asked
@@ -2959,7 +2963,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_backward_chunk(const T* x, const T* dout, con
   }
 }
 
-// templates/vision.cuh:1710
+// templates/vision.cuh:1725
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where
@@ -3296,11 +3300,11 @@ CG_DEVICE void k20_batchnorm2d_tile(const float* x, const float* weight, const f
 //   reads  batchnorm2d_nhwc.x f16 [2, 5, 7, 16], batchnorm2d_nhwc.weight f16 [16], batchnorm2d_nhwc.bias f16 [16], batchnorm2d_nhwc.running_mean f32 [16], batchnorm2d_nhwc.running_var f32 [16]
 //   writes batchnorm2d_nhwc.running_mean f32 [16], batchnorm2d_nhwc.running_var f32 [16], batchnorm2d_nhwc.out f16 [2, 5, 7, 16], batchnorm2d_nhwc.mean f32 [16], batchnorm2d_nhwc.rstd f32 [16]
 //   2432 bytes read, 2496 bytes written; grid [1, 1, 1], block 256, 16384 bytes of shared memory:
-//     [0, 16384) each row of threads' moments a channel
+//     [0, 16384) each row of threads' two values a channel
 CG_DEVICE void k21_batchnorm2d_nhwc_tile(const cg_f16* x, const cg_f16* weight, const cg_f16* bias, float* running_mean, float* running_var, cg_f16* out, float* mean, float* rstd, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   // 70 pixels, a block a chunk of 16 channels (8 a thread): statistics, then the output.
-  cg_batchnorm2d_nhwc_chunk<8, 2>(x, weight, bias, 16, 70, tile.x, 9.999999747378752e-06f, (float*)cg_smem,
+  cg_batchnorm2d_nhwc_chunk<8, 2>(x, weight, bias, 16, 70, tile.y, 9.999999747378752e-06f, (float*)cg_smem,
       [&](cg_i64 c, const cg_batchnorm2d_stats& stats) {
         cg_store(mean, c, stats.mean);
         cg_store(rstd, c, stats.rstd);
@@ -4082,11 +4086,11 @@ CG_DEVICE void k86_batchnorm2d_backward_tile(const float* x, const float* weight
 //   reads  batchnorm2d_nhwc_backward.x f32 [2, 5, 7, 6], batchnorm2d_nhwc_backward.weight f32 [6], batchnorm2d_nhwc_backward.mean f32 [6], batchnorm2d_nhwc_backward.rstd f32 [6], batchnorm2d_nhwc_backward.dout f32 [2, 5, 7, 6]
 //   writes batchnorm2d_nhwc_backward.dx f32 [2, 5, 7, 6], batchnorm2d_nhwc_backward.dweight f32 [6], batchnorm2d_nhwc_backward.dbias f32 [6]
 //   3432 bytes read, 1728 bytes written; grid [1, 1, 1], block 256, 4096 bytes of shared memory:
-//     [0, 4096) each row of threads' sums a channel
+//     [0, 4096) each row of threads' two values a channel
 CG_DEVICE void k87_batchnorm2d_nhwc_backward_tile(const float* x, const float* weight, const float* mean, const float* rstd, const float* dout, float* dx, float* dweight, float* dbias, cg_tile tile) {
   CG_DYNAMIC_SMEM(cg_smem);
   // 70 pixels, a block a chunk of 8 channels (2 a thread): the sums, then dx.
-  cg_batchnorm2d_nhwc_backward_chunk<2, 4>(x, dout, mean, rstd, weight, 6, 70, tile.x, (float*)cg_smem, true,
+  cg_batchnorm2d_nhwc_backward_chunk<2, 4>(x, dout, mean, rstd, weight, 6, 70, tile.y, (float*)cg_smem, true,
       [&](cg_i64 c, const cg_batchnorm2d_sums& sums) {
         cg_store(dweight, c, sums.dweight);
         cg_store(dbias, c, sums.dbias);
