@@ -72,10 +72,11 @@ int64_t floor_bytes(const Program& p, const std::set<Phase>& phases) {
 int main(int argc, char** argv) {
   int runs = 200, blocks = 0;
   bool emulate = false, step = false, atomic_attention_backward = false, allow_tf32 = false;
+  std::string arch;  // the GPU's own target where empty (sm_90a on an H100); sm_90 there runs the portable kernels
   std::vector<std::string> modes = {"kernels", "cuda-graph", "megakernel"};
   const char* usage =
       "usage: bench_megakernel [--runs N] [--blocks N] [--modes kernels,cuda-graph,megakernel] [--emulate] "
-      "[--atomic-attention-backward] [--allow-tf32] GRAPH... [--step GRAPH...]\n";
+      "[--atomic-attention-backward] [--allow-tf32] [--arch sm_XY] GRAPH... [--step GRAPH...]\n";
   std::vector<Case> cases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
     else if (a == "--emulate") emulate = true;
     else if (a == "--atomic-attention-backward") atomic_attention_backward = true;
     else if (a == "--allow-tf32") allow_tf32 = true;
+    else if (a == "--arch" && i + 1 < argc) arch = argv[++i];
     else if (a == "--modes" && i + 1 < argc) {
       modes.clear();
       for (std::string list = argv[++i]; !list.empty();) {
@@ -120,6 +122,7 @@ int main(int argc, char** argv) {
       options.compile.emit.megakernel = mode == "megakernel";
       options.compile.emit.megakernel_blocks = blocks;
       options.gpu.cuda_graph = mode == "cuda-graph";
+      options.gpu.arch = arch;
       if (emulate && options.gpu.cuda_graph) continue;  // the emulation has no graphs
       try {
         JitProgram program = JitProgram::from_file(c.path, options);

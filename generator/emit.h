@@ -60,16 +60,22 @@ struct EmitOptions {
   Target target() const { return Target{arch, sms}; }
 };
 
-// A TMA tensor map a kernel takes by value (the Hopper mainloop, docs/gemm.md):
-// a row-major 2-D view of the tensor at arena offset `tensor_offset`, encoded
-// by whoever launches (the host launcher, the runtime's driver path) from
-// the arena's address, with the 128-byte swizzle.
+// A TMA tensor map a kernel takes by value (the Hopper mainloop, docs/gemm.md;
+// the Hopper flash attention, docs/attention.md): a row-major 2-D view of
+// the tensor at arena offset `tensor_offset`, or where `depth` is set a 3-D
+// one of `depth` such planes `plane_stride_bytes` apart (a head each: a box
+// never crosses into the next), encoded by whoever launches (the host
+// launcher, the runtime's driver path) from the arena's address, with the
+// 128-byte swizzle.
 struct TensorMapSpec {
   int64_t tensor_offset = 0;
   int element_bytes = 2;
   int64_t width = 0, height = 0;  // elements of a row; rows
   int64_t row_stride_bytes = 0;
   int box_width = 64, box_height = 128;
+  int64_t depth = 0;  // planes of a 3-D map; 0: a 2-D map
+  int64_t plane_stride_bytes = 0;
+  int rank() const { return depth > 0 ? 3 : 2; }
   bool operator==(const TensorMapSpec&) const = default;
 };
 
@@ -101,7 +107,8 @@ enum class MatmulMainloop {
   portable_tile,
   flash_attention,
   flash_attention_tf32,  // f32 q, k and v as TF32 (--allow-tf32)
-  flash_attention_simt   // f32 q, k and v exact, each mma's products as FMAs (trained without --allow-tf32)
+  flash_attention_simt,  // f32 q, k and v exact, each mma's products as FMAs (trained without --allow-tf32)
+  flash_attention_hopper  // templates/softmax_flash_sm90.cuh: TMA and wgmma (sm_90a)
 };
 
 struct EmittedKernel {

@@ -23,7 +23,8 @@ static std::string flash_operand(const std::string& type, DType q_type, const st
 // The mainloop a flash kernel on `tile` runs, for the performance model and
 // the checker's tolerances (TF32's are f16's).
 static MatmulMainloop flash_mainloop(const FlashAttentionTile& tile) {
-  return tile.tf32 ? MatmulMainloop::flash_attention_tf32
+  return tile.hopper ? MatmulMainloop::flash_attention_hopper
+         : tile.tf32 ? MatmulMainloop::flash_attention_tf32
          : tile.simt_f32 ? MatmulMainloop::flash_attention_simt
                          : MatmulMainloop::flash_attention;
 }
@@ -194,7 +195,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
   const Param& v = param(context, "b");
   const Param& out = param(context, "out");
   const OpSignature& softmax = *p_.tasks[size_t(tp)].op;
-  use_function(softmax, "cg_flash_config");
+  if (!tile.hopper) use_function(softmax, "cg_flash_config");
   const Shape& sq = q.buffer->shape;
   const int64_t Tq = sq[sq.size() - 2], D = sq.back(), Tk = kk.buffer->shape[sq.size() - 2];
   const int64_t Dv = v.buffer->shape.back(), heads = numel(sq) / (Tq * D);
@@ -209,9 +210,17 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
   ek.grid[0] = m_tiles;
   ek.grid[1] = heads;
   ek.grid[2] = tile.splits;
-  ek.matmul_path = std::string(tile.cores()) + ": flash attention (templates/softmax_flash.cuh), " + tile.describe();
+  ek.matmul_path = tile.hopper ? "tensor cores: flash attention on the Hopper path (templates/softmax_flash_sm90.cuh), " +
+                                      tile.describe()
+                                : std::string(tile.cores()) + ": flash attention (templates/softmax_flash.cuh), " +
+                                      tile.describe() +
+                                      (tile.why_not_hopper.empty() ? "" : "; not on the Hopper path: " + tile.why_not_hopper);
   ek.mainloop = flash_mainloop(tile);
-  reserve_shared(ek, fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
+  reserve_shared(ek,
+                 tile.hopper ? fmt::format("the q tile and {} stages of keys and values from a 1024-byte boundary, each "
+                                           "consumer warp's output rows, the barriers",
+                                           tile.stages)
+                             : fmt::format("the q tile and {} stages of keys and values, then the output tile", tile.stages),
                  tile.shared_bytes());
   // s = scale (alpha q . k) in log2 units: exp(x) is exp2(x log2 e).
   const double scale_log2 = arg_double(ts, "alpha", 1.0) * arg_double(tp, "scale", 1.0) * 1.4426950408889634;
@@ -235,7 +244,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
                  LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
                              heads * m_tiles * 4}};
   }
-  use_function(softmax, call);
+  if (!tile.hopper) use_function(softmax, call);
   // Trained: each row's log-sum-exp and o (before the matmul's alpha) saved for the gradient kernel.
   std::string lse_store = "[&](cg_i64, float) {} /* no backward pass reads the log-sum-exp */", saved_o;
   if (k.flash_trained) {
@@ -248,6 +257,44 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
     workspace.push_back(LaunchParam{"cg_lse", "float", -1, nullptr, true, f.lse_offset, f.lse_bytes});
     workspace.push_back(LaunchParam{"cg_saved_o", saved_type, -1, nullptr, true, f.o_offset, f.o_bytes});
   }
+  const std::string store_out = fmt::format(
+      "[&](cg_i64 row, int c, float o) {{ {};{} }}",
+      store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
+      saved_o);
+  if (tile.hopper) {
+    // q, k and v by TMA: 3-D maps (a plane a head, so that a tile's rows
+    // past its head's length arrive as zeros), in place of their pointers.
+    const int64_t kv_heads = numel(kk.buffer->shape) / (Tk * D);
+    auto map = [&](const char* name, const Param& operand, int64_t rows, int64_t planes) {
+      const int64_t row_bytes = int64_t(tile.head_d) * 2;
+      return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
+                         0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, tile.head_d, rows,
+                                          row_bytes, 64, 128, planes, rows * row_bytes}};
+    };
+    std::vector<LaunchParam> launch = {map("q_map", q, Tq, heads), map("k_map", kk, Tk, kv_heads),
+                                       map("v_map", v, Tk, kv_heads)};
+    use_function(softmax, "cg_flash_sm90_config");
+    use_function(softmax, "cg_flash_attention_sm90");
+    ek.grid[2] = 1;
+    const std::string body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  // Flash attention on the Hopper path: {0}.\n"
+        "  typedef cg_flash_sm90_config<{1}> cg_config;\n"
+        "  const cg_i64 head = tile.y, kv_head = {2}, tile_m = {3};\n"
+        "  cg_flash_attention_sm90<cg_config, {4}>({5}, {6}, {7}, {8}, {9}, tile_m, (int)head, (int)kv_head,\n"
+        "      {10}, {11},\n"
+        "      {12},\n"
+        "      {13},\n"
+        "      cg_smem);\n",
+        tile.describe(), tile.arguments(), kv_head, causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
+        param_name(launch[0]), param_name(launch[1]), param_name(launch[2]), Tq, Tk, float_literal(scale_log2),
+        causal ? "true" : "false", store_out, lse_store);
+    epilogue_buffer_ = -1;
+    launch.insert(launch.end(), workspace.begin(), workspace.end());
+    if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
+    launch.insert(launch.end(), tail_params.begin(), tail_params.end());
+    return finish_kernel(k, ek, std::move(launch), tail_code + body, emitted);
+  }
   std::string body = fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // Flash attention: {0}.\n"
@@ -255,14 +302,13 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
       "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
       "  {13}<cg_config, {3}>({4}, {5}, {6}, {7}, {8}, tile_m,{14}\n"
       "      {9}, {10},\n"
-      "      [&](cg_i64 row, int c, float o) {{ {11};{16} }},\n"
+      "      {11},\n"
       "      {15},\n"
       "      ({3}*)cg_smem);\n",
       tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
       operand("q", fmt::format("head * {}", Tq * D)), operand("k", fmt::format("kv_head * {}", Tk * D)),
       operand("v", fmt::format("kv_head * {}", Tk * Dv)), Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
-      store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
-      kv_head, call, split, lse_store, saved_o);
+      store_out, kv_head, call, split, lse_store);
   epilogue_buffer_ = -1;
   std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
                                      buffer_param("v", v, false)};
@@ -343,6 +389,7 @@ std::string Emitter::flash_backward_rows_kernel(const KernelGroup& k, const Flas
   const int64_t rows = flash_backward_statistics_rows(Tq);
   const std::string type = c_type(dout.buffer->dtype);
   use_function(*p_.tasks[size_t(roles.ds)].op, "cg_flash_backward_rows");
+  use_function(*p_.tasks[size_t(roles.ds)].op, "cg_flash_config");  // (the forward may run the Hopper kernel's)
   EmittedKernel ek = emitted_kernel(k);
   ek.name = k.name + "_rows";
   ek.block = 256;  // 32 rows, 8 lanes a row
@@ -559,6 +606,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
                                    tile->stages),
                    tile->backward_shared_bytes(atomic));
     use_function(*p_.tasks[size_t(tds)].op, "cg_flash_attention_backward");
+    use_function(*p_.tasks[size_t(tds)].op, "cg_flash_config");
     const double scale_log2 = arg_double(roles.scores, "alpha", 1.0) * arg_double(roles.softmax, "scale", 1.0) * 1.4426950408889634;
     const std::string ds_scale = float_arg(tds, "scale", 1.0);
     auto gradient_store = [&](const Gradient& gr, const std::string& rows, int64_t width) {

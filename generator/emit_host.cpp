@@ -2,45 +2,76 @@
 
 namespace cudagen::lowering {
 
-// The host launchers' encoder of TMA tensor maps (the Hopper mainloop's
-// operands, docs/gemm.md): a 2-D row-major view of a tensor in the arena, its
-// box and the 128-byte swizzle, encoded from the arena's address before
-// each launch that reads it; the host emulation checks the driver's limits
-// and keeps a shadow of the map.
-std::string Emitter::tensor_map_helper() {
-  return "// TMA tensor maps: a row-major tensor in the arena, its box, the 128-byte swizzle.\n"
-         "#ifdef CUDAGEN_EMULATION\n"
-         "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
-         "                                 unsigned long long width, unsigned long long height,\n"
-         "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
-         "                                 const char* kernel) {\n"
-         "  return cudagen_emu::tensor_map_2d(map, base, element_bytes, width, height, row_stride, box_width, box_height,\n"
-         "                                    kernel);\n"
-         "}\n"
-         "#else\n"
-         "// The driver's cuTensorMapEncodeTiled, found through the runtime (nothing links libcuda), its\n"
-         "// enumerations as cuda.h numbers them: 2-byte elements moved as UINT16 (1), no interleave (0),\n"
-         "// the 128-byte swizzle (3), L2 promotion of 256 bytes (3), out-of-bounds elements zero (0).\n"
-         "typedef int (*cudagen_encode_tiled)(void*, int, unsigned, void*, const unsigned long long*,\n"
-         "                                    const unsigned long long*, const unsigned*, const unsigned*, int, int, int,\n"
-         "                                    int);\n"
-         "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
-         "                                 unsigned long long width, unsigned long long height,\n"
-         "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
-         "                                 const char*) {\n"
-         "  void* entry = nullptr;\n"
-         "  cudaDriverEntryPointQueryResult found;\n"
-         "  if (cudaError_t e = cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\", &entry, 12000,\n"
-         "                                                      cudaEnableDefault, &found))\n"
-         "    return (int)e;\n"
-         "  if (entry == nullptr || found != cudaDriverEntryPointSuccess) return (int)cudaErrorNotSupported;\n"
-         "  const unsigned long long dims[2] = {width, height}, strides[1] = {row_stride};\n"
-         "  const unsigned box[2] = {box_width, box_height}, element_strides[2] = {1u, 1u};\n"
-         "  const int status = ((cudagen_encode_tiled)entry)(map, element_bytes == 2 ? 1 : 0, 2u, base, dims, strides, box,\n"
-         "                                                  element_strides, 0, 3, 3, 0);\n"
-         "  return status == 0 ? 0 : (int)cudaErrorInvalidValue;\n"
-         "}\n"
-         "#endif\n";
+// The host launchers' encoders of TMA tensor maps (the Hopper kernels'
+// operands, docs/gemm.md, docs/attention.md): a 2-D row-major view of a
+// tensor in the arena (`two_d`), a 3-D one (`three_d`: planes of such views,
+// a box one plane deep), their box and the 128-byte swizzle, encoded from
+// the arena's address before each launch that reads them; the host
+// emulation checks the driver's limits and keeps a shadow of the map.
+// (Only the forms the file's kernels take: nvcc warns of an unused one.)
+std::string Emitter::tensor_map_helper(bool two_d, bool three_d) {
+  std::string out =
+      "// TMA tensor maps: a row-major tensor in the arena, its box, the 128-byte swizzle.\n"
+      "#ifdef CUDAGEN_EMULATION\n";
+  if (two_d)
+    out +=
+        "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+        "                                 unsigned long long width, unsigned long long height,\n"
+        "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
+        "                                 const char* kernel) {\n"
+        "  return cudagen_emu::tensor_map_2d(map, base, element_bytes, width, height, row_stride, box_width, box_height,\n"
+        "                                    kernel);\n"
+        "}\n";
+  if (three_d)
+    out +=
+        "static int cudagen_tensor_map_3d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+        "                                 unsigned long long width, unsigned long long height, unsigned long long depth,\n"
+        "                                 unsigned long long row_stride, unsigned long long plane_stride,\n"
+        "                                 unsigned box_width, unsigned box_height, const char* kernel) {\n"
+        "  return cudagen_emu::tensor_map_3d(map, base, element_bytes, width, height, depth, row_stride, plane_stride,\n"
+        "                                    box_width, box_height, kernel);\n"
+        "}\n";
+  out +=
+      "#else\n"
+      "// The driver's cuTensorMapEncodeTiled, found through the runtime (nothing links libcuda), its\n"
+      "// enumerations as cuda.h numbers them: 2-byte elements moved as UINT16 (1), no interleave (0),\n"
+      "// the 128-byte swizzle (3), L2 promotion of 256 bytes (3), out-of-bounds elements zero (0).\n"
+      "typedef int (*cudagen_encode_tiled)(void*, int, unsigned, void*, const unsigned long long*,\n"
+      "                                    const unsigned long long*, const unsigned*, const unsigned*, int, int, int,\n"
+      "                                    int);\n"
+      "static int cudagen_encode_tensor_map(cg_tensor_map* map, unsigned rank, unsigned char* base,\n"
+      "                                     unsigned element_bytes, const unsigned long long* dims,\n"
+      "                                     const unsigned long long* strides, unsigned box_width, unsigned box_height) {\n"
+      "  void* entry = nullptr;\n"
+      "  cudaDriverEntryPointQueryResult found;\n"
+      "  if (cudaError_t e = cudaGetDriverEntryPointByVersion(\"cuTensorMapEncodeTiled\", &entry, 12000,\n"
+      "                                                      cudaEnableDefault, &found))\n"
+      "    return (int)e;\n"
+      "  if (entry == nullptr || found != cudaDriverEntryPointSuccess) return (int)cudaErrorNotSupported;\n"
+      "  const unsigned box[3] = {box_width, box_height, 1u}, element_strides[3] = {1u, 1u, 1u};\n"
+      "  const int status = ((cudagen_encode_tiled)entry)(map, element_bytes == 2 ? 1 : 0, rank, base, dims, strides, box,\n"
+      "                                                  element_strides, 0, 3, 3, 0);\n"
+      "  return status == 0 ? 0 : (int)cudaErrorInvalidValue;\n"
+      "}\n";
+  if (two_d)
+    out +=
+        "static int cudagen_tensor_map_2d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+        "                                 unsigned long long width, unsigned long long height,\n"
+        "                                 unsigned long long row_stride, unsigned box_width, unsigned box_height,\n"
+        "                                 const char*) {\n"
+        "  const unsigned long long dims[2] = {width, height}, strides[1] = {row_stride};\n"
+        "  return cudagen_encode_tensor_map(map, 2u, base, element_bytes, dims, strides, box_width, box_height);\n"
+        "}\n";
+  if (three_d)
+    out +=
+        "static int cudagen_tensor_map_3d(cg_tensor_map* map, unsigned char* base, unsigned element_bytes,\n"
+        "                                 unsigned long long width, unsigned long long height, unsigned long long depth,\n"
+        "                                 unsigned long long row_stride, unsigned long long plane_stride,\n"
+        "                                 unsigned box_width, unsigned box_height, const char*) {\n"
+        "  const unsigned long long dims[3] = {width, height, depth}, strides[2] = {row_stride, plane_stride};\n"
+        "  return cudagen_encode_tensor_map(map, 3u, base, element_bytes, dims, strides, box_width, box_height);\n"
+        "}\n";
+  return out + "#endif\n";
 }
 
 // The host launchers' grid for a persistent kernel (EmittedKernel::
@@ -568,8 +599,12 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
         "      return (int)cudagen_error;                                                             \\\n"
         "  } while (0)\n"
         "#endif\n";
-  if (std::any_of(kernels.begin(), kernels.end(), [](const EmittedKernel& k) { return !k.tensor_maps.empty(); }))
-    out += tensor_map_helper();
+  auto any_map_of_rank = [&](int rank) {
+    return std::any_of(kernels.begin(), kernels.end(), [&](const EmittedKernel& k) {
+      return std::any_of(k.tensor_maps.begin(), k.tensor_maps.end(), [&](const auto& m) { return m.second.rank() == rank; });
+    });
+  };
+  if (any_map_of_rank(2) || any_map_of_rank(3)) out += tensor_map_helper(any_map_of_rank(2), any_map_of_rank(3));
   if (std::any_of(kernels.begin(), kernels.end(), [](const EmittedKernel& k) { return k.persistent_tiles > 0; }))
     out += persistent_grid_helper();
   out += "\n";
@@ -608,13 +643,22 @@ std::string Emitter::host_side(const EmittedProgram& program) const {
         // Encoded from the arena's address at every launch: a few microseconds of host time.
         const TensorMapSpec& m = *lp.tensor_map;
         const std::string map = fmt::format("{}_{}", ek.name, lp.name);
-        out += fmt::format(
-            "  cg_tensor_map {0};\n"
-            "  if (int cudagen_error = cudagen_tensor_map_2d(&{0}, arena + {1}, {2}, {3}ull, {4}ull, {5}ull, {6}, {7}, "
-            "\"{8}\"))\n"
-            "    return cudagen_error;\n",
-            map, m.tensor_offset, m.element_bytes, m.width, m.height, m.row_stride_bytes, m.box_width, m.box_height,
-            ek.name);
+        if (m.rank() == 3)
+          out += fmt::format(
+              "  cg_tensor_map {0};\n"
+              "  if (int cudagen_error = cudagen_tensor_map_3d(&{0}, arena + {1}, {2}, {3}ull, {4}ull, {5}ull, {6}ull, "
+              "{7}ull, {8}, {9}, \"{10}\"))\n"
+              "    return cudagen_error;\n",
+              map, m.tensor_offset, m.element_bytes, m.width, m.height, m.depth, m.row_stride_bytes,
+              m.plane_stride_bytes, m.box_width, m.box_height, ek.name);
+        else
+          out += fmt::format(
+              "  cg_tensor_map {0};\n"
+              "  if (int cudagen_error = cudagen_tensor_map_2d(&{0}, arena + {1}, {2}, {3}ull, {4}ull, {5}ull, {6}, {7}, "
+              "\"{8}\"))\n"
+              "    return cudagen_error;\n",
+              map, m.tensor_offset, m.element_bytes, m.width, m.height, m.row_stride_bytes, m.box_width, m.box_height,
+              ek.name);
         args.push_back(map);
       }
       const auto grid = launch_grid(ek);
@@ -686,8 +730,11 @@ std::string Emitter::manifest(const EmittedProgram& program) const {
     std::vector<std::string> maps;
     for (const auto& [arg, m] : k.tensor_maps)
       maps.push_back(fmt::format("{{\"arg\": {}, \"tensor_offset\": {}, \"element_bytes\": {}, \"width\": {}, "
-                                 "\"height\": {}, \"row_stride_bytes\": {}, \"box\": [{}, {}], \"swizzle_bytes\": 128}}",
+                                 "\"height\": {}, \"row_stride_bytes\": {}, {}\"box\": [{}, {}], \"swizzle_bytes\": 128}}",
                                  arg, m.tensor_offset, m.element_bytes, m.width, m.height, m.row_stride_bytes,
+                                 m.rank() == 3 ? fmt::format("\"depth\": {}, \"plane_stride_bytes\": {}, ", m.depth,
+                                                             m.plane_stride_bytes)
+                                               : std::string(),
                                  m.box_width, m.box_height));
     out += fmt::format(
         "{}\n    {{\"name\": \"{}\", \"phase\": \"{}\", \"tasks\": [{}], \"grid\": [{}, {}, {}], \"block\": {}, "

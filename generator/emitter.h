@@ -372,7 +372,7 @@ class Emitter {
   std::string matmul_chain(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string row_reduction(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
   std::string matmul(int t, const GemmMainloop& gemm, const std::vector<Param>& ps, EmittedKernel& ek);
-  static std::string tensor_map_helper();
+  static std::string tensor_map_helper(bool two_d, bool three_d);
   static std::string persistent_grid_helper();
   std::string hopper_matmul(int t, const Param& a, const Param& b, const Param& out, const HopperGemm& g,
                             EmittedKernel& ek);

@@ -219,6 +219,7 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
 }
 
 std::string FlashAttentionTile::arguments() const {
+  if (hopper) return fmt::format("{}, {}, {}", d, stages, head_d);  // cg_flash_sm90_config
   std::string text = fmt::format("{}, {}, {}, {}, {}", d, dv, block_m, block_n, stages);
   if (head_d != d || head_dv != dv) text += fmt::format(", {}, {}", head_d, head_dv);
   return text;
@@ -228,11 +229,36 @@ std::string FlashAttentionTile::describe() const {
   auto head = [](int size, int tile) {
     return size == tile ? std::to_string(size) : fmt::format("{} (padded to {})", size, tile);
   };
+  if (hopper)
+    return fmt::format("sm_90a: TMA and wgmma, {} query rows a block (a producer warpgroup, two consumers), {} keys a "
+                       "step, {} stages, heads of {}",
+                       block_m, block_n, stages, head(head_d, d));
   return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}{}", block_m,
                      block_m / 16, block_n, stages, head(head_d, d),
                      head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
                      f32_note(),
                      splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
+}
+
+// Whether the forward on `tile` (part 1's choice) runs on the Hopper kernel
+// instead (templates/softmax_flash_sm90.cuh): sm_90a, 16-bit, one head size
+// for q, k and v in a tile of 64 or 128, no split-KV (decoding keeps part
+// 1's split kernel), sizes a TMA coordinate holds. `why` says why not.
+static bool hopper_flash_applies(const Program& program, int softmax, const FlashAttentionTile& tile,
+                                 const Target& target, int64_t Tq, int64_t Tk, int64_t heads, std::string& why) {
+  const std::optional<Arch> arch = parse_arch(target.arch);
+  if (!arch || !arch->has_wgmma()) return why = target.arch + " has no wgmma (sm_90a has)", false;
+  const OpSignature& op = *program.tasks[size_t(softmax)].op;
+  for (const char* variant : {"cg_flash_attention_sm90", "cg_flash_sm90_config"})
+    if (op.closure_of(variant) == nullptr)
+      return why = fmt::format("op '{}' has no Hopper kernel (variant {})", op.name, variant), false;
+  if (tile.element_bytes() != 2) return why = "f32 q, k and v (the Hopper kernel takes 16-bit ones)", false;
+  if (tile.splits > 1) return why = "split-KV (few query rows over many keys) runs on the part-1 kernel", false;
+  if (tile.d != tile.dv || tile.head_d != tile.head_dv || (tile.d != 64 && tile.d != 128))
+    return why = "heads of 33 to 128 values, the same for q, k and v", false;
+  if (Tq >= (int64_t(1) << 31) || Tk >= (int64_t(1) << 31) || heads >= (int64_t(1) << 31))
+    return why = "a length or head count over 2^31 (a TMA coordinate)", false;
+  return true;
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
@@ -350,6 +376,17 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
     tile.tiles_per_split = (key_tiles + most - 1) / most;
     tile.splits = int((key_tiles + tile.tiles_per_split - 1) / tile.tiles_per_split);  // none empty
   }
+  if (std::string why_not_hopper;
+      !hopper_flash_applies(program, softmax, tile, target, Tq, Tk, numel(lead_q), why_not_hopper)) {
+    const std::optional<Arch> arch = parse_arch(target.arch);
+    if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
+  } else {
+    tile.hopper = true;
+    tile.block_m = 128;
+    tile.block_n = 128;
+    tile.stages = 2;
+    tile.min_blocks_per_sm = 1;
+  }
   return tile;
 }
 
@@ -409,6 +446,7 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   roles.softmax = softmax;
   roles.values = values;
   FlashAttentionTile tile = *forward;
+  tile.hopper = false;  // (the backward pass runs part 1's kernel on every target)
   tile.splits = 1;
   tile.tiles_per_split = 0;
   tile.block_m = kFlashBackwardBlockRows;

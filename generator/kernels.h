@@ -75,7 +75,12 @@ struct FlashAttentionTile {
   // and fragments as TF32's, each mma's products as FMAs on CUDA cores
   // (cg_f32_simt in templates/gemm.cuh).
   bool simt_f32 = false;
-  int threads() const { return 32 * (block_m / 16); }
+  // The Hopper forward (templates/softmax_flash_sm90.cuh, sm_90a): TMA and
+  // wgmma, a producer warpgroup and two consumers of 64 rows each; 128 query
+  // rows and 128 keys a step, heads in tiles of 64 or 128 (d == dv).
+  bool hopper = false;
+  std::string why_not_hopper;  // on sm_90a, where the forward keeps part 1's kernel: why (describe)
+  int threads() const { return hopper ? 384 : 32 * (block_m / 16); }
   int64_t element_bytes() const { return tf32 || simt_f32 ? 4 : 2; }
   // The backward kernel's blocks a tile of keys (cg_flash_config::KEY_SPLIT):
   // over heads of 128 two, each summing half of dk's and dv's columns.
@@ -100,11 +105,17 @@ struct FlashAttentionTile {
   }
   // cg_flash_shared<Config, T>::bytes: the q tile and the stages of keys and
   // values, or the staged output tile where more.
+  // The Hopper forward's (cg_flash_sm90_config::SHARED_BYTES): 1 KiB of
+  // alignment slack, the q tile, the stages, each consumer warp's staged
+  // output rows (16 x 72 floats), the barriers.
   int64_t shared_bytes() const {
+    if (hopper)
+      return 1024 + 2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)) + 8 * 16 * 72 * 4 +
+             8 * (1 + 3 * int64_t(stages));
     return std::max<int64_t>(element_bytes() * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
                              int64_t(4) * block_m * (dv + 8));
   }
-  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded)
+  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded); Hopper: "128, 2, 96"
   std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
   // The backward kernel's (cg_flash_backward_shared): a block's own rows of
   // both kinds, the stages of streamed rows and their rows' statistics, or the

@@ -60,6 +60,8 @@ KernelEstimate estimate_kernel(const EmittedKernel& k, const DeviceModel& d) {
                     : k.mainloop == MatmulMainloop::tensor_core_tile ? d.tensor_tile_flops
                     // Not measured yet: half the pipelined mainloop's rate (its two
                     // products are shorter, and the softmax runs between them).
+                    // Not measured yet either: half the Hopper mainloop's (the same reason).
+                    : k.mainloop == MatmulMainloop::flash_attention_hopper ? d.hopper_flops / 2
                     : k.mainloop == MatmulMainloop::flash_attention  ? d.pipelined_flops / 2
                     : k.mainloop == MatmulMainloop::flash_attention_tf32 ? d.pipelined_flops / 4
                     // Its mma's operands come by shuffles, one a FMA, at a warp a clock: a quarter of

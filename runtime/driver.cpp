@@ -391,18 +391,22 @@ class GpuExecutor final : public Executor {
     for (Kernel& k : kernels_)
       for (const auto& [arg, spec] : k.map_specs) {
         CUtensorMap map;
-        const cuuint64_t dims[2] = {cuuint64_t(spec.width), cuuint64_t(spec.height)},
-                         strides[1] = {cuuint64_t(spec.row_stride_bytes)};
-        const cuuint32_t box[2] = {cuuint32_t(spec.box_width), cuuint32_t(spec.box_height)}, element_strides[2] = {1, 1};
+        // (3-D: a box one plane deep.)
+        const cuuint64_t dims[3] = {cuuint64_t(spec.width), cuuint64_t(spec.height), cuuint64_t(spec.depth)},
+                         strides[2] = {cuuint64_t(spec.row_stride_bytes), cuuint64_t(spec.plane_stride_bytes)};
+        const cuuint32_t box[3] = {cuuint32_t(spec.box_width), cuuint32_t(spec.box_height), 1},
+                         element_strides[3] = {1, 1, 1};
         CUDAGEN_CHECK(api,
                       cuTensorMapEncodeTiled(&map, spec.element_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16
                                                                            : CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                                             2, reinterpret_cast<void*>(arena_ + CUdeviceptr(spec.tensor_offset)), dims,
+                                             cuuint32_t(spec.rank()),
+                                             reinterpret_cast<void*>(arena_ + CUdeviceptr(spec.tensor_offset)), dims,
                                              strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-                      fmt::format("encoding kernel {}'s TMA tensor map of arena + {} ({} x {} elements, a {} x {} box)",
-                                  k.name, spec.tensor_offset, spec.width, spec.height, spec.box_width,
+                      fmt::format("encoding kernel {}'s TMA tensor map of arena + {} ({} x {}{} elements, a {} x {} box)",
+                                  k.name, spec.tensor_offset, spec.width, spec.height,
+                                  spec.depth > 0 ? fmt::format(" x {}", spec.depth) : std::string(), spec.box_width,
                                   spec.box_height));
         k.maps.emplace_back(arg, map);
       }

@@ -126,6 +126,22 @@ CG_DEVICE void cg_tma_load_2d(void* dst, const cg_tensor_map* map, int x, int y,
 #endif
 }
 
+// The box at (x, y) of plane z of a 3-D map (a plane of the tensor a head:
+// flash attention's q, k and v), rows past the plane's height zeros.
+CG_DEVICE void cg_tma_load_3d(void* dst, const cg_tensor_map* map, int x, int y, int z, unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          cg_smem_address(dst)),
+      "l"((unsigned long long)map), "r"(x), "r"(y), "r"(z), "r"(cg_smem_address(bar))
+      : "memory");
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::tma_load_3d(dst, map, x, y, z, bar);
+#else
+  (void)dst, (void)map, (void)x, (void)y, (void)z, (void)bar;
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // wgmma. A shared-memory operand's descriptor: a tile of 16-bit elements
 // written with the 128-byte swizzle (rows of 128 bytes in 1024-byte groups
@@ -395,6 +411,130 @@ CG_DEVICE void cg_wgmma_m64k16(float* d, unsigned long long desc_a, unsigned lon
   if constexpr (N == 128) cg_wgmma_m64n128k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
   else if constexpr (N == 192) cg_wgmma_m64n192k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
   else cg_wgmma_m64n256k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
+}
+
+// d (N / 2 floats a thread) += A (64 x 16) B (16 x N), or = where scale_d
+// is 0, with A in the warpgroup's registers (flash attention's
+// probabilities, never written to shared memory): each warp's 16 rows,
+// thread (g, c) = (lane / 4, lane % 4) holding a[0] = rows g at k 2c and
+// 2c + 1, a[1] = row g + 8 at those k, a[2] and a[3] the same at k 2c + 8
+// and 2c + 9 (mma.sync's A fragment; the first of a pair in the low half).
+// B from shared memory as for the other form; N of 64 or 128.
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_rs_m64n64k16(float d[32], const unsigned int a[4], unsigned long long desc_b, int scale_d,
+                                    cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_rs(d, 64, a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_rs_m64n64k16(float d[32], const unsigned int a[4], unsigned long long desc_b, int scale_d,
+                                    cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_rs(d, 64, a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_rs_m64n128k16(float d[64], const unsigned int a[4], unsigned long long desc_b, int scale_d,
+                                     cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_rs(d, 128, a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_rs_m64n128k16(float d[64], const unsigned int a[4], unsigned long long desc_b, int scale_d,
+                                     cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_rs(d, 128, a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+// The register-A wgmma of a tile N columns wide.
+template <int N, int TRANS_B, typename T>
+CG_DEVICE void cg_wgmma_rs_m64k16(float* d, const unsigned int a[4], unsigned long long desc_b, int scale_d) {
+  static_assert(N == 64 || N == 128, "register-A wgmma of 64 or 128 columns");
+  if constexpr (N == 64) cg_wgmma_rs_m64n64k16<TRANS_B>(d, a, desc_b, scale_d, T());
+  else cg_wgmma_rs_m64n128k16<TRANS_B>(d, a, desc_b, scale_d, T());
 }
 
 // setmaxnreg: a warpgroup's registers per thread, given back (the producer)

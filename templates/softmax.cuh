@@ -23,6 +23,8 @@ CG_OP("softmax",
       "variant: cg_flash_attention",
       "variant: cg_flash_attention_split",
       "variant: cg_flash_config",
+      "variant: cg_flash_attention_sm90",
+      "variant: cg_flash_sm90_config",
       "doc: softmax(scale * x) over the last axis; causal masks column j > row i of the last two axes")
 CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {
   float row_max = cg_neg_inf();
@@ -53,6 +55,7 @@ CG_OP("softmax_backward",
       "variant: cg_attention_backward_row",
       "variant: cg_flash_attention_backward",
       "variant: cg_flash_backward_rows",
+      "variant: cg_flash_config",
       "doc: dx = scale * out * (dout - sum(dout * out))")
 CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float scale, float* scratch) {
   float dot = 0.0f;

@@ -134,6 +134,76 @@ CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], 
   }
 }
 
+// A warp's scores for a tile of 8 NT keys from key0 (the m16n8 layout: lane
+// (g, t) holds columns 2t and 2t + 1 of rows g and g + 8 of each n8 tile;
+// row0 the thread's first row, warp_row0 the warp's first) scaled to log2
+// units, s scale_log2, and masked to -inf past the last key (Tk) and,
+// causal, past each row's own; only tiles that cross the last key or the
+// warp's diagonal are masked (a branch the whole warp takes alike).
+template <int NT>
+CG_DEVICE void cg_flash_scores_to_log2(float (&s)[NT][4], float scale_log2, cg_i64 key0, cg_i64 Tk, cg_i64 warp_row0,
+                                       cg_i64 row0, bool causal) {
+  constexpr int BN = 8 * NT;
+  const int t = (int)threadIdx.x & 3;
+  CG_UNROLL
+  for (int j = 0; j < NT; ++j)
+    CG_UNROLL
+    for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+  if (key0 + BN > Tk || (causal && key0 + BN - 1 > warp_row0)) {
+    const int keys_left = (int)(Tk - key0 < BN ? Tk - key0 : BN);
+    // Per row, the keys it may see in this tile: below `limit`.
+    const int limit[2] = {causal ? (int)cg_clamp_i64(row0 - key0 + 1, 0, keys_left) : keys_left,
+                          causal ? (int)cg_clamp_i64(row0 + 8 - key0 + 1, 0, keys_left) : keys_left};
+    CG_UNROLL
+    for (int j = 0; j < NT; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * t + (e & 1) >= limit[e >> 1]) s[j][e] = cg_neg_inf();
+  }
+}
+
+// The online softmax's step over a tile's scores s (log2 units, masked;
+// the m16n8 layout), a row at a time (r = 0: the thread's first row, 1: 8
+// rows on): each row's running maximum and this lane's part of its sum
+// (the quad's parts are added once, after the last tile) move on, s becomes
+// the tile's unnormalised probabilities, and where `rescale_o` the row's
+// output accumulators o are rescaled to the new maximum (not before the
+// first tile's products, where o holds nothing yet).
+template <int NT, int OT>
+CG_DEVICE void cg_flash_online_softmax(float (&s)[NT][4], float (&o)[OT][4], float row_max[2], float row_sum[2],
+                                       bool rescale_o) {
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    // A row's values of this tile lie with the 4 lanes of a quad.
+    float tile_max = cg_neg_inf();
+    CG_UNROLL
+    for (int j = 0; j < NT; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float new_max = fmaxf(row_max[r], tile_max);
+    // A row with no key yet (every key so far masked) subtracts 0, not -inf.
+    const float base = new_max == cg_neg_inf() ? 0.0f : new_max;
+    const float rescale = cg_exp2_approx(row_max[r] - base);
+    row_max[r] = new_max;
+    float tile_sum = 0.0f;
+    CG_UNROLL
+    for (int j = 0; j < NT; ++j)
+      CG_UNROLL
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        s[j][e] = cg_exp2_approx(s[j][e] - base);
+        tile_sum += s[j][e];
+      }
+    row_sum[r] = row_sum[r] * rescale + tile_sum;
+    if (rescale_o) {
+      CG_UNROLL
+      for (int j = 0; j < OT; ++j) {
+        o[j][2 * r] *= rescale;
+        o[j][2 * r + 1] *= rescale;
+      }
+    }
+  }
+}
+
 // A warp's rows after the key tiles it has seen: its rows' output
 // accumulators (o, not yet divided by the sums; the mma layout: element
 // (g + 8 (e / 2), 8 j + 2 t + e % 2) of the warp's 16 rows in o[j][e]), their
@@ -172,7 +242,7 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
   typedef cg_gemm_operand<DV, BN, false, T> OperandV;
   static_assert(KeysCopied::elements == OperandK::elements, "one tile of keys, two views");
   typedef cg_flash_shared<Config, T> Shared;
-  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = (int)threadIdx.x >> 5, g = ((int)threadIdx.x & 31) >> 2;
   const cg_i64 m0 = tile_m * BM;
   const cg_i64 row0 = m0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
   // Causal: no key past the tile's last row.
@@ -254,55 +324,8 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       }
     }
 
-    // Scaled to log2 units; masked only where the tile crosses the last key
-    // or, causal, the warp's diagonal (a branch the whole warp takes alike).
-    CG_UNROLL
-    for (int j = 0; j < NT; ++j)
-      CG_UNROLL
-      for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
-    const cg_i64 key0 = n * BN;
-    if (key0 + BN > Tk || (causal && key0 + BN - 1 > m0 + 16 * warp)) {
-      const int keys_left = (int)(Tk - key0 < BN ? Tk - key0 : BN);
-      // Per row, the keys it may see in this tile: below `limit`.
-      const int limit[2] = {causal ? (int)(row0 - key0 + 1 < keys_left ? row0 - key0 + 1 : keys_left) : keys_left,
-                            causal ? (int)(row0 + 8 - key0 + 1 < keys_left ? row0 + 8 - key0 + 1 : keys_left) : keys_left};
-      CG_UNROLL
-      for (int j = 0; j < NT; ++j)
-        CG_UNROLL
-        for (int e = 0; e < 4; ++e)
-          if (8 * j + 2 * t + (e & 1) >= limit[e >> 1]) s[j][e] = cg_neg_inf();
-    }
-
-    // The online softmax, a row at a time (r = 0: row0, r = 1: row0 + 8).
-    // A row's 16 values of this tile lie with the 4 lanes of a quad.
-    CG_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = cg_neg_inf();
-      CG_UNROLL
-      for (int j = 0; j < NT; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(row_max[r], tile_max);
-      // A row with no key yet (every key so far masked) subtracts 0, not -inf.
-      const float base = new_max == cg_neg_inf() ? 0.0f : new_max;
-      const float rescale = cg_exp2_approx(row_max[r] - base);
-      row_max[r] = new_max;
-      float tile_sum = 0.0f;
-      CG_UNROLL
-      for (int j = 0; j < NT; ++j)
-        CG_UNROLL
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[j][e] = cg_exp2_approx(s[j][e] - base);
-          tile_sum += s[j][e];
-        }
-      // (Each lane's partial sum: the quad's add up once, at the end.)
-      row_sum[r] = row_sum[r] * rescale + tile_sum;
-      CG_UNROLL
-      for (int j = 0; j < OT; ++j) {
-        o[j][2 * r] *= rescale;
-        o[j][2 * r + 1] *= rescale;
-      }
-    }
+    cg_flash_scores_to_log2(s, scale_log2, n * BN, Tk, m0 + 16 * warp, row0, causal);
+    cg_flash_online_softmax(s, o, row_max, row_sum, true);
 
     // o += p v: the accumulators of s are, rounded to T, the A fragments of
     // the tile's keys, KSTEP at a time (cg_flash_p_fragment).

@@ -133,11 +133,20 @@ enum class TensorSwizzle { none = 0, span32 = 32, span64 = 64, span128 = 128 };
 const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
                                  unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
                                  unsigned box_height, TensorSwizzle swizzle);
+// The same for a 3-D map: `depth` planes of height x width elements,
+// `plane_stride_bytes` apart; its boxes are one plane deep (tma_load_3d).
+const char* encode_tensor_map_3d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                                 unsigned long long height, unsigned long long depth,
+                                 unsigned long long row_stride_bytes, unsigned long long plane_stride_bytes,
+                                 unsigned box_width, unsigned box_height, TensorSwizzle swizzle);
 // A host launcher's map (the generated cudagen_tensor_map_2d): 0, or 1 with
 // the launch's error set to why the driver would refuse it.
 int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
                   unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
                   unsigned box_height, const char* kernel);
+int tensor_map_3d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                  unsigned long long height, unsigned long long depth, unsigned long long row_stride_bytes,
+                  unsigned long long plane_stride_bytes, unsigned box_width, unsigned box_height, const char* kernel);
 // The emulated GPU's multiprocessors, where a launcher asks (a persistent
 // kernel's grid, the generated cudagen_persistent_grid): few, so that each
 // block of a persistent kernel loops over several tiles in the tests.
@@ -155,6 +164,9 @@ inline unsigned persistent_grid(unsigned long long most, unsigned blocks_per_sm)
 // touches them, or a copy into a stage an in-flight wgmma still reads, is
 // reported.
 void tma_load_2d(void* dst, const void* map, int x, int y, void* bar);
+// cp.async.bulk.tensor.3d: the box at (x, y) of plane z of a 3-D map (a
+// plane outside the tensor reads as zeros).
+void tma_load_3d(void* dst, const void* map, int x, int y, int z, void* bar);
 
 // wgmma.mma_async m64nNk16 with f32 accumulators, both operands in shared
 // memory through their descriptors (A K-major, B K-major or with trans_b
@@ -167,6 +179,10 @@ void tma_load_2d(void* dst, const void* map, int x, int y, void* bar);
 // as the tensor core does.
 void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
            bool trans_b);
+// The same with A (64 x 16) in the warpgroup's registers: each thread's 4
+// registers of 16-bit pairs in mma.sync's A-fragment layout for its warp's
+// 16 rows (rows g, g + 8 of lane 4 g + c at k 2c, 2c + 1 and 2c + 8, 2c + 9).
+void wgmma_rs(float* d, int n, const unsigned a[4], unsigned long long desc_b, bool scale_d, bool bf16, bool trans_b);
 void wgmma_commit();
 void wgmma_wait(int most_in_flight);
 

@@ -50,7 +50,7 @@ struct PendingWgmma {
 // A wgmma as one thread issued it: wgmma is .sync.aligned, so every thread
 // of the warpgroup must issue the same one, the same k-th time.
 struct WgmmaIssue {
-  unsigned long long desc_a, desc_b;
+  unsigned long long desc_a, desc_b;  // desc_a 0 where A is in registers
   int n;
   bool scale_d, bf16, trans_b;
   unsigned thread;  // the first to issue it
@@ -77,7 +77,8 @@ struct TmaCopy {
   unsigned char* bar;
 };
 
-// What a tensor map's 128 bytes hold in the emulation (encode_tensor_map_2d).
+// What a tensor map's 128 bytes hold in the emulation (encode_tensor_map_2d,
+// encode_tensor_map_3d).
 struct TensorMapShadow {
   unsigned magic;
   unsigned element_bytes;
@@ -85,6 +86,8 @@ struct TensorMapShadow {
   unsigned long long width, height, row_stride;
   unsigned box_width, box_height;
   unsigned swizzle;  // bytes of the span; 0: none
+  unsigned rank;     // 2, or 3: `depth` planes `plane_stride` bytes apart (a box one plane deep)
+  unsigned long long depth, plane_stride;
 };
 constexpr unsigned kTensorMapMagic = 0x636d6170u;
 // Where the block's dynamic shared memory starts in the .shared window.
@@ -432,12 +435,21 @@ class Emulator {
 
   // ---- TMA ----
 
-  void tma_load_2d(void* dst, const void* map, int x, int y, void* bar) {
+  // A box of a 2-D map (rank 2, z 0) or of one plane of a 3-D map (rank 3).
+  void tma_load(void* dst, const void* map, int x, int y, int z, unsigned rank, void* bar) {
     const TensorMapShadow& m = *static_cast<const TensorMapShadow*>(map);
     if (m.magic != kTensorMapMagic) {
-      fail("kernel %s: cp.async.bulk.tensor with a tensor map that encode_tensor_map_2d did not make", kernel_);
+      fail("kernel %s: cp.async.bulk.tensor with a tensor map that encode_tensor_map_2d/3d did not make", kernel_);
       return;
     }
+    if (m.rank != rank) {
+      fail("kernel %s: cp.async.bulk.tensor.%ud with a tensor map of rank %u (the instruction's dimensions are the "
+           "map's)",
+           kernel_, rank, m.rank);
+      return;
+    }
+    // A plane outside the tensor: every element out of bounds (zeros).
+    const bool plane_in = z >= 0 && (unsigned long long)z < m.depth;
     unsigned char* d = static_cast<unsigned char*>(dst);
     const unsigned long long box_bytes = (unsigned long long)m.box_width * m.box_height * m.element_bytes;
     if (!in_shared(d, box_bytes, "TMA copy into")) return;
@@ -469,8 +481,9 @@ class Emulator {
       for (unsigned i = 0; i < m.box_width; ++i) {
         const long long gx = (long long)x + i;
         const unsigned at = swizzled(address + j * row_bytes + i * m.element_bytes, m.swizzle) - address;
-        if (gx < 0 || gy < 0 || (unsigned long long)gx >= m.width || (unsigned long long)gy >= m.height) continue;
-        const unsigned char* src = m.base + gy * m.row_stride + gx * m.element_bytes;
+        if (!plane_in || gx < 0 || gy < 0 || (unsigned long long)gx >= m.width || (unsigned long long)gy >= m.height)
+          continue;
+        const unsigned char* src = m.base + (unsigned long long)z * m.plane_stride + gy * m.row_stride + gx * m.element_bytes;
         if (!check_access(src, 0, m.element_bytes, false)) return;
         std::memcpy(copy.image.data() + at, src, m.element_bytes);
         if (first == nullptr) first = src;
@@ -490,9 +503,30 @@ class Emulator {
 
   // ---- wgmma ----
 
-  void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
-             bool trans_b) {
+  // A from shared memory (desc_a), or where `a_registers` is given from the
+  // warpgroup's registers: each warp its 16 rows, thread (g, c) of a warp
+  // holding 4 registers of two 16-bit values (the first in the low half):
+  // rows g and g + 8 at k 2c and 2c + 1, then at k 2c + 8 and 2c + 9 (the
+  // layout of mma.sync's A fragment), gathered here from the quad that
+  // holds a row.
+  void wgmma(float* d, int n, const unsigned* a_registers, unsigned long long desc_a, unsigned long long desc_b,
+             bool scale_d, bool bf16, bool trans_b) {
     Fiber* self = current_;
+    float a[2][16];
+    if (a_registers != nullptr) {
+      const unsigned lane_in_warp = unsigned(local_index(self)) % 32;
+      for (int from = 0; from < 4; ++from)
+        for (int pair = 0; pair < 2; ++pair) {
+          const uint64_t packed = warp_exchange(uint64_t(a_registers[2 * pair]) | uint64_t(a_registers[2 * pair + 1]) << 32,
+                                                int(lane_in_warp & ~3u) + from);
+          for (int r = 0; r < 2; ++r)  // register 2 pair + r: row g + 8 r, k 8 pair + 2 from (+ 1)
+            for (int e = 0; e < 2; ++e) {
+              const unsigned short bits = (unsigned short)(packed >> (32 * r + 16 * e));
+              a[r][8 * pair + 2 * from + e] = bf16 ? bf16_value(bits) : f16_value(bits);
+            }
+        }
+      desc_a = 0;
+    }
     if (n < 8 || n > 256 || n % 8 != 0) {
       fail("kernel %s: wgmma m64n%dk16 (n from 8 to 256, a multiple of 8)", kernel_, n);
       return;
@@ -528,7 +562,7 @@ class Emulator {
     // this wgmma.
     const unsigned long long descs[2] = {desc_a, desc_b};
     std::vector<std::pair<const unsigned char*, const unsigned char*>> reads;
-    for (int o = 0; o < 2; ++o) {
+    for (int o = a_registers != nullptr ? 1 : 0; o < 2; ++o) {
       const int rows = o == 0 ? 64 : n;
       const unsigned char* lo = nullptr;
       const unsigned char* hi = nullptr;
@@ -555,10 +589,10 @@ class Emulator {
       std::memcpy(&bits, shared_pointer(descriptor_address(desc, row, k, mn_major)), 2);
       return bf16 ? bf16_value(bits) : f16_value(bits);
     };
-    float a[2][16];
     std::vector<float> b(size_t(n) / 4 * 16);
-    for (int h = 0; h < 2; ++h)
-      for (int k = 0; k < 16; ++k) a[h][k] = element(desc_a, int(16 * warp + lane / 4 + 8 * h), k, false);
+    if (a_registers == nullptr)
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 16; ++k) a[h][k] = element(desc_a, int(16 * warp + lane / 4 + 8 * h), k, false);
     for (int c = 0; c < n / 4; ++c)
       for (int k = 0; k < 16; ++k)
         b[size_t(c) * 16 + size_t(k)] = element(desc_b, 8 * (c / 2) + int(2 * (lane % 4)) + c % 2, k, trans_b);
@@ -1187,10 +1221,16 @@ void mbarrier_init(void* bar, unsigned arrivals) { emulator().mbarrier_init(bar,
 void mbarrier_expect_tx(void* bar, unsigned bytes) { emulator().mbarrier_expect_tx(bar, bytes); }
 void mbarrier_arrive(void* bar) { emulator().mbarrier_arrive(bar); }
 void mbarrier_wait(void* bar, unsigned parity) { emulator().mbarrier_wait(bar, parity); }
-void tma_load_2d(void* dst, const void* map, int x, int y, void* bar) { emulator().tma_load_2d(dst, map, x, y, bar); }
+void tma_load_2d(void* dst, const void* map, int x, int y, void* bar) { emulator().tma_load(dst, map, x, y, 0, 2, bar); }
+void tma_load_3d(void* dst, const void* map, int x, int y, int z, void* bar) {
+  emulator().tma_load(dst, map, x, y, z, 3, bar);
+}
 void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b, bool scale_d, bool bf16,
            bool trans_b) {
-  emulator().wgmma(d, n, desc_a, desc_b, scale_d, bf16, trans_b);
+  emulator().wgmma(d, n, nullptr, desc_a, desc_b, scale_d, bf16, trans_b);
+}
+void wgmma_rs(float* d, int n, const unsigned a[4], unsigned long long desc_b, bool scale_d, bool bf16, bool trans_b) {
+  emulator().wgmma(d, n, a, 0, desc_b, scale_d, bf16, trans_b);
 }
 void wgmma_commit() { emulator().wgmma_commit(); }
 void wgmma_wait(int most_in_flight) { emulator().wgmma_wait(most_in_flight); }
@@ -1206,30 +1246,65 @@ int tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned 
                            std::to_string(box_height) + " box) is one the driver refuses: " + why);
 }
 
-const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
-                                 unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
-                                 unsigned box_height, TensorSwizzle swizzle) {
-  // The limits cuTensorMapEncodeTiled documents for a 2-D tiled map.
+int tensor_map_3d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                  unsigned long long height, unsigned long long depth, unsigned long long row_stride_bytes,
+                  unsigned long long plane_stride_bytes, unsigned box_width, unsigned box_height,
+                  const char* kernel) {
+  const char* why = encode_tensor_map_3d(map, base, element_bytes, width, height, depth, row_stride_bytes,
+                                         plane_stride_bytes, box_width, box_height, TensorSwizzle::span128);
+  if (*why == 0) return 0;
+  return emulator().refuse(std::string("kernel ") + kernel + ": its TMA tensor map (" + std::to_string(width) + " x " +
+                           std::to_string(height) + " x " + std::to_string(depth) + " elements, a " +
+                           std::to_string(box_width) + " x " + std::to_string(box_height) +
+                           " box) is one the driver refuses: " + why);
+}
+
+// The limits cuTensorMapEncodeTiled documents for a tiled map of rank 2 or
+// 3 (a box one plane deep), and the map's shadow.
+static const char* encode_tensor_map(void* map, unsigned rank, const void* base, unsigned element_bytes,
+                                     unsigned long long width, unsigned long long height, unsigned long long depth,
+                                     unsigned long long row_stride_bytes, unsigned long long plane_stride_bytes,
+                                     unsigned box_width, unsigned box_height, TensorSwizzle swizzle) {
   const unsigned span = unsigned(swizzle), row_bytes = box_width * element_bytes;
   if (element_bytes != 1 && element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
     return "an element of 1, 2, 4 or 8 bytes";
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return "the tensor's base is not 16-byte aligned";
-  if (width == 0 || height == 0 || width > (1ull << 32) || height > (1ull << 32))
+  if (width == 0 || height == 0 || depth == 0 || width > (1ull << 32) || height > (1ull << 32) || depth > (1ull << 32))
     return "each dimension from 1 to 2^32 elements";
   if (row_stride_bytes % 16 != 0 || row_stride_bytes >= (1ull << 40))
     return "the row stride is not a multiple of 16 bytes below 2^40 (TMA cannot take this operand)";
   if (row_stride_bytes < width * element_bytes) return "the row stride is shorter than a row";
+  if (rank == 3) {
+    if (plane_stride_bytes % 16 != 0 || plane_stride_bytes >= (1ull << 40))
+      return "the plane stride is not a multiple of 16 bytes below 2^40 (TMA cannot take this operand)";
+    if (plane_stride_bytes < height * row_stride_bytes) return "the plane stride is shorter than a plane";
+  }
   if (box_width == 0 || box_height == 0 || box_width > 256 || box_height > 256) return "box sides from 1 to 256 elements";
   if (row_bytes % 16 != 0) return "the box's rows are not whole 16 bytes";
   if (span != 0 && row_bytes > span) return "the box's rows are wider than the swizzle span";
   // The emulation lays out swizzled rows as wide as the span only.
   if (span != 0 && row_bytes != span) return "a swizzled box whose rows are narrower than the span (not emulated)";
   TensorMapShadow m{kTensorMapMagic, element_bytes, static_cast<const unsigned char*>(base), width, height,
-                    row_stride_bytes, box_width, box_height, span};
+                    row_stride_bytes, box_width, box_height, span, rank, depth, plane_stride_bytes};
   static_assert(sizeof(TensorMapShadow) <= 128, "a tensor map is 128 bytes");
   std::memset(map, 0, 128);
   std::memcpy(map, &m, sizeof m);
   return "";
+}
+
+const char* encode_tensor_map_2d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                                 unsigned long long height, unsigned long long row_stride_bytes, unsigned box_width,
+                                 unsigned box_height, TensorSwizzle swizzle) {
+  return encode_tensor_map(map, 2, base, element_bytes, width, height, 1, row_stride_bytes, 0, box_width, box_height,
+                           swizzle);
+}
+
+const char* encode_tensor_map_3d(void* map, const void* base, unsigned element_bytes, unsigned long long width,
+                                 unsigned long long height, unsigned long long depth,
+                                 unsigned long long row_stride_bytes, unsigned long long plane_stride_bytes,
+                                 unsigned box_width, unsigned box_height, TensorSwizzle swizzle) {
+  return encode_tensor_map(map, 3, base, element_bytes, width, height, depth, row_stride_bytes, plane_stride_bytes,
+                           box_width, box_height, swizzle);
 }
 
 int launch(const char* kernel, const cudagen_tensor_info* tensors, int tensor_count, unsigned char* arena, dim3 grid,

@@ -507,3 +507,164 @@ TEST(HopperEmulatorFaults, EachBrokenPipelineIsCaught) {
     }
   }
 }
+
+namespace {
+
+// D (64 x N) = A (64 x 64) B on the register-A wgmma (flash attention's
+// p v): A read from memory into each thread's fragments, B through a 3-D
+// tensor map (plane 1 of 2, its rows past K zeros where K < 64) into
+// shared memory, K-major (stored N x K) or N-major (K x N, boxes of 64
+// columns: the flash kernel's values). The largest |got - want| / sum |a b|.
+template <int N, bool TRANS_B>
+double run_register_a(unsigned seed, int K) {
+  constexpr int M = 64, B_BYTES = 64 * N * 2;
+  Placer place;
+  EmuLaunch l(size_t(1) << 20);
+  cg_bf16* a = l.tensor<cg_bf16>("a", place(M * 64 * 2), M * 64);
+  cg_bf16* b = l.tensor<cg_bf16>("b", place(2 * N * 64 * 2), 2 * N * 64);  // two planes
+  float* d = l.tensor<float>("d", place(M * N * 4), M * N);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int i = 0; i < M * 64; ++i) a[i] = cg_narrow<cg_bf16>(uniform(rng));
+  for (int i = 0; i < 2 * N * 64; ++i) b[i] = cg_narrow<cg_bf16>(uniform(rng));
+  // Plane 1's K x N (or N x K) block; its rows (of K) past K read as zeros.
+  cg_tensor_map map_b;
+  const int plane = N * 64 * 2;
+  if (TRANS_B)
+    EXPECT_STREQ(cudagen_emu::encode_tensor_map_3d(&map_b, b, 2, N, K, 2, N * 2, plane, 64, 64,
+                                                   cudagen_emu::TensorSwizzle::span128), "");
+  else
+    EXPECT_STREQ(cudagen_emu::encode_tensor_map_3d(&map_b, b, 2, K, N, 2, 64 * 2, plane, 64, N,
+                                                   cudagen_emu::TensorSwizzle::span128), "");
+  cudagen_emu_configure(seed);
+  for (int i = 0; i < M * N; ++i) d[i] = NAN;
+  const int rc = l.run("register_a", dim3(1), dim3(128), 1024 + B_BYTES + 64, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    unsigned char* tile = cg_smem_pointer(base);
+    unsigned long long* full = (unsigned long long*)(tile + B_BYTES);
+    const int t = threadIdx.x, warp = t / 32, g = (t % 32) / 4, c = t % 4;
+    if (t == 0) {
+      cg_mbarrier_init(full, 1);
+      cg_fence_barrier_init();
+    }
+    __syncthreads();
+    if (t == 0) {
+      cg_mbarrier_arrive_expect_tx(full, B_BYTES);
+      for (int chunk = 0; chunk < (TRANS_B ? N / 64 : 1); ++chunk)
+        cg_tma_load_3d(tile + chunk * 64 * 128, &map_b, 64 * chunk, 0, 1, full);
+    }
+    cg_mbarrier_wait(full, 0);
+    float acc[N / 2];
+    auto pair = [&](int row, int k) {
+      return (unsigned int)cg_float_to_bf16_bits(cg_widen(a[row * 64 + k])) |
+             (unsigned int)cg_float_to_bf16_bits(cg_widen(a[row * 64 + k + 1])) << 16;
+    };
+    cg_wgmma_fence();
+    for (int kk = 0; kk < 4; ++kk) {
+      const int row = 16 * warp + g, k = 16 * kk + 2 * c;
+      const unsigned int fragment[4] = {pair(row, k), pair(row + 8, k), pair(row, k + 8), pair(row + 8, k + 8)};
+      const unsigned long long desc = TRANS_B ? cg_wgmma_descriptor_128b(base + 2048u * kk, 64 * 128, 1024)
+                                              : cg_wgmma_descriptor_128b(base + 32u * kk);
+      cg_wgmma_rs_m64k16<N, TRANS_B ? 1 : 0, cg_bf16>(acc, fragment, desc, kk > 0);
+    }
+    cg_wgmma_commit();
+    cg_wgmma_wait<0>();
+    const int row = 16 * warp + g, column = 2 * c;
+    for (int j = 0; j < N / 8; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) cudagen_emu::store(d, (row + 8 * h) * N + column + 8 * j + e, acc[4 * j + 2 * h + e]);
+  });
+  EXPECT_EQ(rc, 0) << cudagen_emu_last_error();
+  double worst = 0;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double want = 0, scale = 0;
+      for (int k = 0; k < K; ++k) {
+        const cg_bf16 b_kn = TRANS_B ? b[N * 64 + k * N + n] : b[N * 64 + n * 64 + k];
+        const double x = double(cg_widen(a[m * 64 + k])) * double(cg_widen(b_kn));
+        want += x;
+        scale += std::fabs(x);
+      }
+      const double got = d[m * N + n];
+      worst = std::max(worst, std::isfinite(got) ? std::fabs(got - want) / (scale + 1e-30) : INFINITY);
+    }
+  return worst;
+}
+
+}  // namespace
+
+// The register-A wgmma (templates/gemm_sm90.cuh, cg_wgmma_rs_m64k16) in
+// both widths and both B layouts, B from plane 1 of a 3-D map. With K 40
+// the map's plane is 40 of the 64 k the memory holds: the box's k past it
+// must arrive as zeros, or a's values there (not zero) would add to D.
+TEST(GemmSm90, RegisterAOperandAgainstAFloat64Product) {
+  for (int K : {64, 40}) {
+    EXPECT_LT((run_register_a<64, false>(11, K)), 1e-5) << "N 64, B K-major, K " << K;
+    EXPECT_LT((run_register_a<128, false>(12, K)), 1e-5) << "N 128, B K-major, K " << K;
+    EXPECT_LT((run_register_a<64, true>(13, K)), 1e-5) << "N 64, B N-major, K " << K;
+    EXPECT_LT((run_register_a<128, true>(14, K)), 1e-5) << "N 128, B N-major, K " << K;
+  }
+}
+
+// A 3-D map's box holds one plane: rows past the plane's height and planes
+// past the depth arrive as zeros, never the next plane's bytes; a copy of
+// the other rank than the map's is reported.
+TEST(GemmSm90, ThreeDimensionalMapsStopAtThePlane) {
+  constexpr int W = 64, H = 5, P = 3, BOX = 8;
+  EmuLaunch l(size_t(1) << 16);
+  cg_bf16* x = l.tensor<cg_bf16>("x", 0, W * H * P);
+  for (int i = 0; i < W * H * P; ++i) x[i] = cg_narrow<cg_bf16>(float(1 + i % 97));
+  cg_tensor_map map;
+  ASSERT_STREQ(cudagen_emu::encode_tensor_map_3d(&map, x, 2, W, H, P, W * 2, H * W * 2, 64, BOX,
+                                                 cudagen_emu::TensorSwizzle::span128), "");
+  EXPECT_STRNE(cudagen_emu::encode_tensor_map_3d(&map, x, 2, W, H, P, W * 2, H * W * 2 - 16, 64, BOX,
+                                                 cudagen_emu::TensorSwizzle::span128), "")
+      << "planes that overlap";
+  for (int plane : {1, 2, 3}) {
+    std::vector<float> got(BOX * W, -1.0f);
+    cudagen_emu_configure(7);
+    const int rc = l.run("tma_3d", dim3(1), dim3(32), 1024 + BOX * 128 + 64, [&] {
+      CG_DYNAMIC_SMEM(smem);
+      const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+      unsigned char* box = cg_smem_pointer(base);
+      unsigned long long* bar = (unsigned long long*)(box + BOX * 128);
+      if (threadIdx.x == 0) {
+        cg_mbarrier_init(bar, 1);
+        cg_fence_barrier_init();
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        cg_mbarrier_arrive_expect_tx(bar, BOX * 128);
+        cg_tma_load_3d(box, &map, 0, 0, plane, bar);
+      }
+      cg_mbarrier_wait(bar, 0);
+      for (int i = (int)threadIdx.x; i < BOX * W; i += 32) {
+        const int r = i / W, c = i % W;
+        // The 128-byte swizzle: 16-byte chunk c / 8 of row r sits at chunk (c / 8) ^ (r % 8).
+        const cg_bf16* at = (const cg_bf16*)(box + r * 128 + ((((c / 8) ^ (r % 8)) * 8 + c % 8) * 2));
+        got[size_t(i)] = cg_widen(*at);
+      }
+    });
+    ASSERT_EQ(rc, 0) << cudagen_emu_last_error();
+    for (int r = 0; r < BOX; ++r)
+      for (int c = 0; c < W; ++c) {
+        const float want = plane < P && r < H ? cg_widen(x[(plane * H + r) * W + c]) : 0.0f;
+        ASSERT_EQ(got[size_t(r * W + c)], want) << "plane " << plane << ", row " << r << ", column " << c;
+      }
+  }
+  // A 2-D copy through a 3-D map.
+  cudagen_emu_configure(7);
+  const int rc = l.run("tma_rank", dim3(1), dim3(32), 1024 + BOX * 128 + 64, [&] {
+    CG_DYNAMIC_SMEM(smem);
+    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    unsigned long long* bar = (unsigned long long*)(cg_smem_pointer(base) + BOX * 128);
+    if (threadIdx.x == 0) {
+      cg_mbarrier_init(bar, 1);
+      cg_mbarrier_arrive_expect_tx(bar, BOX * 128);
+      cg_tma_load_2d(cg_smem_pointer(base), &map, 0, 0, bar);
+    }
+  });
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(std::string(cudagen_emu_last_error()).find("of rank 3"), std::string::npos) << cudagen_emu_last_error();
+}

@@ -329,9 +329,13 @@ CUresult fake_cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type,
   if (span != 0 && inner > span) return refuse("the box's rows are wider than the swizzle span");
   std::memset(map, 0, sizeof *map);
   std::memcpy(map, &base, sizeof base);
+  // (Rank 3: the planes, their stride and the box's depth after the 2-D figures.)
+  const bool planes = rank == 3;
   state().log += "tensor map " + offset_text(base) + " " + std::to_string(dims[0]) + "x" + std::to_string(dims[1]) +
-                 " stride " + std::to_string(strides[0]) + " box " + std::to_string(box[0]) + "x" +
-                 std::to_string(box[1]) + " swizzle " + std::to_string(span) + "\n";
+                 (planes ? "x" + std::to_string(dims[2]) : "") + " stride " + std::to_string(strides[0]) +
+                 (planes ? "," + std::to_string(strides[1]) : "") + " box " + std::to_string(box[0]) + "x" +
+                 std::to_string(box[1]) + (planes ? "x" + std::to_string(box[2]) : "") + " swizzle " +
+                 std::to_string(span) + "\n";
   return CUDA_SUCCESS;
 }
 

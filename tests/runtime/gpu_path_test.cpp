@@ -127,6 +127,52 @@ TEST_F(GpuPath, EachComputeCapabilityGetsItsOwnTarget) {
   }
 }
 
+// On compute capability 9.0 a bf16 attention runs the Hopper flash kernel:
+// q, k and v each through a 3-D tensor map (a plane a head), encoded by the
+// runtime from the arena's address, a block of 384 threads a tile of 128
+// query rows of a head.
+TEST_F(GpuPath, AHopperAttentionGetsThreeDimensionalTensorMaps) {
+  auto graph = [] {
+    GraphBuilder b("hopper_attention");
+    auto s = b.task("scores", "matmul")
+                 .tensor("a", DType::bf16, {1, 2, 65, 64}, Storage::external)
+                 .tensor("b", DType::bf16, {1, 2, 65, 64}, Storage::external)
+                 .tensor("out", DType::bf16, {1, 2, 65, 65})
+                 .arg("trans_b", true);
+    auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", DType::bf16, {1, 2, 65, 65}).arg("causal", true);
+    b.task("context", "matmul")
+        .tensor("a", p["out"])
+        .tensor("b", DType::bf16, {1, 2, 65, 64}, Storage::external)
+        .tensor("out", DType::bf16, {1, 2, 65, 64}, Storage::external);
+    return std::move(b).graph();
+  };
+  JitOptions options;
+  options.backend = Backend::gpu;
+  options.gpu.cache_dir = cache_.string();
+  fake_log();
+  {
+    Instance attention = JitProgram::from_graph(graph(), options).instantiate();
+    attention.run(Phase::forward);
+  }
+  const std::string log = fake_log();
+  CompileOptions o;
+  o.emit.arch = "sm_90a";
+  const Compiled c = compile(load_program(graph(), {}), o);
+  ASSERT_EQ(c.emitted.kernels.size(), 1u);
+  const EmittedKernel& k = c.emitted.kernels[0];
+  ASSERT_EQ(k.tensor_maps.size(), 3u) << k.matmul_path;
+  for (const auto& [arg, m] : k.tensor_maps) {
+    EXPECT_EQ(m, (TensorMapSpec{m.tensor_offset, 2, 64, 65, 128, 64, 128, 2, 65 * 128}));
+    EXPECT_NE(log.find(fmt::format("tensor map +{} 64x65x2 stride 128,8320 box 64x128x1 swizzle 128", m.tensor_offset)),
+              std::string::npos)
+        << log;
+  }
+  const std::vector<std::string> launches = lines_starting(log, "launch ");
+  ASSERT_EQ(launches.size(), 1u) << log;
+  EXPECT_EQ(launches[0], "launch " + expected_launch(k));
+  EXPECT_NE(launches[0].find(" grid=1,2,1 block=384,1,1 "), std::string::npos) << launches[0];
+}
+
 // On compute capability 9.0 a bf16 matmul runs the Hopper mainloop: the
 // runtime encodes its two TMA tensor maps once, from the arena's address
 // (the driver checks each against its limits), and passes them by value;
