@@ -978,7 +978,7 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
 // length come as zeros through the 3-D maps), several key tiles through two
 // stages, the causal diagonal inside and across tiles with lengths that
 // differ (top-left), grouped-query attention, heads of 64, 128 and 96
-// (padded), one query row; trained, the forward on the Hopper kernel saves
+// (padded), one query row, 1100 keys; trained, the forward on the Hopper kernel saves
 // what part 1's backward kernel reads. Decoding that splits the keys keeps
 // part 1's split kernel and says why; other targets never take it. Three
 // faults, each caught: o not carried from one key tile to the next, the
@@ -1010,6 +1010,18 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
     EXPECT_NE(e.matmul_path.find(fmt::format("heads of {}", k.D == 96 ? "96 (padded to 128)" : std::to_string(k.D))),
               std::string::npos)
         << e.matmul_path;
+    const uint64_t seed = test_seed();
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name + "_sm90a")});
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+  }
+  {  // Many key tiles (9, through 2 stages: each barrier's parity flips 4 times) for 2 row tiles. On a
+     // GPU of one SM, so that the keys are not split (132 SMs would split them for these few blocks).
+    CompileOptions one_sm = hopper;
+    one_sm.emit.sms = 1;
+    const TaskGraph g = flash_attention(DType::f16, 1, 1, 130, 1100, 64, 64, false);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), one_sm);
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_sm90<cg_config, "), std::string::npos);
     const uint64_t seed = test_seed();
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name + "_sm90a")});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
