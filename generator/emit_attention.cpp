@@ -203,6 +203,18 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
   const std::string kv_head = kv_head_of(sq, kk.buffer->shape, "head");
   const int64_t m_tiles = (Tq + tile.block_m - 1) / tile.block_m;
   const bool causal = arg_bool(tp, "causal");
+  // Both kernels copy q, k and v 16 bytes at a time (cp.async; TMA on the
+  // Hopper path): each must start on a 16-byte boundary of the arena, which
+  // only an --alignment under 16 breaks.
+  for (const Param* operand : {&q, &kk, &v})
+    if (const int64_t offset = plan_.buffers[size_t(operand->bound->buffer)].offset; offset % 16 != 0) {
+      fail(ts, "", fmt::format("flash attention copies q, k and v 16 bytes at a time, but '{}' lies at arena offset {}, "
+                               "no multiple of 16",
+                               ::cudagen::buffer_name(p_, operand->bound->buffer), offset),
+           fmt::format("place buffers on 16-byte boundaries or more (--alignment is {} here; its default is 256)",
+                       plan_.alignment));
+      return "";
+    }
   ek.block = tile.threads();
   // Without a minimum of blocks, ptxas for sm_90 caps the kernel at 128
   // registers and spills (heads of 64); it needs about 140.

@@ -255,7 +255,7 @@ static bool hopper_flash_applies(const Program& program, int softmax, const Flas
   if (tile.element_bytes() != 2) return why = "f32 q, k and v (the Hopper kernel takes 16-bit ones)", false;
   if (tile.splits > 1) return why = "split-KV (few query rows over many keys) runs on the part-1 kernel", false;
   if (tile.d != tile.dv || tile.head_d != tile.head_dv || (tile.d != 64 && tile.d != 128))
-    return why = "heads of 33 to 128 values, the same for q, k and v", false;
+    return why = "heads of 40 to 128 values (a multiple of 8), the same for q, k and v", false;
   if (Tq >= (int64_t(1) << 31) || Tk >= (int64_t(1) << 31) || heads >= (int64_t(1) << 31))
     return why = "a length or head count over 2^31 (a TMA coordinate)", false;
   return true;

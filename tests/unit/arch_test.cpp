@@ -120,3 +120,38 @@ TEST(Arch, TensorMapsStartOnSixteenBytes) {
   EXPECT_GT(refused, 0) << "no operand landed off a 16-byte boundary: the test needs another layout";
   EXPECT_EQ(hopper + refused, 3);
 }
+
+// Flash attention copies q, k and v 16 bytes at a time (cp.async; TMA on
+// sm_90a): where --alignment puts one off a 16-byte boundary, compiling
+// says so and names the option, on every target, rather than emitting a
+// kernel that faults.
+TEST(Arch, FlashAttentionOperandsOffSixteenBytesAreRefused) {
+  GraphBuilder b("misaligned_attention");
+  b.task("odd", "fill", Phase::init).tensor("out", DType::f32, {3}, Storage::persistent).arg("value", 1.0);
+  auto s = b.task("scores", "matmul")
+               .tensor("a", DType::bf16, {1, 2, 65, 64}, Storage::external)
+               .tensor("b", DType::bf16, {1, 2, 65, 64}, Storage::external)
+               .tensor("out", DType::bf16, {1, 2, 65, 65})
+               .arg("trans_b", true);
+  auto p = b.task("probs", "softmax").tensor("x", s["out"]).tensor("out", DType::bf16, {1, 2, 65, 65});
+  b.task("context", "matmul")
+      .tensor("a", p["out"])
+      .tensor("b", DType::bf16, {1, 2, 65, 64}, Storage::external)
+      .tensor("out", DType::bf16, {1, 2, 65, 64}, Storage::external);
+  const TaskGraph g = std::move(b).graph();
+  for (const char* arch : {"sm_90a", "sm_80"}) {
+    CompileOptions options;
+    options.emit.arch = arch;
+    options.plan.placement.alignment = 4;
+    std::string error;
+    try {
+      compile(load_program(g, {}), options);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("no multiple of 16"), std::string::npos) << arch << ": " << error;
+    EXPECT_NE(error.find("--alignment is 4 here"), std::string::npos) << arch << ": " << error;
+    options.plan.placement.alignment = 16;
+    EXPECT_NO_THROW(compile(load_program(g, {}), options)) << arch;
+  }
+}
