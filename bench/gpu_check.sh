@@ -39,8 +39,8 @@
 #    attention as TF32 (--allow-tf32), forward and trained, beside SDPA's efficient backend in f32 with
 #    TF32 allowed, and f32 trained exact (CUDA cores) beside SDPA with allow_tf32 off; heads of 256
 #    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
-#  - flash attention's Hopper forward (sm_90a, issue #39) against part 1's kernel (--arch sm_90) on the
-#    same GPU, heads of 64 and 128, T2048/8192, causal and not;
+#  - flash attention's Hopper kernels (sm_90a, issue #39) against part 1's (--arch sm_90) on the same
+#    GPU, heads of 64 and 128, T2048/8192: the forward causal and not, a training step causal;
 #  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
 #    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
 #    (bench/resnet_torch.py); the gradients of six of its convolutions (dx and dweight, batch 32) beside
@@ -208,7 +208,7 @@ if have_time 60 "the flash attention benchmark"; then
   beside_torch "$log/attention_cudagen.txt" "$log/attention_torch.txt"
 fi
 echo
-echo "flash attention's Hopper forward (issue #39, docs/attention.md \"The Hopper path\"; sm_90a, the GPU's own target)"
+echo "flash attention's Hopper kernels (issue #39, docs/attention.md \"The Hopper path\"; sm_90a, the GPU's own target)"
 echo "against part 1's kernel on the same GPU (--arch sm_90: mma.sync), bf16, B8 x H12, heads of 64 and 128,"
 echo "kernels only, mean of 20; ratio = part 1's time / the Hopper kernel's (SDPA's times: the table above):"
 if have_time 60 "the Hopper flash attention benchmark"; then
@@ -222,6 +222,17 @@ if have_time 60 "the Hopper flash attention benchmark"; then
         awk -v n="heads $head T$tokens${causal:+ causal}" -v h="$hopper" -v p="$part1" \
           'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
       done
+    done
+  done
+  # Trained (--step: the forward, the rows' statistics and the backward kernel), causal.
+  for head in 64 128; do
+    for tokens in 2048 8192; do
+      g="$log/attention_train_h${head}_${tokens}.json"
+      python3 bench/attention_graph.py --train --tokens $tokens --head $head --causal -o "$g"
+      hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+      part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 --step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+      awk -v n="trained heads $head T$tokens causal" -v h="$hopper" -v p="$part1" \
+        'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
     done
   done
 fi

@@ -568,12 +568,26 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     const std::string type = tile->element_type(c_type(q.buffer->dtype));
     auto operand = [&](const char* name) { return flash_operand(type, q.buffer->dtype, name); };
     const int64_t stats_rows = flash_backward_statistics_rows(Tq);
-    if (tile->block_m != kFlashBackwardBlockRows) {
+    // (The Hopper kernel's key blocks read the statistics 64 rows a step, its
+    // query blocks a row at a time.)
+    if (!tile->hopper && tile->block_m != kFlashBackwardBlockRows) {
       fail(tds, "", fmt::format("internal error: kernel {}'s flash backward tile has blocks of {} rows, its rows' "
                                 "statistics cover multiples of {}", k.name, tile->block_m, kFlashBackwardBlockRows),
            "--no-fuse-rule attention_backward avoids it; please report it with the graph");
       return {};
     }
+    // Both kernels copy q, k, v and dO 16 bytes at a time (cp.async, or TMA):
+    // as the forward's, each on a 16-byte boundary of the arena.
+    for (const auto& [slot, operand] : {std::pair<const char*, const Param*>{"q", &q}, {"k", &param(scores, "b")},
+                                        {"v", &v}, {"dO", &dout}})
+      if (const int64_t offset = plan_.buffers[size_t(operand->bound->buffer)].offset; offset % 16 != 0) {
+        fail(tds, "", fmt::format("flash attention's backward copies {} 16 bytes at a time, but '{}' lies at arena "
+                                  "offset {}, no multiple of 16",
+                                  slot, ::cudagen::buffer_name(p_, operand->bound->buffer), offset),
+             fmt::format("place buffers on 16-byte boundaries or more (--alignment is {} here; its default is 256)",
+                         plan_.alignment));
+        return {};
+      }
     launch.push_back(LaunchParam{"cg_row_stats", "const float", -1, nullptr, false, f.rows_offset, f.rows_bytes});
     // Over heads of 128, two key blocks a tile of keys, each with half of dk's and dv's columns.
     const int64_t key_blocks =
@@ -587,11 +601,29 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
                                    heads * tiles_of_dq * 4});
       dq_sums = fmt::format("cg_dq_accum + head * {}, cg_dq_arrivals + head * {}", Tq * tile->head_d, tiles_of_dq);
     }
+    const double scale_log2 = arg_double(roles.scores, "alpha", 1.0) * arg_double(roles.softmax, "scale", 1.0) * 1.4426950408889634;
+    const std::string ds_scale = float_arg(tds, "scale", 1.0);
+    auto gradient_store = [&](const Gradient& gr, const std::string& rows, int64_t width) {
+      if (!gr.present) return std::string("[&](cg_i64, int, float) {}");
+      const std::string value = &gr == &dv || ds_scale == float_literal(1.0) ? "x" : ds_scale + " * x";
+      return fmt::format("[&](cg_i64 row, int c, float x) {{ {}; }}",
+                         store(gr, fmt::format("(head * {} + row) * {} + c", rows, width), value));
+    };
+    const int64_t D_heads = dq.present ? dq.width : dk.present ? dk.width : q.buffer->shape.back();
     ek.block = tile->threads();
     ek.grid[0] = key_blocks + query_tiles;
     ek.grid[1] = heads;
     ek.min_blocks_per_sm = tile->min_blocks_per_sm;
-    ek.matmul_path = fmt::format(
+    const bool hopper = tile->hopper;
+    ek.matmul_path = hopper ? fmt::format(
+        "tensor cores: flash attention backward on the Hopper path (templates/softmax_flash_sm90.cuh), sm_90a: TMA and "
+        "wgmma, {} key rows or query rows a block (a producer warpgroup, two consumers), {} rows a step, {} stages, "
+        "heads of {}{}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head{}",
+        tile->block_m, tile->block_n, tile->stages, tile->head_d,
+        tile->head_d == tile->d ? std::string() : fmt::format(" (padded to {})", tile->d), key_blocks, query_tiles,
+        options_.atomic_attention_backward && dq.present
+            ? " (the Hopper kernel has no atomic mode: dq in blocks of its own, bit-identical from run to run)"
+            : "") : fmt::format(
         "{}: flash attention backward (templates/softmax_flash.cuh), {} key rows or query rows a block ({} "
         "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}{}) and {} of query rows (dq) a head{}",
         tile->cores(), tile->block_m, tile->block_m / 16,
@@ -603,7 +635,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
         : options_.atomic_attention_backward && dq.present
             ? ", dq in blocks of its own (the atomic mode takes 16-bit heads of up to 64 with dk or dv)"
-            : "");
+            : "") + (tile->why_not_hopper.empty() ? "" : "; not on the Hopper path: " + tile->why_not_hopper);
     // Grouped-query attention: the head of keys and values a head of q reads
     // (dk and dv are still the query head's: the tasks after sum the group;
     // describe says so).
@@ -614,20 +646,63 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
                                     "(the tasks after the kernel sum each group)",
                                     heads / numel(Shape(keys.begin(), keys.end() - 2)));
     ek.mainloop = flash_mainloop(*tile);
-    reserve_shared(ek, fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the output tile",
-                                   tile->stages),
+    reserve_shared(ek,
+                   hopper ? fmt::format("the block's own rows of two tensors and {} stages of two streamed tiles and "
+                                        "their rows' statistics, from a 1024-byte boundary, each consumer warp's output "
+                                        "rows, the barriers",
+                                        tile->stages)
+                          : fmt::format("the block's rows, {} stages of streamed rows and their statistics, then the "
+                                        "output tile",
+                                        tile->stages),
                    tile->backward_shared_bytes(atomic));
-    use_function(*p_.tasks[size_t(tds)].op, "cg_flash_attention_backward");
-    use_function(*p_.tasks[size_t(tds)].op, "cg_flash_config");
-    const double scale_log2 = arg_double(roles.scores, "alpha", 1.0) * arg_double(roles.softmax, "scale", 1.0) * 1.4426950408889634;
-    const std::string ds_scale = float_arg(tds, "scale", 1.0);
-    auto gradient_store = [&](const Gradient& gr, const std::string& rows, int64_t width) {
-      if (!gr.present) return std::string("[&](cg_i64, int, float) {}");
-      const std::string value = &gr == &dv || ds_scale == float_literal(1.0) ? "x" : ds_scale + " * x";
-      return fmt::format("[&](cg_i64 row, int c, float x) {{ {}; }}",
-                         store(gr, fmt::format("(head * {} + row) * {} + c", rows, width), value));
-    };
-    const int64_t D_heads = dq.present ? dq.width : dk.present ? dk.width : q.buffer->shape.back();
+    const OpSignature& ds_op = *p_.tasks[size_t(tds)].op;
+    for (const char* function : hopper ? std::vector<const char*>{"cg_flash_attention_backward_sm90",
+                                                                  "cg_flash_backward_sm90_config"}
+                                       : std::vector<const char*>{"cg_flash_attention_backward", "cg_flash_config"})
+      use_function(ds_op, function);
+    if (hopper) {
+      // q, k, v and dO by TMA: 3-D maps (a plane a head; rows past a head's
+      // length arrive as zeros), boxes of 64 x 64, in place of their pointers.
+      std::erase_if(launch, [](const LaunchParam& lp) {
+        return lp.name == "q" || lp.name == "k" || lp.name == "v" || lp.name == "dcontext";
+      });
+      const Param& kp = param(scores, "b");
+      const int64_t kv_heads = numel(kp.buffer->shape) / (Tk * tile->head_d);
+      auto map = [&](const char* name, const Param& operand, int64_t rows, int64_t planes) {
+        const int64_t row_bytes = int64_t(tile->head_d) * 2;
+        return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
+                           0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, tile->head_d, rows,
+                                            row_bytes, 64, 64, planes, rows * row_bytes}};
+      };
+      const std::vector<LaunchParam> maps = {map("q_map", q, Tq, heads), map("k_map", kp, Tk, kv_heads),
+                                             map("v_map", v, Tk, kv_heads), map("dout_map", dout, Tq, heads)};
+      launch.insert(launch.begin(), maps.begin(), maps.end());
+      std::string body = fmt::format(
+          "  CG_DYNAMIC_SMEM(cg_smem);\n"
+          "  // Flash attention backward on the Hopper path: {0} blocks of keys, then {1} of query rows, a head{2}.\n"
+          "  typedef cg_flash_backward_sm90_config<{3}> cg_config;\n"
+          "  const cg_i64 head = tile.y, kv_head = {4};\n",
+          key_blocks, query_tiles, kv_head == "head" ? "" : " (of q: a group of them shares a head of keys and values)",
+          tile->arguments(), kv_head);
+      body += epilogues;
+      body += fmt::format(
+          "  cg_flash_attention_backward_sm90<cg_config, {0}>({1}, {2}, {3}, {4}, cg_row_stats + head * {5},\n"
+          "      {6}, {7}, tile.x, {8}, (int)head, (int)kv_head, {9}, {10}, {11},\n"
+          "      {12},  // dq\n"
+          "      {13},  // dk\n"
+          "      {14},  // dv\n"
+          "      cg_smem);\n",
+          type, param_name(maps[0]), param_name(maps[1]), param_name(maps[2]), param_name(maps[3]), 2 * stats_rows, Tq,
+          Tk, key_blocks, float_literal(scale_log2), float_arg(tdp, "alpha", 1.0),
+          arg_bool(roles.softmax, "causal") ? "true" : "false", gradient_store(dq, std::to_string(Tq), D_heads),
+          gradient_store(dk, std::to_string(Tk), D_heads), gradient_store(dv, std::to_string(Tk), Dv));
+      // (The rows' launch takes part 1's configuration: it reads the head sizes alone.)
+      FlashAttentionTile rows_tile = *tile;
+      rows_tile.hopper = false;
+      rows_tile.block_m = rows_tile.block_n = kFlashBackwardBlockRows;
+      std::string code = flash_backward_rows_kernel(k, rows_tile, roles, dout, f, heads, Tq, Dv, emitted);
+      return code + finish_kernel(k, ek, std::move(launch), body, emitted);
+    }
     std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention backward: {0} blocks of keys, then {1} of query rows, a head{3}.\n"

@@ -244,12 +244,18 @@ std::string FlashAttentionTile::describe() const {
 // instead (templates/softmax_flash_sm90.cuh): sm_90a, 16-bit, one head size
 // for q, k and v in a tile of 64 or 128, no split-KV (decoding keeps part
 // 1's split kernel), sizes a TMA coordinate holds. `why` says why not.
-static bool hopper_flash_applies(const Program& program, int softmax, const FlashAttentionTile& tile,
-                                 const Target& target, int64_t Tq, int64_t Tk, int64_t heads, std::string& why) {
+// The backward pass (`backward`: task `op_task` is the softmax_backward)
+// the same, on cg_flash_attention_backward_sm90.
+static bool hopper_flash_applies(const Program& program, int op_task, const FlashAttentionTile& tile,
+                                 const Target& target, int64_t Tq, int64_t Tk, int64_t heads, std::string& why,
+                                 bool backward = false) {
   const std::optional<Arch> arch = parse_arch(target.arch);
   if (!arch || !arch->has_wgmma()) return why = target.arch + " has no wgmma (sm_90a has)", false;
-  const OpSignature& op = *program.tasks[size_t(softmax)].op;
-  for (const char* variant : {"cg_flash_attention_sm90", "cg_flash_sm90_config"})
+  const OpSignature& op = *program.tasks[size_t(op_task)].op;
+  const std::array<const char*, 2> forward_variants = {"cg_flash_attention_sm90", "cg_flash_sm90_config"},
+                                   backward_variants = {"cg_flash_attention_backward_sm90",
+                                                        "cg_flash_backward_sm90_config"};
+  for (const char* variant : backward ? backward_variants : forward_variants)
     if (op.closure_of(variant) == nullptr)
       return why = fmt::format("op '{}' has no Hopper kernel (variant {})", op.name, variant), false;
   if (tile.element_bytes() != 2) return why = "f32 q, k and v (the Hopper kernel takes 16-bit ones)", false;
@@ -446,7 +452,8 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   roles.softmax = softmax;
   roles.values = values;
   FlashAttentionTile tile = *forward;
-  tile.hopper = false;  // (the backward pass runs part 1's kernel on every target)
+  tile.hopper = false;
+  tile.why_not_hopper.clear();
   tile.splits = 1;
   tile.tiles_per_split = 0;
   tile.block_m = kFlashBackwardBlockRows;
@@ -475,6 +482,24 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   if (tile.element_bytes() == 4) {
     if (wide) tile.block_n = 16;
     tile.min_blocks_per_sm = wide ? 1 : 2;
+  }
+  // sm_90a: the Hopper kernel (templates/softmax_flash_sm90.cuh) where it
+  // takes the heads, 128 own rows a block and 64 streamed a step. It has no
+  // atomic mode: deterministic, its query blocks sum dq.
+  const BufferInfo& qb = program.buffers[size_t(q)];
+  const int64_t Tq = qb.shape[qb.shape.size() - 2], Tk = program.buffers[size_t(k)].shape[qb.shape.size() - 2];
+  const int64_t heads = numel(qb.shape) / (Tq * qb.shape.back());
+  if (std::string why_not_hopper;
+      !hopper_flash_applies(program, roles.ds, tile, target, Tq, Tk, heads, why_not_hopper, true)) {
+    const std::optional<Arch> arch = parse_arch(target.arch);
+    if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
+  } else {
+    tile.hopper = true;
+    tile.atomic_dq = false;
+    tile.block_m = 128;
+    tile.block_n = 64;
+    tile.stages = 2;
+    tile.min_blocks_per_sm = 1;
   }
   return tile;
 }

@@ -75,11 +75,13 @@ struct FlashAttentionTile {
   // and fragments as TF32's, each mma's products as FMAs on CUDA cores
   // (cg_f32_simt in templates/gemm.cuh).
   bool simt_f32 = false;
-  // The Hopper forward (templates/softmax_flash_sm90.cuh, sm_90a): TMA and
-  // wgmma, a producer warpgroup and two consumers of 64 rows each; 128 query
-  // rows and 128 keys a step, heads in tiles of 64 or 128 (d == dv).
+  // The Hopper kernels (templates/softmax_flash_sm90.cuh, sm_90a): TMA and
+  // wgmma, a producer warpgroup and two consumers of 64 rows each, heads in
+  // tiles of 64 or 128 (d == dv). The forward: 128 query rows a block and
+  // 128 keys a step; the backward: 128 own rows (keys or query rows) a
+  // block and 64 streamed rows a step.
   bool hopper = false;
-  std::string why_not_hopper;  // on sm_90a, where the forward keeps part 1's kernel: why (describe)
+  std::string why_not_hopper;  // on sm_90a, where a pass keeps part 1's kernel: why (describe)
   int threads() const { return hopper ? 384 : 32 * (block_m / 16); }
   int64_t element_bytes() const { return tf32 || simt_f32 ? 4 : 2; }
   // The backward kernel's blocks a tile of keys (cg_flash_config::KEY_SPLIT):
@@ -121,7 +123,14 @@ struct FlashAttentionTile {
   // both kinds, the stages of streamed rows and their rows' statistics, or the
   // staged output tile where more.
   // With `atomic_dq`, the key block's tile of ds^T too.
+  // The Hopper backward's (cg_flash_backward_sm90_config::SHARED_BYTES): 1
+  // KiB of alignment slack, the own tiles of two tensors, the stages of two
+  // streamed tiles and their rows' statistics, each consumer warp's staged
+  // output rows (16 x 72 floats), the barriers.
   int64_t backward_shared_bytes(bool atomic_dq = false) const {
+    if (hopper)
+      return 1024 + 2 * 2 * int64_t(block_m) * d + int64_t(stages) * (2 * 2 * int64_t(block_n) * d + 8 * block_n) +
+             8 * 16 * 72 * 4 + 8 * (1 + 4 * int64_t(stages));
     const int64_t main = element_bytes() * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
                          8 * int64_t(stages) * block_n +
                          (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);

@@ -198,7 +198,7 @@ CG_DEVICE void cg_wgmma_fence_operands(float* d) {
 }
 
 // d (N / 2 floats a thread) += A (64 x 16) B (16 x N), or = where scale_d
-// is 0: the warpgroup's m64nNk16 for N of 128, 192 or 256, A K-major, B
+// is 0: the warpgroup's m64nNk16 for N of 64, 128, 192 or 256, A K-major, B
 // K-major or (TRANS_B) N-major. Thread t of the warpgroup holds rows
 // 16 (t / 32) + (t % 32) / 4 and 8 more, columns 8 j + 2 (t % 4) + {0, 1}:
 // d[4 j + 2 h + e] is (row + 8 h, column 8 j + 2 (t % 4) + e). The asm
@@ -206,6 +206,56 @@ CG_DEVICE void cg_wgmma_fence_operands(float* d) {
 // predicate) and TRANS_B. (Written out, not through a macro: the indexer
 // copies a macro only where the host's parse sees it expanded, and these
 // expand for sm_90a alone.)
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n64k16(float d[32], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                  cg_bf16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 64, desc_a, desc_b, scale_d != 0, true, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
+
+template <int TRANS_B>
+CG_DEVICE void cg_wgmma_m64n64k16(float d[32], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
+                                  cg_f16) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma(d, 64, desc_a, desc_b, scale_d != 0, false, TRANS_B != 0);
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)scale_d;
+#endif
+}
 
 template <int TRANS_B>
 CG_DEVICE void cg_wgmma_m64n128k16(float d[64], unsigned long long desc_a, unsigned long long desc_b, int scale_d,
@@ -408,7 +458,9 @@ CG_DEVICE void cg_wgmma_m64n256k16(float d[128], unsigned long long desc_a, unsi
 // The wgmma of a tile N columns wide.
 template <int N, int TRANS_B, typename T>
 CG_DEVICE void cg_wgmma_m64k16(float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d) {
-  if constexpr (N == 128) cg_wgmma_m64n128k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
+  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "wgmma tiles of 64, 128, 192 or 256 columns");
+  if constexpr (N == 64) cg_wgmma_m64n64k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
+  else if constexpr (N == 128) cg_wgmma_m64n128k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
   else if constexpr (N == 192) cg_wgmma_m64n192k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
   else cg_wgmma_m64n256k16<TRANS_B>(d, desc_a, desc_b, scale_d, T());
 }

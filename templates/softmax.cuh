@@ -56,6 +56,8 @@ CG_OP("softmax_backward",
       "variant: cg_flash_attention_backward",
       "variant: cg_flash_backward_rows",
       "variant: cg_flash_config",
+      "variant: cg_flash_attention_backward_sm90",
+      "variant: cg_flash_backward_sm90_config",
       "doc: dx = scale * out * (dout - sum(dout * out))")
 CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, int n, float scale, float* scratch) {
   float dot = 0.0f;

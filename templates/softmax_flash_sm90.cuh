@@ -57,6 +57,48 @@ struct cg_flash_sm90_config {
   static constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 };
 
+// A consumer warp's 16 rows of a warpgroup's accumulators acc (the wgmma
+// layout: element (g + 8 (e / 2), 8 j + 2 (lane % 4) + e % 2) of the warp's
+// rows in acc[j][e]), each times its row's factor (factor[0] the thread's
+// first row's, factor[1] the row 8 on), to store(row, c, value) for rows
+// warp_row0 + r < limit and columns c < HEAD_D. A chunk of 64 columns at a
+// time goes into the warp's own `rows` of shared memory (16 x OUT_ROW
+// floats; no other warp reads them: a warp barrier suffices), then out a
+// row at a time, a lane a column, so that the stores are a warp's
+// consecutive columns. (OUT_ROW 72: a half-warp's 8-byte stores on 32
+// distinct banks.)
+template <int OUT_ROW, int D, int HEAD_D, typename Store>
+CG_DEVICE void cg_flash_sm90_store_rows(const float (&acc)[D / 8][4], const float factor[2], float* rows,
+                                        cg_i64 warp_row0, cg_i64 limit, Store store) {
+  constexpr int COLUMNS = 64;
+  const int lane = (int)threadIdx.x % 32, g = lane / 4, quad = lane % 4;
+  CG_UNROLL
+  for (int chunk = 0; chunk < D / COLUMNS; ++chunk) {
+    CG_UNROLL
+    for (int j = 0; j < COLUMNS / 8; ++j)
+      CG_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const float* a = acc[chunk * (COLUMNS / 8) + j];
+        cg_aligned_chunk<2, float> pair = {{a[2 * r] * factor[r], a[2 * r + 1] * factor[r]}};
+        float* at = rows + (g + 8 * r) * OUT_ROW + 8 * j + 2 * quad;
+#ifdef CUDAGEN_EMULATION
+        cudagen_emu::note_shared_request(at, 8);
+#endif
+        *reinterpret_cast<cg_aligned_chunk<2, float>*>(at) = pair;
+      }
+    __syncwarp();
+    for (int r = 0; r < 16; ++r) {
+      if (warp_row0 + r >= limit) break;
+      CG_UNROLL
+      for (int j = 0; j < COLUMNS / 32; ++j) {
+        const int c = chunk * COLUMNS + 32 * j + lane;
+        if (c < HEAD_D) store(warp_row0 + r, c, rows[r * OUT_ROW + 32 * j + lane]);
+      }
+    }
+    __syncwarp();  // every lane has read the rows before the next chunk overwrites them
+  }
+}
+
 // Attention for query rows [tile_m 128, tile_m 128 + 128) of head `head`
 // (keys and values of head `kv_head`: grouped-query attention) over all its
 // keys: p_ij = exp(scale s_ij) / sum_j exp(scale s_ij), s_ij = q_i . k_j (in
@@ -193,34 +235,413 @@ CG_DEVICE void cg_flash_attention_sm90(const cg_tensor_map* map_q, const cg_tens
     const cg_i64 row = row0 + 8 * r;
     if (quad == 0 && row < Tq) store_lse(row, (row_max[r] + log2f(row_sum[r])) * 0.6931471805599453f);
   }
-  // A chunk of 64 columns at a time: this warp's 16 rows of it into its own
-  // part of shared memory (no other warp reads it: a warp barrier
-  // suffices), then out a row at a time, a lane a column.
-  float* rows = staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW;
-  CG_UNROLL
-  for (int chunk = 0; chunk < D / Config::OUT_COLUMNS; ++chunk) {
-    CG_UNROLL
-    for (int j = 0; j < Config::OUT_COLUMNS / 8; ++j)
-      CG_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const float* acc = o[chunk * (Config::OUT_COLUMNS / 8) + j];
-        cg_aligned_chunk<2, float> pair = {{acc[2 * r] * inverse[r], acc[2 * r + 1] * inverse[r]}};
-        float* at = rows + (g + 8 * r) * Config::OUT_ROW + 8 * j + 2 * quad;
-#ifdef CUDAGEN_EMULATION
-        cudagen_emu::note_shared_request(at, 8);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(
+      o, inverse, staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW, warp_row0, Tq, store_out);
 #endif
-        *reinterpret_cast<cg_aligned_chunk<2, float>*>(at) = pair;
-      }
-    __syncwarp();
-    for (int r = 0; r < 16; ++r) {
-      if (warp_row0 + r >= Tq) break;
+}
+
+// ---------------------------------------------------------------------------
+// Flash attention, backward, on the Hopper path (sm_90a; docs/attention.md):
+// the gradients of cg_flash_attention_backward (templates/softmax_flash.cuh;
+// the same formulas, the same rows' statistics from cg_flash_backward_rows,
+// the same unscaled stores and the same two kinds of block, so that no sum
+// needs an atomic and every run adds in the same order), on wgmma and TMA:
+//   - a block per 128 keys (dk, dv) or per 128 query rows (dq) of one head:
+//     warpgroup 0 the producer, warpgroups 1 and 2 the consumers, 64 of the
+//     block's own rows each, their gradients summed in registers;
+//   - the block's own rows of two tensors (k and v, or q and dO) by TMA
+//     once; the streamed ones (q and dO, or k and v) 64 rows a step, STAGES
+//     steps in flight, each tensor on its own "full" mbarrier and the stage
+//     released ("empty") by every consumer thread once the products that
+//     read it have completed; all through 3-D maps (head size x length x
+//     heads, boxes of 64 x 64, the 128-byte swizzle), so that rows past a
+//     head's length arrive as zeros;
+//   - a key block's step, for its 64 query rows:
+//       s^T = k q^T and dp^T = v dO^T (wgmma m64n64k16, operands in shared
+//       memory; the second runs while the first's probabilities are made),
+//       p^T = exp2(s^T scale_log2 - lse), dv += p^T dO (p^T in registers as
+//       the A operand, dO N-major), ds^T = p^T (dp_scale dp^T - delta),
+//       dk += ds^T q (the same, q N-major);
+//     the step's rows' statistics (lse, delta) come to shared memory from
+//     the producer's second warp;
+//   - a query block's step, for its 64 keys: s = q k^T and dp = dO v^T,
+//     p = exp2(s scale_log2 - lse), ds = p (dp_scale dp - delta), dq += ds k.
+// 16-bit q, k, v and dO of one head size (HEAD_D, in a tile D of 64 or 128).
+// Not yet: dq summed by the key blocks with atomics (the query blocks'
+// second pass over s and dp is the price of determinism), heads over 128.
+
+// The backward kernel's compile-time shape: as cg_flash_sm90_config's, 128
+// own rows a block and 64 streamed rows a step.
+template <int D_, int STAGES_, int HEAD_D_ = D_>
+struct cg_flash_backward_sm90_config {
+  static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_;
+  static_assert(D == 64 || D == 128, "tiles of 64 or 128 head values (the register-A wgmma's widths)");
+  static_assert(HEAD_D <= D && HEAD_D % 8 == 0, "heads of whole 16-byte chunks, no wider than their tiles");
+  static_assert(STAGES >= 2, "a step's rows are copied while the step before is read");
+  static constexpr int BLOCK_M = 128, BLOCK_N = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  // Boxes of 64 columns (one 128-byte swizzle row) by 64 rows: an own tile
+  // is two boxes high, a column chunk of 128 rows after another.
+  static constexpr int BOX_BYTES = 64 * 128;
+  static constexpr int OWN_CHUNK_BYTES = BLOCK_M * 128, STREAM_CHUNK_BYTES = BLOCK_N * 128;
+  static constexpr int OWN_BYTES = (D / 64) * OWN_CHUNK_BYTES, STREAM_BYTES = (D / 64) * STREAM_CHUNK_BYTES;
+  static constexpr int STAGE_BYTES = 2 * STREAM_BYTES;  // q then dO, or k then v
+  static constexpr int STATS_BYTES = 8 * BLOCK_N;       // a stage's rows' (lse, delta)
+  static constexpr int OUT_ROW = 72, OUT_BYTES = CONSUMERS * 4 * 16 * OUT_ROW * 4;
+  // The own tiles' barrier, then each stage's two tensors', statistics' and release barriers.
+  static constexpr int BARRIER_BYTES = 8 * (1 + 4 * STAGES);
+  static constexpr int SHARED_BYTES =
+      1024 + 2 * OWN_BYTES + STAGES * (STAGE_BYTES + STATS_BYTES) + OUT_BYTES + BARRIER_BYTES;
+  static constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
+};
+
+// Where the backward kernel's pieces lie in shared memory (from a 1024-byte
+// boundary of the .shared window, as the swizzle needs), and its barriers.
+template <typename Config>
+struct cg_flash_backward_sm90_layout {
+  unsigned int base;  // shared address of the own tiles; the stages follow
+  unsigned char* tiles;
+  float* stats;   // STAGES x BLOCK_N (lse, delta) pairs
+  float* staged;  // each consumer warp's 16 output rows
+  unsigned long long *own_full, *a_full, *b_full, *stats_full, *empty;
+  CG_DEVICE unsigned int own_a() const { return base; }
+  CG_DEVICE unsigned int own_b() const { return base + Config::OWN_BYTES; }
+  CG_DEVICE unsigned int stream_a(int stage) const {
+    return base + 2 * Config::OWN_BYTES + (unsigned int)(stage * Config::STAGE_BYTES);
+  }
+  CG_DEVICE unsigned int stream_b(int stage) const { return stream_a(stage) + Config::STREAM_BYTES; }
+};
+
+template <typename Config>
+CG_DEVICE cg_flash_backward_sm90_layout<Config> cg_flash_backward_sm90_setup(unsigned char* smem) {
+  constexpr int S = Config::STAGES;
+  cg_flash_backward_sm90_layout<Config> l;
+  l.base = (cg_smem_address(smem) + 1023u) & ~1023u;
+  l.tiles = cg_smem_pointer(l.base);
+  l.stats = (float*)(l.tiles + 2 * Config::OWN_BYTES + S * Config::STAGE_BYTES);
+  l.staged = (float*)((unsigned char*)l.stats + S * Config::STATS_BYTES);
+  l.own_full = (unsigned long long*)((unsigned char*)l.staged + Config::OUT_BYTES);
+  l.a_full = l.own_full + 1;
+  l.b_full = l.a_full + S;
+  l.stats_full = l.b_full + S;
+  l.empty = l.stats_full + S;
+  if (threadIdx.x == 0) {
+    cg_mbarrier_init(l.own_full, 1);
+    for (int s = 0; s < S; ++s) {
+      cg_mbarrier_init(&l.a_full[s], 1);  // the producer's arrival, with the tile's bytes
+      cg_mbarrier_init(&l.b_full[s], 1);
+      cg_mbarrier_init(&l.stats_full[s], 32);  // the producer's second warp (key blocks)
+      cg_mbarrier_init(&l.empty[s], 128 * Config::CONSUMERS);  // every consumer thread, once it has read the stage
+    }
+    cg_fence_barrier_init();
+  }
+  __syncthreads();
+  return l;
+}
+
+// The producer warpgroup of either kind of block: its first thread copies
+// the own rows [own0, own0 + 128) of plane own_plane of maps own_a and
+// own_b once, then the streamed rows of plane stream_plane of maps stream_a
+// and stream_b, steps [first, end) of 64 rows; where `stats_rows` (a key
+// block), the second warp copies each step's rows' statistics.
+template <typename Config>
+CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layout<Config>& l, const cg_tensor_map* own_a,
+                                              const cg_tensor_map* own_b, int own0, int own_plane,
+                                              const cg_tensor_map* stream_a, const cg_tensor_map* stream_b,
+                                              int stream_plane, int first, int end, const float* stats_rows) {
+  constexpr int S = Config::STAGES, D = Config::D, BN = Config::BLOCK_N;
+  const int thread = threadIdx.x;
+  if (thread == 0) {
+    cg_mbarrier_arrive_expect_tx(l.own_full, 2 * Config::OWN_BYTES);
+    CG_UNROLL
+    for (int c = 0; c < D / 64; ++c)
       CG_UNROLL
-      for (int j = 0; j < Config::OUT_COLUMNS / 32; ++j) {
-        const int c = chunk * Config::OUT_COLUMNS + 32 * j + lane;
-        if (c < Config::HEAD_D) store_out(warp_row0 + r, c, rows[r * Config::OUT_ROW + 32 * j + lane]);
+      for (int h = 0; h < 2; ++h) {
+        const unsigned int at = (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES);
+        cg_tma_load_3d(cg_smem_pointer(l.own_a() + at), own_a, 64 * c, own0 + 64 * h, own_plane, l.own_full);
+        cg_tma_load_3d(cg_smem_pointer(l.own_b() + at), own_b, 64 * c, own0 + 64 * h, own_plane, l.own_full);
+      }
+    cg_sm90_pipeline_state load = {0, 0u};
+    for (int n = first; n < end; ++n, load.advance(S)) {
+      // Round r of a stage waits for the release of round r - 1 (the first
+      // round's wait returns at once: parity 1 of phase 0).
+      cg_mbarrier_wait(&l.empty[load.stage], load.phase ^ 1u);
+      cg_mbarrier_arrive_expect_tx(&l.a_full[load.stage], Config::STREAM_BYTES);
+      CG_UNROLL
+      for (int c = 0; c < D / 64; ++c)
+        cg_tma_load_3d(cg_smem_pointer(l.stream_a(load.stage) + c * Config::STREAM_CHUNK_BYTES), stream_a, 64 * c,
+                       n * BN, stream_plane, &l.a_full[load.stage]);
+      cg_mbarrier_arrive_expect_tx(&l.b_full[load.stage], Config::STREAM_BYTES);
+      CG_UNROLL
+      for (int c = 0; c < D / 64; ++c)
+        cg_tma_load_3d(cg_smem_pointer(l.stream_b(load.stage) + c * Config::STREAM_CHUNK_BYTES), stream_b, 64 * c,
+                       n * BN, stream_plane, &l.b_full[load.stage]);
+    }
+  } else if (stats_rows != nullptr && thread / 32 == 1) {
+    // A step's BN pairs of floats, 16 bytes a lane (the rows array covers whole steps).
+    static_assert(BN * 8 == 32 * 16, "a step's statistics are a warp's 16-byte loads");
+    const int lane = thread % 32;
+    cg_sm90_pipeline_state load = {0, 0u};
+    for (int n = first; n < end; ++n, load.advance(S)) {
+      cg_mbarrier_wait(&l.empty[load.stage], load.phase ^ 1u);
+      const cg_vector<4, float> pairs = cg_load_vector<4>(stats_rows, 2 * (cg_i64)n * BN + 4 * lane);
+      float* at = l.stats + load.stage * 2 * BN + 4 * lane;
+#ifdef CUDAGEN_EMULATION
+      cudagen_emu::note_shared_request(at, 16);
+#endif
+      *reinterpret_cast<cg_aligned_chunk<4, float>*>(at) = {{pairs.v[0], pairs.v[1], pairs.v[2], pairs.v[3]}};
+      cg_mbarrier_arrive(&l.stats_full[load.stage]);  // (release: the stores are seen by the waiting consumers)
+    }
+  }
+}
+
+// The key block of keys [128 tile_n, +128) of head `head` (its keys and
+// values those of kv_head): dk and dv of its keys, unscaled, to
+// store_dk(key, c, value) and store_dv(key, c, value). Causal: query rows
+// before the block's first key see none of its keys and are not visited.
+template <typename Config, typename T, typename StoreDk, typename StoreDv>
+CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<Config>& l, const float* stats_rows,
+                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, float scale_log2, float dp_scale,
+                                           bool causal, StoreDk store_dk, StoreDv store_dv) {
+  constexpr int S = Config::STAGES, D = Config::D, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  constexpr int NQ = BN / 8, OT = D / 8;  // n8 column groups: of a step's query rows, of dk's and dv's
+  const int thread = threadIdx.x, consumer = thread / 128 - 1;
+  const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4, quad = lane % 4;
+  const cg_i64 key0 = tile_n * BM;
+  const cg_i64 warp_key0 = key0 + 64 * consumer + 16 * warp;  // this thread's keys: + g and + g + 8
+  const int first = causal ? (int)(key0 / BN) : 0, end = (int)((Tq + BN - 1) / BN);
+  const unsigned int k_rows = l.own_a() + (unsigned int)(consumer * 64 * 128);
+  const unsigned int v_rows = l.own_b() + (unsigned int)(consumer * 64 * 128);
+  float dk[OT][4], dv[OT][4];
+  cg_zero_accumulators(dk);
+  cg_zero_accumulators(dv);
+  cg_mbarrier_wait(l.own_full, 0);
+  cg_sm90_pipeline_state read = {0, 0u};
+  for (int m = first; m < end; ++m, read.advance(S)) {
+    const unsigned int q_tile = l.stream_a(read.stage), dout_tile = l.stream_b(read.stage);
+    // s^T = k q^T, then dp^T = v dO^T: a k step of 16 is 32 bytes along a
+    // 128-byte row, the next 64 head values the next column chunk.
+    float st[NQ][4], dpt[NQ][4];
+    cg_mbarrier_wait(&l.a_full[read.stage], read.phase);
+    cg_wgmma_fence();
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned int at = (unsigned int)(32 * (kk % 4));
+      cg_wgmma_m64k16<BN, 0, T>(&st[0][0], cg_wgmma_descriptor_128b(k_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
+                                cg_wgmma_descriptor_128b(q_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
+    }
+    cg_wgmma_commit();
+    cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned int at = (unsigned int)(32 * (kk % 4));
+      cg_wgmma_m64k16<BN, 0, T>(&dpt[0][0], cg_wgmma_descriptor_128b(v_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
+                                cg_wgmma_descriptor_128b(dout_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at),
+                                kk > 0);
+    }
+    cg_wgmma_commit();
+    cg_wgmma_wait<1>();  // s^T; dp^T may still run
+    cg_wgmma_fence_operands<BN / 2>(&st[0][0]);
+
+    // p^T: query column 8 j + 2 quad + e of the step, key row g + 8 r of the
+    // warp's. Zero past Tq (lse +inf there) and, causal, where the key is
+    // past the query row (tiles the warp's diagonal crosses). Keys past Tk
+    // are zeros (TMA) and their rows of dk and dv are never stored.
+    cg_mbarrier_wait(&l.stats_full[read.stage], read.phase);
+    const float* step_stats = l.stats + read.stage * 2 * BN;
+    const cg_i64 query0 = (cg_i64)m * BN;
+    const bool edge = causal && warp_key0 + 15 > query0;
+    const int past = (int)cg_clamp_i64(warp_key0 + g - query0, -2 * BN, 2 * BN);  // (32 bits, clamped to a step)
+    CG_UNROLL
+    for (int j = 0; j < NQ; ++j) {
+      const float* at = step_stats + 2 * (8 * j + 2 * quad);  // (lse, delta) of two query rows
+#ifdef CUDAGEN_EMULATION
+      cudagen_emu::note_shared_request(at, 16);
+#endif
+      const cg_aligned_chunk<4, float> pairs = *reinterpret_cast<const cg_aligned_chunk<4, float>*>(at);
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        float p = cg_exp2_approx(st[j][e] * scale_log2 - pairs.v[2 * (e & 1)]);
+        if (edge && past + 8 * (e >> 1) > 8 * j + 2 * quad + (e & 1)) p = 0.0f;
+        st[j][e] = p;
       }
     }
-    __syncwarp();  // every lane has read the rows before the next chunk overwrites them
+    // ds^T = p^T (dp_scale dp^T - delta), delta read again from shared
+    // memory (16 registers fewer held), once dp^T has completed.
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands<BN / 2>(&dpt[0][0]);
+    CG_UNROLL
+    for (int j = 0; j < NQ; ++j) {
+      const float* at = step_stats + 2 * (8 * j + 2 * quad);
+#ifdef CUDAGEN_EMULATION
+      cudagen_emu::note_shared_request(at, 16);
+#endif
+      const cg_aligned_chunk<4, float> pairs = *reinterpret_cast<const cg_aligned_chunk<4, float>*>(at);
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dp_scale * dpt[j][e] - pairs.v[2 * (e & 1) + 1]);
+    }
+    // dv += p^T dO and dk += ds^T q (K: the step's query rows), p^T and
+    // ds^T in registers as the A operands, rounded to T; dO's and q's tiles
+    // N-major (the next 8 rows 1024 bytes on, the next 64 head values a
+    // column chunk on).
+    unsigned int pa[BN / 16][4], dsa[BN / 16][4];
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      cg_flash_p_fragment(pa[kk], st, kk, T());
+      cg_flash_p_fragment(dsa[kk], dpt, kk, T());
+    }
+    cg_wgmma_fence();
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk)
+      cg_wgmma_rs_m64k16<D, 1, T>(&dv[0][0], pa[kk],
+                                  cg_wgmma_descriptor_128b(dout_tile + 2048u * (unsigned int)kk,
+                                                           Config::STREAM_CHUNK_BYTES, 1024),
+                                  1);
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk)
+      cg_wgmma_rs_m64k16<D, 1, T>(&dk[0][0], dsa[kk],
+                                  cg_wgmma_descriptor_128b(q_tile + 2048u * (unsigned int)kk,
+                                                           Config::STREAM_CHUNK_BYTES, 1024),
+                                  1);
+    cg_wgmma_commit();
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands<D / 2>(&dv[0][0]);
+    cg_wgmma_fence_operands<D / 2>(&dk[0][0]);
+    cg_mbarrier_arrive(&l.empty[read.stage]);  // the step's tiles and statistics are read
   }
+  const float one[2] = {1.0f, 1.0f};
+  float* rows = l.staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW;
+  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(dv, one, rows, warp_key0, Tk, store_dv);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(dk, one, rows, warp_key0, Tk, store_dk);
+}
+
+// The query block of rows [128 tile_m, +128) of head `head`: dq of its
+// rows, unscaled, to store_dq(row, c, value). Causal: no key past the
+// block's last row.
+template <typename Config, typename T, typename StoreDq>
+CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layout<Config>& l, const float* stats_rows,
+                                              cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m, float scale_log2, float dp_scale,
+                                              bool causal, StoreDq store_dq) {
+  constexpr int S = Config::STAGES, D = Config::D, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  constexpr int NK = BN / 8, OT = D / 8;  // n8 column groups: of a step's keys, of dq's
+  const int thread = threadIdx.x, consumer = thread / 128 - 1;
+  const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4;
+  const cg_i64 m0 = tile_m * BM;
+  const cg_i64 warp_row0 = m0 + 64 * consumer + 16 * warp, row0 = warp_row0 + g;  // rows row0 and row0 + 8
+  const unsigned int q_rows = l.own_a() + (unsigned int)(consumer * 64 * 128);
+  const unsigned int dout_rows = l.own_b() + (unsigned int)(consumer * 64 * 128);
+  const cg_i64 keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
+  const int n_tiles = (int)((keys + BN - 1) / BN);
+  // The rows' statistics (lse +inf past Tq: their p are 0).
+  float lse[2], delta[2];
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const bool in = row0 + 8 * r < Tq;
+    lse[r] = in ? stats_rows[2 * (row0 + 8 * r)] : -cg_neg_inf();
+    delta[r] = in ? stats_rows[2 * (row0 + 8 * r) + 1] : 0.0f;
+  }
+  float dq[OT][4];
+  cg_zero_accumulators(dq);
+  cg_mbarrier_wait(l.own_full, 0);
+  cg_sm90_pipeline_state read = {0, 0u};
+  for (int n = 0; n < n_tiles; ++n, read.advance(S)) {
+    const unsigned int k_tile = l.stream_a(read.stage), v_tile = l.stream_b(read.stage);
+    // s = q k^T, then dp = dO v^T.
+    float s[NK][4], dp[NK][4];
+    cg_mbarrier_wait(&l.a_full[read.stage], read.phase);
+    cg_wgmma_fence();
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned int at = (unsigned int)(32 * (kk % 4));
+      cg_wgmma_m64k16<BN, 0, T>(&s[0][0], cg_wgmma_descriptor_128b(q_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
+                                cg_wgmma_descriptor_128b(k_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
+    }
+    cg_wgmma_commit();
+    cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
+    CG_UNROLL
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned int at = (unsigned int)(32 * (kk % 4));
+      cg_wgmma_m64k16<BN, 0, T>(&dp[0][0], cg_wgmma_descriptor_128b(dout_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
+                                cg_wgmma_descriptor_128b(v_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
+    }
+    cg_wgmma_commit();
+    cg_wgmma_wait<1>();  // s; dp may still run
+    cg_wgmma_fence_operands<BN / 2>(&s[0][0]);
+    // p, masked (-inf) past Tk and, causal, past each row's own key.
+    cg_flash_scores_to_log2(s, scale_log2, (cg_i64)n * BN, Tk, warp_row0, row0, causal);
+    CG_UNROLL
+    for (int j = 0; j < NK; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) s[j][e] = cg_exp2_approx(s[j][e] - lse[e >> 1]);
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands<BN / 2>(&dp[0][0]);
+    // ds = p (dp_scale dp - delta), then dq += ds k (k's tile N-major).
+    CG_UNROLL
+    for (int j = 0; j < NK; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp_scale * dp[j][e] - delta[e >> 1]);
+    unsigned int dsa[BN / 16][4];
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) cg_flash_p_fragment(dsa[kk], dp, kk, T());
+    cg_wgmma_fence();
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk)
+      cg_wgmma_rs_m64k16<D, 1, T>(&dq[0][0], dsa[kk],
+                                  cg_wgmma_descriptor_128b(k_tile + 2048u * (unsigned int)kk,
+                                                           Config::STREAM_CHUNK_BYTES, 1024),
+                                  1);
+    cg_wgmma_commit();
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands<D / 2>(&dq[0][0]);
+    cg_mbarrier_arrive(&l.empty[read.stage]);  // the step's tiles are read
+  }
+  const float one[2] = {1.0f, 1.0f};
+  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(
+      dq, one, l.staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW, warp_row0, Tq, store_dq);
+}
+
+// The backward pass of one head on the Hopper path: blocks [0, key_blocks)
+// take 128 keys each (dk, dv; none where nothing reads them), the next ones
+// 128 query rows each (dq; causal, the last rows first: they visit the most
+// keys); `tile` is the block's index among them. The maps (cg_tensor_map,
+// 3-D, 16-bit T, the 128-byte swizzle, boxes of 64 x 64): q's and dO's Tq
+// high with a plane a head of q, k's and v's Tk high with a plane a head of
+// keys (kv_head: grouped-query attention). stats the head's rows' statistics
+// (cg_flash_backward_rows), scale_log2 and causal as the forward took them,
+// dp = dp_scale dO v^T; the gradients go unscaled to their stores, as
+// cg_flash_attention_backward's. `smem`: SHARED_BYTES.
+template <typename Config, typename T, typename StoreDq, typename StoreDk, typename StoreDv>
+CG_DEVICE void cg_flash_attention_backward_sm90(const cg_tensor_map* map_q, const cg_tensor_map* map_k,
+                                                const cg_tensor_map* map_v, const cg_tensor_map* map_dout,
+                                                const float* stats, cg_i64 Tq, cg_i64 Tk, cg_i64 tile,
+                                                cg_i64 key_blocks, int head, int kv_head, float scale_log2,
+                                                float dp_scale, bool causal, StoreDq store_dq, StoreDk store_dk,
+                                                StoreDv store_dv, unsigned char* smem) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
+#else
+  constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  const bool key_block = tile < key_blocks;
+  const cg_flash_backward_sm90_layout<Config> l = cg_flash_backward_sm90_setup<Config>(smem);
+  const cg_i64 query_tiles = (Tq + BM - 1) / BM;
+  const cg_i64 own_tile = key_block ? tile : causal ? query_tiles - 1 - (tile - key_blocks) : tile - key_blocks;
+  if (threadIdx.x < 128) {
+    cg_setmaxnreg_dec<Config::PRODUCER_REGISTERS>();
+    if (key_block) {
+      const int first = causal ? (int)(own_tile * BM / BN) : 0, end = (int)((Tq + BN - 1) / BN);
+      cg_flash_backward_sm90_produce(l, map_k, map_v, (int)(own_tile * BM), kv_head, map_q, map_dout, head, first, end,
+                                     stats);
+    } else {
+      const cg_i64 m0 = own_tile * BM, keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
+      cg_flash_backward_sm90_produce(l, map_q, map_dout, (int)m0, head, map_k, map_v, kv_head, 0,
+                                     (int)((keys + BN - 1) / BN), (const float*)nullptr);
+    }
+    return;
+  }
+  cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
+  if (key_block)
+    cg_flash_backward_keys_sm90<Config, T>(l, stats, Tq, Tk, own_tile, scale_log2, dp_scale, causal, store_dk,
+                                           store_dv);
+  else
+    cg_flash_backward_queries_sm90<Config, T>(l, stats, Tq, Tk, own_tile, scale_log2, dp_scale, causal, store_dq);
 #endif
 }
