@@ -158,10 +158,13 @@ CG_DEVICE unsigned long long cg_wgmma_descriptor_128b(unsigned int address, unsi
          | (1ull << 62);                                            // the 128-byte swizzle
 }
 
-// Orders this thread's accumulator registers before the wgmma that reads them.
+// Orders this thread's accumulator and A registers before the wgmmas that
+// read or write them: each batch (commit group) starts with one.
 CG_DEVICE void cg_wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#elif defined(CUDAGEN_EMULATION)
+  cudagen_emu::wgmma_fence();
 #endif
 }
 

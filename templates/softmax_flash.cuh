@@ -166,12 +166,12 @@ CG_DEVICE void cg_flash_scores_to_log2(float (&s)[NT][4], float scale_log2, cg_i
 // the m16n8 layout), a row at a time (r = 0: the thread's first row, 1: 8
 // rows on): each row's running maximum and this lane's part of its sum
 // (the quad's parts are added once, after the last tile) move on, s becomes
-// the tile's unnormalised probabilities, and where `rescale_o` the row's
-// output accumulators o are rescaled to the new maximum (not before the
-// first tile's products, where o holds nothing yet).
-template <int NT, int OT>
-CG_DEVICE void cg_flash_online_softmax(float (&s)[NT][4], float (&o)[OT][4], float row_max[2], float row_sum[2],
-                                       bool rescale_o) {
+// the tile's unnormalised probabilities, and rescale[r] is what the row's
+// output accumulators must be multiplied by for the new maximum (the
+// Hopper kernel applies it later, once the products in flight on them have
+// completed).
+template <int NT>
+CG_DEVICE void cg_flash_softmax_step(float (&s)[NT][4], float row_max[2], float row_sum[2], float rescale[2]) {
   CG_UNROLL
   for (int r = 0; r < 2; ++r) {
     // A row's values of this tile lie with the 4 lanes of a quad.
@@ -183,7 +183,7 @@ CG_DEVICE void cg_flash_online_softmax(float (&s)[NT][4], float (&o)[OT][4], flo
     const float new_max = fmaxf(row_max[r], tile_max);
     // A row with no key yet (every key so far masked) subtracts 0, not -inf.
     const float base = new_max == cg_neg_inf() ? 0.0f : new_max;
-    const float rescale = cg_exp2_approx(row_max[r] - base);
+    rescale[r] = cg_exp2_approx(row_max[r] - base);
     row_max[r] = new_max;
     float tile_sum = 0.0f;
     CG_UNROLL
@@ -193,15 +193,27 @@ CG_DEVICE void cg_flash_online_softmax(float (&s)[NT][4], float (&o)[OT][4], flo
         s[j][e] = cg_exp2_approx(s[j][e] - base);
         tile_sum += s[j][e];
       }
-    row_sum[r] = row_sum[r] * rescale + tile_sum;
-    if (rescale_o) {
-      CG_UNROLL
-      for (int j = 0; j < OT; ++j) {
-        o[j][2 * r] *= rescale;
-        o[j][2 * r + 1] *= rescale;
-      }
-    }
+    row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
   }
+}
+
+// o's rows (the m16n8 layout) times their rescale factors.
+template <int OT>
+CG_DEVICE void cg_flash_rescale(float (&o)[OT][4], const float rescale[2]) {
+  CG_UNROLL
+  for (int j = 0; j < OT; ++j)
+    CG_UNROLL
+    for (int e = 0; e < 4; ++e) o[j][e] *= rescale[e >> 1];
+}
+
+// The step, and o rescaled at once where `rescale_o` (not before the first
+// tile's products, where o holds nothing yet).
+template <int NT, int OT>
+CG_DEVICE void cg_flash_online_softmax(float (&s)[NT][4], float (&o)[OT][4], float row_max[2], float row_sum[2],
+                                       bool rescale_o) {
+  float rescale[2];
+  cg_flash_softmax_step(s, row_max, row_sum, rescale);
+  if (rescale_o) cg_flash_rescale(o, rescale);
 }
 
 // A warp's rows after the key tiles it has seen: its rows' output

@@ -18,6 +18,8 @@
 //     online softmax in registers (exp2, the scale folded into one
 //     multiply); p, rounded to 16 bits, stays in registers as the A operand
 //     of o += p v (the register form of wgmma, m64nDk16, v N-major);
+//   - within a warpgroup, the next tile's s = q k^T is issued before this
+//     tile's o += p v, and its softmax runs while p v does;
 //   - causal attention visits no key tile past the block's last row and
 //     masks the tiles that cross a warp's diagonal or the last keys;
 //   - the output through each warp's own rows of shared memory, a chunk of
@@ -25,10 +27,8 @@
 //     columns.
 // sm_90a only (wgmma, setmaxnreg); compiled for any other target it traps,
 // and the generator never launches it there (generator/arch.h). Not yet:
-// two consumers' softmax overlapped with the other's products (ping-pong),
-// a tile's softmax with its own next products, split-KV, the backward pass
-// (the flash backward kernel of templates/softmax_flash.cuh reads what this
-// one stores), heads over 128.
+// the two consumers' softmax scheduled against each other's products
+// (ping-pong), split-KV, heads over 128.
 
 // The kernel's compile-time shape: a tile of D (64 or 128) head values for
 // q, k and v alike, HEAD_D of them the head's own (at most D, a multiple of
@@ -97,6 +97,36 @@ CG_DEVICE void cg_flash_sm90_store_rows(const float (&acc)[D / 8][4], const floa
     }
     __syncwarp();  // every lane has read the rows before the next chunk overwrites them
   }
+}
+
+// acc (the warpgroup's 64 rows by N columns, N / 2 floats a thread) = A
+// B^T over a tile of D head values: A's 64 rows and B's N rows both
+// K-major in shared memory as TMA wrote them (the 128-byte swizzle), from
+// shared addresses a and b, their column chunks of 64 values a_chunk and
+// b_chunk bytes apart; a k step of 16 is 32 bytes along a 128-byte row.
+// (Issued only: the caller commits and waits.)
+template <int N, int D, typename T>
+CG_DEVICE void cg_flash_sm90_product(float* acc, unsigned int a, unsigned int a_chunk, unsigned int b,
+                                     unsigned int b_chunk) {
+  CG_UNROLL
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const unsigned int at = (unsigned int)(32 * (kk % 4));
+    cg_wgmma_m64k16<N, 0, T>(acc, cg_wgmma_descriptor_128b(a + (kk / 4) * a_chunk + at),
+                             cg_wgmma_descriptor_128b(b + (kk / 4) * b_chunk + at), kk > 0);
+  }
+}
+
+// acc (64 x N) += A B over K rows, or = where not `accumulate`: A in the
+// warpgroup's registers (K / 16 fragments: probabilities or ds, rounded to
+// T), B's K rows N-major from shared address b (the next 8 rows 1024 bytes
+// on, the next 64 columns b_chunk bytes on). (Issued only.)
+template <int N, int K, typename T>
+CG_DEVICE void cg_flash_sm90_product_rs(float* acc, const unsigned int (&a)[K / 16][4], unsigned int b,
+                                        unsigned int b_chunk, bool accumulate = true) {
+  CG_UNROLL
+  for (int kk = 0; kk < K / 16; ++kk)
+    cg_wgmma_rs_m64k16<N, 1, T>(acc, a[kk], cg_wgmma_descriptor_128b(b + 2048u * (unsigned int)kk, b_chunk, 1024),
+                                accumulate || kk > 0);
 }
 
 // Attention for query rows [tile_m 128, tile_m 128 + 128) of head `head`
@@ -180,50 +210,73 @@ CG_DEVICE void cg_flash_attention_sm90(const cg_tensor_map* map_q, const cg_tens
   // p's A fragments are the scores' registers (cg_flash_p_fragment).
   float o[OT][4];
   float row_max[2] = {cg_neg_inf(), cg_neg_inf()}, row_sum[2] = {0.0f, 0.0f};
-  cg_mbarrier_wait(q_full, 0);
-  cg_sm90_pipeline_state read = {0, 0u};
-  for (int n = 0; n < n_tiles; ++n, read.advance(S)) {
-    const unsigned int k_tile = base + (unsigned int)(Config::Q_BYTES + read.stage * Config::STAGE_BYTES),
-                       v_tile = k_tile + Config::KV_BYTES;
+  // Within the warpgroup, tile n + 1's scores overlap tile n's p v
+  // (FlashAttention-3's intra-warpgroup pipelining): s = q k^T of the next
+  // tile is issued before o += p v of this one, and turned into
+  // probabilities while p v runs; o's rescale for the next tile's maximum
+  // waits until p v has completed. s, p's fragments and o are live at once:
+  // 168 registers at heads of 128 (ptxas; the consumers have 232).
+  float s[NT][4];
+  unsigned int pa[BN / 16][4];
+  auto issue_scores = [&](const cg_sm90_pipeline_state& at) {
     // s = q k^T: a k step of 16 is 32 bytes along a 128-byte row, the next
     // 64 head values the next box.
-    float s[NT][4];
-    cg_mbarrier_wait(&k_full[read.stage], read.phase);
+    cg_mbarrier_wait(&k_full[at.stage], at.phase);
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned int at = (unsigned int)(32 * (kk % 4));
-      cg_wgmma_m64k16<BN, 0, T>(&s[0][0],
-                                cg_wgmma_descriptor_128b(q_rows + (unsigned int)((kk / 4) * Config::Q_CHUNK_BYTES) + at),
-                                cg_wgmma_descriptor_128b(k_tile + (unsigned int)((kk / 4) * Config::KV_CHUNK_BYTES) + at),
-                                kk > 0);
-    }
+    cg_flash_sm90_product<BN, D, T>(&s[0][0], q_rows, Config::Q_CHUNK_BYTES,
+                                    base + (unsigned int)(Config::Q_BYTES + at.stage * Config::STAGE_BYTES),
+                                    Config::KV_CHUNK_BYTES);
     cg_wgmma_commit();
-    cg_wgmma_wait<0>();
+  };
+  // s of tile n, landed: scaled, masked, into probabilities (row_max and
+  // row_sum move on), o's rescale factors for them in `rescale`.
+  auto softmax = [&](int n, float rescale[2]) {
     cg_wgmma_fence_operands<BN / 2>(&s[0][0]);
-
     cg_flash_scores_to_log2(s, scale_log2, (cg_i64)n * BN, Tk, warp_row0, row0, causal);
-    // (Before the first tile's products o holds nothing: they set it.)
-    cg_flash_online_softmax(s, o, row_max, row_sum, n > 0);
-
-    // o += p v: p's registers, rounded to T, are the A operand 16 keys at a
-    // time; v's tile is N-major (the next 8 keys 1024 bytes on, the next 64
-    // head values a box on).
-    unsigned int pa[BN / 16][4];
+    cg_flash_softmax_step(s, row_max, row_sum, rescale);
+  };
+  // p's registers, rounded to T: the A operand of o += p v, 16 keys at a time.
+  auto make_p = [&] {
     CG_UNROLL
     for (int kk = 0; kk < BN / 16; ++kk) cg_flash_p_fragment(pa[kk], s, kk, T());
+  };
+  cg_mbarrier_wait(q_full, 0);
+  cg_sm90_pipeline_state read = {0, 0u};
+  float rescale[2];
+  issue_scores(read);
+  cg_wgmma_wait<0>();
+  softmax(0, rescale);  // (before the first tile's products o holds nothing: they set it)
+  make_p();
+  // o += p v of tile n (v's tile N-major: the next 8 keys 1024 bytes on,
+  // the next 64 head values a box on), issued.
+  auto issue_pv = [&](int n) {
     cg_mbarrier_wait(&v_full[read.stage], read.phase);
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk)
-      cg_wgmma_rs_m64k16<D, 1, T>(&o[0][0], pa[kk],
-                                  cg_wgmma_descriptor_128b(v_tile + 2048u * (unsigned int)kk, Config::KV_CHUNK_BYTES, 1024),
-                                  n > 0 || kk > 0);
+    cg_flash_sm90_product_rs<D, BN, T>(&o[0][0], pa,
+                                       base + (unsigned int)(Config::Q_BYTES + read.stage * Config::STAGE_BYTES +
+                                                             Config::KV_BYTES),
+                                       Config::KV_CHUNK_BYTES, n > 0);
     cg_wgmma_commit();
+  };
+  // Every tile but the last: the next one's scores in flight beside p v.
+  for (int n = 0; n + 1 < n_tiles; ++n) {
+    cg_sm90_pipeline_state next = read;
+    next.advance(S);
+    issue_scores(next);
+    issue_pv(n);
+    cg_wgmma_wait<1>();  // the next tile's scores; p v may still run
+    softmax(n + 1, rescale);
     cg_wgmma_wait<0>();
     cg_wgmma_fence_operands<D / 2>(&o[0][0]);
     cg_mbarrier_arrive(&empty[read.stage]);  // both of the stage's tiles are read
+    cg_flash_rescale(o, rescale);
+    make_p();
+    read = next;
   }
+  issue_pv(n_tiles - 1);
+  cg_wgmma_wait<0>();
+  cg_wgmma_fence_operands<D / 2>(&o[0][0]);
+  cg_mbarrier_arrive(&empty[read.stage]);
 
   // The quad's parts of each row's sum, added; o / l; the log-sum-exp.
   float inverse[2];
@@ -423,21 +476,11 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
     float st[NQ][4], dpt[NQ][4];
     cg_mbarrier_wait(&l.a_full[read.stage], read.phase);
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned int at = (unsigned int)(32 * (kk % 4));
-      cg_wgmma_m64k16<BN, 0, T>(&st[0][0], cg_wgmma_descriptor_128b(k_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
-                                cg_wgmma_descriptor_128b(q_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
-    }
+    cg_flash_sm90_product<BN, D, T>(&st[0][0], k_rows, Config::OWN_CHUNK_BYTES, q_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
-    CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned int at = (unsigned int)(32 * (kk % 4));
-      cg_wgmma_m64k16<BN, 0, T>(&dpt[0][0], cg_wgmma_descriptor_128b(v_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
-                                cg_wgmma_descriptor_128b(dout_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at),
-                                kk > 0);
-    }
+    cg_wgmma_fence();  // (the last step's dp^T registers were read since)
+    cg_flash_sm90_product<BN, D, T>(&dpt[0][0], v_rows, Config::OWN_CHUNK_BYTES, dout_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<1>();  // s^T; dp^T may still run
     cg_wgmma_fence_operands<BN / 2>(&st[0][0]);
@@ -490,18 +533,8 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
       cg_flash_p_fragment(dsa[kk], dpt, kk, T());
     }
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk)
-      cg_wgmma_rs_m64k16<D, 1, T>(&dv[0][0], pa[kk],
-                                  cg_wgmma_descriptor_128b(dout_tile + 2048u * (unsigned int)kk,
-                                                           Config::STREAM_CHUNK_BYTES, 1024),
-                                  1);
-    CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk)
-      cg_wgmma_rs_m64k16<D, 1, T>(&dk[0][0], dsa[kk],
-                                  cg_wgmma_descriptor_128b(q_tile + 2048u * (unsigned int)kk,
-                                                           Config::STREAM_CHUNK_BYTES, 1024),
-                                  1);
+    cg_flash_sm90_product_rs<D, BN, T>(&dv[0][0], pa, dout_tile, Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product_rs<D, BN, T>(&dk[0][0], dsa, q_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<0>();
     cg_wgmma_fence_operands<D / 2>(&dv[0][0]);
@@ -549,20 +582,11 @@ CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layou
     float s[NK][4], dp[NK][4];
     cg_mbarrier_wait(&l.a_full[read.stage], read.phase);
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned int at = (unsigned int)(32 * (kk % 4));
-      cg_wgmma_m64k16<BN, 0, T>(&s[0][0], cg_wgmma_descriptor_128b(q_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
-                                cg_wgmma_descriptor_128b(k_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
-    }
+    cg_flash_sm90_product<BN, D, T>(&s[0][0], q_rows, Config::OWN_CHUNK_BYTES, k_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
-    CG_UNROLL
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned int at = (unsigned int)(32 * (kk % 4));
-      cg_wgmma_m64k16<BN, 0, T>(&dp[0][0], cg_wgmma_descriptor_128b(dout_rows + (kk / 4) * Config::OWN_CHUNK_BYTES + at),
-                                cg_wgmma_descriptor_128b(v_tile + (kk / 4) * Config::STREAM_CHUNK_BYTES + at), kk > 0);
-    }
+    cg_wgmma_fence();  // (the last step's dp registers were read since)
+    cg_flash_sm90_product<BN, D, T>(&dp[0][0], dout_rows, Config::OWN_CHUNK_BYTES, v_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<1>();  // s; dp may still run
     cg_wgmma_fence_operands<BN / 2>(&s[0][0]);
@@ -583,12 +607,7 @@ CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layou
     CG_UNROLL
     for (int kk = 0; kk < BN / 16; ++kk) cg_flash_p_fragment(dsa[kk], dp, kk, T());
     cg_wgmma_fence();
-    CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk)
-      cg_wgmma_rs_m64k16<D, 1, T>(&dq[0][0], dsa[kk],
-                                  cg_wgmma_descriptor_128b(k_tile + 2048u * (unsigned int)kk,
-                                                           Config::STREAM_CHUNK_BYTES, 1024),
-                                  1);
+    cg_flash_sm90_product_rs<D, BN, T>(&dq[0][0], dsa, k_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<0>();
     cg_wgmma_fence_operands<D / 2>(&dq[0][0]);

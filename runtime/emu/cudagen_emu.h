@@ -183,6 +183,8 @@ void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b
 // registers of 16-bit pairs in mma.sync's A-fragment layout for its warp's
 // 16 rows (rows g, g + 8 of lane 4 g + c at k 2c, 2c + 1 and 2c + 8, 2c + 9).
 void wgmma_rs(float* d, int n, const unsigned a[4], unsigned long long desc_b, bool scale_d, bool bf16, bool trans_b);
+// wgmma.fence: each batch of wgmmas (a commit group) starts with one.
+void wgmma_fence();
 void wgmma_commit();
 void wgmma_wait(int most_in_flight);
 

@@ -114,6 +114,7 @@ struct Fiber {
   std::vector<PendingWgmma> wgmmas;  // not yet covered by a wgmma.wait_group
   long long next_wgmma_group = 0;
   size_t wgmmas_issued = 0;          // in all: the k-th must be its warpgroup's k-th
+  bool wgmma_fenced = false;         // a wgmma.fence since its last wgmma.commit_group
   // How many global and checked shared accesses it has made: the k-th of
   // each lane of a warp make one warp-wide request (the lanes run in lockstep).
   unsigned long long load_seq = 0, store_seq = 0, shared_seq = 0;
@@ -458,6 +459,14 @@ class Emulator {
       fail("kernel %s: TMA copy into shared address %u, not 128-byte aligned", kernel_, address);
       return;
     }
+    // The 128-byte swizzle's pattern repeats every 1024 bytes and follows the
+    // address bits: a box that starts elsewhere lands rotated on the GPU.
+    if (m.swizzle == 128 && address % 1024 != 0) {
+      fail("kernel %s: TMA copy with the 128-byte swizzle into shared address %u, not 1024-byte aligned (its "
+           "pattern follows address bits 4 to 9)",
+           kernel_, address);
+      return;
+    }
     Mbarrier* b = find_mbarrier(bar, "cp.async.bulk.tensor completing on");
     if (b == nullptr) return;
     const unsigned block = current_->block;
@@ -512,6 +521,21 @@ class Emulator {
   void wgmma(float* d, int n, const unsigned* a_registers, unsigned long long desc_a, unsigned long long desc_b,
              bool scale_d, bool bf16, bool trans_b) {
     Fiber* self = current_;
+    // The project's rule, stricter than PTX's: each batch of wgmmas (a
+    // commit group) starts with a wgmma.fence. PTX asks for one wherever
+    // other instructions touched the registers a wgmma reads or writes (its
+    // accumulators, a register-A fragment), which a loop's next batch nearly
+    // always does; ptxas injects one where the source left it out (C7519),
+    // so this keeps the source saying what runs. (A register-A fragment's
+    // variables may change before the wait: ptxas keeps the registers the
+    // wgmma reads live until then, which no source-level check can see.)
+    if (!self->wgmma_fenced) {
+      fail("kernel %s: a wgmma of thread %u with no wgmma.fence before it since the thread's last "
+           "wgmma.commit_group (cg_wgmma_fence() first: the registers it reads or writes were touched by other "
+           "instructions)",
+           kernel_, unsigned(local_index(self)));
+      return;
+    }
     float a[2][16];
     if (a_registers != nullptr) {
       const unsigned lane_in_warp = unsigned(local_index(self)) % 32;
@@ -609,8 +633,11 @@ class Emulator {
     for (int i = 0; i < n / 2; ++i) d[i] = std::nanf("");  // poison until a wait covers it
   }
 
+  void wgmma_fence() { current_->wgmma_fenced = true; }
+
   void wgmma_commit() {
     Fiber* self = current_;
+    self->wgmma_fenced = false;
     for (PendingWgmma& w : self->wgmmas)
       if (w.group < 0) w.group = self->next_wgmma_group;
     ++self->next_wgmma_group;
@@ -1232,6 +1259,7 @@ void wgmma(float* d, int n, unsigned long long desc_a, unsigned long long desc_b
 void wgmma_rs(float* d, int n, const unsigned a[4], unsigned long long desc_b, bool scale_d, bool bf16, bool trans_b) {
   emulator().wgmma(d, n, a, 0, desc_b, scale_d, bf16, trans_b);
 }
+void wgmma_fence() { emulator().wgmma_fence(); }
 void wgmma_commit() { emulator().wgmma_commit(); }
 void wgmma_wait(int most_in_flight) { emulator().wgmma_wait(most_in_flight); }
 

@@ -947,7 +947,13 @@ void expect_trained_attention_right(const Compiled& c, const std::string& name, 
 // diagonal top-left), heads of 16 (64 streamed rows a step), 32, 64, 80 (padded), 128, 256 (two
 // key blocks a tile of keys, each half of dk's and dv's columns) and 200 (padded to 256: the second
 // half's last columns not stored), heads of 256 with values of 32 (32 rows a step), f16 and bf16.
-TEST(FlashAttention, TrainingGradientsMatchTheReference) {
+// (`arch` "sm_90a": the same cases compiled for Hopper, where those whose
+// heads the Hopper kernels take, 64, 80 and 128, train on them, forward and
+// backward; the one query row over 2049 keys splits its forward on part 1's
+// kernel and trains on the Hopper backward; the rest stay on part 1's.)
+void expect_training_gradients_match(const std::string& arch) {
+  CompileOptions options = fusion(true);
+  if (!arch.empty()) options.emit.arch = arch;
   struct Case {
     DType d;
     int64_t H, Tq, Tk, D;
@@ -961,20 +967,29 @@ TEST(FlashAttention, TrainingGradientsMatchTheReference) {
                         Case{DType::bf16, 1, 1, 2049, 64, false}, Case{DType::bf16, 1, 70, 90, 256, true},
                         Case{DType::f16, 1, 65, 65, 200, true}, Case{DType::bf16, 1, 40, 40, 256, false, 32}}) {
     const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal, k.Dv);
-    SCOPED_TRACE(g.name);
-    const Compiled c = compile(load_program(g, {}), fusion(true));
+    SCOPED_TRACE(g.name + (arch.empty() ? "" : " for " + arch));
+    const Compiled c = compile(load_program(g, {}), options);
     ASSERT_EQ(c.kernels.size(), 2u);
     EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
     EXPECT_EQ(c.kernels[1].rule, FusionRule::attention_backward);
-    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_backward<cg_config, "), std::string::npos);
+    const bool hopper = arch == "sm_90a" && (k.D == 64 || k.D == 80 || k.D == 128) && k.Dv == 0;
+    EXPECT_NE(c.emitted.cuda_source.find(hopper ? "cg_flash_attention_backward_sm90<cg_config, "
+                                                : "cg_flash_attention_backward<cg_config, "),
+              std::string::npos);
     if (k.D > 128)
       for (const EmittedKernel& e : c.emitted.kernels)
         if (e.matmul_path.find("flash attention backward") != std::string::npos)
           EXPECT_NE(e.matmul_path.find("2 a tile of keys, each summing a share of their columns"), std::string::npos)
               << e.matmul_path;
-    expect_trained_attention_right(c, g.name, k.Tq, k.Tk, k.d == DType::bf16 ? 0x1p-8 : 0x1p-11);
+    expect_trained_attention_right(c, g.name + (arch.empty() ? "" : "_" + arch), k.Tq, k.Tk,
+                                   k.d == DType::bf16 ? 0x1p-8 : 0x1p-11);
   }
 }
+
+TEST(FlashAttention, TrainingGradientsMatchTheReference) { expect_training_gradients_match(""); }
+
+// Part 1's training cases compiled for sm_90a (issue #39).
+TEST(FlashAttention, TrainingGradientsMatchTheReferenceOnSm90a) { expect_training_gradients_match("sm_90a"); }
 
 // The Hopper forward (templates/softmax_flash_sm90.cuh, issue #39) for
 // sm_90a, against the float64 reference in the emulation (which runs its
@@ -1045,7 +1060,8 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
   }
   const char* kernel = "CG_DEVICE void cg_flash_attention_sm90(";
   expect_fault_caught(compile(load_program(flash_attention(DType::bf16, 1, 1, 70, 300, 128, 128, false), {}), hopper),
-                      kernel, "n > 0 || kk > 0);", "kk > 0);", "hopper_flash_fault_accumulate");
+                      kernel, "Config::KV_CHUNK_BYTES, n > 0);", "Config::KV_CHUNK_BYTES, false);",
+                      "hopper_flash_fault_accumulate");
   expect_fault_caught(compile(load_program(flash_attention(DType::bf16, 1, 1, 65, 65, 64, 64, true), {}), hopper), kernel,
                       "warp_row0, row0, causal);", "warp_row0, row0 + 1, causal);", "hopper_flash_fault_mask");
   expect_fault_caught(compile(load_program(flash_attention(DType::f16, 1, 1, 70, 300, 64, 64, false), {}), hopper), kernel,
@@ -1063,7 +1079,7 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
 // atomic mode it stays deterministic and says so; other targets keep part
 // 1's kernel. Three faults, each caught: the causal mask one query late in
 // the key blocks, a step's statistics read before they land, dq's product
-// reading the keys K-major.
+// reading the values in place of the keys.
 TEST(FlashAttention, HopperBackwardMatchesTheReference) {
   CompileOptions hopper = fusion(true);
   hopper.emit.arch = "sm_90a";
@@ -1128,8 +1144,8 @@ TEST(FlashAttention, HopperBackwardMatchesTheReference) {
                       "cg_mbarrier_wait(&l.stats_full[read.stage], read.phase ^ 1u);",
                       "hopper_flash_backward_fault_stats_early");
   expect_fault_caught(compile(load_program(flash_attention_training(DType::bf16, 1, 1, 70, 130, 64, false), {}), hopper),
-                      "CG_DEVICE void cg_flash_backward_queries_sm90(", "cg_wgmma_rs_m64k16<D, 1, T>(&dq[0][0]",
-                      "cg_wgmma_rs_m64k16<D, 0, T>(&dq[0][0]", "hopper_flash_backward_fault_dq_operand", 0x1p-8);
+                      "CG_DEVICE void cg_flash_backward_queries_sm90(", "(&dq[0][0], dsa, k_tile,",
+                      "(&dq[0][0], dsa, v_tile,", "hopper_flash_backward_fault_dq_operand", 0x1p-8);
 }
 
 // A thousand tokens, causal (16 tiles of keys and 16 of query rows a head).
@@ -1286,20 +1302,28 @@ TEST(FlashAttention, GroupedQueryTrainingMatchesTheReference) {
 // The gradients are deterministic: a second run on the same inputs gives the
 // same bits (no atomics: every sum in a fixed order), on the GPU too
 // (CUDAGEN_TEST_BACKEND=gpu), where blocks run in any order.
+// (Compiled for sm_90a too: the Hopper kernels keep part 1's two kinds of block.)
 TEST(FlashAttention, TrainingGradientsAreBitIdenticalAcrossRuns) {
   const TaskGraph g = flash_attention_training(DType::bf16, 1, 2, 200, 130, 64, true);
-  const Compiled c = compile(load_program(g, {}), fusion(true));
-  const uint64_t seed = test_seed();
-  RunOptions first{seed, work_dir(g.name)};
-  first.outputs_dir = work_dir(g.name + "_outputs");
-  CheckedRun run = run_checked(c, first);
-  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
-  RunOptions again{seed, work_dir(g.name)};
-  again.expected_dir = first.outputs_dir;
-  CheckedRun second = run_checked(c, again);
-  ASSERT_EQ(second.expected_checks.size(), 4u) << "context, dq, dk, dv";
-  for (const OutputCheck& check : second.expected_checks) EXPECT_EQ(check.max_abs_error, 0.0) << check.buffer;
-  std::filesystem::remove_all(first.outputs_dir);
+  for (const std::string arch : {"", "sm_90a"}) {
+    SCOPED_TRACE(arch);
+    CompileOptions options = fusion(true);
+    if (!arch.empty()) options.emit.arch = arch;
+    const Compiled c = compile(load_program(g, {}), options);
+    EXPECT_EQ(arch == "sm_90a", c.emitted.cuda_source.find("cg_flash_attention_backward_sm90<") != std::string::npos);
+    const uint64_t seed = test_seed();
+    const std::string dir = g.name + (arch.empty() ? "" : "_" + arch);
+    RunOptions first{seed, work_dir(dir)};
+    first.outputs_dir = work_dir(dir + "_outputs");
+    CheckedRun run = run_checked(c, first);
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+    RunOptions again{seed, work_dir(dir)};
+    again.expected_dir = first.outputs_dir;
+    CheckedRun second = run_checked(c, again);
+    ASSERT_EQ(second.expected_checks.size(), 4u) << "context, dq, dk, dv";
+    for (const OutputCheck& check : second.expected_checks) EXPECT_EQ(check.max_abs_error, 0.0) << check.buffer;
+    std::filesystem::remove_all(first.outputs_dir);
+  }
 }
 
 // The atomic mode (--atomic-attention-backward): the key blocks sum dq with
@@ -1410,7 +1434,7 @@ TEST(FlashAttention, InjectedFaultsAreCaught) {
   };
   const Fault faults[] = {
       {"a stale running sum", flash_attention(DType::bf16, 1, 1, 256, 512, 64, 64, false, 1, 4.0),
-       "row_sum[r] = row_sum[r] * rescale + tile_sum;", "row_sum[r] = row_sum[r] + tile_sum;"},
+       "row_sum[r] = row_sum[r] * rescale[r] + tile_sum;", "row_sum[r] = row_sum[r] + tile_sum;"},
       {"the causal mask one key off", flash_attention(DType::bf16, 1, 1, 130, 130, 32, 32, true),
        "cg_clamp_i64(row0 - key0 + 1, 0, keys_left)", "cg_clamp_i64(row0 - key0 + 2, 0, keys_left)"},
       {"a split combine without the maxima", flash_attention(DType::bf16, 1, 1, 64, 2048, 64, 32, false, 1, 4.0),

@@ -368,6 +368,8 @@ enum class Fault {
   extra_arrival,        // the producer arrives twice on a full barrier
   skipped_wgmma,        // one warp of the warpgroup skips the last wgmma (divergence)
   diverging_descriptor, // one warp of the warpgroup reads another A than the others
+  no_fence,             // the second k-tile's wgmmas issued with no wgmma.fence before them
+  misaligned_box,       // the stages start 128 bytes past a 1024-byte boundary (the swizzle's)
 };
 
 struct Outcome {
@@ -395,9 +397,9 @@ Outcome run_pipeline(Fault fault, unsigned seed) {
   cudagen_emu::encode_tensor_map_2d(&map_b, b, 2, K, N, K * 2, 64, 128, cudagen_emu::TensorSwizzle::span128);
   cudagen_emu_configure(seed);
   Outcome out;
-  out.rc = l.run("pipeline", dim3(1), dim3(256), 1024 + kStages * kStageBytes + 64, [&] {
+  out.rc = l.run("pipeline", dim3(1), dim3(256), 1024 + 128 + kStages * kStageBytes + 64, [&] {
     CG_DYNAMIC_SMEM(smem);
-    const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
+    const unsigned int base = ((cg_smem_address(smem) + 1023u) & ~1023u) + (fault == Fault::misaligned_box ? 128u : 0u);
     unsigned char* stages = cg_smem_pointer(base);
     unsigned long long* full = (unsigned long long*)(stages + kStages * kStageBytes);
     unsigned long long* empty = full + kStages;
@@ -429,7 +431,7 @@ Outcome run_pipeline(Fault fault, unsigned seed) {
       const int s = kt % kStages;
       cg_mbarrier_wait(&full[s], (unsigned int)((kt / kStages) & 1) ^ (fault == Fault::parity_off_by_one ? 1u : 0u));
       const unsigned int stage = base + (unsigned int)(s * kStageBytes);
-      cg_wgmma_fence();
+      if (fault != Fault::no_fence || kt != 1) cg_wgmma_fence();
       const int warp = (t - 128) / 32;
       for (int kk = 0; kk < 4; ++kk) {
         if (fault == Fault::skipped_wgmma && warp == 2 && kt == k_tiles - 1 && kk == 3) continue;
@@ -497,6 +499,8 @@ TEST(HopperEmulatorFaults, EachBrokenPipelineIsCaught) {
            Case{Fault::extra_arrival, "beyond the 1 its phase expects"},
            Case{Fault::skipped_wgmma, "issued 15 wgmma, its warpgroup's thread 128 16"},
            Case{Fault::diverging_descriptor, "wgmma 4 of warpgroup 1 diverges: thread 128 issued it"},
+           Case{Fault::no_fence, "with no wgmma.fence before it since the thread's last wgmma.commit_group"},
+           Case{Fault::misaligned_box, "not 1024-byte aligned"},
        }) {
     const Outcome o = run_pipeline(c.fault, 7);
     if (*c.report != 0) {

@@ -34,6 +34,7 @@ struct SassInstruction {
   std::string opcode;
   std::string mnemonic;  // HGMMA.64x256x16.F32.BF16
   long target = -1;
+  bool predicated = false;  // under a guard (@P0, @!P1, ...)
 };
 
 // What ptxas made of a source for one architecture: per kernel, its
@@ -75,7 +76,7 @@ inline std::map<std::string, std::vector<SassInstruction>> parse_sass_listing(co
   // "Function : k0_mm", then lines "/*0120*/  @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64], P1 ;"
   // and "/*2580*/  @P2 BRA 0x3270 ;".
   std::regex function(R"(Function : (\w+))"),
-      instruction(R"(/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*[^ ]*)\s*(?:(0x[0-9a-f]+))?)");
+      instruction(R"(/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*[^ ]*)\s*(?:(0x[0-9a-f]+))?)");
   std::map<std::string, std::vector<SassInstruction>> out;
   std::string kernel;
   std::istringstream lines(listing);
@@ -86,9 +87,10 @@ inline std::map<std::string, std::vector<SassInstruction>> parse_sass_listing(co
     } else if (!kernel.empty() && std::regex_search(line, m, instruction)) {
       SassInstruction i;
       i.address = std::stol(m[1].str(), nullptr, 16);
-      i.mnemonic = m[2].str();
+      i.predicated = m[2].matched;
+      i.mnemonic = m[3].str();
       i.opcode = i.mnemonic.substr(0, i.mnemonic.find('.'));
-      if (i.opcode == "BRA" && m[3].matched) i.target = std::stol(m[3].str(), nullptr, 16);
+      if (i.opcode == "BRA" && m[4].matched) i.target = std::stol(m[4].str(), nullptr, 16);
       out[kernel].push_back(std::move(i));
     }
   }
@@ -149,31 +151,42 @@ inline std::map<std::string, std::map<std::string, int>> sass_opcodes(const std:
   return compile_and_report(source, arch).opcodes();
 }
 
-// The opcodes of a kernel's hottest loop: of its backward branches, the one
-// whose body [target, branch] holds the most instructions named `marker`
-// (HMMA: the k-loop of a matmul), the smallest such body if several tie.
-// Empty when no loop holds one.
-inline std::map<std::string, int> sass_loop(const std::vector<SassInstruction>& instructions, const std::string& marker) {
-  std::map<std::string, int> best;
+// A kernel's hottest loop: of its backward branches, the one whose body
+// [target, branch] holds the most instructions named `marker` (HMMA: the
+// k-loop of a matmul), the smallest such body if several tie; its
+// instructions in order. Empty when no loop holds one. A body with an
+// unpredicated EXIT in it is no loop: ptxas puts an mbarrier wait's retry
+// after the kernel's last instructions, branching back into the loop, so
+// that [target, branch] would hold the loop's tail and epilogue too.
+inline std::vector<SassInstruction> sass_loop_body(const std::vector<SassInstruction>& instructions,
+                                                   const std::string& marker) {
+  std::vector<SassInstruction> best;
   int best_marks = 0;
-  size_t best_size = 0;
   for (const SassInstruction& branch : instructions) {
     if (branch.target < 0 || branch.target >= branch.address) continue;
-    std::map<std::string, int> body;
-    size_t size = 0;
+    std::vector<SassInstruction> body;
+    int marks = 0;
+    bool exits = false;
     for (const SassInstruction& i : instructions)
       if (i.address >= branch.target && i.address <= branch.address) {
-        ++body[i.opcode];
-        ++size;
+        body.push_back(i);
+        marks += i.opcode == marker;
+        exits = exits || (!i.predicated && i.opcode == "EXIT");
       }
-    const int marks = body.count(marker) ? body.at(marker) : 0;
-    if (marks > best_marks || (marks == best_marks && marks > 0 && size < best_size)) {
+    if (exits) continue;
+    if (marks > best_marks || (marks == best_marks && marks > 0 && body.size() < best.size())) {
       best = std::move(body);
       best_marks = marks;
-      best_size = size;
     }
   }
   return best;
+}
+
+// The same loop's opcodes, counted.
+inline std::map<std::string, int> sass_loop(const std::vector<SassInstruction>& instructions, const std::string& marker) {
+  std::map<std::string, int> counts;
+  for (const SassInstruction& i : sass_loop_body(instructions, marker)) ++counts[i.opcode];
+  return counts;
 }
 
 }  // namespace cudagen::testing

@@ -829,8 +829,9 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 // SASS has HGMMA (wgmma), UTMALDG (TMA, 3-D maps) and SYNCS (the mbarriers),
 // no HMMA and no local memory, no spills; ptxas serialises no wgmma
 // ("Potential Performance Loss", C7509 to C7520) and ignores no setmaxnreg
-// (C7508); each key tile's loop issues D / 16 wgmmas for the scores and 8
-// for p v (128 keys), with one fence and one wait for each product.
+// (C7508); each key tile's loop issues D / 16 wgmmas for the scores of the
+// next tile and 8 for p v of this one (128 keys), with no wait between them
+// (the softmax overlaps p v), one fence and one wait for each product.
 TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -874,6 +875,15 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
     const int tile_d = heads[i].D == 64 ? 64 : 128;
     EXPECT_EQ(count(loop, "HGMMA"), tile_d / 16 + 8) << k.name << ": the scores' and p v's wgmmas of a key tile";
     EXPECT_EQ(count(loop, "WARPGROUP"), 4) << k.name << ": a fence and a wait for each product, none serialised";
+    // The overlap: the next tile's scores and this tile's p v are both issued
+    // before the first wait (the softmax runs while p v does).
+    const std::vector<cudagen::testing::SassInstruction> body = cudagen::testing::sass_loop_body(report.sass.at(k.name), "HGMMA");
+    size_t first = body.size(), last = 0;
+    for (size_t i = 0; i < body.size(); ++i)
+      if (body[i].opcode == "HGMMA") first = std::min(first, i), last = i;
+    int waits_between = 0;
+    for (size_t i = first; i < last && i < body.size(); ++i) waits_between += body[i].mnemonic == "WARPGROUP.DEPBAR.LE";
+    EXPECT_EQ(waits_between, 0) << k.name << ": a wait between the scores' wgmmas and p v's";
     int64_t flops = 0;  // its matmul tasks' (the scores and p v)
     for (int t : k.tasks)
       if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
@@ -987,8 +997,9 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
 // the attention's FLOPs (the forward's two products and the four gradient
 // ones) in kernels whose own SASS has HGMMA (wgmma), UTMALDG (TMA) and SYNCS
 // (the mbarriers), no HMMA and no local memory, no spills; ptxas serialises
-// no wgmma (C7509 to C7520, "Potential Performance Loss") and ignores no
-// setmaxnreg (C7508). The backward kernel's two step loops (a key block's,
+// no wgmma (C7509 to C7520, "Potential Performance Loss"), injects no
+// wgmma.fence (C7519: each batch writes its own) and ignores no setmaxnreg
+// (C7508). The backward kernel's two step loops (a key block's,
 // a query block's) issue D / 16 wgmmas of 64 columns for each of s and dp
 // (s^T and dp^T), then 4 register-A ones of D columns for each of dv and
 // dk, or for dq: 2 (2 D / 16) + 12 in all, the loops unrolled no further.
@@ -1005,6 +1016,7 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
   const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, "sm_90a");
   EXPECT_EQ(report.ptxas_log.find("Potential Performance Loss"), std::string::npos) << report.ptxas_log;
   EXPECT_EQ(report.ptxas_log.find("C7508"), std::string::npos) << report.ptxas_log;
+  EXPECT_EQ(report.ptxas_log.find("C7519"), std::string::npos) << "a wgmma.fence the source left out\n" << report.ptxas_log;
   auto count = [](const std::map<std::string, int>& m, const char* op) { return m.count(op) ? m.at(op) : 0; };
   int64_t total = 0, hopper = 0;
   for (size_t t = 0; t < c.program.tasks.size(); ++t)
