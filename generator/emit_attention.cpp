@@ -292,6 +292,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention on the Hopper path: {0}.\n"
         "  typedef cg_flash_sm90_config<{1}> cg_config;\n"
+        "{14}"
         "  const cg_i64 head = tile.y, kv_head = {2}, tile_m = {3};\n"
         "  cg_flash_attention_sm90<cg_config, {4}>({5}, {6}, {7}, {8}, {9}, tile_m, (int)head, (int)kv_head,\n"
         "      {10}, {11},\n"
@@ -300,7 +301,7 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
         "      cg_smem);\n",
         tile.describe(), tile.arguments(), kv_head, causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
         param_name(launch[0]), param_name(launch[1]), param_name(launch[2]), Tq, Tk, float_literal(scale_log2),
-        causal ? "true" : "false", store_out, lse_store);
+        causal ? "true" : "false", store_out, lse_store, shared_bytes_agree("cg_config", tile.shared_bytes()));
     epilogue_buffer_ = -1;
     launch.insert(launch.end(), workspace.begin(), workspace.end());
     if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
@@ -681,9 +682,10 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
           "  CG_DYNAMIC_SMEM(cg_smem);\n"
           "  // Flash attention backward on the Hopper path: {0} blocks of keys, then {1} of query rows, a head{2}.\n"
           "  typedef cg_flash_backward_sm90_config<{3}> cg_config;\n"
+          "{5}"
           "  const cg_i64 head = tile.y, kv_head = {4};\n",
           key_blocks, query_tiles, kv_head == "head" ? "" : " (of q: a group of them shares a head of keys and values)",
-          tile->arguments(), kv_head);
+          tile->arguments(), kv_head, shared_bytes_agree("cg_config", tile->backward_shared_bytes()));
       body += epilogues;
       body += fmt::format(
           "  cg_flash_attention_backward_sm90<cg_config, {0}>({1}, {2}, {3}, {4}, cg_row_stats + head * {5},\n"

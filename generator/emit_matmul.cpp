@@ -586,11 +586,14 @@ std::string Emitter::hopper_matmul(int t, const Param& a, const Param& b, const 
   return fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  // The Hopper mainloop: {0}.\n"
+      "{13}"
       "  cg_gemm_sm90<cg_sm90_gemm_config<{1}, {2}, {12}>, {3}, {4}, {11}>(\n"
       "      {5}, {6}, {7}, {8}, blockIdx.x, gridDim.x, cg_smem, {9},\n"
       "      [&](cg_i64 m, cg_i64 n, float acc) {{ {10}; }});\n",
       g.describe(), g.stages(), g.consumers, c_type(a.buffer->dtype), g.b_k_major ? "true" : "false", maps, g.M, g.N,
-      g.K, workspace, store_acc, g.stream_k ? "true" : "false", g.columns);
+      g.K, workspace, store_acc, g.stream_k ? "true" : "false", g.columns,
+      shared_bytes_agree(fmt::format("cg_sm90_gemm_config<{}, {}, {}>", g.stages(), g.consumers, g.columns),
+                         g.shared_bytes()));
 }
 
 // A matmul on the pipelined mainloop (templates/gemm.cuh): the block's

@@ -109,6 +109,17 @@ inline int64_t reserve_shared(EmittedKernel& ek, std::string what, int64_t bytes
   return offset;
 }
 
+// A line of generated code that stops the kernel's compilation where the
+// shared memory the generator reserved for a template's kernel (`bytes`,
+// from kernels.h, which the fuser and the launch use) is not what the
+// template's configuration type `config` lays out (its SHARED_BYTES): the
+// two formulas are written twice, in C++ and in CUDA, and must agree.
+inline std::string shared_bytes_agree(const std::string& config, int64_t bytes) {
+  return fmt::format("  static_assert({}::SHARED_BYTES == {}, \"the shared memory cudagen reserved (generator/kernels.h) "
+                     "is not the template's\");\n",
+                     config, bytes);
+}
+
 // Flash attention trained: where one attention's saved statistics lie in the
 // arena, after the plan (Emitter::plan_flash_statistics): each row's
 // log-sum-exp and output, saved by the forward kernel; and the backward

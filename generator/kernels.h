@@ -109,7 +109,8 @@ struct FlashAttentionTile {
   // values, or the staged output tile where more.
   // The Hopper forward's (cg_flash_sm90_config::SHARED_BYTES): 1 KiB of
   // alignment slack, the q tile, the stages, each consumer warp's staged
-  // output rows (16 x 72 floats), the barriers.
+  // output rows (16 x 72 floats), the barriers. (The emitted kernel
+  // static_asserts that the two agree: shared_bytes_agree in emitter.h.)
   int64_t shared_bytes() const {
     if (hopper)
       return 1024 + 2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)) + 8 * 16 * 72 * 4 +
