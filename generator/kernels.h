@@ -657,7 +657,10 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // heads of 128, where each tile of keys takes two blocks, each half of dk's
 // and dv's columns: FlashAttentionTile::key_splits). f32 q, k and v as the
 // forward takes them: as TF32 with `allow_tf32` (--allow-tf32), otherwise
-// exact on CUDA cores, tiles of 32 to 128 (as the forward's).
+// exact on CUDA cores, tiles of 32 to 128 (as the forward's). On sm_90a,
+// where the Hopper kernels take the heads (16-bit, one size of 40 to 128 for
+// q, k and v), the Hopper backward instead (`hopper`): 384 threads, 128 own
+// rows a block, 64 streamed a step, two stages, no atomic mode.
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
                                                          const Target& target = "sm_90", bool atomic_dq = false,
