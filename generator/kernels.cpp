@@ -487,7 +487,8 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   // takes the heads, 128 own rows a block and 64 streamed a step. It has no
   // atomic mode: deterministic, its query blocks sum dq.
   const BufferInfo& qb = program.buffers[size_t(q)];
-  const int64_t Tq = qb.shape[qb.shape.size() - 2], Tk = program.buffers[size_t(k)].shape[qb.shape.size() - 2];
+  const Shape& kb = program.buffers[size_t(k)].shape;
+  const int64_t Tq = qb.shape[qb.shape.size() - 2], Tk = kb[kb.size() - 2];
   const int64_t heads = numel(qb.shape) / (Tq * qb.shape.back());
   if (std::string why_not_hopper;
       !hopper_flash_applies(program, roles.ds, tile, target, Tq, Tk, heads, why_not_hopper, true)) {
