@@ -41,6 +41,7 @@
 #    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
 #  - flash attention's Hopper kernels (sm_90a, issue #39) against part 1's (--arch sm_90) on the same
 #    GPU, heads of 64 and 128, T2048/8192: the forward causal and not, a training step causal;
+#    decoding over 8192 keys (split-KV) and heads of 32 (padded to 64 on the Hopper kernel);
 #  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
 #    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
 #    (bench/resnet_torch.py); the gradients of six of its convolutions (dx and dweight, batch 32) beside
@@ -224,6 +225,20 @@ if have_time 60 "the Hopper flash attention benchmark"; then
       done
     done
   done
+  # Decoding (one query row a head over 8192 keys, B8 x H12: split-KV on both), and heads of 32
+  # (padded to 64 on the Hopper kernel) at T2048.
+  g="$log/attention_decode_h64.json"
+  python3 bench/attention_graph.py --queries 1 --tokens 8192 --head 64 -o "$g"
+  hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+  part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+  awk -v n="decoding heads 64 T8192" -v h="$hopper" -v p="$part1" \
+    'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
+  g="$log/attention_h32_2048.json"
+  python3 bench/attention_graph.py --tokens 2048 --head 32 --causal -o "$g"
+  hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+  part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+  awk -v n="heads 32 T2048 causal" -v h="$hopper" -v p="$part1" \
+    'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
   # Trained (--step: the forward, the rows' statistics and the backward kernel), causal.
   for head in 64 128; do
     for tokens in 2048 8192; do

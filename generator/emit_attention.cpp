@@ -245,18 +245,22 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
   };
   // Split-KV: each block (tile.z) its range of key tiles, then the last of
   // a row tile combines, in split order, from the workspace.
-  std::string split, call = "cg_flash_attention";
+  // (The Hopper kernel counts each consumer warp's rows apart: 8 counters a row tile.)
+  std::string split, call = tile.hopper ? "cg_flash_attention_sm90" : "cg_flash_attention";
   std::vector<LaunchParam> workspace;
   if (tile.splits > 1) {
-    call = "cg_flash_attention_split";
-    split = fmt::format("\n      (int)tile.z, {}, {}, cg_partials + (head * {} + tile_m) * {}, cg_arrivals + head * {} + tile_m,",
-                        tile.splits, tile.tiles_per_split, m_tiles, tile.partial_floats(1, 1), m_tiles);
+    call = tile.hopper ? "cg_flash_attention_split_sm90" : "cg_flash_attention_split";
+    const int64_t counters = tile.arrival_counters(1, 1);
+    split = fmt::format("\n      (int)tile.z, {}, {}, cg_partials + (head * {} + tile_m) * {}, cg_arrivals + (head * {} + "
+                        "tile_m){},",
+                        tile.splits, tile.tiles_per_split, m_tiles, tile.partial_floats(1, 1), m_tiles,
+                        counters == 1 ? std::string() : fmt::format(" * {}", counters));
     workspace = {LaunchParam{"cg_partials", "float", -1, nullptr, true, split_k_.partials_offset,
                              tile.partial_floats(heads, m_tiles) * 4},
                  LaunchParam{"cg_arrivals", "unsigned int", -1, nullptr, true, split_k_.arrivals_offset,
-                             heads * m_tiles * 4}};
+                             tile.arrival_counters(heads, m_tiles) * 4}};
   }
-  if (!tile.hopper) use_function(softmax, call);
+  use_function(softmax, call);
   // Trained: each row's log-sum-exp and o (before the matmul's alpha) saved for the gradient kernel.
   std::string lse_store = "[&](cg_i64, float) {} /* no backward pass reads the log-sum-exp */", saved_o;
   if (k.flash_trained) {
@@ -277,31 +281,30 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
     // q, k and v by TMA: 3-D maps (a plane a head, so that a tile's rows
     // past its head's length arrive as zeros), in place of their pointers.
     const int64_t kv_heads = numel(kk.buffer->shape) / (Tk * D);
-    auto map = [&](const char* name, const Param& operand, int64_t rows, int64_t planes) {
-      const int64_t row_bytes = int64_t(tile.head_d) * 2;
+    auto map = [&](const char* name, const Param& operand, int head_size, int64_t rows, int64_t planes) {
+      const int64_t row_bytes = int64_t(head_size) * 2;
       return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
-                         0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, tile.head_d, rows,
+                         0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, head_size, rows,
                                           row_bytes, 64, 128, planes, rows * row_bytes}};
     };
-    std::vector<LaunchParam> launch = {map("q_map", q, Tq, heads), map("k_map", kk, Tk, kv_heads),
-                                       map("v_map", v, Tk, kv_heads)};
+    std::vector<LaunchParam> launch = {map("q_map", q, tile.head_d, Tq, heads), map("k_map", kk, tile.head_d, Tk, kv_heads),
+                                       map("v_map", v, tile.head_dv, Tk, kv_heads)};
     use_function(softmax, "cg_flash_sm90_config");
-    use_function(softmax, "cg_flash_attention_sm90");
-    ek.grid[2] = 1;
     const std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention on the Hopper path: {0}.\n"
         "  typedef cg_flash_sm90_config<{1}> cg_config;\n"
         "{14}"
         "  const cg_i64 head = tile.y, kv_head = {2}, tile_m = {3};\n"
-        "  cg_flash_attention_sm90<cg_config, {4}>({5}, {6}, {7}, {8}, {9}, tile_m, (int)head, (int)kv_head,\n"
+        "  {15}<cg_config, {4}>({5}, {6}, {7}, {8}, {9}, tile_m, (int)head, (int)kv_head,{16}\n"
         "      {10}, {11},\n"
         "      {12},\n"
         "      {13},\n"
         "      cg_smem);\n",
         tile.describe(), tile.arguments(), kv_head, causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
         param_name(launch[0]), param_name(launch[1]), param_name(launch[2]), Tq, Tk, float_literal(scale_log2),
-        causal ? "true" : "false", store_out, lse_store, shared_bytes_agree("cg_config", tile.shared_bytes()));
+        causal ? "true" : "false", store_out, lse_store, shared_bytes_agree("cg_config", tile.shared_bytes()), call,
+        split);
     epilogue_buffer_ = -1;
     launch.insert(launch.end(), workspace.begin(), workspace.end());
     if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
@@ -619,9 +622,8 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     ek.matmul_path = hopper ? fmt::format(
         "tensor cores: flash attention backward on the Hopper path (templates/softmax_flash_sm90.cuh), sm_90a: TMA and "
         "wgmma, {} key rows or query rows a block (a producer warpgroup, two consumers), {} rows a step, {} stages, "
-        "heads of {}{}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head{}",
-        tile->block_m, tile->block_n, tile->stages, tile->head_d,
-        tile->head_d == tile->d ? std::string() : fmt::format(" (padded to {})", tile->d), key_blocks, query_tiles,
+        "heads of {}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head{}",
+        tile->block_m, tile->block_n, tile->stages, tile->heads(), key_blocks, query_tiles,
         options_.atomic_attention_backward && dq.present
             ? " (the Hopper kernel has no atomic mode: dq in blocks of its own, bit-identical from run to run)"
             : "") : fmt::format(
@@ -669,14 +671,15 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
       });
       const Param& kp = param(scores, "b");
       const int64_t kv_heads = numel(kp.buffer->shape) / (Tk * tile->head_d);
-      auto map = [&](const char* name, const Param& operand, int64_t rows, int64_t planes) {
-        const int64_t row_bytes = int64_t(tile->head_d) * 2;
+      auto map = [&](const char* name, const Param& operand, int head_size, int64_t rows, int64_t planes) {
+        const int64_t row_bytes = int64_t(head_size) * 2;
         return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
-                           0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, tile->head_d, rows,
+                           0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, head_size, rows,
                                             row_bytes, 64, 64, planes, rows * row_bytes}};
       };
-      const std::vector<LaunchParam> maps = {map("q_map", q, Tq, heads), map("k_map", kp, Tk, kv_heads),
-                                             map("v_map", v, Tk, kv_heads), map("dout_map", dout, Tq, heads)};
+      const std::vector<LaunchParam> maps = {
+          map("q_map", q, tile->head_d, Tq, heads), map("k_map", kp, tile->head_d, Tk, kv_heads),
+          map("v_map", v, tile->head_dv, Tk, kv_heads), map("dout_map", dout, tile->head_dv, Tq, heads)};
       launch.insert(launch.begin(), maps.begin(), maps.end());
       std::string body = fmt::format(
           "  CG_DYNAMIC_SMEM(cg_smem);\n"

@@ -946,7 +946,7 @@ void Emitter::plan_split_k_workspace(const std::vector<KernelGroup>& kernels) {
     const Shape& q = p_.buffers[size_t(p_.tasks[size_t(k.ir.stages.front().task)].find_tensor("a")->buffer)].shape;
     const int64_t Tq = q[q.size() - 2], heads = numel(q) / (Tq * q.back()), m_tiles = (Tq + tile->block_m - 1) / tile->block_m;
     split_k_.partials_bytes = std::max(split_k_.partials_bytes, tile->partial_floats(heads, m_tiles) * 4);
-    split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, heads * m_tiles * 4);
+    split_k_.arrivals_bytes = std::max(split_k_.arrivals_bytes, tile->arrival_counters(heads, m_tiles) * 4);
   }
   // Flash attention backward in the atomic mode (flash_backward_atomic).
   for (size_t i = 0; i < kernels.size(); ++i) {

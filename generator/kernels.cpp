@@ -219,31 +219,38 @@ int64_t attention_rows_per_block(int64_t Tq, int64_t D, int64_t Tk) {
 }
 
 std::string FlashAttentionTile::arguments() const {
-  if (hopper) return fmt::format("{}, {}, {}", d, stages, head_d);  // cg_flash_sm90_config
+  if (hopper)  // cg_flash_sm90_config, cg_flash_backward_sm90_config
+    return dv == d && head_dv == head_d ? fmt::format("{}, {}, {}", d, stages, head_d)
+                                        : fmt::format("{}, {}, {}, {}, {}", d, stages, head_d, dv, head_dv);
   std::string text = fmt::format("{}, {}, {}, {}, {}", d, dv, block_m, block_n, stages);
   if (head_d != d || head_dv != dv) text += fmt::format(", {}, {}", head_d, head_dv);
   return text;
 }
 
-std::string FlashAttentionTile::describe() const {
+std::string FlashAttentionTile::heads() const {
   auto head = [](int size, int tile) {
     return size == tile ? std::to_string(size) : fmt::format("{} (padded to {})", size, tile);
   };
+  return head(head_d, d) +
+         (head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)));
+}
+
+std::string FlashAttentionTile::describe() const {
+  const std::string split =
+      splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : std::string();
   if (hopper)
     return fmt::format("sm_90a: TMA and wgmma, {} query rows a block (a producer warpgroup, two consumers), {} keys a "
-                       "step, {} stages, heads of {}",
-                       block_m, block_n, stages, head(head_d, d));
-  return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}{}", block_m,
-                     block_m / 16, block_n, stages, head(head_d, d),
-                     head_dv == head_d && dv == d ? std::string() : fmt::format(" (values {})", head(head_dv, dv)),
-                     f32_note(),
-                     splits > 1 ? fmt::format(", split-KV {} ways ({} key tiles each)", splits, tiles_per_split) : "");
+                       "step, {} stages, heads of {}{}",
+                       block_m, block_n, stages, heads(), split);
+  return fmt::format("{} query rows a block ({} warps), {} keys a step, {} stages, heads of {}{}{}", block_m,
+                     block_m / 16, block_n, stages, heads(), f32_note(), split);
 }
 
 // Whether the forward on `tile` (part 1's choice) runs on the Hopper kernel
-// instead (templates/softmax_flash_sm90.cuh): sm_90a, 16-bit, one head size
-// for q, k and v in a tile of 64 or 128, no split-KV (decoding keeps part
-// 1's split kernel), sizes a TMA coordinate holds. `why` says why not.
+// instead (templates/softmax_flash_sm90.cuh): sm_90a, 16-bit, heads of up to
+// 128 (q's and k's, v's), sizes a TMA coordinate holds. `why` says why not.
+// Where it applies, the caller pads heads under 64 to tiles of 64
+// (hopper_head_tiles) and takes its own split-KV decision for its tiles.
 // The backward pass (`backward`: task `op_task` is the softmax_backward)
 // the same, on cg_flash_attention_backward_sm90.
 static bool hopper_flash_applies(const Program& program, int op_task, const FlashAttentionTile& tile,
@@ -252,19 +259,42 @@ static bool hopper_flash_applies(const Program& program, int op_task, const Flas
   const std::optional<Arch> arch = parse_arch(target.arch);
   if (!arch || !arch->has_wgmma()) return why = target.arch + " has no wgmma (sm_90a has)", false;
   const OpSignature& op = *program.tasks[size_t(op_task)].op;
-  const std::array<const char*, 2> forward_variants = {"cg_flash_attention_sm90", "cg_flash_sm90_config"},
-                                   backward_variants = {"cg_flash_attention_backward_sm90",
-                                                        "cg_flash_backward_sm90_config"};
+  const std::vector<const char*> forward_variants = {"cg_flash_attention_sm90", "cg_flash_attention_split_sm90",
+                                                     "cg_flash_sm90_config"},
+                                 backward_variants = {"cg_flash_attention_backward_sm90", "cg_flash_backward_sm90_config"};
   for (const char* variant : backward ? backward_variants : forward_variants)
     if (op.closure_of(variant) == nullptr)
       return why = fmt::format("op '{}' has no Hopper kernel (variant {})", op.name, variant), false;
   if (tile.element_bytes() != 2) return why = "f32 q, k and v (the Hopper kernel takes 16-bit ones)", false;
-  if (tile.splits > 1) return why = "split-KV (few query rows over many keys) runs on the part-1 kernel", false;
-  if (tile.d != tile.dv || tile.head_d != tile.head_dv || (tile.d != 64 && tile.d != 128))
-    return why = "heads of 40 to 128 values (a multiple of 8), the same for q, k and v", false;
+  if (std::max(tile.d, tile.dv) > 128) return why = "heads of up to 128 values", false;
   if (Tq >= (int64_t(1) << 31) || Tk >= (int64_t(1) << 31) || heads >= (int64_t(1) << 31))
     return why = "a length or head count over 2^31 (a TMA coordinate)", false;
   return true;
+}
+
+// Split-KV where the blocks of `tile` (its row tiles of `heads` heads) are
+// fewer than `target_blocks`: as many splits as bring them closest to that,
+// each of at least kMinKeyTilesPerSplit key tiles; none where that is one.
+static void split_keys(FlashAttentionTile& tile, int64_t heads, int64_t Tq, int64_t Tk, int64_t target_blocks) {
+  const int64_t blocks = heads * ((Tq + tile.block_m - 1) / tile.block_m);
+  const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n;
+  const int64_t most = std::min<int64_t>(
+      {kMaxKeySplits, target_blocks / std::max<int64_t>(blocks, 1), key_tiles / kMinKeyTilesPerSplit});
+  tile.splits = 1;
+  tile.tiles_per_split = 0;
+  if (most >= 2) {
+    tile.tiles_per_split = (key_tiles + most - 1) / most;
+    tile.splits = int((key_tiles + tile.tiles_per_split - 1) / tile.tiles_per_split);  // none empty
+  }
+}
+
+// The Hopper kernels' tiles are 128-byte swizzle rows of 64 values: heads
+// under 64 arrive padded with zeros (TMA fills the columns past the head),
+// their products over the padding wasted (half of q k^T's and p v's at heads
+// of 32) but the copies, the softmax and the stores the head's own.
+static void hopper_head_tiles(FlashAttentionTile& tile) {
+  tile.d = std::max(tile.d, 64);
+  tile.dv = std::max(tile.dv, 64);
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
@@ -371,27 +401,19 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
                                                                             "past {} query rows)",
                                                                             kRowKernelTrainedQueryRows)));
   if (four_bytes && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
-  // Split-KV where the blocks are fewer than kFlashBlocksPerSm a SM: as many
-  // splits as bring them closest to that, each of at least
-  // kMinKeyTilesPerSplit key tiles.
-  const int64_t blocks = numel(lead_q) * ((Tq + tile.block_m - 1) / tile.block_m);
-  const int64_t key_tiles = (Tk + tile.block_n - 1) / tile.block_n, sms = device_model(target).sms;
-  const int64_t most = std::min<int64_t>(
-      {kMaxKeySplits, kFlashBlocksPerSm * sms / std::max<int64_t>(blocks, 1), key_tiles / kMinKeyTilesPerSplit});
-  if (most >= 2) {
-    tile.tiles_per_split = (key_tiles + most - 1) / most;
-    tile.splits = int((key_tiles + tile.tiles_per_split - 1) / tile.tiles_per_split);  // none empty
-  }
+  split_keys(tile, numel(lead_q), Tq, Tk, kFlashBlocksPerSm * device_model(target).sms);
   if (std::string why_not_hopper;
       !hopper_flash_applies(program, softmax, tile, target, Tq, Tk, numel(lead_q), why_not_hopper)) {
     const std::optional<Arch> arch = parse_arch(target.arch);
     if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
   } else {
     tile.hopper = true;
+    hopper_head_tiles(tile);
     tile.block_m = 128;
     tile.block_n = 128;
     tile.stages = 2;
     tile.min_blocks_per_sm = 1;
+    split_keys(tile, numel(lead_q), Tq, Tk, kHopperFlashBlocksPerSm * device_model(target).sms);
   }
   return tile;
 }
@@ -496,6 +518,7 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
   } else {
     tile.hopper = true;
+    hopper_head_tiles(tile);
     tile.atomic_dq = false;
     tile.block_m = 128;
     tile.block_n = 64;

@@ -51,6 +51,9 @@ const char* to_string(FusionRule rule);
 // A block of block_m / 16 warps owns block_m query rows of one head; keys and
 // values stream through shared memory block_n rows at a time, `stages` tiles
 // in flight.
+// The Hopper flash kernels' consumer warps a block: two warpgroups.
+inline constexpr int64_t kHopperFlashConsumerWarps = 8;
+
 struct FlashAttentionTile {
   int d = 0, dv = 0, block_m = 64, block_n = 64, stages = 2;
   // The heads' own sizes, where narrower than the tiles' d and dv (padded: 80
@@ -77,7 +80,7 @@ struct FlashAttentionTile {
   bool simt_f32 = false;
   // The Hopper kernels (templates/softmax_flash_sm90.cuh, sm_90a): TMA and
   // wgmma, a producer warpgroup and two consumers of 64 rows each, heads in
-  // tiles of 64 or 128 (d == dv). The forward: 128 query rows a block and
+  // tiles of 64 or 128 (narrower heads padded to 64). The forward: 128 query rows a block and
   // 128 keys a step; the backward: 128 own rows (keys or query rows) a
   // block and 64 streamed rows a step.
   bool hopper = false;
@@ -105,6 +108,12 @@ struct FlashAttentionTile {
   int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
     return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
   }
+  // Split-KV's counters: one a row tile (part 1: its last block combines),
+  // or one a consumer warp's 16 rows of it (the Hopper kernel: each warp's
+  // last to arrive combines its rows).
+  int64_t arrival_counters(int64_t heads, int64_t m_tiles) const {
+    return splits > 1 ? heads * m_tiles * (hopper ? kHopperFlashConsumerWarps : 1) : 0;
+  }
   // cg_flash_shared<Config, T>::bytes: the q tile and the stages of keys and
   // values, or the staged output tile where more.
   // The Hopper forward's (cg_flash_sm90_config::SHARED_BYTES): 1 KiB of
@@ -120,6 +129,7 @@ struct FlashAttentionTile {
   }
   std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded); Hopper: "128, 2, 96"
   std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
+  std::string heads() const;      // "64", "80 (padded to 128)", "64 (values 128)"
   // The backward kernel's (cg_flash_backward_shared): a block's own rows of
   // both kinds, the stages of streamed rows and their rows' statistics, or the
   // staged output tile where more.
@@ -130,7 +140,7 @@ struct FlashAttentionTile {
   // output rows (16 x 72 floats), the barriers.
   int64_t backward_shared_bytes(bool atomic_dq = false) const {
     if (hopper)
-      return 1024 + 2 * 2 * int64_t(block_m) * d + int64_t(stages) * (2 * 2 * int64_t(block_n) * d + 8 * block_n) +
+      return 1024 + 2 * int64_t(block_m) * (d + dv) + int64_t(stages) * (2 * int64_t(block_n) * (d + dv) + 8 * block_n) +
              8 * 16 * 72 * 4 + 8 * (1 + 4 * int64_t(stages));
     const int64_t main = element_bytes() * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
                          8 * int64_t(stages) * block_n +
@@ -658,8 +668,8 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // and dv's columns: FlashAttentionTile::key_splits). f32 q, k and v as the
 // forward takes them: as TF32 with `allow_tf32` (--allow-tf32), otherwise
 // exact on CUDA cores, tiles of 32 to 128 (as the forward's). On sm_90a,
-// where the Hopper kernels take the heads (16-bit, one size of 40 to 128 for
-// q, k and v), the Hopper backward instead (`hopper`): 384 threads, 128 own
+// where the Hopper kernels take the heads (16-bit, heads of up to 128, q's
+// and k's and v's each in a tile of 64 or 128), the Hopper backward instead (`hopper`): 384 threads, 128 own
 // rows a block, 64 streamed a step, two stages, no atomic mode.
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
@@ -670,6 +680,10 @@ inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // two 16 KiB stages in flight, too few to cover an SM's share of the
 // bandwidth; a split aims at this many blocks a SM (5 fit, by shared memory).
 inline constexpr int64_t kFlashBlocksPerSm = 4;
+// The Hopper forward's blocks fit one a SM (117 to 200 KiB of shared
+// memory); each keeps two stages of 32 or 64 KiB in flight, enough for its
+// share of the bandwidth: a split aims at one block a SM.
+inline constexpr int64_t kHopperFlashBlocksPerSm = 1;
 inline constexpr int kMaxKeySplits = 32;
 
 // The floats of a projection input's rows of a batch, T x K: where a norm

@@ -754,6 +754,22 @@ struct cg_sm90_stream_k {
   cg_i64 max_grid;
 };
 
+// A warp's count-in at `counter`, one of `contributors`: whether it is the
+// last to arrive (it then leaves the counter zero for the next launch). The
+// lanes' stores before it are released with lane 0's arrival; the others'
+// are acquired, visible to every lane through the warp barrier after it.
+// Every lane of the warp calls it.
+CG_DEVICE bool cg_warp_last_to_arrive(unsigned int* counter, unsigned int contributors) {
+  __syncwarp();  // the lanes' stores made before lane 0 counts the warp in
+  unsigned int before = 0;
+  if ((threadIdx.x & 31) == 0) before = cg_arrive_acq_rel(counter);
+  __syncwarp();
+  before = __shfl_sync(0xffffffffu, before, 0);
+  if (before + 1u != contributors) return false;
+  if ((threadIdx.x & 31) == 0) *counter = 0u;  // every contributor has counted in: nothing else reads it in this launch
+  return true;
+}
+
 // A consumer warp's 16 rows of a partial tile (`rows`, staged in shared
 // memory): stored to its block's slot, then counted in at the tile's counter
 // for these rows. The warp that arrives last adds every contributing block's
@@ -774,20 +790,12 @@ CG_DEVICE void cg_sm90_stream_k_rows(const cg_sm90_schedule& s, const cg_sm90_wo
     for (int e = 0; e < 4; ++e) v.v[e] = four.v[e];
     cg_store_vector<4, float>(mine, r * Config::BN + 4 * lane, v);
   }
-  __syncwarp();  // the lanes' rows stored before lane 0 counts the warp in, releasing them all
   const cg_i64 first_k = (w.tile - s.dp_tiles) * s.k_tiles;
   const cg_i64 first = s.owner(first_k), last = s.owner(first_k + s.k_tiles - 1);
   cg_i64 contributors = 0;
   for (cg_i64 b = first; b <= last; ++b) contributors += s.has_run(b);
-  unsigned int* arrivals = workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp;
-  unsigned int before = 0;
-  // Release this warp's rows; acquire the rows of the contributors counted in
-  // before, visible to this lane and, through the warp barrier, to the others.
-  if (lane == 0) before = cg_arrive_acq_rel(arrivals);
-  __syncwarp();
-  before = __shfl_sync(0xffffffffu, before, 0);
-  if ((cg_i64)before + 1 != contributors) return;
-  if (lane == 0) *arrivals = 0u;  // every contributor has counted in: nothing else reads it in this launch
+  if (!cg_warp_last_to_arrive(workspace.arrivals + (w.tile - s.dp_tiles) * WARPS + warp, (unsigned int)contributors))
+    return;
   // A contributor at a time (its slot found once), its rows' 64 values a
   // lane loaded together; each sum still in k order.
   float sums[16][Config::BN / 32];

@@ -24,6 +24,7 @@ CG_OP("softmax",
       "variant: cg_flash_attention_split",
       "variant: cg_flash_config",
       "variant: cg_flash_attention_sm90",
+      "variant: cg_flash_attention_split_sm90",
       "variant: cg_flash_sm90_config",
       "doc: softmax(scale * x) over the last axis; causal masks column j > row i of the last two axes")
 CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int valid, float* scratch) {

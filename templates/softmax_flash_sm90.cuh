@@ -24,27 +24,34 @@
 //     masks the tiles that cross a warp's diagonal or the last keys;
 //   - the output through each warp's own rows of shared memory, a chunk of
 //     64 columns at a time, so that the stores are a warp's consecutive
-//     columns.
+//     columns;
+//   - decoding (few query rows over many keys): the keys split among blocks
+//     (cg_flash_attention_split_sm90), each consumer warp's partial rows
+//     combined by the last of its splits to arrive.
 // sm_90a only (wgmma, setmaxnreg); compiled for any other target it traps,
 // and the generator never launches it there (generator/arch.h). Not yet:
 // the two consumers' softmax scheduled against each other's products
-// (ping-pong), split-KV, heads over 128.
+// (ping-pong), heads over 128.
 
 // The kernel's compile-time shape: a tile of D (64 or 128) head values for
-// q, k and v alike, HEAD_D of them the head's own (at most D, a multiple of
-// 8: rows of whole 16-byte chunks, as TMA needs), STAGES key tiles in flight.
-template <int D_, int STAGES_, int HEAD_D_ = D_>
+// q and k, DV for v and o, HEAD_D and HEAD_DV of them the heads' own (at
+// most their tiles, a multiple of 8: rows of whole 16-byte chunks, as TMA
+// needs; narrower heads arrive padded with zeros), STAGES key tiles in flight.
+template <int D_, int STAGES_, int HEAD_D_ = D_, int DV_ = D_, int HEAD_DV_ = (DV_ == D_ ? HEAD_D_ : DV_)>
 struct cg_flash_sm90_config {
-  static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_;
-  static_assert(D == 64 || D == 128, "tiles of 64 or 128 head values (the register-A wgmma's widths)");
-  static_assert(HEAD_D <= D && HEAD_D % 8 == 0, "heads of whole 16-byte chunks, no wider than their tiles");
+  static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_, DV = DV_, HEAD_DV = HEAD_DV_;
+  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
+                "tiles of 64 or 128 head values (the register-A wgmma's widths)");
+  static_assert(HEAD_D <= D && HEAD_D % 8 == 0 && HEAD_DV <= DV && HEAD_DV % 8 == 0,
+                "heads of whole 16-byte chunks, no wider than their tiles");
   static_assert(STAGES >= 2, "a key tile is copied while the one before is read");
   static constexpr int BLOCK_M = 128, BLOCK_N = 128, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
   // A box is 64 columns (one 128-byte swizzle row of 16-bit values) by a
   // tile's rows; a tile of D columns is D / 64 of them, one after another.
   static constexpr int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
-  static constexpr int Q_BYTES = (D / 64) * Q_CHUNK_BYTES, KV_BYTES = (D / 64) * KV_CHUNK_BYTES;
-  static constexpr int STAGE_BYTES = 2 * KV_BYTES;  // the keys, then the values
+  static constexpr int Q_BYTES = (D / 64) * Q_CHUNK_BYTES, K_BYTES = (D / 64) * KV_CHUNK_BYTES,
+                       V_BYTES = (DV / 64) * KV_CHUNK_BYTES;
+  static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;  // the keys, then the values
   // Each consumer warp's 16 rows of output, 64 columns at a time (floats);
   // the row stride puts a half-warp's 8-byte stores on 32 distinct banks.
   static constexpr int OUT_COLUMNS = 64, OUT_ROW = OUT_COLUMNS + 8;
@@ -129,15 +136,175 @@ CG_DEVICE void cg_flash_sm90_product_rs(float* acc, const unsigned int (&a)[K / 
                                 accumulate || kk > 0);
 }
 
+// Where the forward kernel's pieces lie in shared memory (from a 1024-byte
+// boundary of the .shared window, as the swizzle needs), and its barriers:
+// q's, then each stage's keys', values' and release barriers.
+template <typename Config>
+struct cg_flash_sm90_layout {
+  unsigned int base;  // shared address of q's tile; the stages, the staged rows and the barriers follow
+  CG_DEVICE unsigned int keys(int stage) const {
+    return base + (unsigned int)(Config::Q_BYTES + stage * Config::STAGE_BYTES);
+  }
+  CG_DEVICE unsigned int values(int stage) const { return keys(stage) + Config::K_BYTES; }
+  CG_DEVICE float* staged() const { return (float*)cg_smem_pointer(keys(Config::STAGES)); }
+  CG_DEVICE unsigned long long* q_full() const {
+    return (unsigned long long*)cg_smem_pointer(keys(Config::STAGES) + Config::OUT_BYTES);
+  }
+  CG_DEVICE unsigned long long* k_full(int stage) const { return q_full() + 1 + stage; }
+  CG_DEVICE unsigned long long* v_full(int stage) const { return q_full() + 1 + Config::STAGES + stage; }
+  CG_DEVICE unsigned long long* empty(int stage) const { return q_full() + 1 + 2 * Config::STAGES + stage; }
+};
+
+template <typename Config>
+CG_DEVICE cg_flash_sm90_layout<Config> cg_flash_sm90_setup(unsigned char* smem) {
+  cg_flash_sm90_layout<Config> l;
+  l.base = (cg_smem_address(smem) + 1023u) & ~1023u;
+  if (threadIdx.x == 0) {
+    cg_mbarrier_init(l.q_full(), 1);
+    for (int s = 0; s < Config::STAGES; ++s) {
+      cg_mbarrier_init(l.k_full(s), 1);  // the producer's arrival, with the tile's bytes
+      cg_mbarrier_init(l.v_full(s), 1);
+      cg_mbarrier_init(l.empty(s), 128 * Config::CONSUMERS);  // every consumer thread, once its p v has completed
+    }
+    cg_fence_barrier_init();
+  }
+  __syncthreads();
+  return l;
+}
+
+// The producer's first thread: q's rows [m0, m0 + 128) of plane `head`
+// once, then key tiles [first, end) of plane kv_head, keys and values each
+// on its stage's own barrier.
+template <typename Config>
+CG_DEVICE void cg_flash_sm90_produce(const cg_flash_sm90_layout<Config>& l, const cg_tensor_map* map_q,
+                                     const cg_tensor_map* map_k, const cg_tensor_map* map_v, cg_i64 m0, int head,
+                                     int kv_head, int first, int end) {
+  constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BN = Config::BLOCK_N;
+  cg_mbarrier_arrive_expect_tx(l.q_full(), Config::Q_BYTES);
+  CG_UNROLL
+  for (int c = 0; c < D / 64; ++c)
+    cg_tma_load_3d(cg_smem_pointer(l.base + (unsigned int)(c * Config::Q_CHUNK_BYTES)), map_q, 64 * c, (int)m0, head,
+                   l.q_full());
+  cg_sm90_pipeline_state load = {0, 0u};
+  for (int n = first; n < end; ++n, load.advance(S)) {
+    // Round r of a stage waits for the consumers' release of round r - 1
+    // (the first round's wait returns at once: parity 1 of phase 0).
+    cg_mbarrier_wait(l.empty(load.stage), load.phase ^ 1u);
+    cg_mbarrier_arrive_expect_tx(l.k_full(load.stage), Config::K_BYTES);
+    CG_UNROLL
+    for (int c = 0; c < D / 64; ++c)
+      cg_tma_load_3d(cg_smem_pointer(l.keys(load.stage) + (unsigned int)(c * Config::KV_CHUNK_BYTES)), map_k, 64 * c,
+                     n * BN, kv_head, l.k_full(load.stage));
+    cg_mbarrier_arrive_expect_tx(l.v_full(load.stage), Config::V_BYTES);
+    CG_UNROLL
+    for (int c = 0; c < DV / 64; ++c)
+      cg_tma_load_3d(cg_smem_pointer(l.values(load.stage) + (unsigned int)(c * Config::KV_CHUNK_BYTES)), map_v, 64 * c,
+                     n * BN, kv_head, l.v_full(load.stage));
+  }
+}
+
+// A consumer thread's rows after its key tiles, in the wgmma layout:
+// element (row0 + 8 (e / 2), 8 j + 2 quad + e % 2) of o in o[j][e], as
+// mma.sync's m16n8 tiles lie, so that p's A fragments are the scores'
+// registers (cg_flash_p_fragment); o unnormalised, each row's running
+// maximum (log2 units) and the thread's part of its sum.
+template <typename Config>
+struct cg_flash_sm90_rows {
+  float o[Config::DV / 8][4];
+  float row_max[2], row_sum[2];
+};
+
+// A consumer warpgroup's 64 rows of q (from shared address q_rows) over
+// key tiles [first, end), end > first: s = q k^T by wgmma from shared
+// memory, the online softmax in registers, o += p v with p in registers.
+// Within the warpgroup, tile n + 1's scores overlap tile n's p v
+// (FlashAttention-3's intra-warpgroup pipelining): s = q k^T of the next
+// tile is issued before o += p v of this one, and turned into
+// probabilities while p v runs; o's rescale for the next tile's maximum
+// waits until p v has completed. s, p's fragments and o are live at once:
+// 168 registers at heads of 128 (ptxas; the consumers have 232).
+template <typename Config, typename T>
+CG_DEVICE void cg_flash_sm90_consume(const cg_flash_sm90_layout<Config>& l, cg_flash_sm90_rows<Config>& rows,
+                                     unsigned int q_rows, cg_i64 Tk, cg_i64 warp_row0, cg_i64 row0, int first,
+                                     int end, float scale_log2, bool causal) {
+  constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BN = Config::BLOCK_N;
+  constexpr int NT = BN / 8;  // n8 column groups of a thread's scores
+  rows.row_max[0] = rows.row_max[1] = cg_neg_inf();
+  rows.row_sum[0] = rows.row_sum[1] = 0.0f;
+  float s[NT][4];
+  unsigned int pa[BN / 16][4];
+  auto issue_scores = [&](const cg_sm90_pipeline_state& at) {
+    // s = q k^T: a k step of 16 is 32 bytes along a 128-byte row, the next
+    // 64 head values the next box.
+    cg_mbarrier_wait(l.k_full(at.stage), at.phase);
+    cg_wgmma_fence();
+    cg_flash_sm90_product<BN, D, T>(&s[0][0], q_rows, Config::Q_CHUNK_BYTES, l.keys(at.stage), Config::KV_CHUNK_BYTES);
+    cg_wgmma_commit();
+  };
+  // s of tile n, landed: scaled, masked, into probabilities (row_max and
+  // row_sum move on), o's rescale factors for them in `rescale`.
+  auto softmax = [&](int n, float rescale[2]) {
+    cg_wgmma_fence_operands<BN / 2>(&s[0][0]);
+    cg_flash_scores_to_log2(s, scale_log2, (cg_i64)n * BN, Tk, warp_row0, row0, causal);
+    cg_flash_softmax_step(s, rows.row_max, rows.row_sum, rescale);
+  };
+  // p's registers, rounded to T: the A operand of o += p v, 16 keys at a time.
+  auto make_p = [&] {
+    CG_UNROLL
+    for (int kk = 0; kk < BN / 16; ++kk) cg_flash_p_fragment(pa[kk], s, kk, T());
+  };
+  cg_mbarrier_wait(l.q_full(), 0);
+  cg_sm90_pipeline_state read = {0, 0u};
+  float rescale[2];
+  issue_scores(read);
+  cg_wgmma_wait<0>();
+  softmax(first, rescale);  // (before the first tile's products o holds nothing: they set it)
+  make_p();
+  // o += p v of tile n (v's tile N-major: the next 8 keys 1024 bytes on,
+  // the next 64 head values a box on), issued.
+  auto issue_pv = [&](int n) {
+    cg_mbarrier_wait(l.v_full(read.stage), read.phase);
+    cg_wgmma_fence();
+    cg_flash_sm90_product_rs<DV, BN, T>(&rows.o[0][0], pa, l.values(read.stage), Config::KV_CHUNK_BYTES, n > first);
+    cg_wgmma_commit();
+  };
+  // Every tile but the last: the next one's scores in flight beside p v.
+  for (int n = first; n + 1 < end; ++n) {
+    cg_sm90_pipeline_state next = read;
+    next.advance(S);
+    issue_scores(next);
+    issue_pv(n);
+    cg_wgmma_wait<1>();  // the next tile's scores; p v may still run
+    softmax(n + 1, rescale);
+    cg_wgmma_wait<0>();
+    cg_wgmma_fence_operands<DV / 2>(&rows.o[0][0]);
+    cg_mbarrier_arrive(l.empty(read.stage));  // both of the stage's tiles are read
+    cg_flash_rescale(rows.o, rescale);
+    make_p();
+    read = next;
+  }
+  issue_pv(end - 1);
+  cg_wgmma_wait<0>();
+  cg_wgmma_fence_operands<DV / 2>(&rows.o[0][0]);
+  cg_mbarrier_arrive(l.empty(read.stage));
+  // The quad's parts of each row's sum, added.
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    rows.row_sum[r] += __shfl_xor_sync(0xffffffffu, rows.row_sum[r], 1);
+    rows.row_sum[r] += __shfl_xor_sync(0xffffffffu, rows.row_sum[r], 2);
+  }
+}
+
 // Attention for query rows [tile_m 128, tile_m 128 + 128) of head `head`
 // (keys and values of head `kv_head`: grouped-query attention) over all its
 // keys: p_ij = exp(scale s_ij) / sum_j exp(scale s_ij), s_ij = q_i . k_j (in
 // log2 units s_ij scale_log2), o_i = sum_j p_ij v_j; key j <= i where causal
 // (PyTorch's top-left alignment). The maps (cg_tensor_map, 3-D, 16-bit T,
 // the 128-byte swizzle): q's HEAD_D wide, Tq high, a plane a head, its box
-// 64 x 128; k's and v's the same with Tk. Each o_i[c] (c < HEAD_D) goes to
-// store_out(i, c, value), each row's log-sum-exp (natural log) to
-// store_lse(i, value); rows i >= Tq are not stored. `smem`: SHARED_BYTES.
+// 64 x 128; k's the same with Tk, v's HEAD_DV wide. Each o_i[c] (c <
+// HEAD_DV) goes to store_out(i, c, value), each row's log-sum-exp (natural
+// log) to store_lse(i, value); rows i >= Tq are not stored. `smem`:
+// SHARED_BYTES.
 template <typename Config, typename T, typename StoreOut, typename StoreLse>
 CG_DEVICE void cg_flash_attention_sm90(const cg_tensor_map* map_q, const cg_tensor_map* map_k,
                                        const cg_tensor_map* map_v, cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m, int head,
@@ -146,150 +313,142 @@ CG_DEVICE void cg_flash_attention_sm90(const cg_tensor_map* map_q, const cg_tens
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
 #else
-  constexpr int S = Config::STAGES, D = Config::D, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
-  constexpr int NT = BN / 8, OT = D / 8;  // n8 column groups of a thread's scores and of its output
-  const unsigned int base = (cg_smem_address(smem) + 1023u) & ~1023u;
-  unsigned char* q_tile = cg_smem_pointer(base);
-  unsigned char* stages = q_tile + Config::Q_BYTES;
-  float* staged = (float*)(stages + S * Config::STAGE_BYTES);
-  unsigned long long* q_full = (unsigned long long*)((unsigned char*)staged + Config::OUT_BYTES);
-  unsigned long long* k_full = q_full + 1;
-  unsigned long long* v_full = k_full + S;
-  unsigned long long* empty = v_full + S;
-  const int thread = threadIdx.x, warpgroup = thread / 128;
-  if (thread == 0) {
-    cg_mbarrier_init(q_full, 1);
-    for (int s = 0; s < S; ++s) {
-      cg_mbarrier_init(&k_full[s], 1);  // the producer's arrival, with the tile's bytes
-      cg_mbarrier_init(&v_full[s], 1);
-      cg_mbarrier_init(&empty[s], 128 * Config::CONSUMERS);  // every consumer thread, once its p v has completed
-    }
-    cg_fence_barrier_init();
-  }
-  __syncthreads();
+  constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  const cg_flash_sm90_layout<Config> l = cg_flash_sm90_setup<Config>(smem);
   const cg_i64 m0 = tile_m * BM;
-  // Causal: no key past the block's last row.
+  // Causal: no key past the block's last row. (Tk > 0: at least one tile.)
   const cg_i64 keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
   const int n_tiles = (int)((keys + BN - 1) / BN);
-
-  if (warpgroup == 0) {
+  const int thread = threadIdx.x;
+  if (thread < 128) {
     cg_setmaxnreg_dec<Config::PRODUCER_REGISTERS>();
-    if (thread == 0) {
-      cg_mbarrier_arrive_expect_tx(q_full, Config::Q_BYTES);
-      CG_UNROLL
-      for (int c = 0; c < D / 64; ++c)
-        cg_tma_load_3d(q_tile + c * Config::Q_CHUNK_BYTES, map_q, 64 * c, (int)m0, head, q_full);
-      cg_sm90_pipeline_state load = {0, 0u};
-      for (int n = 0; n < n_tiles; ++n, load.advance(S)) {
-        // Round r of a stage waits for the consumers' release of round r - 1
-        // (the first round's wait returns at once: parity 1 of phase 0).
-        cg_mbarrier_wait(&empty[load.stage], load.phase ^ 1u);
-        unsigned char* stage = stages + load.stage * Config::STAGE_BYTES;
-        cg_mbarrier_arrive_expect_tx(&k_full[load.stage], Config::KV_BYTES);
-        CG_UNROLL
-        for (int c = 0; c < D / 64; ++c)
-          cg_tma_load_3d(stage + c * Config::KV_CHUNK_BYTES, map_k, 64 * c, n * BN, kv_head, &k_full[load.stage]);
-        cg_mbarrier_arrive_expect_tx(&v_full[load.stage], Config::KV_BYTES);
-        CG_UNROLL
-        for (int c = 0; c < D / 64; ++c)
-          cg_tma_load_3d(stage + Config::KV_BYTES + c * Config::KV_CHUNK_BYTES, map_v, 64 * c, n * BN, kv_head,
-                         &v_full[load.stage]);
-      }
-    }
+    if (thread == 0) cg_flash_sm90_produce(l, map_q, map_k, map_v, m0, head, kv_head, 0, n_tiles);
     return;
   }
-
   cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
-  const int consumer = warpgroup - 1;  // rows [64 consumer, 64 consumer + 64) of the block's
-  const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4, quad = lane % 4;
+  const int consumer = thread / 128 - 1;  // rows [64 consumer, 64 consumer + 64) of the block's
+  const int warp = thread % 128 / 32, lane = thread % 32, quad = lane % 4;
   const cg_i64 warp_row0 = m0 + 64 * consumer + 16 * warp;
-  const cg_i64 row0 = warp_row0 + g;  // this thread's rows: row0 and row0 + 8
-  const unsigned int q_rows = base + (unsigned int)(consumer * 64 * 128);
-  // The accumulators in the wgmma layout: element (row0 + 8 (e / 2),
-  // 8 j + 2 quad + e % 2) in [j][e], as mma.sync's m16n8 tiles lie, so that
-  // p's A fragments are the scores' registers (cg_flash_p_fragment).
-  float o[OT][4];
-  float row_max[2] = {cg_neg_inf(), cg_neg_inf()}, row_sum[2] = {0.0f, 0.0f};
-  // Within the warpgroup, tile n + 1's scores overlap tile n's p v
-  // (FlashAttention-3's intra-warpgroup pipelining): s = q k^T of the next
-  // tile is issued before o += p v of this one, and turned into
-  // probabilities while p v runs; o's rescale for the next tile's maximum
-  // waits until p v has completed. s, p's fragments and o are live at once:
-  // 168 registers at heads of 128 (ptxas; the consumers have 232).
-  float s[NT][4];
-  unsigned int pa[BN / 16][4];
-  auto issue_scores = [&](const cg_sm90_pipeline_state& at) {
-    // s = q k^T: a k step of 16 is 32 bytes along a 128-byte row, the next
-    // 64 head values the next box.
-    cg_mbarrier_wait(&k_full[at.stage], at.phase);
-    cg_wgmma_fence();
-    cg_flash_sm90_product<BN, D, T>(&s[0][0], q_rows, Config::Q_CHUNK_BYTES,
-                                    base + (unsigned int)(Config::Q_BYTES + at.stage * Config::STAGE_BYTES),
-                                    Config::KV_CHUNK_BYTES);
-    cg_wgmma_commit();
-  };
-  // s of tile n, landed: scaled, masked, into probabilities (row_max and
-  // row_sum move on), o's rescale factors for them in `rescale`.
-  auto softmax = [&](int n, float rescale[2]) {
-    cg_wgmma_fence_operands<BN / 2>(&s[0][0]);
-    cg_flash_scores_to_log2(s, scale_log2, (cg_i64)n * BN, Tk, warp_row0, row0, causal);
-    cg_flash_softmax_step(s, row_max, row_sum, rescale);
-  };
-  // p's registers, rounded to T: the A operand of o += p v, 16 keys at a time.
-  auto make_p = [&] {
-    CG_UNROLL
-    for (int kk = 0; kk < BN / 16; ++kk) cg_flash_p_fragment(pa[kk], s, kk, T());
-  };
-  cg_mbarrier_wait(q_full, 0);
-  cg_sm90_pipeline_state read = {0, 0u};
-  float rescale[2];
-  issue_scores(read);
-  cg_wgmma_wait<0>();
-  softmax(0, rescale);  // (before the first tile's products o holds nothing: they set it)
-  make_p();
-  // o += p v of tile n (v's tile N-major: the next 8 keys 1024 bytes on,
-  // the next 64 head values a box on), issued.
-  auto issue_pv = [&](int n) {
-    cg_mbarrier_wait(&v_full[read.stage], read.phase);
-    cg_wgmma_fence();
-    cg_flash_sm90_product_rs<D, BN, T>(&o[0][0], pa,
-                                       base + (unsigned int)(Config::Q_BYTES + read.stage * Config::STAGE_BYTES +
-                                                             Config::KV_BYTES),
-                                       Config::KV_CHUNK_BYTES, n > 0);
-    cg_wgmma_commit();
-  };
-  // Every tile but the last: the next one's scores in flight beside p v.
-  for (int n = 0; n + 1 < n_tiles; ++n) {
-    cg_sm90_pipeline_state next = read;
-    next.advance(S);
-    issue_scores(next);
-    issue_pv(n);
-    cg_wgmma_wait<1>();  // the next tile's scores; p v may still run
-    softmax(n + 1, rescale);
-    cg_wgmma_wait<0>();
-    cg_wgmma_fence_operands<D / 2>(&o[0][0]);
-    cg_mbarrier_arrive(&empty[read.stage]);  // both of the stage's tiles are read
-    cg_flash_rescale(o, rescale);
-    make_p();
-    read = next;
-  }
-  issue_pv(n_tiles - 1);
-  cg_wgmma_wait<0>();
-  cg_wgmma_fence_operands<D / 2>(&o[0][0]);
-  cg_mbarrier_arrive(&empty[read.stage]);
-
-  // The quad's parts of each row's sum, added; o / l; the log-sum-exp.
+  const cg_i64 row0 = warp_row0 + lane / 4;  // this thread's rows: row0 and row0 + 8
+  cg_flash_sm90_rows<Config> rows;
+  cg_flash_sm90_consume<Config, T>(l, rows, l.base + (unsigned int)(consumer * 64 * 128), Tk, warp_row0, row0, 0,
+                                   n_tiles, scale_log2, causal);
+  // o / l; the log-sum-exp.
   float inverse[2];
   CG_UNROLL
   for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    inverse[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    inverse[r] = rows.row_sum[r] > 0.0f ? 1.0f / rows.row_sum[r] : 0.0f;
     const cg_i64 row = row0 + 8 * r;
-    if (quad == 0 && row < Tq) store_lse(row, (row_max[r] + log2f(row_sum[r])) * 0.6931471805599453f);
+    if (quad == 0 && row < Tq) store_lse(row, (rows.row_max[r] + log2f(rows.row_sum[r])) * 0.6931471805599453f);
   }
-  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(
-      o, inverse, staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW, warp_row0, Tq, store_out);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, Config::DV, Config::HEAD_DV>(
+      rows.o, inverse, l.staged() + (consumer * 4 + warp) * 16 * Config::OUT_ROW, warp_row0, Tq, store_out);
+#endif
+}
+
+// Split-KV on the Hopper path (decoding: few query rows over many keys, too
+// few blocks to fill the GPU): cg_flash_attention_sm90 over key tiles
+// [split tiles_per_split, + tiles_per_split) of the row tile's (none where
+// causal ends them sooner). Each consumer warp writes its 16 rows' partial
+// state to `partials` (this row tile's, per split: o's BLOCK_M x DV floats,
+// then each row's maximum and sum, BLOCK_M x 2, as cg_flash_attention_split
+// lays them out; rows past Tq neither stored nor combined) and counts itself
+// in at `arrivals[w]` (w its index among the block's 8 consumer warps; zero
+// before the launch, left zero). The warp that arrives last for those rows
+// combines the splits, each row's in split order (deterministic):
+//   m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s o_s 2^(m_s - m) / l,
+// and stores as cg_flash_attention_sm90 does. Warps count in apart: no
+// block barrier (the producer has returned). splits <= 32.
+template <typename Config, typename T, typename StoreOut, typename StoreLse>
+CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const cg_tensor_map* map_k,
+                                             const cg_tensor_map* map_v, cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m,
+                                             int head, int kv_head, int split, int splits, cg_i64 tiles_per_split,
+                                             float* partials, unsigned int* arrivals, float scale_log2, bool causal,
+                                             StoreOut store_out, StoreLse store_lse, unsigned char* smem) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("trap;");  // no wgmma on this target: the generator never launches this kernel here
+#else
+  constexpr int BM = Config::BLOCK_M, BN = Config::BLOCK_N, DV = Config::DV, SPLIT = BM * (DV + 2);
+  const cg_flash_sm90_layout<Config> l = cg_flash_sm90_setup<Config>(smem);
+  const cg_i64 m0 = tile_m * BM;
+  const cg_i64 keys = causal && m0 + BM < Tk ? m0 + BM : Tk;
+  const cg_i64 n_tiles = (keys + BN - 1) / BN;
+  const cg_i64 begin_tile = (cg_i64)split * tiles_per_split, end_tile = begin_tile + tiles_per_split;
+  const int first = (int)(begin_tile < n_tiles ? begin_tile : n_tiles), end = (int)(end_tile < n_tiles ? end_tile : n_tiles);
+  const int thread = threadIdx.x;
+  if (thread < 128) {
+    cg_setmaxnreg_dec<Config::PRODUCER_REGISTERS>();
+    if (thread == 0 && first < end) cg_flash_sm90_produce(l, map_q, map_k, map_v, m0, head, kv_head, first, end);
+    return;
+  }
+  cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
+  const int consumer = thread / 128 - 1, warp = thread % 128 / 32, lane = thread % 32, g = lane / 4, quad = lane % 4;
+  const int local0 = 64 * consumer + 16 * warp;  // the warp's first row of the block's
+  const cg_i64 warp_row0 = m0 + local0;
+  cg_flash_sm90_rows<Config> rows;
+  if (first < end) {
+    cg_flash_sm90_consume<Config, T>(l, rows, l.base + (unsigned int)(consumer * 64 * 128), Tk, warp_row0,
+                                     warp_row0 + g, first, end, scale_log2, causal);
+  } else {  // no key of this split's: an empty state (its weight is 0)
+    cg_zero_accumulators(rows.o);
+    rows.row_max[0] = rows.row_max[1] = cg_neg_inf();
+    rows.row_sum[0] = rows.row_sum[1] = 0.0f;
+  }
+  // A warp whose rows all lie past Tq has nothing to combine (its counter
+  // is its rows' alone): decoding's one query row stores one row a split.
+  if (warp_row0 >= Tq) return;
+  // This split's state of the warp's rows before Tq: o's pairs, then each row's maximum and sum.
+  float* mine = partials + (cg_i64)split * SPLIT;
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int local = local0 + g + 8 * r;
+    if (warp_row0 + g + 8 * r >= Tq) continue;
+    CG_UNROLL
+    for (int j = 0; j < DV / 8; ++j) {
+      cg_vector<2, float> pair;
+      pair.v[0] = rows.o[j][2 * r];
+      pair.v[1] = rows.o[j][2 * r + 1];
+      cg_store_vector<2, float>(mine, (cg_i64)local * DV + 8 * j + 2 * quad, pair);
+    }
+  }
+  if (quad == 0) {
+    CG_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      if (warp_row0 + g + 8 * r >= Tq) continue;
+      cg_vector<2, float> state;
+      state.v[0] = rows.row_max[r];
+      state.v[1] = rows.row_sum[r];
+      cg_store_vector<2, float>(mine, (cg_i64)BM * DV + 2 * (local0 + g + 8 * r), state);
+    }
+  }
+  if (!cg_warp_last_to_arrive(arrivals + consumer * 4 + warp, (unsigned int)splits)) return;
+  // Each row: lane s weighs split s (2^(m_s - m) / l), the lanes' columns sum the splits in order.
+  for (int r = 0; r < 16; ++r) {
+    const cg_i64 row = warp_row0 + r;
+    if (row >= Tq) break;
+    const cg_i64 state = (cg_i64)BM * DV + 2 * (local0 + r);
+    const float m_s = lane < splits ? cg_load_l2(partials, (cg_i64)lane * SPLIT + state) : cg_neg_inf();
+    float m = m_s;
+    CG_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const float base = m == cg_neg_inf() ? 0.0f : m;
+    float weight = lane < splits ? exp2f(m_s - base) : 0.0f;
+    float l_sum = lane < splits ? cg_load_l2(partials, (cg_i64)lane * SPLIT + state + 1) * weight : 0.0f;
+    CG_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) l_sum += __shfl_xor_sync(0xffffffffu, l_sum, offset);
+    weight *= l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+    if (lane == 0) store_lse(row, (base + log2f(l_sum)) * 0.6931471805599453f);
+    CG_UNROLL
+    for (int j = 0; j < DV / 32; ++j) {
+      const int c = 32 * j + lane;
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s) {
+        const float w = __shfl_sync(0xffffffffu, weight, s);
+        if (c < Config::HEAD_DV) sum += w * cg_load_l2(partials, (cg_i64)s * SPLIT + (cg_i64)(local0 + r) * DV + c);
+      }
+      if (c < Config::HEAD_DV) store_out(row, c, sum);
+    }
+  }
 #endif
 }
 
@@ -319,31 +478,37 @@ CG_DEVICE void cg_flash_attention_sm90(const cg_tensor_map* map_q, const cg_tens
 //     the producer's second warp;
 //   - a query block's step, for its 64 keys: s = q k^T and dp = dO v^T,
 //     p = exp2(s scale_log2 - lse), ds = p (dp_scale dp - delta), dq += ds k.
-// 16-bit q, k, v and dO of one head size (HEAD_D, in a tile D of 64 or 128).
+// 16-bit q, k, v and dO: q and k of one head size (HEAD_D, in a tile D of
+// 64 or 128), v and dO of another (HEAD_DV in DV).
 // Not yet: dq summed by the key blocks with atomics (the query blocks'
 // second pass over s and dp is the price of determinism), heads over 128.
 
 // The backward kernel's compile-time shape: as cg_flash_sm90_config's, 128
-// own rows a block and 64 streamed rows a step.
-template <int D_, int STAGES_, int HEAD_D_ = D_>
+// own rows a block and 64 streamed rows a step. Of each block's two own
+// tensors and of each step's two streamed ones, the first ("a": k or q) is
+// D wide, the second ("b": v or dO) DV wide.
+template <int D_, int STAGES_, int HEAD_D_ = D_, int DV_ = D_, int HEAD_DV_ = (DV_ == D_ ? HEAD_D_ : DV_)>
 struct cg_flash_backward_sm90_config {
-  static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_;
-  static_assert(D == 64 || D == 128, "tiles of 64 or 128 head values (the register-A wgmma's widths)");
-  static_assert(HEAD_D <= D && HEAD_D % 8 == 0, "heads of whole 16-byte chunks, no wider than their tiles");
+  static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_, DV = DV_, HEAD_DV = HEAD_DV_;
+  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
+                "tiles of 64 or 128 head values (the register-A wgmma's widths)");
+  static_assert(HEAD_D <= D && HEAD_D % 8 == 0 && HEAD_DV <= DV && HEAD_DV % 8 == 0,
+                "heads of whole 16-byte chunks, no wider than their tiles");
   static_assert(STAGES >= 2, "a step's rows are copied while the step before is read");
   static constexpr int BLOCK_M = 128, BLOCK_N = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
   // Boxes of 64 columns (one 128-byte swizzle row) by 64 rows: an own tile
   // is two boxes high, a column chunk of 128 rows after another.
   static constexpr int BOX_BYTES = 64 * 128;
   static constexpr int OWN_CHUNK_BYTES = BLOCK_M * 128, STREAM_CHUNK_BYTES = BLOCK_N * 128;
-  static constexpr int OWN_BYTES = (D / 64) * OWN_CHUNK_BYTES, STREAM_BYTES = (D / 64) * STREAM_CHUNK_BYTES;
-  static constexpr int STAGE_BYTES = 2 * STREAM_BYTES;  // q then dO, or k then v
-  static constexpr int STATS_BYTES = 8 * BLOCK_N;       // a stage's rows' (lse, delta)
+  static constexpr int OWN_A_BYTES = (D / 64) * OWN_CHUNK_BYTES, OWN_B_BYTES = (DV / 64) * OWN_CHUNK_BYTES;
+  static constexpr int STREAM_A_BYTES = (D / 64) * STREAM_CHUNK_BYTES, STREAM_B_BYTES = (DV / 64) * STREAM_CHUNK_BYTES;
+  static constexpr int STAGE_BYTES = STREAM_A_BYTES + STREAM_B_BYTES;  // q then dO, or k then v
+  static constexpr int STATS_BYTES = 8 * BLOCK_N;                       // a stage's rows' (lse, delta)
   static constexpr int OUT_ROW = 72, OUT_BYTES = CONSUMERS * 4 * 16 * OUT_ROW * 4;
   // The own tiles' barrier, then each stage's two tensors', statistics' and release barriers.
   static constexpr int BARRIER_BYTES = 8 * (1 + 4 * STAGES);
   static constexpr int SHARED_BYTES =
-      1024 + 2 * OWN_BYTES + STAGES * (STAGE_BYTES + STATS_BYTES) + OUT_BYTES + BARRIER_BYTES;
+      1024 + OWN_A_BYTES + OWN_B_BYTES + STAGES * (STAGE_BYTES + STATS_BYTES) + OUT_BYTES + BARRIER_BYTES;
   static constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
 };
 
@@ -357,11 +522,11 @@ struct cg_flash_backward_sm90_layout {
   float* staged;  // each consumer warp's 16 output rows
   unsigned long long *own_full, *a_full, *b_full, *stats_full, *empty;
   CG_DEVICE unsigned int own_a() const { return base; }
-  CG_DEVICE unsigned int own_b() const { return base + Config::OWN_BYTES; }
+  CG_DEVICE unsigned int own_b() const { return base + Config::OWN_A_BYTES; }
   CG_DEVICE unsigned int stream_a(int stage) const {
-    return base + 2 * Config::OWN_BYTES + (unsigned int)(stage * Config::STAGE_BYTES);
+    return base + Config::OWN_A_BYTES + Config::OWN_B_BYTES + (unsigned int)(stage * Config::STAGE_BYTES);
   }
-  CG_DEVICE unsigned int stream_b(int stage) const { return stream_a(stage) + Config::STREAM_BYTES; }
+  CG_DEVICE unsigned int stream_b(int stage) const { return stream_a(stage) + Config::STREAM_A_BYTES; }
 };
 
 template <typename Config>
@@ -370,7 +535,7 @@ CG_DEVICE cg_flash_backward_sm90_layout<Config> cg_flash_backward_sm90_setup(uns
   cg_flash_backward_sm90_layout<Config> l;
   l.base = (cg_smem_address(smem) + 1023u) & ~1023u;
   l.tiles = cg_smem_pointer(l.base);
-  l.stats = (float*)(l.tiles + 2 * Config::OWN_BYTES + S * Config::STAGE_BYTES);
+  l.stats = (float*)(l.tiles + Config::OWN_A_BYTES + Config::OWN_B_BYTES + S * Config::STAGE_BYTES);
   l.staged = (float*)((unsigned char*)l.stats + S * Config::STATS_BYTES);
   l.own_full = (unsigned long long*)((unsigned char*)l.staged + Config::OUT_BYTES);
   l.a_full = l.own_full + 1;
@@ -401,31 +566,35 @@ CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layou
                                               const cg_tensor_map* own_b, int own0, int own_plane,
                                               const cg_tensor_map* stream_a, const cg_tensor_map* stream_b,
                                               int stream_plane, int first, int end, const float* stats_rows) {
-  constexpr int S = Config::STAGES, D = Config::D, BN = Config::BLOCK_N;
+  constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BN = Config::BLOCK_N;
   const int thread = threadIdx.x;
   if (thread == 0) {
-    cg_mbarrier_arrive_expect_tx(l.own_full, 2 * Config::OWN_BYTES);
+    cg_mbarrier_arrive_expect_tx(l.own_full, Config::OWN_A_BYTES + Config::OWN_B_BYTES);
     CG_UNROLL
     for (int c = 0; c < D / 64; ++c)
       CG_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const unsigned int at = (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES);
-        cg_tma_load_3d(cg_smem_pointer(l.own_a() + at), own_a, 64 * c, own0 + 64 * h, own_plane, l.own_full);
-        cg_tma_load_3d(cg_smem_pointer(l.own_b() + at), own_b, 64 * c, own0 + 64 * h, own_plane, l.own_full);
-      }
+      for (int h = 0; h < 2; ++h)
+        cg_tma_load_3d(cg_smem_pointer(l.own_a() + (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES)),
+                       own_a, 64 * c, own0 + 64 * h, own_plane, l.own_full);
+    CG_UNROLL
+    for (int c = 0; c < DV / 64; ++c)
+      CG_UNROLL
+      for (int h = 0; h < 2; ++h)
+        cg_tma_load_3d(cg_smem_pointer(l.own_b() + (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES)),
+                       own_b, 64 * c, own0 + 64 * h, own_plane, l.own_full);
     cg_sm90_pipeline_state load = {0, 0u};
     for (int n = first; n < end; ++n, load.advance(S)) {
       // Round r of a stage waits for the release of round r - 1 (the first
       // round's wait returns at once: parity 1 of phase 0).
       cg_mbarrier_wait(&l.empty[load.stage], load.phase ^ 1u);
-      cg_mbarrier_arrive_expect_tx(&l.a_full[load.stage], Config::STREAM_BYTES);
+      cg_mbarrier_arrive_expect_tx(&l.a_full[load.stage], Config::STREAM_A_BYTES);
       CG_UNROLL
       for (int c = 0; c < D / 64; ++c)
         cg_tma_load_3d(cg_smem_pointer(l.stream_a(load.stage) + c * Config::STREAM_CHUNK_BYTES), stream_a, 64 * c,
                        n * BN, stream_plane, &l.a_full[load.stage]);
-      cg_mbarrier_arrive_expect_tx(&l.b_full[load.stage], Config::STREAM_BYTES);
+      cg_mbarrier_arrive_expect_tx(&l.b_full[load.stage], Config::STREAM_B_BYTES);
       CG_UNROLL
-      for (int c = 0; c < D / 64; ++c)
+      for (int c = 0; c < DV / 64; ++c)
         cg_tma_load_3d(cg_smem_pointer(l.stream_b(load.stage) + c * Config::STREAM_CHUNK_BYTES), stream_b, 64 * c,
                        n * BN, stream_plane, &l.b_full[load.stage]);
     }
@@ -455,8 +624,8 @@ template <typename Config, typename T, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<Config>& l, const float* stats_rows,
                                            cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, float scale_log2, float dp_scale,
                                            bool causal, StoreDk store_dk, StoreDv store_dv) {
-  constexpr int S = Config::STAGES, D = Config::D, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
-  constexpr int NQ = BN / 8, OT = D / 8;  // n8 column groups: of a step's query rows, of dk's and dv's
+  constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  constexpr int NQ = BN / 8;  // n8 column groups of a step's query rows
   const int thread = threadIdx.x, consumer = thread / 128 - 1;
   const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4, quad = lane % 4;
   const cg_i64 key0 = tile_n * BM;
@@ -464,7 +633,7 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
   const int first = causal ? (int)(key0 / BN) : 0, end = (int)((Tq + BN - 1) / BN);
   const unsigned int k_rows = l.own_a() + (unsigned int)(consumer * 64 * 128);
   const unsigned int v_rows = l.own_b() + (unsigned int)(consumer * 64 * 128);
-  float dk[OT][4], dv[OT][4];
+  float dk[D / 8][4], dv[DV / 8][4];
   cg_zero_accumulators(dk);
   cg_zero_accumulators(dv);
   cg_mbarrier_wait(l.own_full, 0);
@@ -480,7 +649,7 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
     cg_wgmma_commit();
     cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
     cg_wgmma_fence();  // (the last step's dp^T registers were read since)
-    cg_flash_sm90_product<BN, D, T>(&dpt[0][0], v_rows, Config::OWN_CHUNK_BYTES, dout_tile, Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product<BN, DV, T>(&dpt[0][0], v_rows, Config::OWN_CHUNK_BYTES, dout_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<1>();  // s^T; dp^T may still run
     cg_wgmma_fence_operands<BN / 2>(&st[0][0]);
@@ -533,17 +702,17 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
       cg_flash_p_fragment(dsa[kk], dpt, kk, T());
     }
     cg_wgmma_fence();
-    cg_flash_sm90_product_rs<D, BN, T>(&dv[0][0], pa, dout_tile, Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product_rs<DV, BN, T>(&dv[0][0], pa, dout_tile, Config::STREAM_CHUNK_BYTES);
     cg_flash_sm90_product_rs<D, BN, T>(&dk[0][0], dsa, q_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<0>();
-    cg_wgmma_fence_operands<D / 2>(&dv[0][0]);
+    cg_wgmma_fence_operands<DV / 2>(&dv[0][0]);
     cg_wgmma_fence_operands<D / 2>(&dk[0][0]);
     cg_mbarrier_arrive(&l.empty[read.stage]);  // the step's tiles and statistics are read
   }
   const float one[2] = {1.0f, 1.0f};
   float* rows = l.staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW;
-  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(dv, one, rows, warp_key0, Tk, store_dv);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, DV, Config::HEAD_DV>(dv, one, rows, warp_key0, Tk, store_dv);
   cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(dk, one, rows, warp_key0, Tk, store_dk);
 }
 
@@ -554,7 +723,7 @@ template <typename Config, typename T, typename StoreDq>
 CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layout<Config>& l, const float* stats_rows,
                                               cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m, float scale_log2, float dp_scale,
                                               bool causal, StoreDq store_dq) {
-  constexpr int S = Config::STAGES, D = Config::D, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
   constexpr int NK = BN / 8, OT = D / 8;  // n8 column groups: of a step's keys, of dq's
   const int thread = threadIdx.x, consumer = thread / 128 - 1;
   const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4;
@@ -586,7 +755,7 @@ CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layou
     cg_wgmma_commit();
     cg_mbarrier_wait(&l.b_full[read.stage], read.phase);
     cg_wgmma_fence();  // (the last step's dp registers were read since)
-    cg_flash_sm90_product<BN, D, T>(&dp[0][0], dout_rows, Config::OWN_CHUNK_BYTES, v_tile, Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product<BN, DV, T>(&dp[0][0], dout_rows, Config::OWN_CHUNK_BYTES, v_tile, Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<1>();  // s; dp may still run
     cg_wgmma_fence_operands<BN / 2>(&s[0][0]);

@@ -905,6 +905,20 @@ TEST(FlashAttention, ArenaOfADecoderBlockGrowsLinearlyInTokens) {
   std::printf("  arena of the block: %lld bytes at 4096 tokens, %lld at 8192\n", (long long)arena[0], (long long)arena[1]);
 }
 
+// An arena for `c` with its 16-bit inputs (task, slot) of type `d` drawn
+// uniformly from [-1, 1] by a generator seeded with `seed`, zeros elsewhere.
+std::vector<unsigned char> arena_with_inputs(const Compiled& c, std::initializer_list<std::pair<const char*, const char*>> inputs,
+                                             DType d, unsigned seed) {
+  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> value(-1.0, 1.0);
+  for (const auto& [task, slot] : inputs) {
+    const Plan::Location at = c.plan.lookup(c.program, task, slot);
+    for (int64_t i = 0; i < at.bytes / 2; ++i) store_element(arena.data() + at.offset + 2 * i, d, value(rng));
+  }
+  return arena;
+}
+
 // The outputs of `run` whose largest error exceeds 4 units of roundoff of
 // `d` times their largest reference value, or empty. The gradients of q and
 // k go through softmax's, dp - delta, a difference of nearly equal terms, where
@@ -948,9 +962,9 @@ void expect_trained_attention_right(const Compiled& c, const std::string& name, 
 // key blocks a tile of keys, each half of dk's and dv's columns) and 200 (padded to 256: the second
 // half's last columns not stored), heads of 256 with values of 32 (32 rows a step), f16 and bf16.
 // (`arch` "sm_90a": the same cases compiled for Hopper, where those whose
-// heads the Hopper kernels take, 64, 80 and 128, train on them, forward and
-// backward; the one query row over 2049 keys splits its forward on part 1's
-// kernel and trains on the Hopper backward; the rest stay on part 1's.)
+// heads the Hopper kernels take, up to 128 (16 and 32 padded to 64), train on
+// them, forward and backward, the one query row over 2049 keys split 4 ways
+// on the Hopper forward; heads over 128 stay on part 1's.)
 void expect_training_gradients_match(const std::string& arch) {
   CompileOptions options = fusion(true);
   if (!arch.empty()) options.emit.arch = arch;
@@ -972,10 +986,12 @@ void expect_training_gradients_match(const std::string& arch) {
     ASSERT_EQ(c.kernels.size(), 2u);
     EXPECT_TRUE(c.kernels[0].flash_trained && c.kernels[1].flash_trained);
     EXPECT_EQ(c.kernels[1].rule, FusionRule::attention_backward);
-    const bool hopper = arch == "sm_90a" && (k.D == 64 || k.D == 80 || k.D == 128) && k.Dv == 0;
+    const bool hopper = arch == "sm_90a" && k.D <= 128 && k.Dv <= 128;
     EXPECT_NE(c.emitted.cuda_source.find(hopper ? "cg_flash_attention_backward_sm90<cg_config, "
                                                 : "cg_flash_attention_backward<cg_config, "),
               std::string::npos);
+    if (hopper && k.Tk > 2000)
+      EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_split_sm90<cg_config, "), std::string::npos);
     if (k.D > 128)
       for (const EmittedKernel& e : c.emitted.kernels)
         if (e.matmul_path.find("flash attention backward") != std::string::npos)
@@ -998,10 +1014,12 @@ TEST(FlashAttention, TrainingGradientsMatchTheReferenceOnSm90a) { expect_trainin
 // length come as zeros through the 3-D maps), several key tiles through two
 // stages, the causal diagonal inside and across tiles with lengths that
 // differ (top-left), grouped-query attention, heads of 64, 128 and 96
-// (padded), one query row, 1100 keys. Decoding that splits the keys keeps
-// part 1's split kernel and says why; other targets never take it. Three
-// faults, each caught: o not carried from one key tile to the next, the
-// causal mask one key late, the values read before they land.
+// (padded), one query row, 1100 keys. Decoding that splits the keys takes
+// the Hopper kernel's split form (empty splits included), bit-identical
+// from run to run; other targets never take it. Four faults, each caught: o
+// not carried from one key tile to the next, the causal mask one key late,
+// the values read before they land, the two consumers' warps counting in
+// on one counter (the rows combined before every split has arrived).
 TEST(FlashAttention, HopperPathMatchesTheReference) {
   CompileOptions hopper = fusion(true);
   hopper.emit.arch = "sm_90a";
@@ -1045,11 +1063,44 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name + "_sm90a")});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   }
-  {  // Decoding over many keys: split-KV, part 1's kernel, and why.
-    const Compiled c = compile(load_program(flash_attention(DType::bf16, 1, 1, 1, 1100, 64, 64, false), {}), hopper);
-    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_split<cg_config, "), std::string::npos);
-    EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not on the Hopper path: split-KV"), std::string::npos)
+  // Decoding over many keys: split-KV on the Hopper kernel (each consumer
+  // warp's rows combined by the last of their splits to arrive), one query
+  // row over 2100 keys (4 splits of 5 key tiles, the last partial), and
+  // causal over 1100 keys, where a row tile's keys end before its second
+  // split (an empty one) but for its last row tile.
+  for (const auto& [Tq, Tk, causal, ways] :
+       {std::tuple{int64_t(1), int64_t(2100), false, 4}, std::tuple{int64_t(700), int64_t(1100), true, 2}}) {
+    const TaskGraph g = flash_attention(DType::bf16, 1, 1, Tq, Tk, 64, 64, causal);
+    SCOPED_TRACE(g.name);
+    const Compiled c = compile(load_program(g, {}), hopper);
+    EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_split_sm90<cg_config, "), std::string::npos);
+    EXPECT_NE(c.emitted.kernels[0].matmul_path.find(fmt::format("split-KV {} ways (5 key tiles each)", ways)),
+              std::string::npos)
         << c.emitted.kernels[0].matmul_path;
+    EXPECT_EQ(c.emitted.kernels[0].grid[2], ways);
+    const uint64_t seed = test_seed();
+    CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name + "_sm90a")});
+    EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+  }
+  {  // Twice on one arena: the same output bit for bit, the counters left zero.
+    const Compiled c = compile(load_program(flash_attention(DType::f16, 1, 2, 3, 1100, 128, 128, false), {}), hopper);
+    ASSERT_NE(c.emitted.cuda_source.find("cg_flash_attention_split_sm90<cg_config, "), std::string::npos);
+    ASSERT_GT(c.emitted.sync_bytes, 0);
+    std::unique_ptr<Executor> executor = cudagen::testing::make_test_executor(c, work_dir("hopper_split_twice"));
+    const std::vector<unsigned char> arena =
+        arena_with_inputs(c, {{"scores", "a"}, {"scores", "b"}, {"context", "b"}}, DType::f16, 11);
+    executor->write(0, arena.data(), arena.size());
+    const Plan::Location out = c.plan.lookup(c.program, "merged", "out");
+    std::vector<unsigned char> first(size_t(out.bytes)), second(size_t(out.bytes));
+    executor->run(phase_function(Phase::forward));
+    executor->read(out.offset, first.data(), first.size());
+    executor->run(phase_function(Phase::forward));
+    executor->read(out.offset, second.data(), second.size());
+    EXPECT_TRUE(first == second) << "the second run's output differs";
+    EXPECT_GT(std::count_if(first.begin(), first.end(), [](unsigned char b) { return b != 0; }), 0);
+    std::vector<unsigned char> sync(size_t(c.emitted.sync_bytes));
+    executor->read(c.emitted.sync_offset, sync.data(), sync.size());
+    EXPECT_EQ(std::count(sync.begin(), sync.end(), 0), std::ptrdiff_t(sync.size())) << "counters left nonzero";
   }
   for (const char* arch : {"sm_90", "sm_80", "sm_100"}) {  // no wgmma there
     CompileOptions other = fusion(true);
@@ -1058,15 +1109,18 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
     EXPECT_EQ(c.emitted.cuda_source.find("cg_flash_attention_sm90"), std::string::npos) << arch;
     EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention<cg_config, "), std::string::npos) << arch;
   }
-  const char* kernel = "CG_DEVICE void cg_flash_attention_sm90(";
+  const char* kernel = "CG_DEVICE void cg_flash_sm90_consume(";
   expect_fault_caught(compile(load_program(flash_attention(DType::bf16, 1, 1, 70, 300, 128, 128, false), {}), hopper),
-                      kernel, "Config::KV_CHUNK_BYTES, n > 0);", "Config::KV_CHUNK_BYTES, false);",
+                      kernel, "Config::KV_CHUNK_BYTES, n > first);", "Config::KV_CHUNK_BYTES, false);",
                       "hopper_flash_fault_accumulate");
   expect_fault_caught(compile(load_program(flash_attention(DType::bf16, 1, 1, 65, 65, 64, 64, true), {}), hopper), kernel,
                       "warp_row0, row0, causal);", "warp_row0, row0 + 1, causal);", "hopper_flash_fault_mask");
   expect_fault_caught(compile(load_program(flash_attention(DType::f16, 1, 1, 70, 300, 64, 64, false), {}), hopper), kernel,
-                      "cg_mbarrier_wait(&v_full[read.stage], read.phase);",
-                      "cg_mbarrier_wait(&v_full[read.stage], read.phase ^ 1u);", "hopper_flash_fault_values_early");
+                      "cg_mbarrier_wait(l.v_full(read.stage), read.phase);",
+                      "cg_mbarrier_wait(l.v_full(read.stage), read.phase ^ 1u);", "hopper_flash_fault_values_early");
+  expect_fault_caught(compile(load_program(flash_attention(DType::bf16, 1, 1, 70, 2100, 64, 64, false), {}), hopper),
+                      "CG_DEVICE void cg_flash_attention_split_sm90(", "arrivals + consumer * 4 + warp,",
+                      "arrivals + warp,", "hopper_flash_fault_split_counter");
 }
 
 // The Hopper backward (cg_flash_attention_backward_sm90, issue #39) for
@@ -1074,7 +1128,8 @@ TEST(FlashAttention, HopperPathMatchesTheReference) {
 // and the normwise bound: partial tiles of both kinds, query and key lengths
 // that differ both ways (the causal diagonal top-left; key blocks past the
 // last query row see none), two heads, heads of 64, 128 and 80 (padded to
-// 128), grouped-query attention from the derive pass, 300 tokens (3 key
+// 128), values of another width (64 with 128, 128 with 48: padded to 64),
+// grouped-query attention from the derive pass, 300 tokens (3 key
 // blocks and 3 query blocks a head, 5 steps through 2 stages). Asked for the
 // atomic mode it stays deterministic and says so; other targets keep part
 // 1's kernel. Three faults, each caught: the causal mask one query late in
@@ -1092,11 +1147,13 @@ TEST(FlashAttention, HopperBackwardMatchesTheReference) {
     DType d;
     int64_t H, Tq, Tk, D;
     bool causal;
+    int64_t Dv = 0;
   };
   for (const Case& k : {Case{DType::bf16, 2, 130, 100, 64, true}, Case{DType::f16, 1, 65, 65, 64, true},
                         Case{DType::bf16, 1, 70, 200, 128, false}, Case{DType::f16, 1, 90, 90, 80, true},
-                        Case{DType::bf16, 1, 60, 200, 64, true}, Case{DType::bf16, 1, 300, 300, 64, true}}) {
-    const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal);
+                        Case{DType::bf16, 1, 60, 200, 64, true}, Case{DType::bf16, 1, 300, 300, 64, true},
+                        Case{DType::bf16, 1, 100, 130, 64, true, 128}, Case{DType::f16, 1, 130, 70, 128, false, 48}}) {
+    const TaskGraph g = flash_attention_training(k.d, 1, k.H, k.Tq, k.Tk, k.D, k.causal, k.Dv);
     SCOPED_TRACE(g.name);
     const Compiled c = compile(load_program(g, {}), hopper);
     EXPECT_NE(c.emitted.cuda_source.find("cg_flash_attention_sm90<cg_config, "), std::string::npos);
@@ -1107,9 +1164,9 @@ TEST(FlashAttention, HopperBackwardMatchesTheReference) {
     EXPECT_EQ(e.mainloop, MatmulMainloop::flash_attention_hopper);
     EXPECT_EQ(e.tensor_maps.size(), 4u) << "q, k, v and dO";
     for (const auto& [arg, map] : e.tensor_maps) EXPECT_EQ(map.rank(), 3) << "a plane a head";
-    EXPECT_NE(e.matmul_path.find(fmt::format("heads of {}", k.D == 80 ? "80 (padded to 128)" : std::to_string(k.D))),
-              std::string::npos)
-        << e.matmul_path;
+    const std::string heads = fmt::format("heads of {}", k.D == 80 ? "80 (padded to 128)" : std::to_string(k.D)) +
+                              (k.Dv == 0 ? "" : k.Dv == 48 ? " (values 48 (padded to 64))" : fmt::format(" (values {})", k.Dv));
+    EXPECT_NE(e.matmul_path.find(heads), std::string::npos) << e.matmul_path;
     expect_trained_attention_right(c, g.name + "_sm90a", k.Tq, k.Tk, k.d == DType::bf16 ? 0x1p-8 : 0x1p-11);
   }
   {
@@ -1150,10 +1207,10 @@ TEST(FlashAttention, HopperBackwardMatchesTheReference) {
 
 // Part 1's forward cases (FusedChains.FlashAttentionMatchesTheReferenceFusedAndUnfused)
 // compiled for sm_90a (issue #39), the 16-bit types alternating case by
-// case, against the float64 reference: heads of 64 and 128 of one size for
-// q, k and v on the Hopper kernel; values of another width, heads of 16, 32,
-// 192 and 256, and the keys split for decoding on part 1's kernels, which
-// sm_90a keeps for them. (Part 1's two long cases, 1000 x 1000 and 1 x 2049,
+// case, against the float64 reference: heads of up to 128 on the Hopper
+// kernel (16 and 32 padded to 64; values of another width: 32 with 64, 96
+// with 80; the keys split for decoding); heads of 192 and 256 on part 1's
+// kernels, which sm_90a keeps for them. (Part 1's two long cases, 1000 x 1000 and 1 x 2049,
 // are its split path again: left to that test.)
 TEST(FlashAttention, ForwardCasesMatchTheReferenceOnSm90a) {
   CompileOptions hopper = fusion(true);
@@ -1177,8 +1234,11 @@ TEST(FlashAttention, ForwardCasesMatchTheReferenceOnSm90a) {
     SCOPED_TRACE(g.name);
     const Compiled c = compile(load_program(g, {}), hopper);
     ASSERT_EQ(c.emitted.kernels.size(), 1u);
-    const bool hopper_path = c.emitted.cuda_source.find("cg_flash_attention_sm90<cg_config, ") != std::string::npos;
-    EXPECT_EQ(hopper_path, k.D == k.Dv && (k.D == 64 || k.D == 128) && k.Tk < 1024) << c.emitted.kernels[0].matmul_path;
+    bool hopper_path = c.emitted.cuda_source.find("cg_flash_attention_sm90<cg_config, ") != std::string::npos;
+    EXPECT_EQ(hopper_path || c.emitted.cuda_source.find("cg_flash_attention_split_sm90<cg_config, ") != std::string::npos,
+              std::max(k.D, k.Dv) <= 128)
+        << c.emitted.kernels[0].matmul_path;
+    hopper_path |= c.emitted.cuda_source.find("cg_flash_attention_split_sm90<cg_config, ") != std::string::npos;
     if (!hopper_path)  // describe says why not
       EXPECT_NE(c.emitted.kernels[0].matmul_path.find("not on the Hopper path: "), std::string::npos)
           << c.emitted.kernels[0].matmul_path;
@@ -1187,7 +1247,7 @@ TEST(FlashAttention, ForwardCasesMatchTheReferenceOnSm90a) {
     CheckedRun run = run_checked(c, RunOptions{seed, work_dir(g.name + "_sm90a")});
     EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
   }
-  EXPECT_EQ(on_hopper, 3);
+  EXPECT_EQ(on_hopper, 9);
 }
 
 // A thousand tokens, causal (16 tiles of keys and 16 of query rows a head).
@@ -1396,13 +1456,8 @@ TEST(FlashAttention, AtomicBackwardMatchesTheReferenceAndLeavesItsSumsZero) {
   const Compiled c = compile(load_program(flash_attention_training(DType::bf16, 1, 1, 130, 130, 64, true), {}), atomic);
   ASSERT_GT(c.emitted.sync_bytes, 0);
   std::unique_ptr<Executor> executor = cudagen::testing::make_test_executor(c, work_dir("flash_atomic_twice"));
-  std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0);
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<double> value(-1.0, 1.0);
-  for (const auto& [task, slot] : {std::pair{"scores", "a"}, std::pair{"scores", "b"}, std::pair{"context", "b"}, std::pair{"dp", "a"}}) {
-    const Plan::Location at = c.plan.lookup(c.program, task, slot);
-    for (int64_t i = 0; i < at.bytes / 2; ++i) store_element(arena.data() + at.offset + 2 * i, DType::bf16, value(rng));
-  }
+  const std::vector<unsigned char> arena =
+      arena_with_inputs(c, {{"scores", "a"}, {"scores", "b"}, {"context", "b"}, {"dp", "a"}}, DType::bf16, 7);
   executor->write(0, arena.data(), arena.size());
   const Plan::Location dq = c.plan.lookup(c.program, "dq_merged", "out");
   std::vector<unsigned char> first(size_t(dq.bytes)), second(size_t(dq.bytes));

@@ -825,8 +825,10 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The Hopper forward (templates/softmax_flash_sm90.cuh, issue #39) for
 // sm_90a at 4096 tokens: bf16 heads of 64 causal, f16 heads of 128, bf16
-// heads of 96 (padded to 128). All of attention's FLOPs in kernels whose own
-// SASS has HGMMA (wgmma), UTMALDG (TMA, 3-D maps) and SYNCS (the mbarriers),
+// heads of 96 (padded to 128), and decoding (bf16 heads of 64, one query row
+// over 8192 keys, B1 x H4: the split form, 16 ways). All of attention's
+// FLOPs in kernels whose own SASS has HGMMA (wgmma), UTMALDG (TMA, 3-D
+// maps) and SYNCS (the mbarriers),
 // no HMMA and no local memory, no spills; ptxas serialises no wgmma
 // ("Potential Performance Loss", C7509 to C7520) and ignores no setmaxnreg
 // (C7508); each key tile's loop issues D / 16 wgmmas for the scores of the
@@ -841,14 +843,16 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
     DType d;
     int64_t D;
     bool causal;
+    bool decoding = false;
   };
-  const int64_t T = 4096;
-  const std::vector<Head> heads = {Head{DType::bf16, 64, true}, Head{DType::f16, 128, false}, Head{DType::bf16, 96, true}};
+  const std::vector<Head> heads = {Head{DType::bf16, 64, true}, Head{DType::f16, 128, false}, Head{DType::bf16, 96, true},
+                                   Head{DType::bf16, 64, false, true}};
   for (const Head& h : heads) {
-    const std::string n = std::to_string(h.D);
-    auto s = b.task("scores" + n, "matmul").tensor("a", h.d, {8, 12, T, h.D}, ext).tensor("b", h.d, {8, 12, T, h.D}, ext).tensor("out", h.d, {8, 12, T, T}).arg("trans_b", true);
-    auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", h.d, {8, 12, T, T}).arg("scale", 0.125).arg("causal", h.causal);
-    b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", h.d, {8, 12, T, h.D}, ext).tensor("out", h.d, {8, 12, T, h.D}, ext);
+    const std::string n = std::to_string(h.D) + (h.decoding ? "_decoding" : "");
+    const int64_t B = h.decoding ? 1 : 8, H = h.decoding ? 4 : 12, Tq = h.decoding ? 1 : 4096, Tk = h.decoding ? 8192 : 4096;
+    auto s = b.task("scores" + n, "matmul").tensor("a", h.d, {B, H, Tq, h.D}, ext).tensor("b", h.d, {B, H, Tk, h.D}, ext).tensor("out", h.d, {B, H, Tq, Tk}).arg("trans_b", true);
+    auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", h.d, {B, H, Tq, Tk}).arg("scale", 0.125).arg("causal", h.causal);
+    b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", h.d, {B, H, Tk, h.D}, ext).tensor("out", h.d, {B, H, Tq, h.D}, ext);
   }
   CompileOptions options;
   options.emit.arch = "sm_90a";
@@ -867,6 +871,7 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
     const bool on_hopper = count(ops, "HGMMA") > 0 && count(ops, "UTMALDG") > 0 && count(ops, "SYNCS") > 0 &&
                            count(ops, "HMMA") == 0 && count(ops, "LDL") + count(ops, "STL") == 0;
     EXPECT_TRUE(on_hopper) << k.name << ": " << k.matmul_path;
+    EXPECT_EQ(k.matmul_path.find("split-KV 16 ways") != std::string::npos, heads[i].decoding) << k.matmul_path;
     EXPECT_GT(count(ops, "MUFU"), 0) << k.name << ": the exponentials";
     ASSERT_TRUE(report.resources.count(k.name)) << k.name;
     EXPECT_EQ(report.resources.at(k.name).spill_bytes, 0) << k.name;
@@ -895,17 +900,18 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
 }
 
 // An attention trained on the flash kernels, by hand as derive writes it:
-// [8, 12, T, D] heads of q, k and v (external), the forward and the gradient
-// tasks dp, dv, ds, dq, dk.
-static void add_flash_training(GraphBuilder& b, DType d, int64_t T, int64_t D, bool causal) {
+// [8, 12, T, D] heads of q and k, of Dv for v (D where 0; external), the
+// forward and the gradient tasks dp, dv, ds, dq, dk.
+static void add_flash_training(GraphBuilder& b, DType d, int64_t T, int64_t D, bool causal, int64_t Dv = 0) {
   const Storage ext = Storage::external;
-  const std::string n = std::string(to_string(d)) + "_" + std::to_string(D);
-  const Shape rows{8, 12, T, D}, square{8, 12, T, T};
+  if (Dv == 0) Dv = D;
+  const std::string n = std::string(to_string(d)) + "_" + std::to_string(D) + (Dv == D ? "" : "_" + std::to_string(Dv));
+  const Shape rows{8, 12, T, D}, values{8, 12, T, Dv}, square{8, 12, T, T};
   auto s = b.task("scores" + n, "matmul").tensor("a", d, rows, ext).tensor("b", d, rows, ext).tensor("out", d, square).arg("trans_b", true);
   auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", d, square).arg("scale", 0.125).arg("causal", causal);
-  auto c = b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", d, rows, ext).tensor("out", d, rows, ext);
-  auto dp = b.task("dp" + n, "matmul", Phase::backward).tensor("a", d, rows, ext).tensor("b", c["b"]).tensor("out", d, square).arg("trans_b", true);
-  b.task("dv" + n, "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
+  auto c = b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", d, values, ext).tensor("out", d, values, ext);
+  auto dp = b.task("dp" + n, "matmul", Phase::backward).tensor("a", d, values, ext).tensor("b", c["b"]).tensor("out", d, square).arg("trans_b", true);
+  b.task("dv" + n, "matmul", Phase::backward).tensor("a", p["out"]).tensor("b", dp["a"]).tensor("out", d, values, ext).arg("trans_a", true);
   auto ds = b.task("ds" + n, "softmax_backward", Phase::backward).tensor("out", p["out"]).tensor("dout", dp["out"]).tensor("dx", d, square).arg("scale", 0.125);
   b.task("dq" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["b"]).tensor("out", d, rows, ext);
   b.task("dk" + n, "matmul", Phase::backward).tensor("a", ds["dx"]).tensor("b", s["a"]).tensor("out", d, rows, ext).arg("trans_a", true);
@@ -992,17 +998,32 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   EXPECT_EQ(simt_kernels, 4) << "the forward and the backward kernel of heads of 64, for each of two architectures";
 }
 
+// The tile a head of `describe`'s text takes: "heads of 96 (padded to 128)"
+// 128, "heads of 64" 64; 0 where `label` is absent.
+static int tile_of(const std::string& path, const std::string& label) {
+  const size_t at = path.find(label);
+  if (at == std::string::npos) return 0;
+  const char* size = path.c_str() + at + label.size();
+  char* end = nullptr;
+  const int own = int(std::strtol(size, &end, 10));
+  const std::string padded = " (padded to ";
+  return path.compare(size_t(end - path.c_str()), padded.size(), padded) == 0
+             ? int(std::strtol(end + padded.size(), nullptr, 10))
+             : own;
+}
+
 // Attention trained at 4096 tokens for sm_90a (issue #39): bf16 heads of 64
-// causal, f16 heads of 128, bf16 heads of 96 (padded to 128). At least 95% of
+// causal, f16 heads of 128, bf16 heads of 96 (padded to 128), bf16 heads of
+// 64 with values of 128, f16 heads of 32 (padded to 64). At least 95% of
 // the attention's FLOPs (the forward's two products and the four gradient
 // ones) in kernels whose own SASS has HGMMA (wgmma), UTMALDG (TMA) and SYNCS
 // (the mbarriers), no HMMA and no local memory, no spills; ptxas serialises
 // no wgmma (C7509 to C7520, "Potential Performance Loss"), injects no
 // wgmma.fence (C7519: each batch writes its own) and ignores no setmaxnreg
 // (C7508). The backward kernel's two step loops (a key block's,
-// a query block's) issue D / 16 wgmmas of 64 columns for each of s and dp
-// (s^T and dp^T), then 4 register-A ones of D columns for each of dv and
-// dk, or for dq: 2 (2 D / 16) + 12 in all, the loops unrolled no further.
+// a query block's) issue D / 16 wgmmas of 64 columns for s (s^T) and DV /
+// 16 for dp (dp^T), then 4 register-A ones for each of dv and dk, or for
+// dq: 2 (D + DV) / 16 + 12 in all, the loops unrolled no further.
 TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -1010,6 +1031,8 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
   add_flash_training(b, DType::bf16, 4096, 64, true);
   add_flash_training(b, DType::f16, 4096, 128, false);
   add_flash_training(b, DType::bf16, 4096, 96, true);
+  add_flash_training(b, DType::bf16, 4096, 64, true, 128);
+  add_flash_training(b, DType::f16, 4096, 32, false);
   CompileOptions options;
   options.emit.arch = "sm_90a";
   const Compiled c = compile(load_program(std::move(b).graph(), {}), options);
@@ -1034,11 +1057,14 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
     EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name;
     if (k.matmul_path.find("flash attention backward") != std::string::npos) {
       ++backward_kernels;
-      const int tile_d = k.matmul_path.find("heads of 64") != std::string::npos ? 64 : 128;
+      // Both steps take D / 16 + DV / 16 (s, dp), the key block's 4 + 4 (dv,
+      // dk) and the query block's 4 (dq) HGMMA, D and DV the tiles.
+      const int tile_d = tile_of(k.matmul_path, "heads of "), tile_dv = tile_of(k.matmul_path, "(values ");
       const std::vector<cudagen::testing::SassInstruction>& sass = report.sass.at(k.name);
       int loop_hgmma = 0;
       for (const cudagen::testing::SassInstruction& instruction : sass) loop_hgmma += instruction.opcode == "HGMMA";
-      EXPECT_EQ(loop_hgmma, 2 * (2 * tile_d / 16) + 3 * 4) << k.name << ": a key block's and a query block's step";
+      EXPECT_EQ(loop_hgmma, 2 * ((tile_d + (tile_dv > 0 ? tile_dv : tile_d)) / 16) + 3 * 4)
+          << k.name << ": a key block's and a query block's step";
       std::printf("  %s: %d registers, %d HGMMA, %d UTMALDG, %d SYNCS\n", k.name.c_str(),
                   report.resources.at(k.name).registers, count(ops, "HGMMA"), count(ops, "UTMALDG"), count(ops, "SYNCS"));
     }
@@ -1047,7 +1073,7 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
       if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
     if (on_hopper) hopper += flops;
   }
-  EXPECT_EQ(backward_kernels, 3);
+  EXPECT_EQ(backward_kernels, 5);
   ASSERT_GT(total, 0);
   std::printf("  attention FLOPs on the Hopper kernels: %.1f%%\n", 100.0 * double(hopper) / double(total));
   EXPECT_GE(double(hopper), 0.95 * double(total));

@@ -804,7 +804,7 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:77
+// templates/softmax.cuh:78
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -849,7 +849,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:179
+// templates/softmax.cuh:180
 // The gradient of attention for one query row, run by one warp (fusion rule
 // attention_backward: the gradients of scores = alpha q k^T, probs =
 // softmax(scale * scores) and context = alpha_v * probs v in one kernel).
@@ -884,7 +884,7 @@ CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK 
   }
 }
 
-// templates/softmax.cuh:204
+// templates/softmax.cuh:205
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.

@@ -672,7 +672,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/softmax.cuh:77
+// templates/softmax.cuh:78
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
 // For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
@@ -717,7 +717,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:204
+// templates/softmax.cuh:205
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
