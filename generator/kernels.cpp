@@ -272,6 +272,11 @@ static bool hopper_flash_applies(const Program& program, int op_task, const Flas
   return true;
 }
 
+// The narrowest tile of 16, 32, 64, 128 or 256 values that holds a head of `size`.
+static int head_tile(int64_t size) {
+  return size <= 16 ? 16 : size <= 32 ? 32 : size <= 64 ? 64 : size <= 128 ? 128 : 256;
+}
+
 // Split-KV where the blocks of `tile` (its row tiles of `heads` heads) are
 // fewer than `target_blocks`: as many splits as bring them closest to that,
 // each of at least kMinKeyTilesPerSplit key tiles; none where that is one.
@@ -360,12 +365,10 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
     if (size % 8 != 0 || size > 256)
       return refuse(fmt::format("a head of {} values: the flash kernel takes heads of a multiple of 8 values up to 256",
                                 size));
-  // Each head in the narrowest tile of 16, 32, 64, 128 or 256 that holds it.
-  auto tile_of = [](int64_t size) { return size <= 16 ? 16 : size <= 32 ? 32 : size <= 64 ? 64 : size <= 128 ? 128 : 256; };
   tile.head_d = int(q.shape.back());
   tile.head_dv = int(v.shape.back());
-  tile.d = tile_of(tile.head_d);
-  tile.dv = tile_of(tile.head_dv);
+  tile.d = head_tile(tile.head_d);
+  tile.dv = head_tile(tile.head_dv);
   // Heads over 128: o's accumulators take DV / 2 registers a thread, and q's
   // fragments stay in shared memory (cg_flash_config::Q_IN_SHARED); 32 keys a
   // step keep the scores at 16 registers and the stages at 64 KiB (96 KiB
@@ -474,6 +477,12 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
   roles.softmax = softmax;
   roles.values = values;
   FlashAttentionTile tile = *forward;
+  // (The forward's Hopper tile pads heads under 64; part 1's backward takes
+  // the narrowest again, and the Hopper check below pads them anew.)
+  if (tile.hopper) {
+    tile.d = head_tile(tile.head_d);
+    tile.dv = head_tile(tile.head_dv);
+  }
   tile.hopper = false;
   tile.why_not_hopper.clear();
   tile.splits = 1;

@@ -46,24 +46,28 @@ inline constexpr FusionRule kAllFusionRules[] = {
 // Its name in docs/fusion.md, describe and --no-fuse-rule; "" for none.
 const char* to_string(FusionRule rule);
 
+// The Hopper flash kernels' consumer warps a block: two warpgroups.
+inline constexpr int64_t kHopperFlashConsumerWarps = 8;
+
 // Rule attention on tensor cores (templates/softmax_flash.cuh,
 // docs/attention.md): flash attention's tile, cg_flash_config's parameters.
 // A block of block_m / 16 warps owns block_m query rows of one head; keys and
 // values stream through shared memory block_n rows at a time, `stages` tiles
 // in flight.
-// The Hopper flash kernels' consumer warps a block: two warpgroups.
-inline constexpr int64_t kHopperFlashConsumerWarps = 8;
-
 struct FlashAttentionTile {
   int d = 0, dv = 0, block_m = 64, block_n = 64, stages = 2;
   // The heads' own sizes, where narrower than the tiles' d and dv (padded: 80
-  // or 96 values in tiles of 128); equal otherwise.
+  // or 96 values in tiles of 128; on the Hopper kernels, 16 or 32 in tiles of
+  // 64); equal otherwise.
   int head_d = 0, head_dv = 0;
   // Split-KV (decoding): where the blocks of row tiles and heads are fewer
-  // than kFlashBlocksPerSm a SM of the target, the key tiles are cut into `splits` ranges of
+  // than kFlashBlocksPerSm a SM of the target (kHopperFlashBlocksPerSm for
+  // the Hopper kernel), the key tiles are cut into `splits` ranges of
   // `tiles_per_split` tiles (at least kMinKeyTilesPerSplit, at most
   // kMaxKeySplits ranges), a block each, combined in split order by the last
-  // block of each row tile (cg_flash_attention_split); 1: no split.
+  // block of each row tile (cg_flash_attention_split), or on the Hopper
+  // kernel by each consumer warp's last split to arrive
+  // (cg_flash_attention_split_sm90); 1: no split.
   int splits = 1;
   int64_t tiles_per_split = 0;
   // The blocks a SM that its registers are budgeted for (__launch_bounds__).
@@ -104,7 +108,7 @@ struct FlashAttentionTile {
   }
   // The workspace of a split attention over `heads` heads and `m_tiles` row
   // tiles: each split's partial rows (its block_m rows of o, dv floats each,
-  // then their maxima and sums, 2 floats a row) and a counter per row tile.
+  // then their maxima and sums, 2 floats a row); its counters: arrival_counters.
   int64_t partial_floats(int64_t heads, int64_t m_tiles) const {
     return splits > 1 ? heads * m_tiles * splits * block_m * (dv + 2) : 0;
   }
@@ -127,7 +131,9 @@ struct FlashAttentionTile {
     return std::max<int64_t>(element_bytes() * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
                              int64_t(4) * block_m * (dv + 8));
   }
-  std::string arguments() const;  // "64, 64, 64, 64, 2" (and the heads' sizes where padded); Hopper: "128, 2, 96"
+  // "64, 64, 64, 64, 2" (and the heads' sizes where padded); Hopper: "128, 2, 96" (D, STAGES,
+  // HEAD_D), and DV, HEAD_DV after them where the values differ: "64, 2, 64, 128, 128".
+  std::string arguments() const;
   std::string describe() const;   // "64 query rows a block (4 warps), 64 keys a step, 2 stages, heads of 64"
   std::string heads() const;      // "64", "80 (padded to 128)", "64 (values 128)"
   // The backward kernel's (cg_flash_backward_shared): a block's own rows of
@@ -680,8 +686,8 @@ inline constexpr int64_t kMinKeyTilesPerSplit = 4;
 // two 16 KiB stages in flight, too few to cover an SM's share of the
 // bandwidth; a split aims at this many blocks a SM (5 fit, by shared memory).
 inline constexpr int64_t kFlashBlocksPerSm = 4;
-// The Hopper forward's blocks fit one a SM (117 to 200 KiB of shared
-// memory); each keeps two stages of 32 or 64 KiB in flight, enough for its
+// The Hopper forward's blocks fit one a SM (117 to 197 KiB of shared
+// memory); each keeps two stages of 32 to 64 KiB in flight, enough for its
 // share of the bandwidth: a split aims at one block a SM.
 inline constexpr int64_t kHopperFlashBlocksPerSm = 1;
 inline constexpr int kMaxKeySplits = 32;

@@ -8,8 +8,8 @@
 //   - q, k and v by TMA through 3-D tensor maps (head size x length x
 //     heads), so that a tile never reads another head's rows: rows past the
 //     head's length, and the columns of a head narrower than its tile (80 or
-//     96 values in a tile of 128), arrive as zeros; written with the 128-byte
-//     swizzle as boxes of 64 columns;
+//     96 values in a tile of 128, 16 or 32 in a tile of 64), arrive as
+//     zeros; written with the 128-byte swizzle as boxes of 64 columns;
 //   - q once; keys and values STAGES tiles of 128 in flight, each on its own
 //     "full" mbarrier (a tile's scores start when its keys have landed, its
 //     values may still be on their way), a stage released ("empty") by every
