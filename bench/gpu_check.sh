@@ -41,7 +41,8 @@
 #    (bf16, B8 x H8 x T2048 causal) forward and trained beside SDPA;
 #  - flash attention's Hopper kernels (sm_90a, issue #39) against part 1's (--arch sm_90) on the same
 #    GPU, heads of 64 and 128, T2048/8192: the forward causal and not, a training step causal;
-#    decoding over 8192 keys (split-KV) and heads of 32 (padded to 64 on the Hopper kernel);
+#    decoding over 8192 keys (split-KV), heads of 32 (padded to 64 on the Hopper kernel) and heads
+#    of 256 forward and trained;
 #  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
 #    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
 #    (bench/resnet_torch.py); the gradients of six of its convolutions (dx and dweight, batch 32) beside
@@ -210,44 +211,41 @@ if have_time 60 "the flash attention benchmark"; then
 fi
 echo
 echo "flash attention's Hopper kernels (issue #39, docs/attention.md \"The Hopper path\"; sm_90a, the GPU's own target)"
-echo "against part 1's kernel on the same GPU (--arch sm_90: mma.sync), bf16, B8 x H12, heads of 64 and 128,"
+echo "against part 1's kernel on the same GPU (--arch sm_90: mma.sync), bf16, B8 x H12, heads of 32 to 256,"
 echo "kernels only, mean of 20; ratio = part 1's time / the Hopper kernel's (SDPA's times: the table above):"
 if have_time 60 "the Hopper flash attention benchmark"; then
+  # One row: the graph that attention_graph.py writes from the arguments after the row's name,
+  # timed on the Hopper kernels and on part 1's (--step where trained: the forward, the rows'
+  # statistics and the backward kernel).
+  hopper_row() {
+    local name=$1 g="$log/attention_hopper_row.json" step=
+    shift
+    case " $* " in *" --train "*) step=--step ;; esac
+    python3 bench/attention_graph.py "$@" -o "$g"
+    local hopper part1
+    hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 $step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+    part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 $step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
+    awk -v n="$name" -v h="$hopper" -v p="$part1" \
+      'BEGIN { printf "%-30s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
+  }
   for head in 64 128; do
     for tokens in 2048 8192; do
       for causal in "" --causal; do
-        g="$log/attention_h${head}_${tokens}${causal}.json"
-        python3 bench/attention_graph.py --tokens $tokens --head $head $causal -o "$g"
-        hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-        part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-        awk -v n="heads $head T$tokens${causal:+ causal}" -v h="$hopper" -v p="$part1" \
-          'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
+        hopper_row "heads $head T$tokens${causal:+ causal}" --tokens $tokens --head $head $causal
       done
     done
   done
-  # Decoding (one query row a head over 8192 keys, B8 x H12: split-KV on both), and heads of 32
-  # (padded to 64 on the Hopper kernel) at T2048.
-  g="$log/attention_decode_h64.json"
-  python3 bench/attention_graph.py --queries 1 --tokens 8192 --head 64 -o "$g"
-  hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-  part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-  awk -v n="decoding heads 64 T8192" -v h="$hopper" -v p="$part1" \
-    'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
-  g="$log/attention_h32_2048.json"
-  python3 bench/attention_graph.py --tokens 2048 --head 32 --causal -o "$g"
-  hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-  part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-  awk -v n="heads 32 T2048 causal" -v h="$hopper" -v p="$part1" \
-    'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
-  # Trained (--step: the forward, the rows' statistics and the backward kernel), causal.
+  # Decoding (one query row a head over 8192 keys, B8 x H12: split-KV on both), heads of 32
+  # (padded to 64 on the Hopper kernel) at T2048, and heads of 256 (Gemma's: 64 keys a step
+  # forward, two key blocks a tile of keys and 32 rows a step trained).
+  hopper_row "decoding heads 64 T8192" --queries 1 --tokens 8192 --head 64
+  hopper_row "heads 32 T2048 causal" --tokens 2048 --head 32 --causal
+  hopper_row "heads 256 T2048 causal" --tokens 2048 --head 256 --causal
+  hopper_row "trained heads 256 T2048 causal" --train --tokens 2048 --head 256 --causal
+  # Trained, causal.
   for head in 64 128; do
     for tokens in 2048 8192; do
-      g="$log/attention_train_h${head}_${tokens}.json"
-      python3 bench/attention_graph.py --train --tokens $tokens --head $head --causal -o "$g"
-      hopper=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-      part1=$("$kit/bin/bench_megakernel" --modes kernels --runs 20 --arch sm_90 --step "$g" 2>&1 | sed -n 2p | awk '{print $4}')
-      awk -v n="trained heads $head T$tokens causal" -v h="$hopper" -v p="$part1" \
-        'BEGIN { printf "%-28s Hopper %8.4f ms  part 1 %8.4f ms  ratio %.2fx\n", n, h, p, p / h }'
+      hopper_row "trained heads $head T$tokens causal" --train --tokens $tokens --head $head --causal
     done
   done
 fi

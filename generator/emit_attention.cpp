@@ -281,14 +281,16 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
     // q, k and v by TMA: 3-D maps (a plane a head, so that a tile's rows
     // past its head's length arrive as zeros), in place of their pointers.
     const int64_t kv_heads = numel(kk.buffer->shape) / (Tk * D);
-    auto map = [&](const char* name, const Param& operand, int head_size, int64_t rows, int64_t planes) {
+    // Boxes of 64 columns by a tile's rows: q's block_m, k's and v's block_n.
+    auto map = [&](const char* name, const Param& operand, int head_size, int64_t rows, int64_t planes, int box_rows) {
       const int64_t row_bytes = int64_t(head_size) * 2;
       return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
                          0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, head_size, rows,
-                                          row_bytes, 64, 128, planes, rows * row_bytes}};
+                                          row_bytes, 64, box_rows, planes, rows * row_bytes}};
     };
-    std::vector<LaunchParam> launch = {map("q_map", q, tile.head_d, Tq, heads), map("k_map", kk, tile.head_d, Tk, kv_heads),
-                                       map("v_map", v, tile.head_dv, Tk, kv_heads)};
+    std::vector<LaunchParam> launch = {map("q_map", q, tile.head_d, Tq, heads, tile.block_m),
+                                       map("k_map", kk, tile.head_d, Tk, kv_heads, tile.block_n),
+                                       map("v_map", v, tile.head_dv, Tk, kv_heads, tile.block_n)};
     use_function(softmax, "cg_flash_sm90_config");
     const std::string body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
@@ -619,11 +621,14 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     ek.grid[1] = heads;
     ek.min_blocks_per_sm = tile->min_blocks_per_sm;
     const bool hopper = tile->hopper;
+    const std::string key_split_note =
+        tile->key_splits() > 1 ? fmt::format("; {} a tile of keys, each summing a share of their columns", tile->key_splits())
+                               : "";
     ek.matmul_path = hopper ? fmt::format(
         "tensor cores: flash attention backward on the Hopper path (templates/softmax_flash_sm90.cuh), sm_90a: TMA and "
         "wgmma, {} key rows or query rows a block (a producer warpgroup, two consumers), {} rows a step, {} stages, "
-        "heads of {}; {} blocks of keys (dk, dv) and {} of query rows (dq) a head{}",
-        tile->block_m, tile->block_n, tile->stages, tile->heads(), key_blocks, query_tiles,
+        "heads of {}; {} blocks of keys (dk, dv{}) and {} of query rows (dq) a head{}",
+        tile->block_m, tile->block_n, tile->stages, tile->heads(), key_blocks, key_split_note, query_tiles,
         options_.atomic_attention_backward && dq.present
             ? " (the Hopper kernel has no atomic mode: dq in blocks of its own, bit-identical from run to run)"
             : "") : fmt::format(
@@ -631,9 +636,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         "warps{}), {} rows a step, {} stages, heads of {}{}; {} blocks of keys (dk, dv{}{}) and {} of query rows (dq) a head{}",
         tile->cores(), tile->block_m, tile->block_m / 16,
         tile->min_blocks_per_sm > 1 ? fmt::format("; registers for {} blocks a SM", tile->min_blocks_per_sm) : "",
-        tile->block_n, tile->stages, tile->head_d, tile->f32_note(), key_blocks, atomic ? ", dq" : "",
-        tile->key_splits() > 1 ? fmt::format("; {} a tile of keys, each summing a share of their columns", tile->key_splits())
-                               : "",
+        tile->block_n, tile->stages, tile->head_d, tile->f32_note(), key_blocks, atomic ? ", dq" : "", key_split_note,
         query_tiles,
         atomic ? ", dq summed with atomics (--atomic-attention-backward: not bit-identical from run to run)"
         : options_.atomic_attention_backward && dq.present
@@ -665,7 +668,8 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
       use_function(ds_op, function);
     if (hopper) {
       // q, k, v and dO by TMA: 3-D maps (a plane a head; rows past a head's
-      // length arrive as zeros), boxes of 64 x 64, in place of their pointers.
+      // length arrive as zeros), boxes of 64 columns by a step's rows (an own
+      // tile several boxes high), in place of their pointers.
       std::erase_if(launch, [](const LaunchParam& lp) {
         return lp.name == "q" || lp.name == "k" || lp.name == "v" || lp.name == "dcontext";
       });
@@ -675,7 +679,7 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
         const int64_t row_bytes = int64_t(head_size) * 2;
         return LaunchParam{name, "const cg_tensor_map", operand.bound->buffer, nullptr, false, -1,
                            0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, head_size, rows,
-                                            row_bytes, 64, 64, planes, rows * row_bytes}};
+                                            row_bytes, 64, tile->block_n, planes, rows * row_bytes}};
       };
       const std::vector<LaunchParam> maps = {
           map("q_map", q, tile->head_d, Tq, heads), map("k_map", kp, tile->head_d, Tk, kv_heads),

@@ -248,8 +248,8 @@ std::string FlashAttentionTile::describe() const {
 
 // Whether the forward on `tile` (part 1's choice) runs on the Hopper kernel
 // instead (templates/softmax_flash_sm90.cuh): sm_90a, 16-bit, heads of up to
-// 128 (q's and k's, v's), sizes a TMA coordinate holds. `why` says why not.
-// Where it applies, the caller pads heads under 64 to tiles of 64
+// 256 (q's and k's, v's), sizes a TMA coordinate holds. `why` says why not.
+// Where it applies, the caller pads heads to whole tiles of 64
 // (hopper_head_tiles) and takes its own split-KV decision for its tiles.
 // The backward pass (`backward`: task `op_task` is the softmax_backward)
 // the same, on cg_flash_attention_backward_sm90.
@@ -266,7 +266,7 @@ static bool hopper_flash_applies(const Program& program, int op_task, const Flas
     if (op.closure_of(variant) == nullptr)
       return why = fmt::format("op '{}' has no Hopper kernel (variant {})", op.name, variant), false;
   if (tile.element_bytes() != 2) return why = "f32 q, k and v (the Hopper kernel takes 16-bit ones)", false;
-  if (std::max(tile.d, tile.dv) > 128) return why = "heads of up to 128 values", false;
+  if (std::max(tile.head_d, tile.head_dv) > 256) return why = "heads of up to 256 values", false;
   if (Tq >= (int64_t(1) << 31) || Tk >= (int64_t(1) << 31) || heads >= (int64_t(1) << 31))
     return why = "a length or head count over 2^31 (a TMA coordinate)", false;
   return true;
@@ -293,13 +293,25 @@ static void split_keys(FlashAttentionTile& tile, int64_t heads, int64_t Tq, int6
   }
 }
 
-// The Hopper kernels' tiles are 128-byte swizzle rows of 64 values: heads
-// under 64 arrive padded with zeros (TMA fills the columns past the head),
-// their products over the padding wasted (half of q k^T's and p v's at heads
-// of 32) but the copies, the softmax and the stores the head's own.
-static void hopper_head_tiles(FlashAttentionTile& tile) {
-  tile.d = std::max(tile.d, 64);
-  tile.dv = std::max(tile.dv, 64);
+// The Hopper kernels' tiles are 128-byte swizzle rows of 64 values, 64 or
+// 128 of them (the heads' up to 128, as part 1's tiles) or, over 128, the
+// forward's the head's own rounded up to 64 (192 or 256), the backward's 256
+// and the other tile at least 128 (a key block sums half of each: whole
+// boxes of 64); the columns past a head arrive as zeros (TMA fills them),
+// their products wasted (half of q k^T's and p v's at heads of 32) but the
+// copies, the softmax and the stores the head's own. Over heads of 128 a
+// step is 64 keys (the forward) or 32 rows (the backward).
+static void hopper_head_tiles(FlashAttentionTile& tile, bool backward) {
+  const bool wide = std::max(tile.head_d, tile.head_dv) > 128;
+  auto width = [&](int head, int part1) {
+    if (!wide) return std::max(part1, 64);
+    if (backward) return head > 128 ? 256 : 128;
+    return head > 128 ? (head + 63) / 64 * 64 : std::max(part1, 64);
+  };
+  tile.d = width(tile.head_d, tile.d);
+  tile.dv = width(tile.head_dv, tile.dv);
+  tile.block_m = 128;
+  tile.block_n = backward ? (wide ? 32 : 64) : (wide ? 64 : 128);
 }
 
 std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program, int scores, int softmax, bool megakernel,
@@ -411,9 +423,7 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
     if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
   } else {
     tile.hopper = true;
-    hopper_head_tiles(tile);
-    tile.block_m = 128;
-    tile.block_n = 128;
+    hopper_head_tiles(tile, false);
     tile.stages = 2;
     tile.min_blocks_per_sm = 1;
     split_keys(tile, numel(lead_q), Tq, Tk, kHopperFlashBlocksPerSm * device_model(target).sms);
@@ -527,10 +537,8 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
   } else {
     tile.hopper = true;
-    hopper_head_tiles(tile);
+    hopper_head_tiles(tile, true);
     tile.atomic_dq = false;
-    tile.block_m = 128;
-    tile.block_n = 64;
     tile.stages = 2;
     tile.min_blocks_per_sm = 1;
   }

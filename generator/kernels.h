@@ -84,9 +84,11 @@ struct FlashAttentionTile {
   bool simt_f32 = false;
   // The Hopper kernels (templates/softmax_flash_sm90.cuh, sm_90a): TMA and
   // wgmma, a producer warpgroup and two consumers of 64 rows each, heads in
-  // tiles of 64 or 128 (narrower heads padded to 64). The forward: 128 query rows a block and
-  // 128 keys a step; the backward: 128 own rows (keys or query rows) a
-  // block and 64 streamed rows a step.
+  // tiles of 64 or 128 (narrower heads padded to 64) or, over 128, of 192
+  // or 256 (the backward's 256, beside 128 or 256). The forward: 128 query
+  // rows a block and 128 keys a step (64 over heads of 128); the backward:
+  // 128 own rows (keys or query rows) a block and 64 streamed rows a step
+  // (32 over heads of 128, key_splits() blocks a tile of keys).
   bool hopper = false;
   std::string why_not_hopper;  // on sm_90a, where a pass keeps part 1's kernel: why (describe)
   int threads() const { return hopper ? 384 : 32 * (block_m / 16); }
@@ -122,12 +124,13 @@ struct FlashAttentionTile {
   // values, or the staged output tile where more.
   // The Hopper forward's (cg_flash_sm90_config::SHARED_BYTES): 1 KiB of
   // alignment slack, the q tile, the stages, each consumer warp's staged
-  // output rows (16 x 72 floats), the barriers. (The emitted kernel
-  // static_asserts that the two agree: shared_bytes_agree in emitter.h.)
+  // output rows (16 x 72 floats, 16 x 40 over heads of 192), the barriers.
+  // (The emitted kernel static_asserts that the two agree:
+  // shared_bytes_agree in emitter.h.)
   int64_t shared_bytes() const {
     if (hopper)
-      return 1024 + 2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)) + 8 * 16 * 72 * 4 +
-             8 * (1 + 3 * int64_t(stages));
+      return 1024 + 2 * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)) +
+             8 * 16 * (std::max(d, dv) > 192 ? 40 : 72) * 4 + 8 * (1 + 3 * int64_t(stages));
     return std::max<int64_t>(element_bytes() * (int64_t(block_m) * d + int64_t(stages) * block_n * (d + dv)),
                              int64_t(4) * block_m * (dv + 8));
   }
@@ -143,11 +146,11 @@ struct FlashAttentionTile {
   // The Hopper backward's (cg_flash_backward_sm90_config::SHARED_BYTES): 1
   // KiB of alignment slack, the own tiles of two tensors, the stages of two
   // streamed tiles and their rows' statistics, each consumer warp's staged
-  // output rows (16 x 72 floats), the barriers.
+  // output rows (16 x 72 floats, 16 x 40 over heads of 128), the barriers.
   int64_t backward_shared_bytes(bool atomic_dq = false) const {
     if (hopper)
       return 1024 + 2 * int64_t(block_m) * (d + dv) + int64_t(stages) * (2 * int64_t(block_n) * (d + dv) + 8 * block_n) +
-             8 * 16 * 72 * 4 + 8 * (1 + 4 * int64_t(stages));
+             8 * 16 * (std::max(d, dv) > 128 ? 40 : 72) * 4 + 8 * (1 + 4 * int64_t(stages));
     const int64_t main = element_bytes() * (int64_t(block_m) * (d + dv) + int64_t(stages) * block_n * (d + dv)) +
                          8 * int64_t(stages) * block_n +
                          (atomic_dq ? 2 * int64_t(block_m) * block_n : 0);
@@ -674,9 +677,11 @@ inline int64_t flash_backward_statistics_rows(int64_t Tq) {
 // and dv's columns: FlashAttentionTile::key_splits). f32 q, k and v as the
 // forward takes them: as TF32 with `allow_tf32` (--allow-tf32), otherwise
 // exact on CUDA cores, tiles of 32 to 128 (as the forward's). On sm_90a,
-// where the Hopper kernels take the heads (16-bit, heads of up to 128, q's
-// and k's and v's each in a tile of 64 or 128), the Hopper backward instead (`hopper`): 384 threads, 128 own
-// rows a block, 64 streamed a step, two stages, no atomic mode.
+// where the Hopper kernels take the heads (16-bit, heads of up to 256, q's
+// and k's and v's each in a tile of 64, 128 or 256), the Hopper backward
+// instead (`hopper`): 384 threads, 128 own rows a block, 64 streamed a step
+// (32 over heads of 128, two key blocks a tile of keys), two stages, no
+// atomic mode.
 std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program, FlashTraining& roles, bool megakernel,
                                                          std::string* why_not = nullptr,
                                                          const Target& target = "sm_90", bool atomic_dq = false,

@@ -409,6 +409,40 @@ CG_DEVICE void cg_flash_attention(const T* q, const T* k, const T* v, cg_i64 Tq,
   }
 }
 
+// A warp's 16 rows of a split's partial state (split-KV) into `mine`, its
+// split's share of the workspace (the row tile's BM x DV floats of o, then
+// BM (maximum, sum) pairs): o's pairs (the thread's columns 8 j + 2 (lane %
+// 4)), then lane % 4 == 0 stores each row's maximum and sum, for the warp's
+// rows local0 + r, r < rows (the others, past Tq, neither stored nor read).
+template <int BM, int DV>
+CG_DEVICE void cg_flash_store_partial_rows(float* mine, const float (&o)[DV / 8][4], const float row_max[2],
+                                           const float row_sum[2], int local0, cg_i64 rows) {
+  const int lane = (int)threadIdx.x & 31, g = lane >> 2, quad = lane & 3;
+  CG_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    if (g + 8 * r >= rows) continue;
+    CG_UNROLL
+    for (int j = 0; j < DV / 8; ++j) {
+      cg_vector<2, float> pair;
+      pair.v[0] = o[j][2 * r];
+      pair.v[1] = o[j][2 * r + 1];
+      cg_store_vector<2, float>(mine, (cg_i64)(local0 + g + 8 * r) * DV + 8 * j + 2 * quad, pair);
+    }
+  }
+  // (After every lane's stores of o: the emulation groups a warp's requests by
+  // their order in each lane, as the GPU issues them.)
+  if (quad == 0) {
+    CG_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      if (g + 8 * r >= rows) continue;
+      cg_vector<2, float> state;
+      state.v[0] = row_max[r];
+      state.v[1] = row_sum[r];
+      cg_store_vector<2, float>(mine, (cg_i64)BM * DV + 2 * (local0 + g + 8 * r), state);
+    }
+  }
+}
+
 // Split-KV (decoding: few query rows over many keys, too few blocks to fill
 // the GPU): the same attention with the keys cut into `splits` ranges of
 // `tiles_per_split` key tiles, one block each (`split`). Each block writes its
@@ -425,36 +459,14 @@ CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i
                                         int split, int splits, cg_i64 tiles_per_split, float* partials,
                                         unsigned int* arrivals, float scale_log2, bool causal, StoreOut store_out,
                                         StoreLse store_lse, T* smem) {
-  constexpr int BM = Config::BLOCK_M, DV = Config::DV, OT = DV / 8, SPLIT = BM * (DV + 2);
+  constexpr int BM = Config::BLOCK_M, DV = Config::DV, SPLIT = BM * (DV + 2);
   cg_flash_rows<Config> rows;
   cg_flash_mainloop<Config, T>(rows, q, k, v, Tq, Tk, tile_m, split * tiles_per_split,
                                (split + 1) * tiles_per_split, scale_log2, causal, smem);
-  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 m0 = tile_m * BM;
-  // This split's state: o's pairs, then (t = 0) each row's maximum and sum.
-  float* mine = partials + (cg_i64)split * SPLIT;
-  CG_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int local = 16 * warp + g + 8 * r;
-    CG_UNROLL
-    for (int j = 0; j < OT; ++j) {
-      cg_vector<2, float> pair;
-      pair.v[0] = rows.o[j][2 * r];
-      pair.v[1] = rows.o[j][2 * r + 1];
-      cg_store_vector<2, float>(mine, (cg_i64)local * DV + 8 * j + 2 * t, pair);
-    }
-  }
-  // (After every lane's stores of o: the emulation groups a warp's requests by
-  // their order in each lane, as the GPU issues them.)
-  if (t == 0) {
-    CG_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      cg_vector<2, float> state;
-      state.v[0] = rows.row_max[r];
-      state.v[1] = rows.row_sum[r];
-      cg_store_vector<2, float>(mine, (cg_i64)BM * DV + 2 * (16 * warp + g + 8 * r), state);
-    }
-  }
+  // This split's state of the warp's rows (all of them: the combine skips those past Tq).
+  cg_flash_store_partial_rows<BM, DV>(partials + (cg_i64)split * SPLIT, rows.o, rows.row_max, rows.row_sum,
+                                      16 * ((int)threadIdx.x >> 5), BM);
   if (!cg_last_to_arrive(arrivals, splits, (unsigned int*)smem)) return;
   // Each row's weight of each split, 2^(m_s - m) / l, into shared memory (after the flag).
   float* weight = (float*)smem + 32;

@@ -8,53 +8,62 @@
 //   - q, k and v by TMA through 3-D tensor maps (head size x length x
 //     heads), so that a tile never reads another head's rows: rows past the
 //     head's length, and the columns of a head narrower than its tile (80 or
-//     96 values in a tile of 128, 16 or 32 in a tile of 64), arrive as
-//     zeros; written with the 128-byte swizzle as boxes of 64 columns;
-//   - q once; keys and values STAGES tiles of 128 in flight, each on its own
-//     "full" mbarrier (a tile's scores start when its keys have landed, its
-//     values may still be on their way), a stage released ("empty") by every
-//     consumer thread once the wgmma that read its values has completed;
-//   - s = q k^T by wgmma m64n128k16, both operands from shared memory; the
-//     online softmax in registers (exp2, the scale folded into one
-//     multiply); p, rounded to 16 bits, stays in registers as the A operand
-//     of o += p v (the register form of wgmma, m64nDk16, v N-major);
+//     96 values in a tile of 128, 16 or 32 in a tile of 64, 160 in one of
+//     192), arrive as zeros; written with the 128-byte swizzle as boxes of
+//     64 columns;
+//   - q once; keys and values STAGES tiles of 128 (64 over heads of 128)
+//     in flight, each on its own "full" mbarrier (a tile's scores start when
+//     its keys have landed, its values may still be on their way), a stage
+//     released ("empty") by every consumer thread once the wgmma that read
+//     its values has completed;
+//   - s = q k^T by wgmma m64n128k16 (m64n64k16 over heads of 128), both
+//     operands from shared memory; the online softmax in registers (exp2,
+//     the scale folded into one multiply); p, rounded to 16 bits, stays in
+//     registers as the A operand of o += p v (the register form of wgmma,
+//     m64nDk16, v N-major);
 //   - within a warpgroup, the next tile's s = q k^T is issued before this
 //     tile's o += p v, and its softmax runs while p v does;
 //   - causal attention visits no key tile past the block's last row and
 //     masks the tiles that cross a warp's diagonal or the last keys;
 //   - the output through each warp's own rows of shared memory, a chunk of
-//     64 columns at a time, so that the stores are a warp's consecutive
-//     columns;
+//     64 columns (32 over heads of 192) at a time, so that the stores are a
+//     warp's consecutive columns;
 //   - decoding (few query rows over many keys): the keys split among blocks
 //     (cg_flash_attention_split_sm90), each consumer warp's partial rows
 //     combined by the last of its splits to arrive.
 // sm_90a only (wgmma, setmaxnreg); compiled for any other target it traps,
 // and the generator never launches it there (generator/arch.h). Not yet:
 // the two consumers' softmax scheduled against each other's products
-// (ping-pong), heads over 128.
+// (ping-pong).
 
-// The kernel's compile-time shape: a tile of D (64 or 128) head values for
+// The kernel's compile-time shape: a tile of D (64, 128, 192 or 256) head values for
 // q and k, DV for v and o, HEAD_D and HEAD_DV of them the heads' own (at
 // most their tiles, a multiple of 8: rows of whole 16-byte chunks, as TMA
 // needs; narrower heads arrive padded with zeros), STAGES key tiles in flight.
 template <int D_, int STAGES_, int HEAD_D_ = D_, int DV_ = D_, int HEAD_DV_ = (DV_ == D_ ? HEAD_D_ : DV_)>
 struct cg_flash_sm90_config {
   static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_, DV = DV_, HEAD_DV = HEAD_DV_;
-  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
-                "tiles of 64 or 128 head values (the register-A wgmma's widths)");
+  static_assert((D % 64 == 0 && D >= 64 && D <= 256) && (DV % 64 == 0 && DV >= 64 && DV <= 256),
+                "tiles of 64, 128, 192 or 256 head values (the register-A wgmma's widths, whole swizzle rows)");
   static_assert(HEAD_D <= D && HEAD_D % 8 == 0 && HEAD_DV <= DV && HEAD_DV % 8 == 0,
                 "heads of whole 16-byte chunks, no wider than their tiles");
   static_assert(STAGES >= 2, "a key tile is copied while the one before is read");
-  static constexpr int BLOCK_M = 128, BLOCK_N = 128, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  // Heads over 128: 64 keys a step, so that s (32 floats a thread), p's
+  // fragments and o (up to 128) fit the consumers' registers beside each
+  // other, and two stages of keys and values of 256 fit shared memory.
+  static constexpr bool WIDE = D > 128 || DV > 128;
+  static constexpr int BLOCK_M = 128, BLOCK_N = WIDE ? 64 : 128, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
   // A box is 64 columns (one 128-byte swizzle row of 16-bit values) by a
   // tile's rows; a tile of D columns is D / 64 of them, one after another.
   static constexpr int Q_CHUNK_BYTES = BLOCK_M * 128, KV_CHUNK_BYTES = BLOCK_N * 128;
   static constexpr int Q_BYTES = (D / 64) * Q_CHUNK_BYTES, K_BYTES = (D / 64) * KV_CHUNK_BYTES,
                        V_BYTES = (DV / 64) * KV_CHUNK_BYTES;
   static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;  // the keys, then the values
-  // Each consumer warp's 16 rows of output, 64 columns at a time (floats);
-  // the row stride puts a half-warp's 8-byte stores on 32 distinct banks.
-  static constexpr int OUT_COLUMNS = 64, OUT_ROW = OUT_COLUMNS + 8;
+  // Each consumer warp's 16 rows of output, 64 columns at a time (floats;
+  // 32 over heads of 192, whose stages leave no room for more); the row
+  // stride (8 banks past a multiple of 32) puts a half-warp's 8-byte stores
+  // on 32 distinct banks.
+  static constexpr int OUT_COLUMNS = D > 192 || DV > 192 ? 32 : 64, OUT_ROW = OUT_COLUMNS + 8;
   static constexpr int OUT_BYTES = CONSUMERS * 4 * 16 * OUT_ROW * 4;
   // q's barrier, then each stage's keys', values' and release barriers.
   static constexpr int BARRIER_BYTES = 8 * (1 + 3 * STAGES);
@@ -68,16 +77,18 @@ struct cg_flash_sm90_config {
 // layout: element (g + 8 (e / 2), 8 j + 2 (lane % 4) + e % 2) of the warp's
 // rows in acc[j][e]), each times its row's factor (factor[0] the thread's
 // first row's, factor[1] the row 8 on), to store(row, c, value) for rows
-// warp_row0 + r < limit and columns c < HEAD_D. A chunk of 64 columns at a
-// time goes into the warp's own `rows` of shared memory (16 x OUT_ROW
-// floats; no other warp reads them: a warp barrier suffices), then out a
-// row at a time, a lane a column, so that the stores are a warp's
-// consecutive columns. (OUT_ROW 72: a half-warp's 8-byte stores on 32
-// distinct banks.)
+// warp_row0 + r < limit and columns c < HEAD_D, acc's columns the head's
+// from column0 on (a key block's share of dk and dv over heads of 128). A chunk of OUT_ROW - 8
+// (64 or 32) columns at a time goes into the warp's own `rows` of shared
+// memory (16 x OUT_ROW floats; no other warp reads them: a warp barrier
+// suffices), then out a row at a time, a lane a column, so that the stores
+// are a warp's consecutive columns. (OUT_ROW 72 or 40, 8 banks past a
+// multiple of 32: a half-warp's 8-byte stores on 32 distinct banks.)
 template <int OUT_ROW, int D, int HEAD_D, typename Store>
 CG_DEVICE void cg_flash_sm90_store_rows(const float (&acc)[D / 8][4], const float factor[2], float* rows,
-                                        cg_i64 warp_row0, cg_i64 limit, Store store) {
-  constexpr int COLUMNS = 64;
+                                        cg_i64 warp_row0, cg_i64 limit, Store store, int column0 = 0) {
+  constexpr int COLUMNS = OUT_ROW - 8;
+  static_assert((COLUMNS == 32 || COLUMNS == 64) && D % COLUMNS == 0, "chunks of 32 or 64 columns");
   const int lane = (int)threadIdx.x % 32, g = lane / 4, quad = lane % 4;
   CG_UNROLL
   for (int chunk = 0; chunk < D / COLUMNS; ++chunk) {
@@ -98,7 +109,7 @@ CG_DEVICE void cg_flash_sm90_store_rows(const float (&acc)[D / 8][4], const floa
       if (warp_row0 + r >= limit) break;
       CG_UNROLL
       for (int j = 0; j < COLUMNS / 32; ++j) {
-        const int c = chunk * COLUMNS + 32 * j + lane;
+        const int c = column0 + chunk * COLUMNS + 32 * j + lane;
         if (c < HEAD_D) store(warp_row0 + r, c, rows[r * OUT_ROW + 32 * j + lane]);
       }
     }
@@ -301,7 +312,7 @@ CG_DEVICE void cg_flash_sm90_consume(const cg_flash_sm90_layout<Config>& l, cg_f
 // log2 units s_ij scale_log2), o_i = sum_j p_ij v_j; key j <= i where causal
 // (PyTorch's top-left alignment). The maps (cg_tensor_map, 3-D, 16-bit T,
 // the 128-byte swizzle): q's HEAD_D wide, Tq high, a plane a head, its box
-// 64 x 128; k's the same with Tk, v's HEAD_DV wide. Each o_i[c] (c <
+// 64 x 128; k's the same with Tk (boxes of 64 x BLOCK_N), v's HEAD_DV wide. Each o_i[c] (c <
 // HEAD_DV) goes to store_out(i, c, value), each row's log-sum-exp (natural
 // log) to store_lse(i, value); rows i >= Tq are not stored. `smem`:
 // SHARED_BYTES.
@@ -382,7 +393,7 @@ CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const c
     return;
   }
   cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
-  const int consumer = thread / 128 - 1, warp = thread % 128 / 32, lane = thread % 32, g = lane / 4, quad = lane % 4;
+  const int consumer = thread / 128 - 1, warp = thread % 128 / 32, lane = thread % 32, g = lane / 4;
   const int local0 = 64 * consumer + 16 * warp;  // the warp's first row of the block's
   const cg_i64 warp_row0 = m0 + local0;
   cg_flash_sm90_rows<Config> rows;
@@ -397,30 +408,9 @@ CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const c
   // A warp whose rows all lie past Tq has nothing to combine (its counter
   // is its rows' alone): decoding's one query row stores one row a split.
   if (warp_row0 >= Tq) return;
-  // This split's state of the warp's rows before Tq: o's pairs, then each row's maximum and sum.
-  float* mine = partials + (cg_i64)split * SPLIT;
-  CG_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int local = local0 + g + 8 * r;
-    if (warp_row0 + g + 8 * r >= Tq) continue;
-    CG_UNROLL
-    for (int j = 0; j < DV / 8; ++j) {
-      cg_vector<2, float> pair;
-      pair.v[0] = rows.o[j][2 * r];
-      pair.v[1] = rows.o[j][2 * r + 1];
-      cg_store_vector<2, float>(mine, (cg_i64)local * DV + 8 * j + 2 * quad, pair);
-    }
-  }
-  if (quad == 0) {
-    CG_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      if (warp_row0 + g + 8 * r >= Tq) continue;
-      cg_vector<2, float> state;
-      state.v[0] = rows.row_max[r];
-      state.v[1] = rows.row_sum[r];
-      cg_store_vector<2, float>(mine, (cg_i64)BM * DV + 2 * (local0 + g + 8 * r), state);
-    }
-  }
+  // This split's state of the warp's rows before Tq (part 1's workspace layout).
+  cg_flash_store_partial_rows<BM, DV>(partials + (cg_i64)split * SPLIT, rows.o, rows.row_max, rows.row_sum, local0,
+                                      Tq - warp_row0);
   if (!cg_warp_last_to_arrive(arrivals + consumer * 4 + warp, (unsigned int)splits)) return;
   // Each row: lane s weighs split s (2^(m_s - m) / l), the lanes' columns sum the splits in order.
   for (int r = 0; r < 16; ++r) {
@@ -458,15 +448,17 @@ CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const c
 // the same formulas, the same rows' statistics from cg_flash_backward_rows,
 // the same unscaled stores and the same two kinds of block, so that no sum
 // needs an atomic and every run adds in the same order), on wgmma and TMA:
-//   - a block per 128 keys (dk, dv) or per 128 query rows (dq) of one head:
-//     warpgroup 0 the producer, warpgroups 1 and 2 the consumers, 64 of the
-//     block's own rows each, their gradients summed in registers;
+//   - a block per 128 keys (dk, dv; over heads of 128 two, each half of
+//     their columns) or per 128 query rows (dq) of one head: warpgroup 0
+//     the producer, warpgroups 1 and 2 the consumers, 64 of the block's own
+//     rows each, their gradients summed in registers;
 //   - the block's own rows of two tensors (k and v, or q and dO) by TMA
-//     once; the streamed ones (q and dO, or k and v) 64 rows a step, STAGES
+//     once; the streamed ones (q and dO, or k and v) 64 rows a step (32
+//     over heads of 128), STAGES
 //     steps in flight, each tensor on its own "full" mbarrier and the stage
 //     released ("empty") by every consumer thread once the products that
 //     read it have completed; all through 3-D maps (head size x length x
-//     heads, boxes of 64 x 64, the 128-byte swizzle), so that rows past a
+//     heads, boxes of 64 x a step's rows, the 128-byte swizzle), so that rows past a
 //     head's length arrive as zeros;
 //   - a key block's step, for its 64 query rows:
 //       s^T = k q^T and dp^T = v dO^T (wgmma m64n64k16, operands in shared
@@ -479,32 +471,44 @@ CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const c
 //   - a query block's step, for its 64 keys: s = q k^T and dp = dO v^T,
 //     p = exp2(s scale_log2 - lse), ds = p (dp_scale dp - delta), dq += ds k.
 // 16-bit q, k, v and dO: q and k of one head size (HEAD_D, in a tile D of
-// 64 or 128), v and dO of another (HEAD_DV in DV).
+// 64, 128 or 256), v and dO of another (HEAD_DV in DV).
 // Not yet: dq summed by the key blocks with atomics (the query blocks'
-// second pass over s and dp is the price of determinism), heads over 128.
+// second pass over s and dp is the price of determinism).
 
 // The backward kernel's compile-time shape: as cg_flash_sm90_config's, 128
-// own rows a block and 64 streamed rows a step. Of each block's two own
+// own rows a block and 64 streamed rows a step (32 over heads of 128). Of each block's two own
 // tensors and of each step's two streamed ones, the first ("a": k or q) is
 // D wide, the second ("b": v or dO) DV wide.
 template <int D_, int STAGES_, int HEAD_D_ = D_, int DV_ = D_, int HEAD_DV_ = (DV_ == D_ ? HEAD_D_ : DV_)>
 struct cg_flash_backward_sm90_config {
   static constexpr int D = D_, STAGES = STAGES_, HEAD_D = HEAD_D_, DV = DV_, HEAD_DV = HEAD_DV_;
-  static_assert((D == 64 || D == 128) && (DV == 64 || DV == 128),
-                "tiles of 64 or 128 head values (the register-A wgmma's widths)");
+  static_assert((D == 64 || D == 128 || D == 256) && (DV == 64 || DV == 128 || DV == 256),
+                "tiles of 64, 128 or 256 head values");
   static_assert(HEAD_D <= D && HEAD_D % 8 == 0 && HEAD_DV <= DV && HEAD_DV % 8 == 0,
                 "heads of whole 16-byte chunks, no wider than their tiles");
   static_assert(STAGES >= 2, "a step's rows are copied while the step before is read");
-  static constexpr int BLOCK_M = 128, BLOCK_N = 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
-  // Boxes of 64 columns (one 128-byte swizzle row) by 64 rows: an own tile
-  // is two boxes high, a column chunk of 128 rows after another.
-  static constexpr int BOX_BYTES = 64 * 128;
+  // Over heads of 128 (WIDE): dk and dv whole would take 256 registers a
+  // thread, so each tile of keys takes KEY_SPLIT = 2 blocks, each summing
+  // half of dk's and dv's columns (both recompute s^T and dp^T, as part 1's
+  // KEY_SPLIT does), and a step streams 32 rows, so that the own tiles (128
+  // KiB at heads of 256) and two stages fit shared memory.
+  static constexpr bool WIDE = D > 128 || DV > 128;
+  static_assert(!WIDE || (D >= 128 && DV >= 128), "over heads of 128 both tiles of at least 128: halves of whole boxes");
+  static constexpr int KEY_SPLIT = WIDE ? 2 : 1;
+  static constexpr int BLOCK_M = 128, BLOCK_N = WIDE ? 32 : 64, CONSUMERS = 2, THREADS = 128 * (CONSUMERS + 1);
+  // Boxes of 64 columns (one 128-byte swizzle row) by BLOCK_N rows: an own
+  // tile is BLOCK_M / BLOCK_N boxes high, a column chunk of 128 rows after
+  // another.
+  static constexpr int BOX_BYTES = BLOCK_N * 128;
   static constexpr int OWN_CHUNK_BYTES = BLOCK_M * 128, STREAM_CHUNK_BYTES = BLOCK_N * 128;
   static constexpr int OWN_A_BYTES = (D / 64) * OWN_CHUNK_BYTES, OWN_B_BYTES = (DV / 64) * OWN_CHUNK_BYTES;
   static constexpr int STREAM_A_BYTES = (D / 64) * STREAM_CHUNK_BYTES, STREAM_B_BYTES = (DV / 64) * STREAM_CHUNK_BYTES;
   static constexpr int STAGE_BYTES = STREAM_A_BYTES + STREAM_B_BYTES;  // q then dO, or k then v
   static constexpr int STATS_BYTES = 8 * BLOCK_N;                       // a stage's rows' (lse, delta)
-  static constexpr int OUT_ROW = 72, OUT_BYTES = CONSUMERS * 4 * 16 * OUT_ROW * 4;
+  // Each consumer warp's 16 output rows, 64 columns at a time (32 over
+  // heads of 128, whose own tiles leave no room for more; 8 more floats a
+  // row: cg_flash_sm90_store_rows).
+  static constexpr int OUT_ROW = WIDE ? 40 : 72, OUT_BYTES = CONSUMERS * 4 * 16 * OUT_ROW * 4;
   // The own tiles' barrier, then each stage's two tensors', statistics' and release barriers.
   static constexpr int BARRIER_BYTES = 8 * (1 + 4 * STAGES);
   static constexpr int SHARED_BYTES =
@@ -570,18 +574,19 @@ CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layou
   const int thread = threadIdx.x;
   if (thread == 0) {
     cg_mbarrier_arrive_expect_tx(l.own_full, Config::OWN_A_BYTES + Config::OWN_B_BYTES);
+    constexpr int HIGH = Config::BLOCK_M / BN;  // an own tile's boxes, one above another
     CG_UNROLL
     for (int c = 0; c < D / 64; ++c)
       CG_UNROLL
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < HIGH; ++h)
         cg_tma_load_3d(cg_smem_pointer(l.own_a() + (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES)),
-                       own_a, 64 * c, own0 + 64 * h, own_plane, l.own_full);
+                       own_a, 64 * c, own0 + BN * h, own_plane, l.own_full);
     CG_UNROLL
     for (int c = 0; c < DV / 64; ++c)
       CG_UNROLL
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < HIGH; ++h)
         cg_tma_load_3d(cg_smem_pointer(l.own_b() + (unsigned int)(c * Config::OWN_CHUNK_BYTES + h * Config::BOX_BYTES)),
-                       own_b, 64 * c, own0 + 64 * h, own_plane, l.own_full);
+                       own_b, 64 * c, own0 + BN * h, own_plane, l.own_full);
     cg_sm90_pipeline_state load = {0, 0u};
     for (int n = first; n < end; ++n, load.advance(S)) {
       // Round r of a stage waits for the release of round r - 1 (the first
@@ -599,18 +604,24 @@ CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layou
                        n * BN, stream_plane, &l.b_full[load.stage]);
     }
   } else if (stats_rows != nullptr && thread / 32 == 1) {
-    // A step's BN pairs of floats, 16 bytes a lane (the rows array covers whole steps).
-    static_assert(BN * 8 == 32 * 16, "a step's statistics are a warp's 16-byte loads");
+    // A step's BN pairs of floats, 16 bytes a lane (8 at 32 rows a step;
+    // the rows array covers whole steps).
+    constexpr int PER_LANE = 2 * BN / 32;
+    static_assert(PER_LANE == 2 || PER_LANE == 4, "a step's statistics are a warp's 8- or 16-byte loads");
     const int lane = thread % 32;
     cg_sm90_pipeline_state load = {0, 0u};
     for (int n = first; n < end; ++n, load.advance(S)) {
       cg_mbarrier_wait(&l.empty[load.stage], load.phase ^ 1u);
-      const cg_vector<4, float> pairs = cg_load_vector<4>(stats_rows, 2 * (cg_i64)n * BN + 4 * lane);
-      float* at = l.stats + load.stage * 2 * BN + 4 * lane;
+      const cg_vector<PER_LANE, float> pairs =
+          cg_load_vector<PER_LANE>(stats_rows, 2 * (cg_i64)n * BN + PER_LANE * lane);
+      float* at = l.stats + load.stage * 2 * BN + PER_LANE * lane;
 #ifdef CUDAGEN_EMULATION
-      cudagen_emu::note_shared_request(at, 16);
+      cudagen_emu::note_shared_request(at, 4 * PER_LANE);
 #endif
-      *reinterpret_cast<cg_aligned_chunk<4, float>*>(at) = {{pairs.v[0], pairs.v[1], pairs.v[2], pairs.v[3]}};
+      cg_aligned_chunk<PER_LANE, float> chunk;
+      CG_UNROLL
+      for (int i = 0; i < PER_LANE; ++i) chunk.v[i] = pairs.v[i];
+      *reinterpret_cast<cg_aligned_chunk<PER_LANE, float>*>(at) = chunk;
       cg_mbarrier_arrive(&l.stats_full[load.stage]);  // (release: the stores are seen by the waiting consumers)
     }
   }
@@ -618,13 +629,15 @@ CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layou
 
 // The key block of keys [128 tile_n, +128) of head `head` (its keys and
 // values those of kv_head): dk and dv of its keys, unscaled, to
-// store_dk(key, c, value) and store_dv(key, c, value). Causal: query rows
-// before the block's first key see none of its keys and are not visited.
+// store_dk(key, c, value) and store_dv(key, c, value); over heads of 128
+// share `part` of KEY_SPLIT of their columns. Causal: query rows before the
+// block's first key see none of its keys and are not visited.
 template <typename Config, typename T, typename StoreDk, typename StoreDv>
 CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<Config>& l, const float* stats_rows,
-                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, float scale_log2, float dp_scale,
-                                           bool causal, StoreDk store_dk, StoreDv store_dv) {
+                                           cg_i64 Tq, cg_i64 Tk, cg_i64 tile_n, int part, float scale_log2,
+                                           float dp_scale, bool causal, StoreDk store_dk, StoreDv store_dv) {
   constexpr int S = Config::STAGES, D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N;
+  constexpr int PD = D / Config::KEY_SPLIT, PV = DV / Config::KEY_SPLIT;  // the block's columns of dk and dv
   constexpr int NQ = BN / 8;  // n8 column groups of a step's query rows
   const int thread = threadIdx.x, consumer = thread / 128 - 1;
   const int t = thread % 128, warp = t / 32, lane = t % 32, g = lane / 4, quad = lane % 4;
@@ -633,7 +646,7 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
   const int first = causal ? (int)(key0 / BN) : 0, end = (int)((Tq + BN - 1) / BN);
   const unsigned int k_rows = l.own_a() + (unsigned int)(consumer * 64 * 128);
   const unsigned int v_rows = l.own_b() + (unsigned int)(consumer * 64 * 128);
-  float dk[D / 8][4], dv[DV / 8][4];
+  float dk[PD / 8][4], dv[PV / 8][4];
   cg_zero_accumulators(dk);
   cg_zero_accumulators(dv);
   cg_mbarrier_wait(l.own_full, 0);
@@ -694,7 +707,7 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
     // dv += p^T dO and dk += ds^T q (K: the step's query rows), p^T and
     // ds^T in registers as the A operands, rounded to T; dO's and q's tiles
     // N-major (the next 8 rows 1024 bytes on, the next 64 head values a
-    // column chunk on).
+    // column chunk on), from the block's share of their columns.
     unsigned int pa[BN / 16][4], dsa[BN / 16][4];
     CG_UNROLL
     for (int kk = 0; kk < BN / 16; ++kk) {
@@ -702,18 +715,20 @@ CG_DEVICE void cg_flash_backward_keys_sm90(const cg_flash_backward_sm90_layout<C
       cg_flash_p_fragment(dsa[kk], dpt, kk, T());
     }
     cg_wgmma_fence();
-    cg_flash_sm90_product_rs<DV, BN, T>(&dv[0][0], pa, dout_tile, Config::STREAM_CHUNK_BYTES);
-    cg_flash_sm90_product_rs<D, BN, T>(&dk[0][0], dsa, q_tile, Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product_rs<PV, BN, T>(&dv[0][0], pa, dout_tile + (unsigned int)(part * (PV / 64) * Config::STREAM_CHUNK_BYTES),
+                                        Config::STREAM_CHUNK_BYTES);
+    cg_flash_sm90_product_rs<PD, BN, T>(&dk[0][0], dsa, q_tile + (unsigned int)(part * (PD / 64) * Config::STREAM_CHUNK_BYTES),
+                                        Config::STREAM_CHUNK_BYTES);
     cg_wgmma_commit();
     cg_wgmma_wait<0>();
-    cg_wgmma_fence_operands<DV / 2>(&dv[0][0]);
-    cg_wgmma_fence_operands<D / 2>(&dk[0][0]);
+    cg_wgmma_fence_operands<PV / 2>(&dv[0][0]);
+    cg_wgmma_fence_operands<PD / 2>(&dk[0][0]);
     cg_mbarrier_arrive(&l.empty[read.stage]);  // the step's tiles and statistics are read
   }
   const float one[2] = {1.0f, 1.0f};
   float* rows = l.staged + (consumer * 4 + warp) * 16 * Config::OUT_ROW;
-  cg_flash_sm90_store_rows<Config::OUT_ROW, DV, Config::HEAD_DV>(dv, one, rows, warp_key0, Tk, store_dv);
-  cg_flash_sm90_store_rows<Config::OUT_ROW, D, Config::HEAD_D>(dk, one, rows, warp_key0, Tk, store_dk);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, PV, Config::HEAD_DV>(dv, one, rows, warp_key0, Tk, store_dv, part * PV);
+  cg_flash_sm90_store_rows<Config::OUT_ROW, PD, Config::HEAD_D>(dk, one, rows, warp_key0, Tk, store_dk, part * PD);
 }
 
 // The query block of rows [128 tile_m, +128) of head `head`: dq of its
@@ -788,10 +803,11 @@ CG_DEVICE void cg_flash_backward_queries_sm90(const cg_flash_backward_sm90_layou
 }
 
 // The backward pass of one head on the Hopper path: blocks [0, key_blocks)
-// take 128 keys each (dk, dv; none where nothing reads them), the next ones
+// take 128 keys each (dk, dv; none where nothing reads them; over heads of
+// 128 KEY_SPLIT blocks a tile of keys, each a share of the columns), the next ones
 // 128 query rows each (dq; causal, the last rows first: they visit the most
 // keys); `tile` is the block's index among them. The maps (cg_tensor_map,
-// 3-D, 16-bit T, the 128-byte swizzle, boxes of 64 x 64): q's and dO's Tq
+// 3-D, 16-bit T, the 128-byte swizzle, boxes of 64 x BLOCK_N): q's and dO's Tq
 // high with a plane a head of q, k's and v's Tk high with a plane a head of
 // keys (kv_head: grouped-query attention). stats the head's rows' statistics
 // (cg_flash_backward_rows), scale_log2 and causal as the forward took them,
@@ -811,7 +827,10 @@ CG_DEVICE void cg_flash_attention_backward_sm90(const cg_tensor_map* map_q, cons
   const bool key_block = tile < key_blocks;
   const cg_flash_backward_sm90_layout<Config> l = cg_flash_backward_sm90_setup<Config>(smem);
   const cg_i64 query_tiles = (Tq + BM - 1) / BM;
-  const cg_i64 own_tile = key_block ? tile : causal ? query_tiles - 1 - (tile - key_blocks) : tile - key_blocks;
+  // (Over heads of 128 a tile of keys takes KEY_SPLIT blocks, one after another.)
+  const cg_i64 own_tile = key_block ? tile / Config::KEY_SPLIT
+                          : causal  ? query_tiles - 1 - (tile - key_blocks)
+                                    : tile - key_blocks;
   if (threadIdx.x < 128) {
     cg_setmaxnreg_dec<Config::PRODUCER_REGISTERS>();
     if (key_block) {
@@ -827,8 +846,8 @@ CG_DEVICE void cg_flash_attention_backward_sm90(const cg_tensor_map* map_q, cons
   }
   cg_setmaxnreg_inc<Config::CONSUMER_REGISTERS>();
   if (key_block)
-    cg_flash_backward_keys_sm90<Config, T>(l, stats, Tq, Tk, own_tile, scale_log2, dp_scale, causal, store_dk,
-                                           store_dv);
+    cg_flash_backward_keys_sm90<Config, T>(l, stats, Tq, Tk, own_tile, (int)(tile % Config::KEY_SPLIT), scale_log2,
+                                           dp_scale, causal, store_dk, store_dv);
   else
     cg_flash_backward_queries_sm90<Config, T>(l, stats, Tq, Tk, own_tile, scale_log2, dp_scale, causal, store_dq);
 #endif

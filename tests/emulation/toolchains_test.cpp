@@ -825,14 +825,15 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
 
 // The Hopper forward (templates/softmax_flash_sm90.cuh, issue #39) for
 // sm_90a at 4096 tokens: bf16 heads of 64 causal, f16 heads of 128, bf16
-// heads of 96 (padded to 128), and decoding (bf16 heads of 64, one query row
-// over 8192 keys, B1 x H4: the split form, 16 ways). All of attention's
+// heads of 96 (padded to 128), bf16 heads of 256 causal and f16 heads of 192
+// (64 keys a step), and decoding (bf16 heads of 64, one query row over 8192
+// keys, B1 x H4: the split form, 16 ways). All of attention's
 // FLOPs in kernels whose own SASS has HGMMA (wgmma), UTMALDG (TMA, 3-D
 // maps) and SYNCS (the mbarriers),
 // no HMMA and no local memory, no spills; ptxas serialises no wgmma
 // ("Potential Performance Loss", C7509 to C7520) and ignores no setmaxnreg
 // (C7508); each key tile's loop issues D / 16 wgmmas for the scores of the
-// next tile and 8 for p v of this one (128 keys), with no wait between them
+// next tile and 8 for p v of this one (128 keys; 4 for 64), with no wait between them
 // (the softmax overlaps p v), one fence and one wait for each product.
 TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
@@ -845,8 +846,9 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
     bool causal;
     bool decoding = false;
   };
-  const std::vector<Head> heads = {Head{DType::bf16, 64, true}, Head{DType::f16, 128, false}, Head{DType::bf16, 96, true},
-                                   Head{DType::bf16, 64, false, true}};
+  const std::vector<Head> heads = {Head{DType::bf16, 64, true},   Head{DType::f16, 128, false},
+                                   Head{DType::bf16, 96, true},   Head{DType::bf16, 256, true},
+                                   Head{DType::f16, 192, false},  Head{DType::bf16, 64, false, true}};
   for (const Head& h : heads) {
     const std::string n = std::to_string(h.D) + (h.decoding ? "_decoding" : "");
     const int64_t B = h.decoding ? 1 : 8, H = h.decoding ? 4 : 12, Tq = h.decoding ? 1 : 4096, Tk = h.decoding ? 8192 : 4096;
@@ -877,8 +879,8 @@ TEST(Toolchains, FlashAttentionOnSm90aHasTmaAndWgmma) {
     EXPECT_EQ(report.resources.at(k.name).spill_bytes, 0) << k.name;
     EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name;
     const std::map<std::string, int> loop = cudagen::testing::sass_loop(report.sass.at(k.name), "HGMMA");
-    const int tile_d = heads[i].D == 64 ? 64 : 128;
-    EXPECT_EQ(count(loop, "HGMMA"), tile_d / 16 + 8) << k.name << ": the scores' and p v's wgmmas of a key tile";
+    const int64_t tile_d = heads[i].D == 64 ? 64 : heads[i].D <= 128 ? 128 : heads[i].D, keys = tile_d > 128 ? 64 : 128;
+    EXPECT_EQ(count(loop, "HGMMA"), tile_d / 16 + keys / 16) << k.name << ": the scores' and p v's wgmmas of a key tile";
     EXPECT_EQ(count(loop, "WARPGROUP"), 4) << k.name << ": a fence and a wait for each product, none serialised";
     // The overlap: the next tile's scores and this tile's p v are both issued
     // before the first wait (the softmax runs while p v does).
@@ -1014,16 +1016,18 @@ static int tile_of(const std::string& path, const std::string& label) {
 
 // Attention trained at 4096 tokens for sm_90a (issue #39): bf16 heads of 64
 // causal, f16 heads of 128, bf16 heads of 96 (padded to 128), bf16 heads of
-// 64 with values of 128, f16 heads of 32 (padded to 64). At least 95% of
+// 64 with values of 128, f16 heads of 32 (padded to 64), bf16 heads of 256
+// causal, f16 heads of 192 (padded to 256 in the backward). At least 95% of
 // the attention's FLOPs (the forward's two products and the four gradient
 // ones) in kernels whose own SASS has HGMMA (wgmma), UTMALDG (TMA) and SYNCS
 // (the mbarriers), no HMMA and no local memory, no spills; ptxas serialises
 // no wgmma (C7509 to C7520, "Potential Performance Loss"), injects no
 // wgmma.fence (C7519: each batch writes its own) and ignores no setmaxnreg
 // (C7508). The backward kernel's two step loops (a key block's,
-// a query block's) issue D / 16 wgmmas of 64 columns for s (s^T) and DV /
-// 16 for dp (dp^T), then 4 register-A ones for each of dv and dk, or for
-// dq: 2 (D + DV) / 16 + 12 in all, the loops unrolled no further.
+// a query block's) issue D / 16 wgmmas of a step's columns (64; 32 over
+// heads of 128) for s (s^T) and DV / 16 for dp (dp^T), then a step's / 16
+// register-A ones for each of dv and dk, or for dq: 2 (D + DV) / 16 + 12 in
+// all (+ 6 over heads of 128), the loops unrolled no further.
 TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
   if (std::string(CUDAGEN_CUOBJDUMP).empty())
     GTEST_SKIP() << "no cuobjdump: configure with the SASS part (scripts/dev.sh installs nvidia-cuda-cuobjdump)";
@@ -1033,6 +1037,8 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
   add_flash_training(b, DType::bf16, 4096, 96, true);
   add_flash_training(b, DType::bf16, 4096, 64, true, 128);
   add_flash_training(b, DType::f16, 4096, 32, false);
+  add_flash_training(b, DType::bf16, 4096, 256, true);
+  add_flash_training(b, DType::f16, 4096, 192, false);
   CompileOptions options;
   options.emit.arch = "sm_90a";
   const Compiled c = compile(load_program(std::move(b).graph(), {}), options);
@@ -1057,13 +1063,16 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
     EXPECT_EQ(report.resources.at(k.name).stack_bytes, 0) << k.name;
     if (k.matmul_path.find("flash attention backward") != std::string::npos) {
       ++backward_kernels;
-      // Both steps take D / 16 + DV / 16 (s, dp), the key block's 4 + 4 (dv,
-      // dk) and the query block's 4 (dq) HGMMA, D and DV the tiles.
+      // Both steps take D / 16 + DV / 16 (s, dp), the key block's 2 x (a
+      // step's rows / 16) (dv, dk) and the query block's a step's rows / 16
+      // (dq) HGMMA, D and DV the tiles.
       const int tile_d = tile_of(k.matmul_path, "heads of "), tile_dv = tile_of(k.matmul_path, "(values ");
+      const int step = std::max(tile_d, tile_dv) > 128 ? 32 : 64;
+      EXPECT_NE(k.matmul_path.find(fmt::format("{} rows a step", step)), std::string::npos) << k.matmul_path;
       const std::vector<cudagen::testing::SassInstruction>& sass = report.sass.at(k.name);
       int loop_hgmma = 0;
       for (const cudagen::testing::SassInstruction& instruction : sass) loop_hgmma += instruction.opcode == "HGMMA";
-      EXPECT_EQ(loop_hgmma, 2 * ((tile_d + (tile_dv > 0 ? tile_dv : tile_d)) / 16) + 3 * 4)
+      EXPECT_EQ(loop_hgmma, 2 * ((tile_d + (tile_dv > 0 ? tile_dv : tile_d)) / 16) + 3 * (step / 16))
           << k.name << ": a key block's and a query block's step";
       std::printf("  %s: %d registers, %d HGMMA, %d UTMALDG, %d SYNCS\n", k.name.c_str(),
                   report.resources.at(k.name).registers, count(ops, "HGMMA"), count(ops, "UTMALDG"), count(ops, "SYNCS"));
@@ -1073,7 +1082,7 @@ TEST(Toolchains, FlashAttentionTrainingOnSm90aHasTmaAndWgmma) {
       if (c.program.tasks[size_t(t)].op->pattern == PatternKind::matmul) flops += task_flops(c.program, t).value_or(0);
     if (on_hopper) hopper += flops;
   }
-  EXPECT_EQ(backward_kernels, 5);
+  EXPECT_EQ(backward_kernels, 7);
   ASSERT_GT(total, 0);
   std::printf("  attention FLOPs on the Hopper kernels: %.1f%%\n", 100.0 * double(hopper) / double(total));
   EXPECT_GE(double(hopper), 0.95 * double(total));
