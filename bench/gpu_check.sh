@@ -46,7 +46,8 @@
 #  - ResNet-50 forward in bf16 at batch 1 and 32 (224 x 224), exported channels-last by the torch
 #    frontend (its convolutions on the implicit GEMM), beside PyTorch eager (cuDNN) and torch.compile
 #    (bench/resnet_torch.py); the gradients of six of its convolutions (dx and dweight, batch 32) beside
-#    PyTorch's convolution backward (bench/conv_gradients.py);
+#    PyTorch's convolution backward (bench/conv_gradients.py); BatchNorm in training mode forward and
+#    backward on six of its activations beside PyTorch's (bench/batchnorm_bench.py);
 #  - a GPT-2-small decoder block at B8 x T128 in bf16 (generated matmuls on that mainloop) beside
 #    PyTorch in bf16: the performance model's prediction per kernel (describe) and the measured
 #    profile, and Nsight Compute's speed-of-light, memory and occupancy sections for three kernels.
@@ -374,6 +375,18 @@ if have_time 60 "the convolution gradients benchmark"; then
     "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$graph" 2>&1 | sed -n 2p
   done
   python3 bench/conv_gradients.py --torch 2>&1 | tail -7
+fi
+echo
+echo "BatchNorm in training mode (issue #40, docs/gemm.md): forward (the batch's statistics, the running ones, the output)"
+echo "and backward (dx, dweight, dbias) on six ResNet-50 activations, bf16, batch 32, channels-last, as batchnorm2d_nhwc"
+echo "and _backward (bench_megakernel, kernels only, mean of 20) beside PyTorch's batch_norm forward and backward"
+echo "(cuDNN, channels_last; mean of 20; MiB: the least the two passes move) on the same shapes (bench/batchnorm_bench.py):"
+if have_time 60 "the BatchNorm benchmark"; then
+  python3 bench/batchnorm_bench.py --graphs "$log/batchnorm" 2>/dev/null
+  for graph in "$log"/batchnorm/*.json; do
+    "$kit/bin/bench_megakernel" --modes kernels --runs 20 "$graph" 2>&1 | sed -n 2p
+  done
+  python3 bench/batchnorm_bench.py --torch 2>&1 | tail -6
 fi
 echo
 echo "Nsight Compute on three kernels of the B8 x T128 block (a pipelined matmul, attention, the MLP's down projection):"

@@ -277,6 +277,8 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
       "[&](cg_i64 row, int c, float o) {{ {};{} }}",
       store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
       saved_o);
+  std::vector<LaunchParam> launch;
+  std::string body;
   if (tile.hopper) {
     // q, k and v by TMA: 3-D maps (a plane a head, so that a tile's rows
     // past its head's length arrive as zeros), in place of their pointers.
@@ -288,11 +290,11 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
                          0, TensorMapSpec{arena_range(buffer_param("x", operand, false)).first, 2, head_size, rows,
                                           row_bytes, 64, box_rows, planes, rows * row_bytes}};
     };
-    std::vector<LaunchParam> launch = {map("q_map", q, tile.head_d, Tq, heads, tile.block_m),
-                                       map("k_map", kk, tile.head_d, Tk, kv_heads, tile.block_n),
-                                       map("v_map", v, tile.head_dv, Tk, kv_heads, tile.block_n)};
+    launch = {map("q_map", q, tile.head_d, Tq, heads, tile.block_m),
+              map("k_map", kk, tile.head_d, Tk, kv_heads, tile.block_n),
+              map("v_map", v, tile.head_dv, Tk, kv_heads, tile.block_n)};
     use_function(softmax, "cg_flash_sm90_config");
-    const std::string body = fmt::format(
+    body = fmt::format(
         "  CG_DYNAMIC_SMEM(cg_smem);\n"
         "  // Flash attention on the Hopper path: {0}.\n"
         "  typedef cg_flash_sm90_config<{1}> cg_config;\n"
@@ -307,29 +309,25 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
         param_name(launch[0]), param_name(launch[1]), param_name(launch[2]), Tq, Tk, float_literal(scale_log2),
         causal ? "true" : "false", store_out, lse_store, shared_bytes_agree("cg_config", tile.shared_bytes()), call,
         split);
-    epilogue_buffer_ = -1;
-    launch.insert(launch.end(), workspace.begin(), workspace.end());
-    if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
-    launch.insert(launch.end(), tail_params.begin(), tail_params.end());
-    return finish_kernel(k, ek, std::move(launch), tail_code + body, emitted);
+  } else {
+    body = fmt::format(
+        "  CG_DYNAMIC_SMEM(cg_smem);\n"
+        "  // Flash attention: {0}.\n"
+        "  typedef cg_flash_config<{1}> cg_config;\n"
+        "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
+        "  {13}<cg_config, {3}>({4}, {5}, {6}, {7}, {8}, tile_m,{14}\n"
+        "      {9}, {10},\n"
+        "      {11},\n"
+        "      {15},\n"
+        "      ({3}*)cg_smem);\n",
+        tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
+        operand("q", fmt::format("head * {}", Tq * D)), operand("k", fmt::format("kv_head * {}", Tk * D)),
+        operand("v", fmt::format("kv_head * {}", Tk * Dv)), Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
+        store_out, kv_head, call, split, lse_store);
+    launch = {buffer_param("q", q, false), buffer_param("k", kk, false), buffer_param("v", v, false)};
   }
-  std::string body = fmt::format(
-      "  CG_DYNAMIC_SMEM(cg_smem);\n"
-      "  // Flash attention: {0}.\n"
-      "  typedef cg_flash_config<{1}> cg_config;\n"
-      "  const cg_i64 head = tile.y, kv_head = {12}, tile_m = {2};\n"
-      "  {13}<cg_config, {3}>({4}, {5}, {6}, {7}, {8}, tile_m,{14}\n"
-      "      {9}, {10},\n"
-      "      {11},\n"
-      "      {15},\n"
-      "      ({3}*)cg_smem);\n",
-      tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
-      operand("q", fmt::format("head * {}", Tq * D)), operand("k", fmt::format("kv_head * {}", Tk * D)),
-      operand("v", fmt::format("kv_head * {}", Tk * Dv)), Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
-      store_out, kv_head, call, split, lse_store);
+  // q, k and v (pointers, or the Hopper kernel's maps), the workspace, the output, the tail's.
   epilogue_buffer_ = -1;
-  std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
-                                     buffer_param("v", v, false)};
   launch.insert(launch.end(), workspace.begin(), workspace.end());
   if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
   launch.insert(launch.end(), tail_params.begin(), tail_params.end());
