@@ -572,8 +572,8 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
     const std::string type = tile->element_type(c_type(q.buffer->dtype));
     auto operand = [&](const char* name) { return flash_operand(type, q.buffer->dtype, name); };
     const int64_t stats_rows = flash_backward_statistics_rows(Tq);
-    // (The Hopper kernel's key blocks read the statistics 64 rows a step, its
-    // query blocks a row at a time.)
+    // (The Hopper kernel's key blocks read the statistics 64 rows a step, 32
+    // over heads of 128, its query blocks a row at a time.)
     if (!tile->hopper && tile->block_m != kFlashBackwardBlockRows) {
       fail(tds, "", fmt::format("internal error: kernel {}'s flash backward tile has blocks of {} rows, its rows' "
                                 "statistics cover multiples of {}", k.name, tile->block_m, kFlashBackwardBlockRows),

@@ -525,8 +525,10 @@ std::optional<FlashAttentionTile> flash_backward_tile_of(const Program& program,
     tile.min_blocks_per_sm = wide ? 1 : 2;
   }
   // sm_90a: the Hopper kernel (templates/softmax_flash_sm90.cuh) where it
-  // takes the heads, 128 own rows a block and 64 streamed a step. It has no
-  // atomic mode: deterministic, its query blocks sum dq.
+  // takes the heads, 128 own rows a block and 64 streamed a step (32 over
+  // heads of 128, where each tile of keys takes two key blocks:
+  // hopper_head_tiles). It has no atomic mode: deterministic, its query
+  // blocks sum dq.
   const BufferInfo& qb = program.buffers[size_t(q)];
   const Shape& kb = program.buffers[size_t(k)].shape;
   const int64_t Tq = qb.shape[qb.shape.size() - 2], Tk = kb[kb.size() - 2];

@@ -458,17 +458,18 @@ CG_DEVICE void cg_flash_attention_split_sm90(const cg_tensor_map* map_q, const c
 //     steps in flight, each tensor on its own "full" mbarrier and the stage
 //     released ("empty") by every consumer thread once the products that
 //     read it have completed; all through 3-D maps (head size x length x
-//     heads, boxes of 64 x a step's rows, the 128-byte swizzle), so that rows past a
-//     head's length arrive as zeros;
-//   - a key block's step, for its 64 query rows:
-//       s^T = k q^T and dp^T = v dO^T (wgmma m64n64k16, operands in shared
-//       memory; the second runs while the first's probabilities are made),
+//     heads, boxes of 64 x a step's rows, the 128-byte swizzle), so that
+//     rows past a head's length arrive as zeros;
+//   - a key block's step, for its 64 query rows (32 over heads of 128):
+//       s^T = k q^T and dp^T = v dO^T (wgmma m64n64k16 or m64n32k16,
+//       operands in shared memory; the second runs while the first's
+//       probabilities are made),
 //       p^T = exp2(s^T scale_log2 - lse), dv += p^T dO (p^T in registers as
 //       the A operand, dO N-major), ds^T = p^T (dp_scale dp^T - delta),
 //       dk += ds^T q (the same, q N-major);
 //     the step's rows' statistics (lse, delta) come to shared memory from
 //     the producer's second warp;
-//   - a query block's step, for its 64 keys: s = q k^T and dp = dO v^T,
+//   - a query block's step, for its 64 keys (32): s = q k^T and dp = dO v^T,
 //     p = exp2(s scale_log2 - lse), ds = p (dp_scale dp - delta), dq += ds k.
 // 16-bit q, k, v and dO: q and k of one head size (HEAD_D, in a tile D of
 // 64, 128 or 256), v and dO of another (HEAD_DV in DV).
@@ -563,7 +564,7 @@ CG_DEVICE cg_flash_backward_sm90_layout<Config> cg_flash_backward_sm90_setup(uns
 // The producer warpgroup of either kind of block: its first thread copies
 // the own rows [own0, own0 + 128) of plane own_plane of maps own_a and
 // own_b once, then the streamed rows of plane stream_plane of maps stream_a
-// and stream_b, steps [first, end) of 64 rows; where `stats_rows` (a key
+// and stream_b, steps [first, end) of BLOCK_N rows; where `stats_rows` (a key
 // block), the second warp copies each step's rows' statistics.
 template <typename Config>
 CG_DEVICE void cg_flash_backward_sm90_produce(const cg_flash_backward_sm90_layout<Config>& l, const cg_tensor_map* own_a,
