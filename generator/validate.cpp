@@ -1,8 +1,10 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 
 #include <fmt/format.h>
@@ -455,9 +457,19 @@ class Validator {
             fmt::format("argument '{}' must be {}, not {}", sig.name, to_string(sig.type), arg_value_to_string(v)));
       return std::nullopt;
     };
+    // The kernels take float arguments as f32: a value beyond its range would
+    // become an infinity in the generated code.
+    auto in_f32_range = [&](double d) {
+      if (std::abs(d) <= double(std::numeric_limits<float>::max())) return true;
+      error(loc, path(), tk.id, sig.name,
+            fmt::format("argument '{}' is {}, beyond f32's range (about 3.4e38): kernels take it as an f32", sig.name,
+                        arg_value_to_string(v)),
+            "give a value within f32's range");
+      return false;
+    };
     switch (sig.type) {
       case ArgType::float_:
-        if (auto* d = std::get_if<double>(&v)) return ArgValue(*d);
+        if (auto* d = std::get_if<double>(&v)) return in_f32_range(*d) ? std::optional<ArgValue>(ArgValue(*d)) : std::nullopt;
         if (auto* i = std::get_if<int64_t>(&v)) return ArgValue(double(*i));
         return mismatch();
       case ArgType::int_:
@@ -482,7 +494,11 @@ class Validator {
         if (auto* d = std::get_if<std::vector<double>>(&v); d && d->empty()) return ArgValue(std::vector<int64_t>{});
         return mismatch();
       case ArgType::floats:
-        if (auto* d = std::get_if<std::vector<double>>(&v)) return ArgValue(*d);
+        if (auto* d = std::get_if<std::vector<double>>(&v)) {
+          for (double x : *d)
+            if (!in_f32_range(x)) return std::nullopt;
+          return ArgValue(*d);
+        }
         if (auto* a = std::get_if<std::vector<int64_t>>(&v)) return ArgValue(std::vector<double>(a->begin(), a->end()));
         return mismatch();
     }

@@ -57,6 +57,19 @@ TEST(Validate, MissingAndExtraArguments) {
   expect_contains(msg, "hint: 'grad' is a tensor slot of sgd: move it to \"tensors\"");
 }
 
+TEST(Validate, AFloatArgumentBeyondF32sRangeIsRefused) {
+  // Found by fuzz.compile_sample_builds: eps 1e106 became `inff` in the generated code.
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "w", "op": "fill", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": [4]}}, "args": {"value": 1.0}},
+    {"id": "n", "op": "rmsnorm", "tensors": {"x": {"dtype": "f32", "shape": [2, 4], "storage": "external"},
+     "weight": {"from": "w.out"}, "out": {"dtype": "f32", "shape": [2, 4], "storage": "external"}}, "args": {"eps": 1e106}})"));
+  expect_contains(msg, "task 'n', slot 'eps'");
+  expect_contains(msg, "argument 'eps' is 1e+106, beyond f32's range (about 3.4e38): kernels take it as an f32");
+  EXPECT_EQ(errors_of(graph_of(R"(
+    {"id": "w", "op": "fill", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": [4]}}, "args": {"value": 3e38}})")),
+            "");
+}
+
 TEST(Validate, DependencyOnAMissingTaskOrSlot) {
   std::string msg = errors_of(layer(R"({"from": "ww.out"})", R"({"from": "mm.output"})"));
   expect_contains(msg, "task 'mm', slot 'b' (/tasks/1/tensors/b/from): depends on 'ww.out', but there is no task 'ww'; did you mean 'w'?");
