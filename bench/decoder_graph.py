@@ -9,7 +9,9 @@ PyTorch. Weights are initialised by the graph's init phase. GPT-2 small's sizes 
     python3 bench/decoder_graph.py --layers 12 --tokens 64 -o /tmp/decoder12.json
 
 With --train, a training step instead: the stack's output regressed on a target (mse), the
-backward and AdamW update phases derived by cudagen.
+backward and AdamW update phases derived by cudagen. A 16-bit --dtype then trains as
+torch.autocast does: the graph is written in f32 (weights, inputs, norms) and its "training"
+section asks for "precision": the dtype the products compute in (generator/autocast.h).
 """
 import argparse
 import json
@@ -94,6 +96,10 @@ def main():
     a = ap.parse_args()
     if a.dim % a.heads:
         ap.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
+    # Training in 16 bits keeps f32 master weights: the graph is f32 and the policy converts.
+    precision = a.dtype if a.train and a.dtype != "f32" else None
+    if precision:
+        a.dtype = "f32"
     tasks = []
     x = {"dtype": a.dtype, "shape": [a.batch, a.tokens, a.dim], "storage": "external"}
     for i in range(a.layers):
@@ -105,6 +111,8 @@ def main():
             "pred": x, "target": {"dtype": a.dtype, "shape": [a.batch, a.tokens, a.dim], "storage": "external"},
             "loss": {"dtype": "f32", "shape": [], "storage": "external"}}})
         graph["training"] = {"loss": "loss.loss", "optimizer": "adamw", "args": {"lr": 0.001}}
+        if precision:
+            graph["training"]["precision"] = precision
     else:
         tasks[-1]["tensors"]["out"]["storage"] = "external"  # the last residual is the output
     folder = os.path.dirname(os.path.abspath(a.output))

@@ -70,6 +70,12 @@ class GraphBuilder {
   GraphBuilder& operator=(const GraphBuilder&) = delete;
 
   TaskBuilder task(std::string id, std::string op, Phase phase = Phase::forward);
+  // The graph's "training" section: the loss, the optimizer and its
+  // arguments, the precision policy (docs/taskgraph-format.md, "Training").
+  GraphBuilder& training(TrainingSpec spec) {
+    graph_.training = std::move(spec);
+    return *this;
+  }
   const TaskGraph& graph() const& { return graph_; }
   TaskGraph graph() && { return std::move(graph_); }
 

@@ -97,6 +97,11 @@ struct TrainingSpec {
   SlotRef loss;                         // a scalar output of a forward task
   std::string optimizer;                // "sgd", "adam", "adamw"; empty: backward tasks only
   std::vector<ArgSlot> optimizer_args;  // lr, momentum, beta1, beta2, eps, weight_decay
+  // The precision policy (generator/autocast.h): the 16-bit dtype the
+  // forward and backward compute in where PyTorch's autocast would, with the
+  // weights and the optimizer in f32. Absent (or f32): every task computes
+  // in the dtypes the graph declares.
+  std::optional<DType> precision;
   SourceLoc loc;
 };
 

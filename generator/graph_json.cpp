@@ -85,10 +85,10 @@ class GraphReader {
     }
   }
 
-  // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}}
+  // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}, "precision": "bf16"}
   std::optional<TrainingSpec> read_training(const JsonValue& v) {
     if (!expect_kind(v, JsonValue::Kind::Object, "/training", "\"training\"")) return std::nullopt;
-    check_fields(v, "/training", {"loss", "optimizer", "args"});
+    check_fields(v, "/training", {"loss", "optimizer", "args", "precision"});
     TrainingSpec spec;
     spec.loc = v.loc;
     const JsonValue* loss = v.find("loss");
@@ -106,6 +106,17 @@ class GraphReader {
       if (expect_kind(*args, JsonValue::Kind::Object, "/training/args", "\"args\""))
         for (const auto& [name, value] : args->members())
           spec.optimizer_args.push_back(read_arg_slot(name, value, "/training/args/" + name, {}));
+    }
+    if (const JsonValue* precision = v.find("precision")) {
+      if (expect_kind(*precision, JsonValue::Kind::String, "/training/precision", "\"precision\"")) {
+        const auto dtype = parse_dtype(precision->as_string());
+        if (dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16)
+          spec.precision = dtype;
+        else
+          error(precision->loc, "/training/precision", fmt::format("unknown precision {}", json_quote(precision->as_string())),
+                "\"precision\" is the dtype the forward and backward compute in: \"bf16\" or \"f16\" (weights and "
+                "optimizer stay f32), or \"f32\"");
+      }
     }
     return spec;
   }
@@ -385,6 +396,7 @@ std::string write_graph(const TaskGraph& graph) {
     std::vector<std::string> args;
     for (const auto& a : t.optimizer_args) args.push_back(json_quote(a.name) + ": " + arg_slot_json(a));
     if (!args.empty()) fields.push_back(fmt::format("\"args\": {{{}}}", fmt::join(args, ", ")));
+    if (t.precision) fields.push_back(fmt::format("\"precision\": \"{}\"", to_string(*t.precision)));
     out += fmt::format(",\n  \"training\": {{{}}}", fmt::join(fields, ", "));
   }
   out += "\n}\n";

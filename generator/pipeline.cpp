@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "arch.h"
+#include "autocast.h"
 #include "derive.h"
 #include "describe.h"
 #include "file_util.h"
@@ -20,11 +21,14 @@ OpRegistry load_registry(const FrontendOptions& options) {
 
 namespace {
 
-// validate, then, for a graph that asks for training, derive and validate the result.
+// validate, then, for a graph that asks for training: its precision policy
+// applied to the forward (validated again), derived, and the result validated.
 Program validate_and_derive(TaskGraph graph, const FrontendOptions& options, const ValidateOptions& validate_options) {
   OpRegistry registry = load_registry(options);
   Program program = validate(std::move(graph), registry, validate_options);
   if (!program.graph.training) return program;
+  if (const auto& precision = program.graph.training->precision; precision && *precision != DType::f32)
+    program = validate(apply_precision(program), registry, validate_options);
   DerivedGraph derived = derive_training(program, *program.graph.training);
   return validate(std::move(derived.graph), std::move(registry), validate_options);
 }

@@ -193,6 +193,9 @@ class RegistryReader {
     op.inverse = string_field(v, "inverse", path, op.name, false);
     op.norm = string_field(v, "norm", path, op.name, false);
     op.skeleton = string_field(v, "skeleton", path, op.name, false);
+    op.autocast = string_field(v, "autocast", path, op.name, false);
+    if (!op.autocast.empty() && op.autocast != "low" && op.autocast != "f32")
+      fail(v, path + "/autocast", fmt::format("\"autocast\" is \"low\" or \"f32\", not \"{}\"", op.autocast), op.name);
     if (const JsonValue* prologue = v.find("prologue")) {
       if (!prologue->is_array()) fail(*prologue, path + "/prologue", "\"prologue\" lists input slot names", op.name);
       else

@@ -84,6 +84,11 @@ struct OpSignature {
   std::string inverse;
   std::string norm;
   std::string skeleton;
+  // The precision policy's fact (generator/autocast.h): "low", the op
+  // computes in the policy's 16-bit dtype (matmuls, convolutions); "f32", in
+  // f32 (norms, losses, reductions, exp and log); empty, in the widest dtype
+  // of its floating inputs. As PyTorch's CUDA autocast lists them.
+  std::string autocast;
   // The skeleton's name: `skeleton`, else the op's.
   const std::string& skeleton_name() const { return skeleton.empty() ? name : skeleton; }
   std::string doc;

@@ -273,9 +273,14 @@ class Validator {
               "give \"data\" to the inputs and weights the graph reads, not to what it computes");
       if (slot.tensor_name) {
         // Names and task.slot share one namespace (Instance::set takes either).
+        // One exception: the slot the name denotes reads, through `from`, what
+        // this task makes of the tensor (the precision policy's cast of a graph
+        // input, generator/autocast.h, which keeps the caller's name for it).
         const std::optional<SlotRef> ref = parse_slot_ref(*slot.tensor_name);
         const int other = ref ? find_task(ref->task) : -1;
-        if (other >= 0 && task(other).find_tensor(ref->slot) != nullptr && !(other == t && ref->slot == slot.name))
+        const TensorSlot* named = other >= 0 ? task(other).find_tensor(ref->slot) : nullptr;
+        const bool reads_this_task = named != nullptr && named->from && named->from->task == tk.id;
+        if (named != nullptr && !reads_this_task && !(other == t && ref->slot == slot.name))
           error(slot.loc, path() + "/name", tk.id, slot.name,
                 fmt::format("tensor name '{}' is another slot's task.slot", *slot.tensor_name),
                 "choose a name that is not some task's id, a dot and its slot");

@@ -79,6 +79,7 @@ CG_DEVICE T cg_tanh(T x) {
 template <typename T>
 CG_OP("exp",
       "pattern: elementwise",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -93,6 +94,7 @@ CG_DEVICE T cg_exp(T x) {
 template <typename T>
 CG_OP("log",
       "pattern: elementwise",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -121,6 +123,7 @@ CG_DEVICE T cg_sqrt(T x) {
 template <typename T>
 CG_OP("rsqrt",
       "pattern: elementwise",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",
@@ -137,6 +140,7 @@ CG_DEVICE T cg_rsqrt(T x) {
 template <typename T>
 CG_OP("pow",
       "pattern: elementwise",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
       "tensor: out output T",

@@ -11,6 +11,7 @@ struct cg_row_stats {
 template <typename Load, typename Weight, typename Bias, typename Store>
 CG_OP("layernorm",
       "pattern: reduction",
+      "autocast: f32",
       "epilogue: out",
       "prologue: x",
       "rows: x",

@@ -8,6 +8,7 @@
 template <typename Load>
 CG_OP("cross_entropy",
       "pattern: reduction",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "types: I = i32 i64",
       "tensor: logits input T",
@@ -48,6 +49,7 @@ CG_DEVICE void cg_cross_entropy_backward_row(Load load, Store store, int n, cg_i
 template <typename T>
 CG_OP("mse",
       "pattern: reduction",
+      "autocast: f32",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: pred input T",
       "tensor: target input T",

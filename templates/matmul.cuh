@@ -7,6 +7,7 @@
 template <int BM, int BN, int BK, typename LoadA, typename LoadB, typename Epilogue>
 CG_OP("matmul",
       "pattern: matmul",
+      "autocast: low",
       "epilogue: out",
       "prologue: a b",
       "types: T = " CG_FLOAT_TYPES,

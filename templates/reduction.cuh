@@ -5,6 +5,7 @@
 template <typename Load>
 CG_OP("sum",
       "pattern: reduction",
+      "autocast: f32",
       "prologue: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
@@ -23,6 +24,7 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
 template <typename Load>
 CG_OP("mean",
       "pattern: reduction",
+      "autocast: f32",
       "prologue: x",
       "types: T = " CG_FLOAT_TYPES,
       "tensor: x input T",
@@ -67,6 +69,7 @@ CG_DEVICE float cg_log_sum_exp_row(Load load, int n, float* scratch) {
 template <typename Load, typename Store>
 CG_OP("log_softmax",
       "pattern: reduction",
+      "autocast: f32",
       "epilogue: out",
       "prologue: x",
       "rows: x",

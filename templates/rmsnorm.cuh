@@ -6,6 +6,7 @@
 template <typename Load, typename Weight, typename Store>
 CG_OP("rmsnorm",
       "pattern: reduction",
+      "autocast: f32",
       "epilogue: out",
       "prologue: x",
       "rows: x",

@@ -21,6 +21,7 @@ struct cg_conv2d_geometry {
 template <int BM, int BN, int BK, typename LoadW, typename LoadX, typename Epilogue>
 CG_OP("conv2d",
       "pattern: opaque",
+      "autocast: low",
       "epilogue: out",
       "types: T = f32 f16 bf16",
       "tensor: x input T",
@@ -221,6 +222,7 @@ CG_DEVICE void cg_conv2d_nhwc_depthwise(const T* x, const T* weight, const cg_co
 template <typename LoadW, typename LoadX>
 CG_OP("conv2d_nhwc",
       "pattern: opaque",
+      "autocast: low",
       "epilogue: out",
       "types: T = f32 f16 bf16",
       "tensor: x input T",
@@ -1212,6 +1214,7 @@ struct cg_batchnorm2d_stats {
 template <typename LoadX, typename Store>
 CG_OP("batchnorm2d",
       "pattern: opaque",
+      "autocast: f32",
       "types: T = f32 f16 bf16",
       "tensor: x input T",
       "tensor: weight weight T optional",
@@ -1455,6 +1458,7 @@ CG_DEVICE bool cg_batchnorm2d_nhwc_merge_splits(float first, float second, bool 
 template <int V, int LANES, typename T, typename F>
 CG_OP("batchnorm2d_nhwc",
       "pattern: opaque",
+      "autocast: f32",
       "variant: cg_batchnorm2d_nhwc_chunk",
       "variant: cg_batchnorm2d_nhwc_normalize",
       "types: T = f32 f16 bf16",

@@ -32,7 +32,7 @@ class AnnotationParser {
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
               may_alias = JsonValue::array(), variants = JsonValue::array(), view;
-    std::string pattern, shape, doc, smem, flops, reference, epilogue, rows, norm, skeleton;
+    std::string pattern, shape, doc, smem, flops, reference, epilogue, rows, norm, skeleton, autocast;
     JsonValue prologue = JsonValue::array();
     std::string links[4];  // backward, forward, init, inverse
     for (index_ = 1; index_ < strings_.size(); ++index_) {
@@ -41,7 +41,7 @@ class AnnotationParser {
       if (colon == std::string::npos)
         fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
                          "backward, forward, init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, "
-                         "inverse, norm, skeleton)",
+                         "inverse, norm, skeleton, autocast)",
                          s));
       const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
       if (key == "pattern") set_once(pattern, value, key);
@@ -62,6 +62,11 @@ class AnnotationParser {
       else if (key == "rows") set_once(rows, value, key);
       else if (key == "norm") set_once(norm, value, key);
       else if (key == "skeleton") set_once(skeleton, link(value), key);
+      else if (key == "autocast") {
+        set_once(autocast, value, key);
+        if (autocast != "low" && autocast != "f32")
+          fail(fmt::format("'autocast' is \"low\" or \"f32\", not \"{}\"", autocast));
+      }
       else if (key == "prologue") {
         if (!prologue.items().empty()) fail("'prologue' is given twice");
         for (const auto& slot : words(value)) prologue.push_back(JsonValue::string(slot));
@@ -79,7 +84,7 @@ class AnnotationParser {
       }
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
                             "init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, inverse, norm, "
-                            "skeleton)",
+                            "skeleton, autocast)",
                             key));
     }
     index_ = 0;
@@ -107,6 +112,7 @@ class AnnotationParser {
     if (!links[3].empty()) op.set("inverse", JsonValue::string(links[3]));
     if (!norm.empty()) op.set("norm", JsonValue::string(norm));
     if (!skeleton.empty()) op.set("skeleton", JsonValue::string(skeleton));
+    if (!autocast.empty()) op.set("autocast", JsonValue::string(autocast));
     if (!doc.empty()) op.set("doc", JsonValue::string(doc));
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
     if (!flops.empty()) op.set("flops", JsonValue::string(flops));

@@ -556,25 +556,25 @@ CG_DEVICE T cg_exp(T x) {
   return exp(x);
 }
 
-// templates/elementwise.cuh:93
+// templates/elementwise.cuh:94
 template <typename T>
 CG_DEVICE T cg_log(T x) {
   return log(x);
 }
 
-// templates/elementwise.cuh:107
+// templates/elementwise.cuh:109
 template <typename T>
 CG_DEVICE T cg_sqrt(T x) {
   return sqrt(x);
 }
 
-// templates/elementwise.cuh:121
+// templates/elementwise.cuh:123
 template <typename T>
 CG_DEVICE T cg_rsqrt(T x) {
   return T(1) / sqrt(x);  // both correctly rounded: within an ulp of the quotient, where rsqrtf is 2
 }
 
-// templates/elementwise.cuh:137
+// templates/elementwise.cuh:140
 // x^2 is the common case (a hand-written RMSNorm's x.pow(2)): exactly x * x,
 // where powf may differ from it by an ulp.
 template <typename T>
@@ -582,13 +582,13 @@ CG_DEVICE T cg_pow(T x, T exponent) {
   return exponent == T(2) ? x * x : exponent == T(1) ? x : pow(x, exponent);
 }
 
-// templates/elementwise.cuh:152
+// templates/elementwise.cuh:156
 template <typename T>
 CG_DEVICE T cg_neg(T x) {
   return -x;
 }
 
-// templates/elementwise.cuh:173
+// templates/elementwise.cuh:177
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
@@ -603,55 +603,55 @@ CG_DEVICE T cg_gelu_tanh(T x) {
   return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:180
+// templates/elementwise.cuh:184
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:185
+// templates/elementwise.cuh:189
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:200
+// templates/elementwise.cuh:204
 template <typename T>
 CG_DEVICE T cg_affine(T x, T scale, T shift) {
   return scale * x + shift;
 }
 
-// templates/elementwise.cuh:216
+// templates/elementwise.cuh:220
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:231
+// templates/elementwise.cuh:235
 template <typename T>
 CG_DEVICE T cg_sub(T a, T b) {
   return a - b;
 }
 
-// templates/elementwise.cuh:246
+// templates/elementwise.cuh:250
 template <typename T>
 CG_DEVICE T cg_mul(T a, T b) {
   return a * b;
 }
 
-// templates/elementwise.cuh:261
+// templates/elementwise.cuh:265
 template <typename T>
 CG_DEVICE T cg_div(T a, T b) {
   return a / b;
 }
 
-// templates/elementwise.cuh:276
+// templates/elementwise.cuh:280
 template <typename T>
 CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
-// templates/elementwise.cuh:294
+// templates/elementwise.cuh:298
 // The gradient of maximum for one operand, at the output's shape (the
 // compiler sums it over broadcast axes): the larger operand takes dout, and
 // ties split it in half, as PyTorch's rule does.
@@ -661,14 +661,14 @@ CG_DEVICE T cg_maximum_backward(T a, T b, T dout, int wrt) {
   return mine > other ? dout : mine == other ? dout * T(0.5) : T(0);
 }
 
-// templates/elementwise.cuh:312
+// templates/elementwise.cuh:316
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
   return x > T(0) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:327
+// templates/elementwise.cuh:331
 template <typename T>
 CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   T one_minus_s;
@@ -676,7 +676,7 @@ CG_DEVICE T cg_sigmoid_backward(T x, T dout) {
   return dout * s * one_minus_s;
 }
 
-// templates/elementwise.cuh:344
+// templates/elementwise.cuh:348
 template <typename T>
 CG_DEVICE T cg_silu_backward(T x, T dout) {
   T one_minus_s;
@@ -684,14 +684,14 @@ CG_DEVICE T cg_silu_backward(T x, T dout) {
   return dout * s * (T(1) + x * one_minus_s);
 }
 
-// templates/elementwise.cuh:361
+// templates/elementwise.cuh:365
 template <typename T>
 CG_DEVICE T cg_tanh_backward(T x, T dout) {
   const T t = tanh(x);
   return dout * (T(1) - t * t);
 }
 
-// templates/elementwise.cuh:378
+// templates/elementwise.cuh:382
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
@@ -709,65 +709,65 @@ CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
   return dout * (cdf + x * pdf);
 }
 
-// templates/elementwise.cuh:406
+// templates/elementwise.cuh:410
 // Conversion between floating dtypes; the emitter names the output type.
 template <typename U, typename T>
 CG_DEVICE U cg_cast(T x) {
   return U(x);
 }
 
-// templates/elementwise.cuh:437
+// templates/elementwise.cuh:441
 // Gradients of exp, log, neg, affine and cast.
 template <typename T>
 CG_DEVICE T cg_exp_backward(T out, T dout) {
   return dout * out;
 }
 
-// templates/elementwise.cuh:452
+// templates/elementwise.cuh:456
 template <typename T>
 CG_DEVICE T cg_log_backward(T x, T dout) {
   return dout / x;
 }
 
-// templates/elementwise.cuh:467
+// templates/elementwise.cuh:471
 template <typename T>
 CG_DEVICE T cg_sqrt_backward(T x, T dout) {
   return dout / (T(2) * sqrt(x));
 }
 
-// templates/elementwise.cuh:482
+// templates/elementwise.cuh:486
 template <typename T>
 CG_DEVICE T cg_rsqrt_backward(T x, T dout) {
   return -dout / (T(2) * x * sqrt(x));
 }
 
-// templates/elementwise.cuh:497
+// templates/elementwise.cuh:501
 template <typename T>
 CG_DEVICE T cg_pow_backward(T x, T dout, T exponent) {
   if (exponent == T(0)) return T(0);  // x^0 is constant, also at x = 0 (where 0 * 0^-1 would be NaN), as PyTorch
   return dout * exponent * (exponent == T(2) ? x : exponent == T(1) ? T(1) : pow(x, exponent - T(1)));
 }
 
-// templates/elementwise.cuh:514
+// templates/elementwise.cuh:518
 template <typename T>
 CG_DEVICE T cg_neg_backward(T dout) {
   return -dout;
 }
 
-// templates/elementwise.cuh:528
+// templates/elementwise.cuh:532
 template <typename T>
 CG_DEVICE T cg_affine_backward(T dout, T scale) {
   return T(scale) * dout;
 }
 
-// templates/elementwise.cuh:544
+// templates/elementwise.cuh:548
 // The gradient of a cast is the cast back, to the input's dtype.
 template <typename T, typename U>
 CG_DEVICE T cg_cast_backward(U dout) {
   return T(dout);
 }
 
-// templates/elementwise.cuh:560
+// templates/elementwise.cuh:564
 // The gradient of (pred - target)^2, times scale; the caller folds the
 // mean's 1 / numel and the upstream gradient into scale.
 template <typename T>
@@ -775,19 +775,19 @@ CG_DEVICE T cg_mse_backward(T pred, T target, float scale) {
   return T(2) * (pred - target) * T(scale);
 }
 
-// templates/elementwise.cuh:575
+// templates/elementwise.cuh:579
 template <typename T>
 CG_DEVICE T cg_relu6(T x) {
   return x > T(0) ? (x < T(6) ? x : T(6)) : T(0);
 }
 
-// templates/elementwise.cuh:589
+// templates/elementwise.cuh:593
 template <typename T>
 CG_DEVICE T cg_relu6_backward(T x, T dout) {
   return x > T(0) && x < T(6) ? dout : T(0);
 }
 
-// templates/elementwise.cuh:605
+// templates/elementwise.cuh:609
 // x * relu6(x + 3) / 6, MobileNetV3's activation.
 template <typename T>
 CG_DEVICE T cg_hardswish(T x) {
@@ -795,19 +795,19 @@ CG_DEVICE T cg_hardswish(T x) {
   return x * r / T(6);
 }
 
-// templates/elementwise.cuh:620
+// templates/elementwise.cuh:624
 template <typename T>
 CG_DEVICE T cg_hardsigmoid(T x) {
   return (x + T(3) > T(0) ? (x + T(3) < T(6) ? x + T(3) : T(6)) : T(0)) / T(6);
 }
 
-// templates/elementwise.cuh:634
+// templates/elementwise.cuh:638
 template <typename T>
 CG_DEVICE T cg_hardsigmoid_backward(T x, T dout) {
   return x > T(-3) && x < T(3) ? dout / T(6) : T(0);
 }
 
-// templates/elementwise.cuh:649
+// templates/elementwise.cuh:653
 template <typename T>
 CG_DEVICE T cg_hardswish_backward(T x, T dout) {
   return x < T(-3) ? T(0) : (x <= T(3) ? dout * (T(2) * x + T(3)) / T(6) : dout);
@@ -1639,7 +1639,7 @@ CG_DEVICE cg_row_stats cg_layernorm_row(Load load, Weight weight, Bias bias, Sto
   return stats;
 }
 
-// templates/layernorm.cuh:127
+// templates/layernorm.cuh:128
 // The gradient of one row of layernorm with respect to x, given the mean and
 // rstd forward exported; with xhat = (x - mean) * rstd and g = dout * weight:
 //   dx[j] = rstd * (g[j] - mean(g) - xhat[j] * mean(g * xhat)).
@@ -1664,7 +1664,7 @@ CG_DEVICE void cg_layernorm_backward_row(LoadX x, Weight weight, LoadDout dout, 
   }
 }
 
-// templates/layernorm.cuh:167
+// templates/layernorm.cuh:168
 // For the lane's column j: dweight[j] = sum over rows of dout * xhat and
 // dbias[j] = sum over rows of dout, xhat = (x - mean[r]) * rstd[r]; x(r) and
 // dout(r) read that column, one of 32 adjacent ones per block (false `active`
@@ -1685,7 +1685,7 @@ CG_DEVICE void cg_layernorm_backward_params_column(LoadX x, LoadDout dout, Mean 
   dbias = cg_sum_over_warps(sum_db, scratch);
 }
 
-// templates/reduction.cuh:39
+// templates/reduction.cuh:41
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -1693,7 +1693,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:58
+// templates/reduction.cuh:60
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -1711,7 +1711,7 @@ CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scra
   return cg_log_sum_exp_row(load, n, scratch) - load((int)label);
 }
 
-// templates/losses.cuh:27
+// templates/losses.cuh:28
 // Its gradient for one row: (softmax(x) - onehot(label)) * scale, where the
 // caller folds 1 / rows and the upstream gradient into scale.
 template <typename Load, typename Store>
@@ -1722,7 +1722,7 @@ CG_DEVICE void cg_cross_entropy_backward_row(Load load, Store store, int n, cg_i
     store(j, (expf(load(j) - lse) - (j == label ? 1.0f : 0.0f)) * scale);
 }
 
-// templates/losses.cuh:48
+// templates/losses.cuh:49
 // One element's squared error, accumulated in f32.
 template <typename T>
 CG_DEVICE float cg_squared_error(T pred, T target) {
@@ -1826,13 +1826,13 @@ CG_DEVICE float cg_sum_row(Load load, int n, float* scratch) {
   return cg_block_sum(s, scratch);
 }
 
-// templates/reduction.cuh:23
+// templates/reduction.cuh:24
 template <typename Load>
 CG_DEVICE float cg_mean_row(Load load, int n, float* scratch) {
   return cg_sum_row(load, n, scratch) / (float)n;
 }
 
-// templates/reduction.cuh:67
+// templates/reduction.cuh:69
 // log softmax of a row, written through store(j, v): x - max - log(sum(exp(x - max))).
 template <typename Load, typename Store>
 CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch) {
@@ -1840,7 +1840,7 @@ CG_DEVICE void cg_log_softmax_row(Load load, Store store, int n, float* scratch)
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, load(j) - lse);
 }
 
-// templates/reduction.cuh:94
+// templates/reduction.cuh:97
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,
@@ -1858,7 +1858,7 @@ CG_DEVICE float cg_sum_leading_column(Load load, cg_i64 column, cg_i64 columns, 
   return cg_sum_over_warps(s, scratch);
 }
 
-// templates/reduction.cuh:115
+// templates/reduction.cuh:118
 // The gradient of a row of log_softmax, from its output:
 //   dx[j] = dout[j] - exp(out[j]) * sum_k dout[k].
 template <typename LoadOut, typename LoadDout, typename Store>
@@ -1869,7 +1869,7 @@ CG_DEVICE void cg_log_softmax_backward_row(LoadOut out, LoadDout dout, Store sto
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, dout(j) - expf(out(j)) * sum);
 }
 
-// templates/reduction.cuh:138
+// templates/reduction.cuh:141
 // The gradients of the row reductions. A sum hands each element of the row
 // the row's gradient, a mean the same divided by the row's length: the
 // emitter runs a grid-stride loop over dx and passes dout[row] and n.
@@ -1879,13 +1879,13 @@ CG_DEVICE T cg_sum_backward(T dout, int n) {
   return dout;
 }
 
-// templates/reduction.cuh:152
+// templates/reduction.cuh:155
 template <typename T>
 CG_DEVICE T cg_mean_backward(T dout, int n) {
   return dout / T(n);
 }
 
-// templates/reduction.cuh:168
+// templates/reduction.cuh:171
 // The gradient of a row max goes to the elements equal to the max, split
 // evenly between ties (as torch.amax's). One block per row; out is the
 // forward's max, which is one of the row's values, so == is exact.
@@ -1897,7 +1897,7 @@ CG_DEVICE void cg_max_backward_row(LoadX x, Store store, int n, float row_max, f
   for (int j = threadIdx.x; j < n; j += blockDim.x) store(j, x(j) == row_max ? share : 0.0f);
 }
 
-// templates/reduction.cuh:188
+// templates/reduction.cuh:191
 // The gradient of sum_leading: dout, broadcast back over the leading axes.
 template <typename T>
 CG_DEVICE T cg_sum_leading_backward(T dout) {
@@ -1922,7 +1922,7 @@ CG_DEVICE float cg_rmsnorm_row(Load load, Weight weight, Store store, int n, flo
   return rstd;
 }
 
-// templates/rmsnorm.cuh:95
+// templates/rmsnorm.cuh:96
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -1939,7 +1939,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:124
+// templates/rmsnorm.cuh:125
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and
@@ -2036,7 +2036,7 @@ CG_DEVICE void cg_conv2d_tile(LoadW load_w, LoadX load_x, Epilogue epilogue, cg_
       epilogue, g.O / g.groups, g.OH * g.OW, g.C / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:60
+// templates/vision.cuh:61
 // The direct form, one output element per call: for GEMMs too thin for a
 // tile (a depthwise convolution has M = 1 and K = KH * KW), where the tile
 // would compute 32 rows to keep one.
@@ -2056,7 +2056,7 @@ CG_DEVICE float cg_conv2d_direct(LoadW load_w, LoadX load_x, cg_conv2d_geometry 
   return acc;
 }
 
-// templates/vision.cuh:99
+// templates/vision.cuh:100
 // The A copier of cg_gemm_mainloop_with for a convolution's patches: thread
 // t copies the chunks of cg_gemm_operand's copier (one column of the [BM][BK]
 // tile, rows row_stride apart), each from the pixel its row's window covers
@@ -2112,7 +2112,7 @@ struct cg_conv2d_nhwc_patches {
   }
 };
 
-// templates/vision.cuh:152
+// templates/vision.cuh:153
 // The tile (tile_m, tile_n) of one group's implicit GEMM, over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. x_group points at
 // the group's first channel of the first pixel, w_group at its first output
@@ -2131,7 +2131,7 @@ CG_DEVICE void cg_conv2d_nhwc_mainloop(cg_gemm_accumulators<Config>& acc, const 
                                                 smem);
 }
 
-// templates/vision.cuh:301
+// templates/vision.cuh:303
 // dx's A copier: for each of a thread's rows (dx's pixel m), dout at the
 // output pixel whose window puts tap (i, j) of the k-tile's k = (i, j, o) on
 // m, or zeros. As the forward's patch copier: each row's pixel is decoded
@@ -2188,7 +2188,7 @@ struct cg_conv2d_nhwc_dout_taps {
   }
 };
 
-// templates/vision.cuh:480
+// templates/vision.cuh:482
 // dx's B: the weight of output channel o at tap (i, j) of k = (i, j, o),
 // input channels n on.
 template <typename T>
@@ -2202,7 +2202,7 @@ struct cg_conv2d_nhwc_weight_taps {
   }
 };
 
-// templates/vision.cuh:493
+// templates/vision.cuh:495
 // dweight's B: the input pixel that tap (i, j) of n = (i, j, c) reads for
 // output pixel k, channels c on, or zeros where it lies outside the image.
 template <typename T>
@@ -2221,7 +2221,7 @@ struct cg_conv2d_nhwc_pixel_taps {
   }
 };
 
-// templates/vision.cuh:511
+// templates/vision.cuh:513
 // The tile (tile_m, tile_n) of one group's dx GEMM over k in [k_begin,
 // k_end), into acc, on the pipelined mainloop. M = B * H * W, N = CG.
 template <typename Config, typename T>
@@ -2237,7 +2237,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_data_mainloop(cg_gemm_accumulators<Config
                                                  smem);
 }
 
-// templates/vision.cuh:545
+// templates/vision.cuh:547
 // The tile (tile_m, tile_n) of one group's dweight GEMM over k in
 // [k_begin, k_end), into acc, on the pipelined mainloop. M = OG, N = KH * KW
 // * CG.
@@ -2254,7 +2254,7 @@ CG_DEVICE void cg_conv2d_nhwc_backward_weight_mainloop(cg_gemm_accumulators<Conf
                                                   smem);
 }
 
-// templates/vision.cuh:661
+// templates/vision.cuh:663
 // conv2d's gradients, which the derive pass links to it: one kernel whose
 // blocks fall in up to three ranges, one a gradient asked for (the emitter
 // lays them out):
@@ -2289,7 +2289,7 @@ CG_DEVICE void cg_conv2d_backward_data_tile(LoadW load_w, LoadDout load_dout, Ep
       epilogue, CG, g.H * g.W, g.O / g.groups * kernel_area, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:703
+// templates/vision.cuh:705
 // dweight as an implicit GEMM for one group (above); `images` is B.
 template <int BM, int BN, int BK, typename LoadDout, typename LoadX, typename Epilogue>
 CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, Epilogue epilogue, cg_conv2d_geometry g,
@@ -2306,7 +2306,7 @@ CG_DEVICE void cg_conv2d_backward_weight_tile(LoadDout load_dout, LoadX load_x, 
       epilogue, g.O / g.groups, g.C / g.groups * kernel_area, images * positions, tile_m, tile_n, smem);
 }
 
-// templates/vision.cuh:721
+// templates/vision.cuh:723
 // The direct forms, one gradient element a call, for GEMMs too thin for a
 // tile (depthwise): dx at input channel c of the group, position (h, w);
 // dweight at (o, c, i, j) of the group, over `images` images.
@@ -2328,7 +2328,7 @@ CG_DEVICE float cg_conv2d_backward_data_direct(LoadW load_w, LoadDout load_dout,
   return acc;
 }
 
-// templates/vision.cuh:738
+// templates/vision.cuh:740
 template <typename LoadDout, typename LoadX>
 CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_x, cg_conv2d_geometry g, int images,
                                                  int o, int c, int i, int j) {
@@ -2345,7 +2345,7 @@ CG_DEVICE float cg_conv2d_backward_weight_direct(LoadDout load_dout, LoadX load_
   return acc;
 }
 
-// templates/vision.cuh:756
+// templates/vision.cuh:758
 // dbias[o]: every thread of the block sums its share of dout[b, o, :] in
 // order, then the block's tree. `scratch` holds 32 floats of shared memory.
 template <typename LoadDout>
@@ -2357,14 +2357,14 @@ CG_DEVICE float cg_conv2d_backward_bias(LoadDout load_dout, cg_conv2d_geometry g
   return cg_block_sum(partial, scratch);
 }
 
-// templates/vision.cuh:766
+// templates/vision.cuh:768
 // The window of one 2-D pooling, as the emitter writes it into the kernel.
 struct cg_pool2d_window {
   int H, W, OH, OW;
   int KH, KW, stride_h, stride_w, padding_h, padding_w, dilation_h, dilation_w;
 };
 
-// templates/vision.cuh:774
+// templates/vision.cuh:776
 // The largest x in window (oh, ow) of the image at `base`, whose pixel (h, w)
 // is element base + (h * W + w) * pixel: one plane of NCHW (pixel 1), one
 // channel of NHWC (pixel C).
@@ -2384,7 +2384,7 @@ CG_DEVICE float cg_max_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return best;
 }
 
-// templates/vision.cuh:792
+// templates/vision.cuh:794
 // Max pooling: element i of out[..., OH, OW] is the largest x in its window;
 // padding never wins (as PyTorch pads with -inf).
 template <typename T>
@@ -2393,7 +2393,7 @@ CG_DEVICE float cg_max_pool2d(const T* x, cg_i64 i, cg_pool2d_window p) {
   return cg_max_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p);
 }
 
-// templates/vision.cuh:818
+// templates/vision.cuh:820
 // Max pooling on channels-last tensors: element i of out[B, OH, OW, C], so
 // that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2403,7 +2403,7 @@ CG_DEVICE float cg_max_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, int
   return cg_max_pool2d_window(x, pixel / ((cg_i64)p.OW * p.OH) * p.H * p.W * C + i % C, C, oh, ow, p);
 }
 
-// templates/vision.cuh:846
+// templates/vision.cuh:848
 // The divisor of avg_pool2d's window whose top-left corner is (h0, w0): the
 // window clipped to the image, or with count_include_pad to the padded image
 // (as PyTorch counts it).
@@ -2415,7 +2415,7 @@ CG_DEVICE int cg_avg_pool2d_divisor(int h0, int w0, const cg_pool2d_window& p, b
   return bottom > top && right > left ? (bottom - top) * (right - left) : 0;  // 0: a window of padding alone
 }
 
-// templates/vision.cuh:856
+// templates/vision.cuh:858
 // The mean of x over window (oh, ow) of the image at `base`, pixels `pixel`
 // apart (cg_max_pool2d_window's layout), over cg_avg_pool2d_divisor.
 template <typename T>
@@ -2430,7 +2430,7 @@ CG_DEVICE float cg_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pixel, int 
   return count > 0 ? sum / (float)count : 0.0f;
 }
 
-// templates/vision.cuh:870
+// templates/vision.cuh:872
 // Average pooling over the window; count_include_pad counts the padding's
 // zeros in the divisor (PyTorch's default).
 template <typename T>
@@ -2439,7 +2439,7 @@ CG_DEVICE float cg_avg_pool2d(const T* x, cg_i64 i, cg_pool2d_window p, bool cou
   return cg_avg_pool2d_window(x, i / ((cg_i64)p.OW * p.OH) * p.H * p.W, 1, oh, ow, p, count_include_pad);
 }
 
-// templates/vision.cuh:894
+// templates/vision.cuh:896
 // Average pooling on channels-last tensors: element i of out[B, OH, OW, C],
 // so that a warp's lanes read consecutive channels of each pixel.
 template <typename T>
@@ -2450,7 +2450,7 @@ CG_DEVICE float cg_avg_pool2d_nhwc(const T* x, cg_i64 i, cg_pool2d_window p, boo
                               count_include_pad);
 }
 
-// templates/vision.cuh:920
+// templates/vision.cuh:922
 // The mean of window (oh, ow) of the image at `base`, pixels `pixel` apart
 // (cg_max_pool2d_window's layout).
 template <typename T>
@@ -2464,7 +2464,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_window(const T* x, cg_i64 base, cg_i64 pi
   return sum / (float)((h1 - h0) * (w1 - w0));
 }
 
-// templates/vision.cuh:934
+// templates/vision.cuh:936
 // Adaptive average pooling to the output's size: output row oh averages
 // input rows floor(oh * H / OH) to ceil((oh + 1) * H / OH), and so for
 // columns (as PyTorch's adaptive_avg_pool2d).
@@ -2474,7 +2474,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d(const T* x, cg_i64 i, int H, int W, int O
   return cg_adaptive_avg_pool2d_window(x, i / ((cg_i64)OW * OH) * H * W, 1, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:952
+// templates/vision.cuh:954
 // Adaptive average pooling on channels-last tensors: element i of out[B, OH,
 // OW, C]. To 1 x 1 (a classifier's head), out is [B, 1, 1, C]: flattened,
 // the same [B, C] as NCHW's.
@@ -2485,7 +2485,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc(const T* x, cg_i64 i, int H, int W, 
   return cg_adaptive_avg_pool2d_window(x, pixel / ((cg_i64)OW * OH) * H * W * C + i % C, C, oh, ow, H, W, OH, OW);
 }
 
-// templates/vision.cuh:979
+// templates/vision.cuh:981
 // The input element max pooling's window (oh, ow) of the image at `base`
 // chose, as its pixel's index in the image (h * W + w): the first largest, a
 // NaN the last (cg_max_pool2d's order); -1 for a window of padding alone.
@@ -2510,7 +2510,7 @@ CG_DEVICE int cg_max_pool2d_choice(const T* x, cg_i64 base, cg_i64 pixel, int oh
   return choice;
 }
 
-// templates/vision.cuh:1002
+// templates/vision.cuh:1004
 // dx at pixel (h, w) of the image whose x is at x_base and whose windows'
 // douts are at out_base, pixels `pixel` elements apart (1: NCHW, C: NHWC):
 // the dout of each window that covers it and chose it.
@@ -2532,7 +2532,7 @@ CG_DEVICE float cg_max_pool2d_backward_pixel(const T* x, const T* dout, cg_i64 x
   return sum;
 }
 
-// templates/vision.cuh:1021
+// templates/vision.cuh:1023
 // dx[i]: the dout of each window whose choice is element i.
 template <typename T>
 CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_pool2d_window p) {
@@ -2541,7 +2541,7 @@ CG_DEVICE float cg_max_pool2d_backward(const T* x, const T* dout, cg_i64 i, cg_p
   return cg_max_pool2d_backward_pixel(x, dout, index * p.H * p.W, index * p.OH * p.OW, 1, h, w, p);
 }
 
-// templates/vision.cuh:1049
+// templates/vision.cuh:1051
 // dx[i] of channels-last tensors (x, dout and dx NHWC): element i of
 // dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
 template <typename T>
@@ -2553,7 +2553,7 @@ CG_DEVICE float cg_max_pool2d_nhwc_backward(const T* x, const T* dout, cg_i64 i,
                                       w, p);
 }
 
-// templates/vision.cuh:1080
+// templates/vision.cuh:1082
 // dx at pixel (h, w) of an image whose douts are at out_base, pixels `pixel`
 // elements apart: each covering window's dout over its divisor (as
 // cg_avg_pool2d_window divides).
@@ -2577,7 +2577,7 @@ CG_DEVICE float cg_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_base, cg_
   return sum;
 }
 
-// templates/vision.cuh:1102
+// templates/vision.cuh:1104
 // dx[i]: each covering window's dout over the window's divisor (as
 // cg_avg_pool2d counts it).
 template <typename T>
@@ -2586,7 +2586,7 @@ CG_DEVICE float cg_avg_pool2d_backward(const T* dout, cg_i64 i, cg_pool2d_window
   return cg_avg_pool2d_backward_pixel(dout, i / ((cg_i64)p.W * p.H) * p.OH * p.OW, 1, h, w, p, count_include_pad);
 }
 
-// templates/vision.cuh:1125
+// templates/vision.cuh:1127
 // dx[i] of channels-last tensors (dout and dx NHWC): element i of
 // dx[B, H, W, C], so that a warp's lanes gather consecutive channels.
 template <typename T>
@@ -2597,7 +2597,7 @@ CG_DEVICE float cg_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, cg_pool2d_w
                                       count_include_pad);
 }
 
-// templates/vision.cuh:1151
+// templates/vision.cuh:1153
 // dx at pixel (h, w) of an image whose cells' douts are at out_base, pixels
 // `pixel` elements apart: each output cell whose rows and columns
 // (cg_adaptive_avg_pool2d's) hold it, its dout over the cell's area.
@@ -2617,7 +2617,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward_pixel(const T* dout, cg_i64 out_
   return sum;
 }
 
-// templates/vision.cuh:1169
+// templates/vision.cuh:1171
 // dx[i]: each output cell whose rows and columns (cg_adaptive_avg_pool2d's)
 // hold element i, its dout over the cell's area.
 template <typename T>
@@ -2626,7 +2626,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_backward(const T* dout, cg_i64 i, int H, 
   return cg_adaptive_avg_pool2d_backward_pixel(dout, i / ((cg_i64)W * H) * OH * OW, 1, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:1184
+// templates/vision.cuh:1186
 // dx[i] of channels-last tensors (dout and dx NHWC): element i of dx[B, H, W, C].
 template <typename T>
 CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, int H, int W, int OH, int OW, int C) {
@@ -2635,7 +2635,7 @@ CG_DEVICE float cg_adaptive_avg_pool2d_nhwc_backward(const T* dout, cg_i64 i, in
   return cg_adaptive_avg_pool2d_backward_pixel(dout, pixel / ((cg_i64)W * H) * OH * OW * C + i % C, C, h, w, H, W, OH, OW);
 }
 
-// templates/vision.cuh:1209
+// templates/vision.cuh:1211
 // BatchNorm in training mode (torch.nn.functional.batch_norm, training=True)
 // over NCHW: channel c is normalised by the mean and the biased variance of
 // its B x H x W elements, then scaled by weight[c] and shifted by bias[c];
@@ -2650,7 +2650,7 @@ struct cg_batchnorm2d_stats {
   float mean, var, rstd;  // var: the biased variance
 };
 
-// templates/vision.cuh:1212
+// templates/vision.cuh:1214
 template <typename LoadX, typename Store>
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store, cg_i64 count, float weight, float bias,
                                                       float eps, float* scratch) {
@@ -2668,13 +2668,13 @@ CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_channel(LoadX load_x, Store store,
   return cg_batchnorm2d_stats{mean, var, rstd};
 }
 
-// templates/vision.cuh:1247
+// templates/vision.cuh:1250
 // A channel's sums in batchnorm2d's gradient: those of its weight and bias.
 struct cg_batchnorm2d_sums {
   float dweight, dbias;
 };
 
-// templates/vision.cuh:1255
+// templates/vision.cuh:1258
 // batchnorm2d's gradients, a block a channel: with xhat = (x - mean) * rstd,
 // dweight = sum(dout * xhat), dbias = sum(dout), and
 // dx = weight * rstd * (dout - dbias / count - xhat * dweight / count).
@@ -2696,7 +2696,7 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_backward_channel(LoadX load_x, Load
   return cg_batchnorm2d_sums{dweight, dbias};
 }
 
-// templates/vision.cuh:1302
+// templates/vision.cuh:1305
 // BatchNorm in training mode over channels-last tensors ([B, H, W, C]):
 // batchnorm2d's computation, laid out so that a warp reads runs of
 // consecutive channels. A block covers a chunk of LANES x V channels (each
@@ -2717,7 +2717,7 @@ struct cg_moments {
   float count, mean, m2;  // m2: the sum of squared deviations from mean
 };
 
-// templates/vision.cuh:1307
+// templates/vision.cuh:1310
 // Chan, Golub and LeVeque's update: the moments of a's values and b's together.
 CG_DEVICE cg_moments cg_moments_merge(cg_moments a, cg_moments b) {
   if (b.count == 0.0f) return a;
@@ -2726,13 +2726,13 @@ CG_DEVICE cg_moments cg_moments_merge(cg_moments a, cg_moments b) {
   return cg_moments{count, a.mean + d * f, a.m2 + b.m2 + d * d * a.count * f};
 }
 
-// templates/vision.cuh:1314
+// templates/vision.cuh:1317
 CG_DEVICE cg_batchnorm2d_stats cg_batchnorm2d_stats_of(cg_moments m, float eps) {
   const float var = m.m2 / m.count;  // biased, as batch statistics are
   return cg_batchnorm2d_stats{m.mean, var, 1.0f / sqrtf(var + eps)};
 }
 
-// templates/vision.cuh:1322
+// templates/vision.cuh:1325
 // V per-channel values from channel c0 (a multiple of V, so aligned): f32
 // statistics as 16- or 8-byte loads where V allows, a weight or bias as one
 // vector (null: `absent` for each).
@@ -2747,7 +2747,7 @@ CG_DEVICE void cg_load_channels(const float* p, cg_i64 c0, float* out) {
   }
 }
 
-// templates/vision.cuh:1332
+// templates/vision.cuh:1335
 template <int V, typename T>
 CG_DEVICE void cg_load_channels(const T* p, cg_i64 c0, float absent, float* out) {
   if (p == nullptr) {
@@ -2759,7 +2759,7 @@ CG_DEVICE void cg_load_channels(const T* p, cg_i64 c0, float absent, float* out)
   for (int k = 0; k < V; ++k) out[k] = cg_widen(v.v[k]);
 }
 
-// templates/vision.cuh:1347
+// templates/vision.cuh:1350
 // A block's threads over a chunk of channels: THREADS threads (more in a
 // megakernel's block idle), ROWS rows of LANES, ITEMS channels (a thread
 // each where a chunk's channels are merged). The rows' values in shared
@@ -2816,7 +2816,7 @@ struct cg_batchnorm2d_nhwc_layout {
   }
 };
 
-// templates/vision.cuh:1401
+// templates/vision.cuh:1404
 // The moments of channel chunk * ITEMS + threadIdx.x (threads below ITEMS)
 // over pixels [begin, end) of x.
 template <int V, int LANES, typename T>
@@ -2848,7 +2848,7 @@ CG_DEVICE cg_moments cg_batchnorm2d_nhwc_moments(const T* x, cg_i64 C, cg_i64 ch
   return total;
 }
 
-// templates/vision.cuh:1532
+// templates/vision.cuh:1536
 // A small tensor (or a megakernel's tile): block `chunk` computes its
 // channels' statistics over every pixel, hands each to f(c, stats), then
 // normalises its channels of every pixel (store as above). smem:
@@ -2880,7 +2880,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_chunk(const T* x, const T* weight, const T* b
   }
 }
 
-// templates/vision.cuh:1562
+// templates/vision.cuh:1566
 // The gradient's sums of channel chunk * ITEMS + threadIdx.x (threads
 // below ITEMS) over pixels [begin, end): dbias = sum(dout) and
 // dweight = sum(dout * xhat), xhat = (x - mean) * rstd.
@@ -2920,13 +2920,13 @@ CG_DEVICE cg_batchnorm2d_sums cg_batchnorm2d_nhwc_block_sums(const T* x, const T
   return total;
 }
 
-// templates/vision.cuh:1599
+// templates/vision.cuh:1603
 // dx of one element: weight * rstd * (dout - (dbias + xhat * dweight) / count), as batchnorm2d_backward.
 CG_DEVICE float cg_batchnorm2d_dx(float dy, float xhat, float scale, float dweight, float dbias, float count) {
   return scale * (dy - (dbias + xhat * dweight) / count);
 }
 
-// templates/vision.cuh:1688
+// templates/vision.cuh:1692
 // The gradient of a small tensor (or a megakernel's tile): block `chunk`
 // sums its channels over every pixel, hands them to f(c, sums), then
 // stores its channels' dx of every pixel through store (null: none asked
@@ -2963,7 +2963,7 @@ CG_DEVICE void cg_batchnorm2d_nhwc_backward_chunk(const T* x, const T* dout, con
   }
 }
 
-// templates/vision.cuh:1725
+// templates/vision.cuh:1729
 // A general permutation of axes: out's axis j is x's axis dims[j]
 // (torch.permute; a transpose of any two axes is one). Element i of out
 // reads x at sum_j coordinate_j(i) * source_strides[j], where

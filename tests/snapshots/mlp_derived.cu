@@ -518,13 +518,13 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:216
+// templates/elementwise.cuh:220
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:312
+// templates/elementwise.cuh:316
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {
@@ -559,7 +559,7 @@ CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
-// templates/reduction.cuh:39
+// templates/reduction.cuh:41
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -567,7 +567,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:58
+// templates/reduction.cuh:60
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -585,7 +585,7 @@ CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scra
   return cg_log_sum_exp_row(load, n, scratch) - load((int)label);
 }
 
-// templates/losses.cuh:27
+// templates/losses.cuh:28
 // Its gradient for one row: (softmax(x) - onehot(label)) * scale, where the
 // caller folds 1 / rows and the upstream gradient into scale.
 template <typename Load, typename Store>
@@ -654,7 +654,7 @@ CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentu
   param = T(float(param) - lr * g);
 }
 
-// templates/reduction.cuh:94
+// templates/reduction.cuh:97
 // Sum over every axis but the last (the gradient of a broadcast bias). A
 // block takes 32 adjacent columns: lane l of every warp reads column
 // (32 * blockIdx.x + l), so each warp's reads are one coalesced row segment,

@@ -518,7 +518,7 @@ CG_DEVICE T cg_relu(T x) {
   return x > T(0) ? x : T(0);
 }
 
-// templates/elementwise.cuh:216
+// templates/elementwise.cuh:220
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;

@@ -524,7 +524,7 @@ CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
   return v < T(0) ? e * inverse : inverse;
 }
 
-// templates/elementwise.cuh:173
+// templates/elementwise.cuh:177
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
@@ -539,25 +539,25 @@ CG_DEVICE T cg_gelu_tanh(T x) {
   return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:180
+// templates/elementwise.cuh:184
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:185
+// templates/elementwise.cuh:189
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:216
+// templates/elementwise.cuh:220
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:378
+// templates/elementwise.cuh:382
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {
@@ -640,7 +640,7 @@ CG_DEVICE T cg_uniform(cg_i64 i, T low, T high, long long seed) {
   return fma(high - low, (T)cg_unit_float(seed, i, 0), low);
 }
 
-// templates/reduction.cuh:39
+// templates/reduction.cuh:41
 template <typename Load>
 CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   float m = cg_neg_inf();
@@ -648,7 +648,7 @@ CG_DEVICE float cg_max_row(Load load, int n, float* scratch) {
   return cg_block_max(m, scratch);
 }
 
-// templates/reduction.cuh:58
+// templates/reduction.cuh:60
 // log(sum(exp(x))) of a row, as max + log(sum(exp(x - max))) so that no
 // exp overflows; every thread gets it.
 template <typename Load>
@@ -666,7 +666,7 @@ CG_DEVICE float cg_cross_entropy_row(Load load, int n, cg_i64 label, float* scra
   return cg_log_sum_exp_row(load, n, scratch) - load((int)label);
 }
 
-// templates/losses.cuh:27
+// templates/losses.cuh:28
 // Its gradient for one row: (softmax(x) - onehot(label)) * scale, where the
 // caller folds 1 / rows and the upstream gradient into scale.
 template <typename Load, typename Store>
@@ -741,7 +741,7 @@ CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float be
   param = T(decayed - lr * cg_adam_direction(float(grad), m, v, beta1, beta2, eps, step));
 }
 
-// templates/rmsnorm.cuh:45
+// templates/rmsnorm.cuh:46
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
 // too (staged_weight, n floats), and each row's rstd where staged_rstd is not
@@ -771,7 +771,7 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/rmsnorm.cuh:95
+// templates/rmsnorm.cuh:96
 // The gradient of one row of rmsnorm with respect to x, given the rstd that
 // forward exported:
 //   dx[j] = rstd * (weight[j] * dout[j] - x[j] * rstd^2 * mean(weight * dout * x)).
@@ -788,7 +788,7 @@ CG_DEVICE void cg_rmsnorm_backward_row(LoadX x, Weight weight, LoadDout dout, St
   for (int j = threadIdx.x; j < n; j += blockDim.x) store_dx(j, rstd * (weight(j) * dout(j) - x(j) * c));
 }
 
-// templates/rmsnorm.cuh:124
+// templates/rmsnorm.cuh:125
 // dweight[j] = sum over rows r of dout[r, j] * x[r, j] * rstd[r]; x(r) and
 // dout(r) read the lane's column j, a column of 32 adjacent ones per block
 // (false `active` past the last). The block's warps split the rows and

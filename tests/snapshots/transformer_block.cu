@@ -524,7 +524,7 @@ CG_DEVICE T cg_sigmoid_parts(T v, T* one_minus) {
   return v < T(0) ? e * inverse : inverse;
 }
 
-// templates/elementwise.cuh:173
+// templates/elementwise.cuh:177
 // gelu(x) = x * Phi(x); the tanh form approximates Phi as PyTorch's approximate="tanh" does.
 // Both forms avoid 1 + tanh(u) and 1 + erf(z), which cancel where x is
 // negative: gelu(-4) is -7.8e-5, and the sum would keep only 3 of f32's
@@ -539,19 +539,19 @@ CG_DEVICE T cg_gelu_tanh(T x) {
   return x * cg_sigmoid_parts(T(2) * k * (x + T(0.044715) * x * x * x), &unused);
 }
 
-// templates/elementwise.cuh:180
+// templates/elementwise.cuh:184
 template <typename T>
 CG_DEVICE T cg_gelu_erf(T x) {
   return T(0.5) * x * erfc(x * T(-0.7071067811865476));
 }
 
-// templates/elementwise.cuh:185
+// templates/elementwise.cuh:189
 template <typename T>
 CG_DEVICE T cg_gelu(T x, int approximate) {
   return approximate == 0 ? cg_gelu_tanh(x) : cg_gelu_erf(x);
 }
 
-// templates/elementwise.cuh:216
+// templates/elementwise.cuh:220
 template <typename T>
 CG_DEVICE T cg_add(T a, T b) {
   return a + b;
@@ -642,7 +642,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/rmsnorm.cuh:45
+// templates/rmsnorm.cuh:46
 // Rows [first, first + rows) of the norm's output, x * rstd * weight, in
 // shared memory: staged[r * n + j] (zeros past `last`), the weight staged
 // too (staged_weight, n floats), and each row's rstd where staged_rstd is not

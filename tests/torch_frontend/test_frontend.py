@@ -592,6 +592,44 @@ class Training(Exported):
         torch.manual_seed(seed)
         self.check_training(seed, models.shuffled_head(), (torch.randn(4, 6),), "mse", "sgd", {"lr": 0.1})
 
+    def test_an_export_inside_autocast_trains_in_bf16_as_pytorch_does(self):
+        """Exported inside torch.autocast(dtype=torch.bfloat16): the graph stays
+        f32 and asks for "precision": "bf16" (issue #41), cudagen computes its
+        products in bf16, and two SGD steps give PyTorch's losses under the same
+        autocast within bf16's bound (docs/architecture.md section 9)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.SiLU(), torch.nn.Linear(32, 10))
+        model_dir = os.path.join(self.dir, "model")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = cudagen_torch.export(model, (torch.randn(16, 24),), model_dir, loss="cross_entropy",
+                                          optimizer="sgd", optimizer_args={"lr": 0.1})
+        with open(result.graph_path) as f:
+            graph = json.load(f)
+        self.assertEqual(graph["training"]["precision"], "bf16")
+        self.assertEqual({t["tensors"]["out"]["dtype"] for t in graph["tasks"] if t["op"] == "matmul"}, {"f32"})
+        described, _ = self.run_cudagen("describe", result.graph_path)
+        self.assertRegex(described, r"_to_bf16\.out\s+bf16")
+        outputs = os.path.join(self.dir, "outputs")
+        self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", "2", "--inputs",
+                         os.path.join(model_dir, "example"), "--outputs", outputs)
+        example = {n: torch.from_numpy(np.load(os.path.join(model_dir, "example", n + ".npy"))) for n in result.inputs}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(example[result.inputs[0]])
+                self.assertEqual(logits.dtype, torch.bfloat16)
+                value = F.cross_entropy(logits.float(), example["labels"].long())
+            value.backward()
+            optimizer.step()
+            losses.append(float(value))
+        got = np.load(os.path.join(outputs, "loss.per_step.npy")).reshape(-1)
+        np.testing.assert_allclose(got, losses, rtol=1e-2, err_msg=f"loss per step, cudagen vs PyTorch (seed {seed})")
+        with self.assertRaisesRegex(cudagen_torch.ExportError, "float16 autocast needs loss scaling"):
+            cudagen_torch.export(model, (torch.randn(16, 24),), model_dir, loss="mse", precision=torch.float16)
+
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()
         torch.manual_seed(seed)

@@ -42,7 +42,8 @@ const char* kAllFeatures = R"({
         "flag": false
       }
     }
-  ]
+  ],
+  "training": {"loss": "w.out", "optimizer": "adam", "precision": "bf16"}
 }
 )";
 
@@ -70,6 +71,9 @@ TEST(GraphJson, ReadsEveryField) {
   EXPECT_EQ(std::get<std::string>(*opt.find_arg("name")->value), "x\"y");
   EXPECT_EQ(std::get<bool>(*opt.find_arg("flag")->value), false);
   EXPECT_EQ(opt.tensors[0].loc.line, 23);
+  ASSERT_TRUE(g.training.has_value());
+  EXPECT_EQ(g.training->optimizer, "adam");
+  EXPECT_EQ(g.training->precision, DType::bf16);
 }
 
 TEST(GraphJson, CanonicalTextRoundTripsByteForByte) {
@@ -164,6 +168,7 @@ TEST(Builder, MakesTheSameGraphAsJson) {
       .arg("ratios", ArgValue(std::vector<double>{0.5, 1.0}))
       .arg("name", "x\"y")
       .arg("flag", false);
+  b.training(TrainingSpec{{"w", "out"}, "adam", {}, DType::bf16, {}});
   TaskGraph built = std::move(b).graph();
   // The JSON version states the dependent slot's dtype and shape; drop them to compare.
   TaskGraph read = read_graph(kAllFeatures);

@@ -60,6 +60,9 @@ def main(argv=None):
     ex.add_argument("--loss", choices=["cross_entropy", "mse"], help="add a loss: the graph then trains")
     ex.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="with --loss: derive an update phase")
     ex.add_argument("--lr", type=float, default=0.01, help="the optimizer's learning rate (default 0.01)")
+    ex.add_argument("--precision", choices=["bf16"],
+                    help="with --loss: train as torch.autocast(dtype=torch.bfloat16) does, f32 master weights and "
+                    "products in bf16 (default: f32 throughout)")
     ex.add_argument("--train-mode", action="store_true",
                     help="export the model in training mode: BatchNorm normalises by each batch's statistics and "
                     "updates its running ones (default: eval mode)")
@@ -86,7 +89,7 @@ def main(argv=None):
     try:
         result = export(model, tuple(inputs), args.output, name=args.name, loss=args.loss, optimizer=args.optimizer,
                         optimizer_args={"lr": args.lr} if args.optimizer else None, tracer=args.tracer,
-                        train_mode=args.train_mode)
+                        train_mode=args.train_mode, precision=args.precision)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1743,8 +1743,33 @@ def _capture(module, example_inputs, tracer):
     return _export_program(module, example_inputs), "torch.export"
 
 
+def _autocast_precision(precision, loss):
+    """The training's precision policy: `precision` as given ("bf16" or
+    torch.bfloat16), else the dtype of the torch.autocast the export runs in
+    (CUDA's or the CPU's), else None (f32 throughout)."""
+    if precision is None:
+        for enabled, dtype in ((torch.is_autocast_enabled, torch.get_autocast_gpu_dtype),
+                               (torch.is_autocast_cpu_enabled, torch.get_autocast_cpu_dtype)):
+            if enabled():
+                precision = dtype()
+                break
+        else:
+            return None
+    names = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+    precision = names.get(precision, precision)
+    if precision not in ("bf16", "f16", "f32"):
+        raise ExportError(f"precision={precision!r} has no mapping; use 'bf16' (torch.bfloat16)")
+    if loss is None:
+        raise ExportError(f"precision={precision!r} (or a torch.autocast around the export) is a training policy: "
+                          "pass loss= as well, or export outside torch.autocast")
+    if precision == "f16":
+        raise ExportError("float16 autocast needs loss scaling (GradScaler), which cudagen does not have yet; "
+                          "use torch.bfloat16, which needs none")
+    return None if precision == "f32" else precision
+
+
 def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
-           write_example=True, tracer="auto", train_mode=False):
+           write_example=True, tracer="auto", train_mode=False, precision=None):
     """Captures `module` on `example_inputs` (a tuple of tensors) and writes
     `path`/graph.json with one .npy per parameter and buffer.
 
@@ -1763,10 +1788,18 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       ones (`batchnorm2d`); by default in eval mode (module.eval()). The
       module is left in that mode; its running statistics are as they were
       (the capture's own forward pass does not move them).
+    precision: with loss, "bf16" (or torch.bfloat16) trains as torch.autocast
+      does: the graph stays f32 (the weights are f32 master weights) and its
+      `training` section asks cudagen for "precision": "bf16" (products in
+      bf16, norms and losses in f32; docs/taskgraph-format.md). By default the
+      dtype of a torch.autocast the export runs in, so exporting inside the
+      training loop's `with torch.autocast(...)` keeps its policy. The model
+      itself is captured in f32 either way.
     Raises ExportError naming the node for anything it cannot map; nothing is
     written then."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    precision = _autocast_precision(precision, loss)
     if train_mode:  # torch.export's training-mode batch_norm (and its buffer updates) has no mapping yet
         if tracer == "export":
             raise ExportError("train_mode=True takes the torch.fx path: torch.export's training-mode batch_norm has "
@@ -1775,10 +1808,12 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     module = module.train(train_mode)
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
     try:
-        gm, traced_with = _capture(module, example_inputs, tracer)
-        recorder = _Recorder(gm)
-        with torch.no_grad():
-            outputs = recorder.run(*example_inputs)
+        # Captured and recorded in f32: an enclosing autocast is the policy, not the model.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            gm, traced_with = _capture(module, example_inputs, tracer)
+            recorder = _Recorder(gm)
+            with torch.no_grad():
+                outputs = recorder.run(*example_inputs)
     finally:  # a train-mode forward moves BatchNorm's running statistics: put them back
         with torch.no_grad():
             for n, b in module.named_buffers():
@@ -1790,6 +1825,8 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     extra_inputs = {}
     if loss is not None:
         graph["training"], extra_inputs = _training(ex, loss, optimizer, optimizer_args, outputs)
+        if precision is not None:
+            graph["training"]["precision"] = precision
     flat_outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     # Everything mapped: now write, each file under a temporary name first.

@@ -1,0 +1,269 @@
+#!/usr/bin/python3
+"""Trains a graph under a bf16 precision policy ("training": {"precision": "bf16"},
+generator/autocast.h) for a few steps in cudagen's host emulation, and PyTorch's
+same model under torch.autocast from the same state, step by step: each step's
+loss agrees within bf16's bound (docs/architecture.md section 9: 1e-2), and so do
+the f32 master weights and the optimizer state after it, up to what a bf16
+gradient's rounding makes of an update (adam_slack, sgd_slack).
+
+    tests/train_autocast_with_torch.py CUDAGEN {decoder,mlp} [--steps 5] [--seed N]
+
+decoder: bench/decoder_graph.py's pre-norm block (--train --dtype bf16: the graph
+in f32, the policy bf16) against bench/decoder_torch.py's Block, AdamW.
+mlp: two linear layers with biases, silu and cross-entropy, SGD with momentum
+(a smooth activation: relu's mask flips where bf16 rounds a value across zero,
+which no bound on rounding covers).
+PyTorch runs on the CPU in f32 inside torch.autocast("cpu", torch.bfloat16), which
+puts the products in bf16 as CUDA's autocast does (checked: the script fails if a
+product comes out f32). Debian's python3-torch (run with /usr/bin/python3).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+from torch_reference import Graph, run_torch  # noqa: E402
+
+BF16_RTOL = 1e-2  # docs/architecture.md section 9
+
+
+def checked_product(x):
+    """A product under autocast: bf16, or the reference is not the policy's."""
+    if x.dtype != torch.bfloat16:
+        raise SystemExit(f"torch.autocast left a product in {x.dtype}: the reference would not be bf16's")
+    return x
+
+
+def decoder_model(work, args):
+    dim, heads, mlp, batch, tokens = 32, 2, 64, 2, 8
+    path = os.path.join(work, "decoder.json")
+    subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "decoder_graph.py"), "--train", "--dtype", "bf16",
+                    "--dim", str(dim), "--heads", str(heads), "--mlp", str(mlp), "--batch", str(batch),
+                    "--tokens", str(tokens), "-o", path], check=True)
+    with open(path) as f:
+        graph = json.load(f)
+    names = {"ln1": "l0_ln1_w.out", "wq": "l0_wq.out", "wk": "l0_wk.out", "wv": "l0_wv.out", "wo": "l0_wo.out",
+             "ln2": "l0_ln2_w.out", "w_up": "l0_w_up.out", "w_down": "l0_w_down.out"}
+
+    def rmsnorm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def loss(p, inputs, record, exact=False):
+        checked = (lambda x: x) if exact else checked_product
+        x, target = inputs["l0_ln1.x"], inputs["loss.target"]
+        b, t, c = x.shape
+
+        def product(h, key):
+            return record(key, h, checked(h @ p[key]))
+
+        def norm(x, key):
+            n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return record(key, n, n * p[key], scale=True)
+
+        h = norm(x, "ln1")
+        q, k, v = (product(h, w).view(b, t, heads, c // heads).transpose(1, 2) for w in ("wq", "wk", "wv"))
+        scores = checked(q @ k.transpose(-1, -2)) * (c // heads) ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + product(checked(probs @ v).transpose(1, 2).reshape(b, t, c), "wo")
+        h = norm(x, "ln2")
+        x = x + product(F.gelu(product(h, "w_up"), approximate="tanh"), "w_down")
+        return F.mse_loss(x, target)
+
+    return graph, names, loss
+
+
+def mlp_model(work, args):
+    rows, features, hidden, classes = 16, 24, 32, 10
+
+    def init(name, shape, seed):
+        bound = shape[0] ** -0.5
+        return {"id": name, "op": "uniform", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": shape}},
+                "args": {"low": -bound, "high": bound, "seed": seed}}
+
+    def zeros(name, shape):
+        return {"id": name, "op": "fill", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": shape}},
+                "args": {"value": 0.0}}
+
+    def task(name, op, **tensors):
+        return {"id": name, "op": op, "tensors": tensors}
+
+    own = lambda shape, **kw: dict({"dtype": "f32", "shape": shape}, **kw)
+    ref = lambda s: {"from": s}
+    graph = {"format": "cudagen.taskgraph/1", "name": "autocast_mlp", "tasks": [
+        init("w1", [features, hidden], 1), zeros("b1", [hidden]), init("w2", [hidden, classes], 2), zeros("b2", [classes]),
+        task("fc1", "matmul", a=own([rows, features], storage="external"), b=ref("w1.out"), out=own([rows, hidden])),
+        task("bias1", "add", a=ref("fc1.out"), b=ref("b1.out"), out=own([rows, hidden])),
+        task("act", "silu", x=ref("bias1.out"), out=own([rows, hidden])),
+        task("fc2", "matmul", a=ref("act.out"), b=ref("w2.out"), out=own([rows, classes])),
+        task("bias2", "add", a=ref("fc2.out"), b=ref("b2.out"), out=own([rows, classes])),
+        task("loss", "cross_entropy", logits=ref("bias2.out"), labels={"dtype": "i32", "shape": [rows], "storage": "external"},
+             loss=own([], storage="external"))],
+        "training": {"loss": "loss.loss", "optimizer": "sgd", "args": {"lr": 0.5, "momentum": 0.9}, "precision": "bf16"}}
+    names = {n: n + ".out" for n in ("w1", "b1", "w2", "b2")}
+
+    def loss(p, inputs, record, exact=False):
+        checked = (lambda x: x) if exact else checked_product
+        y = record("w1", inputs["fc1.a"], checked(inputs["fc1.a"] @ p["w1"]))
+        h = F.silu(record("b1", None, y + p["b1"]))
+        logits = record("b2", None, record("w2", h, checked(h @ p["w2"])) + p["b2"])
+        return F.cross_entropy(logits, inputs["loss.labels"].long())
+
+    return graph, names, loss
+
+
+class Contractions:
+    """Each weight's gradient as the contraction it is, recorded in the forward:
+    a product's weight sums operand * output gradient over the rows, a norm's
+    scale the normalised value * output gradient, a bias the output gradient.
+    After backward, the same sums of absolute values: DESIGN's ref_abs
+    (docs/architecture.md section 9), so that a gradient summed with
+    cancellation is held to bf16's bound of its terms, not of its total."""
+
+    def __init__(self):
+        self.terms = {}
+
+    def __call__(self, key, operand, output, scale=False):
+        output.retain_grad()
+        self.terms[key] = (operand, output, scale)
+        return output
+
+    def abs_gradient(self, key):
+        operand, output, scale = self.terms[key]
+        d = output.grad.double().abs()
+        if operand is None:  # a bias: summed over every leading axis
+            return d.reshape(-1, d.shape[-1]).sum(0)
+        a = operand.detach().double().abs()
+        if scale:  # a norm's scale: elementwise, summed over the rows
+            return (a * d).reshape(-1, d.shape[-1]).sum(0)
+        return a.reshape(-1, a.shape[-1]).T @ d.reshape(-1, d.shape[-1])
+
+
+def state_name(weight, kind):
+    """The optimizer state's buffer for a weight ("task.out"): generator/derive.cpp's add_update."""
+    return f"{weight.split('.')[0]}_{kind}_init.out"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cudagen")
+    ap.add_argument("model", choices=["decoder", "mlp"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    opts = ap.parse_args()
+    rng = np.random.default_rng(opts.seed)
+    registry = json.loads(subprocess.run([opts.cudagen, "ops", "--json"], check=True, capture_output=True, text=True).stdout)
+    with tempfile.TemporaryDirectory() as work:
+        graph, names, loss_fn = (decoder_model if opts.model == "decoder" else mlp_model)(work, opts)
+        training = graph["training"]
+        path = os.path.join(work, "graph.json")
+        with open(path, "w") as f:
+            json.dump(graph, f)
+        g = Graph(graph, registry)
+        # The policy as cudagen applied it: every product of the graph computes in bf16.
+        described = subprocess.run([opts.cudagen, "describe", path], check=True, capture_output=True, text=True).stdout
+        dtypes = dict(re.findall(r"^\s+(\S+)\s+(f32|f16|bf16|f64|i32|i64)\s+\[", described, re.M))
+        for t in graph["tasks"]:
+            if t["op"] == "matmul" and dtypes.get(t["id"] + ".out") != "bf16":
+                raise SystemExit(f"cudagen computes {t['id']} in {dtypes.get(t['id'] + '.out')}, not bf16:\n{described}")
+        inputs = {}  # every external slot but the loss: the caller's inputs
+        for t in graph["tasks"]:
+            for slot, spec in t["tensors"].items():
+                if spec.get("storage") != "external" or f"{t['id']}.{slot}" == training["loss"]:
+                    continue
+                integer = spec["dtype"] == "i32"  # class labels: the MLP has 10 classes
+                inputs[f"{t['id']}.{slot}"] = (rng.integers(0, 10, size=spec["shape"]).astype(np.int32) if integer
+                                               else rng.uniform(-1, 1, size=spec["shape"]).astype(np.float32))
+        in_dir = os.path.join(work, "in")
+        os.makedirs(in_dir)
+        for name, array in inputs.items():
+            np.save(os.path.join(in_dir, name + ".npy"), array)
+        runs = [None]
+        for steps in range(1, opts.steps + 1):
+            out_dir = os.path.join(work, f"out{steps}")
+            run = subprocess.run([opts.cudagen, "run", path, "--emulate", "--steps", str(steps), "--inputs", in_dir,
+                                  "--outputs", out_dir, "--seed", str(opts.seed), "--work-dir", os.path.join(work, "build")],
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                print(run.stdout + run.stderr, end="")
+                raise SystemExit(f"cudagen run failed (seed {opts.seed})")
+            runs.append({n[:-len(".npy")]: np.load(os.path.join(out_dir, n)) for n in os.listdir(out_dir)})
+        initial = run_torch(g, {}, phases={"init"})
+
+    torch_inputs = {n: torch.from_numpy(a) for n, a in inputs.items()}
+    args = {k: (v["value"] if isinstance(v, dict) else v) for k, v in training["args"].items()}
+    failed = False
+    print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
+    for step in range(1, opts.steps + 1):
+        before, after = runs[step - 1], runs[step]
+        params = {key: torch.tensor(before[name] if before is not None else initial[name].float().numpy(),
+                                    dtype=torch.float32, requires_grad=True) for key, name in names.items()}
+        if training["optimizer"] == "sgd":
+            optimizer = torch.optim.SGD(list(params.values()), lr=args["lr"], momentum=args.get("momentum", 0.0))
+        else:
+            optimizer = torch.optim.AdamW(list(params.values()), lr=args["lr"], weight_decay=args.get("weight_decay", 0.0))
+        if before is not None:
+            for key, p in params.items():
+                if training["optimizer"] == "sgd":
+                    optimizer.state[p] = {"momentum_buffer": torch.from_numpy(before[state_name(names[key], "momentum")])}
+                else:
+                    optimizer.state[p] = {"step": torch.tensor(float(step - 1)),
+                                          "exp_avg": torch.from_numpy(before[state_name(names[key], "m")]),
+                                          "exp_avg_sq": torch.from_numpy(before[state_name(names[key], "v")])}
+        record = Contractions()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(params, torch_inputs, record)
+        loss.backward()
+        # PyTorch's own bf16 error: the same gradients in float64, without autocast, as a
+        # fraction of each element's sum of absolute terms; the tensor's largest (at least
+        # bf16's 1e-2) is the rate each of the two bf16 implementations may err at, so
+        # theirs are within twice it of each other.
+        exact = {key: p.detach().double().requires_grad_(True) for key, p in params.items()}
+        loss_fn(exact, {n: (t.double() if t.is_floating_point() else t) for n, t in torch_inputs.items()},
+                lambda key, operand, output, scale=False: output, exact=True).backward()
+        delta_g = {}
+        for key, p in params.items():
+            abs_g = record.abs_gradient(key).numpy()
+            rate = max(BF16_RTOL, float(np.max(np.abs(p.grad.double().numpy() - exact[key].grad.numpy()) / (abs_g + 1e-30))))
+            delta_g[p] = 2 * rate * abs_g + 1e-7
+        optimizer.step()
+        ours_loss = float(after[training["loss"] + ".per_step"][step - 1])
+        print("%-6d %14.8f %14.8f" % (step, ours_loss, loss.item()))
+        if abs(ours_loss - loss.item()) > BF16_RTOL * abs(loss.item()) + 1e-6:
+            print(f"  loss differs by more than bf16's bound ({BF16_RTOL} relative)")
+            failed = True
+        # What a gradient's difference makes of the step: SGD moves by lr times it;
+        # Adam divides it by sqrt(v_hat) + eps, and never moves by more than about 2 lr.
+        if training["optimizer"] == "sgd":
+            slack = {p: args["lr"] * delta_g[p] for p in params.values()}
+        else:
+            slack = {}
+            for p in params.values():
+                state = optimizer.state[p]
+                v_hat = state["exp_avg_sq"].double().numpy() / (1 - 0.999 ** int(state["step"]))
+                slack[p] = args["lr"] * np.minimum(2.0, delta_g[p] / (np.sqrt(v_hat) + 1e-8))
+        for key, p in params.items():
+            ours, want = after[names[key]].astype(np.float64), p.detach().double().numpy()
+            bound = 1e-5 * np.abs(want).max() + 1e-7 + slack[p]
+            worst = float(np.max(np.abs(ours - want) - bound))
+            if worst > 0:
+                print(f"  {names[key]}: differs from PyTorch's by {worst:.3g} beyond the bound "
+                      f"(max |difference| {np.abs(ours - want).max():.3g}, bound {np.max(bound):.3g}, max |w| {np.abs(want).max():.3g})")
+                failed = True
+    if failed:
+        raise SystemExit(f"a bf16 training step differs from PyTorch's under torch.autocast (seed {opts.seed})")
+    print(f"every one of {opts.steps} bf16 steps matches PyTorch's under torch.autocast from the same state (seed {opts.seed})")
+
+
+if __name__ == "__main__":
+    main()
