@@ -124,6 +124,9 @@ check "train_transformer --steps 5" "$cudagen" run --gpu --steps 5 examples/trai
 # kernel at that rule's bound, the q/k/v input gradients as one sum of matmuls.
 python3 bench/decoder_graph.py --train --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1.json"
 check "train_decoder1 (heads of 64) --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1.json"
+# The same block under the bf16 precision policy (#41): f32 master weights, products in bf16.
+python3 bench/decoder_graph.py --train --dtype bf16 --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1_bf16.json"
+check "train_decoder1, precision bf16, --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1_bf16.json"
 # The same graph and options as the train_mlp row above: the disk cache must answer.
 cache_hit() { "$@" && grep -q 'cache hit' "$log/out" 2>/dev/null || { echo "no cache hit on the second run"; false; }; }
 check "train_mlp again (must be a cache hit)" cache_hit "$cudagen" run --gpu --steps 2 --step-function examples/train_mlp.json
@@ -137,6 +140,7 @@ gpu_tests='*EmulatedOps.*:*EmulatedHalfOps.*:*FusedChains.*:Fusion.*:TrainingRun
 gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emulation.Unfused*:Emulation.ReshapeIsAView*'
 gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
 gpu_tests+=':Emulation.PipelinedMatmul*:Emulation.HopperMatmul*:Emulation.GridsOver*:FlashAttention.*:*ChannelsLast*'
+gpu_tests+=':Autocast.*'
 check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
   sharded 8 env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
 
