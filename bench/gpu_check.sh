@@ -349,6 +349,15 @@ if have_time 60 "the bf16 decoder block"; then
   python3 bench/decoder_torch.py --batch 8 --tokens 128 --dtype bf16 --runs 30 2>&1 | tail -2
 fi
 echo
+echo "a training step of that block under the bf16 precision policy (issue #41: f32 master weights, products in"
+echo "bf16), GPT-2 small at B8 x T512, AdamW: cudagen's kernels (bench_megakernel --step, mean of 20) beside PyTorch"
+echo "under torch.autocast, eager and torch.compile (the anchor on an H100: 2.77 ms)"
+if have_time 90 "the bf16 training step"; then
+  python3 bench/decoder_graph.py --train --dtype bf16 --batch 8 --tokens 512 -o "$log/train_decoder_bf16.json"
+  "$kit/bin/bench_megakernel" --modes kernels --runs 20 --step "$log/train_decoder_bf16.json" 2>&1 | tail -2
+  python3 bench/decoder_torch.py --train --dtype bf16 --batch 8 --tokens 512 --runs 20 2>&1 | tail -2
+fi
+echo
 echo "the same block at B1 x T64 (64 rows: its projections split K to fill the SMs), bf16, beside PyTorch"
 if have_time 30 "the 64-row decoder block"; then
   python3 bench/decoder_graph.py --batch 1 --tokens 64 --dtype bf16 -o "$log/decoder_bf16_64.json"

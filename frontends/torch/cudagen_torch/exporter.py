@@ -1743,17 +1743,27 @@ def _capture(module, example_inputs, tracer):
     return _export_program(module, example_inputs), "torch.export"
 
 
+def _enclosing_autocast_dtype():
+    """The dtype of the torch.autocast (CUDA's, else the CPU's) the caller runs in, or None."""
+    if hasattr(torch, "get_autocast_dtype"):  # PyTorch 2.4 and later: one function a device
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+        return None
+    if torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    if torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
 def _autocast_precision(precision, loss):
     """The training's precision policy: `precision` as given ("bf16" or
     torch.bfloat16), else the dtype of the torch.autocast the export runs in
     (CUDA's or the CPU's), else None (f32 throughout)."""
     if precision is None:
-        for enabled, dtype in ((torch.is_autocast_enabled, torch.get_autocast_gpu_dtype),
-                               (torch.is_autocast_cpu_enabled, torch.get_autocast_cpu_dtype)):
-            if enabled():
-                precision = dtype()
-                break
-        else:
+        precision = _enclosing_autocast_dtype()
+        if precision is None:
             return None
     names = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
     precision = names.get(precision, precision)
