@@ -176,14 +176,34 @@ TEST(Autocast, WhatThePolicyCannotServeIsAnErrorThatSaysWhy) {
 }
 
 TEST(Autocast, ABf16TrainingStepRunsInEmulationEachTaskChecked) {
-  Compiled c = compile(load_program(decoder_block(bf16), {}), {});
   const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
+  // Fused, as compiled by default: two steps, the trained weights checked.
+  Compiled fused = compile(load_program(decoder_block(bf16), {}), {});
   RunOptions options{seed, cudagen::testing::work_dir("autocast", "step")};
   options.steps = 2;
-  CheckedRun run = run_checked(c, options);
+  CheckedRun run = run_checked(fused, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
   int weights_checked = 0;
   for (const auto& check : run.checks) weights_checked += check.buffer == "wq.out" || check.buffer == "ln1_w.out";
   EXPECT_GE(weights_checked, 2) << format_run(run);
+  // One kernel a task, every buffer kept: each task of both steps (the casts, the
+  // bf16 products, their gradients, the f32 updates) checked from its actual inputs.
+  CompileOptions unfused;
+  unfused.fuse.enabled = false;
+  unfused.plan.placement.reuse = false;
+  Compiled each = compile(load_program(decoder_block(bf16), {}), unfused);
+  options.work_dir = cudagen::testing::work_dir("autocast", "each_task");
+  options.check_each_task = true;
+  CheckedRun checked = run_checked(each, options);
+  EXPECT_TRUE(checked.ok()) << format_run(checked);
+  int tasks_checked = 0;
+  for (const auto& check : checked.checks)
+    for (const char* name : {"task wq_to_bf16.out", "task q.out", "task o_to_f32.out", "task wq_to_bf16_backward.dx",
+                             "task wq_adamw.param"})
+      if (check.buffer == name) {
+        ++tasks_checked;
+        EXPECT_FALSE(check.loose()) << name << ": a per-task bound must be tight\n" << format_run(checked);
+      }
+  EXPECT_EQ(tasks_checked, 5) << format_run(checked);
 }
