@@ -13,8 +13,6 @@ namespace cudagen {
 
 namespace {
 
-bool is_float(DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16 || d == DType::f64; }
-
 // The dtype both of two floating dtypes convert to without loss: f64 over
 // everything, f32 over the 16-bit ones (bf16 and f16 meet at f32).
 DType widest(DType a, DType b) {
@@ -28,7 +26,7 @@ DType widest(DType a, DType b) {
 std::string float_type_var(const OpSignature& op) {
   std::string found;
   for (const auto& [name, dtypes] : op.type_vars) {
-    if (std::none_of(dtypes.begin(), dtypes.end(), is_float)) continue;
+    if (std::none_of(dtypes.begin(), dtypes.end(), is_floating)) continue;
     if (!found.empty()) return {};
     found = name;
   }
@@ -70,16 +68,9 @@ class Autocast {
                          "written by hand",
                          bt.task->id, to_string(bt.task->phase)),
              "remove the backward and update tasks and let \"training\" derive them, or drop \"precision\"");
-    // The weights: persistent floating buffers that forward tasks read and none writes.
-    std::set<int> read, written;
-    for (const auto& bt : p_.tasks)
-      if (bt.task->phase == Phase::forward)
-        for (const auto& b : bt.tensors) (b.sig->written() ? written : read).insert(b.buffer);
-    for (int b : read) {
+    for (int b : weights(p_)) {
       const BufferInfo& info = p_.buffers[size_t(b)];
-      if (info.storage != Storage::persistent || written.count(b) || !is_float(info.dtype) || info.dtype == DType::f32 ||
-          info.dtype == DType::f64)
-        continue;
+      if (info.dtype == DType::f32 || info.dtype == DType::f64) continue;
       fail(fmt::format("/tasks/{}/tensors/{}", info.owner_task, info.owner_slot),
            p_.tasks[size_t(info.owner_task)].task->id, info.owner_slot,
            fmt::format("weight '{}' is {}, but under \"precision\" the weights are the optimizer's f32 master weights",

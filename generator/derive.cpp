@@ -13,8 +13,6 @@ namespace cudagen {
 
 namespace {
 
-bool is_float(DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16 || d == DType::f64; }
-
 // The loss's gradient before any task has made it a tensor: d loss / d loss = 1.
 const SlotRef kSeed{"", ""};
 
@@ -30,7 +28,7 @@ class Deriver {
     for (const auto& t : p_.graph.tasks)
       if (t.phase == Phase::backward) return std::move(out_);  // written by hand: taken as it is
     const int loss = loss_buffer();
-    find_weights();
+    weights_ = weights(p_);
     const Schedule order = schedule(p_);
     std::vector<int> forward;
     for (int t : order.order)
@@ -77,7 +75,7 @@ class Deriver {
     if (slot == nullptr || !slot->sig->written())
       fail(t, spec_.loss.slot, fmt::format("the loss '{}' is not an output of task '{}'", spec_.loss.str(), spec_.loss.task));
     const BufferInfo& b = p_.buffers[size_t(slot->buffer)];
-    if (numel(b.shape) != 1 || !is_float(b.dtype))
+    if (numel(b.shape) != 1 || !is_floating(b.dtype))
       fail(t, spec_.loss.slot,
            fmt::format("the loss must be a floating scalar, but '{}' is {} {}", spec_.loss.str(), to_string(b.dtype),
                        shape_to_string(b.shape)),
@@ -87,18 +85,6 @@ class Deriver {
     return slot->buffer;
   }
 
-  // Persistent floating buffers read by forward tasks and written by none.
-  void find_weights() {
-    std::set<int> read, written;
-    for (const auto& bt : p_.tasks) {
-      if (bt.task->phase != Phase::forward) continue;
-      for (const auto& b : bt.tensors) (b.sig->written() ? written : read).insert(b.buffer);
-    }
-    for (int b : read) {
-      const BufferInfo& info = p_.buffers[size_t(b)];
-      if (info.storage == Storage::persistent && is_float(info.dtype) && !written.count(b)) weights_.push_back(b);
-    }
-  }
 
   void mark_requires_grad(const std::vector<int>& forward) {
     requires_grad_.insert(weights_.begin(), weights_.end());
@@ -109,7 +95,7 @@ class Deriver {
         if (!b.sig->written() && requires_grad_.count(b.buffer)) any = true;
       if (!any) continue;
       for (const auto& b : bt.tensors)
-        if (b.sig->written() && is_float(p_.buffers[size_t(b.buffer)].dtype)) requires_grad_.insert(b.buffer);
+        if (b.sig->written() && is_floating(p_.buffers[size_t(b.buffer)].dtype)) requires_grad_.insert(b.buffer);
     }
   }
 

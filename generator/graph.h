@@ -28,6 +28,7 @@ std::optional<DType> parse_dtype(std::string_view s);
 std::optional<Phase> parse_phase(std::string_view s);
 std::optional<Storage> parse_storage(std::string_view s);
 int64_t dtype_bytes(DType d);
+inline bool is_floating(DType d) { return d != DType::i32 && d != DType::i64; }
 
 using Shape = std::vector<int64_t>;
 std::string shape_to_string(const Shape& shape);  // "[32, 64]"

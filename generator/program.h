@@ -96,4 +96,8 @@ ShapeEnv task_shape_env(const Program& program, int task);
 // the runtime and every message name it.
 std::string buffer_name(const Program& program, int buffer);
 
+// The trained weights: persistent floating buffers that forward tasks read
+// and none writes, in buffer order.
+std::vector<int> weights(const Program& program);
+
 }  // namespace cudagen

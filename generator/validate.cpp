@@ -6,6 +6,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -36,6 +37,19 @@ std::string buffer_name(const Program& program, int buffer) {
   const BufferInfo& b = program.buffers[size_t(buffer)];
   if (!b.name.empty()) return b.name;
   return program.tasks[size_t(b.owner_task)].task->id + "." + b.owner_slot;
+}
+
+std::vector<int> weights(const Program& program) {
+  std::set<int> read, written;
+  for (const auto& bt : program.tasks)
+    if (bt.task->phase == Phase::forward)
+      for (const auto& b : bt.tensors) (b.sig->written() ? written : read).insert(b.buffer);
+  std::vector<int> out;
+  for (int b : read) {
+    const BufferInfo& info = program.buffers[size_t(b)];
+    if (info.storage == Storage::persistent && is_floating(info.dtype) && !written.count(b)) out.push_back(b);
+  }
+  return out;
 }
 
 std::pair<int, const BoundArg*> root_arg(const Program& program, int task, const std::string& arg) {

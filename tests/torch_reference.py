@@ -446,6 +446,19 @@ def run_torch(g, values, phases=None):
     return values
 
 
+def optimizer_state(optimizer, run, weight, dtype):
+    """The optimizer's state for weight ("task.slot") in one cudagen run's
+    outputs, as torch.optim keeps it, in `dtype`: the derive pass names it
+    <task>[_<slot>]_<m|v|momentum>_init.out (generator/derive.cpp, add_update).
+    SGD without momentum has none."""
+    task, slot = weight.split(".")
+    name = task if slot == "out" else task + "_" + slot
+    state = lambda kind: torch.from_numpy(run[f"{name}_{kind}_init.out"].astype(dtype))
+    if optimizer == "sgd":
+        return {"momentum_buffer": state("momentum")} if f"{name}_momentum_init.out" in run else {}
+    return {"exp_avg": state("m"), "exp_avg_sq": state("v")}
+
+
 def compare(title, rows):
     """Prints one line per (name, got, want, rtol, atol): it agrees when
     |got - want| <= rtol * max |want| + atol for every element (atol a number

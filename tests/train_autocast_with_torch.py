@@ -32,7 +32,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
-from torch_reference import Graph, run_torch  # noqa: E402
+from torch_reference import Graph, optimizer_state, run_torch  # noqa: E402
 
 BF16_RTOL = 1e-2  # docs/architecture.md section 9
 
@@ -149,11 +149,6 @@ class Contractions:
         return a.reshape(-1, a.shape[-1]).T @ d.reshape(-1, d.shape[-1])
 
 
-def state_name(weight, kind):
-    """The optimizer state's buffer for a weight ("task.out"): generator/derive.cpp's add_update."""
-    return f"{weight.split('.')[0]}_{kind}_init.out"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("cudagen")
@@ -214,12 +209,9 @@ def main():
             optimizer = torch.optim.AdamW(list(params.values()), lr=args["lr"], weight_decay=args.get("weight_decay", 0.0))
         if before is not None:
             for key, p in params.items():
-                if training["optimizer"] == "sgd":
-                    optimizer.state[p] = {"momentum_buffer": torch.from_numpy(before[state_name(names[key], "momentum")])}
-                else:
-                    optimizer.state[p] = {"step": torch.tensor(float(step - 1)),
-                                          "exp_avg": torch.from_numpy(before[state_name(names[key], "m")]),
-                                          "exp_avg_sq": torch.from_numpy(before[state_name(names[key], "v")])}
+                optimizer.state[p] = optimizer_state(training["optimizer"], before, names[key], np.float32)
+                if training["optimizer"] != "sgd":
+                    optimizer.state[p]["step"] = torch.tensor(float(step - 1))
         record = Contractions()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_fn(params, torch_inputs, record)

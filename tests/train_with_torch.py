@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_reference import Graph, compare, random_inputs, run_torch  # noqa: E402
+from torch_reference import Graph, compare, optimizer_state, random_inputs, run_torch  # noqa: E402
 
 
 def optimizer_for(training, params):
@@ -59,19 +59,6 @@ def adam_slack(optimizer, lr, gradient_rtol=1e-5):
             delta_g = gradient_rtol * float(p.grad.abs().max())
             slack[p] = (lr * np.minimum(2.0, delta_g / (v_hat.sqrt() + eps).detach().numpy()))
     return slack
-
-
-def optimizer_state(training, run, weight):
-    """The optimizer's state for weight ("task.slot") in one cudagen run's
-    outputs, as torch.optim keeps it: the derive pass names it
-    <task>[_<slot>]_<m|v|momentum>_init.out (generator/derive.cpp, add_update)."""
-    task, slot = weight.split(".")
-    name = task if slot == "out" else task + "_" + slot
-    state = lambda kind: torch.from_numpy(run[f"{name}_{kind}_init.out"].astype(np.float64))
-    if training["optimizer"] == "sgd":
-        key = f"{name}_momentum_init.out"
-        return {"momentum_buffer": state("momentum")} if key in run else {}
-    return {"exp_avg": state("m"), "exp_avg_sq": state("v")}
 
 
 def main():
@@ -132,7 +119,7 @@ def main():
         optimizer = optimizer_for(training, list(params.values()))
         if before is not None:
             for name, p in params.items():
-                state = optimizer_state(training, before, name)
+                state = optimizer_state(training["optimizer"], before, name, np.float64)
                 if training["optimizer"] != "sgd":
                     state["step"] = torch.tensor(float(step - 1))
                 optimizer.state[p] = state
@@ -151,7 +138,7 @@ def main():
             rows.append((name, after[name], p.detach().numpy(), opts.rtol, 1e-7 + slack[p]))
             for key, want in optimizer.state[p].items():
                 if key != "step":
-                    ours = optimizer_state(training, after, name)[key]
+                    ours = optimizer_state(training["optimizer"], after, name, np.float64)[key]
                     rows.append(("  " + key, ours.numpy(), want.detach().numpy(), opts.rtol, 1e-12))
         failed |= not compare("step %d (vs PyTorch)" % step, rows)
     if failed:
