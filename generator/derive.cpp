@@ -26,7 +26,19 @@ class Deriver {
 
   DerivedGraph run() {
     for (const auto& t : p_.graph.tasks)
-      if (t.phase == Phase::backward) return std::move(out_);  // written by hand: taken as it is
+      if (t.phase == Phase::backward) {  // written by hand: taken as it is
+        if (spec_.clip_grad_norm)
+          training_error("/training/clip_grad_norm",
+                         fmt::format("\"clip_grad_norm\" clips the gradients the derive pass writes, but task '{}' is a "
+                                     "backward task written by hand",
+                                     t.id),
+                         "remove the backward and update tasks and let \"training\" derive them, or drop "
+                         "\"clip_grad_norm\"");
+        return std::move(out_);
+      }
+    if (spec_.clip_grad_norm && spec_.optimizer.empty())
+      training_error("/training/clip_grad_norm", "\"clip_grad_norm\" clips what an optimizer reads, but there is none",
+                     "name one in \"optimizer\" (sgd, adam or adamw), or drop \"clip_grad_norm\"");
     const int loss = loss_buffer();
     weights_ = weights(p_);
     const Schedule order = schedule(p_);
@@ -45,8 +57,10 @@ class Deriver {
              "remove it, or make it persistent only if it is not trained");
       out_.gradients.emplace_back(ref(w), gradient_of(w));
     }
-    if (!spec_.optimizer.empty())
-      for (const auto& [weight, grad] : out_.gradients) add_update(weight, grad);
+    if (!spec_.optimizer.empty()) {
+      const std::optional<SlotRef> clip = clip_coefficient();
+      for (const auto& [weight, grad] : out_.gradients) add_update(weight, grad, clip);
+    }
     return std::move(out_);
   }
 
@@ -54,6 +68,12 @@ class Deriver {
   [[noreturn]] void fail(int task, const std::string& slot, const std::string& message, const std::string& hint = {}) {
     Diagnostics d;
     d.add(Diagnostic{{}, {}, fmt::format("/tasks/{}", task), p_.tasks[size_t(task)].task->id, slot, message, hint});
+    throw CompileError(std::move(d));
+  }
+
+  [[noreturn]] void training_error(const std::string& path, const std::string& message, const std::string& hint) {
+    Diagnostics d;
+    d.add(Diagnostic{{}, {}, path, {}, {}, message, hint});
     throw CompileError(std::move(d));
   }
 
@@ -506,7 +526,62 @@ class Deriver {
   }
 
   // The optimizer's task for one weight, with its state zero-filled at init.
-  void add_update(const SlotRef& weight, const SlotRef& grad) {
+  // Clipping by global norm, as torch.nn.utils.clip_grad_norm_ does: the sum
+  // of every gradient's squares, and from it the factor min(1, max_norm /
+  // (norm + 1e-6)) that each optimizer multiplies its gradient by. A gradient's squares are summed by two row reductions over a
+  // [rows, columns] view of it, a block a row, so a large weight's sum spreads
+  // over the GPU and a fixed order keeps it deterministic. The tasks come
+  // level by level (every first reduction, every second, the total), so
+  // fusion runs each level in one launch and folds the squares into the
+  // first reduction's loads (docs/architecture.md §1 derive).
+  std::optional<SlotRef> clip_coefficient() {
+    if (!spec_.clip_grad_norm) return std::nullopt;
+    auto scalar_task = [&](const std::string& id, const std::string& op, std::vector<std::pair<std::string, SlotRef>> in) {
+      return SlotRef{add_task(id, op, Phase::update, in, {{"out", DType::f32, {}}}), "out"};
+    };
+    std::vector<std::string> names;
+    std::vector<SlotRef> row_sums, sums;
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      const BufferInfo& w = p_.buffers[size_t(weights_[i])];
+      const SlotRef& weight = out_.gradients[i].first;
+      names.push_back("clip_" + (weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot));
+      const int64_t n = numel(w.shape), columns = norm_row_length(n);
+      const Shape view = {n / columns, columns};
+      SlotRef grad = out_.gradients[i].second;
+      if (w.dtype != DType::f32)
+        grad = SlotRef{add_task(names[i] + "_f32", "cast", Phase::update, {{"x", grad}}, {{"out", DType::f32, w.shape}}),
+                       "out"};
+      const SlotRef rows{add_task(names[i] + "_rows", "reshape", Phase::update, {{"x", grad}}, {{"out", DType::f32, view}}),
+                         "out"};
+      const SlotRef squares{add_task(names[i] + "_squares", "mul", Phase::update, {{"a", rows}, {"b", rows}},
+                                     {{"out", DType::f32, view}}),
+                            "out"};
+      row_sums.push_back(SlotRef{
+          add_task(names[i] + "_row_sums", "sum", Phase::update, {{"x", squares}}, {{"out", DType::f32, {view[0]}}}),
+          "out"});
+    }
+    for (size_t i = 0; i < weights_.size(); ++i)
+      sums.push_back(scalar_task(names[i] + "_sum", "sum", {{"x", row_sums[i]}}));
+    SlotRef total = sums.front();
+    for (size_t i = 1; i < sums.size(); ++i) total = scalar_task("clip_total", "add", {{"a", total}, {"b", sums[i]}});
+    return SlotRef{add_task("clip_coefficient", "clip_coefficient", Phase::update, {{"sq_norm", total}},
+                            {{"out", DType::f32, {}}}, {{"max_norm", ArgValue(*spec_.clip_grad_norm)}}),
+                   "out"};
+  }
+
+  // The length of the rows a gradient of n elements is summed in: the largest
+  // divisor of n up to 4096, or n itself (one row) where that is too short to
+  // keep a block busy.
+  static int64_t norm_row_length(int64_t n) {
+    if (n <= 4096) return std::max<int64_t>(n, 1);
+    for (int64_t c = 4096; c >= 256; --c)
+      if (n % c == 0) return c;
+    return n;
+  }
+
+  // The optimizer task of `weight`, its gradient multiplied by `grad_scale`
+  // where given (clipping's factor).
+  void add_update(const SlotRef& weight, const SlotRef& grad, const std::optional<SlotRef>& grad_scale) {
     const int w = [&] {
       for (size_t i = 0; i < p_.buffers.size(); ++i)
         if (ref(int(i)) == weight) return int(i);
@@ -532,6 +607,7 @@ class Deriver {
     t.phase = Phase::update;
     t.tensors.push_back(TensorSlot{"param", {}, {}, {}, weight, {}});
     t.tensors.push_back(TensorSlot{"grad", {}, {}, {}, grad, {}});
+    if (grad_scale) t.tensors.push_back(TensorSlot{"grad_scale", {}, {}, {}, *grad_scale, {}});
     t.args = spec_.optimizer_args;
     if (spec_.optimizer == "sgd") {
       bool momentum = false;

@@ -488,14 +488,15 @@ std::string Emitter::elementwise_in_place(int t, const std::vector<Param>& ps, E
       if (candidate.bound->name == sig.name) x = &candidate;
     if (x == nullptr) {  // an absent optional slot: the parameter's dtype decides the local's
       const Param& param = ps.front();
-      before += fmt::format("    {} {}_local = 0;\n", compute_type(param.buffer->dtype), sig.name);
+      before += fmt::format("    {} {}_local = {};\n", compute_type(param.buffer->dtype), sig.name,
+                            sig.absent == 0 ? "0" : float_literal(sig.absent));
       operands.push_back(sig.name + "_local");
       continue;
     }
     n = std::max(n, numel(x->buffer->shape));
     if (element_type.empty()) element_type = compute_type(x->buffer->dtype);
-    if (!sig.writes) {
-      operands.push_back(load(*x, "i"));
+    if (!sig.writes) {  // a rank-0 input (a gradient's scale) is one value for every element
+      operands.push_back(load(*x, x->buffer->shape.empty() ? "0" : "i"));
       continue;
     }
     before += fmt::format("    {} {}_local = {};\n", compute_type(x->buffer->dtype), sig.name, load(*x, "i"));

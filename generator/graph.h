@@ -103,6 +103,9 @@ struct TrainingSpec {
   // weights and the optimizer in f32. Absent (or f32): every task computes
   // in the dtypes the graph declares.
   std::optional<DType> precision;
+  // Clips the gradients to this global L2 norm before the optimizer reads
+  // them, as torch.nn.utils.clip_grad_norm_ does. Absent: no clipping.
+  std::optional<double> clip_grad_norm;
   SourceLoc loc;
 };
 

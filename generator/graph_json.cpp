@@ -85,10 +85,11 @@ class GraphReader {
     }
   }
 
-  // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}, "precision": "bf16"}
+  // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}, "precision": "bf16",
+  //              "clip_grad_norm": 1.0}
   std::optional<TrainingSpec> read_training(const JsonValue& v) {
     if (!expect_kind(v, JsonValue::Kind::Object, "/training", "\"training\"")) return std::nullopt;
-    check_fields(v, "/training", {"loss", "optimizer", "args", "precision"});
+    check_fields(v, "/training", {"loss", "optimizer", "args", "precision", "clip_grad_norm"});
     TrainingSpec spec;
     spec.loc = v.loc;
     const JsonValue* loss = v.find("loss");
@@ -117,6 +118,18 @@ class GraphReader {
                 "\"precision\" is the dtype the forward and backward compute in: \"bf16\" or \"f16\" (weights and "
                 "optimizer stay f32), or \"f32\"");
       }
+    }
+    if (const JsonValue* clip = v.find("clip_grad_norm")) {
+      const double max_norm = clip->as_double();
+      if (!clip->is_number())
+        error(clip->loc, "/training/clip_grad_norm",
+              fmt::format("\"clip_grad_norm\" must be a number, not {}", json_kind_name(clip->kind())),
+              "write the largest global L2 norm the gradients may have, as \"clip_grad_norm\": 1.0");
+      else if (!(max_norm > 0 && max_norm <= 3.0e38))
+        error(clip->loc, "/training/clip_grad_norm", fmt::format("\"clip_grad_norm\" is {}", json_format_double(max_norm)),
+              "it is the largest global L2 norm the gradients may have: a positive number within f32's range");
+      else
+        spec.clip_grad_norm = max_norm;
     }
     return spec;
   }
@@ -397,6 +410,7 @@ std::string write_graph(const TaskGraph& graph) {
     for (const auto& a : t.optimizer_args) args.push_back(json_quote(a.name) + ": " + arg_slot_json(a));
     if (!args.empty()) fields.push_back(fmt::format("\"args\": {{{}}}", fmt::join(args, ", ")));
     if (t.precision) fields.push_back(fmt::format("\"precision\": \"{}\"", to_string(*t.precision)));
+    if (t.clip_grad_norm) fields.push_back(fmt::format("\"clip_grad_norm\": {}", json_format_double(*t.clip_grad_norm)));
     out += fmt::format(",\n  \"training\": {{{}}}", fmt::join(fields, ", "));
   }
   out += "\n}\n";

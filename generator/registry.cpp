@@ -330,6 +330,7 @@ class RegistryReader {
       fail(v, path + "/dtype", fmt::format("\"{}\" is neither a dtype nor a type variable of the op", slot.dtype), op.name);
     if (const JsonValue* o = v.find("optional")) slot.optional = o->is_bool() && o->as_bool();
     if (const JsonValue* w = v.find("writes")) slot.writes = w->is_bool() && w->as_bool();
+    if (const JsonValue* a = v.find("absent")) slot.absent = a->as_double();
     if (op.find_tensor(slot.name) != nullptr) fail(v, path, fmt::format("duplicate slot '{}'", slot.name), op.name);
     op.tensors.push_back(std::move(slot));
   }

@@ -29,6 +29,7 @@ struct SlotSignature {
   SlotRole role = SlotRole::input;
   std::string dtype;     // a concrete dtype ("i32") or a type variable of the op ("T")
   bool optional = false;
+  double absent = 0;     // what an elementwise op reads for an optional input the task leaves out
   bool writes = false;   // an input or weight the op updates in place (an optimizer's parameter)
 
   // Whether the op writes this slot's memory (outputs, scratch, updated weights).

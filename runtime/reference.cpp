@@ -55,6 +55,10 @@ class Evaluator {
       const bool erf_form = arg_string(bt, "approximate") == "erf";
       return unary(bt, [erf_form](double x) { return gelu(x, erf_form); });
     }
+    if (op == "clip_coefficient") {
+      const double max_norm = arg_double(bt, "max_norm", 1.0);
+      return unary(bt, [=](double sq_norm) { return std::min(1.0, max_norm / (std::sqrt(sq_norm) + 1e-6)); }, "sq_norm");
+    }
     if (op == "affine") {
       double scale = arg_double(bt, "scale", 1.0), shift = arg_double(bt, "shift", 0.0);
       return unary(bt, [=](double x) { return scale * x + shift; });
@@ -454,6 +458,14 @@ class Evaluator {
 
   // torch.optim.SGD: g = grad + weight_decay * param; buf = momentum * buf + g;
   // param -= lr * (momentum ? buf : g). Updated in place.
+  // An optimizer's gradient scale (clipping's factor) and its error scale: 1
+  // where the task leaves it out.
+  std::pair<double, double> grad_scale(const BoundTask& bt) {
+    const BoundTensor* s = bt.find_tensor("grad_scale");
+    if (s == nullptr) return {1.0, 1.0};
+    return {val(s->buffer)[0], r_.abs[size_t(s->buffer)][0]};
+  }
+
   void sgd(const BoundTask& bt) {
     int p = buf(bt, "param"), g = buf(bt, "grad");
     const BoundTensor* buf_slot = bt.find_tensor("momentum_buf");
@@ -461,8 +473,10 @@ class Evaluator {
                  wd = arg_double(bt, "weight_decay", 0);
     std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], bv, ba;
     if (buf_slot != nullptr) bv = val(buf_slot->buffer), ba = r_.abs[size_t(buf_slot->buffer)];
+    const auto [scale, scale_abs] = grad_scale(bt);
     for (size_t i = 0; i < pv.size(); ++i) {
-      double step = val(g)[i] + wd * pv[i], step_abs = r_.abs[size_t(g)][i] + std::abs(wd) * pa[i];
+      double step = val(g)[i] * scale + wd * pv[i],
+             step_abs = r_.abs[size_t(g)][i] * scale_abs + std::abs(wd) * pa[i];
       if (momentum != 0 && buf_slot != nullptr) {
         bv[i] = momentum * bv[i] + step;
         ba[i] = std::abs(momentum) * ba[i] + step_abs;
@@ -487,9 +501,10 @@ class Evaluator {
                  step = arg_double(bt, "step", 1);
     std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], mv = val(m), ma = r_.abs[size_t(m)], vv = val(v),
                         va = r_.abs[size_t(v)];
+    const auto [scale, scale_abs] = grad_scale(bt);
     for (size_t i = 0; i < pv.size(); ++i) {
-      const double grad = val(g)[i] + (decoupled ? 0.0 : wd * pv[i]);
-      const double grad_abs = r_.abs[size_t(g)][i] + (decoupled ? 0.0 : std::abs(wd) * pa[i]);
+      const double grad = val(g)[i] * scale + (decoupled ? 0.0 : wd * pv[i]);
+      const double grad_abs = r_.abs[size_t(g)][i] * scale_abs + (decoupled ? 0.0 : std::abs(wd) * pa[i]);
       mv[i] = b1 * mv[i] + (1 - b1) * grad;
       ma[i] = b1 * ma[i] + (1 - b1) * grad_abs;
       vv[i] = b2 * vv[i] + (1 - b2) * grad * grad;

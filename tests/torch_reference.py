@@ -138,6 +138,9 @@ def run_torch(g, values, phases=None):
             put(t, "out", torch.pow(get(t, "x"), args.get("exponent", 2.0)))
         elif op == "gelu":
             put(t, "out", torch.nn.functional.gelu(get(t, "x"), approximate={"tanh": "tanh", "erf": "none"}[args.get("approximate", "tanh")]))
+        elif op == "clip_coefficient":
+            norm = torch.sqrt(get(t, "sq_norm"))
+            put(t, "out", torch.clamp(args["max_norm"] / (norm + 1e-6), max=1.0))
         elif op == "affine":
             put(t, "out", args.get("scale", 1.0) * get(t, "x") + args.get("shift", 0.0))
         elif op in ("add", "sub", "mul", "div", "maximum"):
@@ -214,6 +217,8 @@ def run_torch(g, values, phases=None):
             # One step of torch.optim, its state set to the task's buffers.
             param = get(t, "param").clone().requires_grad_()
             param.grad = get(t, "grad").clone()
+            if "grad_scale" in t["tensors"]:  # clipping's factor, as clip_grad_norm_ applies it
+                param.grad.mul_(get(t, "grad_scale"))
             wd = args.get("weight_decay", 0.0)
             if op == "sgd":
                 momentum = args.get("momentum", 0.0)

@@ -8,10 +8,14 @@ Adam's division by sqrt(v) + eps makes of an f32 gradient's rounding (see
 adam_slack); zero for SGD.
 
     tests/train_with_torch.py CUDAGEN GRAPH [--steps 3] [--rtol 1e-4] [--seed N]
+                              [--clip-grad-norm MAX] [--optimizer sgd|adam|adamw]
 
 The backward tasks cudagen derives are checked here against PyTorch's own
 autograd, and its optimizer tasks (their state and step count included)
-against torch.optim (sgd with momentum, adam, adamw). Needs Debian's
+against torch.optim (sgd with momentum, adam, adamw). --clip-grad-norm trains
+the graph with "clip_grad_norm" set, against torch.nn.utils.clip_grad_norm_,
+and fails unless some step's norm is above it (so the clipping is tested,
+not only the norm). Needs Debian's
 python3-torch (run with /usr/bin/python3).
 """
 import argparse
@@ -68,11 +72,18 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
+    parser.add_argument("--clip-grad-norm", type=float, help="train with this \"clip_grad_norm\"")
+    parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="train with this optimizer instead")
     opts = parser.parse_args()
     graph = json.load(open(opts.graph))
     training = graph.get("training")
     if not training or not training.get("optimizer"):
         raise SystemExit(f"{opts.graph} has no \"training\" section with an optimizer")
+    if opts.optimizer and opts.optimizer != training["optimizer"]:
+        training["optimizer"] = opts.optimizer
+        training["args"] = {"lr": training.get("args", {}).get("lr", 0.01)}
+    if opts.clip_grad_norm is not None:
+        training["clip_grad_norm"] = opts.clip_grad_norm
     registry = json.loads(subprocess.run([opts.cudagen, "ops", "--json"], check=True, capture_output=True, text=True).stdout)
     g = Graph(graph, registry)
     rng = np.random.default_rng(opts.seed)
@@ -84,6 +95,13 @@ def main():
     # all the steps also checks every task of every step against the float64 reference).
     runs = [None]
     with tempfile.TemporaryDirectory() as work:
+        graph_path = opts.graph
+        if opts.clip_grad_norm is not None or opts.optimizer:  # the graph as changed
+            if '"data"' in json.dumps(graph):
+                raise SystemExit("--clip-grad-norm and --optimizer take a graph without \"data\" files")
+            graph_path = os.path.join(work, "graph.json")
+            with open(graph_path, "w") as f:
+                json.dump(graph, f)
         in_dir = os.path.join(work, "in")
         os.makedirs(in_dir)
         for name, array in inputs.items():
@@ -91,7 +109,7 @@ def main():
         for steps in range(1, opts.steps + 1):
             out_dir = os.path.join(work, "out%d" % steps)
             check = ["--check-each-task"] if steps == opts.steps else []
-            run = subprocess.run([opts.cudagen, "run", opts.graph, "--emulate", "--steps", str(steps), *check, "--inputs", in_dir,
+            run = subprocess.run([opts.cudagen, "run", graph_path, "--emulate", "--steps", str(steps), *check, "--inputs", in_dir,
                                   "--outputs", out_dir, "--seed", str(opts.seed), "--work-dir", os.path.join(work, "build")],
                                  capture_output=True, text=True)
             if steps == opts.steps or run.returncode != 0:
@@ -110,6 +128,7 @@ def main():
     values = run_torch(g, values, phases={"init"})
     loss_task, loss_slot = training["loss"].split(".")
     failed = False
+    clipped_steps = 0
     print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
     for step in range(1, opts.steps + 1):
         # The kernels store f32 weights: the first step starts from the same rounded values.
@@ -127,6 +146,10 @@ def main():
         state = run_torch(g, dict(values, **params), phases={"forward"})
         loss = state["%s.%s" % g.owner(loss_task, loss_slot)]
         loss.backward()
+        if "clip_grad_norm" in training:
+            norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), training["clip_grad_norm"]))
+            clipped_steps += norm > training["clip_grad_norm"]
+            print("       gradient norm %.6g (clip_grad_norm %g)" % (norm, training["clip_grad_norm"]))
         optimizer.step()
         slack = {p: 0.0 for p in params.values()}
         if training["optimizer"] in ("adam", "adamw"):
@@ -141,6 +164,9 @@ def main():
                     ours = optimizer_state(training["optimizer"], after, name, np.float64)[key]
                     rows.append(("  " + key, ours.numpy(), want.detach().numpy(), opts.rtol, 1e-12))
         failed |= not compare("step %d (vs PyTorch)" % step, rows)
+    if "clip_grad_norm" in training and clipped_steps == 0:
+        raise SystemExit(f"no step's gradient norm exceeded clip_grad_norm {training['clip_grad_norm']}: lower it, "
+                         "or the test checks no clipping")
     if failed:
         raise SystemExit(f"a training step differs from PyTorch's (seed {opts.seed})")
     print(f"every one of {opts.steps} steps matches PyTorch's from the same state (rtol {opts.rtol}, seed {opts.seed})")

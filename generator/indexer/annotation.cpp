@@ -1,6 +1,7 @@
 #include "annotation.h"
 
 #include <charconv>
+#include <cstdlib>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -146,17 +147,30 @@ class AnnotationParser {
     types.set(name, std::move(list));
   }
 
-  // "x input T", "param weight T writes", "rstd output f32 optional"
+  // "x input T", "param weight T writes", "rstd output f32 optional",
+  // "grad_scale input f32 optional=1" (an input the op reads as 1 where the task leaves it out)
   JsonValue tensor(const std::string& value) {
     std::vector<std::string> w = words(value);
-    if (w.size() < 3) fail(fmt::format("a tensor is \"tensor: NAME ROLE DTYPE [optional] [writes]\", not \"{}\"", value));
+    if (w.size() < 3)
+      fail(fmt::format("a tensor is \"tensor: NAME ROLE DTYPE [optional[=VALUE]] [writes]\", not \"{}\"", value));
     JsonValue t = JsonValue::object();
     t.set("name", JsonValue::string(w[0]));
     t.set("role", JsonValue::string(w[1]));
     t.set("dtype", JsonValue::string(w[2]));
     for (size_t i = 3; i < w.size(); ++i) {
+      if (w[i].rfind("optional=", 0) == 0) {
+        const std::string text = w[i].substr(9);
+        char* end = nullptr;
+        const double absent = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0' || w[1] != "input")
+          fail(fmt::format("tensor '{}': \"{}\" gives an input's value where a task leaves it out: \"optional=1\"",
+                           w[0], w[i]));
+        t.set("optional", JsonValue::boolean(true));
+        t.set("absent", JsonValue::number(absent));
+        continue;
+      }
       if (w[i] != "optional" && w[i] != "writes")
-        fail(fmt::format("tensor '{}': unknown flag '{}' (optional, writes)", w[0], w[i]));
+        fail(fmt::format("tensor '{}': unknown flag '{}' (optional, optional=VALUE, writes)", w[0], w[i]));
       t.set(w[i], JsonValue::boolean(true));
     }
     return t;

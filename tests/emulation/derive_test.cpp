@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -373,11 +374,11 @@ TEST(Derive, AWeightGradientThatViewsTheInputLeavesItIntact) {
   EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
 }
 
-// An MLP's training step derived from its forward graph (SGD with momentum),
-// generated, run on the emulated GPU, and every output checked against the
-// float64 reference: the updated weights and momentum included.
-TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
-  GraphBuilder b("mlp_derived");
+namespace {
+
+// A two-layer MLP's forward graph in f32, its weights initialised in the graph.
+TaskGraph small_mlp() {
+  GraphBuilder b("small_mlp");
   constexpr DType f32 = DType::f32;
   auto w1 = b.task("w1", "uniform", Phase::init).tensor("out", f32, {16, 32}).arg("low", -0.25).arg("high", 0.25).arg("seed", 1);
   auto b1 = b.task("b1", "fill", Phase::init).tensor("out", f32, {32}).arg("value", 0.0);
@@ -386,11 +387,24 @@ TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
   auto bias1 = b.task("bias1", "add").tensor("a", fc1["out"]).tensor("b", b1["out"]).tensor("out", f32, {8, 32});
   auto act = b.task("act1", "relu").tensor("x", bias1["out"]).tensor("out", f32, {8, 32});
   auto fc2 = b.task("fc2", "matmul").tensor("a", act["out"]).tensor("b", w2["out"]).tensor("out", f32, {8, 10}, ext);
-  b.task("loss", "cross_entropy")
-      .tensor("logits", fc2["out"])
-      .tensor("labels", DType::i32, {8}, ext)
-      .tensor("loss", f32, {}, ext);
-  Program forward = load_program(std::move(b).graph(), {});
+  b.task("loss", "cross_entropy").tensor("logits", fc2["out"]).tensor("labels", DType::i32, {8}, ext).tensor("loss", f32, {}, ext);
+  return std::move(b).graph();
+}
+
+int update_launches(const Compiled& c) {
+  std::set<int> launches;
+  for (const auto& k : c.kernels)
+    if (k.phase == Phase::update) launches.insert(k.launch);
+  return int(launches.size());
+}
+
+}  // namespace
+
+// An MLP's training step derived from its forward graph (SGD with momentum),
+// generated, run on the emulated GPU, and every output checked against the
+// float64 reference: the updated weights and momentum included.
+TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
+  Program forward = load_program(small_mlp(), {});
   std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.1), {}, false, {}}, ArgSlot{"momentum", ArgValue(0.9), {}, false, {}}};
   DerivedGraph derived = derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}});
   ASSERT_EQ(derived.gradients.size(), 3u);
@@ -406,4 +420,79 @@ TEST(Derive, ADerivedTrainingStepRunsInEmulation) {
   int weights_checked = 0;
   for (const auto& check : run.checks) weights_checked += check.buffer == "w1.out" || check.buffer == "w2.out" || check.buffer == "b1.out";
   EXPECT_EQ(weights_checked, 3) << format_run(run);
+}
+
+
+// "clip_grad_norm": every optimizer reads the one clipping factor, built from
+// each gradient's squares by three more launches whatever the number of
+// weights (a level of reductions each, then the total), and the step runs in
+// emulation, each task checked against float64 (the factor clips: the
+// gradients' norm is far above 1e-3).
+TEST(Derive, ClippingByGlobalNormIsOneFactorForEveryOptimizerInThreeLaunches) {
+  Program forward = load_program(small_mlp(), {});
+  TrainingSpec spec{{"loss", "loss"}, "adamw", {ArgSlot{"lr", ArgValue(0.01), {}, false, {}}}, {}, {}, {}};
+  const Compiled plain = compile(load_program(derive_training(forward, spec).graph, {}), {});
+  spec.clip_grad_norm = 1e-3;
+  DerivedGraph derived = derive_training(forward, spec);
+  int optimizers = 0;
+  for (const auto& t : derived.graph.tasks) {
+    if (t.op != "adamw") continue;
+    ++optimizers;
+    const TensorSlot* scale = nullptr;
+    for (const auto& s : t.tensors)
+      if (s.name == "grad_scale") scale = &s;
+    ASSERT_NE(scale, nullptr) << t.id;
+    ASSERT_TRUE(scale->from.has_value()) << t.id;
+    EXPECT_EQ(scale->from->str(), "clip_coefficient.out") << t.id;
+  }
+  EXPECT_EQ(optimizers, 3);
+  Compiled c = compile(load_program(derived.graph, {}), {});
+  EXPECT_EQ(update_launches(c), update_launches(plain) + 3);
+  uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions options{seed, cudagen::testing::work_dir("derive", "clipped")};
+  CheckedRun run = run_checked(c, options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  // One kernel a task, every buffer kept: the squares' sums, the total, the
+  // factor and each clipped update checked from their actual inputs.
+  CompileOptions unfused;
+  unfused.fuse.enabled = false;
+  unfused.plan.placement.reuse = false;
+  options.work_dir = cudagen::testing::work_dir("derive", "clipped_each_task");
+  options.check_each_task = true;
+  CheckedRun each = run_checked(compile(load_program(derived.graph, {}), unfused), options);
+  EXPECT_TRUE(each.ok()) << format_run(each);
+  std::set<std::string> checked;
+  for (const auto& check : each.checks) checked.insert(check.buffer);
+  for (const char* slot : {"task clip_coefficient.out", "task w1_adamw.param"}) EXPECT_TRUE(checked.count(slot)) << slot;
+}
+
+TEST(Derive, ClippingWithoutAnOptimizerOrOnHandWrittenBackwardIsAnError) {
+  Program forward = load_program(small_mlp(), {});
+  TrainingSpec spec{{"loss", "loss"}, "", {}, {}, 1.0, {}};
+  std::string msg;
+  try {
+    derive_training(forward, spec);
+  } catch (const CompileError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("/training/clip_grad_norm: \"clip_grad_norm\" clips what an optimizer reads, but there is none"),
+            std::string::npos)
+      << msg;
+  TaskGraph g = small_mlp();
+  g.tasks.push_back(Task{});
+  g.tasks.back().id = "my_backward";
+  g.tasks.back().op = "relu_backward";
+  g.tasks.back().phase = Phase::backward;
+  for (const char* slot : {"x", "dout"})
+    g.tasks.back().tensors.push_back(TensorSlot{slot, {}, {}, {}, SlotRef{"act1", "out"}, {}, {}, {}});
+  g.tasks.back().tensors.push_back(TensorSlot{"dx", DType::f32, Shape{8, 32}, {}, {}, {}, {}, {}});
+  spec.optimizer = "sgd";
+  msg.clear();
+  try {
+    derive_training(load_program(std::move(g), {}), spec);
+  } catch (const CompileError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("task 'my_backward' is a backward task written by hand"), std::string::npos) << msg;
 }

@@ -639,13 +639,14 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/optimizers.cuh:9
+// templates/optimizers.cuh:11
 // SGD as PyTorch defines it: g = grad + weight_decay * param;
 // buf = momentum * buf + g (buf = g at the first step is the caller's zero
 // init); param -= lr * (momentum ? buf : g).
 template <typename T>
-CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float lr, float momentum, float weight_decay) {
-  float g = float(grad) + weight_decay * float(param);
+CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float grad_scale, float lr, float momentum,
+                      float weight_decay) {
+  float g = float(grad) * grad_scale + weight_decay * float(param);
   if (momentum != 0.0f) {
     const float buf = momentum * float(momentum_buf) + g;
     momentum_buf = T(buf);
@@ -931,7 +932,8 @@ CG_DEVICE void k14_w1_init_sgd_tile(float* param, const float* grad, float* mome
   for (cg_i64 i = cg_global_thread(tile); i < 8192; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
-    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
+    float grad_scale_local = 1.0f;
+    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, grad_scale_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }
@@ -945,7 +947,8 @@ CG_DEVICE void k15_b1_init_sgd_tile(float* param, const float* grad, float* mome
   for (cg_i64 i = cg_global_thread(tile); i < 128; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
-    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
+    float grad_scale_local = 1.0f;
+    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, grad_scale_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }
@@ -959,7 +962,8 @@ CG_DEVICE void k16_w2_init_sgd_tile(float* param, const float* grad, float* mome
   for (cg_i64 i = cg_global_thread(tile); i < 1280; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
-    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
+    float grad_scale_local = 1.0f;
+    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, grad_scale_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }
@@ -973,7 +977,8 @@ CG_DEVICE void k17_b2_init_sgd_tile(float* param, const float* grad, float* mome
   for (cg_i64 i = cg_global_thread(tile); i < 10; i += cg_grid_threads(tile)) {
     float param_local = cg_load(param, i);
     float momentum_buf_local = cg_load(momentum_buf, i);
-    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
+    float grad_scale_local = 1.0f;
+    cg_sgd<float>(param_local, cg_load(grad, i), momentum_buf_local, grad_scale_local, 0.10000000149011612f, 0.8999999761581421f, 0.0f);
     cg_store(param, i, param_local);
     cg_store(momentum_buf, i, momentum_buf_local);
   }

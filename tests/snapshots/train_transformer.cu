@@ -720,7 +720,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/optimizers.cuh:34
+// templates/optimizers.cuh:38
 // Adam's moment update for gradient g, and the bias-corrected step
 // m_hat / (sqrt(v_hat) + eps) that adam and adamw scale by lr.
 CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, float beta2, float eps, long long step) {
@@ -731,14 +731,14 @@ CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, floa
   return m_hat / (sqrt(v_hat) + eps);
 }
 
-// templates/optimizers.cuh:68
+// templates/optimizers.cuh:73
 // AdamW: the weight decay is decoupled, applied to the parameter directly
 // (torch.optim.AdamW).
 template <typename T>
-CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
-                        float weight_decay, long long step) {
+CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float grad_scale, float lr, float beta1, float beta2,
+                        float eps, float weight_decay, long long step) {
   const float decayed = float(param) * (1.0f - lr * weight_decay);
-  param = T(decayed - lr * cg_adam_direction(float(grad), m, v, beta1, beta2, eps, step));
+  param = T(decayed - lr * cg_adam_direction(float(grad) * grad_scale, m, v, beta1, beta2, eps, step));
 }
 
 // templates/rmsnorm.cuh:46
@@ -1973,7 +1973,8 @@ CG_DEVICE void k56_embed_w_adamw_tile(float* param, const float* grad, float* m,
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -1991,7 +1992,8 @@ CG_DEVICE void k57_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2009,7 +2011,8 @@ CG_DEVICE void k58_wq_adamw_tile(float* param, const float* grad, float* m, floa
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2027,7 +2030,8 @@ CG_DEVICE void k59_wk_adamw_tile(float* param, const float* grad, float* m, floa
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2045,7 +2049,8 @@ CG_DEVICE void k60_wv_adamw_tile(float* param, const float* grad, float* m, floa
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2063,7 +2068,8 @@ CG_DEVICE void k61_wo_adamw_tile(float* param, const float* grad, float* m, floa
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2081,7 +2087,8 @@ CG_DEVICE void k62_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2099,7 +2106,8 @@ CG_DEVICE void k63_w_up_adamw_tile(float* param, const float* grad, float* m, fl
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2117,7 +2125,8 @@ CG_DEVICE void k64_w_down_adamw_tile(float* param, const float* grad, float* m, 
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2135,7 +2144,8 @@ CG_DEVICE void k65_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2153,7 +2163,8 @@ CG_DEVICE void k66_w_head_adamw_tile(float* param, const float* grad, float* m, 
     float param_local = cg_load(param, i);
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float grad_scale_local = 1.0f;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);

@@ -493,16 +493,17 @@ class Training(Exported):
     STEPS = 2
 
     def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False,
-                       update_rtol=1e-3):
+                       update_rtol=1e-3, clip_grad_norm=None):
         """Exports forward + loss, lets cudagen derive backward and update, runs
         STEPS steps in emulation (each checked against the float64 reference
         by `cudagen run`), and compares the losses and the updated weights
         with PyTorch's own training of the same model from the same weights
-        and inputs (torch.optim, autograd)."""
+        and inputs (torch.optim, autograd; clip_grad_norm_ before each step
+        where clip_grad_norm is given, which must then clip some step)."""
         steps = steps or self.STEPS
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer=optimizer,
-                                      optimizer_args=optimizer_args, train_mode=train_mode)
+                                      optimizer_args=optimizer_args, train_mode=train_mode, clip_grad_norm=clip_grad_norm)
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
         outputs = os.path.join(self.dir, "outputs")
         stdout, _ = self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", str(steps), "--inputs",
@@ -522,7 +523,7 @@ class Training(Exported):
         torch_optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(),
                                                                                          **args[optimizer])
         x = example[result.inputs[0]]
-        losses = []
+        losses, norms = [], []
         for _ in range(steps):
             torch_optimizer.zero_grad()
             logits = model(x)
@@ -531,9 +532,13 @@ class Training(Exported):
             else:
                 value = F.mse_loss(logits, example["target"])
             value.backward()
+            if clip_grad_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
             torch_optimizer.step()
             losses.append(float(value))
 
+        if clip_grad_norm is not None:
+            self.assertGreater(max(norms), clip_grad_norm, f"no step was clipped: the norms were {norms} (seed {seed})")
         got_losses = np.load(os.path.join(outputs, "loss.per_step.npy")).reshape(-1)
         np.testing.assert_allclose(got_losses, losses, rtol=1e-5, err_msg=f"loss per step, cudagen vs PyTorch (seed {seed})")
         for name, start in initial.items():
@@ -629,6 +634,20 @@ class Training(Exported):
         np.testing.assert_allclose(got, losses, rtol=1e-2, err_msg=f"loss per step, cudagen vs PyTorch (seed {seed})")
         with self.assertRaisesRegex(cudagen_torch.ExportError, "float16 autocast needs loss scaling"):
             cudagen_torch.export(model, (torch.randn(16, 24),), model_dir, loss="mse", precision=torch.float16)
+
+    def test_clipped_gradients_train_as_pytorch_does(self):
+        """export(clip_grad_norm=...): cudagen clips the gradients to that
+        global norm before each AdamW update, as torch.nn.utils.clip_grad_norm_
+        does (issue #41)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.mlp(), (torch.randn(8, 20),), "cross_entropy", "adamw", {"lr": 0.01},
+                            clip_grad_norm=0.05)
+        with open(os.path.join(self.dir, "model", "graph.json")) as f:
+            self.assertEqual(json.load(f)["training"]["clip_grad_norm"], 0.05)
+        with self.assertRaisesRegex(cudagen_torch.ExportError, "clips what an optimizer reads"):
+            cudagen_torch.export(models.mlp(), (torch.randn(8, 20),), os.path.join(self.dir, "other"), loss="mse",
+                                 clip_grad_norm=1.0)
 
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()

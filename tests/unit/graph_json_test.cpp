@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
@@ -142,6 +143,19 @@ TEST(GraphJson, ReadsTheTrainingSection) {
   }
   EXPECT_NE(msg.find("t.json:1:74: error: /training/optimiser: unknown field \"optimiser\"; did you mean 'optimizer'?"), std::string::npos) << msg;
   EXPECT_NE(msg.find("t.json:1:89: error: /training/loss: \"nodot\" is not a slot reference"), std::string::npos) << msg;
+}
+
+TEST(GraphJson, ClipGradNormRoundTripsAndMustBeAPositiveNumber) {
+  TaskGraph g = read_graph(read_text_file(source_path("examples/mlp_derived.json")));
+  g.training->clip_grad_norm = 0.25;
+  const std::string text = write_graph(g);
+  EXPECT_NE(text.find("\"clip_grad_norm\": 0.25"), std::string::npos) << text;
+  EXPECT_EQ(read_graph(text).training->clip_grad_norm, 0.25);
+  for (const char* bad : {"0", "-1", "\"1\"", "1e39"}) {
+    std::string msg = errors_of(fmt::format(
+        R"({{"format": "cudagen.taskgraph/1", "tasks": [], "training": {{"loss": "a.b", "clip_grad_norm": {}}}}})", bad));
+    EXPECT_NE(msg.find("/training/clip_grad_norm: \"clip_grad_norm\""), std::string::npos) << bad << ": " << msg;
+  }
 }
 
 TEST(GraphJson, MissingFormatAndTasks) {

@@ -63,6 +63,9 @@ def main(argv=None):
     ex.add_argument("--precision", choices=["bf16"],
                     help="with --loss: train as torch.autocast(dtype=torch.bfloat16) does, f32 master weights and "
                     "products in bf16 (default: f32 throughout)")
+    ex.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                    help="with --optimizer: clip the gradients to this global L2 norm before each update, as "
+                    "torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
     ex.add_argument("--train-mode", action="store_true",
                     help="export the model in training mode: BatchNorm normalises by each batch's statistics and "
                     "updates its running ones (default: eval mode)")
@@ -89,7 +92,7 @@ def main(argv=None):
     try:
         result = export(model, tuple(inputs), args.output, name=args.name, loss=args.loss, optimizer=args.optimizer,
                         optimizer_args={"lr": args.lr} if args.optimizer else None, tracer=args.tracer,
-                        train_mode=args.train_mode, precision=args.precision)
+                        train_mode=args.train_mode, precision=args.precision, clip_grad_norm=args.clip_grad_norm)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

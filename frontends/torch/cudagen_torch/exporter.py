@@ -1779,7 +1779,7 @@ def _autocast_precision(precision, loss):
 
 
 def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
-           write_example=True, tracer="auto", train_mode=False, precision=None):
+           write_example=True, tracer="auto", train_mode=False, precision=None, clip_grad_norm=None):
     """Captures `module` on `example_inputs` (a tuple of tensors) and writes
     `path`/graph.json with one .npy per parameter and buffer.
 
@@ -1805,11 +1805,20 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       dtype of a torch.autocast the export runs in, so exporting inside the
       training loop's `with torch.autocast(...)` keeps its policy. The model
       itself is captured in f32 either way.
+    clip_grad_norm: with an optimizer, clip the gradients to this global L2
+      norm before each update, as torch.nn.utils.clip_grad_norm_ does
+      ("clip_grad_norm" in the training section).
     Raises ExportError naming the node for anything it cannot map; nothing is
     written then."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     precision = _autocast_precision(precision, loss)
+    if clip_grad_norm is not None:
+        if optimizer is None:
+            raise ExportError("clip_grad_norm clips what an optimizer reads: pass optimizer= too")
+        if not (isinstance(clip_grad_norm, (int, float)) and 0 < clip_grad_norm <= 3e38):
+            raise ExportError(f"clip_grad_norm={clip_grad_norm!r}: it is the largest global L2 norm of the gradients, "
+                              "a positive number")
     if train_mode:  # torch.export's training-mode batch_norm (and its buffer updates) has no mapping yet
         if tracer == "export":
             raise ExportError("train_mode=True takes the torch.fx path: torch.export's training-mode batch_norm has "
@@ -1837,6 +1846,8 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         graph["training"], extra_inputs = _training(ex, loss, optimizer, optimizer_args, outputs)
         if precision is not None:
             graph["training"]["precision"] = precision
+        if clip_grad_norm is not None:
+            graph["training"]["clip_grad_norm"] = float(clip_grad_norm)
     flat_outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     # Everything mapped: now write, each file under a temporary name first.
