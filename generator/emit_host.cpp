@@ -1,5 +1,7 @@
 #include "emitter.h"
 
+#include <map>
+
 namespace cudagen::lowering {
 
 // The host launchers' encoders of TMA tensor maps (the Hopper kernels'
@@ -342,16 +344,33 @@ std::string Emitter::batched_launch(const std::vector<KernelGroup>& kernels, con
   std::vector<LaunchParam> params;
   std::string dispatch, ranges;
   int64_t block_begin = 0;
+  // A tensor or run-time argument that several members read (a clipping
+  // factor every optimizer reads, a learning rate they share) is one
+  // parameter of the launch: (arena offset, pointee) -> its name.
+  std::map<std::pair<int64_t, std::string>, std::string> shared;
   for (size_t i = 0; i < members.size(); ++i) {
     const EmittedKernel& tk = out.tile_kernels[members[i]];
     const int64_t tiles = int64_t(tk.grid[0]) * tk.grid[1] * tk.grid[2];
+    const std::vector<LaunchParam>& own = launch_params_[members[i]];
+    const bool located = tk.arg_offsets.size() == own.size();
     std::vector<std::string> args;
-    for (const LaunchParam& lp : launch_params_[members[i]]) {
+    for (size_t j = 0; j < own.size(); ++j) {
+      const LaunchParam& lp = own[j];
       LaunchParam renamed = lp;
       renamed.name = tk.name + "_" + lp.name;
+      const bool shareable = located && !lp.written && !lp.tensor_map && lp.workspace_offset < 0;
+      if (shareable) {
+        auto [it, first] = shared.emplace(std::make_pair(tk.arg_offsets[j], lp.pointee), param_name(renamed));
+        if (!first) {
+          args.push_back(it->second);
+          continue;
+        }
+      }
       args.push_back(param_name(renamed));
       params.push_back(std::move(renamed));
+      if (located) lk.arg_offsets.push_back(tk.arg_offsets[j]);
     }
+    if (!located) lk.arg_offsets.insert(lk.arg_offsets.end(), tk.arg_offsets.begin(), tk.arg_offsets.end());
     args.push_back(fmt::format("cg_tile_of(block{}, {}, {})", block_begin ? fmt::format(" - {}u", block_begin) : "",
                                tk.grid[0], tk.grid[1]));
     const std::string call = fmt::format("{}_tile({});", tk.name, fmt::join(args, ", "));
@@ -368,7 +387,6 @@ std::string Emitter::batched_launch(const std::vector<KernelGroup>& kernels, con
     lk.bytes_read += tk.bytes_read;
     lk.bytes_written += tk.bytes_written;
     if (tk.flops >= 0) lk.flops = std::max<int64_t>(lk.flops, 0) + tk.flops;
-    lk.arg_offsets.insert(lk.arg_offsets.end(), tk.arg_offsets.begin(), tk.arg_offsets.end());
     lk.ranges.insert(lk.ranges.end(), tk.ranges.begin(), tk.ranges.end());
   }
   lk.grid[0] = int(block_begin);

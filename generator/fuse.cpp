@@ -463,10 +463,13 @@ class Fuser {
     int launch = -1;
     size_t first = 0;    // the first kernel of the current launch
     int parameters = 0;  // the current launch's, about as the emitter passes them
+    std::set<int> passed;  // the buffers the current launch takes: one parameter each, however many read them
     for (size_t k = 0; k < out_.kernels.size(); ++k) {
       KernelGroup& kernel = out_.kernels[k];
       const Access& a = access[k];
-      const int own = int(a.reads.size() + a.writes.size()) + a.runtime_args;
+      int own = a.runtime_args, alone = a.runtime_args + int(a.reads.size() + a.writes.size());
+      for (const auto* buffers : {&a.reads, &a.writes})
+        for (int b : *buffers) own += passed.count(b) ? 0 : 1;
       if (k > 0 && out_.kernels[k - 1].phase == kernel.phase && options_.enabled) {
         std::string reason;
         size_t against = k - 1;
@@ -494,13 +497,17 @@ class Fuser {
         if (reason.empty()) {
           kernel.launch = launch;
           parameters += own;
+          passed.insert(a.reads.begin(), a.reads.end());
+          passed.insert(a.writes.begin(), a.writes.end());
           continue;
         }
         out_.launch_notes.push_back(FusionNote{kernel.tasks.front(), out_.kernels[against].tasks.front(), reason});
       }
       kernel.launch = ++launch;
       first = k;
-      parameters = own;
+      parameters = alone;
+      passed = std::set<int>(a.reads.begin(), a.reads.end());
+      passed.insert(a.writes.begin(), a.writes.end());
     }
   }
   // Whether kernel `k` is a channels-last BatchNorm (or its gradient) whose

@@ -1034,22 +1034,20 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_init_b1_init_w2_init_and_5_more(
 CG_KERNEL void __launch_bounds__(256, 1) h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b(
     const float* __restrict__ k11_bias2_grad_b_sum_x,
     float* __restrict__ k11_bias2_grad_b_sum_out,
-    const float* __restrict__ k12_fc2_grad_a_fc2_grad_a_a,
     const float* __restrict__ k12_fc2_grad_a_fc2_grad_a_b,
     const float* __restrict__ k12_fc2_grad_a_act1_backward_x,
     float* __restrict__ k12_fc2_grad_a_bias1_grad_b_sum_out,
     const float* __restrict__ k12_fc2_grad_a_fc1_grad_b_a,
     float* __restrict__ k12_fc2_grad_a_fc1_grad_b_out,
     const float* __restrict__ k13_fc2_grad_b_a,
-    const float* __restrict__ k13_fc2_grad_b_b,
     float* __restrict__ k13_fc2_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k11_bias2_grad_b_sum_tile(k11_bias2_grad_b_sum_x, k11_bias2_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else if (block < 5u)
-    k12_fc2_grad_a_tile(k12_fc2_grad_a_fc2_grad_a_a, k12_fc2_grad_a_fc2_grad_a_b, k12_fc2_grad_a_act1_backward_x, k12_fc2_grad_a_bias1_grad_b_sum_out, k12_fc2_grad_a_fc1_grad_b_a, k12_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 4, 1));
+    k12_fc2_grad_a_tile(k11_bias2_grad_b_sum_x, k12_fc2_grad_a_fc2_grad_a_b, k12_fc2_grad_a_act1_backward_x, k12_fc2_grad_a_bias1_grad_b_sum_out, k12_fc2_grad_a_fc1_grad_b_a, k12_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 4, 1));
   else
-    k13_fc2_grad_b_tile(k13_fc2_grad_b_a, k13_fc2_grad_b_b, k13_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
+    k13_fc2_grad_b_tile(k13_fc2_grad_b_a, k11_bias2_grad_b_sum_x, k13_fc2_grad_b_out, cg_tile_of(block - 5u, 1, 4));
 }
 
 // Launch h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more (update phase):
@@ -1143,14 +1141,12 @@ static const cudagen_tensor_info k10_loss_backward_tensors[] = {
 static const cudagen_tensor_info h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
     {"k11_bias2_grad_b_sum_x", "loss_backward.dlogits", 157952ull, 1280ull},
     {"k11_bias2_grad_b_sum_out", "bias2_grad_b_sum.out", 159744ull, 40ull},
-    {"k12_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 157952ull, 1280ull},
     {"k12_fc2_grad_a_fc2_grad_a_b", "w2_init.out", 33280ull, 5120ull},
     {"k12_fc2_grad_a_act1_backward_x", "bias1.out", 120064ull, 16384ull},
     {"k12_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 159232ull, 512ull},
     {"k12_fc2_grad_a_fc1_grad_b_a", "fc1.a", 77312ull, 8192ull},
     {"k12_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 87296ull, 32768ull},
     {"k13_fc2_grad_b_a", "act1.out", 136448ull, 16384ull},
-    {"k13_fc2_grad_b_b", "loss_backward.dlogits", 157952ull, 1280ull},
     {"k13_fc2_grad_b_out", "fc2_grad_b.out", 152832ull, 5120ull},
 };
 static const cudagen_tensor_info h5_w1_init_sgd_b1_init_sgd_w2_init_sgd_and_1_more_tensors[] = {
@@ -1186,7 +1182,7 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k10_loss_backward, dim3(32, 1, 1), dim3(32), 128, k10_loss_backward_tensors,
                  (const float*)(arena + 85504), (const int*)(arena + 86784), (float*)(arena + 157952));
   CUDAGEN_LAUNCH(h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(9, 1, 1), dim3(256), 16576, h4_bias2_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 157952), (float*)(arena + 159744), (const float*)(arena + 157952), (const float*)(arena + 33280), (const float*)(arena + 120064), (float*)(arena + 159232), (const float*)(arena + 77312), (float*)(arena + 87296), (const float*)(arena + 136448), (const float*)(arena + 157952), (float*)(arena + 152832));
+                 (const float*)(arena + 157952), (float*)(arena + 159744), (const float*)(arena + 33280), (const float*)(arena + 120064), (float*)(arena + 159232), (const float*)(arena + 77312), (float*)(arena + 87296), (const float*)(arena + 136448), (float*)(arena + 152832));
   return 0;
 }
 

@@ -970,9 +970,7 @@ CG_KERNEL void __launch_bounds__(256, 1) h4_dw2_db2_dact1(
     const float* __restrict__ k7_dw2_a,
     const float* __restrict__ k7_dw2_b,
     float* __restrict__ k7_dw2_out,
-    const float* __restrict__ k8_db2_x,
     float* __restrict__ k8_db2_out,
-    const float* __restrict__ k9_dact1_dact1_a,
     const float* __restrict__ k9_dact1_dact1_b,
     const float* __restrict__ k9_dact1_dbias1_x,
     const float* __restrict__ k9_dact1_dw1_a,
@@ -982,9 +980,9 @@ CG_KERNEL void __launch_bounds__(256, 1) h4_dw2_db2_dact1(
   if (block < 4u)
     k7_dw2_tile(k7_dw2_a, k7_dw2_b, k7_dw2_out, cg_tile_of(block, 1, 4));
   else if (block < 5u)
-    k8_db2_tile(k8_db2_x, k8_db2_out, cg_tile_of(block - 4u, 1, 1));
+    k8_db2_tile(k7_dw2_b, k8_db2_out, cg_tile_of(block - 4u, 1, 1));
   else
-    k9_dact1_tile(k9_dact1_dact1_a, k9_dact1_dact1_b, k9_dact1_dbias1_x, k9_dact1_dw1_a, k9_dact1_dw1_out, k9_dact1_db1_out, cg_tile_of(block - 5u, 4, 1));
+    k9_dact1_tile(k7_dw2_b, k9_dact1_dact1_b, k9_dact1_dbias1_x, k9_dact1_dw1_a, k9_dact1_dw1_out, k9_dact1_db1_out, cg_tile_of(block - 5u, 4, 1));
 }
 
 // Launch h5_sgd_w1_sgd_b1_sgd_w2_and_1_more (update phase):
@@ -1071,9 +1069,7 @@ static const cudagen_tensor_info h4_dw2_db2_dact1_tensors[] = {
     {"k7_dw2_a", "act1.out", 97792ull, 16384ull},
     {"k7_dw2_b", "dlogits.dlogits", 119296ull, 1280ull},
     {"k7_dw2_out", "dw2.out", 114176ull, 5120ull},
-    {"k8_db2_x", "dlogits.dlogits", 119296ull, 1280ull},
     {"k8_db2_out", "db2.out", 121088ull, 40ull},
-    {"k9_dact1_dact1_a", "dlogits.dlogits", 119296ull, 1280ull},
     {"k9_dact1_dact1_b", "w2_init.out", 33280ull, 5120ull},
     {"k9_dact1_dbias1_x", "bias1.out", 81408ull, 16384ull},
     {"k9_dact1_dw1_a", "fc1.a", 38656ull, 8192ull},
@@ -1109,7 +1105,7 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k6_dlogits, dim3(32, 1, 1), dim3(32), 128, k6_dlogits_tensors,
                  (const float*)(arena + 46848), (const int*)(arena + 48128), (float*)(arena + 119296));
   CUDAGEN_LAUNCH(h4_dw2_db2_dact1, dim3(9, 1, 1), dim3(256), 16576, h4_dw2_db2_dact1_tensors,
-                 (const float*)(arena + 97792), (const float*)(arena + 119296), (float*)(arena + 114176), (const float*)(arena + 119296), (float*)(arena + 121088), (const float*)(arena + 119296), (const float*)(arena + 33280), (const float*)(arena + 81408), (const float*)(arena + 38656), (float*)(arena + 48640), (float*)(arena + 120576));
+                 (const float*)(arena + 97792), (const float*)(arena + 119296), (float*)(arena + 114176), (float*)(arena + 121088), (const float*)(arena + 33280), (const float*)(arena + 81408), (const float*)(arena + 38656), (float*)(arena + 48640), (float*)(arena + 120576));
   return 0;
 }
 

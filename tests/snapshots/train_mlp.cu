@@ -1124,22 +1124,20 @@ CG_KERNEL void __launch_bounds__(256) h0_w1_b1_w2_and_9_more(
 CG_KERNEL void __launch_bounds__(256, 1) h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b(
     const float* __restrict__ k15_logits_grad_b_sum_x,
     float* __restrict__ k15_logits_grad_b_sum_out,
-    const float* __restrict__ k16_fc2_grad_a_fc2_grad_a_a,
     const float* __restrict__ k16_fc2_grad_a_fc2_grad_a_b,
     const float* __restrict__ k16_fc2_grad_a_act1_backward_x,
     float* __restrict__ k16_fc2_grad_a_bias1_grad_b_sum_out,
     const float* __restrict__ k16_fc2_grad_a_fc1_grad_b_a,
     float* __restrict__ k16_fc2_grad_a_fc1_grad_b_out,
     const float* __restrict__ k17_fc2_grad_b_a,
-    const float* __restrict__ k17_fc2_grad_b_b,
     float* __restrict__ k17_fc2_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k15_logits_grad_b_sum_tile(k15_logits_grad_b_sum_x, k15_logits_grad_b_sum_out, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k16_fc2_grad_a_tile(k16_fc2_grad_a_fc2_grad_a_a, k16_fc2_grad_a_fc2_grad_a_b, k16_fc2_grad_a_act1_backward_x, k16_fc2_grad_a_bias1_grad_b_sum_out, k16_fc2_grad_a_fc1_grad_b_a, k16_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k16_fc2_grad_a_tile(k15_logits_grad_b_sum_x, k16_fc2_grad_a_fc2_grad_a_b, k16_fc2_grad_a_act1_backward_x, k16_fc2_grad_a_bias1_grad_b_sum_out, k16_fc2_grad_a_fc1_grad_b_a, k16_fc2_grad_a_fc1_grad_b_out, cg_tile_of(block - 1u, 1, 1));
   else
-    k17_fc2_grad_b_tile(k17_fc2_grad_b_a, k17_fc2_grad_b_b, k17_fc2_grad_b_out, cg_tile_of(block - 2u, 1, 1));
+    k17_fc2_grad_b_tile(k17_fc2_grad_b_a, k15_logits_grad_b_sum_x, k17_fc2_grad_b_out, cg_tile_of(block - 2u, 1, 1));
 }
 
 // Launch h5_w1_adam_b1_adam_w2_adam_and_1_more (update phase):
@@ -1161,29 +1159,23 @@ CG_KERNEL void __launch_bounds__(256) h5_w1_adam_b1_adam_w2_adam_and_1_more(
     const float* __restrict__ k19_b1_adam_grad,
     float* __restrict__ k19_b1_adam_m,
     float* __restrict__ k19_b1_adam_v,
-    const float* __restrict__ k19_b1_adam_lr_arg,
-    const long long* __restrict__ k19_b1_adam_step_arg,
     float* __restrict__ k20_w2_adam_param,
     const float* __restrict__ k20_w2_adam_grad,
     float* __restrict__ k20_w2_adam_m,
     float* __restrict__ k20_w2_adam_v,
-    const float* __restrict__ k20_w2_adam_lr_arg,
-    const long long* __restrict__ k20_w2_adam_step_arg,
     float* __restrict__ k21_b2_adam_param,
     const float* __restrict__ k21_b2_adam_grad,
     float* __restrict__ k21_b2_adam_m,
-    float* __restrict__ k21_b2_adam_v,
-    const float* __restrict__ k21_b2_adam_lr_arg,
-    const long long* __restrict__ k21_b2_adam_step_arg) {
+    float* __restrict__ k21_b2_adam_v) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k18_w1_adam_tile(k18_w1_adam_param, k18_w1_adam_grad, k18_w1_adam_m, k18_w1_adam_v, k18_w1_adam_lr_arg, k18_w1_adam_step_arg, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k19_b1_adam_tile(k19_b1_adam_param, k19_b1_adam_grad, k19_b1_adam_m, k19_b1_adam_v, k19_b1_adam_lr_arg, k19_b1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
+    k19_b1_adam_tile(k19_b1_adam_param, k19_b1_adam_grad, k19_b1_adam_m, k19_b1_adam_v, k18_w1_adam_lr_arg, k18_w1_adam_step_arg, cg_tile_of(block - 1u, 1, 1));
   else if (block < 3u)
-    k20_w2_adam_tile(k20_w2_adam_param, k20_w2_adam_grad, k20_w2_adam_m, k20_w2_adam_v, k20_w2_adam_lr_arg, k20_w2_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k20_w2_adam_tile(k20_w2_adam_param, k20_w2_adam_grad, k20_w2_adam_m, k20_w2_adam_v, k18_w1_adam_lr_arg, k18_w1_adam_step_arg, cg_tile_of(block - 2u, 1, 1));
   else
-    k21_b2_adam_tile(k21_b2_adam_param, k21_b2_adam_grad, k21_b2_adam_m, k21_b2_adam_v, k21_b2_adam_lr_arg, k21_b2_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
+    k21_b2_adam_tile(k21_b2_adam_param, k21_b2_adam_grad, k21_b2_adam_m, k21_b2_adam_v, k18_w1_adam_lr_arg, k18_w1_adam_step_arg, cg_tile_of(block - 3u, 1, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -1249,14 +1241,12 @@ static const cudagen_tensor_info k14_loss_backward_tensors[] = {
 static const cudagen_tensor_info h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors[] = {
     {"k15_logits_grad_b_sum_x", "loss_backward.dlogits", 85248ull, 4096ull},
     {"k15_logits_grad_b_sum_out", "logits_grad_b_sum.out", 91136ull, 16ull},
-    {"k16_fc2_grad_a_fc2_grad_a_a", "loss_backward.dlogits", 85248ull, 4096ull},
     {"k16_fc2_grad_a_fc2_grad_a_b", "w2.out", 1280ull, 512ull},
     {"k16_fc2_grad_a_act1_backward_x", "bias1.out", 19712ull, 32768ull},
     {"k16_fc2_grad_a_bias1_grad_b_sum_out", "bias1_grad_b_sum.out", 90880ull, 128ull},
     {"k16_fc2_grad_a_fc1_grad_b_a", "fc1.a", 6144ull, 8192ull},
     {"k16_fc2_grad_a_fc1_grad_b_out", "fc1_grad_b.out", 89344ull, 1024ull},
     {"k17_fc2_grad_b_a", "act1.out", 52480ull, 32768ull},
-    {"k17_fc2_grad_b_b", "loss_backward.dlogits", 85248ull, 4096ull},
     {"k17_fc2_grad_b_out", "fc2_grad_b.out", 90368ull, 512ull},
 };
 static const cudagen_tensor_info h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors[] = {
@@ -1270,20 +1260,14 @@ static const cudagen_tensor_info h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors[]
     {"k19_b1_adam_grad", "bias1_grad_b_sum.out", 90880ull, 128ull},
     {"k19_b1_adam_m", "b1_m_init.out", 4096ull, 128ull},
     {"k19_b1_adam_v", "b1_v_init.out", 4352ull, 128ull},
-    {"k19_b1_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
-    {"k19_b1_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
     {"k20_w2_adam_param", "w2.out", 1280ull, 512ull},
     {"k20_w2_adam_grad", "fc2_grad_b.out", 90368ull, 512ull},
     {"k20_w2_adam_m", "w2_m_init.out", 4608ull, 512ull},
     {"k20_w2_adam_v", "w2_v_init.out", 5120ull, 512ull},
-    {"k20_w2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
-    {"k20_w2_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
     {"k21_b2_adam_param", "b2.out", 1792ull, 16ull},
     {"k21_b2_adam_grad", "logits_grad_b_sum.out", 91136ull, 16ull},
     {"k21_b2_adam_m", "b2_m_init.out", 5632ull, 16ull},
     {"k21_b2_adam_v", "b2_v_init.out", 5888ull, 16ull},
-    {"k21_b2_adam_lr", "w1_adam.lr", 91392ull, 8ull},  // run-time argument
-    {"k21_b2_adam_step", "w1_adam.step", 91400ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -1304,13 +1288,13 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k14_loss_backward, dim3(256, 1, 1), dim3(32), 128, k14_loss_backward_tensors,
                  (const float*)(arena + 14336), (const int*)(arena + 18432), (float*)(arena + 85248));
   CUDAGEN_LAUNCH(h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b, dim3(3, 1, 1), dim3(256), 9408, h4_logits_grad_b_sum_fc2_grad_a_fc2_grad_b_tensors,
-                 (const float*)(arena + 85248), (float*)(arena + 91136), (const float*)(arena + 85248), (const float*)(arena + 1280), (const float*)(arena + 19712), (float*)(arena + 90880), (const float*)(arena + 6144), (float*)(arena + 89344), (const float*)(arena + 52480), (const float*)(arena + 85248), (float*)(arena + 90368));
+                 (const float*)(arena + 85248), (float*)(arena + 91136), (const float*)(arena + 1280), (const float*)(arena + 19712), (float*)(arena + 90880), (const float*)(arena + 6144), (float*)(arena + 89344), (const float*)(arena + 52480), (float*)(arena + 90368));
   return 0;
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h5_w1_adam_b1_adam_w2_adam_and_1_more, dim3(4, 1, 1), dim3(256), 0, h5_w1_adam_b1_adam_w2_adam_and_1_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 89344), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1024), (const float*)(arena + 90880), (float*)(arena + 4096), (float*)(arena + 4352), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1280), (const float*)(arena + 90368), (float*)(arena + 4608), (float*)(arena + 5120), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1792), (const float*)(arena + 91136), (float*)(arena + 5632), (float*)(arena + 5888), (const float*)(arena + 91392), (const long long*)(arena + 91400));
+                 (float*)(arena + 0), (const float*)(arena + 89344), (float*)(arena + 2048), (float*)(arena + 3072), (const float*)(arena + 91392), (const long long*)(arena + 91400), (float*)(arena + 1024), (const float*)(arena + 90880), (float*)(arena + 4096), (float*)(arena + 4352), (float*)(arena + 1280), (const float*)(arena + 90368), (float*)(arena + 4608), (float*)(arena + 5120), (float*)(arena + 1792), (const float*)(arena + 91136), (float*)(arena + 5632), (float*)(arena + 5888));
   return 0;
 }
 #endif  // __CUDACC_RTC__

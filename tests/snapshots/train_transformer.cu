@@ -2322,13 +2322,12 @@ CG_KERNEL void __launch_bounds__(256) h8_head_grad_a_head_grad_b(
     const float* __restrict__ k40_head_grad_a_b,
     float* __restrict__ k40_head_grad_a_out,
     const float* __restrict__ k41_head_grad_b_a,
-    const float* __restrict__ k41_head_grad_b_b,
     float* __restrict__ k41_head_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k40_head_grad_a_tile(k40_head_grad_a_a, k40_head_grad_a_b, k40_head_grad_a_out, cg_tile_of(block, 1, 1));
   else
-    k41_head_grad_b_tile(k41_head_grad_b_a, k41_head_grad_b_b, k41_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k41_head_grad_b_tile(k41_head_grad_b_a, k40_head_grad_a_a, k41_head_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
 // Launch h10_down_grad_b_down_grad_a (backward phase):
@@ -2341,7 +2340,6 @@ CG_KERNEL void __launch_bounds__(256, 1) h10_down_grad_b_down_grad_a(
     const float* __restrict__ k43_down_grad_b_a,
     const float* __restrict__ k43_down_grad_b_b,
     float* __restrict__ k43_down_grad_b_out,
-    const float* __restrict__ k44_down_grad_a_down_grad_a_a,
     const float* __restrict__ k44_down_grad_a_down_grad_a_b,
     const float* __restrict__ k44_down_grad_a_up_grad_a_b,
     float* __restrict__ k44_down_grad_a_up_grad_a_out,
@@ -2351,7 +2349,7 @@ CG_KERNEL void __launch_bounds__(256, 1) h10_down_grad_b_down_grad_a(
   if (block < 2u)
     k43_down_grad_b_tile(k43_down_grad_b_a, k43_down_grad_b_b, k43_down_grad_b_out, cg_tile_of(block, 1, 2));
   else
-    k44_down_grad_a_tile(k44_down_grad_a_down_grad_a_a, k44_down_grad_a_down_grad_a_b, k44_down_grad_a_up_grad_a_b, k44_down_grad_a_up_grad_a_out, k44_down_grad_a_act_backward_x, k44_down_grad_a_act_backward_dx, cg_tile_of(block - 2u, 1, 1));
+    k44_down_grad_a_tile(k43_down_grad_b_b, k44_down_grad_a_down_grad_a_b, k44_down_grad_a_up_grad_a_b, k44_down_grad_a_up_grad_a_out, k44_down_grad_a_act_backward_x, k44_down_grad_a_act_backward_dx, cg_tile_of(block - 2u, 1, 1));
 }
 
 CG_KERNEL void __launch_bounds__(256) k45_up_grad_b(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out) {
@@ -2373,13 +2371,12 @@ CG_KERNEL void __launch_bounds__(256) h12_attn_out_grad_a_attn_out_grad_b(
     const float* __restrict__ k47_attn_out_grad_a_b,
     float* __restrict__ k47_attn_out_grad_a_merged_grad_x_out,
     const float* __restrict__ k48_attn_out_grad_b_a,
-    const float* __restrict__ k48_attn_out_grad_b_b,
     float* __restrict__ k48_attn_out_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k47_attn_out_grad_a_tile(k47_attn_out_grad_a_a, k47_attn_out_grad_a_b, k47_attn_out_grad_a_merged_grad_x_out, cg_tile_of(block, 1, 1));
   else
-    k48_attn_out_grad_b_tile(k48_attn_out_grad_b_a, k48_attn_out_grad_b_b, k48_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k48_attn_out_grad_b_tile(k48_attn_out_grad_b_a, k47_attn_out_grad_a_a, k48_attn_out_grad_b_out, cg_tile_of(block - 1u, 1, 1));
 }
 
 // Launch h14_v_grad_b_k_grad_b_v_grad_a_and_1_more (backward phase):
@@ -2394,28 +2391,23 @@ CG_KERNEL void __launch_bounds__(256) h14_v_grad_b_k_grad_b_v_grad_a_and_1_more(
     const float* __restrict__ k50_v_grad_b_a,
     const float* __restrict__ k50_v_grad_b_b,
     float* __restrict__ k50_v_grad_b_out,
-    const float* __restrict__ k51_k_grad_b_a,
     const float* __restrict__ k51_k_grad_b_b,
     float* __restrict__ k51_k_grad_b_out,
-    const float* __restrict__ k52_v_grad_a_v_grad_a_a,
     const float* __restrict__ k52_v_grad_a_v_grad_a_b,
-    const float* __restrict__ k52_v_grad_a_k_grad_a_a,
     const float* __restrict__ k52_v_grad_a_k_grad_a_b,
     const float* __restrict__ k52_v_grad_a_q_grad_a_a,
     const float* __restrict__ k52_v_grad_a_q_grad_a_b,
     float* __restrict__ k52_v_grad_a_grad_ln1_out_sum_2_out,
-    const float* __restrict__ k53_q_grad_b_a,
-    const float* __restrict__ k53_q_grad_b_b,
     float* __restrict__ k53_q_grad_b_out) {
   const unsigned int block = blockIdx.x;
   if (block < 1u)
     k50_v_grad_b_tile(k50_v_grad_b_a, k50_v_grad_b_b, k50_v_grad_b_out, cg_tile_of(block, 1, 1));
   else if (block < 2u)
-    k51_k_grad_b_tile(k51_k_grad_b_a, k51_k_grad_b_b, k51_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
+    k51_k_grad_b_tile(k50_v_grad_b_a, k51_k_grad_b_b, k51_k_grad_b_out, cg_tile_of(block - 1u, 1, 1));
   else if (block < 3u)
-    k52_v_grad_a_tile(k52_v_grad_a_v_grad_a_a, k52_v_grad_a_v_grad_a_b, k52_v_grad_a_k_grad_a_a, k52_v_grad_a_k_grad_a_b, k52_v_grad_a_q_grad_a_a, k52_v_grad_a_q_grad_a_b, k52_v_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block - 2u, 1, 1));
+    k52_v_grad_a_tile(k50_v_grad_b_b, k52_v_grad_a_v_grad_a_b, k51_k_grad_b_b, k52_v_grad_a_k_grad_a_b, k52_v_grad_a_q_grad_a_a, k52_v_grad_a_q_grad_a_b, k52_v_grad_a_grad_ln1_out_sum_2_out, cg_tile_of(block - 2u, 1, 1));
   else
-    k53_q_grad_b_tile(k53_q_grad_b_a, k53_q_grad_b_b, k53_q_grad_b_out, cg_tile_of(block - 3u, 1, 1));
+    k53_q_grad_b_tile(k50_v_grad_b_a, k52_v_grad_a_q_grad_a_a, k53_q_grad_b_out, cg_tile_of(block - 3u, 1, 1));
 }
 
 // Launch h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
@@ -2440,53 +2432,41 @@ CG_KERNEL void __launch_bounds__(256) h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and
     const float* __restrict__ k57_ln1_w_adamw_grad,
     float* __restrict__ k57_ln1_w_adamw_m,
     float* __restrict__ k57_ln1_w_adamw_v,
-    const float* __restrict__ k57_ln1_w_adamw_lr_arg,
-    const long long* __restrict__ k57_ln1_w_adamw_step_arg,
     float* __restrict__ k58_wq_adamw_param,
     const float* __restrict__ k58_wq_adamw_grad,
     float* __restrict__ k58_wq_adamw_m,
     float* __restrict__ k58_wq_adamw_v,
-    const float* __restrict__ k58_wq_adamw_lr_arg,
-    const long long* __restrict__ k58_wq_adamw_step_arg,
     float* __restrict__ k59_wk_adamw_param,
     const float* __restrict__ k59_wk_adamw_grad,
     float* __restrict__ k59_wk_adamw_m,
     float* __restrict__ k59_wk_adamw_v,
-    const float* __restrict__ k59_wk_adamw_lr_arg,
-    const long long* __restrict__ k59_wk_adamw_step_arg,
     float* __restrict__ k60_wv_adamw_param,
     const float* __restrict__ k60_wv_adamw_grad,
     float* __restrict__ k60_wv_adamw_m,
     float* __restrict__ k60_wv_adamw_v,
-    const float* __restrict__ k60_wv_adamw_lr_arg,
-    const long long* __restrict__ k60_wv_adamw_step_arg,
     float* __restrict__ k61_wo_adamw_param,
     const float* __restrict__ k61_wo_adamw_grad,
     float* __restrict__ k61_wo_adamw_m,
     float* __restrict__ k61_wo_adamw_v,
-    const float* __restrict__ k61_wo_adamw_lr_arg,
-    const long long* __restrict__ k61_wo_adamw_step_arg,
     float* __restrict__ k62_ln2_w_adamw_param,
     const float* __restrict__ k62_ln2_w_adamw_grad,
     float* __restrict__ k62_ln2_w_adamw_m,
-    float* __restrict__ k62_ln2_w_adamw_v,
-    const float* __restrict__ k62_ln2_w_adamw_lr_arg,
-    const long long* __restrict__ k62_ln2_w_adamw_step_arg) {
+    float* __restrict__ k62_ln2_w_adamw_v) {
   const unsigned int block = blockIdx.x;
   if (block < 2u)
     k56_embed_w_adamw_tile(k56_embed_w_adamw_param, k56_embed_w_adamw_grad, k56_embed_w_adamw_m, k56_embed_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
   else if (block < 3u)
-    k57_ln1_w_adamw_tile(k57_ln1_w_adamw_param, k57_ln1_w_adamw_grad, k57_ln1_w_adamw_m, k57_ln1_w_adamw_v, k57_ln1_w_adamw_lr_arg, k57_ln1_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+    k57_ln1_w_adamw_tile(k57_ln1_w_adamw_param, k57_ln1_w_adamw_grad, k57_ln1_w_adamw_m, k57_ln1_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
   else if (block < 7u)
-    k58_wq_adamw_tile(k58_wq_adamw_param, k58_wq_adamw_grad, k58_wq_adamw_m, k58_wq_adamw_v, k58_wq_adamw_lr_arg, k58_wq_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+    k58_wq_adamw_tile(k58_wq_adamw_param, k58_wq_adamw_grad, k58_wq_adamw_m, k58_wq_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
   else if (block < 11u)
-    k59_wk_adamw_tile(k59_wk_adamw_param, k59_wk_adamw_grad, k59_wk_adamw_m, k59_wk_adamw_v, k59_wk_adamw_lr_arg, k59_wk_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+    k59_wk_adamw_tile(k59_wk_adamw_param, k59_wk_adamw_grad, k59_wk_adamw_m, k59_wk_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
   else if (block < 15u)
-    k60_wv_adamw_tile(k60_wv_adamw_param, k60_wv_adamw_grad, k60_wv_adamw_m, k60_wv_adamw_v, k60_wv_adamw_lr_arg, k60_wv_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+    k60_wv_adamw_tile(k60_wv_adamw_param, k60_wv_adamw_grad, k60_wv_adamw_m, k60_wv_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
   else if (block < 19u)
-    k61_wo_adamw_tile(k61_wo_adamw_param, k61_wo_adamw_grad, k61_wo_adamw_m, k61_wo_adamw_v, k61_wo_adamw_lr_arg, k61_wo_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+    k61_wo_adamw_tile(k61_wo_adamw_param, k61_wo_adamw_grad, k61_wo_adamw_m, k61_wo_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
   else
-    k62_ln2_w_adamw_tile(k62_ln2_w_adamw_param, k62_ln2_w_adamw_grad, k62_ln2_w_adamw_m, k62_ln2_w_adamw_v, k62_ln2_w_adamw_lr_arg, k62_ln2_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+    k62_ln2_w_adamw_tile(k62_ln2_w_adamw_param, k62_ln2_w_adamw_grad, k62_ln2_w_adamw_m, k62_ln2_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
 }
 
 // Launch h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
@@ -2508,29 +2488,23 @@ CG_KERNEL void __launch_bounds__(256) h18_w_up_adamw_w_down_adamw_lnf_w_adamw_an
     const float* __restrict__ k64_w_down_adamw_grad,
     float* __restrict__ k64_w_down_adamw_m,
     float* __restrict__ k64_w_down_adamw_v,
-    const float* __restrict__ k64_w_down_adamw_lr_arg,
-    const long long* __restrict__ k64_w_down_adamw_step_arg,
     float* __restrict__ k65_lnf_w_adamw_param,
     const float* __restrict__ k65_lnf_w_adamw_grad,
     float* __restrict__ k65_lnf_w_adamw_m,
     float* __restrict__ k65_lnf_w_adamw_v,
-    const float* __restrict__ k65_lnf_w_adamw_lr_arg,
-    const long long* __restrict__ k65_lnf_w_adamw_step_arg,
     float* __restrict__ k66_w_head_adamw_param,
     const float* __restrict__ k66_w_head_adamw_grad,
     float* __restrict__ k66_w_head_adamw_m,
-    float* __restrict__ k66_w_head_adamw_v,
-    const float* __restrict__ k66_w_head_adamw_lr_arg,
-    const long long* __restrict__ k66_w_head_adamw_step_arg) {
+    float* __restrict__ k66_w_head_adamw_v) {
   const unsigned int block = blockIdx.x;
   if (block < 8u)
     k63_w_up_adamw_tile(k63_w_up_adamw_param, k63_w_up_adamw_grad, k63_w_up_adamw_m, k63_w_up_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
   else if (block < 16u)
-    k64_w_down_adamw_tile(k64_w_down_adamw_param, k64_w_down_adamw_grad, k64_w_down_adamw_m, k64_w_down_adamw_v, k64_w_down_adamw_lr_arg, k64_w_down_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
+    k64_w_down_adamw_tile(k64_w_down_adamw_param, k64_w_down_adamw_grad, k64_w_down_adamw_m, k64_w_down_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
   else if (block < 17u)
-    k65_lnf_w_adamw_tile(k65_lnf_w_adamw_param, k65_lnf_w_adamw_grad, k65_lnf_w_adamw_m, k65_lnf_w_adamw_v, k65_lnf_w_adamw_lr_arg, k65_lnf_w_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+    k65_lnf_w_adamw_tile(k65_lnf_w_adamw_param, k65_lnf_w_adamw_grad, k65_lnf_w_adamw_m, k65_lnf_w_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
   else
-    k66_w_head_adamw_tile(k66_w_head_adamw_param, k66_w_head_adamw_grad, k66_w_head_adamw_m, k66_w_head_adamw_v, k66_w_head_adamw_lr_arg, k66_w_head_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k66_w_head_adamw_tile(k66_w_head_adamw_param, k66_w_head_adamw_grad, k66_w_head_adamw_m, k66_w_head_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2654,7 +2628,6 @@ static const cudagen_tensor_info h8_head_grad_a_head_grad_b_tensors[] = {
     {"k40_head_grad_a_b", "w_head.out", 35584ull, 2048ull},
     {"k40_head_grad_a_out", "head_grad_a.out", 114688ull, 2048ull},
     {"k41_head_grad_b_a", "head_grad_b_a_rows.out", 133120ull, 2048ull},
-    {"k41_head_grad_b_b", "head_grad_b_dout_rows.out", 116736ull, 1024ull},
     {"k41_head_grad_b_out", "head_grad_b.out", 153600ull, 2048ull},
 };
 static const cudagen_tensor_info k42_lnf_backward_tensors[] = {
@@ -2669,7 +2642,6 @@ static const cudagen_tensor_info h10_down_grad_b_down_grad_a_tensors[] = {
     {"k43_down_grad_b_a", "down_grad_b_a_rows.out", 126976ull, 4096ull},
     {"k43_down_grad_b_b", "down_grad_b_dout_rows.out", 155648ull, 2048ull},
     {"k43_down_grad_b_out", "down_grad_b.out", 114688ull, 8192ull},
-    {"k44_down_grad_a_down_grad_a_a", "lnf_backward.dx", 155648ull, 2048ull},
     {"k44_down_grad_a_down_grad_a_b", "w_down.out", 27136ull, 8192ull},
     {"k44_down_grad_a_up_grad_a_b", "w_up.out", 18944ull, 8192ull},
     {"k44_down_grad_a_up_grad_a_out", "up_grad_a.out", 157696ull, 2048ull},
@@ -2695,7 +2667,6 @@ static const cudagen_tensor_info h12_attn_out_grad_a_attn_out_grad_b_tensors[] =
     {"k47_attn_out_grad_a_b", "wo.out", 14592ull, 4096ull},
     {"k47_attn_out_grad_a_merged_grad_x_out", "merged_grad_x.out", 145408ull, 2048ull},
     {"k48_attn_out_grad_b_a", "attn_out_grad_b_a_rows.out", 143360ull, 2048ull},
-    {"k48_attn_out_grad_b_b", "attn_out_grad_b_dout_rows.out", 159744ull, 2048ull},
     {"k48_attn_out_grad_b_out", "attn_out_grad_b.out", 131072ull, 4096ull},
 };
 static const cudagen_tensor_info k49_context_grad_a_tensors[] = {
@@ -2712,18 +2683,13 @@ static const cudagen_tensor_info h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tenso
     {"k50_v_grad_b_a", "v_grad_b_a_rows.out", 149504ull, 2048ull},
     {"k50_v_grad_b_b", "v_grad_b_dout_rows.out", 151552ull, 2048ull},
     {"k50_v_grad_b_out", "v_grad_b.out", 135168ull, 4096ull},
-    {"k51_k_grad_b_a", "k_grad_b_a_rows.out", 149504ull, 2048ull},
     {"k51_k_grad_b_b", "k_grad_b_dout_rows.out", 155648ull, 2048ull},
     {"k51_k_grad_b_out", "k_grad_b.out", 139264ull, 4096ull},
-    {"k52_v_grad_a_v_grad_a_a", "v_heads_grad_x.out", 151552ull, 2048ull},
     {"k52_v_grad_a_v_grad_a_b", "wv.out", 10496ull, 4096ull},
-    {"k52_v_grad_a_k_grad_a_a", "k_heads_grad_x.out", 155648ull, 2048ull},
     {"k52_v_grad_a_k_grad_a_b", "wk.out", 6400ull, 4096ull},
     {"k52_v_grad_a_q_grad_a_a", "q_heads_grad_x.out", 157696ull, 2048ull},
     {"k52_v_grad_a_q_grad_a_b", "wq.out", 2304ull, 4096ull},
     {"k52_v_grad_a_grad_ln1_out_sum_2_out", "grad_ln1_out_sum_2.out", 161792ull, 2048ull},
-    {"k53_q_grad_b_a", "q_grad_b_a_rows.out", 149504ull, 2048ull},
-    {"k53_q_grad_b_b", "q_grad_b_dout_rows.out", 157696ull, 2048ull},
     {"k53_q_grad_b_out", "q_grad_b.out", 143360ull, 4096ull},
 };
 static const cudagen_tensor_info k54_ln1_backward_tensors[] = {
@@ -2751,38 +2717,26 @@ static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_mo
     {"k57_ln1_w_adamw_grad", "ln1_backward.dweight", 151552ull, 128ull},
     {"k57_ln1_w_adamw_m", "ln1_w_m_init.out", 41728ull, 128ull},
     {"k57_ln1_w_adamw_v", "ln1_w_v_init.out", 41984ull, 128ull},
-    {"k57_ln1_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k57_ln1_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k58_wq_adamw_param", "wq.out", 2304ull, 4096ull},
     {"k58_wq_adamw_grad", "q_grad_b.out", 143360ull, 4096ull},
     {"k58_wq_adamw_m", "wq_m_init.out", 42240ull, 4096ull},
     {"k58_wq_adamw_v", "wq_v_init.out", 46336ull, 4096ull},
-    {"k58_wq_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k58_wq_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k59_wk_adamw_param", "wk.out", 6400ull, 4096ull},
     {"k59_wk_adamw_grad", "k_grad_b.out", 139264ull, 4096ull},
     {"k59_wk_adamw_m", "wk_m_init.out", 50432ull, 4096ull},
     {"k59_wk_adamw_v", "wk_v_init.out", 54528ull, 4096ull},
-    {"k59_wk_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k59_wk_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k60_wv_adamw_param", "wv.out", 10496ull, 4096ull},
     {"k60_wv_adamw_grad", "v_grad_b.out", 135168ull, 4096ull},
     {"k60_wv_adamw_m", "wv_m_init.out", 58624ull, 4096ull},
     {"k60_wv_adamw_v", "wv_v_init.out", 62720ull, 4096ull},
-    {"k60_wv_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k60_wv_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k61_wo_adamw_param", "wo.out", 14592ull, 4096ull},
     {"k61_wo_adamw_grad", "attn_out_grad_b.out", 131072ull, 4096ull},
     {"k61_wo_adamw_m", "wo_m_init.out", 66816ull, 4096ull},
     {"k61_wo_adamw_v", "wo_v_init.out", 70912ull, 4096ull},
-    {"k61_wo_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k61_wo_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k62_ln2_w_adamw_param", "ln2_w.out", 18688ull, 128ull},
     {"k62_ln2_w_adamw_grad", "ln2_backward.dweight", 164096ull, 128ull},
     {"k62_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
     {"k62_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-    {"k62_ln2_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k62_ln2_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
 };
 static const cudagen_tensor_info h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
     {"k63_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
@@ -2795,20 +2749,14 @@ static const cudagen_tensor_info h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_m
     {"k64_w_down_adamw_grad", "down_grad_b.out", 114688ull, 8192ull},
     {"k64_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
     {"k64_w_down_adamw_v", "w_down_v_init.out", 100096ull, 8192ull},
-    {"k64_w_down_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k64_w_down_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k65_lnf_w_adamw_param", "lnf_w.out", 35328ull, 128ull},
     {"k65_lnf_w_adamw_grad", "lnf_backward.dweight", 163840ull, 128ull},
     {"k65_lnf_w_adamw_m", "lnf_w_m_init.out", 108288ull, 128ull},
     {"k65_lnf_w_adamw_v", "lnf_w_v_init.out", 108544ull, 128ull},
-    {"k65_lnf_w_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k65_lnf_w_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k66_w_head_adamw_param", "w_head.out", 35584ull, 2048ull},
     {"k66_w_head_adamw_grad", "head_grad_b.out", 153600ull, 2048ull},
     {"k66_w_head_adamw_m", "w_head_m_init.out", 108800ull, 2048ull},
     {"k66_w_head_adamw_v", "w_head_v_init.out", 110848ull, 2048ull},
-    {"k66_w_head_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k66_w_head_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
 };
 
 extern "C" int cudagen_init(unsigned char* arena, cudaStream_t stream) {
@@ -2837,21 +2785,21 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(k39_loss_backward, dim3(16, 1, 1), dim3(32), 128, k39_loss_backward_tensors,
                  (const float*)(arena + 113152), (const int*)(arena + 114176), (float*)(arena + 116736));
   CUDAGEN_LAUNCH(h8_head_grad_a_head_grad_b, dim3(2, 1, 1), dim3(256), 4288, h8_head_grad_a_head_grad_b_tensors,
-                 (const float*)(arena + 116736), (const float*)(arena + 35584), (float*)(arena + 114688), (const float*)(arena + 133120), (const float*)(arena + 116736), (float*)(arena + 153600));
+                 (const float*)(arena + 116736), (const float*)(arena + 35584), (float*)(arena + 114688), (const float*)(arena + 133120), (float*)(arena + 153600));
   CUDAGEN_LAUNCH(k42_lnf_backward, dim3(17, 1, 1), dim3(128), 512, k42_lnf_backward_tensors,
                  (const float*)(arena + 131072), (const float*)(arena + 35328), (const float*)(arena + 164096), (const float*)(arena + 114688), (float*)(arena + 155648), (float*)(arena + 163840));
   CUDAGEN_LAUNCH(h10_down_grad_b_down_grad_a, dim3(3, 1, 1), dim3(256), 12480, h10_down_grad_b_down_grad_a_tensors,
-                 (const float*)(arena + 126976), (const float*)(arena + 155648), (float*)(arena + 114688), (const float*)(arena + 155648), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 157696), (const float*)(arena + 122880), (float*)(arena + 131072));
+                 (const float*)(arena + 126976), (const float*)(arena + 155648), (float*)(arena + 114688), (const float*)(arena + 27136), (const float*)(arena + 18944), (float*)(arena + 157696), (const float*)(arena + 122880), (float*)(arena + 131072));
   CUDAGEN_LAUNCH(k45_up_grad_b, dim3(2, 1, 1), dim3(256), 4288, k45_up_grad_b_tensors,
                  (const float*)(arena + 151552), (const float*)(arena + 131072), (float*)(arena + 122880));
   CUDAGEN_LAUNCH(k46_ln2_backward, dim3(17, 1, 1), dim3(128), 512, k46_ln2_backward_tensors,
                  (const float*)(arena + 145408), (const float*)(arena + 18688), (const float*)(arena + 161792), (const float*)(arena + 157696), (float*)(arena + 164096), (const float*)(arena + 155648), (float*)(arena + 159744));
   CUDAGEN_LAUNCH(h12_attn_out_grad_a_attn_out_grad_b, dim3(2, 1, 1), dim3(256), 4288, h12_attn_out_grad_a_attn_out_grad_b_tensors,
-                 (const float*)(arena + 159744), (const float*)(arena + 14592), (float*)(arena + 145408), (const float*)(arena + 143360), (const float*)(arena + 159744), (float*)(arena + 131072));
+                 (const float*)(arena + 159744), (const float*)(arena + 14592), (float*)(arena + 145408), (const float*)(arena + 143360), (float*)(arena + 131072));
   CUDAGEN_LAUNCH(k49_context_grad_a, dim3(8, 1, 1), dim3(256), 1536, k49_context_grad_a_tensors,
                  (const float*)(arena + 145408), (const float*)(arena + 139264), (const float*)(arena + 141312), (const float*)(arena + 137216), (float*)(arena + 157696), (const float*)(arena + 135168), (float*)(arena + 155648), (float*)(arena + 151552));
   CUDAGEN_LAUNCH(h14_v_grad_b_k_grad_b_v_grad_a_and_1_more, dim3(4, 1, 1), dim3(256), 4288, h14_v_grad_b_k_grad_b_v_grad_a_and_1_more_tensors,
-                 (const float*)(arena + 149504), (const float*)(arena + 151552), (float*)(arena + 135168), (const float*)(arena + 149504), (const float*)(arena + 155648), (float*)(arena + 139264), (const float*)(arena + 151552), (const float*)(arena + 10496), (const float*)(arena + 155648), (const float*)(arena + 6400), (const float*)(arena + 157696), (const float*)(arena + 2304), (float*)(arena + 161792), (const float*)(arena + 149504), (const float*)(arena + 157696), (float*)(arena + 143360));
+                 (const float*)(arena + 149504), (const float*)(arena + 151552), (float*)(arena + 135168), (const float*)(arena + 155648), (float*)(arena + 139264), (const float*)(arena + 10496), (const float*)(arena + 6400), (const float*)(arena + 157696), (const float*)(arena + 2304), (float*)(arena + 161792), (float*)(arena + 143360));
   CUDAGEN_LAUNCH(k54_ln1_backward, dim3(17, 1, 1), dim3(128), 512, k54_ln1_backward_tensors,
                  (const float*)(arena + 147456), (const float*)(arena + 2048), (const float*)(arena + 164352), (const float*)(arena + 161792), (float*)(arena + 151552), (const float*)(arena + 159744), (float*)(arena + 149504));
   CUDAGEN_LAUNCH(k55_embed_backward, dim3(16, 1, 1), dim3(32), 0, k55_embed_backward_tensors,
@@ -2861,9 +2809,9 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
   CUDAGEN_LAUNCH(h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 147456), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 151552), (float*)(arena + 41728), (float*)(arena + 41984), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2304), (const float*)(arena + 143360), (float*)(arena + 42240), (float*)(arena + 46336), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 6400), (const float*)(arena + 139264), (float*)(arena + 50432), (float*)(arena + 54528), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 10496), (const float*)(arena + 135168), (float*)(arena + 58624), (float*)(arena + 62720), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 14592), (const float*)(arena + 131072), (float*)(arena + 66816), (float*)(arena + 70912), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 18688), (const float*)(arena + 164096), (float*)(arena + 75008), (float*)(arena + 75264), (const float*)(arena + 164608), (const long long*)(arena + 164616));
+                 (float*)(arena + 0), (const float*)(arena + 147456), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 151552), (float*)(arena + 41728), (float*)(arena + 41984), (float*)(arena + 2304), (const float*)(arena + 143360), (float*)(arena + 42240), (float*)(arena + 46336), (float*)(arena + 6400), (const float*)(arena + 139264), (float*)(arena + 50432), (float*)(arena + 54528), (float*)(arena + 10496), (const float*)(arena + 135168), (float*)(arena + 58624), (float*)(arena + 62720), (float*)(arena + 14592), (const float*)(arena + 131072), (float*)(arena + 66816), (float*)(arena + 70912), (float*)(arena + 18688), (const float*)(arena + 164096), (float*)(arena + 75008), (float*)(arena + 75264));
   CUDAGEN_LAUNCH(h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
-                 (float*)(arena + 18944), (const float*)(arena + 122880), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 114688), (float*)(arena + 91904), (float*)(arena + 100096), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35328), (const float*)(arena + 163840), (float*)(arena + 108288), (float*)(arena + 108544), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 35584), (const float*)(arena + 153600), (float*)(arena + 108800), (float*)(arena + 110848), (const float*)(arena + 164608), (const long long*)(arena + 164616));
+                 (float*)(arena + 18944), (const float*)(arena + 122880), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 114688), (float*)(arena + 91904), (float*)(arena + 100096), (float*)(arena + 35328), (const float*)(arena + 163840), (float*)(arena + 108288), (float*)(arena + 108544), (float*)(arena + 35584), (const float*)(arena + 153600), (float*)(arena + 108800), (float*)(arena + 110848));
   return 0;
 }
 #endif  // __CUDACC_RTC__
