@@ -553,8 +553,9 @@ class Deriver {
                        "out"};
       const SlotRef rows{add_task(names[i] + "_rows", "reshape", Phase::update, {{"x", grad}}, {{"out", DType::f32, view}}),
                          "out"};
-      const SlotRef squares{add_task(names[i] + "_squares", "mul", Phase::update, {{"a", rows}, {"b", rows}},
-                                     {{"out", DType::f32, view}}),
+      // pow's x * x: one load of each element, where mul(rows, rows) would load it twice.
+      const SlotRef squares{add_task(names[i] + "_squares", "pow", Phase::update, {{"x", rows}},
+                                     {{"out", DType::f32, view}}, {{"exponent", ArgValue(2.0)}}),
                             "out"};
       row_sums.push_back(SlotRef{
           add_task(names[i] + "_row_sums", "sum", Phase::update, {{"x", squares}}, {{"out", DType::f32, {view[0]}}}),

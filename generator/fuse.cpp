@@ -425,7 +425,9 @@ class Fuser {
   // internal values, which no other kernel sees).
   struct Access {
     std::vector<int> reads, writes;
-    int runtime_args = 0;
+    // Its run-time arguments, each as the (task, argument) that holds it: an
+    // argument that follows another's (`from`) is that one's scalar.
+    std::set<std::pair<int, std::string>> scalars;
   };
   Access access_of(const KernelGroup& k) const {
     Access a;
@@ -436,7 +438,9 @@ class Fuser {
         if (b.sig->written()) a.writes.push_back(storage);
         if (!b.sig->written() || b.sig->writes) a.reads.push_back(storage);
       }
-      for (const auto& arg : p_.tasks[size_t(t)].args) a.runtime_args += arg.runtime;
+      for (const auto& arg : p_.tasks[size_t(t)].args)
+        if (arg.runtime) a.scalars.insert(arg.source_task >= 0 ? std::make_pair(arg.source_task, arg.source_arg)
+                                                                : std::make_pair(t, arg.name));
     }
     return a;
   }
@@ -464,12 +468,16 @@ class Fuser {
     size_t first = 0;    // the first kernel of the current launch
     int parameters = 0;  // the current launch's, about as the emitter passes them
     std::set<int> passed;  // the buffers the current launch takes: one parameter each, however many read them
+    std::set<std::pair<int, std::string>> passed_scalars;  // and its run-time arguments, likewise
     for (size_t k = 0; k < out_.kernels.size(); ++k) {
       KernelGroup& kernel = out_.kernels[k];
       const Access& a = access[k];
-      int own = a.runtime_args, alone = a.runtime_args + int(a.reads.size() + a.writes.size());
-      for (const auto* buffers : {&a.reads, &a.writes})
-        for (int b : *buffers) own += passed.count(b) ? 0 : 1;
+      std::set<int> touched(a.reads.begin(), a.reads.end());  // a slot updated in place is one parameter
+      touched.insert(a.writes.begin(), a.writes.end());
+      const int alone = int(a.scalars.size() + touched.size());
+      int own = 0;
+      for (int b : touched) own += passed.count(b) ? 0 : 1;
+      for (const auto& s : a.scalars) own += passed_scalars.count(s) ? 0 : 1;
       if (k > 0 && out_.kernels[k - 1].phase == kernel.phase && options_.enabled) {
         std::string reason;
         size_t against = k - 1;
@@ -497,8 +505,8 @@ class Fuser {
         if (reason.empty()) {
           kernel.launch = launch;
           parameters += own;
-          passed.insert(a.reads.begin(), a.reads.end());
-          passed.insert(a.writes.begin(), a.writes.end());
+          passed.insert(touched.begin(), touched.end());
+          passed_scalars.insert(a.scalars.begin(), a.scalars.end());
           continue;
         }
         out_.launch_notes.push_back(FusionNote{kernel.tasks.front(), out_.kernels[against].tasks.front(), reason});
@@ -506,8 +514,8 @@ class Fuser {
       kernel.launch = ++launch;
       first = k;
       parameters = alone;
-      passed = std::set<int>(a.reads.begin(), a.reads.end());
-      passed.insert(a.writes.begin(), a.writes.end());
+      passed = std::move(touched);
+      passed_scalars = a.scalars;
     }
   }
   // Whether kernel `k` is a channels-last BatchNorm (or its gradient) whose

@@ -2410,8 +2410,8 @@ CG_KERNEL void __launch_bounds__(256) h14_v_grad_b_k_grad_b_v_grad_a_and_1_more(
     k53_q_grad_b_tile(k50_v_grad_b_a, k52_v_grad_a_q_grad_a_a, k53_q_grad_b_out, cg_tile_of(block - 3u, 1, 1));
 }
 
-// Launch h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more (update phase):
-// 7 kernels that are independent of each other (rule horizontal) as one grid of 20 blocks
+// Launch h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_8_more (update phase):
+// 11 kernels that are independent of each other (rule horizontal) as one grid of 39 blocks
 // of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
 // with the tile it has when launched alone:
 //   blocks [0, 2): k56_embed_w_adamw
@@ -2421,7 +2421,11 @@ CG_KERNEL void __launch_bounds__(256) h14_v_grad_b_k_grad_b_v_grad_a_and_1_more(
 //   blocks [11, 15): k60_wv_adamw
 //   blocks [15, 19): k61_wo_adamw
 //   blocks [19, 20): k62_ln2_w_adamw
-CG_KERNEL void __launch_bounds__(256) h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more(
+//   blocks [20, 28): k63_w_up_adamw
+//   blocks [28, 36): k64_w_down_adamw
+//   blocks [36, 37): k65_lnf_w_adamw
+//   blocks [37, 39): k66_w_head_adamw
+CG_KERNEL void __launch_bounds__(256) h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_8_more(
     float* __restrict__ k56_embed_w_adamw_param,
     const float* __restrict__ k56_embed_w_adamw_grad,
     float* __restrict__ k56_embed_w_adamw_m,
@@ -2451,39 +2455,11 @@ CG_KERNEL void __launch_bounds__(256) h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and
     float* __restrict__ k62_ln2_w_adamw_param,
     const float* __restrict__ k62_ln2_w_adamw_grad,
     float* __restrict__ k62_ln2_w_adamw_m,
-    float* __restrict__ k62_ln2_w_adamw_v) {
-  const unsigned int block = blockIdx.x;
-  if (block < 2u)
-    k56_embed_w_adamw_tile(k56_embed_w_adamw_param, k56_embed_w_adamw_grad, k56_embed_w_adamw_m, k56_embed_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
-  else if (block < 3u)
-    k57_ln1_w_adamw_tile(k57_ln1_w_adamw_param, k57_ln1_w_adamw_grad, k57_ln1_w_adamw_m, k57_ln1_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
-  else if (block < 7u)
-    k58_wq_adamw_tile(k58_wq_adamw_param, k58_wq_adamw_grad, k58_wq_adamw_m, k58_wq_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
-  else if (block < 11u)
-    k59_wk_adamw_tile(k59_wk_adamw_param, k59_wk_adamw_grad, k59_wk_adamw_m, k59_wk_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
-  else if (block < 15u)
-    k60_wv_adamw_tile(k60_wv_adamw_param, k60_wv_adamw_grad, k60_wv_adamw_m, k60_wv_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
-  else if (block < 19u)
-    k61_wo_adamw_tile(k61_wo_adamw_param, k61_wo_adamw_grad, k61_wo_adamw_m, k61_wo_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
-  else
-    k62_ln2_w_adamw_tile(k62_ln2_w_adamw_param, k62_ln2_w_adamw_grad, k62_ln2_w_adamw_m, k62_ln2_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
-}
-
-// Launch h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more (update phase):
-// 4 kernels that are independent of each other (rule horizontal) as one grid of 19 blocks
-// of 256 threads, 0 bytes of shared memory; each runs its tile function on its own blocks,
-// with the tile it has when launched alone:
-//   blocks [0, 8): k63_w_up_adamw
-//   blocks [8, 16): k64_w_down_adamw
-//   blocks [16, 17): k65_lnf_w_adamw
-//   blocks [17, 19): k66_w_head_adamw
-CG_KERNEL void __launch_bounds__(256) h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more(
+    float* __restrict__ k62_ln2_w_adamw_v,
     float* __restrict__ k63_w_up_adamw_param,
     const float* __restrict__ k63_w_up_adamw_grad,
     float* __restrict__ k63_w_up_adamw_m,
     float* __restrict__ k63_w_up_adamw_v,
-    const float* __restrict__ k63_w_up_adamw_lr_arg,
-    const long long* __restrict__ k63_w_up_adamw_step_arg,
     float* __restrict__ k64_w_down_adamw_param,
     const float* __restrict__ k64_w_down_adamw_grad,
     float* __restrict__ k64_w_down_adamw_m,
@@ -2497,14 +2473,28 @@ CG_KERNEL void __launch_bounds__(256) h18_w_up_adamw_w_down_adamw_lnf_w_adamw_an
     float* __restrict__ k66_w_head_adamw_m,
     float* __restrict__ k66_w_head_adamw_v) {
   const unsigned int block = blockIdx.x;
-  if (block < 8u)
-    k63_w_up_adamw_tile(k63_w_up_adamw_param, k63_w_up_adamw_grad, k63_w_up_adamw_m, k63_w_up_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block, 8, 1));
-  else if (block < 16u)
-    k64_w_down_adamw_tile(k64_w_down_adamw_param, k64_w_down_adamw_grad, k64_w_down_adamw_m, k64_w_down_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 8u, 8, 1));
-  else if (block < 17u)
-    k65_lnf_w_adamw_tile(k65_lnf_w_adamw_param, k65_lnf_w_adamw_grad, k65_lnf_w_adamw_m, k65_lnf_w_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 16u, 1, 1));
+  if (block < 2u)
+    k56_embed_w_adamw_tile(k56_embed_w_adamw_param, k56_embed_w_adamw_grad, k56_embed_w_adamw_m, k56_embed_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block, 2, 1));
+  else if (block < 3u)
+    k57_ln1_w_adamw_tile(k57_ln1_w_adamw_param, k57_ln1_w_adamw_grad, k57_ln1_w_adamw_m, k57_ln1_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 2u, 1, 1));
+  else if (block < 7u)
+    k58_wq_adamw_tile(k58_wq_adamw_param, k58_wq_adamw_grad, k58_wq_adamw_m, k58_wq_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 3u, 4, 1));
+  else if (block < 11u)
+    k59_wk_adamw_tile(k59_wk_adamw_param, k59_wk_adamw_grad, k59_wk_adamw_m, k59_wk_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 7u, 4, 1));
+  else if (block < 15u)
+    k60_wv_adamw_tile(k60_wv_adamw_param, k60_wv_adamw_grad, k60_wv_adamw_m, k60_wv_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 11u, 4, 1));
+  else if (block < 19u)
+    k61_wo_adamw_tile(k61_wo_adamw_param, k61_wo_adamw_grad, k61_wo_adamw_m, k61_wo_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 15u, 4, 1));
+  else if (block < 20u)
+    k62_ln2_w_adamw_tile(k62_ln2_w_adamw_param, k62_ln2_w_adamw_grad, k62_ln2_w_adamw_m, k62_ln2_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 19u, 1, 1));
+  else if (block < 28u)
+    k63_w_up_adamw_tile(k63_w_up_adamw_param, k63_w_up_adamw_grad, k63_w_up_adamw_m, k63_w_up_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 20u, 8, 1));
+  else if (block < 36u)
+    k64_w_down_adamw_tile(k64_w_down_adamw_param, k64_w_down_adamw_grad, k64_w_down_adamw_m, k64_w_down_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 28u, 8, 1));
+  else if (block < 37u)
+    k65_lnf_w_adamw_tile(k65_lnf_w_adamw_param, k65_lnf_w_adamw_grad, k65_lnf_w_adamw_m, k65_lnf_w_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 36u, 1, 1));
   else
-    k66_w_head_adamw_tile(k66_w_head_adamw_param, k66_w_head_adamw_grad, k66_w_head_adamw_m, k66_w_head_adamw_v, k63_w_up_adamw_lr_arg, k63_w_up_adamw_step_arg, cg_tile_of(block - 17u, 2, 1));
+    k66_w_head_adamw_tile(k66_w_head_adamw_param, k66_w_head_adamw_grad, k66_w_head_adamw_m, k66_w_head_adamw_v, k56_embed_w_adamw_lr_arg, k56_embed_w_adamw_step_arg, cg_tile_of(block - 37u, 2, 1));
 }
 
 #ifndef __CUDACC_RTC__
@@ -2706,7 +2696,7 @@ static const cudagen_tensor_info k55_embed_backward_tensors[] = {
     {"dout", "grad_embed_out_sum.out", 149504ull, 2048ull},
     {"dtable", "embed_backward.dtable", 147456ull, 2048ull},
 };
-static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors[] = {
+static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_8_more_tensors[] = {
     {"k56_embed_w_adamw_param", "embed_w.out", 0ull, 2048ull},
     {"k56_embed_w_adamw_grad", "embed_backward.dtable", 147456ull, 2048ull},
     {"k56_embed_w_adamw_m", "embed_w_m_init.out", 37632ull, 2048ull},
@@ -2737,14 +2727,10 @@ static const cudagen_tensor_info h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_mo
     {"k62_ln2_w_adamw_grad", "ln2_backward.dweight", 164096ull, 128ull},
     {"k62_ln2_w_adamw_m", "ln2_w_m_init.out", 75008ull, 128ull},
     {"k62_ln2_w_adamw_v", "ln2_w_v_init.out", 75264ull, 128ull},
-};
-static const cudagen_tensor_info h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors[] = {
     {"k63_w_up_adamw_param", "w_up.out", 18944ull, 8192ull},
     {"k63_w_up_adamw_grad", "up_grad_b.out", 122880ull, 8192ull},
     {"k63_w_up_adamw_m", "w_up_m_init.out", 75520ull, 8192ull},
     {"k63_w_up_adamw_v", "w_up_v_init.out", 83712ull, 8192ull},
-    {"k63_w_up_adamw_lr", "embed_w_adamw.lr", 164608ull, 8ull},  // run-time argument
-    {"k63_w_up_adamw_step", "embed_w_adamw.step", 164616ull, 8ull},  // run-time argument
     {"k64_w_down_adamw_param", "w_down.out", 27136ull, 8192ull},
     {"k64_w_down_adamw_grad", "down_grad_b.out", 114688ull, 8192ull},
     {"k64_w_down_adamw_m", "w_down_m_init.out", 91904ull, 8192ull},
@@ -2808,10 +2794,8 @@ extern "C" int cudagen_backward(unsigned char* arena, cudaStream_t stream) {
 }
 
 extern "C" int cudagen_update(unsigned char* arena, cudaStream_t stream) {
-  CUDAGEN_LAUNCH(h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more, dim3(20, 1, 1), dim3(256), 0, h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_4_more_tensors,
-                 (float*)(arena + 0), (const float*)(arena + 147456), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 151552), (float*)(arena + 41728), (float*)(arena + 41984), (float*)(arena + 2304), (const float*)(arena + 143360), (float*)(arena + 42240), (float*)(arena + 46336), (float*)(arena + 6400), (const float*)(arena + 139264), (float*)(arena + 50432), (float*)(arena + 54528), (float*)(arena + 10496), (const float*)(arena + 135168), (float*)(arena + 58624), (float*)(arena + 62720), (float*)(arena + 14592), (const float*)(arena + 131072), (float*)(arena + 66816), (float*)(arena + 70912), (float*)(arena + 18688), (const float*)(arena + 164096), (float*)(arena + 75008), (float*)(arena + 75264));
-  CUDAGEN_LAUNCH(h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more, dim3(19, 1, 1), dim3(256), 0, h18_w_up_adamw_w_down_adamw_lnf_w_adamw_and_1_more_tensors,
-                 (float*)(arena + 18944), (const float*)(arena + 122880), (float*)(arena + 75520), (float*)(arena + 83712), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 27136), (const float*)(arena + 114688), (float*)(arena + 91904), (float*)(arena + 100096), (float*)(arena + 35328), (const float*)(arena + 163840), (float*)(arena + 108288), (float*)(arena + 108544), (float*)(arena + 35584), (const float*)(arena + 153600), (float*)(arena + 108800), (float*)(arena + 110848));
+  CUDAGEN_LAUNCH(h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_8_more, dim3(39, 1, 1), dim3(256), 0, h17_embed_w_adamw_ln1_w_adamw_wq_adamw_and_8_more_tensors,
+                 (float*)(arena + 0), (const float*)(arena + 147456), (float*)(arena + 37632), (float*)(arena + 39680), (const float*)(arena + 164608), (const long long*)(arena + 164616), (float*)(arena + 2048), (const float*)(arena + 151552), (float*)(arena + 41728), (float*)(arena + 41984), (float*)(arena + 2304), (const float*)(arena + 143360), (float*)(arena + 42240), (float*)(arena + 46336), (float*)(arena + 6400), (const float*)(arena + 139264), (float*)(arena + 50432), (float*)(arena + 54528), (float*)(arena + 10496), (const float*)(arena + 135168), (float*)(arena + 58624), (float*)(arena + 62720), (float*)(arena + 14592), (const float*)(arena + 131072), (float*)(arena + 66816), (float*)(arena + 70912), (float*)(arena + 18688), (const float*)(arena + 164096), (float*)(arena + 75008), (float*)(arena + 75264), (float*)(arena + 18944), (const float*)(arena + 122880), (float*)(arena + 75520), (float*)(arena + 83712), (float*)(arena + 27136), (const float*)(arena + 114688), (float*)(arena + 91904), (float*)(arena + 100096), (float*)(arena + 35328), (const float*)(arena + 163840), (float*)(arena + 108288), (float*)(arena + 108544), (float*)(arena + 35584), (const float*)(arena + 153600), (float*)(arena + 108800), (float*)(arena + 110848));
   return 0;
 }
 #endif  // __CUDACC_RTC__

@@ -17,7 +17,7 @@ extern const unsigned long long cudagen_arena_bytes;  // 164864 on this plan
 int cudagen_init(unsigned char* arena, CUstream_st* stream);  // init phase: 1 launch
 int cudagen_forward(unsigned char* arena, CUstream_st* stream);  // forward phase: 6 launches
 int cudagen_backward(unsigned char* arena, CUstream_st* stream);  // backward phase: 11 launches
-int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 2 launches
+int cudagen_update(unsigned char* arena, CUstream_st* stream);  // update phase: 1 launch
 }
 
 #ifndef CUDAGEN_HOST_TABLES_DEFINED
