@@ -456,8 +456,6 @@ class Evaluator {
     else out(buf(bt, "dlogits"), std::move(grad), std::move(grad_abs));
   }
 
-  // torch.optim.SGD: g = grad + weight_decay * param; buf = momentum * buf + g;
-  // param -= lr * (momentum ? buf : g). Updated in place.
   // An optimizer's gradient scale (clipping's factor) and its error scale: 1
   // where the task leaves it out.
   std::pair<double, double> grad_scale(const BoundTask& bt) {
@@ -466,6 +464,8 @@ class Evaluator {
     return {val(s->buffer)[0], r_.abs[size_t(s->buffer)][0]};
   }
 
+  // torch.optim.SGD: g = grad * grad_scale + weight_decay * param;
+  // buf = momentum * buf + g; param -= lr * (momentum ? buf : g). Updated in place.
   void sgd(const BoundTask& bt) {
     int p = buf(bt, "param"), g = buf(bt, "grad");
     const BoundTensor* buf_slot = bt.find_tensor("momentum_buf");
