@@ -85,12 +85,9 @@ class Deriver {
 
   int loss_buffer() {
     const int t = task_index(spec_.loss.task);
-    if (t < 0) {
-      Diagnostics d;
-      d.add(Diagnostic{{}, {}, "/training/loss", {}, {}, fmt::format("the loss '{}' names no task", spec_.loss.str()),
-                       "name a forward task's scalar output, as \"loss.loss\""});
-      throw CompileError(std::move(d));
-    }
+    if (t < 0)
+      training_error("/training/loss", fmt::format("the loss '{}' names no task", spec_.loss.str()),
+                     "name a forward task's scalar output, as \"loss.loss\"");
     const BoundTensor* slot = p_.tasks[size_t(t)].find_tensor(spec_.loss.slot);
     if (slot == nullptr || !slot->sig->written())
       fail(t, spec_.loss.slot, fmt::format("the loss '{}' is not an output of task '{}'", spec_.loss.str(), spec_.loss.task));
@@ -526,11 +523,18 @@ class Deriver {
   }
 
   // The optimizer's task for one weight, with its state zero-filled at init.
+  // A weight's part in the ids of the tasks derived for it: its task's id,
+  // with the slot where that is not "out" (w1, attn_wq).
+  static std::string id_of(const SlotRef& weight) {
+    return weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot;
+  }
+
   // Clipping by global norm, as torch.nn.utils.clip_grad_norm_ does: the sum
   // of every gradient's squares, and from it the factor min(1, max_norm /
-  // (norm + 1e-6)) that each optimizer multiplies its gradient by. A gradient's squares are summed by two row reductions over a
-  // [rows, columns] view of it, a block a row, so a large weight's sum spreads
-  // over the GPU and a fixed order keeps it deterministic. The tasks come
+  // (norm + 1e-6)) that each optimizer multiplies its gradient by. A
+  // gradient's squares are summed by two row reductions over a [rows,
+  // columns] view of it, a block a row, so a large weight's sum spreads over
+  // the GPU and a fixed order keeps it deterministic. The tasks come
   // level by level (every first reduction, every second, the total), so
   // fusion runs each level in one launch and folds the squares into the
   // first reduction's loads (docs/architecture.md §1 derive).
@@ -544,7 +548,7 @@ class Deriver {
     for (size_t i = 0; i < weights_.size(); ++i) {
       const BufferInfo& w = p_.buffers[size_t(weights_[i])];
       const SlotRef& weight = out_.gradients[i].first;
-      names.push_back("clip_" + (weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot));
+      names.push_back("clip_" + id_of(weight));
       const int64_t n = numel(w.shape), columns = norm_row_length(n);
       const Shape view = {n / columns, columns};
       SlotRef grad = out_.gradients[i].second;
@@ -589,14 +593,10 @@ class Deriver {
       return -1;
     }();
     const BufferInfo& b = p_.buffers[size_t(w)];
-    const std::string name = weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot;
+    const std::string name = id_of(weight);
     const OpSignature* op = p_.registry.find(spec_.optimizer);
-    if (op == nullptr || (spec_.optimizer != "sgd" && spec_.optimizer != "adam" && spec_.optimizer != "adamw")) {
-      Diagnostics d;
-      d.add(Diagnostic{{}, {}, "/training/optimizer", {}, {}, fmt::format("unknown optimizer '{}'", spec_.optimizer),
-                       "use sgd, adam or adamw"});
-      throw CompileError(std::move(d));
-    }
+    if (op == nullptr || (spec_.optimizer != "sgd" && spec_.optimizer != "adam" && spec_.optimizer != "adamw"))
+      training_error("/training/optimizer", fmt::format("unknown optimizer '{}'", spec_.optimizer), "use sgd, adam or adamw");
     auto state = [&](const std::string& slot_name, DType dtype) {
       return SlotRef{add_task(name + "_" + slot_name + "_init", "fill", Phase::init, {},
                               {{"out", dtype, b.shape, Storage::persistent}}, {{"value", ArgValue(0.0)}}),

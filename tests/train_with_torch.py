@@ -8,7 +8,7 @@ Adam's division by sqrt(v) + eps makes of an f32 gradient's rounding (see
 adam_slack); zero for SGD.
 
     tests/train_with_torch.py CUDAGEN GRAPH [--steps 3] [--rtol 1e-4] [--seed N]
-                              [--clip-grad-norm MAX] [--optimizer sgd|adam|adamw]
+                              [--clip-grad-norm MAX]
 
 The backward tasks cudagen derives are checked here against PyTorch's own
 autograd, and its optimizer tasks (their state and step count included)
@@ -73,15 +73,11 @@ def main():
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     parser.add_argument("--clip-grad-norm", type=float, help="train with this \"clip_grad_norm\"")
-    parser.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="train with this optimizer instead")
     opts = parser.parse_args()
     graph = json.load(open(opts.graph))
     training = graph.get("training")
     if not training or not training.get("optimizer"):
         raise SystemExit(f"{opts.graph} has no \"training\" section with an optimizer")
-    if opts.optimizer and opts.optimizer != training["optimizer"]:
-        training["optimizer"] = opts.optimizer
-        training["args"] = {"lr": training.get("args", {}).get("lr", 0.01)}
     if opts.clip_grad_norm is not None:
         training["clip_grad_norm"] = opts.clip_grad_norm
     registry = json.loads(subprocess.run([opts.cudagen, "ops", "--json"], check=True, capture_output=True, text=True).stdout)
@@ -96,9 +92,9 @@ def main():
     runs = [None]
     with tempfile.TemporaryDirectory() as work:
         graph_path = opts.graph
-        if opts.clip_grad_norm is not None or opts.optimizer:  # the graph as changed
+        if opts.clip_grad_norm is not None:  # the graph as changed
             if '"data"' in json.dumps(graph):
-                raise SystemExit("--clip-grad-norm and --optimizer take a graph without \"data\" files")
+                raise SystemExit("--clip-grad-norm takes a graph without \"data\" files")
             graph_path = os.path.join(work, "graph.json")
             with open(graph_path, "w") as f:
                 json.dump(graph, f)
