@@ -92,8 +92,13 @@ def main():
     add_model_arguments(ap)
     ap.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"])
     ap.add_argument("--train", action="store_true", help="a training step: mse against a target, AdamW")
+    ap.add_argument("--clip-grad-norm", type=float, help="with --train: clip the gradients to this global norm")
+    ap.add_argument("--accumulate-gradients", action="store_true",
+                    help="with --train: sum the gradients over micro-batches (cudagen run --micro-batches K)")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args()
+    if (a.clip_grad_norm is not None or a.accumulate_gradients) and not a.train:
+        ap.error("--clip-grad-norm and --accumulate-gradients shape a training step: give --train too")
     if a.dim % a.heads:
         ap.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
     # Training in 16 bits keeps f32 master weights: the graph is f32 and the policy converts.
@@ -113,6 +118,10 @@ def main():
         graph["training"] = {"loss": "loss.loss", "optimizer": "adamw", "args": {"lr": 0.001}}
         if precision:
             graph["training"]["precision"] = precision
+        if a.clip_grad_norm is not None:
+            graph["training"]["clip_grad_norm"] = a.clip_grad_norm
+        if a.accumulate_gradients:
+            graph["training"]["accumulate_gradients"] = True
     else:
         tasks[-1]["tensors"]["out"]["storage"] = "external"  # the last residual is the output
     folder = os.path.dirname(os.path.abspath(a.output))

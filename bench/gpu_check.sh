@@ -127,6 +127,14 @@ check "train_decoder1 (heads of 64) --steps 3" "$cudagen" run --gpu --steps 3 "$
 # The same block under the bf16 precision policy (#41): f32 master weights, products in bf16.
 python3 bench/decoder_graph.py --train --dtype bf16 --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1_bf16.json"
 check "train_decoder1, precision bf16, --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1_bf16.json"
+# ...and in f16 with dynamic loss scaling (#41).
+python3 bench/decoder_graph.py --train --dtype f16 --dim 256 --heads 4 --mlp 1024 --tokens 64 -o "$log/train_decoder1_f16.json"
+check "train_decoder1, precision f16 (loss scaled), --steps 3" "$cudagen" run --gpu --steps 3 "$log/train_decoder1_f16.json"
+# ...and with gradient accumulation and clipping (#41): 3 steps of 2 micro-batches.
+python3 bench/decoder_graph.py --train --accumulate-gradients --clip-grad-norm 1.0 --dim 256 --heads 4 --mlp 1024 \
+  --tokens 64 -o "$log/train_decoder1_accumulated.json"
+check "train_decoder1, accumulated and clipped, --steps 3 --micro-batches 2" \
+  "$cudagen" run --gpu --steps 3 --micro-batches 2 "$log/train_decoder1_accumulated.json"
 # The same graph and options as the train_mlp row above: the disk cache must answer.
 cache_hit() { "$@" && grep -q 'cache hit' "$log/out" 2>/dev/null || { echo "no cache hit on the second run"; false; }; }
 check "train_mlp again (must be a cache hit)" cache_hit "$cudagen" run --gpu --steps 2 --step-function examples/train_mlp.json
@@ -140,7 +148,7 @@ gpu_tests='*EmulatedOps.*:*EmulatedHalfOps.*:*FusedChains.*:Fusion.*:TrainingRun
 gpu_tests+=':RunTimeArgs.Reduction*:Derive.ADerived*:Emulation.TensorCore*:Emulation.Unfused*:Emulation.ReshapeIsAView*'
 gpu_tests+=':Emulation.InPlace*:Emulation.MlpTraining*:Emulation.TransformerBlock*'
 gpu_tests+=':Emulation.PipelinedMatmul*:Emulation.HopperMatmul*:Emulation.GridsOver*:FlashAttention.*:*ChannelsLast*'
-gpu_tests+=':Autocast.*:Derive.Clipping*'
+gpu_tests+=':Autocast.*:Derive.Clipping*:Derive.Accumulated*:Derive.LossScaling*'
 check "numerical tests on the GPU (CUDAGEN_TEST_BACKEND=gpu)" \
   sharded 8 env CUDAGEN_TEST_BACKEND=gpu CUDAGEN_SOURCE_DIR="$PWD" "$kit/bin/cudagen_emulation_tests" --gtest_filter="$gpu_tests" --gtest_brief=1
 

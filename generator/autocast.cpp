@@ -56,11 +56,6 @@ class Autocast {
 
  private:
   void check_policy() {
-    if (low_ == DType::f16)
-      fail("/training/precision", {}, {},
-           "\"precision\": \"f16\" needs loss scaling (f16's range loses small gradients), which cudagen does not "
-           "have yet",
-           "use \"bf16\": it has f32's exponent range, so its gradients need no scaling");
     for (const auto& bt : p_.tasks)
       if (bt.task->phase == Phase::backward || bt.task->phase == Phase::update)
         fail(fmt::format("/tasks/{}", &bt - p_.tasks.data()), bt.task->id, {},

@@ -30,9 +30,9 @@ namespace cudagen {
 // The forward graph with the policy applied (casts inserted, outputs
 // retyped); `training` is kept, so the derive pass follows. A graph whose
 // training has no policy, or an f32 one, comes back unchanged. Throws
-// CompileError for what the policy cannot serve: an f16 policy (it needs
-// loss scaling), hand-written backward or update tasks, a 16-bit weight
-// (there are no f32 master weights to keep).
+// CompileError for what the policy cannot serve: hand-written backward or
+// update tasks, a 16-bit weight (there are no f32 master weights to keep).
+// An f16 policy's loss scaling is the derive pass's (derive.h).
 TaskGraph apply_precision(const Program& forward);
 
 }  // namespace cudagen

@@ -18,27 +18,41 @@ const SlotRef kSeed{"", ""};
 
 class Deriver {
  public:
-  Deriver(const Program& p, const TrainingSpec& spec) : p_(p), spec_(spec) {
+  Deriver(const Program& p, const TrainingSpec& spec)
+      : p_(p),
+        spec_(spec),
+        scaling_(spec.loss_scale           ? spec.loss_scale
+                 : spec.precision == DType::f16 ? std::optional<LossScaling>(LossScaling{})
+                                                : std::nullopt) {
     out_.graph = p.graph;
     out_.graph.training.reset();
     for (const auto& t : p.graph.tasks) ids_.insert(t.id);
   }
 
   DerivedGraph run() {
+    // What clipping, accumulation and loss scaling act on: the gradients this pass derives, as an optimizer
+    // reads them.
+    std::vector<std::pair<std::string, std::string>> needs_derived;  // field, what it does
+    if (spec_.clip_grad_norm) needs_derived.emplace_back("clip_grad_norm", "clips");
+    if (spec_.accumulate_gradients) needs_derived.emplace_back("accumulate_gradients", "accumulates");
+    if (spec_.loss_scale) needs_derived.emplace_back("loss_scale", "scales the loss for");
+    else if (scaling_) needs_derived.emplace_back("precision", "(f16) scales the loss for");
     for (const auto& t : p_.graph.tasks)
       if (t.phase == Phase::backward) {  // written by hand: taken as it is
-        if (spec_.clip_grad_norm)
-          training_error("/training/clip_grad_norm",
-                         fmt::format("\"clip_grad_norm\" clips the gradients the derive pass writes, but task '{}' is a "
-                                     "backward task written by hand",
-                                     t.id),
-                         "remove the backward and update tasks and let \"training\" derive them, or drop "
-                         "\"clip_grad_norm\"");
+        for (const auto& [field, does] : needs_derived)
+          training_error("/training/" + field,
+                         fmt::format("\"{}\" {} the gradients the derive pass writes, but task '{}' is a backward task "
+                                     "written by hand",
+                                     field, does, t.id),
+                         fmt::format("remove the backward and update tasks and let \"training\" derive them, or drop "
+                                     "\"{}\"",
+                                     field));
         return std::move(out_);
       }
-    if (spec_.clip_grad_norm && spec_.optimizer.empty())
-      training_error("/training/clip_grad_norm", "\"clip_grad_norm\" clips what an optimizer reads, but there is none",
-                     "name one in \"optimizer\" (sgd, adam or adamw), or drop \"clip_grad_norm\"");
+    for (const auto& [field, does] : needs_derived)
+      if (spec_.optimizer.empty())
+        training_error("/training/" + field, fmt::format("\"{}\" {} what an optimizer reads, but there is none", field, does),
+                       fmt::format("name one in \"optimizer\" (sgd, adam or adamw), or drop \"{}\"", field));
     const int loss = loss_buffer();
     weights_ = weights(p_);
     const Schedule order = schedule(p_);
@@ -46,6 +60,7 @@ class Deriver {
     for (int t : order.order)
       if (p_.tasks[size_t(t)].task->phase == Phase::forward) forward.push_back(t);
     mark_requires_grad(forward);
+    if (scaling_) add_loss_scale_state();
     contributions_[loss].push_back(kSeed);
     for (auto it = forward.rbegin(); it != forward.rend(); ++it) differentiate(*it);
     for (int w : weights_) {
@@ -58,8 +73,11 @@ class Deriver {
       out_.gradients.emplace_back(ref(w), gradient_of(w));
     }
     if (!spec_.optimizer.empty()) {
-      const std::optional<SlotRef> clip = clip_coefficient();
-      for (const auto& [weight, grad] : out_.gradients) add_update(weight, grad, clip);
+      std::vector<SlotRef> read;  // what each weight's optimizer reads as its gradient
+      for (const auto& [weight, grad] : out_.gradients)
+        read.push_back(spec_.accumulate_gradients ? accumulate(weight, grad) : grad);
+      const std::optional<SlotRef> scale = gradient_scale(read);
+      for (size_t i = 0; i < read.size(); ++i) add_update(out_.gradients[i].first, read[i], scale);
     }
     return std::move(out_);
   }
@@ -158,7 +176,12 @@ class Deriver {
     const std::string name = ref(buffer).task + "_" + ref(buffer).slot;
     std::vector<SlotRef> parts = contributions_[buffer];
     for (auto& part : parts)
-      if (part == kSeed)
+      if (part == kSeed && scaling_)  // the loss scale: a scalar f32 like the loss, or cast to its dtype
+        part = b.dtype == DType::f32 ? *loss_scale_
+                                     : SlotRef{add_task("grad_" + name + "_seed", "cast", Phase::backward,
+                                                        {{"x", *loss_scale_}}, {{"out", b.dtype, b.shape}}),
+                                               "out"};
+      else if (part == kSeed)
         part = SlotRef{add_task("grad_" + name + "_seed", "fill", Phase::backward, {}, {{"out", b.dtype, b.shape}},
                                 {{"value", ArgValue(1.0)}}),
                        "out"};
@@ -262,6 +285,7 @@ class Deriver {
     return *b;
   }
   const BufferInfo& info(const BoundTensor& b) const { return p_.buffers[size_t(b.buffer)]; }
+  const BufferInfo& info_of(int buffer) const { return p_.buffers[size_t(buffer)]; }
   bool needs(const BoundTensor& b) const { return requires_grad_.count(b.buffer) > 0; }
 
   // An op its template links, slots bound by name (see derive.h); none where
@@ -344,7 +368,15 @@ class Deriver {
                                : bw->name.rfind(forward_op + "_", 0) == 0 ? bw->name.substr(forward_op.size())
                                                                           : "_" + bw->name;
     const std::string id = add_task(bt.task->id + suffix, bw->name, Phase::backward, inputs, outputs, args);
-    for (const auto& [buffer, slot] : produced) contribute(buffer, SlotRef{id, slot});
+    for (const auto& [buffer, slot] : produced) {
+      SlotRef grad{id, slot};
+      // A loss's own backward starts the chain at 1: under loss scaling, at the scale.
+      if (!reads_output_gradient && scaling_)
+        grad = SlotRef{add_task(id + "_scaled", "mul", Phase::backward, {{"a", grad}, {"b", *loss_scale_}},
+                                {{"out", info_of(buffer).dtype, info_of(buffer).shape}}),
+                       "out"};
+      contribute(buffer, grad);
+    }
   }
 
   // out = alpha * op(a) @ op(b): da = alpha * dout @ op(b)^T, db = alpha * op(a)^T @ dout,
@@ -522,24 +554,110 @@ class Deriver {
     contribute(x.buffer, SlotRef{id, "out"});
   }
 
-  // The optimizer's task for one weight, with its state zero-filled at init.
+  // The buffer a weight's owning slot names.
+  int buffer_of(const SlotRef& weight) const {
+    for (size_t i = 0; i < p_.buffers.size(); ++i)
+      if (ref(int(i)) == weight) return int(i);
+    throw std::logic_error("derive: no buffer for weight " + weight.str());
+  }
+
   // A weight's part in the ids of the tasks derived for it: its task's id,
   // with the slot where that is not "out" (w1, attn_wq).
   static std::string id_of(const SlotRef& weight) {
     return weight.slot == "out" ? weight.task : weight.task + "_" + weight.slot;
   }
 
-  // Clipping by global norm, as torch.nn.utils.clip_grad_norm_ does: the sum
-  // of every gradient's squares, and from it the factor min(1, max_norm /
-  // (norm + 1e-6)) that each optimizer multiplies its gradient by. A
-  // gradient's squares are summed by two row reductions over a [rows,
-  // columns] view of it, a block a row, so a large weight's sum spreads over
-  // the GPU and a fixed order keeps it deterministic. The tasks come
-  // level by level (every first reduction, every second, the total), so
-  // fusion runs each level in one launch and folds the squares into the
-  // first reduction's loads (docs/architecture.md §1 derive).
-  std::optional<SlotRef> clip_coefficient() {
-    if (!spec_.clip_grad_norm) return std::nullopt;
+  // A weight's gradient summed over a step's micro-batches: a persistent
+  // buffer of the gradient's dtype (zero-filled at init, so that it has
+  // storage and a defined value), which micro-batch 0 overwrites and the
+  // others add to (the `accumulate` op). Every accumulate task follows the
+  // first one's run-time `micro_batch`, so the caller sets it once per
+  // micro-batch.
+  SlotRef accumulate(const SlotRef& weight, const SlotRef& grad) {
+    const BufferInfo& b = p_.buffers[size_t(buffer_of(weight))];
+    const std::string name = id_of(weight);
+    const SlotRef sum{add_task(name + "_grad_acc_init", "fill", Phase::init, {},
+                               {{"out", b.dtype, b.shape, Storage::persistent}}, {{"value", ArgValue(0.0)}}),
+                      "out"};
+    Task t;
+    t.id = unique_id(name + "_accumulate");
+    t.op = "accumulate";
+    t.phase = Phase::backward;
+    t.tensors.push_back(TensorSlot{"acc", {}, {}, {}, sum, {}});
+    t.tensors.push_back(TensorSlot{"grad", {}, {}, {}, grad, {}});
+    if (first_accumulate_.empty()) {
+      first_accumulate_ = t.id;
+      t.args.push_back(ArgSlot{"micro_batch", ArgValue(int64_t(0)), {}, true, {}});
+    } else {
+      t.args.push_back(ArgSlot{"micro_batch", std::nullopt, SlotRef{first_accumulate_, "micro_batch"}, false, {}});
+    }
+    out_.graph.tasks.push_back(std::move(t));
+    return sum;
+  }
+
+  // The factor every optimizer multiplies its gradient by (`gradient_scale`,
+  // templates/optimizers.cuh), where one is needed: the mean over
+  // micro-batches (a run-time `micro_batches`) and clipping by global norm,
+  // as torch.nn.utils.clip_grad_norm_ does, from the sum of the squares of
+  // every gradient `read`. A gradient's squares are summed by two row
+  // reductions over a [rows, columns] view of it, a block a row, so a large
+  // weight's sum spreads over the GPU and a fixed order keeps it
+  // deterministic. The tasks come level by level (every first reduction,
+  // every second, the total), so fusion runs each level in one launch and
+  // folds the squares into the first reduction's loads (docs/architecture.md
+  // §1 derive).
+  std::optional<SlotRef> gradient_scale(const std::vector<SlotRef>& read) {
+    if (!spec_.clip_grad_norm && !spec_.accumulate_gradients && !scaling_) return std::nullopt;
+    std::vector<std::pair<std::string, SlotRef>> inputs;
+    std::vector<std::pair<std::string, ArgValue>> args;
+    // Loss scaling's overflow test is the sum of the scaled gradients' squares: any inf or NaN carries into it.
+    if (spec_.clip_grad_norm || scaling_) inputs.emplace_back("sq_norm", squared_norm(read));
+    if (scaling_) inputs.emplace_back("loss_scale", *loss_scale_);
+    if (spec_.clip_grad_norm) args.emplace_back("max_norm", ArgValue(*spec_.clip_grad_norm));
+    const std::string id = add_task("gradient_scale", "gradient_scale", Phase::update, inputs, {{"out", DType::f32, {}}}, args);
+    if (spec_.accumulate_gradients)
+      out_.graph.tasks.back().args.push_back(ArgSlot{"micro_batches", ArgValue(int64_t(1)), {}, true, {}});
+    const SlotRef factor{id, "out"};
+    if (scaling_) update_loss_scale(factor);
+    return factor;
+  }
+
+  // Loss scaling's state, persistent scalars: the scale (the seed of every
+  // gradient), the steps since the last overflow, and the optimizer steps
+  // taken (Adam's bias correction counts those, not the steps tried).
+  void add_loss_scale_state() {
+    auto state = [&](const std::string& id, double value) {
+      return SlotRef{add_task(id, "fill", Phase::init, {}, {{"out", DType::f32, {}, Storage::persistent}},
+                              {{"value", ArgValue(value)}}),
+                     "out"};
+    };
+    loss_scale_ = state("loss_scale", scaling_->initial);
+    good_steps_ = state("loss_scale_good_steps", 0.0);
+    optimizer_steps_ = state("optimizer_steps", 0.0);
+  }
+
+  // After the factor: an overflow (a negative factor) halves the scale (by
+  // backoff_factor) and skips the step; growth_interval steps without one
+  // double it (by growth_factor). The optimizers read the steps taken from
+  // this task, so they run after it.
+  void update_loss_scale(const SlotRef& factor) {
+    Task t;
+    t.id = unique_id("loss_scale_update");
+    t.op = "loss_scale_update";
+    t.phase = Phase::update;
+    t.tensors.push_back(TensorSlot{"factor", {}, {}, {}, factor, {}});
+    t.tensors.push_back(TensorSlot{"scale", {}, {}, {}, *loss_scale_, {}});
+    t.tensors.push_back(TensorSlot{"good_steps", {}, {}, {}, *good_steps_, {}});
+    t.tensors.push_back(TensorSlot{"steps", {}, {}, {}, *optimizer_steps_, {}});
+    t.args.push_back(ArgSlot{"growth_factor", ArgValue(scaling_->growth_factor), {}, false, {}});
+    t.args.push_back(ArgSlot{"backoff_factor", ArgValue(scaling_->backoff_factor), {}, false, {}});
+    t.args.push_back(ArgSlot{"growth_interval", ArgValue(scaling_->growth_interval), {}, false, {}});
+    optimizer_steps_ = SlotRef{t.id, "steps"};
+    out_.graph.tasks.push_back(std::move(t));
+  }
+
+  // The sum of the squares of every element of every gradient, in f32.
+  SlotRef squared_norm(const std::vector<SlotRef>& read) {
     auto scalar_task = [&](const std::string& id, const std::string& op, std::vector<std::pair<std::string, SlotRef>> in) {
       return SlotRef{add_task(id, op, Phase::update, in, {{"out", DType::f32, {}}}), "out"};
     };
@@ -551,7 +669,7 @@ class Deriver {
       names.push_back("clip_" + id_of(weight));
       const int64_t n = numel(w.shape), columns = norm_row_length(n);
       const Shape view = {n / columns, columns};
-      SlotRef grad = out_.gradients[i].second;
+      SlotRef grad = read[i];
       if (w.dtype != DType::f32)
         grad = SlotRef{add_task(names[i] + "_f32", "cast", Phase::update, {{"x", grad}}, {{"out", DType::f32, w.shape}}),
                        "out"};
@@ -569,9 +687,7 @@ class Deriver {
       sums.push_back(scalar_task(names[i] + "_sum", "sum", {{"x", row_sums[i]}}));
     SlotRef total = sums.front();
     for (size_t i = 1; i < sums.size(); ++i) total = scalar_task("clip_total", "add", {{"a", total}, {"b", sums[i]}});
-    return SlotRef{add_task("clip_coefficient", "clip_coefficient", Phase::update, {{"sq_norm", total}},
-                            {{"out", DType::f32, {}}}, {{"max_norm", ArgValue(*spec_.clip_grad_norm)}}),
-                   "out"};
+    return total;
   }
 
   // The length of the rows a gradient of n elements is summed in: the largest
@@ -584,15 +700,10 @@ class Deriver {
     return n;
   }
 
-  // The optimizer task of `weight`, its gradient multiplied by `grad_scale`
-  // where given (clipping's factor).
+  // The optimizer task of `weight`, with its state zero-filled at init, its
+  // gradient multiplied by `grad_scale` where given (gradient_scale's factor).
   void add_update(const SlotRef& weight, const SlotRef& grad, const std::optional<SlotRef>& grad_scale) {
-    const int w = [&] {
-      for (size_t i = 0; i < p_.buffers.size(); ++i)
-        if (ref(int(i)) == weight) return int(i);
-      return -1;
-    }();
-    const BufferInfo& b = p_.buffers[size_t(w)];
+    const BufferInfo& b = p_.buffers[size_t(buffer_of(weight))];
     const std::string name = id_of(weight);
     const OpSignature* op = p_.registry.find(spec_.optimizer);
     if (op == nullptr || (spec_.optimizer != "sgd" && spec_.optimizer != "adam" && spec_.optimizer != "adamw"))
@@ -625,6 +736,8 @@ class Deriver {
       for (const auto& a : t.args) has_step = has_step || a.name == "step";
       // Adam's bias correction counts steps: a run-time scalar the caller advances.
       if (!has_step) t.args.push_back(ArgSlot{"step", ArgValue(int64_t(1)), {}, true, {}});
+      // Under loss scaling a step may be skipped, which only the device knows: it counts them.
+      if (scaling_) t.tensors.push_back(TensorSlot{"step_count", {}, {}, {}, *optimizer_steps_, {}});
     }
     // One value per run-time argument for the whole optimizer: the first
     // optimizer task holds it and the others follow it, so a caller sets the
@@ -640,9 +753,12 @@ class Deriver {
 
   const Program& p_;
   const TrainingSpec& spec_;
+  const std::optional<LossScaling> scaling_;  // spec_'s, or f16's default
+  std::optional<SlotRef> loss_scale_, good_steps_, optimizer_steps_;  // its state
   DerivedGraph out_;
   std::set<std::string> ids_;
-  std::string first_optimizer_;  // the task that holds the optimizer's run-time arguments
+  std::string first_optimizer_;   // the task that holds the optimizer's run-time arguments
+  std::string first_accumulate_;  // the task that holds the run-time `micro_batch`
   std::vector<int> weights_;
   std::set<int> requires_grad_;
   std::map<int, std::vector<SlotRef>> contributions_;

@@ -11,7 +11,12 @@
 // whose gradients are needed: conv2d_nhwc's data and weight gradients) or, for ops whose gradient is made of other ops (matmul,
 // broadcasting arithmetic, views), through the rules in derive.cpp.
 // Gradients of a tensor used several times are summed; a gradient of a
-// broadcast operand is summed over the broadcast axes.
+// broadcast operand is summed over the broadcast axes. The training
+// section's clip_grad_norm, accumulate_gradients and loss_scale (implied by
+// an f16 precision) shape what reaches the optimizers: a persistent sum over
+// micro-batches, one factor (gradient_scale) that averages, unscales and
+// clips, and GradScaler's state on the device, which skips a step whose
+// scaled gradients overflowed (docs/taskgraph-format.md).
 #pragma once
 
 #include <string>

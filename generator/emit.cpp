@@ -454,6 +454,22 @@ void Emitter::use_function(const OpSignature& op, const std::string& function) {
   if (const auto* closure = op.closure_of(function)) needed_.insert(closure->begin(), closure->end());
 }
 
+std::vector<std::string> Emitter::input_operands(int t, const std::map<std::string, std::string>& present,
+                                                 const std::string& index) const {
+  std::vector<std::string> operands;
+  bool any_input = false;
+  for (const auto& sig : p_.tasks[size_t(t)].op->tensors) {
+    if (sig.written() || sig.role == SlotRole::scratch) continue;
+    any_input = true;
+    if (auto it = present.find(sig.name); it != present.end())
+      operands.push_back(it->second);
+    else
+      operands.push_back(sig.absent == 0 ? "0.0f" : float_literal(sig.absent));
+  }
+  if (!any_input) operands.push_back(index);
+  return operands;
+}
+
 // The op's arguments after its operands; a string argument as the index of its choice.
 void Emitter::append_arguments(int t, std::vector<std::string>& operands) {
   const OpSignature& op = *p_.tasks[size_t(t)].op;

@@ -92,23 +92,24 @@ std::string Emitter::chain_task(const KernelGroup& k, int node, const std::vecto
   const int t = n.task;
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   const Param* result = nullptr;
-  std::vector<std::string> operands;
+  std::map<std::string, std::string> present;
   for (const auto& x : ps) {
     if (x.written) {
       result = &x;
       continue;
     }
     if (auto v = value_of.find(input_node(k.ir, node, x)); v != value_of.end()) {
-      operands.push_back(v->second);
+      present[x.bound->name] = v->second;
       continue;
     }
     auto [it, added] = param_of.emplace(x.bound->buffer, p_.tasks[size_t(t)].task->id + "_" + x.bound->name);
     if (added) params.push_back(LaunchParam{it->second, "const " + c_type(x.buffer->dtype), x.bound->buffer, nullptr, false});
     const std::string index = reads_own_element(op, x, domain) ? "i" : broadcast_index(domain, x.buffer->shape, "i");
-    operands.push_back(load_operand ? load_operand(it->second, x, index) : load_element(it->second, x.buffer->dtype, index));
+    present[x.bound->name] =
+        load_operand ? load_operand(it->second, x, index) : load_element(it->second, x.buffer->dtype, index);
   }
   value_of[node] = value;
-  return chain_statement(t, *result, std::move(operands), value, indent);
+  return chain_statement(t, *result, input_operands(t, present, "i"), value, indent);
 }
 
 // The node that op node `node` reads its input `x` from (kir::Node::inputs), or -1.
@@ -397,15 +398,14 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
   const std::string indent = width > 1 ? "      " : "    ";
   for (size_t j = 0; j < steps.size(); ++j) {
     const int t = steps[j].task;
-    std::vector<std::string> operands;
+    std::map<std::string, std::string> present;
     for (const auto& x : steps[j].ps)
       if (!x.written) {
         // An earlier task's value (the schedule puts producers first), else the element from memory.
         auto v = value_of.find(input_node(k.ir, steps[j].node, x));
-        operands.push_back(v != value_of.end() ? v->second : loaded[x.bound->buffer]);
+        present[x.bound->name] = v != value_of.end() ? v->second : loaded[x.bound->buffer];
       }
-    if (operands.empty()) operands.push_back(index);
-    statements += chain_statement(t, *steps[j].out, std::move(operands), fmt::format("v{}", j), indent);
+    statements += chain_statement(t, *steps[j].out, input_operands(t, present, index), fmt::format("v{}", j), indent);
   }
   auto narrowed = [&](const Step& step, size_t j) {
     const DType d = step.out->buffer->dtype;
@@ -531,15 +531,16 @@ std::string Emitter::elementwise(int t, const std::vector<Param>& ps, EmittedKer
   int64_t n = numel(out->buffer->shape);
   if (int width = vector_width(op, ps, *out, n); width > 1) return elementwise_vectorised(t, ps, *out, n, width, ek);
   // 16-bit tensors are widened to f32 as they are loaded (load()) and narrowed as they are stored (apply()).
+  std::map<std::string, std::string> present;
   for (const auto& x : ps)
     if (!x.written) {
       // An elementwise op (not a broadcast one) reads element i of an input of
       // the output's size whatever its shape (reshape).
       const bool flat = op.pattern == PatternKind::elementwise && numel(x.buffer->shape) == numel(out->buffer->shape);
-      operands.push_back(load(x, flat ? "i" : broadcast_index(out->buffer->shape, x.buffer->shape, "i")));
+      present[x.bound->name] = load(x, flat ? "i" : broadcast_index(out->buffer->shape, x.buffer->shape, "i"));
     }
   // An op with no input (fill, uniform) takes the element index first.
-  if (operands.empty()) operands.push_back("i");
+  operands = input_operands(t, present, "i");
   append_arguments(t, operands);
   return grid_stride_loop(n, fmt::format("cg_store({}, i, {})", out->bound->name, apply(op, *out, operands)), ek);
 }
@@ -591,15 +592,15 @@ std::string Emitter::elementwise_vectorised(int t, const std::vector<Param>& ps,
                                             EmittedKernel& ek) {
   const OpSignature& op = *p_.tasks[size_t(t)].op;
   std::string loads;
-  std::vector<std::string> operands;
+  std::map<std::string, std::string> present;
   for (const auto& x : ps)
     if (!x.written) {
       loads += fmt::format("    const cg_vector<{0}, {1}> {2}_v = cg_load_vector<{0}>({2}, i);\n", width,
                            c_type(x.buffer->dtype), x.bound->name);
       const std::string element = x.bound->name + "_v.v[k]";
-      operands.push_back(is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element);
+      present[x.bound->name] = is_16bit(x.buffer->dtype) ? "cg_widen(" + element + ")" : element;
     }
-  if (operands.empty()) operands.push_back("i + k");
+  std::vector<std::string> operands = input_operands(t, present, "i + k");
   append_arguments(t, operands);
   ek.block = 256;
   ek.grid[0] = grid_stride_blocks(n / width, ek.block);

@@ -343,6 +343,11 @@ class Emitter {
   void locate_params(EmittedKernel& ek, const std::vector<LaunchParam>& launch);
   void use_function(const OpSignature& op, const std::string& function);
   void append_arguments(int t, std::vector<std::string>& operands);
+  // An out-of-place op's input operands in its signature's order: `present`
+  // by slot name; an optional input the task leaves out reads its `absent`
+  // value. An op with no input slot at all (fill, uniform) takes `index`.
+  std::vector<std::string> input_operands(int t, const std::map<std::string, std::string>& present,
+                                          const std::string& index) const;
   bool check_f32_accumulation(int t, const Param& x);
   std::string load(const Param& x, const std::string& index) const;
   std::string load_as(const Param& x, const std::string& name, const std::string& index) const;

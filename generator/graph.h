@@ -94,6 +94,19 @@ struct Task {
 
 // What to train (JSON "training"; docs/architecture.md §1 derive): the derive pass
 // adds the backward tasks of `loss` and an optimizer task per weight.
+// Dynamic loss scaling, as torch.cuda.amp.GradScaler does it: the loss's
+// gradient starts at `scale` instead of 1, so that small gradients survive
+// f16's range; the optimizer reads them divided by it again. A step whose
+// scaled gradients overflowed is skipped and the scale multiplied by
+// backoff_factor; after growth_interval steps without overflow it is
+// multiplied by growth_factor. GradScaler's defaults.
+struct LossScaling {
+  double initial = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
 struct TrainingSpec {
   SlotRef loss;                         // a scalar output of a forward task
   std::string optimizer;                // "sgd", "adam", "adamw"; empty: backward tasks only
@@ -106,6 +119,14 @@ struct TrainingSpec {
   // Clips the gradients to this global L2 norm before the optimizer reads
   // them, as torch.nn.utils.clip_grad_norm_ does. Absent: no clipping.
   std::optional<double> clip_grad_norm;
+  // Sums each gradient over a step's micro-batches in a persistent buffer
+  // that the optimizer reads as their mean; the micro-batch count is chosen
+  // at run time (Instance::step). Off: the optimizer reads each step's
+  // gradients as backward leaves them.
+  bool accumulate_gradients = false;
+  // Absent: none, except under "precision": "f16", which scales dynamically
+  // with the defaults.
+  std::optional<LossScaling> loss_scale;
   SourceLoc loc;
 };
 

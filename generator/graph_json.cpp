@@ -1,7 +1,9 @@
 #include "graph_json.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -86,10 +88,11 @@ class GraphReader {
   }
 
   // "training": {"loss": "task.slot", "optimizer": "sgd", "args": {"lr": 0.1}, "precision": "bf16",
-  //              "clip_grad_norm": 1.0}
+  //              "clip_grad_norm": 1.0, "accumulate_gradients": true}
   std::optional<TrainingSpec> read_training(const JsonValue& v) {
     if (!expect_kind(v, JsonValue::Kind::Object, "/training", "\"training\"")) return std::nullopt;
-    check_fields(v, "/training", {"loss", "optimizer", "args", "precision", "clip_grad_norm"});
+    check_fields(v, "/training", {"loss", "optimizer", "args", "precision", "clip_grad_norm", "accumulate_gradients",
+                                      "loss_scale"});
     TrainingSpec spec;
     spec.loc = v.loc;
     const JsonValue* loss = v.find("loss");
@@ -125,13 +128,73 @@ class GraphReader {
         error(clip->loc, "/training/clip_grad_norm",
               fmt::format("\"clip_grad_norm\" must be a number, not {}", json_kind_name(clip->kind())),
               "write the largest global L2 norm the gradients may have, as \"clip_grad_norm\": 1.0");
-      else if (!(max_norm > 0 && max_norm <= 3.0e38))
+      else if (!(max_norm > 0 && max_norm <= double(std::numeric_limits<float>::max())))
         error(clip->loc, "/training/clip_grad_norm", fmt::format("\"clip_grad_norm\" is {}", json_format_double(max_norm)),
               "it is the largest global L2 norm the gradients may have: a positive number within f32's range");
       else
         spec.clip_grad_norm = max_norm;
     }
+    if (const JsonValue* accumulate = v.find("accumulate_gradients")) {
+      if (!accumulate->is_bool())
+        error(accumulate->loc, "/training/accumulate_gradients",
+              fmt::format("\"accumulate_gradients\" must be true or false, not {}", json_kind_name(accumulate->kind())),
+              "write \"accumulate_gradients\": true to sum the gradients over a step's micro-batches");
+      else
+        spec.accumulate_gradients = accumulate->as_bool();
+    }
+    if (const JsonValue* scale = v.find("loss_scale")) spec.loss_scale = read_loss_scale(*scale);
     return spec;
+  }
+
+  // "loss_scale": "dynamic" (GradScaler's defaults), or {"initial": 65536,
+  // "growth_factor": 2, "backoff_factor": 0.5, "growth_interval": 2000}, any
+  // field left out at its default.
+  std::optional<LossScaling> read_loss_scale(const JsonValue& v) {
+    const std::string path = "/training/loss_scale";
+    const std::string hint =
+        "write \"loss_scale\": \"dynamic\", or an object of \"initial\", \"growth_factor\", \"backoff_factor\" "
+        "and \"growth_interval\" (torch.cuda.amp.GradScaler's arguments)";
+    LossScaling scaling;
+    if (v.kind() == JsonValue::Kind::String) {
+      if (v.as_string() == "dynamic") return scaling;
+      error(v.loc, path, fmt::format("unknown loss scaling {}", json_quote(v.as_string())), hint);
+      return std::nullopt;
+    }
+    if (v.kind() != JsonValue::Kind::Object) {
+      error(v.loc, path, fmt::format("\"loss_scale\" must be \"dynamic\" or an object, not {}", json_kind_name(v.kind())),
+            hint);
+      return std::nullopt;
+    }
+    check_fields(v, path, {"initial", "growth_factor", "backoff_factor", "growth_interval"});
+    bool ok = true;
+    auto number = [&](const char* field, double& out, double low, double high, bool open_low, const char* what) {
+      const JsonValue* f = v.find(field);
+      if (f == nullptr) return;
+      const double x = f->as_double();
+      if (!f->is_number() || !(open_low ? x > low : x >= low) || !(x < high) || !std::isfinite(x)) {
+        error(f->loc, path + "/" + field,
+              fmt::format("\"{}\" is {}", field, f->is_number() ? json_format_double(x) : json_kind_name(f->kind())),
+              fmt::format("it is {}", what));
+        ok = false;
+        return;
+      }
+      out = x;
+    };
+    const double f32_max = double(std::numeric_limits<float>::max());
+    number("initial", scaling.initial, 0, f32_max, true, "the first scale: a positive number within f32's range");
+    number("growth_factor", scaling.growth_factor, 1, f32_max, true, "what the scale is multiplied by to grow: above 1");
+    number("backoff_factor", scaling.backoff_factor, 0, 1, true,
+           "what the scale is multiplied by after an overflow: between 0 and 1");
+    double interval = double(scaling.growth_interval);
+    number("growth_interval", interval, 1, 1e15, false, "the number of steps without overflow before it grows: 1 or more");
+    if (ok && interval != std::floor(interval)) {
+      error(v.find("growth_interval")->loc, path + "/growth_interval",
+            fmt::format("\"growth_interval\" is {}", json_format_double(interval)), "it is a whole number of steps");
+      ok = false;
+    }
+    scaling.growth_interval = int64_t(interval);
+    if (!ok) return std::nullopt;
+    return scaling;
   }
 
   Task read_task(const JsonValue& v, const std::string& path) {
@@ -411,6 +474,12 @@ std::string write_graph(const TaskGraph& graph) {
     if (!args.empty()) fields.push_back(fmt::format("\"args\": {{{}}}", fmt::join(args, ", ")));
     if (t.precision) fields.push_back(fmt::format("\"precision\": \"{}\"", to_string(*t.precision)));
     if (t.clip_grad_norm) fields.push_back(fmt::format("\"clip_grad_norm\": {}", json_format_double(*t.clip_grad_norm)));
+    if (t.accumulate_gradients) fields.push_back("\"accumulate_gradients\": true");
+    if (t.loss_scale)
+      fields.push_back(fmt::format(
+          "\"loss_scale\": {{\"initial\": {}, \"growth_factor\": {}, \"backoff_factor\": {}, \"growth_interval\": {}}}",
+          json_format_double(t.loss_scale->initial), json_format_double(t.loss_scale->growth_factor),
+          json_format_double(t.loss_scale->backoff_factor), t.loss_scale->growth_interval));
     out += fmt::format(",\n  \"training\": {{{}}}", fmt::join(fields, ", "));
   }
   out += "\n}\n";

@@ -199,9 +199,10 @@ void Instance::set_arg(const std::string& name, ArgValue value) {
   args_ = std::move(args);
 }
 
-void Instance::write_scalars_region(const RunTimeArgs& args) {
+void Instance::write_scalars_region(const RunTimeArgs& args, int micro_batch, int micro_batches) {
   const Plan& plan = program_->compiled.plan;
-  const std::vector<unsigned char> region = scalars_region(program_->compiled, with_step_count(program_->compiled, args, steps_));
+  const std::vector<unsigned char> region = scalars_region(
+      program_->compiled, with_step_position(program_->compiled, args, StepPosition{steps_, micro_batch, micro_batches}));
   if (!region.empty()) executor_->write(plan.scalars_offset, region.data(), region.size());
 }
 
@@ -227,15 +228,31 @@ double Instance::time_step_runs(int runs) {
 
 double Instance::copy_bandwidth() { return executor_->copy_bandwidth(); }
 
-void Instance::step() {
+void Instance::run_if_present(Phase phase, bool& any) {
+  if (!executor_->has_function(phase_function(phase))) return;
+  executor_->run(phase_function(phase));
+  any = true;
+}
+
+void Instance::step() { step(1, {}); }
+
+void Instance::step(int micro_batches, const std::function<void(int)>& feed) {
+  if (micro_batches < 1)
+    throw std::runtime_error(fmt::format("step({}): a step needs at least one micro-batch", micro_batches));
+  if (micro_batches > 1 && !accumulates_gradients(program_->compiled))
+    throw std::runtime_error(fmt::format(
+        "step({}) sums the gradients of {} micro-batches, but graph '{}' does not accumulate them: add "
+        "\"accumulate_gradients\": true to its \"training\" section",
+        micro_batches, micro_batches, program_->compiled.program.graph.name));
   ++steps_;
-  write_scalars_region(args_);  // Adam's `step` counts the steps
   bool any = false;
-  for (Phase phase : {Phase::forward, Phase::backward, Phase::update}) {
-    if (!executor_->has_function(phase_function(phase))) continue;
-    executor_->run(phase_function(phase));
-    any = true;
+  for (int m = 0; m < micro_batches; ++m) {
+    if (feed) feed(m);
+    write_scalars_region(args_, m, micro_batches);  // Adam's `step` counts the steps; which micro-batch
+    run_if_present(Phase::forward, any);
+    run_if_present(Phase::backward, any);
   }
+  run_if_present(Phase::update, any);
   if (!any) throw std::runtime_error("this graph has no forward, backward or update phase to step");
 }
 

@@ -128,6 +128,13 @@ class Instance {
   // named `step` (Adam's) is set to the step's number, 1, 2, ..., unless
   // set_arg gave it a value.
   void step();
+  // One training step over `micro_batches` micro-batches, for a graph whose
+  // "training" says "accumulate_gradients": for each, `feed(i)` sets its
+  // inputs (with `set`), then forward and backward add its gradients to the
+  // accumulators; then one update with their mean. As PyTorch does with each
+  // micro-batch's loss divided by their count, and clip_grad_norm_ (where
+  // the graph clips) on the sum. Nothing is copied back to the host.
+  void step(int micro_batches, const std::function<void(int micro_batch)>& feed);
 
   // A tensor's current value. Graph inputs, outputs and persistent tensors
   // always hold theirs; an intermediate one only while no later buffer has
@@ -152,8 +159,10 @@ class Instance {
   friend class JitProgram;
   Instance(std::shared_ptr<const JitProgram::State> program, std::unique_ptr<Executor> executor);
   int buffer_index(const std::string& tensor) const;
-  // The arguments set so far, and `step` counting the steps, into the arena.
-  void write_scalars_region(const RunTimeArgs& args);
+  // The arguments set so far, and those training sets (`step` counting the
+  // steps, the micro-batch), into the arena.
+  void write_scalars_region(const RunTimeArgs& args, int micro_batch = 0, int micro_batches = 1);
+  void run_if_present(Phase phase, bool& any);
 
   std::shared_ptr<const JitProgram::State> program_;
   std::unique_ptr<Executor> executor_;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -55,10 +56,8 @@ class Evaluator {
       const bool erf_form = arg_string(bt, "approximate") == "erf";
       return unary(bt, [erf_form](double x) { return gelu(x, erf_form); });
     }
-    if (op == "clip_coefficient") {
-      const double max_norm = arg_double(bt, "max_norm", 1.0);
-      return unary(bt, [=](double sq_norm) { return std::min(1.0, max_norm / (std::sqrt(sq_norm) + 1e-6)); }, "sq_norm");
-    }
+    if (op == "gradient_scale") return gradient_scale(bt);
+    if (op == "loss_scale_update") return loss_scale_update(bt);
     if (op == "affine") {
       double scale = arg_double(bt, "scale", 1.0), shift = arg_double(bt, "shift", 0.0);
       return unary(bt, [=](double x) { return scale * x + shift; });
@@ -132,6 +131,7 @@ class Evaluator {
     if (op == "slice" || op == "slice_backward") return slice(bt, op == "slice_backward");
     if (op == "rmsnorm") return rmsnorm(bt);
     if (op == "layernorm") return layernorm(bt);
+    if (op == "accumulate") return accumulate(bt);
     if (op == "sgd") return sgd(bt);
     if (op == "adam" || op == "adamw") return adam(bt, op == "adamw");
     if (op == "cross_entropy" || op == "cross_entropy_backward") return cross_entropy(bt, op == "cross_entropy");
@@ -456,12 +456,70 @@ class Evaluator {
     else out(buf(bt, "dlogits"), std::move(grad), std::move(grad_abs));
   }
 
-  // An optimizer's gradient scale (clipping's factor) and its error scale: 1
+  // 1 / micro_batches, times clipping's min(1, max_norm / (norm + 1e-6)) of
+  // the mean gradient where max_norm > 0 (templates/optimizers.cuh).
+  // Under loss scaling, 1 / loss_scale too, and -1 (a skipped step) where the
+  // kernels' f32 sum of the scaled gradients' squares overflows: beyond f32's
+  // range here.
+  void gradient_scale(const BoundTask& bt) {
+    const BoundTensor* scale_slot = bt.find_tensor("loss_scale");
+    const double loss_scale = scale_slot != nullptr ? val(scale_slot->buffer)[0] : 0.0;
+    const double max_norm = arg_double(bt, "max_norm", 0),
+                 mean = 1.0 / (double(arg_int(bt, "micro_batches", 1)) * (loss_scale > 0 ? loss_scale : 1.0));
+    auto factor = [=](double sq_norm) {
+      if (loss_scale > 0 && !(sq_norm <= double(std::numeric_limits<float>::max()))) return -1.0;
+      return max_norm > 0 ? mean * std::min(1.0, max_norm / (std::sqrt(sq_norm) * mean + 1e-6)) : mean;
+    };
+    const BoundTensor* sq = bt.find_tensor("sq_norm");
+    if (sq == nullptr) return out(buf(bt, "out"), {factor(0)}, {factor(0)});
+    unary(bt, factor, "sq_norm");
+  }
+
+  // GradScaler's update (templates/optimizers.cuh): exact, a few scalars.
+  void loss_scale_update(const BoundTask& bt) {
+    const int scale = buf(bt, "scale"), good = buf(bt, "good_steps"), steps = buf(bt, "steps");
+    double s = val(scale)[0], g = val(good)[0], n = val(steps)[0];
+    if (val(buf(bt, "factor"))[0] < 0) {
+      s *= arg_double(bt, "backoff_factor", 0.5);
+      g = 0;
+    } else {
+      n += 1;
+      g += 1;
+      if (g >= double(arg_int(bt, "growth_interval", 2000))) {
+        s *= arg_double(bt, "growth_factor", 2.0);
+        g = 0;
+      }
+    }
+    out(scale, {s}, {std::abs(s)});
+    out(good, {g}, {g});
+    out(steps, {n}, {n});
+  }
+
+  // A gradient summed over micro-batches in place: micro-batch 0 overwrites.
+  void accumulate(const BoundTask& bt) {
+    const int acc = buf(bt, "acc"), g = buf(bt, "grad");
+    if (arg_int(bt, "micro_batch", 0) == 0) return out(acc, val(g), r_.abs[size_t(g)]);
+    std::vector<double> v = val(acc), a = r_.abs[size_t(acc)];
+    for (size_t i = 0; i < v.size(); ++i) {
+      v[i] += val(g)[i];
+      a[i] += r_.abs[size_t(g)][i];
+    }
+    out(acc, std::move(v), std::move(a));
+  }
+
+  // An optimizer's gradient scale (gradient_scale's factor) and its error scale: 1
   // where the task leaves it out.
   std::pair<double, double> grad_scale(const BoundTask& bt) {
     const BoundTensor* s = bt.find_tensor("grad_scale");
     if (s == nullptr) return {1.0, 1.0};
     return {val(s->buffer)[0], r_.abs[size_t(s->buffer)][0]};
+  }
+
+  // A task that leaves what it updates in place as it was (an optimizer on a
+  // skipped step).
+  void keep(const BoundTask& bt) {
+    for (const auto& b : bt.tensors)
+      if (b.sig->writes) out(b.buffer, val(b.buffer), r_.abs[size_t(b.buffer)]);
   }
 
   // torch.optim.SGD: g = grad * grad_scale + weight_decay * param;
@@ -474,6 +532,7 @@ class Evaluator {
     std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], bv, ba;
     if (buf_slot != nullptr) bv = val(buf_slot->buffer), ba = r_.abs[size_t(buf_slot->buffer)];
     const auto [scale, scale_abs] = grad_scale(bt);
+    if (scale < 0) return keep(bt);  // a skipped step
     for (size_t i = 0; i < pv.size(); ++i) {
       double step = val(g)[i] * scale + wd * pv[i],
              step_abs = r_.abs[size_t(g)][i] * scale_abs + std::abs(wd) * pa[i];
@@ -497,11 +556,14 @@ class Evaluator {
   void adam(const BoundTask& bt, bool decoupled) {
     int p = buf(bt, "param"), g = buf(bt, "grad"), m = buf(bt, "m"), v = buf(bt, "v");
     const double lr = arg_double(bt, "lr", 0), b1 = arg_double(bt, "beta1", 0.9), b2 = arg_double(bt, "beta2", 0.999),
-                 eps = arg_double(bt, "eps", 1e-8), wd = arg_double(bt, "weight_decay", 0),
-                 step = arg_double(bt, "step", 1);
+                 eps = arg_double(bt, "eps", 1e-8), wd = arg_double(bt, "weight_decay", 0);
+    const BoundTensor* counted = bt.find_tensor("step_count");
+    const double step = counted != nullptr && val(counted->buffer)[0] > 0 ? val(counted->buffer)[0]
+                                                                         : arg_double(bt, "step", 1);
     std::vector<double> pv = val(p), pa = r_.abs[size_t(p)], mv = val(m), ma = r_.abs[size_t(m)], vv = val(v),
                         va = r_.abs[size_t(v)];
     const auto [scale, scale_abs] = grad_scale(bt);
+    if (scale < 0) return keep(bt);  // a skipped step
     for (size_t i = 0; i < pv.size(); ++i) {
       const double grad = val(g)[i] * scale + (decoupled ? 0.0 : wd * pv[i]);
       const double grad_abs = r_.abs[size_t(g)][i] * scale_abs + (decoupled ? 0.0 : std::abs(wd) * pa[i]);

@@ -137,15 +137,18 @@ namespace {
 // before training, or one training step (forward, backward, update).
 struct Round {
   std::vector<Phase> phases;
-  int step = 0;  // 1, 2, ... for training steps; 0 otherwise
+  // Training: the step (1, 2, ...; 0 otherwise) and, where a step runs
+  // several micro-batches, which one (forward and backward) and how many.
+  StepPosition at;
+  bool whole_step = false;  // forward, backward and update: the step function runs it where there is one
 };
 
 // Init on its own, then the other phases: what init writes is then read back
 // before an update overwrites it in place, so each task can be checked from
 // what it read.
 std::vector<Round> split_init(const std::vector<Phase>& phases) {
-  if (phases.size() < 2 || phases.front() != Phase::init) return {Round{phases, 0}};
-  return {Round{{Phase::init}, 0}, Round{std::vector<Phase>(phases.begin() + 1, phases.end()), 0}};
+  if (phases.size() < 2 || phases.front() != Phase::init) return {Round{phases}};
+  return {Round{{Phase::init}}, Round{std::vector<Phase>(phases.begin() + 1, phases.end())}};
 }
 
 std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
@@ -173,14 +176,32 @@ std::vector<Round> plan_rounds(const Compiled& c, const RunOptions& options) {
     if (!has(Phase::update))
       throw std::runtime_error(
           "--steps trains, but this graph has no update phase (add a \"training\" section, or update tasks)");
+    const int k = options.micro_batches;
+    if (k < 1) throw std::runtime_error(fmt::format("--micro-batches {}: a step needs at least one micro-batch", k));
+    if (k > 1 && !accumulates_gradients(c))
+      throw std::runtime_error(fmt::format(
+          "--micro-batches {} sums each step's gradients over micro-batches, but this graph does not accumulate them: "
+          "add \"accumulate_gradients\": true to its \"training\" section",
+          k));
     std::vector<Round> rounds;
-    if (has(Phase::init)) rounds.push_back(Round{{Phase::init}, 0});
-    std::vector<Phase> step;
+    if (has(Phase::init)) rounds.push_back(Round{{Phase::init}});
+    std::vector<Phase> step, gradients;
     for (Phase phase : {Phase::forward, Phase::backward, Phase::update})
       if (has(phase)) step.push_back(phase);
-    for (int i = 1; i <= options.steps; ++i) rounds.push_back(Round{step, i});
+    for (Phase phase : {Phase::forward, Phase::backward})
+      if (has(phase)) gradients.push_back(phase);
+    for (int i = 1; i <= options.steps; ++i) {
+      if (k == 1) {
+        rounds.push_back(Round{step, StepPosition{i, 0, 1}, true});
+        continue;
+      }
+      for (int m = 0; m < k; ++m) rounds.push_back(Round{gradients, StepPosition{i, m, k}});
+      rounds.push_back(Round{{Phase::update}, StepPosition{i, 0, k}});
+    }
     return rounds;
   }
+  if (options.micro_batches != 1)
+    throw std::runtime_error("--micro-batches splits training steps: give it with --steps");
   if (options.phases.empty()) return split_init(present);
   for (Phase phase : options.phases)
     if (!has(phase)) throw std::runtime_error(fmt::format("this graph has no {} phase", to_string(phase)));
@@ -211,7 +232,7 @@ bool written_in(const Program& p, int buffer, const std::vector<Phase>& phases, 
 // kernels actually gave it, so that errors do not compound through the chain
 // (an end-to-end bound grows with depth). A task reads what the round left,
 // except a buffer some task of the round updates in place (a weight, an
-// optimizer's state), which every task of the round read before the update.
+// optimizer's state), which the tasks up to that one read as it was before.
 template <typename Compare>
 void check_each_task(const Compiled& c, const Schedule& round, const std::vector<std::vector<double>>& before,
                      const std::vector<std::vector<double>>& after, const RunTimeArgs& args, const UserOpReferences& user,
@@ -238,6 +259,11 @@ void check_each_task(const Compiled& c, const Schedule& round, const std::vector
       compare("task " + p.tasks[size_t(t)].task->id + "." + bound.name, b, after[b], one.value[b], one.abs[b], step,
               /*end_to_end=*/false);
     }
+    // The tasks after an update in place read its result (Adam reads the
+    // step count loss scaling's update has just advanced).
+    for (const auto& bound : p.tasks[size_t(t)].tensors)
+      if (bound.sig != nullptr && bound.sig->writes && bound.sig->role != SlotRole::output)
+        seen[size_t(bound.buffer)] = after[size_t(bound.buffer)];
   }
 }
 
@@ -275,11 +301,20 @@ void write_scalars(const Compiled& c, const RunTimeArgs& args, unsigned char* ar
   if (!region.empty()) std::memcpy(arena + c.plan.scalars_offset, region.data(), region.size());
 }
 
-RunTimeArgs with_step_count(const Compiled& c, RunTimeArgs args, int64_t step) {
-  if (step > 0)
-    for (const auto& sc : c.plan.scalars)
-      if (sc.arg == "step" && sc.type == ArgType::int_) args.emplace(sc.name(c.program), ArgValue(step));
+RunTimeArgs with_step_position(const Compiled& c, RunTimeArgs args, const StepPosition& at) {
+  for (const auto& sc : c.plan.scalars) {
+    if (sc.type != ArgType::int_ || at.step == 0) continue;
+    if (sc.arg == "step") args.emplace(sc.name(c.program), ArgValue(at.step));
+    if (sc.arg == "micro_batch") args.insert_or_assign(sc.name(c.program), ArgValue(int64_t(at.micro_batch)));
+    if (sc.arg == "micro_batches") args.insert_or_assign(sc.name(c.program), ArgValue(int64_t(at.micro_batches)));
+  }
   return args;
+}
+
+bool accumulates_gradients(const Compiled& c) {
+  for (const auto& sc : c.plan.scalars)
+    if (sc.arg == "micro_batch" && c.program.tasks[size_t(sc.task)].op->name == "accumulate") return true;
+  return false;
 }
 
 HostTensor read_tensor_file(const Program& p, int buffer, const std::string& path) {
@@ -294,6 +329,27 @@ HostTensor read_tensor_file(const Program& p, int buffer, const std::string& pat
                                         shape_to_string(array.shape), name, to_string(info.dtype),
                                         shape_to_string(info.shape)));
   return array;
+}
+
+std::vector<HostTensor> read_micro_batch_files(const Program& p, int buffer, const std::string& path, int micro_batches) {
+  if (micro_batches <= 1 || !std::filesystem::exists(path)) return {read_tensor_file(p, buffer, path)};
+  const BufferInfo& info = p.buffers[size_t(buffer)];
+  HostTensor array = read_npy(path);
+  Shape stacked = {micro_batches};
+  stacked.insert(stacked.end(), info.shape.begin(), info.shape.end());
+  if (array.dtype == info.dtype && array.shape == info.shape) return {std::move(array)};
+  if (array.dtype != info.dtype || array.shape != stacked)
+    throw TensorFileProblem(fmt::format("{}: {} {}, but the graph input {} is {} {}, or {} stacking one per micro-batch",
+                                        path, to_string(array.dtype), shape_to_string(array.shape),
+                                        buffer_name(p, buffer), to_string(info.dtype), shape_to_string(info.shape),
+                                        shape_to_string(stacked)));
+  std::vector<HostTensor> out;
+  const size_t bytes = size_t(info.bytes);
+  for (int m = 0; m < micro_batches; ++m)
+    out.push_back(HostTensor{info.dtype, info.shape,
+                             std::vector<unsigned char>(array.data.begin() + long(m * bytes),
+                                                        array.data.begin() + long((m + 1) * bytes))});
+  return out;
 }
 
 // The expected value of graph output `buffer` from the .npy file at `path`
@@ -365,6 +421,9 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
   // A megakernel's event counters start from zero (each round is a fresh start).
   std::memset(arena.data() + c.emitted.sync_offset, 0, size_t(c.emitted.sync_bytes));
+  // Per input, the bytes each micro-batch reads: one entry where all read the same.
+  const int micro_batches = options.steps > 0 ? options.micro_batches : 1;
+  std::vector<std::vector<std::vector<unsigned char>>> input_bytes(p.buffers.size());
   std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     if (written_in(p, int(b), all_phases, /*computed=*/true)) continue;
@@ -372,33 +431,35 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     if (c.plan.buffers[b].internal) continue;
     const BufferInfo& info = p.buffers[b];
     const std::string name = buffer_name(p, int(b));
-    int64_t n = info.bytes / dtype_bytes(info.dtype);
-    unsigned char* at = arena.data() + c.plan.buffers[b].offset;
-    inputs[b].resize(size_t(n));
+    const int64_t n = info.bytes / dtype_bytes(info.dtype);
+    // A graph input differs from micro-batch to micro-batch; weights and their "data" do not.
+    const int versions = info.storage == Storage::external ? micro_batches : 1;
     // A file in inputs_dir, else the tensor's own "data" (imported weights).
     std::string path = options.inputs_dir.empty() ? "" : options.inputs_dir + "/" + name + ".npy";
     if (!info.data.empty() && (path.empty() || !std::filesystem::exists(path))) path = info.data;
     if (!path.empty()) {
-      HostTensor array;
       try {
-        array = read_tensor_file(p, int(b), path);
+        for (HostTensor& array : read_micro_batch_files(p, int(b), path, versions))
+          input_bytes[b].push_back(std::move(array.data));
       } catch (const TensorFileProblem& e) {
         problems.push_back(e.what());
         continue;
       }
-      std::memcpy(at, array.data.data(), array.data.size());
-      for (int64_t i = 0; i < n; ++i) inputs[b][size_t(i)] = load_element(at + i * dtype_bytes(info.dtype), info.dtype);
-      continue;
+    } else {
+      const bool integer = info.dtype == DType::i32 || info.dtype == DType::i64;
+      std::uniform_real_distribution<double> real(-1.0, 1.0);
+      std::uniform_int_distribution<int64_t> ints(0, integer ? integer_input_range(p, int(b)) - 1 : 0);
+      for (int m = 0; m < versions; ++m) {
+        // Stored in the dtype: the reference reads what the kernels read, the value rounded.
+        std::vector<unsigned char> bytes(size_t(info.bytes));
+        for (int64_t i = 0; i < n; ++i)
+          store_element(bytes.data() + i * dtype_bytes(info.dtype), info.dtype, integer ? double(ints(rng)) : real(rng));
+        input_bytes[b].push_back(std::move(bytes));
+      }
     }
-    bool integer = info.dtype == DType::i32 || info.dtype == DType::i64;
-    std::uniform_real_distribution<double> real(-1.0, 1.0);
-    std::uniform_int_distribution<int64_t> ints(0, integer ? integer_input_range(p, int(b)) - 1 : 0);
-    for (int64_t i = 0; i < n; ++i) {
-      double v = integer ? double(ints(rng)) : real(rng);
-      // The reference reads what the kernels read: the value rounded to the dtype.
-      store_element(at + i * dtype_bytes(info.dtype), info.dtype, v);
-      inputs[b][size_t(i)] = load_element(at + i * dtype_bytes(info.dtype), info.dtype);
-    }
+    std::memcpy(arena.data() + c.plan.buffers[b].offset, input_bytes[b][0].data(), size_t(info.bytes));
+    for (int64_t i = 0; i < n; ++i)
+      inputs[b].push_back(load_element(input_bytes[b][0].data() + i * dtype_bytes(info.dtype), info.dtype));
   }
   if (!problems.empty())
     throw std::runtime_error(fmt::format("bad inputs{}:\n  {}", options.inputs_dir.empty() ? "" : " in " + options.inputs_dir,
@@ -432,9 +493,12 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     // actual inputs, its own (its dtype's, or TF32's).
     const double rtol = end_to_end ? tolerances[b].relative : own_tolerance[b].relative;
     const double atol = end_to_end ? tolerances[b].absolute : own_tolerance[b].absolute;
+    const double overflow = overflow_threshold(p.buffers[b].dtype);
     for (int64_t i = 0; i < int64_t(got.size()); ++i) {
       double y = got[size_t(i)], err = std::abs(y - want[size_t(i)]), bound = rtol * scale[size_t(i)] + atol;
-      const ElementVerdict verdict = check_element(y, want[size_t(i)], bound);
+      // Beyond the dtype's range the value rounds to an infinity (loss scaling's overflow test relies on it).
+      const double stored = std::abs(want[size_t(i)]) >= overflow ? std::copysign(INFINITY, want[size_t(i)]) : want[size_t(i)];
+      const ElementVerdict verdict = check_element(y, stored, bound);
       if (!std::isnan(err)) check.max_abs_error = std::max(check.max_abs_error, err);
       if (!std::isnan(want[size_t(i)])) check.max_reference = std::max(check.max_reference, std::abs(want[size_t(i)]));
       if (verdict == ElementVerdict::unbounded) {
@@ -494,6 +558,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     }
   }
 
+  std::vector<double> step_sums(tracked.size(), 0.0);
   std::vector<std::vector<double>> actual;
   for (size_t r = 0; r < rounds.size(); ++r) {
     const Round& round = rounds[r];
@@ -514,12 +579,22 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
           std::memset(arena.data() + c.plan.buffers[b].offset, 0xFF, size_t(c.plan.buffers[b].bytes));
       }
     }
-    const RunTimeArgs args = with_step_count(c, options.args, round.step);
+    // A micro-batch's own inputs.
+    if (in(round.phases, Phase::forward))
+      for (size_t b = 0; b < p.buffers.size(); ++b) {
+        if (input_bytes[b].size() < 2) continue;
+        const std::vector<unsigned char>& bytes = input_bytes[b][size_t(round.at.micro_batch)];
+        std::memcpy(arena.data() + c.plan.buffers[b].offset, bytes.data(), bytes.size());
+        const DType dtype = p.buffers[b].dtype;
+        for (size_t i = 0; i < before[b].size(); ++i)
+          before[b][i] = load_element(bytes.data() + i * size_t(dtype_bytes(dtype)), dtype);
+      }
+    const RunTimeArgs args = with_step_position(c, options.args, round.at);
     write_scalars(c, args, arena.data());
 
     executor.write(0, arena.data(), arena.size());
     auto start = std::chrono::steady_clock::now();
-    if (round.step > 0 && executor.has_function(kStepFunction)) {
+    if (round.whole_step && executor.has_function(kStepFunction)) {
       executor.run(kStepFunction);
     } else {
       for (Phase phase : round.phases) executor.run(phase_function(phase));
@@ -546,14 +621,22 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
       const Storage s = p.buffers[b].storage;
       if ((s != Storage::external && s != Storage::persistent) || !written_in(p, int(b), round.phases, false)) continue;
       if (unchecked[b]) continue;
-      compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], round.step, /*end_to_end=*/true);
+      compare(buffer_name(p, int(b)), b, actual[b], ref.value[b], ref.abs[b], int(round.at.step), /*end_to_end=*/true);
       if (!options.expected_dir.empty() && s == Storage::external)
         compare_expected(buffer_name(p, int(b)), b, actual[b],
                          read_expected(p, int(b), options.expected_dir + "/" + buffer_name(p, int(b)) + ".npy"),
                          ref.abs[b]);
     }
-    for (size_t i = 0; i < tracked.size() && round.step > 0; ++i) run.step_scalars[i].second.push_back(actual[tracked[i]][0]);
-    if (options.check_each_task) check_each_task(c, part, before, actual, args, user.ops, unchecked, round.step, compare);
+    // The loss of a step: the mean over its micro-batches.
+    if (round.at.step > 0 && in(round.phases, Phase::forward))
+      for (size_t i = 0; i < tracked.size(); ++i) step_sums[i] += actual[tracked[i]][0];
+    if (round.at.step > 0 && in(round.phases, Phase::update))
+      for (size_t i = 0; i < tracked.size(); ++i) {
+        run.step_scalars[i].second.push_back(step_sums[i] / round.at.micro_batches);
+        step_sums[i] = 0;
+      }
+    if (options.check_each_task)
+      check_each_task(c, part, before, actual, args, user.ops, unchecked, int(round.at.step), compare);
   }
   run.kernels = executor.kernel_bytes();
 
@@ -584,6 +667,15 @@ CheckedRun run_emulated_and_check(const Compiled& c, const RunOptions& options) 
   CheckedRun run = run_and_check(c, *executor, options);
   run.compile_seconds = compile_seconds;
   return run;
+}
+
+double overflow_threshold(DType dtype) {
+  switch (dtype) {
+    case DType::f16: return 65520.0;                    // 65504 + half its ulp of 32
+    case DType::bf16: return std::ldexp(2.0 - 1.0 / 256, 127);  // 2^128 - 2^119
+    case DType::f32: return std::ldexp(2.0 - 1.0 / 16777216, 127);  // 2^128 - 2^103
+    default: return INFINITY;
+  }
 }
 
 ElementVerdict check_element(double got, double want, double bound) {

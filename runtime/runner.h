@@ -50,6 +50,15 @@ struct RunOptions {
   // it. outputs_dir then also receives the weights and optimizer state, and
   // each tracked scalar's values per step (<task>.<slot>.per_step.npy, f64).
   int steps = 0;
+  // Gradient accumulation (a graph whose "training" says
+  // "accumulate_gradients"): each step runs forward and backward once per
+  // micro-batch, then one update with the mean of their gradients. Each
+  // micro-batch reads its own graph inputs: random, or from inputs_dir where
+  // <task>.<slot>.npy stacks them, [micro_batches, ...shape] (a file of the
+  // input's own shape serves every micro-batch). Each micro-batch is checked
+  // on its own, the accumulated gradients with it; the loss per step is the
+  // mean of the micro-batches' losses.
+  int micro_batches = 1;
 };
 
 struct OutputCheck {
@@ -80,6 +89,10 @@ struct OutputCheck {
 // is then `unbounded`, right where it is finite. NaN never passes.
 enum class ElementVerdict { within, outside, unbounded };
 ElementVerdict check_element(double got, double want, double bound);
+// The magnitude from which a value rounds to an infinity in `dtype` (round
+// to nearest): its largest finite value plus half a unit in the last place;
+// infinite for f64 and the integers.
+double overflow_threshold(DType dtype);
 
 struct CheckedRun {
   std::string where;  // the executor's: "host emulation", "GPU 0: ..."
@@ -113,6 +126,12 @@ struct TensorFileProblem : std::runtime_error {
 // --inputs, or the tensor's "data"). Throws TensorFileProblem as above, and
 // read_npy's errors (naming the file) for a malformed one.
 HostTensor read_tensor_file(const Program& program, int buffer, const std::string& path);
+// The values of graph input `buffer` for each of `micro_batches`
+// micro-batches from the .npy file at `path`: the slices of one that stacks
+// them ([micro_batches, ...shape]), or one value that serves them all (a file
+// of the input's own shape). Throws TensorFileProblem as above.
+std::vector<HostTensor> read_micro_batch_files(const Program& program, int buffer, const std::string& path,
+                                               int micro_batches);
 
 // The relative bound of docs/architecture.md §9 for a dtype.
 double relative_tolerance(DType dtype);
@@ -135,10 +154,24 @@ void write_scalars(const Compiled& compiled, const RunTimeArgs& args, unsigned c
 // bytes at plan.scalars_offset.
 std::vector<unsigned char> scalars_region(const Compiled& compiled, const RunTimeArgs& args);
 
-// `args` with each int run-time argument named `step` (Adam's bias
-// correction) set to `step`, the training step's number, unless `args`
-// already sets it; `args` unchanged for step 0 (not a training step).
-RunTimeArgs with_step_count(const Compiled& compiled, RunTimeArgs args, int64_t step);
+// Where a call of the phases stands in training: the step's number (from 1;
+// 0 for a call outside training), and of a step over several micro-batches,
+// which one forward and backward compute and how many the update averages.
+struct StepPosition {
+  int64_t step = 0;
+  int micro_batch = 0;
+  int micro_batches = 1;
+};
+
+// `args` with the run-time arguments a training step sets: each int one
+// named `step` (Adam's bias correction) set to the step's number, unless
+// `args` already sets it; gradient accumulation's `micro_batch` and
+// `micro_batches`, always. `args` unchanged for step 0 (not a training step).
+RunTimeArgs with_step_position(const Compiled& compiled, RunTimeArgs args, const StepPosition& at);
+
+// Whether the program sums its gradients over micro-batches (derived with
+// "accumulate_gradients"): it has the run-time `micro_batch` argument.
+bool accumulates_gradients(const Compiled& compiled);
 
 // A table for the terminal.
 std::string format_run(const CheckedRun& run);

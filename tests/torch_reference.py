@@ -95,6 +95,9 @@ class Graph:
         return order
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def run_torch(g, values, phases=None):
     """Evaluates every task (of `phases`, when given) in float64; `values`
     maps buffer names to tensors."""
@@ -138,9 +141,32 @@ def run_torch(g, values, phases=None):
             put(t, "out", torch.pow(get(t, "x"), args.get("exponent", 2.0)))
         elif op == "gelu":
             put(t, "out", torch.nn.functional.gelu(get(t, "x"), approximate={"tanh": "tanh", "erf": "none"}[args.get("approximate", "tanh")]))
-        elif op == "clip_coefficient":
-            norm = torch.sqrt(get(t, "sq_norm"))
-            put(t, "out", torch.clamp(args["max_norm"] / (norm + 1e-6), max=1.0))
+        elif op == "gradient_scale":
+            loss_scale = float(get(t, "loss_scale")) if "loss_scale" in t["tensors"] else 0.0
+            mean = 1.0 / (args.get("micro_batches", 1) * (loss_scale if loss_scale > 0 else 1.0))
+            factor = torch.tensor(mean, dtype=torch.float64)
+            sq_norm = get(t, "sq_norm") if "sq_norm" in t["tensors"] else torch.tensor(0.0, dtype=torch.float64)
+            if args.get("max_norm", 0.0) > 0:
+                # As the kernel's fminf(1, c): a NaN c (a NaN norm, from NaN gradients that poison the
+                # weights anyway) reads 1, where torch.clamp would keep the NaN.
+                c = float(args["max_norm"] / (torch.sqrt(sq_norm) * mean + 1e-6))
+                factor = torch.tensor(mean * (c if c < 1.0 else 1.0), dtype=torch.float64)
+            if loss_scale > 0 and not float(sq_norm) <= F32_MAX:  # overflowed: skip the step
+                factor = torch.tensor(-1.0, dtype=torch.float64)
+            put(t, "out", factor)
+        elif op == "loss_scale_update":
+            scale, good, steps = (float(get(t, s)) for s in ("scale", "good_steps", "steps"))
+            if float(get(t, "factor")) < 0:
+                scale, good = scale * args.get("backoff_factor", 0.5), 0.0
+            else:
+                steps, good = steps + 1, good + 1
+                if good >= args.get("growth_interval", 2000):
+                    scale, good = scale * args.get("growth_factor", 2.0), 0.0
+            for slot, value in (("scale", scale), ("good_steps", good), ("steps", steps)):
+                put(t, slot, torch.tensor(value, dtype=torch.float64))
+        elif op == "accumulate":
+            grad = get(t, "grad")
+            put(t, "acc", grad.clone() if args.get("micro_batch", 0) == 0 else get(t, "acc") + grad)
         elif op == "affine":
             put(t, "out", args.get("scale", 1.0) * get(t, "x") + args.get("shift", 0.0))
         elif op in ("add", "sub", "mul", "div", "maximum"):
@@ -213,11 +239,13 @@ def run_torch(g, values, phases=None):
             target = get(t, "target")
             f = lambda p: args.get("scale", 1.0) * ((p - target) ** 2).sum()
             put(t, "dpred", grad(f, [get(t, "pred")], torch.tensor(1.0, dtype=torch.float64))[0])
+        elif op in ("sgd", "adam", "adamw") and "grad_scale" in t["tensors"] and float(get(t, "grad_scale")) < 0:
+            pass  # loss scaling found an overflow: the step is skipped, everything stays
         elif op in ("sgd", "adam", "adamw"):
             # One step of torch.optim, its state set to the task's buffers.
             param = get(t, "param").clone().requires_grad_()
             param.grad = get(t, "grad").clone()
-            if "grad_scale" in t["tensors"]:  # clipping's factor, as clip_grad_norm_ applies it
+            if "grad_scale" in t["tensors"]:  # gradient_scale's: clipping's factor, as clip_grad_norm_ applies it
                 param.grad.mul_(get(t, "grad_scale"))
             wd = args.get("weight_decay", 0.0)
             if op == "sgd":
@@ -229,7 +257,9 @@ def run_torch(g, values, phases=None):
                 cls = torch.optim.Adam if op == "adam" else torch.optim.AdamW
                 opt = cls([param], lr=args["lr"], betas=(args.get("beta1", 0.9), args.get("beta2", 0.999)),
                           eps=args.get("eps", 1e-8), weight_decay=wd)
-                opt.state[param].update(step=torch.tensor(float(args["step"] - 1)), exp_avg=get(t, "m").clone(),
+                step = float(get(t, "step_count")) if "step_count" in t["tensors"] else 0.0
+                step = step if step > 0 else float(args["step"])  # the device's count of steps taken, where kept
+                opt.state[param].update(step=torch.tensor(step - 1), exp_avg=get(t, "m").clone(),
                                         exp_avg_sq=get(t, "v").clone())
             opt.step()
             put(t, "param", param.detach())

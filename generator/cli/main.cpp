@@ -60,6 +60,7 @@ struct Cli {
   std::vector<std::string> template_dirs;
   std::vector<std::string> run_time_args;  // TASK.ARG=VALUE
   int steps = 0;
+  int micro_batches = 1;
   std::vector<std::string> phases;
   std::string profile_path;
   std::string profile_sort;  // empty: time on a GPU, bytes in emulation
@@ -306,7 +307,11 @@ int run_run(Cli& cli) {
   for (const auto& text : cli.run_time_args) options.args.insert(parse_run_time_arg(text));
   for (const auto& name : cli.phases) options.phases.push_back(*parse_phase(name));  // checked by CLI11
   options.steps = cli.steps;
-  if (cli.steps > 0) fmt::print("training for {} steps in emulation, each checked against the float64 reference\n", cli.steps);
+  options.micro_batches = cli.micro_batches;
+  if (cli.steps > 0)
+    fmt::print("training for {} steps{} {}, each checked against the float64 reference\n", cli.steps,
+               cli.micro_batches > 1 ? fmt::format(" of {} micro-batches", cli.micro_batches) : "",
+               backend == Backend::gpu ? "on the GPU" : "in emulation");
   CheckedRun run;
   std::unique_ptr<Executor> executor;
   if (backend == Backend::gpu) {
@@ -501,6 +506,12 @@ int main_impl(int argc, char** argv) {
                       "reference from the state it started from; prints the loss per step. An int run-time argument "
                       "named 'step' (Adam's) counts the steps")
       ->check(CLI::NonNegativeNumber);
+  run_cmd->add_option("--micro-batches", cli.micro_batches,
+                      "with --steps, for a graph whose \"training\" says \"accumulate_gradients\": run forward and "
+                      "backward K times a step, each micro-batch on its own inputs (random, or the K slices of a "
+                      "--inputs file stacked [K, ...]), then one update with the mean of their gradients")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   run_cmd->add_option("--phases", cli.phases,
                       "run only these phases (init, forward, backward, update; comma-separated); what only the other "
                       "phases would write is then an input")

@@ -3,7 +3,9 @@
 // and a derived training step generated and run in emulation.
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <set>
 
@@ -398,6 +400,22 @@ int update_launches(const Compiled& c) {
   return int(launches.size());
 }
 
+// `graph` run one kernel a task with every buffer kept, each task checked
+// from the inputs it actually read; `slots` among the checks.
+void expect_each_task_checked(const TaskGraph& graph, RunOptions options, const std::string& name,
+                              const std::vector<std::string>& slots) {
+  CompileOptions unfused;
+  unfused.fuse.enabled = false;
+  unfused.plan.placement.reuse = false;
+  options.work_dir = cudagen::testing::work_dir("derive", name);
+  options.check_each_task = true;
+  CheckedRun each = run_checked(compile(load_program(graph, {}), unfused), options);
+  EXPECT_TRUE(each.ok()) << format_run(each);
+  std::set<std::string> checked;
+  for (const auto& check : each.checks) checked.insert(check.buffer);
+  for (const auto& slot : slots) EXPECT_TRUE(checked.count(slot)) << slot;
+}
+
 }  // namespace
 
 // An MLP's training step derived from its forward graph (SGD with momentum),
@@ -443,7 +461,7 @@ TEST(Derive, ClippingByGlobalNormIsOneFactorForEveryOptimizerInThreeLaunches) {
       if (s.name == "grad_scale") scale = &s;
     ASSERT_NE(scale, nullptr) << t.id;
     ASSERT_TRUE(scale->from.has_value()) << t.id;
-    EXPECT_EQ(scale->from->str(), "clip_coefficient.out") << t.id;
+    EXPECT_EQ(scale->from->str(), "gradient_scale.out") << t.id;
   }
   EXPECT_EQ(optimizers, 3);
   Compiled c = compile(load_program(derived.graph, {}), {});
@@ -453,21 +471,109 @@ TEST(Derive, ClippingByGlobalNormIsOneFactorForEveryOptimizerInThreeLaunches) {
   RunOptions options{seed, cudagen::testing::work_dir("derive", "clipped")};
   CheckedRun run = run_checked(c, options);
   EXPECT_TRUE(run.ok()) << format_run(run);
-  // One kernel a task, every buffer kept: the squares' sums, the total, the
-  // factor and each clipped update checked from their actual inputs.
-  CompileOptions unfused;
-  unfused.fuse.enabled = false;
-  unfused.plan.placement.reuse = false;
-  options.work_dir = cudagen::testing::work_dir("derive", "clipped_each_task");
-  options.check_each_task = true;
-  CheckedRun each = run_checked(compile(load_program(derived.graph, {}), unfused), options);
-  EXPECT_TRUE(each.ok()) << format_run(each);
-  std::set<std::string> checked;
-  for (const auto& check : each.checks) checked.insert(check.buffer);
-  for (const char* slot : {"task clip_coefficient.out", "task w1_adamw.param"}) EXPECT_TRUE(checked.count(slot)) << slot;
+  // The squares' sums, the total, the factor and each clipped update checked
+  // from their actual inputs.
+  expect_each_task_checked(derived.graph, options, "clipped_each_task", {"task gradient_scale.out", "task w1_adamw.param"});
 }
 
-TEST(Derive, ClippingWithoutAnOptimizerOrOnHandWrittenBackwardIsAnError) {
+// "accumulate_gradients": backward adds each weight's gradient into a
+// persistent accumulator (micro-batch 0 overwrites it), and every optimizer
+// reads its accumulator times one factor, the mean over the run-time
+// micro-batch count and the clipping of that mean. Two steps of three
+// micro-batches, each on its own inputs, run in emulation; each micro-batch's
+// accumulators and each update are checked against float64, fused and task
+// by task.
+TEST(Derive, AccumulatedGradientsUpdateWithTheirMeanOverMicroBatches) {
+  Program forward = load_program(small_mlp(), {});
+  TrainingSpec spec{{"loss", "loss"}, "adamw", {ArgSlot{"lr", ArgValue(0.01), {}, false, {}}}, {}, 1e-3, true};
+  DerivedGraph derived = derive_training(forward, spec);
+  std::vector<const Task*> accumulates;
+  const Task* scale = nullptr;
+  for (const auto& t : derived.graph.tasks) {
+    if (t.op == "accumulate") accumulates.push_back(&t);
+    if (t.op == "gradient_scale") scale = &t;
+    if (t.op != "adamw") continue;
+    std::map<std::string, std::string> from;
+    for (const auto& slot : t.tensors)
+      if (slot.from) from[slot.name] = slot.from->str();
+    const std::string weight = from["param"].substr(0, from["param"].find('.'));
+    EXPECT_EQ(from["grad"], weight + "_grad_acc_init.out") << t.id;
+    EXPECT_EQ(from["grad_scale"], "gradient_scale.out") << t.id;
+  }
+  ASSERT_EQ(accumulates.size(), 3u);
+  ASSERT_NE(scale, nullptr);
+  auto runtime_arg = [](const Task& t, const std::string& name) {
+    for (const auto& a : t.args)
+      if (a.name == name) return a.runtime;
+    return false;
+  };
+  EXPECT_TRUE(runtime_arg(*scale, "micro_batches"));
+  EXPECT_TRUE(runtime_arg(*accumulates[0], "micro_batch"));
+  for (size_t i = 1; i < accumulates.size(); ++i) {
+    EXPECT_EQ(accumulates[i]->phase, Phase::backward);
+    ASSERT_EQ(accumulates[i]->args.size(), 1u);
+    ASSERT_TRUE(accumulates[i]->args[0].from.has_value()) << accumulates[i]->id;
+    EXPECT_EQ(accumulates[i]->args[0].from->str(), accumulates[0]->id + ".micro_batch");
+  }
+  uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions options{seed, cudagen::testing::work_dir("derive", "accumulated")};
+  options.steps = 2;
+  options.micro_batches = 3;
+  CheckedRun run = run_checked(compile(load_program(derived.graph, {}), {}), options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  ASSERT_EQ(run.step_scalars.size(), 1u);
+  EXPECT_EQ(run.step_scalars[0].second.size(), 2u);  // the mean over a step's micro-batches, once a step
+  expect_each_task_checked(derived.graph, options, "accumulated_each_task",
+                           {"task w1_accumulate.acc", "task gradient_scale.out", "task w1_adamw.param"});
+  // A graph that does not accumulate refuses micro-batches.
+  spec.accumulate_gradients = false;
+  options.work_dir = cudagen::testing::work_dir("derive", "not_accumulated");
+  std::string msg;
+  try {
+    run_checked(compile(load_program(derive_training(forward, spec).graph, {}), {}), options);
+  } catch (const std::runtime_error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("this graph does not accumulate them: add \"accumulate_gradients\": true"), std::string::npos)
+      << msg;
+}
+
+// "loss_scale": the loss's own backward is multiplied by the scale, the
+// factor every optimizer reads unscales and tests the scaled gradients for
+// overflow, loss_scale_update keeps GradScaler's state, and Adam counts the
+// steps taken from it. Three steps from a scale of 2^100 (each scaled
+// gradient's square beyond f32) with a backoff of 2^-60 and growth after each
+// good step: the first is skipped, the next two are taken; each step, the
+// skip included, checked against float64, fused and task by task.
+TEST(Derive, LossScalingSkipsAnOverflowedStepAndCountsTheStepsTaken) {
+  Program forward = load_program(small_mlp(), {});
+  TrainingSpec spec{{"loss", "loss"}, "adamw", {ArgSlot{"lr", ArgValue(0.01), {}, false, {}}}, {}, {}, false,
+                    LossScaling{std::ldexp(1.0, 100), 2.0, std::ldexp(1.0, -60), 1}};
+  DerivedGraph derived = derive_training(forward, spec);
+  std::map<std::string, std::map<std::string, std::string>> from;  // task -> slot -> what it reads
+  for (const auto& t : derived.graph.tasks)
+    for (const auto& slot : t.tensors)
+      if (slot.from) from[t.id][slot.name] = slot.from->str();
+  EXPECT_EQ(from["loss_backward_scaled"]["a"], "loss_backward.dlogits");
+  EXPECT_EQ(from["loss_backward_scaled"]["b"], "loss_scale.out");
+  EXPECT_EQ(from["gradient_scale"]["loss_scale"], "loss_scale.out");
+  EXPECT_EQ(from["loss_scale_update"]["factor"], "gradient_scale.out");
+  for (const char* optimizer : {"w1_adamw", "b1_adamw", "w2_adamw"}) {
+    EXPECT_EQ(from[optimizer]["grad_scale"], "gradient_scale.out") << optimizer;
+    EXPECT_EQ(from[optimizer]["step_count"], "loss_scale_update.steps") << optimizer;
+  }
+  uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions options{seed, cudagen::testing::work_dir("derive", "loss_scaled")};
+  options.steps = 3;
+  CheckedRun run = run_checked(compile(load_program(derived.graph, {}), {}), options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  expect_each_task_checked(derived.graph, options, "loss_scaled_each_task",
+                           {"task gradient_scale.out", "task loss_scale_update.scale", "task w1_adamw.param"});
+}
+
+TEST(Derive, ClippingOrAccumulatingWithoutAnOptimizerOrOnHandWrittenBackwardIsAnError) {
   Program forward = load_program(small_mlp(), {});
   TrainingSpec spec{{"loss", "loss"}, "", {}, {}, 1.0, {}};
   std::string msg;
@@ -477,6 +583,16 @@ TEST(Derive, ClippingWithoutAnOptimizerOrOnHandWrittenBackwardIsAnError) {
     msg = e.what();
   }
   EXPECT_NE(msg.find("/training/clip_grad_norm: \"clip_grad_norm\" clips what an optimizer reads, but there is none"),
+            std::string::npos)
+      << msg;
+  msg.clear();
+  try {
+    derive_training(forward, TrainingSpec{{"loss", "loss"}, "", {}, {}, {}, true});
+  } catch (const CompileError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("/training/accumulate_gradients: \"accumulate_gradients\" accumulates what an optimizer reads, "
+                     "but there is none"),
             std::string::npos)
       << msg;
   TaskGraph g = small_mlp();

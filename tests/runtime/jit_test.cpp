@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "graph_json.h"
 #include "jit.h"
 #include "reference.h"
 #include "runtime_test_util.h"
@@ -190,6 +191,77 @@ TEST_F(Jit, TrainsWithRunTimeLearningRate) {
   mlp.set_arg(lr_name, ArgValue(0.0));
   mlp.step();
   EXPECT_EQ(mlp.read("w1.out").data, before.data);
+}
+
+// Gradient accumulation through the API: a step over micro-batches, each
+// fed its own inputs, is one update with the mean of their gradients. Three
+// micro-batches of the same data step as one step on it does, step after
+// step (micro-batch 0 starts each step's sums afresh); two of different data
+// do not; a graph that does not accumulate refuses more than one.
+TEST_F(Jit, AStepOverMicroBatchesUpdatesWithTheMeanOfTheirGradients) {
+  TaskGraph graph = read_graph_file(source_path("examples/mlp_derived.json"));
+  JitProgram plain = JitProgram::from_graph(graph, options_);
+  graph.training->accumulate_gradients = true;
+  JitProgram accumulating = JitProgram::from_graph(graph, options_);
+  std::vector<double> x = ramp(32 * 64, 1.0), other = ramp(32 * 64, -0.6), labels(32);
+  for (size_t r = 0; r < labels.size(); ++r) labels[r] = double((r * 7) % 10);
+  Instance one = plain.instantiate(), same = accumulating.instantiate(), mixed = accumulating.instantiate();
+  for (Instance* i : {&one, &same, &mixed}) {
+    i->run(Phase::init);
+    i->set("loss.labels", labels);
+  }
+  one.set("fc1.a", x);
+  for (int s = 0; s < 2; ++s) {
+    one.step();
+    same.step(3, [&](int) { same.set("fc1.a", x); });
+    mixed.step(2, [&](int m) { mixed.set("fc1.a", m == 0 ? x : other); });
+  }
+  const std::vector<double> w_one = one.read("w1_init.out").values(), w_same = same.read("w1_init.out").values(),
+                            w_mixed = mixed.read("w1_init.out").values();
+  double scale = 0, same_error = 0, mixed_difference = 0;
+  for (size_t i = 0; i < w_one.size(); ++i) {
+    scale = std::max(scale, std::abs(w_one[i]));
+    same_error = std::max(same_error, std::abs(w_same[i] - w_one[i]));
+    mixed_difference = std::max(mixed_difference, std::abs(w_mixed[i] - w_one[i]));
+  }
+  EXPECT_LE(same_error, 1e-5 * scale);
+  EXPECT_GT(mixed_difference, 1e-3 * scale);
+  try {
+    one.step(2, {});
+    ADD_FAILURE() << "a graph without \"accumulate_gradients\" took two micro-batches";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("add \"accumulate_gradients\": true"), std::string::npos) << e.what();
+  }
+}
+
+// Dynamic loss scaling through the API, on the device alone: from a scale of
+// 2^100 the first step's scaled gradients overflow, so it is skipped (the
+// weights as they were, no step counted) and the scale backs off by 2^-60;
+// the next steps are taken, and the scale grows after each (growth_interval 1).
+TEST_F(Jit, AnOverflowedStepIsSkippedAndTheScaleBacksOffOnTheDevice) {
+  TaskGraph graph = read_graph_file(source_path("examples/mlp_derived.json"));
+  graph.training->loss_scale = LossScaling{std::ldexp(1.0, 100), 2.0, std::ldexp(1.0, -60), 1};
+  Instance mlp = JitProgram::from_graph(graph, options_).instantiate();
+  mlp.run(Phase::init);
+  std::vector<double> labels(32);
+  for (size_t r = 0; r < labels.size(); ++r) labels[r] = double((r * 3) % 10);
+  mlp.set("fc1.a", ramp(32 * 64, 1.0));
+  mlp.set("loss.labels", labels);
+  auto scalar = [&](const char* name) { return mlp.read(name).values()[0]; };
+  EXPECT_EQ(scalar("loss_scale.out"), std::ldexp(1.0, 100));
+  const std::vector<unsigned char> initial = mlp.read("w1_init.out").data;
+  mlp.step();
+  EXPECT_EQ(scalar("loss_scale.out"), std::ldexp(1.0, 40));
+  EXPECT_EQ(scalar("optimizer_steps.out"), 0.0);
+  EXPECT_EQ(mlp.read("w1_init.out").data, initial);
+  mlp.step();
+  EXPECT_EQ(scalar("loss_scale.out"), std::ldexp(1.0, 41));
+  EXPECT_EQ(scalar("optimizer_steps.out"), 1.0);
+  EXPECT_NE(mlp.read("w1_init.out").data, initial);
+  mlp.step();
+  EXPECT_EQ(scalar("loss_scale.out"), std::ldexp(1.0, 42));
+  EXPECT_EQ(scalar("optimizer_steps.out"), 2.0);
+  EXPECT_EQ(scalar("loss_scale_good_steps.out"), 0.0);
 }
 
 TEST_F(Jit, RandomizeDrawsWhatAUniformInitTaskDraws) {

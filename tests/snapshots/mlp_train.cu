@@ -639,13 +639,14 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/optimizers.cuh:11
+// templates/optimizers.cuh:15
 // SGD as PyTorch defines it: g = grad + weight_decay * param;
 // buf = momentum * buf + g (buf = g at the first step is the caller's zero
 // init); param -= lr * (momentum ? buf : g).
 template <typename T>
 CG_DEVICE void cg_sgd(T& param, T grad, T& momentum_buf, float grad_scale, float lr, float momentum,
                       float weight_decay) {
+  if (grad_scale < 0.0f) return;  // gradient_scale found an overflow: the step is skipped
   float g = float(grad) * grad_scale + weight_decay * float(param);
   if (momentum != 0.0f) {
     const float buf = momentum * float(momentum_buf) + g;

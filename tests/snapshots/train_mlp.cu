@@ -639,7 +639,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/optimizers.cuh:38
+// templates/optimizers.cuh:43
 // Adam's moment update for gradient g, and the bias-corrected step
 // m_hat / (sqrt(v_hat) + eps) that adam and adamw scale by lr.
 CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, float beta2, float eps, long long step) {
@@ -650,11 +650,13 @@ CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, floa
   return m_hat / (sqrt(v_hat) + eps);
 }
 
-// templates/optimizers.cuh:47
+// templates/optimizers.cuh:52
 // One Adam step, L2 weight decay added to the gradient (torch.optim.Adam).
 template <typename T>
-CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float grad_scale, float lr, float beta1, float beta2,
-                       float eps, float weight_decay, long long step) {
+CG_DEVICE void cg_adam(T& param, T grad, float& m, float& v, float grad_scale, float step_count, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, long long step) {
+  if (grad_scale < 0.0f) return;  // gradient_scale found an overflow: the step is skipped
+  if (step_count > 0.0f) step = (long long)step_count;
   const float g = float(grad) * grad_scale + weight_decay * float(param);
   param = T(float(param) - lr * cg_adam_direction(g, m, v, beta1, beta2, eps, step));
 }
@@ -994,7 +996,8 @@ CG_DEVICE void k18_w1_adam_tile(float* param, const float* grad, float* m, float
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
+    float step_count_local = 0;
+    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -1013,7 +1016,8 @@ CG_DEVICE void k19_b1_adam_tile(float* param, const float* grad, float* m, float
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
+    float step_count_local = 0;
+    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -1032,7 +1036,8 @@ CG_DEVICE void k20_w2_adam_tile(float* param, const float* grad, float* m, float
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
+    float step_count_local = 0;
+    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -1051,7 +1056,8 @@ CG_DEVICE void k21_b2_adam_tile(float* param, const float* grad, float* m, float
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
+    float step_count_local = 0;
+    cg_adam<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.0f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);

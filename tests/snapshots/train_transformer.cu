@@ -720,7 +720,7 @@ CG_DEVICE void cg_matmul_tile(LoadA load_a, LoadB load_b, Epilogue epilogue, int
     }
 }
 
-// templates/optimizers.cuh:38
+// templates/optimizers.cuh:43
 // Adam's moment update for gradient g, and the bias-corrected step
 // m_hat / (sqrt(v_hat) + eps) that adam and adamw scale by lr.
 CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, float beta2, float eps, long long step) {
@@ -731,12 +731,14 @@ CG_DEVICE float cg_adam_direction(float g, float& m, float& v, float beta1, floa
   return m_hat / (sqrt(v_hat) + eps);
 }
 
-// templates/optimizers.cuh:73
+// templates/optimizers.cuh:81
 // AdamW: the weight decay is decoupled, applied to the parameter directly
 // (torch.optim.AdamW).
 template <typename T>
-CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float grad_scale, float lr, float beta1, float beta2,
-                        float eps, float weight_decay, long long step) {
+CG_DEVICE void cg_adamw(T& param, T grad, float& m, float& v, float grad_scale, float step_count, float lr,
+                        float beta1, float beta2, float eps, float weight_decay, long long step) {
+  if (grad_scale < 0.0f) return;  // gradient_scale found an overflow: the step is skipped
+  if (step_count > 0.0f) step = (long long)step_count;
   const float decayed = float(param) * (1.0f - lr * weight_decay);
   param = T(decayed - lr * cg_adam_direction(float(grad) * grad_scale, m, v, beta1, beta2, eps, step));
 }
@@ -1974,7 +1976,8 @@ CG_DEVICE void k56_embed_w_adamw_tile(float* param, const float* grad, float* m,
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -1993,7 +1996,8 @@ CG_DEVICE void k57_ln1_w_adamw_tile(float* param, const float* grad, float* m, f
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2012,7 +2016,8 @@ CG_DEVICE void k58_wq_adamw_tile(float* param, const float* grad, float* m, floa
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2031,7 +2036,8 @@ CG_DEVICE void k59_wk_adamw_tile(float* param, const float* grad, float* m, floa
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2050,7 +2056,8 @@ CG_DEVICE void k60_wv_adamw_tile(float* param, const float* grad, float* m, floa
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2069,7 +2076,8 @@ CG_DEVICE void k61_wo_adamw_tile(float* param, const float* grad, float* m, floa
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2088,7 +2096,8 @@ CG_DEVICE void k62_ln2_w_adamw_tile(float* param, const float* grad, float* m, f
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2107,7 +2116,8 @@ CG_DEVICE void k63_w_up_adamw_tile(float* param, const float* grad, float* m, fl
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2126,7 +2136,8 @@ CG_DEVICE void k64_w_down_adamw_tile(float* param, const float* grad, float* m, 
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2145,7 +2156,8 @@ CG_DEVICE void k65_lnf_w_adamw_tile(float* param, const float* grad, float* m, f
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);
@@ -2164,7 +2176,8 @@ CG_DEVICE void k66_w_head_adamw_tile(float* param, const float* grad, float* m, 
     float m_local = cg_load(m, i);
     float v_local = cg_load(v, i);
     float grad_scale_local = 1.0f;
-    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
+    float step_count_local = 0;
+    cg_adamw<float>(param_local, cg_load(grad, i), m_local, v_local, grad_scale_local, step_count_local, lr, 0.8999999761581421f, 0.9990000128746033f, 9.99999993922529e-09f, 0.009999999776482582f, step);
     cg_store(param, i, param_local);
     cg_store(m, i, m_local);
     cg_store(v, i, v_local);

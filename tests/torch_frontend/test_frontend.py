@@ -493,27 +493,41 @@ class Training(Exported):
     STEPS = 2
 
     def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False,
-                       update_rtol=1e-3, clip_grad_norm=None):
+                       update_rtol=1e-3, clip_grad_norm=None, micro_batches=1):
         """Exports forward + loss, lets cudagen derive backward and update, runs
         STEPS steps in emulation (each checked against the float64 reference
         by `cudagen run`), and compares the losses and the updated weights
         with PyTorch's own training of the same model from the same weights
         and inputs (torch.optim, autograd; clip_grad_norm_ before each step
-        where clip_grad_norm is given, which must then clip some step)."""
+        where clip_grad_norm is given, which must then clip some step).
+        With micro_batches, each step runs over that many micro-batches (the
+        example, then copies of it shifted), against PyTorch summing the
+        gradients of each micro-batch's loss divided by their count."""
         steps = steps or self.STEPS
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer=optimizer,
-                                      optimizer_args=optimizer_args, train_mode=train_mode, clip_grad_norm=clip_grad_norm)
+                                      optimizer_args=optimizer_args, train_mode=train_mode, clip_grad_norm=clip_grad_norm,
+                                      accumulate_gradients=micro_batches > 1)
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
+        example_dir = os.path.join(model_dir, "example")
+        example = {n: np.load(os.path.join(example_dir, n + ".npy")) for n in result.inputs}
+        # Micro-batch m: the example's values moved by m (floats scaled, classes rotated).
+        feeds = [{n: (a * (1.0 - 0.4 * m)).astype(a.dtype) if a.dtype.kind == "f"
+                  else (a + m) % (int(a.max()) + 1) for n, a in example.items()} for m in range(micro_batches)]
+        inputs_dir = example_dir
+        if micro_batches > 1:
+            inputs_dir = os.path.join(self.dir, "micro_batches")
+            os.makedirs(inputs_dir, exist_ok=True)
+            for n in result.inputs:
+                np.save(os.path.join(inputs_dir, n + ".npy"), np.stack([feed[n] for feed in feeds]))
         outputs = os.path.join(self.dir, "outputs")
-        stdout, _ = self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", str(steps), "--inputs",
-                                     os.path.join(model_dir, "example"), "--outputs", outputs)
+        stdout, _ = self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", str(steps), "--inputs", inputs_dir,
+                                     "--outputs", outputs, "--micro-batches", str(micro_batches))
         self.assertIn("loss", stdout)
 
         # PyTorch trains its own copy: eval mode (the export maps dropout to
         # the identity) unless the test asks for train mode (BatchNorm's batch
         # statistics), the exported inputs, the same optimizer.
-        example = {n: torch.from_numpy(np.load(os.path.join(model_dir, "example", n + ".npy"))) for n in result.inputs}
         model.train(train_mode)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = {"sgd": dict(lr=optimizer_args["lr"], momentum=optimizer_args.get("momentum", 0.0)),
@@ -522,20 +536,23 @@ class Training(Exported):
                               eps=optimizer_args.get("eps", 1e-8), weight_decay=optimizer_args.get("weight_decay", 0.0))}
         torch_optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(),
                                                                                          **args[optimizer])
-        x = example[result.inputs[0]]
         losses, norms = [], []
         for _ in range(steps):
             torch_optimizer.zero_grad()
-            logits = model(x)
-            if loss == "cross_entropy":
-                value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), example["labels"].reshape(-1).long())
-            else:
-                value = F.mse_loss(logits, example["target"])
-            value.backward()
+            step_losses = []
+            for feed in feeds:
+                feed = {n: torch.from_numpy(a) for n, a in feed.items()}
+                logits = model(feed[result.inputs[0]])
+                if loss == "cross_entropy":
+                    value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), feed["labels"].reshape(-1).long())
+                else:
+                    value = F.mse_loss(logits, feed["target"])
+                (value / micro_batches).backward()
+                step_losses.append(float(value))
             if clip_grad_norm is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
             torch_optimizer.step()
-            losses.append(float(value))
+            losses.append(float(np.mean(step_losses)))
 
         if clip_grad_norm is not None:
             self.assertGreater(max(norms), clip_grad_norm, f"no step was clipped: the norms were {norms} (seed {seed})")
@@ -632,8 +649,32 @@ class Training(Exported):
             losses.append(float(value))
         got = np.load(os.path.join(outputs, "loss.per_step.npy")).reshape(-1)
         np.testing.assert_allclose(got, losses, rtol=1e-2, err_msg=f"loss per step, cudagen vs PyTorch (seed {seed})")
-        with self.assertRaisesRegex(cudagen_torch.ExportError, "float16 autocast needs loss scaling"):
+        with self.assertRaisesRegex(cudagen_torch.ExportError, "scales the loss for the optimizer"):
             cudagen_torch.export(model, (torch.randn(16, 24),), model_dir, loss="mse", precision=torch.float16)
+
+    def test_a_float16_export_scales_its_loss_and_trains(self):
+        """precision=torch.float16 with an optimizer: "precision": "f16", the
+        loss scaled dynamically (GradScaler's arguments where given), and the
+        export trains in emulation, each step checked against the float64
+        reference (PyTorch 1.13 has no float16 autocast on the CPU to compare
+        with)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        model_dir = os.path.join(self.dir, "model")
+        result = cudagen_torch.export(models.mlp(), (torch.randn(16, 20),), model_dir, loss="cross_entropy",
+                                      optimizer="adamw", optimizer_args={"lr": 0.01}, precision=torch.float16,
+                                      loss_scale={"init_scale": 256.0, "growth_interval": 1})
+        with open(result.graph_path) as f:
+            training = json.load(f)["training"]
+        self.assertEqual(training["precision"], "f16")
+        self.assertEqual(training["loss_scale"], {"initial": 256.0, "growth_interval": 1})
+        outputs = os.path.join(self.dir, "outputs")
+        self.run_cudagen("run", result.graph_path, RUN_MODE, "--steps", "2", "--inputs",
+                         os.path.join(model_dir, "example"), "--outputs", outputs)
+        self.assertEqual(float(np.load(os.path.join(outputs, "loss_scale.out.npy"))), 1024.0)  # grown after each step
+        with self.assertRaisesRegex(cudagen_torch.ExportError, "give 'dynamic', or a dict"):
+            cudagen_torch.export(models.mlp(), (torch.randn(16, 20),), model_dir, loss="mse", optimizer="sgd",
+                                 optimizer_args={"lr": 0.1}, loss_scale={"scale": 2.0})
 
     def test_clipped_gradients_train_as_pytorch_does(self):
         """export(clip_grad_norm=...): cudagen clips the gradients to that
@@ -648,6 +689,21 @@ class Training(Exported):
         with self.assertRaisesRegex(cudagen_torch.ExportError, "clips what an optimizer reads"):
             cudagen_torch.export(models.mlp(), (torch.randn(8, 20),), os.path.join(self.dir, "other"), loss="mse",
                                  clip_grad_norm=1.0)
+
+    def test_accumulated_gradients_train_as_pytorch_does(self):
+        """export(accumulate_gradients=True): each step runs over three
+        micro-batches and updates with the mean of their gradients, clipped,
+        as dividing each loss by three, clip_grad_norm_ and one SGD step do
+        (issue #41)."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.mlp(), (torch.randn(8, 20),), "cross_entropy", "sgd",
+                            {"lr": 0.1, "momentum": 0.9}, clip_grad_norm=0.3, micro_batches=3)
+        with open(os.path.join(self.dir, "model", "graph.json")) as f:
+            self.assertTrue(json.load(f)["training"]["accumulate_gradients"])
+        with self.assertRaisesRegex(cudagen_torch.ExportError, "sums what an optimizer reads"):
+            cudagen_torch.export(models.mlp(), (torch.randn(8, 20),), os.path.join(self.dir, "other"), loss="mse",
+                                 accumulate_gradients=True)
 
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()

@@ -158,6 +158,53 @@ TEST(GraphJson, ClipGradNormRoundTripsAndMustBeAPositiveNumber) {
   }
 }
 
+TEST(GraphJson, AccumulateGradientsRoundTripsAndMustBeABoolean) {
+  TaskGraph g = read_graph(read_text_file(source_path("examples/mlp_derived.json")));
+  EXPECT_EQ(write_graph(g).find("accumulate_gradients"), std::string::npos);
+  g.training->accumulate_gradients = true;
+  const std::string text = write_graph(g);
+  EXPECT_NE(text.find("\"accumulate_gradients\": true"), std::string::npos) << text;
+  EXPECT_TRUE(read_graph(text).training->accumulate_gradients);
+  for (const char* bad : {"1", "\"yes\"", "null"}) {
+    std::string msg = errors_of(fmt::format(
+        R"({{"format": "cudagen.taskgraph/1", "tasks": [], "training": {{"loss": "a.b", "accumulate_gradients": {}}}}})",
+        bad));
+    EXPECT_NE(msg.find("/training/accumulate_gradients: \"accumulate_gradients\" must be true or false"),
+              std::string::npos)
+        << bad << ": " << msg;
+  }
+}
+
+TEST(GraphJson, LossScaleIsDynamicOrGradScalersArgumentsAndRoundTrips) {
+  const std::string head = R"({"format": "cudagen.taskgraph/1", "tasks": [], "training": {"loss": "a.b", "loss_scale": )";
+  TaskGraph g = read_graph(head + R"("dynamic"}})");
+  ASSERT_TRUE(g.training->loss_scale.has_value());
+  EXPECT_EQ(g.training->loss_scale->initial, 65536.0);
+  EXPECT_EQ(g.training->loss_scale->growth_interval, 2000);
+  g = read_graph(head + R"({"initial": 1024, "backoff_factor": 0.25, "growth_interval": 3}}})");
+  EXPECT_EQ(g.training->loss_scale->initial, 1024.0);
+  EXPECT_EQ(g.training->loss_scale->growth_factor, 2.0);
+  EXPECT_EQ(g.training->loss_scale->backoff_factor, 0.25);
+  EXPECT_EQ(g.training->loss_scale->growth_interval, 3);
+  const TaskGraph again = read_graph(write_graph(g));
+  EXPECT_EQ(again.training->loss_scale->backoff_factor, 0.25);
+  EXPECT_EQ(again.training->loss_scale->growth_interval, 3);
+  const std::pair<const char*, const char*> bad[] = {
+      {R"("static")", "/training/loss_scale: unknown loss scaling \"static\""},
+      {"true", "\"loss_scale\" must be \"dynamic\" or an object"},
+      {R"({"initial": 0})", "/training/loss_scale/initial: \"initial\" is 0"},
+      {R"({"initial": 1e39})", "/training/loss_scale/initial"},
+      {R"({"growth_factor": 1})", "/training/loss_scale/growth_factor"},
+      {R"({"backoff_factor": 1.5})", "/training/loss_scale/backoff_factor"},
+      {R"({"growth_interval": 0})", "/training/loss_scale/growth_interval"},
+      {R"({"growth_interval": 2.5})", "it is a whole number of steps"},
+      {R"({"intial": 2})", "unknown field \"intial\""}};
+  for (const auto& [value, expected] : bad) {
+    const std::string msg = errors_of(head + value + "}}");
+    EXPECT_NE(msg.find(expected), std::string::npos) << value << ": " << msg;
+  }
+}
+
 TEST(GraphJson, MissingFormatAndTasks) {
   std::string msg = errors_of("{}");
   EXPECT_NE(msg.find("missing \"format\""), std::string::npos) << msg;

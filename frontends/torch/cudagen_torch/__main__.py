@@ -60,12 +60,16 @@ def main(argv=None):
     ex.add_argument("--loss", choices=["cross_entropy", "mse"], help="add a loss: the graph then trains")
     ex.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], help="with --loss: derive an update phase")
     ex.add_argument("--lr", type=float, default=0.01, help="the optimizer's learning rate (default 0.01)")
-    ex.add_argument("--precision", choices=["bf16"],
-                    help="with --loss: train as torch.autocast(dtype=torch.bfloat16) does, f32 master weights and "
-                    "products in bf16 (default: f32 throughout)")
+    ex.add_argument("--precision", choices=["bf16", "f16"],
+                    help="with --loss: train as torch.autocast(dtype=torch.bfloat16 or float16) does, f32 master "
+                    "weights and products in 16 bits; f16 with dynamic loss scaling, as GradScaler does (needs "
+                    "--optimizer) (default: f32 throughout)")
     ex.add_argument("--clip-grad-norm", type=float, metavar="MAX",
                     help="with --optimizer: clip the gradients to this global L2 norm before each update, as "
                     "torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
+    ex.add_argument("--accumulate-gradients", action="store_true",
+                    help="with --optimizer: let each training step run over several micro-batches and update with "
+                    "the mean of their gradients (cudagen run --micro-batches K)")
     ex.add_argument("--train-mode", action="store_true",
                     help="export the model in training mode: BatchNorm normalises by each batch's statistics and "
                     "updates its running ones (default: eval mode)")
@@ -92,7 +96,8 @@ def main(argv=None):
     try:
         result = export(model, tuple(inputs), args.output, name=args.name, loss=args.loss, optimizer=args.optimizer,
                         optimizer_args={"lr": args.lr} if args.optimizer else None, tracer=args.tracer,
-                        train_mode=args.train_mode, precision=args.precision, clip_grad_norm=args.clip_grad_norm)
+                        train_mode=args.train_mode, precision=args.precision, clip_grad_norm=args.clip_grad_norm,
+                        accumulate_gradients=args.accumulate_gradients)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

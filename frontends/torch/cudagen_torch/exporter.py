@@ -1758,9 +1758,10 @@ def _enclosing_autocast_dtype():
 
 
 def _autocast_precision(precision, loss):
-    """The training's precision policy: `precision` as given ("bf16" or
-    torch.bfloat16), else the dtype of the torch.autocast the export runs in
-    (CUDA's or the CPU's), else None (f32 throughout)."""
+    """The training's precision policy: `precision` as given ("bf16",
+    torch.bfloat16, "f16" or torch.float16), else the dtype of the
+    torch.autocast the export runs in (CUDA's or the CPU's), else None (f32
+    throughout)."""
     if precision is None:
         precision = _enclosing_autocast_dtype()
         if precision is None:
@@ -1768,18 +1769,37 @@ def _autocast_precision(precision, loss):
     names = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
     precision = names.get(precision, precision)
     if precision not in ("bf16", "f16", "f32"):
-        raise ExportError(f"precision={precision!r} has no mapping; use 'bf16' (torch.bfloat16)")
+        raise ExportError(f"precision={precision!r} has no mapping; use 'bf16' (torch.bfloat16) or 'f16' "
+                          "(torch.float16)")
     if loss is None:
         raise ExportError(f"precision={precision!r} (or a torch.autocast around the export) is a training policy: "
                           "pass loss= as well, or export outside torch.autocast")
-    if precision == "f16":
-        raise ExportError("float16 autocast needs loss scaling (GradScaler), which cudagen does not have yet; "
-                          "use torch.bfloat16, which needs none")
     return None if precision == "f32" else precision
 
 
+def _loss_scale(loss_scale, optimizer, precision):
+    """The training section's "loss_scale": "dynamic", or GradScaler's
+    arguments as a dict (init_scale, growth_factor, backoff_factor,
+    growth_interval, as torch.cuda.amp.GradScaler names them); None for none
+    (float16 then scales dynamically with GradScaler's defaults)."""
+    if loss_scale is None and precision != "f16":
+        return None
+    if optimizer is None:
+        raise ExportError("loss scaling (float16 autocast, or loss_scale=) scales the loss for the optimizer, which "
+                          "unscales the gradients: pass optimizer= too")
+    if loss_scale is None or loss_scale == "dynamic":
+        return "dynamic" if loss_scale is not None else None
+    names = {"init_scale": "initial", "growth_factor": "growth_factor", "backoff_factor": "backoff_factor",
+             "growth_interval": "growth_interval"}
+    if not isinstance(loss_scale, dict) or not set(loss_scale) <= set(names):
+        raise ExportError(f"loss_scale={loss_scale!r}: give 'dynamic', or a dict of GradScaler's arguments "
+                          f"({', '.join(names)})")
+    return {names[k]: v for k, v in loss_scale.items()}
+
+
 def export(module, example_inputs, path, name=None, loss=None, optimizer=None, optimizer_args=None,
-           write_example=True, tracer="auto", train_mode=False, precision=None, clip_grad_norm=None):
+           write_example=True, tracer="auto", train_mode=False, precision=None, clip_grad_norm=None,
+           accumulate_gradients=False, loss_scale=None):
     """Captures `module` on `example_inputs` (a tuple of tensors) and writes
     `path`/graph.json with one .npy per parameter and buffer.
 
@@ -1798,16 +1818,26 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       ones (`batchnorm2d`); by default in eval mode (module.eval()). The
       module is left in that mode; its running statistics are as they were
       (the capture's own forward pass does not move them).
-    precision: with loss, "bf16" (or torch.bfloat16) trains as torch.autocast
-      does: the graph stays f32 (the weights are f32 master weights) and its
-      `training` section asks cudagen for "precision": "bf16" (products in
-      bf16, norms and losses in f32; docs/taskgraph-format.md). By default the
+    precision: with loss, "bf16" (or torch.bfloat16) or "f16" (torch.float16)
+      trains as torch.autocast does: the graph stays f32 (the weights are f32
+      master weights) and its `training` section asks cudagen for
+      "precision": "bf16" (products in bf16, norms and losses in f32;
+      docs/taskgraph-format.md); f16 with dynamic loss scaling, as
+      torch.cuda.amp.GradScaler does, and so needs an optimizer. By default the
       dtype of a torch.autocast the export runs in, so exporting inside the
       training loop's `with torch.autocast(...)` keeps its policy. The model
       itself is captured in f32 either way.
     clip_grad_norm: with an optimizer, clip the gradients to this global L2
       norm before each update, as torch.nn.utils.clip_grad_norm_ does
       ("clip_grad_norm" in the training section).
+    loss_scale: with an optimizer, scale the loss dynamically as
+      torch.cuda.amp.GradScaler does: "dynamic" (its defaults), or a dict of
+      its arguments ({"init_scale": 1024, "growth_interval": 100}); float16
+      implies "dynamic".
+    accumulate_gradients: with an optimizer, let each training step run over
+      several micro-batches (their count chosen at run time) and update with
+      the mean of their gradients, as dividing each micro-batch's loss by the
+      count and stepping after the last does ("accumulate_gradients").
     Raises ExportError naming the node for anything it cannot map; nothing is
     written then."""
     if not isinstance(example_inputs, (tuple, list)):
@@ -1819,6 +1849,9 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         if not (isinstance(clip_grad_norm, (int, float)) and 0 < clip_grad_norm <= 3e38):
             raise ExportError(f"clip_grad_norm={clip_grad_norm!r}: it is the largest global L2 norm of the gradients, "
                               "a positive number")
+    scaling = _loss_scale(loss_scale, optimizer, precision)
+    if accumulate_gradients and optimizer is None:
+        raise ExportError("accumulate_gradients sums what an optimizer reads: pass optimizer= too")
     if train_mode:  # torch.export's training-mode batch_norm (and its buffer updates) has no mapping yet
         if tracer == "export":
             raise ExportError("train_mode=True takes the torch.fx path: torch.export's training-mode batch_norm has "
@@ -1848,6 +1881,10 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
             graph["training"]["precision"] = precision
         if clip_grad_norm is not None:
             graph["training"]["clip_grad_norm"] = float(clip_grad_norm)
+        if accumulate_gradients:
+            graph["training"]["accumulate_gradients"] = True
+        if scaling is not None:
+            graph["training"]["loss_scale"] = scaling
     flat_outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
     # Everything mapped: now write, each file under a temporary name first.
