@@ -366,10 +366,7 @@ std::vector<double> read_expected(const Program& p, int buffer, const std::strin
     throw TensorFileProblem(fmt::format("{}: {} {}, but the graph output {} is {} {}", path, to_string(array.dtype),
                                         shape_to_string(array.shape), name, to_string(info.dtype),
                                         shape_to_string(info.shape)));
-  std::vector<double> values(size_t(info.bytes / dtype_bytes(info.dtype)));
-  for (size_t i = 0; i < values.size(); ++i)
-    values[i] = load_element(array.data.data() + i * size_t(dtype_bytes(info.dtype)), info.dtype);
-  return values;
+  return array.values();
 }
 
 CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions& options) {
@@ -421,9 +418,9 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
   std::vector<unsigned char> arena(size_t(c.plan.arena_bytes), 0xFF);  // poison: unwritten floats are NaN
   // A megakernel's event counters start from zero (each round is a fresh start).
   std::memset(arena.data() + c.emitted.sync_offset, 0, size_t(c.emitted.sync_bytes));
-  // Per input, the bytes each micro-batch reads: one entry where all read the same.
+  // Per input, the value each micro-batch reads: one entry where all read the same.
   const int micro_batches = options.steps > 0 ? options.micro_batches : 1;
-  std::vector<std::vector<std::vector<unsigned char>>> input_bytes(p.buffers.size());
+  std::vector<std::vector<HostTensor>> input_values(p.buffers.size());
   std::vector<std::string> problems;
   for (size_t b = 0; b < p.buffers.size(); ++b) {
     if (written_in(p, int(b), all_phases, /*computed=*/true)) continue;
@@ -439,8 +436,7 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     if (!info.data.empty() && (path.empty() || !std::filesystem::exists(path))) path = info.data;
     if (!path.empty()) {
       try {
-        for (HostTensor& array : read_micro_batch_files(p, int(b), path, versions))
-          input_bytes[b].push_back(std::move(array.data));
+        input_values[b] = read_micro_batch_files(p, int(b), path, versions);
       } catch (const TensorFileProblem& e) {
         problems.push_back(e.what());
         continue;
@@ -454,12 +450,11 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
         std::vector<unsigned char> bytes(size_t(info.bytes));
         for (int64_t i = 0; i < n; ++i)
           store_element(bytes.data() + i * dtype_bytes(info.dtype), info.dtype, integer ? double(ints(rng)) : real(rng));
-        input_bytes[b].push_back(std::move(bytes));
+        input_values[b].push_back(HostTensor{info.dtype, info.shape, std::move(bytes)});
       }
     }
-    std::memcpy(arena.data() + c.plan.buffers[b].offset, input_bytes[b][0].data(), size_t(info.bytes));
-    for (int64_t i = 0; i < n; ++i)
-      inputs[b].push_back(load_element(input_bytes[b][0].data() + i * dtype_bytes(info.dtype), info.dtype));
+    std::memcpy(arena.data() + c.plan.buffers[b].offset, input_values[b][0].data.data(), size_t(info.bytes));
+    inputs[b] = input_values[b][0].values();
   }
   if (!problems.empty())
     throw std::runtime_error(fmt::format("bad inputs{}:\n  {}", options.inputs_dir.empty() ? "" : " in " + options.inputs_dir,
@@ -582,12 +577,10 @@ CheckedRun run_and_check(const Compiled& c, Executor& executor, const RunOptions
     // A micro-batch's own inputs.
     if (in(round.phases, Phase::forward))
       for (size_t b = 0; b < p.buffers.size(); ++b) {
-        if (input_bytes[b].size() < 2) continue;
-        const std::vector<unsigned char>& bytes = input_bytes[b][size_t(round.at.micro_batch)];
-        std::memcpy(arena.data() + c.plan.buffers[b].offset, bytes.data(), bytes.size());
-        const DType dtype = p.buffers[b].dtype;
-        for (size_t i = 0; i < before[b].size(); ++i)
-          before[b][i] = load_element(bytes.data() + i * size_t(dtype_bytes(dtype)), dtype);
+        if (input_values[b].size() < 2) continue;
+        const HostTensor& value = input_values[b][size_t(round.at.micro_batch)];
+        std::memcpy(arena.data() + c.plan.buffers[b].offset, value.data.data(), value.data.size());
+        before[b] = value.values();
       }
     const RunTimeArgs args = with_step_position(c, options.args, round.at);
     write_scalars(c, args, arena.data());
