@@ -91,6 +91,33 @@ endif()
 cudagen_part(CUTE ${_cute_ok}
              "install CuTe's headers: python3 -m venv .cache/tools-venv && .cache/tools-venv/bin/pip install --no-deps nvidia-cutlass==4.2.0.0 (scripts/dev.sh does)")
 
+# A pinned PyTorch 2.x from PyPI (tests only), beside Debian's 1.13, with torchvision and
+# transformers: f16 training against torch.autocast and torch.amp.GradScaler, which 1.13 lacks on
+# the CPU, the frontend on torch.export, and the model list. scripts/dev.sh installs them into
+# .cache/torch2-venv.
+set(CUDAGEN_TORCH2_VERSION 2.6.0)
+file(GLOB _torch2 ${PROJECT_SOURCE_DIR}/.cache/torch2-venv/lib/python3*/site-packages/torch-${CUDAGEN_TORCH2_VERSION}*.dist-info)
+file(GLOB _transformers ${PROJECT_SOURCE_DIR}/.cache/torch2-venv/lib/python3*/site-packages/transformers-*.dist-info)
+set(_torch2_ok OFF)
+if(_torch2 AND _transformers AND EXISTS ${PROJECT_SOURCE_DIR}/.cache/torch2-venv/bin/python)
+  set(_torch2_ok ON)
+  set(CUDAGEN_TORCH2_PYTHON ${PROJECT_SOURCE_DIR}/.cache/torch2-venv/bin/python)
+endif()
+cudagen_part(TORCH2 ${_torch2_ok}
+             "install PyTorch ${CUDAGEN_TORCH2_VERSION}: python3 -m venv .cache/torch2-venv && .cache/torch2-venv/bin/pip install torch==${CUDAGEN_TORCH2_VERSION} torchvision==0.21.0 transformers==4.47.1 numpy (scripts/dev.sh does)")
+
+# transformers beside Debian's PyTorch 1.13 (tests only): the model list's transformers models on
+# the torch.fx path. scripts/dev.sh installs it into .cache/torch1-venv, which sees the system's
+# packages (python3-torch, python3-torchvision).
+file(GLOB _transformers1 ${PROJECT_SOURCE_DIR}/.cache/torch1-venv/lib/python3*/site-packages/transformers-*.dist-info)
+set(_torch1_ok OFF)
+if(_transformers1 AND EXISTS ${PROJECT_SOURCE_DIR}/.cache/torch1-venv/bin/python)
+  set(_torch1_ok ON)
+  set(CUDAGEN_TORCH1_PYTHON ${PROJECT_SOURCE_DIR}/.cache/torch1-venv/bin/python)
+endif()
+cudagen_part(TORCH1_TRANSFORMERS ${_torch1_ok}
+             "install transformers beside Debian's PyTorch: /usr/bin/python3 -m venv --system-site-packages .cache/torch1-venv && .cache/torch1-venv/bin/pip install transformers==4.47.1 (scripts/dev.sh does)")
+
 function(cudagen_report_parts)
   message(STATUS "cudagen parts:")
   foreach(part ${CUDAGEN_PARTS})

@@ -167,11 +167,19 @@ class Evaluator {
   // subnormal spacing, a flushed f32): as a floor of the error scale,
   // atol / rtol, it reaches what later tasks compute from it (a cast of an
   // f16 value that stored as 0 to bf16, whose own floor is far smaller).
+  // A value beyond the dtype's range is stored as the infinity it rounds to,
+  // and later tasks read that, as the kernels do: an f16 gradient that a loss
+  // scale overflows makes the sum of squares infinite and the step skipped.
   void out(int b, std::vector<double> v, std::vector<double> a) {
     const DType dtype = p_.buffers[size_t(b)].dtype;
     if (dtype != DType::i32 && dtype != DType::i64) {
-      const double floor = absolute_tolerance(dtype) / relative_tolerance(dtype);
+      const double floor = absolute_tolerance(dtype) / relative_tolerance(dtype), overflow = overflow_threshold(dtype);
       for (double& x : a) x = std::max(x, floor);
+      for (size_t i = 0; i < v.size(); ++i)
+        if (std::abs(v[i]) >= overflow) {
+          v[i] = std::copysign(INFINITY, v[i]);
+          if (i < a.size()) a[i] = INFINITY;
+        }
     }
     r_.value[size_t(b)] = std::move(v);
     r_.abs[size_t(b)] = std::move(a);

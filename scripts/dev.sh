@@ -37,6 +37,27 @@ install_missing() {
     [ -x .cache/tools-venv/bin/pip ] || python3 -m venv .cache/tools-venv
     .cache/tools-venv/bin/pip install -q --no-deps nvidia-cutlass==4.2.0.0  # the CuTe the oracle is written against
   fi
+  # A pinned PyTorch 2.x from PyPI (tests only; cmake/Parts.cmake's TORCH2), with torchvision and transformers:
+  # f16 training against torch.autocast and GradScaler, which Debian's 1.13 lacks on the CPU, the frontend on
+  # torch.export, and the model list (bench/model_zoo.py). PyPI's Linux wheel brings CUDA's libraries (about
+  # 3 GB to fetch); the tests run it on the CPU.
+  local torch2=(torch==2.6.0 torchvision==0.21.0 transformers==4.47.1 numpy==2.4.6)
+  local have_all=1
+  for pin in "${torch2[@]}"; do
+    ls .cache/torch2-venv/lib/python3*/site-packages/"${pin%%==*}-${pin##*==}.dist-info" > /dev/null 2>&1 || have_all=0
+  done
+  if [ $have_all -eq 0 ]; then
+    echo "== installing ${torch2[*]} (pip, about 3 GB) into .cache/torch2-venv"
+    [ -x .cache/torch2-venv/bin/pip ] || python3 -m venv .cache/torch2-venv
+    .cache/torch2-venv/bin/pip install -q --progress-bar off "${torch2[@]}"
+  fi
+  # transformers beside Debian's PyTorch 1.13 (a virtual environment that sees the system's packages):
+  # the model list's GPT-2, BERT, LLaMA and T5 encoder on the torch.fx path.
+  if ! ls .cache/torch1-venv/lib/python3*/site-packages/transformers-4.47.1.dist-info > /dev/null 2>&1; then
+    echo "== installing transformers 4.47.1 (pip) into .cache/torch1-venv, beside Debian's PyTorch 1.13"
+    [ -x .cache/torch1-venv/bin/pip ] || /usr/bin/python3 -m venv --system-site-packages .cache/torch1-venv
+    .cache/torch1-venv/bin/pip install -q --progress-bar off transformers==4.47.1
+  fi
   if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
     echo "error: no CUDA toolkit at $CUDA_ROOT (nvcc, NVRTC); install it there or set CUDAToolkit_ROOT" >&2
     exit 1
@@ -49,7 +70,7 @@ configure_and_build() {
   mkdir -p "$BUILD_DIR"
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCUDAGEN_REQUIRE_ALL=ON -DCUDAToolkit_ROOT="$CUDA_ROOT" >"$BUILD_DIR/configure.log" 2>&1 ||
     { cat "$BUILD_DIR/configure.log"; exit 1; }
-  grep -A9 "cudagen parts:" "$BUILD_DIR/configure.log" | sed 's/^-- //'
+  grep -A10 "cudagen parts:" "$BUILD_DIR/configure.log" | sed 's/^-- //'
   echo "== building"
   cmake --build "$BUILD_DIR"
 }

@@ -1,21 +1,30 @@
 #!/usr/bin/python3
-"""Trains a graph under a bf16 precision policy ("training": {"precision": "bf16"},
-generator/autocast.h) for a few steps in cudagen's host emulation, and PyTorch's
-same model under torch.autocast from the same state, step by step: each step's
-loss agrees within bf16's bound (docs/architecture.md section 9: 1e-2), and so do
-the f32 master weights and the optimizer state after it, up to what a bf16
-gradient's rounding makes of an update (adam_slack, sgd_slack).
+"""Trains a graph under a 16-bit precision policy ("training": {"precision": "bf16"}
+or "f16", generator/autocast.h) for a few steps in cudagen's host emulation, and
+PyTorch's same model under torch.autocast from the same state, step by step: each
+step's loss agrees within the dtype's bound (docs/architecture.md section 9: 1e-2
+bf16, 5e-3 f16), and so do the f32 master weights and the optimizer state after
+it, up to what a 16-bit gradient's rounding makes of an update (the slack below).
 
-    tests/train_autocast_with_torch.py CUDAGEN {decoder,mlp} [--steps 5] [--seed N]
+    tests/train_autocast_with_torch.py CUDAGEN {decoder,mlp} [--precision bf16|f16] [--steps 5] [--seed N]
+
+f16 trains with dynamic loss scaling, against PyTorch's own torch.amp.GradScaler
+(PyTorch 2.4 or later: 1.13 has no GradScaler and no f16 autocast on the CPU).
+Its first scale, 2^40, overflows every f16 gradient: that step is skipped by both
+and the scale backs off by 2^-28; the next steps are taken, the scale doubling
+after every two. The scale, its good-step count and the optimizer's step count
+cudagen keeps on the device must equal GradScaler's after every step.
 
 decoder: bench/decoder_graph.py's pre-norm block (--train --dtype bf16: the graph
 in f32, the policy bf16) against bench/decoder_torch.py's Block, AdamW.
 mlp: two linear layers with biases, silu and cross-entropy, SGD with momentum
 (a smooth activation: relu's mask flips where bf16 rounds a value across zero,
 which no bound on rounding covers).
-PyTorch runs on the CPU in f32 inside torch.autocast("cpu", torch.bfloat16), which
-puts the products in bf16 as CUDA's autocast does (checked: the script fails if a
-product comes out f32). Debian's python3-torch (run with /usr/bin/python3).
+PyTorch runs on the CPU in f32 inside torch.autocast("cpu", dtype), which puts the
+products in 16 bits as CUDA's autocast does (checked: the script fails if a product
+comes out f32). bf16 runs on Debian's python3-torch (/usr/bin/python3) or PyTorch
+2.x; f16 on the pinned PyTorch 2.x that scripts/dev.sh installs into
+.cache/torch2-venv.
 """
 import argparse
 import json
@@ -34,20 +43,24 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 from torch_reference import Graph, optimizer_state, run_torch  # noqa: E402
 
-BF16_RTOL = 1e-2  # docs/architecture.md section 9
+RTOL = {"bf16": 1e-2, "f16": 5e-3}  # docs/architecture.md section 9
+TORCH_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
+# f16's loss scaling: the first scale overflows, the back-off lands well inside f16's range
+# (the largest scaled gradient of either model is then under 1e3), growth every two steps.
+LOSS_SCALE = {"initial": 2.0**40, "growth_factor": 2.0, "backoff_factor": 2.0**-28, "growth_interval": 2}
 
 
 def checked_product(x):
-    """A product under autocast: bf16, or the reference is not the policy's."""
-    if x.dtype != torch.bfloat16:
-        raise SystemExit(f"torch.autocast left a product in {x.dtype}: the reference would not be bf16's")
+    """A product under autocast: 16-bit, or the reference is not the policy's."""
+    if x.dtype not in TORCH_DTYPE.values():
+        raise SystemExit(f"torch.autocast left a product in {x.dtype}: the reference would not be 16-bit")
     return x
 
 
 def decoder_model(work, args):
     dim, heads, mlp, batch, tokens = 32, 2, 64, 2, 8
     path = os.path.join(work, "decoder.json")
-    subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "decoder_graph.py"), "--train", "--dtype", "bf16",
+    subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "decoder_graph.py"), "--train", "--dtype", args.precision,
                     "--dim", str(dim), "--heads", str(heads), "--mlp", str(mlp), "--batch", str(batch),
                     "--tokens", str(tokens), "-o", path], check=True)
     with open(path) as f:
@@ -109,7 +122,8 @@ def mlp_model(work, args):
         task("bias2", "add", a=ref("fc2.out"), b=ref("b2.out"), out=own([rows, classes])),
         task("loss", "cross_entropy", logits=ref("bias2.out"), labels={"dtype": "i32", "shape": [rows], "storage": "external"},
              loss=own([], storage="external"))],
-        "training": {"loss": "loss.loss", "optimizer": "sgd", "args": {"lr": 0.5, "momentum": 0.9}, "precision": "bf16"}}
+        "training": {"loss": "loss.loss", "optimizer": "sgd", "args": {"lr": 0.5, "momentum": 0.9},
+                     "precision": args.precision}}
     names = {n: n + ".out" for n in ("w1", "b1", "w2", "b2")}
 
     def loss(p, inputs, record, exact=False):
@@ -128,7 +142,8 @@ class Contractions:
     scale the normalised value * output gradient, a bias the output gradient.
     After backward, the same sums of absolute values: DESIGN's ref_abs
     (docs/architecture.md section 9), so that a gradient summed with
-    cancellation is held to bf16's bound of its terms, not of its total."""
+    cancellation is held to the dtype's bound of its terms, not of its total.
+    Under loss scaling the output gradients are scaled: loss_scale divides them."""
 
     def __init__(self):
         self.terms = {}
@@ -138,9 +153,9 @@ class Contractions:
         self.terms[key] = (operand, output, scale)
         return output
 
-    def abs_gradient(self, key):
+    def abs_gradient(self, key, loss_scale=1.0):
         operand, output, scale = self.terms[key]
-        d = output.grad.double().abs()
+        d = output.grad.double().abs() / loss_scale
         if operand is None:  # a bias: summed over every leading axis
             return d.reshape(-1, d.shape[-1]).sum(0)
         a = operand.detach().double().abs()
@@ -149,28 +164,51 @@ class Contractions:
         return a.reshape(-1, a.shape[-1]).T @ d.reshape(-1, d.shape[-1])
 
 
+def grad_scaler(before, scaling):
+    """torch.amp.GradScaler in the state cudagen's loss scaling was in before a
+    step: its scale and the good steps since its last overflow (the run-time
+    scalars loss_scale.out and loss_scale_good_steps.out)."""
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        raise SystemExit(f"PyTorch {torch.__version__} has no torch.amp.GradScaler for the CPU: f16 needs 2.4 or "
+                         "later (scripts/dev.sh installs it into .cache/torch2-venv)")
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaling["initial"], growth_factor=scaling["growth_factor"],
+                                  backoff_factor=scaling["backoff_factor"], growth_interval=scaling["growth_interval"])
+    if before is not None:
+        state = scaler.state_dict()
+        state.update(scale=float(before["loss_scale.out"]), _growth_tracker=int(before["loss_scale_good_steps.out"]))
+        scaler.load_state_dict(state)
+    return scaler
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("cudagen")
     ap.add_argument("model", choices=["decoder", "mlp"])
+    ap.add_argument("--precision", choices=["bf16", "f16"], default="bf16")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "little"))
     opts = ap.parse_args()
     rng = np.random.default_rng(opts.seed)
+    rtol, dtype = RTOL[opts.precision], TORCH_DTYPE[opts.precision]
     registry = json.loads(subprocess.run([opts.cudagen, "ops", "--json"], check=True, capture_output=True, text=True).stdout)
     with tempfile.TemporaryDirectory() as work:
         graph, names, loss_fn = (decoder_model if opts.model == "decoder" else mlp_model)(work, opts)
         training = graph["training"]
+        scaling = None
+        if opts.precision == "f16":
+            scaling = training["loss_scale"] = dict(LOSS_SCALE)
+            grad_scaler(None, scaling)  # refuses a PyTorch without one before cudagen runs
         path = os.path.join(work, "graph.json")
         with open(path, "w") as f:
             json.dump(graph, f)
         g = Graph(graph, registry)
-        # The policy as cudagen applied it: every product of the graph computes in bf16.
+        # The policy as cudagen applied it: every product of the graph computes in the 16-bit dtype.
         described = subprocess.run([opts.cudagen, "describe", path], check=True, capture_output=True, text=True).stdout
         dtypes = dict(re.findall(r"^\s+(\S+)\s+(f32|f16|bf16|f64|i32|i64)\s+\[", described, re.M))
         for t in graph["tasks"]:
-            if t["op"] == "matmul" and dtypes.get(t["id"] + ".out") != "bf16":
-                raise SystemExit(f"cudagen computes {t['id']} in {dtypes.get(t['id'] + '.out')}, not bf16:\n{described}")
+            if t["op"] == "matmul" and dtypes.get(t["id"] + ".out") != opts.precision:
+                raise SystemExit(f"cudagen computes {t['id']} in {dtypes.get(t['id'] + '.out')}, not {opts.precision}:\n"
+                                 f"{described}")
         inputs = {}  # every external slot but the loss: the caller's inputs
         for t in graph["tasks"]:
             for slot, spec in t["tensors"].items():
@@ -197,7 +235,7 @@ def main():
 
     torch_inputs = {n: torch.from_numpy(a) for n, a in inputs.items()}
     args = {k: (v["value"] if isinstance(v, dict) else v) for k, v in training["args"].items()}
-    failed = False
+    failed, skipped_steps = False, 0
     print("%-6s %14s %14s" % ("step", "loss", "torch loss"))
     for step in range(1, opts.steps + 1):
         before, after = runs[step - 1], runs[step]
@@ -207,36 +245,55 @@ def main():
             optimizer = torch.optim.SGD(list(params.values()), lr=args["lr"], momentum=args.get("momentum", 0.0))
         else:
             optimizer = torch.optim.AdamW(list(params.values()), lr=args["lr"], weight_decay=args.get("weight_decay", 0.0))
+        # The optimizer's steps taken so far: skipped steps are not counted (cudagen keeps the count on the device).
+        steps_taken = step - 1 if scaling is None or before is None else int(before["optimizer_steps.out"])
         if before is not None:
             for key, p in params.items():
                 optimizer.state[p] = optimizer_state(training["optimizer"], before, names[key], np.float32)
                 if training["optimizer"] != "sgd":
-                    optimizer.state[p]["step"] = torch.tensor(float(step - 1))
+                    optimizer.state[p]["step"] = torch.tensor(float(steps_taken))
+        scaler = grad_scaler(before, scaling) if scaling is not None else None
+        scale = scaler.get_scale() if scaler is not None else 1.0
         record = Contractions()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             loss = loss_fn(params, torch_inputs, record)
-        loss.backward()
-        # PyTorch's own bf16 error: the same gradients in float64, without autocast, as a
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        skipped = False
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the gradients unscaled in place, or inf/NaN found
+            skipped = not all(bool(torch.isfinite(p.grad).all()) for p in params.values())
+        # PyTorch's own 16-bit error: the same gradients in float64, without autocast, as a
         # fraction of each element's sum of absolute terms; the tensor's largest (at least
-        # bf16's 1e-2) is the rate each of the two bf16 implementations may err at, so
+        # the dtype's bound) is the rate each of the two 16-bit implementations may err at, so
         # theirs are within twice it of each other.
-        exact = {key: p.detach().double().requires_grad_(True) for key, p in params.items()}
-        loss_fn(exact, {n: (t.double() if t.is_floating_point() else t) for n, t in torch_inputs.items()},
-                lambda key, operand, output, scale=False: output, exact=True).backward()
         delta_g = {}
-        for key, p in params.items():
-            abs_g = record.abs_gradient(key).numpy()
-            rate = max(BF16_RTOL, float(np.max(np.abs(p.grad.double().numpy() - exact[key].grad.numpy()) / (abs_g + 1e-30))))
-            delta_g[p] = 2 * rate * abs_g + 1e-7
-        optimizer.step()
+        if not skipped:
+            exact = {key: p.detach().double().requires_grad_(True) for key, p in params.items()}
+            loss_fn(exact, {n: (t.double() if t.is_floating_point() else t) for n, t in torch_inputs.items()},
+                    lambda key, operand, output, scale=False: output, exact=True).backward()
+            for key, p in params.items():
+                abs_g = record.abs_gradient(key, scale).numpy()
+                rate = max(rtol, float(np.max(np.abs(p.grad.double().numpy() - exact[key].grad.numpy()) / (abs_g + 1e-30))))
+                delta_g[p] = 2 * rate * abs_g + 1e-7
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the step on the inf/NaN unscale_ found
+            scaler.update()
+            skipped_steps += skipped
+            steps_taken += not skipped
+            print("       loss scale now %g%s" % (scaler.get_scale(), " (overflow: step skipped)" if skipped else ""))
+        else:
+            optimizer.step()
         ours_loss = float(after[training["loss"] + ".per_step"][step - 1])
         print("%-6d %14.8f %14.8f" % (step, ours_loss, loss.item()))
-        if abs(ours_loss - loss.item()) > BF16_RTOL * abs(loss.item()) + 1e-6:
-            print(f"  loss differs by more than bf16's bound ({BF16_RTOL} relative)")
+        if abs(ours_loss - loss.item()) > rtol * abs(loss.item()) + 1e-6:
+            print(f"  loss differs by more than {opts.precision}'s bound ({rtol} relative)")
             failed = True
         # What a gradient's difference makes of the step: SGD moves by lr times it;
         # Adam divides it by sqrt(v_hat) + eps, and never moves by more than about 2 lr.
-        if training["optimizer"] == "sgd":
+        # A skipped step leaves every weight as it was: no slack.
+        if skipped:
+            slack = {p: 0.0 for p in params.values()}
+        elif training["optimizer"] == "sgd":
             slack = {p: args["lr"] * delta_g[p] for p in params.values()}
         else:
             slack = {}
@@ -246,15 +303,26 @@ def main():
                 slack[p] = args["lr"] * np.minimum(2.0, delta_g[p] / (np.sqrt(v_hat) + 1e-8))
         for key, p in params.items():
             ours, want = after[names[key]].astype(np.float64), p.detach().double().numpy()
-            bound = 1e-5 * np.abs(want).max() + 1e-7 + slack[p]
+            bound = (0.0 if skipped else 1e-5 * np.abs(want).max() + 1e-7) + slack[p]
             worst = float(np.max(np.abs(ours - want) - bound))
             if worst > 0:
                 print(f"  {names[key]}: differs from PyTorch's by {worst:.3g} beyond the bound "
                       f"(max |difference| {np.abs(ours - want).max():.3g}, bound {np.max(bound):.3g}, max |w| {np.abs(want).max():.3g})")
                 failed = True
+        if scaler is not None:  # GradScaler's state and the optimizer's count, exactly
+            for name, want in (("loss_scale.out", scaler.get_scale()),
+                               ("loss_scale_good_steps.out", scaler.state_dict()["_growth_tracker"]),
+                               ("optimizer_steps.out", steps_taken)):
+                if float(after[name]) != float(want):
+                    print(f"  {name}: cudagen's {float(after[name]):g}, GradScaler's {float(want):g}")
+                    failed = True
+    if scaling is not None and not 0 < skipped_steps < opts.steps:
+        raise SystemExit(f"{skipped_steps} of {opts.steps} steps overflowed: the test means to check a skipped step "
+                         "and taken ones")
     if failed:
-        raise SystemExit(f"a bf16 training step differs from PyTorch's under torch.autocast (seed {opts.seed})")
-    print(f"every one of {opts.steps} bf16 steps matches PyTorch's under torch.autocast from the same state (seed {opts.seed})")
+        raise SystemExit(f"a {opts.precision} training step differs from PyTorch's under torch.autocast (seed {opts.seed})")
+    print(f"every one of {opts.steps} {opts.precision} steps matches PyTorch's under torch.autocast from the same state "
+          f"(PyTorch {torch.__version__}, seed {opts.seed})")
 
 
 if __name__ == "__main__":
