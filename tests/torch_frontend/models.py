@@ -46,6 +46,35 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+class MaskedAttention(nn.Module):
+    """SDPA with an attn_mask, as transformers passes one: "additive" (0 and the dtype's lowest
+    value above the diagonal, built from the sequence length), "boolean" (a tril buffer sliced
+    to T), "keep_all" (every key), or "from_input" (an additive bias the input decides, as a
+    padding mask is)."""
+
+    def __init__(self, kind, dim=16, heads=2, max_tokens=16):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.register_buffer("tril", torch.tril(torch.ones(max_tokens, max_tokens, dtype=torch.bool)))
+
+    def forward(self, x):  # [B, T, C]
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        if self.kind == "additive":
+            mask = torch.full((T, T), torch.finfo(x.dtype).min)
+            rows = torch.arange(T)
+            mask = mask.masked_fill(rows < (rows + 1).view(T, 1), 0.0)[None, None].expand(B, 1, T, T)
+        elif self.kind == "boolean":
+            mask = self.tril[:T, :T]
+        elif self.kind == "keep_all":
+            mask = torch.ones(T, T, dtype=torch.bool)
+        else:
+            mask = (x[:, None, None, :, 0] * 0.5).expand(B, 1, T, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(B, T, C)
+
+
 def rotate_half(x):  # LLaMA's: the two halves of each head swapped, the first negated
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -202,7 +231,8 @@ def plain_code():
 class InPlace(nn.Module):
     """In-place updates whose results nobody names (fx dropped them as dead
     code, and the export was silently wrong): a tensor method, a function
-    with inplace=True, a module built with inplace=True."""
+    with inplace=True, a module built with inplace=True; sub_ and div_ map on
+    torch.export as their pure ATen forms, which have handlers of their own."""
 
     def __init__(self):
         super().__init__()
@@ -216,6 +246,8 @@ class InPlace(nn.Module):
         w = z * 1
         self.act(w)
         w.mul_(0.5)
+        w.sub_(0.25)
+        w.div_(2.0)
         return y + z + w
 
 
@@ -470,3 +502,23 @@ def mobilenet_v2():
     import torchvision
     torch.manual_seed(0)
     return randomized(torchvision.models.mobilenet_v2())
+
+
+def transformers_gpt2(vocab=64, positions=16, dim=32, layers=2, heads=2):
+    """transformers' GPT2LMHeadModel from a small config (random weights, no download; its
+    output projection tied to the token embedding), called on token ids: the logits."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=dim,
+                                                                 n_layer=layers, n_head=heads))
+
+    class Logits(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False, return_dict=False)[0]
+
+    return Logits(model).eval()
+

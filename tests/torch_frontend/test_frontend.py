@@ -274,6 +274,24 @@ class Models(Exported):
         model = models.Block(use_sdpa=True)
         self.check_model(model.eval(), (torch.randn(2, 16, 48),), seed)
 
+    @unittest.skipUnless(TRACER == "torch.export", f"torch {torch.__version__} has no torch.export, and its "
+                         "torch.fx path keeps the mask's construction as calls of its own")
+    def test_sdpa_with_a_constant_mask_maps_onto_attention(self):
+        """transformers passes SDPA a mask it builds from the sequence length: a constant one
+        that keeps exactly the causal keys is causal attention, one that keeps every key is
+        none; a mask the input decides (padding) is refused, saying what to do."""
+        for kind, causal in (("additive", True), ("boolean", True), ("keep_all", False)):
+            with self.subTest(kind=kind):
+                seed = fresh_seed()
+                torch.manual_seed(seed)
+                result, _, _ = self.check_model(models.MaskedAttention(kind).eval(), (torch.randn(2, 8, 16),), seed)
+                softmax = next(t for t in json.loads(read(result.graph_path))["tasks"] if t["op"] == "softmax")
+                self.assertEqual(bool(softmax.get("args", {}).get("causal")), causal)
+        with self.assertRaises(cudagen_torch.ExportError) as caught:
+            cudagen_torch.export(models.MaskedAttention("from_input").eval(), (torch.randn(2, 8, 16),), tempfile.mkdtemp())
+        self.assertIn("an attn_mask other than a constant causal one has no mapping", str(caught.exception))
+        self.assertIn("drop a padding mask", str(caught.exception))
+
     def test_grouped_query_attention(self):
         """LLaMA's repeat_kv (expand, or repeat_interleave) before attention,
         rotary embeddings on q and k: the attention reads the heads of keys
@@ -749,6 +767,17 @@ class Training(Exported):
         torch.manual_seed(seed)
         self.check_training(seed, models.resnet18(), (torch.randn(2, 3, 64, 64),), "cross_entropy", "sgd",
                             {"lr": 0.002}, steps=3, train_mode=True, update_rtol=1e-2)
+
+    @unittest.skipUnless(importlib.util.find_spec("transformers"), "transformers is not installed here: ctest's "
+                         "torch_frontend.transformers.* run this in .cache/torch1-venv and .cache/torch2-venv")
+    def test_transformers_gpt2_trains_as_pytorch_does(self):
+        """transformers' GPT-2 (a small config of GPT2LMHeadModel, its output projection tied to
+        the token embedding: one parameter, two uses) trains three AdamW steps on token
+        cross-entropy, matching PyTorch's losses and every parameter's update."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, models.transformers_gpt2(), (torch.randint(0, 64, (2, 8)),), "cross_entropy", "adamw",
+                            {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-3}, steps=3)
 
     def test_batchnorm_in_eval_mode_trains_as_pytorch_does(self):
         """An eval-mode BatchNorm in a training export is not folded into

@@ -271,8 +271,12 @@ def _ints(v, n=2):
 
 
 class _Exporter:
-    def __init__(self, gm, values, name, training):
+    def __init__(self, gm, values, name, training, module_names=None):
         self.gm = gm
+        # The user's module's own name of each parameter and buffer, by storage: a tied
+        # weight (GPT-2's embedding and output projection) under the first name
+        # named_parameters() gives it, whichever attribute the capture read it through.
+        self.module_names = module_names or {}
         self.training = training  # norms then also write the statistics their backward reads
         self.values = values  # node -> recorded value
         self.name = name
@@ -362,7 +366,7 @@ class _Exporter:
         array = to_numpy(tensor)
         if array.ndim == 0:
             array = array.reshape(())
-        name = self.unique_name(name)
+        name = self.unique_name(self.module_names.get(key, name))
         trained = not self.training or (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad)
         v = Value(tuple(tensor.shape), dtype, pending={"storage": "persistent" if trained else "external", "array": array},
                   name=name)
@@ -423,10 +427,14 @@ class _Exporter:
         # What the inputs reach is computed by tasks; the rest is constant, folded here. When
         # training, so is what a trainable parameter reaches (self.table[:T]): folded, its
         # gradient would go nowhere and the parameter would not be trained or saved.
-        trainable = {n for n in graph.nodes if self.training and n.op == "get_attr"
-                     and isinstance(self.values.get(n), torch.nn.Parameter) and self.values[n].requires_grad}
+        # A leaf module with trainable parameters (the fx path's nn.Embedding of constant
+        # positions, GPT-2's wpe) is one too, though no get_attr node reads them.
+        trainable = {n for n in graph.nodes if self.training and (
+            (n.op == "get_attr" and isinstance(self.values.get(n), torch.nn.Parameter) and self.values[n].requires_grad)
+            or (n.op == "call_module" and any(p.requires_grad for p in self.gm.get_submodule(n.target).parameters())))}
         for node in graph.nodes:
-            if node.op == "placeholder" or any(a in self.depends or a in trainable for a in node.all_input_nodes):
+            if (node.op == "placeholder" or (node.op == "call_module" and node in trainable)
+                    or any(a in self.depends or a in trainable for a in node.all_input_nodes)):
                 self.depends.add(node)
         self.find_batchnorm_folds()
         for node in graph.nodes:
@@ -521,7 +529,7 @@ class _Exporter:
             # An in-place method maps as its pure form: _functionalize_in_place rewired its readers.
             handler = METHODS.get(target) or (METHODS.get(target[:-1]) if target.endswith("_") else None)
         else:
-            handler = FUNCTIONS.get(target)
+            handler = FUNCTIONS.get(target) or FUNCTIONS.get(_pure_aten(target))
         if handler is None:
             self.fail(node, "no mapping to a cudagen op")
         return handler(self, node)
@@ -901,8 +909,8 @@ def _f_softmax(op):
         ex.last_axis(node, _arg(node, 1, "dim"), len(x.shape), op)
         # A causal mask filled with -inf just before folds into the softmax.
         source = node.args[0]
-        if isinstance(source, torch.fx.Node) and getattr(source, "_cudagen_causal", False):
-            return ex.unary(node, op, source.args[0], {"causal": True})
+        if isinstance(source, torch.fx.Node) and hasattr(source, "_cudagen_causal_scores"):
+            return ex.unary(node, op, source._cudagen_causal_scores, {"causal": True})
         return ex.unary(node, op, node.args[0])
     return handler
 
@@ -920,8 +928,33 @@ def _f_masked_fill(ex, node):
     if not users_ok or not torch.equal(ex.values[mask].to(torch.bool).expand(shape), causal):
         ex.fail(node, "masked_fill has no mapping except a constant causal mask filled with -inf before softmax",
                 "mask[i, j] must be true exactly where j > i (a lower-triangular 'keep' mask compared with 0)")
-    node._cudagen_causal = True
+    node._cudagen_causal_scores = x
     return ex.tensor(node, x)  # the softmax reads the unmasked scores itself
+
+
+def _f_where(ex, node):
+    """torch.where(mask, scores, lowest) with a constant mask that keeps exactly the causal
+    keys (GPT-2's eager attention: its tril buffer sliced to T, the dtype's lowest value or
+    -inf elsewhere), read only by a softmax: the softmax's causal flag; with a mask that keeps
+    everything, the scores themselves. Anything else has no mapping."""
+    cond, x, other = node.args[0], node.args[1], node.args[2]
+    if not isinstance(x, torch.fx.Node):
+        ex.fail(node, "torch.where has no mapping except a constant causal mask over scores before a softmax")
+    shape = tuple(ex.values[x].shape)
+    kind = _constant_mask_kind(ex, node, cond, shape)
+    fill = ex.values[other] if isinstance(other, torch.fx.Node) else other
+    if isinstance(other, torch.fx.Node) and other in ex.depends:
+        fill = None
+    fill = float(fill) if isinstance(fill, (int, float)) or (isinstance(fill, torch.Tensor) and fill.numel() == 1) else None
+    if kind == "none":
+        return ex.tensor(node, x)
+    users_ok = all(u.op in ("call_function", "call_method") and u.target in _SOFTMAX for u in node.users)
+    if kind != "causal" or fill is None or fill > _MASKED_BELOW or not users_ok:
+        ex.fail(node, "torch.where has no mapping except a constant causal mask over scores before a softmax",
+                "mask[i, j] must be true exactly where j <= i and the other value -inf or the dtype's lowest; "
+                "for a general select write mask * x + (1 - mask) * y")
+    node._cudagen_causal_scores = x
+    return ex.tensor(node, x)
 
 
 def _f_matmul(ex, node):
@@ -1316,13 +1349,55 @@ def _f_embedding(ex, node):
                   {"out": (dtype, shape)})["out"]
 
 
+# An additive attention mask's "masked" entries: at or below float16's lowest value (what
+# transformers fills with is its dtype's lowest), exp() of a score plus one is 0 in f32 for every
+# score under 65000, so the key is left out exactly as a causal mask leaves it out.
+_MASKED_BELOW = -65504.0
+
+
+def _constant_mask_kind(ex, node, mask, scores_shape):
+    """What a constant attention mask (one no input reaches: transformers builds its
+    causal mask from the sequence length) does: "none" (keeps every key), "causal" (keeps
+    key j for query i exactly where j <= i, SDPA's is_causal), or None (anything else)."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, torch.fx.Node) and mask in ex.depends:
+        return None
+    value = ex.values[mask] if isinstance(mask, torch.fx.Node) else mask
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        value = value.expand(scores_shape)
+    except RuntimeError:
+        return None
+    if value.dtype == torch.bool:
+        keep = value
+    else:
+        keep = value == 0
+        if not bool(((value == 0) | (value <= _MASKED_BELOW)).all()):
+            return None  # a bias that is neither 0 nor "masked": it changes the scores
+    if bool(keep.all()):
+        return "none"
+    n, m = scores_shape[-2], scores_shape[-1]
+    causal = torch.ones(n, m, dtype=torch.bool).tril().expand(scores_shape)
+    return "causal" if torch.equal(keep, causal) else None
+
+
 def _f_sdpa(ex, node):
     q, k, v = node.args[0], node.args[1], node.args[2]
-    if _arg(node, 3, "attn_mask") is not None or float(ex.const(_arg(node, 4, "dropout_p", 0.0))) != 0.0:
-        ex.fail(node, "scaled_dot_product_attention with attn_mask or dropout has no mapping",
-                "use is_causal=True for a causal mask")
-    return ex.attention(node, q, k, v, bool(ex.const(_arg(node, 5, "is_causal", False))),
-                        ex.const(_arg(node, 6, "scale")), bool(ex.const(_arg(node, 7, "enable_gqa", False))))
+    if float(ex.const(_arg(node, 4, "dropout_p", 0.0))) != 0.0:
+        ex.fail(node, "scaled_dot_product_attention with dropout has no mapping",
+                "export in eval mode (model.eval()), where dropout_p is 0")
+    causal = bool(ex.const(_arg(node, 5, "is_causal", False)))
+    mask = _arg(node, 3, "attn_mask")
+    kind = _constant_mask_kind(ex, node, mask, tuple(ex.values[q].shape[:-1]) + (ex.values[k].shape[-2],))
+    if kind is None:
+        ex.fail(node, "scaled_dot_product_attention with an attn_mask other than a constant causal one has no "
+                "mapping (a mask the inputs change, such as a padding mask, or a bias)",
+                "pass is_causal=True instead of a causal mask; drop a padding mask (attention_mask=None) when every "
+                "sequence has the full length")
+    return ex.attention(node, q, k, v, causal or kind == "causal", ex.const(_arg(node, 6, "scale")),
+                        bool(ex.const(_arg(node, 7, "enable_gqa", False))))
 
 
 def _f_max_pool(ex, node):
@@ -1428,7 +1503,7 @@ METHODS = {
     "view": _f_reshape, "reshape": _f_reshape, "flatten": _f_reshape, "view_as": _f_reshape,
     "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
     "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
-    "contiguous": _f_identity, "float": _f_float, "to": _f_float, "type_as": _f_float, "half": _f_float,
+    "contiguous": _f_identity, "float": _f_float, "to": _f_float, "type_as": _f_float, "type": _f_float, "half": _f_float,
     "bfloat16": _f_float, "double": _f_float, "unflatten": _f_reshape,
     "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
     "new_empty": _f_like_constant, "fill_": _f_fill, "zero_": _f_fill,
@@ -1439,6 +1514,7 @@ METHODS = {
     "masked_fill": _f_masked_fill,
 }
 FUNCTIONS[torch.Tensor.masked_fill] = _f_masked_fill
+FUNCTIONS[torch.where] = _f_where
 
 
 # ---- ATen operators (torch.export) -----------------------------------------------
@@ -1533,7 +1609,7 @@ def _aten_handlers():
         "matmul.default": _f_matmul, "bmm.default": _f_matmul, "mm.default": _f_matmul, "addmm.default": _f_addmm,
         "softmax.int": _f_softmax("softmax"), "_softmax.default": _f_softmax("softmax"),
         "log_softmax.int": _f_softmax("log_softmax"), "_log_softmax.default": _f_softmax("log_softmax"),
-        "masked_fill.Scalar": _f_masked_fill,
+        "masked_fill.Scalar": _f_masked_fill, "where.self": _f_where,
         "view.default": _f_reshape, "reshape.default": _f_reshape, "_unsafe_view.default": _f_reshape,
         "flatten.using_ints": _f_reshape, "squeeze.dim": _f_reshape, "squeeze.default": _f_reshape,
         "unsqueeze.default": _f_reshape,
@@ -1567,6 +1643,22 @@ def _aten_handlers():
 
 
 ATEN = _aten_handlers()
+
+
+def _pure_aten(target):
+    """The out-of-place ATen overload of an in-place one (aten.dropout_.default ->
+    aten.dropout.default), or None: torch.export's graph reads the update's result where
+    the model reads the updated tensor afterwards, so the pure op maps it."""
+    name = str(target)
+    if not name.startswith("aten.") or name.count(".") != 2:
+        return None
+    _, packet, overload = name.split(".")
+    if not packet.endswith("_") or packet.endswith("__"):
+        return None
+    try:
+        return getattr(getattr(torch.ops.aten, packet[:-1]), overload)
+    except (AttributeError, RuntimeError):
+        return None
 FUNCTIONS.update(ATEN)
 _BATCH_NORM = {op for op, h in ATEN.items() if h in (_a_batch_norm, _a_batch_norm_no_training)}
 _CONV2D = {F.conv2d} | {op for op, h in ATEN.items() if h is _f_conv2d}
@@ -1870,7 +1962,11 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         with torch.no_grad():
             for n, b in module.named_buffers():
                 b.copy_(buffers[n])
-    ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None)
+    module_names = {}
+    for n, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.numel():
+            module_names.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype)), n)
+    ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None, module_names)
     ex.run()
     rewrites = simplify(ex.tasks, ex.outputs, ex.arrays, training=loss is not None)
     graph = {"format": FORMAT, "name": "".join(c if c.isalnum() or c == "_" else "_" for c in ex.name), "tasks": ex.tasks}
@@ -1908,7 +2004,8 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
                 if isinstance(content, str):
                     f.write(content.encode())
                 else:
-                    np.save(f, np.ascontiguousarray(content))
+                    # (reshaped: numpy 1.x's ascontiguousarray makes a 0-d array 1-d)
+                    np.save(f, np.ascontiguousarray(content).reshape(np.shape(content)))
             os.replace(temporary, target)
         except BaseException:
             if os.path.exists(temporary):

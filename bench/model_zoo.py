@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""The PyTorch frontend's coverage: a pinned list of real models exported with
+cudagen_torch, compiled, run in cudagen's host emulation and compared with
+PyTorch's own outputs on the same inputs; one table row per model.
+
+    bench/model_zoo.py CUDAGEN [--ci] [--only NAME,...] [--jobs N] [--json FILE] [--timeout S]
+    bench/model_zoo.py --combine ROWS.json... [--markdown FILE]
+
+The list: every classification model family of torchvision, each by its
+smallest variant at a small input, and transformers' GPT-2, BERT, LLaMA and T5
+encoder from small configs (random weights, no downloads; BatchNorm statistics
+randomised so that folding them is tested on more than the identity). It runs
+on the interpreter's PyTorch: Debian's 1.13 (/usr/bin/python3: the torch.fx
+path) or the pinned 2.x that scripts/dev.sh installs (.cache/torch2-venv/bin/python:
+the torch.export path). A model passes when cudagen's run succeeds (its own
+float64 check included) and every output is within 1e-4 of PyTorch's relative
+to the output's largest magnitude. A model this PyTorch or its packages lack
+is listed as "n/a" with the reason; a failure with the first line of its error,
+which names the op or the check that stops it. Nothing is skipped silently.
+
+--ci runs one model per family, the cheaper ones (CI does, on both PyTorch
+versions); the exit status is 1 when an available model fails. --json keeps a
+run's rows; --combine puts the rows of runs on several PyTorch versions side by
+side, one line a model, as docs/torch-frontend.md carries it (--markdown FILE).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "frontends", "torch"))
+
+TOLERANCE = 1e-4  # max |cudagen - PyTorch| <= TOLERANCE * max |PyTorch| (f32 outputs)
+
+
+def _torchvision(name, size, **kwargs):
+    def build():
+        import torch
+        import torchvision
+        builder = getattr(torchvision.models, name, None)
+        if builder is None:
+            raise Unavailable(f"torchvision {torchvision.__version__} has no {name}")
+        torch.manual_seed(0)
+        model = builder(**kwargs)
+        for m in model.modules():  # random statistics: folding them must be right, not merely the identity
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.data.uniform_(0.5, 1.5)
+                m.bias.data.uniform_(-0.5, 0.5)
+        return model.eval(), (torch.randn(1, 3, size, size),)
+    return build
+
+
+def _transformers(name):
+    def build():
+        import torch
+        try:
+            import transformers
+        except ImportError:
+            raise Unavailable("transformers is not installed (scripts/dev.sh installs it with PyTorch 2.x)")
+        torch.manual_seed(0)
+        small = dict(vocab_size=100)
+        if name == "gpt2":
+            model = transformers.GPT2Model(transformers.GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=2, **small))
+        elif name == "bert":
+            model = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                                   intermediate_size=64, max_position_embeddings=16, **small))
+        elif name == "llama":
+            model = transformers.LlamaModel(transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                                     num_key_value_heads=2, intermediate_size=64,
+                                                                     max_position_embeddings=16, **small))
+        else:
+            model = transformers.T5EncoderModel(transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                                                      **small))
+        decoder_only = name in ("gpt2", "llama")
+
+        class LastHiddenState(torch.nn.Module):
+            """The model called as a user calls it, on token ids only; its last hidden state."""
+
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+
+            def forward(self, ids):
+                extra = {"use_cache": False} if decoder_only else {}
+                return self.model(input_ids=ids, return_dict=False, **extra)[0]
+
+        return LastHiddenState(model).eval(), (torch.randint(0, 100, (1, 8)),)
+    return build
+
+
+class Unavailable(Exception):
+    """This PyTorch (or its packages) lacks the model."""
+
+
+# (name, family, builder, in CI): the smallest variant of each family.
+MODELS = [
+    ("alexnet", "AlexNet", _torchvision("alexnet", 64), False),
+    ("vgg11_bn", "VGG", _torchvision("vgg11_bn", 32), False),
+    ("resnet18", "ResNet", _torchvision("resnet18", 32), True),
+    ("resnext50_32x4d", "ResNeXt", _torchvision("resnext50_32x4d", 32), False),
+    ("wide_resnet50_2", "Wide ResNet", _torchvision("wide_resnet50_2", 32), False),
+    ("squeezenet1_0", "SqueezeNet", _torchvision("squeezenet1_0", 64), True),
+    ("densenet121", "DenseNet", _torchvision("densenet121", 32), False),
+    ("googlenet", "GoogLeNet", _torchvision("googlenet", 64, init_weights=True), False),
+    ("inception_v3", "Inception", _torchvision("inception_v3", 75, init_weights=True), False),
+    ("shufflenet_v2_x0_5", "ShuffleNet", _torchvision("shufflenet_v2_x0_5", 32), True),
+    ("mobilenet_v2", "MobileNet", _torchvision("mobilenet_v2", 32), False),
+    ("mobilenet_v3_small", "MobileNet", _torchvision("mobilenet_v3_small", 32), True),
+    ("mnasnet0_5", "MNASNet", _torchvision("mnasnet0_5", 32), True),
+    ("efficientnet_b0", "EfficientNet", _torchvision("efficientnet_b0", 32), False),
+    ("efficientnet_v2_s", "EfficientNetV2", _torchvision("efficientnet_v2_s", 32), False),
+    ("regnet_x_400mf", "RegNet", _torchvision("regnet_x_400mf", 32), False),
+    ("regnet_y_400mf", "RegNet", _torchvision("regnet_y_400mf", 32), True),
+    ("convnext_tiny", "ConvNeXt", _torchvision("convnext_tiny", 32), False),
+    ("vit_b_16", "ViT", _torchvision("vit_b_16", 32, image_size=32), False),
+    ("swin_t", "Swin", _torchvision("swin_t", 32), False),
+    ("swin_v2_t", "Swin V2", _torchvision("swin_v2_t", 32), False),
+    ("maxvit_t", "MaxViT", _torchvision("maxvit_t", 64), False),
+    ("gpt2", "GPT-2 (transformers)", _transformers("gpt2"), True),
+    ("bert", "BERT (transformers)", _transformers("bert"), True),
+    ("llama", "LLaMA (transformers)", _transformers("llama"), True),
+    ("t5_encoder", "T5 encoder (transformers)", _transformers("t5"), True),
+]
+
+
+def run_one(name, cudagen, work):
+    """Exports, runs and compares one model, in this process; returns its row."""
+    import numpy as np
+    import torch
+    import cudagen_torch
+    entry = next(m for m in MODELS if m[0] == name)
+    row = {"model": name, "family": entry[1], "torch": torch.__version__.split("+")[0]}
+    start = time.time()
+    try:
+        model, inputs = entry[2]()
+    except Unavailable as e:
+        return dict(row, status="n/a", note=str(e), seconds=0.0)
+    try:
+        result = cudagen_torch.export(model, inputs, os.path.join(work, "model"))
+    except Exception as e:  # the exporter's errors name the node, its target and the model's source line
+        return dict(row, path="?", status="FAIL", note=f"export: {type(e).__name__}: {str(e).splitlines()[0]}",
+                    seconds=time.time() - start)
+    row["path"] = {"torch.export": "export", "torch.fx.symbolic_trace": "fx"}.get(result.tracer, result.tracer)
+    outputs = os.path.join(work, "outputs")
+    run = subprocess.run([cudagen, "run", result.graph_path, "--emulate", "--inputs", os.path.join(work, "model", "example"),
+                          "--outputs", outputs, "--work-dir", os.path.join(work, "build")],
+                         capture_output=True, text=True)
+    row["seconds"] = time.time() - start
+    if run.returncode != 0:
+        lines = [l for l in (run.stderr + run.stdout).splitlines() if "error" in l.lower() or "FAIL" in l]
+        return dict(row, status="FAIL", note="cudagen run: " + (lines[0].strip() if lines else f"exit {run.returncode}"))
+    worst = 0.0
+    for out in result.outputs:
+        got = np.load(os.path.join(outputs, out + ".npy")).astype(np.float64)
+        want = np.load(os.path.join(work, "model", "expected", out + ".npy")).astype(np.float64)
+        if got.shape != want.shape or not np.isfinite(got).all():
+            return dict(row, status="FAIL", note=f"output {out}: shape {got.shape} against {want.shape}, or not finite")
+        worst = max(worst, float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-30))
+    row["error"] = worst
+    if worst > TOLERANCE:
+        return dict(row, status="FAIL", note=f"max |error| {worst:.2g} of max |output|, over {TOLERANCE:g}")
+    return dict(row, status="pass", note="")
+
+
+def run_isolated(name, cudagen, timeout):
+    """run_one in a child process: a crash, a hang or a model's memory stays there."""
+    with tempfile.TemporaryDirectory(prefix=f"zoo_{name}_") as work:
+        try:
+            child = subprocess.run([sys.executable, os.path.abspath(__file__), cudagen, "--one", name, "--work", work],
+                                   capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"model": name, "family": dict((m[0], m[1]) for m in MODELS)[name], "status": "FAIL",
+                    "note": f"over the {timeout} s timeout", "seconds": float(timeout)}
+        for line in reversed(child.stdout.splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"model": name, "family": dict((m[0], m[1]) for m in MODELS)[name], "status": "FAIL",
+                "note": f"crashed (exit {child.returncode}): {tail}", "seconds": 0.0}
+
+
+def table(rows):
+    head = ["model", "family", "PyTorch", "path", "status", "max error", "seconds", "what stops it"]
+    cells = [[r["model"], r["family"], r.get("torch", ""), r.get("path", ""), r["status"],
+              f"{r['error']:.1e}" if "error" in r else "", f"{r.get('seconds', 0):.0f}", r.get("note", "")] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if i < len(head) - 1 else 0 for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+    return "\n".join([fmt(head)] + [fmt(c) for c in cells])
+
+
+def combined_table(runs):
+    """One Markdown line a model, a column pair (status, max error) a PyTorch version, and
+    what stops it where it fails."""
+    version = lambda rows: next((r["torch"] for r in rows if r.get("torch")), "?")
+    path = lambda rows: next((r["path"] for r in rows if r.get("path") not in (None, "?")), "?")
+    versions = [f"{version(rows)} ({path(rows)})" for rows in runs]
+    head = ["model", "family"] + [f"PyTorch {v}" for v in versions] + ["what stops it"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_model = [{r["model"]: r for r in rows} for rows in runs]
+    for name, family, _, _ in MODELS:
+        cells, notes = [name, family], []
+        for rows in by_model:
+            r = rows.get(name)
+            if r is None:
+                cells.append("not run")
+                continue
+            cells.append(f"{r['status']} ({r['error']:.0e})" if "error" in r and r["status"] == "pass" else r["status"])
+            if r.get("note") and r["note"] not in notes:
+                notes.append(r["note"])
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells + ["; ".join(notes)]) + " |")
+    for rows in runs:
+        available = [r for r in rows if r["status"] != "n/a"]
+        passed = sum(r["status"] == "pass" for r in available)
+        lines.append(f"\nPyTorch {version(rows)}: {passed} of {len(available)} pass"
+                     + (f", {len(rows) - len(available)} not available" if len(rows) > len(available) else "") + ".")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    if "--combine" in sys.argv:
+        ap = argparse.ArgumentParser(description="the rows of several runs (--json) side by side")
+        ap.add_argument("--combine", nargs="+", required=True, metavar="ROWS.json")
+        ap.add_argument("--markdown", metavar="FILE", help="write the table here (default: print it)")
+        a = ap.parse_args()
+        runs = []
+        for path in a.combine:
+            with open(path) as f:
+                runs.append(json.load(f))
+        text = combined_table(runs)
+        if not a.markdown:
+            print(text, end="")
+            return
+        with open(a.markdown + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(a.markdown + ".tmp", a.markdown)
+        return
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("cudagen", help="the cudagen binary (build/generator/cudagen)")
+    ap.add_argument("--ci", action="store_true", help="one cheaper model per family, as CI runs")
+    ap.add_argument("--only", help="comma-separated model names (default: the whole list)")
+    ap.add_argument("--jobs", type=int, default=2, help="models run at once (each compiles with the host compiler)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds a model may take")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows (for --combine)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    cudagen = os.path.abspath(a.cudagen)
+    if a.one:
+        print(json.dumps(run_one(a.one, cudagen, a.work)))
+        return
+    names = [m[0] for m in MODELS if m[3] or not a.ci]
+    if a.only:
+        wanted = a.only.split(",")
+        unknown = sorted(set(wanted) - {m[0] for m in MODELS})
+        if unknown:
+            ap.error(f"no model {', '.join(unknown)} in the list; it has {', '.join(m[0] for m in MODELS)}")
+        names = [n for n in names if n in wanted]
+    print(f"{len(names)} models, {a.jobs} at a time, on {sys.executable}", flush=True)
+    rows = {}
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        for r in pool.map(lambda n: run_isolated(n, cudagen, a.timeout), names):
+            rows[r["model"]] = r
+            print(f"  {r['model']:<20} {r['status']:<5} {r.get('seconds', 0):6.0f} s  {r.get('note', '')}", flush=True)
+    ordered = [rows[n] for n in names]
+    print(table(ordered))
+    passed = sum(r["status"] == "pass" for r in ordered)
+    available = sum(r["status"] != "n/a" for r in ordered)
+    print(f"{passed} of {available} available models pass ({len(ordered) - available} not in this PyTorch's packages)")
+    if a.json:
+        with open(a.json + ".tmp", "w") as f:
+            json.dump(ordered, f, indent=1)
+        os.replace(a.json + ".tmp", a.json)
+    if passed < available:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
