@@ -823,6 +823,9 @@ class Errors(unittest.TestCase):
         self.assertIn("return torch.cumsum(x, dim=-1)", message)
         # A running sum is no sum: nothing is offered where nothing is equivalent.
         self.assertNotIn("supported instead", message)
+        if TRACER == "torch.export":  # its stack keeps modules' frames only: the module is named too
+            wrapped = torch.nn.Sequential(torch.nn.Identity(), Cumulative())
+            self.assertIn("in module 1 (Cumulative)", self.export_error(wrapped, (torch.randn(3, 4),)))
 
         class BatchedAddMatmul(torch.nn.Module):
             def forward(self, x):

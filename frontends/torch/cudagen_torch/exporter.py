@@ -119,6 +119,19 @@ def _source_line(node):
     return line + (f": {code}" if code else "")
 
 
+def _module_of(node):
+    """', in module classifier.2 (Dropout)': the innermost module a torch.export node was
+    decomposed from (its recorded stack keeps only modules' forward frames, so the source
+    line may be the model's call of a helper), or nothing."""
+    stack = node.meta.get("nn_module_stack") if hasattr(node, "meta") else None
+    if not stack:
+        return ""
+    path, kind = list(stack.values())[-1]
+    if not path:
+        return ""
+    return f", in module {path} ({getattr(kind, '__name__', str(kind).rpartition('.')[2])})"
+
+
 def _target_name(node):
     t = node.target
     if node.op == "call_module":
@@ -293,7 +306,7 @@ class _Exporter:
     # ---- errors --------------------------------------------------------
     def fail(self, node, message, hint=None):
         near = _nearest_targets(_target_name(node))
-        text = f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): {message}"
+        text = f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}{_module_of(node)}): {message}"
         hint = hint or _equivalent_hint(_target_name(node))
         if hint:
             text += f"\n  {hint}"
