@@ -75,6 +75,19 @@ class MaskedAttention(nn.Module):
         return y.transpose(1, 2).reshape(B, T, C)
 
 
+class MultiheadSelfAttention(nn.Module):
+    """nn.MultiheadAttention as torchvision's ViT calls it (need_weights=False), batch first
+    or sequence first; the output projection's result plus the input."""
+
+    def __init__(self, batch_first, dim=16, heads=4):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=batch_first)
+
+    def forward(self, x):
+        y, _ = self.attention(x, x, x, need_weights=False)
+        return y + x
+
+
 def rotate_half(x):  # LLaMA's: the two halves of each head swapped, the first negated
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)

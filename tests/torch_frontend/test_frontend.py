@@ -292,6 +292,29 @@ class Models(Exported):
         self.assertIn("an attn_mask other than a constant causal one has no mapping", str(caught.exception))
         self.assertIn("drop a padding mask", str(caught.exception))
 
+    def test_multihead_attention_module(self):
+        """nn.MultiheadAttention (ViT's self-attention), batch first and sequence first:
+        on the fx path one call, mapped to its projections and the attention ops."""
+        for batch_first in (True, False):
+            with self.subTest(batch_first=batch_first):
+                seed = fresh_seed()
+                torch.manual_seed(seed)
+                x = torch.randn(2, 6, 16) if batch_first else torch.randn(6, 2, 16)
+                result, _, _ = self.check_model(models.MultiheadSelfAttention(batch_first).eval(), (x,), seed)
+                self.assertIn('"op": "softmax"', read(result.graph_path))
+        if TRACER == "torch.fx.symbolic_trace":  # (torch.export decomposes the module into ATen ops)
+            class ReadsTheWeights(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.attention = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+
+                def forward(self, x):
+                    return self.attention(x, x, x)[1]
+
+            with self.assertRaises(cudagen_torch.ExportError) as caught:
+                cudagen_torch.export(ReadsTheWeights().eval(), (torch.randn(2, 6, 16),), tempfile.mkdtemp())
+            self.assertIn("attention weights (need_weights=True) have no mapping", str(caught.exception))
+
     def test_grouped_query_attention(self):
         """LLaMA's repeat_kv (expand, or repeat_interleave) before attention,
         rotary embeddings on q and k: the attention reads the heads of keys

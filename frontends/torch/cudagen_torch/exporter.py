@@ -834,6 +834,71 @@ def _m_gelu(ex, node, m):
     return ex.unary(node, "gelu", node.args[0], {"approximate": "tanh" if m.approximate == "tanh" else "erf"})
 
 
+def _m_multihead_attention(ex, node, m):
+    """nn.MultiheadAttention in eval mode (torchvision's ViT), on the torch.fx path where
+    it is one call: its in-projection (one matmul each for q, k and v, from the packed
+    in_proj_weight), heads split, softmax(q k^T / sqrt(d)) v, heads merged, out_proj.
+    Returns (output, None): the averaged attention weights (need_weights=True) have no
+    mapping, and nothing may read them. Masks, bias_k/bias_v, add_zero_attn, separate
+    q/k/v weights, and a training export (the packed weight's thirds would not train
+    under its name) are refused."""
+    def arg(i, name, default=None):
+        return _arg(node, i, name, default)
+    query, key, value = arg(0, "query"), arg(1, "key"), arg(2, "value")
+    unsupported = [what for what, present in (
+        ("key_padding_mask", arg(3, "key_padding_mask") is not None), ("attn_mask", arg(5, "attn_mask") is not None),
+        ("is_causal", bool(ex.const(arg(7, "is_causal", False)))), ("bias_k/bias_v", m.bias_k is not None),
+        ("add_zero_attn", m.add_zero_attn), ("separate q/k/v projection weights", not m._qkv_same_embed_dim),
+        ("a training export", ex.training)) if present]
+    if unsupported:
+        ex.fail(node, f"nn.MultiheadAttention with {', '.join(unsupported)} has no mapping",
+                "F.scaled_dot_product_attention on your own projections maps (with is_causal for a causal mask)")
+    if any(u.op == "call_function" and u.target is operator.getitem and ex.const(u.args[1]) == 1 for u in node.users):
+        ex.fail(node, "nn.MultiheadAttention's attention weights (need_weights=True) have no mapping",
+                "call it with need_weights=False, or read only its first result")
+    e, heads = m.embed_dim, m.num_heads
+    d = e // heads
+    q, k, v = (ex.tensor(node, t) for t in (query, key, value))
+    if not m.batch_first:  # [T, B, E] -> [B, T, E]
+        q, k, v = (ex.add(node, f"{node.name}_{n}_batch_first", "permute", {"x": t},
+                          {"out": (t.dtype, (t.shape[1], t.shape[0], t.shape[2]))}, {"dims": [1, 0, 2]})["out"]
+                   for n, t in (("q", q), ("k", k), ("v", v)))
+    weight, bias = m.in_proj_weight.detach(), m.in_proj_bias
+
+    def heads_of(x, part, name):
+        w = ex.constant(node, weight[part * e:(part + 1) * e], f"{node.target}.in_proj_weight.{name}")
+        projected = ex.add(node, f"{node.name}_{name}", "matmul", {"a": x, "b": w},
+                           {"out": (x.dtype, x.shape)}, {"trans_b": True})["out"]
+        if bias is not None:
+            b = ex.constant(node, bias.detach()[part * e:(part + 1) * e], f"{node.target}.in_proj_bias.{name}")
+            projected = ex.add(node, f"{node.name}_{name}_bias", "add", {"a": projected, "b": b},
+                               {"out": (x.dtype, x.shape)})["out"]
+        split = _as_shape(ex, node, f"{node.name}_{name}_split", projected, x.shape[:2] + (heads, d))
+        return ex.add(node, f"{node.name}_{name}_heads", "permute", {"x": split},
+                      {"out": (x.dtype, (x.shape[0], heads, x.shape[1], d))}, {"dims": [0, 2, 1, 3]})["out"]
+
+    qh, kh, vh = heads_of(q, 0, "q"), heads_of(k, 1, "k"), heads_of(v, 2, "v")
+    scores_shape = qh.shape[:-1] + (kh.shape[-2],)
+    scores = ex.add(node, f"{node.name}_scores", "matmul", {"a": qh, "b": kh}, {"out": (qh.dtype, scores_shape)},
+                    {"trans_b": True, "alpha": 1.0 / math.sqrt(d)})["out"]
+    probs = ex.add(node, f"{node.name}_probs", "softmax", {"x": scores}, {"out": (qh.dtype, scores_shape)})["out"]
+    context = ex.add(node, f"{node.name}_context", "matmul", {"a": probs, "b": vh}, {"out": (qh.dtype, qh.shape)})["out"]
+    batch, tokens = qh.shape[0], qh.shape[2]
+    merged = ex.add(node, f"{node.name}_merged", "permute", {"x": context},
+                    {"out": (qh.dtype, (batch, tokens, heads, d))}, {"dims": [0, 2, 1, 3]})["out"]
+    merged = _as_shape(ex, node, f"{node.name}_merged_rows", merged, (batch, tokens, e))
+    out_w = ex.constant(node, m.out_proj.weight, f"{node.target}.out_proj.weight")
+    out = ex.add(node, f"{node.name}_out", "matmul", {"a": merged, "b": out_w}, {"out": (qh.dtype, merged.shape)},
+                 {"trans_b": True})["out"]
+    if m.out_proj.bias is not None:
+        out_b = ex.constant(node, m.out_proj.bias, f"{node.target}.out_proj.bias")
+        out = ex.add(node, f"{node.name}_out_bias", "add", {"a": out, "b": out_b}, {"out": (qh.dtype, out.shape)})["out"]
+    if not m.batch_first:
+        out = ex.add(node, f"{node.name}_seq_first", "permute", {"x": out},
+                     {"out": (out.dtype, (tokens, batch, e))}, {"dims": [1, 0, 2]})["out"]
+    return (out, None)
+
+
 MODULES = {
     nn.Linear: _m_linear,
     nn.Conv2d: _m_conv2d,
@@ -848,6 +913,7 @@ MODULES = {
     nn.Tanh: _m_activation("tanh"),
     nn.Hardswish: _m_activation("hardswish"), nn.Hardsigmoid: _m_activation("hardsigmoid"),
     nn.Dropout: _m_identity,
+    nn.MultiheadAttention: _m_multihead_attention,
     nn.Identity: _m_identity,
     nn.Flatten: _m_flatten,
     nn.MaxPool2d: lambda ex, node, m: _max_pool(ex, node, node.args[0], m.kernel_size, m.stride, m.padding,
