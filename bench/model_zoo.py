@@ -124,7 +124,7 @@ MODELS = [
     ("vit_b_16", "ViT", _torchvision("vit_b_16", 32, image_size=32), False),
     ("swin_t", "Swin", _torchvision("swin_t", 32), False),
     ("swin_v2_t", "Swin V2", _torchvision("swin_v2_t", 32), False),
-    ("maxvit_t", "MaxViT", _torchvision("maxvit_t", 64), False),
+    ("maxvit_t", "MaxViT", _torchvision("maxvit_t", 224), False),
     ("gpt2", "GPT-2 (transformers)", _transformers("gpt2"), True),
     ("bert", "BERT (transformers)", _transformers("bert"), True),
     ("llama", "LLaMA (transformers)", _transformers("llama"), True),

@@ -535,3 +535,41 @@ def transformers_gpt2(vocab=64, positions=16, dim=32, layers=2, heads=2):
 
     return Logits(model).eval()
 
+
+class EinsumAndNorms(nn.Module):
+    """Batched matrix products written with einsum (MaxViT's attention), one operand
+    transposed each way, and, where torch.export shows them as ATen ops, Swin V2's cosine
+    attention's F.normalize (a vector norm with a floor, clamp_min, expand_as)."""
+
+    def __init__(self, normalize):
+        super().__init__()
+        self.normalize = normalize
+
+    def forward(self, q, k):  # [B, H, T, D]
+        if self.normalize:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k)
+        return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), k) + torch.einsum("bhji,bhjd->bhid", scores, k)
+
+
+class ConstantConstructions(nn.Module):
+    """What Swin's attention does on the way (torchvision 0.14 runs it on the fx path): a
+    mask built by index assignment into x.new_zeros, a parameter's clone zeroed in its middle
+    third through a view, F.dropout with p=0 (training left at its default, True), and
+    F.normalize."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):  # [4, 6]
+        mask = x.new_zeros(4, 6)
+        count = 0.0
+        for rows in ((0, 2), (2, 4)):
+            mask[rows[0]:rows[1], 1:3] = count + 1.0
+            count += 1.0
+        bias = self.bias.clone()
+        bias[2:4].zero_()
+        y = F.dropout(x + mask + bias, p=0.0)
+        return F.normalize(y, dim=-1)
+

@@ -315,6 +315,39 @@ class Models(Exported):
                 cudagen_torch.export(ReadsTheWeights().eval(), (torch.randn(2, 6, 16),), tempfile.mkdtemp())
             self.assertIn("attention weights (need_weights=True) have no mapping", str(caught.exception))
 
+    def test_einsum_products_and_vector_norms(self):
+        """einsum equations that are batched matrix products map to matmul (trans_a and
+        trans_b where an operand's letters run the other way); on torch.export, F.normalize's
+        ATen ops (linalg_vector_norm, clamp_min, expand_as) map too. Another equation is
+        refused, saying what to write."""
+        for normalize in (False, True) if TRACER == "torch.export" else (False,):
+            with self.subTest(normalize=normalize):
+                seed = fresh_seed()
+                torch.manual_seed(seed)
+                inputs = (torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+                result, _, _ = self.check_model(models.EinsumAndNorms(normalize), inputs, seed)
+                matmuls = [t for t in json.loads(read(result.graph_path))["tasks"] if t["op"] == "matmul"]
+                self.assertEqual(sorted(tuple(sorted(k for k in t.get("args", {}) if k.startswith("trans")))
+                                        for t in matmuls), [(), ("trans_a",), ("trans_b",)])
+
+        class Trace(torch.nn.Module):
+            def forward(self, x):
+                return torch.einsum("ii->i", x)
+
+        with self.assertRaises(cudagen_torch.ExportError) as caught:
+            cudagen_torch.export(Trace(), (torch.randn(3, 3),), tempfile.mkdtemp())
+        self.assertIn("write it with matmul (@), transpose and reshape", str(caught.exception))
+
+    def test_constant_constructions_in_model_code(self):
+        """Index assignment into a constant (a mask), an in-place update through a view of a
+        parameter's clone, F.dropout(p=0) and F.normalize, on both paths; the constants come
+        out as the model's run built them."""
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        for tracer in TRACERS:
+            with self.subTest(tracer=tracer):
+                self.check_model(models.ConstantConstructions().eval(), (torch.randn(4, 6),), seed, tracer=tracer)
+
     def test_grouped_query_attention(self):
         """LLaMA's repeat_kv (expand, or repeat_interleave) before attention,
         rotary embeddings on q and k: the attention reads the heads of keys

@@ -22,6 +22,7 @@ temporary name and renamed into place.
 """
 
 import json
+import contextlib
 import math
 import operator
 import os
@@ -181,6 +182,19 @@ class _Proxy(torch.fx.Proxy):
             return iter([self[i] for i in range(len(value))])
         return super().__iter__()
 
+    def __setitem__(self, key, value):
+        """`mask[a:b, c:d] = v` (Swin's shifted-window mask): the assignment as a node that
+        returns the updated copy, and this Proxy stands for that node from here on, so that
+        later reads of the Python variable read the update."""
+        self.node = self.tracer.create_proxy("call_function", _assigned, (self, key, value), {}).node
+
+
+def _assigned(x, key, value):
+    """x with x[key] = value, as a new tensor (the torch.fx path's index assignment)."""
+    y = x.clone()
+    y[key] = value
+    return y
+
 
 def _attribute(obj, name):
     """obj.name as the module holds it: its parameter, buffer or submodule
@@ -248,6 +262,13 @@ class _Recorder(torch.fx.Interpreter):
         self.values = {}
 
     def run_node(self, n):
+        # An update in place changes the tensor an earlier node recorded: its value is kept
+        # as it was (a constant folded from it, x.new_zeros(...) before .add_(x), must be the
+        # zeros), while the run goes on with the updated tensor.
+        if n.args and isinstance(n.args[0], torch.fx.Node) and _updates_first_argument(n):
+            before = self.values.get(n.args[0])
+            if isinstance(before, torch.Tensor):
+                self.values[n.args[0]] = before.clone()
         result = super().run_node(n)
         self.values[n] = result
         return result
@@ -446,9 +467,16 @@ class _Exporter:
             (n.op == "get_attr" and isinstance(self.values.get(n), torch.nn.Parameter) and self.values[n].requires_grad)
             or (n.op == "call_module" and any(p.requires_grad for p in self.gm.get_submodule(n.target).parameters())))}
         for node in graph.nodes:
+            if _values_ignore_inputs(node):  # x.new_zeros(...): built from x's shape only
+                continue
             if (node.op == "placeholder" or (node.op == "call_module" and node in trainable)
                     or any(a in self.depends or a in trainable for a in node.all_input_nodes)):
                 self.depends.add(node)
+        for node in graph.nodes:
+            if node.meta.get("cudagen_view_update_of") and node in self.depends:
+                self.fail(node, f"an in-place update of a view of '{node.meta['cudagen_view_update_of']}', which a "
+                          "trained parameter reaches and which is read afterwards: cudagen's graphs are functional",
+                          "write the update out of place, or export for inference (no loss=)")
         self.find_batchnorm_folds()
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -1083,6 +1111,8 @@ def _f_identity(ex, node):
 
 
 def _f_dropout(ex, node):
+    if float(ex.const(_arg(node, 1, "p", 0.5))) == 0.0:  # Swin's F.dropout(attn, p=0.0): the identity
+        return ex.tensor(node, node.args[0])
     if _arg(node, 2, "training", True):
         ex.fail(node, "F.dropout with training=True has no mapping", "pass training=self.training and call eval()")
     return ex.tensor(node, node.args[0])
@@ -1521,6 +1551,35 @@ def _f_like_constant(ex, node):
     return ex.constant(node, ex.values[node], f"{node.name}.constant")
 
 
+def _f_vector_norm(ex, node):
+    """torch.linalg.vector_norm(x, 2, dim=-1) (F.normalize's, Swin V2's cosine attention):
+    the square root of the sum of squares over the last axis, keepdim or not."""
+    x = ex.tensor(node, node.args[0])
+    order, dim = ex.const(_arg(node, 1, "ord", 2)), ex.const(_arg(node, 2, "dim"))
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if float(order) != 2.0 or dim is None or isinstance(dim, (list, tuple)):
+        ex.fail(node, f"vector_norm of order {order} over {dim} has no mapping; the 2-norm over one axis maps",
+                "compute it as torch.sqrt((x * x).sum(-1)) over the last axis")
+    ex.last_axis(node, dim, len(x.shape), "vector_norm")
+    dtype, shape = ex.result_meta(node)
+    squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
+    sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (dtype, x.shape[:-1])})["out"]
+    norm = ex.add(node, node.name + "_rows", "sqrt", {"x": sums}, {"out": (dtype, x.shape[:-1])})["out"]
+    return ex.reshape_to(node, norm, shape)
+
+
+def _values_ignore_inputs(node):
+    """Whether an fx node's values do not depend on its inputs' values (zeros_like,
+    x.new_zeros, full_like, ...: only on static shapes and dtypes), so that what is built
+    from it, such as Swin's shifted-window mask filled in place, is a constant."""
+    if node.op == "call_method":
+        return METHODS.get(node.target) is _f_like_constant
+    if node.op == "call_function":
+        return FUNCTIONS.get(node.target) is _f_like_constant
+    return False
+
+
 def _f_fill(ex, node):
     """x.fill_(v), x.zero_(): a constant of x's shape (readers after the update read it, as
     for every in-place method), where v is a number or a tensor the inputs do not reach. Made
@@ -1554,7 +1613,8 @@ FUNCTIONS = {
     F.log_softmax: _f_softmax("log_softmax"), torch.log_softmax: _f_softmax("log_softmax"),
     F.linear: _f_linear, torch.addmm: _f_addmm, F.conv2d: _f_conv2d, F.layer_norm: _f_layer_norm, F.embedding: _f_embedding,
     torch.flatten: _f_reshape, torch.reshape: _f_reshape,
-    torch.transpose: _f_transpose, torch.permute: _f_permute, torch.t: _f_t,
+    torch.transpose: _f_transpose, torch.swapaxes: _f_transpose, torch.swapdims: _f_transpose,
+    torch.permute: _f_permute, torch.t: _f_t,
     torch.cat: _f_cat, torch.concat: _f_cat, torch.split: _f_split, torch.roll: _f_roll,
     torch.repeat_interleave: _f_repeat_interleave, F.pad: _f_pad,
     torch.chunk: _f_split,
@@ -1581,7 +1641,7 @@ METHODS = {
     "softmax": _f_softmax("softmax"), "log_softmax": _f_softmax("log_softmax"),
     "view": _f_reshape, "reshape": _f_reshape, "flatten": _f_reshape, "view_as": _f_reshape,
     "reshape_as": _f_reshape, "squeeze": _f_reshape, "unsqueeze": _f_reshape,
-    "transpose": _f_transpose, "permute": _f_permute, "t": _f_t,
+    "transpose": _f_transpose, "swapaxes": _f_transpose, "swapdims": _f_transpose, "permute": _f_permute, "t": _f_t,
     "contiguous": _f_identity, "float": _f_float, "to": _f_float, "type_as": _f_float, "type": _f_float, "half": _f_float,
     "bfloat16": _f_float, "double": _f_float, "unflatten": _f_reshape,
     "new_zeros": _f_like_constant, "new_ones": _f_like_constant, "new_full": _f_like_constant,
@@ -1631,6 +1691,79 @@ def _a_hardtanh(ex, node):  # F.relu6 is hardtanh(x, 0, 6) in ATen
     if (low, high) != (0.0, 6.0):
         ex.fail(node, f"hardtanh({low}, {high}) has no mapping; only relu6 (hardtanh(0, 6)) does")
     return ex.unary(node, "relu6", node.args[0])
+
+
+def _f_einsum(ex, node):
+    """torch.einsum of two operands that is a batched matrix product (MaxViT's attention:
+    "bghid,bghjd->bghij"): the same leading letters in both operands and the result, one
+    letter contracted, each operand's other letter kept, in either order (trans_a, trans_b).
+    Any other equation has no mapping."""
+    equation, operands = ex.const(node.args[0]), node.args[1]
+    if not isinstance(operands, (list, tuple)):
+        operands = node.args[1:]
+    hint = "write it with matmul (@), transpose and reshape"
+    spec = "".join(equation.split())
+    if "->" not in spec or "." in spec or len(operands) != 2:
+        ex.fail(node, f"einsum('{equation}') has no mapping: only two operands and an explicit '->' result", hint)
+    inputs, result = spec.split("->")
+    left, right = inputs.split(",") if inputs.count(",") == 1 else ("", "")
+    batch = result[:-2]
+    i, j = result[-2:] if len(result) >= 2 else ("", "")
+    contracted = set(left) & set(right) - set(result)
+    if (len(contracted) != 1 or not left or len(left) != len(right) or len(left) != len(result)
+            or not left.startswith(batch) or not right.startswith(batch) or len(set(result)) != len(result)):
+        ex.fail(node, f"einsum('{equation}') is not a batched matrix product", hint)
+    k = contracted.pop()
+    a_tail, b_tail = left[len(batch):], right[len(batch):]
+    if sorted(a_tail) != sorted(i + k) or sorted(b_tail) != sorted(k + j):
+        ex.fail(node, f"einsum('{equation}') is not a batched matrix product", hint)
+    args = {}
+    if a_tail == k + i:
+        args["trans_a"] = True
+    if b_tail == j + k:
+        args["trans_b"] = True
+    dtype, shape = ex.result_meta(node)
+    return ex.add(node, node.name, "matmul", {"a": ex.tensor(node, operands[0]), "b": ex.tensor(node, operands[1])},
+                  {"out": (dtype, shape)}, args or None)["out"]
+
+
+FUNCTIONS[torch.einsum] = _f_einsum
+
+
+def _f_normalize(ex, node):
+    """F.normalize(x, p=2, dim=-1, eps): x over max(its 2-norm over the last axis, eps), as
+    Swin V2's cosine attention calls it on the torch.fx path (torch.export shows its ATen ops)."""
+    x = ex.tensor(node, node.args[0])
+    order, dim, eps = (ex.const(_arg(node, i, name, default)) for i, name, default in
+                       ((1, "p", 2.0), (2, "dim", 1), (3, "eps", 1e-12)))
+    ex.last_axis(node, dim, len(x.shape), "normalize")
+    if float(order) != 2.0:
+        ex.fail(node, f"F.normalize with p={order} has no mapping; p=2 does")
+    rows = x.shape[:-1]
+    squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
+    sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (x.dtype, rows)})["out"]
+    norm = ex.add(node, node.name + "_norm", "sqrt", {"x": sums}, {"out": (x.dtype, rows)})["out"]
+    floor = ex.constant(node, torch.tensor(float(eps), dtype=ex.values[node].dtype), f"{node.name}.eps")
+    norm = ex.add(node, node.name + "_floor", "maximum", {"a": norm, "b": floor}, {"out": (x.dtype, rows)})["out"]
+    norm = _as_shape(ex, node, node.name + "_keepdim", norm, rows + (1,))
+    return ex.add(node, node.name, "div", {"a": x, "b": norm}, {"out": (x.dtype, x.shape)})["out"]
+
+
+FUNCTIONS[F.normalize] = _f_normalize
+
+
+def _f_clamp_min(ex, node):
+    """x.clamp_min(v), torch.clamp(x, min=v) (F.normalize's floor under a norm): `maximum` with
+    v, a constant tensor; a bound that is a tensor the inputs change, or an upper bound, has
+    no mapping."""
+    low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
+    if high is not None or low is None or (isinstance(low, torch.fx.Node) and low in ex.depends):
+        ex.fail(node, "clamp maps only with a constant lower bound (clamp_min)", "use torch.maximum(x, y) for a tensor bound")
+    x = ex.tensor(node, node.args[0])
+    bound = ex.values[low] if isinstance(low, torch.fx.Node) else torch.tensor(float(low))
+    floor = ex.constant(node, bound.to(ex.values[node].dtype).reshape(()), f"{node.name}.min")
+    dtype, shape = ex.result_meta(node)
+    return ex.add(node, node.name, "maximum", {"a": x, "b": floor}, {"out": (dtype, shape)})["out"]
 
 
 def _a_gelu(ex, node):
@@ -1706,7 +1839,9 @@ def _aten_handlers():
         "pad.default": _f_pad,  # torch.export on PyTorch 2.11 keeps F.pad as aten.pad
         "repeat_interleave.self_int": _f_repeat_interleave, "expand.default": _f_expand, "repeat.default": _f_repeat,
         "mean.dim": _f_reduce("mean"), "sum.dim_IntList": _f_reduce("sum"),
-        "scaled_dot_product_attention.default": _f_sdpa,
+        "scaled_dot_product_attention.default": _f_sdpa, "linalg_vector_norm.default": _f_vector_norm,
+        "einsum.default": _f_einsum, "clamp_min.default": _f_clamp_min, "swapaxes.default": _f_transpose,
+        "swapdims.default": _f_transpose, "clamp.default": _f_clamp_min, "expand_as.default": _f_expand,
         "max_pool2d.default": _f_max_pool, "avg_pool2d.default": _f_avg_pool,
         "adaptive_avg_pool2d.default": lambda ex, node: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
     }
@@ -1801,10 +1936,31 @@ def _equivalent_hint(target):
 
 # ---- the entry point -------------------------------------------------------------
 
+# Functions torchvision wraps for torch.fx (a call of their own in the traced graph) that are
+# model code to trace through: with static shapes their Python runs once, on the example.
+_TRACE_THROUGH = {"shifted_window_attention", "_get_relative_position_bias", "_patch_merging_pad"}
+
+
+@contextlib.contextmanager
+def _tracing_through_wrapped():
+    import torch.fx._symbolic_trace as symbolic_trace
+    patched = getattr(symbolic_trace, "_wrapped_fns_to_patch", None)
+    if not isinstance(patched, list):
+        yield
+        return
+    saved = list(patched)
+    patched[:] = [(frame, name) for frame, name in saved if name not in _TRACE_THROUGH]
+    try:
+        yield
+    finally:
+        patched[:] = saved
+
+
 def _trace(module, example_inputs):
     tracer = _Tracer(example_inputs)
     try:
-        graph = tracer.trace(module)
+        with _tracing_through_wrapped():
+            graph = tracer.trace(module)
     except Exception as e:  # noqa: BLE001: tracing failures come as many types
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "torch" + os.sep not in f.filename
                   and os.path.basename(os.path.dirname(f.filename)) != "cudagen_torch"]
@@ -1840,6 +1996,15 @@ def _in_place(node):
     return False
 
 
+def _updates_first_argument(node):
+    """_in_place, and an in-place ATen overload on the torch.export path (aten.add_.Tensor)."""
+    if _in_place(node):
+        return True
+    name = str(node.target) if node.op == "call_function" else ""
+    return name.startswith("aten.") and name.count(".") == 2 and name.split(".")[1].endswith("_") \
+        and not name.split(".")[1].endswith("__")
+
+
 def _functionalize_in_place(gm):
     """fx records `y.add_(1)` as a node whose result nobody reads while later
     code reads `y`: dead-code elimination then dropped the update, and both
@@ -1855,7 +2020,10 @@ def _functionalize_in_place(gm):
         target = node.args[0]
         base = target.args[0] if (target.op == "call_method" and target.target in _VIEW_METHODS) or (
             target.op == "call_function" and getattr(target.target, "__name__", "") == "getitem") else None
-        if isinstance(base, torch.fx.Node) and any(order[u] > order[node] for u in base.users if u is not target):
+        read_after = isinstance(base, torch.fx.Node) and any(order[u] > order[node] for u in base.users if u is not target)
+        if read_after and not _reaches_from_input(base):
+            node.meta["cudagen_view_update_of"] = base.name
+        elif read_after:
             raise ExportError(
                 f"fx node '{node.name}' (target {_target_name(node)}, at {_source_line(node)}): an in-place update "
                 f"of '{target.name}', a view of '{base.name}', which is read afterwards: cudagen's graphs are "
@@ -1863,6 +2031,24 @@ def _functionalize_in_place(gm):
         for user in list(target.users):
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(target, node)
+
+
+def _reaches_from_input(node):
+    """Whether a graph input flows into fx node `node`. An update through a view of a tensor
+    no input reaches (Swin V2's qkv_bias.clone() zeroed in its middle third) is a constant's
+    construction, which the recorded run performs as written; the mapping folds it. (Its
+    parameters then do not train: a training export refuses such a model where a trained
+    parameter reaches the update, see _Exporter.run.)"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _has_torch_export():
