@@ -906,6 +906,20 @@ class Errors(unittest.TestCase):
         self.assertIn("write the update out of place", message)
         self.assertIn("y.view(-1).add_(1)", message)
 
+    def test_an_index_assignment_into_a_view_is_refused(self):
+        class IntoAView(torch.nn.Module):
+            def forward(self, x):
+                mask = x.new_zeros(4, 6)
+                row = mask[0]
+                row[1:3] = 1.0  # the mask shares it: a copy would leave the mask as it was
+                return x + mask
+
+        if TRACER != "torch.fx.symbolic_trace":
+            self.skipTest("torch.export captures index assignment itself")
+        message = self.export_error(IntoAView(), (torch.randn(4, 6),))
+        self.assertIn("an index assignment into a view", message)
+        self.assertIn("assign into the tensor itself", message)
+
     def test_data_dependent_control_flow(self):
         class Branchy(torch.nn.Module):
             def forward(self, x):

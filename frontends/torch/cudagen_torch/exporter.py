@@ -185,7 +185,15 @@ class _Proxy(torch.fx.Proxy):
     def __setitem__(self, key, value):
         """`mask[a:b, c:d] = v` (Swin's shifted-window mask): the assignment as a node that
         returns the updated copy, and this Proxy stands for that node from here on, so that
-        later reads of the Python variable read the update."""
+        later reads of the Python variable read the update. A copy cannot update what
+        shares the tensor's storage: into a view, or into a tensor with views, is refused."""
+        def is_view(n):
+            return (n.op == "call_function" and n.target is operator.getitem) or (
+                n.op == "call_method" and n.target in _VIEW_METHODS)
+        if is_view(self.node) or any(is_view(u) for u in self.node.users):
+            raise ExportError(f"fx node '{self.node.name}': an index assignment into a view, or into a tensor "
+                              "that has views, has no mapping on the torch.fx path (the views would not see it); "
+                              "assign into the tensor itself before taking views of it")
         self.node = self.tracer.create_proxy("call_function", _assigned, (self, key, value), {}).node
 
 
@@ -265,7 +273,7 @@ class _Recorder(torch.fx.Interpreter):
         # An update in place changes the tensor an earlier node recorded: its value is kept
         # as it was (a constant folded from it, x.new_zeros(...) before .add_(x), must be the
         # zeros), while the run goes on with the updated tensor.
-        if n.args and isinstance(n.args[0], torch.fx.Node) and _updates_first_argument(n):
+        if n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0].op != "get_attr" and _updates_first_argument(n):
             before = self.values.get(n.args[0])
             if isinstance(before, torch.Tensor):
                 self.values[n.args[0]] = before.clone()
@@ -467,10 +475,11 @@ class _Exporter:
             (n.op == "get_attr" and isinstance(self.values.get(n), torch.nn.Parameter) and self.values[n].requires_grad)
             or (n.op == "call_module" and any(p.requires_grad for p in self.gm.get_submodule(n.target).parameters())))}
         for node in graph.nodes:
-            if _values_ignore_inputs(node):  # x.new_zeros(...): built from x's shape only
-                continue
+            sources = node.all_input_nodes
+            if _values_ignore_inputs(node):  # x.new_zeros(...): x's shape only (a fill value still counts)
+                sources = [a for a in sources if a is not node.args[0]]
             if (node.op == "placeholder" or (node.op == "call_module" and node in trainable)
-                    or any(a in self.depends or a in trainable for a in node.all_input_nodes)):
+                    or any(a in self.depends or a in trainable for a in sources)):
                 self.depends.add(node)
         for node in graph.nodes:
             if node.meta.get("cudagen_view_update_of") and node in self.depends:
@@ -878,6 +887,10 @@ def _m_multihead_attention(ex, node, m):
         ("is_causal", bool(ex.const(arg(7, "is_causal", False)))), ("bias_k/bias_v", m.bias_k is not None),
         ("add_zero_attn", m.add_zero_attn), ("separate q/k/v projection weights", not m._qkv_same_embed_dim),
         ("a training export", ex.training)) if present]
+    if m.training and m.dropout > 0:
+        unsupported.append(f"dropout {m.dropout:g} in training mode")
+    if any(len(ex.values[t].shape) != 3 for t in (query, key, value) if isinstance(t, torch.fx.Node)):
+        unsupported.append("unbatched (rank-2) inputs")
     if unsupported:
         ex.fail(node, f"nn.MultiheadAttention with {', '.join(unsupported)} has no mapping",
                 "F.scaled_dot_product_attention on your own projections maps (with is_causal for a causal mask)")
@@ -1044,6 +1057,8 @@ def _f_where(ex, node):
     keys (GPT-2's eager attention: its tril buffer sliced to T, the dtype's lowest value or
     -inf elsewhere), read only by a softmax: the softmax's causal flag; with a mask that keeps
     everything, the scores themselves. Anything else has no mapping."""
+    if len(node.args) != 3:
+        ex.fail(node, "torch.where(condition) (the indices where it holds) has no mapping")
     cond, x, other = node.args[0], node.args[1], node.args[2]
     if not isinstance(x, torch.fx.Node):
         ex.fail(node, "torch.where has no mapping except a constant causal mask over scores before a softmax")
@@ -1140,8 +1155,11 @@ def _permute(ex, node, dims):
 
 
 def _f_transpose(ex, node):
+    """x.transpose(dim0, dim1), and swapaxes/swapdims (axis0, axis1)."""
     rank = len(ex.values[node.args[0]].shape)
-    a, b = ex.const(_arg(node, 1, "dim0")) % rank, ex.const(_arg(node, 2, "dim1")) % rank
+    first = _arg(node, 1, "dim0", node.kwargs.get("axis0"))
+    second = _arg(node, 2, "dim1", node.kwargs.get("axis1"))
+    a, b = ex.const(first) % rank, ex.const(second) % rank
     dims = list(range(rank))
     dims[a], dims[b] = dims[b], dims[a]
     return _permute(ex, node, dims)
@@ -1753,9 +1771,9 @@ FUNCTIONS[F.normalize] = _f_normalize
 
 
 def _f_clamp_min(ex, node):
-    """x.clamp_min(v), torch.clamp(x, min=v) (F.normalize's floor under a norm): `maximum` with
-    v, a constant tensor; a bound that is a tensor the inputs change, or an upper bound, has
-    no mapping."""
+    """ATen's clamp_min(x, v) and clamp(x, v) (F.normalize's floor under a norm, on the
+    torch.export path): `maximum` with v, a constant tensor; a bound that is a tensor the
+    inputs change, or an upper bound, has no mapping."""
     low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
     if high is not None or low is None or (isinstance(low, torch.fx.Node) and low in ex.depends):
         ex.fail(node, "clamp maps only with a constant lower bound (clamp_min)", "use torch.maximum(x, y) for a tensor bound")
@@ -1945,15 +1963,21 @@ _TRACE_THROUGH = {"shifted_window_attention", "_get_relative_position_bias", "_p
 def _tracing_through_wrapped():
     import torch.fx._symbolic_trace as symbolic_trace
     patched = getattr(symbolic_trace, "_wrapped_fns_to_patch", None)
-    if not isinstance(patched, list):
-        yield
-        return
-    saved = list(patched)
-    patched[:] = [(frame, name) for frame, name in saved if name not in _TRACE_THROUGH]
+    if isinstance(patched, list):  # 1.13: [(globals, name)]
+        saved = list(patched)
+        patched[:] = [(frame, name) for frame, name in saved if name not in _TRACE_THROUGH]
+        restore = lambda: patched.__setitem__(slice(None), saved)  # noqa: E731
+    elif isinstance(patched, dict):  # 2.x: {(id(globals), name): globals}
+        saved = dict(patched)
+        for key in [k for k in saved if isinstance(k, tuple) and k[-1] in _TRACE_THROUGH]:
+            del patched[key]
+        restore = lambda: (patched.clear(), patched.update(saved))  # noqa: E731
+    else:
+        restore = lambda: None  # noqa: E731
     try:
         yield
     finally:
-        patched[:] = saved
+        restore()
 
 
 def _trace(module, example_inputs):
@@ -1971,7 +1995,7 @@ def _trace(module, example_inputs):
             "make it depend on constants, or wrap it in a leaf module") from None
     gm = torch.fx.GraphModule(tracer.root, graph, module.__class__.__name__)
     _functionalize_in_place(gm)
-    gm.graph.eliminate_dead_code()  # the shape queries that became constants
+    _eliminate_dead_code(gm.graph)  # the shape queries that became constants
     gm.recompile()
     return gm
 
@@ -2021,7 +2045,9 @@ def _functionalize_in_place(gm):
         base = target.args[0] if (target.op == "call_method" and target.target in _VIEW_METHODS) or (
             target.op == "call_function" and getattr(target.target, "__name__", "") == "getitem") else None
         read_after = isinstance(base, torch.fx.Node) and any(order[u] > order[node] for u in base.users if u is not target)
-        if read_after and not _reaches_from_input(base):
+        # (A reader before it whose result nothing reads is a shape query, a constant already.)
+        read_before = read_after and any(order[u] < order[node] and u.users for u in base.users if u is not target)
+        if read_after and not read_before and not _reaches_from_input(base):
             node.meta["cudagen_view_update_of"] = base.name
         elif read_after:
             raise ExportError(
@@ -2031,6 +2057,17 @@ def _functionalize_in_place(gm):
         for user in list(target.users):
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(target, node)
+
+
+def _eliminate_dead_code(graph):
+    """torch.fx's dead-code elimination, except that an update in place of a constant
+    through a view (marked by _functionalize_in_place) stays: nothing reads its result,
+    but the recorded run must perform it for the constant's readers."""
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or node.users or node.meta.get("cudagen_view_update_of"):
+            continue
+        if node.op in ("call_function", "call_method", "call_module", "get_attr") and not node.is_impure():
+            graph.erase_node(node)
 
 
 def _reaches_from_input(node):
