@@ -1569,6 +1569,15 @@ def _f_like_constant(ex, node):
     return ex.constant(node, ex.values[node], f"{node.name}.constant")
 
 
+def _row_norm(ex, node, x, dtype):
+    """The 2-norm of each row of x (over its last axis), in `dtype`: pow 2 (not x * x, whose
+    two slots would both read a graph input), sum, sqrt."""
+    rows = x.shape[:-1]
+    squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
+    sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (dtype, rows)})["out"]
+    return ex.add(node, node.name + "_rows", "sqrt", {"x": sums}, {"out": (dtype, rows)})["out"]
+
+
 def _f_vector_norm(ex, node):
     """torch.linalg.vector_norm(x, 2, dim=-1) (F.normalize's, Swin V2's cosine attention):
     the square root of the sum of squares over the last axis, keepdim or not."""
@@ -1581,10 +1590,7 @@ def _f_vector_norm(ex, node):
                 "compute it as torch.sqrt((x * x).sum(-1)) over the last axis")
     ex.last_axis(node, dim, len(x.shape), "vector_norm")
     dtype, shape = ex.result_meta(node)
-    squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
-    sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (dtype, x.shape[:-1])})["out"]
-    norm = ex.add(node, node.name + "_rows", "sqrt", {"x": sums}, {"out": (dtype, x.shape[:-1])})["out"]
-    return ex.reshape_to(node, norm, shape)
+    return ex.reshape_to(node, _row_norm(ex, node, x, dtype), shape)
 
 
 def _values_ignore_inputs(node):
@@ -1758,9 +1764,7 @@ def _f_normalize(ex, node):
     if float(order) != 2.0:
         ex.fail(node, f"F.normalize with p={order} has no mapping; p=2 does")
     rows = x.shape[:-1]
-    squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
-    sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (x.dtype, rows)})["out"]
-    norm = ex.add(node, node.name + "_norm", "sqrt", {"x": sums}, {"out": (x.dtype, rows)})["out"]
+    norm = _row_norm(ex, node, x, x.dtype)
     floor = ex.constant(node, torch.tensor(float(eps), dtype=ex.values[node].dtype), f"{node.name}.eps")
     norm = ex.add(node, node.name + "_floor", "maximum", {"a": norm, "b": floor}, {"out": (x.dtype, rows)})["out"]
     norm = _as_shape(ex, node, node.name + "_keepdim", norm, rows + (1,))
