@@ -327,7 +327,9 @@ class Validator {
       int src = check_ref(*slot.from, t, slot.loc, path, slot.name, /*is_arg=*/false);
       if (src < 0) continue;
       bt.tensors[i].source_task = src;
-      bt.deps.push_back(src);
+      // A task may read one tensor through two of its input slots (`x * x`):
+      // that is no dependency on itself. Reading its own output still is.
+      if (src != t || !reads_only(t, slot.name) || !reads_only(t, slot.from->slot)) bt.deps.push_back(src);
       int buffer = resolve_buffer(t, slot.name, slot.loc, path);
       bt.tensors[i].buffer = buffer;
       if (buffer < 0) continue;
@@ -346,6 +348,14 @@ class Validator {
     }
     std::sort(bt.deps.begin(), bt.deps.end());
     bt.deps.erase(std::unique(bt.deps.begin(), bt.deps.end()), bt.deps.end());
+  }
+
+  // Whether task t's op only reads its slot `name` (not an output, scratch, or
+  // a parameter the op updates in place).
+  bool reads_only(int t, const std::string& name) const {
+    const BoundTask& bt = p_.tasks[size_t(t)];
+    const SlotSignature* sig = bt.op ? bt.op->find_tensor(name) : nullptr;
+    return sig != nullptr && !sig->written();
   }
 
   // Checks that `ref` names an existing task and slot and respects phase order;

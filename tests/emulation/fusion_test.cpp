@@ -72,6 +72,18 @@ TaskGraph gelu_written_out(DType d) {
   return std::move(b).graph();
 }
 
+// Tasks that read one graph input through two of their own slots, as the
+// frontend writes `x * x` and `x @ x.T`: no dependency on themselves.
+TaskGraph one_input_twice(DType d) {
+  GraphBuilder b(std::string("one_input_twice_") + to_string(d));
+  auto square = b.task("square", "mul").tensor("a", d, {33, 40}, ext);
+  square.tensor("b", square["a"]).tensor("out", d, {33, 40});
+  b.task("sum", "add").tensor("a", square["out"]).tensor("b", square["a"]).tensor("out", d, {33, 40}, ext);
+  auto gram = b.task("gram", "matmul").tensor("a", d, {12, 16}, ext);
+  gram.tensor("b", gram["a"]).tensor("out", d, {12, 12}, ext).arg("trans_b", true);
+  return std::move(b).graph();
+}
+
 // A matmul (batched, b broadcast) with the epilogue of a transformer's MLP:
 // bias, gelu, a residual add of the matmul's own input (its storage must not
 // be reused under the matmul's feet), a cast; the pre-activation is read later
@@ -534,6 +546,11 @@ TEST_P(FusedChains, MatchTheReferenceFusedAndUnfused) {
   size_t loads = 0;
   for (size_t at = kernel.find("(half_x, i)"); at != std::string::npos; at = kernel.find("(half_x, i)", at + 1)) ++loads;
   EXPECT_EQ(loads, 1u) << kernel;
+}
+
+TEST_P(FusedChains, ATaskReadsOneInputThroughTwoSlots) {
+  // square and sum in one loop; the Gram matrix in its own kernel.
+  expect_fused_and_unfused_right(one_input_twice(GetParam()), 2, "cg_mul<float>(");
 }
 
 TEST_P(FusedChains, EpiloguesMatchTheReferenceFusedAndUnfused) {

@@ -128,6 +128,19 @@ TEST(Validate, SelfDependencyIsACycle) {
   expect_contains(msg, "tasks depend on each other in a cycle: a -> a");
 }
 
+TEST(Validate, ATaskMayReadOneInputThroughTwoSlots) {
+  // x * x on a graph input: b reads the tensor a declares.
+  EXPECT_EQ(errors_of(graph_of(R"(
+    {"id": "sq", "op": "mul", "tensors": {"a": {"dtype": "f32", "shape": [4], "storage": "external"},
+      "b": {"from": "sq.a"}, "out": {"dtype": "f32", "shape": [4]}}})")), "");
+  // Reading a slot the op writes is still a cycle: an optimizer's parameter.
+  std::string msg = errors_of(graph_of(R"(
+    {"id": "w", "op": "uniform", "phase": "init", "tensors": {"out": {"dtype": "f32", "shape": [4]}}},
+    {"id": "s", "op": "sgd", "phase": "update", "tensors": {"param": {"from": "w.out"}, "grad": {"from": "s.param"}},
+     "args": {"lr": 0.1}})"));
+  expect_contains(msg, "tasks depend on each other in a cycle: s -> s");
+}
+
 TEST(Validate, SlotDependencyCycleWithNoProducer) {
   std::string msg = errors_of(graph_of(R"(
     {"id": "a", "op": "relu", "tensors": {"x": {"from": "b.x"}, "out": {"dtype": "f32", "shape": [4]}}},
