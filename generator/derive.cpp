@@ -125,6 +125,7 @@ class Deriver {
     requires_grad_.insert(weights_.begin(), weights_.end());
     for (int t : forward) {
       const BoundTask& bt = p_.tasks[size_t(t)];
+      if (bt.op->no_gradient) continue;  // a comparison's mask: constant almost everywhere
       bool any = false;
       for (const auto& b : bt.tensors)
         if (!b.sig->written() && requires_grad_.count(b.buffer)) any = true;

@@ -443,6 +443,15 @@ std::string Emitter::fused_elementwise(const KernelGroup& k, std::vector<Emitted
 
   std::vector<LaunchParam> launch = inputs;
   launch.insert(launch.end(), outputs.begin(), outputs.end());
+  // Run-time arguments (the fusion pass lets only the first task have any:
+  // their locals are named as the arguments), read once before the loop.
+  std::string locals;
+  for (const auto& step : steps) {
+    for (const auto& sp : scalar_params(step.task))
+      launch.push_back(LaunchParam{sp.name, "const " + scalar_type(sp.scalar->type), -1, sp.scalar});
+    locals += scalar_locals(step.task);
+  }
+  body = locals + body;
 
   std::vector<std::string> tasks, reads, writes, in_registers;
   for (const auto& step : steps) {

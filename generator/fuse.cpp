@@ -51,8 +51,9 @@ std::string runtime_arg(const Program& p, int t) {
   return {};
 }
 
-// Why task `t` cannot be part of an elementwise chain (empty when it can).
-std::string chain_gap(const Program& p, int t) {
+// Why task `t` cannot be part of an elementwise chain (empty when it can);
+// `front`: as the chain's first task.
+std::string chain_gap(const Program& p, int t, bool front = false) {
   const BoundTask& bt = p.tasks[size_t(t)];
   const OpSignature& op = *bt.op;
   if (op.pattern != PatternKind::elementwise && op.pattern != PatternKind::broadcast)
@@ -62,9 +63,10 @@ std::string chain_gap(const Program& p, int t) {
     if (sig.writes || sig.role == SlotRole::scratch)
       return fmt::format("'{}' ({}) updates slot '{}' in place", bt.task->id, op.name, sig.name);
   if (only_output(bt) == nullptr) return fmt::format("'{}' ({}) has more than one output", bt.task->id, op.name);
-  // One task's run-time arguments per kernel for now.
-  if (const std::string a = runtime_arg(p, t); !a.empty())
-    return fmt::format("'{}' reads run-time argument '{}'", bt.task->id, a);
+  // One task's run-time arguments per kernel for now: the first's (the
+  // kernel reads them into locals named as the arguments; dropout's mask).
+  if (const std::string a = runtime_arg(p, t); !a.empty() && !front)
+    return fmt::format("'{}' reads run-time argument '{}', and only a kernel's first task may", bt.task->id, a);
   return {};
 }
 
@@ -178,7 +180,7 @@ class Fuser {
   // The rule of a kernel that starts with task `t`: an elementwise chain, or
   // an epilogue after a matmul or a row op; empty when nothing may follow it.
   FusionRule group_rule(int t) const {
-    if (chain_gap(p_, t).empty()) return FusionRule::elementwise_chain;
+    if (chain_gap(p_, t, /*front=*/true).empty()) return FusionRule::elementwise_chain;
     return epilogue_rule(p_.tasks[size_t(t)]);
   }
 
@@ -297,7 +299,7 @@ class Fuser {
     if (group.rule == FusionRule::attention && group.tasks.size() == 2) return why_not_attention_values(group, t);
     const int front = anchor(group);
     const FusionRule rule = group_rule(front);
-    if (rule == FusionRule::none) return "the kernel before takes no more tasks: " + chain_gap(p_, front);
+    if (rule == FusionRule::none) return "the kernel before takes no more tasks: " + chain_gap(p_, front, /*front=*/true);
     if (group.tasks.size() > 1 && permutation(group.tasks.back()))
       return "the kernel before ends with a permuted store: its elements are no longer the task's";
     if (permutation(t)) return why_not_store_permuted(group, rule, t);

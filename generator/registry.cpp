@@ -196,6 +196,11 @@ class RegistryReader {
     op.autocast = string_field(v, "autocast", path, op.name, false);
     if (!op.autocast.empty() && op.autocast != "low" && op.autocast != "f32")
       fail(v, path + "/autocast", fmt::format("\"autocast\" is \"low\" or \"f32\", not \"{}\"", op.autocast), op.name);
+    if (const std::string gradient = string_field(v, "gradient", path, op.name, false); !gradient.empty()) {
+      if (gradient != "none")
+        fail(v, path + "/gradient", fmt::format("\"gradient\" is \"none\", not \"{}\"", gradient), op.name);
+      op.no_gradient = true;
+    }
     if (const JsonValue* prologue = v.find("prologue")) {
       if (!prologue->is_array()) fail(*prologue, path + "/prologue", "\"prologue\" lists input slot names", op.name);
       else

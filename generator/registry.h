@@ -90,6 +90,9 @@ struct OpSignature {
   // f32 (norms, losses, reductions, exp and log); empty, in the widest dtype
   // of its floating inputs. As PyTorch's CUDA autocast lists them.
   std::string autocast;
+  // "gradient: none": its outputs carry no gradient (a comparison's 0/1
+  // mask): training derives none through it, whatever reads its inputs.
+  bool no_gradient = false;
   // The skeleton's name: `skeleton`, else the op's.
   const std::string& skeleton_name() const { return skeleton.empty() ? name : skeleton; }
   std::string doc;

@@ -20,4 +20,9 @@ inline float counter_unit_float(int64_t seed, int64_t i, int stream) {
   return float(counter_hash64(counter_hash64(uint64_t(seed)) ^ uint64_t(2 * i + stream)) >> 40) * 0x1p-24f;
 }
 
+// The seed of dropout_mask's draw for one step and micro-batch.
+inline int64_t dropout_draw_seed(int64_t seed, int64_t step, int64_t micro_batch) {
+  return int64_t(counter_hash64(counter_hash64(counter_hash64(uint64_t(seed)) ^ uint64_t(step)) ^ uint64_t(micro_batch)));
+}
+
 }  // namespace cudagen

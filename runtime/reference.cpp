@@ -1,6 +1,7 @@
 #include "reference.h"
 
 #include "counter_rng.h"
+#include "half.h"
 #include "runner.h"
 
 #include <algorithm>
@@ -67,6 +68,7 @@ class Evaluator {
     if (op == "mul") return binary(bt, [](double a, double b) { return a * b; });
     if (op == "div") return binary(bt, [](double a, double b) { return a / b; });
     if (op == "maximum") return binary(bt, [](double a, double b) { return std::max(a, b); });
+    if (op == "eq" || op == "ne") return comparison(bt, op == "eq");
     if (op == "relu_backward") return gradient(bt, [](double x, double d) { return x > 0 ? d : 0.0; });
     if (op == "sigmoid_backward")
       return gradient(bt, [](double x, double d) { return d * sigmoid(x) * sigmoid(-x); });
@@ -145,7 +147,7 @@ class Evaluator {
     if (op == "rmsnorm_backward" || op == "layernorm_backward") return norm_backward(bt, op == "layernorm_backward");
     if (op == "embedding_backward") return embedding_backward(bt);
     if (op == "mse") return mse(bt);
-    if (op == "fill" || op == "uniform" || op == "normal") return init(bt);
+    if (op == "fill" || op == "uniform" || op == "normal" || op == "dropout_mask") return init(bt);
     if (op == "split_heads" || op == "merge_heads") return heads(bt, op == "split_heads");
     if (const auto f = user_.functions.find(op); f != user_.functions.end()) return user_element(bt, f->second);
     if (bt.op->reference == "none") return device_values(bt);
@@ -296,6 +298,34 @@ class Evaluator {
       else if (op == "div") a[size_t(i)] = (xa + std::abs(xv / yv) * ya) / std::abs(yv);  // first order
       else if (op == "maximum") a[size_t(i)] = std::max(xa, ya);
       else a[size_t(i)] = xa + ya;
+    }
+    out(o, std::move(v), std::move(a));
+  }
+
+  // A value as a buffer of `dtype` holds it.
+  static double round_to(DType dtype, double x) {
+    switch (dtype) {
+      case DType::f32: return double(float(x));
+      case DType::f16: return double(f16_to_float(float_to_f16(float(x))));
+      case DType::bf16: return double(bf16_to_float(float_to_bf16(float(x))));
+      default: return x;
+    }
+  }
+
+  // eq, ne: exact. The operands compared as the kernel holds them, rounded
+  // to their dtype (the reference's own values of a computed operand carry
+  // no rounding); 0 or 1, with no error scale: a comparison of two values
+  // within rounding of each other can come out either way, and then fails
+  // the check, as it should be looked at.
+  void comparison(const BoundTask& bt, bool equal) {
+    int x = buf(bt, "a"), y = buf(bt, "b"), o = buf(bt, "out");
+    const DType dx = p_.buffers[size_t(x)].dtype, dy = p_.buffers[size_t(y)].dtype;
+    int64_t n = numel(shape(o));
+    std::vector<double> v(static_cast<size_t>(n)), a(static_cast<size_t>(n), 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const double xv = round_to(dx, val(x)[size_t(broadcast_source(shape(o), shape(x), i))]);
+      const double yv = round_to(dy, val(y)[size_t(broadcast_source(shape(o), shape(y), i))]);
+      v[size_t(i)] = (xv == yv) == equal ? 1.0 : 0.0;
     }
     out(o, std::move(v), std::move(a));
   }
@@ -922,6 +952,10 @@ class Evaluator {
       double x = 0;
       if (op == "fill") {
         x = f32 ? double(float(arg_double(bt, "value", 0))) : arg_double(bt, "value", 0);
+      } else if (op == "dropout_mask") {  // the kernel's own comparison and scale, in f32
+        const float p = float(arg_double(bt, "p", 0));
+        const int64_t draw = dropout_draw_seed(seed, arg_int(bt, "step", 1), arg_int(bt, "micro_batch", 0));
+        x = unit_float(draw, i, 0) < p ? 0.0 : double(1.0f / (1.0f - p));
       } else if (op == "uniform") {
         double low = arg_double(bt, "low", 0), high = arg_double(bt, "high", 1);
         x = f32 ? double(std::fma(float(high) - float(low), unit_float(seed, i, 0), float(low)))

@@ -292,6 +292,41 @@ CG_DEVICE T cg_maximum(T a, T b) {
   return a > b ? a : b;
 }
 
+// Comparisons: 1 where they hold, else 0, in the operands' type (PyTorch's
+// bool tensor as a mask a product or a sum reads). No gradient flows
+// through them.
+template <typename T>
+CG_OP("eq",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "gradient: none",
+      "flops: numel(out)",
+      "doc: 1 where a == b, else 0, numpy broadcasting")
+CG_DEVICE T cg_eq(T a, T b) {
+  return a == b ? T(1) : T(0);
+}
+
+template <typename T>
+CG_OP("ne",
+      "pattern: broadcast",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: a input T",
+      "tensor: b input T",
+      "tensor: out output T",
+      "shape: a:[...A] b:[...B] -> out:[...broadcast(A, B)]",
+      "may_alias: out a",
+      "gradient: none",
+      "flops: numel(out)",
+      "doc: 1 where a != b, else 0, numpy broadcasting")
+CG_DEVICE T cg_ne(T a, T b) {
+  return a != b ? T(1) : T(0);
+}
+
 // The gradient of maximum for one operand, at the output's shape (the
 // compiler sums it over broadcast axes): the larger operand takes dout, and
 // ties split it in half, as PyTorch's rule does.

@@ -72,3 +72,30 @@ CG_DEVICE T cg_normal(cg_i64 i, T mean, T std, long long seed) {
   const float z = sqrt(-2.0f * log(u1)) * cg_cos_pi(2.0f * u2);
   return mean + std * (T)z;
 }
+
+// Dropout's mask, scaled: 1 / (1 - p) where an element is kept, 0 where it is
+// dropped, with probability p. The frontend multiplies the input by it, so
+// the backward is that product's gradient and reads the same saved mask.
+// `step` and `micro_batch` are run-time arguments the runtime advances, so
+// each step and each micro-batch draws a new mask from one seed; `seed`
+// tells a model's dropouts apart. cudagen_torch.dropout_mask draws the same
+// masks in PyTorch.
+CG_DEVICE long long cg_dropout_draw(long long seed, long long step, long long micro_batch) {
+  return (long long)cg_hash64(cg_hash64(cg_hash64((unsigned long long)seed) ^ (unsigned long long)step) ^
+                              (unsigned long long)micro_batch);
+}
+
+template <typename T>
+CG_OP("dropout_mask",
+      "pattern: elementwise",
+      "types: T = " CG_FLOAT_TYPES,
+      "tensor: out output T",
+      "arg: p float",
+      "arg: seed int = 0",
+      "arg: step int = 1",
+      "arg: micro_batch int = 0",
+      "shape: -> out:[...S]",
+      "doc: dropout's mask: 0 with probability p, else 1 / (1 - p); a new mask each step and micro-batch")
+CG_DEVICE T cg_dropout_mask(cg_i64 i, float p, long long seed, long long step, long long micro_batch) {
+  return cg_unit_float(cg_dropout_draw(seed, step, micro_batch), i, 0) < p ? T(0) : T(1.0f / (1.0f - p));
+}

@@ -33,7 +33,7 @@ class AnnotationParser {
       throw AnnotationError(0, "the first string of CG_OP is the op's name, an identifier: CG_OP(\"relu\", ...)");
     JsonValue types = JsonValue::object(), tensors = JsonValue::array(), args = JsonValue::array(),
               may_alias = JsonValue::array(), variants = JsonValue::array(), view;
-    std::string pattern, shape, doc, smem, flops, reference, epilogue, rows, norm, skeleton, autocast;
+    std::string pattern, shape, doc, smem, flops, reference, epilogue, rows, norm, skeleton, autocast, gradient;
     JsonValue prologue = JsonValue::array();
     std::string links[4];  // backward, forward, init, inverse
     for (index_ = 1; index_ < strings_.size(); ++index_) {
@@ -42,7 +42,7 @@ class AnnotationParser {
       if (colon == std::string::npos)
         fail(fmt::format("\"{}\" is not \"key: value\" (keys: pattern, types, tensor, arg, shape, may_alias, "
                          "backward, forward, init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, "
-                         "inverse, norm, skeleton, autocast)",
+                         "inverse, norm, skeleton, autocast, gradient)",
                          s));
       const std::string key = trim(s.substr(0, colon)), value = trim(s.substr(colon + 1));
       if (key == "pattern") set_once(pattern, value, key);
@@ -68,6 +68,10 @@ class AnnotationParser {
         if (autocast != "low" && autocast != "f32")
           fail(fmt::format("'autocast' is \"low\" or \"f32\", not \"{}\"", autocast));
       }
+      else if (key == "gradient") {
+        set_once(gradient, value, key);
+        if (gradient != "none") fail(fmt::format("'gradient' is \"none\" (no gradient flows through the op), not \"{}\"", gradient));
+      }
       else if (key == "prologue") {
         if (!prologue.items().empty()) fail("'prologue' is given twice");
         for (const auto& slot : words(value)) prologue.push_back(JsonValue::string(slot));
@@ -85,7 +89,7 @@ class AnnotationParser {
       }
       else fail(fmt::format("unknown key '{}' (keys: pattern, types, tensor, arg, shape, may_alias, backward, forward, "
                             "init, smem, flops, doc, variant, view, reference, epilogue, prologue, rows, inverse, norm, "
-                            "skeleton, autocast)",
+                            "skeleton, autocast, gradient)",
                             key));
     }
     index_ = 0;
@@ -114,6 +118,7 @@ class AnnotationParser {
     if (!norm.empty()) op.set("norm", JsonValue::string(norm));
     if (!skeleton.empty()) op.set("skeleton", JsonValue::string(skeleton));
     if (!autocast.empty()) op.set("autocast", JsonValue::string(autocast));
+    if (!gradient.empty()) op.set("gradient", JsonValue::string(gradient));
     if (!doc.empty()) op.set("doc", JsonValue::string(doc));
     if (!smem.empty()) op.set("smem", JsonValue::string(smem));
     if (!flops.empty()) op.set("flops", JsonValue::string(flops));

@@ -6,10 +6,12 @@
 #include <filesystem>
 #include <random>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
 #include "derive.h"
+#include "host_tensor.h"
 #include "npy.h"
 #include "pipeline.h"
 #include "runner.h"
@@ -41,6 +43,32 @@ Program classifier() {
   Program forward = load_program(std::move(b).graph(), {});
   std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}, ArgSlot{"momentum", ArgValue(0.5), {}, false, {}}};
   return load_program(derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph, {});
+}
+
+// The classifier with dropout (p) after its activation, as the torch
+// frontend writes it: a mask drawn per step and micro-batch, times the input.
+Program classifier_with_dropout(double p) {
+  GraphBuilder b("classifier_dropout");
+  auto w1 = b.task("w1", "uniform", Phase::init).tensor("out", f32, {6, 16}).arg("low", -0.4).arg("high", 0.4).arg("seed", 5);
+  auto w2 = b.task("w2", "uniform", Phase::init).tensor("out", f32, {16, 3}).arg("low", -0.4).arg("high", 0.4).arg("seed", 6);
+  auto fc1 = b.task("fc1", "matmul").tensor("a", f32, {20, 6}, ext).tensor("b", w1["out"]).tensor("out", f32, {20, 16});
+  auto act = b.task("act", "silu").tensor("x", fc1["out"]).tensor("out", f32, {20, 16});
+  auto mask = b.task("drop_mask", "dropout_mask").tensor("out", f32, {20, 16}).arg("p", p).arg("seed", 11)
+                  .runtime_arg("step", ArgValue(int64_t(1))).runtime_arg("micro_batch", ArgValue(int64_t(0)));
+  auto drop = b.task("drop", "mul").tensor("a", act["out"]).tensor("b", mask["out"]).tensor("out", f32, {20, 16});
+  auto fc2 = b.task("fc2", "matmul").tensor("a", drop["out"]).tensor("b", w2["out"]).tensor("out", f32, {20, 3});
+  b.task("loss", "cross_entropy").tensor("logits", fc2["out"]).tensor("labels", DType::i32, {20}, ext).tensor("loss", f32, {}, ext);
+  Program forward = load_program(std::move(b).graph(), {});
+  std::vector<ArgSlot> args = {ArgSlot{"lr", ArgValue(0.2), {}, false, {}}};
+  return load_program(derive_training(forward, TrainingSpec{{"loss", "loss"}, "sgd", args, {}}).graph, {});
+}
+
+// dropout_mask alone, its mask an output: 64 x 64 elements.
+Compiled dropout_mask_alone(DType d, double p) {
+  GraphBuilder b("dropout_mask");
+  b.task("m", "dropout_mask").tensor("out", d, {64, 64}, ext).arg("p", p).arg("seed", 3)
+      .runtime_arg("step", ArgValue(int64_t(1))).runtime_arg("micro_batch", ArgValue(int64_t(0)));
+  return compile(load_program(std::move(b).graph(), {}), {});
 }
 
 }  // namespace
@@ -148,4 +176,59 @@ TEST(TrainingRun, BadRunOptionsSayWhatToDo) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("this graph has no backward phase"), std::string::npos) << e.what();
   }
+}
+
+TEST(TrainingRun, DropoutDrawsANewMaskEachStepAndMicroBatch) {
+  const double p = 0.25;
+  for (DType d : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(to_string(d));
+    const Compiled c = dropout_mask_alone(d, p);
+    auto draw = [&](int64_t step, int64_t micro_batch) {
+      RunOptions options{1, work_dir("mask")};
+      options.outputs_dir = work_dir(fmt::format("mask_{}_{}", step, micro_batch));
+      options.args = {{"m.step", ArgValue(step)}, {"m.micro_batch", ArgValue(micro_batch)}};
+      CheckedRun run = run_checked(c, options);
+      EXPECT_TRUE(run.ok()) << format_run(run);
+      return read_npy(options.outputs_dir + "/m.out.npy").values();
+    };
+    const std::vector<double> first = draw(1, 0), again = draw(1, 0), second = draw(2, 0), other = draw(1, 1);
+    EXPECT_EQ(first, again) << "the same step draws the same mask";
+    // Every element 0 or the scale (1 / 0.75, rounded to the dtype); about
+    // p of them 0: 4096 draws put the fraction within 0.03 of p (4.4 sigma).
+    const double scale = HostTensor::from_values(d, {1}, {double(1.0f / (1.0f - float(p)))}).values()[0];
+    for (const auto* mask : {&first, &second, &other}) {
+      size_t dropped = 0;
+      for (double v : *mask) {
+        dropped += v == 0.0;
+        if (v != 0.0) ASSERT_EQ(v, scale);
+      }
+      EXPECT_NEAR(double(dropped) / double(mask->size()), p, 0.03);
+    }
+    // Another step, or another micro-batch, draws independently: about
+    // 2 p (1 - p) = 0.375 of the elements differ.
+    for (const auto* mask : {&second, &other}) {
+      size_t differ = 0;
+      for (size_t i = 0; i < first.size(); ++i) differ += (*mask)[i] != first[i];
+      EXPECT_NEAR(double(differ) / double(first.size()), 2 * p * (1 - p), 0.04);
+    }
+  }
+}
+
+TEST(TrainingRun, DropoutTrainsWithItsMaskInBackward) {
+  // Each step's forward and backward (the product's gradient reads the
+  // saved mask) and update against the float64 reference, which draws the
+  // step's mask itself: a backward reading another mask than the forward's
+  // would not match it.
+  Compiled c = compile(classifier_with_dropout(0.3), {});
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  RunOptions options{seed, work_dir("dropout")};
+  options.steps = 3;
+  CheckedRun run = run_checked(c, options);
+  EXPECT_TRUE(run.ok()) << format_run(run);
+  // One launch draws the mask and applies it (no kernel of its own).
+  bool fused = false;
+  for (const auto& k : c.kernels)
+    if (k.tasks.size() >= 2 && c.program.tasks[size_t(k.tasks[0])].op->name == "dropout_mask") fused = true;
+  EXPECT_TRUE(fused) << fusion_table(c);
 }

@@ -524,7 +524,7 @@ CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:316
+// templates/elementwise.cuh:351
 // Gradients of the activations: dx = dout * f'(x).
 template <typename T>
 CG_DEVICE T cg_relu_backward(T x, T dout) {

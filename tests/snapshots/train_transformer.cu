@@ -557,7 +557,7 @@ CG_DEVICE T cg_add(T a, T b) {
   return a + b;
 }
 
-// templates/elementwise.cuh:382
+// templates/elementwise.cuh:417
 // d/dx of x * Phi(x) = Phi(x) + x * phi(x), with Phi in the chosen form.
 template <typename T>
 CG_DEVICE T cg_gelu_backward(T x, T dout, int approximate) {

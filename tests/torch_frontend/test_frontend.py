@@ -7,6 +7,8 @@ the seed is printed on failure. Then the error cases, with their messages.
 Run with Debian's PyTorch: /usr/bin/python3 tests/torch_frontend/test_frontend.py CUDAGEN [TEST...]
 """
 
+import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -74,8 +76,38 @@ def sass_opcodes(cu, arch, work):
     return functions
 
 
+class cudagen_dropout_masks:
+    """While active, F.dropout (and so nn.Dropout) in training mode
+    multiplies by cudagen's mask (cudagen_torch.dropout_mask) instead of
+    drawing PyTorch's: the k-th dropout of a forward pass takes seed k, as
+    the export numbers them, at the step and micro-batch `position` says
+    (the caller sets them, and "drawn" back to 0, before each forward pass)."""
+
+    def __init__(self):
+        self.position = {"step": 1, "micro_batch": 0, "drawn": 0}
+
+    def __enter__(self):
+        self.saved = F.dropout
+
+        def dropout(input, p=0.5, training=True, inplace=False):
+            if not training or p == 0:
+                return input
+            seed, self.position["drawn"] = self.position["drawn"], self.position["drawn"] + 1
+            mask = cudagen_torch.dropout_mask(tuple(input.shape), p, seed, self.position["step"],
+                                              self.position["micro_batch"])
+            return input * torch.from_numpy(mask).to(input.dtype)
+
+        torch.nn.functional.dropout = dropout
+        return self.position
+
+    def __exit__(self, *exc):
+        torch.nn.functional.dropout = self.saved
+
+
 def fresh_seed():
-    return random.SystemRandom().randrange(1 << 31)
+    """A new seed per test, printed on failure; CUDAGEN_TEST_SEED pins it (to rerun a failure)."""
+    pinned = os.environ.get("CUDAGEN_TEST_SEED")
+    return int(pinned) if pinned else random.SystemRandom().randrange(1 << 31)
 
 
 class Exported(unittest.TestCase):
@@ -117,7 +149,30 @@ class Exported(unittest.TestCase):
         return result, stdout, seconds
 
 
+class Comparisons(torch.nn.Module):
+    """eq and ne as masks (h == relu(h) is h >= 0, exactly), and x * x of a
+    graph input: one tensor through both slots of a task."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x * x)
+        positive = (h == torch.relu(h)).float()
+        nonzero = torch.relu(h).ne(0).float()
+        return self.fc2(h * positive + nonzero * 0.5 - (h != 0.25).float())
+
+
 class Models(Exported):
+    def test_comparisons_map_to_masks(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        for tracer in TRACERS:
+            self.check_model(Comparisons(), (torch.randn(6, 8),), seed, tracer=tracer)
+            ops = [t["op"] for t in json.loads(read(os.path.join(self.dir, "model", "graph.json")))["tasks"]]
+            self.assertEqual((ops.count("eq"), ops.count("ne")), (1, 2), ops)
+
     def test_mlp(self):
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -567,7 +622,7 @@ class Training(Exported):
     STEPS = 2
 
     def check_training(self, seed, model, inputs, loss, optimizer, optimizer_args, steps=None, train_mode=False,
-                       update_rtol=1e-3, clip_grad_norm=None, micro_batches=1):
+                       update_rtol=1e-3, clip_grad_norm=None, micro_batches=1, dropout_masks=False):
         """Exports forward + loss, lets cudagen derive backward and update, runs
         STEPS steps in emulation (each checked against the float64 reference
         by `cudagen run`), and compares the losses and the updated weights
@@ -576,12 +631,15 @@ class Training(Exported):
         where clip_grad_norm is given, which must then clip some step).
         With micro_batches, each step runs over that many micro-batches (the
         example, then copies of it shifted), against PyTorch summing the
-        gradients of each micro-batch's loss divided by their count."""
+        gradients of each micro-batch's loss divided by their count.
+        With dropout_masks, PyTorch's dropouts draw cudagen's mask of each
+        step and micro-batch (cudagen_dropout_masks)."""
         steps = steps or self.STEPS
         model_dir = os.path.join(self.dir, "model")
         result = cudagen_torch.export(model, inputs, model_dir, loss=loss, optimizer=optimizer,
                                       optimizer_args=optimizer_args, train_mode=train_mode, clip_grad_norm=clip_grad_norm,
                                       accumulate_gradients=micro_batches > 1)
+        self.assertEqual(result.tracer, TRACER)  # torch.export on 2.x, train mode too
         self.assertIn("labels" if loss == "cross_entropy" else "target", result.inputs)
         example_dir = os.path.join(model_dir, "example")
         example = {n: np.load(os.path.join(example_dir, n + ".npy")) for n in result.inputs}
@@ -599,34 +657,47 @@ class Training(Exported):
                                      "--outputs", outputs, "--micro-batches", str(micro_batches))
         self.assertIn("loss", stdout)
 
-        # PyTorch trains its own copy: eval mode (the export maps dropout to
-        # the identity) unless the test asks for train mode (BatchNorm's batch
-        # statistics), the exported inputs, the same optimizer.
+        # PyTorch trains its own copy: eval mode (dropout the identity) unless
+        # the test asks for train mode (BatchNorm's batch statistics, dropout's
+        # masks), the exported inputs, the same optimizer.
         model.train(train_mode)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         args = {"sgd": dict(lr=optimizer_args["lr"], momentum=optimizer_args.get("momentum", 0.0)),
                 "adamw": dict(lr=optimizer_args["lr"], betas=(optimizer_args.get("beta1", 0.9),
                                                              optimizer_args.get("beta2", 0.999)),
                               eps=optimizer_args.get("eps", 1e-8), weight_decay=optimizer_args.get("weight_decay", 0.0))}
-        torch_optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(),
-                                                                                         **args[optimizer])
-        losses, norms = [], []
-        for _ in range(steps):
-            torch_optimizer.zero_grad()
-            step_losses = []
-            for feed in feeds:
-                feed = {n: torch.from_numpy(a) for n, a in feed.items()}
-                logits = model(feed[result.inputs[0]])
-                if loss == "cross_entropy":
-                    value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), feed["labels"].reshape(-1).long())
-                else:
-                    value = F.mse_loss(logits, feed["target"])
-                (value / micro_batches).backward()
-                step_losses.append(float(value))
-            if clip_grad_norm is not None:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)))
-            torch_optimizer.step()
-            losses.append(float(np.mean(step_losses)))
+        # The same training in float64, from the same weights: how far each f32 run is from
+        # exact arithmetic, where the two f32 runs disagree (below).
+        exact_model = copy.deepcopy(model).double()
+
+        def train(net, dtype):
+            torch_optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](net.parameters(),
+                                                                                             **args[optimizer])
+            losses, norms = [], []
+            with cudagen_dropout_masks() if dropout_masks else contextlib.nullcontext({}) as position:
+                for step in range(steps):
+                    torch_optimizer.zero_grad()
+                    step_losses = []
+                    for micro_batch, feed in enumerate(feeds):
+                        position.update(step=step + 1, micro_batch=micro_batch, drawn=0)
+                        feed = {n: torch.from_numpy(a).to(dtype) if a.dtype.kind == "f" else torch.from_numpy(a)
+                                for n, a in feed.items()}
+                        logits = net(feed[result.inputs[0]])
+                        if loss == "cross_entropy":
+                            value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                    feed["labels"].reshape(-1).long())
+                        else:
+                            value = F.mse_loss(logits, feed["target"])
+                        (value / micro_batches).backward()
+                        step_losses.append(float(value))
+                    if clip_grad_norm is not None:
+                        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)))
+                    torch_optimizer.step()
+                    losses.append(float(np.mean(step_losses)))
+            return losses, norms
+
+        losses, norms = train(model, torch.float32)
+        train(exact_model, torch.float64)
 
         if clip_grad_norm is not None:
             self.assertGreater(max(norms), clip_grad_norm, f"no step was clipped: the norms were {norms} (seed {seed})")
@@ -645,21 +716,38 @@ class Training(Exported):
             # An update read off f32 weights is known to one ulp of the weight: a BatchNorm's
             # weight near 1 moved by 1e-4 cannot agree to better than 1.2e-7.
             ulp = float(np.spacing(np.float32(np.abs(want).max())))
-            self.assertLessEqual(error, update_rtol * scale + ulp,
-                                 f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}; seed {seed})")
+            if error <= update_rtol * scale + ulp:
+                continue
+            # Further apart than that: where steps amplify f32's rounding (BatchNorm over few values,
+            # ResNet-18's conv1 after three steps on PyTorch 2.x), PyTorch's own f32 run strays from
+            # exact arithmetic too. cudagen's update must then be as close to the float64 run's as
+            # PyTorch's is (within twice its distance).
+            exact_moved = exact_model.state_dict()[name].detach().numpy() - start.double().numpy()
+            torch_error = float(np.abs(want_moved - exact_moved).max())
+            cudagen_error = float(np.abs(moved - exact_moved).max())
+            self.assertLessEqual(cudagen_error, max(update_rtol * scale, 2 * torch_error) + ulp,
+                                 f"{name}: update differs from PyTorch's by {error:.3g} (largest {scale:.3g}), from "
+                                 f"float64's by {cudagen_error:.3g}, PyTorch's from float64's by {torch_error:.3g} "
+                                 f"(seed {seed})")
         # The running statistics a train-mode BatchNorm moved, step by step: within 1e-4 of
         # the buffer's largest element, as the updates are. (Element by element, a channel's
         # mean near 0 is a sum of 2 x 32 x 32 f32 values that cancel, which an atol cannot
         # bound: on an H200 an element missed rtol 1e-4 with atol 1e-6, bench/RESULTS.md.)
+        # Where further apart, as close to the float64 run's as PyTorch's are (as the updates).
+        exact_buffers = dict(exact_model.named_buffers())
         for name, buffer in model.named_buffers() if train_mode else ():
             if name.endswith(("running_mean", "running_var")):
                 got = np.load(os.path.join(outputs, name + ".npy")).astype(np.float64)
-                want = buffer.double().numpy()
+                want, exact = buffer.double().numpy(), exact_buffers[name].numpy()
                 scale = float(np.abs(want).max())
                 worst = int(np.abs(got - want).argmax())
-                self.assertLessEqual(abs(got.flat[worst] - want.flat[worst]), 1e-4 * scale,
+                if abs(got.flat[worst] - want.flat[worst]) <= 1e-4 * scale:
+                    continue
+                torch_error, cudagen_error = float(np.abs(want - exact).max()), float(np.abs(got - exact).max())
+                self.assertLessEqual(cudagen_error, max(1e-4 * scale, 2 * torch_error),
                                      f"{name} after {steps} steps: element {worst} is {got.flat[worst]:.7g}, PyTorch's "
-                                     f"{want.flat[worst]:.7g} (largest {scale:.3g}; seed {seed})")
+                                     f"{want.flat[worst]:.7g} (largest {scale:.3g}); from float64's by "
+                                     f"{cudagen_error:.3g}, PyTorch's by {torch_error:.3g} (seed {seed})")
         return stdout
 
     def test_slices_train(self):
@@ -779,6 +867,38 @@ class Training(Exported):
             cudagen_torch.export(models.mlp(), (torch.randn(8, 20),), os.path.join(self.dir, "other"), loss="mse",
                                  accumulate_gradients=True)
 
+    def test_dropout_trains_as_pytorch_does_with_the_same_masks(self):
+        """nn.Dropout and F.dropout in training mode: each a dropout_mask task
+        times its input, a new mask each step and micro-batch. PyTorch, made
+        to draw cudagen's masks, computes the same losses and updates over
+        three steps of two micro-batches; the masks do change from step to
+        step (else the losses would agree with a fixed mask too)."""
+        class DropoutMLP(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1, self.fc2, self.fc3 = torch.nn.Linear(20, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 5)
+                self.drop = torch.nn.Dropout(0.3)
+
+            def forward(self, x):
+                x = self.drop(torch.relu(self.fc1(x)))
+                return self.fc3(F.dropout(torch.relu(self.fc2(x)), 0.25, self.training))
+
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, DropoutMLP(), (torch.randn(8, 20),), "cross_entropy", "sgd",
+                            {"lr": 0.05, "momentum": 0.9}, steps=3, train_mode=True, micro_batches=2, dropout_masks=True)
+        tasks = json.loads(read(os.path.join(self.dir, "model", "graph.json")))["tasks"]
+        masks = [t for t in tasks if t["op"] == "dropout_mask"]
+        self.assertEqual([(t["args"]["p"], t["args"]["seed"]) for t in masks], [(0.3, 0), (0.25, 1)])
+        first, second = (cudagen_torch.dropout_mask((8, 32), 0.3, 0, step) for step in (1, 2))
+        self.assertTrue(0.2 < float((first == 0).mean()) < 0.4, first)
+        self.assertGreater(float((first != second).mean()), 0.2)
+
+    def test_comparisons_train_with_no_gradient_through_their_masks(self):
+        seed = fresh_seed()
+        torch.manual_seed(seed)
+        self.check_training(seed, Comparisons(), (torch.randn(6, 8),), "mse", "sgd", {"lr": 0.05})
+
     def test_mlp_trains_as_pytorch_does(self):
         seed = fresh_seed()
         torch.manual_seed(seed)
@@ -817,6 +937,10 @@ class Training(Exported):
         differences from step to step: on one seed the first step's updates
         agreed with PyTorch's to 1e-5 of their largest, the third's to 2e-3
         (the losses to 1e-5 throughout), hence 1e-2 for the updates here.
+        On PyTorch 2.6 (torch.export) PyTorch's own f32 run strays further:
+        on one seed conv1's update differed from cudagen's by 5% of its
+        largest, and a running variance by 1.07e-4, while cudagen's stayed as
+        close to the float64 run's as PyTorch's (check_training's fallback).
         Eval-mode BatchNorm in training:
         test_batchnorm_in_eval_mode_trains_as_pytorch_does."""
         seed = fresh_seed()
@@ -948,14 +1072,10 @@ class Errors(unittest.TestCase):
                                     loss="mse")
         self.assertIn("loss= needs a float32 model, this one's output is bf16", message)
 
-    def test_train_mode_refuses_the_export_path_and_dropout_says_what_to_do(self):
-        message = self.export_error(models.small_resnet(batchnorm=True), (torch.randn(2, 3, 8, 8),),
-                                    train_mode=True, tracer="export")
-        self.assertIn("train_mode=True takes the torch.fx path", message)
-        dropout = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
-        message = self.export_error(dropout, (torch.randn(2, 4),), train_mode=True)
-        self.assertIn("Dropout in training mode has no mapping", message)
-        self.assertIn("train_mode=False", message)
+    def test_a_channel_dropout_in_train_mode(self):
+        dropout = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Dropout2d(0.1))
+        message = self.export_error(dropout, (torch.randn(2, 3, 4, 4),), train_mode=True)
+        self.assertIn("Dropout2d", message)
 
     def test_a_dtype_the_registry_lacks(self):
         class Complexish(torch.nn.Module):

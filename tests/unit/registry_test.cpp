@@ -171,7 +171,9 @@ TEST(Registry, IndexedTemplatesReproduceTheHandWrittenRegistry) {
       // Gradient clipping by global norm and accumulation over micro-batches (#41).
       "gradient_scale", "accumulate",
       // Dynamic loss scaling (#41).
-      "loss_scale_update"};
+      "loss_scale_update",
+      // Dropout in training mode, comparisons as masks (#43).
+      "dropout_mask", "eq", "ne"};
   // Ops that have gained optional inputs last since, and with each a
   // shape-rule term (#41): the optimizers' grad_scale (gradient_scale's
   // factor), and Adam's step_count (the device's count of steps taken).

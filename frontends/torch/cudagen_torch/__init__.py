@@ -9,6 +9,6 @@ Then `cudagen run model/graph.json --emulate` (or the C++ runtime) runs it.
 docs/torch-frontend.md has the mapping table.
 """
 
-from .exporter import ExportError, ExportResult, export, from_numpy, supported_targets, to_numpy
+from .exporter import ExportError, ExportResult, dropout_mask, export, from_numpy, supported_targets, to_numpy
 
-__all__ = ["export", "ExportError", "ExportResult", "supported_targets", "to_numpy", "from_numpy"]
+__all__ = ["export", "ExportError", "ExportResult", "supported_targets", "to_numpy", "from_numpy", "dropout_mask"]

@@ -78,6 +78,60 @@ class ExportResult:
     rewrites: list = field(default_factory=list)  # the rules of simplify.py that applied, in order
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _hash64(x):
+    """cudagen's counter hash (templates/init.cuh, cg_hash64: splitmix64's
+    finalizer) of a Python int or a uint64 array, modulo 2^64."""
+    if isinstance(x, int):
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return x ^ (x >> 31)
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def dropout_mask(shape, p, seed, step=1, micro_batch=0):
+    """The mask cudagen's `dropout_mask` task draws (templates/init.cuh), as
+    a float32 array of `shape`: 0 with probability p, else 1 / (1 - p), the
+    same bits on every device. A train-mode dropout exports as its input
+    times this mask; its `seed` is the dropout's place among the model's
+    dropouts (0, 1, ...), `step` counts training steps from 1 and
+    `micro_batch` micro-batches from 0, so PyTorch can reproduce a cudagen
+    training run's masks exactly (the export's own recorded run uses step 1)."""
+    draw = _hash64(_hash64(_hash64(int(seed) & _MASK64) ^ (int(step) & _MASK64)) ^ (int(micro_batch) & _MASK64))
+    counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64) * np.uint64(2)
+    bits = _hash64(np.uint64(_hash64(draw)) ^ counters)
+    u = (bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    p = np.float32(p)
+    kept = np.float32(1.0) / (np.float32(1.0) - p)
+    return np.where(u < p, np.float32(0.0), kept).astype(np.float32).reshape(shape)
+
+
+def _drawn_dropout(gm, node, value):
+    """p of a dropout that draws a mask (training mode, p > 0): nn.Dropout
+    itself, F.dropout, aten.dropout; None for any other node. value(arg)
+    is an argument's Python value."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        return float(m.p) if type(m) is nn.Dropout and m.training and m.p > 0 else None
+    if node.op != "call_function":
+        return None
+    if node.target is F.dropout:
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+    elif node.target in (torch.dropout, torch.ops.aten.dropout.default):
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "train", True)
+    else:
+        return None
+    p, training = float(value(p)), bool(value(training))
+    return p if training and p > 0 else None
+
+
 @dataclass
 class Value:
     """A tensor of the graph being written: owned by a task's slot (ref), or
@@ -263,11 +317,15 @@ class _Tracer(torch.fx.Tracer):
 
 
 class _Recorder(torch.fx.Interpreter):
-    """Runs the GraphModule once and keeps every node's value."""
+    """Runs the GraphModule once and keeps every node's value. A dropout
+    that draws a mask multiplies by cudagen's first-step mask instead of
+    PyTorch's random one, so the recorded outputs are the export's; its
+    seed is its place among them (dropout_seeds)."""
 
     def __init__(self, gm):
         super().__init__(gm)
         self.values = {}
+        self.dropout_seeds = {}
 
     def run_node(self, n):
         # An update in place changes the tensor an earlier node recorded: its value is kept
@@ -277,7 +335,13 @@ class _Recorder(torch.fx.Interpreter):
             before = self.values.get(n.args[0])
             if isinstance(before, torch.Tensor):
                 self.values[n.args[0]] = before.clone()
-        result = super().run_node(n)
+        p = _drawn_dropout(self.module, n, lambda a: self.values[a] if isinstance(a, torch.fx.Node) else a)
+        if p is not None:
+            self.dropout_seeds[n] = seed = len(self.dropout_seeds)
+            x = self.values[n.args[0]] if n.args else self.values[n.kwargs["input"]]
+            result = x * torch.from_numpy(dropout_mask(tuple(x.shape), p, seed)).to(x.dtype)
+        else:
+            result = super().run_node(n)
         self.values[n] = result
         return result
 
@@ -313,8 +377,9 @@ def _ints(v, n=2):
 
 
 class _Exporter:
-    def __init__(self, gm, values, name, training, module_names=None):
+    def __init__(self, gm, values, name, training, module_names=None, dropout_seeds=None):
         self.gm = gm
+        self.dropout_seeds = dropout_seeds or {}  # train-mode dropout node -> its mask's seed
         # The user's module's own name of each parameter and buffer, by storage: a tied
         # weight (GPT-2's embedding and output projection) under the first name
         # named_parameters() gives it, whichever attribute the capture read it through.
@@ -594,6 +659,18 @@ class _Exporter:
         return self.add(node, node.name, op, {"a": self.tensor(node, a), "b": self.tensor(node, b)},
                         {"out": (dtype, shape)})["out"]
 
+    def dropout(self, node, x):
+        """A train-mode dropout: x times a `dropout_mask` drawn from the
+        node's seed, a new one each step and micro-batch (run-time arguments
+        `step` and `micro_batch`, which the runtime advances). The product's
+        gradient reads the same mask: the backward drops what the forward did."""
+        x = self.tensor(node, x)
+        p = _drawn_dropout(self.gm, node, self.const)
+        runtime = {"step": {"value": 1, "runtime": True}, "micro_batch": {"value": 0, "runtime": True}}
+        mask = self.add(node, node.name + "_mask", "dropout_mask", {}, {"out": (x.dtype, x.shape)},
+                        {"p": p, "seed": self.dropout_seeds[node], **runtime})["out"]
+        return self.add(node, node.name, "mul", {"a": x, "b": mask}, {"out": (x.dtype, x.shape)})["out"]
+
     def reshape_to(self, node, x, shape, base=None):
         return _as_shape(self, node, base or node.name, self.tensor(node, x), shape)
 
@@ -741,33 +818,39 @@ def _frozen_batchnorm(ex, node, x, gamma, beta, mean, var, eps, name):
     return out
 
 
-def _batchnorm_batch_statistics(ex, node, m):
+def _batchnorm_batch_statistics(ex, node, x, weight, bias, running_mean, running_var, momentum, eps, name):
     """BatchNorm2d in training mode: `batchnorm2d`, each channel normalised by
     the batch's statistics, the running statistics (persistent, saved under
-    their names) updated in place by `momentum`, as PyTorch's train mode."""
-    tracked = m.track_running_stats and m.running_mean is not None
-    if tracked and m.momentum is None:
+    their names `name`.running_mean and .running_var) updated in place by
+    `momentum`, as PyTorch's train mode. weight, bias and the statistics are
+    tensors or None."""
+    tracked = running_mean is not None
+    if tracked and momentum is None:
         ex.fail(node, "BatchNorm2d with momentum=None (a cumulative average) has no mapping", "give it a momentum")
     dtype, shape = ex.result_meta(node)
     if len(shape) != 4:
         ex.fail(node, f"BatchNorm2d of a rank-{len(shape)} tensor; cudagen's batchnorm2d is NCHW")
-    inputs = {"x": ex.tensor(node, node.args[0])}
+    inputs = {"x": ex.tensor(node, x)}
     if tracked:  # (num_batches_tracked is not counted: with a momentum nothing reads it)
-        inputs["running_mean"] = ex.state(node, m.running_mean, f"{node.target}.running_mean")
-        inputs["running_var"] = ex.state(node, m.running_var, f"{node.target}.running_var")
-    if m.affine:
-        inputs["weight"] = ex.constant(node, m.weight, f"{node.target}.weight")
-        inputs["bias"] = ex.constant(node, m.bias, f"{node.target}.bias")
+        inputs["running_mean"] = ex.state(node, running_mean, f"{name}.running_mean")
+        inputs["running_var"] = ex.state(node, running_var, f"{name}.running_var")
+    if weight is not None:
+        inputs["weight"] = ex.constant(node, weight, f"{name}.weight")
+        inputs["bias"] = ex.constant(node, bias if bias is not None else torch.zeros_like(weight), f"{name}.bias")
     outputs = {"out": (dtype, shape), "mean": ("f32", (shape[1],)), "rstd": ("f32", (shape[1],))}
     return ex.add(node, node.name, "batchnorm2d", inputs, outputs,
-                  {"eps": float(m.eps), "momentum": float(m.momentum or 0.0)})["out"]
+                  {"eps": float(eps), "momentum": float(momentum or 0.0)})["out"]
 
 
 def _m_batchnorm2d(ex, node, m):
     if node in ex.folded_bn:
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
     if m.training or m.running_mean is None:  # without running statistics PyTorch uses the batch's in eval mode too
-        return _batchnorm_batch_statistics(ex, node, m)
+        tracked = m.track_running_stats and m.running_mean is not None
+        return _batchnorm_batch_statistics(
+            ex, node, node.args[0], m.weight if m.affine else None, m.bias if m.affine else None,
+            m.running_mean if tracked else None, m.running_var if tracked else None,
+            m.momentum if tracked else 0.0, m.eps, node.target)
     if ex.training and m.affine:
         return _frozen_batchnorm(ex, node, node.args[0], ex.constant(node, m.weight, f"{node.target}.weight"),
                                  ex.constant(node, m.bias, f"{node.target}.bias"), m.running_mean, m.running_var, m.eps,
@@ -810,9 +893,11 @@ def _m_activation(op, args=None):
 
 
 def _m_identity(ex, node, m):
-    if isinstance(m, nn.Dropout) and m.training:
-        ex.fail(node, "Dropout in training mode has no mapping",
-                "export in eval mode (train_mode=False), or put this Dropout in eval mode (.eval() on it)")
+    if node in ex.dropout_seeds:
+        return ex.dropout(node, node.args[0])
+    if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+        ex.fail(node, f"{type(m).__name__} in training mode has no mapping (nn.Dropout has: a mask per element)",
+                "export in eval mode (train_mode=False), or put this module in eval mode (.eval() on it)")
     return ex.tensor(node, node.args[0])
 
 
@@ -1010,6 +1095,38 @@ def _arith(kind):
     return handler
 
 
+_TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def _compare(kind):
+    """a == b and a != b (eq, ne; a tensor and a tensor or a number): a mask of
+    1 and 0 in the operands' floating dtype, which a product, a sum or
+    .float() reads as PyTorch reads its bool tensor. No gradient flows through
+    it (`gradient: none`). A bool another op needs as a bool (torch.where,
+    masked_fill, indexing) is not mapped by this."""
+    def handler(ex, node):
+        a, b = _arg(node, 0, "input"), _arg(node, 1, "other")
+        ta, tb = _is_tensor_arg(ex, a), _is_tensor_arg(ex, b)
+        if not (ta or tb):
+            ex.fail(node, "neither operand is a tensor")
+        x = ex.tensor(node, a if ta else b)
+        if x.dtype not in ("f32", "f16", "bf16", "f64"):
+            ex.fail(node, f"{kind} of {x.dtype} tensors has no mapping: comparisons map for floating operands",
+                    "compare floating values (x.float() == y.float())")
+        if ta and tb:
+            y = ex.tensor(node, b)
+            if y.dtype != x.dtype:
+                ex.fail(node, f"{kind} of a {x.dtype} and a {y.dtype} tensor has no mapping", "cast one to the other's dtype")
+        else:
+            number = ex.const(b if ta else a)
+            if not isinstance(number, (int, float)):
+                ex.fail(node, f"operand {number!r} is neither a tensor nor a number")
+            y = ex.constant(node, torch.tensor(float(number), dtype=_TORCH_DTYPES[x.dtype]), f"{node.name}.other")
+        shape = tuple(ex.values[node].shape)
+        return ex.add(node, node.name, kind, {"a": x, "b": y}, {"out": (x.dtype, shape)})["out"]
+    return handler
+
+
 def _f_unary(op, args=None):
     return lambda ex, node: ex.unary(node, op, node.args[0], args)
 
@@ -1126,10 +1243,10 @@ def _f_identity(ex, node):
 
 
 def _f_dropout(ex, node):
-    if float(ex.const(_arg(node, 1, "p", 0.5))) == 0.0:  # Swin's F.dropout(attn, p=0.0): the identity
-        return ex.tensor(node, node.args[0])
-    if _arg(node, 2, "training", True):
-        ex.fail(node, "F.dropout with training=True has no mapping", "pass training=self.training and call eval()")
+    """F.dropout and aten.dropout: a mask in training mode (ex.dropout), else
+    (or at p = 0, Swin's F.dropout(attn, p=0.0)) the identity."""
+    if node in ex.dropout_seeds:
+        return ex.dropout(node, node.args[0])
     return ex.tensor(node, node.args[0])
 
 
@@ -1570,8 +1687,7 @@ def _f_like_constant(ex, node):
 
 
 def _row_norm(ex, node, x, dtype):
-    """The 2-norm of each row of x (over its last axis), in `dtype`: pow 2 (not x * x, whose
-    two slots would both read a graph input), sum, sqrt."""
+    """The 2-norm of each row of x (over its last axis), in `dtype`: pow 2, sum, sqrt."""
     rows = x.shape[:-1]
     squares = ex.add(node, node.name + "_squares", "pow", {"x": x}, {"out": (x.dtype, x.shape)}, {"exponent": 2.0})["out"]
     sums = ex.add(node, node.name + "_sum", "sum", {"x": squares}, {"out": (dtype, rows)})["out"]
@@ -1623,6 +1739,7 @@ FUNCTIONS = {
     operator.mul: _arith("mul"), torch.mul: _arith("mul"), operator.imul: _arith("mul"),
     operator.truediv: _arith("div"), torch.div: _arith("div"),
     operator.neg: _f_unary("neg"), torch.neg: _f_unary("neg"),
+    operator.eq: _compare("eq"), torch.eq: _compare("eq"), operator.ne: _compare("ne"), torch.ne: _compare("ne"),
     operator.matmul: _f_matmul, torch.matmul: _f_matmul, torch.bmm: _f_matmul,
     operator.getitem: _f_getitem, torch.narrow: _f_narrow, torch.unflatten: _f_reshape,
     torch.zeros_like: _f_like_constant, torch.ones_like: _f_like_constant, torch.full_like: _f_like_constant,
@@ -1643,7 +1760,7 @@ FUNCTIONS = {
     torch.repeat_interleave: _f_repeat_interleave, F.pad: _f_pad,
     torch.chunk: _f_split,
     torch.mean: _f_reduce("mean"), torch.sum: _f_reduce("sum"),
-    F.dropout: _f_dropout, F.max_pool2d: _f_max_pool, F.avg_pool2d: _f_avg_pool,
+    F.dropout: _f_dropout, torch.dropout: _f_dropout, F.max_pool2d: _f_max_pool, F.avg_pool2d: _f_avg_pool,
     F.adaptive_avg_pool2d: lambda ex, node: ex.unary(node, "adaptive_avg_pool2d", node.args[0]),
 }
 if hasattr(F, "scaled_dot_product_attention"):
@@ -1656,6 +1773,7 @@ except ImportError:
     pass
 
 METHODS = {
+    "eq": _compare("eq"), "ne": _compare("ne"),
     "add": _arith("add"), "sub": _arith("sub"), "mul": _arith("mul"), "div": _arith("div"),
     "add_": _arith("add"), "mul_": _arith("mul"),
     "neg": _f_unary("neg"), "relu": _f_unary("relu"), "sigmoid": _f_unary("sigmoid"), "tanh": _f_unary("tanh"),
@@ -1689,6 +1807,15 @@ def _a_batch_norm(ex, node):
     if node in ex.folded_bn:
         return ex.env[ex.folded_bn[node]]  # already in the convolution's weights
     args = _batch_norm_args(node)
+    if ex.const(args["training"]):  # torch.export of a train-mode module: batch statistics, running ones moved
+        def tensor(key):
+            return ex.const(args[key]) if args[key] is not None else None
+        statistics = args["running_mean"]
+        name = statistics.target.rsplit(".", 1)[0] if isinstance(statistics, torch.fx.Node) and \
+            statistics.op == "get_attr" else node.name
+        return _batchnorm_batch_statistics(ex, node, node.args[0], tensor("weight"), tensor("bias"),
+                                           tensor("running_mean"), tensor("running_var"),
+                                           ex.const(args["momentum"]), ex.const(args["eps"]), name)
     if ex.training and args["weight"] is not None and not ex.const(args["training"]):
         mean, var = ex.const(args["running_mean"]), ex.const(args["running_var"])
         if mean is not None and var is not None:
@@ -1831,6 +1958,8 @@ def _aten_handlers():
         "sub.Tensor": _arith("sub"), "sub.Scalar": _arith("sub"),
         "mul.Tensor": _arith("mul"), "mul_.Tensor": _arith("mul"), "mul.Scalar": _arith("mul"),
         "div.Tensor": _arith("div"), "div.Scalar": _arith("div"),
+        "eq.Tensor": _compare("eq"), "eq.Scalar": _compare("eq"), "ne.Tensor": _compare("ne"),
+        "ne.Scalar": _compare("ne"),
         "neg.default": _f_unary("neg"), "exp.default": _f_unary("exp"), "log.default": _f_unary("log"),
         "sqrt.default": _f_unary("sqrt"), "rsqrt.default": _f_unary("rsqrt"), "pow.Tensor_Scalar": _f_pow,
         "relu.default": _f_unary("relu"), "relu_.default": _f_unary("relu"),
@@ -2213,9 +2342,10 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       PyTorch's outputs on them to `path`/expected/ (<name>.npy).
     train_mode: capture the module in training mode (module.train()), where
       BatchNorm normalises by each batch's statistics and updates its running
-      ones (`batchnorm2d`); by default in eval mode (module.eval()). The
-      module is left in that mode; its running statistics are as they were
-      (the capture's own forward pass does not move them).
+      ones (`batchnorm2d`) and dropout draws a mask each step
+      (`dropout_mask`); by default in eval mode (module.eval()). The module
+      is left in that mode; its running statistics are as they were (the
+      capture's own forward pass does not move them).
     precision: with loss, "bf16" (or torch.bfloat16) or "f16" (torch.float16)
       trains as torch.autocast does: the graph stays f32 (the weights are f32
       master weights) and its `training` section asks cudagen for
@@ -2250,29 +2380,28 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     scaling = _loss_scale(loss_scale, optimizer, precision)
     if accumulate_gradients and optimizer is None:
         raise ExportError("accumulate_gradients sums what an optimizer reads: pass optimizer= too")
-    if train_mode:  # torch.export's training-mode batch_norm (and its buffer updates) has no mapping yet
-        if tracer == "export":
-            raise ExportError("train_mode=True takes the torch.fx path: torch.export's training-mode batch_norm has "
-                              "no mapping yet; pass tracer='fx' (or 'auto')")
-        tracer = "fx"
     module = module.train(train_mode)
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    # A train-mode forward moves BatchNorm's running statistics, the module's and (torch.export's
+    # copies) the captured graph's: both are put back as they were.
+    buffers = [(b, b.detach().clone()) for _, b in module.named_buffers()]
     try:
         # Captured and recorded in f32: an enclosing autocast is the policy, not the model.
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             gm, traced_with = _capture(module, example_inputs, tracer)
+            buffers += [(b, b.detach().clone()) for _, b in gm.named_buffers()]
             recorder = _Recorder(gm)
             with torch.no_grad():
                 outputs = recorder.run(*example_inputs)
-    finally:  # a train-mode forward moves BatchNorm's running statistics: put them back
+    finally:
         with torch.no_grad():
-            for n, b in module.named_buffers():
-                b.copy_(buffers[n])
+            for b, saved in buffers:
+                b.copy_(saved)
     module_names = {}
     for n, t in list(module.named_parameters()) + list(module.named_buffers()):
         if t.numel():
             module_names.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype)), n)
-    ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None, module_names)
+    ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None, module_names,
+                   recorder.dropout_seeds)
     ex.run()
     rewrites = simplify(ex.tasks, ex.outputs, ex.arrays, training=loss is not None)
     graph = {"format": FORMAT, "name": "".join(c if c.isalnum() or c == "_" else "_" for c in ex.name), "tasks": ex.tasks}
