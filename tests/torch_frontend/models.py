@@ -49,8 +49,9 @@ class CausalSelfAttention(nn.Module):
 class MaskedAttention(nn.Module):
     """SDPA with an attn_mask, as transformers passes one: "additive" (0 and the dtype's lowest
     value above the diagonal, built from the sequence length), "boolean" (a tril buffer sliced
-    to T), "keep_all" (every key), or "from_input" (an additive bias the input decides, as a
-    padding mask is)."""
+    to T), "keep_all" (every key), "from_input" (an additive bias the input decides),
+    "padding" (transformers' padding mask: the lowest value where a key is dropped, here the
+    keys whose first feature is not positive) or "boolean_from_input" (that mask as a bool)."""
 
     def __init__(self, kind, dim=16, heads=2, max_tokens=16):
         super().__init__()
@@ -69,8 +70,13 @@ class MaskedAttention(nn.Module):
             mask = self.tril[:T, :T]
         elif self.kind == "keep_all":
             mask = torch.ones(T, T, dtype=torch.bool)
-        else:
+        elif self.kind == "from_input":
             mask = (x[:, None, None, :, 0] * 0.5).expand(B, 1, T, T)
+        elif self.kind == "padding":
+            dropped = (torch.relu(x[:, None, None, :, 0]) == 0).float()
+            mask = (dropped * torch.finfo(x.dtype).min).expand(B, 1, T, T)
+        else:
+            mask = (torch.relu(x[:, None, None, :, 0]) != 0).expand(B, 1, T, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return y.transpose(1, 2).reshape(B, T, C)
 

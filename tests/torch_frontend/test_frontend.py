@@ -331,21 +331,29 @@ class Models(Exported):
 
     @unittest.skipUnless(TRACER == "torch.export", f"torch {torch.__version__} has no torch.export, and its "
                          "torch.fx path keeps the mask's construction as calls of its own")
-    def test_sdpa_with_a_constant_mask_maps_onto_attention(self):
+    def test_sdpa_masks_map(self):
         """transformers passes SDPA a mask it builds from the sequence length: a constant one
         that keeps exactly the causal keys is causal attention, one that keeps every key is
-        none; a mask the input decides (padding) is refused, saying what to do."""
-        for kind, causal in (("additive", True), ("boolean", True), ("keep_all", False)):
+        none. A float mask the input decides (a padding mask, a bias) is added to the scores
+        before the softmax (no attention kernel takes it yet); a boolean one is refused,
+        saying what to write instead."""
+        for kind, causal in (("additive", True), ("boolean", True), ("keep_all", False), ("from_input", False),
+                             ("padding", False)):
             with self.subTest(kind=kind):
                 seed = fresh_seed()
                 torch.manual_seed(seed)
                 result, _, _ = self.check_model(models.MaskedAttention(kind).eval(), (torch.randn(2, 8, 16),), seed)
-                softmax = next(t for t in json.loads(read(result.graph_path))["tasks"] if t["op"] == "softmax")
+                tasks = json.loads(read(result.graph_path))["tasks"]
+                softmax = next(t for t in tasks if t["op"] == "softmax")
                 self.assertEqual(bool(softmax.get("args", {}).get("causal")), causal)
+                # The input's mask is added to the scores: the softmax reads the sum.
+                self.assertEqual(softmax["tensors"]["x"]["from"].split(".")[0].endswith("_masked"),
+                                 kind in ("from_input", "padding"), softmax)
         with self.assertRaises(cudagen_torch.ExportError) as caught:
-            cudagen_torch.export(models.MaskedAttention("from_input").eval(), (torch.randn(2, 8, 16),), tempfile.mkdtemp())
-        self.assertIn("an attn_mask other than a constant causal one has no mapping", str(caught.exception))
-        self.assertIn("drop a padding mask", str(caught.exception))
+            cudagen_torch.export(models.MaskedAttention("boolean_from_input").eval(), (torch.randn(2, 8, 16),),
+                                 tempfile.mkdtemp())
+        self.assertIn("a boolean attn_mask the inputs change has no mapping", str(caught.exception))
+        self.assertIn("pass an additive float mask", str(caught.exception))
 
     def test_multihead_attention_module(self):
         """nn.MultiheadAttention (ViT's self-attention), batch first and sequence first:

@@ -526,6 +526,11 @@ class _Exporter:
         v = self.values[node]
         if isinstance(v, (tuple, list)):  # outputs and saved statistics: the first is the one mapped
             v = v[0]
+        if v.dtype == torch.bool:  # a view of a comparison's mask: 1/0 in its operands' dtype (_compare)
+            source = next((self.env[a] for a in node.args if isinstance(a, torch.fx.Node)
+                           and isinstance(self.env.get(a), Value)), None)
+            if source is not None:
+                return source.dtype, tuple(v.shape)
         return self.dtype_of(node, v), tuple(v.shape)
 
     # ---- the walk ------------------------------------------------------
@@ -716,8 +721,11 @@ class _Exporter:
                 "dilation_w": dw, "groups": int(groups)}
         return self.add(node, base, "conv2d", inputs, {"out": (dtype, shape)}, args)["out"]
 
-    def attention(self, node, q, k, v, causal, scale, enable_gqa=False):
-        """softmax(scale q k^T) v, causal or not. With `enable_gqa` (SDPA's),
+    def attention(self, node, q, k, v, causal, scale, enable_gqa=False, bias=None):
+        """softmax(scale q k^T) v, causal or not; with `bias` (a Value: SDPA's
+        additive attn_mask that the inputs change), softmax(scale q k^T +
+        bias) v, which no attention kernel takes yet: a matmul whose epilogue
+        adds the bias, the softmax, a matmul. With `enable_gqa` (SDPA's),
         k and v have fewer heads than q, each shared by a group of G query
         heads in a row: q is seen as [..., Hkv, G, T, D] over k and v seen as
         [..., Hkv, 1, T, D], grouped-query attention, and the output back as
@@ -739,6 +747,12 @@ class _Exporter:
         scores_shape = qv.shape[:-1] + (kv.shape[-2],)
         scores = self.add(node, node.name + "_scores", "matmul", {"a": qv, "b": kv},
                           {"out": (qv.dtype, scores_shape)}, {"trans_b": True, "alpha": scale})["out"]
+        if bias is not None:
+            if grouped:
+                self.fail(node, "scaled_dot_product_attention with enable_gqa and an attn_mask the inputs change has "
+                          "no mapping", "repeat k and v's heads (repeat_interleave) and drop enable_gqa")
+            scores = self.add(node, node.name + "_masked", "add", {"a": scores, "b": bias},
+                              {"out": (qv.dtype, scores_shape)})["out"]
         probs = self.add(node, node.name + "_probs", "softmax", {"x": scores}, {"out": (qv.dtype, scores_shape)},
                          {"causal": True} if causal else None)["out"]
         if not grouped:
@@ -1635,13 +1649,18 @@ def _f_sdpa(ex, node):
     causal = bool(ex.const(_arg(node, 5, "is_causal", False)))
     mask = _arg(node, 3, "attn_mask")
     kind = _constant_mask_kind(ex, node, mask, tuple(ex.values[q].shape[:-1]) + (ex.values[k].shape[-2],))
-    if kind is None:
-        ex.fail(node, "scaled_dot_product_attention with an attn_mask other than a constant causal one has no "
-                "mapping (a mask the inputs change, such as a padding mask, or a bias)",
-                "pass is_causal=True instead of a causal mask; drop a padding mask (attention_mask=None) when every "
-                "sequence has the full length")
+    bias = None
+    if kind is None:  # a mask the inputs change (a padding mask), or a constant bias: added to the scores
+        if ex.values[mask].dtype == torch.bool:
+            ex.fail(node, "scaled_dot_product_attention with a boolean attn_mask the inputs change has no mapping",
+                    "pass an additive float mask: 0 where a key is kept, a large negative value where not "
+                    "((1.0 - keep.float()) * torch.finfo(q.dtype).min)")
+        bias = ex.tensor(node, mask)
+        if bias.dtype != ex.tensor(node, q).dtype:
+            ex.fail(node, f"scaled_dot_product_attention with a {bias.dtype} attn_mask on {ex.tensor(node, q).dtype} "
+                    "scores has no mapping", "cast the mask to the queries' dtype")
     return ex.attention(node, q, k, v, causal or kind == "causal", ex.const(_arg(node, 6, "scale")),
-                        bool(ex.const(_arg(node, 7, "enable_gqa", False))))
+                        bool(ex.const(_arg(node, 7, "enable_gqa", False))), bias)
 
 
 def _f_max_pool(ex, node):
