@@ -938,7 +938,9 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
   add_flash_training(b, DType::f32, 1024, 128, true);
   add_flash_training(b, DType::bf16, 1024, 256, true);
   const TaskGraph graph = std::move(b).graph();
-  // Deterministic, then the atomic mode (heads of 64: dq summed by the key blocks with RED.ADD.F32).
+  // Deterministic, then the atomic mode (heads of 64: dq summed by the key blocks with RED.ADD.F32),
+  // that one on sm_90 alone: its atomics are the same source on both (each of these builds of
+  // the five kernels takes about 27 s here).
   for (const bool atomic : {false, true}) {
     CompileOptions options;
     options.emit.atomic_attention_backward = atomic;
@@ -949,6 +951,7 @@ TEST(Toolchains, FlashAttentionBackwardSassHasAsyncCopiesLdmatrixAndMma) {
       if (k.matmul_path.find("flash attention backward") != std::string::npos) backward.push_back(k.name);
     ASSERT_EQ(backward.size(), 5u);
     for (const char* arch : {"sm_80", "sm_90"}) {
+      if (atomic && std::string(arch) == "sm_80") continue;
       const cudagen::testing::KernelReport report = cudagen::testing::compile_and_report(c.emitted.cuda_source, arch);
       const auto sass = report.opcodes();
       const auto& resources = report.resources;
