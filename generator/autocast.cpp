@@ -145,8 +145,10 @@ class Autocast {
                                       to_string(dtype)));
       cast.op = "cast";
       cast.phase = Phase::forward;
-      if (b.source_task < 0) {
-        TensorSlot declared = reader;
+      // (The task's own declaration also where `b` reads it through another of
+      // its slots, `x @ x.T`: the declaration moves whichever slot converts first.)
+      if (info.owner_task == t) {
+        TensorSlot declared = slot(t, info.owner_slot);
         declared.name = "x";
         if (!declared.tensor_name) declared.tensor_name = buffer_name(p_, b.buffer);
         cast.tensors.push_back(std::move(declared));

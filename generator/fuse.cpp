@@ -1598,6 +1598,10 @@ class Fuser {
     if (readers.size() > kMaxPrologueReaders)
       return fmt::format("{} tasks read '{}': each would recompute it (at most {})", readers.size(),
                          buffer_name(p_, value), kMaxPrologueReaders);
+    // (A chain's first task may read run-time arguments; a host kernel reads only its own.)
+    for (int t : chain)
+      if (const std::string a = runtime_arg(p_, t); !a.empty())
+        return fmt::format("'{}' reads run-time argument '{}', which the reading kernel does not", p_.tasks[size_t(t)].task->id, a);
     for (int r : readers) {
       const BoundTask& reader = p_.tasks[size_t(r)];
       const std::string operand = prologue_operand(r, value);

@@ -312,11 +312,12 @@ class Evaluator {
     }
   }
 
-  // eq, ne: exact. The operands compared as the kernel holds them, rounded
-  // to their dtype (the reference's own values of a computed operand carry
-  // no rounding); 0 or 1, with no error scale: a comparison of two values
-  // within rounding of each other can come out either way, and then fails
-  // the check, as it should be looked at.
+  // eq, ne: exact. The operands compared as stored, rounded to their dtype
+  // (the reference's own values of a computed operand carry no rounding; a
+  // fused 16-bit kernel compares the f32 value it holds, which can differ
+  // from that in its last bits); 0 or 1, with no error scale: a comparison
+  // of two values within rounding of each other can come out either way,
+  // and then fails the check, as it should be looked at.
   void comparison(const BoundTask& bt, bool equal) {
     int x = buf(bt, "a"), y = buf(bt, "b"), o = buf(bt, "out");
     const DType dx = p_.buffers[size_t(x)].dtype, dy = p_.buffers[size_t(y)].dtype;

@@ -169,6 +169,16 @@ def run_torch(g, values, phases=None):
             put(t, "acc", grad.clone() if args.get("micro_batch", 0) == 0 else get(t, "acc") + grad)
         elif op == "affine":
             put(t, "out", args.get("scale", 1.0) * get(t, "x") + args.get("shift", 0.0))
+        elif op in ("eq", "ne"):  # a 1/0 mask in the operands' dtype
+            put(t, "out", (torch.eq if op == "eq" else torch.ne)(get(t, "a"), get(t, "b")).double())
+        elif op == "dropout_mask":  # templates/init.cuh's draw: the seed hashed with step and micro-batch
+            n, m = math.prod(shape("out")), 2**64 - 1
+            draw = splitmix64(splitmix64(splitmix64(np.uint64(args.get("seed", 0) & m)) ^ np.uint64(args.get("step", 1) & m))
+                              ^ np.uint64(args.get("micro_batch", 0) & m))
+            p = np.float32(args["p"])
+            u = unit_float(int(draw), n, 0).astype(np.float32)  # (24 bits: exact in f32)
+            v = np.where(u < p, 0.0, np.float64(np.float32(1.0) / (np.float32(1.0) - p)))
+            put(t, "out", torch.from_numpy(v.reshape(shape("out"))))
         elif op in ("add", "sub", "mul", "div", "maximum"):
             f = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum}[op]
             put(t, "out", f(get(t, "a"), get(t, "b")))

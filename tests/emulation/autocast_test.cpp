@@ -155,6 +155,28 @@ TEST(Autocast, AnInputAMatmulReadsMovesToItsCastUnderTheSameName) {
   EXPECT_TRUE(run.ok()) << format_run(run);
 }
 
+TEST(Autocast, AnInputReadThroughTwoSlotsMovesToOneCast) {
+  // gram = x @ x^T, its `a` reading the tensor its `b` declares: one cast
+  // declares the input and feeds both operands in bf16.
+  GraphBuilder b("autocast_gram");
+  auto w = b.task("w", "uniform", Phase::init).tensor("out", f32, {6, 8}).arg("low", -0.3).arg("high", 0.3).arg("seed", 7);
+  auto gram = b.task("gram", "matmul").tensor("b", f32, {6, 16}, ext);
+  gram.tensor("a", gram["b"]).tensor("out", f32, {6, 6}).arg("trans_b", true);
+  auto fc = b.task("fc", "matmul").tensor("a", gram["out"]).tensor("b", w["out"]).tensor("out", f32, {6, 8});
+  b.task("loss", "mse").tensor("pred", fc["out"]).tensor("target", f32, {6, 8}, ext).tensor("loss", f32, {}, ext);
+  b.training(TrainingSpec{{"loss", "loss"}, "sgd", {ArgSlot{"lr", ArgValue(0.1), {}, false, {}}}, bf16, {}});
+  Program p = load_program(std::move(b).graph(), {});
+  const BufferInfo& input = buffer(p, "gram.b");
+  EXPECT_EQ(p.tasks[size_t(input.owner_task)].task->id, "gram_b_to_bf16");
+  EXPECT_EQ(task(p, "gram").find_tensor("a")->buffer, task(p, "gram").find_tensor("b")->buffer);
+  EXPECT_EQ(p.buffers[size_t(task(p, "gram").find_tensor("a")->buffer)].dtype, bf16);
+  Compiled c = compile(std::move(p), {});
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  CheckedRun run = run_checked(c, RunOptions{seed, cudagen::testing::work_dir("autocast", "gram")});
+  EXPECT_TRUE(run.ok()) << format_run(run);
+}
+
 TEST(Autocast, WhatThePolicyCannotServeIsAnErrorThatSaysWhy) {
   // A graph written in bf16, weights included: there is no f32 master copy to keep.
   const std::string weight_error = errors_of(decoder_block(bf16, bf16));

@@ -320,7 +320,7 @@ class _Recorder(torch.fx.Interpreter):
     """Runs the GraphModule once and keeps every node's value. A dropout
     that draws a mask multiplies by cudagen's first-step mask instead of
     PyTorch's random one, so the recorded outputs are the export's; its
-    seed is its place among them (dropout_seeds)."""
+    seed is its place among them (dropout_seeds: node -> (seed, p))."""
 
     def __init__(self, gm):
         super().__init__(gm)
@@ -337,9 +337,10 @@ class _Recorder(torch.fx.Interpreter):
                 self.values[n.args[0]] = before.clone()
         p = _drawn_dropout(self.module, n, lambda a: self.values[a] if isinstance(a, torch.fx.Node) else a)
         if p is not None:
-            self.dropout_seeds[n] = seed = len(self.dropout_seeds)
+            seed = len(self.dropout_seeds)
+            self.dropout_seeds[n] = (seed, p)
             x = self.values[n.args[0]] if n.args else self.values[n.kwargs["input"]]
-            result = x * torch.from_numpy(dropout_mask(tuple(x.shape), p, seed)).to(x.dtype)
+            result = x * torch.from_numpy(dropout_mask(tuple(x.shape), p, seed)).to(device=x.device, dtype=x.dtype)
         else:
             result = super().run_node(n)
         self.values[n] = result
@@ -377,9 +378,10 @@ def _ints(v, n=2):
 
 
 class _Exporter:
-    def __init__(self, gm, values, name, training, module_names=None, dropout_seeds=None):
+    def __init__(self, gm, values, name, training, module_names=None, dropout_seeds=None, root=None):
         self.gm = gm
-        self.dropout_seeds = dropout_seeds or {}  # train-mode dropout node -> its mask's seed
+        self.root = root  # the user's module (torch.export's graph keeps only its tensors)
+        self.dropout_seeds = dropout_seeds or {}  # train-mode dropout node -> (its mask's seed, p)
         # The user's module's own name of each parameter and buffer, by storage: a tied
         # weight (GPT-2's embedding and output projection) under the first name
         # named_parameters() gives it, whichever attribute the capture read it through.
@@ -530,6 +532,10 @@ class _Exporter:
             source = next((self.env[a] for a in node.args if isinstance(a, torch.fx.Node)
                            and isinstance(self.env.get(a), Value)), None)
             if source is not None:
+                name = _target_name(node)
+                if (name.split(".")[1] if name.startswith("aten.") else name.rsplit(".", 1)[-1]) not in _MASK_VIEWS:
+                    self.fail(node, "a comparison's mask is 1/0 in its operands' dtype here, and this op would not "
+                              "read it as PyTorch reads a bool tensor", "convert it first: mask.float()")
                 return source.dtype, tuple(v.shape)
         return self.dtype_of(node, v), tuple(v.shape)
 
@@ -548,8 +554,9 @@ class _Exporter:
             sources = node.all_input_nodes
             if _values_ignore_inputs(node):  # x.new_zeros(...): x's shape only (a fill value still counts)
                 sources = [a for a in sources if a is not node.args[0]]
+            # (A drawn dropout's mask changes each step: computed even on a constant input.)
             if (node.op == "placeholder" or (node.op == "call_module" and node in trainable)
-                    or any(a in self.depends or a in trainable for a in sources)):
+                    or node in self.dropout_seeds or any(a in self.depends or a in trainable for a in sources)):
                 self.depends.add(node)
         for node in graph.nodes:
             if node.meta.get("cudagen_view_update_of") and node in self.depends:
@@ -669,11 +676,15 @@ class _Exporter:
         node's seed, a new one each step and micro-batch (run-time arguments
         `step` and `micro_batch`, which the runtime advances). The product's
         gradient reads the same mask: the backward drops what the forward did."""
+        inplace = self.gm.get_submodule(node.target).inplace if node.op == "call_module" else \
+            self.const(_arg(node, 3, "inplace", False))
+        if inplace:  # later readers of x would see it dropped: cudagen's graphs are functional
+            self.fail(node, "dropout with inplace=True in training mode has no mapping", "pass inplace=False")
         x = self.tensor(node, x)
-        p = _drawn_dropout(self.gm, node, self.const)
+        seed, p = self.dropout_seeds[node]
         runtime = {"step": {"value": 1, "runtime": True}, "micro_batch": {"value": 0, "runtime": True}}
         mask = self.add(node, node.name + "_mask", "dropout_mask", {}, {"out": (x.dtype, x.shape)},
-                        {"p": p, "seed": self.dropout_seeds[node], **runtime})["out"]
+                        {"p": p, "seed": seed, **runtime})["out"]
         return self.add(node, node.name, "mul", {"a": x, "b": mask}, {"out": (x.dtype, x.shape)})["out"]
 
     def reshape_to(self, node, x, shape, base=None):
@@ -907,12 +918,13 @@ def _m_activation(op, args=None):
 
 
 def _m_identity(ex, node, m):
+    x = _arg(node, 0, "input")
     if node in ex.dropout_seeds:
-        return ex.dropout(node, node.args[0])
+        return ex.dropout(node, x)
     if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
         ex.fail(node, f"{type(m).__name__} in training mode has no mapping (nn.Dropout has: a mask per element)",
-                "export in eval mode (train_mode=False), or put this module in eval mode (.eval() on it)")
-    return ex.tensor(node, node.args[0])
+                "export in eval mode (train_mode=False), or use nn.Dropout")
+    return ex.tensor(node, x)
 
 
 def _m_flatten(ex, node, m):
@@ -1110,14 +1122,19 @@ def _arith(kind):
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+# Ops that move a comparison's mask without reading its values as numbers: they keep it a mask.
+_MASK_VIEWS = {"view", "reshape", "_unsafe_view", "expand", "expand_as", "permute", "transpose", "t", "unsqueeze",
+               "squeeze", "flatten", "contiguous", "clone", "alias", "getitem", "slice", "select", "narrow", "repeat",
+               "cat", "concat", "mul"}  # (a product of two masks is their logical and, as in PyTorch)
 
 
 def _compare(kind):
     """a == b and a != b (eq, ne; a tensor and a tensor or a number): a mask of
-    1 and 0 in the operands' floating dtype, which a product, a sum or
-    .float() reads as PyTorch reads its bool tensor. No gradient flows through
-    it (`gradient: none`). A bool another op needs as a bool (torch.where,
-    masked_fill, indexing) is not mapped by this."""
+    1 and 0 in the operands' floating dtype, which a product, .float() or a
+    view (_MASK_VIEWS) reads as PyTorch reads its bool tensor; any other op on
+    the bool is refused (.float() first). No gradient flows through it
+    (`gradient: none`). torch.where and masked_fill of such a mask have no
+    mapping."""
     def handler(ex, node):
         a, b = _arg(node, 0, "input"), _arg(node, 1, "other")
         ta, tb = _is_tensor_arg(ex, a), _is_tensor_arg(ex, b)
@@ -1259,9 +1276,8 @@ def _f_identity(ex, node):
 def _f_dropout(ex, node):
     """F.dropout and aten.dropout: a mask in training mode (ex.dropout), else
     (or at p = 0, Swin's F.dropout(attn, p=0.0)) the identity."""
-    if node in ex.dropout_seeds:
-        return ex.dropout(node, node.args[0])
-    return ex.tensor(node, node.args[0])
+    x = _arg(node, 0, "input")
+    return ex.dropout(node, x) if node in ex.dropout_seeds else ex.tensor(node, x)
 
 
 def _f_stochastic_depth(ex, node):
@@ -1650,15 +1666,22 @@ def _f_sdpa(ex, node):
     mask = _arg(node, 3, "attn_mask")
     kind = _constant_mask_kind(ex, node, mask, tuple(ex.values[q].shape[:-1]) + (ex.values[k].shape[-2],))
     bias = None
-    if kind is None:  # a mask the inputs change (a padding mask), or a constant bias: added to the scores
-        if ex.values[mask].dtype == torch.bool:
-            ex.fail(node, "scaled_dot_product_attention with a boolean attn_mask the inputs change has no mapping",
-                    "pass an additive float mask: 0 where a key is kept, a large negative value where not "
-                    "((1.0 - keep.float()) * torch.finfo(q.dtype).min)")
-        bias = ex.tensor(node, mask)
-        if bias.dtype != ex.tensor(node, q).dtype:
-            ex.fail(node, f"scaled_dot_product_attention with a {bias.dtype} attn_mask on {ex.tensor(node, q).dtype} "
-                    "scores has no mapping", "cast the mask to the queries' dtype")
+    if kind is None:  # a mask the inputs change (a padding mask), or another constant one: added to the scores
+        value, queries = ex.values[mask] if isinstance(mask, torch.fx.Node) else mask, ex.tensor(node, q)
+        if value.dtype == torch.bool:
+            if isinstance(mask, torch.fx.Node) and mask in ex.depends:
+                ex.fail(node, "scaled_dot_product_attention with a boolean attn_mask the inputs change has no mapping",
+                        "pass an additive float mask: 0 where a key is kept, a large negative value where not "
+                        "((1.0 - keep.float()) * torch.finfo(q.dtype).min)")
+            # A constant one (a sliding window): the additive mask of the same keys.
+            lowest = torch.finfo(_TORCH_DTYPES[queries.dtype]).min
+            additive = torch.zeros(value.shape, dtype=_TORCH_DTYPES[queries.dtype]).masked_fill(~value.cpu(), lowest)
+            bias = ex.constant(node, additive, f"{node.name}.mask")
+        else:
+            bias = ex.tensor(node, mask)
+        if bias.dtype != queries.dtype:
+            ex.fail(node, f"scaled_dot_product_attention with a {bias.dtype} attn_mask on {queries.dtype} scores has "
+                    "no mapping", "cast the mask to the queries' dtype")
     return ex.attention(node, q, k, v, causal or kind == "causal", ex.const(_arg(node, 6, "scale")),
                         bool(ex.const(_arg(node, 7, "enable_gqa", False))), bias)
 
@@ -1832,9 +1855,18 @@ def _a_batch_norm(ex, node):
         statistics = args["running_mean"]
         name = statistics.target.rsplit(".", 1)[0] if isinstance(statistics, torch.fx.Node) and \
             statistics.op == "get_attr" else node.name
+        momentum = ex.const(args["momentum"])
+        # momentum=None (a cumulative average) reaches the graph as this call's factor, a number:
+        # the module says what it is.
+        try:
+            owner = ex.root.get_submodule(name) if ex.root is not None else None
+        except AttributeError:
+            owner = None
+        if isinstance(owner, nn.modules.batchnorm._BatchNorm) and owner.momentum is None:
+            momentum = None
         return _batchnorm_batch_statistics(ex, node, node.args[0], tensor("weight"), tensor("bias"),
-                                           tensor("running_mean"), tensor("running_var"),
-                                           ex.const(args["momentum"]), ex.const(args["eps"]), name)
+                                           tensor("running_mean"), tensor("running_var"), momentum,
+                                           ex.const(args["eps"]), name)
     if ex.training and args["weight"] is not None and not ex.const(args["training"]):
         mean, var = ex.const(args["running_mean"]), ex.const(args["running_var"])
         if mean is not None and var is not None:
@@ -2240,6 +2272,14 @@ def _reaches_from_input(node):
     return False
 
 
+def _export_keeps_training_ops():
+    """Whether torch.export keeps training-mode batch_norm and dropout as aten.batch_norm and
+    aten.dropout (PyTorch 2.6's training IR), which the mapping reads; earlier versions decompose
+    them into ops it does not map."""
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
 def _has_torch_export():
     export = getattr(torch, "export", None)
     return hasattr(export, "export") and hasattr(getattr(export, "ExportedProgram", None), "module")
@@ -2359,7 +2399,8 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
       hyper-parameters ({"lr": 0.01}).
     write_example: also write the example inputs to `path`/example/ and
       PyTorch's outputs on them to `path`/expected/ (<name>.npy).
-    train_mode: capture the module in training mode (module.train()), where
+    train_mode: capture the module in training mode (module.train()) (torch.fx
+      before PyTorch 2.6, whose torch.export decomposes these ops), where
       BatchNorm normalises by each batch's statistics and updates its running
       ones (`batchnorm2d`) and dropout draws a mask each step
       (`dropout_mask`); by default in eval mode (module.eval()). The module
@@ -2399,6 +2440,11 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
     scaling = _loss_scale(loss_scale, optimizer, precision)
     if accumulate_gradients and optimizer is None:
         raise ExportError("accumulate_gradients sums what an optimizer reads: pass optimizer= too")
+    if train_mode and tracer in ("auto", "export") and _has_torch_export() and not _export_keeps_training_ops():
+        if tracer == "export":
+            raise ExportError(f"train_mode=True on torch.export needs PyTorch 2.6 or later, whose graph keeps "
+                              f"batch_norm and dropout as calls; this is {torch.__version__}: pass tracer='fx'")
+        tracer = "fx"
     module = module.train(train_mode)
     # A train-mode forward moves BatchNorm's running statistics, the module's and (torch.export's
     # copies) the captured graph's: both are put back as they were.
@@ -2420,7 +2466,7 @@ def export(module, example_inputs, path, name=None, loss=None, optimizer=None, o
         if t.numel():
             module_names.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype)), n)
     ex = _Exporter(gm, recorder.values, name or module.__class__.__name__, loss is not None, module_names,
-                   recorder.dropout_seeds)
+                   recorder.dropout_seeds, module)
     ex.run()
     rewrites = simplify(ex.tasks, ex.outputs, ex.arrays, training=loss is not None)
     graph = {"format": FORMAT, "name": "".join(c if c.isalnum() or c == "_" else "_" for c in ex.name), "tasks": ex.tasks}
