@@ -532,8 +532,7 @@ class _Exporter:
             source = next((self.env[a] for a in node.args if isinstance(a, torch.fx.Node)
                            and isinstance(self.env.get(a), Value)), None)
             if source is not None:
-                name = _target_name(node)
-                if (name.split(".")[1] if name.startswith("aten.") else name.rsplit(".", 1)[-1]) not in _MASK_VIEWS:
+                if _op_name(_target_name(node)) not in _MASK_VIEWS:
                     self.fail(node, "a comparison's mask is 1/0 in its operands' dtype here, and this op would not "
                               "read it as PyTorch reads a bool tensor", "convert it first: mask.float()")
                 return source.dtype, tuple(v.shape)
@@ -2110,20 +2109,23 @@ _EQUIVALENTS = {
 }
 
 
+def _op_name(target_name):
+    """An operator's bare name from _target_name's: aten.sum.dim_IntList -> sum,
+    torch.nn.Linear -> Linear, F.relu -> relu, Tensor.expand -> expand."""
+    return target_name.split(".")[1] if target_name.startswith("aten.") else target_name.rsplit(".", 1)[-1]
+
+
 def _nearest_targets(target, n=4):
     """Supported targets a model could use instead of `target`, in its own
     vocabulary (ATen names for an ATen operator): those of the table of real
     equivalents above, or `target`'s pure or in-place sibling (relu_ and
     relu); none otherwise."""
-    def op_name(t):  # aten.sum.dim_IntList -> sum, torch.nn.Linear -> Linear, F.relu -> relu
-        return t.split(".")[1] if t.startswith("aten.") else t.rsplit(".", 1)[-1]
-
     aten = target.startswith("aten.")
     by_name = {}
     for t in supported_targets():
         if t.startswith("aten.") == aten:
-            by_name.setdefault(op_name(t), []).append(t)
-    name = op_name(target)
+            by_name.setdefault(_op_name(t), []).append(t)
+    name = _op_name(target)
     names = _EQUIVALENTS.get(name.rstrip("_"), (None, []))[1]
     if not names:
         names = [n for n in (name.rstrip("_"), name.rstrip("_") + "_") if n != name]
