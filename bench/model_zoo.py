@@ -18,8 +18,11 @@ eager PyTorch, relative to the output's largest magnitude. A model this PyTorch 
 is listed as "n/a" with the reason; a failure with the first line of its error,
 which names the op or the check that stops it. Nothing is skipped silently.
 
---ci runs one model per family, the cheaper ones (CI does, on both PyTorch
-versions); the exit status is 1 when an available model fails. --json keeps a
+--ci runs one model per family (CI does, on both PyTorch versions): the
+family's listed model where it is cheap, else a small configuration of the
+family's own torchvision classes (alexnet_ci, vit_ci, ...: fewer blocks,
+narrower layers, the same module code); the exit status is 1 when an
+available model fails. --json keeps a
 run's rows; --combine puts the rows of runs on several PyTorch versions side by
 side, one line a model, as docs/torch-frontend.md carries it (--markdown FILE).
 """
@@ -39,6 +42,21 @@ sys.path.insert(0, os.path.join(HERE, "..", "frontends", "torch"))
 TOLERANCE = 1e-4  # max |cudagen - PyTorch| <= TOLERANCE * max |PyTorch| (f32 outputs)
 
 
+def _randomised(model):
+    """Random BatchNorm statistics (folding them must be right, not merely the
+    identity), and no all-zero head (ViT's starts so: no output to compare)."""
+    import torch
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and not m.weight.any():
+            torch.nn.init.normal_(m.weight, std=0.1)
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
 def _torchvision(name, size, **kwargs):
     def build():
         import torch
@@ -50,17 +68,56 @@ def _torchvision(name, size, **kwargs):
         if builder is None:
             raise Unavailable(f"torchvision {torchvision.__version__} has no {name}")
         torch.manual_seed(0)
-        model = builder(**kwargs)
-        for m in model.modules():  # random statistics: folding them must be right, not merely the identity
-            if isinstance(m, torch.nn.Linear) and not m.weight.any():  # ViT's head starts at zero: no output to compare
-                torch.nn.init.normal_(m.weight, std=0.1)
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.data.uniform_(0.5, 1.5)
-                m.bias.data.uniform_(-0.5, 0.5)
-        return model.eval(), (torch.randn(1, 3, size, size),)
+        return _randomised(builder(**kwargs)), (torch.randn(1, 3, size, size),)
     return build
+
+
+def _small(size, make):
+    """A family's own torchvision classes in a small configuration (fewer
+    blocks, narrower layers): the same module code as the listed variant, at
+    a fraction of its emulated cost. make(torchvision.models) builds it."""
+    def build():
+        import torch
+        try:
+            import torchvision
+        except ImportError:
+            raise Unavailable("torchvision is not installed")
+        torch.manual_seed(0)
+        try:
+            model = make(torchvision.models)
+        except AttributeError as e:  # a class this torchvision lacks
+            raise Unavailable(f"torchvision {torchvision.__version__}: {e}")
+        return _randomised(model), (torch.randn(1, 3, size, size),)
+    return build
+
+
+def _narrow_classifier(model, widths, inputs=None):
+    """The model with the Linear layers of its `classifier` narrowed to
+    `widths` (AlexNet's and VGG's 4096-wide ones hold almost all the work of
+    a small input); the first reads `inputs` features (default: as it did)."""
+    import torch
+    linears = [i for i, m in enumerate(model.classifier) if isinstance(m, torch.nn.Linear)]
+    inputs = inputs or model.classifier[linears[0]].in_features
+    for i, width in zip(linears, widths):
+        model.classifier[i] = torch.nn.Linear(inputs, width)
+        inputs = width
+    return model
+
+
+def _efficientnet(models, v2):
+    e = models.efficientnet
+    if v2:
+        setting = [e.FusedMBConvConfig(1, 3, 1, 16, 16, 1), e.FusedMBConvConfig(4, 3, 2, 16, 24, 1),
+                   e.MBConvConfig(4, 3, 2, 24, 32, 1)]
+    else:
+        setting = [e.MBConvConfig(1, 3, 1, 16, 16, 1), e.MBConvConfig(6, 5, 2, 16, 24, 1)]
+    return models.EfficientNet(setting, dropout=0.2, last_channel=64 if v2 else None, num_classes=10)
+
+
+def _swin(models, v2):
+    s = models.swin_transformer
+    extra = dict(block=s.SwinTransformerBlockV2, downsample_layer=s.PatchMergingV2) if v2 else {}
+    return models.SwinTransformer([4, 4], 16, [2, 1], [2, 2], [4, 4], num_classes=10, **extra)
 
 
 def _transformers(name):
@@ -105,35 +162,67 @@ class Unavailable(Exception):
     """This PyTorch (or its packages) lacks the model."""
 
 
-# (name, family, builder, in CI): the smallest variant of each family.
+# (name, family, builder, ci): the smallest variant of each family. ci: True
+# where CI runs the model itself, or (name, builder) of the small
+# configuration CI runs for its family instead, or None where another model
+# stands for the family.
 MODELS = [
-    ("alexnet", "AlexNet", _torchvision("alexnet", 64), False),
-    ("vgg11_bn", "VGG", _torchvision("vgg11_bn", 32), False),
+    ("alexnet", "AlexNet", _torchvision("alexnet", 64),
+     ("alexnet_ci", _small(64, lambda m: _narrow_classifier(m.AlexNet(num_classes=10), [64, 64, 10])))),
+    ("vgg11_bn", "VGG", _torchvision("vgg11_bn", 32),
+     ("vgg_bn_ci", _small(32, lambda m: _narrow_classifier(
+         m.VGG(m.vgg.make_layers([16, "M", 32, "M", 32, 32, "M", 64, 64, "M", 64, 64, "M"], batch_norm=True)),
+         [64, 64, 10], inputs=64 * 7 * 7)))),
     ("resnet18", "ResNet", _torchvision("resnet18", 32), True),
-    ("resnext50_32x4d", "ResNeXt", _torchvision("resnext50_32x4d", 32), False),
-    ("wide_resnet50_2", "Wide ResNet", _torchvision("wide_resnet50_2", 32), False),
+    ("resnext50_32x4d", "ResNeXt", _torchvision("resnext50_32x4d", 32),
+     ("resnext_ci", _small(32, lambda m: m.ResNet(m.resnet.Bottleneck, [1, 1, 1, 1], groups=32, width_per_group=4,
+                                                  num_classes=10)))),
+    ("wide_resnet50_2", "Wide ResNet", _torchvision("wide_resnet50_2", 32),
+     ("wide_resnet_ci", _small(32, lambda m: m.ResNet(m.resnet.Bottleneck, [1, 1, 1, 1], width_per_group=128,
+                                                      num_classes=10)))),
     ("squeezenet1_0", "SqueezeNet", _torchvision("squeezenet1_0", 64), True),
-    ("densenet121", "DenseNet", _torchvision("densenet121", 32), False),
-    ("googlenet", "GoogLeNet", _torchvision("googlenet", 64, init_weights=True), False),
-    ("inception_v3", "Inception", _torchvision("inception_v3", 75, init_weights=True), False),
+    ("densenet121", "DenseNet", _torchvision("densenet121", 32),
+     ("densenet_ci", _small(32, lambda m: m.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16,
+                                                     bn_size=2, num_classes=10)))),
+    ("googlenet", "GoogLeNet", _torchvision("googlenet", 64, init_weights=True),
+     ("googlenet_ci", _torchvision("googlenet", 32, init_weights=True, aux_logits=False, num_classes=10))),
+    ("inception_v3", "Inception", _torchvision("inception_v3", 75, init_weights=True),
+     ("inception_ci", _torchvision("inception_v3", 75, init_weights=True, aux_logits=False, num_classes=10))),
     ("shufflenet_v2_x0_5", "ShuffleNet", _torchvision("shufflenet_v2_x0_5", 32), True),
-    ("mobilenet_v2", "MobileNet", _torchvision("mobilenet_v2", 32), False),
+    ("mobilenet_v2", "MobileNet", _torchvision("mobilenet_v2", 32), None),
     ("mobilenet_v3_small", "MobileNet", _torchvision("mobilenet_v3_small", 32), True),
     ("mnasnet0_5", "MNASNet", _torchvision("mnasnet0_5", 32), True),
-    ("efficientnet_b0", "EfficientNet", _torchvision("efficientnet_b0", 32), False),
-    ("efficientnet_v2_s", "EfficientNetV2", _torchvision("efficientnet_v2_s", 32), False),
-    ("regnet_x_400mf", "RegNet", _torchvision("regnet_x_400mf", 32), False),
+    ("efficientnet_b0", "EfficientNet", _torchvision("efficientnet_b0", 32),
+     ("efficientnet_ci", _small(32, lambda m: _efficientnet(m, v2=False)))),
+    ("efficientnet_v2_s", "EfficientNetV2", _torchvision("efficientnet_v2_s", 32),
+     ("efficientnet_v2_ci", _small(32, lambda m: _efficientnet(m, v2=True)))),
+    ("regnet_x_400mf", "RegNet", _torchvision("regnet_x_400mf", 32), None),
     ("regnet_y_400mf", "RegNet", _torchvision("regnet_y_400mf", 32), True),
-    ("convnext_tiny", "ConvNeXt", _torchvision("convnext_tiny", 32), False),
-    ("vit_b_16", "ViT", _torchvision("vit_b_16", 32, image_size=32), False),
-    ("swin_t", "Swin", _torchvision("swin_t", 32), False),
-    ("swin_v2_t", "Swin V2", _torchvision("swin_v2_t", 32), False),
-    ("maxvit_t", "MaxViT", _torchvision("maxvit_t", 224), False),
+    ("convnext_tiny", "ConvNeXt", _torchvision("convnext_tiny", 32),
+     ("convnext_ci", _small(32, lambda m: m.ConvNeXt([m.convnext.CNBlockConfig(16, 32, 1),
+                                                      m.convnext.CNBlockConfig(32, None, 1)], num_classes=10)))),
+    ("vit_b_16", "ViT", _torchvision("vit_b_16", 32, image_size=32),
+     ("vit_ci", _small(32, lambda m: m.VisionTransformer(32, 8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                                                         num_classes=10)))),
+    ("swin_t", "Swin", _torchvision("swin_t", 32), ("swin_ci", _small(32, lambda m: _swin(m, v2=False)))),
+    ("swin_v2_t", "Swin V2", _torchvision("swin_v2_t", 32), ("swin_v2_ci", _small(32, lambda m: _swin(m, v2=True)))),
+    ("maxvit_t", "MaxViT", _torchvision("maxvit_t", 224),
+     ("maxvit_ci", _small(64, lambda m: m.MaxVit((64, 64), stem_channels=16, partition_size=4, block_channels=[16, 32],
+                                                 block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0,
+                                                 num_classes=10)))),
     ("gpt2", "GPT-2 (transformers)", _transformers("gpt2"), True),
     ("bert", "BERT (transformers)", _transformers("bert"), True),
     ("llama", "LLaMA (transformers)", _transformers("llama"), True),
     ("t5_encoder", "T5 encoder (transformers)", _transformers("t5"), True),
 ]
+# Every runnable entry, CI's small configurations too: name -> (family, builder).
+RUNNABLE = dict([(m[0], (m[1], m[2])) for m in MODELS] +
+                [(m[3][0], (m[1], m[3][1])) for m in MODELS if isinstance(m[3], tuple)])
+
+
+def ci_names():
+    """One model per family: the listed one where CI runs it, else its family's small configuration."""
+    return [m[0] if m[3] is True else m[3][0] for m in MODELS if m[3] is True or isinstance(m[3], tuple)]
 
 
 def run_one(name, cudagen, work):
@@ -141,11 +230,11 @@ def run_one(name, cudagen, work):
     import numpy as np
     import torch
     import cudagen_torch
-    entry = next(m for m in MODELS if m[0] == name)
-    row = {"model": name, "family": entry[1], "torch": torch.__version__.split("+")[0]}
+    family, builder = RUNNABLE[name]
+    row = {"model": name, "family": family, "torch": torch.__version__.split("+")[0]}
     start = time.time()
     try:
-        model, inputs = entry[2]()
+        model, inputs = builder()
     except Unavailable as e:
         return dict(row, status="n/a", note=str(e), seconds=0.0)
     # The model's own output, eager PyTorch: the reference, independent of how the exporter
@@ -193,13 +282,13 @@ def run_isolated(name, cudagen, timeout):
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)  # the cudagen run it started too
             child.communicate()
-            return {"model": name, "family": dict((m[0], m[1]) for m in MODELS)[name], "status": "FAIL",
+            return {"model": name, "family": RUNNABLE[name][0], "status": "FAIL",
                     "note": f"over the {timeout} s timeout", "seconds": float(timeout)}
         for line in reversed(stdout.splitlines()):
             if line.startswith("{"):
                 return json.loads(line)
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
-        return {"model": name, "family": dict((m[0], m[1]) for m in MODELS)[name], "status": "FAIL",
+        return {"model": name, "family": RUNNABLE[name][0], "status": "FAIL",
                 "note": f"crashed (exit {child.returncode}): {tail}", "seconds": 0.0}
 
 
@@ -262,7 +351,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("cudagen", help="the cudagen binary (build/generator/cudagen)")
-    ap.add_argument("--ci", action="store_true", help="one cheaper model per family, as CI runs")
+    ap.add_argument("--ci", action="store_true", help="one model per family, as CI runs (a small configuration where the listed one is costly)")
     ap.add_argument("--only", help="comma-separated model names (default: the whole list)")
     ap.add_argument("--jobs", type=int, default=2, help="models run at once (each compiles with the host compiler)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds a model may take")
@@ -274,13 +363,13 @@ def main():
     if a.one:
         print(json.dumps(run_one(a.one, cudagen, a.work)))
         return
-    names = [m[0] for m in MODELS if m[3] or not a.ci]
+    names = ci_names() if a.ci else [m[0] for m in MODELS]
     if a.only:
         wanted = a.only.split(",")
-        unknown = sorted(set(wanted) - {m[0] for m in MODELS})
+        unknown = sorted(set(wanted) - set(RUNNABLE))
         if unknown:
-            ap.error(f"no model {', '.join(unknown)} in the list; it has {', '.join(m[0] for m in MODELS)}")
-        names = [n for n in names if n in wanted]
+            ap.error(f"no model {', '.join(unknown)} in the list; it has {', '.join(RUNNABLE)}")
+        names = [n for n in wanted if n in names or not a.ci]
     print(f"{len(names)} models, {a.jobs} at a time, on {sys.executable}", flush=True)
     rows = {}
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:

@@ -342,16 +342,16 @@ TEST(Toolchains, GeneratedCodeIsDeterministicAndStandalone) {
   EXPECT_NE(a.emitted.manifest_json.find("\"arena_bytes\": " + std::to_string(a.plan.arena_bytes)), std::string::npos);
 }
 
-// Every snapshot is a complete translation unit for NVRTC (sm_90) and for nvcc (AOT).
-TEST(Toolchains, EverySnapshotCompilesWithNvrtcAndNvcc) {
+// Every snapshot is a complete translation unit for nvcc (AOT), warnings as
+// errors. (NVRTC compiles each one too, for sm_80 and sm_90, in
+// EveryGeneratedKernelKeepsToRegistersAndItsPlannedSharedMemory below.)
+TEST(Toolchains, EverySnapshotCompilesWithNvcc) {
   std::string dir = (std::filesystem::temp_directory_path() / ("cudagen_snap_" + std::to_string(::getpid()))).string();
   std::filesystem::create_directories(dir);
   int count = 0;
   for (const auto& entry : std::filesystem::directory_iterator(std::string(CUDAGEN_SOURCE_DIR) + "/tests/snapshots")) {
     if (entry.path().extension() != ".cu") continue;
     ++count;
-    std::string source = read_text_file(entry.path().string());
-    EXPECT_NO_THROW(nvrtc_compile(source, entry.path().filename().string(), "sm_90")) << entry.path();
     std::string object = dir + "/" + entry.path().stem().string() + ".o";
     std::string cmd = std::string(CUDAGEN_NVCC) + " -c -arch=sm_90 -Werror all-warnings " + entry.path().string() +
                       " -o " + object + " > " + dir + "/log 2>&1";
