@@ -145,12 +145,15 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
     body += projected.code;
     if (q_computed) load_q = fmt::format("cg_q_rows[row % {} * {} + c]", Tq, D);
   }
+  std::vector<LaunchParam> bias_param;
+  const std::string add_bias = attention_bias(at, Tk, bias_param);
   // A larger block (the megakernel's) has spare warps: they only help stage.
   body += fmt::format(
       "{14}\n"
       "    cg_attention_row([&](int c) {{ return {1}; }},\n"
       "                     [&](int j, int c) {{ return {2}; }},\n"
       "                     [&](int j, int c) {{ return {3}; }},\n"
+      "                     {15},\n"
       "                     [&](int j, float p) {{ {4}; }},\n"
       "                     [&](int c, float o) {{ {5}; }},\n"
       "                     {6}, {7}, {8}, {9}, {10}, {11}, {13} + warp * {12});\n",
@@ -162,7 +165,8 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
       projecting ? fmt::format("  for (cg_i64 row = (cg_i64)tile.x * {1} + warp; warp < {0} && row < ((cg_i64)tile.x + 1) * {1}; "
                                "row += {0})",
                                per_block, Tq)
-                 : fmt::format("  if (warp < {})", per_block));
+                 : fmt::format("  if (warp < {})", per_block),
+      add_bias);
   if (stage) body += "  __syncthreads();  // the staged rows are read before the block's next tile overwrites them\n";
   epilogue_buffer_ = -1;
   std::vector<LaunchParam> launch;
@@ -172,6 +176,7 @@ std::string Emitter::attention(const KernelGroup& k, std::vector<EmittedKernel>&
   if (!q_computed) add("q", q, false);
   if (!k_computed) add("k", kk, false);
   if (!v_computed) add("v", v, false);
+  launch.insert(launch.end(), bias_param.begin(), bias_param.end());
   if (store_probs) add("probs", probs, true);
   if (!contains(k.internal_buffers, out.bound->buffer)) add("out", out, true);
   launch.insert(launch.end(), projected.params.begin(), projected.params.end());
@@ -273,6 +278,35 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
     workspace.push_back(LaunchParam{"cg_lse", "float", -1, nullptr, true, f.lse_offset, f.lse_bytes});
     workspace.push_back(LaunchParam{"cg_saved_o", saved_type, -1, nullptr, true, f.o_offset, f.o_bytes});
   }
+  // A bias on the scores (an attention mask): its element at (head, row, key), broadcast as numpy would.
+  std::string bias_args;
+  std::vector<LaunchParam> bias_param;
+  if (at.bias >= 0) {
+    if (tile.hopper) {
+      fail(ts, "", "internal error: the Hopper flash kernel was chosen for an attention with a bias, which it does not take",
+           "an internal error of cudagen: please report it with the graph");
+      return "";
+    }
+    use_function(softmax, "cg_flash_bias_of");
+    const std::vector<Param> add = params(at.bias);
+    const int scores_out = param(scores, "out").bound->buffer;
+    const Param& bias = param(add, "a").bound->buffer == scores_out ? param(add, "b") : param(add, "a");
+    const Shape& sb = bias.buffer->shape;
+    const Shape& ss = p_.buffers[size_t(scores_out)].shape;
+    const int64_t bias_keys = sb.empty() ? 1 : sb.back(), bias_rows = sb.size() >= 2 ? sb[sb.size() - 2] : 1;
+    const Shape lead_b = sb.size() > 2 ? Shape(sb.begin(), sb.end() - 2) : Shape{};
+    std::vector<std::string> terms;
+    if (numel(lead_b) > 1)
+      terms.push_back(fmt::format("{} * {}", broadcast_index(Shape(ss.begin(), ss.end() - 2), lead_b, "head"),
+                                  bias_rows * bias_keys));
+    if (bias_rows > 1) terms.push_back(fmt::format("row * {}", bias_keys));
+    if (bias_keys > 1) terms.push_back("key");
+    bias_args = fmt::format(",\n      cg_flash_bias_of([&](cg_i64 row, cg_i64 key) {{ return {}; }}), {}",
+                            load_element("bias", bias.buffer->dtype,
+                                         terms.empty() ? std::string("0") : fmt::format("{}", fmt::join(terms, " + "))),
+                            float_literal(arg_double(tp, "scale", 1.0) * 1.4426950408889634));
+    bias_param.push_back(buffer_param("bias", bias, false));
+  }
   const std::string store_out = fmt::format(
       "[&](cg_i64 row, int c, float o) {{ {};{} }}",
       store(out, fmt::format("(head * {} + row) * {} + c", Tq, Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"),
@@ -319,12 +353,13 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
         "      {9}, {10},\n"
         "      {11},\n"
         "      {15},\n"
-        "      ({3}*)cg_smem);\n",
+        "      ({3}*)cg_smem{16});\n",
         tile.describe(), tile.arguments(), causal ? fmt::format("{} - tile.x", m_tiles - 1) : "tile.x", type,
         operand("q", fmt::format("head * {}", Tq * D)), operand("k", fmt::format("kv_head * {}", Tk * D)),
         operand("v", fmt::format("kv_head * {}", Tk * Dv)), Tq, Tk, float_literal(scale_log2), causal ? "true" : "false",
-        store_out, kv_head, call, split, lse_store);
+        store_out, kv_head, call, split, lse_store, bias_args);
     launch = {buffer_param("q", q, false), buffer_param("k", kk, false), buffer_param("v", v, false)};
+    launch.insert(launch.end(), bias_param.begin(), bias_param.end());
   }
   // q, k and v (pointers, or the Hopper kernel's maps), the workspace, the output, the tail's.
   epilogue_buffer_ = -1;
@@ -365,6 +400,9 @@ std::string Emitter::streamed_attention(const KernelGroup& k, const AttentionTas
   const bool store_probs = !contains(k.internal_buffers, probs.bound->buffer);
   const std::string alpha_out = float_arg(tc, "alpha", 1.0);
   const std::string valid = visible_keys(arg_bool(tp, "causal"), Tq, Tk);
+  std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
+                                     buffer_param("v", v, false)};
+  const std::string add_bias = attention_bias(at, Tk, launch);
   std::string body = fmt::format(
       "  CG_DYNAMIC_SMEM(cg_smem);\n"
       "  const unsigned int warp = threadIdx.x / 32;  // one warp per query row\n"
@@ -374,6 +412,7 @@ std::string Emitter::streamed_attention(const KernelGroup& k, const AttentionTas
       "    cg_attention_row_streamed<{4}>([&](int c) {{ return {5}; }},\n"
       "                                  [&](int j, int c) {{ return {6}; }},\n"
       "                                  [&](int j, int c) {{ return {7}; }},\n"
+      "                                  {17},\n"
       "                                  [&](int j, float p) {{ {8}; }},\n"
       "                                  [&](int c, float o) {{ {9}; }},\n"
       "                                  {2}, {10}, {11}, {12}, {13}, {14}, (float*)cg_smem + warp * {10});\n",
@@ -383,10 +422,8 @@ std::string Emitter::streamed_attention(const KernelGroup& k, const AttentionTas
       store_probs ? store_element("probs", probs.buffer->dtype, fmt::format("row * {} + j", Tk), "p")
                   : std::string("(void)j, (void)p"),
       store(out, fmt::format("row * {} + c", Dv), alpha_out == float_literal(1.0) ? "o" : alpha_out + " * o"), D, Dv,
-      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, key_head.index, key_head.note);
+      float_arg(ts, "alpha", 1.0), float_arg(tp, "scale", 1.0), valid, key_head.index, key_head.note, add_bias);
   epilogue_buffer_ = -1;
-  std::vector<LaunchParam> launch = {buffer_param("q", q, false), buffer_param("k", kk, false),
-                                     buffer_param("v", v, false)};
   if (store_probs) launch.push_back(buffer_param("probs", probs, true));
   if (!contains(k.internal_buffers, out.bound->buffer)) launch.push_back(buffer_param("out", out, true));
   launch.insert(launch.end(), tail_params.begin(), tail_params.end());
@@ -823,8 +860,28 @@ std::string Emitter::attention_backward(const KernelGroup& k, std::vector<Emitte
 }
 
 // The kernel's IR stages that compute the attention.
-Emitter::AttentionTasks Emitter::attention_tasks(const KernelGroup& k) {
-  return {kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"), kir::role_task(k.ir, "context")};
+Emitter::AttentionTasks Emitter::attention_tasks(const KernelGroup& k) const {
+  AttentionTasks at{kir::role_task(k.ir, "scores"), kir::role_task(k.ir, "softmax"), kir::role_task(k.ir, "context")};
+  // (fuse.cpp: the bias's add is an epilogue of the scores, which the softmax reads.)
+  if (at.softmax >= 0)
+    for (int t : k.tasks)
+      if (is_op(p_.tasks[size_t(t)], BundledOp::add) &&
+          p_.tasks[size_t(t)].find_tensor("out")->buffer == p_.tasks[size_t(at.softmax)].find_tensor("x")->buffer)
+        at.bias = t;
+  return at;
+}
+
+std::string Emitter::attention_bias(const AttentionTasks& at, int64_t Tk, std::vector<LaunchParam>& launch) {
+  if (at.bias < 0) return "[&](int, float x) { return x; }";
+  const std::vector<Param> add = params(at.bias);
+  const int scores = p_.tasks[size_t(at.scores)].find_tensor("out")->buffer;
+  const Param& bias = param(add, "a").bound->buffer == scores ? param(add, "b") : param(add, "a");
+  const Shape& shape = p_.buffers[size_t(scores)].shape;
+  launch.push_back(buffer_param("bias", bias, false));
+  // (Where the bias's element (row, key) lies: numpy broadcasting against the scores.)
+  return fmt::format("[&](int j, float x) {{ return x + {}; }}",
+                     load_element("bias", bias.buffer->dtype,
+                                  broadcast_index(shape, bias.buffer->shape, fmt::format("(row * {} + j)", Tk))));
 }
 
 // The IR's projection stages: each a matmul, an epilogue perhaps, and the

@@ -179,7 +179,12 @@ class Emitter {
   // Rule attention: the tasks of its stages (kir.h).
   struct AttentionTasks {
     int scores = -1, softmax = -1, context = -1;
+    int bias = -1;  // an add of a bias (an attention mask) to the scores, before the softmax; -1: none
   };
+  // The row kernels' add_bias(j, x) for query row `row` (templates/softmax.cuh):
+  // x plus the bias at (row, key j) where the attention has one, launched
+  // as parameter "bias" (appended to `launch`); x itself where none.
+  std::string attention_bias(const AttentionTasks& at, int64_t Tk, std::vector<LaunchParam>& launch);
 
   // Rule attention_projection (fuse.h): an operand the attention kernel
   // computes itself (a projection stage of its IR): matmul task `matmul`,
@@ -371,7 +376,7 @@ class Emitter {
                                          const Param& dout, const FlashStatistics& f, int64_t heads, int64_t Tq,
                                          int64_t Dv, std::vector<EmittedKernel>& emitted);
   std::string attention_backward(const KernelGroup& k, std::vector<EmittedKernel>& emitted);
-  static AttentionTasks attention_tasks(const KernelGroup& k);
+  AttentionTasks attention_tasks(const KernelGroup& k) const;
   static std::vector<Projection> attention_projections(const KernelGroup& k);
   int source_norm(const KernelGroup& k, int source) const;
   std::vector<AttentionProjectionShared> projection_shared(const KernelGroup& k, const std::vector<Projection>& projections,

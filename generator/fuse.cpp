@@ -209,9 +209,18 @@ class Fuser {
   }
 
   // The task whose value an epilogue chain runs on: the first, or in an
-  // attention kernel the matmul by the values.
-  static int anchor(const KernelGroup& group) {
-    return group.rule == FusionRule::attention ? group.tasks[std::min<size_t>(2, group.tasks.size() - 1)] : group.tasks.front();
+  // attention kernel the matmul by the values (the softmax until it joins).
+  int anchor(const KernelGroup& group) const {
+    if (group.rule != FusionRule::attention) return group.tasks.front();
+    const size_t softmax = attention_softmax_at(group);
+    return group.tasks[std::min(softmax + 1, group.tasks.size() - 1)];
+  }
+  // Where an attention kernel's softmax lies in its tasks: after its scores
+  // (and the add of a bias to them, where there is one).
+  size_t attention_softmax_at(const KernelGroup& group) const {
+    for (size_t i = 0; i < group.tasks.size(); ++i)
+      if (is_op(p_.tasks[size_t(group.tasks[i])], BundledOp::softmax)) return i;
+    return group.tasks.size() - 1;
   }
 
   // Whether every argument of task `t` is a constant (the attention
@@ -224,13 +233,25 @@ class Fuser {
 
   // Rule attention, first step: softmax `t` after the scores matmul
   // alpha * q k^T, each of [..., T, D] with the same leading axes (k's 1
-  // where a group of query heads shares them).
+  // where a group of query heads shares them), or after an add of a bias to
+  // the scores (an attention mask or a position bias: the epilogue of the
+  // scores so far, group [scores, add]), which the row kernels add to each
+  // score as they compute it.
   std::string why_not_attention_softmax(const KernelGroup& group, int t) const {
-    const int scores = group.tasks.front();
+    const int scores = group.tasks.front(), bias = group.tasks.size() == 2 ? group.tasks[1] : -1;
     const std::string& id = p_.tasks[size_t(t)].task->id;
-    if (p_.tasks[size_t(t)].find_tensor("x")->buffer != p_.tasks[size_t(scores)].find_tensor("out")->buffer)
+    const int scores_out = p_.tasks[size_t(scores)].find_tensor("out")->buffer;
+    if (p_.tasks[size_t(t)].find_tensor("x")->buffer != p_.tasks[size_t(bias >= 0 ? bias : scores)].find_tensor("out")->buffer)
       return "it reads nothing the kernel computes";
     if (!rule_on(FusionRule::attention)) return "rule attention is off (--no-fuse-rule)";
+    if (bias >= 0) {
+      const BoundTask& add = p_.tasks[size_t(bias)];
+      if (add.find_tensor("a")->buffer == add.find_tensor("b")->buffer)
+        return fmt::format("'{}' is a reduction op; attention adds a bias to its scores, not the scores to themselves", id);
+      if (slot_buffer(scores, "out").storage != Storage::transient || readers_[size_t(scores_out)].size() != 1)
+        return fmt::format("'{}' is a reduction op; attention keeps the scores before their bias, which are read elsewhere",
+                           id);
+    }
     if (!flag(scores, "trans_b") || flag(scores, "trans_a"))
       return fmt::format("'{}' is a reduction op; attention fuses a softmax after a * b^T only", id);
     const Shape& q = slot_buffer(scores, "a").shape;
@@ -260,7 +281,7 @@ class Fuser {
       const std::vector<int>& readers = readers_[size_t(p_.tasks[size_t(t)].find_tensor("out")->buffer)];
       KernelGroup so_far;
       so_far.rule = FusionRule::attention;
-      so_far.tasks = {scores, t};
+      so_far.tasks = bias >= 0 ? std::vector<int>{scores, bias, t} : std::vector<int>{scores, t};
       std::string reason = readers.empty() ? "nothing reads the probabilities" : why_not_attention_values(so_far, readers.front());
       if (!reason.empty())
         return fmt::format("'{}' is a reduction op; over {} keys an attention kernel must take the values' matmul, and {}",
@@ -277,7 +298,7 @@ class Fuser {
   // values, [..., T, Dv] with the same leading axes.
   std::string why_not_attention_values(const KernelGroup& group, int t) const {
     const BoundTask& bt = p_.tasks[size_t(t)];
-    const int softmax = group.tasks[1];
+    const int softmax = group.tasks.back();
     if (!is_op(bt, BundledOp::matmul) || bt.find_tensor("a")->buffer != p_.tasks[size_t(softmax)].find_tensor("out")->buffer)
       return fmt::format("an attention kernel takes the matmul of its probabilities next, not '{}'", bt.task->id);
     if (flag(t, "trans_a") || flag(t, "trans_b"))
@@ -293,10 +314,11 @@ class Fuser {
   }
 
   std::string why_not_join(const KernelGroup& group, int t) const {
-    if (group.tasks.size() == 1 && is_op(p_.tasks[size_t(group.tasks.front())], BundledOp::matmul) &&
-        is_op(p_.tasks[size_t(t)], BundledOp::softmax))
+    if (is_op(p_.tasks[size_t(t)], BundledOp::softmax) && is_op(p_.tasks[size_t(group.tasks.front())], BundledOp::matmul) &&
+        (group.tasks.size() == 1 || (group.tasks.size() == 2 && is_op(p_.tasks[size_t(group.tasks[1])], BundledOp::add))))
       return why_not_attention_softmax(group, t);
-    if (group.rule == FusionRule::attention && group.tasks.size() == 2) return why_not_attention_values(group, t);
+    if (group.rule == FusionRule::attention && is_op(p_.tasks[size_t(group.tasks.back())], BundledOp::softmax))
+      return why_not_attention_values(group, t);
     const int front = anchor(group);
     const FusionRule rule = group_rule(front);
     if (rule == FusionRule::none) return "the kernel before takes no more tasks: " + chain_gap(p_, front, /*front=*/true);
@@ -317,7 +339,9 @@ class Fuser {
       // reads too, is no value the kernel computes: shares_input below.)
       if (contains(group.tasks, producer) && writes(producer, b.buffer)) {
         // An attention kernel's scores and probabilities live per row, in one warp's shared memory.
-        if (group.rule == FusionRule::attention && (producer == group.tasks[0] || producer == group.tasks[1]))
+        if (group.rule == FusionRule::attention &&
+            std::find(group.tasks.begin(), group.tasks.begin() + attention_softmax_at(group) + 1, producer) !=
+                group.tasks.begin() + attention_softmax_at(group) + 1)
           return fmt::format("it reads '{}', which the attention kernel keeps per row", buffer_name(p_, b.buffer));
         // Another output of a row op (rmsnorm's rstd) is stored by one thread
         // of the row's block: not a value the element's thread holds.
@@ -1149,7 +1173,7 @@ class Fuser {
     std::vector<bool> merged(out_.kernels.size(), false);
     for (size_t at = 0; at < out_.kernels.size(); ++at) {
       if (out_.kernels[at].rule != FusionRule::attention || out_.kernels[at].tasks.size() < 3) continue;
-      const int scores = out_.kernels[at].tasks[0], context = out_.kernels[at].tasks[2];
+      const int scores = out_.kernels[at].tasks[0], context = anchor(out_.kernels[at]);
       ProjectedAttention projected = projected_attention(scores, context);
       std::vector<size_t> producers;
       const std::vector<int> operands = {p_.tasks[size_t(scores)].find_tensor("a")->buffer,

@@ -128,7 +128,8 @@ size_t first_row_reduction(const Program& program, const KernelGroup& k) {
 size_t attention_scores(const Program& program, const KernelGroup& k) {
   if (k.rule != FusionRule::attention) return 0;
   for (size_t i = 1; i < k.tasks.size(); ++i)
-    if (is_op(program.tasks[size_t(k.tasks[i])], BundledOp::softmax)) return i - 1;
+    if (is_op(program.tasks[size_t(k.tasks[i])], BundledOp::softmax))
+      return i >= 2 && is_op(program.tasks[size_t(k.tasks[i - 1])], BundledOp::add) ? i - 2 : i - 1;  // (a bias's add between)
   return 0;
 }
 
@@ -323,6 +324,11 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   };
   if (megakernel) return refuse("a megakernel's tiles share one block size");
   const BoundTask& st = program.tasks[size_t(scores)];
+  // (fuse.cpp's rule attention: an add of a bias between the scores and the softmax.)
+  const bool biased = program.tasks[size_t(softmax)].find_tensor("x")->buffer != st.find_tensor("out")->buffer;
+  if (biased && trained)
+    return refuse("a bias (an attention mask) is added to the scores, which the flash backward kernel does not take "
+                  "yet");
   const BufferInfo& q = program.buffers[size_t(st.find_tensor("a")->buffer)];
   const BufferInfo& k = program.buffers[size_t(st.find_tensor("b")->buffer)];
   const int probs = program.tasks[size_t(softmax)].find_tensor("out")->buffer;
@@ -418,7 +424,8 @@ std::optional<FlashAttentionTile> flash_attention_tile_of(const Program& program
   if (four_bytes && std::max(tile.d, tile.dv) > 64) tile.block_n = 32;
   split_keys(tile, numel(lead_q), Tq, Tk, kFlashBlocksPerSm * device_model(target).sms);
   if (std::string why_not_hopper;
-      !hopper_flash_applies(program, softmax, tile, target, Tq, Tk, numel(lead_q), why_not_hopper)) {
+      biased || !hopper_flash_applies(program, softmax, tile, target, Tq, Tk, numel(lead_q), why_not_hopper)) {
+    if (biased) why_not_hopper = "a bias (an attention mask) is added to the scores, which it does not take yet";
     const std::optional<Arch> arch = parse_arch(target.arch);
     if (arch && arch->has_wgmma()) tile.why_not_hopper = why_not_hopper;
   } else {

@@ -62,8 +62,9 @@ std::string stage_role(const Program& p, const KernelGroup& k, size_t i) {
   const std::string& op = p.tasks[size_t(k.tasks[i])].op->name;
   switch (k.rule) {
     case FusionRule::attention: {
+      // (An add of a bias to the scores is an epilogue of theirs: no stage.)
       const size_t scores = attention_scores(p, k);
-      return i < scores ? "projection" : i == scores ? "scores" : i == scores + 1 ? "softmax" : "context";
+      return i < scores ? "projection" : i == scores ? "scores" : op == "softmax" ? "softmax" : "context";
     }
     case FusionRule::attention_backward: {
       const AttentionGradient g = attention_gradient(p, k);

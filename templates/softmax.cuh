@@ -23,6 +23,7 @@ CG_OP("softmax",
       "variant: cg_flash_attention",
       "variant: cg_flash_attention_split",
       "variant: cg_flash_config",
+      "variant: cg_flash_bias_of",
       "variant: cg_flash_attention_sm90",
       "variant: cg_flash_attention_split_sm90",
       "variant: cg_flash_sm90_config",
@@ -69,15 +70,16 @@ CG_DEVICE void cg_softmax_backward_row(LoadOut out, LoadDout dout, Store store, 
 
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
-// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
-// matmul and the softmax compute it; p = softmax(s), each probability handed
-// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
-// store_out. `scratch` is d + n floats of shared memory that only this warp
+// For each key j < valid: s_j = scale * add_bias(j, alpha * q . k_j), as the
+// scores matmul, an add of a bias to them (an attention mask; where there is
+// none, add_bias returns its x) and the softmax compute it; p = softmax(s),
+// each probability handed to store_p (keys j >= valid get 0); then out[c] =
+// sum_j p_j v_j[c], handed to store_out. `scratch` is d + n floats of shared memory that only this warp
 // uses: the query row, then the scores, which never leave it. Every lane of
 // the warp calls it.
-template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
-CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
-                                float alpha, float scale, int valid, float* scratch) {
+template <typename LoadQ, typename LoadK, typename LoadV, typename AddBias, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, AddBias add_bias, StoreP store_p, StoreOut store_out, int n,
+                                int d, int dv, float alpha, float scale, int valid, float* scratch) {
   const int lane = threadIdx.x & 31;
   float* q_row = scratch;
   float* p = scratch + d;
@@ -87,7 +89,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   for (int j = lane; j < valid; j += 32) {
     float dot = 0.0f;
     for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
-    p[j] = scale * (alpha * dot);
+    p[j] = scale * add_bias(j, alpha * dot);
     row_max = fmaxf(row_max, p[j]);
   }
   row_max = cg_warp_max(row_max);
@@ -119,12 +121,12 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
 // exp(s_j - max) online; the second computes each p_j again, hands it to
 // store_p (keys j >= valid get 0) and adds p_j v_j into the output, whose
 // columns c = lane + 32 i (i < COLS, c < dv) each lane holds in registers.
-// s_j = scale * (alpha * q . k_j), as cg_attention_row. `scratch` is d
+// s_j = scale * add_bias(j, alpha * q . k_j), as cg_attention_row. `scratch` is d
 // floats of shared memory that only this warp uses (the query row). Every
 // lane of the warp calls it.
-template <int COLS, typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
-CG_DEVICE void cg_attention_row_streamed(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d,
-                                         int dv, float alpha, float scale, int valid, float* scratch) {
+template <int COLS, typename LoadQ, typename LoadK, typename LoadV, typename AddBias, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row_streamed(LoadQ q, LoadK k, LoadV v, AddBias add_bias, StoreP store_p, StoreOut store_out,
+                                         int n, int d, int dv, float alpha, float scale, int valid, float* scratch) {
   const int lane = threadIdx.x & 31;
   float* q_row = scratch;
   for (int c = lane; c < d; c += 32) q_row[c] = q(c);
@@ -132,7 +134,7 @@ CG_DEVICE void cg_attention_row_streamed(LoadQ q, LoadK k, LoadV v, StoreP store
   auto score = [&](int j) {
     float dot = 0.0f;
     for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
-    return scale * (alpha * dot);
+    return scale * add_bias(j, alpha * dot);
   };
   float row_max = cg_neg_inf(), sum = 0.0f;  // this lane's keys, online
   for (int j = lane; j < valid; j += 32) {

@@ -134,21 +134,53 @@ CG_DEVICE void cg_flash_p_fragment(unsigned int pa[4], const float (&s)[NT][4], 
   }
 }
 
+// No bias on the scores (the flash kernels' `bias`): nothing is loaded.
+struct cg_flash_no_bias {
+  static constexpr bool PRESENT = false;
+  CG_DEVICE float operator()(cg_i64, cg_i64) const { return 0.0f; }
+};
+
+// A bias added to the scores before the softmax (an attention mask, a
+// position bias): load(row, key) is its element at a query row and a key of
+// the head, in the scores' units (before the softmax's scale).
+template <typename Load>
+struct cg_flash_bias {
+  static constexpr bool PRESENT = true;
+  Load load;
+  CG_DEVICE float operator()(cg_i64 row, cg_i64 key) const { return load(row, key); }
+};
+template <typename Load>
+CG_DEVICE cg_flash_bias<Load> cg_flash_bias_of(Load load) {
+  return cg_flash_bias<Load>{load};
+}
+
 // A warp's scores for a tile of 8 NT keys from key0 (the m16n8 layout: lane
 // (g, t) holds columns 2t and 2t + 1 of rows g and g + 8 of each n8 tile;
 // row0 the thread's first row, warp_row0 the warp's first) scaled to log2
-// units, s scale_log2, and masked to -inf past the last key (Tk) and,
-// causal, past each row's own; only tiles that cross the last key or the
-// warp's diagonal are masked (a branch the whole warp takes alike).
-template <int NT>
+// units, s scale_log2, plus bias(row, key) bias_log2 where the attention has
+// a bias (rows below Tq, keys below Tk: the others are never read), and
+// masked to -inf past the last key (Tk) and, causal, past each row's own;
+// only tiles that cross the last key or the warp's diagonal are masked (a
+// branch the whole warp takes alike).
+template <int NT, typename Bias = cg_flash_no_bias>
 CG_DEVICE void cg_flash_scores_to_log2(float (&s)[NT][4], float scale_log2, cg_i64 key0, cg_i64 Tk, cg_i64 warp_row0,
-                                       cg_i64 row0, bool causal) {
+                                       cg_i64 row0, bool causal, const Bias& bias = Bias(), float bias_log2 = 0.0f,
+                                       cg_i64 Tq = 0) {
   constexpr int BN = 8 * NT;
   const int t = (int)threadIdx.x & 3;
   CG_UNROLL
   for (int j = 0; j < NT; ++j)
     CG_UNROLL
     for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+  if (Bias::PRESENT) {
+    CG_UNROLL
+    for (int j = 0; j < NT; ++j)
+      CG_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const cg_i64 row = row0 + 8 * (e >> 1), key = key0 + 8 * j + 2 * t + (e & 1);
+        if (row < Tq && key < Tk) s[j][e] += bias_log2 * bias(row, key);
+      }
+  }
   if (key0 + BN > Tk || (causal && key0 + BN - 1 > warp_row0)) {
     const int keys_left = (int)(Tk - key0 < BN ? Tk - key0 : BN);
     // Per row, the keys it may see in this tile: below `limit`.
@@ -233,12 +265,13 @@ struct cg_flash_rows {
 // Tk x HEAD_D, v is Tk x HEAD_DV, each row-major and 16-byte aligned (the
 // caller checks; the first element of the head's rows).
 // For each row i and key j < Tk (and j <= i where causal): s_ij = q_i . k_j,
-// and in log2 units scale s_ij log2(e) = s_ij scale_log2. All THREADS threads
-// call it; `smem` has cg_flash_shared<Config, T>::bytes, free again on return.
-template <typename Config, typename T>
+// and in log2 units scale s_ij log2(e) = s_ij scale_log2, plus bias(i, j)
+// bias_log2 where there is a bias (cg_flash_bias). All THREADS threads call
+// it; `smem` has cg_flash_shared<Config, T>::bytes, free again on return.
+template <typename Config, typename T, typename Bias = cg_flash_no_bias>
 CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const T* k, const T* v, cg_i64 Tq, cg_i64 Tk,
                                  cg_i64 tile_m, cg_i64 first_tile, cg_i64 end_tile, float scale_log2, bool causal,
-                                 T* smem) {
+                                 T* smem, const Bias& bias = Bias(), float bias_log2 = 0.0f) {
   constexpr int D = Config::D, DV = Config::DV, BM = Config::BLOCK_M, BN = Config::BLOCK_N, S = Config::STAGES;
   constexpr int NT = BN / 8, OT = DV / 8;  // n8 tiles of a warp's scores, and of its output rows
   // q as the A operand (rows x D); keys as k^T's columns: the tile [BN][D] is
@@ -336,7 +369,7 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
       }
     }
 
-    cg_flash_scores_to_log2(s, scale_log2, n * BN, Tk, m0 + 16 * warp, row0, causal);
+    cg_flash_scores_to_log2(s, scale_log2, n * BN, Tk, m0 + 16 * warp, row0, causal, bias, bias_log2, Tq);
     cg_flash_online_softmax(s, o, row_max, row_sum, true);
 
     // o += p v: the accumulators of s are, rounded to T, the A fragments of
@@ -365,19 +398,20 @@ CG_DEVICE void cg_flash_mainloop(cg_flash_rows<Config>& rows, const T* q, const 
 }
 
 // Attention for query rows [tile_m BLOCK_M, (tile_m + 1) BLOCK_M) of one
-// head over all its keys (cg_flash_mainloop's q, k, v and scale): p_ij =
+// head over all its keys (cg_flash_mainloop's q, k, v, scale and bias): p_ij =
 // exp(scale s_ij) / sum_j exp(scale s_ij), o_i = sum_j p_ij v_j. Each o_i[c]
 // goes to store_out(i, c, value), each row's log-sum-exp of scale s (natural
 // log, what a backward pass recomputes p from) to store_lse(i, value); rows
 // i >= Tq are neither stored nor read past the head. The output tile goes
 // through shared memory so that the stores coalesce.
-template <typename Config, typename T, typename StoreOut, typename StoreLse>
+template <typename Config, typename T, typename StoreOut, typename StoreLse, typename Bias = cg_flash_no_bias>
 CG_DEVICE void cg_flash_attention(const T* q, const T* k, const T* v, cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m,
-                                  float scale_log2, bool causal, StoreOut store_out, StoreLse store_lse, T* smem) {
+                                  float scale_log2, bool causal, StoreOut store_out, StoreLse store_lse, T* smem,
+                                  const Bias& bias = Bias(), float bias_log2 = 0.0f) {
   constexpr int BM = Config::BLOCK_M, DV = Config::DV, OT = DV / 8;
   cg_flash_rows<Config> rows;
   cg_flash_mainloop<Config, T>(rows, q, k, v, Tq, Tk, tile_m, 0, (Tk + Config::BLOCK_N - 1) / Config::BLOCK_N,
-                               scale_log2, causal, smem);
+                               scale_log2, causal, smem, bias, bias_log2);
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const cg_i64 m0 = tile_m * BM;
   // o / l into the staged tile, the log-sum-exp to its store.
@@ -454,15 +488,16 @@ CG_DEVICE void cg_flash_store_partial_rows(float* mine, const float (&o)[DV / 8]
 // row tile combines the splits in split order (deterministic):
 //   m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s o_s 2^(m_s - m) / l,
 // and stores as cg_flash_attention does. splits <= 32.
-template <typename Config, typename T, typename StoreOut, typename StoreLse>
+template <typename Config, typename T, typename StoreOut, typename StoreLse, typename Bias = cg_flash_no_bias>
 CG_DEVICE void cg_flash_attention_split(const T* q, const T* k, const T* v, cg_i64 Tq, cg_i64 Tk, cg_i64 tile_m,
                                         int split, int splits, cg_i64 tiles_per_split, float* partials,
                                         unsigned int* arrivals, float scale_log2, bool causal, StoreOut store_out,
-                                        StoreLse store_lse, T* smem) {
+                                        StoreLse store_lse, T* smem, const Bias& bias = Bias(),
+                                        float bias_log2 = 0.0f) {
   constexpr int BM = Config::BLOCK_M, DV = Config::DV, SPLIT = BM * (DV + 2);
   cg_flash_rows<Config> rows;
   cg_flash_mainloop<Config, T>(rows, q, k, v, Tq, Tk, tile_m, split * tiles_per_split,
-                               (split + 1) * tiles_per_split, scale_log2, causal, smem);
+                               (split + 1) * tiles_per_split, scale_log2, causal, smem, bias, bias_log2);
   const cg_i64 m0 = tile_m * BM;
   // This split's state of the warp's rows (all of them: the combine skips those past Tq).
   cg_flash_store_partial_rows<BM, DV>(partials + (cg_i64)split * SPLIT, rows.o, rows.row_max, rows.row_sum,

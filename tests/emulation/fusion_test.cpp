@@ -7,6 +7,7 @@
 #include <random>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "builder.h"
@@ -222,6 +223,31 @@ TaskGraph attention(DType d, bool causal, bool probabilities_read_later) {
                .arg("causal", causal);
   auto c = b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {B, H, T, Dv}, ext).tensor("out", d, {B, H, T, Dv});
   b.task("merged", "merge_heads").tensor("x", c["out"]).tensor("out", d, {B, T, H * Dv}, ext).arg("heads", H);
+  return std::move(b).graph();
+}
+
+// Attention with a bias added to its scores before the softmax (an
+// attention mask: a padding mask [B, 1, 1, Tk], a [Tq, Tk] window or
+// position bias; scaled_dot_product_attention's float attn_mask), as
+// `mask + scores` where mask_first: softmax(scale (alpha q k^T + mask)) v.
+TaskGraph biased_attention(DType d, int64_t Tq, int64_t Tk, const Shape& mask, bool causal, bool mask_first) {
+  GraphBuilder b(fmt::format("biased_attention_{}_q{}_k{}_mask{}{}{}", to_string(d), Tq, Tk, fmt::join(mask, "x"),
+                             causal ? "_causal" : "", mask_first ? "_first" : ""));
+  const int64_t B = 2, H = 2, D = 16, Dv = 8;
+  auto s = b.task("scores", "matmul")
+               .tensor("a", d, {B, H, Tq, D}, ext)
+               .tensor("b", d, {B, H, Tk, D}, ext)
+               .tensor("out", d, {B, H, Tq, Tk})
+               .arg("trans_b", true)
+               .arg("alpha", 0.5);
+  auto m = b.task("masked", "add");
+  if (mask_first)
+    m.tensor("a", d, mask, ext).tensor("b", s["out"]);
+  else
+    m.tensor("a", s["out"]).tensor("b", d, mask, ext);
+  m.tensor("out", d, {B, H, Tq, Tk});
+  auto p = b.task("probs", "softmax").tensor("x", m["out"]).tensor("out", d, {B, H, Tq, Tk}).arg("scale", 0.7).arg("causal", causal);
+  b.task("context", "matmul").tensor("a", p["out"]).tensor("b", d, {B, H, Tk, Dv}, ext).tensor("out", d, {B, H, Tq, Dv}, ext);
   return std::move(b).graph();
 }
 
@@ -604,6 +630,52 @@ TEST_P(FusedChains, AttentionMatchesTheReferenceFusedAndUnfused) {
       EXPECT_EQ(source.find("cg_stage_rows([&]") != std::string::npos, causal) << "staged only with 8 rows of a head";
       EXPECT_EQ(source.find("cg_store(probs, ") != std::string::npos, read_later) << "stored only where read";
     }
+}
+
+// An add of a bias to the scores joins the attention kernel (rule
+// attention): each kernel adds the bias's element as it computes a score,
+// and neither the scores nor the biased scores reach memory. Masks
+// broadcast every way (per key of a batch, a [Tq, Tk] plane, a whole
+// [B, H, Tq, Tk]), on either side of the add, causal too: in f32 the row
+// kernel, and the streamed one over 1100 keys; in 16-bit types the flash
+// kernel (a partial tile, partial tiles of 65 x 70, split over 1100 keys). On sm_90a the
+// flash kernel's Hopper path, which takes no bias yet, says so.
+TEST_P(FusedChains, BiasedAttentionMatchesTheReferenceFusedAndUnfused) {
+  struct Case {
+    int64_t Tq, Tk;
+    Shape mask;
+    bool causal, mask_first;
+  };
+  const bool flash = GetParam() != DType::f32;
+  for (const Case& c : {Case{9, 9, {2, 1, 1, 9}, false, false}, Case{9, 9, {9, 9}, true, true},
+                        Case{9, 9, {2, 2, 9, 9}, false, true}, Case{65, 70, {2, 1, 1, 70}, false, false},
+                        Case{65, 70, {65, 70}, true, true}}) {
+    const Compiled fused =
+        expect_fused_and_unfused_right(biased_attention(GetParam(), c.Tq, c.Tk, c.mask, c.causal, c.mask_first), 1,
+                                       flash ? "cg_flash_bias_of([&](cg_i64 row, cg_i64 key) { return "
+                                                : "[&](int j, float x) { return x + ");
+    for (const auto& pb : fused.plan.buffers)
+      if (const std::string name = buffer_name(fused.program, pb.buffer); name == "scores.out" || name == "masked.out")
+        EXPECT_TRUE(pb.internal) << name;
+  }
+  // Over 1024 keys. (Fused only: unfused, the emulation would take the scores through the 64 x 64 tile.)
+  const TaskGraph g = biased_attention(GetParam(), 3, 1100, {1, 1, 3, 1100}, false, false);
+  const Compiled fused = compile(load_program(g, {}), fusion(true));
+  ASSERT_EQ(fused.kernels.size(), 1u);
+  EXPECT_NE(fused.emitted.cuda_source.find(flash ? "cg_flash_attention_split<cg_config, " : "cg_attention_row_streamed<1>("),
+            std::string::npos);
+  const uint64_t seed = test_seed();
+  CheckedRun run = run_checked(fused, RunOptions{seed, work_dir(g.name)});
+  EXPECT_TRUE(run.ok()) << "seed " << seed << "\n" << format_run(run);
+  if (flash) {
+    CompileOptions hopper = fusion(true);
+    hopper.emit.arch = "sm_90a";
+    const Compiled on_sm90a = compile(load_program(g, {}), hopper);
+    EXPECT_NE(on_sm90a.emitted.kernels[0].matmul_path.find(
+                  "not on the Hopper path: a bias (an attention mask) is added to the scores"),
+              std::string::npos)
+        << on_sm90a.emitted.kernels[0].matmul_path;
+  }
 }
 
 // The flash kernel, against the float64 reference and the unfused kernels

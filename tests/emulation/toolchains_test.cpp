@@ -764,7 +764,8 @@ TEST(Toolchains, ChannelsLastGradientSassHasAsyncCopiesLdmatrixAndMma) {
 // bf16 heads of 64, causal, f16 heads of 128 (80 KiB of shared memory) over
 // 2048 keys, a decoding step split over its keys, bf16 heads of 256 (q's
 // fragments read from shared memory), and f32 heads of 64 and 128 as TF32
-// (--allow-tf32). On sm_80 and sm_90: both products on tensor cores (HMMA),
+// (--allow-tf32), and bf16 heads of 64 with a padding mask added to the
+// scores. On sm_80 and sm_90: both products on tensor cores (HMMA),
 // fed by ldmatrix (LDSM) from tiles that cp.async (LDGSTS) filled; the
 // exponentials on the special-function unit (MUFU); no local memory,
 // no spills, no stack.
@@ -794,10 +795,17 @@ TEST(Toolchains, FlashAttentionSassHasAsyncCopiesLdmatrixAndMma) {
     auto p = b.task("probs" + n, "softmax").tensor("x", s["out"]).tensor("out", DType::f32, {8, 12, 2048, 2048}).arg("scale", 0.125).arg("causal", true);
     b.task("context" + n, "matmul").tensor("a", p["out"]).tensor("b", DType::f32, {8, 12, 2048, D}, ext).tensor("out", DType::f32, {8, 12, 2048, D}, ext);
   }
+  {  // And bf16 heads of 64 with a padding mask added to the scores (cg_flash_bias_of).
+    auto s = b.task("scores_masked", "matmul").tensor("a", DType::bf16, {8, 12, 512, 64}, ext).tensor("b", DType::bf16, {8, 12, 512, 64}, ext).tensor("out", DType::bf16, {8, 12, 512, 512}).arg("trans_b", true);
+    auto m = b.task("masked", "add").tensor("a", s["out"]).tensor("b", DType::bf16, {8, 1, 1, 512}, ext).tensor("out", DType::bf16, {8, 12, 512, 512});
+    auto p = b.task("probs_masked", "softmax").tensor("x", m["out"]).tensor("out", DType::bf16, {8, 12, 512, 512}).arg("scale", 0.125);
+    b.task("context_masked", "matmul").tensor("a", p["out"]).tensor("b", DType::bf16, {8, 12, 512, 64}, ext).tensor("out", DType::bf16, {8, 12, 512, 64}, ext);
+  }
   CompileOptions tf32;
   tf32.emit.allow_tf32 = true;
   Compiled c = compile(load_program(std::move(b).graph(), {}), tf32);
-  ASSERT_EQ(c.emitted.kernels.size(), 6u);
+  ASSERT_EQ(c.emitted.kernels.size(), 7u);
+  EXPECT_NE(c.emitted.cuda_source.find("cg_flash_bias_of([&](cg_i64 row, cg_i64 key)"), std::string::npos);
   for (const EmittedKernel& k : c.emitted.kernels)
     EXPECT_NE(k.matmul_path.find("flash attention"), std::string::npos) << k.name << ": " << k.matmul_path;
   EXPECT_NE(c.emitted.kernels[2].matmul_path.find("split-KV"), std::string::npos) << c.emitted.kernels[2].matmul_path;

@@ -2066,7 +2066,7 @@ CG_DEVICE void cg_softmax_row(Load load, Store store, int n, float scale, int va
     store(j, j < valid ? expf(scale * load(j) - row_max) * inv_sum : 0.0f);
 }
 
-// templates/softmax.cuh:43
+// templates/softmax.cuh:44
 // The gradient of a row of softmax(scale * x), from its output:
 //   dx[j] = scale * out[j] * (dout[j] - sum_k dout[k] * out[k]).
 template <typename LoadOut, typename LoadDout, typename Store>

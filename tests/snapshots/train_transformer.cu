@@ -806,18 +806,19 @@ CG_DEVICE float cg_rmsnorm_backward_weight_column(LoadX x, LoadDout dout, Rstd r
   return cg_sum_over_warps(sum, scratch);
 }
 
-// templates/softmax.cuh:78
+// templates/softmax.cuh:80
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
-// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
-// matmul and the softmax compute it; p = softmax(s), each probability handed
-// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
-// store_out. `scratch` is d + n floats of shared memory that only this warp
+// For each key j < valid: s_j = scale * add_bias(j, alpha * q . k_j), as the
+// scores matmul, an add of a bias to them (an attention mask; where there is
+// none, add_bias returns its x) and the softmax compute it; p = softmax(s),
+// each probability handed to store_p (keys j >= valid get 0); then out[c] =
+// sum_j p_j v_j[c], handed to store_out. `scratch` is d + n floats of shared memory that only this warp
 // uses: the query row, then the scores, which never leave it. Every lane of
 // the warp calls it.
-template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
-CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
-                                float alpha, float scale, int valid, float* scratch) {
+template <typename LoadQ, typename LoadK, typename LoadV, typename AddBias, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, AddBias add_bias, StoreP store_p, StoreOut store_out, int n,
+                                int d, int dv, float alpha, float scale, int valid, float* scratch) {
   const int lane = threadIdx.x & 31;
   float* q_row = scratch;
   float* p = scratch + d;
@@ -827,7 +828,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   for (int j = lane; j < valid; j += 32) {
     float dot = 0.0f;
     for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
-    p[j] = scale * (alpha * dot);
+    p[j] = scale * add_bias(j, alpha * dot);
     row_max = fmaxf(row_max, p[j]);
   }
   row_max = cg_warp_max(row_max);
@@ -851,7 +852,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:180
+// templates/softmax.cuh:182
 // The gradient of attention for one query row, run by one warp (fusion rule
 // attention_backward: the gradients of scores = alpha q k^T, probs =
 // softmax(scale * scores) and context = alpha_v * probs v in one kernel).
@@ -886,7 +887,7 @@ CG_DEVICE void cg_attention_backward_row(LoadDout dout, LoadP p, LoadV v, LoadK 
   }
 }
 
-// templates/softmax.cuh:205
+// templates/softmax.cuh:207
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
@@ -1397,6 +1398,7 @@ CG_DEVICE void k34_q_tile(float* probs, const float* ln1_x, const float* ln1_wei
     cg_attention_row([&](int c) { return cg_q_rows[row % 8 * 8 + c]; },
                      [&](int j, int c) { return staged_k[j * 8 + c]; },
                      [&](int j, int c) { return staged_v[j * 8 + c]; },
+                     [&](int, float x) { return x; },
                      [&](int j, float p) { cg_store(probs, row * 8 + j, p); },
                      [&](int c, float o) { cg_epilogue(row * 8 + c, o); },
                      8, 8, 8, 1.0f, 0.3535533845424652f, (int)(row % 8 + 1 < 8 ? row % 8 + 1 : 8), (float*)cg_smem + warp * 16);

@@ -672,18 +672,19 @@ CG_DEVICE void cg_rmsnorm_stage_rows(Load load, Weight weight, cg_i64 first, int
   __syncthreads();
 }
 
-// templates/softmax.cuh:78
+// templates/softmax.cuh:80
 // Attention for one query row, run by one warp (fusion rule attention: the
 // scores matmul, this softmax and the matmul by the values in one kernel).
-// For each key j < valid: s_j = scale * (alpha * q . k_j), as the scores
-// matmul and the softmax compute it; p = softmax(s), each probability handed
-// to store_p (keys j >= valid get 0); then out[c] = sum_j p_j v_j[c], handed to
-// store_out. `scratch` is d + n floats of shared memory that only this warp
+// For each key j < valid: s_j = scale * add_bias(j, alpha * q . k_j), as the
+// scores matmul, an add of a bias to them (an attention mask; where there is
+// none, add_bias returns its x) and the softmax compute it; p = softmax(s),
+// each probability handed to store_p (keys j >= valid get 0); then out[c] =
+// sum_j p_j v_j[c], handed to store_out. `scratch` is d + n floats of shared memory that only this warp
 // uses: the query row, then the scores, which never leave it. Every lane of
 // the warp calls it.
-template <typename LoadQ, typename LoadK, typename LoadV, typename StoreP, typename StoreOut>
-CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, StoreOut store_out, int n, int d, int dv,
-                                float alpha, float scale, int valid, float* scratch) {
+template <typename LoadQ, typename LoadK, typename LoadV, typename AddBias, typename StoreP, typename StoreOut>
+CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, AddBias add_bias, StoreP store_p, StoreOut store_out, int n,
+                                int d, int dv, float alpha, float scale, int valid, float* scratch) {
   const int lane = threadIdx.x & 31;
   float* q_row = scratch;
   float* p = scratch + d;
@@ -693,7 +694,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   for (int j = lane; j < valid; j += 32) {
     float dot = 0.0f;
     for (int c = 0; c < d; ++c) dot += q_row[c] * k(j, c);
-    p[j] = scale * (alpha * dot);
+    p[j] = scale * add_bias(j, alpha * dot);
     row_max = fmaxf(row_max, p[j]);
   }
   row_max = cg_warp_max(row_max);
@@ -717,7 +718,7 @@ CG_DEVICE void cg_attention_row(LoadQ q, LoadK k, LoadV v, StoreP store_p, Store
   __syncwarp();  // `scratch` is read before the warp's next row overwrites it
 }
 
-// templates/softmax.cuh:205
+// templates/softmax.cuh:207
 // A rows x width block of a tensor copied into shared memory by every thread
 // of the block (`load(row, column)` reads it): the keys and values that all
 // the query rows of a block read. Every thread calls it.
@@ -905,6 +906,7 @@ CG_DEVICE void k8_q_tile(const float* ln1_x, const float* ln1_weight, const floa
     cg_attention_row([&](int c) { return cg_q_rows[row % 16 * 16 + c]; },
                      [&](int j, int c) { return staged_k[j * 16 + c]; },
                      [&](int j, int c) { return staged_v[j * 16 + c]; },
+                     [&](int, float x) { return x; },
                      [&](int j, float p) { (void)j, (void)p; },
                      [&](int c, float o) { cg_epilogue(row * 16 + c, o); },
                      16, 16, 16, 1.0f, 0.25f, (int)(row % 16 + 1 < 16 ? row % 16 + 1 : 16), (float*)cg_smem + warp * 32);

@@ -350,8 +350,8 @@ class Models(Exported):
         """transformers passes SDPA a mask it builds from the sequence length: a constant one
         that keeps exactly the causal keys is causal attention, one that keeps every key is
         none. A float mask the input decides (a padding mask, a bias) is added to the scores
-        before the softmax (no attention kernel takes it yet); a boolean one is refused,
-        saying what to write instead."""
+        before the softmax, in the attention kernel (each row kernel adds it to its scores); a
+        boolean one is refused, saying what to write instead."""
         for kind, causal in (("additive", True), ("boolean", True), ("keep_all", False), ("from_input", False),
                              ("padding", False)):
             with self.subTest(kind=kind):
@@ -364,6 +364,11 @@ class Models(Exported):
                 # The input's mask is added to the scores: the softmax reads the sum.
                 self.assertEqual(softmax["tensors"]["x"]["from"].split(".")[0].endswith("_masked"),
                                  kind in ("from_input", "padding"), softmax)
+                cu = os.path.join(self.dir, f"{kind}.cu")
+                self.run_cudagen("compile", result.graph_path, "-o", cu)
+                source = read(cu)
+                self.assertIn("cg_attention_row(", source)  # scores, mask, softmax and values: one kernel
+                self.assertEqual("[&](int j, float x) { return x + " in source, kind in ("from_input", "padding"))
         with self.assertRaises(cudagen_torch.ExportError) as caught:
             cudagen_torch.export(models.MaskedAttention("boolean_from_input").eval(), (torch.randn(2, 8, 16),),
                                  tempfile.mkdtemp())

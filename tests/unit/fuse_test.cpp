@@ -93,7 +93,8 @@ TEST(Fusion, MlpBiasAndActivationFollowTheMatmulButNoMatmulFollowsAChain) {
   EXPECT_EQ(c.kernels[0].rule, FusionRule::matmul_epilogue);
   EXPECT_EQ(internal_names(c, c.kernels[0]), (std::vector<std::string>{"fc1.out", "bias1.out"}));
   EXPECT_EQ(reason_for(c, "fc2"), "'fc2' is a matmul op; 'act1' is not chained to it: rule matmul_chain is off (--no-fuse-rule)");
-  EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op");
+  // (A softmax after a matmul and an add is weighed as an attention's, the add a bias of its scores.)
+  EXPECT_EQ(reason_for(c, "probs"), "'probs' is a reduction op; attention fuses a softmax after a * b^T only");
 }
 
 // Rule matmul_chain: the MLP's two layers are one kernel, the hidden
