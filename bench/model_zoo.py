@@ -29,8 +29,10 @@ side, one line a model, as docs/torch-frontend.md carries it (--markdown FILE).
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -272,24 +274,66 @@ def run_one(name, cudagen, work):
     return dict(row, status="pass", note="")
 
 
-def run_isolated(name, cudagen, timeout):
-    """run_one in a child process: a crash, a hang or a model's memory stays there."""
-    with tempfile.TemporaryDirectory(prefix=f"zoo_{name}_") as work:
-        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), cudagen, "--one", name, "--work", work],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            stdout, stderr = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # the cudagen run it started too
-            child.communicate()
-            return {"model": name, "family": RUNNABLE[name][0], "status": "FAIL",
-                    "note": f"over the {timeout} s timeout", "seconds": float(timeout)}
-        for line in reversed(stdout.splitlines()):
-            if line.startswith("{"):
-                return json.loads(line)
-        tail = (stderr.strip().splitlines() or ["no output"])[-1]
-        return {"model": name, "family": RUNNABLE[name][0], "status": "FAIL",
-                "note": f"crashed (exit {child.returncode}): {tail}", "seconds": 0.0}
+class Worker:
+    """A child process that runs models one after another (run_one; `--serve`),
+    so that PyTorch is imported once a worker, not once a model (6 s of CPU on
+    2.6). A crash, a hang (past the timeout) or a failure ends the child, and
+    the next model starts a fresh one: what went wrong stays there. The child's
+    stdout carries only its rows; everything else it prints goes to stderr, a
+    file whose last line reports a crash."""
+
+    def __init__(self, cudagen):
+        self.cudagen, self.child, self.stderr = cudagen, None, None
+
+    def stop(self):
+        if self.child is not None:
+            try:
+                os.killpg(self.child.pid, signal.SIGKILL)  # the cudagen run it started too
+            except ProcessLookupError:
+                pass
+            self.child.wait()
+            self.child = None
+
+    def run(self, name, timeout):
+        if self.child is None:
+            self.stderr = tempfile.TemporaryFile(mode="w+")
+            self.child = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.cudagen, "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                          start_new_session=True)
+        fail = lambda note, seconds: {"model": name, "family": RUNNABLE[name][0], "status": "FAIL", "note": note,
+                                      "seconds": seconds}
+        with tempfile.TemporaryDirectory(prefix=f"zoo_{name}_") as work:
+            try:
+                self.child.stdin.write(json.dumps([name, work]) + "\n")
+                self.child.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died: the read below sees the end of its output
+            ready, _, _ = select.select([self.child.stdout], [], [], timeout)
+            line = self.child.stdout.readline() if ready else None
+            if line is None:
+                self.stop()
+                return fail(f"over the {timeout} s timeout", float(timeout))
+            if not line.startswith("{"):
+                self.stop()
+                self.stderr.seek(0)
+                tail = (self.stderr.read().strip().splitlines() or ["no output"])[-1]
+                return fail(f"crashed: {tail}", 0.0)
+            row = json.loads(line)
+            if row["status"] == "FAIL":
+                self.stop()
+            return row
+
+
+def serve(cudagen):
+    """--serve: run_one for each [name, work] line of stdin, a JSON row a line
+    on stdout (the only thing written there: print goes to stderr)."""
+    rows = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        name, work = json.loads(line)
+        rows.write(json.dumps(run_one(name, cudagen, work)) + "\n")
+        rows.flush()
 
 
 def table(rows):
@@ -356,12 +400,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=2, help="models run at once (each compiles with the host compiler)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds a model may take")
     ap.add_argument("--json", metavar="FILE", help="also write the rows (for --combine)")
-    ap.add_argument("--one", help=argparse.SUPPRESS)
-    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cudagen = os.path.abspath(a.cudagen)
-    if a.one:
-        print(json.dumps(run_one(a.one, cudagen, a.work)))
+    if a.serve:
+        serve(cudagen)
         return
     names = ci_names() if a.ci else [m[0] for m in MODELS]
     if a.only:
@@ -372,10 +415,22 @@ def main():
         names = [n for n in wanted if n in names or not a.ci]
     print(f"{len(names)} models, {a.jobs} at a time, on {sys.executable}", flush=True)
     rows = {}
-    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        for r in pool.map(lambda n: run_isolated(n, cudagen, a.timeout), names):
-            rows[r["model"]] = r
-            print(f"  {r['model']:<20} {r['status']:<5} {r.get('seconds', 0):6.0f} s  {r.get('note', '')}", flush=True)
+    local, workers = threading.local(), []  # a worker process per thread of the pool
+
+    def run(name):
+        if not hasattr(local, "worker"):
+            local.worker = Worker(cudagen)
+            workers.append(local.worker)
+        return local.worker.run(name, a.timeout)
+
+    try:
+        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+            for r in pool.map(run, names):
+                rows[r["model"]] = r
+                print(f"  {r['model']:<20} {r['status']:<5} {r.get('seconds', 0):6.0f} s  {r.get('note', '')}", flush=True)
+    finally:
+        for worker in workers:
+            worker.stop()
     ordered = [rows[n] for n in names]
     print(table(ordered))
     passed = sum(r["status"] == "pass" for r in ordered)
