@@ -288,11 +288,9 @@ std::string Emitter::flash_attention(const KernelGroup& k, const AttentionTasks&
       return "";
     }
     use_function(softmax, "cg_flash_bias_of");
-    const std::vector<Param> add = params(at.bias);
-    const int scores_out = param(scores, "out").bound->buffer;
-    const Param& bias = param(add, "a").bound->buffer == scores_out ? param(add, "b") : param(add, "a");
+    const Param bias = attention_bias_operand(at);
     const Shape& sb = bias.buffer->shape;
-    const Shape& ss = p_.buffers[size_t(scores_out)].shape;
+    const Shape& ss = param(scores, "out").buffer->shape;
     const int64_t bias_keys = sb.empty() ? 1 : sb.back(), bias_rows = sb.size() >= 2 ? sb[sb.size() - 2] : 1;
     const Shape lead_b = sb.size() > 2 ? Shape(sb.begin(), sb.end() - 2) : Shape{};
     std::vector<std::string> terms;
@@ -871,12 +869,16 @@ Emitter::AttentionTasks Emitter::attention_tasks(const KernelGroup& k) const {
   return at;
 }
 
-std::string Emitter::attention_bias(const AttentionTasks& at, int64_t Tk, std::vector<LaunchParam>& launch) {
-  if (at.bias < 0) return "[&](int, float x) { return x; }";
+Param Emitter::attention_bias_operand(const AttentionTasks& at) {
   const std::vector<Param> add = params(at.bias);
   const int scores = p_.tasks[size_t(at.scores)].find_tensor("out")->buffer;
-  const Param& bias = param(add, "a").bound->buffer == scores ? param(add, "b") : param(add, "a");
-  const Shape& shape = p_.buffers[size_t(scores)].shape;
+  return param(add, "a").bound->buffer == scores ? param(add, "b") : param(add, "a");
+}
+
+std::string Emitter::attention_bias(const AttentionTasks& at, int64_t Tk, std::vector<LaunchParam>& launch) {
+  if (at.bias < 0) return "[&](int, float x) { return x; }";
+  const Param bias = attention_bias_operand(at);
+  const Shape& shape = p_.buffers[size_t(p_.tasks[size_t(at.scores)].find_tensor("out")->buffer)].shape;
   launch.push_back(buffer_param("bias", bias, false));
   // (Where the bias's element (row, key) lies: numpy broadcasting against the scores.)
   return fmt::format("[&](int j, float x) {{ return x + {}; }}",

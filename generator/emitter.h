@@ -185,6 +185,8 @@ class Emitter {
   // x plus the bias at (row, key j) where the attention has one, launched
   // as parameter "bias" (appended to `launch`); x itself where none.
   std::string attention_bias(const AttentionTasks& at, int64_t Tk, std::vector<LaunchParam>& launch);
+  // The operand an attention's bias add adds to the scores (at.bias >= 0).
+  Param attention_bias_operand(const AttentionTasks& at);
 
   // Rule attention_projection (fuse.h): an operand the attention kernel
   // computes itself (a projection stage of its IR): matmul task `matmul`,

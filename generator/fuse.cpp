@@ -339,9 +339,8 @@ class Fuser {
       // reads too, is no value the kernel computes: shares_input below.)
       if (contains(group.tasks, producer) && writes(producer, b.buffer)) {
         // An attention kernel's scores and probabilities live per row, in one warp's shared memory.
-        if (group.rule == FusionRule::attention &&
-            std::find(group.tasks.begin(), group.tasks.begin() + attention_softmax_at(group) + 1, producer) !=
-                group.tasks.begin() + attention_softmax_at(group) + 1)
+        if (const auto kept_per_row = group.tasks.begin() + attention_softmax_at(group) + 1;
+            group.rule == FusionRule::attention && std::find(group.tasks.begin(), kept_per_row, producer) != kept_per_row)
           return fmt::format("it reads '{}', which the attention kernel keeps per row", buffer_name(p_, b.buffer));
         // Another output of a row op (rmsnorm's rstd) is stored by one thread
         // of the row's block: not a value the element's thread holds.
